@@ -1,0 +1,3 @@
+from prorl_cli.cli import main
+
+main()

@@ -1,0 +1,44 @@
+"""``prorl``: the command line. Heavy imports happen inside the commands that need them."""
+
+from __future__ import annotations
+
+import click
+
+from prorl_cli import __version__
+from prorl_cli.cli.application import App
+from prorl_cli.cli.backends import backends
+from prorl_cli.cli.config import config
+from prorl_cli.cli.dev import dev
+from prorl_cli.cli.images import build_images, images
+from prorl_cli.cli.jobs import cancel, status, stop, submit
+from prorl_cli.cli.launch import down, launch
+from prorl_cli.cli.quickstart import quickstart
+from prorl_cli.cli.serve import serve
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="prorl")
+@click.option("--config", "config_path", metavar="FILE", envvar="PRORL_CONFIG", help="prorl.yaml to read (default: ./prorl.yaml).")
+@click.option("-d", "--deployment", metavar="NAME", help="Deployment name (the rendezvous folder under PRORL_HOME).")
+@click.option("--home", metavar="DIR", help="PRORL_HOME: where deployments keep rendezvous files and run dirs.")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.pass_context
+def cli(ctx: click.Context, config_path: str | None, deployment: str | None, home: str | None, log_level: str | None) -> None:
+    """prorl: multi-turn LLM-agent rollouts as a service for RL training on Slurm.
+
+    \b
+    Login node:   prorl build-images, prorl launch / down
+    Allocations:  prorl serve broker | node | inference
+    Trainer:      prorl submit, status, cancel, backends, stop
+    One machine:  prorl quickstart
+    """
+    overrides = {"deployment": deployment, "home": home, "log_level": log_level}
+    ctx.obj = App(config_path, {k: v for k, v in overrides.items() if v is not None})
+
+
+for command in (serve, submit, status, cancel, stop, backends, config, quickstart, build_images, images, dev, launch, down):
+    cli.add_command(command)
+
+
+def main() -> None:
+    cli(prog_name="prorl")

@@ -1,0 +1,61 @@
+"""The one application object carried in the click context."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from prorl_cli.config import ProrlConfig
+
+
+class App:
+    """Carries the rich console and the effective configuration (loaded on first use)."""
+
+    def __init__(self, config_path: str | None, overrides: dict[str, Any]) -> None:
+        self.console = Console(highlight=False)
+        self.err_console = Console(stderr=True, highlight=False)
+        self.config_path = config_path
+        self.overrides = overrides
+        self._config: ProrlConfig | None = None
+
+    @property
+    def config(self) -> ProrlConfig:
+        if self._config is None:
+            from prorl_cli.config import load_config
+            from prorl_cli.exceptions import ConfigError
+
+            try:
+                self._config = load_config(self.config_path, self.overrides)
+            except ConfigError as e:
+                self.abort(f"config error: {e}")
+        return self._config
+
+    def override(self, **dotted: Any) -> None:
+        """Apply command-specific flags (dotted keys, ``None`` ignored) before first use."""
+        self.overrides.update({k.replace("__", "."): v for k, v in dotted.items() if v is not None})
+        self._config = None
+
+    def setup_logging(self, name: str) -> None:
+        level = self.config.log_level.upper()
+        logging.basicConfig(
+            level=getattr(logging, level, logging.INFO),
+            format=f"%(asctime)s {name}[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
+        )
+
+    def abort(self, message: str, code: int = 1) -> NoReturn:
+        self.err_console.print(f"[bold red]error:[/] {message}")
+        raise click.exceptions.Exit(code)
+
+
+pass_app = click.make_pass_decorator(App)
+
+
+def not_implemented(what: str, issue: str) -> NoReturn:
+    """Exit non-zero for a command a later milestone implements; never pretend to work."""
+    click.echo(f"prorl {what}: not implemented yet ({issue})", err=True)
+    raise click.exceptions.Exit(2)

@@ -1,0 +1,265 @@
+"""prorl.yaml: one schema with defaults, validated on load.
+
+Errors name the file and the dotted key (``prorl.yaml: node.n_run: expected
+int, got str 'eight'``). CLI flags override file values through
+:func:`apply_overrides`. Sections owned by the sandbox, inference and image
+subsystems live in their packages' ``settings`` modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prorl_cli.exceptions import ConfigError
+from prorl_cli.images.settings import ImagesConfig
+from prorl_cli.inference.settings import InferenceConfig
+from prorl_cli.sandbox.settings import SandboxConfig
+
+# Environment variables prorl reads, named once.
+ENV_HOME = "PRORL_HOME"
+ENV_CONFIG = "PRORL_CONFIG"
+ENV_DEPLOYMENT = "PRORL_DEPLOYMENT"
+ENV_LOG_LEVEL = "PRORL_LOG_LEVEL"
+ENV_REQUIRE_ALL = "PRORL_REQUIRE_ALL"
+
+DEFAULT_CONFIG_NAME = "prorl.yaml"
+
+
+@dataclass
+class BrokerConfig:
+    """The ZeroMQ broker."""
+
+    bind_host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port, written to the rendezvous file
+    heartbeat_interval_s: float = 1.0
+    heartbeat_liveness: int = 3
+    max_message_bytes: int = 64 * 1024 * 1024
+    result_retention: int = 100_000  # finished results kept for late watchers
+
+
+@dataclass
+class NodeConfig:
+    """A node server: three stage pools and its handlers."""
+
+    n_init: int = 8
+    n_run: int = 32
+    n_eval: int = 8
+    credit: int = 0  # jobs held at once; 0 means n_init + n_run + n_eval
+    handler_paths: list[str] = field(default_factory=list)  # extra dirs/files with handlers
+    tasks: list[str] = field(default_factory=list)  # serve only these; empty: all found
+    stop_grace_s: float = 5.0
+
+
+@dataclass
+class JobsConfig:
+    """Defaults for jobs that do not say otherwise."""
+
+    timeout_s: float = 3600.0
+    init_timeout_s: float | None = None
+    run_timeout_s: float | None = None
+    eval_timeout_s: float | None = None
+    max_attempts: int = 3
+
+
+@dataclass
+class ProrlConfig:
+    """The whole effective configuration."""
+
+    deployment: str = "default"
+    home: str = "~/.prorl"
+    log_level: str = "INFO"
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
+
+    @property
+    def home_path(self) -> Path:
+        return Path(os.path.expandvars(os.path.expanduser(self.home)))
+
+    @property
+    def deployment_dir(self) -> Path:
+        return self.home_path / self.deployment
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is not None:
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{where}: expected null, got {value!r}")
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{where}: expected one of {list(typing.get_args(tp))}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        key_tp, val_tp = typing.get_args(tp) or (Any, Any)
+        return {_coerce(k, key_tp, f"{where}"): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls: Any, data: Any, where: str) -> Any:
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    obj = cls(**kwargs)
+    check = getattr(obj, "validate", None)
+    if callable(check):
+        check(where)
+    return obj
+
+
+def _validate(cfg: ProrlConfig, origin: str) -> None:
+    for name in ("n_init", "n_run", "n_eval"):
+        if getattr(cfg.node, name) < 1:
+            raise ConfigError(f"{origin}: node.{name}: must be at least 1, got {getattr(cfg.node, name)}")
+    if cfg.node.credit < 0:
+        raise ConfigError(f"{origin}: node.credit: must be 0 (automatic) or positive")
+    if cfg.broker.heartbeat_interval_s <= 0:
+        raise ConfigError(f"{origin}: broker.heartbeat_interval_s: must be positive")
+    if cfg.broker.heartbeat_liveness < 1:
+        raise ConfigError(f"{origin}: broker.heartbeat_liveness: must be at least 1")
+    if not 0 <= cfg.broker.port < 65536:
+        raise ConfigError(f"{origin}: broker.port: must be 0..65535, got {cfg.broker.port}")
+    if cfg.jobs.timeout_s <= 0:
+        raise ConfigError(f"{origin}: jobs.timeout_s: must be positive")
+    if not cfg.deployment or "/" in cfg.deployment or cfg.deployment.startswith("."):
+        raise ConfigError(f"{origin}: deployment: {cfg.deployment!r} is not a valid deployment name")
+
+
+def config_from_dict(data: Any, origin: str = "<config>") -> ProrlConfig:
+    """Build and validate a :class:`ProrlConfig`; errors are prefixed with ``origin``."""
+    try:
+        cfg = _build(ProrlConfig, data, "")
+    except ConfigError as e:
+        raise ConfigError(f"{origin}: {e}") from None
+    _validate(cfg, origin)
+    return cfg
+
+
+def find_config_file(explicit: str | os.PathLike[str] | None = None) -> Path | None:
+    """The config file to read: the explicit path, ``$PRORL_CONFIG``, or ``./prorl.yaml``."""
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        return path
+    env = os.environ.get(ENV_CONFIG)
+    if env:
+        path = Path(env)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found (from ${ENV_CONFIG})")
+        return path
+    local = Path(DEFAULT_CONFIG_NAME)
+    return local if local.is_file() else None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
+) -> ProrlConfig:
+    """Read, merge and validate the effective configuration.
+
+    Order: defaults < file < environment (``PRORL_HOME``, ``PRORL_DEPLOYMENT``,
+    ``PRORL_LOG_LEVEL``) < ``overrides`` (dotted keys, from CLI flags).
+    """
+    file = find_config_file(path)
+    data: dict[str, Any] = {}
+    origin = str(file) if file else "<defaults>"
+    if file is not None:
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{file}: not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{file}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    env_map = {ENV_HOME: "home", ENV_DEPLOYMENT: "deployment", ENV_LOG_LEVEL: "log_level"}
+    merged = {k: v for k, v in env_map.items() if os.environ.get(k)}
+    all_overrides = {v: os.environ[k] for k, v in merged.items()}
+    all_overrides.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    data = apply_overrides(data, all_overrides)
+    return config_from_dict(data, origin)
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Return a copy of ``data`` with dotted keys (``node.n_run``) set."""
+    out = _deep_copy(data)
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        cur = out
+        for p in parts[:-1]:
+            nxt = cur.get(p)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                cur[p] = nxt
+            cur = nxt
+        cur[parts[-1]] = value
+    return out
+
+
+def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def dump_config(cfg: ProrlConfig) -> str:
+    """The effective configuration as YAML (what ``prorl config show`` prints)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

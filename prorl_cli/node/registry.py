@@ -1,0 +1,131 @@
+"""Handler discovery: the shipped ``handlers/`` folder, extra paths, and entry points.
+
+Handlers are :class:`~prorl_cli.node.handler.AgentHandler` subclasses with a
+non-empty ``name``. Sources, in order: prorl's own ``handlers/`` folder, the
+folders or files in ``node.handler_paths``, and the ``prorl.handlers``
+entry-point group (each entry point names a handler class or a module).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from types import ModuleType
+
+from prorl_cli.exceptions import HandlerError, UnknownTask
+from prorl_cli.node.handler import AgentHandler
+from prorl_cli.resources import data_dir
+
+log = logging.getLogger(__name__)
+ENTRY_POINT_GROUP = "prorl.handlers"
+
+
+@dataclass
+class HandlerRegistry:
+    """Handler classes by task name, plus the load errors met on the way."""
+
+    handlers: dict[str, type[AgentHandler]] = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, cls: type[AgentHandler], origin: str) -> None:
+        if not cls.name:
+            raise HandlerError(f"{origin}: handler class {cls.__name__} has no name")
+        if cls.name in self.handlers and self.handlers[cls.name] is not cls:
+            raise HandlerError(
+                f"task {cls.name!r} is defined twice: in {self.origins[cls.name]} and in {origin}"
+            )
+        self.handlers[cls.name] = cls
+        self.origins[cls.name] = origin
+
+    def get(self, task: str) -> type[AgentHandler]:
+        try:
+            return self.handlers[task]
+        except KeyError:
+            raise UnknownTask(f"unknown task {task!r}; this node serves {sorted(self.handlers)}") from None
+
+    @property
+    def tasks(self) -> list[str]:
+        return sorted(self.handlers)
+
+
+def _handler_classes(module: ModuleType) -> list[type[AgentHandler]]:
+    return [
+        obj
+        for _, obj in inspect.getmembers(module, inspect.isclass)
+        if issubclass(obj, AgentHandler)
+        and obj is not AgentHandler
+        and obj.name
+        and not inspect.isabstract(obj)
+        and obj.__module__ == module.__name__
+    ]
+
+
+def _import_file(path: Path) -> ModuleType:
+    name = f"prorl_handlers.{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise HandlerError(f"{path}: cannot be imported as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a plugin may raise anything at import; report it by file
+        sys.modules.pop(name, None)
+        raise HandlerError(f"{path}: import failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.glob("*.py") if not p.name.startswith("_"))
+    raise HandlerError(f"{path}: handler path does not exist")
+
+
+def discover(extra_paths: list[str] | None = None, only: list[str] | None = None) -> HandlerRegistry:
+    """Find every handler. A module that fails to import is recorded in ``errors`` and skipped."""
+    reg = HandlerRegistry()
+    paths = [data_dir("handlers"), *(Path(p).expanduser() for p in (extra_paths or []))]
+    for root in paths:
+        try:
+            files = _files(root)
+        except HandlerError as e:
+            reg.errors.append(str(e))
+            continue
+        for file in files:
+            try:
+                module = _import_file(file)
+                for cls in _handler_classes(module):
+                    reg.add(cls, str(file))
+            except HandlerError as e:
+                log.error("%s", e)
+                reg.errors.append(str(e))
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+        except Exception as e:  # third-party code: report which entry point broke
+            reg.errors.append(f"entry point {ep.name!r} ({ep.value}): {type(e).__name__}: {e}")
+            continue
+        classes = _handler_classes(obj) if inspect.ismodule(obj) else [obj]
+        for cls in classes:
+            if not (inspect.isclass(cls) and issubclass(cls, AgentHandler)):
+                reg.errors.append(f"entry point {ep.name!r} ({ep.value}) is not an AgentHandler")
+                continue
+            try:
+                reg.add(cls, f"entry point {ep.name}")
+            except HandlerError as e:
+                reg.errors.append(str(e))
+    if only:
+        missing = sorted(set(only) - set(reg.handlers))
+        if missing:
+            raise HandlerError(f"node.tasks names unknown task(s) {missing}; found {reg.tasks}")
+        reg.handlers = {k: v for k, v in reg.handlers.items() if k in only}
+    return reg
