@@ -66,6 +66,7 @@ class Op(str, enum.Enum):
     # node -> broker
     REGISTER = "register"  # NodeHello fields
     HEARTBEAT = "heartbeat"  # node/bridge: stats; broker -> peer: liveness only
+    UNREGISTER = "unregister"  # node/bridge leaving for good (jobs/requests it held fail over)
     JOB_STAGE = "job_stage"  # updates=[{job_id, attempt, stage}]
     JOB_DONE = "job_done"  # jobs=[{job_id, attempt, state}], payload: one JobResult per job
     GENERATE = "generate"  # job_id, sampling; payload: [prompt int32]. Also broker -> bridge.
@@ -171,6 +172,7 @@ OP_FIELDS: dict[Op, dict[str, type | tuple[type, ...]]] = {
     Op.PING: {"rid": _ANY_ID},
     Op.REGISTER: {"rid": _ANY_ID, "node_id": str, "host": str, "credit": int, "tasks": list},
     Op.HEARTBEAT: {},
+    Op.UNREGISTER: {},
     Op.JOB_STAGE: {"updates": list},
     Op.JOB_DONE: {"jobs": list},
     Op.GENERATE: {"rid": _ANY_ID, "job_id": str},
