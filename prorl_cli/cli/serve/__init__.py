@@ -1,15 +1,71 @@
-"""``prorl serve``: the long-running servers."""
+"""``prorl serve``: the long-running servers, in the foreground."""
 
 from __future__ import annotations
 
 import click
 
+from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.serve.inference import serve_inference
 
 
 @click.group()
 def serve() -> None:
     """Run a broker, a node server or an inference bridge in the foreground."""
+
+
+@serve.command("broker")
+@click.option("--bind-host", metavar="HOST", help="Interface to listen on (default 127.0.0.1; 0.0.0.0 for a cluster).")
+@click.option("--port", type=int, help="TCP port (default: a free one, published in the rendezvous file).")
+@pass_app
+def serve_broker(app: App, bind_host: str | None, port: int | None) -> None:
+    """Run the deployment's ZeroMQ broker and write its rendezvous file."""
+    app.override(broker__bind_host=bind_host, broker__port=port)
+    app.setup_logging("broker")
+    from prorl_cli.broker.server import Broker
+
+    broker = Broker(app.config)
+    app.err_console.print(f"broker of [bold]{app.config.deployment}[/] on {broker.address}")
+    broker.serve_forever()
+
+
+@serve.command("node")
+@click.option("--node-id", metavar="ID", help="Name of this node (default: HOST-PID; Slurm arrays pass the task id).")
+@click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: read the rendezvous file).")
+@click.option("--n-init", type=int, help="INIT pool size.")
+@click.option("--n-run", type=int, help="RUN pool size.")
+@click.option("--n-eval", type=int, help="EVAL pool size.")
+@click.option("--credit", type=int, help="Jobs held at once (default: the sum of the pools).")
+@click.option("--handlers", "handler_paths", multiple=True, metavar="PATH", help="Extra handler file or folder (repeatable).")
+@click.option("--task", "tasks", multiple=True, metavar="NAME", help="Serve only this task (repeatable).")
+@pass_app
+def serve_node(
+    app: App,
+    node_id: str | None,
+    address: str | None,
+    n_init: int | None,
+    n_run: int | None,
+    n_eval: int | None,
+    credit: int | None,
+    handler_paths: tuple[str, ...],
+    tasks: tuple[str, ...],
+) -> None:
+    """Run a node server: INIT/RUN/EVAL pools and sandboxes for one machine."""
+    app.override(
+        node__n_init=n_init,
+        node__n_run=n_run,
+        node__n_eval=n_eval,
+        node__credit=credit,
+        node__handler_paths=list(handler_paths) or None,
+        node__tasks=list(tasks) or None,
+    )
+    app.setup_logging("node")
+    from prorl_cli.exceptions import ProrlError
+    from prorl_cli.node.server import run_node
+
+    try:
+        run_node(app.config, node_id=node_id, address=address)
+    except ProrlError as e:
+        app.abort(str(e))
 
 
 serve.add_command(serve_inference)

@@ -1,0 +1,729 @@
+"""The broker: one ZeroMQ ROUTER socket, one poll loop, no threads.
+
+It holds the job table, places queued jobs on nodes with free credit, routes
+generate calls to inference backends (sticky per job), pushes results to the
+clients that watch them, and keeps every peer's liveness with heartbeats.
+Bad frames are logged and answered with an error; they never stop the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+import zmq
+
+from prorl_cli import protocol as P
+from prorl_cli.broker.state import Backend, HeldGenerate, Job, Node, PendingGenerate, TaskQueues
+from prorl_cli.config import ProrlConfig
+from prorl_cli.exceptions import ProtocolError
+from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, JobState, Op
+from prorl_cli.rendezvous import Rendezvous, remove_rendezvous, write_rendezvous
+
+log = logging.getLogger(__name__)
+
+# How many messages one loop turn reads before flushing batched output.
+_MAX_BATCH = 2000
+
+
+class Broker:
+    """The deployment's broker. ``serve_forever()`` runs until ``stop`` or SIGTERM."""
+
+    def __init__(self, config: ProrlConfig) -> None:
+        self.config = config
+        bc = config.broker
+        self.heartbeat_interval_s = bc.heartbeat_interval_s
+        self.dead_after_s = bc.heartbeat_interval_s * bc.heartbeat_liveness
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        # Oversized frames are refused by libzmq itself (the sender is disconnected).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, bc.max_message_bytes)
+        if bc.port:
+            self.sock.bind(f"tcp://{bc.bind_host}:{bc.port}")
+        else:
+            self.sock.bind(f"tcp://{bc.bind_host}:*")
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.started_at = time.monotonic()
+
+        self.jobs: dict[str, Job] = {}
+        self.finished: deque[str] = deque()  # terminal job ids, oldest first (retention)
+        self.queue = TaskQueues()
+        self.nodes: dict[str, Node] = {}
+        self.node_by_identity: dict[bytes, Node] = {}
+        self.backends: dict[str, Backend] = {}
+        self.backend_by_identity: dict[bytes, Backend] = {}
+        self.sticky: dict[str, str] = {}  # job id -> backend id
+        self.pending: dict[int, PendingGenerate] = {}
+        self.held: deque[HeldGenerate] = deque()
+        self._fwd_ids = iter(range(1, 1 << 62))
+        self.generation_paused = False
+        self.placing = True
+        self.stopping = False
+        self._stop_deadline: float | None = None
+        # Output batched within one loop turn, flushed at its end.
+        self._results_out: dict[bytes, list[str]] = defaultdict(list)
+        self._assign_out: dict[str, list[str]] = defaultdict(list)
+        self._next_tick = time.monotonic()
+
+    # ------------------------------------------------------------------ I/O
+
+    def _send(self, identity: bytes, header: dict[str, Any], payload: list[bytes] | tuple[bytes, ...] = ()) -> bool:
+        """Send to one peer; False (and the peer forgotten) if it is gone."""
+        try:
+            self.sock.send_multipart([identity, *P.encode(header, payload)], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                log.debug("peer %r unreachable: %s", identity, e)
+                return False
+            raise
+
+    def _error(self, identity: bytes, rid: Any, code: ErrorCode, message: str) -> None:
+        log.warning("error to %r (rid %r): %s: %s", identity, rid, code.value, message)
+        self._send(identity, P.error_reply(rid, code, message))
+
+    def publish_rendezvous(self) -> None:
+        write_rendezvous(
+            self.config.deployment_dir,
+            Rendezvous(
+                address=self.address,
+                deployment=self.config.deployment,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                started_at=time.time(),
+            ),
+        )
+
+    def serve_forever(self) -> None:
+        """Run the loop until stopped. Writes the rendezvous file first, removes it last."""
+        self.publish_rendezvous()
+        log.info("broker of deployment %r listening on %s", self.config.deployment, self.address)
+        prev = signal.signal(signal.SIGTERM, lambda *_: self.begin_stop())
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stopped():
+                timeout_ms = max(0, int((self._next_tick - time.monotonic()) * 1000))
+                if poller.poll(timeout_ms):
+                    for _ in range(_MAX_BATCH):
+                        try:
+                            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self.handle(frames)
+                    self._place()
+                    self._flush()
+                if time.monotonic() >= self._next_tick:
+                    self._tick()
+        finally:
+            signal.signal(signal.SIGTERM, prev)
+            remove_rendezvous(self.config.deployment_dir, os.getpid())
+            self.sock.close(0)
+            log.info("broker stopped")
+
+    def _stopped(self) -> bool:
+        if not self.stopping:
+            return False
+        if not any(n.alive for n in self.nodes.values()) and not any(
+            b.alive and b.kind == "bridge" for b in self.backends.values()
+        ):
+            return True
+        return self._stop_deadline is not None and time.monotonic() >= self._stop_deadline
+
+    def _flush(self) -> None:
+        for identity, job_ids in self._results_out.items():
+            jobs = [self.jobs[j] for j in job_ids if j in self.jobs and self.jobs[j].result is not None]
+            if jobs:
+                self._send(
+                    identity,
+                    {"op": Op.RESULT.value, "jobs": [{"job_id": j.job_id, "state": j.state.value} for j in jobs]},
+                    [j.result for j in jobs],  # type: ignore[misc]
+                )
+        self._results_out.clear()
+        for node_id, job_ids in self._assign_out.items():
+            node = self.nodes.get(node_id)
+            jobs = [self.jobs[j] for j in job_ids]
+            if node is None or not node.alive:
+                continue
+            if not self._send(
+                node.identity,
+                {"op": Op.ASSIGN.value, "jobs": [j.spec.to_wire() for j in jobs]},
+                [j.instance for j in jobs],
+            ):
+                self._node_lost(node, "unreachable")
+        self._assign_out.clear()
+
+    # ------------------------------------------------------------- dispatch
+
+    def handle(self, frames: list[bytes]) -> None:
+        """Handle one message; never raises for bad input."""
+        identity = frames[0]
+        if len(frames) < 2:
+            self._error(identity, None, ErrorCode.BAD_FRAME, "message has no header frame")
+            return
+        try:
+            header = P.decode_header(frames[1])
+            P.require_fields(header)
+        except ProtocolError as e:
+            rid = None
+            self._error(identity, rid, ErrorCode(e.code), e.message)
+            return
+        op: Op = header["op"]
+        handler = self._handlers.get(op)
+        if handler is None:
+            self._error(identity, header.get("rid"), ErrorCode.UNKNOWN_OP, f"op {op.value!r} is not accepted by the broker")
+            return
+        self._touch(identity)
+        try:
+            handler(self, identity, header, frames[2:])
+        except ProtocolError as e:
+            self._error(identity, header.get("rid"), ErrorCode(e.code), e.message)
+
+    def _touch(self, identity: bytes) -> None:
+        now = time.monotonic()
+        node = self.node_by_identity.get(identity)
+        if node is not None:
+            node.last_seen = now
+        backend = self.backend_by_identity.get(identity)
+        if backend is not None:
+            backend.last_seen = now
+
+    # ---------------------------------------------------------- client ops
+
+    def on_submit(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        rid = h["rid"]
+        if self.stopping:
+            self._error(identity, rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping; no new jobs")
+            return
+        raw_jobs = h["jobs"]
+        if len(payload) != len(raw_jobs):
+            self._error(
+                identity, rid, ErrorCode.BAD_FIELD,
+                f"submit carries {len(raw_jobs)} job(s) but {len(payload)} instance frame(s); they must match",
+            )
+            return
+        specs: list[JobSpec] = []
+        seen: set[str] = set()
+        for i, raw in enumerate(raw_jobs):
+            try:
+                spec = JobSpec.from_wire(raw, what=f"jobs[{i}]")
+            except ProtocolError as e:
+                self._error(identity, rid, ErrorCode(e.code), f"jobs[{i}]: {e.message}")
+                return
+            if spec.job_id in seen:
+                self._error(identity, rid, ErrorCode.BAD_FIELD, f"jobs[{i}]: job id {spec.job_id!r} appears twice in one submit")
+                return
+            seen.add(spec.job_id)
+            specs.append(spec)
+        live_tasks = self._live_tasks()
+        if live_tasks:
+            unknown = sorted({s.task for s in specs if s.job_id not in self.jobs} - live_tasks)
+            if unknown:
+                self._error(
+                    identity, rid, ErrorCode.UNKNOWN_TASK,
+                    f"no node serves task(s) {unknown}; served tasks: {sorted(live_tasks)}",
+                )
+                return
+        accepted, existing = [], []
+        for spec, instance in zip(specs, payload, strict=True):
+            job = self.jobs.get(spec.job_id)
+            if job is not None:
+                # Idempotent: the same id returns the existing job, never a second run.
+                existing.append(spec.job_id)
+                job.watchers.add(identity)
+                if job.result is not None:
+                    self._results_out[identity].append(job.job_id)
+                continue
+            spec.attempt = 1
+            job = Job(spec=spec, instance=bytes(instance), watchers={identity})
+            self.jobs[spec.job_id] = job
+            self.queue.push(spec.task, spec.job_id)
+            accepted.append(spec.job_id)
+        self._send(identity, P.reply(rid, accepted=accepted, existing=existing))
+
+    def on_watch(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        unknown = []
+        for job_id in h["job_ids"]:
+            job = self.jobs.get(job_id) if isinstance(job_id, str) else None
+            if job is None:
+                unknown.append(job_id)
+                continue
+            job.watchers.add(identity)
+            if job.result is not None:
+                self._results_out[identity].append(job.job_id)
+        self._send(identity, P.reply(h["rid"], unknown=unknown))
+
+    def on_cancel(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        states: dict[str, str] = {}
+        unknown = []
+        by_node: dict[str, list[str]] = defaultdict(list)
+        for job_id in h["job_ids"]:
+            job = self.jobs.get(job_id) if isinstance(job_id, str) else None
+            if job is None:
+                unknown.append(job_id)
+                continue
+            job.watchers.add(identity)
+            if job.state == JobState.QUEUED:
+                self.queue.remove(job.spec.task, job.job_id)
+            elif not job.state.terminal and job.node_id is not None:
+                by_node[job.node_id].append(job.job_id)
+            if not job.state.terminal:
+                self._finish_by_broker(job, JobState.CANCELLED, None)
+            states[job.job_id] = job.state.value
+        for node_id, job_ids in by_node.items():
+            node = self.nodes.get(node_id)
+            if node is not None and node.alive:
+                self._send(node.identity, {"op": Op.CANCEL_JOB.value, "job_ids": job_ids})
+        self._send(identity, P.reply(h["rid"], states=states, unknown=unknown))
+
+    def on_status(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        self._send(identity, P.reply(h["rid"], status=self.status().to_wire()))
+
+    def status(self) -> P.StatusReport:
+        counts: dict[str, int] = {s.value: 0 for s in JobState}
+        for job in self.jobs.values():
+            counts[job.state.value] += 1
+        return P.StatusReport(
+            deployment=self.config.deployment,
+            jobs=counts,
+            queued=len(self.queue),
+            nodes=[n.status().to_wire() for n in self.nodes.values()],
+            backends=[b.status().to_wire() for b in self.backends.values()],
+            generation_paused=self.generation_paused,
+            placing=self.placing,
+            uptime_s=time.monotonic() - self.started_at,
+        )
+
+    def on_ping(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        self._send(identity, P.reply(h["rid"], address=self.address, deployment=self.config.deployment))
+
+    def on_start(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        self.placing = True
+        self._send(identity, P.reply(h["rid"], placing=True))
+
+    def on_hold(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        self.placing = False
+        self._send(identity, P.reply(h["rid"], placing=False))
+
+    def on_stop(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        self._send(identity, P.reply(h["rid"], stopping=True))
+        self.begin_stop()
+
+    def begin_stop(self) -> None:
+        """Cancel every job, tell nodes and bridges to shut down, and exit once they left."""
+        if self.stopping:
+            return
+        log.info("stopping: cancelling %d unfinished job(s)", sum(not j.state.terminal for j in self.jobs.values()))
+        self.stopping = True
+        self.placing = False
+        self._stop_deadline = time.monotonic() + self.config.node.stop_grace_s + 2 * self.dead_after_s
+        for job in list(self.jobs.values()):
+            if not job.state.terminal:
+                if job.state == JobState.QUEUED:
+                    self.queue.remove(job.spec.task, job.job_id)
+                self._finish_by_broker(job, JobState.CANCELLED, None)
+        for node in self.nodes.values():
+            if node.alive:
+                self._send(node.identity, {"op": Op.SHUTDOWN.value})
+        for backend in self.backends.values():
+            if backend.alive and backend.identity is not None:
+                self._send(backend.identity, {"op": Op.SHUTDOWN.value})
+        for pend in self.pending.values():
+            self._send(pend.requester, P.error_reply(pend.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping"))
+        self.pending.clear()
+        self._flush()
+
+    # ------------------------------------------------------------ node ops
+
+    def on_register(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        node_id = h["node_id"]
+        if self.stopping:
+            self._send(identity, {"op": Op.SHUTDOWN.value})
+            return
+        old = self.nodes.get(node_id)
+        if old is not None and old.alive and old.identity != identity:
+            # Same node id from a new connection: the old process is gone.
+            self._node_lost(old, "re-registered from a new connection")
+        credit = h["credit"]
+        if credit < 1:
+            self._error(identity, h["rid"], ErrorCode.BAD_FIELD, f"credit must be at least 1, got {credit}")
+            return
+        node = Node(
+            node_id=node_id,
+            identity=identity,
+            host=h["host"],
+            pid=int(h.get("pid", 0)),
+            credit=credit,
+            tasks={str(t) for t in h["tasks"]},
+        )
+        self.nodes[node_id] = node
+        self.node_by_identity[identity] = node
+        log.info("node %s registered from %s (credit %d, tasks %s)", node_id, node.host, credit, sorted(node.tasks))
+        self._send(
+            identity,
+            P.reply(h["rid"], heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.config.broker.heartbeat_liveness),
+        )
+
+    def _node_of(self, identity: bytes, h: dict[str, Any]) -> Node | None:
+        node = self.node_by_identity.get(identity)
+        if node is None or not node.alive:
+            # Tell the peer to register again (e.g. after it was declared dead).
+            self._send(identity, P.error_reply(h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register"))
+            return None
+        return node
+
+    def on_heartbeat(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        backend = self.backend_by_identity.get(identity)
+        if backend is not None and backend.alive:
+            return
+        if "backend_id" in h:
+            self._send(identity, P.error_reply(h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register_backend"))
+            return
+        node = self._node_of(identity, h)
+        if node is not None and isinstance(h.get("stages"), dict):
+            node.stages = h["stages"]
+
+    def on_unregister(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        node = self.node_by_identity.get(identity)
+        if node is not None and node.alive:
+            self._node_lost(node, "unregistered")
+        backend = self.backend_by_identity.get(identity)
+        if backend is not None and backend.alive:
+            self._backend_lost(backend, "unregistered")
+
+    def on_job_stage(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        node = self._node_of(identity, h)
+        if node is None:
+            return
+        for upd in h["updates"]:
+            if not isinstance(upd, dict):
+                continue
+            job = self.jobs.get(upd.get("job_id"))  # type: ignore[arg-type]
+            if job is None or job.state.terminal or job.node_id != node.node_id or job.spec.attempt != upd.get("attempt"):
+                continue
+            try:
+                stage = JobState(upd.get("stage"))
+            except ValueError:
+                continue
+            if stage in P.STAGES:
+                job.state = stage
+
+    def on_job_done(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        node = self._node_of(identity, h)
+        if node is None:
+            return
+        if len(payload) != len(h["jobs"]):
+            self._error(identity, None, ErrorCode.BAD_FIELD, "job_done: job count and result frame count differ")
+            return
+        for info, result in zip(h["jobs"], payload, strict=True):
+            job_id = info.get("job_id") if isinstance(info, dict) else None
+            job = self.jobs.get(job_id) if isinstance(job_id, str) else None
+            if job is None:
+                continue
+            node.inflight.discard(job.job_id)
+            if job.state.terminal or job.node_id != node.node_id or job.spec.attempt != info.get("attempt"):
+                continue  # stale: cancelled meanwhile, or re-queued elsewhere
+            try:
+                state = JobState(info.get("state"))
+            except ValueError:
+                state = JobState.FAILED
+            if not state.terminal:
+                state = JobState.FAILED
+            self._finish(job, state, bytes(result))
+
+    # ---------------------------------------------------------- inference
+
+    def on_register_backend(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        bid = h["backend_id"]
+        old = self.backends.get(bid)
+        if old is not None and old.alive and old.identity not in (None, identity):
+            self._backend_lost(old, "re-registered from a new connection")
+        backend = Backend(
+            backend_id=bid,
+            kind="bridge",
+            identity=identity,
+            host=h["host"],
+            model=h["model"],
+            max_model_len=h.get("max_model_len"),
+            capacity=int(h.get("capacity") or 0),
+        )
+        self.backends[bid] = backend
+        self.backend_by_identity[identity] = backend
+        log.info("backend %s registered (model %s on %s)", bid, backend.model, backend.host)
+        self._send(
+            identity,
+            P.reply(h["rid"], heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.config.broker.heartbeat_liveness),
+        )
+        self._release_held()
+
+    def on_add_llm_server(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        url = h["url"].rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            self._error(identity, h["rid"], ErrorCode.BAD_FIELD, f"url {url!r} must start with http:// or https://")
+            return
+        backend = self.backends.get(url)
+        if backend is None or not backend.alive:
+            host = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
+            backend = Backend(backend_id=url, kind="http", url=url, host=host, model=h.get("model"))
+            self.backends[url] = backend
+        backend.cleared = False
+        self._send(identity, P.reply(h["rid"], backend=backend.status().to_wire()))
+        self._release_held()
+
+    def on_clear_llm_server(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        url = h.get("url")
+        targets = [b for b in self.backends.values() if url is None or b.backend_id == url.rstrip("/")]
+        if url is not None and not targets:
+            self._error(identity, h["rid"], ErrorCode.BAD_FIELD, f"no backend {url!r}")
+            return
+        for b in targets:
+            b.cleared = True  # no new jobs; jobs already routed here keep it
+        self._prune_backends()
+        self._send(identity, P.reply(h["rid"], cleared=[b.backend_id for b in targets]))
+
+    def on_list_llm_servers(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        self._send(identity, P.reply(h["rid"], backends=[b.status().to_wire() for b in self.backends.values()]))
+
+    def on_pause_generation(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        self.generation_paused = True
+        self._send(identity, P.reply(h["rid"], paused=True, inflight=len(self.pending)))
+
+    def on_resume_generation(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        self.generation_paused = False
+        self._send(identity, P.reply(h["rid"], paused=False, released=len(self.held)))
+        self._release_held()
+
+    def on_generate(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        if len(payload) != 1:
+            self._error(identity, h["rid"], ErrorCode.BAD_FIELD, f"generate needs exactly one prompt frame, got {len(payload)}")
+            return
+        if len(payload[0]) % 4:
+            self._error(identity, h["rid"], ErrorCode.BAD_FRAME, "prompt frame is not a whole number of int32")
+            return
+        if self.generation_paused:
+            self.held.append(HeldGenerate(identity, h, list(payload)))
+            return
+        backend = self._route(h["job_id"], identity, h.get("host"))
+        if backend is None:
+            # Nothing registered yet: hold until a backend appears (the node's own timeout bounds the wait).
+            self.held.append(HeldGenerate(identity, h, list(payload)))
+            return
+        if backend.kind == "http":
+            self._send(identity, P.reply(h["rid"], redirect=backend.url, backend_id=backend.backend_id))
+            return
+        fwd = next(self._fwd_ids)
+        if backend.identity is None or not self._send(
+            backend.identity,
+            {"op": Op.GENERATE.value, "rid": fwd, "job_id": h["job_id"], "sampling": h.get("sampling") or {}},
+            payload,
+        ):
+            self._backend_lost(backend, "unreachable")
+            self._error(identity, h["rid"], ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
+            return
+        backend.inflight += 1
+        self.pending[fwd] = PendingGenerate(identity, h["rid"], h["job_id"], backend.backend_id)
+
+    def on_generate_reply(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        pend = self.pending.pop(h["rid"], None) if isinstance(h["rid"], int) else None
+        if pend is None:
+            return  # late reply for a request already failed over
+        backend = self.backends.get(pend.backend_id)
+        if backend is not None:
+            backend.inflight = max(0, backend.inflight - 1)
+            backend.served += 1
+        error = h.get("error")
+        if error:
+            code = error.get("code", ErrorCode.BACKEND_ERROR.value) if isinstance(error, dict) else ErrorCode.BACKEND_ERROR.value
+            msg = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+            self._send(pend.requester, P.error_reply(pend.rid, code, msg, backend_id=pend.backend_id))
+            return
+        self._send(
+            pend.requester,
+            P.reply(pend.rid, backend_id=pend.backend_id, finish_reason=h.get("finish_reason")),
+            payload,
+        )
+
+    def _route(self, job_id: str, requester: bytes, host: str | None) -> Backend | None:
+        bid = self.sticky.get(job_id)
+        if bid is not None:
+            backend = self.backends.get(bid)
+            if backend is not None and backend.alive:
+                return backend
+            self.sticky.pop(job_id, None)
+        if host is None:
+            node = self.node_by_identity.get(requester)
+            host = node.host if node else None
+        candidates = [b for b in self.backends.values() if b.alive and not b.cleared]
+        if not candidates:
+            return None
+        backend = min(candidates, key=lambda b: b.load_key(host))
+        self.sticky[job_id] = backend.backend_id
+        backend.jobs.add(job_id)
+        return backend
+
+    def _release_sticky(self, job_id: str) -> None:
+        bid = self.sticky.pop(job_id, None)
+        if bid is not None and bid in self.backends:
+            self.backends[bid].jobs.discard(job_id)
+            self._prune_backends()
+
+    def _prune_backends(self) -> None:
+        for bid in [b.backend_id for b in self.backends.values() if b.kind == "http" and b.cleared and not b.jobs]:
+            del self.backends[bid]
+
+    def _release_held(self) -> None:
+        if self.generation_paused or not self.held:
+            return
+        held, self.held = self.held, deque()
+        for item in held:
+            job = self.jobs.get(item.header["job_id"])
+            if job is not None and job.state.terminal:
+                continue
+            self.on_generate(item.requester, item.header, item.payload)
+
+    def _backend_lost(self, backend: Backend, why: str) -> None:
+        log.warning("backend %s lost: %s", backend.backend_id, why)
+        backend.alive = False
+        if backend.identity is not None:
+            self.backend_by_identity.pop(backend.identity, None)
+        for fwd, pend in list(self.pending.items()):
+            if pend.backend_id == backend.backend_id:
+                del self.pending[fwd]
+                self._send(
+                    pend.requester,
+                    P.error_reply(pend.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} {why}", backend_id=backend.backend_id),
+                )
+        for job_id in backend.jobs:
+            self.sticky.pop(job_id, None)
+        backend.jobs.clear()
+        backend.inflight = 0
+        if self.stopping or backend.kind == "bridge":
+            self.backends.pop(backend.backend_id, None)
+
+    # ---------------------------------------------------------- placement
+
+    def _live_tasks(self) -> set[str]:
+        return set().union(*(n.tasks for n in self.nodes.values() if n.alive)) if self.nodes else set()
+
+    def _place(self) -> None:
+        if not self.placing or not len(self.queue):
+            return
+        nodes = [n for n in self.nodes.values() if n.alive and n.free > 0]
+        while nodes and len(self.queue):
+            # The node with the most free credit takes the oldest job it can run.
+            nodes.sort(key=lambda n: n.free, reverse=True)
+            node = nodes[0]
+            job_id = self.queue.pop_oldest(node.tasks, self.jobs)
+            if job_id is None:
+                nodes.pop(0)
+                continue
+            job = self.jobs[job_id]
+            job.node_id = node.node_id
+            node.inflight.add(job_id)
+            self._assign_out[node.node_id].append(job_id)
+            if node.free <= 0:
+                nodes.pop(0)
+
+    def _node_lost(self, node: Node, why: str) -> None:
+        """Declare a node dead and put its jobs back in the queue with a new attempt."""
+        log.warning("node %s lost (%s); re-queueing %d job(s)", node.node_id, why, len(node.inflight))
+        node.alive = False
+        self.node_by_identity.pop(node.identity, None)
+        for job_id in sorted(node.inflight, key=lambda j: self.jobs[j].seq if j in self.jobs else 0):
+            job = self.jobs.get(job_id)
+            if job is None or job.state.terminal or job.node_id != node.node_id:
+                continue
+            self._release_sticky(job_id)
+            job.node_id = None
+            if job.spec.attempt >= job.spec.max_attempts:
+                self._finish_by_broker(
+                    job, JobState.FAILED,
+                    P.ErrorInfo(stage="node", type="NodeLost", message=f"node {node.node_id} {why}; attempt {job.spec.attempt} of {job.spec.max_attempts}"),
+                )
+                continue
+            job.spec.attempt += 1
+            job.state = JobState.QUEUED
+            self.queue.push(job.spec.task, job_id, front=True)
+        node.inflight.clear()
+
+    # ------------------------------------------------------------ finishing
+
+    def _finish(self, job: Job, state: JobState, result: bytes) -> None:
+        job.state = state
+        job.result = result
+        self._release_sticky(job.job_id)
+        for w in job.watchers:
+            self._results_out[w].append(job.job_id)
+        self.finished.append(job.job_id)
+        retention = self.config.broker.result_retention
+        while len(self.finished) > retention:
+            old = self.finished.popleft()
+            self.jobs.pop(old, None)
+
+    def _finish_by_broker(self, job: Job, state: JobState, error: P.ErrorInfo | None) -> None:
+        """Finish a job that no node will report on (cancelled, or lost too often)."""
+        result = JobResult(
+            job_id=job.job_id,
+            task=job.spec.task,
+            state=state.value,
+            attempt=job.spec.attempt,
+            node_id=job.node_id,
+            critical_error=error.stage if error else None,
+            error=error.to_wire() if error else None,
+        )
+        self._finish(job, state, P.pack_obj(result.to_wire()))
+
+    # ------------------------------------------------------------ liveness
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self._next_tick = now + self.heartbeat_interval_s / 2
+        for node in list(self.nodes.values()):
+            if not node.alive:
+                continue
+            if now - node.last_seen > self.dead_after_s:
+                self._node_lost(node, f"silent for {now - node.last_seen:.1f} s")
+            else:
+                self._send(node.identity, {"op": Op.HEARTBEAT.value})
+        for backend in list(self.backends.values()):
+            if backend.kind != "bridge" or not backend.alive:
+                continue
+            if now - backend.last_seen > self.dead_after_s:
+                self._backend_lost(backend, f"silent for {now - backend.last_seen:.1f} s")
+            elif backend.identity is not None:
+                self._send(backend.identity, {"op": Op.HEARTBEAT.value})
+        self._place()
+        self._flush()
+
+    _handlers: dict[Op, Any] = {
+        Op.SUBMIT: on_submit,
+        Op.WATCH: on_watch,
+        Op.CANCEL: on_cancel,
+        Op.STATUS: on_status,
+        Op.PING: on_ping,
+        Op.START: on_start,
+        Op.HOLD: on_hold,
+        Op.STOP: on_stop,
+        Op.REGISTER: on_register,
+        Op.HEARTBEAT: on_heartbeat,
+        Op.UNREGISTER: on_unregister,
+        Op.JOB_STAGE: on_job_stage,
+        Op.JOB_DONE: on_job_done,
+        Op.REGISTER_BACKEND: on_register_backend,
+        Op.ADD_LLM_SERVER: on_add_llm_server,
+        Op.CLEAR_LLM_SERVER: on_clear_llm_server,
+        Op.LIST_LLM_SERVERS: on_list_llm_servers,
+        Op.PAUSE_GENERATION: on_pause_generation,
+        Op.RESUME_GENERATION: on_resume_generation,
+        Op.GENERATE: on_generate,
+        Op.GENERATE_REPLY: on_generate_reply,
+    }

@@ -1,0 +1,111 @@
+"""RolloutClient: the blocking face of :class:`AsyncRolloutClient`.
+
+It drives the async client on a private event loop (no thread): each call
+runs the loop until that call is done, so replies and results that arrive
+meanwhile are taken in as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+from prorl_cli.client.aio import AsyncRolloutClient
+from prorl_cli.protocol import BackendStatus, JobResult, StatusReport
+
+T = TypeVar("T")
+
+
+class RolloutClient:
+    """Blocking client. Same methods as :class:`AsyncRolloutClient`; use that one inside asyncio code."""
+
+    def __init__(self, deployment: str | None = None, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._aio = self._run(self._make(deployment, kwargs))
+
+    @staticmethod
+    async def _make(deployment: str | None, kwargs: dict[str, Any]) -> AsyncRolloutClient:
+        return AsyncRolloutClient(deployment, **kwargs)
+
+    def _run(self, coro: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._loop.run_until_complete(coro)
+        coro.close()
+        raise RuntimeError("RolloutClient blocks; inside a running event loop use AsyncRolloutClient")
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._run(self._aio.close())
+            self._loop.close()
+
+    @property
+    def address(self) -> str | None:
+        return self._aio.address
+
+    def submit(self, task: str, instances: Iterable[Any], **kwargs: Any) -> list[str]:
+        return list(self._run(self._aio.submit(task, instances, **kwargs)))
+
+    def submit_specs(self, specs: Any, instances: Any) -> list[str]:
+        return list(self._run(self._aio.submit_specs(specs, instances)))
+
+    def result(self, job_id: str, timeout_s: float | None = None) -> JobResult:
+        return self._run(self._aio.result(job_id, timeout_s))  # type: ignore[no-any-return]
+
+    def process(self, task: str, instance: Any, **kwargs: Any) -> JobResult:
+        return self._run(self._aio.process(task, instance, **kwargs))  # type: ignore[no-any-return]
+
+    def as_completed(self, job_ids: Iterable[str], timeout_s: float | None = None) -> Iterator[JobResult]:
+        agen = self._aio.as_completed(job_ids, timeout_s)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    def wait(self, job_ids: Iterable[str], timeout_s: float | None = None) -> list[JobResult]:
+        return list(self._run(self._aio.wait(job_ids, timeout_s)))
+
+    def cancel(self, job_ids: Iterable[str]) -> dict[str, str]:
+        return dict(self._run(self._aio.cancel(job_ids)))
+
+    def status(self) -> StatusReport:
+        return self._run(self._aio.status())  # type: ignore[no-any-return]
+
+    def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return dict(self._run(self._aio.ping(timeout_s)))
+
+    def add_backend(self, url: str, model: str | None = None) -> BackendStatus:
+        return self._run(self._aio.add_backend(url, model))  # type: ignore[no-any-return]
+
+    def clear_backends(self, url: str | None = None) -> list[str]:
+        return list(self._run(self._aio.clear_backends(url)))
+
+    def list_backends(self) -> list[BackendStatus]:
+        return list(self._run(self._aio.list_backends()))
+
+    def pause_generation(self) -> None:
+        self._run(self._aio.pause_generation())
+
+    def resume_generation(self) -> None:
+        self._run(self._aio.resume_generation())
+
+    def hold(self) -> None:
+        self._run(self._aio.hold())
+
+    def start(self) -> None:
+        self._run(self._aio.start())
+
+    def stop(self) -> None:
+        self._run(self._aio.stop())

@@ -1,0 +1,64 @@
+"""What a node offers its jobs: inference (through the broker) and sandboxes."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from prorl_cli.node.handler import JobContext, Services
+from prorl_cli.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from prorl_cli.node.server import NodeServer
+
+log = logging.getLogger(__name__)
+
+
+class NodeServices(Services):
+    """Wires the inference client and the sandbox manager into job contexts.
+
+    Both are created on first use, so a node whose handlers use neither pays
+    nothing for them; the sandbox manager is started eagerly when the
+    configured runtime needs leftovers of a crashed predecessor reaped.
+    """
+
+    def __init__(self, node: NodeServer) -> None:
+        self.node = node
+        self._inference: Any = None
+        self._sandboxes: Any = None
+
+    def _sandbox_manager(self) -> Any:
+        if self._sandboxes is None:
+            from prorl_cli.sandbox import SandboxManager
+
+            self._sandboxes = SandboxManager(
+                self.node.config.sandbox, self.node.run_dir, logging.getLogger("prorl.sandbox")
+            )
+        return self._sandboxes
+
+    async def start(self) -> None:
+        """At node start: reap sandboxes a crashed predecessor left in this run dir."""
+        try:
+            manager = self._sandbox_manager()
+        except ImportError as e:
+            log.warning("sandbox support unavailable: %s", e)
+            return
+        reaped = manager.reap_leftovers()
+        if reaped:
+            log.warning("reaped %d sandbox(es) left by a previous node process", reaped)
+
+    async def stop(self) -> None:
+        if self._sandboxes is not None:
+            await self._sandboxes.stop_all()
+
+    async def generate(self, ctx: JobContext, prompt_ids: list[int], sampling: SamplingParams) -> Any:
+        if self._inference is None:
+            from prorl_cli.inference import NodeInference
+
+            self._inference = NodeInference(self.node.request, self.node.config.inference, self.node.host)
+        return await self._inference.generate(ctx.job_id, prompt_ids, sampling)
+
+    async def start_sandbox(self, ctx: JobContext, **options: Any) -> Any:
+        sandbox = await self._sandbox_manager().start(ctx.job_id, **options)
+        ctx.add_cleanup(sandbox.stop)
+        return sandbox
