@@ -1,0 +1,34 @@
+"""The token-exact agent loop (token-in/token-out) and the trajectory record."""
+
+from prorl_cli.agent.chat import ChatTemplateError, ChatTokens
+from prorl_cli.agent.loop import GenerateFn, TokenSession, ToolFn, call_tool, run_tool_agent
+from prorl_cli.agent.tools import HermesToolParser, ToolCall, ToolParser, get_tool_parser, register_tool_parser
+from prorl_cli.agent.trajectory import (
+    TRAJECTORY_FORMAT,
+    ModelCall,
+    Trajectory,
+    read_jsonl,
+    write_jsonl,
+    write_parquet,
+)
+
+__all__ = [
+    "TRAJECTORY_FORMAT",
+    "ChatTemplateError",
+    "ChatTokens",
+    "GenerateFn",
+    "HermesToolParser",
+    "ModelCall",
+    "TokenSession",
+    "ToolCall",
+    "ToolFn",
+    "ToolParser",
+    "Trajectory",
+    "call_tool",
+    "get_tool_parser",
+    "read_jsonl",
+    "register_tool_parser",
+    "run_tool_agent",
+    "write_jsonl",
+    "write_parquet",
+]

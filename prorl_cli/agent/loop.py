@@ -1,0 +1,173 @@
+"""The token-exact agent loop: one token buffer per trajectory.
+
+:class:`TokenSession` is the buffer. Its first prompt comes from the chat
+template; after each call the model's output ids are appended verbatim, and
+:meth:`TokenSession.add_messages` appends only the ids of the new
+observation and the next assistant header. Before every call it checks that
+the prompt is a token-exact extension of the previous prompt + output and
+records any violation on the trajectory (a handler may pass its own
+``prompt_ids``, e.g. to truncate; that is allowed but never hidden).
+
+:func:`run_tool_agent` is the usual loop on top: generate, parse tool calls
+from the decoded output, run the tools, append their results, repeat.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prorl_cli.agent.chat import ChatTokens
+from prorl_cli.agent.tools import ToolCall, ToolParser, get_tool_parser
+from prorl_cli.agent.trajectory import ModelCall, Trajectory
+from prorl_cli.exceptions import InferenceError
+from prorl_cli.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+#: ``await generate(prompt_ids, sampling) -> Generation`` (``JobContext.generate`` fits).
+GenerateFn = Callable[[list[int], SamplingParams], Awaitable[Any]]
+#: A tool: ``fn(**arguments) -> str`` (sync or async).
+ToolFn = Callable[..., Any]
+
+
+class TokenSession:
+    """The token buffer of one trajectory, and its record."""
+
+    def __init__(
+        self, chat: ChatTokens, generate: GenerateFn, messages: list[dict[str, Any]], *, model: str | None = None
+    ) -> None:
+        self.chat = chat
+        self._generate = generate
+        self.trajectory = Trajectory(messages=[dict(m) for m in messages], model=model)
+        #: The prompt the next call will be sampled under.
+        self.prompt_ids: list[int] = chat.initial_prompt(messages)
+        self._awaiting_observation = False
+
+    @property
+    def calls(self) -> list[ModelCall]:
+        return self.trajectory.calls
+
+    def _check_prefix(self, prompt: list[int]) -> bool:
+        """Record (never repair) a prompt that does not extend the last prompt + output."""
+        if not self.calls:
+            return True
+        prev = self.calls[-1]
+        expected = prev.prompt_ids + prev.output_ids
+        if prompt[: len(expected)] == expected:
+            return True
+        at = next((i for i, (a, b) in enumerate(zip(prompt, expected, strict=False)) if a != b), min(len(prompt), len(expected)))
+        message = (
+            f"call {len(self.calls)}: prompt ({len(prompt)} ids) is not a token-exact extension of call "
+            f"{len(self.calls) - 1}'s prompt + output ({len(expected)} ids); first difference at index {at}"
+        )
+        log.warning("%s", message)
+        self.trajectory.violations.append({"call": len(self.calls), "index": at, "message": message})
+        return False
+
+    async def generate(self, sampling: SamplingParams, *, prompt_ids: list[int] | None = None) -> ModelCall:
+        """Sample the next assistant turn under :attr:`prompt_ids` (or the ``prompt_ids`` given).
+
+        A failed call is recorded in ``trajectory.error`` and re-raised.
+        """
+        prompt = list(prompt_ids) if prompt_ids is not None else list(self.prompt_ids)
+        prefix_ok = self._check_prefix(prompt)
+        try:
+            gen = await self._generate(prompt, sampling)
+        except InferenceError as e:
+            self.trajectory.error = {"call": len(self.calls), "type": type(e).__name__, "message": str(e)}
+            self.trajectory.stop_reason = "error"
+            raise
+        call = ModelCall(
+            prompt_ids=prompt,
+            output_ids=list(gen.output_ids),
+            logprobs=list(gen.logprobs),
+            finish_reason=gen.finish_reason,
+            backend_id=gen.backend_id,
+            prefix_ok=prefix_ok,
+            text=self.chat.decode(gen.output_ids, skip_special_tokens=True),
+        )
+        traj = self.trajectory
+        if self.calls and prefix_ok:
+            new = prompt[len(traj.sequence_ids) :]
+        else:  # first call, or a violation: the whole sequence restarts at this prompt
+            traj.sequence_ids, traj.loss_mask, traj.logprobs = [], [], []
+            new = prompt
+        traj.sequence_ids += new + call.output_ids
+        traj.loss_mask += [0] * len(new) + [1] * len(call.output_ids)
+        traj.logprobs += [0.0] * len(new) + call.logprobs
+        self.calls.append(call)
+        traj.messages.append({"role": "assistant", "content": call.text})
+        self.prompt_ids = prompt + call.output_ids
+        self._awaiting_observation = True
+        return call
+
+    def add_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Append observations (tool results, user turns) and the next assistant header.
+
+        Pass all messages of one turn at once. Returns the ids appended.
+        """
+        if not self._awaiting_observation:
+            raise RuntimeError("add_messages() follows a generate() call; pass one turn's messages at once")
+        delta = self.chat.continuation(self.calls[-1].output_ids, messages)
+        self.prompt_ids = self.prompt_ids + delta
+        self.trajectory.messages += [dict(m) for m in messages]
+        self._awaiting_observation = False
+        return delta
+
+
+async def call_tool(tools: dict[str, ToolFn], call: ToolCall) -> str:
+    """Run one parsed tool call; errors become the observation text (the model sees them)."""
+    if call.error:
+        return f"error: {call.error}"
+    fn = tools.get(call.name)
+    if fn is None:
+        return f"error: unknown tool {call.name!r}; available: {sorted(tools)}"
+    try:
+        result = fn(**call.arguments)
+        if inspect.isawaitable(result):
+            result = await result
+    except Exception as e:  # a tool's failure is the model's observation, not the job's
+        return f"error: {type(e).__name__}: {e}"
+    return result if isinstance(result, str) else json.dumps(result)
+
+
+async def run_tool_agent(
+    generate: GenerateFn,
+    chat: ChatTokens,
+    messages: list[dict[str, Any]],
+    tools: dict[str, ToolFn],
+    *,
+    sampling: SamplingParams,
+    max_turns: int = 8,
+    parser: ToolParser | None = None,
+    model: str | None = None,
+) -> Trajectory:
+    """Generate, run tool calls, append their results; stop on a turn without tool calls.
+
+    A failing generate call ends the loop with ``stop_reason == "error"`` and
+    ``trajectory.error`` set; the trajectory so far is returned, not lost.
+    """
+    parser = parser or get_tool_parser("hermes")
+    if not sampling.stop_token_ids and chat.stop_token_ids:
+        sampling = SamplingParams(**{**sampling.to_wire(), "stop_token_ids": chat.stop_token_ids})
+    session = TokenSession(chat, generate, messages, model=model)
+    traj = session.trajectory
+    for turn in range(max_turns):
+        try:
+            call = await session.generate(sampling)
+        except InferenceError:
+            return traj
+        tool_calls = parser.parse(call.text)
+        if not tool_calls:
+            traj.stop_reason = "stop" if call.finish_reason == "stop" else call.finish_reason
+            return traj
+        if turn == max_turns - 1:
+            break
+        results = [await call_tool(tools, tc) for tc in tool_calls]
+        session.add_messages([{"role": "tool", "name": tc.name, "content": r} for tc, r in zip(tool_calls, results, strict=True)])
+    traj.stop_reason = "max_turns"
+    return traj

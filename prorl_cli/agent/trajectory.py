@@ -1,0 +1,143 @@
+"""The token-exact trajectory record and its JSONL / Parquet export.
+
+A :class:`Trajectory` holds, per model call, the exact prompt ids it was
+sampled under, the output ids, their log-probs, the finish reason and the
+backend that served it; plus the whole sequence (last prompt + last output)
+with a loss mask (1 on model tokens) and aligned log-probs (0.0 off the
+mask). ``docs/protocol.md`` ("Trajectories") documents the fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TRAJECTORY_FORMAT = "prorl.trajectory/1"
+
+
+@dataclass
+class ModelCall:
+    """One generate call as it happened."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    backend_id: str | None = None
+    #: Whether ``prompt_ids`` extends the previous call's prompt + output token-exactly
+    #: (always true for the first call).
+    prefix_ok: bool = True
+    #: Decoded output, for people and tool parsing; never used to rebuild tokens.
+    text: str = ""
+
+
+@dataclass
+class Trajectory:
+    """A multi-turn rollout in tokens. See the module docstring."""
+
+    calls: list[ModelCall] = field(default_factory=list)
+    sequence_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    #: Chat messages as the handler saw them (text; for people, not for training).
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    #: Token-continuity violations: ``{"call": i, "message": ...}``; never silently fixed.
+    violations: list[dict[str, Any]] = field(default_factory=list)
+    #: Why the loop stopped: ``stop`` (answer), ``max_turns``, ``length``, ``error``, ...
+    stop_reason: str | None = None
+    #: A failed generate call: ``{"call": i, "type": ..., "message": ...}``.
+    error: dict[str, Any] | None = None
+    model: str | None = None
+    format: str = TRAJECTORY_FORMAT
+
+    @property
+    def token_exact(self) -> bool:
+        """Every call's prompt extends the previous prompt + output exactly."""
+        return not self.violations and all(c.prefix_ok for c in self.calls)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A msgpack/JSON-ready dict (what a handler puts in its output)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        data = dict(data)
+        calls = [ModelCall(**c) for c in data.pop("calls", [])]
+        return cls(calls=calls, **data)
+
+
+def trajectory_rows(
+    records: Iterable[dict[str, Any] | Trajectory], **extra: Any
+) -> list[dict[str, Any]]:
+    """Flatten trajectories (or dicts holding one under ``trajectory``) into export rows."""
+    rows = []
+    for rec in records:
+        if isinstance(rec, Trajectory):
+            row: dict[str, Any] = {"trajectory": rec.to_dict()}
+        else:
+            row = dict(rec)
+            if isinstance(row.get("trajectory"), Trajectory):
+                row["trajectory"] = row["trajectory"].to_dict()
+        row.update(extra)
+        rows.append(row)
+    return rows
+
+
+def write_jsonl(path: str | os.PathLike[str], records: Iterable[dict[str, Any] | Trajectory]) -> Path:
+    """One JSON object per line: ``{..., "trajectory": {...}}``. Returns the path."""
+    out = Path(path)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for row in trajectory_rows(records):
+            f.write(json.dumps(row, allow_nan=True) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Rows written by :func:`write_jsonl`, with ``trajectory`` as a :class:`Trajectory`."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if isinstance(row.get("trajectory"), dict):
+                row["trajectory"] = Trajectory.from_dict(row["trajectory"])
+            rows.append(row)
+    return rows
+
+
+def write_parquet(path: str | os.PathLike[str], records: Iterable[dict[str, Any] | Trajectory]) -> Path:
+    """The same rows as Parquet (needs ``pyarrow``: ``pip install prorl[parquet]``).
+
+    Top-level columns: ``job_id``, ``reward`` (when present), ``sequence_ids``
+    (int32 list), ``loss_mask`` (int8 list), ``logprobs`` (float32 list),
+    ``token_exact``, ``stop_reason``, ``n_calls`` and ``trajectory`` (the
+    whole record as JSON text, calls included).
+    """
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError("Parquet export needs pyarrow: pip install 'prorl[parquet]'") from e
+    rows = trajectory_rows(records)
+    trajs = [Trajectory.from_dict(r["trajectory"]) for r in rows]
+    table = pa.table(
+        {
+            "job_id": pa.array([r.get("job_id") for r in rows], pa.string()),
+            "reward": pa.array([r.get("reward") for r in rows], pa.float64()),
+            "sequence_ids": pa.array([t.sequence_ids for t in trajs], pa.list_(pa.int32())),
+            "loss_mask": pa.array([t.loss_mask for t in trajs], pa.list_(pa.int8())),
+            "logprobs": pa.array([t.logprobs for t in trajs], pa.list_(pa.float32())),
+            "token_exact": pa.array([t.token_exact for t in trajs], pa.bool_()),
+            "stop_reason": pa.array([t.stop_reason for t in trajs], pa.string()),
+            "n_calls": pa.array([len(t.calls) for t in trajs], pa.int32()),
+            "trajectory": pa.array([json.dumps(r["trajectory"]) for r in rows], pa.string()),
+        }
+    )
+    out = Path(path)
+    pq.write_table(table, str(out))
+    return out

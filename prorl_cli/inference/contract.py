@@ -1,0 +1,95 @@
+"""The generate contract: ``generate(prompt_ids, sampling) -> output_ids, logprobs, finish_reason``.
+
+Every engine (vLLM over HTTP, the in-process transformers engine) and every
+path through the broker returns a :class:`Generation`. Tokens are ids, never
+text: on the wire they travel as int32 bytes (``protocol.pack_tokens``),
+log-probs as float32 bytes.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_cli.protocol import SamplingParams, pack_floats, pack_tokens, unpack_floats, unpack_tokens
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class Generation:
+    """One model call's result.
+
+    ``logprobs[i]`` is the log-probability the engine assigned to
+    ``output_ids[i]`` under the unmodified model distribution (vLLM's default
+    ``raw_logprobs``; the transformers engine does the same).
+    """
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    backend_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.output_ids) != len(self.logprobs):
+            raise ValueError(
+                f"generation has {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"
+            )
+
+    def payload(self) -> list[bytes]:
+        """The two payload frames of a ``generate_reply``: ids (int32) and logprobs (float32)."""
+        return [pack_tokens(self.output_ids), pack_floats(self.logprobs)]
+
+    @classmethod
+    def from_payload(cls, frames: list[bytes], finish_reason: str, backend_id: str | None) -> Generation:
+        """Inverse of :meth:`payload`; raises ``ProtocolError`` on malformed frames."""
+        from prorl_cli.exceptions import ProtocolError
+        from prorl_cli.protocol import ErrorCode
+
+        if len(frames) != 2:
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME, f"generate reply needs 2 payload frames (ids, logprobs), got {len(frames)}"
+            )
+        ids, lps = unpack_tokens(frames[0]), unpack_floats(frames[1])
+        if len(ids) != len(lps):
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME, f"generate reply has {len(ids)} ids but {len(lps)} logprobs"
+            )
+        return cls(ids, lps, finish_reason, backend_id)
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    """Reject sampling parameters no engine could honour, naming the field."""
+    if not isinstance(sampling.max_tokens, int) or sampling.max_tokens < 1:
+        raise ValueError(f"sampling.max_tokens must be a positive integer, got {sampling.max_tokens!r}")
+    if sampling.temperature < 0:
+        raise ValueError(f"sampling.temperature must be >= 0, got {sampling.temperature!r}")
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"sampling.top_p must be in (0, 1], got {sampling.top_p!r}")
+    if sampling.top_k == 0 or sampling.top_k < -1:
+        raise ValueError(f"sampling.top_k must be -1 (off) or positive, got {sampling.top_k!r}")
+
+
+class Engine(abc.ABC):
+    """Something that generates token ids from token ids (an inference backend's engine)."""
+
+    #: The model name it serves (what the bridge registers).
+    model: str = ""
+    #: Longest prompt + output it accepts, in tokens.
+    max_model_len: int = 0
+
+    async def start(self) -> None:
+        """Get ready to serve (start or attach to a server, load weights)."""
+
+    async def healthy(self) -> bool:
+        """Whether the engine can serve right now."""
+        return True
+
+    @abc.abstractmethod
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        """Generate from ``prompt_ids``; raise ``InferenceError`` with the server's message on failure."""
+
+    async def close(self) -> None:
+        """Release what :meth:`start` acquired (stop a child server)."""

@@ -1,0 +1,148 @@
+"""Token-in/token-out over an OpenAI-compatible ``/v1/completions`` (vLLM).
+
+The prompt goes as a list of token ids, with ``return_token_ids`` and
+``logprobs: 0``, so the server returns the sampled ids and their log-probs
+and never round-trips through text. The server's echo of the prompt ids is
+checked against what was sent: a server that re-tokenized would be caught.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from prorl_cli.exceptions import InferenceError
+from prorl_cli.inference import http
+from prorl_cli.inference.contract import Engine, Generation, check_sampling
+from prorl_cli.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://host:port`` or ``http://host:port/v1`` -> ``http://host:port/v1`` (no slash)."""
+    http.split_url(url)  # raises ValueError naming a bad URL
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def completions_body(model: str, prompt_ids: list[int], sampling: SamplingParams) -> dict[str, Any]:
+    """The ``/v1/completions`` request for one generate call."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "logprobs": 0,
+        "return_token_ids": True,
+        # Without this vLLM would hide special tokens only in the text; ids are unaffected,
+        # but keeping the text faithful helps people reading server logs.
+        "skip_special_tokens": False,
+    }
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    if sampling.stop_token_ids:
+        body["stop_token_ids"] = list(sampling.stop_token_ids)
+    return body
+
+
+def server_message(resp: http.HttpResponse) -> str:
+    """The error message an OpenAI-compatible server put in a failed response."""
+    try:
+        data = resp.json()
+    except InferenceError:
+        return resp.body[:500].decode("utf-8", "replace")
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    return str(data)[:500]
+
+
+def parse_completion(
+    data: Any, prompt_ids: list[int], url: str, backend_id: str | None
+) -> Generation:
+    """Turn a ``/v1/completions`` JSON answer into a :class:`Generation`, checking its shape."""
+    where = f"backend {url}"
+    try:
+        choice = data["choices"][0]
+    except (KeyError, IndexError, TypeError) as e:
+        raise InferenceError(f"{where}: malformed completion (no choices[0]): {str(data)[:300]}") from e
+    ids = choice.get("token_ids") if isinstance(choice, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise InferenceError(
+            f"{where}: completion has no token_ids; the server must support 'return_token_ids' (vLLM >= 0.10)"
+        )
+    lp_block = choice.get("logprobs")
+    lps = lp_block.get("token_logprobs") if isinstance(lp_block, dict) else None
+    if not isinstance(lps, list) or len(lps) != len(ids):
+        raise InferenceError(
+            f"{where}: completion has {len(ids)} token ids but logprobs.token_logprobs is "
+            f"{'missing' if not isinstance(lps, list) else f'{len(lps)} long'}"
+        )
+    logprobs = [float(x) if x is not None else math.nan for x in lps]
+    echoed = choice.get("prompt_token_ids", data.get("prompt_token_ids"))
+    if isinstance(echoed, list) and echoed and echoed != list(prompt_ids):
+        raise InferenceError(f"{where}: the server's prompt_token_ids differ from the prompt ids sent")
+    finish = choice.get("finish_reason") or "stop"
+    return Generation(ids, logprobs, str(finish), backend_id)
+
+
+class OpenAIEngine(Engine):
+    """An OpenAI-compatible server reached over HTTP (vLLM, or anything with token ids)."""
+
+    def __init__(
+        self, url: str, *, model: str | None = None, timeout_s: float = 600.0, backend_id: str | None = None
+    ) -> None:
+        self.base_url = normalize_base_url(url)
+        self.root_url = self.base_url[: -len("/v1")]
+        self.model = model or ""
+        self.max_model_len = 0
+        self.timeout_s = timeout_s
+        self.backend_id = backend_id
+
+    async def describe(self) -> None:
+        """Read the served model's name and max length from ``/v1/models``."""
+        resp = await http.request("GET", f"{self.base_url}/models", timeout_s=30.0)
+        if resp.status != 200:
+            raise InferenceError(f"backend {self.base_url}: GET /models: HTTP {resp.status}: {server_message(resp)}")
+        data = resp.json()
+        try:
+            entries = data["data"]
+            entry = next((e for e in entries if e.get("id") == self.model), entries[0]) if self.model else entries[0]
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            raise InferenceError(f"backend {self.base_url}: malformed /models answer: {str(data)[:300]}") from e
+        self.model = self.model or str(entry["id"])
+        self.max_model_len = int(entry.get("max_model_len") or 0)
+
+    async def start(self) -> None:
+        await self.describe()
+
+    async def healthy(self) -> bool:
+        try:
+            resp = await http.request("GET", f"{self.root_url}/health", timeout_s=10.0)
+        except InferenceError:
+            return False
+        if resp.status == 404:  # not vLLM: any answer from /models will do
+            try:
+                resp = await http.request("GET", f"{self.base_url}/models", timeout_s=10.0)
+            except InferenceError:
+                return False
+        return resp.status == 200
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        check_sampling(sampling)
+        if not prompt_ids:
+            raise InferenceError("generate needs at least one prompt token")
+        if not self.model:
+            await self.describe()
+        body = completions_body(self.model, prompt_ids, sampling)
+        resp = await http.request("POST", f"{self.base_url}/completions", body, timeout_s=self.timeout_s)
+        if resp.status != 200:
+            raise InferenceError(f"backend {self.base_url}: HTTP {resp.status}: {server_message(resp)}")
+        return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id)

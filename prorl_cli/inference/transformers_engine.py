@@ -1,0 +1,129 @@
+"""The CPU reference engine: a ``transformers`` model generating in-process.
+
+For laptops and tests (``prorl serve inference --engine transformers``);
+production uses vLLM. It implements the same contract with real log-probs:
+each sampled token's log-probability under the unmodified model
+distribution (what vLLM returns by default), while sampling itself applies
+temperature, top-k and top-p. Calls run one at a time on a worker thread so
+the event loop (heartbeats, other requests) stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from pathlib import Path
+from typing import Any
+
+from prorl_cli.exceptions import InferenceError
+from prorl_cli.inference.contract import Engine, Generation, check_sampling
+from prorl_cli.protocol import SamplingParams
+
+
+class TransformersEngine(Engine):
+    """A local Hugging Face causal LM run with torch on the CPU."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        max_model_len: int | None = None,
+        dtype: str = "float32",
+        backend_id: str | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.model = str(model_dir)
+        self.max_model_len = max_model_len or 0
+        self.dtype = dtype
+        self.backend_id = backend_id
+        self._model: Any = None
+        self._eos_ids: set[int] = set()
+        # One thread: torch already uses every core for one forward pass.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prorl-transformers")
+
+    async def start(self) -> None:
+        if self._model is None:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
+
+    def _load(self) -> None:
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM
+        except ImportError as e:
+            raise InferenceError(f"the transformers engine needs torch: install prorl[cpu] ({e})") from e
+        if not (self.model_dir / "config.json").is_file():
+            raise InferenceError(f"{self.model_dir}: not a model directory (no config.json)")
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=getattr(torch, self.dtype))
+        model.eval()
+        cfg = model.config
+        limit = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        self.max_model_len = min(self.max_model_len, limit) if self.max_model_len and limit else (self.max_model_len or limit)
+        eos: Any = getattr(model.generation_config, "eos_token_id", None) or getattr(cfg, "eos_token_id", None)
+        self._eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self._model = model
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        check_sampling(sampling)
+        if not prompt_ids:
+            raise InferenceError("generate needs at least one prompt token")
+        await self.start()
+        if len(prompt_ids) >= self.max_model_len:
+            raise InferenceError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate: "
+                f"the model's maximum context length is {self.max_model_len} tokens"
+            )
+        vocab = int(self._model.config.vocab_size)
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InferenceError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._generate, list(prompt_ids), sampling)
+
+    def _generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        import torch
+
+        gen = torch.Generator()
+        gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        stop_ids = self._eos_ids | set(sampling.stop_token_ids)
+        budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
+        out_ids: list[int] = []
+        logprobs: list[float] = []
+        finish = "length"
+        with torch.inference_mode():
+            result = self._model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+            for _ in range(budget):
+                logits = result.logits[0, -1].float()
+                raw = torch.log_softmax(logits, dim=-1)
+                token = self._sample(logits, sampling, gen)
+                out_ids.append(token)
+                logprobs.append(float(raw[token]))
+                if token in stop_ids:
+                    finish = "stop"
+                    break
+                result = self._model(
+                    input_ids=torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True
+                )
+        return Generation(out_ids, logprobs, finish, self.backend_id)
+
+    @staticmethod
+    def _sample(logits: Any, sampling: SamplingParams, gen: Any) -> int:
+        import torch
+
+        if sampling.temperature == 0:
+            return int(torch.argmax(logits))
+        scaled = logits / sampling.temperature
+        if sampling.top_k > 0:
+            kth = torch.topk(scaled, min(sampling.top_k, scaled.numel())).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            sorted_logits, order = torch.sort(scaled, descending=True)
+            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            # Drop tokens once the mass before them already reaches top_p (always keep the first).
+            drop = cum - torch.softmax(sorted_logits, dim=-1) >= sampling.top_p
+            scaled = scaled.scatter(0, order[drop], float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

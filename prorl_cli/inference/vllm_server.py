@@ -1,0 +1,160 @@
+"""vLLM as a child process: start it, wait for ``/health``, stop it.
+
+vLLM runs in its own process group so that stopping it (SIGTERM, then
+SIGKILL after a grace period) also stops its engine-core workers, and never
+touches anything we did not start. It is launched as
+``python -m vllm.entrypoints.openai.api_server`` because the ``vllm`` console
+script of the CPU wheel cannot find its own package metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+from prorl_cli.exceptions import InferenceError
+from prorl_cli.inference import http
+
+log = logging.getLogger(__name__)
+
+# vLLM's CPU backend sizes its KV cache from this (GiB); its default would take
+# a large share of a small machine.
+DEFAULT_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def vllm_available() -> bool:
+    """Whether ``vllm`` can be imported by this Python (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class VLLMServer:
+    """One ``vllm`` OpenAI-compatible server run as a child process."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_model_len: int | None = None,
+        extra_args: list[str] | tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        self.model = str(model)
+        self.host = host
+        self.port = port or free_port(host)
+        self.max_model_len = max_model_len
+        self.extra_args = list(extra_args)
+        self.env = {**DEFAULT_CPU_ENV, **(env or {})}
+        self.log_path = Path(log_path) if log_path else None
+        self.python = python
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file: int | None = None
+        self._tail: deque[str] = deque(maxlen=40)
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API (``http://host:port/v1``)."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", self.host, "--port", str(self.port)]
+        if self.max_model_len:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        return cmd + self.extra_args
+
+    def start(self) -> None:
+        """Spawn the server (returns at once; see :meth:`wait_ready`)."""
+        if not vllm_available():
+            raise InferenceError(f"vllm is not installed in {self.python}; install prorl[vllm] or use --attach URL")
+        if not Path(self.model).exists():
+            raise InferenceError(f"--model {self.model}: no such directory (models are never downloaded)")
+        cmd = self.command()
+        log.info("starting vLLM: %s", shlex.join(cmd))
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file if self._log_file is not None else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,  # own process group: stop() reaches vLLM's workers too
+        )
+
+    def log_tail(self) -> str:
+        """The last lines vLLM wrote to its log (for error messages)."""
+        if self.log_path and self.log_path.exists():
+            lines = self.log_path.read_text(errors="replace").splitlines()[-15:]
+            return "\n".join(lines)
+        return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Wait until ``/health`` answers 200; raise naming the exit code and log tail if vLLM dies."""
+        deadline = time.monotonic() + timeout_s
+        delay_s = 0.25
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise InferenceError(
+                    f"vLLM exited with code {self.proc.returncode} before becoming healthy; "
+                    f"log tail:\n{self.log_tail()}"
+                )
+            try:
+                resp = await http.request("GET", f"http://{self.host}:{self.port}/health", timeout_s=5.0)
+                if resp.status == 200:
+                    return
+            except InferenceError:
+                pass  # not listening yet: keep waiting until the deadline
+            if time.monotonic() > deadline:
+                raise InferenceError(f"vLLM at {self.url} not healthy after {timeout_s:g} s; log tail:\n{self.log_tail()}")
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 1.5, 2.0)
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; return the exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("vLLM (pid %d) ignored SIGTERM for %g s; killing it", proc.pid, grace_s)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        # Workers left in the group (the parent is gone) get the same treatment.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if self._log_file is not None:
+            os.close(self._log_file)
+            self._log_file = None
+        return proc.returncode
