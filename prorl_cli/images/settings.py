@@ -1,12 +1,52 @@
-"""The ``images`` section of prorl.yaml (owned by the image builder)."""
+"""The ``images`` section of prorl.yaml (owned by the image builder).
+
+Only site-wide settings live here; the list of images (templates, variables,
+bases, copied files, lockfiles) is its own YAML file, ``images.config_file``,
+read by :mod:`prorl_cli.images.spec`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from prorl_cli.exceptions import ConfigError
+
+BuildMode = Literal["scratch", "versioned", "lock"]
+BUILD_MODES: tuple[str, ...] = ("scratch", "versioned", "lock")
 
 
 @dataclass
 class ImagesConfig:
-    """Where built images live."""
+    """Where built images live and how ``prorl build-images`` builds them."""
 
     cache_dir: str = "~/.prorl/images"
+    # The image list; None: ./images.yaml if present, else the shipped sif_recipes/images.yaml.
+    config_file: str | None = None
+    mode: BuildMode = "lock"
+    # Debian mirror for debootstrap bases; None: the one the host's apt sources use.
+    mirror: str | None = None
+    # A registry the site mirrors docker:// bases from (rendered as the recipe's Registry:).
+    docker_registry: str | None = None
+    # Extra template folders searched before the shipped sif_recipes/.
+    recipe_dirs: list[str] = field(default_factory=list)
+    apptainer: str = "apptainer"
+    # Extra arguments for every `apptainer build` (images add their own in the image list).
+    build_args: list[str] = field(default_factory=list)
+    jobs: int = 1
+    build_timeout_s: float = 3600.0
+    # The tool server file copied into images; None: the one shipped in prorl_cli/sandbox.
+    tool_server: str | None = None
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(os.path.expandvars(os.path.expanduser(self.cache_dir)))
+
+    def validate(self, where: str) -> None:
+        """Range checks the generic type validation cannot express."""
+        if self.jobs < 1:
+            raise ConfigError(f"{where}.jobs: must be at least 1, got {self.jobs}")
+        if self.build_timeout_s <= 0:
+            raise ConfigError(f"{where}.build_timeout_s: must be positive")

@@ -1,25 +1,198 @@
-"""``prorl build-images`` and ``prorl images`` (the image builder's issue fills these in)."""
+"""``prorl build-images`` and ``prorl images list|show|prune``.
+
+Heavy imports (jinja2, the builder) happen inside the commands so ``prorl --help`` stays instant.
+"""
 
 from __future__ import annotations
 
+import json
+import signal
+from typing import TYPE_CHECKING, Any
+
 import click
 
-from prorl_cli.cli.application import not_implemented
+from rich.markup import escape
+
+from prorl_cli.cli.application import App, pass_app
+
+if TYPE_CHECKING:
+    from prorl_cli.images.build import Result
+
+MODES = ("scratch", "versioned", "lock")
 
 
-@click.command("build-images", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def build_images(args: tuple[str, ...]) -> None:
-    """Render sif_recipes and build .sif images (not implemented yet)."""
-    not_implemented("build-images", "issue: prorl build-images")
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _sigterm_to_interrupt(signum: int, frame: Any) -> None:
+    # SIGTERM unwinds like Ctrl-C, so running builds are stopped and their temp files removed.
+    raise KeyboardInterrupt
+
+
+@click.command("build-images")
+@click.argument("names", nargs=-1)
+@click.option("--mode", type=click.Choice(MODES), help="scratch: always rebuild; versioned: reuse while base and prorl version match; lock: reuse while the rendered recipe, lockfile and copied files hash the same. [default: images.mode, lock]")
+@click.option("--cache-dir", metavar="DIR", help="Where images and manifest.json live. [default: images.cache_dir]")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), help="Builds at once. [default: images.jobs]")
+@click.option("--images-file", "-f", metavar="FILE", help="Image list YAML. [default: images.config_file, ./images.yaml, shipped list]")
+@click.option("--mirror", metavar="URL", help="Debian mirror for debootstrap bases. [default: the host's apt sources]")
+@click.option("--dry-run", is_flag=True, help="Render and print the definitions, keys and decisions; build nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
+@pass_app
+def build_images(app: App, names: tuple[str, ...], mode: str | None, cache_dir: str | None, jobs: int | None,
+                 images_file: str | None, mirror: str | None, dry_run: bool, as_json: bool) -> None:
+    """Render sif_recipes templates and build the .sif images NAMES (default: all)."""
+    app.override(images__mode=mode, images__cache_dir=cache_dir, images__jobs=jobs,
+                 images__config_file=images_file, images__mirror=mirror)
+    settings = app.config.images
+    from prorl_cli.exceptions import ConfigError, ImageBuildError
+    from prorl_cli.images import api
+
+    console = app.err_console if as_json else app.console
+    try:
+        plans, cache = api.plan(settings, list(names))
+    except (ConfigError, ImageBuildError) as e:
+        app.abort(str(e))
+    for p in plans:
+        console.print(f"[bold]{p.spec.name}[/]: {p.mode} key [cyan]{p.key}[/] → {'reuse' if p.reuse else 'build'}: {escape('; '.join(p.reasons))}", soft_wrap=True)
+    if dry_run:
+        if as_json:
+            click.echo(json.dumps([{"name": p.spec.name, "key": p.key, "mode": p.mode, "action": "would-reuse" if p.reuse else "would-build",
+                                    "reasons": p.reasons, "path": str(p.path), "definition": p.definition, "inputs": p.inputs} for p in plans], indent=2))
+        else:
+            for p in plans:
+                console.rule(f"{p.spec.name} ({p.spec.template}) → {p.path.name}")
+                console.print(p.definition, markup=False, soft_wrap=True)
+        return
+    results = _run_builds(app, plans, cache, settings, console)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in results], indent=2))
+    if any(r.action in ("failed", "skipped") for r in results):
+        raise click.exceptions.Exit(1)
+
+
+def _run_builds(app: App, plans: list[Any], cache: Any, settings: Any, console: Any) -> list[Result]:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from prorl_cli.images.build import Builder
+    from prorl_cli.images.toolserver import find_tool_server
+
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True,
+                        disable=not console.is_terminal)
+    tasks: dict[str, Any] = {}
+
+    def on_event(name: str, message: str) -> None:
+        progress.console.print(f"[bold]{name}[/]: {escape(message)}", markup=True, highlight=False, soft_wrap=True)
+        if name in tasks:
+            progress.update(tasks[name], description=f"{name}: {message[:80]}")
+
+    builder = Builder(cache, apptainer=settings.apptainer, tool_server=find_tool_server(settings.tool_server),
+                      timeout_s=settings.build_timeout_s, on_event=on_event)
+    previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    try:
+        with progress:
+            for p in plans:
+                tasks[p.spec.name] = progress.add_task(f"{p.spec.name}: waiting", total=None)
+            results = builder.run(plans, settings.jobs)
+    except KeyboardInterrupt:
+        app.abort("interrupted: running builds stopped, no image published", code=130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    for r in results:
+        if r.action == "built":
+            console.print(f"[bold]{r.name}[/]: [green]built[/] in {r.build_s:.1f} s, {_size(r.size_bytes)} → {r.path}", soft_wrap=True)
+        elif r.action == "reused":
+            waited = f" after waiting {r.waited_s:.1f} s ({escape(r.reasons[0])})" if r.waited_s >= 0.05 else ""
+            console.print(f"[bold]{r.name}[/]: [green]reused[/]{waited} → {escape(r.path)}", soft_wrap=True)
+        elif r.action == "skipped":
+            console.print(f"[bold]{r.name}[/]: [yellow]skipped[/]: {escape('; '.join(r.reasons))}", soft_wrap=True)
+        else:
+            console.print(f"[bold]{r.name}[/]: [bold red]FAILED[/]: {escape(r.error or '')}", markup=True, soft_wrap=True)
+            if r.log_tail:
+                console.rule(f"last {len(r.log_tail)} lines of apptainer's output (full log: {r.log})")
+                console.print("\n".join(r.log_tail), markup=False, soft_wrap=True)
+    return results
 
 
 @click.group()
 def images() -> None:
-    """Inspect and prune built images (not implemented yet)."""
+    """Inspect and prune built images (the cache's manifest.json)."""
+
+
+def _cache(app: App, cache_dir: str | None) -> Any:
+    from prorl_cli.images.cache import Cache
+
+    app.override(images__cache_dir=cache_dir)
+    return Cache(app.config.images.cache_path)
+
+
+def _manifest(app: App, cache: Any) -> dict[str, Any]:
+    from prorl_cli.exceptions import ConfigError
+
+    try:
+        data: dict[str, Any] = cache.read_manifest()
+    except ConfigError as e:
+        app.abort(str(e))
+    return data
+
+
+_cache_opt = click.option("--cache-dir", metavar="DIR", help="Image cache. [default: images.cache_dir]")
 
 
 @images.command("list")
-def images_list() -> None:
-    """List built images."""
-    not_implemented("images list", "issue: prorl build-images")
+@_cache_opt
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest's current images as JSON.")
+@pass_app
+def images_list(app: App, cache_dir: str | None, as_json: bool) -> None:
+    """List the current image of each name."""
+    cache = _cache(app, cache_dir)
+    data = _manifest(app, cache)
+    current = {n: data["builds"][k] for n, k in sorted(data["images"].items()) if k in data["builds"]}
+    if as_json:
+        click.echo(json.dumps(current, indent=2))
+        return
+    if not current:
+        app.console.print(f"no images in {cache.root}", soft_wrap=True)
+        return
+    from rich.table import Table
+
+    table = Table("name", "mode", "key", "base", "built", "size", "path", title=str(cache.manifest_path))
+    for name, e in current.items():
+        exists = (cache.root / e["path"]).is_file()
+        table.add_row(name, e["mode"], e["key"], e["base"], e["built_at"], _size(e["size_bytes"]),
+                      e["path"] if exists else f"[red]{e['path']} (missing)[/]")
+    app.console.print(table, soft_wrap=True)
+
+
+@images.command("show")
+@click.argument("name")
+@_cache_opt
+@click.option("--definition", is_flag=True, help="Also print the rendered definition it was built from.")
+@pass_app
+def images_show(app: App, name: str, cache_dir: str | None, definition: bool) -> None:
+    """Show the manifest entry of image NAME."""
+    cache = _cache(app, cache_dir)
+    entry = cache.current(name, _manifest(app, cache))
+    if entry is None:
+        app.abort(f"image {name!r} is not in {cache.manifest_path}")
+    click.echo(json.dumps({**entry, "path": str(cache.root / entry["path"])}, indent=2))
+    if definition:
+        click.echo((cache.root / entry["definition"]).read_text())
+
+
+@images.command("prune")
+@_cache_opt
+@click.option("--dry-run", is_flag=True, help="Say what would be removed.")
+@pass_app
+def images_prune(app: App, cache_dir: str | None, dry_run: bool) -> None:
+    """Remove builds that are no image's current one, leftovers of killed builds, and entries whose file is gone."""
+    from prorl_cli.images.prune import prune
+
+    cache = _cache(app, cache_dir)
+    _manifest(app, cache)
+    removed = prune(cache, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for what in removed:
+        app.console.print(f"{verb} {what}", soft_wrap=True)
+    app.console.print(f"{len(removed)} item(s) {verb.split()[-1]}" if removed else "nothing to prune", soft_wrap=True)

@@ -1,0 +1,285 @@
+"""Running ``apptainer build --fakeroot`` for planned images, safely under concurrency.
+
+Per image: take the key's file lock (another process building the same key
+makes us wait, then reuse its result), re-check the cache, build into a temp
+file beside the final path, and publish it with an atomic rename before
+recording it in the manifest. A failed or interrupted build leaves no image
+behind; its temp file is removed (or, if the process was killed, removed by
+the next build holding the same lock, or by ``prorl images prune``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prorl_cli import __version__
+from prorl_cli.exceptions import ImageBuildError
+from prorl_cli.images.cache import Cache, _atomic_write
+from prorl_cli.images.plan import Plan, decide
+from prorl_cli.images.render import ToolServer
+
+LOG_TAIL_LINES = 25
+_STEP_RE = re.compile(r"^(INFO|VERBOSE):\s+(.*)")
+_TERM_GRACE_S = 10.0
+
+
+@dataclass
+class Result:
+    """What happened to one image."""
+
+    name: str
+    key: str
+    mode: str
+    action: str  # built | reused | failed | skipped
+    reasons: list[str]
+    path: str
+    waited_s: float = 0.0
+    build_s: float = 0.0
+    size_bytes: int = 0
+    error: str | None = None
+    log: str | None = None
+    log_tail: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+Event = Callable[[str, str], None]  # (image name, message)
+
+
+class BuildFailed(ImageBuildError):
+    """A build failed; carries the log file and the last lines of Apptainer's output."""
+
+    def __init__(self, message: str, log: str | None = None, tail: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.log = log
+        self.tail = tail or []
+
+
+def _rootless_hint() -> str:
+    if os.geteuid() == 0:
+        try:
+            lines = Path("/etc/subuid").read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        if not any(line.startswith("root:") for line in lines):
+            return " (hint: as root, --fakeroot needs a 'root:' line in /etc/subuid and /etc/subgid)"
+    return ""
+
+
+class Builder:
+    """Builds plans with Apptainer; ``on_event`` receives progress lines."""
+
+    def __init__(self, cache: Cache, *, apptainer: str, tool_server: ToolServer, timeout_s: float, on_event: Event) -> None:
+        self.cache = cache
+        self.apptainer = apptainer
+        self.tool_server = tool_server
+        self.timeout_s = timeout_s
+        self.on_event = on_event
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._procs_lock = threading.Lock()
+        self._aborted = threading.Event()
+
+    # -- many images ------------------------------------------------------------------------
+
+    def run(self, plans: list[Plan], jobs: int) -> list[Result]:
+        """Make every plan ready, ``jobs`` builds at a time, bases before the images on them."""
+        results: dict[str, Result] = {}
+        by_name = {p.spec.name: p for p in plans}
+        pending = list(plans)
+        running: dict[Future[Result], str] = {}
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="prorl-build") as pool:
+            try:
+                while pending or running:
+                    for plan in list(pending):
+                        dep = plan.spec.depends_on if plan.spec.depends_on in by_name else None
+                        if dep is not None and dep not in results:
+                            continue  # its base is not ready yet
+                        pending.remove(plan)
+                        if dep is not None and results[dep].action in ("failed", "skipped"):
+                            results[plan.spec.name] = Result(plan.spec.name, plan.key, plan.mode, "skipped", [f"base image {dep} failed"], str(plan.path))
+                            continue
+                        if len(running) >= jobs:
+                            pending.insert(0, plan)
+                            break
+                        running[pool.submit(self.make_ready, plan)] = plan.spec.name
+                    if not running:
+                        continue
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        results[running.pop(fut)] = fut.result()
+            except BaseException:
+                self.abort()
+                raise
+        return [results[p.spec.name] for p in plans]
+
+    def abort(self) -> None:
+        """Stop every running build (SIGTERM to its process group, then SIGKILL)."""
+        self._aborted.set()
+        with self._procs_lock:
+            procs = list(self._procs.values())
+        for proc in procs:
+            _stop_group(proc)
+
+    # -- one image --------------------------------------------------------------------------
+
+    def make_ready(self, plan: Plan) -> Result:
+        """Reuse or build one image under its key's lock."""
+        name = plan.spec.name
+        waited: list[str] = []
+
+        def on_wait(holder: str) -> None:
+            waited.append(holder)
+            self.on_event(name, f"waiting for {plan.key}: being built by {holder}")
+
+        try:
+            with self.cache.key_lock(plan.key, on_wait) as waited_s:
+                # Another process may have finished this key while we planned or waited.
+                decide(plan, self.cache, self.cache.read_manifest())
+                if waited and plan.reuse:
+                    plan.reasons.insert(0, f"built meanwhile by {waited[0]}")
+                if plan.reuse:
+                    entry = self._adopt_or_touch(plan)
+                    return Result(name, plan.key, plan.mode, "reused", plan.reasons, str(plan.path), waited_s, 0.0, entry["size_bytes"])
+                return self._build(plan, waited_s)
+        except BuildFailed as e:
+            return Result(name, plan.key, plan.mode, "failed", plan.reasons, str(plan.path), error=str(e), log=e.log, log_tail=e.tail)
+        except ImageBuildError as e:
+            return Result(name, plan.key, plan.mode, "failed", plan.reasons, str(plan.path), error=str(e))
+
+    def _entry(self, plan: Plan, build_s: float, built_at: str) -> dict[str, Any]:
+        spec = plan.spec
+        return {
+            "name": spec.name,
+            "key": plan.key,
+            "mode": plan.mode,
+            "path": str(plan.path.relative_to(self.cache.root)),
+            "template": spec.template,
+            "variables": spec.variables,
+            "base": str(spec.base),
+            "base_path": str(plan.base_path) if plan.base_path else None,
+            "files": {f.dst: str(f.src) for f in spec.files},
+            "lockfile": str(spec.lockfile) if spec.lockfile else None,
+            "tool_server_version": self.tool_server.version,
+            "prorl_version": __version__,
+            "built_at": built_at,
+            "build_s": round(build_s, 3),
+            "size_bytes": plan.path.stat().st_size,
+            "definition": str(self.cache.log_path(spec.name, plan.key, "def").relative_to(self.cache.root)),
+            "inputs": plan.inputs,
+        }
+
+    def _adopt_or_touch(self, plan: Plan) -> dict[str, Any]:
+        """A reused image becomes the name's current image (adopting a finished image the manifest lacks)."""
+        entry = self.cache.read_manifest()["builds"].get(plan.key)
+        if entry is None:
+            mtime = datetime.datetime.fromtimestamp(plan.path.stat().st_mtime, datetime.timezone.utc)
+            _atomic_write(self.cache.log_path(plan.spec.name, plan.key, "def"), plan.definition)
+            entry = self._entry(plan, 0.0, mtime.isoformat(timespec="milliseconds"))
+        self.cache.record(entry)
+        return entry
+
+    def _build(self, plan: Plan, waited_s: float) -> Result:
+        name, key = plan.spec.name, plan.key
+        for stale in self.cache.stale_tmp_images(name, key):
+            # We hold the key's lock, so no live build owns these: they are leftovers of a killed one.
+            self.on_event(name, f"removing leftover of an interrupted build: {stale.name}")
+            stale.unlink(missing_ok=True)
+        def_path = self.cache.log_path(name, key, "def")
+        log_path = self.cache.log_path(name, key, "log")
+        _atomic_write(def_path, plan.definition)
+        tmp = self.cache.tmp_image_path(name, key)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [self.apptainer, "build", "--fakeroot", *plan.build_args, str(tmp), str(def_path)]
+        self.on_event(name, f"building {key}: {' '.join(cmd)}")
+        t0 = time.monotonic()
+        try:
+            self._run_apptainer(name, cmd, log_path)
+            if not tmp.is_file() or tmp.stat().st_size == 0:
+                raise ImageBuildError(f"image {name}: apptainer exited 0 but wrote no image at {tmp}")
+            with tmp.open("rb") as f:
+                os.fsync(f.fileno())  # the rename must never publish a file whose bytes are not on disk
+            os.replace(tmp, plan.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        build_s = time.monotonic() - t0
+        built_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+        entry = self._entry(plan, build_s, built_at)
+        self.cache.record(entry)
+        return Result(name, key, plan.mode, "built", plan.reasons, str(plan.path), waited_s, build_s, entry["size_bytes"], log=str(log_path))
+
+    def _run_apptainer(self, name: str, cmd: list[str], log_path: Path) -> None:
+        if shutil.which(cmd[0]) is None:
+            raise ImageBuildError(f"image {name}: {cmd[0]!r} not found on PATH (install Apptainer, or set images.apptainer)")
+        if self._aborted.is_set():
+            raise ImageBuildError(f"image {name}: build cancelled")
+        # setpriv --pdeathsig: if prorl itself is killed, Apptainer dies with it instead of writing on.
+        prefix = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
+        tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        step = "starting apptainer"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        timed_out = threading.Event()
+        with log_path.open("w") as log:
+            proc = subprocess.Popen([*prefix, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            with self._procs_lock:
+                self._procs[name] = proc
+            def on_timeout() -> None:
+                timed_out.set()
+                _stop_group(proc)
+
+            timer = threading.Timer(self.timeout_s, on_timeout)
+            timer.daemon = True
+            timer.start()
+            try:
+                assert proc.stdout is not None
+                for raw in proc.stdout:
+                    line = raw.decode(errors="replace").rstrip("\n")
+                    log.write(line + "\n")
+                    tail.append(line)
+                    m = _STEP_RE.match(line)
+                    if m:
+                        step = m.group(2).strip()
+                rc = proc.wait()
+            except BaseException:
+                _stop_group(proc)
+                raise
+            finally:
+                timer.cancel()
+                with self._procs_lock:
+                    self._procs.pop(name, None)
+        if rc != 0:
+            why = f"timed out after {self.timeout_s:g} s" if timed_out.is_set() else f"apptainer exited with status {rc}"
+            fatal = next((t for t in reversed(tail) if t.startswith("FATAL")), None)
+            msg = f"image {name}: build failed ({why}) at step: {step}"
+            if fatal:
+                msg += f"\n  {fatal}"
+            if any("fakeroot" in t or "subuid" in t for t in tail):
+                msg += _rootless_hint()
+            raise BuildFailed(msg, str(log_path), list(tail))
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the build's process group, then SIGKILL it after a grace period."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(_TERM_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

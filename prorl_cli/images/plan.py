@@ -1,0 +1,138 @@
+"""Planning: render every requested image, compute its cache key and say why it is reused or rebuilt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prorl_cli import __version__
+from prorl_cli.exceptions import ConfigError
+from prorl_cli.images.cache import Cache, cache_key, changed_inputs, sha256_file, sha256_path
+from prorl_cli.images.render import (
+    ToolServer,
+    bootstrap_header,
+    make_environment,
+    render_template,
+    template_context,
+    template_dirs,
+)
+from prorl_cli.images.settings import BUILD_MODES, ImagesConfig
+from prorl_cli.images.spec import ImageSpec, build_order
+
+
+@dataclass
+class Plan:
+    """One image to make ready: its rendered definition, key, and the reuse decision."""
+
+    spec: ImageSpec
+    mode: str
+    key: str
+    inputs: dict[str, Any]
+    definition: str
+    path: Path
+    base_path: Path | None
+    build_args: list[str]
+    reuse: bool = False
+    reasons: list[str] = field(default_factory=list)
+
+
+def versioned_inputs(spec: ImageSpec, base_ref: str, tool_server: ToolServer) -> dict[str, Any]:
+    """What a versioned key covers: the image, its base reference and the prorl (tool-server) version."""
+    return {"name": spec.name, "base": base_ref, "prorl_version": __version__, "tool_server_version": tool_server.version}
+
+
+def lock_inputs(spec: ImageSpec, definition: str, tool_server: ToolServer, build_args: list[str], base_ref: str) -> dict[str, Any]:
+    """What a lock key covers: the rendered definition, the lockfile and every copied file's bytes."""
+    import hashlib
+
+    inputs: dict[str, Any] = {
+        "name": spec.name,
+        "base": base_ref,
+        "definition": hashlib.sha256(definition.encode()).hexdigest(),
+        "tool_server": sha256_file(tool_server.src),
+        "files": {f"{f.dst}": sha256_path(f.src) for f in spec.files},
+        "lockfile": sha256_file(spec.lockfile) if spec.lockfile else None,
+        "build_args": build_args,
+    }
+    if spec.base.kind == "localimage":
+        # Same path, new bytes: a lock build must notice.
+        inputs["base_image"] = sha256_file(Path(spec.base.ref)) if Path(spec.base.ref).is_file() else "missing"
+    return inputs
+
+
+def plan_images(
+    specs: dict[str, ImageSpec],
+    names: list[str],
+    *,
+    mode: str,
+    settings: ImagesConfig,
+    tool_server: ToolServer,
+    mirror: str | None,
+    cache: Cache,
+) -> list[Plan]:
+    """Plans for ``names`` and the images they start from, dependencies first."""
+    if mode not in BUILD_MODES:
+        raise ConfigError(f"unknown build mode {mode!r}; use one of {list(BUILD_MODES)}")
+    extra_dirs: list[str | Path] = list(settings.recipe_dirs)
+    sources = {s.source.parent for s in specs.values() if s.source is not None}
+    env = make_environment(template_dirs([*extra_dirs, *sorted(sources)]))
+    manifest = cache.read_manifest()
+    plans: dict[str, Plan] = {}
+    for name in build_order(specs, names):
+        spec = specs[name]
+        dep = plans.get(spec.depends_on) if spec.depends_on else None
+        base_path = dep.path if dep else None
+        # An image: base is referenced by its dependency's key, so a rebuilt base rebuilds its dependents.
+        base_ref = f"image:{spec.base.ref}@{dep.key}" if dep else str(spec.base)
+        include = spec.variables.get("include", [])
+        if not isinstance(include, list):
+            raise ConfigError(f"image {name}: variables.include: expected a list of Debian packages, got {include!r}")
+        header = bootstrap_header(spec.base, base_path=base_path, mirror=mirror, docker_registry=settings.docker_registry, include=include)
+        ctx = template_context(spec, header=header, tool_server=tool_server, base_path=base_path, mirror=mirror)
+        definition = render_template(env, spec.template, ctx, image=name)
+        if spec.tool_server == "copy" and tool_server.dst not in definition:
+            raise ConfigError(
+                f"image {name}: template {spec.template} does not copy the tool server; add "
+                "'{{ tool_server.src }} {{ tool_server.dst }}' to %files, or set tool_server: bind for this image"
+            )
+        build_args = [*settings.build_args, *spec.build_args]
+        if mode == "versioned":
+            inputs = versioned_inputs(spec, base_ref, tool_server)
+        else:  # scratch keys are the lock key's inputs: they name what was built, though never reused
+            inputs = lock_inputs(spec, definition, tool_server, build_args, base_ref)
+        key = cache_key(mode, inputs)
+        plan = Plan(spec, mode, key, inputs, definition, cache.image_path(name, key), base_path, build_args)
+        decide(plan, cache, manifest, rebuilt_deps={p.spec.name for p in plans.values() if not p.reuse})
+        plans[name] = plan
+    return list(plans.values())
+
+
+def decide(plan: Plan, cache: Cache, manifest: dict[str, Any], rebuilt_deps: set[str] | None = None) -> None:
+    """Set ``plan.reuse`` and ``plan.reasons`` from the manifest (re-checked under the key's lock before building)."""
+    name, mode, key = plan.spec.name, plan.mode, plan.key
+    entry = manifest["builds"].get(key)
+    if mode == "scratch":
+        plan.reuse, plan.reasons = False, ["scratch mode always rebuilds"]
+        return
+    if entry is not None and plan.path.is_file():
+        covered = "base reference and prorl version" if mode == "versioned" else "rendered definition, lockfile and copied files"
+        plan.reuse = True
+        plan.reasons = [f"{mode} key matches the image built {entry.get('built_at', '?')} (same {covered})"]
+        return
+    plan.reuse = False
+    if entry is not None:
+        plan.reasons = [f"the manifest lists {key} but {plan.path} is missing"]
+        return
+    if plan.path.is_file():
+        plan.reasons = ["a finished image for this key exists without a manifest entry; it will be adopted"]
+        plan.reuse = True
+        return
+    previous = cache.latest_build(name, mode, manifest)
+    if previous is None:
+        plan.reasons = [f"no {mode} build of {name} in the cache"]
+        return
+    changed = changed_inputs(previous.get("inputs", {}), plan.inputs)
+    plan.reasons = [f"changed since {previous['key']}: {', '.join(changed) or 'cache key format'}"]
+    if plan.spec.depends_on and rebuilt_deps and plan.spec.depends_on in rebuilt_deps:
+        plan.reasons.append(f"base image {plan.spec.depends_on} is rebuilt")

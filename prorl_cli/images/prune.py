@@ -1,0 +1,75 @@
+"""``prorl images prune``: drop what no image name resolves to."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+from prorl_cli.images.cache import Cache
+
+_TMP_RE = re.compile(r"^\.(?P<key>[a-z]+-[0-9a-f]+)\.tmp-")
+
+
+@contextlib.contextmanager
+def _try_key_lock(cache: Cache, key: str) -> Iterator[bool]:
+    """Hold the key's lock if free (yield True); a key being built or reused now is left alone."""
+    path = cache.root / "locks" / f"{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def prune(cache: Cache, dry_run: bool = False) -> list[str]:
+    """Remove non-current builds, killed builds' temp files and entries whose image is gone; returns what went."""
+    removed: list[str] = []
+
+    def change(data: dict[str, Any]) -> None:
+        current = set(data["images"].values())
+        for key, entry in list(data["builds"].items()):
+            path = cache.root / entry["path"]
+            if key in current and path.is_file():
+                continue
+            with _try_key_lock(cache, key) as free:
+                if not free:
+                    continue
+                removed.append(f"{entry['name']} {key} ({path})")
+                if dry_run:
+                    continue
+                path.unlink(missing_ok=True)
+                for suffix in ("def", "log"):
+                    cache.log_path(entry["name"], key, suffix).unlink(missing_ok=True)
+                del data["builds"][key]
+                if data["images"].get(entry["name"]) == key:
+                    del data["images"][entry["name"]]
+        for tmp in cache.stale_tmp_images():
+            m = _TMP_RE.match(tmp.name)
+            if not m:
+                continue
+            with _try_key_lock(cache, m.group("key")) as free:
+                if free:
+                    removed.append(f"leftover {tmp}")
+                    if not dry_run:
+                        tmp.unlink(missing_ok=True)
+        # Apptainer's own temp folders are private to each build; nothing else lives in images/<name>/.
+        for d in sorted((cache.root / "images").glob("*")):
+            if d.is_dir() and not any(d.iterdir()) and not dry_run:
+                shutil.rmtree(d, ignore_errors=True)
+
+    if dry_run:
+        change(cache.read_manifest())
+    else:
+        cache.update_manifest(change)
+    return removed
