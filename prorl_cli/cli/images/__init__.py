@@ -10,7 +10,6 @@ import signal
 from typing import TYPE_CHECKING, Any
 
 import click
-
 from rich.markup import escape
 
 from prorl_cli.cli.application import App, pass_app
