@@ -127,7 +127,8 @@ class Broker:
         finally:
             signal.signal(signal.SIGTERM, prev)
             remove_rendezvous(self.config.deployment_dir, os.getpid())
-            self.sock.close(0)
+            # Linger briefly so the last results and replies reach their peers.
+            self.sock.close(linger=1000)
             log.info("broker stopped")
 
     def _stopped(self) -> bool:

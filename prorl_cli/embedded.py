@@ -1,0 +1,160 @@
+"""A whole deployment as child processes on one machine (quickstart, tests, benchmarks).
+
+Each server is a real ``python -m prorl_cli ...`` child in its own process
+group, talking over real ZeroMQ sockets on loopback. :meth:`LocalStack.close`
+stops the deployment through the broker and then makes sure every process
+group it started is gone (SIGTERM, then SIGKILL); it never touches anything
+it did not start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prorl_cli.client import RolloutClient
+from prorl_cli.config import ENV_CONFIG, ENV_HOME
+from prorl_cli.exceptions import BrokerUnavailable
+from prorl_cli.protocol import StatusReport
+from prorl_cli.rendezvous import read_rendezvous, wait_rendezvous
+
+STOP_GRACE_S = 10.0
+
+
+class LocalStack:
+    """Servers of one deployment under ``home`` (its own PRORL_HOME), with logs in ``home/logs``."""
+
+    def __init__(self, home: Path, name: str, config: dict[str, Any] | None = None) -> None:
+        self.home = home
+        self.name = name
+        self.config = {**(config or {}), "deployment": name, "home": str(home)}
+        home.mkdir(parents=True, exist_ok=True)
+        self.config_path = home / f"{name}.yaml"
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        self.logs = home / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._client: RolloutClient | None = None
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def deployment_dir(self) -> Path:
+        return self.home / self.name
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[ENV_HOME] = str(self.home)
+        env[ENV_CONFIG] = str(self.config_path)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        """Start ``prorl ARGS`` as a child in its own process group, logging to logs/NAME.log."""
+        with open(self.logs / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "prorl_cli", "-d", self.name, *args],
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.home,
+            )
+        self.procs[name] = proc
+        return proc
+
+    def start_broker(self, timeout_s: float = 30.0) -> subprocess.Popen[bytes]:
+        proc = self.spawn("broker", "serve", "broker")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                info = wait_rendezvous(self.deployment_dir, min(1.0, timeout_s))
+                if info.pid == proc.pid:
+                    return proc
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise BrokerUnavailable(f"broker did not start; its log:\n{self.log('broker')}")
+
+    @property
+    def address(self) -> str:
+        return read_rendezvous(self.deployment_dir).address
+
+    def start_node(self, node_id: str, *args: str, wait: bool = True, timeout_s: float = 60.0) -> subprocess.Popen[bytes]:
+        proc = self.spawn(node_id, "serve", "node", "--node-id", node_id, *args)
+        if wait:
+            self.wait_for(
+                lambda st: any(n["node_id"] == node_id and n["alive"] for n in st.nodes),
+                timeout_s, f"node {node_id} to register", node_id,
+            )
+        return proc
+
+    def wait_for(
+        self, predicate: Callable[[StatusReport], bool], timeout_s: float, what: str, log_name: str | None = None
+    ) -> StatusReport:
+        """Poll the broker's status until ``predicate(status)`` holds (or a watched child died)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.client.status()
+            if predicate(status):
+                return status
+            proc = self.procs.get(log_name) if log_name else None
+            if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
+                tail = self.log(log_name) if log_name else ""
+                raise TimeoutError(f"gave up waiting for {what}\n{tail}")
+            time.sleep(0.05)
+
+    @property
+    def client(self) -> RolloutClient:
+        if self._client is None:
+            self._client = self.new_client()
+        return self._client
+
+    def new_client(self, request_timeout_s: float = 15.0) -> RolloutClient:
+        return RolloutClient(self.name, address=self.address, request_timeout_s=request_timeout_s)
+
+    def log(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace")[-5000:] if path.exists() else ""
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal the process group of one child (one we started)."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the deployment through the broker, then wait for every child to exit."""
+        self.client.stop()
+        for proc in self.procs.values():
+            proc.wait(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Stop everything this stack started, whatever state it is in."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        alive = [p for p in self.procs.values() if p.poll() is None]
+        for proc in alive:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        for proc in alive:
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=STOP_GRACE_S)

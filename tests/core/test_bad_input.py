@@ -1,0 +1,158 @@
+"""Bad input at the broker's socket: each gets an error reply or is refused; nothing is lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from prorl_cli import protocol as P
+from prorl_cli.exceptions import RemoteError
+from tests.harness import Deployment
+
+REPLY_TIMEOUT_MS = 5000
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory):
+    d = Deployment(tmp_path_factory.mktemp("bad") / "home", "bad")
+    d.start_broker()
+    d.start_node("n1")
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def raw(deployment: Deployment):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(deployment.address)
+    yield sock
+    sock.close(0)
+
+
+def _reply(sock: zmq.Socket) -> dict:
+    assert sock.poll(REPLY_TIMEOUT_MS), "no reply from the broker"
+    frames = sock.recv_multipart()
+    return msgpack.unpackb(frames[0], raw=False)
+
+
+def _error(sock: zmq.Socket) -> tuple[str, str]:
+    h = _reply(sock)
+    assert h["op"] == "reply" and h["ok"] is False, h
+    return h["error"]["code"], h["error"]["message"]
+
+
+def _healthy(deployment: Deployment) -> None:
+    """The broker still serves, and a job submitted right after succeeds."""
+    client = deployment.new_client()
+    try:
+        r = client.process("test", {"echo": "still alive"}, timeout_s=10)
+        assert r.state == "done" and r.output["echo"] == "still alive"
+    finally:
+        client.close()
+
+
+def test_garbage_bytes(deployment: Deployment, raw: zmq.Socket) -> None:
+    raw.send(b"\xc1\xff garbage, not msgpack")
+    code, msg = _error(raw)
+    assert code == "bad_frame" and "not msgpack" in msg
+    raw.send(b"")
+    code, _ = _error(raw)
+    assert code == "bad_frame"
+    raw.send(msgpack.packb([1, 2, 3]))
+    code, msg = _error(raw)
+    assert code == "bad_frame" and "map" in msg
+    _healthy(deployment)
+
+
+def test_unknown_op(deployment: Deployment, raw: zmq.Socket) -> None:
+    raw.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "launch_missiles", "rid": 1}))
+    code, msg = _error(raw)
+    assert code == "unknown_op" and "launch_missiles" in msg
+    # A real op that only the broker sends is refused too.
+    raw.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "assign", "rid": 2, "jobs": []}))
+    code, _ = _error(raw)
+    assert code == "unknown_op"
+    _healthy(deployment)
+
+
+def test_wrong_protocol_version(deployment: Deployment, raw: zmq.Socket) -> None:
+    raw.send(msgpack.packb({"v": 999, "op": "status", "rid": 1}))
+    code, msg = _error(raw)
+    assert code == "bad_version" and "999" in msg
+    raw.send(msgpack.packb({"op": "status", "rid": 1}))
+    code, _ = _error(raw)
+    assert code == "bad_version"
+    _healthy(deployment)
+
+
+def test_missing_and_mistyped_fields(deployment: Deployment, raw: zmq.Socket) -> None:
+    raw.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "submit", "rid": 1}))
+    code, msg = _error(raw)
+    assert code == "missing_field" and "'jobs'" in msg
+    raw.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "cancel", "rid": 1, "job_ids": "abc"}))
+    code, msg = _error(raw)
+    assert code == "bad_field" and "job_ids" in msg
+    # A job record missing its task, and one with a bad timeout.
+    raw.send_multipart([msgpack.packb({"v": 1, "op": "submit", "rid": 2, "jobs": [{"job_id": "x"}]}), P.pack_obj({})])
+    code, msg = _error(raw)
+    assert code == "missing_field" and "task" in msg
+    raw.send_multipart(
+        [msgpack.packb({"v": 1, "op": "submit", "rid": 3, "jobs": [{"job_id": "y", "task": "test", "timeout_s": -1}]}), P.pack_obj({})]
+    )
+    code, msg = _error(raw)
+    assert code == "bad_field" and "timeout_s" in msg
+    # Instances and job records that do not pair up.
+    raw.send(msgpack.packb({"v": 1, "op": "submit", "rid": 4, "jobs": [{"job_id": "z", "task": "test"}]}))
+    code, msg = _error(raw)
+    assert code == "bad_field" and "instance frame" in msg
+    _healthy(deployment)
+
+
+def test_unknown_task_names_the_served_tasks(deployment: Deployment) -> None:
+    client = deployment.new_client()
+    try:
+        with pytest.raises(RemoteError) as e:
+            client.submit("no-such-task", [{}])
+        assert e.value.code == "unknown_task"
+        assert "no-such-task" in e.value.message and "test" in e.value.message
+        with pytest.raises(RemoteError) as e2:
+            client.cancel(["never-submitted"])
+        assert e2.value.code == "unknown_job"
+    finally:
+        client.close()
+    _healthy(deployment)
+
+
+def test_oversized_frame_is_refused(deployment: Deployment, raw: zmq.Socket) -> None:
+    # Jobs accepted before the attack must survive it.
+    client = deployment.new_client()
+    ids = client.submit("test", [{"sleep_s": {"run": 0.3}, "echo": i} for i in range(5)], timeout_s=30)
+    header = msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "submit", "rid": 1, "jobs": [{"job_id": "big", "task": "test"}]})
+    raw.send_multipart([header, b"\0" * (100 * 1024 * 1024)])
+    # libzmq drops a peer whose message exceeds MAXMSGSIZE: no reply, no job.
+    assert not raw.poll(1000)
+    with pytest.raises(RemoteError):
+        client.cancel(["big"])
+    results = client.wait(ids, timeout_s=30)
+    assert [r.output["echo"] for r in results] == list(range(5))
+    client.close()
+    # An oversized header (inside the frame limit) gets an error reply.
+    fresh = zmq.Context.instance().socket(zmq.DEALER)
+    fresh.setsockopt(zmq.LINGER, 0)
+    fresh.connect(deployment.address)
+    fresh.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "status", "rid": 1, "pad": "x" * (5 * 1024 * 1024)}))
+    code, msg = _error(fresh)
+    fresh.close(0)
+    assert code == "bad_frame" and "limit" in msg
+    _healthy(deployment)
+
+
+def test_node_ops_from_an_unregistered_peer(deployment: Deployment, raw: zmq.Socket) -> None:
+    raw.send_multipart([msgpack.packb({"v": 1, "op": "job_done", "jobs": [{"job_id": "x", "attempt": 1, "state": "done"}]}), b"x"])
+    code, _ = _error(raw)
+    assert code == "unknown_peer"
+    _healthy(deployment)
