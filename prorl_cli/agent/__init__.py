@@ -2,7 +2,13 @@
 
 from prorl_cli.agent.chat import ChatTemplateError, ChatTokens
 from prorl_cli.agent.loop import GenerateFn, TokenSession, ToolFn, call_tool, run_tool_agent
-from prorl_cli.agent.tools import HermesToolParser, ToolCall, ToolParser, get_tool_parser, register_tool_parser
+from prorl_cli.agent.tools import (
+    HermesToolParser,
+    ToolCall,
+    ToolParser,
+    get_tool_parser,
+    register_tool_parser,
+)
 from prorl_cli.agent.trajectory import (
     TRAJECTORY_FORMAT,
     ModelCall,

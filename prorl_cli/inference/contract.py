@@ -12,7 +12,13 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
-from prorl_cli.protocol import SamplingParams, pack_floats, pack_tokens, unpack_floats, unpack_tokens
+from prorl_cli.protocol import (
+    SamplingParams,
+    pack_floats,
+    pack_tokens,
+    unpack_floats,
+    unpack_tokens,
+)
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -80,7 +86,7 @@ class Engine(abc.ABC):
     #: Longest prompt + output it accepts, in tokens.
     max_model_len: int = 0
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 (optional hook; most engines need nothing)
         """Get ready to serve (start or attach to a server, load weights)."""
 
     async def healthy(self) -> bool:
@@ -91,5 +97,5 @@ class Engine(abc.ABC):
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         """Generate from ``prompt_ids``; raise ``InferenceError`` with the server's message on failure."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what :meth:`start` acquired (stop a child server)."""

@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from prorl_cli.exceptions import ConfigError
 
 
 @dataclass
 class InferenceConfig:
-    """How node workers reach models."""
+    """How node workers reach models, and how ``prorl serve inference`` runs them.
 
+    Command-line flags of ``prorl serve inference`` override the bridge keys.
+    """
+
+    #: Longest a node waits for one generate call (held while paused, queued, served).
     generate_timeout_s: float = 600.0
+    #: Model directory whose tokenizer and chat template handlers use (``prorl dev tiny-model`` makes one).
+    tokenizer: str | None = None
+    #: Bridge: ``vllm`` (a vLLM child process) or ``transformers`` (the in-process CPU reference engine).
+    engine: str = "vllm"
+    #: Bridge: generate requests served at once (more wait in the bridge).
+    capacity: int = 64
+    #: Bridge: how long vLLM may take to become healthy.
+    startup_timeout_s: float = 900.0
+    #: Bridge: extra flags for vLLM's OpenAI server (``--dtype``, ``--tensor-parallel-size``, ...).
+    vllm_args: list[str] = field(default_factory=list)
+    #: Bridge: extra environment for the vLLM child (defaults keep the CPU backend small).
+    vllm_env: dict[str, str] = field(default_factory=dict)
+
+    def validate(self, where: str) -> None:
+        """Called by the config loader: reject values no bridge could use, naming the key."""
+        prefix = f"{where}." if where else "inference."
+        if self.engine not in ("vllm", "transformers"):
+            raise ConfigError(f"{prefix}engine: expected 'vllm' or 'transformers', got {self.engine!r}")
+        if self.capacity < 1:
+            raise ConfigError(f"{prefix}capacity: must be at least 1, got {self.capacity}")
+        for name in ("generate_timeout_s", "startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}{name}: must be positive, got {getattr(self, name)}")

@@ -13,6 +13,7 @@ import json
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Qwen2.5-style ChatML template with Hermes tool calls: tools are listed in the
 # system turn, assistant tool calls render as <tool_call>{json}</tool_call>, and
@@ -122,11 +123,12 @@ def make_tiny_model(
         num_key_value_heads=num_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
-        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-        torch_dtype="bfloat16",
+        bos_token_id=int(tok.convert_tokens_to_ids("<|endoftext|>")),  # type: ignore[arg-type]
+        eos_token_id=int(tok.convert_tokens_to_ids("<|im_end|>")),  # type: ignore[arg-type]
+        dtype="bfloat16",
     )
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model: Any = Qwen2ForCausalLM(config)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(str(out))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id})

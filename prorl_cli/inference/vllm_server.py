@@ -24,6 +24,7 @@ from pathlib import Path
 
 from prorl_cli.exceptions import InferenceError
 from prorl_cli.inference import http
+from prorl_cli.inference.openai_engine import OpenAIEngine
 
 log = logging.getLogger(__name__)
 
@@ -158,3 +159,34 @@ class VLLMServer:
             os.close(self._log_file)
             self._log_file = None
         return proc.returncode
+
+
+class VLLMChildEngine(OpenAIEngine):
+    """An :class:`OpenAIEngine` whose server is a :class:`VLLMServer` child of this process."""
+
+    def __init__(self, server: VLLMServer, *, timeout_s: float = 600.0, startup_timeout_s: float = 900.0,
+                 backend_id: str | None = None) -> None:
+        super().__init__(server.url, timeout_s=timeout_s, backend_id=backend_id)
+        self.server = server
+        self.startup_timeout_s = startup_timeout_s
+        #: Set once the child has exited: why this engine can no longer serve.
+        self.dead_reason: str | None = None
+
+    async def start(self) -> None:
+        self.server.start()
+        try:
+            await self.server.wait_ready(self.startup_timeout_s)
+        except BaseException:
+            await asyncio.to_thread(self.server.stop)
+            raise
+        await self.describe()
+
+    async def healthy(self) -> bool:
+        if not self.server.alive():
+            code = self.server.proc.returncode if self.server.proc else None
+            self.dead_reason = f"vLLM (pid {self.server.proc.pid if self.server.proc else '?'}) exited with code {code}"
+            return False
+        return await super().healthy()
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.server.stop)

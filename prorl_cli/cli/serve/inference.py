@@ -1,14 +1,67 @@
-"""``prorl serve inference`` (the inference issue fills this in)."""
+"""``prorl serve inference``: start (or attach to) vLLM and bridge it to the broker."""
 
 from __future__ import annotations
 
 import click
 
-from prorl_cli.cli.application import not_implemented
+from prorl_cli.cli.application import App, pass_app
 
 
 @click.command("inference", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def serve_inference(args: tuple[str, ...]) -> None:
-    """Start (or attach to) vLLM and bridge it to the broker (not implemented yet)."""
-    not_implemented("serve inference", "issue: inference nodes")
+@click.option("--engine", type=click.Choice(["vllm", "transformers"]), help="vllm (child process) or transformers (in-process CPU reference).")
+@click.option("--model", metavar="DIR", help="Local model directory (never downloaded).")
+@click.option("--attach", metavar="URL", help="Use an already running OpenAI-compatible server instead of starting one.")
+@click.option("--backend-id", metavar="ID", help="Name of this backend (default: HOST-PID).")
+@click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: read the rendezvous file).")
+@click.option("--port", type=int, default=0, help="Port for the vLLM child (default: a free one).")
+@click.option("--max-model-len", type=int, help="Longest prompt + output in tokens.")
+@click.option("--capacity", type=int, help="Generate requests served at once.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+@pass_app
+def serve_inference(
+    app: App,
+    engine: str | None,
+    model: str | None,
+    attach: str | None,
+    backend_id: str | None,
+    address: str | None,
+    port: int,
+    max_model_len: int | None,
+    capacity: int | None,
+    vllm_args: tuple[str, ...],
+) -> None:
+    """Start (or attach to) vLLM and bridge it to the broker.
+
+    \b
+    prorl serve inference --model DIR                   vLLM child process
+    prorl serve inference --model DIR -- --dtype float32   extra vLLM flags
+    prorl serve inference --attach http://host:8000/v1  a running server
+    prorl serve inference --engine transformers --model DIR   CPU reference
+    """
+    app.override(inference__engine=engine, inference__capacity=capacity)
+    app.setup_logging("inference")
+    import asyncio
+
+    from prorl_cli.exceptions import ProrlError
+    from prorl_cli.inference.serve import BridgeOptions, run_bridge
+
+    ic = app.config.inference
+    extra = [a for a in vllm_args if a != "--"]
+    if extra and (attach or ic.engine != "vllm"):
+        app.abort(f"extra arguments {extra} are vLLM flags; they need --engine vllm without --attach")
+    opts = BridgeOptions(
+        engine=ic.engine,
+        model=model,
+        attach=attach,
+        backend_id=backend_id,
+        address=address,
+        port=port,
+        max_model_len=max_model_len,
+        capacity=ic.capacity,
+        vllm_args=extra,
+    )
+    try:
+        code = asyncio.run(run_bridge(opts, app.config))
+    except ProrlError as e:
+        app.abort(str(e))
+    raise SystemExit(code)

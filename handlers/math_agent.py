@@ -1,0 +1,110 @@
+"""``math_agent``: a multi-turn, tool-using math agent on the token-exact loop.
+
+Instance::
+
+    {"question": "What is 17 * 23?", "answer": "391",
+     "tokenizer": "/path/model-dir",   # optional; default inference.tokenizer
+     "max_turns": 4}                   # optional
+
+The model may call ``calculator`` (Hermes ``<tool_call>`` format) any number
+of times; the turn without a tool call is its answer. Reward: 1.0 when the
+last number in that answer equals ``answer`` exactly, else 0.0. No sandbox:
+the calculator evaluates arithmetic with Python's ``ast``, nothing else.
+The output holds the whole token-level trajectory (``prorl_cli.agent``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import operator
+import re
+from typing import Any
+
+from prorl_cli.agent import ChatTokens, Trajectory, run_tool_agent
+from prorl_cli.node.handler import AgentHandler, JobContext
+
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+SYSTEM = "You are a careful math assistant. Use the calculator tool, then state the final number."
+
+_OPS: dict[type, Any] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.USub: operator.neg, ast.UAdd: operator.pos,
+}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate arithmetic only (no names, calls or attributes)."""
+
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 100:
+                raise ValueError("exponent too large")
+            return _OPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"unsupported expression element {type(node).__name__}")
+
+    value = ev(ast.parse(str(expression), mode="eval").body)
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def final_number(text: str) -> str | None:
+    """The last number in ``text`` (as written), or ``None``."""
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", text)
+    return numbers[-1] if numbers else None
+
+
+@functools.lru_cache(maxsize=8)
+def _chat(tokenizer_dir: str) -> ChatTokens:
+    return ChatTokens.from_pretrained(tokenizer_dir, tools=[CALCULATOR_SCHEMA])
+
+
+class MathAgentHandler(AgentHandler):
+    """Question -> calculator calls -> answer; reward by exact match."""
+
+    name = "math_agent"
+
+    async def init(self, ctx: JobContext) -> None:
+        inst = ctx.instance if isinstance(ctx.instance, dict) else {}
+        if not isinstance(inst.get("question"), str):
+            raise ValueError("math_agent instance needs a 'question' string")
+        tokenizer = inst.get("tokenizer") or ctx.config.inference.tokenizer
+        if not tokenizer:
+            raise ValueError("math_agent needs a tokenizer: instance 'tokenizer' or inference.tokenizer in prorl.yaml")
+        ctx.state["chat"] = _chat(str(tokenizer))
+
+    async def run(self, ctx: JobContext) -> None:
+        inst = ctx.instance
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": inst["question"]}]
+        traj = await run_tool_agent(
+            ctx.generate,
+            ctx.state["chat"],
+            messages,
+            {"calculator": calculator},
+            sampling=ctx.sampling,
+            max_turns=int(inst.get("max_turns", 4)),
+        )
+        ctx.output["trajectory"] = traj.to_dict()
+
+    async def eval(self, ctx: JobContext) -> None:
+        traj = Trajectory.from_dict(ctx.output["trajectory"])
+        answer = traj.calls[-1].text if traj.calls and traj.stop_reason == "stop" else ""
+        got = final_number(answer)
+        ctx.output["predicted"] = got
+        ctx.reward = 1.0 if got is not None and got == str(ctx.instance.get("answer")) else 0.0

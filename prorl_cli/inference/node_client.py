@@ -1,0 +1,78 @@
+"""The node side of generate: ask the broker, or call a redirected HTTP backend directly.
+
+Every call goes to the broker first, so pause/resume, stickiness and
+``backends clear`` apply to HTTP backends too. The broker answers with
+the output (a bridge served it) or with ``redirect: url`` (an HTTP backend
+added with ``backends add``), in which case this node calls
+``url/completions`` itself with the prompt as token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prorl_cli.exceptions import InferenceError, NoBackend, ProtocolError
+from prorl_cli.inference.contract import Generation, check_sampling
+from prorl_cli.inference.openai_engine import OpenAIEngine
+from prorl_cli.inference.settings import InferenceConfig
+from prorl_cli.protocol import ErrorCode, Op, SamplingParams, pack_tokens
+
+log = logging.getLogger(__name__)
+
+#: ``await request(header, payload) -> (reply header, reply payload)`` over the node's socket.
+RequestFn = Callable[[dict[str, Any], list[bytes]], Awaitable[tuple[dict[str, Any], list[bytes]]]]
+
+
+class NodeInference:
+    """``generate(job_id, prompt_ids, sampling) -> Generation`` for one node's jobs."""
+
+    def __init__(self, request: RequestFn, config: InferenceConfig, host: str) -> None:
+        self.request = request
+        self.config = config
+        self.host = host
+        self._http: dict[str, OpenAIEngine] = {}
+
+    def _http_engine(self, url: str, backend_id: str | None) -> OpenAIEngine:
+        engine = self._http.get(url)
+        if engine is None:
+            engine = OpenAIEngine(url, timeout_s=self.config.generate_timeout_s, backend_id=backend_id or url)
+            self._http[url] = engine
+        return engine
+
+    async def generate(self, job_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        """One model call for ``job_id``; raises :class:`InferenceError` / :class:`NoBackend`."""
+        try:
+            check_sampling(sampling)
+        except ValueError as e:
+            raise InferenceError(str(e)) from e
+        if not prompt_ids:
+            raise InferenceError("generate needs at least one prompt token")
+        header = {"op": Op.GENERATE.value, "job_id": job_id, "sampling": sampling.to_wire()}
+        timeout_s = self.config.generate_timeout_s
+        try:
+            reply, payload = await asyncio.wait_for(self.request(header, [pack_tokens(prompt_ids)]), timeout_s)
+        except asyncio.TimeoutError as e:
+            raise InferenceError(
+                f"job {job_id}: no generate answer from the broker within {timeout_s:g} s "
+                "(generation paused, or no backend registered?)"
+            ) from e
+        if not reply.get("ok"):
+            raw_err = reply.get("error")
+            err: dict[str, Any] = raw_err if isinstance(raw_err, dict) else {}
+            code, message = err.get("code", "?"), err.get("message", str(reply))
+            cls = NoBackend if code == ErrorCode.NO_BACKEND.value else InferenceError
+            raise cls(f"{code}: {message}")
+        backend_id = reply.get("backend_id")
+        redirect = reply.get("redirect")
+        if redirect:
+            engine = self._http_engine(str(redirect), backend_id)
+            gen = await engine.generate(prompt_ids, sampling)
+            gen.backend_id = backend_id or engine.backend_id
+            return gen
+        try:
+            return Generation.from_payload(payload, str(reply.get("finish_reason") or "stop"), backend_id)
+        except ProtocolError as e:
+            raise InferenceError(f"backend {backend_id}: malformed generate reply: {e.message}") from e

@@ -1,0 +1,110 @@
+"""``prorl serve inference``: build the engine, bridge it to the broker, clean up.
+
+Order: start the engine (vLLM takes a minute or more on a CPU), then find
+the broker and register. SIGTERM/SIGINT at any point stop a vLLM child
+(SIGTERM, then SIGKILL) and unregister; an engine that dies ends the bridge
+with a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+
+from prorl_cli.config import ProrlConfig
+from prorl_cli.exceptions import InferenceError
+from prorl_cli.inference.bridge import InferenceBridge
+from prorl_cli.inference.contract import Engine
+from prorl_cli.rendezvous import wait_rendezvous
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BridgeOptions:
+    """What ``prorl serve inference`` was asked to run."""
+
+    engine: str = "vllm"  # vllm | transformers
+    model: str | None = None
+    attach: str | None = None
+    backend_id: str | None = None
+    address: str | None = None
+    port: int = 0  # vLLM's port (0: a free one)
+    max_model_len: int | None = None
+    capacity: int = 64
+    vllm_args: list[str] = field(default_factory=list)
+    broker_wait_s: float = 300.0
+
+
+def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> Engine:
+    """The engine the options describe; :class:`InferenceError` names a bad combination."""
+    ic = config.inference
+    if opts.attach:
+        from prorl_cli.inference.openai_engine import OpenAIEngine
+
+        return OpenAIEngine(opts.attach, timeout_s=ic.generate_timeout_s, backend_id=backend_id)
+    if not opts.model:
+        raise InferenceError("give --model DIR (a local model directory) or --attach URL")
+    if opts.engine == "transformers":
+        from prorl_cli.inference.transformers_engine import TransformersEngine
+
+        return TransformersEngine(opts.model, max_model_len=opts.max_model_len, backend_id=backend_id)
+    if opts.engine != "vllm":
+        raise InferenceError(f"--engine {opts.engine!r}: expected vllm or transformers")
+    from prorl_cli.inference.vllm_server import VLLMChildEngine, VLLMServer
+
+    server = VLLMServer(
+        opts.model,
+        port=opts.port,
+        max_model_len=opts.max_model_len,
+        extra_args=[*ic.vllm_args, *opts.vllm_args],
+        env=ic.vllm_env,
+        log_path=config.deployment_dir / "inference" / f"{backend_id}.vllm.log",
+    )
+    return VLLMChildEngine(
+        server, timeout_s=ic.generate_timeout_s, startup_timeout_s=ic.startup_timeout_s, backend_id=backend_id
+    )
+
+
+async def run_bridge(opts: BridgeOptions, config: ProrlConfig) -> int:
+    """Run until stopped; return the process exit code (1 when the engine died)."""
+    host = socket.gethostname()
+    backend_id = opts.backend_id or f"{host}-{os.getpid()}"
+    engine = build_engine(opts, config, backend_id)
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    bridge: InferenceBridge | None = None
+
+    def on_signal() -> None:
+        if bridge is not None:
+            bridge.stop()
+        elif main is not None:
+            main.cancel()  # still starting the engine: abandon the start, clean up below
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        log.info("starting engine %s (model %s)", opts.attach and "attach" or opts.engine, opts.model or opts.attach)
+        await engine.start()
+        log.info("engine ready: model %s, max_model_len %s", engine.model, engine.max_model_len)
+        address = opts.address
+        if address is None:
+            info = await asyncio.to_thread(wait_rendezvous, config.deployment_dir, opts.broker_wait_s)
+            address = info.address
+        bridge = InferenceBridge(engine, address=address, backend_id=backend_id, host=host, capacity=opts.capacity)
+        await bridge.serve()
+        if bridge.failure:
+            log.error("bridge stopped: %s", bridge.failure)
+            return 1
+        return 0
+    except asyncio.CancelledError:
+        log.info("stopped while starting")
+        return 0
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await engine.close()
