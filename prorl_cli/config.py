@@ -154,12 +154,12 @@ def _build(cls: Any, data: Any, where: str) -> Any:
     if data is None:
         return cls()
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+        raise ConfigError(f"{where or 'top level'}: expected a mapping, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(names)}")
+        raise ConfigError(f"{where or 'top level'}: unknown key(s) {unknown}; known keys: {sorted(names)}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     obj = cls(**kwargs)
     check = getattr(obj, "validate", None)

@@ -1,21 +1,224 @@
+"""The trainer-side commands: ``submit``, ``status``, ``cancel``, ``stop``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 import click
 
+from prorl_cli.cli.application import App, pass_app
+
+if TYPE_CHECKING:
+    from prorl_cli.client import RolloutClient
+    from prorl_cli.protocol import JobResult, StatusReport
+
+
+def connect(app: App, address: str | None = None) -> RolloutClient:
+    """A client for the deployment; a clear error if its broker is not there."""
+    from prorl_cli.client import RolloutClient
+    from prorl_cli.exceptions import RendezvousError
+
+    try:
+        return RolloutClient(app.config.deployment, address=address, config=app.config)
+    except RendezvousError as e:
+        app.abort(str(e))
+
+
+def read_instances(path: Path) -> list[Any]:
+    """One JSON value per line; blank lines skipped; errors name the line."""
+    instances = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                instances.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise click.BadParameter(f"{path}:{lineno}: not valid JSON: {e.msg}", param_hint="TASKS") from e
+    return instances
+
+
+def run_submission(
+    app: App,
+    client: RolloutClient,
+    task: str,
+    instances: list[Any],
+    n: int,
+    out: Path | None,
+    timeout_s: float | None,
+    id_prefix: str | None,
+) -> list[JobResult]:
+    """Submit, stream results to ``out`` as they finish, show progress and a summary."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from prorl_cli.exceptions import ProrlError
+
+    job_ids = [f"{id_prefix}-{i}-{k}" for i in range(len(instances)) for k in range(n)] if id_prefix else None
+    started = time.monotonic()
+    try:
+        ids = client.submit(task, instances, n=n, job_ids=job_ids, timeout_s=timeout_s)
+    except ProrlError as e:
+        app.abort(f"submit failed: {e}")
+    counts: dict[str, int] = {}
+    results: list[JobResult] = []
+    out_file = out.open("w") if out else None
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[counts]}"),
+        TextColumn("{task.fields[rate]:.1f} jobs/s"),
+        TimeElapsedColumn(),
+    )
+    try:
+        with Progress(*columns, console=app.err_console, transient=False) as progress:
+            bar = progress.add_task(task, total=len(ids), counts="", rate=0.0)
+            for result in client.as_completed(ids):
+                results.append(result)
+                counts[result.state] = counts.get(result.state, 0) + 1
+                if out_file:
+                    out_file.write(json.dumps(result.to_wire()) + "\n")
+                elapsed = max(time.monotonic() - started, 1e-9)
+                progress.update(
+                    bar,
+                    advance=1,
+                    counts=" ".join(f"{k}={v}" for k, v in sorted(counts.items())),
+                    rate=len(results) / elapsed,
+                )
+    except KeyboardInterrupt:
+        left = [j for j in ids if j not in {r.job_id for r in results}]
+        app.err_console.print(f"interrupted: cancelling {len(left)} unfinished job(s)")
+        client.cancel(left)
+        raise
+    finally:
+        if out_file:
+            out_file.close()
+    print_summary(app, results, time.monotonic() - started, out)
+    return results
+
+
+def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Path | None) -> None:
+    from rich.table import Table
+
+    table = Table(title="prorl submit: summary")
+    table.add_column("state")
+    table.add_column("jobs", justify="right")
+    table.add_column("mean reward", justify="right")
+    table.add_column("mean in-stage s", justify="right")
+    by_state: dict[str, list[JobResult]] = {}
+    for r in results:
+        by_state.setdefault(r.state, []).append(r)
+    for state, rs in sorted(by_state.items()):
+        rewards = [r.reward for r in rs if r.reward is not None]
+        table.add_row(
+            state,
+            str(len(rs)),
+            f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
+            f"{sum(r.active_s for r in rs) / len(rs):.3f}",
+        )
+    app.console.print(table)
+    rate = len(results) / elapsed_s if elapsed_s > 0 else 0.0
+    app.console.print(f"{len(results)} job(s) in {elapsed_s:.2f} s ({rate:.1f} jobs/s)" + (f"; results in {out}" if out else ""))
+
 
 @click.command()
-def submit() -> None:
-    """Submit tasks."""
+@click.argument("tasks_file", metavar="TASKS", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--task", required=True, metavar="NAME", help="Handler (task type) to run every instance with.")
+@click.option("--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Rollouts per instance.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write results (JSONL) here as they finish.")
+@click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
+@click.option("--id-prefix", metavar="PREFIX", help="Deterministic job ids PREFIX-LINE-K: resubmitting resumes instead of rerunning.")
+@click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@pass_app
+def submit(
+    app: App, tasks_file: Path, task: str, n: int, out: Path | None, timeout_s: float | None, id_prefix: str | None, address: str | None
+) -> None:
+    """Submit every line of TASKS (JSONL, one instance per line) and collect the results."""
+    instances = read_instances(tasks_file)
+    if not instances:
+        app.abort(f"{tasks_file}: no instances")
+    with connect(app, address) as client:
+        results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix)
+    if any(r.state != "done" for r in results):
+        raise click.exceptions.Exit(1)
+
+
+def print_status(app: App, status: StatusReport) -> None:
+    from rich.table import Table
+
+    jobs = " ".join(f"{k}={v}" for k, v in status.jobs.items() if v)
+    flags = []
+    if status.generation_paused:
+        flags.append("generation PAUSED")
+    if not status.placing:
+        flags.append("placement HELD")
+    app.console.print(
+        f"deployment [bold]{status.deployment}[/]: up {status.uptime_s:.0f} s; jobs: {jobs or 'none'}"
+        + (f"; {', '.join(flags)}" if flags else "")
+    )
+    nodes = Table(title="nodes")
+    for col in ("node", "host", "alive", "inflight/credit", "init a/q", "run a/q", "eval a/q", "tasks"):
+        nodes.add_column(col)
+    for n in status.node_statuses():
+        st = n.stages
+        cell = lambda s: f"{st.get(s, {}).get('active', 0)}/{st.get(s, {}).get('queued', 0)}"  # noqa: E731
+        nodes.add_row(n.node_id, n.host, "yes" if n.alive else "[red]no[/]", f"{n.inflight}/{n.credit}",
+                      cell("init"), cell("run"), cell("eval"), ",".join(n.tasks))
+    app.console.print(nodes)
+    print_backends(app, status.backend_statuses())
+
+
+def print_backends(app: App, backends: list[Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="inference backends")
+    for col in ("backend", "kind", "model", "host", "in-flight", "jobs", "served", "state"):
+        table.add_column(col)
+    for b in backends:
+        state = "dead" if not b.alive else ("cleared" if b.cleared else "active")
+        table.add_row(b.backend_id, b.kind, b.model or "-", b.host or "-", str(b.inflight), str(b.jobs), str(b.served), state)
+    app.console.print(table)
 
 
 @click.command()
-def status() -> None:
-    """Status."""
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
+@click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@pass_app
+def status(app: App, as_json: bool, address: str | None) -> None:
+    """Jobs by state, per-node stage queues and per-backend load."""
+    with connect(app, address) as client:
+        report = client.status()
+    if as_json:
+        click.echo(json.dumps(report.to_wire(), indent=2))
+    else:
+        print_status(app, report)
 
 
 @click.command()
-def cancel() -> None:
-    """Cancel."""
+@click.argument("job_ids", nargs=-1, required=True)
+@click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@pass_app
+def cancel(app: App, job_ids: tuple[str, ...], address: str | None) -> None:
+    """Cancel queued or running jobs by id."""
+    from prorl_cli.exceptions import RemoteError
+
+    with connect(app, address) as client:
+        try:
+            states = client.cancel(job_ids)
+        except RemoteError as e:
+            app.abort(str(e))
+    for job_id, state in states.items():
+        app.console.print(f"{job_id}: {state}")
 
 
 @click.command()
-def stop() -> None:
-    """Stop."""
+@click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@pass_app
+def stop(app: App, address: str | None) -> None:
+    """Stop the deployment: cancel every job, shut nodes and bridges down, stop the broker."""
+    with connect(app, address) as client:
+        client.stop()
+    app.console.print(f"deployment {app.config.deployment} is stopping")

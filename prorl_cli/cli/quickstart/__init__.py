@@ -1,6 +1,90 @@
+"""``prorl quickstart``: the whole stack embedded on this machine, one command.
+
+It starts a broker, one node server (and, with a model, an inference bridge)
+as child processes, submits a small task set, writes the trajectories and a
+summary, and stops everything it started.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
 import click
+
+from prorl_cli.cli.application import App, pass_app
+
+NO_LLM_TASKS = [
+    {"echo": f"instance {i}", "sleep_s": {"init": 0.02, "run": 0.05, "eval": 0.02}} for i in range(16)
+] + [{"echo": "fails in run", "raise_in": "run"}, {"echo": "hangs in eval", "hang_in": "eval"}]
 
 
 @click.command()
-def quickstart() -> None:
-    """Quickstart."""
+@click.option("--home", "qs_home", type=click.Path(file_okay=False, path_type=Path), default=Path("prorl-quickstart"),
+              show_default=True, help="Where the embedded deployment keeps its files, logs and outputs.")
+@click.option("--engine", type=click.Choice(["auto", "none", "transformers", "vllm"]), default="auto", show_default=True,
+              help="Model engine for the agent; 'none' runs the scripted test handler (no LLM); 'auto' picks transformers when torch is installed.")
+@click.option("--model", type=click.Path(file_okay=False, path_type=Path),
+              help="Local HF model directory (default: a tiny random model made with 'prorl dev tiny-model').")
+@click.option("--n", "n", type=click.IntRange(min=1), default=2, show_default=True, help="Rollouts per instance.")
+@pass_app
+def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int) -> None:
+    """Run broker, node (and inference) on this machine, roll out a task set, write trajectories."""
+    from prorl_cli.cli.jobs import run_submission
+    from prorl_cli.embedded import LocalStack
+
+    home = qs_home.resolve()
+    if engine == "auto":
+        engine = "transformers" if _has_torch() else "none"
+    config = {
+        "broker": {"heartbeat_interval_s": 0.5},
+        "node": {"n_init": 4, "n_run": 8, "n_eval": 4},
+        "jobs": {"timeout_s": 120.0 if engine != "none" else 2.0},
+    }
+    out = home / "trajectories.jsonl"
+    summary_path = home / "summary.json"
+    con = app.console
+    with LocalStack(home, "quickstart", config) as stack:
+        con.print(f"[bold]prorl quickstart[/] in {home} (logs in {stack.logs})")
+        stack.start_broker()
+        con.print(f"  broker up at {stack.address}")
+        stack.start_node("node-0")
+        con.print("  node-0 registered")
+        if engine == "none":
+            con.print(
+                "  [yellow]no LLM:[/] running the scripted 'test' handler (sleeps, one failure, one timeout); "
+                "install the cpu extra (torch) for a real agent on a tiny model"
+            )
+            task, instances = "test", NO_LLM_TASKS
+        else:
+            task, instances = _start_inference(app, stack, engine, model, home)
+        started = time.monotonic()
+        results = run_submission(app, stack.client, task, instances, n, out, None, None)
+        elapsed_s = time.monotonic() - started
+        summary = {
+            "engine": engine,
+            "task": task,
+            "jobs": len(results),
+            "states": {s: sum(r.state == s for r in results) for s in sorted({r.state for r in results})},
+            "mean_reward": _mean([r.reward for r in results if r.reward is not None]),
+            "elapsed_s": elapsed_s,
+            "trajectories": str(out),
+        }
+        summary_path.write_text(json.dumps(summary, indent=2))
+        stack.stop()
+    con.print(f"summary in {summary_path}; deployment stopped")
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def _start_inference(app: App, stack: object, engine: str, model: Path | None, home: Path) -> tuple[str, list[object]]:
+    app.abort(f"engine {engine!r}: the inference bridge is not available in this build")
