@@ -51,7 +51,9 @@ class Broker:
             self.sock.bind(f"tcp://{bc.bind_host}:{bc.port}")
         else:
             self.sock.bind(f"tcp://{bc.bind_host}:*")
-        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Peers on other hosts cannot dial a wildcard: publish this host's name instead.
+        self.address = bound.replace("0.0.0.0", socket.getfqdn(), 1) if "://0.0.0.0:" in bound else bound
         self.started_at = time.monotonic()
 
         self.jobs: dict[str, Job] = {}

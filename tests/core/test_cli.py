@@ -1,0 +1,149 @@
+"""The ``prorl`` command line, run as real subprocesses against a real deployment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import Deployment
+
+
+def prorl(d: Deployment | None, *args: str, cwd: Path | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**(d.env() if d else dict(os.environ)), "COLUMNS": "200"}  # rich wraps tables at 80 otherwise
+    prefix = ["-d", d.name] if d else []
+    return subprocess.run(
+        [sys.executable, "-m", "prorl_cli", *prefix, *args],
+        env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s,
+    )
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory):
+    d = Deployment(tmp_path_factory.mktemp("cli") / "home", "cli")
+    d.start_broker()
+    d.start_node("n1")
+    yield d
+    d.close()
+
+
+def test_help_is_instant_and_lists_the_commands() -> None:
+    out = subprocess.run([sys.executable, "-m", "prorl_cli", "--help"], capture_output=True, text=True, check=True).stdout
+    for cmd in ("serve", "submit", "status", "cancel", "stop", "backends", "quickstart", "build-images", "config"):
+        assert cmd in out
+    # Heavy libraries stay out of the CLI's import path.
+    probe = "import sys, prorl_cli.cli; print(sorted(m for m in ('torch', 'transformers', 'spython') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+def test_unimplemented_commands_exit_non_zero() -> None:
+    for args in (["launch"], ["down"]):
+        r = subprocess.run([sys.executable, "-m", "prorl_cli", *args], capture_output=True, text=True)
+        assert r.returncode != 0
+        assert "not implemented yet" in r.stderr
+
+
+def test_submit_writes_results_and_a_summary(deployment: Deployment, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"echo": i}) for i in range(5)) + "\n\n")
+    out = tmp_path / "out.jsonl"
+    r = prorl(deployment, "submit", str(tasks), "--task", "test", "--n", "3", "--out", str(out), "--id-prefix", "cli")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 15
+    assert {line["state"] for line in lines} == {"done"}
+    assert sorted(line["job_id"] for line in lines) == sorted(f"cli-{i}-{k}" for i in range(5) for k in range(3))
+    assert sorted(line["output"]["echo"] for line in lines) == sorted(list(range(5)) * 3)
+    assert "summary" in r.stdout and "15 job(s)" in r.stdout
+    # Resubmitting with the same prefix returns the same jobs instead of running them again.
+    r2 = prorl(deployment, "submit", str(tasks), "--task", "test", "--n", "3", "--id-prefix", "cli")
+    assert r2.returncode == 0
+    assert deployment.client.status().jobs["done"] >= 15
+
+
+def test_submit_reports_bad_input_clearly(deployment: Deployment, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ok": 1}\n{not json\n')
+    r = prorl(deployment, "submit", str(bad), "--task", "test")
+    assert r.returncode != 0 and "bad.jsonl:2" in r.stderr
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"echo": 1}\n')
+    r = prorl(deployment, "submit", str(good), "--task", "nope")
+    assert r.returncode != 0 and "unknown_task" in r.stderr and "nope" in r.stderr
+    failing = tmp_path / "failing.jsonl"
+    failing.write_text('{"raise_in": "eval"}\n')
+    r = prorl(deployment, "submit", str(failing), "--task", "test")
+    assert r.returncode == 1 and "failed" in r.stdout
+
+
+def test_status_cancel_and_backends(deployment: Deployment) -> None:
+    (job,) = deployment.client.submit("test", [{"hang_in": "run"}], timeout_s=60)
+    deployment.wait_for(lambda st: st.jobs["run"] >= 1, 10, "job to run")
+    r = prorl(deployment, "status", "--json")
+    assert r.returncode == 0
+    st = json.loads(r.stdout)
+    assert st["nodes"][0]["node_id"] == "n1" and st["jobs"]["run"] >= 1
+    assert "n1" in prorl(deployment, "status").stdout
+    r = prorl(deployment, "cancel", job)
+    assert r.returncode == 0 and f"{job}: cancelled" in r.stdout
+    assert deployment.client.result(job, timeout_s=5).state == "cancelled"
+    assert prorl(deployment, "cancel", "no-such-job").returncode != 0
+
+    assert prorl(deployment, "backends", "add", "http://127.0.0.1:9/v1").returncode == 0
+    listed = prorl(deployment, "backends", "list").stdout
+    assert "http://127.0.0.1:9/v1" in listed and "active" in listed
+    assert prorl(deployment, "backends", "add", "ftp://nope").returncode != 0
+    assert prorl(deployment, "backends", "pause").returncode == 0
+    assert deployment.client.status().generation_paused
+    assert prorl(deployment, "backends", "resume").returncode == 0
+    r = prorl(deployment, "backends", "clear")
+    assert r.returncode == 0 and "cleared 1" in r.stdout
+    # A cleared HTTP backend no job uses is dropped.
+    assert deployment.client.list_backends() == []
+
+
+def test_commands_without_a_broker_say_so(tmp_path: Path) -> None:
+    d = Deployment(tmp_path / "home", "nobroker")
+    r = prorl(d, "status")
+    assert r.returncode != 0 and "rendezvous" in r.stderr and "nobroker" in r.stderr
+
+
+def test_config_show_and_errors(tmp_path: Path) -> None:
+    cfg = tmp_path / "prorl.yaml"
+    cfg.write_text("node:\n  n_run: 3\n")
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "--config", str(cfg), "-d", "xyz", "config", "show"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "n_run: 3" in r.stdout and "deployment: xyz" in r.stdout
+    cfg.write_text("node:\n  n_run: three\n")
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "--config", str(cfg), "config", "show"], capture_output=True, text=True)
+    assert r.returncode != 0 and "node.n_run" in r.stderr and str(cfg) in r.stderr
+
+
+def test_stop_command_stops_the_deployment(tmp_path: Path) -> None:
+    d = Deployment(tmp_path / "home", "stopme")
+    try:
+        d.start_broker()
+        d.start_node("n1")
+        r = prorl(d, "stop")
+        assert r.returncode == 0
+        for proc in d.procs.values():
+            assert proc.wait(timeout=30) == 0
+    finally:
+        d.close()
+
+
+def test_quickstart_without_llm_runs_end_to_end(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "prorl_cli", "quickstart", "--home", str(tmp_path / "qs"), "--engine", "none"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "no LLM" in r.stdout
+    summary = json.loads((tmp_path / "qs" / "summary.json").read_text())
+    assert summary["states"] == {"done": 32, "failed": 2, "timed_out": 2}
+    assert len((tmp_path / "qs" / "trajectories.jsonl").read_text().splitlines()) == 36
+    assert not (tmp_path / "qs" / "quickstart" / "broker.json").exists()
