@@ -1,0 +1,215 @@
+"""Pipeline overhead: no-op jobs through prorl's broker path vs. the paper's blocking HTTP /process.
+
+Both sides run in this one invocation on this machine, with the same number
+of jobs in flight:
+
+* prorl: client -> broker -> node (INIT/RUN/EVAL pools, no-op handler) -> broker -> client,
+  every hop a real ZeroMQ socket between real processes. Two client styles:
+  ``process`` (one awaited call per job, like the paper's HTTP client) and
+  ``stream`` (refill the window with one batched submit per turn, results streamed).
+* HTTP: one aiohttp server process implementing the paper's design — POST /process
+  enqueues the job through three asyncio queues with worker pools and holds the
+  connection until EVAL is done — and an aiohttp client keeping the same number of
+  requests in flight.
+
+    python benchmarks/pipeline_overhead.py [--jobs 5000] [--inflight 64]
+
+Prints jobs/s and p50/p99 latency per side, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from prorl_cli.client import AsyncRolloutClient  # noqa: E402
+from prorl_cli.embedded import LocalStack  # noqa: E402
+
+HTTP_SERVER = r'''
+import asyncio, sys
+from aiohttp import web
+
+N_INIT, N_RUN, N_EVAL = 8, 32, 8
+
+async def worker(inq, outq):
+    while True:
+        job = await inq.get()
+        # the no-op stage
+        if outq is None:
+            job["done"].set()
+        else:
+            outq.put_nowait(job)
+
+async def process(request):
+    body = await request.json()
+    job = {"id": body["job_id"], "instance": body["instance"], "done": asyncio.Event()}
+    request.app["init"].put_nowait(job)
+    await job["done"].wait()
+    return web.json_response({"job_id": job["id"], "state": "done", "reward": 1.0, "output": {}})
+
+async def start(app):
+    app["init"], app["run"], app["eval"] = asyncio.Queue(), asyncio.Queue(), asyncio.Queue()
+    app["workers"] = (
+        [asyncio.create_task(worker(app["init"], app["run"])) for _ in range(N_INIT)]
+        + [asyncio.create_task(worker(app["run"], app["eval"])) for _ in range(N_RUN)]
+        + [asyncio.create_task(worker(app["eval"], None)) for _ in range(N_EVAL)]
+    )
+
+app = web.Application()
+app.on_startup.append(start)
+app.router.add_post("/process", process)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=lambda *a: print("ready", flush=True), access_log=None)
+'''
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def report(name: str, n: int, elapsed_s: float, lat_s: list[float]) -> float:
+    rate = n / elapsed_s
+    print(f"{name:<28} {rate:9.0f} jobs/s   p50 {pct(lat_s, 0.5) * 1e3:7.2f} ms   p99 {pct(lat_s, 0.99) * 1e3:7.2f} ms")
+    return rate
+
+
+async def prorl_process_style(address: str, jobs: int, inflight: int) -> tuple[float, list[float]]:
+    lat: list[float] = []
+    async with AsyncRolloutClient("bench", address=address) as client:
+        await client.process("noop", {})  # warm up
+        remaining = jobs
+
+        async def loop() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                t0 = time.perf_counter()
+                r = await client.process("noop", {})
+                assert r.state == "done"
+                lat.append(time.perf_counter() - t0)
+                client.forget([r.job_id])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(inflight)))
+        return time.perf_counter() - t0, lat
+
+
+async def prorl_stream_style(address: str, jobs: int, inflight: int) -> tuple[float, list[float]]:
+    lat: list[float] = []
+    async with AsyncRolloutClient("bench", address=address) as client:
+        started: dict[str, float] = {}
+        submitted = 0
+        t0 = time.perf_counter()
+
+        async def top_up(k: int) -> list[str]:
+            nonlocal submitted
+            k = min(k, jobs - submitted)
+            if k <= 0:
+                return []
+            ids = await client.submit("noop", [{}] * k)
+            now = time.perf_counter()
+            for j in ids:
+                started[j] = now
+            submitted += k
+            return ids
+
+        pending = set(await top_up(inflight))
+        while pending:
+            results = []
+            async for r in client.as_completed(list(pending)):
+                results.append(r)
+                break
+            # take whatever else already arrived without waiting
+            done_now = [j for j in pending if j in client._results]  # noqa: SLF001 (benchmark peeks)
+            now = time.perf_counter()
+            for j in done_now:
+                lat.append(now - started.pop(j))
+                pending.discard(j)
+            client.forget(done_now)
+            pending.update(await top_up(len(done_now)))
+        return time.perf_counter() - t0, lat
+
+
+async def http_style(port: int, jobs: int, inflight: int) -> tuple[float, list[float]]:
+    import aiohttp
+
+    lat: list[float] = []
+    url = f"http://127.0.0.1:{port}/process"
+    connector = aiohttp.TCPConnector(limit=inflight)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async with session.post(url, json={"job_id": "warm", "instance": {}}) as resp:
+            await resp.json()
+        remaining = jobs
+        counter = 0
+
+        async def loop() -> None:
+            nonlocal remaining, counter
+            while remaining > 0:
+                remaining -= 1
+                counter += 1
+                t0 = time.perf_counter()
+                async with session.post(url, json={"job_id": f"j{counter}", "instance": {}}) as resp:
+                    body = await resp.json()
+                assert body["state"] == "done"
+                lat.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(inflight)))
+        return time.perf_counter() - t0, lat
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=5000)
+    ap.add_argument("--inflight", type=int, default=64)
+    args = ap.parse_args()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}")
+    print(f"{args.jobs} no-op jobs, {args.inflight} in flight\n")
+
+    # Baseline: the paper's blocking HTTP design, one server process.
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", HTTP_SERVER, str(port)], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
+        http_elapsed, http_lat = asyncio.run(http_style(port, args.jobs, args.inflight))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(10)
+
+    # prorl: broker + one node as separate processes.
+    with tempfile.TemporaryDirectory(prefix="prorl-bench-") as tmp:
+        stack = LocalStack(Path(tmp), "bench", {"node": {"n_init": 8, "n_run": 32, "n_eval": 8}, "log_level": "WARNING"})
+        with stack:
+            stack.start_broker()
+            stack.start_node("node-0")
+            proc_elapsed, proc_lat = asyncio.run(prorl_process_style(stack.address, args.jobs, args.inflight))
+            stream_elapsed, stream_lat = asyncio.run(prorl_stream_style(stack.address, args.jobs, args.inflight))
+            stack.stop()
+
+    http_rate = report("HTTP /process (aiohttp)", args.jobs, http_elapsed, http_lat)
+    proc_rate = report("prorl, process() per job", args.jobs, proc_elapsed, proc_lat)
+    stream_rate = report("prorl, streamed window", args.jobs, stream_elapsed, stream_lat)
+    print(f"\nratio prorl/HTTP: process() {proc_rate / http_rate:.2f}x, streamed {stream_rate / http_rate:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
