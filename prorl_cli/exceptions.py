@@ -77,6 +77,10 @@ class SandboxTimeout(SandboxError, TimeoutError):
     """A sandbox start or tool call ran past its timeout."""
 
 
+class ToolError(SandboxError):
+    """A tool call was refused (no match for str_replace, missing file, bad argument)."""
+
+
 class ImageBuildError(ProrlError, RuntimeError):
     """An image build failed; the message holds the failing step and log tail."""
 

@@ -2,11 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
 class SandboxConfig:
-    """How node servers start sandboxes for handlers."""
+    """How node servers start sandboxes for handlers.
 
-    runtime: str = "local"  # apptainer | bwrap | local (no isolation; development only)
+    ``runtime``: ``apptainer`` (default on clusters), ``bwrap`` (bubblewrap,
+    for hosts without Apptainer) or ``local`` (no isolation at all; for
+    development only, and every start says so in the log).
+    """
+
+    runtime: Literal["apptainer", "bwrap", "local"] = "local"
+    # Default image when a handler names none: a .sif file or a sandbox
+    # directory (apptainer), a root filesystem directory or "host" (bwrap:
+    # the host's /usr, read-only). Unused by the local runtime.
+    image: str = ""
+    # Apptainer --fakeroot: root inside, mapped to the user's subordinate ids.
+    # Also lets the sandbox mount a fresh /sys that shows only its own network.
+    fakeroot: bool = True
+    # Give sandboxes the host's network by default (a task can still ask).
+    network: bool = False
+    # The writable layer over the image: "overlay" (a directory per sandbox
+    # under local_dir, removed on stop), "tmpfs" (in memory, writable_size_mb),
+    # or "none" (read-only image; only /tmp is writable).
+    writable: Literal["overlay", "tmpfs", "none"] = "overlay"
+    writable_size_mb: int = 1024
+    # Per-sandbox limits; 0 means no limit.
+    mem_gb: float = 4.0  # address space of each process (RLIMIT_AS)
+    max_procs: int = 512  # processes and threads of the sandbox's user (RLIMIT_NPROC)
+    wall_s: float = 0.0  # a sandbox older than this is stopped
+    # Sandboxes starting at once per node (mass starts on shared filesystems stall).
+    max_concurrent_starts: int = 8
+    start_timeout_s: float = 120.0
+    stop_grace_s: float = 5.0  # SIGTERM, then SIGKILL after this long
+    # Node-local directory for sockets and writable layers (short path: Unix
+    # socket paths break past ~108 bytes). Empty: $TMPDIR or /tmp, plus /prorl-<uid>.
+    local_dir: str = ""
+    # Tool defaults.
+    tool_timeout_s: float = 120.0
+    max_output_bytes: int = 64 * 1024
+    # Extra arguments for the runtime's command line (site specifics).
+    extra_args: list[str] = field(default_factory=list)
+    # python3 inside the image that runs the tool server.
+    python: str = "python3"

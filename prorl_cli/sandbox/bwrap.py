@@ -1,0 +1,97 @@
+"""bubblewrap: rootless sandboxes with millisecond start, for hosts without Apptainer.
+
+The image is a root filesystem directory (an unpacked image) or ``"host"``:
+the host's /usr, read-only, with the usual /bin, /lib links. The writable
+layer is a real overlay where bubblewrap supports it (0.8.0 does not; newer
+releases have ``--overlay``), else the image is bound read-only and /tmp,
+/root, /home and /var/tmp are tmpfs sized by ``writable_size_mb``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from prorl_cli.exceptions import SandboxError
+from prorl_cli.sandbox.runtime import (
+    INSIDE_DIR,
+    INSIDE_RUN,
+    INSIDE_TOOLSERVER,
+    SOCKET_NAME,
+    TOOLSERVER_PATH,
+    LaunchSpec,
+    Runtime,
+)
+from prorl_cli.sandbox.settings import SandboxConfig
+
+_WRITABLE_DIRS = ("/tmp", "/root", "/home", "/var/tmp")
+
+
+@functools.lru_cache(maxsize=4)
+def _supports_overlay(binary: str) -> bool:
+    out = subprocess.run([binary, "--help"], capture_output=True, text=True, check=False)
+    return "--overlay-src" in out.stdout + out.stderr
+
+
+class BwrapRuntime(Runtime):
+    """Sandboxes as ``bwrap`` processes running the tool server."""
+
+    name = "bwrap"
+
+    def __init__(self, config: SandboxConfig, log: logging.Logger) -> None:
+        super().__init__(config, log)
+        self.binary = shutil.which("bwrap")
+
+    def check(self) -> None:
+        if self.binary is None:
+            raise SandboxError("bwrap runtime: bwrap (bubblewrap) is not on PATH")
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        assert self.binary is not None
+        cfg = self.config
+        argv = [self.binary, "--die-with-parent", "--unshare-all", "--uid", "0", "--gid", "0"]
+        if spec.network:
+            argv.append("--share-net")
+        size = ["--size", str(cfg.writable_size_mb * 1024 * 1024)]
+        if spec.image == "host":
+            # bwrap's root is already a tmpfs: the writable layer, with /usr read-only.
+            argv += ["--ro-bind", "/usr", "/usr"]
+            for link in ("bin", "lib", "lib64", "sbin"):
+                if Path(f"/{link}").is_symlink():
+                    argv += ["--symlink", f"usr/{link}", f"/{link}"]
+            for d in _WRITABLE_DIRS:
+                argv += [*size, "--tmpfs", d]
+        elif cfg.writable == "overlay" and _supports_overlay(self.binary):
+            upper, work = spec.session_dir / "upper", spec.session_dir / "work"
+            upper.mkdir(parents=True, exist_ok=True)
+            work.mkdir(parents=True, exist_ok=True)
+            argv += ["--overlay-src", spec.image, "--overlay", str(upper), str(work), "/"]
+        else:
+            # bwrap's root is a tmpfs: bind each top-level entry of the image
+            # read-only onto it (so /.prorl can still be created), and give the
+            # usual scratch directories sized tmpfs.
+            writable = set(_WRITABLE_DIRS) if cfg.writable != "none" else {"/tmp"}
+            for entry in sorted(Path(spec.image).iterdir()):
+                target = f"/{entry.name}"
+                if entry.is_symlink():
+                    argv += ["--symlink", os.readlink(entry), target]
+                elif target in writable and entry.is_dir():
+                    argv += [*size, "--tmpfs", target]
+                elif target not in ("/dev", "/proc"):
+                    argv += ["--ro-bind", str(entry), target]
+        argv += ["--dev", "/dev", "--proc", "/proc"]
+        argv += ["--dir", INSIDE_DIR]
+        argv += ["--bind", str(spec.run_dir), INSIDE_RUN]
+        argv += ["--ro-bind", str(TOOLSERVER_PATH), INSIDE_TOOLSERVER]
+        argv += ["--clearenv", "--setenv", "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+        argv += ["--setenv", "HOME", "/root", "--chdir", "/root" if spec.image == "host" else "/"]
+        for key, value in spec.sandbox_env.items():
+            argv += ["--setenv", key, value]
+        argv += list(cfg.extra_args)
+        argv += [cfg.python, INSIDE_TOOLSERVER]
+        argv += self.toolserver_argv(f"{INSIDE_RUN}/{SOCKET_NAME}")
+        return argv

@@ -1,0 +1,37 @@
+"""The local runtime: the tool server as a plain host process. NO ISOLATION.
+
+For development on a laptop only: commands run as you, see your files and
+your network. Every start logs a warning that says so.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from prorl_cli.sandbox.runtime import TOOLSERVER_PATH, LaunchSpec, Runtime
+
+
+class LocalRuntime(Runtime):
+    """Runs the tool server on the host, in its own process group, without isolation."""
+
+    name = "local"
+    isolated = False
+
+    def check(self) -> None:
+        """Always available."""
+
+    def resolve_image(self, image: str | None) -> str:
+        return "host (no isolation)"
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        self.log.warning(
+            "sandbox %s: LOCAL RUNTIME, NO ISOLATION: commands run on this host as this user "
+            "(development only; set sandbox.runtime to apptainer or bwrap)",
+            spec.sandbox_id,
+        )
+        return [sys.executable, str(TOOLSERVER_PATH), *self.toolserver_argv(str(spec.socket_path))]
+
+    def host_env(self, spec: LaunchSpec) -> dict[str, str]:
+        env = super().host_env(spec)
+        env.update(spec.sandbox_env)
+        return env

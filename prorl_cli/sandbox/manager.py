@@ -1,0 +1,161 @@
+"""SandboxManager: one per node server; starts, tracks, stops and reaps sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from prorl_cli.exceptions import SandboxError
+from prorl_cli.sandbox.apptainer import ApptainerRuntime
+from prorl_cli.sandbox.bwrap import BwrapRuntime
+from prorl_cli.sandbox.client import ToolClient
+from prorl_cli.sandbox.local import LocalRuntime
+from prorl_cli.sandbox.loopback import LoopbackAllocator
+from prorl_cli.sandbox.records import RecordStore, SandboxRecord, boot_id
+from prorl_cli.sandbox.runtime import LaunchSpec, Runtime, SandboxProcess, remove_tree
+from prorl_cli.sandbox.sandbox import Sandbox
+from prorl_cli.sandbox.settings import SandboxConfig
+
+RUNTIMES: dict[str, type[Runtime]] = {
+    "apptainer": ApptainerRuntime,
+    "bwrap": BwrapRuntime,
+    "local": LocalRuntime,
+}
+_START_OPTIONS = {"env"}
+
+
+def make_runtime(config: SandboxConfig, log: logging.Logger) -> Runtime:
+    """The runtime ``config.runtime`` names, checked to be usable on this host."""
+    try:
+        cls = RUNTIMES[config.runtime]
+    except KeyError as e:
+        raise SandboxError(f"sandbox.runtime: unknown runtime {config.runtime!r}; known: {sorted(RUNTIMES)}") from e
+    runtime = cls(config, log)
+    runtime.check()
+    return runtime
+
+
+def default_local_dir(config: SandboxConfig) -> Path:
+    """Node-local directory for sockets and writable layers (short, per user)."""
+    if config.local_dir:
+        return Path(os.path.expandvars(os.path.expanduser(config.local_dir)))
+    return Path(os.environ.get("TMPDIR") or "/tmp") / f"prorl-{os.getuid()}"
+
+
+class SandboxManager:
+    """Starts sandboxes in the configured runtime for one node server.
+
+    ``state_dir`` is the node's run directory: the record of started
+    sandboxes lives in ``state_dir/sandboxes/`` so that a node server
+    started later in the same directory can reap what a crashed one left.
+    """
+
+    def __init__(self, config: SandboxConfig, state_dir: Path, log: logging.Logger) -> None:
+        self.config = config
+        self.log = log
+        self.runtime = make_runtime(config, log)
+        self.records = RecordStore(Path(state_dir) / "sandboxes", log)
+        self.local_dir = default_local_dir(config)
+        self.loopback = LoopbackAllocator.for_node(str(Path(state_dir).resolve()))
+        self._starts = asyncio.Semaphore(max(1, config.max_concurrent_starts))
+        self._live: dict[str, Sandbox] = {}
+        self._wall_timers: dict[str, asyncio.TimerHandle] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._boot_id = boot_id()
+
+    @property
+    def live(self) -> list[Sandbox]:
+        """Sandboxes started and not yet stopped."""
+        return list(self._live.values())
+
+    def reap_leftovers(self) -> int:
+        """Kill and clean the sandboxes a crashed predecessor recorded; return how many ran."""
+        return self.records.reap()
+
+    async def start(
+        self, job_id: str, *, image: str | None = None, network: bool | None = None, **options: Any
+    ) -> Sandbox:
+        """Start a sandbox for ``job_id`` and return it once its tool server answers.
+
+        ``image`` defaults to ``sandbox.image``; ``network`` to ``sandbox.network``
+        (off: the sandbox has only its own loopback). ``env`` adds environment
+        variables. At most ``sandbox.max_concurrent_starts`` starts run at once.
+        """
+        unknown = set(options) - _START_OPTIONS
+        if unknown:
+            raise SandboxError(f"unknown sandbox option(s) {sorted(unknown)}; known: {sorted(_START_OPTIONS)}")
+        env = options.get("env") or {}
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise SandboxError(f"sandbox option env must map str to str, got {env!r}")
+        resolved_image = self.runtime.resolve_image(image)
+        sandbox_id = secrets.token_hex(5)
+        self.local_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        spec = LaunchSpec(
+            sandbox_id=sandbox_id,
+            image=resolved_image,
+            network=self.config.network if network is None else bool(network),
+            session_dir=self.local_dir / sandbox_id,
+            loopback_ip=self.loopback.allocate(),
+            config=self.config,
+            env=dict(env),
+        )
+        try:
+            async with self._starts:
+                process = await self.runtime.start(spec, on_spawn=lambda p: self._record(p, job_id))
+            client = await ToolClient.connect_unix(str(spec.socket_path))
+        except BaseException:
+            self.records.remove(sandbox_id)
+            self.loopback.release(spec.loopback_ip)
+            remove_tree(spec.session_dir, self.log)
+            raise
+        sandbox = Sandbox(
+            sandbox_id, job_id, process, client,
+            loopback_ip=spec.loopback_ip, runtime=self.runtime.name, image=resolved_image,
+            tool_timeout_s=self.config.tool_timeout_s, max_output_bytes=self.config.max_output_bytes,
+            on_stop=self._stopped, log=self.log,
+        )
+        self._live[sandbox_id] = sandbox
+        if self.config.wall_s > 0:
+            self._wall_timers[sandbox_id] = asyncio.get_running_loop().call_later(
+                self.config.wall_s, self._wall_expired, sandbox
+            )
+        self.log.info(
+            "sandbox %s started for job %s (%s, image %s, loopback %s, network %s)",
+            sandbox_id, job_id, self.runtime.name, resolved_image, spec.loopback_ip,
+            "on" if spec.network else "off",
+        )
+        return sandbox
+
+    def _record(self, process: SandboxProcess, job_id: str) -> None:
+        self.records.write(SandboxRecord(
+            sandbox_id=process.spec.sandbox_id, job_id=job_id, runtime=self.runtime.name,
+            pid=process.pid, pgid=process.pgid, start_ticks=process.start_ticks,
+            boot_id=self._boot_id, session_dir=str(process.spec.session_dir),
+        ))
+
+    def _wall_expired(self, sandbox: Sandbox) -> None:
+        self.log.warning("sandbox %s of job %s ran past sandbox.wall_s=%.0f s: stopping it",
+                         sandbox.sandbox_id, sandbox.job_id, self.config.wall_s)
+        task = asyncio.ensure_future(sandbox.stop())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _stopped(self, sandbox: Sandbox) -> None:
+        timer = self._wall_timers.pop(sandbox.sandbox_id, None)
+        if timer is not None:
+            timer.cancel()
+        try:
+            await sandbox.process.stop(self.config.stop_grace_s)
+        finally:
+            self._live.pop(sandbox.sandbox_id, None)
+            self.loopback.release(sandbox.loopback_ip)
+            self.records.remove(sandbox.sandbox_id)
+        self.log.info("sandbox %s of job %s stopped", sandbox.sandbox_id, sandbox.job_id)
+
+    async def stop_all(self) -> None:
+        """Stop every live sandbox (node shutdown)."""
+        await asyncio.gather(*(sb.stop() for sb in self.live))

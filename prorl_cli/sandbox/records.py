@@ -1,0 +1,107 @@
+"""The node's record of the sandboxes it started, and reaping a crashed predecessor's.
+
+One JSON file per live sandbox under ``<state_dir>/sandboxes/``, written as
+soon as its process exists and removed when it is stopped. A node server
+that starts in the same run directory kills what the files name, after
+checking each process's identity (boot id, pid and start time): it never
+kills a process it did not start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from prorl_cli.sandbox.runtime import proc_start_ticks, remove_tree
+
+
+def boot_id() -> str:
+    """This boot's id: start times are only comparable within one boot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except FileNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class SandboxRecord:
+    """What identifies a started sandbox's processes and files."""
+
+    sandbox_id: str
+    job_id: str
+    runtime: str
+    pid: int
+    pgid: int
+    start_ticks: int | None
+    boot_id: str
+    session_dir: str
+
+
+class RecordStore:
+    """The records directory of one node."""
+
+    def __init__(self, directory: Path, log: logging.Logger) -> None:
+        self.directory = directory
+        self.log = log
+
+    def _path(self, sandbox_id: str) -> Path:
+        return self.directory / f"{sandbox_id}.json"
+
+    def write(self, record: SandboxRecord) -> None:
+        """Record a sandbox (atomically: a crash never leaves half a file)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self._path(record.sandbox_id).with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(record)))
+        os.replace(tmp, self._path(record.sandbox_id))
+
+    def remove(self, sandbox_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(sandbox_id).unlink()
+
+    def load_all(self) -> list[SandboxRecord]:
+        """Every readable record; unreadable files are logged and removed."""
+        records: list[SandboxRecord] = []
+        if not self.directory.is_dir():
+            return records
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                records.append(SandboxRecord(**json.loads(path.read_text())))
+            except (ValueError, TypeError) as e:
+                self.log.warning("ignoring unreadable sandbox record %s: %s", path, e)
+                path.unlink()
+        return records
+
+    def reap(self) -> int:
+        """Kill and clean up every recorded sandbox still running; return how many were."""
+        killed = 0
+        current_boot = boot_id()
+        for rec in self.load_all():
+            alive = self._kill_if_ours(rec, current_boot)
+            killed += alive
+            remove_tree(Path(rec.session_dir), self.log)
+            self.remove(rec.sandbox_id)
+            self.log.info(
+                "reaped sandbox %s of job %s from a previous node server (%s)",
+                rec.sandbox_id, rec.job_id, "killed its processes" if alive else "already gone",
+            )
+        return killed
+
+    def _kill_if_ours(self, rec: SandboxRecord, current_boot: str) -> bool:
+        if rec.boot_id != current_boot:
+            return False  # the machine rebooted: those processes are long gone
+        ticks = proc_start_ticks(rec.pid)
+        if ticks is None:
+            return False  # the leader is gone (with a PID namespace, so is everything inside)
+        if ticks != rec.start_ticks:
+            # The pid now belongs to another process: not ours, leave it alone.
+            self.log.info("sandbox %s: pid %d was reused by another process; not killing", rec.sandbox_id, rec.pid)
+            return False
+        # Our leader, identified by pid and start time: kill its whole group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rec.pgid, signal.SIGKILL)
+        return True

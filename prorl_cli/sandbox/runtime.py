@@ -1,0 +1,266 @@
+"""The Runtime interface and what all runtimes share: launch, readiness, stop.
+
+A runtime turns a :class:`LaunchSpec` into a command line that starts the
+tool server inside an isolated environment. The sandbox process is started
+in its own process group (session), reports readiness with one line on
+stdout, and is stopped with SIGTERM to the group, then SIGKILL after a grace
+period. Runtimes that use a PID namespace (Apptainer ``--containall``,
+bubblewrap ``--unshare-pid``) take every process inside down with their
+init; the group kill covers the rest.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prorl_cli.exceptions import SandboxError, SandboxTimeout
+from prorl_cli.sandbox.settings import SandboxConfig
+from prorl_cli.sandbox.toolserver import READY_LINE
+
+TOOLSERVER_PATH = Path(__file__).resolve().with_name("toolserver.py")
+# Paths inside the sandbox: short, so the socket path stays far below ~108 bytes.
+INSIDE_DIR = "/.prorl"
+INSIDE_TOOLSERVER = f"{INSIDE_DIR}/toolserver.py"
+INSIDE_RUN = f"{INSIDE_DIR}/run"
+SOCKET_NAME = "ts.sock"
+# Unix socket paths longer than this fail (sun_path is 108 bytes with the NUL).
+MAX_SOCKET_PATH_BYTES = 100
+LOOPBACK_ENV = "PRORL_LOOPBACK_IP"
+
+
+@dataclass
+class LaunchSpec:
+    """Everything a runtime needs to start one sandbox."""
+
+    sandbox_id: str
+    image: str
+    network: bool
+    session_dir: Path  # node-local, short: holds run/ (bound inside) and the writable layer
+    loopback_ip: str
+    config: SandboxConfig
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def run_dir(self) -> Path:
+        """The only host directory bound into the sandbox (read-write): the socket lives here."""
+        return self.session_dir / "run"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.run_dir / SOCKET_NAME
+
+    @property
+    def log_path(self) -> Path:
+        return self.session_dir / "sandbox.log"
+
+    @property
+    def sandbox_env(self) -> dict[str, str]:
+        return {LOOPBACK_ENV: self.loopback_ip, **self.env}
+
+
+def proc_start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot), or None if it is gone.
+
+    With the pid it identifies a process for good: a recycled pid has a
+    different start time.
+    """
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Field 2 (comm) may hold spaces and parentheses: split after its last ')'.
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return int(fields[19])
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids whose process group is ``pgid`` (zombies included)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # it ended while we looked
+        fields = raw[raw.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def remove_tree(path: Path, log: logging.Logger) -> None:
+    """Remove a session directory, including overlay work dirs the kernel left mode 000."""
+    if not path.exists():
+        return
+
+    # The kernel leaves overlay work directories mode 000: open them up first
+    # (os.walk descends only after yielding, so the chmod comes in time).
+    for root, dirs, _files in os.walk(path):
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.join(root, d), stat.S_IRWXU)
+    try:
+        shutil.rmtree(path)
+    except OSError as e:
+        # Files created inside under another uid belong to a subordinate id:
+        # remove them from a user namespace that maps those ids.
+        if shutil.which("unshare") and os.geteuid() != 0:
+            subprocess.run(
+                ["unshare", "--user", "--map-root-user", "--map-auto", "rm", "-rf", str(path)],
+                check=False, capture_output=True,
+            )
+        if path.exists():
+            log.warning("could not remove sandbox directory %s: %s", path, e)
+
+
+class SandboxProcess:
+    """The running sandbox: its process group and how to stop it."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, spec: LaunchSpec, log: logging.Logger) -> None:
+        self.proc = proc
+        self.spec = spec
+        self.pid = proc.pid
+        self.pgid = proc.pid  # started as a session leader
+        self.start_ticks = proc_start_ticks(proc.pid)
+        self._log = log
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM the group, SIGKILL it after ``grace_s``, then remove the session directory."""
+        await terminate_group(self.proc, self.pgid, grace_s)
+        remove_tree(self.spec.session_dir, self._log)
+
+
+async def terminate_group(proc: asyncio.subprocess.Process, pgid: int, grace_s: float) -> None:
+    """Stop a process group we started: SIGTERM, wait up to ``grace_s``, SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    # A timeout means it ignored SIGTERM: SIGKILL below.
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(proc.wait(), grace_s)
+    # Kill the group even when the leader exited: stragglers may remain in it.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    await proc.wait()
+
+
+class Runtime(abc.ABC):
+    """Starts sandboxes of one kind. Subclasses build the command line."""
+
+    name = ""
+    #: False only for :class:`~prorl_cli.sandbox.local.LocalRuntime`.
+    isolated = True
+
+    def __init__(self, config: SandboxConfig, log: logging.Logger) -> None:
+        self.config = config
+        self.log = log
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise :class:`SandboxError` naming what is missing if this runtime cannot run here."""
+
+    @abc.abstractmethod
+    def command(self, spec: LaunchSpec) -> list[str]:
+        """The argv that starts the tool server inside a new sandbox."""
+
+    def resolve_image(self, image: str | None) -> str:
+        """The image to use: the given one or the configured default, checked to exist."""
+        chosen = image or self.config.image
+        if not chosen:
+            raise SandboxError(
+                f"{self.name} runtime: no image given and sandbox.image is empty in the configuration"
+            )
+        if chosen != "host" and not Path(chosen).exists():
+            raise SandboxError(f"{self.name} runtime: image {chosen!r} does not exist")
+        return chosen
+
+    def toolserver_argv(self, socket_path: str, *, remount_sys: bool = False) -> list[str]:
+        """Arguments after the interpreter: the tool server, its socket and the limits."""
+        argv = [
+            "--socket", socket_path,
+            "--mem-gb", str(self.config.mem_gb),
+            "--max-procs", str(self.config.max_procs),
+        ]
+        if remount_sys:
+            argv.append("--remount-sys")
+        return argv
+
+    async def start(
+        self, spec: LaunchSpec, on_spawn: Callable[[SandboxProcess], None] | None = None
+    ) -> SandboxProcess:
+        """Launch the sandbox and wait until its tool server accepts connections.
+
+        ``on_spawn`` runs as soon as the process exists (before readiness), so
+        the node can record it before anything can go wrong.
+        """
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        if len(str(spec.socket_path).encode()) > MAX_SOCKET_PATH_BYTES:
+            raise SandboxError(
+                f"socket path {spec.socket_path} is longer than {MAX_SOCKET_PATH_BYTES} bytes; "
+                "set sandbox.local_dir to a shorter directory"
+            )
+        argv = self.command(spec)
+        self.log.debug("sandbox %s: %s", spec.sandbox_id, " ".join(argv))
+        with open(spec.log_path, "ab") as log_file:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=log_file,
+                    start_new_session=True,  # its own process group: stop kills the group
+                    env=self.host_env(spec),
+                )
+            except OSError as e:
+                raise SandboxError(f"{self.name} runtime: cannot run {argv[0]}: {e}") from e
+        handle = SandboxProcess(proc, spec, self.log)
+        try:
+            if on_spawn is not None:
+                on_spawn(handle)
+            await self._wait_ready(proc, spec)
+        except BaseException:
+            await terminate_group(proc, handle.pgid, 0.5)
+            raise
+        return handle
+
+    def host_env(self, spec: LaunchSpec) -> dict[str, str]:
+        """Environment of the runtime process on the host (the sandbox's own is set by flags)."""
+        return dict(os.environ)
+
+    async def _wait_ready(self, proc: asyncio.subprocess.Process, spec: LaunchSpec) -> None:
+        assert proc.stdout is not None
+        started = time.monotonic()
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), self.config.start_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise SandboxTimeout(
+                f"{self.name} sandbox {spec.sandbox_id} not ready after {self.config.start_timeout_s:.0f} s; "
+                f"log tail:\n{self._log_tail(spec)}"
+            ) from e
+        if not line.startswith(READY_LINE.encode()):
+            await proc.wait()
+            raise SandboxError(
+                f"{self.name} sandbox {spec.sandbox_id} failed to start (exit code {proc.returncode}, "
+                f"image {spec.image}); log tail:\n{self._log_tail(spec)}"
+            )
+        self.log.debug("sandbox %s ready in %.3f s", spec.sandbox_id, time.monotonic() - started)
+
+    @staticmethod
+    def _log_tail(spec: LaunchSpec, n_bytes: int = 2000) -> str:
+        try:
+            data = spec.log_path.read_bytes()
+        except FileNotFoundError:
+            return "(no log)"
+        return data[-n_bytes:].decode("utf-8", "replace").strip() or "(empty log)"

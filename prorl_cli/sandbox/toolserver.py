@@ -1,0 +1,689 @@
+"""The tool server that runs inside every sandbox.
+
+Standard library only, Python 3.8+: it is bind-mounted read-only into the
+sandbox and started with the image's own ``python3``, so any image that has
+python3 works with nothing installed. It listens on a Unix domain socket at
+a short path (socket paths break past ~108 bytes) and serves:
+
+* ``bash``    one persistent shell on a PTY (not tmux): cwd and env persist,
+              per-call timeout (Ctrl-C, then kill), output truncated with a note
+* ``python``  a persistent namespace (IPython's InteractiveShell when the image
+              has IPython, else ``code``-style exec) in a worker process, so a
+              timeout can interrupt it (SIGINT, then kill and restart)
+* ``edit``    view / create / str_replace / insert / undo
+* ``read_file`` / ``write_file``  bytes in and out
+
+Wire format (both ways): a 4-byte big-endian length, then a UTF-8 JSON object.
+Requests carry ``op``; replies carry ``ok`` and either ``result`` or
+``error: {type, message}``. The host side is :mod:`prorl_cli.sandbox.client`.
+
+Run: ``python3 toolserver.py --socket PATH [--tcp HOST:PORT] [--mem-gb N]
+[--max-procs N] [--remount-sys]``. It prints ``PRORL-TOOLSERVER-READY`` on
+stdout once it accepts connections.
+"""
+
+import argparse
+import base64
+import contextlib
+import errno
+import json
+import os
+import pty
+import select
+import signal
+import socket
+import socketserver
+import struct
+import subprocess
+import sys
+import tempfile
+import termios
+import threading
+import time
+
+READY_LINE = "PRORL-TOOLSERVER-READY"
+MAX_FRAME_BYTES = 512 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+
+
+# --------------------------------------------------------------------- framing
+def send_frame(sock, obj):
+    """Send one length-prefixed JSON frame."""
+    data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_exact(sock, n):
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_frame(sock):
+    """Receive one frame; None when the peer closed the connection."""
+    header = _recv_exact(sock, _HEADER.size)
+    if header is None:
+        return None
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    body = _recv_exact(sock, length)
+    if body is None:
+        return None
+    return json.loads(body.decode("utf-8"))
+
+
+class ToolError(Exception):
+    """A tool call was refused; the message goes back to the caller."""
+
+
+# ------------------------------------------------------------------------ bash
+class BashSession:
+    """One interactive bash on a PTY, driven by sourcing a command file per call.
+
+    Each call writes the command to a file and types one line,
+    ``. FILE; printf MARKER $?``, so commands that read stdin cannot swallow
+    the marker and multi-line commands and heredocs work. Interactive mode
+    gives job control: Ctrl-C reaches the foreground job, not the shell.
+    """
+
+    def __init__(self, workdir):
+        self.workdir = workdir
+        self.pid = None
+        self.fd = None
+        self.counter = 0
+        self.lock = threading.Lock()
+
+    def _spawn(self):
+        shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+        argv = [shell, "--noprofile", "--norc", "--noediting", "-i"] if shell.endswith("bash") else [shell, "-i"]
+        env = dict(os.environ)
+        env.update({"PS1": "", "PS2": "", "TERM": "dumb", "HISTFILE": "/dev/null"})
+        env.pop("PROMPT_COMMAND", None)
+        pid, fd = pty.fork()
+        if pid == 0:  # child: the shell
+            try:
+                attrs = termios.tcgetattr(0)
+                attrs[1] &= ~termios.ONLCR  # raw newlines in output
+                attrs[3] &= ~(termios.ECHO | termios.ECHONL)  # no echo of our input lines
+                termios.tcsetattr(0, termios.TCSANOW, attrs)
+                os.execvpe(argv[0], argv, env)
+            finally:
+                os._exit(127)
+        self.pid, self.fd = pid, fd
+        self._run_raw("set +o history 2>/dev/null; unset PROMPT_COMMAND; PS1=''; PS2=''", 10.0, 1 << 16)
+
+    def close(self):
+        """Hang up the shell and kill its jobs (they are in its session)."""
+        if self.pid is None:
+            return
+        pid, fd = self.pid, self.fd
+        self.pid = self.fd = None
+        for sig in (signal.SIGHUP, signal.SIGKILL):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                break
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+    def _alive(self):
+        if self.pid is None:
+            return False
+        try:
+            done, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        return done == 0
+
+    def run(self, command, timeout_s, max_output_bytes):
+        with self.lock:
+            if not self._alive():
+                self.close()
+                self._spawn()
+            return self._run_raw(command, timeout_s, max_output_bytes)
+
+    def _run_raw(self, command, timeout_s, max_output_bytes):
+        self.counter += 1
+        nonce = f"{os.getpid():x}{self.counter:x}"
+        path = os.path.join(self.workdir, f"cmd-{nonce}.sh")
+        with open(path, "w") as f:
+            f.write(command)
+            f.write("\n")
+        out = _Output(max_output_bytes)
+        marker = (f"\x1ePRORL-{nonce}:").encode()
+        self._type(f". {path}; printf '\\036PRORL-{nonce}:%d\\036' \"$?\"\n")
+        rc, restarted = self._collect(out, marker, time.monotonic() + timeout_s), False
+        timed_out = False
+        if rc is _EXITED:  # the command ended the shell (``exit 3``): report, start afresh
+            rc, restarted = self._reap(), True
+            self._spawn()
+        elif rc is None:
+            timed_out = True
+            rc, restarted = self._interrupt(out, nonce)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return {
+            "output": out.text(),
+            "exit_code": rc,
+            "timed_out": timed_out,
+            "truncated": out.truncated,
+            "output_bytes": out.total,
+            "shell_restarted": restarted,
+        }
+
+    def _type(self, line):
+        os.write(self.fd, line.encode())
+
+    def _collect(self, out, marker, deadline):
+        """Read until ``marker<rc>\\x1e``; return rc, or None at the deadline or EOF."""
+        window = b""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                out.add(window)
+                return None
+            ready, _, _ = select.select([self.fd], [], [], remaining)
+            if not ready:
+                continue
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except OSError as e:  # EIO: the shell exited
+                if e.errno != errno.EIO:
+                    raise
+                data = b""
+            if not data:
+                out.add(window)
+                return _EXITED
+            window += data
+            at = window.find(marker)
+            if at >= 0:
+                end = window.find(b"\x1e", at + len(marker))
+                if end >= 0:
+                    out.add(window[:at])
+                    return int(window[at + len(marker) : end])
+            # Keep only a tail that could hold a marker split across reads.
+            keep = len(marker) + 24
+            if len(window) > keep:
+                out.add(window[:-keep])
+                window = window[-keep:]
+
+    def _interrupt(self, out, nonce):
+        """Ctrl-C the running command; if it ignores that, kill its process group.
+
+        Returns (exit code or None, whether the shell had to be restarted).
+        """
+        os.write(self.fd, b"\x03")  # SIGINT to the foreground job (the tty flushes pending input)
+        self.counter += 1
+        sync = f"{os.getpid():x}{self.counter:x}"
+        sync_marker = (f"\x1ePRORL-{sync}:").encode()
+        self._type(f"printf '\\036PRORL-{sync}:%d\\036' \"$?\"\n")
+        rc = self._collect(out, sync_marker, time.monotonic() + 2.0)
+        if rc is None:  # it ignores SIGINT: kill the foreground process group
+            try:
+                fg = os.tcgetpgrp(self.fd)
+                if fg != self.pid:
+                    os.killpg(fg, signal.SIGKILL)
+            except OSError:
+                pass  # it ended by itself meanwhile
+            rc = self._collect(out, sync_marker, time.monotonic() + 2.0)
+        if rc is not None and rc is not _EXITED:
+            out.drop_marker(nonce)
+            return rc, False
+        # The shell itself is stuck or gone: start a fresh one (cwd and env are lost).
+        self.close()
+        self._spawn()
+        return None, True
+
+    def _reap(self):
+        """Exit status of a shell that ended; None if it was killed by a signal."""
+        pid, fd = self.pid, self.fd
+        self.pid = self.fd = None
+        os.close(fd)
+        _, status = os.waitpid(pid, 0)
+        return os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+
+
+_EXITED = object()  # _collect's answer when the shell ended
+
+
+class _Output:
+    """Keeps the head and tail of a command's output, up to a byte budget."""
+
+    def __init__(self, max_bytes):
+        self.max_bytes = max(int(max_bytes), 256)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+        self.truncated = False
+
+    def add(self, data):
+        if not data:
+            return
+        self.total += len(data)
+        half = self.max_bytes // 2
+        room = half - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            if len(self.tail) > half:
+                self.truncated = True
+                del self.tail[: len(self.tail) - half]
+
+    def drop_marker(self, nonce):
+        # A command that finished just as it was interrupted printed its own marker.
+        marker = (f"\x1ePRORL-{nonce}:").encode()
+        for buf in (self.head, self.tail):
+            at = buf.find(marker)
+            if at >= 0:
+                end = buf.find(b"\x1e", at + len(marker))
+                del buf[at : end + 1 if end >= 0 else len(buf)]
+
+    def text(self):
+        if not self.truncated:
+            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", "replace")
+        note = (
+            f"\n[... output truncated: {self.total} bytes in all; "
+            f"showing the first {len(self.head)} and the last {len(self.tail)} ...]\n"
+        )
+        return bytes(self.head).decode("utf-8", "replace") + note + bytes(self.tail).decode("utf-8", "replace")
+
+
+# ---------------------------------------------------------------------- python
+_WORKER_CODE = r'''
+import ast, io, json, os, signal, struct, sys, traceback, contextlib
+H = struct.Struct(">I")
+rfd, wfd = int(sys.argv[1]), int(sys.argv[2])
+def read_exact(n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(rfd, n - len(buf))
+        if not chunk:
+            sys.exit(0)
+        buf += chunk
+    return buf
+def send(obj):
+    data = json.dumps(obj).encode()
+    os.write(wfd, H.pack(len(data)) + data)
+try:
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    # Plain text for a model to read: no colours, no "Out[n]:" echo of results.
+    for scheme in ("nocolor", "NoColor"):
+        try:
+            shell.colors = scheme
+            break
+        except Exception:
+            continue
+    shell.displayhook.write_output_prompt = lambda: None
+    shell.displayhook.write_format_data = lambda *a, **k: None
+except Exception:  # no IPython in this image: a plain namespace
+    shell = None
+ns = {"__name__": "__main__"}
+send({"ready": True, "ipython": shell is not None})
+while True:
+    (n,) = H.unpack(read_exact(4))
+    code = json.loads(read_exact(n).decode())["code"]
+    out, err = io.StringIO(), io.StringIO()
+    result = error = None
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            if shell is not None:
+                r = shell.run_cell(code, store_history=False)
+                if r.error_in_exec is not None or r.error_before_exec is not None:
+                    e = r.error_in_exec or r.error_before_exec
+                    error = "%s: %s" % (type(e).__name__, e)
+                elif r.result is not None:
+                    result = repr(r.result)
+            else:
+                tree = ast.parse(code, "<cell>", "exec")
+                last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+                exec(compile(tree, "<cell>", "exec"), ns)
+                if last is not None:
+                    value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), ns)
+                    if value is not None:
+                        result = repr(value)
+    except KeyboardInterrupt:
+        error = "KeyboardInterrupt: interrupted at the call's timeout"
+    except BaseException as e:
+        error = "".join(traceback.format_exception_only(type(e), e)).strip()
+        err.write(traceback.format_exc())
+    send({"stdout": out.getvalue(), "stderr": err.getvalue(), "result": result, "error": error})
+'''
+
+
+class PythonSession:
+    """A persistent Python namespace in a worker process that a timeout can interrupt."""
+
+    def __init__(self):
+        self.proc = None
+        self.rfd = self.wfd = None
+        self.ipython = False
+        self.lock = threading.Lock()
+
+    def _spawn(self):
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_CODE, str(to_worker_r), str(from_worker_w)],
+            pass_fds=(to_worker_r, from_worker_w),
+            stdin=subprocess.DEVNULL,
+        )
+        os.close(to_worker_r)
+        os.close(from_worker_w)
+        self.wfd, self.rfd = to_worker_w, from_worker_r
+        hello = self._read(30.0)
+        if hello is None:
+            raise ToolError("the python worker did not start")
+        self.ipython = bool(hello.get("ipython"))
+
+    def close(self):
+        if self.proc is None:
+            return
+        self.proc.kill()
+        self.proc.wait()
+        for fd in (self.rfd, self.wfd):
+            os.close(fd)
+        self.proc = None
+
+    def _read(self, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        buf = b""
+        need = 4
+        length = None
+        while len(buf) < need:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.rfd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(self.rfd, need - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+            if length is None and len(buf) == 4:
+                (length,) = _HEADER.unpack(buf)
+                buf, need = b"", length
+        return json.loads(buf.decode())
+
+    def run(self, code, timeout_s):
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._spawn()
+            data = json.dumps({"code": code}).encode()
+            os.write(self.wfd, _HEADER.pack(len(data)) + data)
+            reply = self._read(timeout_s)
+            if reply is not None:
+                reply.update(timed_out=False, restarted=False)
+                return reply
+            self.proc.send_signal(signal.SIGINT)  # KeyboardInterrupt in the cell
+            reply = self._read(2.0)
+            if reply is not None:
+                reply.update(timed_out=True, restarted=False,
+                             error=f"KeyboardInterrupt: interrupted at the {timeout_s:.1f} s timeout")
+                return reply
+            self.close()  # it ignored SIGINT: the namespace is lost
+            return {"stdout": "", "stderr": "", "result": None, "timed_out": True, "restarted": True,
+                    "error": f"timed out after {timeout_s:.1f} s; the python worker was killed and its namespace reset"}
+
+
+# ---------------------------------------------------------------------- editor
+class Editor:
+    """File editing with per-file undo history."""
+
+    def __init__(self):
+        self.history = {}
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _read(path):
+        if not os.path.isabs(path):
+            raise ToolError(f"path must be absolute: {path!r}")
+        if os.path.isdir(path):
+            raise ToolError(f"{path} is a directory")
+        try:
+            with open(path, encoding="utf-8", errors="surrogateescape") as f:
+                return f.read()
+        except FileNotFoundError as e:
+            raise ToolError(f"no such file: {path}") from e
+
+    def _write(self, path, text, before):
+        self.history.setdefault(path, []).append(before)
+        with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(text)
+
+    def call(self, req):
+        command, path = req.get("command"), req.get("path", "")
+        with self.lock:
+            if command == "view":
+                return self.view(path, req.get("view_range"))
+            if command == "create":
+                if not os.path.isabs(path):
+                    raise ToolError(f"path must be absolute: {path!r}")
+                before = self._read(path) if os.path.exists(path) else None
+                parent = os.path.dirname(path)
+                if parent:
+                    os.makedirs(parent, exist_ok=True)
+                self._write(path, req.get("file_text", ""), before)
+                return f"created {path}"
+            if command == "str_replace":
+                text = self._read(path)
+                old, new = req.get("old_str", ""), req.get("new_str", "")
+                if not old:
+                    raise ToolError("str_replace needs a non-empty old_str")
+                count = text.count(old)
+                if count == 0:
+                    raise ToolError(f"no replacement: old_str does not occur in {path}")
+                if count > 1:
+                    lines = [str(text[: i].count("\n") + 1) for i in _find_all(text, old)]
+                    raise ToolError(f"no replacement: old_str occurs {count} times in {path} "
+                                    f"(lines {', '.join(lines)}); make it unique")
+                self._write(path, text.replace(old, new, 1), text)
+                return f"edited {path}"
+            if command == "insert":
+                text = self._read(path)
+                lines = text.split("\n")
+                line = req.get("insert_line")
+                if not isinstance(line, int) or not 0 <= line <= len(lines):
+                    raise ToolError(f"insert_line must be an int in [0, {len(lines)}], got {line!r}")
+                new_lines = req.get("new_str", "").split("\n")
+                self._write(path, "\n".join(lines[:line] + new_lines + lines[line:]), text)
+                return f"inserted {len(new_lines)} line(s) after line {line} of {path}"
+            if command == "undo":
+                stack = self.history.get(path)
+                if not stack:
+                    raise ToolError(f"nothing to undo for {path}")
+                before = stack.pop()
+                if before is None:
+                    os.unlink(path)
+                    return f"undid the creation of {path} (removed)"
+                with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
+                    f.write(before)
+                return f"undid the last edit of {path}"
+            raise ToolError(f"unknown editor command {command!r} (view, create, str_replace, insert, undo)")
+
+    def view(self, path, view_range):
+        if os.path.isdir(path):
+            names = sorted(os.listdir(path))
+            return "\n".join(n + ("/" if os.path.isdir(os.path.join(path, n)) else "") for n in names)
+        lines = self._read(path).split("\n")
+        start, end = 1, len(lines)
+        if view_range is not None:
+            if not (isinstance(view_range, list) and len(view_range) == 2):
+                raise ToolError(f"view_range must be [start, end], got {view_range!r}")
+            start, end = view_range
+            end = len(lines) if end == -1 else end
+            if not 1 <= start <= end <= len(lines):
+                raise ToolError(f"view_range {view_range!r} is outside the file's {len(lines)} lines")
+        return "\n".join(f"{n:6d}\t{lines[n - 1]}" for n in range(start, end + 1))
+
+
+def _find_all(text, sub):
+    at = text.find(sub)
+    while at >= 0:
+        yield at
+        at = text.find(sub, at + 1)
+
+
+# ---------------------------------------------------------------------- server
+class ToolServer:
+    """Dispatches requests to the tools; one instance per sandbox."""
+
+    def __init__(self, workdir):
+        self.bash = BashSession(workdir)
+        self.python = PythonSession()
+        self.editor = Editor()
+
+    def handle(self, req):
+        op = req.get("op")
+        if op == "ping":
+            return {"pid": os.getpid(), "python": sys.version.split()[0], "uid": os.getuid(),
+                    "loopback_ip": os.environ.get("PRORL_LOOPBACK_IP")}
+        if op == "bash":
+            return self.bash.run(str(req["command"]), float(req.get("timeout_s", 60.0)),
+                                 int(req.get("max_output_bytes", 64 * 1024)))
+        if op == "python":
+            return self.python.run(str(req["code"]), float(req.get("timeout_s", 60.0)))
+        if op == "edit":
+            return {"output": self.editor.call(req)}
+        if op == "read_file":
+            path = req["path"]
+            try:
+                with open(path, "rb") as f:
+                    return {"data": base64.b64encode(f.read()).decode("ascii")}
+            except OSError as e:
+                raise ToolError(f"cannot read {path}: {e.strerror}") from e
+        if op == "write_file":
+            path = req["path"]
+            try:
+                if req.get("make_parents", True) and os.path.dirname(path):
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(base64.b64decode(req["data"]))
+                if req.get("mode") is not None:
+                    os.chmod(path, int(req["mode"]))
+            except OSError as e:
+                raise ToolError(f"cannot write {path}: {e.strerror}") from e
+            return {"bytes": len(base64.b64decode(req["data"]))}
+        raise ToolError(f"unknown op {op!r}")
+
+    def close(self):
+        self.bash.close()
+        self.python.close()
+
+
+def _make_handler(server):
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self):
+            while True:
+                try:
+                    req = recv_frame(self.request)
+                except (ValueError, OSError) as e:
+                    send_frame(self.request, {"ok": False, "error": {"type": "ProtocolError", "message": str(e)}})
+                    return
+                if req is None:
+                    return
+                try:
+                    reply = {"ok": True, "result": server.handle(req)}
+                except ToolError as e:
+                    reply = {"ok": False, "error": {"type": "ToolError", "message": str(e)}}
+                except KeyError as e:
+                    reply = {"ok": False, "error": {"type": "ToolError", "message": f"missing field {e}"}}
+                except Exception as e:  # report, keep serving: one bad call must not end the sandbox
+                    reply = {"ok": False, "error": {"type": type(e).__name__, "message": str(e)}}
+                send_frame(self.request, reply)
+
+    return Handler
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def server_bind(self):
+        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().server_bind()
+
+
+def _apply_limits(mem_gb, max_procs):
+    import resource
+
+    if mem_gb:
+        limit = int(mem_gb * (1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if max_procs:
+        resource.setrlimit(resource.RLIMIT_NPROC, (max_procs, max_procs))
+
+
+def _remount_sys():
+    # A fresh sysfs shows this sandbox's network namespace (only lo), not the
+    # host's devices; it needs root in the sandbox's user namespace (fakeroot).
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_rdonly, ms_nosuid, ms_nodev, ms_noexec = 1, 2, 4, 8
+    flags = ms_rdonly | ms_nosuid | ms_nodev | ms_noexec
+    if libc.mount(b"sysfs", b"/sys", b"sysfs", flags, None) != 0:
+        err = ctypes.get_errno()
+        sys.stderr.write(f"toolserver: could not mount a fresh /sys: {os.strerror(err)}\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="prorl sandbox tool server")
+    parser.add_argument("--socket", help="Unix socket path to listen on")
+    parser.add_argument("--tcp", help="HOST:PORT to listen on instead (benchmarks)")
+    parser.add_argument("--mem-gb", type=float, default=0.0)
+    parser.add_argument("--max-procs", type=int, default=0)
+    parser.add_argument("--remount-sys", action="store_true")
+    args = parser.parse_args(argv)
+    if bool(args.socket) == bool(args.tcp):
+        parser.error("give exactly one of --socket and --tcp")
+    if args.remount_sys:
+        _remount_sys()
+    workdir = tempfile.mkdtemp(prefix="prorl-tools-")
+    server = ToolServer(workdir)
+    _apply_limits(args.mem_gb, args.max_procs)
+    if args.socket:
+        if os.path.exists(args.socket):
+            os.unlink(args.socket)
+        srv = _UnixServer(args.socket, _make_handler(server))
+    else:
+        host, port = args.tcp.rsplit(":", 1)
+        srv = _TCPServer((host, int(port)), _make_handler(server))
+
+    def _stop(signum, frame):
+        # Shut down from another thread: serve_forever() is running in this one.
+        threading.Thread(target=srv.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    if args.tcp:
+        sys.stdout.write(f"{READY_LINE} {srv.server_address[0]}:{srv.server_address[1]}\n")
+    else:
+        sys.stdout.write(READY_LINE + "\n")
+    sys.stdout.flush()
+    # Nobody reads our stdout after the ready line; send later writes (ours and
+    # the python worker's) to stderr, the sandbox's log, so no pipe fills up.
+    os.dup2(2, 1)
+    try:
+        srv.serve_forever(poll_interval=0.5)
+    finally:
+        server.close()
+        srv.server_close()
+        if args.socket and os.path.exists(args.socket):
+            os.unlink(args.socket)
+
+
+if __name__ == "__main__":
+    main()
