@@ -39,7 +39,7 @@ class Broker:
         bc = config.broker
         self.heartbeat_interval_s = bc.heartbeat_interval_s
         self.dead_after_s = bc.heartbeat_interval_s * bc.heartbeat_liveness
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

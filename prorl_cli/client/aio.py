@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
-
 from typing import Any
 
 import zmq
@@ -81,10 +81,9 @@ class AsyncRolloutClient:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-            try:
+            # The reader ends by cancellation; anything else it raised is a bug worth seeing.
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
-            except asyncio.CancelledError:
-                pass
             self._reader = None
         if self._sock is not None:
             self._sock.close(0)
@@ -103,7 +102,7 @@ class AsyncRolloutClient:
                 if fut is not None and not fut.done():
                     fut.set_result((header, frames[1:]))
             elif header["op"] == Op.RESULT:
-                for info, frame in zip(header.get("jobs", []), frames[1:], strict=False):
+                for frame in frames[1:]:
                     try:
                         result = JobResult.from_wire(P.unpack_obj(frame))
                     except ProtocolError:
@@ -285,7 +284,7 @@ class AsyncRolloutClient:
 
     async def clear_backends(self, url: str | None = None) -> list[str]:
         """Stop routing new jobs to one backend, or to all; jobs already using them finish."""
-        fields = {"url": url} if url else {}
+        fields: dict[str, Any] = {"url": url} if url else {}
         header, _ = await self.request(Op.CLEAR_LLM_SERVER, **fields)
         return list(header["cleared"])
 

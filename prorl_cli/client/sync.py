@@ -58,10 +58,10 @@ class RolloutClient:
         return list(self._run(self._aio.submit_specs(specs, instances)))
 
     def result(self, job_id: str, timeout_s: float | None = None) -> JobResult:
-        return self._run(self._aio.result(job_id, timeout_s))  # type: ignore[no-any-return]
+        return self._run(self._aio.result(job_id, timeout_s))
 
     def process(self, task: str, instance: Any, **kwargs: Any) -> JobResult:
-        return self._run(self._aio.process(task, instance, **kwargs))  # type: ignore[no-any-return]
+        return self._run(self._aio.process(task, instance, **kwargs))
 
     def as_completed(self, job_ids: Iterable[str], timeout_s: float | None = None) -> Iterator[JobResult]:
         agen = self._aio.as_completed(job_ids, timeout_s)
@@ -81,13 +81,13 @@ class RolloutClient:
         return dict(self._run(self._aio.cancel(job_ids)))
 
     def status(self) -> StatusReport:
-        return self._run(self._aio.status())  # type: ignore[no-any-return]
+        return self._run(self._aio.status())
 
     def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
         return dict(self._run(self._aio.ping(timeout_s)))
 
     def add_backend(self, url: str, model: str | None = None) -> BackendStatus:
-        return self._run(self._aio.add_backend(url, model))  # type: ignore[no-any-return]
+        return self._run(self._aio.add_backend(url, model))
 
     def clear_backends(self, url: str | None = None) -> list[str]:
         return list(self._run(self._aio.clear_backends(url)))

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 Cleanup = Callable[[], Awaitable[None]]
 
 
-class Services(abc.ABC):
+class Services:
     """What the node offers a job beyond its own data (inference, sandboxes).
 
     The node fills these in; the inference and sandbox subsystems implement

@@ -16,7 +16,6 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import zmq

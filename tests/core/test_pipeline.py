@@ -197,3 +197,24 @@ def test_stop_leaves_no_process_of_the_deployment_running(deployment: Deployment
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not (deployment.deployment_dir / "broker.json").exists()
     assert os.listdir(deployment.deployment_dir / "nodes")  # the nodes' run dirs stay for inspection
+
+
+def test_sigterm_of_a_node_hands_its_jobs_back(deployment: Deployment) -> None:
+    """A preempted node (Slurm sends SIGTERM) unregisters; its jobs move on at once."""
+    deployment.start_node("preempted")
+    client = deployment.client
+    ids = client.submit("test", [{"sleep_s": {"run": 1.0}}] * 3, timeout_s=30)
+    deployment.wait_for(lambda st: st.jobs["run"] == 3, 20, "3 jobs in RUN")
+    deployment.kill("preempted", signal.SIGTERM)
+    assert deployment.procs["preempted"].returncode == 0
+    st = client.status()
+    assert st.jobs["queued"] == 3 and not st.nodes[0]["alive"]
+    deployment.start_node("next")
+    results = client.wait(ids, timeout_s=60)
+    assert [(r.state, r.node_id, r.attempt) for r in results] == [("done", "next", 2)] * 3
+
+
+def test_rendezvous_file_is_private(deployment: Deployment) -> None:
+    path = deployment.deployment_dir / "broker.json"
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert deployment.address.startswith("tcp://127.0.0.1:")

@@ -163,10 +163,8 @@ def print_status(app: App, status: StatusReport) -> None:
     for col in ("node", "host", "alive", "inflight/credit", "init a/q", "run a/q", "eval a/q", "tasks"):
         nodes.add_column(col)
     for n in status.node_statuses():
-        st = n.stages
-        cell = lambda s: f"{st.get(s, {}).get('active', 0)}/{st.get(s, {}).get('queued', 0)}"  # noqa: E731
-        nodes.add_row(n.node_id, n.host, "yes" if n.alive else "[red]no[/]", f"{n.inflight}/{n.credit}",
-                      cell("init"), cell("run"), cell("eval"), ",".join(n.tasks))
+        cells = [f"{n.stages.get(s, {}).get('active', 0)}/{n.stages.get(s, {}).get('queued', 0)}" for s in ("init", "run", "eval")]
+        nodes.add_row(n.node_id, n.host, "yes" if n.alive else "[red]no[/]", f"{n.inflight}/{n.credit}", *cells, ",".join(n.tasks))
     app.console.print(nodes)
     print_backends(app, status.backend_statuses())
 

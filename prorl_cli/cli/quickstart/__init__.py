@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
 from prorl_cli.cli.application import App, pass_app
 
-NO_LLM_TASKS = [
+NO_LLM_TASKS: list[Any] = [
     {"echo": f"instance {i}", "sleep_s": {"init": 0.02, "run": 0.05, "eval": 0.02}} for i in range(16)
 ] + [{"echo": "fails in run", "raise_in": "run"}, {"echo": "hangs in eval", "hang_in": "eval"}]
 
@@ -56,7 +57,7 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
                 "  [yellow]no LLM:[/] running the scripted 'test' handler (sleeps, one failure, one timeout); "
                 "install the cpu extra (torch) for a real agent on a tiny model"
             )
-            task, instances = "test", NO_LLM_TASKS
+            task, instances = "test", list(NO_LLM_TASKS)
         else:
             task, instances = _start_inference(app, stack, engine, model, home)
         started = time.monotonic()
