@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -38,6 +38,7 @@ class BrokerConfig:
     """The ZeroMQ broker."""
 
     bind_host: str = "127.0.0.1"
+    curve: Literal["auto", "on", "off"] = "auto"  # auto: encrypt and authenticate unless bound to loopback
     port: int = 0  # 0: a free port, written to the rendezvous file
     heartbeat_interval_s: float = 1.0
     heartbeat_liveness: int = 3

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from prorl_cli.client import RolloutClient
-from prorl_cli.config import ENV_CONFIG, ENV_HOME
+from prorl_cli.config import ENV_CONFIG, ENV_HOME, load_config
 from prorl_cli.exceptions import BrokerUnavailable
 from prorl_cli.protocol import StatusReport
 from prorl_cli.rendezvous import read_rendezvous, wait_rendezvous
@@ -123,7 +123,9 @@ class LocalStack:
         return self._client
 
     def new_client(self, request_timeout_s: float = 15.0) -> RolloutClient:
-        return RolloutClient(self.name, address=self.address, request_timeout_s=request_timeout_s)
+        return RolloutClient(
+            self.name, address=self.address, config=load_config(self.config_path), request_timeout_s=request_timeout_s
+        )
 
     def log(self, name: str) -> str:
         path = self.logs / f"{name}.log"

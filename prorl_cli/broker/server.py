@@ -24,6 +24,7 @@ from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import ProtocolError
 from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, JobState, Op
 from prorl_cli.rendezvous import Rendezvous, remove_rendezvous, write_rendezvous
+from prorl_cli.security import curve_wanted, secure_server
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,10 @@ class Broker:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         # Oversized frames are refused by libzmq itself (the sender is disconnected).
         self.sock.setsockopt(zmq.MAXMSGSIZE, bc.max_message_bytes)
+        self.curve_public_key: str | None = None
+        self._auth = None
+        if curve_wanted(bc.curve, bc.bind_host):
+            self.curve_public_key, self._auth = secure_server(self.ctx, self.sock, config.deployment_dir)
         if bc.port:
             self.sock.bind(f"tcp://{bc.bind_host}:{bc.port}")
         else:
@@ -102,13 +107,17 @@ class Broker:
                 host=socket.gethostname(),
                 pid=os.getpid(),
                 started_at=time.time(),
+                curve_public_key=self.curve_public_key,
             ),
         )
 
     def serve_forever(self) -> None:
         """Run the loop until stopped. Writes the rendezvous file first, removes it last."""
         self.publish_rendezvous()
-        log.info("broker of deployment %r listening on %s", self.config.deployment, self.address)
+        log.info(
+            "broker of deployment %r listening on %s (%s)", self.config.deployment, self.address,
+            "CURVE encrypted and authenticated" if self.curve_public_key else "plain TCP: loopback only",
+        )
         prev = signal.signal(signal.SIGTERM, lambda *_: self.begin_stop())
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -131,6 +140,8 @@ class Broker:
             remove_rendezvous(self.config.deployment_dir, os.getpid())
             # Linger briefly so the last results and replies reach their peers.
             self.sock.close(linger=1000)
+            if self._auth is not None:
+                self._auth.stop()
             log.info("broker stopped")
 
     def _stopped(self) -> bool:

@@ -17,6 +17,7 @@ from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.exceptions import BrokerUnavailable, ProtocolError, RemoteError
 from prorl_cli.protocol import BackendStatus, JobResult, JobSpec, Op, StatusReport
 from prorl_cli.rendezvous import read_rendezvous
+from prorl_cli.security import secure_peer
 
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
@@ -74,6 +75,7 @@ class AsyncRolloutClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        secure_peer(sock, self.config.deployment_dir)
         sock.connect(self.address)
         self._sock = sock
         self._reader = asyncio.create_task(self._read(), name="prorl-client-reader")

@@ -29,6 +29,7 @@ from prorl_cli.node.registry import HandlerRegistry, discover
 from prorl_cli.node.services import NodeServices
 from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, Op
 from prorl_cli.rendezvous import read_rendezvous
+from prorl_cli.security import secure_peer
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class NodeServer:
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        secure_peer(self.sock, self.config.deployment_dir)
         self.sock.connect(self.address)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         loop = asyncio.get_running_loop()

@@ -219,3 +219,38 @@ def test_rendezvous_file_is_private(deployment: Deployment) -> None:
     path = deployment.deployment_dir / "broker.json"
     assert (path.stat().st_mode & 0o777) == 0o600
     assert deployment.address.startswith("tcp://127.0.0.1:")
+
+
+def test_curve_encrypts_and_authenticates(tmp_path: Path) -> None:
+    import msgpack
+    import zmq
+
+    from prorl_cli import protocol as P
+
+    d = Deployment(tmp_path / "home", "secure", {"broker": {"curve": "on"}})
+    try:
+        d.start_broker()
+        info = __import__("json").loads((d.deployment_dir / "broker.json").read_text())
+        assert info["curve_public_key"]
+        assert ((d.deployment_dir / "client.key").stat().st_mode & 0o777) == 0o600
+        d.start_node("n1")
+        assert d.client.process("test", {"echo": "secret"}).output["echo"] == "secret"
+        # A peer without the deployment's client key gets nothing: no reply, no job.
+        intruder = zmq.Context.instance().socket(zmq.DEALER)
+        intruder.setsockopt(zmq.LINGER, 0)
+        pub, sec = zmq.curve_keypair()
+        intruder.curve_serverkey = info["curve_public_key"].encode()
+        intruder.curve_publickey, intruder.curve_secretkey = pub, sec
+        intruder.connect(d.address)
+        intruder.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "status", "rid": 1}))
+        assert not intruder.poll(1000)
+        intruder.close(0)
+        plain = zmq.Context.instance().socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(d.address)
+        plain.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "status", "rid": 1}))
+        assert not plain.poll(1000)
+        plain.close(0)
+        assert d.client.status().jobs["done"] == 1
+    finally:
+        d.close()

@@ -1,0 +1,99 @@
+"""CURVE encryption and authentication for the broker's socket.
+
+Whenever the broker listens beyond loopback (or ``broker.curve: on``), it
+makes a fresh server key pair, publishes the public key in the rendezvous
+file, and accepts only peers that present the deployment's client key,
+kept in ``$PRORL_HOME/<deployment>/client.key`` (mode 0600). Who can read
+the deployment folder on the shared filesystem can connect; nobody else can,
+and nothing crosses the network in clear.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+from pathlib import Path
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from prorl_cli.exceptions import RendezvousError
+from prorl_cli.rendezvous import Rendezvous, read_rendezvous
+
+log = logging.getLogger(__name__)
+CLIENT_KEY_NAME = "client.key"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def curve_wanted(mode: str, bind_host: str) -> bool:
+    """``on``/``off`` as given; ``auto``: on unless the broker binds a loopback address."""
+    return mode == "on" or (mode == "auto" and not is_loopback(bind_host))
+
+
+def client_keys(deployment_dir: Path, create: bool = False) -> tuple[bytes, bytes]:
+    """The deployment's client key pair (public, secret), made on first use by the broker."""
+    path = deployment_dir / CLIENT_KEY_NAME
+    if not path.exists():
+        if not create:
+            raise RendezvousError(f"{path}: no client key; this deployment's broker requires CURVE")
+        public, secret = zmq.curve_keypair()
+        deployment_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"public": public.decode(), "secret": secret.decode()}, f)
+    try:
+        data = json.loads(path.read_text())
+        return data["public"].encode(), data["secret"].encode()
+    except (OSError, ValueError, KeyError) as e:
+        raise RendezvousError(f"{path}: unreadable client key: {e}") from e
+
+
+class _AllowOne:
+    """ZAP credentials check: only the deployment's client key gets in."""
+
+    def __init__(self, allowed: bytes) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = zmq.utils.z85.encode(key) == self.allowed if len(key) == 32 else key == self.allowed
+        if not ok:
+            log.warning("refused a peer with an unknown CURVE key")
+        return ok
+
+
+def secure_server(ctx: zmq.Context, sock: zmq.Socket, deployment_dir: Path) -> tuple[str, ThreadAuthenticator]:
+    """Make ``sock`` a CURVE server that admits only the client key; return (public key, authenticator)."""
+    public, secret = zmq.curve_keypair()
+    client_public, _ = client_keys(deployment_dir, create=True)
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("prorl.zap"))
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=_AllowOne(client_public))
+    sock.curve_server = True
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    return public.decode(), auth
+
+
+def secure_peer(sock: zmq.Socket, deployment_dir: Path, info: Rendezvous | None = None) -> None:
+    """Give a DEALER the CURVE keys the deployment's broker expects (no-op without CURVE)."""
+    if info is None:
+        try:
+            info = read_rendezvous(deployment_dir)
+        except RendezvousError:
+            return  # an explicit address with no rendezvous file: plain TCP
+    if not info.curve_public_key:
+        return
+    public, secret = client_keys(deployment_dir)
+    sock.curve_serverkey = info.curve_public_key.encode()
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
