@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -227,8 +228,8 @@ class Builder:
             raise ImageBuildError(f"image {name}: {cmd[0]!r} not found on PATH (install Apptainer, or set images.apptainer)")
         if self._aborted.is_set():
             raise ImageBuildError(f"image {name}: build cancelled")
-        # setpriv --pdeathsig: if prorl itself is killed, Apptainer dies with it instead of writing on.
-        prefix = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
+        # The runner stops the whole build, orphans included, when told to or when prorl dies (even by SIGKILL).
+        prefix = [sys.executable, "-m", "prorl_cli.images.runner", str(os.getpid()), str(_TERM_GRACE_S)]
         tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         step = "starting apptainer"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -273,13 +274,13 @@ class Builder:
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the build's process group, then SIGKILL it after a grace period."""
+    """SIGTERM the runner's process group (it stops the build), then SIGKILL it after a grace period."""
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(_TERM_GRACE_S)
+        proc.wait(_TERM_GRACE_S + 5)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
