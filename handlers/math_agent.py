@@ -16,6 +16,7 @@ The output holds the whole token-level trajectory (``prorl_cli.agent``).
 from __future__ import annotations
 
 import ast
+import asyncio
 import functools
 import operator
 import re
@@ -87,7 +88,8 @@ class MathAgentHandler(AgentHandler):
         tokenizer = inst.get("tokenizer") or ctx.config.inference.tokenizer
         if not tokenizer:
             raise ValueError("math_agent needs a tokenizer: instance 'tokenizer' or inference.tokenizer in prorl.yaml")
-        ctx.state["chat"] = _chat(str(tokenizer))
+        # Loading a tokenizer (and transformers itself) takes seconds: keep it off the event loop.
+        ctx.state["chat"] = await asyncio.to_thread(_chat, str(tokenizer))
 
     async def run(self, ctx: JobContext) -> None:
         inst = ctx.instance
