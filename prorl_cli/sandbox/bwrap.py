@@ -41,6 +41,11 @@ class BwrapRuntime(Runtime):
     """Sandboxes as ``bwrap`` processes running the tool server."""
 
     name = "bwrap"
+    # bwrap's outer process dies at once on SIGTERM, and the pid-namespace
+    # init below it is left for the host's init to reap (a zombie where that
+    # init does not). Stop signals the processes inside instead: the tool
+    # server exits, then bwrap's init, then bwrap, each reaping the one below.
+    term_leader = False
 
     def __init__(self, config: SandboxConfig, log: logging.Logger) -> None:
         super().__init__(config, log)

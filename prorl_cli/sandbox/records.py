@@ -17,7 +17,9 @@ import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prorl_cli.sandbox.runtime import proc_start_ticks, remove_tree
+from prorl_cli.sandbox.runtime import proc_start_ticks, process_tree, remove_tree, wait_gone
+
+REAP_WAIT_S = 30.0
 
 
 def boot_id() -> str:
@@ -101,7 +103,13 @@ class RecordStore:
             # The pid now belongs to another process: not ours, leave it alone.
             self.log.info("sandbox %s: pid %d was reused by another process; not killing", rec.sandbox_id, rec.pid)
             return False
-        # Our leader, identified by pid and start time: kill its whole group.
+        # Our leader, identified by pid and start time: kill its whole group
+        # and wait until it and everything below it are gone.
+        tree = process_tree(rec.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(rec.pgid, signal.SIGKILL)
+        left = wait_gone(tree, REAP_WAIT_S)
+        if left:
+            self.log.warning("sandbox %s: processes %s still running %.0f s after SIGKILL",
+                             rec.sandbox_id, left, REAP_WAIT_S)
         return True

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import shutil
 import signal
 import stat
@@ -38,6 +39,8 @@ SOCKET_NAME = "ts.sock"
 # Unix socket paths longer than this fail (sun_path is 108 bytes with the NUL).
 MAX_SOCKET_PATH_BYTES = 100
 LOOPBACK_ENV = "PRORL_LOOPBACK_IP"
+# How long stop waits for a killed sandbox's processes to disappear.
+STOP_WAIT_S = 30.0
 
 
 @dataclass
@@ -101,6 +104,56 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, as the host sees them."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # it ended while we looked
+        children.setdefault(int(raw[raw.rindex(")") + 2 :].split()[1]), []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Block until every pid has exited (pidfds: no polling); return those still running."""
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            continue  # already gone
+    deadline = time.monotonic() + timeout_s
+    try:
+        pending = list(fds)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready, _, _ = select.select(pending, [], [], remaining)
+            pending = [fd for fd in pending if fd not in ready]
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X")]
+
+
+def _state(pid: int) -> str | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return raw[raw.rindex(")") + 2 :].split()[0]
+
+
 def remove_tree(path: Path, log: logging.Logger) -> None:
     """Remove a session directory, including overlay work dirs the kernel left mode 000."""
     if not path.exists():
@@ -129,24 +182,48 @@ def remove_tree(path: Path, log: logging.Logger) -> None:
 class SandboxProcess:
     """The running sandbox: its process group and how to stop it."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, spec: LaunchSpec, log: logging.Logger) -> None:
+    def __init__(
+        self, proc: asyncio.subprocess.Process, spec: LaunchSpec, log: logging.Logger, *, term_leader: bool = True
+    ) -> None:
         self.proc = proc
         self.spec = spec
         self.pid = proc.pid
         self.pgid = proc.pid  # started as a session leader
         self.start_ticks = proc_start_ticks(proc.pid)
+        self.term_leader = term_leader
         self._log = log
 
     async def stop(self, grace_s: float) -> None:
-        """SIGTERM the group, SIGKILL it after ``grace_s``, then remove the session directory."""
-        await terminate_group(self.proc, self.pgid, grace_s)
+        """SIGTERM the group, SIGKILL it after ``grace_s``, then remove the session directory.
+
+        Returns when every process of the sandbox is gone: with a PID
+        namespace, its init exits only after all processes inside have.
+        """
+        tree = process_tree(self.pid)
+        await terminate_group(self.proc, self.pgid, grace_s, term_leader=self.term_leader)
+        left = await asyncio.to_thread(wait_gone, tree, STOP_WAIT_S)
+        if left:
+            self._log.warning("sandbox %s: processes %s still running %.0f s after SIGKILL",
+                              self.spec.sandbox_id, left, STOP_WAIT_S)
         remove_tree(self.spec.session_dir, self._log)
 
 
-async def terminate_group(proc: asyncio.subprocess.Process, pgid: int, grace_s: float) -> None:
-    """Stop a process group we started: SIGTERM, wait up to ``grace_s``, SIGKILL."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
+async def terminate_group(
+    proc: asyncio.subprocess.Process, pgid: int, grace_s: float, *, term_leader: bool = True
+) -> None:
+    """Stop a process group we started: SIGTERM, wait up to ``grace_s``, SIGKILL.
+
+    With ``term_leader=False`` the SIGTERM goes to the group's other members
+    only: the leader is expected to exit (and reap them) once they have.
+    """
+    if term_leader:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+    else:
+        for pid in group_members(pgid):
+            if pid != proc.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
     # A timeout means it ignored SIGTERM: SIGKILL below.
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(proc.wait(), grace_s)
@@ -162,6 +239,8 @@ class Runtime(abc.ABC):
     name = ""
     #: False only for :class:`~prorl_cli.sandbox.local.LocalRuntime`.
     isolated = True
+    #: Whether stop sends SIGTERM to the group leader too (see :func:`terminate_group`).
+    term_leader = True
 
     def __init__(self, config: SandboxConfig, log: logging.Logger) -> None:
         self.config = config
@@ -225,13 +304,13 @@ class Runtime(abc.ABC):
                 )
             except OSError as e:
                 raise SandboxError(f"{self.name} runtime: cannot run {argv[0]}: {e}") from e
-        handle = SandboxProcess(proc, spec, self.log)
+        handle = SandboxProcess(proc, spec, self.log, term_leader=self.term_leader)
         try:
             if on_spawn is not None:
                 on_spawn(handle)
             await self._wait_ready(proc, spec)
         except BaseException:
-            await terminate_group(proc, handle.pgid, 0.5)
+            await terminate_group(proc, handle.pgid, 0.5, term_leader=self.term_leader)
             raise
         return handle
 
@@ -251,9 +330,14 @@ class Runtime(abc.ABC):
             ) from e
         if not line.startswith(READY_LINE.encode()):
             await proc.wait()
+            tail = self._log_tail(spec)
+            hint = ""
+            if self.config.python in tail and ("not found" in tail or "No such file" in tail):
+                hint = (f"the image has no {self.config.python!r} (the tool server needs python3 >= 3.8 "
+                        "in the image; set sandbox.python if it is elsewhere); ")
             raise SandboxError(
                 f"{self.name} sandbox {spec.sandbox_id} failed to start (exit code {proc.returncode}, "
-                f"image {spec.image}); log tail:\n{self._log_tail(spec)}"
+                f"image {spec.image}): {hint}log tail:\n{tail}"
             )
         self.log.debug("sandbox %s ready in %.3f s", spec.sandbox_id, time.monotonic() - started)
 

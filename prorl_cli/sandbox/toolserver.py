@@ -124,11 +124,12 @@ class BashSession:
             return
         pid, fd = self.pid, self.fd
         self.pid = self.fd = None
-        for sig in (signal.SIGHUP, signal.SIGKILL):
-            try:
-                os.killpg(pid, sig)
-            except ProcessLookupError:
-                break
+        # Background jobs have process groups of their own in the shell's
+        # session: kill the whole session (without a PID namespace, as in the
+        # local runtime, nothing else would).
+        for member in _session_members(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(member, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.close(fd)
         with contextlib.suppress(ChildProcessError):
@@ -252,6 +253,22 @@ class BashSession:
 
 
 _EXITED = object()  # _collect's answer when the shell ended
+
+
+def _session_members(sid):
+    """Pids in session ``sid`` (Linux /proc), the leader included."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue  # it ended while we looked
+        if int(raw[raw.rindex(")") + 2 :].split()[4]) == sid:
+            members.append(int(entry))
+    return members
 
 
 class _Output:
