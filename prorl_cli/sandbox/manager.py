@@ -34,6 +34,7 @@ def make_runtime(config: SandboxConfig, log: logging.Logger) -> Runtime:
         cls = RUNTIMES[config.runtime]
     except KeyError as e:
         raise SandboxError(f"sandbox.runtime: unknown runtime {config.runtime!r}; known: {sorted(RUNTIMES)}") from e
+    config.validate()
     runtime = cls(config, log)
     runtime.check()
     return runtime

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from prorl_cli.exceptions import ConfigError
+
 
 @dataclass
 class SandboxConfig:
@@ -48,3 +50,23 @@ class SandboxConfig:
     extra_args: list[str] = field(default_factory=list)
     # python3 inside the image that runs the tool server.
     python: str = "python3"
+
+    def validate(self, where: str = "sandbox") -> None:
+        """Reject values that cannot work; the message names the key (called by the config loader)."""
+        positive = {
+            "writable_size_mb": self.writable_size_mb, "max_concurrent_starts": self.max_concurrent_starts,
+            "start_timeout_s": self.start_timeout_s, "tool_timeout_s": self.tool_timeout_s,
+            "max_output_bytes": self.max_output_bytes,
+        }
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{where}.{key}: must be positive, got {value}")
+        for key, value in {"mem_gb": self.mem_gb, "max_procs": self.max_procs, "wall_s": self.wall_s,
+                           "stop_grace_s": self.stop_grace_s}.items():
+            if value < 0:
+                raise ConfigError(f"{where}.{key}: must be 0 (no limit) or positive, got {value}")
+        if 0 < self.max_procs < 16:
+            raise ConfigError(f"{where}.max_procs: {self.max_procs} is too few for a shell and the tool server "
+                              "(use 16 or more, or 0 for no limit)")
+        if not self.python:
+            raise ConfigError(f"{where}.python: must name the interpreter inside the image")

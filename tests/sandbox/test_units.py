@@ -1,0 +1,174 @@
+"""Bad input gets clear errors; the pieces that need no sandbox image."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from prorl_cli.config import config_from_dict
+from prorl_cli.exceptions import ConfigError, SandboxError
+from prorl_cli.sandbox import LoopbackAllocator, SandboxConfig, SandboxManager, make_runtime
+from prorl_cli.sandbox.records import RecordStore, SandboxRecord, boot_id
+from prorl_cli.sandbox.runtime import TOOLSERVER_PATH, proc_start_ticks
+from prorl_cli.sandbox.toolserver import READY_LINE, recv_frame, send_frame
+
+log = logging.getLogger("test")
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"runtime": "docker"}, "sandbox.runtime: expected one of ['apptainer', 'bwrap', 'local'], got 'docker'"),
+        ({"mem_gb": -1}, "sandbox.mem_gb: must be 0 (no limit) or positive, got -1"),
+        ({"max_procs": 4}, "sandbox.max_procs: 4 is too few"),
+        ({"writable": "yes"}, "sandbox.writable: expected one of"),
+        ({"max_concurrent_starts": 0}, "sandbox.max_concurrent_starts: must be positive"),
+        ({"fakeroot": "true"}, "sandbox.fakeroot: expected bool"),
+        ({"no_such_key": 1}, "sandbox: unknown key(s) ['no_such_key']"),
+    ],
+)
+def test_config_errors_name_the_key(section: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"sandbox": section}, "prorl.yaml")
+    assert message in str(info.value)
+
+
+def test_config_accepts_a_full_section() -> None:
+    cfg = config_from_dict({"sandbox": {"runtime": "apptainer", "image": "/x.sif", "mem_gb": 2, "wall_s": 600}})
+    assert cfg.sandbox.runtime == "apptainer" and cfg.sandbox.mem_gb == 2.0
+
+
+def test_unknown_runtime_object_is_refused() -> None:
+    with pytest.raises(SandboxError, match="unknown runtime 'podman'"):
+        make_runtime(SandboxConfig(runtime="podman"), log)  # type: ignore[arg-type]
+
+
+def test_start_errors_are_clear(tmp_path: Path) -> None:
+    async def main() -> None:
+        m = SandboxManager(SandboxConfig(runtime="local"), tmp_path, log)
+        with pytest.raises(SandboxError, match=r"unknown sandbox option\(s\) \['gpu'\]"):
+            await m.start("j", gpu=True)
+        with pytest.raises(SandboxError, match="env must map str to str"):
+            await m.start("j", env={"A": 1})
+        long_dir = tmp_path / ("d" * 120)
+        m2 = SandboxManager(SandboxConfig(runtime="local", local_dir=str(long_dir)), tmp_path, log)
+        with pytest.raises(SandboxError, match="longer than 100 bytes; set sandbox.local_dir"):
+            await m2.start("j")
+        assert m.live == [] and m2.live == []
+        assert list((tmp_path / "sandboxes").glob("*.json")) == []
+
+    asyncio.run(main())
+
+
+def test_runtime_without_image_is_refused(tmp_path: Path) -> None:
+    if subprocess.run(["which", "bwrap"], capture_output=True).returncode != 0:
+        pytest.skip("bubblewrap is not installed (scripts/provision/20-bwrap.sh)")
+
+    async def main() -> None:
+        m = SandboxManager(SandboxConfig(runtime="bwrap"), tmp_path, log)
+        with pytest.raises(SandboxError, match="no image given and sandbox.image is empty"):
+            await m.start("j")
+
+    asyncio.run(main())
+
+
+def test_local_runtime_says_it_is_not_isolated(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        m = SandboxManager(SandboxConfig(runtime="local"), tmp_path, log)
+        for _ in range(2):
+            sb = await m.start("j", env={"GREETING": "hi"})
+            assert (await sb.bash("echo $GREETING $PRORL_LOOPBACK_IP")).output == f"hi {sb.loopback_ip}\n"
+            await sb.stop()
+        with pytest.raises(SandboxError, match="is stopped"):
+            await sb.bash("true")
+        with pytest.raises(TypeError, match="write_file needs bytes, got str"):
+            await sb.write_file("/tmp/x", "text")  # type: ignore[arg-type]
+
+    with caplog.at_level(logging.WARNING, logger="test"):
+        asyncio.run(main())
+    assert sum("NO ISOLATION" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_loopback_allocator_is_thread_safe_and_reuses() -> None:
+    alloc = LoopbackAllocator(prefix=9)
+    got: list[str] = []
+    lock = threading.Lock()
+
+    def grab() -> None:
+        mine = [alloc.allocate() for _ in range(500)]
+        with lock:
+            got.extend(mine)
+
+    threads = [threading.Thread(target=grab) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == len(set(got)) == 4000
+    assert all(ip.startswith("127.9.") for ip in got)
+    alloc.release(got[0])
+    assert alloc.allocate() == got[0]
+    with pytest.raises(ValueError, match="127.0.x.x is the host's"):
+        LoopbackAllocator(prefix=0)
+
+
+def test_loopback_allocator_exhaustion_is_an_error() -> None:
+    alloc = LoopbackAllocator(prefix=3)
+    for _ in range(256 * 254):
+        alloc.allocate()
+    with pytest.raises(SandboxError, match="loopback addresses of 127.3.x.y are in use"):
+        alloc.allocate()
+
+
+def test_reap_never_kills_a_process_it_did_not_start(tmp_path: Path) -> None:
+    """A record whose pid now names another process (other start time) leaves it alone."""
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        ticks = proc_start_ticks(stranger.pid)
+        assert ticks is not None
+        store = RecordStore(tmp_path / "sandboxes", log)
+        store.write(SandboxRecord("abc", "job", "apptainer", stranger.pid, stranger.pid, ticks - 1,
+                                  boot_id(), str(tmp_path / "gone")))
+        assert store.reap() == 0
+        assert stranger.poll() is None  # still running
+        assert store.load_all() == []  # the stale record is gone
+    finally:
+        os.killpg(stranger.pid, signal.SIGKILL)
+        stranger.wait()
+
+
+def test_toolserver_rejects_bad_frames(tmp_path: Path) -> None:
+    sock_path = tmp_path / "t.sock"
+    proc = subprocess.Popen([sys.executable, str(TOOLSERVER_PATH), "--socket", str(sock_path)],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().decode().strip() == READY_LINE
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock_path))
+            send_frame(s, {"op": "teleport"})
+            assert recv_frame(s) == {"ok": False, "error": {"type": "ToolError", "message": "unknown op 'teleport'"}}
+            send_frame(s, {"op": "bash"})
+            assert recv_frame(s)["error"]["message"] == "missing field 'command'"
+            send_frame(s, {"op": "edit", "command": "view", "path": "relative.txt"})
+            assert "path must be absolute" in recv_frame(s)["error"]["message"]
+            s.sendall((0xFFFFFFF0).to_bytes(4, "big"))
+            reply = recv_frame(s)
+            assert reply["error"]["type"] == "ProtocolError" and "exceeds" in reply["error"]["message"]
+        with socket.socket(socket.AF_UNIX) as s:  # still serving
+            s.connect(str(sock_path))
+            send_frame(s, {"op": "ping"})
+            assert recv_frame(s)["ok"] is True
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    assert not sock_path.exists()
