@@ -180,7 +180,7 @@ class Cache:
         with _MANIFEST_THREAD_LOCK, file_lock(self.root / "manifest.lock"):
             data = self.read_manifest()
             change(data)
-            _atomic_write(self.manifest_path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+            _atomic_write(self.manifest_path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
             return data
 
     def record(self, entry: dict[str, Any]) -> None:

@@ -131,14 +131,12 @@ def template_context(
     return ctx
 
 
-def _template_line(exc: BaseException, template_name: str, filename: str | None) -> int | None:
-    """The line in the template where a render-time error happened (Jinja rewrites tracebacks so frames carry template lines)."""
+def _template_line(exc: BaseException, filename: str | None) -> int | None:
+    """The template line where a render-time error happened (Jinja rewrites tracebacks so frames carry template lines)."""
     line = None
     tb = exc.__traceback__
-    names = {template_name, filename}
     while tb is not None:
-        code_file = tb.tb_frame.f_code.co_filename
-        if code_file in names or (filename and code_file == filename):
+        if filename and tb.tb_frame.f_code.co_filename == filename:
             line = tb.tb_lineno
         tb = tb.tb_next
     return line
@@ -156,18 +154,18 @@ def render_template(env: jinja2.Environment, template: str, context: dict[str, A
     try:
         return tmpl.render(**context)
     except jinja2.UndefinedError as e:
-        line = _template_line(e, template, tmpl.filename)
+        line = _template_line(e, tmpl.filename)
         where = f"{tmpl.filename or template}" + (f", line {line}" if line else "")
         m = re.search(r"'([^']+)' is undefined", str(e))
         what = f"undefined variable {m.group(1)!r}" if m else str(e)
         raise ConfigError(f"image {image}: template {where}: {what} (set it under images.{image}.variables)") from e
     except jinja2.TemplateError as e:
-        line = _template_line(e, template, tmpl.filename)
+        line = _template_line(e, tmpl.filename)
         where = f"{tmpl.filename or template}" + (f", line {line}" if line else "")
         raise ConfigError(f"image {image}: template {where}: {e}") from e
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         # A filter or expression failed on a variable of the wrong type.
-        line = _template_line(e, template, tmpl.filename)
+        line = _template_line(e, tmpl.filename)
         where = f"{tmpl.filename or template}" + (f", line {line}" if line else "")
         raise ConfigError(f"image {image}: template {where}: {type(e).__name__}: {e}") from e
 

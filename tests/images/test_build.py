@@ -217,3 +217,15 @@ def test_list_show_prune_and_resolve(ws: Workspace) -> None:
     Path(second["path"]).unlink()
     with pytest.raises(ImageBuildError, match="missing; rebuild it"):
         resolve_image("tiny", ws.cache)
+
+
+def test_parallel_jobs_build_independent_images_and_their_dependents(ws: Workspace) -> None:
+    ws.write({
+        "a": {"template": "busybox.def.j2", "base": "scratch", "variables": {"message": "a"}},
+        "b": {"template": "busybox.def.j2", "base": "scratch", "variables": {"message": "b"}},
+        "c": {"template": "busybox.def.j2", "base": "image:a", "variables": {"message": "c"}},
+    })
+    results = ws.build("--jobs", "2")
+    assert {n: r["action"] for n, r in results.items()} == {"a": "built", "b": "built", "c": "built"}
+    assert image_cat(results["c"]["path"], "/message") == "c\n"
+    assert {n: r["action"] for n, r in ws.build("--jobs", "2").items()} == {"a": "reused", "b": "reused", "c": "reused"}

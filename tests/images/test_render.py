@@ -139,3 +139,13 @@ def test_dry_run_prints_definitions_and_decisions(ws: Workspace) -> None:
     assert "tiny: lock key lock-" in out.stdout and "no lock build of tiny in the cache" in out.stdout
     assert "Bootstrap: scratch" in out.stdout and "/data.txt" in out.stdout
     assert not (ws.cache / "manifest.json").exists()
+
+
+def test_example_image_list_renders(ws: Workspace) -> None:
+    ws.write(config_file=str(Path(__file__).resolve().parents[2] / "examples" / "images.yaml"), mirror="http://mirror.invalid/debian",
+             docker_registry="registry.site.invalid")
+    plans = ws.dry_run()
+    assert set(plans) == {"base", "python", "swe", "python-oci"}
+    assert "Bootstrap: docker\nFrom: python:3.11-slim\nRegistry: registry.site.invalid" in plans["python-oci"]["definition"]
+    assert "(cd /testbed && git init -q .)" in plans["swe"]["definition"]
+    assert "python3-numpy" in plans["python"]["definition"]
