@@ -17,7 +17,14 @@ import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prorl_cli.sandbox.runtime import proc_start_ticks, process_tree, remove_tree, wait_gone
+from prorl_cli.sandbox.runtime import (
+    kill_session,
+    proc_start_ticks,
+    process_tree,
+    remove_tree,
+    session_members,
+    wait_gone,
+)
 
 REAP_WAIT_S = 30.0
 
@@ -98,17 +105,25 @@ class RecordStore:
             return False  # the machine rebooted: those processes are long gone
         ticks = proc_start_ticks(rec.pid)
         if ticks is None:
-            return False  # the leader is gone (with a PID namespace, so is everything inside)
+            # The leader is gone (with a PID namespace, so is everything
+            # inside). Members left in its session cannot be proven ours
+            # without it: report them, kill nothing.
+            strays = session_members(rec.pid)
+            if strays:
+                self.log.warning("sandbox %s: leader %d is gone but processes %s remain in its session; "
+                                 "not killing what cannot be identified", rec.sandbox_id, rec.pid, strays)
+            return False
         if ticks != rec.start_ticks:
             # The pid now belongs to another process: not ours, leave it alone.
             self.log.info("sandbox %s: pid %d was reused by another process; not killing", rec.sandbox_id, rec.pid)
             return False
         # Our leader, identified by pid and start time: kill its whole group
         # and wait until it and everything below it are gone.
-        tree = process_tree(rec.pid)
+        tree = set(process_tree(rec.pid)) | set(session_members(rec.pid))
         with contextlib.suppress(ProcessLookupError):
             os.killpg(rec.pgid, signal.SIGKILL)
-        left = wait_gone(tree, REAP_WAIT_S)
+        tree |= set(kill_session(rec.pid))
+        left = wait_gone(sorted(tree), REAP_WAIT_S)
         if left:
             self.log.warning("sandbox %s: processes %s still running %.0f s after SIGKILL",
                              rec.sandbox_id, left, REAP_WAIT_S)

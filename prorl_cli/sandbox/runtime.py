@@ -88,8 +88,7 @@ def proc_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
-def group_members(pgid: int) -> list[int]:
-    """Pids whose process group is ``pgid`` (zombies included)."""
+def _members(field: int, value: int) -> list[int]:
     members = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -99,8 +98,34 @@ def group_members(pgid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             continue  # it ended while we looked
         fields = raw[raw.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid:
+        if int(fields[field]) == value:
             members.append(int(entry))
+    return members
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids whose process group is ``pgid`` (zombies included)."""
+    return _members(2, pgid)
+
+
+def session_members(sid: int) -> list[int]:
+    """Pids in session ``sid``.
+
+    A sandbox is started as a session leader, so everything its runtime
+    forks stays in its session even when it makes process groups of its own
+    (Apptainer's squashfuse and fuse-overlayfs helpers do). The kernel does
+    not reuse a pid while it names a live session, so while one member is
+    left, the session is still the sandbox's.
+    """
+    return _members(3, sid)
+
+
+def kill_session(sid: int) -> list[int]:
+    """SIGKILL every member of session ``sid``; return the pids signalled."""
+    members = session_members(sid)
+    for pid in members:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return members
 
 
@@ -199,9 +224,9 @@ class SandboxProcess:
         Returns when every process of the sandbox is gone: with a PID
         namespace, its init exits only after all processes inside have.
         """
-        tree = process_tree(self.pid)
-        await terminate_group(self.proc, self.pgid, grace_s, term_leader=self.term_leader)
-        left = await asyncio.to_thread(wait_gone, tree, STOP_WAIT_S)
+        tree = set(process_tree(self.pid)) | set(session_members(self.pid))
+        tree |= set(await terminate_group(self.proc, self.pgid, grace_s, term_leader=self.term_leader))
+        left = await asyncio.to_thread(wait_gone, sorted(tree), STOP_WAIT_S)
         if left:
             self._log.warning("sandbox %s: processes %s still running %.0f s after SIGKILL",
                               self.spec.sandbox_id, left, STOP_WAIT_S)
@@ -210,11 +235,12 @@ class SandboxProcess:
 
 async def terminate_group(
     proc: asyncio.subprocess.Process, pgid: int, grace_s: float, *, term_leader: bool = True
-) -> None:
-    """Stop a process group we started: SIGTERM, wait up to ``grace_s``, SIGKILL.
+) -> list[int]:
+    """Stop a process group (and session) we started: SIGTERM, wait up to ``grace_s``, SIGKILL.
 
     With ``term_leader=False`` the SIGTERM goes to the group's other members
     only: the leader is expected to exit (and reap them) once they have.
+    Returns the session members that were still there for the final SIGKILL.
     """
     if term_leader:
         with contextlib.suppress(ProcessLookupError):
@@ -227,10 +253,13 @@ async def terminate_group(
     # A timeout means it ignored SIGTERM: SIGKILL below.
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(proc.wait(), grace_s)
-    # Kill the group even when the leader exited: stragglers may remain in it.
+    # Kill the group and the session even when the leader exited: stragglers
+    # (helpers in groups of their own) may remain in them.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+    stragglers = kill_session(pgid)
     await proc.wait()
+    return stragglers
 
 
 class Runtime(abc.ABC):

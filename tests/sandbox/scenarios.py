@@ -20,7 +20,7 @@ from typing import Any
 
 from prorl_cli.exceptions import SandboxError, ToolError
 from prorl_cli.sandbox import Sandbox, SandboxConfig, SandboxManager
-from prorl_cli.sandbox.runtime import proc_start_ticks
+from prorl_cli.sandbox.runtime import proc_start_ticks, session_members
 
 log = logging.getLogger("scenario")
 
@@ -194,8 +194,9 @@ async def scenario_stop_clean(args: dict[str, Any]) -> dict[str, Any]:
     await sb.stop()  # idempotent
     group = [int(e) for e in os.listdir("/proc")
              if e.isdigit() and _pgid(int(e)) == pgid and _state(int(e)) not in (None, "Z", "X")]
+    in_session = [p for p in session_members(pgid) if _state(p) not in (None, "Z", "X")]
     return {
-        "n_procs": len(procs), "alive_after": still_alive(procs), "group_after": group,
+        "n_procs": len(procs), "alive_after": still_alive(procs), "group_after": group, "session_after": in_session,
         "session_left": session.exists(), "socket_left": socket_path.exists(),
         "records_before": records,
         "records_after": sorted(p.name for p in (Path(args["state_dir"]) / "sandboxes").glob("*.json")),

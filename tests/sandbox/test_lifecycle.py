@@ -31,6 +31,7 @@ def test_stop_leaves_nothing(runtime: str, image: str | None, scenarios: Scenari
     assert r["n_procs"] >= 3  # the sandbox, its shell and two background sleeps at least
     assert r["alive_after"] == []
     assert r["group_after"] == []
+    assert r["session_after"] == []
     assert r["session_left"] is False and r["socket_left"] is False
     assert len(r["records_before"]) == 1 and r["records_after"] == []
 
