@@ -13,11 +13,13 @@ again.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from prorl_cli.exceptions import ProrlError
 
 # Stands in for assistant content when rendering turn boundaries; never sent to a model.
+_LOAD_LOCK = threading.Lock()
 _SENTINEL = "\u2063PRORL-ASSISTANT-CONTENT\u2063"
 
 
@@ -53,10 +55,14 @@ class ChatTokens:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], **kwargs: Any) -> ChatTokens:
-        """Load the tokenizer of a local model directory (never downloads)."""
-        from transformers import AutoTokenizer
+        """Load the tokenizer of a local model directory (never downloads). Thread-safe."""
+        # transformers' lazy module import is not thread-safe: handlers load tokenizers
+        # with asyncio.to_thread, several at once, and could see half-imported modules.
+        with _LOAD_LOCK:
+            from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True), **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return cls(tokenizer, **kwargs)
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:

@@ -91,3 +91,79 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         return
+
+
+class RecordingProxy:
+    """An HTTP proxy in front of vLLM that records every completion it relays, verbatim.
+
+    Lets a test compare a trajectory with exactly what vLLM answered at the
+    time (re-asking vLLM later could differ: batching and prefix caching).
+    """
+
+    def __init__(self, target_root: str) -> None:
+        import threading
+
+        self.target_root = target_root.rstrip("/")
+        self.records: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.port = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self._ready.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def start() -> None:
+            self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.port = self.server.sockets[0].getsockname()[1]
+            self._ready.set()
+
+        self.loop.run_until_complete(start())
+        self.loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import json
+
+        from prorl_cli.inference import http
+
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            method, path = head.split(b" ")[:2]
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            body = json.loads(await reader.readexactly(length)) if length else None
+            resp = await http.request(method.decode(), self.target_root + path.decode(), body)
+            if body is not None and resp.status == 200:
+                self.records.append((body, resp.json()))
+            writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (resp.status, len(resp.body)) + resp.body)
+            await writer.drain()
+        finally:
+            writer.close()
+
+    def answer_for(self, prompt_ids: list[int]) -> dict[str, Any]:
+        """vLLM's answer to the (unique) completion request with these prompt ids."""
+        found = [resp for req, resp in list(self.records) if req.get("prompt") == prompt_ids]
+        assert len(found) == 1, f"{len(found)} recorded completions for this prompt"
+        return found[0]
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def recording_proxy(vllm_server: Any) -> Iterator[RecordingProxy]:
+    proxy = RecordingProxy(f"http://{vllm_server.host}:{vllm_server.port}")
+    try:
+        yield proxy
+    finally:
+        proxy.close()

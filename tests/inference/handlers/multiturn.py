@@ -26,7 +26,8 @@ class MultiTurnHandler(AgentHandler):
         tok = ctx.instance["tokenizer"]
         if tok not in _CHATS:
             # Loading transformers takes seconds: off the event loop, or the node misses heartbeats.
-            _CHATS[tok] = await asyncio.to_thread(ChatTokens.from_pretrained, tok)
+            chat = await asyncio.to_thread(ChatTokens.from_pretrained, tok)
+            _CHATS.setdefault(tok, chat)
         ctx.state["chat"] = _CHATS[tok]
 
     async def run(self, ctx: JobContext) -> None:

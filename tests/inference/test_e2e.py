@@ -1,0 +1,105 @@
+"""Multi-turn rollouts end to end: client → broker → node → (bridge →) model, in real processes."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prorl_cli.agent import ChatTokens, Trajectory
+from prorl_cli.protocol import JobResult
+from tests.harness import Deployment
+from tests.inference.conftest import RecordingProxy, start_bridge
+
+SAMPLING = {"max_tokens": 12, "temperature": 1.0, "seed": 11}
+
+
+def f32(x: float) -> float:
+    """``x`` as it travels in a float32 payload frame."""
+    return float(struct.unpack("<f", struct.pack("<f", x))[0])
+
+
+def run_jobs(d: Deployment, tiny_model: Path, n: int, turns: int = 3, **instance: Any) -> list[JobResult]:
+    inst = {"tokenizer": str(tiny_model), "turns": turns, **instance}
+    ids = d.client.submit("multiturn", [inst] * n, sampling=SAMPLING, timeout_s=240)
+    return d.client.wait(ids, timeout_s=300)
+
+
+def check_token_exact(res: JobResult, chat: ChatTokens, turns: int) -> Trajectory:
+    """Every call's prompt is exactly the previous prompt + output + the observation's ids."""
+    assert res.ok, (res.state, res.error)
+    traj = Trajectory.from_dict(res.output["trajectory"])
+    assert traj.error is None and traj.token_exact and len(traj.calls) == turns
+    assert traj.calls[0].prompt_ids == chat.initial_prompt([{"role": "user", "content": f"job {res.job_id}"}])
+    for k in range(1, turns):
+        prev, call, delta = traj.calls[k - 1], traj.calls[k], res.output["deltas"][k - 1]
+        assert call.prompt_ids == prev.prompt_ids + prev.output_ids + delta
+        obs = {"role": "tool", "content": f"result {k - 1}: having 2+3=5"}
+        assert delta == chat.continuation(prev.output_ids, [obs])
+    last = traj.calls[-1]
+    assert traj.sequence_ids == last.prompt_ids + last.output_ids
+    assert sum(traj.loss_mask) == sum(len(c.output_ids) for c in traj.calls)
+    return traj
+
+
+@pytest.mark.vllm
+def test_rollout_through_bridge_to_vllm_is_token_exact(
+    deployment: Deployment, recording_proxy: RecordingProxy, tiny_model: Path, chat: ChatTokens
+) -> None:
+    start_bridge(deployment, "b-vllm", "--attach", recording_proxy.url)
+    results = run_jobs(deployment, tiny_model, n=4)
+    for res in results:
+        traj = check_token_exact(res, chat, turns=3)
+        for call in traj.calls:
+            assert call.backend_id == "b-vllm"
+            answer = recording_proxy.answer_for(call.prompt_ids)["choices"][0]
+            assert call.output_ids == answer["token_ids"]
+            assert call.logprobs == [f32(x) for x in answer["logprobs"]["token_logprobs"]]
+            assert call.finish_reason == answer["finish_reason"]
+
+
+@pytest.mark.vllm
+def test_rollout_through_http_backend_added_by_url(
+    deployment: Deployment, recording_proxy: RecordingProxy, tiny_model: Path, chat: ChatTokens
+) -> None:
+    status = deployment.client.add_backend(recording_proxy.url)
+    assert status.kind == "http"
+    results = run_jobs(deployment, tiny_model, n=3)
+    for res in results:
+        traj = check_token_exact(res, chat, turns=3)
+        for call in traj.calls:
+            assert call.backend_id == status.backend_id  # the node called it directly
+            answer = recording_proxy.answer_for(call.prompt_ids)["choices"][0]
+            assert call.output_ids == answer["token_ids"]
+            # Direct HTTP: no float32 frame on the way, the JSON value itself.
+            assert call.logprobs == answer["logprobs"]["token_logprobs"]
+
+
+def test_rollout_through_transformers_engine(deployment: Deployment, tiny_model: Path, chat: ChatTokens) -> None:
+    start_bridge(deployment, "b-tf", "--engine", "transformers", "--model", str(tiny_model))
+    results = run_jobs(deployment, tiny_model, n=2)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    for res in results:
+        traj = check_token_exact(res, chat, turns=3)
+        last = traj.calls[-1]
+        # The log-probs are the model's own: one teacher-forced pass over the whole sequence agrees.
+        with torch.inference_mode():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([traj.sequence_ids])).logits[0].float(), -1)
+        expected = [float(lp[i - 1, t]) for i, (t, m) in enumerate(zip(traj.sequence_ids, traj.loss_mask, strict=True)) if m]
+        got = [x for x, m in zip(traj.logprobs, traj.loss_mask, strict=True) if m]
+        assert got == pytest.approx(expected, abs=1e-4)
+        assert {c.backend_id for c in traj.calls} == {"b-tf"} and last.finish_reason in ("length", "stop")
+
+
+def test_generate_errors_reach_the_trajectory(deployment: Deployment, tiny_model: Path) -> None:
+    """A request the server refuses (context too long) fails that call with the server's message."""
+    start_bridge(deployment, "b-tf", "--engine", "transformers", "--model", str(tiny_model), "--max-model-len", "64")
+    (res,) = run_jobs(deployment, tiny_model, n=1, turns=3)
+    traj = Trajectory.from_dict(res.output["trajectory"])
+    assert traj.stop_reason == "error" and traj.error is not None
+    assert "backend b-tf" in traj.error["message"] and "maximum context length is 64" in traj.error["message"]

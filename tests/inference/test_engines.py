@@ -1,0 +1,149 @@
+"""Engines against real models: the transformers engine, and vLLM on the CPU over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prorl_cli.exceptions import InferenceError
+from prorl_cli.inference.openai_engine import OpenAIEngine
+from prorl_cli.inference.vllm_server import free_port
+from prorl_cli.protocol import SamplingParams
+
+PROMPT = [1, 1624, 201, 57, 74, 277, 316, 2, 201, 1, 2703, 201]
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Any:
+    from prorl_cli.inference.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine(tiny_model, max_model_len=256, backend_id="tf")
+    run(eng.start())
+    return eng
+
+
+def teacher_forced_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> list[float]:
+    """Log-probs of ``output`` after ``prompt`` from one full forward pass (no KV cache)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+
+def test_transformers_logprobs_are_the_models(engine: Any, tiny_model: Path) -> None:
+    gen = run(engine.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.8, seed=7)))
+    assert gen.backend_id == "tf" and len(gen.output_ids) == len(gen.logprobs) > 0
+    expected = teacher_forced_logprobs(tiny_model, PROMPT, gen.output_ids)
+    assert gen.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_transformers_seed_greedy_stop_and_length(engine: Any) -> None:
+    a = run(engine.generate(PROMPT, SamplingParams(max_tokens=10, seed=3)))
+    b = run(engine.generate(PROMPT, SamplingParams(max_tokens=10, seed=3)))
+    assert a.output_ids == b.output_ids and a.finish_reason == "length" and len(a.output_ids) == 10
+    g = run(engine.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0)))
+    assert g.output_ids == run(engine.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0, seed=99))).output_ids
+    stop = run(engine.generate(PROMPT, SamplingParams(max_tokens=10, seed=3, stop_token_ids=[a.output_ids[3]])))
+    assert stop.finish_reason == "stop" and stop.output_ids == a.output_ids[: a.output_ids.index(a.output_ids[3]) + 1]
+    # Near the context limit, output is cut at max_model_len (as vLLM does).
+    near = run(engine.generate([5] * 250, SamplingParams(max_tokens=50, seed=1)))
+    assert len(near.output_ids) == 6 or near.finish_reason == "stop"
+    assert len(near.output_ids) <= 6
+
+
+def test_transformers_bad_input_names_the_problem(engine: Any) -> None:
+    with pytest.raises(InferenceError, match="maximum context length is 256"):
+        run(engine.generate([5] * 300, SamplingParams()))
+    with pytest.raises(InferenceError, match="outside the vocabulary"):
+        run(engine.generate([10**6], SamplingParams()))
+    with pytest.raises(ValueError, match="top_p"):
+        run(engine.generate(PROMPT, SamplingParams(top_p=0)))
+
+
+@pytest.mark.vllm
+def test_vllm_token_in_token_out(vllm_server: Any) -> None:
+    eng = OpenAIEngine(vllm_server.url, backend_id="v")
+    run(eng.start())
+    assert eng.max_model_len == 1024 and eng.model
+    a = run(eng.generate(PROMPT, SamplingParams(max_tokens=16, seed=5)))
+    b = run(eng.generate(PROMPT, SamplingParams(max_tokens=16, seed=5)))
+    assert a.output_ids == b.output_ids and a.logprobs == b.logprobs and len(a.output_ids) == 16
+    assert all(lp <= 0 for lp in a.logprobs)
+    s = run(eng.generate(PROMPT, SamplingParams(max_tokens=16, seed=5, stop_token_ids=[a.output_ids[2]])))
+    assert s.finish_reason == "stop" and s.output_ids[-1] == a.output_ids[2]
+
+
+@pytest.mark.vllm
+def test_vllm_errors_carry_the_servers_message(vllm_server: Any) -> None:
+    eng = OpenAIEngine(vllm_server.url)
+    with pytest.raises(InferenceError, match=r"HTTP 400: .*maximum context length is 1024"):
+        run(eng.generate([5] * 1100, SamplingParams(max_tokens=4)))
+    with pytest.raises(InferenceError, match="out of vocabulary"):
+        run(eng.generate([10**6], SamplingParams(max_tokens=4)))
+
+
+def test_server_down_is_an_error_not_a_hang() -> None:
+    eng = OpenAIEngine(f"http://127.0.0.1:{free_port()}/v1", model="m", timeout_s=10)
+    with pytest.raises(InferenceError, match="ConnectionRefusedError"):
+        run(eng.generate(PROMPT, SamplingParams()))
+    assert run(eng.healthy()) is False
+
+
+class FakeServer:
+    """An HTTP server answering every request with one canned response (for malformed replies)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status, self.body = status, body
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next((ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")), b"0"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n" % (self.status, len(self.body)) + self.body)
+        await writer.drain()
+        writer.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[Any]:
+    async def call(status: int, body: bytes) -> Any:
+        server = await asyncio.start_server(FakeServer(status, body).handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await OpenAIEngine(f"http://127.0.0.1:{port}", model="m").generate(PROMPT, SamplingParams())
+        finally:
+            server.close()
+
+    yield lambda status, body: run(call(status, body))
+
+
+def test_malformed_replies_are_named(fake: Any) -> None:
+    with pytest.raises(InferenceError, match="not JSON"):
+        fake(200, b"<html>")
+    with pytest.raises(InferenceError, match="no choices"):
+        fake(200, b"{}")
+    with pytest.raises(InferenceError, match="return_token_ids"):
+        fake(200, json.dumps({"choices": [{"text": "hi"}]}).encode())
+    with pytest.raises(InferenceError, match="2 token ids but logprobs.token_logprobs is 1 long"):
+        fake(200, json.dumps({"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0]}}]}).encode())
+    with pytest.raises(InferenceError, match="prompt_token_ids differ"):
+        fake(200, json.dumps({"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-1.0]},
+                                           "prompt_token_ids": [9, 9]}]}).encode())
+    with pytest.raises(InferenceError, match="HTTP 503: overloaded"):
+        fake(503, json.dumps({"error": {"message": "overloaded"}}).encode())
+    gen = fake(200, json.dumps({"choices": [{"token_ids": [4], "logprobs": {"token_logprobs": [-0.25]},
+                                             "finish_reason": "length"}]}).encode())
+    assert (gen.output_ids, gen.logprobs, gen.finish_reason) == ([4], [-0.25], "length")
