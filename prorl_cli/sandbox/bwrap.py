@@ -1,19 +1,18 @@
 """bubblewrap: rootless sandboxes with millisecond start, for hosts without Apptainer.
 
 The image is a root filesystem directory (an unpacked image) or ``"host"``:
-the host's /usr, read-only, with the usual /bin, /lib links. The writable
-layer is a real overlay where bubblewrap supports it (0.8.0 does not; newer
-releases have ``--overlay``), else the image is bound read-only and /tmp,
-/root, /home and /var/tmp are tmpfs sized by ``writable_size_mb``.
+the host's /usr, read-only, with the usual /bin, /lib links. The image is
+bound read-only; the writable layer is bubblewrap's own tmpfs root plus
+/tmp, /root, /home and /var/tmp as tmpfs sized by ``writable_size_mb``
+(bubblewrap 0.8.0, Debian 12's, has no ``--overlay``; newer releases do,
+and an overlay over the whole image is a possible extension).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 from prorl_cli.exceptions import SandboxError
@@ -29,12 +28,6 @@ from prorl_cli.sandbox.runtime import (
 from prorl_cli.sandbox.settings import SandboxConfig
 
 _WRITABLE_DIRS = ("/tmp", "/root", "/home", "/var/tmp")
-
-
-@functools.lru_cache(maxsize=4)
-def _supports_overlay(binary: str) -> bool:
-    out = subprocess.run([binary, "--help"], capture_output=True, text=True, check=False)
-    return "--overlay-src" in out.stdout + out.stderr
 
 
 class BwrapRuntime(Runtime):
@@ -70,11 +63,6 @@ class BwrapRuntime(Runtime):
                     argv += ["--symlink", f"usr/{link}", f"/{link}"]
             for d in _WRITABLE_DIRS:
                 argv += [*size, "--tmpfs", d]
-        elif cfg.writable == "overlay" and _supports_overlay(self.binary):
-            upper, work = spec.session_dir / "upper", spec.session_dir / "work"
-            upper.mkdir(parents=True, exist_ok=True)
-            work.mkdir(parents=True, exist_ok=True)
-            argv += ["--overlay-src", spec.image, "--overlay", str(upper), str(work), "/"]
         else:
             # bwrap's root is a tmpfs: bind each top-level entry of the image
             # read-only onto it (so /.prorl can still be created), and give the
