@@ -78,6 +78,7 @@ class Sandbox:
         self._on_stop = on_stop
         self._stopped = False
         self._stop_lock = asyncio.Lock()
+        self._stopped_event = asyncio.Event()
         self._log = log
 
     @property
@@ -162,5 +163,12 @@ class Sandbox:
             if self._stopped:
                 return
             self._stopped = True
-            await self._client.close()
-            await self._on_stop(self)
+            try:
+                await self._client.close()
+                await self._on_stop(self)
+            finally:
+                self._stopped_event.set()
+
+    async def wait_stopped(self) -> None:
+        """Return once the sandbox has been stopped (by a handler, the node, or ``wall_s``)."""
+        await self._stopped_event.wait()

@@ -172,3 +172,19 @@ def test_toolserver_rejects_bad_frames(tmp_path: Path) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     assert not sock_path.exists()
+
+
+def test_wall_time_limit_stops_the_sandbox(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        m = SandboxManager(SandboxConfig(runtime="local", wall_s=0.5), tmp_path, log)
+        sb = await m.start("slow-job")
+        pid = sb.pid
+        await asyncio.wait_for(sb.wait_stopped(), 30)
+        assert m.live == []
+        assert proc_start_ticks(pid) is None
+        with pytest.raises(SandboxError, match="is stopped"):
+            await sb.bash("true")
+
+    with caplog.at_level(logging.WARNING, logger="test"):
+        asyncio.run(main())
+    assert any("ran past sandbox.wall_s" in r.getMessage() for r in caplog.records)
