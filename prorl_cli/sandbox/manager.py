@@ -94,7 +94,7 @@ class SandboxManager:
             raise SandboxError(f"sandbox option env must map str to str, got {env!r}")
         resolved_image = self.runtime.resolve_image(image)
         sandbox_id = secrets.token_hex(5)
-        self.local_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._check_local_dir()
         spec = LaunchSpec(
             sandbox_id=sandbox_id,
             image=resolved_image,
@@ -130,6 +130,21 @@ class SandboxManager:
             "on" if spec.network else "off",
         )
         return sandbox
+
+    def _check_local_dir(self) -> None:
+        """Create ``local_dir`` private to us; refuse one that others could tamper with.
+
+        Sockets and writable layers live there: in a shared /tmp, a directory
+        someone else made (or may write to) would let them reach our sandboxes.
+        """
+        self.local_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = self.local_dir.stat()
+        if st.st_uid != os.getuid():
+            raise SandboxError(f"sandbox.local_dir {self.local_dir} belongs to uid {st.st_uid}, not to us "
+                               f"(uid {os.getuid()}); remove it or choose another directory")
+        if st.st_mode & 0o022:
+            raise SandboxError(f"sandbox.local_dir {self.local_dir} is writable by others "
+                               f"(mode {st.st_mode & 0o777:o}); make it 0700 or choose another directory")
 
     def _record(self, process: SandboxProcess, job_id: str) -> None:
         self.records.write(SandboxRecord(

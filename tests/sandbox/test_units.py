@@ -63,7 +63,13 @@ def test_start_errors_are_clear(tmp_path: Path) -> None:
         m2 = SandboxManager(SandboxConfig(runtime="local", local_dir=str(long_dir)), tmp_path, log)
         with pytest.raises(SandboxError, match="longer than 100 bytes; set sandbox.local_dir"):
             await m2.start("j")
-        assert m.live == [] and m2.live == []
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)
+        m3 = SandboxManager(SandboxConfig(runtime="local", local_dir=str(shared)), tmp_path, log)
+        with pytest.raises(SandboxError, match="is writable by others .mode 777."):
+            await m3.start("j")
+        assert m.live == [] and m2.live == [] and m3.live == []
         assert list((tmp_path / "sandboxes").glob("*.json")) == []
 
     asyncio.run(main())
