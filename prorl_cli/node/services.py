@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from prorl_cli.exceptions import SandboxError
 from prorl_cli.node.handler import JobContext, Services
 from prorl_cli.protocol import SamplingParams
 
@@ -26,6 +27,7 @@ class NodeServices(Services):
         self.node = node
         self._inference: Any = None
         self._sandboxes: Any = None
+        self._sandbox_error: SandboxError | None = None
 
     def _sandbox_manager(self) -> Any:
         if self._sandboxes is None:
@@ -37,11 +39,17 @@ class NodeServices(Services):
         return self._sandboxes
 
     async def start(self) -> None:
-        """At node start: reap sandboxes a crashed predecessor left in this run dir."""
+        """At node start: reap sandboxes a crashed predecessor left in this run dir.
+
+        A sandbox runtime that cannot work here (say, ``apptainer`` on a host
+        without it) is logged loudly; the node still serves handlers that need
+        no sandbox, and ``start_sandbox`` then raises the same error.
+        """
         try:
             manager = self._sandbox_manager()
-        except ImportError as e:
-            log.warning("sandbox support unavailable: %s", e)
+        except SandboxError as e:
+            self._sandbox_error = e
+            log.error("sandboxes unavailable on this node: %s", e)
             return
         reaped = manager.reap_leftovers()
         if reaped:
@@ -59,6 +67,12 @@ class NodeServices(Services):
         return await self._inference.generate(ctx.job_id, prompt_ids, sampling)
 
     async def start_sandbox(self, ctx: JobContext, **options: Any) -> Any:
+        if self._sandbox_error is not None:
+            raise SandboxError(f"sandboxes unavailable on node {self.node.node_id}: {self._sandbox_error}")
+        # The handler's own image is the default; sandbox.image is the fallback.
+        handler_image = self.node.registry.get(ctx.task).image
+        if handler_image and options.get("image") is None:
+            options["image"] = handler_image
         sandbox = await self._sandbox_manager().start(ctx.job_id, **options)
         ctx.add_cleanup(sandbox.stop)
         return sandbox
