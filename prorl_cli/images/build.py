@@ -14,6 +14,7 @@ import collections
 import contextlib
 import datetime
 import os
+import queue
 import re
 import shutil
 import signal
@@ -22,7 +23,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,38 +94,58 @@ class Builder:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._procs_lock = threading.Lock()
         self._aborted = threading.Event()
+        self._building: set[str] = set()  # images past their lock, with a build (and temp file) under way
 
     # -- many images ------------------------------------------------------------------------
 
     def run(self, plans: list[Plan], jobs: int) -> list[Result]:
-        """Make every plan ready, ``jobs`` builds at a time, bases before the images on them."""
+        """Make every plan ready, ``jobs`` builds at a time, bases before the images on them.
+
+        Workers are daemon threads: one blocked on another process's lock must
+        not keep an interrupted prorl alive. On interruption the running builds
+        are stopped and their workers joined (they remove their temp files).
+        """
         results: dict[str, Result] = {}
         by_name = {p.spec.name: p for p in plans}
         pending = list(plans)
-        running: dict[Future[Result], str] = {}
-        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="prorl-build") as pool:
+        threads: dict[str, threading.Thread] = {}
+        finished: queue.Queue[tuple[str, Result | None, BaseException | None]] = queue.Queue()
+
+        def worker(plan: Plan) -> None:
             try:
-                while pending or running:
-                    for plan in list(pending):
-                        dep = plan.spec.depends_on if plan.spec.depends_on in by_name else None
-                        if dep is not None and dep not in results:
-                            continue  # its base is not ready yet
-                        pending.remove(plan)
-                        if dep is not None and results[dep].action in ("failed", "skipped"):
-                            results[plan.spec.name] = Result(plan.spec.name, plan.key, plan.mode, "skipped", [f"base image {dep} failed"], str(plan.path))
-                            continue
-                        if len(running) >= jobs:
-                            pending.insert(0, plan)
-                            break
-                        running[pool.submit(self.make_ready, plan)] = plan.spec.name
-                    if not running:
+                finished.put((plan.spec.name, self.make_ready(plan), None))
+            except BaseException as e:  # handed to the main thread, which raises it
+                finished.put((plan.spec.name, None, e))
+
+        try:
+            while pending or threads:
+                for plan in list(pending):
+                    if len(threads) >= jobs:
+                        break
+                    dep = plan.spec.depends_on if plan.spec.depends_on in by_name else None
+                    if dep is not None and dep not in results:
+                        continue  # its base is not ready yet
+                    pending.remove(plan)
+                    if dep is not None and results[dep].action in ("failed", "skipped"):
+                        results[plan.spec.name] = Result(plan.spec.name, plan.key, plan.mode, "skipped", [f"base image {dep} failed"], str(plan.path))
                         continue
-                    done, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        results[running.pop(fut)] = fut.result()
-            except BaseException:
-                self.abort()
-                raise
+                    t = threading.Thread(target=worker, args=(plan,), name=f"prorl-build-{plan.spec.name}", daemon=True)
+                    threads[plan.spec.name] = t
+                    t.start()
+                if not threads:
+                    continue
+                name, result, error = finished.get()
+                threads.pop(name).join()
+                if error is not None:
+                    raise error
+                assert result is not None
+                results[name] = result
+        except BaseException:
+            self.abort()
+            for name in list(self._building):
+                if name in threads:
+                    threads[name].join(_TERM_GRACE_S + 10)
+            raise
         return [results[p.spec.name] for p in plans]
 
     def abort(self) -> None:
@@ -150,7 +170,10 @@ class Builder:
         try:
             with self.cache.key_lock(plan.key, on_wait) as waited_s:
                 # Another process may have finished this key while we planned or waited.
+                planned_reuse, planned_reasons = plan.reuse, plan.reasons
                 decide(plan, self.cache, self.cache.read_manifest())
+                if not plan.reuse and not planned_reuse:
+                    plan.reasons = planned_reasons  # the plan's reasons also know which bases this run rebuilt
                 if waited and plan.reuse:
                     plan.reasons.insert(0, f"built meanwhile by {waited[0]}")
                 if plan.reuse:
@@ -195,6 +218,13 @@ class Builder:
         return entry
 
     def _build(self, plan: Plan, waited_s: float) -> Result:
+        self._building.add(plan.spec.name)
+        try:
+            return self._build_locked(plan, waited_s)
+        finally:
+            self._building.discard(plan.spec.name)
+
+    def _build_locked(self, plan: Plan, waited_s: float) -> Result:
         name, key = plan.spec.name, plan.key
         for stale in self.cache.stale_tmp_images(name, key):
             # We hold the key's lock, so no live build owns these: they are leftovers of a killed one.
@@ -226,8 +256,6 @@ class Builder:
     def _run_apptainer(self, name: str, cmd: list[str], log_path: Path) -> None:
         if shutil.which(cmd[0]) is None:
             raise ImageBuildError(f"image {name}: {cmd[0]!r} not found on PATH (install Apptainer, or set images.apptainer)")
-        if self._aborted.is_set():
-            raise ImageBuildError(f"image {name}: build cancelled")
         # The runner stops the whole build, orphans included, when told to or when prorl dies (even by SIGKILL).
         prefix = [sys.executable, "-m", "prorl_cli.images.runner", str(os.getpid()), str(_TERM_GRACE_S)]
         tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
@@ -235,8 +263,11 @@ class Builder:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         timed_out = threading.Event()
         with log_path.open("w") as log:
-            proc = subprocess.Popen([*prefix, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-            with self._procs_lock:
+            with self._procs_lock:  # abort() either sees this build or stops it from starting
+                if self._aborted.is_set():
+                    raise ImageBuildError(f"image {name}: build cancelled")
+                proc = subprocess.Popen([*prefix, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
                 self._procs[name] = proc
             def on_timeout() -> None:
                 timed_out.set()
@@ -270,6 +301,9 @@ class Builder:
                 msg += f"\n  {fatal}"
             if any("fakeroot" in t or "subuid" in t for t in tail):
                 msg += _rootless_hint()
+            if step.startswith("Extracting local image") and any("failed to change uid and gids" in t for t in tail):
+                msg += ("\n  hint: under --fakeroot Apptainer cannot extract a local .sif base whose files belong to"
+                        " users other than root (apptainer/apptainer#3186); start this image from debootstrap: or docker:// instead")
             raise BuildFailed(msg, str(log_path), list(tail))
 
 

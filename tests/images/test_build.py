@@ -229,3 +229,49 @@ def test_parallel_jobs_build_independent_images_and_their_dependents(ws: Workspa
     assert {n: r["action"] for n, r in results.items()} == {"a": "built", "b": "built", "c": "built"}
     assert image_cat(results["c"]["path"], "/message") == "c\n"
     assert {n: r["action"] for n, r in ws.build("--jobs", "2").items()} == {"a": "reused", "b": "reused", "c": "reused"}
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains ``text`` (to find what a stopped build left running)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+def test_sigterm_stops_a_build_and_a_waiter_cleanly(ws: Workspace) -> None:
+    started, gate = ws.root / "started", ws.root / "gate"
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    ws.write({"tiny": {**ws.images["tiny"], "variables": {"started": str(started), "gate": str(gate)}}})
+    procs = [ws.start("build-images", "--mode", "lock") for _ in range(2)]
+    outputs: list[list[str]] = [[], []]
+    waiting = threading.Event()  # set by whichever reader sees "waiting for"
+    for p, out in zip(procs, outputs, strict=True):
+        threading.Thread(target=_reader, args=(p, out, waiting), daemon=True).start()
+    builder, waiter = procs
+    try:
+        assert Path(started).read_text() == "started\n"
+        # Whichever process got the lock is building; the other reports waiting.
+        assert waiting.wait(60), "no process reported waiting for the lock"
+        if any("waiting for" in line for line in outputs[0]):
+            waiter, builder = procs
+        os.killpg(waiter.pid, signal.SIGTERM)  # a waiter leaves at once, the build goes on
+        assert waiter.wait(60) == 130
+        assert builder.poll() is None
+        os.killpg(builder.pid, signal.SIGTERM)  # the builder stops its build, orphans included
+        assert builder.wait(60) == 130
+    finally:
+        stop(waiter)
+        stop(builder)
+        _release(gate)
+    assert _processes_mentioning(str(gate)) == [], "the stopped build left processes behind"
+    leftovers = list((ws.cache / "images" / "tiny").iterdir()) if (ws.cache / "images" / "tiny").exists() else []
+    assert leftovers == [], leftovers
+    assert "tiny" not in ws.manifest()["images"] if (ws.cache / "manifest.json").exists() else True

@@ -113,8 +113,8 @@ def test_shipped_recipes_render_with_configured_mirror(ws: Workspace) -> None:
     plans = ws.dry_run()  # the shipped sif_recipes/images.yaml
     assert set(plans) == {"base", "python", "swe"}
     assert "MirrorURL: http://mirror.invalid/debian" in plans["base"]["definition"]
-    assert f"From: {plans['base']['path']}" in plans["python"]["definition"]
-    assert f"From: {plans['python']['path']}" in plans["swe"]["definition"]
+    assert "OSVersion: bookworm" in plans["python"]["definition"]
+    assert "Include: python3 python3-pip python3-venv git ca-certificates" in plans["swe"]["definition"]
     for p in plans.values():
         assert f"{ws.tool_server} /opt/prorl/tool_server.py" in p["definition"]
     assert "git" in plans["swe"]["definition"]
