@@ -275,3 +275,19 @@ def test_sigterm_stops_a_build_and_a_waiter_cleanly(ws: Workspace) -> None:
     leftovers = list((ws.cache / "images" / "tiny").iterdir()) if (ws.cache / "images" / "tiny").exists() else []
     assert leftovers == [], leftovers
     assert "tiny" not in ws.manifest()["images"] if (ws.cache / "manifest.json").exists() else True
+
+
+def test_chained_base_with_foreign_owners_fails_with_a_hint(ws: Workspace) -> None:
+    """Apptainer 1.4 cannot extract such a base under --fakeroot (apptainer/apptainer#3186): say so, leave nothing."""
+    ws.write({"owned": {"template": "busybox.def.j2", "base": "scratch", "variables": {"foreign": "shadow"}},
+              "child": {"template": "busybox.def.j2", "base": "image:owned"}})
+    out = ws.prorl("build-images", "--json", "child", check=False)
+    results = {r["name"]: r for r in json.loads(out.stdout)}
+    assert results["owned"]["action"] == "built"
+    if results["child"]["action"] == "built":
+        assert image_cat(results["child"]["path"], "/message") == "hello\n"
+        return  # a later Apptainer extracts such bases: nothing to explain
+    assert out.returncode == 1 and results["child"]["action"] == "failed"
+    assert "at step: Extracting local image" in results["child"]["error"]
+    assert "apptainer/apptainer#3186" in results["child"]["error"]
+    assert not [p for p in (ws.cache / "images" / "child").iterdir()]
