@@ -177,3 +177,41 @@ def test_jsonl_and_parquet_round_trip(chat: ChatTokens, tmp_path: Path) -> None:
     assert table[0]["sequence_ids"] == traj.sequence_ids and table[0]["loss_mask"] == traj.loss_mask
     assert table[0]["token_exact"] is True and table[0]["n_calls"] == 2
     assert Trajectory.from_dict(json.loads(table[0]["trajectory"])) == traj
+
+
+def test_math_agent_handler_uses_the_calculator_and_scores(chat: ChatTokens, tiny_model: Path, tmp_path: Path) -> None:
+    import logging
+
+    from handlers.math_agent import MathAgentHandler
+    from prorl_cli.config import ProrlConfig
+    from prorl_cli.node.handler import JobContext, Services
+    from prorl_cli.protocol import JobSpec
+
+    model = ScriptedModel(chat, [TOOL_TURN, ANSWER_TURN])
+
+    class ScriptedServices(Services):
+        async def generate(self, ctx: JobContext, prompt_ids: list[int], sampling: SamplingParams) -> Any:
+            return await model(prompt_ids, sampling)
+
+    def context(answer: str) -> JobContext:
+        return JobContext(
+            spec=JobSpec(job_id="j", task="math_agent"),
+            instance={"question": "What is 17 * 23?", "answer": answer, "tokenizer": str(tiny_model)},
+            node_id="n", run_dir=tmp_path, config=ProrlConfig(), services=ScriptedServices(),
+            log=logging.getLogger("test"),
+        )
+
+    handler = MathAgentHandler()
+    ctx = context("391")
+    for stage in (handler.init, handler.run, handler.eval):
+        run(stage(ctx))
+    traj = Trajectory.from_dict(ctx.output["trajectory"])
+    assert ctx.reward == 1.0 and ctx.output["predicted"] == "391" and traj.token_exact
+    assert traj.messages[3] == {"role": "tool", "name": "calculator", "content": "391"}
+    # The tool schema is in the system turn of the first prompt, rendered by the template.
+    assert '"name": "calculator"' in chat.decode(traj.calls[0].prompt_ids)
+    model.prompts.clear()
+    wrong = context("392")
+    for stage in (handler.init, handler.run, handler.eval):
+        run(stage(wrong))
+    assert wrong.reward == 0.0
