@@ -194,4 +194,5 @@ def images_prune(app: App, cache_dir: str | None, dry_run: bool) -> None:
     verb = "would remove" if dry_run else "removed"
     for what in removed:
         app.console.print(f"{verb} {what}", soft_wrap=True)
-    app.console.print(f"{len(removed)} item(s) {verb.split()[-1]}" if removed else "nothing to prune", soft_wrap=True)
+    summary = f"{len(removed)} item(s) {'would be removed' if dry_run else 'removed'}"
+    app.console.print(summary if removed else "nothing to prune", soft_wrap=True)
