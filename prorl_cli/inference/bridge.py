@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -25,6 +26,7 @@ from prorl_cli import protocol as P
 from prorl_cli.exceptions import InferenceError, ProtocolError
 from prorl_cli.inference.contract import Engine
 from prorl_cli.protocol import ErrorCode, Op, SamplingParams
+from prorl_cli.security import secure_peer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class InferenceBridge:
         host: str,
         capacity: int = 64,
         engine_check_interval_s: float = 2.0,
+        deployment_dir: Path | None = None,
     ) -> None:
         self.engine = engine
         self.address = address
@@ -48,6 +51,8 @@ class InferenceBridge:
         self.host = host
         self.capacity = capacity
         self.engine_check_interval_s = engine_check_interval_s
+        #: Where the deployment's CURVE keys live (when the broker encrypts); ``None``: plain TCP.
+        self.deployment_dir = deployment_dir
         self.ctx = zmq.asyncio.Context.instance()
         self.sock: zmq.asyncio.Socket | None = None
         self._rids = itertools.count(1)
@@ -89,6 +94,8 @@ class InferenceBridge:
         """Register, serve until :meth:`stop` (or the engine dies), unregister."""
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        if self.deployment_dir is not None:
+            secure_peer(self.sock, self.deployment_dir)
         self.sock.connect(self.address)
         try:
             await self._register()

@@ -95,7 +95,10 @@ async def run_bridge(opts: BridgeOptions, config: ProrlConfig) -> int:
         if address is None:
             info = await asyncio.to_thread(wait_rendezvous, config.deployment_dir, opts.broker_wait_s)
             address = info.address
-        bridge = InferenceBridge(engine, address=address, backend_id=backend_id, host=host, capacity=opts.capacity)
+        bridge = InferenceBridge(
+            engine, address=address, backend_id=backend_id, host=host, capacity=opts.capacity,
+            deployment_dir=config.deployment_dir,
+        )
         await bridge.serve()
         if bridge.failure:
             log.error("bridge stopped: %s", bridge.failure)

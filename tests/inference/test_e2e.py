@@ -103,3 +103,22 @@ def test_generate_errors_reach_the_trajectory(deployment: Deployment, tiny_model
     traj = Trajectory.from_dict(res.output["trajectory"])
     assert traj.stop_reason == "error" and traj.error is not None
     assert "backend b-tf" in traj.error["message"] and "maximum context length is 64" in traj.error["message"]
+
+
+def test_bridge_joins_an_encrypted_broker(tmp_path: Path, tiny_model: Path, chat: ChatTokens) -> None:
+    """With CURVE on, the bridge authenticates with the deployment's client key like every peer."""
+    from tests.inference.conftest import HANDLERS
+
+    d = Deployment(tmp_path / "home", config={"broker": {"curve": "on"}})
+    try:
+        d.start_broker()
+        assert d.client.status() is not None
+        from prorl_cli.rendezvous import read_rendezvous
+
+        assert read_rendezvous(d.deployment_dir).curve_public_key
+        d.start_node("n1", "--handlers", str(HANDLERS))
+        start_bridge(d, "b-tf", "--engine", "transformers", "--model", str(tiny_model))
+        (res,) = run_jobs(d, tiny_model, n=1, turns=2)
+        check_token_exact(res, chat, turns=2)
+    finally:
+        d.close()
