@@ -117,6 +117,13 @@ def test_missing_base_skips_dependent(ws: Workspace) -> None:
     assert results["child"]["reasons"] == ["base image bad failed"]
 
 
+def _json_results(output: str) -> list[dict[str, object]]:
+    """The --json array in output that also holds progress lines (stderr merged into stdout)."""
+    start = 0 if output.startswith("[") else output.index("\n[") + 1
+    data: list[dict[str, object]] = json.loads(output[start:])
+    return data
+
+
 def _reader(proc: subprocess.Popen[str], lines: list[str], waiting: threading.Event) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -149,7 +156,7 @@ def test_two_processes_at_once_build_once(ws: Workspace) -> None:
     for t in readers:
         t.join(10)
     assert counter.read_text().splitlines() == ["tiny"], "built exactly once"
-    results = [json.loads("".join(out)[("".join(out)).index("["):])[0] for out in outputs]
+    results = [_json_results("".join(out))[0] for out in outputs]
     assert sorted(r["action"] for r in results) == ["built", "reused"]
     reused = next(r for r in results if r["action"] == "reused")
     assert reused["reasons"][0].startswith("built meanwhile by pid")
@@ -182,7 +189,7 @@ def test_killed_build_leaves_cache_consistent(ws: Workspace) -> None:
     finally:
         stop(nxt)
     assert nxt.returncode == 0, out
-    result = json.loads(out[out.index("["):])[0]
+    result = _json_results(out)[0]
     assert result["action"] == "built"
     assert image_cat(result["path"], "/message") == "v2\n"
     assert not [p for p in (ws.cache / "images" / "tiny").iterdir() if ".tmp-" in p.name]
