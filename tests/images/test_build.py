@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -298,3 +299,21 @@ def test_chained_base_with_foreign_owners_fails_with_a_hint(ws: Workspace) -> No
     assert "at step: Extracting local image" in results["child"]["error"]
     assert "apptainer/apptainer#3186" in results["child"]["error"]
     assert not [p for p in (ws.cache / "images" / "child").iterdir()]
+
+
+def test_localimage_base_bytes_move_the_lock_key_not_the_versioned_one(ws: Workspace) -> None:
+    ws.write({"seed": {"template": "busybox.def.j2", "base": "scratch", "variables": {"message": "seed one"}}})
+    seed = ws.build()["seed"]
+    base_sif = ws.root / "base.sif"
+    shutil.copy(seed["path"], base_sif)
+    child = {"template": "busybox.def.j2", "base": "localimage:base.sif", "variables": {"message": "child"}}
+    ws.write({"seed": ws.images["seed"], "child": child})
+    lock1, ver1 = ws.build("--mode", "lock", "child")["child"], ws.build("--mode", "versioned", "child")["child"]
+    assert lock1["action"] == ver1["action"] == "built"
+    assert f"From: {base_sif}" in (ws.cache / ws.manifest()["builds"][lock1["key"]]["definition"]).read_text()
+    # Same path, new bytes: lock rebuilds, versioned (same reference) reuses.
+    ws.write({"seed": {**ws.images["seed"], "variables": {"message": "seed two"}}, "child": child})
+    shutil.copy(ws.build("seed")["seed"]["path"], base_sif)
+    lock2, ver2 = ws.build("--mode", "lock", "child")["child"], ws.build("--mode", "versioned", "child")["child"]
+    assert lock2["action"] == "built" and any("base_image" in r for r in lock2["reasons"]), lock2["reasons"]
+    assert ver2["action"] == "reused" and ver2["key"] == ver1["key"]
