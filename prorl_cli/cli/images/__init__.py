@@ -109,8 +109,10 @@ def _run_builds(app: App, plans: list[Any], cache: Any, settings: Any, console: 
         else:
             console.print(f"[bold]{r.name}[/]: [bold red]FAILED[/]: {escape(r.error or '')}", markup=True, soft_wrap=True)
             if r.log_tail:
-                console.rule(f"last {len(r.log_tail)} lines of apptainer's output (full log: {r.log})")
+                console.rule(f"last {len(r.log_tail)} lines of apptainer's output")
                 console.print("\n".join(r.log_tail), markup=False, soft_wrap=True)
+                console.rule()
+                console.print(f"full log: {r.log}", markup=False, soft_wrap=True)
     return results
 
 
