@@ -101,6 +101,7 @@ def test_failed_build_leaves_no_image_and_shows_step_and_tail(ws: Workspace) -> 
     assert out.returncode == 1
     assert "FAILED" in out.stdout and "at step: Running post scriptlet" in out.stdout, out.stdout
     assert "deliberate failure 4711" in out.stdout  # the tail of Apptainer's output
+    assert f"full log: {ws.cache / 'logs' / 'tiny'}" in out.stdout
     key = ws.dry_run()["tiny"]["key"]
     assert not any((ws.cache / "images" / "tiny").glob("*.sif")), "no half-written image"
     assert not any((ws.cache / "images" / "tiny").glob(".*"))
