@@ -74,9 +74,9 @@ def plan_images(
     """Plans for ``names`` and the images they start from, dependencies first."""
     if mode not in BUILD_MODES:
         raise ConfigError(f"unknown build mode {mode!r}; use one of {list(BUILD_MODES)}")
-    extra_dirs: list[str | Path] = list(settings.recipe_dirs)
-    sources = {s.source.parent for s in specs.values() if s.source is not None}
-    env = make_environment(template_dirs([*extra_dirs, *sorted(sources)]))
+    # Templates next to the image list win, then images.recipe_dirs, then the shipped sif_recipes/.
+    sources = sorted({s.source.parent for s in specs.values() if s.source is not None})
+    env = make_environment(template_dirs([*sources, *settings.recipe_dirs]))
     manifest = cache.read_manifest()
     plans: dict[str, Plan] = {}
     for name in build_order(specs, names):
