@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prorl_cli.exceptions import SandboxError
+from prorl_cli.exceptions import ImageBuildError, SandboxError
 from prorl_cli.node.handler import JobContext, Services
 from prorl_cli.protocol import SamplingParams
 
@@ -66,6 +68,18 @@ class NodeServices(Services):
             self._inference = NodeInference(self.node.request, self.node.config.inference, self.node.host)
         return await self._inference.generate(ctx.job_id, prompt_ids, sampling)
 
+    def _is_image_name(self, image: str) -> bool:
+        """A bare name ("python") rather than a path or "host": look it up in the image manifest."""
+        return self.node.config.sandbox.runtime != "local" and image != "host" and os.sep not in image and not image.endswith(".sif")
+
+    def _resolve_image_name(self, name: str) -> Path:
+        from prorl_cli.images import resolve_image
+
+        try:
+            return resolve_image(name, self.node.config.images.cache_dir)
+        except ImageBuildError as e:
+            raise SandboxError(f"image {name!r}: {e} (build it with 'prorl build-images {name}')") from e
+
     async def start_sandbox(self, ctx: JobContext, **options: Any) -> Any:
         if self._sandbox_error is not None:
             raise SandboxError(f"sandboxes unavailable on node {self.node.node_id}: {self._sandbox_error}")
@@ -73,6 +87,9 @@ class NodeServices(Services):
         handler_image = self.node.registry.get(ctx.task).image
         if handler_image and options.get("image") is None:
             options["image"] = handler_image
+        image = options.get("image")
+        if isinstance(image, str) and self._is_image_name(image):
+            options["image"] = str(self._resolve_image_name(image))
         sandbox = await self._sandbox_manager().start(ctx.job_id, **options)
         ctx.add_cleanup(sandbox.stop)
         return sandbox
