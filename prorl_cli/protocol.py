@@ -209,42 +209,41 @@ def error_reply(rid: Any, code: ErrorCode | str, message: str, **fields: Any) ->
 # Bulk payloads
 
 
-def pack_tokens(ids: Sequence[int]) -> bytes:
-    """Token ids as int32 little-endian bytes."""
-    arr = array("i", ids)
+def _pack(typecode: str, values: Sequence[Any]) -> bytes:
+    arr = array(typecode, values)
     if sys.byteorder != "little":
         arr.byteswap()
     return arr.tobytes()
+
+
+def _unpack(typecode: str, what: str, data: bytes) -> list[Any]:
+    if len(data) % 4:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"{what} frame of {len(data)} bytes is not a whole number of 4-byte items")
+    arr = array(typecode)
+    arr.frombytes(data)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tolist()
+
+
+def pack_tokens(ids: Sequence[int]) -> bytes:
+    """Token ids as int32 little-endian bytes."""
+    return _pack("i", ids)
 
 
 def unpack_tokens(data: bytes) -> list[int]:
     """Inverse of :func:`pack_tokens`."""
-    if len(data) % 4:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"token frame of {len(data)} bytes is not a whole number of int32")
-    arr = array("i")
-    arr.frombytes(data)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tolist()
+    return _unpack("i", "int32 token", data)
 
 
 def pack_floats(values: Sequence[float]) -> bytes:
     """Log-probs as float32 little-endian bytes."""
-    arr = array("f", values)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tobytes()
+    return _pack("f", values)
 
 
 def unpack_floats(data: bytes) -> list[float]:
     """Inverse of :func:`pack_floats`."""
-    if len(data) % 4:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"float frame of {len(data)} bytes is not a whole number of float32")
-    arr = array("f")
-    arr.frombytes(data)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tolist()
+    return _unpack("f", "float32", data)
 
 
 def pack_obj(obj: Any) -> bytes:
