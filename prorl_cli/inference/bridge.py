@@ -176,6 +176,12 @@ class InferenceBridge:
                 reply = {"op": Op.GENERATE_REPLY.value, "rid": rid, "error": {"code": code, "message": message}}
                 await self._send(reply)
                 return
+            except Exception as e:  # an engine bug must still answer, or the job would wait out its timeout
+                log.exception("generate (job %s) crashed in the engine", header.get("job_id"))
+                message = f"backend {self.backend_id}: internal error: {type(e).__name__}: {e}"
+                error = {"code": ErrorCode.BACKEND_ERROR.value, "message": message}
+                await self._send({"op": Op.GENERATE_REPLY.value, "rid": rid, "error": error})
+                return
         await self._send({"op": Op.GENERATE_REPLY.value, "rid": rid, "finish_reason": gen.finish_reason}, gen.payload())
 
     async def _heartbeat_loop(self) -> None:
