@@ -122,3 +122,26 @@ def test_bridge_joins_an_encrypted_broker(tmp_path: Path, tiny_model: Path, chat
         check_token_exact(res, chat, turns=2)
     finally:
         d.close()
+
+
+def test_silent_bridge_is_dropped_and_its_job_gets_an_error(
+    deployment: Deployment, tiny_model: Path, chat: ChatTokens
+) -> None:
+    """A bridge killed with SIGKILL cannot unregister: the broker drops it when its heartbeats stop."""
+    from tests.inference.conftest import kill_group
+
+    d = deployment
+    start_bridge(d, "b-keep", "--engine", "transformers", "--model", str(tiny_model))
+    doomed = start_bridge(d, "b-doomed", "--engine", "transformers", "--model", str(tiny_model))
+    inst = {"tokenizer": str(tiny_model), "turns": 2}
+    ids = d.client.submit("multiturn", [inst] * 2, sampling={"max_tokens": 300, "temperature": 1.0}, timeout_s=240)
+    d.wait_for(lambda st: any(b["backend_id"] == "b-doomed" and b["inflight"] > 0 for b in st.backends),
+               60, "a call in flight on b-doomed", "b-doomed")
+    kill_group(doomed)
+    trajs = [Trajectory.from_dict(r.output["trajectory"]) for r in d.client.wait(ids, timeout_s=240)]
+    (failed,) = [t for t in trajs if t.error is not None]
+    assert "backend_error" in failed.error["message"] and "b-doomed" in failed.error["message"]
+    (ok,) = [t for t in trajs if t.error is None]
+    assert {c.backend_id for c in ok.calls} == {"b-keep"}
+    st = d.client.status()
+    assert [b["backend_id"] for b in st.backends] == ["b-keep"]
