@@ -140,6 +140,7 @@ def test_silent_bridge_is_dropped_and_its_job_gets_an_error(
     kill_group(doomed)
     trajs = [Trajectory.from_dict(r.output["trajectory"]) for r in d.client.wait(ids, timeout_s=240)]
     (failed,) = [t for t in trajs if t.error is not None]
+    assert failed.error is not None
     assert "backend_error" in failed.error["message"] and "b-doomed" in failed.error["message"]
     (ok,) = [t for t in trajs if t.error is None]
     assert {c.backend_id for c in ok.calls} == {"b-keep"}

@@ -50,7 +50,7 @@ def test_forty_jobs_on_two_bridges_are_sticky_and_balanced(
         assert traj.error is None and len(traj.calls) == 3
         used = {c.backend_id for c in traj.calls}
         assert len(used) == 1, f"job {res.job_id} used {used}"
-        per_backend[used.pop()] += 1
+        per_backend[str(used.pop())] += 1
     assert set(per_backend) == {"b1", "b2"}
     assert abs(per_backend["b1"] - per_backend["b2"]) <= 1, per_backend
     st = d.client.status()
@@ -118,7 +118,8 @@ def test_killing_vllm_fails_its_job_and_the_rest_go_on(
     trajs = [trajectory(r) for r in results.values()]
     failed = [t for t in trajs if t.error is not None]
     assert len(failed) == 1, [t.error for t in trajs]
-    assert failed[0].stop_reason == "error" and "b-child" in failed[0].error["message"]
+    error = failed[0].error
+    assert failed[0].stop_reason == "error" and error is not None and "b-child" in error["message"]
     (ok,) = [t for t in trajs if t.error is None]
     assert {c.backend_id for c in ok.calls} == {"b-ok"} and len(ok.calls) == 2
     # The bridge notices, unregisters and exits non-zero; new jobs all go to b-ok.
