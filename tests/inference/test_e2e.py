@@ -146,3 +146,14 @@ def test_silent_bridge_is_dropped_and_its_job_gets_an_error(
     assert {c.backend_id for c in ok.calls} == {"b-keep"}
     st = d.client.status()
     assert [b["backend_id"] for b in st.backends] == ["b-keep"]
+
+
+def test_sigterm_unregisters_the_bridge(deployment: Deployment, tiny_model: Path) -> None:
+    import signal
+
+    d = deployment
+    proc = start_bridge(d, "b-tf", "--engine", "transformers", "--model", str(tiny_model))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    d.wait_for(lambda st: not st.backends, 30, "b-tf to be gone")
+    assert "backend b-tf lost: unregistered" in d.log("broker")
