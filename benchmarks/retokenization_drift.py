@@ -53,6 +53,28 @@ class RandomIds:
         return Generation(ids, [0.0] * len(ids), "stop")
 
 
+class CanonicalText:
+    """A stand-in model that writes real text, tokenized the way the tokenizer itself would.
+
+    This is the best case for the text path: a model whose every output is
+    the canonical tokenization of its text (trained models are close to it).
+    """
+
+    def __init__(self, chat: ChatTokens, seed: int) -> None:
+        import sysconfig
+
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        self.text = "".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:40])
+        self.chat = chat
+        self.rng = random.Random(seed)
+
+    async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        start = self.rng.randrange(len(self.text) - 400)
+        ids = self.chat.encode(self.text[start : start + self.rng.randrange(20, 200)])[: sampling.max_tokens - 1]
+        ids += self.chat.stop_token_ids
+        return Generation(ids, [0.0] * len(ids), "stop")
+
+
 class Recorder:
     """Wraps a generate function and keeps every answer the engine gave, untouched."""
 
@@ -108,7 +130,9 @@ def mismatched(sampled: list[int], rebuilt: list[int], mask: list[int]) -> int:
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="local model dir (weights + tokenizer); default: a tiny model made now")
-    ap.add_argument("--tokenizer", help="tokenizer dir only (outputs are random ids)")
+    ap.add_argument("--tokenizer", help="tokenizer dir only (outputs are random ids, or --canonical text)")
+    ap.add_argument("--canonical", action="store_true",
+                    help="with --tokenizer: outputs are canonically tokenized source text (the text path's best case)")
     ap.add_argument("--n", type=int, default=40, help="trajectories")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -118,8 +142,8 @@ async def main() -> None:
     t0 = time.monotonic()
     if args.tokenizer:
         chat = ChatTokens.from_pretrained(args.tokenizer)
-        engine: Any = RandomIds(chat, args.seed)
-        source = f"tokenizer {args.tokenizer}, random output ids"
+        engine: Any = CanonicalText(chat, args.seed) if args.canonical else RandomIds(chat, args.seed)
+        source = f"tokenizer {args.tokenizer}, " + ("canonical text outputs" if args.canonical else "random output ids")
     else:
         from prorl_cli.inference.transformers_engine import TransformersEngine
 
