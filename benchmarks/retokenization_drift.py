@@ -10,6 +10,7 @@ sampled, and does the same for prorl's token path (which must be zero).
     python benchmarks/retokenization_drift.py                  # tiny model, made on the fly
     python benchmarks/retokenization_drift.py --model DIR      # a local HF model (weights + tokenizer)
     python benchmarks/retokenization_drift.py --tokenizer DIR  # tokenizer only: outputs are random ids
+    python benchmarks/retokenization_drift.py --tokenizer DIR --canonical  # outputs: canonically tokenized text
 
 With ``--tokenizer`` alone there is no model: each "model output" is random
 token ids from the vocabulary, ended by the end-of-turn token, which is what
