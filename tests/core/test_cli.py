@@ -147,3 +147,20 @@ def test_quickstart_without_llm_runs_end_to_end(tmp_path: Path) -> None:
     assert summary["states"] == {"done": 32, "failed": 2, "timed_out": 2}
     assert len((tmp_path / "qs" / "trajectories.jsonl").read_text().splitlines()) == 36
     assert not (tmp_path / "qs" / "quickstart" / "broker.json").exists()
+
+
+def test_quickstart_with_the_tiny_model_runs_a_real_agent(tmp_path: Path) -> None:
+    """The README's main command: a real transformers model behind a real bridge."""
+    pytest.importorskip("torch", reason="the cpu extra (torch) is not installed")
+    r = subprocess.run(
+        [sys.executable, "-m", "prorl_cli", "quickstart", "--home", str(tmp_path / "qs"), "--n", "1"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "inference-0 registered (transformers engine" in r.stdout
+    summary = json.loads((tmp_path / "qs" / "summary.json").read_text())
+    assert summary["engine"] == "transformers" and summary["task"] == "math_agent"
+    assert summary["states"] == {"done": 8}
+    for line in (tmp_path / "qs" / "trajectories.jsonl").read_text().splitlines():
+        traj = json.loads(line)["output"]["trajectory"]
+        assert traj["calls"] and all(c["output_ids"] and len(c["logprobs"]) == len(c["output_ids"]) for c in traj["calls"])

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from prorl_cli.cli.application import App, pass_app
+
+if TYPE_CHECKING:
+    from prorl_cli.embedded import LocalStack
 
 NO_LLM_TASKS: list[Any] = [
     {"echo": f"instance {i}", "sleep_s": {"init": 0.02, "run": 0.05, "eval": 0.02}} for i in range(16)
@@ -38,11 +41,14 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
     home = qs_home.resolve()
     if engine == "auto":
         engine = "transformers" if _has_torch() else "none"
-    config = {
+    model_dir = (model or home / "tiny-model").resolve()
+    config: dict[str, Any] = {
         "broker": {"heartbeat_interval_s": 0.5},
         "node": {"n_init": 4, "n_run": 8, "n_eval": 4},
-        "jobs": {"timeout_s": 120.0 if engine != "none" else 2.0},
+        "jobs": {"timeout_s": 300.0 if engine != "none" else 2.0},
     }
+    if engine != "none":
+        config["inference"] = {"tokenizer": str(model_dir)}
     out = home / "trajectories.jsonl"
     summary_path = home / "summary.json"
     con = app.console
@@ -59,7 +65,7 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
             )
             task, instances = "test", list(NO_LLM_TASKS)
         else:
-            task, instances = _start_inference(app, stack, engine, model, home)
+            task, instances = _start_inference(app, stack, engine, model_dir, made_here=model is None)
         started = time.monotonic()
         results = run_submission(app, stack.client, task, instances, n, out, None, None)
         elapsed_s = time.monotonic() - started
@@ -87,5 +93,34 @@ def _has_torch() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def _start_inference(app: App, stack: object, engine: str, model: Path | None, home: Path) -> tuple[str, list[object]]:
-    app.abort(f"engine {engine!r}: the inference bridge is not available in this build")
+MATH_TASKS = [
+    {"question": "What is 17 * 23?", "answer": "391"},
+    {"question": "What is 1234 + 4321?", "answer": "5555"},
+    {"question": "What is 2 ** 10?", "answer": "1024"},
+    {"question": "What is 144 / 12?", "answer": "12"},
+    {"question": "What is 99 - 57?", "answer": "42"},
+    {"question": "What is (3 + 4) * 5?", "answer": "35"},
+    {"question": "What is 81 // 4?", "answer": "20"},
+    {"question": "What is 7 * 8 * 9?", "answer": "504"},
+]
+
+
+def _start_inference(app: App, stack: LocalStack, engine: str, model_dir: Path, made_here: bool) -> tuple[str, list[Any]]:
+    """Make the tiny model if needed, start an inference bridge, wait until it registers."""
+    con = app.console
+    if not (model_dir / "config.json").exists():
+        if not made_here:
+            app.abort(f"--model {model_dir}: no config.json; give a local Hugging Face model directory")
+        con.print(f"  making a tiny random Qwen2 model in {model_dir} (offline, seconds)")
+        proc = stack.spawn("tiny-model", "dev", "tiny-model", str(model_dir))
+        if proc.wait() != 0:
+            app.abort(f"prorl dev tiny-model failed:\n{stack.log('tiny-model')}")
+    stack.spawn("inference-0", "serve", "inference", "--engine", engine, "--model", str(model_dir), "--backend-id", "inference-0")
+    stack.wait_for(
+        lambda st: any(b["backend_id"] == "inference-0" and b["alive"] for b in st.backends),
+        900.0, f"the {engine} inference bridge to register", "inference-0",
+    )
+    con.print(f"  inference-0 registered ({engine} engine, model {model_dir})")
+    if made_here:
+        con.print("  [yellow]the tiny model has random weights:[/] expect rewards near 0; pass --model DIR for a real model")
+    return "math_agent", list(MATH_TASKS)
