@@ -107,39 +107,51 @@ async def prorl_process_style(address: str, jobs: int, inflight: int) -> tuple[f
 
 
 async def prorl_stream_style(address: str, jobs: int, inflight: int) -> tuple[float, list[float]]:
+    """Keep ``inflight`` jobs in the pipeline: each batch of results is replaced by one batched
+    submit, sent without waiting for its reply (the reply is checked when it comes)."""
     lat: list[float] = []
     async with AsyncRolloutClient("bench", address=address) as client:
         started: dict[str, float] = {}
+        submits: list[asyncio.Task[list[str]]] = []
         submitted = 0
-        t0 = time.perf_counter()
 
-        async def top_up(k: int) -> list[str]:
+        def top_up(k: int) -> None:
             nonlocal submitted
             k = min(k, jobs - submitted)
             if k <= 0:
-                return []
-            ids = await client.submit("noop", [{}] * k)
+                return
+            specs = client.make_specs("noop", k)
             now = time.perf_counter()
-            for j in ids:
-                started[j] = now
+            for s in specs:
+                started[s.job_id] = now
+            submits.append(asyncio.create_task(client.submit_specs(specs, [{}] * k)))
             submitted += k
-            return ids
 
-        pending = set(await top_up(inflight))
-        while pending:
-            results = []
-            async for r in client.as_completed(list(pending)):
-                results.append(r)
-                break
-            # take whatever else already arrived without waiting
-            done_now = [j for j in pending if j in client._results]  # noqa: SLF001 (benchmark peeks)
+        stream = client.results()
+        t0 = time.perf_counter()
+        top_up(inflight)
+        done = 0
+        async for result in stream:
+            arrived = [result]
+            # take every result already delivered in this loop turn
+            while True:
+                try:
+                    arrived.append(client._streams[-1].get_nowait())  # noqa: SLF001 (benchmark drains its own queue)
+                except asyncio.QueueEmpty:
+                    break
             now = time.perf_counter()
-            for j in done_now:
-                lat.append(now - started.pop(j))
-                pending.discard(j)
-            client.forget(done_now)
-            pending.update(await top_up(len(done_now)))
-        return time.perf_counter() - t0, lat
+            for r in arrived:
+                assert r.state == "done"
+                lat.append(now - started.pop(r.job_id))
+            client.forget(r.job_id for r in arrived)
+            done += len(arrived)
+            if done >= jobs:
+                break
+            top_up(len(arrived))
+        elapsed = time.perf_counter() - t0
+        await stream.aclose()
+        await asyncio.gather(*submits)
+        return elapsed, lat
 
 
 async def http_style(port: int, jobs: int, inflight: int) -> tuple[float, list[float]]:

@@ -246,6 +246,20 @@ class AsyncRolloutClient:
         finally:
             self._streams.remove(queue)
 
+    async def results(self) -> AsyncIterator[JobResult]:
+        """Every result this client receives from now on, as it arrives (for streaming consumers).
+
+        Jobs this client submitted, or watches, are pushed to it; pair this
+        with :meth:`submit` calls made concurrently to keep a window full.
+        """
+        queue: asyncio.Queue[JobResult] = asyncio.Queue()
+        self._streams.append(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._streams.remove(queue)
+
     async def wait(self, job_ids: Iterable[str], timeout_s: float | None = None) -> list[JobResult]:
         """Await all the given jobs; results in the order of ``job_ids``."""
         ids = list(job_ids)

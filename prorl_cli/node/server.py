@@ -61,7 +61,7 @@ class NodeServer:
         self.sock: zmq.asyncio.Socket | None = None
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], list[bytes]]]] = {}
-        self._stage_out: list[dict[str, Any]] = []
+        self._stage_out: dict[str, dict[str, Any]] = {}  # job id -> its latest stage this turn
         self._done_out: list[JobResult] = []
         self._flush_scheduled = False
         self._stop = asyncio.Event()
@@ -89,7 +89,7 @@ class NodeServer:
             self._pending.pop(rid, None)
 
     def _report_stage(self, spec: JobSpec, stage: str) -> None:
-        self._stage_out.append({"job_id": spec.job_id, "attempt": spec.attempt, "stage": stage})
+        self._stage_out[spec.job_id] = {"job_id": spec.job_id, "attempt": spec.attempt, "stage": stage}
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:
@@ -100,8 +100,12 @@ class NodeServer:
     async def _flush(self) -> None:
         """Send the stage updates and results gathered during this loop turn, batched."""
         self._flush_scheduled = False
-        stages, self._stage_out = self._stage_out, []
+        stages_by_job, self._stage_out = self._stage_out, {}
         done, self._done_out = self._done_out, []
+        # Short jobs pass several stages in one turn: report only the latest,
+        # and nothing for jobs whose result goes out in this same flush.
+        finished = {r.job_id for r in done}
+        stages = [u for j, u in stages_by_job.items() if j not in finished]
         if stages:
             await self._send({"op": Op.JOB_STAGE.value, "updates": stages})
         if done:
