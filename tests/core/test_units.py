@@ -114,3 +114,17 @@ def test_handler_discovery_and_errors(tmp_path: Path) -> None:
     (dup / "again.py").write_text(good.read_text())
     with_dup = discover([str(tmp_path), str(dup)])
     assert any("defined twice" in e for e in with_dup.errors)
+
+
+def test_example_config_lists_every_key_at_its_default() -> None:
+    import yaml
+
+    from prorl_cli.config import ProrlConfig
+    from tests.harness import REPO
+
+    example = yaml.safe_load((REPO / "examples" / "prorl.yaml").read_text())
+    defaults = ProrlConfig().to_dict()
+    assert config_from_dict(example).to_dict() == defaults
+    for section, values in defaults.items():
+        if isinstance(values, dict):
+            assert set(example[section]) == set(values), f"examples/prorl.yaml: section {section} is stale"
