@@ -81,6 +81,9 @@ class Op(str, enum.Enum):
     GENERATE_REPLY = "generate_reply"  # rid, finish_reason | error; payload: [ids int32, logprobs f32]
     # broker -> node, answering GENERATE for an HTTP backend: call it yourself.
     REDIRECT = "redirect"  # rid, backend_id, url
+    # node -> broker, after it called a redirected HTTP backend itself (no reply):
+    # lets the broker count in-flight requests and served calls of HTTP backends.
+    GENERATE_DONE = "generate_done"  # job_id, backend_id
 
 
 class ErrorCode(str, enum.Enum):
@@ -178,6 +181,7 @@ OP_FIELDS: dict[Op, dict[str, type | tuple[type, ...]]] = {
     Op.GENERATE: {"rid": _ANY_ID, "job_id": str},
     Op.REGISTER_BACKEND: {"rid": _ANY_ID, "backend_id": str, "host": str, "model": str},
     Op.GENERATE_REPLY: {"rid": _ANY_ID},
+    Op.GENERATE_DONE: {"job_id": str, "backend_id": str},
 }
 
 

@@ -532,6 +532,8 @@ class Broker:
             self.held.append(HeldGenerate(identity, h, list(payload)))
             return
         if backend.kind == "http":
+            backend.inflight += 1
+            backend.redirected[h["job_id"]] = backend.redirected.get(h["job_id"], 0) + 1
             self._send(identity, P.reply(h["rid"], redirect=backend.url, backend_id=backend.backend_id))
             return
         fwd = next(self._fwd_ids)
@@ -566,6 +568,14 @@ class Broker:
             payload,
         )
 
+    def on_generate_done(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        backend = self.backends.get(h["backend_id"])
+        if backend is None or backend.redirected.get(h["job_id"], 0) <= 0:
+            return  # the job finished (or the backend went) meanwhile
+        backend.redirected[h["job_id"]] -= 1
+        backend.inflight = max(0, backend.inflight - 1)
+        backend.served += 1
+
     def _route(self, job_id: str, requester: bytes, host: str | None) -> Backend | None:
         bid = self.sticky.get(job_id)
         if bid is not None:
@@ -587,7 +597,10 @@ class Broker:
     def _release_sticky(self, job_id: str) -> None:
         bid = self.sticky.pop(job_id, None)
         if bid is not None and bid in self.backends:
-            self.backends[bid].jobs.discard(job_id)
+            backend = self.backends[bid]
+            backend.jobs.discard(job_id)
+            # Calls of a finished job that were never reported done are not in flight any more.
+            backend.inflight = max(0, backend.inflight - backend.redirected.pop(job_id, 0))
             self._prune_backends()
 
     def _prune_backends(self) -> None:
@@ -740,4 +753,5 @@ class Broker:
         Op.RESUME_GENERATION: on_resume_generation,
         Op.GENERATE: on_generate,
         Op.GENERATE_REPLY: on_generate_reply,
+        Op.GENERATE_DONE: on_generate_done,
     }

@@ -76,6 +76,8 @@ class Backend:
     capacity: int = 0
     inflight: int = 0  # generate requests forwarded and not yet answered
     jobs: set[str] = field(default_factory=set)  # live jobs routed here (sticky)
+    # HTTP backends: calls redirected to them and not yet reported done, per job.
+    redirected: dict[str, int] = field(default_factory=dict)
     served: int = 0
     cleared: bool = False
     alive: bool = True

@@ -24,13 +24,18 @@ log = logging.getLogger(__name__)
 
 #: ``await request(header, payload) -> (reply header, reply payload)`` over the node's socket.
 RequestFn = Callable[[dict[str, Any], list[bytes]], Awaitable[tuple[dict[str, Any], list[bytes]]]]
+#: ``await notify(header)``: a message to the broker that gets no reply.
+NotifyFn = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class NodeInference:
     """``generate(job_id, prompt_ids, sampling) -> Generation`` for one node's jobs."""
 
-    def __init__(self, request: RequestFn, config: InferenceConfig, host: str) -> None:
+    def __init__(
+        self, request: RequestFn, config: InferenceConfig, host: str, notify: NotifyFn | None = None
+    ) -> None:
         self.request = request
+        self.notify = notify
         self.config = config
         self.host = host
         self._http: dict[str, OpenAIEngine] = {}
@@ -69,7 +74,12 @@ class NodeInference:
         redirect = reply.get("redirect")
         if redirect:
             engine = self._http_engine(str(redirect), backend_id)
-            gen = await engine.generate(prompt_ids, sampling)
+            try:
+                gen = await engine.generate(prompt_ids, sampling)
+            finally:
+                if self.notify is not None and backend_id:
+                    # The broker counts this backend's in-flight calls and served calls.
+                    await self.notify({"op": Op.GENERATE_DONE.value, "job_id": job_id, "backend_id": backend_id})
             gen.backend_id = backend_id or engine.backend_id
             return gen
         try:

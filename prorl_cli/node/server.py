@@ -88,6 +88,10 @@ class NodeServer:
         finally:
             self._pending.pop(rid, None)
 
+    async def notify(self, header: dict[str, Any]) -> None:
+        """Send the broker a message that gets no reply."""
+        await self._send({**header, "host": self.host})
+
     def _report_stage(self, spec: JobSpec, stage: str) -> None:
         self._stage_out[spec.job_id] = {"job_id": spec.job_id, "attempt": spec.attempt, "stage": stage}
         self._schedule_flush()

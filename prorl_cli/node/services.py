@@ -65,7 +65,9 @@ class NodeServices(Services):
         if self._inference is None:
             from prorl_cli.inference import NodeInference
 
-            self._inference = NodeInference(self.node.request, self.node.config.inference, self.node.host)
+            self._inference = NodeInference(
+                self.node.request, self.node.config.inference, self.node.host, notify=self.node.notify
+            )
         return await self._inference.generate(ctx.job_id, prompt_ids, sampling)
 
     def _is_image_name(self, image: str) -> bool:

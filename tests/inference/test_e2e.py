@@ -75,6 +75,14 @@ def test_rollout_through_http_backend_added_by_url(
             assert call.output_ids == answer["token_ids"]
             # Direct HTTP: no float32 frame on the way, the JSON value itself.
             assert call.logprobs == answer["logprobs"]["token_logprobs"]
+    # The nodes report each direct call back, so the broker's counts hold for HTTP backends too.
+    calls = sum(len(res.output["trajectory"]["calls"]) for res in results)
+    st = deployment.wait_for(
+        lambda st: any(b["backend_id"] == status.backend_id and b["served"] == calls for b in st.backends),
+        10, "served calls of the HTTP backend to be counted",
+    )
+    (http,) = [b for b in st.backends if b["backend_id"] == status.backend_id]
+    assert http["inflight"] == 0 and http["jobs"] == 0
 
 
 def test_rollout_through_transformers_engine(deployment: Deployment, tiny_model: Path, chat: ChatTokens) -> None:
