@@ -6,7 +6,6 @@ import collections
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import psutil
@@ -103,8 +102,6 @@ def test_queue_time_does_not_count_toward_the_timeout(tmp_path: Path) -> None:
         ids = client.submit("test", [{"sleep_s": {"run": 0.4}}] * 4, timeout_s=1.0)
         results = client.wait(ids, timeout_s=60)
         assert [r.state for r in results] == ["done"] * 4
-        for r in results:
-            assert r.active_s < 1.0
         # In-stage time does count.
         slow = client.process("test", {"sleep_s": {"run": 1.5}}, timeout_s=1.0)
         assert slow.state == "timed_out" and slow.critical_error == "run"
@@ -127,11 +124,11 @@ def test_cancel_queued_and_running_jobs_completes_the_wait(tmp_path: Path) -> No
         assert client.status().jobs["queued"] == 1  # credit 1: the second one waits at the broker
 
         waiter = d.new_client()
-        t0 = time.monotonic()
+        waiter.submit("test", [{}, {}], job_ids=[running, queued])  # watch them (idempotent: no new jobs)
         states = client.cancel([queued, running])
         assert states == {queued: "cancelled", running: "cancelled"}
+        # Both waits complete within the 1 s the design promises (wait() raises past it).
         results = waiter.wait([running, queued], timeout_s=1.0)
-        assert time.monotonic() - t0 < 1.0
         assert [r.state for r in results] == ["cancelled", "cancelled"]
         waiter.close()
         # The node really stopped the running job and took the next one.
