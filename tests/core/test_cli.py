@@ -74,6 +74,8 @@ def test_submit_reports_bad_input_clearly(deployment: Deployment, tmp_path: Path
     good.write_text('{"echo": 1}\n')
     r = prorl(deployment, "submit", str(good), "--task", "nope")
     assert r.returncode != 0 and "unknown_task" in r.stderr and "nope" in r.stderr
+    r = prorl(deployment, "submit", str(good), "--task", "test", "--out", str(tmp_path / "t.parquet"))
+    assert r.returncode != 0 and "no finished job has a 'trajectory'" in r.stderr
     failing = tmp_path / "failing.jsonl"
     failing.write_text('{"raise_in": "eval"}\n')
     r = prorl(deployment, "submit", str(failing), "--task", "test")
@@ -164,3 +166,10 @@ def test_quickstart_with_the_tiny_model_runs_a_real_agent(tmp_path: Path) -> Non
     for line in (tmp_path / "qs" / "trajectories.jsonl").read_text().splitlines():
         traj = json.loads(line)["output"]["trajectory"]
         assert traj["calls"] and all(c["output_ids"] and len(c["logprobs"]) == len(c["output_ids"]) for c in traj["calls"])
+    # The same trajectories as Parquet, in the flat shape trainers read.
+    pq = pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) is not installed")
+    table = pq.read_table(summary["parquet"]).to_pylist()
+    assert summary["parquet_rows"] == len(table) == 8
+    for row in table:
+        assert len(row["sequence_ids"]) == len(row["loss_mask"]) == len(row["logprobs"]) > 0
+        assert 0 < sum(row["loss_mask"]) < len(row["loss_mask"])  # model tokens and prompt tokens both present

@@ -64,7 +64,8 @@ def run_submission(
         app.abort(f"submit failed: {e}")
     counts: dict[str, int] = {}
     results: list[JobResult] = []
-    out_file = out.open("w") if out else None
+    parquet = out is not None and out.suffix == ".parquet"
+    out_file = out.open("w") if out and not parquet else None
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -96,8 +97,28 @@ def run_submission(
     finally:
         if out_file:
             out_file.close()
+    if parquet and out is not None:
+        write_trajectories_parquet(app, results, out)
     print_summary(app, results, time.monotonic() - started, out)
     return results
+
+
+def write_trajectories_parquet(app: App, results: list[JobResult], out: Path) -> int:
+    """One row per finished job whose output holds a token-level ``trajectory`` (see docs/protocol.md)."""
+    from prorl_cli.agent.trajectory import write_parquet
+
+    rows = [
+        {"job_id": r.job_id, "reward": r.reward, "trajectory": r.output["trajectory"]}
+        for r in results
+        if r.state == "done" and isinstance(r.output, dict) and isinstance(r.output.get("trajectory"), dict)
+    ]
+    if not rows:
+        app.abort(f"{out}: no finished job has a 'trajectory' in its output; write .jsonl to keep whole results")
+    try:
+        write_parquet(out, rows)
+    except ImportError as e:
+        app.abort(str(e))
+    return len(rows)
 
 
 def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Path | None) -> None:
@@ -128,7 +149,8 @@ def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Pat
 @click.argument("tasks_file", metavar="TASKS", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--task", required=True, metavar="NAME", help="Handler (task type) to run every instance with.")
 @click.option("--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Rollouts per instance.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write results (JSONL) here as they finish.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Results as JSONL, written as they finish; a .parquet name writes the token-level trajectories (sequence ids, loss mask, log-probs) at the end.")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
 @click.option("--id-prefix", metavar="PREFIX", help="Deterministic job ids PREFIX-LINE-K: resubmitting resumes instead of rerunning.")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")

@@ -78,6 +78,12 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
             "elapsed_s": elapsed_s,
             "trajectories": str(out),
         }
+        if task == "math_agent" and _has_pyarrow():
+            from prorl_cli.cli.jobs import write_trajectories_parquet
+
+            parquet = home / "trajectories.parquet"
+            summary["parquet_rows"] = write_trajectories_parquet(app, results, parquet)
+            summary["parquet"] = str(parquet)
         summary_path.write_text(json.dumps(summary, indent=2))
         stack.stop()
     con.print(f"summary in {summary_path}; deployment stopped")
@@ -85,6 +91,12 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def _has_pyarrow() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pyarrow") is not None
 
 
 def _has_torch() -> bool:
