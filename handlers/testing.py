@@ -6,6 +6,7 @@
      "sleep_s": {"init": 0.1, "run": 0.5},    # await in a stage
      "raise_in": "run",                       # raise RuntimeError in a stage
      "hang_in": "eval",                       # await forever in a stage
+     "on_cancel": "swallow" | "raise",        # ...and misbehave when cancelled
      "journal": "/path/dir"}                  # append "<job_id> <attempt> <stage>" per stage start
 
 Neither calls a model: they exercise the pipeline, not an agent.
@@ -54,7 +55,15 @@ class ScriptedTestHandler(AgentHandler):
         if inst.get("raise_in") == stage:
             raise RuntimeError(f"scripted failure in {stage}")
         if inst.get("hang_in") == stage:
-            await asyncio.Event().wait()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                # Misbehaving handlers: swallow the cancel, or turn it into another error.
+                if inst.get("on_cancel") == "swallow":
+                    return
+                if inst.get("on_cancel") == "raise":
+                    raise RuntimeError("cleanup failed while being cancelled") from None
+                raise
 
     async def init(self, ctx: JobContext) -> None:
         await self._stage(ctx, "init")

@@ -65,6 +65,8 @@ class Pipeline:
             for name, limit in zip(STAGE_NAMES, (nc.n_init, nc.n_run, nc.n_eval), strict=True)
         }
         self.tasks: dict[str, asyncio.Task[JobResult]] = {}
+        self._jobs_dir = run_dir / "jobs"
+        self._loggers: dict[str, logging.Logger] = {}
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {name: pool.stats().to_wire() for name, pool in self.pools.items()}
@@ -81,10 +83,10 @@ class Pipeline:
             spec=spec,
             instance=instance,
             node_id=self.node_id,
-            run_dir=self.run_dir / "jobs" / spec.job_id,
+            run_dir=self._jobs_dir / spec.job_id,
             config=self.config,
             services=self.services,
-            log=logging.getLogger(f"prorl.job.{spec.task}"),
+            log=self._job_logger(spec.task),
         )
         timer = PausableTimer(spec.timeout_s if spec.timeout_s is not None else self.config.jobs.timeout_s)
         stage_s: dict[str, float] = {}
@@ -133,6 +135,12 @@ class Pipeline:
             output=output,
         )
 
+    def _job_logger(self, task: str) -> logging.Logger:
+        logger = self._loggers.get(task)
+        if logger is None:
+            logger = self._loggers[task] = logging.getLogger(f"prorl.job.{task}")
+        return logger
+
     async def _run_stage(
         self, handler: AgentHandler, ctx: JobContext, stage: str, timer: PausableTimer, stage_s: dict[str, float]
     ) -> tuple[JobState, ErrorInfo] | None:
@@ -148,25 +156,46 @@ class Pipeline:
         budget = timer.remaining_s
         cap = self._stage_budget_s(ctx.spec, stage)
         limit_s = budget if cap is None else (cap if budget is None else min(budget, cap))
+        # One timer handle per stage (cheaper than asyncio.timeout on this hot path):
+        # when it fires it cancels the job's task and says so, so a timeout is
+        # told apart from a cancel that came from outside.
+        task = asyncio.current_task()
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            if task is not None:
+                task.cancel()
+
+        deadline = asyncio.get_running_loop().call_later(limit_s, expire) if limit_s is not None else None
         timer.resume()
+        error: Exception | None = None
         try:
-            async with asyncio.timeout(limit_s) as cm:
-                await getattr(handler, stage)(ctx)
-            return None
-        except TimeoutError as e:
-            if not cm.expired():
-                return self._stage_failed(handler, ctx, stage, e, JobState.FAILED)
-            which = "job budget" if cap is None or (budget is not None and budget <= cap) else "stage cap"
-            exc = StageTimeout(f"{stage} ran past its {which} of {limit_s:.3f} s (in-stage time only)")
-            return self._stage_failed(handler, ctx, stage, exc, JobState.TIMED_OUT)
+            await getattr(handler, stage)(ctx)
         except asyncio.CancelledError:
-            raise
+            if not expired or task is None or task.uncancel() > 0:
+                raise  # cancelled from outside (also when that raced with the deadline)
         except Exception as e:  # any handler error is the job's failure, not the node's
-            return self._stage_failed(handler, ctx, stage, e, JobState.FAILED)
+            error = e
+            if expired and task is not None:
+                task.uncancel()  # the handler turned our cancel into another error
+        else:
+            if expired and task is not None:
+                task.uncancel()  # the handler swallowed our cancel: still past its time
         finally:
+            if deadline is not None:
+                deadline.cancel()
             stage_s[stage] = stage_s.get(stage, 0.0) + timer.pause()
             pool.active -= 1
             pool.sem.release()
+        if expired:
+            which = "job budget" if cap is None or (budget is not None and budget <= cap) else "stage cap"
+            exc = StageTimeout(f"{stage} ran past its {which} of {limit_s:.3f} s (in-stage time only)")
+            return self._stage_failed(handler, ctx, stage, exc, JobState.TIMED_OUT)
+        if error is not None:
+            return self._stage_failed(handler, ctx, stage, error, JobState.FAILED)
+        return None
 
     def _stage_failed(
         self, handler: AgentHandler, ctx: JobContext, stage: str, exc: BaseException, state: JobState

@@ -106,6 +106,11 @@ def test_queue_time_does_not_count_toward_the_timeout(tmp_path: Path) -> None:
         slow = client.process("test", {"sleep_s": {"run": 1.5}}, timeout_s=1.0)
         assert slow.state == "timed_out" and slow.critical_error == "run"
         assert "in-stage time only" in slow.error["message"]
+        # Handlers that swallow the timeout's cancel, or turn it into another error, still time out.
+        for misbehaviour in ("swallow", "raise"):
+            r = client.process("test", {"hang_in": "run", "on_cancel": misbehaviour}, timeout_s=0.5)
+            assert (r.state, r.critical_error) == ("timed_out", "run"), (misbehaviour, r)
+            assert "eval" not in r.output["stages"]
         # A per-stage cap applies to its stage alone.
         capped = client.process("test", {"sleep_s": {"init": 0.3}}, timeout_s=10.0, stage_timeouts_s={"init": 0.1})
         assert capped.state == "timed_out" and capped.critical_error == "init"
