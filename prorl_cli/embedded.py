@@ -23,6 +23,7 @@ import yaml
 from prorl_cli.client import RolloutClient
 from prorl_cli.config import ENV_CONFIG, ENV_HOME, load_config
 from prorl_cli.exceptions import BrokerUnavailable
+from prorl_cli.processes import stop_groups
 from prorl_cli.protocol import StatusReport
 from prorl_cli.rendezvous import read_rendezvous, wait_rendezvous
 
@@ -148,15 +149,4 @@ class LocalStack:
         if self._client is not None:
             self._client.close()
             self._client = None
-        alive = [p for p in self.procs.values() if p.poll() is None]
-        for proc in alive:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                continue
-        for proc in alive:
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=STOP_GRACE_S)
+        stop_groups(self.procs.values(), STOP_GRACE_S)

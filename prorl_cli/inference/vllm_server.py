@@ -25,6 +25,7 @@ from pathlib import Path
 from prorl_cli.exceptions import InferenceError
 from prorl_cli.inference import http
 from prorl_cli.inference.openai_engine import OpenAIEngine
+from prorl_cli.processes import stop_group
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +143,7 @@ class VLLMServer:
         proc = self.proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning("vLLM (pid %d) ignored SIGTERM for %g s; killing it", proc.pid, grace_s)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc, grace_s)
         # Workers left in the group (the parent is gone) get the same treatment.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)

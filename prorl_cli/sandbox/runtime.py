@@ -79,27 +79,27 @@ def proc_start_ticks(pid: int) -> int | None:
     With the pid it identifies a process for good: a recycled pid has a
     different start time.
     """
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (index 0 is the state), or None if gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
-        return None
+        return None  # it ended while we looked
     # Field 2 (comm) may hold spaces and parentheses: split after its last ')'.
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return int(fields[19])
+    return raw[raw.rindex(")") + 2 :].split()
 
 
 def _members(field: int, value: int) -> list[int]:
     members = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # it ended while we looked
-        fields = raw[raw.rindex(")") + 2 :].split()
-        if int(fields[field]) == value:
-            members.append(int(entry))
+        if entry.isdigit():
+            fields = _stat_fields(entry)
+            if fields is not None and int(fields[field]) == value:
+                members.append(int(entry))
     return members
 
 
@@ -133,13 +133,10 @@ def process_tree(pid: int) -> list[int]:
     """``pid`` and all its descendants, as the host sees them."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # it ended while we looked
-        children.setdefault(int(raw[raw.rindex(")") + 2 :].split()[1]), []).append(int(entry))
+        if entry.isdigit():
+            fields = _stat_fields(entry)
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append(int(entry))
     tree, todo = [], [pid]
     while todo:
         p = todo.pop()

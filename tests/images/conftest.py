@@ -7,11 +7,9 @@ themselves (SIGTERM, then SIGKILL) and only ever signal what they started.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,6 +18,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from prorl_cli.processes import stop_group
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -101,15 +101,7 @@ class Workspace:
 
 def stop(proc: subprocess.Popen[str], grace_s: float = 10) -> None:
     """SIGTERM then SIGKILL the process group of a child this test started."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_group(proc, grace_s)
 
 
 @pytest.fixture
