@@ -100,9 +100,33 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
+_HOLDER_ID_WAIT_S = 2.0
+
+
 def holder_id() -> str:
     """Who holds a lock, for the messages of those waiting on it."""
     return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def _wait_naming_holder(fd: int, on_wait: Callable[[str], None]) -> bool:
+    """Tell ``on_wait`` who holds the lock on ``fd``; False if it was taken meanwhile.
+
+    The holder writes its id just after it locks, so a waiter arriving in that
+    gap reads an empty file: look again for a moment before saying "another process".
+    """
+    deadline = time.monotonic() + _HOLDER_ID_WAIT_S
+    while True:
+        # Read through the locked fd: opening and closing a second fd would drop our own locks.
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        if holder or time.monotonic() >= deadline:
+            on_wait(holder or "another process")
+            return True
+        time.sleep(0.01)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False  # the holder finished while we looked
+        except (BlockingIOError, PermissionError):
+            continue
 
 
 @contextlib.contextmanager
@@ -119,11 +143,8 @@ def file_lock(path: Path, on_wait: Callable[[str], None] | None = None) -> Itera
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except (BlockingIOError, PermissionError):
-            if on_wait is not None:
-                # Read through the locked fd: opening and closing a second fd would drop our own locks.
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-                on_wait(holder)
-            fcntl.lockf(fd, fcntl.LOCK_EX)
+            if on_wait is None or _wait_naming_holder(fd, on_wait):
+                fcntl.lockf(fd, fcntl.LOCK_EX)
         waited_s = time.monotonic() - t0
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder_id().encode(), 0)
