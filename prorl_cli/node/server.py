@@ -10,32 +10,29 @@ unless it is stopping) and exit.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import signal
 import socket
-import time
 from typing import Any
-
-import zmq
-import zmq.asyncio
 
 from prorl_cli import protocol as P
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import BrokerUnavailable, ProtocolError
+from prorl_cli.exceptions import ProtocolError
 from prorl_cli.node.pipeline import Pipeline
 from prorl_cli.node.registry import HandlerRegistry, discover
 from prorl_cli.node.services import NodeServices
+from prorl_cli.peer import BrokerPeer
 from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, Op
 from prorl_cli.rendezvous import read_rendezvous
-from prorl_cli.security import secure_peer
 
 log = logging.getLogger(__name__)
 
 
-class NodeServer:
+class NodeServer(BrokerPeer):
     """One node: serves the tasks its registry holds, for one deployment."""
+
+    kind = "node"
 
     def __init__(
         self,
@@ -44,10 +41,16 @@ class NodeServer:
         address: str | None = None,
         registry: HandlerRegistry | None = None,
     ) -> None:
+        host = socket.gethostname()
+        super().__init__(
+            address=address,
+            host=host,
+            deployment_dir=config.deployment_dir,
+            heartbeat_interval_s=config.broker.heartbeat_interval_s,
+            heartbeat_liveness=config.broker.heartbeat_liveness,
+        )
         self.config = config
-        self.host = socket.gethostname()
-        self.node_id = node_id or f"{self.host}-{os.getpid()}"
-        self.address = address
+        self.node_id = node_id or f"{host}-{os.getpid()}"
         self.registry = registry or discover(config.node.handler_paths, config.node.tasks or None)
         for err in self.registry.errors:
             log.error("handler load error: %s", err)
@@ -58,39 +61,47 @@ class NodeServer:
         self.run_dir = config.deployment_dir / "nodes" / self.node_id
         self.services = NodeServices(self)
         self.pipeline = Pipeline(config, self.registry, self.services, self.node_id, self.run_dir, self._report_stage)
-        self.sock: zmq.asyncio.Socket | None = None
-        self._rids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], list[bytes]]]] = {}
         self._stage_out: dict[str, dict[str, Any]] = {}  # job id -> its latest stage this turn
         self._done_out: list[JobResult] = []
         self._flush_scheduled = False
         self._stop = asyncio.Event()
-        self._registered = asyncio.Event()
-        self._last_heard = time.monotonic()
-        self._interval_s = config.broker.heartbeat_interval_s
-        self._liveness = config.broker.heartbeat_liveness
-        self._leaving = False
 
-    # ----------------------------------------------------------------- I/O
+    # ------------------------------------------------------------- the peer
 
-    async def _send(self, header: dict[str, Any], payload: list[bytes] | tuple[bytes, ...] = ()) -> None:
-        assert self.sock is not None
-        await self.sock.send_multipart(P.encode(header, payload), copy=False)
+    def register_header(self) -> dict[str, Any]:
+        return {
+            "op": Op.REGISTER.value,
+            "node_id": self.node_id,
+            "host": self.host,
+            "pid": os.getpid(),
+            "credit": self.credit,
+            "tasks": self.registry.tasks,
+        }
 
-    async def request(self, header: dict[str, Any], payload: list[bytes] | tuple[bytes, ...] = ()) -> tuple[dict[str, Any], list[bytes]]:
-        """Send a request to the broker and await its reply (header, payload)."""
-        rid = next(self._rids)
-        fut: asyncio.Future[tuple[dict[str, Any], list[bytes]]] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
-        try:
-            await self._send({**header, "rid": rid, "host": self.host}, payload)
-            return await fut
-        finally:
-            self._pending.pop(rid, None)
+    def heartbeat_header(self) -> dict[str, Any]:
+        return {"op": Op.HEARTBEAT.value, "node_id": self.node_id, "stages": self.pipeline.stats()}
 
-    async def notify(self, header: dict[str, Any]) -> None:
-        """Send the broker a message that gets no reply."""
-        await self._send({**header, "host": self.host})
+    def unregister_header(self) -> dict[str, Any]:
+        return {"op": Op.UNREGISTER.value, "node_id": self.node_id}
+
+    def on_registered(self) -> None:
+        log.info("node %s registered with %s: tasks %s, credit %d", self.node_id, self.address, self.registry.tasks, self.credit)
+
+    def on_shutdown(self) -> None:
+        self._stop.set()
+
+    def on_message(self, op: Op, header: dict[str, Any], payload: list[bytes]) -> None:
+        if op == Op.ASSIGN:
+            self._on_assign(header, payload)
+        elif op == Op.CANCEL_JOB:
+            for job_id in header.get("job_ids", []):
+                task = self.pipeline.tasks.get(job_id)
+                if task is not None:
+                    task.cancel()
+        else:
+            log.warning("unexpected op %s from the broker", op.value)
+
+    # ------------------------------------------------------------- results
 
     def _report_stage(self, spec: JobSpec, stage: str) -> None:
         self._stage_out[spec.job_id] = {"job_id": spec.job_id, "attempt": spec.attempt, "stage": stage}
@@ -111,9 +122,9 @@ class NodeServer:
         finished = {r.job_id for r in done}
         stages = [u for j, u in stages_by_job.items() if j not in finished]
         if stages:
-            await self._send({"op": Op.JOB_STAGE.value, "updates": stages})
+            await self.send({"op": Op.JOB_STAGE.value, "updates": stages})
         if done:
-            await self._send(
+            await self.send(
                 {"op": Op.JOB_DONE.value, "jobs": [{"job_id": r.job_id, "attempt": r.attempt, "state": r.state} for r in done]},
                 [P.pack_obj(r.to_wire()) for r in done],
             )
@@ -124,53 +135,20 @@ class NodeServer:
         """Connect, register and serve until told to stop."""
         if self.address is None:
             self.address = read_rendezvous(self.config.deployment_dir).address
-        ctx = zmq.asyncio.Context.instance()
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        secure_peer(self.sock, self.config.deployment_dir)
-        self.sock.connect(self.address)
+        self.connect(linger_ms=2000, unbounded=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         await self.services.start()
-        receiver = asyncio.create_task(self._receive(), name="receive")
-        beater = asyncio.create_task(self._heartbeat(), name="heartbeat")
+        self.start_loops()
         try:
-            await self._register()
+            await self.register()
             await self._stop.wait()
         finally:
             await self._shutdown()
-            receiver.cancel()
-            beater.cancel()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-            self.sock.close()
-
-    async def _register(self) -> None:
-        self._registered.clear()
-        header = {
-            "op": Op.REGISTER.value,
-            "node_id": self.node_id,
-            "host": self.host,
-            "pid": os.getpid(),
-            "credit": self.credit,
-            "tasks": self.registry.tasks,
-        }
-        deadline_s = max(10.0, self._interval_s * self._liveness * 3)
-        try:
-            reply, _ = await asyncio.wait_for(self.request(header), deadline_s)
-        except TimeoutError as e:
-            raise BrokerUnavailable(f"broker at {self.address} did not answer register within {deadline_s:.0f} s") from e
-        if not reply.get("ok"):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"broker refused register: {reply.get('error')}")
-        self._interval_s = float(reply.get("heartbeat_interval_s", self._interval_s))
-        self._liveness = int(reply.get("heartbeat_liveness", self._liveness))
-        self._last_heard = time.monotonic()
-        self._registered.set()
-        log.info("node %s registered with %s: tasks %s, credit %d", self.node_id, self.address, self.registry.tasks, self.credit)
 
     async def _shutdown(self) -> None:
         """Cancel every job, clean up, unregister."""
@@ -181,66 +159,8 @@ class NodeServer:
         if tasks:
             await asyncio.wait(tasks, timeout=self.config.node.stop_grace_s)
         await self.services.stop()
-        try:
-            await asyncio.wait_for(self._send({"op": Op.UNREGISTER.value, "node_id": self.node_id}), 1.0)
-        except TimeoutError:
-            log.warning("could not send unregister to the broker")
+        await self.close()
         log.info("node %s stopped", self.node_id)
-
-    async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            if self._registered.is_set():
-                await self._send({"op": Op.HEARTBEAT.value, "node_id": self.node_id, "stages": self.pipeline.stats()})
-            if time.monotonic() - self._last_heard > self._interval_s * self._liveness:
-                # The broker went silent: register again (a restarted broker learns of us).
-                log.warning("broker silent for %.1f s; registering again", time.monotonic() - self._last_heard)
-                self._last_heard = time.monotonic()
-                asyncio.ensure_future(self._reregister())
-
-    async def _reregister(self) -> None:
-        try:
-            await self._register()
-        except (BrokerUnavailable, ProtocolError) as e:
-            log.error("re-register failed: %s", e)
-
-    # --------------------------------------------------------------- receive
-
-    async def _receive(self) -> None:
-        assert self.sock is not None
-        while True:
-            frames = await self.sock.recv_multipart()
-            self._last_heard = time.monotonic()
-            try:
-                header = P.decode_header(frames[0])
-            except ProtocolError as e:
-                log.error("bad frame from the broker: %s", e)
-                continue
-            op = header["op"]
-            payload = frames[1:]
-            if op == Op.REPLY:
-                fut = self._pending.get(header.get("rid"))  # type: ignore[arg-type]
-                if fut is not None and not fut.done():
-                    fut.set_result((header, payload))
-                elif not header.get("ok") and (header.get("error") or {}).get("code") == ErrorCode.UNKNOWN_PEER.value:
-                    if not self._leaving:
-                        asyncio.ensure_future(self._reregister())
-                elif not header.get("ok"):
-                    log.warning("broker error: %s", header.get("error"))
-            elif op == Op.ASSIGN:
-                self._on_assign(header, payload)
-            elif op == Op.CANCEL_JOB:
-                for job_id in header.get("job_ids", []):
-                    task = self.pipeline.tasks.get(job_id)
-                    if task is not None:
-                        task.cancel()
-            elif op == Op.SHUTDOWN:
-                log.info("broker asked this node to shut down")
-                self._stop.set()
-            elif op == Op.HEARTBEAT:
-                pass
-            else:
-                log.warning("unexpected op %s from the broker", op.value)
 
     def _on_assign(self, header: dict[str, Any], payload: list[bytes]) -> None:
         jobs = header.get("jobs", [])

@@ -66,7 +66,7 @@ class NodeServices(Services):
             from prorl_cli.inference import NodeInference
 
             self._inference = NodeInference(
-                self.node.request, self.node.config.inference, self.node.host, notify=self.node.notify
+                self.node.request, self.node.config.inference, self.node.host, notify=self.node.send
             )
         return await self._inference.generate(ctx.job_id, prompt_ids, sampling)
 

@@ -165,3 +165,29 @@ def test_sigterm_unregisters_the_bridge(deployment: Deployment, tiny_model: Path
     assert proc.wait(30) == 0
     d.wait_for(lambda st: not st.backends, 30, "b-tf to be gone")
     assert "backend b-tf lost: unregistered" in d.log("broker")
+
+
+def test_a_restarted_broker_gets_its_node_and_bridge_back(tmp_path: Path, tiny_model: Path, chat: ChatTokens) -> None:
+    """Node and bridge register again on their own when the broker comes back (same port) after a crash."""
+    import socket
+
+    from tests.inference.conftest import HANDLERS
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = Deployment(tmp_path / "home", config={"broker": {"port": port}})
+    try:
+        d.start_broker()
+        d.start_node("n1", "--handlers", str(HANDLERS))
+        start_bridge(d, "b-tf", "--engine", "transformers", "--model", str(tiny_model))
+        d.kill("broker")
+        d.start_broker()
+        d.wait_for(lambda st: [n["node_id"] for n in st.nodes if n["alive"]] == ["n1"], 60, "n1 to register again", "n1")
+        d.wait_for(lambda st: [b["backend_id"] for b in st.backends if b["alive"]] == ["b-tf"], 60,
+                   "b-tf to register again", "b-tf")
+        assert "registering again" in d.log("n1") and "registering again" in d.log("b-tf")
+        (res,) = run_jobs(d, tiny_model, n=1, turns=2)
+        check_token_exact(res, chat, turns=2)
+    finally:
+        d.close()
