@@ -11,13 +11,11 @@ the next build holding the same lock, or by ``prorl images prune``).
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime
 import os
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +30,7 @@ from prorl_cli.exceptions import ImageBuildError
 from prorl_cli.images.cache import Cache, _atomic_write
 from prorl_cli.images.plan import Plan, decide
 from prorl_cli.images.render import ToolServer
+from prorl_cli.processes import stop_group
 
 LOG_TAIL_LINES = 25
 _STEP_RE = re.compile(r"^(INFO|VERBOSE):\s+(.*)")
@@ -154,7 +153,7 @@ class Builder:
         with self._procs_lock:
             procs = list(self._procs.values())
         for proc in procs:
-            _stop_group(proc)
+            stop_group(proc, _TERM_GRACE_S + 5)
 
     # -- one image --------------------------------------------------------------------------
 
@@ -271,7 +270,7 @@ class Builder:
                 self._procs[name] = proc
             def on_timeout() -> None:
                 timed_out.set()
-                _stop_group(proc)
+                stop_group(proc, _TERM_GRACE_S + 5)
 
             timer = threading.Timer(self.timeout_s, on_timeout)
             timer.daemon = True
@@ -287,7 +286,7 @@ class Builder:
                         step = m.group(2).strip()
                 rc = proc.wait()
             except BaseException:
-                _stop_group(proc)
+                stop_group(proc, _TERM_GRACE_S + 5)
                 raise
             finally:
                 timer.cancel()
@@ -305,16 +304,3 @@ class Builder:
                 msg += ("\n  hint: under --fakeroot Apptainer cannot extract a local .sif base whose files belong to"
                         " users other than root (apptainer/apptainer#3186); start this image from debootstrap: or docker:// instead")
             raise BuildFailed(msg, str(log_path), list(tail))
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the runner's process group (it stops the build), then SIGKILL it after a grace period."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(_TERM_GRACE_S + 5)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
