@@ -79,6 +79,8 @@ class Op(str, enum.Enum):
     # inference bridge -> broker
     REGISTER_BACKEND = "register_backend"  # BackendHello fields
     GENERATE_REPLY = "generate_reply"  # rid, finish_reason | error; payload: [ids int32, logprobs f32]
+    # broker -> bridge: the job of a forwarded generate ended; stop it at the engine (no reply).
+    GENERATE_CANCEL = "generate_cancel"  # rid (the broker's forward id), job_id
     # broker -> node, answering GENERATE for an HTTP backend: call it yourself.
     REDIRECT = "redirect"  # rid, backend_id, url
     # node -> broker, after it called a redirected HTTP backend itself (no reply):
@@ -306,6 +308,8 @@ class SamplingParams(_Record):
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    #: Keep sampling past end-of-sequence tokens (fixed-length generations); ``stop_token_ids`` still stop.
+    ignore_eos: bool = False
 
 
 @dataclass

@@ -19,7 +19,15 @@ from typing import Any
 import zmq
 
 from prorl_cli import protocol as P
-from prorl_cli.broker.state import Backend, HeldGenerate, Job, Node, PendingGenerate, TaskQueues
+from prorl_cli.broker.state import (
+    Backend,
+    HeldGenerate,
+    Job,
+    Node,
+    PendingGenerate,
+    PendingGenerates,
+    TaskQueues,
+)
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import ProtocolError
 from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, JobState, Op
@@ -69,7 +77,7 @@ class Broker:
         self.backends: dict[str, Backend] = {}
         self.backend_by_identity: dict[bytes, Backend] = {}
         self.sticky: dict[str, str] = {}  # job id -> backend id
-        self.pending: dict[int, PendingGenerate] = {}
+        self.pending = PendingGenerates()
         self.held: deque[HeldGenerate] = deque()
         self._fwd_ids = iter(range(1, 1 << 62))
         self.generation_paused = False
@@ -351,9 +359,8 @@ class Broker:
         for backend in self.backends.values():
             if backend.alive and backend.identity is not None:
                 self._send(backend.identity, {"op": Op.SHUTDOWN.value})
-        for pend in self.pending.values():
+        for pend in self.pending.pop_all():
             self._send(pend.requester, P.error_reply(pend.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping"))
-        self.pending.clear()
         self._flush()
 
     # ------------------------------------------------------------ node ops
@@ -546,10 +553,10 @@ class Broker:
             self._error(identity, h["rid"], ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
             return
         backend.inflight += 1
-        self.pending[fwd] = PendingGenerate(identity, h["rid"], h["job_id"], backend.backend_id)
+        self.pending.add(fwd, PendingGenerate(identity, h["rid"], h["job_id"], backend.backend_id))
 
     def on_generate_reply(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        pend = self.pending.pop(h["rid"], None) if isinstance(h["rid"], int) else None
+        pend = self.pending.pop(h["rid"])
         if pend is None:
             return  # late reply for a request already failed over
         backend = self.backends.get(pend.backend_id)
@@ -607,6 +614,22 @@ class Broker:
         for bid in [b.backend_id for b in self.backends.values() if b.kind == "http" and b.cleared and not b.jobs]:
             del self.backends[bid]
 
+    def _drop_generates(self, job_id: str) -> None:
+        """Forget the generate calls of a job that ended (or lost its node): drop held ones, cancel forwarded ones.
+
+        A cancelled call stops at the engine (the bridge cancels it; an HTTP
+        request to vLLM is closed, which aborts it there), so a timed-out or
+        cancelled job stops costing model time at once.
+        """
+        if self.held:
+            self.held = deque(item for item in self.held if item.header["job_id"] != job_id)
+        for fwd, pend in self.pending.pop_job(job_id):
+            backend = self.backends.get(pend.backend_id)
+            if backend is None or backend.identity is None:
+                continue
+            backend.inflight = max(0, backend.inflight - 1)
+            self._send(backend.identity, {"op": Op.GENERATE_CANCEL.value, "rid": fwd, "job_id": job_id})
+
     def _release_held(self) -> None:
         if self.generation_paused or not self.held:
             return
@@ -622,13 +645,11 @@ class Broker:
         backend.alive = False
         if backend.identity is not None:
             self.backend_by_identity.pop(backend.identity, None)
-        for fwd, pend in list(self.pending.items()):
-            if pend.backend_id == backend.backend_id:
-                del self.pending[fwd]
-                self._send(
-                    pend.requester,
-                    P.error_reply(pend.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} {why}", backend_id=backend.backend_id),
-                )
+        for _, pend in self.pending.pop_backend(backend.backend_id):
+            self._send(
+                pend.requester,
+                P.error_reply(pend.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} {why}", backend_id=backend.backend_id),
+            )
         for job_id in backend.jobs:
             self.sticky.pop(job_id, None)
         backend.jobs.clear()
@@ -670,6 +691,7 @@ class Broker:
             if job is None or job.state.terminal or job.node_id != node.node_id:
                 continue
             self._release_sticky(job_id)
+            self._drop_generates(job_id)  # its old attempt's calls answer nobody
             job.node_id = None
             if job.spec.attempt >= job.spec.max_attempts:
                 self._finish_by_broker(
@@ -688,6 +710,7 @@ class Broker:
         job.state = state
         job.result = result
         self._release_sticky(job.job_id)
+        self._drop_generates(job.job_id)
         for w in job.watchers:
             self._results_out[w].append(job.job_id)
         self.finished.append(job.job_id)

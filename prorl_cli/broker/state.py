@@ -113,6 +113,45 @@ class PendingGenerate:
     backend_id: str
 
 
+class PendingGenerates:
+    """Forwarded generate requests by forward id, indexed by job (a finished job's calls are cancelled)."""
+
+    def __init__(self) -> None:
+        self._by_fwd: dict[int, PendingGenerate] = {}
+        self._by_job: dict[str, set[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_fwd)
+
+    def add(self, fwd: int, pend: PendingGenerate) -> None:
+        self._by_fwd[fwd] = pend
+        self._by_job.setdefault(pend.job_id, set()).add(fwd)
+
+    def pop(self, fwd: object) -> PendingGenerate | None:
+        pend = self._by_fwd.pop(fwd, None) if isinstance(fwd, int) else None
+        if pend is not None:
+            fwds = self._by_job[pend.job_id]
+            fwds.discard(fwd)
+            if not fwds:
+                del self._by_job[pend.job_id]
+        return pend
+
+    def pop_job(self, job_id: str) -> list[tuple[int, PendingGenerate]]:
+        """Remove and return every request of ``job_id``."""
+        return [(fwd, self._by_fwd.pop(fwd)) for fwd in sorted(self._by_job.pop(job_id, ()))]
+
+    def pop_backend(self, backend_id: str) -> list[tuple[int, PendingGenerate]]:
+        """Remove and return every request forwarded to ``backend_id``."""
+        fwds = [fwd for fwd, pend in self._by_fwd.items() if pend.backend_id == backend_id]
+        return [(fwd, pend) for fwd in fwds if (pend := self.pop(fwd)) is not None]
+
+    def pop_all(self) -> list[PendingGenerate]:
+        out = list(self._by_fwd.values())
+        self._by_fwd.clear()
+        self._by_job.clear()
+        return out
+
+
 @dataclass
 class HeldGenerate:
     """A generate request held while generation is paused or no backend is up."""

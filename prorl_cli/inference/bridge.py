@@ -48,7 +48,7 @@ class InferenceBridge(BrokerPeer):
         self.engine_check_interval_s = engine_check_interval_s
         self._stop = asyncio.Event()
         self._slots = asyncio.Semaphore(capacity)
-        self._generating: set[asyncio.Task[None]] = set()
+        self._generating: dict[Any, asyncio.Task[None]] = {}  # forward id -> its call
         #: Why the bridge stopped on its own (engine died); ``None`` after a normal stop.
         self.failure: str | None = None
 
@@ -78,9 +78,16 @@ class InferenceBridge(BrokerPeer):
 
     def on_message(self, op: Op, header: dict[str, Any], payload: list[bytes]) -> None:
         if op == Op.GENERATE:
+            rid = header.get("rid")
             task = asyncio.ensure_future(self._serve_generate(header, payload))
-            self._generating.add(task)
-            task.add_done_callback(self._generating.discard)
+            self._generating[rid] = task
+            task.add_done_callback(lambda _: self._generating.pop(rid, None))
+        elif op == Op.GENERATE_CANCEL:
+            # The job ended: stop its call at the engine. The broker expects no reply.
+            call = self._generating.get(header.get("rid"))
+            if call is not None:
+                log.info("generate for job %s cancelled: the job ended", header.get("job_id"))
+                call.cancel()
         else:
             log.debug("ignoring op %s", op.value)
 
@@ -108,7 +115,7 @@ class InferenceBridge(BrokerPeer):
                 if t is not stop_wait and not t.cancelled() and t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
         finally:
-            for t in list(self._generating):
+            for t in list(self._generating.values()):
                 t.cancel()
             await self.close()
 

@@ -76,6 +76,8 @@ def check_sampling(sampling: SamplingParams) -> None:
         raise ValueError(f"sampling.top_p must be in (0, 1], got {sampling.top_p!r}")
     if sampling.top_k == 0 or sampling.top_k < -1:
         raise ValueError(f"sampling.top_k must be -1 (off) or positive, got {sampling.top_k!r}")
+    if not isinstance(sampling.ignore_eos, bool):
+        raise ValueError(f"sampling.ignore_eos must be true or false, got {sampling.ignore_eos!r}")
 
 
 class Engine(abc.ABC):

@@ -46,6 +46,8 @@ def completions_body(model: str, prompt_ids: list[int], sampling: SamplingParams
         body["seed"] = sampling.seed
     if sampling.stop_token_ids:
         body["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.ignore_eos:
+        body["ignore_eos"] = True  # a vLLM extension of the completions API
     return body
 
 

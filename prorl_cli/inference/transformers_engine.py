@@ -5,20 +5,25 @@ production uses vLLM. It implements the same contract with real log-probs:
 each sampled token's log-probability under the unmodified model
 distribution (what vLLM returns by default), while sampling itself applies
 temperature, top-k and top-p. Calls run one at a time on a worker thread so
-the event loop (heartbeats, other requests) stays responsive.
+the event loop (heartbeats, other requests) stays responsive; a cancelled
+call stops before its next token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import InferenceError
 from prorl_cli.inference.contract import Engine, Generation, check_sampling
 from prorl_cli.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class TransformersEngine(Engine):
@@ -78,14 +83,19 @@ class TransformersEngine(Engine):
         if bad:
             raise InferenceError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._generate, list(prompt_ids), sampling)
+        cancelled = threading.Event()
+        try:
+            return await loop.run_in_executor(self._pool, self._generate, list(prompt_ids), sampling, cancelled)
+        except asyncio.CancelledError:
+            cancelled.set()  # the decode loop checks it before every token
+            raise
 
-    def _generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+    def _generate(self, prompt_ids: list[int], sampling: SamplingParams, cancelled: threading.Event) -> Generation:
         import torch
 
         gen = torch.Generator()
         gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-        stop_ids = self._eos_ids | set(sampling.stop_token_ids)
+        stop_ids = set(sampling.stop_token_ids) if sampling.ignore_eos else self._eos_ids | set(sampling.stop_token_ids)
         budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         out_ids: list[int] = []
         logprobs: list[float] = []
@@ -93,6 +103,10 @@ class TransformersEngine(Engine):
         with torch.inference_mode():
             result = self._model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
             for _ in range(budget):
+                if cancelled.is_set():
+                    log.info("generation cancelled after %d of at most %d tokens", len(out_ids), budget)
+                    finish = "abort"
+                    break
                 logits = result.logits[0, -1].float()
                 raw = torch.log_softmax(logits, dim=-1)
                 token = self._sample(logits, sampling, gen)

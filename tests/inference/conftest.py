@@ -54,6 +54,8 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     server = VLLMServer(
         tiny_model,
         max_model_len=MAX_MODEL_LEN,
+        # Its log then records each request and each abort: the witness that a cancelled job's call stopped.
+        extra_args=["--enable-log-requests"],
         log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
     )
     server.start()

@@ -191,3 +191,51 @@ def test_a_restarted_broker_gets_its_node_and_bridge_back(tmp_path: Path, tiny_m
         check_token_exact(res, chat, turns=2)
     finally:
         d.close()
+
+
+def _wait_text(path: Path, text: str, timeout_s: float = 60.0) -> str:
+    """Wait until the log at ``path`` holds ``text`` (a child's log is the only witness of what happened in it)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while text not in (log := path.read_text(errors="replace") if path.exists() else ""):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} never said {text!r}:\n{log[-3000:]}")
+        time.sleep(0.05)
+    return log
+
+
+LONG_CALL = {"max_tokens": 2000, "ignore_eos": True, "temperature": 1.0, "seed": 3}
+
+
+def test_cancelling_a_job_stops_its_call_in_the_engine(deployment: Deployment, tiny_model: Path) -> None:
+    """The broker tells the bridge; the transformers engine stops before its next token; the engine is free again."""
+    d = deployment
+    start_bridge(d, "b-tf", "--engine", "transformers", "--model", str(tiny_model))
+    (job,) = d.client.submit("onecall", [{"prompt_ids": [5, 6, 7]}], sampling=LONG_CALL, timeout_s=240)
+    d.wait_for(lambda st: any(b["inflight"] == 1 for b in st.backends), 60, "the call to be in flight", "b-tf")
+    assert d.client.cancel([job]) == {job: "cancelled"}
+    (res,) = d.client.wait([job], timeout_s=60)
+    assert res.state == "cancelled"
+    log = _wait_text(d.logs / "b-tf.log", "generation cancelled after")
+    assert f"generate for job {job} cancelled: the job ended" in log
+    (b,) = d.client.status().backends
+    assert (b["inflight"], b["jobs"]) == (0, 0)
+    # The engine's one worker thread is free: the next call runs to its full length.
+    (short,) = d.client.submit("onecall", [{"prompt_ids": [5, 6, 7]}], sampling={**LONG_CALL, "max_tokens": 8})
+    (res2,) = d.client.wait([short], timeout_s=120)
+    assert res2.ok and len(res2.output["output_ids"]) == 8 and res2.output["finish_reason"] == "length"
+
+
+@pytest.mark.vllm
+def test_cancelling_a_job_aborts_its_request_in_vllm(deployment: Deployment, vllm_server: Any) -> None:
+    """The bridge drops its HTTP request, and vLLM aborts the request (its own log says so)."""
+    d = deployment
+    start_bridge(d, "b-vllm", "--attach", vllm_server.url)
+    (job,) = d.client.submit("onecall", [{"prompt_ids": [5, 6, 7]}], sampling={**LONG_CALL, "max_tokens": 1000},
+                             timeout_s=240)
+    d.wait_for(lambda st: any(b["inflight"] == 1 for b in st.backends), 60, "the call to be in flight", "b-vllm")
+    d.client.cancel([job])
+    assert d.client.wait([job], timeout_s=60)[0].state == "cancelled"
+    _wait_text(d.logs / "b-vllm.log", f"generate for job {job} cancelled: the job ended")
+    _wait_text(vllm_server.log_path, "Aborted request")
