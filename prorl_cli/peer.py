@@ -111,16 +111,43 @@ class BrokerPeer(ABC):
         assert self.sock is not None
         await self.sock.send_multipart(P.encode(header, payload), copy=False)
 
-    async def request(self, header: dict[str, Any], payload: list[bytes] | tuple[bytes, ...] = ()) -> Reply:
-        """Send a request to the broker and await its reply (header, payload)."""
+    async def request(
+        self,
+        header: dict[str, Any],
+        payload: list[bytes] | tuple[bytes, ...] = (),
+        *,
+        cancel: dict[str, Any] | None = None,
+    ) -> Reply:
+        """Send a request to the broker and await its reply (header, payload).
+
+        ``cancel``: a message to send, with this request's ``rid``, if the
+        caller stops waiting (a timeout, or its task was cancelled).
+        """
         rid = next(self._rids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
             await self.send({**header, "rid": rid, "host": self.host}, payload)
             return await fut
+        except asyncio.CancelledError:
+            if cancel is not None and (fut.cancelled() or not fut.done()):  # no reply came
+                self._send_now({**cancel, "rid": rid})
+            raise
         finally:
             self._pending.pop(rid, None)
+
+    def _send_now(self, header: dict[str, Any]) -> None:
+        """Queue a message without awaiting, so it goes out before anything the caller sends next."""
+        if self.sock is None or self._leaving:
+            return
+        sent = asyncio.ensure_future(self.sock.send_multipart(P.encode(header, ()), copy=False))
+
+        def check(f: asyncio.Future[Any]) -> None:
+            # Never awaited: look at the outcome so a failure is logged, not lost.
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("%s could not send %s: %s", self.kind, header.get("op"), f.exception())
+
+        sent.add_done_callback(check)
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """Run ``coro`` in the background, keeping a reference until it ends."""

@@ -79,8 +79,9 @@ class Op(str, enum.Enum):
     # inference bridge -> broker
     REGISTER_BACKEND = "register_backend"  # BackendHello fields
     GENERATE_REPLY = "generate_reply"  # rid, finish_reason | error; payload: [ids int32, logprobs f32]
-    # broker -> bridge: the job of a forwarded generate ended; stop it at the engine (no reply).
-    GENERATE_CANCEL = "generate_cancel"  # rid (the broker's forward id), job_id
+    # node -> broker: the node gave up on its generate ``rid`` (no reply);
+    # broker -> bridge: stop forwarded generate ``rid`` at the engine (its job ended, or its node gave up).
+    GENERATE_CANCEL = "generate_cancel"  # rid, job_id
     # broker -> node, answering GENERATE for an HTTP backend: call it yourself.
     REDIRECT = "redirect"  # rid, backend_id, url
     # node -> broker, after it called a redirected HTTP backend itself (no reply):
@@ -184,6 +185,7 @@ OP_FIELDS: dict[Op, dict[str, type | tuple[type, ...]]] = {
     Op.REGISTER_BACKEND: {"rid": _ANY_ID, "backend_id": str, "host": str, "model": str},
     Op.GENERATE_REPLY: {"rid": _ANY_ID},
     Op.GENERATE_DONE: {"job_id": str, "backend_id": str},
+    Op.GENERATE_CANCEL: {"rid": _ANY_ID, "job_id": str},
 }
 
 
@@ -445,6 +447,8 @@ class StatusReport(_Record):
     generation_paused: bool
     placing: bool
     uptime_s: float
+    #: Generate calls held at the broker (generation paused, or no backend up).
+    held_generates: int = 0
 
     def node_statuses(self) -> list[NodeStatus]:
         return [NodeStatus.from_wire(n) for n in self.nodes]

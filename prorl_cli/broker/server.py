@@ -323,6 +323,7 @@ class Broker:
             generation_paused=self.generation_paused,
             placing=self.placing,
             uptime_s=time.monotonic() - self.started_at,
+            held_generates=len(self.held),
         )
 
     def on_ping(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
@@ -614,16 +615,26 @@ class Broker:
         for bid in [b.backend_id for b in self.backends.values() if b.kind == "http" and b.cleared and not b.jobs]:
             del self.backends[bid]
 
-    def _drop_generates(self, job_id: str) -> None:
+    def on_generate_cancel(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        """A node gave up on one of its generate calls (its own timeout): drop it, or stop it at the engine."""
+        if self._node_of(identity, h) is None:
+            return
+        self._drop_generates(h["job_id"], requester=identity, rid=h["rid"])
+
+    def _drop_generates(self, job_id: str, requester: bytes | None = None, rid: object = None) -> None:
         """Forget the generate calls of a job that ended (or lost its node): drop held ones, cancel forwarded ones.
 
         A cancelled call stops at the engine (the bridge cancels it; an HTTP
         request to vLLM is closed, which aborts it there), so a timed-out or
-        cancelled job stops costing model time at once.
+        cancelled job stops costing model time at once. With ``requester``,
+        only that peer's call ``rid`` goes.
         """
+        def match(who: bytes, their_rid: object) -> bool:
+            return requester is None or (who == requester and their_rid == rid)
+
         if self.held:
-            self.held = deque(item for item in self.held if item.header["job_id"] != job_id)
-        for fwd, pend in self.pending.pop_job(job_id):
+            self.held = deque(item for item in self.held if not (item.header["job_id"] == job_id and match(item.requester, item.header["rid"])))
+        for fwd, pend in self.pending.pop_job(job_id, match):
             backend = self.backends.get(pend.backend_id)
             if backend is None or backend.identity is None:
                 continue
@@ -777,4 +788,5 @@ class Broker:
         Op.GENERATE: on_generate,
         Op.GENERATE_REPLY: on_generate_reply,
         Op.GENERATE_DONE: on_generate_done,
+        Op.GENERATE_CANCEL: on_generate_cancel,
     }

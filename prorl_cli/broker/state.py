@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prorl_cli.protocol import BackendStatus, JobSpec, JobState, NodeStatus
@@ -136,9 +137,14 @@ class PendingGenerates:
                 del self._by_job[pend.job_id]
         return pend
 
-    def pop_job(self, job_id: str) -> list[tuple[int, PendingGenerate]]:
-        """Remove and return every request of ``job_id``."""
-        return [(fwd, self._by_fwd.pop(fwd)) for fwd in sorted(self._by_job.pop(job_id, ()))]
+    def pop_job(
+        self, job_id: str, match: Callable[[bytes, object], bool] | None = None
+    ) -> list[tuple[int, PendingGenerate]]:
+        """Remove and return the requests of ``job_id`` (those whose requester and rid ``match``)."""
+        fwds = sorted(self._by_job.get(job_id, ()))
+        if match is not None:
+            fwds = [f for f in fwds if match(self._by_fwd[f].requester, self._by_fwd[f].rid)]
+        return [(fwd, pend) for fwd in fwds if (pend := self.pop(fwd)) is not None]
 
     def pop_backend(self, backend_id: str) -> list[tuple[int, PendingGenerate]]:
         """Remove and return every request forwarded to ``backend_id``."""

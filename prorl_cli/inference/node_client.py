@@ -22,8 +22,9 @@ from prorl_cli.protocol import ErrorCode, Op, SamplingParams, pack_tokens
 
 log = logging.getLogger(__name__)
 
-#: ``await request(header, payload) -> (reply header, reply payload)`` over the node's socket.
-RequestFn = Callable[[dict[str, Any], list[bytes]], Awaitable[tuple[dict[str, Any], list[bytes]]]]
+#: ``await request(header, payload, cancel=...) -> (reply header, reply payload)`` over the node's socket
+#: (:meth:`prorl_cli.peer.BrokerPeer.request`).
+RequestFn = Callable[..., Awaitable[tuple[dict[str, Any], list[bytes]]]]
 #: ``await notify(header)``: a message to the broker that gets no reply.
 NotifyFn = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -58,7 +59,9 @@ class NodeInference:
         header = {"op": Op.GENERATE.value, "job_id": job_id, "sampling": sampling.to_wire()}
         timeout_s = self.config.generate_timeout_s
         try:
-            reply, payload = await asyncio.wait_for(self.request(header, [pack_tokens(prompt_ids)]), timeout_s)
+            # Giving up (timeout, or the job's task was cancelled) tells the broker, which stops the call at the engine.
+            cancel = {"op": Op.GENERATE_CANCEL.value, "job_id": job_id}
+            reply, payload = await asyncio.wait_for(self.request(header, [pack_tokens(prompt_ids)], cancel=cancel), timeout_s)
         except asyncio.TimeoutError as e:
             raise InferenceError(
                 f"job {job_id}: no generate answer from the broker within {timeout_s:g} s "

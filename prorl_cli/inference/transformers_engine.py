@@ -83,16 +83,21 @@ class TransformersEngine(Engine):
         if bad:
             raise InferenceError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         loop = asyncio.get_running_loop()
-        cancelled = threading.Event()
+        started, cancelled = threading.Event(), threading.Event()
         try:
-            return await loop.run_in_executor(self._pool, self._generate, list(prompt_ids), sampling, cancelled)
+            return await loop.run_in_executor(self._pool, self._generate, list(prompt_ids), sampling, started, cancelled)
         except asyncio.CancelledError:
             cancelled.set()  # the decode loop checks it before every token
+            if not started.is_set():
+                log.info("generation cancelled before it started")
             raise
 
-    def _generate(self, prompt_ids: list[int], sampling: SamplingParams, cancelled: threading.Event) -> Generation:
+    def _generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, started: threading.Event, cancelled: threading.Event
+    ) -> Generation:
         import torch
 
+        started.set()
         gen = torch.Generator()
         gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         stop_ids = set(sampling.stop_token_ids) if sampling.ignore_eos else self._eos_ids | set(sampling.stop_token_ids)

@@ -153,4 +153,11 @@ def test_node_ops_from_an_unregistered_peer(deployment: Deployment, raw: zmq.Soc
     raw.send_multipart([msgpack.packb({"v": 1, "op": "job_done", "jobs": [{"job_id": "x", "attempt": 1, "state": "done"}]}), b"x"])
     code, _ = _error(raw)
     assert code == "unknown_peer"
+    # A stranger cannot cancel anyone's generate calls.
+    raw.send_multipart([msgpack.packb({"v": 1, "op": "generate_cancel", "rid": 1, "job_id": "x"})])
+    code, _ = _error(raw)
+    assert code == "unknown_peer"
+    raw.send_multipart([msgpack.packb({"v": 1, "op": "generate_cancel", "rid": 1})])
+    code, message = _error(raw)
+    assert code == "missing_field" and "job_id" in message
     _healthy(deployment)

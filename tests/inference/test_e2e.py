@@ -193,12 +193,13 @@ def test_a_restarted_broker_gets_its_node_and_bridge_back(tmp_path: Path, tiny_m
         d.close()
 
 
-def _wait_text(path: Path, text: str, timeout_s: float = 60.0) -> str:
-    """Wait until the log at ``path`` holds ``text`` (a child's log is the only witness of what happened in it)."""
+def _wait_text(path: Path, text: str, timeout_s: float = 60.0, start: int = 0) -> str:
+    """Wait until the log at ``path`` holds ``text`` after byte ``start`` (a child's log is the only witness of
+    what happened in it)."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    while text not in (log := path.read_text(errors="replace") if path.exists() else ""):
+    while text not in (log := path.read_bytes()[start:].decode(errors="replace") if path.exists() else ""):
         if time.monotonic() > deadline:
             raise AssertionError(f"{path} never said {text!r}:\n{log[-3000:]}")
         time.sleep(0.05)
@@ -217,7 +218,7 @@ def test_cancelling_a_job_stops_its_call_in_the_engine(deployment: Deployment, t
     assert d.client.cancel([job]) == {job: "cancelled"}
     (res,) = d.client.wait([job], timeout_s=60)
     assert res.state == "cancelled"
-    log = _wait_text(d.logs / "b-tf.log", "generation cancelled after")
+    log = _wait_text(d.logs / "b-tf.log", "generation cancelled")  # "after N of at most 2000 tokens", or "before it started"
     assert f"generate for job {job} cancelled: the job ended" in log
     (b,) = d.client.status().backends
     assert (b["inflight"], b["jobs"]) == (0, 0)
@@ -232,10 +233,38 @@ def test_cancelling_a_job_aborts_its_request_in_vllm(deployment: Deployment, vll
     """The bridge drops its HTTP request, and vLLM aborts the request (its own log says so)."""
     d = deployment
     start_bridge(d, "b-vllm", "--attach", vllm_server.url)
+    start = vllm_server.log_path.stat().st_size
     (job,) = d.client.submit("onecall", [{"prompt_ids": [5, 6, 7]}], sampling={**LONG_CALL, "max_tokens": 1000},
                              timeout_s=240)
-    d.wait_for(lambda st: any(b["inflight"] == 1 for b in st.backends), 60, "the call to be in flight", "b-vllm")
+    # Cancel once vLLM is working on it (a request closed before vLLM read it never starts there at all).
+    _wait_text(vllm_server.log_path, "Added request", start=start)
     d.client.cancel([job])
     assert d.client.wait([job], timeout_s=60)[0].state == "cancelled"
     _wait_text(d.logs / "b-vllm.log", f"generate for job {job} cancelled: the job ended")
-    _wait_text(vllm_server.log_path, "Aborted request")
+    _wait_text(vllm_server.log_path, "Aborted request", start=start)
+
+
+def test_a_call_the_node_gave_up_on_never_reaches_the_engine(tmp_path: Path, tiny_model: Path) -> None:
+    """The node's own generate timeout cancels its call at the broker; the job goes on and its next call is served."""
+    from tests.inference.conftest import HANDLERS
+
+    d = Deployment(tmp_path / "home", config={"inference": {"generate_timeout_s": 2.0}})
+    try:
+        d.start_broker()
+        d.start_node("n1", "--handlers", str(HANDLERS))
+        start_bridge(d, "b-tf", "--engine", "transformers", "--model", str(tiny_model))
+        d.client.pause_generation()
+        (job,) = d.client.submit("onecall", [{"prompt_ids": [5, 6, 7], "eval_call": True}],
+                                 sampling={"max_tokens": 4, "seed": 1}, timeout_s=120)
+        # RUN's call was held until the node gave up; the node said so before EVAL began.
+        d.wait_for(lambda st: st.jobs.get("eval") == 1, 60, "the job to reach eval", "n1")
+        # Only EVAL's call is held now: RUN's was dropped, not kept for later.
+        d.wait_for(lambda st: st.held_generates == 1, 60, "EVAL's call to be held", "n1")
+        d.client.resume_generation()
+        (res,) = d.client.wait([job], timeout_s=120)
+        assert "no generate answer from the broker within 2 s" in res.output["error"]
+        assert len(res.output["eval"]["output_ids"]) == 4 and res.ok
+        (b,) = d.client.status().backends
+        assert b["served"] == 1, "the call the node gave up on was never served"
+    finally:
+        d.close()

@@ -175,6 +175,8 @@ def print_status(app: App, status: StatusReport) -> None:
     flags = []
     if status.generation_paused:
         flags.append("generation PAUSED")
+    if status.held_generates:
+        flags.append(f"{status.held_generates} generate call(s) held")
     if not status.placing:
         flags.append("placement HELD")
     app.console.print(
