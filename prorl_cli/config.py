@@ -44,6 +44,9 @@ class BrokerConfig:
     heartbeat_liveness: int = 3
     max_message_bytes: int = 64 * 1024 * 1024
     result_retention: int = 100_000  # finished results kept for late watchers
+    journal: bool = True  # record jobs and results in <deployment>/broker.journal; a restarted broker replays it
+    journal_fsync: bool = False  # fsync each write (survives a machine crash, not only a broker crash)
+    journal_compact_mb: int = 256  # rewrite the journal with only what a replay needs once it grows past this
 
 
 @dataclass

@@ -38,6 +38,10 @@ class BrokerUnavailable(ProrlError, ConnectionError):
     """No broker answered at the rendezvous address in time."""
 
 
+class BrokerRestarted(BrokerUnavailable):
+    """The broker a request went to died; a new one (started on the same address) never saw it."""
+
+
 class RendezvousError(ProrlError, FileNotFoundError):
     """The deployment's rendezvous file is missing or unreadable."""
 

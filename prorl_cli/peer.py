@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from prorl_cli import protocol as P
-from prorl_cli.exceptions import BrokerUnavailable, ProtocolError
+from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, ProtocolError
 from prorl_cli.protocol import ErrorCode, Op
 from prorl_cli.security import secure_peer
 
@@ -63,6 +63,7 @@ class BrokerPeer(ABC):
         self._liveness = heartbeat_liveness
         #: Set once the peer is leaving: no more re-registering.
         self._leaving = False
+        self._boot_id: str | None = None  # the broker's, as of the last registration
 
     # ------------------------------------------------------------ what subclasses say
 
@@ -87,8 +88,8 @@ class BrokerPeer(ABC):
         """The broker asked this peer to shut down."""
 
     @abstractmethod
-    def on_registered(self) -> None:
-        """Called after each successful registration (for logging)."""
+    def on_registered(self, reply: dict[str, Any]) -> None:
+        """Called with the broker's answer after each successful registration."""
 
     # -------------------------------------------------------------------- I/O
 
@@ -192,8 +193,17 @@ class BrokerPeer(ABC):
         self._interval_s = float(reply.get("heartbeat_interval_s") or self._interval_s)
         self._liveness = int(reply.get("heartbeat_liveness") or self._liveness)
         self._last_heard = time.monotonic()
+        boot_id = reply.get("boot_id")
+        if self._boot_id is not None and boot_id != self._boot_id:
+            # A new broker: requests the old one had will never be answered. Fail them now, not at their timeouts.
+            lost = [f for rid, f in self._pending.items() if not f.done() and rid != reply.get("rid")]
+            for fut in lost:
+                fut.set_exception(BrokerRestarted(f"the broker at {self.address} restarted; this request was lost with it"))
+            if lost:
+                log.warning("broker restarted: %d request(s) in flight were lost with it", len(lost))
+        self._boot_id = boot_id if isinstance(boot_id, str) else None
         self.registered.set()
-        self.on_registered()
+        self.on_registered(reply)
 
     async def register_again(self) -> None:
         """:meth:`register`, logging a failure instead of raising (the heartbeat loop retries)."""

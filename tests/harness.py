@@ -31,3 +31,25 @@ class Deployment(LocalStack):
 
     def __init__(self, home: Path, name: str = "test", config: dict[str, Any] | None = None) -> None:
         super().__init__(home, name, _merge(DEFAULT_TEST_CONFIG, config or {}))
+
+
+def fixed_port() -> int:
+    """A free TCP port below the kernel's ephemeral range, for a broker that must bind the same port again
+    after a restart (ports the kernel hands out, to ``bind(0)`` or outgoing connections, come from that range)."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # the Linux default, where the file cannot be read
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")

@@ -13,12 +13,15 @@ import os
 import signal
 import socket
 import time
+import uuid
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
 
 from prorl_cli import protocol as P
+from prorl_cli.broker.journal import JOURNAL_NAME, Journal, attempt_record, end_record, job_record
 from prorl_cli.broker.state import (
     Backend,
     HeldGenerate,
@@ -69,6 +72,8 @@ class Broker:
         self.address = bound.replace("0.0.0.0", socket.getfqdn(), 1) if "://0.0.0.0:" in bound else bound
         self.started_at = time.monotonic()
 
+        #: Changes each time a broker starts: clients that see it change watch their jobs again.
+        self.boot_id = uuid.uuid4().hex
         self.jobs: dict[str, Job] = {}
         self.finished: deque[str] = deque()  # terminal job ids, oldest first (retention)
         self.queue = TaskQueues()
@@ -88,6 +93,52 @@ class Broker:
         self._results_out: dict[bytes, list[str]] = defaultdict(list)
         self._assign_out: dict[str, list[str]] = defaultdict(list)
         self._next_tick = time.monotonic()
+        # After a replay, unfinished jobs wait this long for their nodes to claim them before being placed anew.
+        self._claims_until = 0.0
+        self.journal: Journal | None = None
+        if bc.journal:
+            self.journal = Journal(
+                config.deployment_dir / JOURNAL_NAME, fsync=bc.journal_fsync, compact_bytes=bc.journal_compact_mb * 1024 * 1024
+            )
+            self._replay()
+
+    # ------------------------------------------------------------------ journal
+
+    def _replay(self) -> None:
+        assert self.journal is not None
+        unfinished = 0
+        for jj in self.journal.replay().values():
+            job = Job(spec=jj.spec, instance=jj.instance, state=jj.state, result=jj.result)
+            self.jobs[job.job_id] = job
+            if job.state.terminal:
+                self.finished.append(job.job_id)
+            else:
+                job.state = JobState.QUEUED
+                self.queue.push(job.spec.task, job.job_id)
+                unfinished += 1
+        while len(self.finished) > self.config.broker.result_retention:
+            self.jobs.pop(self.finished.popleft(), None)
+        self.journal.rewrite(self._journal_snapshot())
+        if self.jobs:
+            log.info("journal replayed: %d job(s), %d unfinished", len(self.jobs), unfinished)
+        if unfinished:
+            # Nodes that ran jobs for the broker before us register again within a few heartbeats.
+            self._claims_until = time.monotonic() + 2 * self.dead_after_s
+            log.info("unfinished jobs wait %.1f s for their nodes to claim them", 2 * self.dead_after_s)
+
+    def _journal_snapshot(self) -> Iterator[dict[str, Any]]:
+        for job in list(self.jobs.values()):
+            yield job_record(job.spec, job.instance)
+            if job.result is not None:
+                yield end_record(job.job_id, job.state, job.result)
+
+    def _journal_flush(self) -> None:
+        """Make what was journaled durable before anyone hears of it."""
+        if self.journal is None:
+            return
+        self.journal.flush()
+        if self.journal.wants_compaction:
+            self.journal.rewrite(self._journal_snapshot())
 
     # ------------------------------------------------------------------ I/O
 
@@ -146,6 +197,11 @@ class Broker:
         finally:
             signal.signal(signal.SIGTERM, prev)
             remove_rendezvous(self.config.deployment_dir, os.getpid())
+            if self.journal is not None:
+                self.journal.close()
+                if self.stopping:
+                    # A clean stop finished every job and delivered every result: the next broker starts afresh.
+                    self.journal.remove()
             # Linger briefly so the last results and replies reach their peers.
             self.sock.close(linger=1000)
             if self._auth is not None:
@@ -162,6 +218,7 @@ class Broker:
         return self._stop_deadline is not None and time.monotonic() >= self._stop_deadline
 
     def _flush(self) -> None:
+        self._journal_flush()
         for identity, job_ids in self._results_out.items():
             jobs = [self.jobs[j] for j in job_ids if j in self.jobs and self.jobs[j].result is not None]
             if jobs:
@@ -270,7 +327,10 @@ class Broker:
             self.jobs[spec.job_id] = job
             self.queue.push(spec.task, spec.job_id)
             accepted.append(spec.job_id)
-        self._send(identity, P.reply(rid, accepted=accepted, existing=existing))
+            if self.journal is not None:
+                self.journal.append(job_record(spec, job.instance))
+        self._journal_flush()  # accepted means journaled
+        self._send(identity, P.reply(rid, accepted=accepted, existing=existing, boot_id=self.boot_id))
 
     def on_watch(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         unknown = []
@@ -282,7 +342,7 @@ class Broker:
             job.watchers.add(identity)
             if job.result is not None:
                 self._results_out[identity].append(job.job_id)
-        self._send(identity, P.reply(h["rid"], unknown=unknown))
+        self._send(identity, P.reply(h["rid"], unknown=unknown, boot_id=self.boot_id))
 
     def on_cancel(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         states: dict[str, str] = {}
@@ -305,6 +365,7 @@ class Broker:
             node = self.nodes.get(node_id)
             if node is not None and node.alive:
                 self._send(node.identity, {"op": Op.CANCEL_JOB.value, "job_ids": job_ids})
+        self._journal_flush()
         self._send(identity, P.reply(h["rid"], states=states, unknown=unknown))
 
     def on_status(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
@@ -327,7 +388,7 @@ class Broker:
         )
 
     def on_ping(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        self._send(identity, P.reply(h["rid"], address=self.address, deployment=self.config.deployment))
+        self._send(identity, P.reply(h["rid"], address=self.address, deployment=self.config.deployment, boot_id=self.boot_id))
 
     def on_start(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         self.placing = True
@@ -389,11 +450,50 @@ class Broker:
         )
         self.nodes[node_id] = node
         self.node_by_identity[identity] = node
-        log.info("node %s registered from %s (credit %d, tasks %s)", node_id, node.host, credit, sorted(node.tasks))
+        drop = self._claim(node, h.get("running"))
+        log.info("node %s registered from %s (credit %d, tasks %s, running %d)", node_id, node.host, credit,
+                 sorted(node.tasks), len(node.inflight))
         self._send(
             identity,
-            P.reply(h["rid"], heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.config.broker.heartbeat_liveness),
+            P.reply(h["rid"], heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.config.broker.heartbeat_liveness,
+                    drop=drop, boot_id=self.boot_id),
         )
+
+    def _claim(self, node: Node, running: Any) -> list[str]:
+        """Give a (re-)registering node back the jobs it still runs; return those it should drop.
+
+        A node claims a job that is queued (its node was declared dead, or this
+        broker replayed it from the journal) or already its own. A job that
+        ended or runs elsewhere meanwhile is dropped by the node: its result
+        would be ignored.
+        """
+        drop: list[str] = []
+        for claim in running if isinstance(running, list) else []:
+            job_id = claim.get("job_id") if isinstance(claim, dict) else None
+            if not isinstance(job_id, str):
+                continue
+            job = self.jobs.get(job_id)
+            attempt = claim.get("attempt")
+            if job is None or job.state.terminal or not isinstance(attempt, int) or job.node_id not in (None, node.node_id):
+                drop.append(job_id)
+                continue
+            if job.node_id is None:
+                self.queue.remove(job.spec.task, job_id)
+                job.node_id = node.node_id
+                if job.spec.attempt != attempt:
+                    job.spec.attempt = attempt
+                    if self.journal is not None:
+                        self.journal.append(attempt_record(job_id, attempt))
+            try:
+                job.state = JobState(claim.get("stage"))
+            except ValueError:
+                job.state = JobState.RUN
+            if job.state not in P.STAGES:
+                job.state = JobState.RUN
+            node.inflight.add(job_id)
+        if drop:
+            log.warning("node %s runs %d job(s) that ended or moved meanwhile; it drops them", node.node_id, len(drop))
+        return drop
 
     def _node_of(self, identity: bytes, h: dict[str, Any]) -> Node | None:
         node = self.node_by_identity.get(identity)
@@ -452,6 +552,10 @@ class Broker:
             if job is None:
                 continue
             node.inflight.discard(job.job_id)
+            if job.node_id is None and job.state == JobState.QUEUED and job.spec.attempt == info.get("attempt"):
+                # A result sent to the broker before it restarted, for a job it replayed: take it.
+                self.queue.remove(job.spec.task, job.job_id)
+                job.node_id = node.node_id
             if job.state.terminal or job.node_id != node.node_id or job.spec.attempt != info.get("attempt"):
                 continue  # stale: cancelled meanwhile, or re-queued elsewhere
             try:
@@ -483,7 +587,8 @@ class Broker:
         log.info("backend %s registered (model %s on %s)", bid, backend.model, backend.host)
         self._send(
             identity,
-            P.reply(h["rid"], heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.config.broker.heartbeat_liveness),
+            P.reply(h["rid"], heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.config.broker.heartbeat_liveness,
+                    boot_id=self.boot_id),
         )
         self._release_held()
 
@@ -674,7 +779,7 @@ class Broker:
         return set().union(*(n.tasks for n in self.nodes.values() if n.alive)) if self.nodes else set()
 
     def _place(self) -> None:
-        if not self.placing or not len(self.queue):
+        if not self.placing or not len(self.queue) or time.monotonic() < self._claims_until:
             return
         nodes = [n for n in self.nodes.values() if n.alive and n.free > 0]
         while nodes and len(self.queue):
@@ -711,6 +816,8 @@ class Broker:
                 )
                 continue
             job.spec.attempt += 1
+            if self.journal is not None:
+                self.journal.append(attempt_record(job_id, job.spec.attempt))
             job.state = JobState.QUEUED
             self.queue.push(job.spec.task, job_id, front=True)
         node.inflight.clear()
@@ -720,6 +827,8 @@ class Broker:
     def _finish(self, job: Job, state: JobState, result: bytes) -> None:
         job.state = state
         job.result = result
+        if self.journal is not None:
+            self.journal.append(end_record(job.job_id, state, result))
         self._release_sticky(job.job_id)
         self._drop_generates(job.job_id)
         for w in job.watchers:

@@ -54,7 +54,9 @@ class AsyncRolloutClient:
         self._results: dict[str, JobResult] = {}
         self._waiters: dict[str, list[asyncio.Future[JobResult]]] = {}
         self._streams: list[asyncio.Queue[JobResult]] = []
-        self._watched: set[str] = set()
+        self._watched: dict[str, str] = {}  # job id -> task ("" if only watched): the jobs whose results we want
+        self._boot_id: str | None = None  # the broker's, as last seen
+        self._watchdog: asyncio.Task[None] | None = None
 
     # -------------------------------------------------------------- plumbing
 
@@ -79,8 +81,14 @@ class AsyncRolloutClient:
         sock.connect(self.address)
         self._sock = sock
         self._reader = asyncio.create_task(self._read(), name="prorl-client-reader")
+        self._watchdog = asyncio.create_task(self._watch_broker(), name="prorl-client-watchdog")
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
         if self._reader is not None:
             self._reader.cancel()
             # The reader ends by cancellation; anything else it raised is a bug worth seeing.
@@ -139,7 +147,50 @@ class AsyncRolloutClient:
         if not header.get("ok"):
             err = header.get("error") or {}
             raise RemoteError(str(err.get("code", "error")), str(err.get("message", header)))
+        if "boot_id" in header:
+            self._note_boot(str(header["boot_id"]))
         return header, frames
+
+    # --------------------------------------------------------- broker restarts
+
+    def _outstanding(self) -> list[str]:
+        return [j for j in self._watched if j not in self._results]
+
+    def _note_boot(self, boot_id: str) -> None:
+        """A broker that restarted knows no watchers (and, without its journal, no jobs): watch again."""
+        if self._boot_id is None:
+            self._boot_id = boot_id
+        elif boot_id != self._boot_id:
+            self._boot_id = boot_id
+            asyncio.ensure_future(self._rewatch())
+
+    async def _watch_broker(self) -> None:
+        """While results are awaited, ping the broker now and then to notice a restart."""
+        interval_s = self.config.broker.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval_s)
+            if not (self._waiters or self._streams):
+                continue  # nobody is waiting for a result
+            try:
+                await self.request(Op.PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
+            except (BrokerUnavailable, RemoteError):
+                continue  # the broker is down: it may come back
+
+    async def _rewatch(self) -> None:
+        ids = self._outstanding()
+        if not ids:
+            return
+        try:
+            header, _ = await self.request(Op.WATCH, job_ids=ids)
+        except (BrokerUnavailable, RemoteError):
+            return  # the next ping that answers tries again
+        for job_id in header.get("unknown") or []:
+            # Without a journal the new broker never heard of it: say so rather than wait forever.
+            self._deliver(JobResult(
+                job_id=job_id, task=self._watched.get(job_id) or "?", state=P.JobState.FAILED.value, critical_error="broker",
+                error={"stage": "broker", "type": "BrokerRestarted",
+                       "message": "the broker restarted and does not know this job (its journal was off or lost); submit it again"},
+            ))
 
     # ------------------------------------------------------------------ jobs
 
@@ -197,7 +248,7 @@ class AsyncRolloutClient:
         if len(specs) != len(instances):
             raise ValueError(f"{len(specs)} specs for {len(instances)} instances")
         for spec in specs:
-            self._watched.add(spec.job_id)
+            self._watched[spec.job_id] = spec.task
         await self.request(
             Op.SUBMIT, [P.pack_obj(i) for i in instances], jobs=[s.to_wire() for s in specs]
         )
@@ -209,7 +260,8 @@ class AsyncRolloutClient:
             header, _ = await self.request(Op.WATCH, job_ids=todo)
             if header.get("unknown"):
                 raise RemoteError(P.ErrorCode.UNKNOWN_JOB.value, f"unknown job id(s): {header['unknown']}")
-            self._watched.update(todo)
+            for j in todo:
+                self._watched.setdefault(j, "")
 
     async def result(self, job_id: str, timeout_s: float | None = None) -> JobResult:
         """Await one job's result."""
@@ -269,7 +321,8 @@ class AsyncRolloutClient:
     async def cancel(self, job_ids: Iterable[str]) -> dict[str, str]:
         """Cancel jobs (queued or running); return each job's state after the cancel."""
         ids = list(job_ids)
-        self._watched.update(ids)
+        for j in ids:
+            self._watched.setdefault(j, "")
         header, _ = await self.request(Op.CANCEL, job_ids=ids)
         if header.get("unknown"):
             raise RemoteError(P.ErrorCode.UNKNOWN_JOB.value, f"unknown job id(s): {header['unknown']}")

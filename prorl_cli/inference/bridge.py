@@ -70,7 +70,7 @@ class InferenceBridge(BrokerPeer):
     def unregister_header(self) -> dict[str, Any]:
         return {"op": Op.UNREGISTER.value, "backend_id": self.backend_id}
 
-    def on_registered(self) -> None:
+    def on_registered(self, reply: dict[str, Any]) -> None:
         log.info("registered as backend %s (model %s, max_model_len %s)", self.backend_id, self.engine.model, self.engine.max_model_len)
 
     def on_shutdown(self) -> None:

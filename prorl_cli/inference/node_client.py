@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from prorl_cli.exceptions import InferenceError, NoBackend, ProtocolError
+from prorl_cli.exceptions import BrokerRestarted, InferenceError, NoBackend, ProtocolError
 from prorl_cli.inference.contract import Generation, check_sampling
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.inference.settings import InferenceConfig
@@ -58,15 +58,22 @@ class NodeInference:
             raise InferenceError("generate needs at least one prompt token")
         header = {"op": Op.GENERATE.value, "job_id": job_id, "sampling": sampling.to_wire()}
         timeout_s = self.config.generate_timeout_s
-        try:
-            # Giving up (timeout, or the job's task was cancelled) tells the broker, which stops the call at the engine.
-            cancel = {"op": Op.GENERATE_CANCEL.value, "job_id": job_id}
-            reply, payload = await asyncio.wait_for(self.request(header, [pack_tokens(prompt_ids)], cancel=cancel), timeout_s)
-        except asyncio.TimeoutError as e:
-            raise InferenceError(
-                f"job {job_id}: no generate answer from the broker within {timeout_s:g} s "
-                "(generation paused, or no backend registered?)"
-            ) from e
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        # Giving up (timeout, or the job's task was cancelled) tells the broker, which stops the call at the engine.
+        cancel = {"op": Op.GENERATE_CANCEL.value, "job_id": job_id}
+        while True:
+            try:
+                remaining_s = max(0.0, deadline - asyncio.get_running_loop().time())
+                reply, payload = await asyncio.wait_for(self.request(header, [pack_tokens(prompt_ids)], cancel=cancel), remaining_s)
+                break
+            except BrokerRestarted as e:
+                # Nothing was sampled for us (or it was lost): ask the new broker; the handler sees only latency.
+                log.warning("job %s: %s; asking again", job_id, e)
+            except asyncio.TimeoutError as e:
+                raise InferenceError(
+                    f"job {job_id}: no generate answer from the broker within {timeout_s:g} s "
+                    "(generation paused, or no backend registered?)"
+                ) from e
         if not reply.get("ok"):
             raw_err = reply.get("error")
             err: dict[str, Any] = raw_err if isinstance(raw_err, dict) else {}

@@ -10,10 +10,12 @@ unless it is stopping) and exit.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import signal
 import socket
+import time
 from typing import Any
 
 from prorl_cli import protocol as P
@@ -23,7 +25,7 @@ from prorl_cli.node.pipeline import Pipeline
 from prorl_cli.node.registry import HandlerRegistry, discover
 from prorl_cli.node.services import NodeServices
 from prorl_cli.peer import BrokerPeer
-from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, Op
+from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, JobState, Op
 from prorl_cli.rendezvous import read_rendezvous
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,10 @@ class NodeServer(BrokerPeer):
         self._done_out: list[JobResult] = []
         self._flush_scheduled = False
         self._stop = asyncio.Event()
+        self._running: dict[str, tuple[int, str]] = {}  # job id -> (attempt, its latest stage)
+        # Results sent but maybe never read: the broker may have died before reading them (or read them
+        # as a stranger's after it restarted). They go again after each registration; the broker ignores repeats.
+        self._unconfirmed: collections.deque[tuple[float, JobResult]] = collections.deque()
 
     # ------------------------------------------------------------- the peer
 
@@ -76,16 +82,30 @@ class NodeServer(BrokerPeer):
             "pid": os.getpid(),
             "credit": self.credit,
             "tasks": self.registry.tasks,
+            # What this node still runs: a broker that lost track of it (declared us dead, or restarted) takes it back.
+            "running": [{"job_id": j, "attempt": a, "stage": s} for j, (a, s) in self._running.items()],
         }
 
     def heartbeat_header(self) -> dict[str, Any]:
+        # A result is confirmed once the broker has been heard from a whole interval after it went out.
+        while self._unconfirmed and self._unconfirmed[0][0] < self._last_heard - self._interval_s:
+            self._unconfirmed.popleft()
         return {"op": Op.HEARTBEAT.value, "node_id": self.node_id, "stages": self.pipeline.stats()}
 
     def unregister_header(self) -> dict[str, Any]:
         return {"op": Op.UNREGISTER.value, "node_id": self.node_id}
 
-    def on_registered(self) -> None:
-        log.info("node %s registered with %s: tasks %s, credit %d", self.node_id, self.address, self.registry.tasks, self.credit)
+    def on_registered(self, reply: dict[str, Any]) -> None:
+        log.info("node %s registered with %s: tasks %s, credit %d, running %d",
+                 self.node_id, self.address, self.registry.tasks, self.credit, len(self._running))
+        for job_id in reply.get("drop") or []:
+            task = self.pipeline.tasks.get(job_id)
+            if task is not None:
+                log.warning("job %s ended or moved to another node meanwhile; dropping it", job_id)
+                task.cancel()
+        if self._unconfirmed:
+            log.info("sending %d recent result(s) again", len(self._unconfirmed))
+            self.spawn(self._send_results([r for _, r in self._unconfirmed]))
 
     def on_shutdown(self) -> None:
         self._stop.set()
@@ -104,6 +124,8 @@ class NodeServer(BrokerPeer):
     # ------------------------------------------------------------- results
 
     def _report_stage(self, spec: JobSpec, stage: str) -> None:
+        if spec.job_id in self._running:
+            self._running[spec.job_id] = (spec.attempt, stage)
         self._stage_out[spec.job_id] = {"job_id": spec.job_id, "attempt": spec.attempt, "stage": stage}
         self._schedule_flush()
 
@@ -124,10 +146,15 @@ class NodeServer(BrokerPeer):
         if stages:
             await self.send({"op": Op.JOB_STAGE.value, "updates": stages})
         if done:
-            await self.send(
-                {"op": Op.JOB_DONE.value, "jobs": [{"job_id": r.job_id, "attempt": r.attempt, "state": r.state} for r in done]},
-                [P.pack_obj(r.to_wire()) for r in done],
-            )
+            now = time.monotonic()
+            self._unconfirmed.extend((now, r) for r in done)
+            await self._send_results(done)
+
+    async def _send_results(self, done: list[JobResult]) -> None:
+        await self.send(
+            {"op": Op.JOB_DONE.value, "jobs": [{"job_id": r.job_id, "attempt": r.attempt, "state": r.state} for r in done]},
+            [P.pack_obj(r.to_wire()) for r in done],
+        )
 
     # ------------------------------------------------------------- lifecycle
 
@@ -175,12 +202,14 @@ class NodeServer(BrokerPeer):
                 continue  # duplicate delivery
             task = asyncio.create_task(self._run(spec, instance), name=f"job-{spec.job_id}")
             self.pipeline.tasks[spec.job_id] = task
+            self._running[spec.job_id] = (spec.attempt, JobState.INIT.value)
 
     async def _run(self, spec: JobSpec, instance: Any) -> JobResult:
         try:
             result = await self.pipeline.run_job(spec, instance)
         finally:
             self.pipeline.tasks.pop(spec.job_id, None)
+            self._running.pop(spec.job_id, None)
         if not self._leaving:
             self._done_out.append(result)
             self._schedule_flush()

@@ -198,6 +198,7 @@ def test_stop_leaves_no_process_of_the_deployment_running(deployment: Deployment
     for pid in pids + children:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not (deployment.deployment_dir / "broker.json").exists()
+    assert not (deployment.deployment_dir / "broker.journal").exists(), "a clean stop leaves nothing to replay"
     assert os.listdir(deployment.deployment_dir / "nodes")  # the nodes' run dirs stay for inspection
 
 

@@ -168,25 +168,30 @@ def test_sigterm_unregisters_the_bridge(deployment: Deployment, tiny_model: Path
 
 
 def test_a_restarted_broker_gets_its_node_and_bridge_back(tmp_path: Path, tiny_model: Path, chat: ChatTokens) -> None:
-    """Node and bridge register again on their own when the broker comes back (same port) after a crash."""
-    import socket
-
+    """Node and bridge register again on their own when the broker comes back (same port) after a crash;
+    a call lost with the old broker is asked again of the new one."""
+    from tests.harness import fixed_port
     from tests.inference.conftest import HANDLERS
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = Deployment(tmp_path / "home", config={"broker": {"port": port}})
+    d = Deployment(tmp_path / "home", config={"broker": {"port": fixed_port()}})
     try:
         d.start_broker()
         d.start_node("n1", "--handlers", str(HANDLERS))
         start_bridge(d, "b-tf", "--engine", "transformers", "--model", str(tiny_model))
+        # A job whose first call is held at the broker when the broker dies.
+        d.client.pause_generation()
+        (job,) = d.client.submit("multiturn", [{"tokenizer": str(tiny_model), "turns": 2}], sampling=SAMPLING, timeout_s=240)
+        d.wait_for(lambda st: st.held_generates == 1, 60, "the first call to be held", "n1")
         d.kill("broker")
         d.start_broker()
         d.wait_for(lambda st: [n["node_id"] for n in st.nodes if n["alive"]] == ["n1"], 60, "n1 to register again", "n1")
         d.wait_for(lambda st: [b["backend_id"] for b in st.backends if b["alive"]] == ["b-tf"], 60,
                    "b-tf to register again", "b-tf")
         assert "registering again" in d.log("n1") and "registering again" in d.log("b-tf")
+        # The node claimed the job, asked the new broker again for the lost call, and the client was told the result.
+        (res,) = d.client.wait([job], timeout_s=240)
+        check_token_exact(res, chat, turns=2)
+        assert res.attempt == 1 and "asking again" in d.log("n1")
         (res,) = run_jobs(d, tiny_model, n=1, turns=2)
         check_token_exact(res, chat, turns=2)
     finally:

@@ -1,0 +1,177 @@
+"""The broker's journal: accepted jobs and their results, replayed when a broker restarts.
+
+An append-only file of msgpack records in the deployment folder:
+
+- ``{"t": "job", "spec": JobSpec, "instance": bytes}`` when a job is accepted
+  (written before the submit is answered);
+- ``{"t": "attempt", "job_id", "attempt"}`` when its node died and it was
+  queued again;
+- ``{"t": "end", "job_id", "state", "result": bytes}`` when it finishes
+  (written before its result is pushed).
+
+A restarted broker replays it: finished jobs keep their results for late
+watchers, unfinished ones wait for their nodes to claim them (a node that
+registers again reports what it still runs) and are queued again if none
+does. A torn last record (a crash mid-write) is reported and ignored. The
+file is compacted (rewritten with only what a replay needs) when the broker
+starts and whenever it has grown past ``compact_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from prorl_cli.protocol import JobSpec, JobState
+
+log = logging.getLogger(__name__)
+
+JOURNAL_NAME = "broker.journal"
+
+
+@dataclass
+class JournaledJob:
+    """A job as the journal knows it: its spec, instance, and result once it ended."""
+
+    spec: JobSpec
+    instance: bytes
+    state: JobState = JobState.QUEUED
+    result: bytes | None = None
+
+
+def job_record(spec: JobSpec, instance: bytes) -> dict[str, Any]:
+    return {"t": "job", "spec": spec.to_wire(), "instance": instance}
+
+
+def end_record(job_id: str, state: JobState, result: bytes) -> dict[str, Any]:
+    return {"t": "end", "job_id": job_id, "state": state.value, "result": result}
+
+
+def attempt_record(job_id: str, attempt: int) -> dict[str, Any]:
+    return {"t": "attempt", "job_id": job_id, "attempt": attempt}
+
+
+class Journal:
+    """Appends records to ``path``; :meth:`replay` reads them back."""
+
+    def __init__(self, path: Path, *, fsync: bool = False, compact_bytes: int = 256 * 1024 * 1024) -> None:
+        self.path = path
+        self.fsync = fsync
+        self.compact_bytes = compact_bytes
+        self._buffer: list[bytes] = []
+        self._file: Any = None
+        self._size = 0
+
+    # ------------------------------------------------------------------ reading
+
+    def replay(self) -> dict[str, JournaledJob]:
+        """The jobs the file records, in acceptance order."""
+        jobs: dict[str, JournaledJob] = {}
+        if not self.path.exists():
+            return jobs
+        for n, record in enumerate(self._records()):
+            try:
+                self._apply(jobs, record)
+            except (KeyError, TypeError, ValueError) as e:
+                log.error("journal %s: record %d is malformed (%s); skipped", self.path, n, e)
+        return jobs
+
+    def _records(self) -> Iterator[Any]:
+        with open(self.path, "rb") as f:
+            unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=1 << 31)
+            good_until = 0
+            while True:
+                try:
+                    record = unpacker.unpack()
+                except msgpack.OutOfData:
+                    end = os.fstat(f.fileno()).st_size
+                    if end > good_until:
+                        log.warning("journal %s: ignoring a torn record in its last %d bytes (a crash mid-write)",
+                                    self.path, end - good_until)
+                    return
+                except (msgpack.UnpackException, ValueError) as e:
+                    log.error("journal %s: unreadable from byte %d on (%s); replaying what came before",
+                              self.path, good_until, e)
+                    return
+                good_until = unpacker.tell()
+                yield record
+
+    @staticmethod
+    def _apply(jobs: dict[str, JournaledJob], record: dict[str, Any]) -> None:
+        if record["t"] == "job":
+            spec = JobSpec.from_wire(record["spec"])
+            jobs.setdefault(spec.job_id, JournaledJob(spec, bytes(record["instance"])))
+        elif record["t"] == "attempt":
+            job = jobs.get(record["job_id"])
+            if job is not None:
+                job.spec.attempt = int(record["attempt"])
+        elif record["t"] == "end":
+            job = jobs.get(record["job_id"])
+            if job is not None:
+                job.state = JobState(record["state"])
+                job.result = bytes(record["result"])
+        else:
+            raise ValueError(f"unknown record type {record['t']!r}")
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Buffer a record; :meth:`flush` writes it."""
+        self._buffer.append(msgpack.packb(record, use_bin_type=True))
+
+    def flush(self) -> None:
+        """Write what was appended since the last flush (and fsync when configured)."""
+        if not self._buffer:
+            return
+        if self._file is None:
+            self._open()
+        data = b"".join(self._buffer)
+        self._buffer.clear()
+        self._file.write(data)
+        self._file.flush()
+        if self.fsync:
+            os.fsync(self._file.fileno())
+        self._size += len(data)
+
+    def _open(self) -> None:
+        # Held open for the broker's life; 0600 like the rendezvous file: instances may be private.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._file = os.fdopen(fd, "ab")
+        self._size = os.fstat(fd).st_size
+
+    @property
+    def wants_compaction(self) -> bool:
+        return self._size > self.compact_bytes
+
+    def rewrite(self, records: Iterable[dict[str, Any]]) -> None:
+        """Replace the file with ``records`` (atomically: write beside it, fsync, rename)."""
+        self.flush()
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for record in records:
+                f.write(msgpack.packb(record, use_bin_type=True))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.path)
+        if self._file is not None:
+            self._file.close()
+        self._open()
+        log.info("journal %s compacted to %d bytes", self.path, self._size)
+
+    def close(self) -> None:
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)

@@ -1,0 +1,89 @@
+"""A broker that crashes and restarts: its journal, nodes claiming their jobs back, clients watching again."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import Deployment, fixed_port
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[Callable[..., Deployment]]:
+    """``make(journal=True)``: a deployment on a fixed port (a restarted broker binds it again), one node of credit 2."""
+    made: list[Deployment] = []
+
+    def _make(journal: bool = True) -> Deployment:
+        d = Deployment(tmp_path / "home", "jr", config={
+            "broker": {"port": fixed_port(), "journal": journal},
+            "node": {"n_init": 2, "n_run": 2, "n_eval": 2, "credit": 2},
+        })
+        made.append(d)
+        d.start_broker()
+        d.start_node("n1")
+        return d
+
+    yield _make
+    for d in made:
+        d.close()
+
+
+def _runs(journal: Path) -> dict[str, list[str]]:
+    return {f.stem: [line.split()[2] for line in f.read_text().splitlines()] for f in journal.glob("*.log")}
+
+
+def test_a_restarted_broker_replays_its_journal_and_no_job_runs_twice(make: Callable[..., Deployment], tmp_path: Path) -> None:
+    d = make()
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    client = d.client
+    (early,) = client.submit("test", [{"echo": "before"}])
+    assert client.wait([early], timeout_s=30)[0].ok
+    ids = client.submit("test", [{"sleep_s": {"run": 1.0}, "journal": str(runs)}] * 6, timeout_s=60)
+    d.wait_for(lambda st: st.jobs["run"] == 2, 30, "two jobs running, four queued")
+    d.kill("broker", signal.SIGKILL)
+    d.start_broker()
+    # The same client, which submitted before the crash, gets every result: it watches again by itself.
+    results = client.wait(ids, timeout_s=120)
+    assert [r.state for r in results] == ["done"] * 6
+    assert [r.attempt for r in results] == [1] * 6
+    assert _runs(runs) == {j: ["init", "run", "eval"] for j in ids}, "each job ran once, start to end"
+    # A result from before the crash is still there for a new client.
+    late = d.new_client()
+    assert late.result(early, timeout_s=30).output["echo"] == "before"
+    late.close()
+    assert "journal replayed: 7 job(s), 6 unfinished" in d.log("broker")
+    assert "registering again" in d.log("n1")
+
+
+def test_a_torn_journal_tail_is_reported_and_the_rest_replayed(make: Callable[..., Deployment]) -> None:
+    d = make()
+    ids = d.client.submit("test", [{"echo": i} for i in range(3)])
+    assert all(r.ok for r in d.client.wait(ids, timeout_s=30))
+    d.kill("broker", signal.SIGKILL)
+    torn = b"\x85\xa1t\xa3job\xa4spec"  # a record cut off mid-write
+    with open(d.deployment_dir / "broker.journal", "ab") as f:
+        f.write(torn)
+    d.start_broker()
+    fresh = d.new_client()
+    assert [r.output["echo"] for r in (fresh.result(j, timeout_s=30) for j in ids)] == [0, 1, 2]
+    fresh.close()
+    assert f"ignoring a torn record in its last {len(torn)} bytes" in d.log("broker")
+
+
+def test_without_a_journal_waiting_clients_hear_that_their_jobs_are_gone(make: Callable[..., Deployment]) -> None:
+    d = make(journal=False)
+    ids = d.client.submit("test", [{"hang_in": "run"}] * 2, timeout_s=60)
+    d.wait_for(lambda st: st.jobs["run"] == 2, 30, "both jobs running")
+    d.kill("broker", signal.SIGKILL)
+    d.start_broker()
+    results = d.client.wait(ids, timeout_s=60)
+    assert [r.state for r in results] == ["failed"] * 2
+    assert {r.error["type"] for r in results if r.error} == {"BrokerRestarted"}
+    assert all(r.task == "test" for r in results)
+    # The node dropped the jobs the new broker does not know, instead of running them on.
+    d.wait_for(lambda st: bool(st.nodes) and st.nodes[0]["alive"] and st.nodes[0]["inflight"] == 0, 30, "n1 back, idle")
+    assert "ended or moved to another node meanwhile; dropping it" in d.log("n1")
