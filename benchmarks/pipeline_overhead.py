@@ -81,7 +81,7 @@ def pct(values: list[float], q: float) -> float:
 
 def report(name: str, n: int, elapsed_s: float, lat_s: list[float]) -> float:
     rate = n / elapsed_s
-    print(f"{name:<28} {rate:9.0f} jobs/s   p50 {pct(lat_s, 0.5) * 1e3:7.2f} ms   p99 {pct(lat_s, 0.99) * 1e3:7.2f} ms")
+    print(f"{name:<38} {rate:9.0f} jobs/s   p50 {pct(lat_s, 0.5) * 1e3:7.2f} ms   p99 {pct(lat_s, 0.99) * 1e3:7.2f} ms")
     return rate
 
 
@@ -206,20 +206,28 @@ def main() -> None:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(10)
 
-    # prorl: broker + one node as separate processes.
-    with tempfile.TemporaryDirectory(prefix="prorl-bench-") as tmp:
-        stack = LocalStack(Path(tmp), "bench", {"node": {"n_init": 8, "n_run": 32, "n_eval": 8}, "log_level": "WARNING"})
-        with stack:
-            stack.start_broker()
-            stack.start_node("node-0")
-            proc_elapsed, proc_lat = asyncio.run(prorl_process_style(stack.address, args.jobs, args.inflight))
-            stream_elapsed, stream_lat = asyncio.run(prorl_stream_style(stack.address, args.jobs, args.inflight))
-            stack.stop()
+    # prorl: broker + one node as separate processes; with the broker's journal (the default) and without.
+    runs: dict[bool, tuple[float, list[float], float, list[float]]] = {}
+    for journal in (True, False):
+        with tempfile.TemporaryDirectory(prefix="prorl-bench-") as tmp:
+            config = {"node": {"n_init": 8, "n_run": 32, "n_eval": 8}, "broker": {"journal": journal}, "log_level": "WARNING"}
+            with LocalStack(Path(tmp), "bench", config) as stack:
+                stack.start_broker()
+                stack.start_node("node-0")
+                proc_elapsed, proc_lat = asyncio.run(prorl_process_style(stack.address, args.jobs, args.inflight))
+                stream_elapsed, stream_lat = asyncio.run(prorl_stream_style(stack.address, args.jobs, args.inflight))
+                stack.stop()
+            runs[journal] = (proc_elapsed, proc_lat, stream_elapsed, stream_lat)
 
     http_rate = report("HTTP /process (aiohttp)", args.jobs, http_elapsed, http_lat)
+    proc_elapsed, proc_lat, stream_elapsed, stream_lat = runs[True]
     proc_rate = report("prorl, process() per job", args.jobs, proc_elapsed, proc_lat)
     stream_rate = report("prorl, streamed window", args.jobs, stream_elapsed, stream_lat)
+    proc_elapsed, proc_lat, stream_elapsed, stream_lat = runs[False]
+    report("prorl, process() per job, no journal", args.jobs, proc_elapsed, proc_lat)
+    bare_rate = report("prorl, streamed window, no journal", args.jobs, stream_elapsed, stream_lat)
     print(f"\nratio prorl/HTTP: process() {proc_rate / http_rate:.2f}x, streamed {stream_rate / http_rate:.2f}x")
+    print(f"journal cost: streamed {stream_rate / bare_rate:.2f}x of the throughput without it")
 
 
 if __name__ == "__main__":
