@@ -43,7 +43,8 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
         engine = "transformers" if _has_torch() else "none"
     model_dir = (model or home / "tiny-model").resolve()
     config: dict[str, Any] = {
-        "broker": {"heartbeat_interval_s": 0.5},
+        # One self-contained run: nothing to replay if an earlier quickstart was killed.
+        "broker": {"heartbeat_interval_s": 0.5, "journal": False},
         "node": {"n_init": 4, "n_run": 8, "n_eval": 4},
         "jobs": {"timeout_s": 300.0 if engine != "none" else 2.0},
     }
