@@ -14,7 +14,8 @@ watchers, unfinished ones wait for their nodes to claim them (a node that
 registers again reports what it still runs) and are queued again if none
 does. A torn last record (a crash mid-write) is reported and ignored. The
 file is compacted (rewritten with only what a replay needs) when the broker
-starts and whenever it has grown past ``compact_bytes``.
+starts and whenever it has grown past ``compact_bytes`` (and past twice its
+size after the last compaction).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Journal:
         self._buffer: list[bytes] = []
         self._file: Any = None
         self._size = 0
+        self._compacted_size = 0  # right after the last rewrite
 
     # ------------------------------------------------------------------ reading
 
@@ -147,7 +149,9 @@ class Journal:
 
     @property
     def wants_compaction(self) -> bool:
-        return self._size > self.compact_bytes
+        # Twice the compacted size at least: what a replay needs may itself exceed compact_bytes
+        # (many retained results), and rewriting it every turn would stall the broker.
+        return self._size > max(self.compact_bytes, 2 * self._compacted_size)
 
     def rewrite(self, records: Iterable[dict[str, Any]]) -> None:
         """Replace the file with ``records`` (atomically: write beside it, fsync, rename)."""
@@ -164,6 +168,7 @@ class Journal:
         if self._file is not None:
             self._file.close()
         self._open()
+        self._compacted_size = self._size
         log.info("journal %s compacted to %d bytes", self.path, self._size)
 
     def close(self) -> None:
