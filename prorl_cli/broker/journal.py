@@ -23,27 +23,17 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
+from prorl_cli.broker.state import Job
 from prorl_cli.protocol import JobSpec, JobState
 
 log = logging.getLogger(__name__)
 
 JOURNAL_NAME = "broker.journal"
-
-
-@dataclass
-class JournaledJob:
-    """A job as the journal knows it: its spec, instance, and result once it ended."""
-
-    spec: JobSpec
-    instance: bytes
-    state: JobState = JobState.QUEUED
-    result: bytes | None = None
 
 
 def job_record(spec: JobSpec, instance: bytes) -> dict[str, Any]:
@@ -72,9 +62,9 @@ class Journal:
 
     # ------------------------------------------------------------------ reading
 
-    def replay(self) -> dict[str, JournaledJob]:
-        """The jobs the file records, in acceptance order."""
-        jobs: dict[str, JournaledJob] = {}
+    def replay(self) -> dict[str, Job]:
+        """The jobs the file records, in acceptance order (unfinished ones in the state they were accepted in)."""
+        jobs: dict[str, Job] = {}
         if not self.path.exists():
             return jobs
         for n, record in enumerate(self._records()):
@@ -105,10 +95,10 @@ class Journal:
                 yield record
 
     @staticmethod
-    def _apply(jobs: dict[str, JournaledJob], record: dict[str, Any]) -> None:
+    def _apply(jobs: dict[str, Job], record: dict[str, Any]) -> None:
         if record["t"] == "job":
             spec = JobSpec.from_wire(record["spec"])
-            jobs.setdefault(spec.job_id, JournaledJob(spec, bytes(record["instance"])))
+            jobs.setdefault(spec.job_id, Job(spec=spec, instance=bytes(record["instance"])))
         elif record["t"] == "attempt":
             job = jobs.get(record["job_id"])
             if job is not None:

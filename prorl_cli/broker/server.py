@@ -107,8 +107,7 @@ class Broker:
     def _replay(self) -> None:
         assert self.journal is not None
         unfinished = 0
-        for jj in self.journal.replay().values():
-            job = Job(spec=jj.spec, instance=jj.instance, state=jj.state, result=jj.result)
+        for job in self.journal.replay().values():
             self.jobs[job.job_id] = job
             if job.state.terminal:
                 self.finished.append(job.job_id)
