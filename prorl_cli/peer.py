@@ -23,8 +23,9 @@ import zmq
 import zmq.asyncio
 
 from prorl_cli import protocol as P
-from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, ProtocolError
+from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, ProtocolError, RendezvousError
 from prorl_cli.protocol import ErrorCode, Op
+from prorl_cli.rendezvous import read_rendezvous
 from prorl_cli.security import secure_peer
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class BrokerPeer(ABC):
         #: Set once the peer is leaving: no more re-registering.
         self._leaving = False
         self._boot_id: str | None = None  # the broker's, as of the last registration
+        #: Re-read the rendezvous file when the broker goes silent, and follow it to a new address.
+        self.follow_rendezvous = False
+        self._connect_opts: tuple[int, bool] = (1000, False)
 
     # ------------------------------------------------------------ what subclasses say
 
@@ -97,6 +101,7 @@ class BrokerPeer(ABC):
         """Open the DEALER socket (CURVE when the deployment has keys) and connect."""
         if self.address is None:
             raise BrokerUnavailable(f"{self.kind}: no broker address")
+        self._connect_opts = (linger_ms, unbounded)
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, linger_ms)
         if unbounded:
@@ -223,9 +228,16 @@ class BrokerPeer(ABC):
         return list(self._loops)
 
     async def _receive_loop(self) -> None:
-        assert self.sock is not None
         while True:
-            frames = await self.sock.recv_multipart()
+            sock = self.sock
+            assert sock is not None
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self.sock is not sock and task is not None and not task.cancelling():
+                    continue  # the socket was swapped for one to a broker that moved (closing it cancelled our read)
+                raise
             self._last_heard = time.monotonic()
             try:
                 header = P.decode_header(frames[0])
@@ -269,4 +281,24 @@ class BrokerPeer(ABC):
                 # The broker went silent (or never answered): register again; a restarted broker learns of us.
                 log.warning("broker silent for %.1f s; %s registering again", silent_s, self.kind)
                 self._last_heard = time.monotonic()
+                self._follow_moved_broker()
                 self.spawn(self.register_again())
+
+    def _follow_moved_broker(self) -> None:
+        """If the rendezvous file now names another address (a broker restarted elsewhere), reconnect there."""
+        if not self.follow_rendezvous or self.deployment_dir is None or self.sock is None:
+            return
+        try:
+            info = read_rendezvous(self.deployment_dir)
+        except RendezvousError:
+            return  # not written yet: the new broker is still starting
+        if info.address == self.address:
+            return
+        log.warning("the broker moved from %s to %s; %s follows it", self.address, info.address, self.kind)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(BrokerRestarted(f"the broker at {self.address} is gone; this request went with it"))
+        old, self.address = self.sock, info.address
+        linger_ms, unbounded = self._connect_opts
+        self.connect(linger_ms=linger_ms, unbounded=unbounded)  # reads the new broker's CURVE key too
+        old.close(linger=0)

@@ -14,7 +14,13 @@ import zmq.asyncio
 
 from prorl_cli import protocol as P
 from prorl_cli.config import ProrlConfig, load_config
-from prorl_cli.exceptions import BrokerUnavailable, ProtocolError, RemoteError
+from prorl_cli.exceptions import (
+    BrokerRestarted,
+    BrokerUnavailable,
+    ProtocolError,
+    RemoteError,
+    RendezvousError,
+)
 from prorl_cli.protocol import BackendStatus, JobResult, JobSpec, Op, StatusReport
 from prorl_cli.rendezvous import read_rendezvous
 from prorl_cli.security import secure_peer
@@ -46,6 +52,8 @@ class AsyncRolloutClient:
         if deployment and self.config.deployment != deployment:
             self.config.deployment = deployment
         self.address = address
+        #: Without an explicit address the client reads the rendezvous file, and reads it again if the broker goes away.
+        self.follow_rendezvous = address is None
         self.request_timeout_s = request_timeout_s
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -73,6 +81,11 @@ class AsyncRolloutClient:
             return
         if self.address is None:
             self.address = read_rendezvous(self.config.deployment_dir).address
+        self._open()
+        self._watchdog = asyncio.create_task(self._watch_broker(), name="prorl-client-watchdog")
+
+    def _open(self) -> None:
+        assert self.address is not None
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -81,7 +94,28 @@ class AsyncRolloutClient:
         sock.connect(self.address)
         self._sock = sock
         self._reader = asyncio.create_task(self._read(), name="prorl-client-reader")
-        self._watchdog = asyncio.create_task(self._watch_broker(), name="prorl-client-watchdog")
+
+    async def _follow_moved_broker(self) -> None:
+        """The broker does not answer: if the rendezvous file names a new address, connect there and watch again."""
+        if not self.follow_rendezvous:
+            return
+        try:
+            address = read_rendezvous(self.config.deployment_dir).address
+        except RendezvousError:
+            return
+        if address == self.address or self._sock is None:
+            return
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(BrokerRestarted(f"the broker at {self.address} is gone; this request went with it"))
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._sock.close(0)
+        self.address = address
+        self._open()
+        await self._rewatch()
 
     async def close(self) -> None:
         if self._watchdog is not None:
@@ -174,7 +208,7 @@ class AsyncRolloutClient:
             try:
                 await self.request(Op.PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
             except (BrokerUnavailable, RemoteError):
-                continue  # the broker is down: it may come back
+                await self._follow_moved_broker()  # down: it may come back, here or at a new address
 
     async def _rewatch(self) -> None:
         ids = self._outstanding()

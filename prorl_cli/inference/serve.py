@@ -99,6 +99,7 @@ async def run_bridge(opts: BridgeOptions, config: ProrlConfig) -> int:
             engine, address=address, backend_id=backend_id, host=host, capacity=opts.capacity,
             deployment_dir=config.deployment_dir,
         )
+        bridge.follow_rendezvous = opts.address is None
         await bridge.serve()
         if bridge.failure:
             log.error("bridge stopped: %s", bridge.failure)

@@ -162,6 +162,7 @@ class NodeServer(BrokerPeer):
         """Connect, register and serve until told to stop."""
         if self.address is None:
             self.address = read_rendezvous(self.config.deployment_dir).address
+            self.follow_rendezvous = True
         self.connect(linger_ms=2000, unbounded=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         loop = asyncio.get_running_loop()

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.harness import Deployment, fixed_port
 
@@ -101,3 +102,32 @@ def test_without_a_journal_waiting_clients_hear_that_their_jobs_are_gone(make: C
     # The node dropped the jobs the new broker does not know, instead of running them on.
     d.wait_for(lambda st: bool(st.nodes) and st.nodes[0]["alive"] and st.nodes[0]["inflight"] == 0, 30, "n1 back, idle")
     assert "ended or moved to another node meanwhile; dropping it" in d.log("n1")
+
+
+def test_nodes_and_clients_follow_a_broker_restarted_at_a_new_address(tmp_path: Path) -> None:
+    """With a free port (the default), the new broker listens elsewhere; peers find it in the rendezvous file."""
+    from prorl_cli.client import RolloutClient
+    from prorl_cli.config import load_config
+
+    d = Deployment(tmp_path / "home", "mv", config={"node": {"n_init": 2, "n_run": 2, "n_eval": 2, "credit": 2}})
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    try:
+        d.start_broker()
+        old_address = d.address
+        d.start_node("n1")
+        client = RolloutClient("mv", config=load_config(d.config_path))  # no address: it reads the rendezvous file
+        ids = client.submit("test", [{"sleep_s": {"run": 1.0}, "journal": str(runs)}] * 4, timeout_s=60)
+        d.wait_for(lambda st: st.jobs["run"] == 2, 30, "two jobs running, two queued")
+        d.kill("broker", signal.SIGKILL)
+        # The new broker binds a port below the ephemeral range: surely not the one the kernel gave the old one.
+        d.config_path.write_text(yaml.safe_dump({**d.config, "broker": {"port": fixed_port()}}))
+        d.start_broker()
+        assert d.address != old_address
+        results = client.wait(ids, timeout_s=120)
+        client.close()
+        assert [r.state for r in results] == ["done"] * 4
+        assert _runs(runs) == {j: ["init", "run", "eval"] for j in ids}, "each job ran once, start to end"
+        assert f"the broker moved from {old_address} to {d.address}; node follows it" in d.log("n1")
+    finally:
+        d.close()
