@@ -128,6 +128,12 @@ class LocalStack:
             self.name, address=self.address, config=load_config(self.config_path), request_timeout_s=request_timeout_s
         )
 
+    def drop_client(self) -> None:
+        """Close the cached :attr:`client`; the next use connects anew (to where the rendezvous file points)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
     def log(self, name: str) -> str:
         path = self.logs / f"{name}.log"
         return path.read_text(errors="replace")[-5000:] if path.exists() else ""
@@ -146,7 +152,5 @@ class LocalStack:
 
     def close(self) -> None:
         """Stop everything this stack started, whatever state it is in."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self.drop_client()
         stop_groups(self.procs.values(), STOP_GRACE_S)

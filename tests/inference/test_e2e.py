@@ -167,9 +167,14 @@ def test_sigterm_unregisters_the_bridge(deployment: Deployment, tiny_model: Path
     assert "backend b-tf lost: unregistered" in d.log("broker")
 
 
-def test_a_restarted_broker_gets_its_node_and_bridge_back(tmp_path: Path, tiny_model: Path, chat: ChatTokens) -> None:
-    """Node and bridge register again on their own when the broker comes back (same port) after a crash;
-    a call lost with the old broker is asked again of the new one."""
+@pytest.mark.parametrize("moved", [False, True], ids=["same-port", "new-port"])
+def test_a_restarted_broker_gets_its_node_and_bridge_back(
+    tmp_path: Path, tiny_model: Path, chat: ChatTokens, moved: bool
+) -> None:
+    """Node and bridge register again on their own when the broker comes back after a crash, on its old port or
+    a new one (found in the rendezvous file); a call lost with the old broker is asked again of the new one."""
+    import yaml
+
     from tests.harness import fixed_port
     from tests.inference.conftest import HANDLERS
 
@@ -182,12 +187,19 @@ def test_a_restarted_broker_gets_its_node_and_bridge_back(tmp_path: Path, tiny_m
         d.client.pause_generation()
         (job,) = d.client.submit("multiturn", [{"tokenizer": str(tiny_model), "turns": 2}], sampling=SAMPLING, timeout_s=240)
         d.wait_for(lambda st: st.held_generates == 1, 60, "the first call to be held", "n1")
+        old_address = d.address
         d.kill("broker")
+        if moved:
+            d.config_path.write_text(yaml.safe_dump({**d.config, "broker": {"port": fixed_port()}}))
         d.start_broker()
+        assert (d.address != old_address) == moved
+        if moved:
+            d.drop_client()  # the test's client was given the old address; the next one reads the new
         d.wait_for(lambda st: [n["node_id"] for n in st.nodes if n["alive"]] == ["n1"], 60, "n1 to register again", "n1")
         d.wait_for(lambda st: [b["backend_id"] for b in st.backends if b["alive"]] == ["b-tf"], 60,
                    "b-tf to register again", "b-tf")
         assert "registering again" in d.log("n1") and "registering again" in d.log("b-tf")
+        assert ("bridge follows it" in d.log("b-tf")) == moved
         # The node claimed the job, asked the new broker again for the lost call, and the client was told the result.
         (res,) = d.client.wait([job], timeout_s=240)
         check_token_exact(res, chat, turns=2)
