@@ -331,28 +331,28 @@ class Broker:
         self._journal_flush()  # accepted means journaled
         self._send(identity, P.reply(rid, accepted=accepted, existing=existing, boot_id=self.boot_id))
 
-    def on_watch(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        unknown = []
-        for job_id in h["job_ids"]:
+    def _watch_named(self, identity: bytes, job_ids: list[Any]) -> tuple[list[Job], list[Any]]:
+        """The named jobs this broker knows, now watched by ``identity``, and the ids it does not know."""
+        jobs, unknown = [], []
+        for job_id in job_ids:
             job = self.jobs.get(job_id) if isinstance(job_id, str) else None
             if job is None:
                 unknown.append(job_id)
-                continue
-            job.watchers.add(identity)
-            if job.result is not None:
-                self._results_out[identity].append(job.job_id)
+            else:
+                job.watchers.add(identity)
+                jobs.append(job)
+        return jobs, unknown
+
+    def on_watch(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        jobs, unknown = self._watch_named(identity, h["job_ids"])
+        self._results_out[identity].extend(job.job_id for job in jobs if job.result is not None)
         self._send(identity, P.reply(h["rid"], unknown=unknown, boot_id=self.boot_id))
 
     def on_cancel(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         states: dict[str, str] = {}
-        unknown = []
         by_node: dict[str, list[str]] = defaultdict(list)
-        for job_id in h["job_ids"]:
-            job = self.jobs.get(job_id) if isinstance(job_id, str) else None
-            if job is None:
-                unknown.append(job_id)
-                continue
-            job.watchers.add(identity)
+        jobs, unknown = self._watch_named(identity, h["job_ids"])
+        for job in jobs:
             if job.state == JobState.QUEUED:
                 self.queue.remove(job.spec.task, job.job_id)
             elif not job.state.terminal and job.node_id is not None:
