@@ -43,7 +43,9 @@ class BrokerConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_liveness: int = 3
     max_message_bytes: int = 64 * 1024 * 1024
-    result_retention: int = 100_000  # finished results kept for late watchers
+    result_retention: int = 100_000  # finished results kept for late watchers (at most this many...)
+    result_retention_mb: int = 1024  # ...and at most this many MB of them; the oldest go first
+    dead_nodes_kept: int = 16  # dead nodes still listed in status (the most recent ones)
     journal: bool = True  # record jobs and results in <deployment>/broker.journal; a restarted broker replays it
     journal_fsync: bool = False  # fsync each write (survives a machine crash, not only a broker crash)
     journal_compact_mb: int = 256  # rewrite the journal with only what a replay needs once it grows past this

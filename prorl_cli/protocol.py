@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ class Op(str, enum.Enum):
     START = "start"  # paper: /start. (re)open job placement on nodes
     HOLD = "hold"  # stop placing queued jobs on nodes; running ones go on
     STOP = "stop"  # paper: /stop. cancel everything, stop nodes and bridges, exit
+    FORGET = "forget"  # job_ids=[...]: drop the retained results of these finished jobs
     PING = "ping"
 
     # broker -> requester
@@ -82,8 +84,6 @@ class Op(str, enum.Enum):
     # node -> broker: the node gave up on its generate ``rid`` (no reply);
     # broker -> bridge: stop forwarded generate ``rid`` at the engine (its job ended, or its node gave up).
     GENERATE_CANCEL = "generate_cancel"  # rid, job_id
-    # broker -> node, answering GENERATE for an HTTP backend: call it yourself.
-    REDIRECT = "redirect"  # rid, backend_id, url
     # node -> broker, after it called a redirected HTTP backend itself (no reply):
     # lets the broker count in-flight requests and served calls of HTTP backends.
     GENERATE_DONE = "generate_done"  # job_id, backend_id
@@ -106,9 +106,13 @@ class ErrorCode(str, enum.Enum):
 
 
 class JobState(str, enum.Enum):
-    """queued -> init -> run -> eval -> done | failed | cancelled | timed_out."""
+    """queued -> assigned -> init -> run -> eval -> done | failed | cancelled | timed_out.
+
+    ``assigned``: placed on a node that has not yet reported the job's first stage.
+    """
 
     QUEUED = "queued"
+    ASSIGNED = "assigned"
     INIT = "init"
     RUN = "run"
     EVAL = "eval"
@@ -160,46 +164,319 @@ def decode_header(frame: bytes) -> dict[str, Any]:
     return header
 
 
-# Required header fields per op and their types; checked by require_fields().
-_ANY_ID = (str, int)
-OP_FIELDS: dict[Op, dict[str, type | tuple[type, ...]]] = {
-    Op.SUBMIT: {"rid": _ANY_ID, "jobs": list},
-    Op.CANCEL: {"rid": _ANY_ID, "job_ids": list},
-    Op.WATCH: {"rid": _ANY_ID, "job_ids": list},
-    Op.STATUS: {"rid": _ANY_ID},
-    Op.ADD_LLM_SERVER: {"rid": _ANY_ID, "url": str},
-    Op.CLEAR_LLM_SERVER: {"rid": _ANY_ID},
-    Op.LIST_LLM_SERVERS: {"rid": _ANY_ID},
-    Op.PAUSE_GENERATION: {"rid": _ANY_ID},
-    Op.RESUME_GENERATION: {"rid": _ANY_ID},
-    Op.START: {"rid": _ANY_ID},
-    Op.HOLD: {"rid": _ANY_ID},
-    Op.STOP: {"rid": _ANY_ID},
-    Op.PING: {"rid": _ANY_ID},
-    Op.REGISTER: {"rid": _ANY_ID, "node_id": str, "host": str, "credit": int, "tasks": list},
-    Op.HEARTBEAT: {},
-    Op.UNREGISTER: {},
-    Op.JOB_STAGE: {"updates": list},
-    Op.JOB_DONE: {"jobs": list},
-    Op.GENERATE: {"rid": _ANY_ID, "job_id": str},
-    Op.REGISTER_BACKEND: {"rid": _ANY_ID, "backend_id": str, "host": str, "model": str},
-    Op.GENERATE_REPLY: {"rid": _ANY_ID},
-    Op.GENERATE_DONE: {"job_id": str, "backend_id": str},
-    Op.GENERATE_CANCEL: {"rid": _ANY_ID, "job_id": str},
+# ---------------------------------------------------------------------------
+# Schemas: one per op, checked in one place (the broker's dispatch) before any
+# handler runs. A tiny DSL: each checker takes (value, path) and returns the
+# value or raises ProtocolError naming the path. Header fields not named here
+# are ignored (newer peers may send more); nested records named here are strict.
+
+MAX_ID_CHARS = 256
+MAX_JOBS_PER_MESSAGE = 100_000
+MAX_META_BYTES = 4096
+_BIG = 1 << 62
+
+Check = Callable[[Any, str], Any]
+
+
+def _bad(path: str, message: str, code: ErrorCode | None = None) -> ProtocolError:
+    return ProtocolError((code or ErrorCode.BAD_FIELD).value, f"{path!r} {message}")
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def Str(max_len: int = MAX_ID_CHARS, *, min_len: int = 1, choices: Sequence[str] | None = None) -> Check:
+    """A string of ``min_len``..``max_len`` characters (one of ``choices`` when given)."""
+
+    def check(v: Any, path: str) -> Any:
+        if not isinstance(v, str):
+            raise _bad(path, f"must be a string, got {_type_name(v)}")
+        if not min_len <= len(v) <= max_len:
+            raise _bad(path, f"must have {min_len} to {max_len} characters, got {len(v)}")
+        if choices is not None and v not in choices:
+            raise _bad(path, f"must be one of {sorted(choices)}, got {v!r}")
+        return v
+
+    return check
+
+
+def Int(lo: int = 0, hi: int = _BIG) -> Check:
+    """An integer in ``[lo, hi]`` (booleans are not integers here)."""
+
+    def check(v: Any, path: str) -> Any:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise _bad(path, f"must be an integer, got {_type_name(v)}")
+        if not lo <= v <= hi:
+            raise _bad(path, f"must be in [{lo}, {hi}], got {v}")
+        return v
+
+    return check
+
+
+def Num(lo: float = 0.0, hi: float = float(_BIG), *, lo_open: bool = False) -> Check:
+    """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); NaN and infinities are refused."""
+
+    def check(v: Any, path: str) -> Any:
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            raise _bad(path, f"must be a number, got {_type_name(v)}")
+        if not math.isfinite(v):
+            raise _bad(path, f"must be a finite number, got {v}")
+        if v > hi or v < lo or (lo_open and v == lo):
+            raise _bad(path, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v:g}")
+        return v
+
+    return check
+
+
+def Bool() -> Check:
+    def check(v: Any, path: str) -> Any:
+        if not isinstance(v, bool):
+            raise _bad(path, f"must be a boolean, got {_type_name(v)}")
+        return v
+
+    return check
+
+
+def Id() -> Check:
+    """A request id: a short string or an integer."""
+    as_str, as_int = Str(MAX_ID_CHARS, min_len=0), Int(-_BIG, _BIG)
+
+    def check(v: Any, path: str) -> Any:
+        return as_str(v, path) if isinstance(v, str) else as_int(v, path)
+
+    return check
+
+
+def Scalar(max_len: int = 1024) -> Check:
+    """A string, number, boolean or null (numbers finite)."""
+    s, n = Str(max_len, min_len=0), Num(-float(_BIG), float(_BIG))
+
+    def check(v: Any, path: str) -> Any:
+        if v is None or isinstance(v, bool):
+            return v
+        if isinstance(v, str):
+            return s(v, path)
+        if isinstance(v, int | float):
+            return n(v, path)
+        raise _bad(path, f"must be a string, number, boolean or null, got {_type_name(v)}")
+
+    return check
+
+
+def List(item: Check, max_len: int = MAX_JOBS_PER_MESSAGE) -> Check:
+    """A list of at most ``max_len`` items, each checked by ``item``."""
+
+    def check(v: Any, path: str) -> Any:
+        if not isinstance(v, list):
+            raise _bad(path, f"must be a list, got {_type_name(v)}")
+        if len(v) > max_len:
+            raise _bad(path, f"has {len(v)} items; the limit is {max_len}")
+        for i, x in enumerate(v):
+            item(x, f"{path}[{i}]")
+        return v
+
+    return check
+
+
+def Dict(key: Check, value: Check, max_len: int = 64, max_packed_bytes: int | None = None) -> Check:
+    """A map of at most ``max_len`` entries with checked keys and values."""
+
+    def check(v: Any, path: str) -> Any:
+        if not isinstance(v, dict):
+            raise _bad(path, f"must be a map, got {_type_name(v)}")
+        if len(v) > max_len:
+            raise _bad(path, f"has {len(v)} entries; the limit is {max_len}")
+        for k, x in v.items():
+            key(k, f"{path}.key")
+            value(x, f"{path}[{k!r}]")
+        if max_packed_bytes is not None and len(msgpack.packb(v, use_bin_type=True)) > max_packed_bytes:
+            raise _bad(path, f"packs to more than {max_packed_bytes} bytes")
+        return v
+
+    return check
+
+
+@dataclass(frozen=True)
+class Opt:
+    """A field that may be absent or null."""
+
+    check: Check
+
+
+FieldSpec = Check | Opt
+
+
+def Record(fields: dict[str, FieldSpec], *, strict: bool = True) -> Check:
+    """A map with named fields; ``strict`` refuses fields not named."""
+
+    def check(v: Any, path: str) -> Any:
+        if not isinstance(v, dict):
+            raise _bad(path, f"must be a map, got {_type_name(v)}")
+        if strict:
+            unknown = [k for k in v if k not in fields]
+            if unknown:
+                raise _bad(path, f"has unknown field(s) {sorted(map(str, unknown))}")
+        for name, spec in fields.items():
+            sub = f"{path}.{name}" if path else name
+            value = v.get(name)
+            if isinstance(spec, Opt):
+                if value is not None:
+                    spec.check(value, sub)
+            elif name not in v:
+                raise _bad(sub, "is missing", ErrorCode.MISSING_FIELD)
+            else:
+                spec(value, sub)
+        return v
+
+    return check
+
+
+_STAGE_NAMES = ("init", "run", "eval")
+_JOB_STATES = tuple(s.value for s in JobState)
+_TERMINAL_NAMES = tuple(s.value for s in TERMINAL_STATES)
+_POSITIVE_S = Num(0.0, 1e9, lo_open=True)
+JOB_SPEC_META = Dict(Str(64), Scalar(), max_len=64, max_packed_bytes=MAX_META_BYTES)
+
+
+def _positive_finite(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+SAMPLING = Record({
+    "max_tokens": Opt(Int(1, 1 << 24)),
+    "temperature": Opt(Num(0.0, 1e6)),
+    "top_p": Opt(Num(0.0, 1.0)),
+    "top_k": Opt(Int(-1, 1 << 24)),
+    "seed": Opt(Int(-_BIG, _BIG)),
+    "stop_token_ids": Opt(List(Int(0, (1 << 31) - 1), 4096)),
+    "ignore_eos": Opt(Bool()),
+})
+
+JOB_SPEC = Record({
+    "job_id": Str(),
+    "task": Str(),
+    "timeout_s": Opt(_POSITIVE_S),
+    "stage_timeouts_s": Opt(Dict(Str(choices=_STAGE_NAMES), _POSITIVE_S, max_len=3)),
+    "sampling": Opt(SAMPLING),
+    "attempt": Opt(Int(1, 1_000_000)),
+    "max_attempts": Opt(Int(1, 1_000_000)),
+    "group_id": Opt(Str()),
+    "meta": Opt(JOB_SPEC_META),
+})
+
+_JOB_IDS = List(Str())
+_UPDATE = Record({"job_id": Str(), "attempt": Int(1, 1_000_000), "stage": Str(32, choices=_JOB_STATES)}, strict=False)
+_DONE = Record({"job_id": Str(), "attempt": Int(1, 1_000_000), "state": Str(32, choices=_JOB_STATES)}, strict=False)
+_STAGE_STATS = Dict(Str(32), Record({"active": Int(0, 1 << 31), "queued": Int(0, 1 << 31), "limit": Int(0, 1 << 31)}), max_len=8)
+_TOKEN = Str(256)
+_URL = Str(2048)
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """The header fields of one op and how many payload frames it carries.
+
+    ``payload``: an exact count, ``"jobs"`` (one frame per item of the header's ``jobs``) or ``None`` (any).
+    """
+
+    fields: dict[str, FieldSpec]
+    payload: int | str | None = 0
+
+
+_RID: dict[str, FieldSpec] = {"rid": Id()}
+
+OP_SCHEMAS: dict[Op, OpSchema] = {
+    Op.SUBMIT: OpSchema({**_RID, "jobs": List(JOB_SPEC)}, payload="jobs"),
+    Op.CANCEL: OpSchema({**_RID, "job_ids": _JOB_IDS}),
+    Op.WATCH: OpSchema({**_RID, "job_ids": _JOB_IDS}),
+    Op.FORGET: OpSchema({**_RID, "job_ids": _JOB_IDS}),
+    Op.STATUS: OpSchema(dict(_RID)),
+    Op.ADD_LLM_SERVER: OpSchema({**_RID, "url": _URL, "model": Opt(Str())}),
+    Op.CLEAR_LLM_SERVER: OpSchema({**_RID, "url": Opt(_URL)}),
+    Op.LIST_LLM_SERVERS: OpSchema(dict(_RID)),
+    Op.PAUSE_GENERATION: OpSchema({**_RID, "policy_version": Opt(Int(0, _BIG))}),
+    Op.RESUME_GENERATION: OpSchema({**_RID, "policy_version": Opt(Int(0, _BIG))}),
+    Op.START: OpSchema(dict(_RID)),
+    Op.HOLD: OpSchema(dict(_RID)),
+    Op.STOP: OpSchema(dict(_RID)),
+    Op.PING: OpSchema(dict(_RID)),
+    Op.REGISTER: OpSchema({
+        **_RID,
+        "node_id": Str(),
+        "host": Str(),
+        "pid": Opt(Int(0, (1 << 31) - 1)),
+        "credit": Int(1, 1_000_000),
+        "tasks": List(Str(), 4096),
+        "running": Opt(List(_UPDATE, 1_000_000)),
+        "liveness_token": Opt(_TOKEN),
+    }),
+    Op.HEARTBEAT: OpSchema({
+        "rid": Opt(Id()),
+        "node_id": Opt(Str()),
+        "backend_id": Opt(Str()),
+        "stages": Opt(_STAGE_STATS),
+        "inflight": Opt(Int(0, _BIG)),
+        "liveness_token": Opt(_TOKEN),
+    }),
+    Op.UNREGISTER: OpSchema({"rid": Opt(Id()), "node_id": Opt(Str()), "backend_id": Opt(Str())}),
+    Op.JOB_STAGE: OpSchema({"updates": List(_UPDATE, 1_000_000)}),
+    Op.JOB_DONE: OpSchema({"jobs": List(_DONE, 1_000_000)}, payload="jobs"),
+    Op.GENERATE: OpSchema({**_RID, "job_id": Str(), "sampling": Opt(SAMPLING), "host": Opt(Str())}, payload=1),
+    Op.REGISTER_BACKEND: OpSchema({
+        **_RID,
+        "backend_id": Str(),
+        "host": Str(),
+        "model": Str(1024),
+        "max_model_len": Opt(Int(1, 1 << 31)),
+        "capacity": Opt(Int(0, 1_000_000)),
+    }),
+    Op.GENERATE_REPLY: OpSchema({
+        **_RID,
+        "finish_reason": Opt(Str(64)),
+        "error": Opt(Record({"code": Str(64), "message": Str(64 * 1024, min_len=0)}, strict=False)),
+    }, payload=None),
+    Op.GENERATE_DONE: OpSchema({"job_id": Str(), "backend_id": _URL}),
+    Op.GENERATE_CANCEL: OpSchema({**_RID, "job_id": Str()}),
 }
 
 
+def header_rid(header: dict[str, Any]) -> Any:
+    """The request id of a (maybe invalid) header, if it has a usable one: error replies echo it."""
+    rid = header.get("rid")
+    if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS:
+        return rid
+    if isinstance(rid, int) and not isinstance(rid, bool) and abs(rid) <= _BIG:
+        return rid
+    return None
+
+
+def validate(header: dict[str, Any], n_payload: int | None = None) -> None:
+    """Check ``header`` (decoded) against its op's schema, and the payload count when given.
+
+    Raises :class:`ProtocolError` (``missing_field`` / ``bad_field``) naming the op and the field.
+    """
+    op: Op = header["op"]
+    schema = OP_SCHEMAS.get(op)
+    if schema is None:
+        return
+    try:
+        Record(schema.fields, strict=False)(header, "")
+    except ProtocolError as e:
+        raise ProtocolError(e.code, f"op {op.value!r}: field {e.message}") from None
+    if n_payload is None or schema.payload is None:
+        return
+    want = len(header["jobs"]) if schema.payload == "jobs" else schema.payload
+    if n_payload != want:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD.value,
+            f"op {op.value!r} carries {n_payload} payload frame(s) but needs {want}"
+            + (" (one instance/result frame per item of 'jobs'; they must match)" if schema.payload == "jobs" else ""),
+        )
+
+
 def require_fields(header: dict[str, Any]) -> None:
-    """Check that ``header`` has the fields its op needs, with the right types."""
-    for name, typ in OP_FIELDS.get(header["op"], {}).items():
-        if name not in header:
-            raise ProtocolError(ErrorCode.MISSING_FIELD, f"op {header['op'].value!r} needs field {name!r}")
-        if not isinstance(header[name], typ) or isinstance(header[name], bool):
-            expected = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"field {name!r} of op {header['op'].value!r} must be {expected}, got {type(header[name]).__name__}",
-            )
+    """Check that ``header`` has the fields its op needs, with the right types and ranges."""
+    validate(header)
 
 
 def reply(rid: Any, **fields: Any) -> dict[str, Any]:
@@ -329,6 +606,10 @@ class JobSpec(_Record):
     sampling: dict[str, Any] | None = None
     attempt: int = 1
     max_attempts: int = 3
+    #: The caller's group (e.g. the prompt of a GRPO group); echoed in the result.
+    group_id: str | None = None
+    #: A small map (str keys, scalar values, packed <= 4 KiB) echoed in the result.
+    meta: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_id, str) or not self.job_id:
@@ -337,9 +618,7 @@ class JobSpec(_Record):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"job_id is {len(self.job_id)} characters; the limit is 256")
         if not isinstance(self.task, str) or not self.task:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"job {self.job_id!r}: task must be a non-empty string")
-        if self.timeout_s is not None and (
-            not isinstance(self.timeout_s, int | float) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0
-        ):
+        if self.timeout_s is not None and not _positive_finite(self.timeout_s):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"job {self.job_id!r}: timeout_s must be a positive number")
         if self.stage_timeouts_s is not None:
             if not isinstance(self.stage_timeouts_s, dict):
@@ -347,10 +626,14 @@ class JobSpec(_Record):
             for k, v in self.stage_timeouts_s.items():
                 if k not in ("init", "run", "eval"):
                     raise ProtocolError(ErrorCode.BAD_FIELD, f"job {self.job_id!r}: stage_timeouts_s has unknown stage {k!r}")
-                if not isinstance(v, int | float) or isinstance(v, bool) or v <= 0:
+                if not _positive_finite(v):
                     raise ProtocolError(ErrorCode.BAD_FIELD, f"job {self.job_id!r}: stage_timeouts_s[{k!r}] must be a positive number")
         if self.sampling is not None and not isinstance(self.sampling, dict):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"job {self.job_id!r}: sampling must be a map")
+        if self.group_id is not None and not isinstance(self.group_id, str):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"job {self.job_id!r}: group_id must be a string")
+        if self.meta is not None:
+            JOB_SPEC_META(self.meta, f"job {self.job_id!r}: meta")
         for name in ("attempt", "max_attempts"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -387,10 +670,9 @@ class JobResult(_Record):
     stage_s: dict[str, float] = field(default_factory=dict)
     active_s: float = 0.0
     output: Any = None
-
-    @property
-    def job_state(self) -> JobState:
-        return JobState(self.state)
+    #: Echoed from the JobSpec.
+    group_id: str | None = None
+    meta: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -449,6 +731,11 @@ class StatusReport(_Record):
     uptime_s: float
     #: Generate calls held at the broker (generation paused, or no backend up).
     held_generates: int = 0
+    #: Finished results kept for late watchers, and their size (instances and results).
+    retained_results: int = 0
+    retained_bytes: int = 0
+    #: The policy version set by the last pause/resume that named one.
+    policy_version: int = 0
 
     def node_statuses(self) -> list[NodeStatus]:
         return [NodeStatus.from_wire(n) for n in self.nodes]

@@ -4,24 +4,31 @@ An append-only file of msgpack records in the deployment folder:
 
 - ``{"t": "job", "spec": JobSpec, "instance": bytes}`` when a job is accepted
   (written before the submit is answered);
+- ``{"t": "placed", "job_id", "attempt", "node_id"}`` when it is placed on a
+  node (written before the node hears of it);
 - ``{"t": "attempt", "job_id", "attempt"}`` when its node died and it was
   queued again;
 - ``{"t": "end", "job_id", "state", "result": bytes}`` when it finishes
   (written before its result is pushed).
 
 A restarted broker replays it: finished jobs keep their results for late
-watchers, unfinished ones wait for their nodes to claim them (a node that
-registers again reports what it still runs) and are queued again if none
-does. A torn last record (a crash mid-write) is reported and ignored. The
-file is compacted (rewritten with only what a replay needs) when the broker
-starts and whenever it has grown past ``compact_bytes`` (and past twice its
-size after the last compaction).
+watchers; unfinished ones that were placed wait for the node they were placed
+on to claim them (a node that registers again reports what it still runs)
+and are queued again if it does not; never-placed ones are queued at once.
+A torn last record (a crash mid-write) is reported and ignored. The file is
+compacted (rewritten with only what a replay needs) when the broker starts,
+and, off the broker's loop, whenever it has grown past ``compact_bytes`` (and
+past twice its size after the last compaction): the loop hands a snapshot of
+the records to a thread that writes and fsyncs a new file, keeps appending
+to the old one meanwhile, and swaps files once the thread is done, after
+appending to the new file what came in since the snapshot.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +51,10 @@ def end_record(job_id: str, state: JobState, result: bytes) -> dict[str, Any]:
     return {"t": "end", "job_id": job_id, "state": state.value, "result": result}
 
 
+def placed_record(job_id: str, attempt: int, node_id: str) -> dict[str, Any]:
+    return {"t": "placed", "job_id": job_id, "attempt": attempt, "node_id": node_id}
+
+
 def attempt_record(job_id: str, attempt: int) -> dict[str, Any]:
     return {"t": "attempt", "job_id": job_id, "attempt": attempt}
 
@@ -59,6 +70,10 @@ class Journal:
         self._file: Any = None
         self._size = 0
         self._compacted_size = 0  # right after the last rewrite
+        # Background compaction: the thread, its error, and records appended since its snapshot.
+        self._compactor: threading.Thread | None = None
+        self._compact_error: OSError | None = None
+        self._tail: list[bytes] = []
 
     # ------------------------------------------------------------------ reading
 
@@ -99,10 +114,16 @@ class Journal:
         if record["t"] == "job":
             spec = JobSpec.from_wire(record["spec"])
             jobs.setdefault(spec.job_id, Job(spec=spec, instance=bytes(record["instance"])))
+        elif record["t"] == "placed":
+            job = jobs.get(record["job_id"])
+            if job is not None:
+                job.spec.attempt = int(record["attempt"])
+                job.claim_node, job.claim_attempt = str(record["node_id"]), job.spec.attempt
         elif record["t"] == "attempt":
             job = jobs.get(record["job_id"])
             if job is not None:
                 job.spec.attempt = int(record["attempt"])
+                job.claim_node = job.claim_attempt = None
         elif record["t"] == "end":
             job = jobs.get(record["job_id"])
             if job is not None:
@@ -130,6 +151,13 @@ class Journal:
         if self.fsync:
             os.fsync(self._file.fileno())
         self._size += len(data)
+        if self._compactor is not None:
+            self._tail.append(data)
+
+    def poll(self) -> None:
+        """Swap in the compacted file once the background compaction is done (call from the loop)."""
+        if self._compactor is not None and not self._compactor.is_alive():
+            self._finish_compaction()
 
     def _open(self) -> None:
         # Held open for the broker's life; 0600 like the rendezvous file: instances may be private.
@@ -138,7 +166,13 @@ class Journal:
         self._size = os.fstat(fd).st_size
 
     @property
+    def compacting(self) -> bool:
+        return self._compactor is not None
+
+    @property
     def wants_compaction(self) -> bool:
+        if self._compactor is not None:
+            return False
         # Twice the compacted size at least: what a replay needs may itself exceed compact_bytes
         # (many retained results), and rewriting it every turn would stall the broker.
         return self._size > max(self.compact_bytes, 2 * self._compacted_size)
@@ -161,8 +195,59 @@ class Journal:
         self._compacted_size = self._size
         log.info("journal %s compacted to %d bytes", self.path, self._size)
 
+    @property
+    def _tmp(self) -> Path:
+        return self.path.with_name(self.path.name + ".tmp")
+
+    def compact_in_background(self, records: list[dict[str, Any]]) -> None:
+        """Rewrite the file with ``records`` (a snapshot taken on the loop) in a thread; :meth:`poll` swaps it in."""
+        if self._compactor is not None:
+            return
+        self.flush()
+        self._tail = []
+        self._compact_error = None
+        tmp = self._tmp
+
+        def write() -> None:
+            try:
+                with open(tmp, "wb") as f:
+                    for record in records:
+                        f.write(msgpack.packb(record, use_bin_type=True))
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                self._compact_error = e
+
+        self._compactor = threading.Thread(target=write, name="journal-compaction", daemon=True)
+        self._compactor.start()
+
+    def _finish_compaction(self) -> None:
+        assert self._compactor is not None
+        self._compactor.join()
+        self._compactor = None
+        tail, self._tail = self._tail, []
+        if self._compact_error is not None:
+            log.error("journal %s: compaction failed (%s); keeping the old file", self.path, self._compact_error)
+            self._tmp.unlink(missing_ok=True)
+            self._compacted_size = self._size  # do not retry at once
+            return
+        with open(self._tmp, "ab") as f:
+            # What was appended to the old file after the snapshot goes to the new one too.
+            f.write(b"".join(tail))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(self._tmp, 0o600)
+        os.replace(self._tmp, self.path)
+        if self._file is not None:
+            self._file.close()
+        self._open()
+        self._compacted_size = self._size
+        log.info("journal %s compacted to %d bytes (in the background)", self.path, self._size)
+
     def close(self) -> None:
         self.flush()
+        if self._compactor is not None:
+            self._finish_compaction()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -170,3 +255,4 @@ class Journal:
     def remove(self) -> None:
         self.close()
         self.path.unlink(missing_ok=True)
+        self._tmp.unlink(missing_ok=True)

@@ -1,9 +1,13 @@
 """The broker: one ZeroMQ ROUTER socket, one poll loop, no threads.
 
-It holds the job table, places queued jobs on nodes with free credit, routes
-generate calls to inference backends (sticky per job), pushes results to the
-clients that watch them, and keeps every peer's liveness with heartbeats.
-Bad frames are logged and answered with an error; they never stop the loop.
+The job table (:mod:`prorl_cli.broker.jobs`) holds jobs, placement and
+claims; this file is the loop: it checks every message against its op's
+schema (:mod:`prorl_cli.protocol`) before any handler runs, routes generate
+calls to inference backends (sticky per job), pushes results to the clients
+that watch them, and keeps every peer's liveness with heartbeats. Bad input
+is answered with an error naming the op and field; it never stops the loop.
+Nothing on the loop blocks for long: journal compaction runs in a thread,
+and liveness is judged only once the inbox is drained.
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import socket
 import time
 import uuid
 from collections import defaultdict, deque
-from collections.abc import Iterator
 from typing import Any
 
 import zmq
 
 from prorl_cli import protocol as P
-from prorl_cli.broker.journal import JOURNAL_NAME, Journal, attempt_record, end_record, job_record
+from prorl_cli.broker.jobs import JobTable
+from prorl_cli.broker.journal import JOURNAL_NAME, Journal, end_record, job_record, placed_record
 from prorl_cli.broker.state import (
     Backend,
     HeldGenerate,
@@ -29,11 +33,10 @@ from prorl_cli.broker.state import (
     Node,
     PendingGenerate,
     PendingGenerates,
-    TaskQueues,
 )
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import ProtocolError
-from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, JobState, Op
+from prorl_cli.protocol import ErrorCode, JobSpec, Op
 from prorl_cli.rendezvous import Rendezvous, remove_rendezvous, write_rendezvous
 from prorl_cli.security import curve_wanted, secure_server
 
@@ -74,10 +77,18 @@ class Broker:
 
         #: Changes each time a broker starts: clients that see it change watch their jobs again.
         self.boot_id = uuid.uuid4().hex
-        self.jobs: dict[str, Job] = {}
-        self.finished: deque[str] = deque()  # terminal job ids, oldest first (retention)
-        self.queue = TaskQueues()
-        self.nodes: dict[str, Node] = {}
+        self.journal: Journal | None = None
+        self.table = JobTable(
+            retention_count=bc.result_retention,
+            retention_bytes=bc.result_retention_mb * 1024 * 1024,
+            record=self._journal_append,
+            on_end=self._job_finished,
+            on_detach=self._job_ended,
+        )
+        # The job table's dicts, under the names the routing code reads.
+        self.jobs: dict[str, Job] = self.table.jobs
+        self.queue = self.table.queue
+        self.nodes: dict[str, Node] = self.table.nodes
         self.node_by_identity: dict[bytes, Node] = {}
         self.backends: dict[str, Backend] = {}
         self.backend_by_identity: dict[bytes, Backend] = {}
@@ -90,12 +101,13 @@ class Broker:
         self.stopping = False
         self._stop_deadline: float | None = None
         # Output batched within one loop turn, flushed at its end.
-        self._results_out: dict[bytes, list[str]] = defaultdict(list)
-        self._assign_out: dict[str, list[str]] = defaultdict(list)
+        self._results_out: dict[bytes, list[Job]] = defaultdict(list)
+        self._assign_out: dict[str, list[Job]] = defaultdict(list)
         self._next_tick = time.monotonic()
-        # After a replay, unfinished jobs wait this long for their nodes to claim them before being placed anew.
-        self._claims_until = 0.0
-        self.journal: Journal | None = None
+        self._last_tick = time.monotonic()
+        # False while messages may be waiting unread: liveness is judged only on a drained inbox.
+        self._drained = True
+        self.policy_version = 0
         if bc.journal:
             self.journal = Journal(
                 config.deployment_dir / JOURNAL_NAME, fsync=bc.journal_fsync, compact_bytes=bc.journal_compact_mb * 1024 * 1024
@@ -106,38 +118,38 @@ class Broker:
 
     def _replay(self) -> None:
         assert self.journal is not None
-        unfinished = 0
-        for job in self.journal.replay().values():
-            self.jobs[job.job_id] = job
-            if job.state.terminal:
-                self.finished.append(job.job_id)
-            else:
-                job.state = JobState.QUEUED
-                self.queue.push(job.spec.task, job.job_id)
-                unfinished += 1
-        while len(self.finished) > self.config.broker.result_retention:
-            self.jobs.pop(self.finished.popleft(), None)
+        jobs = self.journal.replay().values()
+        waiting = self.table.load_replayed(jobs, claim_window_s=2 * self.dead_after_s)
         self.journal.rewrite(self._journal_snapshot())
         if self.jobs:
-            log.info("journal replayed: %d job(s), %d unfinished", len(self.jobs), unfinished)
-        if unfinished:
-            # Nodes that ran jobs for the broker before us register again within a few heartbeats.
-            self._claims_until = time.monotonic() + 2 * self.dead_after_s
-            log.info("unfinished jobs wait %.1f s for their nodes to claim them", 2 * self.dead_after_s)
+            log.info("journal replayed: %d job(s), %d unfinished", len(self.jobs), sum(not j.state.terminal for j in self.jobs.values()))
+        if waiting:
+            # Only jobs a node may still be running wait; new and never-placed jobs are placed at once.
+            log.info("%d placed job(s) wait %.1f s for their nodes to claim them", waiting, 2 * self.dead_after_s)
 
-    def _journal_snapshot(self) -> Iterator[dict[str, Any]]:
-        for job in list(self.jobs.values()):
-            yield job_record(job.spec, job.instance)
+    def _journal_snapshot(self) -> list[dict[str, Any]]:
+        """What a replay needs, as records (cheap: references to the jobs' frames, nothing packed)."""
+        out: list[dict[str, Any]] = []
+        for job in self.jobs.values():
+            out.append(job_record(job.spec, job.instance))
             if job.result is not None:
-                yield end_record(job.job_id, job.state, job.result)
+                out.append(end_record(job.job_id, job.state, job.result))
+            elif job.node_id is not None or job.claim_node is not None:
+                out.append(placed_record(job.job_id, job.claim_attempt or job.spec.attempt, job.node_id or job.claim_node or ""))
+        return out
+
+    def _journal_append(self, record: dict[str, Any]) -> None:
+        if self.journal is not None:
+            self.journal.append(record)
 
     def _journal_flush(self) -> None:
-        """Make what was journaled durable before anyone hears of it."""
+        """Make what was journaled durable before anyone hears of it; compaction runs off the loop."""
         if self.journal is None:
             return
         self.journal.flush()
+        self.journal.poll()
         if self.journal.wants_compaction:
-            self.journal.rewrite(self._journal_snapshot())
+            self.journal.compact_in_background(self._journal_snapshot())
 
     # ------------------------------------------------------------------ I/O
 
@@ -183,10 +195,12 @@ class Broker:
             while not self._stopped():
                 timeout_ms = max(0, int((self._next_tick - time.monotonic()) * 1000))
                 if poller.poll(timeout_ms):
+                    self._drained = False
                     for _ in range(_MAX_BATCH):
                         try:
                             frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
                         except zmq.Again:
+                            self._drained = True
                             break
                         self.handle(frames)
                     self._place()
@@ -218,8 +232,9 @@ class Broker:
 
     def _flush(self) -> None:
         self._journal_flush()
-        for identity, job_ids in self._results_out.items():
-            jobs = [self.jobs[j] for j in job_ids if j in self.jobs and self.jobs[j].result is not None]
+        for identity, finished in self._results_out.items():
+            # Job objects, not ids: a result evicted by retention in this same turn still goes out.
+            jobs = list({j.job_id: j for j in finished if j.result is not None}.values())
             if jobs:
                 self._send(
                     identity,
@@ -227,9 +242,9 @@ class Broker:
                     [j.result for j in jobs],  # type: ignore[misc]
                 )
         self._results_out.clear()
-        for node_id, job_ids in self._assign_out.items():
+        for node_id, placed in self._assign_out.items():
             node = self.nodes.get(node_id)
-            jobs = [self.jobs[j] for j in job_ids]
+            jobs = placed
             if node is None or not node.alive:
                 continue
             if not self._send(
@@ -243,28 +258,34 @@ class Broker:
     # ------------------------------------------------------------- dispatch
 
     def handle(self, frames: list[bytes]) -> None:
-        """Handle one message; never raises for bad input."""
+        """Handle one message; never raises for bad input.
+
+        The header is checked against its op's schema (every field, type and
+        range, and the payload count) here, before any handler runs; errors
+        echo the request's ``rid`` whenever it had a usable one.
+        """
         identity = frames[0]
         if len(frames) < 2:
             self._error(identity, None, ErrorCode.BAD_FRAME, "message has no header frame")
             return
+        rid = None
         try:
             header = P.decode_header(frames[1])
-            P.require_fields(header)
+            rid = P.header_rid(header)
+            P.validate(header, len(frames) - 2)
         except ProtocolError as e:
-            rid = None
             self._error(identity, rid, ErrorCode(e.code), e.message)
             return
         op: Op = header["op"]
         handler = self._handlers.get(op)
         if handler is None:
-            self._error(identity, header.get("rid"), ErrorCode.UNKNOWN_OP, f"op {op.value!r} is not accepted by the broker")
+            self._error(identity, rid, ErrorCode.UNKNOWN_OP, f"op {op.value!r} is not accepted by the broker")
             return
         self._touch(identity)
         try:
             handler(self, identity, header, frames[2:])
         except ProtocolError as e:
-            self._error(identity, header.get("rid"), ErrorCode(e.code), e.message)
+            self._error(identity, rid, ErrorCode(e.code), e.message)
 
     def _touch(self, identity: bytes) -> None:
         now = time.monotonic()
@@ -282,27 +303,21 @@ class Broker:
         if self.stopping:
             self._error(identity, rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping; no new jobs")
             return
-        raw_jobs = h["jobs"]
-        if len(payload) != len(raw_jobs):
-            self._error(
-                identity, rid, ErrorCode.BAD_FIELD,
-                f"submit carries {len(raw_jobs)} job(s) but {len(payload)} instance frame(s); they must match",
-            )
-            return
         specs: list[JobSpec] = []
         seen: set[str] = set()
-        for i, raw in enumerate(raw_jobs):
+        for i, (raw, instance) in enumerate(zip(h["jobs"], payload, strict=True)):
             try:
                 spec = JobSpec.from_wire(raw, what=f"jobs[{i}]")
+                P.unpack_obj(instance)  # a node must be able to decode it: refuse garbage here
             except ProtocolError as e:
-                self._error(identity, rid, ErrorCode(e.code), f"jobs[{i}]: {e.message}")
+                self._error(identity, rid, ErrorCode(e.code), f"op 'submit': jobs[{i}]: {e.message}")
                 return
             if spec.job_id in seen:
                 self._error(identity, rid, ErrorCode.BAD_FIELD, f"jobs[{i}]: job id {spec.job_id!r} appears twice in one submit")
                 return
             seen.add(spec.job_id)
             specs.append(spec)
-        live_tasks = self._live_tasks()
+        live_tasks = self.table.live_tasks()
         if live_tasks:
             unknown = sorted({s.task for s in specs if s.job_id not in self.jobs} - live_tasks)
             if unknown:
@@ -319,23 +334,18 @@ class Broker:
                 existing.append(spec.job_id)
                 job.watchers.add(identity)
                 if job.result is not None:
-                    self._results_out[identity].append(job.job_id)
+                    self._results_out[identity].append(job)
                 continue
-            spec.attempt = 1
-            job = Job(spec=spec, instance=bytes(instance), watchers={identity})
-            self.jobs[spec.job_id] = job
-            self.queue.push(spec.task, spec.job_id)
+            self.table.add(spec, bytes(instance), identity)
             accepted.append(spec.job_id)
-            if self.journal is not None:
-                self.journal.append(job_record(spec, job.instance))
         self._journal_flush()  # accepted means journaled
         self._send(identity, P.reply(rid, accepted=accepted, existing=existing, boot_id=self.boot_id))
 
-    def _watch_named(self, identity: bytes, job_ids: list[Any]) -> tuple[list[Job], list[Any]]:
+    def _watch_named(self, identity: bytes, job_ids: list[str]) -> tuple[list[Job], list[str]]:
         """The named jobs this broker knows, now watched by ``identity``, and the ids it does not know."""
         jobs, unknown = [], []
         for job_id in job_ids:
-            job = self.jobs.get(job_id) if isinstance(job_id, str) else None
+            job = self.jobs.get(job_id)
             if job is None:
                 unknown.append(job_id)
             else:
@@ -345,45 +355,46 @@ class Broker:
 
     def on_watch(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         jobs, unknown = self._watch_named(identity, h["job_ids"])
-        self._results_out[identity].extend(job.job_id for job in jobs if job.result is not None)
+        self._results_out[identity].extend(job for job in jobs if job.result is not None)
         self._send(identity, P.reply(h["rid"], unknown=unknown, boot_id=self.boot_id))
 
     def on_cancel(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        states: dict[str, str] = {}
-        by_node: dict[str, list[str]] = defaultdict(list)
-        jobs, unknown = self._watch_named(identity, h["job_ids"])
-        for job in jobs:
-            if job.state == JobState.QUEUED:
-                self.queue.remove(job.spec.task, job.job_id)
-            elif not job.state.terminal and job.node_id is not None:
-                by_node[job.node_id].append(job.job_id)
-            if not job.state.terminal:
-                self._finish_by_broker(job, JobState.CANCELLED, None)
-            states[job.job_id] = job.state.value
+        """Cancel the named jobs: per-id states for the known ones, ``unknown`` for the rest."""
+        self._watch_named(identity, h["job_ids"])
+        out = self.table.cancel(h["job_ids"])
+        self._cancel_on_nodes(out.by_node)
+        self._journal_flush()
+        self._send(identity, P.reply(h["rid"], states=out.states, unknown=out.unknown))
+
+    def _cancel_on_nodes(self, by_node: dict[str, list[str]]) -> None:
         for node_id, job_ids in by_node.items():
             node = self.nodes.get(node_id)
-            if node is not None and node.alive:
-                self._send(node.identity, {"op": Op.CANCEL_JOB.value, "job_ids": job_ids})
-        self._journal_flush()
-        self._send(identity, P.reply(h["rid"], states=states, unknown=unknown))
+            if node is None or not node.alive:
+                continue
+            self._send(node.identity, {"op": Op.CANCEL_JOB.value, "job_ids": job_ids})
+
+    def on_forget(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        """Drop the retained results of finished jobs the caller has taken; unfinished ones are kept."""
+        out = self.table.forget(h["job_ids"])
+        self._send(identity, P.reply(h["rid"], forgotten=out.forgotten, running=out.running, unknown=out.unknown))
 
     def on_status(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         self._send(identity, P.reply(h["rid"], status=self.status().to_wire()))
 
     def status(self) -> P.StatusReport:
-        counts: dict[str, int] = {s.value: 0 for s in JobState}
-        for job in self.jobs.values():
-            counts[job.state.value] += 1
         return P.StatusReport(
             deployment=self.config.deployment,
-            jobs=counts,
-            queued=len(self.queue),
+            jobs=self.table.counts(),
+            queued=len(self.queue) + len(self.table.awaiting_claim),
             nodes=[n.status().to_wire() for n in self.nodes.values()],
             backends=[b.status().to_wire() for b in self.backends.values()],
             generation_paused=self.generation_paused,
             placing=self.placing,
             uptime_s=time.monotonic() - self.started_at,
             held_generates=len(self.held),
+            retained_results=self.table.retained_count,
+            retained_bytes=self.table.retained_bytes,
+            policy_version=self.policy_version,
         )
 
     def on_ping(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
@@ -409,11 +420,7 @@ class Broker:
         self.stopping = True
         self.placing = False
         self._stop_deadline = time.monotonic() + self.config.node.stop_grace_s + 2 * self.dead_after_s
-        for job in list(self.jobs.values()):
-            if not job.state.terminal:
-                if job.state == JobState.QUEUED:
-                    self.queue.remove(job.spec.task, job.job_id)
-                self._finish_by_broker(job, JobState.CANCELLED, None)
+        self.table.cancel_all()
         for node in self.nodes.values():
             if node.alive:
                 self._send(node.identity, {"op": Op.SHUTDOWN.value})
@@ -435,22 +442,25 @@ class Broker:
         if old is not None and old.alive and old.identity != identity:
             # Same node id from a new connection: the old process is gone.
             self._node_lost(old, "re-registered from a new connection")
-        credit = h["credit"]
-        if credit < 1:
-            self._error(identity, h["rid"], ErrorCode.BAD_FIELD, f"credit must be at least 1, got {credit}")
-            return
-        node = Node(
-            node_id=node_id,
-            identity=identity,
-            host=h["host"],
-            pid=int(h.get("pid", 0)),
-            credit=credit,
-            tasks={str(t) for t in h["tasks"]},
-        )
+        if old is not None and old.alive and old.identity == identity:
+            # Registered again on the same connection (it missed our reply): keep what it holds.
+            node = old
+            node.credit, node.tasks, node.host = h["credit"], set(h["tasks"]), h["host"]
+            node.liveness_token = h.get("liveness_token")
+        else:
+            node = Node(
+                node_id=node_id,
+                identity=identity,
+                host=h["host"],
+                pid=h.get("pid") or 0,
+                credit=h["credit"],
+                tasks=set(h["tasks"]),
+                liveness_token=h.get("liveness_token"),
+            )
         self.nodes[node_id] = node
         self.node_by_identity[identity] = node
-        drop = self._claim(node, h.get("running"))
-        log.info("node %s registered from %s (credit %d, tasks %s, running %d)", node_id, node.host, credit,
+        drop = self.table.claim(node, h.get("running") or [])
+        log.info("node %s registered from %s (credit %d, tasks %s, running %d)", node_id, node.host, node.credit,
                  sorted(node.tasks), len(node.inflight))
         self._send(
             identity,
@@ -458,41 +468,7 @@ class Broker:
                     drop=drop, boot_id=self.boot_id),
         )
 
-    def _claim(self, node: Node, running: Any) -> list[str]:
-        """Give a (re-)registering node back the jobs it still runs; return those it should drop.
 
-        A node claims a job that is queued (its node was declared dead, or this
-        broker replayed it from the journal) or already its own. A job that
-        ended or runs elsewhere meanwhile is dropped by the node: its result
-        would be ignored.
-        """
-        drop: list[str] = []
-        for claim in running if isinstance(running, list) else []:
-            job_id = claim.get("job_id") if isinstance(claim, dict) else None
-            if not isinstance(job_id, str):
-                continue
-            job = self.jobs.get(job_id)
-            attempt = claim.get("attempt")
-            if job is None or job.state.terminal or not isinstance(attempt, int) or job.node_id not in (None, node.node_id):
-                drop.append(job_id)
-                continue
-            if job.node_id is None:
-                self.queue.remove(job.spec.task, job_id)
-                job.node_id = node.node_id
-                if job.spec.attempt != attempt:
-                    job.spec.attempt = attempt
-                    if self.journal is not None:
-                        self.journal.append(attempt_record(job_id, attempt))
-            try:
-                job.state = JobState(claim.get("stage"))
-            except ValueError:
-                job.state = JobState.RUN
-            if job.state not in P.STAGES:
-                job.state = JobState.RUN
-            node.inflight.add(job_id)
-        if drop:
-            log.warning("node %s runs %d job(s) that ended or moved meanwhile; it drops them", node.node_id, len(drop))
-        return drop
 
     def _node_of(self, identity: bytes, h: dict[str, Any]) -> Node | None:
         node = self.node_by_identity.get(identity)
@@ -503,6 +479,17 @@ class Broker:
         return node
 
     def on_heartbeat(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        token = h.get("liveness_token")
+        if token is not None:
+            # A node's liveness sidecar (its own connection): refresh that node, never answer.
+            node = self.nodes.get(h.get("node_id") or "")
+            if node is not None and node.alive and node.liveness_token is not None and node.liveness_token == token:
+                node.last_seen = time.monotonic()
+                if h.get("stages") is not None:
+                    node.stages = h["stages"]
+            else:
+                log.debug("heartbeat with a liveness token for node %r that does not match; ignored", h.get("node_id"))
+            return
         backend = self.backend_by_identity.get(identity)
         if backend is not None and backend.alive:
             return
@@ -510,7 +497,7 @@ class Broker:
             self._send(identity, P.error_reply(h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register_backend"))
             return
         node = self._node_of(identity, h)
-        if node is not None and isinstance(h.get("stages"), dict):
+        if node is not None and h.get("stages") is not None:
             node.stages = h["stages"]
 
     def on_unregister(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
@@ -523,47 +510,13 @@ class Broker:
 
     def on_job_stage(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         node = self._node_of(identity, h)
-        if node is None:
-            return
-        for upd in h["updates"]:
-            if not isinstance(upd, dict):
-                continue
-            job = self.jobs.get(upd.get("job_id"))  # type: ignore[arg-type]
-            if job is None or job.state.terminal or job.node_id != node.node_id or job.spec.attempt != upd.get("attempt"):
-                continue
-            try:
-                stage = JobState(upd.get("stage"))
-            except ValueError:
-                continue
-            if stage in P.STAGES:
-                job.state = stage
+        if node is not None:
+            self.table.stage(node, h["updates"])
 
     def on_job_done(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         node = self._node_of(identity, h)
-        if node is None:
-            return
-        if len(payload) != len(h["jobs"]):
-            self._error(identity, None, ErrorCode.BAD_FIELD, "job_done: job count and result frame count differ")
-            return
-        for info, result in zip(h["jobs"], payload, strict=True):
-            job_id = info.get("job_id") if isinstance(info, dict) else None
-            job = self.jobs.get(job_id) if isinstance(job_id, str) else None
-            if job is None:
-                continue
-            node.inflight.discard(job.job_id)
-            if job.node_id is None and job.state == JobState.QUEUED and job.spec.attempt == info.get("attempt"):
-                # A result sent to the broker before it restarted, for a job it replayed: take it.
-                self.queue.remove(job.spec.task, job.job_id)
-                job.node_id = node.node_id
-            if job.state.terminal or job.node_id != node.node_id or job.spec.attempt != info.get("attempt"):
-                continue  # stale: cancelled meanwhile, or re-queued elsewhere
-            try:
-                state = JobState(info.get("state"))
-            except ValueError:
-                state = JobState.FAILED
-            if not state.terminal:
-                state = JobState.FAILED
-            self._finish(job, state, bytes(result))
+        if node is not None:
+            self.table.done(node, h["jobs"], payload)
 
     # ---------------------------------------------------------- inference
 
@@ -774,102 +727,63 @@ class Broker:
 
     # ---------------------------------------------------------- placement
 
-    def _live_tasks(self) -> set[str]:
-        return set().union(*(n.tasks for n in self.nodes.values() if n.alive)) if self.nodes else set()
+
 
     def _place(self) -> None:
-        if not self.placing or not len(self.queue) or time.monotonic() < self._claims_until:
+        if not self.placing:
             return
-        nodes = [n for n in self.nodes.values() if n.alive and n.free > 0]
-        while nodes and len(self.queue):
-            # The node with the most free credit takes the oldest job it can run.
-            nodes.sort(key=lambda n: n.free, reverse=True)
-            node = nodes[0]
-            job_id = self.queue.pop_oldest(node.tasks, self.jobs)
-            if job_id is None:
-                nodes.pop(0)
-                continue
-            job = self.jobs[job_id]
-            job.node_id = node.node_id
-            node.inflight.add(job_id)
-            self._assign_out[node.node_id].append(job_id)
-            if node.free <= 0:
-                nodes.pop(0)
+        for node, job in self.table.place():
+            self._assign_out[node.node_id].append(job)
 
     def _node_lost(self, node: Node, why: str) -> None:
         """Declare a node dead and put its jobs back in the queue with a new attempt."""
-        log.warning("node %s lost (%s); re-queueing %d job(s)", node.node_id, why, len(node.inflight))
-        node.alive = False
         self.node_by_identity.pop(node.identity, None)
-        for job_id in sorted(node.inflight, key=lambda j: self.jobs[j].seq if j in self.jobs else 0):
-            job = self.jobs.get(job_id)
-            if job is None or job.state.terminal or job.node_id != node.node_id:
-                continue
-            self._release_sticky(job_id)
-            self._drop_generates(job_id)  # its old attempt's calls answer nobody
-            job.node_id = None
-            if job.spec.attempt >= job.spec.max_attempts:
-                self._finish_by_broker(
-                    job, JobState.FAILED,
-                    P.ErrorInfo(stage="node", type="NodeLost", message=f"node {node.node_id} {why}; attempt {job.spec.attempt} of {job.spec.max_attempts}"),
-                )
-                continue
-            job.spec.attempt += 1
-            if self.journal is not None:
-                self.journal.append(attempt_record(job_id, job.spec.attempt))
-            job.state = JobState.QUEUED
-            self.queue.push(job.spec.task, job_id, front=True)
-        node.inflight.clear()
+        self.table.node_lost(node, why)
 
     # ------------------------------------------------------------ finishing
 
-    def _finish(self, job: Job, state: JobState, result: bytes) -> None:
-        job.state = state
-        job.result = result
-        if self.journal is not None:
-            self.journal.append(end_record(job.job_id, state, result))
-        self._release_sticky(job.job_id)
-        self._drop_generates(job.job_id)
+    def _job_finished(self, job: Job) -> None:
+        """A job reached a terminal state: push its result to its watchers."""
         for w in job.watchers:
-            self._results_out[w].append(job.job_id)
-        self.finished.append(job.job_id)
-        retention = self.config.broker.result_retention
-        while len(self.finished) > retention:
-            old = self.finished.popleft()
-            self.jobs.pop(old, None)
+            self._results_out[w].append(job)
 
-    def _finish_by_broker(self, job: Job, state: JobState, error: P.ErrorInfo | None) -> None:
-        """Finish a job that no node will report on (cancelled, or lost too often)."""
-        result = JobResult(
-            job_id=job.job_id,
-            task=job.spec.task,
-            state=state.value,
-            attempt=job.spec.attempt,
-            node_id=job.node_id,
-            critical_error=error.stage if error else None,
-            error=error.to_wire() if error else None,
-        )
-        self._finish(job, state, P.pack_obj(result.to_wire()))
+    def _job_ended(self, job_id: str) -> None:
+        """A job ended or lost its node: its generate calls are released (the routing seam)."""
+        self._release_sticky(job_id)
+        self._drop_generates(job_id)
+
+
 
     # ------------------------------------------------------------ liveness
 
     def _tick(self) -> None:
         now = time.monotonic()
         self._next_tick = now + self.heartbeat_interval_s / 2
+        # A turn that overran (a long batch, a slow disk) must not count against peers: their heartbeats
+        # were waiting in our inbox. Credit the overrun, and judge only once the inbox is drained.
+        overrun_s = now - self._last_tick - self.heartbeat_interval_s
+        self._last_tick = now
+        if overrun_s > 0:
+            for node in self.nodes.values():
+                node.last_seen = min(now, node.last_seen + overrun_s)
+            for backend in self.backends.values():
+                backend.last_seen = min(now, backend.last_seen + overrun_s)
+        judge = self._drained
         for node in list(self.nodes.values()):
             if not node.alive:
                 continue
-            if now - node.last_seen > self.dead_after_s:
+            if judge and now - node.last_seen > self.dead_after_s:
                 self._node_lost(node, f"silent for {now - node.last_seen:.1f} s")
             else:
                 self._send(node.identity, {"op": Op.HEARTBEAT.value})
         for backend in list(self.backends.values()):
             if backend.kind != "bridge" or not backend.alive:
                 continue
-            if now - backend.last_seen > self.dead_after_s:
+            if judge and now - backend.last_seen > self.dead_after_s:
                 self._backend_lost(backend, f"silent for {now - backend.last_seen:.1f} s")
             elif backend.identity is not None:
                 self._send(backend.identity, {"op": Op.HEARTBEAT.value})
+        self.table.prune_dead_nodes(self.config.broker.dead_nodes_kept)
         self._place()
         self._flush()
 
@@ -877,6 +791,7 @@ class Broker:
         Op.SUBMIT: on_submit,
         Op.WATCH: on_watch,
         Op.CANCEL: on_cancel,
+        Op.FORGET: on_forget,
         Op.STATUS: on_status,
         Op.PING: on_ping,
         Op.START: on_start,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,11 +24,19 @@ class Job:
     watchers: set[bytes] = field(default_factory=set)
     result: bytes | None = None
     seq: int = field(default_factory=lambda: next(_seq))
-    submitted_at: float = field(default_factory=time.monotonic)
+    #: The node and attempt that may claim this job back while it waits in the queue: the node it was
+    #: placed on when that node was declared dead, or (after a journal replay) the placement the journal recorded.
+    claim_node: str | None = None
+    claim_attempt: int | None = None
 
     @property
     def job_id(self) -> str:
         return self.spec.job_id
+
+    @property
+    def retained_bytes(self) -> int:
+        """What this job holds in memory (its instance and its result)."""
+        return len(self.instance) + (len(self.result) if self.result is not None else 0)
 
 
 @dataclass
@@ -45,6 +53,9 @@ class Node:
     inflight: set[str] = field(default_factory=set)
     stages: dict[str, dict[str, int]] = field(default_factory=dict)
     alive: bool = True
+    #: Sent with ``register``; heartbeats carrying it (from any connection: the node's sidecar) keep the node alive.
+    liveness_token: str | None = None
+    died_at: float | None = None
 
     @property
     def free(self) -> int:
@@ -168,31 +179,33 @@ class HeldGenerate:
 
 
 class TaskQueues:
-    """Queued job ids per task, FIFO by submission across tasks."""
+    """Queued job ids per task, FIFO by submission across tasks; removing any job is O(1)."""
 
     def __init__(self) -> None:
-        self._queues: dict[str, deque[str]] = {}
+        # Insertion-ordered dicts used as ordered sets: O(1) push at either end, pop and remove.
+        self._queues: dict[str, OrderedDict[str, None]] = {}
         self._count = 0
 
     def __len__(self) -> int:
         return self._count
 
+    def __contains__(self, job_id: object) -> bool:
+        return any(job_id in q for q in self._queues.values())
+
     def push(self, task: str, job_id: str, front: bool = False) -> None:
-        q = self._queues.setdefault(task, deque())
+        q = self._queues.setdefault(task, OrderedDict())
+        if job_id in q:
+            return
+        q[job_id] = None
         if front:
-            q.appendleft(job_id)
-        else:
-            q.append(job_id)
+            q.move_to_end(job_id, last=False)
         self._count += 1
 
     def remove(self, task: str, job_id: str) -> bool:
         q = self._queues.get(task)
-        if q is None:
+        if q is None or job_id not in q:
             return False
-        try:
-            q.remove(job_id)
-        except ValueError:
-            return False
+        del q[job_id]
         self._count -= 1
         return True
 
@@ -204,13 +217,11 @@ class TaskQueues:
         for task in tasks:
             q = self._queues.get(task)
             if q:
-                seq = jobs[q[0]].seq
+                head = next(iter(q))
+                seq = jobs[head].seq
                 if best is None or seq < best_seq:
-                    best, best_task, best_seq = q[0], task, seq
+                    best, best_task, best_seq = head, task, seq
         if best is not None:
-            self._queues[best_task].popleft()
+            del self._queues[best_task][best]
             self._count -= 1
         return best
-
-    def tasks_waiting(self) -> set[str]:
-        return {t for t, q in self._queues.items() if q}

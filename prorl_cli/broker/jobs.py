@@ -1,0 +1,355 @@
+"""The broker's job table: every job's state machine, placement, claims and retention.
+
+Plain objects, no sockets: the broker's loop feeds it validated messages and
+sends what it decides. Unit tests drive it directly (``tests/broker/``).
+
+States: ``queued -> assigned -> init -> run -> eval -> done | failed | cancelled | timed_out``.
+``assigned`` is a job placed on a node that has not reported its first stage;
+every job with a node (assigned or in a stage) is cancelled on that node.
+
+Who may speak for a job: only the node it is placed on (stage updates,
+results, ``register.running`` claims), or, while it waits in the queue, the
+node it was on when that node was declared dead, or (after a journal replay)
+the node the journal recorded it placed on, and then only for that attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_cli import protocol as P
+from prorl_cli.broker.journal import attempt_record, end_record, job_record, placed_record
+from prorl_cli.broker.state import Job, Node, TaskQueues
+from prorl_cli.protocol import JobResult, JobSpec, JobState
+
+log = logging.getLogger(__name__)
+
+
+def _noop(*_: Any) -> None:
+    return None
+
+
+@dataclass
+class CancelOutcome:
+    """Per-id outcome of a cancel: each known job's state after it, the unknown ids, and what to tell which node."""
+
+    states: dict[str, str] = field(default_factory=dict)
+    unknown: list[str] = field(default_factory=list)
+    by_node: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class ForgetOutcome:
+    """What ``forget`` did: results dropped, jobs still unfinished (kept), ids not known."""
+
+    forgotten: list[str] = field(default_factory=list)
+    running: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+
+
+class JobTable:
+    """Jobs, the queue, the nodes' holdings and the finished results kept for late watchers.
+
+    ``record`` receives journal records; ``on_end(job)`` is called when a job
+    reaches a terminal state (push its result), ``on_detach(job_id)`` when a
+    job ends or loses its node (its generate calls are released).
+    """
+
+    def __init__(
+        self,
+        *,
+        retention_count: int = 100_000,
+        retention_bytes: int = 1 << 30,
+        record: Callable[[dict[str, Any]], None] | None = None,
+        on_end: Callable[[Job], None] | None = None,
+        on_detach: Callable[[str], None] | None = None,
+    ) -> None:
+        self.jobs: dict[str, Job] = {}
+        self.queue = TaskQueues()
+        self.nodes: dict[str, Node] = {}
+        self.retention_count = retention_count
+        self.retention_bytes = retention_bytes
+        self._finished: OrderedDict[str, int] = OrderedDict()  # job id -> bytes held, oldest first
+        self.retained_bytes = 0
+        #: Replayed jobs the old broker had placed: only their node may take them until ``claims_until``.
+        self.awaiting_claim: dict[str, Job] = {}
+        self.claims_until = 0.0
+        self._record = record or _noop
+        self._on_end = on_end or _noop
+        self._on_detach = on_detach or _noop
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def retained_count(self) -> int:
+        return len(self._finished)
+
+    def counts(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in JobState}
+        for job in self.jobs.values():
+            counts[job.state.value] += 1
+        return counts
+
+    def live_tasks(self) -> set[str]:
+        return set().union(*(n.tasks for n in self.nodes.values() if n.alive)) if self.nodes else set()
+
+    # ------------------------------------------------------------ submit
+
+    def add(self, spec: JobSpec, instance: bytes, watcher: bytes | None = None) -> Job:
+        """Accept a new job (its id must be new) and queue it."""
+        spec.attempt = 1
+        job = Job(spec=spec, instance=instance, watchers={watcher} if watcher is not None else set())
+        self.jobs[spec.job_id] = job
+        self.queue.push(spec.task, spec.job_id)
+        self._record(job_record(spec, instance))
+        return job
+
+    def load_replayed(self, jobs: Iterable[Job], claim_window_s: float, now: float | None = None) -> int:
+        """Take the jobs a journal replay rebuilt; return how many wait for their node's claim."""
+        for job in jobs:
+            self.jobs[job.job_id] = job
+            if job.state.terminal:
+                job.instance = b""
+                self._retain(job)
+            elif job.claim_node is not None:
+                job.state, job.node_id = JobState.QUEUED, None
+                self.awaiting_claim[job.job_id] = job
+            else:
+                job.state, job.node_id = JobState.QUEUED, None
+                self.queue.push(job.spec.task, job.job_id)
+        self._enforce_retention()
+        if self.awaiting_claim:
+            self.claims_until = (time.monotonic() if now is None else now) + claim_window_s
+        return len(self.awaiting_claim)
+
+    # ------------------------------------------------------------ placement
+
+    def place(self, now: float | None = None) -> list[tuple[Node, Job]]:
+        """Place queued jobs on live nodes with free credit: the node with most free credit takes the oldest job it runs."""
+        now = time.monotonic() if now is None else now
+        if self.awaiting_claim and now >= self.claims_until:
+            self._release_unclaimed()
+        out: list[tuple[Node, Job]] = []
+        if not len(self.queue):
+            return out
+        nodes = [n for n in self.nodes.values() if n.alive and n.free > 0]
+        while nodes and len(self.queue):
+            nodes.sort(key=lambda n: n.free, reverse=True)
+            node = nodes[0]
+            job_id = self.queue.pop_oldest(node.tasks, self.jobs)
+            if job_id is None:
+                nodes.pop(0)
+                continue
+            job = self.jobs[job_id]
+            job.node_id = node.node_id
+            job.state = JobState.ASSIGNED
+            job.claim_node = job.claim_attempt = None
+            node.inflight.add(job_id)
+            self._record(placed_record(job_id, job.spec.attempt, node.node_id))
+            out.append((node, job))
+            if node.free <= 0:
+                nodes.pop(0)
+        return out
+
+    def _release_unclaimed(self) -> None:
+        jobs = sorted(self.awaiting_claim.values(), key=lambda j: j.seq, reverse=True)
+        log.info("%d replayed job(s) were not claimed by their nodes; queueing them", len(jobs))
+        for job in jobs:
+            job.claim_node = job.claim_attempt = None
+            self.queue.push(job.spec.task, job.job_id, front=True)
+        self.awaiting_claim.clear()
+
+    def _take_back(self, job: Job, node: Node, attempt: int) -> None:
+        """Give a waiting job back to the node that may claim it (see the module docstring)."""
+        self.queue.remove(job.spec.task, job.job_id)
+        self.awaiting_claim.pop(job.job_id, None)
+        job.node_id = node.node_id
+        job.state = JobState.ASSIGNED
+        job.claim_node = job.claim_attempt = None
+        if job.spec.attempt != attempt:
+            job.spec.attempt = attempt
+            self._record(attempt_record(job.job_id, attempt))
+        self._record(placed_record(job.job_id, attempt, node.node_id))
+        node.inflight.add(job.job_id)
+
+    @staticmethod
+    def _claimable_by(job: Job, node: Node, attempt: int) -> bool:
+        return (
+            job.node_id is None and not job.state.terminal
+            and job.claim_node == node.node_id and job.claim_attempt == attempt
+        )
+
+    # ------------------------------------------------------------ node reports
+
+    def claim(self, node: Node, running: list[dict[str, Any]]) -> list[str]:
+        """A (re-)registering node's ``running`` list: take back what it may claim; return the ids it must drop."""
+        drop: list[str] = []
+        for c in running:
+            job_id, attempt = c["job_id"], c["attempt"]
+            job = self.jobs.get(job_id)
+            if job is None or job.state.terminal:
+                drop.append(job_id)
+                continue
+            if job.node_id == node.node_id and job.spec.attempt == attempt:
+                pass
+            elif self._claimable_by(job, node, attempt):
+                self._take_back(job, node, attempt)
+            else:
+                drop.append(job_id)
+                continue
+            stage = JobState(c["stage"])
+            if stage in P.STAGES:
+                job.state = stage
+            node.inflight.add(job_id)
+        if drop:
+            log.warning("node %s runs %d job(s) that ended, moved or were never its own; it drops them",
+                        node.node_id, len(drop))
+        return drop
+
+    def stage(self, node: Node, updates: list[dict[str, Any]]) -> None:
+        """Stage updates from ``node``: only for jobs placed on it, at their current attempt."""
+        for upd in updates:
+            job = self.jobs.get(upd["job_id"])
+            if job is None or job.state.terminal or job.node_id != node.node_id or job.spec.attempt != upd["attempt"]:
+                continue
+            stage = JobState(upd["stage"])
+            if stage in P.STAGES:
+                job.state = stage
+
+    def done(self, node: Node, infos: list[dict[str, Any]], results: list[bytes]) -> list[Job]:
+        """Results from ``node``; returns the jobs they finished (stale and foreign results are ignored)."""
+        finished: list[Job] = []
+        for info, result in zip(infos, results, strict=True):
+            job = self.jobs.get(info["job_id"])
+            if job is None:
+                continue
+            if self._claimable_by(job, node, info["attempt"]):
+                # A result sent before the node was declared dead (or before the broker restarted): take it.
+                self._take_back(job, node, info["attempt"])
+            if job.node_id == node.node_id:
+                node.inflight.discard(job.job_id)  # its slot is free, whatever became of the job
+            if job.state.terminal or job.node_id != node.node_id or job.spec.attempt != info["attempt"]:
+                continue  # stale: cancelled meanwhile, re-queued elsewhere, or never this node's
+            state = JobState(info["state"])
+            self.finish(job, state if state.terminal else JobState.FAILED, bytes(result))
+            finished.append(job)
+        return finished
+
+    def node_lost(self, node: Node, why: str, now: float | None = None) -> None:
+        """Declare a node dead; its jobs go back to the front of the queue with a new attempt (or fail)."""
+        log.warning("node %s lost (%s); re-queueing %d job(s)", node.node_id, why, len(node.inflight))
+        node.alive = False
+        node.died_at = time.monotonic() if now is None else now
+        for job_id in sorted(node.inflight, key=lambda j: self.jobs[j].seq if j in self.jobs else 0):
+            job = self.jobs.get(job_id)
+            if job is None or job.state.terminal or job.node_id != node.node_id:
+                continue
+            job.node_id = None
+            self._on_detach(job_id)
+            if job.spec.attempt >= job.spec.max_attempts:
+                self.finish_by_broker(
+                    job, JobState.FAILED,
+                    P.ErrorInfo(stage="node", type="NodeLost",
+                                message=f"node {node.node_id} {why}; attempt {job.spec.attempt} of {job.spec.max_attempts}"),
+                )
+                continue
+            job.claim_node, job.claim_attempt = node.node_id, job.spec.attempt
+            job.spec.attempt += 1
+            self._record(attempt_record(job_id, job.spec.attempt))
+            job.state = JobState.QUEUED
+            self.queue.push(job.spec.task, job_id, front=True)
+        node.inflight.clear()
+
+    def prune_dead_nodes(self, keep: int) -> list[str]:
+        """Forget all but the ``keep`` most recently dead nodes; return the ids forgotten."""
+        dead = sorted((n for n in self.nodes.values() if not n.alive), key=lambda n: n.died_at or 0.0)
+        gone = [n.node_id for n in dead[: max(0, len(dead) - keep)]]
+        for node_id in gone:
+            del self.nodes[node_id]
+        return gone
+
+    # ------------------------------------------------------------ client ops
+
+    def cancel(self, job_ids: list[str]) -> CancelOutcome:
+        """Cancel the named jobs; every job that has a node is listed under it to be cancelled there."""
+        out = CancelOutcome()
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None:
+                out.unknown.append(job_id)
+                continue
+            if not job.state.terminal:
+                if job.node_id is not None:
+                    out.by_node.setdefault(job.node_id, []).append(job_id)
+                else:
+                    self.queue.remove(job.spec.task, job_id)
+                    self.awaiting_claim.pop(job_id, None)
+                self.finish_by_broker(job, JobState.CANCELLED, None)
+            out.states[job_id] = job.state.value
+        return out
+
+    def cancel_all(self) -> CancelOutcome:
+        return self.cancel([j.job_id for j in self.jobs.values() if not j.state.terminal])
+
+    def forget(self, job_ids: list[str]) -> ForgetOutcome:
+        """Drop the retained results (and records) of finished jobs; unfinished ones stay."""
+        out = ForgetOutcome()
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None:
+                out.unknown.append(job_id)
+            elif not job.state.terminal:
+                out.running.append(job_id)
+            else:
+                self._drop_finished(job_id)
+                out.forgotten.append(job_id)
+        return out
+
+    # ------------------------------------------------------------ finishing
+
+    def finish(self, job: Job, state: JobState, result: bytes) -> None:
+        """End ``job`` with ``result`` (a packed JobResult)."""
+        job.state = state
+        job.result = result
+        job.instance = b""  # never run again: only its result is kept
+        self.awaiting_claim.pop(job.job_id, None)
+        self._record(end_record(job.job_id, state, result))
+        self._on_detach(job.job_id)
+        self._on_end(job)
+        self._retain(job)
+        self._enforce_retention()
+
+    def finish_by_broker(self, job: Job, state: JobState, error: P.ErrorInfo | None) -> None:
+        """Finish a job that no node will report on (cancelled, or lost too often)."""
+        result = JobResult(
+            job_id=job.job_id,
+            task=job.spec.task,
+            state=state.value,
+            attempt=job.spec.attempt,
+            node_id=job.node_id,
+            critical_error=error.stage if error else None,
+            error=error.to_wire() if error else None,
+            group_id=job.spec.group_id,
+            meta=job.spec.meta,
+        )
+        self.finish(job, state, P.pack_obj(result.to_wire()))
+
+    def _retain(self, job: Job) -> None:
+        size = job.retained_bytes
+        self._finished[job.job_id] = size
+        self.retained_bytes += size
+
+    def _drop_finished(self, job_id: str) -> None:
+        self.retained_bytes -= self._finished.pop(job_id, 0)
+        self.jobs.pop(job_id, None)
+
+    def _enforce_retention(self) -> None:
+        while self._finished and (
+            len(self._finished) > self.retention_count or self.retained_bytes > self.retention_bytes
+        ):
+            self._drop_finished(next(iter(self._finished)))
