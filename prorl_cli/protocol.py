@@ -470,7 +470,7 @@ def validate(header: dict[str, Any], n_payload: int | None = None) -> None:
         raise ProtocolError(
             ErrorCode.BAD_FIELD.value,
             f"op {op.value!r} carries {n_payload} payload frame(s) but needs {want}"
-            + (" (one instance/result frame per item of 'jobs'; they must match)" if schema.payload == "jobs" else ""),
+            + (" (one instance/result frame per item of 'jobs': the job records and frames must pair up)" if schema.payload == "jobs" else ""),
         )
 
 

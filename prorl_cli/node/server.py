@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import signal
@@ -204,6 +205,20 @@ class NodeServer(BrokerPeer):
             task = asyncio.create_task(self._run(spec, instance), name=f"job-{spec.job_id}")
             self.pipeline.tasks[spec.job_id] = task
             self._running[spec.job_id] = (spec.attempt, JobState.INIT.value)
+            task.add_done_callback(functools.partial(self._cancelled_before_start, spec=spec))
+
+    def _cancelled_before_start(self, task: asyncio.Task[JobResult], *, spec: JobSpec) -> None:
+        # A cancel_job read in the same turn as its assign cancels the task before _run starts:
+        # nothing ran, but the broker still needs the job's result to free its credit.
+        if not task.cancelled() or self.pipeline.tasks.get(spec.job_id) is not task:
+            return
+        self.pipeline.tasks.pop(spec.job_id, None)
+        self._running.pop(spec.job_id, None)
+        if not self._leaving:
+            self._done_out.append(JobResult(job_id=spec.job_id, task=spec.task, state=JobState.CANCELLED.value,
+                                            attempt=spec.attempt, node_id=self.node_id,
+                                            group_id=spec.group_id, meta=spec.meta))
+            self._schedule_flush()
 
     async def _run(self, spec: JobSpec, instance: Any) -> JobResult:
         try:

@@ -106,7 +106,7 @@ def test_missing_and_mistyped_fields(deployment: Deployment, raw: zmq.Socket) ->
     # Instances and job records that do not pair up.
     raw.send(msgpack.packb({"v": 1, "op": "submit", "rid": 4, "jobs": [{"job_id": "z", "task": "test"}]}))
     code, msg = _error(raw)
-    assert code == "bad_field" and "instance frame" in msg
+    assert code == "bad_field" and "frame" in msg
     _healthy(deployment)
 
 

@@ -1,0 +1,218 @@
+"""The broker's job table as plain objects: state machine, placement, claims, retention, forget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prorl_cli import protocol as P
+from prorl_cli.broker.jobs import JobTable
+from prorl_cli.broker.journal import Journal
+from prorl_cli.broker.state import Job, Node
+from prorl_cli.protocol import JobSpec, JobState
+
+
+class Recorder:
+    """Collects what the table tells its owner (journal records, ends, detaches)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.ended: list[str] = []
+        self.detached: list[str] = []
+
+    def table(self, **kwargs: Any) -> JobTable:
+        return JobTable(record=self.records.append, on_end=lambda j: self.ended.append(j.job_id),
+                        on_detach=self.detached.append, **kwargs)
+
+
+def _node(table: JobTable, node_id: str = "n1", credit: int = 4, tasks: tuple[str, ...] = ("t",)) -> Node:
+    node = Node(node_id=node_id, identity=node_id.encode(), host="h", pid=1, credit=credit, tasks=set(tasks))
+    table.nodes[node_id] = node
+    return node
+
+
+def _add(table: JobTable, job_id: str, task: str = "t", instance: bytes = b"\x80", **spec: Any) -> Job:
+    return table.add(JobSpec(job_id=job_id, task=task, **spec), instance)
+
+
+def _result(job_id: str, state: str = "done", size: int = 0) -> bytes:
+    return P.pack_obj(P.JobResult(job_id=job_id, task="t", state=state, output="x" * size).to_wire())
+
+
+def test_placed_job_is_assigned_until_its_first_stage() -> None:
+    rec = Recorder()
+    table = rec.table()
+    node = _node(table)
+    job = _add(table, "a")
+    assert job.state == JobState.QUEUED
+    placed = table.place()
+    assert [(n.node_id, j.job_id) for n, j in placed] == [("n1", "a")]
+    assert job.state == JobState.ASSIGNED and job.node_id == "n1" and "a" in node.inflight
+    assert {"t": "placed", "job_id": "a", "attempt": 1, "node_id": "n1"} in rec.records
+    table.stage(node, [{"job_id": "a", "attempt": 1, "stage": "run"}])
+    assert job.state == JobState.RUN
+    assert table.counts()["run"] == 1
+
+
+def test_cancel_reaches_the_node_of_an_assigned_job() -> None:
+    rec = Recorder()
+    table = rec.table()
+    _node(table)
+    _add(table, "placed")
+    table.place()
+    _add(table, "queued")  # not placed: no place() since
+    out = table.cancel(["placed", "ghost"])
+    assert out.by_node == {"n1": ["placed"]}
+    assert out.states == {"placed": "cancelled"} and out.unknown == ["ghost"]
+    assert table.jobs["placed"].state == JobState.CANCELLED and rec.ended == ["placed"]
+    # The queued one is removed from the queue, nothing to tell a node.
+    out = table.cancel(["queued"])
+    assert out.by_node == {} and out.states == {"queued": "cancelled"} and len(table.queue) == 0
+
+
+def test_results_and_stages_only_from_the_node_the_job_is_on() -> None:
+    table = Recorder().table()
+    n1, n2 = _node(table, "n1", credit=1), _node(table, "n2", credit=1)
+    _add(table, "a")
+    _add(table, "b")
+    table.place()
+    owner = table.jobs["a"].node_id
+    other = n2 if owner == "n1" else n1
+    _add(table, "queued")
+    # Another node's result for "a", and anyone's for a queued job it was never given, are ignored.
+    assert table.done(other, [{"job_id": "a", "attempt": 1, "state": "done"}], [_result("a")]) == []
+    assert table.done(other, [{"job_id": "queued", "attempt": 1, "state": "done"}], [_result("queued")]) == []
+    table.stage(other, [{"job_id": "a", "attempt": 1, "stage": "eval"}])
+    assert table.jobs["a"].state == JobState.ASSIGNED and table.jobs["queued"].state == JobState.QUEUED
+    # A claim for a never-placed queued job is refused.
+    assert table.claim(other, [{"job_id": "queued", "attempt": 1, "stage": "run"}]) == ["queued"]
+    assert table.jobs["queued"].node_id is None
+    # The owner's result counts, once.
+    owner_node = table.nodes[owner or ""]
+    assert [j.job_id for j in table.done(owner_node, [{"job_id": "a", "attempt": 1, "state": "done"}], [_result("a")])] == ["a"]
+    assert table.done(owner_node, [{"job_id": "a", "attempt": 1, "state": "failed"}], [_result("a", "failed")]) == []
+    assert table.jobs["a"].state == JobState.DONE
+
+
+def test_node_lost_requeues_and_only_that_node_may_claim_the_old_attempt() -> None:
+    rec = Recorder()
+    table = rec.table()
+    n1 = _node(table, "n1", credit=1)
+    _add(table, "a")
+    table.place()
+    table.node_lost(n1, "silent")
+    job = table.jobs["a"]
+    assert job.state == JobState.QUEUED and job.spec.attempt == 2 and job.node_id is None
+    assert rec.detached == ["a"] and not n1.alive
+    n2 = _node(table, "n2", credit=1)
+    # Another node cannot claim it; n1, back with the attempt it ran, can.
+    assert table.claim(n2, [{"job_id": "a", "attempt": 1, "stage": "run"}]) == ["a"]
+    n1b = _node(table, "n1", credit=1)
+    assert table.claim(n1b, [{"job_id": "a", "attempt": 2, "stage": "run"}]) == ["a"]
+    assert table.claim(n1b, [{"job_id": "a", "attempt": 1, "stage": "run"}]) == []
+    assert job.node_id == "n1" and job.spec.attempt == 1 and job.state == JobState.RUN and len(table.queue) == 0
+
+
+def test_lost_too_often_fails_with_node_error() -> None:
+    table = Recorder().table()
+    _add(table, "a", max_attempts=1)
+    n1 = _node(table)
+    table.place()
+    table.node_lost(n1, "silent")
+    result = P.JobResult.from_wire(P.unpack_obj(table.jobs["a"].result or b""))
+    assert result.state == "failed" and result.critical_error == "node"
+
+
+def test_broker_results_echo_group_and_meta() -> None:
+    table = Recorder().table()
+    _add(table, "a", group_id="g7", meta={"prompt": 3, "split": "train"})
+    table.cancel(["a"])
+    result = P.JobResult.from_wire(P.unpack_obj(table.jobs["a"].result or b""))
+    assert result.group_id == "g7" and result.meta == {"prompt": 3, "split": "train"}
+
+
+def test_retention_is_bounded_by_bytes_and_count() -> None:
+    table = Recorder().table(retention_count=1000, retention_bytes=100_000)
+    node = _node(table, credit=100)
+    for i in range(20):
+        _add(table, f"j{i}")
+    table.place()
+    for i in range(20):
+        table.done(node, [{"job_id": f"j{i}", "attempt": 1, "state": "done"}], [_result(f"j{i}", size=20_000)])
+    assert table.retained_bytes <= 100_000
+    assert 3 <= table.retained_count <= 5
+    assert "j19" in table.jobs and "j0" not in table.jobs  # the oldest went first
+    small = Recorder().table(retention_count=3)
+    node = _node(small, credit=10)
+    for i in range(5):
+        _add(small, f"k{i}")
+    small.place()
+    for i in range(5):
+        small.done(node, [{"job_id": f"k{i}", "attempt": 1, "state": "done"}], [_result(f"k{i}")])
+    assert small.retained_count == 3 and sorted(small.jobs) == ["k2", "k3", "k4"]
+
+
+def test_forget_drops_finished_keeps_running() -> None:
+    table = Recorder().table()
+    node = _node(table, credit=2)
+    _add(table, "done")
+    _add(table, "running")
+    table.place()
+    table.done(node, [{"job_id": "done", "attempt": 1, "state": "done"}], [_result("done", size=1000)])
+    before = table.retained_bytes
+    out = table.forget(["done", "running", "ghost"])
+    assert (out.forgotten, out.running, out.unknown) == (["done"], ["running"], ["ghost"])
+    assert "done" not in table.jobs and "running" in table.jobs
+    assert table.retained_bytes == before - len(_result("done", size=1000)) and table.retained_count == 0
+
+
+def test_cancelling_20k_queued_jobs_newest_first() -> None:
+    table = Recorder().table(retention_count=100_000)
+    for i in range(20_000):
+        _add(table, f"q{i}", task="a" if i % 2 else "b")
+    ids = [f"q{i}" for i in reversed(range(20_000))]
+    for start in range(0, len(ids), 1000):
+        out = table.cancel(ids[start:start + 1000])
+        assert set(out.states.values()) == {"cancelled"} and out.by_node == {}
+    assert len(table.queue) == 0
+    assert table.counts()["cancelled"] == 20_000
+    node = _node(table, tasks=("a", "b"))
+    assert table.place() == [] and not node.inflight
+
+
+def test_replay_waits_only_for_placed_jobs(tmp_path) -> None:
+    journal = Journal(tmp_path / "broker.journal")
+    first = JobTable(record=journal.append)
+    n1 = _node(first, "n1", credit=1)
+    _add(first, "placed")
+    first.place()
+    _add(first, "never-placed")
+    journal.flush()
+    jobs = journal.replay()
+    assert jobs["placed"].claim_node == "n1" and jobs["never-placed"].claim_node is None
+
+    table = JobTable()
+    assert table.load_replayed(jobs.values(), claim_window_s=60.0, now=0.0) == 1
+    other = _node(table, "n2", credit=4)
+    # The never-placed job goes at once to a node that registered; the placed one waits for n1.
+    assert [j.job_id for _, j in table.place(now=1.0)] == ["never-placed"]
+    assert table.claim(other, [{"job_id": "placed", "attempt": 1, "stage": "run"}]) == ["placed"]
+    back = _node(table, "n1", credit=1)
+    assert table.claim(back, [{"job_id": "placed", "attempt": 1, "stage": "run"}]) == []
+    assert table.jobs["placed"].node_id == "n1" and table.jobs["placed"].state == JobState.RUN
+    del n1
+
+    # Unclaimed: queued once the window is over.
+    late = JobTable()
+    late.load_replayed(Journal(tmp_path / "broker.journal").replay().values(), claim_window_s=60.0, now=0.0)
+    _node(late, "n2", credit=4)
+    assert sorted(j.job_id for _, j in late.place(now=1.0)) == ["never-placed"]
+    assert [j.job_id for _, j in late.place(now=61.0)] == ["placed"]
+
+
+def test_dead_nodes_are_pruned() -> None:
+    table = Recorder().table()
+    for i in range(10):
+        table.node_lost(_node(table, f"n{i}"), "gone", now=float(i))
+    _node(table, "alive")
+    assert sorted(table.prune_dead_nodes(keep=3)) == [f"n{i}" for i in range(7)]
+    assert sorted(table.nodes) == ["alive", "n7", "n8", "n9"]

@@ -1,0 +1,81 @@
+"""Nothing blocks the broker's loop for long: compaction in a thread, liveness judged on a drained inbox."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prorl_cli.broker.journal import Journal, end_record, job_record
+from prorl_cli.broker.server import Broker
+from prorl_cli.broker.state import Node
+from prorl_cli.config import ProrlConfig
+from prorl_cli.protocol import JobSpec, JobState
+
+
+class GatedRecords(list):  # type: ignore[type-arg]
+    """A snapshot whose iteration waits for ``gate``: proves the writer is not the caller's thread."""
+
+    def __init__(self, items: list[dict[str, Any]], gate: threading.Event) -> None:
+        super().__init__(items)
+        self.gate = gate
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        assert self.gate.wait(30), "the gate was never opened"
+        return super().__iter__()
+
+
+def test_compaction_runs_in_a_thread_and_keeps_what_came_meanwhile(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "broker.journal", fsync=True, compact_bytes=1)
+    for i in range(3):
+        journal.append(job_record(JobSpec(job_id=f"old{i}", task="t"), b"\x80"))
+    journal.flush()
+    assert journal.wants_compaction
+    gate = threading.Event()
+    snapshot = [job_record(JobSpec(job_id=f"old{i}", task="t"), b"\x80") for i in range(3)]
+    journal.compact_in_background(GatedRecords(snapshot, gate))  # returns while the writer waits
+    assert journal.compacting and not journal.wants_compaction
+    journal.append(job_record(JobSpec(job_id="new", task="t"), b"\x80"))
+    journal.append(end_record("old0", JobState.DONE, b"result"))
+    journal.flush()
+    journal.poll()
+    assert journal.compacting  # still gated: the old file is still the one written
+    gate.set()
+    while journal.compacting:
+        time.sleep(0.01)
+        journal.poll()
+    jobs = journal.replay()
+    assert sorted(jobs) == ["new", "old0", "old1", "old2"] and jobs["old0"].result == b"result"
+    journal.close()
+
+
+def _broker(tmp_path: Path) -> Broker:
+    config = ProrlConfig(home=str(tmp_path))
+    config.broker.journal = False
+    return Broker(config)
+
+
+def test_liveness_is_judged_only_on_a_drained_inbox_and_stalls_are_credited(tmp_path: Path) -> None:
+    broker = _broker(tmp_path)
+    try:
+        node = Node(node_id="n", identity=b"n", host="h", pid=1, credit=1, tasks={"t"})
+        broker.nodes["n"] = node
+        broker.node_by_identity[b"n"] = node
+        now = time.monotonic()
+        node.last_seen = now - 100
+        broker._last_tick = now
+        broker._drained = False  # heartbeats may be waiting unread
+        broker._tick()
+        assert node.alive
+        # A loop that stalled 100 s: the silence was ours, not the node's.
+        broker._drained = True
+        broker._last_tick = time.monotonic() - 100
+        broker._tick()
+        assert node.alive
+        node.last_seen = time.monotonic() - 100
+        broker._tick()
+        assert not node.alive
+    finally:
+        broker.sock.close(0)
