@@ -34,10 +34,8 @@ PROTOCOL_VERSION = 1
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 3
 
-# Size limits. The broker's ROUTER refuses whole messages above MAX_MESSAGE_BYTES
-# (ZMQ_MAXMSGSIZE drops the connection); headers must stay small because the
-# broker decodes every one of them.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Whole messages are bounded by config broker.max_message_bytes (ZMQ_MAXMSGSIZE drops
+# the connection); headers must stay small because the broker decodes every one of them.
 MAX_HEADER_BYTES = 4 * 1024 * 1024
 
 

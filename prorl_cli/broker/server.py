@@ -480,9 +480,10 @@ class Broker:
 
     def on_heartbeat(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         token = h.get("liveness_token")
-        if token is not None:
+        sidecar = self.nodes.get(h.get("node_id") or "")
+        if token is not None and (sidecar is None or sidecar.identity != identity):
             # A node's liveness sidecar (its own connection): refresh that node, never answer.
-            node = self.nodes.get(h.get("node_id") or "")
+            node = sidecar
             if node is not None and node.alive and node.liveness_token is not None and node.liveness_token == token:
                 node.last_seen = time.monotonic()
                 if h.get("stages") is not None:
