@@ -244,3 +244,35 @@ def test_after_a_restart_new_and_unplaced_jobs_do_not_wait_for_claims(tmp_path: 
         assert results[waiting].output["echo"] == "never placed"
     finally:
         d.close()
+
+
+def test_generate_headers_as_nodes_and_bridges_send_them_pass_validation(deployment: Deployment) -> None:
+    """The schemas accept what the real peers send (sampling with every field, bridge replies and heartbeats)."""
+    bridge, node = Raw(deployment.address), Raw(deployment.address)
+    try:
+        bridge.send({"op": "register_backend", "rid": 1, "backend_id": "fake-bridge", "host": "h", "model": "m",
+                     "max_model_len": None, "capacity": 4})
+        assert bridge.reply(1)["ok"]
+        bridge.send({"op": "heartbeat", "backend_id": "fake-bridge", "inflight": 0})
+        node.send({"op": "register", "rid": 1, "node_id": "gen-node", "host": "h", "pid": 1, "credit": 1, "tasks": ["zzz"],
+                   "running": []})
+        assert node.reply(1)["ok"]
+        sampling = P.SamplingParams(max_tokens=4, seed=None, stop_token_ids=[2]).to_wire()
+        node.send({"op": "generate", "rid": 5, "job_id": "gen-job", "sampling": sampling}, [P.pack_tokens([1, 2, 3])])
+        assert bridge.sock.poll(REPLY_TIMEOUT_MS)
+        frames = bridge.sock.recv_multipart()
+        fwd = msgpack.unpackb(frames[0], raw=False)
+        while fwd["op"] != "generate":
+            assert bridge.sock.poll(REPLY_TIMEOUT_MS)
+            frames = bridge.sock.recv_multipart()
+            fwd = msgpack.unpackb(frames[0], raw=False)
+        assert fwd["job_id"] == "gen-job" and P.unpack_tokens(frames[1]) == [1, 2, 3]
+        bridge.send({"op": "generate_reply", "rid": fwd["rid"], "finish_reason": "stop"},
+                    [P.pack_tokens([7]), P.pack_floats([-0.5])])
+        h = node.reply(5)
+        assert h["ok"] and h["finish_reason"] == "stop" and h["backend_id"] == "fake-bridge"
+    finally:
+        bridge.send({"op": "unregister", "backend_id": "fake-bridge"})
+        node.send({"op": "unregister", "node_id": "gen-node"})
+        bridge.close()
+        node.close()
