@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Chaos: a broker with its journal, 3 nodes, 2,000 jobs; a node ``kill -9``-ed every ~10 s and replaced, the
+broker killed twice and restarted (on the same port, then on a new one). Counts lost, duplicated and
+conflicting results, and processes of the deployment left over after it is closed.
+
+The client is a bare socket that re-watches its unfinished jobs after each broker restart (the library
+client's own restart handling is tested elsewhere), so every result pushed is counted as it arrives.
+The last line is a JSON summary. The short CI version: ``tests/chaos/test_chaos_run.py``.
+
+    python scripts/chaos/chaos_run.py                       # 2,000 jobs
+    python scripts/chaos/chaos_run.py --jobs 200 --node-kill-every-s 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import psutil
+import yaml
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from prorl_cli import protocol as P  # noqa: E402
+from tests.harness import Deployment, fixed_port  # noqa: E402
+
+
+class Client:
+    """Submits, and records every result pushed: job id -> [(state, attempt, echo)]."""
+
+    def __init__(self) -> None:
+        self.sock: zmq.Socket[bytes] | None = None
+        self.results: dict[str, list[tuple[str, int, Any]]] = {}
+        self.ids: list[str] = []
+        self.refused: list[dict[str, Any]] = []
+        self.unknown_after_restart: list[str] = []
+
+    def connect(self, address: str) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, header: dict[str, Any], payload: list[bytes] | None = None) -> None:
+        assert self.sock is not None
+        self.sock.send_multipart(P.encode(header, payload or []))
+
+    def submit(self, instances: list[dict[str, Any]]) -> None:
+        ids = [f"c{len(self.ids) + i}" for i in range(len(instances))]
+        jobs = [{"job_id": j, "task": "test", "max_attempts": 50, "timeout_s": 300.0} for j in ids]
+        self.send({"op": "submit", "rid": f"s-{ids[0]}", "jobs": jobs}, [P.pack_obj(x) for x in instances])
+        self.ids += ids
+
+    def rewatch(self) -> None:
+        pending = [j for j in self.ids if j not in self.results]
+        self.send({"op": "watch", "rid": "rewatch", "job_ids": pending})
+
+    def pump(self, timeout_ms: int = 0) -> None:
+        assert self.sock is not None
+        while self.sock.poll(timeout_ms):
+            frames = self.sock.recv_multipart()
+            h = msgpack.unpackb(frames[0], raw=False)
+            if h.get("op") == "result":
+                for info, frame in zip(h["jobs"], frames[1:], strict=True):
+                    r = P.unpack_obj(frame)
+                    echo = (r.get("output") or {}).get("echo") if isinstance(r.get("output"), dict) else None
+                    self.results.setdefault(info["job_id"], []).append((info["state"], r.get("attempt", 0), echo))
+            elif h.get("op") == "reply":
+                if not h.get("ok"):
+                    self.refused.append(h)
+                elif h.get("rid") == "rewatch":
+                    self.unknown_after_restart += h.get("unknown", [])
+            timeout_ms = 0
+
+
+def _leftovers(home: Path) -> list[str]:
+    out = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.pid == os.getpid():
+                continue
+            if proc.environ().get("PRORL_HOME") == str(home):
+                out.append(f"{proc.pid} {' '.join(proc.info['cmdline'] or [])}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=2000)
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--node-kill-every-s", type=float, default=10.0)
+    ap.add_argument("--broker-kills-at", type=float, nargs=2, default=(0.3, 0.6),
+                    help="kill the broker when these fractions of the results are in (same port, then a new one)")
+    ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+
+    home = Path(tempfile.mkdtemp(prefix="prorl-chaos-")) / "home"
+    d = Deployment(home, "chaos", config={
+        "broker": {"port": fixed_port(), "heartbeat_interval_s": 0.25, "heartbeat_liveness": 8},
+        "node": {"n_init": 4, "n_run": 8, "n_eval": 4, "credit": 12},
+    })
+    client = Client()
+    node_kills = broker_kills = 0
+    gen = 0
+    try:
+        d.start_broker()
+        alive = []
+        for _ in range(args.nodes):
+            gen += 1
+            d.start_node(f"n{gen}")
+            alive.append(f"n{gen}")
+        client.connect(d.address)
+        for start in range(0, args.jobs, 100):
+            client.submit([{"sleep_s": {"run": rng.uniform(0.1, 0.6)}, "echo": i}
+                           for i in range(start, min(args.jobs, start + 100))])
+        t0 = time.monotonic()
+        next_node_kill = t0 + args.node_kill_every_s
+        kills_at = sorted(args.broker_kills_at)
+        while len(client.results) < args.jobs and time.monotonic() - t0 < args.timeout_s:
+            client.pump(100)
+            now = time.monotonic()
+            if now >= next_node_kill:
+                victim = alive.pop(rng.randrange(len(alive)))
+                d.kill(victim, signal.SIGKILL)
+                gen += 1
+                d.start_node(f"n{gen}", wait=False)
+                alive.append(f"n{gen}")
+                node_kills += 1
+                next_node_kill = now + args.node_kill_every_s
+            if kills_at and len(client.results) >= kills_at[0] * args.jobs:
+                kills_at.pop(0)
+                d.kill("broker", signal.SIGKILL)
+                broker_kills += 1
+                if broker_kills == 2:
+                    d.config_path.write_text(yaml.safe_dump({**d.config, "broker": {**d.config["broker"], "port": fixed_port()}}))
+                d.start_broker()
+                client.connect(d.address)
+                client.rewatch()
+        elapsed_s = time.monotonic() - t0
+        client.pump(500)
+        lost = [j for j in client.ids if j not in client.results]
+        duplicated = [j for j, rs in client.results.items() if len(rs) > 1]
+        conflicting = [j for j, rs in client.results.items() if len({(s, e) for s, _, e in rs}) > 1]
+        wrong = [j for j, rs in client.results.items() if rs[0][0] != "done" or rs[0][2] != int(j[1:])]
+        broker_log = d.log("broker")
+    finally:
+        d.close()
+    time.sleep(1.0)
+    leftovers = _leftovers(home)
+    summary = {
+        "jobs": args.jobs, "nodes": args.nodes, "node_kills": node_kills, "broker_kills": broker_kills,
+        "elapsed_s": round(elapsed_s, 1), "lost": len(lost), "duplicated": len(duplicated),
+        "conflicting": len(conflicting), "not_done_or_wrong": len(wrong), "refused": len(client.refused),
+        "unknown_after_restart": len(client.unknown_after_restart), "orphan_processes": len(leftovers),
+    }
+    if leftovers:
+        print("left over:", *leftovers, sep="\n  ", file=sys.stderr)
+    if lost or wrong:
+        print("lost:", lost[:20], "wrong:", wrong[:20], "\nbroker log tail:\n", broker_log[-3000:], file=sys.stderr)
+    print(json.dumps(summary), flush=True)
+    bad = summary["lost"] or summary["duplicated"] or summary["conflicting"] or summary["not_done_or_wrong"] or leftovers
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
