@@ -70,10 +70,11 @@ class Journal:
         self._file: Any = None
         self._size = 0
         self._compacted_size = 0  # right after the last rewrite
-        # Background compaction: the thread, its error, and records appended since its snapshot.
+        # Background compaction: the thread, its error, where the old file stood at the snapshot,
+        # and how far the thread copied what was appended to the old file after it.
         self._compactor: threading.Thread | None = None
         self._compact_error: OSError | None = None
-        self._tail: list[bytes] = []
+        self._copied_until = 0
 
     # ------------------------------------------------------------------ reading
 
@@ -151,8 +152,6 @@ class Journal:
         if self.fsync:
             os.fsync(self._file.fileno())
         self._size += len(data)
-        if self._compactor is not None:
-            self._tail.append(data)
 
     def poll(self) -> None:
         """Swap in the compacted file once the background compaction is done (call from the loop)."""
@@ -200,19 +199,24 @@ class Journal:
         return self.path.with_name(self.path.name + ".tmp")
 
     def compact_in_background(self, records: list[dict[str, Any]]) -> None:
-        """Rewrite the file with ``records`` (a snapshot taken on the loop) in a thread; :meth:`poll` swaps it in."""
+        """Rewrite the file with ``records`` (a snapshot taken on the loop) in a thread; :meth:`poll` swaps it in.
+
+        Records appended meanwhile go to the old file as usual; the thread then copies them (from the
+        file, not memory) after the snapshot, and the swap copies the little that came after that.
+        """
         if self._compactor is not None:
             return
         self.flush()
-        self._tail = []
         self._compact_error = None
-        tmp = self._tmp
+        self._copied_until = self._size
+        tmp, old = self._tmp, self.path
 
         def write() -> None:
             try:
                 with open(tmp, "wb") as f:
                     for record in records:
                         f.write(msgpack.packb(record, use_bin_type=True))
+                    self._copied_until = _copy_from(old, self._copied_until, f)
                     f.flush()
                     os.fsync(f.fileno())
             except OSError as e:
@@ -225,15 +229,14 @@ class Journal:
         assert self._compactor is not None
         self._compactor.join()
         self._compactor = None
-        tail, self._tail = self._tail, []
         if self._compact_error is not None:
             log.error("journal %s: compaction failed (%s); keeping the old file", self.path, self._compact_error)
             self._tmp.unlink(missing_ok=True)
             self._compacted_size = self._size  # do not retry at once
             return
         with open(self._tmp, "ab") as f:
-            # What was appended to the old file after the snapshot goes to the new one too.
-            f.write(b"".join(tail))
+            # What was appended after the thread's copy: one loop turn's worth or so.
+            _copy_from(self.path, self._copied_until, f, until=self._size)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(self._tmp, 0o600)
@@ -256,3 +259,16 @@ class Journal:
         self.close()
         self.path.unlink(missing_ok=True)
         self._tmp.unlink(missing_ok=True)
+
+
+def _copy_from(path: Path, offset: int, out: Any, until: int | None = None, chunk: int = 1 << 20) -> int:
+    """Append ``path``'s bytes from ``offset`` (to ``until``, or its current end) to ``out``; return where it stopped."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while until is None or offset < until:
+            data = f.read(chunk if until is None else min(chunk, until - offset))
+            if not data:
+                break
+            out.write(data)
+            offset += len(data)
+    return offset
