@@ -98,6 +98,20 @@ class JobTable:
     def live_tasks(self) -> set[str]:
         return set().union(*(n.tasks for n in self.nodes.values() if n.alive)) if self.nodes else set()
 
+    def journal_snapshot(self) -> list[dict[str, Any]]:
+        """What a replay needs, as journal records (cheap: references to the jobs' frames, nothing packed)."""
+        out: list[dict[str, Any]] = []
+        for job in self.jobs.values():
+            out.append(job_record(job.spec, job.instance))
+            if job.result is not None:
+                out.append(end_record(job.job_id, job.state, job.result))
+            elif job.node_id is not None:
+                out.append(placed_record(job.job_id, job.spec.attempt, job.node_id))
+            elif job.job_id in self.awaiting_claim and job.claim_node is not None:
+                # Replayed and not yet claimed: its node may still claim it after another restart.
+                out.append(placed_record(job.job_id, job.claim_attempt or job.spec.attempt, job.claim_node))
+        return out
+
     # ------------------------------------------------------------ submit
 
     def add(self, spec: JobSpec, instance: bytes, watcher: bytes | None = None) -> Job:

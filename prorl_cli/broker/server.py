@@ -25,7 +25,7 @@ import zmq
 
 from prorl_cli import protocol as P
 from prorl_cli.broker.jobs import JobTable
-from prorl_cli.broker.journal import JOURNAL_NAME, Journal, end_record, job_record, placed_record
+from prorl_cli.broker.journal import JOURNAL_NAME, Journal
 from prorl_cli.broker.state import (
     Backend,
     HeldGenerate,
@@ -128,15 +128,7 @@ class Broker:
             log.info("%d placed job(s) wait %.1f s for their nodes to claim them", waiting, 2 * self.dead_after_s)
 
     def _journal_snapshot(self) -> list[dict[str, Any]]:
-        """What a replay needs, as records (cheap: references to the jobs' frames, nothing packed)."""
-        out: list[dict[str, Any]] = []
-        for job in self.jobs.values():
-            out.append(job_record(job.spec, job.instance))
-            if job.result is not None:
-                out.append(end_record(job.job_id, job.state, job.result))
-            elif job.node_id is not None or job.claim_node is not None:
-                out.append(placed_record(job.job_id, job.claim_attempt or job.spec.attempt, job.node_id or job.claim_node or ""))
-        return out
+        return self.table.journal_snapshot()
 
     def _journal_append(self, record: dict[str, Any]) -> None:
         if self.journal is not None:

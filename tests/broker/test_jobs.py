@@ -216,3 +216,28 @@ def test_dead_nodes_are_pruned() -> None:
     _node(table, "alive")
     assert sorted(table.prune_dead_nodes(keep=3)) == [f"n{i}" for i in range(7)]
     assert sorted(table.nodes) == ["alive", "n7", "n8", "n9"]
+
+
+def test_a_compacted_journal_replays_like_the_full_one(tmp_path) -> None:
+    """Placed, re-queued after a node loss, finished and never-placed jobs survive compaction unchanged."""
+    journal = Journal(tmp_path / "broker.journal")
+    table = JobTable(record=journal.append)
+    n1 = _node(table, "n1", credit=2)
+    for j in ("lost", "placed"):
+        _add(table, j)
+    table.place()
+    table.node_lost(n1, "silent")  # both re-queued at attempt 2, claimable by n1 at attempt 1
+    n2 = _node(table, "n2", credit=1)
+    placed_now = table.place()[0][1].job_id
+    _add(table, "never")
+    _add(table, "done")
+    table.cancel(["done"])
+    journal.flush()
+    full = journal.replay()
+
+    journal.rewrite(table.journal_snapshot())
+    compacted = journal.replay()
+    key = {j: (x.spec.attempt, x.claim_node, x.state, x.result) for j, x in full.items()}
+    assert key == {j: (x.spec.attempt, x.claim_node, x.state, x.result) for j, x in compacted.items()}
+    assert full[placed_now].claim_node == "n2" and full["never"].claim_node is None
+    del n2
