@@ -415,6 +415,7 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "stages": Opt(_STAGE_STATS),
         "inflight": Opt(Int(0, _BIG)),
         "liveness_token": Opt(_TOKEN),
+        "stats": Opt(Dict(Str(64), Num(-float(_BIG), float(_BIG)), max_len=64)),  # a bridge's engine figures
     }),
     Op.UNREGISTER: OpSchema({"rid": Opt(Id()), "node_id": Opt(Str()), "backend_id": Opt(Str())}),
     Op.JOB_STAGE: OpSchema({"updates": List(_UPDATE, 1_000_000)}),
