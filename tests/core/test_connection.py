@@ -71,7 +71,7 @@ async def _a_cancel_racing_a_reply_is_never_lost(router: zmq.asyncio.Socket) -> 
             identity, header = await _receive(router)
             (fut,) = conn._pending.values()
             accepted: list[bool] = []
-            fut.add_done_callback(lambda _f, t=task: accepted.append(t.cancel()))
+            fut.add_done_callback(lambda _f, t=task, a=accepted: a.append(t.cancel()))
             await router.send_multipart([identity, *P.encode(P.reply(header["rid"], value=1), ())])
             try:
                 await task
