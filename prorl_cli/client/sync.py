@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 
 from prorl_cli.client.aio import AsyncRolloutClient
 from prorl_cli.client.results import ForgetOutcome, ResultStream, Submitted
-from prorl_cli.protocol import BackendStatus, JobResult, JobSpec, StatusReport
+from prorl_cli.connection import Reply
+from prorl_cli.protocol import BackendStatus, JobResult, JobSpec, Op, StatusReport
 
 T = TypeVar("T")
 
@@ -51,6 +52,14 @@ class RolloutClient:
     @property
     def address(self) -> str | None:
         return self._aio.address
+
+    def connect(self) -> None:
+        """Open the connection (done on first use anyway)."""
+        self._run(self._aio.connect())
+
+    def request(self, op: Op, payload: Sequence[bytes] = (), timeout_s: float | None = None, **fields: Any) -> Reply:
+        """One raw request (see :meth:`AsyncRolloutClient.request`)."""
+        return self._run(self._aio.request(op, payload, timeout_s, **fields))
 
     def make_specs(self, task: str, count: int, **kwargs: Any) -> list[JobSpec]:
         return self._aio.make_specs(task, count, **kwargs)
