@@ -257,7 +257,7 @@ def status(app: App, as_json: bool, address: str | None) -> None:
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @pass_app
 def cancel(app: App, job_ids: tuple[str, ...], address: str | None) -> None:
-    """Cancel queued or running jobs by id."""
+    """Cancel queued or running jobs by id; prints each one's state, exits 1 if any id is unknown."""
     with connect(app, address) as client:
         states = client.cancel(job_ids)
     for job_id, state in states.items():
