@@ -353,13 +353,17 @@ class AsyncRolloutClient:
             running=[str(j) for j in header.get("running") or []],
             unknown=[str(j) for j in header.get("unknown") or []],
         )
-        dropped = [*outcome.forgotten, *outcome.unknown]
+        self.forget_local([*outcome.forgotten, *outcome.unknown])
+        return outcome
+
+    def forget_local(self, job_ids: Iterable[str]) -> None:
+        """Drop only this client's copies of finished results (the broker keeps them for late watchers)."""
+        dropped = list(job_ids)
         for job_id in dropped:
             self._results.pop(job_id, None)
             self._watched.pop(job_id, None)
         for stream in self._streams:
             stream._forget(dropped)
-        return outcome
 
     # ------------------------------------------------------------- deployment
 

@@ -93,6 +93,15 @@ class ResultStream:
     def _forget(self, job_ids: Iterable[str]) -> None:
         self._seen.difference_update(job_ids)
 
+    def ready(self) -> list[JobResult]:
+        """The results already received and not yet yielded, without waiting (batching consumers)."""
+        out = []
+        while not self._queue.empty():
+            result = self._take(self._queue.get_nowait())
+            if result is not None:
+                out.append(result)
+        return out
+
     def __aiter__(self) -> ResultStream:
         return self
 

@@ -93,6 +93,9 @@ class RolloutClient:
     def forget(self, job_ids: Iterable[str]) -> ForgetOutcome:
         return self._run(self._aio.forget(job_ids))
 
+    def forget_local(self, job_ids: Iterable[str]) -> None:
+        self._aio.forget_local(job_ids)
+
     def status(self) -> StatusReport:
         return self._run(self._aio.status())
 
