@@ -151,7 +151,8 @@ class SyncResultStream:
             raise StopIteration from None
 
     def close(self) -> None:
-        self._client._run(self._stream.aclose())
+        if not self._client._loop.is_closed():
+            self._client._run(self._stream.aclose())
 
     def __enter__(self) -> SyncResultStream:
         return self

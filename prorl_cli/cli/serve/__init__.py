@@ -18,7 +18,11 @@ def serve() -> None:
 @click.option("--port", type=int, help="TCP port (default: a free one, published in the rendezvous file).")
 @pass_app
 def serve_broker(app: App, bind_host: str | None, port: int | None) -> None:
-    """Run the deployment's ZeroMQ broker and write its rendezvous file."""
+    """Run the deployment's ZeroMQ broker and write its rendezvous file.
+
+    Refuses to start while another broker serves the deployment (it holds
+    <deployment>/broker.lock); the error names that broker's pid and address.
+    """
     app.override(broker__bind_host=bind_host, broker__port=port)
     app.setup_logging("broker")
     import zmq
