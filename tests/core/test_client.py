@@ -83,12 +83,12 @@ def test_cancel_with_unknown_ids_reports_per_id(deployment: Deployment) -> None:
 def test_pause_and_resume_take_a_policy_version(deployment: Deployment) -> None:
     client = deployment.client
     client.pause_generation(policy_version=3)
-    st = client.status()
-    assert st.generation_paused
-    if hasattr(st, "policy_version"):
-        assert st.policy_version == 3
+    assert client.status().generation_paused
     client.resume_generation(policy_version=4)
-    assert not client.status().generation_paused
+    st = client.status()
+    assert not st.generation_paused
+    if hasattr(st, "policy_version"):  # K3 (routing team): the broker serves the version resume named
+        assert st.policy_version == 4
     with pytest.raises(ValueError, match="policy_version"):
         client.pause_generation(policy_version=-1)
 
