@@ -567,10 +567,14 @@ class Broker:
 
     def on_pause_generation(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         self.generation_paused = True
+        if h.get("policy_version") is not None:
+            self.policy_version = h["policy_version"]
         self._send(identity, P.reply(h["rid"], paused=True, inflight=len(self.pending)))
 
     def on_resume_generation(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         self.generation_paused = False
+        if h.get("policy_version") is not None:
+            self.policy_version = h["policy_version"]
         self._send(identity, P.reply(h["rid"], paused=False, released=len(self.held)))
         self._release_held()
 
