@@ -91,3 +91,11 @@ class ImageBuildError(ProrlError, RuntimeError):
 
 class NotImplementedYet(ProrlError, NotImplementedError):
     """A command that a later milestone implements."""
+
+
+class DomainError(ProrlError, ValueError):
+    """A task instance or a domain setting that a domain handler cannot use (names the field)."""
+
+
+class DatasetError(ProrlError, ValueError):
+    """A dataset file that cannot be loaded (names the file, the line or row, and the field)."""
