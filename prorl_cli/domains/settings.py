@@ -51,6 +51,10 @@ def _check(key: str, value: Any, default: Any, where: str) -> Any:
         if value is not None and not isinstance(value, str):
             raise DomainError(f"{where}.image: expected an image name or path, got {value!r}")
         return value
+    if isinstance(default, dict):
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise DomainError(f"{where}.{key}: expected a mapping, got {value!r}")
+        return dict(value)
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise DomainError(f"{where}.{key}: expected true or false, got {value!r}")
