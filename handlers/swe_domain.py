@@ -30,7 +30,7 @@ from typing import Any
 from prorl_cli.domains.handler import DomainHandler
 from prorl_cli.domains.sandbox_tools import BASH_SCHEMA, EDITOR_SCHEMA, sandbox_tools
 from prorl_cli.domains.settings import DomainSettings
-from prorl_cli.domains.swe_grading import grade, parse_pytest_log, test_files, test_list
+from prorl_cli.domains.swe_grading import grade, parse_pytest_log, test_list, test_targets
 from prorl_cli.exceptions import DomainError
 from prorl_cli.node.handler import JobContext
 
@@ -97,6 +97,7 @@ class SweHandler(DomainHandler):
         test_list(ctx.instance["PASS_TO_PASS"], "PASS_TO_PASS")
         await self.load_chat(ctx, settings)
         ctx.state["sandbox"] = await self._sandbox(ctx, settings)
+        ctx.output["sandboxes"] = {"run": ctx.state["sandbox"].sandbox_id}
 
     async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
         sandbox = ctx.state["sandbox"]
@@ -117,6 +118,7 @@ class SweHandler(DomainHandler):
         f2p = test_list(ctx.instance["FAIL_TO_PASS"], "FAIL_TO_PASS")
         p2p = test_list(ctx.instance["PASS_TO_PASS"], "PASS_TO_PASS")
         sandbox = await self._sandbox(ctx, settings)  # fresh: RUN's sandbox is gone
+        ctx.output.setdefault("sandboxes", {})["eval"] = sandbox.sandbox_id
         try:
             repo_dir = shlex.quote(str(settings.get("repo_dir")))
             if patch.strip():
@@ -130,7 +132,7 @@ class SweHandler(DomainHandler):
             applied = await sandbox.bash(f"cd {repo_dir} && git apply --whitespace=nowarn /tmp/test.patch 2>&1")
             if applied.exit_code != 0:
                 raise DomainError(f"swe: the instance's test_patch does not apply: {applied.output[-1000:]}")
-            files = " ".join(shlex.quote(f) for f in test_files(str(ctx.instance["test_patch"])))
+            files = " ".join(shlex.quote(f) for f in test_targets(str(ctx.instance["test_patch"]), f2p, p2p))
             timeout_s = float(settings.get("test_timeout_s"))
             ran = await sandbox.bash(f"cd {repo_dir} && {settings.get('test_command')} {files} > /tmp/test.log 2>&1",
                                      timeout_s=timeout_s)

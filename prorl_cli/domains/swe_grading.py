@@ -26,6 +26,17 @@ def test_files(test_patch: str) -> list[str]:
     return files
 
 
+def test_targets(test_patch: str, *test_names: list[str]) -> list[str]:
+    """Test files to run: those the test patch touches, plus the files of pytest node ids in ``test_names``."""
+    files = test_files(test_patch)
+    for names in test_names:
+        for name in names:
+            path = name.split("::", 1)[0]
+            if "::" in name and path.endswith(".py") and path not in files:
+                files.append(path)
+    return files
+
+
 def test_list(value: Any, field_name: str) -> list[str]:
     """FAIL_TO_PASS / PASS_TO_PASS as a list (SWE-bench ships them as JSON strings)."""
     if isinstance(value, str):
