@@ -3,7 +3,7 @@
 The log parser and the grading rules are the ``swebench`` package's
 (``swebench.harness.log_parsers`` and ``swebench.harness.grading``), so a
 reward here means what it means on SWE-bench. Install with
-``pip install 'prorl[domains]'``.
+``pip install 'prorl[swe]'``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _swebench() -> Any:
         from swebench.harness import grading
         from swebench.harness.log_parsers import python as parsers
     except ImportError as e:
-        raise DomainError("swe: the 'swebench' package is missing (pip install 'prorl[domains]')") from e
+        raise DomainError("swe: the 'swebench' package is missing (pip install 'prorl[swe]')") from e
     return grading, parsers
 
 

@@ -11,7 +11,7 @@ from tests.domains.conftest import ScriptedStack, need_module, turn
 
 def test_four_domains_interleaved_on_one_node(stack: ScriptedStack, tmp_path: Path, domain_image: str) -> None:
     need_module("bm25s", "domains")
-    need_module("swebench", "domains")
+    need_module("swebench", "swe")
     repo = make_tinyrepo(tmp_path / "tinycalc")
     stack.add("Q-found: Who created", turn("", ("search", {"query": "creator of the Python programming language", "k": 3})),
               turn("", ("open", {"doc_id": "python"})), "It was \\boxed{Guido van Rossum}.")

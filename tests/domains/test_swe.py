@@ -35,7 +35,7 @@ def fixture_image(tmp_path_factory: pytest.TempPathFactory, domain_image: str) -
     The recipe lives at a fixed path and the repository is made with fixed dates, so the lock-mode
     cache under the test image cache is reused by later runs.
     """
-    need_module("swebench", "domains")
+    need_module("swebench", "swe")
     repo = make_tinyrepo(tmp_path_factory.mktemp("swe") / "tinycalc")
     recipe = IMAGES / "swe-fixture"
     recipe.mkdir(exist_ok=True)
