@@ -55,7 +55,7 @@ class MathHandler(DomainHandler):
             ctx.state["sandbox"] = await ctx.start_sandbox(**options)
 
     async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
-        sandbox = ctx.state.get("sandbox")
+        sandbox: Any = ctx.state.get("sandbox")  # None when settings leave out the python tool
         timeout_s = float(settings.get("tool_timeout_s"))
 
         async def python(code: str) -> str:

@@ -83,8 +83,8 @@ def math_equal(gold: str, pred: str | None) -> MathVerdict:
     if importlib.util.find_spec("math_verify") is not None:
         from math_verify import parse, verify
 
-        g = parse(f"${gold}$", parsing_timeout=None)  # type: ignore[arg-type]
-        p = parse(f"${pred}$", parsing_timeout=None)  # type: ignore[arg-type]
+        g = parse(f"${gold}$", parsing_timeout=None)
+        p = parse(f"${pred}$", parsing_timeout=None)
         if g and p:
             ok = bool(verify(g, p, timeout_seconds=None))
             return MathVerdict(ok, "math_verify", str(p[0]))

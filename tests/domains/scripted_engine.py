@@ -51,7 +51,7 @@ class ScriptedEngine(Engine):
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         self.calls += 1
-        prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        prompt = str(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
         ids = list(self.tokenizer.encode(self.turn_for(prompt) + "<|im_end|>", add_special_tokens=False))
         finish = "stop"
         if len(ids) > sampling.max_tokens:

@@ -27,8 +27,8 @@ def test_non_equivalent_answers_score_0(gold: str, pred: str) -> None:
 
 def test_sympy_fallback_and_boxed_extraction() -> None:
     assert _sympy_equal("\\frac{1}{2}", "0.5") == (True, "0.500000000000000")
-    assert _sympy_equal("x = 3", "3")[0] is True  # type: ignore[index]
-    assert _sympy_equal("2", "3")[0] is False  # type: ignore[index]
+    assert _sympy_equal("x = 3", "3") == (True, "3")
+    assert _sympy_equal("2", "3") == (False, "3")
     assert last_boxed("first \\boxed{1}, finally \\boxed{\\frac{a}{b}}") == "\\frac{a}{b}"
     assert last_boxed("unbalanced \\boxed{1") is None
 

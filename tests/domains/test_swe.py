@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,7 @@ RUN_TESTS = ("bash", {"command": "cd /testbed && python3 -m pytest -q tests 2>&1
 
 
 @pytest.fixture(scope="module")
-def fixture_image(tmp_path_factory: pytest.TempPathFactory, domain_image: str) -> tuple[str, dict[str, object], Path]:
+def fixture_image(tmp_path_factory: pytest.TempPathFactory, domain_image: str) -> tuple[str, dict[str, Any], Path]:
     """tinycalc made as a git repository, bundled, and built with ``prorl build-images`` from a Dockerfile.
 
     The recipe lives at a fixed path and the repository is made with fixed dates, so the lock-mode
@@ -67,7 +68,7 @@ def _instance(base: dict[str, object], tag: str, **extra: object) -> dict[str, o
     return {**base, "problem_statement": f"[{tag}] {base['problem_statement']}", **extra}
 
 
-def test_swe_handler_grades_fail_to_pass_and_pass_to_pass(stack: ScriptedStack, fixture_image: tuple[str, dict[str, object], Path],
+def test_swe_handler_grades_fail_to_pass_and_pass_to_pass(stack: ScriptedStack, fixture_image: tuple[str, dict[str, Any], Path],
                                                            domain_image: str) -> None:
     image, instance, repo_path = fixture_image
     stack.add("[S-fix]", turn("", RUN_TESTS), turn("", FIX), turn("", RUN_TESTS), "Fixed mean.")
@@ -86,7 +87,7 @@ def test_swe_handler_grades_fail_to_pass_and_pass_to_pass(stack: ScriptedStack, 
 
     assert fixed.state == "done" and fixed.reward == 1.0, json.dumps(fixed.output, indent=1)[-3000:]
     report = fixed.output["report"]
-    assert report["status"] == "RESOLVED_FULL" and sorted(report["fail_to_pass"]["success"]) == sorted(instance["FAIL_TO_PASS"])  # type: ignore[arg-type]
+    assert report["status"] == "RESOLVED_FULL" and sorted(report["fail_to_pass"]["success"]) == sorted(instance["FAIL_TO_PASS"])
     assert report["tests"]["tests/test_stats.py::test_mean"] == "PASSED"
     assert "-    return sum(xs) / (len(xs) - 1)" in fixed.output["model_patch"]
     tools = [m["content"] for m in fixed.output["trajectory"]["messages"] if m["role"] == "tool"]
@@ -98,7 +99,7 @@ def test_swe_handler_grades_fail_to_pass_and_pass_to_pass(stack: ScriptedStack, 
     assert broken.output["report"]["fail_to_pass"]["failure"] == []
     assert broken.output["report"]["pass_to_pass"]["failure"] == ["tests/test_calc.py::test_add"]
     assert nothing.reward == 0.0 and nothing.output["model_patch"] == ""
-    assert sorted(nothing.output["report"]["fail_to_pass"]["failure"]) == sorted(instance["FAIL_TO_PASS"])  # type: ignore[arg-type]
+    assert sorted(nothing.output["report"]["fail_to_pass"]["failure"]) == sorted(instance["FAIL_TO_PASS"])
     assert cloned.reward == 1.0, json.dumps(cloned.output, indent=1)[-3000:]
     records = stack.d.deployment_dir / "nodes" / "n1" / "sandboxes"
     assert list(records.glob("*.json")) == []
