@@ -13,6 +13,7 @@ import pytest
 from tests.domains.conftest import need_module
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("task", ["math", "code", "swe", "search"])
 def test_quickstart_domain_runs_end_to_end(task: str, tmp_path: Path, tiny_model: Path, domain_image: str) -> None:
     need_module("math_verify", "domains")

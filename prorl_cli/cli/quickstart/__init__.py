@@ -63,7 +63,8 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int,
     if engine != "none":
         config["inference"] = {"tokenizer": str(model_dir)}
     if plan is not None:
-        config.update(plan.config)
+        for section, values in plan.config.items():
+            config[section] = {**config.get(section, {}), **values}
     out = home / "trajectories.jsonl"
     summary_path = home / "summary.json"
     con = app.console

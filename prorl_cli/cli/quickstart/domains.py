@@ -63,7 +63,9 @@ def plan_domain(app: App, task: str, home: Path, image: str | None, n_instances:
 
     runtime, notes = _runtime(task)
     settings: dict[str, Any] = dict(QUICK_SETTINGS)
-    config: dict[str, Any] = {"sandbox": {"runtime": runtime}}
+    # Sandbox starts and test runs share this machine's CPUs with the model: a node whose heartbeats
+    # are late by a few seconds is busy, not dead.
+    config: dict[str, Any] = {"sandbox": {"runtime": runtime}, "broker": {"heartbeat_liveness": 20}}
     if runtime == "apptainer" and task != "search":
         if image is None:
             cache_dir = str(Path(app.config.images.cache_dir).expanduser())
