@@ -76,8 +76,8 @@ def plan_domain(app: App, task: str, home: Path, image: str | None, n_instances:
         image = image or "host"
     elif task != "search":
         image = None
+    settings["image"] = image  # None: the runtime's default (the local runtime has no images)
     if image is not None:
-        settings["image"] = image
         config["sandbox"]["image"] = image
     config["domains"] = {task: settings}
     if task == "swe":
