@@ -145,7 +145,7 @@ def test_example_image_list_renders(ws: Workspace) -> None:
     ws.write(config_file=str(Path(__file__).resolve().parents[2] / "examples" / "images.yaml"), mirror="http://mirror.invalid/debian",
              docker_registry="registry.site.invalid")
     plans = ws.dry_run()
-    assert set(plans) == {"base", "python", "swe", "python-oci"}
+    assert set(plans) == {"base", "python", "math", "swe", "python-oci"}
     assert "Bootstrap: docker\nFrom: python:3.11-slim\nRegistry: registry.site.invalid" in plans["python-oci"]["definition"]
     assert "(cd /testbed && git init -q .)" in plans["swe"]["definition"]
     assert "python3-numpy" in plans["python"]["definition"]
