@@ -67,11 +67,16 @@ class ScriptedStack:
         self.script: list[dict[str, Any]] = []
 
     def add(self, match: str, *turns: str) -> None:
-        """Script the turns of every job whose prompt contains ``match`` (before ``start_model``)."""
+        """Script the turns of every job whose prompt contains ``match`` (call ``start_model`` after)."""
         self.script.append({"match": match, "turns": list(turns)})
 
     def start_model(self) -> None:
-        self.script_path.write_text(json.dumps(self.script))
+        """Publish the script; start the model bridge unless it already runs (the stack is shared)."""
+        tmp = self.script_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.script))
+        tmp.replace(self.script_path)  # the engine re-reads it whole
+        if "model" in self.d.procs:
+            return
         with open(self.d.logs / "model.log", "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.domains.scripted_engine", str(self.script_path), str(self.tiny_model),
@@ -91,10 +96,9 @@ class ScriptedStack:
         return [by_id[i] for i in ids]
 
 
-@pytest.fixture
-def stack(tmp_path: Path, tiny_model: Path, domain_image: str) -> Iterator[ScriptedStack]:
-    """Broker + node (Apptainer sandboxes on the domain image) + scripted model; call ``start_model`` after scripting."""
-    need_module("math_verify", "domains")
+@pytest.fixture(scope="session")
+def _shared_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, domain_image: str) -> Iterator[ScriptedStack]:
+    tmp_path = tmp_path_factory.mktemp("domains")
     config = {
         "sandbox": {"runtime": "apptainer", "image": domain_image, "local_dir": str(tmp_path / "sb")},
         "inference": {"tokenizer": str(tiny_model), "generate_timeout_s": 60.0},
@@ -109,3 +113,11 @@ def stack(tmp_path: Path, tiny_model: Path, domain_image: str) -> Iterator[Scrip
         yield ScriptedStack(d, tiny_model, tmp_path / "script.json")
     finally:
         d.close()
+
+
+@pytest.fixture
+def stack(_shared_stack: ScriptedStack) -> ScriptedStack:
+    """Broker + node (Apptainer sandboxes on the domain image) + scripted model, shared by the tier's tests
+    (starting them is most of a small test's time); script turns with ``add``, then call ``start_model``."""
+    need_module("math_verify", "domains")
+    return _shared_stack

@@ -1,6 +1,7 @@
 """A scripted model behind a real inference bridge: predetermined assistant turns as token ids.
 
-The test (or benchmark) decides every model turn. A script is a JSON list of
+The test (or benchmark) decides every model turn. A script is a JSON file (re-read when it changes, so tests sharing one
+deployment add their own entries) holding a list of
 ``{"match": TEXT, "turns": [TEXT, ...]}``: a call whose prompt contains
 ``match`` gets ``turns[i]`` (plus ``<|im_end|>``) encoded with the real
 tokenizer, where ``i`` is the number of assistant turns already in the
@@ -34,14 +35,19 @@ class ScriptedEngine(Engine):
     model = "scripted"
     max_model_len = 1 << 20
 
-    def __init__(self, script: list[dict[str, Any]], tokenizer_dir: str) -> None:
+    def __init__(self, script_path: Path, tokenizer_dir: str) -> None:
         from transformers import AutoTokenizer
 
-        self.script = script
+        self.script_path = script_path
+        self._mtime_ns = -1
+        self.script: list[dict[str, Any]] = []
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         self.calls = 0
 
     def turn_for(self, prompt: str) -> str:
+        mtime_ns = self.script_path.stat().st_mtime_ns
+        if mtime_ns != self._mtime_ns:
+            self.script, self._mtime_ns = json.loads(self.script_path.read_text()), mtime_ns
         done = prompt.count("<|im_start|>assistant") - 1
         for entry in self.script:
             if entry["match"] in prompt:
@@ -60,7 +66,7 @@ class ScriptedEngine(Engine):
 
 
 async def serve(script_path: str, tokenizer_dir: str, backend_id: str, deployment_dir: str) -> None:
-    engine = ScriptedEngine(json.loads(Path(script_path).read_text()), tokenizer_dir)
+    engine = ScriptedEngine(Path(script_path), tokenizer_dir)
     info = await asyncio.to_thread(wait_rendezvous, Path(deployment_dir), 60.0)
     bridge = InferenceBridge(engine, address=info.address, backend_id=backend_id, host=socket.gethostname(),
                              capacity=256, deployment_dir=Path(deployment_dir))
