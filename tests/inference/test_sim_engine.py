@@ -177,3 +177,16 @@ def test_sim_bridge_serves_a_sticky_multi_turn_job_and_status_shows_its_stats(tm
         assert "prefix hits" in out.stdout and "sim-a" in out.stdout
     finally:
         d.close()
+
+
+def test_quickstart_with_the_sim_engine(tmp_path: Path) -> None:
+    import json
+
+    home = tmp_path / "qs"
+    out = subprocess.run([sys.executable, "-m", "prorl_cli", "quickstart", "--engine", "sim", "--home", str(home)],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads((home / "summary.json").read_text())
+    assert summary["task"] == "sim_agent" and summary["states"] == {"done": 16}
+    stats = summary["backends"]["inference-0"]
+    assert stats["requests"] > 16 and stats["prefix_hit_rate"] > 0.5
