@@ -8,7 +8,8 @@ seeded by the instance seed and the job id, so a rerun makes the same calls.
 ``prorl quickstart --engine sim`` and ``benchmarks/table3.py`` run it.
 Instance (all optional)::
 
-    {"seed": 0,
+    {"seed": 0,                                           # with the job id: each rollout's draws
+     "rollout_seed": 17,                                  # instead: these draws, whatever the job id
      "turns": [10, 40],                                   # drawn uniformly, inclusive
      "prompt_tokens": 2000,                               # the opening prompt
      "output_tokens": {"median": 150, "sigma": 0.6, "max": 1024},
@@ -46,7 +47,9 @@ class SimAgentHandler(AgentHandler):
 
     async def init(self, ctx: JobContext) -> None:
         inst: dict[str, Any] = ctx.instance if isinstance(ctx.instance, dict) else {}
-        ctx.state["rng"] = random.Random(f"{inst.get('seed', 0)}:{ctx.job_id}")
+        # "rollout_seed" pins one rollout's draws whatever its job id (benchmarks comparing configurations).
+        seed = inst["rollout_seed"] if "rollout_seed" in inst else f"{inst.get('seed', 0)}:{ctx.job_id}"
+        ctx.state["rng"] = random.Random(str(seed))
 
     async def run(self, ctx: JobContext) -> None:
         inst: dict[str, Any] = ctx.instance if isinstance(ctx.instance, dict) else {}
