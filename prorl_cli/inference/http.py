@@ -101,7 +101,9 @@ class HttpClient:
         except asyncio.TimeoutError as e:
             raise InferenceError(f"{method} {url}: no answer within {timeout_s:g} s") from e
         except (aiohttp.ClientError, OSError) as e:
-            raise InferenceError(f"{method} {url}: {type(e).__name__}: {e}") from e
+            # Name the socket's own error (ConnectionRefusedError, ...) where aiohttp wraps one.
+            cause = getattr(e, "os_error", None) or e
+            raise InferenceError(f"{method} {url}: {type(cause).__name__}: {cause}") from e
 
     async def close(self) -> None:
         """Close the pool's connections (only from the loop that opened them)."""
