@@ -13,7 +13,10 @@ deployment each, the same workload each:
 * ``full``: prorl as shipped (least-loaded sticky routing, cancel propagation);
 * ``round_robin``: ``broker.routing_policy: round_robin`` (no stickiness);
 * ``ever_assigned``: ``broker.routing_policy: ever_assigned`` (the paper's server routing);
-* ``no_cleanup``: ``broker.cancel_propagation: false`` (cancelled jobs' model calls run on);
+* ``no_cleanup``: no stale-job cleanup: the trainer's early termination stops
+  waiting but cancels nothing (the paper's setting: the rest of the step's
+  jobs run on into the next step, their results ignored), and
+  ``broker.cancel_propagation: false``, so nothing stops their model calls;
 * ``tmux``: every tool action takes ``--tmux-delay-s`` longer (tmux-style polling).
 
 Time runs ``--speedup`` times faster than on the simulated GPU (tool waits too),
@@ -121,6 +124,10 @@ def backend_totals(stack: LocalStack) -> dict[str, float]:
     return totals
 
 
+#: Configurations whose trainer cancels the rest of a step on early termination.
+TRAINER_CANCELS = {name: name != "no_cleanup" for name in CONFIGS}
+
+
 def run_config(name: str, args: argparse.Namespace, home: Path) -> Outcome:
     extra = CONFIGS[name]
     why = config_supported(extra)
@@ -131,6 +138,7 @@ def run_config(name: str, args: argparse.Namespace, home: Path) -> Outcome:
     per_step = args.groups * args.n
     config = {
         "broker": {"heartbeat_interval_s": 0.5, "journal": False, **extra.get("broker", {})},
+        # Room for a step and the stale jobs of earlier ones (no_cleanup); more wait in the broker's queue.
         "node": {"n_init": 16, "n_run": per_step * 2, "n_eval": 16, "stop_grace_s": 3.0},
         "jobs": {"timeout_s": 3600.0},
         "inference": {"generate_timeout_s": 3600.0, "sim_speedup": args.speedup, "capacity": 256},
@@ -167,7 +175,7 @@ def run_config(name: str, args: argparse.Namespace, home: Path) -> Outcome:
                     informative += 1
                     if informative >= args.target:
                         break
-            if remaining:  # DAPO early termination: the step has what it needs
+            if remaining and TRAINER_CANCELS[name]:  # DAPO early termination: the step has what it needs
                 client.cancel(sorted(remaining))
                 cancelled += len(remaining)
         wall_s = time.monotonic() - started

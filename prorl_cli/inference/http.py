@@ -67,10 +67,9 @@ class HttpClient:
             ) from e
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            # json.dumps is done here; no cookie jar (servers set none worth keeping).
+            # No cookie jar: OpenAI-compatible servers set none worth keeping.
             connector = aiohttp.TCPConnector(limit=self.pool_size, ttl_dns_cache=300)
-            self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
-                                                  auto_decompress=False)
+            self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
             self._loop = loop
         return self._session
 
