@@ -157,7 +157,8 @@ def run_config(name: str, args: argparse.Namespace, home: Path) -> Outcome:
         before = backend_totals(stack)
         started = time.monotonic()
         finished = cancelled = 0
-        for step in steps:
+        for k, step in enumerate(steps):
+            step_started = time.monotonic()
             flat = [inst for group in step for inst in group]
             ids = client.submit("sim_agent", flat, n=1, timeout_s=3600.0)
             group_of = {jid: i // args.n for i, jid in enumerate(ids)}
@@ -175,9 +176,15 @@ def run_config(name: str, args: argparse.Namespace, home: Path) -> Outcome:
                     informative += 1
                     if informative >= args.target:
                         break
+            cancel_s = 0.0
             if remaining and TRAINER_CANCELS[name]:  # DAPO early termination: the step has what it needs
+                t = time.monotonic()
                 client.cancel(sorted(remaining))
+                cancel_s = time.monotonic() - t
                 cancelled += len(remaining)
+            if args.verbose:
+                print(f"  {name} step {k}: {time.monotonic() - step_started:.1f} s, {len(remaining)} left running, "
+                      f"cancel {cancel_s:.2f} s", flush=True)
         wall_s = time.monotonic() - started
         time.sleep(1.2)  # the bridges' next heartbeat covers the end of the run
         after = backend_totals(stack)
@@ -205,6 +212,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations")
     ap.add_argument("--json", type=Path, help="also write the outcomes here")
+    ap.add_argument("--verbose", action="store_true", help="print each step's time")
     args = ap.parse_args()
     names = [c for c in args.only.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
