@@ -25,7 +25,7 @@ so a run takes a few minutes on 2 cores; rates are reported in GPU time
 finished per second), busy fraction and prefix-cache hit rate of the
 backends, and the ratio to ``full``, beside the paper's figures.
 
-    python benchmarks/table3.py [--steps 3] [--groups 32] [--n 4] [--target 8] [--speedup 40] [--only full,tmux]
+    python benchmarks/table3.py [--steps 3] [--groups 32] [--n 4] [--target 4] [--speedup 40] [--only full,tmux]
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
-    ap.add_argument("--target", type=int, default=8, help="informative groups that end a step")
+    ap.add_argument("--target", type=int, default=4, help="informative groups that end a step")
     ap.add_argument("--speedup", type=float, default=40.0, help="simulated time runs this many times faster")
     ap.add_argument("--tool-median-s", type=float, default=1.0, help="median tool time per action (GPU time)")
     ap.add_argument("--tmux-delay-s", type=float, default=0.36,
