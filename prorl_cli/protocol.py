@@ -415,7 +415,7 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "stages": Opt(_STAGE_STATS),
         "inflight": Opt(Int(0, _BIG)),
         "liveness_token": Opt(_TOKEN),
-        "stats": Opt(Dict(Str(64), Num(-float(_BIG), float(_BIG)), max_len=64)),  # a bridge's engine figures
+        "stats": Opt(Dict(Str(64), Num(-float(_BIG), float(_BIG)), max_len=32)),  # a bridge's engine figures
     }),
     Op.UNREGISTER: OpSchema({"rid": Opt(Id()), "node_id": Opt(Str()), "backend_id": Opt(Str())}),
     Op.JOB_STAGE: OpSchema({"updates": List(_UPDATE, 1_000_000)}),
@@ -714,6 +714,8 @@ class BackendStatus(_Record):
     served: int
     cleared: bool
     alive: bool
+    #: Engine figures from the bridge's heartbeat ``stats`` (str -> number); empty when it sends none.
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
