@@ -256,11 +256,19 @@ def test_generate_headers_as_nodes_and_bridges_send_them_pass_validation(deploym
                      "max_model_len": None, "capacity": 4})
         assert bridge.reply(1)["ok"]
         bridge.send({"op": "heartbeat", "backend_id": "fake-bridge", "inflight": 0})
-        node.send({"op": "register", "rid": 1, "node_id": "gen-node", "host": "h", "pid": 1, "credit": 1, "tasks": ["zzz"],
-                   "running": []})
+        node.send({"op": "register", "rid": 1, "node_id": "gen-node", "host": "h", "pid": 1, "credit": 1,
+                   "tasks": ["gen-only"], "running": []})
         assert node.reply(1)["ok"]
+        # A job placed on this node (generate calls route only for running jobs).
+        [job_id] = deployment.client.submit("gen-only", [{}])
+        while True:
+            assert node.sock.poll(REPLY_TIMEOUT_MS), "no assignment"
+            h = msgpack.unpackb(node.sock.recv_multipart()[0], raw=False)
+            if h.get("op") == "assign":
+                break
+        assert h["jobs"][0]["job_id"] == job_id
         sampling = P.SamplingParams(max_tokens=4, seed=None, stop_token_ids=[2]).to_wire()
-        node.send({"op": "generate", "rid": 5, "job_id": "gen-job", "sampling": sampling}, [P.pack_tokens([1, 2, 3])])
+        node.send({"op": "generate", "rid": 5, "job_id": job_id, "sampling": sampling}, [P.pack_tokens([1, 2, 3])])
         assert bridge.sock.poll(REPLY_TIMEOUT_MS)
         frames = bridge.sock.recv_multipart()
         fwd = msgpack.unpackb(frames[0], raw=False)
@@ -268,11 +276,12 @@ def test_generate_headers_as_nodes_and_bridges_send_them_pass_validation(deploym
             assert bridge.sock.poll(REPLY_TIMEOUT_MS)
             frames = bridge.sock.recv_multipart()
             fwd = msgpack.unpackb(frames[0], raw=False)
-        assert fwd["job_id"] == "gen-job" and P.unpack_tokens(frames[1]) == [1, 2, 3]
+        assert fwd["job_id"] == job_id and P.unpack_tokens(frames[1]) == [1, 2, 3]
         bridge.send({"op": "generate_reply", "rid": fwd["rid"], "finish_reason": "stop"},
                     [P.pack_tokens([7]), P.pack_floats([-0.5])])
         h = node.reply(5)
         assert h["ok"] and h["finish_reason"] == "stop" and h["backend_id"] == "fake-bridge"
+        deployment.client.cancel([job_id])
     finally:
         bridge.send({"op": "unregister", "backend_id": "fake-bridge"})
         node.send({"op": "unregister", "node_id": "gen-node"})
