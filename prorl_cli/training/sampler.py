@@ -32,6 +32,7 @@ after merging (``TrainingSample.policy_versions``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -241,10 +242,8 @@ class DapoSampler:
             await self._cancel(list(self._pending.values()), StepStats(self.step_index, 0))
         if self._pump is not None:
             self._pump.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._pump
-            except asyncio.CancelledError:
-                pass
             self._pump = None
 
     def state(self) -> SamplerState:
