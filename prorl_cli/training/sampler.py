@@ -407,7 +407,7 @@ class BlockingDapoSampler:
         return self._sampler
 
     def step(self, policy_version: int = 0) -> StepBatch:
-        return self._client._run(self._sampler.step(policy_version))  # type: ignore[no-any-return]
+        return self._client._run(self._sampler.step(policy_version))
 
     def state(self) -> SamplerState:
         return self._sampler.state()
