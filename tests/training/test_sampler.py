@@ -160,3 +160,24 @@ def test_restarted_sampler_resubmits_the_same_ids(stack: Deployment, tmp_path: P
     after = stack.client.status().jobs
     # No job ran twice: the broker knows one job per id.
     assert sum(after.values()) - sum(before.values()) == len(second_ids - first_ids)
+
+
+def test_prorl_submit_dapo(stack: Deployment, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({**p, "scale_s": 0.01}) + "\n" for p in prompts(9)))
+    out = tmp_path / "groups.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(tasks), "--task", "dapo_sim", "--dapo",
+         "--group-size", "3", "--target-groups", "2", "--id-prefix", "cli", "--out", str(out)],
+        env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "informative 2/2" in proc.stderr and "filtered" in proc.stderr and "in flight" in proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r["reward"])
+    assert len(groups) == 2 and all(len(set(v)) > 1 and len(v) == 3 for v in groups.values())
+    bad = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(tasks), "--task", "dapo_sim",
+                          "--group-size", "3"], env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--group-size need --dapo" in bad.stderr
