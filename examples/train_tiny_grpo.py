@@ -128,7 +128,7 @@ def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig, 
         opt.zero_grad()
         loss.backward()
         opt.step()
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
     model.eval()
     return loss_value
 

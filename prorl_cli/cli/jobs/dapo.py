@@ -88,7 +88,7 @@ def run_dapo(
         try:
             with Live(Text("starting"), console=app.err_console, transient=False, refresh_per_second=8) as live:
                 sampler.sampler.on_progress = lambda st: live.update(Text(progress_text(st, target_groups)))
-                for _ in range(dapo_steps):
+                for _step in range(dapo_steps):
                     batch = sampler.step(policy_version=0)
                     live.update(Text(progress_text(batch.stats, target_groups)))
                     batches.append(batch)
