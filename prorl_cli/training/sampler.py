@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -215,6 +216,8 @@ class DapoSampler:
         self._pending: dict[str, _Pending] = {}
         self._ready: list[Group] = []
         self._job_group: dict[str, str] = {}
+        #: Job ids of groups done with (returned, filtered, dropped), forgotten at the start of the next step.
+        self._retired: list[str] = []
         self._inbox: asyncio.Queue[JobResult] = asyncio.Queue()
         self._pump: asyncio.Task[None] | None = None
         self._stats: StepStats | None = None
@@ -288,6 +291,7 @@ class DapoSampler:
         ids = []
         for p in groups:
             self._pending.pop(p.group_id, None)
+            self._retired += p.job_ids
             left = [j for j in p.job_ids if j not in p.results]
             ids += left
             stats.cancelled_inflight_s += len(left) * (now - p.submitted_at)
@@ -315,6 +319,7 @@ class DapoSampler:
         if len(pending.results) < self.config.group_size:
             return
         del self._pending[pending.group_id]
+        self._retired += pending.job_ids
         ordered = [pending.results[j] for j in pending.job_ids]
         if self.config.failed == "exclude":
             rewards = [float(r.reward or 0.0) for r in ordered if r.ok]
@@ -341,6 +346,19 @@ class DapoSampler:
             stats.in_flight = self.in_flight_jobs
             self.on_progress(stats)
 
+    async def _forget_retired(self) -> None:
+        """Drop the results of groups from earlier steps, here and at the broker, so a long run's memory stays flat.
+
+        Only earlier steps: a trainer restarted within a step resubmits that step's ids and needs them.
+        """
+        ids, self._retired = self._retired, []
+        for j in ids:
+            self._job_group.pop(j, None)
+        if ids:
+            done = self.client.forget(ids)
+            if inspect.isawaitable(done):  # the broker-side forget (contract K2) is a request
+                await done
+
     # ------------------------------------------------------------ steps
 
     async def step(self, policy_version: int = 0) -> StepBatch:
@@ -351,6 +369,7 @@ class DapoSampler:
         deadline = None if cfg.step_timeout_s is None else started + cfg.step_timeout_s
         stats = StepStats(step=self.step_index, policy_version=policy_version)
         self._stats = stats
+        await self._forget_retired()
         for c in self._restore:  # a restarted trainer: the same ids; the broker returns the existing jobs
             await self._submit_group(c.position, c.step, c.policy_version)
         self._restore = []

@@ -117,7 +117,7 @@ CHILD = textwrap.dedent("""
         cfg = SamplerConfig(group_size=4, target_groups=50, max_in_flight=16, run_id="t3")
         sampler = DapoSampler(client, "dapo_sim", ps, cfg)
         task = asyncio.ensure_future(sampler.step())
-        while not sampler._job_group:
+        while len(sampler._job_group) < cfg.max_in_flight:  # the first window is submitted
             await asyncio.sleep(0.01)
         with open(out + ".tmp", "w") as f:
             json.dump(sorted(sampler._job_group), f)
