@@ -54,19 +54,19 @@ class RunConfig:
     out: Path
     seed: int = 0
     n_train: int = 200
-    n_eval: int = 16
+    n_eval: int = 32
     max_operand: int = 9
-    warmup_steps: int = 200
+    warmup_steps: int = 400
     warmup_batch: int = 8
     warmup_lr: float = 3e-3
     steps: int = 20
-    group_size: int = 4
+    group_size: int = 8
     target_groups: int = 4
-    lr: float = 1e-3
+    lr: float = 2e-4
     clip_eps: float = 0.2
     temperature: float = 1.0
     max_tokens: int = 40
-    eval_every: int = 4
+    eval_every: int = 3
     eval_samples: int = 2
 
 
@@ -244,6 +244,7 @@ def run(cfg: RunConfig) -> RunSummary:
         print(f"step 0: held-out reward {summary.curve[-1][1]:.3f}", flush=True)
         sampler = BlockingDapoSampler(client, "math_agent", train, SamplerConfig(
             group_size=cfg.group_size, target_groups=cfg.target_groups, run_id=f"grpo{cfg.seed}",
+            max_in_flight=2 * cfg.group_size,  # one engine serves one call at a time: a short queue wastes less at cancel
             carry_over=False, sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
             timeout_s=300, step_timeout_s=1800,
         ))
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RunConfig(out=args.out, seed=args.seed)
     if args.short:
         # The full warm-up: the sampler needs groups with some right answers to fill a step.
-        cfg.steps, cfg.n_eval, cfg.eval_samples, cfg.eval_every = 2, 4, 1, 2
+        cfg.steps, cfg.warmup_steps, cfg.n_eval, cfg.eval_samples, cfg.eval_every = 2, 200, 4, 1, 2
         cfg.target_groups, cfg.group_size = 2, 4
     if args.steps is not None:
         cfg.steps = args.steps
