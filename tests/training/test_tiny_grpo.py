@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(900)  # warm-up + 3 bridge starts + 2 steps: about 2 minutes on 2 idle cores
 def test_tiny_grpo_short_configuration(tmp_path: Path) -> None:
     for module, extra in (("torch", "cpu"), ("pyarrow", "parquet")):
         if importlib.util.find_spec(module) is None:
