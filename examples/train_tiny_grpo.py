@@ -62,7 +62,10 @@ class RunConfig:
     steps: int = 20
     group_size: int = 8
     target_groups: int = 4
-    lr: float = 2e-4
+    lr: float = 3e-4
+    ppo_epochs: int = 4
+    #: Start from these weights instead of the warm-up (a directory a previous run wrote, e.g. checkpoints/v0).
+    init_from: Path | None = None
     clip_eps: float = 0.2
     temperature: float = 1.0
     max_tokens: int = 40
@@ -222,8 +225,12 @@ def run(cfg: RunConfig) -> RunSummary:
         p["tokenizer"] = tok_dir
         p["max_turns"] = 3
 
-    sft_loss = warm_up(model, chat, train, cfg, rng)
-    print(f"warm-up: {cfg.warmup_steps} supervised steps, last loss {sft_loss:.3f}", flush=True)
+    if cfg.init_from is not None:
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
+        print(f"warm-up skipped: weights from {cfg.init_from}", flush=True)
+    else:
+        sft_loss = warm_up(model, chat, train, cfg, rng)
+        print(f"warm-up: {cfg.warmup_steps} supervised steps, last loss {sft_loss:.3f}", flush=True)
     summary = RunSummary(seed=cfg.seed)
 
     def checkpoint(version: int) -> Path:
@@ -258,7 +265,9 @@ def run(cfg: RunConfig) -> RunSummary:
             summary.policy_versions_seen.append(sorted({c.get("policy_version") for c in calls if c.get("policy_version") is not None}))
             summary.backends_seen.append(sorted({str(c.get("backend_id")) for c in calls}))
             before = flat_params(model)
-            loss = grpo_update(model, opt, samples, cfg.clip_eps)
+            # A few clipped epochs over the batch (PPO style): the old log-probs are the engine's, from sampling time.
+            losses = [grpo_update(model, opt, samples, cfg.clip_eps) for _ in range(cfg.ppo_epochs)]
+            loss = losses[0]
             summary.weight_deltas.append(float((flat_params(model) - before).norm()))
             summary.losses.append(loss)
             summary.train_rewards.append(sum(r.reward or 0.0 for r in batch.results) / max(1, len(batch.results)))
@@ -313,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--warmup-steps", type=int)
+    ap.add_argument("--init-from", type=Path, help="skip the warm-up: start from this model directory")
     ap.add_argument("--short", action="store_true", help="the CI configuration: 2 GRPO steps, a small eval")
     args = ap.parse_args(argv)
     cfg = RunConfig(out=args.out, seed=args.seed)
@@ -324,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.steps = args.steps
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps
+    cfg.init_from = args.init_from
     summary = run(cfg)
     return 0 if all(math.isfinite(x) for x in summary.losses) else 1
 
