@@ -191,10 +191,17 @@ def _supports_version(fn: Any) -> bool:
 
 
 def evaluate(client: Any, held_out: list[dict[str, Any]], cfg: RunConfig, tag: str) -> float:
-    sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature}
-    ids = [f"eval-{cfg.seed}-{tag}-{i}-{k}" for i in range(len(held_out)) for k in range(cfg.eval_samples)]
-    client.submit("math_agent", held_out, n=cfg.eval_samples, job_ids=ids, sampling=sampling, timeout_s=300)
-    results = client.wait(ids, timeout_s=900)
+    """Mean reward on the held-out problems; sampling seeds fixed per (problem, sample), the same at every evaluation."""
+    from prorl_cli.protocol import JobSpec
+
+    specs, instances = [], []
+    for i, problem in enumerate(held_out):
+        for k in range(cfg.eval_samples):
+            sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": 1000 * i + k}
+            specs.append(JobSpec(job_id=f"eval-{cfg.seed}-{tag}-{i}-{k}", task="math_agent", timeout_s=300, sampling=sampling))
+            instances.append(problem)
+    client.submit_specs(specs, instances)
+    results = client.wait([s.job_id for s in specs], timeout_s=900)
     return sum(float(r.reward or 0.0) for r in results) / len(results)
 
 
