@@ -355,7 +355,8 @@ class DapoSampler:
         for j in ids:
             self._job_group.pop(j, None)
         if ids:
-            done = self.client.forget(ids)
+            forget: Any = self.client.forget  # sync today (local results); a broker request once K2 lands
+            done = forget(ids)
             if inspect.isawaitable(done):  # the broker-side forget (contract K2) is a request
                 await done
 
