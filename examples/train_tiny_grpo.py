@@ -281,10 +281,11 @@ def run(cfg: RunConfig) -> RunSummary:
             summary.merge_ratio.append(built.report.merge_ratio)
             summary.filtered.append(batch.stats.filtered)
             # Weight sync: hold generate calls, hand the bridge the new checkpoint, resume under the new version.
-            client.pause_generation(**({"policy_version": version} if versioned else {}))
             version += 1
+            stamp = {"policy_version": version} if versioned else {}  # the weights about to be served (K3)
+            client.pause_generation(**stamp)
             bridge.serve(checkpoint(version), version)
-            client.resume_generation(**({"policy_version": version} if versioned else {}))
+            client.resume_generation(**stamp)
             line = (f"step {step}: loss {loss:+.4f}, train reward {summary.train_rewards[-1]:.3f}, "
                     f"filtered {batch.stats.filtered}, merge ratio {built.report.merge_ratio:.2f}, |dW| {summary.weight_deltas[-1]:.4f}")
             if step % cfg.eval_every == 0 or step == cfg.steps:

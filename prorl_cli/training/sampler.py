@@ -32,8 +32,6 @@ after merging (``TrainingSample.policy_versions``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,11 +39,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.exceptions import ProrlError
-from prorl_cli.protocol import JobResult, JobSpec
+from prorl_cli.exceptions import ProrlError, RemoteError
+from prorl_cli.protocol import JobResult, JobSpec, Op
 
 log = logging.getLogger(__name__)
 
+#: Whether this prorl's protocol has the ``forget`` op (contract K2); without it only the client's copies go.
+_BROKER_FORGETS = any(op.value == "forget" for op in Op)
 FAILED_POLICIES = ("drop_group", "zero_reward", "exclude")
 MODES = ("async", "sync")
 
@@ -128,6 +128,8 @@ class StepStats:
     cancelled_jobs: int = 0
     cancelled_inflight_s: float = 0.0
     stale_groups: int = 0
+    #: Jobs a submit found already at the broker (a restarted trainer's resubmission, contract K2's ``existing``).
+    existing_jobs: int = 0
     carried_in: int = 0
     carried_out: int = 0
     in_flight: int = 0
@@ -218,8 +220,7 @@ class DapoSampler:
         self._job_group: dict[str, str] = {}
         #: Job ids of groups done with (returned, filtered, dropped), forgotten at the start of the next step.
         self._retired: list[str] = []
-        self._inbox: asyncio.Queue[JobResult] = asyncio.Queue()
-        self._pump: asyncio.Task[None] | None = None
+        self._stream: Any = None  # the client's open-ended ResultStream, from the first step on
         self._stats: StepStats | None = None
         #: Jobs this sampler cancelled at the broker (early termination, staleness, failed siblings).
         self.cancelled_ids: set[str] = set()
@@ -231,23 +232,17 @@ class DapoSampler:
     # ------------------------------------------------------------ plumbing
 
     async def _start(self) -> None:
-        if self._pump is None:
-            self._pump = asyncio.create_task(self._read_results(), name="prorl-sampler-results")
-            await asyncio.sleep(0)  # let the stream register before the first submit
-
-    async def _read_results(self) -> None:
-        async for result in self.client.results():
-            self._inbox.put_nowait(result)
+        if self._stream is None:
+            # Open-ended: every result this client receives, from now on (it registers at once).
+            self._stream = self.client.results()
 
     async def close(self, *, cancel_in_flight: bool = True) -> None:
         """Stop reading results; cancel what is still in flight unless told not to."""
         if cancel_in_flight and self._pending:
             await self._cancel(list(self._pending.values()), StepStats(self.step_index, 0))
-        if self._pump is not None:
-            self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump
-            self._pump = None
+        if self._stream is not None:
+            await self._stream.aclose()
+            self._stream = None
 
     def state(self) -> SamplerState:
         """Where to resume from: the next step, the prompt cursor and the groups in flight."""
@@ -279,7 +274,9 @@ class DapoSampler:
         self._pending[gid] = pending
         for j in ids:
             self._job_group[j] = gid
-        await self.client.submit_specs(specs, [instance] * len(ids))
+        submitted = await self.client.submit_specs(specs, [instance] * len(ids))
+        if self._stats is not None:
+            self._stats.existing_jobs += len(getattr(submitted, "existing", ()))
 
     async def _submit_next(self, stats: StepStats) -> None:
         await self._submit_group(self.cursor, self.step_index, stats.policy_version)
@@ -334,7 +331,8 @@ class DapoSampler:
     async def _next_result(self, stats: StepStats, deadline: float | None) -> None:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            result = await asyncio.wait_for(self._inbox.get(), timeout)
+            async with asyncio.timeout(timeout):
+                result = await anext(self._stream)
         except TimeoutError as e:
             raise SamplerTimeout(
                 f"step {stats.step}: {len(self._ready)} of {self.config.target_groups} informative groups "
@@ -354,11 +352,15 @@ class DapoSampler:
         ids, self._retired = self._retired, []
         for j in ids:
             self._job_group.pop(j, None)
-        if ids:
-            forget: Any = self.client.forget  # sync today (local results); a broker request once K2 lands
-            done = forget(ids)
-            if inspect.isawaitable(done):  # the broker-side forget (contract K2) is a request
-                await done
+        if not ids:
+            return
+        if _BROKER_FORGETS:
+            try:
+                await self.client.forget(ids)
+                return
+            except RemoteError as e:  # a broker from before the forget op: keep its copies, drop ours
+                log.debug("broker-side forget failed (%s); forgetting locally", e)
+        self.client.forget_local(ids)
 
     # ------------------------------------------------------------ steps
 

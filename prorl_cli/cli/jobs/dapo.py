@@ -77,7 +77,7 @@ def run_dapo(
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
 
-    instances = read_instances(tasks_file)
+    instances = read_instances(app, tasks_file)
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     cfg = SamplerConfig(group_size=group_size, target_groups=target_groups, max_in_flight=max_in_flight,
