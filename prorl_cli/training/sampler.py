@@ -412,9 +412,9 @@ def _tag(specs: list[JobSpec], group_id: str, step: int, version: int) -> None:
     names = set(JobSpec.__dataclass_fields__)
     for s in specs:
         if "group_id" in names:
-            s.group_id = group_id  # type: ignore[attr-defined]
+            s.group_id = group_id
         if "meta" in names:
-            s.meta = {"step": step, "policy_version": version}  # type: ignore[attr-defined]
+            s.meta = {"step": step, "policy_version": version}
 
 
 class BlockingDapoSampler:
