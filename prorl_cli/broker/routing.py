@@ -542,7 +542,7 @@ class Router:
             return
         if not self._job_runs_on(identity, h, node):
             return
-        self._route_call(identity, h, payload)
+        self._route_call(identity, h, payload, running=True)
 
     def _job_runs_on(self, identity: bytes, h: dict[str, Any], node: NodeLike) -> bool:
         """Defect 17: only a job placed on the requesting node, and not finished, may call the model."""
@@ -557,17 +557,21 @@ class Router:
     def _candidates(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.alive and not b.cleared]
 
-    def _route_call(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        """Send one validated call to its backend, or hold it (paused, or no backend up)."""
+    def _route_call(self, identity: bytes, h: dict[str, Any], payload: list[bytes], running: bool = False) -> None:
+        """Send one validated call to its backend, or hold it (paused, or no backend up).
+
+        ``running``: the caller has just checked that the job runs (else it is checked here).
+        """
         job_id: str = h["job_id"]
         if self.paused:
             self.held.add(HeldGenerate(identity, h, list(payload)))
             return
-        if self._running_node(job_id) is None and self.cancel_propagation:
+        running = running or self._running_node(job_id) is not None
+        if not running and self.cancel_propagation:
             # Held while its job ended (a node that lost the job meanwhile): answer, never route.
             self._answer_dropped(identity, h.get("rid"), ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
             return
-        backend = self._route(job_id, identity, h.get("host"))
+        backend = self._route(job_id, identity, h.get("host"), running)
         if backend is None:
             # Nothing registered yet: hold until a backend appears (the node's own timeout bounds the wait).
             self.held.add(HeldGenerate(identity, h, list(payload)))
@@ -585,7 +589,7 @@ class Router:
             return
         self.pending.add(call_id, PendingGenerate(identity, h["rid"], job_id, backend.backend_id, False, self.policy_version))
 
-    def _route(self, job_id: str, requester: bytes, host: str | None) -> Backend | None:
+    def _route(self, job_id: str, requester: bytes, host: str | None, running: bool) -> Backend | None:
         if self.policy.sticky:
             bid = self.sticky.get(job_id)
             if bid is not None:
@@ -601,7 +605,7 @@ class Router:
             host = node.host if node else None
         backend = self.policy.choose(candidates, host)
         # A call of a finished job (cancel propagation off) runs without binding its job to a backend.
-        if self.policy.sticky and self._running_node(job_id) is not None:
+        if self.policy.sticky and running:
             self.sticky[job_id] = backend.backend_id
             backend.jobs.add(job_id)
             backend.assigned += 1

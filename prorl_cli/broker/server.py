@@ -34,6 +34,13 @@ log = logging.getLogger(__name__)
 
 # How many messages one loop turn reads before flushing batched output.
 _MAX_BATCH = 2000
+# Plain ints: pyzmq's send_multipart builds a Flag enum (``zmq.SNDMORE | flags``) per frame, which
+# cost as much as the send itself (benchmarks/broker_scale.py, docs/benchmarks.md).
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+# Frames at least this big go zero-copy; smaller ones are cheaper to copy (pyzmq's own threshold).
+_ZERO_COPY_BYTES = 65536
 
 
 class Broker:
@@ -135,8 +142,14 @@ class Broker:
 
     def _send(self, identity: bytes, header: dict[str, Any], payload: list[bytes] | tuple[bytes, ...] = ()) -> bool:
         """Send to one peer; False (and the peer forgotten) if it is gone."""
+        frames = P.encode(header, payload)
+        send = self.sock.send
         try:
-            self.sock.send_multipart([identity, *P.encode(header, payload)], flags=zmq.NOBLOCK, copy=False)
+            # ROUTER_MANDATORY refuses an unknown peer at the identity frame: nothing partial is queued.
+            send(identity, _SNDMORE_NOBLOCK)
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                send(frame, _NOBLOCK if i == last else _SNDMORE_NOBLOCK, copy=len(frame) < _ZERO_COPY_BYTES)
             return True
         except zmq.ZMQError as e:
             if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -175,11 +188,14 @@ class Broker:
             while not self._stopped():
                 timeout_ms = max(0, int((self._next_tick - time.monotonic()) * 1000))
                 if poller.poll(timeout_ms):
+                    recv, more = self.sock.recv, self.sock.get
                     for _ in range(_MAX_BATCH):
                         try:
-                            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+                            frames = [recv(_NOBLOCK)]
                         except zmq.Again:
                             break
+                        while more(_RCVMORE):
+                            frames.append(recv(_NOBLOCK))
                         self.handle(frames)
                     self._place()
                     self._flush()
