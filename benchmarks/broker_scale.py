@@ -371,6 +371,10 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
         cpu1, t1 = bproc.cpu_times(), time.monotonic()
         rss_mb = bproc.memory_info().rss / 2**20
         stopping.set()
+        # Routing state against the jobs really running: a leak (defect 17) shows as more bound jobs than running ones.
+        st = client.status()
+        running = sum(n["inflight"] for n in st.nodes)
+        bound = sum(b["jobs"] for b in st.backends)
         merged = Stats()
         for _ in procs:
             _, part = out.get(timeout=60)
@@ -403,6 +407,8 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
         "route_in_p99_ms": pct(merged.route_in_ms, 0.99),
         "route_back_p50_ms": pct(merged.route_back_ms, 0.5),
         "route_back_p99_ms": pct(merged.route_back_ms, 0.99),
+        "jobs_running": running,
+        "jobs_bound_to_backends": bound,
         "errors": merged.errors,
         "error_sample": merged.error_sample,
     }
@@ -441,7 +447,8 @@ def _line(label: str, row: dict[str, Any]) -> str:
         f"{row['jobs_per_s']:.1f} jobs/s | dispatch p50/p99 {row['dispatch_p50_ms']:.1f}/{row['dispatch_p99_ms']:.1f} ms | "
         f"generate in p50/p99 {row['route_in_p50_ms']:.2f}/{row['route_in_p99_ms']:.2f} ms, "
         f"back {row['route_back_p50_ms']:.2f}/{row['route_back_p99_ms']:.2f} ms | "
-        f"fill {row['fill_s']:.1f} s (dispatch p50/p99 {row['fill_dispatch_p50_ms']:.0f}/{row['fill_dispatch_p99_ms']:.0f} ms)"
+        f"fill {row['fill_s']:.1f} s (dispatch p50/p99 {row['fill_dispatch_p50_ms']:.0f}/{row['fill_dispatch_p99_ms']:.0f} ms) | "
+        f"{row['jobs_bound_to_backends']} jobs bound to backends, {row['jobs_running']} running"
         + (f" | {row['errors']} errors, e.g. {row['error_sample']}" if row["errors"] else "")
     )
 
