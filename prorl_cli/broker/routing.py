@@ -25,6 +25,7 @@ is a named choice (``broker.routing_policy``):
 
 from __future__ import annotations
 
+import abc
 import itertools
 import logging
 import time
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prorl_cli import protocol as P
+from prorl_cli.exceptions import ConfigError
 from prorl_cli.protocol import ErrorCode, Op
 
 log = logging.getLogger(__name__)
@@ -215,7 +217,7 @@ class Backend:
 # ---------------------------------------------------------------------- policies
 
 
-class RoutingPolicy:
+class RoutingPolicy(abc.ABC):
     """Picks a backend for a job's call among live, uncleared ``candidates`` (never empty)."""
 
     #: Whether a job's later calls follow its first one.
@@ -224,8 +226,9 @@ class RoutingPolicy:
     def __init__(self, inflight: Callable[[Backend], int]) -> None:
         self.inflight = inflight
 
+    @abc.abstractmethod
     def choose(self, candidates: list[Backend], host: str | None) -> Backend:
-        raise NotImplementedError
+        """The backend for a new job (sticky policies) or for this call (others)."""
 
 
 class LeastLoadedSticky(RoutingPolicy):
@@ -292,7 +295,7 @@ class Router:
         register_reply_fields: dict[str, Any] | None = None,
     ) -> None:
         if policy not in POLICY_CLASSES:
-            raise ValueError(f"routing policy {policy!r}: expected one of {list(POLICY_CLASSES)}")
+            raise ConfigError(f"broker.routing_policy: {policy!r} is not one of {list(POLICY_CLASSES)}")
         self._send = send
         self._node_of = node_of
         self._running_node = running_node

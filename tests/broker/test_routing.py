@@ -13,6 +13,7 @@ import pytest
 
 from prorl_cli.broker.routing import Router
 from prorl_cli.broker.state import Node
+from prorl_cli.exceptions import ConfigError
 from prorl_cli.protocol import ErrorCode, Op, pack_tokens
 
 PROMPT = [pack_tokens([1, 2, 3])]
@@ -139,7 +140,7 @@ def test_ever_assigned_counts_jobs_that_ended_where_least_loaded_does_not() -> N
 
 
 def test_an_unknown_policy_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="routing policy 'fastest'"):
+    with pytest.raises(ConfigError, match="routing_policy: 'fastest'"):
         Cluster("fastest")
 
 
