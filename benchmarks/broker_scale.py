@@ -370,11 +370,12 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
         time.sleep(args.duration_s)
         cpu1, t1 = bproc.cpu_times(), time.monotonic()
         rss_mb = bproc.memory_info().rss / 2**20
-        stopping.set()
         # Routing state against the jobs really running: a leak (defect 17) shows as more bound jobs than running ones.
         st = client.status()
         running = sum(n["inflight"] for n in st.nodes)
         bound = sum(b["jobs"] for b in st.backends)
+        bridges_alive = sum(b["alive"] for b in st.backends)
+        stopping.set()
         merged = Stats()
         for _ in procs:
             _, part = out.get(timeout=60)
@@ -409,6 +410,7 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
         "route_back_p99_ms": pct(merged.route_back_ms, 0.99),
         "jobs_running": running,
         "jobs_bound_to_backends": bound,
+        "bridges_alive": bridges_alive,
         "errors": merged.errors,
         "error_sample": merged.error_sample,
     }
@@ -448,7 +450,7 @@ def _line(label: str, row: dict[str, Any]) -> str:
         f"generate in p50/p99 {row['route_in_p50_ms']:.2f}/{row['route_in_p99_ms']:.2f} ms, "
         f"back {row['route_back_p50_ms']:.2f}/{row['route_back_p99_ms']:.2f} ms | "
         f"fill {row['fill_s']:.1f} s (dispatch p50/p99 {row['fill_dispatch_p50_ms']:.0f}/{row['fill_dispatch_p99_ms']:.0f} ms) | "
-        f"{row['jobs_bound_to_backends']} jobs bound to backends, {row['jobs_running']} running"
+        f"{row['jobs_bound_to_backends']} jobs bound to {row['bridges_alive']} live bridges, {row['jobs_running']} running"
         + (f" | {row['errors']} errors, e.g. {row['error_sample']}" if row["errors"] else "")
     )
 
@@ -490,7 +492,7 @@ def main() -> None:
                 print(_line(label, row), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    if len(rows) > 0 and args.plot:
+    if rows and args.plot and args.plot.name:
         try:
             plot(rows, args.plot)
             print(f"# plot: {args.plot}")
