@@ -1,8 +1,9 @@
 """The broker: one ZeroMQ ROUTER socket, one poll loop, no threads.
 
-It holds the job table, places queued jobs on nodes with free credit, routes
-generate calls to inference backends (sticky per job), pushes results to the
-clients that watch them, and keeps every peer's liveness with heartbeats.
+It holds the job table, places queued jobs on nodes with free credit, hands
+generate calls and backends to its router (``broker/routing.py``), pushes
+results to the clients that watch them, and keeps every peer's liveness
+with heartbeats.
 Bad frames are logged and answered with an error; they never stop the loop.
 """
 
