@@ -378,3 +378,16 @@ def test_generate_from_an_unregistered_peer_is_answered_at_once_and_nothing_is_h
     finally:
         sock.close()
     assert d.client.status().held_generates == 0
+
+
+def test_policy_version_given_to_pause_and_resume_is_kept_and_shown(scripted: Any) -> None:
+    """K3: the trainer's version travels with pause/resume; status shows the current one."""
+    d, _ = scripted({}, ScriptedEngine())
+    assert d.client.status().policy_version == 0
+    d.client.pause_generation(policy_version=3)
+    (job,) = one(d, calls=1)
+    d.wait_for(lambda st: st.held_generates == 1, 30, "the call to be held", "n1")
+    d.client.resume_generation()
+    (res,) = d.client.wait([job], timeout_s=60)
+    assert res.ok and res.output["backends"] == ["b1"]
+    assert d.client.status().policy_version == 3
