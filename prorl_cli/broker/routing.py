@@ -197,6 +197,8 @@ class Backend:
     cleared: bool = False
     alive: bool = True
     last_seen: float = 0.0
+    #: The bridge's engine figures from its last heartbeat (the sim engine: busy fraction, tokens/s, hit rate).
+    stats: dict[str, float] = field(default_factory=dict)
 
     def status(self, inflight: int) -> P.BackendStatus:
         return P.BackendStatus(
@@ -211,6 +213,7 @@ class Backend:
             served=self.served,
             cleared=self.cleared,
             alive=self.alive,
+            stats=dict(self.stats),
         )
 
 
@@ -342,10 +345,15 @@ class Router:
     def bridges_alive(self) -> bool:
         return any(b.alive and b.kind == "bridge" for b in self.backends.values())
 
-    def is_backend(self, identity: bytes) -> bool:
-        """Whether ``identity`` is a live registered bridge."""
+    def bridge_heartbeat(self, identity: bytes, h: dict[str, Any]) -> bool:
+        """A heartbeat from ``identity``: True if it is a live bridge (its engine figures are kept)."""
         backend = self.backend_by_identity.get(identity)
-        return backend is not None and backend.alive
+        if backend is None or not backend.alive:
+            return False
+        stats = h.get("stats")
+        if isinstance(stats, dict):
+            backend.stats = {str(k): v for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        return True
 
     def touch(self, identity: bytes, now: float) -> None:
         """A message came from ``identity``: a bridge that sent it is alive."""

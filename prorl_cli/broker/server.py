@@ -506,7 +506,7 @@ class Broker:
         return node
 
     def on_heartbeat(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        if self.router.is_backend(identity):
+        if self.router.bridge_heartbeat(identity, h):
             return
         if "backend_id" in h:
             self._send(identity, P.error_reply(h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register_backend"))

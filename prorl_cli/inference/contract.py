@@ -37,6 +37,8 @@ class Generation:
     finish_reason: str
     backend_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The policy version the broker served the call under (``generate`` reply field; ``None`` if absent).
+    policy_version: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
@@ -98,6 +100,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         """Generate from ``prompt_ids``; raise ``InferenceError`` with the server's message on failure."""
+
+    def stats(self) -> dict[str, float]:
+        """Figures the bridge reports in its heartbeat (``stats``); the simulated engine has some."""
+        return {}
 
     async def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what :meth:`start` acquired (stop a child server)."""
