@@ -735,8 +735,10 @@ class StatusReport(_Record):
     #: Finished results kept for late watchers, and their size (instances and results).
     retained_results: int = 0
     retained_bytes: int = 0
-    #: The policy version set by the last pause/resume that named one.
+    #: The trainer's policy version, as last given to pause/resume_generation (0 until given).
     policy_version: int = 0
+    #: ``broker.routing_policy``: how generate calls pick a backend.
+    routing_policy: str = "least_loaded_sticky"
 
     def node_statuses(self) -> list[NodeStatus]:
         return [NodeStatus.from_wire(n) for n in self.nodes]
