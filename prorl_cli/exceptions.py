@@ -91,3 +91,7 @@ class ImageBuildError(ProrlError, RuntimeError):
 
 class NotImplementedYet(ProrlError, NotImplementedError):
     """A command that a later milestone implements."""
+
+
+class SlurmError(ProrlError, RuntimeError):
+    """A Slurm command failed, or a deployment could not be launched, scaled or taken down."""
