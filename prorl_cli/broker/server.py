@@ -180,7 +180,15 @@ class Broker:
         # SIGTERM/SIGUSR2 (Slurm preemption, time limit, requeue): leave without cancelling
         # anything and keep the journal; the broker started next replays it. Only the
         # ``stop`` op is a clean stop.
-        prev = {sig: signal.signal(sig, lambda *_: self.leave()) for sig in (signal.SIGTERM, signal.SIGUSR2)}
+        prev: dict[int, Any] = {}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            self.leave()
+            chained = prev.get(signum)
+            if callable(chained):  # e.g. prorl's Slurm role wrapper, which requeues the job on SIGUSR2
+                chained(signum, frame)
+
+        prev.update({sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGUSR2)})
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         try:

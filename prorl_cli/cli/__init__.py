@@ -11,7 +11,7 @@ from prorl_cli.cli.config import config
 from prorl_cli.cli.dev import dev
 from prorl_cli.cli.images import build_images, images
 from prorl_cli.cli.jobs import cancel, status, stop, submit
-from prorl_cli.cli.launch import down, launch
+from prorl_cli.cli.launch import down, launch, render_sbatch, scale
 from prorl_cli.cli.quickstart import quickstart
 from prorl_cli.cli.serve import serve
 
@@ -27,7 +27,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     """prorl: multi-turn LLM-agent rollouts as a service for RL training on Slurm.
 
     \b
-    Login node:   prorl build-images, prorl launch / down
+    Login node:   prorl build-images, prorl launch / scale / down / render-sbatch
     Allocations:  prorl serve broker | node | inference
     Trainer:      prorl submit, status, cancel, backends, stop
     One machine:  prorl quickstart
@@ -36,7 +36,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     ctx.obj = App(config_path, {k: v for k, v in overrides.items() if v is not None})
 
 
-for command in (serve, submit, status, cancel, stop, backends, config, quickstart, build_images, images, dev, launch, down):
+for command in (serve, submit, status, cancel, stop, backends, config, quickstart, build_images, images, dev, launch, down, scale, render_sbatch):
     cli.add_command(command)
 
 
