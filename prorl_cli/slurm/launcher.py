@@ -277,10 +277,9 @@ def broker_client(cfg: DeployConfig, timeout_s: float = 5.0) -> RolloutClient | 
     """A client of the deployment's broker, or None while it has no rendezvous file."""
     from prorl_cli.client import RolloutClient
 
-    try:
-        return RolloutClient(cfg.deployment, config=prorl_config(cfg), request_timeout_s=timeout_s)
-    except RendezvousError:
+    if not rendezvous_path(cfg.deployment_dir).exists():
         return None
+    return RolloutClient(cfg.deployment, config=prorl_config(cfg), request_timeout_s=timeout_s)
 
 
 def broker_status(client: RolloutClient | None) -> StatusReport | None:
@@ -288,7 +287,7 @@ def broker_status(client: RolloutClient | None) -> StatusReport | None:
         return None
     try:
         return client.status()
-    except (BrokerUnavailable, TimeoutError) as e:
+    except (BrokerUnavailable, RendezvousError, TimeoutError) as e:
         log.debug("broker not answering: %s", e)
         return None
 
