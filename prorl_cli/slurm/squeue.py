@@ -64,7 +64,8 @@ def _run(cmd: list[str], timeout_s: float = 30.0) -> subprocess.CompletedProcess
 
 def query(job_ids: Iterable[str], all_states: bool = False) -> list[SlurmTask]:
     """squeue rows of these jobs (array job ids expand to their tasks, pending ones included)."""
-    ids = sorted({str(j).split("_", 1)[0] for j in job_ids})
+    refs = {str(j) for j in job_ids}
+    ids = sorted({r.split("_", 1)[0] for r in refs})
     if not ids:
         return []
     cmd = ["squeue", "-h", "-r", "-o", _FORMAT, "-j", ",".join(ids)]
@@ -79,7 +80,8 @@ def query(job_ids: Iterable[str], all_states: bool = False) -> list[SlurmTask]:
     rows = []
     for line in proc.stdout.splitlines():
         parts = line.split("|")
-        if len(parts) == 7:
+        # squeue answers for whole arrays: keep the tasks asked for (or every task of an array asked for).
+        if len(parts) == 7 and (parts[0] in refs or parts[0].split("_", 1)[0] in refs):
             rows.append(SlurmTask(*parts))
     return rows
 
