@@ -94,6 +94,11 @@ def requeue_self(identity: SlurmIdentity) -> None:
     ref = identity.task_ref
     if ref is None:
         return
+    from prorl_cli.slurm.squeue import job_detail
+
+    if job_detail(ref).get("Requeue") == "0":
+        log.info("%s was submitted with --no-requeue: not requeueing", ref)
+        return
     # Requeueing sends us SIGTERM once more; we are done, so let it pass quietly.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     proc = subprocess.run(["scontrol", "requeue", ref], capture_output=True, text=True, check=False)

@@ -119,7 +119,7 @@ def test_launch_places_every_role(launched: Launched) -> None:
 def test_math_rollouts_and_both_views_in_status(launched: Launched) -> None:
     instances = [{"question": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1), "tokenizer": str(launched.model),
                   "max_turns": 2} for i in range(100)]
-    ids = launched.client.submit("math_agent", instances, sampling={"max_tokens": 12}, timeout_s=300)
+    ids = launched.client.submit("math_agent", instances, sampling={"max_tokens": 8}, timeout_s=300)
     results = launched.client.wait(ids, timeout_s=400)
     assert collections.Counter(r.state for r in results) == {"done": 100}
     assert {r.node_id for r in results} <= {"node-0", "node-1", "node-2"}

@@ -171,9 +171,9 @@ def launch(app: App, deploy_file: str, deployment: str | None, wait_s: float, ke
     if failure is None:
         app.console.print(
             f"[bold green]{cfg.deployment} is up[/]: every node and backend registered.\n"
-            f"  submit:  PRORL_HOME={cfg.home_path} prorl -d {cfg.deployment} submit TASK instances.jsonl\n"
-            f"  status:  prorl -d {cfg.deployment} status\n"
-            f"  down:    prorl down {cfg.deployment}"
+            f"  submit:  prorl --home {cfg.home_path} -d {cfg.deployment} submit --task TASK instances.jsonl --out results.jsonl\n"
+            f"  status:  prorl --home {cfg.home_path} -d {cfg.deployment} status\n"
+            f"  down:    prorl --home {cfg.home_path} down {cfg.deployment}"
         )
         return
     if not keep:

@@ -1,0 +1,60 @@
+"""Launches that cannot work fail clearly and leave nothing queued."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.cluster import prorl, require_slurm, write_yaml
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _queued(name: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if f"prorl-{name}-" in line]
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    require_slurm()
+    return tmp_path
+
+
+def test_bad_deploy_file_is_refused_before_submitting(base: Path) -> None:
+    deploy = write_yaml(base / "deploy.yaml", {"deployment": "bad", "home": str(base / "home"), "nodes": {"count": "three"}})
+    out = prorl(base / "home", "launch", str(deploy))
+    assert out.returncode != 0
+    assert str(deploy) in out.stderr and "nodes.count" in out.stderr
+    assert not _queued("bad")
+    assert not (base / "home" / "bad").exists(), "nothing submitted, nothing written"
+
+
+def test_more_gpus_than_any_node_fails_with_slurms_reason(base: Path) -> None:
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": "greedy", "home": str(base / "home"),
+        "broker": {"time": "5", "cpus_per_task": 1, "mem_gb": 0.5},
+        "nodes": {"count": 1, "time": "5", "cpus_per_task": 1, "mem_gb": 0.5},
+        "inference": {"count": 1, "gpus_per_task": 3, "model": str(base), "engine": "transformers", "time": "5"},
+    })
+    out = prorl(base / "home", "launch", str(deploy), "--wait-s", "60")
+    assert out.returncode != 0
+    assert "inference" in out.stderr and "nothing left queued" in out.stderr
+    assert "configuration is not available" in out.stderr or "gres" in out.stderr.lower(), out.stderr
+    assert not _queued("greedy")
+    assert not (base / "home" / "greedy" / "launch.json").exists()
+
+
+def test_a_task_that_cannot_start_in_time_is_reported_with_its_pending_reason(base: Path) -> None:
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": "later", "home": str(base / "home"),
+        "broker": {"where": "here", "bind_host": "127.0.0.1"},
+        "nodes": {"count": 2, "time": "5", "cpus_per_task": 1, "mem_gb": 0.5, "sbatch_options": {"begin": "now+1hour"}},
+    })
+    out = prorl(base / "home", "launch", str(deploy), "--wait-s", "8")
+    assert out.returncode != 0
+    assert "not all registered after 8 s" in out.stderr and "BeginTime" in out.stderr, out.stderr
+    assert "nothing left queued" in out.stderr
+    assert not _queued("later")
