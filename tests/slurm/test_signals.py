@@ -89,6 +89,7 @@ def test_rendered_sbatch_scripts_and_the_time_limit_warning(base: Path) -> None:
     nodes = _sbatch(str(out / "node.sbatch"))
     broker = _sbatch(str(out / "broker.sbatch"))
     try:
+        wait_until(lambda: (home / name / "broker.json").exists(), 120, "the broker's rendezvous file")
         with _client(home, name) as client:
             wait_until(lambda: {n.node_id for n in client.status().node_statuses() if n.alive} == {"node-0", "node-1"},
                        120, "node-0 and node-1 to register")
