@@ -23,7 +23,16 @@ from prorl_cli.client import RolloutClient
 from prorl_cli.config import load_config
 from prorl_cli.slurm import squeue
 from prorl_cli.slurm.launcher import LaunchRecord
-from tests.slurm.cluster import ROLE_CONFIG, logs_of, node_memory_gb, prorl, require_slurm, scontrol, wait_until, write_yaml
+from tests.slurm.cluster import (
+    ROLE_CONFIG,
+    logs_of,
+    node_memory_gb,
+    prorl,
+    require_slurm,
+    scontrol,
+    wait_until,
+    write_yaml,
+)
 
 NAME = "slurmtest"
 pytestmark = pytest.mark.timeout(600)

@@ -15,7 +15,15 @@ from prorl_cli.client import RolloutClient
 from prorl_cli.config import load_config
 from prorl_cli.slurm import squeue
 from prorl_cli.slurm.launcher import LaunchRecord
-from tests.slurm.cluster import ROLE_CONFIG, logs_of, prorl, require_slurm, scontrol, wait_until, write_yaml
+from tests.slurm.cluster import (
+    ROLE_CONFIG,
+    logs_of,
+    prorl,
+    require_slurm,
+    scontrol,
+    wait_until,
+    write_yaml,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
