@@ -58,3 +58,32 @@ def test_a_task_that_cannot_start_in_time_is_reported_with_its_pending_reason(ba
     assert "not all registered after 8 s" in out.stderr and "BeginTime" in out.stderr, out.stderr
     assert "nothing left queued" in out.stderr
     assert not _queued("later")
+
+
+def test_a_task_that_dies_before_registering_fails_the_launch_with_its_log(base: Path) -> None:
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": "dies", "home": str(base / "home"),
+        "broker": {"where": "here", "bind_host": "127.0.0.1"},
+        "nodes": {"count": 1, "time": "5", "cpus_per_task": 1, "mem_gb": 0.5,
+                  "setup": ["echo 'site setup broke: no such module'", "exit 3"]},
+    })
+    out = prorl(base / "home", "launch", str(deploy), "--wait-s", "120")
+    assert out.returncode != 0
+    assert "node-0" in out.stderr and "FAILED" in out.stderr, out.stderr
+    assert "site setup broke: no such module" in out.stderr, "the tail of the task's log"
+    assert not _queued("dies")
+
+
+def test_status_of_a_deployment_whose_slurm_jobs_are_gone_says_so(base: Path) -> None:
+    from prorl_cli.slurm import squeue
+    from prorl_cli.slurm.launcher import LaunchRecord, Member
+
+    home = base / "home"
+    deploy = write_yaml(base / "deploy.yaml", {"deployment": "gone", "home": str(home)})
+    job = subprocess.run(["sbatch", "--parsable", "-t", "1", "-o", "/dev/null", "--wrap", "true"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert not squeue.wait_gone([job], 60)
+    LaunchRecord("gone", str(deploy), str(home), 0.0, members=[Member("nodes", 0, job)]).save(home / "gone")
+    out = prorl(home, "-d", "gone", "status", timeout_s=60)
+    assert out.returncode == 1
+    assert "all its Slurm jobs are gone" in out.stdout.replace("\n", " ")

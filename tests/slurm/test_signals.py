@@ -115,3 +115,29 @@ def test_rendered_sbatch_scripts_and_the_time_limit_warning(base: Path) -> None:
     finally:
         squeue.cancel([nodes, broker])
         assert not squeue.wait_gone([nodes, broker], 60)
+
+
+def test_all_in_one_allocation_serves_and_stops_on_scancel(base: Path) -> None:
+    home, name = base / "home", "aio"
+    config = write_yaml(base / "prorl.yaml", ROLE_CONFIG)
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": name, "home": str(home), "config": str(config),
+        "broker": {"bind_host": "127.0.0.1"},
+        "nodes": {"count": 1, "time": "5", "cpus_per_task": 1, "mem_gb": 1},
+    })
+    out = base / "sbatch"
+    assert prorl(home, "render-sbatch", str(deploy), "--out", str(out)).returncode == 0
+    job = _sbatch(str(out / "all-in-one.sbatch"))
+    try:
+        wait_until(lambda: (home / name / "broker.json").exists(), 120, "the broker's rendezvous file")
+        with _client(home, name) as client:
+            wait_until(lambda: [n.node_id for n in client.status().node_statuses() if n.alive] == [f"node-{job}"],
+                       120, "the allocation's node server to register")
+            results = client.wait(client.submit("test", [{"echo": i} for i in range(10)], timeout_s=60), timeout_s=60)
+            assert collections.Counter(r.state for r in results) == {"done": 10}
+        squeue.cancel([job])  # the trap forwards SIGTERM to every role at once
+        assert not squeue.wait_gone([job], 60)
+        text = logs_of(home / name / "slurm")
+        assert f"node node-{job} stopped" in text and "leaving on a signal" in text
+    finally:
+        squeue.cancel([job])
