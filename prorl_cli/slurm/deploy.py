@@ -126,9 +126,10 @@ class NodesRole(SlurmJobOptions):
 class InferenceRole(SlurmJobOptions):
     """Inference bridges: one array task per backend, ``gpus_per_task`` GPUs each (``--gres=gpu:N``).
 
-    With several GPUs per task, pass vLLM ``--tensor-parallel-size`` in
-    ``vllm_args``; for one backend per GPU, use ``gpus_per_task: 1`` and a
-    larger ``count``.
+    With several GPUs per task, one vLLM runs over all of them
+    (``--tensor-parallel-size`` = the GPUs Slurm made visible, unless
+    ``vllm_args`` sets it); for one backend per GPU, use ``gpus_per_task: 1``
+    and a larger ``count``.
     """
 
     count: int = 0

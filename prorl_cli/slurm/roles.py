@@ -198,13 +198,17 @@ def _serve_inference(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentit
 
     if identity.in_slurm:
         log.info("GPUs visible: %s", ",".join(identity.gpus) or "none")
+    vllm_args = list(spec.vllm_args)
+    if spec.engine == "vllm" and len(identity.gpus) > 1 and not any(a.startswith("--tensor-parallel-size") for a in vllm_args):
+        # One backend per task over every GPU Slurm gave it.
+        vllm_args += ["--tensor-parallel-size", str(len(identity.gpus))]
     opts = BridgeOptions(
         engine=spec.engine,
         model=spec.model,
         backend_id=identity.member_id("inference", spec.index),
         capacity=spec.capacity or config.inference.capacity,
         max_model_len=spec.max_model_len,
-        vllm_args=list(spec.vllm_args),
+        vllm_args=vllm_args,
         broker_wait_s=spec.rendezvous_wait_s,
     )
     return asyncio.run(run_bridge(opts, config))
