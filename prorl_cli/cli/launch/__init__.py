@@ -24,9 +24,10 @@ if TYPE_CHECKING:
     from prorl_cli.slurm.squeue import SlurmTask
 
 # Pending reasons that waiting will not cure: launch gives up on them at once.
+# (Transient ones such as ReqNodeNotAvail during a maintenance reservation are waited out.)
 HOPELESS_REASONS = (
-    "BadConstraints", "PartitionConfig", "PartitionNodeLimit", "ReqNodeNotAvail", "InvalidAccount",
-    "InvalidQOS", "PartitionDown", "PartitionInactive", "QOSMaxGRESPerJob", "JobHeldAdmin", "Resources_not_available",
+    "BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "InvalidAccount",
+    "InvalidQOS", "QOSMaxGRESPerJob", "QOSMaxCpuPerJobLimit", "QOSMaxWallDurationPerJobLimit", "JobHeldAdmin",
 )
 
 
