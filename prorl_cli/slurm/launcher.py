@@ -235,7 +235,12 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
             f"{', '.join(t.job_id for t in left[:6])}); use `prorl status -d {cfg.deployment}`, "
             f"`prorl scale` or `prorl down {cfg.deployment}`"
         )
-    # A broker that is gone leaves no live rendezvous: a stale file would send peers to a dead address.
+    if _broker_answers(cfg):
+        raise SlurmError(
+            f"a broker of deployment {cfg.deployment!r} is already running (its rendezvous file "
+            f"{rendezvous_path(cfg.deployment_dir)} answers); stop it (`prorl -d {cfg.deployment} stop`) or pick another name"
+        )
+    # The broker that wrote it is gone: a stale file would send peers to a dead address.
     with contextlib.suppress(FileNotFoundError):
         rendezvous_path(cfg.deployment_dir).unlink()
     cfg.log_path.mkdir(parents=True, exist_ok=True)
@@ -258,6 +263,19 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
         abandon(cfg, record)
         raise
     return record
+
+
+def _broker_answers(cfg: DeployConfig, timeout_s: float = 3.0) -> bool:
+    client = broker_client(cfg, timeout_s)
+    if client is None:
+        return False
+    try:
+        client.ping(timeout_s=timeout_s)
+        return True
+    except (BrokerUnavailable, RendezvousError, TimeoutError):
+        return False
+    finally:
+        client.close()
 
 
 def abandon(cfg: DeployConfig, record: LaunchRecord, wait_s: float = 60.0) -> list[squeue.SlurmTask]:

@@ -87,3 +87,26 @@ def test_status_of_a_deployment_whose_slurm_jobs_are_gone_says_so(base: Path) ->
     out = prorl(home, "-d", "gone", "status", timeout_s=60)
     assert out.returncode == 1
     assert "all its Slurm jobs are gone" in out.stdout.replace("\n", " ")
+
+
+def test_launch_refuses_a_deployment_whose_broker_already_runs(base: Path) -> None:
+    import os
+    import sys
+
+    from prorl_cli.processes import stop_group
+    from tests.slurm.cluster import wait_until
+
+    home = base / "home"
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "prorl_cli", "--home", str(home), "-d", "busy", "serve", "broker"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env={**os.environ, "SLURM_JOB_ID": ""},
+    )
+    try:
+        wait_until(lambda: (home / "busy" / "broker.json").exists(), 60, "the broker's rendezvous file")
+        deploy = write_yaml(base / "deploy.yaml", {"deployment": "busy", "home": str(home), "nodes": {"count": 1}})
+        out = prorl(home, "launch", str(deploy))
+        assert out.returncode != 0 and "already running" in out.stderr, out.stderr
+        assert not _queued("busy")
+        assert broker.poll() is None, "the running broker is left alone"
+    finally:
+        stop_group(broker, 10)
