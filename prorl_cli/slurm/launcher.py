@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prorl_cli.broker.journal import JOURNAL_NAME
 from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.exceptions import BrokerUnavailable, ProrlError, RendezvousError, SlurmError
 from prorl_cli.rendezvous import rendezvous_path
@@ -404,6 +405,8 @@ def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
         removed = True
     if not remaining:
         (cfg.deployment_dir / LAUNCH_NAME).unlink(missing_ok=True)
+        # A broker that could not take the stop left its journal: down means nothing is replayed later.
+        (cfg.deployment_dir / JOURNAL_NAME).unlink(missing_ok=True)
     return DownReport(stopped, cancelled, remaining, removed)
 
 

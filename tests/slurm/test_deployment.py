@@ -191,6 +191,7 @@ def test_down_leaves_nothing(launched: Launched) -> None:
     assert not squeue.active(record.job_ids)
     assert not (launched.dir / "broker.json").exists()
     assert not (launched.dir / "launch.json").exists()
+    assert not (launched.dir / "broker.journal").exists(), "down leaves nothing to replay"
     folder = str(launched.dir)
     leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if any(folder in a for a in p.info["cmdline"] or [])]
     assert not leftovers, f"processes of the deployment still running: {leftovers}"
