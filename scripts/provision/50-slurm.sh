@@ -124,7 +124,12 @@ for n in $(seq 1 "$NODES"); do
   mkdir -p "$SPOOL/d-n$n"
   if running "/run/slurmd-n$n.pid"; then
     # slurmd reads gres.conf only at start.
-    if [ "$changed" = 1 ]; then kill "$(cat "/run/slurmd-n$n.pid")"; sleep 1; slurmd -N "n$n"; fi
+    if [ "$changed" = 1 ]; then
+      pid=$(cat "/run/slurmd-n$n.pid")
+      kill "$pid"
+      for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+      slurmd -N "n$n"
+    fi
   else
     slurmd -N "n$n"
   fi
