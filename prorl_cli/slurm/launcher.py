@@ -115,6 +115,9 @@ def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpe
         for name in ("n_init", "n_run", "n_eval"):
             if getattr(n, name) is not None:
                 overrides[f"node.{name}"] = getattr(n, name)
+        if inf.model and prorl_config(cfg).inference.tokenizer is None:
+            # Handlers tokenize for the model the bridges serve.
+            overrides["inference.tokenizer"] = inf.model
     return RoleSpec(
         role={"broker": "broker", "nodes": "node", "inference": "inference"}[role],  # type: ignore[arg-type]
         deployment=cfg.deployment,
