@@ -101,3 +101,16 @@ def test_render_sbatch_scripts_carry_the_roles_options(tmp_path: Path) -> None:
     roles_config = yaml.safe_load(written["prorl.yaml"])
     assert roles_config["sandbox"]["runtime"] == "apptainer", "never silently local"
     assert roles_config["deployment"] == "r"
+
+
+def test_slurm_identity_from_the_environment() -> None:
+    from prorl_cli.slurm.identity import SlurmIdentity
+
+    env = {"SLURM_JOB_ID": "42", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "2", "SLURMD_NODENAME": "n3",
+           "SLURM_CPUS_PER_TASK": "4", "CUDA_VISIBLE_DEVICES": "1", "SLURM_RESTART_COUNT": "1"}
+    me = SlurmIdentity.from_env(env)
+    assert me.in_slurm and me.task_ref == "40_2" and me.node_name == "n3" and me.cpus == 4 and me.gpus == ["1"]
+    assert me.member_id("node") == "node-2", "named after the array index: the same after a requeue"
+    assert me.member_id("node", 7) == "node-7"
+    assert "restart 1" in me.describe()
+    assert not SlurmIdentity.from_env({}).in_slurm

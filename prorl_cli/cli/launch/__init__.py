@@ -168,7 +168,10 @@ def launch(app: App, deploy_file: str, deployment: str | None, wait_s: float, ke
     )
     if no_wait:
         return
-    failure = _watch(app, cfg, record, wait_s)
+    try:
+        failure = _watch(app, cfg, record, wait_s)
+    except KeyboardInterrupt:
+        app.abort(f"interrupted: what was submitted stays; `prorl down {cfg.deployment}` removes it", code=130)
     if failure is None:
         app.console.print(
             f"[bold green]{cfg.deployment} is up[/]: every node and backend registered.\n"
