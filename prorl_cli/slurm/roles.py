@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.exceptions import RendezvousError
-from prorl_cli.rendezvous import read_rendezvous
+from prorl_cli.rendezvous import BrokerLock, read_rendezvous
 from prorl_cli.slurm.identity import SlurmIdentity
 
 log = logging.getLogger(__name__)
@@ -179,9 +179,11 @@ def _serve_broker(spec: RoleSpec, config: ProrlConfig) -> int:
 
     config.broker.bind_host = spec.bind_host
     config.broker.port = spec.port
-    broker = Broker(config)
-    log.info("broker of %r on %s", config.deployment, broker.address)
-    broker.serve_forever()
+    # One live broker per deployment: a second (say, a stray resubmission) refuses here.
+    with BrokerLock.acquire(config.deployment_dir):
+        broker = Broker(config)
+        log.info("broker of %r on %s", config.deployment, broker.address)
+        broker.serve_forever()
     return 0
 
 
