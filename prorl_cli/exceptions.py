@@ -144,6 +144,14 @@ class SlurmError(ProrlError, RuntimeError):
     """A Slurm command failed, or a deployment could not be launched, scaled or taken down."""
 
 
+class DomainError(ProrlError, ValueError):
+    """A task instance or a domain setting that a domain handler cannot use (names the field)."""
+
+
+class DatasetError(ProrlError, ValueError):
+    """A dataset file that cannot be loaded (names the file, the line or row, and the field)."""
+
+
 #: Error code (``protocol.ErrorCode`` values) -> the exception :meth:`RemoteError.from_reply` raises.
 _ERROR_CLASSES: dict[str, type[RemoteError]] = {
     "bad_frame": BadRequest,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.quickstart.domains import DOMAIN_TASKS, plan_domain
 
 if TYPE_CHECKING:
     from prorl_cli.embedded import LocalStack
@@ -27,13 +28,22 @@ NO_LLM_TASKS: list[Any] = [
 @click.command()
 @click.option("--home", "qs_home", type=click.Path(file_okay=False, path_type=Path), default=Path("prorl-quickstart"),
               show_default=True, help="Where the embedded deployment keeps its files, logs and outputs.")
-@click.option("--engine", type=click.Choice(["auto", "none", "transformers", "vllm"]), default="auto", show_default=True,
-              help="Model engine for the agent; 'none' runs the scripted test handler (no LLM); 'auto' picks transformers when torch is installed.")
+@click.option("--engine", type=click.Choice(["auto", "none", "transformers", "vllm", "sim"]), default="auto", show_default=True,
+              help="Model engine for the agent; 'none' runs the scripted test handler (no LLM); 'sim' a simulated GPU "
+                   "server with the SWE-like sim_agent (no model, no torch); 'auto' picks transformers when torch is installed.")
 @click.option("--model", type=click.Path(file_okay=False, path_type=Path),
               help="Local HF model directory (default: a tiny random model made with 'prorl dev tiny-model').")
-@click.option("--n", "n", type=click.IntRange(min=1), default=2, show_default=True, help="Rollouts per instance.")
+@click.option("-n", "--n", "n", type=click.IntRange(min=1), default=2, show_default=True, help="Rollouts per instance.")
+@click.option("--task", "domain", type=click.Choice(DOMAIN_TASKS),
+              help="Run a task domain (docs/domains.md) instead of the default calculator agent: "
+                   "its shipped dataset, its sandbox image (built on first use) and its scorer.")
+@click.option("--image", metavar="IMAGE",
+              help="With --task: the sandbox image (a .sif path or image name) instead of building the domain's.")
+@click.option("--instances", "n_instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --task: how many instances of the shipped dataset to run.")
 @pass_app
-def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int) -> None:
+def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int, domain: str | None,
+               image: str | None, n_instances: int) -> None:
     """Run broker, node (and inference) on this machine, roll out a task set, write trajectories."""
     from prorl_cli.cli.jobs import run_submission
     from prorl_cli.embedded import LocalStack
@@ -41,6 +51,9 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
     home = qs_home.resolve()
     if engine == "auto":
         engine = "transformers" if _has_torch() else "none"
+    if domain is not None and engine in ("none", "sim"):
+        app.abort(f"--task {domain} needs a model: install the cpu extra (torch) or pass --engine transformers|vllm")
+    plan = plan_domain(app, domain, home, image, n_instances) if domain else None
     model_dir = (model or home / "tiny-model").resolve()
     config: dict[str, Any] = {
         # One self-contained run: nothing to replay if an earlier quickstart was killed.
@@ -48,8 +61,11 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
         "node": {"n_init": 4, "n_run": 8, "n_eval": 4},
         "jobs": {"timeout_s": 300.0 if engine != "none" else 2.0},
     }
-    if engine != "none":
+    if engine not in ("none", "sim"):
         config["inference"] = {"tokenizer": str(model_dir)}
+    if plan is not None:
+        for section, values in plan.config.items():
+            config[section] = {**config.get(section, {}), **values}
     out = home / "trajectories.jsonl"
     summary_path = home / "summary.json"
     con = app.console
@@ -65,21 +81,37 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
                 "install the cpu extra (torch) for a real agent on a tiny model"
             )
             task, instances = "test", list(NO_LLM_TASKS)
+        elif engine == "sim":
+            task, instances = _start_sim_inference(app, stack)
         else:
             task, instances = _start_inference(app, stack, engine, model_dir, made_here=model is None)
+        if plan is not None:
+            task, instances = plan.task, plan.instances
+            con.print(f"  task [bold]{task}[/]: {len(instances)} instance(s) x {n}; sandbox runtime "
+                      f"[bold]{plan.runtime}[/], image {plan.image or '(none)'}")
+            for note in plan.notes:
+                con.print(f"  [yellow]note:[/] {note}")
         started = time.monotonic()
         results = run_submission(app, stack.client, task, instances, n, out, None, None)
         elapsed_s = time.monotonic() - started
         summary = {
             "engine": engine,
             "task": task,
+            "runtime": plan.runtime if plan else None,
+            "image": plan.image if plan else None,
             "jobs": len(results),
             "states": {s: sum(r.state == s for r in results) for s in sorted({r.state for r in results})},
             "mean_reward": _mean([r.reward for r in results if r.reward is not None]),
             "elapsed_s": elapsed_s,
             "trajectories": str(out),
         }
-        if task == "math_agent" and _has_pyarrow():
+        if engine == "sim":
+            summary["backends"] = {b["backend_id"]: b.get("stats", {}) for b in stack.client.status().backends}
+        if plan is not None and model is None:
+            summary["note"] = "the tiny model has random weights: rewards near 0 are expected; pass --model DIR"
+        if (task == "math_agent" or plan is not None) and _has_pyarrow() and any(
+            r.state == "done" and isinstance(r.output, dict) and "trajectory" in r.output for r in results
+        ):
             from prorl_cli.cli.jobs import write_trajectories_parquet
 
             parquet = home / "trajectories.parquet"
@@ -116,6 +148,28 @@ MATH_TASKS = [
     {"question": "What is 81 // 4?", "answer": "20"},
     {"question": "What is 7 * 8 * 9?", "answer": "504"},
 ]
+
+
+#: Short SWE-like rollouts on a simulated H100 run 20x faster than real time.
+SIM_SPEEDUP = 20.0
+SIM_TASKS = [
+    {"seed": i, "turns": [3, 8], "prompt_tokens": 1500, "observation_tokens": {"median": 300, "max": 3000},
+     "tool_s": {"median": 0.5, "max": 10.0}, "time_scale": SIM_SPEEDUP, "p_solve": 0.5}
+    for i in range(8)
+]
+
+
+def _start_sim_inference(app: App, stack: LocalStack) -> tuple[str, list[Any]]:
+    """Start a bridge with the simulated engine and wait until it registers."""
+    stack.spawn("inference-0", "serve", "inference", "--engine", "sim", "--sim-speedup", str(SIM_SPEEDUP),
+                "--backend-id", "inference-0")
+    stack.wait_for(
+        lambda st: any(b["backend_id"] == "inference-0" and b["alive"] for b in st.backends),
+        60.0, "the sim inference bridge to register", "inference-0",
+    )
+    app.console.print(f"  inference-0 registered (simulated H100, 8B model, {SIM_SPEEDUP:g}x real time; "
+                      "the sim_agent's rewards are coin flips)")
+    return "sim_agent", list(SIM_TASKS)
 
 
 def _start_inference(app: App, stack: LocalStack, engine: str, model_dir: Path, made_here: bool) -> tuple[str, list[Any]]:
