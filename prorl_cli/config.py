@@ -298,3 +298,14 @@ def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
 def dump_config(cfg: ProrlConfig) -> str:
     """The effective configuration as YAML (what ``prorl config show`` prints)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def section_from_dict(cls: Any, data: Any, origin: str) -> Any:
+    """Build and validate any config dataclass (the ``deploy.yaml`` schema uses this too).
+
+    Errors are prefixed with ``origin`` and name the dotted key.
+    """
+    try:
+        return _build(cls, data, "")
+    except ConfigError as e:
+        raise ConfigError(f"{origin}: {e}") from None

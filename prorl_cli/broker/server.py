@@ -48,7 +48,7 @@ _ZERO_COPY_BYTES = 65536
 
 
 class Broker:
-    """The deployment's broker. ``serve_forever()`` runs until ``stop`` or SIGTERM."""
+    """The deployment's broker. ``serve_forever()`` runs until ``stop`` (clean) or SIGTERM/SIGUSR2 (leave, journal kept)."""
 
     def __init__(self, config: ProrlConfig) -> None:
         self.config = config
@@ -99,6 +99,7 @@ class Broker:
         )
         self.placing = True
         self.stopping = False
+        self._leaving = False  # set by SIGTERM/SIGUSR2: exit without a clean stop
         self._stop_deadline: float | None = None
         # Output batched within one loop turn, flushed at its end.
         self._results_out: dict[bytes, list[Job]] = defaultdict(list)
@@ -185,7 +186,18 @@ class Broker:
             "broker of deployment %r listening on %s (%s)", self.config.deployment, self.address,
             "CURVE encrypted and authenticated" if self.curve_public_key else "plain TCP: loopback only",
         )
-        prev = signal.signal(signal.SIGTERM, lambda *_: self.begin_stop())
+        # SIGTERM/SIGUSR2 (Slurm preemption, time limit, requeue): leave without cancelling
+        # anything and keep the journal; the broker started next replays it. Only the
+        # ``stop`` op is a clean stop.
+        prev: dict[int, Any] = {}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            self.leave()
+            chained = prev.get(signum)
+            if callable(chained):  # e.g. prorl's Slurm role wrapper, which requeues the job on SIGUSR2
+                chained(signum, frame)
+
+        prev.update({sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGUSR2)})
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         try:
@@ -208,7 +220,8 @@ class Broker:
                 if time.monotonic() >= self._next_tick:
                     self._tick()
         finally:
-            signal.signal(signal.SIGTERM, prev)
+            for sig, handler in prev.items():
+                signal.signal(sig, handler)
             remove_rendezvous(self.config.deployment_dir, os.getpid())
             if self.journal is not None:
                 self.journal.close()
@@ -221,7 +234,15 @@ class Broker:
                 self._auth.stop()
             log.info("broker stopped")
 
+    def leave(self) -> None:
+        """Exit the loop soon, cancelling nothing: jobs stay in the journal for the next broker."""
+        log.info("leaving on a signal: %d unfinished job(s) stay in the journal",
+                 sum(not j.state.terminal for j in self.jobs.values()))
+        self._leaving = True
+
     def _stopped(self) -> bool:
+        if self._leaving:
+            return True
         if not self.stopping:
             return False
         if not any(n.alive for n in self.nodes.values()) and not self.router.bridges_alive():
