@@ -61,8 +61,8 @@ class StageTimeout(ProrlError, TimeoutError):
     """A job's stage ran past its budget (only in-stage time counts)."""
 
 
-class JobCancelled(ProrlError):
-    """The job was cancelled before it finished."""
+class InvalidTimer(ProrlError, ValueError):
+    """A handler asked the node's event loop for a NaN or infinite timer (sleep, timeout)."""
 
 
 class InferenceError(ProrlError, RuntimeError):

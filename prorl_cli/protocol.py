@@ -21,7 +21,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import msgpack
 
@@ -286,7 +286,7 @@ class _Record:
         return out
 
     @classmethod
-    def from_wire(cls, data: Any, what: str | None = None) -> Any:
+    def from_wire(cls, data: Any, what: str | None = None) -> Self:
         what = what or cls.__name__
         if not isinstance(data, dict):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} must be a map, got {type(data).__name__}")
@@ -329,6 +329,8 @@ class JobSpec(_Record):
     sampling: dict[str, Any] | None = None
     attempt: int = 1
     max_attempts: int = 3
+    group_id: str | None = None
+    meta: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_id, str) or not self.job_id:
@@ -387,6 +389,8 @@ class JobResult(_Record):
     stage_s: dict[str, float] = field(default_factory=dict)
     active_s: float = 0.0
     output: Any = None
+    group_id: str | None = None
+    meta: dict[str, Any] | None = None
 
     @property
     def job_state(self) -> JobState:
