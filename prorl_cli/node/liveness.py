@@ -101,13 +101,13 @@ class LivenessSidecar(threading.Thread):
         self._stamp = stamp
         self._stall_limit_s = stall_limit_s
         self._blocker = blocker
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         #: Heartbeats sent (for tests and logs).
         self.sent = 0
 
     def stop(self) -> None:
         """Stop sending and close the socket (returns once the thread has ended)."""
-        self._stop.set()
+        self._halt.set()
         if self.is_alive():
             self.join(timeout=5.0)
 
@@ -128,7 +128,7 @@ class LivenessSidecar(threading.Thread):
         blocked_max_s = 0.0
         vouching = True
         try:
-            while not self._stop.wait(self._interval_s()):
+            while not self._halt.wait(self._interval_s()):
                 address = self._address()
                 if address != connected_to:
                     if sock is not None:
