@@ -28,16 +28,41 @@ RUNTIMES: dict[str, type[Runtime]] = {
 _START_OPTIONS = {"env"}
 
 
+#: What ``sandbox.runtime: auto`` tries, in order; ``local`` (no isolation) is the last resort.
+AUTO_ORDER = ("apptainer", "bwrap")
+
+
 def make_runtime(config: SandboxConfig, log: logging.Logger) -> Runtime:
-    """The runtime ``config.runtime`` names, checked to be usable on this host."""
+    """The runtime ``config.runtime`` names (``auto``: the first that works here), checked to be usable."""
+    config.validate()
+    if config.runtime == "auto":
+        return _auto_runtime(config, log)
     try:
         cls = RUNTIMES[config.runtime]
     except KeyError as e:
-        raise SandboxError(f"sandbox.runtime: unknown runtime {config.runtime!r}; known: {sorted(RUNTIMES)}") from e
-    config.validate()
+        raise SandboxError(
+            f"sandbox.runtime: unknown runtime {config.runtime!r}; known: {['auto', *sorted(RUNTIMES)]}"
+        ) from e
     runtime = cls(config, log)
     runtime.check()
     return runtime
+
+
+def _auto_runtime(config: SandboxConfig, log: logging.Logger) -> Runtime:
+    reasons = []
+    for name in AUTO_ORDER:
+        runtime = RUNTIMES[name](config, log)
+        try:
+            runtime.check()
+            runtime.probe()
+        except SandboxError as e:
+            reasons.append(str(e))
+            continue
+        log.info("sandbox.runtime auto: using %s", name)
+        return runtime
+    log.warning("sandbox.runtime auto: no isolating runtime works here (%s); falling back to the LOCAL runtime, "
+                "which does NOT isolate anything", "; ".join(reasons))
+    return LocalRuntime(config, log)
 
 
 def default_local_dir(config: SandboxConfig) -> Path:

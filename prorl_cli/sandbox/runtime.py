@@ -230,6 +230,17 @@ class SandboxProcess:
         remove_tree(self.spec.session_dir, self._log)
 
 
+def probe_command(name: str, argv: list[str], timeout_s: float = 20.0) -> None:
+    """Run a short command that shows whether a runtime works here; raise :class:`SandboxError` if not."""
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SandboxError(f"{name} runtime: {' '.join(argv)} failed: {e}") from e
+    if done.returncode != 0:
+        tail = done.stderr.decode("utf-8", "replace").strip()[-300:]
+        raise SandboxError(f"{name} runtime does not work for this user ({' '.join(argv)}: exit {done.returncode}: {tail})")
+
+
 async def terminate_group(
     proc: asyncio.subprocess.Process, pgid: int, grace_s: float, *, term_leader: bool = True
 ) -> list[int]:
@@ -275,6 +286,13 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def check(self) -> None:
         """Raise :class:`SandboxError` naming what is missing if this runtime cannot run here."""
+
+    def probe(self) -> None:
+        """Raise :class:`SandboxError` unless this runtime actually works for this user (``auto`` asks).
+
+        Default: :meth:`check`; runtimes that can fail past their binary (namespaces) try it.
+        """
+        self.check()
 
     @abc.abstractmethod
     def command(self, spec: LaunchSpec) -> list[str]:

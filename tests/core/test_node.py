@@ -96,6 +96,8 @@ def test_a_nan_sleep_fails_its_job_and_leaves_timers_and_heartbeats_working(depl
     results = client.wait(quick + hung, timeout_s=30)
     assert [r.state for r in results] == ["done"] * 4 + ["timed_out"] * 2
     assert all(n["alive"] for n in client.status().nodes)
+    # The node said which sandbox runtime sandbox.runtime (auto, by default) picked.
+    assert "sandbox runtime " in deployment.log("n1")
 
 
 def test_an_instance_the_handler_cannot_use_fails_and_returns_its_credit(deployment: Deployment) -> None:
