@@ -79,11 +79,11 @@ def proc_start_ticks(pid: int) -> int | None:
     With the pid it identifies a process for good: a recycled pid has a
     different start time.
     """
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return int(fields[19]) if fields is not None else None
 
 
-def _stat_fields(pid: int | str) -> list[str] | None:
+def stat_fields(pid: int | str) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name (index 0 is the state), or None if gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
@@ -97,7 +97,7 @@ def _members(field: int, value: int) -> list[int]:
     members = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            fields = _stat_fields(entry)
+            fields = stat_fields(entry)
             if fields is not None and int(fields[field]) == value:
                 members.append(int(entry))
     return members
@@ -134,7 +134,7 @@ def process_tree(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            fields = _stat_fields(entry)
+            fields = stat_fields(entry)
             if fields is not None:
                 children.setdefault(int(fields[1]), []).append(int(entry))
     tree, todo = [], [pid]

@@ -230,6 +230,8 @@ async def scenario_reap(args: dict[str, Any]) -> dict[str, Any]:
     return {
         "reaped": reaped, "alive_after": still_alive(procs),
         "sessions_left": [s for s in args["sessions"] if Path(s).exists()],
+        "dead_records_left": sorted(p.name for p in (Path(args.get("dead_state_dir") or args["state_dir"])
+                                                     / "sandboxes").glob("*.json")),
         "reaped_again": m.reap_leftovers(),
     }
 
