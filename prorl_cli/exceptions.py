@@ -88,6 +88,3 @@ class ToolError(SandboxError):
 class ImageBuildError(ProrlError, RuntimeError):
     """An image build failed; the message holds the failing step and log tail."""
 
-
-class NotImplementedYet(ProrlError, NotImplementedError):
-    """A command that a later milestone implements."""
