@@ -12,6 +12,7 @@ before EVAL, and on every failure path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,7 +95,19 @@ class Pipeline:
             return False
         task = asyncio.create_task(self._run(spec, instance), name=f"job-{spec.job_id}")
         self.jobs[spec.job_id] = RunningJob(task, spec.attempt)
+        task.add_done_callback(functools.partial(self._cancelled_before_start, spec))
         return True
+
+    def _cancelled_before_start(self, spec: JobSpec, task: asyncio.Task[JobResult]) -> None:
+        # run_job never raises, so a cancelled task never started: a cancel_job read in the same turn
+        # as its assign. Nothing ran, but the broker still needs the job's result to free its credit.
+        if not task.cancelled():
+            return
+        job = self.jobs.get(spec.job_id)
+        if job is not None and job.task is task:
+            del self.jobs[spec.job_id]
+        self.on_done(JobResult(job_id=spec.job_id, task=spec.task, state=JobState.CANCELLED.value,
+                               attempt=spec.attempt, node_id=self.node_id, group_id=spec.group_id, meta=spec.meta))
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a running job (its result says ``cancelled``); ``False`` if it is not running here."""

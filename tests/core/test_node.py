@@ -173,3 +173,36 @@ def test_serve_node_refuses_a_broken_handler_file(tmp_path: Path, case: str) -> 
         assert "Traceback" not in proc.stderr
     finally:
         d.close()
+
+
+def test_a_job_cancelled_in_the_turn_it_was_assigned_still_reports(tmp_path: Path) -> None:
+    """The cancel lands before the job's task first runs: nothing ran, and the result still says cancelled."""
+    import asyncio
+    import contextlib
+
+    from handlers.testing import ScriptedTestHandler
+    from prorl_cli.config import ProrlConfig
+    from prorl_cli.node.handler import Services
+    from prorl_cli.node.pipeline import Pipeline
+    from prorl_cli.node.registry import HandlerRegistry
+
+    registry = HandlerRegistry()
+    registry.add(ScriptedTestHandler, "handlers/testing.py")
+    done: list[JobResult] = []
+    stages: list[str] = []
+
+    async def main() -> None:
+        pipeline = Pipeline(ProrlConfig(), registry, Services(), "n1", tmp_path,
+                            on_stage=lambda spec, stage: stages.append(stage), on_done=done.append)
+        spec = P.JobSpec(job_id="early", task="test", group_id="g", meta={"k": 1})
+        assert pipeline.start(spec, {"echo": 1})
+        assert not pipeline.start(spec, {"echo": 1})  # a repeated delivery runs nothing twice
+        task = pipeline.jobs["early"].task
+        assert pipeline.cancel("early")
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # the pipeline's done callback was added first: it has run by now
+        assert pipeline.jobs == {}
+
+    asyncio.run(main())
+    assert stages == []
+    assert [(r.job_id, r.state, r.group_id, r.meta) for r in done] == [("early", "cancelled", "g", {"k": 1})]
