@@ -20,7 +20,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prorl_cli import protocol as P
 from prorl_cli.config import ProrlConfig
@@ -33,6 +33,9 @@ from prorl_cli.node.services import NodeServices
 from prorl_cli.peer import BrokerPeer
 from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, Op
 from prorl_cli.rendezvous import read_rendezvous
+
+if TYPE_CHECKING:
+    from prorl_cli.inference.node_client import NodeInference
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +92,17 @@ class NodeServer(BrokerPeer):
         self.liveness_token = new_liveness_token()
         self._stamp = LoopStamp(min(0.25, config.broker.heartbeat_interval_s / 2), on_stall=self._after_stall)
         self._sidecar: LivenessSidecar | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set in serve(); the sidecar reads its current task
 
-    def _make_inference(self) -> Any:
+    def _make_inference(self) -> NodeInference:
         from prorl_cli.inference import NodeInference
 
         return NodeInference(self.request, self.config.inference, self.host, notify=self.send)
 
     def _blocker(self) -> str:
         """What the event loop is running now (read from the sidecar thread while the loop is blocked)."""
+        if self._loop is None:
+            return "the node starting up"
         try:
             task = asyncio.current_task(self._loop)
         except RuntimeError:
