@@ -99,7 +99,7 @@ async def prorl_process_style(address: str, jobs: int, inflight: int) -> tuple[f
                 r = await client.process("noop", {})
                 assert r.state == "done"
                 lat.append(time.perf_counter() - t0)
-                client.forget([r.job_id])
+                client.forget_local([r.job_id])
 
         t0 = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(inflight)))
@@ -133,17 +133,12 @@ async def prorl_stream_style(address: str, jobs: int, inflight: int) -> tuple[fl
         done = 0
         async for result in stream:
             arrived = [result]
-            # take every result already delivered in this loop turn
-            while True:
-                try:
-                    arrived.append(client._streams[-1].get_nowait())  # noqa: SLF001 (benchmark drains its own queue)
-                except asyncio.QueueEmpty:
-                    break
+            arrived += stream.ready()  # take every result already delivered in this loop turn
             now = time.perf_counter()
             for r in arrived:
                 assert r.state == "done"
                 lat.append(now - started.pop(r.job_id))
-            client.forget(r.job_id for r in arrived)
+            client.forget_local(r.job_id for r in arrived)
             done += len(arrived)
             if done >= jobs:
                 break

@@ -101,6 +101,10 @@ class ProrlConfig:
         return dataclasses.asdict(self)
 
 
+#: The words YAML turns into each boolean, in the order a string choice prefers them.
+_BOOL_WORDS: dict[bool, tuple[str, ...]] = {True: ("on", "yes", "true"), False: ("off", "no", "false")}
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -128,9 +132,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return None
         raise ConfigError(f"{where}: expected null, got {value!r}")
     if origin is typing.Literal:
-        if value in typing.get_args(tp):
+        choices = typing.get_args(tp)
+        if isinstance(value, bool):
+            # YAML 1.1 reads on/off, yes/no, true/false as booleans: take them back as the word the key documents.
+            word = next((w for w in _BOOL_WORDS[value] if w in choices), None)
+            if word is not None:
+                return word
+        elif value in choices:
             return value
-        raise ConfigError(f"{where}: expected one of {list(typing.get_args(tp))}, got {value!r}")
+        raise ConfigError(f"{where}: expected one of {list(choices)}, got {value!r}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
@@ -192,6 +202,17 @@ def _validate(cfg: ProrlConfig, origin: str) -> None:
         raise ConfigError(f"{origin}: jobs.timeout_s: must be positive")
     if not cfg.deployment or "/" in cfg.deployment or cfg.deployment.startswith("."):
         raise ConfigError(f"{origin}: deployment: {cfg.deployment!r} is not a valid deployment name")
+    _check_home(cfg.home_path, origin)
+
+
+def _check_home(home: Path, origin: str) -> None:
+    """``home`` (``PRORL_HOME``) must be a folder, or creatable as one: not a file, not under a file."""
+    for path in (home, *home.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "is a file" if path == home else f"is under {path}, which is a file"
+                raise ConfigError(f"{origin}: home: {home} {what}; PRORL_HOME (or --home) must name a folder")
+            return
 
 
 def config_from_dict(data: Any, origin: str = "<config>") -> ProrlConfig:

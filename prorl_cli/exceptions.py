@@ -7,6 +7,8 @@ catch either (``except TimeoutError`` catches :class:`StageTimeout`).
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ProrlError(Exception):
     """Root of every prorl error."""
@@ -26,12 +28,49 @@ class ProtocolError(ProrlError, ValueError):
 
 
 class RemoteError(ProrlError, RuntimeError):
-    """The broker (or another peer) answered a request with an error."""
+    """The broker (or another peer) answered a request with an error.
+
+    :meth:`from_reply` is the one place an error reply becomes an exception;
+    the error code picks the subclass (``except KeyError`` catches an unknown
+    job id, ``except InferenceError`` a failed generate).
+    """
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+    def __reduce__(self) -> tuple[type[RemoteError], tuple[str, str]]:
+        return type(self), (self.code, self.message)
+
+    @staticmethod
+    def from_reply(header: dict[str, Any]) -> RemoteError:
+        """The exception an ``ok: false`` reply stands for (its ``error: {code, message}``, however malformed)."""
+        raw = header.get("error")
+        error: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        code = str(error.get("code") or "error")
+        message = str(error.get("message") or raw or header)
+        cls = _ERROR_CLASSES.get(code, RemoteError)
+        return cls(code, message)
+
+
+class BadRequest(RemoteError, ValueError):
+    """The broker refused a request as malformed (bad frame, unknown op, missing or bad field)."""
+
+
+class UnknownJob(RemoteError, KeyError):
+    """The broker does not know a job id (or a task, or the peer) the request named."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message plain.
+        return f"{self.code}: {self.message}"
+
+
+class BrokerStopping(RemoteError):
+    """The broker is stopping and takes no new work."""
+
+
+class DeploymentBusy(ProrlError, RuntimeError):
+    """Another broker already serves this deployment (it holds the deployment's lock)."""
 
 
 class BrokerUnavailable(ProrlError, ConnectionError):
@@ -73,6 +112,14 @@ class NoBackend(InferenceError):
     """No inference backend is registered (or all are cleared)."""
 
 
+class BackendFailed(RemoteError, InferenceError):
+    """The broker answered a generate call with an error (backend gone or failing, no backend)."""
+
+
+class RemoteNoBackend(BackendFailed, NoBackend):
+    """The broker has no backend to route a generate call to."""
+
+
 class SandboxError(ProrlError, RuntimeError):
     """A sandbox could not be started, used or stopped."""
 
@@ -88,3 +135,18 @@ class ToolError(SandboxError):
 class ImageBuildError(ProrlError, RuntimeError):
     """An image build failed; the message holds the failing step and log tail."""
 
+
+#: Error code (``protocol.ErrorCode`` values) -> the exception :meth:`RemoteError.from_reply` raises.
+_ERROR_CLASSES: dict[str, type[RemoteError]] = {
+    "bad_frame": BadRequest,
+    "bad_version": BadRequest,
+    "unknown_op": BadRequest,
+    "missing_field": BadRequest,
+    "bad_field": BadRequest,
+    "unknown_job": UnknownJob,
+    "unknown_task": UnknownJob,
+    "unknown_peer": UnknownJob,
+    "no_backend": RemoteNoBackend,
+    "backend_error": BackendFailed,
+    "shutting_down": BrokerStopping,
+}

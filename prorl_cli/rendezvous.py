@@ -6,15 +6,18 @@ address and, when it listens beyond loopback, its CURVE public key.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prorl_cli.exceptions import RendezvousError
+from prorl_cli.exceptions import DeploymentBusy, RendezvousError
 
 RENDEZVOUS_NAME = "broker.json"
+#: Held (``flock``, exclusive) by the deployment's broker for its whole life; never deleted.
+LOCK_NAME = "broker.lock"
 
 
 @dataclass
@@ -81,3 +84,63 @@ def remove_rendezvous(deployment_dir: Path, pid: int) -> None:
             path.unlink()
     except (OSError, ValueError):
         return
+
+
+class BrokerLock:
+    """The deployment's broker lock: one live broker per deployment folder.
+
+    An exclusive ``flock`` on ``<deployment>/broker.lock``, held until
+    :meth:`release` or the process exits (the kernel drops it then, even
+    after ``kill -9``), so a second broker for a live deployment refuses to
+    start instead of taking over its rendezvous file and journal.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, deployment_dir: Path) -> BrokerLock:
+        """Take the lock; :class:`DeploymentBusy` naming the live broker if another process holds it."""
+        deployment_dir.mkdir(parents=True, exist_ok=True)
+        path = deployment_dir / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(fd)
+            raise DeploymentBusy(
+                f"deployment {deployment_dir.name!r} already has a live broker ({_describe_live(deployment_dir)}); "
+                "stop it first (prorl stop) or pick another deployment (-d NAME)"
+            ) from e
+        except OSError:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return cls(path, fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> BrokerLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _describe_live(deployment_dir: Path) -> str:
+    """Who holds the lock, from the rendezvous file (or the lock file while the broker is starting)."""
+    try:
+        info = read_rendezvous(deployment_dir)
+        return f"pid {info.pid} on {info.host}, listening on {info.address}"
+    except RendezvousError:
+        try:
+            pid = (deployment_dir / LOCK_NAME).read_text().strip()
+        except OSError:
+            pid = "?"
+        return f"pid {pid or '?'}, still starting"

@@ -16,7 +16,20 @@ from prorl_cli.cli.quickstart import quickstart
 from prorl_cli.cli.serve import serve
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class ProrlGroup(click.Group):
+    """The ``prorl`` group: a prorl error from any command ends in one line on stderr, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        from prorl_cli.exceptions import ProrlError
+
+        try:
+            return super().invoke(ctx)
+        except ProrlError as e:
+            click.echo(f"error: {e}", err=True)
+            raise click.exceptions.Exit(1) from e
+
+
+@click.group(cls=ProrlGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="prorl")
 @click.option("--config", "config_path", metavar="FILE", envvar="PRORL_CONFIG", help="prorl.yaml to read (default: ./prorl.yaml).")
 @click.option("-d", "--deployment", metavar="NAME", help="Deployment name (the rendezvous folder under PRORL_HOME).")

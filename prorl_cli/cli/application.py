@@ -48,7 +48,10 @@ class App:
         )
 
     def abort(self, message: str, code: int = 1) -> NoReturn:
-        self.err_console.print(f"[bold red]error:[/] {message}")
+        """Print ``error: message`` as one line on stderr (never wrapped, no markup) and exit ``code``."""
+        from rich.markup import escape
+
+        self.err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
         raise click.exceptions.Exit(code)
 
 

@@ -1,6 +1,7 @@
 """The trainer side: :class:`RolloutClient` (blocking) and :class:`AsyncRolloutClient`."""
 
 from prorl_cli.client.aio import AsyncRolloutClient
-from prorl_cli.client.sync import RolloutClient
+from prorl_cli.client.results import ForgetOutcome, ResultStream, Submitted
+from prorl_cli.client.sync import RolloutClient, SyncResultStream
 
-__all__ = ["AsyncRolloutClient", "RolloutClient"]
+__all__ = ["AsyncRolloutClient", "ForgetOutcome", "ResultStream", "RolloutClient", "Submitted", "SyncResultStream"]

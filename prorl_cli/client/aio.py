@@ -4,32 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from prorl_cli import protocol as P
+from prorl_cli.client.results import ForgetOutcome, ResultStream, Submitted
 from prorl_cli.config import ProrlConfig, load_config
-from prorl_cli.exceptions import (
-    BrokerRestarted,
-    BrokerUnavailable,
-    ProtocolError,
-    RemoteError,
-    RendezvousError,
-)
+from prorl_cli.connection import BrokerConnection, Reply
+from prorl_cli.exceptions import BrokerUnavailable, ProtocolError, RemoteError, UnknownJob
 from prorl_cli.protocol import BackendStatus, JobResult, JobSpec, Op, StatusReport
-from prorl_cli.rendezvous import read_rendezvous
-from prorl_cli.security import secure_peer
 
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
+#: The short ping that tells "the broker does not answer" before a real request waits its full timeout.
+DEFAULT_PING_TIMEOUT_S = 3.0
+#: What :meth:`AsyncRolloutClient.cancel` says for an id the broker does not know.
+UNKNOWN = "unknown"
 
 
 class AsyncRolloutClient:
-    """Submit jobs, await or stream their results, cancel, inspect, manage backends.
+    """Submit jobs, await or stream their results, cancel, forget, inspect, manage backends.
 
     Find the broker by deployment (the rendezvous file under ``PRORL_HOME``)
     or give its ``address`` directly::
@@ -38,6 +32,9 @@ class AsyncRolloutClient:
             ids = await client.submit("math", instances, n=8)
             async for result in client.as_completed(ids):
                 ...
+
+    Each job's final result is delivered once per stream, however often a
+    (restarted) broker sends it again.
     """
 
     def __init__(
@@ -51,20 +48,24 @@ class AsyncRolloutClient:
         self.config = config or load_config(overrides={"deployment": deployment} if deployment else None)
         if deployment and self.config.deployment != deployment:
             self.config.deployment = deployment
-        self.address = address
+        self._address = address
         #: Without an explicit address the client reads the rendezvous file, and reads it again if the broker goes away.
         self.follow_rendezvous = address is None
         self.request_timeout_s = request_timeout_s
-        self._sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._rids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], list[bytes]]]] = {}
+        self._conn: BrokerConnection | None = None
         self._results: dict[str, JobResult] = {}
         self._waiters: dict[str, list[asyncio.Future[JobResult]]] = {}
-        self._streams: list[asyncio.Queue[JobResult]] = []
-        self._watched: dict[str, str] = {}  # job id -> task ("" if only watched): the jobs whose results we want
-        self._boot_id: str | None = None  # the broker's, as last seen
+        self._streams: list[ResultStream] = []
+        #: The jobs a broker confirmed (accepted, already had, or watched) whose results we want: id -> task ("" if unknown).
+        self._watched: dict[str, str] = {}
         self._watchdog: asyncio.Task[None] | None = None
+        self._rewatch_task: asyncio.Task[None] | None = None
+        self._rewatch_again = False
+
+    @property
+    def address(self) -> str | None:
+        """The broker's address (once connected, where the connection is now)."""
+        return self._conn.address if self._conn is not None else self._address
 
     # -------------------------------------------------------------- plumbing
 
@@ -76,46 +77,20 @@ class AsyncRolloutClient:
         await self.close()
 
     async def connect(self) -> None:
-        """Open the connection (done on first use anyway)."""
-        if self._sock is not None:
+        """Open the connection (done on first use anyway); :class:`RendezvousError` if the deployment has no broker."""
+        if self._conn is not None:
             return
-        if self.address is None:
-            self.address = read_rendezvous(self.config.deployment_dir).address
-        self._open()
-        self._watchdog = asyncio.create_task(self._watch_broker(), name="prorl-client-watchdog")
-
-    def _open(self) -> None:
-        assert self.address is not None
-        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        secure_peer(sock, self.config.deployment_dir)
-        sock.connect(self.address)
-        self._sock = sock
-        self._reader = asyncio.create_task(self._read(), name="prorl-client-reader")
-
-    async def _follow_moved_broker(self) -> None:
-        """The broker does not answer: if the rendezvous file names a new address, connect there and watch again."""
-        if not self.follow_rendezvous:
-            return
-        try:
-            address = read_rendezvous(self.config.deployment_dir).address
-        except RendezvousError:
-            return
-        if address == self.address or self._sock is None:
-            return
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(BrokerRestarted(f"the broker at {self.address} is gone; this request went with it"))
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        self._sock.close(0)
-        self.address = address
-        self._open()
-        await self._rewatch()
+        conn = BrokerConnection(
+            address=self._address,
+            deployment_dir=self.config.deployment_dir,
+            name="client",
+            follow_rendezvous=self.follow_rendezvous,
+            on_message=self._on_message,
+            on_new_boot=self._on_new_boot,
+        )
+        conn.open()
+        self._conn = conn
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_broker(), name="prorl-client-watchdog")
 
     async def close(self) -> None:
         if self._watchdog is not None:
@@ -123,83 +98,52 @@ class AsyncRolloutClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
             self._watchdog = None
-        if self._reader is not None:
-            self._reader.cancel()
-            # The reader ends by cancellation; anything else it raised is a bug worth seeing.
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-            self._reader = None
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        if self._conn is not None:
+            await self._conn.close(0)
+            self._conn = None
 
-    async def _read(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart()
+    def _on_message(self, op: Op, header: dict[str, Any], payload: list[bytes]) -> None:
+        if op != Op.RESULT:
+            return
+        for frame in payload:
             try:
-                header = P.decode_header(frames[0])
+                result = JobResult.from_wire(P.unpack_obj(frame))
             except ProtocolError:
                 continue  # the broker never sends garbage; ignore rather than die
-            if header["op"] == Op.REPLY:
-                fut = self._pending.get(header.get("rid"))  # type: ignore[arg-type]
-                if fut is not None and not fut.done():
-                    fut.set_result((header, frames[1:]))
-            elif header["op"] == Op.RESULT:
-                for frame in frames[1:]:
-                    try:
-                        result = JobResult.from_wire(P.unpack_obj(frame))
-                    except ProtocolError:
-                        continue
-                    self._deliver(result)
+            self._deliver(result)
 
     def _deliver(self, result: JobResult) -> None:
+        if result.job_id in self._results:
+            return  # sent again (a restarted broker, a second watch): every stream already has it
         self._results[result.job_id] = result
         for fut in self._waiters.pop(result.job_id, []):
             if not fut.done():
                 fut.set_result(result)
-        for q in self._streams:
-            q.put_nowait(result)
+        for stream in self._streams:
+            stream._offer(result)
 
     async def request(
         self, op: Op, payload: Sequence[bytes] = (), timeout_s: float | None = None, **fields: Any
-    ) -> tuple[dict[str, Any], list[bytes]]:
-        """Send one request; return the reply. Raise :class:`RemoteError` on an error reply."""
+    ) -> Reply:
+        """Send one request; return the reply. Raise :class:`RemoteError` on an error reply and
+        :class:`BrokerUnavailable` when no reply comes within ``timeout_s`` (default ``request_timeout_s``)."""
         await self.connect()
-        assert self._sock is not None
-        rid = next(self._rids)
-        fut: asyncio.Future[tuple[dict[str, Any], list[bytes]]] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
+        assert self._conn is not None
         timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
-        try:
-            await self._sock.send_multipart(P.encode({"op": op.value, "rid": rid, **fields}, payload), copy=False)
-            header, frames = await asyncio.wait_for(fut, timeout_s)
-        except TimeoutError as e:
-            raise BrokerUnavailable(f"no reply to {op.value!r} from the broker at {self.address} within {timeout_s} s") from e
-        finally:
-            self._pending.pop(rid, None)
-        if not header.get("ok"):
-            err = header.get("error") or {}
-            raise RemoteError(str(err.get("code", "error")), str(err.get("message", header)))
-        if "boot_id" in header:
-            self._note_boot(str(header["boot_id"]))
-        return header, frames
+        return await self._conn.call({"op": op.value, **fields}, payload, timeout_s=timeout_s)
 
     # --------------------------------------------------------- broker restarts
 
-    def _outstanding(self) -> list[str]:
-        return [j for j in self._watched if j not in self._results]
-
-    def _note_boot(self, boot_id: str) -> None:
-        """A broker that restarted knows no watchers (and, without its journal, no jobs): watch again."""
-        if self._boot_id is None:
-            self._boot_id = boot_id
-        elif boot_id != self._boot_id:
-            self._boot_id = boot_id
-            asyncio.ensure_future(self._rewatch())
+    def _on_new_boot(self, boot_id: str) -> None:
+        """A broker that restarted knows no watchers (and, without its journal, no jobs): watch again, once."""
+        if self._rewatch_task is not None and not self._rewatch_task.done():
+            self._rewatch_again = True
+            return
+        assert self._conn is not None
+        self._rewatch_task = self._conn.spawn(self._rewatch())
 
     async def _watch_broker(self) -> None:
-        """While results are awaited, ping the broker now and then to notice a restart."""
+        """While results are awaited, ping the broker now and then to notice a restart or a move."""
         interval_s = self.config.broker.heartbeat_interval_s
         while True:
             await asyncio.sleep(interval_s)
@@ -208,23 +152,33 @@ class AsyncRolloutClient:
             try:
                 await self.request(Op.PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
             except (BrokerUnavailable, RemoteError):
-                await self._follow_moved_broker()  # down: it may come back, here or at a new address
+                # Down: it may come back here (the next ping sees its boot id) or at a new address.
+                if self._conn is not None and self._conn.follow_moved():
+                    with contextlib.suppress(BrokerUnavailable, RemoteError):
+                        await self.request(Op.PING)  # its reply brings the new boot id, which watches again
 
     async def _rewatch(self) -> None:
-        ids = self._outstanding()
-        if not ids:
-            return
-        try:
-            header, _ = await self.request(Op.WATCH, job_ids=ids)
-        except (BrokerUnavailable, RemoteError):
-            return  # the next ping that answers tries again
-        for job_id in header.get("unknown") or []:
-            # Without a journal the new broker never heard of it: say so rather than wait forever.
-            self._deliver(JobResult(
-                job_id=job_id, task=self._watched.get(job_id) or "?", state=P.JobState.FAILED.value, critical_error="broker",
-                error={"stage": "broker", "type": "BrokerRestarted",
-                       "message": "the broker restarted and does not know this job (its journal was off or lost); submit it again"},
-            ))
+        while True:
+            self._rewatch_again = False
+            ids = [j for j in self._watched if j not in self._results]
+            if ids:
+                try:
+                    header, _ = await self.request(Op.WATCH, job_ids=ids)
+                except (BrokerUnavailable, RemoteError):
+                    return  # the next new boot id tries again
+                for job_id in header.get("unknown") or []:
+                    if job_id not in self._watched:
+                        continue  # forgotten meanwhile
+                    # Without a journal the new broker never heard of it: say so rather than wait forever.
+                    self._deliver(JobResult(
+                        job_id=job_id, task=self._watched.get(job_id) or "?", state=P.JobState.FAILED.value,
+                        critical_error="broker",
+                        error={"stage": "broker", "type": "BrokerRestarted",
+                               "message": "the broker restarted and does not know this job "
+                                          "(its journal was off or lost); submit it again"},
+                    ))
+            if not self._rewatch_again:
+                return
 
     # ------------------------------------------------------------------ jobs
 
@@ -238,10 +192,21 @@ class AsyncRolloutClient:
         stage_timeouts_s: dict[str, float] | None = None,
         sampling: dict[str, Any] | None = None,
         max_attempts: int | None = None,
+        group_id: str | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> list[JobSpec]:
+        """``count`` job specs for ``task`` (fresh uuids unless ``job_ids``); ``group_id``/``meta`` go on each."""
         if job_ids is not None and len(job_ids) != count:
             raise ValueError(f"{len(job_ids)} job ids for {count} instances")
         ids = list(job_ids) if job_ids is not None else [uuid.uuid4().hex for _ in range(count)]
+        extra: dict[str, Any] = {}
+        # group_id and meta travel only when given, so a broker from before they existed still takes the jobs.
+        if group_id is not None:
+            extra["group_id"] = group_id
+        if meta is not None:
+            extra["meta"] = meta
+        if extra and not set(extra) <= set(JobSpec.__dataclass_fields__):
+            raise ValueError(f"this prorl's job spec has no {sorted(set(extra) - set(JobSpec.__dataclass_fields__))}")
         return [
             JobSpec(
                 job_id=jid,
@@ -250,6 +215,7 @@ class AsyncRolloutClient:
                 stage_timeouts_s=stage_timeouts_s,
                 sampling=sampling,
                 max_attempts=max_attempts or self.config.jobs.max_attempts,
+                **extra,
             )
             for jid in ids
         ]
@@ -265,37 +231,57 @@ class AsyncRolloutClient:
         stage_timeouts_s: dict[str, float] | None = None,
         sampling: dict[str, Any] | None = None,
         max_attempts: int | None = None,
-    ) -> list[str]:
+        group_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Submitted:
         """Submit each instance ``n`` times; return the job ids at once (results come later).
 
-        Submitting a job id the broker already knows returns that job (idempotent).
+        Submitting a job id the broker already knows returns that job
+        (idempotent): the returned list's ``.accepted`` and ``.existing`` say
+        which ids were new and which the broker already had. A submit that
+        fails (``BrokerRestarted``, a timeout) leaves nothing behind: submit
+        the same ids again.
         """
         insts = [inst for inst in instances for _ in range(n)]
         specs = self.make_specs(
-            task, len(insts), job_ids=job_ids, timeout_s=timeout_s,
-            stage_timeouts_s=stage_timeouts_s, sampling=sampling, max_attempts=max_attempts,
+            task, len(insts), job_ids=job_ids, timeout_s=timeout_s, stage_timeouts_s=stage_timeouts_s,
+            sampling=sampling, max_attempts=max_attempts, group_id=group_id, meta=meta,
         )
         return await self.submit_specs(specs, insts)
 
-    async def submit_specs(self, specs: Sequence[JobSpec], instances: Sequence[Any]) -> list[str]:
-        """Submit fully specified jobs (one instance each)."""
+    async def submit_specs(self, specs: Sequence[JobSpec], instances: Sequence[Any]) -> Submitted:
+        """Submit fully specified jobs (one instance each); see :meth:`submit`."""
         if len(specs) != len(instances):
             raise ValueError(f"{len(specs)} specs for {len(instances)} instances")
+        # A result kept for a resubmitted id may be stale (a synthetic failure after a lost broker): drop it before
+        # sending, so the answer to this submit (the broker pushes an existing job's result again) is taken in.
+        kept = {s.job_id: r for s in specs if (r := self._results.pop(s.job_id, None)) is not None}
+        try:
+            header, _ = await self.request(
+                Op.SUBMIT, [P.pack_obj(i) for i in instances], jobs=[s.to_wire() for s in specs]
+            )
+        except BaseException:
+            for job_id, result in kept.items():
+                self._results.setdefault(job_id, result)
+            raise
+        # Only what a broker confirmed is watched: after a restart the client never makes up a result for a job
+        # it never saw accepted.
         for spec in specs:
             self._watched[spec.job_id] = spec.task
-        await self.request(
-            Op.SUBMIT, [P.pack_obj(i) for i in instances], jobs=[s.to_wire() for s in specs]
-        )
-        return [s.job_id for s in specs]
+        accepted = [str(j) for j in header.get("accepted") or []]
+        existing = [str(j) for j in header.get("existing") or []]
+        return Submitted([s.job_id for s in specs], accepted, existing)
 
     async def _watch(self, job_ids: Iterable[str]) -> None:
-        todo = [j for j in job_ids if j not in self._watched and j not in self._results]
+        todo = [j for j in dict.fromkeys(job_ids) if j not in self._watched and j not in self._results]
         if todo:
             header, _ = await self.request(Op.WATCH, job_ids=todo)
-            if header.get("unknown"):
-                raise RemoteError(P.ErrorCode.UNKNOWN_JOB.value, f"unknown job id(s): {header['unknown']}")
+            unknown = set(header.get("unknown") or [])
             for j in todo:
-                self._watched.setdefault(j, "")
+                if j not in unknown:
+                    self._watched.setdefault(j, "")
+            if unknown:
+                raise UnknownJob(P.ErrorCode.UNKNOWN_JOB.value, f"unknown job id(s): {sorted(unknown)}")
 
     async def result(self, job_id: str, timeout_s: float | None = None) -> JobResult:
         """Await one job's result."""
@@ -303,48 +289,40 @@ class AsyncRolloutClient:
             return self._results[job_id]
         fut: asyncio.Future[JobResult] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(job_id, []).append(fut)
-        await self._watch([job_id])
-        return await asyncio.wait_for(fut, timeout_s)
+        try:
+            await self._watch([job_id])
+            async with asyncio.timeout(timeout_s):
+                return await fut
+        finally:
+            waiters = self._waiters.get(job_id)
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._waiters[job_id]
 
     async def process(self, task: str, instance: Any, timeout_s: float | None = None, **kwargs: Any) -> JobResult:
         """Submit one instance and await its result (the paper's blocking ``/process``)."""
         (job_id,) = await self.submit(task, [instance], timeout_s=timeout_s, **kwargs)
         return await self.result(job_id)
 
-    async def as_completed(self, job_ids: Iterable[str], timeout_s: float | None = None) -> AsyncIterator[JobResult]:
-        """Yield results as they finish, in completion order."""
-        wanted = set(job_ids)
-        queue: asyncio.Queue[JobResult] = asyncio.Queue()
-        self._streams.append(queue)
-        try:
-            for jid in list(wanted):
-                if jid in self._results:
-                    wanted.discard(jid)
-                    yield self._results[jid]
-            await self._watch(wanted)
-            deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
-            while wanted:
-                remaining = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
-                result = await asyncio.wait_for(queue.get(), remaining)
-                if result.job_id in wanted:
-                    wanted.discard(result.job_id)
-                    yield result
-        finally:
-            self._streams.remove(queue)
+    def results(self, job_ids: Iterable[str] | None = None, timeout_s: float | None = None) -> ResultStream:
+        """A stream of results, each job's once, in completion order (``async for``).
 
-    async def results(self) -> AsyncIterator[JobResult]:
-        """Every result this client receives from now on, as it arrives (for streaming consumers).
-
-        Jobs this client submitted, or watches, are pushed to it; pair this
-        with :meth:`submit` calls made concurrently to keep a window full.
+        With ``job_ids``, it ends once they are all in; ``stream.add(ids)``
+        adds more while it runs. Without, it yields every result this client
+        receives from now on (every job it submits or watches), for streaming
+        consumers that keep a window full with concurrent :meth:`submit` calls.
         """
-        queue: asyncio.Queue[JobResult] = asyncio.Queue()
-        self._streams.append(queue)
+        return ResultStream(self, job_ids, timeout_s)
+
+    async def as_completed(self, job_ids: Iterable[str], timeout_s: float | None = None) -> AsyncIterator[JobResult]:
+        """Yield the results of ``job_ids`` as they finish, in completion order."""
+        stream = ResultStream(self, job_ids, timeout_s)
         try:
-            while True:
-                yield await queue.get()
+            async for result in stream:
+                yield result
         finally:
-            self._streams.remove(queue)
+            await stream.aclose()
 
     async def wait(self, job_ids: Iterable[str], timeout_s: float | None = None) -> list[JobResult]:
         """Await all the given jobs; results in the order of ``job_ids``."""
@@ -353,19 +331,39 @@ class AsyncRolloutClient:
         return [got[j] for j in ids]
 
     async def cancel(self, job_ids: Iterable[str]) -> dict[str, str]:
-        """Cancel jobs (queued or running); return each job's state after the cancel."""
+        """Cancel jobs (queued or running); return each id's state after the cancel (``"unknown"`` for ids the
+        broker does not know). The cancelled jobs' results come like any other."""
         ids = list(job_ids)
-        for j in ids:
-            self._watched.setdefault(j, "")
         header, _ = await self.request(Op.CANCEL, job_ids=ids)
-        if header.get("unknown"):
-            raise RemoteError(P.ErrorCode.UNKNOWN_JOB.value, f"unknown job id(s): {header['unknown']}")
-        return dict(header["states"])
+        states = {str(k): str(v) for k, v in dict(header.get("states") or {}).items()}
+        for job_id in states:
+            self._watched.setdefault(job_id, "")  # the broker now pushes its result to us
+        return {j: states.get(j, UNKNOWN) for j in ids}
 
-    def forget(self, job_ids: Iterable[str]) -> None:
-        """Drop locally kept results (they stay at the broker for late watchers)."""
-        for j in job_ids:
-            self._results.pop(j, None)
+    async def forget(self, job_ids: Iterable[str]) -> ForgetOutcome:
+        """Drop finished jobs' results at the broker and here (consumed results; keeps a long run's memory flat).
+
+        Unfinished jobs are not forgotten (``running``); ids the broker does
+        not know come back in ``unknown`` (and are dropped here too).
+        """
+        ids = list(dict.fromkeys(job_ids))
+        header, _ = await self.request(Op("forget"), job_ids=ids)
+        outcome = ForgetOutcome(
+            forgotten=[str(j) for j in header.get("forgotten") or []],
+            running=[str(j) for j in header.get("running") or []],
+            unknown=[str(j) for j in header.get("unknown") or []],
+        )
+        self.forget_local([*outcome.forgotten, *outcome.unknown])
+        return outcome
+
+    def forget_local(self, job_ids: Iterable[str]) -> None:
+        """Drop only this client's copies of finished results (the broker keeps them for late watchers)."""
+        dropped = list(job_ids)
+        for job_id in dropped:
+            self._results.pop(job_id, None)
+            self._watched.pop(job_id, None)
+        for stream in self._streams:
+            stream._forget(dropped)
 
     # ------------------------------------------------------------- deployment
 
@@ -374,6 +372,7 @@ class AsyncRolloutClient:
         return StatusReport.from_wire(header["status"])
 
     async def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Ask the broker for its address, deployment and boot id; :class:`BrokerUnavailable` if it does not answer."""
         header, _ = await self.request(Op.PING, timeout_s=timeout_s)
         return header
 
@@ -395,12 +394,17 @@ class AsyncRolloutClient:
         header, _ = await self.request(Op.LIST_LLM_SERVERS)
         return [BackendStatus.from_wire(b) for b in header["backends"]]
 
-    async def pause_generation(self) -> None:
-        """Hold new generate calls at the broker (weight sync); in-flight ones drain."""
-        await self.request(Op.PAUSE_GENERATION)
+    async def pause_generation(self, policy_version: int | None = None) -> None:
+        """Hold new generate calls at the broker (weight sync); in-flight ones drain.
 
-    async def resume_generation(self) -> None:
-        await self.request(Op.RESUME_GENERATION)
+        ``policy_version``: the version of the weights about to be loaded
+        (the broker stamps it on every generate reply; see ``status``).
+        """
+        await self.request(Op.PAUSE_GENERATION, **_version_field(policy_version))
+
+    async def resume_generation(self, policy_version: int | None = None) -> None:
+        """Release held generate calls and route new ones again (``policy_version``: the weights now served)."""
+        await self.request(Op.RESUME_GENERATION, **_version_field(policy_version))
 
     async def hold(self) -> None:
         """Stop placing queued jobs on nodes (running ones go on)."""
@@ -415,3 +419,9 @@ class AsyncRolloutClient:
         await self.request(Op.STOP)
 
 
+def _version_field(policy_version: int | None) -> dict[str, Any]:
+    if policy_version is None:
+        return {}
+    if not isinstance(policy_version, int) or isinstance(policy_version, bool) or policy_version < 0:
+        raise ValueError(f"policy_version must be a non-negative integer, got {policy_version!r}")
+    return {"policy_version": policy_version}

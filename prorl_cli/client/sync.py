@@ -8,11 +8,13 @@ meanwhile are taken in as well.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from prorl_cli.client.aio import AsyncRolloutClient
-from prorl_cli.protocol import BackendStatus, JobResult, StatusReport
+from prorl_cli.client.results import ForgetOutcome, ResultStream, Submitted
+from prorl_cli.connection import Reply
+from prorl_cli.protocol import BackendStatus, JobResult, JobSpec, Op, StatusReport
 
 T = TypeVar("T")
 
@@ -51,11 +53,22 @@ class RolloutClient:
     def address(self) -> str | None:
         return self._aio.address
 
-    def submit(self, task: str, instances: Iterable[Any], **kwargs: Any) -> list[str]:
-        return list(self._run(self._aio.submit(task, instances, **kwargs)))
+    def connect(self) -> None:
+        """Open the connection (done on first use anyway)."""
+        self._run(self._aio.connect())
 
-    def submit_specs(self, specs: Any, instances: Any) -> list[str]:
-        return list(self._run(self._aio.submit_specs(specs, instances)))
+    def request(self, op: Op, payload: Sequence[bytes] = (), timeout_s: float | None = None, **fields: Any) -> Reply:
+        """One raw request (see :meth:`AsyncRolloutClient.request`)."""
+        return self._run(self._aio.request(op, payload, timeout_s, **fields))
+
+    def make_specs(self, task: str, count: int, **kwargs: Any) -> list[JobSpec]:
+        return self._aio.make_specs(task, count, **kwargs)
+
+    def submit(self, task: str, instances: Iterable[Any], **kwargs: Any) -> Submitted:
+        return self._run(self._aio.submit(task, instances, **kwargs))
+
+    def submit_specs(self, specs: Sequence[JobSpec], instances: Sequence[Any]) -> Submitted:
+        return self._run(self._aio.submit_specs(specs, instances))
 
     def result(self, job_id: str, timeout_s: float | None = None) -> JobResult:
         return self._run(self._aio.result(job_id, timeout_s))
@@ -63,22 +76,25 @@ class RolloutClient:
     def process(self, task: str, instance: Any, **kwargs: Any) -> JobResult:
         return self._run(self._aio.process(task, instance, **kwargs))
 
+    def results(self, job_ids: Iterable[str] | None = None, timeout_s: float | None = None) -> SyncResultStream:
+        """See :meth:`AsyncRolloutClient.results`: a stream of results that ``add(ids)`` extends."""
+        return SyncResultStream(self, self._aio.results(job_ids, timeout_s))
+
     def as_completed(self, job_ids: Iterable[str], timeout_s: float | None = None) -> Iterator[JobResult]:
-        agen = self._aio.as_completed(job_ids, timeout_s)
-        try:
-            while True:
-                try:
-                    yield self._run(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._run(agen.aclose())
+        with self.results(job_ids, timeout_s) as stream:
+            yield from stream
 
     def wait(self, job_ids: Iterable[str], timeout_s: float | None = None) -> list[JobResult]:
         return list(self._run(self._aio.wait(job_ids, timeout_s)))
 
     def cancel(self, job_ids: Iterable[str]) -> dict[str, str]:
         return dict(self._run(self._aio.cancel(job_ids)))
+
+    def forget(self, job_ids: Iterable[str]) -> ForgetOutcome:
+        return self._run(self._aio.forget(job_ids))
+
+    def forget_local(self, job_ids: Iterable[str]) -> None:
+        self._aio.forget_local(job_ids)
 
     def status(self) -> StatusReport:
         return self._run(self._aio.status())
@@ -95,11 +111,11 @@ class RolloutClient:
     def list_backends(self) -> list[BackendStatus]:
         return list(self._run(self._aio.list_backends()))
 
-    def pause_generation(self) -> None:
-        self._run(self._aio.pause_generation())
+    def pause_generation(self, policy_version: int | None = None) -> None:
+        self._run(self._aio.pause_generation(policy_version))
 
-    def resume_generation(self) -> None:
-        self._run(self._aio.resume_generation())
+    def resume_generation(self, policy_version: int | None = None) -> None:
+        self._run(self._aio.resume_generation(policy_version))
 
     def hold(self) -> None:
         self._run(self._aio.hold())
@@ -109,3 +125,37 @@ class RolloutClient:
 
     def stop(self) -> None:
         self._run(self._aio.stop())
+
+
+class SyncResultStream:
+    """The blocking face of :class:`ResultStream`: iterate it, ``add(ids)`` to it, close it (or use ``with``)."""
+
+    def __init__(self, client: RolloutClient, stream: ResultStream) -> None:
+        self._client = client
+        self._stream = stream
+
+    def add(self, job_ids: Iterable[str]) -> None:
+        self._stream.add(job_ids)
+
+    @property
+    def pending(self) -> set[str]:
+        return self._stream.pending
+
+    def __iter__(self) -> SyncResultStream:
+        return self
+
+    def __next__(self) -> JobResult:
+        try:
+            return self._client._run(self._stream.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        if not self._client._loop.is_closed():
+            self._client._run(self._stream.aclose())
+
+    def __enter__(self) -> SyncResultStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

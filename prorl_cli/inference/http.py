@@ -54,7 +54,8 @@ async def request(
     reached, closes the connection early, or does not answer in ``timeout_s``.
     """
     try:
-        return await asyncio.wait_for(_request(method, url, body), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await _request(method, url, body)
     except asyncio.TimeoutError as e:
         raise InferenceError(f"{method} {url}: no answer within {timeout_s:g} s") from e
     except (OSError, asyncio.IncompleteReadError) as e:

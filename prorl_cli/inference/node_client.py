@@ -14,11 +14,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from prorl_cli.exceptions import BrokerRestarted, InferenceError, NoBackend, ProtocolError
+from prorl_cli.exceptions import BrokerRestarted, InferenceError, ProtocolError, RemoteError
 from prorl_cli.inference.contract import Generation, check_sampling
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.inference.settings import InferenceConfig
-from prorl_cli.protocol import ErrorCode, Op, SamplingParams, pack_tokens
+from prorl_cli.protocol import Op, SamplingParams, pack_tokens
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class NodeInference:
         while True:
             try:
                 remaining_s = max(0.0, deadline - asyncio.get_running_loop().time())
-                reply, payload = await asyncio.wait_for(self.request(header, [pack_tokens(prompt_ids)], cancel=cancel), remaining_s)
+                async with asyncio.timeout(remaining_s):  # not wait_for: it can lose a cancel (gh-86296)
+                    reply, payload = await self.request(header, [pack_tokens(prompt_ids)], cancel=cancel)
                 break
             except BrokerRestarted as e:
                 # Nothing was sampled for us (or it was lost): ask the new broker; the handler sees only latency.
@@ -75,11 +76,10 @@ class NodeInference:
                     "(generation paused, or no backend registered?)"
                 ) from e
         if not reply.get("ok"):
-            raw_err = reply.get("error")
-            err: dict[str, Any] = raw_err if isinstance(raw_err, dict) else {}
-            code, message = err.get("code", "?"), err.get("message", str(reply))
-            cls = NoBackend if code == ErrorCode.NO_BACKEND.value else InferenceError
-            raise cls(f"{code}: {message}")
+            error = RemoteError.from_reply(reply)
+            if isinstance(error, InferenceError):
+                raise error
+            raise InferenceError(str(error)) from error
         backend_id = reply.get("backend_id")
         redirect = reply.get("redirect")
         if redirect:

@@ -34,9 +34,8 @@ class ToolClient:
     async def connect_unix(cls, path: str, timeout_s: float = 10.0) -> ToolClient:
         """Connect to a tool server's Unix socket."""
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(path, limit=MAX_FRAME_BYTES), timeout_s
-            )
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await asyncio.open_unix_connection(path, limit=MAX_FRAME_BYTES)
         except (OSError, asyncio.TimeoutError) as e:
             raise SandboxError(f"cannot connect to the tool server at {path}: {e}") from e
         return cls(reader, writer, path)
@@ -45,7 +44,8 @@ class ToolClient:
     async def connect_tcp(cls, host: str, port: int, timeout_s: float = 10.0) -> ToolClient:
         """Connect to a tool server started with ``--tcp`` (benchmarks)."""
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await asyncio.open_connection(host, port)
         except (OSError, asyncio.TimeoutError) as e:
             raise SandboxError(f"cannot connect to the tool server at {host}:{port}: {e}") from e
         sock = writer.get_extra_info("socket")
@@ -64,11 +64,13 @@ class ToolClient:
             try:
                 self._writer.write(_HEADER.pack(len(data)) + data)
                 await self._writer.drain()
-                header = await asyncio.wait_for(self._reader.readexactly(_HEADER.size), reply_timeout_s)
+                async with asyncio.timeout(reply_timeout_s):
+                    header = await self._reader.readexactly(_HEADER.size)
                 (length,) = _HEADER.unpack(header)
                 if length > MAX_FRAME_BYTES:
                     raise SandboxError(f"tool server at {self.where} sent a {length}-byte frame")
-                body = await asyncio.wait_for(self._reader.readexactly(length), reply_timeout_s)
+                async with asyncio.timeout(reply_timeout_s):
+                    body = await self._reader.readexactly(length)
             except asyncio.TimeoutError as e:
                 # The stream is now out of step with the server: close it.
                 self._writer.close()

@@ -259,8 +259,9 @@ async def terminate_group(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
     # A timeout means it ignored SIGTERM: SIGKILL below.
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(proc.wait(), grace_s)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(grace_s):
+            await proc.wait()
     # Kill the group and the session even when the leader exited: stragglers
     # (helpers in groups of their own) may remain in them.
     with contextlib.suppress(ProcessLookupError):
@@ -366,7 +367,8 @@ class Runtime(abc.ABC):
         assert proc.stdout is not None
         started = time.monotonic()
         try:
-            line = await asyncio.wait_for(proc.stdout.readline(), self.config.start_timeout_s)
+            async with asyncio.timeout(self.config.start_timeout_s):
+                line = await proc.stdout.readline()
         except asyncio.TimeoutError as e:
             raise SandboxTimeout(
                 f"{self.name} sandbox {spec.sandbox_id} not ready after {self.config.start_timeout_s:.0f} s; "

@@ -185,7 +185,8 @@ def test_wall_time_limit_stops_the_sandbox(tmp_path: Path, caplog: pytest.LogCap
         m = SandboxManager(SandboxConfig(runtime="local", wall_s=0.5), tmp_path, log)
         sb = await m.start("slow-job")
         pid = sb.pid
-        await asyncio.wait_for(sb.wait_stopped(), 30)
+        async with asyncio.timeout(30):
+            await sb.wait_stopped()
         assert m.live == []
         assert proc_start_ticks(pid) is None
         with pytest.raises(SandboxError, match="is stopped"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,29 +17,59 @@ if TYPE_CHECKING:
     from prorl_cli.protocol import JobResult, StatusReport
 
 
+#: How long a command waits for the broker's ping before saying it does not answer.
+PING_TIMEOUT_S = 3.0
+
+
 def connect(app: App, address: str | None = None) -> RolloutClient:
-    """A client for the deployment; a clear error if its broker is not there."""
+    """A client for the deployment whose broker answered a short ping; a one-line error if it is not there."""
     from prorl_cli.client import RolloutClient
-    from prorl_cli.exceptions import RendezvousError
+    from prorl_cli.exceptions import BrokerUnavailable, RendezvousError
 
+    client = RolloutClient(app.config.deployment, address=address, config=app.config)
     try:
-        return RolloutClient(app.config.deployment, address=address, config=app.config)
+        client.ping(timeout_s=PING_TIMEOUT_S)
     except RendezvousError as e:
+        client.close()
         app.abort(str(e))
+    except BrokerUnavailable:
+        where = client.address or address or "?"
+        client.close()
+        app.abort(
+            f"the broker at {where} does not answer (deployment {app.config.deployment!r}, "
+            f"no reply within {PING_TIMEOUT_S:g} s); is it running?"
+        )
+    return client
 
 
-def read_instances(path: Path) -> list[Any]:
+def read_instances(app: App, path: Path) -> list[Any]:
     """One JSON value per line; blank lines skipped; errors name the line."""
     instances = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                instances.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise click.BadParameter(f"{path}:{lineno}: not valid JSON: {e.msg}", param_hint="TASKS") from e
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    instances.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    app.abort(f"{path}:{lineno}: not valid JSON: {e.msg}")
+    except UnicodeDecodeError as e:
+        app.abort(f"{path}: not a UTF-8 text file (TASKS is JSONL: one JSON instance per line): {e.reason} at byte {e.start}")
+    except OSError as e:
+        app.abort(f"{path}: cannot read: {e.strerror or e}")
     return instances
+
+
+def check_out_path(app: App, out: Path) -> None:
+    """Refuse an ``--out`` that cannot be written, before anything is submitted."""
+    parent = out.parent
+    if not parent.is_dir():
+        app.abort(f"--out {out}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        app.abort(f"--out {out}: folder {parent} is not writable")
+    if out.is_dir():
+        app.abort(f"--out {out}: is a folder")
 
 
 def run_submission(
@@ -159,9 +190,11 @@ def submit(
     app: App, tasks_file: Path, task: str, n: int, out: Path | None, timeout_s: float | None, id_prefix: str | None, address: str | None
 ) -> None:
     """Submit every line of TASKS (JSONL, one instance per line) and collect the results."""
-    instances = read_instances(tasks_file)
+    instances = read_instances(app, tasks_file)
     if not instances:
         app.abort(f"{tasks_file}: no instances")
+    if out is not None:
+        check_out_path(app, out)
     with connect(app, address) as client:
         results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix)
     if any(r.state != "done" for r in results):
@@ -224,16 +257,14 @@ def status(app: App, as_json: bool, address: str | None) -> None:
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @pass_app
 def cancel(app: App, job_ids: tuple[str, ...], address: str | None) -> None:
-    """Cancel queued or running jobs by id."""
-    from prorl_cli.exceptions import RemoteError
-
+    """Cancel queued or running jobs by id; prints each one's state, exits 1 if any id is unknown."""
     with connect(app, address) as client:
-        try:
-            states = client.cancel(job_ids)
-        except RemoteError as e:
-            app.abort(str(e))
+        states = client.cancel(job_ids)
     for job_id, state in states.items():
         app.console.print(f"{job_id}: {state}")
+    unknown = [j for j, state in states.items() if state == "unknown"]
+    if unknown:
+        app.abort(f"{len(unknown)} unknown job id(s): {', '.join(unknown)}")
 
 
 @click.command()

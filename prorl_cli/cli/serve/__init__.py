@@ -18,14 +18,36 @@ def serve() -> None:
 @click.option("--port", type=int, help="TCP port (default: a free one, published in the rendezvous file).")
 @pass_app
 def serve_broker(app: App, bind_host: str | None, port: int | None) -> None:
-    """Run the deployment's ZeroMQ broker and write its rendezvous file."""
+    """Run the deployment's ZeroMQ broker and write its rendezvous file.
+
+    Refuses to start while another broker serves the deployment (it holds
+    <deployment>/broker.lock); the error names that broker's pid and address.
+    """
     app.override(broker__bind_host=bind_host, broker__port=port)
     app.setup_logging("broker")
-    from prorl_cli.broker.server import Broker
+    import zmq
 
-    broker = Broker(app.config)
-    app.err_console.print(f"broker of [bold]{app.config.deployment}[/] on {broker.address}")
-    broker.serve_forever()
+    from prorl_cli.broker.server import Broker
+    from prorl_cli.rendezvous import BrokerLock
+
+    cfg = app.config
+    try:
+        # Held for the broker's life: a second broker for this deployment refuses here, before it touches
+        # the live one's rendezvous file or journal.
+        lock = BrokerLock.acquire(cfg.deployment_dir)
+    except OSError as e:
+        app.abort(f"cannot use the deployment folder {cfg.deployment_dir}: {e.strerror or e}")
+    with lock:
+        where = f"{cfg.broker.bind_host}:{cfg.broker.port or '*'}"
+        try:
+            broker = Broker(cfg)
+        except zmq.ZMQError as e:
+            hint = "the port is in use" if e.errno == zmq.EADDRINUSE else "is --bind-host an address of this machine?"
+            app.abort(f"the broker cannot listen on {where}: {e.strerror} ({hint})")
+        except OSError as e:
+            app.abort(f"the broker cannot start in {cfg.deployment_dir}: {e}")
+        app.err_console.print(f"broker of [bold]{cfg.deployment}[/] on {broker.address}")
+        broker.serve_forever()
 
 
 @serve.command("node")

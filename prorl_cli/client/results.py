@@ -1,0 +1,149 @@
+"""What the client hands back: submitted ids, forget outcomes, and result streams that can grow."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prorl_cli.protocol import JobResult
+
+if TYPE_CHECKING:
+    from prorl_cli.client.aio import AsyncRolloutClient
+
+
+class Submitted(list[str]):
+    """The ids of a submit, in order (a plain list), plus which the broker accepted new and which it already had.
+
+    ``existing`` ids were submitted before (a resumed trainer, a carried-over
+    group): the broker returned those jobs instead of running them again.
+    """
+
+    def __init__(self, job_ids: Iterable[str], accepted: Iterable[str] = (), existing: Iterable[str] = ()) -> None:
+        super().__init__(job_ids)
+        self.accepted: list[str] = list(accepted)
+        self.existing: list[str] = list(existing)
+
+
+@dataclass
+class ForgetOutcome:
+    """The broker's answer to ``forget``: dropped, not dropped because unfinished, and unknown ids."""
+
+    forgotten: list[str] = field(default_factory=list)
+    running: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+
+
+class ResultStream:
+    """Final results as they arrive, each job's once per stream, in completion order.
+
+    With ids (``client.results(ids)``, ``client.as_completed(ids)``) the
+    stream ends once every id's result was yielded; :meth:`add` extends it
+    with more ids (top-up groups) while it runs. Without ids it never ends
+    and yields every result the client receives (jobs it submitted or
+    watches) from the moment it was made. Close it (``aclose``, or leave an
+    ``async for``) to stop collecting.
+    """
+
+    def __init__(
+        self,
+        client: AsyncRolloutClient,
+        job_ids: Iterable[str] | None,
+        timeout_s: float | None = None,
+    ) -> None:
+        self._client = client
+        self._queue: asyncio.Queue[JobResult] = asyncio.Queue()
+        #: ``None``: open-ended (every result); else the ids still to yield.
+        self._wanted: set[str] | None = None if job_ids is None else set()
+        self._seen: set[str] = set()
+        self._to_watch: list[str] = []
+        self._timeout_s = timeout_s
+        self._deadline: float | None = None
+        self._closed = False
+        client._streams.append(self)
+        if job_ids is not None:
+            self.add(job_ids)
+
+    def add(self, job_ids: Iterable[str]) -> None:
+        """Also yield these jobs' results (ones already yielded by this stream are not yielded again)."""
+        if self._closed:
+            raise RuntimeError("this result stream is closed")
+        for job_id in job_ids:
+            if job_id in self._seen:
+                continue
+            if self._wanted is not None:
+                self._wanted.add(job_id)
+            cached = self._client._results.get(job_id)
+            if cached is not None:
+                self._queue.put_nowait(cached)
+            else:
+                self._to_watch.append(job_id)
+
+    @property
+    def pending(self) -> set[str]:
+        """Ids added and not yet yielded (empty for an open-ended stream)."""
+        return set(self._wanted or ())
+
+    def _offer(self, result: JobResult) -> None:
+        """The client received ``result``."""
+        if self._wanted is None or result.job_id in self._wanted:
+            self._queue.put_nowait(result)
+
+    def _forget(self, job_ids: Iterable[str]) -> None:
+        self._seen.difference_update(job_ids)
+
+    def ready(self) -> list[JobResult]:
+        """The results already received and not yet yielded, without waiting (batching consumers)."""
+        out = []
+        while not self._queue.empty():
+            result = self._take(self._queue.get_nowait())
+            if result is not None:
+                out.append(result)
+        return out
+
+    def __aiter__(self) -> ResultStream:
+        return self
+
+    async def __anext__(self) -> JobResult:
+        loop = asyncio.get_running_loop()
+        if self._deadline is None and self._timeout_s is not None:
+            self._deadline = loop.time() + self._timeout_s
+        while True:
+            if self._to_watch:
+                todo, self._to_watch = self._to_watch, []
+                await self._client._watch(todo)
+            while not self._queue.empty():
+                result = self._take(self._queue.get_nowait())
+                if result is not None:
+                    return result
+            if self._wanted is not None and not self._wanted:
+                await self.aclose()
+                raise StopAsyncIteration
+            try:
+                async with asyncio.timeout_at(self._deadline):
+                    got = await self._queue.get()
+            except TimeoutError:
+                raise TimeoutError(
+                    f"{len(self._wanted or ())} result(s) still missing after {self._timeout_s:g} s"
+                ) from None
+            result = self._take(got)
+            if result is not None:
+                return result
+
+    def _take(self, result: JobResult) -> JobResult | None:
+        """``result`` if this stream still owes it, else ``None`` (a duplicate, or not asked for)."""
+        if result.job_id in self._seen:
+            return None
+        if self._wanted is not None:
+            if result.job_id not in self._wanted:
+                return None
+            self._wanted.discard(result.job_id)
+        self._seen.add(result.job_id)
+        return result
+
+    async def aclose(self) -> None:
+        """Stop collecting results."""
+        self._closed = True
+        if self in self._client._streams:
+            self._client._streams.remove(self)

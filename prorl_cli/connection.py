@@ -1,0 +1,318 @@
+"""One DEALER connection to a deployment's broker: what clients, nodes and bridges share.
+
+:class:`BrokerConnection` owns the socket (CURVE when the deployment has
+keys), requests that await a reply by request id, the reader that matches
+replies to requests, the broker's boot id and what happens when it
+changes, and following a broker that moved (re-reading the rendezvous
+file). An error reply becomes an exception in one place,
+:meth:`prorl_cli.exceptions.RemoteError.from_reply`.
+
+Who sits on top says what to do with the broker's other messages
+(``on_message``), with replies nobody waits for any more (``on_stray_reply``)
+and with a new broker (``on_new_boot``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from prorl_cli import protocol as P
+from prorl_cli.exceptions import (
+    BrokerRestarted,
+    BrokerUnavailable,
+    ProtocolError,
+    RemoteError,
+    RendezvousError,
+)
+from prorl_cli.protocol import Op
+from prorl_cli.rendezvous import read_rendezvous
+from prorl_cli.security import secure_peer
+
+log = logging.getLogger(__name__)
+
+#: A reply: its header and its payload frames.
+Reply = tuple[dict[str, Any], list[bytes]]
+#: ``on_message(op, header, payload)``: a broker message that is not a reply.
+MessageHandler = Callable[[Op, dict[str, Any], list[bytes]], None]
+
+
+class BrokerConnection:
+    """A DEALER socket to the broker with request/reply, boot-id tracking and broker following.
+
+    ``address`` ``None``: read it from the rendezvous file on :meth:`open`.
+    ``follow_rendezvous``: :meth:`follow_moved` may move to the address the
+    rendezvous file names now. ``host``: stamped on every request (nodes
+    and bridges say where they run). ``unbounded``: no high-water marks
+    (results and stage updates must never be dropped or block).
+    """
+
+    def __init__(
+        self,
+        *,
+        address: str | None,
+        deployment_dir: Path | None,
+        name: str = "peer",
+        follow_rendezvous: bool = False,
+        host: str | None = None,
+        linger_ms: int = 0,
+        unbounded: bool = True,
+        on_message: MessageHandler | None = None,
+        on_stray_reply: Callable[[dict[str, Any]], None] | None = None,
+        on_new_boot: Callable[[str], None] | None = None,
+    ) -> None:
+        self.address = address
+        self.deployment_dir = deployment_dir
+        #: For log lines and errors: "client", "node", "bridge".
+        self.name = name
+        self.follow_rendezvous = follow_rendezvous
+        self.host = host
+        self.linger_ms = linger_ms
+        self.unbounded = unbounded
+        self.on_message = on_message
+        self.on_stray_reply = on_stray_reply
+        self.on_new_boot = on_new_boot
+        #: The broker's boot id as of the last reply that carried one.
+        self.boot_id: str | None = None
+        #: ``time.monotonic()`` of the last message from the broker.
+        self.last_heard = time.monotonic()
+        self.sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._rids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    # ----------------------------------------------------------------- socket
+
+    @property
+    def is_open(self) -> bool:
+        return self.sock is not None
+
+    def open(self) -> None:
+        """Connect (reading the rendezvous file when no address was given) and start the reader.
+
+        Raises :class:`RendezvousError` when there is no address and no rendezvous file.
+        Call from a running event loop.
+        """
+        if self.sock is not None:
+            return
+        if self.address is None:
+            if self.deployment_dir is None:
+                raise BrokerUnavailable(f"{self.name}: no broker address and no deployment to find one in")
+            self.address = read_rendezvous(self.deployment_dir).address
+        self._closed = False
+        self._connect()
+
+    def _connect(self) -> None:
+        assert self.address is not None
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, self.linger_ms)
+        if self.unbounded:
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        if self.deployment_dir is not None:
+            secure_peer(sock, self.deployment_dir)  # reads the (new) broker's CURVE key
+        sock.connect(self.address)
+        self.sock = sock
+        self._reader = asyncio.get_running_loop().create_task(self._read(sock), name=f"prorl-{self.name}-reader")
+        self._reader.add_done_callback(self._reader_done)
+
+    def _reader_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: the reader of the broker connection died: %r", self.name, task.exception())
+            self._fail_pending(BrokerUnavailable(f"{self.name}: the connection to {self.address} failed: {task.exception()}"))
+
+    async def close(self, linger_ms: int | None = None) -> None:
+        """Stop the reader and background tasks, fail waiting requests, close the socket."""
+        self._closed = True
+        tasks = [t for t in (self._reader, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._reader = None
+        self._fail_pending(BrokerUnavailable(f"{self.name}: connection closed"))
+        if self.sock is not None:
+            self.sock.close(self.linger_ms if linger_ms is None else linger_ms)
+            self.sock = None
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background, keeping a reference until it ends (:meth:`close` cancels it)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: background task failed: %r", self.name, task.exception())
+
+    # --------------------------------------------------------------- messages
+
+    async def send(self, header: dict[str, Any], payload: Sequence[bytes] = ()) -> None:
+        """Send a message that gets no reply."""
+        if self.sock is None:
+            raise BrokerUnavailable(f"{self.name}: not connected to the broker")
+        await self.sock.send_multipart(P.encode(header, payload), copy=False)
+
+    def send_soon(self, header: dict[str, Any]) -> None:
+        """Send a message without awaiting: pyzmq queues it now, before anything the caller sends next."""
+        if self.sock is None or self._closed:
+            return
+        sent = asyncio.ensure_future(self.sock.send_multipart(P.encode(header, ()), copy=False))
+
+        def check(f: asyncio.Future[Any]) -> None:
+            # Never awaited: look at the outcome so a failure is logged, not lost.
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("%s could not send %s: %s", self.name, header.get("op"), f.exception())
+
+        sent.add_done_callback(check)
+
+    async def request(
+        self,
+        header: dict[str, Any],
+        payload: Sequence[bytes] = (),
+        *,
+        timeout_s: float | None = None,
+        cancel: dict[str, Any] | None = None,
+    ) -> Reply:
+        """Send a request and await its reply (header, payload), error replies included.
+
+        ``timeout_s``: raise :class:`BrokerUnavailable` when no reply came in
+        time. ``cancel``: a message sent, with this request's ``rid``, when
+        the caller stops waiting (timeout, or its task was cancelled).
+        :class:`BrokerRestarted` when the broker that had the request is gone.
+        """
+        self.open()
+        rid = next(self._rids)
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        fields: dict[str, Any] = {"rid": rid}
+        if self.host is not None:
+            fields["host"] = self.host
+        try:
+            await self.send({**header, **fields}, payload)
+            if timeout_s is None:
+                return await fut
+            # asyncio.timeout, not wait_for: wait_for can swallow a cancel that lands with the reply (gh-86296).
+            async with asyncio.timeout(timeout_s):
+                return await fut
+        except TimeoutError as e:
+            if cancel is not None:
+                self.send_soon({**cancel, "rid": rid})
+            op = header.get("op")
+            raise BrokerUnavailable(
+                f"the broker at {self.address} does not answer ({op!r}: no reply within {timeout_s:g} s)"
+            ) from e
+        except asyncio.CancelledError:
+            if cancel is not None and not (fut.done() and not fut.cancelled()):  # no reply came
+                self.send_soon({**cancel, "rid": rid})
+            raise
+        finally:
+            self._pending.pop(rid, None)
+
+    async def call(
+        self, header: dict[str, Any], payload: Sequence[bytes] = (), *, timeout_s: float | None = None
+    ) -> Reply:
+        """:meth:`request`, raising the :class:`RemoteError` an error reply stands for."""
+        reply, frames = await self.request(header, payload, timeout_s=timeout_s)
+        if not reply.get("ok"):
+            raise RemoteError.from_reply(reply)
+        return reply, frames
+
+    # ----------------------------------------------------------------- reader
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            self.last_heard = time.monotonic()
+            try:
+                header = P.decode_header(frames[0])
+            except ProtocolError as e:
+                log.error("%s: bad frame from the broker: %s", self.name, e)
+                continue
+            op = header["op"]
+            if op == Op.REPLY:
+                self._on_reply(header, frames[1:])
+            elif op != Op.HEARTBEAT and self.on_message is not None:
+                try:
+                    self.on_message(op, header, frames[1:])
+                except (ProtocolError, KeyError, TypeError, ValueError) as e:
+                    # A message its handler could not take must not stop the reader (and with it every reply).
+                    log.error("%s: could not handle %s from the broker: %r", self.name, op.value, e)
+
+    def _on_reply(self, header: dict[str, Any], payload: list[bytes]) -> None:
+        rid = header.get("rid")
+        boot_id = header.get("boot_id")
+        if isinstance(boot_id, str):
+            self.note_boot(boot_id, answered=rid)
+        fut = self._pending.get(rid) if isinstance(rid, int) else None
+        if fut is not None and not fut.done():
+            fut.set_result((header, payload))
+        elif self.on_stray_reply is not None:
+            self.on_stray_reply(header)
+
+    def note_boot(self, boot_id: str, answered: Any = None) -> None:
+        """Record the broker's boot id; a new one fails the requests the old broker took with it.
+
+        ``answered``: the rid whose reply carried ``boot_id`` (it is not lost).
+        """
+        if self.boot_id == boot_id:
+            return
+        first, self.boot_id = self.boot_id is None, boot_id
+        if first:
+            return
+        lost = self._fail_pending(
+            BrokerRestarted(f"the broker at {self.address} restarted; this request was lost with it"), keep=answered
+        )
+        log.warning("%s: the broker restarted (new boot id); %d request(s) in flight were lost with it", self.name, lost)
+        if self.on_new_boot is not None:
+            self.on_new_boot(boot_id)
+
+    def _fail_pending(self, error: Exception, keep: Any = None) -> int:
+        lost = [f for rid, f in self._pending.items() if rid != keep and not f.done()]
+        for fut in lost:
+            fut.set_exception(error)
+        return len(lost)
+
+    # ------------------------------------------------------------- following
+
+    @property
+    def silent_s(self) -> float:
+        """Seconds since the broker was last heard from."""
+        return time.monotonic() - self.last_heard
+
+    def follow_moved(self) -> bool:
+        """If the rendezvous file now names another address, reconnect there; return whether it moved.
+
+        Requests in flight fail with :class:`BrokerRestarted` (they went with
+        the old broker). Only with ``follow_rendezvous``.
+        """
+        if not self.follow_rendezvous or self.deployment_dir is None or self.sock is None:
+            return False
+        try:
+            info = read_rendezvous(self.deployment_dir)
+        except RendezvousError:
+            return False  # not written yet: the new broker is still starting
+        if info.address == self.address:
+            return False
+        log.warning("the broker moved from %s to %s; %s follows it", self.address, info.address, self.name)
+        self._fail_pending(BrokerRestarted(f"the broker at {self.address} is gone; this request went with it"))
+        old_sock, old_reader = self.sock, self._reader
+        if old_reader is not None:
+            old_reader.cancel()
+            self._background.add(old_reader)
+            old_reader.add_done_callback(self._background.discard)
+        old_sock.close(0)
+        self.address = info.address
+        self._connect()
+        return True

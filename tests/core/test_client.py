@@ -1,0 +1,156 @@
+"""The trainer's client against a real deployment: what a DAPO-style trainer relies on, and broker restarts."""
+
+from __future__ import annotations
+
+import inspect
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prorl_cli.client import AsyncRolloutClient, RolloutClient, Submitted
+from prorl_cli.config import load_config
+from prorl_cli.exceptions import BrokerUnavailable, UnknownJob
+from prorl_cli.protocol import JobResult, JobSpec, Op
+from tests.harness import Deployment, fixed_port
+
+HAS_K1 = {"group_id", "meta"} <= set(JobSpec.__dataclass_fields__)
+HAS_FORGET = "forget" in {op.value for op in Op}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    d = Deployment(tmp_path_factory.mktemp("client") / "home", "api")
+    d.start_broker()
+    d.start_node("n1")
+    yield d
+    d.close()
+
+
+def test_the_blocking_client_has_every_method_of_the_async_one() -> None:
+    public = {n for n, _ in inspect.getmembers(AsyncRolloutClient) if not n.startswith("_")}
+    missing = sorted(n for n in public if not hasattr(RolloutClient, n))
+    assert missing == []
+    for name in ("results", "forget", "make_specs", "as_completed", "submit", "cancel"):
+        assert name in public
+
+
+def test_submit_says_which_ids_were_new_and_which_existed(deployment: Deployment) -> None:
+    client = deployment.client
+    first = client.submit("test", [{"echo": 1}, {"echo": 2}], job_ids=["sub-a", "sub-b"])
+    assert isinstance(first, Submitted) and first == ["sub-a", "sub-b"]
+    assert (first.accepted, first.existing) == (["sub-a", "sub-b"], [])
+    again = client.submit("test", [{"echo": 2}, {"echo": 3}], job_ids=["sub-b", "sub-c"])
+    assert (again.accepted, again.existing) == (["sub-c"], ["sub-b"])
+    results = client.wait(["sub-a", "sub-b", "sub-c"], timeout_s=60)
+    assert [r.output["echo"] for r in results] == [1, 2, 3], "sub-b kept its first instance"
+
+
+def test_a_result_stream_takes_ids_added_after_it_started(deployment: Deployment) -> None:
+    client = deployment.client
+    first = client.submit("test", [{"echo": "first"}])
+    stream = client.results(first, timeout_s=60)
+    got = [next(stream)]
+    more = client.submit("test", [{"echo": "top-up"}] * 2)
+    stream.add(more)
+    stream.add(first)  # already yielded: not again
+    got += list(stream)
+    assert sorted(r.job_id for r in got) == sorted([*first, *more])
+    assert stream.pending == set()
+
+
+def test_an_open_ended_stream_follows_every_submit(deployment: Deployment) -> None:
+    client = deployment.client
+    with client.results() as stream:
+        ids = [*client.submit("test", [{"echo": 1}]), *client.submit("test", [{"echo": 2}])]
+        got = [next(stream).job_id, next(stream).job_id]
+    assert sorted(got) == sorted(ids)
+
+
+def test_cancel_with_unknown_ids_reports_per_id(deployment: Deployment) -> None:
+    client = deployment.client
+    (hung,) = client.submit("test", [{"hang_in": "run"}], timeout_s=60)
+    deployment.wait_for(lambda st: st.jobs["run"] >= 1, 30, "the job to run")
+    outcome = client.cancel([hung, "no-such-job"])
+    assert outcome == {hung: "cancelled", "no-such-job": "unknown"}
+    assert client.result(hung, timeout_s=30).state == "cancelled"
+    with pytest.raises(UnknownJob):
+        client.result("no-such-job", timeout_s=5)
+
+
+def test_pause_and_resume_take_a_policy_version(deployment: Deployment) -> None:
+    client = deployment.client
+    client.pause_generation(policy_version=3)
+    assert client.status().generation_paused
+    client.resume_generation(policy_version=4)
+    st = client.status()
+    assert not st.generation_paused
+    if hasattr(st, "policy_version"):  # K3 (routing team): the broker serves the version resume named
+        assert st.policy_version == 4
+    with pytest.raises(ValueError, match="policy_version"):
+        client.pause_generation(policy_version=-1)
+
+
+@pytest.mark.skipif(not HAS_K1, reason="JobSpec has no group_id/meta yet (contract K1, broker-core team)")
+def test_group_id_and_meta_travel_from_spec_to_result(deployment: Deployment) -> None:
+    client = deployment.client
+    ids = client.submit("test", [{"echo": 1}] * 2, group_id="step3-prompt7", meta={"step": 3, "policy_version": 2})
+    for r in client.wait(ids, timeout_s=60):
+        assert (r.group_id, r.meta) == ("step3-prompt7", {"step": 3, "policy_version": 2})  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not HAS_FORGET, reason="the broker has no forget op yet (contract K2, broker-core team)")
+def test_forget_drops_consumed_results_at_the_broker_and_here(deployment: Deployment) -> None:
+    client = deployment.client
+    done = client.submit("test", [{"echo": 1}])
+    (hung,) = client.submit("test", [{"hang_in": "run"}], timeout_s=60)
+    client.wait(done, timeout_s=60)
+    outcome = client.forget([*done, hung, "no-such-job"])
+    assert (outcome.forgotten, outcome.running, outcome.unknown) == (list(done), [hung], ["no-such-job"])
+    with pytest.raises(UnknownJob):
+        client.result(done[0], timeout_s=5)  # gone at the broker too
+    client.cancel([hung])
+
+
+def test_a_broker_restarted_at_a_new_address_delivers_each_result_once_and_invents_none(tmp_path: Path) -> None:
+    """Issue 12, defects 2 and 3: a submit lost with the old broker leaves nothing behind; every result arrives once."""
+    d = Deployment(tmp_path / "home", "mv", config={
+        "broker": {"port": fixed_port()},
+        "node": {"n_init": 2, "n_run": 2, "n_eval": 2, "credit": 2},
+    })
+    try:
+        d.start_broker()
+        d.start_node("n1")
+        # No address: the client follows the rendezvous file, as a trainer does.
+        client = RolloutClient("mv", config=load_config(d.config_path), request_timeout_s=60)
+        stream = client.results(timeout_s=180)  # open-ended: everything this client receives from now on
+        quick = client.submit("test", [{"echo": "quick"}] * 2)
+        slow = client.submit("test", [{"sleep_s": {"run": 1.5}}] * 4, timeout_s=60)
+        seen: list[JobResult] = [client.result(j, timeout_s=60) for j in quick]
+        d.wait_for(lambda st: st.jobs["run"] == 2, 30, "two slow jobs running, two queued")
+        d.kill("broker", signal.SIGKILL)
+        d.drop_client()
+        d.config_path.write_text(yaml.safe_dump({**d.config, "broker": {**d.config["broker"], "port": fixed_port()}}))
+        d.start_broker()
+        # The client's socket still points at the dead broker: this submit goes nowhere and fails when the client
+        # follows the move. Its ids must not be watched (no synthetic "BrokerRestarted" results for them).
+        lost_ids = ["retry-0", "retry-1"]
+        with pytest.raises(BrokerUnavailable):
+            client.submit("test", [{"echo": "retried"}] * 2, job_ids=lost_ids)
+        from_stream = [next(stream) for _ in range(len(quick) + len(slow))]
+        # The trainer's retry is the only path by which those ids run.
+        retried = client.submit("test", [{"echo": "retried"}] * 2, job_ids=lost_ids)
+        assert retried.accepted == lost_ids
+        from_stream += [next(stream) for _ in lost_ids]
+        late = [r.job_id for r in client.wait([*slow, *lost_ids], timeout_s=60)]
+        stream.close()
+        client.close()
+        ids = [r.job_id for r in from_stream]
+        assert sorted(ids) == sorted([*quick, *slow, *lost_ids]), "each result exactly once on the stream"
+        assert all(r.state == "done" for r in from_stream), [r for r in from_stream if r.state != "done"]
+        assert {r.output["echo"] for r in from_stream if r.job_id in lost_ids} == {"retried"}
+        assert late == [*slow, *lost_ids] and len(seen) == 2
+    finally:
+        d.close()

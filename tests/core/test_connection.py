@@ -1,0 +1,157 @@
+"""BrokerConnection over real ZeroMQ sockets: a raw ROUTER in the test plays the broker's side of the wire."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from prorl_cli import protocol as P
+from prorl_cli.connection import BrokerConnection
+from prorl_cli.exceptions import (
+    BackendFailed,
+    BadRequest,
+    BrokerRestarted,
+    BrokerStopping,
+    InferenceError,
+    NoBackend,
+    RemoteError,
+    UnknownJob,
+)
+
+
+def with_router(test: Callable[[zmq.asyncio.Socket], Awaitable[None]]) -> None:
+    """Run ``test(router)`` on a fresh event loop with a bound ROUTER (no pytest-asyncio here)."""
+
+    async def main() -> None:
+        sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind("tcp://127.0.0.1:*")
+        try:
+            async with asyncio.timeout(60):
+                await test(sock)
+        finally:
+            sock.close(0)
+
+    asyncio.run(main())
+
+
+async def _conn(router: zmq.asyncio.Socket, **kwargs: object) -> BrokerConnection:
+    conn = BrokerConnection(address=router.getsockopt_string(zmq.LAST_ENDPOINT), deployment_dir=None, **kwargs)  # type: ignore[arg-type]
+    conn.open()
+    return conn
+
+
+async def _receive(router: zmq.asyncio.Socket) -> tuple[bytes, dict[str, object]]:
+    identity, *frames = await router.recv_multipart()
+    return identity, P.decode_header(frames[0])
+
+
+def test_a_cancel_racing_a_reply_is_never_lost() -> None:
+    with_router(_a_cancel_racing_a_reply_is_never_lost)
+
+
+async def _a_cancel_racing_a_reply_is_never_lost(router: zmq.asyncio.Socket) -> None:
+    """CPython gh-86296: ``asyncio.wait_for`` returns the result when a cancel lands in the turn the reply does.
+
+    The cancel here is issued from a callback on the reply's future, so it
+    lands exactly then. Either the cancel comes too late (``cancel()`` says
+    so) or the request ends cancelled and tells the broker; never both
+    "cancel accepted" and a result.
+    """
+    conn = await _conn(router)
+    try:
+        for _ in range(20):
+            task = asyncio.ensure_future(
+                conn.request({"op": "generate", "job_id": "j"}, timeout_s=30, cancel={"op": "generate_cancel", "job_id": "j"})
+            )
+            identity, header = await _receive(router)
+            (fut,) = conn._pending.values()
+            accepted: list[bool] = []
+            fut.add_done_callback(lambda _f, t=task, a=accepted: a.append(t.cancel()))
+            await router.send_multipart([identity, *P.encode(P.reply(header["rid"], value=1), ())])
+            try:
+                await task
+                outcome = "result"
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+            assert accepted, "the cancel ran"
+            if accepted[0]:
+                assert outcome == "cancelled", "a cancel that was accepted was lost: the request returned its reply"
+            else:
+                assert outcome == "result"
+        assert not conn._pending
+    finally:
+        await conn.close()
+
+
+def test_a_cancelled_request_tells_the_broker() -> None:
+    with_router(_a_cancelled_request_tells_the_broker)
+
+
+async def _a_cancelled_request_tells_the_broker(router: zmq.asyncio.Socket) -> None:
+    conn = await _conn(router)
+    try:
+        task = asyncio.ensure_future(conn.request({"op": "generate"}, cancel={"op": "generate_cancel", "job_id": "j"}))
+        _, header = await _receive(router)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        _, cancel = await _receive(router)
+        assert cancel == {**cancel, "op": "generate_cancel", "job_id": "j", "rid": header["rid"]}
+    finally:
+        await conn.close()
+
+
+def test_a_new_boot_id_fails_the_requests_the_old_broker_had() -> None:
+    with_router(_a_new_boot_id_fails_the_requests_the_old_broker_had)
+
+
+async def _a_new_boot_id_fails_the_requests_the_old_broker_had(router: zmq.asyncio.Socket) -> None:
+    boots: list[str] = []
+    conn = await _conn(router, on_new_boot=boots.append)
+    try:
+        first = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
+        identity, h1 = await _receive(router)
+        await router.send_multipart([identity, *P.encode(P.reply(h1["rid"], boot_id="A"), ())])
+        await first
+        lost = asyncio.ensure_future(conn.call({"op": "submit"}, timeout_s=30))
+        answered = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
+        _, h2 = await _receive(router)
+        _, h3 = await _receive(router)
+        # Only the ping is answered, by a broker with a new boot id: the submit went with the old one.
+        await router.send_multipart([identity, *P.encode(P.reply(h3["rid"], boot_id="B"), ())])
+        reply, _ = await answered
+        assert reply["boot_id"] == "B"
+        with pytest.raises(BrokerRestarted):
+            await lost
+        assert boots == ["B"] and conn.boot_id == "B"
+        assert h2["op"] == "submit"
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "builtin"),
+    [
+        ("bad_field", BadRequest, ValueError),
+        ("unknown_op", BadRequest, ValueError),
+        ("unknown_job", UnknownJob, KeyError),
+        ("backend_error", BackendFailed, InferenceError),
+        ("no_backend", NoBackend, InferenceError),
+        ("shutting_down", BrokerStopping, RuntimeError),
+        ("something_new", RemoteError, RuntimeError),
+    ],
+)
+def test_an_error_reply_becomes_a_typed_exception(code: str, cls: type, builtin: type) -> None:
+    e = RemoteError.from_reply(P.error_reply(7, code, "what went wrong"))
+    assert isinstance(e, cls) and isinstance(e, builtin) and isinstance(e, RemoteError)
+    assert (e.code, e.message, str(e)) == (code, "what went wrong", f"{code}: what went wrong")
+
+
+def test_a_malformed_error_reply_still_becomes_an_exception() -> None:
+    e = RemoteError.from_reply({"op": "reply", "ok": False, "error": "just a string"})
+    assert type(e) is RemoteError and e.code == "error" and "just a string" in e.message
