@@ -437,6 +437,8 @@ class BackendStatus(_Record):
     served: int
     cleared: bool
     alive: bool
+    #: Engine figures from the bridge's heartbeat ``stats`` (str -> number); empty when it sends none.
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -505,6 +505,9 @@ class Broker:
     def on_heartbeat(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         backend = self.backend_by_identity.get(identity)
         if backend is not None and backend.alive:
+            stats = h.get("stats")
+            if isinstance(stats, dict):
+                backend.stats = {str(k): v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             return
         if "backend_id" in h:
             self._send(identity, P.error_reply(h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register_backend"))

@@ -83,6 +83,8 @@ class Backend:
     cleared: bool = False
     alive: bool = True
     last_seen: float = field(default_factory=time.monotonic)
+    #: The bridge's engine figures from its last heartbeat (the sim engine: busy fraction, tokens/s, hit rate).
+    stats: dict[str, float] = field(default_factory=dict)
 
     def load_key(self, host: str | None) -> tuple[int, int, int, int]:
         """Least live jobs, then least in-flight requests, then same host first."""
@@ -101,6 +103,7 @@ class Backend:
             served=self.served,
             cleared=self.cleared,
             alive=self.alive,
+            stats=dict(self.stats),
         )
 
 

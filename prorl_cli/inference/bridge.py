@@ -65,7 +65,11 @@ class InferenceBridge(BrokerPeer):
         }
 
     def heartbeat_header(self) -> dict[str, Any]:
-        return {"op": Op.HEARTBEAT.value, "backend_id": self.backend_id, "inflight": len(self._generating)}
+        header: dict[str, Any] = {"op": Op.HEARTBEAT.value, "backend_id": self.backend_id, "inflight": len(self._generating)}
+        stats = self.engine.stats()
+        if stats:
+            header["stats"] = stats  # str -> number; the broker shows them in status
+        return header
 
     def unregister_header(self) -> dict[str, Any]:
         return {"op": Op.UNREGISTER.value, "backend_id": self.backend_id}

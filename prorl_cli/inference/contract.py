@@ -99,5 +99,9 @@ class Engine(abc.ABC):
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         """Generate from ``prompt_ids``; raise ``InferenceError`` with the server's message on failure."""
 
+    def stats(self) -> dict[str, float]:
+        """Figures the bridge reports in its heartbeat (``stats``); the simulated engine has some."""
+        return {}
+
     async def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what :meth:`start` acquired (stop a child server)."""

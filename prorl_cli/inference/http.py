@@ -1,17 +1,20 @@
-"""A small asyncio HTTP/1.1 client (no third-party dependency).
+"""JSON over HTTP to OpenAI-compatible servers (vLLM), on aiohttp with a keep-alive pool.
 
-Enough for talking JSON to OpenAI-compatible servers: one connection per
-request (``Connection: close``), Content-Length, chunked or read-to-EOF
-bodies, a total timeout. Cancelling the awaiting task closes the socket,
-which is what makes a dead server an error instead of a hang.
+A :class:`HttpClient` keeps its connections open between requests (one
+pool per client, per event loop), so a generate call costs one request on a
+warm connection instead of a TCP handshake and teardown. Cancelling the
+awaiting task closes that request's connection (it never goes back to the
+pool), which is what makes vLLM abort the request; a server that dies is an
+error, not a hang.
+
+aiohttp comes with the ``vllm`` and ``http`` extras (vLLM depends on it
+anyway); without it these calls raise :class:`InferenceError` saying so.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import ssl
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,6 +22,8 @@ from urllib.parse import urlsplit
 from prorl_cli.exceptions import InferenceError
 
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
+#: Connections kept open per client (a bridge serves up to its capacity at once).
+POOL_SIZE = 256
 
 
 @dataclass
@@ -45,77 +50,76 @@ def split_url(url: str) -> tuple[str, str, int, str]:
     return parts.scheme, parts.hostname, port, parts.path or "/"
 
 
-async def request(
-    method: str, url: str, body: Any = None, *, timeout_s: float = 600.0
-) -> HttpResponse:
-    """Send one request (``body`` is JSON-encoded when given) and read the whole response.
+class HttpClient:
+    """A keep-alive connection pool; create it anywhere, use it from one event loop, :meth:`close` it."""
 
-    Raises :class:`InferenceError` naming the URL when the server cannot be
-    reached, closes the connection early, or does not answer in ``timeout_s``.
-    """
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await _request(method, url, body)
-    except asyncio.TimeoutError as e:
-        raise InferenceError(f"{method} {url}: no answer within {timeout_s:g} s") from e
-    except (OSError, asyncio.IncompleteReadError) as e:
-        raise InferenceError(f"{method} {url}: {type(e).__name__}: {e}") from e
+    def __init__(self, pool_size: int = POOL_SIZE) -> None:
+        self.pool_size = pool_size
+        self._session: Any = None  # aiohttp.ClientSession, made on first use (it binds the running loop)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
+    def _get_session(self) -> Any:
+        try:
+            import aiohttp
+        except ImportError as e:
+            raise InferenceError(
+                "talking HTTP to vLLM needs aiohttp: install prorl[vllm] or prorl[http]"
+            ) from e
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            # No cookie jar: OpenAI-compatible servers set none worth keeping.
+            connector = aiohttp.TCPConnector(limit=self.pool_size, ttl_dns_cache=300)
+            self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+            self._loop = loop
+        return self._session
 
-async def _request(method: str, url: str, body: Any) -> HttpResponse:
-    scheme, host, port, path = split_url(url)
-    query = urlsplit(url).query
-    target = path + (f"?{query}" if query else "")
-    data = b"" if body is None else json.dumps(body).encode()
-    ctx = ssl.create_default_context() if scheme == "https" else None
-    reader, writer = await asyncio.open_connection(host, port, ssl=ctx)
-    try:
-        head = (
-            f"{method} {target} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n"
-            f"Accept: application/json\r\nContent-Length: {len(data)}\r\n"
-        )
-        if body is not None:
-            head += "Content-Type: application/json\r\n"
-        writer.write(head.encode("latin-1") + b"\r\n" + data)
-        await writer.drain()
-        status_line = await reader.readline()
-        if not status_line:
-            raise InferenceError(f"{method} {url}: the server closed the connection without answering")
-        fields = status_line.decode("latin-1").split(None, 2)
-        if len(fields) < 2 or not fields[0].startswith("HTTP/") or not fields[1].isdigit():
-            raise InferenceError(f"{method} {url}: not an HTTP response: {status_line[:100]!r}")
-        status = int(fields[1])
-        headers: dict[str, str] = {}
-        while True:
-            line = await reader.readline()
-            if line in (b"\r\n", b"\n", b""):
-                break
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            chunks = []
-            total = 0
-            while True:
-                size_line = await reader.readline()
-                size = int(size_line.split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    break
-                total += size
-                if total > MAX_RESPONSE_BYTES:
+    async def request(self, method: str, url: str, body: Any = None, *, timeout_s: float = 600.0) -> HttpResponse:
+        """Send one request (``body`` is JSON-encoded when given) and read the whole response.
+
+        Raises :class:`InferenceError` naming the URL when the server cannot be
+        reached, closes the connection early, or does not answer in ``timeout_s``.
+        """
+        import aiohttp
+
+        split_url(url)  # ValueError naming a bad URL, before any connection
+        session = self._get_session()
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with session.request(method, url, data=data, headers=headers, timeout=timeout) as resp:
+                length = resp.content_length
+                if length is not None and length > MAX_RESPONSE_BYTES:
+                    raise InferenceError(f"{method} {url}: response of {length} bytes is too large")
+                payload = await resp.content.read(MAX_RESPONSE_BYTES + 1)
+                if len(payload) > MAX_RESPONSE_BYTES:
                     raise InferenceError(f"{method} {url}: response larger than {MAX_RESPONSE_BYTES} bytes")
-                chunks.append(await reader.readexactly(size))
-                await reader.readexactly(2)
-            payload = b"".join(chunks)
-        elif "content-length" in headers:
-            length = int(headers["content-length"])
-            if length > MAX_RESPONSE_BYTES:
-                raise InferenceError(f"{method} {url}: response of {length} bytes is too large")
-            payload = await reader.readexactly(length)
-        else:
-            payload = await reader.read(MAX_RESPONSE_BYTES)
-        return HttpResponse(status, headers, payload)
+                return HttpResponse(resp.status, {k.lower(): v for k, v in resp.headers.items()}, payload)
+        except asyncio.TimeoutError as e:
+            raise InferenceError(f"{method} {url}: no answer within {timeout_s:g} s") from e
+        except (aiohttp.ClientError, OSError) as e:
+            # Name the socket's own error (ConnectionRefusedError, ...) where aiohttp wraps one.
+            cause = getattr(e, "os_error", None) or e
+            raise InferenceError(f"{method} {url}: {type(cause).__name__}: {cause}") from e
+
+    async def close(self) -> None:
+        """Close the pool's connections (only from the loop that opened them)."""
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is self._loop:
+                await session.close()
+
+
+async def request(method: str, url: str, body: Any = None, *, timeout_s: float = 600.0) -> HttpResponse:
+    """One request on a connection of its own (health checks, tests); generate paths use an :class:`HttpClient`."""
+    client = HttpClient(pool_size=1)
+    try:
+        return await client.request(method, url, body, timeout_s=timeout_s)
     finally:
-        writer.close()
-        # The peer may already have reset the connection; the socket is closed either way.
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+        await client.close()

@@ -107,10 +107,12 @@ class OpenAIEngine(Engine):
         self.max_model_len = 0
         self.timeout_s = timeout_s
         self.backend_id = backend_id
+        # Keep-alive: generate calls reuse warm connections (no connect, or TLS handshake, per call).
+        self.http = http.HttpClient()
 
     async def describe(self) -> None:
         """Read the served model's name and max length from ``/v1/models``."""
-        resp = await http.request("GET", f"{self.base_url}/models", timeout_s=30.0)
+        resp = await self.http.request("GET", f"{self.base_url}/models", timeout_s=30.0)
         if resp.status != 200:
             raise InferenceError(f"backend {self.base_url}: GET /models: HTTP {resp.status}: {server_message(resp)}")
         data = resp.json()
@@ -127,12 +129,12 @@ class OpenAIEngine(Engine):
 
     async def healthy(self) -> bool:
         try:
-            resp = await http.request("GET", f"{self.root_url}/health", timeout_s=10.0)
+            resp = await self.http.request("GET", f"{self.root_url}/health", timeout_s=10.0)
         except InferenceError:
             return False
         if resp.status == 404:  # not vLLM: any answer from /models will do
             try:
-                resp = await http.request("GET", f"{self.base_url}/models", timeout_s=10.0)
+                resp = await self.http.request("GET", f"{self.base_url}/models", timeout_s=10.0)
             except InferenceError:
                 return False
         return resp.status == 200
@@ -144,7 +146,10 @@ class OpenAIEngine(Engine):
         if not self.model:
             await self.describe()
         body = completions_body(self.model, prompt_ids, sampling)
-        resp = await http.request("POST", f"{self.base_url}/completions", body, timeout_s=self.timeout_s)
+        resp = await self.http.request("POST", f"{self.base_url}/completions", body, timeout_s=self.timeout_s)
         if resp.status != 200:
             raise InferenceError(f"backend {self.base_url}: HTTP {resp.status}: {server_message(resp)}")
         return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id)
+
+    async def close(self) -> None:
+        await self.http.close()

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class BridgeOptions:
     """What ``prorl serve inference`` was asked to run."""
 
-    engine: str = "vllm"  # vllm | transformers
+    engine: str = "vllm"  # vllm | transformers | sim
     model: str | None = None
     attach: str | None = None
     backend_id: str | None = None
@@ -47,6 +47,13 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
         from prorl_cli.inference.openai_engine import OpenAIEngine
 
         return OpenAIEngine(opts.attach, timeout_s=ic.generate_timeout_s, backend_id=backend_id)
+    if opts.engine == "sim":
+        from prorl_cli.inference.sim_engine import SimEngine, SimProfile
+
+        profile = SimProfile.load(ic.sim_profile, speedup=ic.sim_speedup, max_model_len=opts.max_model_len)
+        if opts.model:
+            profile.model = opts.model  # the name it registers (handlers may route on it)
+        return SimEngine(profile, backend_id=backend_id)
     if not opts.model:
         raise InferenceError("give --model DIR (a local model directory) or --attach URL")
     if opts.engine == "transformers":
@@ -54,7 +61,7 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
 
         return TransformersEngine(opts.model, max_model_len=opts.max_model_len, backend_id=backend_id)
     if opts.engine != "vllm":
-        raise InferenceError(f"--engine {opts.engine!r}: expected vllm or transformers")
+        raise InferenceError(f"--engine {opts.engine!r}: expected vllm, transformers or sim")
     from prorl_cli.inference.vllm_server import VLLMChildEngine, VLLMServer
 
     server = VLLMServer(

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from prorl_cli.exceptions import ConfigError
 
+#: The engines ``prorl serve inference`` can run.
+ENGINES = ("vllm", "transformers", "sim")
+
 
 @dataclass
 class InferenceConfig:
@@ -18,8 +21,13 @@ class InferenceConfig:
     generate_timeout_s: float = 600.0
     #: Model directory whose tokenizer and chat template handlers use (``prorl dev tiny-model`` makes one).
     tokenizer: str | None = None
-    #: Bridge: ``vllm`` (a vLLM child process) or ``transformers`` (the in-process CPU reference engine).
+    #: Bridge: ``vllm`` (a vLLM child process), ``transformers`` (the in-process CPU reference engine)
+    #: or ``sim`` (a simulated GPU server: no model, no GPU; docs/inference.md).
     engine: str = "vllm"
+    #: Bridge, sim engine: a profile name in ``prorl_cli/inference/sim_profiles`` or a YAML file.
+    sim_profile: str = "h100-8b"
+    #: Bridge, sim engine: run this many times faster than the profile's GPU (``null``: the profile's own).
+    sim_speedup: float | None = None
     #: Bridge: generate requests served at once (more wait in the bridge).
     capacity: int = 64
     #: Bridge: how long vLLM may take to become healthy.
@@ -32,8 +40,10 @@ class InferenceConfig:
     def validate(self, where: str) -> None:
         """Called by the config loader: reject values no bridge could use, naming the key."""
         prefix = f"{where}." if where else "inference."
-        if self.engine not in ("vllm", "transformers"):
-            raise ConfigError(f"{prefix}engine: expected 'vllm' or 'transformers', got {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"{prefix}engine: expected one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.sim_speedup is not None and not self.sim_speedup > 0:
+            raise ConfigError(f"{prefix}sim_speedup: must be positive, got {self.sim_speedup}")
         if self.capacity < 1:
             raise ConfigError(f"{prefix}capacity: must be at least 1, got {self.capacity}")
         for name in ("generate_timeout_s", "startup_timeout_s"):

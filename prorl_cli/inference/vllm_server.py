@@ -181,4 +181,5 @@ class VLLMChildEngine(OpenAIEngine):
         return await super().healthy()
 
     async def close(self) -> None:
+        await super().close()
         await asyncio.to_thread(self.server.stop)

@@ -14,9 +14,14 @@ directory (its socket) and the tool server file (read-only).
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
+import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 from prorl_cli.exceptions import SandboxError
@@ -42,6 +47,74 @@ def fuse_usable() -> bool:
     return os.access("/dev/fuse", os.R_OK | os.W_OK)
 
 
+#: Marker file written last into an unpacked copy: its presence means the copy is whole.
+UNPACKED_MARK = ".prorl-unpacked"
+
+
+def unpacked_root(config: SandboxConfig) -> Path:
+    """Node-local directory of unpacked SIF copies (beside the sandboxes' session directories)."""
+    base = Path(config.local_dir) if config.local_dir else Path(tempfile.gettempdir()) / f"prorl-{os.getuid()}"
+    return base / "unpacked"
+
+
+class UnpackedImages:
+    """One unpacked copy of each SIF per node, for users who cannot mount SIFs with FUSE.
+
+    ``apptainer exec --unsquash`` unpacks the whole image at every start (minutes
+    for multi-GB images). Instead the first start of an image unpacks it once
+    (``apptainer build --sandbox``) into ``<local_dir>/unpacked/<name>-<key>``,
+    under a file lock so concurrent starts, and other node processes of this
+    user, wait for that one copy; the key covers the SIF's path, size and
+    modification time, so a rebuilt image gets a new copy. Sandboxes run the copy
+    without ``--writable`` (read-only to them) and each gets its own writable
+    layer (``sandbox.writable``), exactly as with a SIF.
+    """
+
+    def __init__(self, root: Path, binary: str, log: logging.Logger) -> None:
+        self.root = root
+        self.binary = binary
+        self.log = log
+        self._locks: dict[Path, asyncio.Lock] = {}
+
+    def path_for(self, image: str) -> Path:
+        st = os.stat(image)
+        real = os.path.realpath(image)
+        key = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        return self.root / f"{Path(real).stem}-{key}"
+
+    async def get(self, image: str) -> Path:
+        """The unpacked copy of ``image``, made now if this node has none."""
+        target = self.path_for(image)
+        if (target / UNPACKED_MARK).exists():
+            return target
+        # One waiter per image in this process; the file lock covers other processes.
+        lock = self._locks.setdefault(target, asyncio.Lock())
+        async with lock:
+            if not (target / UNPACKED_MARK).exists():
+                await asyncio.to_thread(self._unpack_locked, image, target)
+        return target
+
+    def _unpack_locked(self, image: str, target: Path) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(f"{target}.lock", "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            if (target / UNPACKED_MARK).exists():
+                return  # another process made it while we waited
+            partial = Path(f"{target}.partial-{os.getpid()}")
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(target, ignore_errors=True)  # a copy left half-made by a killed process
+            self.log.info("unpacking %s into %s (once per node)", image, target)
+            proc = subprocess.run(
+                [self.binary, "build", "--force", "--sandbox", str(partial), image],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            if proc.returncode != 0:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise SandboxError(f"apptainer runtime: unpacking {image} failed: {proc.stdout[-1500:]}")
+            (partial / UNPACKED_MARK).write_text(f"{image}\n")
+            os.rename(partial, target)  # whole or not at all, for readers that skip the lock
+
+
 class ApptainerRuntime(Runtime):
     """Sandboxes as ``apptainer exec`` processes running the tool server."""
 
@@ -50,6 +123,8 @@ class ApptainerRuntime(Runtime):
     def __init__(self, config: SandboxConfig, log: logging.Logger) -> None:
         super().__init__(config, log)
         self.binary = shutil.which("apptainer") or shutil.which("singularity")
+        self.unpacked = UnpackedImages(unpacked_root(config), self.binary or "apptainer", log)
+        self._run_image: dict[str, str] = {}  # SIF -> what sandboxes run (its unpacked copy)
 
     def check(self) -> None:
         if self.binary is None:
@@ -68,12 +143,18 @@ class ApptainerRuntime(Runtime):
         if cfg_image_missing(self.config.image):
             raise SandboxError(f"apptainer runtime: sandbox.image {self.config.image!r} does not exist")
 
+    async def prepare(self, spec: LaunchSpec) -> None:
+        if Path(spec.image).is_file() and not fuse_usable() and self.config.unpack_cache:
+            # /dev/fuse is closed to this user: run the node's one unpacked copy, not --unsquash per start.
+            self._run_image[spec.image] = str(await self.unpacked.get(spec.image))
+
     def command(self, spec: LaunchSpec) -> list[str]:
         assert self.binary is not None
         cfg = self.config
         argv = [self.binary, "exec", "--containall", "--no-home", "--no-mount", "cwd"]
-        if Path(spec.image).is_file() and not fuse_usable():
-            # /dev/fuse is closed to this user: unpack the SIF to a temporary sandbox.
+        image = self._run_image.get(spec.image, spec.image)
+        if Path(image).is_file() and not fuse_usable():
+            # /dev/fuse is closed to this user and the unpack cache is off: unpack at every start.
             argv.append("--unsquash")
         if cfg.fakeroot:
             argv.append("--fakeroot")
@@ -94,7 +175,7 @@ class ApptainerRuntime(Runtime):
         for key, value in spec.sandbox_env.items():
             argv += ["--env", f"{key}={value}"]
         argv += list(cfg.extra_args)
-        argv += [spec.image, cfg.python, INSIDE_TOOLSERVER]
+        argv += [image, cfg.python, INSIDE_TOOLSERVER]
         # A fresh sysfs shows the sandbox's own network namespace (only lo);
         # mounting it needs root in the sandbox's user namespace.
         remount_sys = cfg.fakeroot and not spec.network

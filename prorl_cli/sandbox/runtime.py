@@ -299,6 +299,9 @@ class Runtime(abc.ABC):
     def command(self, spec: LaunchSpec) -> list[str]:
         """The argv that starts the tool server inside a new sandbox."""
 
+    async def prepare(self, spec: LaunchSpec) -> None:  # noqa: B027 (optional hook)
+        """Make what :meth:`command` needs before the start (Apptainer: the node's unpacked image)."""
+
     def resolve_image(self, image: str | None) -> str:
         """The image to use: the given one or the configured default, checked to exist."""
         chosen = image or self.config.image
@@ -335,6 +338,7 @@ class Runtime(abc.ABC):
                 f"socket path {spec.socket_path} is longer than {MAX_SOCKET_PATH_BYTES} bytes; "
                 "set sandbox.local_dir to a shorter directory"
             )
+        await self.prepare(spec)
         argv = self.command(spec)
         self.log.debug("sandbox %s: %s", spec.sandbox_id, " ".join(argv))
         with open(spec.log_path, "ab") as log_file:

@@ -50,6 +50,9 @@ class SandboxConfig:
     max_output_bytes: int = 64 * 1024
     # Extra arguments for the runtime's command line (site specifics).
     extra_args: list[str] = field(default_factory=list)
+    # Apptainer without FUSE: unpack each SIF once per node and share that read-only
+    # copy (false: --unsquash at every start, the whole image each time).
+    unpack_cache: bool = True
     # python3 inside the image that runs the tool server.
     python: str = "python3"
 

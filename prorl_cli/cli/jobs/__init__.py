@@ -230,11 +230,21 @@ def print_backends(app: App, backends: list[Any]) -> None:
     from rich.table import Table
 
     table = Table(title="inference backends")
+    engine_stats = any(b.stats for b in backends)
     for col in ("backend", "kind", "model", "host", "in-flight", "jobs", "served", "state"):
         table.add_column(col)
+    if engine_stats:  # simulated engines report what a GPU server's metrics would show
+        for col in ("busy", "tokens/s", "prefix hits"):
+            table.add_column(col)
     for b in backends:
         state = "dead" if not b.alive else ("cleared" if b.cleared else "active")
-        table.add_row(b.backend_id, b.kind, b.model or "-", b.host or "-", str(b.inflight), str(b.jobs), str(b.served), state)
+        row = [b.backend_id, b.kind, b.model or "-", b.host or "-", str(b.inflight), str(b.jobs), str(b.served), state]
+        if engine_stats:
+            st = b.stats
+            row += [f"{st['busy_fraction']:.0%}" if "busy_fraction" in st else "-",
+                    f"{st['tokens_per_s']:.0f}" if "tokens_per_s" in st else "-",
+                    f"{st['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in st else "-"]
+        table.add_row(*row)
     app.console.print(table)
 
 

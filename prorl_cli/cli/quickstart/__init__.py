@@ -27,8 +27,9 @@ NO_LLM_TASKS: list[Any] = [
 @click.command()
 @click.option("--home", "qs_home", type=click.Path(file_okay=False, path_type=Path), default=Path("prorl-quickstart"),
               show_default=True, help="Where the embedded deployment keeps its files, logs and outputs.")
-@click.option("--engine", type=click.Choice(["auto", "none", "transformers", "vllm"]), default="auto", show_default=True,
-              help="Model engine for the agent; 'none' runs the scripted test handler (no LLM); 'auto' picks transformers when torch is installed.")
+@click.option("--engine", type=click.Choice(["auto", "none", "transformers", "vllm", "sim"]), default="auto", show_default=True,
+              help="Model engine for the agent; 'none' runs the scripted test handler (no LLM); 'sim' a simulated GPU "
+                   "server with the SWE-like sim_agent (no model, no torch); 'auto' picks transformers when torch is installed.")
 @click.option("--model", type=click.Path(file_okay=False, path_type=Path),
               help="Local HF model directory (default: a tiny random model made with 'prorl dev tiny-model').")
 @click.option("--n", "n", type=click.IntRange(min=1), default=2, show_default=True, help="Rollouts per instance.")
@@ -48,7 +49,7 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
         "node": {"n_init": 4, "n_run": 8, "n_eval": 4},
         "jobs": {"timeout_s": 300.0 if engine != "none" else 2.0},
     }
-    if engine != "none":
+    if engine not in ("none", "sim"):
         config["inference"] = {"tokenizer": str(model_dir)}
     out = home / "trajectories.jsonl"
     summary_path = home / "summary.json"
@@ -65,6 +66,8 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
                 "install the cpu extra (torch) for a real agent on a tiny model"
             )
             task, instances = "test", list(NO_LLM_TASKS)
+        elif engine == "sim":
+            task, instances = _start_sim_inference(app, stack)
         else:
             task, instances = _start_inference(app, stack, engine, model_dir, made_here=model is None)
         started = time.monotonic()
@@ -79,6 +82,8 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
             "elapsed_s": elapsed_s,
             "trajectories": str(out),
         }
+        if engine == "sim":
+            summary["backends"] = {b["backend_id"]: b.get("stats", {}) for b in stack.client.status().backends}
         if task == "math_agent" and _has_pyarrow():
             from prorl_cli.cli.jobs import write_trajectories_parquet
 
@@ -116,6 +121,28 @@ MATH_TASKS = [
     {"question": "What is 81 // 4?", "answer": "20"},
     {"question": "What is 7 * 8 * 9?", "answer": "504"},
 ]
+
+
+#: Short SWE-like rollouts on a simulated H100 run 20x faster than real time.
+SIM_SPEEDUP = 20.0
+SIM_TASKS = [
+    {"seed": i, "turns": [3, 8], "prompt_tokens": 1500, "observation_tokens": {"median": 300, "max": 3000},
+     "tool_s": {"median": 0.5, "max": 10.0}, "time_scale": SIM_SPEEDUP, "p_solve": 0.5}
+    for i in range(8)
+]
+
+
+def _start_sim_inference(app: App, stack: LocalStack) -> tuple[str, list[Any]]:
+    """Start a bridge with the simulated engine and wait until it registers."""
+    stack.spawn("inference-0", "serve", "inference", "--engine", "sim", "--sim-speedup", str(SIM_SPEEDUP),
+                "--backend-id", "inference-0")
+    stack.wait_for(
+        lambda st: any(b["backend_id"] == "inference-0" and b["alive"] for b in st.backends),
+        60.0, "the sim inference bridge to register", "inference-0",
+    )
+    app.console.print(f"  inference-0 registered (simulated H100, 8B model, {SIM_SPEEDUP:g}x real time; "
+                      "the sim_agent's rewards are coin flips)")
+    return "sim_agent", list(SIM_TASKS)
 
 
 def _start_inference(app: App, stack: LocalStack, engine: str, model_dir: Path, made_here: bool) -> tuple[str, list[Any]]:

@@ -8,7 +8,10 @@ from prorl_cli.cli.application import App, pass_app
 
 
 @click.command("inference", context_settings={"ignore_unknown_options": True})
-@click.option("--engine", type=click.Choice(["vllm", "transformers"]), help="vllm (child process) or transformers (in-process CPU reference).")
+@click.option("--engine", type=click.Choice(["vllm", "transformers", "sim"]),
+              help="vllm (child process), transformers (in-process CPU reference) or sim (a simulated GPU server, no model).")
+@click.option("--sim-profile", metavar="NAME|FILE", help="sim engine: a profile name (default h100-8b) or a YAML file.")
+@click.option("--sim-speedup", type=float, help="sim engine: run this many times faster than the profiled GPU.")
 @click.option("--model", metavar="DIR", help="Local model directory (never downloaded).")
 @click.option("--attach", metavar="URL", help="Use an already running OpenAI-compatible server instead of starting one.")
 @click.option("--backend-id", metavar="ID", help="Name of this backend (default: HOST-PID).")
@@ -21,6 +24,8 @@ from prorl_cli.cli.application import App, pass_app
 def serve_inference(
     app: App,
     engine: str | None,
+    sim_profile: str | None,
+    sim_speedup: float | None,
     model: str | None,
     attach: str | None,
     backend_id: str | None,
@@ -37,8 +42,10 @@ def serve_inference(
     prorl serve inference --model DIR -- --dtype float32   extra vLLM flags
     prorl serve inference --attach http://host:8000/v1  a running server
     prorl serve inference --engine transformers --model DIR   CPU reference
+    prorl serve inference --engine sim [--sim-speedup 10]     simulated H100 (8B), no GPU
     """
-    app.override(inference__engine=engine, inference__capacity=capacity)
+    app.override(inference__engine=engine, inference__capacity=capacity,
+                 inference__sim_profile=sim_profile, inference__sim_speedup=sim_speedup)
     app.setup_logging("inference")
     import asyncio
 

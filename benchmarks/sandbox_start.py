@@ -1,0 +1,141 @@
+"""Apptainer sandbox starts without FUSE: the node's unpacked copy vs ``--unsquash`` per start.
+
+Starts ``--concurrent`` sandboxes at once from a small SIF (the test image,
+``/var/cache/prorl-test/python.sif``) and from a >= 1 GB one (that image
+plus a 1 GiB file of random bytes, built once into ``--big-dir``), and
+measures, per start, the time from ``SandboxManager.start`` to the first
+tool answer (``bash true``), and the starts per second of the batch:
+
+* ``unpacked copy, cold``: prorl as shipped, on a node that has no copy yet
+  (the first start unpacks; the others wait for that one copy);
+* ``unpacked copy, warm``: the same again (the copy exists);
+* ``--unsquash per start``: ``sandbox.unpack_cache: false`` (the old way).
+
+As root it measures as the unprivileged ``prorl-test`` user (who has no
+/dev/fuse here), on a copy of prorl that user can read.
+
+    python benchmarks/sandbox_start.py [--concurrent 32] [--baseline-concurrent 32] [--big-gb 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = Path("/var/cache/prorl-test/python.sif")
+USER = "prorl-test"
+
+INNER = r'''
+import asyncio, json, logging, sys, time
+from pathlib import Path
+from prorl_cli.sandbox import SandboxConfig, SandboxManager
+
+async def batch(image, local_dir, state_dir, n, cache):
+    cfg = SandboxConfig(runtime="apptainer", image=image, local_dir=local_dir, unpack_cache=cache,
+                        max_concurrent_starts=n, start_timeout_s=1800)
+    m = SandboxManager(cfg, Path(state_dir), logging.getLogger("bench"))
+    async def one(i):
+        t = time.perf_counter()
+        sb = await m.start(f"s{i}")
+        await sb.bash("true")
+        return time.perf_counter() - t, sb
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(one(i) for i in range(n)))
+    wall = time.perf_counter() - t0
+    await asyncio.gather(*(sb.stop() for _, sb in done))
+    return {"times_s": [t for t, _ in done], "wall_s": wall}
+
+async def main(a):
+    out = {}
+    for label, local, cache, n in a["runs"]:
+        out[label] = await batch(a["image"], local, a["state_dir"] + "/" + label.replace(" ", "_"), n, cache)
+    print(json.dumps(out))
+
+asyncio.run(main(json.loads(sys.argv[1])))
+'''
+
+
+def make_big(big_dir: Path, gb: float) -> Path:
+    """The small test image plus ``gb`` GiB of random bytes in /opt/ballast.bin, built once."""
+    target = big_dir / f"python-{gb:g}g.sif"
+    if target.exists():
+        return target
+    big_dir.mkdir(parents=True, exist_ok=True)
+    # No %post (it needs capabilities a container host may lack): unpack, add the file, pack.
+    tree = big_dir / "tree"
+    subprocess.run(["rm", "-rf", str(tree)], check=True)
+    print(f"building {target} (once)...", flush=True)
+    subprocess.run(["apptainer", "build", "--sandbox", str(tree), str(SMALL)], check=True, capture_output=True)
+    (tree / "opt").mkdir(exist_ok=True)
+    with open(tree / "opt" / "ballast.bin", "wb") as f:
+        for _ in range(int(gb * 1024)):
+            f.write(os.urandom(2**20))  # incompressible: the SIF stays this big
+    subprocess.run(["apptainer", "build", str(target) + ".part", str(tree)], check=True, capture_output=True)
+    subprocess.run(["rm", "-rf", str(tree)], check=True)
+    os.rename(str(target) + ".part", target)
+    return target
+
+
+def measure(work: Path, image: Path, n: int, baseline_n: int, user: str | None) -> dict[str, dict[str, object]]:
+    state = work / f"state-{image.stem}"
+    local = work / f"local-{image.stem}"
+    for d in (state, local):
+        d.mkdir(parents=True)
+    runs = [["unpacked copy, cold", str(local / "a"), True, n], ["unpacked copy, warm", str(local / "a"), True, n],
+            ["--unsquash per start", str(local / "b"), False, baseline_n]]
+    args = json.dumps({"image": str(image), "state_dir": str(state), "runs": runs})
+    cmd = [sys.executable if user is None else "/usr/bin/python3", str(work / "inner.py"), args]
+    if user is not None:
+        pw = pwd.getpwnam(user)
+        subprocess.run(["chown", "-R", f"{pw.pw_uid}:{pw.pw_gid}", str(state), str(local)], check=True)
+        cmd = ["runuser", "-u", user, "--", "env", f"PYTHONPATH={work}", *cmd]
+    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(work)})
+    if proc.returncode != 0:
+        sys.exit(f"measuring {image} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, dict[str, object]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrent", type=int, default=32)
+    ap.add_argument("--baseline-concurrent", type=int, default=32, help="concurrent --unsquash starts")
+    ap.add_argument("--big-gb", type=float, default=1.0)
+    ap.add_argument("--big-dir", type=Path, default=Path("/var/tmp/prorl-bench"))
+    args = ap.parse_args()
+    if not SMALL.exists() or shutil.which("apptainer") is None:
+        sys.exit(f"needs apptainer and {SMALL} (scripts/provision/30-apptainer.sh, 45-test-images.sh)")
+    user = USER if os.geteuid() == 0 else None
+    big = make_big(args.big_dir, args.big_gb)
+    work = Path(tempfile.mkdtemp(prefix="prorl-bench-start-", dir="/var/tmp"))
+    os.chmod(work, 0o755)
+    try:
+        shutil.copytree(ROOT / "prorl_cli", work / "prorl_cli", ignore=shutil.ignore_patterns("__pycache__"))
+        (work / "inner.py").write_text(INNER)
+        subprocess.run(["chmod", "-R", "a+rX", str(work)], check=True)
+        print(f"Apptainer starts as {user or pwd.getpwuid(os.getuid()).pw_name} without FUSE, "
+              f"{args.concurrent} at once (--unsquash: {args.baseline_concurrent} at once)")
+        print(f"  {'image':<22}{'mode':<24}{'p50 s':>8}{'p90 s':>8}{'max s':>8}{'starts/s':>10}")
+        for image in (SMALL, big):
+            size_mb = image.stat().st_size / 2**20
+            res = measure(work, image, args.concurrent, args.baseline_concurrent, user)
+            for label, r in res.items():
+                times = sorted(r["times_s"])  # type: ignore[arg-type]
+                p90 = times[min(len(times) - 1, int(0.9 * len(times)))]
+                print(f"  {image.name + f' ({size_mb:.0f} MB)':<22}{label:<24}{statistics.median(times):>8.2f}"
+                      f"{p90:>8.2f}{times[-1]:>8.2f}{len(times) / r['wall_s']:>10.2f}", flush=True)  # type: ignore[operator]
+    finally:
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+
+
+if __name__ == "__main__":
+    main()

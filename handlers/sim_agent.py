@@ -1,0 +1,82 @@
+"""``sim_agent``: a SWE-like multi-turn rollout in raw token ids, for the simulated engine.
+
+No tokenizer, no sandbox: each turn sends the whole context (system prompt,
+every earlier output and observation) as prompt ids, waits a long-tailed
+"tool" time, and appends a made-up observation, so prompts grow to tens of
+thousands of tokens as in SWE agents. Everything is drawn from a generator
+seeded by the instance seed and the job id, so a rerun makes the same calls.
+``prorl quickstart --engine sim`` and ``benchmarks/table3.py`` run it.
+Instance (all optional)::
+
+    {"seed": 0,                                           # with the job id: each rollout's draws
+     "rollout_seed": 17,                                  # instead: these draws, whatever the job id
+     "turns": [10, 40],                                   # drawn uniformly, inclusive
+     "prompt_tokens": 2000,                               # the opening prompt
+     "output_tokens": {"median": 150, "sigma": 0.6, "max": 1024},
+     "observation_tokens": {"median": 500, "sigma": 1.0, "max": 8000},
+     "tool_s": {"median": 1.0, "sigma": 1.0, "max": 60},  # per action (log-normal)
+     "action_delay_s": 0.0,                               # fixed extra per action (tmux-style polling)
+     "time_scale": 1.0,                                   # tool waits are divided by this
+     "p_solve": 0.5}                                      # reward 1 with this probability
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from typing import Any
+
+from prorl_cli.node.handler import AgentHandler, JobContext
+from prorl_cli.protocol import SamplingParams
+
+VOCAB = 120000
+
+
+def _lognormal(rng: random.Random, spec: dict[str, Any], default_median: float) -> float:
+    median = float(spec.get("median", default_median))
+    value = median * math.exp(float(spec.get("sigma", 1.0)) * rng.gauss(0.0, 1.0))
+    return min(value, float(spec.get("max", math.inf)))
+
+
+class SimAgentHandler(AgentHandler):
+    """A simulated agent: growing prompts, long-tailed tools, a seeded reward."""
+
+    name = "sim_agent"
+
+    async def init(self, ctx: JobContext) -> None:
+        inst: dict[str, Any] = ctx.instance if isinstance(ctx.instance, dict) else {}
+        # "rollout_seed" pins one rollout's draws whatever its job id (benchmarks comparing configurations).
+        seed = inst["rollout_seed"] if "rollout_seed" in inst else f"{inst.get('seed', 0)}:{ctx.job_id}"
+        ctx.state["rng"] = random.Random(str(seed))
+
+    async def run(self, ctx: JobContext) -> None:
+        inst: dict[str, Any] = ctx.instance if isinstance(ctx.instance, dict) else {}
+        rng: random.Random = ctx.state["rng"]
+        turns = inst.get("turns", [10, 40])
+        n_turns = rng.randint(int(turns[0]), int(turns[1])) if isinstance(turns, list) else int(turns)
+        scale = float(inst.get("time_scale", 1.0))
+        delay_s = float(inst.get("action_delay_s", 0.0))
+        prompt = [rng.randrange(VOCAB) for _ in range(int(inst.get("prompt_tokens", 2000)))]
+        backends: dict[str, int] = {}
+        generate_s = tool_s = 0.0
+        for turn in range(n_turns):
+            max_tokens = max(1, int(_lognormal(rng, inst.get("output_tokens", {}), 150)))
+            started = time.monotonic()
+            gen = await ctx.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            generate_s += time.monotonic() - started
+            backends[str(gen.backend_id)] = backends.get(str(gen.backend_id), 0) + 1
+            if turn == n_turns - 1:
+                break
+            wait_s = (_lognormal(rng, inst.get("tool_s", {}), 1.0) + delay_s) / scale
+            tool_s += wait_s
+            await asyncio.sleep(wait_s)
+            n_obs = max(1, int(_lognormal(rng, inst.get("observation_tokens", {}), 500)))
+            prompt = prompt + gen.output_ids + [rng.randrange(VOCAB) for _ in range(n_obs)]
+        ctx.output.update(turns=n_turns, prompt_tokens=len(prompt), backends=backends,
+                          generate_s=round(generate_s, 3), tool_s=round(tool_s, 3))
+
+    async def eval(self, ctx: JobContext) -> None:
+        inst: dict[str, Any] = ctx.instance if isinstance(ctx.instance, dict) else {}
+        ctx.reward = 1.0 if ctx.state["rng"].random() < float(inst.get("p_solve", 0.5)) else 0.0

@@ -1,0 +1,403 @@
+"""A simulated continuous-batching GPU server (``prorl serve inference --engine sim``).
+
+It sits behind the real bridge and answers the real generate contract, so
+broker routing, stickiness, cancellation and node pools run for real while
+the GPU is a latency model:
+
+* one engine step serves every running sequence: decoding sequences get one
+  token each, sequences still in prefill get a chunk of their uncached prompt
+  (vLLM's chunked prefill, ``max_batched_tokens`` per step);
+* a step takes ``step_base_s + prefill_s_per_token * prefill tokens +
+  decode_s_per_seq * decoding sequences + kv_read_s_per_token * their
+  context``, so it grows with the batch's tokens;
+* a per-backend prefix cache of ``block_tokens``-token blocks (chained hashes,
+  as vLLM's automatic prefix caching), LRU-bounded by ``kv_budget_tokens``: the
+  cached part of a prompt skips prefill;
+* output ids and lengths come from a seeded generator (``ignore_eos`` gives
+  exactly ``max_tokens``, which is how benchmarks script lengths).
+
+Time is simulated on a virtual timeline anchored to the wall clock (run
+``speedup`` times faster than the GPU), so asyncio's timer jitter does not
+leak into the figures: busy seconds, tokens/s and the prefix hit rate are
+reported in GPU time through :meth:`SimEngine.stats`, which the bridge puts in
+its heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import dataclasses
+import logging
+import math
+import random
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prorl_cli.exceptions import InferenceError
+from prorl_cli.inference.contract import Engine, Generation, check_sampling
+from prorl_cli.protocol import SamplingParams, pack_tokens
+
+log = logging.getLogger(__name__)
+
+PROFILES_DIR = Path(__file__).resolve().parent / "sim_profiles"
+DEFAULT_PROFILE = "h100-8b"
+
+
+@dataclass
+class SimProfile:
+    """The latency model and limits of one simulated GPU server (a YAML file in ``sim_profiles/``)."""
+
+    name: str = DEFAULT_PROFILE
+    model: str = "sim-8b"
+    max_model_len: int = 131072
+    vocab_size: int = 128256
+    eos_token_id: int = 128009
+    step_base_s: float = 0.008
+    prefill_s_per_token: float = 8.3e-05
+    decode_s_per_seq: float = 5.0e-05
+    kv_read_s_per_token: float = 4.0e-08
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    block_tokens: int = 16
+    kv_budget_tokens: int = 400000
+    output_tokens_median: float = 256.0
+    output_tokens_sigma: float = 0.8
+    speedup: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def load(cls, name_or_path: str | Path | None = None, **overrides: Any) -> SimProfile:
+        """A profile by name (``h100-8b``) or YAML path, with ``overrides`` on top; errors name the key."""
+        source = name_or_path or DEFAULT_PROFILE
+        path = Path(source)
+        if not path.suffix:
+            path = PROFILES_DIR / f"{source}.yaml"
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError as e:
+            known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+            raise InferenceError(f"sim profile {str(source)!r}: no such file or profile (known: {known})") from e
+        except (OSError, yaml.YAMLError) as e:
+            raise InferenceError(f"sim profile {path}: {e}") from e
+        if not isinstance(data, dict):
+            raise InferenceError(f"sim profile {path}: expected a map of settings")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise InferenceError(f"sim profile {path}: unknown key(s) {unknown}")
+        profile = cls(**data)
+        profile.validate(str(path))
+        return profile
+
+    def validate(self, where: str) -> None:
+        """Reject settings the simulator cannot run, naming the key."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("name", "model"):
+                if not isinstance(value, str) or not value:
+                    raise InferenceError(f"sim profile {where}: {f.name} must be a non-empty string")
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InferenceError(f"sim profile {where}: {f.name} must be a number, got {value!r}")
+            if f.type in ("int", int) and not isinstance(value, int):
+                raise InferenceError(f"sim profile {where}: {f.name} must be an integer, got {value!r}")
+            if value < 0 or (value == 0 and f.name in ("max_model_len", "vocab_size", "max_num_seqs", "max_batched_tokens",
+                                                        "block_tokens", "speedup", "output_tokens_median")):
+                raise InferenceError(f"sim profile {where}: {f.name} must be positive, got {value!r}")
+        if self.eos_token_id >= self.vocab_size:
+            raise InferenceError(f"sim profile {where}: eos_token_id {self.eos_token_id} is outside vocab_size {self.vocab_size}")
+
+
+class PrefixCache:
+    """Which prompt prefixes this backend holds in KV: full blocks keyed by chained hashes, LRU-bounded."""
+
+    def __init__(self, block_tokens: int, capacity_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.capacity_blocks = capacity_tokens // block_tokens
+        self._blocks: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def block_hashes(self, ids: list[int]) -> list[int]:
+        """One hash per full block; each covers every token before it, so equal hashes mean equal prefixes."""
+        n = self.block_tokens
+        out: list[int] = []
+        h = 0
+        raw = pack_tokens(ids)
+        for i in range(len(ids) // n):
+            h = hash((h, raw[4 * n * i: 4 * n * (i + 1)]))
+            out.append(h)
+        return out
+
+    def cached_blocks(self, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` held in the cache (they become most recently used)."""
+        hit = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            self._blocks.move_to_end(h)
+            hit += 1
+        return hit
+
+    def insert(self, hashes: list[int]) -> None:
+        """Hold these blocks (most recently used), evicting the least recently used beyond capacity."""
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    future: asyncio.Future[None]
+    hashes: list[int] = dataclasses.field(default_factory=list)
+    to_prefill: int = 0
+    generated: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.to_prefill == 0
+
+
+@dataclass
+class SimCounters:
+    """Cumulative figures, in GPU time (wall time times ``speedup``)."""
+
+    busy_s: float = 0.0
+    steps: int = 0
+    requests: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    output_tokens: int = 0
+
+
+class SimEngine(Engine):
+    """The simulated server; see the module docstring for its model."""
+
+    def __init__(self, profile: SimProfile | None = None, *, backend_id: str | None = None) -> None:
+        self.profile = profile or SimProfile()
+        self.model = self.profile.model
+        self.max_model_len = self.profile.max_model_len
+        self.backend_id = backend_id
+        self.cache = PrefixCache(self.profile.block_tokens, self.profile.kv_budget_tokens)
+        self.counters = SimCounters()
+        self._rng = random.Random(self.profile.seed)
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._started_wall = time.monotonic()
+        self._t = self._started_wall  # wall time at which the next step starts (the virtual timeline)
+
+    # ------------------------------------------------------------- contract
+
+    async def start(self) -> None:
+        if self._loop_task is None:
+            self._started_wall = self._t = time.monotonic()
+            self._loop_task = asyncio.ensure_future(self._schedule())
+
+    async def healthy(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        check_sampling(sampling)
+        if not prompt_ids:
+            raise InferenceError("generate needs at least one prompt token")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InferenceError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate: "
+                f"the model's maximum context length is {self.max_model_len} tokens"
+            )
+        await self.start()
+        ids, lps, finish = self._plan_output(prompt_ids, sampling, min(sampling.max_tokens, room))
+        req = _Request(list(prompt_ids), ids, lps, finish, asyncio.get_running_loop().create_future())
+        self.counters.requests += 1
+        self._waiting.append(req)
+        self._wake.set()
+        try:
+            await req.future
+        except asyncio.CancelledError:
+            # The job ended (generate_cancel): stop spending GPU time on it at once.
+            self.counters.aborted += 1
+            if req in self._running:
+                self._running.remove(req)
+            elif req in self._waiting:
+                self._waiting.remove(req)
+            self._wake.set()  # a decode run in progress re-plans without it
+            raise
+        return Generation(req.output_ids, req.logprobs, req.finish_reason, self.backend_id)
+
+    def stats(self) -> dict[str, float]:
+        """Busy fraction, tokens/s and prefix hit rate since start, plus the counters behind them (GPU time)."""
+        c = self.counters
+        elapsed_s = max(1e-9, (time.monotonic() - self._started_wall) * self.profile.speedup)
+        return {
+            "busy_fraction": round(min(1.0, c.busy_s / elapsed_s), 4),
+            "tokens_per_s": round(c.output_tokens / elapsed_s, 1),
+            "prefix_hit_rate": round(c.cached_tokens / c.prompt_tokens, 4) if c.prompt_tokens else 0.0,
+            "busy_s": round(c.busy_s, 3),
+            "elapsed_s": round(elapsed_s, 3),
+            "prompt_tokens": c.prompt_tokens,
+            "cached_tokens": c.cached_tokens,
+            "output_tokens": c.output_tokens,
+            "requests": c.requests,
+            "aborted": c.aborted,
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+        }
+
+    # ------------------------------------------------------------- outputs
+
+    def _plan_output(self, prompt_ids: list[int], sampling: SamplingParams, budget: int) -> tuple[list[int], list[float], str]:
+        p = self.profile
+        if sampling.seed is not None:
+            # Same seed and prompt: same answer, whatever else the engine served.
+            rng = random.Random(f"{p.seed}:{sampling.seed}:{zlib.crc32(pack_tokens(prompt_ids))}")
+        else:
+            rng = random.Random(self._rng.getrandbits(64))
+        stop_id = sampling.stop_token_ids[0] if sampling.stop_token_ids else p.eos_token_id
+        if sampling.ignore_eos:
+            length, finish = budget, "length"
+        else:
+            drawn = max(1, int(round(p.output_tokens_median * math.exp(p.output_tokens_sigma * rng.gauss(0.0, 1.0)))))
+            length, finish = (budget, "length") if drawn >= budget else (drawn, "stop")
+        avoid = {p.eos_token_id, *sampling.stop_token_ids}
+        ids = []
+        for _ in range(length - (finish == "stop")):
+            t = rng.randrange(p.vocab_size)
+            ids.append(t if t not in avoid else (t + 1) % p.vocab_size)
+        if finish == "stop":
+            ids.append(stop_id)
+        lps = [-rng.expovariate(2.0) for _ in ids]
+        return ids, lps, finish
+
+    # ------------------------------------------------------------- scheduler
+
+    def _admit(self) -> None:
+        p = self.profile
+        while self._waiting and len(self._running) < p.max_num_seqs:
+            req = self._waiting.popleft()
+            req.hashes = self.cache.block_hashes(req.prompt_ids)
+            cached = self.cache.cached_blocks(req.hashes) * p.block_tokens
+            # The last prompt token is always computed (it yields the first output token).
+            cached = min(cached, len(req.prompt_ids) - 1)
+            req.to_prefill = len(req.prompt_ids) - cached
+            self.counters.prompt_tokens += len(req.prompt_ids)
+            self.counters.cached_tokens += cached
+            self._running.append(req)
+
+    def _step_s(self, n_prefill: int, decoders: int, context: int) -> float:
+        p = self.profile
+        return p.step_base_s + p.prefill_s_per_token * n_prefill + p.decode_s_per_seq * decoders + p.kv_read_s_per_token * context
+
+    async def _schedule(self) -> None:
+        speedup = self.profile.speedup
+        while True:
+            if not self._running and not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                self._t = max(self._t, time.monotonic())
+            self._admit()
+            if not self._running:
+                continue
+            if any(not r.decoding for r in self._running) or self._waiting:
+                await self._mixed_step(speedup)
+            else:
+                await self._decode_steps(speedup)
+
+    async def _mixed_step(self, speedup: float) -> None:
+        """One step with prefill chunks: decoders get a token, the rest of the token budget prefills."""
+        decoders = [r for r in self._running if r.decoding]
+        budget = self.profile.max_batched_tokens - len(decoders)
+        chunks: list[tuple[_Request, int]] = []
+        for r in self._running:
+            if budget <= 0:
+                break
+            if not r.decoding:
+                take = min(r.to_prefill, budget)
+                chunks.append((r, take))
+                budget -= take
+        n_prefill = sum(n for _, n in chunks)
+        step_s = self._step_s(n_prefill, len(decoders), sum(len(r.prompt_ids) + r.generated for r in decoders))
+        await self._advance(step_s, speedup)
+        self.counters.prefill_tokens += n_prefill
+        for r, n in chunks:
+            r.to_prefill -= n
+            if r.to_prefill == 0:
+                self.cache.insert(r.hashes)
+                decoders.append(r)  # its last prefill token yields the first output token
+        self._emit(decoders, 1)
+
+    async def _decode_steps(self, speedup: float) -> None:
+        """Decode-only steps until the next sequence finishes, in one sleep; a new arrival cuts it short."""
+        running = list(self._running)
+        k = min(len(r.output_ids) - r.generated for r in running)
+        context = sum(len(r.prompt_ids) + r.generated for r in running)
+        ends: list[float] = []
+        total = 0.0
+        for i in range(k):
+            total += self._step_s(0, len(running), context + i * len(running))
+            ends.append(total)
+        start = self._t
+        self._wake.clear()
+        wait_s = start + total / speedup - time.monotonic()
+        if wait_s > 0:
+            # Not wait_for: before 3.12 it can swallow a cancel that races the wake-up.
+            waiter = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait([waiter], timeout=wait_s)
+            finally:
+                waiter.cancel()
+        done_gpu_s = (time.monotonic() - start) * speedup
+        # Steps already over, at least the one in progress; all of them if nothing arrived.
+        n = k if not self._wake.is_set() else max(1, min(k, bisect.bisect_right(ends, done_gpu_s)))
+        self._t = start + ends[n - 1] / speedup
+        self.counters.busy_s += ends[n - 1]
+        self.counters.steps += n
+        self._emit(running, n)
+
+    async def _advance(self, step_s: float, speedup: float) -> None:
+        self._t += step_s / speedup
+        self.counters.busy_s += step_s
+        self.counters.steps += 1
+        wait_s = self._t - time.monotonic()
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+
+    def _emit(self, decoders: list[_Request], n: int) -> None:
+        """``n`` more tokens for each decoder; finished sequences leave the batch and answer."""
+        finished = False
+        for r in decoders:
+            if r.future.done():  # cancelled while the step ran: it has left the batch
+                continue
+            r.generated += n
+            self.counters.output_tokens += n
+            if r.generated >= len(r.output_ids):
+                finished = True
+                # What it wrote is in KV too: the next turn's prompt extends it.
+                self.cache.insert(self.cache.block_hashes(r.prompt_ids + r.output_ids))
+                r.future.set_result(None)
+        if finished:
+            self._running = [r for r in self._running if not r.future.done()]

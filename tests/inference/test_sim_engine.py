@@ -1,0 +1,192 @@
+"""The simulated GPU engine: its outputs, its prefix cache, its accounting, and behind a real bridge."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prorl_cli.exceptions import InferenceError
+from prorl_cli.inference.sim_engine import SimEngine, SimProfile
+from prorl_cli.protocol import SamplingParams
+from tests.harness import Deployment
+from tests.inference.conftest import HANDLERS, start_bridge
+
+
+def _engine(**overrides: Any) -> SimEngine:
+    return SimEngine(SimProfile.load(**{"speedup": 200.0, **overrides}))
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_same_seed_same_output_and_other_seed_differs() -> None:
+    async def go() -> list[Any]:
+        outs = []
+        for seed in (7, 7, 8):
+            eng = _engine()
+            try:
+                outs.append(await eng.generate(list(range(100)), SamplingParams(max_tokens=64, seed=seed)))
+            finally:
+                await eng.close()
+        return outs
+
+    a, b, c = _run(go())
+    assert (a.output_ids, a.logprobs, a.finish_reason) == (b.output_ids, b.logprobs, b.finish_reason)
+    assert a.output_ids != c.output_ids
+    assert len(a.output_ids) == len(a.logprobs) <= 64
+    assert all(lp <= 0 for lp in a.logprobs)
+
+
+def test_ignore_eos_gives_exactly_max_tokens_and_stop_ends_with_eos() -> None:
+    async def go() -> tuple[Any, Any]:
+        eng = _engine(output_tokens_median=4)
+        try:
+            fixed = await eng.generate([1, 2, 3], SamplingParams(max_tokens=37, ignore_eos=True, seed=1))
+            free = await eng.generate([1, 2, 3], SamplingParams(max_tokens=500, seed=1))
+            return fixed, free
+        finally:
+            await eng.close()
+
+    fixed, free = _run(go())
+    assert len(fixed.output_ids) == 37 and fixed.finish_reason == "length"
+    assert free.finish_reason == "stop" and free.output_ids[-1] == SimProfile.load().eos_token_id
+
+
+def test_prefix_cache_hits_on_a_growing_multi_turn_prompt_and_misses_after_eviction() -> None:
+    async def go() -> tuple[dict[str, float], dict[str, float], dict[str, float], int]:
+        # Room for about 2,000 tokens of KV.
+        eng = _engine(kv_budget_tokens=2048, block_tokens=16)
+        rng = random.Random(0)
+        try:
+            prompt = [rng.randrange(1000) for _ in range(800)]
+            for _ in range(3):  # one job's turns: each prompt extends the previous prompt + output
+                gen = await eng.generate(prompt, SamplingParams(max_tokens=32, ignore_eos=True, seed=1))
+                prompt = prompt + gen.output_ids + [rng.randrange(1000) for _ in range(50)]
+            after_turns = eng.stats()
+            # Other jobs fill the cache: the first job's blocks are evicted.
+            for _ in range(3):
+                other = [rng.randrange(1000) for _ in range(1500)]
+                await eng.generate(other, SamplingParams(max_tokens=8, ignore_eos=True))
+            before = eng.stats()
+            await eng.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+            return after_turns, before, eng.stats(), len(prompt)
+        finally:
+            await eng.close()
+
+    after_turns, before, after, last_prompt = _run(go())
+    # Turns 2 and 3 found the previous prompt + output cached, in full 16-token blocks:
+    # 832 of 882 tokens, then 912 of 964; the new observation is computed.
+    assert after_turns["prompt_tokens"] == 800 + 882 + 964
+    assert after_turns["cached_tokens"] == 832 + 912
+    assert after_turns["prefix_hit_rate"] == pytest.approx(1744 / 2646, abs=1e-3)
+    # The evicted job's next turn starts cold: no cached token at all.
+    assert after["prompt_tokens"] == before["prompt_tokens"] + last_prompt
+    assert after["cached_tokens"] == before["cached_tokens"]
+
+
+def test_busy_fraction_and_tokens_per_s_add_up_on_a_scripted_load() -> None:
+    profile = SimProfile.load(speedup=50.0, step_base_s=0.01, prefill_s_per_token=0.0, decode_s_per_seq=0.0,
+                              kv_read_s_per_token=0.0)
+
+    async def go() -> tuple[dict[str, float], float]:
+        eng = SimEngine(profile)
+        await eng.start()
+        try:
+            # 4 calls at once of 50 tokens: prefill step + 49 decode steps = 50 steps of 10 ms = 0.5 s GPU time.
+            calls = [eng.generate([i + 1] * 10, SamplingParams(max_tokens=50, ignore_eos=True)) for i in range(4)]
+            await asyncio.gather(*calls)
+            busy_s = eng.counters.busy_s
+            await asyncio.sleep(0.5 / profile.speedup)  # as long again idle (GPU time)
+            return eng.stats(), busy_s
+        finally:
+            await eng.close()
+
+    stats, busy_s = _run(go())
+    assert busy_s == pytest.approx(0.5, rel=1e-6)
+    assert stats["output_tokens"] == 200
+    assert stats["busy_s"] == pytest.approx(0.5, rel=1e-3)
+    # The figures are consistent with each other and with the elapsed (GPU) time.
+    assert stats["busy_fraction"] == pytest.approx(stats["busy_s"] / stats["elapsed_s"], abs=1e-3)
+    assert stats["tokens_per_s"] == pytest.approx(200 / stats["elapsed_s"], rel=1e-2)
+    assert 0.1 < stats["busy_fraction"] <= 0.5 + 1e-3
+
+
+def test_cancelled_call_leaves_the_batch() -> None:
+    async def go() -> dict[str, float]:
+        eng = _engine(speedup=1.0)
+        try:
+            task = asyncio.ensure_future(eng.generate([1] * 10, SamplingParams(max_tokens=100000, ignore_eos=True)))
+            while not eng.stats()["running"]:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return eng.stats()
+        finally:
+            await eng.close()
+
+    stats = _run(go())
+    assert stats["running"] == 0 and stats["aborted"] == 1
+
+
+def test_bad_profiles_are_named(tmp_path: Path) -> None:
+    with pytest.raises(InferenceError, match="no such file or profile"):
+        SimProfile.load("no-such-gpu")
+    bad = tmp_path / "p.yaml"
+    bad.write_text("step_base_s: fast\n")
+    with pytest.raises(InferenceError, match="step_base_s must be a number"):
+        SimProfile.load(bad)
+    bad.write_text("gpu: h100\n")
+    with pytest.raises(InferenceError, match=r"unknown key\(s\) \['gpu'\]"):
+        SimProfile.load(bad)
+
+
+def test_sim_bridge_serves_a_sticky_multi_turn_job_and_status_shows_its_stats(tmp_path: Path) -> None:
+    d = Deployment(tmp_path / "home", config={"broker": {"heartbeat_interval_s": 0.25},
+                                              "inference": {"generate_timeout_s": 60.0, "sim_speedup": 100.0}})
+    try:
+        d.start_broker()
+        d.start_node("n1", "--handlers", str(HANDLERS))
+        for bid in ("sim-a", "sim-b"):
+            start_bridge(d, bid, "--engine", "sim")
+        ids = d.client.submit("simturns", [{"turns": 6, "prompt_tokens": 600, "observation_tokens": 40}], n=2)
+        results = list(d.client.as_completed(ids, timeout_s=120))
+        assert [r.state for r in results] == ["done", "done"], [r.error for r in results]
+        for r in results:
+            assert len(set(r.output["backends"])) == 1  # sticky: every turn on one backend
+        # Wait for a heartbeat that has seen all 12 calls.
+        d.wait_for(lambda st: sum(b.get("stats", {}).get("requests", 0) for b in st.backends) == 12, 30.0,
+                   "sim stats in status", "sim-a")
+        stats = [b["stats"] for b in d.client.status().backends]
+        prompt = sum(s["prompt_tokens"] for s in stats)
+        cached = sum(s["cached_tokens"] for s in stats)
+        # Turns 2..6 of each job find the previous turns cached: well over half the prompt tokens.
+        assert cached / prompt > 0.6
+        assert all(0 < s["busy_fraction"] <= 1 for s in stats if s["requests"])
+        env = {**d.env(), "COLUMNS": "200"}
+        out = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", d.name, "status"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "prefix hits" in out.stdout and "sim-a" in out.stdout
+    finally:
+        d.close()
+
+
+def test_quickstart_with_the_sim_engine(tmp_path: Path) -> None:
+    import json
+
+    home = tmp_path / "qs"
+    out = subprocess.run([sys.executable, "-m", "prorl_cli", "quickstart", "--engine", "sim", "--home", str(home)],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads((home / "summary.json").read_text())
+    assert summary["task"] == "sim_agent" and summary["states"] == {"done": 16}
+    stats = summary["backends"]["inference-0"]
+    assert stats["requests"] > 16 and stats["prefix_hit_rate"] > 0.5
