@@ -88,6 +88,9 @@ class ProrlConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
+    # Per-task overrides of a domain handler's defaults, by task name
+    # (e.g. {math: {max_turns: 8, image: /shared/math.sif}}); see docs/domains.md.
+    domains: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def home_path(self) -> Path:

@@ -136,6 +136,14 @@ class ImageBuildError(ProrlError, RuntimeError):
     """An image build failed; the message holds the failing step and log tail."""
 
 
+class DomainError(ProrlError, ValueError):
+    """A task instance or a domain setting that a domain handler cannot use (names the field)."""
+
+
+class DatasetError(ProrlError, ValueError):
+    """A dataset file that cannot be loaded (names the file, the line or row, and the field)."""
+
+
 #: Error code (``protocol.ErrorCode`` values) -> the exception :meth:`RemoteError.from_reply` raises.
 _ERROR_CLASSES: dict[str, type[RemoteError]] = {
     "bad_frame": BadRequest,

@@ -90,6 +90,7 @@ class TokenSession:
             backend_id=gen.backend_id,
             prefix_ok=prefix_ok,
             text=self.chat.decode(gen.output_ids, skip_special_tokens=True),
+            policy_version=getattr(gen, "policy_version", None),
         )
         traj = self.trajectory
         if self.calls and prefix_ok:

@@ -33,6 +33,8 @@ class ModelCall:
     prefix_ok: bool = True
     #: Decoded output, for people and tool parsing; never used to rebuild tokens.
     text: str = ""
+    #: The trainer's policy version the broker served this call under (``None``: not reported).
+    policy_version: int | None = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ from prorl_cli.cli.config import config
 from prorl_cli.cli.dev import dev
 from prorl_cli.cli.images import build_images, images
 from prorl_cli.cli.jobs import cancel, status, stop, submit
+from prorl_cli.cli.jobs.dapo import with_dapo_options
 from prorl_cli.cli.launch import down, launch
 from prorl_cli.cli.quickstart import quickstart
 from prorl_cli.cli.serve import serve
@@ -48,6 +49,8 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     overrides = {"deployment": deployment, "home": home, "log_level": log_level}
     ctx.obj = App(config_path, {k: v for k, v in overrides.items() if v is not None})
 
+
+with_dapo_options(submit)  # prorl submit --dapo (training team's hook)
 
 for command in (serve, submit, status, cancel, stop, backends, config, quickstart, build_images, images, dev, launch, down):
     cli.add_command(command)

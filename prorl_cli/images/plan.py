@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from prorl_cli import __version__
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.cache import Cache, cache_key, changed_inputs, sha256_file, sha256_path
+from prorl_cli.images.dockerfile import convert_dockerfile, find_dockerfile, is_dockerfile
 from prorl_cli.images.render import (
     bootstrap_header,
     make_environment,
@@ -86,8 +88,17 @@ def plan_images(
         if not isinstance(include, list):
             raise ConfigError(f"image {name}: variables.include: expected a list of Debian packages, got {include!r}")
         header = bootstrap_header(spec.base, base_path=base_path, mirror=mirror, docker_registry=settings.docker_registry, include=include)
-        ctx = template_context(spec, header=header, base_path=base_path, mirror=mirror)
-        definition = render_template(env, spec.template, ctx, image=name)
+        if is_dockerfile(spec.template):
+            # A Dockerfile recipe (spython converts it); what it COPYs counts toward the lock key.
+            conversion = convert_dockerfile(
+                find_dockerfile(spec.template, [*sources, *(Path(d) for d in settings.recipe_dirs)]),
+                spec, header=header, prorl_version=__version__,
+            )
+            definition = conversion.definition
+            spec = dataclasses.replace(spec, files=[*spec.files, *conversion.files])
+        else:
+            ctx = template_context(spec, header=header, base_path=base_path, mirror=mirror)
+            definition = render_template(env, spec.template, ctx, image=name)
         build_args = [*settings.build_args, *spec.build_args]
         if mode == "versioned":
             inputs = versioned_inputs(spec, base_ref)

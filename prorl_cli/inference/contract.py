@@ -37,6 +37,8 @@ class Generation:
     finish_reason: str
     backend_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The policy version the broker served the call under (``generate`` reply field; ``None`` if absent).
+    policy_version: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):

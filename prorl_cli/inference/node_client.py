@@ -82,6 +82,9 @@ class NodeInference:
             raise InferenceError(str(error)) from error
         backend_id = reply.get("backend_id")
         redirect = reply.get("redirect")
+        raw_version = reply.get("policy_version")
+        # The trainer's weight version at the time the broker routed the call (contract K3).
+        version = raw_version if isinstance(raw_version, int) and not isinstance(raw_version, bool) else None
         if redirect:
             engine = self._http_engine(str(redirect), backend_id)
             try:
@@ -91,8 +94,11 @@ class NodeInference:
                     # The broker counts this backend's in-flight calls and served calls.
                     await self.notify({"op": Op.GENERATE_DONE.value, "job_id": job_id, "backend_id": backend_id})
             gen.backend_id = backend_id or engine.backend_id
+            gen.policy_version = version
             return gen
         try:
-            return Generation.from_payload(payload, str(reply.get("finish_reason") or "stop"), backend_id)
+            gen = Generation.from_payload(payload, str(reply.get("finish_reason") or "stop"), backend_id)
         except ProtocolError as e:
             raise InferenceError(f"backend {backend_id}: malformed generate reply: {e.message}") from e
+        gen.policy_version = version
+        return gen

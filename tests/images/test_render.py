@@ -111,7 +111,8 @@ def test_shipped_recipes_render_with_configured_mirror(ws: Workspace) -> None:
     ws.write(config_file=None, mirror="http://mirror.invalid/debian")
     (ws.root / "images.yaml").unlink()
     plans = ws.dry_run()  # the shipped sif_recipes/images.yaml
-    assert set(plans) == {"base", "python", "swe"}
+    assert set(plans) == {"base", "python", "math", "swe"}
+    assert "Include: python3 python3-sympy" in plans["math"]["definition"]
     assert "MirrorURL: http://mirror.invalid/debian" in plans["base"]["definition"]
     assert "OSVersion: bookworm" in plans["python"]["definition"]
     assert "Include: python3 python3-pip python3-venv git ca-certificates" in plans["swe"]["definition"]
@@ -145,7 +146,7 @@ def test_example_image_list_renders(ws: Workspace) -> None:
     ws.write(config_file=str(Path(__file__).resolve().parents[2] / "examples" / "images.yaml"), mirror="http://mirror.invalid/debian",
              docker_registry="registry.site.invalid")
     plans = ws.dry_run()
-    assert set(plans) == {"base", "python", "swe", "python-oci"}
+    assert set(plans) == {"base", "python", "math", "swe", "python-oci"}
     assert "Bootstrap: docker\nFrom: python:3.11-slim\nRegistry: registry.site.invalid" in plans["python-oci"]["definition"]
     assert "(cd /testbed && git init -q .)" in plans["swe"]["definition"]
     assert "python3-numpy" in plans["python"]["definition"]

@@ -61,6 +61,23 @@ def read_instances(app: App, path: Path) -> list[Any]:
     return instances
 
 
+def load_task_file(app: App, task: str, path: Path, fmt: str | None) -> list[Any]:
+    """TASKS for ``task``: domain rows through their loaders, others as JSON lines (or Parquet rows)."""
+    from prorl_cli.domains.datasets import LOADERS, load_instances
+    from prorl_cli.exceptions import DatasetError
+
+    if task not in LOADERS and fmt is None and path.suffix != ".parquet":
+        return read_instances(app, path)
+    try:
+        return load_instances(task, path, fmt)
+    except DatasetError as e:
+        app.abort(str(e))
+    except UnicodeDecodeError as e:
+        app.abort(f"{path}: not a UTF-8 text file: {e.reason} at byte {e.start}")
+    except OSError as e:
+        app.abort(f"{path}: cannot read: {e.strerror or e}")
+
+
 def check_out_path(app: App, out: Path) -> None:
     """Refuse an ``--out`` that cannot be written, before anything is submitted."""
     parent = out.parent
@@ -185,12 +202,18 @@ def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Pat
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
 @click.option("--id-prefix", metavar="PREFIX", help="Deterministic job ids PREFIX-LINE-K: resubmitting resumes instead of rerunning.")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@click.option("--format", "fmt", metavar="FORMAT",
+              help="Row shape of TASKS for the domain tasks (math, code, swe, search) where it is ambiguous, e.g. code: io, test_cases, apps, livecodebench (docs/domains.md).")
 @pass_app
 def submit(
-    app: App, tasks_file: Path, task: str, n: int, out: Path | None, timeout_s: float | None, id_prefix: str | None, address: str | None
+    app: App, tasks_file: Path, task: str, n: int, out: Path | None, timeout_s: float | None, id_prefix: str | None, address: str | None,
+    fmt: str | None,
 ) -> None:
-    """Submit every line of TASKS (JSONL, one instance per line) and collect the results."""
-    instances = read_instances(app, tasks_file)
+    """Submit every instance of TASKS (JSONL, or Parquet) and collect the results.
+
+    For the domain tasks (math, code, swe, search) public dataset rows are converted to instances.
+    """
+    instances = load_task_file(app, task, tasks_file, fmt)
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     if out is not None:

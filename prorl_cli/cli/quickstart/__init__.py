@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.quickstart.domains import DOMAIN_TASKS, plan_domain
 
 if TYPE_CHECKING:
     from prorl_cli.embedded import LocalStack
@@ -32,9 +33,17 @@ NO_LLM_TASKS: list[Any] = [
                    "server with the SWE-like sim_agent (no model, no torch); 'auto' picks transformers when torch is installed.")
 @click.option("--model", type=click.Path(file_okay=False, path_type=Path),
               help="Local HF model directory (default: a tiny random model made with 'prorl dev tiny-model').")
-@click.option("--n", "n", type=click.IntRange(min=1), default=2, show_default=True, help="Rollouts per instance.")
+@click.option("-n", "--n", "n", type=click.IntRange(min=1), default=2, show_default=True, help="Rollouts per instance.")
+@click.option("--task", "domain", type=click.Choice(DOMAIN_TASKS),
+              help="Run a task domain (docs/domains.md) instead of the default calculator agent: "
+                   "its shipped dataset, its sandbox image (built on first use) and its scorer.")
+@click.option("--image", metavar="IMAGE",
+              help="With --task: the sandbox image (a .sif path or image name) instead of building the domain's.")
+@click.option("--instances", "n_instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --task: how many instances of the shipped dataset to run.")
 @pass_app
-def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int) -> None:
+def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int, domain: str | None,
+               image: str | None, n_instances: int) -> None:
     """Run broker, node (and inference) on this machine, roll out a task set, write trajectories."""
     from prorl_cli.cli.jobs import run_submission
     from prorl_cli.embedded import LocalStack
@@ -42,6 +51,9 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
     home = qs_home.resolve()
     if engine == "auto":
         engine = "transformers" if _has_torch() else "none"
+    if domain is not None and engine in ("none", "sim"):
+        app.abort(f"--task {domain} needs a model: install the cpu extra (torch) or pass --engine transformers|vllm")
+    plan = plan_domain(app, domain, home, image, n_instances) if domain else None
     model_dir = (model or home / "tiny-model").resolve()
     config: dict[str, Any] = {
         # One self-contained run: nothing to replay if an earlier quickstart was killed.
@@ -51,6 +63,9 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
     }
     if engine not in ("none", "sim"):
         config["inference"] = {"tokenizer": str(model_dir)}
+    if plan is not None:
+        for section, values in plan.config.items():
+            config[section] = {**config.get(section, {}), **values}
     out = home / "trajectories.jsonl"
     summary_path = home / "summary.json"
     con = app.console
@@ -70,12 +85,20 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
             task, instances = _start_sim_inference(app, stack)
         else:
             task, instances = _start_inference(app, stack, engine, model_dir, made_here=model is None)
+        if plan is not None:
+            task, instances = plan.task, plan.instances
+            con.print(f"  task [bold]{task}[/]: {len(instances)} instance(s) x {n}; sandbox runtime "
+                      f"[bold]{plan.runtime}[/], image {plan.image or '(none)'}")
+            for note in plan.notes:
+                con.print(f"  [yellow]note:[/] {note}")
         started = time.monotonic()
         results = run_submission(app, stack.client, task, instances, n, out, None, None)
         elapsed_s = time.monotonic() - started
         summary = {
             "engine": engine,
             "task": task,
+            "runtime": plan.runtime if plan else None,
+            "image": plan.image if plan else None,
             "jobs": len(results),
             "states": {s: sum(r.state == s for r in results) for s in sorted({r.state for r in results})},
             "mean_reward": _mean([r.reward for r in results if r.reward is not None]),
@@ -84,7 +107,11 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int)
         }
         if engine == "sim":
             summary["backends"] = {b["backend_id"]: b.get("stats", {}) for b in stack.client.status().backends}
-        if task == "math_agent" and _has_pyarrow():
+        if plan is not None and model is None:
+            summary["note"] = "the tiny model has random weights: rewards near 0 are expected; pass --model DIR"
+        if (task == "math_agent" or plan is not None) and _has_pyarrow() and any(
+            r.state == "done" and isinstance(r.output, dict) and "trajectory" in r.output for r in results
+        ):
             from prorl_cli.cli.jobs import write_trajectories_parquet
 
             parquet = home / "trajectories.parquet"

@@ -1,0 +1,351 @@
+"""A real RL loop on the CPU: the tiny model learns tool-using addition with GRPO through prorl.
+
+    python examples/train_tiny_grpo.py --out runs/grpo --seed 0          # the full run (minutes)
+    python examples/train_tiny_grpo.py --out /tmp/g --short              # the CI configuration
+
+What happens:
+
+1. ``prorl dev tiny-model`` weights (random) and a short supervised warm-up
+   on generated demonstrations, so the model emits the Hermes tool-call
+   format: ``<tool_call>{"name": "calculator", ...}</tool_call>``, then
+   ``The answer is N.`` (the ``math_agent`` handler's format).
+2. A real deployment on this machine (``LocalStack``): broker, node running
+   ``math_agent`` (calculator tool, token-exact trajectories) and an
+   inference bridge with the transformers engine serving the checkpoint.
+3. GRPO steps with :class:`prorl_cli.training.DapoSampler` (zero-variance
+   groups filtered), samples merged token-exactly, rollout-level
+   advantages, rollout-level token-mean loss weights, one clipped
+   policy-gradient update per step.
+4. Weight sync between steps: ``pause_generation``, save the checkpoint,
+   restart the bridge on it (the reload mechanism: a bridge serves one
+   checkpoint; a new one registers under a new backend id), then
+   ``resume_generation`` with the bumped policy version, which the broker
+   stamps on every generate reply (``ModelCall.policy_version``).
+5. Held-out mean reward after every ``--eval-every`` steps; the curve is
+   printed, saved as ``curve.json`` and plotted to ``reward_curve.png``
+   (matplotlib), beside the last step's exports (``samples.jsonl``,
+   ``samples.parquet``) and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+# One thread per process: trainer, node and bridge share the cores, and spinning OpenMP threads
+# of several processes on an oversubscribed CPU make every forward pass many times slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(REPO))  # handlers.math_agent (the task's system prompt and tool schema)
+
+
+@dataclass
+class RunConfig:
+    out: Path
+    seed: int = 0
+    n_train: int = 200
+    n_eval: int = 32
+    max_operand: int = 9
+    warmup_steps: int = 400
+    warmup_batch: int = 8
+    warmup_lr: float = 3e-3
+    steps: int = 20
+    group_size: int = 8
+    target_groups: int = 4
+    lr: float = 3e-4
+    ppo_epochs: int = 4
+    #: Start from these weights instead of the warm-up (a directory a previous run wrote, e.g. checkpoints/v0).
+    init_from: Path | None = None
+    clip_eps: float = 0.2
+    temperature: float = 1.0
+    max_tokens: int = 40
+    eval_every: int = 3
+    eval_samples: int = 2
+
+
+@dataclass
+class RunSummary:
+    seed: int
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    train_rewards: list[float] = field(default_factory=list)
+    weight_deltas: list[float] = field(default_factory=list)
+    policy_versions_seen: list[list[int]] = field(default_factory=list)
+    backends_seen: list[list[str]] = field(default_factory=list)
+    merge_ratio: list[float] = field(default_factory=list)
+    filtered: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def problems(n: int, max_operand: int, rng: random.Random) -> list[dict[str, Any]]:
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        out.append({"question": f"What is {a} + {b}?", "answer": str(a + b), "a": a, "b": b})
+    return out
+
+
+def demonstration(chat: Any, problem: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """Ids and loss mask of one ideal episode, built turn by turn exactly as the agent loop builds prompts."""
+    from handlers.math_agent import SYSTEM
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": problem["question"]}]
+    eos = chat.stop_token_ids
+    call = {"name": "calculator", "arguments": {"expression": f"{problem['a']} + {problem['b']}"}}
+    out1 = chat.encode(f"<tool_call>\n{json.dumps(call)}\n</tool_call>") + eos
+    prompt = chat.initial_prompt(messages)
+    delta = chat.continuation(out1, [{"role": "tool", "name": "calculator", "content": problem["answer"]}])
+    out2 = chat.encode(f"The answer is {problem['answer']}.") + eos
+    ids = prompt + out1 + delta + out2
+    mask = [0] * len(prompt) + [1] * len(out1) + [0] * len(delta) + [1] * len(out2)
+    return ids, mask
+
+
+def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig, rng: random.Random) -> float:
+    """Supervised steps on demonstrations (masked next-token loss); returns the last loss."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
+    demos = [demonstration(chat, p) for p in train]
+    loss_value = float("nan")
+    model.train()
+    for _ in range(cfg.warmup_steps):
+        batch = rng.sample(demos, min(cfg.warmup_batch, len(demos)))
+        width = max(len(ids) for ids, _ in batch)
+        pad = int(chat.tokenizer.pad_token_id or 0)
+        ids_t = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
+        mask_t = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
+        logits = model(input_ids=ids_t).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids_t[:, 1:].reshape(-1), reduction="none")
+        loss = (nll * mask_t[:, 1:].reshape(-1)).sum() / mask_t[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loss_value = float(loss.detach())
+    model.eval()
+    return loss_value
+
+
+def grpo_update(model: Any, opt: Any, samples: list[Any], clip_eps: float) -> float:
+    """One clipped policy-gradient step; ``sum(loss_weights * per-token loss)`` is the batch loss."""
+    import torch
+
+    model.train()
+    opt.zero_grad()
+    total = 0.0
+    for s in samples:
+        ids = torch.tensor([s.input_ids])
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        logp = logp.gather(1, ids[0, 1:, None])[:, 0]
+        old = torch.tensor(s.old_log_probs[1:])
+        w = torch.tensor(s.loss_weights[1:])
+        ratio = torch.exp(logp - old)
+        adv = s.advantage
+        per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+        loss = (w * per_token).sum()
+        loss.backward()
+        total += float(loss)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    model.eval()
+    return total
+
+
+def flat_params(model: Any) -> Any:
+    import torch
+
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+class Bridge:
+    """The inference bridge of the stack, restarted on each new checkpoint (the weight-sync mechanism)."""
+
+    def __init__(self, stack: Any) -> None:
+        self.stack = stack
+        self.name: str | None = None
+
+    def serve(self, checkpoint: Path, version: int) -> str:
+        if self.name is not None:
+            self.stack.kill(self.name, signal.SIGTERM)  # unregisters; calls of cancelled jobs are already stopped
+        backend_id = f"tiny-v{version}"
+        self.name = f"bridge-v{version}"
+        self.stack.spawn(self.name, "serve", "inference", "--engine", "transformers", "--model", str(checkpoint),
+                         "--backend-id", backend_id, "--capacity", "4")
+        self.stack.wait_for(lambda st: any(b["backend_id"] == backend_id and b["alive"] for b in st.backends),
+                            180, f"bridge {backend_id}", self.name)
+        return backend_id
+
+
+def _supports_version(fn: Any) -> bool:
+    return "policy_version" in inspect.signature(fn).parameters
+
+
+def evaluate(client: Any, held_out: list[dict[str, Any]], cfg: RunConfig, tag: str) -> float:
+    """Mean reward on the held-out problems; sampling seeds fixed per (problem, sample), the same at every evaluation."""
+    from prorl_cli.protocol import JobSpec
+
+    specs, instances = [], []
+    for i, problem in enumerate(held_out):
+        for k in range(cfg.eval_samples):
+            sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": 1000 * i + k}
+            specs.append(JobSpec(job_id=f"eval-{cfg.seed}-{tag}-{i}-{k}", task="math_agent", timeout_s=300, sampling=sampling))
+            instances.append(problem)
+    client.submit_specs(specs, instances)
+    results = client.wait([s.job_id for s in specs], timeout_s=900)
+    return sum(float(r.reward or 0.0) for r in results) / len(results)
+
+
+def run(cfg: RunConfig) -> RunSummary:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from handlers.math_agent import CALCULATOR_SCHEMA
+    from prorl_cli.agent import ChatTokens
+    from prorl_cli.embedded import LocalStack
+    from prorl_cli.inference.tiny_model import make_tiny_model
+    from prorl_cli.training.export import write_samples_jsonl, write_samples_parquet
+    from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
+    from prorl_cli.training.samples import samples_from_results
+
+    started = time.monotonic()
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)  # the node and the bridge need the other core
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    init_dir = make_tiny_model(cfg.out / "model-init", seed=cfg.seed)
+    chat = ChatTokens.from_pretrained(init_dir, tools=[CALCULATOR_SCHEMA])
+    model = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32)
+    train = problems(cfg.n_train, cfg.max_operand, rng)
+    held_out = problems(cfg.n_eval, cfg.max_operand, random.Random(10_000 + cfg.seed))
+    tok_dir = str(init_dir)
+    for p in train + held_out:
+        p["tokenizer"] = tok_dir
+        p["max_turns"] = 3
+
+    if cfg.init_from is not None:
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
+        print(f"warm-up skipped: weights from {cfg.init_from}", flush=True)
+    else:
+        sft_loss = warm_up(model, chat, train, cfg, rng)
+        print(f"warm-up: {cfg.warmup_steps} supervised steps, last loss {sft_loss:.3f}", flush=True)
+    summary = RunSummary(seed=cfg.seed)
+
+    def checkpoint(version: int) -> Path:
+        path = cfg.out / "checkpoints" / f"v{version}"
+        model.save_pretrained(str(path))
+        chat.tokenizer.save_pretrained(str(path))
+        return path
+
+    version = 0
+    with LocalStack(cfg.out / "stack", f"grpo{cfg.seed}", {"log_level": "WARNING", "node": {"n_init": 4, "n_run": 8, "n_eval": 4}}) as stack:
+        stack.start_broker()
+        stack.start_node("node")
+        bridge = Bridge(stack)
+        bridge.serve(checkpoint(version), version)
+        client = stack.client
+        versioned = _supports_version(client.resume_generation)
+        summary.curve.append((0, evaluate(client, held_out, cfg, "v0")))
+        print(f"step 0: held-out reward {summary.curve[-1][1]:.3f}", flush=True)
+        sampler = BlockingDapoSampler(client, "math_agent", train, SamplerConfig(
+            group_size=cfg.group_size, target_groups=cfg.target_groups, run_id=f"grpo{cfg.seed}",
+            max_in_flight=2 * cfg.group_size,  # one engine serves one call at a time: a short queue wastes less at cancel
+            carry_over=False, sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
+            timeout_s=300, step_timeout_s=1800,
+        ))
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        samples: list[Any] = []
+        for step in range(1, cfg.steps + 1):
+            batch = sampler.step(policy_version=version)
+            built = samples_from_results(batch.results, group_of=batch.group_of)
+            samples = built.samples
+            calls = [c for r in batch.results for c in r.output["trajectory"]["calls"]]
+            summary.policy_versions_seen.append(sorted({c.get("policy_version") for c in calls if c.get("policy_version") is not None}))
+            summary.backends_seen.append(sorted({str(c.get("backend_id")) for c in calls}))
+            before = flat_params(model)
+            # A few clipped epochs over the batch (PPO style): the old log-probs are the engine's, from sampling time.
+            losses = [grpo_update(model, opt, samples, cfg.clip_eps) for _ in range(cfg.ppo_epochs)]
+            loss = losses[0]
+            summary.weight_deltas.append(float((flat_params(model) - before).norm()))
+            summary.losses.append(loss)
+            summary.train_rewards.append(sum(r.reward or 0.0 for r in batch.results) / max(1, len(batch.results)))
+            summary.merge_ratio.append(built.report.merge_ratio)
+            summary.filtered.append(batch.stats.filtered)
+            # Weight sync: hold generate calls, hand the bridge the new checkpoint, resume under the new version.
+            version += 1
+            stamp = {"policy_version": version} if versioned else {}  # the weights about to be served (K3)
+            client.pause_generation(**stamp)
+            bridge.serve(checkpoint(version), version)
+            client.resume_generation(**stamp)
+            line = (f"step {step}: loss {loss:+.4f}, train reward {summary.train_rewards[-1]:.3f}, "
+                    f"filtered {batch.stats.filtered}, merge ratio {built.report.merge_ratio:.2f}, |dW| {summary.weight_deltas[-1]:.4f}")
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                summary.curve.append((step, evaluate(client, held_out, cfg, f"v{version}")))
+                line += f", held-out reward {summary.curve[-1][1]:.3f}"
+            print(line, flush=True)
+        sampler.close()
+    write_samples_jsonl(cfg.out / "samples.jsonl", samples)
+    write_samples_parquet(cfg.out / "samples.parquet", samples)
+    summary.wall_s = time.monotonic() - started
+    (cfg.out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
+    (cfg.out / "curve.json").write_text(json.dumps(summary.curve))
+    plot(summary, cfg.out / "reward_curve.png")
+    print("reward curve (step, held-out mean reward): " + ", ".join(f"({s}, {r:.3f})" for s, r in summary.curve))
+    return summary
+
+
+def plot(summary: RunSummary, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'prorl[train]'): no PNG", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([s for s, _ in summary.curve], [r for _, r in summary.curve], marker="o", label="held-out")
+    ax.plot(range(1, len(summary.train_rewards) + 1), summary.train_rewards, alpha=0.5, label="train (sampled)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--warmup-steps", type=int)
+    ap.add_argument("--init-from", type=Path, help="skip the warm-up: start from this model directory")
+    ap.add_argument("--short", action="store_true", help="the CI configuration: 2 GRPO steps, a small eval")
+    args = ap.parse_args(argv)
+    cfg = RunConfig(out=args.out, seed=args.seed)
+    if args.short:
+        # The full warm-up: the sampler needs groups with some right answers to fill a step.
+        cfg.steps, cfg.warmup_steps, cfg.n_eval, cfg.eval_samples, cfg.eval_every = 2, 200, 4, 1, 2
+        cfg.target_groups, cfg.group_size = 2, 4
+    if args.steps is not None:
+        cfg.steps = args.steps
+    if args.warmup_steps is not None:
+        cfg.warmup_steps = args.warmup_steps
+    cfg.init_from = args.init_from
+    summary = run(cfg)
+    return 0 if all(math.isfinite(x) for x in summary.losses) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

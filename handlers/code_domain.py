@@ -1,0 +1,92 @@
+"""``code``: a programming problem with hidden stdin/stdout tests.
+
+Instance (the loader turns Codeforces / Eurus / LiveCodeBench rows into this)::
+
+    {"question": "Read two integers and print their sum.",
+     "tests": [{"input": "1 2\\n", "output": "3\\n"}, ...],
+     "settings": {"test_time_limit_s": 2.0}}      # optional overrides
+
+The agent writes and runs code with ``bash`` and ``editor`` in a sandbox;
+the solution is ``/work/solution.py`` (or, when the file is missing, the last
+fenced Python block of the final turn). RUN saves it as the artifact
+``output["solution"]``. EVAL runs every hidden test in a fresh sandbox with
+no network under the per-test time and memory limits
+(:mod:`prorl_cli.domains.code_judge`); reward 1.0 only when all pass.
+``output["judge"]`` has the pass fraction, the first failing test's verdict
+(WA, TLE, RE, MLE) and every test's verdict. Solutions are Python 3.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from prorl_cli.agent import Trajectory
+from prorl_cli.domains.code_judge import parse_tests, run_test, summarise
+from prorl_cli.domains.handler import DomainHandler, final_text
+from prorl_cli.domains.sandbox_tools import BASH_SCHEMA, EDITOR_SCHEMA, sandbox_tools
+from prorl_cli.domains.settings import DomainSettings
+from prorl_cli.exceptions import SandboxError
+from prorl_cli.node.handler import JobContext
+
+SYSTEM = (
+    "You solve programming problems in Python 3. Your program reads standard input and writes standard "
+    "output. Write it to /work/solution.py (editor tool), test it with the bash tool, and finish with a turn "
+    "that calls no tool."
+)
+FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+
+
+class CodeHandler(DomainHandler):
+    """Programs judged on hidden tests, each in a fresh sandbox."""
+
+    name = "code"
+    defaults = DomainSettings(
+        max_turns=8, system_prompt=SYSTEM, tools=("bash", "editor"), image="python",
+        init_timeout_s=120.0, run_timeout_s=900.0, eval_timeout_s=600.0, max_tokens=2048,
+        extra={"tool_timeout_s": 30.0, "test_time_limit_s": 4.0, "test_mem_mb": 512, "max_tests": 50,
+               "solution_path": "/work/solution.py"},
+    )
+    tool_schemas = {"bash": BASH_SCHEMA, "editor": EDITOR_SCHEMA}
+    required_fields = ("question", "tests")
+
+    def _image_options(self, settings: DomainSettings) -> dict[str, Any]:
+        return {"image": settings.image} if settings.image else {}
+
+    async def setup(self, ctx: JobContext, settings: DomainSettings) -> None:
+        parse_tests(ctx.instance)  # bad tests fail INIT, not EVAL
+        await self.load_chat(ctx, settings)
+        sandbox = await ctx.start_sandbox(network=False, **self._image_options(settings))
+        ctx.state["sandbox"] = sandbox
+        await sandbox.bash("mkdir -p /work && cd /work")
+
+    async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
+        sandbox = ctx.state["sandbox"]
+        tools = sandbox_tools(sandbox, float(settings.get("tool_timeout_s")))
+        traj = await self.agent_loop(ctx, settings, ctx.instance["question"], tools)
+        path = str(settings.get("solution_path"))
+        try:
+            ctx.output["solution"] = (await sandbox.read_file(path)).decode("utf-8", "replace")
+            ctx.output["solution_source"] = path
+        except SandboxError:
+            blocks = FENCE.findall(final_text(traj))
+            ctx.output["solution"] = blocks[-1] if blocks else None
+            ctx.output["solution_source"] = "final message" if blocks else None
+
+    async def score(self, ctx: JobContext, settings: DomainSettings) -> None:
+        Trajectory.from_dict(ctx.output["trajectory"])  # a malformed record fails EVAL loudly
+        program = ctx.output.get("solution")
+        tests = parse_tests(ctx.instance)[: int(settings.get("max_tests"))]
+        if not program:
+            ctx.output["judge"] = {"passed": 0, "total": len(tests), "pass_fraction": 0.0,
+                                   "first_failure": None, "tests": [], "note": "no solution"}
+            ctx.reward = 0.0
+            return
+        verdicts = []
+        for i, test in enumerate(tests):
+            verdicts.append(await run_test(
+                ctx, i, program, test, image=settings.image,
+                time_limit_s=float(settings.get("test_time_limit_s")), mem_mb=int(settings.get("test_mem_mb")),
+            ))
+        ctx.output["judge"] = summarise(verdicts)
+        ctx.reward = 1.0 if ctx.output["judge"]["passed"] == len(tests) else 0.0

@@ -1,0 +1,120 @@
+"""Training samples as JSONL or Parquet, with the field names veRL and NeMo-RL read.
+
+One row per :class:`~prorl_cli.training.samples.TrainingSample`. Per-token
+columns are aligned with ``input_ids`` (prompt and response together, no
+padding); ``docs/training.md`` maps every column to veRL's ``DataProto``
+and NeMo-RL's ``BatchedDataDict`` and shows how to load an export into each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from prorl_cli.training.samples import TrainingSample
+
+EXPORT_FORMAT = "prorl.samples/1"
+
+#: Column -> (pyarrow type name, meaning). The schema of both formats; a test keeps docs/training.md in step.
+COLUMNS: dict[str, tuple[str, str]] = {
+    "rollout_id": ("string", "the rollout (job) this sample came from"),
+    "group_id": ("string", "the prompt group (GRPO group) of the rollout"),
+    "job_id": ("string", "the prorl job id"),
+    "reward": ("float64", "the rollout's reward"),
+    "advantage": ("float64", "the sample's scalar advantage"),
+    "prompt_length": ("int32", "ids before the first sampled token"),
+    "input_ids": ("list<int32>", "prompt + response ids (veRL input_ids, NeMo-RL input_ids)"),
+    "attention_mask": ("list<int8>", "1 on every id (veRL attention_mask)"),
+    "response_mask": ("list<int8>", "1 on sampled ids (veRL response_mask)"),
+    "loss_mask": ("list<int8>", "same as response_mask (veRL's older name)"),
+    "token_mask": ("list<int8>", "same as response_mask (NeMo-RL token_mask)"),
+    "old_log_probs": ("list<float32>", "sampling log-probs, 0 off the mask (veRL old_log_probs)"),
+    "prev_logprobs": ("list<float32>", "same as old_log_probs (NeMo-RL prev_logprobs)"),
+    "generation_logprobs": ("list<float32>", "same as old_log_probs (NeMo-RL generation_logprobs)"),
+    "advantages": ("list<float32>", "advantage on sampled ids, 0 elsewhere (veRL / NeMo-RL advantages)"),
+    "token_level_scores": ("list<float32>", "reward on the last sampled id, 0 elsewhere (veRL token_level_scores)"),
+    "loss_weights": ("list<float32>", "per-token loss weight of the chosen normalisation"),
+    "policy_versions": ("list<int32>", "policy version each sampled id was served under, -1 elsewhere"),
+    "input_lengths": ("int32", "len(input_ids) (NeMo-RL input_lengths)"),
+    "sample_mask": ("float32", "1.0 (NeMo-RL sample_mask)"),
+}
+
+
+def sample_row(s: TrainingSample) -> dict[str, Any]:
+    """The export row of one sample (plain Python values)."""
+    mask = list(s.response_mask)
+    last = max((i for i, m in enumerate(mask) if m), default=-1)
+    scores = [0.0] * len(mask)
+    if last >= 0:
+        scores[last] = s.reward
+    weights = s.loss_weights or [0.0] * len(mask)
+    return {
+        "rollout_id": s.rollout_id,
+        "group_id": s.group_id,
+        "job_id": s.job_id,
+        "reward": s.reward,
+        "advantage": s.advantage,
+        "prompt_length": s.prompt_length,
+        "input_ids": list(s.input_ids),
+        "attention_mask": [1] * len(s.input_ids),
+        "response_mask": mask,
+        "loss_mask": mask,
+        "token_mask": mask,
+        "old_log_probs": list(s.old_log_probs),
+        "prev_logprobs": list(s.old_log_probs),
+        "generation_logprobs": list(s.old_log_probs),
+        "advantages": [s.advantage * m for m in mask],
+        "token_level_scores": scores,
+        "loss_weights": list(weights),
+        "policy_versions": list(s.policy_versions),
+        "input_lengths": len(s.input_ids),
+        "sample_mask": 1.0,
+    }
+
+
+def write_samples_jsonl(path: str | os.PathLike[str], samples: Iterable[TrainingSample]) -> Path:
+    """One JSON object per sample (the columns of :data:`COLUMNS`); written atomically."""
+    out = Path(path)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for s in samples:
+            f.write(json.dumps(sample_row(s)) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def read_samples_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The rows of :func:`write_samples_jsonl`."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def arrow_schema() -> Any:
+    """The Parquet schema (pyarrow) of :data:`COLUMNS`."""
+    import pyarrow as pa
+
+    scalar = {"string": pa.string(), "float64": pa.float64(), "float32": pa.float32(), "int32": pa.int32(), "int8": pa.int8()}
+
+    def typ(name: str) -> Any:
+        if name.startswith("list<"):
+            return pa.list_(scalar[name[5:-1]])
+        return scalar[name]
+
+    return pa.schema([(k, typ(t)) for k, (t, _) in COLUMNS.items()], metadata={"format": EXPORT_FORMAT})
+
+
+def write_samples_parquet(path: str | os.PathLike[str], samples: Iterable[TrainingSample]) -> Path:
+    """The same rows as Parquet (needs pyarrow: ``pip install 'prorl[parquet]'``)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError("Parquet export needs pyarrow: pip install 'prorl[parquet]'") from e
+    rows = [sample_row(s) for s in samples]
+    schema = arrow_schema()
+    table = pa.Table.from_pylist(rows, schema=schema) if rows else schema.empty_table()
+    out = Path(path)
+    pq.write_table(table, str(out))
+    return out

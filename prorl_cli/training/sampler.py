@@ -1,0 +1,442 @@
+"""DAPO dynamic sampling over the broker, with asynchronous replenishment.
+
+:class:`DapoSampler` turns a prompt list into training steps of
+*informative* groups (``group_size`` rollouts of one prompt whose rewards
+are not all equal), the way ProRL Agent's trainer does:
+
+- **continuous throughput**: up to ``max_in_flight`` jobs run at once; a
+  new prompt group is submitted as soon as there is room, not batch by batch;
+- **zero-variance filtering**: a finished group that fails ``informative``
+  (default: rewards not all equal) is dropped; failed jobs drop their group,
+  count as reward 0, or are left out, as ``failed`` says;
+- **early termination**: groups that cannot help (a member failed under
+  ``failed="drop_group"``, too stale, or still running at the end of a step
+  without carry-over) are cancelled at the broker; the step reports how many
+  jobs that was and how long they had been in flight;
+- **carry-over**: with ``carry_over`` on, groups still running when a step
+  reaches its target complete into the next step, tagged with the policy
+  version they were submitted under; groups older than ``max_staleness``
+  versions are cancelled;
+- **resumable**: job ids are ``{run_id}-s{step}-p{prompt_id}-k{k}``; a trainer
+  restarted from :meth:`DapoSampler.state` resubmits the same ids and gets
+  the broker's existing jobs (and finished results) back.
+
+``mode="sync"`` is the batch-by-batch baseline: submit a batch of groups,
+wait for all of it, filter, repeat until the target is met.
+
+Every generate call records the policy version it was served under in its
+trajectory (``ModelCall.policy_version``), so stale token spans stay visible
+after merging (``TrainingSample.policy_versions``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_cli.client import AsyncRolloutClient
+from prorl_cli.exceptions import ProrlError, RemoteError
+from prorl_cli.protocol import JobResult, JobSpec, Op
+
+log = logging.getLogger(__name__)
+
+#: Whether this prorl's protocol has the ``forget`` op (contract K2); without it only the client's copies go.
+_BROKER_FORGETS = any(op.value == "forget" for op in Op)
+FAILED_POLICIES = ("drop_group", "zero_reward", "exclude")
+MODES = ("async", "sync")
+
+
+class SamplerTimeout(ProrlError, TimeoutError):
+    """A step did not reach its target within ``step_timeout_s``."""
+
+
+def has_reward_variance(rewards: Sequence[float]) -> bool:
+    """DAPO's filter: keep a group whose rewards are not all equal (at least two needed)."""
+    return len(rewards) >= 2 and max(rewards) != min(rewards)
+
+
+@dataclass
+class SamplerConfig:
+    """What one :class:`DapoSampler` does (see the module docstring)."""
+
+    group_size: int
+    target_groups: int
+    #: Jobs running at once (async mode); default ``2 * group_size * target_groups``.
+    max_in_flight: int | None = None
+    mode: str = "async"
+    carry_over: bool = True
+    #: Policy versions a carried-over group may lag behind the current one before it is cancelled.
+    max_staleness: int = 1
+    failed: str = "drop_group"
+    informative: Callable[[Sequence[float]], bool] = has_reward_variance
+    run_id: str = "dapo"
+    timeout_s: float | None = None
+    sampling: dict[str, Any] | None = None
+    max_attempts: int | None = None
+    #: Groups per batch in sync mode (default ``target_groups``).
+    sync_batch_groups: int | None = None
+    step_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "target_groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"sampler {name} must be a positive integer, got {v!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"sampler mode must be one of {MODES}, got {self.mode!r}")
+        if self.failed not in FAILED_POLICIES:
+            raise ValueError(f"sampler failed must be one of {FAILED_POLICIES}, got {self.failed!r}")
+        if self.max_staleness < 0:
+            raise ValueError(f"sampler max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_in_flight is None:
+            self.max_in_flight = 2 * self.group_size * self.target_groups
+        if self.max_in_flight < self.group_size:
+            raise ValueError(f"sampler max_in_flight ({self.max_in_flight}) is smaller than one group ({self.group_size})")
+
+
+@dataclass
+class Group:
+    """A finished, informative group: ``group_size`` results of one prompt."""
+
+    group_id: str
+    prompt_id: str
+    instance: Any
+    #: The step it was submitted in and the policy version current then.
+    step: int
+    policy_version: int
+    results: list[JobResult]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [float(r.reward or 0.0) for r in self.results]
+
+
+@dataclass
+class StepStats:
+    """What one step cost. ``cancelled_inflight_s`` is submit-to-cancel time of the cancelled jobs."""
+
+    step: int
+    policy_version: int
+    submitted_groups: int = 0
+    informative: int = 0
+    filtered: int = 0
+    failed_groups: int = 0
+    cancelled_jobs: int = 0
+    cancelled_inflight_s: float = 0.0
+    stale_groups: int = 0
+    #: Jobs a submit found already at the broker (a restarted trainer's resubmission, contract K2's ``existing``).
+    existing_jobs: int = 0
+    carried_in: int = 0
+    carried_out: int = 0
+    in_flight: int = 0
+    wall_s: float = 0.0
+
+
+@dataclass
+class StepBatch:
+    """One step's informative groups and its stats."""
+
+    step: int
+    policy_version: int
+    groups: list[Group]
+    stats: StepStats
+
+    @property
+    def results(self) -> list[JobResult]:
+        return [r for g in self.groups for r in g.results]
+
+    @property
+    def group_of(self) -> dict[str, str]:
+        """Job id -> group id (for :func:`prorl_cli.training.samples.samples_from_results`)."""
+        return {r.job_id: g.group_id for g in self.groups for r in g.results}
+
+
+@dataclass
+class CarriedGroup:
+    """A group in flight at a checkpoint: enough to resubmit its exact ids."""
+
+    position: int
+    step: int
+    policy_version: int
+
+
+@dataclass
+class SamplerState:
+    """Checkpoint of a sampler between steps (plain data: save it with the trainer's checkpoint)."""
+
+    step: int = 0
+    cursor: int = 0
+    carried: list[CarriedGroup] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    group_id: str
+    position: int
+    prompt_id: str
+    instance: Any
+    step: int
+    policy_version: int
+    job_ids: list[str]
+    submitted_at: float
+    results: dict[str, JobResult] = field(default_factory=dict)
+
+
+class DapoSampler:
+    """Dynamic sampling over an :class:`AsyncRolloutClient` (see the module docstring).
+
+    ``prompts`` is a sequence, walked in order and wrapped around; the
+    prompt id of position ``i`` is ``prompt_id(i, prompts[i % len])`` (default
+    ``str(i)``), so ids differ across epochs.
+    """
+
+    def __init__(
+        self,
+        client: AsyncRolloutClient,
+        task: str,
+        prompts: Sequence[Any],
+        config: SamplerConfig,
+        *,
+        state: SamplerState | None = None,
+        prompt_id: Callable[[int, Any], str] | None = None,
+    ) -> None:
+        if not prompts:
+            raise ValueError("the sampler needs at least one prompt")
+        self.client = client
+        self.task = task
+        self.prompts = prompts
+        self.config = config
+        self.prompt_id = prompt_id or (lambda pos, _inst: str(pos))
+        state = state or SamplerState()
+        self.step_index = state.step
+        self.cursor = state.cursor
+        self._restore = list(state.carried)
+        self._pending: dict[str, _Pending] = {}
+        self._ready: list[Group] = []
+        self._job_group: dict[str, str] = {}
+        #: Job ids of groups done with (returned, filtered, dropped), forgotten at the start of the next step.
+        self._retired: list[str] = []
+        self._stream: Any = None  # the client's open-ended ResultStream, from the first step on
+        self._stats: StepStats | None = None
+        #: Jobs this sampler cancelled at the broker (early termination, staleness, failed siblings).
+        self.cancelled_ids: set[str] = set()
+        #: Results that arrived for jobs of groups the sampler had already dropped (never counted).
+        self.ignored_results = 0
+        #: Called after every result with the running step's stats (progress lines).
+        self.on_progress: Callable[[StepStats], None] | None = None
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _start(self) -> None:
+        if self._stream is None:
+            # Open-ended: every result this client receives, from now on (it registers at once).
+            self._stream = self.client.results()
+
+    async def close(self, *, cancel_in_flight: bool = True) -> None:
+        """Stop reading results; cancel what is still in flight unless told not to."""
+        if cancel_in_flight and self._pending:
+            await self._cancel(list(self._pending.values()), StepStats(self.step_index, 0))
+        if self._stream is not None:
+            await self._stream.aclose()
+            self._stream = None
+
+    def state(self) -> SamplerState:
+        """Where to resume from: the next step, the prompt cursor and the groups in flight."""
+        return SamplerState(
+            step=self.step_index,
+            cursor=self.cursor,
+            carried=[CarriedGroup(p.position, p.step, p.policy_version) for p in self._pending.values()],
+        )
+
+    @property
+    def in_flight_jobs(self) -> int:
+        return sum(self.config.group_size - len(p.results) for p in self._pending.values())
+
+    def job_ids(self, step: int, prompt_id: str) -> list[str]:
+        """The deterministic job ids of one group."""
+        return [f"{self.config.run_id}-s{step}-p{prompt_id}-k{k}" for k in range(self.config.group_size)]
+
+    async def _submit_group(self, position: int, step: int, version: int) -> None:
+        instance = self.prompts[position % len(self.prompts)]
+        pid = self.prompt_id(position, instance)
+        ids = self.job_ids(step, pid)
+        gid = f"{self.config.run_id}-s{step}-p{pid}"
+        specs = self.client.make_specs(
+            self.task, len(ids), job_ids=ids, timeout_s=self.config.timeout_s,
+            sampling=self.config.sampling, max_attempts=self.config.max_attempts,
+        )
+        _tag(specs, gid, step, version)
+        pending = _Pending(gid, position, pid, instance, step, version, ids, time.monotonic())
+        self._pending[gid] = pending
+        for j in ids:
+            self._job_group[j] = gid
+        submitted = await self.client.submit_specs(specs, [instance] * len(ids))
+        if self._stats is not None:
+            self._stats.existing_jobs += len(getattr(submitted, "existing", ()))
+
+    async def _submit_next(self, stats: StepStats) -> None:
+        await self._submit_group(self.cursor, self.step_index, stats.policy_version)
+        self.cursor += 1
+        stats.submitted_groups += 1
+
+    async def _cancel(self, groups: list[_Pending], stats: StepStats) -> None:
+        now = time.monotonic()
+        ids = []
+        for p in groups:
+            self._pending.pop(p.group_id, None)
+            self._retired += p.job_ids
+            left = [j for j in p.job_ids if j not in p.results]
+            ids += left
+            stats.cancelled_inflight_s += len(left) * (now - p.submitted_at)
+        if ids:
+            states = await self.client.cancel(ids)
+            # A job that finished just before the cancel reached the broker stays done (its result is ignored).
+            gone = [j for j in ids if states.get(j) == "cancelled"]
+            self.cancelled_ids.update(gone)
+            stats.cancelled_jobs += len(gone)
+
+    # ------------------------------------------------------------ results
+
+    async def _take(self, result: JobResult, stats: StepStats) -> None:
+        gid = self._job_group.get(result.job_id)
+        pending = self._pending.get(gid) if gid else None
+        if pending is None or result.job_id in pending.results:
+            if gid is not None:
+                self.ignored_results += 1
+            return
+        pending.results[result.job_id] = result
+        if not result.ok and self.config.failed == "drop_group":
+            stats.failed_groups += 1
+            await self._cancel([pending], stats)
+            return
+        if len(pending.results) < self.config.group_size:
+            return
+        del self._pending[pending.group_id]
+        self._retired += pending.job_ids
+        ordered = [pending.results[j] for j in pending.job_ids]
+        if self.config.failed == "exclude":
+            rewards = [float(r.reward or 0.0) for r in ordered if r.ok]
+        else:  # zero_reward (drop_group never gets here with a failure)
+            rewards = [float(r.reward or 0.0) if r.ok else 0.0 for r in ordered]
+        if self.config.informative(rewards):
+            self._ready.append(Group(pending.group_id, pending.prompt_id, pending.instance,
+                                     pending.step, pending.policy_version, ordered))
+        else:
+            stats.filtered += 1
+
+    async def _next_result(self, stats: StepStats, deadline: float | None) -> None:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            async with asyncio.timeout(timeout):
+                result = await anext(self._stream)
+        except TimeoutError as e:
+            raise SamplerTimeout(
+                f"step {stats.step}: {len(self._ready)} of {self.config.target_groups} informative groups "
+                f"within {self.config.step_timeout_s} s"
+            ) from e
+        await self._take(result, stats)
+        if self.on_progress is not None:
+            stats.informative = len(self._ready)
+            stats.in_flight = self.in_flight_jobs
+            self.on_progress(stats)
+
+    async def _forget_retired(self) -> None:
+        """Drop the results of groups from earlier steps, here and at the broker, so a long run's memory stays flat.
+
+        Only earlier steps: a trainer restarted within a step resubmits that step's ids and needs them.
+        """
+        ids, self._retired = self._retired, []
+        for j in ids:
+            self._job_group.pop(j, None)
+        if not ids:
+            return
+        if _BROKER_FORGETS:
+            try:
+                await self.client.forget(ids)
+                return
+            except RemoteError as e:  # a broker from before the forget op: keep its copies, drop ours
+                log.debug("broker-side forget failed (%s); forgetting locally", e)
+        self.client.forget_local(ids)
+
+    # ------------------------------------------------------------ steps
+
+    async def step(self, policy_version: int = 0) -> StepBatch:
+        """Collect ``target_groups`` informative groups; ``policy_version`` is the trainer's current weights."""
+        await self._start()
+        cfg = self.config
+        started = time.monotonic()
+        deadline = None if cfg.step_timeout_s is None else started + cfg.step_timeout_s
+        stats = StepStats(step=self.step_index, policy_version=policy_version)
+        self._stats = stats
+        await self._forget_retired()
+        for c in self._restore:  # a restarted trainer: the same ids; the broker returns the existing jobs
+            await self._submit_group(c.position, c.step, c.policy_version)
+        self._restore = []
+        stale = [p for p in self._pending.values() if policy_version - p.policy_version > cfg.max_staleness]
+        stats.stale_groups += len(stale)
+        await self._cancel(stale, stats)
+        fresh = [g for g in self._ready if policy_version - g.policy_version <= cfg.max_staleness]
+        stats.stale_groups += len(self._ready) - len(fresh)
+        self._ready = fresh
+        stats.carried_in = len(self._pending) + len(self._ready)
+        if cfg.mode == "async":
+            while len(self._ready) < cfg.target_groups:
+                assert cfg.max_in_flight is not None
+                while self.in_flight_jobs + cfg.group_size <= cfg.max_in_flight:
+                    await self._submit_next(stats)
+                await self._next_result(stats, deadline)
+            if not cfg.carry_over:
+                await self._cancel(list(self._pending.values()), stats)
+        else:
+            batch = cfg.sync_batch_groups or cfg.target_groups
+            while len(self._ready) < cfg.target_groups:
+                for _ in range(batch):
+                    await self._submit_next(stats)
+                while self._pending:
+                    await self._next_result(stats, deadline)
+        groups, self._ready = self._ready[: cfg.target_groups], self._ready[cfg.target_groups :]
+        stats.informative = len(groups)
+        stats.carried_out = len(self._pending) + len(self._ready)
+        stats.in_flight = self.in_flight_jobs
+        stats.wall_s = time.monotonic() - started
+        self.step_index += 1
+        return StepBatch(stats.step, policy_version, groups, stats)
+
+
+def _tag(specs: list[JobSpec], group_id: str, step: int, version: int) -> None:
+    """Put the group and the sampler's step/version on each spec where the protocol carries them (contract K1)."""
+    names = set(JobSpec.__dataclass_fields__)
+    for s in specs:
+        if "group_id" in names:
+            s.group_id = group_id
+        if "meta" in names:
+            s.meta = {"step": step, "policy_version": version}
+
+
+class BlockingDapoSampler:
+    """:class:`DapoSampler` for blocking code, on a :class:`prorl_cli.client.RolloutClient`'s event loop."""
+
+    def __init__(self, client: Any, task: str, prompts: Sequence[Any], config: SamplerConfig, **kwargs: Any) -> None:
+        self._client = client
+        self._sampler: DapoSampler = client._run(_make(client._aio, task, prompts, config, kwargs))
+
+    @property
+    def sampler(self) -> DapoSampler:
+        return self._sampler
+
+    def step(self, policy_version: int = 0) -> StepBatch:
+        return self._client._run(self._sampler.step(policy_version))
+
+    def state(self) -> SamplerState:
+        return self._sampler.state()
+
+    def close(self, *, cancel_in_flight: bool = True) -> None:
+        self._client._run(self._sampler.close(cancel_in_flight=cancel_in_flight))
+
+
+async def _make(client: AsyncRolloutClient, task: str, prompts: Sequence[Any], config: SamplerConfig, kwargs: dict[str, Any]) -> DapoSampler:
+    return DapoSampler(client, task, prompts, config, **kwargs)

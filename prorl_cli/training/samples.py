@@ -1,0 +1,293 @@
+"""Trajectories into training samples: merging, advantages, loss weights, micro-batches.
+
+Follows the Agent Lightning v1.0 analysis of harnessed agentic RL:
+
+- **Merging** (:func:`build_samples`): consecutive model calls of one
+  rollout share a sample only when the later prompt is a token-exact
+  extension of the earlier prompt + output. Otherwise a new sample starts:
+  sampled ids are never stitched into a prompt they were not sampled under.
+- **Advantages** (:func:`assign_advantages`): GRPO or RLOO baselines over the
+  rollouts of a group by default, so a rollout that happened to split into
+  more samples does not move its group's baseline; sample level on request;
+  std normalisation off by default (Dr. GRPO).
+- **Loss normalisation** (:func:`assign_loss_weights`): token-mean,
+  seq-mean-token-mean or rollout-level token-mean, emitted as per-token
+  weights: ``loss = sum(weight_t * loss_t)`` over the batch.
+- **Packing** (:func:`pack_micro_batches`): micro-batches by token budget,
+  never splitting a rollout.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_cli.agent.trajectory import Trajectory
+
+#: Policy version of a token the model did not sample (prompt, tool output).
+NO_VERSION = -1
+
+
+class AdvantageEstimator(str, enum.Enum):
+    """How a group's baseline is formed."""
+
+    GRPO = "grpo"  # reward minus the group mean
+    RLOO = "rloo"  # reward minus the mean of the other members
+
+
+class AdvantageLevel(str, enum.Enum):
+    """What counts as one member of a group when forming the baseline."""
+
+    ROLLOUT = "rollout"
+    SAMPLE = "sample"
+
+
+class LossNorm(str, enum.Enum):
+    """Loss normalisation (Agent Lightning v1.0, Eqs. 14-16)."""
+
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    ROLLOUT_TOKEN_MEAN = "rollout-token-mean"
+
+
+@dataclass
+class TrainingSample:
+    """One training sequence: token ids with, per token, what a trainer needs.
+
+    All per-token lists are aligned with ``input_ids``. ``response_mask`` is
+    1 on tokens the model sampled; ``old_log_probs`` are the sampling
+    log-probs there (0.0 elsewhere); ``policy_versions`` the policy version
+    each sampled token was served under (:data:`NO_VERSION` elsewhere, and
+    where the broker did not say). ``prompt_length`` counts the ids before
+    the first sampled token.
+    """
+
+    rollout_id: str
+    group_id: str
+    job_id: str
+    input_ids: list[int]
+    response_mask: list[int]
+    old_log_probs: list[float]
+    policy_versions: list[int]
+    reward: float
+    #: Indices of the trajectory's model calls merged into this sample.
+    calls: list[int] = field(default_factory=list)
+    advantage: float = 0.0
+    loss_weights: list[float] = field(default_factory=list)
+
+    @property
+    def prompt_length(self) -> int:
+        return next((i for i, m in enumerate(self.response_mask) if m), len(self.response_mask))
+
+    @property
+    def n_response_tokens(self) -> int:
+        return sum(self.response_mask)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class MergeReport:
+    """How well calls merged: ``merge_ratio`` is merged call boundaries / all call boundaries (1.0 if none)."""
+
+    rollouts: int = 0
+    calls: int = 0
+    samples: int = 0
+
+    @property
+    def merge_ratio(self) -> float:
+        boundaries = self.calls - self.rollouts
+        return 1.0 if boundaries <= 0 else (self.calls - self.samples) / boundaries
+
+    @property
+    def samples_per_rollout(self) -> float:
+        return self.samples / self.rollouts if self.rollouts else 0.0
+
+    def add(self, other: MergeReport) -> None:
+        self.rollouts += other.rollouts
+        self.calls += other.calls
+        self.samples += other.samples
+
+
+def _call_version(call: Any) -> int:
+    v = getattr(call, "policy_version", None)
+    return NO_VERSION if v is None else int(v)
+
+
+def build_samples(
+    trajectory: Trajectory | dict[str, Any],
+    *,
+    rollout_id: str,
+    group_id: str,
+    reward: float,
+    job_id: str | None = None,
+) -> tuple[list[TrainingSample], MergeReport]:
+    """Split one rollout's model calls into samples under token-exact prefix continuity.
+
+    A call joins the current sample when its prompt starts with exactly the
+    sample's ids so far (previous prompt + output); only the new suffix of
+    the prompt (observation, template tokens) is appended, unmasked, then
+    its output, masked. Any other call closes the sample and opens a new one
+    with its own prompt. A rollout without calls yields no sample.
+    """
+    traj = Trajectory.from_dict(trajectory) if isinstance(trajectory, dict) else trajectory
+    samples: list[TrainingSample] = []
+    cur: TrainingSample | None = None
+    for i, call in enumerate(traj.calls):
+        prompt = list(call.prompt_ids)
+        version = _call_version(call)
+        if cur is not None and len(prompt) >= len(cur.input_ids) and prompt[: len(cur.input_ids)] == cur.input_ids:
+            new = prompt[len(cur.input_ids) :]
+        else:
+            cur = TrainingSample(
+                rollout_id=rollout_id, group_id=group_id, job_id=job_id or rollout_id,
+                input_ids=[], response_mask=[], old_log_probs=[], policy_versions=[], reward=float(reward),
+            )
+            samples.append(cur)
+            new = prompt
+        out = list(call.output_ids)
+        cur.input_ids += new + out
+        cur.response_mask += [0] * len(new) + [1] * len(out)
+        cur.old_log_probs += [0.0] * len(new) + [float(x) for x in call.logprobs]
+        cur.policy_versions += [NO_VERSION] * len(new) + [version] * len(out)
+        cur.calls.append(i)
+    return samples, MergeReport(rollouts=1, calls=len(traj.calls), samples=len(samples))
+
+
+def _baselines(rewards: Sequence[float], estimator: AdvantageEstimator, std_normalize: bool, eps: float) -> list[float]:
+    n = len(rewards)
+    mean = sum(rewards) / n
+    if estimator == AdvantageEstimator.RLOO:
+        # Leave-one-out: r_i - mean(r_j, j != i); a group of one has no baseline to compare with.
+        adv = [0.0] * n if n == 1 else [r - (mean * n - r) / (n - 1) for r in rewards]
+    else:
+        adv = [r - mean for r in rewards]
+    if std_normalize and n > 1:
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
+        adv = [a / (std + eps) for a in adv]
+    return adv
+
+
+def assign_advantages(
+    samples: Sequence[TrainingSample],
+    *,
+    estimator: AdvantageEstimator | str = AdvantageEstimator.GRPO,
+    level: AdvantageLevel | str = AdvantageLevel.ROLLOUT,
+    std_normalize: bool = False,
+    eps: float = 1e-6,
+) -> None:
+    """Set ``advantage`` on every sample from its group's baseline (in place).
+
+    At the rollout level each rollout of a group counts once, whatever its
+    number of samples, and all its samples get its advantage. At the sample
+    level every sample counts once. ``std_normalize`` divides by the group's
+    (sample) standard deviation + ``eps``.
+    """
+    estimator = AdvantageEstimator(estimator)
+    level = AdvantageLevel(level)
+    groups: dict[str, list[TrainingSample]] = defaultdict(list)
+    for s in samples:
+        groups[s.group_id].append(s)
+    for members in groups.values():
+        if level == AdvantageLevel.SAMPLE:
+            for s, a in zip(members, _baselines([s.reward for s in members], estimator, std_normalize, eps), strict=True):
+                s.advantage = a
+            continue
+        rewards: dict[str, float] = {}
+        for s in members:
+            if rewards.setdefault(s.rollout_id, s.reward) != s.reward:
+                raise ValueError(f"rollout {s.rollout_id!r} has samples with different rewards")
+        by_rollout = dict(zip(rewards, _baselines(list(rewards.values()), estimator, std_normalize, eps), strict=True))
+        for s in members:
+            s.advantage = by_rollout[s.rollout_id]
+
+
+def assign_loss_weights(samples: Sequence[TrainingSample], norm: LossNorm | str = LossNorm.ROLLOUT_TOKEN_MEAN) -> None:
+    """Set per-token ``loss_weights`` (0 off the response mask) so that ``sum(w * loss)`` over the batch is the chosen mean.
+
+    - token-mean: every response token of the batch weighs ``1 / total tokens``;
+    - seq-mean-token-mean: ``1 / (samples * tokens of its sample)``;
+    - rollout-token-mean: ``1 / (rollouts * tokens of its rollout, all samples)``.
+    """
+    norm = LossNorm(norm)
+    total = sum(s.n_response_tokens for s in samples)
+    per_rollout: dict[str, int] = defaultdict(int)
+    for s in samples:
+        per_rollout[s.rollout_id] += s.n_response_tokens
+    for s in samples:
+        if norm == LossNorm.TOKEN_MEAN:
+            denom = total
+        elif norm == LossNorm.SEQ_MEAN_TOKEN_MEAN:
+            denom = len(samples) * s.n_response_tokens
+        else:
+            denom = len(per_rollout) * per_rollout[s.rollout_id]
+        w = 1.0 / denom if denom else 0.0
+        s.loss_weights = [w * m for m in s.response_mask]
+
+
+def pack_micro_batches(samples: Sequence[TrainingSample], max_tokens: int) -> list[list[TrainingSample]]:
+    """Group samples into micro-batches of at most ``max_tokens`` ids, keeping each rollout's samples together.
+
+    First-fit decreasing over whole rollouts; a rollout longer than the
+    budget gets a micro-batch of its own (it is never split). Order within a
+    rollout is kept.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    rollouts: dict[str, list[TrainingSample]] = defaultdict(list)
+    for s in samples:
+        rollouts[s.rollout_id].append(s)
+    units = sorted(rollouts.values(), key=lambda ss: -sum(len(s) for s in ss))
+    bins: list[tuple[int, list[TrainingSample]]] = []
+    for unit in units:
+        size = sum(len(s) for s in unit)
+        for i, (used, members) in enumerate(bins):
+            if used + size <= max_tokens:
+                bins[i] = (used + size, members + unit)
+                break
+        else:
+            bins.append((size, list(unit)))
+    return [members for _, members in bins]
+
+
+@dataclass
+class SampleBatch:
+    """Samples of one training step with their merge report."""
+
+    samples: list[TrainingSample]
+    report: MergeReport
+
+
+def samples_from_results(
+    results: Iterable[Any],
+    *,
+    group_of: dict[str, str] | None = None,
+    estimator: AdvantageEstimator | str = AdvantageEstimator.GRPO,
+    level: AdvantageLevel | str = AdvantageLevel.ROLLOUT,
+    std_normalize: bool = False,
+    loss_norm: LossNorm | str = LossNorm.ROLLOUT_TOKEN_MEAN,
+) -> SampleBatch:
+    """Job results (``JobResult`` with a ``trajectory`` in its output) into weighted samples.
+
+    The group of a result is ``group_of[job_id]``, else its ``group_id``
+    field, else its job id. Results without a trajectory or reward are skipped.
+    """
+    report = MergeReport()
+    out: list[TrainingSample] = []
+    for r in results:
+        output = r.output if isinstance(r.output, dict) else {}
+        traj = output.get("trajectory")
+        if traj is None or r.reward is None:
+            continue
+        group = (group_of or {}).get(r.job_id) or getattr(r, "group_id", None) or r.job_id
+        samples, rep = build_samples(traj, rollout_id=r.job_id, group_id=group, reward=float(r.reward), job_id=r.job_id)
+        out += samples
+        report.add(rep)
+    assign_advantages(out, estimator=estimator, level=level, std_normalize=std_normalize)
+    assign_loss_weights(out, loss_norm)
+    return SampleBatch(out, report)

@@ -1,0 +1,80 @@
+"""A scripted model behind a real inference bridge: predetermined assistant turns as token ids.
+
+The test (or benchmark) decides every model turn. A script is a JSON file (re-read when it changes, so tests sharing one
+deployment add their own entries) holding a list of
+``{"match": TEXT, "turns": [TEXT, ...]}``: a call whose prompt contains
+``match`` gets ``turns[i]`` (plus ``<|im_end|>``) encoded with the real
+tokenizer, where ``i`` is the number of assistant turns already in the
+prompt. The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
+so every call goes node -> broker -> bridge -> engine and back (the real
+generate contract). Run: ``python -m tests.domains.scripted_engine SCRIPT
+TOKENIZER_DIR BACKEND_ID DEPLOYMENT_DIR``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from prorl_cli.inference.bridge import InferenceBridge
+from prorl_cli.inference.contract import Engine, Generation
+from prorl_cli.protocol import SamplingParams
+from prorl_cli.rendezvous import wait_rendezvous
+
+FALLBACK_TURN = "I have no script for this prompt."
+
+
+class ScriptedEngine(Engine):
+    """Answers from a script; stateless, so any number of jobs may interleave."""
+
+    model = "scripted"
+    max_model_len = 1 << 20
+
+    def __init__(self, script_path: Path, tokenizer_dir: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.script_path = script_path
+        self._mtime_ns = -1
+        self.script: list[dict[str, Any]] = []
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        self.calls = 0
+
+    def turn_for(self, prompt: str) -> str:
+        mtime_ns = self.script_path.stat().st_mtime_ns
+        if mtime_ns != self._mtime_ns:
+            self.script, self._mtime_ns = json.loads(self.script_path.read_text()), mtime_ns
+        done = prompt.count("<|im_start|>assistant") - 1
+        for entry in self.script:
+            if entry["match"] in prompt:
+                turns = entry["turns"]
+                return str(turns[done]) if done < len(turns) else FALLBACK_TURN
+        return FALLBACK_TURN
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        self.calls += 1
+        prompt = str(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+        ids = list(self.tokenizer.encode(self.turn_for(prompt) + "<|im_end|>", add_special_tokens=False))
+        finish = "stop"
+        if len(ids) > sampling.max_tokens:
+            ids, finish = ids[: sampling.max_tokens], "length"
+        return Generation(ids, [-0.1] * len(ids), finish, None)
+
+
+async def serve(script_path: str, tokenizer_dir: str, backend_id: str, deployment_dir: str) -> None:
+    engine = ScriptedEngine(Path(script_path), tokenizer_dir)
+    info = await asyncio.to_thread(wait_rendezvous, Path(deployment_dir), 60.0)
+    bridge = InferenceBridge(engine, address=info.address, backend_id=backend_id, host=socket.gethostname(),
+                             capacity=256, deployment_dir=Path(deployment_dir))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, bridge.stop)
+    await bridge.serve()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(*sys.argv[1:5]))

@@ -1,0 +1,73 @@
+"""The ``math`` domain: equivalence scoring, the sandboxed Python tool, loop limits and stage fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from prorl_cli.domains.answers import _sympy_equal, last_boxed, math_equal
+from tests.domains.conftest import ScriptedStack, need_module, turn
+
+EQUIVALENT = [("\\frac{1}{2}", "0.5"), ("3", "x=3"), ("[0, \\frac{1}{2})", "[0, 0.5)"), ("\\{1,2\\}", "\\{2,1\\}"),
+              ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"), ("\\left(-1, \\frac{3}{3}\\right)", "(-1, 1)")]
+DIFFERENT = [("\\frac{1}{2}", "0.51"), ("(1,2]", "[1,2]"), ("3", "x=4"), ("5", "")]
+
+
+@pytest.mark.parametrize(("gold", "pred"), EQUIVALENT)
+def test_equivalent_answers_a_string_match_gets_wrong_score_1(gold: str, pred: str) -> None:
+    need_module("math_verify", "domains")
+    assert gold.replace(" ", "") != pred.replace(" ", "")
+    assert math_equal(gold, pred).correct, (gold, pred)
+
+
+@pytest.mark.parametrize(("gold", "pred"), DIFFERENT)
+def test_non_equivalent_answers_score_0(gold: str, pred: str) -> None:
+    need_module("math_verify", "domains")
+    assert not math_equal(gold, pred).correct
+
+
+def test_sympy_fallback_and_boxed_extraction() -> None:
+    assert _sympy_equal("\\frac{1}{2}", "0.5") == (True, "0.500000000000000")
+    assert _sympy_equal("x = 3", "3") == (True, "3")
+    assert _sympy_equal("2", "3") == (False, "3")
+    assert last_boxed("first \\boxed{1}, finally \\boxed{\\frac{a}{b}}") == "\\frac{a}{b}"
+    assert last_boxed("unbalanced \\boxed{1") is None
+
+
+def test_math_handler_end_to_end(stack: ScriptedStack) -> None:
+    stack.add("P-correct", turn("Let me compute.", ("python", {"code": "from sympy import Rational\nx = Rational(1, 2) + Rational(1, 4)\nx"})),
+              turn("", ("python", {"code": "print(x * 4)"})), "So the sum is \\boxed{0.75}")
+    stack.add("P-wrong", "\\boxed{\\frac{2}{3}}")
+    stack.add("P-malformed", "<tool_call>{not json</tool_call>", turn("", ("nosuchtool", {})), "\\boxed{x=3}")
+    stack.add("P-budget", *[turn("", ("python", {"code": "1+1"}))] * 5)
+    stack.start_model()
+    correct, wrong, malformed, budget, no_answer, slow_run, slow_eval = stack.run("math", [
+        {"problem": "P-correct: 1/2 + 1/4?", "answer": "\\frac{3}{4}"},
+        {"problem": "P-wrong: 1/2 + 1/4?", "answer": "\\frac{3}{4}"},
+        {"problem": "P-malformed: solve x + 1 = 4", "answer": "3"},
+        {"problem": "P-budget: loop", "answer": "2", "settings": {"max_turns": 3}},
+        {"problem": "P-init: no answer field"},
+        {"problem": "P-correct again", "answer": "\\frac{3}{4}", "settings": {"run_timeout_s": 0.001}},
+        {"problem": "P-correct: 1/2 + 1/4?", "answer": "\\frac{3}{4}", "settings": {"eval_timeout_s": 1e-6}},
+    ])
+    assert correct.state == "done" and correct.reward == 1.0, correct
+    out = correct.output
+    tool_msgs = [m["content"] for m in out["trajectory"]["messages"] if m["role"] == "tool"]
+    assert tool_msgs == ["3/4", "3"]  # the persistent namespace kept x between calls
+    assert out["predicted"] == "0.75" and out["verdict"]["method"] == "math_verify"
+    assert wrong.reward == 0.0 and wrong.output["predicted"] == "\\frac{2}{3}"
+
+    msgs = [m["content"] for m in malformed.output["trajectory"]["messages"] if m["role"] == "tool"]
+    assert msgs[0].startswith("error: tool call is not valid JSON")
+    assert msgs[1].startswith("error: unknown tool 'nosuchtool'")
+    assert malformed.reward == 1.0  # the loop went on and "x=3" equals 3
+
+    assert budget.output["stop_reason"] == "max_turns" and budget.output["turns"] == 3
+    assert budget.reward == 0.0 and budget.output["predicted"] is None
+
+    for result, stage in ((no_answer, "init"), (slow_run, "run"), (slow_eval, "eval")):
+        assert result.reward == 0.0 and result.critical_error == stage, result
+        failure = result.output["failure"]
+        assert failure["stage"] == stage and failure["type"] in ("ValueError", "StageTimeout"), failure
+    assert "limit of 0.001 s" in slow_run.output["failure"]["message"]
+    records = stack.d.deployment_dir / "nodes" / "n1" / "sandboxes"
+    assert list(records.glob("*.json")) == []  # every sandbox was stopped

@@ -1,0 +1,69 @@
+"""Exports round-trip through pyarrow with the documented schema."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from prorl_cli.agent.trajectory import ModelCall, Trajectory
+from prorl_cli.training.export import (
+    COLUMNS,
+    arrow_schema,
+    read_samples_jsonl,
+    sample_row,
+    write_samples_jsonl,
+    write_samples_parquet,
+)
+from prorl_cli.training.samples import assign_advantages, assign_loss_weights, build_samples
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
+
+
+def samples() -> list:
+    out = []
+    for i, reward in enumerate([1.0, 0.0, 0.0]):
+        traj = Trajectory(calls=[
+            ModelCall([1, 2, 3], [10 + i, 11], [-0.25, -0.5], "stop", policy_version=4),
+            ModelCall([1, 2, 3, 10 + i, 11, 20], [12], [-1.0], "stop", policy_version=5),
+        ])
+        ss, _ = build_samples(traj, rollout_id=f"r{i}", group_id="g", reward=reward)
+        out += ss
+    assign_advantages(out)
+    assign_loss_weights(out)
+    return out
+
+
+def test_parquet_round_trip_with_the_documented_schema(tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install 'prorl[parquet]')")
+    ss = samples()
+    path = write_samples_parquet(tmp_path / "s.parquet", ss)
+    table = pq.read_table(path)
+    assert table.schema.equals(arrow_schema(), check_metadata=False)
+    rows = table.to_pylist()
+    assert len(rows) == 3
+    r = rows[0]
+    assert r["input_ids"] == [1, 2, 3, 10, 11, 20, 12]
+    assert r["response_mask"] == r["loss_mask"] == r["token_mask"] == [0, 0, 0, 1, 1, 0, 1]
+    assert r["attention_mask"] == [1] * 7 and r["input_lengths"] == 7 and r["prompt_length"] == 3
+    assert r["old_log_probs"] == r["prev_logprobs"] == r["generation_logprobs"] == [0, 0, 0, -0.25, -0.5, 0, -1.0]
+    assert r["advantages"] == pytest.approx([0, 0, 0, 2 / 3, 2 / 3, 0, 2 / 3])  # reward 1 vs mean 1/3
+    assert r["token_level_scores"] == [0, 0, 0, 0, 0, 0, 1.0]
+    assert r["policy_versions"] == [-1, -1, -1, 4, 4, -1, 5]
+    assert (r["rollout_id"], r["group_id"], r["reward"]) == ("r0", "g", 1.0)
+    assert math.isclose(sum(sum(x["loss_weights"]) for x in rows), 1.0, rel_tol=1e-6)
+    assert [c for c in table.column_names] == list(COLUMNS)
+
+
+def test_jsonl_round_trip(tmp_path: Path) -> None:
+    ss = samples()
+    rows = read_samples_jsonl(write_samples_jsonl(tmp_path / "s.jsonl", ss))
+    assert rows == [sample_row(s) for s in ss]
+    assert set(rows[0]) == set(COLUMNS)
+
+
+def test_docs_list_every_export_column() -> None:
+    documented = set(re.findall(r"^\| `(\w+)` \|", DOC.read_text(), re.M))
+    assert set(COLUMNS) <= documented, sorted(set(COLUMNS) - documented)

@@ -1,0 +1,183 @@
+"""The DAPO sampler against a real broker and node running the seeded heavy-tailed ``dapo_sim`` handler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prorl_cli.client import AsyncRolloutClient
+from prorl_cli.config import load_config
+from prorl_cli.training.sampler import DapoSampler, SamplerConfig, SamplerState, StepBatch
+from tests.harness import Deployment
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def prompts(n: int = 12) -> list[dict[str, Any]]:
+    """A third always right, a third always wrong (zero variance), a third mixed; some with a long tail."""
+    out = []
+    for i in range(n):
+        p = (0.0, 1.0, 0.5)[i % 3]
+        out.append({"p": p, "scale_s": 0.02 if i % 4 else 0.5, "alpha": 1.2, "max_s": 1.5, "seed": 7})
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    dep = Deployment(tmp_path_factory.mktemp("dapo"), "dapo", {"node": {"n_init": 8, "n_run": 16, "n_eval": 8}})
+    with dep:
+        dep.start_broker()
+        dep.start_node("n1")
+        yield dep
+
+
+def aclient(dep: Deployment) -> AsyncRolloutClient:
+    return AsyncRolloutClient(dep.name, address=dep.address, config=load_config(dep.config_path))
+
+
+def check_batch(batch: StepBatch, cfg: SamplerConfig) -> None:
+    assert len(batch.groups) == cfg.target_groups
+    for g in batch.groups:
+        assert len(g.results) == cfg.group_size
+        assert len(set(g.rewards)) > 1, f"zero-variance group {g.group_id} was kept: {g.rewards}"
+        assert all(r.ok for r in g.results)
+
+
+def test_async_sampler_targets_carry_over_and_staleness(stack: Deployment) -> None:
+    cfg = SamplerConfig(group_size=4, target_groups=2, max_in_flight=16, run_id="t1", max_staleness=1, step_timeout_s=60)
+
+    async def go() -> tuple[list[StepBatch], dict[str, int], DapoSampler]:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", prompts(), cfg)
+            batches = [await sampler.step(policy_version=v) for v in (0, 1, 3)]  # 3: jumps past the staleness limit
+            await sampler.close()
+            # Every job the sampler cancelled is cancelled at the broker, and stays so.
+            used = {r.job_id for b in batches for r in b.results}
+            assert not used & sampler.cancelled_ids
+            states = await client.cancel(sorted(sampler.cancelled_ids))
+            return batches, states, sampler
+
+    batches, states, sampler = asyncio.run(go())
+    seen_groups: set[str] = set()
+    for b in batches:
+        check_batch(b, cfg)
+        for g in b.groups:
+            assert g.group_id not in seen_groups, "a group was counted twice"
+            seen_groups.add(g.group_id)
+            assert b.policy_version - g.policy_version <= cfg.max_staleness
+    s0, s1, s2 = (b.stats for b in batches)
+    assert s0.filtered + s1.filtered + s2.filtered > 0  # p = 0 and p = 1 groups were dropped
+    assert s0.carried_out > 0 and s1.carried_in == s0.carried_out  # running groups kept for the next step
+    # Groups submitted under version 0 complete into step 1 tagged with version 0.
+    assert any(g.policy_version == 0 for g in batches[1].groups) or s1.carried_in > 0
+    assert s2.stale_groups > 0 and s2.cancelled_jobs > 0  # version 3 - 1 > 1: stale ones cancelled
+    # Cancelled in the steps (stale) and at close (still running), all counted.
+    assert len(states) == len(sampler.cancelled_ids) >= sum(b.stats.cancelled_jobs for b in batches) > 0
+    assert set(states.values()) == {"cancelled"}, states  # never reported done afterwards
+    assert sampler.ignored_results >= 0
+
+
+def test_sync_mode_and_failed_groups(stack: Deployment) -> None:
+    ps = [{**p, "fail_p": 0.2, "scale_s": 0.01} for p in prompts()]
+    cfg = SamplerConfig(group_size=3, target_groups=2, mode="sync", run_id="t2", step_timeout_s=60)
+
+    async def go() -> StepBatch:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", ps, cfg)
+            batch = await sampler.step()
+            assert sampler.in_flight_jobs == 0  # batch by batch: nothing carried
+            await sampler.close()
+            return batch
+
+    batch = asyncio.run(go())
+    check_batch(batch, cfg)
+    assert batch.stats.submitted_groups % cfg.target_groups == 0
+    assert batch.stats.failed_groups > 0  # a failed member drops its group (and cancels its siblings)
+
+
+CHILD = textwrap.dedent("""
+    import asyncio, json, sys
+    from prorl_cli.client import AsyncRolloutClient
+    from prorl_cli.config import load_config
+    from prorl_cli.training.sampler import DapoSampler, SamplerConfig
+    name, address, config_path, out = sys.argv[1:5]
+    ps = json.loads(sys.argv[5])
+
+    async def main():
+        client = AsyncRolloutClient(name, address=address, config=load_config(config_path))
+        cfg = SamplerConfig(group_size=4, target_groups=50, max_in_flight=16, run_id="t3")
+        sampler = DapoSampler(client, "dapo_sim", ps, cfg)
+        task = asyncio.ensure_future(sampler.step())
+        while len(sampler._job_group) < cfg.max_in_flight:  # the first window is submitted
+            await asyncio.sleep(0.01)
+        with open(out + ".tmp", "w") as f:
+            json.dump(sorted(sampler._job_group), f)
+        import os; os.replace(out + ".tmp", out)
+        await task  # never reaches 50 groups: killed first
+
+    asyncio.run(main())
+""")
+
+
+def test_restarted_sampler_resubmits_the_same_ids(stack: Deployment, tmp_path: Path) -> None:
+    ps = [{**p, "scale_s": 0.3} for p in prompts()]
+    out = tmp_path / "ids.json"
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, stack.name, stack.address, str(stack.config_path), str(out), json.dumps(ps)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
+    )
+    try:
+        stack.wait_for(lambda st: out.exists() and st.jobs.get("done", 0) > 0, 60, "the first trainer's jobs", None)
+    finally:
+        os.killpg(child.pid, 9)
+        child.wait()
+    first_ids = set(json.loads(out.read_text()))
+    before = stack.client.status().jobs
+    cfg = SamplerConfig(group_size=4, target_groups=2, max_in_flight=16, run_id="t3", step_timeout_s=60)
+
+    async def go() -> tuple[StepBatch, set[str]]:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", ps, cfg, state=SamplerState(step=0, cursor=0))
+            batch = await sampler.step()
+            ids = set(sampler._job_group)
+            await sampler.close(cancel_in_flight=False)
+            return batch, ids
+
+    batch, second_ids = asyncio.run(go())
+    check_batch(batch, cfg)
+    assert first_ids <= second_ids  # the same deterministic ids again, from the same cursor
+    used = {r.job_id for r in batch.results}
+    assert used & first_ids, "results of the killed trainer's jobs were not reused"
+    after = stack.client.status().jobs
+    # No job ran twice: the broker knows one job per id.
+    assert sum(after.values()) - sum(before.values()) == len(second_ids - first_ids)
+
+
+def test_prorl_submit_dapo(stack: Deployment, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({**p, "scale_s": 0.01}) + "\n" for p in prompts(9)))
+    out = tmp_path / "groups.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(tasks), "--task", "dapo_sim", "--dapo",
+         "--group-size", "3", "--target-groups", "2", "--id-prefix", "cli", "--out", str(out)],
+        env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "informative 2/2" in proc.stderr and "filtered" in proc.stderr and "in flight" in proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r["reward"])
+    assert len(groups) == 2 and all(len(set(v)) > 1 and len(v) == 3 for v in groups.values())
+    bad = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(tasks), "--task", "dapo_sim",
+                          "--group-size", "3"], env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--group-size need --dapo" in bad.stderr
