@@ -136,6 +136,10 @@ class ImageBuildError(ProrlError, RuntimeError):
     """An image build failed; the message holds the failing step and log tail."""
 
 
+class SlurmError(ProrlError, RuntimeError):
+    """A Slurm command failed, or a deployment could not be launched, scaled or taken down."""
+
+
 class DomainError(ProrlError, ValueError):
     """A task instance or a domain setting that a domain handler cannot use (names the field)."""
 
