@@ -101,6 +101,7 @@ class MathAgentHandler(AgentHandler):
             {"calculator": calculator},
             sampling=ctx.sampling,
             max_turns=int(inst.get("max_turns", 4)),
+            record_into=ctx.output,  # a RUN that times out or fails still returns its tokens
         )
         ctx.output["trajectory"] = traj.to_dict()
 

@@ -4,6 +4,7 @@
 
     {"echo": <anything>,                      # copied to the output
      "sleep_s": {"init": 0.1, "run": 0.5},    # await in a stage
+     "block_s": {"run": 10},                  # block the event loop in a stage (time.sleep)
      "raise_in": "run",                       # raise RuntimeError in a stage
      "hang_in": "eval",                       # await forever in a stage
      "on_cancel": "swallow" | "raise",        # ...and misbehave when cancelled
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +45,17 @@ class ScriptedTestHandler(AgentHandler):
     name = "test"
 
     async def _stage(self, ctx: JobContext, stage: str) -> None:
-        inst: dict[str, Any] = ctx.instance if isinstance(ctx.instance, dict) else {}
+        if not isinstance(ctx.instance, dict):
+            raise TypeError(f"the test handler's instance must be a map, got {type(ctx.instance).__name__}")
+        inst: dict[str, Any] = ctx.instance
         journal = inst.get("journal")
         if journal:
             with open(Path(journal) / f"{ctx.job_id}.log", "a") as f:
                 f.write(f"{ctx.job_id} {ctx.attempt} {stage} {os.getpid()}\n")
         ctx.output.setdefault("stages", []).append(stage)
+        block_s = (inst.get("block_s") or {}).get(stage)
+        if block_s:
+            time.sleep(float(block_s))  # deliberately blocks the node's event loop
         delay_s = (inst.get("sleep_s") or {}).get(stage)
         if delay_s:
             await asyncio.sleep(float(delay_s))

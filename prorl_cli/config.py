@@ -67,6 +67,8 @@ class NodeConfig:
     handler_paths: list[str] = field(default_factory=list)  # extra dirs/files with handlers
     tasks: list[str] = field(default_factory=list)  # serve only these; empty: all found
     stop_grace_s: float = 5.0
+    # The liveness sidecar stops vouching for a node whose event loop has been blocked this long.
+    loop_stall_limit_s: float = 300.0
 
 
 @dataclass
@@ -198,6 +200,8 @@ def _validate(cfg: ProrlConfig, origin: str) -> None:
             raise ConfigError(f"{origin}: node.{name}: must be at least 1, got {getattr(cfg.node, name)}")
     if cfg.node.credit < 0:
         raise ConfigError(f"{origin}: node.credit: must be 0 (automatic) or positive")
+    if not cfg.node.loop_stall_limit_s > 0:
+        raise ConfigError(f"{origin}: node.loop_stall_limit_s: must be positive, got {cfg.node.loop_stall_limit_s}")
     if cfg.broker.heartbeat_interval_s <= 0:
         raise ConfigError(f"{origin}: broker.heartbeat_interval_s: must be positive")
     if cfg.broker.heartbeat_liveness < 1:

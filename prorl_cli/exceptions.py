@@ -100,8 +100,8 @@ class StageTimeout(ProrlError, TimeoutError):
     """A job's stage ran past its budget (only in-stage time counts)."""
 
 
-class JobCancelled(ProrlError):
-    """The job was cancelled before it finished."""
+class InvalidTimer(ProrlError, ValueError):
+    """A handler asked the node's event loop for a NaN or infinite timer (sleep, timeout)."""
 
 
 class InferenceError(ProrlError, RuntimeError):
@@ -134,10 +134,6 @@ class ToolError(SandboxError):
 
 class ImageBuildError(ProrlError, RuntimeError):
     """An image build failed; the message holds the failing step and log tail."""
-
-
-class NotImplementedYet(ProrlError, NotImplementedError):
-    """A command that a later milestone implements."""
 
 
 class SlurmError(ProrlError, RuntimeError):

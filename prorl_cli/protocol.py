@@ -22,7 +22,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import msgpack
 
@@ -562,7 +562,7 @@ class _Record:
         return out
 
     @classmethod
-    def from_wire(cls, data: Any, what: str | None = None) -> Any:
+    def from_wire(cls, data: Any, what: str | None = None) -> Self:
         what = what or cls.__name__
         if not isinstance(data, dict):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} must be a map, got {type(data).__name__}")

@@ -14,6 +14,7 @@ from the decoded output, run the tools, append their results, repeat.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -146,22 +147,49 @@ async def run_tool_agent(
     max_turns: int = 8,
     parser: ToolParser | None = None,
     model: str | None = None,
+    record_into: dict[str, Any] | None = None,
 ) -> Trajectory:
     """Generate, run tool calls, append their results; stop on a turn without tool calls.
 
     A failing generate call ends the loop with ``stop_reason == "error"`` and
     ``trajectory.error`` set; the trajectory so far is returned, not lost.
+
+    ``record_into`` (a handler passes ``ctx.output``): the trajectory so far is
+    kept there under ``"trajectory"`` (as a dict) after every model call, so a
+    RUN that times out, fails or is cancelled still returns its tokens, with
+    ``stop_reason`` ``timeout`` (set by the node), ``error`` or ``cancelled``.
     """
     parser = parser or get_tool_parser("hermes")
     if not sampling.stop_token_ids and chat.stop_token_ids:
         sampling = SamplingParams(**{**sampling.to_wire(), "stop_token_ids": chat.stop_token_ids})
     session = TokenSession(chat, generate, messages, model=model)
     traj = session.trajectory
+    try:
+        return await _tool_turns(session, tools, sampling, max_turns, parser, record_into)
+    except asyncio.CancelledError:
+        traj.stop_reason = "cancelled"  # a stage timeout arrives as a cancel too; the node relabels it
+        raise
+    except Exception as e:
+        traj.stop_reason = "error"
+        traj.error = traj.error or {"call": len(traj.calls), "type": type(e).__name__, "message": str(e)}
+        raise
+    finally:
+        if record_into is not None:
+            record_into["trajectory"] = traj.to_dict()
+
+
+async def _tool_turns(
+    session: TokenSession, tools: dict[str, ToolFn], sampling: SamplingParams, max_turns: int,
+    parser: ToolParser, record_into: dict[str, Any] | None,
+) -> Trajectory:
+    traj = session.trajectory
     for turn in range(max_turns):
         try:
             call = await session.generate(sampling)
         except InferenceError:
             return traj
+        if record_into is not None:
+            record_into["trajectory"] = traj.to_dict()
         tool_calls = parser.parse(call.text)
         if not tool_calls:
             traj.stop_reason = "stop" if call.finish_reason == "stop" else call.finish_reason

@@ -49,7 +49,8 @@ class Trajectory:
     messages: list[dict[str, Any]] = field(default_factory=list)
     #: Token-continuity violations: ``{"call": i, "message": ...}``; never silently fixed.
     violations: list[dict[str, Any]] = field(default_factory=list)
-    #: Why the loop stopped: ``stop`` (answer), ``max_turns``, ``length``, ``error``, ...
+    #: Why the loop stopped: ``stop`` (answer), ``max_turns``, ``length``; or, for a RUN that did not
+    #: finish, ``timeout``, ``error`` or ``cancelled`` (the trajectory then holds the calls made so far).
     stop_reason: str | None = None
     #: A failed generate call: ``{"call": i, "type": ..., "message": ...}``.
     error: dict[str, Any] | None = None

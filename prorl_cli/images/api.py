@@ -12,7 +12,6 @@ from prorl_cli.images.plan import Plan, plan_images
 from prorl_cli.images.render import host_debian_mirror
 from prorl_cli.images.settings import ImagesConfig
 from prorl_cli.images.spec import ImageSpec, load_image_specs
-from prorl_cli.images.toolserver import find_tool_server
 from prorl_cli.resources import data_dir
 
 LOCAL_IMAGES_FILE = "images.yaml"
@@ -37,12 +36,11 @@ def plan(settings: ImagesConfig, names: list[str] | None, mode: str | None = Non
     if unknown:
         raise ConfigError(f"unknown image(s) {unknown}; {images_file(settings)} defines {sorted(specs)}")
     cache = Cache(settings.cache_path)
-    tool_server = find_tool_server(settings.tool_server)
     needs_mirror = any(s.base.kind == "debootstrap" for s in specs.values())
     mirror = settings.mirror or (host_debian_mirror() if needs_mirror else None)
     plans = plan_images(
         specs, list(names or specs), mode=mode or settings.mode, settings=settings,
-        tool_server=tool_server, mirror=mirror, cache=cache,
+        mirror=mirror, cache=cache,
     )
     return plans, cache
 
@@ -54,6 +52,5 @@ def build(settings: ImagesConfig, names: list[str] | None, mode: str | None = No
     if on_plan is not None:
         for p in plans:
             on_plan(p.spec.name, f"{p.key}: {'reuse' if p.reuse else 'build'}: {'; '.join(p.reasons)}")
-    builder = Builder(cache, apptainer=settings.apptainer, tool_server=find_tool_server(settings.tool_server),
-                      timeout_s=settings.build_timeout_s, on_event=on_event or (lambda n, m: None))
+    builder = Builder(cache, apptainer=settings.apptainer, timeout_s=settings.build_timeout_s, on_event=on_event or (lambda n, m: None))
     return builder.run(plans, jobs or settings.jobs)

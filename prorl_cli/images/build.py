@@ -29,7 +29,6 @@ from prorl_cli import __version__
 from prorl_cli.exceptions import ImageBuildError
 from prorl_cli.images.cache import Cache, _atomic_write
 from prorl_cli.images.plan import Plan, decide
-from prorl_cli.images.render import ToolServer
 from prorl_cli.processes import stop_group
 
 LOG_TAIL_LINES = 25
@@ -84,10 +83,9 @@ def _rootless_hint() -> str:
 class Builder:
     """Builds plans with Apptainer; ``on_event`` receives progress lines."""
 
-    def __init__(self, cache: Cache, *, apptainer: str, tool_server: ToolServer, timeout_s: float, on_event: Event) -> None:
+    def __init__(self, cache: Cache, *, apptainer: str, timeout_s: float, on_event: Event) -> None:
         self.cache = cache
         self.apptainer = apptainer
-        self.tool_server = tool_server
         self.timeout_s = timeout_s
         self.on_event = on_event
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -197,7 +195,6 @@ class Builder:
             "base_path": str(plan.base_path) if plan.base_path else None,
             "files": {f.dst: str(f.src) for f in spec.files},
             "lockfile": str(spec.lockfile) if spec.lockfile else None,
-            "tool_server_version": self.tool_server.version,
             "prorl_version": __version__,
             "built_at": built_at,
             "build_s": round(build_s, 3),

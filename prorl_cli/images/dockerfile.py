@@ -17,7 +17,6 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.spec import FileCopy, ImageSpec
@@ -86,7 +85,7 @@ def find_dockerfile(template: str, dirs: list[Path]) -> Path:
 
 
 def convert_dockerfile(
-    path: Path, spec: ImageSpec, *, header: str, tool_server: Any, prorl_version: str
+    path: Path, spec: ImageSpec, *, header: str, prorl_version: str
 ) -> Conversion:
     """Convert ``path`` for the image ``spec`` (``header``: prorl's bootstrap lines for ``spec.base``)."""
     from spython.main.parse.parsers import DockerParser
@@ -119,18 +118,16 @@ def convert_dockerfile(
             raise ConfigError(f"image {spec.name}: {path}: COPY source {src!r} does not exist in {context}")
         files.append(FileCopy(src_path, dst))
         pairs.append([str(src_path), dst])
-    if spec.tool_server == "copy":
-        pairs.insert(0, [str(tool_server.src), tool_server.dst])
     pairs += [[str(f.src), f.dst] for f in spec.files]
     parsed.files = pairs
     # What spython writes for unsupported instructions is dropped: a commented line, or "su - USER" for USER.
     parsed.install = [line for line in parsed.install
                       if not re.match(r"\s*(# ?(EXPOSE|VOLUME)\b|USER\s)", line)]
     parsed.test = None
-    parsed.environ += [f"PRORL_TOOL_SERVER={tool_server.dst}", f"PRORL_IMAGE={spec.name}"]
+    parsed.environ += [f"PRORL_IMAGE={spec.name}"]  # no tool server inside: the sandbox runtimes bind it
     # spython writes each label as its list of words joined by spaces.
     parsed.labels += [["org.prorl.image", spec.name], ["org.prorl.version", prorl_version],
-                      ["org.prorl.tool_server_version", str(tool_server.version)], ["org.prorl.base", str(spec.base)],
+                      ["org.prorl.base", str(spec.base)],
                       ["org.prorl.dockerfile", str(path)]]
     body = SingularityWriter(recipe).convert()
     body = body.split(f"Stage: {stage}", 1)[1].strip("\n")

@@ -12,7 +12,6 @@ from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.cache import Cache, cache_key, changed_inputs, sha256_file, sha256_path
 from prorl_cli.images.dockerfile import convert_dockerfile, find_dockerfile, is_dockerfile
 from prorl_cli.images.render import (
-    ToolServer,
     bootstrap_header,
     make_environment,
     render_template,
@@ -39,12 +38,12 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
 
 
-def versioned_inputs(spec: ImageSpec, base_ref: str, tool_server: ToolServer) -> dict[str, Any]:
-    """What a versioned key covers: the image, its base reference and the prorl (tool-server) version."""
-    return {"name": spec.name, "base": base_ref, "prorl_version": __version__, "tool_server_version": tool_server.version}
+def versioned_inputs(spec: ImageSpec, base_ref: str) -> dict[str, Any]:
+    """What a versioned key covers: the image, its base reference and the prorl version."""
+    return {"name": spec.name, "base": base_ref, "prorl_version": __version__}
 
 
-def lock_inputs(spec: ImageSpec, definition: str, tool_server: ToolServer, build_args: list[str], base_ref: str) -> dict[str, Any]:
+def lock_inputs(spec: ImageSpec, definition: str, build_args: list[str], base_ref: str) -> dict[str, Any]:
     """What a lock key covers: the rendered definition, the lockfile and every copied file's bytes."""
     import hashlib
 
@@ -52,7 +51,6 @@ def lock_inputs(spec: ImageSpec, definition: str, tool_server: ToolServer, build
         "name": spec.name,
         "base": base_ref,
         "definition": hashlib.sha256(definition.encode()).hexdigest(),
-        "tool_server": sha256_file(tool_server.src),
         "files": {f"{f.dst}": sha256_path(f.src) for f in spec.files},
         "lockfile": sha256_file(spec.lockfile) if spec.lockfile else None,
         "build_args": build_args,
@@ -69,7 +67,6 @@ def plan_images(
     *,
     mode: str,
     settings: ImagesConfig,
-    tool_server: ToolServer,
     mirror: str | None,
     cache: Cache,
 ) -> list[Plan]:
@@ -95,23 +92,18 @@ def plan_images(
             # A Dockerfile recipe (spython converts it); what it COPYs counts toward the lock key.
             conversion = convert_dockerfile(
                 find_dockerfile(spec.template, [*sources, *(Path(d) for d in settings.recipe_dirs)]),
-                spec, header=header, tool_server=tool_server, prorl_version=__version__,
+                spec, header=header, prorl_version=__version__,
             )
             definition = conversion.definition
             spec = dataclasses.replace(spec, files=[*spec.files, *conversion.files])
         else:
-            ctx = template_context(spec, header=header, tool_server=tool_server, base_path=base_path, mirror=mirror)
+            ctx = template_context(spec, header=header, base_path=base_path, mirror=mirror)
             definition = render_template(env, spec.template, ctx, image=name)
-        if spec.tool_server == "copy" and tool_server.dst not in definition:
-            raise ConfigError(
-                f"image {name}: template {spec.template} does not copy the tool server; add "
-                "'{{ tool_server.src }} {{ tool_server.dst }}' to %files, or set tool_server: bind for this image"
-            )
         build_args = [*settings.build_args, *spec.build_args]
         if mode == "versioned":
-            inputs = versioned_inputs(spec, base_ref, tool_server)
+            inputs = versioned_inputs(spec, base_ref)
         else:  # scratch keys are the lock key's inputs: they name what was built, though never reused
-            inputs = lock_inputs(spec, definition, tool_server, build_args, base_ref)
+            inputs = lock_inputs(spec, definition, build_args, base_ref)
         key = cache_key(mode, inputs)
         plan = Plan(spec, mode, key, inputs, definition, cache.image_path(name, key), base_path, build_args)
         decide(plan, cache, manifest, rebuilt_deps={p.spec.name for p in plans.values() if not p.reuse})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +19,9 @@ from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.spec import Base, ImageSpec
 from prorl_cli.resources import data_dir
 
-# Where recipes put what prorl adds to every image.
-TOOL_SERVER_DST = "/opt/prorl/tool_server.py"
+# Where recipes put what prorl adds to every image. (The tool server is not in images:
+# every sandbox runtime binds prorl_cli/sandbox/toolserver.py at start.)
 LOCKFILE_DIR = "/opt/prorl/lock"
-
-
-@dataclass(frozen=True)
-class ToolServer:
-    """The tool server file every image carries, and its version."""
-
-    src: Path
-    version: str
-    dst: str = TOOL_SERVER_DST
 
 
 def template_dirs(extra: Sequence[str | Path] = ()) -> list[Path]:
@@ -110,7 +100,7 @@ def make_environment(dirs: Sequence[Path]) -> jinja2.Environment:
 
 
 def template_context(
-    spec: ImageSpec, *, header: str, tool_server: ToolServer, base_path: Path | None, mirror: str | None
+    spec: ImageSpec, *, header: str, base_path: Path | None, mirror: str | None
 ) -> dict[str, Any]:
     """What a template sees: the image's variables at top level, plus prorl's names."""
     lockfile = None
@@ -124,7 +114,6 @@ def template_context(
         mirror=mirror,
         files=[{"src": str(f.src), "dst": f.dst} for f in spec.files],
         lockfile=lockfile,
-        tool_server={"src": str(tool_server.src), "dst": tool_server.dst, "version": tool_server.version, "mode": spec.tool_server},
         prorl_version=__version__,
         variables=dict(spec.variables),
     )

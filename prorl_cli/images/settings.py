@@ -37,8 +37,6 @@ class ImagesConfig:
     build_args: list[str] = field(default_factory=list)
     jobs: int = 1
     build_timeout_s: float = 3600.0
-    # The tool server file copied into images; None: the one shipped in prorl_cli/sandbox.
-    tool_server: str | None = None
 
     @property
     def cache_path(self) -> Path:

@@ -25,14 +25,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from prorl_cli.exceptions import ConfigError
 
 BASE_KINDS = ("debootstrap", "docker", "localimage", "image", "scratch")
-ToolServerMode = Literal["copy", "bind"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,6 @@ class ImageSpec:
     files: list[FileCopy] = field(default_factory=list)
     lockfile: Path | None = None
     build_args: list[str] = field(default_factory=list)
-    tool_server: ToolServerMode = "copy"
     description: str = ""
     source: Path | None = None  # the YAML file it came from
 
@@ -78,7 +76,7 @@ class ImageSpec:
         return self.base.ref if self.base.kind == "image" else None
 
 
-_KEYS = {"template", "base", "variables", "files", "lockfile", "build_args", "tool_server", "description"}
+_KEYS = {"template", "base", "variables", "files", "lockfile", "build_args", "description"}
 
 
 def parse_base(value: Any, where: str, root: Path) -> Base:
@@ -166,9 +164,6 @@ def parse_image(name: str, data: Any, where: str, root: Path, source: Path | Non
     build_args = data.get("build_args") or []
     if not isinstance(build_args, list) or not all(isinstance(a, str) for a in build_args):
         raise ConfigError(f"{where}.build_args: expected a list of strings, got {build_args!r}")
-    tool_server = data.get("tool_server", "copy")
-    if tool_server not in ("copy", "bind"):
-        raise ConfigError(f"{where}.tool_server: expected 'copy' or 'bind', got {tool_server!r}")
     description = data.get("description", "")
     if not isinstance(description, str):
         raise ConfigError(f"{where}.description: expected a string")
@@ -180,7 +175,6 @@ def parse_image(name: str, data: Any, where: str, root: Path, source: Path | Non
         files=_files(data.get("files"), f"{where}.files", root),
         lockfile=lockfile,
         build_args=list(build_args),
-        tool_server=tool_server,
         description=description,
         source=source,
     )

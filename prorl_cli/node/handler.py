@@ -29,6 +29,8 @@ from prorl_cli.protocol import JobSpec, SamplingParams
 
 if TYPE_CHECKING:
     from prorl_cli.config import ProrlConfig
+    from prorl_cli.inference.contract import Generation
+    from prorl_cli.sandbox.sandbox import Sandbox
 
 Cleanup = Callable[[], Awaitable[None]]
 
@@ -40,12 +42,10 @@ class Services:
     them. Handlers reach them through :class:`JobContext`.
     """
 
-    async def generate(
-        self, ctx: JobContext, prompt_ids: list[int], sampling: SamplingParams
-    ) -> Any:  # -> prorl_cli.inference.Generation
+    async def generate(self, ctx: JobContext, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         raise NotImplementedError("this node has no inference wired in")
 
-    async def start_sandbox(self, ctx: JobContext, **options: Any) -> Any:  # -> prorl_cli.sandbox.Sandbox
+    async def start_sandbox(self, ctx: JobContext, **options: Any) -> Sandbox:
         raise NotImplementedError("this node has no sandbox runtime wired in")
 
 
@@ -91,11 +91,11 @@ class JobContext:
         """Register an async callable run right after RUN (before EVAL), and on any failure."""
         self._cleanups.append(fn)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None) -> Any:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None) -> Generation:
         """Token-in/token-out generation through the deployment's backends."""
         return await self.services.generate(self, prompt_ids, sampling or self.sampling)
 
-    async def start_sandbox(self, **options: Any) -> Any:
+    async def start_sandbox(self, **options: Any) -> Sandbox:
         """Start a sandbox in the configured runtime; it is stopped after RUN."""
         return await self.services.start_sandbox(self, **options)
 
@@ -106,6 +106,9 @@ class AgentHandler(abc.ABC):
     name: ClassVar[str] = ""
     #: Image the handler's sandboxes use by default (resolved through the image manifest).
     image: ClassVar[str | None] = None
+    #: Run EVAL even when RUN failed or timed out (it then scores the partial trajectory
+    #: in ``ctx.output``); the job's state stays ``failed``/``timed_out``. Default: skip EVAL.
+    eval_after_run_failure: ClassVar[bool] = False
 
     @abc.abstractmethod
     async def init(self, ctx: JobContext) -> None:
@@ -124,7 +127,12 @@ class AgentHandler(abc.ABC):
         ctx.reward = 0.0
 
     def run_exception(self, ctx: JobContext, exc: BaseException) -> None:
-        """RUN failed or timed out; fill in a fallback result. Default: reward 0."""
+        """RUN failed or timed out; fill in a fallback result. Default: reward 0.
+
+        What RUN recorded so far is still in ``ctx.output`` (the agent loop keeps
+        ``ctx.output["trajectory"]`` current, with ``stop_reason`` ``timeout``,
+        ``error`` or ``cancelled``), and goes to the trainer with the result.
+        """
         ctx.reward = 0.0
 
     def eval_exception(self, ctx: JobContext, exc: BaseException) -> None:

@@ -12,6 +12,7 @@ before EVAL, and on every failure path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,17 @@ from prorl_cli.protocol import ErrorInfo, JobResult, JobSpec, JobState, StageSta
 log = logging.getLogger(__name__)
 
 STAGE_NAMES = ("init", "run", "eval")
+#: In-stage limit of an EVAL that runs after RUN failed (the job's own budget may be spent) without a stage cap.
+EVAL_AFTER_FAILURE_S = 60.0
+
+
+@dataclass
+class RunningJob:
+    """A job this node runs: its task, attempt and latest stage (what a re-registration claims)."""
+
+    task: asyncio.Task[JobResult]
+    attempt: int
+    stage: str = JobState.INIT.value
 
 
 @dataclass
@@ -52,6 +64,7 @@ class Pipeline:
         node_id: str,
         run_dir: Path,
         on_stage: Callable[[JobSpec, str], None],
+        on_done: Callable[[JobResult], None],
     ) -> None:
         self.config = config
         self.registry = registry
@@ -59,17 +72,83 @@ class Pipeline:
         self.node_id = node_id
         self.run_dir = run_dir
         self.on_stage = on_stage
+        self.on_done = on_done
         nc = config.node
         self.pools = {
             name: _Pool(limit, asyncio.Semaphore(limit))
             for name, limit in zip(STAGE_NAMES, (nc.n_init, nc.n_run, nc.n_eval), strict=True)
         }
-        self.tasks: dict[str, asyncio.Task[JobResult]] = {}
+        #: Jobs running on this node, by id: the one table of them.
+        self.jobs: dict[str, RunningJob] = {}
         self._jobs_dir = run_dir / "jobs"
         self._loggers: dict[str, logging.Logger] = {}
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {name: pool.stats().to_wire() for name, pool in self.pools.items()}
+
+    def start(self, spec: JobSpec, instance: Any) -> bool:
+        """Start running a job in the background; ``False`` if it already runs (a repeated delivery).
+
+        :attr:`on_done` gets its result unless the job was dropped with :meth:`drop`.
+        """
+        if spec.job_id in self.jobs:
+            return False
+        task = asyncio.create_task(self._run(spec, instance), name=f"job-{spec.job_id}")
+        self.jobs[spec.job_id] = RunningJob(task, spec.attempt)
+        task.add_done_callback(functools.partial(self._cancelled_before_start, spec))
+        return True
+
+    def _cancelled_before_start(self, spec: JobSpec, task: asyncio.Task[JobResult]) -> None:
+        # run_job never raises, so a cancelled task never started: a cancel_job read in the same turn
+        # as its assign. Nothing ran, but the broker still needs the job's result to free its credit.
+        if not task.cancelled():
+            return
+        job = self.jobs.get(spec.job_id)
+        if job is not None and job.task is task:
+            del self.jobs[spec.job_id]
+        self.on_done(JobResult(job_id=spec.job_id, task=spec.task, state=JobState.CANCELLED.value,
+                               attempt=spec.attempt, node_id=self.node_id, group_id=spec.group_id, meta=spec.meta))
+
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a running job (its result says ``cancelled``); ``False`` if it is not running here."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return False
+        job.task.cancel()
+        return True
+
+    def stage_of(self, task_name: str | None) -> tuple[str, str] | None:
+        """(job id, stage) of the job whose asyncio task is named ``task_name``, if any."""
+        if task_name is None or not task_name.startswith("job-"):
+            return None
+        job = self.jobs.get(task_name[4:])
+        return (task_name[4:], job.stage) if job is not None else None
+
+    async def _run(self, spec: JobSpec, instance: Any) -> JobResult:
+        try:
+            result = await self.run_job(spec, instance)
+        finally:
+            self.jobs.pop(spec.job_id, None)
+        self.on_done(result)
+        return result
+
+    def rejected(self, raw: Any, problem: str) -> JobResult | None:
+        """The FAILED result of an assignment this node cannot decode, or ``None`` without a job id to report on."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("job_id"), str) or not raw["job_id"]:
+            return None
+        attempt = raw.get("attempt")
+        group_id, meta = raw.get("group_id"), raw.get("meta")
+        return JobResult(
+            job_id=raw["job_id"],
+            task=raw["task"] if isinstance(raw.get("task"), str) else "",
+            state=JobState.FAILED.value,
+            attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt >= 1 else 1,
+            node_id=self.node_id,
+            critical_error="assign",
+            error=ErrorInfo(stage="assign", type="ProtocolError", message=problem).to_wire(),
+            group_id=group_id if isinstance(group_id, str) else None,
+            meta=meta if isinstance(meta, dict) else None,
+        )
 
     def _stage_budget_s(self, spec: JobSpec, stage: str) -> float | None:
         if spec.stage_timeouts_s and stage in spec.stage_timeouts_s:
@@ -101,6 +180,10 @@ class Pipeline:
                 outcome = await self._run_stage(handler, ctx, stage, timer, stage_s)
                 if outcome is not None:
                     state, error = outcome
+                    if stage == "run" and handler.eval_after_run_failure:
+                        # The handler scores what RUN left; the job keeps RUN's state and error.
+                        await self._cleanup(ctx)
+                        await self._run_stage(handler, ctx, "eval", timer, stage_s, after_failure=True)
                     break
         except asyncio.CancelledError:
             state = JobState.CANCELLED
@@ -133,6 +216,8 @@ class Pipeline:
             stage_s=stage_s,
             active_s=timer.elapsed_s,
             output=output,
+            group_id=spec.group_id,
+            meta=spec.meta,
         )
 
     def _job_logger(self, task: str) -> logging.Logger:
@@ -142,9 +227,14 @@ class Pipeline:
         return logger
 
     async def _run_stage(
-        self, handler: AgentHandler, ctx: JobContext, stage: str, timer: PausableTimer, stage_s: dict[str, float]
+        self, handler: AgentHandler, ctx: JobContext, stage: str, timer: PausableTimer, stage_s: dict[str, float],
+        *, after_failure: bool = False,
     ) -> tuple[JobState, ErrorInfo] | None:
-        """Run one stage in its pool. Return (state, error) if the job must end here."""
+        """Run one stage in its pool. Return (state, error) if the job must end here.
+
+        ``after_failure``: EVAL after a failed RUN; a spent job budget does not
+        stop it (only its stage cap, else ``EVAL_AFTER_FAILURE_S``).
+        """
         pool = self.pools[stage]
         pool.queued += 1
         try:
@@ -152,9 +242,16 @@ class Pipeline:
         finally:
             pool.queued -= 1
         pool.active += 1
-        self.on_stage(ctx.spec, stage)
+        running = self.jobs.get(ctx.job_id)
+        if running is not None:
+            running.stage = stage
+        if not after_failure:
+            self.on_stage(ctx.spec, stage)
         budget = timer.remaining_s
         cap = self._stage_budget_s(ctx.spec, stage)
+        if after_failure:
+            budget = None
+            cap = cap if cap is not None else EVAL_AFTER_FAILURE_S
         limit_s = budget if cap is None else (cap if budget is None else min(budget, cap))
         # One timer handle per stage (cheaper than asyncio.timeout on this hot path):
         # when it fires it cancels the job's task and says so, so a timeout is
@@ -201,6 +298,9 @@ class Pipeline:
         self, handler: AgentHandler, ctx: JobContext, stage: str, exc: BaseException, state: JobState
     ) -> tuple[JobState, ErrorInfo]:
         log.info("job %s: %s %s: %s: %s", ctx.job_id, stage, state.value, type(exc).__name__, exc)
+        partial = ctx.output.get("trajectory")
+        if stage == "run" and isinstance(partial, dict) and state == JobState.TIMED_OUT:
+            partial["stop_reason"] = "timeout"  # the loop saw only a cancel: the node knows it was the clock
         callback = getattr(handler, f"{stage}_exception")
         try:
             callback(ctx, exc)

@@ -76,10 +76,23 @@ def _import_file(path: Path) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # a plugin may raise anything at import; report it by file
+    except Exception as e:  # a plugin may raise anything at import; report it by file and line
         sys.modules.pop(name, None)
-        raise HandlerError(f"{path}: import failed: {type(e).__name__}: {e}") from e
+        raise HandlerError(f"{_where(e, path)}: import failed: {type(e).__name__}: {e}") from e
     return module
+
+
+def _where(e: BaseException, path: Path) -> str:
+    """``file:line`` of the handler file where an import failed (the deepest frame in that file)."""
+    if isinstance(e, SyntaxError) and e.lineno is not None:
+        return f"{e.filename or path}:{e.lineno}"
+    line = None
+    tb = e.__traceback__
+    while tb is not None:
+        if Path(tb.tb_frame.f_code.co_filename) == path:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f"{path}:{line}" if line is not None else str(path)
 
 
 def _files(path: Path) -> list[Path]:
@@ -91,7 +104,10 @@ def _files(path: Path) -> list[Path]:
 
 
 def discover(extra_paths: list[str] | None = None, only: list[str] | None = None) -> HandlerRegistry:
-    """Find every handler. A module that fails to import is recorded in ``errors`` and skipped."""
+    """Find every handler. A module that fails to import is recorded in ``errors`` and skipped.
+
+    Callers that serve handlers (the node) refuse to start while ``errors`` is not empty.
+    """
     reg = HandlerRegistry()
     paths = [data_dir("handlers"), *(Path(p).expanduser() for p in (extra_paths or []))]
     for root in paths:
@@ -106,7 +122,6 @@ def discover(extra_paths: list[str] | None = None, only: list[str] | None = None
                 for cls in _handler_classes(module):
                     reg.add(cls, str(file))
             except HandlerError as e:
-                log.error("%s", e)
                 reg.errors.append(str(e))
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:

@@ -5,29 +5,37 @@ INIT → RUN → EVAL locally and reports stage changes and results (batched per
 event-loop turn). ``SHUTDOWN`` from the broker, SIGTERM or SIGINT cancel
 everything, clean up, unregister (so the broker re-queues what was running,
 unless it is stopping) and exit.
+
+Liveness does not depend on the event loop: a sidecar thread heartbeats for
+the node (:mod:`prorl_cli.node.liveness`), and the node runs on a loop that
+refuses non-finite timers (:mod:`prorl_cli.node.loop`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prorl_cli import protocol as P
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import ProtocolError
+from prorl_cli.exceptions import HandlerError, ProtocolError
+from prorl_cli.node.liveness import LivenessSidecar, LoopStamp, new_liveness_token
+from prorl_cli.node.loop import run_checked
 from prorl_cli.node.pipeline import Pipeline
 from prorl_cli.node.registry import HandlerRegistry, discover
 from prorl_cli.node.services import NodeServices
 from prorl_cli.peer import BrokerPeer
-from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, JobState, Op
+from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, Op
 from prorl_cli.rendezvous import read_rendezvous
+
+if TYPE_CHECKING:
+    from prorl_cli.inference.node_client import NodeInference
 
 log = logging.getLogger(__name__)
 
@@ -55,23 +63,55 @@ class NodeServer(BrokerPeer):
         self.config = config
         self.node_id = node_id or f"{host}-{os.getpid()}"
         self.registry = registry or discover(config.node.handler_paths, config.node.tasks or None)
-        for err in self.registry.errors:
-            log.error("handler load error: %s", err)
+        if self.registry.errors:
+            # A broken handler file must not leave a node serving without it (its jobs would queue forever).
+            raise HandlerError("cannot serve: " + "; ".join(self.registry.errors))
         if not self.registry.handlers:
             raise ProtocolError(ErrorCode.UNKNOWN_TASK, "no handlers found; nothing to serve")
         nc = config.node
         self.credit = nc.credit or (nc.n_init + nc.n_run + nc.n_eval)
         self.run_dir = config.deployment_dir / "nodes" / self.node_id
-        self.services = NodeServices(self)
-        self.pipeline = Pipeline(config, self.registry, self.services, self.node_id, self.run_dir, self._report_stage)
+        self.services = NodeServices(
+            node_id=self.node_id,
+            sandbox=config.sandbox,
+            image_cache_dir=config.images.cache_dir,
+            run_dir=self.run_dir,
+            image_of=lambda task: self.registry.get(task).image,
+            make_inference=self._make_inference,
+        )
+        self.pipeline = Pipeline(
+            config, self.registry, self.services, self.node_id, self.run_dir, self._report_stage, self._report_done
+        )
         self._stage_out: dict[str, dict[str, Any]] = {}  # job id -> its latest stage this turn
         self._done_out: list[JobResult] = []
         self._flush_scheduled = False
         self._stop = asyncio.Event()
-        self._running: dict[str, tuple[int, str]] = {}  # job id -> (attempt, its latest stage)
         # Results sent but maybe never read: the broker may have died before reading them (or read them
         # as a stranger's after it restarted). They go again after each registration; the broker ignores repeats.
         self._unconfirmed: collections.deque[tuple[float, JobResult]] = collections.deque()
+        self.liveness_token = new_liveness_token()
+        self._stamp = LoopStamp(min(0.25, config.broker.heartbeat_interval_s / 2), on_stall=self._after_stall)
+        self._sidecar: LivenessSidecar | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set in serve(); the sidecar reads its current task
+
+    def _make_inference(self) -> NodeInference:
+        from prorl_cli.inference import NodeInference
+
+        return NodeInference(self.request, self.config.inference, self.host, notify=self.send)
+
+    def _blocker(self) -> str:
+        """What the event loop is running now (read from the sidecar thread while the loop is blocked)."""
+        if self._loop is None:
+            return "the node starting up"
+        try:
+            task = asyncio.current_task(self._loop)
+        except RuntimeError:
+            return "no task (between tasks)"
+        name = task.get_name() if task is not None else None
+        job = self.pipeline.stage_of(name)
+        if job is not None:
+            return f"job {job[0]} (stage {job[1]})"
+        return f"task {name}" if name else "a callback outside any task"
 
     # ------------------------------------------------------------- the peer
 
@@ -84,7 +124,9 @@ class NodeServer(BrokerPeer):
             "credit": self.credit,
             "tasks": self.registry.tasks,
             # What this node still runs: a broker that lost track of it (declared us dead, or restarted) takes it back.
-            "running": [{"job_id": j, "attempt": a, "stage": s} for j, (a, s) in self._running.items()],
+            "running": [{"job_id": j, "attempt": r.attempt, "stage": r.stage} for j, r in self.pipeline.jobs.items()],
+            # Heartbeats carrying this token, from any socket, vouch for this node (the liveness sidecar's).
+            "liveness_token": self.liveness_token,
         }
 
     def heartbeat_header(self) -> dict[str, Any]:
@@ -97,13 +139,12 @@ class NodeServer(BrokerPeer):
         return {"op": Op.UNREGISTER.value, "node_id": self.node_id}
 
     def on_registered(self, reply: dict[str, Any]) -> None:
-        log.info("node %s registered with %s: tasks %s, credit %d, running %d",
-                 self.node_id, self.address, self.registry.tasks, self.credit, len(self._running))
+        log.info("node %s registered with %s: tasks %s, credit %d, running %d, sandbox runtime %s",
+                 self.node_id, self.address, self.registry.tasks, self.credit, len(self.pipeline.jobs),
+                 self.services.runtime_name or "none")
         for job_id in reply.get("drop") or []:
-            task = self.pipeline.tasks.get(job_id)
-            if task is not None:
+            if self.pipeline.cancel(job_id):
                 log.warning("job %s ended or moved to another node meanwhile; dropping it", job_id)
-                task.cancel()
         if self._unconfirmed:
             log.info("sending %d recent result(s) again", len(self._unconfirmed))
             self.spawn(self._send_results([r for _, r in self._unconfirmed]))
@@ -115,18 +156,16 @@ class NodeServer(BrokerPeer):
         if op == Op.ASSIGN:
             self._on_assign(header, payload)
         elif op == Op.CANCEL_JOB:
-            for job_id in header.get("job_ids", []):
-                task = self.pipeline.tasks.get(job_id)
-                if task is not None:
-                    task.cancel()
+            job_ids = header.get("job_ids")
+            for job_id in job_ids if isinstance(job_ids, list) else []:
+                if isinstance(job_id, str):
+                    self.pipeline.cancel(job_id)
         else:
             log.warning("unexpected op %s from the broker", op.value)
 
     # ------------------------------------------------------------- results
 
     def _report_stage(self, spec: JobSpec, stage: str) -> None:
-        if spec.job_id in self._running:
-            self._running[spec.job_id] = (spec.attempt, stage)
         self._stage_out[spec.job_id] = {"job_id": spec.job_id, "attempt": spec.attempt, "stage": stage}
         self._schedule_flush()
 
@@ -170,6 +209,19 @@ class NodeServer(BrokerPeer):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         await self.services.start()
+        self._loop = loop
+        self._stamp.start()
+        self._sidecar = LivenessSidecar(
+            node_id=self.node_id,
+            token=self.liveness_token,
+            address=lambda: self.address,
+            deployment_dir=self.deployment_dir,
+            interval_s=lambda: self._interval_s,
+            stamp=self._stamp,
+            stall_limit_s=self.config.node.loop_stall_limit_s,
+            blocker=self._blocker,
+        )
+        self._sidecar.start()
         self.start_loops()
         try:
             await self.register()
@@ -182,56 +234,52 @@ class NodeServer(BrokerPeer):
     async def _shutdown(self) -> None:
         """Cancel every job, clean up, unregister."""
         self._leaving = True
-        tasks = list(self.pipeline.tasks.values())
+        tasks = [job.task for job in self.pipeline.jobs.values()]
         for t in tasks:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=self.config.node.stop_grace_s)
         await self.services.stop()
+        self._stamp.stop()
+        if self._sidecar is not None:
+            # Stop vouching before saying goodbye, so the broker cannot see us alive after unregister.
+            await asyncio.to_thread(self._sidecar.stop)
         await self.close()
         log.info("node %s stopped", self.node_id)
 
     def _on_assign(self, header: dict[str, Any], payload: list[bytes]) -> None:
-        jobs = header.get("jobs", [])
-        for raw, frame in zip(jobs, payload, strict=False):
-            try:
-                spec = JobSpec.from_wire(raw)
-                instance = P.unpack_obj(frame)
-            except ProtocolError as e:
-                log.error("bad assignment: %s", e)
-                continue
-            if spec.job_id in self.pipeline.tasks:
-                continue  # duplicate delivery
-            task = asyncio.create_task(self._run(spec, instance), name=f"job-{spec.job_id}")
-            self.pipeline.tasks[spec.job_id] = task
-            self._running[spec.job_id] = (spec.attempt, JobState.INIT.value)
-            task.add_done_callback(functools.partial(self._cancelled_before_start, spec=spec))
-
-    def _cancelled_before_start(self, task: asyncio.Task[JobResult], *, spec: JobSpec) -> None:
-        # A cancel_job read in the same turn as its assign cancels the task before _run starts:
-        # nothing ran, but the broker still needs the job's result to free its credit.
-        if not task.cancelled() or self.pipeline.tasks.get(spec.job_id) is not task:
+        jobs = header.get("jobs")
+        if not isinstance(jobs, list):
+            log.error("bad assignment from the broker: 'jobs' is %s, not a list", type(jobs).__name__)
             return
-        self.pipeline.tasks.pop(spec.job_id, None)
-        self._running.pop(spec.job_id, None)
-        if not self._leaving:
-            self._done_out.append(JobResult(job_id=spec.job_id, task=spec.task, state=JobState.CANCELLED.value,
-                                            attempt=spec.attempt, node_id=self.node_id,
-                                            group_id=spec.group_id, meta=spec.meta))
-            self._schedule_flush()
+        for i, raw in enumerate(jobs):
+            try:
+                if i >= len(payload):
+                    raise ProtocolError(ErrorCode.MISSING_FIELD, f"assignment has no instance frame for job {i}")
+                spec = JobSpec.from_wire(raw)
+                instance = P.unpack_obj(payload[i])
+            except ProtocolError as e:
+                # Report it FAILED, so the trainer learns why and the broker gets the node's credit back.
+                result = self.pipeline.rejected(raw, f"the node cannot decode this assignment: {e}")
+                log.error("bad assignment%s: %s", f" of job {result.job_id}" if result else "", e)
+                if result is not None:
+                    self._report_done(result)
+                continue
+            self.pipeline.start(spec, instance)  # False: a repeated delivery of a running job
 
-    async def _run(self, spec: JobSpec, instance: Any) -> JobResult:
-        try:
-            result = await self.pipeline.run_job(spec, instance)
-        finally:
-            self.pipeline.tasks.pop(spec.job_id, None)
-            self._running.pop(spec.job_id, None)
+    def _report_done(self, result: JobResult) -> None:
         if not self._leaving:
             self._done_out.append(result)
             self._schedule_flush()
-        return result
+
+    def _after_stall(self, stalled_s: float) -> None:
+        # The broker's messages wait unread while our loop is blocked: that silence is ours, not the broker's.
+        self._last_heard = max(self._last_heard, time.monotonic())
 
 
 def run_node(config: ProrlConfig, node_id: str | None = None, address: str | None = None) -> None:
-    """Run a node server in the foreground until it is stopped."""
-    asyncio.run(NodeServer(config, node_id=node_id, address=address).serve())
+    """Run a node server in the foreground until it is stopped (on a loop that refuses NaN timers)."""
+    async def main() -> None:
+        await NodeServer(config, node_id=node_id, address=address).serve()
+
+    run_checked(main())

@@ -17,10 +17,6 @@ class PausableTimer:
         self._elapsed_s = 0.0
         self._started: float | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._started is not None
-
     def resume(self) -> None:
         if self._started is None:
             self._started = time.monotonic()

@@ -32,8 +32,14 @@ from prorl_cli.sandbox.runtime import (
     TOOLSERVER_PATH,
     LaunchSpec,
     Runtime,
+    probe_command,
 )
 from prorl_cli.sandbox.settings import SandboxConfig
+
+
+def cfg_image_missing(image: str) -> bool:
+    """A configured default image that is not there (``auto`` then prefers a runtime that can start)."""
+    return bool(image) and image != "host" and not Path(image).exists()
 
 
 def fuse_usable() -> bool:
@@ -123,6 +129,19 @@ class ApptainerRuntime(Runtime):
     def check(self) -> None:
         if self.binary is None:
             raise SandboxError("apptainer runtime: neither apptainer nor singularity is on PATH")
+
+    def probe(self) -> None:
+        """The binary runs, and this user may create user namespaces (rootless Apptainer needs them)."""
+        assert self.binary is not None
+        probe_command(self.name, [self.binary, "version"])
+        try:
+            max_ns = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+        except (OSError, ValueError):
+            return  # not Linux-as-usual; let the first start tell
+        if max_ns == 0:
+            raise SandboxError("apptainer runtime: user namespaces are disabled (user.max_user_namespaces = 0)")
+        if cfg_image_missing(self.config.image):
+            raise SandboxError(f"apptainer runtime: sandbox.image {self.config.image!r} does not exist")
 
     async def prepare(self, spec: LaunchSpec) -> None:
         if Path(spec.image).is_file() and not fuse_usable() and self.config.unpack_cache:

@@ -24,6 +24,7 @@ from prorl_cli.sandbox.runtime import (
     TOOLSERVER_PATH,
     LaunchSpec,
     Runtime,
+    probe_command,
 )
 from prorl_cli.sandbox.settings import SandboxConfig
 
@@ -47,6 +48,13 @@ class BwrapRuntime(Runtime):
     def check(self) -> None:
         if self.binary is None:
             raise SandboxError("bwrap runtime: bwrap (bubblewrap) is not on PATH")
+
+    def probe(self) -> None:
+        """Unprivileged user namespaces may be off (sysctl, AppArmor): try a no-op sandbox."""
+        assert self.binary is not None
+        noop = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
+        probe_command(self.name, [self.binary, "--unshare-all", "--ro-bind", "/", "/", "--dev", "/dev",
+                                  "--proc", "/proc", noop])
 
     def command(self, spec: LaunchSpec) -> list[str]:
         assert self.binary is not None

@@ -6,6 +6,8 @@ import asyncio
 import logging
 import os
 import secrets
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +18,17 @@ from prorl_cli.sandbox.client import ToolClient
 from prorl_cli.sandbox.local import LocalRuntime
 from prorl_cli.sandbox.loopback import LoopbackAllocator
 from prorl_cli.sandbox.records import RecordStore, SandboxRecord, boot_id
-from prorl_cli.sandbox.runtime import LaunchSpec, Runtime, SandboxProcess, remove_tree
+from prorl_cli.sandbox.runtime import (
+    LaunchSpec,
+    Runtime,
+    SandboxProcess,
+    proc_start_ticks,
+    remove_tree,
+)
 from prorl_cli.sandbox.sandbox import Sandbox
 from prorl_cli.sandbox.settings import SandboxConfig
 
+WATCHDOG_PATH = Path(__file__).resolve().with_name("watchdog.py")
 RUNTIMES: dict[str, type[Runtime]] = {
     "apptainer": ApptainerRuntime,
     "bwrap": BwrapRuntime,
@@ -28,16 +37,41 @@ RUNTIMES: dict[str, type[Runtime]] = {
 _START_OPTIONS = {"env"}
 
 
+#: What ``sandbox.runtime: auto`` tries, in order; ``local`` (no isolation) is the last resort.
+AUTO_ORDER = ("apptainer", "bwrap")
+
+
 def make_runtime(config: SandboxConfig, log: logging.Logger) -> Runtime:
-    """The runtime ``config.runtime`` names, checked to be usable on this host."""
+    """The runtime ``config.runtime`` names (``auto``: the first that works here), checked to be usable."""
+    config.validate()
+    if config.runtime == "auto":
+        return _auto_runtime(config, log)
     try:
         cls = RUNTIMES[config.runtime]
     except KeyError as e:
-        raise SandboxError(f"sandbox.runtime: unknown runtime {config.runtime!r}; known: {sorted(RUNTIMES)}") from e
-    config.validate()
+        raise SandboxError(
+            f"sandbox.runtime: unknown runtime {config.runtime!r}; known: {['auto', *sorted(RUNTIMES)]}"
+        ) from e
     runtime = cls(config, log)
     runtime.check()
     return runtime
+
+
+def _auto_runtime(config: SandboxConfig, log: logging.Logger) -> Runtime:
+    reasons = []
+    for name in AUTO_ORDER:
+        runtime = RUNTIMES[name](config, log)
+        try:
+            runtime.check()
+            runtime.probe()
+        except SandboxError as e:
+            reasons.append(str(e))
+            continue
+        log.info("sandbox.runtime auto: using %s", name)
+        return runtime
+    log.warning("sandbox.runtime auto: no isolating runtime works here (%s); falling back to the LOCAL runtime, "
+                "which does NOT isolate anything", "; ".join(reasons))
+    return LocalRuntime(config, log)
 
 
 def default_local_dir(config: SandboxConfig) -> Path:
@@ -51,8 +85,10 @@ class SandboxManager:
     """Starts sandboxes in the configured runtime for one node server.
 
     ``state_dir`` is the node's run directory: the record of started
-    sandboxes lives in ``state_dir/sandboxes/`` so that a node server
-    started later in the same directory can reap what a crashed one left.
+    sandboxes lives in ``state_dir/sandboxes/``. A per-node watchdog process
+    (:mod:`prorl_cli.sandbox.watchdog`) kills the sandboxes as soon as this
+    process dies, however it dies; any node started later on the host, under
+    any node id, removes what the dead one recorded (``reap_leftovers``).
     """
 
     def __init__(self, config: SandboxConfig, state_dir: Path, log: logging.Logger) -> None:
@@ -67,6 +103,9 @@ class SandboxManager:
         self._wall_timers: dict[str, asyncio.TimerHandle] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._boot_id = boot_id()
+        self._owner = (os.getpid(), proc_start_ticks(os.getpid()))
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        self._sessions: dict[str, int] = {}  # sandbox id -> its session id, as the watchdog knows them
 
     @property
     def live(self) -> list[Sandbox]:
@@ -74,8 +113,25 @@ class SandboxManager:
         return list(self._live.values())
 
     def reap_leftovers(self) -> int:
-        """Kill and clean the sandboxes a crashed predecessor recorded; return how many ran."""
-        return self.records.reap()
+        """Kill and clean what dead nodes left: in this run dir, and of dead owners in sibling run dirs.
+
+        Returns how many sandboxes still ran.
+        """
+        return self.records.reap() + self.records.reap_orphans(self.records.directory.parent.parent)
+
+    def _tell_watchdog(self, line: str) -> None:
+        """Tell the watchdog of a sandbox session (starting it on first use)."""
+        if self._watchdog is None or self._watchdog.poll() is not None:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-I", str(WATCHDOG_PATH)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                start_new_session=True,  # a kill of the node's process group must leave it standing
+            )
+        assert self._watchdog.stdin is not None
+        try:
+            self._watchdog.stdin.write(line.encode())
+            self._watchdog.stdin.flush()
+        except BrokenPipeError as e:
+            raise SandboxError("the sandbox watchdog process is gone") from e
 
     async def start(
         self, job_id: str, *, image: str | None = None, network: bool | None = None, **options: Any
@@ -110,6 +166,7 @@ class SandboxManager:
             client = await ToolClient.connect_unix(str(spec.socket_path))
         except BaseException:
             self.records.remove(sandbox_id)
+            self._forget_session(sandbox_id)
             self.loopback.release(spec.loopback_ip)
             remove_tree(spec.session_dir, self.log)
             raise
@@ -147,10 +204,13 @@ class SandboxManager:
                                f"(mode {st.st_mode & 0o777:o}); make it 0700 or choose another directory")
 
     def _record(self, process: SandboxProcess, job_id: str) -> None:
+        self._tell_watchdog(f"add {process.pid} {'-' if process.start_ticks is None else process.start_ticks}\n")
+        self._sessions[process.spec.sandbox_id] = process.pid
         self.records.write(SandboxRecord(
             sandbox_id=process.spec.sandbox_id, job_id=job_id, runtime=self.runtime.name,
             pid=process.pid, pgid=process.pgid, start_ticks=process.start_ticks,
             boot_id=self._boot_id, session_dir=str(process.spec.session_dir),
+            owner_pid=self._owner[0], owner_start_ticks=self._owner[1],
         ))
 
     def _wall_expired(self, sandbox: Sandbox) -> None:
@@ -170,8 +230,19 @@ class SandboxManager:
             self._live.pop(sandbox.sandbox_id, None)
             self.loopback.release(sandbox.loopback_ip)
             self.records.remove(sandbox.sandbox_id)
+            self._forget_session(sandbox.sandbox_id)
         self.log.info("sandbox %s of job %s stopped", sandbox.sandbox_id, sandbox.job_id)
 
+    def _forget_session(self, sandbox_id: str) -> None:
+        sid = self._sessions.pop(sandbox_id, None)
+        if sid is not None and self._watchdog is not None and self._watchdog.poll() is None:
+            self._tell_watchdog(f"del {sid}\n")
+
     async def stop_all(self) -> None:
-        """Stop every live sandbox (node shutdown)."""
+        """Stop every live sandbox, then the watchdog (node shutdown)."""
         await asyncio.gather(*(sb.stop() for sb in self.live))
+        if self._watchdog is not None:
+            watchdog, self._watchdog = self._watchdog, None
+            assert watchdog.stdin is not None
+            watchdog.stdin.close()  # end of file: it exits, with nothing left to kill
+            await asyncio.to_thread(watchdog.wait)

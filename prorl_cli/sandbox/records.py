@@ -4,7 +4,9 @@ One JSON file per live sandbox under ``<state_dir>/sandboxes/``, written as
 soon as its process exists and removed when it is stopped. A node server
 that starts in the same run directory kills what the files name, after
 checking each process's identity (boot id, pid and start time): it never
-kills a process it did not start.
+kills a process it did not start. A node server under any other id reaps the
+records in its siblings' run directories whose owner (the node process,
+identified by pid and start time) is dead on this machine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from prorl_cli.sandbox.runtime import (
     process_tree,
     remove_tree,
     session_members,
+    stat_fields,
     wait_gone,
 )
 
@@ -49,6 +52,17 @@ class SandboxRecord:
     start_ticks: int | None
     boot_id: str
     session_dir: str
+    #: The node process that started it (pid, start time); ``None`` in records of older nodes.
+    owner_pid: int | None = None
+    owner_start_ticks: int | None = None
+
+    def owner_dead(self, current_boot: str) -> bool:
+        """Whether the node that recorded this sandbox is known to be dead on this machine."""
+        if self.owner_pid is None or self.boot_id != current_boot:
+            return False  # an old record, or another machine's (a shared file system): not ours to judge
+        fields = stat_fields(self.owner_pid)
+        # A zombie is dead too (an init that does not reap leaves the killed node as one).
+        return fields is None or fields[0] in ("Z", "X") or int(fields[19]) != self.owner_start_ticks
 
 
 class RecordStore:
@@ -98,6 +112,25 @@ class RecordStore:
                 "reaped sandbox %s of job %s from a previous node server (%s)",
                 rec.sandbox_id, rec.job_id, "killed its processes" if alive else "already gone",
             )
+        return killed
+
+    def reap_orphans(self, nodes_dir: Path) -> int:
+        """Reap the records of dead nodes in the other run dirs under ``nodes_dir``; return how many still ran."""
+        killed = 0
+        current_boot = boot_id()
+        for directory in sorted(nodes_dir.glob("*/sandboxes")):
+            if directory.resolve() == self.directory.resolve():
+                continue
+            other = RecordStore(directory, self.log)
+            for rec in other.load_all():
+                if not rec.owner_dead(current_boot):
+                    continue
+                alive = self._kill_if_ours(rec, current_boot)
+                killed += alive
+                remove_tree(Path(rec.session_dir), self.log)
+                other.remove(rec.sandbox_id)
+                self.log.info("reaped sandbox %s of job %s left by dead node process %s (%s)", rec.sandbox_id,
+                              rec.job_id, rec.owner_pid, "killed its processes" if alive else "already gone")
         return killed
 
     def _kill_if_ours(self, rec: SandboxRecord, current_boot: str) -> bool:

@@ -79,11 +79,11 @@ def proc_start_ticks(pid: int) -> int | None:
     With the pid it identifies a process for good: a recycled pid has a
     different start time.
     """
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return int(fields[19]) if fields is not None else None
 
 
-def _stat_fields(pid: int | str) -> list[str] | None:
+def stat_fields(pid: int | str) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name (index 0 is the state), or None if gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
@@ -97,7 +97,7 @@ def _members(field: int, value: int) -> list[int]:
     members = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            fields = _stat_fields(entry)
+            fields = stat_fields(entry)
             if fields is not None and int(fields[field]) == value:
                 members.append(int(entry))
     return members
@@ -134,7 +134,7 @@ def process_tree(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            fields = _stat_fields(entry)
+            fields = stat_fields(entry)
             if fields is not None:
                 children.setdefault(int(fields[1]), []).append(int(entry))
     tree, todo = [], [pid]
@@ -230,6 +230,17 @@ class SandboxProcess:
         remove_tree(self.spec.session_dir, self._log)
 
 
+def probe_command(name: str, argv: list[str], timeout_s: float = 20.0) -> None:
+    """Run a short command that shows whether a runtime works here; raise :class:`SandboxError` if not."""
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SandboxError(f"{name} runtime: {' '.join(argv)} failed: {e}") from e
+    if done.returncode != 0:
+        tail = done.stderr.decode("utf-8", "replace").strip()[-300:]
+        raise SandboxError(f"{name} runtime does not work for this user ({' '.join(argv)}: exit {done.returncode}: {tail})")
+
+
 async def terminate_group(
     proc: asyncio.subprocess.Process, pgid: int, grace_s: float, *, term_leader: bool = True
 ) -> list[int]:
@@ -276,6 +287,13 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def check(self) -> None:
         """Raise :class:`SandboxError` naming what is missing if this runtime cannot run here."""
+
+    def probe(self) -> None:
+        """Raise :class:`SandboxError` unless this runtime actually works for this user (``auto`` asks).
+
+        Default: :meth:`check`; runtimes that can fail past their binary (namespaces) try it.
+        """
+        self.check()
 
     @abc.abstractmethod
     def command(self, spec: LaunchSpec) -> list[str]:

@@ -12,12 +12,14 @@ from prorl_cli.exceptions import ConfigError
 class SandboxConfig:
     """How node servers start sandboxes for handlers.
 
-    ``runtime``: ``apptainer`` (default on clusters), ``bwrap`` (bubblewrap,
-    for hosts without Apptainer) or ``local`` (no isolation at all; for
-    development only, and every start says so in the log).
+    ``runtime``: ``auto`` (the default: Apptainer when it works for this
+    user, else bubblewrap, else ``local`` with its warning; the node logs
+    which it picked), ``apptainer``, ``bwrap`` (bubblewrap, for hosts without
+    Apptainer) or ``local`` (no isolation at all; for development only, and
+    every start says so in the log).
     """
 
-    runtime: Literal["apptainer", "bwrap", "local"] = "local"
+    runtime: Literal["auto", "apptainer", "bwrap", "local"] = "auto"
     # Default image when a handler names none: a .sif file or a sandbox
     # directory (apptainer), a root filesystem directory or "host" (bwrap:
     # the host's /usr, read-only). Unused by the local runtime.

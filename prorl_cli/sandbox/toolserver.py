@@ -19,7 +19,8 @@ Requests carry ``op``; replies carry ``ok`` and either ``result`` or
 
 Run: ``python3 toolserver.py --socket PATH [--tcp HOST:PORT] [--mem-gb N]
 [--max-procs N] [--remount-sys]``. It prints ``PRORL-TOOLSERVER-READY`` on
-stdout once it accepts connections.
+stdout once it accepts connections. ``toolserver.py --python-worker RFD WFD``
+is the ``python`` tool's worker process (same file, same framing over pipes).
 """
 
 import argparse
@@ -47,16 +48,31 @@ _HEADER = struct.Struct(">I")
 
 
 # --------------------------------------------------------------------- framing
-def send_frame(sock, obj):
-    """Send one length-prefixed JSON frame."""
+# One framing for every channel: the socket to the host and the pipes to the python worker.
+def encode_frame(obj):
+    """One length-prefixed JSON frame, as bytes."""
     data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-    sock.sendall(_HEADER.pack(len(data)) + data)
+    return _HEADER.pack(len(data)) + data
 
 
-def _recv_exact(sock, n):
+def read_frame(read):
+    """Read one frame with ``read(n)`` (up to n bytes, b"" at end of file); None when the peer closed."""
+    header = _read_exact(read, _HEADER.size)
+    if header is None:
+        return None
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    body = _read_exact(read, length)
+    if body is None:
+        return None
+    return json.loads(body.decode("utf-8"))
+
+
+def _read_exact(read, n):
     chunks = []
     while n:
-        chunk = sock.recv(min(n, 1 << 20))
+        chunk = read(min(n, 1 << 20))
         if not chunk:
             return None
         chunks.append(chunk)
@@ -64,18 +80,19 @@ def _recv_exact(sock, n):
     return b"".join(chunks)
 
 
+def send_frame(sock, obj):
+    """Send one frame on a socket."""
+    sock.sendall(encode_frame(obj))
+
+
 def recv_frame(sock):
-    """Receive one frame; None when the peer closed the connection."""
-    header = _recv_exact(sock, _HEADER.size)
-    if header is None:
-        return None
-    (length,) = _HEADER.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    body = _recv_exact(sock, length)
-    if body is None:
-        return None
-    return json.loads(body.decode("utf-8"))
+    """Receive one frame from a socket; None when the peer closed the connection."""
+    return read_frame(sock.recv)
+
+
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
 
 
 class ToolError(Exception):
@@ -316,66 +333,65 @@ class _Output:
 
 
 # ---------------------------------------------------------------------- python
-_WORKER_CODE = r'''
-import ast, io, json, os, signal, struct, sys, traceback, contextlib
-H = struct.Struct(">I")
-rfd, wfd = int(sys.argv[1]), int(sys.argv[2])
-def read_exact(n):
-    buf = b""
-    while len(buf) < n:
-        chunk = os.read(rfd, n - len(buf))
-        if not chunk:
-            sys.exit(0)
-        buf += chunk
-    return buf
-def send(obj):
-    data = json.dumps(obj).encode()
-    os.write(wfd, H.pack(len(data)) + data)
-try:
-    from IPython.core.interactiveshell import InteractiveShell
+def python_worker(rfd, wfd):
+    """The ``python`` tool's worker: run cells in one namespace, one frame in and one out per cell."""
+    import ast
+    import io
+    import traceback
+
+    shell = _ipython_shell()
+    ns = {"__name__": "__main__"}
+    _write_all(wfd, encode_frame({"ready": True, "ipython": shell is not None}))
+    while True:
+        request = read_frame(lambda n: os.read(rfd, n))
+        if request is None:
+            return  # the tool server closed the pipe
+        code = request["code"]
+        out, err = io.StringIO(), io.StringIO()
+        result = error = None
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                if shell is not None:
+                    r = shell.run_cell(code, store_history=False)
+                    if r.error_in_exec is not None or r.error_before_exec is not None:
+                        e = r.error_in_exec or r.error_before_exec
+                        error = f"{type(e).__name__}: {e}"
+                    elif r.result is not None:
+                        result = repr(r.result)
+                else:
+                    tree = ast.parse(code, "<cell>", "exec")
+                    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+                    exec(compile(tree, "<cell>", "exec"), ns)
+                    if last is not None:
+                        value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), ns)
+                        if value is not None:
+                            result = repr(value)
+        except KeyboardInterrupt:
+            error = "KeyboardInterrupt: interrupted at the call's timeout"
+        except BaseException as e:  # the cell's error is the tool's answer, whatever it is
+            error = "".join(traceback.format_exception_only(type(e), e)).strip()
+            err.write(traceback.format_exc())
+        _write_all(wfd, encode_frame({"stdout": out.getvalue(), "stderr": err.getvalue(), "result": result,
+                                      "error": error}))
+
+
+def _ipython_shell():
+    """IPython's InteractiveShell in plain-text mode, or None when the image has no IPython."""
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+    except ImportError:
+        return None
     shell = InteractiveShell.instance()
     # Plain text for a model to read: no colours, no "Out[n]:" echo of results.
     for scheme in ("nocolor", "NoColor"):
         try:
             shell.colors = scheme
             break
-        except Exception:
+        except Exception:  # IPython versions name the scheme differently
             continue
     shell.displayhook.write_output_prompt = lambda: None
     shell.displayhook.write_format_data = lambda *a, **k: None
-except Exception:  # no IPython in this image: a plain namespace
-    shell = None
-ns = {"__name__": "__main__"}
-send({"ready": True, "ipython": shell is not None})
-while True:
-    (n,) = H.unpack(read_exact(4))
-    code = json.loads(read_exact(n).decode())["code"]
-    out, err = io.StringIO(), io.StringIO()
-    result = error = None
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            if shell is not None:
-                r = shell.run_cell(code, store_history=False)
-                if r.error_in_exec is not None or r.error_before_exec is not None:
-                    e = r.error_in_exec or r.error_before_exec
-                    error = "%s: %s" % (type(e).__name__, e)
-                elif r.result is not None:
-                    result = repr(r.result)
-            else:
-                tree = ast.parse(code, "<cell>", "exec")
-                last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-                exec(compile(tree, "<cell>", "exec"), ns)
-                if last is not None:
-                    value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), ns)
-                    if value is not None:
-                        result = repr(value)
-    except KeyboardInterrupt:
-        error = "KeyboardInterrupt: interrupted at the call's timeout"
-    except BaseException as e:
-        error = "".join(traceback.format_exception_only(type(e), e)).strip()
-        err.write(traceback.format_exc())
-    send({"stdout": out.getvalue(), "stderr": err.getvalue(), "result": result, "error": error})
-'''
+    return shell
 
 
 class PythonSession:
@@ -391,7 +407,7 @@ class PythonSession:
         to_worker_r, to_worker_w = os.pipe()
         from_worker_r, from_worker_w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_CODE, str(to_worker_r), str(from_worker_w)],
+            [sys.executable, os.path.abspath(__file__), "--python-worker", str(to_worker_r), str(from_worker_w)],
             pass_fds=(to_worker_r, from_worker_w),
             stdin=subprocess.DEVNULL,
         )
@@ -413,29 +429,17 @@ class PythonSession:
         self.proc = None
 
     def _read(self, timeout_s):
-        deadline = time.monotonic() + timeout_s
-        buf = b""
-        need = 4
-        length = None
-        while len(buf) < need:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([self.rfd], [], [], remaining)[0]:
-                return None
-            chunk = os.read(self.rfd, need - len(buf))
-            if not chunk:
-                return None
-            buf += chunk
-            if length is None and len(buf) == 4:
-                (length,) = _HEADER.unpack(buf)
-                buf, need = b"", length
-        return json.loads(buf.decode())
+        """The worker's next frame, or None if none starts within ``timeout_s`` (or the worker died)."""
+        if not select.select([self.rfd], [], [], max(0.0, timeout_s))[0]:
+            return None
+        # The worker writes each frame at once: once it starts, the rest follows.
+        return read_frame(lambda n: os.read(self.rfd, n))
 
     def run(self, code, timeout_s):
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self._spawn()
-            data = json.dumps({"code": code}).encode()
-            os.write(self.wfd, _HEADER.pack(len(data)) + data)
+            _write_all(self.wfd, encode_frame({"code": code}))
             reply = self._read(timeout_s)
             if reply is not None:
                 reply.update(timed_out=False, restarted=False)
@@ -478,53 +482,63 @@ class Editor:
 
     def call(self, req):
         command, path = req.get("command"), req.get("path", "")
+        method = self.COMMANDS.get(command)
+        if method is None:
+            raise ToolError(f"unknown editor command {command!r} ({', '.join(self.COMMANDS)})")
         with self.lock:
-            if command == "view":
-                return self.view(path, req.get("view_range"))
-            if command == "create":
-                if not os.path.isabs(path):
-                    raise ToolError(f"path must be absolute: {path!r}")
-                before = self._read(path) if os.path.exists(path) else None
-                parent = os.path.dirname(path)
-                if parent:
-                    os.makedirs(parent, exist_ok=True)
-                self._write(path, req.get("file_text", ""), before)
-                return f"created {path}"
-            if command == "str_replace":
-                text = self._read(path)
-                old, new = req.get("old_str", ""), req.get("new_str", "")
-                if not old:
-                    raise ToolError("str_replace needs a non-empty old_str")
-                count = text.count(old)
-                if count == 0:
-                    raise ToolError(f"no replacement: old_str does not occur in {path}")
-                if count > 1:
-                    lines = [str(text[: i].count("\n") + 1) for i in _find_all(text, old)]
-                    raise ToolError(f"no replacement: old_str occurs {count} times in {path} "
-                                    f"(lines {', '.join(lines)}); make it unique")
-                self._write(path, text.replace(old, new, 1), text)
-                return f"edited {path}"
-            if command == "insert":
-                text = self._read(path)
-                lines = text.split("\n")
-                line = req.get("insert_line")
-                if not isinstance(line, int) or not 0 <= line <= len(lines):
-                    raise ToolError(f"insert_line must be an int in [0, {len(lines)}], got {line!r}")
-                new_lines = req.get("new_str", "").split("\n")
-                self._write(path, "\n".join(lines[:line] + new_lines + lines[line:]), text)
-                return f"inserted {len(new_lines)} line(s) after line {line} of {path}"
-            if command == "undo":
-                stack = self.history.get(path)
-                if not stack:
-                    raise ToolError(f"nothing to undo for {path}")
-                before = stack.pop()
-                if before is None:
-                    os.unlink(path)
-                    return f"undid the creation of {path} (removed)"
-                with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
-                    f.write(before)
-                return f"undid the last edit of {path}"
-            raise ToolError(f"unknown editor command {command!r} (view, create, str_replace, insert, undo)")
+            return method(self, path, req)
+
+    def _view(self, path, req):
+        return self.view(path, req.get("view_range"))
+
+    def _create(self, path, req):
+        if not os.path.isabs(path):
+            raise ToolError(f"path must be absolute: {path!r}")
+        before = self._read(path) if os.path.exists(path) else None
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self._write(path, req.get("file_text", ""), before)
+        return f"created {path}"
+
+    def _str_replace(self, path, req):
+        text = self._read(path)
+        old, new = req.get("old_str", ""), req.get("new_str", "")
+        if not old:
+            raise ToolError("str_replace needs a non-empty old_str")
+        count = text.count(old)
+        if count == 0:
+            raise ToolError(f"no replacement: old_str does not occur in {path}")
+        if count > 1:
+            lines = [str(text[: i].count("\n") + 1) for i in _find_all(text, old)]
+            raise ToolError(f"no replacement: old_str occurs {count} times in {path} "
+                            f"(lines {', '.join(lines)}); make it unique")
+        self._write(path, text.replace(old, new, 1), text)
+        return f"edited {path}"
+
+    def _insert(self, path, req):
+        text = self._read(path)
+        lines = text.split("\n")
+        line = req.get("insert_line")
+        if not isinstance(line, int) or not 0 <= line <= len(lines):
+            raise ToolError(f"insert_line must be an int in [0, {len(lines)}], got {line!r}")
+        new_lines = req.get("new_str", "").split("\n")
+        self._write(path, "\n".join(lines[:line] + new_lines + lines[line:]), text)
+        return f"inserted {len(new_lines)} line(s) after line {line} of {path}"
+
+    def _undo(self, path, req):
+        stack = self.history.get(path)
+        if not stack:
+            raise ToolError(f"nothing to undo for {path}")
+        before = stack.pop()
+        if before is None:
+            os.unlink(path)
+            return f"undid the creation of {path} (removed)"
+        with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(before)
+        return f"undid the last edit of {path}"
+
+    COMMANDS = {"view": _view, "create": _create, "str_replace": _str_replace, "insert": _insert, "undo": _undo}
 
     def view(self, path, view_range):
         if os.path.isdir(path):
@@ -550,46 +564,63 @@ def _find_all(text, sub):
 
 
 # ---------------------------------------------------------------------- server
+class FileOps:
+    """Byte-exact file copy in and out of the sandbox (base64 on the wire)."""
+
+    @staticmethod
+    def read_file(req):
+        path = req["path"]
+        try:
+            with open(path, "rb") as f:
+                return {"data": base64.b64encode(f.read()).decode("ascii")}
+        except OSError as e:
+            raise ToolError(f"cannot read {path}: {e.strerror}") from e
+
+    @staticmethod
+    def write_file(req):
+        path = req["path"]
+        data = base64.b64decode(req["data"])
+        try:
+            if req.get("make_parents", True) and os.path.dirname(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+            if req.get("mode") is not None:
+                os.chmod(path, int(req["mode"]))
+        except OSError as e:
+            raise ToolError(f"cannot write {path}: {e.strerror}") from e
+        return {"bytes": len(data)}
+
+
 class ToolServer:
-    """Dispatches requests to the tools; one instance per sandbox."""
+    """Dispatches requests to the tools through :attr:`ops`; one instance per sandbox."""
 
     def __init__(self, workdir):
         self.bash = BashSession(workdir)
         self.python = PythonSession()
         self.editor = Editor()
+        self.files = FileOps()
+        self.ops = {
+            "ping": self._ping,
+            "bash": lambda req: self.bash.run(str(req["command"]), float(req.get("timeout_s", 60.0)),
+                                              int(req.get("max_output_bytes", 64 * 1024))),
+            "python": lambda req: self.python.run(str(req["code"]), float(req.get("timeout_s", 60.0))),
+            "edit": lambda req: {"output": self.editor.call(req)},
+            "read_file": self.files.read_file,
+            "write_file": self.files.write_file,
+        }
 
     def handle(self, req):
-        op = req.get("op")
-        if op == "ping":
-            return {"pid": os.getpid(), "python": sys.version.split()[0], "uid": os.getuid(),
-                    "loopback_ip": os.environ.get("PRORL_LOOPBACK_IP")}
-        if op == "bash":
-            return self.bash.run(str(req["command"]), float(req.get("timeout_s", 60.0)),
-                                 int(req.get("max_output_bytes", 64 * 1024)))
-        if op == "python":
-            return self.python.run(str(req["code"]), float(req.get("timeout_s", 60.0)))
-        if op == "edit":
-            return {"output": self.editor.call(req)}
-        if op == "read_file":
-            path = req["path"]
-            try:
-                with open(path, "rb") as f:
-                    return {"data": base64.b64encode(f.read()).decode("ascii")}
-            except OSError as e:
-                raise ToolError(f"cannot read {path}: {e.strerror}") from e
-        if op == "write_file":
-            path = req["path"]
-            try:
-                if req.get("make_parents", True) and os.path.dirname(path):
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(base64.b64decode(req["data"]))
-                if req.get("mode") is not None:
-                    os.chmod(path, int(req["mode"]))
-            except OSError as e:
-                raise ToolError(f"cannot write {path}: {e.strerror}") from e
-            return {"bytes": len(base64.b64decode(req["data"]))}
-        raise ToolError(f"unknown op {op!r}")
+        name = req.get("op") if isinstance(req, dict) else None
+        op = self.ops.get(name) if isinstance(name, str) else None
+        if op is None:
+            raise ToolError(f"unknown op {req.get('op')!r}")
+        return op(req)
+
+    @staticmethod
+    def _ping(req):
+        return {"pid": os.getpid(), "python": sys.version.split()[0], "uid": os.getuid(),
+                "loopback_ip": os.environ.get("PRORL_LOOPBACK_IP")}
 
     def close(self):
         self.bash.close()
@@ -663,7 +694,12 @@ def main(argv=None):
     parser.add_argument("--mem-gb", type=float, default=0.0)
     parser.add_argument("--max-procs", type=int, default=0)
     parser.add_argument("--remount-sys", action="store_true")
+    parser.add_argument("--python-worker", nargs=2, type=int, metavar=("RFD", "WFD"),
+                        help="run as the python tool's worker on these pipe fds (the tool server starts it)")
     args = parser.parse_args(argv)
+    if args.python_worker:
+        python_worker(*args.python_worker)
+        return
     if bool(args.socket) == bool(args.tcp):
         parser.error("give exactly one of --socket and --tcp")
     if args.remount_sys:

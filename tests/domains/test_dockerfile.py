@@ -8,7 +8,6 @@ import pytest
 
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.dockerfile import convert_dockerfile, is_dockerfile
-from prorl_cli.images.render import ToolServer
 from prorl_cli.images.spec import parse_image
 
 
@@ -17,9 +16,8 @@ def _convert(tmp_path: Path, text: str, base: str = "localimage:/x/base.sif") ->
     (tmp_path / "app").mkdir(exist_ok=True)
     (tmp_path / "app" / "main.py").write_text("print(1)\n")
     spec = parse_image("img", {"template": "Dockerfile", "base": base}, "images.yaml: images.img", tmp_path, None)
-    ts = ToolServer(tmp_path / "toolserver.py", "9")
     return convert_dockerfile(tmp_path / "Dockerfile", spec, header="Bootstrap: localimage\nFrom: /x/base.sif",
-                              tool_server=ts, prorl_version="0")
+                              prorl_version="0")
 
 
 def test_conversion_keeps_what_apptainer_can_express(tmp_path: Path) -> None:
@@ -27,7 +25,7 @@ def test_conversion_keeps_what_apptainer_can_express(tmp_path: Path) -> None:
                               "WORKDIR /opt/app\nUSER nobody\nEXPOSE 80\nVOLUME /data\nCMD [\"python3\", \"main.py\"]\n")
     d = conv.definition  # type: ignore[attr-defined]
     assert d.startswith("Bootstrap: localimage\nFrom: /x/base.sif\n")
-    assert f"{tmp_path}/app /opt/app" in d and f"{tmp_path}/toolserver.py /opt/prorl/tool_server.py" in d
+    assert f"{tmp_path}/app /opt/app" in d and "tool_server" not in d  # the runtimes bind the tool server
     assert "echo built > /opt/stamp" in d and "export A=1" in d and "org.prorl.image img" in d
     assert "su -" not in d and "Bootstrap: docker" not in d
     notes = conv.not_converted  # type: ignore[attr-defined]

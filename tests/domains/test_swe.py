@@ -44,7 +44,7 @@ def fixture_image(tmp_path_factory: pytest.TempPathFactory, domain_image: str) -
                    check=True, capture_output=True)
     (recipe / "Dockerfile").write_text(DOCKERFILE)
     (recipe / "images.yaml").write_text(json.dumps({"images": {"swe-tinycalc": {
-        "template": "Dockerfile", "base": f"localimage:{domain_image}", "tool_server": "bind"}}}))
+        "template": "Dockerfile", "base": f"localimage:{domain_image}"}}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     built = subprocess.run(
         [sys.executable, "-m", "prorl_cli", "build-images", "-f", str(recipe / "images.yaml"), "--mode", "lock",

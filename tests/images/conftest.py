@@ -40,20 +40,14 @@ needs_apptainer = pytest.mark.skipif(apptainer_missing() is not None, reason=app
 
 
 class Workspace:
-    """A folder with prorl.yaml, images.yaml, a copied tool server and a cache dir."""
+    """A folder with prorl.yaml, images.yaml and a cache dir."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.cache = root / "cache"
-        self.tool_server = root / "toolserver.py"
-        if TOOL_SERVER.is_file():
-            shutil.copy(TOOL_SERVER, self.tool_server)  # a fixed copy: keys must not follow edits elsewhere
-        else:
-            self.tool_server.write_text('__version__ = "test"\n')
         self.images: dict[str, Any] = {}
         self.settings: dict[str, Any] = {
             "cache_dir": str(self.cache),
-            "tool_server": str(self.tool_server),
             "recipe_dirs": [str(RECIPES)],
             "config_file": str(root / "images.yaml"),
         }

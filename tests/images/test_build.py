@@ -47,7 +47,7 @@ def test_copied_file_change_lock_rebuilds_versioned_reuses(ws: Workspace) -> Non
     entry = m["builds"][lock2["key"]]
     assert entry["mode"] == "lock" and entry["template"] == "busybox.def.j2" and entry["base"] == "scratch"
     assert entry["size_bytes"] == Path(lock2["path"]).stat().st_size > 0
-    assert entry["tool_server_version"] and entry["built_at"]
+    assert entry["prorl_version"] and entry["built_at"]
 
 
 def test_base_change_rebuilds_in_both_modes(ws: Workspace) -> None:

@@ -63,12 +63,15 @@ def test_built_image_runs_the_tool_server_in_the_sandbox_runtime(base_image: Pat
         try:
             os_release = await sandbox.bash("grep ^VERSION_CODENAME= /etc/os-release")
             py = await sandbox.python("import sys; print(sys.version_info[:2] >= (3, 8))")
-            copied = await sandbox.read_file("/opt/prorl/tool_server.py")
-            return {"os": os_release.output, "py": py.stdout.strip(), "py_error": py.error, "copied": copied}
+            bound = await sandbox.read_file("/.prorl/toolserver.py")
+            in_image = await sandbox.bash("test -e /opt/prorl/tool_server.py && echo copied || echo absent")
+            return {"os": os_release.output, "py": py.stdout.strip(), "py_error": py.error, "bound": bound,
+                    "in_image": in_image.output.strip()}
         finally:
             await manager.stop_all()
 
     r = asyncio.run(scenario())
     assert "VERSION_CODENAME=bookworm" in str(r["os"])
     assert r["py"] == "True" and r["py_error"] is None
-    assert r["copied"] == TOOL_SERVER.read_bytes()  # the recipe copied this very tool server in
+    assert r["bound"] == TOOL_SERVER.read_bytes()  # the runtime bound this very tool server in
+    assert r["in_image"] == "absent"  # and the image carries none of its own

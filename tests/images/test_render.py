@@ -15,7 +15,7 @@ from .conftest import Workspace
 
 
 def test_missing_variable_names_template_line_and_variable(ws: Workspace) -> None:
-    (ws.root / "mine.def.j2").write_text("{{ bootstrap }}\n\n%files\n    {{ tool_server.src }} {{ tool_server.dst }}\n%post\n    echo {{ greeting }}\n")
+    (ws.root / "mine.def.j2").write_text("{{ bootstrap }}\n\n%files\n    {{ name }} /opt/name\n%post\n    echo {{ greeting }}\n")
     ws.write({"mine": {"template": "mine.def.j2", "base": "scratch"}})
     out = ws.prorl("build-images", "--dry-run", check=False)
     assert out.returncode == 1
@@ -34,13 +34,14 @@ def test_syntax_error_and_unknown_template_are_named(ws: Workspace) -> None:
     assert out.returncode == 1 and "template 'nowhere.def.j2' not found" in out.stderr
 
 
-def test_template_that_forgets_the_tool_server_is_refused(ws: Workspace) -> None:
+def test_a_template_needs_no_tool_server(ws: Workspace) -> None:
+    """The runtimes bind the tool server: a bare recipe builds, and the old copy setting is an unknown key."""
     (ws.root / "bare.def.j2").write_text("{{ bootstrap }}\n%post\n    true\n")
     ws.write({"bare": {"template": "bare.def.j2", "base": "scratch"}})
-    out = ws.prorl("build-images", "--dry-run", check=False)
-    assert out.returncode == 1 and "does not copy the tool server" in out.stderr
-    ws.write({"bare": {"template": "bare.def.j2", "base": "scratch", "tool_server": "bind"}})
     assert ws.dry_run()["bare"]["action"] == "would-build"
+    ws.write({"bare": {"template": "bare.def.j2", "base": "scratch", "tool_server": "bind"}})
+    out = ws.prorl("build-images", "--dry-run", check=False)
+    assert out.returncode == 1 and "images.bare: unknown key(s) ['tool_server']" in out.stderr
 
 
 @pytest.mark.parametrize(
@@ -53,7 +54,6 @@ def test_template_that_forgets_the_tool_server_is_refused(ws: Workspace) -> None
         ({"template": "busybox.def.j2", "base": "scratch", "files": ["data.txt:rel"]}, "images.x.files[0].dst: must be an absolute path"),
         ({"template": "busybox.def.j2", "base": "scratch", "lockfile": "missing.txt"}, "images.x.lockfile:"),
         ({"template": "busybox.def.j2", "base": "image:y"}, "images.x.base: image:y is not in this image list"),
-        ({"template": "busybox.def.j2", "base": "scratch", "tool_server": "mount"}, "images.x.tool_server: expected 'copy' or 'bind'"),
     ],
 )
 def test_bad_image_config_names_file_and_key(ws: Workspace, entry: dict[str, object], message: str) -> None:
@@ -117,7 +117,7 @@ def test_shipped_recipes_render_with_configured_mirror(ws: Workspace) -> None:
     assert "OSVersion: bookworm" in plans["python"]["definition"]
     assert "Include: python3 python3-pip python3-venv git ca-certificates" in plans["swe"]["definition"]
     for p in plans.values():
-        assert f"{ws.tool_server} /opt/prorl/tool_server.py" in p["definition"]
+        assert "tool_server" not in p["definition"] and "PRORL_TOOL_SERVER" not in p["definition"]
     assert "git" in plans["swe"]["definition"]
 
 

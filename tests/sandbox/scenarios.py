@@ -203,6 +203,11 @@ async def scenario_stop_clean(args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _session_dirs_left(m: SandboxManager) -> list[str]:
+    """What is left in local_dir besides the node's unpacked-SIF cache (kept on purpose, shared by sandboxes)."""
+    return sorted(n for n in os.listdir(m.local_dir) if n != "unpacked") if m.local_dir.exists() else []
+
+
 def _pgid(pid: int) -> int | None:
     try:
         return os.getpgid(pid)
@@ -230,6 +235,8 @@ async def scenario_reap(args: dict[str, Any]) -> dict[str, Any]:
     return {
         "reaped": reaped, "alive_after": still_alive(procs),
         "sessions_left": [s for s in args["sessions"] if Path(s).exists()],
+        "dead_records_left": sorted(p.name for p in (Path(args.get("dead_state_dir") or args["state_dir"])
+                                                     / "sandboxes").glob("*.json")),
         "reaped_again": m.reap_leftovers(),
     }
 
@@ -250,7 +257,7 @@ async def scenario_many(args: dict[str, Any]) -> dict[str, Any]:
     return {
         "up": len(up), "errors": errors, "echo_ok": all(e.output.strip() == str(i) for i, e in enumerate(echoes)),
         "distinct_ips": len(ips), "alive_after": still_alive(procs), "live_after": len(m.live),
-        "local_dir_left": sorted(os.listdir(m.local_dir)) if m.local_dir.exists() else [],
+        "local_dir_left": _session_dirs_left(m),
         "start_s": time.monotonic() - started,
     }
 
@@ -287,7 +294,7 @@ async def scenario_bad_image(args: dict[str, Any]) -> dict[str, Any]:
     except SandboxError as e:
         return {"error": str(e), "live": len(m.live),
                 "records": [p.name for p in (Path(args["state_dir"]) / "sandboxes").glob("*.json")],
-                "local_dir_left": sorted(os.listdir(m.local_dir)) if m.local_dir.exists() else []}
+                "local_dir_left": _session_dirs_left(m)}
     return {"error": None}
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from prorl_cli.sandbox.runtime import proc_start_ticks, wait_gone
 from tests.sandbox.conftest import ScenarioRunner
 
 ISOLATED = [
@@ -36,12 +37,13 @@ def test_stop_leaves_nothing(runtime: str, image: str | None, scenarios: Scenari
     assert len(r["records_before"]) == 1 and r["records_after"] == []
 
 
-@pytest.mark.parametrize(("runtime", "image"), ISOLATED)
-def test_kill9_node_then_new_node_reaps(runtime: str, image: str, scenarios: ScenarioRunner,
-                                        images: dict[str, str], request: pytest.FixtureRequest) -> None:
-    config = _config(runtime, image, images, request)
-    state_dir = str(scenarios.state_dir())
-    holder = scenarios.popen("hold", {"config": config, "state_dir": state_dir, "n": 2})
+@pytest.mark.parametrize(("runtime", "image"), [*ISOLATED, pytest.param("local", None, id="local")])
+def test_kill9_node_leaves_nothing_and_a_node_with_another_id_reaps(
+    runtime: str, image: str | None, scenarios: ScenarioRunner, images: dict[str, str], request: pytest.FixtureRequest
+) -> None:
+    config = {"runtime": "local"} if runtime == "local" else _config(runtime, image or "", images, request)
+    state_dir = scenarios.state_dir()
+    holder = scenarios.popen("hold", {"config": config, "state_dir": str(state_dir), "n": 2})
     try:
         assert holder.stdout is not None
         line = holder.stdout.readline()
@@ -50,17 +52,21 @@ def test_kill9_node_then_new_node_reaps(runtime: str, image: str, scenarios: Sce
     finally:
         os.killpg(holder.pid, signal.SIGKILL)  # the "node server" crashes
         holder.communicate()
-    assert len(held["procs"]) >= 6
-    # A new "node server" in the same run directory.
-    args = {"config": config, "state_dir": state_dir, **held}
+    # The runtime parent, its helpers (squashfuse, fuse-overlayfs), the tool server, the shell and
+    # its children: all of them, identified by pid and start time.
+    assert len(held["procs"]) >= (4 if runtime == "local" else 6)
+    procs = {int(p): t for p, t in held["procs"].items()}
+    # Without any other node: the dead node's watchdog ends them (zombies left to a non-reaping init count as gone).
+    assert wait_gone([p for p, t in procs.items() if proc_start_ticks(p) == t], 60) == []
+    # A node with ANOTHER id (its own run directory) removes what the dead one recorded.
+    args = {"config": config, "state_dir": str(scenarios.state_dir()), "dead_state_dir": str(state_dir), **held}
     proc = scenarios.popen("reap", args)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     r = json.loads(out.strip().splitlines()[-1])
-    if runtime == "apptainer":
-        assert r["reaped"] == 2  # they outlived the node; bwrap's --die-with-parent ends them first
     assert r["alive_after"] == []
-    assert r["sessions_left"] == []
+    assert r["sessions_left"] == [], (r, err[-3000:])
+    assert r["dead_records_left"] == []
     assert r["reaped_again"] == 0
 
 

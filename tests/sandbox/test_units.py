@@ -27,7 +27,7 @@ log = logging.getLogger("test")
 @pytest.mark.parametrize(
     ("section", "message"),
     [
-        ({"runtime": "docker"}, "sandbox.runtime: expected one of ['apptainer', 'bwrap', 'local'], got 'docker'"),
+        ({"runtime": "docker"}, "sandbox.runtime: expected one of ['auto', 'apptainer', 'bwrap', 'local'], got 'docker'"),
         ({"mem_gb": -1}, "sandbox.mem_gb: must be 0 (no limit) or positive, got -1"),
         ({"max_procs": 4}, "sandbox.max_procs: 4 is too few"),
         ({"writable": "yes"}, "sandbox.writable: expected one of"),
@@ -195,3 +195,28 @@ def test_wall_time_limit_stops_the_sandbox(tmp_path: Path, caplog: pytest.LogCap
     with caplog.at_level(logging.WARNING, logger="test"):
         asyncio.run(main())
     assert any("ran past sandbox.wall_s" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_runtime_is_the_default_and_falls_back_to_local_loudly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert SandboxConfig().runtime == "auto"
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither apptainer nor bwrap here
+    with caplog.at_level(logging.WARNING, logger="test"):
+        runtime = make_runtime(SandboxConfig(), log)
+    assert runtime.name == "local" and not runtime.isolated
+    assert "falling back to the LOCAL runtime" in caplog.text and "bwrap (bubblewrap) is not on PATH" in caplog.text
+
+
+def test_auto_runtime_prefers_apptainer_then_bubblewrap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, need_apptainer: None, need_bwrap: None
+) -> None:
+    assert make_runtime(SandboxConfig(), log).name == "apptainer"
+    # Without apptainer on PATH, bubblewrap (if it works for this user).
+    bwrap_only = tmp_path / "bin"
+    bwrap_only.mkdir()
+    import shutil
+
+    (bwrap_only / "bwrap").symlink_to(shutil.which("bwrap") or "")
+    monkeypatch.setenv("PATH", str(bwrap_only))
+    assert make_runtime(SandboxConfig(), log).name == "bwrap"

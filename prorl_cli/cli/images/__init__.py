@@ -75,7 +75,6 @@ def _run_builds(app: App, plans: list[Any], cache: Any, settings: Any, console: 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from prorl_cli.images.build import Builder
-    from prorl_cli.images.toolserver import find_tool_server
 
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True,
                         disable=not console.is_terminal)
@@ -86,8 +85,7 @@ def _run_builds(app: App, plans: list[Any], cache: Any, settings: Any, console: 
         if name in tasks:
             progress.update(tasks[name], description=f"{name}: {message[:80]}")
 
-    builder = Builder(cache, apptainer=settings.apptainer, tool_server=find_tool_server(settings.tool_server),
-                      timeout_s=settings.build_timeout_s, on_event=on_event)
+    builder = Builder(cache, apptainer=settings.apptainer, timeout_s=settings.build_timeout_s, on_event=on_event)
     previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     try:
         with progress:
