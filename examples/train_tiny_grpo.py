@@ -129,7 +129,8 @@ def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig, 
     recent: list[float] = []
     model.train()
     step = 0
-    for step in range(1, cfg.warmup_steps + 1):
+    while step < cfg.warmup_steps:
+        step += 1
         batch = rng.sample(demos, min(cfg.warmup_batch, len(demos)))
         width = max(len(ids) for ids, _ in batch)
         pad = int(chat.tokenizer.pad_token_id or 0)
