@@ -47,6 +47,11 @@ class BrokerConfig:
     journal: bool = True  # record jobs and results in <deployment>/broker.journal; a restarted broker replays it
     journal_fsync: bool = False  # fsync each write (survives a machine crash, not only a broker crash)
     journal_compact_mb: int = 256  # rewrite the journal with only what a replay needs once it grows past this
+    # Which backend a generate call goes to: least_loaded_sticky (sticky per job, fewest live jobs),
+    # round_robin (every call to the next backend), ever_assigned (the paper's: sticky, fewest jobs ever assigned).
+    routing_policy: Literal["least_loaded_sticky", "round_robin", "ever_assigned"] = "least_loaded_sticky"
+    # A job that ends cancels its generate calls at the engine; false is an ablation (stale calls keep running).
+    cancel_propagation: bool = True
 
 
 @dataclass
@@ -291,3 +296,14 @@ def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
 def dump_config(cfg: ProrlConfig) -> str:
     """The effective configuration as YAML (what ``prorl config show`` prints)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def section_from_dict(cls: Any, data: Any, origin: str) -> Any:
+    """Build and validate any config dataclass (the ``deploy.yaml`` schema uses this too).
+
+    Errors are prefixed with ``origin`` and name the dotted key.
+    """
+    try:
+        return _build(cls, data, "")
+    except ConfigError as e:
+        raise ConfigError(f"{origin}: {e}") from None

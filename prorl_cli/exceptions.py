@@ -140,6 +140,10 @@ class NotImplementedYet(ProrlError, NotImplementedError):
     """A command that a later milestone implements."""
 
 
+class SlurmError(ProrlError, RuntimeError):
+    """A Slurm command failed, or a deployment could not be launched, scaled or taken down."""
+
+
 class DomainError(ProrlError, ValueError):
     """A task instance or a domain setting that a domain handler cannot use (names the field)."""
 

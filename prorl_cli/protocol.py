@@ -451,6 +451,10 @@ class StatusReport(_Record):
     uptime_s: float
     #: Generate calls held at the broker (generation paused, or no backend up).
     held_generates: int = 0
+    #: The trainer's policy version, as last given to pause/resume_generation (0 until given).
+    policy_version: int = 0
+    #: ``broker.routing_policy``: how generate calls pick a backend.
+    routing_policy: str = "least_loaded_sticky"
 
     def node_statuses(self) -> list[NodeStatus]:
         return [NodeStatus.from_wire(n) for n in self.nodes]

@@ -1,8 +1,9 @@
 """The broker: one ZeroMQ ROUTER socket, one poll loop, no threads.
 
-It holds the job table, places queued jobs on nodes with free credit, routes
-generate calls to inference backends (sticky per job), pushes results to the
-clients that watch them, and keeps every peer's liveness with heartbeats.
+It holds the job table, places queued jobs on nodes with free credit, hands
+generate calls and backends to its router (``broker/routing.py``), pushes
+results to the clients that watch them, and keeps every peer's liveness
+with heartbeats.
 Bad frames are logged and answered with an error; they never stop the loop.
 """
 
@@ -22,15 +23,8 @@ import zmq
 
 from prorl_cli import protocol as P
 from prorl_cli.broker.journal import JOURNAL_NAME, Journal, attempt_record, end_record, job_record
-from prorl_cli.broker.state import (
-    Backend,
-    HeldGenerate,
-    Job,
-    Node,
-    PendingGenerate,
-    PendingGenerates,
-    TaskQueues,
-)
+from prorl_cli.broker.routing import Router
+from prorl_cli.broker.state import Job, Node, TaskQueues
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import ProtocolError
 from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, JobState, Op
@@ -41,10 +35,17 @@ log = logging.getLogger(__name__)
 
 # How many messages one loop turn reads before flushing batched output.
 _MAX_BATCH = 2000
+# Plain ints: pyzmq's send_multipart builds a Flag enum (``zmq.SNDMORE | flags``) per frame, which
+# cost as much as the send itself (benchmarks/broker_scale.py, docs/benchmarks.md).
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+# Frames at least this big go zero-copy; smaller ones are cheaper to copy (pyzmq's own threshold).
+_ZERO_COPY_BYTES = 65536
 
 
 class Broker:
-    """The deployment's broker. ``serve_forever()`` runs until ``stop`` or SIGTERM."""
+    """The deployment's broker. ``serve_forever()`` runs until ``stop`` (clean) or SIGTERM/SIGUSR2 (leave, journal kept)."""
 
     def __init__(self, config: ProrlConfig) -> None:
         self.config = config
@@ -79,15 +80,15 @@ class Broker:
         self.queue = TaskQueues()
         self.nodes: dict[str, Node] = {}
         self.node_by_identity: dict[bytes, Node] = {}
-        self.backends: dict[str, Backend] = {}
-        self.backend_by_identity: dict[bytes, Backend] = {}
-        self.sticky: dict[str, str] = {}  # job id -> backend id
-        self.pending = PendingGenerates()
-        self.held: deque[HeldGenerate] = deque()
-        self._fwd_ids = iter(range(1, 1 << 62))
-        self.generation_paused = False
+        self.router = Router(
+            self._send, self._live_node, self._running_node,
+            policy=bc.routing_policy, cancel_propagation=bc.cancel_propagation,
+            heartbeat_interval_s=bc.heartbeat_interval_s, heartbeat_liveness=bc.heartbeat_liveness,
+            register_reply_fields={"boot_id": self.boot_id},
+        )
         self.placing = True
         self.stopping = False
+        self._leaving = False  # set by SIGTERM/SIGUSR2: exit without a clean stop
         self._stop_deadline: float | None = None
         # Output batched within one loop turn, flushed at its end.
         self._results_out: dict[bytes, list[str]] = defaultdict(list)
@@ -143,8 +144,14 @@ class Broker:
 
     def _send(self, identity: bytes, header: dict[str, Any], payload: list[bytes] | tuple[bytes, ...] = ()) -> bool:
         """Send to one peer; False (and the peer forgotten) if it is gone."""
+        frames = P.encode(header, payload)
+        send = self.sock.send
         try:
-            self.sock.send_multipart([identity, *P.encode(header, payload)], flags=zmq.NOBLOCK, copy=False)
+            # ROUTER_MANDATORY refuses an unknown peer at the identity frame: nothing partial is queued.
+            send(identity, _SNDMORE_NOBLOCK)
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                send(frame, _NOBLOCK if i == last else _SNDMORE_NOBLOCK, copy=len(frame) < _ZERO_COPY_BYTES)
             return True
         except zmq.ZMQError as e:
             if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -176,25 +183,40 @@ class Broker:
             "broker of deployment %r listening on %s (%s)", self.config.deployment, self.address,
             "CURVE encrypted and authenticated" if self.curve_public_key else "plain TCP: loopback only",
         )
-        prev = signal.signal(signal.SIGTERM, lambda *_: self.begin_stop())
+        # SIGTERM/SIGUSR2 (Slurm preemption, time limit, requeue): leave without cancelling
+        # anything and keep the journal; the broker started next replays it. Only the
+        # ``stop`` op is a clean stop.
+        prev: dict[int, Any] = {}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            self.leave()
+            chained = prev.get(signum)
+            if callable(chained):  # e.g. prorl's Slurm role wrapper, which requeues the job on SIGUSR2
+                chained(signum, frame)
+
+        prev.update({sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGUSR2)})
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         try:
             while not self._stopped():
                 timeout_ms = max(0, int((self._next_tick - time.monotonic()) * 1000))
                 if poller.poll(timeout_ms):
+                    recv, more = self.sock.recv, self.sock.get
                     for _ in range(_MAX_BATCH):
                         try:
-                            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+                            frames = [recv(_NOBLOCK)]
                         except zmq.Again:
                             break
+                        while more(_RCVMORE):
+                            frames.append(recv(_NOBLOCK))
                         self.handle(frames)
                     self._place()
                     self._flush()
                 if time.monotonic() >= self._next_tick:
                     self._tick()
         finally:
-            signal.signal(signal.SIGTERM, prev)
+            for sig, handler in prev.items():
+                signal.signal(sig, handler)
             remove_rendezvous(self.config.deployment_dir, os.getpid())
             if self.journal is not None:
                 self.journal.close()
@@ -207,12 +229,18 @@ class Broker:
                 self._auth.stop()
             log.info("broker stopped")
 
+    def leave(self) -> None:
+        """Exit the loop soon, cancelling nothing: jobs stay in the journal for the next broker."""
+        log.info("leaving on a signal: %d unfinished job(s) stay in the journal",
+                 sum(not j.state.terminal for j in self.jobs.values()))
+        self._leaving = True
+
     def _stopped(self) -> bool:
+        if self._leaving:
+            return True
         if not self.stopping:
             return False
-        if not any(n.alive for n in self.nodes.values()) and not any(
-            b.alive and b.kind == "bridge" for b in self.backends.values()
-        ):
+        if not any(n.alive for n in self.nodes.values()) and not self.router.bridges_alive():
             return True
         return self._stop_deadline is not None and time.monotonic() >= self._stop_deadline
 
@@ -271,9 +299,7 @@ class Broker:
         node = self.node_by_identity.get(identity)
         if node is not None:
             node.last_seen = now
-        backend = self.backend_by_identity.get(identity)
-        if backend is not None:
-            backend.last_seen = now
+        self.router.touch(identity, now)
 
     # ---------------------------------------------------------- client ops
 
@@ -379,11 +405,13 @@ class Broker:
             jobs=counts,
             queued=len(self.queue),
             nodes=[n.status().to_wire() for n in self.nodes.values()],
-            backends=[b.status().to_wire() for b in self.backends.values()],
-            generation_paused=self.generation_paused,
+            backends=[b.to_wire() for b in self.router.backend_statuses()],
+            generation_paused=self.router.paused,
             placing=self.placing,
             uptime_s=time.monotonic() - self.started_at,
-            held_generates=len(self.held),
+            held_generates=len(self.router.held),
+            policy_version=self.router.policy_version,
+            routing_policy=self.router.policy_name,
         )
 
     def on_ping(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
@@ -417,11 +445,7 @@ class Broker:
         for node in self.nodes.values():
             if node.alive:
                 self._send(node.identity, {"op": Op.SHUTDOWN.value})
-        for backend in self.backends.values():
-            if backend.alive and backend.identity is not None:
-                self._send(backend.identity, {"op": Op.SHUTDOWN.value})
-        for pend in self.pending.pop_all():
-            self._send(pend.requester, P.error_reply(pend.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping"))
+        self.router.stop()
         self._flush()
 
     # ------------------------------------------------------------ node ops
@@ -503,11 +527,7 @@ class Broker:
         return node
 
     def on_heartbeat(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        backend = self.backend_by_identity.get(identity)
-        if backend is not None and backend.alive:
-            stats = h.get("stats")
-            if isinstance(stats, dict):
-                backend.stats = {str(k): v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.router.bridge_heartbeat(identity, h):
             return
         if "backend_id" in h:
             self._send(identity, P.error_reply(h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register_backend"))
@@ -520,9 +540,7 @@ class Broker:
         node = self.node_by_identity.get(identity)
         if node is not None and node.alive:
             self._node_lost(node, "unregistered")
-        backend = self.backend_by_identity.get(identity)
-        if backend is not None and backend.alive:
-            self._backend_lost(backend, "unregistered")
+        self.router.unregister(identity)
 
     def on_job_stage(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         node = self._node_of(identity, h)
@@ -570,210 +588,18 @@ class Broker:
 
     # ---------------------------------------------------------- inference
 
-    def on_register_backend(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        bid = h["backend_id"]
-        old = self.backends.get(bid)
-        if old is not None and old.alive and old.identity not in (None, identity):
-            self._backend_lost(old, "re-registered from a new connection")
-        backend = Backend(
-            backend_id=bid,
-            kind="bridge",
-            identity=identity,
-            host=h["host"],
-            model=h["model"],
-            max_model_len=h.get("max_model_len"),
-            capacity=int(h.get("capacity") or 0),
-        )
-        self.backends[bid] = backend
-        self.backend_by_identity[identity] = backend
-        log.info("backend %s registered (model %s on %s)", bid, backend.model, backend.host)
-        self._send(
-            identity,
-            P.reply(h["rid"], heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.config.broker.heartbeat_liveness,
-                    boot_id=self.boot_id),
-        )
-        self._release_held()
+    def _live_node(self, identity: bytes) -> Node | None:
+        node = self.node_by_identity.get(identity)
+        return node if node is not None and node.alive else None
 
-    def on_add_llm_server(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        url = h["url"].rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            self._error(identity, h["rid"], ErrorCode.BAD_FIELD, f"url {url!r} must start with http:// or https://")
-            return
-        backend = self.backends.get(url)
-        if backend is None or not backend.alive:
-            host = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
-            backend = Backend(backend_id=url, kind="http", url=url, host=host, model=h.get("model"))
-            self.backends[url] = backend
-        backend.cleared = False
-        self._send(identity, P.reply(h["rid"], backend=backend.status().to_wire()))
-        self._release_held()
+    def _running_node(self, job_id: str) -> str | None:
+        """The node a job is placed on while it is unfinished (the router routes only such jobs' calls)."""
+        job = self.jobs.get(job_id)
+        return job.node_id if job is not None and not job.state.terminal else None
 
-    def on_clear_llm_server(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        url = h.get("url")
-        targets = [b for b in self.backends.values() if url is None or b.backend_id == url.rstrip("/")]
-        if url is not None and not targets:
-            self._error(identity, h["rid"], ErrorCode.BAD_FIELD, f"no backend {url!r}")
-            return
-        for b in targets:
-            b.cleared = True  # no new jobs; jobs already routed here keep it
-        self._prune_backends()
-        self._send(identity, P.reply(h["rid"], cleared=[b.backend_id for b in targets]))
-
-    def on_list_llm_servers(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        self._send(identity, P.reply(h["rid"], backends=[b.status().to_wire() for b in self.backends.values()]))
-
-    def on_pause_generation(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        self.generation_paused = True
-        self._send(identity, P.reply(h["rid"], paused=True, inflight=len(self.pending)))
-
-    def on_resume_generation(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        self.generation_paused = False
-        self._send(identity, P.reply(h["rid"], paused=False, released=len(self.held)))
-        self._release_held()
-
-    def on_generate(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        if len(payload) != 1:
-            self._error(identity, h["rid"], ErrorCode.BAD_FIELD, f"generate needs exactly one prompt frame, got {len(payload)}")
-            return
-        if len(payload[0]) % 4:
-            self._error(identity, h["rid"], ErrorCode.BAD_FRAME, "prompt frame is not a whole number of int32")
-            return
-        if self.generation_paused:
-            self.held.append(HeldGenerate(identity, h, list(payload)))
-            return
-        backend = self._route(h["job_id"], identity, h.get("host"))
-        if backend is None:
-            # Nothing registered yet: hold until a backend appears (the node's own timeout bounds the wait).
-            self.held.append(HeldGenerate(identity, h, list(payload)))
-            return
-        if backend.kind == "http":
-            backend.inflight += 1
-            backend.redirected[h["job_id"]] = backend.redirected.get(h["job_id"], 0) + 1
-            self._send(identity, P.reply(h["rid"], redirect=backend.url, backend_id=backend.backend_id))
-            return
-        fwd = next(self._fwd_ids)
-        if backend.identity is None or not self._send(
-            backend.identity,
-            {"op": Op.GENERATE.value, "rid": fwd, "job_id": h["job_id"], "sampling": h.get("sampling") or {}},
-            payload,
-        ):
-            self._backend_lost(backend, "unreachable")
-            self._error(identity, h["rid"], ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
-            return
-        backend.inflight += 1
-        self.pending.add(fwd, PendingGenerate(identity, h["rid"], h["job_id"], backend.backend_id))
-
-    def on_generate_reply(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        pend = self.pending.pop(h["rid"])
-        if pend is None:
-            return  # late reply for a request already failed over
-        backend = self.backends.get(pend.backend_id)
-        if backend is not None:
-            backend.inflight = max(0, backend.inflight - 1)
-            backend.served += 1
-        error = h.get("error")
-        if error:
-            code = error.get("code", ErrorCode.BACKEND_ERROR.value) if isinstance(error, dict) else ErrorCode.BACKEND_ERROR.value
-            msg = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-            self._send(pend.requester, P.error_reply(pend.rid, code, msg, backend_id=pend.backend_id))
-            return
-        self._send(
-            pend.requester,
-            P.reply(pend.rid, backend_id=pend.backend_id, finish_reason=h.get("finish_reason")),
-            payload,
-        )
-
-    def on_generate_done(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        backend = self.backends.get(h["backend_id"])
-        if backend is None or backend.redirected.get(h["job_id"], 0) <= 0:
-            return  # the job finished (or the backend went) meanwhile
-        backend.redirected[h["job_id"]] -= 1
-        backend.inflight = max(0, backend.inflight - 1)
-        backend.served += 1
-
-    def _route(self, job_id: str, requester: bytes, host: str | None) -> Backend | None:
-        bid = self.sticky.get(job_id)
-        if bid is not None:
-            backend = self.backends.get(bid)
-            if backend is not None and backend.alive:
-                return backend
-            self.sticky.pop(job_id, None)
-        if host is None:
-            node = self.node_by_identity.get(requester)
-            host = node.host if node else None
-        candidates = [b for b in self.backends.values() if b.alive and not b.cleared]
-        if not candidates:
-            return None
-        backend = min(candidates, key=lambda b: b.load_key(host))
-        self.sticky[job_id] = backend.backend_id
-        backend.jobs.add(job_id)
-        return backend
-
-    def _release_sticky(self, job_id: str) -> None:
-        bid = self.sticky.pop(job_id, None)
-        if bid is not None and bid in self.backends:
-            backend = self.backends[bid]
-            backend.jobs.discard(job_id)
-            # Calls of a finished job that were never reported done are not in flight any more.
-            backend.inflight = max(0, backend.inflight - backend.redirected.pop(job_id, 0))
-            self._prune_backends()
-
-    def _prune_backends(self) -> None:
-        for bid in [b.backend_id for b in self.backends.values() if b.kind == "http" and b.cleared and not b.jobs]:
-            del self.backends[bid]
-
-    def on_generate_cancel(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        """A node gave up on one of its generate calls (its own timeout): drop it, or stop it at the engine."""
-        if self._node_of(identity, h) is None:
-            return
-        self._drop_generates(h["job_id"], requester=identity, rid=h["rid"])
-
-    def _drop_generates(self, job_id: str, requester: bytes | None = None, rid: object = None) -> None:
-        """Forget the generate calls of a job that ended (or lost its node): drop held ones, cancel forwarded ones.
-
-        A cancelled call stops at the engine (the bridge cancels it; an HTTP
-        request to vLLM is closed, which aborts it there), so a timed-out or
-        cancelled job stops costing model time at once. With ``requester``,
-        only that peer's call ``rid`` goes.
-        """
-        def match(who: bytes, their_rid: object) -> bool:
-            return requester is None or (who == requester and their_rid == rid)
-
-        if self.held:
-            self.held = deque(item for item in self.held if not (item.header["job_id"] == job_id and match(item.requester, item.header["rid"])))
-        for fwd, pend in self.pending.pop_job(job_id, match):
-            backend = self.backends.get(pend.backend_id)
-            if backend is None or backend.identity is None:
-                continue
-            backend.inflight = max(0, backend.inflight - 1)
-            self._send(backend.identity, {"op": Op.GENERATE_CANCEL.value, "rid": fwd, "job_id": job_id})
-
-    def _release_held(self) -> None:
-        if self.generation_paused or not self.held:
-            return
-        held, self.held = self.held, deque()
-        for item in held:
-            job = self.jobs.get(item.header["job_id"])
-            if job is not None and job.state.terminal:
-                continue
-            self.on_generate(item.requester, item.header, item.payload)
-
-    def _backend_lost(self, backend: Backend, why: str) -> None:
-        log.warning("backend %s lost: %s", backend.backend_id, why)
-        backend.alive = False
-        if backend.identity is not None:
-            self.backend_by_identity.pop(backend.identity, None)
-        for _, pend in self.pending.pop_backend(backend.backend_id):
-            self._send(
-                pend.requester,
-                P.error_reply(pend.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} {why}", backend_id=backend.backend_id),
-            )
-        for job_id in backend.jobs:
-            self.sticky.pop(job_id, None)
-        backend.jobs.clear()
-        backend.inflight = 0
-        if self.stopping or backend.kind == "bridge":
-            self.backends.pop(backend.backend_id, None)
+    def on_routing_op(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        """Generate routing, backends, pause/resume: the router's ops."""
+        self.router.handlers[h["op"]](identity, h, payload)
 
     # ---------------------------------------------------------- placement
 
@@ -808,8 +634,7 @@ class Broker:
             job = self.jobs.get(job_id)
             if job is None or job.state.terminal or job.node_id != node.node_id:
                 continue
-            self._release_sticky(job_id)
-            self._drop_generates(job_id)  # its old attempt's calls answer nobody
+            self.router.job_ended(job_id)  # its old attempt's calls answer nobody
             job.node_id = None
             if job.spec.attempt >= job.spec.max_attempts:
                 self._finish_by_broker(
@@ -831,8 +656,7 @@ class Broker:
         job.result = result
         if self.journal is not None:
             self.journal.append(end_record(job.job_id, state, result))
-        self._release_sticky(job.job_id)
-        self._drop_generates(job.job_id)
+        self.router.job_ended(job.job_id)
         for w in job.watchers:
             self._results_out[w].append(job.job_id)
         self.finished.append(job.job_id)
@@ -866,13 +690,7 @@ class Broker:
                 self._node_lost(node, f"silent for {now - node.last_seen:.1f} s")
             else:
                 self._send(node.identity, {"op": Op.HEARTBEAT.value})
-        for backend in list(self.backends.values()):
-            if backend.kind != "bridge" or not backend.alive:
-                continue
-            if now - backend.last_seen > self.dead_after_s:
-                self._backend_lost(backend, f"silent for {now - backend.last_seen:.1f} s")
-            elif backend.identity is not None:
-                self._send(backend.identity, {"op": Op.HEARTBEAT.value})
+        self.router.tick(now)
         self._place()
         self._flush()
 
@@ -890,14 +708,14 @@ class Broker:
         Op.UNREGISTER: on_unregister,
         Op.JOB_STAGE: on_job_stage,
         Op.JOB_DONE: on_job_done,
-        Op.REGISTER_BACKEND: on_register_backend,
-        Op.ADD_LLM_SERVER: on_add_llm_server,
-        Op.CLEAR_LLM_SERVER: on_clear_llm_server,
-        Op.LIST_LLM_SERVERS: on_list_llm_servers,
-        Op.PAUSE_GENERATION: on_pause_generation,
-        Op.RESUME_GENERATION: on_resume_generation,
-        Op.GENERATE: on_generate,
-        Op.GENERATE_REPLY: on_generate_reply,
-        Op.GENERATE_DONE: on_generate_done,
-        Op.GENERATE_CANCEL: on_generate_cancel,
+        Op.REGISTER_BACKEND: on_routing_op,
+        Op.ADD_LLM_SERVER: on_routing_op,
+        Op.CLEAR_LLM_SERVER: on_routing_op,
+        Op.LIST_LLM_SERVERS: on_routing_op,
+        Op.PAUSE_GENERATION: on_routing_op,
+        Op.RESUME_GENERATION: on_routing_op,
+        Op.GENERATE: on_routing_op,
+        Op.GENERATE_REPLY: on_routing_op,
+        Op.GENERATE_DONE: on_routing_op,
+        Op.GENERATE_CANCEL: on_routing_op,
     }

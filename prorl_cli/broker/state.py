@@ -1,14 +1,13 @@
-"""The broker's tables: jobs, nodes, backends. Plain data; the server mutates them."""
+"""The broker's tables: jobs and nodes. Plain data; the server mutates them (backends: ``routing``)."""
 
 from __future__ import annotations
 
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prorl_cli.protocol import BackendStatus, JobSpec, JobState, NodeStatus
+from prorl_cli.protocol import JobSpec, JobState, NodeStatus
 
 _seq = itertools.count()
 
@@ -61,113 +60,6 @@ class Node:
             tasks=sorted(self.tasks),
             stages=self.stages,
         )
-
-
-@dataclass
-class Backend:
-    """An inference backend: a bridge peer (``identity``) or a plain HTTP address (``url``)."""
-
-    backend_id: str
-    kind: str  # "bridge" | "http"
-    identity: bytes | None = None
-    url: str | None = None
-    host: str | None = None
-    model: str | None = None
-    max_model_len: int | None = None
-    capacity: int = 0
-    inflight: int = 0  # generate requests forwarded and not yet answered
-    jobs: set[str] = field(default_factory=set)  # live jobs routed here (sticky)
-    # HTTP backends: calls redirected to them and not yet reported done, per job.
-    redirected: dict[str, int] = field(default_factory=dict)
-    served: int = 0
-    cleared: bool = False
-    alive: bool = True
-    last_seen: float = field(default_factory=time.monotonic)
-    #: The bridge's engine figures from its last heartbeat (the sim engine: busy fraction, tokens/s, hit rate).
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def load_key(self, host: str | None) -> tuple[int, int, int, int]:
-        """Least live jobs, then least in-flight requests, then same host first."""
-        return (len(self.jobs), self.inflight, 0 if host and host == self.host else 1, self.served)
-
-    def status(self) -> BackendStatus:
-        return BackendStatus(
-            backend_id=self.backend_id,
-            kind=self.kind,
-            url=self.url,
-            host=self.host,
-            model=self.model,
-            max_model_len=self.max_model_len,
-            inflight=self.inflight,
-            jobs=len(self.jobs),
-            served=self.served,
-            cleared=self.cleared,
-            alive=self.alive,
-            stats=dict(self.stats),
-        )
-
-
-@dataclass
-class PendingGenerate:
-    """A generate request forwarded to a bridge, awaiting its reply."""
-
-    requester: bytes
-    rid: object
-    job_id: str
-    backend_id: str
-
-
-class PendingGenerates:
-    """Forwarded generate requests by forward id, indexed by job (a finished job's calls are cancelled)."""
-
-    def __init__(self) -> None:
-        self._by_fwd: dict[int, PendingGenerate] = {}
-        self._by_job: dict[str, set[int]] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_fwd)
-
-    def add(self, fwd: int, pend: PendingGenerate) -> None:
-        self._by_fwd[fwd] = pend
-        self._by_job.setdefault(pend.job_id, set()).add(fwd)
-
-    def pop(self, fwd: object) -> PendingGenerate | None:
-        pend = self._by_fwd.pop(fwd, None) if isinstance(fwd, int) else None
-        if pend is not None:
-            fwds = self._by_job[pend.job_id]
-            fwds.discard(fwd)
-            if not fwds:
-                del self._by_job[pend.job_id]
-        return pend
-
-    def pop_job(
-        self, job_id: str, match: Callable[[bytes, object], bool] | None = None
-    ) -> list[tuple[int, PendingGenerate]]:
-        """Remove and return the requests of ``job_id`` (those whose requester and rid ``match``)."""
-        fwds = sorted(self._by_job.get(job_id, ()))
-        if match is not None:
-            fwds = [f for f in fwds if match(self._by_fwd[f].requester, self._by_fwd[f].rid)]
-        return [(fwd, pend) for fwd in fwds if (pend := self.pop(fwd)) is not None]
-
-    def pop_backend(self, backend_id: str) -> list[tuple[int, PendingGenerate]]:
-        """Remove and return every request forwarded to ``backend_id``."""
-        fwds = [fwd for fwd, pend in self._by_fwd.items() if pend.backend_id == backend_id]
-        return [(fwd, pend) for fwd in fwds if (pend := self.pop(fwd)) is not None]
-
-    def pop_all(self) -> list[PendingGenerate]:
-        out = list(self._by_fwd.values())
-        self._by_fwd.clear()
-        self._by_job.clear()
-        return out
-
-
-@dataclass
-class HeldGenerate:
-    """A generate request held while generation is paused or no backend is up."""
-
-    requester: bytes
-    header: dict
-    payload: list[bytes]
 
 
 class TaskQueues:

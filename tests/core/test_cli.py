@@ -40,11 +40,11 @@ def test_help_is_instant_and_lists_the_commands() -> None:
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
 
 
-def test_unimplemented_commands_exit_non_zero() -> None:
-    for args in (["launch"], ["down"]):
+def test_slurm_commands_without_their_argument_say_what_is_missing() -> None:
+    for args, missing in ((["launch"], "DEPLOY_FILE"), (["down"], "NAME"), (["scale"], "NAME")):
         r = subprocess.run([sys.executable, "-m", "prorl_cli", *args], capture_output=True, text=True)
         assert r.returncode != 0
-        assert "not implemented yet" in r.stderr
+        assert missing in r.stderr
 
 
 def test_submit_writes_results_and_a_summary(deployment: Deployment, tmp_path: Path) -> None:

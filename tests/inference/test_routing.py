@@ -1,21 +1,36 @@
-"""Backend routing with real bridges on a real vLLM: stickiness, balance, pause/resume, clear, kill."""
+"""Backend routing through the real broker and node, to real bridges.
+
+Scripted-engine bridges (run in this process, speaking the real protocol)
+show which backend each call reached under each routing policy, that
+cancel propagation stops a finished job's calls at the engine (and that
+switching it off leaves them running), and that routing state drains to
+nothing. The ``vllm``-marked tests do the same on a real vLLM: stickiness,
+balance, pause/resume, clear, kill.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
+import threading
+import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from prorl_cli import protocol as P
 from prorl_cli.agent import Trajectory
+from prorl_cli.inference.bridge import InferenceBridge
+from prorl_cli.inference.contract import Engine, Generation
+from prorl_cli.protocol import SamplingParams
 from tests.harness import Deployment
-from tests.inference.conftest import start_bridge
-
-pytestmark = pytest.mark.vllm
+from tests.inference.conftest import HANDLERS, start_bridge
 
 
 def submit(d: Deployment, tiny_model: Path, n: int, turns: int = 3, sampling: dict[str, Any] | None = None,
@@ -33,6 +48,7 @@ def trajectory(res: Any) -> Trajectory:
     return Trajectory.from_dict(res.output["trajectory"])
 
 
+@pytest.mark.vllm
 def test_forty_jobs_on_two_bridges_are_sticky_and_balanced(
     deployment: Deployment, vllm_server: Any, tiny_model: Path
 ) -> None:
@@ -58,6 +74,7 @@ def test_forty_jobs_on_two_bridges_are_sticky_and_balanced(
     assert all(b["inflight"] == 0 and b["jobs"] == 0 for b in st.backends)
 
 
+@pytest.mark.vllm
 def test_pause_drains_in_flight_calls_and_holds_new_ones(
     deployment: Deployment, vllm_server: Any, tiny_model: Path
 ) -> None:
@@ -80,6 +97,7 @@ def test_pause_drains_in_flight_calls_and_holds_new_ones(
         assert traj.error is None and len(traj.calls) == (2 if res.job_id in late else 4)
 
 
+@pytest.mark.vllm
 def test_clear_lets_jobs_finish_and_readd_routes_again(
     deployment: Deployment, vllm_server: Any, tiny_model: Path
 ) -> None:
@@ -103,6 +121,7 @@ def test_clear_lets_jobs_finish_and_readd_routes_again(
     assert [c.backend_id for c in traj_b.calls] == [url] * 2 and traj_b.error is None
 
 
+@pytest.mark.vllm
 def test_killing_vllm_fails_its_job_and_the_rest_go_on(
     deployment: Deployment, vllm_server: Any, tiny_model: Path
 ) -> None:
@@ -128,3 +147,247 @@ def test_killing_vllm_fails_its_job_and_the_rest_go_on(
     d.wait_for(lambda st: "b-child" not in backends(st), 30, "b-child to be gone")
     for res in d.client.wait(submit(d, tiny_model, 3, turns=2), timeout_s=120):
         assert {c.backend_id for c in trajectory(res).calls} == {"b-ok"}
+
+
+# ---------------------------------------------------------------------- scripted bridges
+
+
+class ScriptedEngine(Engine):
+    """Returns fixed ids after ``delay_s`` (a cancellable wait, like a real engine's step loop); counts what it did."""
+
+    model = "scripted"
+    max_model_len = 1 << 20
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.started = 0
+        self.finished = 0
+        self.cancelled = 0
+        self.first_started = threading.Event()
+        self.first_ended = threading.Event()
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        self.started += 1
+        self.first_started.set()
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            self.first_ended.set()
+            raise
+        self.finished += 1
+        self.first_ended.set()
+        return Generation([7, 8], [-0.5, -0.25], "stop")
+
+
+class ThreadBridge:
+    """A real :class:`InferenceBridge` on its own event loop in a thread of this test, serving a scripted engine."""
+
+    def __init__(self, d: Deployment, backend_id: str, engine: ScriptedEngine) -> None:
+        self.engine = engine
+        self.backend_id = backend_id
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(d.address,), daemon=True)
+        self.thread.start()
+        assert self._ready.wait(10), "the bridge thread did not start"
+        d.wait_for(lambda st: any(b["backend_id"] == backend_id and b["alive"] for b in st.backends), 30,
+                   f"backend {backend_id} to register")
+
+    def _run(self, address: str) -> None:
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            self.bridge = InferenceBridge(self.engine, address=address, backend_id=self.backend_id, host="127.0.0.1")
+            self._ready.set()
+            await self.bridge.serve()
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # reported by close(): a test thread must not die silently
+            self._error = e
+
+    def close(self) -> None:
+        """Stop the bridge (when the broker's shutdown has not stopped it already)."""
+        with contextlib.suppress(RuntimeError):  # its loop is closed: the broker's shutdown stopped it already
+            self.loop.call_soon_threadsafe(self.bridge.stop)
+        self.thread.join(15)
+        assert not self.thread.is_alive() and self._error is None, self._error
+
+
+@pytest.fixture
+def scripted(tmp_path: Path) -> Iterator[Callable[..., tuple[Deployment, list[ThreadBridge]]]]:
+    """``start(broker_config, *engines)``: a deployment (broker + node) and one scripted bridge per engine."""
+    made: list[tuple[Deployment, list[ThreadBridge]]] = []
+
+    def start(broker: dict[str, Any], *engines: ScriptedEngine) -> tuple[Deployment, list[ThreadBridge]]:
+        d = Deployment(tmp_path / f"home{len(made)}", config={"broker": broker, "inference": {"generate_timeout_s": 60.0}})
+        bridges: list[ThreadBridge] = []
+        made.append((d, bridges))
+        d.start_broker()
+        d.start_node("n1", "--handlers", str(HANDLERS))
+        for i, engine in enumerate(engines, 1):
+            bridges.append(ThreadBridge(d, f"b{i}", engine))  # one by one: b1 registers first
+        return d, bridges
+
+    try:
+        yield start
+    finally:
+        for d, bridges in made:
+            d.close()
+            for b in bridges:
+                b.close()
+
+
+def drained(st: Any) -> bool:
+    return st.held_generates == 0 and all(b["inflight"] == 0 and b["jobs"] == 0 for b in st.backends)
+
+
+def one(d: Deployment, **instance: Any) -> list[str]:
+    return d.client.submit("calls", [instance], sampling={"max_tokens": 2}, timeout_s=120)
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        # A holds b1; B goes to b2; once B ended, b2 has no live job and b1 one: C goes to b2.
+        ("least_loaded_sticky", (["b2", "b2"], ["b2", "b2"])),
+        # The paper's server counts B on b2 for ever: b1 and b2 have one job each, C goes to the first.
+        ("ever_assigned", (["b2", "b2"], ["b1", "b1"])),
+        # No stickiness: every call to the next backend, jobs alternate within themselves.
+        ("round_robin", (["b2", "b1"], ["b2", "b1"])),
+    ],
+)
+def test_each_policy_routes_calls_where_it_says(scripted: Any, policy: str, expected: tuple[list[str], list[str]]) -> None:
+    d, _ = scripted({"routing_policy": policy}, ScriptedEngine(), ScriptedEngine())
+    assert d.client.status().routing_policy == policy
+    (job_a,) = one(d, calls=1, hold_s=60)
+    d.wait_for(lambda st: sum(b["served"] for b in st.backends) == 1, 30, "job A's call to be served", "n1")
+    st = d.client.status()
+    assert {b["backend_id"]: b["jobs"] for b in st.backends} == ({"b1": 0, "b2": 0} if policy == "round_robin" else {"b1": 1, "b2": 0})
+    got = []
+    for _ in range(2):
+        (res,) = d.client.wait(one(d, calls=2), timeout_s=60)
+        assert res.ok, res.output
+        got.append(res.output["backends"])
+    assert tuple(got) == expected
+    assert d.client.cancel([job_a]) == {job_a: "cancelled"}
+    d.wait_for(drained, 30, "routing state to drain")
+
+
+@pytest.mark.parametrize("propagate", [True, False], ids=["cancel-propagation", "no-cancel-propagation"])
+def test_cancel_propagation_stops_a_cancelled_jobs_call_and_its_ablation_leaves_it_running(
+    scripted: Any, propagate: bool
+) -> None:
+    engine = ScriptedEngine(delay_s=4.0)
+    d, _ = scripted({"cancel_propagation": propagate}, engine)
+    (job,) = one(d, calls=1)
+    assert engine.first_started.wait(30), "the call never reached the engine"
+    assert d.client.cancel([job]) == {job: "cancelled"}
+    assert d.client.wait([job], timeout_s=30)[0].state == "cancelled"
+    assert engine.first_ended.wait(30)
+    if propagate:
+        # Stopped at the engine long before its 4 s were up.
+        assert (engine.cancelled, engine.finished) == (1, 0)
+    else:
+        # The engine served the stale call to its end; the broker counted it in flight until then.
+        assert (engine.cancelled, engine.finished) == (0, 1)
+    st = d.wait_for(drained, 30, "routing state to drain")
+    assert st.backends[0]["served"] == (0 if propagate else 1)
+
+
+def test_routing_state_drains_to_nothing_when_jobs_are_cancelled_while_their_calls_race(scripted: Any) -> None:
+    """Defect 17: calls that arrive after their job was cancelled are refused, never routed, and bind nothing."""
+    d, bridges = scripted({}, ScriptedEngine(delay_s=0.002), ScriptedEngine(delay_s=0.002))
+    ids = d.client.submit("calls", [{"calls": 400}] * 12, sampling={"max_tokens": 2}, timeout_s=120)
+    d.wait_for(lambda st: sum(b["served"] for b in st.backends) >= 60, 60, "calls to flow", "n1")
+    states = d.client.cancel(ids)
+    results = d.client.wait(ids, timeout_s=60)
+    assert set(states.values()) == {"cancelled"} and all(r.state == "cancelled" for r in results)
+    st = d.wait_for(drained, 30, "routing state to drain")
+    assert {b["backend_id"] for b in st.backends} == {"b1", "b2"}
+    assert sum(b.engine.started for b in bridges) < 12 * 400
+
+
+class RawPeer:
+    """A DEALER speaking the protocol by hand: a node that does exactly what a test tells it, in that order."""
+
+    def __init__(self, d: Deployment) -> None:
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(d.address)
+
+    def send(self, header: dict[str, Any], payload: list[bytes] | None = None) -> None:
+        self.sock.send_multipart(P.encode(header, payload or []))
+
+    def expect(self, op: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The next message with ``op`` (heartbeats and the like in between are skipped)."""
+        deadline = time.monotonic() + timeout_s
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            if self.sock.poll(left_ms):
+                header = P.decode_header(self.sock.recv_multipart()[0])
+                if header["op"] == op:
+                    return header
+        raise TimeoutError(f"no {op} within {timeout_s} s")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_generate_for_a_job_that_is_not_running_on_the_requester_is_refused_and_binds_nothing(scripted: Any) -> None:
+    """Defect 17, deterministically: a node asks for a cancelled job, and for a queued job it was never given."""
+    engine = ScriptedEngine()
+    d, _ = scripted({}, engine)
+    d.kill("n1")  # the raw node below is the only one: it gets the job
+    node = RawPeer(d)
+    try:
+        node.send({"op": "register", "rid": 1, "node_id": "raw", "host": "127.0.0.1", "pid": 1, "credit": 1,
+                   "tasks": ["calls"]})
+        assert node.expect("reply")["ok"]
+        ids = d.client.submit("calls", [{}, {}])
+        (spec,) = node.expect("assign")["jobs"]  # credit 1: the other job stays queued
+        job = spec["job_id"]
+        (queued,) = set(ids) - {job}
+        d.client.cancel([job])
+        for rid, job_id in ((2, job), (3, queued)):
+            node.send({"op": "generate", "rid": rid, "job_id": job_id}, [P.pack_tokens([1, 2, 3])])
+            answer = node.expect("reply")
+            assert answer["rid"] == rid and answer["error"]["code"] == "unknown_job", answer
+            assert job_id in answer["error"]["message"]
+    finally:
+        node.close()
+    st = d.client.status()
+    assert [(b["jobs"], b["inflight"], b["served"]) for b in st.backends] == [(0, 0, 0)] and engine.started == 0
+
+
+def test_generate_from_an_unregistered_peer_is_answered_at_once_and_nothing_is_held(scripted: Any) -> None:
+    """Defect 7: a stranger's generate gets ``unknown_peer``, with its rid, and the broker keeps nothing of it."""
+    import zmq
+
+    d, _ = scripted({})
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.address)
+    try:
+        sock.send_multipart(P.encode({"op": "generate", "rid": 41, "job_id": "nobody"}, [P.pack_tokens([1] * 1024)]))
+        assert sock.poll(10_000), "no answer"
+        header = P.decode_header(sock.recv_multipart()[0])
+        assert header["rid"] == 41 and header["error"]["code"] == "unknown_peer"
+    finally:
+        sock.close()
+    assert d.client.status().held_generates == 0
+
+
+def test_policy_version_given_to_pause_and_resume_is_kept_and_shown(scripted: Any) -> None:
+    """K3: the trainer's version travels with pause/resume; status shows the current one."""
+    d, _ = scripted({}, ScriptedEngine())
+    assert d.client.status().policy_version == 0
+    d.client.pause_generation(policy_version=3)
+    (job,) = one(d, calls=1)
+    d.wait_for(lambda st: st.held_generates == 1, 30, "the call to be held", "n1")
+    d.client.resume_generation()
+    (res,) = d.client.wait([job], timeout_s=60)
+    assert res.ok and res.output["backends"] == ["b1"]
+    assert d.client.status().policy_version == 3

@@ -276,7 +276,12 @@ def print_backends(app: App, backends: list[Any]) -> None:
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @pass_app
 def status(app: App, as_json: bool, address: str | None) -> None:
-    """Jobs by state, per-node stage queues and per-backend load."""
+    """Jobs by state, per-node stage queues and per-backend load (and Slurm's view of a launched deployment)."""
+    if not as_json:
+        from prorl_cli.cli.launch import print_slurm_view
+
+        if print_slurm_view(app, app.config.deployment_dir) is False:
+            raise click.exceptions.Exit(1)  # every Slurm job of it is gone: say so, do not wait for a broker
     with connect(app, address) as client:
         report = client.status()
     if as_json:

@@ -1,21 +1,310 @@
-"""``prorl launch`` / ``prorl down``: Slurm arrays through submitit (not built yet)."""
+"""``prorl launch / scale / down / render-sbatch``: a deployment on Slurm.
+
+``launch`` submits the broker, the node array and the inference array with
+submitit and shows Slurm's view beside the broker's until every task has
+registered. ``prorl status`` adds the same Slurm view (:func:`print_slurm_view`).
+"""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import click
 
-from prorl_cli.cli.application import not_implemented
+from prorl_cli.cli.application import App, pass_app
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from prorl_cli.protocol import StatusReport
+    from prorl_cli.slurm.deploy import DeployConfig
+    from prorl_cli.slurm.launcher import LaunchRecord
+    from prorl_cli.slurm.squeue import SlurmTask
+
+# Pending reasons that waiting will not cure: launch gives up on them at once.
+# (Transient ones such as ReqNodeNotAvail during a maintenance reservation are waited out.)
+HOPELESS_REASONS = (
+    "BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "InvalidAccount",
+    "InvalidQOS", "QOSMaxGRESPerJob", "QOSMaxCpuPerJobLimit", "QOSMaxWallDurationPerJobLimit", "JobHeldAdmin",
+)
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def launch(args: tuple[str, ...]) -> None:
-    """Submit node and inference servers as Slurm arrays (not implemented yet)."""
-    not_implemented("launch", "Slurm launch through submitit is a later milestone")
+def _load_deploy(app: App, path: str, deployment: str | None) -> DeployConfig:
+    from prorl_cli.exceptions import ConfigError
+    from prorl_cli.slurm.deploy import load_deploy
+
+    try:
+        cfg = load_deploy(path, deployment=deployment)
+    except ConfigError as e:
+        app.abort(f"config error: {e}")
+    if cfg.home is None and app.overrides.get("home"):
+        cfg.home = str(app.overrides["home"])
+    return cfg
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def down(args: tuple[str, ...]) -> None:
-    """Cancel a launched deployment's Slurm jobs (not implemented yet)."""
-    not_implemented("down", "Slurm launch through submitit is a later milestone")
+def _deploy_for(app: App, name_or_file: str) -> DeployConfig:
+    """A deployment named on the command line: its deploy.yaml, or its name (read launch.json)."""
+    from prorl_cli.exceptions import ProrlError
+    from prorl_cli.slurm.launcher import load_launched
+
+    if Path(name_or_file).is_file():
+        return _load_deploy(app, name_or_file, None)
+    try:
+        record, cfg = load_launched(app.config.home_path / name_or_file)
+    except ProrlError as e:
+        app.abort(str(e))
+    cfg.home = record.home
+    return cfg
+
+
+def _require_slurm(app: App) -> None:
+    from prorl_cli.slurm.squeue import slurm_available
+
+    if not slurm_available():
+        app.abort("no Slurm here: squeue is missing or cannot reach a controller")
+
+
+def _member_table(cfg: DeployConfig, record: LaunchRecord, rows: list[SlurmTask], report: StatusReport | None) -> Table:
+    from rich.table import Table
+
+    from prorl_cli.slurm.launcher import registered_ids
+
+    by_id = {t.job_id: t for t in rows}
+    seen = registered_ids(report)
+    table = Table(title=f"deployment {cfg.deployment}", title_justify="left")
+    for col in ("role", "task", "slurm job", "state", "reason / node", "elapsed", "left", "registered"):
+        table.add_column(col)
+    if record.broker_where == "here":
+        table.add_row("broker", "-", f"pid {record.broker_pid}", "here", "", "", "", "yes" if report else "no")
+    for m in record.members:
+        t = by_id.get(m.job_id)
+        state = t.state if t else "gone"
+        where = (t.pending_reason or t.nodes) if t else ""
+        if m.role == "broker":
+            reg = "yes" if report is not None else "no"
+        else:
+            reg = "yes" if m.peer_id in seen else "no"
+        table.add_row(m.role, m.peer_id, m.job_id, state, where, t.elapsed if t else "", t.time_left if t else "", reg)
+    return table
+
+
+def print_slurm_view(app: App, deployment_dir: Path) -> bool | None:
+    """Slurm's view of a launched deployment (for ``prorl status``).
+
+    Returns None when the deployment was not launched with ``prorl launch``,
+    False when none of its Slurm jobs is left (printed as such), True otherwise.
+    """
+    from prorl_cli.exceptions import SlurmError
+    from prorl_cli.slurm import squeue
+    from prorl_cli.slurm.launcher import LaunchRecord
+
+    record = LaunchRecord.load(deployment_dir)
+    if record is None:
+        return None
+    try:
+        rows = squeue.query(record.job_ids)
+    except SlurmError as e:
+        app.err_console.print(f"[yellow]Slurm view unavailable:[/] {e}")
+        return True
+    app.console.print(_slurm_table(record, rows))
+    if not any(t.active for t in rows) and record.broker_where != "here":
+        app.console.print(
+            f"[bold yellow]deployment {record.deployment}: all its Slurm jobs are gone[/] "
+            f"(none of {', '.join(record.job_ids)} is in squeue); `prorl down {record.deployment}` cleans up, "
+            f"`prorl launch` starts it again"
+        )
+        return False
+    return True
+
+
+def _slurm_table(record: LaunchRecord, rows: list[SlurmTask]) -> Table:
+    from rich.table import Table
+
+    by_id = {t.job_id: t for t in rows}
+    table = Table(title="Slurm", title_justify="left")
+    for col in ("role", "task", "slurm job", "state", "reason / node", "elapsed", "left"):
+        table.add_column(col)
+    for m in record.members:
+        t = by_id.get(m.job_id)
+        table.add_row(m.role, m.peer_id, m.job_id, t.state if t else "gone",
+                      (t.pending_reason or t.nodes) if t else "", t.elapsed if t else "", t.time_left if t else "")
+    return table
+
+
+@click.command()
+@click.argument("deploy_file", type=click.Path(dir_okay=False))
+@click.option("-d", "--deployment", metavar="NAME", help="Deployment name (default: the file's `deployment`).")
+@click.option("--wait-s", type=float, default=900.0, show_default=True, help="Give up when not all registered by then.")
+@click.option("--keep", is_flag=True, help="On failure or timeout, leave what was submitted queued.")
+@click.option("--no-wait", is_flag=True, help="Submit and return at once.")
+@pass_app
+def launch(app: App, deploy_file: str, deployment: str | None, wait_s: float, keep: bool, no_wait: bool) -> None:
+    """Submit a deployment to Slurm and watch it come up.
+
+    \b
+    Submits the broker (its own job, or `broker.where: here`), the node
+    array and the inference array from DEPLOY_FILE (see examples/deploy.yaml),
+    records every Slurm job id in $PRORL_HOME/<deployment>/launch.json and
+    shows Slurm's state beside the broker's until every task registered.
+    Exits 0 then; non-zero after --wait-s, cancelling what it submitted
+    unless --keep.
+    """
+    from prorl_cli.exceptions import SlurmError
+    from prorl_cli.slurm import launcher
+
+    cfg = _load_deploy(app, deploy_file, deployment or app.overrides.get("deployment"))
+    _require_slurm(app)
+    if cfg.nodes.sandbox_runtime == "local":
+        app.err_console.print("[yellow]warning:[/] nodes.sandbox_runtime is local: sandboxes run WITHOUT isolation")
+    try:
+        record = launcher.launch(cfg)
+    except SlurmError as e:
+        app.abort(f"launch of {cfg.deployment!r} failed, nothing left queued: {e}")
+    app.err_console.print(
+        f"submitted {cfg.deployment}: {', '.join(f'{m.role}[{m.index}]={m.job_id}' for m in record.members) or '-'}"
+        f"{f'; broker here, pid {record.broker_pid}' if record.broker_where == 'here' else ''}"
+    )
+    if no_wait:
+        return
+    try:
+        failure = _watch(app, cfg, record, wait_s)
+    except KeyboardInterrupt:
+        app.abort(f"interrupted: what was submitted stays; `prorl down {cfg.deployment}` removes it", code=130)
+    if failure is None:
+        app.console.print(
+            f"[bold green]{cfg.deployment} is up[/]: every node and backend registered.\n"
+            f"  submit:  prorl --home {cfg.home_path} -d {cfg.deployment} submit --task TASK instances.jsonl --out results.jsonl\n"
+            f"  status:  prorl --home {cfg.home_path} -d {cfg.deployment} status\n"
+            f"  down:    prorl --home {cfg.home_path} down {cfg.deployment}"
+        )
+        return
+    if not keep:
+        left = launcher.abandon(cfg, record)
+        failure += " Cancelled what was submitted" + (f"; still in squeue: {[t.job_id for t in left]}" if left else "; nothing left queued.")
+    else:
+        failure += f" Left queued (--keep); `prorl down {cfg.deployment}` removes it."
+    app.abort(failure)
+
+
+def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> str | None:
+    """Live view until all registered; the failure reason otherwise."""
+    from rich.live import Live
+
+    from prorl_cli.slurm import launcher, squeue
+
+    deadline = time.monotonic() + wait_s
+    wanted = {m.peer_id for m in record.members if m.role != "broker"}
+    client = None
+    failure: str | None = None
+    with Live(console=app.err_console, refresh_per_second=2, transient=False) as live:
+        try:
+            while True:
+                rows = squeue.query(record.job_ids, all_states=True)
+                if client is None:
+                    client = launcher.broker_client(cfg)
+                report = launcher.broker_status(client)
+                live.update(_member_table(cfg, record, rows, report))
+                seen = launcher.registered_ids(report)
+                if report is not None and wanted <= seen:
+                    return None
+                by_id = {t.job_id: t for t in rows}
+                for m in record.members:
+                    t = by_id.get(m.job_id)
+                    if t is None:
+                        continue
+                    if not t.active and (m.role == "broker" or m.peer_id not in seen):
+                        tail = launcher.log_tail(cfg, m)
+                        failure = f"{m.role} task {m.peer_id} (Slurm job {m.job_id}) ended {t.state}." + (
+                            f"\nlog tail:\n{tail}" if tail else "")
+                        return failure
+                    if t.pending_reason and t.pending_reason.startswith(HOPELESS_REASONS):
+                        return f"{m.role} task {m.peer_id} (Slurm job {m.job_id}) cannot start: squeue says {t.pending_reason}."
+                if time.monotonic() >= deadline:
+                    waiting = sorted(wanted - seen)
+                    reasons = {m.peer_id: (by_id[m.job_id].pending_reason or by_id[m.job_id].state)
+                               for m in record.members if m.job_id in by_id and m.peer_id in waiting}
+                    return f"not all registered after {wait_s:.0f} s; waiting for {waiting} ({reasons})."
+                time.sleep(1.0)
+        finally:
+            if client is not None:
+                client.close()
+
+
+@click.command()
+@click.argument("name")
+@click.option("--nodes", type=int, help="Node array tasks wanted.")
+@click.option("--inference", type=int, help="Inference array tasks wanted.")
+@pass_app
+def scale(app: App, name: str, nodes: int | None, inference: int | None) -> None:
+    """Grow or shrink a launched deployment's arrays (shrinking drains the removed tasks).
+
+    NAME is the deployment name (or its deploy.yaml).
+    """
+    from prorl_cli.exceptions import SlurmError
+    from prorl_cli.slurm import launcher
+
+    if (nodes is None) == (inference is None):
+        app.abort("give exactly one of --nodes N or --inference M")
+    _require_slurm(app)
+    cfg = _deploy_for(app, name)
+    role, count = ("nodes", nodes) if nodes is not None else ("inference", inference)
+    assert count is not None
+    try:
+        added, removed = launcher.scale(cfg, role, count)
+    except SlurmError as e:
+        app.abort(str(e))
+    for m in added:
+        app.console.print(f"added {m.peer_id}: Slurm job {m.job_id}")
+    for m in removed:
+        app.console.print(f"drained and removed {m.peer_id}: Slurm job {m.job_id}")
+    if not added and not removed:
+        app.console.print(f"{role} already at {count}")
+
+
+@click.command()
+@click.argument("name")
+@click.option("--wait-s", type=float, default=120.0, show_default=True, help="How long to wait for squeue to empty.")
+@pass_app
+def down(app: App, name: str, wait_s: float) -> None:
+    """Take a launched deployment down: broker stop, nodes drain, scancel the rest, rendezvous removed.
+
+    NAME is the deployment name (or its deploy.yaml). Exits non-zero if any of
+    its jobs is still in squeue after --wait-s.
+    """
+    from prorl_cli.exceptions import SlurmError
+    from prorl_cli.slurm import launcher
+
+    _require_slurm(app)
+    cfg = _deploy_for(app, name)
+    try:
+        report = launcher.down(cfg, wait_s=wait_s)
+    except SlurmError as e:
+        app.abort(str(e))
+    app.console.print(f"broker stop: {'done' if report.broker_stopped else 'broker not reachable'}")
+    if report.cancelled:
+        app.console.print(f"scancel: {', '.join(report.cancelled)}")
+    if report.left:
+        app.abort(f"still in squeue after {wait_s:.0f} s: {', '.join(f'{t.job_id} {t.state}' for t in report.left)}")
+    app.console.print(f"[bold]{cfg.deployment} is down[/]: nothing of it in squeue; rendezvous file removed")
+
+
+@click.command("render-sbatch")
+@click.argument("deploy_file", type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the scripts.")
+@click.option("-d", "--deployment", metavar="NAME", help="Deployment name (default: the file's `deployment`).")
+@pass_app
+def render_sbatch(app: App, deploy_file: str, out_dir: str, deployment: str | None) -> None:
+    """Render sbatch scripts (broker, node array, inference array, all-in-one) from a deploy.yaml.
+
+    \b
+    Submit them with plain sbatch, the broker first:
+      sbatch DIR/broker.sbatch; sbatch DIR/nodes.sbatch; sbatch DIR/inference.sbatch
+    or one allocation with everything: sbatch DIR/all-in-one.sbatch
+    """
+    from prorl_cli.slurm.render import render_all
+
+    cfg = _load_deploy(app, deploy_file, deployment or app.overrides.get("deployment"))
+    for path in render_all(cfg, Path(out_dir)):
+        app.console.print(str(path))

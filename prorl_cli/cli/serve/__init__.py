@@ -25,6 +25,20 @@ def serve_broker(app: App, bind_host: str | None, port: int | None) -> None:
     """
     app.override(broker__bind_host=bind_host, broker__port=port)
     app.setup_logging("broker")
+    from prorl_cli.slurm.identity import SlurmIdentity
+
+    if SlurmIdentity.from_env().in_slurm:
+        # Inside an allocation: SIGUSR2 (time limit) leaves and requeues the job; the journal is replayed.
+        # serve_role takes the broker lock too.
+        from prorl_cli.exceptions import ProrlError
+        from prorl_cli.slurm.roles import RoleSpec, serve_role
+
+        bc = app.config.broker
+        spec = RoleSpec("broker", app.config.deployment, str(app.config.home_path), bind_host=bc.bind_host, port=bc.port)
+        try:
+            raise SystemExit(serve_role(spec, app.config))
+        except ProrlError as e:
+            app.abort(str(e))
     import zmq
 
     from prorl_cli.broker.server import Broker
@@ -59,6 +73,8 @@ def serve_broker(app: App, bind_host: str | None, port: int | None) -> None:
 @click.option("--credit", type=int, help="Jobs held at once (default: the sum of the pools).")
 @click.option("--handlers", "handler_paths", multiple=True, metavar="PATH", help="Extra handler file or folder (repeatable).")
 @click.option("--task", "tasks", multiple=True, metavar="NAME", help="Serve only this task (repeatable).")
+@click.option("--wait-s", type=float, metavar="S",
+              help="Wait this long for the broker's rendezvous file (default: 600 in a Slurm job, else none).")
 @pass_app
 def serve_node(
     app: App,
@@ -70,8 +86,13 @@ def serve_node(
     credit: int | None,
     handler_paths: tuple[str, ...],
     tasks: tuple[str, ...],
+    wait_s: float | None,
 ) -> None:
-    """Run a node server: INIT/RUN/EVAL pools and sandboxes for one machine."""
+    """Run a node server: INIT/RUN/EVAL pools and sandboxes for one machine.
+
+    In a Slurm job it is named node-<array task id>, waits for the broker,
+    drains on SIGTERM and on SIGUSR2 (time limit) drains and requeues itself.
+    """
     app.override(
         node__n_init=n_init,
         node__n_run=n_run,
@@ -83,8 +104,23 @@ def serve_node(
     app.setup_logging("node")
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.node.server import run_node
+    from prorl_cli.slurm.identity import SlurmIdentity
 
+    identity = SlurmIdentity.from_env()
+    if identity.in_slurm and address is None and node_id is None:
+        from prorl_cli.slurm.roles import RoleSpec, serve_role
+
+        spec = RoleSpec("node", app.config.deployment, str(app.config.home_path),
+                        rendezvous_wait_s=600.0 if wait_s is None else wait_s)
+        try:
+            raise SystemExit(serve_role(spec, app.config))
+        except ProrlError as e:
+            app.abort(str(e))
     try:
+        if wait_s and address is None:
+            from prorl_cli.rendezvous import wait_rendezvous
+
+            wait_rendezvous(app.config.deployment_dir, wait_s)
         run_node(app.config, node_id=node_id, address=address)
     except ProrlError as e:
         app.abort(str(e))

@@ -67,8 +67,16 @@ def serve_inference(
         capacity=ic.capacity,
         vllm_args=extra,
     )
+    from prorl_cli.slurm.identity import SlurmIdentity
+    from prorl_cli.slurm.roles import slurm_lifecycle
+
+    identity = SlurmIdentity.from_env()
+    if identity.in_slurm and backend_id is None:
+        opts.backend_id = identity.member_id("inference")  # the same name after a requeue
     try:
-        code = asyncio.run(run_bridge(opts, app.config))
+        # In a Slurm job, SIGUSR2 (time limit, preemption) stops the bridge and requeues the task.
+        with slurm_lifecycle(requeue=identity.in_slurm):
+            code = asyncio.run(run_bridge(opts, app.config))
     except ProrlError as e:
         app.abort(str(e))
     raise SystemExit(code)

@@ -1,0 +1,251 @@
+"""``deploy.yaml``: what ``prorl launch`` and ``prorl render-sbatch`` submit.
+
+One section per role (``broker``, ``nodes``, ``inference``) plus ``setup``
+lines run before every role. Validated with the same machinery as
+``prorl.yaml`` (:func:`prorl_cli.config.section_from_dict`): errors name the
+file and the dotted key. ``examples/deploy.yaml`` lists every key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from prorl_cli.config import section_from_dict
+from prorl_cli.exceptions import ConfigError
+
+_TIME_RE = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+)(?::(\d+))?$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def time_minutes(value: str) -> int:
+    """Slurm ``--time`` (``MM``, ``HH:MM:SS``, ``D-HH:MM``...) in whole minutes, at least 1."""
+    m = _TIME_RE.match(value.strip())
+    if not m:
+        raise ValueError(f"{value!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
+    days, a, b, c = m.groups()
+    parts = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:
+        # D-HH, D-HH:MM, D-HH:MM:SS
+        hours = parts[0] if parts else 0
+        minutes = parts[1] if len(parts) > 1 else 0
+        seconds = parts[2] if len(parts) > 2 else 0
+        total_s = ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    elif len(parts) == 1:
+        total_s = parts[0] * 60
+    elif len(parts) == 2:
+        total_s = parts[0] * 60 + parts[1]
+    else:
+        total_s = (parts[0] * 60 + parts[1]) * 60 + parts[2]
+    return max(1, (total_s + 59) // 60)
+
+
+@dataclass
+class SlurmJobOptions:
+    """Where and how long a role's Slurm job runs (sbatch options)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time: str = "24:00:00"
+    cpus_per_task: int = 2
+    mem_gb: float | None = None  # None: the cluster's default (DefMemPerCPU)
+    # The warning before the time limit: SIGUSR2 this long before; the role drains and requeues.
+    signal_delay_s: int = 120
+    # Extra sbatch options, without the dashes: {exclude: "n3", exclusive: true}.
+    sbatch_options: dict[str, Any] = field(default_factory=dict)
+    setup: list[str] = field(default_factory=list)  # run before this role only, after the top-level setup
+
+    def validate(self, where: str) -> None:
+        try:
+            time_minutes(self.time)
+        except ValueError as e:
+            raise ConfigError(f"{where}.time: {e}") from None
+        if self.cpus_per_task < 1:
+            raise ConfigError(f"{where}.cpus_per_task: must be at least 1, got {self.cpus_per_task}")
+        if self.mem_gb is not None and self.mem_gb <= 0:
+            raise ConfigError(f"{where}.mem_gb: must be positive, got {self.mem_gb}")
+        if self.signal_delay_s < 0:
+            raise ConfigError(f"{where}.signal_delay_s: must be 0 or more, got {self.signal_delay_s}")
+        if self.signal_delay_s >= time_minutes(self.time) * 60:
+            raise ConfigError(
+                f"{where}.signal_delay_s: {self.signal_delay_s} s is not shorter than time {self.time!r}"
+            )
+
+
+@dataclass
+class BrokerRole(SlurmJobOptions):
+    """The broker: its own small Slurm job, or ``here`` (a process on the launching machine)."""
+
+    where: Literal["slurm", "here"] = "slurm"
+    bind_host: str = "0.0.0.0"  # peers on other hosts must reach it; CURVE is on beyond loopback
+    port: int = 0
+    cpus_per_task: int = 1
+
+    def validate(self, where: str) -> None:
+        super().validate(where)
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"{where}.port: must be 0..65535, got {self.port}")
+
+
+@dataclass
+class NodesRole(SlurmJobOptions):
+    """Node servers: one Slurm array task each."""
+
+    count: int = 1
+    array_parallelism: int = 0  # at most this many tasks at once; 0: all
+    requeue: bool = True  # preempted or timed-out tasks drain, are requeued and rejoin
+    sandbox_runtime: Literal["apptainer", "bwrap", "local"] = "apptainer"
+    sandbox_image: str = ""  # default image for handlers that name none
+    handler_paths: list[str] = field(default_factory=list)
+    tasks: list[str] = field(default_factory=list)  # serve only these; empty: all found
+    n_init: int | None = None
+    n_run: int | None = None
+    n_eval: int | None = None
+
+    def validate(self, where: str) -> None:
+        super().validate(where)
+        if self.count < 0:
+            raise ConfigError(f"{where}.count: must be 0 or more, got {self.count}")
+        if self.array_parallelism < 0:
+            raise ConfigError(f"{where}.array_parallelism: must be 0 (all) or more, got {self.array_parallelism}")
+        for name in ("n_init", "n_run", "n_eval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{where}.{name}: must be at least 1, got {value}")
+
+
+@dataclass
+class InferenceRole(SlurmJobOptions):
+    """Inference bridges: one array task per backend, ``gpus_per_task`` GPUs each (``--gres=gpu:N``).
+
+    With several GPUs per task, one vLLM runs over all of them
+    (``--tensor-parallel-size`` = the GPUs Slurm made visible, unless
+    ``vllm_args`` sets it); for one backend per GPU, use ``gpus_per_task: 1``
+    and a larger ``count``.
+    """
+
+    count: int = 0
+    array_parallelism: int = 0
+    requeue: bool = True
+    gpus_per_task: int = 1
+    gres: str | None = None  # full --gres value instead of gpu:<gpus_per_task> (e.g. gpu:a100:1)
+    model: str | None = None  # a local model directory on a shared filesystem
+    engine: Literal["vllm", "transformers"] = "vllm"
+    vllm_args: list[str] = field(default_factory=list)
+    capacity: int | None = None
+    max_model_len: int | None = None
+
+    def validate(self, where: str) -> None:
+        super().validate(where)
+        if self.count < 0:
+            raise ConfigError(f"{where}.count: must be 0 or more, got {self.count}")
+        if self.array_parallelism < 0:
+            raise ConfigError(f"{where}.array_parallelism: must be 0 (all) or more, got {self.array_parallelism}")
+        if self.gpus_per_task < 0:
+            raise ConfigError(f"{where}.gpus_per_task: must be 0 or more, got {self.gpus_per_task}")
+        if self.count and not self.model:
+            raise ConfigError(f"{where}.model: required when count > 0 (a local model directory)")
+        if self.vllm_args and self.engine != "vllm":
+            raise ConfigError(f"{where}.vllm_args: only for engine vllm, engine is {self.engine!r}")
+
+
+@dataclass
+class DeployConfig:
+    """The whole deployment file."""
+
+    deployment: str = "default"
+    home: str | None = None  # PRORL_HOME for every role (shared filesystem); None: $PRORL_HOME or ~/.prorl
+    config: str | None = None  # prorl.yaml every role reads (relative to deploy.yaml)
+    python: str | None = None  # interpreter in the jobs; None: the one running prorl launch
+    log_dir: str | None = None  # Slurm logs; None: <home>/<deployment>/slurm
+    rendezvous_wait_s: float = 600.0  # nodes and bridges wait this long for the broker's rendezvous file
+    setup: list[str] = field(default_factory=list)  # shell lines before every role (module load, exports)
+    broker: BrokerRole = field(default_factory=BrokerRole)
+    nodes: NodesRole = field(default_factory=NodesRole)
+    inference: InferenceRole = field(default_factory=InferenceRole)
+
+    #: Where the file was read from (not a key).
+    source: str = field(default="<deploy>", init=False, compare=False, repr=False)
+
+    def validate(self, where: str = "") -> None:
+        if not _NAME_RE.match(self.deployment):
+            raise ConfigError(f"deployment: {self.deployment!r} is not a valid deployment name")
+        if self.rendezvous_wait_s <= 0:
+            raise ConfigError(f"rendezvous_wait_s: must be positive, got {self.rendezvous_wait_s}")
+        if self.nodes.count + self.inference.count == 0:
+            raise ConfigError("nodes.count: nothing to launch (nodes.count and inference.count are both 0)")
+
+    @property
+    def home_path(self) -> Path:
+        raw = self.home or os.environ.get("PRORL_HOME") or "~/.prorl"
+        return Path(os.path.expandvars(os.path.expanduser(raw))).absolute()
+
+    @property
+    def deployment_dir(self) -> Path:
+        return self.home_path / self.deployment
+
+    @property
+    def log_path(self) -> Path:
+        if self.log_dir:
+            return Path(os.path.expandvars(os.path.expanduser(self.log_dir))).absolute()
+        return self.deployment_dir / "slurm"
+
+    @property
+    def python_path(self) -> str:
+        return self.python or sys.executable
+
+    def role(self, name: str) -> SlurmJobOptions:
+        return {"broker": self.broker, "nodes": self.nodes, "inference": self.inference}[name]
+
+
+def deploy_from_dict(data: Any, origin: str = "<deploy>", deployment: str | None = None) -> DeployConfig:
+    """Build and validate a :class:`DeployConfig`; ``deployment`` (``-d``) overrides the file's name."""
+    if deployment is not None:
+        data = {**(data or {}), "deployment": deployment}
+    cfg: DeployConfig = section_from_dict(DeployConfig, data, origin)
+    cfg.source = origin
+    return cfg
+
+
+def load_deploy(path: str | os.PathLike[str], deployment: str | None = None) -> DeployConfig:
+    """Read ``deploy.yaml``; relative paths in it (``config``, ``handler_paths``, ``model``) resolve against its folder."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{file}: deployment file not found")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{file}: not valid YAML: {e}") from e
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{file}: top level must be a mapping, got {type(data).__name__}")
+    cfg = deploy_from_dict(data or {}, str(file), deployment)
+    base = file.parent.absolute()
+
+    def resolve(p: str) -> str:
+        return str(base / os.path.expanduser(p)) if not os.path.isabs(os.path.expanduser(p)) else os.path.expanduser(p)
+
+    if cfg.config:
+        cfg.config = resolve(cfg.config)
+        if not Path(cfg.config).is_file():
+            raise ConfigError(f"{file}: config: {cfg.config} not found")
+    cfg.nodes.handler_paths = [resolve(p) for p in cfg.nodes.handler_paths]
+    if cfg.inference.model:
+        cfg.inference.model = resolve(cfg.inference.model)
+    return cfg
+
+
+def dump_deploy(cfg: DeployConfig) -> str:
+    """The effective deployment as YAML."""
+    import dataclasses
+
+    data = dataclasses.asdict(cfg)
+    data.pop("source", None)
+    return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,423 @@
+"""Submitting, scaling and taking down a deployment on Slurm, with submitit.
+
+One submitit executor per role; node and inference servers are job arrays
+(``map_array``, ``array_parallelism``). Every Slurm job id goes into
+``$PRORL_HOME/<deployment>/launch.json``; Slurm's view is read from squeue
+(:mod:`prorl_cli.slurm.squeue`), never from submitit's job objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prorl_cli.broker.journal import JOURNAL_NAME
+from prorl_cli.config import ProrlConfig, load_config
+from prorl_cli.exceptions import BrokerUnavailable, ProrlError, RendezvousError, SlurmError
+from prorl_cli.rendezvous import rendezvous_path
+from prorl_cli.slurm import squeue
+from prorl_cli.slurm.deploy import DeployConfig, load_deploy, time_minutes
+from prorl_cli.slurm.roles import RoleSpec, submitted_role
+
+if TYPE_CHECKING:
+    from prorl_cli.client import RolloutClient
+    from prorl_cli.protocol import StatusReport
+
+log = logging.getLogger(__name__)
+
+LAUNCH_NAME = "launch.json"
+ROLES = ("broker", "nodes", "inference")
+
+
+@dataclass
+class Member:
+    """One submitted role task: the broker job, or one array task."""
+
+    role: str  # broker | nodes | inference
+    index: int
+    job_id: str  # "123" or "123_4" (what squeue and scancel call it)
+
+    @property
+    def peer_id(self) -> str:
+        """The id it registers with at the broker."""
+        return {"nodes": f"node-{self.index}", "inference": f"inference-{self.index}"}.get(self.role, "broker")
+
+
+@dataclass
+class LaunchRecord:
+    """``launch.json``: what ``prorl launch`` submitted (and ``scale`` added)."""
+
+    deployment: str
+    deploy_file: str
+    home: str
+    created_at: float
+    broker_where: str = "slurm"
+    broker_pid: int | None = None  # broker ``here``: the local process
+    members: list[Member] = field(default_factory=list)
+
+    @property
+    def job_ids(self) -> list[str]:
+        return [m.job_id for m in self.members]
+
+    def of(self, role: str) -> list[Member]:
+        return [m for m in self.members if m.role == role]
+
+    def save(self, deployment_dir: Path) -> Path:
+        deployment_dir.mkdir(parents=True, exist_ok=True)
+        path = deployment_dir / LAUNCH_NAME
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, deployment_dir: Path) -> LaunchRecord | None:
+        path = deployment_dir / LAUNCH_NAME
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise SlurmError(f"{path}: unreadable launch record: {e}") from e
+        try:
+            data["members"] = [Member(**m) for m in data.get("members", [])]
+            return cls(**data)
+        except TypeError as e:
+            raise SlurmError(f"{path}: malformed launch record: {e}") from e
+
+
+def prorl_config(cfg: DeployConfig) -> ProrlConfig:
+    """The prorl.yaml every role of this deployment reads, with its home and name."""
+    return load_config(cfg.config, {"home": str(cfg.home_path), "deployment": cfg.deployment})
+
+
+def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpec:
+    """What a submitted task of ``role`` runs."""
+    n, inf = cfg.nodes, cfg.inference
+    overrides: dict[str, Any] = {}
+    if role == "nodes":
+        overrides["sandbox.runtime"] = n.sandbox_runtime
+        if n.sandbox_image:
+            overrides["sandbox.image"] = n.sandbox_image
+        if n.handler_paths:
+            overrides["node.handler_paths"] = list(n.handler_paths)
+        if n.tasks:
+            overrides["node.tasks"] = list(n.tasks)
+        for name in ("n_init", "n_run", "n_eval"):
+            if getattr(n, name) is not None:
+                overrides[f"node.{name}"] = getattr(n, name)
+        if inf.model and prorl_config(cfg).inference.tokenizer is None:
+            # Handlers tokenize for the model the bridges serve.
+            overrides["inference.tokenizer"] = inf.model
+    return RoleSpec(
+        role={"broker": "broker", "nodes": "node", "inference": "inference"}[role],  # type: ignore[arg-type]
+        deployment=cfg.deployment,
+        home=str(cfg.home_path),
+        config_path=cfg.config,
+        overrides=overrides,
+        index=index,
+        rendezvous_wait_s=cfg.rendezvous_wait_s,
+        requeue=True if role == "broker" else cfg.role(role).requeue,  # type: ignore[attr-defined]
+        bind_host=cfg.broker.bind_host,
+        port=cfg.broker.port,
+        model=inf.model,
+        engine=inf.engine,
+        vllm_args=list(inf.vllm_args),
+        capacity=inf.capacity,
+        max_model_len=inf.max_model_len,
+    )
+
+
+def sbatch_options(cfg: DeployConfig, role: str) -> dict[str, Any]:
+    """The role's sbatch options (long names without dashes; True is a bare flag)."""
+    opts = cfg.role(role)
+    out: dict[str, Any] = {
+        "job-name": f"prorl-{cfg.deployment}-{role}",
+        "time": time_minutes(opts.time),
+        "cpus-per-task": opts.cpus_per_task,
+        "signal": f"USR2@{opts.signal_delay_s}",
+        "open-mode": "append",
+    }
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(opts, key):
+            out[key] = getattr(opts, key)
+    if opts.mem_gb is not None:
+        out["mem"] = f"{int(opts.mem_gb * 1024)}M"
+    if role == "inference" and (cfg.inference.gres or cfg.inference.gpus_per_task):
+        out["gres"] = cfg.inference.gres or f"gpu:{cfg.inference.gpus_per_task}"
+    requeue = True if role == "broker" else getattr(opts, "requeue", True)
+    out["requeue" if requeue else "no-requeue"] = True
+    out.update(opts.sbatch_options)
+    return out
+
+
+def _executor(cfg: DeployConfig, role: str, count: int) -> Any:
+    import submitit
+
+    opts = cfg.role(role)
+    sb = sbatch_options(cfg, role)
+    ex = submitit.SlurmExecutor(folder=str(cfg.log_path / role / "%j"), python=shlex.quote(cfg.python_path))
+    # submitit's own knobs; everything else goes in as raw sbatch options.
+    ex.update_parameters(
+        job_name=sb.pop("job-name"),
+        time=sb.pop("time"),
+        cpus_per_task=sb.pop("cpus-per-task"),
+        signal_delay_s=opts.signal_delay_s,
+        setup=[*cfg.setup, *opts.setup],
+        stderr_to_stdout=True,
+        array_parallelism=getattr(opts, "array_parallelism", 0) or max(count, 1),
+        additional_parameters={k: v for k, v in sb.items() if k != "signal"},
+    )
+    return ex
+
+
+def _submit(cfg: DeployConfig, role: str, indices: list[int]) -> list[Member]:
+    """Submit ``role`` tasks with these indices (one job, or one array)."""
+    ex = _executor(cfg, role, len(indices))
+    try:
+        if role == "broker":
+            job = ex.submit(submitted_role, role_spec(cfg, role))
+            return [Member(role, 0, str(job.job_id))]
+        jobs = ex.map_array(submitted_role, [role_spec(cfg, role, i) for i in indices])
+    except RuntimeError as e:  # submitit's FailedJobError carries sbatch's message
+        raise SlurmError(f"sbatch refused the {role}: {str(e).strip()}") from e
+    return [Member(role, i, str(j.job_id)) for i, j in zip(indices, jobs, strict=True)]
+
+
+def _start_local_broker(cfg: DeployConfig) -> int:
+    """``broker.where: here``: a broker process on this machine, in its own session."""
+    log_file = cfg.log_path / "broker-here.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [cfg.python_path, "-m", "prorl_cli"]
+    if cfg.config:
+        cmd += ["--config", cfg.config]
+    cmd += ["-d", cfg.deployment, "serve", "broker", "--bind-host", cfg.broker.bind_host]
+    if cfg.broker.port:
+        cmd += ["--port", str(cfg.broker.port)]
+    env = {**os.environ, "PRORL_HOME": str(cfg.home_path)}
+    with log_file.open("ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    return proc.pid
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def existing_launch(cfg: DeployConfig) -> tuple[LaunchRecord | None, list[squeue.SlurmTask]]:
+    """The deployment's launch record and its jobs still in squeue."""
+    record = LaunchRecord.load(cfg.deployment_dir)
+    if record is None:
+        return None, []
+    return record, squeue.active(record.job_ids)
+
+
+def launch(cfg: DeployConfig) -> LaunchRecord:
+    """Submit every role; raises :class:`SlurmError` (with nothing left queued) when Slurm refuses one."""
+    record, left = existing_launch(cfg)
+    if record is not None and (left or (record.broker_where == "here" and _pid_alive(record.broker_pid))):
+        raise SlurmError(
+            f"deployment {cfg.deployment!r} is already launched ({len(left)} Slurm job(s) in squeue: "
+            f"{', '.join(t.job_id for t in left[:6])}); use `prorl status -d {cfg.deployment}`, "
+            f"`prorl scale` or `prorl down {cfg.deployment}`"
+        )
+    if _broker_answers(cfg):
+        raise SlurmError(
+            f"a broker of deployment {cfg.deployment!r} is already running (its rendezvous file "
+            f"{rendezvous_path(cfg.deployment_dir)} answers); stop it (`prorl -d {cfg.deployment} stop`) or pick another name"
+        )
+    # The broker that wrote it is gone: a stale file would send peers to a dead address.
+    with contextlib.suppress(FileNotFoundError):
+        rendezvous_path(cfg.deployment_dir).unlink()
+    cfg.log_path.mkdir(parents=True, exist_ok=True)
+    record = LaunchRecord(
+        deployment=cfg.deployment, deploy_file=cfg.source, home=str(cfg.home_path), created_at=time.time(),
+        broker_where=cfg.broker.where,
+    )
+    try:
+        if cfg.broker.where == "here":
+            record.broker_pid = _start_local_broker(cfg)
+        else:
+            record.members += _submit(cfg, "broker", [0])
+        record.save(cfg.deployment_dir)
+        for role in ("nodes", "inference"):
+            count = cfg.role(role).count  # type: ignore[attr-defined]
+            if count:
+                record.members += _submit(cfg, role, list(range(count)))
+                record.save(cfg.deployment_dir)
+    except SlurmError:
+        abandon(cfg, record)
+        raise
+    return record
+
+
+def _broker_answers(cfg: DeployConfig, timeout_s: float = 3.0) -> bool:
+    client = broker_client(cfg, timeout_s)
+    if client is None:
+        return False
+    try:
+        client.ping(timeout_s=timeout_s)
+        return True
+    except (BrokerUnavailable, RendezvousError, TimeoutError):
+        return False
+    finally:
+        client.close()
+
+
+def abandon(cfg: DeployConfig, record: LaunchRecord, wait_s: float = 60.0) -> list[squeue.SlurmTask]:
+    """Cancel everything of a launch that did not come up; return what squeue still shows."""
+    squeue.cancel(record.job_ids)
+    if record.broker_pid and _pid_alive(record.broker_pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(record.broker_pid, signal.SIGTERM)
+    left = squeue.wait_gone(record.job_ids, wait_s)
+    (cfg.deployment_dir / LAUNCH_NAME).unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        rendezvous_path(cfg.deployment_dir).unlink()
+    return left
+
+
+def broker_client(cfg: DeployConfig, timeout_s: float = 5.0) -> RolloutClient | None:
+    """A client of the deployment's broker, or None while it has no rendezvous file."""
+    from prorl_cli.client import RolloutClient
+
+    if not rendezvous_path(cfg.deployment_dir).exists():
+        return None
+    return RolloutClient(cfg.deployment, config=prorl_config(cfg), request_timeout_s=timeout_s)
+
+
+def broker_status(client: RolloutClient | None) -> StatusReport | None:
+    if client is None:
+        return None
+    try:
+        return client.status()
+    except (BrokerUnavailable, RendezvousError, TimeoutError) as e:
+        log.debug("broker not answering: %s", e)
+        return None
+
+
+def registered_ids(report: StatusReport | None) -> set[str]:
+    """Node and backend ids the broker sees alive."""
+    if report is None:
+        return set()
+    ids = {n.node_id for n in report.node_statuses() if n.alive}
+    ids |= {b["backend_id"] for b in report.backends if b.get("alive", True) and not b.get("cleared")}
+    return ids
+
+
+def log_tail(cfg: DeployConfig, member: Member, lines: int = 12) -> str:
+    """The end of a task's Slurm log (submitit writes <log_dir>/<role>/<job>/<job>_0_log.out)."""
+    base = member.job_id
+    folder = cfg.log_path / member.role / base
+    candidates = sorted(folder.glob("*_log.out")) if folder.is_dir() else []
+    if not candidates:
+        return ""
+    text = candidates[-1].read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def scale(cfg: DeployConfig, role: str, count: int, drain_wait_s: float = 90.0) -> tuple[list[Member], list[Member]]:
+    """Grow or shrink an array to ``count`` running tasks; return (added, removed)."""
+    record = LaunchRecord.load(cfg.deployment_dir)
+    if record is None:
+        raise SlurmError(f"deployment {cfg.deployment!r} was not launched (no {cfg.deployment_dir / LAUNCH_NAME})")
+    if role not in ("nodes", "inference"):
+        raise SlurmError(f"cannot scale {role!r}: nodes or inference")
+    if count < 0:
+        raise SlurmError(f"--{role}: must be 0 or more, got {count}")
+    live_ids = {t.job_id for t in squeue.active(record.job_ids)}
+    live = sorted((m for m in record.of(role) if m.job_id in live_ids), key=lambda m: m.index)
+    added: list[Member] = []
+    removed: list[Member] = []
+    if count > len(live):
+        start = max((m.index for m in record.of(role)), default=-1) + 1
+        added = _submit(cfg, role, list(range(start, start + count - len(live))))
+        record.members += added
+    elif count < len(live):
+        removed = live[count:]
+        squeue.cancel(m.job_id for m in removed)  # SIGTERM: each drains and tells the broker
+        left = squeue.wait_gone([m.job_id for m in removed], drain_wait_s)
+        if left:
+            raise SlurmError(f"tasks still in squeue after {drain_wait_s:.0f} s: {', '.join(t.job_id for t in left)}")
+        gone = {m.job_id for m in removed}
+        record.members = [m for m in record.members if m.job_id not in gone]
+    record.save(cfg.deployment_dir)
+    return added, removed
+
+
+@dataclass
+class DownReport:
+    """What ``prorl down`` did."""
+
+    broker_stopped: bool
+    cancelled: list[str]
+    left: list[squeue.SlurmTask]
+    rendezvous_removed: bool
+
+
+def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
+    """Broker stop (cancels jobs, nodes drain), scancel what is left, confirm squeue is empty, remove the rendezvous."""
+    record = LaunchRecord.load(cfg.deployment_dir)
+    if record is None:
+        raise SlurmError(f"deployment {cfg.deployment!r} was not launched (no {cfg.deployment_dir / LAUNCH_NAME})")
+    stopped = False
+    client = broker_client(cfg)
+    if client is not None:
+        try:
+            client.stop()
+            stopped = True
+        except (BrokerUnavailable, TimeoutError, ProrlError) as e:
+            log.info("broker did not take the stop: %s", e)
+        finally:
+            client.close()
+    if stopped:
+        # The broker exits once nodes and bridges left; give it that long before scancel.
+        squeue.wait_gone([m.job_id for m in record.of("broker")], min(wait_s / 2, 60.0))
+    left = squeue.active(record.job_ids)
+    cancelled = [t.job_id for t in left]
+    squeue.cancel(cancelled)
+    if record.broker_pid and _pid_alive(record.broker_pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(record.broker_pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _pid_alive(record.broker_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    remaining = squeue.wait_gone(record.job_ids, wait_s)
+    removed = False
+    path = rendezvous_path(cfg.deployment_dir)
+    if path.exists():
+        path.unlink()
+        removed = True
+    if not remaining:
+        (cfg.deployment_dir / LAUNCH_NAME).unlink(missing_ok=True)
+        # A broker that could not take the stop left its journal: down means nothing is replayed later.
+        (cfg.deployment_dir / JOURNAL_NAME).unlink(missing_ok=True)
+    return DownReport(stopped, cancelled, remaining, removed)
+
+
+def load_launched(deployment_dir: Path) -> tuple[LaunchRecord, DeployConfig]:
+    """The launch record and the deploy file it came from (for scale)."""
+    record = LaunchRecord.load(deployment_dir)
+    if record is None:
+        raise SlurmError(f"deployment {deployment_dir.name!r} was not launched (no {deployment_dir / LAUNCH_NAME})")
+    cfg = load_deploy(record.deploy_file, deployment=record.deployment)
+    cfg.home = record.home
+    return record, cfg

@@ -1,0 +1,221 @@
+"""The three roles as they run inside a Slurm allocation.
+
+Both ``prorl launch`` (a submitit function call) and ``prorl serve ...``
+(``prorl render-sbatch`` scripts, plain sbatch) end up here, so a role
+behaves the same whichever way it was submitted:
+
+- identity from Slurm's environment (:class:`SlurmIdentity`): a node or
+  backend is named after its array index, so a requeued task rejoins as itself;
+- nodes and bridges wait for the broker's rendezvous file (bounded) instead of
+  dying when they start first;
+- SIGTERM (``scancel``, ``prorl down``) drains and exits; SIGUSR2 (the
+  ``--signal`` time-limit warning, or preemption with
+  ``preempt_send_user_signal``) drains, then requeues the task with
+  ``scontrol requeue`` so it comes back and rejoins. A broker leaves without
+  cancelling jobs and keeps its journal; the requeued broker replays it.
+
+The role runs in this very process (no server child), so signals reach it
+the same way under ``proctrack/cgroup`` and ``proctrack/linuxproc``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+
+from prorl_cli.config import ProrlConfig, load_config
+from prorl_cli.exceptions import RendezvousError
+from prorl_cli.rendezvous import BrokerLock, read_rendezvous
+from prorl_cli.slurm.identity import SlurmIdentity
+
+log = logging.getLogger(__name__)
+
+Role = Literal["broker", "node", "inference"]
+
+
+class RoleSignals:
+    """SIGTERM: leave. SIGUSR2: leave, then requeue. Installed before a role's own handlers.
+
+    While a role's event loop runs, its own SIGTERM handler takes over; SIGUSR2
+    stays here and turns into a SIGTERM to this process, so the role drains
+    through its one shutdown path.
+    """
+
+    def __init__(self) -> None:
+        self.leave = threading.Event()
+        self.requeue = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGUSR2, self._on_usr2)
+
+    def _on_term(self, signum: int, frame: FrameType | None) -> None:
+        log.info("SIGTERM: leaving")
+        self.leave.set()
+
+    def _on_usr2(self, signum: int, frame: FrameType | None) -> None:
+        log.info("SIGUSR2 (time limit or preemption): draining, then requeueing")
+        self.requeue = True
+        self.leave.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def wait_for_broker(deployment_dir: Path, timeout_s: float, leave: threading.Event) -> bool:
+    """Wait for the rendezvous file; False when asked to leave first. Raises after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    logged = False
+    while True:
+        try:
+            read_rendezvous(deployment_dir)
+            return True
+        except RendezvousError as e:
+            if time.monotonic() >= deadline:
+                raise RendezvousError(f"no broker after {timeout_s:.0f} s: {e}") from e
+            if not logged:
+                log.info("waiting up to %.0f s for the broker's rendezvous file in %s", timeout_s, deployment_dir)
+                logged = True
+        if leave.wait(0.5):
+            return False
+
+
+def requeue_self(identity: SlurmIdentity) -> None:
+    """Ask Slurm to requeue this task (it comes back after the cluster's requeue delay)."""
+    ref = identity.task_ref
+    if ref is None:
+        return
+    from prorl_cli.slurm.squeue import job_detail
+
+    if job_detail(ref).get("Requeue") == "0":
+        log.info("%s was submitted with --no-requeue: not requeueing", ref)
+        return
+    # Requeueing sends us SIGTERM once more; we are done, so let it pass quietly.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    proc = subprocess.run(["scontrol", "requeue", ref], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", ref, proc.stderr.strip())
+    else:
+        log.info("requeued %s", ref)
+
+
+@dataclass
+class RoleSpec:
+    """Everything a submitted role needs; pickled by submitit, so plain values only."""
+
+    role: Role
+    deployment: str
+    home: str
+    config_path: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # dotted prorl.yaml keys
+    index: int | None = None  # array position (stable across requeues and scale-ups)
+    rendezvous_wait_s: float = 600.0
+    requeue: bool = True
+    # broker
+    bind_host: str = "0.0.0.0"
+    port: int = 0
+    # inference
+    model: str | None = None
+    engine: str = "vllm"
+    vllm_args: list[str] = field(default_factory=list)
+    capacity: int | None = None
+    max_model_len: int | None = None
+
+    def config(self) -> ProrlConfig:
+        os.environ["PRORL_HOME"] = self.home
+        os.environ["PRORL_DEPLOYMENT"] = self.deployment
+        return load_config(self.config_path, self.overrides)
+
+
+@contextlib.contextmanager
+def slurm_lifecycle(requeue: bool = True) -> Iterator[RoleSignals]:
+    """Around a role: SIGTERM leaves, SIGUSR2 leaves and (in Slurm, ``requeue``) requeues the task after."""
+    identity = SlurmIdentity.from_env()
+    signals = RoleSignals()
+    signals.install()
+    try:
+        yield signals
+    finally:
+        signals.install()  # a role's event loop restores the default handlers on its way out
+        if signals.requeue and requeue and identity.in_slurm:
+            requeue_self(identity)
+
+
+def serve_role(spec: RoleSpec, config: ProrlConfig | None = None) -> int:
+    """Run one role in this process until it is stopped; return its exit code."""
+    identity = SlurmIdentity.from_env()
+    if config is None:
+        config = spec.config()
+        logging.basicConfig(
+            level=getattr(logging, config.log_level.upper(), logging.INFO),
+            format=f"%(asctime)s {spec.role}[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
+        )
+    if identity.in_slurm:
+        log.info("%s of deployment %r: %s", spec.role, config.deployment, identity.describe())
+    with slurm_lifecycle(spec.requeue) as signals:
+        if spec.role == "broker":
+            return _serve_broker(spec, config)
+        if spec.role == "inference":
+            # The engine starts while the broker may still be coming up; the bridge waits for it.
+            return _serve_inference(spec, config, identity)
+        if not wait_for_broker(config.deployment_dir, spec.rendezvous_wait_s, signals.leave):
+            log.info("asked to leave before the broker appeared")
+            return 0
+        _serve_node(spec, config, identity)
+        return 0
+
+
+def _serve_broker(spec: RoleSpec, config: ProrlConfig) -> int:
+    from prorl_cli.broker.server import Broker
+
+    config.broker.bind_host = spec.bind_host
+    config.broker.port = spec.port
+    # One live broker per deployment: a second (say, a stray resubmission) refuses here.
+    with BrokerLock.acquire(config.deployment_dir):
+        broker = Broker(config)
+        log.info("broker of %r on %s", config.deployment, broker.address)
+        broker.serve_forever()
+    return 0
+
+
+def _serve_node(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity) -> None:
+    from prorl_cli.node.server import run_node
+
+    if identity.cpus and "node.n_run" not in spec.overrides:
+        log.info("Slurm gave %d CPU(s); pools as configured (n_run=%d)", identity.cpus, config.node.n_run)
+    run_node(config, node_id=identity.member_id("node", spec.index))
+
+
+def _serve_inference(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity) -> int:
+    from prorl_cli.inference.serve import BridgeOptions, run_bridge
+
+    if identity.in_slurm:
+        log.info("GPUs visible: %s", ",".join(identity.gpus) or "none")
+    vllm_args = list(spec.vllm_args)
+    if spec.engine == "vllm" and len(identity.gpus) > 1 and not any(a.startswith("--tensor-parallel-size") for a in vllm_args):
+        # One backend per task over every GPU Slurm gave it.
+        vllm_args += ["--tensor-parallel-size", str(len(identity.gpus))]
+    opts = BridgeOptions(
+        engine=spec.engine,
+        model=spec.model,
+        backend_id=identity.member_id("inference", spec.index),
+        capacity=spec.capacity or config.inference.capacity,
+        max_model_len=spec.max_model_len,
+        vllm_args=vllm_args,
+        broker_wait_s=spec.rendezvous_wait_s,
+    )
+    return asyncio.run(run_bridge(opts, config))
+
+
+def submitted_role(spec: RoleSpec) -> int:
+    """The function submitit runs in the Slurm task (module level, so it pickles by reference)."""
+    return serve_role(spec)

@@ -1,0 +1,128 @@
+"""Slurm's view of a deployment, read from ``squeue`` and ``scontrol`` directly.
+
+submitit's ``job.state`` asks ``sacct`` only (``UNKNOWN`` without accounting)
+and ``job.result()`` never returns for a cancelled job, so prorl asks Slurm
+itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prorl_cli.exceptions import SlurmError
+
+# squeue fields: job id (123_4 for array tasks), state, reason, node list, elapsed, time left, name.
+_FORMAT = "%i|%T|%r|%N|%M|%L|%j"
+ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"})
+
+
+@dataclass(frozen=True)
+class SlurmTask:
+    """One squeue row: a job, or one task of an array."""
+
+    job_id: str  # "123" or "123_4"
+    state: str
+    reason: str
+    nodes: str
+    elapsed: str
+    time_left: str
+    name: str
+
+    @property
+    def array_job_id(self) -> str:
+        return self.job_id.split("_", 1)[0]
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    @property
+    def pending_reason(self) -> str | None:
+        return self.reason if self.state == "PENDING" and self.reason not in ("", "None") else None
+
+
+def slurm_available() -> bool:
+    """Whether this machine can talk to a Slurm controller."""
+    if shutil.which("squeue") is None:
+        return False
+    proc = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=False, timeout=30)
+    return proc.returncode == 0
+
+
+def _run(cmd: list[str], timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout_s)
+    except FileNotFoundError as e:
+        raise SlurmError(f"{cmd[0]}: not found; is this a Slurm login node?") from e
+    except subprocess.TimeoutExpired as e:
+        raise SlurmError(f"{' '.join(cmd)}: no answer in {timeout_s:.0f} s") from e
+
+
+def query(job_ids: Iterable[str], all_states: bool = False) -> list[SlurmTask]:
+    """squeue rows of these jobs (array job ids expand to their tasks, pending ones included)."""
+    refs = {str(j) for j in job_ids}
+    ids = sorted({r.split("_", 1)[0] for r in refs})
+    if not ids:
+        return []
+    cmd = ["squeue", "-h", "-r", "-o", _FORMAT, "-j", ",".join(ids)]
+    if all_states:
+        cmd += ["-t", "all"]
+    proc = _run(cmd)
+    if proc.returncode != 0:
+        # squeue exits 1 with "Invalid job id specified" once every id has aged out.
+        if "Invalid job id" in proc.stderr:
+            return []
+        raise SlurmError(f"squeue failed: {proc.stderr.strip()}")
+    rows = []
+    for line in proc.stdout.splitlines():
+        parts = line.split("|")
+        # squeue answers for whole arrays: keep the tasks asked for (or every task of an array asked for).
+        if len(parts) == 7 and (parts[0] in refs or parts[0].split("_", 1)[0] in refs):
+            rows.append(SlurmTask(*parts))
+    return rows
+
+
+def active(job_ids: Iterable[str]) -> list[SlurmTask]:
+    """The rows of these jobs that still hold or wait for resources."""
+    return [t for t in query(job_ids) if t.active]
+
+
+def cancel(refs: Iterable[str], signal_name: str | None = None) -> None:
+    """``scancel`` these jobs or array tasks (optionally only signal them)."""
+    refs = list(refs)
+    if not refs:
+        return
+    cmd = ["scancel"]
+    if signal_name:
+        cmd += [f"--signal={signal_name}"]
+    proc = _run([*cmd, *refs])
+    if proc.returncode != 0:
+        raise SlurmError(f"scancel {' '.join(refs)} failed: {proc.stderr.strip()}")
+
+
+def wait_gone(job_ids: Iterable[str], timeout_s: float) -> list[SlurmTask]:
+    """Poll squeue until none of these jobs is active; return what is left at the deadline."""
+    ids = list(job_ids)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = active(ids)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.5)
+
+
+def job_detail(ref: str) -> dict[str, str]:
+    """``scontrol show job`` as a key/value map (empty once the job has aged out)."""
+    proc = _run(["scontrol", "-o", "show", "job", ref])
+    if proc.returncode != 0:
+        return {}
+    out: dict[str, str] = {}
+    for token in proc.stdout.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            out.setdefault(key, value)
+    return out

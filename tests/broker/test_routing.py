@@ -1,0 +1,343 @@
+"""The router as a plain object: each policy's choice, call bookkeeping, job ends and backend loss.
+
+No sockets: the router sends through a function that records what it sent,
+and asks a table of real ``Node`` records which node a peer is and where a
+job runs. Everything is driven by the same handler calls the broker makes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prorl_cli.broker.routing import Router
+from prorl_cli.broker.state import Node
+from prorl_cli.exceptions import ConfigError
+from prorl_cli.protocol import ErrorCode, Op, pack_tokens
+
+PROMPT = [pack_tokens([1, 2, 3])]
+N1, N2 = b"node-1", b"node-2"
+
+
+class Cluster:
+    """Two nodes, a job table (job id -> node id) and a router whose sends are recorded."""
+
+    def __init__(self, policy: str = "least_loaded_sticky", cancel_propagation: bool = True) -> None:
+        self.sent: list[tuple[bytes, dict[str, Any], list[bytes]]] = []
+        self.nodes = {
+            N1: Node(node_id="n1", identity=N1, host="h1", pid=1, credit=8, tasks={"t"}),
+            N2: Node(node_id="n2", identity=N2, host="h2", pid=2, credit=8, tasks={"t"}),
+        }
+        self.jobs: dict[str, str] = {}  # running job -> node id
+        self.router = Router(
+            self.send, self.nodes.get, self.jobs.get, policy=policy, cancel_propagation=cancel_propagation,
+            heartbeat_interval_s=1.0, heartbeat_liveness=3,
+        )
+        self._rid = 0
+
+    def send(self, identity: bytes, header: dict[str, Any], payload: Any = ()) -> bool:
+        self.sent.append((identity, header, list(payload)))
+        return True
+
+    def take(self, identity: bytes | None = None) -> list[dict[str, Any]]:
+        """Headers sent (to ``identity``) since the last take."""
+        out = [h for who, h, _ in self.sent if identity is None or who == identity]
+        self.sent = [s for s in self.sent if identity is not None and s[0] != identity]
+        return out
+
+    def bridge(self, backend_id: str, host: str = "h9") -> bytes:
+        identity = f"bridge-{backend_id}".encode()
+        self.router.on_register_backend(identity, {"rid": 1, "backend_id": backend_id, "host": host, "model": "m"}, [])
+        (ack,) = [s for s in self.sent if s[0] == identity and s[1]["op"] == Op.REPLY.value]
+        assert ack[1]["ok"]
+        self.sent.remove(ack)
+        return identity
+
+    def generate(self, job_id: str, requester: bytes = N1) -> int:
+        self._rid += 1
+        self.router.on_generate(requester, {"op": Op.GENERATE, "rid": self._rid, "job_id": job_id}, PROMPT)
+        return self._rid
+
+    def routed(self, job_id: str, requester: bytes = N1) -> str:
+        """Make one call for ``job_id`` and return the backend it was forwarded to."""
+        self.generate(job_id, requester)
+        ((who, header, _),) = [s for s in self.sent if s[1].get("op") == Op.GENERATE.value]
+        self.sent.clear()
+        assert header["job_id"] == job_id
+        return who.decode().removeprefix("bridge-")
+
+    def reply(self, bridge: bytes, call_id: int, **fields: Any) -> None:
+        self.router.on_generate_reply(bridge, {"op": Op.GENERATE_REPLY, "rid": call_id, "finish_reason": "stop", **fields},
+                                      PROMPT + PROMPT)
+
+    def inflight(self) -> dict[str, int]:
+        return {s.backend_id: s.inflight for s in self.router.backend_statuses()}
+
+    def live_jobs(self) -> dict[str, int]:
+        return {s.backend_id: s.jobs for s in self.router.backend_statuses()}
+
+
+def run(c: Cluster, *job_ids: str, node: str = "n1") -> None:
+    for j in job_ids:
+        c.jobs[j] = node
+
+
+def end(c: Cluster, *job_ids: str) -> None:
+    for j in job_ids:
+        del c.jobs[j]
+        c.router.job_ended(j)
+
+
+# ---------------------------------------------------------------------- policies
+
+
+def test_least_loaded_sticky_balances_live_jobs_and_keeps_each_job_on_its_backend() -> None:
+    c = Cluster()
+    c.bridge("b1")
+    c.bridge("b2")
+    run(c, "j1", "j2", "j3")
+    # j3 ties on live jobs (1 each) and goes where fewer calls are in flight (j1 made two).
+    assert [c.routed("j1"), c.routed("j2"), c.routed("j1"), c.routed("j3")] == ["b1", "b2", "b1", "b2"]
+    assert c.live_jobs() == {"b1": 1, "b2": 2}
+    end(c, "j2", "j3")
+    run(c, "j4")
+    assert c.routed("j4") == "b2"  # no live job left there
+    assert c.live_jobs() == {"b1": 1, "b2": 1}
+
+
+def test_least_loaded_sticky_prefers_the_requesting_nodes_host_on_a_tie() -> None:
+    c = Cluster()
+    c.bridge("far", host="h9")
+    c.bridge("near", host="h2")
+    run(c, "j1", node="n2")
+    assert c.routed("j1", requester=N2) == "near"
+
+
+def test_round_robin_sends_each_call_to_the_next_backend_and_binds_no_job() -> None:
+    c = Cluster("round_robin")
+    c.bridge("b1")
+    c.bridge("b2")
+    c.bridge("b3")
+    run(c, "j1", "j2")
+    assert [c.routed("j1") for _ in range(4)] + [c.routed("j2")] == ["b1", "b2", "b3", "b1", "b2"]
+    assert c.live_jobs() == {"b1": 0, "b2": 0, "b3": 0}
+
+
+def test_ever_assigned_counts_jobs_that_ended_where_least_loaded_does_not() -> None:
+    choices = {}
+    for policy in ("least_loaded_sticky", "ever_assigned"):
+        c = Cluster(policy)
+        c.bridge("b1")
+        c.bridge("b2")
+        run(c, "j1", "j2", "j3")
+        assert [c.routed("j1"), c.routed("j2"), c.routed("j3")] == ["b1", "b2", "b1"]
+        end(c, "j1", "j3")  # b1: 0 live jobs, 2 ever assigned; b2: 1 live, 1 ever
+        run(c, "j4")
+        choices[policy] = c.routed("j4")
+        assert c.routed("j4") == choices[policy], "both policies are sticky"
+    assert choices == {"least_loaded_sticky": "b1", "ever_assigned": "b2"}
+
+
+def test_an_unknown_policy_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="routing_policy: 'fastest'"):
+        Cluster("fastest")
+
+
+# ---------------------------------------------------------------------- bookkeeping
+
+
+def test_inflight_is_computed_from_pending_calls_and_replies_carry_the_policy_version() -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    run(c, "j1", "j2")
+    c.generate("j1")
+    c.generate("j1")
+    c.generate("j2")
+    calls = [h["rid"] for h in c.take(b1)]
+    assert c.inflight() == {"b1": 3}
+    c.reply(b1, calls[0])
+    (answer,) = c.take(N1)
+    assert answer["ok"] and answer["backend_id"] == "b1" and answer["policy_version"] == 0
+    c.reply(b1, calls[0])  # a repeat is ignored
+    assert c.take() == [] and c.inflight() == {"b1": 2}
+    # A call forwarded after a weight update is labelled with the new version.
+    c.router.on_pause_generation(b"trainer", {"rid": 7, "policy_version": 4}, [])
+    c.router.on_resume_generation(b"trainer", {"rid": 8}, [])
+    assert [h["policy_version"] for h in c.take(b"trainer")] == [4, 4]
+    c.generate("j2")
+    (late,) = [h["rid"] for h in c.take(b1)]
+    c.reply(b1, late)
+    c.reply(b1, calls[2])
+    assert [h["policy_version"] for h in c.take(N1)] == [4, 0]
+    assert c.inflight() == {"b1": 1}
+
+
+def test_job_ended_cancels_its_calls_at_the_bridge_and_answers_the_node_at_once() -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    run(c, "j1", "j2")
+    r1 = c.generate("j1")
+    c.generate("j2")
+    forwarded = {h["job_id"]: h["rid"] for h in c.take(b1)}
+    end(c, "j1")
+    assert c.take(b1) == [{"op": Op.GENERATE_CANCEL.value, "rid": forwarded["j1"], "job_id": "j1"}]
+    (answer,) = c.take(N1)
+    assert answer["rid"] == r1 and not answer["ok"] and answer["error"]["code"] == ErrorCode.UNKNOWN_JOB.value
+    assert c.inflight() == {"b1": 1} and c.live_jobs() == {"b1": 1}
+    c.reply(b1, forwarded["j1"])  # the bridge answered before it saw the cancel: nobody hears of it
+    assert c.take(N1) == []
+
+
+def test_without_cancel_propagation_an_ended_jobs_calls_keep_running_and_still_answer() -> None:
+    c = Cluster(cancel_propagation=False)
+    b1 = c.bridge("b1")
+    run(c, "j1")
+    r1 = c.generate("j1")
+    (fwd,) = [h["rid"] for h in c.take(b1)]
+    end(c, "j1")
+    assert c.take() == [], "no cancel to the bridge, no early answer"
+    assert c.inflight() == {"b1": 1} and c.live_jobs() == {"b1": 0}
+    c.router.on_generate_cancel(N1, {"rid": r1, "job_id": "j1"}, [])  # the node's own give-up is not propagated either
+    assert c.take(b1) == [] and c.inflight() == {"b1": 1}
+    c.reply(b1, fwd)
+    (answer,) = c.take(N1)
+    assert answer["rid"] == r1 and answer["ok"]
+    assert c.inflight() == {"b1": 0}
+
+
+def test_held_calls_of_an_ended_job_are_answered_and_the_rest_released_on_resume() -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    run(c, "j1", "j2")
+    c.router.on_pause_generation(b"trainer", {"rid": 1}, [])
+    r1 = c.generate("j1")
+    c.generate("j2")
+    assert len(c.router.held) == 2 and c.take(b1) == []
+    end(c, "j1")
+    (answer,) = c.take(N1)
+    assert answer["rid"] == r1 and answer["error"]["code"] == ErrorCode.UNKNOWN_JOB.value
+    c.router.on_resume_generation(b"trainer", {"rid": 2}, [])
+    assert [h["job_id"] for h in c.take(b1)] == ["j2"]
+    assert len(c.router.held) == 0
+
+
+def test_calls_wait_for_a_first_backend() -> None:
+    c = Cluster()
+    run(c, "j1")
+    c.generate("j1")
+    assert len(c.router.held) == 1 and c.take() == []
+    b1 = c.bridge("b1")
+    assert [h["job_id"] for h in c.take(b1)] == ["j1"]
+    assert len(c.router.held) == 0
+
+
+# ---------------------------------------------------------------------- refusals (defects 7, 17)
+
+
+def test_generate_from_an_unregistered_peer_is_refused_and_nothing_is_held() -> None:
+    c = Cluster()
+    run(c, "j1")
+    c.generate("j1", requester=b"stranger")
+    (answer,) = c.take(b"stranger")
+    assert answer["error"]["code"] == ErrorCode.UNKNOWN_PEER.value
+    assert len(c.router.held) == 0 and len(c.router.pending) == 0
+    for op in (c.router.on_generate_done, c.router.on_generate_cancel):
+        op(b"stranger", {"rid": 3, "job_id": "j1", "backend_id": "b1"}, [])
+        assert c.take(b"stranger")[0]["error"]["code"] == ErrorCode.UNKNOWN_PEER.value
+    c.router.on_generate_reply(b"stranger", {"rid": 1}, [])
+    assert c.take(b"stranger")[0]["error"]["code"] == ErrorCode.UNKNOWN_PEER.value
+
+
+@pytest.mark.parametrize("where", [None, "n2"], ids=["not-running", "on-another-node"])
+def test_generate_for_a_job_not_running_on_the_requester_is_refused_and_never_routed(where: str | None) -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    if where is not None:
+        run(c, "j1", node=where)
+    c.generate("j1")
+    (answer,) = c.take(N1)
+    assert answer["error"]["code"] == ErrorCode.UNKNOWN_JOB.value and "j1" in answer["error"]["message"]
+    assert c.take(b1) == [] and c.live_jobs() == {"b1": 0} and c.inflight() == {"b1": 0}
+
+
+def test_a_bridge_cannot_answer_another_bridges_call() -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    b2 = c.bridge("b2")
+    run(c, "j1")
+    c.generate("j1")
+    (fwd,) = [h["rid"] for h in c.take(b1)]
+    c.reply(b2, fwd)
+    assert c.take(N1) == [] and c.inflight()["b1"] == 1
+
+
+# ---------------------------------------------------------------------- backend loss, HTTP backends, stop
+
+
+def test_a_lost_backend_fails_its_calls_and_its_jobs_move() -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    run(c, "j1")
+    r1 = c.generate("j1")
+    c.take(b1)
+    c.router.unregister(b1)
+    (answer,) = c.take(N1)
+    assert answer["rid"] == r1 and answer["error"]["code"] == ErrorCode.BACKEND_ERROR.value and "b1" in answer["error"]["message"]
+    assert c.router.backend_statuses() == [] and not c.router.bridges_alive()
+    c.bridge("b2")
+    assert c.routed("j1") == "b2"
+
+
+def test_silent_bridge_is_lost_on_tick() -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    run(c, "j1")
+    c.generate("j1")
+    c.take(b1)
+    c.router.tick(c.router.backends["b1"].last_seen + 1.0)
+    assert c.take(b1) == [{"op": Op.HEARTBEAT.value}]
+    c.router.tick(c.router.backends["b1"].last_seen + 10.0)
+    assert c.take(N1)[0]["error"]["code"] == ErrorCode.BACKEND_ERROR.value
+    assert "b1" not in c.router.backends
+
+
+def test_http_backend_redirects_counts_until_done_and_is_pruned_once_cleared_and_idle() -> None:
+    c = Cluster()
+    url = "http://h3:8000/v1"
+    c.router.on_add_llm_server(b"trainer", {"rid": 1, "url": url + "/"}, [])
+    run(c, "j1")
+    r1 = c.generate("j1")
+    (answer,) = c.take(N1)
+    assert answer["rid"] == r1 and answer["redirect"] == url and answer["policy_version"] == 0
+    assert c.inflight() == {url: 1} and c.live_jobs() == {url: 1}
+    c.router.on_clear_llm_server(b"trainer", {"rid": 2, "url": url}, [])
+    assert url in c.router.backends, "a job still uses it"
+    c.router.on_generate_done(N1, {"job_id": "j1", "backend_id": url}, [])
+    assert c.inflight() == {url: 0}
+    end(c, "j1")
+    assert url not in c.router.backends
+
+
+def test_stop_answers_held_and_forwarded_calls_and_shuts_bridges_down() -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    run(c, "j1", "j2")
+    c.generate("j1")
+    c.take()
+    c.router.on_pause_generation(b"trainer", {"rid": 1}, [])
+    c.generate("j2")
+    c.take()
+    c.router.stop()
+    assert c.take(b1) == [{"op": Op.SHUTDOWN.value}]
+    codes = [h["error"]["code"] for h in c.take(N1)]
+    assert codes == [ErrorCode.SHUTTING_DOWN.value] * 2
+    assert len(c.router.held) == 0 and len(c.router.pending) == 0
+
+
+def test_bad_policy_version_is_refused_by_name() -> None:
+    c = Cluster()
+    c.router.on_pause_generation(b"trainer", {"rid": 1, "policy_version": "v2"}, [])
+    (answer,) = c.take(b"trainer")
+    assert answer["error"]["code"] == ErrorCode.BAD_FIELD.value and "policy_version" in answer["error"]["message"]
+    assert not c.router.paused and c.router.policy_version == 0

@@ -1,0 +1,71 @@
+"""Helpers for the tests on a real Slurm (scripts/provision/50-slurm.sh starts one here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from prorl_cli.slurm.squeue import slurm_available
+
+T = TypeVar("T")
+
+# Short heartbeats so lost peers are noticed in test time; small pools for 2 cores.
+ROLE_CONFIG: dict[str, Any] = {
+    "broker": {"heartbeat_interval_s": 0.5, "heartbeat_liveness": 6},
+    "node": {"n_init": 4, "n_run": 8, "n_eval": 4, "stop_grace_s": 3.0},
+    "jobs": {"timeout_s": 120.0},
+}
+
+
+def require_slurm() -> None:
+    if not slurm_available():
+        pytest.skip("no Slurm controller here (as root, scripts/provision/50-slurm.sh installs and starts one)")
+
+
+def prorl(home: Path, *args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI (children inherit PYTHONPATH, so Slurm jobs run this tree too)."""
+    return subprocess.run(
+        [sys.executable, "-m", "prorl_cli", "--home", str(home), *args],
+        capture_output=True, text=True, timeout=timeout_s, check=False, env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+def node_memory_gb() -> float:
+    """RealMemory of the fake node n1: node tasks ask for 60% so no two share a Slurm node."""
+    out = subprocess.run(["scontrol", "-o", "show", "node", "n1"], capture_output=True, text=True, check=True).stdout
+    real_mb = next(int(t.split("=", 1)[1]) for t in out.split() if t.startswith("RealMemory="))
+    return real_mb / 1024
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.5) -> T:
+    """Poll Slurm or the broker (neither pushes events to us) until ``predicate`` is truthy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def scontrol(*args: str) -> str:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
+
+
+def logs_of(folder: Path) -> str:
+    """Every Slurm log under a folder, concatenated."""
+    return "\n".join(p.read_text(errors="replace") for p in sorted(folder.rglob("*.out")))

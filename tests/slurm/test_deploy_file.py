@@ -1,0 +1,116 @@
+"""deploy.yaml: schema, the example kept in step, bad files refused with file and key, rendered sbatch."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prorl_cli.exceptions import ConfigError
+from prorl_cli.slurm.deploy import DeployConfig, load_deploy, time_minutes
+from prorl_cli.slurm.render import render_all
+from tests.harness import REPO
+
+EXAMPLE = REPO / "examples" / "deploy.yaml"
+
+
+def _keys(cls: typing.Any, prefix: str = "") -> set[str]:
+    hints = typing.get_type_hints(cls)
+    out = set()
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        out.add(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            out |= _keys(hints[f.name], f"{prefix}{f.name}.")
+    return out
+
+
+def _file_keys(data: dict[str, typing.Any], prefix: str = "") -> set[str]:
+    out = set()
+    for k, v in data.items():
+        out.add(prefix + k)
+        if isinstance(v, dict) and k in ("broker", "nodes", "inference"):
+            out |= _file_keys(v, f"{prefix}{k}.")
+    return out
+
+
+def test_example_lists_every_key_with_its_default() -> None:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    assert _file_keys(data) == _keys(DeployConfig)
+    loaded = load_deploy(EXAMPLE)
+    defaults = DeployConfig()
+    for section in ("broker", "nodes", "inference"):
+        assert dataclasses.asdict(getattr(loaded, section)) == dataclasses.asdict(getattr(defaults, section)), section
+    assert loaded.nodes.sandbox_runtime == "apptainer", "sandboxes default to a real runtime"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("nodes: {count: two}", "nodes.count: expected int"),
+        ("nodes: {cores: 4}", "nodes: unknown key(s) ['cores']"),
+        ("nodes: {time: soon}", "nodes.time: 'soon' is not a Slurm time"),
+        ("nodes: {sandbox_runtime: docker}", "nodes.sandbox_runtime: expected one of"),
+        ("inference: {count: 2}", "inference.model: required when count > 0"),
+        ("inference: {count: 1, model: m, engine: transformers, vllm_args: [--x]}", "inference.vllm_args: only for engine vllm"),
+        ("nodes: {time: '2', signal_delay_s: 300}", "nodes.signal_delay_s: 300 s is not shorter"),
+        ("deployment: ../x", "deployment: '../x' is not a valid deployment name"),
+        ("broker: {where: cloud}", "broker.where: expected one of"),
+        ("- a list", "top level must be a mapping"),
+    ],
+)
+def test_bad_deploy_file_names_file_and_key(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_deploy(path)
+    assert str(path) in str(info.value)
+    assert needle in str(info.value)
+
+
+def test_slurm_times() -> None:
+    assert time_minutes("30") == 30
+    assert time_minutes("1:30:00") == 90
+    assert time_minutes("2-00:00:00") == 2880
+    assert time_minutes("0:90") == 2  # MM:SS rounds up
+
+
+def test_render_sbatch_scripts_carry_the_roles_options(tmp_path: Path) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(
+        yaml.safe_dump({
+            "deployment": "r", "home": str(tmp_path / "home"), "setup": ["module load cuda"],
+            "nodes": {"count": 3, "partition": "cpu", "time": "10", "signal_delay_s": 60, "array_parallelism": 2},
+            "inference": {"count": 2, "gpus_per_task": 2, "model": str(tmp_path), "vllm_args": ["--tensor-parallel-size", "2"]},
+        })
+    )
+    written = {p.name: p.read_text() for p in render_all(load_deploy(path), tmp_path / "out")}
+    assert set(written) == {"prorl.yaml", "broker.sbatch", "node.sbatch", "inference.sbatch", "all-in-one.sbatch"}
+    node = written["node.sbatch"]
+    for line in ("#SBATCH --array=0-2%2", "#SBATCH --partition=cpu", "#SBATCH --signal=B:USR2@60",
+                 "#SBATCH --open-mode=append", "#SBATCH --requeue", "#SBATCH --time=0-00:10:00", "module load cuda",
+                 "serve node --wait-s 600", "exec "):
+        assert line in node, line
+    inf = written["inference.sbatch"]
+    assert "#SBATCH --gres=gpu:2" in inf and "--tensor-parallel-size 2" in inf
+    assert "#SBATCH --gres=gpu:2" in written["all-in-one.sbatch"]
+    roles_config = yaml.safe_load(written["prorl.yaml"])
+    assert roles_config["sandbox"]["runtime"] == "apptainer", "never silently local"
+    assert roles_config["deployment"] == "r"
+
+
+def test_slurm_identity_from_the_environment() -> None:
+    from prorl_cli.slurm.identity import SlurmIdentity
+
+    env = {"SLURM_JOB_ID": "42", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "2", "SLURMD_NODENAME": "n3",
+           "SLURM_CPUS_PER_TASK": "4", "CUDA_VISIBLE_DEVICES": "1", "SLURM_RESTART_COUNT": "1"}
+    me = SlurmIdentity.from_env(env)
+    assert me.in_slurm and me.task_ref == "40_2" and me.node_name == "n3" and me.cpus == 4 and me.gpus == ["1"]
+    assert me.member_id("node") == "node-2", "named after the array index: the same after a requeue"
+    assert me.member_id("node", 7) == "node-7"
+    assert "restart 1" in me.describe()
+    assert not SlurmIdentity.from_env({}).in_slurm

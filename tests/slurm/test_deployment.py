@@ -1,0 +1,199 @@
+"""One deployment launched on a real Slurm and exercised end to end.
+
+1 broker job, a 3-task node array (one per Slurm node), a 2-task inference
+array with one fake GPU each (transformers engine, tiny model); 100 math
+rollouts; status with both views; scancel of a node task mid-run; requeue of
+the broker (journal replay); scale up and down under load; down leaves nothing.
+The tests share the deployment and run in file order.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from prorl_cli.client import RolloutClient
+from prorl_cli.config import load_config
+from prorl_cli.slurm import squeue
+from prorl_cli.slurm.launcher import LaunchRecord
+from tests.slurm.cluster import (
+    ROLE_CONFIG,
+    logs_of,
+    node_memory_gb,
+    prorl,
+    require_slurm,
+    scontrol,
+    wait_until,
+    write_yaml,
+)
+
+NAME = "slurmtest"
+pytestmark = pytest.mark.timeout(600)
+
+
+class Launched:
+    def __init__(self, home: Path, deploy_file: Path, model: Path) -> None:
+        self.home = home
+        self.deploy_file = deploy_file
+        self.model = model
+        self.dir = home / NAME
+        self._client: RolloutClient | None = None
+
+    @property
+    def record(self) -> LaunchRecord:
+        record = LaunchRecord.load(self.dir)
+        assert record is not None
+        return record
+
+    @property
+    def client(self) -> RolloutClient:
+        if self._client is None:
+            self._client = RolloutClient(NAME, config=load_config(overrides={"home": str(self.home), "deployment": NAME}))
+        return self._client
+
+    def alive_nodes(self) -> set[str]:
+        return {n.node_id for n in self.client.status().node_statuses() if n.alive}
+
+    def member(self, peer_id: str) -> Any:
+        return next(m for m in self.record.members if m.peer_id == peer_id)
+
+    def run_load(self, n: int, sleep_s: float, during: Any) -> None:
+        """Submit ``n`` jobs, call ``during()`` while they run; every job finishes once, done."""
+        ids = self.client.submit("test", [{"echo": i, "sleep_s": {"run": sleep_s}} for i in range(n)], timeout_s=120)
+        during()
+        results = self.client.wait(ids, timeout_s=240)
+        assert sorted(r.job_id for r in results) == sorted(ids), "every job answered once"
+        assert collections.Counter(r.state for r in results) == {"done": n}
+        assert sorted(r.output["echo"] for r in results) == list(range(n)), "no job lost or doubled"
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
+    require_slurm()
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (pip install 'prorl[cpu]'; scripts/install.sh does it)")
+    from prorl_cli.inference.tiny_model import make_tiny_model
+
+    base = tmp_path_factory.mktemp("slurm")
+    model = make_tiny_model(base / "model")
+    home = base / "home"
+    config = write_yaml(base / "prorl.yaml", {**ROLE_CONFIG, "inference": {"tokenizer": str(model)}})
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": NAME, "home": str(home), "config": str(config), "rendezvous_wait_s": 300,
+        "broker": {"time": "30", "cpus_per_task": 1, "mem_gb": 0.5},
+        # 60% of a node's memory each: no two node tasks share a Slurm node.
+        "nodes": {"count": 3, "time": "30", "cpus_per_task": 1, "mem_gb": round(node_memory_gb() * 0.6, 1)},
+        "inference": {"count": 2, "time": "30", "cpus_per_task": 1, "mem_gb": 0.5, "gpus_per_task": 1,
+                      "engine": "transformers", "model": str(model)},
+    })
+    up = prorl(home, "launch", str(deploy), "--wait-s", "300", timeout_s=400)
+    launched = Launched(home, deploy, model)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "is up" in up.stdout
+        yield launched
+    finally:
+        if launched._client is not None:
+            launched._client.close()
+        record = LaunchRecord.load(home / NAME)
+        if record is not None:  # a test failed before `down`: leave nothing behind
+            prorl(home, "down", NAME, timeout_s=200)
+            squeue.cancel(t.job_id for t in squeue.active(record.job_ids))
+
+
+def test_launch_places_every_role(launched: Launched) -> None:
+    record = launched.record
+    assert [m.role for m in record.members].count("broker") == 1
+    rows = {t.job_id: t for t in squeue.query(record.job_ids)}
+    node_hosts = {rows[m.job_id].nodes for m in record.of("nodes")}
+    assert node_hosts == {"n1", "n2", "n3"}, "one node server per Slurm node"
+    status = launched.client.status()
+    assert {n.node_id for n in status.node_statuses() if n.alive} == {"node-0", "node-1", "node-2"}
+    assert {b["backend_id"] for b in status.backends} == {"inference-0", "inference-1"}
+    for m in record.of("inference"):
+        text = logs_of(launched.dir / "slurm" / "inference" / m.job_id)
+        gpus = re.findall(r"GPUs visible: (\S+)", text)
+        assert gpus and re.fullmatch(r"\d", gpus[-1]), f"{m.peer_id} sees exactly one fake GPU: {gpus}"
+    for m in record.of("nodes"):
+        assert "GPUs" not in logs_of(launched.dir / "slurm" / "nodes" / m.job_id).split("registered")[0]
+
+
+def test_math_rollouts_and_both_views_in_status(launched: Launched) -> None:
+    instances = [{"question": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1), "tokenizer": str(launched.model),
+                  "max_turns": 2} for i in range(100)]
+    ids = launched.client.submit("math_agent", instances, sampling={"max_tokens": 8}, timeout_s=300)
+    results = launched.client.wait(ids, timeout_s=400)
+    assert collections.Counter(r.state for r in results) == {"done": 100}
+    assert {r.node_id for r in results} <= {"node-0", "node-1", "node-2"}
+    assert all(r.output["trajectory"] for r in results) if "trajectory" in results[0].output else results[0].output
+    st = prorl(launched.home, "-d", NAME, "status")
+    assert st.returncode == 0, st.stderr
+    assert "Slurm" in st.stdout and "RUNNING" in st.stdout, "Slurm's view"
+    for peer in ("node-0", "node-1", "node-2", "inference-0", "inference-1"):
+        assert st.stdout.count(peer) >= 2, f"{peer} in both views"
+
+
+def test_scancel_of_a_node_task_mid_run_moves_its_jobs(launched: Launched) -> None:
+    victim = launched.member("node-1")
+
+    def cancel_when_busy() -> None:
+        wait_until(lambda: any(n.node_id == "node-1" and n.inflight for n in launched.client.status().node_statuses()),
+                   60, "node-1 to hold jobs")
+        squeue.cancel([victim.job_id])
+
+    launched.run_load(40, 1.0, cancel_when_busy)
+    assert "node-1" not in launched.alive_nodes()
+    assert not squeue.wait_gone([victim.job_id], 60), "the cancelled task left squeue"
+
+
+def test_requeued_broker_replays_its_journal(launched: Launched) -> None:
+    broker = launched.member("broker")
+
+    def requeue_broker() -> None:
+        wait_until(lambda: launched.client.status().jobs.get("run", 0) > 0, 60, "jobs running")
+        scontrol("requeue", broker.job_id)
+        # Skip Slurm's requeue delay (PENDING/BeginTime, about 120 s).
+        wait_until(lambda: any(t.state == "PENDING" for t in squeue.query([broker.job_id])), 60, "broker pending")
+        scontrol("update", f"JobId={broker.job_id}", "StartTime=now")
+
+    launched.run_load(30, 1.5, requeue_broker)
+    assert "journal replayed" in logs_of(launched.dir / "slurm" / "broker")
+    wait_until(lambda: launched.alive_nodes() >= {"node-0", "node-2"}, 60, "nodes back with the requeued broker")
+
+
+def test_scale_up_and_down_under_load(launched: Launched) -> None:
+    def scale() -> None:
+        up = prorl(launched.home, "scale", NAME, "--nodes", "3")
+        assert up.returncode == 0, up.stderr
+        assert "added node-3" in up.stdout
+        wait_until(lambda: "node-3" in launched.alive_nodes(), 120, "node-3 to register")
+        down = prorl(launched.home, "scale", NAME, "--nodes", "2")
+        assert down.returncode == 0, down.stderr
+        assert "removed node-3" in down.stdout
+
+    launched.run_load(60, 0.5, scale)
+    assert launched.alive_nodes() == {"node-0", "node-2"}
+
+
+def test_down_leaves_nothing(launched: Launched) -> None:
+    record = launched.record
+    launched.client.close()
+    launched._client = None
+    down = prorl(launched.home, "down", NAME, timeout_s=200)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not squeue.active(record.job_ids)
+    assert not (launched.dir / "broker.json").exists()
+    assert not (launched.dir / "launch.json").exists()
+    assert not (launched.dir / "broker.journal").exists(), "down leaves nothing to replay"
+    folder = str(launched.dir)
+    leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if any(folder in a for a in p.info["cmdline"] or [])]
+    assert not leftovers, f"processes of the deployment still running: {leftovers}"
+    gone = prorl(launched.home, "-d", NAME, "status")
+    assert gone.returncode != 0

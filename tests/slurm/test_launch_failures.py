@@ -1,0 +1,112 @@
+"""Launches that cannot work fail clearly and leave nothing queued."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.cluster import prorl, require_slurm, write_yaml
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _queued(name: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if f"prorl-{name}-" in line]
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    require_slurm()
+    return tmp_path
+
+
+def test_bad_deploy_file_is_refused_before_submitting(base: Path) -> None:
+    deploy = write_yaml(base / "deploy.yaml", {"deployment": "bad", "home": str(base / "home"), "nodes": {"count": "three"}})
+    out = prorl(base / "home", "launch", str(deploy))
+    assert out.returncode != 0
+    assert str(deploy) in out.stderr and "nodes.count" in out.stderr
+    assert not _queued("bad")
+    assert not (base / "home" / "bad").exists(), "nothing submitted, nothing written"
+
+
+def test_more_gpus_than_any_node_fails_with_slurms_reason(base: Path) -> None:
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": "greedy", "home": str(base / "home"),
+        "broker": {"time": "5", "cpus_per_task": 1, "mem_gb": 0.5},
+        "nodes": {"count": 1, "time": "5", "cpus_per_task": 1, "mem_gb": 0.5},
+        "inference": {"count": 1, "gpus_per_task": 3, "model": str(base), "engine": "transformers", "time": "5"},
+    })
+    out = prorl(base / "home", "launch", str(deploy), "--wait-s", "60")
+    assert out.returncode != 0
+    assert "inference" in out.stderr and "nothing left queued" in out.stderr
+    assert "configuration is not available" in out.stderr or "gres" in out.stderr.lower(), out.stderr
+    assert not _queued("greedy")
+    assert not (base / "home" / "greedy" / "launch.json").exists()
+
+
+def test_a_task_that_cannot_start_in_time_is_reported_with_its_pending_reason(base: Path) -> None:
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": "later", "home": str(base / "home"),
+        "broker": {"where": "here", "bind_host": "127.0.0.1"},
+        "nodes": {"count": 2, "time": "5", "cpus_per_task": 1, "mem_gb": 0.5, "sbatch_options": {"begin": "now+1hour"}},
+    })
+    out = prorl(base / "home", "launch", str(deploy), "--wait-s", "8")
+    assert out.returncode != 0
+    assert "not all registered after 8 s" in out.stderr and "BeginTime" in out.stderr, out.stderr
+    assert "nothing left queued" in out.stderr
+    assert not _queued("later")
+
+
+def test_a_task_that_dies_before_registering_fails_the_launch_with_its_log(base: Path) -> None:
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": "dies", "home": str(base / "home"),
+        "broker": {"where": "here", "bind_host": "127.0.0.1"},
+        "nodes": {"count": 1, "time": "5", "cpus_per_task": 1, "mem_gb": 0.5,
+                  "setup": ["echo 'site setup broke: no such module'", "exit 3"]},
+    })
+    out = prorl(base / "home", "launch", str(deploy), "--wait-s", "120")
+    assert out.returncode != 0
+    assert "node-0" in out.stderr and "FAILED" in out.stderr, out.stderr
+    assert "site setup broke: no such module" in out.stderr, "the tail of the task's log"
+    assert not _queued("dies")
+
+
+def test_status_of_a_deployment_whose_slurm_jobs_are_gone_says_so(base: Path) -> None:
+    from prorl_cli.slurm import squeue
+    from prorl_cli.slurm.launcher import LaunchRecord, Member
+
+    home = base / "home"
+    deploy = write_yaml(base / "deploy.yaml", {"deployment": "gone", "home": str(home)})
+    job = subprocess.run(["sbatch", "--parsable", "-t", "1", "-o", "/dev/null", "--wrap", "true"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert not squeue.wait_gone([job], 60)
+    LaunchRecord("gone", str(deploy), str(home), 0.0, members=[Member("nodes", 0, job)]).save(home / "gone")
+    out = prorl(home, "-d", "gone", "status", timeout_s=60)
+    assert out.returncode == 1
+    assert "all its Slurm jobs are gone" in out.stdout.replace("\n", " ")
+
+
+def test_launch_refuses_a_deployment_whose_broker_already_runs(base: Path) -> None:
+    import os
+    import sys
+
+    from prorl_cli.processes import stop_group
+    from tests.slurm.cluster import wait_until
+
+    home = base / "home"
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "prorl_cli", "--home", str(home), "-d", "busy", "serve", "broker"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env={**os.environ, "SLURM_JOB_ID": ""},
+    )
+    try:
+        wait_until(lambda: (home / "busy" / "broker.json").exists(), 60, "the broker's rendezvous file")
+        deploy = write_yaml(base / "deploy.yaml", {"deployment": "busy", "home": str(home), "nodes": {"count": 1}})
+        out = prorl(home, "launch", str(deploy))
+        assert out.returncode != 0 and "already running" in out.stderr, out.stderr
+        assert not _queued("busy")
+        assert broker.poll() is None, "the running broker is left alone"
+    finally:
+        stop_group(broker, 10)
