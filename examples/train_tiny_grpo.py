@@ -49,6 +49,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(REPO))  # handlers.math_agent (the task's system prompt and tool schema)
 
 
+#: ``math_agent`` with partial credit (0.5) for a well-formed tool episode: see handlers/math_format.py.
+TASK = "math_format"
+
+
 @dataclass
 class RunConfig:
     out: Path
@@ -56,26 +60,31 @@ class RunConfig:
     n_train: int = 200
     n_eval: int = 32
     max_operand: int = 9
-    warmup_steps: int = 400
+    #: Upper bound on supervised warm-up steps; the warm-up stops earlier at ``warmup_target_loss``.
+    warmup_steps: int = 300
+    #: Stop the warm-up once the mean loss of the last 20 steps is below this: the model then follows
+    #: the tool protocol only part of the time (sampling at temperature 1), which leaves RL room.
+    warmup_target_loss: float = 0.17
     warmup_batch: int = 8
     warmup_lr: float = 3e-3
-    steps: int = 20
+    steps: int = 10
     group_size: int = 8
     target_groups: int = 4
     lr: float = 3e-4
-    ppo_epochs: int = 4
+    ppo_epochs: int = 2
     #: Start from these weights instead of the warm-up (a directory a previous run wrote, e.g. checkpoints/v0).
     init_from: Path | None = None
     clip_eps: float = 0.2
     temperature: float = 1.0
     max_tokens: int = 40
-    eval_every: int = 3
+    eval_every: int = 2
     eval_samples: int = 2
 
 
 @dataclass
 class RunSummary:
     seed: int
+    warmup_steps: int = 0
     curve: list[tuple[int, float]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     train_rewards: list[float] = field(default_factory=list)
@@ -111,15 +120,17 @@ def demonstration(chat: Any, problem: dict[str, Any]) -> tuple[list[int], list[i
     return ids, mask
 
 
-def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig, rng: random.Random) -> float:
-    """Supervised steps on demonstrations (masked next-token loss); returns the last loss."""
+def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig, rng: random.Random) -> tuple[int, float]:
+    """Supervised steps on demonstrations (masked next-token loss) until the target loss; returns (steps, mean loss)."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
     demos = [demonstration(chat, p) for p in train]
-    loss_value = float("nan")
+    recent: list[float] = []
     model.train()
-    for _ in range(cfg.warmup_steps):
+    step = 0
+    while step < cfg.warmup_steps:
+        step += 1
         batch = rng.sample(demos, min(cfg.warmup_batch, len(demos)))
         width = max(len(ids) for ids, _ in batch)
         pad = int(chat.tokenizer.pad_token_id or 0)
@@ -131,9 +142,11 @@ def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig, 
         opt.zero_grad()
         loss.backward()
         opt.step()
-        loss_value = float(loss.detach())
+        recent = (recent + [float(loss.detach())])[-20:]
+        if len(recent) == 20 and sum(recent) / 20 < cfg.warmup_target_loss:
+            break
     model.eval()
-    return loss_value
+    return step, sum(recent) / max(1, len(recent))
 
 
 def grpo_update(model: Any, opt: Any, samples: list[Any], clip_eps: float) -> float:
@@ -154,7 +167,7 @@ def grpo_update(model: Any, opt: Any, samples: list[Any], clip_eps: float) -> fl
         per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
         loss = (w * per_token).sum()
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     model.eval()
@@ -198,7 +211,7 @@ def evaluate(client: Any, held_out: list[dict[str, Any]], cfg: RunConfig, tag: s
     for i, problem in enumerate(held_out):
         for k in range(cfg.eval_samples):
             sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": 1000 * i + k}
-            specs.append(JobSpec(job_id=f"eval-{cfg.seed}-{tag}-{i}-{k}", task="math_agent", timeout_s=300, sampling=sampling))
+            specs.append(JobSpec(job_id=f"eval-{cfg.seed}-{tag}-{i}-{k}", task=TASK, timeout_s=300, sampling=sampling))
             instances.append(problem)
     client.submit_specs(specs, instances)
     results = client.wait([s.job_id for s in specs], timeout_s=900)
@@ -232,13 +245,15 @@ def run(cfg: RunConfig) -> RunSummary:
         p["tokenizer"] = tok_dir
         p["max_turns"] = 3
 
+    summary = RunSummary(seed=cfg.seed)
     if cfg.init_from is not None:
         model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
         print(f"warm-up skipped: weights from {cfg.init_from}", flush=True)
     else:
-        sft_loss = warm_up(model, chat, train, cfg, rng)
-        print(f"warm-up: {cfg.warmup_steps} supervised steps, last loss {sft_loss:.3f}", flush=True)
-    summary = RunSummary(seed=cfg.seed)
+        sft_steps, sft_loss = warm_up(model, chat, train, cfg, rng)
+        summary.warmup_steps = sft_steps
+        print(f"warm-up: {sft_steps} supervised steps, mean loss of the last 20 {sft_loss:.3f} "
+              f"({time.monotonic() - started:.0f} s)", flush=True)
 
     def checkpoint(version: int) -> Path:
         path = cfg.out / "checkpoints" / f"v{version}"
@@ -256,7 +271,7 @@ def run(cfg: RunConfig) -> RunSummary:
         versioned = _supports_version(client.resume_generation)
         summary.curve.append((0, evaluate(client, held_out, cfg, "v0")))
         print(f"step 0: held-out reward {summary.curve[-1][1]:.3f}", flush=True)
-        sampler = BlockingDapoSampler(client, "math_agent", train, SamplerConfig(
+        sampler = BlockingDapoSampler(client, TASK, train, SamplerConfig(
             group_size=cfg.group_size, target_groups=cfg.target_groups, run_id=f"grpo{cfg.seed}",
             max_in_flight=2 * cfg.group_size,  # one engine serves one call at a time: a short queue wastes less at cancel
             carry_over=False, sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
@@ -291,7 +306,7 @@ def run(cfg: RunConfig) -> RunSummary:
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 summary.curve.append((step, evaluate(client, held_out, cfg, f"v{version}")))
                 line += f", held-out reward {summary.curve[-1][1]:.3f}"
-            print(line, flush=True)
+            print(line + f" ({time.monotonic() - started:.0f} s)", flush=True)
         sampler.close()
     write_samples_jsonl(cfg.out / "samples.jsonl", samples)
     write_samples_parquet(cfg.out / "samples.parquet", samples)
@@ -324,6 +339,36 @@ def plot(summary: RunSummary, path: Path) -> None:
     plt.close(fig)
 
 
+def aggregate(runs: list[RunSummary], path: Path) -> list[tuple[int, float, float, float]]:
+    """Per evaluation point: (step, mean, min, max) of the held-out reward over the runs; plots them to ``path``."""
+    points = []
+    for i, (step, _) in enumerate(runs[0].curve):
+        values = [r.curve[i][1] for r in runs]
+        points.append((step, sum(values) / len(values), min(values), max(values)))
+    print("held-out reward over seeds " + ", ".join(str(r.seed) for r in runs) + " (step: mean [min, max]): "
+          + ", ".join(f"{s}: {m:.3f} [{lo:.3f}, {hi:.3f}]" for s, m, lo, hi in points), flush=True)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'prorl[train]'): no PNG", flush=True)
+        return points
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for r in runs:
+        ax.plot([s for s, _ in r.curve], [v for _, v in r.curve], marker=".", alpha=0.45, label=f"seed {r.seed}")
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color="black", label="mean")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("held-out mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -332,7 +377,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int)
     ap.add_argument("--init-from", type=Path, help="skip the warm-up: start from this model directory")
     ap.add_argument("--short", action="store_true", help="the CI configuration: 2 GRPO steps, a small eval")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="run seeds SEED..SEED+N-1 one after another (OUT/seed-K each), then print the mean "
+                         "and spread per evaluation point and plot them to OUT/reward_curve_seeds.png")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="with --seeds: only aggregate OUT/seed-K that runs (e.g. started in parallel) wrote")
     args = ap.parse_args(argv)
+    if args.seeds > 1:
+        runs = []
+        for seed in range(args.seed, args.seed + args.seeds):
+            if args.plot_only:
+                runs.append(RunSummary(**json.loads((args.out / f"seed-{seed}" / "summary.json").read_text())))
+                continue
+            sub = [a for a in (argv if argv is not None else sys.argv[1:])]
+            sub = _replace_arg(_replace_arg(sub, "--out", str(args.out / f"seed-{seed}")), "--seed", str(seed))
+            sub = _replace_arg(sub, "--seeds", "1")
+            if main(sub) != 0:
+                return 1
+            runs.append(RunSummary(**{**json.loads((args.out / f"seed-{seed}" / "summary.json").read_text())}))
+        aggregate(runs, args.out / "reward_curve_seeds.png")
+        return 0
     cfg = RunConfig(out=args.out, seed=args.seed)
     if args.short:
         # The full warm-up: the sampler needs groups with some right answers to fill a step.
@@ -345,6 +409,21 @@ def main(argv: list[str] | None = None) -> int:
     cfg.init_from = args.init_from
     summary = run(cfg)
     return 0 if all(math.isfinite(x) for x in summary.losses) else 1
+
+
+def _replace_arg(argv: list[str], flag: str, value: str) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = i + 1 < len(argv)
+            continue
+        if a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out + [flag, value]
 
 
 if __name__ == "__main__":
