@@ -77,7 +77,12 @@ def test_a_handler_blocking_the_loop_10s_does_not_get_its_node_declared_dead(dep
     assert result.output["stages"] == ["init", "run", "eval"]
     node = next(n for n in client.status().nodes if n["node_id"] == "busy")
     assert node["alive"]
+    # The sidecar writes "was blocked for" on its first check after the loop resumed, which may come after the result.
+    deadline = time.monotonic() + 10
     log = deployment.log("busy")
+    while "was blocked for" not in log and time.monotonic() < deadline:
+        time.sleep(0.1)
+        log = deployment.log("busy")
     assert "event loop blocked" in log and f"job {job_id} (stage run)" in log
     assert "was blocked for" in log
 
