@@ -203,6 +203,13 @@ class BrokerPeer(ABC):
         self.registered.set()
         self.on_registered(reply)
 
+    async def rejoin(self) -> None:
+        """After a request was answered ``unknown_peer``: register again (once) and return once registered."""
+        if self.registered.is_set() and not self._leaving:
+            self.registered.clear()
+            self.spawn(self.register_again())
+        await self.registered.wait()
+
     async def register_again(self) -> None:
         """:meth:`register`, logging a failure instead of raising (the heartbeat loop retries)."""
         try:

@@ -18,7 +18,7 @@ from prorl_cli.exceptions import BrokerRestarted, InferenceError, ProtocolError,
 from prorl_cli.inference.contract import Generation, check_sampling
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.inference.settings import InferenceConfig
-from prorl_cli.protocol import Op, SamplingParams, pack_tokens
+from prorl_cli.protocol import ErrorCode, Op, SamplingParams, pack_tokens
 
 log = logging.getLogger(__name__)
 
@@ -27,16 +27,25 @@ log = logging.getLogger(__name__)
 RequestFn = Callable[..., Awaitable[tuple[dict[str, Any], list[bytes]]]]
 #: ``await notify(header)``: a message to the broker that gets no reply.
 NotifyFn = Callable[[dict[str, Any]], Awaitable[None]]
+#: ``await rejoin()``: register with the broker again and return once registered
+#: (:meth:`prorl_cli.peer.BrokerPeer.rejoin`).
+RejoinFn = Callable[[], Awaitable[None]]
 
 
 class NodeInference:
     """``generate(job_id, prompt_ids, sampling) -> Generation`` for one node's jobs."""
 
     def __init__(
-        self, request: RequestFn, config: InferenceConfig, host: str, notify: NotifyFn | None = None
+        self,
+        request: RequestFn,
+        config: InferenceConfig,
+        host: str,
+        notify: NotifyFn | None = None,
+        rejoin: RejoinFn | None = None,
     ) -> None:
         self.request = request
         self.notify = notify
+        self.rejoin = rejoin
         self.config = config
         self.host = host
         self._http: dict[str, OpenAIEngine] = {}
@@ -66,7 +75,12 @@ class NodeInference:
                 remaining_s = max(0.0, deadline - asyncio.get_running_loop().time())
                 async with asyncio.timeout(remaining_s):  # not wait_for: it can lose a cancel (gh-86296)
                     reply, payload = await self.request(header, [pack_tokens(prompt_ids)], cancel=cancel)
-                break
+                    if reply.get("ok") or self.rejoin is None or not _is_unknown_peer(reply):
+                        break
+                    # A broker that restarted (or declared us dead) does not know this node yet:
+                    # register again (claiming our running jobs) and ask again, within this call's deadline.
+                    log.warning("job %s: the broker does not know this node; registering again", job_id)
+                    await self.rejoin()
             except BrokerRestarted as e:
                 # Nothing was sampled for us (or it was lost): ask the new broker; the handler sees only latency.
                 log.warning("job %s: %s; asking again", job_id, e)
@@ -102,3 +116,8 @@ class NodeInference:
             raise InferenceError(f"backend {backend_id}: malformed generate reply: {e.message}") from e
         gen.policy_version = version
         return gen
+
+
+def _is_unknown_peer(reply: dict[str, Any]) -> bool:
+    error = reply.get("error")
+    return isinstance(error, dict) and error.get("code") == ErrorCode.UNKNOWN_PEER.value

@@ -97,7 +97,7 @@ class NodeServer(BrokerPeer):
     def _make_inference(self) -> NodeInference:
         from prorl_cli.inference import NodeInference
 
-        return NodeInference(self.request, self.config.inference, self.host, notify=self.send)
+        return NodeInference(self.request, self.config.inference, self.host, notify=self.send, rejoin=self.rejoin)
 
     def _blocker(self) -> str:
         """What the event loop is running now (read from the sidecar thread while the loop is blocked)."""
