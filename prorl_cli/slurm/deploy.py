@@ -96,12 +96,26 @@ class BrokerRole(SlurmJobOptions):
 
 
 @dataclass
-class NodesRole(SlurmJobOptions):
+class ArrayRole(SlurmJobOptions):
+    """A role submitted as a Slurm job array: one server per array task."""
+
+    count: int = 0
+    array_parallelism: int = 0  # at most this many tasks at once; 0: all
+    requeue: bool = True  # preempted or timed-out tasks drain, are requeued and rejoin
+
+    def validate(self, where: str) -> None:
+        super().validate(where)
+        if self.count < 0:
+            raise ConfigError(f"{where}.count: must be 0 or more, got {self.count}")
+        if self.array_parallelism < 0:
+            raise ConfigError(f"{where}.array_parallelism: must be 0 (all) or more, got {self.array_parallelism}")
+
+
+@dataclass
+class NodesRole(ArrayRole):
     """Node servers: one Slurm array task each."""
 
     count: int = 1
-    array_parallelism: int = 0  # at most this many tasks at once; 0: all
-    requeue: bool = True  # preempted or timed-out tasks drain, are requeued and rejoin
     sandbox_runtime: Literal["apptainer", "bwrap", "local"] = "apptainer"
     sandbox_image: str = ""  # default image for handlers that name none
     handler_paths: list[str] = field(default_factory=list)
@@ -112,10 +126,6 @@ class NodesRole(SlurmJobOptions):
 
     def validate(self, where: str) -> None:
         super().validate(where)
-        if self.count < 0:
-            raise ConfigError(f"{where}.count: must be 0 or more, got {self.count}")
-        if self.array_parallelism < 0:
-            raise ConfigError(f"{where}.array_parallelism: must be 0 (all) or more, got {self.array_parallelism}")
         for name in ("n_init", "n_run", "n_eval"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -123,7 +133,7 @@ class NodesRole(SlurmJobOptions):
 
 
 @dataclass
-class InferenceRole(SlurmJobOptions):
+class InferenceRole(ArrayRole):
     """Inference bridges: one array task per backend, ``gpus_per_task`` GPUs each (``--gres=gpu:N``).
 
     With several GPUs per task, one vLLM runs over all of them
@@ -133,8 +143,6 @@ class InferenceRole(SlurmJobOptions):
     """
 
     count: int = 0
-    array_parallelism: int = 0
-    requeue: bool = True
     gpus_per_task: int = 1
     gres: str | None = None  # full --gres value instead of gpu:<gpus_per_task> (e.g. gpu:a100:1)
     model: str | None = None  # a local model directory on a shared filesystem
@@ -145,10 +153,6 @@ class InferenceRole(SlurmJobOptions):
 
     def validate(self, where: str) -> None:
         super().validate(where)
-        if self.count < 0:
-            raise ConfigError(f"{where}.count: must be 0 or more, got {self.count}")
-        if self.array_parallelism < 0:
-            raise ConfigError(f"{where}.array_parallelism: must be 0 (all) or more, got {self.array_parallelism}")
         if self.gpus_per_task < 0:
             raise ConfigError(f"{where}.gpus_per_task: must be 0 or more, got {self.gpus_per_task}")
         if self.count and not self.model:
