@@ -108,16 +108,8 @@ class InferenceError(ProrlError, RuntimeError):
     """A generate call failed (backend gone, server error, context too long)."""
 
 
-class NoBackend(InferenceError):
-    """No inference backend is registered (or all are cleared)."""
-
-
 class BackendFailed(RemoteError, InferenceError):
-    """The broker answered a generate call with an error (backend gone or failing, no backend)."""
-
-
-class RemoteNoBackend(BackendFailed, NoBackend):
-    """The broker has no backend to route a generate call to."""
+    """The broker answered a generate call with an error (backend gone or failing)."""
 
 
 class SandboxError(ProrlError, RuntimeError):
@@ -158,7 +150,6 @@ _ERROR_CLASSES: dict[str, type[RemoteError]] = {
     "unknown_job": UnknownJob,
     "unknown_task": UnknownJob,
     "unknown_peer": UnknownJob,
-    "no_backend": RemoteNoBackend,
     "backend_error": BackendFailed,
     "shutting_down": BrokerStopping,
 }

@@ -98,7 +98,6 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_JOB = "unknown_job"
     UNKNOWN_PEER = "unknown_peer"  # a node/bridge op from a peer that has not registered
     UNKNOWN_TASK = "unknown_task"
-    NO_BACKEND = "no_backend"
     BACKEND_ERROR = "backend_error"
     SHUTTING_DOWN = "shutting_down"
 

@@ -58,7 +58,7 @@ class NodeInference:
         return engine
 
     async def generate(self, job_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        """One model call for ``job_id``; raises :class:`InferenceError` / :class:`NoBackend`."""
+        """One model call for ``job_id``; raises :class:`InferenceError`."""
         try:
             check_sampling(sampling)
         except ValueError as e:

@@ -17,7 +17,6 @@ from prorl_cli.exceptions import (
     BrokerRestarted,
     BrokerStopping,
     InferenceError,
-    NoBackend,
     RemoteError,
     UnknownJob,
 )
@@ -141,7 +140,6 @@ async def _a_new_boot_id_fails_the_requests_the_old_broker_had(router: zmq.async
         ("unknown_op", BadRequest, ValueError),
         ("unknown_job", UnknownJob, KeyError),
         ("backend_error", BackendFailed, InferenceError),
-        ("no_backend", NoBackend, InferenceError),
         ("shutting_down", BrokerStopping, RuntimeError),
         ("something_new", RemoteError, RuntimeError),
     ],
