@@ -1,14 +1,18 @@
-"""A real RL loop on the CPU: the tiny model learns tool-using addition with GRPO through prorl.
+"""A real RL loop on the CPU: the tiny model learns, with GRPO through prorl, to use the calculator.
 
     python examples/train_tiny_grpo.py --out runs/grpo --seed 0          # the full run (minutes)
     python examples/train_tiny_grpo.py --out /tmp/g --short              # the CI configuration
 
 What happens:
 
-1. ``prorl dev tiny-model`` weights (random) and a short supervised warm-up
-   on generated demonstrations, so the model emits the Hermes tool-call
-   format: ``<tool_call>{"name": "calculator", ...}</tool_call>``, then
-   ``The answer is N.`` (the ``math_agent`` handler's format).
+1. ``prorl dev tiny-model`` weights (random) and a supervised warm-up on
+   generated demonstrations of one-digit ``a + b`` / ``a - b`` problems,
+   half of them ideal tool episodes (``<tool_call>{"name": "calculator",
+   ...}</tool_call>``, then ``The answer is N.`` with the tool's result),
+   half answering at once with a random digit. The warm-up runs until the
+   model copies the digits of a tool episode (operands into the call, the
+   result into the answer), so it can do both ways but does not know which
+   one pays: it calls the tool about half the time.
 2. A real deployment on this machine (``LocalStack``): broker, node running
    ``math_agent`` (calculator tool, token-exact trajectories) and an
    inference bridge with the transformers engine serving the checkpoint.
@@ -21,7 +25,9 @@ What happens:
    checkpoint; a new one registers under a new backend id), then
    ``resume_generation`` with the bumped policy version, which the broker
    stamps on every generate reply (``ModelCall.policy_version``).
-5. Held-out mean reward after every ``--eval-every`` steps; the curve is
+   The reward (``math_agent``: 1.0 for the right number) pays the tool
+   episodes, so RL moves the decision towards the tool (``docs/training.md``).
+5. Held-out mean reward and tool use after every ``eval_every`` steps; the curve is
    printed, saved as ``curve.json`` and plotted to ``reward_curve.png``
    (matplotlib), beside the last step's exports (``samples.jsonl``,
    ``samples.parquet``) and ``summary.json``.
@@ -49,28 +55,32 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(REPO))  # handlers.math_agent (the task's system prompt and tool schema)
 
 
-#: ``math_agent`` with partial credit (0.5) for a well-formed tool episode: see handlers/math_format.py.
-TASK = "math_format"
+#: Exact-match reward (1.0 for the right number, else 0.0), calculator tool, token-exact trajectories.
+TASK = "math_agent"
 
 
 @dataclass
 class RunConfig:
     out: Path
     seed: int = 0
-    n_train: int = 200
-    n_eval: int = 32
-    max_operand: int = 9
-    #: Upper bound on supervised warm-up steps; the warm-up stops earlier at ``warmup_target_loss``.
-    warmup_steps: int = 300
-    #: Stop the warm-up once the mean loss of the last 20 steps is below this: the model then follows
-    #: the tool protocol only part of the time (sampling at temperature 1), which leaves RL room.
-    warmup_target_loss: float = 0.17
-    warmup_batch: int = 8
+    #: Held-out problems (disjoint from the training ones) and sampled episodes per problem at each evaluation.
+    n_eval: int = 16
+    eval_samples: int = 4
+    #: Share of warm-up demonstrations that call the calculator; the rest answer at once with a random digit.
+    warmup_tool_share: float = 0.5
+    #: Upper bound on supervised warm-up steps; the warm-up stops earlier once the copies are learned.
+    warmup_steps: int = 800
+    #: Mean teacher-forced probability of the right digit where a tool episode copies one (operands into
+    #: the call, the result into the answer), on problems it does not train on, at which the warm-up stops.
+    warmup_copy_target: float = 0.95
+    #: Steps at a tenth of the lr after that, so the tool/no-tool split settles near ``warmup_tool_share``.
+    warmup_settle_steps: int = 30
+    warmup_batch: int = 16
     warmup_lr: float = 3e-3
     steps: int = 10
     group_size: int = 8
     target_groups: int = 4
-    lr: float = 3e-4
+    lr: float = 1e-3
     ppo_epochs: int = 2
     #: Start from these weights instead of the warm-up (a directory a previous run wrote, e.g. checkpoints/v0).
     init_from: Path | None = None
@@ -78,14 +88,18 @@ class RunConfig:
     temperature: float = 1.0
     max_tokens: int = 40
     eval_every: int = 2
-    eval_samples: int = 2
 
 
 @dataclass
 class RunSummary:
     seed: int
     warmup_steps: int = 0
+    #: After the warm-up: teacher-forced copy accuracy and P(first answer token opens a tool call).
+    warmup_copy_acc: float = 0.0
+    warmup_p_tool: float = 0.0
     curve: list[tuple[int, float]] = field(default_factory=list)
+    #: Per evaluation: the share of held-out episodes that called the calculator (the decision RL learns).
+    tool_use: list[tuple[int, float]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     train_rewards: list[float] = field(default_factory=list)
     weight_deltas: list[float] = field(default_factory=list)
@@ -96,23 +110,39 @@ class RunSummary:
     wall_s: float = 0.0
 
 
-def problems(n: int, max_operand: int, rng: random.Random) -> list[dict[str, Any]]:
+def problems(rng: random.Random) -> list[dict[str, Any]]:
+    """Every ``a - b`` with two-digit operands and a one-digit result (1-9), shuffled by ``rng``.
+
+    A one-digit result keeps the copy of the calculator's answer a single token; operands of two
+    digits each make ~800 problems, so the warm-up has to learn to copy rather than memorise
+    answers (with 72 one-digit problems it memorised the training ones and miscopied held-out ones).
+    """
     out = []
-    for _ in range(n):
-        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
-        out.append({"question": f"What is {a} + {b}?", "answer": str(a + b), "a": a, "b": b})
+    for a in range(11, 100):
+        for b in range(max(10, a - 9), a):
+            expr = f"{a} - {b}"
+            out.append({"question": f"What is {expr}?", "answer": str(a - b), "expression": expr})
+    rng.shuffle(out)
     return out
 
 
-def demonstration(chat: Any, problem: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """Ids and loss mask of one ideal episode, built turn by turn exactly as the agent loop builds prompts."""
+def demonstration(chat: Any, problem: dict[str, Any], use_tool: bool, rng: random.Random) -> tuple[list[int], list[int]]:
+    """Ids and loss mask of one episode, built turn by turn exactly as the agent loop builds prompts.
+
+    ``use_tool``: call the calculator, then answer with its result (right). Otherwise answer at once
+    with a random digit (right one time in nine): the warm-up teaches both ways; RL has to find out
+    which one pays.
+    """
     from handlers.math_agent import SYSTEM
 
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": problem["question"]}]
     eos = chat.stop_token_ids
-    call = {"name": "calculator", "arguments": {"expression": f"{problem['a']} + {problem['b']}"}}
-    out1 = chat.encode(f"<tool_call>\n{json.dumps(call)}\n</tool_call>") + eos
     prompt = chat.initial_prompt(messages)
+    if not use_tool:
+        out = chat.encode(f"The answer is {rng.randint(1, 9)}.") + eos
+        return prompt + out, [0] * len(prompt) + [1] * len(out)
+    call = {"name": "calculator", "arguments": {"expression": problem["expression"]}}
+    out1 = chat.encode(f"<tool_call>\n{json.dumps(call)}\n</tool_call>") + eos
     delta = chat.continuation(out1, [{"role": "tool", "name": "calculator", "content": problem["answer"]}])
     out2 = chat.encode(f"The answer is {problem['answer']}.") + eos
     ids = prompt + out1 + delta + out2
@@ -120,33 +150,77 @@ def demonstration(chat: Any, problem: dict[str, Any]) -> tuple[list[int], list[i
     return ids, mask
 
 
-def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig, rng: random.Random) -> tuple[int, float]:
-    """Supervised steps on demonstrations (masked next-token loss) until the target loss; returns (steps, mean loss)."""
+def _batch(chat: Any, demos: list[tuple[list[int], list[int]]]) -> tuple[Any, Any]:
+    import torch
+
+    width = max(len(ids) for ids, _ in demos)
+    pad = int(chat.tokenizer.pad_token_id or 0)
+    ids_t = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in demos])
+    mask_t = torch.tensor([m + [0] * (width - len(m)) for _, m in demos], dtype=torch.bool)
+    return ids_t, mask_t
+
+
+def _masked_logits(model: Any, ids_t: Any, mask_t: Any) -> tuple[Any, Any]:
+    """Logits and targets at the trained positions only: the LM head over all ~250 positions dominated the step."""
+    hidden = model.model(input_ids=ids_t).last_hidden_state[:, :-1]
+    sel = mask_t[:, 1:]
+    return model.lm_head(hidden[sel]), ids_t[:, 1:][sel]
+
+
+def warmup_probe(model: Any, chat: Any, probe: list[dict[str, Any]], rng: random.Random) -> tuple[float, float]:
+    """(mean teacher-forced P(right digit) where tool episodes copy one, mean P(first answer token is ``<tool_call>``))."""
+    import torch
+
+    digit_ids = {i for d in "0123456789" for i in chat.encode(d)}
+    ids_t, mask_t = _batch(chat, [demonstration(chat, p, True, rng) for p in probe])
+    model.eval()
+    with torch.no_grad():
+        logits, targets = _masked_logits(model, ids_t, mask_t)
+        digits = torch.tensor([int(t) in digit_ids for t in targets])
+        # The mean probability of the right digit: what sampling at temperature 1 gets right.
+        probs = torch.softmax(logits[digits], dim=-1)
+        copy_acc = float(probs.gather(1, targets[digits][:, None]).mean())
+        # The first trained position of each row is the decision: open a tool call or answer.
+        first = mask_t[:, 1:].int().argmax(dim=1)
+        hidden = model.model(input_ids=ids_t).last_hidden_state
+        rows = torch.arange(len(probe))
+        p_first = torch.softmax(model.lm_head(hidden[rows, first]), dim=-1)[rows, ids_t[rows, first + 1]]
+    model.train()
+    return copy_acc, float(p_first.mean())
+
+
+def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig,
+            rng: random.Random) -> tuple[int, float, float]:
+    """Supervised steps on mixed demonstrations until the copies are learned; returns (steps, copy accuracy, P(tool))."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
-    demos = [demonstration(chat, p) for p in train]
-    recent: list[float] = []
+    probe, train = train[:16], train[16:]  # unseen problems: copying, not memorised answers
     model.train()
-    step = 0
-    while step < cfg.warmup_steps:
+    step, settle, copy_acc = 0, 0, 0.0
+    while step < cfg.warmup_steps and settle < cfg.warmup_settle_steps:
         step += 1
-        batch = rng.sample(demos, min(cfg.warmup_batch, len(demos)))
-        width = max(len(ids) for ids, _ in batch)
-        pad = int(chat.tokenizer.pad_token_id or 0)
-        ids_t = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
-        mask_t = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
-        logits = model(input_ids=ids_t).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids_t[:, 1:].reshape(-1), reduction="none")
-        loss = (nll * mask_t[:, 1:].reshape(-1)).sum() / mask_t[:, 1:].sum()
+        demos = [demonstration(chat, rng.choice(train), rng.random() < cfg.warmup_tool_share, rng)
+                 for _ in range(cfg.warmup_batch)]
+        logits, targets = _masked_logits(model, *_batch(chat, demos))
+        loss = torch.nn.functional.cross_entropy(logits, targets)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        recent = (recent + [float(loss.detach())])[-20:]
-        if len(recent) == 20 and sum(recent) / 20 < cfg.warmup_target_loss:
-            break
+        if settle:
+            settle += 1
+        elif step % 25 == 0:
+            copy_acc, p_tool = warmup_probe(model, chat, probe, rng)
+            if step % 100 == 0:
+                print(f"warm-up step {step}: P(right copied digit) {copy_acc:.2f}, P(tool call first) {p_tool:.2f}",
+                      flush=True)
+            if copy_acc >= cfg.warmup_copy_target:
+                settle = 1
+                for g in opt.param_groups:
+                    g["lr"] = cfg.warmup_lr / 10
+    copy_acc, p_tool = warmup_probe(model, chat, probe, rng)
     model.eval()
-    return step, sum(recent) / max(1, len(recent))
+    return step, copy_acc, p_tool
 
 
 def grpo_update(model: Any, opt: Any, samples: list[Any], clip_eps: float) -> float:
@@ -203,8 +277,17 @@ def _supports_version(fn: Any) -> bool:
     return "policy_version" in inspect.signature(fn).parameters
 
 
-def evaluate(client: Any, held_out: list[dict[str, Any]], cfg: RunConfig, tag: str) -> float:
-    """Mean reward on the held-out problems; sampling seeds fixed per (problem, sample), the same at every evaluation."""
+def used_tool(result: Any) -> bool:
+    """Whether the episode called the calculator (a tool message in its trajectory)."""
+    messages = (result.output or {}).get("trajectory", {}).get("messages", [])
+    return any(m.get("role") == "tool" for m in messages)
+
+
+def evaluate(client: Any, held_out: list[dict[str, Any]], cfg: RunConfig, tag: str) -> tuple[float, float]:
+    """(mean reward, share of episodes that called the calculator) on the held-out problems.
+
+    Sampling seeds are fixed per (problem, sample), the same at every evaluation.
+    """
     from prorl_cli.protocol import JobSpec
 
     specs, instances = [], []
@@ -215,7 +298,8 @@ def evaluate(client: Any, held_out: list[dict[str, Any]], cfg: RunConfig, tag: s
             instances.append(problem)
     client.submit_specs(specs, instances)
     results = client.wait([s.job_id for s in specs], timeout_s=900)
-    return sum(float(r.reward or 0.0) for r in results) / len(results)
+    return (sum(float(r.reward or 0.0) for r in results) / len(results),
+            sum(used_tool(r) for r in results) / len(results))
 
 
 def run(cfg: RunConfig) -> RunSummary:
@@ -238,8 +322,8 @@ def run(cfg: RunConfig) -> RunSummary:
     init_dir = make_tiny_model(cfg.out / "model-init", seed=cfg.seed)
     chat = ChatTokens.from_pretrained(init_dir, tools=[CALCULATOR_SCHEMA])
     model = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32)
-    train = problems(cfg.n_train, cfg.max_operand, rng)
-    held_out = problems(cfg.n_eval, cfg.max_operand, random.Random(10_000 + cfg.seed))
+    every = problems(rng)
+    held_out, train = every[:cfg.n_eval], every[cfg.n_eval:]
     tok_dir = str(init_dir)
     for p in train + held_out:
         p["tokenizer"] = tok_dir
@@ -250,10 +334,9 @@ def run(cfg: RunConfig) -> RunSummary:
         model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
         print(f"warm-up skipped: weights from {cfg.init_from}", flush=True)
     else:
-        sft_steps, sft_loss = warm_up(model, chat, train, cfg, rng)
-        summary.warmup_steps = sft_steps
-        print(f"warm-up: {sft_steps} supervised steps, mean loss of the last 20 {sft_loss:.3f} "
-              f"({time.monotonic() - started:.0f} s)", flush=True)
+        summary.warmup_steps, summary.warmup_copy_acc, summary.warmup_p_tool = warm_up(model, chat, train, cfg, rng)
+        print(f"warm-up: {summary.warmup_steps} supervised steps, copy accuracy {summary.warmup_copy_acc:.2f}, "
+              f"P(tool call first) {summary.warmup_p_tool:.2f} ({time.monotonic() - started:.0f} s)", flush=True)
 
     def checkpoint(version: int) -> Path:
         path = cfg.out / "checkpoints" / f"v{version}"
@@ -269,8 +352,10 @@ def run(cfg: RunConfig) -> RunSummary:
         bridge.serve(checkpoint(version), version)
         client = stack.client
         versioned = _supports_version(client.resume_generation)
-        summary.curve.append((0, evaluate(client, held_out, cfg, "v0")))
-        print(f"step 0: held-out reward {summary.curve[-1][1]:.3f}", flush=True)
+        reward, tools = evaluate(client, held_out, cfg, "v0")
+        summary.curve.append((0, reward))
+        summary.tool_use.append((0, tools))
+        print(f"step 0: held-out reward {reward:.3f}, tool use {tools:.2f} ({time.monotonic() - started:.0f} s)", flush=True)
         sampler = BlockingDapoSampler(client, TASK, train, SamplerConfig(
             group_size=cfg.group_size, target_groups=cfg.target_groups, run_id=f"grpo{cfg.seed}",
             max_in_flight=2 * cfg.group_size,  # one engine serves one call at a time: a short queue wastes less at cancel
@@ -301,11 +386,15 @@ def run(cfg: RunConfig) -> RunSummary:
             client.pause_generation(**stamp)
             bridge.serve(checkpoint(version), version)
             client.resume_generation(**stamp)
+            train_tools = sum(used_tool(r) for r in batch.results) / max(1, len(batch.results))
             line = (f"step {step}: loss {loss:+.4f}, train reward {summary.train_rewards[-1]:.3f}, "
+                    f"train tool use {train_tools:.2f}, "
                     f"filtered {batch.stats.filtered}, merge ratio {built.report.merge_ratio:.2f}, |dW| {summary.weight_deltas[-1]:.4f}")
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                summary.curve.append((step, evaluate(client, held_out, cfg, f"v{version}")))
-                line += f", held-out reward {summary.curve[-1][1]:.3f}"
+                reward, tools = evaluate(client, held_out, cfg, f"v{version}")
+                summary.curve.append((step, reward))
+                summary.tool_use.append((step, tools))
+                line += f", held-out reward {reward:.3f}, tool use {tools:.2f}"
             print(line + f" ({time.monotonic() - started:.0f} s)", flush=True)
         sampler.close()
     write_samples_jsonl(cfg.out / "samples.jsonl", samples)
@@ -330,6 +419,9 @@ def plot(summary: RunSummary, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot([s for s, _ in summary.curve], [r for _, r in summary.curve], marker="o", label="held-out")
     ax.plot(range(1, len(summary.train_rewards) + 1), summary.train_rewards, alpha=0.5, label="train (sampled)")
+    if summary.tool_use:
+        ax.plot([s for s, _ in summary.tool_use], [u for _, u in summary.tool_use], linestyle="--",
+                label="held-out tool use")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
@@ -399,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = RunConfig(out=args.out, seed=args.seed)
     if args.short:
-        # The full warm-up: the sampler needs groups with some right answers to fill a step.
+        # A capped warm-up: the copies may not be learned yet, but the random direct answers (right one
+        # time in nine) and the tool episodes already make groups with reward variance.
         cfg.steps, cfg.warmup_steps, cfg.n_eval, cfg.eval_samples, cfg.eval_every = 2, 200, 4, 1, 2
         cfg.target_groups, cfg.group_size = 2, 4
     if args.steps is not None:

@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(900)  # warm-up + 3 bridge starts + 2 steps: about 2 minutes on 2 idle cores
+@pytest.mark.timeout(900)  # capped warm-up + 3 bridge starts + 2 steps: about 2 minutes on 2 idle cores
 def test_tiny_grpo_short_configuration(tmp_path: Path) -> None:
     for module, extra in (("torch", "cpu"), ("pyarrow", "parquet")):
         if importlib.util.find_spec(module) is None:
@@ -45,4 +45,7 @@ def test_tiny_grpo_short_configuration(tmp_path: Path) -> None:
         assert all(len(row[k]) == n for k in ("response_mask", "old_log_probs", "advantages", "loss_weights"))
         assert sum(row["response_mask"]) > 0
     assert [s for s, _ in json.loads((out / "curve.json").read_text())] == [0, 2]
+    # Held-out tool use is measured at every evaluation (the decision the example's RL moves).
+    assert [s for s, _ in summary["tool_use"]] == [0, 2] and all(0 <= u <= 1 for _, u in summary["tool_use"])
+    assert 0 < summary["warmup_p_tool"] < 1  # the warm-up taught both ways: answer at once or call the tool
     assert (out / "samples.jsonl").read_text().count("\n") == table.num_rows
