@@ -236,7 +236,7 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
     if record is not None and (left or (record.broker_where == "here" and _pid_alive(record.broker_pid))):
         raise SlurmError(
             f"deployment {cfg.deployment!r} is already launched ({len(left)} Slurm job(s) in squeue: "
-            f"{', '.join(t.job_id for t in left[:6])}); use `prorl status -d {cfg.deployment}`, "
+            f"{', '.join(t.job_id for t in left[:6])}); use `prorl status {cfg.deployment}`, "
             f"`prorl scale` or `prorl down {cfg.deployment}`"
         )
     if _broker_answers(cfg):
@@ -263,9 +263,14 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
             if count:
                 record.members += _submit(cfg, role, list(range(count)))
                 record.save(cfg.deployment_dir)
-    except SlurmError:
-        abandon(cfg, record)
-        raise
+    except SlurmError as e:
+        # Roles submitted before the refused one go too: nothing of a half deployment stays queued.
+        submitted = ", ".join(f"{m.role}[{m.index}]={m.job_id}" for m in record.members)
+        left = abandon(cfg, record)
+        after = f"cancelled what was submitted before it ({submitted})" if submitted else "nothing had been submitted"
+        if left:
+            raise SlurmError(f"{e}; {after}, but still in squeue: {', '.join(t.job_id for t in left)}") from e
+        raise SlurmError(f"{e}; {after}; nothing left queued") from e
     return record
 
 
