@@ -9,6 +9,7 @@ One submitit executor per role; node and inference servers are job arrays
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -183,11 +184,13 @@ def _executor(cfg: DeployConfig, role: str, count: int) -> Any:
 def _submit(cfg: DeployConfig, role: str, indices: list[int]) -> list[Member]:
     """Submit ``role`` tasks with these indices (one job, or one array)."""
     ex = _executor(cfg, role, len(indices))
+    # submitit prints a failed sbatch's stderr itself and raises with the same text: keep only the error we raise.
     try:
-        if role == "broker":
-            job = ex.submit(submitted_role, role_spec(cfg, role))
-            return [Member(role, 0, str(job.job_id))]
-        jobs = ex.map_array(submitted_role, [role_spec(cfg, role, i) for i in indices])
+        with contextlib.redirect_stderr(io.StringIO()):
+            if role == "broker":
+                job = ex.submit(submitted_role, role_spec(cfg, role))
+                return [Member(role, 0, str(job.job_id))]
+            jobs = ex.map_array(submitted_role, [role_spec(cfg, role, i) for i in indices])
     except RuntimeError as e:  # submitit's FailedJobError carries sbatch's message
         raise SlurmError(f"sbatch refused the {role}: {str(e).strip()}") from e
     return [Member(role, i, str(j.job_id)) for i, j in zip(indices, jobs, strict=True)]

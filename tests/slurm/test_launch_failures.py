@@ -49,6 +49,7 @@ def test_more_gpus_than_any_node_fails_with_slurms_reason(base: Path) -> None:
     # The broker and the node array went in before the refused inference array: they are cancelled too.
     assert re.search(r"cancelled what was submitted before it \(broker\[0\]=\d+, nodes\[0\]=\d+(_0)?\)", error), error
     assert "nothing left queued" in error
+    assert out.stderr.count("Requested node configuration") == 1, "said once, in the error line"
     assert not _queued("greedy")
     assert not (base / "home" / "greedy" / "launch.json").exists()
 
