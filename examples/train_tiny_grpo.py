@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.short:
         # A capped warm-up: the copies may not be learned yet, but the random direct answers (right one
         # time in nine) and the tool episodes already make groups with reward variance.
-        cfg.steps, cfg.warmup_steps, cfg.n_eval, cfg.eval_samples, cfg.eval_every = 2, 200, 4, 1, 2
+        cfg.steps, cfg.warmup_steps, cfg.n_eval, cfg.eval_samples, cfg.eval_every = 2, 120, 4, 1, 2
         cfg.target_groups, cfg.group_size = 2, 4
     if args.steps is not None:
         cfg.steps = args.steps
