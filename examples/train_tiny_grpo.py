@@ -9,7 +9,7 @@ What happens:
    generated demonstrations of one-digit ``a + b`` / ``a - b`` problems,
    half of them ideal tool episodes (``<tool_call>{"name": "calculator",
    ...}</tool_call>``, then ``The answer is N.`` with the tool's result),
-   half answering at once with a random digit. The warm-up runs until the
+   half answering at once with a random two-digit guess. The warm-up runs until the
    model copies the digits of a tool episode (operands into the call, the
    result into the answer), so it can do both ways but does not know which
    one pays: it calls the tool about half the time.
@@ -66,8 +66,11 @@ class RunConfig:
     #: Held-out problems (disjoint from the training ones) and sampled episodes per problem at each evaluation.
     n_eval: int = 16
     eval_samples: int = 4
-    #: Share of warm-up demonstrations that call the calculator; the rest answer at once with a random digit.
+    #: Share of warm-up demonstrations that call the calculator; the rest answer at once with a two-digit guess.
     warmup_tool_share: float = 0.5
+    #: The direct answers' guesses are drawn from this range: two digits are never right (every answer
+    #: has one); the CI configuration uses 1-9 so that lucky guesses give its short run reward variance.
+    guess_range: tuple[int, int] = (10, 99)
     #: Upper bound on supervised warm-up steps; the warm-up stops earlier once the copies are learned.
     warmup_steps: int = 800
     #: Mean teacher-forced probability of the right digit where a tool episode copies one (operands into
@@ -126,11 +129,13 @@ def problems(rng: random.Random) -> list[dict[str, Any]]:
     return out
 
 
-def demonstration(chat: Any, problem: dict[str, Any], use_tool: bool, rng: random.Random) -> tuple[list[int], list[int]]:
+def demonstration(chat: Any, problem: dict[str, Any], use_tool: bool, rng: random.Random,
+                  guess_range: tuple[int, int] = (10, 99)) -> tuple[list[int], list[int]]:
     """Ids and loss mask of one episode, built turn by turn exactly as the agent loop builds prompts.
 
     ``use_tool``: call the calculator, then answer with its result (right). Otherwise answer at once
-    with a random digit (right one time in nine): the warm-up teaches both ways; RL has to find out
+    with a random number from ``guess_range`` (two digits: never right), so a guess earns 0 and a
+    tool episode earns what its copies get right. The warm-up teaches both ways; RL has to find out
     which one pays.
     """
     from handlers.math_agent import SYSTEM
@@ -139,7 +144,9 @@ def demonstration(chat: Any, problem: dict[str, Any], use_tool: bool, rng: rando
     eos = chat.stop_token_ids
     prompt = chat.initial_prompt(messages)
     if not use_tool:
-        out = chat.encode(f"The answer is {rng.randint(1, 9)}.") + eos
+        # Two digits: a one-digit guess was right one time in nine, more than the tool episodes of a
+        # model whose copies were still unreliable, and RL then learned to stop using the tool.
+        out = chat.encode(f"The answer is {rng.randint(*guess_range)}.") + eos
         return prompt + out, [0] * len(prompt) + [1] * len(out)
     call = {"name": "calculator", "arguments": {"expression": problem["expression"]}}
     out1 = chat.encode(f"<tool_call>\n{json.dumps(call)}\n</tool_call>") + eos
@@ -200,7 +207,8 @@ def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig,
     step, settle, copy_acc = 0, 0, 0.0
     while step < cfg.warmup_steps and settle < cfg.warmup_settle_steps:
         step += 1
-        demos = [demonstration(chat, rng.choice(train), rng.random() < cfg.warmup_tool_share, rng)
+        demos = [demonstration(chat, rng.choice(train), rng.random() < cfg.warmup_tool_share, rng,
+                               cfg.guess_range)
                  for _ in range(cfg.warmup_batch)]
         logits, targets = _masked_logits(model, *_batch(chat, demos))
         loss = torch.nn.functional.cross_entropy(logits, targets)
@@ -491,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = RunConfig(out=args.out, seed=args.seed)
     if args.short:
-        # A capped warm-up: the copies may not be learned yet, but the random direct answers (right one
-        # time in nine) and the tool episodes already make groups with reward variance.
+        # A capped warm-up: the copies are not learned yet, so one-digit guesses (right one time in
+        # nine) give the groups their reward variance; this checks the plumbing, not learning.
+        cfg.guess_range = (1, 9)
         cfg.steps, cfg.warmup_steps, cfg.n_eval, cfg.eval_samples, cfg.eval_every = 2, 120, 4, 1, 2
         cfg.target_groups, cfg.group_size = 2, 4
     if args.steps is not None:
