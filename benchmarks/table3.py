@@ -69,7 +69,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_CONFIGS = ("full", "round_robin", "ever_assigned", "no_cleanup", "sync", "tmux")
 # The paper's Table 3 (instances/s, GPU utilisation; tmux: seconds per action).
-PAPER = {
+PAPER: dict[str, tuple[float | None, float | None]] = {
     "full": (0.37, 0.78),
     "round_robin": (0.30, 0.65),  # the paper's "without load balancing"
     "ever_assigned": (None, None),
@@ -78,6 +78,15 @@ PAPER = {
     "carry_over": (None, None),
     "tmux": (0.29, 0.68),  # the paper's "without efficient bash" (0.78 s vs 0.42 s per action)
 }
+
+
+PAPER_FULL_INST_S = 0.37
+
+
+def paper_ratio(name: str) -> float | None:
+    """The paper's instances/s of this configuration over its full system's."""
+    inst = PAPER[name][0]
+    return None if inst is None else inst / PAPER_FULL_INST_S
 
 
 @dataclass
@@ -248,8 +257,7 @@ def plot(summaries: list[Summary], path: Path, title: str) -> None:
             [s.ratio_range[1] - (s.ratio or 0) for s in summaries if s.ratio_range] or None]
     yerr = errs if errs[0] is not None and len(errs[0]) == len(names) else None
     ax1.bar([i - w / 2 for i in x], ratios, w, yerr=yerr, capsize=3, label="prorl (mean, min-max over seeds)")
-    paper_full = PAPER["full"][0]
-    paper_r = [(PAPER[n][0] / paper_full) if PAPER[n][0] else 0.0 for n in names]
+    paper_r = [paper_ratio(n) or 0.0 for n in names]
     ax1.bar([i + w / 2 for i in x], paper_r, w, color="tab:gray", label="paper (ProRL Agent Table 3)")
     ax1.set_xticks(x, names, rotation=20)
     ax1.set_ylabel("instances/s, ratio to full")
@@ -320,7 +328,7 @@ def main() -> None:
     summaries = summarise(outcomes)
     for sm in summaries:
         paper = PAPER[sm.config]
-        paper_s = (f"{paper[0]}, {paper[1]:.0%} ({paper[0] / PAPER['full'][0]:.2f})"
+        paper_s = (f"{paper[0]}, {paper[1]:.0%} ({paper_ratio(sm.config):.2f})"
                    if paper[0] is not None and paper[1] is not None else "-")
         r = f"{sm.ratio:.2f}" if sm.ratio is not None else "-"
         rr = f"{sm.ratio_range[0]:.2f}-{sm.ratio_range[1]:.2f}" if sm.ratio_range else "-"
