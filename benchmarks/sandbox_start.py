@@ -65,10 +65,31 @@ async def batch(image, local_dir, state_dir, n, cache, cap):
     return {"times_s": [t for t, _ in done], "wall_s": wall, "cpu_s": cpu_s() - c0,
             "cap": cfg.max_concurrent_starts}
 
+def breakdown(copy, toolserver, repeat=5):
+    """Wall and CPU seconds of one start's parts, run one at a time on the unpacked copy."""
+    import subprocess
+    base = ["apptainer", "-s", "exec", "--containall", "--no-home", "--no-mount", "cwd", "--net", "--network", "none",
+            "--writable-tmpfs", "--bind", f"{toolserver}:/opt/ts.py:ro", copy]
+    parts = {"apptainer exec true": ["true"], "+ python3 -I -S -c pass": ["python3", "-I", "-S", "-c", "pass"],
+             "+ tool server imports (--help)": ["python3", "-I", "-S", "/opt/ts.py", "--help"]}
+    out = {}
+    for label, cmd in parts.items():
+        walls, cpus = [], []
+        for _ in range(repeat):
+            c0, t0 = cpu_s(), time.perf_counter()
+            subprocess.run(base + cmd, check=True, stdout=subprocess.DEVNULL)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(cpu_s() - c0)
+        out[label] = {"wall_s": sorted(walls)[len(walls) // 2], "cpu_s": sorted(cpus)[len(cpus) // 2]}
+    return out
+
 async def main(a):
     out = {}
     for label, local, cache, n, cap in a["runs"]:
         out[label] = await batch(a["image"], local, a["state_dir"] + "/" + label.replace(" ", "_"), n, cache, cap)
+    if a.get("breakdown"):
+        copy = next(p for p in Path(a["runs"][0][1], "unpacked").iterdir() if (p / ".prorl-unpacked").exists())
+        out["breakdown"] = breakdown(str(copy), a["toolserver"])
     print(json.dumps(out))
 
 asyncio.run(main(json.loads(sys.argv[1])))
@@ -96,7 +117,8 @@ def make_big(big_dir: Path, gb: float) -> Path:
     return target
 
 
-def measure(work: Path, image: Path, n: int, baseline_n: int, user: str | None) -> dict[str, dict[str, Any]]:
+def measure(work: Path, image: Path, n: int, baseline_n: int, user: str | None,
+            breakdown: bool = False) -> dict[str, dict[str, Any]]:
     state = work / f"state-{image.stem}"
     local = work / f"local-{image.stem}"
     for d in (state, local):
@@ -106,7 +128,8 @@ def measure(work: Path, image: Path, n: int, baseline_n: int, user: str | None) 
             ["unpacked copy, warm", str(local / "a"), True, n, None],
             ["warm, all at once", str(local / "a"), True, n, n],
             ["--unsquash per start", str(local / "b"), False, baseline_n, None]]
-    args = json.dumps({"image": str(image), "state_dir": str(state), "runs": runs})
+    args = json.dumps({"image": str(image), "state_dir": str(state), "runs": runs, "breakdown": breakdown,
+                       "toolserver": str(work / "prorl_cli" / "sandbox" / "toolserver.py")})
     cmd = [sys.executable if user is None else "/usr/bin/python3", str(work / "inner.py"), args]
     if user is not None:
         pw = pwd.getpwnam(user)
@@ -142,7 +165,8 @@ def main() -> None:
               f"{'CPU s/start':>12}")
         for image in (SMALL, big):
             size_mb = image.stat().st_size / 2**20
-            res = measure(work, image, args.concurrent, args.baseline_concurrent, user)
+            res = measure(work, image, args.concurrent, args.baseline_concurrent, user, breakdown=image == SMALL)
+            parts = res.pop("breakdown", None)
             for label, r in res.items():
                 times = sorted(r["times_s"])
                 p90 = times[min(len(times) - 1, int(0.9 * len(times)))]
@@ -150,6 +174,10 @@ def main() -> None:
                 print(f"  {image.name + f' ({size_mb:.0f} MB)':<22}{label:<24}{r['cap']:>4}{statistics.median(times):>8.2f}"
                       f"{p90:>8.2f}{p99:>8.2f}{len(times) / r['wall_s']:>10.2f}"
                       f"{r['cpu_s'] / len(times):>12.3f}", flush=True)
+            if parts:
+                print("  one start's parts, one at a time (median of 5; Apptainer on the unpacked copy):")
+                for label, r in parts.items():
+                    print(f"    {label:<34}{r['wall_s']:>8.3f} s wall{r['cpu_s']:>8.3f} s CPU", flush=True)
     finally:
         subprocess.run(["rm", "-rf", str(work)], check=False)
 
