@@ -154,13 +154,14 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
     if why:
         return Outcome(name, seed, 0, 0, 0, 0, 0, 0, 0, 0, skipped=why)
     delay = args.tmux_delay_s if spec.get("tmux") else 0.0
-    sampler_cfg = SamplerConfig(
-        group_size=args.n, target_groups=args.target, max_in_flight=args.in_flight, carry_over=False,
-        run_id=f"t3s{seed}", timeout_s=3600.0, sync_batch_groups=args.in_flight // args.n,
+    sampler_cfg = SamplerConfig(**{
+        "group_size": args.n, "target_groups": args.target, "max_in_flight": args.in_flight, "carry_over": False,
+        "run_id": f"t3s{seed}", "timeout_s": 3600.0, "sync_batch_groups": args.in_flight // args.n,
         **spec.get("sampler", {}),
-    )
+    })
     config = {
-        "broker": {"heartbeat_interval_s": 0.25, "journal": False, **spec.get("broker", {})},
+        # Fresh stats every 0.25 s, but a peer is declared dead only after 10 s: a loaded 2-core machine stalls processes.
+        "broker": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 40, "journal": False, **spec.get("broker", {})},
         # Room for the sampler's jobs and the abandoned ones still running (no_cleanup); more wait in the broker's queue.
         "node": {"n_init": 32, "n_run": args.in_flight * 2, "n_eval": 32, "stop_grace_s": 3.0},
         "jobs": {"timeout_s": 3600.0},
@@ -189,7 +190,7 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
                 cancelled += st.cancelled_jobs
                 if args.verbose:
                     print(f"  {name} seed {seed} step {k}: {st.wall_s:.1f} s, {st.submitted_groups} groups submitted, "
-                          f"{st.filtered} filtered, {st.cancelled_jobs} jobs cancelled, {st.in_flight} in flight",
+                          f"{st.filtered} filtered, {st.failed_groups} failed, {st.cancelled_jobs} jobs cancelled",
                           flush=True)
             wall_s = time.monotonic() - started
             time.sleep(0.6)  # the bridges' next heartbeat covers the end of the run
