@@ -99,37 +99,41 @@ class _Pool:
 class _Deadline:
     """One timer handle per job, armed for the deadline of the stage it is in.
 
-    A later stage whose deadline is no earlier than the armed one keeps the
-    handle (a job that runs its stages back to back has one deadline: its
-    budget); when the handle fires before the current stage's deadline (it
-    was armed for an earlier one) it is armed again; it does nothing while
-    the job is between stages. When it fires in a stage it cancels the job's
-    task and says so, so a timeout is told apart from a cancel from outside.
+    The handle is armed at the end of the loop turn in which the stage began
+    (by :class:`_Arming`), at the stage's own deadline, and only if the job is
+    still in a stage by then: a job whose stages all finish without waiting
+    never gets one. A later stage whose deadline is no earlier than the armed
+    one keeps the handle (a job that runs its stages back to back has one
+    deadline: its budget); a handle that fires before the current stage's
+    deadline (it was armed for an earlier one) is armed again; it does
+    nothing while the job is between stages. When it fires in a stage it
+    cancels the job's task and says so, so a timeout is told apart from a
+    cancel from outside.
     """
 
-    __slots__ = ("task", "loop", "at", "expired", "_handle", "_handle_at")
+    __slots__ = ("task", "loop", "arming", "at", "expired", "_handle", "_handle_at", "_queued")
 
-    def __init__(self, task: asyncio.Task[Any] | None, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, task: asyncio.Task[Any] | None, loop: asyncio.AbstractEventLoop, arming: _Arming) -> None:
         self.task = task
         self.loop = loop
+        self.arming = arming
         #: The current stage's deadline (loop time), ``None`` between stages or without a limit.
         self.at: float | None = None
         #: Whether it fired in the current stage.
         self.expired = False
         self._handle: asyncio.TimerHandle | None = None
         self._handle_at = 0.0
+        self._queued = False
 
     def enter_stage(self, limit_s: float | None) -> None:
         self.expired = False
         if limit_s is None:
             self.at = None
             return
-        self.at = at = self.loop.time() + limit_s
-        if self._handle is not None:
-            if self._handle_at <= at:
-                return  # fires first, and re-arms for ``at``
-            self._handle.cancel()
-        self._arm(at)
+        self.at = self.loop.time() + limit_s
+        if not self._queued and (self._handle is None or self._handle_at > self.at):
+            self._queued = True
+            self.arming.add(self)
 
     def leave_stage(self) -> None:
         self.at = None
@@ -140,7 +144,14 @@ class _Deadline:
             self._handle.cancel()
             self._handle = None
 
-    def _arm(self, at: float) -> None:
+    def arm(self) -> None:
+        """Arm (or re-arm earlier) for the current stage's deadline, if the job is still in a stage."""
+        self._queued = False
+        at = self.at
+        if at is None or (self._handle is not None and self._handle_at <= at):
+            return
+        if self._handle is not None:
+            self._handle.cancel()
         self._handle_at = at
         self._handle = self.loop.call_at(at, self._fire)
 
@@ -149,11 +160,33 @@ class _Deadline:
         if self.at is None:
             return
         if self._handle_at < self.at:
-            self._arm(self.at)
+            self.arm()
             return
         self.expired = True
         if self.task is not None:
             self.task.cancel()
+
+
+class _Arming:
+    """Arms the deadlines of the jobs that entered a stage in this loop turn, once, at its end."""
+
+    __slots__ = ("_waiting", "_scheduled")
+
+    def __init__(self) -> None:
+        self._waiting: list[_Deadline] = []
+        self._scheduled = False
+
+    def add(self, deadline: _Deadline) -> None:
+        self._waiting.append(deadline)
+        if not self._scheduled:
+            self._scheduled = True
+            deadline.loop.call_soon(self._arm_all)
+
+    def _arm_all(self) -> None:
+        self._scheduled = False
+        waiting, self._waiting = self._waiting, []
+        for deadline in waiting:
+            deadline.arm()
 
 
 class Pipeline:
@@ -188,6 +221,7 @@ class Pipeline:
         #: Jobs running on this node, by id: the one table of them.
         self.jobs: dict[str, RunningJob] = {}
         self._jobs_dir = run_dir / "jobs"
+        self._arming = _Arming()
         self._loggers: dict[str, logging.Logger] = {}
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -274,7 +308,7 @@ class Pipeline:
             log=self._job_logger(spec.task),
         )
         timer = PausableTimer(spec.timeout_s if spec.timeout_s is not None else self.config.jobs.timeout_s)
-        deadline = _Deadline(asyncio.current_task(), asyncio.get_running_loop())
+        deadline = _Deadline(asyncio.current_task(), asyncio.get_running_loop(), self._arming)
         stage_s: dict[str, float] = {}
         state = JobState.DONE
         error: ErrorInfo | None = None
