@@ -553,7 +553,7 @@ _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 def _field_names(cls: type) -> tuple[str, ...]:
     names = _FIELD_NAMES.get(cls)
     if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
     return names
 
 
