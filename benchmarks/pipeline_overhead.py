@@ -101,6 +101,7 @@ async def prorl_process_style(address: str, jobs: int, inflight: int) -> tuple[f
     async with AsyncRolloutClient("bench", address=address) as client:
         await client.process("noop", {})  # warm up
         remaining = jobs
+        forget = getattr(client, "forget_local", None)  # older trees' clients (issue 9's "before") lack it
 
         async def loop() -> None:
             nonlocal remaining
@@ -110,7 +111,8 @@ async def prorl_process_style(address: str, jobs: int, inflight: int) -> tuple[f
                 r = await client.process("noop", {})
                 assert r.state == "done"
                 lat.append(time.perf_counter() - t0)
-                client.forget_local([r.job_id])
+                if forget is not None:
+                    forget([r.job_id])
 
         t0 = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(inflight)))
@@ -139,17 +141,22 @@ async def prorl_stream_style(address: str, jobs: int, inflight: int) -> tuple[fl
             submitted += k
 
         stream = client.results()
+        # Older trees' clients (issue 9's "before") have neither; the run works without them.
+        ready = getattr(stream, "ready", None)
+        forget = getattr(client, "forget_local", None)
         t0 = time.perf_counter()
         top_up(inflight)
         done = 0
         async for result in stream:
             arrived = [result]
-            arrived += stream.ready()  # take every result already delivered in this loop turn
+            if ready is not None:
+                arrived += ready()  # take every result already delivered in this loop turn
             now = time.perf_counter()
             for r in arrived:
                 assert r.state == "done"
                 lat.append(now - started.pop(r.job_id))
-            client.forget_local(r.job_id for r in arrived)
+            if forget is not None:
+                forget(r.job_id for r in arrived)
             done += len(arrived)
             if done >= jobs:
                 break
