@@ -55,7 +55,7 @@ def test_a_later_stage_with_an_earlier_deadline_times_out_at_its_own_cap(tmp_pat
         assert result.state == "timed_out" and result.critical_error == "run"
         assert "stage cap of 0.200 s" in (result.error or {}).get("message", "")
         # Only in-stage time counts: INIT's sleep plus RUN's cap, nothing from EVAL (skipped).
-        assert result.stage_s["run"] >= 0.2 and "eval" not in result.stage_s
+        assert result.stage_s["run"] >= 0.19 and "eval" not in result.stage_s
         # The job budget still bounds a stage without a cap, after an earlier stage used part of it.
         spec = JobSpec(job_id="budget", task="test", timeout_s=0.3)
         result = await pipeline.run_job(spec, slow_init)
