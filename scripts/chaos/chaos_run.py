@@ -8,7 +8,8 @@ runs ``scripts/chaos/sandbox_handler.py`` instead: every job starts a sandbox in
 ``/var/cache/prorl-test``, or ``PRORL_TEST_IMAGES``) and makes one tool call in it, so each node kill leaves
 live sandboxes behind. Orphans counted after the run: processes with the deployment's ``PRORL_HOME``, any
 member left of a sandbox session seen during the run (runtime parent, squashfuse, fuse-overlayfs, tool server,
-shell), processes naming the sandboxes' local folder, and sandbox records or session folders left on disk.
+shell) once they had 30 s to exit, processes naming the sandboxes' local folder, and sandbox records or
+session folders left on disk.
 
 The client is a bare socket that re-watches its unfinished jobs after each broker restart (the library
 client's own restart handling is tested elsewhere), so every result pushed is counted as it arrives.
@@ -40,7 +41,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prorl_cli import protocol as P  # noqa: E402
-from prorl_cli.sandbox.runtime import session_members  # noqa: E402
+from prorl_cli.sandbox.runtime import session_members, wait_gone  # noqa: E402
 from tests.harness import Deployment, fixed_port  # noqa: E402
 
 IMAGES = Path(os.environ.get("PRORL_TEST_IMAGES", "/var/cache/prorl-test"))
@@ -230,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             watch.scan()
         d.close()
     time.sleep(1.0)
+    # A killed sandbox's FUSE helpers may take a moment to unmount and exit: wait for them (without polling),
+    # and report how many were still there at first.
+    slow = watch.left() if watch else []
+    wait_gone(slow, 30.0)
     leftovers = _leftovers(home, local_dir, watch)
     left_on_disk = [str(p) for p in d.deployment_dir.glob("nodes/*/sandboxes/*.json")]
     if local_dir is not None:
@@ -240,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": round(elapsed_s, 1), "lost": len(lost), "duplicated": len(duplicated),
         "conflicting": len(conflicting), "not_done_or_wrong": len(wrong), "refused": len(client.refused),
         "unknown_after_restart": len(client.unknown_after_restart), "orphan_processes": len(leftovers),
+        "sandbox_processes_alive_1s_after_close": len(slow),
         "left_on_disk": len(left_on_disk),
     }
     if left_on_disk:
