@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                             node.register()
         stop.set()
         sidecar.join()
+        # Who used the CPU: if the generator's share is near a whole core, it (not the broker) set the pace.
+        broker_cpu = proc.cpu_times()
+        own_cpu = psutil.Process().cpu_times()
+        wall_s = time.monotonic() - t0
         log = (stack.logs / "broker.log").read_text(errors="replace")
         false_deaths = log.count(" lost (")
         dupes = sum(1 for c in results.values() if c > 1)
@@ -212,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             "false_node_deaths": false_deaths, "re_registrations": deaths, "rss_start_mb": round(rss0 / 2**20, 1),
             "rss_max_mb": max((s["rss_mb"] for s in samples), default=0.0),
             "rss_end_mb": round(proc.memory_info().rss / 2**20, 1), "retention_mb": args.retention_mb,
-            "broker_alive": broker.poll() is None,
+            "broker_alive": broker.poll() is None, "wall_s": round(wall_s, 1),
+            "broker_cpu_s": round(broker_cpu.user + broker_cpu.system, 1),
+            "generator_cpu_s": round(own_cpu.user + own_cpu.system, 1),
         }
         print(json.dumps(summary), flush=True)
         ok = summary["missing"] == 0 and dupes == 0 and false_deaths == 0 and summary["broker_alive"]
