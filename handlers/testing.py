@@ -79,6 +79,8 @@ class ScriptedTestHandler(AgentHandler):
         await self._stage(ctx, "run")
         inst = ctx.instance if isinstance(ctx.instance, dict) else {}
         ctx.output["echo"] = inst.get("echo")
+        if inst.get("echo_sampling"):  # what reached the handler: the job's sampling as submitted
+            ctx.output["sampling"] = ctx.spec.sampling
 
     async def eval(self, ctx: JobContext) -> None:
         await self._stage(ctx, "eval")

@@ -406,6 +406,8 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "tasks": List(Str(), 4096),
         "running": Opt(List(_UPDATE, 1_000_000)),
         "liveness_token": Opt(_TOKEN),
+        # The sandbox runtime the node picked (``sandbox.runtime: auto`` resolved); absent when it has none.
+        "sandbox_runtime": Opt(Str(32)),
     }),
     Op.HEARTBEAT: OpSchema({
         "rid": Opt(Id()),
@@ -696,6 +698,8 @@ class NodeStatus(_Record):
     inflight: int
     tasks: list[str]
     stages: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: ``apptainer``, ``bwrap`` or ``local`` (no isolation), as the node's ``register`` said; None when not sent.
+    sandbox_runtime: str | None = None
 
 
 @dataclass

@@ -7,8 +7,11 @@ green CI must mean every tier (Apptainer, bubblewrap, vLLM, ...) really ran.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+from tests.harness import need_module
 
 REQUIRE_ALL = os.environ.get("PRORL_REQUIRE_ALL") == "1"
 
@@ -21,3 +24,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped under PRORL_REQUIRE_ALL=1 (a component is missing): {reason}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen2 model and BPE tokenizer, made offline once per session."""
+    need_module("torch", "cpu")
+    from prorl_cli.inference.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -3,8 +3,11 @@ with short heartbeats and small pools, so failures are detected in test time."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from prorl_cli.embedded import LocalStack
 
@@ -53,3 +56,9 @@ def fixed_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+def need_module(module: str, extra: str) -> None:
+    """Skip the calling test, naming the extra to install, when ``module`` is not importable."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install 'prorl[{extra}]'; scripts/install.sh does it)")

@@ -465,6 +465,7 @@ class Broker:
             node = old
             node.credit, node.tasks, node.host = h["credit"], set(h["tasks"]), h["host"]
             node.liveness_token = h.get("liveness_token")
+            node.sandbox_runtime = h.get("sandbox_runtime")
         else:
             node = Node(
                 node_id=node_id,
@@ -474,6 +475,7 @@ class Broker:
                 credit=h["credit"],
                 tasks=set(h["tasks"]),
                 liveness_token=h.get("liveness_token"),
+                sandbox_runtime=h.get("sandbox_runtime"),
             )
         self.nodes[node_id] = node
         self.node_by_identity[identity] = node

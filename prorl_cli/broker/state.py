@@ -55,6 +55,8 @@ class Node:
     #: Sent with ``register``; heartbeats carrying it (from any connection: the node's sidecar) keep the node alive.
     liveness_token: str | None = None
     died_at: float | None = None
+    #: The sandbox runtime the node picked, from its ``register`` (shown in ``status``).
+    sandbox_runtime: str | None = None
 
     @property
     def free(self) -> int:
@@ -70,6 +72,7 @@ class Node:
             inflight=len(self.inflight),
             tasks=sorted(self.tasks),
             stages=self.stages,
+            sandbox_runtime=self.sandbox_runtime,
         )
 
 

@@ -127,6 +127,8 @@ class NodeServer(BrokerPeer):
             "running": [{"job_id": j, "attempt": r.attempt, "stage": r.stage} for j, r in self.pipeline.jobs.items()],
             # Heartbeats carrying this token, from any socket, vouch for this node (the liveness sidecar's).
             "liveness_token": self.liveness_token,
+            # Shown by `prorl status`: which isolation this node's sandboxes really get.
+            "sandbox_runtime": self.services.runtime_name,
         }
 
     def heartbeat_header(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ One submitit executor per role; node and inference servers are job arrays
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -183,11 +184,13 @@ def _executor(cfg: DeployConfig, role: str, count: int) -> Any:
 def _submit(cfg: DeployConfig, role: str, indices: list[int]) -> list[Member]:
     """Submit ``role`` tasks with these indices (one job, or one array)."""
     ex = _executor(cfg, role, len(indices))
+    # submitit prints a failed sbatch's stderr itself and raises with the same text: keep only the error we raise.
     try:
-        if role == "broker":
-            job = ex.submit(submitted_role, role_spec(cfg, role))
-            return [Member(role, 0, str(job.job_id))]
-        jobs = ex.map_array(submitted_role, [role_spec(cfg, role, i) for i in indices])
+        with contextlib.redirect_stderr(io.StringIO()):
+            if role == "broker":
+                job = ex.submit(submitted_role, role_spec(cfg, role))
+                return [Member(role, 0, str(job.job_id))]
+            jobs = ex.map_array(submitted_role, [role_spec(cfg, role, i) for i in indices])
     except RuntimeError as e:  # submitit's FailedJobError carries sbatch's message
         raise SlurmError(f"sbatch refused the {role}: {str(e).strip()}") from e
     return [Member(role, i, str(j.job_id)) for i, j in zip(indices, jobs, strict=True)]
@@ -236,7 +239,7 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
     if record is not None and (left or (record.broker_where == "here" and _pid_alive(record.broker_pid))):
         raise SlurmError(
             f"deployment {cfg.deployment!r} is already launched ({len(left)} Slurm job(s) in squeue: "
-            f"{', '.join(t.job_id for t in left[:6])}); use `prorl status -d {cfg.deployment}`, "
+            f"{', '.join(t.job_id for t in left[:6])}); use `prorl status {cfg.deployment}`, "
             f"`prorl scale` or `prorl down {cfg.deployment}`"
         )
     if _broker_answers(cfg):
@@ -263,9 +266,14 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
             if count:
                 record.members += _submit(cfg, role, list(range(count)))
                 record.save(cfg.deployment_dir)
-    except SlurmError:
-        abandon(cfg, record)
-        raise
+    except SlurmError as e:
+        # Roles submitted before the refused one go too: nothing of a half deployment stays queued.
+        submitted = ", ".join(f"{m.role}[{m.index}]={m.job_id}" for m in record.members)
+        left = abandon(cfg, record)
+        after = f"cancelled what was submitted before it ({submitted})" if submitted else "nothing had been submitted"
+        if left:
+            raise SlurmError(f"{e}; {after}, but still in squeue: {', '.join(t.job_id for t in left)}") from e
+        raise SlurmError(f"{e}; {after}; nothing left queued") from e
     return record
 
 

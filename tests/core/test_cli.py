@@ -108,6 +108,50 @@ def test_status_cancel_and_backends(deployment: Deployment) -> None:
     assert deployment.client.list_backends() == []
 
 
+def test_submit_sends_the_sampling_options_with_every_job(deployment: Deployment, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"echo": 1, "echo_sampling": true}\n{"echo": 2, "echo_sampling": true}\n')
+    out = tmp_path / "out.jsonl"
+    r = prorl(deployment, "submit", str(tasks), "--task", "test", "--out", str(out), "--id-prefix", "samp",
+              "--sampling", '{"max_tokens": 5, "top_k": 7}', "--max-tokens", "9", "--temperature", "0", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["job_id"] for r in results) == ["samp-0-0", "samp-1-0"]
+    # What reached the handler of every job: the single options override the JSON's keys.
+    for r in results:
+        assert r["output"]["sampling"] == {"max_tokens": 9, "top_k": 7, "temperature": 0.0, "seed": 3}
+
+
+def test_status_shows_the_sandbox_runtime_each_node_picked(deployment: Deployment) -> None:
+    import logging
+
+    from prorl_cli.config import load_config
+    from prorl_cli.sandbox.manager import make_runtime
+
+    sandbox = load_config(deployment.config_path).sandbox
+    assert sandbox.runtime == "auto", "the harness leaves the default"
+    picked = make_runtime(sandbox, logging.getLogger("test")).name  # the same choice, made here
+    if os.environ.get("PRORL_REQUIRE_ALL") == "1":
+        assert picked == "apptainer", "provisioned machines have a working Apptainer"
+    st = json.loads(prorl(deployment, "status", "--json").stdout)
+    assert [n["sandbox_runtime"] for n in st["nodes"] if n["node_id"] == "n1"] == [picked]
+    table = prorl(deployment, "status").stdout
+    row = next(line for line in table.splitlines() if " n1 " in line)
+    assert "sandbox" in table and picked in row, table
+
+
+def test_status_and_stop_take_the_deployment_as_an_argument(deployment: Deployment) -> None:
+    env_home = subprocess.run(
+        [sys.executable, "-m", "prorl_cli", "status", deployment.name, "--json"],
+        env={**deployment.env(), "COLUMNS": "200"}, capture_output=True, text=True, timeout=60,
+    )
+    assert env_home.returncode == 0, env_home.stderr
+    assert json.loads(env_home.stdout)["deployment"] == deployment.name
+    clash = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", "other", "status", deployment.name],
+                           env=deployment.env(), capture_output=True, text=True, timeout=60)
+    assert clash.returncode != 0 and "different deployments" in clash.stderr
+
+
 def test_commands_without_a_broker_say_so(tmp_path: Path) -> None:
     d = Deployment(tmp_path / "home", "nobroker")
     r = prorl(d, "status")
@@ -130,8 +174,9 @@ def test_stop_command_stops_the_deployment(tmp_path: Path) -> None:
     try:
         d.start_broker()
         d.start_node("n1")
-        r = prorl(d, "stop")
-        assert r.returncode == 0
+        # `prorl stop NAME` is `prorl -d NAME stop`.
+        r = subprocess.run([sys.executable, "-m", "prorl_cli", "stop", d.name], env=d.env(), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
         for proc in d.procs.values():
             assert proc.wait(timeout=30) == 0
     finally:

@@ -63,6 +63,26 @@ def _out_in_missing_folder(home: Path) -> list[str]:
     return ["-d", "nobroker", "submit", str(path), "--task", "test", "--out", str(home.parent / "no" / "such" / "r.jsonl")]
 
 
+def _submit_with(*options: str) -> Callable[[Path], list[str]]:
+    """``submit`` of a good tasks file with these options (refused before any broker is asked)."""
+
+    def prepare(home: Path) -> list[str]:
+        path = home.parent / "tasks.jsonl"
+        path.write_text('{"echo": 1}\n')
+        return ["-d", "nobroker", "submit", str(path), "--task", "test", *options]
+
+    return prepare
+
+
+def _sampling_file(text: str) -> Callable[[Path], list[str]]:
+    def prepare(home: Path) -> list[str]:
+        f = home.parent / "sampling.yaml"
+        f.write_text(text)
+        return _submit_with("--sampling-file", str(f))(home)
+
+    return prepare
+
+
 def _home_is_a_file(home: Path) -> list[str]:
     f = home.parent / "home-file"
     f.write_text("not a folder")
@@ -89,10 +109,26 @@ CASES = [
     Case("unreachable-broker", _silent_broker, ("the broker at tcp://127.0.0.1:", "does not answer")),
     Case("binary-tasks-file", _binary_tasks, ("tasks.bin", "not a UTF-8 text file")),
     Case("out-into-missing-folder", _out_in_missing_folder, ("--out", "does not exist")),
+    Case("sampling-not-json", _submit_with("--sampling", "{max_tokens: 5"), ("--sampling", "not valid JSON")),
+    Case("sampling-not-an-object", _submit_with("--sampling", "[1, 2]"), ("--sampling", "must be a JSON object", "got list")),
+    Case("sampling-unknown-field", _submit_with("--sampling", '{"max_token": 5}'), ("--sampling", "unknown field", "max_token")),
+    Case("sampling-bad-value", _submit_with("--sampling", '{"top_p": 1.5}'), ("--sampling", "sampling.top_p", "must be in [0, 1]")),
+    Case("sampling-and-file", _submit_with("--sampling", "{}", "--sampling-file", "/etc/hostname"), ("--sampling or --sampling-file",)),
+    Case("sampling-file-bad-value", _sampling_file("max_tokens: many\n"), ("sampling.yaml", "sampling.max_tokens", "must be an integer")),
+    Case("status-two-names", lambda h: ["-d", "one", "status", "two"], ("-d one", "DEPLOYMENT two", "different deployments")),
     Case("home-is-a-file", _home_is_a_file, ("home-file", "is a file")),
     Case("serve-broker-port-in-use", _port_in_use, ("cannot listen", "in use")),
     Case("serve-broker-bad-bind-host", lambda h: ["-d", "badhost", "serve", "broker", "--bind-host", "no-such-host.invalid"],
          ("cannot listen", "no-such-host.invalid")),
+]
+
+
+# Options click itself checks: its usage error (exit 2) names the option and the value.
+USAGE_CASES = [
+    Case("max-tokens-zero", _submit_with("--max-tokens", "0"), ("'--max-tokens'", "0 is not in the range")),
+    Case("temperature-negative", _submit_with("--temperature", "-1"), ("'--temperature'", "-1.0 is not in the range")),
+    Case("top-p-above-one", _submit_with("--top-p", "1.5"), ("'--top-p'", "1.5 is not in the range")),
+    Case("seed-not-an-int", _submit_with("--seed", "abc"), ("'--seed'", "'abc' is not a valid integer")),
 ]
 
 
@@ -145,3 +181,14 @@ def test_a_second_broker_for_a_live_deployment_refuses_and_leaves_the_first_alon
         assert read_rendezvous(d.deployment_dir).pid != first.pid
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("case", USAGE_CASES, ids=[c.name for c in USAGE_CASES])
+def test_bad_option_values_get_clicks_usage_error(case: Case, home: Path) -> None:
+    r = run_prorl(home, *case.prepare(home))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error: Invalid value")]
+    assert len(errors) == 1, r.stderr
+    for fragment in case.expect:
+        assert fragment in errors[0], (fragment, r.stderr)

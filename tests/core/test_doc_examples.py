@@ -127,3 +127,55 @@ def test_a_python_snippet_uses_real_api(where: str, text: str) -> None:
         ):
             for cls in (RolloutClient, AsyncRolloutClient):
                 assert hasattr(cls, node.func.attr), f"{where}: {cls.__name__} has no {node.func.attr}()"
+
+
+def _prorl_command_lines() -> list[tuple[str, str]]:
+    """``prorl ...`` lines of the docs' bash blocks, comments stripped."""
+    found = []
+    for where, text in _blocks("bash"):
+        for i, line in enumerate(text.splitlines()):
+            line = line.split(" #", 1)[0].strip()
+            if line.startswith("prorl "):
+                found.append((f"{where}+{i + 1}", line))
+    return found
+
+
+PRORL_LINES = _prorl_command_lines()
+
+
+def test_the_docs_have_prorl_commands_to_check() -> None:
+    commands = {line.split()[1] for _, line in PRORL_LINES if not line.split()[1].startswith("-")}
+    assert {"launch", "down", "scale"} <= commands, "the README's and docs/slurm.md's Slurm commands are found"
+
+
+@pytest.mark.parametrize(("where", "line"), PRORL_LINES, ids=[w for w, _ in PRORL_LINES])
+def test_a_prorl_command_in_the_docs_names_real_commands_and_options(where: str, line: str) -> None:
+    """Every command, subcommand and option a doc line uses exists (placeholders like NAME are not run)."""
+    import shlex
+
+    import click
+
+    from prorl_cli.cli import cli
+
+    cmd: click.Command = cli
+    takes_value = True
+    pending_value = False
+    for token in shlex.split(line)[1:]:
+        token = token.strip("[]")
+        if not token or token == "|" or token == "...":
+            continue
+        if token.startswith("-"):
+            name = token.split("=", 1)[0]
+            opt = next((p for p in cmd.params if isinstance(p, click.Option) and name in p.opts + p.secondary_opts), None)
+            assert opt is not None, f"{where}: `{line}`: {cmd.name} has no option {name}"
+            pending_value = not opt.is_flag and "=" not in token
+            continue
+        if pending_value:
+            pending_value = False
+            continue
+        if isinstance(cmd, click.Group) and takes_value:
+            sub = cmd.get_command(click.Context(cmd), token)
+            assert sub is not None, f"{where}: `{line}`: no command {token!r} in {cmd.name}"
+            cmd = sub
+            continue
+        takes_value = False  # an argument of the command: nothing further to look up

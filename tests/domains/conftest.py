@@ -8,7 +8,6 @@ the domain test image (``scripts/provision/46-domain-images.sh``).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,23 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.harness import REPO, Deployment
+from tests.harness import REPO, Deployment, need_module
 
 IMAGES = Path(os.environ.get("PRORL_TEST_IMAGES", "/var/cache/prorl-test"))
-
-
-def need_module(module: str, extra: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed (pip install 'prorl[{extra}]'; scripts/install.sh does it)")
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen2 model and tokenizer (made offline once per session)."""
-    need_module("torch", "cpu")
-    from prorl_cli.inference.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from prorl_cli.domains.answers import _sympy_equal, last_boxed, math_equal
-from tests.domains.conftest import ScriptedStack, need_module, turn
+from tests.domains.conftest import ScriptedStack, turn
+from tests.harness import need_module
 
 EQUIVALENT = [("\\frac{1}{2}", "0.5"), ("3", "x=3"), ("[0, \\frac{1}{2})", "[0, 0.5)"), ("\\{1,2\\}", "\\{2,1\\}"),
               ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"), ("\\left(-1, \\frac{3}{3}\\right)", "(-1, 1)")]

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from prorl_cli.domains.tinyrepo import make_tinyrepo
-from tests.domains.conftest import ScriptedStack, need_module, turn
+from tests.domains.conftest import ScriptedStack, turn
+from tests.harness import need_module
 
 
 def test_four_domains_interleaved_on_one_node(stack: ScriptedStack, tmp_path: Path, domain_image: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.domains.conftest import need_module
+from tests.harness import need_module
 
 
 @pytest.mark.timeout(900)

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from prorl_cli.domains.tinyrepo import make_tinyrepo
-from tests.domains.conftest import IMAGES, ScriptedStack, need_module, turn
+from tests.domains.conftest import IMAGES, ScriptedStack, turn
+from tests.harness import need_module
 
 DOCKERFILE = """FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1

@@ -8,7 +8,6 @@ reason, when vllm is not installed (a failure under PRORL_REQUIRE_ALL=1).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import signal
 import subprocess
@@ -18,24 +17,10 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Deployment
+from tests.harness import Deployment, need_module
 
 HANDLERS = Path(__file__).resolve().parent / "handlers"
 MAX_MODEL_LEN = 1024
-
-
-def _need(module: str, extra: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed (pip install 'prorl[{extra}]'; scripts/install.sh does it)")
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen2 + BPE tokenizer made offline for this session."""
-    _need("torch", "cpu")
-    from prorl_cli.inference.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +33,7 @@ def chat(tiny_model: Path) -> Any:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real vLLM OpenAI server on the CPU, serving the tiny model, for the whole session."""
-    _need("vllm", "vllm")
+    need_module("vllm", "vllm")
     from prorl_cli.inference.vllm_server import VLLMServer
 
     server = VLLMServer(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,19 +126,34 @@ def test_launch_places_every_role(launched: Launched) -> None:
         assert "GPUs" not in logs_of(launched.dir / "slurm" / "nodes" / m.job_id).split("registered")[0]
 
 
-def test_math_rollouts_and_both_views_in_status(launched: Launched) -> None:
-    instances = [{"question": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1), "tokenizer": str(launched.model),
-                  "max_turns": 2} for i in range(100)]
-    ids = launched.client.submit("math_agent", instances, sampling={"max_tokens": 8}, timeout_s=300)
-    results = launched.client.wait(ids, timeout_s=400)
-    assert collections.Counter(r.state for r in results) == {"done": 100}
-    assert {r.node_id for r in results} <= {"node-0", "node-1", "node-2"}
-    assert all(r.output["trajectory"] for r in results) if "trajectory" in results[0].output else results[0].output
-    st = prorl(launched.home, "-d", NAME, "status")
+def test_math_rollouts_from_prorl_submit_and_both_views_in_status(launched: Launched, tmp_path: Path) -> None:
+    tasks = tmp_path / "math.jsonl"
+    tasks.write_text("".join(json.dumps({"question": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1),
+                                         "tokenizer": str(launched.model), "max_turns": 2}) + "\n" for i in range(100)))
+    out = tmp_path / "results.jsonl"
+    sub = prorl(launched.home, "-d", NAME, "submit", str(tasks), "--task", "math_agent", "--max-tokens", "8",
+                "--temperature", "1.0", "--seed", "7", "--timeout-s", "300", "--id-prefix", "math", "--out", str(out),
+                timeout_s=600)
+    results = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    # The tiny model answers at random: a wrong answer is a finished rollout too (reward 0), so all must be done.
+    assert collections.Counter(r["state"] for r in results) == {"done": 100}, sub.stdout + sub.stderr
+    assert sub.returncode == 0, sub.stderr
+    assert sorted(r["job_id"] for r in results) == sorted(f"math-{i}-0" for i in range(100))
+    assert {r["node_id"] for r in results} <= {"node-0", "node-1", "node-2"}
+    assert "100 job(s)" in sub.stdout
+    calls = [c for r in results for c in r["output"]["trajectory"]["calls"]]
+    assert len(calls) >= 100, "every rollout called the model"
+    assert max(len(c["output_ids"]) for c in calls) <= 8, "--max-tokens 8 reached every generate call"
+    st = prorl(launched.home, "status", NAME)  # `prorl status NAME` is `prorl -d NAME status`
     assert st.returncode == 0, st.stderr
     assert "Slurm" in st.stdout and "RUNNING" in st.stdout, "Slurm's view"
     for peer in ("node-0", "node-1", "node-2", "inference-0", "inference-1"):
         assert st.stdout.count(peer) >= 2, f"{peer} in both views"
+    # The nodes' sandbox runtime (nodes.sandbox_runtime: apptainer by default in deploy.yaml), as each registered it.
+    report = json.loads(prorl(launched.home, "status", NAME, "--json").stdout)
+    assert {n["node_id"]: n["sandbox_runtime"] for n in report["nodes"]} == dict.fromkeys(("node-0", "node-1", "node-2"), "apptainer")
+    node_rows = [line for line in st.stdout.splitlines() if re.search(r"\bnode-\d\b", line) and "RUNNING" not in line]
+    assert len(node_rows) == 3 and all("apptainer" in line for line in node_rows), st.stdout
 
 
 def test_scancel_of_a_node_task_mid_run_moves_its_jobs(launched: Launched) -> None:

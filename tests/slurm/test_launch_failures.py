@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,10 +43,49 @@ def test_more_gpus_than_any_node_fails_with_slurms_reason(base: Path) -> None:
     })
     out = prorl(base / "home", "launch", str(deploy), "--wait-s", "60")
     assert out.returncode != 0
-    assert "inference" in out.stderr and "nothing left queued" in out.stderr
-    assert "configuration is not available" in out.stderr or "gres" in out.stderr.lower(), out.stderr
+    (error,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    # sbatch refuses it at submission: Slurm's own words, not a pending reason from squeue.
+    assert "sbatch refused the inference" in error and "Requested node configuration is not available" in error, out.stderr
+    # The broker and the node array went in before the refused inference array: they are cancelled too.
+    assert re.search(r"cancelled what was submitted before it \(broker\[0\]=\d+, nodes\[0\]=\d+(_0)?\)", error), error
+    assert "nothing left queued" in error
+    assert out.stderr.count("Requested node configuration") == 1, "said once, in the error line"
     assert not _queued("greedy")
     assert not (base / "home" / "greedy" / "launch.json").exists()
+
+
+@pytest.fixture
+def tiny_partition() -> Iterator[str]:
+    """A partition whose MaxTime (1 min) is below what the test asks (5): Slurm accepts the job (EnforcePartLimits=NO,
+    the default) and leaves it pending with a partition reason. Created at run time, deleted after."""
+    name = "prorltiny"
+    subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True, check=False)
+    made = subprocess.run(["scontrol", "create", f"PartitionName={name}", "Nodes=n1", "MaxTime=1", "State=UP"],
+                          capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"cannot create a partition here (scontrol create: {made.stderr.strip()}); it needs Slurm's admin")
+    try:
+        yield name
+    finally:
+        subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True, check=False)
+
+
+def test_a_request_slurm_accepts_but_can_never_start_fails_with_squeues_reason(base: Path, tiny_partition: str) -> None:
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": "never", "home": str(base / "home"),
+        "broker": {"where": "here", "bind_host": "127.0.0.1"},
+        "nodes": {"count": 2, "time": "5", "cpus_per_task": 1, "mem_gb": 0.5, "partition": tiny_partition},
+    })
+    out = prorl(base / "home", "launch", str(deploy), "--wait-s", "240")
+    assert out.returncode != 0
+    (error,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    # Not a timeout: a pending reason waiting cannot cure fails the launch as soon as squeue shows it.
+    # (squeue says PartitionConfig or PartitionTimeLimit, depending on what else the job asks of the partition.)
+    assert re.search(r"cannot start: squeue says Partition(Config|TimeLimit)", error), out.stderr
+    assert "not all registered" not in error
+    assert "nothing left queued" in error
+    assert not _queued("never")
+    assert not (base / "home" / "never" / "launch.json").exists()
 
 
 def test_a_task_that_cannot_start_in_time_is_reported_with_its_pending_reason(base: Path) -> None:

@@ -42,6 +42,16 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
     return client
 
 
+def name_deployment(app: App, name: str | None) -> None:
+    """A positional DEPLOYMENT (``prorl status NAME``) means the same as ``-d NAME``; the two must agree."""
+    if name is None:
+        return
+    given = app.overrides.get("deployment")
+    if given is not None and given != name:
+        app.abort(f"-d {given} and DEPLOYMENT {name} name different deployments; give one of them")
+    app.override(deployment=name)
+
+
 def read_instances(app: App, path: Path) -> list[Any]:
     """One JSON value per line; blank lines skipped; errors name the line."""
     instances = []
@@ -89,6 +99,50 @@ def check_out_path(app: App, out: Path) -> None:
         app.abort(f"--out {out}: is a folder")
 
 
+def sampling_from_options(
+    app: App, sampling_json: str | None, sampling_file: Path | None, flags: dict[str, Any],
+) -> dict[str, Any] | None:
+    """The ``sampling`` of every job: ``--sampling`` JSON or ``--sampling-file``, then the single flags on top.
+
+    Checked against the generate contract's SamplingParams here, so a typo is
+    refused before anything is submitted, naming the option and the field.
+    """
+    from prorl_cli.exceptions import ProtocolError
+    from prorl_cli.protocol import SAMPLING
+
+    if sampling_json is not None and sampling_file is not None:
+        app.abort("give --sampling or --sampling-file, not both")
+    base: Any = None
+    source = ""
+    if sampling_json is not None:
+        source = "--sampling"
+        try:
+            base = json.loads(sampling_json)
+        except json.JSONDecodeError as e:
+            app.abort(f"--sampling: not valid JSON ({e.msg} at character {e.pos}); e.g. '{{\"max_tokens\": 64, \"temperature\": 0.7}}'")
+    elif sampling_file is not None:
+        import yaml
+
+        source = f"--sampling-file {sampling_file}"
+        try:
+            base = yaml.safe_load(sampling_file.read_text(encoding="utf-8"))  # YAML is a superset of JSON
+        except (OSError, UnicodeDecodeError) as e:
+            app.abort(f"{source}: cannot read: {getattr(e, 'strerror', None) or e}")
+        except yaml.YAMLError as e:
+            app.abort(f"{source}: not valid YAML or JSON: {str(e).splitlines()[0]}")
+    if base is not None and not isinstance(base, dict):
+        app.abort(f"{source}: must be a JSON object of sampling fields (max_tokens, temperature, top_p, top_k, seed, "
+                  f"stop_token_ids, ignore_eos), got {type(base).__name__}")
+    sampling = {**(base or {}), **{k: v for k, v in flags.items() if v is not None}}
+    if not sampling:
+        return None
+    try:
+        SAMPLING(sampling, "sampling")
+    except ProtocolError as e:
+        app.abort(f"{source or 'sampling'}: {e.message}")
+    return sampling
+
+
 def run_submission(
     app: App,
     client: RolloutClient,
@@ -98,6 +152,7 @@ def run_submission(
     out: Path | None,
     timeout_s: float | None,
     id_prefix: str | None,
+    sampling: dict[str, Any] | None = None,
 ) -> list[JobResult]:
     """Submit, stream results to ``out`` as they finish, show progress and a summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -107,7 +162,7 @@ def run_submission(
     job_ids = [f"{id_prefix}-{i}-{k}" for i in range(len(instances)) for k in range(n)] if id_prefix else None
     started = time.monotonic()
     try:
-        ids = client.submit(task, instances, n=n, job_ids=job_ids, timeout_s=timeout_s)
+        ids = client.submit(task, instances, n=n, job_ids=job_ids, timeout_s=timeout_s, sampling=sampling)
     except ProrlError as e:
         app.abort(f"submit failed: {e}")
     counts: dict[str, int] = {}
@@ -204,22 +259,36 @@ def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Pat
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @click.option("--format", "fmt", metavar="FORMAT",
               help="Row shape of TASKS for the domain tasks (math, code, swe, search) where it is ambiguous, e.g. code: io, test_cases, apps, livecodebench (docs/domains.md).")
+@click.option("--max-tokens", type=click.IntRange(min=1), help="Sampling: most tokens per generate call.")
+@click.option("--temperature", type=click.FloatRange(min=0), help="Sampling: temperature (0 is greedy).")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="Sampling: nucleus mass, in (0, 1].")
+@click.option("--seed", type=int, help="Sampling: engine seed (reproducible generations where the engine supports it).")
+@click.option("--sampling", "sampling_json", metavar="JSON",
+              help='Sampling of every job as a JSON object of SamplingParams fields, e.g. \'{"max_tokens": 64, "top_k": 20}\' '
+                   "(docs/protocol.md); the single options above override its keys.")
+@click.option("--sampling-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The same object read from a JSON or YAML file.")
 @pass_app
 def submit(
     app: App, tasks_file: Path, task: str, n: int, out: Path | None, timeout_s: float | None, id_prefix: str | None, address: str | None,
-    fmt: str | None,
+    fmt: str | None, max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
+    sampling_json: str | None, sampling_file: Path | None,
 ) -> None:
     """Submit every instance of TASKS (JSONL, or Parquet) and collect the results.
 
     For the domain tasks (math, code, swe, search) public dataset rows are converted to instances.
+    Every job gets the same sampling (--max-tokens, --temperature, --top-p, --seed, --sampling):
+    handlers pass it to each generate call; unset fields keep their defaults (SamplingParams, docs/protocol.md).
     """
+    sampling = sampling_from_options(app, sampling_json, sampling_file,
+                                     {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed})
     instances = load_task_file(app, task, tasks_file, fmt)
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     if out is not None:
         check_out_path(app, out)
     with connect(app, address) as client:
-        results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix)
+        results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix, sampling)
     if any(r.state != "done" for r in results):
         raise click.exceptions.Exit(1)
 
@@ -240,11 +309,14 @@ def print_status(app: App, status: StatusReport) -> None:
         + (f"; {', '.join(flags)}" if flags else "")
     )
     nodes = Table(title="nodes")
-    for col in ("node", "host", "alive", "inflight/credit", "init a/q", "run a/q", "eval a/q", "tasks"):
+    for col in ("node", "host", "alive", "sandbox", "inflight/credit", "init a/q", "run a/q", "eval a/q", "tasks"):
         nodes.add_column(col)
     for n in status.node_statuses():
         cells = [f"{n.stages.get(s, {}).get('active', 0)}/{n.stages.get(s, {}).get('queued', 0)}" for s in ("init", "run", "eval")]
-        nodes.add_row(n.node_id, n.host, "yes" if n.alive else "[red]no[/]", f"{n.inflight}/{n.credit}", *cells, ",".join(n.tasks))
+        # `local` runs agent code without isolation: make it stand out.
+        sandbox = "[yellow]local[/]" if n.sandbox_runtime == "local" else (n.sandbox_runtime or "-")
+        nodes.add_row(n.node_id, n.host, "yes" if n.alive else "[red]no[/]", sandbox, f"{n.inflight}/{n.credit}", *cells,
+                      ",".join(n.tasks))
     app.console.print(nodes)
     print_backends(app, status.backend_statuses())
 
@@ -272,11 +344,19 @@ def print_backends(app: App, backends: list[Any]) -> None:
 
 
 @click.command()
+@click.argument("deployment_name", metavar="[DEPLOYMENT]", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @pass_app
-def status(app: App, as_json: bool, address: str | None) -> None:
-    """Jobs by state, per-node stage queues and per-backend load (and Slurm's view of a launched deployment)."""
+def status(app: App, deployment_name: str | None, as_json: bool, address: str | None) -> None:
+    """Jobs by state, per-node stage queues, sandbox runtimes and per-backend load.
+
+    \b
+    DEPLOYMENT is the same as -d NAME (prorl status NAME, prorl -d NAME status).
+    For a deployment started with `prorl launch`, Slurm's view comes first:
+    job ids, states, pending reasons or nodes, elapsed and time left.
+    """
+    name_deployment(app, deployment_name)
     if not as_json:
         from prorl_cli.cli.launch import print_slurm_view
 
@@ -306,10 +386,16 @@ def cancel(app: App, job_ids: tuple[str, ...], address: str | None) -> None:
 
 
 @click.command()
+@click.argument("deployment_name", metavar="[DEPLOYMENT]", required=False)
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @pass_app
-def stop(app: App, address: str | None) -> None:
-    """Stop the deployment: cancel every job, shut nodes and bridges down, stop the broker."""
+def stop(app: App, deployment_name: str | None, address: str | None) -> None:
+    """Stop the deployment: cancel every job, shut nodes and bridges down, stop the broker.
+
+    DEPLOYMENT is the same as -d NAME. On Slurm, `prorl down NAME` does this and also
+    empties squeue and removes the launch record.
+    """
+    name_deployment(app, deployment_name)
     with connect(app, address) as client:
         client.stop()
     app.console.print(f"deployment {app.config.deployment} is stopping")

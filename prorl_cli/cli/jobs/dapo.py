@@ -68,20 +68,24 @@ def progress_text(stats: StepStats, target: int) -> str:
 
 def run_dapo(
     app: App, *, tasks_file: Path, task: str, out: Path | None, timeout_s: float | None, id_prefix: str | None,
-    address: str | None, group_size: int, target_groups: int, max_in_flight: int | None, dapo_steps: int, **_: Any,
+    address: str | None, group_size: int, target_groups: int, max_in_flight: int | None, dapo_steps: int,
+    max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+    sampling_json: str | None = None, sampling_file: Path | None = None, **_: Any,
 ) -> None:
     from rich.live import Live
     from rich.text import Text
 
-    from prorl_cli.cli.jobs import connect, read_instances
+    from prorl_cli.cli.jobs import connect, read_instances, sampling_from_options
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
 
+    sampling = sampling_from_options(app, sampling_json, sampling_file,
+                                     {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed})
     instances = read_instances(app, tasks_file)
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     cfg = SamplerConfig(group_size=group_size, target_groups=target_groups, max_in_flight=max_in_flight,
-                        run_id=id_prefix or "dapo", timeout_s=timeout_s)
+                        run_id=id_prefix or "dapo", timeout_s=timeout_s, sampling=sampling)
     batches: list[StepBatch] = []
     with connect(app, address) as client:
         sampler = BlockingDapoSampler(client, task, instances, cfg)

@@ -161,7 +161,7 @@ def launch(app: App, deploy_file: str, deployment: str | None, wait_s: float, ke
     try:
         record = launcher.launch(cfg)
     except SlurmError as e:
-        app.abort(f"launch of {cfg.deployment!r} failed, nothing left queued: {e}")
+        app.abort(f"launch of {cfg.deployment!r} failed: {e}")
     app.err_console.print(
         f"submitted {cfg.deployment}: {', '.join(f'{m.role}[{m.index}]={m.job_id}' for m in record.members) or '-'}"
         f"{f'; broker here, pid {record.broker_pid}' if record.broker_where == 'here' else ''}"
@@ -172,11 +172,13 @@ def launch(app: App, deploy_file: str, deployment: str | None, wait_s: float, ke
         failure = _watch(app, cfg, record, wait_s)
     except KeyboardInterrupt:
         app.abort(f"interrupted: what was submitted stays; `prorl down {cfg.deployment}` removes it", code=130)
+    if not app.err_console.is_terminal:
+        app.err_console.line()  # the live view's last frame ends without a newline when not on a terminal
     if failure is None:
         app.console.print(
             f"[bold green]{cfg.deployment} is up[/]: every node and backend registered.\n"
             f"  submit:  prorl --home {cfg.home_path} -d {cfg.deployment} submit --task TASK instances.jsonl --out results.jsonl\n"
-            f"  status:  prorl --home {cfg.home_path} -d {cfg.deployment} status\n"
+            f"  status:  prorl --home {cfg.home_path} status {cfg.deployment}\n"
             f"  down:    prorl --home {cfg.home_path} down {cfg.deployment}"
         )
         return
