@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retention-mb", type=int, default=512, help="broker.result_retention_mb")
     ap.add_argument("--forget", action="store_true", help="forget each result once taken (op forget)")
     ap.add_argument("--sample-s", type=float, default=10.0)
+    ap.add_argument("--linger-s", type=float, default=0.0,
+                    help="keep the drained broker up this long before closing (to inspect it, e.g. with gdb)")
     args = ap.parse_args(argv)
 
     home = Path(tempfile.mkdtemp(prefix="prorl-load-"))
@@ -221,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             "generator_cpu_s": round(own_cpu.user + own_cpu.system, 1),
         }
         print(json.dumps(summary), flush=True)
+        if args.linger_s > 0:
+            print(f"broker pid {broker.pid} stays up {args.linger_s:.0f} s", file=sys.stderr, flush=True)
+            time.sleep(args.linger_s)  # not synchronisation: a window for a person or tool to look
         ok = summary["missing"] == 0 and dupes == 0 and false_deaths == 0 and summary["broker_alive"]
         return 0 if ok else 1
     finally:
