@@ -13,8 +13,16 @@ of jobs in flight:
   requests in flight.
 
     python benchmarks/pipeline_overhead.py [--jobs 5000] [--inflight 64]
+    python benchmarks/pipeline_overhead.py --cpu [--jobs 30000]
 
-Prints jobs/s and p50/p99 latency per side, and the ratio.
+Prints jobs/s and p50/p99 latency per side, and the ratio. ``--cpu``
+instead streams ``--jobs`` no-op jobs after a warm-up, with the broker's
+journal and without, and prints the CPU time (user + system) that the
+broker, the node and the client spent per job.
+
+Children import prorl from ``PYTHONPATH`` when it is set (to compare two
+trees with this one script), else from this checkout; the tree in use is
+printed.
 """
 
 from __future__ import annotations
@@ -32,7 +40,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+if not os.environ.get("PYTHONPATH"):
+    # The broker and node are `python -m prorl_cli` children: make them import this checkout too.
+    os.environ["PYTHONPATH"] = str(REPO)
+    sys.path.insert(0, str(REPO))
 
 from prorl_cli.client import AsyncRolloutClient  # noqa: E402
 from prorl_cli.embedded import LocalStack  # noqa: E402
@@ -90,6 +101,7 @@ async def prorl_process_style(address: str, jobs: int, inflight: int) -> tuple[f
     async with AsyncRolloutClient("bench", address=address) as client:
         await client.process("noop", {})  # warm up
         remaining = jobs
+        forget = getattr(client, "forget_local", None)  # older trees' clients (issue 9's "before") lack it
 
         async def loop() -> None:
             nonlocal remaining
@@ -99,7 +111,8 @@ async def prorl_process_style(address: str, jobs: int, inflight: int) -> tuple[f
                 r = await client.process("noop", {})
                 assert r.state == "done"
                 lat.append(time.perf_counter() - t0)
-                client.forget_local([r.job_id])
+                if forget is not None:
+                    forget([r.job_id])
 
         t0 = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(inflight)))
@@ -128,17 +141,22 @@ async def prorl_stream_style(address: str, jobs: int, inflight: int) -> tuple[fl
             submitted += k
 
         stream = client.results()
+        # Older trees' clients (issue 9's "before") have neither; the run works without them.
+        ready = getattr(stream, "ready", None)
+        forget = getattr(client, "forget_local", None)
         t0 = time.perf_counter()
         top_up(inflight)
         done = 0
         async for result in stream:
             arrived = [result]
-            arrived += stream.ready()  # take every result already delivered in this loop turn
+            if ready is not None:
+                arrived += ready()  # take every result already delivered in this loop turn
             now = time.perf_counter()
             for r in arrived:
                 assert r.state == "done"
                 lat.append(now - started.pop(r.job_id))
-            client.forget_local(r.job_id for r in arrived)
+            if forget is not None:
+                forget(r.job_id for r in arrived)
             done += len(arrived)
             if done >= jobs:
                 break
@@ -177,6 +195,32 @@ async def http_style(port: int, jobs: int, inflight: int) -> tuple[float, list[f
         return time.perf_counter() - t0, lat
 
 
+def cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one by default)."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+def cpu_per_job(jobs: int, inflight: int, warmup: int) -> None:
+    """Stream ``jobs`` no-op jobs after ``warmup`` ones; print each process's CPU time per job."""
+    for journal in (True, False):
+        with tempfile.TemporaryDirectory(prefix="prorl-bench-") as tmp:
+            config = {"node": {"n_init": 8, "n_run": 32, "n_eval": 8}, "broker": {"journal": journal}, "log_level": "WARNING"}
+            with LocalStack(Path(tmp), "bench", config) as stack:
+                broker = stack.start_broker()
+                node = stack.start_node("node-0")
+                asyncio.run(prorl_stream_style(stack.address, warmup, inflight))
+                before = {"broker": cpu_s(broker.pid), "node": cpu_s(node.pid), "client": cpu_s()}
+                elapsed, lat = asyncio.run(prorl_stream_style(stack.address, jobs, inflight))
+                after = {"broker": cpu_s(broker.pid), "node": cpu_s(node.pid), "client": cpu_s()}
+                stack.stop()
+        per_job = "   ".join(f"{k} {(after[k] - before[k]) / jobs * 1e6:5.1f} us" for k in before)
+        print(f"streamed, journal {'on ' if journal else 'off'}: {jobs / elapsed:7.0f} jobs/s   CPU per job: {per_job}",
+              flush=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -187,9 +231,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=5000)
     ap.add_argument("--inflight", type=int, default=64)
+    ap.add_argument("--cpu", action="store_true", help="measure CPU time per job of each process (streamed)")
+    ap.add_argument("--warmup", type=int, default=2000, help="jobs streamed before measuring (with --cpu)")
     args = ap.parse_args()
+    import prorl_cli
+
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}")
+    print(f"prorl from {Path(prorl_cli.__file__).parent.parent}; load average {os.getloadavg()[0]:.2f}")
     print(f"{args.jobs} no-op jobs, {args.inflight} in flight\n")
+    if args.cpu:
+        cpu_per_job(args.jobs, args.inflight, args.warmup)
+        return
 
     # Baseline: the paper's blocking HTTP design, one server process.
     port = free_port()

@@ -2,30 +2,39 @@
 
 One seeded SWE-like workload (``handlers/sim_agent.py``: 10-40 turns per
 rollout, prompts growing by each observation to tens of thousands of tokens,
-log-normal tool time) runs as DAPO steps: each step submits ``--groups``
-groups of ``--n`` rollouts, and stops (cancelling the rest) as soon as
-``--target`` groups are informative (rewards not all equal). The deployment
-is a real broker, one node with enough RUN slots for a whole step, and 4
-bridges with the simulated H100/8B engine (``prorl serve inference --engine
-sim``), all child processes on this machine. Configurations, one fresh
-deployment each, the same workload each:
+log-normal tool time) is sampled by prorl's own DAPO sampler
+(:class:`prorl_cli.training.sampler.DapoSampler`): groups of ``--n`` rollouts,
+``--in-flight`` jobs kept running (a new group is submitted as soon as there is
+room), each step ending when ``--target`` groups are informative (rewards not
+all equal). The deployment is a real broker, one node with RUN slots for twice
+the in-flight jobs, and 4 bridges with the simulated H100/8B engine
+(``prorl serve inference --engine sim``), all child processes on this machine.
+Configurations, one fresh deployment each, the same prompts and job ids each:
 
-* ``full``: prorl as shipped (least-loaded sticky routing, cancel propagation);
+* ``full``: prorl as shipped (least-loaded sticky routing, early termination
+  cancels the step's unfinished groups, cancel propagation to the engines);
 * ``round_robin``: ``broker.routing_policy: round_robin`` (no stickiness);
 * ``ever_assigned``: ``broker.routing_policy: ever_assigned`` (the paper's server routing);
-* ``no_cleanup``: no stale-job cleanup: the trainer's early termination stops
-  waiting but cancels nothing (the paper's setting: the rest of the step's
-  jobs run on into the next step, their results ignored), and
-  ``broker.cancel_propagation: false``, so nothing stops their model calls;
+* ``no_cleanup``: no stale-job cleanup as the issue defines it: early
+  termination abandons the unfinished groups without cancelling them
+  (``SamplerConfig.cancel_dropped: False``) and ``broker.cancel_propagation:
+  false``, so they and their model calls run on, results ignored;
+* ``sync``: no stale-job cleanup as the paper ran it ("waiting for all jobs to
+  finish"): ``SamplerConfig.mode: sync``, batches of ``--in-flight`` jobs, each
+  waited for to the last rollout;
+* ``carry_over``: ``SamplerConfig.carry_over: True`` (unfinished groups
+  complete into the next step instead of being cancelled; not in the paper);
 * ``tmux``: every tool action takes ``--tmux-delay-s`` longer (tmux-style polling).
 
 Time runs ``--speedup`` times faster than on the simulated GPU (tool waits too),
-so a run takes a few minutes on 2 cores; rates are reported in GPU time
-(wall rate / speedup). Printed per configuration: instances/s (rollouts
-finished per second), busy fraction and prefix-cache hit rate of the
-backends, and the ratio to ``full``, beside the paper's figures.
+so a run takes minutes on 2 cores; rates are reported in GPU time (wall rate /
+speedup). Printed per configuration (mean and spread over ``--seeds``):
+instances/s (rollouts of completed groups, informative or filtered, per
+second), busy fraction and prefix-cache hit rate of the backends, and the
+ratio to ``full``, beside the paper's figures; ``--plot`` saves a PNG.
 
-    python benchmarks/table3.py [--steps 3] [--groups 32] [--n 4] [--target 4] [--speedup 40] [--only full,tmux]
+    python benchmarks/table3.py [--steps 3] [--n 4] [--target 8] [--in-flight 128] [--speedup 20]
+        [--seeds 0,1] [--only full,tmux] [--plot docs/img/table3.png]
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -47,28 +57,44 @@ from prorl_cli.embedded import LocalStack  # noqa: E402
 from prorl_cli.exceptions import ConfigError  # noqa: E402
 
 BACKENDS = 4
+#: Per configuration: prorl config overrides ("broker"), sampler settings ("sampler"), tmux-style tools ("tmux").
 CONFIGS: dict[str, dict[str, Any]] = {
     "full": {},
     "round_robin": {"broker": {"routing_policy": "round_robin"}},
     "ever_assigned": {"broker": {"routing_policy": "ever_assigned"}},
-    "no_cleanup": {"broker": {"cancel_propagation": False}},
-    "tmux": {},
+    "no_cleanup": {"broker": {"cancel_propagation": False}, "sampler": {"cancel_dropped": False}},
+    "sync": {"sampler": {"mode": "sync"}},
+    "carry_over": {"sampler": {"carry_over": True}},
+    "tmux": {"tmux": True},
 }
+DEFAULT_CONFIGS = ("full", "round_robin", "ever_assigned", "no_cleanup", "sync", "tmux")
 # The paper's Table 3 (instances/s, GPU utilisation; tmux: seconds per action).
-PAPER = {
+PAPER: dict[str, tuple[float | None, float | None]] = {
     "full": (0.37, 0.78),
     "round_robin": (0.30, 0.65),  # the paper's "without load balancing"
     "ever_assigned": (None, None),
-    "no_cleanup": (0.25, 0.42),
-    "tmux": (None, None),  # the paper reports 0.78 s vs 0.42 s per action, not throughput
+    "no_cleanup": (0.25, 0.42),  # the paper's "without stale job cleanup" (it waited for all jobs: our "sync")
+    "sync": (0.25, 0.42),
+    "carry_over": (None, None),
+    "tmux": (0.29, 0.68),  # the paper's "without efficient bash" (0.78 s vs 0.42 s per action)
 }
+
+
+PAPER_FULL_INST_S = 0.37
+
+
+def paper_ratio(name: str) -> float | None:
+    """The paper's instances/s of this configuration over its full system's."""
+    inst = PAPER[name][0]
+    return None if inst is None else inst / PAPER_FULL_INST_S
 
 
 @dataclass
 class Outcome:
     config: str
+    seed: int
     wall_s: float
-    finished: int
+    rollouts: int
     cancelled: int
     steps: int
     instances_per_s: float  # GPU time
@@ -78,24 +104,20 @@ class Outcome:
     skipped: str | None = None
 
 
-def workload(seed: int, steps: int, groups: int, n: int, tool_median_s: float, speedup: float,
-             action_delay_s: float) -> list[list[list[dict[str, Any]]]]:
-    """Steps of groups of rollout instances; each rollout pinned by its own seed."""
+def prompts(seed: int, count: int, tool_median_s: float, speedup: float, action_delay_s: float) -> list[dict[str, Any]]:
+    """The task instances, one per group; each rollout's draws come from the seed and its (deterministic) job id."""
     rng = random.Random(seed)
     out = []
-    for s in range(steps):
-        step = []
-        for g in range(groups):
-            # Task difficulty: some always solved, some never (uninformative), most in between.
-            p_solve = rng.choice([0.0, 0.0, 1.0, 0.2, 0.4, 0.5, 0.6, 0.8])
-            step.append([{
-                "rollout_seed": f"{seed}:{s}:{g}:{i}", "turns": [10, 40], "prompt_tokens": 2000,
-                "output_tokens": {"median": 150, "sigma": 0.6, "max": 1024},
-                "observation_tokens": {"median": 500, "sigma": 1.0, "max": 6000},
-                "tool_s": {"median": tool_median_s, "sigma": 1.0, "max": 60.0},
-                "action_delay_s": action_delay_s, "time_scale": speedup, "p_solve": p_solve,
-            } for i in range(n)])
-        out.append(step)
+    for _ in range(count):
+        # Task difficulty: some always solved, some never (uninformative), most in between.
+        p_solve = rng.choice([0.0, 0.0, 1.0, 0.2, 0.4, 0.5, 0.6, 0.8])
+        out.append({
+            "seed": seed, "turns": [10, 40], "prompt_tokens": 2000,
+            "output_tokens": {"median": 150, "sigma": 0.6, "max": 1024},
+            "observation_tokens": {"median": 500, "sigma": 1.0, "max": 6000},
+            "tool_s": {"median": tool_median_s, "sigma": 1.0, "max": 60.0},
+            "action_delay_s": action_delay_s, "time_scale": speedup, "p_solve": p_solve,
+        })
     return out
 
 
@@ -124,27 +146,30 @@ def backend_totals(stack: LocalStack) -> dict[str, float]:
     return totals
 
 
-#: Configurations whose trainer cancels the rest of a step on early termination.
-TRAINER_CANCELS = {name: name != "no_cleanup" for name in CONFIGS}
+def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Outcome:
+    from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
 
-
-def run_config(name: str, args: argparse.Namespace, home: Path) -> Outcome:
-    extra = CONFIGS[name]
-    why = config_supported(extra)
+    spec = CONFIGS[name]
+    why = config_supported({"broker": spec.get("broker", {})})
     if why:
-        return Outcome(name, 0, 0, 0, 0, 0, 0, 0, 0, skipped=why)
-    delay = args.tmux_delay_s if name == "tmux" else 0.0
-    steps = workload(args.seed, args.steps, args.groups, args.n, args.tool_median_s, args.speedup, delay)
-    per_step = args.groups * args.n
+        return Outcome(name, seed, 0, 0, 0, 0, 0, 0, 0, 0, skipped=why)
+    delay = args.tmux_delay_s if spec.get("tmux") else 0.0
+    sampler_cfg = SamplerConfig(**{
+        "group_size": args.n, "target_groups": args.target, "max_in_flight": args.in_flight, "carry_over": False,
+        "run_id": f"t3s{seed}", "timeout_s": 3600.0, "sync_batch_groups": args.in_flight // args.n,
+        **spec.get("sampler", {}),
+    })
     config = {
-        "broker": {"heartbeat_interval_s": 0.5, "journal": False, **extra.get("broker", {})},
-        # Room for a step and the stale jobs of earlier ones (no_cleanup); more wait in the broker's queue.
-        "node": {"n_init": 16, "n_run": per_step * 2, "n_eval": 16, "stop_grace_s": 3.0},
+        # Fresh stats every 0.25 s, but a peer is declared dead only after 10 s: a loaded 2-core machine stalls processes.
+        "broker": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 40, "journal": False, **spec.get("broker", {})},
+        # Room for the sampler's jobs and the abandoned ones still running (no_cleanup); more wait in the broker's queue.
+        "node": {"n_init": 32, "n_run": args.in_flight * 2, "n_eval": 32, "stop_grace_s": 3.0},
         "jobs": {"timeout_s": 3600.0},
         "inference": {"generate_timeout_s": 3600.0, "sim_speedup": args.speedup, "capacity": 256},
         "log_level": "WARNING",
     }
-    with LocalStack(home / name, "t3", config) as stack:
+    tasks = prompts(seed, 4096, args.tool_median_s, args.speedup, delay)
+    with LocalStack(home / f"{name}-{seed}", "t3", config) as stack:
         stack.start_broker()
         stack.start_node("node-0")
         for i in range(BACKENDS):
@@ -152,94 +177,170 @@ def run_config(name: str, args: argparse.Namespace, home: Path) -> Outcome:
             stack.spawn(bid, "serve", "inference", "--engine", "sim", "--backend-id", bid)
         stack.wait_for(lambda st: sum(b["alive"] for b in st.backends) == BACKENDS, 60.0,
                        "the sim bridges to register", "sim-0")
-        client = stack.client
-        time.sleep(1.2)  # a first heartbeat with stats from every bridge
+        time.sleep(0.6)  # a first heartbeat with stats from every bridge
         before = backend_totals(stack)
+        sampler = BlockingDapoSampler(stack.client, "sim_agent", tasks, sampler_cfg)
         started = time.monotonic()
-        finished = cancelled = 0
-        for k, step in enumerate(steps):
-            step_started = time.monotonic()
-            flat = [inst for group in step for inst in group]
-            ids = client.submit("sim_agent", flat, n=1, timeout_s=3600.0)
-            group_of = {jid: i // args.n for i, jid in enumerate(ids)}
-            rewards: dict[int, list[float]] = {}
-            informative = 0
-            remaining = set(ids)
-            for res in client.as_completed(ids, timeout_s=3600.0):
-                remaining.discard(res.job_id)
-                if res.state != "done":
-                    continue
-                finished += 1
-                g = group_of[res.job_id]
-                rewards.setdefault(g, []).append(float(res.reward or 0.0))
-                if len(rewards[g]) == args.n and len(set(rewards[g])) > 1:
-                    informative += 1
-                    if informative >= args.target:
-                        break
-            cancel_s = 0.0
-            if remaining and TRAINER_CANCELS[name]:  # DAPO early termination: the step has what it needs
-                t = time.monotonic()
-                client.cancel(sorted(remaining))
-                cancel_s = time.monotonic() - t
-                cancelled += len(remaining)
-            if args.verbose:
-                print(f"  {name} step {k}: {time.monotonic() - step_started:.1f} s, {len(remaining)} left running, "
-                      f"cancel {cancel_s:.2f} s", flush=True)
-        wall_s = time.monotonic() - started
-        time.sleep(1.2)  # the bridges' next heartbeat covers the end of the run
-        after = backend_totals(stack)
+        rollouts = cancelled = 0
+        try:
+            for k in range(args.steps):
+                batch = sampler.step(policy_version=k)
+                st = batch.stats
+                rollouts += (len(batch.groups) + st.filtered) * args.n
+                cancelled += st.cancelled_jobs
+                if args.verbose:
+                    print(f"  {name} seed {seed} step {k}: {st.wall_s:.1f} s, {st.submitted_groups} groups submitted, "
+                          f"{st.filtered} filtered, {st.failed_groups} failed, {st.cancelled_jobs} jobs cancelled",
+                          flush=True)
+            wall_s = time.monotonic() - started
+            time.sleep(0.6)  # the bridges' next heartbeat covers the end of the run
+            after = backend_totals(stack)
+        finally:
+            sampler.close(cancel_in_flight=True)
         stack.stop()
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     return Outcome(
-        config=name, wall_s=round(wall_s, 1), finished=finished, cancelled=cancelled, steps=len(steps),
-        instances_per_s=round(finished / wall_s / args.speedup, 4),
+        config=name, seed=seed, wall_s=round(wall_s, 1), rollouts=rollouts, cancelled=cancelled, steps=args.steps,
+        instances_per_s=round(rollouts / wall_s / args.speedup, 4),
         busy_fraction=round(d.get("busy_s", 0) / d["elapsed_s"], 3) if d.get("elapsed_s") else 0.0,
         prefix_hit_rate=round(d.get("cached_tokens", 0) / d["prompt_tokens"], 3) if d.get("prompt_tokens") else 0.0,
         aborted_calls=int(d.get("aborted", 0)),
     )
 
 
+@dataclass
+class Summary:
+    """One configuration over its seeds: means and (min, max)."""
+
+    config: str
+    runs: int
+    instances_per_s: float
+    instances_range: tuple[float, float]
+    busy_fraction: float
+    busy_range: tuple[float, float]
+    prefix_hit_rate: float
+    ratio: float | None = None
+    ratio_range: tuple[float, float] | None = None
+
+
+def summarise(outcomes: list[Outcome]) -> list[Summary]:
+    """Mean and spread per configuration; ratios to ``full`` per seed (same prompts), then averaged."""
+    full = {o.seed: o.instances_per_s for o in outcomes if o.config == "full" and not o.skipped}
+    out = []
+    for name in dict.fromkeys(o.config for o in outcomes):
+        runs = [o for o in outcomes if o.config == name and not o.skipped]
+        if not runs:
+            continue
+        inst = [o.instances_per_s for o in runs]
+        busy = [o.busy_fraction for o in runs]
+        ratios = [o.instances_per_s / full[o.seed] for o in runs if full.get(o.seed)]
+        out.append(Summary(
+            name, len(runs), statistics.fmean(inst), (min(inst), max(inst)), statistics.fmean(busy),
+            (min(busy), max(busy)), statistics.fmean(o.prefix_hit_rate for o in runs),
+            statistics.fmean(ratios) if ratios else None, (min(ratios), max(ratios)) if ratios else None,
+        ))
+    return out
+
+
+def plot(summaries: list[Summary], path: Path, title: str) -> None:
+    """Instances/s ratio to full and busy fraction per configuration, the paper's beside them (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s.config for s in summaries]
+    x = list(range(len(names)))
+    w = 0.38
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    ratios = [s.ratio or 0.0 for s in summaries]
+    errs = [[(s.ratio or 0) - s.ratio_range[0] for s in summaries if s.ratio_range] or None,
+            [s.ratio_range[1] - (s.ratio or 0) for s in summaries if s.ratio_range] or None]
+    yerr = errs if errs[0] is not None and len(errs[0]) == len(names) else None
+    ax1.bar([i - w / 2 for i in x], ratios, w, yerr=yerr, capsize=3, label="prorl (mean, min-max over seeds)")
+    paper_r = [paper_ratio(n) or 0.0 for n in names]
+    ax1.bar([i + w / 2 for i in x], paper_r, w, color="tab:gray", label="paper (ProRL Agent Table 3)")
+    ax1.set_xticks(x, names, rotation=20)
+    ax1.set_ylabel("instances/s, ratio to full")
+    ax1.axhline(1.0, color="black", lw=0.6)
+    ax1.legend(fontsize=8)
+    busy = [s.busy_fraction * 100 for s in summaries]
+    berr = [[s.busy_fraction * 100 - s.busy_range[0] * 100 for s in summaries],
+            [s.busy_range[1] * 100 - s.busy_fraction * 100 for s in summaries]]
+    ax2.bar([i - w / 2 for i in x], busy, w, yerr=berr, capsize=3, label="prorl: simulated GPU busy")
+    ax2.bar([i + w / 2 for i in x], [(PAPER[n][1] or 0) * 100 for n in names], w, color="tab:gray",
+            label="paper: GPU utilisation")
+    ax2.axhline(85, color="tab:red", lw=0.8, ls="--", label="goal: 85%")
+    ax2.set_xticks(x, names, rotation=20)
+    ax2.set_ylabel("busy fraction, %")
+    ax2.set_ylim(0, 100)
+    ax2.legend(fontsize=8, loc="lower left")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--n", type=int, default=4)
-    ap.add_argument("--target", type=int, default=4, help="informative groups that end a step")
-    ap.add_argument("--speedup", type=float, default=40.0, help="simulated time runs this many times faster")
+    ap.add_argument("--n", type=int, default=4, help="rollouts per group")
+    ap.add_argument("--target", type=int, default=8, help="informative groups that end a step")
+    ap.add_argument("--in-flight", type=int, default=128, help="the sampler's max_in_flight (jobs running at once)")
+    ap.add_argument("--speedup", type=float, default=20.0, help="simulated time runs this many times faster")
     ap.add_argument("--tool-median-s", type=float, default=1.0, help="median tool time per action (GPU time)")
     ap.add_argument("--tmux-delay-s", type=float, default=0.36,
                     help="extra per action in the tmux configuration (the paper: 0.78 s vs 0.42 s)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations")
+    ap.add_argument("--seeds", default="0", help="comma-separated workload seeds; each configuration runs once per seed")
+    ap.add_argument("--only", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
     ap.add_argument("--json", type=Path, help="also write the outcomes here")
-    ap.add_argument("--verbose", action="store_true", help="print each step's time")
+    ap.add_argument("--plot", type=Path, help="save a PNG plot here (e.g. docs/img/table3.png)")
+    ap.add_argument("--verbose", action="store_true", help="print each step")
     args = ap.parse_args()
     names = [c for c in args.only.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x]
+    except ValueError:
+        ap.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if args.in_flight < args.n:
+        ap.error(f"--in-flight ({args.in_flight}) must hold at least one group (--n {args.n})")
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="prorl-table3-") as tmp:
-        for name in names:
-            print(f"running {name} ...", flush=True)
-            outcomes.append(run_config(name, args, Path(tmp)))
-    full = next((o for o in outcomes if o.config == "full" and not o.skipped), None)
-    print(f"\nTable 3 replay: {BACKENDS} simulated H100/8B backends, {args.steps} DAPO steps of {args.groups}x{args.n} "
-          f"rollouts (stop at {args.target} informative groups), time x{args.speedup:g}")
-    print(f"{'config':<14}{'inst/s':>8}{'ratio':>7}{'busy':>7}{'ratio':>7}{'prefix hit':>11}{'aborted':>9}"
-          f"{'done':>6}{'wall s':>8}   paper inst/s, util")
+        for seed in seeds:  # seed-major: a slow patch of the machine spreads over configurations
+            for name in names:
+                print(f"running {name} seed {seed} ...", flush=True)
+                o = run_config(name, seed, args, Path(tmp))
+                if args.verbose and not o.skipped:
+                    print(f"  -> {o.instances_per_s:.3f} inst/s, busy {o.busy_fraction:.0%}, "
+                          f"hits {o.prefix_hit_rate:.0%}, {o.wall_s} s", flush=True)
+                outcomes.append(o)
+    title = (f"Table 3 replay: {BACKENDS} simulated H100/8B backends, {args.steps} DAPO steps, groups of {args.n}, "
+             f"target {args.target}, {args.in_flight} in flight, time x{args.speedup:g}, seeds {seeds}")
+    print("\n" + title)
+    print(f"{'config':<14}{'inst/s':>8}{'spread':>14}{'ratio':>7}{'spread':>12}{'busy':>6}{'spread':>10}"
+          f"{'prefix hit':>11}   paper inst/s, util (ratio)")
     for o in outcomes:
-        paper = PAPER[o.config]
-        paper_s = f"{paper[0]}, {paper[1]:.0%}" if paper[0] is not None and paper[1] is not None else "-"
         if o.skipped:
             print(f"{o.config:<14}skipped: {o.skipped}")
-            continue
-        r_i = f"{o.instances_per_s / full.instances_per_s:.2f}" if full and full.instances_per_s else "-"
-        r_b = f"{o.busy_fraction / full.busy_fraction:.2f}" if full and full.busy_fraction else "-"
-        print(f"{o.config:<14}{o.instances_per_s:>8.3f}{r_i:>7}{o.busy_fraction:>7.0%}{r_b:>7}{o.prefix_hit_rate:>11.0%}"
-              f"{o.aborted_calls:>9}{o.finished:>6}{o.wall_s:>8.1f}   {paper_s}")
+    summaries = summarise(outcomes)
+    for sm in summaries:
+        paper = PAPER[sm.config]
+        paper_s = (f"{paper[0]}, {paper[1]:.0%} ({paper_ratio(sm.config):.2f})"
+                   if paper[0] is not None and paper[1] is not None else "-")
+        r = f"{sm.ratio:.2f}" if sm.ratio is not None else "-"
+        rr = f"{sm.ratio_range[0]:.2f}-{sm.ratio_range[1]:.2f}" if sm.ratio_range else "-"
+        print(f"{sm.config:<14}{sm.instances_per_s:>8.3f}{sm.instances_range[0]:>7.3f}-{sm.instances_range[1]:<6.3f}"
+              f"{r:>7}{rr:>12}{sm.busy_fraction:>6.0%}{sm.busy_range[0]:>5.0%}-{sm.busy_range[1]:<4.0%}"
+              f"{sm.prefix_hit_rate:>11.0%}   {paper_s}")
     if args.json:
         args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=2))
+    if args.plot:
+        plot(summaries, args.plot, title)
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -548,33 +548,44 @@ def unpack_obj(data: bytes) -> Any:
 # Records
 
 
+#: Field names per record class, computed once (``dataclasses.fields`` on every call was a hot-path cost).
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
 class _Record:
     """Mixin: to/from a msgpack-ready dict, rejecting wrong shapes with a named field."""
 
     def to_wire(self) -> dict[str, Any]:
         out = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            v = getattr(self, f.name)
-            if isinstance(v, enum.Enum):
-                v = v.value
-            elif isinstance(v, _Record):
-                v = v.to_wire()
-            out[f.name] = v
+        for name in _field_names(type(self)):
+            v = getattr(self, name)
+            if isinstance(v, _NESTED):
+                v = v.value if isinstance(v, enum.Enum) else v.to_wire()
+            out[name] = v
         return out
 
     @classmethod
     def from_wire(cls, data: Any, what: str | None = None) -> Self:
-        what = what or cls.__name__
         if not isinstance(data, dict):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} must be a map, got {type(data).__name__}")
-        names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = set(data) - set(names)
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{what or cls.__name__} must be a map, got {type(data).__name__}")
+        unknown = data.keys() - _field_names(cls)
         if unknown:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} has unknown field(s) {sorted(unknown)}")
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{what or cls.__name__} has unknown field(s) {sorted(unknown)}")
         try:
             return cls(**data)
         except TypeError as e:
-            raise ProtocolError(ErrorCode.MISSING_FIELD, f"{what}: {e}") from e
+            raise ProtocolError(ErrorCode.MISSING_FIELD, f"{what or cls.__name__}: {e}") from e
+
+
+#: Field values that :meth:`_Record.to_wire` converts (a tuple: ``isinstance`` is faster with one than with a union).
+_NESTED = (enum.Enum, _Record)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from prorl_cli import protocol as P
+from prorl_cli.broker.allocator import fix_mmap_threshold
 from prorl_cli.broker.jobs import JobTable
 from prorl_cli.broker.journal import JOURNAL_NAME, Journal
 from prorl_cli.broker.routing import Router
@@ -51,6 +52,9 @@ class Broker:
     """The deployment's broker. ``serve_forever()`` runs until ``stop`` (clean) or SIGTERM/SIGUSR2 (leave, journal kept)."""
 
     def __init__(self, config: ProrlConfig) -> None:
+        # Before anything big is allocated (a journal replay holds results): big buffers then stay out of
+        # the heap, so memory freed by retention goes back to the system (broker/allocator.py).
+        fix_mmap_threshold()
         self.config = config
         bc = config.broker
         self.heartbeat_interval_s = bc.heartbeat_interval_s

@@ -24,6 +24,8 @@ from prorl_cli.exceptions import InferenceError
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 #: Connections kept open per client (a bridge serves up to its capacity at once).
 POOL_SIZE = 256
+_JSON_HEADERS = {"Accept": "application/json", "Content-Type": "application/json"}
+_ACCEPT_HEADERS = {"Accept": "application/json"}
 
 
 @dataclass
@@ -57,6 +59,9 @@ class HttpClient:
         self.pool_size = pool_size
         self._session: Any = None  # aiohttp.ClientSession, made on first use (it binds the running loop)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Per-call work a generate call need not repeat: URLs already checked, timeout objects by value.
+        self._checked_urls: set[str] = set()
+        self._timeouts: dict[float, Any] = {}
 
     def _get_session(self) -> Any:
         try:
@@ -81,13 +86,18 @@ class HttpClient:
         """
         import aiohttp
 
-        split_url(url)  # ValueError naming a bad URL, before any connection
+        if url not in self._checked_urls:
+            split_url(url)  # ValueError naming a bad URL, before any connection
+            if len(self._checked_urls) < 64:
+                self._checked_urls.add(url)
         session = self._get_session()
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        headers = _ACCEPT_HEADERS if data is None else _JSON_HEADERS
+        timeout = self._timeouts.get(timeout_s)
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            if len(self._timeouts) < 16:
+                self._timeouts[timeout_s] = timeout
         try:
             async with session.request(method, url, data=data, headers=headers, timeout=timeout) as resp:
                 length = resp.content_length

@@ -12,6 +12,7 @@ before EVAL, and on every failure path.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 from collections.abc import Callable
@@ -42,15 +43,150 @@ class RunningJob:
     stage: str = JobState.INIT.value
 
 
-@dataclass
 class _Pool:
-    limit: int
-    sem: asyncio.Semaphore
-    active: int = 0
-    queued: int = 0
+    """The slots of one stage: at most ``limit`` jobs in it, the others wait in arrival order.
+
+    A job that finds a free slot and nobody waiting takes it without a
+    suspension (:meth:`try_enter`): a short job passes INIT, RUN and EVAL in
+    one step of its task instead of handing itself between three queues.
+    """
+
+    __slots__ = ("limit", "active", "_waiters")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def try_enter(self) -> bool:
+        if self.active < self.limit and not self._waiters:
+            self.active += 1
+            return True
+        return False
+
+    async def enter(self) -> None:
+        """Wait for a slot (first come, first served); it is handed over by :meth:`leave`."""
+        if self.try_enter():
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.leave()  # the slot was ours already: pass it on
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def leave(self) -> None:
+        # Hand the slot straight to the next waiter (``active`` stays), else free it.
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.active -= 1
 
     def stats(self) -> StageStats:
         return StageStats(active=self.active, queued=self.queued, limit=self.limit)
+
+
+class _Deadline:
+    """One timer handle per job, armed for the deadline of the stage it is in.
+
+    The handle is armed at the end of the loop turn in which the stage began
+    (by :class:`_Arming`), at the stage's own deadline, and only if the job is
+    still in a stage by then: a job whose stages all finish without waiting
+    never gets one. A later stage whose deadline is no earlier than the armed
+    one keeps the handle (a job that runs its stages back to back has one
+    deadline: its budget); a handle that fires before the current stage's
+    deadline (it was armed for an earlier one) is armed again; it does
+    nothing while the job is between stages. When it fires in a stage it
+    cancels the job's task and says so, so a timeout is told apart from a
+    cancel from outside.
+    """
+
+    __slots__ = ("task", "loop", "arming", "at", "expired", "_handle", "_handle_at", "_queued")
+
+    def __init__(self, task: asyncio.Task[Any] | None, loop: asyncio.AbstractEventLoop, arming: _Arming) -> None:
+        self.task = task
+        self.loop = loop
+        self.arming = arming
+        #: The current stage's deadline (loop time), ``None`` between stages or without a limit.
+        self.at: float | None = None
+        #: Whether it fired in the current stage.
+        self.expired = False
+        self._handle: asyncio.TimerHandle | None = None
+        self._handle_at = 0.0
+        self._queued = False
+
+    def enter_stage(self, limit_s: float | None) -> None:
+        self.expired = False
+        if limit_s is None:
+            self.at = None
+            return
+        self.at = self.loop.time() + limit_s
+        if not self._queued and (self._handle is None or self._handle_at > self.at):
+            self._queued = True
+            self.arming.add(self)
+
+    def leave_stage(self) -> None:
+        self.at = None
+
+    def close(self) -> None:
+        self.at = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def arm(self) -> None:
+        """Arm (or re-arm earlier) for the current stage's deadline, if the job is still in a stage."""
+        self._queued = False
+        at = self.at
+        if at is None or (self._handle is not None and self._handle_at <= at):
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle_at = at
+        self._handle = self.loop.call_at(at, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        if self.at is None:
+            return
+        if self._handle_at < self.at:
+            self.arm()
+            return
+        self.expired = True
+        if self.task is not None:
+            self.task.cancel()
+
+
+class _Arming:
+    """Arms the deadlines of the jobs that entered a stage in this loop turn, once, at its end."""
+
+    __slots__ = ("_waiting", "_scheduled")
+
+    def __init__(self) -> None:
+        self._waiting: list[_Deadline] = []
+        self._scheduled = False
+
+    def add(self, deadline: _Deadline) -> None:
+        self._waiting.append(deadline)
+        if not self._scheduled:
+            self._scheduled = True
+            deadline.loop.call_soon(self._arm_all)
+
+    def _arm_all(self) -> None:
+        self._scheduled = False
+        waiting, self._waiting = self._waiting, []
+        for deadline in waiting:
+            deadline.arm()
 
 
 class Pipeline:
@@ -75,12 +211,17 @@ class Pipeline:
         self.on_done = on_done
         nc = config.node
         self.pools = {
-            name: _Pool(limit, asyncio.Semaphore(limit))
-            for name, limit in zip(STAGE_NAMES, (nc.n_init, nc.n_run, nc.n_eval), strict=True)
+            name: _Pool(limit) for name, limit in zip(STAGE_NAMES, (nc.n_init, nc.n_run, nc.n_eval), strict=True)
+        }
+        jc = config.jobs
+        #: Each stage's cap from the config (a job's ``stage_timeouts_s`` overrides it).
+        self._stage_caps_s: dict[str, float | None] = {
+            "init": jc.init_timeout_s, "run": jc.run_timeout_s, "eval": jc.eval_timeout_s,
         }
         #: Jobs running on this node, by id: the one table of them.
         self.jobs: dict[str, RunningJob] = {}
         self._jobs_dir = run_dir / "jobs"
+        self._arming = _Arming()
         self._loggers: dict[str, logging.Logger] = {}
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -153,8 +294,7 @@ class Pipeline:
     def _stage_budget_s(self, spec: JobSpec, stage: str) -> float | None:
         if spec.stage_timeouts_s and stage in spec.stage_timeouts_s:
             return float(spec.stage_timeouts_s[stage])
-        value: float | None = getattr(self.config.jobs, f"{stage}_timeout_s")
-        return value
+        return self._stage_caps_s[stage]
 
     async def run_job(self, spec: JobSpec, instance: Any) -> JobResult:
         """Run one job to a terminal state; never raises (cancellation included)."""
@@ -168,6 +308,7 @@ class Pipeline:
             log=self._job_logger(spec.task),
         )
         timer = PausableTimer(spec.timeout_s if spec.timeout_s is not None else self.config.jobs.timeout_s)
+        deadline = _Deadline(asyncio.current_task(), asyncio.get_running_loop(), self._arming)
         stage_s: dict[str, float] = {}
         state = JobState.DONE
         error: ErrorInfo | None = None
@@ -175,15 +316,15 @@ class Pipeline:
         try:
             handler = self.registry.get(spec.task)()
             for stage in STAGE_NAMES:
-                if stage == "eval":
+                if stage == "eval" and ctx._cleanups:
                     await self._cleanup(ctx)  # sandboxes are gone before EVAL
-                outcome = await self._run_stage(handler, ctx, stage, timer, stage_s)
+                outcome = await self._run_stage(handler, ctx, stage, timer, deadline, stage_s)
                 if outcome is not None:
                     state, error = outcome
                     if stage == "run" and handler.eval_after_run_failure:
                         # The handler scores what RUN left; the job keeps RUN's state and error.
                         await self._cleanup(ctx)
-                        await self._run_stage(handler, ctx, "eval", timer, stage_s, after_failure=True)
+                        await self._run_stage(handler, ctx, "eval", timer, deadline, stage_s, after_failure=True)
                     break
         except asyncio.CancelledError:
             state = JobState.CANCELLED
@@ -195,7 +336,9 @@ class Pipeline:
             state = JobState.FAILED
             error = ErrorInfo(stage="init", type=type(e).__name__, message=str(e))
         finally:
-            await self._cleanup(ctx)
+            deadline.close()
+            if ctx._cleanups:
+                await self._cleanup(ctx)
         output: Any = None
         if handler is not None:
             try:
@@ -227,8 +370,8 @@ class Pipeline:
         return logger
 
     async def _run_stage(
-        self, handler: AgentHandler, ctx: JobContext, stage: str, timer: PausableTimer, stage_s: dict[str, float],
-        *, after_failure: bool = False,
+        self, handler: AgentHandler, ctx: JobContext, stage: str, timer: PausableTimer, deadline: _Deadline,
+        stage_s: dict[str, float], *, after_failure: bool = False,
     ) -> tuple[JobState, ErrorInfo] | None:
         """Run one stage in its pool. Return (state, error) if the job must end here.
 
@@ -236,12 +379,8 @@ class Pipeline:
         stop it (only its stage cap, else ``EVAL_AFTER_FAILURE_S``).
         """
         pool = self.pools[stage]
-        pool.queued += 1
-        try:
-            await pool.sem.acquire()
-        finally:
-            pool.queued -= 1
-        pool.active += 1
+        if not pool.try_enter():
+            await pool.enter()
         running = self.jobs.get(ctx.job_id)
         if running is not None:
             running.stage = stage
@@ -253,40 +392,27 @@ class Pipeline:
             budget = None
             cap = cap if cap is not None else EVAL_AFTER_FAILURE_S
         limit_s = budget if cap is None else (cap if budget is None else min(budget, cap))
-        # One timer handle per stage (cheaper than asyncio.timeout on this hot path):
-        # when it fires it cancels the job's task and says so, so a timeout is
-        # told apart from a cancel that came from outside.
-        task = asyncio.current_task()
-        expired = False
-
-        def expire() -> None:
-            nonlocal expired
-            expired = True
-            if task is not None:
-                task.cancel()
-
-        deadline = asyncio.get_running_loop().call_later(limit_s, expire) if limit_s is not None else None
+        task = deadline.task
+        deadline.enter_stage(limit_s)
         timer.resume()
         error: Exception | None = None
         try:
             await getattr(handler, stage)(ctx)
         except asyncio.CancelledError:
-            if not expired or task is None or task.uncancel() > 0:
+            if not deadline.expired or task is None or task.uncancel() > 0:
                 raise  # cancelled from outside (also when that raced with the deadline)
         except Exception as e:  # any handler error is the job's failure, not the node's
             error = e
-            if expired and task is not None:
+            if deadline.expired and task is not None:
                 task.uncancel()  # the handler turned our cancel into another error
         else:
-            if expired and task is not None:
+            if deadline.expired and task is not None:
                 task.uncancel()  # the handler swallowed our cancel: still past its time
         finally:
-            if deadline is not None:
-                deadline.cancel()
+            deadline.leave_stage()
             stage_s[stage] = stage_s.get(stage, 0.0) + timer.pause()
-            pool.active -= 1
-            pool.sem.release()
-        if expired:
+            pool.leave()
+        if deadline.expired:
             which = "job budget" if cap is None or (budget is not None and budget <= cap) else "stage cap"
             exc = StageTimeout(f"{stage} ran past its {which} of {limit_s:.3f} s (in-stage time only)")
             return self._stage_failed(handler, ctx, stage, exc, JobState.TIMED_OUT)

@@ -82,7 +82,7 @@ class NodeServer(BrokerPeer):
         self.pipeline = Pipeline(
             config, self.registry, self.services, self.node_id, self.run_dir, self._report_stage, self._report_done
         )
-        self._stage_out: dict[str, dict[str, Any]] = {}  # job id -> its latest stage this turn
+        self._stage_out: dict[str, tuple[int, str]] = {}  # job id -> (attempt, its latest stage) this turn
         self._done_out: list[JobResult] = []
         self._flush_scheduled = False
         self._stop = asyncio.Event()
@@ -168,8 +168,9 @@ class NodeServer(BrokerPeer):
     # ------------------------------------------------------------- results
 
     def _report_stage(self, spec: JobSpec, stage: str) -> None:
-        self._stage_out[spec.job_id] = {"job_id": spec.job_id, "attempt": spec.attempt, "stage": stage}
-        self._schedule_flush()
+        self._stage_out[spec.job_id] = (spec.attempt, stage)
+        if not self._flush_scheduled:
+            self._schedule_flush()
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -184,7 +185,7 @@ class NodeServer(BrokerPeer):
         # Short jobs pass several stages in one turn: report only the latest,
         # and nothing for jobs whose result goes out in this same flush.
         finished = {r.job_id for r in done}
-        stages = [u for j, u in stages_by_job.items() if j not in finished]
+        stages = [{"job_id": j, "attempt": a, "stage": st} for j, (a, st) in stages_by_job.items() if j not in finished]
         if stages:
             await self.send({"op": Op.JOB_STAGE.value, "updates": stages})
         if done:

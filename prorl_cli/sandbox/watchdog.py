@@ -25,6 +25,7 @@ import sys
 import time
 
 WAIT_GONE_S = 30.0
+KILL_PASSES = 20
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -47,17 +48,30 @@ def _session_members(sid: int) -> list[int]:
 
 
 def kill_sessions(sessions: dict[int, int | None]) -> list[int]:
-    """SIGKILL every live member of the given sessions (leader checked by start time); return what is left."""
-    targets: list[int] = []
+    """SIGKILL every live member of the given sessions (leader checked by start time); return what is left.
+
+    Passes repeat until a pass finds no one: a process forked while the others were killed (a sandbox that
+    was still starting its FUSE helpers) is missed by the pass that listed the session before it existed.
+    """
+    ours = []
     for sid, ticks in sessions.items():
         leader = _stat(sid)
         if leader is not None and ticks is not None and int(leader[19]) != ticks:
             continue  # the id now names another process: not ours
-        targets += _session_members(sid)
-    for pid in targets:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return _wait_gone(targets, WAIT_GONE_S)
+        ours.append(sid)
+    deadline = time.monotonic() + WAIT_GONE_S
+    left: list[int] = []
+    for _ in range(KILL_PASSES):
+        targets = [pid for sid in ours for pid in _session_members(sid)]
+        if not targets:
+            return []
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        left = _wait_gone(targets, max(0.0, deadline - time.monotonic()))
+        if left:
+            return left  # unkillable for now (e.g. stuck in the kernel): report them
+    return left
 
 
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:

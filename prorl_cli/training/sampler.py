@@ -13,6 +13,7 @@ are not all equal), the way ProRL Agent's trainer does:
   ``failed="drop_group"``, too stale, or still running at the end of a step
   without carry-over) are cancelled at the broker; the step reports how many
   jobs that was and how long they had been in flight;
+  (``cancel_dropped=False`` leaves them running, results ignored: an ablation);
 - **carry-over**: with ``carry_over`` on, groups still running when a step
   reaches its target complete into the next step, tagged with the policy
   version they were submitted under; groups older than ``max_staleness``
@@ -80,6 +81,9 @@ class SamplerConfig:
     #: Groups per batch in sync mode (default ``target_groups``).
     sync_batch_groups: int | None = None
     step_timeout_s: float | None = None
+    #: Off: groups the sampler drops (early termination, staleness, failed siblings) are abandoned but
+    #: left running at the broker, their results ignored: the paper's "no stale-job cleanup" ablation.
+    cancel_dropped: bool = True
 
     def __post_init__(self) -> None:
         for name in ("group_size", "target_groups"):
@@ -292,6 +296,8 @@ class DapoSampler:
             left = [j for j in p.job_ids if j not in p.results]
             ids += left
             stats.cancelled_inflight_s += len(left) * (now - p.submitted_at)
+        if ids and not self.config.cancel_dropped:
+            return
         if ids:
             states = await self.client.cancel(ids)
             # A job that finished just before the cancel reached the broker stays done (its result is ignored).

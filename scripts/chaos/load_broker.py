@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retention-mb", type=int, default=512, help="broker.result_retention_mb")
     ap.add_argument("--forget", action="store_true", help="forget each result once taken (op forget)")
     ap.add_argument("--sample-s", type=float, default=10.0)
+    ap.add_argument("--linger-s", type=float, default=0.0,
+                    help="keep the drained broker up this long before closing (to inspect it, e.g. with gdb)")
     args = ap.parse_args(argv)
 
     home = Path(tempfile.mkdtemp(prefix="prorl-load-"))
@@ -203,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                             node.register()
         stop.set()
         sidecar.join()
+        # Who used the CPU: if the generator's share is near a whole core, it (not the broker) set the pace.
+        broker_cpu = proc.cpu_times()
+        own_cpu = psutil.Process().cpu_times()
+        wall_s = time.monotonic() - t0
         log = (stack.logs / "broker.log").read_text(errors="replace")
         false_deaths = log.count(" lost (")
         dupes = sum(1 for c in results.values() if c > 1)
@@ -212,9 +218,14 @@ def main(argv: list[str] | None = None) -> int:
             "false_node_deaths": false_deaths, "re_registrations": deaths, "rss_start_mb": round(rss0 / 2**20, 1),
             "rss_max_mb": max((s["rss_mb"] for s in samples), default=0.0),
             "rss_end_mb": round(proc.memory_info().rss / 2**20, 1), "retention_mb": args.retention_mb,
-            "broker_alive": broker.poll() is None,
+            "broker_alive": broker.poll() is None, "wall_s": round(wall_s, 1),
+            "broker_cpu_s": round(broker_cpu.user + broker_cpu.system, 1),
+            "generator_cpu_s": round(own_cpu.user + own_cpu.system, 1),
         }
         print(json.dumps(summary), flush=True)
+        if args.linger_s > 0:
+            print(f"broker pid {broker.pid} stays up {args.linger_s:.0f} s", file=sys.stderr, flush=True)
+            time.sleep(args.linger_s)  # not synchronisation: a window for a person or tool to look
         ok = summary["missing"] == 0 and dupes == 0 and false_deaths == 0 and summary["broker_alive"]
         return 0 if ok else 1
     finally:

@@ -30,6 +30,8 @@ async def main(args):
     out["b_sees"] = (await b.bash("cat /opt/layer/mark 2>&1; echo rc=$?")).output
     out["runs"] = dict(m.runtime._run_image)
     out["copies"] = sorted(p.name for p in unpacked_root(cfg).iterdir() if p.is_dir())
+    copy = Path(out["runs"][args["image"]])
+    out["argparse_pyc"] = [str(p.relative_to(copy)) for p in copy.glob("usr/lib/python3*/__pycache__/argparse.*.pyc")]
     await a.stop(); await b.stop()
     c = await m.start("c")  # a later start reuses the copy
     out["c_sees"] = (await c.bash("cat /opt/layer/mark 2>&1; echo rc=$?")).output
@@ -67,3 +69,5 @@ def test_two_sandboxes_share_one_unpacked_copy(scenarios: ScenarioRunner, images
     assert "No such file" in r["b_sees"] and "rc=1" in r["b_sees"]
     assert "No such file" in r["c_sees"]
     assert r["copy_touched"] is False
+    # The tool server's standard-library imports were compiled into the copy once (the image ships no .pyc).
+    assert r["argparse_pyc"], "no bytecode for the tool server's imports in the unpacked copy"

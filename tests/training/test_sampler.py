@@ -104,6 +104,27 @@ def test_sync_mode_and_failed_groups(stack: Deployment) -> None:
     assert batch.stats.failed_groups > 0  # a failed member drops its group (and cancels its siblings)
 
 
+def test_cancel_dropped_off_leaves_abandoned_jobs_running(stack: Deployment) -> None:
+    """The no-stale-job-cleanup ablation: early termination abandons groups without cancelling them."""
+    cfg = SamplerConfig(group_size=3, target_groups=1, max_in_flight=12, carry_over=False, cancel_dropped=False,
+                        run_id="t5", step_timeout_s=60)
+
+    async def go() -> tuple[StepBatch, list[str], list[Any], DapoSampler]:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", prompts(), cfg)
+            batch = await sampler.step()
+            ids = sorted(sampler._job_group)
+            results = await client.wait(ids, timeout_s=60)  # the abandoned ones still finish
+            await sampler.close()
+            return batch, ids, results, sampler
+
+    batch, ids, results, sampler = asyncio.run(go())
+    check_batch(batch, cfg)
+    assert len(ids) > len(batch.results)  # some groups were abandoned at early termination
+    assert batch.stats.cancelled_jobs == 0 and not sampler.cancelled_ids
+    assert {r.state for r in results} == {"done"}, sorted({r.state for r in results})
+
+
 CHILD = textwrap.dedent("""
     import asyncio, json, sys
     from prorl_cli.client import AsyncRolloutClient

@@ -1,0 +1,68 @@
+"""The node's stage slots and per-job deadline (issue 11.4), on a real Pipeline in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from handlers.testing import ScriptedTestHandler
+from prorl_cli.config import ProrlConfig
+from prorl_cli.node.handler import Services
+from prorl_cli.node.pipeline import Pipeline
+from prorl_cli.node.registry import HandlerRegistry
+from prorl_cli.protocol import JobResult, JobSpec
+
+
+def _pipeline(tmp_path: Path, done: list[JobResult], n_run: int = 32) -> Pipeline:
+    registry = HandlerRegistry()
+    registry.add(ScriptedTestHandler, "handlers/testing.py")
+    config = ProrlConfig()
+    config.node.n_run = n_run
+    return Pipeline(config, registry, Services(), "n1", tmp_path, on_stage=lambda spec, stage: None, on_done=done.append)
+
+
+def test_a_full_stage_queues_in_order_and_a_cancelled_waiter_gives_up_its_place(tmp_path: Path) -> None:
+    done: list[JobResult] = []
+
+    async def main() -> None:
+        pipeline = _pipeline(tmp_path, done, n_run=1)
+        inst = {"sleep_s": {"run": 0.05}}
+        for i in range(4):
+            assert pipeline.start(JobSpec(job_id=f"j{i}", task="test"), inst)
+        await asyncio.sleep(0.01)  # j0 holds the one RUN slot; j1..j3 wait for it
+        run = pipeline.pools["run"]
+        assert (run.active, run.queued) == (1, 3)
+        assert pipeline.cancel("j2")
+        while len(done) < 4:
+            await asyncio.sleep(0.01)
+        assert (run.active, run.queued) == (0, 0)
+
+    asyncio.run(main())
+    assert [(r.job_id, r.state) for r in done] == [
+        ("j2", "cancelled"), ("j0", "done"), ("j1", "done"), ("j3", "done")
+    ]
+
+
+def test_a_later_stage_with_an_earlier_deadline_times_out_at_its_own_cap(tmp_path: Path) -> None:
+    """INIT arms the job's deadline far away; RUN's 0.2 s cap is earlier, so RUN must re-arm it."""
+    done: list[JobResult] = []
+
+    async def main() -> None:
+        pipeline = _pipeline(tmp_path, done)
+        slow_init = {"sleep_s": {"init": 0.05}, "hang_in": "run"}
+        spec = JobSpec(job_id="capped", task="test", timeout_s=60, stage_timeouts_s={"run": 0.2})
+        result = await pipeline.run_job(spec, slow_init)
+        assert result.state == "timed_out" and result.critical_error == "run"
+        assert "stage cap of 0.200 s" in (result.error or {}).get("message", "")
+        # Only in-stage time counts: INIT's sleep plus RUN's cap, nothing from EVAL (skipped).
+        assert result.stage_s["run"] >= 0.19 and "eval" not in result.stage_s
+        # The job budget still bounds a stage without a cap, after an earlier stage used part of it.
+        spec = JobSpec(job_id="budget", task="test", timeout_s=0.3)
+        result = await pipeline.run_job(spec, slow_init)
+        assert result.state == "timed_out" and "job budget" in (result.error or {}).get("message", "")
+        # A job whose stages never wait finishes without any timer firing later on.
+        result = await pipeline.run_job(JobSpec(job_id="quick", task="test", timeout_s=0.05), {"echo": 1})
+        assert result.state == "done"
+        await asyncio.sleep(0.1)  # past its budget: a stale timer would cancel this test's task
+
+    asyncio.run(main())
