@@ -114,17 +114,19 @@ class RunSummary:
 
 
 def problems(rng: random.Random) -> list[dict[str, Any]]:
-    """Every ``a - b`` with two-digit operands and a one-digit result (1-9), shuffled by ``rng``.
+    """Every ``a + b`` and ``a - b`` (1 <= a, b <= 9) whose result is one digit 1-9 (72), shuffled by ``rng``.
 
-    A one-digit result keeps the copy of the calculator's answer a single token; operands of two
-    digits each make ~800 problems, so the warm-up has to learn to copy rather than memorise
-    answers (with 72 one-digit problems it memorised the training ones and miscopied held-out ones).
+    One-digit operands and results keep every copy a single token at a fixed offset, which the
+    2-layer model learns in ~450-550 warm-up steps (two-digit operands: mostly not within 800).
+    The warm-up probes copying on problems it never trains on, so memorised answers do not count.
     """
     out = []
-    for a in range(11, 100):
-        for b in range(max(10, a - 9), a):
-            expr = f"{a} - {b}"
-            out.append({"question": f"What is {expr}?", "answer": str(a - b), "expression": expr})
+    for a in range(1, 10):
+        for b in range(1, 10):
+            for op, value in (("+", a + b), ("-", a - b)):
+                if 1 <= value <= 9:
+                    expr = f"{a} {op} {b}"
+                    out.append({"question": f"What is {expr}?", "answer": str(value), "expression": expr})
     rng.shuffle(out)
     return out
 
