@@ -589,6 +589,15 @@ _NESTED = (enum.Enum, _Record)
 
 
 @dataclass
+class ForgetOutcome(_Record):
+    """The ``forget`` reply: results dropped, jobs still unfinished (kept), ids the broker does not know."""
+
+    forgotten: list[str] = field(default_factory=list)
+    running: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+
+
+@dataclass
 class SamplingParams(_Record):
     """Sampling of one generate call (the generate contract)."""
 

@@ -25,7 +25,7 @@ from typing import Any
 from prorl_cli import protocol as P
 from prorl_cli.broker.journal import attempt_record, end_record, job_record, placed_record
 from prorl_cli.broker.state import Job, Node, TaskQueues
-from prorl_cli.protocol import JobResult, JobSpec, JobState
+from prorl_cli.protocol import ForgetOutcome, JobResult, JobSpec, JobState
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +41,6 @@ class CancelOutcome:
     states: dict[str, str] = field(default_factory=dict)
     unknown: list[str] = field(default_factory=list)
     by_node: dict[str, list[str]] = field(default_factory=dict)
-
-
-@dataclass
-class ForgetOutcome:
-    """What ``forget`` did: results dropped, jobs still unfinished (kept), ids not known."""
-
-    forgotten: list[str] = field(default_factory=list)
-    running: list[str] = field(default_factory=list)
-    unknown: list[str] = field(default_factory=list)
 
 
 class JobTable:

@@ -396,8 +396,7 @@ class Broker:
 
     def on_forget(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         """Drop the retained results of finished jobs the caller has taken; unfinished ones are kept."""
-        out = self.table.forget(h["job_ids"])
-        self._send(identity, P.reply(h["rid"], forgotten=out.forgotten, running=out.running, unknown=out.unknown))
+        self._send(identity, P.reply(h["rid"], **self.table.forget(h["job_ids"]).to_wire()))
 
     def on_status(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         self._send(identity, P.reply(h["rid"], status=self.status().to_wire()))

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from prorl_cli import protocol as P
-from prorl_cli.client.results import ForgetOutcome, ResultStream, Submitted
+from prorl_cli.client.results import ResultStream, Submitted
 from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.connection import BrokerConnection, Reply
 from prorl_cli.exceptions import BrokerUnavailable, ProtocolError, RemoteError, UnknownJob
-from prorl_cli.protocol import BackendStatus, JobResult, JobSpec, Op, StatusReport
+from prorl_cli.protocol import BackendStatus, ForgetOutcome, JobResult, JobSpec, Op, StatusReport
 
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 #: The short ping that tells "the broker does not answer" before a real request waits its full timeout.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prorl_cli.protocol import JobResult
@@ -24,15 +23,6 @@ class Submitted(list[str]):
         super().__init__(job_ids)
         self.accepted: list[str] = list(accepted)
         self.existing: list[str] = list(existing)
-
-
-@dataclass
-class ForgetOutcome:
-    """The broker's answer to ``forget``: dropped, not dropped because unfinished, and unknown ids."""
-
-    forgotten: list[str] = field(default_factory=list)
-    running: list[str] = field(default_factory=list)
-    unknown: list[str] = field(default_factory=list)
 
 
 class ResultStream:

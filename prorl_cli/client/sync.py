@@ -12,9 +12,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from prorl_cli.client.aio import AsyncRolloutClient
-from prorl_cli.client.results import ForgetOutcome, ResultStream, Submitted
+from prorl_cli.client.results import ResultStream, Submitted
 from prorl_cli.connection import Reply
-from prorl_cli.protocol import BackendStatus, JobResult, JobSpec, Op, StatusReport
+from prorl_cli.protocol import BackendStatus, ForgetOutcome, JobResult, JobSpec, Op, StatusReport
 
 T = TypeVar("T")
 
