@@ -41,7 +41,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prorl_cli import protocol as P  # noqa: E402
-from prorl_cli.sandbox.runtime import session_members, wait_gone  # noqa: E402
+from prorl_cli.sandbox.runtime import session_members, stat_fields, wait_gone  # noqa: E402
 from tests.harness import Deployment, fixed_port  # noqa: E402
 
 IMAGES = Path(os.environ.get("PRORL_TEST_IMAGES", "/var/cache/prorl-test"))
@@ -116,7 +116,10 @@ class SandboxWatch:
                 self.sessions.setdefault(rec["pid"], path.stem)
 
     def left(self) -> list[int]:
-        return sorted({pid for sid in self.sessions for pid in session_members(sid)})
+        """Live members of every session seen. Zombies are dead: killed sandbox processes whose parent died are
+        reparented to pid 1, which reaps them when it gets to it (lazily on some container inits)."""
+        members = {pid for sid in self.sessions for pid in session_members(sid)}
+        return sorted(pid for pid in members if (stat_fields(pid) or ["X"])[0] not in ("Z", "X"))
 
 
 def _leftovers(home: Path, local_dir: Path | None, watch: SandboxWatch | None) -> list[str]:
@@ -137,9 +140,10 @@ def _leftovers(home: Path, local_dir: Path | None, watch: SandboxWatch | None) -
     out = []
     for pid, why in sorted(found.items()):
         try:
-            out.append(f"{pid} ({why}) {' '.join(psutil.Process(pid).cmdline())}")
-        except psutil.Error:
-            out.append(f"{pid} ({why})")
+            proc = psutil.Process(pid)
+            out.append(f"{pid} ({why}, {proc.status()}, ppid {proc.ppid()}) {' '.join(proc.cmdline())}")
+        except psutil.Error as e:
+            out.append(f"{pid} ({why}; {type(e).__name__})")
     return out
 
 
@@ -160,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
 
     home = Path(tempfile.mkdtemp(prefix="prorl-chaos-")) / "home"
     config: dict[str, Any] = {
-        "broker": {"port": fixed_port(), "heartbeat_interval_s": 0.25, "heartbeat_liveness": 8},
-        "node": {"n_init": 4, "n_run": 8, "n_eval": 4, "credit": 12},
+        # Heartbeats and pool sizes: tests.harness.DEFAULT_TEST_CONFIG, merged in by Deployment.
+        "broker": {"port": fixed_port()},
+        "node": {"credit": 12},
     }
     local_dir: Path | None = None
     node_args: tuple[str, ...] = ()
