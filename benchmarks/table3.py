@@ -80,13 +80,10 @@ PAPER: dict[str, tuple[float | None, float | None]] = {
 }
 
 
-PAPER_FULL_INST_S = 0.37
-
-
 def paper_ratio(name: str) -> float | None:
     """The paper's instances/s of this configuration over its full system's."""
-    inst = PAPER[name][0]
-    return None if inst is None else inst / PAPER_FULL_INST_S
+    inst, full = PAPER[name][0], PAPER["full"][0]
+    return None if inst is None or full is None else inst / full
 
 
 @dataclass

@@ -187,14 +187,15 @@ def warmup_probe(model: Any, chat: Any, probe: list[dict[str, Any]], rng: random
     ids_t, mask_t = _batch(chat, [demonstration(chat, p, True, rng) for p in probe])
     model.eval()
     with torch.no_grad():
-        logits, targets = _masked_logits(model, ids_t, mask_t)
+        hidden = model.model(input_ids=ids_t).last_hidden_state  # one forward pass for both figures
+        sel = mask_t[:, 1:]
+        logits, targets = model.lm_head(hidden[:, :-1][sel]), ids_t[:, 1:][sel]
         digits = torch.tensor([int(t) in digit_ids for t in targets])
         # The mean probability of the right digit: what sampling at temperature 1 gets right.
         probs = torch.softmax(logits[digits], dim=-1)
         copy_acc = float(probs.gather(1, targets[digits][:, None]).mean())
         # The first trained position of each row is the decision: open a tool call or answer.
         first = mask_t[:, 1:].int().argmax(dim=1)
-        hidden = model.model(input_ids=ids_t).last_hidden_state
         rows = torch.arange(len(probe))
         p_first = torch.softmax(model.lm_head(hidden[rows, first]), dim=-1)[rows, ids_t[rows, first + 1]]
     model.train()
@@ -512,11 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.guess_range = (1, 9)
         cfg.steps, cfg.warmup_steps, cfg.n_eval, cfg.eval_samples, cfg.eval_every = 2, 120, 4, 1, 2
         cfg.target_groups, cfg.group_size = 2, 4
-    if args.steps is not None:
-        cfg.steps = args.steps
-    if args.warmup_steps is not None:
-        cfg.warmup_steps = args.warmup_steps
-    for name in ("lr", "ppo_epochs", "temperature"):
+    for name in ("steps", "warmup_steps", "lr", "ppo_epochs", "temperature"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     cfg.init_from = args.init_from

@@ -329,9 +329,9 @@ def Record(fields: dict[str, FieldSpec], *, strict: bool = True) -> Check:
     return check
 
 
-_STAGE_NAMES = ("init", "run", "eval")
+#: The stage names, in order (``stage_timeouts_s`` keys, the node's stage pools).
+STAGE_NAMES = tuple(s.value for s in STAGES)
 _JOB_STATES = tuple(s.value for s in JobState)
-_TERMINAL_NAMES = tuple(s.value for s in TERMINAL_STATES)
 _POSITIVE_S = Num(0.0, 1e9, lo_open=True)
 JOB_SPEC_META = Dict(Str(64), Scalar(), max_len=64, max_packed_bytes=MAX_META_BYTES)
 
@@ -353,7 +353,7 @@ JOB_SPEC = Record({
     "job_id": Str(),
     "task": Str(),
     "timeout_s": Opt(_POSITIVE_S),
-    "stage_timeouts_s": Opt(Dict(Str(choices=_STAGE_NAMES), _POSITIVE_S, max_len=3)),
+    "stage_timeouts_s": Opt(Dict(Str(choices=STAGE_NAMES), _POSITIVE_S, max_len=3)),
     "sampling": Opt(SAMPLING),
     "attempt": Opt(Int(1, 1_000_000)),
     "max_attempts": Opt(Int(1, 1_000_000)),
@@ -440,6 +440,10 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
 }
 
 
+#: One checker per op, built once (``validate`` runs on every message the broker reads).
+_OP_CHECKS = {op: Record(schema.fields, strict=False) for op, schema in OP_SCHEMAS.items()}
+
+
 def header_rid(header: dict[str, Any]) -> Any:
     """The request id of a (maybe invalid) header, if it has a usable one: error replies echo it."""
     rid = header.get("rid")
@@ -460,7 +464,7 @@ def validate(header: dict[str, Any], n_payload: int | None = None) -> None:
     if schema is None:
         return
     try:
-        Record(schema.fields, strict=False)(header, "")
+        _OP_CHECKS[op](header, "")
     except ProtocolError as e:
         raise ProtocolError(e.code, f"op {op.value!r}: field {e.message}") from None
     if n_payload is None or schema.payload is None:
@@ -644,7 +648,7 @@ class JobSpec(_Record):
             if not isinstance(self.stage_timeouts_s, dict):
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"job {self.job_id!r}: stage_timeouts_s must be a map")
             for k, v in self.stage_timeouts_s.items():
-                if k not in ("init", "run", "eval"):
+                if k not in STAGE_NAMES:
                     raise ProtocolError(ErrorCode.BAD_FIELD, f"job {self.job_id!r}: stage_timeouts_s has unknown stage {k!r}")
                 if not _positive_finite(v):
                     raise ProtocolError(ErrorCode.BAD_FIELD, f"job {self.job_id!r}: stage_timeouts_s[{k!r}] must be a positive number")

@@ -124,15 +124,12 @@ class Broker:
         assert self.journal is not None
         jobs = self.journal.replay().values()
         waiting = self.table.load_replayed(jobs, claim_window_s=2 * self.dead_after_s)
-        self.journal.rewrite(self._journal_snapshot())
+        self.journal.rewrite(self.table.journal_snapshot())
         if self.jobs:
             log.info("journal replayed: %d job(s), %d unfinished", len(self.jobs), sum(not j.state.terminal for j in self.jobs.values()))
         if waiting:
             # Only jobs a node may still be running wait; new and never-placed jobs are placed at once.
             log.info("%d placed job(s) wait %.1f s for their nodes to claim them", waiting, 2 * self.dead_after_s)
-
-    def _journal_snapshot(self) -> list[dict[str, Any]]:
-        return self.table.journal_snapshot()
 
     def _journal_append(self, record: dict[str, Any]) -> None:
         if self.journal is not None:
@@ -145,7 +142,7 @@ class Broker:
         self.journal.flush()
         self.journal.poll()
         if self.journal.wants_compaction:
-            self.journal.compact_in_background(self._journal_snapshot())
+            self.journal.compact_in_background(self.table.journal_snapshot())
 
     # ------------------------------------------------------------------ I/O
 
@@ -265,9 +262,8 @@ class Broker:
                     [j.result for j in jobs],  # type: ignore[misc]
                 )
         self._results_out.clear()
-        for node_id, placed in self._assign_out.items():
+        for node_id, jobs in self._assign_out.items():
             node = self.nodes.get(node_id)
-            jobs = placed
             if node is None or not node.alive:
                 continue
             if not self._send(
@@ -487,8 +483,6 @@ class Broker:
                     drop=drop, boot_id=self.boot_id),
         )
 
-
-
     def _node_of(self, identity: bytes, h: dict[str, Any]) -> Node | None:
         node = self.node_by_identity.get(identity)
         if node is None or not node.alive:
@@ -552,8 +546,6 @@ class Broker:
 
     # ---------------------------------------------------------- placement
 
-
-
     def _place(self) -> None:
         if not self.placing:
             return
@@ -575,8 +567,6 @@ class Broker:
     def _job_ended(self, job_id: str) -> None:
         """A job ended or lost its node: its generate calls are released (the routing seam)."""
         self.router.job_ended(job_id)
-
-
 
     # ------------------------------------------------------------ liveness
 

@@ -87,9 +87,6 @@ class TaskQueues:
     def __len__(self) -> int:
         return self._count
 
-    def __contains__(self, job_id: object) -> bool:
-        return any(job_id in q for q in self._queues.values())
-
     def push(self, task: str, job_id: str, front: bool = False) -> None:
         q = self._queues.setdefault(task, OrderedDict())
         if job_id in q:

@@ -14,6 +14,7 @@ anyway); without it these calls raise :class:`InferenceError` saying so.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,19 @@ def split_url(url: str) -> tuple[str, str, int, str]:
     return parts.scheme, parts.hostname, port, parts.path or "/"
 
 
+# Per-call work a generate call need not repeat (a raise is not cached: a bad URL fails every time).
+@functools.lru_cache(maxsize=64)
+def _check_url(url: str) -> None:
+    split_url(url)
+
+
+@functools.lru_cache(maxsize=16)
+def _client_timeout(total_s: float) -> Any:
+    import aiohttp
+
+    return aiohttp.ClientTimeout(total=total_s)
+
+
 class HttpClient:
     """A keep-alive connection pool; create it anywhere, use it from one event loop, :meth:`close` it."""
 
@@ -59,9 +73,6 @@ class HttpClient:
         self.pool_size = pool_size
         self._session: Any = None  # aiohttp.ClientSession, made on first use (it binds the running loop)
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Per-call work a generate call need not repeat: URLs already checked, timeout objects by value.
-        self._checked_urls: set[str] = set()
-        self._timeouts: dict[float, Any] = {}
 
     def _get_session(self) -> Any:
         try:
@@ -86,18 +97,11 @@ class HttpClient:
         """
         import aiohttp
 
-        if url not in self._checked_urls:
-            split_url(url)  # ValueError naming a bad URL, before any connection
-            if len(self._checked_urls) < 64:
-                self._checked_urls.add(url)
+        _check_url(url)  # ValueError naming a bad URL, before any connection
         session = self._get_session()
         data = None if body is None else json.dumps(body).encode()
         headers = _ACCEPT_HEADERS if data is None else _JSON_HEADERS
-        timeout = self._timeouts.get(timeout_s)
-        if timeout is None:
-            timeout = aiohttp.ClientTimeout(total=timeout_s)
-            if len(self._timeouts) < 16:
-                self._timeouts[timeout_s] = timeout
+        timeout = _client_timeout(timeout_s)
         try:
             async with session.request(method, url, data=data, headers=headers, timeout=timeout) as resp:
                 length = resp.content_length

@@ -25,11 +25,10 @@ from prorl_cli.exceptions import StageTimeout
 from prorl_cli.node.handler import AgentHandler, JobContext, Services
 from prorl_cli.node.registry import HandlerRegistry
 from prorl_cli.node.timer import PausableTimer
-from prorl_cli.protocol import ErrorInfo, JobResult, JobSpec, JobState, StageStats
+from prorl_cli.protocol import STAGE_NAMES, ErrorInfo, JobResult, JobSpec, JobState, StageStats
 
 log = logging.getLogger(__name__)
 
-STAGE_NAMES = ("init", "run", "eval")
 #: In-stage limit of an EVAL that runs after RUN failed (the job's own budget may be spent) without a stage cap.
 EVAL_AFTER_FAILURE_S = 60.0
 

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import select
 import shutil
 import signal
 import stat
@@ -29,6 +28,9 @@ from pathlib import Path
 from prorl_cli.exceptions import SandboxError, SandboxTimeout
 from prorl_cli.sandbox.settings import SandboxConfig
 from prorl_cli.sandbox.toolserver import READY_LINE
+
+# Stdlib-only, so the watchdog runs it as a script too; one copy of the pidfd wait.
+from prorl_cli.sandbox.watchdog import wait_gone
 
 TOOLSERVER_PATH = Path(__file__).resolve().with_name("toolserver.py")
 # Paths inside the sandbox: short, so the socket path stays far below ~108 bytes.
@@ -143,37 +145,6 @@ def process_tree(pid: int) -> list[int]:
         tree.append(p)
         todo.extend(children.get(p, []))
     return tree
-
-
-def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """Block until every pid has exited (pidfds: no polling); return those still running."""
-    fds = []
-    for pid in pids:
-        try:
-            fds.append(os.pidfd_open(pid))
-        except ProcessLookupError:
-            continue  # already gone
-    deadline = time.monotonic() + timeout_s
-    try:
-        pending = list(fds)
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            ready, _, _ = select.select(pending, [], [], remaining)
-            pending = [fd for fd in pending if fd not in ready]
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return [pid for pid in pids if Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X")]
-
-
-def _state(pid: int) -> str | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return raw[raw.rindex(")") + 2 :].split()[0]
 
 
 def remove_tree(path: Path, log: logging.Logger) -> None:

@@ -68,13 +68,13 @@ def kill_sessions(sessions: dict[int, int | None]) -> list[int]:
         for pid in targets:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        left = _wait_gone(targets, max(0.0, deadline - time.monotonic()))
+        left = wait_gone(targets, max(0.0, deadline - time.monotonic()))
         if left:
             return left  # unkillable for now (e.g. stuck in the kernel): report them
     return left
 
 
-def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     """Block until the pids have exited (pidfds: no polling); return those still running."""
     fds = []
     for pid in pids:

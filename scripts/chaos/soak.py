@@ -105,17 +105,16 @@ def check(job_id: str, job: Job) -> str | None:
               and job.stage in str(err.get("message")))
         return None if ok else f"{job.kind}: {state} {r['critical_error']} {err}"
     # Cancels: cancelled, or the terminal state the cancel's reply said the job had already reached.
-    expected = job.cancel_reply_state or "cancelled"
     if job.cancel_reply_state is None:
         return "never cancelled"
+    expected = job.cancel_reply_state
     return None if state == expected else f"{job.kind}: {state}, cancel reply said {expected}"
 
 
-def _proc_sample(proc: psutil.Process | None) -> tuple[float, int]:
+def _proc_sample(proc: psutil.Process) -> tuple[float, int]:
     try:
-        assert proc is not None
         return proc.memory_info().rss / 2**20, proc.num_fds()
-    except (AssertionError, psutil.Error):
+    except psutil.Error:
         return float("nan"), -1
 
 
