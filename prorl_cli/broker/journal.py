@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -41,6 +42,27 @@ from prorl_cli.protocol import JobSpec, JobState
 log = logging.getLogger(__name__)
 
 JOURNAL_NAME = "broker.journal"
+# Instances and results at least this big are written by reference, never copied into a packed record
+# (msgpack's bin 32 starts here, so the bytes on disk are what ``packb`` would give).
+_BY_REFERENCE_BYTES = 1 << 16
+_BIN32 = struct.Struct(">BI")
+
+
+def packed_pieces(record: dict[str, Any], packer: msgpack.Packer) -> list[bytes]:
+    """``record`` as msgpack, in pieces: big bytes values are the caller's own objects (no copy of a result)."""
+    pieces: list[bytes] = []
+    head = bytearray(packer.pack_map_header(len(record)))
+    for key, value in record.items():
+        head += packer.pack(key)
+        if isinstance(value, bytes) and len(value) >= _BY_REFERENCE_BYTES:
+            head += _BIN32.pack(0xC6, len(value))
+            pieces += (bytes(head), value)
+            head = bytearray()
+        else:
+            head += packer.pack(value)
+    if head:
+        pieces.append(bytes(head))
+    return pieces
 
 
 def job_record(spec: JobSpec, instance: bytes) -> dict[str, Any]:
@@ -67,6 +89,7 @@ class Journal:
         self.fsync = fsync
         self.compact_bytes = compact_bytes
         self._buffer: list[bytes] = []
+        self._packer = msgpack.Packer(use_bin_type=True)  # the loop's; the compaction thread has its own
         self._file: Any = None
         self._size = 0
         self._compacted_size = 0  # right after the last rewrite
@@ -137,7 +160,7 @@ class Journal:
 
     def append(self, record: dict[str, Any]) -> None:
         """Buffer a record; :meth:`flush` writes it."""
-        self._buffer.append(msgpack.packb(record, use_bin_type=True))
+        self._buffer += packed_pieces(record, self._packer)
 
     def flush(self) -> None:
         """Write what was appended since the last flush (and fsync when configured)."""
@@ -145,13 +168,13 @@ class Journal:
             return
         if self._file is None:
             self._open()
-        data = b"".join(self._buffer)
+        size = sum(map(len, self._buffer))
+        self._file.writelines(self._buffer)  # no joined copy: results of hundreds of KB are written in place
         self._buffer.clear()
-        self._file.write(data)
         self._file.flush()
         if self.fsync:
             os.fsync(self._file.fileno())
-        self._size += len(data)
+        self._size += size
 
     def poll(self) -> None:
         """Swap in the compacted file once the background compaction is done (call from the loop)."""
@@ -181,9 +204,10 @@ class Journal:
         self.flush()
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
+        packer = msgpack.Packer(use_bin_type=True)
         with open(tmp, "wb") as f:
             for record in records:
-                f.write(msgpack.packb(record, use_bin_type=True))
+                f.writelines(packed_pieces(record, packer))
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o600)
@@ -213,9 +237,10 @@ class Journal:
 
         def write() -> None:
             try:
+                packer = msgpack.Packer(use_bin_type=True)
                 with open(tmp, "wb") as f:
                     for record in records:
-                        f.write(msgpack.packb(record, use_bin_type=True))
+                        f.writelines(packed_pieces(record, packer))
                     self._copied_until = _copy_from(old, self._copied_until, f)
                     f.flush()
                     os.fsync(f.fileno())

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 
-from prorl_cli.broker.journal import Journal, end_record, job_record
+from prorl_cli.broker.journal import Journal, end_record, job_record, packed_pieces
 from prorl_cli.broker.server import Broker
 from prorl_cli.broker.state import Node
 from prorl_cli.config import ProrlConfig
@@ -50,6 +52,24 @@ def test_compaction_runs_in_a_thread_and_keeps_what_came_meanwhile(tmp_path: Pat
         journal.poll()
     jobs = journal.replay()
     assert sorted(jobs) == ["new", "old0", "old1", "old2"] and jobs["old0"].result == b"result"
+    journal.close()
+
+
+def test_big_results_are_journaled_by_reference_and_replay_the_same(tmp_path: Path) -> None:
+    """No copy of a result on the loop (a turn of 256 KB results would double the broker's memory for a
+    moment): the record's pieces hold the result object itself, and the bytes are what msgpack writes."""
+    result = os.urandom(300_000)
+    small = end_record("small", JobState.DONE, b"tiny")
+    big = end_record("big", JobState.FAILED, result)
+    packer = msgpack.Packer(use_bin_type=True)
+    for record in (small, big, job_record(JobSpec(job_id="j", task="t"), bytes(1 << 16))):
+        assert b"".join(packed_pieces(record, packer)) == msgpack.packb(record, use_bin_type=True)
+    assert any(piece is result for piece in packed_pieces(big, packer))
+    journal = Journal(tmp_path / "broker.journal")
+    journal.append(job_record(JobSpec(job_id="big", task="t"), b"\x80"))
+    journal.append(big)
+    journal.flush()
+    assert journal.replay()["big"].result == result
     journal.close()
 
 
