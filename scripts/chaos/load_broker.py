@@ -137,10 +137,11 @@ class SimNode:
 
     def cancel(self, job_ids: list[str]) -> None:
         """The broker's ``cancel_job``: stop the jobs (their calls given up on), report them cancelled."""
+        cancelled = set(job_ids)
         gone = [(j, self.held.pop(j)) for j in job_ids if j in self.held]
-        self.ended.difference_update(job_ids)
+        self.ended -= cancelled
         for rid, call in list(self.calls.items()):
-            if call.job_id in job_ids:
+            if call.job_id in cancelled:
                 self.sock.send_multipart(P.encode({"op": "generate_cancel", "rid": rid, "job_id": call.job_id}))
         if gone:
             frames = [P.pack_obj(P.JobResult(job_id=j, task=TASK, state="cancelled", attempt=a,
@@ -443,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                 node = node_by_id[node_id]
                 if node.held.get(job_id) == attempt:
                     del node.held[job_id]
+                    node.ended.discard(job_id)
                     out.setdefault(node_id, []).append((job_id, attempt))
             for node_id, done in out.items():
                 frames = [P.pack_obj(P.JobResult(job_id=j, task=TASK, state="done", attempt=a, node_id=node_id,
