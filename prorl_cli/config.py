@@ -43,6 +43,9 @@ class BrokerConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_liveness: int = 3
     max_message_bytes: int = 64 * 1024 * 1024
+    # Messages a peer may have waiting unread at the broker; past it the peer's own sends wait, so a flood of
+    # big results stays with the nodes that made them and the broker's unread input is bounded.
+    receive_window_messages: int = 16
     result_retention: int = 100_000  # finished results kept for late watchers (at most this many...)
     result_retention_mb: int = 1024  # ...and at most this many MB of them; the oldest go first
     dead_nodes_kept: int = 16  # dead nodes still listed in status (the most recent ones)
@@ -206,6 +209,8 @@ def _validate(cfg: ProrlConfig, origin: str) -> None:
         raise ConfigError(f"{origin}: broker.heartbeat_interval_s: must be positive")
     if cfg.broker.heartbeat_liveness < 1:
         raise ConfigError(f"{origin}: broker.heartbeat_liveness: must be at least 1")
+    if cfg.broker.receive_window_messages < 1:
+        raise ConfigError(f"{origin}: broker.receive_window_messages: must be at least 1, got {cfg.broker.receive_window_messages}")
     if not 0 <= cfg.broker.port < 65536:
         raise ConfigError(f"{origin}: broker.port: must be 0..65535, got {cfg.broker.port}")
     if cfg.jobs.timeout_s <= 0:

@@ -64,7 +64,9 @@ class Broker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        # Bounded per peer (libzmq then stops reading that connection): unread input cannot outgrow memory
+        # when nodes send results faster than the loop reads them; the backlog waits in the senders.
+        self.sock.setsockopt(zmq.RCVHWM, bc.receive_window_messages)
         # Oversized frames are refused by libzmq itself (the sender is disconnected).
         self.sock.setsockopt(zmq.MAXMSGSIZE, bc.max_message_bytes)
         self.curve_public_key: str | None = None

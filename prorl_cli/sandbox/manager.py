@@ -160,6 +160,8 @@ class SandboxManager:
             config=self.config,
             env=dict(env),
         )
+        # Recorded before the runtime makes the session folder: a node killed mid-start leaves it to be reaped.
+        self.records.write(self._new_record(sandbox_id, job_id, spec.session_dir))
         try:
             async with self._starts:
                 process = await self.runtime.start(spec, on_spawn=lambda p: self._record(p, job_id))
@@ -206,12 +208,16 @@ class SandboxManager:
     def _record(self, process: SandboxProcess, job_id: str) -> None:
         self._tell_watchdog(f"add {process.pid} {'-' if process.start_ticks is None else process.start_ticks}\n")
         self._sessions[process.spec.sandbox_id] = process.pid
-        self.records.write(SandboxRecord(
-            sandbox_id=process.spec.sandbox_id, job_id=job_id, runtime=self.runtime.name,
-            pid=process.pid, pgid=process.pgid, start_ticks=process.start_ticks,
-            boot_id=self._boot_id, session_dir=str(process.spec.session_dir),
-            owner_pid=self._owner[0], owner_start_ticks=self._owner[1],
-        ))
+        record = self._new_record(process.spec.sandbox_id, job_id, process.spec.session_dir)
+        record.pid, record.pgid, record.start_ticks = process.pid, process.pgid, process.start_ticks
+        self.records.write(record)
+
+    def _new_record(self, sandbox_id: str, job_id: str, session_dir: Path) -> SandboxRecord:
+        return SandboxRecord(
+            sandbox_id=sandbox_id, job_id=job_id, runtime=self.runtime.name, pid=None, pgid=None, start_ticks=None,
+            boot_id=self._boot_id, session_dir=str(session_dir), owner_pid=self._owner[0],
+            owner_start_ticks=self._owner[1],
+        )
 
     def _wall_expired(self, sandbox: Sandbox) -> None:
         self.log.warning("sandbox %s of job %s ran past sandbox.wall_s=%.0f s: stopping it",

@@ -1,7 +1,9 @@
 """The node's record of the sandboxes it started, and reaping a crashed predecessor's.
 
-One JSON file per live sandbox under ``<state_dir>/sandboxes/``, written as
-soon as its process exists and removed when it is stopped. A node server
+One JSON file per live sandbox under ``<state_dir>/sandboxes/``, written
+before its session folder is made (with no process yet), completed as soon as
+its process exists, and removed when it is stopped: a node killed at any
+point leaves a record for whatever it left. A node server
 that starts in the same run directory kills what the files name, after
 checking each process's identity (boot id, pid and start time): it never
 kills a process it did not start. A node server under any other id reaps the
@@ -47,8 +49,8 @@ class SandboxRecord:
     sandbox_id: str
     job_id: str
     runtime: str
-    pid: int
-    pgid: int
+    pid: int | None  # None while starting: the session folder may exist, no process yet
+    pgid: int | None
     start_ticks: int | None
     boot_id: str
     session_dir: str
@@ -134,8 +136,8 @@ class RecordStore:
         return killed
 
     def _kill_if_ours(self, rec: SandboxRecord, current_boot: str) -> bool:
-        if rec.boot_id != current_boot:
-            return False  # the machine rebooted: those processes are long gone
+        if rec.boot_id != current_boot or rec.pid is None or rec.pgid is None:
+            return False  # the machine rebooted (those processes are long gone), or it died before one started
         ticks = proc_start_ticks(rec.pid)
         if ticks is None:
             # The leader is gone (with a PID namespace, so is everything

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from prorl_cli.broker.journal import Journal, end_record, job_record
 from prorl_cli.broker.server import Broker
 from prorl_cli.broker.state import Node
@@ -78,4 +80,34 @@ def test_liveness_is_judged_only_on_a_drained_inbox_and_stalls_are_credited(tmp_
         broker._tick()
         assert not node.alive
     finally:
+        broker.sock.close(0)
+
+
+def test_unread_input_is_bounded_per_peer_and_waits_in_the_sender(tmp_path: Path) -> None:
+    """A peer that sends faster than the loop reads is held back (libzmq stops reading its connection past
+    ``broker.receive_window_messages``), so big results pile up in the sender, not in the broker; none is lost."""
+    config = ProrlConfig(home=str(tmp_path))
+    config.broker.journal = False
+    config.broker.receive_window_messages = 4
+    broker = Broker(config)  # its loop never runs: nothing is read until the end
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.SNDHWM, 1)
+    peer.connect(broker.address)
+    offered, accepted = 1000, 0  # 250 MB of 256 KB messages, were nothing holding the sender back
+    blob = bytes(256 * 1024)
+    try:
+        # A send that cannot go out within 2 s means the sender is held back: that is the event awaited.
+        while accepted < offered and peer.poll(2000, zmq.POLLOUT):
+            peer.send(blob, zmq.NOBLOCK)
+            accepted += 1
+        # The broker's window plus what the kernel's socket buffers hold: a small fraction of what was offered.
+        assert accepted < offered // 4, accepted
+        received = 0
+        while received < accepted and broker.sock.poll(10_000):
+            assert broker.sock.recv_multipart()[-1] == blob
+            received += 1
+        assert received == accepted
+    finally:
+        peer.close(0)
         broker.sock.close(0)

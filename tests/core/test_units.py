@@ -60,6 +60,9 @@ def test_config_errors_name_file_and_key(tmp_path: Path) -> None:
     f.write_text("node: {n_run: 0}\n")
     with pytest.raises(ConfigError, match="node.n_run: must be at least 1"):
         load_config(f)
+    f.write_text("broker: {receive_window_messages: 0}\n")
+    with pytest.raises(ConfigError, match="broker.receive_window_messages: must be at least 1, got 0"):
+        load_config(f)
     f.write_text("node: {n_run: [1,\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(f)

@@ -228,6 +228,20 @@ async def scenario_hold(args: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+async def scenario_hold_mid_start(args: dict[str, Any]) -> dict[str, Any]:
+    """A stand-in node server killed while a sandbox starts: its session folder exists, no process yet."""
+    m = manager(args)
+
+    async def stalled_start(spec: Any, on_spawn: Any) -> Any:
+        spec.session_dir.mkdir(parents=True)
+        print(json.dumps({"procs": {}, "sessions": [str(spec.session_dir)]}), flush=True)
+        await asyncio.Event().wait()  # until SIGKILL
+
+    m.runtime.start = stalled_start  # type: ignore[method-assign]
+    await m.start("mid-start")
+    return {}
+
+
 async def scenario_reap(args: dict[str, Any]) -> dict[str, Any]:
     m = manager(args)
     reaped = m.reap_leftovers()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,15 +44,7 @@ def test_kill9_node_leaves_nothing_and_a_node_with_another_id_reaps(
 ) -> None:
     config = {"runtime": "local"} if runtime == "local" else _config(runtime, image or "", images, request)
     state_dir = scenarios.state_dir()
-    holder = scenarios.popen("hold", {"config": config, "state_dir": str(state_dir), "n": 2})
-    try:
-        assert holder.stdout is not None
-        line = holder.stdout.readline()
-        assert line, f"holder died: {holder.stderr.read() if holder.stderr else ''}"
-        held = json.loads(line)
-    finally:
-        os.killpg(holder.pid, signal.SIGKILL)  # the "node server" crashes
-        holder.communicate()
+    held = _hold_then_kill9(scenarios, "hold", {"config": config, "state_dir": str(state_dir), "n": 2})
     # The runtime parent, its helpers (squashfuse, fuse-overlayfs), the tool server, the shell and
     # its children: all of them, identified by pid and start time.
     assert len(held["procs"]) >= (4 if runtime == "local" else 6)
@@ -59,7 +52,35 @@ def test_kill9_node_leaves_nothing_and_a_node_with_another_id_reaps(
     # Without any other node: the dead node's watchdog ends them (zombies left to a non-reaping init count as gone).
     assert wait_gone([p for p, t in procs.items() if proc_start_ticks(p) == t], 60) == []
     # A node with ANOTHER id (its own run directory) removes what the dead one recorded.
-    args = {"config": config, "state_dir": str(scenarios.state_dir()), "dead_state_dir": str(state_dir), **held}
+    _reap_with_another_node(scenarios, config, state_dir, held)
+
+
+def test_a_node_killed_mid_start_leaves_no_session_folder(scenarios: ScenarioRunner) -> None:
+    """Killed after the session folder was made and before any process ran: the folder is reaped too."""
+    config = {"runtime": "local"}
+    state_dir = scenarios.state_dir()
+    held = _hold_then_kill9(scenarios, "hold_mid_start", {"config": config, "state_dir": str(state_dir)})
+    assert all(os.path.isdir(s) for s in held["sessions"]), held
+    _reap_with_another_node(scenarios, config, state_dir, held)
+
+
+def _hold_then_kill9(scenarios: ScenarioRunner, scenario: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Run a stand-in node until it reports what it holds, then ``kill -9`` it; return that report."""
+    holder = scenarios.popen(scenario, args)
+    try:
+        assert holder.stdout is not None
+        line = holder.stdout.readline()
+        assert line, f"holder died: {holder.stderr.read() if holder.stderr else ''}"
+        held: dict[str, Any] = json.loads(line)
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # the "node server" crashes
+        holder.communicate()
+    return held
+
+
+def _reap_with_another_node(scenarios: ScenarioRunner, config: dict[str, Any], dead_state_dir: Path,
+                            held: dict[str, Any]) -> None:
+    args = {"config": config, "state_dir": str(scenarios.state_dir()), "dead_state_dir": str(dead_state_dir), **held}
     proc = scenarios.popen("reap", args)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
