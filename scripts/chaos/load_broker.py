@@ -31,6 +31,7 @@ import json
 import random
 import re
 import secrets
+import shutil
 import sys
 import tempfile
 import threading
@@ -281,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forget", action="store_true", help="forget each result once taken (op forget)")
     ap.add_argument("--sample-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=None, help="seed of the holds, the cancel picks and their delays")
+    ap.add_argument("--keep-home", action="store_true",
+                    help="keep the run folder (broker log, journal) after a run that passed; a failed run's is always kept")
     ap.add_argument("--linger-s", type=float, default=0.0,
                     help="keep the drained broker up this long before closing (to inspect it, e.g. with gdb)")
     args = ap.parse_args(argv)
@@ -291,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
 
     home = Path(tempfile.mkdtemp(prefix="prorl-load-"))
+    ok = False
     stack = LocalStack(home, "load", {"broker": {"result_retention_mb": args.retention_mb}})
     ctx: zmq.Context[Any] = zmq.Context.instance()
     try:
@@ -534,9 +538,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.linger_s > 0:
             print(f"broker pid {broker.pid} stays up {args.linger_s:.0f} s", file=sys.stderr, flush=True)
             time.sleep(args.linger_s)  # not synchronisation: a window for a person or tool to look
-        return 0 if passed(summary) else 1
+        ok = passed(summary)
+        return 0 if ok else 1
     finally:
         stack.close()
+        # The run folder holds the journal (hundreds of MB to GB with big results): kept only to look into a failure.
+        if ok and not args.keep_home:
+            shutil.rmtree(home, ignore_errors=True)
+        else:
+            print(f"run folder (broker log, journal): {home}", file=sys.stderr)
 
 
 def passed(summary: dict[str, Any]) -> bool:
