@@ -50,6 +50,8 @@ _BIN32 = struct.Struct(">BI")
 
 def packed_pieces(record: dict[str, Any], packer: msgpack.Packer) -> list[bytes]:
     """``record`` as msgpack, in pieces: big bytes values are the caller's own objects (no copy of a result)."""
+    if not any(isinstance(v, bytes) and len(v) >= _BY_REFERENCE_BYTES for v in record.values()):
+        return [packer.pack(record)]  # the common case, packed at once
     pieces: list[bytes] = []
     head = bytearray(packer.pack_map_header(len(record)))
     for key, value in record.items():
