@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,19 +89,36 @@ class JobTable:
     def live_tasks(self) -> set[str]:
         return set().union(*(n.tasks for n in self.nodes.values() if n.alive)) if self.nodes else set()
 
-    def journal_snapshot(self) -> list[dict[str, Any]]:
-        """What a replay needs, as journal records (cheap: references to the jobs' frames, nothing packed)."""
-        out: list[dict[str, Any]] = []
+    def journal_snapshot(self) -> Iterator[dict[str, Any]]:
+        """What a replay needs, as journal records, for a writer that may run in another thread.
+
+        Unfinished jobs' records are built now (their specs still change). Finished jobs are named
+        now and read when written, and those dropped meanwhile (retention, ``forget``) are skipped, as
+        a later snapshot would: a compaction must not keep alive results the loop has let go of, or
+        a broker that finishes results fast holds up to its retention again while it writes.
+        """
+        unfinished: list[dict[str, Any]] = []
         for job in self.jobs.values():
-            out.append(job_record(job.spec, job.instance))
             if job.result is not None:
-                out.append(end_record(job.job_id, job.state, job.result))
-            elif job.node_id is not None:
-                out.append(placed_record(job.job_id, job.spec.attempt, job.node_id))
+                continue
+            unfinished.append(job_record(job.spec, job.instance))
+            if job.node_id is not None:
+                unfinished.append(placed_record(job.job_id, job.spec.attempt, job.node_id))
             elif job.job_id in self.awaiting_claim and job.claim_node is not None:
                 # Replayed and not yet claimed: its node may still claim it after another restart.
-                out.append(placed_record(job.job_id, job.claim_attempt or job.spec.attempt, job.claim_node))
-        return out
+                unfinished.append(placed_record(job.job_id, job.claim_attempt or job.spec.attempt, job.claim_node))
+        return self._snapshot_records(unfinished, list(self._finished))
+
+    def _snapshot_records(self, unfinished: list[dict[str, Any]], finished: list[str]) -> Iterator[dict[str, Any]]:
+        # Finished first, in retention order: a replay drops the oldest first, as this broker does.
+        jobs = self.jobs
+        for job_id in finished:
+            job = jobs.get(job_id)  # a single dict read: safe beside the loop's writes
+            if job is None or job.result is None:
+                continue
+            yield job_record(job.spec, job.instance)
+            yield end_record(job.job_id, job.state, job.result)
+        yield from unfinished
 
     # ------------------------------------------------------------ submit
 
@@ -232,6 +249,9 @@ class JobTable:
         for info, result in zip(infos, results, strict=True):
             job = self.jobs.get(info["job_id"])
             if job is None:
+                # Gone already (cancelled, then dropped by retention before its node reported): the node's
+                # slot is free all the same. Only its own set is touched, so no node frees another's slot.
+                node.inflight.discard(info["job_id"])
                 continue
             if self._claimable_by(job, node, info["attempt"]):
                 # A result sent before the node was declared dead (or before the broker restarted): take it.
