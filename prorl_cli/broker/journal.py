@@ -224,8 +224,8 @@ class Journal:
     def _tmp(self) -> Path:
         return self.path.with_name(self.path.name + ".tmp")
 
-    def compact_in_background(self, records: list[dict[str, Any]]) -> None:
-        """Rewrite the file with ``records`` (a snapshot taken on the loop) in a thread; :meth:`poll` swaps it in.
+    def compact_in_background(self, records: Iterable[dict[str, Any]]) -> None:
+        """Rewrite the file with ``records`` (a snapshot the loop took, iterated here) in a thread; :meth:`poll` swaps it in.
 
         Records appended meanwhile go to the old file as usual; the thread then copies them (from the
         file, not memory) after the snapshot, and the swap copies the little that came after that.

@@ -167,10 +167,10 @@ class SandboxManager:
                 process = await self.runtime.start(spec, on_spawn=lambda p: self._record(p, job_id))
             client = await ToolClient.connect_unix(str(spec.socket_path))
         except BaseException:
-            self.records.remove(sandbox_id)
             self._forget_session(sandbox_id)
             self.loopback.release(spec.loopback_ip)
             remove_tree(spec.session_dir, self.log)
+            self.records.remove(sandbox_id)  # last: until the folder is gone, the record names it
             raise
         sandbox = Sandbox(
             sandbox_id, job_id, process, client,
