@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     if lost or wrong:
         print("lost:", lost[:20], "wrong:", wrong[:20], "\nbroker log tail:\n", broker_log[-3000:], file=sys.stderr)
     print(json.dumps(summary), flush=True)
-    # Files left on disk are reported, not failed on: see docs/reliability.md (a node killed mid-start).
-    bad = summary["lost"] or summary["duplicated"] or summary["conflicting"] or summary["not_done_or_wrong"] or leftovers
+    bad = (summary["lost"] or summary["duplicated"] or summary["conflicting"] or summary["not_done_or_wrong"]
+           or leftovers or left_on_disk)
     return 1 if bad else 0
 
 

@@ -30,6 +30,7 @@ def _chaos(*args: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]
     assert summary["broker_kills"] == 2 and summary["node_kills"] >= 1, summary
     assert summary["lost"] == 0 and summary["duplicated"] == 0 and summary["conflicting"] == 0, (summary, proc.stderr[-3000:])
     assert summary["not_done_or_wrong"] == 0 and summary["orphan_processes"] == 0, (summary, proc.stderr[-3000:])
+    assert summary["left_on_disk"] == 0, (summary, proc.stderr[-3000:])  # records and session folders
     assert proc.returncode == 0, proc.stderr[-3000:]
     return summary, proc
 
