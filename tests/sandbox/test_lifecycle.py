@@ -57,8 +57,9 @@ def test_kill9_node_leaves_nothing_and_a_node_with_another_id_reaps(
 
 def test_a_node_killed_mid_start_leaves_no_session_folder(scenarios: ScenarioRunner) -> None:
     """Killed after the session folder was made and before any process ran: the folder is reaped too."""
-    config = {"runtime": "local"}
     state_dir = scenarios.state_dir()
+    # A folder of its own: what this test leaves when it fails must not show up in other tests' local_dir.
+    config = {"runtime": "local", "local_dir": str(state_dir / "local")}
     held = _hold_then_kill9(scenarios, "hold_mid_start", {"config": config, "state_dir": str(state_dir)})
     assert all(os.path.isdir(s) for s in held["sessions"]), held
     _reap_with_another_node(scenarios, config, state_dir, held)
