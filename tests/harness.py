@@ -36,6 +36,22 @@ class Deployment(LocalStack):
         super().__init__(home, name, _merge(DEFAULT_TEST_CONFIG, config or {}))
 
 
+def bare_dealer(address: str, *, unbounded: bool = False, ctx: Any = None) -> Any:
+    """A raw DEALER socket to the broker (for scripts and tests that speak the protocol themselves).
+
+    ``unbounded``: no high-water marks, so a load generator never blocks or drops on its own side.
+    """
+    import zmq
+
+    sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if unbounded:
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    return sock
+
+
 def fixed_port() -> int:
     """A free TCP port below the kernel's ephemeral range, for a broker that must bind the same port again
     after a restart (ports the kernel hands out, to ``bind(0)`` or outgoing connections, come from that range)."""

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prorl_cli import protocol as P  # noqa: E402
 from prorl_cli.sandbox.runtime import session_members, stat_fields, wait_gone  # noqa: E402
-from tests.harness import Deployment, fixed_port  # noqa: E402
+from tests.harness import Deployment, bare_dealer, fixed_port  # noqa: E402
 
 IMAGES = Path(os.environ.get("PRORL_TEST_IMAGES", "/var/cache/prorl-test"))
 # The image each sandbox runtime starts (unused by ``local``).
@@ -63,9 +63,7 @@ class Client:
     def connect(self, address: str) -> None:
         if self.sock is not None:
             self.sock.close(0)
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self.sock = bare_dealer(address)
 
     def send(self, header: dict[str, Any], payload: list[bytes] | None = None) -> None:
         assert self.sock is not None

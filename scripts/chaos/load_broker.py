@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prorl_cli import protocol as P  # noqa: E402
 from prorl_cli.embedded import LocalStack  # noqa: E402
+from tests.harness import bare_dealer  # noqa: E402
 
 TASK = "load"
 HOST = "sim"
@@ -58,15 +59,6 @@ PROMPT = P.pack_tokens(list(range(1, 33)))
 OUTPUT_IDS = [7, 8, 9, 10]
 REPLY_FRAMES = [P.pack_tokens(OUTPUT_IDS), P.pack_floats([-0.5] * len(OUTPUT_IDS))]
 SAMPLING = P.SamplingParams(max_tokens=len(OUTPUT_IDS)).to_wire()
-
-
-def dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(address)
-    return sock
 
 
 @dataclass
@@ -110,7 +102,7 @@ class SimNode:
 
     def __init__(self, ctx: zmq.Context[Any], address: str, node_id: str, credit: int) -> None:
         self.node_id, self.credit = node_id, credit
-        self.sock = dealer(ctx, address)
+        self.sock = bare_dealer(address, unbounded=True, ctx=ctx)
         self.held: dict[str, int] = {}  # job id -> attempt
         self.calls: dict[int, Call] = {}  # rid -> the call it waits for
         self.ended: set[str] = set()  # jobs the broker answered a call of with ``unknown_job``: ended there
@@ -163,7 +155,7 @@ class SimBridge:
                  rng: random.Random) -> None:
         self.backend_id = backend_id
         self.latency_s, self.rng = latency_s, rng
-        self.sock = dealer(ctx, address)
+        self.sock = bare_dealer(address, unbounded=True, ctx=ctx)
         self.registered = threading.Event()
         self.registrations = 0
         self.working: dict[int, float] = {}  # the broker's call id -> when its answer is due
@@ -220,7 +212,7 @@ def sidecar(ctx: zmq.Context[Any], address: str, nodes: list[SimNode], bridges: 
     their own process, a busy simulator loop must not look like a dead peer,
     so the deaths counted are the broker's doing.
     """
-    socks = [dealer(ctx, address) for _ in nodes]
+    socks = [bare_dealer(address, unbounded=True, ctx=ctx) for _ in nodes]
     poller = zmq.Poller()
     by_sock = {b.sock: b for b in bridges}
     for b in bridges:
@@ -312,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             if not b.registered.wait(30):
                 raise SystemExit(f"bridge {b.backend_id} got no register_backend reply in 30 s")
         by_sock = {n.sock: n for n in nodes}
-        client = dealer(ctx, address)
-        monitor = dealer(ctx, address)
+        client = bare_dealer(address, unbounded=True, ctx=ctx)
+        monitor = bare_dealer(address, unbounded=True, ctx=ctx)
         poller = zmq.Poller()
         for s in [*by_sock, client, monitor]:
             poller.register(s, zmq.POLLIN)

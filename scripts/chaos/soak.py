@@ -42,7 +42,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prorl_cli import protocol as P  # noqa: E402
-from tests.harness import Deployment  # noqa: E402
+from tests.harness import Deployment, bare_dealer  # noqa: E402
 
 KINDS = ("ok", "raise", "stage_timeout", "job_timeout", "cancel_queued", "cancel_running")
 WEIGHTS = (0.70, 0.08, 0.05, 0.05, 0.06, 0.06)
@@ -143,9 +143,7 @@ class Soak:
         self.pending: set[str] = set()
         self.to_forget: list[str] = []
         self.refused: list[dict[str, Any]] = []
-        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(d.address)
+        self.sock: zmq.Socket[bytes] = bare_dealer(d.address)
         self.rid = 0
         self.cancel_rids: dict[str, list[str]] = {}
 

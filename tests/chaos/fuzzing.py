@@ -17,10 +17,10 @@ import time
 from typing import Any
 
 import msgpack
-import zmq
 
 from prorl_cli import protocol as P
 from tests.broker.samples import VALID
+from tests.harness import bare_dealer
 
 # Ops the fuzzer sends: everything but ``stop`` and ``hold`` (valid ones would end or pause the honest run).
 FUZZ_OPS = [op for op in VALID if op not in (P.Op.HOLD,)]
@@ -94,9 +94,7 @@ class Peer:
     """A DEALER that sends fuzz and throws away whatever comes back."""
 
     def __init__(self, address: str, register_as: str | None = None) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self.sock = bare_dealer(address)
         if register_as is not None:
             self.sock.send_multipart(P.encode({"op": "register", "rid": 0, "node_id": register_as, "host": "fuzz",
                                                "pid": 1, "credit": 1, "tasks": ["zzz-no-such-task"]}))
@@ -119,9 +117,7 @@ class HonestClient:
     """Submits jobs over a bare socket and counts every result pushed for each."""
 
     def __init__(self, address: str, prefix: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self.sock = bare_dealer(address)
         self.prefix = prefix
         self.ids: list[str] = []
         self.results: dict[str, list[str]] = {}
