@@ -69,6 +69,28 @@ class BrokerStopping(RemoteError):
     """The broker is stopping and takes no new work."""
 
 
+class DrainTimeout(RemoteError, TimeoutError):
+    """``pause_generation(wait=True)`` ran out of time with generate calls still in flight (the message names them).
+
+    Generation stays paused; ``running`` lists the calls (``job_id``, ``backend_id``, ``running_s``) when known.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message)
+        self.running: list[dict[str, Any]] = []
+
+
+class ReloadFailed(RemoteError):
+    """A backend could not load new weights in place (the message names it and says why).
+
+    ``failed`` maps each such backend id to its reason, when known.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message)
+        self.failed: dict[str, str] = {}
+
+
 class DeploymentBusy(ProrlError, RuntimeError):
     """Another broker already serves this deployment (it holds the deployment's lock)."""
 
@@ -152,4 +174,6 @@ _ERROR_CLASSES: dict[str, type[RemoteError]] = {
     "unknown_peer": UnknownJob,
     "backend_error": BackendFailed,
     "shutting_down": BrokerStopping,
+    "drain_timeout": DrainTimeout,
+    "reload_failed": ReloadFailed,
 }

@@ -50,8 +50,10 @@ class Op(str, enum.Enum):
     ADD_LLM_SERVER = "add_llm_server"  # paper: /add_llm_server. url=..., model?
     CLEAR_LLM_SERVER = "clear_llm_server"  # paper: /clear_llm_server. url? (all when absent)
     LIST_LLM_SERVERS = "list_llm_servers"
-    PAUSE_GENERATION = "pause_generation"  # hold new generate calls (weight sync)
+    PAUSE_GENERATION = "pause_generation"  # hold new generate calls (weight sync); drain_timeout_s: answer once drained
     RESUME_GENERATION = "resume_generation"
+    # client -> broker -> every live bridge: load the weights in ``checkpoint`` in place, as ``policy_version``.
+    UPDATE_WEIGHTS = "update_weights"  # checkpoint, policy_version, load_timeout_s?
     START = "start"  # paper: /start. (re)open job placement on nodes
     HOLD = "hold"  # stop placing queued jobs on nodes; running ones go on
     STOP = "stop"  # paper: /stop. cancel everything, stop nodes and bridges, exit
@@ -78,13 +80,18 @@ class Op(str, enum.Enum):
 
     # inference bridge -> broker
     REGISTER_BACKEND = "register_backend"  # BackendHello fields
-    GENERATE_REPLY = "generate_reply"  # rid, finish_reason | error; payload: [ids int32, logprobs f32]
+    GENERATE_REPLY = "generate_reply"  # rid, finish_reason, policy_version? | error; payload: [ids int32, logprobs f32]
+    WEIGHTS_UPDATED = "weights_updated"  # rid (the broker's update_weights forward id), error?
     # node -> broker: the node gave up on its generate ``rid`` (no reply);
     # broker -> bridge: stop forwarded generate ``rid`` at the engine (its job ended, or its node gave up).
     GENERATE_CANCEL = "generate_cancel"  # rid, job_id
     # node -> broker, after it called a redirected HTTP backend itself (no reply):
     # lets the broker count in-flight requests and served calls of HTTP backends.
     GENERATE_DONE = "generate_done"  # job_id, backend_id
+    # broker -> node: its generate ``rid`` (of ``job_id``) is held at the broker (``held`` true: generation
+    # paused, or no backend up) or leaves the hold for a backend (``held`` false). The node's clocks of that
+    # job (stage deadline, budget, ``generate_timeout_s``) stand still while one of its calls is held.
+    GENERATE_HELD = "generate_held"  # rid, job_id, held
 
 
 class ErrorCode(str, enum.Enum):
@@ -100,6 +107,8 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_TASK = "unknown_task"
     BACKEND_ERROR = "backend_error"
     SHUTTING_DOWN = "shutting_down"
+    DRAIN_TIMEOUT = "drain_timeout"  # pause_generation's wait ran out with calls in flight (``running`` names them)
+    RELOAD_FAILED = "reload_failed"  # a backend could not load new weights (``failed`` names it and why)
 
 
 class JobState(str, enum.Enum):
@@ -391,7 +400,11 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
     Op.ADD_LLM_SERVER: OpSchema({**_RID, "url": _URL, "model": Opt(Str())}),
     Op.CLEAR_LLM_SERVER: OpSchema({**_RID, "url": Opt(_URL)}),
     Op.LIST_LLM_SERVERS: OpSchema(dict(_RID)),
-    Op.PAUSE_GENERATION: OpSchema({**_RID, "policy_version": Opt(Int(0, _BIG))}),
+    Op.PAUSE_GENERATION: OpSchema({**_RID, "policy_version": Opt(Int(0, _BIG)), "drain_timeout_s": Opt(Num(0.0, 1e6))}),
+    Op.UPDATE_WEIGHTS: OpSchema({**_RID, "checkpoint": Str(4096), "policy_version": Int(0, _BIG), "load_timeout_s": Opt(_POSITIVE_S)}),
+    Op.WEIGHTS_UPDATED: OpSchema({
+        **_RID, "error": Opt(Record({"code": Str(64), "message": Str(64 * 1024, min_len=0)}, strict=False)),
+    }),
     Op.RESUME_GENERATION: OpSchema({**_RID, "policy_version": Opt(Int(0, _BIG))}),
     Op.START: OpSchema(dict(_RID)),
     Op.HOLD: OpSchema(dict(_RID)),
@@ -433,6 +446,8 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
     Op.GENERATE_REPLY: OpSchema({
         **_RID,
         "finish_reason": Opt(Str(64)),
+        # The bridge's own weights version when the call ran (absent: the broker stamps its current version).
+        "policy_version": Opt(Int(0, _BIG)),
         "error": Opt(Record({"code": Str(64), "message": Str(64 * 1024, min_len=0)}, strict=False)),
     }, payload=None),
     Op.GENERATE_DONE: OpSchema({"job_id": Str(), "backend_id": _URL}),

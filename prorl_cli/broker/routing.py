@@ -3,7 +3,7 @@
 The broker's loop owns one :class:`Router`. It hands the router the
 generate-related ops (``generate``, ``generate_reply``, ``generate_done``,
 ``generate_cancel``, backend registration, ``add/clear/list_llm_server``,
-``pause/resume_generation``), tells it when a job ends or loses its node
+``pause/resume_generation``, ``update_weights``), tells it when a job ends or loses its node
 (:meth:`Router.job_ended`, the seam with the job table), and calls
 :meth:`Router.tick` for bridge liveness. The router sends through the
 function it was given and asks the broker only two things: which node a
@@ -71,6 +71,8 @@ class PendingGenerate:
     redirect: bool = False
     #: The policy version current when the call went to its backend (the weights that serve it).
     policy_version: int = 0
+    #: When it went to its backend (monotonic s): a drain that times out says how long each call ran.
+    since: float = field(default_factory=time.monotonic)
 
 
 class PendingGenerates:
@@ -120,6 +122,10 @@ class PendingGenerates:
     def pop_backend(self, backend_id: str) -> list[tuple[int, PendingGenerate]]:
         """Remove and return every call routed to ``backend_id``."""
         return [(c, pend) for c in sorted(self._by_backend.get(backend_id, ())) if (pend := self.pop(c)) is not None]
+
+    def items(self) -> list[tuple[int, PendingGenerate]]:
+        """Every pending call, oldest first."""
+        return sorted(self._by_id.items())
 
     def pop_all(self) -> list[tuple[int, PendingGenerate]]:
         out = sorted(self._by_id.items())
@@ -176,6 +182,29 @@ class HeldGenerates:
         self._by_id.clear()
         self._by_job.clear()
         return out
+
+
+@dataclass
+class Waiter:
+    """A client waiting for an answer that the router gives later (a drain, a weight update)."""
+
+    identity: bytes
+    rid: object
+    deadline: float
+
+
+@dataclass
+class WeightUpdate:
+    """An ``update_weights`` forwarded to bridges: answered once each has loaded (or failed, or went away)."""
+
+    waiter: Waiter
+    policy_version: int
+    #: Forward id -> backend id of the bridges that have not answered yet.
+    waiting: dict[int, str] = field(default_factory=dict)
+    updated: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    #: HTTP backends (``backends add``): the broker cannot reload them.
+    skipped: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -320,6 +349,11 @@ class Router:
         #: The trainer's policy (weights) version, set by pause/resume; 0 until told.
         self.policy_version = 0
         self.stopping = False
+        #: Clients waiting for in-flight calls to drain (``pause_generation`` with ``drain_timeout_s``).
+        self.drains: list[Waiter] = []
+        #: Weight updates waiting for their bridges, and forward id -> its update.
+        self.updates: list[WeightUpdate] = []
+        self._update_of: dict[int, WeightUpdate] = {}
         self.handlers: dict[Op, Callable[[bytes, dict[str, Any], list[bytes]], None]] = {
             Op.REGISTER_BACKEND: self.on_register_backend,
             Op.ADD_LLM_SERVER: self.on_add_llm_server,
@@ -331,6 +365,8 @@ class Router:
             Op.GENERATE_REPLY: self.on_generate_reply,
             Op.GENERATE_DONE: self.on_generate_done,
             Op.GENERATE_CANCEL: self.on_generate_cancel,
+            Op.UPDATE_WEIGHTS: self.on_update_weights,
+            Op.WEIGHTS_UPDATED: self.on_weights_updated,
         }
 
     # ------------------------------------------------------------------ queries
@@ -381,6 +417,8 @@ class Router:
         for call_id, pend in self.pending.pop_job(job_id):
             self._stop_call(call_id, pend, ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
         self._prune_backends()
+        if self.drains:
+            self.check_waiters()
 
     def tick(self, now: float) -> None:
         """Bridge liveness: declare silent bridges lost, heartbeat the others."""
@@ -409,6 +447,10 @@ class Router:
         for _, pend in self.pending.pop_all():
             if not pend.redirect:
                 self._answer_dropped(pend.requester, pend.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping")
+        for w in [*self.drains, *(u.waiter for u in self.updates)]:
+            self._answer_dropped(w.identity, w.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping")
+        self.drains, self.updates = [], []
+        self._update_of.clear()
 
     # ------------------------------------------------------------------ backends
 
@@ -497,6 +539,9 @@ class Router:
         backend.jobs.clear()
         if self.stopping or backend.kind == "bridge":
             self.backends.pop(backend.backend_id, None)
+        self._update_backend_lost(backend.backend_id)
+        if self.drains:
+            self.check_waiters()
 
     # ------------------------------------------------------------------ pause / resume
 
@@ -514,20 +559,147 @@ class Router:
         if not self._set_policy_version(identity, h):
             return
         self.paused = True
-        self._send(identity, P.reply(h["rid"], paused=True, inflight=len(self.pending), policy_version=self.policy_version), ())
+        wait_s = h.get("drain_timeout_s")
+        if wait_s is not None and len(self.pending):
+            # A pause that drains: answered once no call is in flight on any backend, or at the deadline.
+            self.drains.append(Waiter(identity, h["rid"], time.monotonic() + float(wait_s)))
+            return
+        self._send(identity, P.reply(h["rid"], paused=True, inflight=len(self.pending), policy_version=self.policy_version,
+                                     drained=not len(self.pending)), ())
 
     def on_resume_generation(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         if not self._set_policy_version(identity, h):
             return
         self.paused = False
+        for w in self.drains:
+            self._send(w.identity, P.error_reply(w.rid, ErrorCode.DRAIN_TIMEOUT, "generation was resumed before the calls "
+                                                 "in flight drained: " + self._running_calls_text(),
+                                                 running=self._running_calls()), ())
+        self.drains = []
         self._send(identity, P.reply(h["rid"], paused=False, released=len(self.held), policy_version=self.policy_version), ())
         self._release_held()
+
+    def _running_calls(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [{"job_id": p.job_id, "backend_id": p.backend_id, "running_s": round(now - p.since, 3)}
+                for _, p in self.pending.items()]
+
+    def _running_calls_text(self, limit: int = 20) -> str:
+        calls = self._running_calls()
+        text = ", ".join(f"job {c['job_id']} on {c['backend_id']} ({c['running_s']:.1f} s)" for c in calls[:limit])
+        return text + (f" and {len(calls) - limit} more" if len(calls) > limit else "")
+
+    def check_waiters(self, now: float | None = None) -> None:
+        """Answer drains that are over (nothing in flight) or out of time, and weight updates out of time."""
+        now = time.monotonic() if now is None else now
+        if self.drains:
+            keep = []
+            for w in self.drains:
+                if not len(self.pending):
+                    self._send(w.identity, P.reply(w.rid, paused=self.paused, inflight=0, drained=True,
+                                                   policy_version=self.policy_version), ())
+                elif now >= w.deadline:
+                    n = len(self.pending)
+                    self._send(w.identity, P.error_reply(
+                        w.rid, ErrorCode.DRAIN_TIMEOUT,
+                        f"{n} generate call(s) still in flight (generation stays paused): {self._running_calls_text()}",
+                        running=self._running_calls()), ())
+                else:
+                    keep.append(w)
+            self.drains = keep
+        for update in [u for u in self.updates if now >= u.waiter.deadline]:
+            for fid, bid in list(update.waiting.items()):
+                update.failed[bid] = "did not answer in time"
+                self._update_of.pop(fid, None)
+            update.waiting.clear()
+            self._finish_update(update)
+
+    # ------------------------------------------------------------------ weight updates
+
+    def on_update_weights(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        """Forward the new weights to every live bridge; answer once each one has loaded them (or failed)."""
+        version = h["policy_version"]
+        timeout_s = float(h.get("load_timeout_s") or 600.0)
+        update = WeightUpdate(Waiter(identity, h["rid"], time.monotonic() + timeout_s), version)
+        for b in self.backends.values():
+            if not b.alive:
+                continue
+            if b.kind != "bridge" or b.identity is None:
+                update.skipped.append(b.backend_id)
+                continue
+            fid = next(self._call_ids)
+            header = {"op": Op.UPDATE_WEIGHTS.value, "rid": fid, "checkpoint": h["checkpoint"], "policy_version": version}
+            if self._send(b.identity, header, ()):
+                update.waiting[fid] = b.backend_id
+                self._update_of[fid] = update
+            else:
+                update.failed[b.backend_id] = "unreachable"
+        self.updates.append(update)
+        if not update.waiting:
+            self._finish_update(update)
+
+    def on_weights_updated(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        backend = self.backend_by_identity.get(identity)
+        if backend is None or not backend.alive:
+            self._reply_error(identity, h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register_backend")
+            return
+        fid = h["rid"]
+        update = self._update_of.get(fid) if isinstance(fid, int) else None
+        if update is None or update.waiting.get(fid) != backend.backend_id:
+            return  # an update that timed out already (or another bridge's)
+        del self._update_of[fid]
+        del update.waiting[fid]
+        error = h.get("error")
+        if error:
+            update.failed[backend.backend_id] = str(error.get("message") if isinstance(error, dict) else error)
+        else:
+            update.updated.append(backend.backend_id)
+        if not update.waiting:
+            self._finish_update(update)
+
+    def _update_backend_lost(self, backend_id: str) -> None:
+        for update in list(self.updates):
+            for fid, bid in list(update.waiting.items()):
+                if bid == backend_id:
+                    del update.waiting[fid]
+                    self._update_of.pop(fid, None)
+                    update.failed[bid] = "backend lost while loading"
+            if not update.waiting:
+                self._finish_update(update)
+
+    def _finish_update(self, update: WeightUpdate) -> None:
+        if update in self.updates:
+            self.updates.remove(update)
+        w = update.waiter
+        fields = {"updated": update.updated, "skipped": update.skipped, "failed": update.failed,
+                  "policy_version": update.policy_version}
+        if update.failed:
+            why = "; ".join(f"{bid}: {msg}" for bid, msg in sorted(update.failed.items()))
+            self._send(w.identity, P.error_reply(w.rid, ErrorCode.RELOAD_FAILED,
+                                                 f"{len(update.failed)} backend(s) did not load the new weights: {why}",
+                                                 **fields), ())
+            return
+        # Calls routed from now on go to the new weights (a bridge also stamps each reply with its own version).
+        self.policy_version = max(self.policy_version, update.policy_version)
+        self._send(w.identity, P.reply(w.rid, **fields), ())
 
     def _release_held(self) -> None:
         if self.paused or not len(self.held) or not self._candidates():
             return
         for item in self.held.pop_all():
+            self._tell_held(item, held=False)
             self._route_call(item.requester, item.header, item.payload)
+
+    def _hold(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        """Hold a call, and tell its node (whose clocks of that job stand still while it is held)."""
+        item = HeldGenerate(identity, h, list(payload))
+        self.held.add(item)
+        self._tell_held(item, held=True)
+
+    def _tell_held(self, item: HeldGenerate, *, held: bool) -> None:
+        rid = item.header.get("rid")
+        if rid is not None:
+            self._send(item.requester, {"op": Op.GENERATE_HELD.value, "rid": rid, "job_id": item.job_id, "held": held}, ())
 
     # ------------------------------------------------------------------ generate
 
@@ -575,7 +747,7 @@ class Router:
         """
         job_id: str = h["job_id"]
         if self.paused:
-            self.held.add(HeldGenerate(identity, h, list(payload)))
+            self._hold(identity, h, payload)
             return
         running = running or self._running_node(job_id) is not None
         if not running and self.cancel_propagation:
@@ -584,8 +756,8 @@ class Router:
             return
         backend = self._route(job_id, identity, h.get("host"), running)
         if backend is None:
-            # Nothing registered yet: hold until a backend appears (the node's own timeout bounds the wait).
-            self.held.add(HeldGenerate(identity, h, list(payload)))
+            # Nothing registered yet: hold until a backend appears.
+            self._hold(identity, h, payload)
             return
         call_id = next(self._call_ids)
         if backend.kind == "http":
@@ -646,13 +818,16 @@ class Router:
             self._send(pend.requester, P.error_reply(pend.rid, str(code), str(msg), backend_id=pend.backend_id), ())
             return
         finish_reason = h.get("finish_reason")
+        version = h.get("policy_version")
         self._send(
             pend.requester,
             P.reply(pend.rid, backend_id=pend.backend_id, finish_reason=finish_reason if isinstance(finish_reason, str) else None,
-                    policy_version=pend.policy_version),
+                    policy_version=version if isinstance(version, int) and not isinstance(version, bool) else pend.policy_version),
             payload,
         )
         self._prune_backends_if_cleared(backend)
+        if self.drains:
+            self.check_waiters()
 
     def on_generate_done(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         if self._node_of(identity) is None:
@@ -667,6 +842,8 @@ class Router:
         if backend is not None:
             backend.served += 1
             self._prune_backends_if_cleared(backend)
+        if self.drains:
+            self.check_waiters()
 
     def _prune_backends_if_cleared(self, backend: Backend) -> None:
         if backend.cleared:
@@ -687,6 +864,8 @@ class Router:
             if pend is not None:
                 self._stop_call(call_id, pend, ErrorCode.UNKNOWN_JOB, "the node gave up on this call")
         self._prune_backends()
+        if self.drains:
+            self.check_waiters()
 
     # ------------------------------------------------------------------ answering
 

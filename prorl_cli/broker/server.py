@@ -594,6 +594,7 @@ class Broker:
                 self._send(node.identity, {"op": Op.HEARTBEAT.value})
         if judge:
             self.router.tick(now)
+        self.router.check_waiters(now)
         self.table.prune_dead_nodes(self.config.broker.dead_nodes_kept)
         self._place()
         self._flush()
@@ -623,4 +624,6 @@ class Broker:
         Op.GENERATE_REPLY: on_routing_op,
         Op.GENERATE_DONE: on_routing_op,
         Op.GENERATE_CANCEL: on_routing_op,
+        Op.UPDATE_WEIGHTS: on_routing_op,
+        Op.WEIGHTS_UPDATED: on_routing_op,
     }

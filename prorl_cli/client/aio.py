@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli import protocol as P
 from prorl_cli.client.results import ResultStream, Submitted
 from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.connection import BrokerConnection, Reply
-from prorl_cli.exceptions import BrokerUnavailable, ProtocolError, RemoteError, UnknownJob
+from prorl_cli.exceptions import (
+    BrokerUnavailable,
+    DrainTimeout,
+    ProtocolError,
+    ReloadFailed,
+    RemoteError,
+    UnknownJob,
+)
 from prorl_cli.protocol import BackendStatus, ForgetOutcome, JobResult, JobSpec, Op, StatusReport
 
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
@@ -20,6 +29,15 @@ DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_PING_TIMEOUT_S = 3.0
 #: What :meth:`AsyncRolloutClient.cancel` says for an id the broker does not know.
 UNKNOWN = "unknown"
+
+
+@dataclass
+class WeightsUpdated:
+    """What :meth:`AsyncRolloutClient.update_weights` did: bridges that loaded the weights, HTTP backends skipped."""
+
+    updated: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    policy_version: int = 0
 
 
 class AsyncRolloutClient:
@@ -394,13 +412,64 @@ class AsyncRolloutClient:
         header, _ = await self.request(Op.LIST_LLM_SERVERS)
         return [BackendStatus.from_wire(b) for b in header["backends"]]
 
-    async def pause_generation(self, policy_version: int | None = None) -> None:
+    async def pause_generation(
+        self, policy_version: int | None = None, *, wait: bool = False, timeout_s: float = 300.0
+    ) -> None:
         """Hold new generate calls at the broker (weight sync); in-flight ones drain.
 
         ``policy_version``: the version of the weights about to be loaded
         (the broker stamps it on every generate reply; see ``status``).
+        ``wait``: return only once no generate call is in flight on any
+        backend; after ``timeout_s`` raise :class:`DrainTimeout` naming the
+        calls still running (generation stays paused either way). Calls held
+        at the broker meanwhile do not count against their jobs' clocks.
         """
-        await self.request(Op.PAUSE_GENERATION, **_version_field(policy_version))
+        fields = _version_field(policy_version)
+        if not wait:
+            await self.request(Op.PAUSE_GENERATION, **fields)
+            return
+        if not (isinstance(timeout_s, int | float) and 0 <= timeout_s <= 1e6):
+            raise ValueError(f"timeout_s must be a number of seconds in [0, 1e6], got {timeout_s!r}")
+        await self._call_keeping_fields(Op.PAUSE_GENERATION, timeout_s, drain_timeout_s=float(timeout_s), **fields)
+
+    async def update_weights(
+        self, checkpoint: str | os.PathLike[str], policy_version: int, *, timeout_s: float = 600.0
+    ) -> WeightsUpdated:
+        """Have every inference bridge load the weights in ``checkpoint`` in place, as ``policy_version``.
+
+        Each bridge lets its calls in flight finish on the old weights (their
+        results carry the old version), loads the checkpoint (a model
+        directory every bridge can read), and serves the new version from
+        then on; this returns once all have. For a clean switch, pause
+        generation first (``wait=True``) and resume after. HTTP backends
+        (``backends add``) cannot be reloaded: they are listed as skipped.
+        Raises :class:`ReloadFailed` naming the bridges that could not load
+        it (restart those on the checkpoint; the engine's restart path).
+        """
+        fields = _version_field(policy_version)
+        if not fields:
+            raise ValueError("update_weights needs a policy_version")
+        if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= 1e9):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        path = os.path.abspath(os.fspath(checkpoint))
+        header = await self._call_keeping_fields(Op.UPDATE_WEIGHTS, timeout_s, checkpoint=path,
+                                                 load_timeout_s=float(timeout_s), **fields)
+        return WeightsUpdated(updated=list(header.get("updated") or []), skipped=list(header.get("skipped") or []),
+                              policy_version=int(header.get("policy_version", policy_version)))
+
+    async def _call_keeping_fields(self, op: Op, wait_s: float, **fields: Any) -> dict[str, Any]:
+        """A request the broker answers late (after ``wait_s``); an error's extra fields stay on the exception."""
+        await self.connect()
+        assert self._conn is not None
+        reply, _ = await self._conn.request({"op": op.value, **fields}, timeout_s=wait_s + self.request_timeout_s)
+        if reply.get("ok"):
+            return reply
+        error = RemoteError.from_reply(reply)
+        if isinstance(error, DrainTimeout) and isinstance(reply.get("running"), list):
+            error.running = reply["running"]
+        if isinstance(error, ReloadFailed) and isinstance(reply.get("failed"), dict):
+            error.failed = reply["failed"]
+        raise error
 
     async def resume_generation(self, policy_version: int | None = None) -> None:
         """Release held generate calls and route new ones again (``policy_version``: the weights now served)."""

@@ -8,10 +8,11 @@ meanwhile are taken in as well.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from prorl_cli.client.aio import AsyncRolloutClient
+from prorl_cli.client.aio import AsyncRolloutClient, WeightsUpdated
 from prorl_cli.client.results import ResultStream, Submitted
 from prorl_cli.connection import Reply
 from prorl_cli.protocol import BackendStatus, ForgetOutcome, JobResult, JobSpec, Op, StatusReport
@@ -111,8 +112,12 @@ class RolloutClient:
     def list_backends(self) -> list[BackendStatus]:
         return list(self._run(self._aio.list_backends()))
 
-    def pause_generation(self, policy_version: int | None = None) -> None:
-        self._run(self._aio.pause_generation(policy_version))
+    def pause_generation(self, policy_version: int | None = None, *, wait: bool = False, timeout_s: float = 300.0) -> None:
+        self._run(self._aio.pause_generation(policy_version, wait=wait, timeout_s=timeout_s))
+
+    def update_weights(self, checkpoint: str | os.PathLike[str], policy_version: int, *,
+                       timeout_s: float = 600.0) -> WeightsUpdated:
+        return self._run(self._aio.update_weights(checkpoint, policy_version, timeout_s=timeout_s))
 
     def resume_generation(self, policy_version: int | None = None) -> None:
         self._run(self._aio.resume_generation(policy_version))

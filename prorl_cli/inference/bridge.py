@@ -7,6 +7,13 @@ the output ids (int32) and log-probs (float32) as payload frames, or an
 error carrying the server's own message. It unregisters on exit; if its
 engine dies (a vLLM child exits) it fails what is in flight, unregisters
 and stops, so the broker moves those jobs' later calls to other backends.
+
+Weights move in place (``update_weights``): the bridge stops starting new
+calls, lets the calls in flight finish on the old weights (their replies
+carry the old ``policy_version``), has the engine load the checkpoint
+(:meth:`Engine.reload`), then serves again under the new version and
+answers ``weights_updated``. An engine that cannot reload answers with an
+error (the caller then restarts the backend on the new checkpoint).
 """
 
 from __future__ import annotations
@@ -51,6 +58,13 @@ class InferenceBridge(BrokerPeer):
         self._generating: dict[Any, asyncio.Task[None]] = {}  # forward id -> its call
         #: Why the bridge stopped on its own (engine died); ``None`` after a normal stop.
         self.failure: str | None = None
+        #: The weights version the engine serves (from the last ``update_weights``); ``None`` until one came.
+        self.policy_version: int | None = None
+        #: Calls inside the engine now, and whether new ones may enter (cleared while weights load).
+        self._serving = 0
+        self._gate = asyncio.Condition()
+        self._loading = False
+        self._reload_lock = asyncio.Lock()
 
     # ------------------------------------------------------------- the peer
 
@@ -86,6 +100,8 @@ class InferenceBridge(BrokerPeer):
             task = asyncio.ensure_future(self._serve_generate(header, payload))
             self._generating[rid] = task
             task.add_done_callback(lambda _: self._generating.pop(rid, None))
+        elif op == Op.UPDATE_WEIGHTS:
+            self.spawn(self._update_weights(header))
         elif op == Op.GENERATE_CANCEL:
             # The job ended: stop its call at the engine. The broker expects no reply.
             call = self._generating.get(header.get("rid"))
@@ -123,9 +139,47 @@ class InferenceBridge(BrokerPeer):
                 t.cancel()
             await self.close()
 
+    async def _update_weights(self, header: dict[str, Any]) -> None:
+        """Load new weights between calls: in-flight calls finish on the old ones, new ones wait."""
+        rid, checkpoint, version = header.get("rid"), header.get("checkpoint"), header.get("policy_version")
+        reply: dict[str, Any] = {"op": Op.WEIGHTS_UPDATED.value, "rid": rid}
+        async with self._reload_lock:
+            try:
+                if not isinstance(checkpoint, str) or not isinstance(version, int) or isinstance(version, bool):
+                    raise ProtocolError(ErrorCode.BAD_FIELD, "update_weights needs a checkpoint string and an int policy_version")
+                async with self._gate:
+                    self._loading = True
+                    await self._gate.wait_for(lambda: self._serving == 0)
+                log.info("loading weights from %s as policy version %d", checkpoint, version)
+                await self.engine.reload(checkpoint, version)
+                self.policy_version = version
+            except (InferenceError, ProtocolError, OSError, ValueError, RuntimeError) as e:
+                message = f"backend {self.backend_id}: {e.message if isinstance(e, ProtocolError) else e}"
+                log.error("weights not updated: %s", message)
+                reply["error"] = {"code": ErrorCode.RELOAD_FAILED.value, "message": message}
+            finally:
+                async with self._gate:
+                    self._loading = False
+                    self._gate.notify_all()
+        await self.send(reply)
+
+    async def _enter_engine(self) -> int | None:
+        """Wait while weights load; count this call as inside the engine; return the version that serves it."""
+        async with self._gate:
+            await self._gate.wait_for(lambda: not self._loading)
+            self._serving += 1
+            return self.policy_version
+
+    async def _leave_engine(self) -> None:
+        async with self._gate:
+            self._serving -= 1
+            if self._serving == 0:
+                self._gate.notify_all()
+
     async def _serve_generate(self, header: dict[str, Any], payload: list[bytes]) -> None:
         rid = header.get("rid")
         async with self._slots:
+            version = await self._enter_engine()
             try:
                 if len(payload) != 1:
                     raise ProtocolError(ErrorCode.BAD_FIELD, f"generate needs one prompt frame, got {len(payload)}")
@@ -145,7 +199,12 @@ class InferenceBridge(BrokerPeer):
                 error = {"code": ErrorCode.BACKEND_ERROR.value, "message": message}
                 await self.send({"op": Op.GENERATE_REPLY.value, "rid": rid, "error": error})
                 return
-        await self.send({"op": Op.GENERATE_REPLY.value, "rid": rid, "finish_reason": gen.finish_reason}, gen.payload())
+            finally:
+                await self._leave_engine()
+        done: dict[str, Any] = {"op": Op.GENERATE_REPLY.value, "rid": rid, "finish_reason": gen.finish_reason}
+        if version is not None:
+            done["policy_version"] = version  # the weights that served this call, whatever came since
+        await self.send(done, gen.payload())
 
     async def _engine_watch(self) -> None:
         """Stop serving once the engine is gone: its process died, or 3 health checks in a row failed."""

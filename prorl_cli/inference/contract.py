@@ -12,6 +12,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
+from prorl_cli.exceptions import InferenceError
 from prorl_cli.protocol import (
     SamplingParams,
     pack_floats,
@@ -100,6 +101,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         """Generate from ``prompt_ids``; raise ``InferenceError`` with the server's message on failure."""
+
+    async def reload(self, checkpoint: str, policy_version: int) -> None:
+        """Load the weights in ``checkpoint`` (a model directory) in place; the bridge calls it between calls.
+
+        Raise ``InferenceError`` naming the problem. Engines that cannot
+        reload keep this default: the caller restarts the backend instead.
+        """
+        raise InferenceError(
+            f"the {type(self).__name__} cannot load weights in place; restart the backend on {checkpoint}"
+        )
 
     def stats(self) -> dict[str, float]:
         """Figures the bridge reports in its heartbeat (``stats``); the simulated engine has some."""

@@ -5,6 +5,11 @@ Every call goes to the broker first, so pause/resume, stickiness and
 the output (a bridge served it) or with ``redirect: url`` (an HTTP backend
 added with ``backends add``), in which case this node calls
 ``url/completions`` itself with the prompt as token ids.
+
+Time a call spends held at the broker (generation paused, or no backend
+up: the broker says so with ``generate_held``) does not count: the call's
+``generate_timeout_s`` stands still, and so do its job's stage deadline and
+budget (the ``on_hold`` callback tells the node's pipeline).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from prorl_cli.exceptions import BrokerRestarted, InferenceError, ProtocolError, RemoteError
 from prorl_cli.inference.contract import Generation, check_sampling
@@ -32,6 +37,42 @@ NotifyFn = Callable[[dict[str, Any]], Awaitable[None]]
 RejoinFn = Callable[[], Awaitable[None]]
 
 
+#: ``on_hold(job_id, held)``: the job's calls became held at the broker (True) or none is any more (False).
+HoldFn = Callable[[str, bool], None]
+
+
+class _Scope(Protocol):
+    def reschedule(self, when: float | None) -> None: ...
+
+
+class _Call:
+    """One generate call in flight: its deadline (loop time), which stands still while its job is held."""
+
+    __slots__ = ("deadline", "held_left_s", "scope")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        #: Seconds left when the hold began; ``None`` while not held.
+        self.held_left_s: float | None = None
+        self.scope: _Scope | None = None
+
+    def remaining_s(self, now: float) -> float | None:
+        return None if self.held_left_s is not None else max(0.0, self.deadline - now)
+
+    def hold(self, now: float) -> None:
+        if self.held_left_s is None:
+            self.held_left_s = max(0.0, self.deadline - now)
+            if self.scope is not None:
+                self.scope.reschedule(None)
+
+    def release(self, now: float) -> None:
+        if self.held_left_s is not None:
+            self.deadline = now + self.held_left_s
+            self.held_left_s = None
+            if self.scope is not None:
+                self.scope.reschedule(self.deadline)
+
+
 class NodeInference:
     """``generate(job_id, prompt_ids, sampling) -> Generation`` for one node's jobs."""
 
@@ -42,13 +83,64 @@ class NodeInference:
         host: str,
         notify: NotifyFn | None = None,
         rejoin: RejoinFn | None = None,
+        on_hold: HoldFn | None = None,
     ) -> None:
         self.request = request
         self.notify = notify
         self.rejoin = rejoin
+        self.on_hold = on_hold
         self.config = config
         self.host = host
         self._http: dict[str, OpenAIEngine] = {}
+        #: Calls in flight, by job; and how many of each job's calls the broker holds now.
+        self._calls: dict[str, list[_Call]] = {}
+        self._held: dict[str, int] = {}
+
+    def held(self, job_id: str, held: bool) -> None:
+        """The broker's ``generate_held``: one of ``job_id``'s calls is held (or released).
+
+        The job's clocks stand still from its first held call to the release
+        of its last one; a notice for a job with no call in flight is stale
+        (the call ended meanwhile) and ignored.
+        """
+        calls = self._calls.get(job_id)
+        if not calls:
+            return
+        before = self._held.get(job_id, 0)
+        after = before + 1 if held else max(0, before - 1)
+        self._held[job_id] = after
+        now = asyncio.get_running_loop().time()
+        if before == 0 and after > 0:
+            for call in calls:
+                call.hold(now)
+            if self.on_hold is not None:
+                self.on_hold(job_id, True)
+        elif before > 0 and after == 0:
+            self._release(job_id, now)
+
+    def _release(self, job_id: str, now: float) -> None:
+        self._held.pop(job_id, None)
+        for call in self._calls.get(job_id, ()):
+            call.release(now)
+        if self.on_hold is not None:
+            self.on_hold(job_id, False)
+
+    def _begin(self, job_id: str, timeout_s: float) -> _Call:
+        now = asyncio.get_running_loop().time()
+        call = _Call(now + timeout_s)
+        if self._held.get(job_id):
+            call.hold(now)
+        self._calls.setdefault(job_id, []).append(call)
+        return call
+
+    def _end(self, job_id: str, call: _Call) -> None:
+        calls = self._calls.get(job_id, [])
+        calls.remove(call)
+        if not calls:
+            del self._calls[job_id]
+            # The job's last call is over: whatever notice was lost (the call was dropped while held), its clocks run.
+            if self._held.get(job_id):
+                self._release(job_id, asyncio.get_running_loop().time())
 
     def _http_engine(self, url: str, backend_id: str | None) -> OpenAIEngine:
         engine = self._http.get(url)
@@ -67,28 +159,11 @@ class NodeInference:
             raise InferenceError("generate needs at least one prompt token")
         header = {"op": Op.GENERATE.value, "job_id": job_id, "sampling": sampling.to_wire()}
         timeout_s = self.config.generate_timeout_s
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        # Giving up (timeout, or the job's task was cancelled) tells the broker, which stops the call at the engine.
-        cancel = {"op": Op.GENERATE_CANCEL.value, "job_id": job_id}
-        while True:
-            try:
-                remaining_s = max(0.0, deadline - asyncio.get_running_loop().time())
-                async with asyncio.timeout(remaining_s):  # not wait_for: it can lose a cancel (gh-86296)
-                    reply, payload = await self.request(header, [pack_tokens(prompt_ids)], cancel=cancel)
-                    if reply.get("ok") or self.rejoin is None or not _is_unknown_peer(reply):
-                        break
-                    # A broker that restarted (or declared us dead) does not know this node yet:
-                    # register again (claiming our running jobs) and ask again, within this call's deadline.
-                    log.warning("job %s: the broker does not know this node; registering again", job_id)
-                    await self.rejoin()
-            except BrokerRestarted as e:
-                # Nothing was sampled for us (or it was lost): ask the new broker; the handler sees only latency.
-                log.warning("job %s: %s; asking again", job_id, e)
-            except asyncio.TimeoutError as e:
-                raise InferenceError(
-                    f"job {job_id}: no generate answer from the broker within {timeout_s:g} s "
-                    "(generation paused, or no backend registered?)"
-                ) from e
+        call = self._begin(job_id, timeout_s)
+        try:
+            reply, payload = await self._ask(job_id, header, prompt_ids, call, timeout_s)
+        finally:
+            self._end(job_id, call)
         if not reply.get("ok"):
             error = RemoteError.from_reply(reply)
             if isinstance(error, InferenceError):
@@ -116,6 +191,36 @@ class NodeInference:
             raise InferenceError(f"backend {backend_id}: malformed generate reply: {e.message}") from e
         gen.policy_version = version
         return gen
+
+
+    async def _ask(
+        self, job_id: str, header: dict[str, Any], prompt_ids: list[int], call: _Call, timeout_s: float
+    ) -> tuple[dict[str, Any], list[bytes]]:
+        """Ask the broker until it answers (registering again, or asking a restarted broker again)."""
+        # Giving up (timeout, or the job's task was cancelled) tells the broker, which stops the call at the engine.
+        cancel = {"op": Op.GENERATE_CANCEL.value, "job_id": job_id}
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                async with asyncio.timeout(call.remaining_s(loop.time())) as scope:  # not wait_for: gh-86296
+                    call.scope = scope
+                    reply, payload = await self.request(header, [pack_tokens(prompt_ids)], cancel=cancel)
+                    if reply.get("ok") or self.rejoin is None or not _is_unknown_peer(reply):
+                        return reply, payload
+                    # A broker that restarted (or declared us dead) does not know this node yet:
+                    # register again (claiming our running jobs) and ask again, within this call's deadline.
+                    log.warning("job %s: the broker does not know this node; registering again", job_id)
+                    await self.rejoin()
+            except BrokerRestarted as e:
+                # Nothing was sampled for us (or it was lost): ask the new broker; the handler sees only latency.
+                log.warning("job %s: %s; asking again", job_id, e)
+            except asyncio.TimeoutError as e:
+                raise InferenceError(
+                    f"job {job_id}: no generate answer from the broker within {timeout_s:g} s "
+                    "(not counting time held at the broker)"
+                ) from e
+            finally:
+                call.scope = None
 
 
 def _is_unknown_peer(reply: dict[str, Any]) -> bool:

@@ -151,5 +151,26 @@ class OpenAIEngine(Engine):
             raise InferenceError(f"backend {self.base_url}: HTTP {resp.status}: {server_message(resp)}")
         return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id)
 
+    async def reload(self, checkpoint: str, policy_version: int) -> None:
+        """vLLM's in-place reload: ``POST /collective_rpc`` with the workers' ``reload_weights(weights_path=...)``.
+
+        vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache`` only with
+        ``VLLM_SERVER_DEV_MODE=1`` (the servers prorl starts on loopback set
+        it); without them the caller restarts the backend on the checkpoint.
+        The bridge has let in-flight calls finish before calling this.
+        """
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}}
+        resp = await self.http.request("POST", f"{self.root_url}/collective_rpc", body, timeout_s=self.timeout_s)
+        if resp.status == 404:
+            raise InferenceError(f"backend {self.base_url} has no /collective_rpc (start vLLM with VLLM_SERVER_DEV_MODE=1), "
+                                 f"so it cannot load {checkpoint} in place; restart it on the checkpoint")
+        if resp.status != 200:
+            raise InferenceError(f"backend {self.base_url}: reload_weights from {checkpoint}: HTTP {resp.status}: "
+                                 f"{server_message(resp)}")
+        # Cached prefixes were computed by the old weights.
+        resp = await self.http.request("POST", f"{self.root_url}/reset_prefix_cache", {}, timeout_s=60.0)
+        if resp.status != 200:
+            log.warning("backend %s: reset_prefix_cache after reload: HTTP %s", self.base_url, resp.status)
+
     async def close(self) -> None:
         await self.http.close()

@@ -220,6 +220,10 @@ class SimEngine(Engine):
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
 
+    async def reload(self, checkpoint: str, policy_version: int) -> None:
+        """Simulated weights: nothing to load; the prefix cache goes, as a real engine's does with new weights."""
+        self.cache = PrefixCache(self.profile.block_tokens, self.profile.kv_budget_tokens)
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         check_sampling(sampling)
         if not prompt_ids:

@@ -68,6 +68,25 @@ class TransformersEngine(Engine):
         self._eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._model = model
 
+    async def reload(self, checkpoint: str, policy_version: int) -> None:
+        """Load ``checkpoint``'s weights into the live model (same architecture and shapes, strict)."""
+        await self.start()
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._load_state, Path(checkpoint))
+
+    def _load_state(self, checkpoint: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if not (checkpoint / "config.json").is_file():
+            raise InferenceError(f"{checkpoint}: not a model directory (no config.json)")
+        new = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, self.dtype))
+        try:
+            with torch.no_grad():
+                self._model.load_state_dict(new.state_dict(), strict=True)
+        except RuntimeError as e:
+            raise InferenceError(f"{checkpoint}: its weights do not fit the served model {self.model}: {e}") from e
+        self.model_dir = checkpoint
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         check_sampling(sampling)
         if not prompt_ids:

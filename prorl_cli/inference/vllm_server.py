@@ -68,7 +68,10 @@ class VLLMServer:
         self.port = port or free_port(host)
         self.max_model_len = max_model_len
         self.extra_args = list(extra_args)
-        self.env = {**DEFAULT_CPU_ENV, **(env or {})}
+        # In-place weight reload (``/collective_rpc``) needs vLLM's dev endpoints: on for loopback servers only,
+        # since they let any caller who reaches the port run worker methods.
+        dev = {"VLLM_SERVER_DEV_MODE": "1"} if host in ("127.0.0.1", "localhost", "::1") else {}
+        self.env = {**DEFAULT_CPU_ENV, **dev, **(env or {})}
         self.log_path = Path(log_path) if log_path else None
         self.python = python
         self.proc: subprocess.Popen[bytes] | None = None

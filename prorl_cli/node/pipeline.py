@@ -110,7 +110,7 @@ class _Deadline:
     cancel from outside.
     """
 
-    __slots__ = ("task", "loop", "arming", "at", "expired", "_handle", "_handle_at", "_queued")
+    __slots__ = ("task", "loop", "arming", "at", "expired", "_handle", "_handle_at", "_queued", "_held_left_s")
 
     def __init__(self, task: asyncio.Task[Any] | None, loop: asyncio.AbstractEventLoop, arming: _Arming) -> None:
         self.task = task
@@ -123,19 +123,38 @@ class _Deadline:
         self._handle: asyncio.TimerHandle | None = None
         self._handle_at = 0.0
         self._queued = False
+        #: Seconds the stage had left when a hold began (a generate call held at the broker); ``None`` otherwise.
+        self._held_left_s: float | None = None
 
     def enter_stage(self, limit_s: float | None) -> None:
         self.expired = False
+        self._held_left_s = None
         if limit_s is None:
             self.at = None
             return
-        self.at = self.loop.time() + limit_s
+        self._set_at(self.loop.time() + limit_s)
+
+    def _set_at(self, at: float) -> None:
+        self.at = at
         if not self._queued and (self._handle is None or self._handle_at > self.at):
             self._queued = True
             self.arming.add(self)
 
     def leave_stage(self) -> None:
         self.at = None
+        self._held_left_s = None
+
+    def hold(self) -> None:
+        """Stop the clock: the job waits on a call held at the broker (a handle that fires meanwhile does nothing)."""
+        if self.at is not None:
+            self._held_left_s = max(0.0, self.at - self.loop.time())
+            self.at = None
+
+    def release(self) -> None:
+        """Run the clock again with the time the stage had left when :meth:`hold` stopped it."""
+        if self._held_left_s is not None:
+            left, self._held_left_s = self._held_left_s, None
+            self._set_at(self.loop.time() + left)
 
     def close(self) -> None:
         self.at = None
@@ -188,6 +207,44 @@ class _Arming:
             deadline.arm()
 
 
+class _JobClock:
+    """A job's timer and deadline, which stand still while one of its generate calls is held at the broker."""
+
+    __slots__ = ("timer", "deadline", "in_stage", "held")
+
+    def __init__(self, timer: PausableTimer, deadline: _Deadline) -> None:
+        self.timer = timer
+        self.deadline = deadline
+        self.in_stage = False
+        self.held = False
+
+    def enter_stage(self, limit_s: float | None) -> None:
+        self.in_stage = True
+        self.deadline.enter_stage(limit_s)
+        if self.held:
+            self.deadline.hold()
+        else:
+            self.timer.resume()
+
+    def leave_stage(self) -> None:
+        self.in_stage = False
+        self.deadline.leave_stage()
+        self.timer.pause()
+
+    def hold(self, held: bool) -> None:
+        if held == self.held:
+            return
+        self.held = held
+        if not self.in_stage:
+            return
+        if held:
+            self.timer.pause()
+            self.deadline.hold()
+        else:
+            self.timer.resume()
+            self.deadline.release()
+
+
 class Pipeline:
     """Runs jobs through the three stage pools of one node."""
 
@@ -222,6 +279,17 @@ class Pipeline:
         self._jobs_dir = run_dir / "jobs"
         self._arming = _Arming()
         self._loggers: dict[str, logging.Logger] = {}
+        self._clocks: dict[str, _JobClock] = {}
+
+    def hold_clock(self, job_id: str, held: bool) -> None:
+        """Stop (``held``) or restart the clocks of a running job while one of its generate calls is held at the broker.
+
+        Held time counts against neither the stage's limit nor the job's
+        budget, nor its ``stage_s``/``active_s``: a paused cluster times out no job.
+        """
+        clock = self._clocks.get(job_id)
+        if clock is not None:
+            clock.hold(held)
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {name: pool.stats().to_wire() for name, pool in self.pools.items()}
@@ -308,6 +376,7 @@ class Pipeline:
         )
         timer = PausableTimer(spec.timeout_s if spec.timeout_s is not None else self.config.jobs.timeout_s)
         deadline = _Deadline(asyncio.current_task(), asyncio.get_running_loop(), self._arming)
+        clock = self._clocks[spec.job_id] = _JobClock(timer, deadline)
         stage_s: dict[str, float] = {}
         state = JobState.DONE
         error: ErrorInfo | None = None
@@ -336,6 +405,8 @@ class Pipeline:
             error = ErrorInfo(stage="init", type=type(e).__name__, message=str(e))
         finally:
             deadline.close()
+            if self._clocks.get(spec.job_id) is clock:
+                del self._clocks[spec.job_id]
             if ctx._cleanups:
                 await self._cleanup(ctx)
         output: Any = None
@@ -392,8 +463,14 @@ class Pipeline:
             cap = cap if cap is not None else EVAL_AFTER_FAILURE_S
         limit_s = budget if cap is None else (cap if budget is None else min(budget, cap))
         task = deadline.task
-        deadline.enter_stage(limit_s)
-        timer.resume()
+        clock = self._clocks.get(ctx.job_id)
+        counted_s = timer.elapsed_s
+        if clock is not None and clock.deadline is deadline:
+            clock.enter_stage(limit_s)
+        else:
+            clock = None
+            deadline.enter_stage(limit_s)
+            timer.resume()
         error: Exception | None = None
         try:
             await getattr(handler, stage)(ctx)
@@ -408,12 +485,16 @@ class Pipeline:
             if deadline.expired and task is not None:
                 task.uncancel()  # the handler swallowed our cancel: still past its time
         finally:
-            deadline.leave_stage()
-            stage_s[stage] = stage_s.get(stage, 0.0) + timer.pause()
+            if clock is not None:
+                clock.leave_stage()
+            else:
+                deadline.leave_stage()
+                timer.pause()
+            stage_s[stage] = stage_s.get(stage, 0.0) + timer.elapsed_s - counted_s
             pool.leave()
         if deadline.expired:
             which = "job budget" if cap is None or (budget is not None and budget <= cap) else "stage cap"
-            exc = StageTimeout(f"{stage} ran past its {which} of {limit_s:.3f} s (in-stage time only)")
+            exc = StageTimeout(f"{stage} ran past its {which} of {limit_s:.3f} s (in-stage time only, held generate calls not counted)")
             return self._stage_failed(handler, ctx, stage, exc, JobState.TIMED_OUT)
         if error is not None:
             return self._stage_failed(handler, ctx, stage, error, JobState.FAILED)

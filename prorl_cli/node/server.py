@@ -97,7 +97,8 @@ class NodeServer(BrokerPeer):
     def _make_inference(self) -> NodeInference:
         from prorl_cli.inference import NodeInference
 
-        return NodeInference(self.request, self.config.inference, self.host, notify=self.send, rejoin=self.rejoin)
+        return NodeInference(self.request, self.config.inference, self.host, notify=self.send, rejoin=self.rejoin,
+                             on_hold=self.pipeline.hold_clock)
 
     def _blocker(self) -> str:
         """What the event loop is running now (read from the sidecar thread while the loop is blocked)."""
@@ -162,6 +163,10 @@ class NodeServer(BrokerPeer):
             for job_id in job_ids if isinstance(job_ids, list) else []:
                 if isinstance(job_id, str):
                     self.pipeline.cancel(job_id)
+        elif op == Op.GENERATE_HELD:
+            job_id = header.get("job_id")
+            if isinstance(job_id, str):
+                self.services.generate_held(job_id, bool(header.get("held")))
         else:
             log.warning("unexpected op %s from the broker", op.value)
 

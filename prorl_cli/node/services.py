@@ -93,6 +93,11 @@ class NodeServices(Services):
             self._inference = self.make_inference()
         return await self._inference.generate(ctx.job_id, prompt_ids, sampling)
 
+    def generate_held(self, job_id: str, held: bool) -> None:
+        """The broker holds (or released) a generate call of ``job_id``: its clocks stand still meanwhile."""
+        if self._inference is not None:
+            self._inference.held(job_id, held)
+
     def _is_image_name(self, image: str) -> bool:
         """A bare name ("python") rather than a path or "host": look it up in the image manifest."""
         return (self.runtime_name or self.sandbox_config.runtime) != "local" and image != "host" \

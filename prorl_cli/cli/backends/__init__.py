@@ -12,7 +12,7 @@ _address = click.option("--address", metavar="ENDPOINT", help="Broker endpoint (
 
 @click.group()
 def backends() -> None:
-    """Register, clear, list, pause and resume inference backends."""
+    """Register, clear, list, pause, resume and reload inference backends."""
 
 
 @backends.command("add")
@@ -57,21 +57,64 @@ def backends_list(app: App, address: str | None) -> None:
         print_backends(app, client.list_backends())
 
 
+_version = click.option("--policy-version", type=click.IntRange(min=0), metavar="N",
+                        help="The trainer's weights version from now on (stamped on every generate reply).")
+
+
 @backends.command("pause")
+@_version
+@click.option("--wait", is_flag=True, help="Return only once no generate call is in flight on any backend.")
+@click.option("--timeout-s", type=click.FloatRange(min=0), default=300.0, show_default=True,
+              help="With --wait: give up after this long, naming the calls still running (generation stays paused).")
 @_address
 @pass_app
-def backends_pause(app: App, address: str | None) -> None:
-    """Hold new generate calls at the broker (weight sync); in-flight ones drain."""
+def backends_pause(app: App, policy_version: int | None, wait: bool, timeout_s: float, address: str | None) -> None:
+    """Hold new generate calls at the broker (weight sync); in-flight ones drain.
+
+    Held calls do not count against their jobs' timeouts.
+    """
+    from prorl_cli.exceptions import DrainTimeout
+
     with connect(app, address) as client:
-        client.pause_generation()
-    app.console.print("generation paused")
+        try:
+            client.pause_generation(policy_version, wait=wait, timeout_s=timeout_s)
+        except DrainTimeout as e:
+            app.abort(str(e))
+    app.console.print("generation paused" + (", no call in flight" if wait else ""))
 
 
 @backends.command("resume")
+@_version
 @_address
 @pass_app
-def backends_resume(app: App, address: str | None) -> None:
+def backends_resume(app: App, policy_version: int | None, address: str | None) -> None:
     """Release held generate calls and route new ones again."""
     with connect(app, address) as client:
-        client.resume_generation()
+        client.resume_generation(policy_version)
     app.console.print("generation resumed")
+
+
+@backends.command("reload")
+@click.option("--checkpoint", required=True, type=click.Path(exists=True, file_okay=False), metavar="DIR",
+              help="Model directory with the new weights (every bridge must be able to read it).")
+@click.option("--policy-version", type=click.IntRange(min=0), required=True, metavar="N",
+              help="The version of these weights (stamped on the generate replies they serve).")
+@click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Give up on bridges that have not loaded the weights by then.")
+@_address
+@pass_app
+def backends_reload(app: App, checkpoint: str, policy_version: int, timeout_s: float, address: str | None) -> None:
+    """Load new weights into every running bridge in place (no restart).
+
+    Calls in flight finish on the old weights first. Bridges whose engine
+    cannot reload are named in the error: restart those on the checkpoint.
+    """
+    from prorl_cli.exceptions import ReloadFailed
+
+    with connect(app, address) as client:
+        try:
+            done = client.update_weights(checkpoint, policy_version, timeout_s=timeout_s)
+        except ReloadFailed as e:
+            app.abort(str(e))
+    app.console.print(f"policy version {done.policy_version} loaded by {len(done.updated)} bridge(s): "
+                      f"{', '.join(done.updated) or '-'}" + (f"; skipped (HTTP): {', '.join(done.skipped)}" if done.skipped else ""))

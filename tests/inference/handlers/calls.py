@@ -3,7 +3,8 @@
 Instance: ``{"calls": 3, "hold_s": 0}``. RUN makes ``calls`` calls (each
 prompt is the previous prompt + its output, like a multi-turn rollout) and
 then sleeps ``hold_s`` (so a test keeps the job live and its backend bound).
-The output lists the backend each call reached, or the error that ended RUN.
+The output lists the backend, output ids and policy version of each call,
+or the error that ended RUN.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ class CallsHandler(AgentHandler):
 
     async def run(self, ctx: JobContext) -> None:
         ctx.output["backends"] = backends = []
+        ctx.output["outputs"] = outputs = []
+        ctx.output["versions"] = versions = []
         prompt = [1, 2, 3]
         try:
             for _ in range(int(ctx.instance.get("calls", 3))):
                 gen = await ctx.generate(prompt)
                 backends.append(gen.backend_id)
+                outputs.append(gen.output_ids)
+                versions.append(gen.policy_version)
                 prompt = prompt + gen.output_ids
         except InferenceError as e:
             ctx.output["error"] = str(e)
