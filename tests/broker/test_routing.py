@@ -214,6 +214,8 @@ def test_held_calls_of_an_ended_job_are_answered_and_the_rest_released_on_resume
     r1 = c.generate("j1")
     c.generate("j2")
     assert len(c.router.held) == 2 and c.take(b1) == []
+    # The node hears that its calls are held (its clocks of those jobs stand still meanwhile).
+    assert [(h["op"], h["job_id"], h["held"]) for h in c.take(N1)] == [("generate_held", "j1", True), ("generate_held", "j2", True)]
     end(c, "j1")
     (answer,) = c.take(N1)
     assert answer["rid"] == r1 and answer["error"]["code"] == ErrorCode.UNKNOWN_JOB.value
@@ -226,10 +228,11 @@ def test_calls_wait_for_a_first_backend() -> None:
     c = Cluster()
     run(c, "j1")
     c.generate("j1")
-    assert len(c.router.held) == 1 and c.take() == []
+    assert len(c.router.held) == 1 and [(h["op"], h["held"]) for h in c.take()] == [("generate_held", True)]
     b1 = c.bridge("b1")
     assert [h["job_id"] for h in c.take(b1)] == ["j1"]
     assert len(c.router.held) == 0
+    assert [(h["op"], h["held"]) for h in c.take(N1)] == [("generate_held", False)]
 
 
 # ---------------------------------------------------------------------- refusals (defects 7, 17)
