@@ -20,11 +20,12 @@ What happens:
    groups filtered), samples merged token-exactly, rollout-level
    advantages, rollout-level token-mean loss weights, one clipped
    policy-gradient update per step.
-4. Weight sync between steps: ``pause_generation``, save the checkpoint,
-   restart the bridge on it (the reload mechanism: a bridge serves one
-   checkpoint; a new one registers under a new backend id), then
-   ``resume_generation`` with the bumped policy version, which the broker
-   stamps on every generate reply (``ModelCall.policy_version``).
+4. Weight sync between steps: ``pause_generation(wait=True)`` (no call in
+   flight), save the checkpoint, ``update_weights`` (the running bridge
+   loads it in place; restarting the bridge on it is the fallback for
+   engines that cannot reload), then ``resume_generation`` with the bumped
+   policy version, which the bridge stamps on every generate reply
+   (``ModelCall.policy_version``).
    The reward (``math_agent``: 1.0 for the right number) pays the tool
    episodes, so RL moves the decision towards the tool (``docs/training.md``).
 5. Held-out mean reward and tool use after every ``eval_every`` steps; the curve is
@@ -269,17 +270,26 @@ def flat_params(model: Any) -> Any:
 
 
 class Bridge:
-    """The inference bridge of the stack, restarted on each new checkpoint (the weight-sync mechanism)."""
+    """The inference bridge of the stack: started once, then handed each new checkpoint in place."""
 
     def __init__(self, stack: Any) -> None:
         self.stack = stack
         self.name: str | None = None
+        self.restarts = 0
 
     def serve(self, checkpoint: Path, version: int) -> str:
+        from prorl_cli.exceptions import ReloadFailed
+
         if self.name is not None:
-            self.stack.kill(self.name, signal.SIGTERM)  # unregisters; calls of cancelled jobs are already stopped
-        backend_id = f"tiny-v{version}"
-        self.name = f"bridge-v{version}"
+            try:
+                self.stack.client.update_weights(checkpoint, policy_version=version)
+                return "tiny"
+            except ReloadFailed as e:  # an engine that cannot reload: the restart path
+                print(f"reload failed ({e}); restarting the bridge on {checkpoint}", flush=True)
+                self.stack.kill(self.name, signal.SIGTERM)  # unregisters; calls of cancelled jobs are already stopped
+                self.restarts += 1
+        backend_id = "tiny" if not self.restarts else f"tiny-r{self.restarts}"
+        self.name = f"bridge-{self.restarts}"
         self.stack.spawn(self.name, "serve", "inference", "--engine", "transformers", "--model", str(checkpoint),
                          "--backend-id", backend_id, "--capacity", "4")
         self.stack.wait_for(lambda st: any(b["backend_id"] == backend_id and b["alive"] for b in st.backends),
@@ -394,10 +404,10 @@ def run(cfg: RunConfig) -> RunSummary:
             summary.train_rewards.append(sum(r.reward or 0.0 for r in batch.results) / max(1, len(batch.results)))
             summary.merge_ratio.append(built.report.merge_ratio)
             summary.filtered.append(batch.stats.filtered)
-            # Weight sync: hold generate calls, hand the bridge the new checkpoint, resume under the new version.
+            # Weight sync: hold generate calls (none in flight), load the new checkpoint in place, resume under the new version.
             version += 1
             stamp = {"policy_version": version} if versioned else {}  # the weights about to be served (K3)
-            client.pause_generation(**stamp)
+            client.pause_generation(**stamp, wait=True, timeout_s=120)
             bridge.serve(checkpoint(version), version)
             client.resume_generation(**stamp)
             train_tools = sum(used_tool(r) for r in batch.results) / max(1, len(batch.results))

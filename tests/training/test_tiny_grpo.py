@@ -33,11 +33,9 @@ def test_tiny_grpo_short_configuration(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"])
     assert all(d > 0 for d in summary["weight_deltas"]), summary["weight_deltas"]  # the update moved the weights
-    # Step 1 was served by the initial checkpoint, step 2 by the bridge restarted on the updated one.
-    assert summary["backends_seen"] == [["tiny-v0"], ["tiny-v1"]], summary["backends_seen"]
-    versions = summary["policy_versions_seen"]
-    if any(versions):  # the broker stamps generate replies with the policy version (contract K3)
-        assert versions == [[0], [1]], versions
+    # Step 1 was served by the initial checkpoint, step 2 by the same bridge after it loaded the updated one in place.
+    assert summary["backends_seen"] == [["tiny"], ["tiny"]], summary["backends_seen"]
+    assert summary["policy_versions_seen"] == [[0], [1]], summary["policy_versions_seen"]
     table = pq.read_table(out / "samples.parquet")
     assert table.schema.equals(arrow_schema(), check_metadata=False) and table.num_rows > 0
     for row in table.to_pylist():
