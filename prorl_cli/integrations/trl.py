@@ -1,0 +1,284 @@
+"""TRL's ``GRPOTrainer`` with prorl as its rollout engine (the ``rollout_func`` hook).
+
+TRL (1.16) calls ``rollout_func(prompts, trainer)`` with the prompts of one
+generation batch (each prompt ``num_generations`` times in a row, as its
+``RepeatSampler`` lays them out) and expects a dict of lists, one entry per
+prompt: ``prompt_ids``, ``completion_ids``, ``logprobs`` (per completion
+token), optionally ``env_mask`` (1 on tokens the model sampled, 0 on tool or
+observation tokens: they stay in the sequence but out of the loss); any
+other key is handed to the reward functions as a keyword argument.
+
+:class:`ProrlRollout` is such a function. Per call it
+
+1. syncs weights when the trainer's ``global_step`` moved: saves the model,
+   ``pause_generation(policy_version=step, wait=True)``,
+   ``update_weights(checkpoint, step)`` (every bridge loads it in place),
+   ``resume_generation(step)``; the step is the policy version;
+2. submits each prompt group as ``num_generations`` prorl jobs of ``task``
+   (multi-turn agent episodes in sandboxes) through a DAPO sampler in sync
+   mode that keeps every group (TRL needs one completion per prompt), then
+   cancels what is left and forgets the results at the broker;
+3. turns each trajectory into one training sequence with
+   :func:`prorl_cli.training.samples.samples_from_results` (calls merged
+   only where token-prefix continuity holds): the sample's prompt ids, its
+   response ids (model output and tool tokens), the engine's log-probs,
+   ``env_mask`` = the response mask, and ``prorl_reward`` (read it with
+   :func:`prorl_reward`).
+
+A rollout whose calls do not all merge into one sample (a prompt that is not
+a token-exact extension) gives TRL its first sample only; :attr:`history`
+counts those (``split_rollouts``) with the merge ratio, per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prorl_cli.exceptions import ProrlError
+from prorl_cli.protocol import JobResult
+from prorl_cli.training.samples import NO_VERSION, TrainingSample, samples_from_results
+
+log = logging.getLogger(__name__)
+
+#: The extra field that carries prorl's reward to TRL's reward functions.
+REWARD_FIELD = "prorl_reward"
+
+
+class RolloutMismatch(ProrlError, ValueError):
+    """TRL handed the rollout function prompts that do not come in groups of ``num_generations``."""
+
+
+@dataclass
+class TrlRow:
+    """One completion as TRL takes it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    env_mask: list[int]
+    reward: float
+    #: Policy versions of the sampled tokens (``-1`` where not reported); empty for a failed rollout.
+    policy_versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RolloutStats:
+    """What one ``rollout_func`` call did."""
+
+    global_step: int
+    policy_version: int
+    groups: int = 0
+    rollouts: int = 0
+    failed: int = 0
+    #: Rollouts whose calls made more than one sample (TRL got the first).
+    split_rollouts: int = 0
+    merge_ratio: float = 1.0
+    sampled_tokens: int = 0
+    #: Completion tokens the model did not sample (tool output, observations, chat scaffolding): masked out.
+    masked_tokens: int = 0
+    #: Policy versions of the sampled tokens (sorted, distinct).
+    policy_versions: list[int] = field(default_factory=list)
+    sync_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def prorl_reward(prompts: Any = None, completions: Any = None, **kwargs: Any) -> list[float]:
+    """A TRL reward function that returns prorl's reward of each completion (the handler's EVAL)."""
+    rewards = kwargs.get(REWARD_FIELD)
+    if rewards is None:
+        raise RolloutMismatch(f"no {REWARD_FIELD!r} field: the trainer's rollout_func is not prorl's ProrlRollout")
+    return [float(r) for r in rewards]
+
+
+def row_from_sample(sample: TrainingSample) -> TrlRow:
+    """A training sample as TRL's prompt / completion / log-probs / mask."""
+    p = sample.prompt_length
+    return TrlRow(
+        prompt_ids=list(sample.input_ids[:p]),
+        completion_ids=list(sample.input_ids[p:]),
+        logprobs=list(sample.old_log_probs[p:]),
+        env_mask=list(sample.response_mask[p:]),
+        reward=float(sample.reward),
+        policy_versions=[v for v, m in zip(sample.policy_versions[p:], sample.response_mask[p:], strict=True) if m],
+    )
+
+
+def failed_row(result: JobResult, eos_id: int) -> TrlRow:
+    """A rollout that produced no trajectory: one masked end-of-sequence token, reward 0."""
+    log.warning("job %s %s (%s): TRL gets a masked empty completion with reward 0", result.job_id, result.state,
+                (result.error or {}).get("message") if isinstance(result.error, dict) else result.error)
+    return TrlRow(prompt_ids=[eos_id], completion_ids=[eos_id], logprobs=[0.0], env_mask=[0], reward=0.0)
+
+
+class ProrlRollout:
+    """``rollout_func`` for ``trl.GRPOTrainer``: prompts become prorl jobs (see the module docstring).
+
+    ``client``: a :class:`prorl_cli.client.RolloutClient` of the deployment.
+    ``task``: the prorl task (``math_agent``, ``math``, a harness...).
+    ``instance_of(prompt)``: the task instance of a dataset prompt (default:
+    the prompt itself, which must then be what the task takes).
+    ``checkpoint_dir``: where weights are saved for the bridges to load
+    (a directory every bridge can read); ``sync_weights=False`` leaves the
+    bridges' weights alone (evaluation, or a trainer that syncs itself).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        task: str,
+        *,
+        instance_of: Callable[[Any], Any] | None = None,
+        sampling: dict[str, Any] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        sync_weights: bool = True,
+        timeout_s: float | None = None,
+        step_timeout_s: float | None = None,
+        drain_timeout_s: float = 300.0,
+        run_id: str = "trl",
+    ) -> None:
+        if sync_weights and checkpoint_dir is None:
+            raise ValueError("ProrlRollout: sync_weights needs a checkpoint_dir the bridges can read")
+        self.client = client
+        self.task = task
+        self.instance_of = instance_of or (lambda prompt: prompt)
+        self.sampling = sampling
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.sync_weights = sync_weights
+        self.timeout_s = timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.run_id = run_id
+        #: The policy version the bridges serve (the trainer step of the weights last synced); None before the first sync.
+        self.policy_version: int | None = None
+        #: One entry per call.
+        self.history: list[RolloutStats] = []
+        #: The rows of the last call (for inspection and tests).
+        self.last_rows: list[TrlRow] = []
+        self._calls = 0
+        # TRL checks the function's name in logs; give instances one.
+        self.__name__ = "prorl_rollout"
+
+    # ------------------------------------------------------------- weights
+
+    def sync(self, trainer: Any) -> float:
+        """Hand the trainer's current weights to every bridge under version ``global_step``; return seconds spent."""
+        step = int(trainer.state.global_step)
+        if not self.sync_weights or step == self.policy_version:
+            return 0.0
+        assert self.checkpoint_dir is not None
+        started = time.monotonic()
+        path = self.checkpoint_dir / f"v{step}"
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model.save_pretrained(str(path))
+        tokenizer = getattr(trainer, "processing_class", None)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(str(path))
+        self.client.pause_generation(policy_version=step, wait=True, timeout_s=self.drain_timeout_s)
+        try:
+            self.client.update_weights(path, policy_version=step)
+        finally:
+            self.client.resume_generation(policy_version=step)
+        self.policy_version = step
+        return time.monotonic() - started
+
+    # ------------------------------------------------------------- rollouts
+
+    def __call__(self, prompts: Sequence[Any], trainer: Any) -> dict[str, Any]:
+        started = time.monotonic()
+        group_size = int(trainer.num_generations if trainer.model.training else trainer.num_generations_eval)
+        groups = _groups(prompts, group_size)
+        sync_s = self.sync(trainer)
+        version = self.policy_version if self.policy_version is not None else int(trainer.state.global_step)
+        stats = RolloutStats(global_step=int(trainer.state.global_step), policy_version=version, sync_s=sync_s)
+        results = self._run(groups, group_size, version)
+        eos_id = _eos_id(trainer)
+        rows = self._rows(results, stats, eos_id)
+        stats.groups, stats.rollouts = len(groups), len(rows)
+        stats.wall_s = time.monotonic() - started
+        self.history.append(stats)
+        self.last_rows = rows
+        log.info("rollout %d: %d groups, %d failed, merge ratio %.2f, %d split, versions %s, %.1f s",
+                 self._calls, stats.groups, stats.failed, stats.merge_ratio, stats.split_rollouts,
+                 stats.policy_versions, stats.wall_s)
+        return {
+            "prompt_ids": [r.prompt_ids for r in rows],
+            "completion_ids": [r.completion_ids for r in rows],
+            "logprobs": [r.logprobs for r in rows],
+            "env_mask": [r.env_mask for r in rows],
+            REWARD_FIELD: [r.reward for r in rows],
+        }
+
+    def _run(self, groups: list[Any], group_size: int, version: int) -> list[JobResult]:
+        """Every group's results, in prompt order, through a sync-mode DAPO sampler that keeps every group."""
+        from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig, SamplerState
+
+        instances = [self.instance_of(prompt) for prompt in groups]
+        config = SamplerConfig(
+            group_size=group_size, target_groups=len(groups), mode="sync", carry_over=False,
+            failed="zero_reward", informative=lambda rewards: True, run_id=self.run_id,
+            timeout_s=self.timeout_s, sampling=self.sampling, step_timeout_s=self.step_timeout_s,
+        )
+        sampler = BlockingDapoSampler(self.client, self.task, instances, config, state=SamplerState(step=self._calls))
+        self._calls += 1
+        try:
+            batch = sampler.step(policy_version=version)
+        finally:
+            sampler.close()  # cancels whatever still runs (a step that timed out)
+        by_position = sorted(batch.groups, key=lambda g: int(g.prompt_id))
+        results = [r for g in by_position for r in g.results]
+        ids = [r.job_id for r in results]
+        self.client.forget(ids)  # the rows below are all TRL keeps
+        return results
+
+    def _rows(self, results: list[JobResult], stats: RolloutStats, eos_id: int) -> list[TrlRow]:
+        built = samples_from_results([r for r in results if r.ok])
+        stats.merge_ratio = built.report.merge_ratio
+        by_rollout: dict[str, list[TrainingSample]] = {}
+        for s in built.samples:
+            by_rollout.setdefault(s.rollout_id, []).append(s)
+        rows: list[TrlRow] = []
+        versions: set[int] = set()
+        for r in results:
+            samples = by_rollout.get(r.job_id)
+            if not samples:
+                stats.failed += 1
+                rows.append(failed_row(r, eos_id))
+                continue
+            if len(samples) > 1:
+                stats.split_rollouts += 1
+            row = row_from_sample(samples[0])
+            stats.sampled_tokens += sum(row.env_mask)
+            stats.masked_tokens += len(row.env_mask) - sum(row.env_mask)
+            versions.update(v for v in row.policy_versions if v != NO_VERSION)
+            rows.append(row)
+        stats.policy_versions = sorted(versions)
+        return rows
+
+
+def _groups(prompts: Sequence[Any], group_size: int) -> list[Any]:
+    """The distinct prompt of each run of ``group_size`` equal prompts (TRL's ``RepeatSampler`` order)."""
+    if group_size < 1 or len(prompts) % group_size:
+        raise RolloutMismatch(f"{len(prompts)} prompts do not split into groups of num_generations={group_size}")
+    groups = []
+    for i in range(0, len(prompts), group_size):
+        chunk = prompts[i: i + group_size]
+        if any(p != chunk[0] for p in chunk[1:]):
+            raise RolloutMismatch(f"prompts {i}..{i + group_size - 1} are not one prompt repeated num_generations times")
+        groups.append(chunk[0])
+    return groups
+
+
+def _eos_id(trainer: Any) -> int:
+    tok = getattr(trainer, "processing_class", None)
+    tok = getattr(tok, "tokenizer", tok)
+    for name in ("eos_token_id", "pad_token_id"):
+        v = getattr(tok, name, None)
+        if isinstance(v, int):
+            return v
+    return 0

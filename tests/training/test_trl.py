@@ -1,0 +1,111 @@
+"""TRL's GRPOTrainer trains through prorl: the real ``trl`` package, a real deployment, the tiny model.
+
+The rollout function turns each prompt group into prorl jobs (the test
+handler ``multiturn``: two model calls with a tool observation between
+them), syncs the trainer's weights into the running bridge between steps
+(pause that drains, in-place reload, resume under the new version), and
+hands TRL the token-exact sequence with tool tokens masked.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prorl_cli.agent.trajectory import ModelCall, Trajectory
+from prorl_cli.integrations.trl import (
+    ProrlRollout,
+    RolloutMismatch,
+    _groups,
+    prorl_reward,
+    row_from_sample,
+)
+from prorl_cli.training.samples import build_samples
+from tests.harness import Deployment, need_module
+from tests.inference.conftest import HANDLERS, start_bridge
+
+
+def _two_turn() -> Trajectory:
+    """A scripted two-turn trajectory: prompt [1 2 3], output [10 11], observation [20 21], output [12]."""
+    return Trajectory(calls=[
+        ModelCall([1, 2, 3], [10, 11], [-0.1, -0.2], "stop", policy_version=4),
+        ModelCall([1, 2, 3, 10, 11, 20, 21], [12], [-0.3], "stop", policy_version=5),
+    ])
+
+
+def test_a_two_turn_trajectory_becomes_one_row_with_the_observation_masked() -> None:
+    (sample,), report = build_samples(_two_turn(), rollout_id="j", group_id="g", reward=1.0)
+    assert report.merge_ratio == 1.0
+    row = row_from_sample(sample)
+    assert row.prompt_ids == [1, 2, 3]
+    assert row.completion_ids == [10, 11, 20, 21, 12]
+    assert row.env_mask == [1, 1, 0, 0, 1]  # the tool tokens stay in the sequence, out of the loss
+    assert row.logprobs == pytest.approx([-0.1, -0.2, 0.0, 0.0, -0.3])
+    assert row.policy_versions == [4, 4, 5] and row.reward == 1.0
+
+
+def test_prompts_must_come_in_groups_of_num_generations() -> None:
+    assert _groups(["a", "a", "b", "b"], 2) == ["a", "b"]
+    with pytest.raises(RolloutMismatch, match="groups of num_generations=2"):
+        _groups(["a", "a", "b"], 2)
+    with pytest.raises(RolloutMismatch, match="not one prompt repeated"):
+        _groups(["a", "b"], 2)
+    assert prorl_reward(prorl_reward=[1, 0.5]) == [1.0, 0.5]
+
+
+@pytest.mark.slow
+def test_grpo_trainer_takes_two_steps_through_prorl(tiny_model: Path, tmp_path: Path) -> None:
+    need_module("trl", "trl")
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    start = tmp_path / "v0"
+    shutil.copytree(tiny_model, start)
+    d = Deployment(tmp_path / "home", config={"inference": {"generate_timeout_s": 120.0}})
+    try:
+        d.start_broker()
+        d.start_node("n1", "--handlers", str(HANDLERS))
+        start_bridge(d, "b1", "--engine", "transformers", "--model", str(start), timeout_s=180)
+        rollout = ProrlRollout(
+            d.client, "multiturn",
+            instance_of=lambda prompt: {"tokenizer": str(start), "turns": 2, "observation": prompt},
+            sampling={"max_tokens": 6, "temperature": 1.0}, checkpoint_dir=tmp_path / "ckpt", timeout_s=120,
+        )
+
+        def first_token_parity(completion_ids: list[list[int]], **_: Any) -> list[float]:
+            return [float(ids[0] % 2) for ids in completion_ids]  # reward variance within a group: a gradient
+
+        model = AutoModelForCausalLM.from_pretrained(str(start))
+        before = [p.detach().clone() for p in model.parameters()]
+        args = GRPOConfig(
+            output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=2, per_device_train_batch_size=4,
+            num_generations=2, max_completion_length=64, learning_rate=1e-2, logging_steps=1, report_to="none",
+            save_strategy="no", seed=0,
+        )
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=[prorl_reward, first_token_parity], args=args,
+            train_dataset=Dataset.from_dict({"prompt": [f"tool says {i}" for i in range(8)]}),
+            processing_class=AutoTokenizer.from_pretrained(str(start)), rollout_func=rollout,
+        )
+        trainer.train()
+    finally:
+        d.close()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), trainer.state.log_history
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "the weights did not move"
+    # Step 1 sampled under the initial weights (version 0); step 2 under the weights step 1 made, loaded in place.
+    assert [h.policy_versions for h in rollout.history] == [[0], [1]], rollout.history
+    for h in rollout.history:
+        assert h.rollouts == 4 and h.failed == 0 and h.split_rollouts == 0 and h.merge_ratio == 1.0
+        assert h.masked_tokens > 0  # the observation (and its chat scaffolding) is in every completion, masked
+    for row in rollout.last_rows:
+        # Masked tokens are exactly the ones the model did not sample: log-prob 0 there, the engine's elsewhere.
+        assert len(row.env_mask) == len(row.completion_ids) == len(row.logprobs)
+        assert all(lp == 0.0 for lp, m in zip(row.logprobs, row.env_mask, strict=True) if not m)
+        assert 0 < sum(row.env_mask) < len(row.env_mask)
