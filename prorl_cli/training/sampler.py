@@ -138,6 +138,9 @@ class StepStats:
     carried_out: int = 0
     in_flight: int = 0
     wall_s: float = 0.0
+    #: Of the sampled tokens of the returned groups, the share served under an older policy version than
+    #: the step's (carried-over groups); 0.0 when no call reported its version.
+    off_policy_token_fraction: float = 0.0
 
 
 @dataclass
@@ -406,11 +409,28 @@ class DapoSampler:
                     await self._next_result(stats, deadline)
         groups, self._ready = self._ready[: cfg.target_groups], self._ready[cfg.target_groups :]
         stats.informative = len(groups)
+        stats.off_policy_token_fraction = off_policy_fraction([r for g in groups for r in g.results], policy_version)
         stats.carried_out = len(self._pending) + len(self._ready)
         stats.in_flight = self.in_flight_jobs
         stats.wall_s = time.monotonic() - started
         self.step_index += 1
         return StepBatch(stats.step, policy_version, groups, stats)
+
+
+def off_policy_fraction(results: Sequence[JobResult], policy_version: int) -> float:
+    """Share of the sampled tokens in ``results`` served under a policy version older than ``policy_version``."""
+    stale = total = 0
+    for r in results:
+        traj = r.output.get("trajectory") if isinstance(r.output, dict) else None
+        calls = traj.get("calls") if isinstance(traj, dict) else None
+        for call in calls if isinstance(calls, list) else []:
+            n = len(call.get("output_ids") or [])
+            version = call.get("policy_version")
+            if not isinstance(version, int) or isinstance(version, bool):
+                continue
+            total += n
+            stale += n if version < policy_version else 0
+    return stale / total if total else 0.0
 
 
 def _tag(specs: list[JobSpec], group_id: str, step: int, version: int) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,14 @@ class AdvantageLevel(str, enum.Enum):
 
     ROLLOUT = "rollout"
     SAMPLE = "sample"
+
+
+class OffPolicy(str, enum.Enum):
+    """What to do with sampled tokens served under an older policy version than their sample's newest."""
+
+    KEEP = "keep"  # train on them as they are
+    MASK = "mask"  # loss weight 0
+    TRUNCATED_IS = "truncated_is"  # loss weight times min(exp(current - old log-prob), cap)
 
 
 class LossNorm(str, enum.Enum):
@@ -89,6 +97,17 @@ class TrainingSample:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest policy version among the sample's sampled tokens (:data:`NO_VERSION` if none was reported)."""
+        return max((v for v, m in zip(self.policy_versions, self.response_mask, strict=True) if m), default=NO_VERSION)
+
+    def off_policy_positions(self) -> list[int]:
+        """Indices of sampled tokens served under an older version than :attr:`newest_version`."""
+        newest = self.newest_version
+        return [i for i, (v, m) in enumerate(zip(self.policy_versions, self.response_mask, strict=True))
+                if m and v != NO_VERSION and v < newest]
 
 
 @dataclass
@@ -230,6 +249,54 @@ def assign_loss_weights(samples: Sequence[TrainingSample], norm: LossNorm | str 
         s.loss_weights = [w * m for m in s.response_mask]
 
 
+def apply_off_policy(
+    samples: Sequence[TrainingSample],
+    mode: OffPolicy | str = OffPolicy.KEEP,
+    *,
+    current_log_probs: Callable[[TrainingSample], Sequence[float]] | None = None,
+    is_cap: float = 2.0,
+) -> int:
+    """Reweight the off-policy tokens of each sample (in place, after :func:`assign_loss_weights`); return how many.
+
+    A token is off-policy when it was sampled under an older policy version
+    than the newest version among its sample's sampled tokens (a carried-over
+    rollout whose later calls were served by newer weights).
+
+    - ``mask``: its loss weight becomes 0;
+    - ``truncated_is``: its loss weight is multiplied by the truncated
+      importance ratio ``min(exp(logp_now - logp_old), is_cap)``, where
+      ``logp_old`` is the engine's sampling log-prob (``old_log_probs``) and
+      ``logp_now`` the trainer's current policy's, from
+      ``current_log_probs(sample)`` (aligned with ``input_ids``).
+
+    Loss normalisation is left as computed over all sampled tokens, so a
+    masked token contributes nothing and the others keep their weights.
+    """
+    mode = OffPolicy(mode)
+    if mode == OffPolicy.TRUNCATED_IS:
+        if current_log_probs is None:
+            raise ValueError("off_policy='truncated_is' needs current_log_probs(sample): the trainer's log-probs per token")
+        if not (is_cap > 0 and math.isfinite(is_cap)):
+            raise ValueError(f"is_cap must be a positive finite number, got {is_cap!r}")
+    count = 0
+    for s in samples:
+        positions = s.off_policy_positions()
+        count += len(positions)
+        if mode == OffPolicy.KEEP or not positions:
+            continue
+        if mode == OffPolicy.MASK:
+            for i in positions:
+                s.loss_weights[i] = 0.0
+            continue
+        assert current_log_probs is not None
+        now = list(current_log_probs(s))
+        if len(now) != len(s.input_ids):
+            raise ValueError(f"current_log_probs of sample {s.rollout_id!r} has {len(now)} values for {len(s.input_ids)} ids")
+        for i in positions:
+            s.loss_weights[i] *= min(math.exp(float(now[i]) - s.old_log_probs[i]), is_cap)
+    return count
+
+
 def pack_micro_batches(samples: Sequence[TrainingSample], max_tokens: int) -> list[list[TrainingSample]]:
     """Group samples into micro-batches of at most ``max_tokens`` ids, keeping each rollout's samples together.
 
@@ -261,6 +328,14 @@ class SampleBatch:
 
     samples: list[TrainingSample]
     report: MergeReport
+    #: Sampled tokens served under an older policy version than their sample's newest (whatever ``off_policy`` did).
+    off_policy_tokens: int = 0
+
+    @property
+    def off_policy_fraction(self) -> float:
+        """Off-policy tokens / all sampled tokens (0.0 without any)."""
+        total = sum(s.n_response_tokens for s in self.samples)
+        return self.off_policy_tokens / total if total else 0.0
 
 
 def samples_from_results(
@@ -271,11 +346,15 @@ def samples_from_results(
     level: AdvantageLevel | str = AdvantageLevel.ROLLOUT,
     std_normalize: bool = False,
     loss_norm: LossNorm | str = LossNorm.ROLLOUT_TOKEN_MEAN,
+    off_policy: OffPolicy | str = OffPolicy.KEEP,
+    current_log_probs: Callable[[TrainingSample], Sequence[float]] | None = None,
+    is_cap: float = 2.0,
 ) -> SampleBatch:
     """Job results (``JobResult`` with a ``trajectory`` in its output) into weighted samples.
 
     The group of a result is ``group_of[job_id]``, else its ``group_id``
     field, else its job id. Results without a trajectory or reward are skipped.
+    ``off_policy`` (with ``current_log_probs``, ``is_cap``): see :func:`apply_off_policy`.
     """
     report = MergeReport()
     out: list[TrainingSample] = []
@@ -290,4 +369,5 @@ def samples_from_results(
         report.add(rep)
     assign_advantages(out, estimator=estimator, level=level, std_normalize=std_normalize)
     assign_loss_weights(out, loss_norm)
-    return SampleBatch(out, report)
+    stale = apply_off_policy(out, off_policy, current_log_probs=current_log_probs, is_cap=is_cap)
+    return SampleBatch(out, report, stale)

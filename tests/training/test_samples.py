@@ -139,3 +139,55 @@ def test_merge_report_adds_up() -> None:
     r.add(MergeReport(rollouts=1, calls=3, samples=1))
     r.add(MergeReport(rollouts=1, calls=2, samples=2))
     assert r.merge_ratio == pytest.approx(2 / 3) and r.samples_per_rollout == 1.5
+
+
+def _stale_rollout() -> dict:
+    """A carried-over rollout: call 0 served under version 1, call 1 (merging into it) under version 2."""
+    return Trajectory(calls=[
+        ModelCall([1, 2], [3, 4], [-0.5, -1.0], "stop", policy_version=1),
+        ModelCall([1, 2, 3, 4, 9], [5], [-0.25], "stop", policy_version=2),
+    ]).to_dict()
+
+
+class _Result:
+    def __init__(self, job_id: str, traj: dict, reward: float) -> None:
+        self.job_id, self.reward, self.output, self.group_id = job_id, reward, {"trajectory": traj}, "g"
+
+
+def test_off_policy_tokens_are_counted_and_masked() -> None:
+    from prorl_cli.training.samples import samples_from_results
+
+    results = [_Result("a", _stale_rollout(), 1.0), _Result("b", _stale_rollout(), 0.0)]
+    kept = samples_from_results(results)
+    assert kept.off_policy_tokens == 4 and kept.off_policy_fraction == pytest.approx(4 / 6)
+    (a, _) = kept.samples
+    assert a.off_policy_positions() == [2, 3] and a.newest_version == 2
+    w = a.loss_weights
+    masked = samples_from_results(results, off_policy="mask").samples[0]
+    assert masked.loss_weights[2:4] == [0.0, 0.0]  # sampled under version 1, the sample's newest is 2
+    assert masked.loss_weights[5] == w[5] > 0  # the on-policy token keeps its weight
+
+
+def test_truncated_importance_ratio_weights_off_policy_tokens() -> None:
+    import math
+
+    from prorl_cli.training.samples import samples_from_results
+
+    results = [_Result("a", _stale_rollout(), 1.0)]
+    w = samples_from_results(results).samples[0].loss_weights
+    # The trainer's current log-probs: token 2 became likelier (ratio e^0.25), token 3 much likelier (ratio e^3, capped).
+    now = [0.0, 0.0, -0.25, 2.0, 0.0, -0.1]
+    s = samples_from_results(results, off_policy="truncated_is", current_log_probs=lambda _s: now, is_cap=2.0).samples[0]
+    assert s.loss_weights[2] == pytest.approx(w[2] * math.exp(-0.25 + 0.5))
+    assert s.loss_weights[3] == pytest.approx(w[3] * 2.0)
+    assert s.loss_weights[5] == pytest.approx(w[5])  # on-policy: untouched
+    with pytest.raises(ValueError, match="needs current_log_probs"):
+        samples_from_results(results, off_policy="truncated_is")
+
+
+def test_the_sampler_reports_the_off_policy_token_fraction() -> None:
+    from prorl_cli.training.sampler import off_policy_fraction
+
+    results = [_Result("a", _stale_rollout(), 1.0)]
+    assert off_policy_fraction(results, 2) == pytest.approx(2 / 3)  # the 2 tokens of version 1 of 3
+    assert off_policy_fraction(results, 1) == 0.0

@@ -1,0 +1,190 @@
+"""TRL's GRPOTrainer on the CPU, with prorl as its rollout engine: the tiny model learns the calculator task.
+
+The same task, model and warm-up as ``examples/train_tiny_grpo.py`` (whose
+functions it reuses), with TRL's trainer instead of that example's own loop:
+
+1. ``prorl dev tiny-model`` weights and the supervised warm-up (or
+   ``--init-from`` a directory with warmed-up weights, e.g. the other
+   example's ``checkpoints/v0``).
+2. A real prorl deployment on this machine (broker, node with the
+   ``math_agent`` handler, a transformers-engine bridge on the warm-up
+   checkpoint).
+3. ``trl.GRPOTrainer`` with ``rollout_func=ProrlRollout(client, "math_agent", ...)``
+   and ``reward_funcs=[prorl_reward]``: each prompt group runs as prorl jobs
+   (multi-turn, calculator tool; tool tokens masked out of the loss), and
+   between steps the trainer's weights go into the running bridge in place
+   (pause that drains, ``update_weights``, resume under the new version).
+4. Held-out mean reward and tool use every ``--eval-every`` steps (the same
+   evaluation as the other example), saved as ``curve.json``,
+   ``summary.json`` and ``reward_curve.png``; ``--seeds N`` runs N seeds
+   and plots mean and spread.
+
+    python examples/train_trl_grpo.py --out /tmp/trl-grpo --short       # CI: 2 steps
+    python examples/train_trl_grpo.py --out /tmp/trl-grpo --seeds 3     # the curve in docs/training.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "examples"))
+
+import train_tiny_grpo as tiny  # noqa: E402  (the shared task, warm-up and evaluation)
+
+
+@dataclass
+class TrlSummary:
+    seed: int
+    warmup_steps: int = 0
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    tool_use: list[tuple[int, float]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    train_rewards: list[float] = field(default_factory=list)
+    policy_versions_seen: list[list[int]] = field(default_factory=list)
+    merge_ratio: list[float] = field(default_factory=list)
+    masked_tokens: list[int] = field(default_factory=list)
+    weight_delta: float = 0.0
+    wall_s: float = 0.0
+
+
+def run(cfg: tiny.RunConfig) -> TrlSummary:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from handlers.math_agent import CALCULATOR_SCHEMA
+    from prorl_cli.agent import ChatTokens
+    from prorl_cli.embedded import LocalStack
+    from prorl_cli.inference.tiny_model import make_tiny_model
+    from prorl_cli.integrations.trl import ProrlRollout, prorl_reward
+
+    started = time.monotonic()
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)  # the node and the bridge need the other core
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    init_dir = make_tiny_model(cfg.out / "model-init", seed=cfg.seed)
+    chat = ChatTokens.from_pretrained(init_dir, tools=[CALCULATOR_SCHEMA])
+    every = tiny.problems(rng)
+    held_out, train = every[:cfg.n_eval], every[cfg.n_eval:]
+    for p in train + held_out:
+        p["tokenizer"] = str(init_dir)
+        p["max_turns"] = 3
+    summary = TrlSummary(seed=cfg.seed)
+    if cfg.init_from is not None:
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32)
+        summary.warmup_steps, _, _ = tiny.warm_up(model, chat, train, cfg, rng)
+        print(f"warm-up: {summary.warmup_steps} steps ({time.monotonic() - started:.0f} s)", flush=True)
+    start_dir = cfg.out / "checkpoints" / "v0"
+    model.save_pretrained(str(start_dir))
+    chat.tokenizer.save_pretrained(str(start_dir))
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    by_question = {p["question"]: p for p in train}
+
+    with LocalStack(cfg.out / "stack", f"trl{cfg.seed}", {"log_level": "WARNING", "node": {"n_init": 4, "n_run": 8, "n_eval": 4}}) as stack:
+        stack.start_broker()
+        stack.start_node("node")
+        tiny.Bridge(stack).serve(start_dir, 0)
+        client = stack.client
+        rollout = ProrlRollout(
+            client, tiny.TASK, instance_of=by_question.__getitem__,
+            sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
+            checkpoint_dir=cfg.out / "checkpoints", timeout_s=300, run_id=f"trl{cfg.seed}",
+        )
+        reward, tools = tiny.evaluate(client, held_out, cfg, "v0")
+        summary.curve.append((0, reward))
+        summary.tool_use.append((0, tools))
+        print(f"step 0: held-out reward {reward:.3f}, tool use {tools:.2f}", flush=True)
+        holder: dict[str, Any] = {}
+
+        class HeldOut(TrainerCallback):  # type: ignore[misc]
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                if state.global_step % cfg.eval_every and state.global_step != cfg.steps:
+                    return
+                rollout.sync(holder["trainer"])  # the bridge serves the weights this step made
+                r, t = tiny.evaluate(client, held_out, cfg, f"v{state.global_step}")
+                summary.curve.append((state.global_step, r))
+                summary.tool_use.append((state.global_step, t))
+                print(f"step {state.global_step}: held-out reward {r:.3f}, tool use {t:.2f} "
+                      f"({time.monotonic() - started:.0f} s)", flush=True)
+
+        args = GRPOConfig(
+            output_dir=str(cfg.out / "trl"), use_cpu=True, max_steps=cfg.steps, seed=cfg.seed,
+            per_device_train_batch_size=cfg.group_size * cfg.target_groups, num_generations=cfg.group_size,
+            max_completion_length=256, learning_rate=cfg.lr, logging_steps=1, report_to="none",
+            # TRL's log-probs at temperature 1: the engines' log-probs are of the unmodified distribution too.
+            save_strategy="no",
+        )
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=[prorl_reward], args=args,
+            train_dataset=Dataset.from_dict({"prompt": [p["question"] for p in train]}),
+            processing_class=chat.tokenizer, rollout_func=rollout, callbacks=[HeldOut()],
+        )
+        holder["trainer"] = trainer
+        trainer.train()
+    summary.losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    summary.train_rewards = [float(h["reward"]) for h in trainer.state.log_history if "reward" in h]
+    summary.policy_versions_seen = [h.policy_versions for h in rollout.history]
+    summary.merge_ratio = [h.merge_ratio for h in rollout.history]
+    summary.masked_tokens = [h.masked_tokens for h in rollout.history]
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    summary.weight_delta = float((after - before).norm())
+    summary.wall_s = time.monotonic() - started
+    (cfg.out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
+    (cfg.out / "curve.json").write_text(json.dumps(summary.curve))
+    print("reward curve (step, held-out mean reward): " + ", ".join(f"({s}, {r:.3f})" for s, r in summary.curve))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=1, help="run seeds SEED..SEED+N-1 (OUT/seed-K), then plot mean and spread")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--warmup-steps", type=int)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--eval-every", type=int)
+    ap.add_argument("--init-from", type=Path, help="skip the warm-up: start from this model directory")
+    ap.add_argument("--short", action="store_true", help="the CI configuration: 2 GRPO steps, a small eval")
+    args = ap.parse_args(argv)
+    runs = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        cfg = tiny.RunConfig(out=args.out / f"seed-{seed}" if args.seeds > 1 else args.out, seed=seed)
+        if args.short:  # as the other example's CI run: a capped warm-up, lucky one-digit guesses give variance
+            cfg.guess_range = (1, 9)
+            cfg.steps, cfg.warmup_steps, cfg.n_eval, cfg.eval_samples, cfg.eval_every = 2, 120, 4, 1, 2
+            cfg.target_groups, cfg.group_size = 2, 4
+        for name in ("steps", "warmup_steps", "lr", "eval_every"):
+            if getattr(args, name) is not None:
+                setattr(cfg, name, getattr(args, name))
+        cfg.init_from = args.init_from
+        summary = run(cfg)
+        tiny.plot(tiny.RunSummary(seed=seed, curve=summary.curve, tool_use=summary.tool_use,
+                                  train_rewards=summary.train_rewards), cfg.out / "reward_curve.png")
+        runs.append(tiny.RunSummary(seed=seed, curve=summary.curve))
+        if not all(math.isfinite(x) for x in summary.losses):
+            return 1
+    if len(runs) > 1:
+        tiny.aggregate(runs, args.out / "reward_curve_seeds.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
