@@ -202,3 +202,19 @@ def test_prorl_submit_dapo(stack: Deployment, tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(tasks), "--task", "dapo_sim",
                           "--group-size", "3"], env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     assert bad.returncode != 0 and "--group-size need --dapo" in bad.stderr
+    # Parquet goes through the same loaders as plain submit.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = tmp_path / "tasks.parquet"
+    pq.write_table(pa.Table.from_pylist([{**p, "scale_s": 0.01} for p in prompts(9)]), table)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(table), "--task", "dapo_sim", "--dapo",
+         "--group-size", "3", "--target-groups", "1", "--id-prefix", "pq", "--out", str(tmp_path / "pq.jsonl")],
+        env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0 and "informative 1/1" in proc.stderr, proc.stderr + proc.stdout
+    wrong = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(table), "--task", "dapo_sim",
+                            "--dapo", "--group-size", "3", "--target-groups", "1", "--format", "io"],
+                           env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert wrong.returncode != 0 and "--format applies to the domain tasks" in wrong.stderr, wrong.stderr

@@ -70,18 +70,19 @@ def run_dapo(
     app: App, *, tasks_file: Path, task: str, out: Path | None, timeout_s: float | None, id_prefix: str | None,
     address: str | None, group_size: int, target_groups: int, max_in_flight: int | None, dapo_steps: int,
     max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-    sampling_json: str | None = None, sampling_file: Path | None = None, **_: Any,
+    sampling_json: str | None = None, sampling_file: Path | None = None, fmt: str | None = None, **_: Any,
 ) -> None:
     from rich.live import Live
     from rich.text import Text
 
-    from prorl_cli.cli.jobs import connect, read_instances, sampling_from_options
+    from prorl_cli.cli.jobs import connect, load_task_file, sampling_from_options
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
 
     sampling = sampling_from_options(app, sampling_json, sampling_file,
                                      {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed})
-    instances = read_instances(app, tasks_file)
+    # The same loaders as plain submit: JSONL or Parquet, domain rows through their --format.
+    instances = load_task_file(app, task, tasks_file, fmt)
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     cfg = SamplerConfig(group_size=group_size, target_groups=target_groups, max_in_flight=max_in_flight,
