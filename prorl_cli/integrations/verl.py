@@ -1,0 +1,212 @@
+"""veRL with prorl as its rollout engine: an agent loop, and prorl's exports in veRL's and NeMo-RL's batch layouts.
+
+**The agent loop.** veRL (0.9) runs each sample through an agent loop
+registered by name (``@register("name")`` on a subclass of
+``verl.experimental.agent_loop.agent_loop.AgentLoopBase``) whose
+``async run(sampling_params, **dataset_fields)`` returns an
+``AgentLoopOutput``: ``prompt_ids``, ``response_ids`` (model and tool
+tokens), ``response_mask`` (1 on model tokens), ``response_logprobs``,
+``reward_score``, ``num_turns``, ``metrics``, ``extra_fields``.
+:func:`register_agent_loop` defines and registers ``prorl`` (veRL imported
+only then): its ``run`` submits the sample as one prorl job (the dataset
+row's ``prorl_instance`` field, else the row itself; task from its
+``prorl_task`` field or ``$PRORL_TASK``; deployment ``$PRORL_DEPLOYMENT``)
+and returns the token-exact trajectory, so prorl's routing, cancellation and
+sandboxes apply; veRL's own server manager is not used. In a trainer's
+config: ``actor_rollout_ref.rollout.agent.default_agent_loop: prorl``.
+
+**Batches from exports.** :func:`verl_batch` and :func:`nemo_rl_batch` turn
+rows of a prorl export (``write_samples_parquet``) into the tensors that
+``verl.DataProto.from_dict`` and NeMo-RL's ``BatchedDataDict`` take.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_cli.exceptions import ProrlError
+from prorl_cli.protocol import JobResult
+from prorl_cli.training.samples import NO_VERSION, build_samples
+
+#: The name the agent loop is registered under in veRL.
+AGENT_NAME = "prorl"
+
+
+class NoTrajectory(ProrlError, ValueError):
+    """A job result without a token-level trajectory (the job failed before any model call, or its handler keeps none)."""
+
+
+@dataclass
+class LoopOutput:
+    """The fields of veRL's ``AgentLoopOutput`` that a prorl trajectory fills (``metrics`` aside)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    reward_score: float | None
+    num_turns: int
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+
+
+def loop_output(result: JobResult) -> LoopOutput:
+    """veRL's agent-loop output from a finished prorl job (its first token-exact sample).
+
+    ``num_turns`` counts messages as veRL does (user, assistant and tool
+    turns): the trajectory's messages when it kept them, else the first
+    user turn plus one assistant turn per call and one observation between calls.
+    ``extra_fields`` carries the job id, its state, the policy version of each
+    sampled token and how many samples the rollout split into.
+    """
+    output = result.output if isinstance(result.output, dict) else {}
+    traj = output.get("trajectory")
+    if not isinstance(traj, dict) or not traj.get("calls"):
+        raise NoTrajectory(f"job {result.job_id} ({result.state}) has no trajectory with model calls")
+    samples, report = build_samples(traj, rollout_id=result.job_id, group_id=result.group_id or result.job_id,
+                                    reward=float(result.reward or 0.0), job_id=result.job_id)
+    s = samples[0]
+    p = s.prompt_length
+    messages = traj.get("messages")
+    n_calls = len(traj["calls"])
+    turns = len(messages) if isinstance(messages, list) and messages else 2 * n_calls
+    return LoopOutput(
+        prompt_ids=list(s.input_ids[:p]),
+        response_ids=list(s.input_ids[p:]),
+        response_mask=list(s.response_mask[p:]),
+        response_logprobs=list(s.old_log_probs[p:]),
+        reward_score=result.reward,
+        num_turns=turns,
+        extra_fields={
+            "prorl_job_id": result.job_id,
+            "prorl_state": result.state,
+            "policy_versions": [v if m else NO_VERSION for v, m in zip(s.policy_versions[p:], s.response_mask[p:], strict=True)],
+            "prorl_samples": report.samples,
+        },
+    )
+
+
+async def run_job(client: Any, task: str, instance: Any, sampling: dict[str, Any] | None = None,
+                  timeout_s: float | None = None) -> tuple[LoopOutput, JobResult]:
+    """Run ``instance`` as one prorl job on an :class:`~prorl_cli.client.AsyncRolloutClient`; return veRL's fields."""
+    result = await client.process(task, instance, sampling=_prorl_sampling(sampling or {}), timeout_s=timeout_s)
+    return loop_output(result), result
+
+
+def _prorl_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """veRL's sampling params (vLLM names) restricted to prorl's SamplingParams fields."""
+    from prorl_cli.protocol import SamplingParams
+
+    names = set(SamplingParams.__dataclass_fields__)
+    out = {k: v for k, v in sampling.items() if k in names}
+    if "max_tokens" not in out and isinstance(sampling.get("max_new_tokens"), int):
+        out["max_tokens"] = sampling["max_new_tokens"]
+    return out
+
+
+def register_agent_loop(name: str = AGENT_NAME) -> type:
+    """Define and register prorl's agent loop with the installed veRL; return the class.
+
+    Raises ``ImportError`` naming the extra when veRL is not installed.
+    """
+    try:
+        from verl.experimental.agent_loop.agent_loop import (
+            AgentLoopBase,
+            AgentLoopMetrics,
+            AgentLoopOutput,
+            register,
+        )
+    except ImportError as e:
+        raise ImportError(f"prorl's veRL agent loop needs veRL: pip install 'prorl[verl]' ({e})") from e
+
+    class ProrlAgentLoop(AgentLoopBase):
+        """Runs each sample as a prorl job (see :mod:`prorl_cli.integrations.verl`)."""
+
+        _client: Any = None
+
+        async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+            from prorl_cli.client import AsyncRolloutClient
+
+            if ProrlAgentLoop._client is None:
+                ProrlAgentLoop._client = AsyncRolloutClient(os.environ.get("PRORL_DEPLOYMENT"))
+            task = kwargs.get("prorl_task") or os.environ.get("PRORL_TASK")
+            if not task:
+                raise ValueError("prorl agent loop: no task (a 'prorl_task' dataset field or $PRORL_TASK)")
+            instance = kwargs.get("prorl_instance", kwargs)
+            out, result = await run_job(ProrlAgentLoop._client, str(task), instance, sampling_params)
+            return AgentLoopOutput(
+                prompt_ids=out.prompt_ids, response_ids=out.response_ids, response_mask=out.response_mask,
+                response_logprobs=out.response_logprobs, reward_score=out.reward_score, num_turns=out.num_turns,
+                metrics=AgentLoopMetrics(generate_sequences=float(result.stage_s.get("run", 0.0))),
+                extra_fields=out.extra_fields,
+            )
+
+    register(name)(ProrlAgentLoop)
+    return ProrlAgentLoop
+
+
+# ----------------------------------------------------------------------------- export rows into trainer batches
+
+
+def verl_batch(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors, non_tensors)`` for ``verl.DataProto.from_dict`` from rows of a prorl export.
+
+    Prompts are left-padded and responses right-padded to the batch's longest
+    (veRL's layout); ``input_ids``/``attention_mask``/``position_ids`` are
+    their concatenation; the response-side tensors (``response_mask``,
+    ``old_log_probs``, ``advantages``, ``token_level_scores``) cover the ids
+    after each row's ``prompt_length``. ``non_tensors["uid"]`` is the GRPO group.
+    """
+    import numpy as np
+    import torch
+
+    if not rows:
+        raise ValueError("verl_batch needs at least one row")
+    width_p = max(r["prompt_length"] for r in rows)
+    width_r = max(len(r["input_ids"]) - r["prompt_length"] for r in rows)
+
+    def split(r: dict[str, Any], key: str) -> tuple[list[Any], list[Any]]:
+        p, seq = r["prompt_length"], list(r[key])
+        return [0] * (width_p - p) + seq[:p], seq[p:] + [0] * (width_r - (len(seq) - p))
+
+    def tensor(key: str, dtype: Any, part: int) -> Any:
+        return torch.tensor([split(r, key)[part] for r in rows], dtype=dtype)
+
+    prompts, responses = tensor("input_ids", torch.long, 0), tensor("input_ids", torch.long, 1)
+    attention = torch.cat([tensor("attention_mask", torch.long, 0), tensor("attention_mask", torch.long, 1)], 1)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention,
+        "position_ids": torch.clamp(attention.cumsum(-1) - 1, min=0),
+        "response_mask": tensor("response_mask", torch.long, 1),
+        "old_log_probs": tensor("old_log_probs", torch.float32, 1),
+        "advantages": tensor("advantages", torch.float32, 1),
+        "token_level_scores": tensor("token_level_scores", torch.float32, 1),
+    }
+    return tensors, {"uid": np.array([r["group_id"] for r in rows], dtype=object)}
+
+
+def nemo_rl_batch(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The tensors of NeMo-RL's ``BatchedDataDict`` (right-padded to the longest row) from rows of a prorl export."""
+    import torch
+
+    if not rows:
+        raise ValueError("nemo_rl_batch needs at least one row")
+    width = max(r["input_lengths"] for r in rows)
+
+    def pad(key: str, dtype: Any) -> Any:
+        return torch.tensor([list(r[key]) + [0] * (width - len(r[key])) for r in rows], dtype=dtype)
+
+    return {
+        "input_ids": pad("input_ids", torch.long),
+        "input_lengths": torch.tensor([r["input_lengths"] for r in rows]),
+        "advantages": pad("advantages", torch.float32),
+        "prev_logprobs": pad("prev_logprobs", torch.float32),
+        "generation_logprobs": pad("generation_logprobs", torch.float32),
+        "token_mask": pad("token_mask", torch.float32),
+        "sample_mask": torch.tensor([r["sample_mask"] for r in rows]),
+    }
