@@ -109,3 +109,27 @@ def test_grpo_trainer_takes_two_steps_through_prorl(tiny_model: Path, tmp_path: 
         assert len(row.env_mask) == len(row.completion_ids) == len(row.logprobs)
         assert all(lp == 0.0 for lp, m in zip(row.logprobs, row.env_mask, strict=True) if not m)
         assert 0 < sum(row.env_mask) < len(row.env_mask)
+
+
+@pytest.mark.slow
+def test_the_trl_example_runs(tmp_path: Path) -> None:
+    """``examples/train_trl_grpo.py --short`` (a brief warm-up): TRL trains on the calculator task through prorl."""
+    need_module("trl", "trl")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.harness import REPO
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "train_trl_grpo.py"), "--out", str(out), "--short", "--warmup-steps", "20"],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"])
+    assert summary["policy_versions_seen"] == [[0], [1]]  # step 2 sampled under the weights step 1 made
+    assert all(m > 0 for m in summary["masked_tokens"])  # tool results and chat scaffolding stay out of the loss
+    assert [s for s, _ in summary["curve"]] == [0, 2] and (out / "reward_curve.png").is_file()
