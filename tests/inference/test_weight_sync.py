@@ -187,6 +187,7 @@ def test_update_weights_names_a_backend_that_cannot_reload(stack: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_reload_serves_the_new_checkpoint_like_a_fresh_bridge(stack: Any, tiny_model: Path, tmp_path: Path) -> None:
     """The transformers engine in a real bridge process: after ``prorl backends reload``, greedy output is the new model's."""
     import subprocess
