@@ -113,7 +113,7 @@ def test_grpo_trainer_takes_two_steps_through_prorl(tiny_model: Path, tmp_path: 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # 20 warm-up steps, a bridge start, 3 held-out evaluations, 2 steps
+@pytest.mark.timeout(1200)  # 20 warm-up steps, a bridge start, 2 held-out evaluations, 2 steps
 def test_the_trl_example_runs(tmp_path: Path) -> None:
     """``examples/train_trl_grpo.py --short`` (a brief warm-up): TRL trains on the calculator task through prorl."""
     need_module("trl", "trl")
