@@ -344,3 +344,72 @@ def test_bad_policy_version_is_refused_by_name() -> None:
     (answer,) = c.take(b"trainer")
     assert answer["error"]["code"] == ErrorCode.BAD_FIELD.value and "policy_version" in answer["error"]["message"]
     assert not c.router.paused and c.router.policy_version == 0
+
+
+# ---------------------------------------------------------------------- weight sync: drain, update, versions
+
+
+def test_a_draining_pause_is_answered_when_the_last_call_ends_or_at_its_deadline() -> None:
+    import time
+
+    c = Cluster()
+    b1 = c.bridge("b1")
+    run(c, "j1", "j2")
+    c.generate("j1")
+    c.generate("j2")
+    (f1, f2) = [h["rid"] for h in c.take(b1)]
+    c.router.on_pause_generation(b"trainer", {"rid": 7, "drain_timeout_s": 60.0}, [])
+    assert c.take(b"trainer") == []  # two calls in flight: no answer yet
+    c.reply(b1, f1)
+    assert c.take(b"trainer") == []
+    c.reply(b1, f2)
+    (answer,) = c.take(b"trainer")
+    assert answer["ok"] and answer["rid"] == 7 and answer["drained"] is True and c.router.paused
+
+    c.router.on_resume_generation(b"trainer", {"rid": 8}, [])
+    c.take()
+    c.generate("j1")
+    c.router.on_pause_generation(b"trainer", {"rid": 9, "drain_timeout_s": 5.0}, [])
+    c.router.check_waiters(time.monotonic() + 6.0)
+    (late,) = c.take(b"trainer")
+    assert late["error"]["code"] == ErrorCode.DRAIN_TIMEOUT.value and "job j1 on b1" in late["error"]["message"]
+    assert [r["job_id"] for r in late["running"]] == ["j1"] and c.router.paused  # it stays paused
+
+
+def test_update_weights_waits_for_each_bridge_and_names_the_failures() -> None:
+    c = Cluster()
+    b1, b2 = c.bridge("b1"), c.bridge("b2")
+    c.router.on_update_weights(b"trainer", {"rid": 3, "checkpoint": "/c/v2", "policy_version": 2}, [])
+    fwd = {who: h for who, h, _ in c.sent if h.get("op") == Op.UPDATE_WEIGHTS.value}
+    assert set(fwd) == {b1, b2} and all(h["checkpoint"] == "/c/v2" and h["policy_version"] == 2 for h in fwd.values())
+    c.sent.clear()
+    c.router.on_weights_updated(b1, {"rid": fwd[b1]["rid"]}, [])
+    assert c.take(b"trainer") == []
+    c.router.on_weights_updated(b2, {"rid": fwd[b2]["rid"], "error": {"code": "reload_failed", "message": "bad shapes"}}, [])
+    (answer,) = c.take(b"trainer")
+    assert answer["error"]["code"] == ErrorCode.RELOAD_FAILED.value and answer["failed"] == {"b2": "bad shapes"}
+    assert answer["updated"] == ["b1"] and c.router.policy_version == 0  # not all loaded: the version stays
+    c.router.on_update_weights(b"trainer", {"rid": 4, "checkpoint": "/c/v3", "policy_version": 3}, [])
+    for who, h, _ in [s for s in c.sent if s[1].get("op") == Op.UPDATE_WEIGHTS.value]:
+        c.router.on_weights_updated(who, {"rid": h["rid"]}, [])
+    (ok,) = c.take(b"trainer")
+    assert ok["ok"] and sorted(ok["updated"]) == ["b1", "b2"] and c.router.policy_version == 3
+
+
+def test_a_generate_reply_carries_the_bridges_own_version_when_it_has_one() -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    run(c, "j1")
+    c.router.on_pause_generation(b"trainer", {"rid": 1, "policy_version": 5}, [])
+    c.router.on_resume_generation(b"trainer", {"rid": 2}, [])
+    c.take()
+    c.generate("j1")
+    (fwd,) = c.take(b1)
+    c.reply(b1, fwd["rid"], policy_version=4)  # the bridge served it with the weights of version 4
+    (answer,) = c.take(N1)
+    assert answer["policy_version"] == 4
+    c.generate("j1")
+    (fwd,) = c.take(b1)
+    c.reply(b1, fwd["rid"])  # a bridge that does not say: the broker's version when it routed the call
+    (answer,) = c.take(N1)
+    assert answer["policy_version"] == 5
