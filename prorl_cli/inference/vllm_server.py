@@ -68,10 +68,7 @@ class VLLMServer:
         self.port = port or free_port(host)
         self.max_model_len = max_model_len
         self.extra_args = list(extra_args)
-        # In-place weight reload (``/collective_rpc``) needs vLLM's dev endpoints: on for loopback servers only,
-        # since they let any caller who reaches the port run worker methods.
-        dev = {"VLLM_SERVER_DEV_MODE": "1"} if host in ("127.0.0.1", "localhost", "::1") else {}
-        self.env = {**DEFAULT_CPU_ENV, **dev, **(env or {})}
+        self.env = {**DEFAULT_CPU_ENV, **(env or {})}
         self.log_path = Path(log_path) if log_path else None
         self.python = python
         self.proc: subprocess.Popen[bytes] | None = None
@@ -160,8 +157,8 @@ class VLLMChildEngine(OpenAIEngine):
     """An :class:`OpenAIEngine` whose server is a :class:`VLLMServer` child of this process."""
 
     def __init__(self, server: VLLMServer, *, timeout_s: float = 600.0, startup_timeout_s: float = 900.0,
-                 backend_id: str | None = None) -> None:
-        super().__init__(server.url, timeout_s=timeout_s, backend_id=backend_id)
+                 backend_id: str | None = None, reload_in_place: bool = False) -> None:
+        super().__init__(server.url, timeout_s=timeout_s, backend_id=backend_id, reload_in_place=reload_in_place)
         self.server = server
         self.startup_timeout_s = startup_timeout_s
         #: Set once the child has exited: why this engine can no longer serve.
