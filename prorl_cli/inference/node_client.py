@@ -172,7 +172,7 @@ class NodeInference:
         backend_id = reply.get("backend_id")
         redirect = reply.get("redirect")
         raw_version = reply.get("policy_version")
-        # The trainer's weight version at the time the broker routed the call (contract K3).
+        # The weights version that served the call: the bridge's, else the broker's when it routed it (contract K3).
         version = raw_version if isinstance(raw_version, int) and not isinstance(raw_version, bool) else None
         if redirect:
             engine = self._http_engine(str(redirect), backend_id)
@@ -191,7 +191,6 @@ class NodeInference:
             raise InferenceError(f"backend {backend_id}: malformed generate reply: {e.message}") from e
         gen.policy_version = version
         return gen
-
 
     async def _ask(
         self, job_id: str, header: dict[str, Any], prompt_ids: list[int], call: _Call, timeout_s: float
