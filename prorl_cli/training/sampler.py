@@ -232,6 +232,14 @@ class DapoSampler:
         self.ignored_results = 0
         #: Called after every result with the running step's stats (progress lines).
         self.on_progress: Callable[[StepStats], None] | None = None
+        #: Set to a dict to record what became of every job (job id -> an outcome of
+        #: :data:`prorl_cli.training.gpu_ledger.OUTCOMES`; replays account GPU time with it). Off: nothing kept.
+        self.job_outcomes: dict[str, str] | None = None
+
+    def _record(self, job_ids: Sequence[str], outcome: str) -> None:
+        if self.job_outcomes is not None:
+            for j in job_ids:
+                self.job_outcomes[j] = outcome
 
     # ------------------------------------------------------------ plumbing
 
@@ -242,8 +250,10 @@ class DapoSampler:
 
     async def close(self, *, cancel_in_flight: bool = True) -> None:
         """Stop reading results; cancel what is still in flight unless told not to."""
+        for p in self._pending.values():
+            self._record(p.job_ids, "in_flight")
         if cancel_in_flight and self._pending:
-            await self._cancel(list(self._pending.values()), StepStats(self.step_index, 0))
+            await self._cancel(list(self._pending.values()), StepStats(self.step_index, 0), "in_flight")
         if self._stream is not None:
             await self._stream.aclose()
             self._stream = None
@@ -287,10 +297,12 @@ class DapoSampler:
         self.cursor += 1
         stats.submitted_groups += 1
 
-    async def _cancel(self, groups: list[_Pending], stats: StepStats) -> None:
+    async def _cancel(self, groups: list[_Pending], stats: StepStats, why: str) -> None:
+        """Drop ``groups`` (``why``: an outcome for :attr:`job_outcomes`) and cancel their unfinished jobs."""
         now = time.monotonic()
         ids = []
         for p in groups:
+            self._record(p.job_ids, why if self.config.cancel_dropped or why == "in_flight" else "abandoned")
             self._pending.pop(p.group_id, None)
             self._retired += p.job_ids
             left = [j for j in p.job_ids if j not in p.results]
@@ -317,7 +329,7 @@ class DapoSampler:
         pending.results[result.job_id] = result
         if not result.ok and self.config.failed == "drop_group":
             stats.failed_groups += 1
-            await self._cancel([pending], stats)
+            await self._cancel([pending], stats, "failed")
             return
         if len(pending.results) < self.config.group_size:
             return
@@ -328,6 +340,7 @@ class DapoSampler:
             rewards = [float(r.reward or 0.0) for r in ordered if r.ok]
         else:  # zero_reward (drop_group never gets here with a failure)
             rewards = [float(r.reward or 0.0) if r.ok else 0.0 for r in ordered]
+        self._record(pending.job_ids, "informative" if self.config.informative(rewards) else "filtered")
         if self.config.informative(rewards):
             self._ready.append(Group(pending.group_id, pending.prompt_id, pending.instance,
                                      pending.step, pending.policy_version, ordered))
@@ -384,8 +397,11 @@ class DapoSampler:
         self._restore = []
         stale = [p for p in self._pending.values() if policy_version - p.policy_version > cfg.max_staleness]
         stats.stale_groups += len(stale)
-        await self._cancel(stale, stats)
+        await self._cancel(stale, stats, "stale")
         fresh = [g for g in self._ready if policy_version - g.policy_version <= cfg.max_staleness]
+        for g in self._ready:
+            if g not in fresh:
+                self._record([r.job_id for r in g.results], "stale")
         stats.stale_groups += len(self._ready) - len(fresh)
         self._ready = fresh
         stats.carried_in = len(self._pending) + len(self._ready)
@@ -396,7 +412,7 @@ class DapoSampler:
                     await self._submit_next(stats)
                 await self._next_result(stats, deadline)
             if not cfg.carry_over:
-                await self._cancel(list(self._pending.values()), stats)
+                await self._cancel(list(self._pending.values()), stats, "cancelled")
         else:
             batch = cfg.sync_batch_groups or cfg.target_groups
             while len(self._ready) < cfg.target_groups:
