@@ -46,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from prorl_cli.embedded import LocalStack  # noqa: E402
 from prorl_cli.exceptions import ConfigError  # noqa: E402
+from prorl_cli.training.gpu_ledger import breakdown, idle_gpu_s, load_ledgers  # noqa: E402
 
 BACKENDS = 4
 #: Per configuration: prorl config overrides ("broker"), sampler settings ("sampler"), tmux-style tools ("tmux").
@@ -99,6 +100,25 @@ class Outcome:
     prefix_hit_rate: float
     aborted_calls: int
     skipped: str | None = None
+    #: Informative groups the steps returned, over the GPU seconds the backends were held (window x backends).
+    informative_groups: int = 0
+    held_gpu_s: float = 0.0
+    informative_per_gpu_s: float = 0.0
+    #: Over busy GPU seconds only (the engines' own step clocks: does not move with the machine's load).
+    informative_per_busy_gpu_s: float = 0.0
+    #: Busy GPU seconds (engine clocks) per job outcome; they add up to ``busy_gpu_s``.
+    busy_gpu_s: float = 0.0
+    gpu_s: dict[str, float] = field(default_factory=dict)
+    jobs: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: dict[str, int] = field(default_factory=dict)
+    moved_calls: int = 0
+    #: Per step: GPU-time duration (wall x speedup), jobs in flight (mean of samples), engines' idle GPU seconds.
+    step_gpu_s: list[float] = field(default_factory=list)
+    step_in_flight: list[float] = field(default_factory=list)
+    step_idle_gpu_s: list[float] = field(default_factory=list)
+    #: Output tokens of returned groups submitted under an older policy version, over all returned tokens.
+    off_policy_token_fraction: float = 0.0
 
 
 def prompts(seed: int, count: int, tool_median_s: float, speedup: float, action_delay_s: float) -> list[dict[str, Any]]:
@@ -162,7 +182,8 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         # Room for the sampler's jobs and the abandoned ones still running (no_cleanup); more wait in the broker's queue.
         "node": {"n_init": 32, "n_run": args.in_flight * 2, "n_eval": 32, "stop_grace_s": 3.0},
         "jobs": {"timeout_s": 3600.0},
-        "inference": {"generate_timeout_s": 3600.0, "sim_speedup": args.speedup, "capacity": 256},
+        "inference": {"generate_timeout_s": 3600.0, "sim_speedup": args.speedup, "capacity": 256,
+                      "sim_ledger_dir": str(home / f"ledgers-{name}-{seed}")},
         "log_level": "WARNING",
     }
     tasks = prompts(seed, 4096, args.tool_median_s, args.speedup, delay)
@@ -177,14 +198,24 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         time.sleep(0.6)  # a first heartbeat with stats from every bridge
         before = backend_totals(stack)
         sampler = BlockingDapoSampler(stack.client, "sim_agent", tasks, sampler_cfg)
+        sampler.sampler.job_outcomes = {}
+        in_flight: list[int] = []
+        sampler.sampler.on_progress = lambda st: in_flight.append(st.in_flight)
         started = time.monotonic()
         rollouts = cancelled = 0
+        bounds = [started]
+        in_flight_means = []
+        returned: list[tuple[list[str], bool]] = []  # job ids of each returned group, consumed a version late
         try:
             for k in range(args.steps):
+                in_flight.clear()
                 batch = sampler.step(policy_version=k)
+                bounds.append(time.monotonic())
+                in_flight_means.append(round(statistics.fmean(in_flight), 1) if in_flight else 0.0)
                 st = batch.stats
                 rollouts += (len(batch.groups) + st.filtered) * args.n
                 cancelled += st.cancelled_jobs
+                returned += [([r.job_id for r in g.results], g.policy_version < k) for g in batch.groups]
                 if args.verbose:
                     print(f"  {name} seed {seed} step {k}: {st.wall_s:.1f} s, {st.submitted_groups} groups submitted, "
                           f"{st.filtered} filtered, {st.failed_groups} failed, {st.cancelled_jobs} jobs cancelled",
@@ -196,12 +227,32 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
             sampler.close(cancel_in_flight=True)
         stack.stop()
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    ledgers = load_ledgers(home / f"ledgers-{name}-{seed}")
+    bd = breakdown(ledgers, sampler.sampler.job_outcomes)
+    tokens: dict[str, int] = {}
+    for led in ledgers:
+        for c in led["calls"]:
+            tokens[c["job_id"]] = tokens.get(c["job_id"], 0) + int(c["output_tokens"])
+    late = sum(tokens.get(j, 0) for ids, stale in returned if stale for j in ids)
+    all_returned = sum(tokens.get(j, 0) for ids, _ in returned for j in ids)
+    held_gpu_s = wall_s * args.speedup * BACKENDS
+    busy_in_window = bd.busy_s  # cancelled work after the last step is tiny next to the run (the cancel is at once)
+    informative = len(returned)
     return Outcome(
         config=name, seed=seed, wall_s=round(wall_s, 1), rollouts=rollouts, cancelled=cancelled, steps=args.steps,
         instances_per_s=round(rollouts / wall_s / args.speedup, 4),
         busy_fraction=round(d.get("busy_s", 0) / d["elapsed_s"], 3) if d.get("elapsed_s") else 0.0,
         prefix_hit_rate=round(d.get("cached_tokens", 0) / d["prompt_tokens"], 3) if d.get("prompt_tokens") else 0.0,
         aborted_calls=int(d.get("aborted", 0)),
+        informative_groups=informative, held_gpu_s=round(held_gpu_s, 1),
+        informative_per_gpu_s=round(informative / held_gpu_s, 5),
+        informative_per_busy_gpu_s=round(informative / busy_in_window, 5) if busy_in_window else 0.0,
+        busy_gpu_s=round(bd.busy_s, 2), gpu_s={k: round(v, 2) for k, v in bd.gpu_s.items()},
+        jobs=bd.jobs, calls=bd.calls, recomputed_tokens=bd.recomputed_tokens, moved_calls=bd.moved_calls,
+        step_gpu_s=[round((b - a) * args.speedup, 1) for a, b in zip(bounds, bounds[1:], strict=False)],
+        step_in_flight=in_flight_means,
+        step_idle_gpu_s=[round(idle_gpu_s(ledgers, a, b), 1) for a, b in zip(bounds, bounds[1:], strict=False)],
+        off_policy_token_fraction=round(late / all_returned, 3) if all_returned else 0.0,
     )
 
 
@@ -312,8 +363,13 @@ def main() -> None:
                 print(f"running {name} seed {seed} ...", flush=True)
                 o = run_config(name, seed, args, Path(tmp))
                 if args.verbose and not o.skipped:
-                    print(f"  -> {o.instances_per_s:.3f} inst/s, busy {o.busy_fraction:.0%}, "
-                          f"hits {o.prefix_hit_rate:.0%}, {o.wall_s} s", flush=True)
+                    print(f"  -> {o.instances_per_s:.3f} inst/s, {o.informative_per_gpu_s * 1000:.2f} informative "
+                          f"groups per 1000 GPU-s ({o.informative_per_busy_gpu_s * 1000:.2f} per 1000 busy), "
+                          f"busy {o.busy_fraction:.0%}, hits {o.prefix_hit_rate:.0%}, {o.wall_s} s", flush=True)
+                    print(f"     busy GPU-s by outcome: {o.gpu_s}; jobs {o.jobs}", flush=True)
+                    print(f"     recomputed prefill tokens {o.recomputed_tokens}, moved calls {o.moved_calls}; "
+                          f"steps GPU-s {o.step_gpu_s}, idle {o.step_idle_gpu_s}, in flight {o.step_in_flight}; "
+                          f"off-policy tokens {o.off_policy_token_fraction:.0%}", flush=True)
                 outcomes.append(o)
     title = (f"Table 3 replay: {BACKENDS} simulated H100/8B backends, {args.steps} DAPO steps, groups of {args.n}, "
              f"target {args.target}, {args.in_flight} in flight, time x{args.speedup:g}, seeds {seeds}")

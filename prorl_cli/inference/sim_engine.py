@@ -325,6 +325,8 @@ class SimEngine(Engine):
             "requests": c.requests,
             "aborted": c.aborted,
             "running": len(self._running),
+            # What the broker's KV admission sizes this backend's live jobs by.
+            "kv_capacity_tokens": self.profile.kv_budget_tokens,
             "waiting": len(self._waiting),
         }
 
