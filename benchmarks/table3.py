@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -55,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from prorl_cli.embedded import LocalStack  # noqa: E402
 from prorl_cli.exceptions import ConfigError  # noqa: E402
-from prorl_cli.training.gpu_ledger import breakdown, idle_gpu_s, load_ledgers  # noqa: E402
+from prorl_cli.training.gpu_ledger import OUTCOMES, breakdown, idle_gpu_s, load_ledgers  # noqa: E402
 
 BACKENDS = 4
 #: Per configuration: prorl config overrides ("broker"), sampler settings ("sampler"), tmux-style tools ("tmux").
@@ -290,6 +291,89 @@ def summarise(outcomes: list[Outcome]) -> list[Summary]:
     return out
 
 
+@dataclass
+class Useful:
+    """One configuration over its seeds, on the useful-work metric (informative groups per GPU-second)."""
+
+    config: str
+    per_kgpu_s: float  # informative groups per 1,000 held GPU-seconds (mean over seeds)
+    per_kgpu_s_range: tuple[float, float]
+    per_kbusy_s: float  # per 1,000 busy GPU-seconds (engine clocks only)
+    vs_sync: float | None
+    vs_sync_range: tuple[float, float] | None
+    vs_full: float | None
+    off_policy: float
+    #: Mean share of held GPU-seconds per outcome, and "idle".
+    shares: dict[str, float]
+    recomputed_per_call: float
+
+
+def useful_work(outcomes: list[Outcome]) -> list[Useful]:
+    """Informative groups per GPU-second per configuration; ratios to ``sync`` and ``full`` per seed, then averaged."""
+    base = {c: {o.seed: o.informative_per_gpu_s for o in outcomes if o.config == c and not o.skipped}
+            for c in ("sync", "full")}
+    out = []
+    for name in dict.fromkeys(o.config for o in outcomes):
+        runs = [o for o in outcomes if o.config == name and not o.skipped]
+        if not runs:
+            continue
+        vals = [o.informative_per_gpu_s * 1000 for o in runs]
+        ratios = {c: [o.informative_per_gpu_s / base[c][o.seed] for o in runs if base[c].get(o.seed)] for c in base}
+        shares: dict[str, float] = {}
+        for o in runs:
+            for k, v in [*o.gpu_s.items(), ("idle", max(0.0, o.held_gpu_s - o.busy_gpu_s))]:
+                shares[k] = shares.get(k, 0.0) + v / o.held_gpu_s / len(runs)
+        calls = sum(sum(o.calls.values()) for o in runs)
+        out.append(Useful(
+            name, statistics.fmean(vals), (min(vals), max(vals)),
+            statistics.fmean(o.informative_per_busy_gpu_s * 1000 for o in runs),
+            statistics.fmean(ratios["sync"]) if ratios["sync"] else None,
+            (min(ratios["sync"]), max(ratios["sync"])) if ratios["sync"] else None,
+            statistics.fmean(ratios["full"]) if ratios["full"] else None,
+            statistics.fmean(o.off_policy_token_fraction for o in runs), shares,
+            sum(sum(o.recomputed_tokens.values()) for o in runs) / calls if calls else 0.0,
+        ))
+    return out
+
+
+def plot_breakdown(useful: list[Useful], path: Path, title: str) -> None:
+    """Stacked bars: where each configuration's held GPU-seconds went, and its informative groups per GPU-second."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [u.config for u in useful]
+    x = list(range(len(names)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    bottom = [0.0] * len(names)
+    colors = {"informative": "tab:green", "filtered": "tab:olive", "failed": "tab:brown", "cancelled": "tab:red",
+              "stale": "tab:orange", "abandoned": "tab:pink", "in_flight": "tab:blue", "unknown": "black",
+              "idle": "lightgray"}
+    for key in [*OUTCOMES, "idle"]:
+        vals = [u.shares.get(key, 0.0) * 100 for u in useful]
+        if not any(vals):
+            continue
+        ax1.bar(x, vals, 0.6, bottom=bottom, label=key, color=colors.get(key))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax1.set_xticks(x, names, rotation=20)
+    ax1.set_ylabel("% of held GPU-seconds (engine clocks; idle = held - busy)")
+    ax1.legend(fontsize=7, loc="lower left", ncol=2)
+    vals = [u.per_kgpu_s for u in useful]
+    err = [[u.per_kgpu_s - u.per_kgpu_s_range[0] for u in useful], [u.per_kgpu_s_range[1] - u.per_kgpu_s for u in useful]]
+    ax2.bar(x, vals, 0.6, yerr=err, capsize=3, color="tab:green")
+    for i, u in enumerate(useful):
+        if u.vs_sync is not None:
+            ax2.annotate(f"{u.vs_sync:.2f}x sync", (i, u.per_kgpu_s_range[1]), ha="center", va="bottom", fontsize=8)
+    ax2.set_xticks(x, names, rotation=20)
+    ax2.set_ylabel("informative groups per 1,000 GPU-s (min-max over seeds)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(summaries: list[Summary], path: Path, title: str) -> None:
     """Instances/s ratio to full and busy fraction per configuration, the paper's beside them (PNG)."""
     import matplotlib
@@ -330,7 +414,12 @@ def plot(summaries: list[Summary], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through LocalStack, which stops its children
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--n", type=int, default=4, help="rollouts per group")
@@ -344,6 +433,9 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
     ap.add_argument("--json", type=Path, help="also write the outcomes here")
     ap.add_argument("--plot", type=Path, help="save a PNG plot here (e.g. docs/img/table3.png)")
+    ap.add_argument("--plot-breakdown", type=Path,
+                    help="save the GPU-time breakdown (stacked bars) and informative groups per GPU-s here (PNG)")
+    ap.add_argument("--from-json", type=Path, help="summarise and plot these saved outcomes instead of running")
     ap.add_argument("--verbose", action="store_true", help="print each step")
     args = ap.parse_args()
     names = [c for c in args.only.split(",") if c]
@@ -357,8 +449,11 @@ def main() -> None:
     if args.in_flight < args.n:
         ap.error(f"--in-flight ({args.in_flight}) must hold at least one group (--n {args.n})")
     outcomes = []
+    if args.from_json:
+        outcomes = [Outcome(**o) for o in json.loads(args.from_json.read_text())]
+        outcomes = [o for o in outcomes if o.config in names and o.seed in seeds]
     with tempfile.TemporaryDirectory(prefix="prorl-table3-") as tmp:
-        for seed in seeds:  # seed-major: a slow patch of the machine spreads over configurations
+        for seed in seeds if not args.from_json else ():  # seed-major: a slow patch of the machine spreads over configurations
             for name in names:
                 print(f"running {name} seed {seed} ...", flush=True)
                 o = run_config(name, seed, args, Path(tmp))
@@ -389,11 +484,26 @@ def main() -> None:
         print(f"{sm.config:<14}{sm.instances_per_s:>8.3f}{sm.instances_range[0]:>7.3f}-{sm.instances_range[1]:<6.3f}"
               f"{r:>7}{rr:>12}{sm.busy_fraction:>6.0%}{sm.busy_range[0]:>5.0%}-{sm.busy_range[1]:<4.0%}"
               f"{sm.prefix_hit_rate:>11.0%}   {paper_s}")
+    useful = useful_work(outcomes)
+    print("\nuseful work: informative groups per 1,000 GPU-s held (window x backends) and per 1,000 busy GPU-s "
+          "(engine clocks); share of held GPU-s per job outcome")
+    print(f"{'config':<14}{'inf/kGPU-s':>11}{'spread':>14}{'x sync':>7}{'spread':>12}{'x full':>7}{'inf/kbusy':>10}"
+          f"{'off-pol':>8}{'recomp/call':>12}   shares")
+    for u in useful:
+        vs = f"{u.vs_sync:.2f}" if u.vs_sync is not None else "-"
+        vsr = f"{u.vs_sync_range[0]:.2f}-{u.vs_sync_range[1]:.2f}" if u.vs_sync_range else "-"
+        vf = f"{u.vs_full:.2f}" if u.vs_full is not None else "-"
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(u.shares.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+        print(f"{u.config:<14}{u.per_kgpu_s:>11.2f}{u.per_kgpu_s_range[0]:>7.2f}-{u.per_kgpu_s_range[1]:<6.2f}"
+              f"{vs:>7}{vsr:>12}{vf:>7}{u.per_kbusy_s:>10.2f}{u.off_policy:>8.0%}{u.recomputed_per_call:>12.0f}   {shares}")
     if args.json:
         args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=2))
     if args.plot:
         plot(summaries, args.plot, title)
         print(f"plot: {args.plot}")
+    if args.plot_breakdown:
+        plot_breakdown(useful, args.plot_breakdown, title)
+        print(f"plot: {args.plot_breakdown}")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ class BrokerConfig:
     # KV-cache admission (sticky policies): a new job's first call goes only to a backend whose live jobs' contexts
     # fill at most this share of the KV cache it reports (kv_capacity_tokens); 0 turns it off. Such a call waits
     # at the broker for room at most kv_admission_max_wait_s, then goes to the policy's choice anyway.
-    kv_admission: float = 1.0
+    kv_admission: float = 0.7
     kv_admission_max_wait_s: float = 120.0
 
 

@@ -17,7 +17,14 @@ are not all equal), the way ProRL Agent's trainer does:
 - **carry-over**: with ``carry_over`` on, groups still running when a step
   reaches its target complete into the next step, tagged with the policy
   version they were submitted under; groups older than ``max_staleness``
-  versions are cancelled;
+  versions are cancelled. So that carried work is work the next steps can
+  use, groups in flight are capped (``cap_carry``, on by default) at what
+  the staleness window consumes: ``(max_staleness + 1)`` steps' worth of
+  groups, a step's worth being ``target_groups`` over the share of finished
+  groups that were informative so far. Without the cap, replenishment keeps
+  refilling the job slots a group's finished members free, the groups in
+  flight pile up far beyond what a step takes, and the oldest of them run
+  for two steps only to be cancelled as stale;
 - **resumable**: job ids are ``{run_id}-s{step}-p{prompt_id}-k{k}``; a trainer
   restarted from :meth:`DapoSampler.state` resubmits the same ids and gets
   the broker's existing jobs (and finished results) back.
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +89,8 @@ class SamplerConfig:
     #: Groups per batch in sync mode (default ``target_groups``).
     sync_batch_groups: int | None = None
     step_timeout_s: float | None = None
+    #: With carry-over: cap the groups in flight at what ``max_staleness + 1`` steps consume (module docstring).
+    cap_carry: bool = True
     #: Off: groups the sampler drops (early termination, staleness, failed siblings) are abandoned but
     #: left running at the broker, their results ignored: the paper's "no stale-job cleanup" ablation.
     cancel_dropped: bool = True
@@ -235,6 +245,9 @@ class DapoSampler:
         #: Set to a dict to record what became of every job (job id -> an outcome of
         #: :data:`prorl_cli.training.gpu_ledger.OUTCOMES`; replays account GPU time with it). Off: nothing kept.
         self.job_outcomes: dict[str, str] | None = None
+        #: Groups finished (informative or filtered) and informative, over the sampler's life: the informative rate.
+        self._finished_groups = 0
+        self._informative_groups = 0
 
     def _record(self, job_ids: Sequence[str], outcome: str) -> None:
         if self.job_outcomes is not None:
@@ -265,6 +278,28 @@ class DapoSampler:
             cursor=self.cursor,
             carried=[CarriedGroup(p.position, p.step, p.policy_version) for p in self._pending.values()],
         )
+
+    def group_cap(self) -> int | None:
+        """Groups that may be in flight with carry-over's cap (None: no cap beyond ``max_in_flight``)."""
+        cfg = self.config
+        if cfg.mode != "async" or not cfg.carry_over or not cfg.cap_carry:
+            return None
+        # Laplace-smoothed informative rate: one half before any group finished.
+        rate = (self._informative_groups + 1) / (self._finished_groups + 2)
+        return max(1, math.ceil((cfg.max_staleness + 1) * cfg.target_groups / rate))
+
+    def _room_for_group(self) -> bool:
+        assert self.config.max_in_flight is not None
+        if self.in_flight_jobs + self.config.group_size > self.config.max_in_flight:
+            return False
+        cap = self.group_cap()
+        # Ready groups wait to be taken by a step: they count against the window too.
+        return cap is None or self.groups_in_window < cap
+
+    @property
+    def groups_in_window(self) -> int:
+        """Groups submitted and not yet taken by a step: in flight, or finished informative and waiting."""
+        return len(self._pending) + len(self._ready)
 
     @property
     def in_flight_jobs(self) -> int:
@@ -341,6 +376,8 @@ class DapoSampler:
         else:  # zero_reward (drop_group never gets here with a failure)
             rewards = [float(r.reward or 0.0) if r.ok else 0.0 for r in ordered]
         self._record(pending.job_ids, "informative" if self.config.informative(rewards) else "filtered")
+        self._finished_groups += 1
+        self._informative_groups += bool(self.config.informative(rewards))
         if self.config.informative(rewards):
             self._ready.append(Group(pending.group_id, pending.prompt_id, pending.instance,
                                      pending.step, pending.policy_version, ordered))
@@ -407,8 +444,7 @@ class DapoSampler:
         stats.carried_in = len(self._pending) + len(self._ready)
         if cfg.mode == "async":
             while len(self._ready) < cfg.target_groups:
-                assert cfg.max_in_flight is not None
-                while self.in_flight_jobs + cfg.group_size <= cfg.max_in_flight:
+                while self._room_for_group():
                     await self._submit_next(stats)
                 await self._next_result(stats, deadline)
             if not cfg.carry_over:
