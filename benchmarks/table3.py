@@ -22,8 +22,12 @@ Configurations, one fresh deployment each, the same prompts and job ids each:
 * ``sync``: no stale-job cleanup as the paper ran it ("waiting for all jobs to
   finish"): ``SamplerConfig.mode: sync``, batches of ``--in-flight`` jobs, each
   waited for to the last rollout;
-* ``carry_over``: ``SamplerConfig.carry_over: True`` (unfinished groups
-  complete into the next step instead of being cancelled; not in the paper);
+* ``carry_over``: the sampler's defaults (``SamplerConfig.carry_over: True``:
+  unfinished groups complete into the next step instead of being cancelled,
+  at most ``carry_window_steps`` steps' worth of groups in flight; not in
+  the paper) with the broker's KV-cache admission (``broker.kv_admission``);
+* ``carry_over_before``: carry-over as it was before the carry window and KV
+  admission (``carry_window_steps: 0``, ``broker.kv_admission: 0``);
 * ``tmux``: every tool action takes ``--tmux-delay-s`` longer (tmux-style polling).
 
 Time runs ``--speedup`` times faster than on the simulated GPU (tool waits too),
@@ -33,8 +37,22 @@ instances/s (rollouts of completed groups, informative or filtered, per
 second), busy fraction and prefix-cache hit rate of the backends, and the
 ratio to ``full``, beside the paper's figures; ``--plot`` saves a PNG.
 
+The useful-work table comes from the simulated engines' own ledgers
+(``inference.sim_ledger_dir``; :mod:`prorl_cli.training.gpu_ledger`): busy
+GPU-seconds per outcome of the job that spent them (informative group,
+filtered group, failed, cancelled at a step's end, cancelled as stale, in
+flight when the replay ended), prefill tokens recomputed because a job's
+earlier context was no longer cached where its next call went (evicted, or
+moved to another backend), per-step GPU time, idle GPU time and jobs in
+flight, the off-policy token share (output tokens of returned groups
+submitted under an older policy version), and informative groups per
+GPU-second: per held GPU-second (the replay's window x backends: counts
+idle time, so it moves with this machine's load) and per busy GPU-second
+(engine step clocks only: does not). ``--plot-breakdown`` draws it.
+
     python benchmarks/table3.py [--steps 3] [--n 4] [--target 8] [--in-flight 128] [--speedup 20]
-        [--seeds 0,1] [--only full,tmux] [--plot docs/img/table3.png]
+        [--seeds 0,1,2] [--only full,sync,carry_over] [--plot docs/img/table3.png]
+        [--plot-breakdown docs/img/table3_breakdown.png] [--json out.json] [--from-json out.json]
 """
 
 from __future__ import annotations
@@ -67,6 +85,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no_cleanup": {"broker": {"cancel_propagation": False}, "sampler": {"cancel_dropped": False}},
     "sync": {"sampler": {"mode": "sync"}},
     "carry_over": {"sampler": {"carry_over": True}},
+    # The default before the carry window and KV admission: what made wait-for-all batching look better.
+    "carry_over_before": {"sampler": {"carry_over": True, "carry_window_steps": 0.0}, "broker": {"kv_admission": 0.0}},
     "tmux": {"tmux": True},
 }
 DEFAULT_CONFIGS = ("full", "round_robin", "ever_assigned", "no_cleanup", "sync", "tmux")
@@ -78,6 +98,7 @@ PAPER: dict[str, tuple[float | None, float | None]] = {
     "no_cleanup": (0.25, 0.42),  # the paper's "without stale job cleanup" (it waited for all jobs: our "sync")
     "sync": (0.25, 0.42),
     "carry_over": (None, None),
+    "carry_over_before": (None, None),
     "tmux": (0.29, 0.68),  # the paper's "without efficient bash" (0.78 s vs 0.42 s per action)
 }
 

@@ -18,13 +18,14 @@ are not all equal), the way ProRL Agent's trainer does:
   reaches its target complete into the next step, tagged with the policy
   version they were submitted under; groups older than ``max_staleness``
   versions are cancelled. So that carried work is work the next steps can
-  use, groups in flight are capped (``cap_carry``, on by default) at what
-  the staleness window consumes: ``(max_staleness + 1)`` steps' worth of
-  groups, a step's worth being ``target_groups`` over the share of finished
-  groups that were informative so far. Without the cap, replenishment keeps
-  refilling the job slots a group's finished members free, the groups in
-  flight pile up far beyond what a step takes, and the oldest of them run
-  for two steps only to be cancelled as stale;
+  use, groups in flight (or finished and not yet taken) are capped at
+  ``carry_window_steps`` steps' worth (default 1.5; 0: no cap), a step's
+  worth being ``target_groups`` over the share of finished groups that were
+  informative so far. Without the cap, replenishment keeps refilling the
+  job slots a group's finished members free, the groups in flight pile up
+  to several steps' worth, a group waits that many steps to complete (the
+  short ones overtake it), and the long ones run for two steps only to be
+  cancelled as stale;
 - **resumable**: job ids are ``{run_id}-s{step}-p{prompt_id}-k{k}``; a trainer
   restarted from :meth:`DapoSampler.state` resubmits the same ids and gets
   the broker's existing jobs (and finished results) back.
@@ -89,8 +90,8 @@ class SamplerConfig:
     #: Groups per batch in sync mode (default ``target_groups``).
     sync_batch_groups: int | None = None
     step_timeout_s: float | None = None
-    #: With carry-over: cap the groups in flight at what ``max_staleness + 1`` steps consume (module docstring).
-    cap_carry: bool = True
+    #: With carry-over: at most this many steps' worth of groups in flight (module docstring); 0: no cap.
+    carry_window_steps: float = 1.5
     #: Off: groups the sampler drops (early termination, staleness, failed siblings) are abandoned but
     #: left running at the broker, their results ignored: the paper's "no stale-job cleanup" ablation.
     cancel_dropped: bool = True
@@ -104,6 +105,8 @@ class SamplerConfig:
             raise ValueError(f"sampler mode must be one of {MODES}, got {self.mode!r}")
         if self.failed not in FAILED_POLICIES:
             raise ValueError(f"sampler failed must be one of {FAILED_POLICIES}, got {self.failed!r}")
+        if self.carry_window_steps < 0:
+            raise ValueError(f"sampler carry_window_steps must be >= 0 (0: no cap), got {self.carry_window_steps}")
         if self.max_staleness < 0:
             raise ValueError(f"sampler max_staleness must be >= 0, got {self.max_staleness}")
         if self.max_in_flight is None:
@@ -282,11 +285,11 @@ class DapoSampler:
     def group_cap(self) -> int | None:
         """Groups that may be in flight with carry-over's cap (None: no cap beyond ``max_in_flight``)."""
         cfg = self.config
-        if cfg.mode != "async" or not cfg.carry_over or not cfg.cap_carry:
+        if cfg.mode != "async" or not cfg.carry_over or cfg.carry_window_steps <= 0:
             return None
         # Laplace-smoothed informative rate: one half before any group finished.
         rate = (self._informative_groups + 1) / (self._finished_groups + 2)
-        return max(1, math.ceil((cfg.max_staleness + 1) * cfg.target_groups / rate))
+        return max(1, math.ceil(cfg.carry_window_steps * cfg.target_groups / rate))
 
     def _room_for_group(self) -> bool:
         assert self.config.max_in_flight is not None
