@@ -320,6 +320,10 @@ class Useful:
     per_kgpu_s: float  # informative groups per 1,000 held GPU-seconds (mean over seeds)
     per_kgpu_s_range: tuple[float, float]
     per_kbusy_s: float  # per 1,000 busy GPU-seconds (engine clocks only)
+    #: Per 1,000 held GPU-seconds less the busy ones of work still in flight at the end (carried into a next
+    #: step that the replay does not run; in steady state a step inherits as much as it leaves).
+    per_kgpu_s_carried: float
+    vs_sync_carried: float | None
     vs_sync: float | None
     vs_sync_range: tuple[float, float] | None
     vs_full: float | None
@@ -339,6 +343,10 @@ def useful_work(outcomes: list[Outcome]) -> list[Useful]:
         if not runs:
             continue
         vals = [o.informative_per_gpu_s * 1000 for o in runs]
+        carried = {o.seed: 1000 * o.informative_groups / (o.held_gpu_s - o.gpu_s.get("in_flight", 0.0)) for o in runs}
+        sync_carried = {o.seed: 1000 * o.informative_groups / o.held_gpu_s
+                        for o in outcomes if o.config == "sync" and not o.skipped and o.held_gpu_s}
+        vs_carried = [carried[sd] / sync_carried[sd] for sd in carried if sync_carried.get(sd)]
         ratios = {c: [o.informative_per_gpu_s / base[c][o.seed] for o in runs if base[c].get(o.seed)] for c in base}
         shares: dict[str, float] = {}
         for o in runs:
@@ -348,6 +356,7 @@ def useful_work(outcomes: list[Outcome]) -> list[Useful]:
         out.append(Useful(
             name, statistics.fmean(vals), (min(vals), max(vals)),
             statistics.fmean(o.informative_per_busy_gpu_s * 1000 for o in runs),
+            statistics.fmean(carried.values()), statistics.fmean(vs_carried) if vs_carried else None,
             statistics.fmean(ratios["sync"]) if ratios["sync"] else None,
             (min(ratios["sync"]), max(ratios["sync"])) if ratios["sync"] else None,
             statistics.fmean(ratios["full"]) if ratios["full"] else None,
@@ -509,14 +518,15 @@ def main() -> None:
     print("\nuseful work: informative groups per 1,000 GPU-s held (window x backends) and per 1,000 busy GPU-s "
           "(engine clocks); share of held GPU-s per job outcome")
     print(f"{'config':<14}{'inf/kGPU-s':>11}{'spread':>14}{'x sync':>7}{'spread':>12}{'x full':>7}{'inf/kbusy':>10}"
-          f"{'off-pol':>8}{'recomp/call':>12}   shares")
+          f"{'off-pol':>8}{'recomp/call':>12}{'carried cr.':>12}{'x sync':>7}   shares")
     for u in useful:
         vs = f"{u.vs_sync:.2f}" if u.vs_sync is not None else "-"
         vsr = f"{u.vs_sync_range[0]:.2f}-{u.vs_sync_range[1]:.2f}" if u.vs_sync_range else "-"
         vf = f"{u.vs_full:.2f}" if u.vs_full is not None else "-"
         shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(u.shares.items(), key=lambda kv: -kv[1]) if v >= 0.005)
         print(f"{u.config:<14}{u.per_kgpu_s:>11.2f}{u.per_kgpu_s_range[0]:>7.2f}-{u.per_kgpu_s_range[1]:<6.2f}"
-              f"{vs:>7}{vsr:>12}{vf:>7}{u.per_kbusy_s:>10.2f}{u.off_policy:>8.0%}{u.recomputed_per_call:>12.0f}   {shares}")
+              f"{vs:>7}{vsr:>12}{vf:>7}{u.per_kbusy_s:>10.2f}{u.off_policy:>8.0%}{u.recomputed_per_call:>12.0f}"
+              f"{u.per_kgpu_s_carried:>12.2f}{(f'{u.vs_sync_carried:.2f}' if u.vs_sync_carried else '-'):>7}   {shares}")
     if args.json:
         args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=2))
     if args.plot:
