@@ -22,8 +22,12 @@ Configurations, one fresh deployment each, the same prompts and job ids each:
 * ``sync``: no stale-job cleanup as the paper ran it ("waiting for all jobs to
   finish"): ``SamplerConfig.mode: sync``, batches of ``--in-flight`` jobs, each
   waited for to the last rollout;
-* ``carry_over``: ``SamplerConfig.carry_over: True`` (unfinished groups
-  complete into the next step instead of being cancelled; not in the paper);
+* ``carry_over``: the sampler's defaults (``SamplerConfig.carry_over: True``:
+  unfinished groups complete into the next step instead of being cancelled,
+  at most ``carry_window_steps`` steps' worth of groups in flight; not in
+  the paper) with the broker's KV-cache admission (``broker.kv_admission``);
+* ``carry_over_before``: carry-over as it was before the carry window and KV
+  admission (``carry_window_steps: 0``, ``broker.kv_admission: 0``);
 * ``tmux``: every tool action takes ``--tmux-delay-s`` longer (tmux-style polling).
 
 Time runs ``--speedup`` times faster than on the simulated GPU (tool waits too),
@@ -33,8 +37,22 @@ instances/s (rollouts of completed groups, informative or filtered, per
 second), busy fraction and prefix-cache hit rate of the backends, and the
 ratio to ``full``, beside the paper's figures; ``--plot`` saves a PNG.
 
+The useful-work table comes from the simulated engines' own ledgers
+(``inference.sim_ledger_dir``; :mod:`prorl_cli.training.gpu_ledger`): busy
+GPU-seconds per outcome of the job that spent them (informative group,
+filtered group, failed, cancelled at a step's end, cancelled as stale, in
+flight when the replay ended), prefill tokens recomputed because a job's
+earlier context was no longer cached where its next call went (evicted, or
+moved to another backend), per-step GPU time, idle GPU time and jobs in
+flight, the off-policy token share (output tokens of returned groups
+submitted under an older policy version), and informative groups per
+GPU-second: per held GPU-second (the replay's window x backends: counts
+idle time, so it moves with this machine's load) and per busy GPU-second
+(engine step clocks only: does not). ``--plot-breakdown`` draws it.
+
     python benchmarks/table3.py [--steps 3] [--n 4] [--target 8] [--in-flight 128] [--speedup 20]
-        [--seeds 0,1] [--only full,tmux] [--plot docs/img/table3.png]
+        [--seeds 0,1,2] [--only full,sync,carry_over] [--plot docs/img/table3.png]
+        [--plot-breakdown docs/img/table3_breakdown.png] [--json out.json] [--from-json out.json]
 """
 
 from __future__ import annotations
@@ -42,11 +60,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +74,7 @@ sys.path.insert(0, str(ROOT))
 
 from prorl_cli.embedded import LocalStack  # noqa: E402
 from prorl_cli.exceptions import ConfigError  # noqa: E402
+from prorl_cli.training.gpu_ledger import OUTCOMES, breakdown, idle_gpu_s, load_ledgers  # noqa: E402
 
 BACKENDS = 4
 #: Per configuration: prorl config overrides ("broker"), sampler settings ("sampler"), tmux-style tools ("tmux").
@@ -65,6 +85,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no_cleanup": {"broker": {"cancel_propagation": False}, "sampler": {"cancel_dropped": False}},
     "sync": {"sampler": {"mode": "sync"}},
     "carry_over": {"sampler": {"carry_over": True}},
+    # The default before the carry window and KV admission: what made wait-for-all batching look better.
+    "carry_over_before": {"sampler": {"carry_over": True, "carry_window_steps": 0.0}, "broker": {"kv_admission": 0.0}},
     "tmux": {"tmux": True},
 }
 DEFAULT_CONFIGS = ("full", "round_robin", "ever_assigned", "no_cleanup", "sync", "tmux")
@@ -76,6 +98,7 @@ PAPER: dict[str, tuple[float | None, float | None]] = {
     "no_cleanup": (0.25, 0.42),  # the paper's "without stale job cleanup" (it waited for all jobs: our "sync")
     "sync": (0.25, 0.42),
     "carry_over": (None, None),
+    "carry_over_before": (None, None),
     "tmux": (0.29, 0.68),  # the paper's "without efficient bash" (0.78 s vs 0.42 s per action)
 }
 
@@ -99,6 +122,25 @@ class Outcome:
     prefix_hit_rate: float
     aborted_calls: int
     skipped: str | None = None
+    #: Informative groups the steps returned, over the GPU seconds the backends were held (window x backends).
+    informative_groups: int = 0
+    held_gpu_s: float = 0.0
+    informative_per_gpu_s: float = 0.0
+    #: Over busy GPU seconds only (the engines' own step clocks: does not move with the machine's load).
+    informative_per_busy_gpu_s: float = 0.0
+    #: Busy GPU seconds (engine clocks) per job outcome; they add up to ``busy_gpu_s``.
+    busy_gpu_s: float = 0.0
+    gpu_s: dict[str, float] = field(default_factory=dict)
+    jobs: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: dict[str, int] = field(default_factory=dict)
+    moved_calls: int = 0
+    #: Per step: GPU-time duration (wall x speedup), jobs in flight (mean of samples), engines' idle GPU seconds.
+    step_gpu_s: list[float] = field(default_factory=list)
+    step_in_flight: list[float] = field(default_factory=list)
+    step_idle_gpu_s: list[float] = field(default_factory=list)
+    #: Output tokens of returned groups submitted under an older policy version, over all returned tokens.
+    off_policy_token_fraction: float = 0.0
 
 
 def prompts(seed: int, count: int, tool_median_s: float, speedup: float, action_delay_s: float) -> list[dict[str, Any]]:
@@ -162,7 +204,8 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         # Room for the sampler's jobs and the abandoned ones still running (no_cleanup); more wait in the broker's queue.
         "node": {"n_init": 32, "n_run": args.in_flight * 2, "n_eval": 32, "stop_grace_s": 3.0},
         "jobs": {"timeout_s": 3600.0},
-        "inference": {"generate_timeout_s": 3600.0, "sim_speedup": args.speedup, "capacity": 256},
+        "inference": {"generate_timeout_s": 3600.0, "sim_speedup": args.speedup, "capacity": 256,
+                      "sim_ledger_dir": str(home / f"ledgers-{name}-{seed}")},
         "log_level": "WARNING",
     }
     tasks = prompts(seed, 4096, args.tool_median_s, args.speedup, delay)
@@ -177,14 +220,24 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         time.sleep(0.6)  # a first heartbeat with stats from every bridge
         before = backend_totals(stack)
         sampler = BlockingDapoSampler(stack.client, "sim_agent", tasks, sampler_cfg)
+        sampler.sampler.job_outcomes = {}
+        in_flight: list[int] = []
+        sampler.sampler.on_progress = lambda st: in_flight.append(st.in_flight)
         started = time.monotonic()
         rollouts = cancelled = 0
+        bounds = [started]
+        in_flight_means = []
+        returned: list[tuple[list[str], bool]] = []  # job ids of each returned group, consumed a version late
         try:
             for k in range(args.steps):
+                in_flight.clear()
                 batch = sampler.step(policy_version=k)
+                bounds.append(time.monotonic())
+                in_flight_means.append(round(statistics.fmean(in_flight), 1) if in_flight else 0.0)
                 st = batch.stats
                 rollouts += (len(batch.groups) + st.filtered) * args.n
                 cancelled += st.cancelled_jobs
+                returned += [([r.job_id for r in g.results], g.policy_version < k) for g in batch.groups]
                 if args.verbose:
                     print(f"  {name} seed {seed} step {k}: {st.wall_s:.1f} s, {st.submitted_groups} groups submitted, "
                           f"{st.filtered} filtered, {st.failed_groups} failed, {st.cancelled_jobs} jobs cancelled",
@@ -196,12 +249,32 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
             sampler.close(cancel_in_flight=True)
         stack.stop()
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    ledgers = load_ledgers(home / f"ledgers-{name}-{seed}")
+    bd = breakdown(ledgers, sampler.sampler.job_outcomes)
+    tokens: dict[str, int] = {}
+    for led in ledgers:
+        for c in led["calls"]:
+            tokens[c["job_id"]] = tokens.get(c["job_id"], 0) + int(c["output_tokens"])
+    late = sum(tokens.get(j, 0) for ids, stale in returned if stale for j in ids)
+    all_returned = sum(tokens.get(j, 0) for ids, _ in returned for j in ids)
+    held_gpu_s = wall_s * args.speedup * BACKENDS
+    busy_in_window = bd.busy_s  # cancelled work after the last step is tiny next to the run (the cancel is at once)
+    informative = len(returned)
     return Outcome(
         config=name, seed=seed, wall_s=round(wall_s, 1), rollouts=rollouts, cancelled=cancelled, steps=args.steps,
         instances_per_s=round(rollouts / wall_s / args.speedup, 4),
         busy_fraction=round(d.get("busy_s", 0) / d["elapsed_s"], 3) if d.get("elapsed_s") else 0.0,
         prefix_hit_rate=round(d.get("cached_tokens", 0) / d["prompt_tokens"], 3) if d.get("prompt_tokens") else 0.0,
         aborted_calls=int(d.get("aborted", 0)),
+        informative_groups=informative, held_gpu_s=round(held_gpu_s, 1),
+        informative_per_gpu_s=round(informative / held_gpu_s, 5),
+        informative_per_busy_gpu_s=round(informative / busy_in_window, 5) if busy_in_window else 0.0,
+        busy_gpu_s=round(bd.busy_s, 2), gpu_s={k: round(v, 2) for k, v in bd.gpu_s.items()},
+        jobs=bd.jobs, calls=bd.calls, recomputed_tokens=bd.recomputed_tokens, moved_calls=bd.moved_calls,
+        step_gpu_s=[round((b - a) * args.speedup, 1) for a, b in zip(bounds, bounds[1:], strict=False)],
+        step_in_flight=in_flight_means,
+        step_idle_gpu_s=[round(idle_gpu_s(ledgers, a, b), 1) for a, b in zip(bounds, bounds[1:], strict=False)],
+        off_policy_token_fraction=round(late / all_returned, 3) if all_returned else 0.0,
     )
 
 
@@ -237,6 +310,98 @@ def summarise(outcomes: list[Outcome]) -> list[Summary]:
             statistics.fmean(ratios) if ratios else None, (min(ratios), max(ratios)) if ratios else None,
         ))
     return out
+
+
+@dataclass
+class Useful:
+    """One configuration over its seeds, on the useful-work metric (informative groups per GPU-second)."""
+
+    config: str
+    per_kgpu_s: float  # informative groups per 1,000 held GPU-seconds (mean over seeds)
+    per_kgpu_s_range: tuple[float, float]
+    per_kbusy_s: float  # per 1,000 busy GPU-seconds (engine clocks only)
+    #: Per 1,000 held GPU-seconds less the busy ones of work still in flight at the end (carried into a next
+    #: step that the replay does not run; in steady state a step inherits as much as it leaves).
+    per_kgpu_s_carried: float
+    vs_sync_carried: float | None
+    vs_sync: float | None
+    vs_sync_range: tuple[float, float] | None
+    vs_full: float | None
+    off_policy: float
+    #: Mean share of held GPU-seconds per outcome, and "idle".
+    shares: dict[str, float]
+    recomputed_per_call: float
+
+
+def useful_work(outcomes: list[Outcome]) -> list[Useful]:
+    """Informative groups per GPU-second per configuration; ratios to ``sync`` and ``full`` per seed, then averaged."""
+    base = {c: {o.seed: o.informative_per_gpu_s for o in outcomes if o.config == c and not o.skipped}
+            for c in ("sync", "full")}
+    out = []
+    for name in dict.fromkeys(o.config for o in outcomes):
+        runs = [o for o in outcomes if o.config == name and not o.skipped]
+        if not runs:
+            continue
+        vals = [o.informative_per_gpu_s * 1000 for o in runs]
+        carried = {o.seed: 1000 * o.informative_groups / (o.held_gpu_s - o.gpu_s.get("in_flight", 0.0)) for o in runs}
+        sync_carried = {o.seed: 1000 * o.informative_groups / o.held_gpu_s
+                        for o in outcomes if o.config == "sync" and not o.skipped and o.held_gpu_s}
+        vs_carried = [carried[sd] / sync_carried[sd] for sd in carried if sync_carried.get(sd)]
+        ratios = {c: [o.informative_per_gpu_s / base[c][o.seed] for o in runs if base[c].get(o.seed)] for c in base}
+        shares: dict[str, float] = {}
+        for o in runs:
+            for k, v in [*o.gpu_s.items(), ("idle", max(0.0, o.held_gpu_s - o.busy_gpu_s))]:
+                shares[k] = shares.get(k, 0.0) + v / o.held_gpu_s / len(runs)
+        calls = sum(sum(o.calls.values()) for o in runs)
+        out.append(Useful(
+            name, statistics.fmean(vals), (min(vals), max(vals)),
+            statistics.fmean(o.informative_per_busy_gpu_s * 1000 for o in runs),
+            statistics.fmean(carried.values()), statistics.fmean(vs_carried) if vs_carried else None,
+            statistics.fmean(ratios["sync"]) if ratios["sync"] else None,
+            (min(ratios["sync"]), max(ratios["sync"])) if ratios["sync"] else None,
+            statistics.fmean(ratios["full"]) if ratios["full"] else None,
+            statistics.fmean(o.off_policy_token_fraction for o in runs), shares,
+            sum(sum(o.recomputed_tokens.values()) for o in runs) / calls if calls else 0.0,
+        ))
+    return out
+
+
+def plot_breakdown(useful: list[Useful], path: Path, title: str) -> None:
+    """Stacked bars: where each configuration's held GPU-seconds went, and its informative groups per GPU-second."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [u.config for u in useful]
+    x = list(range(len(names)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    bottom = [0.0] * len(names)
+    colors = {"informative": "tab:green", "filtered": "tab:olive", "failed": "tab:brown", "cancelled": "tab:red",
+              "stale": "tab:orange", "abandoned": "tab:pink", "in_flight": "tab:blue", "unknown": "black",
+              "idle": "lightgray"}
+    for key in [*OUTCOMES, "idle"]:
+        vals = [u.shares.get(key, 0.0) * 100 for u in useful]
+        if not any(vals):
+            continue
+        ax1.bar(x, vals, 0.6, bottom=bottom, label=key, color=colors.get(key))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax1.set_xticks(x, names, rotation=20)
+    ax1.set_ylabel("% of held GPU-seconds (engine clocks; idle = held - busy)")
+    ax1.legend(fontsize=7, loc="lower left", ncol=2)
+    vals = [u.per_kgpu_s for u in useful]
+    err = [[u.per_kgpu_s - u.per_kgpu_s_range[0] for u in useful], [u.per_kgpu_s_range[1] - u.per_kgpu_s for u in useful]]
+    ax2.bar(x, vals, 0.6, yerr=err, capsize=3, color="tab:green")
+    for i, u in enumerate(useful):
+        if u.vs_sync is not None:
+            ax2.annotate(f"{u.vs_sync:.2f}x sync", (i, u.per_kgpu_s_range[1]), ha="center", va="bottom", fontsize=8)
+    ax2.set_xticks(x, names, rotation=20)
+    ax2.set_ylabel("informative groups per 1,000 GPU-s (min-max over seeds)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(summaries: list[Summary], path: Path, title: str) -> None:
@@ -279,7 +444,12 @@ def plot(summaries: list[Summary], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through LocalStack, which stops its children
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--n", type=int, default=4, help="rollouts per group")
@@ -293,6 +463,9 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
     ap.add_argument("--json", type=Path, help="also write the outcomes here")
     ap.add_argument("--plot", type=Path, help="save a PNG plot here (e.g. docs/img/table3.png)")
+    ap.add_argument("--plot-breakdown", type=Path,
+                    help="save the GPU-time breakdown (stacked bars) and informative groups per GPU-s here (PNG)")
+    ap.add_argument("--from-json", type=Path, help="summarise and plot these saved outcomes instead of running")
     ap.add_argument("--verbose", action="store_true", help="print each step")
     args = ap.parse_args()
     names = [c for c in args.only.split(",") if c]
@@ -306,14 +479,22 @@ def main() -> None:
     if args.in_flight < args.n:
         ap.error(f"--in-flight ({args.in_flight}) must hold at least one group (--n {args.n})")
     outcomes = []
+    if args.from_json:
+        outcomes = [Outcome(**o) for o in json.loads(args.from_json.read_text())]
+        outcomes = [o for o in outcomes if o.config in names and o.seed in seeds]
     with tempfile.TemporaryDirectory(prefix="prorl-table3-") as tmp:
-        for seed in seeds:  # seed-major: a slow patch of the machine spreads over configurations
+        for seed in seeds if not args.from_json else ():  # seed-major: a slow patch of the machine spreads over configurations
             for name in names:
                 print(f"running {name} seed {seed} ...", flush=True)
                 o = run_config(name, seed, args, Path(tmp))
                 if args.verbose and not o.skipped:
-                    print(f"  -> {o.instances_per_s:.3f} inst/s, busy {o.busy_fraction:.0%}, "
-                          f"hits {o.prefix_hit_rate:.0%}, {o.wall_s} s", flush=True)
+                    print(f"  -> {o.instances_per_s:.3f} inst/s, {o.informative_per_gpu_s * 1000:.2f} informative "
+                          f"groups per 1000 GPU-s ({o.informative_per_busy_gpu_s * 1000:.2f} per 1000 busy), "
+                          f"busy {o.busy_fraction:.0%}, hits {o.prefix_hit_rate:.0%}, {o.wall_s} s", flush=True)
+                    print(f"     busy GPU-s by outcome: {o.gpu_s}; jobs {o.jobs}", flush=True)
+                    print(f"     recomputed prefill tokens {o.recomputed_tokens}, moved calls {o.moved_calls}; "
+                          f"steps GPU-s {o.step_gpu_s}, idle {o.step_idle_gpu_s}, in flight {o.step_in_flight}; "
+                          f"off-policy tokens {o.off_policy_token_fraction:.0%}", flush=True)
                 outcomes.append(o)
     title = (f"Table 3 replay: {BACKENDS} simulated H100/8B backends, {args.steps} DAPO steps, groups of {args.n}, "
              f"target {args.target}, {args.in_flight} in flight, time x{args.speedup:g}, seeds {seeds}")
@@ -333,11 +514,27 @@ def main() -> None:
         print(f"{sm.config:<14}{sm.instances_per_s:>8.3f}{sm.instances_range[0]:>7.3f}-{sm.instances_range[1]:<6.3f}"
               f"{r:>7}{rr:>12}{sm.busy_fraction:>6.0%}{sm.busy_range[0]:>5.0%}-{sm.busy_range[1]:<4.0%}"
               f"{sm.prefix_hit_rate:>11.0%}   {paper_s}")
+    useful = useful_work(outcomes)
+    print("\nuseful work: informative groups per 1,000 GPU-s held (window x backends) and per 1,000 busy GPU-s "
+          "(engine clocks); share of held GPU-s per job outcome")
+    print(f"{'config':<14}{'inf/kGPU-s':>11}{'spread':>14}{'x sync':>7}{'spread':>12}{'x full':>7}{'inf/kbusy':>10}"
+          f"{'off-pol':>8}{'recomp/call':>12}{'carried cr.':>12}{'x sync':>7}   shares")
+    for u in useful:
+        vs = f"{u.vs_sync:.2f}" if u.vs_sync is not None else "-"
+        vsr = f"{u.vs_sync_range[0]:.2f}-{u.vs_sync_range[1]:.2f}" if u.vs_sync_range else "-"
+        vf = f"{u.vs_full:.2f}" if u.vs_full is not None else "-"
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(u.shares.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+        print(f"{u.config:<14}{u.per_kgpu_s:>11.2f}{u.per_kgpu_s_range[0]:>7.2f}-{u.per_kgpu_s_range[1]:<6.2f}"
+              f"{vs:>7}{vsr:>12}{vf:>7}{u.per_kbusy_s:>10.2f}{u.off_policy:>8.0%}{u.recomputed_per_call:>12.0f}"
+              f"{u.per_kgpu_s_carried:>12.2f}{(f'{u.vs_sync_carried:.2f}' if u.vs_sync_carried else '-'):>7}   {shares}")
     if args.json:
         args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=2))
     if args.plot:
         plot(summaries, args.plot, title)
         print(f"plot: {args.plot}")
+    if args.plot_breakdown:
+        plot_breakdown(useful, args.plot_breakdown, title)
+        print(f"plot: {args.plot_breakdown}")
 
 
 if __name__ == "__main__":

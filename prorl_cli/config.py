@@ -57,6 +57,11 @@ class BrokerConfig:
     routing_policy: Literal["least_loaded_sticky", "round_robin", "ever_assigned"] = "least_loaded_sticky"
     # A job that ends cancels its generate calls at the engine; false is an ablation (stale calls keep running).
     cancel_propagation: bool = True
+    # KV-cache admission (sticky policies): a new job's first call goes only to a backend whose live jobs' contexts
+    # fill at most this share of the KV cache it reports (kv_capacity_tokens); 0 turns it off. Such a call waits
+    # at the broker for room at most kv_admission_max_wait_s, then goes to the policy's choice anyway.
+    kv_admission: float = 0.7
+    kv_admission_max_wait_s: float = 120.0
 
 
 @dataclass
@@ -209,6 +214,10 @@ def _validate(cfg: ProrlConfig, origin: str) -> None:
         raise ConfigError(f"{origin}: broker.heartbeat_interval_s: must be positive")
     if cfg.broker.heartbeat_liveness < 1:
         raise ConfigError(f"{origin}: broker.heartbeat_liveness: must be at least 1")
+    if not 0 <= cfg.broker.kv_admission <= 4:
+        raise ConfigError(f"{origin}: broker.kv_admission: a share of the KV cache in [0, 4] (0: off), got {cfg.broker.kv_admission}")
+    if cfg.broker.kv_admission_max_wait_s < 0:
+        raise ConfigError(f"{origin}: broker.kv_admission_max_wait_s: must be >= 0, got {cfg.broker.kv_admission_max_wait_s}")
     if cfg.broker.receive_window_messages < 1:
         raise ConfigError(f"{origin}: broker.receive_window_messages: must be at least 1, got {cfg.broker.receive_window_messages}")
     if not 0 <= cfg.broker.port < 65536:

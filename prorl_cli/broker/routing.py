@@ -21,6 +21,11 @@ is a named choice (``broker.routing_policy``):
   stickiness: a multi-turn job's prefix cache is lost on every hop).
 - ``ever_assigned``: the paper's server: sticky, and a new job goes to the
   backend that was ever assigned the fewest jobs (a count never decremented).
+
+With a sticky policy, a new job's first call also passes KV-cache admission
+(:mod:`prorl_cli.broker.admission`, ``broker.kv_admission``): it goes only to
+a backend whose live jobs' contexts leave room for it in the KV cache the
+backend reports, and waits at the broker while none has room.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prorl_cli import protocol as P
+from prorl_cli.broker.admission import KvAdmission, WaitingCall, call_tokens
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.protocol import ErrorCode, Op
 
@@ -325,6 +331,8 @@ class Router:
         heartbeat_interval_s: float,
         heartbeat_liveness: int,
         register_reply_fields: dict[str, Any] | None = None,
+        kv_admission: float = 0.0,
+        kv_admission_max_wait_s: float = 120.0,
     ) -> None:
         if policy not in POLICY_CLASSES:
             raise ConfigError(f"broker.routing_policy: {policy!r} is not one of {list(POLICY_CLASSES)}")
@@ -344,6 +352,8 @@ class Router:
         self.sticky: dict[str, str] = {}  # job id -> backend id
         self.pending = PendingGenerates()
         self.held = HeldGenerates()
+        #: New jobs' first calls waiting for KV room on a backend (sticky policies only).
+        self.admission = KvAdmission(kv_admission if POLICY_CLASSES[policy].sticky else 0.0, kv_admission_max_wait_s)
         self._call_ids = itertools.count(1)
         self.paused = False
         #: The trainer's policy (weights) version, set by pause/resume; 0 until told.
@@ -411,17 +421,23 @@ class Router:
         """
         self._release_sticky(job_id)
         if not self.cancel_propagation:
+            self._admit_waiting()
             return
         for item in self.held.pop_job(job_id):
             self._answer_dropped(item.requester, item.header.get("rid"), ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
+        for waiting in self.admission.pop_job(job_id):
+            self._answer_dropped(waiting.requester, waiting.header.get("rid"), ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
         for call_id, pend in self.pending.pop_job(job_id):
             self._stop_call(call_id, pend, ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
         self._prune_backends()
+        self._admit_waiting()  # its share of KV is free
         if self.drains:
             self.check_waiters()
 
     def tick(self, now: float) -> None:
-        """Bridge liveness: declare silent bridges lost, heartbeat the others."""
+        """Bridge liveness: declare silent bridges lost, heartbeat the others; route first calls waited long enough."""
+        if self.admission.overdue():
+            self._admit_waiting()
         for backend in list(self.backends.values()):
             if backend.kind != "bridge" or not backend.alive:
                 continue
@@ -444,6 +460,9 @@ class Router:
                 self._send(backend.identity, {"op": Op.SHUTDOWN.value}, ())
         for item in self.held.pop_all():
             self._answer_dropped(item.requester, item.header.get("rid"), ErrorCode.SHUTTING_DOWN, "the broker is stopping")
+        for waiting in self.admission.take_all():
+            self._answer_dropped(waiting.requester, waiting.header.get("rid"), ErrorCode.SHUTTING_DOWN,
+                                 "the broker is stopping")
         for _, pend in self.pending.pop_all():
             if not pend.redirect:
                 self._answer_dropped(pend.requester, pend.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping")
@@ -484,6 +503,7 @@ class Router:
             (),
         )
         self._release_held()
+        self._admit_waiting()
 
     def on_add_llm_server(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         url = h["url"].rstrip("/")
@@ -740,10 +760,14 @@ class Router:
     def _candidates(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.alive and not b.cleared]
 
-    def _route_call(self, identity: bytes, h: dict[str, Any], payload: list[bytes], running: bool = False) -> None:
-        """Send one validated call to its backend, or hold it (paused, or no backend up).
+    def _route_call(
+        self, identity: bytes, h: dict[str, Any], payload: list[bytes], running: bool = False,
+        waiting_since: float | None = None,
+    ) -> None:
+        """Send one validated call to its backend, or hold it (paused, no backend up, or no KV room for a new job).
 
         ``running``: the caller has just checked that the job runs (else it is checked here).
+        ``waiting_since``: a first call coming back from the admission queue (when it started waiting).
         """
         job_id: str = h["job_id"]
         if self.paused:
@@ -754,11 +778,23 @@ class Router:
             # Held while its job ended (a node that lost the job meanwhile): answer, never route.
             self._answer_dropped(identity, h.get("rid"), ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
             return
-        backend = self._route(job_id, identity, h.get("host"), running)
+        tokens = call_tokens(h, payload)
+        if self.admission.enabled and running and job_id not in self.sticky:
+            now = self.admission.clock()
+            overdue = waiting_since is not None and now - waiting_since >= self.admission.max_wait_s
+            candidates = self._candidates()
+            if candidates and not overdue and not any(
+                self.admission.has_room(b.backend_id, b.stats, tokens) for b in candidates
+            ):
+                self.admission.wait(WaitingCall(waiting_since or now, identity, h, list(payload)))
+                return
+        backend = self._route(job_id, identity, h.get("host"), running, tokens)
         if backend is None:
             # Nothing registered yet: hold until a backend appears.
             self._hold(identity, h, payload)
             return
+        if self.admission.enabled and running:
+            self.admission.note(job_id, backend.backend_id, tokens)
         call_id = next(self._call_ids)
         if backend.kind == "http":
             self.pending.add(call_id, PendingGenerate(identity, h["rid"], job_id, backend.backend_id, True, self.policy_version))
@@ -772,7 +808,7 @@ class Router:
             return
         self.pending.add(call_id, PendingGenerate(identity, h["rid"], job_id, backend.backend_id, False, self.policy_version))
 
-    def _route(self, job_id: str, requester: bytes, host: str | None, running: bool) -> Backend | None:
+    def _route(self, job_id: str, requester: bytes, host: str | None, running: bool, tokens: int = 0) -> Backend | None:
         if self.policy.sticky:
             bid = self.sticky.get(job_id)
             if bid is not None:
@@ -783,6 +819,9 @@ class Router:
         candidates = self._candidates()
         if not candidates:
             return None
+        if self.admission.enabled and running:
+            roomy = [b for b in candidates if self.admission.has_room(b.backend_id, b.stats, tokens)]
+            candidates = roomy or candidates  # none: the call waited its longest; the policy's choice
         if host is None:
             node = self._node_of(requester)
             host = node.host if node else None
@@ -794,7 +833,21 @@ class Router:
             backend.assigned += 1
         return backend
 
+    def _admit_waiting(self) -> None:
+        """Route the first calls waiting for KV room, oldest first; the rest keep waiting behind one that still fits nowhere."""
+        if not len(self.admission) or self.paused:
+            return
+        blocked = False
+        for call in self.admission.take_all():
+            if blocked:
+                self.admission.wait(call)
+                continue
+            before = len(self.admission)
+            self._route_call(call.requester, call.header, call.payload, waiting_since=call.since)
+            blocked = len(self.admission) > before
+
     def _release_sticky(self, job_id: str) -> None:
+        self.admission.forget(job_id)
         bid = self.sticky.pop(job_id, None)
         backend = self.backends.get(bid) if bid is not None else None
         if backend is not None:

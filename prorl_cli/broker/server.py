@@ -100,6 +100,7 @@ class Broker:
         self.router = Router(
             self._send, self._live_node, self._running_node,
             policy=bc.routing_policy, cancel_propagation=bc.cancel_propagation,
+            kv_admission=bc.kv_admission, kv_admission_max_wait_s=bc.kv_admission_max_wait_s,
             heartbeat_interval_s=bc.heartbeat_interval_s, heartbeat_liveness=bc.heartbeat_liveness,
             register_reply_fields={"boot_id": self.boot_id},
         )

@@ -25,7 +25,7 @@ from typing import Any
 
 from prorl_cli import protocol as P
 from prorl_cli.exceptions import InferenceError, ProtocolError
-from prorl_cli.inference.contract import Engine
+from prorl_cli.inference.contract import CALL_JOB_ID, Engine
 from prorl_cli.peer import BrokerPeer
 from prorl_cli.protocol import ErrorCode, Op, SamplingParams
 
@@ -185,6 +185,7 @@ class InferenceBridge(BrokerPeer):
                     raise ProtocolError(ErrorCode.BAD_FIELD, f"generate needs one prompt frame, got {len(payload)}")
                 prompt_ids = P.unpack_tokens(payload[0])
                 sampling = SamplingParams.from_wire(header.get("sampling") or {}, what="sampling")
+                CALL_JOB_ID.set(header.get("job_id"))  # this call's own task: the engine's per-job accounting
                 gen = await self.engine.generate(prompt_ids, sampling)
             except (InferenceError, ProtocolError, ValueError, TypeError) as e:
                 code = e.code if isinstance(e, ProtocolError) else ErrorCode.BACKEND_ERROR.value

@@ -9,6 +9,7 @@ log-probs as float32 bytes.
 from __future__ import annotations
 
 import abc
+import contextvars
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,10 @@ from prorl_cli.protocol import (
 )
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+#: The job whose call an engine is serving (set by the bridge around ``Engine.generate``; ``None`` elsewhere).
+#: Engines that account per job (the simulated engine's ledger) read it; the others ignore it.
+CALL_JOB_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("prorl_call_job_id", default=None)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import InferenceError
@@ -54,7 +55,8 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
         profile = SimProfile.load(ic.sim_profile, speedup=ic.sim_speedup, max_model_len=opts.max_model_len)
         if opts.model:
             profile.model = opts.model  # the name it registers (handlers may route on it)
-        return SimEngine(profile, backend_id=backend_id)
+        ledger = Path(ic.sim_ledger_dir) / f"{backend_id}.json" if ic.sim_ledger_dir else None
+        return SimEngine(profile, backend_id=backend_id, ledger_path=ledger)
     if not opts.model:
         raise InferenceError("give --model DIR (a local model directory) or --attach URL")
     if opts.engine == "transformers":

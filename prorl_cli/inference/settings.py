@@ -28,6 +28,8 @@ class InferenceConfig:
     sim_profile: str = "h100-8b"
     #: Bridge, sim engine: run this many times faster than the profile's GPU (``null``: the profile's own).
     sim_speedup: float | None = None
+    #: Bridge, sim engine: write a per-call GPU-time ledger here on exit (``<backend id>.json``; benchmarks).
+    sim_ledger_dir: str | None = None
     #: Bridge: generate requests served at once (more wait in the bridge).
     capacity: int = 64
     #: Bridge: how long vLLM may take to become healthy.

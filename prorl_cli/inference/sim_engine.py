@@ -21,6 +21,15 @@ Time is simulated on a virtual timeline anchored to the wall clock (run
 leak into the figures: busy seconds, tokens/s and the prefix hit rate are
 reported in GPU time through :meth:`SimEngine.stats`, which the bridge puts in
 its heartbeat.
+
+With a ledger (``inference.sim_ledger_dir``, or ``ledger_path``), the
+engine also accounts every call to its job (the bridge names it in
+:data:`~prorl_cli.inference.contract.CALL_JOB_ID`): each step's GPU time is
+split among the sequences in it (the step's base cost evenly, prefill by
+the tokens each computed, decode and KV reads by each sequence's context),
+so the calls' ``gpu_s`` add up to ``busy_s``, and the ledger is written as
+JSON on :meth:`SimEngine.close`. ``benchmarks/table3.py`` joins it with the
+sampler's outcome of each job.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import asyncio
 import bisect
 import collections
 import dataclasses
+import json
 import logging
 import math
 import random
@@ -41,7 +51,7 @@ from typing import Any
 import yaml
 
 from prorl_cli.exceptions import InferenceError
-from prorl_cli.inference.contract import Engine, Generation, check_sampling
+from prorl_cli.inference.contract import CALL_JOB_ID, Engine, Generation, check_sampling
 from prorl_cli.protocol import SamplingParams, pack_tokens
 
 log = logging.getLogger(__name__)
@@ -157,6 +167,27 @@ class PrefixCache:
             self._blocks.popitem(last=False)
 
 
+@dataclass
+class CallRecord:
+    """One generate call as the engine served it (the ledger's row); times are wall-clock ``time.monotonic()``
+    seconds on the engine's virtual timeline (CLOCK_MONOTONIC is one clock for every process of a machine)."""
+
+    job_id: str | None
+    submitted_at: float
+    prompt_tokens: int
+    planned_tokens: int
+    admitted_at: float | None = None
+    ended_at: float | None = None
+    #: Prompt tokens found in the prefix cache at admission (they skipped prefill).
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    output_tokens: int = 0
+    #: This call's share of the engine's busy GPU seconds.
+    gpu_s: float = 0.0
+    #: ``done``, ``aborted`` (cancelled: the job ended) or ``running`` (still in the engine at close).
+    outcome: str = "running"
+
+
 @dataclass(eq=False)
 class _Request:
     prompt_ids: list[int]
@@ -167,6 +198,7 @@ class _Request:
     hashes: list[int] = dataclasses.field(default_factory=list)
     to_prefill: int = 0
     generated: int = 0
+    record: CallRecord | None = None
 
     @property
     def decoding(self) -> bool:
@@ -190,8 +222,15 @@ class SimCounters:
 class SimEngine(Engine):
     """The simulated server; see the module docstring for its model."""
 
-    def __init__(self, profile: SimProfile | None = None, *, backend_id: str | None = None) -> None:
+    def __init__(
+        self, profile: SimProfile | None = None, *, backend_id: str | None = None, ledger_path: Path | None = None,
+        keep_ledger: bool = False,
+    ) -> None:
         self.profile = profile or SimProfile()
+        #: Every call served (with ``ledger_path`` or ``keep_ledger``), and the idle spans between busy ones.
+        self.ledger: list[CallRecord] | None = [] if ledger_path is not None or keep_ledger else None
+        self.idle_spans: list[tuple[float, float]] = []
+        self.ledger_path = ledger_path
         self.model = self.profile.model
         self.max_model_len = self.profile.max_model_len
         self.backend_id = backend_id
@@ -219,6 +258,21 @@ class SimEngine(Engine):
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self.ledger_path is not None:
+            self.write_ledger(self.ledger_path)
+
+    def write_ledger(self, path: Path) -> None:
+        """The ledger as one JSON document: the engine's totals, its idle spans and every call."""
+        doc = {
+            "backend_id": self.backend_id, "speedup": self.profile.speedup, "started_at": self._started_wall,
+            "closed_at": time.monotonic(), **self.stats(),
+            "busy_s": self.counters.busy_s, "prefill_tokens": self.counters.prefill_tokens, "idle_spans": self.idle_spans,
+            "calls": [dataclasses.asdict(r) for r in self.ledger or ()],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(path)
 
     async def reload(self, checkpoint: str, policy_version: int) -> None:
         """Simulated weights: nothing to load; the prefix cache goes, as a real engine's does with new weights."""
@@ -237,6 +291,9 @@ class SimEngine(Engine):
         await self.start()
         ids, lps, finish = self._plan_output(prompt_ids, sampling, min(sampling.max_tokens, room))
         req = _Request(list(prompt_ids), ids, lps, finish, asyncio.get_running_loop().create_future())
+        if self.ledger is not None:
+            req.record = CallRecord(CALL_JOB_ID.get(), max(self._t, time.monotonic()), len(prompt_ids), len(ids))
+            self.ledger.append(req.record)
         self.counters.requests += 1
         self._waiting.append(req)
         self._wake.set()
@@ -245,6 +302,9 @@ class SimEngine(Engine):
         except asyncio.CancelledError:
             # The job ended (generate_cancel): stop spending GPU time on it at once.
             self.counters.aborted += 1
+            if req.record is not None:
+                req.record.outcome = "aborted"
+                req.record.ended_at = max(self._t, time.monotonic())
             if req in self._running:
                 self._running.remove(req)
             elif req in self._waiting:
@@ -269,6 +329,8 @@ class SimEngine(Engine):
             "requests": c.requests,
             "aborted": c.aborted,
             "running": len(self._running),
+            # What the broker's KV admission sizes this backend's live jobs by.
+            "kv_capacity_tokens": self.profile.kv_budget_tokens,
             "waiting": len(self._waiting),
         }
 
@@ -310,6 +372,9 @@ class SimEngine(Engine):
             req.to_prefill = len(req.prompt_ids) - cached
             self.counters.prompt_tokens += len(req.prompt_ids)
             self.counters.cached_tokens += cached
+            if req.record is not None:
+                req.record.admitted_at = self._t
+                req.record.cached_tokens = cached
             self._running.append(req)
 
     def _step_s(self, n_prefill: int, decoders: int, context: int) -> float:
@@ -322,7 +387,9 @@ class SimEngine(Engine):
             if not self._running and not self._waiting:
                 self._wake.clear()
                 await self._wake.wait()
-                self._t = max(self._t, time.monotonic())
+                idle_from, self._t = self._t, max(self._t, time.monotonic())
+                if self.ledger is not None and self._t > idle_from:
+                    self.idle_spans.append((idle_from, self._t))
             self._admit()
             if not self._running:
                 continue
@@ -345,6 +412,8 @@ class SimEngine(Engine):
                 budget -= take
         n_prefill = sum(n for _, n in chunks)
         step_s = self._step_s(n_prefill, len(decoders), sum(len(r.prompt_ids) + r.generated for r in decoders))
+        if self.ledger is not None:
+            self._charge_mixed(chunks, decoders)
         await self._advance(step_s, speedup)
         self.counters.prefill_tokens += n_prefill
         for r, n in chunks:
@@ -378,9 +447,37 @@ class SimEngine(Engine):
         # Steps already over, at least the one in progress; all of them if nothing arrived.
         n = k if not self._wake.is_set() else max(1, min(k, bisect.bisect_right(ends, done_gpu_s)))
         self._t = start + ends[n - 1] / speedup
+        if self.ledger is not None:
+            self._charge_decode(running, n, ends[n - 1])
         self.counters.busy_s += ends[n - 1]
         self.counters.steps += n
         self._emit(running, n)
+
+    def _charge_mixed(self, chunks: list[tuple[_Request, int]], decoders: list[_Request]) -> None:
+        """Split one mixed step's time among its sequences (the terms of :meth:`_step_s`, each to whom it costs)."""
+        p = self.profile
+        base = p.step_base_s / (len(chunks) + len(decoders))
+        for r, n in chunks:
+            if r.record is not None:
+                r.record.gpu_s += base + p.prefill_s_per_token * n
+                r.record.prefill_tokens += n
+        for r in decoders:
+            if r.record is not None:
+                r.record.gpu_s += base + p.decode_s_per_seq + p.kv_read_s_per_token * (len(r.prompt_ids) + r.generated)
+
+    def _charge_decode(self, running: list[_Request], n: int, total_s: float) -> None:
+        """Split ``n`` decode-only steps (``total_s`` in all) among ``running``; the shares add up to ``total_s``."""
+        p = self.profile
+        shares = []
+        for r in running:
+            context = len(r.prompt_ids) + r.generated
+            shares.append(n * (p.step_base_s / len(running) + p.decode_s_per_seq)
+                          + p.kv_read_s_per_token * (n * context + n * (n - 1) / 2))
+        # The steps' own sum (float rounding aside, equal to the shares') is what busy_s counts.
+        scale = total_s / sum(shares)
+        for r, share in zip(running, shares, strict=True):
+            if r.record is not None:
+                r.record.gpu_s += share * scale
 
     async def _advance(self, step_s: float, speedup: float) -> None:
         self._t += step_s / speedup
@@ -398,8 +495,12 @@ class SimEngine(Engine):
                 continue
             r.generated += n
             self.counters.output_tokens += n
+            if r.record is not None:
+                r.record.output_tokens = r.generated
             if r.generated >= len(r.output_ids):
                 finished = True
+                if r.record is not None:
+                    r.record.outcome, r.record.ended_at = "done", self._t
                 # What it wrote is in KV too: the next turn's prompt extends it.
                 self.cache.insert(self.cache.block_hashes(r.prompt_ids + r.output_ids))
                 r.future.set_result(None)

@@ -17,7 +17,15 @@ are not all equal), the way ProRL Agent's trainer does:
 - **carry-over**: with ``carry_over`` on, groups still running when a step
   reaches its target complete into the next step, tagged with the policy
   version they were submitted under; groups older than ``max_staleness``
-  versions are cancelled;
+  versions are cancelled. So that carried work is work the next steps can
+  use, groups in flight (or finished and not yet taken) are capped at
+  ``carry_window_steps`` steps' worth (default 1.5; 0: no cap), a step's
+  worth being ``target_groups`` over the share of finished groups that were
+  informative so far. Without the cap, replenishment keeps refilling the
+  job slots a group's finished members free, the groups in flight pile up
+  to several steps' worth, a group waits that many steps to complete (the
+  short ones overtake it), and the long ones run for two steps only to be
+  cancelled as stale;
 - **resumable**: job ids are ``{run_id}-s{step}-p{prompt_id}-k{k}``; a trainer
   restarted from :meth:`DapoSampler.state` resubmits the same ids and gets
   the broker's existing jobs (and finished results) back.
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +90,8 @@ class SamplerConfig:
     #: Groups per batch in sync mode (default ``target_groups``).
     sync_batch_groups: int | None = None
     step_timeout_s: float | None = None
+    #: With carry-over: at most this many steps' worth of groups in flight (module docstring); 0: no cap.
+    carry_window_steps: float = 1.5
     #: Off: groups the sampler drops (early termination, staleness, failed siblings) are abandoned but
     #: left running at the broker, their results ignored: the paper's "no stale-job cleanup" ablation.
     cancel_dropped: bool = True
@@ -94,6 +105,8 @@ class SamplerConfig:
             raise ValueError(f"sampler mode must be one of {MODES}, got {self.mode!r}")
         if self.failed not in FAILED_POLICIES:
             raise ValueError(f"sampler failed must be one of {FAILED_POLICIES}, got {self.failed!r}")
+        if self.carry_window_steps < 0:
+            raise ValueError(f"sampler carry_window_steps must be >= 0 (0: no cap), got {self.carry_window_steps}")
         if self.max_staleness < 0:
             raise ValueError(f"sampler max_staleness must be >= 0, got {self.max_staleness}")
         if self.max_in_flight is None:
@@ -235,6 +248,17 @@ class DapoSampler:
         self.ignored_results = 0
         #: Called after every result with the running step's stats (progress lines).
         self.on_progress: Callable[[StepStats], None] | None = None
+        #: Set to a dict to record what became of every job (job id -> an outcome of
+        #: :data:`prorl_cli.training.gpu_ledger.OUTCOMES`; replays account GPU time with it). Off: nothing kept.
+        self.job_outcomes: dict[str, str] | None = None
+        #: Groups finished (informative or filtered) and informative, over the sampler's life: the informative rate.
+        self._finished_groups = 0
+        self._informative_groups = 0
+
+    def _record(self, job_ids: Sequence[str], outcome: str) -> None:
+        if self.job_outcomes is not None:
+            for j in job_ids:
+                self.job_outcomes[j] = outcome
 
     # ------------------------------------------------------------ plumbing
 
@@ -245,8 +269,10 @@ class DapoSampler:
 
     async def close(self, *, cancel_in_flight: bool = True) -> None:
         """Stop reading results; cancel what is still in flight unless told not to."""
+        for p in self._pending.values():
+            self._record(p.job_ids, "in_flight")
         if cancel_in_flight and self._pending:
-            await self._cancel(list(self._pending.values()), StepStats(self.step_index, 0))
+            await self._cancel(list(self._pending.values()), StepStats(self.step_index, 0), "in_flight")
         if self._stream is not None:
             await self._stream.aclose()
             self._stream = None
@@ -258,6 +284,28 @@ class DapoSampler:
             cursor=self.cursor,
             carried=[CarriedGroup(p.position, p.step, p.policy_version) for p in self._pending.values()],
         )
+
+    def group_cap(self) -> int | None:
+        """Groups that may be in flight with carry-over's cap (None: no cap beyond ``max_in_flight``)."""
+        cfg = self.config
+        if cfg.mode != "async" or not cfg.carry_over or cfg.carry_window_steps <= 0:
+            return None
+        # Laplace-smoothed informative rate: one half before any group finished.
+        rate = (self._informative_groups + 1) / (self._finished_groups + 2)
+        return max(1, math.ceil(cfg.carry_window_steps * cfg.target_groups / rate))
+
+    def _room_for_group(self) -> bool:
+        assert self.config.max_in_flight is not None
+        if self.in_flight_jobs + self.config.group_size > self.config.max_in_flight:
+            return False
+        cap = self.group_cap()
+        # Ready groups wait to be taken by a step: they count against the window too.
+        return cap is None or self.groups_in_window < cap
+
+    @property
+    def groups_in_window(self) -> int:
+        """Groups submitted and not yet taken by a step: in flight, or finished informative and waiting."""
+        return len(self._pending) + len(self._ready)
 
     @property
     def in_flight_jobs(self) -> int:
@@ -290,10 +338,12 @@ class DapoSampler:
         self.cursor += 1
         stats.submitted_groups += 1
 
-    async def _cancel(self, groups: list[_Pending], stats: StepStats) -> None:
+    async def _cancel(self, groups: list[_Pending], stats: StepStats, why: str) -> None:
+        """Drop ``groups`` (``why``: an outcome for :attr:`job_outcomes`) and cancel their unfinished jobs."""
         now = time.monotonic()
         ids = []
         for p in groups:
+            self._record(p.job_ids, why if self.config.cancel_dropped or why == "in_flight" else "abandoned")
             self._pending.pop(p.group_id, None)
             self._retired += p.job_ids
             left = [j for j in p.job_ids if j not in p.results]
@@ -320,7 +370,7 @@ class DapoSampler:
         pending.results[result.job_id] = result
         if not result.ok and self.config.failed == "drop_group":
             stats.failed_groups += 1
-            await self._cancel([pending], stats)
+            await self._cancel([pending], stats, "failed")
             return
         if len(pending.results) < self.config.group_size:
             return
@@ -331,6 +381,9 @@ class DapoSampler:
             rewards = [float(r.reward or 0.0) for r in ordered if r.ok]
         else:  # zero_reward (drop_group never gets here with a failure)
             rewards = [float(r.reward or 0.0) if r.ok else 0.0 for r in ordered]
+        self._record(pending.job_ids, "informative" if self.config.informative(rewards) else "filtered")
+        self._finished_groups += 1
+        self._informative_groups += bool(self.config.informative(rewards))
         if self.config.informative(rewards):
             self._ready.append(Group(pending.group_id, pending.prompt_id, pending.instance,
                                      pending.step, pending.policy_version, ordered))
@@ -387,19 +440,21 @@ class DapoSampler:
         self._restore = []
         stale = [p for p in self._pending.values() if policy_version - p.policy_version > cfg.max_staleness]
         stats.stale_groups += len(stale)
-        await self._cancel(stale, stats)
+        await self._cancel(stale, stats, "stale")
         fresh = [g for g in self._ready if policy_version - g.policy_version <= cfg.max_staleness]
+        for g in self._ready:
+            if g not in fresh:
+                self._record([r.job_id for r in g.results], "stale")
         stats.stale_groups += len(self._ready) - len(fresh)
         self._ready = fresh
         stats.carried_in = len(self._pending) + len(self._ready)
         if cfg.mode == "async":
             while len(self._ready) < cfg.target_groups:
-                assert cfg.max_in_flight is not None
-                while self.in_flight_jobs + cfg.group_size <= cfg.max_in_flight:
+                while self._room_for_group():
                     await self._submit_next(stats)
                 await self._next_result(stats, deadline)
             if not cfg.carry_over:
-                await self._cancel(list(self._pending.values()), stats)
+                await self._cancel(list(self._pending.values()), stats, "cancelled")
         else:
             batch = cfg.sync_batch_groups or cfg.target_groups
             while len(self._ready) < cfg.target_groups:

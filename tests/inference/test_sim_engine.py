@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import subprocess
 import sys
@@ -190,3 +191,41 @@ def test_quickstart_with_the_sim_engine(tmp_path: Path) -> None:
     assert summary["task"] == "sim_agent" and summary["states"] == {"done": 16}
     stats = summary["backends"]["inference-0"]
     assert stats["requests"] > 16 and stats["prefix_hit_rate"] > 0.5
+
+
+def test_ledger_calls_add_up_to_busy_time_with_a_cancel_and_a_cached_turn(tmp_path: Path) -> None:
+    from prorl_cli.inference.contract import CALL_JOB_ID
+
+    ledger = tmp_path / "led" / "sim-x.json"
+
+    async def call(job: str, prompt: list[int], max_tokens: int) -> Any:
+        CALL_JOB_ID.set(job)  # what the bridge does for each call's task
+        return await eng.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    async def go() -> None:
+        await eng.start()
+        first = [asyncio.ensure_future(call(f"j{i}", [i + 1] * 300, 40 + 7 * i)) for i in range(5)]
+        doomed = asyncio.ensure_future(call("jx", [99] * 5000, 100000))
+        gens = await asyncio.gather(*first)
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        # A second turn of j0 extends its first: most of it is cached.
+        await call("j0", [1] * 300 + gens[0].output_ids + [5] * 50, 10)
+        await eng.close()
+
+    eng = SimEngine(SimProfile.load(speedup=200.0), backend_id="sim-x", ledger_path=ledger)
+    _run(go())
+    doc = json.loads(ledger.read_text())
+    calls = doc["calls"]
+    assert [c["job_id"] for c in calls] == ["j0", "j1", "j2", "j3", "j4", "jx", "j0"]
+    # Every busy GPU second is some call's: the shares add up to the engine's busy time.
+    assert sum(c["gpu_s"] for c in calls) == pytest.approx(doc["busy_s"], rel=1e-6)
+    assert doc["busy_s"] == pytest.approx(eng.counters.busy_s, rel=1e-6)
+    assert all(c["gpu_s"] > 0 for c in calls)
+    assert [c["outcome"] for c in calls] == ["done"] * 5 + ["aborted", "done"]
+    assert [c["output_tokens"] for c in calls[:5]] == [40 + 7 * i for i in range(5)]
+    assert calls[5]["output_tokens"] < 100000
+    second = calls[6]
+    assert second["cached_tokens"] >= (300 + 40) // 16 * 16 and second["prefill_tokens"] < 100
+    assert sum(c["prefill_tokens"] + c["cached_tokens"] for c in calls[:5]) == 5 * 300
