@@ -112,7 +112,7 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int,
         if (task == "math_agent" or plan is not None) and _has_pyarrow() and any(
             r.state == "done" and isinstance(r.output, dict) and "trajectory" in r.output for r in results
         ):
-            from prorl_cli.cli.jobs import write_trajectories_parquet
+            from prorl_cli.cli.jobs.collect import write_trajectories_parquet
 
             parquet = home / "trajectories.parquet"
             summary["parquet_rows"] = write_trajectories_parquet(app, results, parquet)
