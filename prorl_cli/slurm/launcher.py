@@ -196,16 +196,50 @@ def _submit(cfg: DeployConfig, role: str, indices: list[int]) -> list[Member]:
     return [Member(role, i, str(j.job_id)) for i, j in zip(indices, jobs, strict=True)]
 
 
-def _start_local_broker(cfg: DeployConfig) -> int:
-    """``broker.where: here``: a broker process on this machine, in its own session."""
-    log_file = cfg.log_path / "broker-here.log"
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+@dataclass
+class PlannedRole:
+    """What ``launch`` would submit for one role (``prorl launch --dry-run`` prints it)."""
+
+    role: str
+    count: int  # array tasks (1 for the broker job)
+    sbatch: dict[str, Any]  # the Slurm request: sbatch options, long names without dashes
+    script: str  # the batch script submitit hands to sbatch
+
+
+def plan(cfg: DeployConfig) -> list[PlannedRole]:
+    """Every role ``launch`` would submit, with its request and script; submits and writes nothing."""
+    planned = []
+    for role in ROLES:
+        if role == "broker" and cfg.broker.where == "here":
+            continue
+        count = 1 if role == "broker" else cfg.role(role).count  # type: ignore[attr-defined]
+        if not count:
+            continue
+        ex = _executor(cfg, role, count)
+        if role != "broker":
+            ex.parameters["map_count"] = count  # as map_array does: one --array job
+        # submitit's own rendering of the script it would submit (the same call its submit makes).
+        script = ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
+        planned.append(PlannedRole(role, count, sbatch_options(cfg, role), script))
+    return planned
+
+
+def local_broker_command(cfg: DeployConfig) -> list[str]:
+    """``broker.where: here``: the command line of the broker started on this machine."""
     cmd = [cfg.python_path, "-m", "prorl_cli"]
     if cfg.config:
         cmd += ["--config", cfg.config]
     cmd += ["-d", cfg.deployment, "serve", "broker", "--bind-host", cfg.broker.bind_host]
     if cfg.broker.port:
         cmd += ["--port", str(cfg.broker.port)]
+    return cmd
+
+
+def _start_local_broker(cfg: DeployConfig) -> int:
+    """``broker.where: here``: a broker process on this machine, in its own session."""
+    log_file = cfg.log_path / "broker-here.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    cmd = local_broker_command(cfg)
     env = {**os.environ, "PRORL_HOME": str(cfg.home_path)}
     with log_file.open("ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

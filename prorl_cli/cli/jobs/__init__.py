@@ -174,14 +174,11 @@ def submit_jobs(
     from prorl_cli.exceptions import ProrlError
 
     prefix = id_prefix or f"{AUTO_PREFIX}-{uuid.uuid4().hex[:10]}"
-    ids: list[str] = []
+    ids = [f"{prefix}-{i}-{k}" for i in range(len(instances)) for k in range(n)]
+    # One submit op for the whole set (one journal flush); the group of each job is its line.
+    specs = [spec for i in range(len(instances)) for spec in client.make_specs(
+        task, n, job_ids=ids[i * n:(i + 1) * n], timeout_s=timeout_s, sampling=sampling, group_id=f"{prefix}-{i}")]
     try:
-        for i, instance in enumerate(instances):
-            job_ids = [f"{prefix}-{i}-{k}" for k in range(n)]
-            ids.extend(job_ids)
-        # One submit op for the whole set (one journal flush); the group of each job is its line.
-        specs = [spec for i in range(len(instances)) for spec in client.make_specs(
-            task, n, job_ids=ids[i * n:(i + 1) * n], timeout_s=timeout_s, sampling=sampling, group_id=f"{prefix}-{i}")]
         client.submit_specs(specs, [inst for inst in instances for _ in range(n)])
     except ProrlError as e:
         app.abort(f"submit failed: {e}")
