@@ -14,6 +14,7 @@ from prorl_cli.cli.jobs import cancel, status, stop, submit
 from prorl_cli.cli.jobs.dapo import with_dapo_options
 from prorl_cli.cli.jobs.results import results
 from prorl_cli.cli.launch import down, launch, render_sbatch, scale
+from prorl_cli.cli.logs import logs
 from prorl_cli.cli.quickstart import quickstart
 from prorl_cli.cli.serve import serve
 
@@ -42,7 +43,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     """prorl: multi-turn LLM-agent rollouts as a service for RL training on Slurm.
 
     \b
-    Login node:   prorl build-images, prorl launch / scale / down / render-sbatch
+    Login node:   prorl build-images, prorl launch / scale / down / logs / render-sbatch
     Allocations:  prorl serve broker | node | inference
     Trainer:      prorl submit, results, status, cancel, backends, stop
     One machine:  prorl quickstart
@@ -53,7 +54,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
 
 with_dapo_options(submit)  # prorl submit --dapo (training team's hook)
 
-for command in (serve, submit, results, status, cancel, stop, backends, config, quickstart, build_images, images, dev, launch, down, scale, render_sbatch):
+for command in (serve, submit, results, status, cancel, stop, backends, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch):
     cli.add_command(command)
 
 

@@ -365,11 +365,15 @@ def registered_ids(report: StatusReport | None) -> set[str]:
     return ids
 
 
+def log_files(cfg: DeployConfig, member: Member) -> list[Path]:
+    """A task's Slurm logs: submitit writes <log_dir>/<role>/<job>/<job>_<task>_log.out (array jobs: <job> is A_a)."""
+    folder = cfg.log_path / member.role / member.job_id
+    return sorted(folder.glob("*_log.out")) if folder.is_dir() else []
+
+
 def log_tail(cfg: DeployConfig, member: Member, lines: int = 12) -> str:
-    """The end of a task's Slurm log (submitit writes <log_dir>/<role>/<job>/<job>_0_log.out)."""
-    base = member.job_id
-    folder = cfg.log_path / member.role / base
-    candidates = sorted(folder.glob("*_log.out")) if folder.is_dir() else []
+    """The end of a task's Slurm log."""
+    candidates = log_files(cfg, member)
     if not candidates:
         return ""
     text = candidates[-1].read_text(errors="replace").splitlines()

@@ -186,3 +186,29 @@ def test_submit_with_the_deployment_from_the_environment(deployment: Deployment,
     assert r.returncode == 0 and "1 job(s)" in r.stdout, r.stderr
     r = prorl(deployment, "status", "-d", "other", "--json", env={"PRORL_DEPLOYMENT": deployment.name})
     assert r.returncode == 1 and "'other'" in r.stderr, "-d wins over the environment"
+
+
+NAMED_COMMANDS = [
+    ["status", "--json"],
+    ["cancel", "--all"],
+    ["backends", "list"],
+    ["config", "show"],
+    ["results", "--prefix", "named-"],
+]
+
+
+@pytest.mark.parametrize("args", NAMED_COMMANDS, ids=[" ".join(a) for a in NAMED_COMMANDS])
+def test_a_command_acts_on_the_deployment_named_by_d_or_the_environment(deployment: Deployment, args: list[str]) -> None:
+    """The deployment named after the subcommand, before it, or by PRORL_DEPLOYMENT is the one acted on;
+    a name that has no broker fails naming it (so the name was taken, not ignored)."""
+    deployment.client.submit("test", [{"echo": 1}], job_ids=["named-0-0"])  # idempotent: one job for `results`
+    env = {"PRORL_DEPLOYMENT": ""}
+    for named in ([*args, "-d", deployment.name], ["-d", deployment.name, *args]):
+        r = prorl(deployment, *named, env=env)
+        assert r.returncode == 0, (named, r.stderr)
+    assert prorl(deployment, *args, env={"PRORL_DEPLOYMENT": deployment.name}).returncode == 0
+    if args[0] != "config":
+        wrong = prorl(deployment, *args, "-d", "elsewhere", env=env)
+        assert wrong.returncode == 1 and "elsewhere" in wrong.stderr, wrong.stderr
+    clash = prorl(deployment, "-d", "one", *args, "-d", "two", env=env)
+    assert clash.returncode != 0 and "different deployments" in clash.stderr

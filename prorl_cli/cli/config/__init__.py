@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.naming import deployment_option
 
 
 @click.group()
@@ -13,6 +14,7 @@ def config() -> None:
 
 
 @config.command("show")
+@deployment_option
 @pass_app
 def config_show(app: App) -> None:
     """Print the effective configuration as YAML."""
