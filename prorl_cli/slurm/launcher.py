@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from prorl_cli.broker.journal import JOURNAL_NAME
 from prorl_cli.config import ProrlConfig, load_config
-from prorl_cli.exceptions import BrokerUnavailable, ProrlError, RendezvousError, SlurmError
+from prorl_cli.exceptions import (
+    BrokerUnavailable,
+    ConfigError,
+    ProrlError,
+    RendezvousError,
+    SlurmError,
+)
 from prorl_cli.rendezvous import rendezvous_path
 from prorl_cli.slurm import squeue
 from prorl_cli.slurm.deploy import DeployConfig, load_deploy, time_minutes
@@ -101,12 +107,49 @@ def prorl_config(cfg: DeployConfig) -> ProrlConfig:
     return load_config(cfg.config, {"home": str(cfg.home_path), "deployment": cfg.deployment})
 
 
+#: Where a broker on Slurm listens when neither deploy.yaml nor prorl.yaml says: every interface (peers run elsewhere).
+SLURM_BIND_HOST = "0.0.0.0"
+
+
+def broker_bind_host(cfg: DeployConfig) -> str:
+    """The broker's listen address: deploy.yaml's ``broker.bind_host``, else the one prorl.yaml sets, else 0.0.0.0."""
+    if cfg.broker.bind_host:
+        return cfg.broker.bind_host
+    if cfg.config:
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(cfg.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{cfg.config}: cannot read: {e}") from e
+        broker = data.get("broker") if isinstance(data, dict) else None
+        if isinstance(broker, dict) and broker.get("bind_host"):
+            return str(broker["bind_host"])
+    return SLURM_BIND_HOST
+
+
+def sandbox_runtime(cfg: DeployConfig) -> str:
+    """The nodes' sandbox runtime: deploy.yaml's ``nodes.sandbox_runtime``, else prorl.yaml's ``sandbox.runtime``."""
+    return cfg.nodes.sandbox_runtime or prorl_config(cfg).sandbox.runtime
+
+
+def effective_deploy(cfg: DeployConfig) -> dict[str, Any]:
+    """deploy.yaml as the roles will see it: defaults, paths and what it leaves to prorl.yaml filled in."""
+    data = asdict(cfg)
+    data.pop("source", None)
+    data.update(home=str(cfg.home_path), log_dir=str(cfg.log_path), python=cfg.python_path)
+    data["broker"]["bind_host"] = broker_bind_host(cfg)
+    data["nodes"]["sandbox_runtime"] = sandbox_runtime(cfg)
+    return data
+
+
 def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpec:
     """What a submitted task of ``role`` runs."""
     n, inf = cfg.nodes, cfg.inference
     overrides: dict[str, Any] = {}
     if role == "nodes":
-        overrides["sandbox.runtime"] = n.sandbox_runtime
+        if n.sandbox_runtime is not None:  # unset: the roles' prorl.yaml decides
+            overrides["sandbox.runtime"] = n.sandbox_runtime
         if n.sandbox_image:
             overrides["sandbox.image"] = n.sandbox_image
         if n.handler_paths:
@@ -128,7 +171,7 @@ def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpe
         index=index,
         rendezvous_wait_s=cfg.rendezvous_wait_s,
         requeue=True if role == "broker" else cfg.role(role).requeue,  # type: ignore[attr-defined]
-        bind_host=cfg.broker.bind_host,
+        bind_host=broker_bind_host(cfg),
         port=cfg.broker.port,
         model=inf.model,
         engine=inf.engine,
@@ -229,7 +272,7 @@ def local_broker_command(cfg: DeployConfig) -> list[str]:
     cmd = [cfg.python_path, "-m", "prorl_cli"]
     if cfg.config:
         cmd += ["--config", cfg.config]
-    cmd += ["-d", cfg.deployment, "serve", "broker", "--bind-host", cfg.broker.bind_host]
+    cmd += ["-d", cfg.deployment, "serve", "broker", "--bind-host", broker_bind_host(cfg)]
     if cfg.broker.port:
         cmd += ["--port", str(cfg.broker.port)]
     return cmd

@@ -172,8 +172,13 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
         _print_plan(app, cfg)
         return
     _require_slurm(app)
-    if cfg.nodes.sandbox_runtime == "local":
-        app.err_console.print("[yellow]warning:[/] nodes.sandbox_runtime is local: sandboxes run WITHOUT isolation")
+    runtime = launcher.sandbox_runtime(cfg)
+    if runtime == "local":
+        app.err_console.print("[yellow]warning:[/] the nodes' sandbox runtime is local: sandboxes run WITHOUT isolation")
+    elif runtime == "auto":
+        app.err_console.print("[yellow]note:[/] sandbox runtime auto: a node where neither Apptainer nor bubblewrap works "
+                              "falls back to local, without isolation (prorl status shows each node's); "
+                              "set sandbox.runtime: apptainer in prorl.yaml to refuse that")
     try:
         record = launcher.launch(cfg)
     except SlurmError as e:
