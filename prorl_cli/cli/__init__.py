@@ -10,6 +10,7 @@ from prorl_cli.cli.backends import backends
 from prorl_cli.cli.config import config
 from prorl_cli.cli.dev import dev
 from prorl_cli.cli.images import build_images, images
+from prorl_cli.cli.init import init
 from prorl_cli.cli.jobs import cancel, status, stop, submit
 from prorl_cli.cli.jobs.dapo import with_dapo_options
 from prorl_cli.cli.jobs.results import results
@@ -47,6 +48,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     Allocations:  prorl serve broker | node | inference
     Trainer:      prorl submit, results, status, cancel, backends, stop
     One machine:  prorl quickstart
+    Start here:   prorl init [--slurm] (commented prorl.yaml, deploy.yaml), prorl config show
     """
     overrides = {"deployment": deployment, "home": home, "log_level": log_level}
     ctx.obj = App(config_path, {k: v for k, v in overrides.items() if v is not None})
@@ -54,7 +56,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
 
 with_dapo_options(submit)  # prorl submit --dapo (training team's hook)
 
-for command in (serve, submit, results, status, cancel, stop, backends, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch):
+for command in (serve, submit, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch):
     cli.add_command(command)
 
 

@@ -13,7 +13,7 @@ import pytest
 from prorl_cli.cli import cli
 
 #: Commands that act on no deployment: they build, make or check files.
-NO_DEPLOYMENT = {"quickstart", "build-images", "images", "dev", "config check", "init"}
+NO_DEPLOYMENT = {"quickstart", "build-images", "images", "dev", "config check"}
 
 
 def _leaves(group: click.Group, prefix: str = "") -> list[tuple[str, click.Command]]:
