@@ -92,7 +92,7 @@ COMMENT_COLUMN = 30
 
 def _align(text: str) -> str:
     """Trailing ``# comments`` at one column; a comment-only line under a key stays with its key."""
-    out = []
+    out: list[str] = []
     for line in text.splitlines():
         code, sep, comment = line.partition("  # ")
         if sep and code.strip() and not code.lstrip().startswith("#"):
