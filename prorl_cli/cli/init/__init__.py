@@ -20,7 +20,7 @@ from prorl_cli.cli.naming import deployment_option, named_deployment
 PRORL_TEMPLATE = """\
 # prorl.yaml: what every prorl process of a deployment reads (written by `prorl init{slurm_flag}`).
 # The common keys, at their defaults{slurm_note}.
-# `prorl config show` prints every key with its effective value; docs/operations.md explains them.
+# `prorl config show` prints every key with its effective value; examples/prorl.yaml lists them all.
 # Unknown keys are errors that name the key.
 # Order of precedence: these values < PRORL_HOME / PRORL_DEPLOYMENT < command-line flags.
 
