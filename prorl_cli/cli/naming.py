@@ -65,3 +65,11 @@ def require_deployment(app: App, command: str) -> str:
     if name is None:
         app.abort(f"name the deployment: prorl {command} NAME, prorl {command} -d NAME, or set PRORL_DEPLOYMENT")
     return name
+
+
+def id_prefix(prefix: str | None) -> str | None:
+    """``--prefix P`` selects the jobs of the submission whose ids are ``P-...`` (``P-LINE-K``, a DAPO run's
+    ``P-sSTEP-...``): so ``run1`` never also selects ``run10``'s jobs."""
+    if prefix is None or prefix.endswith("-"):
+        return prefix
+    return f"{prefix}-"

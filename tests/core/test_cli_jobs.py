@@ -212,3 +212,13 @@ def test_a_command_acts_on_the_deployment_named_by_d_or_the_environment(deployme
         assert wrong.returncode == 1 and "elsewhere" in wrong.stderr, wrong.stderr
     clash = prorl(deployment, "-d", "one", *args, "-d", "two", env=env)
     assert clash.returncode != 0 and "different deployments" in clash.stderr
+
+
+def test_a_prefix_selects_its_submission_only(deployment: Deployment, tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path / "t.jsonl", [{"echo": 1}])
+    for prefix in ("pre1", "pre10"):
+        assert prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "test", "--id-prefix", prefix).returncode == 0
+    out = tmp_path / "pre1.jsonl"
+    r = prorl(deployment, "results", "-d", deployment.name, "--prefix", "pre1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["job_id"] for line in out.read_text().splitlines()] == ["pre1-0-0"]

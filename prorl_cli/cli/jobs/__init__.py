@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
-from prorl_cli.cli.naming import deployment_argument, deployment_option
+from prorl_cli.cli.naming import deployment_argument, deployment_option, id_prefix
 
 if TYPE_CHECKING:
     from prorl_cli.client import RolloutClient
@@ -338,7 +338,7 @@ def status(app: App, as_json: bool, address: str | None) -> None:
 
 @click.command()
 @click.argument("job_ids", nargs=-1)
-@click.option("--prefix", metavar="PREFIX", help="Cancel every unfinished job whose id starts with PREFIX (a submission's --id-prefix).")
+@click.option("--prefix", metavar="PREFIX", help="Cancel the unfinished jobs of a submission: ids PREFIX-... (its --id-prefix, or what --detach printed).")
 @click.option("--group", "group_id", metavar="GROUP", help="Cancel every unfinished job of group GROUP (PREFIX-LINE for prorl submit).")
 @click.option("--all", "all_jobs", is_flag=True, help="Cancel every unfinished job of the deployment.")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
@@ -360,7 +360,7 @@ def cancel(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: str
             targets = list(job_ids)
         else:
             ended = {s.value for s in TERMINAL_STATES}
-            held = client.list_jobs(prefix=prefix, group_id=group_id)
+            held = client.list_jobs(prefix=id_prefix(prefix), group_id=group_id)
             targets = [j for j, state in held.items() if state not in ended]
             if not targets:
                 what = f"--prefix {prefix}" if prefix is not None else f"--group {group_id}" if group_id is not None else "--all"

@@ -14,12 +14,12 @@ from pathlib import Path
 import click
 
 from prorl_cli.cli.application import App, pass_app
-from prorl_cli.cli.naming import deployment_option
+from prorl_cli.cli.naming import deployment_option, id_prefix
 
 
 @click.command()
 @click.argument("job_ids", metavar="[IDS]...", nargs=-1)
-@click.option("--prefix", metavar="PREFIX", help="Every job whose id starts with PREFIX (what submit printed, or its --id-prefix).")
+@click.option("--prefix", metavar="PREFIX", help="The jobs of a submission: ids PREFIX-... (what submit --detach printed, or its --id-prefix).")
 @click.option("--group", "group_id", metavar="GROUP", help="Every job of group GROUP (PREFIX-LINE: the rollouts of one line).")
 @click.option("-f", "--follow", is_flag=True, help="Wait for the unfinished jobs too (default: collect the finished ones and exit).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
@@ -49,7 +49,7 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
     ended = {s.value for s in TERMINAL_STATES}
     started = time.monotonic()
     with connect(app, address) as client:
-        held = client.list_jobs(prefix=prefix, group_id=group_id) if not job_ids else client.list_jobs()
+        held = client.list_jobs(prefix=id_prefix(prefix), group_id=group_id) if not job_ids else client.list_jobs()
         if job_ids:
             unknown = [j for j in job_ids if j not in held]
             if unknown:
