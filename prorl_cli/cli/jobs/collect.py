@@ -13,6 +13,7 @@ once every job ended, and count the states in the summary.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -43,17 +44,21 @@ class ResultFile:
             self._file.write(json.dumps(result.to_wire()) + "\n")
             self._file.flush()  # a killed collector leaves every line it took
 
-    def close(self) -> None:
+    def close(self, partial: bool = False) -> None:
+        """Finish the file; ``partial`` (collection stopped early): a Parquet file only if some row was taken."""
         if self._file is not None:
             self._file.close()
             self._file = None
         if self.parquet and self.out is not None:
+            if partial and not parquet_rows(self.results, self.only_done):
+                return
             write_trajectories_parquet(self.app, self.results, self.out, only_done=self.only_done)
+            self.out = None  # written once
 
 
 def collect(
     app: App, client: RolloutClient, ids: list[str], title: str, sink: ResultFile,
-    on_interrupt: str = "cancel", already: list[JobResult] | None = None,
+    on_interrupt: str = "cancel",
 ) -> list[JobResult]:
     """Stream the results of ``ids`` into ``sink`` with a progress bar; return them all.
 
@@ -64,9 +69,7 @@ def collect(
 
     started = time.monotonic()
     counts: dict[str, int] = {}
-    results: list[JobResult] = list(already or [])
-    for r in results:
-        counts[r.state] = counts.get(r.state, 0) + 1
+    results: list[JobResult] = []
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -77,8 +80,7 @@ def collect(
     )
     try:
         with Progress(*columns, console=app.err_console, transient=False) as progress:
-            bar = progress.add_task(title, total=len(ids) + len(results), completed=len(results),
-                                    counts=_counts_text(counts), rate=0.0)
+            bar = progress.add_task(title, total=len(ids), counts="", rate=0.0)
             for result in client.as_completed(ids):
                 results.append(result)
                 sink.add(result)
@@ -96,7 +98,7 @@ def collect(
             app.err_console.print(f"interrupted: {len(left)} job(s) still running; `prorl results` collects them later")
         raise
     finally:
-        sink.close()
+        sink.close(partial=sys.exc_info()[0] is not None)
     return results
 
 
