@@ -86,6 +86,7 @@ def test_submit_exits_0_when_jobs_fail_or_time_out_and_1_with_strict(deployment:
     states = sorted(json.loads(line)["state"] for line in out.read_text().splitlines())
     assert states == ["done", "done", "failed", "failed", "timed_out", "timed_out"]
     assert "timed_out" in r.stdout and "6 job(s)" in r.stdout  # counted in the summary
+    assert f"prorl results -d {deployment.name} --prefix sub-" in r.stderr, "says how to find the jobs again"
     strict = prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "test", "--timeout-s", "1", "--strict")
     assert strict.returncode == 1, strict.stderr
     # Submission errors still fail: an unknown task, and a deployment without a broker.

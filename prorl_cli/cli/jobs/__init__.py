@@ -149,6 +149,7 @@ def run_submission(
     id_prefix: str | None,
     sampling: dict[str, Any] | None = None,
     only_done: bool = False,
+    announce: bool = False,
 ) -> list[JobResult]:
     """Submit, stream results to ``out`` as they finish, show progress and a summary.
 
@@ -158,7 +159,10 @@ def run_submission(
     from prorl_cli.cli.jobs.collect import ResultFile, collect, print_summary
 
     started = time.monotonic()
-    _, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling)
+    prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling)
+    if announce:  # a terminal that dies leaves the jobs running: this is how to find them again
+        app.err_console.print(f"submitted {len(ids)} job(s), ids {prefix}-LINE-K; from another terminal: "
+                              f"prorl results -d {app.config.deployment} --prefix {prefix} --follow", soft_wrap=True)
     results = collect(app, client, list(ids), task, ResultFile(app, out, only_done))
     print_summary(app, results, time.monotonic() - started, out)
     return results
@@ -252,7 +256,8 @@ def submit(
                 f"  cancel:   prorl cancel -d {name} --prefix {prefix}", soft_wrap=True)
             return
         try:
-            results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix, sampling, only_done)
+            results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix, sampling, only_done,
+                                     announce=True)
         except KeyboardInterrupt:
             raise click.exceptions.Exit(130) from None
     if strict and any(r.state != "done" for r in results):
