@@ -36,7 +36,8 @@ class ProrlGroup(click.Group):
 @click.group(cls=ProrlGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="prorl")
 @click.option("--config", "config_path", metavar="FILE", envvar="PRORL_CONFIG", help="prorl.yaml to read (default: ./prorl.yaml).")
-@click.option("-d", "--deployment", metavar="NAME", help="Deployment name (the rendezvous folder under PRORL_HOME).")
+@click.option("-d", "--deployment", metavar="NAME",
+              help="Deployment name (the rendezvous folder under PRORL_HOME); the same as -d NAME after a command, or $PRORL_DEPLOYMENT.")
 @click.option("--home", metavar="DIR", help="PRORL_HOME: where deployments keep rendezvous files and run dirs.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.pass_context
