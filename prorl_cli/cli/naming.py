@@ -60,10 +60,24 @@ def named_deployment(app: App) -> str | None:
 
 
 def require_deployment(app: App, command: str) -> str:
-    """The deployment a command that must not guess (``down``, ``scale``, ``logs``) acts on."""
+    """The deployment a command that must not guess (``down``, ``scale``, ``logs``) acts on: named on the
+    command line, by ``$PRORL_DEPLOYMENT``, or by the prorl.yaml in use (``deployment:``), never the default."""
+    from prorl_cli.config import find_config_file
+
     name = named_deployment(app)
+    path = find_config_file(app.config_path) if name is None else None
+    if path is not None:
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            app.abort(f"{path}: cannot read: {e}")
+        if isinstance(data, dict) and isinstance(data.get("deployment"), str):
+            name = data["deployment"]
     if name is None:
-        app.abort(f"name the deployment: prorl {command} NAME, prorl {command} -d NAME, or set PRORL_DEPLOYMENT")
+        app.abort(f"name the deployment: prorl {command} NAME, prorl {command} -d NAME, PRORL_DEPLOYMENT, "
+                  "or deployment: in prorl.yaml")
     return name
 
 

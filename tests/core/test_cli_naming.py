@@ -61,5 +61,11 @@ def test_slurm_commands_take_the_deployment_four_ways(tmp_path: Path, command: l
     for args, env in ways:
         r = run("--home", home, *args, env=env)
         assert r.returncode == 1 and "'ghost' was not launched" in r.stderr, (args, r.stderr)
-    r = run("--home", home, *command)
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "--home", home, *command], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k not in ("PRORL_DEPLOYMENT", "PRORL_CONFIG")})
     assert r.returncode != 0 and "name the deployment" in r.stderr, r.stderr
+    # The prorl.yaml in use names it too (what `prorl init -d NAME` writes).
+    (tmp_path / "prorl.yaml").write_text("deployment: ghost\n")
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "--home", home, *command], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k not in ("PRORL_DEPLOYMENT", "PRORL_CONFIG")})
+    assert r.returncode == 1 and "'ghost' was not launched" in r.stderr, r.stderr
