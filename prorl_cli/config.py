@@ -129,6 +129,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
+    if origin is typing.Literal:
+        return f"one of {list(typing.get_args(tp))}"
     if origin is not None:
         return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", str(tp))

@@ -58,6 +58,7 @@ class Op(str, enum.Enum):
     HOLD = "hold"  # stop placing queued jobs on nodes; running ones go on
     STOP = "stop"  # paper: /stop. cancel everything, stop nodes and bridges, exit
     FORGET = "forget"  # job_ids=[...]: drop the retained results of these finished jobs
+    LIST_JOBS = "list_jobs"  # prefix?, group_id?, after?: ids and states of the jobs held that match (paged)
     PING = "ping"
 
     # broker -> requester
@@ -179,6 +180,8 @@ def decode_header(frame: bytes) -> dict[str, Any]:
 MAX_ID_CHARS = 256
 MAX_JOBS_PER_MESSAGE = 100_000
 MAX_META_BYTES = 4096
+#: Most job ids one ``list_jobs`` reply carries; the reply's ``next`` pages on (a header stays far below MAX_HEADER_BYTES).
+MAX_LISTED_JOBS = 10_000
 _BIG = 1 << 62
 
 Check = Callable[[Any, str], Any]
@@ -396,6 +399,7 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
     Op.CANCEL: OpSchema({**_RID, "job_ids": _JOB_IDS}),
     Op.WATCH: OpSchema({**_RID, "job_ids": _JOB_IDS}),
     Op.FORGET: OpSchema({**_RID, "job_ids": _JOB_IDS}),
+    Op.LIST_JOBS: OpSchema({**_RID, "prefix": Opt(Str()), "group_id": Opt(Str()), "after": Opt(Int(0, _BIG))}),
     Op.STATUS: OpSchema(dict(_RID)),
     Op.ADD_LLM_SERVER: OpSchema({**_RID, "url": _URL, "model": Opt(Str())}),
     Op.CLEAR_LLM_SERVER: OpSchema({**_RID, "url": Opt(_URL)}),

@@ -116,8 +116,8 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def write_parquet(path: str | os.PathLike[str], records: Iterable[dict[str, Any] | Trajectory]) -> Path:
     """The same rows as Parquet (needs ``pyarrow``: ``pip install prorl[parquet]``).
 
-    Top-level columns: ``job_id``, ``reward`` (when present), ``sequence_ids``
-    (int32 list), ``loss_mask`` (int8 list), ``logprobs`` (float32 list),
+    Top-level columns: ``job_id``, ``state`` (the job's end state, when the
+    rows carry one), ``reward`` (when present), ``sequence_ids`` (int32 list), ``loss_mask`` (int8 list), ``logprobs`` (float32 list),
     ``token_exact``, ``stop_reason``, ``n_calls`` and ``trajectory`` (the
     whole record as JSON text, calls included).
     """
@@ -128,9 +128,12 @@ def write_parquet(path: str | os.PathLike[str], records: Iterable[dict[str, Any]
         raise ImportError("Parquet export needs pyarrow: pip install 'prorl[parquet]'") from e
     rows = trajectory_rows(records)
     trajs = [Trajectory.from_dict(r["trajectory"]) for r in rows]
+    columns = {"job_id": pa.array([r.get("job_id") for r in rows], pa.string())}
+    if any("state" in r for r in rows):
+        columns["state"] = pa.array([r.get("state") for r in rows], pa.string())
     table = pa.table(
         {
-            "job_id": pa.array([r.get("job_id") for r in rows], pa.string()),
+            **columns,
             "reward": pa.array([r.get("reward") for r in rows], pa.float64()),
             "sequence_ids": pa.array([t.sequence_ids for t in trajs], pa.list_(pa.int32())),
             "loss_mask": pa.array([t.loss_mask for t in trajs], pa.list_(pa.int8())),

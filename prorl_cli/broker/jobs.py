@@ -318,6 +318,20 @@ class JobTable:
             out.states[job_id] = job.state.value
         return out
 
+    def find(self, prefix: str | None, group_id: str | None, after: int = 0, limit: int = P.MAX_LISTED_JOBS) -> tuple[dict[str, str], int | None]:
+        """States of the held jobs whose id starts with ``prefix`` and whose group is ``group_id`` (each when given),
+        in submission order from ``after`` (a job's ``seq``); the second value pages on (None: no more)."""
+        found: dict[str, str] = {}
+        for job in self.jobs.values():
+            if job.seq < after or (prefix is not None and not job.job_id.startswith(prefix)):
+                continue
+            if group_id is not None and job.spec.group_id != group_id:
+                continue
+            if len(found) == limit:
+                return found, job.seq
+            found[job.job_id] = job.state.value
+        return found, None
+
     def cancel_all(self) -> CancelOutcome:
         return self.cancel([j.job_id for j in self.jobs.values() if not j.state.terminal])
 

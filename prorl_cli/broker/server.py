@@ -397,6 +397,11 @@ class Broker:
         """Drop the retained results of finished jobs the caller has taken; unfinished ones are kept."""
         self._send(identity, P.reply(h["rid"], **self.table.forget(h["job_ids"]).to_wire()))
 
+    def on_list_jobs(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        """Ids and states of the held jobs that match, one page at a time (``next`` is the ``after`` of the next page)."""
+        found, after = self.table.find(h.get("prefix"), h.get("group_id"), h.get("after") or 0)
+        self._send(identity, P.reply(h["rid"], jobs=found, **({"next": after} if after is not None else {})))
+
     def on_status(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         self._send(identity, P.reply(h["rid"], status=self.status().to_wire()))
 
@@ -606,6 +611,7 @@ class Broker:
         Op.CANCEL: on_cancel,
         Op.FORGET: on_forget,
         Op.STATUS: on_status,
+        Op.LIST_JOBS: on_list_jobs,
         Op.PING: on_ping,
         Op.START: on_start,
         Op.HOLD: on_hold,

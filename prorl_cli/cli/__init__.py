@@ -10,9 +10,12 @@ from prorl_cli.cli.backends import backends
 from prorl_cli.cli.config import config
 from prorl_cli.cli.dev import dev
 from prorl_cli.cli.images import build_images, images
+from prorl_cli.cli.init import init
 from prorl_cli.cli.jobs import cancel, status, stop, submit
 from prorl_cli.cli.jobs.dapo import with_dapo_options
+from prorl_cli.cli.jobs.results import results
 from prorl_cli.cli.launch import down, launch, render_sbatch, scale
+from prorl_cli.cli.logs import logs
 from prorl_cli.cli.quickstart import quickstart
 from prorl_cli.cli.serve import serve
 
@@ -33,7 +36,8 @@ class ProrlGroup(click.Group):
 @click.group(cls=ProrlGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="prorl")
 @click.option("--config", "config_path", metavar="FILE", envvar="PRORL_CONFIG", help="prorl.yaml to read (default: ./prorl.yaml).")
-@click.option("-d", "--deployment", metavar="NAME", help="Deployment name (the rendezvous folder under PRORL_HOME).")
+@click.option("-d", "--deployment", metavar="NAME",
+              help="Deployment name (the rendezvous folder under PRORL_HOME); the same as -d NAME after a command, or $PRORL_DEPLOYMENT.")
 @click.option("--home", metavar="DIR", help="PRORL_HOME: where deployments keep rendezvous files and run dirs.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.pass_context
@@ -41,10 +45,11 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     """prorl: multi-turn LLM-agent rollouts as a service for RL training on Slurm.
 
     \b
-    Login node:   prorl build-images, prorl launch / scale / down / render-sbatch
+    Login node:   prorl build-images, prorl launch / scale / down / logs / render-sbatch
     Allocations:  prorl serve broker | node | inference
-    Trainer:      prorl submit, status, cancel, backends, stop
+    Trainer:      prorl submit, results, status, cancel, backends, stop
     One machine:  prorl quickstart
+    Start here:   prorl init [--slurm] (commented prorl.yaml, deploy.yaml), prorl config show
     """
     overrides = {"deployment": deployment, "home": home, "log_level": log_level}
     ctx.obj = App(config_path, {k: v for k, v in overrides.items() if v is not None})
@@ -52,7 +57,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
 
 with_dapo_options(submit)  # prorl submit --dapo (training team's hook)
 
-for command in (serve, submit, status, cancel, stop, backends, config, quickstart, build_images, images, dev, launch, down, scale, render_sbatch):
+for command in (serve, submit, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch):
     cli.add_command(command)
 
 

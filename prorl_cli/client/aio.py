@@ -358,6 +358,23 @@ class AsyncRolloutClient:
             self._watched.setdefault(job_id, "")  # the broker now pushes its result to us
         return {j: states.get(j, UNKNOWN) for j in ids}
 
+    async def list_jobs(self, prefix: str | None = None, group_id: str | None = None) -> dict[str, str]:
+        """Ids and states of the jobs the broker holds (unfinished, and finished ones it still retains) whose id
+        starts with ``prefix`` and whose ``group_id`` is ``group_id`` (each only when given), in submission order."""
+        found: dict[str, str] = {}
+        after: int | None = 0
+        while after is not None:
+            fields: dict[str, Any] = {"after": after}
+            if prefix is not None:
+                fields["prefix"] = prefix
+            if group_id is not None:
+                fields["group_id"] = group_id
+            header, _ = await self.request(Op.LIST_JOBS, **fields)
+            found.update({str(k): str(v) for k, v in dict(header.get("jobs") or {}).items()})
+            nxt = header.get("next")
+            after = int(nxt) if isinstance(nxt, int) and nxt > after else None
+        return found
+
     async def forget(self, job_ids: Iterable[str]) -> ForgetOutcome:
         """Drop finished jobs' results at the broker and here (consumed results; keeps a long run's memory flat).
 

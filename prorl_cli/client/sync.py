@@ -91,6 +91,9 @@ class RolloutClient:
     def cancel(self, job_ids: Iterable[str]) -> dict[str, str]:
         return dict(self._run(self._aio.cancel(job_ids)))
 
+    def list_jobs(self, prefix: str | None = None, group_id: str | None = None) -> dict[str, str]:
+        return dict(self._run(self._aio.list_jobs(prefix, group_id)))
+
     def forget(self, job_ids: Iterable[str]) -> ForgetOutcome:
         return self._run(self._aio.forget(job_ids))
 

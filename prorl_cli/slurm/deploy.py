@@ -85,7 +85,9 @@ class BrokerRole(SlurmJobOptions):
     """The broker: its own small Slurm job, or ``here`` (a process on the launching machine)."""
 
     where: Literal["slurm", "here"] = "slurm"
-    bind_host: str = "0.0.0.0"  # peers on other hosts must reach it; CURVE is on beyond loopback
+    # None: prorl.yaml's broker.bind_host when that file sets one, else 0.0.0.0 (peers on other hosts must
+    # reach it; CURVE is on beyond loopback). One setting, so the two files cannot disagree.
+    bind_host: str | None = None
     port: int = 0
     cpus_per_task: int = 1
 
@@ -116,7 +118,8 @@ class NodesRole(ArrayRole):
     """Node servers: one Slurm array task each."""
 
     count: int = 1
-    sandbox_runtime: Literal["apptainer", "bwrap", "local"] = "apptainer"
+    # None: prorl.yaml's sandbox.runtime (default auto: Apptainer when it works, else bubblewrap, else local, warned about).
+    sandbox_runtime: Literal["auto", "apptainer", "bwrap", "local"] | None = None
     sandbox_image: str = ""  # default image for handlers that name none
     handler_paths: list[str] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)  # serve only these; empty: all found

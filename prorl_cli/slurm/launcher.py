@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from prorl_cli.broker.journal import JOURNAL_NAME
 from prorl_cli.config import ProrlConfig, load_config
-from prorl_cli.exceptions import BrokerUnavailable, ProrlError, RendezvousError, SlurmError
+from prorl_cli.exceptions import (
+    BrokerUnavailable,
+    ConfigError,
+    ProrlError,
+    RendezvousError,
+    SlurmError,
+)
 from prorl_cli.rendezvous import rendezvous_path
 from prorl_cli.slurm import squeue
 from prorl_cli.slurm.deploy import DeployConfig, load_deploy, time_minutes
@@ -101,12 +107,49 @@ def prorl_config(cfg: DeployConfig) -> ProrlConfig:
     return load_config(cfg.config, {"home": str(cfg.home_path), "deployment": cfg.deployment})
 
 
+#: Where a broker on Slurm listens when neither deploy.yaml nor prorl.yaml says: every interface (peers run elsewhere).
+SLURM_BIND_HOST = "0.0.0.0"
+
+
+def broker_bind_host(cfg: DeployConfig) -> str:
+    """The broker's listen address: deploy.yaml's ``broker.bind_host``, else the one prorl.yaml sets, else 0.0.0.0."""
+    if cfg.broker.bind_host:
+        return cfg.broker.bind_host
+    if cfg.config:
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(cfg.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{cfg.config}: cannot read: {e}") from e
+        broker = data.get("broker") if isinstance(data, dict) else None
+        if isinstance(broker, dict) and broker.get("bind_host"):
+            return str(broker["bind_host"])
+    return SLURM_BIND_HOST
+
+
+def sandbox_runtime(cfg: DeployConfig) -> str:
+    """The nodes' sandbox runtime: deploy.yaml's ``nodes.sandbox_runtime``, else prorl.yaml's ``sandbox.runtime``."""
+    return cfg.nodes.sandbox_runtime or prorl_config(cfg).sandbox.runtime
+
+
+def effective_deploy(cfg: DeployConfig) -> dict[str, Any]:
+    """deploy.yaml as the roles will see it: defaults, paths and what it leaves to prorl.yaml filled in."""
+    data = asdict(cfg)
+    data.pop("source", None)
+    data.update(home=str(cfg.home_path), log_dir=str(cfg.log_path), python=cfg.python_path)
+    data["broker"]["bind_host"] = broker_bind_host(cfg)
+    data["nodes"]["sandbox_runtime"] = sandbox_runtime(cfg)
+    return data
+
+
 def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpec:
     """What a submitted task of ``role`` runs."""
     n, inf = cfg.nodes, cfg.inference
     overrides: dict[str, Any] = {}
     if role == "nodes":
-        overrides["sandbox.runtime"] = n.sandbox_runtime
+        if n.sandbox_runtime is not None:  # unset: the roles' prorl.yaml decides
+            overrides["sandbox.runtime"] = n.sandbox_runtime
         if n.sandbox_image:
             overrides["sandbox.image"] = n.sandbox_image
         if n.handler_paths:
@@ -128,7 +171,7 @@ def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpe
         index=index,
         rendezvous_wait_s=cfg.rendezvous_wait_s,
         requeue=True if role == "broker" else cfg.role(role).requeue,  # type: ignore[attr-defined]
-        bind_host=cfg.broker.bind_host,
+        bind_host=broker_bind_host(cfg),
         port=cfg.broker.port,
         model=inf.model,
         engine=inf.engine,
@@ -196,16 +239,50 @@ def _submit(cfg: DeployConfig, role: str, indices: list[int]) -> list[Member]:
     return [Member(role, i, str(j.job_id)) for i, j in zip(indices, jobs, strict=True)]
 
 
+@dataclass
+class PlannedRole:
+    """What ``launch`` would submit for one role (``prorl launch --dry-run`` prints it)."""
+
+    role: str
+    count: int  # array tasks (1 for the broker job)
+    sbatch: dict[str, Any]  # the Slurm request: sbatch options, long names without dashes
+    script: str  # the batch script submitit hands to sbatch
+
+
+def plan(cfg: DeployConfig) -> list[PlannedRole]:
+    """Every role ``launch`` would submit, with its request and script; submits and writes nothing."""
+    planned = []
+    for role in ROLES:
+        if role == "broker" and cfg.broker.where == "here":
+            continue
+        count = 1 if role == "broker" else cfg.role(role).count  # type: ignore[attr-defined]
+        if not count:
+            continue
+        ex = _executor(cfg, role, count)
+        if role != "broker":
+            ex.parameters["map_count"] = count  # as map_array does: one --array job
+        # submitit's own rendering of the script it would submit (the same call its submit makes).
+        script = ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
+        planned.append(PlannedRole(role, count, sbatch_options(cfg, role), script))
+    return planned
+
+
+def local_broker_command(cfg: DeployConfig) -> list[str]:
+    """``broker.where: here``: the command line of the broker started on this machine."""
+    cmd = [cfg.python_path, "-m", "prorl_cli"]
+    if cfg.config:
+        cmd += ["--config", cfg.config]
+    cmd += ["-d", cfg.deployment, "serve", "broker", "--bind-host", broker_bind_host(cfg)]
+    if cfg.broker.port:
+        cmd += ["--port", str(cfg.broker.port)]
+    return cmd
+
+
 def _start_local_broker(cfg: DeployConfig) -> int:
     """``broker.where: here``: a broker process on this machine, in its own session."""
     log_file = cfg.log_path / "broker-here.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [cfg.python_path, "-m", "prorl_cli"]
-    if cfg.config:
-        cmd += ["--config", cfg.config]
-    cmd += ["-d", cfg.deployment, "serve", "broker", "--bind-host", cfg.broker.bind_host]
-    if cfg.broker.port:
-        cmd += ["--port", str(cfg.broker.port)]
+    cmd = local_broker_command(cfg)
     env = {**os.environ, "PRORL_HOME": str(cfg.home_path)}
     with log_file.open("ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -331,11 +408,15 @@ def registered_ids(report: StatusReport | None) -> set[str]:
     return ids
 
 
+def log_files(cfg: DeployConfig, member: Member) -> list[Path]:
+    """A task's Slurm logs: submitit writes <log_dir>/<role>/<job>/<job>_<task>_log.out (array jobs: <job> is A_a)."""
+    folder = cfg.log_path / member.role / member.job_id
+    return sorted(folder.glob("*_log.out")) if folder.is_dir() else []
+
+
 def log_tail(cfg: DeployConfig, member: Member, lines: int = 12) -> str:
-    """The end of a task's Slurm log (submitit writes <log_dir>/<role>/<job>/<job>_0_log.out)."""
-    base = member.job_id
-    folder = cfg.log_path / member.role / base
-    candidates = sorted(folder.glob("*_log.out")) if folder.is_dir() else []
+    """The end of a task's Slurm log."""
+    candidates = log_files(cfg, member)
     if not candidates:
         return ""
     text = candidates[-1].read_text(errors="replace").splitlines()

@@ -18,7 +18,7 @@ import jinja2
 from prorl_cli.config import apply_overrides, config_from_dict, dump_config
 from prorl_cli.resources import data_dir
 from prorl_cli.slurm.deploy import DeployConfig
-from prorl_cli.slurm.launcher import prorl_config, role_spec, sbatch_options
+from prorl_cli.slurm.launcher import broker_bind_host, prorl_config, role_spec, sbatch_options
 
 TEMPLATES = {
     "broker": "broker.sbatch.j2",
@@ -64,7 +64,7 @@ def _role_context(cfg: DeployConfig, role: str, config_file: Path) -> dict[str, 
         "count": getattr(opts, "count", 1),
         "array_parallelism": getattr(opts, "array_parallelism", 0),
         "rendezvous_wait_s": int(cfg.rendezvous_wait_s),
-        "bind_host": cfg.broker.bind_host,
+        "bind_host": broker_bind_host(cfg),
         "port": cfg.broker.port,
         "engine": inf.engine,
         "model": inf.model or "",

@@ -16,6 +16,7 @@ VALID: dict[P.Op, tuple[dict[str, Any], list[bytes]]] = {
     P.Op.WATCH: ({"rid": 1, "job_ids": ["x"]}, []),
     P.Op.FORGET: ({"rid": 1, "job_ids": ["x"]}, []),
     P.Op.STATUS: ({"rid": 1}, []),
+    P.Op.LIST_JOBS: ({"rid": 1, "prefix": "run1-", "group_id": "run1-0", "after": 0}, []),
     P.Op.ADD_LLM_SERVER: ({"rid": 1, "url": "http://127.0.0.1:9/v1", "model": "m"}, []),
     P.Op.CLEAR_LLM_SERVER: ({"rid": 1, "url": "http://127.0.0.1:9/v1"}, []),
     P.Op.LIST_LLM_SERVERS: ({"rid": 1}, []),

@@ -41,8 +41,9 @@ def test_help_is_instant_and_lists_the_commands() -> None:
 
 
 def test_slurm_commands_without_their_argument_say_what_is_missing() -> None:
-    for args, missing in ((["launch"], "DEPLOY_FILE"), (["down"], "NAME"), (["scale"], "NAME")):
-        r = subprocess.run([sys.executable, "-m", "prorl_cli", *args], capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PRORL_DEPLOYMENT"}
+    for args, missing in ((["launch"], "DEPLOY_FILE"), (["down"], "NAME"), (["scale", "--nodes", "1"], "NAME")):
+        r = subprocess.run([sys.executable, "-m", "prorl_cli", *args], capture_output=True, text=True, env=env)
         assert r.returncode != 0
         assert missing in r.stderr
 
@@ -75,11 +76,7 @@ def test_submit_reports_bad_input_clearly(deployment: Deployment, tmp_path: Path
     r = prorl(deployment, "submit", str(good), "--task", "nope")
     assert r.returncode != 0 and "unknown_task" in r.stderr and "nope" in r.stderr
     r = prorl(deployment, "submit", str(good), "--task", "test", "--out", str(tmp_path / "t.parquet"))
-    assert r.returncode != 0 and "no finished job has a 'trajectory'" in r.stderr
-    failing = tmp_path / "failing.jsonl"
-    failing.write_text('{"raise_in": "eval"}\n')
-    r = prorl(deployment, "submit", str(failing), "--task", "test")
-    assert r.returncode == 1 and "failed" in r.stdout
+    assert r.returncode != 0 and "no job has a 'trajectory'" in r.stderr
 
 
 def test_status_cancel_and_backends(deployment: Deployment) -> None:
@@ -185,7 +182,7 @@ def test_stop_command_stops_the_deployment(tmp_path: Path) -> None:
 
 def test_quickstart_without_llm_runs_end_to_end(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "prorl_cli", "quickstart", "--home", str(tmp_path / "qs"), "--engine", "none"],
+        [sys.executable, "-m", "prorl_cli", "quickstart", "--out", str(tmp_path / "qs"), "--engine", "none"],
         capture_output=True, text=True, timeout=180,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -200,7 +197,7 @@ def test_quickstart_with_the_tiny_model_runs_a_real_agent(tmp_path: Path) -> Non
     """The README's main command: a real transformers model behind a real bridge."""
     pytest.importorskip("torch", reason="the cpu extra (torch) is not installed")
     r = subprocess.run(
-        [sys.executable, "-m", "prorl_cli", "quickstart", "--home", str(tmp_path / "qs"), "--n", "1"],
+        [sys.executable, "-m", "prorl_cli", "quickstart", "--out", str(tmp_path / "qs"), "-n", "1"],
         capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -23,7 +23,7 @@ def test_quickstart_domain_runs_end_to_end(task: str, tmp_path: Path, tiny_model
     home = tmp_path / "qs"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "prorl_cli", "quickstart", "--home", str(home), "--task", task, "-n", "4",
+        [sys.executable, "-m", "prorl_cli", "quickstart", "--out", str(home), "--task", task, "-n", "4",
          "--model", str(tiny_model), "--image", domain_image],
         capture_output=True, text=True, timeout=600, env=env, start_new_session=True, cwd=tmp_path,
     )

@@ -184,7 +184,7 @@ def test_quickstart_with_the_sim_engine(tmp_path: Path) -> None:
     import json
 
     home = tmp_path / "qs"
-    out = subprocess.run([sys.executable, "-m", "prorl_cli", "quickstart", "--engine", "sim", "--home", str(home)],
+    out = subprocess.run([sys.executable, "-m", "prorl_cli", "quickstart", "--engine", "sim", "--out", str(home)],
                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads((home / "summary.json").read_text())

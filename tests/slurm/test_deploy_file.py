@@ -45,7 +45,8 @@ def test_example_lists_every_key_with_its_default() -> None:
     defaults = DeployConfig()
     for section in ("broker", "nodes", "inference"):
         assert dataclasses.asdict(getattr(loaded, section)) == dataclasses.asdict(getattr(defaults, section)), section
-    assert loaded.nodes.sandbox_runtime == "apptainer", "sandboxes default to a real runtime"
+    # What deploy.yaml leaves unset, prorl.yaml decides: the two files never disagree on a default.
+    assert loaded.nodes.sandbox_runtime is None and loaded.broker.bind_host is None
 
 
 @pytest.mark.parametrize(
@@ -99,8 +100,22 @@ def test_render_sbatch_scripts_carry_the_roles_options(tmp_path: Path) -> None:
     assert "#SBATCH --gres=gpu:2" in inf and "--tensor-parallel-size 2" in inf
     assert "#SBATCH --gres=gpu:2" in written["all-in-one.sbatch"]
     roles_config = yaml.safe_load(written["prorl.yaml"])
-    assert roles_config["sandbox"]["runtime"] == "apptainer", "never silently local"
+    # deploy.yaml leaves the runtime to prorl.yaml (default auto: the same as a run on one machine).
+    assert roles_config["sandbox"]["runtime"] == "auto"
     assert roles_config["deployment"] == "r"
+    # Set in deploy.yaml, it wins; set in prorl.yaml only, that is what the roles get.
+    config = tmp_path / "prorl.yaml"
+    config.write_text("sandbox:\n  runtime: apptainer\nbroker:\n  bind_host: 10.0.0.7\n")
+    data = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**data, "config": str(config)}))
+    written = {p.name: p.read_text() for p in render_all(load_deploy(path), tmp_path / "out2")}
+    assert yaml.safe_load(written["prorl.yaml"])["sandbox"]["runtime"] == "apptainer"
+    assert "--bind-host 10.0.0.7" in written["broker.sbatch"]
+    path.write_text(yaml.safe_dump({**data, "config": str(config), "nodes": {**data["nodes"], "sandbox_runtime": "bwrap"},
+                                    "broker": {"bind_host": "0.0.0.0"}}))
+    written = {p.name: p.read_text() for p in render_all(load_deploy(path), tmp_path / "out3")}
+    assert yaml.safe_load(written["prorl.yaml"])["sandbox"]["runtime"] == "bwrap"
+    assert "--bind-host 0.0.0.0" in written["broker.sbatch"]
 
 
 def test_slurm_identity_from_the_environment() -> None:

@@ -124,6 +124,9 @@ def test_launch_places_every_role(launched: Launched) -> None:
         assert gpus and re.fullmatch(r"\d", gpus[-1]), f"{m.peer_id} sees exactly one fake GPU: {gpus}"
     for m in record.of("nodes"):
         assert "GPUs" not in logs_of(launched.dir / "slurm" / "nodes" / m.job_id).split("registered")[0]
+    # The same logs through `prorl logs ROLE[INDEX]`.
+    shown = prorl(launched.home, "logs", "-d", NAME, "inference[1]")
+    assert shown.returncode == 0 and "GPUs visible:" in shown.stdout, shown.stderr
 
 
 def test_math_rollouts_from_prorl_submit_and_both_views_in_status(launched: Launched, tmp_path: Path) -> None:
@@ -149,7 +152,7 @@ def test_math_rollouts_from_prorl_submit_and_both_views_in_status(launched: Laun
     assert "Slurm" in st.stdout and "RUNNING" in st.stdout, "Slurm's view"
     for peer in ("node-0", "node-1", "node-2", "inference-0", "inference-1"):
         assert st.stdout.count(peer) >= 2, f"{peer} in both views"
-    # The nodes' sandbox runtime (nodes.sandbox_runtime: apptainer by default in deploy.yaml), as each registered it.
+    # The nodes' sandbox runtime (prorl.yaml's sandbox.runtime: auto, which picks Apptainer here), as each registered it.
     report = json.loads(prorl(launched.home, "status", NAME, "--json").stdout)
     assert {n["node_id"]: n["sandbox_runtime"] for n in report["nodes"]} == dict.fromkeys(("node-0", "node-1", "node-2"), "apptainer")
     node_rows = [line for line in st.stdout.splitlines() if re.search(r"\bnode-\d\b", line) and "RUNNING" not in line]

@@ -6,11 +6,13 @@ import click
 
 from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.jobs import connect, print_backends
+from prorl_cli.cli.naming import deployment_option
 
 _address = click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 
 
 @click.group()
+@deployment_option
 def backends() -> None:
     """Register, clear, list, pause, resume and reload inference backends."""
 
@@ -19,6 +21,7 @@ def backends() -> None:
 @click.argument("url")
 @click.option("--model", metavar="NAME", help="Model name the server serves (default: ask the server).")
 @_address
+@deployment_option
 @pass_app
 def backends_add(app: App, url: str, model: str | None, address: str | None) -> None:
     """Route jobs to the OpenAI-compatible server at URL (e.g. http://host:8000/v1)."""
@@ -35,6 +38,7 @@ def backends_add(app: App, url: str, model: str | None, address: str | None) -> 
 @backends.command("clear")
 @click.argument("url", required=False)
 @_address
+@deployment_option
 @pass_app
 def backends_clear(app: App, url: str | None, address: str | None) -> None:
     """Stop routing new jobs to URL (or to every backend); jobs already using them finish."""
@@ -50,6 +54,7 @@ def backends_clear(app: App, url: str | None, address: str | None) -> None:
 
 @backends.command("list")
 @_address
+@deployment_option
 @pass_app
 def backends_list(app: App, address: str | None) -> None:
     """List backends with their in-flight requests and live jobs."""
@@ -67,6 +72,7 @@ _version = click.option("--policy-version", type=click.IntRange(min=0), metavar=
 @click.option("--timeout-s", type=click.FloatRange(min=0), default=300.0, show_default=True,
               help="With --wait: give up after this long, naming the calls still running (generation stays paused).")
 @_address
+@deployment_option
 @pass_app
 def backends_pause(app: App, policy_version: int | None, wait: bool, timeout_s: float, address: str | None) -> None:
     """Hold new generate calls at the broker (weight sync); in-flight ones drain.
@@ -86,6 +92,7 @@ def backends_pause(app: App, policy_version: int | None, wait: bool, timeout_s: 
 @backends.command("resume")
 @_version
 @_address
+@deployment_option
 @pass_app
 def backends_resume(app: App, policy_version: int | None, address: str | None) -> None:
     """Release held generate calls and route new ones again."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.naming import deployment_option
 
 
 @click.group()
@@ -13,15 +16,53 @@ def config() -> None:
 
 
 @config.command("show")
+@deployment_option
+@click.option("--deploy", "deploy_file", type=click.Path(dir_okay=False, exists=True),
+              help="Also the effective values of this deploy.yaml (default: ./deploy.yaml, else the one the "
+                   "deployment was launched from).")
 @pass_app
-def config_show(app: App) -> None:
-    """Print the effective configuration as YAML."""
+def config_show(app: App, deploy_file: str | None) -> None:
+    """Print the effective configuration as YAML: prorl.yaml, then deploy.yaml when there is one.
+
+    deploy.yaml's values are shown as the roles get them: defaults, resolved
+    paths, and the broker address and sandbox runtime it leaves to prorl.yaml.
+    """
     from prorl_cli.config import dump_config, find_config_file
 
     cfg = app.config
     source = find_config_file(app.config_path)
-    click.echo(f"# from {source or 'defaults'}")
+    click.echo(f"# prorl.yaml: from {source or 'defaults'}")
     click.echo(dump_config(cfg), nl=False)
+    deploy = deploy_file or _default_deploy_file(cfg.deployment_dir)
+    if deploy is None:
+        return
+    import yaml
+
+    from prorl_cli.cli.naming import named_deployment
+    from prorl_cli.exceptions import ConfigError
+    from prorl_cli.slurm.deploy import load_deploy
+    from prorl_cli.slurm.launcher import effective_deploy
+
+    try:
+        effective = effective_deploy(load_deploy(deploy, deployment=named_deployment(app)))
+    except ConfigError as e:
+        app.abort(f"config error: {e}")
+    click.echo(f"---\n# deploy.yaml: from {deploy} (as the roles get it; unset keys from prorl.yaml and the defaults)")
+    click.echo(yaml.safe_dump(effective, sort_keys=False), nl=False)
+
+
+def _default_deploy_file(deployment_dir: Path) -> str | None:
+    """./deploy.yaml, else the deploy file the deployment was launched from (its launch.json says)."""
+    from prorl_cli.exceptions import SlurmError
+    from prorl_cli.slurm.launcher import LaunchRecord
+
+    if Path("deploy.yaml").is_file():
+        return "deploy.yaml"
+    try:
+        record = LaunchRecord.load(deployment_dir)
+    except SlurmError:
+        return None
+    return record.deploy_file if record is not None and Path(record.deploy_file).is_file() else None
 
 
 @config.command("check")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.naming import deployment_argument, deployment_option, id_prefix
 
 if TYPE_CHECKING:
     from prorl_cli.client import RolloutClient
@@ -40,16 +41,6 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
             f"no reply within {PING_TIMEOUT_S:g} s); is it running?"
         )
     return client
-
-
-def name_deployment(app: App, name: str | None) -> None:
-    """A positional DEPLOYMENT (``prorl status NAME``) means the same as ``-d NAME``; the two must agree."""
-    if name is None:
-        return
-    given = app.overrides.get("deployment")
-    if given is not None and given != name:
-        app.abort(f"-d {given} and DEPLOYMENT {name} name different deployments; give one of them")
-    app.override(deployment=name)
 
 
 def read_instances(app: App, path: Path) -> list[Any]:
@@ -143,6 +134,10 @@ def sampling_from_options(
     return sampling
 
 
+#: Job ids of a submission without --id-prefix: PREFIX-LINE-K with a fresh PREFIX, so `prorl results --prefix` finds them.
+AUTO_PREFIX = "sub"
+
+
 def run_submission(
     app: App,
     client: RolloutClient,
@@ -153,110 +148,65 @@ def run_submission(
     timeout_s: float | None,
     id_prefix: str | None,
     sampling: dict[str, Any] | None = None,
+    only_done: bool = False,
+    announce: bool = False,
 ) -> list[JobResult]:
-    """Submit, stream results to ``out`` as they finish, show progress and a summary."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """Submit, stream results to ``out`` as they finish, show progress and a summary.
 
-    from prorl_cli.exceptions import ProrlError
+    Job ids are ``PREFIX-LINE-K`` and the ``n`` rollouts of one line share the group ``PREFIX-LINE``
+    (their GRPO group), so ``prorl results --prefix`` / ``--group`` find them again.
+    """
+    from prorl_cli.cli.jobs.collect import ResultFile, collect, print_summary
 
-    job_ids = [f"{id_prefix}-{i}-{k}" for i in range(len(instances)) for k in range(n)] if id_prefix else None
     started = time.monotonic()
-    try:
-        ids = client.submit(task, instances, n=n, job_ids=job_ids, timeout_s=timeout_s, sampling=sampling)
-    except ProrlError as e:
-        app.abort(f"submit failed: {e}")
-    counts: dict[str, int] = {}
-    results: list[JobResult] = []
-    parquet = out is not None and out.suffix == ".parquet"
-    out_file = out.open("w") if out and not parquet else None
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[counts]}"),
-        TextColumn("{task.fields[rate]:.1f} jobs/s"),
-        TimeElapsedColumn(),
-    )
-    try:
-        with Progress(*columns, console=app.err_console, transient=False) as progress:
-            bar = progress.add_task(task, total=len(ids), counts="", rate=0.0)
-            for result in client.as_completed(ids):
-                results.append(result)
-                counts[result.state] = counts.get(result.state, 0) + 1
-                if out_file:
-                    out_file.write(json.dumps(result.to_wire()) + "\n")
-                elapsed = max(time.monotonic() - started, 1e-9)
-                progress.update(
-                    bar,
-                    advance=1,
-                    counts=" ".join(f"{k}={v}" for k, v in sorted(counts.items())),
-                    rate=len(results) / elapsed,
-                )
-    except KeyboardInterrupt:
-        left = [j for j in ids if j not in {r.job_id for r in results}]
-        app.err_console.print(f"interrupted: cancelling {len(left)} unfinished job(s)")
-        client.cancel(left)
-        raise
-    finally:
-        if out_file:
-            out_file.close()
-    if parquet and out is not None:
-        write_trajectories_parquet(app, results, out)
+    prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling)
+    if announce:  # a terminal that dies leaves the jobs running: this is how to find them again
+        app.err_console.print(f"submitted {len(ids)} job(s), ids {prefix}-LINE-K; from another terminal: "
+                              f"prorl results -d {app.config.deployment} --prefix {prefix} --follow", soft_wrap=True)
+    results = collect(app, client, list(ids), task, ResultFile(app, out, only_done))
     print_summary(app, results, time.monotonic() - started, out)
     return results
 
 
-def write_trajectories_parquet(app: App, results: list[JobResult], out: Path) -> int:
-    """One row per finished job whose output holds a token-level ``trajectory`` (see docs/protocol.md)."""
-    from prorl_cli.agent.trajectory import write_parquet
+def submit_jobs(
+    app: App, client: RolloutClient, task: str, instances: list[Any], n: int, timeout_s: float | None,
+    id_prefix: str | None, sampling: dict[str, Any] | None,
+) -> tuple[str, list[str]]:
+    """Submit every instance ``n`` times with ids ``PREFIX-LINE-K``, one group per line; a one-line error if refused."""
+    import uuid
 
-    rows = [
-        {"job_id": r.job_id, "reward": r.reward, "trajectory": r.output["trajectory"]}
-        for r in results
-        if r.state == "done" and isinstance(r.output, dict) and isinstance(r.output.get("trajectory"), dict)
-    ]
-    if not rows:
-        app.abort(f"{out}: no finished job has a 'trajectory' in its output; write .jsonl to keep whole results")
+    from prorl_cli.exceptions import ProrlError
+
+    prefix = id_prefix or f"{AUTO_PREFIX}-{uuid.uuid4().hex[:10]}"
+    ids = [f"{prefix}-{i}-{k}" for i in range(len(instances)) for k in range(n)]
+    # One submit op for the whole set (one journal flush); the group of each job is its line.
+    specs = [spec for i in range(len(instances)) for spec in client.make_specs(
+        task, n, job_ids=ids[i * n:(i + 1) * n], timeout_s=timeout_s, sampling=sampling, group_id=f"{prefix}-{i}")]
     try:
-        write_parquet(out, rows)
-    except ImportError as e:
-        app.abort(str(e))
-    return len(rows)
-
-
-def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Path | None) -> None:
-    from rich.table import Table
-
-    table = Table(title="prorl submit: summary")
-    table.add_column("state")
-    table.add_column("jobs", justify="right")
-    table.add_column("mean reward", justify="right")
-    table.add_column("mean in-stage s", justify="right")
-    by_state: dict[str, list[JobResult]] = {}
-    for r in results:
-        by_state.setdefault(r.state, []).append(r)
-    for state, rs in sorted(by_state.items()):
-        rewards = [r.reward for r in rs if r.reward is not None]
-        table.add_row(
-            state,
-            str(len(rs)),
-            f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
-            f"{sum(r.active_s for r in rs) / len(rs):.3f}",
-        )
-    app.console.print(table)
-    rate = len(results) / elapsed_s if elapsed_s > 0 else 0.0
-    app.console.print(f"{len(results)} job(s) in {elapsed_s:.2f} s ({rate:.1f} jobs/s)" + (f"; results in {out}" if out else ""))
+        client.submit_specs(specs, [inst for inst in instances for _ in range(n)])
+    except ProrlError as e:
+        app.abort(f"submit failed: {e}")
+    return prefix, ids
 
 
 @click.command()
 @click.argument("tasks_file", metavar="TASKS", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--task", required=True, metavar="NAME", help="Handler (task type) to run every instance with.")
-@click.option("--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Rollouts per instance.")
+@click.option("-n", "--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Rollouts per instance.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Results as JSONL, written as they finish; a .parquet name writes the token-level trajectories (sequence ids, loss mask, log-probs) at the end.")
+              help="Results file. JSONL (any name but .parquet): every job's whole result, written as it ends. "
+                   ".parquet: one row per job with a token-level trajectory (sequence ids, loss mask, log-probs), partial "
+                   "ones of failed and timed-out jobs included, with a state column, written at the end. "
+                   "With --dapo, .parquet holds training samples instead (docs/training.md).")
+@click.option("--only-done", is_flag=True, help="--out keeps only jobs that ended done.")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
-@click.option("--id-prefix", metavar="PREFIX", help="Deterministic job ids PREFIX-LINE-K: resubmitting resumes instead of rerunning.")
+@click.option("--id-prefix", metavar="PREFIX",
+              help="Job ids PREFIX-LINE-K (default: a fresh sub-XXXXXXXXXX): resubmitting resumes instead of rerunning, "
+                   "and `prorl results --prefix PREFIX` collects them.")
+@click.option("--detach", is_flag=True, help="Submit, print the id prefix and exit; collect later with `prorl results --prefix`.")
+@click.option("--strict", is_flag=True, help="Exit 1 when any job did not end done (by default failed and timed-out jobs are counted, not errors).")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@deployment_option
 @click.option("--format", "fmt", metavar="FORMAT",
               help="Row shape of TASKS for the domain tasks (math, code, swe, search) where it is ambiguous, e.g. code: io, test_cases, apps, livecodebench (docs/domains.md).")
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Sampling: most tokens per generate call.")
@@ -270,26 +220,47 @@ def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Pat
               help="The same object read from a JSON or YAML file.")
 @pass_app
 def submit(
-    app: App, tasks_file: Path, task: str, n: int, out: Path | None, timeout_s: float | None, id_prefix: str | None, address: str | None,
+    app: App, tasks_file: Path, task: str, n: int, out: Path | None, only_done: bool, timeout_s: float | None,
+    id_prefix: str | None, detach: bool, strict: bool, address: str | None,
     fmt: str | None, max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
     sampling_json: str | None, sampling_file: Path | None,
 ) -> None:
     """Submit every instance of TASKS (JSONL, or Parquet) and collect the results.
 
+    \b
     For the domain tasks (math, code, swe, search) public dataset rows are converted to instances.
     Every job gets the same sampling (--max-tokens, --temperature, --top-p, --seed, --sampling):
     handlers pass it to each generate call; unset fields keep their defaults (SamplingParams, docs/protocol.md).
+    Exit status: 0 once every job ended (done, failed, timed out: counted in the summary), 1 when
+    the submission or the connection failed (or, with --strict, when a job did not end done),
+    130 on Ctrl-C (which cancels the unfinished jobs; --detach leaves them running).
     """
     sampling = sampling_from_options(app, sampling_json, sampling_file,
                                      {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed})
     instances = load_task_file(app, task, tasks_file, fmt)
     if not instances:
         app.abort(f"{tasks_file}: no instances")
+    if detach and (out is not None or only_done):
+        app.abort("--detach collects nothing: collect with `prorl results --prefix PREFIX --out FILE` instead of --out")
     if out is not None:
         check_out_path(app, out)
     with connect(app, address) as client:
-        results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix, sampling)
-    if any(r.state != "done" for r in results):
+        if detach:
+            prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling)
+            # stdout: the prefix alone (PREFIX=$(prorl submit --detach ...)); stderr: what to do with it.
+            click.echo(prefix)
+            name = app.config.deployment
+            app.err_console.print(
+                f"submitted {len(ids)} job(s) of {task!r}: ids {prefix}-LINE-K, one group {prefix}-LINE per line\n"
+                f"  collect:  prorl results -d {name} --prefix {prefix} --follow --out results.jsonl\n"
+                f"  cancel:   prorl cancel -d {name} --prefix {prefix}", soft_wrap=True)
+            return
+        try:
+            results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix, sampling, only_done,
+                                     announce=True)
+        except KeyboardInterrupt:
+            raise click.exceptions.Exit(130) from None
+    if strict and any(r.state != "done" for r in results):
         raise click.exceptions.Exit(1)
 
 
@@ -344,19 +315,19 @@ def print_backends(app: App, backends: list[Any]) -> None:
 
 
 @click.command()
-@click.argument("deployment_name", metavar="[DEPLOYMENT]", required=False)
+@deployment_argument
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@deployment_option
 @pass_app
-def status(app: App, deployment_name: str | None, as_json: bool, address: str | None) -> None:
+def status(app: App, as_json: bool, address: str | None) -> None:
     """Jobs by state, per-node stage queues, sandbox runtimes and per-backend load.
 
     \b
-    DEPLOYMENT is the same as -d NAME (prorl status NAME, prorl -d NAME status).
+    DEPLOYMENT is the same as -d NAME (prorl status NAME, prorl status -d NAME).
     For a deployment started with `prorl launch`, Slurm's view comes first:
     job ids, states, pending reasons or nodes, elapsed and time left.
     """
-    name_deployment(app, deployment_name)
     if not as_json:
         from prorl_cli.cli.launch import print_slurm_view
 
@@ -371,31 +342,56 @@ def status(app: App, deployment_name: str | None, as_json: bool, address: str | 
 
 
 @click.command()
-@click.argument("job_ids", nargs=-1, required=True)
+@click.argument("job_ids", nargs=-1)
+@click.option("--prefix", metavar="PREFIX", help="Cancel the unfinished jobs of a submission: ids PREFIX-... (its --id-prefix, or what --detach printed).")
+@click.option("--group", "group_id", metavar="GROUP", help="Cancel every unfinished job of group GROUP (PREFIX-LINE for prorl submit).")
+@click.option("--all", "all_jobs", is_flag=True, help="Cancel every unfinished job of the deployment.")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@deployment_option
 @pass_app
-def cancel(app: App, job_ids: tuple[str, ...], address: str | None) -> None:
-    """Cancel queued or running jobs by id; prints each one's state, exits 1 if any id is unknown."""
+def cancel(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: str | None, all_jobs: bool, address: str | None) -> None:
+    """Cancel queued or running jobs: by id, --prefix, --group or --all.
+
+    Prints each job's state after the cancel; exits 1 if any id given is unknown
+    (a selection that matches nothing unfinished is not an error: it says so).
+    """
+    from prorl_cli.protocol import TERMINAL_STATES
+
+    chosen = [bool(job_ids), prefix is not None, group_id is not None, all_jobs]
+    if sum(chosen) != 1:
+        app.abort("give job ids, or one of --prefix PREFIX, --group GROUP, --all")
     with connect(app, address) as client:
-        states = client.cancel(job_ids)
+        if job_ids:
+            targets = list(job_ids)
+        else:
+            ended = {s.value for s in TERMINAL_STATES}
+            held = client.list_jobs(prefix=id_prefix(prefix), group_id=group_id)
+            targets = [j for j, state in held.items() if state not in ended]
+            if not targets:
+                what = f"--prefix {prefix}" if prefix is not None else f"--group {group_id}" if group_id is not None else "--all"
+                app.console.print(f"{what}: no unfinished job ({len(held)} matching job(s) had ended)")
+                return
+        states = client.cancel(targets)
     for job_id, state in states.items():
         app.console.print(f"{job_id}: {state}")
+    if not job_ids:
+        app.console.print(f"cancelled {sum(s == 'cancelled' for s in states.values())} job(s)")
     unknown = [j for j, state in states.items() if state == "unknown"]
-    if unknown:
+    if unknown and job_ids:
         app.abort(f"{len(unknown)} unknown job id(s): {', '.join(unknown)}")
 
 
 @click.command()
-@click.argument("deployment_name", metavar="[DEPLOYMENT]", required=False)
+@deployment_argument
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@deployment_option
 @pass_app
-def stop(app: App, deployment_name: str | None, address: str | None) -> None:
+def stop(app: App, address: str | None) -> None:
     """Stop the deployment: cancel every job, shut nodes and bridges down, stop the broker.
 
     DEPLOYMENT is the same as -d NAME. On Slurm, `prorl down NAME` does this and also
     empties squeue and removes the launch record.
     """
-    name_deployment(app, deployment_name)
     with connect(app, address) as client:
         client.stop()
     app.console.print(f"deployment {app.config.deployment} is stopping")

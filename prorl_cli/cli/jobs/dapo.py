@@ -48,8 +48,10 @@ def with_dapo_options(cmd: click.Command) -> click.Command:
             return original(**kwargs)
         if opts["group_size"] is None or opts["target_groups"] is None:
             raise click.UsageError("--dapo needs --group-size and --target-groups")
+        if kwargs.get("detach"):
+            raise click.UsageError("--dapo collects groups as they finish; it cannot --detach")
         if kwargs.get("n", 1) != 1:
-            raise click.UsageError("--dapo samples --group-size rollouts per prompt; do not combine it with --n")
+            raise click.UsageError("--dapo samples --group-size rollouts per prompt; do not combine it with -n/--n")
         app = click.get_current_context().find_object(App)
         assert app is not None
         run_dapo(app, **kwargs, **opts)

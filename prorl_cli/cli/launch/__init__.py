@@ -14,6 +14,12 @@ from typing import TYPE_CHECKING
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.naming import (
+    deployment_option,
+    name_deployment,
+    named_deployment,
+    require_deployment,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -44,15 +50,18 @@ def _load_deploy(app: App, path: str, deployment: str | None) -> DeployConfig:
     return cfg
 
 
-def _deploy_for(app: App, name_or_file: str) -> DeployConfig:
-    """A deployment named on the command line: its deploy.yaml, or its name (read launch.json)."""
+def _deploy_for(app: App, name_or_file: str | None, command: str) -> DeployConfig:
+    """A launched deployment named on the command line: its deploy.yaml, or its name (``NAME``, ``-d NAME``,
+    ``$PRORL_DEPLOYMENT``), whose launch.json names the deploy file."""
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.slurm.launcher import load_launched
 
-    if Path(name_or_file).is_file():
-        return _load_deploy(app, name_or_file, None)
+    if name_or_file is not None and Path(name_or_file).is_file():
+        return _load_deploy(app, name_or_file, named_deployment(app))
+    name_deployment(app, name_or_file, given_as="NAME")
+    name = require_deployment(app, command)
     try:
-        record, cfg = load_launched(app.config.home_path / name_or_file)
+        record, cfg = load_launched(app.config.home_path / name)
     except ProrlError as e:
         app.abort(str(e))
     cfg.home = record.home
@@ -135,12 +144,15 @@ def _slurm_table(record: LaunchRecord, rows: list[SlurmTask]) -> Table:
 
 @click.command()
 @click.argument("deploy_file", type=click.Path(dir_okay=False))
-@click.option("-d", "--deployment", metavar="NAME", help="Deployment name (default: the file's `deployment`).")
-@click.option("--wait-s", type=float, default=900.0, show_default=True, help="Give up when not all registered by then.")
+@deployment_option
+@click.option("--wait-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Give up (and cancel what was submitted, unless --keep) when not all registered by then; "
+                   "0 waits as long as it takes: tasks pending on a busy cluster are never cancelled on a timer.")
 @click.option("--keep", is_flag=True, help="On failure or timeout, leave what was submitted queued.")
 @click.option("--no-wait", is_flag=True, help="Submit and return at once.")
+@click.option("--dry-run", is_flag=True, help="Print the sbatch scripts and Slurm requests of every role; submit nothing.")
 @pass_app
-def launch(app: App, deploy_file: str, deployment: str | None, wait_s: float, keep: bool, no_wait: bool) -> None:
+def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool, dry_run: bool) -> None:
     """Submit a deployment to Slurm and watch it come up.
 
     \b
@@ -148,16 +160,25 @@ def launch(app: App, deploy_file: str, deployment: str | None, wait_s: float, ke
     array and the inference array from DEPLOY_FILE (see examples/deploy.yaml),
     records every Slurm job id in $PRORL_HOME/<deployment>/launch.json and
     shows Slurm's state beside the broker's until every task registered.
-    Exits 0 then; non-zero after --wait-s, cancelling what it submitted
-    unless --keep.
+    Exits 0 then. A task that ends, or a pending reason waiting cannot cure,
+    fails the launch at once; --wait-s N also gives up after N s. A failed
+    launch cancels what it submitted unless --keep.
     """
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import launcher
 
-    cfg = _load_deploy(app, deploy_file, deployment or app.overrides.get("deployment"))
+    cfg = _load_deploy(app, deploy_file, named_deployment(app))
+    if dry_run:
+        _print_plan(app, cfg)
+        return
     _require_slurm(app)
-    if cfg.nodes.sandbox_runtime == "local":
-        app.err_console.print("[yellow]warning:[/] nodes.sandbox_runtime is local: sandboxes run WITHOUT isolation")
+    runtime = launcher.sandbox_runtime(cfg)
+    if runtime == "local":
+        app.err_console.print("[yellow]warning:[/] the nodes' sandbox runtime is local: sandboxes run WITHOUT isolation")
+    elif runtime == "auto":
+        app.err_console.print("[yellow]note:[/] sandbox runtime auto: a node where neither Apptainer nor bubblewrap works "
+                              "falls back to local, without isolation (prorl status shows each node's); "
+                              "set sandbox.runtime: apptainer in prorl.yaml to refuse that")
     try:
         record = launcher.launch(cfg)
     except SlurmError as e:
@@ -177,9 +198,10 @@ def launch(app: App, deploy_file: str, deployment: str | None, wait_s: float, ke
     if failure is None:
         app.console.print(
             f"[bold green]{cfg.deployment} is up[/]: every node and backend registered.\n"
-            f"  submit:  prorl --home {cfg.home_path} -d {cfg.deployment} submit --task TASK instances.jsonl --out results.jsonl\n"
-            f"  status:  prorl --home {cfg.home_path} status {cfg.deployment}\n"
-            f"  down:    prorl --home {cfg.home_path} down {cfg.deployment}"
+            f"  submit:  prorl --home {cfg.home_path} submit -d {cfg.deployment} --task TASK instances.jsonl --out results.jsonl\n"
+            f"  status:  prorl --home {cfg.home_path} status -d {cfg.deployment}\n"
+            f"  logs:    prorl --home {cfg.home_path} logs -d {cfg.deployment} nodes[0]\n"
+            f"  down:    prorl --home {cfg.home_path} down -d {cfg.deployment}"
         )
         return
     if not keep:
@@ -190,13 +212,35 @@ def launch(app: App, deploy_file: str, deployment: str | None, wait_s: float, ke
     app.abort(failure)
 
 
+def _print_plan(app: App, cfg: DeployConfig) -> None:
+    """``launch --dry-run``: each role's Slurm request and batch script, as launch would submit them."""
+    import shlex
+
+    from prorl_cli.slurm import launcher
+
+    try:
+        planned = launcher.plan(cfg)
+    except RuntimeError as e:  # submitit refuses to render without Slurm's commands
+        app.abort(f"--dry-run needs Slurm's commands on this machine: {e}")
+    out = app.console
+    out.print(f"# deployment {cfg.deployment}: PRORL_HOME {cfg.home_path}, Slurm logs in {cfg.log_path}", soft_wrap=True)
+    if cfg.broker.where == "here":
+        out.print(f"# broker: a process on this machine: {shlex.join(launcher.local_broker_command(cfg))}", soft_wrap=True)
+    for p in planned:
+        what = "one job" if p.role == "broker" else f"a job array of {p.count} task(s)"
+        request = " ".join(f"--{k}" if v is True else f"--{k}={v}" for k, v in p.sbatch.items())
+        out.print(f"\n# {p.role}: {what}; Slurm request: sbatch {request}", soft_wrap=True, markup=False)
+        click.echo(p.script.rstrip("\n"))
+    out.print("\n# dry run: nothing submitted")
+
+
 def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> str | None:
-    """Live view until all registered; the failure reason otherwise."""
+    """Live view until all registered; the failure reason otherwise (``wait_s`` 0: no time limit)."""
     from rich.live import Live
 
     from prorl_cli.slurm import launcher, squeue
 
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + wait_s if wait_s > 0 else None  # 0: no timer
     wanted = {m.peer_id for m in record.members if m.role != "broker"}
     client = None
     failure: str | None = None
@@ -223,7 +267,7 @@ def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> 
                         return failure
                     if t.pending_reason and t.pending_reason.startswith(HOPELESS_REASONS):
                         return f"{m.role} task {m.peer_id} (Slurm job {m.job_id}) cannot start: squeue says {t.pending_reason}."
-                if time.monotonic() >= deadline:
+                if deadline is not None and time.monotonic() >= deadline:
                     waiting = sorted(wanted - seen)
                     reasons = {m.peer_id: (by_id[m.job_id].pending_reason or by_id[m.job_id].state)
                                for m in record.members if m.job_id in by_id and m.peer_id in waiting}
@@ -235,22 +279,23 @@ def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> 
 
 
 @click.command()
-@click.argument("name")
-@click.option("--nodes", type=int, help="Node array tasks wanted.")
-@click.option("--inference", type=int, help="Inference array tasks wanted.")
+@click.argument("name", metavar="[NAME]", required=False)
+@deployment_option
+@click.option("--nodes", type=click.IntRange(min=0), help="Node array tasks wanted.")
+@click.option("--inference", type=click.IntRange(min=0), help="Inference array tasks wanted.")
 @pass_app
-def scale(app: App, name: str, nodes: int | None, inference: int | None) -> None:
+def scale(app: App, name: str | None, nodes: int | None, inference: int | None) -> None:
     """Grow or shrink a launched deployment's arrays (shrinking drains the removed tasks).
 
-    NAME is the deployment name (or its deploy.yaml).
+    NAME is the deployment name (the same as -d NAME) or its deploy.yaml.
     """
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import launcher
 
     if (nodes is None) == (inference is None):
         app.abort("give exactly one of --nodes N or --inference M")
+    cfg = _deploy_for(app, name, "scale")
     _require_slurm(app)
-    cfg = _deploy_for(app, name)
     role, count = ("nodes", nodes) if nodes is not None else ("inference", inference)
     assert count is not None
     try:
@@ -266,20 +311,22 @@ def scale(app: App, name: str, nodes: int | None, inference: int | None) -> None
 
 
 @click.command()
-@click.argument("name")
-@click.option("--wait-s", type=float, default=120.0, show_default=True, help="How long to wait for squeue to empty.")
+@click.argument("name", metavar="[NAME]", required=False)
+@deployment_option
+@click.option("--wait-s", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="How long to wait for squeue to empty.")
 @pass_app
-def down(app: App, name: str, wait_s: float) -> None:
+def down(app: App, name: str | None, wait_s: float) -> None:
     """Take a launched deployment down: broker stop, nodes drain, scancel the rest, rendezvous removed.
 
-    NAME is the deployment name (or its deploy.yaml). Exits non-zero if any of
-    its jobs is still in squeue after --wait-s.
+    NAME is the deployment name (the same as -d NAME) or its deploy.yaml. Exits
+    non-zero if any of its jobs is still in squeue after --wait-s.
     """
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import launcher
 
+    cfg = _deploy_for(app, name, "down")
     _require_slurm(app)
-    cfg = _deploy_for(app, name)
     try:
         report = launcher.down(cfg, wait_s=wait_s)
     except SlurmError as e:
@@ -295,9 +342,9 @@ def down(app: App, name: str, wait_s: float) -> None:
 @click.command("render-sbatch")
 @click.argument("deploy_file", type=click.Path(dir_okay=False))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the scripts.")
-@click.option("-d", "--deployment", metavar="NAME", help="Deployment name (default: the file's `deployment`).")
+@deployment_option
 @pass_app
-def render_sbatch(app: App, deploy_file: str, out_dir: str, deployment: str | None) -> None:
+def render_sbatch(app: App, deploy_file: str, out_dir: str) -> None:
     """Render sbatch scripts (broker, node array, inference array, all-in-one) from a deploy.yaml.
 
     \b
@@ -307,6 +354,6 @@ def render_sbatch(app: App, deploy_file: str, out_dir: str, deployment: str | No
     """
     from prorl_cli.slurm.render import render_all
 
-    cfg = _load_deploy(app, deploy_file, deployment or app.overrides.get("deployment"))
+    cfg = _load_deploy(app, deploy_file, named_deployment(app))
     for path in render_all(cfg, Path(out_dir)):
         app.console.print(str(path))

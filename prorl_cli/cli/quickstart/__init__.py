@@ -26,8 +26,10 @@ NO_LLM_TASKS: list[Any] = [
 
 
 @click.command()
-@click.option("--home", "qs_home", type=click.Path(file_okay=False, path_type=Path), default=Path("prorl-quickstart"),
-              show_default=True, help="Where the embedded deployment keeps its files, logs and outputs.")
+@click.option("--out", "qs_out", type=click.Path(file_okay=False, path_type=Path), default=Path("prorl-quickstart"),
+              show_default=True, help="Folder for the run: trajectories, summary, logs and the embedded deployment's files.")
+# The old name of --out; hidden, since `prorl --home` is PRORL_HOME everywhere else.
+@click.option("--home", "qs_home", type=click.Path(file_okay=False, path_type=Path), hidden=True)
 @click.option("--engine", type=click.Choice(["auto", "none", "transformers", "vllm", "sim"]), default="auto", show_default=True,
               help="Model engine for the agent; 'none' runs the scripted test handler (no LLM); 'sim' a simulated GPU "
                    "server with the SWE-like sim_agent (no model, no torch); 'auto' picks transformers when torch is installed.")
@@ -42,13 +44,16 @@ NO_LLM_TASKS: list[Any] = [
 @click.option("--instances", "n_instances", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --task: how many instances of the shipped dataset to run.")
 @pass_app
-def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int, domain: str | None,
+def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model: Path | None, n: int, domain: str | None,
                image: str | None, n_instances: int) -> None:
     """Run broker, node (and inference) on this machine, roll out a task set, write trajectories."""
     from prorl_cli.cli.jobs import run_submission
     from prorl_cli.embedded import LocalStack
 
-    home = qs_home.resolve()
+    if qs_home is not None:
+        app.err_console.print("[yellow]warning:[/] quickstart --home is now --out (prorl --home is PRORL_HOME)")
+        qs_out = qs_home
+    home = qs_out.resolve()
     if engine == "auto":
         engine = "transformers" if _has_torch() else "none"
     if domain is not None and engine in ("none", "sim"):
@@ -112,7 +117,7 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int,
         if (task == "math_agent" or plan is not None) and _has_pyarrow() and any(
             r.state == "done" and isinstance(r.output, dict) and "trajectory" in r.output for r in results
         ):
-            from prorl_cli.cli.jobs import write_trajectories_parquet
+            from prorl_cli.cli.jobs.collect import write_trajectories_parquet
 
             parquet = home / "trajectories.parquet"
             summary["parquet_rows"] = write_trajectories_parquet(app, results, parquet)

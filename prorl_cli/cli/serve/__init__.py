@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.naming import deployment_option
 from prorl_cli.cli.serve.inference import serve_inference
 
 
@@ -14,6 +15,7 @@ def serve() -> None:
 
 
 @serve.command("broker")
+@deployment_option
 @click.option("--bind-host", metavar="HOST", help="Interface to listen on (default 127.0.0.1; 0.0.0.0 for a cluster).")
 @click.option("--port", type=int, help="TCP port (default: a free one, published in the rendezvous file).")
 @pass_app
@@ -65,6 +67,7 @@ def serve_broker(app: App, bind_host: str | None, port: int | None) -> None:
 
 
 @serve.command("node")
+@deployment_option
 @click.option("--node-id", metavar="ID", help="Name of this node (default: HOST-PID; Slurm arrays pass the task id).")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: read the rendezvous file).")
 @click.option("--n-init", type=int, help="INIT pool size.")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.naming import deployment_option
 
 
 @click.command("inference", context_settings={"ignore_unknown_options": True})
+@deployment_option
 @click.option("--engine", type=click.Choice(["vllm", "transformers", "sim"]),
               help="vllm (child process), transformers (in-process CPU reference) or sim (a simulated GPU server, no model).")
 @click.option("--sim-profile", metavar="NAME|FILE", help="sim engine: a profile name (default h100-8b) or a YAML file.")

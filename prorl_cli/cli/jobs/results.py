@@ -1,0 +1,71 @@
+"""``prorl results``: reattach to submitted jobs and collect their results.
+
+Jobs outlive the process that submitted them (``submit --detach``, a killed
+or disconnected terminal): the broker keeps running them and retains their
+results (``broker.result_retention``). ``results`` names them by id, by the
+submission's id prefix or by group, and writes them like ``submit --out``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.naming import deployment_option, id_prefix
+
+
+@click.command()
+@click.argument("job_ids", metavar="[IDS]...", nargs=-1)
+@click.option("--prefix", metavar="PREFIX", help="The jobs of a submission: ids PREFIX-... (what submit --detach printed, or its --id-prefix).")
+@click.option("--group", "group_id", metavar="GROUP", help="Every job of group GROUP (PREFIX-LINE: the rollouts of one line).")
+@click.option("-f", "--follow", is_flag=True, help="Wait for the unfinished jobs too (default: collect the finished ones and exit).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Results file, as submit --out: JSONL (every job's whole result) or .parquet (trajectories with their state).")
+@click.option("--only-done", is_flag=True, help="--out keeps only jobs that ended done.")
+@click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@deployment_option
+@pass_app
+def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: str | None, follow: bool,
+            out: Path | None, only_done: bool, address: str | None) -> None:
+    """Collect the results of jobs submitted earlier (by ids, --prefix or --group).
+
+    \b
+    Without --follow, the jobs that have ended are collected and the rest counted;
+    with --follow the command waits until every selected job ended. Ctrl-C
+    leaves the jobs running. Exit status 0 once the selected results are written,
+    1 when nothing matches or the broker cannot be reached.
+    """
+    from prorl_cli.cli.jobs import check_out_path, connect
+    from prorl_cli.cli.jobs.collect import ResultFile, collect, print_summary
+    from prorl_cli.protocol import TERMINAL_STATES
+
+    if sum([bool(job_ids), prefix is not None, group_id is not None]) != 1:
+        app.abort("give job ids, or one of --prefix PREFIX, --group GROUP")
+    if out is not None:
+        check_out_path(app, out)
+    ended = {s.value for s in TERMINAL_STATES}
+    started = time.monotonic()
+    with connect(app, address) as client:
+        held = client.list_jobs(prefix=id_prefix(prefix), group_id=group_id) if not job_ids else client.list_jobs()
+        if job_ids:
+            unknown = [j for j in job_ids if j not in held]
+            if unknown:
+                app.abort(f"{len(unknown)} job id(s) the broker does not hold: {', '.join(unknown[:10])}"
+                          + (" ..." if len(unknown) > 10 else ""))
+            held = {j: held[j] for j in job_ids}
+        if not held:
+            what = f"--prefix {prefix}" if prefix is not None else f"--group {group_id}"
+            app.abort(f"no job matches {what} in deployment {app.config.deployment!r} "
+                      "(finished results are kept up to broker.result_retention)")
+        wanted = list(held) if follow else [j for j, state in held.items() if state in ended]
+        try:
+            got = collect(app, client, wanted, "results", ResultFile(app, out, only_done), on_interrupt="leave")
+        except KeyboardInterrupt:
+            raise click.exceptions.Exit(130) from None
+    print_summary(app, got, time.monotonic() - started, out, title="prorl results")
+    running = len(held) - len(got)
+    if running:
+        app.console.print(f"{running} job(s) not finished yet: `--follow` waits for them")

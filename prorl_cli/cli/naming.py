@@ -1,0 +1,89 @@
+"""One way to name a deployment on every command.
+
+The rule: a command that acts on a deployment takes ``-d/--deployment NAME``
+(after the subcommand), the global ``prorl -d NAME`` before it means the same,
+a positional DEPLOYMENT is accepted where a command had one, and
+``$PRORL_DEPLOYMENT`` (:data:`prorl_cli.config.ENV_DEPLOYMENT`) names it when
+none of those does. Two names that differ are refused, never silently merged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from prorl_cli.cli.application import App
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEPLOYMENT_HELP = "Deployment name (the rendezvous folder under PRORL_HOME); also $PRORL_DEPLOYMENT or prorl -d NAME."
+
+
+def name_deployment(app: App, name: str | None, given_as: str = "DEPLOYMENT") -> None:
+    """Record ``name`` as the deployment; a different name given before (``-d``, a positional) is an error."""
+    if name is None:
+        return
+    given = app.overrides.get("deployment")
+    if given is not None and given != name:
+        app.abort(f"-d {given} and {given_as} {name} name different deployments; give one of them")
+    app.override(deployment=name)
+
+
+def _from_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    app = ctx.find_object(App)
+    if app is not None:
+        name_deployment(app, value, given_as="-d" if isinstance(param, click.Option) else "DEPLOYMENT")
+    return value
+
+
+def deployment_option(f: F) -> F:
+    """``-d/--deployment NAME`` on a subcommand: the same as ``prorl -d NAME`` before it."""
+    return click.option("-d", "--deployment", "deployment_flag", metavar="NAME", expose_value=False,
+                        callback=_from_option, help=DEPLOYMENT_HELP)(f)
+
+
+def deployment_argument(f: F) -> F:
+    """An optional positional ``[DEPLOYMENT]``, the same as ``-d NAME`` (kept where commands always had it)."""
+    return click.argument("deployment_name", metavar="[DEPLOYMENT]", required=False, expose_value=False,
+                          callback=_from_option)(f)
+
+
+def named_deployment(app: App) -> str | None:
+    """The deployment named on the command line or by ``$PRORL_DEPLOYMENT``; None when neither names one."""
+    from prorl_cli.config import ENV_DEPLOYMENT
+
+    given = app.overrides.get("deployment")
+    return str(given) if given is not None else (os.environ.get(ENV_DEPLOYMENT) or None)
+
+
+def require_deployment(app: App, command: str) -> str:
+    """The deployment a command that must not guess (``down``, ``scale``, ``logs``) acts on: named on the
+    command line, by ``$PRORL_DEPLOYMENT``, or by the prorl.yaml in use (``deployment:``), never the default."""
+    from prorl_cli.config import find_config_file
+
+    name = named_deployment(app)
+    path = find_config_file(app.config_path) if name is None else None
+    if path is not None:
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            app.abort(f"{path}: cannot read: {e}")
+        if isinstance(data, dict) and isinstance(data.get("deployment"), str):
+            name = data["deployment"]
+    if name is None:
+        app.abort(f"name the deployment: prorl {command} NAME, prorl {command} -d NAME, PRORL_DEPLOYMENT, "
+                  "or deployment: in prorl.yaml")
+    return name
+
+
+def id_prefix(prefix: str | None) -> str | None:
+    """``--prefix P`` selects the jobs of the submission whose ids are ``P-...`` (``P-LINE-K``, a DAPO run's
+    ``P-sSTEP-...``): so ``run1`` never also selects ``run10``'s jobs."""
+    if prefix is None or prefix.endswith("-"):
+        return prefix
+    return f"{prefix}-"

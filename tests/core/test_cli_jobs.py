@@ -1,0 +1,225 @@
+"""``prorl submit / results / cancel``: exit codes, ``--out`` files, reattaching, cancelling by selection.
+
+Real subprocesses against a real broker and node; the node also serves a small handler written here
+that records a trajectory before it ends the way its instance says (done, raise, hang, wait for a file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prorl_cli.broker.jobs import JobTable
+from prorl_cli.exceptions import RemoteError
+from prorl_cli.protocol import JobSpec, Op
+from tests.harness import Deployment
+
+HANDLER = '''
+import asyncio
+from pathlib import Path
+
+from prorl_cli.agent.trajectory import ModelCall, Trajectory
+from prorl_cli.node.handler import AgentHandler
+
+
+class PartialHandler(AgentHandler):
+    """Records a one-call trajectory in RUN, then ends as the instance says."""
+
+    name = "partial"
+
+    async def init(self, ctx):
+        return None
+
+    async def run(self, ctx):
+        call = ModelCall(prompt_ids=[1, 2], output_ids=[3], logprobs=[-0.5], finish_reason="stop")
+        ctx.output["trajectory"] = Trajectory(calls=[call], sequence_ids=[1, 2, 3], loss_mask=[0, 0, 1],
+                                              logprobs=[0.0, 0.0, -0.5], stop_reason="stop").to_dict()
+        end = ctx.instance.get("end")
+        if end == "raise":
+            raise RuntimeError("scripted")
+        if end == "hang":
+            await asyncio.Event().wait()
+        gate = ctx.instance.get("wait_for")
+        while gate and not Path(gate).exists():
+            await asyncio.sleep(0.05)
+
+    async def eval(self, ctx):
+        ctx.reward = 1.0
+'''
+
+
+def prorl(d: Deployment, *args: str, env: dict[str, str] | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "prorl_cli", *args], env={**d.env(), "COLUMNS": "200", **(env or {})},
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("cli-jobs")
+    handlers = root / "handlers"
+    handlers.mkdir()
+    (handlers / "partial.py").write_text(HANDLER)
+    d = Deployment(root / "home", "jobs")
+    d.start_broker()
+    d.start_node("n1", "--handlers", str(handlers))
+    yield d
+    d.close()
+
+
+def write_tasks(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_submit_exits_0_when_jobs_fail_or_time_out_and_1_with_strict(deployment: Deployment, tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path / "t.jsonl", [{"echo": 1}, {"raise_in": "run"}, {"hang_in": "run"}])
+    out = tmp_path / "out.jsonl"
+    r = prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "test", "-n", "2", "--timeout-s", "1",
+              "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    states = sorted(json.loads(line)["state"] for line in out.read_text().splitlines())
+    assert states == ["done", "done", "failed", "failed", "timed_out", "timed_out"]
+    assert "timed_out" in r.stdout and "6 job(s)" in r.stdout  # counted in the summary
+    assert f"prorl results -d {deployment.name} --prefix sub-" in r.stderr, "says how to find the jobs again"
+    strict = prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "test", "--timeout-s", "1", "--strict")
+    assert strict.returncode == 1, strict.stderr
+    # Submission errors still fail: an unknown task, and a deployment without a broker.
+    assert prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "nope").returncode == 1
+    gone = prorl(deployment, "submit", "-d", "no-such-deployment", str(tasks), "--task", "test")
+    assert gone.returncode == 1 and "no-such-deployment" in gone.stderr
+
+
+def test_parquet_keeps_every_trajectory_with_its_state(deployment: Deployment, tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) is not installed")
+    tasks = write_tasks(tmp_path / "t.jsonl", [{"end": "done"}, {"end": "raise"}, {"end": "hang"}])
+    out = tmp_path / "all.parquet"
+    r = prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "partial", "--timeout-s", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = pq.read_table(out).to_pylist()
+    assert sorted(row["state"] for row in rows) == ["done", "failed", "timed_out"]
+    assert all(row["sequence_ids"] == [1, 2, 3] and row["loss_mask"] == [0, 0, 1] for row in rows)
+    done = tmp_path / "done.parquet"
+    r = prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "partial", "--timeout-s", "1",
+              "--out", str(done), "--only-done")
+    assert r.returncode == 0, r.stderr
+    assert [row["state"] for row in pq.read_table(done).to_pylist()] == ["done"]
+
+
+def test_results_follow_collects_the_rest_after_the_submitter_was_killed(deployment: Deployment, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    tasks = write_tasks(tmp_path / "t.jsonl", [{"end": "done"}, {"end": "done"}, {"wait_for": str(gate)}, {"wait_for": str(gate)}])
+    first = tmp_path / "first.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prorl_cli", "submit", "-d", deployment.name, str(tasks), "--task", "partial",
+         "--id-prefix", "killed", "--out", str(first)],
+        env=deployment.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deployment.wait_for(lambda st: first.exists() and len(first.read_text().splitlines()) == 2, 60,
+                            "the two ungated jobs to be written")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # no Ctrl-C handler runs: nothing is cancelled
+        proc.wait(timeout=30)
+    # Without --follow: the finished ones now, the rest counted.
+    now = tmp_path / "now.jsonl"
+    r = prorl(deployment, "results", "-d", deployment.name, "--prefix", "killed", "--out", str(now))
+    assert r.returncode == 0, r.stderr
+    assert sorted(json.loads(line)["job_id"] for line in now.read_text().splitlines()) == ["killed-0-0", "killed-1-0"]
+    assert "2 job(s) not finished yet" in r.stdout
+    gate.touch()
+    out = tmp_path / "rest.jsonl"
+    r = prorl(deployment, "results", "-d", deployment.name, "--prefix", "killed", "--follow", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    got = {json.loads(line)["job_id"]: json.loads(line)["state"] for line in out.read_text().splitlines()}
+    assert got == {f"killed-{i}-0": "done" for i in range(4)}
+    # By group (one line's rollouts) and by id; unknown ids and empty selections are errors.
+    r = prorl(deployment, "results", "-d", deployment.name, "--group", "killed-2")
+    assert r.returncode == 0 and "1 job(s)" in r.stdout, r.stderr
+    r = prorl(deployment, "results", "-d", deployment.name, "killed-3-0", "nope-0-0")
+    assert r.returncode == 1 and "nope-0-0" in r.stderr
+    r = prorl(deployment, "results", "-d", deployment.name, "--prefix", "never-submitted")
+    assert r.returncode == 1 and "no job matches" in r.stderr
+
+
+def test_detach_then_cancel_by_group_prefix_and_all(deployment: Deployment, tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path / "t.jsonl", [{"hang_in": "run"}, {"hang_in": "run"}])
+    r = prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "test", "-n", "2", "--detach")
+    assert r.returncode == 0, r.stderr
+    prefix = r.stdout.strip()
+    assert prefix.startswith("sub-") and f"--prefix {prefix}" in r.stderr
+    held = deployment.client.list_jobs(prefix=prefix)
+    assert sorted(held) == [f"{prefix}-{i}-{k}" for i in range(2) for k in range(2)]
+    r = prorl(deployment, "cancel", "-d", deployment.name, "--group", f"{prefix}-1")
+    assert r.returncode == 0, r.stderr
+    states = deployment.client.list_jobs(prefix=prefix)
+    assert [states[f"{prefix}-1-{k}"] for k in range(2)] == ["cancelled", "cancelled"]
+    assert all(states[f"{prefix}-0-{k}"] not in ("cancelled", "done", "failed", "timed_out") for k in range(2))
+    r = prorl(deployment, "cancel", "-d", deployment.name, "--prefix", prefix)
+    assert r.returncode == 0 and "cancelled 2 job(s)" in r.stdout, r.stderr
+    r = prorl(deployment, "cancel", "-d", deployment.name, "--all")
+    assert r.returncode == 0 and "no unfinished job" in r.stdout, r.stdout
+    assert set(deployment.client.list_jobs(prefix=prefix).values()) == {"cancelled"}
+    assert prorl(deployment, "cancel", "-d", deployment.name, "--all", "--prefix", prefix).returncode != 0
+
+
+def test_list_jobs_checks_its_fields_and_pages(deployment: Deployment) -> None:
+    with pytest.raises(RemoteError, match="prefix"):
+        deployment.client.request(Op.LIST_JOBS, prefix=5)
+    table = JobTable()
+    for i in range(5):
+        table.add(JobSpec(job_id=f"p-{i}", task="t", group_id="g" if i % 2 else None), b"")
+    page, after = table.find("p-", None, limit=2)
+    assert list(page) == ["p-0", "p-1"] and after is not None
+    rest, end = table.find("p-", None, after=after, limit=10)
+    assert list(rest) == ["p-2", "p-3", "p-4"] and end is None
+    assert list(table.find(None, "g")[0]) == ["p-1", "p-3"]
+
+
+def test_submit_with_the_deployment_from_the_environment(deployment: Deployment, tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path / "t.jsonl", [{"echo": 1}])
+    r = prorl(deployment, "submit", str(tasks), "--task", "test", env={"PRORL_DEPLOYMENT": deployment.name})
+    assert r.returncode == 0 and "1 job(s)" in r.stdout, r.stderr
+    r = prorl(deployment, "status", "-d", "other", "--json", env={"PRORL_DEPLOYMENT": deployment.name})
+    assert r.returncode == 1 and "'other'" in r.stderr, "-d wins over the environment"
+
+
+NAMED_COMMANDS = [
+    ["status", "--json"],
+    ["cancel", "--all"],
+    ["backends", "list"],
+    ["config", "show"],
+    ["results", "--prefix", "named-"],
+]
+
+
+@pytest.mark.parametrize("args", NAMED_COMMANDS, ids=[" ".join(a) for a in NAMED_COMMANDS])
+def test_a_command_acts_on_the_deployment_named_by_d_or_the_environment(deployment: Deployment, args: list[str]) -> None:
+    """The deployment named after the subcommand, before it, or by PRORL_DEPLOYMENT is the one acted on;
+    a name that has no broker fails naming it (so the name was taken, not ignored)."""
+    deployment.client.submit("test", [{"echo": 1}], job_ids=["named-0-0"])  # idempotent: one job for `results`
+    env = {"PRORL_DEPLOYMENT": ""}
+    for named in ([*args, "-d", deployment.name], ["-d", deployment.name, *args]):
+        r = prorl(deployment, *named, env=env)
+        assert r.returncode == 0, (named, r.stderr)
+    assert prorl(deployment, *args, env={"PRORL_DEPLOYMENT": deployment.name}).returncode == 0
+    if args[0] != "config":
+        wrong = prorl(deployment, *args, "-d", "elsewhere", env=env)
+        assert wrong.returncode == 1 and "elsewhere" in wrong.stderr, wrong.stderr
+    clash = prorl(deployment, "-d", "one", *args, "-d", "two", env=env)
+    assert clash.returncode != 0 and "different deployments" in clash.stderr
+
+
+def test_a_prefix_selects_its_submission_only(deployment: Deployment, tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path / "t.jsonl", [{"echo": 1}])
+    for prefix in ("pre1", "pre10"):
+        assert prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "test", "--id-prefix", prefix).returncode == 0
+    out = tmp_path / "pre1.jsonl"
+    r = prorl(deployment, "results", "-d", deployment.name, "--prefix", "pre1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["job_id"] for line in out.read_text().splitlines()] == ["pre1-0-0"]

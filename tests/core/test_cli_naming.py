@@ -1,0 +1,71 @@
+"""One way to name a deployment: every command that acts on one takes ``-d/--deployment NAME``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from prorl_cli.cli import cli
+
+#: Commands that act on no deployment: they build, make or check files.
+NO_DEPLOYMENT = {"quickstart", "build-images", "images", "dev", "config check"}
+
+
+def _leaves(group: click.Group, prefix: str = "") -> list[tuple[str, click.Command]]:
+    out = []
+    for name, cmd in sorted(group.commands.items()):
+        path = f"{prefix}{name}"
+        if path in NO_DEPLOYMENT or path.split()[0] in NO_DEPLOYMENT:
+            continue
+        out += _leaves(cmd, path + " ") if isinstance(cmd, click.Group) else [(path, cmd)]
+    return out
+
+
+LEAVES = _leaves(cli)
+
+
+def test_the_commands_are_found() -> None:
+    names = {path for path, _ in LEAVES}
+    assert {"submit", "results", "status", "cancel", "stop", "backends list", "launch", "down", "scale",
+            "render-sbatch", "serve node", "config show"} <= names
+
+
+@pytest.mark.parametrize(("path", "cmd"), LEAVES, ids=[p for p, _ in LEAVES])
+def test_every_command_that_takes_a_deployment_accepts_d_name(path: str, cmd: click.Command) -> None:
+    opts = {o for p in cmd.params if isinstance(p, click.Option) for o in p.opts}
+    assert {"-d", "--deployment"} <= opts, f"prorl {path} has no -d/--deployment"
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != "PRORL_DEPLOYMENT"}
+    return subprocess.run([sys.executable, "-m", "prorl_cli", *args], env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("command", [["down"], ["scale", "--nodes", "1"], ["logs", "nodes"]])
+def test_slurm_commands_take_the_deployment_four_ways(tmp_path: Path, command: list[str]) -> None:
+    """NAME, -d NAME after the command, prorl -d NAME before it, PRORL_DEPLOYMENT: each names it (this one was never
+    launched, and the error names it); none at all says how to name one."""
+    home = str(tmp_path)
+    ways = [
+        ([*command[:1], "ghost", *command[1:]], None) if command[0] != "logs" else (["logs", "nodes", "-d", "ghost"], None),
+        ([*command, "-d", "ghost"], None),
+        (["-d", "ghost", *command], None),
+        (command, {"PRORL_DEPLOYMENT": "ghost"}),
+    ]
+    for args, env in ways:
+        r = run("--home", home, *args, env=env)
+        assert r.returncode == 1 and "'ghost' was not launched" in r.stderr, (args, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "--home", home, *command], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k not in ("PRORL_DEPLOYMENT", "PRORL_CONFIG")})
+    assert r.returncode != 0 and "name the deployment" in r.stderr, r.stderr
+    # The prorl.yaml in use names it too (what `prorl init -d NAME` writes).
+    (tmp_path / "prorl.yaml").write_text("deployment: ghost\n")
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "--home", home, *command], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k not in ("PRORL_DEPLOYMENT", "PRORL_CONFIG")})
+    assert r.returncode == 1 and "'ghost' was not launched" in r.stderr, r.stderr
