@@ -8,6 +8,8 @@ domain image). The repositories reach the sandbox through ``repo_path``;
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ def test_oracle_resolves_exact_ids_and_the_instance_test_command_inside_the_sand
     command = f"PYTHONPATH=src python3 -m pytest -rA -p no:cacheprovider {FILE} tests/test_basic.py"
     ghost = f"{FILE}::test_parse_pair[a = c]"
     gold, own_command, with_ghost = stack.run("swe_oracle", [
-        _with_repo(flat),
+        _with_repo(flat, tokenizer="/nonexistent/tokenizer"),  # no model call: the tokenizer is never loaded
         _with_repo(src, test_command=command),
         _with_repo(flat, instance_id="prorl__spacey-ghost", PASS_TO_PASS=[*flat.instance["PASS_TO_PASS"], ghost]),
     ], timeout_s=300)
@@ -73,3 +75,29 @@ def test_the_agent_cannot_reach_the_fix_commit_from_its_sandbox(stack: ScriptedS
     assert "commits=2" in out and "cat-file=1" in out, out  # base and its parent only; the fix object is absent
     assert "lost=0" in out and "remotes=0" in out and "tags=0" in out and "dangling" not in out, out
     assert probed.reward == 0.0 and probed.output["model_patch"] == ""
+
+
+def test_prorl_eval_writes_swebench_predictions_and_reports(stack: ScriptedStack, repos: tuple[Spacey, Spacey],
+                                                            tmp_path: Path) -> None:
+    flat, src = repos
+    command = f"PYTHONPATH=src python3 -m pytest -rA -p no:cacheprovider {FILE} tests/test_basic.py"
+    rows = [_with_repo(flat), _with_repo(src, test_command=command),
+            _with_repo(flat, instance_id="prorl__spacey-flat-2")]
+    dataset = tmp_path / "dataset.json"
+    dataset.write_text(json.dumps(rows, indent=2))  # a pretty-printed JSON array, not JSONL
+    out = tmp_path / "out"
+    ran = subprocess.run(
+        [sys.executable, "-m", "prorl_cli", "-d", stack.d.name, "eval", "--task", "swe_oracle", str(dataset),
+         "--n", "2", "--out", str(out), "--run-id", "ev1", "--model-name", "gold/oracle"],
+        env=stack.d.env(), capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stdout + ran.stderr[-3000:]
+    assert "resolved 3/3" in ran.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resolved_ids"] == sorted(r["instance_id"] for r in rows)
+    assert summary["pass_at_k"] == {"1": 1.0, "2": 1.0} and summary["resolved_rate"] == 1.0
+    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [p["instance_id"] for p in predictions] == [r["instance_id"] for r in rows]
+    assert all(p["model_name_or_path"] == "gold/oracle" and p["model_patch"] for p in predictions)
+    report = json.loads((out / "reports" / "prorl__spacey-src-1.json").read_text())["prorl__spacey-src-1"]
+    assert report["resolved"] and report["patch_successfully_applied"]
+    assert sorted(report["tests_status"]["FAIL_TO_PASS"]["success"]) == sorted(FAIL_TO_PASS)
