@@ -14,9 +14,9 @@ Precedence, first found wins (each key separately):
 4. the default: ``python3 -m pytest -rA -p no:cacheprovider`` on the test
    files, graded by exact pytest node id.
 
-A test command gets the test files appended unless it already names one of
-them or holds ``{test_files}`` (replaced by the quoted files); each file is
-named once, so no test file runs twice.
+A test command gets the test files it does not already name appended, or
+``{test_files}`` in it replaced by them all; each file is named once, so no
+test file runs twice and none is left out.
 """
 
 from __future__ import annotations
@@ -69,17 +69,16 @@ def _commands(value: Any, where: str) -> list[str] | None:
 
 
 def command_with_files(command: str, files: list[str]) -> str:
-    """``command`` naming each test file once: ``{test_files}`` filled in, or the files appended unless named."""
-    quoted = " ".join(shlex.quote(f) for f in dict.fromkeys(files))
+    """``command`` naming each test file once: ``{test_files}`` filled in, else the files it does not name appended."""
+    unique = list(dict.fromkeys(files))
     if "{test_files}" in command:
-        return command.replace("{test_files}", quoted)
+        return command.replace("{test_files}", " ".join(shlex.quote(f) for f in unique))
     try:
         words = set(shlex.split(command))
     except ValueError:
         words = set(command.split())
-    if words & set(files):
-        return command
-    return f"{command} {quoted}".rstrip()
+    rest = " ".join(shlex.quote(f) for f in unique if f not in words)
+    return f"{command} {rest}" if rest else command
 
 
 def _swebench_parser(repo: str) -> str | None:

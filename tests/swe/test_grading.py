@@ -116,6 +116,7 @@ def test_precedence_instance_over_settings_over_swebench_over_default() -> None:
     assert plan_tests({**base, "log_parser": "parse_log_sympy"}, {}, ids, []).log_parser == "parse_log_sympy"
     assert command_with_files("run {test_files} -q", ["a b.py", "c.py"]) == "run 'a b.py' c.py -q"
     assert command_with_files("pytest c.py", ["c.py", "c.py"]) == "pytest c.py"
+    assert command_with_files("pytest c.py", ["c.py", "d.py"]) == "pytest c.py d.py"  # named once, none left out
 
 
 def test_phases_fold_like_pytest_summary() -> None:

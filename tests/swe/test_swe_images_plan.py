@@ -1,0 +1,33 @@
+"""The image list ``build-images --swe`` writes: groups, per-instance pulls, named problems, stable bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from prorl_cli.swe.images import plan_dataset
+from tests.swe.spacey import make_spacey
+
+
+def test_plan_groups_by_repo_version_pulls_published_images_and_names_problems(tmp_path: Path) -> None:
+    repos = tmp_path / "repos"
+    flat = make_spacey(repos / "prorl__spacey")
+    rows = [
+        {**flat.instance, "install_config": {"pip_packages": "dep-a dep-b", "install": "true"}},
+        {**flat.instance, "instance_id": "prorl__spacey-flat-2", "install_config": {"pip_packages": ["dep-a"]}},
+        {**flat.instance, "instance_id": "o__published-1", "image": "docker://ns/sweb.eval.x86_64.o_1776_published-1"},
+        {**flat.instance, "instance_id": "o__nowhere-1", "repo": "o/nowhere"},
+    ]
+    recipes = tmp_path / "recipes"
+    plan = plan_dataset(rows, recipes, "localimage:/base.sif", None, repos)
+    assert plan.names == ["swe-prorl-spacey-0.1", "swe-i-o__published-1"]
+    assert plan.repo_images == {"prorl/spacey@0.1": "swe-prorl-spacey-0.1", "o__published-1": "swe-i-o__published-1"}
+    assert list(plan.problems) == ["o/nowhere@0.1"] and "no repository" in plan.problems["o/nowhere@0.1"]
+    images = yaml.safe_load(plan.images_file.read_text())["images"]
+    assert images["swe-i-o__published-1"]["base"] == "docker://ns/sweb.eval.x86_64.o_1776_published-1"
+    dockerfile = (recipes / "prorl-spacey-0.1" / "Dockerfile").read_text()
+    assert "pip install --no-cache-dir dep-a dep-b" in dockerfile and "RUN cd /testbed && true" in dockerfile
+    bundle = (recipes / "prorl-spacey-0.1" / "repo.bundle").read_bytes()
+    plan_dataset(rows, recipes, "localimage:/base.sif", None, repos)
+    assert (recipes / "prorl-spacey-0.1" / "repo.bundle").read_bytes() == bundle  # same bytes: lock keys hold
