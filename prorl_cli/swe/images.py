@@ -16,8 +16,10 @@ key, file locks, the manifest) holding:
   still checks out each instance's ``base_commit`` and removes whatever is
   not its ancestor), and ``install_config.install`` run there.
 
-Rows that name their own ``image`` (published per-instance images) get a
-per-instance entry pulled from that reference instead.
+Rows that name their own ``image`` (published per-instance images), or all
+rows with ``--images-from docker://NAMESPACE`` (SWE-bench's image names),
+get a per-instance entry pulled from that reference instead;
+``--images-from DIR`` maps each instance to ``DIR/<instance_id>.sif`` as it is.
 
 The repository comes from the rows' ``repo_path`` or from ``--repos-dir``
 (``DIR/<owner>__<name>`` or ``DIR/<owner>/<name>``). The generated list and recipes live under the
@@ -79,6 +81,39 @@ class SwePlan:
     names: list[str]
     repo_images: dict[str, str]  # "repo@version" (or instance id) -> image name
     problems: dict[str, str]  # group or instance -> why it has no image
+    ready: dict[str, str] = field(default_factory=dict)  # instance id -> a .sif found on disk (nothing to build)
+
+
+def published_image(instance_id: str, namespace: str) -> str:
+    """SWE-bench's name of an instance's published image in ``namespace`` (swebench's rule when installed)."""
+    try:
+        from swebench.task.checks import expected_image
+    except ImportError:
+        return f"{namespace}/sweb.eval.x86_64.{instance_id}:latest".lower().replace("__", "_1776_")
+    return str(expected_image(instance_id, namespace))
+
+
+def assign_published(rows: list[dict[str, Any]], images_from: str) -> tuple[list[dict[str, Any]], dict[str, str],
+                                                                           dict[str, str]]:
+    """Rows pointed at published per-instance images: ``docker://NAMESPACE`` (SWE-bench's image names) or a
+    folder of ``<instance_id>.sif`` files. Returns the rows to build or pull, the ready .sif paths, problems."""
+    ready: dict[str, str] = {}
+    problems: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    folder = None if images_from.startswith("docker://") else Path(images_from)
+    for row in rows:
+        iid = str(row["instance_id"])
+        if row.get("image"):
+            out.append(row)
+        elif folder is None:
+            out.append({**row, "image": f"docker://{published_image(iid, images_from[len('docker://'):].rstrip('/'))}"})
+        elif (folder / f"{iid}.sif").is_file():
+            ready[iid] = str((folder / f"{iid}.sif").resolve())
+        else:
+            archive = next((p for p in (folder / f"{iid}.tar", folder / f"{iid}.oci.tar") if p.is_file()), None)
+            problems[iid] = (f"{archive} is an OCI archive: convert it once with `apptainer build {folder / iid}.sif "
+                             f"oci-archive:{archive}`" if archive else f"no {iid}.sif in {folder}")
+    return out, ready, problems
 
 
 def _list(value: Any, where: str) -> list[str]:
@@ -181,14 +216,20 @@ def dockerfile(group: RepoGroup, wheels: bool, repo_dir: str) -> str:
 
 
 def plan_dataset(rows: list[dict[str, Any]], recipes_dir: Path, base: str, wheels_dir: Path | None,
-                 repos_dir: Path | None, repo_dir: str = "/testbed") -> SwePlan:
-    """Write the image list and recipes of ``rows`` under ``recipes_dir``; nothing is built."""
+                 repos_dir: Path | None, repo_dir: str = "/testbed", images_from: str | None = None) -> SwePlan:
+    """Write the image list and recipes of ``rows`` under ``recipes_dir``; nothing is built.
+
+    ``images_from`` points every row without its own ``image`` at a published per-instance image.
+    """
+    ready: dict[str, str] = {}
+    problems: dict[str, str] = {}
+    if images_from:
+        rows, ready, problems = assign_published(rows, images_from)
     groups, pulled = group_rows(rows, repos_dir)
     recipes_dir.mkdir(parents=True, exist_ok=True)
     images: dict[str, Any] = {}
     names: list[str] = []
     repo_images: dict[str, str] = {}
-    problems: dict[str, str] = {}
     for key, group in sorted(groups.items()):
         if group.repo_path is None:
             problems[key] = (f"no repository: instances {group.instance_ids} have no repo_path and --repos-dir "
@@ -225,7 +266,7 @@ def plan_dataset(rows: list[dict[str, Any]], recipes_dir: Path, base: str, wheel
         text = yaml.safe_dump({"images": images}, sort_keys=True)
         if not images_file.is_file() or images_file.read_text() != text:
             images_file.write_text(text)
-    return SwePlan(images_file, names, repo_images, problems)
+    return SwePlan(images_file, names, repo_images, problems, ready)
 
 
 def recipes_folder(dataset: Path, cache_dir: Path) -> Path:
@@ -234,9 +275,11 @@ def recipes_folder(dataset: Path, cache_dir: Path) -> Path:
     return cache_dir / "swe-recipes" / f"{dataset.stem}-{digest}"
 
 
-def write_map(path: Path, repo_images: dict[str, str], results: dict[str, str]) -> dict[str, str]:
-    """``repo_images`` with image names replaced by the built paths (failed ones left out), written as JSON."""
+def write_map(path: Path, repo_images: dict[str, str], results: dict[str, str],
+              ready: dict[str, str] | None = None) -> dict[str, str]:
+    """``repo_images`` with image names replaced by the built paths (failed ones left out), plus ``ready``, as JSON."""
     mapping = {key: results[name] for key, name in repo_images.items() if name in results}
+    mapping.update(ready or {})
     path.write_text(json.dumps(mapping, indent=2, sort_keys=True) + "\n")
     return mapping
 

@@ -31,3 +31,20 @@ def test_plan_groups_by_repo_version_pulls_published_images_and_names_problems(t
     bundle = (recipes / "prorl-spacey-0.1" / "repo.bundle").read_bytes()
     plan_dataset(rows, recipes, "localimage:/base.sif", None, repos)
     assert (recipes / "prorl-spacey-0.1" / "repo.bundle").read_bytes() == bundle  # same bytes: lock keys hold
+
+
+def test_images_from_a_registry_namespace_or_a_folder(tmp_path: Path) -> None:
+    rows = [{"instance_id": i, "repo": "o/r", "version": "1", "base_commit": "abc", "problem_statement": "",
+             "test_patch": "", "FAIL_TO_PASS": [], "PASS_TO_PASS": []} for i in ("o__r-1", "o__r-2", "o__r-3")]
+    plan = plan_dataset(rows[:1], tmp_path / "a", "scratch", None, None, images_from="docker://swebench")
+    images = yaml.safe_load(plan.images_file.read_text())["images"]
+    # SWE-bench's published names: lower case, "__" spelled "_1776_".
+    assert images["swe-i-o__r-1"]["base"] == "docker://swebench/sweb.eval.x86_64.o_1776_r-1:latest"
+    folder = tmp_path / "sifs"
+    folder.mkdir()
+    (folder / "o__r-1.sif").write_bytes(b"sif")
+    (folder / "o__r-2.tar").write_bytes(b"oci")
+    plan = plan_dataset(rows, tmp_path / "b", "scratch", None, None, images_from=str(folder))
+    assert plan.names == [] and plan.ready == {"o__r-1": str(folder / "o__r-1.sif")}
+    assert "apptainer build" in plan.problems["o__r-2"] and "oci-archive:" in plan.problems["o__r-2"]
+    assert plan.problems["o__r-3"] == f"no o__r-3.sif in {folder}"

@@ -13,7 +13,7 @@ from prorl_cli.cli.application import App
 
 
 def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, repos_dir: Path | None,
-              map_out: Path | None, dry_run: bool, as_json: bool) -> None:
+              map_out: Path | None, dry_run: bool, as_json: bool, images_from: str | None = None) -> None:
     """Plan (and unless ``dry_run`` build) the dataset's images; write the ``repo_images`` map."""
     from prorl_cli.cli.images import _run_builds
     from prorl_cli.domains.datasets import load_instances
@@ -31,7 +31,7 @@ def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, re
         check_git()
     except (DatasetError, OSError, UnicodeDecodeError) as e:
         app.abort(str(e))
-    needs_base = any(not (isinstance(r.get("image"), str) and r["image"]) for r in rows)
+    needs_base = not images_from and any(not (isinstance(r.get("image"), str) and r["image"]) for r in rows)
     if needs_base and not base:
         app.abort("--swe: give --base (the image the environments start from: localimage:/path/base.sif offline, "
                   "docker://python:3.11-slim online)")
@@ -40,12 +40,19 @@ def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, re
     recipes = recipes_folder(dataset, settings.cache_path)
     try:
         plan = plan_dataset(rows, recipes, base or "scratch", wheels.resolve() if wheels else None,
-                            repos_dir.resolve() if repos_dir else None)
+                            repos_dir.resolve() if repos_dir else None, images_from=images_from)
     except (DatasetError, DomainError) as e:
         app.abort(str(e))
     for where, why in plan.problems.items():
         console.print(f"[bold]{escape(where)}[/]: [bold red]no image[/]: {escape(why)}", soft_wrap=True)
+    out = map_out or recipes / "repo_images.json"
     if not plan.names:
+        if plan.ready:
+            mapping = write_map(out, {}, {}, plan.ready)
+            console.print(f"repo_images ({len(mapping)} ready .sif) → {out}", soft_wrap=True)
+            if plan.problems:
+                raise click.exceptions.Exit(1)
+            return
         app.abort(f"{dataset}: nothing to build")
     try:
         specs = load_image_specs(plan.images_file)
@@ -71,10 +78,9 @@ def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, re
         return
     results = _run_builds(app, plans, cache, settings, console)
     paths = {r.name: r.path for r in results if r.action in ("built", "reused")}
-    out = map_out or recipes / "repo_images.json"
-    mapping = write_map(out, plan.repo_images, paths)
+    mapping = write_map(out, plan.repo_images, paths, plan.ready)
     failed: dict[str, Any] = {r.name: r.log for r in results if r.action in ("failed", "skipped")}
-    console.print(f"repo_images ({len(mapping)}/{len(plan.repo_images)}) → {out}; use it as domains.swe.repo_images",
+    console.print(f"repo_images ({len(mapping)}/{len(plan.repo_images) + len(plan.ready)}) → {out}; use it as domains.swe.repo_images",
                   soft_wrap=True)
     for name, log in failed.items():
         console.print(f"[bold]{name}[/]: [bold red]not built[/]; build log: {log}", soft_wrap=True)
