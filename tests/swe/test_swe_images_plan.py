@@ -48,3 +48,25 @@ def test_images_from_a_registry_namespace_or_a_folder(tmp_path: Path) -> None:
     assert plan.names == [] and plan.ready == {"o__r-1": str(folder / "o__r-1.sif")}
     assert "apptainer build" in plan.problems["o__r-2"] and "oci-archive:" in plan.problems["o__r-2"]
     assert plan.problems["o__r-3"] == f"no o__r-3.sif in {folder}"
+
+
+def test_cli_names_what_is_missing(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    row = {"instance_id": "o__r-1", "repo": "o/r", "version": "1", "base_commit": "abc", "problem_statement": "",
+           "test_patch": "", "FAIL_TO_PASS": [], "PASS_TO_PASS": []}
+    dataset = tmp_path / "d.json"
+    dataset.write_text(json.dumps([row]))
+
+    def prorl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "prorl_cli", "build-images", *args], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+
+    alone = prorl("--base", "scratch")
+    assert alone.returncode == 1 and "go with --swe DATASET" in alone.stderr
+    no_base = prorl("--swe", str(dataset), "--cache-dir", str(tmp_path / "c"))
+    assert no_base.returncode == 1 and "give --base" in no_base.stderr
+    no_repo = prorl("--swe", str(dataset), "--base", "scratch", "--cache-dir", str(tmp_path / "c"), "--dry-run")
+    assert no_repo.returncode == 1 and "o/r@1" in no_repo.stdout and "no repository" in no_repo.stdout
