@@ -8,31 +8,34 @@ carry the project) and ``settings``.
 
 The image is ``settings.repo_images["<repo>@<version>"]`` (or ``["<repo>"]``),
 else ``settings.image``; SWE-bench images keep the project in ``/testbed``.
-INIT checks the repository out at ``base_commit``. RUN: the agent works there
-with ``bash`` and ``editor``; then ``git diff`` against ``base_commit`` (new
-files included) is saved as ``output["model_patch"]``, the only thing EVAL
-gets. EVAL starts a fresh sandbox from the same image, applies the model
-patch and the test patch, runs the tests the test patch touches, parses the
-log per test and grades it with the ``swebench`` package: reward 1.0 only
-when every FAIL_TO_PASS test passes and every PASS_TO_PASS test still
-passes. ``output["report"]`` is the per-test report.
+INIT checks the repository out at ``base_commit`` and removes every commit,
+ref and object later than it (``prorl_cli.swe.history``). RUN: the agent
+works there with ``bash`` and ``editor``; then ``git diff`` against
+``base_commit`` (new files included) is saved as ``output["model_patch"]``,
+the only thing EVAL gets. EVAL starts a fresh sandbox from the same image,
+applies the model patch and runs the instance's tests the way the instance,
+the settings or swebench say (``prorl_cli.swe.testplan``); outcomes come
+back by exact pytest node id and are graded with the ``swebench`` package
+(``prorl_cli.swe.grading``): reward 1.0 only when every FAIL_TO_PASS test
+passes and every PASS_TO_PASS test still passes. ``output["report"]`` holds
+swebench's report fields plus ``missing`` (listed tests the run never
+produced, with the closest id it did).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import re
 import shlex
-import subprocess
-from dataclasses import asdict
 from typing import Any
 
 from prorl_cli.domains.handler import DomainHandler
 from prorl_cli.domains.sandbox_tools import BASH_SCHEMA, EDITOR_SCHEMA, sandbox_tools
-from prorl_cli.domains.settings import DomainSettings
-from prorl_cli.domains.swe_grading import grade, parse_pytest_log, test_list, test_targets
+from prorl_cli.domains.settings import DomainSettings, resolve_settings
+from prorl_cli.domains.swe_grading import test_list
 from prorl_cli.exceptions import DomainError
 from prorl_cli.node.handler import JobContext
+from prorl_cli.swe.workspace import prepare, run_tests
 
 SYSTEM = (
     "You are a software engineer fixing an issue in the repository at {repo_dir}. Explore it with the bash "
@@ -41,62 +44,74 @@ SYSTEM = (
 )
 
 
-def _bundle(repo_path: str) -> bytes:
-    """A git bundle of every ref of the node-local repository at ``repo_path``."""
-    try:
-        return subprocess.run(["git", "-C", repo_path, "bundle", "create", "-", "--all"], check=True,
-                              capture_output=True, timeout=120).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise DomainError(f"swe: cannot bundle repo_path {repo_path!r}: {e}") from e
-
-
 class SweHandler(DomainHandler):
-    """Repository-level issue fixing, graded by the repository's own tests."""
+    """Repository-level issue fixing, graded by the repository's own tests.
+
+    A subclass (another agent on the same grading, say) gets its own task
+    name, the snake-case of its class name without ``Handler``, unless it sets
+    ``name``; it reads the ``domains.swe`` settings unless it sets
+    ``settings_section``.
+    """
 
     name = "swe"
+    #: The ``domains.<section>`` of prorl.yaml this handler reads.
+    settings_section = "swe"
     defaults = DomainSettings(
         max_turns=30, system_prompt=SYSTEM, tools=("bash", "editor"), image="swe",
         init_timeout_s=300.0, run_timeout_s=3600.0, eval_timeout_s=1800.0, max_tokens=2048,
         extra={"repo_dir": "/testbed", "repo_images": {}, "tool_timeout_s": 120.0, "test_timeout_s": 900.0,
-               "test_command": "python3 -m pytest -rA -p no:cacheprovider"},
+               "test_command": "", "eval_script": "", "install": "", "log_parser": "", "scrub_history": True},
     )
     tool_schemas = {"bash": BASH_SCHEMA, "editor": EDITOR_SCHEMA}
     required_fields = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            stem = cls.__name__.removesuffix("Handler") or cls.__name__
+            cls.name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", stem).lower()
+
+    def settings_for(self, ctx: JobContext) -> DomainSettings:
+        """``domains.<settings_section>`` then the instance's ``settings`` over the defaults."""
+        if self.settings_section == self.name:
+            return super().settings_for(ctx)
+        cached = ctx.state.get("settings")
+        if isinstance(cached, DomainSettings):
+            return cached
+        inst = ctx.instance if isinstance(ctx.instance, dict) else {}
+        settings = resolve_settings(
+            self.defaults,
+            (f"prorl.yaml: domains.{self.settings_section}", ctx.config.domains.get(self.settings_section)),
+            (f"instance settings of job {ctx.job_id}", inst.get("settings")),
+        )
+        unknown = sorted(set(settings.tools) - set(self.tool_schemas))
+        if unknown:
+            raise DomainError(f"{self.name}: tools {unknown} do not exist; this domain offers {sorted(self.tool_schemas)}")
+        ctx.state["settings"] = settings
+        return settings
+
     def image_for(self, ctx: JobContext, settings: DomainSettings) -> str | None:
         images: dict[str, Any] = settings.get("repo_images")
         inst = ctx.instance
-        found = images.get(f"{inst['repo']}@{inst.get('version')}") or images.get(str(inst["repo"]))
+        found = (images.get(str(inst["instance_id"])) or images.get(f"{inst['repo']}@{inst.get('version')}")
+                 or images.get(str(inst["repo"])))
         return str(found) if found else settings.image
 
-    async def _sandbox(self, ctx: JobContext, settings: DomainSettings) -> Any:
-        """A sandbox with the repository at ``base_commit`` and a clean work tree."""
+    async def _sandbox(self, ctx: JobContext, settings: DomainSettings, scrub: bool) -> Any:
+        """A sandbox with the repository at ``base_commit``, a clean work tree and, when ``scrub``, no later history."""
         options: dict[str, Any] = {"network": False, "env": {"PYTHONDONTWRITEBYTECODE": "1"}}
         image = self.image_for(ctx, settings)
         if image:
             options["image"] = image
         sandbox = await ctx.start_sandbox(**options)
-        repo_dir = shlex.quote(str(settings.get("repo_dir")))
-        base = shlex.quote(str(ctx.instance["base_commit"]))
-        if ctx.instance.get("repo_path"):
-            bundle = await asyncio.to_thread(_bundle, str(ctx.instance["repo_path"]))
-            await sandbox.write_file("/tmp/repo.bundle", bundle)
-            cloned = await sandbox.bash(f"rm -rf {repo_dir} && git clone -q /tmp/repo.bundle {repo_dir} 2>&1")
-            if cloned.exit_code != 0:
-                raise DomainError(f"swe: cloning repo_path into the sandbox failed: {cloned.output[-1000:]}")
-        ready = await sandbox.bash(
-            f"cd {repo_dir} && git -c advice.detachedHead=false checkout -q -f {base} 2>&1 && git clean -fdq 2>&1"
-        )
-        if ready.exit_code != 0:
-            raise DomainError(f"swe: cannot check out base_commit {ctx.instance['base_commit']} in "
-                              f"{settings.get('repo_dir')}: {ready.output[-1000:]}")
+        await prepare(sandbox, ctx.instance, str(settings.get("repo_dir")), scrub)
         return sandbox
 
     async def setup(self, ctx: JobContext, settings: DomainSettings) -> None:
         test_list(ctx.instance["FAIL_TO_PASS"], "FAIL_TO_PASS")
         test_list(ctx.instance["PASS_TO_PASS"], "PASS_TO_PASS")
-        await self.load_chat(ctx, settings)
-        ctx.state["sandbox"] = await self._sandbox(ctx, settings)
+        # The agent's sandbox: nothing after base_commit may reach it.
+        ctx.state["sandbox"] = await self._sandbox(ctx, settings, scrub=bool(settings.get("scrub_history")))
         ctx.output["sandboxes"] = {"run": ctx.state["sandbox"].sandbox_id}
 
     async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
@@ -104,6 +119,11 @@ class SweHandler(DomainHandler):
         tools = sandbox_tools(sandbox, float(settings.get("tool_timeout_s")))
         system = settings.system_prompt.replace("{repo_dir}", str(settings.get("repo_dir")))
         await self.agent_loop(ctx, dataclasses.replace(settings, system_prompt=system), ctx.instance["problem_statement"], tools)
+        await self.save_patch(ctx, settings)
+
+    async def save_patch(self, ctx: JobContext, settings: DomainSettings) -> None:
+        """``git diff`` of the work tree against ``base_commit`` (new files included) as ``output["model_patch"]``."""
+        sandbox = ctx.state["sandbox"]
         repo_dir = shlex.quote(str(settings.get("repo_dir")))
         base = shlex.quote(str(ctx.instance["base_commit"]))
         diff = await sandbox.bash(f"cd {repo_dir} && git add -A && git diff --cached --binary {base} > /tmp/model.patch")
@@ -113,32 +133,37 @@ class SweHandler(DomainHandler):
 
     async def score(self, ctx: JobContext, settings: DomainSettings) -> None:
         patch = ctx.output.get("model_patch")
-        if not isinstance(patch, str):
-            raise DomainError("swe: RUN saved no model_patch")
+        if patch is not None and not isinstance(patch, str):
+            raise DomainError("swe: RUN saved a model_patch that is not text")
         f2p = test_list(ctx.instance["FAIL_TO_PASS"], "FAIL_TO_PASS")
         p2p = test_list(ctx.instance["PASS_TO_PASS"], "PASS_TO_PASS")
-        sandbox = await self._sandbox(ctx, settings)  # fresh: RUN's sandbox is gone
+        sandbox = await self._sandbox(ctx, settings, scrub=False)  # fresh: RUN's sandbox is gone, and so is the agent
         ctx.output.setdefault("sandboxes", {})["eval"] = sandbox.sandbox_id
         try:
-            repo_dir = shlex.quote(str(settings.get("repo_dir")))
-            if patch.strip():
-                await sandbox.write_file("/tmp/model.patch", patch.encode())
-                applied = await sandbox.bash(f"cd {repo_dir} && git apply --whitespace=nowarn /tmp/model.patch 2>&1")
-                if applied.exit_code != 0:
-                    ctx.output["report"] = {"resolved": False, "status": "PATCH_APPLY_FAILED", "log": applied.output[-2000:]}
-                    ctx.reward = 0.0
-                    return
-            await sandbox.write_file("/tmp/test.patch", str(ctx.instance["test_patch"]).encode())
-            applied = await sandbox.bash(f"cd {repo_dir} && git apply --whitespace=nowarn /tmp/test.patch 2>&1")
-            if applied.exit_code != 0:
-                raise DomainError(f"swe: the instance's test_patch does not apply: {applied.output[-1000:]}")
-            files = " ".join(shlex.quote(f) for f in test_targets(str(ctx.instance["test_patch"]), f2p, p2p))
-            timeout_s = float(settings.get("test_timeout_s"))
-            ran = await sandbox.bash(f"cd {repo_dir} && {settings.get('test_command')} {files} > /tmp/test.log 2>&1",
-                                     timeout_s=timeout_s)
-            log = (await sandbox.read_file("/tmp/test.log")).decode("utf-8", "replace")
+            report, extra = await run_tests(sandbox, ctx.instance, settings.extra, patch, f2p, p2p,
+                                            str(settings.get("repo_dir")), float(settings.get("test_timeout_s")))
         finally:
             await sandbox.stop()
-        report = grade(parse_pytest_log(log), f2p, p2p)
-        ctx.output["report"] = {**asdict(report), "tests_timed_out": ran.timed_out, "log_tail": log[-3000:]}
+        ctx.output["report"] = {**dataclasses.asdict(report), **extra}
         ctx.reward = 1.0 if report.resolved else 0.0
+
+
+class SweOracleHandler(SweHandler):
+    """Task ``swe_oracle``: the gold ``patch`` in place of an agent (no model, no tokenizer).
+
+    Validates a dataset and its images: every instance should come out
+    resolved (``prorl eval --task swe_oracle DATASET``), as SWE-bench's own
+    validation runs the gold patches.
+    """
+
+    async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
+        gold = ctx.instance.get("patch")
+        if not isinstance(gold, str) or not gold.strip():
+            raise DomainError(f"{self.name}: instance {ctx.instance.get('instance_id')} has no gold 'patch'")
+        sandbox = ctx.state["sandbox"]
+        await sandbox.write_file("/tmp/gold.patch", gold.encode())
+        applied = await sandbox.bash(f"cd {shlex.quote(str(settings.get('repo_dir')))} && "
+                                     "git apply --whitespace=nowarn /tmp/gold.patch 2>&1 && rm -f /tmp/gold.patch")
+        if applied.exit_code != 0:
+            raise DomainError(f"{self.name}: the gold patch does not apply: {applied.output[-1000:]}")
+        await self.save_patch(ctx, settings)

@@ -9,6 +9,7 @@ from prorl_cli.cli.application import App
 from prorl_cli.cli.backends import backends
 from prorl_cli.cli.config import config
 from prorl_cli.cli.dev import dev
+from prorl_cli.cli.eval import eval_command
 from prorl_cli.cli.images import build_images, images
 from prorl_cli.cli.init import init
 from prorl_cli.cli.jobs import cancel, status, stop, submit
@@ -57,7 +58,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
 
 with_dapo_options(submit)  # prorl submit --dapo (training team's hook)
 
-for command in (serve, submit, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch):
+for command in (serve, submit, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch, eval_command):
     cli.add_command(command)
 
 

@@ -1,4 +1,4 @@
-"""Loading public dataset files (JSONL or Parquet) into the instances the domain handlers take.
+"""Loading public dataset files (JSONL, Parquet or JSON) into the instances the domain handlers take.
 
 ``prorl submit --task NAME FILE [--format F]`` calls :func:`load_instances`.
 Shapes understood (``--format auto`` picks by the fields present, and asks
@@ -38,7 +38,13 @@ FORMATS: dict[str, tuple[str, ...]] = {
 
 
 def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """``(where, row)`` for each row: ``FILE:LINE`` for JSONL, ``FILE row N`` for Parquet (1-based)."""
+    """``(where, row)`` for each row of a JSONL, Parquet or JSON file.
+
+    ``where`` is ``FILE:LINE`` for JSONL, ``FILE row N`` for Parquet and
+    ``FILE item N`` for JSON (1-based). A ``.json`` file holds one array of
+    rows or one row; a file of another name that is not JSONL but one JSON
+    document (a pretty-printed instance) is read the same way.
+    """
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -47,14 +53,47 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
             yield f"{path} row {i}", row
         return
+    if path.suffix == ".json":
+        yield from _json_rows(path)
+        return
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as e:
+                if lineno == 1:
+                    document = _whole_document(path)
+                    if document is not None:
+                        yield from _items(path, document)
+                        return
                 raise DatasetError(f"{path}:{lineno}: not valid JSON: {e.msg}") from e
+            yield f"{path}:{lineno}", row
+
+
+def _whole_document(path: Path) -> Any:
+    """The file as one JSON document, or None when it is not one."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (a .json dataset is one array of rows or one row)") from e
+    yield from _items(path, document)
+
+
+def _items(path: Path, document: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(document, list):
+        for i, row in enumerate(document, 1):
+            yield f"{path} item {i}", row
+    else:
+        yield f"{path} item 1", document
 
 
 def _first(row: Row, where: str, names: tuple[str, ...], what: str) -> Any:
@@ -165,6 +204,8 @@ def _swe(row: Row, where: str, fmt: str) -> Row:
         if not isinstance(value, list):
             raise DatasetError(f"{where}: {name} must be a list of test names")
         out[name] = value
+    if isinstance(row.get("install_config"), str):  # SWE-rebench ships it as a JSON string
+        out["install_config"] = _json_field(row["install_config"], where, "install_config")
     return out
 
 

@@ -88,7 +88,7 @@ def test_swe_handler_grades_fail_to_pass_and_pass_to_pass(stack: ScriptedStack, 
 
     assert fixed.state == "done" and fixed.reward == 1.0, json.dumps(fixed.output, indent=1)[-3000:]
     report = fixed.output["report"]
-    assert report["status"] == "RESOLVED_FULL" and sorted(report["fail_to_pass"]["success"]) == sorted(instance["FAIL_TO_PASS"])
+    assert report["status"] == "RESOLVED_FULL" and sorted(report["tests_status"]["FAIL_TO_PASS"]["success"]) == sorted(instance["FAIL_TO_PASS"])
     assert report["tests"]["tests/test_stats.py::test_mean"] == "PASSED"
     assert "-    return sum(xs) / (len(xs) - 1)" in fixed.output["model_patch"]
     tools = [m["content"] for m in fixed.output["trajectory"]["messages"] if m["role"] == "tool"]
@@ -97,10 +97,10 @@ def test_swe_handler_grades_fail_to_pass_and_pass_to_pass(stack: ScriptedStack, 
     assert fixed.output["sandboxes"]["run"] != fixed.output["sandboxes"]["eval"]
 
     assert broken.reward == 0.0
-    assert broken.output["report"]["fail_to_pass"]["failure"] == []
-    assert broken.output["report"]["pass_to_pass"]["failure"] == ["tests/test_calc.py::test_add"]
+    assert broken.output["report"]["tests_status"]["FAIL_TO_PASS"]["failure"] == []
+    assert broken.output["report"]["tests_status"]["PASS_TO_PASS"]["failure"] == ["tests/test_calc.py::test_add"]
     assert nothing.reward == 0.0 and nothing.output["model_patch"] == ""
-    assert sorted(nothing.output["report"]["fail_to_pass"]["failure"]) == sorted(instance["FAIL_TO_PASS"])
+    assert sorted(nothing.output["report"]["tests_status"]["FAIL_TO_PASS"]["failure"]) == sorted(instance["FAIL_TO_PASS"])
     assert cloned.reward == 1.0, json.dumps(cloned.output, indent=1)[-3000:]
     records = stack.d.deployment_dir / "nodes" / "n1" / "sandboxes"
     assert list(records.glob("*.json")) == []

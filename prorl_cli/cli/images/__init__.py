@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -38,12 +39,29 @@ def _sigterm_to_interrupt(signum: int, frame: Any) -> None:
 @click.option("--mirror", metavar="URL", help="Debian mirror for debootstrap bases. [default: the host's apt sources]")
 @click.option("--dry-run", is_flag=True, help="Render and print the definitions, keys and decisions; build nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
+@click.option("--swe", "swe_dataset", metavar="DATASET", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Build the images of a SWE dataset (JSONL/Parquet/JSON): per repository/version an environment and a repository layer; writes the repo_images map.")
+@click.option("--base", metavar="REF", help="With --swe: the image environments start from (localimage:PATH, docker://REF, debootstrap:SUITE).")
+@click.option("--wheels", type=click.Path(exists=True, file_okay=False, path_type=Path), help="With --swe: install pip_packages from this wheels folder only (offline).")
+@click.option("--repos-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="With --swe: git repositories as DIR/owner__name or DIR/owner/name (rows without repo_path).")
+@click.option("--map-out", type=click.Path(dir_okay=False, path_type=Path), help="With --swe: where to write the repo_images JSON map.")
+@click.option("--images-from", metavar="docker://NS|DIR", help="With --swe: published per-instance images (SWE-bench's names in a registry namespace, or DIR/<instance_id>.sif) instead of building.")
 @pass_app
 def build_images(app: App, names: tuple[str, ...], mode: str | None, cache_dir: str | None, jobs: int | None,
-                 images_file: str | None, mirror: str | None, dry_run: bool, as_json: bool) -> None:
-    """Render sif_recipes templates and build the .sif images NAMES (default: all)."""
+                 images_file: str | None, mirror: str | None, dry_run: bool, as_json: bool, swe_dataset: Path | None,
+                 base: str | None, wheels: Path | None, repos_dir: Path | None, map_out: Path | None,
+                 images_from: str | None) -> None:
+    """Render sif_recipes templates and build the .sif images NAMES (default: all), or a SWE dataset's (--swe)."""
     app.override(images__mode=mode, images__cache_dir=cache_dir, images__jobs=jobs,
                  images__config_file=images_file, images__mirror=mirror)
+    if swe_dataset is not None or base or wheels or repos_dir or map_out or images_from:
+        from prorl_cli.cli.images.swe import build_swe
+
+        if swe_dataset is None or names:
+            app.abort("--base, --wheels, --repos-dir, --map-out and --images-from go with --swe DATASET, "
+                      "and --swe takes no NAMES")
+        build_swe(app, swe_dataset, base, wheels, repos_dir, map_out, dry_run, as_json, images_from)
+        return
     settings = app.config.images
     from prorl_cli.exceptions import ConfigError, ImageBuildError
     from prorl_cli.images import api

@@ -1,0 +1,78 @@
+"""``prorl eval``: run a SWE-bench-format dataset on a deployment and write SWE-bench-compatible results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from prorl_cli.cli.application import App, pass_app
+
+
+@click.command("eval")
+@click.argument("dataset", metavar="DATASET", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--task", required=True, metavar="NAME",
+              help="Handler to run each instance with: swe, swe_oracle (the gold patch), or a subclass of swe.")
+@click.option("--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Samples per instance (pass@k up to n).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("prorl-eval"), show_default=True,
+              help="Folder for predictions.jsonl, samples.jsonl, reports/ and summary.json.")
+@click.option("--run-id", metavar="ID", help="Job ids ID-ROW-K: running the same ID again resumes instead of rerunning.")
+@click.option("--model-name", metavar="NAME", help="model_name_or_path in the predictions (default: the task name).")
+@click.option("--instance-id", "instance_ids", multiple=True, metavar="ID", help="Only these instances (repeatable).")
+@click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
+@click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@pass_app
+def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: str | None, model_name: str | None,
+                 instance_ids: tuple[str, ...], timeout_s: float | None, address: str | None) -> None:
+    """Run every instance of DATASET (SWE-bench rows: JSONL, Parquet or JSON) N times and grade it.
+
+    Writes SWE-bench predictions (instance_id, model_name_or_path, model_patch), swebench's
+    per-instance report.json under reports/, and summary.json with swebench's run-report keys,
+    the resolved rate and pass@k. Exits 1 when a job did not finish (state other than done).
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from prorl_cli.cli.jobs import connect
+    from prorl_cli.domains.datasets import load_instances
+    from prorl_cli.exceptions import DatasetError, ProrlError
+    from prorl_cli.swe.evaluation import Sample, write_outputs
+
+    try:
+        instances: list[dict[str, Any]] = load_instances("swe", dataset)
+    except (DatasetError, OSError, UnicodeDecodeError) as e:
+        app.abort(str(e))
+    if instance_ids:
+        unknown = sorted(set(instance_ids) - {i["instance_id"] for i in instances})
+        if unknown:
+            app.abort(f"{dataset}: no instance(s) {unknown}")
+        instances = [i for i in instances if i["instance_id"] in instance_ids]
+    ids = [str(i["instance_id"]) for i in instances]
+    if not ids:
+        app.abort(f"{dataset}: no instances")
+    if len(set(ids)) != len(ids):
+        app.abort(f"{dataset}: instance ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
+    if out.exists() and not out.is_dir():
+        app.abort(f"--out {out}: is not a folder")
+    job_ids = [f"{run_id}-{row}-{k}" for row in range(len(ids)) for k in range(n)] if run_id else None
+    samples: list[Sample] = []
+    with connect(app, address) as client:
+        try:
+            submitted = client.submit(task, instances, n=n, job_ids=job_ids, timeout_s=timeout_s)
+        except ProrlError as e:
+            app.abort(f"submit failed: {e}")
+        which = {job_id: (ids[pos // n], pos % n) for pos, job_id in enumerate(submitted)}
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("resolved {task.fields[resolved]}"), TimeElapsedColumn())
+        with Progress(*columns, console=app.err_console) as progress:
+            bar = progress.add_task(f"eval {task}", total=len(submitted), resolved=0)
+            for result in client.as_completed(list(submitted)):
+                instance_id, k = which[result.job_id]
+                samples.append(Sample.from_result(instance_id, k, result))
+                progress.update(bar, advance=1, resolved=sum(s.resolved for s in samples))
+    summary = write_outputs(out, ids, samples, model_name or task, n)
+    at_k = "  ".join(f"pass@{k} {v:.3f}" for k, v in summary["pass_at_k"].items())
+    app.console.print(f"{task}: resolved {summary['resolved_instances']}/{summary['total_instances']} "
+                      f"({summary['resolved_rate']:.1%})  {at_k}  -> {out}")
+    if any(s.state != "done" for s in samples):
+        raise click.exceptions.Exit(1)

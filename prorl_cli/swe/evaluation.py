@@ -1,0 +1,148 @@
+"""``prorl eval`` for SWE datasets: SWE-bench-compatible predictions, per-instance reports, resolved rate and pass@k.
+
+What lands in the output folder:
+
+- ``predictions.jsonl``: one line per instance, swebench's prediction shape
+  (``instance_id``, ``model_name_or_path``, ``model_patch``), from the first
+  sample, so ``swebench``'s own harness can re-grade it;
+- ``samples.jsonl``: every sample (``sample`` 0..n-1, job id, state, reward,
+  resolved, patch);
+- ``reports/<instance_id>.json``: swebench's per-instance ``report.json``
+  (``{instance_id: {patch_is_None, patch_exists, patch_successfully_applied,
+  resolved, infra_failure, tests_status}}``) of the first sample;
+- ``summary.json``: swebench's run report keys (``total_instances``,
+  ``resolved_ids``, ...) for the first samples, plus ``resolved_rate`` and
+  ``pass_at_k`` over all samples (the unbiased estimator of Chen et al. 2021).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 2  # swebench's run report schema these keys follow
+
+
+@dataclass
+class Sample:
+    """One rollout of one instance, as the eval report needs it."""
+
+    instance_id: str
+    sample: int
+    job_id: str
+    state: str
+    reward: float | None
+    model_patch: str | None
+    report: dict[str, Any] | None  # the handler's output["report"]
+    failure: dict[str, Any] | None = None  # output["failure"] when a stage failed
+
+    @property
+    def resolved(self) -> bool:
+        return bool(self.report and self.report.get("resolved"))
+
+    @classmethod
+    def from_result(cls, instance_id: str, sample: int, result: Any) -> Sample:
+        """From a :class:`prorl_cli.protocol.JobResult` of the swe domain."""
+        output = result.output if isinstance(result.output, dict) else {}
+        patch = output.get("model_patch")
+        report = output.get("report")
+        return cls(instance_id, sample, result.job_id, result.state, result.reward,
+                   patch if isinstance(patch, str) else None, report if isinstance(report, dict) else None,
+                   output.get("failure") if isinstance(output.get("failure"), dict) else None)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that at least one of ``k`` samples out of ``n`` (``c`` correct) is correct."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def swebench_report(sample: Sample) -> dict[str, Any]:
+    """swebench's per-instance report body for ``sample`` (what its ``report.json`` holds under the id)."""
+    keys = ("patch_is_None", "patch_exists", "patch_successfully_applied", "resolved", "infra_failure")
+    body: dict[str, Any] = {key: False for key in keys}
+    if sample.model_patch is None:
+        body["patch_is_None"] = True
+        return body
+    body["patch_exists"] = True
+    if sample.report:
+        for key in keys:
+            body[key] = bool(sample.report.get(key, body[key]))
+        if "tests_status" in sample.report:
+            body["tests_status"] = sample.report["tests_status"]
+    return body
+
+
+def summarize(instance_ids: list[str], samples: list[Sample], model_name: str, n: int) -> dict[str, Any]:
+    """swebench's run report over the first sample of each instance, plus resolved rate and pass@k over all."""
+    first = {s.instance_id: s for s in samples if s.sample == 0}
+    empty = sorted(i for i, s in first.items() if not s.model_patch)
+    errors = sorted(i for i, s in first.items() if s.model_patch and s.report is None)
+    completed = sorted(i for i, s in first.items() if s.model_patch and s.report is not None)
+    resolved = sorted(i for i in completed if first[i].resolved)
+    infra = sorted(i for i in completed if (first[i].report or {}).get("infra_failure"))
+    by_instance: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_instance.setdefault(s.instance_id, []).append(s)
+    ks = sorted({1, n} | {k for k in (5, 10) if k < n})
+    at_k = {str(k): sum(pass_at_k(len(ss), sum(x.resolved for x in ss), k) for ss in by_instance.values())
+            / max(len(by_instance), 1) for k in ks}
+    return {
+        "model_name_or_path": model_name,
+        "total_instances": len(instance_ids),
+        "submitted_instances": len(first),
+        "completed_instances": len(completed),
+        "resolved_instances": len(resolved),
+        "unresolved_instances": len(completed) - len(resolved),
+        "infra_failure_instances": len(infra),
+        "ambiguous_failure_instances": 0,
+        "empty_patch_instances": len(empty),
+        "error_instances": len(errors),
+        "completed_ids": completed,
+        "incomplete_ids": sorted(set(instance_ids) - set(first)),
+        "empty_patch_ids": empty,
+        "submitted_ids": sorted(first),
+        "resolved_ids": resolved,
+        "unresolved_ids": sorted(set(completed) - set(resolved)),
+        "infra_failure_ids": infra,
+        "ambiguous_failure_ids": [],
+        "failure_reasons": {},
+        "error_ids": errors,
+        "schema_version": SCHEMA_VERSION,
+        "samples_per_instance": n,
+        "resolved_rate": len(resolved) / len(instance_ids) if instance_ids else 0.0,
+        "mean_reward": (sum(s.reward or 0.0 for s in samples) / len(samples)) if samples else 0.0,
+        "pass_at_k": at_k,
+    }
+
+
+def write_outputs(out_dir: Path, instance_ids: list[str], samples: list[Sample], model_name: str,
+                  n: int) -> dict[str, Any]:
+    """Write predictions, samples, per-instance reports and the summary under ``out_dir``; return the summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reports = out_dir / "reports"
+    reports.mkdir(exist_ok=True)
+    ordered = sorted(samples, key=lambda s: (instance_ids.index(s.instance_id), s.sample))
+    with (out_dir / "predictions.jsonl").open("w", encoding="utf-8") as f:
+        for s in ordered:
+            if s.sample == 0:
+                f.write(json.dumps({"instance_id": s.instance_id, "model_name_or_path": model_name,
+                                    "model_patch": s.model_patch}) + "\n")
+    with (out_dir / "samples.jsonl").open("w", encoding="utf-8") as f:
+        for s in ordered:
+            row = asdict(s)
+            row.pop("report")
+            f.write(json.dumps({**row, "resolved": s.resolved}) + "\n")
+    for s in ordered:
+        if s.sample == 0:
+            path = reports / f"{s.instance_id.replace('/', '__')}.json"
+            path.write_text(json.dumps({s.instance_id: swebench_report(s)}, indent=2) + "\n")
+    summary = summarize(instance_ids, samples, model_name, n)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,292 @@
+"""``prorl build-images --swe DATASET``: the image list of a SWE dataset, layered and cached like any other.
+
+Layers: the base (``--base``: a local ``.sif`` offline, ``docker://...``
+online; shared by every image), then one environment image per
+repository/version, ``swe-<repo>-<version>``, an entry of an ordinary image
+list (``sif_recipes`` machinery: spython-converted Dockerfile, lock-mode
+key, file locks, the manifest) holding:
+
+- the environment: the rows' ``install_config`` ``pre_install`` commands and
+  ``pip_packages`` (SWE-rebench's and old SWE-bench specs' keys), installed
+  from ``--wheels DIR`` when given (pip ``--no-index``, or unpacked into the
+  site folder where the image has no pip) and from the package index
+  otherwise;
+- the repository in ``/testbed``, cloned from a bundle holding the base
+  commits of the group's instances and their history, nothing later (INIT
+  still checks out each instance's ``base_commit`` and removes whatever is
+  not its ancestor), and ``install_config.install`` run there.
+
+Rows that name their own ``image`` (published per-instance images), or all
+rows with ``--images-from docker://NAMESPACE`` (SWE-bench's image names),
+get a per-instance entry pulled from that reference instead;
+``--images-from DIR`` maps each instance to ``DIR/<instance_id>.sif`` as it is.
+
+The repository comes from the rows' ``repo_path`` or from ``--repos-dir``
+(``DIR/<owner>__<name>`` or ``DIR/<owner>/<name>``). The generated list and recipes live under the
+recipes folder; building them again reuses every layer whose inputs did not
+change (lock mode), so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prorl_cli.exceptions import DatasetError, DomainError
+from prorl_cli.swe.history import _git
+
+WHEELS_DST = "/opt/prorl-wheels"
+BUNDLE_DST = "/opt/prorl-swe/repo.bundle"
+#: First site folder on the image python's path (Debian's python does not search sysconfig's purelib).
+_SITE = ("$(python3 -c \"import sys; print([p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))][0])\")")
+
+
+@dataclass
+class RepoGroup:
+    """The instances of one repository/version and what their images need."""
+
+    repo: str
+    version: str
+    instance_ids: list[str] = field(default_factory=list)
+    base_commits: list[str] = field(default_factory=list)
+    repo_path: str | None = None
+    pip_packages: list[str] = field(default_factory=list)
+    pre_install: list[str] = field(default_factory=list)
+    install: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.repo}@{self.version}"
+
+    @property
+    def slug(self) -> str:
+        raw = f"{self.repo.replace('/', '-')}-{self.version}".lower()
+        return re.sub(r"[^a-z0-9._-]+", "-", raw).strip("-.") or "repo"
+
+
+@dataclass
+class SwePlan:
+    """The generated image list: its file, the image names to build, and the ``repo_images`` map they make."""
+
+    images_file: Path
+    names: list[str]
+    repo_images: dict[str, str]  # "repo@version" (or instance id) -> image name
+    problems: dict[str, str]  # group or instance -> why it has no image
+    ready: dict[str, str] = field(default_factory=dict)  # instance id -> a .sif found on disk (nothing to build)
+
+
+def published_image(instance_id: str, namespace: str) -> str:
+    """SWE-bench's name of an instance's published image in ``namespace`` (swebench's rule when installed)."""
+    try:
+        from swebench.task.checks import expected_image
+    except ImportError:
+        return f"{namespace}/sweb.eval.x86_64.{instance_id}:latest".lower().replace("__", "_1776_")
+    return str(expected_image(instance_id, namespace))
+
+
+def assign_published(rows: list[dict[str, Any]], images_from: str) -> tuple[list[dict[str, Any]], dict[str, str],
+                                                                           dict[str, str]]:
+    """Rows pointed at published per-instance images: ``docker://NAMESPACE`` (SWE-bench's image names) or a
+    folder of ``<instance_id>.sif`` files. Returns the rows to build or pull, the ready .sif paths, problems."""
+    ready: dict[str, str] = {}
+    problems: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    folder = None if images_from.startswith("docker://") else Path(images_from)
+    for row in rows:
+        iid = str(row["instance_id"])
+        if row.get("image"):
+            out.append(row)
+        elif folder is None:
+            out.append({**row, "image": f"docker://{published_image(iid, images_from[len('docker://'):].rstrip('/'))}"})
+        elif (folder / f"{iid}.sif").is_file():
+            ready[iid] = str((folder / f"{iid}.sif").resolve())
+        else:
+            archive = next((p for p in (folder / f"{iid}.tar", folder / f"{iid}.oci.tar") if p.is_file()), None)
+            problems[iid] = (f"{archive} is an OCI archive: convert it once with `apptainer build {folder / iid}.sif "
+                             f"oci-archive:{archive}`" if archive else f"no {iid}.sif in {folder}")
+    return out, ready, problems
+
+
+def _list(value: Any, where: str) -> list[str]:
+    if value in (None, ""):
+        return []
+    if isinstance(value, str):
+        return value.split() if where.endswith("pip_packages") else [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise DatasetError(f"{where}: expected a string or a list of strings, got {value!r}")
+
+
+def group_rows(rows: list[dict[str, Any]], repos_dir: Path | None) -> tuple[dict[str, RepoGroup], dict[str, str]]:
+    """Rows by repository/version (rows with their own ``image`` apart: instance id -> image reference)."""
+    groups: dict[str, RepoGroup] = {}
+    pulled: dict[str, str] = {}
+    for row in rows:
+        iid = str(row["instance_id"])
+        if isinstance(row.get("image"), str) and row["image"]:
+            pulled[iid] = row["image"]
+            continue
+        version = str(row.get("version") or "latest")
+        group = groups.setdefault(f"{row['repo']}@{version}", RepoGroup(str(row["repo"]), version))
+        group.instance_ids.append(iid)
+        if row["base_commit"] not in group.base_commits:
+            group.base_commits.append(str(row["base_commit"]))
+        if group.repo_path is None:
+            group.repo_path = _repo_path(row, repos_dir)
+        raw = row.get("install_config")
+        config: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        where = f"instance {iid} install_config"
+        for attr in ("pip_packages", "pre_install", "install"):
+            for item in _list(config.get(attr), f"{where}.{attr}"):
+                if item not in getattr(group, attr):
+                    getattr(group, attr).append(item)
+    return groups, pulled
+
+
+def _repo_path(row: dict[str, Any], repos_dir: Path | None) -> str | None:
+    if row.get("repo_path"):
+        return str(row["repo_path"])
+    if repos_dir is not None:
+        owner_name = str(row["repo"])
+        for candidate in (repos_dir / owner_name.replace("/", "__"), repos_dir / owner_name):
+            if candidate.is_dir():
+                return str(candidate)
+    return None
+
+
+def bundle_commits(repo_path: str, commits: list[str], dest: Path) -> None:
+    """Write a bundle of ``commits`` and their history (nothing later) to ``dest``, the same bytes every time."""
+    objects = _git("-C", repo_path, "rev-parse", "--path-format=absolute", "--git-path", "objects").strip()
+    resolved = [_git("-C", repo_path, "rev-parse", "--verify", "--end-of-options", f"{c}^{{commit}}").strip()
+                for c in commits]
+    with tempfile.TemporaryDirectory(prefix="prorl-swe-bundle-") as tmp:
+        _git("init", "-q", "--bare", tmp)
+        Path(tmp, "objects", "info", "alternates").write_text(objects + "\n")
+        refs = ["refs/heads/main"]
+        _git("-C", tmp, "update-ref", "refs/heads/main", resolved[-1])
+        for n, commit in enumerate(resolved):
+            _git("-C", tmp, "update-ref", f"refs/heads/base-{n}", commit)
+            refs.append(f"refs/heads/base-{n}")
+        _git("-C", tmp, "symbolic-ref", "HEAD", "refs/heads/main")
+        new = dest.with_suffix(".tmp")
+        _git("-C", tmp, "-c", "pack.threads=1", "bundle", "create", str(new), *refs)
+        if dest.is_file() and dest.read_bytes() == new.read_bytes():
+            new.unlink()  # unchanged: keep the old file (and its mtime)
+        else:
+            new.replace(dest)
+
+
+def _pip_line(packages: list[str], wheels: bool) -> str:
+    names = " ".join(shlex.quote(p) for p in packages)
+    if not wheels:
+        return f"RUN python3 -m pip install --no-cache-dir {names}"
+    stems = " ".join(shlex.quote(re.split(r"[<>=!~\[; ]", p, maxsplit=1)[0].replace("-", "_")) for p in packages)
+    return (f"RUN if python3 -m pip --version >/dev/null 2>&1; then "
+            f"python3 -m pip install --no-cache-dir --no-index --find-links {WHEELS_DST} {names}; "
+            f"else site={_SITE}; for p in {stems}; do "
+            f"w=$(ls {WHEELS_DST}/$p-*.whl {WHEELS_DST}/$(echo $p | tr A-Z a-z)-*.whl 2>/dev/null | head -n 1); "
+            f"[ -n \"$w\" ] || {{ echo \"no wheel for $p in {WHEELS_DST}\" >&2; exit 1; }}; "
+            f"python3 -m zipfile -e \"$w\" \"$site\"; done; fi")
+
+
+def dockerfile(group: RepoGroup, wheels: bool, repo_dir: str) -> str:
+    """The environment of ``group`` (pre_install, pip_packages), then its repository in ``repo_dir`` and install."""
+    testbed = shlex.quote(repo_dir)
+    lines = ["FROM prorl-swe-base", "ENV PYTHONDONTWRITEBYTECODE=1"]
+    lines += [f"RUN {command}" for command in group.pre_install]
+    if group.pip_packages:
+        lines.append(_pip_line(group.pip_packages, wheels))
+    lines += [
+        f"COPY repo.bundle {BUNDLE_DST}",
+        f"RUN git clone -q -b main {BUNDLE_DST} {testbed} && cd {testbed} && git remote remove origin "
+        f"&& rm -f {BUNDLE_DST} && (git config --system --add safe.directory '*' || true)",
+    ]
+    lines += [f"RUN cd {testbed} && {command}" for command in group.install]
+    lines.append(f"WORKDIR {repo_dir}")
+    return "\n".join(lines) + "\n"
+
+
+def plan_dataset(rows: list[dict[str, Any]], recipes_dir: Path, base: str, wheels_dir: Path | None,
+                 repos_dir: Path | None, repo_dir: str = "/testbed", images_from: str | None = None) -> SwePlan:
+    """Write the image list and recipes of ``rows`` under ``recipes_dir``; nothing is built.
+
+    ``images_from`` points every row without its own ``image`` at a published per-instance image.
+    """
+    ready: dict[str, str] = {}
+    problems: dict[str, str] = {}
+    if images_from:
+        rows, ready, problems = assign_published(rows, images_from)
+    groups, pulled = group_rows(rows, repos_dir)
+    recipes_dir.mkdir(parents=True, exist_ok=True)
+    images: dict[str, Any] = {}
+    names: list[str] = []
+    repo_images: dict[str, str] = {}
+    for key, group in sorted(groups.items()):
+        if group.repo_path is None:
+            problems[key] = (f"no repository: instances {group.instance_ids} have no repo_path and --repos-dir "
+                             f"has no {group.repo.replace('/', '__')} or {group.repo}")
+            continue
+        folder = recipes_dir / group.slug
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "Dockerfile").write_text(dockerfile(group, wheels_dir is not None, repo_dir))
+        try:
+            bundle_commits(group.repo_path, group.base_commits, folder / "repo.bundle")
+        except DomainError as e:  # a broken repository is this group's problem; the others still build
+            problems[key] = f"cannot bundle {group.repo_path}: {e}"
+            continue
+        name = f"swe-{group.slug}"
+        entry: dict[str, Any] = {"template": f"{group.slug}/Dockerfile", "base": base,
+                                 "description": f"{group.key}: environment and repository in {repo_dir} "
+                                                f"({len(group.instance_ids)} instance(s))"}
+        if wheels_dir is not None:
+            entry["files"] = [{"src": str(wheels_dir), "dst": WHEELS_DST}]
+        images[name] = entry
+        names.append(name)
+        repo_images[key] = name
+    for iid, ref in sorted(pulled.items()):
+        slug = re.sub(r"[^a-z0-9._-]+", "-", iid.lower()).strip("-.")
+        folder = recipes_dir / "pulled"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "Dockerfile").write_text("FROM published\n")
+        images[f"swe-i-{slug}"] = {"template": "pulled/Dockerfile", "base": ref if "://" in ref or ref.endswith(".sif")
+                                   else f"docker://{ref}", "description": f"published image of {iid}"}
+        names.append(f"swe-i-{slug}")
+        repo_images[iid] = f"swe-i-{slug}"
+    images_file = recipes_dir / "images.yaml"
+    if images:
+        text = yaml.safe_dump({"images": images}, sort_keys=True)
+        if not images_file.is_file() or images_file.read_text() != text:
+            images_file.write_text(text)
+    return SwePlan(images_file, names, repo_images, problems, ready)
+
+
+def recipes_folder(dataset: Path, cache_dir: Path) -> Path:
+    """Where a dataset's generated recipes live: under the image cache, one folder per dataset file."""
+    digest = hashlib.sha256(str(dataset.resolve()).encode()).hexdigest()[:12]
+    return cache_dir / "swe-recipes" / f"{dataset.stem}-{digest}"
+
+
+def write_map(path: Path, repo_images: dict[str, str], results: dict[str, str],
+              ready: dict[str, str] | None = None) -> dict[str, str]:
+    """``repo_images`` with image names replaced by the built paths (failed ones left out), plus ``ready``, as JSON."""
+    mapping = {key: results[name] for key, name in repo_images.items() if name in results}
+    mapping.update(ready or {})
+    path.write_text(json.dumps(mapping, indent=2, sort_keys=True) + "\n")
+    return mapping
+
+
+def check_git() -> None:
+    """git is needed on the host to bundle repositories."""
+    try:
+        subprocess.run(["git", "--version"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise DatasetError("build-images --swe needs git on this machine") from e

@@ -1,0 +1,161 @@
+"""How one SWE instance is tested: which command or script, which install steps, which log parser.
+
+Precedence, first found wins (each key separately):
+
+1. the instance: ``eval_script`` (a whole bash script, SWE-bench's ``eval.sh``
+   shape: it applies the test patch and runs the tests itself), else
+   ``test_command`` (SWE-rebench's ``install_config.test_cmd`` counts as one);
+   ``install`` (a string or a list of commands); ``log_parser``; ``eval_type``;
+2. the ``domains.swe`` settings (prorl.yaml, then the instance's ``settings``):
+   ``eval_script``, ``test_command``, ``install``, ``log_parser``;
+3. the ``swebench`` package, for SWE-bench's own repositories: the per-repo
+   log parser (``MAP_REPO_TO_PARSER_PY``) where the repository's tests are
+   not plain pytest, and fail-only grading for ``FAIL_ONLY_REPOS``;
+4. the default: ``python3 -m pytest -rA -p no:cacheprovider`` on the test
+   files, graded by exact pytest node id.
+
+A test command gets the test files it does not already name appended, or
+``{test_files}`` in it replaced by them all; each file is named once, so no
+test file runs twice and none is left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_cli.domains.swe_grading import test_targets
+from prorl_cli.exceptions import DomainError
+
+DEFAULT_TEST_COMMAND = "python3 -m pytest -rA -p no:cacheprovider"
+PASS_AND_FAIL = "pass_and_fail"
+FAIL_ONLY = "fail_only"
+#: The swebench parser SWE-bench's pytest repositories use; exact node ids replace it here.
+PYTEST_PARSER = "parse_log_pytest"
+
+
+@dataclass(frozen=True)
+class TestPlan:
+    """What EVAL runs in the repository after the model patch is applied."""
+
+    script: str  # bash, run in the repository folder
+    source: str  # where it came from: "instance eval_script", "settings test_command", "default", ...
+    applies_test_patch: bool  # an eval_script applies the test patch itself
+    test_files: list[str] = field(default_factory=list)  # each named once on the command line
+    install: list[str] = field(default_factory=list)
+    log_parser: str | None = None  # a swebench PARSER_REGISTRY name; None: exact node ids (pytest log as fallback)
+    log_parser_source: str = "default"
+    eval_type: str = PASS_AND_FAIL
+
+
+def _text(value: Any, where: str) -> str | None:
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str):
+        raise DomainError(f"swe: {where} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _commands(value: Any, where: str) -> list[str] | None:
+    if value in (None, "", []):
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise DomainError(f"swe: {where} must be a command or a list of commands, got {value!r}")
+
+
+def command_with_files(command: str, files: list[str]) -> str:
+    """``command`` naming each test file once: ``{test_files}`` filled in, else the files it does not name appended."""
+    unique = list(dict.fromkeys(files))
+    if "{test_files}" in command:
+        return command.replace("{test_files}", " ".join(shlex.quote(f) for f in unique))
+    try:
+        words = set(shlex.split(command))
+    except ValueError:
+        words = set(command.split())
+    rest = " ".join(shlex.quote(f) for f in unique if f not in words)
+    return f"{command} {rest}" if rest else command
+
+
+def _swebench_parser(repo: str) -> str | None:
+    try:
+        from swebench.harness.log_parsers.python import MAP_REPO_TO_PARSER_PY
+    except ImportError:
+        return None
+    parser = MAP_REPO_TO_PARSER_PY.get(repo)
+    return None if parser is None or parser.__name__ == PYTEST_PARSER else str(parser.__name__)
+
+
+def _fail_only(repo: str) -> bool:
+    try:
+        from swebench.harness.constants import FAIL_ONLY_REPOS
+    except ImportError:
+        return False
+    return repo in FAIL_ONLY_REPOS
+
+
+def plan_tests(instance: dict[str, Any], settings: dict[str, Any], fail_to_pass: list[str],
+               pass_to_pass: list[str]) -> TestPlan:
+    """The :class:`TestPlan` of ``instance`` under the ``domains.swe`` ``settings`` (their ``extra`` mapping)."""
+    repo = str(instance.get("repo", ""))
+    raw_config = instance.get("install_config")
+    install_config: dict[str, Any] = raw_config if isinstance(raw_config, dict) else {}
+    files = test_targets(str(instance.get("test_patch", "")), fail_to_pass, pass_to_pass)
+
+    install: list[str] = []
+    for where, value in (("instance install", instance.get("install")),
+                         ("settings install", settings.get("install"))):
+        found = _commands(value, where)
+        if found is not None:
+            install = found
+            break
+
+    parser, parser_source = None, "default"
+    for where, value in (("instance log_parser", instance.get("log_parser")),
+                         ("settings log_parser", settings.get("log_parser"))):
+        name = _text(value, where)
+        if name is not None:
+            parser, parser_source = name, where
+            break
+    else:
+        name = _swebench_parser(repo)
+        if name is not None:
+            parser, parser_source = name, f"swebench MAP_REPO_TO_PARSER_PY[{repo!r}]"
+    if parser is not None:
+        _check_parser(parser, parser_source)
+
+    eval_type = _text(instance.get("eval_type"), "instance eval_type") or (FAIL_ONLY if _fail_only(repo) else PASS_AND_FAIL)
+    if eval_type not in (PASS_AND_FAIL, FAIL_ONLY):
+        raise DomainError(f"swe: eval_type must be {PASS_AND_FAIL!r} or {FAIL_ONLY!r}, got {eval_type!r}")
+
+    plan = TestPlan(script=command_with_files(DEFAULT_TEST_COMMAND, files), source="default",
+                    applies_test_patch=False, test_files=files, install=install, log_parser=parser,
+                    log_parser_source=parser_source, eval_type=eval_type)
+    candidates: list[tuple[str, str, Any]] = [
+        ("instance eval_script", "script", instance.get("eval_script")),
+        ("instance test_command", "command", instance.get("test_command")),
+        ("instance install_config.test_cmd", "command", install_config.get("test_cmd")),
+        ("settings eval_script", "script", settings.get("eval_script")),
+        ("settings test_command", "command", settings.get("test_command")),
+    ]
+    for where, kind, value in candidates:
+        text = _text(value, where)
+        if text is None:
+            continue
+        if kind == "script":
+            return dataclasses.replace(plan, script=text, source=where, applies_test_patch=True)
+        return dataclasses.replace(plan, script=command_with_files(text, files), source=where)
+    return plan
+
+
+def _check_parser(name: str, where: str) -> None:
+    try:
+        from swebench.harness.log_parsers import PARSER_REGISTRY
+    except ImportError as e:
+        raise DomainError("swe: a log_parser needs the 'swebench' package (pip install 'prorl[swe]')") from e
+    if name not in PARSER_REGISTRY:
+        raise DomainError(f"swe: {where} {name!r} is not one of swebench's parsers: {sorted(PARSER_REGISTRY)}")

@@ -1,0 +1,134 @@
+"""Exact-id grading on a real pytest run: the plugin, its start-up hook and the run script, on this host's python3.
+
+The same files and script run inside the EVAL sandbox (tests/swe/test_swe_sandbox.py
+runs them there); here they run in a temporary folder, so the grading rules
+are checked in a second per case.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from prorl_cli.swe.evalrun import run_script, support_files
+from prorl_cli.swe.grading import SweReport, fold_nodeids, grade_run
+from prorl_cli.swe.testplan import command_with_files, plan_tests
+from tests.harness import need_module
+from tests.swe.spacey import FAIL_TO_PASS, FILE, PASS_TO_PASS, Spacey, make_spacey
+
+
+@pytest.fixture
+def spacey(tmp_path: Path) -> Spacey:
+    need_module("swebench", "swe")
+    return make_spacey(tmp_path / "spacey")
+
+
+def _run(repo: Spacey, patch: str, work: Path, instance_extra: dict[str, object] | None = None,
+         settings: dict[str, object] | None = None) -> tuple[SweReport, str]:
+    """Apply ``patch`` and the test patch to the repository, run the plan's tests as EVAL does, grade them."""
+    work.mkdir(parents=True, exist_ok=True)
+    instance = {**repo.instance, **(instance_extra or {})}
+    for name, text in (("model.patch", patch), ("test.patch", instance["test_patch"])):
+        if text:
+            (work / name).write_text(text)
+            subprocess.run(["git", "-C", str(repo.path), "apply", str(work / name)], check=True)
+    plan = plan_tests(instance, settings or {}, instance["FAIL_TO_PASS"], instance["PASS_TO_PASS"])
+    for path, data in support_files(str(work)).items():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(data)
+    (work / "nodeids.jsonl").write_text("")
+    script = work / "run.sh"
+    script.write_text(run_script(plan, str(repo.path), str(work)))
+    log = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120).stdout
+    records = (work / "nodeids.jsonl").read_text()
+    return grade_run(plan, instance, instance["FAIL_TO_PASS"], instance["PASS_TO_PASS"], log, records), plan.script
+
+
+def test_gold_patch_resolves_with_spaced_bracketed_unicode_and_backslash_ids(spacey: Spacey, tmp_path: Path) -> None:
+    report, _ = _run(spacey, spacey.instance["patch"], tmp_path)
+    assert report.grading == "nodeids"
+    assert report.resolved and report.status == "RESOLVED_FULL", report
+    assert sorted(report.tests_status["FAIL_TO_PASS"]["success"]) == sorted(FAIL_TO_PASS)
+    assert sorted(report.tests_status["PASS_TO_PASS"]["success"]) == sorted(PASS_TO_PASS)
+    assert report.tests[f"{FILE}::test_parse_pair[[ k = v ]]"] == "PASSED"
+    assert report.missing == {}
+    # The swebench report body carries exactly swebench's keys.
+    assert set(report.swebench()) == {"patch_is_None", "patch_exists", "patch_successfully_applied", "resolved",
+                                      "infra_failure", "tests_status"}
+
+
+def test_no_op_patch_is_unresolved_with_the_fail_to_pass_tests_failing(spacey: Spacey, tmp_path: Path) -> None:
+    report, _ = _run(spacey, "", tmp_path)
+    assert not report.resolved and report.status == "RESOLVED_NO"
+    assert sorted(report.tests_status["FAIL_TO_PASS"]["failure"]) == sorted(FAIL_TO_PASS)
+    assert report.tests_status["FAIL_TO_PASS"]["missing"] == []
+    assert sorted(report.tests_status["PASS_TO_PASS"]["success"]) == sorted(PASS_TO_PASS)
+
+
+def test_a_patch_breaking_one_spaced_id_test_files_that_test_as_failure(spacey: Spacey, tmp_path: Path) -> None:
+    report, _ = _run(spacey, spacey.breaking_patch, tmp_path)
+    assert not report.resolved
+    assert report.tests_status["PASS_TO_PASS"]["failure"] == ["tests/test_basic.py::test_join[with space inside]"]
+    assert sorted(report.tests_status["FAIL_TO_PASS"]["success"]) == sorted(FAIL_TO_PASS)
+
+
+def test_a_listed_test_that_never_ran_is_missing_with_the_closest_id(spacey: Spacey, tmp_path: Path) -> None:
+    ghost = f"{FILE}::test_parse_pair[a = c]"
+    report, _ = _run(spacey, spacey.instance["patch"], tmp_path, {"PASS_TO_PASS": [*PASS_TO_PASS, ghost]})
+    assert not report.resolved  # a test that did not run is not a test that passed
+    assert report.tests_status["PASS_TO_PASS"]["missing"] == [ghost]
+    assert ghost not in report.tests_status["PASS_TO_PASS"]["failure"]  # its own category
+    assert report.missing == {ghost: f"{FILE}::test_parse_pair[a = b]"}
+
+
+def test_instance_test_command_with_pythonpath_src_is_used_and_names_each_file_once(tmp_path: Path) -> None:
+    need_module("swebench", "swe")
+    repo = make_spacey(tmp_path / "spacey", src_layout=True)
+    command = f"PYTHONPATH=src python3 -m pytest -rA -p no:cacheprovider {FILE} tests/test_basic.py"
+    report, script = _run(repo, repo.instance["patch"], tmp_path / "w", {"test_command": command})
+    assert report.resolved and report.grading == "nodeids", report  # the plugin reached a PYTHONPATH=src command
+    assert report.test_source == "instance test_command"
+    assert script == command  # used as given: it names its files, nothing appended
+    # The default command (no PYTHONPATH=src) cannot import the package: not resolved.
+    plain = make_spacey(tmp_path / "plain", src_layout=True)
+    report, script = _run(plain, plain.instance["patch"], tmp_path / "w2")
+    assert not report.resolved and script.count(FILE) == 1
+
+
+def test_precedence_instance_over_settings_over_swebench_over_default() -> None:
+    need_module("swebench", "swe")
+    base = {"repo": "prorl/x", "test_patch": "+++ b/tests/test_a.py\n"}
+    ids = ["tests/test_a.py::t", "tests/test_b.py::u"]
+    assert plan_tests(base, {}, ids, []).source == "default"
+    assert plan_tests(base, {}, ids, []).script.endswith("tests/test_a.py tests/test_b.py")
+    assert plan_tests(base, {"test_command": "pytest -x"}, ids, []).source == "settings test_command"
+    assert plan_tests({**base, "test_command": "tox"}, {"test_command": "pytest"}, ids, []).script == (
+        "tox tests/test_a.py tests/test_b.py")
+    script = plan_tests({**base, "eval_script": "echo hi"}, {"test_command": "x"}, ids, [])
+    assert script.applies_test_patch and script.script == "echo hi" and script.source == "instance eval_script"
+    rebench = plan_tests({**base, "install_config": {"test_cmd": "pytest -rA"}}, {}, ids, [])
+    assert rebench.source == "instance install_config.test_cmd"
+    # SWE-bench's own repositories get swebench's per-repo log parser when their tests are not plain pytest.
+    assert plan_tests({**base, "repo": "django/django"}, {}, ids, []).log_parser == "parse_log_django"
+    assert plan_tests({**base, "repo": "pytest-dev/pytest"}, {}, ids, []).log_parser is None
+    assert plan_tests({**base, "log_parser": "parse_log_sympy"}, {}, ids, []).log_parser == "parse_log_sympy"
+    assert command_with_files("run {test_files} -q", ["a b.py", "c.py"]) == "run 'a b.py' c.py -q"
+    assert command_with_files("pytest c.py", ["c.py", "c.py"]) == "pytest c.py"
+    assert command_with_files("pytest c.py", ["c.py", "d.py"]) == "pytest c.py d.py"  # named once, none left out
+
+
+def test_phases_fold_like_pytest_summary() -> None:
+    records = "\n".join([
+        '{"nodeid": "t.py::a b", "when": "setup", "outcome": "passed", "xfail": false}',
+        '{"nodeid": "t.py::a b", "when": "call", "outcome": "passed", "xfail": false}',
+        '{"nodeid": "t.py::a b", "when": "teardown", "outcome": "failed", "xfail": false}',
+        '{"nodeid": "t.py::x", "when": "call", "outcome": "skipped", "xfail": true}',
+        '{"nodeid": "t.py::s", "when": "setup", "outcome": "skipped", "xfail": false}',
+        '{"nodeid": "t.py::e", "when": "setup", "outcome": "failed", "xfail": false}',
+        '{"nodeid": "u.py", "when": "collect", "outcome": "failed", "xfail": false}',
+    ])
+    status, collect_errors = fold_nodeids(records)
+    assert status == {"t.py::a b": "ERROR", "t.py::x": "XFAIL", "t.py::s": "SKIPPED", "t.py::e": "ERROR"}
+    assert collect_errors == ["u.py"]

@@ -1,0 +1,72 @@
+"""The image list ``build-images --swe`` writes: groups, per-instance pulls, named problems, stable bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from prorl_cli.swe.images import plan_dataset
+from tests.swe.spacey import make_spacey
+
+
+def test_plan_groups_by_repo_version_pulls_published_images_and_names_problems(tmp_path: Path) -> None:
+    repos = tmp_path / "repos"
+    flat = make_spacey(repos / "prorl__spacey")
+    rows = [
+        {**flat.instance, "install_config": {"pip_packages": "dep-a dep-b", "install": "true"}},
+        {**flat.instance, "instance_id": "prorl__spacey-flat-2", "install_config": {"pip_packages": ["dep-a"]}},
+        {**flat.instance, "instance_id": "o__published-1", "image": "docker://ns/sweb.eval.x86_64.o_1776_published-1"},
+        {**flat.instance, "instance_id": "o__nowhere-1", "repo": "o/nowhere"},
+    ]
+    recipes = tmp_path / "recipes"
+    plan = plan_dataset(rows, recipes, "localimage:/base.sif", None, repos)
+    assert plan.names == ["swe-prorl-spacey-0.1", "swe-i-o__published-1"]
+    assert plan.repo_images == {"prorl/spacey@0.1": "swe-prorl-spacey-0.1", "o__published-1": "swe-i-o__published-1"}
+    assert list(plan.problems) == ["o/nowhere@0.1"] and "no repository" in plan.problems["o/nowhere@0.1"]
+    images = yaml.safe_load(plan.images_file.read_text())["images"]
+    assert images["swe-i-o__published-1"]["base"] == "docker://ns/sweb.eval.x86_64.o_1776_published-1"
+    dockerfile = (recipes / "prorl-spacey-0.1" / "Dockerfile").read_text()
+    assert "pip install --no-cache-dir dep-a dep-b" in dockerfile and "RUN cd /testbed && true" in dockerfile
+    bundle = (recipes / "prorl-spacey-0.1" / "repo.bundle").read_bytes()
+    plan_dataset(rows, recipes, "localimage:/base.sif", None, repos)
+    assert (recipes / "prorl-spacey-0.1" / "repo.bundle").read_bytes() == bundle  # same bytes: lock keys hold
+
+
+def test_images_from_a_registry_namespace_or_a_folder(tmp_path: Path) -> None:
+    rows = [{"instance_id": i, "repo": "o/r", "version": "1", "base_commit": "abc", "problem_statement": "",
+             "test_patch": "", "FAIL_TO_PASS": [], "PASS_TO_PASS": []} for i in ("o__r-1", "o__r-2", "o__r-3")]
+    plan = plan_dataset(rows[:1], tmp_path / "a", "scratch", None, None, images_from="docker://swebench")
+    images = yaml.safe_load(plan.images_file.read_text())["images"]
+    # SWE-bench's published names: lower case, "__" spelled "_1776_".
+    assert images["swe-i-o__r-1"]["base"] == "docker://swebench/sweb.eval.x86_64.o_1776_r-1:latest"
+    folder = tmp_path / "sifs"
+    folder.mkdir()
+    (folder / "o__r-1.sif").write_bytes(b"sif")
+    (folder / "o__r-2.tar").write_bytes(b"oci")
+    plan = plan_dataset(rows, tmp_path / "b", "scratch", None, None, images_from=str(folder))
+    assert plan.names == [] and plan.ready == {"o__r-1": str(folder / "o__r-1.sif")}
+    assert "apptainer build" in plan.problems["o__r-2"] and "oci-archive:" in plan.problems["o__r-2"]
+    assert plan.problems["o__r-3"] == f"no o__r-3.sif in {folder}"
+
+
+def test_cli_names_what_is_missing(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    row = {"instance_id": "o__r-1", "repo": "o/r", "version": "1", "base_commit": "abc", "problem_statement": "",
+           "test_patch": "", "FAIL_TO_PASS": [], "PASS_TO_PASS": []}
+    dataset = tmp_path / "d.json"
+    dataset.write_text(json.dumps([row]))
+
+    def prorl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "prorl_cli", "build-images", *args], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+
+    alone = prorl("--base", "scratch")
+    assert alone.returncode == 1 and "go with --swe DATASET" in alone.stderr
+    no_base = prorl("--swe", str(dataset), "--cache-dir", str(tmp_path / "c"))
+    assert no_base.returncode == 1 and "give --base" in no_base.stderr
+    no_repo = prorl("--swe", str(dataset), "--base", "scratch", "--cache-dir", str(tmp_path / "c"), "--dry-run")
+    assert no_repo.returncode == 1 and "o/r@1" in no_repo.stdout and "no repository" in no_repo.stdout
