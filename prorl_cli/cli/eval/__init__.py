@@ -8,19 +8,21 @@ from typing import Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.naming import deployment_option
 
 
 @click.command("eval")
 @click.argument("dataset", metavar="DATASET", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--task", required=True, metavar="NAME",
               help="Handler to run each instance with: swe, swe_oracle (the gold patch), or a subclass of swe.")
-@click.option("--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Samples per instance (pass@k up to n).")
+@click.option("-n", "--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Samples per instance (pass@k up to n).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("prorl-eval"), show_default=True,
               help="Folder for predictions.jsonl, samples.jsonl, reports/ and summary.json.")
 @click.option("--run-id", metavar="ID", help="Job ids ID-ROW-K: running the same ID again resumes instead of rerunning.")
 @click.option("--model-name", metavar="NAME", help="model_name_or_path in the predictions (default: the task name).")
 @click.option("--instance-id", "instance_ids", multiple=True, metavar="ID", help="Only these instances (repeatable).")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
+@deployment_option
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @pass_app
 def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: str | None, model_name: str | None,
