@@ -57,6 +57,10 @@ class BrokerConfig:
     routing_policy: Literal["least_loaded_sticky", "round_robin", "ever_assigned"] = "least_loaded_sticky"
     # A job that ends cancels its generate calls at the engine; false is an ablation (stale calls keep running).
     cancel_propagation: bool = True
+    # Serve Prometheus metrics of the whole deployment at http://metrics_host:metrics_port/metrics (nodes and
+    # bridges send theirs in their heartbeats). None: off; 0: a free port (logged, and shown by `prorl status`).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclass

@@ -72,7 +72,7 @@ class Op(str, enum.Enum):
     GENERATE = "generate"  # job_id, sampling; payload: [prompt int32]. Also broker -> bridge.
 
     # broker -> node
-    ASSIGN = "assign"  # jobs=[JobSpec + attempt], payload: one instance per job
+    ASSIGN = "assign"  # jobs=[JobSpec + attempt], timing?=[{since_submit_s, events}], payload: one instance per job
     CANCEL_JOB = "cancel_job"  # job_ids=[...]
     SHUTDOWN = "shutdown"  # leave: cancel everything, clean up, exit
 
@@ -369,6 +369,22 @@ _TOKEN = Str(256)
 _URL = Str(2048)
 
 
+def _metric_sample(v: Any, path: str) -> Any:
+    """One heartbeat metric sample: ``[family, [label values], value]`` or ``[family, [labels], sum, [bucket counts]]``."""
+    if not isinstance(v, list) or len(v) not in (3, 4):
+        raise _bad(path, "must be a list [family, labels, value] or [family, labels, sum, counts]")
+    Str(128)(v[0], f"{path}[0]")
+    List(Str(256, min_len=0), 16)(v[1], f"{path}[1]")
+    Num(-float(_BIG), float(_BIG))(v[2], f"{path}[2]")
+    if len(v) == 4:
+        List(Int(0, _BIG), 64)(v[3], f"{path}[3]")
+    return v
+
+
+#: Heartbeat ``metrics`` of a node or bridge (cumulative; names in ``prorl_cli/observe/metrics.py``).
+METRIC_SAMPLES = List(_metric_sample, 4096)
+
+
 @dataclass(frozen=True)
 class OpSchema:
     """The header fields of one op and how many payload frames it carries.
@@ -417,6 +433,7 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "inflight": Opt(Int(0, _BIG)),
         "liveness_token": Opt(_TOKEN),
         "stats": Opt(Dict(Str(64), Num(-float(_BIG), float(_BIG)), max_len=32)),  # a bridge's engine figures
+        "metrics": Opt(METRIC_SAMPLES),  # a node's or bridge's Prometheus figures (docs/observability.md)
     }),
     Op.UNREGISTER: OpSchema({"rid": Opt(Id()), "node_id": Opt(Str()), "backend_id": Opt(Str())}),
     Op.JOB_STAGE: OpSchema({"updates": List(_UPDATE, 1_000_000)}),
@@ -697,6 +714,11 @@ class JobResult(_Record):
     #: Echoed from the JobSpec.
     group_id: str | None = None
     meta: dict[str, Any] | None = None
+    #: The job's timeline: ``[name, t_s, dur_s]`` or ``[name, t_s, dur_s, attrs]``, seconds since the broker
+    #: accepted it (``prorl_cli/observe/timeline.py``, docs/observability.md); ``None`` from older peers.
+    events: list[list[Any]] | None = None
+    #: The job's own log file on its node (written only when the job logged something), else ``None``.
+    log_path: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -766,6 +788,8 @@ class StatusReport(_Record):
     policy_version: int = 0
     #: ``broker.routing_policy``: how generate calls pick a backend.
     routing_policy: str = "least_loaded_sticky"
+    #: Where the broker serves Prometheus metrics (``broker.metrics_port``), or ``None`` when off.
+    metrics_url: str | None = None
 
     def node_statuses(self) -> list[NodeStatus]:
         return [NodeStatus.from_wire(n) for n in self.nodes]

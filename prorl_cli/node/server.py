@@ -135,7 +135,8 @@ class NodeServer(BrokerPeer):
         # A result is confirmed once the broker has been heard from a whole interval after it went out.
         while self._unconfirmed and self._unconfirmed[0][0] < self._last_heard - self._interval_s:
             self._unconfirmed.popleft()
-        return {"op": Op.HEARTBEAT.value, "node_id": self.node_id, "stages": self.pipeline.stats()}
+        return {"op": Op.HEARTBEAT.value, "node_id": self.node_id, "stages": self.pipeline.stats(),
+                "metrics": self.pipeline.metrics.to_wire()}
 
     def unregister_header(self) -> dict[str, Any]:
         return {"op": Op.UNREGISTER.value, "node_id": self.node_id}
@@ -252,6 +253,9 @@ class NodeServer(BrokerPeer):
 
     def _on_assign(self, header: dict[str, Any], payload: list[bytes]) -> None:
         jobs = header.get("jobs")
+        timing = header.get("timing")
+        if not isinstance(timing, list):
+            timing = []
         if not isinstance(jobs, list):
             log.error("bad assignment from the broker: 'jobs' is %s, not a list", type(jobs).__name__)
             return
@@ -268,7 +272,8 @@ class NodeServer(BrokerPeer):
                 if result is not None:
                     self._report_done(result)
                 continue
-            self.pipeline.start(spec, instance)  # False: a repeated delivery of a running job
+            # False: a repeated delivery of a running job
+            self.pipeline.start(spec, instance, timing[i] if i < len(timing) else None)
 
     def _report_done(self, result: JobResult) -> None:
         if not self._leaving:

@@ -1,0 +1,130 @@
+"""Logging: JSON lines on request (``PRORL_LOG_FORMAT=json``), per-job log files, rate-limited peer warnings."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+#: ``PRORL_LOG_FORMAT=json``: every prorl process logs one JSON object per line.
+ENV_LOG_FORMAT = "PRORL_LOG_FORMAT"
+
+_STANDARD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts (epoch s), level, logger, process role and pid, message, extras."""
+
+    def __init__(self, role: str = "") -> None:
+        super().__init__()
+        self.role = role
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "role": self.role,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        for k, v in record.__dict__.items():
+            if k not in _STANDARD_ATTRS and not k.startswith("_"):
+                out[k] = v if isinstance(v, str | int | float | bool | type(None)) else repr(v)
+        return json.dumps(out)
+
+
+def json_logs_wanted() -> bool:
+    return os.environ.get(ENV_LOG_FORMAT, "").strip().lower() == "json"
+
+
+def formatter_for(role: str, text_format: str) -> logging.Formatter:
+    """The formatter every handler of a prorl process uses: JSON lines when asked, else ``text_format``."""
+    return JsonFormatter(role) if json_logs_wanted() else logging.Formatter(text_format)
+
+
+class OncePerPeer:
+    """Log a warning about a peer at most once per ``interval_s``, counting what was held back meanwhile."""
+
+    #: Past this many remembered peers, those not heard of for an interval are forgotten.
+    MAX_PEERS = 10_000
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 60.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last: dict[bytes, list[float]] = {}  # peer -> [last logged at, held back since]
+
+    def warn(self, peer: bytes, name: str, message: str) -> bool:
+        """Log ``message`` about ``peer`` (shown as ``name``) unless it was logged less than an interval ago."""
+        now = time.monotonic()
+        entry = self._last.get(peer)
+        if entry is not None and now - entry[0] < self.interval_s:
+            entry[1] += 1
+            return False
+        held = int(entry[1]) if entry is not None else 0
+        if len(self._last) >= self.MAX_PEERS:
+            self._last = {p: e for p, e in self._last.items() if now - e[0] < self.interval_s}
+        self._last[peer] = [now, 0]
+        self.logger.warning("rejected a message from peer %s: %s%s", name, message,
+                            f" ({held} more rejected from it since the last report)" if held else "")
+        return True
+
+
+class LazyFileHandler(logging.Handler):
+    """A log file created on the first record (a job that logs nothing leaves no file)."""
+
+    def __init__(self, path: Path, formatter: logging.Formatter) -> None:
+        super().__init__()
+        self.path = path
+        self.setFormatter(formatter)
+        self._stream: Any = None
+
+    @property
+    def written(self) -> bool:
+        return self._stream is not None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if self._stream is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._stream = self.path.open("a", encoding="utf-8")
+            self._stream.write(self.format(record) + "\n")
+            self._stream.flush()
+        except OSError:
+            self.handleError(record)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        super().close()
+
+
+class JobLogger(logging.Logger):
+    """The logger of one job: its records go to the job's own file and on to the node's log (``prorl.job.TASK``)."""
+
+    def __init__(self, name: str, parent: logging.Logger, path: Path, formatter: logging.Formatter) -> None:
+        super().__init__(name)
+        self.parent = parent
+        self.propagate = True
+        self.file = LazyFileHandler(path, formatter)
+        self.addHandler(self.file)
+        self.setLevel(logging.NOTSET)
+
+    def getEffectiveLevel(self) -> int:
+        return self.parent.getEffectiveLevel() if self.parent is not None else logging.INFO
+
+    def note(self, level: int, msg: str, *args: Any) -> None:
+        """Write to the job's own file only (what the node's log already says another way)."""
+        if level >= self.getEffectiveLevel():
+            self.file.handle(self.makeRecord(self.name, level, "(job)", 0, msg, args, None))
+
+    def close(self) -> str | None:
+        """Close the file; its path if anything was written, else ``None``."""
+        written = self.file.written
+        self.file.close()
+        return str(self.file.path) if written else None
