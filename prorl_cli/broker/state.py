@@ -32,7 +32,8 @@ class Job:
     submitted_at: float = field(default_factory=time.monotonic)
     queued_at: float = field(default_factory=time.monotonic)
     #: The broker's timeline events of the job (``prorl_cli/observe/timeline.py``); sent with each assignment.
-    events: list[list[Any]] = field(default_factory=lambda: [["submitted", 0.0, 0.0]])
+    #: The first one carries the wall-clock time of submission (``at``, epoch seconds): traces line jobs up by it.
+    events: list[list[Any]] = field(default_factory=lambda: [["submitted", 0.0, 0.0, {"at": round(time.time(), 6)}]])
 
     @property
     def job_id(self) -> str:

@@ -211,7 +211,8 @@ def write_trajectories_parquet(app: App, results: list[JobResult], out: Path) ->
     from prorl_cli.agent.trajectory import write_parquet
 
     rows = [
-        {"job_id": r.job_id, "reward": r.reward, "trajectory": r.output["trajectory"]}
+        {"job_id": r.job_id, "reward": r.reward, "trajectory": r.output["trajectory"],
+         "task": r.task, "state": r.state, "node_id": r.node_id, "events": r.events}
         for r in results
         if r.state == "done" and isinstance(r.output, dict) and isinstance(r.output.get("trajectory"), dict)
     ]
