@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tests.observe.conftest import INSTANCES, ObservedRun
 
@@ -32,7 +33,7 @@ def test_results_carry_their_timelines(observed_run: ObservedRun) -> None:
             assert any(ev[0] == "tool" and ev[3]["tool"] == "sandbox.bash" for ev in r["events"])
         # A failed job's own log file says why; a job that logged nothing has none.
         if inst.get("fail"):
-            log_text = open(r["log_path"]).read()
+            log_text = Path(r["log_path"]).read_text()
             assert "failed on purpose" in log_text
         else:
             assert r["log_path"] is None
