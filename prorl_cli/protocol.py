@@ -381,6 +381,10 @@ def _metric_sample(v: Any, path: str) -> Any:
     return v
 
 
+#: A node's failures of one kind (task, stage, exception type): how many so far and the latest message.
+FAILURE_GROUP = Record({"task": Str(), "stage": Str(64), "type": Str(128), "count": Int(0, _BIG),
+                        "sample": Str(1024, min_len=0)}, strict=False)
+
 #: Heartbeat ``metrics`` of a node or bridge (cumulative; names in ``prorl_cli/observe/metrics.py``).
 METRIC_SAMPLES = List(_metric_sample, 4096)
 
@@ -434,6 +438,7 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "liveness_token": Opt(_TOKEN),
         "stats": Opt(Dict(Str(64), Num(-float(_BIG), float(_BIG)), max_len=32)),  # a bridge's engine figures
         "metrics": Opt(METRIC_SAMPLES),  # a node's or bridge's Prometheus figures (docs/observability.md)
+        "failures": Opt(List(FAILURE_GROUP, 256)),  # a node's failed jobs grouped (shown by prorl top)
     }),
     Op.UNREGISTER: OpSchema({"rid": Opt(Id()), "node_id": Opt(Str()), "backend_id": Opt(Str())}),
     Op.JOB_STAGE: OpSchema({"updates": List(_UPDATE, 1_000_000)}),
@@ -790,6 +795,12 @@ class StatusReport(_Record):
     routing_policy: str = "least_loaded_sticky"
     #: Where the broker serves Prometheus metrics (``broker.metrics_port``), or ``None`` when off.
     metrics_url: str | None = None
+    #: Jobs by task, then by state.
+    by_task: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Failed jobs grouped by task, stage and error type across nodes: ``{task, stage, type, count, sample, nodes}``.
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    #: Tokens through each backend so far, as the nodes count them: ``{backend: {"prompt": n, "output": n}}``.
+    tokens: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def node_statuses(self) -> list[NodeStatus]:
         return [NodeStatus.from_wire(n) for n in self.nodes]

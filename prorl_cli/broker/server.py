@@ -37,6 +37,7 @@ from prorl_cli.observe.metrics import (
     MetricSet,
     MetricsServer,
     gauges_from_status,
+    jobs_by_task,
 )
 from prorl_cli.protocol import ErrorCode, JobSpec, Op
 from prorl_cli.rendezvous import Rendezvous, remove_rendezvous, write_rendezvous
@@ -439,6 +440,9 @@ class Broker:
             policy_version=self.router.policy_version,
             routing_policy=self.router.policy_name,
             metrics_url=self.metrics_server.url if self.metrics_server is not None else None,
+            by_task=jobs_by_task(self.jobs.values()),
+            failures=self.collector.failure_groups(),
+            tokens=self.collector.token_totals(),
         )
 
     def on_ping(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
@@ -544,6 +548,8 @@ class Broker:
             node.stages = h["stages"]
         if node is not None and h.get("metrics") is not None:
             self.collector.update_peer("node", node.node_id, h["metrics"])
+        if node is not None and h.get("failures") is not None:
+            self.collector.failures[node.node_id] = h["failures"]
 
     def on_unregister(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         node = self.node_by_identity.get(identity)

@@ -228,6 +228,8 @@ class Pipeline:
         self._loggers: dict[str, logging.Logger] = {}
         #: The node's Prometheus figures; each job is counted from its timeline when it ends.
         self.metrics = MetricSet()
+        #: Failed jobs by (task, stage, error type): [count, latest message] (sent in heartbeats).
+        self.failures: dict[tuple[str, str, str], list[Any]] = {}
         self._job_log_format = formatter_for("job", "%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -308,8 +310,7 @@ class Pipeline:
         timeline = _timeline(timing)
         timeline_token = TL.CURRENT.set(timeline)
         run_dir = self._jobs_dir / spec.job_id
-        job_log = JobLogger(f"prorl.job.{spec.task}.{spec.job_id}", self._job_logger(spec.task), run_dir / "job.log",
-                            self._job_log_format)
+        job_log = JobLogger(f"prorl.job.{spec.task}.{spec.job_id}", self._job_logger(spec.task), run_dir, self._job_log_format)
         ctx = JobContext(
             spec=spec,
             instance=instance,
@@ -360,6 +361,9 @@ class Pipeline:
                 state = JobState.FAILED
                 error = ErrorInfo(stage="final_result", type=type(e).__name__, message=str(e))
         if error is not None:
+            group = self.failures.setdefault((spec.task, error.stage, error.type), [0, ""])
+            group[0] += 1
+            group[1] = error.message[:1024]
             job_log.note(logging.ERROR, "%s %s in %s: %s: %s", spec.job_id, state.value, error.stage, error.type, error.message)
         timeline.instant(TL.FINISHED, {"state": state.value})
         TL.CURRENT.reset(timeline_token)

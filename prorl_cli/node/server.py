@@ -136,7 +136,9 @@ class NodeServer(BrokerPeer):
         while self._unconfirmed and self._unconfirmed[0][0] < self._last_heard - self._interval_s:
             self._unconfirmed.popleft()
         return {"op": Op.HEARTBEAT.value, "node_id": self.node_id, "stages": self.pipeline.stats(),
-                "metrics": self.pipeline.metrics.to_wire()}
+                "metrics": self.pipeline.metrics.to_wire(),
+                "failures": [{"task": t, "stage": s, "type": e, "count": c, "sample": m}
+                             for (t, s, e), (c, m) in list(self.pipeline.failures.items())[-256:]]}
 
     def unregister_header(self) -> dict[str, Any]:
         return {"op": Op.UNREGISTER.value, "node_id": self.node_id}

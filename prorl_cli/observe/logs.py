@@ -75,56 +75,53 @@ class OncePerPeer:
         return True
 
 
-class LazyFileHandler(logging.Handler):
-    """A log file created on the first record (a job that logs nothing leaves no file)."""
+class JobLogger(logging.Logger):
+    """The logger of one job: its records go to the job's own file (``RUN_DIR/job.log``, created on the first
+    record, so a job that logs nothing leaves none) and on to the node's log through ``parent`` (``prorl.job.TASK``).
 
-    def __init__(self, path: Path, formatter: logging.Formatter) -> None:
-        super().__init__()
-        self.path = path
-        self.setFormatter(formatter)
+    Made for every job, so it is cheap: no handler object, no registration with the logging manager.
+    """
+
+    def __init__(self, name: str, parent: logging.Logger, run_dir: Path, formatter: logging.Formatter) -> None:
+        super().__init__(name)
+        self.parent = parent
+        self._run_dir = run_dir
+        self._formatter = formatter
         self._stream: Any = None
 
     @property
-    def written(self) -> bool:
-        return self._stream is not None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            if self._stream is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._stream = self.path.open("a", encoding="utf-8")
-            self._stream.write(self.format(record) + "\n")
-            self._stream.flush()
-        except OSError:
-            self.handleError(record)
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-        super().close()
-
-
-class JobLogger(logging.Logger):
-    """The logger of one job: its records go to the job's own file and on to the node's log (``prorl.job.TASK``)."""
-
-    def __init__(self, name: str, parent: logging.Logger, path: Path, formatter: logging.Formatter) -> None:
-        super().__init__(name)
-        self.parent = parent
-        self.propagate = True
-        self.file = LazyFileHandler(path, formatter)
-        self.addHandler(self.file)
-        self.setLevel(logging.NOTSET)
+    def path(self) -> Path:
+        return self._run_dir / "job.log"
 
     def getEffectiveLevel(self) -> int:
         return self.parent.getEffectiveLevel() if self.parent is not None else logging.INFO
 
+    def isEnabledFor(self, level: int) -> bool:
+        return level >= self.getEffectiveLevel()
+
+    def callHandlers(self, record: logging.LogRecord) -> None:
+        self._write(record)
+        super().callHandlers(record)
+
+    def _write(self, record: logging.LogRecord) -> None:
+        try:
+            if self._stream is None:
+                self._run_dir.mkdir(parents=True, exist_ok=True)
+                self._stream = self.path.open("a", encoding="utf-8")
+            self._stream.write(self._formatter.format(record) + "\n")
+            self._stream.flush()
+        except OSError as e:
+            logging.getLogger(__name__).warning("cannot write the log of %s: %s", self.name, e)
+
     def note(self, level: int, msg: str, *args: Any) -> None:
         """Write to the job's own file only (what the node's log already says another way)."""
-        if level >= self.getEffectiveLevel():
-            self.file.handle(self.makeRecord(self.name, level, "(job)", 0, msg, args, None))
+        if self.isEnabledFor(level):
+            self._write(self.makeRecord(self.name, level, "(job)", 0, msg, args, None))
 
     def close(self) -> str | None:
         """Close the file; its path if anything was written, else ``None``."""
-        written = self.file.written
-        self.file.close()
-        return str(self.file.path) if written else None
+        if self._stream is None:
+            return None
+        self._stream.close()
+        self._stream = None
+        return str(self.path)

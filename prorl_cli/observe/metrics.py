@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
+    from prorl_cli.broker.state import Job
     from prorl_cli.protocol import StatusReport
 
 log = logging.getLogger(__name__)
@@ -165,12 +166,42 @@ class DeploymentCollector:
     def __init__(self, broker: MetricSet) -> None:
         self.broker = broker
         self.peers: dict[tuple[str, str], list[list[Any]]] = {}
+        #: Each node's failure groups from its last heartbeat (``protocol.FAILURE_GROUP``).
+        self.failures: dict[str, list[dict[str, Any]]] = {}
+
+    def failure_groups(self) -> list[dict[str, Any]]:
+        """Failures across nodes grouped by (task, stage, type), most frequent first, with a sample message."""
+        groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+        for node_id, node_groups in self.failures.items():
+            for f in node_groups:
+                key = (f["task"], f["stage"], f["type"])
+                g = groups.setdefault(key, {"task": key[0], "stage": key[1], "type": key[2], "count": 0, "sample": "",
+                                            "nodes": []})
+                g["count"] += f["count"]
+                g["sample"] = f.get("sample") or g["sample"]
+                g["nodes"].append(node_id)
+        return sorted(groups.values(), key=lambda g: (-g["count"], g["task"], g["stage"], g["type"]))
+
+    def token_totals(self) -> dict[str, dict[str, float]]:
+        """Prompt and output tokens per backend, summed over the nodes' generate counters."""
+        out: dict[str, dict[str, float]] = {}
+        for (kind, _), samples in list(self.peers.items()):
+            if kind != "node":
+                continue
+            for s in samples:
+                which = {"prorl_generate_prompt_tokens": "prompt", "prorl_generate_output_tokens": "output"}.get(s[0])
+                if which is not None:
+                    per = out.setdefault(s[1][0], {"prompt": 0.0, "output": 0.0})
+                    per[which] += s[2]
+        return out
 
     def update_peer(self, kind: str, peer_id: str, samples: Any) -> None:
         self.peers[(kind, peer_id)] = check_samples(samples, "metrics")
 
     def forget_peer(self, kind: str, peer_id: str) -> None:
         self.peers.pop((kind, peer_id), None)
+        if kind == "node":
+            self.failures.pop(peer_id, None)
 
     def _rows(self) -> Iterator[tuple[str, list[str], list[Any]]]:
         """(family, label values, sample) for every sample, peers' labels first-prefixed with their id."""
@@ -280,3 +311,13 @@ def observe_job(metrics: MetricSet, task: str, state: str, events: list[list[Any
             metrics.inc("prorl_sandbox_starts", (runtime, "ok" if ok else "failed"))
             if ok:
                 metrics.observe("prorl_sandbox_start_seconds", (runtime,), ev[2])
+
+
+def jobs_by_task(jobs: Iterable[Job]) -> dict[str, dict[str, int]]:
+    """Jobs counted by task, then by state."""
+    out: dict[str, dict[str, int]] = {}
+    for job in jobs:
+        per = out.setdefault(job.spec.task, {})
+        state = job.state.value
+        per[state] = per.get(state, 0) + 1
+    return out

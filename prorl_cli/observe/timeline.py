@@ -3,7 +3,8 @@
 Each job carries a compact list of events in its :class:`~prorl_cli.protocol.JobResult`
 (``events``), each ``[name, t_s, dur_s]`` or ``[name, t_s, dur_s, attrs]``: seconds
 since the broker accepted the job (on the broker's clock for broker events, on the
-node's monotonic clock shifted by the broker's "time since submit" for node events),
+node's monotonic clock shifted by the broker's "time since submit" for node events; not rounded, to keep
+recording cheap),
 a duration (0 for an instant) and a small map. ``docs/observability.md`` lists the names.
 
 Recording must be cheap on the node's hot path: an event is one list append. The
@@ -46,7 +47,7 @@ class Timeline:
 
     def rel(self, at: float) -> float:
         """``at`` (this process's monotonic clock) as seconds since submission."""
-        return round(at - self.t0, 6)
+        return at - self.t0
 
     def instant(self, name: str, attrs: dict[str, Any] | None = None, at: float | None = None) -> None:
         t = self.rel(time.monotonic() if at is None else at)
@@ -54,8 +55,8 @@ class Timeline:
 
     def span(self, name: str, start: float, end: float, attrs: dict[str, Any] | None = None) -> None:
         """An event from ``start`` to ``end`` (monotonic seconds)."""
-        t, d = round(start - self.t0, 6), round(end - start, 6)
-        self.events.append([name, t, d, attrs] if attrs else [name, t, d])
+        t0 = self.t0
+        self.events.append([name, start - t0, end - start, attrs] if attrs else [name, start - t0, end - start])
 
 
 #: The timeline of the job whose asyncio task runs now (set by the node's pipeline for each job).

@@ -348,8 +348,9 @@ def print_backends(app: App, backends: list[Any]) -> None:
 @click.argument("deployment_name", metavar="[DEPLOYMENT]", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@click.option("--watch", is_flag=True, help="Live dashboard refreshed each second (same as `prorl top`).")
 @pass_app
-def status(app: App, deployment_name: str | None, as_json: bool, address: str | None) -> None:
+def status(app: App, deployment_name: str | None, as_json: bool, address: str | None, watch: bool) -> None:
     """Jobs by state, per-node stage queues, sandbox runtimes and per-backend load.
 
     \b
@@ -358,6 +359,10 @@ def status(app: App, deployment_name: str | None, as_json: bool, address: str | 
     job ids, states, pending reasons or nodes, elapsed and time left.
     """
     name_deployment(app, deployment_name)
+    if watch:
+        from prorl_cli.cli.observe import run_top
+
+        return run_top(app, address, as_json, 1.0)
     if not as_json:
         from prorl_cli.cli.launch import print_slurm_view
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,4 +48,45 @@ def trace(app: App, results_file: Path, out: Path) -> None:
         app.abort(f"{results_file}: no result has a timeline ('events'); results of older prorl versions have none")
     out.write_text(json.dumps(doc))
     app.console.print(f"{jobs} job(s), {len(doc['traceEvents'])} trace events -> {out} (open it at ui.perfetto.dev)")
-OBSERVE_COMMANDS = [trace]
+
+
+def run_top(app: App, address: str | None, as_json: bool, interval_s: float, frames: int | None = None) -> None:
+    """The live dashboard (``prorl top``, ``prorl status --watch``), or one ``--json`` snapshot."""
+    from prorl_cli.cli.jobs import connect
+    from prorl_cli.exceptions import ProrlError
+    from prorl_cli.observe.dashboard import Dashboard, watch
+
+    with connect(app, address) as client:
+        try:
+            if as_json:
+                board = Dashboard()
+                board.update(client.status())
+                time.sleep(interval_s)  # rates need two reports
+                click.echo(json.dumps(board.update(client.status()).to_json(), indent=2))
+                return
+            watch(client.status, app.console, interval_s, frames)
+        except ProrlError as e:
+            app.abort(f"lost the broker: {e}")
+
+
+@click.command()
+@click.argument("deployment_name", metavar="[DEPLOYMENT]", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print one snapshot (rates over --interval-s) as JSON and exit.")
+@click.option("--interval-s", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Refresh period.")
+@click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@pass_app
+def top(app: App, deployment_name: str | None, as_json: bool, interval_s: float, address: str | None) -> None:
+    """Live dashboard of a deployment (same as `prorl status --watch`); Ctrl-C to leave.
+
+    \b
+    Jobs by task and state, throughput (jobs/s, tokens/s in and out), each node's
+    INIT/RUN/EVAL pools (active/queued/limit), each backend's in-flight and served
+    calls and tokens/s (paused or not), and failures grouped by task, stage and error type.
+    """
+    from prorl_cli.cli.jobs import name_deployment
+
+    name_deployment(app, deployment_name)
+    run_top(app, address, as_json, interval_s)
+
+
+OBSERVE_COMMANDS = [trace, top]
