@@ -10,6 +10,8 @@ failures grouped by task, stage and error type with a sample message.
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -174,19 +176,40 @@ def render(snap: Snapshot) -> Any:
 
 def watch(fetch: Callable[[], StatusReport], console: Any, interval_s: float = 1.0,
           frames: int | None = None) -> int:
-    """Show the dashboard live until Ctrl-C (or ``frames`` refreshes); return how many frames were drawn."""
+    """Show the dashboard live until Ctrl-C (or ``frames`` refreshes); return how many frames were drawn.
+
+    Ctrl-C is taken between frames (a status request is never torn in half); a second one interrupts at once.
+    """
     from rich.live import Live
 
     board = Dashboard()
+    stop = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        signal.signal(signal.SIGINT, on_interrupt)
     drawn = 0
     try:
-        with Live(render(board.update(fetch())), console=console, auto_refresh=False, screen=False,
-                  transient=False) as live:
-            drawn = 1
-            while frames is None or drawn < frames:
-                time.sleep(interval_s)
-                live.update(render(board.update(fetch())), refresh=True)
+        if not console.is_terminal:
+            # Piped or redirected: one frame after another (a log of the run), no cursor movement.
+            while (frames is None or drawn < frames) and not (drawn and stop.wait(interval_s)):
+                console.rule(time.strftime("%H:%M:%S"))
+                console.print(render(board.update(fetch())))
                 drawn += 1
-    except KeyboardInterrupt:
-        console.print("[dim]stopped[/]")
+        else:
+            with Live(render(board.update(fetch())), console=console, auto_refresh=False, transient=False) as live:
+                drawn = 1
+                while (frames is None or drawn < frames) and not stop.wait(interval_s):
+                    live.update(render(board.update(fetch())), refresh=True)
+                    drawn += 1
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
+    if stop.is_set():
+        console.print("stopped")
     return drawn

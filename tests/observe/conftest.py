@@ -40,7 +40,7 @@ class ObservedRun:
                               capture_output=True, text=True, timeout=timeout_s, cwd=self.deployment.home)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def observed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedRun]:
     tmp = tmp_path_factory.mktemp("observe")
     port = fixed_port()

@@ -1,10 +1,13 @@
 """Test handler ``obs``: generate calls, agent tool calls, an optional sandbox, and failures on request.
 
-Instance: ``{"turns": 2, "tools": 1, "sandbox": false, "fail": null | "run" | "eval", "reward": 1.0}``.
+Instance: ``{"turns": 2, "tools": 1, "sandbox": false, "fail": null | "run" | "eval", "reward": 1.0, "hold_s": 0}``
+(``hold_s``: stay that long in RUN, to keep a deployment busy). ``obs_slow`` is the same handler under another
+name, so a test can load a deployment without touching the figures of ``obs``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from prorl_cli.agent.loop import call_tool
@@ -34,6 +37,8 @@ class ObsHandler(AgentHandler):
             prompt = prompt + gen.output_ids + [7, 8, 9]
             for _ in range(int(inst.get("tools", 1))):
                 await call_tool({"add": _add}, ToolCall(name="add", arguments={"a": 2, "b": 3}))
+        if inst.get("hold_s"):
+            await asyncio.sleep(float(inst["hold_s"]))
         sandbox = ctx.state.get("sandbox")
         if sandbox is not None:
             await sandbox.bash("echo hi")
@@ -45,3 +50,7 @@ class ObsHandler(AgentHandler):
         if ctx.instance.get("fail") == "eval":
             raise ValueError("the eval failed on purpose")
         ctx.reward = float(ctx.instance.get("reward", 1.0))
+
+
+class ObsSlowHandler(ObsHandler):
+    name = "obs_slow"
