@@ -653,6 +653,10 @@ class Broker:
             return
         try:
             self.metrics_server = MetricsServer(self.collector, bc.metrics_host, bc.metrics_port)
+        except ImportError as e:
+            log.error("broker.metrics_port is set but prometheus-client is missing (pip install 'prorl[observe]'): %s; "
+                      "the broker runs without metrics", e)
+            return
         except OSError as e:
             log.error("cannot serve metrics on %s:%s: %s; the broker runs without them", bc.metrics_host, bc.metrics_port, e)
             return

@@ -89,4 +89,80 @@ def top(app: App, deployment_name: str | None, as_json: bool, interval_s: float,
     run_top(app, address, as_json, interval_s)
 
 
-OBSERVE_COMMANDS = [trace, top]
+
+def load_tokenizer(app: App, path: str | None) -> object | None:
+    """The tokenizer to decode ids with: --tokenizer, else inference.tokenizer of the config, else none."""
+    where = path or getattr(app.config.inference, "tokenizer", None)
+    if not where:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(where))
+    except (OSError, ValueError) as e:
+        app.abort(f"--tokenizer {where}: cannot load a tokenizer there: {e}")
+
+
+@click.command()
+@click.argument("results_file", metavar="RESULTS", type=_RESULTS)
+@click.option("--job", "job_ids", multiple=True, metavar="ID", help="Only this job id (a glob; repeatable).")
+@click.option("--task", "tasks", multiple=True, metavar="NAME", help="Only jobs of this handler (repeatable).")
+@click.option("--state", "states", multiple=True, metavar="STATE", help="Only jobs that ended so (done, failed, ...; repeatable).")
+@click.option("--min-reward", type=float, help="Only jobs with at least this reward.")
+@click.option("--max-reward", type=float, help="Only jobs with at most this reward.")
+@click.option("--violations", "violations_only", is_flag=True, help="Only trajectories with continuity violations.")
+@click.option("--limit", type=click.IntRange(min=1), help="Show at most this many.")
+@click.option("--tokenizer", metavar="DIR", help="Decode token ids with this tokenizer (default: inference.tokenizer).")
+@click.option("--tokens", "show_tokens", is_flag=True, help="Show token boundaries (alternating shading).")
+@pass_app
+def inspect(
+    app: App, results_file: Path, job_ids: tuple[str, ...], tasks: tuple[str, ...], states: tuple[str, ...],
+    min_reward: float | None, max_reward: float | None, violations_only: bool, limit: int | None,
+    tokenizer: str | None, show_tokens: bool,
+) -> None:
+    """Show trajectories of a run call by call: new prompt tokens, output, log-probs, tools, violations.
+
+    RESULTS is the JSONL (or Parquet) of `prorl submit --out` or the quickstart. Exits 1 when no result matches.
+    """
+    from prorl_cli.observe.inspect import Decoder, Filters, render_result
+
+    results = read_results(app, results_file)
+    chosen = Filters(job_ids, tasks, states, min_reward, max_reward, violations_only, limit).select(results)
+    if not chosen:
+        app.abort(f"{results_file}: no result matches ({len(results)} in the file)")
+    decoder = Decoder(load_tokenizer(app, tokenizer))
+    for r in chosen:
+        app.console.print(render_result(r, decoder, show_tokens=show_tokens))
+    app.console.print(f"{len(chosen)} of {len(results)} result(s)")
+
+
+
+@click.command()
+@click.argument("results_file", metavar="RESULTS", type=_RESULTS)
+@click.option("--html", "html_out", required=True, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Where to write the report (one self-contained HTML file).")
+@click.option("--title", help="Page title (default: the results file's name).")
+@click.option("--max-trajectories", type=click.IntRange(min=0), default=500, show_default=True,
+              help="Trajectory views in the page (the job table lists every job).")
+@pass_app
+def report(app: App, results_file: Path, html_out: Path, title: str | None, max_trajectories: int) -> None:
+    """Write an HTML report of a run: throughput, stage split, rewards, turns, failures, trajectories.
+
+    RESULTS is the JSONL (or Parquet) of `prorl submit --out` or the quickstart. The page embeds its plots
+    (matplotlib) and needs nothing else: open it in any browser, offline.
+    """
+    from prorl_cli.observe.report import render_html
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        app.abort(f"the report needs matplotlib: pip install 'prorl[observe]' ({e})")
+    results = read_results(app, results_file)
+    if not results:
+        app.abort(f"{results_file}: no results")
+    page = render_html(results, title or f"prorl run: {results_file.name}", max_trajectories)
+    html_out.write_text(page, encoding="utf-8")
+    app.console.print(f"{len(results)} job(s) -> {html_out} ({len(page) // 1024} KiB)")
+
+
+OBSERVE_COMMANDS = [trace, top, inspect, report]
