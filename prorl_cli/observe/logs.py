@@ -125,3 +125,10 @@ class JobLogger(logging.Logger):
         self._stream.close()
         self._stream = None
         return str(self.path)
+
+
+def configure_logging(role: str, level: str) -> None:
+    """Log to stderr as ``TIME ROLE[PID] LEVEL LOGGER: MESSAGE``, or as JSON lines under ``PRORL_LOG_FORMAT=json``."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(formatter_for(role, f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
