@@ -370,15 +370,28 @@ _URL = Str(2048)
 
 
 def _metric_sample(v: Any, path: str) -> Any:
-    """One heartbeat metric sample: ``[family, [label values], value]`` or ``[family, [labels], sum, [bucket counts]]``."""
-    if not isinstance(v, list) or len(v) not in (3, 4):
+    """One heartbeat metric sample: ``[family, [label values], value]`` or ``[family, [labels], sum, [bucket counts]]``.
+
+    Checked with plain type tests (every node's heartbeat carries many of these each interval).
+    """
+    if type(v) is not list or len(v) not in (3, 4):
         raise _bad(path, "must be a list [family, labels, value] or [family, labels, sum, counts]")
-    Str(128)(v[0], f"{path}[0]")
-    List(Str(256, min_len=0), 16)(v[1], f"{path}[1]")
-    Num(-float(_BIG), float(_BIG))(v[2], f"{path}[2]")
+    name, labels, value = v[0], v[1], v[2]
+    if type(name) is not str or not 0 < len(name) <= 128:
+        raise _bad(f"{path}[0]", "must be a metric family name (a string of 1 to 128 characters)")
+    if type(labels) is not list or len(labels) > 16 or not all(type(x) is str and len(x) <= 256 for x in labels):
+        raise _bad(f"{path}[1]", "must be a list of at most 16 label values (strings of at most 256 characters)")
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise _bad(f"{path}[2]", "must be a finite number")
     if len(v) == 4:
-        List(Int(0, _BIG), 64)(v[3], f"{path}[3]")
+        counts = v[3]
+        if type(counts) is not list or len(counts) > 64 or not all(type(c) is int and c >= 0 for c in counts):
+            raise _bad(f"{path}[3]", "must be a list of at most 64 bucket counts (non-negative integers)")
     return v
+
+
+#: Heartbeat ``metrics`` of a node or bridge (cumulative; names in ``prorl_cli/observe/metrics.py``).
+METRIC_SAMPLES = List(_metric_sample, 4096)
 
 
 #: A node's failures of one kind (task, stage, exception type): how many so far and the latest message.

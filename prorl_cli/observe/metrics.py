@@ -137,19 +137,14 @@ class MetricSet:
         return out
 
 
-def check_samples(samples: Any, path: str) -> list[list[Any]]:
-    """Keep only well-formed samples of known families from a peer (the schema has checked the outer shape)."""
+def check_samples(samples: list[list[Any]]) -> list[list[Any]]:
+    """Keep the samples of known peer families with the right label count (the schema has checked their shape)."""
     good = []
     for s in samples:
-        fam = FAMILIES.get(s[0]) if isinstance(s, list) and len(s) in (3, 4) and isinstance(s[0], str) else None
-        if fam is None or fam.source == "broker" or not isinstance(s[1], list) or len(s[1]) != len(fam.labels):
+        fam = FAMILIES.get(s[0])
+        if fam is None or fam.source == "broker" or len(s[1]) != len(fam.labels):
             continue
-        if not all(isinstance(x, str) for x in s[1]):
-            continue
-        if fam.kind == "histogram":
-            if len(s) != 4 or not isinstance(s[3], list) or len(s[3]) != len(fam.buckets) + 1:
-                continue
-        elif len(s) != 3:
+        if (fam.kind == "histogram") != (len(s) == 4) or (len(s) == 4 and len(s[3]) != len(fam.buckets) + 1):
             continue
         good.append(s)
     return good
@@ -195,8 +190,8 @@ class DeploymentCollector:
                     per[which] += s[2]
         return out
 
-    def update_peer(self, kind: str, peer_id: str, samples: Any) -> None:
-        self.peers[(kind, peer_id)] = check_samples(samples, "metrics")
+    def update_peer(self, kind: str, peer_id: str, samples: list[list[Any]]) -> None:
+        self.peers[(kind, peer_id)] = check_samples(samples)
 
     def forget_peer(self, kind: str, peer_id: str) -> None:
         self.peers.pop((kind, peer_id), None)

@@ -76,3 +76,19 @@ def test_one_scrape_has_broker_node_and_bridge_figures(observed_run: ObservedRun
 
 def test_status_names_the_metrics_endpoint(observed_run: ObservedRun) -> None:
     assert observed_run.deployment.client.status().metrics_url == observed_run.metrics_url
+
+
+def test_heartbeat_metrics_are_checked_field_by_field() -> None:
+    import pytest
+
+    from prorl_cli import protocol as P
+    from prorl_cli.exceptions import ProtocolError
+
+    def check(metrics: object) -> None:
+        P.validate(P.decode_header(P.encode({"op": "heartbeat", "node_id": "n1", "metrics": metrics})[0]))
+
+    check([["prorl_node_jobs", ["t", "done"], 3], ["prorl_stage_seconds", ["t", "run"], 0.5, [0, 1, 2]]])
+    for bad, field in ((["x", [1], 1.0], r"metrics\[0\]\[1\]"), (["x", [], float("inf")], r"metrics\[0\]\[2\]"),
+                       (["x", [], 1.0, [-1]], r"metrics\[0\]\[3\]"), (["x", []], r"metrics\[0\]'"), ("x", r"metrics\[0\]'")):
+        with pytest.raises(ProtocolError, match=field):
+            check([bad])
