@@ -441,7 +441,7 @@ class Pipeline:
             stage_s[stage] = stage_s.get(stage, 0.0) + timer.pause()
             pool.leave()
             if timeline is not None:
-                timeline.span(TL.STAGE, entered, time.monotonic(), {"stage": stage, "node": self.node_id})
+                timeline.span(TL.STAGE, entered, time.monotonic(), {"stage": stage})
         if deadline.expired:
             which = "job budget" if cap is None or (budget is not None and budget <= cap) else "stage cap"
             exc = StageTimeout(f"{stage} ran past its {which} of {limit_s:.3f} s (in-stage time only)")
