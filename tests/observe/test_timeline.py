@@ -75,3 +75,19 @@ def test_trace_is_valid_trace_event_json_with_stages_inside_their_jobs(observed_
     assert "sim-a" in names
     backend_calls = [ev for ev in events if ev["ph"] == "X" and ev["name"].startswith("generate ")]
     assert len(backend_calls) == sum(i["turns"] for i in INSTANCES)
+
+
+def test_trace_reads_the_parquet_of_submit_out(observed_run: ObservedRun) -> None:
+    from prorl_cli.agent.trajectory import Trajectory, write_parquet
+
+    rows = [{"job_id": r["job_id"], "reward": r["reward"], "trajectory": Trajectory().to_dict(), "task": r["task"],
+             "state": r["state"], "node_id": r["node_id"], "events": r["events"]} for r in observed_run.results]
+    path = observed_run.results_path.parent / "results.parquet"
+    write_parquet(path, rows)  # what `prorl submit --out X.parquet` writes for these results
+    out_path = path.with_suffix(".trace.json")
+    out = observed_run.prorl("trace", str(path), "-o", str(out_path))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out_path.read_text())
+    jobs = [ev for ev in doc["traceEvents"] if ev.get("cat") == "job"]
+    assert sorted(j["name"] for j in jobs) == sorted(r["job_id"] for r in observed_run.results)
+    assert {j["args"]["state"] for j in jobs} == {"done", "failed"}
