@@ -363,7 +363,7 @@ class Pipeline:
         if error is not None:
             group = self.failures.setdefault((spec.task, error.stage, error.type), [0, ""])
             group[0] += 1
-            group[1] = error.message[:1024]
+            group[1] = error.message[:300]
             job_log.note(logging.ERROR, "%s %s in %s: %s: %s", spec.job_id, state.value, error.stage, error.type, error.message)
         timeline.instant(TL.FINISHED, {"state": state.value})
         TL.CURRENT.reset(timeline_token)
