@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Deployment, fixed_port
+from tests.harness import Deployment, fixed_port, need_module
 
 HANDLERS = Path(__file__).resolve().parent / "handlers"
 
@@ -42,6 +44,7 @@ class ObservedRun:
 
 @pytest.fixture(scope="session")
 def observed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedRun]:
+    need_module("prometheus_client", "observe")  # the broker's metrics endpoint
     tmp = tmp_path_factory.mktemp("observe")
     port = fixed_port()
     d = Deployment(tmp / "home", config={
@@ -67,3 +70,21 @@ def observed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedR
         yield run
     finally:
         d.close()
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """GET the metrics endpoint and parse it with prometheus-client's own parser: samples by name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[s.name].append((s.labels, s.value))
+    return samples
+
+
+def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    return sum(v for lb, v in samples.get(name, []) if all(lb.get(k) == x for k, x in labels.items()))

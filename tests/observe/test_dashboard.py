@@ -14,7 +14,7 @@ from rich.console import Console
 
 from prorl_cli.observe.dashboard import Dashboard, render
 from prorl_cli.protocol import StatusReport
-from tests.observe.conftest import INSTANCES, ObservedRun
+from tests.observe.conftest import INSTANCES, ObservedRun, scrape, total
 
 N_SLOW = 8  # the test deployment's RUN pool holds 8
 
@@ -56,6 +56,12 @@ def test_dashboard_shows_a_loaded_deployment_as_status_reports_it(observed_run: 
                 for r in tables["failures by task, stage and error"].rows}
     assert failures == {("obs", "run", "RuntimeError", "1", "the run failed on purpose"),
                         ("obs", "eval", "ValueError", "1", "the eval failed on purpose")}
+
+    # A scrape during the load: the RUN pool's occupancy as the node's heartbeat reported it (refreshed each second).
+    deadline = time.monotonic() + 20
+    while total(scrape(observed_run.metrics_url), "prorl_node_stage_jobs", node="n1", stage="run", kind="active") != N_SLOW:
+        assert time.monotonic() < deadline, "the scrape never showed the loaded RUN pool"
+        time.sleep(0.2)
 
     results = list(d.client.as_completed(ids, timeout_s=60))
     assert {r.state for r in results} == {"done"}

@@ -3,27 +3,8 @@
 from __future__ import annotations
 
 import time
-import urllib.request
-from collections import defaultdict
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.observe.conftest import INSTANCES, ObservedRun
-
-
-def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        assert resp.status == 200
-        text = resp.read().decode()
-    samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[s.name].append((s.labels, s.value))
-    return samples
-
-
-def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
-    return sum(v for lb, v in samples.get(name, []) if all(lb.get(k) == x for k, x in labels.items()))
+from tests.observe.conftest import INSTANCES, ObservedRun, scrape, total
 
 
 def test_one_scrape_has_broker_node_and_bridge_figures(observed_run: ObservedRun) -> None:
