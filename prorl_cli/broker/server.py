@@ -665,7 +665,7 @@ class Broker:
 
     def _refresh_gauges(self) -> None:
         """The gauges that describe the broker's state now (about once a second, on the loop)."""
-        journal_bytes = self.journal._size if self.journal is not None else 0
+        journal_bytes = self.journal.size_bytes if self.journal is not None else 0
         self.metrics.gauges = gauges_from_status(self.status(), journal_bytes)
 
     _handlers: dict[Op, Any] = {
