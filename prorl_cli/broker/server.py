@@ -39,7 +39,7 @@ from prorl_cli.observe.metrics import (
     gauges_from_status,
     jobs_by_task,
 )
-from prorl_cli.protocol import ErrorCode, JobSpec, Op
+from prorl_cli.protocol import ErrorCode, JobSpec, JobState, Op
 from prorl_cli.rendezvous import Rendezvous, remove_rendezvous, write_rendezvous
 from prorl_cli.security import curve_wanted, secure_server
 
@@ -606,6 +606,10 @@ class Broker:
     def _job_finished(self, job: Job) -> None:
         """A job reached a terminal state: push its result to its watchers."""
         self.metrics.inc("prorl_jobs_finished", (job.spec.task, job.state.value, str(job.spec.attempt)))
+        if job.state is JobState.FAILED and job.node_id is None and job.result is not None:
+            # Failed by the broker itself (its nodes kept dying): no node will list it among its failures.
+            error = P.unpack_obj(job.result).get("error")
+            self.collector.note_broker_failure(job.spec.task, error if isinstance(error, dict) else {})
         for w in job.watchers:
             self._results_out[w].append(job)
 

@@ -163,6 +163,17 @@ class DeploymentCollector:
         self.peers: dict[tuple[str, str], list[list[Any]]] = {}
         #: Each node's failure groups from its last heartbeat (``protocol.FAILURE_GROUP``).
         self.failures: dict[str, list[dict[str, Any]]] = {}
+        #: Jobs the broker itself failed (their nodes kept dying), grouped the same way.
+        self._broker_failures: dict[tuple[str, str, str], list[Any]] = {}
+
+    def note_broker_failure(self, task: str, error: dict[str, Any]) -> None:
+        """A job the broker failed (no node reports on it): counted under the pseudo-node ``broker``."""
+        key = (task, str(error.get("stage") or "node"), str(error.get("type") or "failed"))
+        group = self._broker_failures.setdefault(key, [0, ""])
+        group[0] += 1
+        group[1] = str(error.get("message") or "")[:300]
+        self.failures["broker"] = [{"task": t, "stage": s, "type": e, "count": c, "sample": m}
+                                   for (t, s, e), (c, m) in self._broker_failures.items()]
 
     def failure_groups(self) -> list[dict[str, Any]]:
         """Failures across nodes grouped by (task, stage, type), most frequent first, with a sample message."""
