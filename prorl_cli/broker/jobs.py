@@ -269,7 +269,7 @@ class JobTable:
         """Declare a node dead; its jobs go back to the front of the queue with a new attempt (or fail)."""
         log.warning("node %s lost (%s); re-queueing %d job(s)", node.node_id, why, len(node.inflight))
         node.alive = False
-        node.died_at = time.monotonic() if now is None else now
+        node.died_at = died_at = time.monotonic() if now is None else now
         for job_id in sorted(node.inflight, key=lambda j: self.jobs[j].seq if j in self.jobs else 0):
             job = self.jobs.get(job_id)
             if job is None or job.state.terminal or job.node_id != node.node_id:
@@ -287,6 +287,8 @@ class JobTable:
             job.spec.attempt += 1
             self._record(attempt_record(job_id, job.spec.attempt))
             job.state = JobState.QUEUED
+            job.queued_at = died_at
+            job.events.append(["requeued", round(died_at - job.submitted_at, 6), 0.0, {"node": node.node_id, "why": why}])
             self.queue.push(job.spec.task, job_id, front=True)
         node.inflight.clear()
 
@@ -375,6 +377,7 @@ class JobTable:
             error=error.to_wire() if error else None,
             group_id=job.spec.group_id,
             meta=job.spec.meta,
+            events=[*job.events, ["finished", round(time.monotonic() - job.submitted_at, 6), 0.0, {"state": state.value}]],
         )
         self.finish(job, state, P.pack_obj(result.to_wire()))
 

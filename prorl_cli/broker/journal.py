@@ -190,6 +190,11 @@ class Journal:
         self._size = os.fstat(fd).st_size
 
     @property
+    def size_bytes(self) -> int:
+        """The journal file's size as written so far (the metrics' ``prorl_journal_bytes``)."""
+        return self._size
+
+    @property
     def compacting(self) -> bool:
         return self._compactor is not None
 

@@ -31,7 +31,15 @@ from prorl_cli.broker.routing import Router
 from prorl_cli.broker.state import Job, Node
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import ProtocolError
-from prorl_cli.protocol import ErrorCode, JobSpec, Op
+from prorl_cli.observe.logs import OncePerPeer
+from prorl_cli.observe.metrics import (
+    DeploymentCollector,
+    MetricSet,
+    MetricsServer,
+    gauges_from_status,
+    jobs_by_task,
+)
+from prorl_cli.protocol import ErrorCode, JobSpec, JobState, Op
 from prorl_cli.rendezvous import Rendezvous, remove_rendezvous, write_rendezvous
 from prorl_cli.security import curve_wanted, secure_server
 
@@ -115,6 +123,12 @@ class Broker:
         self._last_tick = time.monotonic()
         # False while messages may be waiting unread: liveness is judged only on a drained inbox.
         self._drained = True
+        #: Prometheus figures: the broker's own, and every peer's from its heartbeats (served when metrics_port is set).
+        self.metrics = MetricSet()
+        self.collector = DeploymentCollector(self.metrics)
+        self.metrics_server: MetricsServer | None = None
+        self._next_gauges_at = 0.0
+        self._rejects = OncePerPeer(log)
         if bc.journal:
             self.journal = Journal(
                 config.deployment_dir / JOURNAL_NAME, fsync=bc.journal_fsync, compact_bytes=bc.journal_compact_mb * 1024 * 1024
@@ -167,7 +181,11 @@ class Broker:
             raise
 
     def _error(self, identity: bytes, rid: Any, code: ErrorCode, message: str) -> None:
-        log.warning("error to %r (rid %r): %s: %s", identity, rid, code.value, message)
+        # Once per peer per minute in the log (a peer sending garbage in a loop must not flood it); all are counted.
+        self.metrics.inc("prorl_rejected_frames", (code.value,))
+        node = self.node_by_identity.get(identity)
+        self._rejects.warn(identity, f"{identity.hex()}" + (f" (node {node.node_id})" if node else ""),
+                           f"{code.value}: {message} (rid {rid!r})")
         self._send(identity, P.error_reply(rid, code, message))
 
     def publish_rendezvous(self) -> None:
@@ -185,6 +203,7 @@ class Broker:
 
     def serve_forever(self) -> None:
         """Run the loop until stopped. Writes the rendezvous file first, removes it last."""
+        self._start_metrics()
         self.publish_rendezvous()
         log.info(
             "broker of deployment %r listening on %s (%s)", self.config.deployment, self.address,
@@ -227,6 +246,8 @@ class Broker:
             for sig, handler in prev.items():
                 signal.signal(sig, handler)
             remove_rendezvous(self.config.deployment_dir, os.getpid())
+            if self.metrics_server is not None:
+                self.metrics_server.close()
             if self.journal is not None:
                 self.journal.close()
                 if self.stopping:
@@ -269,9 +290,12 @@ class Broker:
             node = self.nodes.get(node_id)
             if node is None or not node.alive:
                 continue
+            now = time.monotonic()
+            # ``timing``: where each job's timeline starts (seconds since it was accepted) and the broker's events.
+            timing = [{"since_submit_s": now - j.submitted_at, "events": j.events} for j in jobs]
             if not self._send(
                 node.identity,
-                {"op": Op.ASSIGN.value, "jobs": [j.spec.to_wire() for j in jobs]},
+                {"op": Op.ASSIGN.value, "jobs": [j.spec.to_wire() for j in jobs], "timing": timing},
                 [j.instance for j in jobs],
             ):
                 self._node_lost(node, "unreachable")
@@ -357,6 +381,7 @@ class Broker:
                     self._results_out[identity].append(job)
                 continue
             self.table.add(spec, bytes(instance), identity)
+            self.metrics.inc("prorl_jobs_submitted", (spec.task,))
             accepted.append(spec.job_id)
         self._journal_flush()  # accepted means journaled
         self._send(identity, P.reply(rid, accepted=accepted, existing=existing, boot_id=self.boot_id))
@@ -420,6 +445,10 @@ class Broker:
             retained_bytes=self.table.retained_bytes,
             policy_version=self.router.policy_version,
             routing_policy=self.router.policy_name,
+            metrics_url=self.metrics_server.url if self.metrics_server is not None else None,
+            by_task=jobs_by_task(self.jobs.values()),
+            failures=self.collector.failure_groups(),
+            tokens=self.collector.token_totals(),
         )
 
     def on_ping(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
@@ -513,6 +542,9 @@ class Broker:
                 log.debug("heartbeat with a liveness token for node %r that does not match; ignored", h.get("node_id"))
             return
         if self.router.bridge_heartbeat(identity, h):
+            backend = self.router.backend_by_identity.get(identity)
+            if backend is not None and h.get("metrics") is not None:
+                self.collector.update_peer("bridge", backend.backend_id, h["metrics"])
             return
         if "backend_id" in h:
             self._send(identity, P.error_reply(h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register_backend"))
@@ -520,6 +552,10 @@ class Broker:
         node = self._node_of(identity, h)
         if node is not None and h.get("stages") is not None:
             node.stages = h["stages"]
+        if node is not None and h.get("metrics") is not None:
+            self.collector.update_peer("node", node.node_id, h["metrics"])
+        if node is not None and h.get("failures") is not None:
+            self.collector.failures[node.node_id] = h["failures"]
 
     def on_unregister(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         node = self.node_by_identity.get(identity)
@@ -557,8 +593,14 @@ class Broker:
     def _place(self) -> None:
         if not self.placing:
             return
-        for node, job in self.table.place():
+        placed = self.table.place()
+        if not placed:
+            return
+        now = time.monotonic()
+        for node, job in placed:
             self._assign_out[node.node_id].append(job)
+            job.events.append(["assigned", round(now - job.submitted_at, 6), 0.0, {"node": node.node_id, "attempt": job.spec.attempt}])
+            self.metrics.observe("prorl_job_queue_seconds", (job.spec.task,), now - job.queued_at)
 
     def _node_lost(self, node: Node, why: str) -> None:
         """Declare a node dead and put its jobs back in the queue with a new attempt."""
@@ -569,6 +611,11 @@ class Broker:
 
     def _job_finished(self, job: Job) -> None:
         """A job reached a terminal state: push its result to its watchers."""
+        self.metrics.inc("prorl_jobs_finished", (job.spec.task, job.state.value, str(job.spec.attempt)))
+        if job.state is JobState.FAILED and job.node_id is None and job.result is not None:
+            # Failed by the broker itself (its nodes kept dying): no node will list it among its failures.
+            error = P.unpack_obj(job.result).get("error")
+            self.collector.note_broker_failure(job.spec.task, error if isinstance(error, dict) else {})
         for w in job.watchers:
             self._results_out[w].append(job)
 
@@ -601,9 +648,36 @@ class Broker:
         if judge:
             self.router.tick(now)
         self.router.check_waiters(now)
-        self.table.prune_dead_nodes(self.config.broker.dead_nodes_kept)
+        for node_id in self.table.prune_dead_nodes(self.config.broker.dead_nodes_kept):
+            self.collector.forget_peer("node", node_id)
+        if self.metrics_server is not None and now >= self._next_gauges_at:
+            self._next_gauges_at = now + 1.0
+            self._refresh_gauges()
         self._place()
         self._flush()
+
+    # ------------------------------------------------------------ metrics
+
+    def _start_metrics(self) -> None:
+        bc = self.config.broker
+        if bc.metrics_port is None:
+            return
+        try:
+            self.metrics_server = MetricsServer(self.collector, bc.metrics_host, bc.metrics_port)
+        except ImportError as e:
+            log.error("broker.metrics_port is set but prometheus-client is missing (pip install 'prorl[observe]'): %s; "
+                      "the broker runs without metrics", e)
+            return
+        except OSError as e:
+            log.error("cannot serve metrics on %s:%s: %s; the broker runs without them", bc.metrics_host, bc.metrics_port, e)
+            return
+        self._refresh_gauges()
+        log.info("Prometheus metrics at %s", self.metrics_server.url)
+
+    def _refresh_gauges(self) -> None:
+        """The gauges that describe the broker's state now (about once a second, on the loop)."""
+        journal_bytes = self.journal.size_bytes if self.journal is not None else 0
+        self.metrics.gauges = gauges_from_status(self.status(), journal_bytes)
 
     _handlers: dict[Op, Any] = {
         Op.SUBMIT: on_submit,

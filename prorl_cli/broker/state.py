@@ -6,6 +6,7 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from prorl_cli.protocol import JobSpec, JobState, NodeStatus
 
@@ -27,6 +28,12 @@ class Job:
     #: placed on when that node was declared dead, or (after a journal replay) the placement the journal recorded.
     claim_node: str | None = None
     claim_attempt: int | None = None
+    #: When the broker accepted the job, and when it last entered the queue (monotonic; a replay restarts them).
+    submitted_at: float = field(default_factory=time.monotonic)
+    queued_at: float = field(default_factory=time.monotonic)
+    #: The broker's timeline events of the job (``prorl_cli/observe/timeline.py``); sent with each assignment.
+    #: The first one carries the wall-clock time of submission (``at``, epoch seconds): traces line jobs up by it.
+    events: list[list[Any]] = field(default_factory=lambda: [["submitted", 0.0, 0.0, {"at": round(time.time(), 6)}]])
 
     @property
     def job_id(self) -> str:

@@ -17,6 +17,7 @@ from prorl_cli.cli.jobs.dapo import with_dapo_options
 from prorl_cli.cli.jobs.results import results
 from prorl_cli.cli.launch import down, launch, render_sbatch, scale
 from prorl_cli.cli.logs import logs
+from prorl_cli.cli.observe import OBSERVE_COMMANDS
 from prorl_cli.cli.quickstart import quickstart
 from prorl_cli.cli.serve import serve
 
@@ -59,6 +60,8 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
 with_dapo_options(submit)  # prorl submit --dapo (training team's hook)
 
 for command in (serve, submit, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch, eval_command):
+    cli.add_command(command)
+for command in OBSERVE_COMMANDS:  # trace, inspect, report, top
     cli.add_command(command)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -41,11 +39,9 @@ class App:
         self._config = None
 
     def setup_logging(self, name: str) -> None:
-        level = self.config.log_level.upper()
-        logging.basicConfig(
-            level=getattr(logging, level, logging.INFO),
-            format=f"%(asctime)s {name}[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
-        )
+        from prorl_cli.observe.logs import configure_logging
+
+        configure_logging(name, self.config.log_level)
 
     def abort(self, message: str, code: int = 1) -> NoReturn:
         """Print ``error: message`` as one line on stderr (never wrapped, no markup) and exit ``code``."""

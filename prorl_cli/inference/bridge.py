@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from prorl_cli import protocol as P
 from prorl_cli.exceptions import InferenceError, ProtocolError
 from prorl_cli.inference.contract import CALL_JOB_ID, Engine
+from prorl_cli.observe.metrics import MetricSet
 from prorl_cli.peer import BrokerPeer
 from prorl_cli.protocol import ErrorCode, Op, SamplingParams
 
@@ -65,6 +67,8 @@ class InferenceBridge(BrokerPeer):
         self._gate = asyncio.Condition()
         self._loading = False
         self._reload_lock = asyncio.Lock()
+        #: Prometheus figures, sent in every heartbeat (the broker serves them).
+        self.metrics = MetricSet()
 
     # ------------------------------------------------------------- the peer
 
@@ -83,6 +87,8 @@ class InferenceBridge(BrokerPeer):
         stats = self.engine.stats()
         if stats:
             header["stats"] = stats  # str -> number; the broker shows them in status
+        self.metrics.set("prorl_bridge_inflight", (), float(len(self._generating)))
+        header["metrics"] = self.metrics.to_wire()
         return header
 
     def unregister_header(self) -> dict[str, Any]:
@@ -180,6 +186,7 @@ class InferenceBridge(BrokerPeer):
         rid = header.get("rid")
         async with self._slots:
             version = await self._enter_engine()
+            started = time.monotonic()
             try:
                 if len(payload) != 1:
                     raise ProtocolError(ErrorCode.BAD_FIELD, f"generate needs one prompt frame, got {len(payload)}")
@@ -192,16 +199,23 @@ class InferenceBridge(BrokerPeer):
                 message = f"backend {self.backend_id}: {e.message if isinstance(e, ProtocolError) else e}"
                 log.warning("generate (job %s) failed: %s", header.get("job_id"), message)
                 reply = {"op": Op.GENERATE_REPLY.value, "rid": rid, "error": {"code": code, "message": message}}
+                self.metrics.inc("prorl_bridge_generate_calls", ("error",))
                 await self.send(reply)
                 return
             except Exception as e:  # an engine bug must still answer, or the job would wait out its timeout
                 log.exception("generate (job %s) crashed in the engine", header.get("job_id"))
                 message = f"backend {self.backend_id}: internal error: {type(e).__name__}: {e}"
                 error = {"code": ErrorCode.BACKEND_ERROR.value, "message": message}
+                self.metrics.inc("prorl_bridge_generate_calls", ("error",))
                 await self.send({"op": Op.GENERATE_REPLY.value, "rid": rid, "error": error})
                 return
             finally:
                 await self._leave_engine()
+        m = self.metrics
+        m.observe("prorl_bridge_generate_seconds", (), time.monotonic() - started)
+        m.inc("prorl_bridge_generate_calls", ("ok",))
+        m.inc("prorl_bridge_prompt_tokens", (), len(prompt_ids))
+        m.inc("prorl_bridge_output_tokens", (), len(gen.output_ids))
         done: dict[str, Any] = {"op": Op.GENERATE_REPLY.value, "rid": rid, "finish_reason": gen.finish_reason}
         if version is not None:
             done["policy_version"] = version  # the weights that served this call, whatever came since

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,9 @@ from prorl_cli.exceptions import StageTimeout
 from prorl_cli.node.handler import AgentHandler, JobContext, Services
 from prorl_cli.node.registry import HandlerRegistry
 from prorl_cli.node.timer import PausableTimer
+from prorl_cli.observe import timeline as TL
+from prorl_cli.observe.logs import JobLogger, formatter_for
+from prorl_cli.observe.metrics import MetricSet, observe_job
 from prorl_cli.protocol import STAGE_NAMES, ErrorInfo, JobResult, JobSpec, JobState, StageStats
 
 log = logging.getLogger(__name__)
@@ -290,18 +294,24 @@ class Pipeline:
         clock = self._clocks.get(job_id)
         if clock is not None:
             clock.hold(held)
+        #: The node's Prometheus figures; each job is counted from its timeline when it ends.
+        self.metrics = MetricSet()
+        #: Failed jobs by (task, stage, error type): [count, latest message] (sent in heartbeats).
+        self.failures: dict[tuple[str, str, str], list[Any]] = {}
+        self._job_log_format = formatter_for("job", "%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {name: pool.stats().to_wire() for name, pool in self.pools.items()}
 
-    def start(self, spec: JobSpec, instance: Any) -> bool:
+    def start(self, spec: JobSpec, instance: Any, timing: Any = None) -> bool:
         """Start running a job in the background; ``False`` if it already runs (a repeated delivery).
 
         :attr:`on_done` gets its result unless the job was dropped with :meth:`drop`.
+        ``timing``: the broker's ``{since_submit_s, events}`` for the job (its timeline's start).
         """
         if spec.job_id in self.jobs:
             return False
-        task = asyncio.create_task(self._run(spec, instance), name=f"job-{spec.job_id}")
+        task = asyncio.create_task(self._run(spec, instance, timing), name=f"job-{spec.job_id}")
         self.jobs[spec.job_id] = RunningJob(task, spec.attempt)
         task.add_done_callback(functools.partial(self._cancelled_before_start, spec))
         return True
@@ -332,9 +342,9 @@ class Pipeline:
         job = self.jobs.get(task_name[4:])
         return (task_name[4:], job.stage) if job is not None else None
 
-    async def _run(self, spec: JobSpec, instance: Any) -> JobResult:
+    async def _run(self, spec: JobSpec, instance: Any, timing: Any = None) -> JobResult:
         try:
-            result = await self.run_job(spec, instance)
+            result = await self.run_job(spec, instance, timing)
         finally:
             self.jobs.pop(spec.job_id, None)
         self.on_done(result)
@@ -363,16 +373,20 @@ class Pipeline:
             return float(spec.stage_timeouts_s[stage])
         return self._stage_caps_s[stage]
 
-    async def run_job(self, spec: JobSpec, instance: Any) -> JobResult:
+    async def run_job(self, spec: JobSpec, instance: Any, timing: Any = None) -> JobResult:
         """Run one job to a terminal state; never raises (cancellation included)."""
+        timeline = _timeline(timing)
+        timeline_token = TL.CURRENT.set(timeline)
+        run_dir = self._jobs_dir / spec.job_id
+        job_log = JobLogger(f"prorl.job.{spec.task}.{spec.job_id}", self._job_logger(spec.task), run_dir, self._job_log_format)
         ctx = JobContext(
             spec=spec,
             instance=instance,
             node_id=self.node_id,
-            run_dir=self._jobs_dir / spec.job_id,
+            run_dir=run_dir,
             config=self.config,
             services=self.services,
-            log=self._job_logger(spec.task),
+            log=job_log,
         )
         timer = PausableTimer(spec.timeout_s if spec.timeout_s is not None else self.config.jobs.timeout_s)
         deadline = _Deadline(asyncio.current_task(), asyncio.get_running_loop(), self._arming)
@@ -417,6 +431,14 @@ class Pipeline:
                 log.exception("job %s: final_result failed", spec.job_id)
                 state = JobState.FAILED
                 error = ErrorInfo(stage="final_result", type=type(e).__name__, message=str(e))
+        if error is not None:
+            group = self.failures.setdefault((spec.task, error.stage, error.type), [0, ""])
+            group[0] += 1
+            group[1] = error.message[:300]
+            job_log.note(logging.ERROR, "%s %s in %s: %s: %s", spec.job_id, state.value, error.stage, error.type, error.message)
+        timeline.instant(TL.FINISHED, {"state": state.value})
+        TL.CURRENT.reset(timeline_token)
+        observe_job(self.metrics, spec.task, state.value, timeline.events)
         return JobResult(
             job_id=spec.job_id,
             task=spec.task,
@@ -431,6 +453,8 @@ class Pipeline:
             output=output,
             group_id=spec.group_id,
             meta=spec.meta,
+            events=timeline.events,
+            log_path=job_log.close(),
         )
 
     def _job_logger(self, task: str) -> logging.Logger:
@@ -449,8 +473,13 @@ class Pipeline:
         stop it (only its stage cap, else ``EVAL_AFTER_FAILURE_S``).
         """
         pool = self.pools[stage]
+        timeline = TL.CURRENT.get()
         if not pool.try_enter():
+            waited_from = time.monotonic()
             await pool.enter()
+            if timeline is not None:
+                timeline.span(TL.WAIT, waited_from, time.monotonic(), {"stage": stage})
+        entered = time.monotonic()
         running = self.jobs.get(ctx.job_id)
         if running is not None:
             running.stage = stage
@@ -492,6 +521,8 @@ class Pipeline:
                 timer.pause()
             stage_s[stage] = stage_s.get(stage, 0.0) + timer.elapsed_s - counted_s
             pool.leave()
+            if timeline is not None:
+                timeline.span(TL.STAGE, entered, time.monotonic(), {"stage": stage})
         if deadline.expired:
             which = "job budget" if cap is None or (budget is not None and budget <= cap) else "stage cap"
             exc = StageTimeout(f"{stage} ran past its {which} of {limit_s:.3f} s (in-stage time only, held generate calls not counted)")
@@ -523,3 +554,16 @@ class Pipeline:
                 await fn()
             except Exception:  # one failed cleanup must not skip the others
                 log.exception("job %s: cleanup failed", ctx.job_id)
+
+
+def _timeline(timing: Any) -> TL.Timeline:
+    """A job's timeline, started where the broker says it was submitted (now when it says nothing usable)."""
+    now = time.monotonic()
+    since_s = timing.get("since_submit_s") if isinstance(timing, dict) else None
+    if not isinstance(since_s, int | float) or isinstance(since_s, bool) or not 0 <= since_s < 1e9:
+        since_s = 0.0
+    broker_events = timing.get("events") if isinstance(timing, dict) else None
+    events = [e for e in broker_events if isinstance(e, list)] if isinstance(broker_events, list) else []
+    timeline = TL.Timeline(now - since_s, events)
+    timeline.instant(TL.RECEIVED, at=now)
+    return timeline

@@ -93,6 +93,8 @@ class NodeServer(BrokerPeer):
         self._stamp = LoopStamp(min(0.25, config.broker.heartbeat_interval_s / 2), on_stall=self._after_stall)
         self._sidecar: LivenessSidecar | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # set in serve(); the sidecar reads its current task
+        self._heartbeats = 0
+        self._failures_sent = 0
 
     def _make_inference(self) -> NodeInference:
         from prorl_cli.inference import NodeInference
@@ -136,7 +138,16 @@ class NodeServer(BrokerPeer):
         # A result is confirmed once the broker has been heard from a whole interval after it went out.
         while self._unconfirmed and self._unconfirmed[0][0] < self._last_heard - self._interval_s:
             self._unconfirmed.popleft()
-        return {"op": Op.HEARTBEAT.value, "node_id": self.node_id, "stages": self.pipeline.stats()}
+        header: dict[str, Any] = {"op": Op.HEARTBEAT.value, "node_id": self.node_id, "stages": self.pipeline.stats(),
+                                  "metrics": self.pipeline.metrics.to_wire()}
+        # Failure groups go when they changed, and every 30th heartbeat (a restarted broker learns them again).
+        failed = sum(c for c, _ in self.pipeline.failures.values())
+        self._heartbeats += 1
+        if failed != self._failures_sent or self._heartbeats % 30 == 0:
+            self._failures_sent = failed
+            header["failures"] = [{"task": t, "stage": s, "type": e, "count": c, "sample": m}
+                                  for (t, s, e), (c, m) in list(self.pipeline.failures.items())[-256:]]
+        return header
 
     def unregister_header(self) -> dict[str, Any]:
         return {"op": Op.UNREGISTER.value, "node_id": self.node_id}
@@ -257,6 +268,9 @@ class NodeServer(BrokerPeer):
 
     def _on_assign(self, header: dict[str, Any], payload: list[bytes]) -> None:
         jobs = header.get("jobs")
+        timing = header.get("timing")
+        if not isinstance(timing, list):
+            timing = []
         if not isinstance(jobs, list):
             log.error("bad assignment from the broker: 'jobs' is %s, not a list", type(jobs).__name__)
             return
@@ -273,7 +287,8 @@ class NodeServer(BrokerPeer):
                 if result is not None:
                     self._report_done(result)
                 continue
-            self.pipeline.start(spec, instance)  # False: a repeated delivery of a running job
+            # False: a repeated delivery of a running job
+            self.pipeline.start(spec, instance, timing[i] if i < len(timing) else None)
 
     def _report_done(self, result: JobResult) -> None:
         if not self._leaving:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prorl_cli.exceptions import ImageBuildError, SandboxError
 from prorl_cli.node.handler import JobContext, Services
+from prorl_cli.observe.timeline import GENERATE, SANDBOX_START, SANDBOX_STOP, record_span
 from prorl_cli.protocol import SamplingParams
 from prorl_cli.sandbox.settings import SandboxConfig
 
@@ -91,7 +93,14 @@ class NodeServices(Services):
     async def generate(self, ctx: JobContext, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         if self._inference is None:
             self._inference = self.make_inference()
-        return await self._inference.generate(ctx.job_id, prompt_ids, sampling)
+        started = time.monotonic()
+        try:
+            gen = await self._inference.generate(ctx.job_id, prompt_ids, sampling)
+        except Exception as e:
+            record_span(GENERATE, started, {"prompt": len(prompt_ids), "ok": False, "error": type(e).__name__})
+            raise
+        record_span(GENERATE, started, {"backend": gen.backend_id, "prompt": len(prompt_ids), "output": len(gen.output_ids)})
+        return gen
 
     def generate_held(self, job_id: str, held: bool) -> None:
         """The broker holds (or released) a generate call of ``job_id``: its clocks stand still meanwhile."""
@@ -121,6 +130,21 @@ class NodeServices(Services):
         image = options.get("image")
         if isinstance(image, str) and self._is_image_name(image):
             options["image"] = str(self._resolve_image_name(image))
-        sandbox = await self._sandbox_manager().start(ctx.job_id, **options)
-        ctx.add_cleanup(sandbox.stop)
+        manager = self._sandbox_manager()
+        started = time.monotonic()
+        try:
+            sandbox = await manager.start(ctx.job_id, **options)
+        except Exception as e:
+            record_span(SANDBOX_START, started, {"runtime": manager.runtime.name, "ok": False, "error": type(e).__name__})
+            raise
+        record_span(SANDBOX_START, started, {"runtime": manager.runtime.name, "sandbox": sandbox.sandbox_id})
+
+        async def stop() -> None:
+            stopping = time.monotonic()
+            try:
+                await sandbox.stop()
+            finally:
+                record_span(SANDBOX_STOP, stopping, {"sandbox": sandbox.sandbox_id})
+
+        ctx.add_cleanup(stop)
         return sandbox

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from prorl_cli.exceptions import SandboxError
+from prorl_cli.observe.timeline import TOOL, record_span
 from prorl_cli.sandbox.client import REPLY_MARGIN_S, ToolClient
 from prorl_cli.sandbox.runtime import SandboxProcess
 
@@ -93,7 +95,14 @@ class Sandbox:
     async def _call(self, op: str, budget_s: float, **fields: Any) -> Any:
         if self._stopped:
             raise SandboxError(f"sandbox {self.sandbox_id} (job {self.job_id}) is stopped")
-        return await self._client.call(op, budget_s + REPLY_MARGIN_S, **fields)
+        started = time.monotonic()
+        ok = False
+        try:
+            result = await self._client.call(op, budget_s + REPLY_MARGIN_S, **fields)
+            ok = True
+            return result
+        finally:
+            record_span(TOOL, started, {"tool": f"sandbox.{op}", "ok": ok})
 
     async def bash(
         self, command: str, timeout_s: float | None = None, max_output_bytes: int | None = None

@@ -155,10 +155,9 @@ def serve_role(spec: RoleSpec, config: ProrlConfig | None = None) -> int:
     identity = SlurmIdentity.from_env()
     if config is None:
         config = spec.config()
-        logging.basicConfig(
-            level=getattr(logging, config.log_level.upper(), logging.INFO),
-            format=f"%(asctime)s {spec.role}[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
-        )
+        from prorl_cli.observe.logs import configure_logging
+
+        configure_logging(spec.role, config.log_level)
     if identity.in_slurm:
         log.info("%s of deployment %r: %s", spec.role, config.deployment, identity.describe())
     with slurm_lifecycle(spec.requeue) as signals:

@@ -318,9 +318,10 @@ def print_backends(app: App, backends: list[Any]) -> None:
 @deployment_argument
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@click.option("--watch", is_flag=True, help="Live dashboard refreshed each second (same as `prorl top`).")
 @deployment_option
 @pass_app
-def status(app: App, as_json: bool, address: str | None) -> None:
+def status(app: App, as_json: bool, address: str | None, watch: bool) -> None:
     """Jobs by state, per-node stage queues, sandbox runtimes and per-backend load.
 
     \b
@@ -328,6 +329,10 @@ def status(app: App, as_json: bool, address: str | None) -> None:
     For a deployment started with `prorl launch`, Slurm's view comes first:
     job ids, states, pending reasons or nodes, elapsed and time left.
     """
+    if watch:
+        from prorl_cli.cli.observe import run_top
+
+        return run_top(app, address, as_json, 1.0)
     if not as_json:
         from prorl_cli.cli.launch import print_slurm_view
 

@@ -109,7 +109,8 @@ def _counts_text(counts: dict[str, int]) -> str:
 def parquet_rows(results: list[JobResult], only_done: bool = False) -> list[dict[str, Any]]:
     """The Parquet rows of ``results``: every job whose output holds a ``trajectory``, with its state."""
     return [
-        {"job_id": r.job_id, "state": r.state, "reward": r.reward, "trajectory": r.output["trajectory"]}
+        {"job_id": r.job_id, "state": r.state, "reward": r.reward, "trajectory": r.output["trajectory"],
+         "task": r.task, "node_id": r.node_id, "events": r.events}
         for r in results
         if (r.state == "done" or not only_done)
         and isinstance(r.output, dict) and isinstance(r.output.get("trajectory"), dict)

@@ -1,0 +1,1 @@
+"""Observability: per-job timelines, Prometheus metrics, traces, the live dashboard, inspector and report."""

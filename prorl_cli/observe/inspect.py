@@ -1,0 +1,210 @@
+"""``prorl inspect``: read trajectories in the terminal, call by call.
+
+For each selected result: its state, reward, failure and stage times; then
+each model call: the prompt tokens new in that call (the whole prompt for the
+first call, or when continuity broke), the output, decoded (with a tokenizer)
+or as ids, token boundaries on request, a log-prob summary, the tool calls the
+output made and the observations that followed; and the trajectory's
+continuity violations, which are never hidden.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_cli.protocol import JobResult
+
+
+@dataclass
+class Filters:
+    """Which results to show: job id globs, tasks, states, a reward range, only those with violations."""
+
+    job_ids: tuple[str, ...] = ()
+    tasks: tuple[str, ...] = ()
+    states: tuple[str, ...] = ()
+    min_reward: float | None = None
+    max_reward: float | None = None
+    violations_only: bool = False
+    limit: int | None = None
+
+    def select(self, results: list[JobResult]) -> list[JobResult]:
+        out = []
+        for r in results:
+            if self.job_ids and not any(fnmatch.fnmatchcase(r.job_id, p) for p in self.job_ids):
+                continue
+            if self.tasks and r.task not in self.tasks:
+                continue
+            if self.states and r.state not in self.states:
+                continue
+            if self.min_reward is not None and (r.reward is None or r.reward < self.min_reward):
+                continue
+            if self.max_reward is not None and (r.reward is None or r.reward > self.max_reward):
+                continue
+            if self.violations_only and not violations(r):
+                continue
+            out.append(r)
+        return out[: self.limit] if self.limit is not None else out
+
+
+def trajectory_of(r: JobResult) -> dict[str, Any] | None:
+    """The token-level trajectory in a result's output, if it has one."""
+    traj = r.output.get("trajectory") if isinstance(r.output, dict) else None
+    return traj if isinstance(traj, dict) else None
+
+
+def violations(r: JobResult) -> list[dict[str, Any]]:
+    """The trajectory's continuity violations, plus a line for each call marked not prefix-exact without one."""
+    traj = trajectory_of(r)
+    if traj is None:
+        return []
+    found = [v for v in traj.get("violations") or [] if isinstance(v, dict)]
+    listed = {v.get("call") for v in found}
+    for i, call in enumerate(traj.get("calls") or []):
+        if isinstance(call, dict) and call.get("prefix_ok") is False and i not in listed:
+            found.append({"call": i, "message": f"call {i}: prompt is not a token-exact extension of call {i - 1}"})
+    return found
+
+
+@dataclass
+class CallView:
+    """One model call as shown: new prompt ids, output ids, log-prob summary, tool calls, observations."""
+
+    index: int
+    backend: str | None
+    finish_reason: str | None
+    prompt_len: int
+    new_prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    prefix_ok: bool
+    logprob_mean: float | None
+    logprob_min: float | None
+    min_at: int | None
+    tool_calls: list[str] = field(default_factory=list)
+    observations: list[dict[str, Any]] = field(default_factory=list)
+
+
+def call_views(traj: dict[str, Any]) -> list[CallView]:
+    """Each call of ``traj`` with what it added to the prompt and what followed it."""
+    from prorl_cli.agent.tools import get_tool_parser
+
+    parser = get_tool_parser("hermes")
+    calls = [c for c in traj.get("calls") or [] if isinstance(c, dict)]
+    observations = _observations(traj.get("messages") or [], len(calls))
+    views = []
+    prev_end: list[int] | None = None
+    for i, c in enumerate(calls):
+        prompt = list(c.get("prompt_ids") or [])
+        output = list(c.get("output_ids") or [])
+        ok = bool(c.get("prefix_ok", True))
+        new = prompt[len(prev_end):] if prev_end is not None and ok and prompt[: len(prev_end)] == prev_end else prompt
+        lps = [x for x in c.get("logprobs") or [] if isinstance(x, int | float) and math.isfinite(x)]
+        min_at = min(range(len(lps)), key=lps.__getitem__) if lps else None
+        text = str(c.get("text") or "")
+        views.append(CallView(
+            index=i, backend=c.get("backend_id"), finish_reason=c.get("finish_reason"), prompt_len=len(prompt),
+            new_prompt_ids=new, output_ids=output, text=text, prefix_ok=ok,
+            logprob_mean=sum(lps) / len(lps) if lps else None, logprob_min=lps[min_at] if min_at is not None else None,
+            min_at=min_at,
+            tool_calls=[f"{tc.name}({tc.arguments})" if not tc.error else f"unparsable: {tc.error}" for tc in parser.parse(text)],
+            observations=observations[i] if i < len(observations) else [],
+        ))
+        prev_end = prompt + output
+    return views
+
+
+def _observations(messages: list[Any], n_calls: int) -> list[list[dict[str, Any]]]:
+    """The messages after each assistant message, up to the next one (tool results, user turns)."""
+    out: list[list[dict[str, Any]]] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") == "assistant":
+            out.append([])
+        elif out:
+            out[-1].append(m)
+    return out[:n_calls]
+
+
+class Decoder:
+    """Decodes ids with a tokenizer when one is given, else shows them as ids."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+
+    def text(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """One string per token (its boundaries), or the ids."""
+        if self.tokenizer is None:
+            return [str(i) for i in ids]
+        return [str(self.tokenizer.decode([i], skip_special_tokens=False)) for i in ids]
+
+
+def render_result(r: JobResult, decoder: Decoder, *, show_tokens: bool = False, max_ids: int = 2000) -> Any:
+    """The terminal view of one result (a rich renderable)."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.text import Text
+
+    def tokens(ids: list[int], style: str) -> Text:
+        shown = ids[-max_ids:]
+        t = Text()
+        if len(ids) > len(shown):
+            t.append(f"… {len(ids) - len(shown)} earlier ids …\n", style="dim")
+        if show_tokens:
+            for k, piece in enumerate(decoder.pieces(shown)):
+                t.append(piece, style=f"{style} on grey15" if k % 2 else style)
+                if decoder.tokenizer is None:
+                    t.append(" ")
+        else:
+            t.append(decoder.text(shown), style=style)
+        return t
+
+    state_style = "green" if r.state == "done" else "red"
+    head = Text.from_markup(
+        f"[bold]{escape(r.job_id)}[/]  task {escape(r.task)}  state [{state_style}]{r.state}[/]  "
+        f"reward {r.reward if r.reward is not None else '-'}  attempt {r.attempt}  node {escape(r.node_id or '-')}  "
+        + "  ".join(f"{k} {v:.3f}s" for k, v in r.stage_s.items())
+    )
+    parts: list[Any] = [head]
+    if r.error:
+        parts.append(Text.from_markup(f"[red]failed in {escape(str(r.error.get('stage')))}: "
+                                      f"{escape(str(r.error.get('type')))}: {escape(str(r.error.get('message')))}[/]"))
+    if r.log_path:
+        parts.append(Text(f"job log: {r.log_path}", style="dim"))
+    traj = trajectory_of(r)
+    if traj is None:
+        parts.append(Text("(no token-level trajectory in this result's output)", style="dim"))
+        return Panel(Group(*parts), expand=True)
+    parts.append(Text(f"stop reason {traj.get('stop_reason')}  calls {len(traj.get('calls') or [])}  "
+                      f"model {traj.get('model') or '-'}", style="dim"))
+    for v in call_views(traj):
+        lp = (f"logprobs mean {v.logprob_mean:.3f}, min {v.logprob_min:.3f} at output token {v.min_at}"
+              if v.logprob_mean is not None else "no logprobs")
+        mark = "" if v.prefix_ok else "  [bold red]CONTINUITY BROKEN: the whole prompt is shown[/]"
+        parts.append(Text.from_markup(
+            f"\n[bold cyan]call {v.index}[/]  backend {escape(str(v.backend))}  finish {v.finish_reason}  prompt {v.prompt_len} ids "
+            f"(+{len(v.new_prompt_ids)} new)  output {len(v.output_ids)} ids  {lp}{mark}"))
+        parts.append(Text("new prompt tokens:", style="bold"))
+        parts.append(tokens(v.new_prompt_ids, "yellow"))
+        parts.append(Text("output:", style="bold"))
+        parts.append(tokens(v.output_ids, "green") if decoder.tokenizer is not None or show_tokens else Text(v.text, style="green"))
+        for tc in v.tool_calls:
+            parts.append(Text(f"tool call: {tc}", style="magenta"))
+        for obs in v.observations:
+            parts.append(Text(f"{obs.get('role')}{' ' + str(obs['name']) if obs.get('name') else ''}: {obs.get('content')}",
+                              style="blue"))
+    found = violations(r)
+    for viol in found:
+        parts.append(Text(f"continuity violation at call {viol.get('call')}: {viol.get('message')}", style="bold red"))
+    if traj.get("error"):
+        parts.append(Text(f"generate error: {traj['error']}", style="red"))
+    return Panel(Group(*parts), expand=True, border_style="red" if found or r.state != "done" else "blue")

@@ -1,0 +1,69 @@
+"""Read a run's results back: the JSONL of ``prorl submit --out`` (one JobResult per line) or its Parquet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prorl_cli.exceptions import ProrlError
+from prorl_cli.protocol import JobResult
+
+_RESULT_FIELDS = frozenset(JobResult.__dataclass_fields__)
+
+
+class ResultsFileError(ProrlError, ValueError):
+    """A results file that cannot be read; the message names the file and the line or column."""
+
+
+def _from_row(row: dict[str, Any], where: str) -> JobResult:
+    if not isinstance(row.get("job_id"), str):
+        raise ResultsFileError(f"{where}: no 'job_id' string; is this a results file (prorl submit --out)?")
+    fields = {k: v for k, v in row.items() if k in _RESULT_FIELDS}
+    if "trajectory" in row and "output" not in row:
+        # A trajectories file (Parquet, or rows of write_jsonl): the trajectory is the output.
+        traj = row["trajectory"]
+        fields["output"] = {"trajectory": json.loads(traj) if isinstance(traj, str) else traj}
+    fields.setdefault("task", "")
+    fields.setdefault("state", "done")
+    for name in ("events", "error", "meta"):
+        if isinstance(fields.get(name), str):
+            fields[name] = json.loads(fields[name])
+    return JobResult(**fields)
+
+
+def load_results(path: str | Path) -> list[JobResult]:
+    """The results in ``path`` (``.jsonl``/``.json`` lines, or ``.parquet``), in file order."""
+    p = Path(path)
+    if not p.is_file():
+        raise ResultsFileError(f"{p}: no such file")
+    if p.suffix == ".parquet":
+        return _load_parquet(p)
+    out = []
+    try:
+        with p.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ResultsFileError(f"{p}:{lineno}: not valid JSON: {e.msg}") from e
+                if not isinstance(row, dict):
+                    raise ResultsFileError(f"{p}:{lineno}: a line must be a JSON object, got {type(row).__name__}")
+                out.append(_from_row(row, f"{p}:{lineno}"))
+    except UnicodeDecodeError as e:
+        raise ResultsFileError(f"{p}: not a UTF-8 text file: {e.reason} at byte {e.start}") from e
+    return out
+
+
+def _load_parquet(p: Path) -> list[JobResult]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ResultsFileError("reading Parquet needs pyarrow: pip install 'prorl[parquet]'") from e
+    try:
+        rows = pq.read_table(str(p)).to_pylist()
+    except Exception as e:  # pyarrow raises its own types for files that are not Parquet
+        raise ResultsFileError(f"{p}: not a readable Parquet file: {e}") from e
+    return [_from_row(row, f"{p} row {i}") for i, row in enumerate(rows)]

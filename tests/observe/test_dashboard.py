@@ -1,0 +1,122 @@
+"""`prorl top` / `prorl status --watch` against a real deployment under load."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+
+from prorl_cli.observe.dashboard import Dashboard, render
+from prorl_cli.protocol import StatusReport
+from tests.observe.conftest import INSTANCES, ObservedRun, scrape, total
+
+N_SLOW = 8  # the test deployment's RUN pool holds 8
+
+
+def test_dashboard_shows_a_loaded_deployment_as_status_reports_it(observed_run: ObservedRun) -> None:
+    d = observed_run.deployment
+    ids = d.client.submit("obs_slow", [{"turns": 0, "tools": 0, "hold_s": 4.0}], n=N_SLOW)
+    # Loaded: every slow job holds a RUN slot (nothing else runs now, so the numbers stay put for a while).
+    d.wait_for(lambda st: st.by_task.get("obs_slow", {}).get("run") == N_SLOW, 30.0, "the slow jobs to run", "n1")
+    out = observed_run.prorl("status", "--json")
+    assert out.returncode == 0, out.stderr
+    report = StatusReport.from_wire(json.loads(out.stdout))
+    assert report.by_task["obs_slow"] == {"run": N_SLOW}  # what the test submitted
+
+    console = Console(record=True, width=200, force_terminal=False)
+    board = Dashboard()
+    board.update(report, now=0.0)
+    snap = board.update(report, now=1.0)
+    console.print(render(snap))
+    text = console.export_text()
+    tables = _tables(text)
+    # jobs by task and state: the obs run (4 done, 2 failed) and the loaded ones, and a total row that equals status.
+    jobs = tables["jobs by task and state"]
+    assert jobs["obs"]["done"] == "4" and jobs["obs"]["failed"] == "2" and jobs["obs"]["total"] == str(len(INSTANCES))
+    assert jobs["obs_slow"]["run"] == str(N_SLOW) and jobs["obs_slow"]["total"] == str(N_SLOW)
+    assert jobs["all"]["total"] == str(sum(report.jobs.values())) and jobs["all"]["run"] == str(report.jobs["run"])
+    # The node's RUN pool: active/queued/limit as its heartbeat said.
+    run_pool = report.node_statuses()[0].stages["run"]
+    node = tables["nodes: stage pools active/queued/limit"]["n1"]
+    assert node["run"] == f"{run_pool['active']}/{run_pool['queued']}/{run_pool['limit']}" == f"{N_SLOW}/0/8"
+    # The backend: served calls as the broker counts them; tokens from the nodes' counters.
+    backend = report.backend_statuses()[0]
+    row = tables["inference backends"]["sim-a"]
+    assert (row["in-flight"], row["served"], row["state"]) == (str(backend.inflight), str(backend.served), "serving")
+    assert backend.served == sum(i["turns"] for i in INSTANCES)
+    assert report.tokens["sim-a"]["output"] == 8 * backend.served
+    # Failures grouped by task, stage and error type, with a sample message.
+    failures = {(r["task"], r["stage"], r["error"], r["count"], r["sample message"])
+                for r in tables["failures by task, stage and error"].rows}
+    assert failures == {("obs", "run", "RuntimeError", "1", "the run failed on purpose"),
+                        ("obs", "eval", "ValueError", "1", "the eval failed on purpose")}
+
+    # A scrape during the load: the RUN pool's occupancy as the node's heartbeat reported it (refreshed each second).
+    deadline = time.monotonic() + 20
+    while total(scrape(observed_run.metrics_url), "prorl_node_stage_jobs", node="n1", stage="run", kind="active") != N_SLOW:
+        assert time.monotonic() < deadline, "the scrape never showed the loaded RUN pool"
+        time.sleep(0.2)
+
+    results = list(d.client.as_completed(ids, timeout_s=60))
+    assert {r.state for r in results} == {"done"}
+    out = observed_run.prorl("top", "--json", "--interval-s", "0.2")
+    assert out.returncode == 0, out.stderr
+    snap_json = json.loads(out.stdout)
+    assert snap_json["by_task"]["obs_slow"] == {"done": N_SLOW}
+    assert snap_json["finished"] == len(INSTANCES) + N_SLOW
+    assert {(f["task"], f["stage"], f["type"], f["count"]) for f in snap_json["failures"]} == {
+        ("obs", "run", "RuntimeError", 1), ("obs", "eval", "ValueError", 1)}
+    assert snap_json["backends"][0]["backend_id"] == "sim-a"
+
+
+def test_status_watch_leaves_cleanly_on_ctrl_c(observed_run: ObservedRun) -> None:
+    d = observed_run.deployment
+    env = {**d.env(), "COLUMNS": "160"}
+    proc = subprocess.Popen([sys.executable, "-m", "prorl_cli", "-d", d.name, "status", "--watch"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        seen, deadline = "", time.monotonic() + 60
+        while "inference backends" not in seen:  # the first frame is drawn (piped: frame after frame)
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                seen += proc.stdout.readline()
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert "stopped" in stdout
+
+
+class _Table(dict[str, dict[str, str]]):
+    """A rendered table: rows by their first cell, and all rows in order."""
+
+    rows: list[dict[str, str]]
+
+
+def _tables(text: str) -> dict[str, _Table]:
+    """The tables of a rich text export, by title: each row as {column: cell}."""
+    out: dict[str, _Table] = {}
+    title, columns, table = "", [], _Table()
+    for line in text.splitlines():
+        if "┃" in line:
+            columns = [c.strip() for c in line.split("┃")[1:-1]]
+        elif "│" in line:
+            row = dict(zip(columns, (c.strip() for c in line.split("│")[1:-1]), strict=True))
+            table[row[columns[0]]] = row
+            table.rows.append(row)
+        elif line.strip() and not set(line.strip()) <= set("┏┓┗┛━┳┻┡┩╇└┘─┴┌┐┬"):
+            title, table = line.strip(), _Table()
+            table.rows = []
+            out[title] = table
+    return out
