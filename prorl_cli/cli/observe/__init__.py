@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.naming import deployment_argument, deployment_option
 
 if TYPE_CHECKING:
     from prorl_cli.protocol import JobResult
@@ -70,12 +71,13 @@ def run_top(app: App, address: str | None, as_json: bool, interval_s: float, fra
 
 
 @click.command()
-@click.argument("deployment_name", metavar="[DEPLOYMENT]", required=False)
+@deployment_argument
 @click.option("--json", "as_json", is_flag=True, help="Print one snapshot (rates over --interval-s) as JSON and exit.")
 @click.option("--interval-s", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Refresh period.")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
+@deployment_option
 @pass_app
-def top(app: App, deployment_name: str | None, as_json: bool, interval_s: float, address: str | None) -> None:
+def top(app: App, as_json: bool, interval_s: float, address: str | None) -> None:
     """Live dashboard of a deployment (same as `prorl status --watch`); Ctrl-C to leave.
 
     \b
@@ -83,9 +85,6 @@ def top(app: App, deployment_name: str | None, as_json: bool, interval_s: float,
     INIT/RUN/EVAL pools (active/queued/limit), each backend's in-flight and served
     calls and tokens/s (paused or not), and failures grouped by task, stage and error type.
     """
-    from prorl_cli.cli.jobs import name_deployment
-
-    name_deployment(app, deployment_name)
     run_top(app, address, as_json, interval_s)
 
 
