@@ -284,6 +284,11 @@ class Pipeline:
         self._arming = _Arming()
         self._loggers: dict[str, logging.Logger] = {}
         self._clocks: dict[str, _JobClock] = {}
+        #: The node's Prometheus figures; each job is counted from its timeline when it ends.
+        self.metrics = MetricSet()
+        #: Failed jobs by (task, stage, error type): [count, latest message] (sent in heartbeats).
+        self.failures: dict[tuple[str, str, str], list[Any]] = {}
+        self._job_log_format = formatter_for("job", "%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def hold_clock(self, job_id: str, held: bool) -> None:
         """Stop (``held``) or restart the clocks of a running job while one of its generate calls is held at the broker.
@@ -294,11 +299,6 @@ class Pipeline:
         clock = self._clocks.get(job_id)
         if clock is not None:
             clock.hold(held)
-        #: The node's Prometheus figures; each job is counted from its timeline when it ends.
-        self.metrics = MetricSet()
-        #: Failed jobs by (task, stage, error type): [count, latest message] (sent in heartbeats).
-        self.failures: dict[tuple[str, str, str], list[Any]] = {}
-        self._job_log_format = formatter_for("job", "%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {name: pool.stats().to_wire() for name, pool in self.pools.items()}

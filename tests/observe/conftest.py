@@ -64,7 +64,7 @@ def observed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedR
         results_path = tmp / "results.jsonl"
         run = ObservedRun(d, results_path, [], f"http://127.0.0.1:{port}/metrics")
         out = run.prorl("submit", str(tasks), "--task", "obs", "--out", str(results_path), "--id-prefix", "obs")
-        assert out.returncode == 1, out.stdout + out.stderr  # two jobs fail on purpose
+        assert out.returncode == 0, out.stdout + out.stderr  # two jobs fail on purpose: counted, not an error
         run.results = [json.loads(line) for line in results_path.read_text().splitlines()]
         assert len(run.results) == len(INSTANCES)
         yield run

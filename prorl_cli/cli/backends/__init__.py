@@ -109,6 +109,7 @@ def backends_resume(app: App, policy_version: int | None, address: str | None) -
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Give up on bridges that have not loaded the weights by then.")
 @_address
+@deployment_option
 @pass_app
 def backends_reload(app: App, checkpoint: str, policy_version: int, timeout_s: float, address: str | None) -> None:
     """Load new weights into every running bridge in place (no restart).
