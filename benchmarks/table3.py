@@ -1,6 +1,6 @@
 """The ProRL Agent paper's Table 3, replayed on simulated GPUs through real prorl processes.
 
-One seeded SWE-like workload (``handlers/sim_agent.py``: 10-40 turns per
+One seeded SWE-like workload (``prorl_cli/testing/handlers/sim_agent.py``: 10-40 turns per
 rollout, prompts growing by each observation to tens of thousands of tokens,
 log-normal tool time) is sampled by prorl's own DAPO sampler
 (:class:`prorl_cli.training.sampler.DapoSampler`): groups of ``--n`` rollouts,

@@ -21,18 +21,15 @@ passes. ``output["report"]`` is the per-test report.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import shlex
 import subprocess
 from dataclasses import asdict
 from typing import Any
 
-from prorl_cli.domains.handler import DomainHandler
-from prorl_cli.domains.sandbox_tools import BASH_SCHEMA, EDITOR_SCHEMA, sandbox_tools
-from prorl_cli.domains.settings import DomainSettings
+from prorl_cli.domains.sandbox_tools import BASH, EDITOR
 from prorl_cli.domains.swe_grading import grade, parse_pytest_log, test_list, test_targets
 from prorl_cli.exceptions import DomainError
-from prorl_cli.node.handler import JobContext
+from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext
 
 SYSTEM = (
     "You are a software engineer fixing an issue in the repository at {repo_dir}. Explore it with the bash "
@@ -50,32 +47,29 @@ def _bundle(repo_path: str) -> bytes:
         raise DomainError(f"swe: cannot bundle repo_path {repo_path!r}: {e}") from e
 
 
-class SweHandler(DomainHandler):
+class SweHandler(AgentHandler):
     """Repository-level issue fixing, graded by the repository's own tests."""
 
     name = "swe"
-    defaults = DomainSettings(
+    defaults = HandlerSettings(
         max_turns=30, system_prompt=SYSTEM, tools=("bash", "editor"), image="swe",
         init_timeout_s=300.0, run_timeout_s=3600.0, eval_timeout_s=1800.0, max_tokens=2048,
         extra={"repo_dir": "/testbed", "repo_images": {}, "tool_timeout_s": 120.0, "test_timeout_s": 900.0,
                "test_command": "python3 -m pytest -rA -p no:cacheprovider"},
     )
-    tool_schemas = {"bash": BASH_SCHEMA, "editor": EDITOR_SCHEMA}
+    tools = (BASH, EDITOR)
     required_fields = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
 
-    def image_for(self, ctx: JobContext, settings: DomainSettings) -> str | None:
+    def image_for(self, ctx: JobContext, settings: HandlerSettings) -> str | None:
         images: dict[str, Any] = settings.get("repo_images")
         inst = ctx.instance
         found = images.get(f"{inst['repo']}@{inst.get('version')}") or images.get(str(inst["repo"]))
         return str(found) if found else settings.image
 
-    async def _sandbox(self, ctx: JobContext, settings: DomainSettings) -> Any:
+    async def _sandbox(self, ctx: JobContext, settings: HandlerSettings) -> Any:
         """A sandbox with the repository at ``base_commit`` and a clean work tree."""
-        options: dict[str, Any] = {"network": False, "env": {"PYTHONDONTWRITEBYTECODE": "1"}}
-        image = self.image_for(ctx, settings)
-        if image:
-            options["image"] = image
-        sandbox = await ctx.start_sandbox(**options)
+        sandbox = await ctx.start_sandbox(image=self.image_for(ctx, settings), network=False,
+                                          env={"PYTHONDONTWRITEBYTECODE": "1"})
         repo_dir = shlex.quote(str(settings.get("repo_dir")))
         base = shlex.quote(str(ctx.instance["base_commit"]))
         if ctx.instance.get("repo_path"):
@@ -92,18 +86,20 @@ class SweHandler(DomainHandler):
                               f"{settings.get('repo_dir')}: {ready.output[-1000:]}")
         return sandbox
 
-    async def setup(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def init(self, ctx: JobContext) -> None:
+        ctx.output["domain"] = self.name
+        settings = ctx.settings
         test_list(ctx.instance["FAIL_TO_PASS"], "FAIL_TO_PASS")
         test_list(ctx.instance["PASS_TO_PASS"], "PASS_TO_PASS")
-        await self.load_chat(ctx, settings)
+        await ctx.chat()
         ctx.state["sandbox"] = await self._sandbox(ctx, settings)
         ctx.output["sandboxes"] = {"run": ctx.state["sandbox"].sandbox_id}
 
-    async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def run(self, ctx: JobContext) -> None:
+        settings = ctx.settings
         sandbox = ctx.state["sandbox"]
-        tools = sandbox_tools(sandbox, float(settings.get("tool_timeout_s")))
         system = settings.system_prompt.replace("{repo_dir}", str(settings.get("repo_dir")))
-        await self.agent_loop(ctx, dataclasses.replace(settings, system_prompt=system), ctx.instance["problem_statement"], tools)
+        await ctx.agent(ctx.instance["problem_statement"], system=system)
         repo_dir = shlex.quote(str(settings.get("repo_dir")))
         base = shlex.quote(str(ctx.instance["base_commit"]))
         diff = await sandbox.bash(f"cd {repo_dir} && git add -A && git diff --cached --binary {base} > /tmp/model.patch")
@@ -111,7 +107,8 @@ class SweHandler(DomainHandler):
             raise DomainError(f"swe: git diff against base_commit failed: {diff.output[-1000:]}")
         ctx.output["model_patch"] = (await sandbox.read_file("/tmp/model.patch")).decode("utf-8", "replace")
 
-    async def score(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def eval(self, ctx: JobContext) -> None:
+        settings = ctx.settings
         patch = ctx.output.get("model_patch")
         if not isinstance(patch, str):
             raise DomainError("swe: RUN saved no model_patch")

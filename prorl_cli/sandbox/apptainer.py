@@ -200,6 +200,8 @@ class ApptainerRuntime(Runtime):
             argv.append("--writable-tmpfs")
         argv += ["--bind", f"{spec.run_dir}:{INSIDE_RUN}"]
         argv += ["--bind", f"{TOOLSERVER_PATH}:{INSIDE_TOOLSERVER}:ro"]
+        for mount in spec.mounts:
+            argv += ["--bind", f"{mount.source}:{mount.target}:{'rw' if mount.writable else 'ro'}"]
         for key, value in spec.sandbox_env.items():
             argv += ["--env", f"{key}={value}"]
         argv += list(cfg.extra_args)

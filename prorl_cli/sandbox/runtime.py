@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prorl_cli.exceptions import SandboxError, SandboxTimeout
+from prorl_cli.sandbox.options import Mount
 from prorl_cli.sandbox.settings import SandboxConfig
 from prorl_cli.sandbox.toolserver import READY_LINE
 
@@ -56,6 +57,8 @@ class LaunchSpec:
     loopback_ip: str
     config: SandboxConfig
     env: dict[str, str] = field(default_factory=dict)
+    #: Host paths bound in (``Mount``); only isolating runtimes honour them.
+    mounts: list[Mount] = field(default_factory=list)
 
     @property
     def run_dir(self) -> Path:
