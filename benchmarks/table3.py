@@ -160,7 +160,7 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         # Fresh stats every 0.25 s, but a peer is declared dead only after 10 s: a loaded 2-core machine stalls processes.
         "broker": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 40, "journal": False, **spec.get("broker", {})},
         # Room for the sampler's jobs and the abandoned ones still running (no_cleanup); more wait in the broker's queue.
-        "node": {"n_init": 32, "n_run": args.in_flight * 2, "n_eval": 32, "stop_grace_s": 3.0},
+        "node": {"n_init": 32, "n_run": args.in_flight * 2, "n_eval": 32, "stop_grace_s": 3.0, "handler_paths": ["prorl_cli.testing.handlers"]},
         "jobs": {"timeout_s": 3600.0},
         "inference": {"generate_timeout_s": 3600.0, "sim_speedup": args.speedup, "capacity": 256},
         "log_level": "WARNING",

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from prorl_cli.testing import DEFAULT_TEST_CONFIG, TEST_HANDLERS, Deployment, bare_dealer, fixed_port
+from prorl_cli.testing import (
+    DEFAULT_TEST_CONFIG,
+    TEST_HANDLERS,
+    Deployment,
+    bare_dealer,
+    fixed_port,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,8 +5,9 @@ non-empty ``name``. Sources, in order:
 
 - the built-in package :mod:`prorl_cli.handlers` (the repository's
   ``handlers/`` folder), each module imported by its package name;
-- the folders or files in ``node.handler_paths`` (``prorl serve node
-  --handlers PATH``) and in ``PRORL_HANDLER_PATHS`` (``os.pathsep``-separated;
+- the folders, files or importable packages (a dotted name such as
+  ``prorl_cli.testing.handlers``) in ``node.handler_paths`` (``prorl serve
+  node --handlers PATH``) and in ``PRORL_HANDLER_PATHS`` (``os.pathsep``-separated;
   test deployments use it to add :mod:`prorl_cli.testing.handlers`). A file
   inside an importable package is imported by its package name, so its
   classes are the ones tests import; any other file as ``prorl_handlers.<stem>``;
@@ -22,6 +23,7 @@ import inspect
 import logging
 import os
 import pkgutil
+import re
 import sys
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -155,19 +157,45 @@ def _files(path: Path) -> list[Path]:
     raise HandlerError(f"{path}: handler path does not exist")
 
 
-def _builtins(reg: HandlerRegistry) -> None:
-    """The modules of :mod:`prorl_cli.handlers`, by package name."""
-    package = importlib.import_module(BUILTIN_PACKAGE)
+def _add_package(reg: HandlerRegistry, package_name: str) -> None:
+    """Every module of a package (or the one module) named ``package_name``, imported by name."""
+    try:
+        package = importlib.import_module(package_name)
+    except Exception as e:  # plugin code: report which package broke
+        reg.errors.append(f"handler package {package_name}: import failed: {type(e).__name__}: {e}")
+        return
+    if not hasattr(package, "__path__"):
+        _add_module(reg, package)
+        return
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
         if info.name.startswith("_") or info.ispkg:
             continue
         path = Path(package.__path__[0]) / f"{info.name}.py"
         try:
-            module = _import_module(f"{BUILTIN_PACKAGE}.{info.name}", path)
-            for cls in _handler_classes(module):
-                reg.add(cls, str(path))
+            _add_module(reg, _import_module(f"{package_name}.{info.name}", path))
         except HandlerError as e:
             reg.errors.append(str(e))
+
+
+def _add_module(reg: HandlerRegistry, module: ModuleType) -> None:
+    for cls in _handler_classes(module):
+        try:
+            reg.add(cls, str(getattr(module, "__file__", None) or module.__name__))
+        except HandlerError as e:
+            reg.errors.append(str(e))
+
+
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _is_module_name(entry: str) -> bool:
+    """A dotted name (``prorl_cli.testing.handlers``) rather than a path, importable here."""
+    if not _MODULE_NAME.fullmatch(entry) or Path(entry).exists():
+        return False
+    try:
+        return importlib.util.find_spec(entry) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def discover(extra_paths: list[str] | None = None, only: list[str] | None = None) -> HandlerRegistry:
@@ -176,10 +204,13 @@ def discover(extra_paths: list[str] | None = None, only: list[str] | None = None
     Callers that serve handlers (the node) refuse to start while ``errors`` is not empty.
     """
     reg = HandlerRegistry()
-    _builtins(reg)
+    _add_package(reg, BUILTIN_PACKAGE)
     from_env = [p for p in os.environ.get(ENV_HANDLER_PATHS, "").split(os.pathsep) if p]
-    paths = list(dict.fromkeys(Path(p).expanduser() for p in [*(extra_paths or []), *from_env]))
-    for root in paths:
+    for entry in dict.fromkeys([*(extra_paths or []), *from_env]):
+        if _is_module_name(entry):
+            _add_package(reg, entry)
+            continue
+        root = Path(entry).expanduser()
         try:
             files = _files(root)
         except HandlerError as e:

@@ -10,8 +10,9 @@ from typing import Any
 from prorl_cli.embedded import LocalStack
 from prorl_cli.node.registry import ENV_HANDLER_PATHS
 
-#: The folder of the test handlers (pass it to ``--handlers`` or ``node.handler_paths``).
-TEST_HANDLERS = Path(__file__).resolve().parent / "handlers"
+#: The test handlers as a handler path entry (``--handlers``, ``node.handler_paths``): a package name,
+#: so it names them wherever prorl is installed.
+TEST_HANDLERS = "prorl_cli.testing.handlers"
 
 
 def merge_config(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -43,8 +44,8 @@ class Deployment(LocalStack):
     def env(self) -> dict[str, str]:
         env = super().env()
         extra = [p for p in env.get(ENV_HANDLER_PATHS, "").split(os.pathsep) if p]
-        if str(TEST_HANDLERS) not in extra:
-            env[ENV_HANDLER_PATHS] = os.pathsep.join([str(TEST_HANDLERS), *extra])
+        if TEST_HANDLERS not in extra:
+            env[ENV_HANDLER_PATHS] = os.pathsep.join([TEST_HANDLERS, *extra])
         return env
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from prorl_cli.testing.handlers.testing import ScriptedTestHandler
 from prorl_cli.config import ProrlConfig
 from prorl_cli.node.handler import Services
 from prorl_cli.node.pipeline import Pipeline
 from prorl_cli.node.registry import HandlerRegistry
 from prorl_cli.protocol import JobResult, JobSpec
+from prorl_cli.testing.handlers.testing import ScriptedTestHandler
 
 
 def _pipeline(tmp_path: Path, done: list[JobResult], n_run: int = 32) -> Pipeline:

@@ -65,9 +65,7 @@ def quickstart(app: App, qs_home: Path, engine: str, model: Path | None, n: int,
         config["inference"] = {"tokenizer": str(model_dir)}
     else:
         # The no-model modes run the test handlers, which production nodes do not serve.
-        from prorl_cli.testing import TEST_HANDLERS
-
-        config["node"]["handler_paths"] = [str(TEST_HANDLERS)]
+        config["node"]["handler_paths"] = ["prorl_cli.testing.handlers"]
     if plan is not None:
         for section, values in plan.config.items():
             config[section] = {**config.get(section, {}), **values}

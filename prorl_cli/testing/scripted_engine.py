@@ -7,7 +7,7 @@ deployment add their own entries) holding a list of
 tokenizer, where ``i`` is the number of assistant turns already in the
 prompt. The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
 so every call goes node -> broker -> bridge -> engine and back (the real
-generate contract). Run: ``python -m tests.domains.scripted_engine SCRIPT
+generate contract). Run: ``python -m prorl_cli.testing.scripted_engine SCRIPT
 TOKENIZER_DIR BACKEND_ID DEPLOYMENT_DIR``.
 """
 
