@@ -212,5 +212,5 @@ class ApptainerRuntime(Runtime):
         # A fresh sysfs shows the sandbox's own network namespace (only lo);
         # mounting it needs root in the sandbox's user namespace.
         remount_sys = cfg.fakeroot and not spec.network
-        argv += self.toolserver_argv(f"{INSIDE_RUN}/{SOCKET_NAME}", remount_sys=remount_sys)
+        argv += self.toolserver_argv(f"{INSIDE_RUN}/{SOCKET_NAME}", remount_sys=remount_sys, spec=spec)
         return argv

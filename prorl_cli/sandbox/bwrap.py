@@ -96,5 +96,5 @@ class BwrapRuntime(Runtime):
             argv += ["--setenv", key, value]
         argv += list(cfg.extra_args)
         argv += [cfg.python, INSIDE_TOOLSERVER]
-        argv += self.toolserver_argv(f"{INSIDE_RUN}/{SOCKET_NAME}")
+        argv += self.toolserver_argv(f"{INSIDE_RUN}/{SOCKET_NAME}", spec=spec)
         return argv

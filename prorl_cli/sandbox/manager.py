@@ -242,7 +242,7 @@ class SandboxManager:
         )
 
     def _wall_expired(self, sandbox: Sandbox) -> None:
-        self.log.warning("sandbox %s of job %s ran past its wall limit (sandbox.wall_s or the job's limits): stopping it",
+        self.log.warning("sandbox %s of job %s ran past sandbox.wall_s (or its own limits.wall_s): stopping it",
                          sandbox.sandbox_id, sandbox.job_id)
         task = asyncio.ensure_future(sandbox.stop())
         self._background.add(task)

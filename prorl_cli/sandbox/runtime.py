@@ -287,12 +287,13 @@ class Runtime(abc.ABC):
             raise SandboxError(f"{self.name} runtime: image {chosen!r} does not exist")
         return chosen
 
-    def toolserver_argv(self, socket_path: str, *, remount_sys: bool = False) -> list[str]:
-        """Arguments after the interpreter: the tool server, its socket and the limits."""
+    def toolserver_argv(self, socket_path: str, *, remount_sys: bool = False, spec: LaunchSpec | None = None) -> list[str]:
+        """Arguments after the interpreter: the tool server, its socket and the limits (the sandbox's own, from ``spec``)."""
+        limits = spec.config if spec is not None else self.config
         argv = [
             "--socket", socket_path,
-            "--mem-gb", str(self.config.mem_gb),
-            "--max-procs", str(self.config.max_procs),
+            "--mem-gb", str(limits.mem_gb),
+            "--max-procs", str(limits.max_procs),
         ]
         if remount_sys:
             argv.append("--remount-sys")
