@@ -329,7 +329,7 @@ class AgentHandler(abc.ABC):
 
     def stage_limit_s(self, ctx: JobContext, stage: str) -> float | None:
         """This job's limit of ``stage`` from the handler's settings (``None``: only the node's limits)."""
-        return ctx.settings.stage_timeout_s(stage)
+        return (ctx._settings or ctx.settings).stage_timeout_s(stage)
 
     # -- fallbacks ----------------------------------------------------------------------
     def record_failure(self, ctx: JobContext, stage: str, exc: BaseException) -> None:

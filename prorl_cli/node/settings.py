@@ -17,6 +17,7 @@ from prorl_cli.exceptions import DomainError
 
 #: The stages a handler may limit (``<stage>_timeout_s``).
 LIMITED_STAGES = ("init", "run", "eval")
+_LIMIT_FIELDS = {stage: f"{stage}_timeout_s" for stage in LIMITED_STAGES}
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,10 @@ class HandlerSettings:
 
     def stage_timeout_s(self, stage: str) -> float | None:
         """The handler's limit of ``stage`` (``init``, ``run`` or ``eval``), ``None`` for none."""
-        if stage not in LIMITED_STAGES:
-            raise ValueError(f"unknown stage {stage!r}; stages: {LIMITED_STAGES}")
-        value: float | None = getattr(self, f"{stage}_timeout_s")
+        try:
+            value: float | None = getattr(self, _LIMIT_FIELDS[stage])  # per stage of every job: no string building
+        except KeyError:
+            raise ValueError(f"unknown stage {stage!r}; stages: {LIMITED_STAGES}") from None
         return value
 
     def get(self, key: str) -> Any:
