@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-from prorl_cli.exceptions import HandlerError, UnknownTask
+from prorl_cli.exceptions import DomainError, HandlerError, UnknownTask
 from prorl_cli.node.handler import AgentHandler
+from prorl_cli.node.settings import resolve_settings
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "prorl.handlers"
@@ -67,6 +69,21 @@ class HandlerRegistry:
     @property
     def tasks(self) -> list[str]:
         return sorted(self.handlers)
+
+    def settings_errors(self, domains: dict[str, Any]) -> list[str]:
+        """Problems of ``domains.<task>`` in prorl.yaml for the served handlers (checked at node start)."""
+        errors = []
+        for name, cls in sorted(self.handlers.items()):
+            where = f"prorl.yaml: domains.{name}"
+            try:
+                settings = resolve_settings(cls.defaults, (where, domains.get(name)))
+                declared = {t.name for t in cls.tools}
+                unknown = sorted(set(settings.tools or ()) - declared)
+                if unknown:
+                    raise DomainError(f"{where}: tools {unknown} do not exist; {name} offers {sorted(declared)}")
+            except DomainError as e:
+                errors.append(str(e))
+        return errors
 
 
 def _handler_classes(module: ModuleType) -> list[type[AgentHandler]]:

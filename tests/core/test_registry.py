@@ -51,3 +51,44 @@ def test_bad_handler_sources_are_reported_by_name(tmp_path: Path, monkeypatch: p
     assert f"{tmp_path / 'broken.py'}:2: import failed: RuntimeError: boom" in errors
     assert "task 'math' is defined twice" in errors
     assert "absent: handler path does not exist" in errors
+
+
+def test_bad_handler_settings_in_the_config_stop_the_node_at_start(tmp_path: Path) -> None:
+    import subprocess
+
+    from tests.harness import Deployment
+
+    reg = discover()
+    assert reg.settings_errors({"math": {"max_turns": 3}, "other": {"x": 1}}) == []
+    assert reg.settings_errors({"math": {"tools": ["python", "shell"]}}) == [
+        "prorl.yaml: domains.math: tools ['shell'] do not exist; math offers ['python']"]
+    d = Deployment(tmp_path / "home", "badset", config={"domains": {"code": {"test_mem_mb": "lots"}}})
+    try:
+        proc = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", "badset", "serve", "node"],
+                              env=d.env(), capture_output=True, text=True, timeout=60)
+    finally:
+        d.close()
+    assert proc.returncode != 0
+    assert "prorl.yaml: domains.code.test_mem_mb: expected a positive number, got 'lots'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_tool_is_declared_once_for_the_template_and_the_loop() -> None:
+    from prorl_cli.agent import Tool, tool_functions
+
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    tool = Tool("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}, add,
+                description="Add two numbers.")
+    assert tool.spec() == {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                                           "parameters": dict(tool.schema)}}
+    full = Tool("add", tool.spec(), add)
+    assert full.spec() == tool.spec()
+    assert tool_functions([tool]) == {"add": add}
+    with pytest.raises(ValueError, match="function schema is named 'plus'"):
+        Tool("add", {"type": "function", "function": {"name": "plus"}}, add)
+    with pytest.raises(ValueError, match="must be an object schema"):
+        Tool("add", {"type": "string"}, add)
+    with pytest.raises(ValueError, match="needs a job context"):
+        tool_functions([Tool("add", tool.schema, add, context=True)])
