@@ -101,7 +101,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        config = {"log_level": "WARNING", "node": {"n_init": args.slots, "n_run": args.slots, "n_eval": args.slots, "credit": args.slots}}
+        config = {"log_level": "WARNING", "node": {"n_init": args.slots, "n_run": args.slots, "n_eval": args.slots, "credit": args.slots,
+                                            "handler_paths": ["prorl_cli.testing.handlers"]}}
         with LocalStack(Path(tmp), "dapo-bench", config) as stack:
             stack.start_broker()
             stack.start_node("n1")

@@ -2,7 +2,7 @@
 
 Part 1, per domain (math, code, swe, search): ``--jobs`` rollouts whose model
 turns are scripted (a real inference bridge serving predetermined token ids,
-``tests/domains/scripted_engine.py``) through a real broker and node with
+``prorl_cli/testing/scripted_engine.py``) through a real broker and node with
 Apptainer sandboxes on the domain test image. Printed: mean in-stage seconds
 of INIT / RUN / EVAL, mean queue seconds (submit-to-result wall time minus
 in-stage time), and rollouts/s, for prorl's concurrent stage pools against
@@ -32,8 +32,9 @@ sys.path.insert(0, str(REPO))
 
 from prorl_cli.domains.search_index import Document, SearchIndex  # noqa: E402
 from prorl_cli.domains.tinyrepo import make_tinyrepo  # noqa: E402
-from tests.domains.conftest import IMAGES, ScriptedStack, turn  # noqa: E402
-from tests.harness import Deployment  # noqa: E402
+from prorl_cli.testing import Deployment  # noqa: E402
+from prorl_cli.testing.scripted import TEST_IMAGES as IMAGES  # noqa: E402
+from prorl_cli.testing.scripted import ScriptedStack, turn  # noqa: E402
 
 FIX = ("editor", {"command": "str_replace", "path": "/testbed/tinycalc/stats.py", "old_str": "(len(xs) - 1)", "new_str": "len(xs)"})
 

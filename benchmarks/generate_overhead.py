@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--url", help="use a running OpenAI-compatible vLLM server instead of starting one")
     args = ap.parse_args()
 
-    from tests.harness import Deployment
+    from prorl_cli.testing import Deployment
 
     work = Path(tempfile.mkdtemp(prefix="prorl-bench-generate-"))
     server = None

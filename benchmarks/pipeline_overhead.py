@@ -207,7 +207,8 @@ def cpu_per_job(jobs: int, inflight: int, warmup: int) -> None:
     """Stream ``jobs`` no-op jobs after ``warmup`` ones; print each process's CPU time per job."""
     for journal in (True, False):
         with tempfile.TemporaryDirectory(prefix="prorl-bench-") as tmp:
-            config = {"node": {"n_init": 8, "n_run": 32, "n_eval": 8}, "broker": {"journal": journal}, "log_level": "WARNING"}
+            config = {"node": {"n_init": 8, "n_run": 32, "n_eval": 8, "handler_paths": ["prorl_cli.testing.handlers"]}, "broker": {"journal": journal},
+                      "log_level": "WARNING"}
             with LocalStack(Path(tmp), "bench", config) as stack:
                 broker = stack.start_broker()
                 node = stack.start_node("node-0")
@@ -257,7 +258,8 @@ def main() -> None:
     runs: dict[bool, tuple[float, list[float], float, list[float]]] = {}
     for journal in (True, False):
         with tempfile.TemporaryDirectory(prefix="prorl-bench-") as tmp:
-            config = {"node": {"n_init": 8, "n_run": 32, "n_eval": 8}, "broker": {"journal": journal}, "log_level": "WARNING"}
+            config = {"node": {"n_init": 8, "n_run": 32, "n_eval": 8, "handler_paths": ["prorl_cli.testing.handlers"]}, "broker": {"journal": journal},
+                      "log_level": "WARNING"}
             with LocalStack(Path(tmp), "bench", config) as stack:
                 stack.start_broker()
                 stack.start_node("node-0")

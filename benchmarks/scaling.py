@@ -44,7 +44,7 @@ def run_size(base: Path, k: int, args: argparse.Namespace) -> dict[str, float]:
     config = base / f"prorl-{k}.yaml"
     config.write_text(yaml.safe_dump({
         "broker": {"heartbeat_interval_s": 0.5, "heartbeat_liveness": 6},
-        "node": {"n_init": 4, "n_run": args.n_run, "n_eval": 4, "credit": args.n_run + 8},
+        "node": {"n_init": 4, "n_run": args.n_run, "n_eval": 4, "credit": args.n_run + 8, "handler_paths": ["prorl_cli.testing.handlers"]},
         "log_level": "WARNING",
     }))
     deploy = base / f"deploy-{k}.yaml"

@@ -1,6 +1,6 @@
 """The ProRL Agent paper's Table 3, replayed on simulated GPUs through real prorl processes.
 
-One seeded SWE-like workload (``handlers/sim_agent.py``: 10-40 turns per
+One seeded SWE-like workload (``prorl_cli/testing/handlers/sim_agent.py``: 10-40 turns per
 rollout, prompts growing by each observation to tens of thousands of tokens,
 log-normal tool time) is sampled by prorl's own DAPO sampler
 (:class:`prorl_cli.training.sampler.DapoSampler`): groups of ``--n`` rollouts,
@@ -202,7 +202,7 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         # Fresh stats every 0.25 s, but a peer is declared dead only after 10 s: a loaded 2-core machine stalls processes.
         "broker": {"heartbeat_interval_s": 0.25, "heartbeat_liveness": 40, "journal": False, **spec.get("broker", {})},
         # Room for the sampler's jobs and the abandoned ones still running (no_cleanup); more wait in the broker's queue.
-        "node": {"n_init": 32, "n_run": args.in_flight * 2, "n_eval": 32, "stop_grace_s": 3.0},
+        "node": {"n_init": 32, "n_run": args.in_flight * 2, "n_eval": 32, "stop_grace_s": 3.0, "handler_paths": ["prorl_cli.testing.handlers"]},
         "jobs": {"timeout_s": 3600.0},
         "inference": {"generate_timeout_s": 3600.0, "sim_speedup": args.speedup, "capacity": 256,
                       "sim_ledger_dir": str(home / f"ledgers-{name}-{seed}")},

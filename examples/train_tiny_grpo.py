@@ -49,11 +49,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
 # One thread per process: trainer, node and bridge share the cores, and spinning OpenMP threads
 # of several processes on an oversubscribed CPU make every forward pass many times slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(REPO))  # handlers.math_agent (the task's system prompt and tool schema)
 
 
 #: Exact-match reward (1.0 for the right number, else 0.0), calculator tool, token-exact trajectories.
@@ -144,7 +142,7 @@ def demonstration(chat: Any, problem: dict[str, Any], use_tool: bool, rng: rando
     tool episode earns what its copies get right. The warm-up teaches both ways; RL has to find out
     which one pays.
     """
-    from handlers.math_agent import SYSTEM
+    from prorl_cli.handlers.math_agent import SYSTEM
 
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": problem["question"]}]
     eos = chat.stop_token_ids
@@ -330,9 +328,9 @@ def run(cfg: RunConfig) -> RunSummary:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from handlers.math_agent import CALCULATOR_SCHEMA
     from prorl_cli.agent import ChatTokens
     from prorl_cli.embedded import LocalStack
+    from prorl_cli.handlers.math_agent import CALCULATOR_SCHEMA
     from prorl_cli.inference.tiny_model import make_tiny_model
     from prorl_cli.training.export import write_samples_jsonl, write_samples_parquet
     from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig

@@ -19,15 +19,12 @@ no network under the per-test time and memory limits
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from prorl_cli.agent import Trajectory
 from prorl_cli.domains.code_judge import parse_tests, run_test, summarise
-from prorl_cli.domains.handler import DomainHandler, final_text
-from prorl_cli.domains.sandbox_tools import BASH_SCHEMA, EDITOR_SCHEMA, sandbox_tools
-from prorl_cli.domains.settings import DomainSettings
+from prorl_cli.domains.sandbox_tools import BASH, EDITOR
 from prorl_cli.exceptions import SandboxError
-from prorl_cli.node.handler import JobContext
+from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, final_text
 
 SYSTEM = (
     "You solve programming problems in Python 3. Your program reads standard input and writes standard "
@@ -37,34 +34,31 @@ SYSTEM = (
 FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
 
-class CodeHandler(DomainHandler):
+class CodeHandler(AgentHandler):
     """Programs judged on hidden tests, each in a fresh sandbox."""
 
     name = "code"
-    defaults = DomainSettings(
+    defaults = HandlerSettings(
         max_turns=8, system_prompt=SYSTEM, tools=("bash", "editor"), image="python",
         init_timeout_s=120.0, run_timeout_s=900.0, eval_timeout_s=600.0, max_tokens=2048,
         extra={"tool_timeout_s": 30.0, "test_time_limit_s": 4.0, "test_mem_mb": 512, "max_tests": 50,
                "solution_path": "/work/solution.py"},
     )
-    tool_schemas = {"bash": BASH_SCHEMA, "editor": EDITOR_SCHEMA}
+    tools = (BASH, EDITOR)
     required_fields = ("question", "tests")
 
-    def _image_options(self, settings: DomainSettings) -> dict[str, Any]:
-        return {"image": settings.image} if settings.image else {}
-
-    async def setup(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def init(self, ctx: JobContext) -> None:
+        ctx.output["domain"] = self.name
         parse_tests(ctx.instance)  # bad tests fail INIT, not EVAL
-        await self.load_chat(ctx, settings)
-        sandbox = await ctx.start_sandbox(network=False, **self._image_options(settings))
+        await ctx.chat()
+        sandbox = await ctx.start_sandbox(network=False)
         ctx.state["sandbox"] = sandbox
         await sandbox.bash("mkdir -p /work && cd /work")
 
-    async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def run(self, ctx: JobContext) -> None:
         sandbox = ctx.state["sandbox"]
-        tools = sandbox_tools(sandbox, float(settings.get("tool_timeout_s")))
-        traj = await self.agent_loop(ctx, settings, ctx.instance["question"], tools)
-        path = str(settings.get("solution_path"))
+        traj = await ctx.agent(ctx.instance["question"])
+        path = str(ctx.settings.get("solution_path"))
         try:
             ctx.output["solution"] = (await sandbox.read_file(path)).decode("utf-8", "replace")
             ctx.output["solution_source"] = path
@@ -73,7 +67,8 @@ class CodeHandler(DomainHandler):
             ctx.output["solution"] = blocks[-1] if blocks else None
             ctx.output["solution_source"] = "final message" if blocks else None
 
-    async def score(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def eval(self, ctx: JobContext) -> None:
+        settings = ctx.settings
         Trajectory.from_dict(ctx.output["trajectory"])  # a malformed record fails EVAL loudly
         program = ctx.output.get("solution")
         tests = parse_tests(ctx.instance)[: int(settings.get("max_tests"))]

@@ -16,14 +16,12 @@ The output holds the whole token-level trajectory (``prorl_cli.agent``).
 from __future__ import annotations
 
 import ast
-import asyncio
-import functools
 import operator
 import re
 from typing import Any
 
-from prorl_cli.agent import ChatTokens, Trajectory, run_tool_agent
-from prorl_cli.node.handler import AgentHandler, JobContext
+from prorl_cli.agent import Trajectory
+from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, Tool, final_text
 
 CALCULATOR_SCHEMA = {
     "type": "function",
@@ -71,43 +69,26 @@ def final_number(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-@functools.lru_cache(maxsize=8)
-def _chat(tokenizer_dir: str) -> ChatTokens:
-    return ChatTokens.from_pretrained(tokenizer_dir, tools=[CALCULATOR_SCHEMA])
-
-
 class MathAgentHandler(AgentHandler):
     """Question -> calculator calls -> answer; reward by exact match."""
 
     name = "math_agent"
+    defaults = HandlerSettings(max_turns=4, system_prompt=SYSTEM)
+    tools = (Tool("calculator", CALCULATOR_SCHEMA, calculator),)
+    required_fields = ("question",)
 
     async def init(self, ctx: JobContext) -> None:
-        inst = ctx.instance if isinstance(ctx.instance, dict) else {}
-        if not isinstance(inst.get("question"), str):
+        if not isinstance(ctx.instance.get("question"), str):
             raise ValueError("math_agent instance needs a 'question' string")
-        tokenizer = inst.get("tokenizer") or ctx.config.inference.tokenizer
-        if not tokenizer:
-            raise ValueError("math_agent needs a tokenizer: instance 'tokenizer' or inference.tokenizer in prorl.yaml")
-        # Loading a tokenizer (and transformers itself) takes seconds: keep it off the event loop.
-        ctx.state["chat"] = await asyncio.to_thread(_chat, str(tokenizer))
+        await ctx.chat()  # the tokenizer takes seconds to load: in INIT, off the event loop
 
     async def run(self, ctx: JobContext) -> None:
-        inst = ctx.instance
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": inst["question"]}]
-        traj = await run_tool_agent(
-            ctx.generate,
-            ctx.state["chat"],
-            messages,
-            {"calculator": calculator},
-            sampling=ctx.sampling,
-            max_turns=int(inst.get("max_turns", 4)),
-            record_into=ctx.output,  # a RUN that times out or fails still returns its tokens
-        )
-        ctx.output["trajectory"] = traj.to_dict()
+        # The trajectory so far is kept in ctx.output: a RUN that times out or fails still returns its tokens.
+        await ctx.agent(ctx.instance["question"], max_turns=int(ctx.instance.get("max_turns", ctx.settings.max_turns)))
 
     async def eval(self, ctx: JobContext) -> None:
         traj = Trajectory.from_dict(ctx.output["trajectory"])
-        answer = traj.calls[-1].text if traj.calls and traj.stop_reason == "stop" else ""
+        answer = final_text(traj) if traj.stop_reason == "stop" else ""
         got = final_number(answer)
         ctx.output["predicted"] = got
         ctx.reward = 1.0 if got is not None and got == str(ctx.instance.get("answer")) else 0.0

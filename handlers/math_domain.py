@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict
-from typing import Any
 
 from prorl_cli.agent import Trajectory
 from prorl_cli.domains.answers import last_boxed, math_equal
-from prorl_cli.domains.handler import DomainHandler, final_text
-from prorl_cli.domains.sandbox_tools import PYTHON_SCHEMA
-from prorl_cli.domains.settings import DomainSettings
-from prorl_cli.node.handler import JobContext
+from prorl_cli.domains.sandbox_tools import PYTHON
+from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, final_text
 
 SYSTEM = (
     "You are a careful mathematician. Reason step by step; you may run Python (with sympy) through the "
@@ -31,48 +28,33 @@ SYSTEM = (
 )
 
 
-class MathHandler(DomainHandler):
+class MathHandler(AgentHandler):
     """Math problems scored by mathematical equivalence."""
 
     name = "math"
-    defaults = DomainSettings(
+    defaults = HandlerSettings(
         max_turns=6, system_prompt=SYSTEM, tools=("python",), image="math",
         init_timeout_s=120.0, run_timeout_s=900.0, eval_timeout_s=60.0, max_tokens=1024,
         extra={"tool_timeout_s": 30.0},
     )
-    tool_schemas = {"python": PYTHON_SCHEMA}
+    tools = (PYTHON,)
 
-    async def setup(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def init(self, ctx: JobContext) -> None:
+        ctx.output["domain"] = self.name
+        if not isinstance(ctx.instance, dict):
+            raise ValueError(f"math: an instance must be a JSON object, got {type(ctx.instance).__name__}")
         if not isinstance(ctx.instance.get("problem", ctx.instance.get("question")), str):
             raise ValueError("math: instance needs a 'problem' string")
         if "answer" not in ctx.instance:
             raise ValueError("math: instance needs an 'answer'")
-        await self.load_chat(ctx, settings)
-        if "python" in settings.tools:
-            options: dict[str, Any] = {"network": False}
-            if settings.image:
-                options["image"] = settings.image
-            ctx.state["sandbox"] = await ctx.start_sandbox(**options)
+        await ctx.chat()
+        if "python" in (ctx.settings.tools or ()):
+            ctx.state["sandbox"] = await ctx.start_sandbox(network=False)
 
-    async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
-        sandbox: Any = ctx.state.get("sandbox")  # None when settings leave out the python tool
-        timeout_s = float(settings.get("tool_timeout_s"))
+    async def run(self, ctx: JobContext) -> None:
+        await ctx.agent(ctx.instance.get("problem", ctx.instance.get("question")))
 
-        async def python(code: str) -> str:
-            r = await sandbox.python(str(code), timeout_s=timeout_s)
-            parts = [r.stdout.rstrip()] if r.stdout.strip() else []
-            if r.result is not None:
-                parts.append(r.result)
-            if r.error:
-                parts.append(f"error: {r.error}")
-            if r.timed_out:
-                parts.append(f"(stopped after {timeout_s:g} s)")
-            return "\n".join(parts) or "(no output)"
-
-        problem = ctx.instance.get("problem", ctx.instance.get("question"))
-        await self.agent_loop(ctx, settings, problem, {"python": python})
-
-    async def score(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def eval(self, ctx: JobContext) -> None:
         traj = Trajectory.from_dict(ctx.output["trajectory"])
         answer = last_boxed(final_text(traj)) if traj.stop_reason == "stop" else None
         # sympy can take a while on adversarial answers: off the event loop (bounded by the EVAL limit).

@@ -20,11 +20,9 @@ from pathlib import Path
 
 from prorl_cli.agent import Trajectory
 from prorl_cli.domains.answers import exact_match, f1_score, last_boxed
-from prorl_cli.domains.handler import DomainHandler, final_text
 from prorl_cli.domains.search_index import BUILDS, SearchIndex, get_index, hits_text
-from prorl_cli.domains.settings import DomainSettings
 from prorl_cli.exceptions import DomainError
-from prorl_cli.node.handler import JobContext
+from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, Tool, final_text
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "search_corpus.jsonl"
 SEARCH_SCHEMA = {
@@ -62,22 +60,37 @@ def gold_answers(instance: dict[str, object]) -> list[str]:
     return golds
 
 
-class SearchHandler(DomainHandler):
+async def search(ctx: JobContext, query: str, k: int | None = None) -> str:
+    """The best ``k`` (default ``top_k``, at most 20) matches in the job's index."""
+    index: SearchIndex = ctx.state["index"]
+    ctx.state.setdefault("searches", []).append(str(query))
+    k = int(ctx.settings.get("top_k")) if k is None else int(k)
+    return hits_text(await asyncio.to_thread(index.search, str(query), min(k, 20)))
+
+
+def open_doc(ctx: JobContext, doc_id: str) -> str:
+    """A whole document (cut at ``open_max_chars``)."""
+    doc = ctx.state["index"].open(str(doc_id))
+    return f"{doc.title}\n\n{doc.text[: int(ctx.settings.get('open_max_chars'))]}"
+
+
+class SearchHandler(AgentHandler):
     """Retrieval-augmented QA scored by SQuAD exact match."""
 
     name = "search"
-    defaults = DomainSettings(
+    defaults = HandlerSettings(
         max_turns=6, system_prompt=SYSTEM, tools=("search", "open"), image=None,
         init_timeout_s=600.0, run_timeout_s=600.0, eval_timeout_s=30.0, max_tokens=512,
         extra={"corpus": str(DEFAULT_CORPUS), "top_k": 5, "open_max_chars": 4000},
     )
-    tool_schemas = {"search": SEARCH_SCHEMA, "open": OPEN_SCHEMA}
+    tools = (Tool("search", SEARCH_SCHEMA, search, context=True), Tool("open", OPEN_SCHEMA, open_doc, context=True))
     required_fields = ("question",)
 
-    async def setup(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def init(self, ctx: JobContext) -> None:
+        ctx.output["domain"] = self.name
         gold_answers(ctx.instance)
-        await self.load_chat(ctx, settings)
-        corpus = str(settings.get("corpus"))
+        await ctx.chat()
+        corpus = str(ctx.settings.get("corpus"))
         index, built = await asyncio.to_thread(get_index, corpus)
         ctx.state["index"] = index
         ctx.output["index"] = {
@@ -85,24 +98,11 @@ class SearchHandler(DomainHandler):
             "build_s": round(index.build_s, 4), "builds_on_node": BUILDS.get(index.source, 0),
         }
 
-    async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
-        index: SearchIndex = ctx.state["index"]
-        top_k = int(settings.get("top_k"))
-        max_chars = int(settings.get("open_max_chars"))
-        searches: list[str] = []
+    async def run(self, ctx: JobContext) -> None:
+        ctx.output["searches"] = ctx.state.setdefault("searches", [])  # kept current, so a cut-short RUN has them
+        await ctx.agent(ctx.instance["question"])
 
-        async def search(query: str, k: int = top_k) -> str:
-            searches.append(str(query))
-            return hits_text(await asyncio.to_thread(index.search, str(query), min(int(k), 20)))
-
-        def open_doc(doc_id: str) -> str:
-            doc = index.open(str(doc_id))
-            return f"{doc.title}\n\n{doc.text[:max_chars]}"
-
-        await self.agent_loop(ctx, settings, ctx.instance["question"], {"search": search, "open": open_doc})
-        ctx.output["searches"] = searches
-
-    async def score(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def eval(self, ctx: JobContext) -> None:
         traj = Trajectory.from_dict(ctx.output["trajectory"])
         text = final_text(traj) if traj.stop_reason == "stop" else ""
         answer = last_boxed(text)

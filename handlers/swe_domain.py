@@ -24,17 +24,15 @@ produced, with the closest id it did).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shlex
+from dataclasses import asdict
 from typing import Any
 
-from prorl_cli.domains.handler import DomainHandler
-from prorl_cli.domains.sandbox_tools import BASH_SCHEMA, EDITOR_SCHEMA, sandbox_tools
-from prorl_cli.domains.settings import DomainSettings, resolve_settings
+from prorl_cli.domains.sandbox_tools import BASH, EDITOR
 from prorl_cli.domains.swe_grading import test_list
 from prorl_cli.exceptions import DomainError
-from prorl_cli.node.handler import JobContext
+from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext
 from prorl_cli.swe.workspace import prepare, run_tests
 
 SYSTEM = (
@@ -44,7 +42,7 @@ SYSTEM = (
 )
 
 
-class SweHandler(DomainHandler):
+class SweHandler(AgentHandler):
     """Repository-level issue fixing, graded by the repository's own tests.
 
     A subclass (another agent on the same grading, say) gets its own task
@@ -54,15 +52,14 @@ class SweHandler(DomainHandler):
     """
 
     name = "swe"
-    #: The ``domains.<section>`` of prorl.yaml this handler reads.
     settings_section = "swe"
-    defaults = DomainSettings(
+    defaults = HandlerSettings(
         max_turns=30, system_prompt=SYSTEM, tools=("bash", "editor"), image="swe",
         init_timeout_s=300.0, run_timeout_s=3600.0, eval_timeout_s=1800.0, max_tokens=2048,
         extra={"repo_dir": "/testbed", "repo_images": {}, "tool_timeout_s": 120.0, "test_timeout_s": 900.0,
                "test_command": "", "eval_script": "", "install": "", "log_parser": "", "scrub_history": True},
     )
-    tool_schemas = {"bash": BASH_SCHEMA, "editor": EDITOR_SCHEMA}
+    tools = (BASH, EDITOR)
     required_fields = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -71,57 +68,36 @@ class SweHandler(DomainHandler):
             stem = cls.__name__.removesuffix("Handler") or cls.__name__
             cls.name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", stem).lower()
 
-    def settings_for(self, ctx: JobContext) -> DomainSettings:
-        """``domains.<settings_section>`` then the instance's ``settings`` over the defaults."""
-        if self.settings_section == self.name:
-            return super().settings_for(ctx)
-        cached = ctx.state.get("settings")
-        if isinstance(cached, DomainSettings):
-            return cached
-        inst = ctx.instance if isinstance(ctx.instance, dict) else {}
-        settings = resolve_settings(
-            self.defaults,
-            (f"prorl.yaml: domains.{self.settings_section}", ctx.config.domains.get(self.settings_section)),
-            (f"instance settings of job {ctx.job_id}", inst.get("settings")),
-        )
-        unknown = sorted(set(settings.tools) - set(self.tool_schemas))
-        if unknown:
-            raise DomainError(f"{self.name}: tools {unknown} do not exist; this domain offers {sorted(self.tool_schemas)}")
-        ctx.state["settings"] = settings
-        return settings
-
-    def image_for(self, ctx: JobContext, settings: DomainSettings) -> str | None:
+    def image_for(self, ctx: JobContext, settings: HandlerSettings) -> str | None:
         images: dict[str, Any] = settings.get("repo_images")
         inst = ctx.instance
         found = (images.get(str(inst["instance_id"])) or images.get(f"{inst['repo']}@{inst.get('version')}")
                  or images.get(str(inst["repo"])))
         return str(found) if found else settings.image
 
-    async def _sandbox(self, ctx: JobContext, settings: DomainSettings, scrub: bool) -> Any:
+    async def _sandbox(self, ctx: JobContext, settings: HandlerSettings, scrub: bool) -> Any:
         """A sandbox with the repository at ``base_commit``, a clean work tree and, when ``scrub``, no later history."""
-        options: dict[str, Any] = {"network": False, "env": {"PYTHONDONTWRITEBYTECODE": "1"}}
-        image = self.image_for(ctx, settings)
-        if image:
-            options["image"] = image
-        sandbox = await ctx.start_sandbox(**options)
+        sandbox = await ctx.start_sandbox(image=self.image_for(ctx, settings), network=False,
+                                          env={"PYTHONDONTWRITEBYTECODE": "1"})
         await prepare(sandbox, ctx.instance, str(settings.get("repo_dir")), scrub)
         return sandbox
 
-    async def setup(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def init(self, ctx: JobContext) -> None:
+        ctx.output["domain"] = self.name
+        settings = ctx.settings
         test_list(ctx.instance["FAIL_TO_PASS"], "FAIL_TO_PASS")
         test_list(ctx.instance["PASS_TO_PASS"], "PASS_TO_PASS")
         # The agent's sandbox: nothing after base_commit may reach it.
         ctx.state["sandbox"] = await self._sandbox(ctx, settings, scrub=bool(settings.get("scrub_history")))
         ctx.output["sandboxes"] = {"run": ctx.state["sandbox"].sandbox_id}
 
-    async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
-        sandbox = ctx.state["sandbox"]
-        tools = sandbox_tools(sandbox, float(settings.get("tool_timeout_s")))
+    async def run(self, ctx: JobContext) -> None:
+        settings = ctx.settings
         system = settings.system_prompt.replace("{repo_dir}", str(settings.get("repo_dir")))
-        await self.agent_loop(ctx, dataclasses.replace(settings, system_prompt=system), ctx.instance["problem_statement"], tools)
+        await ctx.agent(ctx.instance["problem_statement"], system=system)
         await self.save_patch(ctx, settings)
 
-    async def save_patch(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def save_patch(self, ctx: JobContext, settings: HandlerSettings) -> None:
         """``git diff`` of the work tree against ``base_commit`` (new files included) as ``output["model_patch"]``."""
         sandbox = ctx.state["sandbox"]
         repo_dir = shlex.quote(str(settings.get("repo_dir")))
@@ -131,7 +107,8 @@ class SweHandler(DomainHandler):
             raise DomainError(f"swe: git diff against base_commit failed: {diff.output[-1000:]}")
         ctx.output["model_patch"] = (await sandbox.read_file("/tmp/model.patch")).decode("utf-8", "replace")
 
-    async def score(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def eval(self, ctx: JobContext) -> None:
+        settings = ctx.settings
         patch = ctx.output.get("model_patch")
         if patch is not None and not isinstance(patch, str):
             raise DomainError("swe: RUN saved a model_patch that is not text")
@@ -144,7 +121,7 @@ class SweHandler(DomainHandler):
                                             str(settings.get("repo_dir")), float(settings.get("test_timeout_s")))
         finally:
             await sandbox.stop()
-        ctx.output["report"] = {**dataclasses.asdict(report), **extra}
+        ctx.output["report"] = {**asdict(report), **extra}
         ctx.reward = 1.0 if report.resolved else 0.0
 
 
@@ -156,7 +133,8 @@ class SweOracleHandler(SweHandler):
     validation runs the gold patches.
     """
 
-    async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def run(self, ctx: JobContext) -> None:
+        settings = ctx.settings
         gold = ctx.instance.get("patch")
         if not isinstance(gold, str) or not gold.strip():
             raise DomainError(f"{self.name}: instance {ctx.instance.get('instance_id')} has no gold 'patch'")

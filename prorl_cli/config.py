@@ -76,7 +76,7 @@ class NodeConfig:
     n_run: int = 32
     n_eval: int = 8
     credit: int = 0  # jobs held at once; 0 means n_init + n_run + n_eval
-    handler_paths: list[str] = field(default_factory=list)  # extra dirs/files with handlers
+    handler_paths: list[str] = field(default_factory=list)  # extra handler files, folders or package names
     tasks: list[str] = field(default_factory=list)  # serve only these; empty: all found
     stop_grace_s: float = 5.0
     # The liveness sidecar stops vouching for a node whose event loop has been blocked this long.

@@ -1,9 +1,18 @@
 """The token-exact agent loop (token-in/token-out) and the trajectory record."""
 
 from prorl_cli.agent.chat import ChatTemplateError, ChatTokens
-from prorl_cli.agent.loop import GenerateFn, TokenSession, ToolFn, call_tool, run_tool_agent
+from prorl_cli.agent.loop import (
+    FROM_CONTEXT,
+    GenerateFn,
+    TokenSession,
+    ToolFn,
+    call_tool,
+    run_tool_agent,
+    tool_functions,
+)
 from prorl_cli.agent.tools import (
     HermesToolParser,
+    Tool,
     ToolCall,
     ToolParser,
     get_tool_parser,
@@ -19,6 +28,7 @@ from prorl_cli.agent.trajectory import (
 )
 
 __all__ = [
+    "FROM_CONTEXT",
     "TRAJECTORY_FORMAT",
     "ChatTemplateError",
     "ChatTokens",
@@ -26,6 +36,7 @@ __all__ = [
     "HermesToolParser",
     "ModelCall",
     "TokenSession",
+    "Tool",
     "ToolCall",
     "ToolFn",
     "ToolParser",
@@ -35,6 +46,7 @@ __all__ = [
     "read_jsonl",
     "register_tool_parser",
     "run_tool_agent",
+    "tool_functions",
     "write_jsonl",
     "write_parquet",
 ]

@@ -19,22 +19,31 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from prorl_cli.agent.chat import ChatTokens
-from prorl_cli.agent.tools import ToolCall, ToolParser, get_tool_parser
+from prorl_cli.agent.tools import Tool, ToolCall, ToolFn, ToolParser, get_tool_parser
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.exceptions import InferenceError
+from prorl_cli.inference.contract import Generation
 from prorl_cli.observe.timeline import TOOL, record_span
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
 
 #: ``await generate(prompt_ids, sampling) -> Generation`` (``JobContext.generate`` fits).
-GenerateFn = Callable[[list[int], SamplingParams], Awaitable[Any]]
-#: A tool: ``fn(**arguments) -> str`` (sync or async).
-ToolFn = Callable[..., Any]
+GenerateFn = Callable[[list[int], SamplingParams], Awaitable[Generation]]
+#: ``record_into``'s default: the job's ``ctx.output`` when ``generate`` is ``ctx.generate``.
+FROM_CONTEXT: Any = object()
+
+__all__ = ["FROM_CONTEXT", "GenerateFn", "TokenSession", "ToolFn", "call_tool", "run_tool_agent", "tool_functions"]
+
+
+def _context_output(generate: GenerateFn) -> dict[str, Any] | None:
+    """``ctx.output`` of the job whose bound ``ctx.generate`` this is, else ``None``."""
+    output = getattr(getattr(generate, "__self__", None), "output", None)
+    return output if isinstance(output, dict) else None
 
 
 class TokenSession:
@@ -123,7 +132,7 @@ class TokenSession:
         return delta
 
 
-async def call_tool(tools: dict[str, ToolFn], call: ToolCall) -> str:
+async def call_tool(tools: Mapping[str, ToolFn], call: ToolCall) -> str:
     """Run one parsed tool call; errors become the observation text (the model sees them).
 
     Each call is an event on the running job's timeline (its tool, duration and whether it worked).
@@ -134,7 +143,7 @@ async def call_tool(tools: dict[str, ToolFn], call: ToolCall) -> str:
     return text
 
 
-async def _call_tool(tools: dict[str, ToolFn], call: ToolCall) -> str:
+async def _call_tool(tools: Mapping[str, ToolFn], call: ToolCall) -> str:
     if call.error:
         return f"error: {call.error}"
     fn = tools.get(call.name)
@@ -153,24 +162,29 @@ async def run_tool_agent(
     generate: GenerateFn,
     chat: ChatTokens,
     messages: list[dict[str, Any]],
-    tools: dict[str, ToolFn],
+    tools: Mapping[str, ToolFn] | Sequence[Tool],
     *,
     sampling: SamplingParams,
     max_turns: int = 8,
     parser: ToolParser | None = None,
     model: str | None = None,
-    record_into: dict[str, Any] | None = None,
+    record_into: dict[str, Any] | None = FROM_CONTEXT,
 ) -> Trajectory:
     """Generate, run tool calls, append their results; stop on a turn without tool calls.
 
     A failing generate call ends the loop with ``stop_reason == "error"`` and
     ``trajectory.error`` set; the trajectory so far is returned, not lost.
 
-    ``record_into`` (a handler passes ``ctx.output``): the trajectory so far is
-    kept there under ``"trajectory"`` (as a dict) after every model call, so a
+    ``record_into``: the trajectory so far is kept there under ``"trajectory"``
+    (as a dict, with ``"stop_reason"`` beside it) after every model call, so a
     RUN that times out, fails or is cancelled still returns its tokens, with
     ``stop_reason`` ``timeout`` (set by the node), ``error`` or ``cancelled``.
+    By default that is the job's ``ctx.output`` when ``generate`` is
+    ``ctx.generate``; pass ``None`` to keep nothing.
     """
+    if record_into is FROM_CONTEXT:
+        record_into = _context_output(generate)
+    tools = tool_functions(tools)
     parser = parser or get_tool_parser("hermes")
     if not sampling.stop_token_ids and chat.stop_token_ids:
         sampling = SamplingParams(**{**sampling.to_wire(), "stop_token_ids": chat.stop_token_ids})
@@ -187,11 +201,29 @@ async def run_tool_agent(
         raise
     finally:
         if record_into is not None:
-            record_into["trajectory"] = traj.to_dict()
+            _record(record_into, traj)
+
+
+def tool_functions(tools: Mapping[str, ToolFn] | Sequence[Tool]) -> dict[str, ToolFn]:
+    """Tool functions by name, from a mapping or from :class:`Tool` declarations (without context)."""
+    if isinstance(tools, Mapping):
+        return dict(tools)
+    out: dict[str, ToolFn] = {}
+    for tool in tools:
+        if tool.fn is None or tool.context:
+            raise ValueError(f"tool {tool.name!r} needs a job context or an implementation: run it through ctx.agent()")
+        out[tool.name] = tool.fn
+    return out
+
+
+def _record(into: dict[str, Any], traj: Trajectory) -> None:
+    into["trajectory"] = traj.to_dict()
+    into["stop_reason"] = traj.stop_reason
+    into["turns"] = len(traj.calls)
 
 
 async def _tool_turns(
-    session: TokenSession, tools: dict[str, ToolFn], sampling: SamplingParams, max_turns: int,
+    session: TokenSession, tools: Mapping[str, ToolFn], sampling: SamplingParams, max_turns: int,
     parser: ToolParser, record_into: dict[str, Any] | None,
 ) -> Trajectory:
     traj = session.trajectory
@@ -201,7 +233,7 @@ async def _tool_turns(
         except InferenceError:
             return traj
         if record_into is not None:
-            record_into["trajectory"] = traj.to_dict()
+            _record(record_into, traj)
         tool_calls = parser.parse(call.text)
         if not tool_calls:
             traj.stop_reason = "stop" if call.finish_reason == "stop" else call.finish_reason

@@ -1,4 +1,7 @@
-"""Tool-call parsing from decoded model output (pluggable).
+"""Tools: one declaration (:class:`Tool`) for the chat template and the loop; call parsing (pluggable).
+
+A :class:`Tool` carries the name, the JSON schema the chat template shows the
+model, and the function the agent loop calls, so a tool is declared once.
 
 Parsing reads text only to decide what to *do*; the trajectory keeps the
 model's token ids untouched. The default is the Hermes/Qwen format::
@@ -14,9 +17,55 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+#: A tool's implementation: ``fn(**arguments) -> str`` (sync or async; other results are JSON-encoded).
+ToolFn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One tool the model may call, declared once.
+
+    ``schema`` is the JSON schema of the arguments (``{"type": "object",
+    "properties": ...}``), or a whole OpenAI function schema
+    (``{"type": "function", "function": {...}}``) whose name must be ``name``.
+    ``fn`` runs the call: ``fn(**arguments)``, or ``fn(ctx, **arguments)`` with
+    ``context=True`` (the job's :class:`~prorl_cli.node.handler.JobContext`,
+    for tools that use the job's sandbox or settings). ``fn`` may be ``None``
+    when every job supplies the implementation (``ctx.agent(..., tools={name: fn})``).
+    """
+
+    name: str
+    schema: Mapping[str, Any]
+    fn: ToolFn | None = None
+    description: str = ""
+    context: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a tool needs a non-empty name, got {self.name!r}")
+        if not isinstance(self.schema, Mapping):
+            raise ValueError(f"tool {self.name!r}: schema must be a JSON-schema mapping, got {type(self.schema).__name__}")
+        if self.schema.get("type") == "function":
+            declared = (self.schema.get("function") or {}).get("name")
+            if declared != self.name:
+                raise ValueError(f"tool {self.name!r}: its function schema is named {declared!r}")
+        elif self.schema.get("type") != "object":
+            raise ValueError(f"tool {self.name!r}: schema must be an object schema or a function schema, "
+                             f"got type {self.schema.get('type')!r}")
+
+    def spec(self) -> dict[str, Any]:
+        """The OpenAI function schema the chat template renders (``tools=[...]``)."""
+        if self.schema.get("type") == "function":
+            return json.loads(json.dumps(self.schema))
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = json.loads(json.dumps(self.schema))
+        return {"type": "function", "function": function}
 
 
 @dataclass

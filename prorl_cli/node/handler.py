@@ -11,28 +11,48 @@ A handler implements one task type through three async stages::
 
 Stages run in separate pools on one node: INIT (start sandboxes, set up
 tools), RUN (the agent loop), EVAL (score from what RUN saved; sandboxes are
-already stopped). A stage that raises or runs out of time goes to the
-matching ``*_exception`` callback, and the job still returns a well-formed
-result built by :meth:`AgentHandler.final_result`.
+already stopped). A handler may also declare
+
+- ``defaults`` (:class:`HandlerSettings`): max turns, system prompt, image,
+  per-stage limits and its own knobs, overridden by ``domains.<name>`` in
+  prorl.yaml and by the instance's ``settings``; the job's effective
+  settings are ``ctx.settings``. The node enforces the stage limits like its
+  own: a stage past any limit ends the job ``timed_out``;
+- ``tools`` (:class:`~prorl_cli.agent.Tool`): each declared once, it reaches
+  both the chat template and the loop of :meth:`JobContext.agent`.
+
+A stage that raises or runs out of time goes to the matching ``*_exception``
+callback, and the job still returns a well-formed result built by
+:meth:`AgentHandler.final_result`, with what RUN recorded so far.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+import functools
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from prorl_cli.agent.tools import Tool, ToolFn
+from prorl_cli.config import ProrlConfig
+from prorl_cli.exceptions import DomainError, HandlerError
+from prorl_cli.inference.contract import Generation
+from prorl_cli.node.settings import HandlerSettings, resolve_settings
 from prorl_cli.protocol import JobSpec, SamplingParams
 
 if TYPE_CHECKING:
-    from prorl_cli.config import ProrlConfig
-    from prorl_cli.inference.contract import Generation
+    from prorl_cli.agent import ChatTokens, Trajectory
+    from prorl_cli.sandbox.options import Mount, SandboxLimits
     from prorl_cli.sandbox.sandbox import Sandbox
 
 Cleanup = Callable[[], Awaitable[None]]
+
+__all__ = ["AgentHandler", "Generation", "HandlerSettings", "JobContext", "Services", "Tool"]
 
 
 class Services:
@@ -46,7 +66,15 @@ class Services:
         raise NotImplementedError("this node has no inference wired in")
 
     async def start_sandbox(self, ctx: JobContext, **options: Any) -> Sandbox:
+        """Start a sandbox; ``options`` are those of :meth:`JobContext.start_sandbox` that were given."""
         raise NotImplementedError("this node has no sandbox runtime wired in")
+
+
+@functools.lru_cache(maxsize=32)
+def _chat(tokenizer_dir: str, tools_json: str) -> ChatTokens:
+    from prorl_cli.agent import ChatTokens
+
+    return ChatTokens.from_pretrained(tokenizer_dir, tools=json.loads(tools_json) or None)
 
 
 @dataclass
@@ -68,7 +96,10 @@ class JobContext:
     state: dict[str, Any] = field(default_factory=dict)
     output: dict[str, Any] = field(default_factory=dict)
     reward: float | None = None
+    #: The handler running the job (set by the node; its settings and tools are the job's).
+    handler: AgentHandler | None = field(default=None, repr=False)
     _cleanups: list[Cleanup] = field(default_factory=list, repr=False)
+    _settings: HandlerSettings | None = field(default=None, repr=False)
 
     @property
     def job_id(self) -> str:
@@ -87,6 +118,19 @@ class JobContext:
         """The job's sampling parameters (defaults where the submitter gave none)."""
         return SamplingParams(**(self.spec.sampling or {}))
 
+    @property
+    def settings(self) -> HandlerSettings:
+        """The job's effective handler settings (defaults < prorl.yaml ``domains.<task>`` < instance ``settings``).
+
+        Bad settings raise :class:`~prorl_cli.exceptions.DomainError` naming
+        where they came from (the node resolves them before INIT, so the job
+        fails there).
+        """
+        if self._settings is None:
+            handler = self.handler
+            self._settings = handler.settings_for(self) if handler is not None else HandlerSettings()
+        return self._settings
+
     def add_cleanup(self, fn: Cleanup) -> None:
         """Register an async callable run right after RUN (before EVAL), and on any failure."""
         self._cleanups.append(fn)
@@ -95,17 +139,141 @@ class JobContext:
         """Token-in/token-out generation through the deployment's backends."""
         return await self.services.generate(self, prompt_ids, sampling or self.sampling)
 
-    async def start_sandbox(self, **options: Any) -> Sandbox:
-        """Start a sandbox in the configured runtime; it is stopped after RUN."""
+    async def start_sandbox(
+        self,
+        *,
+        image: str | None = None,
+        network: bool | None = None,
+        env: Mapping[str, str] | None = None,
+        mounts: Sequence[Mount] = (),
+        limits: SandboxLimits | None = None,
+    ) -> Sandbox:
+        """Start a sandbox in the configured runtime; it is stopped right after RUN (and on any failure).
+
+        ``image``: an image name from the manifest or a path (default: the
+        handler's settings ``image``, else its class ``image``, else
+        ``sandbox.image``); ``network``: default ``sandbox.network`` (off);
+        ``env``: extra environment variables; ``mounts``: host paths bound in
+        (:class:`~prorl_cli.sandbox.options.Mount`, Apptainer and bubblewrap);
+        ``limits``: this sandbox's memory, process and wall-time limits
+        (:class:`~prorl_cli.sandbox.options.SandboxLimits`).
+        """
+        options: dict[str, Any] = {}
+        chosen = image if image is not None else (self.settings.image if self.handler is not None else None)
+        if chosen is not None:
+            options["image"] = chosen
+        if network is not None:
+            options["network"] = network
+        if env:
+            options["env"] = dict(env)
+        if mounts:
+            options["mounts"] = list(mounts)
+        if limits is not None:
+            options["limits"] = limits
         return await self.services.start_sandbox(self, **options)
+
+    # -- the agent loop over the handler's declared tools ---------------------------------
+    def _tools(self) -> list[Tool]:
+        """The declared tools the settings enable (unknown names were refused when resolving settings)."""
+        declared = self.handler.tools if self.handler is not None else ()
+        enabled = self.settings.tools
+        return [t for t in declared if enabled is None or t.name in enabled]
+
+    async def chat(self) -> ChatTokens:
+        """The chat tokenizer (instance ``tokenizer``, else ``inference.tokenizer``) with the enabled tools' schemas.
+
+        Loaded once per node process and shared (a tokenizer takes seconds to
+        load: off the event loop).
+        """
+        cached = self.state.get("chat")
+        if cached is not None:
+            return cached
+        inst = self.instance if isinstance(self.instance, dict) else {}
+        tokenizer = inst.get("tokenizer") or self.config.inference.tokenizer
+        if not tokenizer:
+            raise DomainError(f"{self.task} needs a tokenizer: instance 'tokenizer' or inference.tokenizer in prorl.yaml")
+        schemas = json.dumps([t.spec() for t in self._tools()])
+        chat = await asyncio.to_thread(_chat, str(tokenizer), schemas)
+        self.state["chat"] = chat
+        return chat
+
+    def agent_sampling(self) -> SamplingParams:
+        """The job's sampling, with the settings' ``max_tokens`` where the submitter set none."""
+        wire = dict(self.spec.sampling or {})
+        if self.settings.max_tokens is not None:
+            wire.setdefault("max_tokens", self.settings.max_tokens)
+        return SamplingParams(**wire)
+
+    async def agent(
+        self,
+        user: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        tools: Mapping[str, ToolFn] | None = None,
+        system: str | None = None,
+        max_turns: int | None = None,
+        sampling: SamplingParams | None = None,
+        record: bool = True,
+    ) -> Trajectory:
+        """Run the token-exact tool loop (:func:`~prorl_cli.agent.run_tool_agent`) on the handler's tools.
+
+        The conversation is ``messages``, or the settings' system prompt (or
+        ``system``) and ``user``. ``tools`` supplies or replaces the
+        implementation of declared tools by name (a per-job closure); the
+        schemas always come from the declarations. With ``record`` (the
+        default) the trajectory so far is kept in ``ctx.output``
+        (``trajectory``, ``stop_reason``, ``turns``) after every model call,
+        so a RUN that fails or times out still returns its tokens.
+        """
+        from prorl_cli.agent import run_tool_agent
+
+        settings = self.settings
+        declared = {t.name: t for t in (self.handler.tools if self.handler is not None else ())}
+        extra = sorted(set(tools or {}) - set(declared))
+        if extra:
+            raise HandlerError(f"{self.task}: tools {extra} are not declared by the handler; declared: {sorted(declared)}")
+        functions: dict[str, ToolFn] = {}
+        for tool in self._tools():
+            fn = (tools or {}).get(tool.name)
+            if fn is None:
+                if tool.fn is None:
+                    raise HandlerError(f"{self.task}: tool {tool.name!r} has no implementation; pass it in tools=")
+                fn = functools.partial(tool.fn, self) if tool.context else tool.fn
+            functions[tool.name] = fn
+        if messages is None:
+            if user is None:
+                raise HandlerError("ctx.agent() needs a user message or messages")
+            prompt = settings.system_prompt if system is None else system
+            messages = ([{"role": "system", "content": prompt}] if prompt else []) + [{"role": "user", "content": user}]
+        return await run_tool_agent(
+            self.generate, await self.chat(), messages, functions,
+            sampling=sampling or self.agent_sampling(),
+            max_turns=max_turns if max_turns is not None else settings.max_turns,
+            record_into=self.output if record else None,
+        )
+
+
+#: Resolved settings without instance overrides, by (handler class, id of the config), with the config
+#: itself (an id is only unique while its object lives).
+_BASE_SETTINGS: dict[tuple[type[AgentHandler], int], tuple[ProrlConfig, HandlerSettings]] = {}
 
 
 class AgentHandler(abc.ABC):
     """Base class of task handlers. Subclasses set :attr:`name` and implement the stages."""
 
     name: ClassVar[str] = ""
-    #: Image the handler's sandboxes use by default (resolved through the image manifest).
+    #: Image the handler's sandboxes use by default (resolved through the image manifest);
+    #: ``defaults.image`` (a setting, overridable per deployment and instance) wins over it.
     image: ClassVar[str | None] = None
+    #: The handler's settings before overrides (see :class:`HandlerSettings`).
+    defaults: ClassVar[HandlerSettings] = HandlerSettings()
+    #: The ``domains.<section>`` of prorl.yaml the handler reads (default: its :attr:`name`), so a
+    #: subclass under another name can share its parent's deployment settings.
+    settings_section: ClassVar[str | None] = None
+    #: Tools offered to the model by :meth:`JobContext.agent` (and rendered by its chat template).
+    tools: ClassVar[Sequence[Tool]] = ()
+    #: Instance fields that must be present (checked before INIT; the error names them).
+    required_fields: ClassVar[tuple[str, ...]] = ()
     #: Run EVAL even when RUN failed or timed out (it then scores the partial trajectory
     #: in ``ctx.output``); the job's state stays ``failed``/``timed_out``. Default: skip EVAL.
     eval_after_run_failure: ClassVar[bool] = False
@@ -122,23 +290,79 @@ class AgentHandler(abc.ABC):
     async def eval(self, ctx: JobContext) -> None:
         """EVAL: score the trajectory; set ``ctx.reward``. Sandboxes are gone by now."""
 
-    def init_exception(self, ctx: JobContext, exc: BaseException) -> None:
-        """INIT failed or timed out; fill in a fallback result. Default: reward 0."""
+    # -- settings and limits ------------------------------------------------------------
+    def settings_for(self, ctx: JobContext) -> HandlerSettings:
+        """The job's effective settings: ``defaults`` < ``domains.<settings_section or name>`` in prorl.yaml < instance ``settings``."""
+        cls = type(self)
+        key = (cls, id(ctx.config))
+        cached = _BASE_SETTINGS.get(key)
+        if cached is not None and cached[0] is ctx.config:
+            base = cached[1]
+        else:
+            section = cls.settings_section or cls.name
+            base = resolve_settings(cls.defaults, (f"prorl.yaml: domains.{section}", ctx.config.domains.get(section)))
+            self._check_tools(base, f"prorl.yaml: domains.{section}")
+            if len(_BASE_SETTINGS) > 256:
+                _BASE_SETTINGS.clear()  # configs come and go in tests; a node has one
+            _BASE_SETTINGS[key] = (ctx.config, base)
+        inst = ctx.instance.get("settings") if isinstance(ctx.instance, dict) else None
+        if inst is None:
+            return base
+        where = f"instance settings of job {ctx.job_id}"
+        settings = resolve_settings(base, (where, inst))
+        self._check_tools(settings, where)
+        return settings
+
+    def _check_tools(self, settings: HandlerSettings, where: str) -> None:
+        if settings.tools is None:
+            return
+        declared = sorted(t.name for t in self.tools)
+        unknown = sorted(set(settings.tools) - set(declared))
+        if unknown:
+            raise DomainError(f"{where}: tools {unknown} do not exist; {self.name} offers {declared}")
+
+    def check_instance(self, ctx: JobContext) -> None:
+        """Before INIT: the instance has :attr:`required_fields` (an object then) and valid settings."""
+        if self.required_fields:
+            if not isinstance(ctx.instance, dict):
+                raise DomainError(f"{self.name}: an instance must be a JSON object, got {type(ctx.instance).__name__}")
+            missing = [f for f in self.required_fields if f not in ctx.instance]
+            if missing:
+                raise DomainError(f"{self.name}: instance of job {ctx.job_id} lacks field(s) {missing}")
+        _ = ctx.settings
+
+    def stage_limit_s(self, ctx: JobContext, stage: str) -> float | None:
+        """This job's limit of ``stage`` from the handler's settings (``None``: only the node's limits)."""
+        return (ctx._settings or ctx.settings).stage_timeout_s(stage)
+
+    # -- fallbacks ----------------------------------------------------------------------
+    def record_failure(self, ctx: JobContext, stage: str, exc: BaseException) -> None:
+        """Reward 0 and ``output["failure"] = {stage, type, message}``; what RUN recorded stays."""
         ctx.reward = 0.0
+        ctx.output["failure"] = {"stage": stage, "type": type(exc).__name__, "message": str(exc)[:2000]}
+
+    def init_exception(self, ctx: JobContext, exc: BaseException) -> None:
+        """INIT failed or timed out; fill in a fallback result. Default: :meth:`record_failure`."""
+        self.record_failure(ctx, "init", exc)
 
     def run_exception(self, ctx: JobContext, exc: BaseException) -> None:
-        """RUN failed or timed out; fill in a fallback result. Default: reward 0.
+        """RUN failed or timed out; fill in a fallback result. Default: :meth:`record_failure`.
 
         What RUN recorded so far is still in ``ctx.output`` (the agent loop keeps
         ``ctx.output["trajectory"]`` current, with ``stop_reason`` ``timeout``,
         ``error`` or ``cancelled``), and goes to the trainer with the result.
         """
-        ctx.reward = 0.0
+        self.record_failure(ctx, "run", exc)
 
     def eval_exception(self, ctx: JobContext, exc: BaseException) -> None:
-        """EVAL failed or timed out; fill in a fallback result. Default: reward 0."""
-        ctx.reward = 0.0
+        """EVAL failed or timed out; fill in a fallback result. Default: :meth:`record_failure`."""
+        self.record_failure(ctx, "eval", exc)
 
     def final_result(self, ctx: JobContext) -> Any:
         """The job's output as sent to the trainer (msgpack-serialisable). Default: ``ctx.output``."""
         return ctx.output
+
+
+def final_text(traj: Trajectory) -> str:
+    """The text of the last model turn (the answer when the loop stopped on a turn without tools)."""
+    return traj.calls[-1].text if traj.calls else ""

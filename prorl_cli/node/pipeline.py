@@ -397,6 +397,7 @@ class Pipeline:
         handler: AgentHandler | None = None
         try:
             handler = self.registry.get(spec.task)()
+            ctx.handler = handler
             for stage in STAGE_NAMES:
                 if stage == "eval" and ctx._cleanups:
                     await self._cleanup(ctx)  # sandboxes are gone before EVAL
@@ -472,6 +473,12 @@ class Pipeline:
         ``after_failure``: EVAL after a failed RUN; a spent job budget does not
         stop it (only its stage cap, else ``EVAL_AFTER_FAILURE_S``).
         """
+        try:
+            if stage == "init":
+                handler.check_instance(ctx)  # bad instances and settings fail INIT, naming the problem
+            own_s = handler.stage_limit_s(ctx, stage)
+        except Exception as e:  # plugin code or bad settings: the job's failure, not the node's
+            return self._stage_failed(handler, ctx, stage, e, JobState.FAILED)
         pool = self.pools[stage]
         timeline = TL.CURRENT.get()
         if not pool.try_enter():
@@ -490,6 +497,11 @@ class Pipeline:
         if after_failure:
             budget = None
             cap = cap if cap is not None else EVAL_AFTER_FAILURE_S
+        # The handler's own limit is enforced like the node's: past it the job is timed out, not failed.
+        if own_s is not None and (cap is None or own_s < cap):
+            cap, which = own_s, f"handler's {stage} limit"
+        else:
+            which = "stage cap"
         limit_s = budget if cap is None else (cap if budget is None else min(budget, cap))
         task = deadline.task
         clock = self._clocks.get(ctx.job_id)
@@ -524,11 +536,14 @@ class Pipeline:
             if timeline is not None:
                 timeline.span(TL.STAGE, entered, time.monotonic(), {"stage": stage})
         if deadline.expired:
-            which = "job budget" if cap is None or (budget is not None and budget <= cap) else "stage cap"
+            if cap is None or (budget is not None and budget <= cap):
+                which = "job budget"
             exc = StageTimeout(f"{stage} ran past its {which} of {limit_s:.3f} s (in-stage time only, held generate calls not counted)")
             return self._stage_failed(handler, ctx, stage, exc, JobState.TIMED_OUT)
         if error is not None:
-            return self._stage_failed(handler, ctx, stage, error, JobState.FAILED)
+            # A handler's own clock (StageTimeout) ends the job the same way as the node's.
+            state = JobState.TIMED_OUT if isinstance(error, StageTimeout) else JobState.FAILED
+            return self._stage_failed(handler, ctx, stage, error, state)
         return None
 
     def _stage_failed(
@@ -537,7 +552,10 @@ class Pipeline:
         log.info("job %s: %s %s: %s: %s", ctx.job_id, stage, state.value, type(exc).__name__, exc)
         partial = ctx.output.get("trajectory")
         if stage == "run" and isinstance(partial, dict) and state == JobState.TIMED_OUT:
-            partial["stop_reason"] = "timeout"  # the loop saw only a cancel: the node knows it was the clock
+            # The loop saw only a cancel: the node knows it was the clock.
+            partial["stop_reason"] = "timeout"
+            if "stop_reason" in ctx.output:
+                ctx.output["stop_reason"] = "timeout"
         callback = getattr(handler, f"{stage}_exception")
         try:
             callback(ctx, exc)

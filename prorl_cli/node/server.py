@@ -63,9 +63,11 @@ class NodeServer(BrokerPeer):
         self.config = config
         self.node_id = node_id or f"{host}-{os.getpid()}"
         self.registry = registry or discover(config.node.handler_paths, config.node.tasks or None)
-        if self.registry.errors:
-            # A broken handler file must not leave a node serving without it (its jobs would queue forever).
-            raise HandlerError("cannot serve: " + "; ".join(self.registry.errors))
+        # A broken handler file must not leave a node serving without it (its jobs would queue forever),
+        # nor bad handler settings fail every one of its jobs.
+        errors = self.registry.errors + self.registry.settings_errors(config.domains)
+        if errors:
+            raise HandlerError("cannot serve: " + "; ".join(errors))
         if not self.registry.handlers:
             raise ProtocolError(ErrorCode.UNKNOWN_TASK, "no handlers found; nothing to serve")
         nc = config.node

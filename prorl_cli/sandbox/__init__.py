@@ -12,6 +12,7 @@ from prorl_cli.sandbox.bwrap import BwrapRuntime
 from prorl_cli.sandbox.local import LocalRuntime
 from prorl_cli.sandbox.loopback import LoopbackAllocator
 from prorl_cli.sandbox.manager import RUNTIMES, SandboxManager, make_runtime
+from prorl_cli.sandbox.options import Mount, SandboxLimits
 from prorl_cli.sandbox.runtime import LOOPBACK_ENV, LaunchSpec, Runtime
 from prorl_cli.sandbox.sandbox import BashResult, EditResult, PythonResult, Sandbox
 from prorl_cli.sandbox.settings import SandboxConfig
@@ -26,10 +27,12 @@ __all__ = [
     "LaunchSpec",
     "LocalRuntime",
     "LoopbackAllocator",
+    "Mount",
     "PythonResult",
     "Runtime",
     "Sandbox",
     "SandboxConfig",
+    "SandboxLimits",
     "SandboxManager",
     "make_runtime",
 ]

@@ -200,6 +200,8 @@ class ApptainerRuntime(Runtime):
             argv.append("--writable-tmpfs")
         argv += ["--bind", f"{spec.run_dir}:{INSIDE_RUN}"]
         argv += ["--bind", f"{TOOLSERVER_PATH}:{INSIDE_TOOLSERVER}:ro"]
+        for mount in spec.mounts:
+            argv += ["--bind", f"{mount.source}:{mount.target}:{'rw' if mount.writable else 'ro'}"]
         for key, value in spec.sandbox_env.items():
             argv += ["--env", f"{key}={value}"]
         argv += list(cfg.extra_args)
@@ -210,5 +212,5 @@ class ApptainerRuntime(Runtime):
         # A fresh sysfs shows the sandbox's own network namespace (only lo);
         # mounting it needs root in the sandbox's user namespace.
         remount_sys = cfg.fakeroot and not spec.network
-        argv += self.toolserver_argv(f"{INSIDE_RUN}/{SOCKET_NAME}", remount_sys=remount_sys)
+        argv += self.toolserver_argv(f"{INSIDE_RUN}/{SOCKET_NAME}", remount_sys=remount_sys, spec=spec)
         return argv

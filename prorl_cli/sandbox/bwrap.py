@@ -88,11 +88,13 @@ class BwrapRuntime(Runtime):
         argv += ["--dir", INSIDE_DIR]
         argv += ["--bind", str(spec.run_dir), INSIDE_RUN]
         argv += ["--ro-bind", str(TOOLSERVER_PATH), INSIDE_TOOLSERVER]
+        for mount in spec.mounts:
+            argv += ["--bind" if mount.writable else "--ro-bind", mount.source, mount.target]
         argv += ["--clearenv", "--setenv", "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         argv += ["--setenv", "HOME", "/root", "--chdir", "/root" if spec.image == "host" else "/"]
         for key, value in spec.sandbox_env.items():
             argv += ["--setenv", key, value]
         argv += list(cfg.extra_args)
         argv += [cfg.python, INSIDE_TOOLSERVER]
-        argv += self.toolserver_argv(f"{INSIDE_RUN}/{SOCKET_NAME}")
+        argv += self.toolserver_argv(f"{INSIDE_RUN}/{SOCKET_NAME}", spec=spec)
         return argv

@@ -29,7 +29,7 @@ class LocalRuntime(Runtime):
             "(development only; set sandbox.runtime to apptainer or bwrap)",
             spec.sandbox_id,
         )
-        return [sys.executable, str(TOOLSERVER_PATH), *self.toolserver_argv(str(spec.socket_path))]
+        return [sys.executable, str(TOOLSERVER_PATH), *self.toolserver_argv(str(spec.socket_path), spec=spec)]
 
     def host_env(self, spec: LaunchSpec) -> dict[str, str]:
         env = super().host_env(spec)

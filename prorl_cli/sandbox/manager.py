@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -17,6 +18,7 @@ from prorl_cli.sandbox.bwrap import BwrapRuntime
 from prorl_cli.sandbox.client import ToolClient
 from prorl_cli.sandbox.local import LocalRuntime
 from prorl_cli.sandbox.loopback import LoopbackAllocator
+from prorl_cli.sandbox.options import Mount, SandboxLimits
 from prorl_cli.sandbox.records import RecordStore, SandboxRecord, boot_id
 from prorl_cli.sandbox.runtime import (
     LaunchSpec,
@@ -34,7 +36,7 @@ RUNTIMES: dict[str, type[Runtime]] = {
     "bwrap": BwrapRuntime,
     "local": LocalRuntime,
 }
-_START_OPTIONS = {"env"}
+_START_OPTIONS = {"env", "mounts", "limits"}
 
 
 #: What ``sandbox.runtime: auto`` tries, in order; ``local`` (no isolation) is the last resort.
@@ -79,6 +81,12 @@ def default_local_dir(config: SandboxConfig) -> Path:
     if config.local_dir:
         return Path(os.path.expandvars(os.path.expanduser(config.local_dir)))
     return Path(os.environ.get("TMPDIR") or "/tmp") / f"prorl-{os.getuid()}"
+
+
+def _mount(value: Any) -> Mount:
+    if not isinstance(value, Mount):
+        raise SandboxError(f"sandbox option mounts takes Mount(source, target) objects, got {value!r}")
+    return value.check()
 
 
 class SandboxManager:
@@ -140,7 +148,10 @@ class SandboxManager:
 
         ``image`` defaults to ``sandbox.image``; ``network`` to ``sandbox.network``
         (off: the sandbox has only its own loopback). ``env`` adds environment
-        variables. At most ``sandbox.max_concurrent_starts`` starts run at once.
+        variables; ``mounts`` (:class:`~prorl_cli.sandbox.options.Mount`) binds
+        host paths in (isolating runtimes only); ``limits``
+        (:class:`~prorl_cli.sandbox.options.SandboxLimits`) replaces the node's
+        per-sandbox limits. At most ``sandbox.max_concurrent_starts`` starts run at once.
         """
         unknown = set(options) - _START_OPTIONS
         if unknown:
@@ -148,6 +159,16 @@ class SandboxManager:
         env = options.get("env") or {}
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise SandboxError(f"sandbox option env must map str to str, got {env!r}")
+        mounts = [_mount(m) for m in options.get("mounts") or ()]
+        if mounts and self.runtime.name == "local":
+            raise SandboxError("the local runtime runs on the host and cannot bind mounts; use bwrap or apptainer")
+        config = self.config
+        limits = options.get("limits")
+        if limits is not None:
+            if not isinstance(limits, SandboxLimits):
+                raise SandboxError(f"sandbox option limits must be a SandboxLimits, got {limits!r}")
+            changed = {k: v for k, v in dataclasses.asdict(limits.check()).items() if v is not None}
+            config = dataclasses.replace(config, **changed)
         resolved_image = self.runtime.resolve_image(image)
         sandbox_id = secrets.token_hex(5)
         self._check_local_dir()
@@ -157,8 +178,9 @@ class SandboxManager:
             network=self.config.network if network is None else bool(network),
             session_dir=self.local_dir / sandbox_id,
             loopback_ip=self.loopback.allocate(),
-            config=self.config,
+            config=config,
             env=dict(env),
+            mounts=mounts,
         )
         # Recorded before the runtime makes the session folder: a node killed mid-start leaves it to be reaped.
         self.records.write(self._new_record(sandbox_id, job_id, spec.session_dir))
@@ -179,9 +201,9 @@ class SandboxManager:
             on_stop=self._stopped, log=self.log,
         )
         self._live[sandbox_id] = sandbox
-        if self.config.wall_s > 0:
+        if config.wall_s > 0:
             self._wall_timers[sandbox_id] = asyncio.get_running_loop().call_later(
-                self.config.wall_s, self._wall_expired, sandbox
+                config.wall_s, self._wall_expired, sandbox
             )
         self.log.info(
             "sandbox %s started for job %s (%s, image %s, loopback %s, network %s)",
@@ -220,8 +242,8 @@ class SandboxManager:
         )
 
     def _wall_expired(self, sandbox: Sandbox) -> None:
-        self.log.warning("sandbox %s of job %s ran past sandbox.wall_s=%.0f s: stopping it",
-                         sandbox.sandbox_id, sandbox.job_id, self.config.wall_s)
+        self.log.warning("sandbox %s of job %s ran past sandbox.wall_s (or its own limits.wall_s): stopping it",
+                         sandbox.sandbox_id, sandbox.job_id)
         task = asyncio.ensure_future(sandbox.stop())
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prorl_cli.exceptions import SandboxError, SandboxTimeout
+from prorl_cli.sandbox.options import Mount
 from prorl_cli.sandbox.settings import SandboxConfig
 from prorl_cli.sandbox.toolserver import READY_LINE
 
@@ -56,6 +57,8 @@ class LaunchSpec:
     loopback_ip: str
     config: SandboxConfig
     env: dict[str, str] = field(default_factory=dict)
+    #: Host paths bound in (``Mount``); only isolating runtimes honour them.
+    mounts: list[Mount] = field(default_factory=list)
 
     @property
     def run_dir(self) -> Path:
@@ -284,12 +287,13 @@ class Runtime(abc.ABC):
             raise SandboxError(f"{self.name} runtime: image {chosen!r} does not exist")
         return chosen
 
-    def toolserver_argv(self, socket_path: str, *, remount_sys: bool = False) -> list[str]:
-        """Arguments after the interpreter: the tool server, its socket and the limits."""
+    def toolserver_argv(self, socket_path: str, *, remount_sys: bool = False, spec: LaunchSpec | None = None) -> list[str]:
+        """Arguments after the interpreter: the tool server, its socket and the limits (the sandbox's own, from ``spec``)."""
+        limits = spec.config if spec is not None else self.config
         argv = [
             "--socket", socket_path,
-            "--mem-gb", str(self.config.mem_gb),
-            "--max-procs", str(self.config.max_procs),
+            "--mem-gb", str(limits.mem_gb),
+            "--max-procs", str(limits.max_procs),
         ]
         if remount_sys:
             argv.append("--remount-sys")

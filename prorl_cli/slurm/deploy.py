@@ -243,7 +243,11 @@ def load_deploy(path: str | os.PathLike[str], deployment: str | None = None) -> 
         cfg.config = resolve(cfg.config)
         if not Path(cfg.config).is_file():
             raise ConfigError(f"{file}: config: {cfg.config} not found")
-    cfg.nodes.handler_paths = [resolve(p) for p in cfg.nodes.handler_paths]
+    # A dotted package name (prorl_cli.testing.handlers) names handlers wherever prorl is installed: kept as is.
+    cfg.nodes.handler_paths = [
+        p if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", p) and not (base / p).exists() else resolve(p)
+        for p in cfg.nodes.handler_paths
+    ]
     if cfg.inference.model:
         cfg.inference.model = resolve(cfg.inference.model)
     return cfg

@@ -38,11 +38,11 @@ import psutil
 import yaml
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's prorl_cli, installed or not
 
 from prorl_cli import protocol as P  # noqa: E402
 from prorl_cli.sandbox.runtime import session_members, stat_fields, wait_gone  # noqa: E402
-from tests.harness import Deployment, bare_dealer, fixed_port  # noqa: E402
+from prorl_cli.testing import Deployment, bare_dealer, fixed_port  # noqa: E402
 
 IMAGES = Path(os.environ.get("PRORL_TEST_IMAGES", "/var/cache/prorl-test"))
 # The image each sandbox runtime starts (unused by ``local``).
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     home = Path(tempfile.mkdtemp(prefix="prorl-chaos-")) / "home"
     config: dict[str, Any] = {
-        # Heartbeats and pool sizes: tests.harness.DEFAULT_TEST_CONFIG, merged in by Deployment.
+        # Heartbeats and pool sizes: prorl_cli.testing.DEFAULT_TEST_CONFIG, merged in by Deployment.
         "broker": {"port": fixed_port()},
         "node": {"credit": 12},
     }

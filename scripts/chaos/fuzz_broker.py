@@ -20,10 +20,10 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's prorl_cli, installed or not
 
-from tests.chaos.fuzzing import HonestClient, Peer, malformed  # noqa: E402
-from tests.harness import Deployment  # noqa: E402
+from prorl_cli.testing import Deployment  # noqa: E402
+from prorl_cli.testing.fuzzing import HonestClient, Peer, malformed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,10 +39,10 @@ import msgpack
 import psutil
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's prorl_cli, installed or not
 
 from prorl_cli import protocol as P  # noqa: E402
-from tests.harness import Deployment, bare_dealer  # noqa: E402
+from prorl_cli.testing import Deployment, bare_dealer  # noqa: E402
 
 KINDS = ("ok", "raise", "stage_timeout", "job_timeout", "cancel_queued", "cancel_running")
 WEIGHTS = (0.70, 0.08, 0.05, 0.05, 0.06, 0.06)

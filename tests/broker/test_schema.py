@@ -11,7 +11,7 @@ import pytest
 
 from prorl_cli import protocol as P
 from prorl_cli.exceptions import ProtocolError
-from tests.broker.samples import STOP, VALID
+from prorl_cli.testing.samples import STOP, VALID
 
 
 def _check(op: P.Op, header: dict[str, Any], payload: list[bytes]) -> None:

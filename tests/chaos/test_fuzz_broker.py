@@ -11,7 +11,7 @@ import psutil
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.chaos.fuzzing import HonestClient, Peer, malformed
+from prorl_cli.testing.fuzzing import HonestClient, Peer, malformed
 from tests.harness import Deployment
 
 EXAMPLES = 400

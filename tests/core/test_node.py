@@ -199,14 +199,14 @@ def test_a_job_cancelled_in_the_turn_it_was_assigned_still_reports(tmp_path: Pat
     import asyncio
     import contextlib
 
-    from handlers.testing import ScriptedTestHandler
     from prorl_cli.config import ProrlConfig
     from prorl_cli.node.handler import Services
     from prorl_cli.node.pipeline import Pipeline
     from prorl_cli.node.registry import HandlerRegistry
+    from prorl_cli.testing.handlers.testing import ScriptedTestHandler
 
     registry = HandlerRegistry()
-    registry.add(ScriptedTestHandler, "handlers/testing.py")
+    registry.add(ScriptedTestHandler, "prorl_cli/testing/handlers/testing.py")
     done: list[JobResult] = []
     stages: list[str] = []
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from handlers.testing import ScriptedTestHandler
 from prorl_cli.config import ProrlConfig
 from prorl_cli.node.handler import Services
 from prorl_cli.node.pipeline import Pipeline
 from prorl_cli.node.registry import HandlerRegistry
 from prorl_cli.protocol import JobResult, JobSpec
+from prorl_cli.testing.handlers.testing import ScriptedTestHandler
 
 
 def _pipeline(tmp_path: Path, done: list[JobResult], n_run: int = 32) -> Pipeline:
     registry = HandlerRegistry()
-    registry.add(ScriptedTestHandler, "handlers/testing.py")
+    registry.add(ScriptedTestHandler, "prorl_cli/testing/handlers/testing.py")
     config = ProrlConfig()
     config.node.n_run = n_run
     return Pipeline(config, registry, Services(), "n1", tmp_path, on_stage=lambda spec, stage: None, on_done=done.append)

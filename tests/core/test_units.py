@@ -105,11 +105,12 @@ def test_handler_discovery_and_errors(tmp_path: Path) -> None:
     broken = tmp_path / "broken.py"
     broken.write_text("raise ImportError('boom')\n")
     reg = discover([str(tmp_path)])
-    assert "mine" in reg.tasks and "test" in reg.tasks and "noop" in reg.tasks
+    assert "mine" in reg.tasks and "math_agent" in reg.tasks  # the given folder and the built-in handlers
+    assert "test" not in reg.tasks and "noop" not in reg.tasks  # the test handlers only when asked for
     assert any("broken.py" in e and "boom" in e for e in reg.errors)
     with pytest.raises(UnknownTask, match="unknown task 'nope'"):
         reg.get("nope")
-    assert "mine" not in discover([str(tmp_path)], only=["test"]).tasks
+    assert discover([str(tmp_path)], only=["math_agent"]).tasks == ["math_agent"]
     with pytest.raises(HandlerError, match="unknown task"):
         discover([], only=["does-not-exist"])
     dup = tmp_path / "dup"

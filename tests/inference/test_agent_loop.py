@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from handlers.math_agent import calculator, final_number
 from prorl_cli.agent import (
     HermesToolParser,
     TokenSession,
@@ -22,6 +21,7 @@ from prorl_cli.agent import (
 )
 from prorl_cli.agent.chat import ChatTemplateError, ChatTokens
 from prorl_cli.exceptions import InferenceError
+from prorl_cli.handlers.math_agent import calculator, final_number
 from prorl_cli.inference import Generation
 from prorl_cli.protocol import SamplingParams
 
@@ -182,8 +182,8 @@ def test_jsonl_and_parquet_round_trip(chat: ChatTokens, tmp_path: Path) -> None:
 def test_math_agent_handler_uses_the_calculator_and_scores(chat: ChatTokens, tiny_model: Path, tmp_path: Path) -> None:
     import logging
 
-    from handlers.math_agent import MathAgentHandler
     from prorl_cli.config import ProrlConfig
+    from prorl_cli.handlers.math_agent import MathAgentHandler
     from prorl_cli.node.handler import JobContext, Services
     from prorl_cli.protocol import JobSpec
 
@@ -198,7 +198,7 @@ def test_math_agent_handler_uses_the_calculator_and_scores(chat: ChatTokens, tin
             spec=JobSpec(job_id="j", task="math_agent"),
             instance={"question": "What is 17 * 23?", "answer": answer, "tokenizer": str(tiny_model)},
             node_id="n", run_dir=tmp_path, config=ProrlConfig(), services=ScriptedServices(),
-            log=logging.getLogger("test"),
+            log=logging.getLogger("test"), handler=handler,
         )
 
     handler = MathAgentHandler()

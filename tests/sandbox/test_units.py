@@ -220,3 +220,47 @@ def test_auto_runtime_prefers_apptainer_then_bubblewrap(
     (bwrap_only / "bwrap").symlink_to(shutil.which("bwrap") or "")
     monkeypatch.setenv("PATH", str(bwrap_only))
     assert make_runtime(SandboxConfig(), log).name == "bwrap"
+
+
+def test_per_sandbox_limits_replace_the_nodes_and_mounts_need_an_isolating_runtime(tmp_path: Path) -> None:
+    from prorl_cli.sandbox import Mount, SandboxLimits
+
+    async def main() -> None:
+        m = SandboxManager(SandboxConfig(runtime="local", mem_gb=4.0, max_procs=512), tmp_path, log)
+        sb = await m.start("limited", limits=SandboxLimits(mem_gb=1.5, max_procs=100))
+        try:
+            r = await sb.bash("ulimit -v; ulimit -u")
+            assert r.output.split() == [str(int(1.5 * 1024 * 1024)), "100"], r.output
+        finally:
+            await sb.stop()
+        with pytest.raises(SandboxError, match="local runtime .* cannot bind mounts"):
+            await m.start("mounted", mounts=[Mount(str(tmp_path), "/data")])
+        with pytest.raises(SandboxError, match="mount source .* does not exist"):
+            await m.start("mounted", mounts=[Mount(str(tmp_path / "absent"), "/data")])
+        with pytest.raises(SandboxError, match="sandbox limit mem_gb: expected a number"):
+            await m.start("limited", limits=SandboxLimits(mem_gb=-1))
+        await m.stop_all()
+
+    asyncio.run(main())
+
+
+def test_mounts_reach_the_runtime_command_lines(tmp_path: Path) -> None:
+    from prorl_cli.sandbox import LaunchSpec, Mount
+    from prorl_cli.sandbox.apptainer import ApptainerRuntime
+    from prorl_cli.sandbox.bwrap import BwrapRuntime
+
+    config = SandboxConfig(runtime="bwrap")
+    mounts = [Mount(str(tmp_path), "/data"), Mount("/usr/share", "/share", writable=True)]
+    spec = LaunchSpec(sandbox_id="s", image="host", network=False, session_dir=tmp_path / "s", loopback_ip="127.0.0.2",
+                      config=config, mounts=mounts)
+    bwrap = BwrapRuntime(config, log)
+    if bwrap.binary is None:
+        pytest.skip("bubblewrap is not installed (scripts/provision/20-bwrap.sh)")
+    argv = bwrap.command(spec)
+    assert ["--ro-bind", str(tmp_path), "/data"] == argv[argv.index("/data") - 2: argv.index("/data") + 1]
+    assert argv[argv.index("/share") - 2: argv.index("/share") + 1] == ["--bind", "/usr/share", "/share"]
+    apptainer = ApptainerRuntime(SandboxConfig(runtime="apptainer"), log)
+    if apptainer.binary is None:
+        pytest.skip("apptainer is not installed (scripts/provision/30-apptainer.sh)")
+    argv = apptainer.command(spec)
+    assert f"{tmp_path}:/data:ro" in argv and "/usr/share:/share:rw" in argv

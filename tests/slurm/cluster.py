@@ -14,13 +14,14 @@ import pytest
 import yaml
 
 from prorl_cli.slurm.squeue import slurm_available
+from prorl_cli.testing import TEST_HANDLERS
 
 T = TypeVar("T")
 
 # Short heartbeats so lost peers are noticed in test time; small pools for 2 cores.
 ROLE_CONFIG: dict[str, Any] = {
     "broker": {"heartbeat_interval_s": 0.5, "heartbeat_liveness": 6},
-    "node": {"n_init": 4, "n_run": 8, "n_eval": 4, "stop_grace_s": 3.0},
+    "node": {"n_init": 4, "n_run": 8, "n_eval": 4, "stop_grace_s": 3.0, "handler_paths": [TEST_HANDLERS]},
     "jobs": {"timeout_s": 120.0},
 }
 

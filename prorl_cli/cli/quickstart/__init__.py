@@ -68,6 +68,9 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
     }
     if engine not in ("none", "sim"):
         config["inference"] = {"tokenizer": str(model_dir)}
+    else:
+        # The no-model modes run the test handlers, which production nodes do not serve.
+        config["node"]["handler_paths"] = ["prorl_cli.testing.handlers"]
     if plan is not None:
         for section, values in plan.config.items():
             config[section] = {**config.get(section, {}), **values}

@@ -42,4 +42,4 @@ VALID: dict[P.Op, tuple[dict[str, Any], list[bytes]]] = {
     P.Op.GENERATE_CANCEL: ({"rid": 1, "job_id": "x"}, []),
 }
 # Not fuzzed over a live socket: it ends the deployment.
-STOP = ({"rid": 1}, [])
+STOP: tuple[dict[str, Any], list[bytes]] = ({"rid": 1}, [])

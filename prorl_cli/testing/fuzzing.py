@@ -2,7 +2,7 @@
 
 Used by ``tests/chaos/test_fuzz_broker.py`` (short, hypothesis-driven) and
 ``scripts/chaos/fuzz_broker.py`` (10,000+ frames, seeded). Every message
-starts from a valid header of some op (``tests/broker/samples.py``) and gets
+starts from a valid header of some op (``prorl_cli/testing/samples.py``) and gets
 one or more mutations: a leaf replaced by a value of another type or out of
 range (NaN, infinities, huge ints, long strings), a field removed, an extra
 or missing payload frame, a garbage frame, a wrong version.
@@ -19,8 +19,8 @@ from typing import Any
 import msgpack
 
 from prorl_cli import protocol as P
-from tests.broker.samples import VALID
-from tests.harness import bare_dealer
+from prorl_cli.testing.harness import bare_dealer
+from prorl_cli.testing.samples import VALID
 
 # Ops the fuzzer sends: everything but ``stop`` and ``hold`` (valid ones would end or pause the honest run).
 FUZZ_OPS = [op for op in VALID if op not in (P.Op.HOLD,)]

@@ -5,9 +5,10 @@ deployment add their own entries) holding a list of
 ``{"match": TEXT, "turns": [TEXT, ...]}``: a call whose prompt contains
 ``match`` gets ``turns[i]`` (plus ``<|im_end|>``) encoded with the real
 tokenizer, where ``i`` is the number of assistant turns already in the
-prompt. The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
+prompt. A turn ``<<sleep:S>>TEXT`` answers ``TEXT`` after ``S`` seconds (a
+model call still in flight when a job's limit strikes). The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
 so every call goes node -> broker -> bridge -> engine and back (the real
-generate contract). Run: ``python -m tests.domains.scripted_engine SCRIPT
+generate contract). Run: ``python -m prorl_cli.testing.scripted_engine SCRIPT
 TOKENIZER_DIR BACKEND_ID DEPLOYMENT_DIR``.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import sys
@@ -27,6 +29,7 @@ from prorl_cli.protocol import SamplingParams
 from prorl_cli.rendezvous import wait_rendezvous
 
 FALLBACK_TURN = "I have no script for this prompt."
+SLEEP = re.compile(r"<<sleep:([0-9.]+)>>")
 
 
 class ScriptedEngine(Engine):
@@ -58,7 +61,12 @@ class ScriptedEngine(Engine):
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         self.calls += 1
         prompt = str(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
-        ids = list(self.tokenizer.encode(self.turn_for(prompt) + "<|im_end|>", add_special_tokens=False))
+        text = self.turn_for(prompt)
+        slow = SLEEP.match(text)
+        if slow:
+            await asyncio.sleep(float(slow.group(1)))
+            text = text[slow.end():]
+        ids = list(self.tokenizer.encode(text + "<|im_end|>", add_special_tokens=False))
         finish = "stop"
         if len(ids) > sampling.max_tokens:
             ids, finish = ids[: sampling.max_tokens], "length"
