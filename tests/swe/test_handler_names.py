@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from prorl_cli.node.registry import discover
 
 AGENT = '''
-from prorl_handlers.swe_domain import SweHandler
+from prorl_cli.handlers.swe_domain import SweHandler
 
 
 class MyAgentHandler(SweHandler):
