@@ -270,6 +270,8 @@ class JobTable:
         log.warning("node %s lost (%s); re-queueing %d job(s)", node.node_id, why, len(node.inflight))
         node.alive = False
         node.died_at = time.monotonic() if now is None else now
+        node.lost_reason = why
+        node.stages = {}  # what it last reported running is gone with it
         for job_id in sorted(node.inflight, key=lambda j: self.jobs[j].seq if j in self.jobs else 0):
             job = self.jobs.get(job_id)
             if job is None or job.state.terminal or job.node_id != node.node_id:

@@ -291,8 +291,9 @@ class Broker:
             return
         rid = None
         try:
-            header = P.decode_header(frames[1])
-            rid = P.header_rid(header)
+            header = P.decode_map(frames[1])
+            rid = P.header_rid(header)  # before the envelope checks: a bad version or op still gets its rid back
+            P.check_envelope(header)
             P.validate(header, len(frames) - 2)
         except ProtocolError as e:
             self._error(identity, rid, ErrorCode(e.code), e.message)
