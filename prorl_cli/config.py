@@ -38,7 +38,7 @@ class BrokerConfig:
     """The ZeroMQ broker."""
 
     bind_host: str = "127.0.0.1"
-    curve: Literal["auto", "on", "off"] = "auto"  # auto: encrypt and authenticate unless bound to loopback
+    curve: Literal["auto", "on", "off"] = "auto"  # auto/on: encrypt and authenticate, loopback too; off: plain TCP
     port: int = 0  # 0: a free port, written to the rendezvous file
     heartbeat_interval_s: float = 1.0
     heartbeat_liveness: int = 3

@@ -187,7 +187,8 @@ class Broker:
         self.publish_rendezvous()
         log.info(
             "broker of deployment %r listening on %s (%s)", self.config.deployment, self.address,
-            "CURVE encrypted and authenticated" if self.curve_public_key else "plain TCP: loopback only",
+            "CURVE encrypted and authenticated" if self.curve_public_key
+            else "plain TCP (broker.curve: off): whoever reaches the port can use it",
         )
         # SIGTERM/SIGUSR2 (Slurm preemption, time limit, requeue): leave without cancelling
         # anything and keep the journal; the broker started next replays it. Only the
@@ -232,10 +233,15 @@ class Broker:
                     # A clean stop finished every job and delivered every result: the next broker starts afresh.
                     self.journal.remove()
             # Linger briefly so the last results and replies reach their peers.
-            self.sock.close(linger=1000)
-            if self._auth is not None:
-                self._auth.stop()
+            self.close(linger_ms=1000)
             log.info("broker stopped")
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket and stop the CURVE authenticator's thread (``serve_forever`` does it on its way out)."""
+        self.sock.close(linger=linger_ms)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     def leave(self) -> None:
         """Exit the loop soon, cancelling nothing: jobs stay in the journal for the next broker."""

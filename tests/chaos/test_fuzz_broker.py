@@ -25,9 +25,9 @@ def test_fuzzed_broker_stays_up_and_honest_jobs_finish_once(tmp_path: Path) -> N
     try:
         broker = d.start_broker()
         d.start_node("n1")
-        honest = HonestClient(d.address, "honest")
+        honest = HonestClient(d.address, d.deployment_dir, "honest")
         honest.submit(40, {"sleep_s": {"run": 0.05}, "echo": "honest"})
-        peers = [Peer(d.address), Peer(d.address, register_as="fz-a"), Peer(d.address, register_as="fz-b")]
+        peers = [Peer(d.address, d.deployment_dir), Peer(d.address, d.deployment_dir, register_as="fz-a"), Peer(d.address, d.deployment_dir, register_as="fz-b")]
         rss_before = psutil.Process(broker.pid).memory_info().rss
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -69,7 +69,7 @@ def test_error_replies_echo_every_usable_rid_and_edge_rids_are_answered(tmp_path
     d = Deployment(tmp_path / "home", "rids")
     try:
         d.start_broker()
-        sock = bare_dealer(d.address)
+        sock = bare_dealer(d.address, d.deployment_dir)
         v = P.PROTOCOL_VERSION
         cases = {
             "unknown op": ({"v": v, "op": "frobnicate", "rid": 7}, "unknown_op"),
