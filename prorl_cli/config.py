@@ -70,6 +70,9 @@ class NodeConfig:
     handler_paths: list[str] = field(default_factory=list)  # extra dirs/files with handlers
     tasks: list[str] = field(default_factory=list)  # serve only these; empty: all found
     stop_grace_s: float = 5.0
+    # On SIGUSR2 (a time-limit or preemption warning) running jobs get this long to finish and deliver; queued ones
+    # are handed back at once. None: 90 s, or, launched on Slurm, the role's signal_delay_s minus 30 s for the requeue.
+    drain_grace_s: float | None = None
     # The liveness sidecar stops vouching for a node whose event loop has been blocked this long.
     loop_stall_limit_s: float = 300.0
 

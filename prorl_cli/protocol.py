@@ -67,6 +67,8 @@ class Op(str, enum.Enum):
     REGISTER = "register"  # NodeHello fields
     HEARTBEAT = "heartbeat"  # node/bridge: stats; broker -> peer: liveness only
     UNREGISTER = "unregister"  # node/bridge leaving for good (jobs/requests it held fail over)
+    # node -> broker: draining (preemption warning): place nothing more here; job_ids (never started) go back
+    RELEASE = "release"
     JOB_STAGE = "job_stage"  # updates=[{job_id, attempt, stage}]
     JOB_DONE = "job_done"  # jobs=[{job_id, attempt, state}], payload: one JobResult per job
     GENERATE = "generate"  # job_id, sampling; payload: [prompt int32]. Also broker -> bridge.
@@ -420,6 +422,8 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "liveness_token": Opt(_TOKEN),
         # The sandbox runtime the node picked (``sandbox.runtime: auto`` resolved); absent when it has none.
         "sandbox_runtime": Opt(Str(32)),
+        # The node is draining (it sent ``release``): a restarted broker places nothing more on it.
+        "draining": Opt(Bool()),
     }),
     Op.HEARTBEAT: OpSchema({
         "rid": Opt(Id()),
@@ -431,6 +435,7 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "stats": Opt(Dict(Str(64), Num(-float(_BIG), float(_BIG)), max_len=32)),  # a bridge's engine figures
     }),
     Op.UNREGISTER: OpSchema({"rid": Opt(Id()), "node_id": Opt(Str()), "backend_id": Opt(Str())}),
+    Op.RELEASE: OpSchema({**_RID, "job_ids": _JOB_IDS}),
     Op.JOB_STAGE: OpSchema({"updates": List(_UPDATE, 1_000_000)}),
     Op.JOB_DONE: OpSchema({"jobs": List(_DONE, 1_000_000)}, payload="jobs"),
     Op.GENERATE: OpSchema({**_RID, "job_id": Str(), "sampling": Opt(SAMPLING), "host": Opt(Str())}, payload=1),
@@ -740,6 +745,8 @@ class NodeStatus(_Record):
     silent_s: float = 0.0
     #: Why the broker declared the node lost (``silent for 2.1 s``, ``unregistered``, ...); None while alive.
     lost_reason: str | None = None
+    #: Draining (a preemption or time-limit warning): running jobs finish, nothing new is placed on it.
+    draining: bool = False
 
 
 @dataclass

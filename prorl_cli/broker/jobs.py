@@ -292,6 +292,22 @@ class JobTable:
             self.queue.push(job.spec.task, job_id, front=True)
         node.inflight.clear()
 
+    def release(self, node: Node, job_ids: list[str]) -> list[str]:
+        """A draining node hands back jobs it never started: queued again (front, same attempt); return their ids."""
+        released = []
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None or job.state.terminal or job.node_id != node.node_id or job_id not in node.inflight:
+                continue
+            node.inflight.discard(job_id)
+            job.node_id = None
+            self._on_detach(job_id)
+            job.state = JobState.QUEUED
+            self._record(attempt_record(job_id, job.spec.attempt))  # placed nowhere now (a replay waits for no claim)
+            self.queue.push(job.spec.task, job_id, front=True)
+            released.append(job_id)
+        return released
+
     def prune_dead_nodes(self, keep: int) -> list[str]:
         """Forget all but the ``keep`` most recently dead nodes; return the ids forgotten."""
         dead = sorted((n for n in self.nodes.values() if not n.alive), key=lambda n: n.died_at or 0.0)

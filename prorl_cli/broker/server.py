@@ -245,6 +245,8 @@ class Broker:
 
     def leave(self) -> None:
         """Exit the loop soon, cancelling nothing: jobs stay in the journal for the next broker."""
+        if self._leaving:
+            return  # USR2 is followed by a SIGTERM (the Slurm role's requeue): say it once
         log.info("leaving on a signal: %d unfinished job(s) stay in the journal",
                  sum(not j.state.terminal for j in self.jobs.values()))
         self._leaving = True
@@ -470,6 +472,7 @@ class Broker:
             node.credit, node.tasks, node.host = h["credit"], set(h["tasks"]), h["host"]
             node.liveness_token = h.get("liveness_token")
             node.sandbox_runtime = h.get("sandbox_runtime")
+            node.draining = bool(h.get("draining"))
         else:
             node = Node(
                 node_id=node_id,
@@ -480,6 +483,7 @@ class Broker:
                 tasks=set(h["tasks"]),
                 liveness_token=h.get("liveness_token"),
                 sandbox_runtime=h.get("sandbox_runtime"),
+                draining=bool(h.get("draining")),
             )
         self.nodes[node_id] = node
         self.node_by_identity[identity] = node
@@ -527,6 +531,17 @@ class Broker:
         if node is not None and node.alive:
             self._node_lost(node, "unregistered")
         self.router.unregister(identity)
+
+    def on_release(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        """A node drains: nothing more is placed on it; the jobs it names (never started there) are queued again."""
+        node = self._node_of(identity, h)
+        if node is None:
+            return
+        node.draining = True
+        released = self.table.release(node, h["job_ids"])
+        log.info("node %s is draining: %d job(s) handed back, %d running on", node.node_id, len(released), len(node.inflight))
+        self._journal_flush()
+        self._send(identity, P.reply(h["rid"], released=released))
 
     def on_job_stage(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         node = self._node_of(identity, h)
@@ -618,6 +633,7 @@ class Broker:
         Op.REGISTER: on_register,
         Op.HEARTBEAT: on_heartbeat,
         Op.UNREGISTER: on_unregister,
+        Op.RELEASE: on_release,
         Op.JOB_STAGE: on_job_stage,
         Op.JOB_DONE: on_job_done,
         Op.REGISTER_BACKEND: on_routing_op,

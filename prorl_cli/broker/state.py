@@ -59,10 +59,12 @@ class Node:
     sandbox_runtime: str | None = None
     #: Why it was declared lost (shown in ``status``).
     lost_reason: str | None = None
+    #: Sent ``release``: its running jobs finish, nothing new is placed on it.
+    draining: bool = False
 
     @property
     def free(self) -> int:
-        return self.credit - len(self.inflight) if self.alive else 0
+        return self.credit - len(self.inflight) if self.alive and not self.draining else 0
 
     def status(self, now: float | None = None) -> NodeStatus:
         now = time.monotonic() if now is None else now
@@ -78,6 +80,7 @@ class Node:
             sandbox_runtime=self.sandbox_runtime,
             silent_s=round(max(0.0, now - self.last_seen), 3) if self.alive else 0.0,
             lost_reason=self.lost_reason,
+            draining=self.draining,
         )
 
 

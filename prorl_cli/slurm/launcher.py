@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 LAUNCH_NAME = "launch.json"
 ROLES = ("broker", "nodes", "inference")
+#: What a node's drain on USR2 leaves of ``signal_delay_s`` for stopping the rest, unregistering and the requeue.
+DRAIN_REQUEUE_MARGIN_S = 30
 
 
 @dataclass
@@ -116,6 +118,9 @@ def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpe
         for name in ("n_init", "n_run", "n_eval"):
             if getattr(n, name) is not None:
                 overrides[f"node.{name}"] = getattr(n, name)
+        if prorl_config(cfg).node.drain_grace_s is None:
+            # On the USR2 warning running jobs may finish until shortly before the end; 30 s are left for the requeue.
+            overrides["node.drain_grace_s"] = float(max(0, n.signal_delay_s - DRAIN_REQUEUE_MARGIN_S))
         if inf.model and prorl_config(cfg).inference.tokenizer is None:
             # Handlers tokenize for the model the bridges serve.
             overrides["inference.tokenizer"] = inf.model

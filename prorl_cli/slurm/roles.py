@@ -170,7 +170,7 @@ def serve_role(spec: RoleSpec, config: ProrlConfig | None = None) -> int:
         if not wait_for_broker(config.deployment_dir, spec.rendezvous_wait_s, signals.leave):
             log.info("asked to leave before the broker appeared")
             return 0
-        _serve_node(spec, config, identity)
+        _serve_node(spec, config, identity, signals)
         return 0
 
 
@@ -187,12 +187,15 @@ def _serve_broker(spec: RoleSpec, config: ProrlConfig) -> int:
     return 0
 
 
-def _serve_node(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity) -> None:
+def _serve_node(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity, signals: RoleSignals) -> None:
     from prorl_cli.node.server import run_node
 
     if identity.cpus and "node.n_run" not in spec.overrides:
         log.info("Slurm gave %d CPU(s); pools as configured (n_run=%d)", identity.cpus, config.node.n_run)
-    run_node(config, node_id=identity.member_id("node", spec.index))
+    def preempted() -> None:  # the node drains with grace on its own loop; the task is requeued once it left
+        signals.requeue = True
+
+    run_node(config, node_id=identity.member_id("node", spec.index), on_preempt=preempted)
 
 
 def _serve_inference(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity) -> int:
