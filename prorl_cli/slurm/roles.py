@@ -10,7 +10,8 @@ behaves the same whichever way it was submitted:
   dying when they start first;
 - SIGTERM (``scancel``, ``prorl down``) drains and exits; SIGUSR2 (the
   ``--signal`` time-limit warning, or preemption with
-  ``preempt_send_user_signal``) drains, then requeues the task with
+  ``preempt_send_user_signal``) drains (a node with grace: its running jobs
+  may finish for ``node.drain_grace_s``), then requeues the task with
   ``scontrol requeue`` so it comes back and rejoins. A broker leaves without
   cancelling jobs and keeps its journal; the requeued broker replays it.
 

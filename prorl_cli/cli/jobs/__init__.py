@@ -327,7 +327,7 @@ def _liveness(app: App, node: Any) -> str:
         return f"[red]lost[/]: {node.lost_reason}" if node.lost_reason else "[red]no[/]"
     if node.silent_s > 2 * app.config.broker.heartbeat_interval_s:
         return f"[yellow]silent {node.silent_s:.0f} s[/]"
-    return "yes"
+    return "[yellow]draining[/]" if node.draining else "yes"
 
 
 def print_backends(app: App, backends: list[Any]) -> None:
