@@ -220,6 +220,25 @@ def _serve_inference(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentit
     return asyncio.run(run_bridge(opts, config))
 
 
+def remove_stale_results(folder: str | None, task_ref: str | None) -> list[Path]:
+    """Delete result pickles a previous run of this task left in its submitit folder (``SUBMITIT_FOLDER``).
+
+    A requeued task runs again from its original pickle, but the run that
+    was stopped left its ``<task_ref>_<n>_result.pkl`` behind, which
+    submitit would take for this run's result. Only this task's are touched.
+    """
+    if not folder or not task_ref:
+        return []
+    stale = sorted(Path(folder).glob(f"{task_ref}_*_result.pkl"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d result pickle(s) a previous run of this task left: %s", len(stale),
+                 ", ".join(p.name for p in stale))
+    return stale
+
+
 def submitted_role(spec: RoleSpec) -> int:
     """The function submitit runs in the Slurm task (module level, so it pickles by reference)."""
+    remove_stale_results(os.environ.get("SUBMITIT_FOLDER"), SlurmIdentity.from_env().task_ref)
     return serve_role(spec)
