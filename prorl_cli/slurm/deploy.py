@@ -102,6 +102,10 @@ class ArrayRole(SlurmJobOptions):
     count: int = 0
     array_parallelism: int = 0  # at most this many tasks at once; 0: all
     requeue: bool = True  # preempted or timed-out tasks drain, are requeued and rejoin
+    # A task that ended on its own (FAILED, NODE_FAIL, OUT_OF_MEMORY, TIMEOUT) is replaced under its name by the
+    # broker job's supervisor at most this often per name, after restart_backoff_s (doubling with each restart).
+    max_restarts: int = 3
+    restart_backoff_s: float = 30.0
 
     def validate(self, where: str) -> None:
         super().validate(where)
@@ -109,6 +113,10 @@ class ArrayRole(SlurmJobOptions):
             raise ConfigError(f"{where}.count: must be 0 or more, got {self.count}")
         if self.array_parallelism < 0:
             raise ConfigError(f"{where}.array_parallelism: must be 0 (all) or more, got {self.array_parallelism}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"{where}.max_restarts: must be 0 (never replace) or more, got {self.max_restarts}")
+        if self.restart_backoff_s < 0:
+            raise ConfigError(f"{where}.restart_backoff_s: must be 0 or more, got {self.restart_backoff_s}")
 
 
 @dataclass

@@ -363,6 +363,16 @@ def scale(cfg: DeployConfig, role: str, count: int, drain_wait_s: float = 90.0) 
         raise SlurmError(f"cannot scale {role!r}: nodes or inference")
     if count < 0:
         raise SlurmError(f"--{role}: must be 0 or more, got {count}")
+    from prorl_cli.slurm.supervisor import launch_lock
+
+    with launch_lock(cfg.deployment_dir):
+        record = LaunchRecord.load(cfg.deployment_dir) or record  # the supervisor may have replaced a task
+        return _scale_locked(cfg, record, role, count, drain_wait_s)
+
+
+def _scale_locked(
+    cfg: DeployConfig, record: LaunchRecord, role: str, count: int, drain_wait_s: float
+) -> tuple[list[Member], list[Member]]:
     live_ids = {t.job_id for t in squeue.active(record.job_ids)}
     live = sorted((m for m in record.of(role) if m.job_id in live_ids), key=lambda m: m.index)
     added: list[Member] = []

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -184,8 +185,36 @@ def _serve_broker(spec: RoleSpec, config: ProrlConfig) -> int:
     with BrokerLock.acquire(config.deployment_dir):
         broker = Broker(config)
         log.info("broker of %r on %s", config.deployment, broker.address)
-        broker.serve_forever()
+        supervisor = _start_supervisor(config.deployment_dir)
+        try:
+            broker.serve_forever()
+        finally:
+            if supervisor is not None:
+                stop_process_group(supervisor)
     return 0
+
+
+def _start_supervisor(deployment_dir: Path) -> subprocess.Popen[bytes] | None:
+    """In the broker's Slurm job of a ``prorl launch`` deployment: the child that replaces crashed tasks."""
+    from prorl_cli.slurm.launcher import LAUNCH_NAME
+    from prorl_cli.slurm.supervisor import child_env
+
+    if not SlurmIdentity.from_env().in_slurm or not (deployment_dir / LAUNCH_NAME).exists():
+        return None  # plain sbatch scripts or a broker outside Slurm: nothing recorded to supervise
+    return subprocess.Popen([sys.executable, "-m", "prorl_cli.slurm.supervisor", str(deployment_dir)],
+                            env=child_env(), stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM a child's process group, SIGKILL it after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _serve_node(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity, signals: RoleSignals) -> None:

@@ -125,15 +125,24 @@ def _print_ended(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
     """For each task that ended on its own (failed, out of memory, node failure, time limit): why, and its log's end."""
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.slurm import launcher, squeue
+    from prorl_cli.slurm.supervisor import Supervision
 
     by_id = {t.job_id: t for t in rows}
+    sup = Supervision.load(Path(record.home) / record.deployment)
+    for name, named in sorted(sup.names.items()):
+        for old in named.history:
+            app.console.print(f"{name}: replaced its Slurm job {old['job_id']}, which ended {old['ended']}")
     cfg = None
     for m in record.members:
         t = by_id.get(m.job_id)
         if t is None or t.state not in squeue.UNASKED_END_STATES:
             continue
         ended = squeue.ended(t)
-        app.console.print(f"[red]{m.peer_id}[/] (Slurm job {m.job_id}) ended {ended.describe()}")
+        state = sup.names.get(m.peer_id)
+        verdict = ""
+        if state is not None and state.gave_up is not None and state.gave_up.get("job_id") == m.job_id:
+            verdict = f"; [bold red]failed[/]: not replaced any more ({state.restarts} restart(s), max_restarts spent)"
+        app.console.print(f"[red]{m.peer_id}[/] (Slurm job {m.job_id}) ended {ended.describe()}{verdict}")
         if cfg is None:
             try:
                 _, cfg = launcher.load_launched(Path(record.home) / record.deployment)
