@@ -31,7 +31,7 @@ from typing import Any
 
 from prorl_cli.exceptions import ProrlError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("prorl_cli.slurm.supervisor")  # also when run as __main__
 
 SUPERVISION_NAME = "supervision.json"
 LOCK_NAME = "launch.lock"
