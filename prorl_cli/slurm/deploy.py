@@ -85,7 +85,7 @@ class BrokerRole(SlurmJobOptions):
     """The broker: its own small Slurm job, or ``here`` (a process on the launching machine)."""
 
     where: Literal["slurm", "here"] = "slurm"
-    bind_host: str = "0.0.0.0"  # peers on other hosts must reach it; CURVE is on beyond loopback
+    bind_host: str = "0.0.0.0"  # peers on other hosts must reach it (CURVE-encrypted, as every broker)
     port: int = 0
     cpus_per_task: int = 1
 
