@@ -53,6 +53,7 @@ import zmq  # noqa: E402
 
 from prorl_cli import protocol as P  # noqa: E402
 from prorl_cli.embedded import LocalStack  # noqa: E402
+from prorl_cli.security import secure_peer  # noqa: E402
 
 TASK = "sim"
 OUTPUT_TOKENS = 64
@@ -76,6 +77,7 @@ def _header(op: str, **fields: Any) -> bytes:
 @dataclass
 class GenConfig:
     address: str
+    deployment_dir: str  # its CURVE keys (a ``curve: off`` broker has none to give)
     index: int
     nodes: list[str]
     slots: int
@@ -138,6 +140,7 @@ class Generator:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        secure_peer(sock, Path(self.cfg.deployment_dir))
         sock.connect(self.cfg.address)
         self.poller.register(sock, zmq.POLLIN)
         self.kind[sock] = kind
@@ -321,6 +324,8 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
     inflight = slots * args.nodes
     hb_s = 1.0
     broker_cfg: dict[str, Any] = {"heartbeat_interval_s": hb_s, "heartbeat_liveness": 10, "journal": args.journal}
+    if args.curve != "auto":
+        broker_cfg["curve"] = args.curve  # only then: an older tree may not know "auto" means CURVE on loopback
     if args.policy != "least_loaded_sticky":
         broker_cfg["routing_policy"] = args.policy  # only then: an older tree does not know the key
     stack = LocalStack(workdir / f"level-{inflight}-{'base' if tree else 'this'}", "scale",
@@ -343,7 +348,7 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
     procs = []
     for g in range(args.generators):
         cfg = GenConfig(
-            address=stack.address, index=g, nodes=node_names[g::args.generators], slots=slots,
+            address=stack.address, deployment_dir=str(stack.deployment_dir), index=g, nodes=node_names[g::args.generators], slots=slots,
             bridges=bridge_names[g::args.generators], client_jobs=inflight if g == 0 else 0,
             calls=args.calls, max_prompt_tokens=args.max_prompt_tokens, think_mean_s=think_mean_s,
             heartbeat_interval_s=hb_s, seed=g,
@@ -468,6 +473,8 @@ def main() -> None:
     ap.add_argument("--fill-timeout-s", type=float, default=300.0)
     ap.add_argument("--generators", type=int, default=2, help="load-generator processes")
     ap.add_argument("--policy", default="least_loaded_sticky")
+    ap.add_argument("--curve", choices=["auto", "on", "off"], default="auto",
+                    help="broker.curve (auto, the default: CURVE on loopback too; off: plain TCP, to measure CURVE's cost)")
     ap.add_argument("--journal", action="store_true", help="keep the broker's journal on (off: measure routing alone)")
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "broker_scale.png")
     ap.add_argument("--json", type=Path, help="also write the rows here")

@@ -38,7 +38,7 @@ class BrokerConfig:
     """The ZeroMQ broker."""
 
     bind_host: str = "127.0.0.1"
-    curve: Literal["auto", "on", "off"] = "auto"  # auto: encrypt and authenticate unless bound to loopback
+    curve: Literal["auto", "on", "off"] = "auto"  # auto/on: encrypt and authenticate, loopback too; off: plain TCP
     port: int = 0  # 0: a free port, written to the rendezvous file
     heartbeat_interval_s: float = 1.0
     heartbeat_liveness: int = 3
@@ -79,6 +79,9 @@ class NodeConfig:
     handler_paths: list[str] = field(default_factory=list)  # extra handler files, folders or package names
     tasks: list[str] = field(default_factory=list)  # serve only these; empty: all found
     stop_grace_s: float = 5.0
+    # On SIGUSR2 (a time-limit or preemption warning) running jobs get this long to finish and deliver; queued ones
+    # are handed back at once. None: 90 s, or, launched on Slurm, the role's signal_delay_s minus 30 s for the requeue.
+    drain_grace_s: float | None = None
     # The liveness sidecar stops vouching for a node whose event loop has been blocked this long.
     loop_stall_limit_s: float = 300.0
 

@@ -88,6 +88,12 @@ class BrokerConnection:
         self._reader: asyncio.Task[None] | None = None
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Reply]] = {}
+        #: Which socket each pending request went out on (a count of sockets opened, see ``_epoch``).
+        self._sent_on: dict[int, int] = {}
+        #: Bumped each time a socket is opened: a new socket's requests go to whichever broker it reaches.
+        self._epoch = 0
+        #: The boot id the current socket's broker has answered with (None until it answers).
+        self._socket_boot: str | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
 
@@ -123,7 +129,11 @@ class BrokerConnection:
             secure_peer(sock, self.deployment_dir)  # reads the (new) broker's CURVE key
         sock.connect(self.address)
         self.sock = sock
-        self._reader = asyncio.get_running_loop().create_task(self._read(sock), name=f"prorl-{self.name}-reader")
+        self._epoch += 1
+        self._socket_boot = None
+        self._reader = asyncio.get_running_loop().create_task(
+            self._read(sock, self._epoch), name=f"prorl-{self.name}-reader"
+        )
         self._reader.add_done_callback(self._reader_done)
 
     def _reader_done(self, task: asyncio.Task[None]) -> None:
@@ -196,6 +206,7 @@ class BrokerConnection:
         rid = next(self._rids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
+        self._sent_on[rid] = self._epoch
         fields: dict[str, Any] = {"rid": rid}
         if self.host is not None:
             fields["host"] = self.host
@@ -219,6 +230,7 @@ class BrokerConnection:
             raise
         finally:
             self._pending.pop(rid, None)
+            self._sent_on.pop(rid, None)
 
     async def call(
         self, header: dict[str, Any], payload: Sequence[bytes] = (), *, timeout_s: float | None = None
@@ -231,7 +243,7 @@ class BrokerConnection:
 
     # ----------------------------------------------------------------- reader
 
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+    async def _read(self, sock: zmq.asyncio.Socket, epoch: int) -> None:
         while True:
             frames = await sock.recv_multipart()
             self.last_heard = time.monotonic()
@@ -242,7 +254,7 @@ class BrokerConnection:
                 continue
             op = header["op"]
             if op == Op.REPLY:
-                self._on_reply(header, frames[1:])
+                self._on_reply(header, frames[1:], epoch)
             elif op != Op.HEARTBEAT and self.on_message is not None:
                 try:
                     self.on_message(op, header, frames[1:])
@@ -250,10 +262,10 @@ class BrokerConnection:
                     # A message its handler could not take must not stop the reader (and with it every reply).
                     log.error("%s: could not handle %s from the broker: %r", self.name, op.value, e)
 
-    def _on_reply(self, header: dict[str, Any], payload: list[bytes]) -> None:
+    def _on_reply(self, header: dict[str, Any], payload: list[bytes], epoch: int | None = None) -> None:
         rid = header.get("rid")
         boot_id = header.get("boot_id")
-        if isinstance(boot_id, str):
+        if isinstance(boot_id, str) and (epoch is None or epoch == self._epoch):
             self.note_boot(boot_id, answered=rid)
         fut = self._pending.get(rid) if isinstance(rid, int) else None
         if fut is not None and not fut.done():
@@ -264,27 +276,47 @@ class BrokerConnection:
     def note_boot(self, boot_id: str, answered: Any = None) -> None:
         """Record the broker's boot id; a new one fails the requests the old broker took with it.
 
-        ``answered``: the rid whose reply carried ``boot_id`` (it is not lost).
+        ``answered``: the rid whose reply carried ``boot_id``. Only requests
+        the old broker may have taken are lost: on the socket that had heard
+        the old boot id, those sent before ``answered`` and still unanswered
+        (the broker answers one peer's requests in order, so one that reached
+        the new broker ahead of ``answered`` would have been answered ahead of
+        it). Requests sent on a socket opened after a move, or after
+        ``answered``, went to the new broker and wait for their replies.
         """
+        socket_boot, self._socket_boot = self._socket_boot, boot_id
         if self.boot_id == boot_id:
             return
         first, self.boot_id = self.boot_id is None, boot_id
         if first:
             return
-        lost = self._fail_pending(
-            BrokerRestarted(f"the broker at {self.address} restarted; this request was lost with it"), keep=answered
-        )
-        log.warning("%s: the broker restarted (new boot id); %d request(s) in flight were lost with it", self.name, lost)
+        lost = 0
+        if socket_boot is not None:  # this socket reached the old broker: what it sent before may be gone
+            lost = self._fail_pending(
+                BrokerRestarted(f"the broker at {self.address} restarted; this request was lost with it"),
+                before=answered if isinstance(answered, int) else None, epoch=self._epoch,
+            )
+        log.warning("%s: the broker at %s is a new one (new boot id); %d request(s) in flight were lost with the old one",
+                    self.name, self.address, lost)
         if self.on_new_boot is not None:
             self.on_new_boot(boot_id)
 
-    def _fail_pending(self, error: Exception, keep: Any = None) -> int:
-        lost = [f for rid, f in self._pending.items() if rid != keep and not f.done()]
+    def _fail_pending(self, error: Exception, *, before: int | None = None, epoch: int | None = None) -> int:
+        """Fail waiting requests (only those with a rid below ``before`` / sent on socket ``epoch``, when given)."""
+        lost = [
+            f for rid, f in self._pending.items()
+            if not f.done() and (before is None or rid < before) and (epoch is None or self._sent_on.get(rid) == epoch)
+        ]
         for fut in lost:
             fut.set_exception(error)
         return len(lost)
 
     # ------------------------------------------------------------- following
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a request awaits its reply."""
+        return any(not f.done() for f in self._pending.values())
 
     @property
     def silent_s(self) -> float:

@@ -24,7 +24,7 @@ import zmq
 
 from prorl_cli import protocol as P
 from prorl_cli.connection import BrokerConnection, Reply
-from prorl_cli.exceptions import BrokerUnavailable, ProtocolError, RemoteError
+from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, ProtocolError, RemoteError
 from prorl_cli.protocol import ErrorCode, Op
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ class BrokerPeer(ABC):
         self._leaving = False
         #: Re-read the rendezvous file when the broker goes silent, and follow it to a new address.
         self.follow_rendezvous = False
+        #: Successful registrations so far (the first, then one after each broker restart or move).
+        self.registrations = 0
 
     @property
     def address(self) -> str | None:
@@ -187,20 +189,26 @@ class BrokerPeer(ABC):
     async def register(self) -> None:
         """Register and await the broker's answer.
 
-        Raises :class:`BrokerUnavailable` when no answer comes in time and
-        :class:`RemoteError` when the broker refuses.
+        Raises :class:`BrokerUnavailable` when no answer comes in time,
+        :class:`BrokerRestarted` when the broker it went to is gone (a register
+        to the new one supersedes it) and :class:`RemoteError` when the broker refuses.
         """
         assert self.conn is not None
         self.registered.clear()
         deadline_s = max(10.0, self._interval_s * self._liveness * 3)
         try:
             reply, _ = await self.conn.call(self.register_header(), timeout_s=deadline_s)
+        except BrokerRestarted:
+            raise
         except BrokerUnavailable as e:
             raise BrokerUnavailable(f"broker at {self.address} did not answer register within {deadline_s:.0f} s") from e
         self._interval_s = float(reply.get("heartbeat_interval_s") or self._interval_s)
         self._liveness = int(reply.get("heartbeat_liveness") or self._liveness)
         self._last_heard = time.monotonic()
         self.registered.set()
+        self.registrations += 1
+        if self.registrations > 1:
+            log.info("%s re-registered with the broker at %s", self.kind, self.address)
         self.on_registered(reply)
 
     async def rejoin(self) -> None:
@@ -214,6 +222,9 @@ class BrokerPeer(ABC):
         """:meth:`register`, logging a failure instead of raising (the heartbeat loop retries)."""
         try:
             await self.register()
+        except BrokerRestarted as e:
+            # Sent to a broker that went away: the register sent to its successor (already under way) takes over.
+            log.info("%s: a register sent to the old broker was superseded (%s)", self.kind, e)
         except (BrokerUnavailable, RemoteError, ProtocolError) as e:
             log.error("%s could not register: %s", self.kind, e)
 

@@ -70,6 +70,8 @@ class Op(str, enum.Enum):
     REGISTER = "register"  # NodeHello fields
     HEARTBEAT = "heartbeat"  # node/bridge: stats; broker -> peer: liveness only
     UNREGISTER = "unregister"  # node/bridge leaving for good (jobs/requests it held fail over)
+    # node -> broker: draining (preemption warning): place nothing more here; job_ids (never started) go back
+    RELEASE = "release"
     JOB_STAGE = "job_stage"  # updates=[{job_id, attempt, stage}]
     JOB_DONE = "job_done"  # jobs=[{job_id, attempt, state}], payload: one JobResult per job
     GENERATE = "generate"  # job_id, sampling; payload: [prompt int32]. Also broker -> bridge.
@@ -146,8 +148,8 @@ def encode(header: dict[str, Any], payload: Sequence[bytes] = ()) -> list[bytes]
     return [msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True), *payload]
 
 
-def decode_header(frame: bytes) -> dict[str, Any]:
-    """Decode and check a header frame; raise :class:`ProtocolError` naming the problem."""
+def decode_map(frame: bytes) -> dict[str, Any]:
+    """Decode a header frame into a map, checking nothing else (so an error reply can still echo its ``rid``)."""
     if len(frame) > MAX_HEADER_BYTES:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header frame is {len(frame)} bytes; the limit is {MAX_HEADER_BYTES}")
     try:
@@ -156,6 +158,11 @@ def decode_header(frame: bytes) -> dict[str, Any]:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header frame is not msgpack: {type(e).__name__}: {e}") from e
     if not isinstance(header, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header must be a msgpack map, got {type(header).__name__}")
+    return header
+
+
+def check_envelope(header: dict[str, Any]) -> dict[str, Any]:
+    """Check a decoded header's version and op (replacing the op name by its :class:`Op`)."""
     version = header.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -171,6 +178,11 @@ def decode_header(frame: bytes) -> dict[str, Any]:
     return header
 
 
+def decode_header(frame: bytes) -> dict[str, Any]:
+    """Decode and check a header frame; raise :class:`ProtocolError` naming the problem."""
+    return check_envelope(decode_map(frame))
+
+
 # ---------------------------------------------------------------------------
 # Schemas: one per op, checked in one place (the broker's dispatch) before any
 # handler runs. A tiny DSL: each checker takes (value, path) and returns the
@@ -178,6 +190,8 @@ def decode_header(frame: bytes) -> dict[str, Any]:
 # are ignored (newer peers may send more); nested records named here are strict.
 
 MAX_ID_CHARS = 256
+#: A request id may be any integer msgpack carries (int64 and uint64): the broker echoes it as sent.
+RID_MIN, RID_MAX = -(1 << 63), (1 << 64) - 1
 MAX_JOBS_PER_MESSAGE = 100_000
 MAX_META_BYTES = 4096
 #: Most job ids one ``list_jobs`` reply carries; the reply's ``next`` pages on (a header stays far below MAX_HEADER_BYTES).
@@ -248,8 +262,8 @@ def Bool() -> Check:
 
 
 def Id() -> Check:
-    """A request id: a short string or an integer."""
-    as_str, as_int = Str(MAX_ID_CHARS, min_len=0), Int(-_BIG, _BIG)
+    """A request id: a string of at most ``MAX_ID_CHARS`` characters, or any msgpack integer (int64 or uint64)."""
+    as_str, as_int = Str(MAX_ID_CHARS, min_len=0), Int(RID_MIN, RID_MAX)
 
     def check(v: Any, path: str) -> Any:
         return as_str(v, path) if isinstance(v, str) else as_int(v, path)
@@ -458,6 +472,8 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "liveness_token": Opt(_TOKEN),
         # The sandbox runtime the node picked (``sandbox.runtime: auto`` resolved); absent when it has none.
         "sandbox_runtime": Opt(Str(32)),
+        # The node is draining (it sent ``release``): a restarted broker places nothing more on it.
+        "draining": Opt(Bool()),
     }),
     Op.HEARTBEAT: OpSchema({
         "rid": Opt(Id()),
@@ -471,6 +487,7 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "failures": Opt(List(FAILURE_GROUP, 256)),  # a node's failed jobs grouped (shown by prorl top)
     }),
     Op.UNREGISTER: OpSchema({"rid": Opt(Id()), "node_id": Opt(Str()), "backend_id": Opt(Str())}),
+    Op.RELEASE: OpSchema({**_RID, "job_ids": _JOB_IDS}),
     Op.JOB_STAGE: OpSchema({"updates": List(_UPDATE, 1_000_000)}),
     Op.JOB_DONE: OpSchema({"jobs": List(_DONE, 1_000_000)}, payload="jobs"),
     Op.GENERATE: OpSchema({**_RID, "job_id": Str(), "sampling": Opt(SAMPLING), "host": Opt(Str())}, payload=1),
@@ -503,7 +520,7 @@ def header_rid(header: dict[str, Any]) -> Any:
     rid = header.get("rid")
     if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS:
         return rid
-    if isinstance(rid, int) and not isinstance(rid, bool) and abs(rid) <= _BIG:
+    if isinstance(rid, int) and not isinstance(rid, bool) and RID_MIN <= rid <= RID_MAX:
         return rid
     return None
 
@@ -783,6 +800,12 @@ class NodeStatus(_Record):
     stages: dict[str, dict[str, int]] = field(default_factory=dict)
     #: ``apptainer``, ``bwrap`` or ``local`` (no isolation), as the node's ``register`` said; None when not sent.
     sandbox_runtime: str | None = None
+    #: Seconds since the broker last heard from the node (its heartbeats come every interval).
+    silent_s: float = 0.0
+    #: Why the broker declared the node lost (``silent for 2.1 s``, ``unregistered``, ...); None while alive.
+    lost_reason: str | None = None
+    #: Draining (a preemption or time-limit warning): running jobs finish, nothing new is placed on it.
+    draining: bool = False
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The rendezvous file: how every peer finds a deployment's broker.
 
 ``$PRORL_HOME/<deployment>/broker.json`` (mode 0600) holds the broker's
-address and, when it listens beyond loopback, its CURVE public key.
+address and its CURVE public key (none only with ``broker.curve: off``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
 """CURVE encryption and authentication for the broker's socket.
 
-Whenever the broker listens beyond loopback (or ``broker.curve: on``), it
-makes a fresh server key pair, publishes the public key in the rendezvous
-file, and accepts only peers that present the deployment's client key,
-kept in ``$PRORL_HOME/<deployment>/client.key`` (mode 0600). Who can read
-the deployment folder on the shared filesystem can connect; nobody else can,
-and nothing crosses the network in clear.
+Every broker (``broker.curve: auto`` or ``on``; loopback included: another
+user of a shared login or compute node reaches 127.0.0.1 as easily as its
+owner) uses the deployment's server key pair (``server.key``, made on the
+first start and kept, so that a broker restarted on the same address is
+reached by peers that still hold its public key), publishes the public key in
+the rendezvous file, and accepts only peers that present the deployment's client
+key, kept in ``$PRORL_HOME/<deployment>/client.key`` (mode 0600, in the
+deployment folder, mode 0700). Who can read the deployment folder can
+connect; nobody else can, and nothing crosses the network in clear.
+``broker.curve: off`` is plain TCP, for a broker on a machine of one's own.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from prorl_cli.rendezvous import Rendezvous, read_rendezvous
 
 log = logging.getLogger(__name__)
 CLIENT_KEY_NAME = "client.key"
+SERVER_KEY_NAME = "server.key"
 
 
 def is_loopback(host: str) -> bool:
@@ -36,26 +41,42 @@ def is_loopback(host: str) -> bool:
 
 
 def curve_wanted(mode: str, bind_host: str) -> bool:
-    """``on``/``off`` as given; ``auto``: on unless the broker binds a loopback address."""
-    return mode == "on" or (mode == "auto" and not is_loopback(bind_host))
+    """``off``: plain TCP; ``on`` and ``auto``: CURVE, on loopback too (``bind_host`` no longer matters)."""
+    return mode != "off"
+
+
+def private_folder(deployment_dir: Path) -> None:
+    """Make the deployment folder (keys, rendezvous file, journal) the owner's alone: mode 0700."""
+    deployment_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = deployment_dir.stat()
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(deployment_dir, 0o700)
 
 
 def client_keys(deployment_dir: Path, create: bool = False) -> tuple[bytes, bytes]:
     """The deployment's client key pair (public, secret), made on first use by the broker."""
-    path = deployment_dir / CLIENT_KEY_NAME
+    return _key_pair(deployment_dir / CLIENT_KEY_NAME, create, "client")
+
+
+def _key_pair(path: Path, create: bool, what: str) -> tuple[bytes, bytes]:
+    deployment_dir = path.parent
     if not path.exists():
         if not create:
-            raise RendezvousError(f"{path}: no client key; this deployment's broker requires CURVE")
+            raise RendezvousError(f"{path}: no {what} key; this deployment's broker requires CURVE")
         public, secret = zmq.curve_keypair()
         deployment_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"public": public.decode(), "secret": secret.decode()}, f)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass  # made meanwhile by another process: read that one
+        else:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"public": public.decode(), "secret": secret.decode()}, f)
     try:
         data = json.loads(path.read_text())
         return data["public"].encode(), data["secret"].encode()
     except (OSError, ValueError, KeyError) as e:
-        raise RendezvousError(f"{path}: unreadable client key: {e}") from e
+        raise RendezvousError(f"{path}: unreadable {what} key: {e}") from e
 
 
 class _AllowOne:
@@ -73,7 +94,8 @@ class _AllowOne:
 
 def secure_server(ctx: zmq.Context, sock: zmq.Socket, deployment_dir: Path) -> tuple[str, ThreadAuthenticator]:
     """Make ``sock`` a CURVE server that admits only the client key; return (public key, authenticator)."""
-    public, secret = zmq.curve_keypair()
+    private_folder(deployment_dir)
+    public, secret = _key_pair(deployment_dir / SERVER_KEY_NAME, True, "server")
     client_public, _ = client_keys(deployment_dir, create=True)
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("prorl.zap"))
     auth.start()

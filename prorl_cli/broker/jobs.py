@@ -270,6 +270,8 @@ class JobTable:
         log.warning("node %s lost (%s); re-queueing %d job(s)", node.node_id, why, len(node.inflight))
         node.alive = False
         node.died_at = died_at = time.monotonic() if now is None else now
+        node.lost_reason = why
+        node.stages = {}  # what it last reported running is gone with it
         for job_id in sorted(node.inflight, key=lambda j: self.jobs[j].seq if j in self.jobs else 0):
             job = self.jobs.get(job_id)
             if job is None or job.state.terminal or job.node_id != node.node_id:
@@ -291,6 +293,22 @@ class JobTable:
             job.events.append(["requeued", round(died_at - job.submitted_at, 6), 0.0, {"node": node.node_id, "why": why}])
             self.queue.push(job.spec.task, job_id, front=True)
         node.inflight.clear()
+
+    def release(self, node: Node, job_ids: list[str]) -> list[str]:
+        """A draining node hands back jobs it never started: queued again (front, same attempt); return their ids."""
+        released = []
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None or job.state.terminal or job.node_id != node.node_id or job_id not in node.inflight:
+                continue
+            node.inflight.discard(job_id)
+            job.node_id = None
+            self._on_detach(job_id)
+            job.state = JobState.QUEUED
+            self._record(attempt_record(job_id, job.spec.attempt))  # placed nowhere now (a replay waits for no claim)
+            self.queue.push(job.spec.task, job_id, front=True)
+            released.append(job_id)
+        return released
 
     def prune_dead_nodes(self, keep: int) -> list[str]:
         """Forget all but the ``keep`` most recently dead nodes; return the ids forgotten."""

@@ -207,7 +207,8 @@ class Broker:
         self.publish_rendezvous()
         log.info(
             "broker of deployment %r listening on %s (%s)", self.config.deployment, self.address,
-            "CURVE encrypted and authenticated" if self.curve_public_key else "plain TCP: loopback only",
+            "CURVE encrypted and authenticated" if self.curve_public_key
+            else "plain TCP (broker.curve: off): whoever reaches the port can use it",
         )
         # SIGTERM/SIGUSR2 (Slurm preemption, time limit, requeue): leave without cancelling
         # anything and keep the journal; the broker started next replays it. Only the
@@ -254,13 +255,20 @@ class Broker:
                     # A clean stop finished every job and delivered every result: the next broker starts afresh.
                     self.journal.remove()
             # Linger briefly so the last results and replies reach their peers.
-            self.sock.close(linger=1000)
-            if self._auth is not None:
-                self._auth.stop()
+            self.close(linger_ms=1000)
             log.info("broker stopped")
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket and stop the CURVE authenticator's thread (``serve_forever`` does it on its way out)."""
+        self.sock.close(linger=linger_ms)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     def leave(self) -> None:
         """Exit the loop soon, cancelling nothing: jobs stay in the journal for the next broker."""
+        if self._leaving:
+            return  # USR2 is followed by a SIGTERM (the Slurm role's requeue): say it once
         log.info("leaving on a signal: %d unfinished job(s) stay in the journal",
                  sum(not j.state.terminal for j in self.jobs.values()))
         self._leaving = True
@@ -316,8 +324,9 @@ class Broker:
             return
         rid = None
         try:
-            header = P.decode_header(frames[1])
-            rid = P.header_rid(header)
+            header = P.decode_map(frames[1])
+            rid = P.header_rid(header)  # before the envelope checks: a bad version or op still gets its rid back
+            P.check_envelope(header)
             P.validate(header, len(frames) - 2)
         except ProtocolError as e:
             self._error(identity, rid, ErrorCode(e.code), e.message)
@@ -498,6 +507,7 @@ class Broker:
             node.credit, node.tasks, node.host = h["credit"], set(h["tasks"]), h["host"]
             node.liveness_token = h.get("liveness_token")
             node.sandbox_runtime = h.get("sandbox_runtime")
+            node.draining = bool(h.get("draining"))
         else:
             node = Node(
                 node_id=node_id,
@@ -508,6 +518,7 @@ class Broker:
                 tasks=set(h["tasks"]),
                 liveness_token=h.get("liveness_token"),
                 sandbox_runtime=h.get("sandbox_runtime"),
+                draining=bool(h.get("draining")),
             )
         self.nodes[node_id] = node
         self.node_by_identity[identity] = node
@@ -562,6 +573,17 @@ class Broker:
         if node is not None and node.alive:
             self._node_lost(node, "unregistered")
         self.router.unregister(identity)
+
+    def on_release(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+        """A node drains: nothing more is placed on it; the jobs it names (never started there) are queued again."""
+        node = self._node_of(identity, h)
+        if node is None:
+            return
+        node.draining = True
+        released = self.table.release(node, h["job_ids"])
+        log.info("node %s is draining: %d job(s) handed back, %d running on", node.node_id, len(released), len(node.inflight))
+        self._journal_flush()
+        self._send(identity, P.reply(h["rid"], released=released))
 
     def on_job_stage(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         node = self._node_of(identity, h)
@@ -693,6 +715,7 @@ class Broker:
         Op.REGISTER: on_register,
         Op.HEARTBEAT: on_heartbeat,
         Op.UNREGISTER: on_unregister,
+        Op.RELEASE: on_release,
         Op.JOB_STAGE: on_job_stage,
         Op.JOB_DONE: on_job_done,
         Op.REGISTER_BACKEND: on_routing_op,

@@ -64,12 +64,17 @@ class Node:
     died_at: float | None = None
     #: The sandbox runtime the node picked, from its ``register`` (shown in ``status``).
     sandbox_runtime: str | None = None
+    #: Why it was declared lost (shown in ``status``).
+    lost_reason: str | None = None
+    #: Sent ``release``: its running jobs finish, nothing new is placed on it.
+    draining: bool = False
 
     @property
     def free(self) -> int:
-        return self.credit - len(self.inflight) if self.alive else 0
+        return self.credit - len(self.inflight) if self.alive and not self.draining else 0
 
-    def status(self) -> NodeStatus:
+    def status(self, now: float | None = None) -> NodeStatus:
+        now = time.monotonic() if now is None else now
         return NodeStatus(
             node_id=self.node_id,
             host=self.host,
@@ -80,6 +85,9 @@ class Node:
             tasks=sorted(self.tasks),
             stages=self.stages,
             sandbox_runtime=self.sandbox_runtime,
+            silent_s=round(max(0.0, now - self.last_seen), 3) if self.alive else 0.0,
+            lost_reason=self.lost_reason,
+            draining=self.draining,
         )
 
 

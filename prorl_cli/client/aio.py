@@ -148,7 +148,13 @@ class AsyncRolloutClient:
         await self.connect()
         assert self._conn is not None
         timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
-        return await self._conn.call({"op": op.value, **fields}, payload, timeout_s=timeout_s)
+        conn = self._conn
+        try:
+            return await conn.call({"op": op.value, **fields}, payload, timeout_s=timeout_s)
+        except BrokerUnavailable:
+            # Unanswered: if the broker moved meanwhile, the caller's retry goes to the new one.
+            conn.follow_moved()
+            raise
 
     # --------------------------------------------------------- broker restarts
 
@@ -165,8 +171,8 @@ class AsyncRolloutClient:
         interval_s = self.config.broker.heartbeat_interval_s
         while True:
             await asyncio.sleep(interval_s)
-            if not (self._waiters or self._streams):
-                continue  # nobody is waiting for a result
+            if not (self._waiters or self._streams or (self._conn is not None and self._conn.waiting)):
+                continue  # nobody is waiting for a result or a reply
             try:
                 await self.request(Op.PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
             except (BrokerUnavailable, RemoteError):

@@ -44,6 +44,8 @@ class RunningJob:
     task: asyncio.Task[JobResult]
     attempt: int
     stage: str = JobState.INIT.value
+    #: Entered its first stage (until then it waits for an INIT slot and may be handed back untouched).
+    started: bool = False
 
 
 class _Pool:
@@ -335,6 +337,10 @@ class Pipeline:
         job.task.cancel()
         return True
 
+    def not_started(self) -> list[str]:
+        """Jobs still waiting for their first stage's slot (nothing of them ran here)."""
+        return [job_id for job_id, job in self.jobs.items() if not job.started]
+
     def stage_of(self, task_name: str | None) -> tuple[str, str] | None:
         """(job id, stage) of the job whose asyncio task is named ``task_name``, if any."""
         if task_name is None or not task_name.startswith("job-"):
@@ -490,6 +496,7 @@ class Pipeline:
         running = self.jobs.get(ctx.job_id)
         if running is not None:
             running.stage = stage
+            running.started = True
         if not after_failure:
             self.on_stage(ctx.spec, stage)
         budget = timer.remaining_s

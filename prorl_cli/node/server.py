@@ -20,11 +20,12 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prorl_cli import protocol as P
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import HandlerError, ProtocolError
+from prorl_cli.exceptions import BrokerUnavailable, HandlerError, ProtocolError
 from prorl_cli.node.liveness import LivenessSidecar, LoopStamp, new_liveness_token
 from prorl_cli.node.loop import run_checked
 from prorl_cli.node.pipeline import Pipeline
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: ``node.drain_grace_s`` when the config leaves it unset (and no Slurm launch set it from signal_delay_s).
+DEFAULT_DRAIN_GRACE_S = 90.0
+
 
 class NodeServer(BrokerPeer):
     """One node: serves the tasks its registry holds, for one deployment."""
@@ -51,6 +55,7 @@ class NodeServer(BrokerPeer):
         node_id: str | None = None,
         address: str | None = None,
         registry: HandlerRegistry | None = None,
+        on_preempt: Callable[[], None] | None = None,
     ) -> None:
         host = socket.gethostname()
         super().__init__(
@@ -97,6 +102,11 @@ class NodeServer(BrokerPeer):
         self._loop: asyncio.AbstractEventLoop | None = None  # set in serve(); the sidecar reads its current task
         self._heartbeats = 0
         self._failures_sent = 0
+        #: Called on SIGUSR2 (the Slurm role requeues the task once the node has left).
+        self.on_preempt = on_preempt
+        self._draining = False
+        #: Jobs handed back to the broker unstarted: their (cancelled) results are not reported.
+        self._handed_back: set[str] = set()
 
     def _make_inference(self) -> NodeInference:
         from prorl_cli.inference import NodeInference
@@ -134,6 +144,8 @@ class NodeServer(BrokerPeer):
             "liveness_token": self.liveness_token,
             # Shown by `prorl status`: which isolation this node's sandboxes really get.
             "sandbox_runtime": self.services.runtime_name,
+            # Draining: a broker that restarted must place nothing more here either.
+            "draining": self._draining,
         }
 
     def heartbeat_header(self) -> dict[str, Any]:
@@ -229,6 +241,7 @@ class NodeServer(BrokerPeer):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGUSR2, self._on_usr2)
         await self.services.start()
         self._loop = loop
         self._stamp.start()
@@ -249,7 +262,7 @@ class NodeServer(BrokerPeer):
             await self._stop.wait()
         finally:
             await self._shutdown()
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
                 loop.remove_signal_handler(sig)
 
     async def _shutdown(self) -> None:
@@ -267,6 +280,56 @@ class NodeServer(BrokerPeer):
             await asyncio.to_thread(self._sidecar.stop)
         await self.close()
         log.info("node %s stopped", self.node_id)
+
+    # ------------------------------------------------------------- draining
+
+    def _on_usr2(self) -> None:
+        grace_s = self.config.node.drain_grace_s
+        grace_s = DEFAULT_DRAIN_GRACE_S if grace_s is None else grace_s
+        log.info("SIGUSR2 (time limit or preemption): draining with a grace of %.0f s", grace_s)
+        if self.on_preempt is not None:
+            self.on_preempt()
+        self.drain(grace_s)
+
+    def drain(self, grace_s: float) -> None:
+        """Take no new jobs, hand back the queued ones now, let running ones finish for up to ``grace_s``, then leave.
+
+        Jobs that finish within the grace are delivered as usual; what still
+        runs after it is stopped and re-queued by the broker (the quick drain
+        of SIGTERM).
+        """
+        if self._draining or self._stop.is_set():
+            return
+        self._draining = True
+        self.spawn(self._drain(grace_s))
+
+    def _hand_back(self, job_ids: list[str]) -> None:
+        """Stop jobs that never started here, without a result: the broker queues them again for another node."""
+        self._handed_back.update(job_ids)
+        for job_id in job_ids:
+            self.pipeline.cancel(job_id)
+        if job_ids or self.registered.is_set():
+            self.spawn(self._release(job_ids))
+
+    async def _release(self, job_ids: list[str]) -> None:
+        assert self.conn is not None
+        try:
+            reply, _ = await self.conn.call({"op": Op.RELEASE.value, "job_ids": job_ids}, timeout_s=10.0)
+        except (BrokerUnavailable, ProtocolError) as e:
+            # Not taken: the unregister at the end of the drain re-queues them as well.
+            log.warning("the broker did not take the drain notice: %s", e)
+            return
+        log.info("handed back %d queued job(s) to the broker", len(reply.get("released") or []))
+
+    async def _drain(self, grace_s: float) -> None:
+        self._hand_back(self.pipeline.not_started())
+        deadline = time.monotonic() + grace_s
+        while self.pipeline.jobs and (left_s := deadline - time.monotonic()) > 0:
+            log.info("draining: %d running job(s) have %.0f s left to finish", len(self.pipeline.jobs), left_s)
+            await asyncio.wait([j.task for j in self.pipeline.jobs.values()], timeout=left_s)
+        if self.pipeline.jobs:
+            log.info("drain grace over: stopping %d job(s); the broker re-queues them", len(self.pipeline.jobs))
+        self._stop.set()
 
     def _on_assign(self, header: dict[str, Any], payload: list[bytes]) -> None:
         jobs = header.get("jobs")
@@ -291,8 +354,14 @@ class NodeServer(BrokerPeer):
                 continue
             # False: a repeated delivery of a running job
             self.pipeline.start(spec, instance, timing[i] if i < len(timing) else None)
+        if self._draining:
+            # Placed before the broker heard we drain: back they go, unstarted.
+            self._hand_back(self.pipeline.not_started())
 
     def _report_done(self, result: JobResult) -> None:
+        if result.job_id in self._handed_back and result.state == P.JobState.CANCELLED.value:
+            self._handed_back.discard(result.job_id)
+            return  # handed back unstarted: the broker placed it elsewhere
         if not self._leaving:
             self._done_out.append(result)
             self._schedule_flush()
@@ -302,9 +371,15 @@ class NodeServer(BrokerPeer):
         self._last_heard = max(self._last_heard, time.monotonic())
 
 
-def run_node(config: ProrlConfig, node_id: str | None = None, address: str | None = None) -> None:
-    """Run a node server in the foreground until it is stopped (on a loop that refuses NaN timers)."""
+def run_node(
+    config: ProrlConfig, node_id: str | None = None, address: str | None = None,
+    on_preempt: Callable[[], None] | None = None,
+) -> None:
+    """Run a node server in the foreground until it is stopped (on a loop that refuses NaN timers).
+
+    SIGTERM and SIGINT: the quick drain. SIGUSR2: the drain with grace (``on_preempt`` is called first).
+    """
     async def main() -> None:
-        await NodeServer(config, node_id=node_id, address=address).serve()
+        await NodeServer(config, node_id=node_id, address=address, on_preempt=on_preempt).serve()
 
     run_checked(main())

@@ -86,7 +86,7 @@ class BrokerRole(SlurmJobOptions):
 
     where: Literal["slurm", "here"] = "slurm"
     # None: prorl.yaml's broker.bind_host when that file sets one, else 0.0.0.0 (peers on other hosts must
-    # reach it; CURVE is on beyond loopback). One setting, so the two files cannot disagree.
+    # reach it; CURVE is on, as for every broker). One setting, so the two files cannot disagree.
     bind_host: str | None = None
     port: int = 0
     cpus_per_task: int = 1
@@ -104,6 +104,10 @@ class ArrayRole(SlurmJobOptions):
     count: int = 0
     array_parallelism: int = 0  # at most this many tasks at once; 0: all
     requeue: bool = True  # preempted or timed-out tasks drain, are requeued and rejoin
+    # A task that ended on its own (FAILED, NODE_FAIL, OUT_OF_MEMORY, TIMEOUT) is replaced under its name by the
+    # broker job's supervisor at most this often per name, after restart_backoff_s (doubling with each restart).
+    max_restarts: int = 3
+    restart_backoff_s: float = 30.0
 
     def validate(self, where: str) -> None:
         super().validate(where)
@@ -111,6 +115,10 @@ class ArrayRole(SlurmJobOptions):
             raise ConfigError(f"{where}.count: must be 0 or more, got {self.count}")
         if self.array_parallelism < 0:
             raise ConfigError(f"{where}.array_parallelism: must be 0 (all) or more, got {self.array_parallelism}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"{where}.max_restarts: must be 0 (never replace) or more, got {self.max_restarts}")
+        if self.restart_backoff_s < 0:
+            raise ConfigError(f"{where}.restart_backoff_s: must be 0 or more, got {self.restart_backoff_s}")
 
 
 @dataclass

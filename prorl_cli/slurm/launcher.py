@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 LAUNCH_NAME = "launch.json"
 ROLES = ("broker", "nodes", "inference")
+#: What a node's drain on USR2 leaves of ``signal_delay_s`` for stopping the rest, unregistering and the requeue.
+DRAIN_REQUEUE_MARGIN_S = 30
 
 
 @dataclass
@@ -70,6 +72,8 @@ class LaunchRecord:
     broker_where: str = "slurm"
     broker_pid: int | None = None  # broker ``here``: the local process
     members: list[Member] = field(default_factory=list)
+    #: Tasks scaled away: their role names are never given to another Slurm job.
+    retired: list[Member] = field(default_factory=list)
 
     @property
     def job_ids(self) -> list[str]:
@@ -77,6 +81,10 @@ class LaunchRecord:
 
     def of(self, role: str) -> list[Member]:
         return [m for m in self.members if m.role == role]
+
+    def next_index(self, role: str) -> int:
+        """The first array index no task of ``role`` ever had (live or scaled away): names are never reused."""
+        return max((m.index for m in [*self.members, *self.retired] if m.role == role), default=-1) + 1
 
     def save(self, deployment_dir: Path) -> Path:
         deployment_dir.mkdir(parents=True, exist_ok=True)
@@ -97,6 +105,7 @@ class LaunchRecord:
             raise SlurmError(f"{path}: unreadable launch record: {e}") from e
         try:
             data["members"] = [Member(**m) for m in data.get("members", [])]
+            data["retired"] = [Member(**m) for m in data.get("retired", [])]
             return cls(**data)
         except TypeError as e:
             raise SlurmError(f"{path}: malformed launch record: {e}") from e
@@ -159,6 +168,9 @@ def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpe
         for name in ("n_init", "n_run", "n_eval"):
             if getattr(n, name) is not None:
                 overrides[f"node.{name}"] = getattr(n, name)
+        if prorl_config(cfg).node.drain_grace_s is None:
+            # On the USR2 warning running jobs may finish until shortly before the end; 30 s are left for the requeue.
+            overrides["node.drain_grace_s"] = float(max(0, n.signal_delay_s - DRAIN_REQUEUE_MARGIN_S))
         if inf.model and prorl_config(cfg).inference.tokenizer is None:
             # Handlers tokenize for the model the bridges serve.
             overrides["inference.tokenizer"] = inf.model
@@ -432,12 +444,22 @@ def scale(cfg: DeployConfig, role: str, count: int, drain_wait_s: float = 90.0) 
         raise SlurmError(f"cannot scale {role!r}: nodes or inference")
     if count < 0:
         raise SlurmError(f"--{role}: must be 0 or more, got {count}")
+    from prorl_cli.slurm.supervisor import launch_lock
+
+    with launch_lock(cfg.deployment_dir):
+        record = LaunchRecord.load(cfg.deployment_dir) or record  # the supervisor may have replaced a task
+        return _scale_locked(cfg, record, role, count, drain_wait_s)
+
+
+def _scale_locked(
+    cfg: DeployConfig, record: LaunchRecord, role: str, count: int, drain_wait_s: float
+) -> tuple[list[Member], list[Member]]:
     live_ids = {t.job_id for t in squeue.active(record.job_ids)}
     live = sorted((m for m in record.of(role) if m.job_id in live_ids), key=lambda m: m.index)
     added: list[Member] = []
     removed: list[Member] = []
     if count > len(live):
-        start = max((m.index for m in record.of(role)), default=-1) + 1
+        start = record.next_index(role)
         added = _submit(cfg, role, list(range(start, start + count - len(live))))
         record.members += added
     elif count < len(live):
@@ -448,8 +470,64 @@ def scale(cfg: DeployConfig, role: str, count: int, drain_wait_s: float = 90.0) 
             raise SlurmError(f"tasks still in squeue after {drain_wait_s:.0f} s: {', '.join(t.job_id for t in left)}")
         gone = {m.job_id for m in removed}
         record.members = [m for m in record.members if m.job_id not in gone]
+        record.retired += removed
     record.save(cfg.deployment_dir)
     return added, removed
+
+
+@dataclass
+class RoleCounts:
+    """A role's tasks as they stand: what ``scale`` counts, said separately."""
+
+    role: str
+    serving: int = 0  # running and registered with the broker
+    starting: int = 0  # running, not registered (yet)
+    pending_restart: int = 0  # requeued, held for Slurm's requeue delay
+    pending: int = 0  # waiting for resources
+
+    @property
+    def total(self) -> int:
+        return self.serving + self.starting + self.pending_restart + self.pending
+
+    def describe(self) -> str:
+        parts = [f"{n} {what}" for n, what in ((self.serving, "serving"), (self.starting, "starting"),
+                                                (self.pending_restart, "pending restart (requeued)"),
+                                                (self.pending, "pending")) if n]
+        return ", ".join(parts) or "none"
+
+
+def count_role(role: str, members: list[Member], rows: list[squeue.SlurmTask], registered: set[str]) -> RoleCounts:
+    """Classify a role's members by their squeue rows and the peers the broker sees alive."""
+    by_id = {t.job_id: t for t in rows}
+    counts = RoleCounts(role)
+    for m in members:
+        t = by_id.get(m.job_id)
+        if t is None or not t.active:
+            continue
+        if t.state in squeue.RUNNING_STATES:
+            if m.peer_id in registered:
+                counts.serving += 1
+            else:
+                counts.starting += 1
+        elif t.pending_restart:
+            counts.pending_restart += 1
+        else:
+            counts.pending += 1
+    return counts
+
+
+def role_counts(cfg: DeployConfig, role: str) -> RoleCounts:
+    """:func:`count_role` for a launched deployment (squeue, and the broker's status when it answers)."""
+    record = LaunchRecord.load(cfg.deployment_dir)
+    if record is None:
+        return RoleCounts(role)
+    client = broker_client(cfg)
+    try:
+        registered = registered_ids(broker_status(client))
+    finally:
+        if client is not None:
+            client.close()
+    return count_role(role, record.of(role), squeue.query(record.job_ids), registered)
 
 
 @dataclass

@@ -10,7 +10,8 @@ behaves the same whichever way it was submitted:
   dying when they start first;
 - SIGTERM (``scancel``, ``prorl down``) drains and exits; SIGUSR2 (the
   ``--signal`` time-limit warning, or preemption with
-  ``preempt_send_user_signal``) drains, then requeues the task with
+  ``preempt_send_user_signal``) drains (a node with grace: its running jobs
+  may finish for ``node.drain_grace_s``), then requeues the task with
   ``scontrol requeue`` so it comes back and rejoins. A broker leaves without
   cancelling jobs and keeps its journal; the requeued broker replays it.
 
@@ -26,6 +27,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -169,7 +171,7 @@ def serve_role(spec: RoleSpec, config: ProrlConfig | None = None) -> int:
         if not wait_for_broker(config.deployment_dir, spec.rendezvous_wait_s, signals.leave):
             log.info("asked to leave before the broker appeared")
             return 0
-        _serve_node(spec, config, identity)
+        _serve_node(spec, config, identity, signals)
         return 0
 
 
@@ -182,16 +184,47 @@ def _serve_broker(spec: RoleSpec, config: ProrlConfig) -> int:
     with BrokerLock.acquire(config.deployment_dir):
         broker = Broker(config)
         log.info("broker of %r on %s", config.deployment, broker.address)
-        broker.serve_forever()
+        supervisor = _start_supervisor(config.deployment_dir)
+        try:
+            broker.serve_forever()
+        finally:
+            if supervisor is not None:
+                stop_process_group(supervisor)
     return 0
 
 
-def _serve_node(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity) -> None:
+def _start_supervisor(deployment_dir: Path) -> subprocess.Popen[bytes] | None:
+    """In the broker's Slurm job of a ``prorl launch`` deployment: the child that replaces crashed tasks."""
+    from prorl_cli.slurm.launcher import LAUNCH_NAME
+    from prorl_cli.slurm.supervisor import child_env
+
+    if not SlurmIdentity.from_env().in_slurm or not (deployment_dir / LAUNCH_NAME).exists():
+        return None  # plain sbatch scripts or a broker outside Slurm: nothing recorded to supervise
+    return subprocess.Popen([sys.executable, "-m", "prorl_cli.slurm.supervisor", str(deployment_dir)],
+                            env=child_env(), stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM a child's process group, SIGKILL it after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _serve_node(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity, signals: RoleSignals) -> None:
     from prorl_cli.node.server import run_node
 
     if identity.cpus and "node.n_run" not in spec.overrides:
         log.info("Slurm gave %d CPU(s); pools as configured (n_run=%d)", identity.cpus, config.node.n_run)
-    run_node(config, node_id=identity.member_id("node", spec.index))
+    def preempted() -> None:  # the node drains with grace on its own loop; the task is requeued once it left
+        signals.requeue = True
+
+    run_node(config, node_id=identity.member_id("node", spec.index), on_preempt=preempted)
 
 
 def _serve_inference(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity) -> int:
@@ -215,6 +248,25 @@ def _serve_inference(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentit
     return asyncio.run(run_bridge(opts, config))
 
 
+def remove_stale_results(folder: str | None, task_ref: str | None) -> list[Path]:
+    """Delete result pickles a previous run of this task left in its submitit folder (``SUBMITIT_FOLDER``).
+
+    A requeued task runs again from its original pickle, but the run that
+    was stopped left its ``<task_ref>_<n>_result.pkl`` behind, which
+    submitit would take for this run's result. Only this task's are touched.
+    """
+    if not folder or not task_ref:
+        return []
+    stale = sorted(Path(folder).glob(f"{task_ref}_*_result.pkl"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d result pickle(s) a previous run of this task left: %s", len(stale),
+                 ", ".join(p.name for p in stale))
+    return stale
+
+
 def submitted_role(spec: RoleSpec) -> int:
     """The function submitit runs in the Slurm task (module level, so it pickles by reference)."""
+    remove_stale_results(os.environ.get("SUBMITIT_FOLDER"), SlurmIdentity.from_env().task_ref)
     return serve_role(spec)

@@ -18,6 +18,10 @@ from prorl_cli.exceptions import SlurmError
 # squeue fields: job id (123_4 for array tasks), state, reason, node list, elapsed, time left, name.
 _FORMAT = "%i|%T|%r|%N|%M|%L|%j"
 ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"})
+#: Final states of a task that ended without being asked to (not cancelled, not a clean exit).
+UNASKED_END_STATES = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE"})
+#: squeue states of a task that holds its allocation.
+RUNNING_STATES = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "RESIZING"})
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,34 @@ class SlurmTask:
     @property
     def pending_reason(self) -> str | None:
         return self.reason if self.state == "PENDING" and self.reason not in ("", "None") else None
+
+    @property
+    def pending_restart(self) -> bool:
+        """Requeued and held until its begin time (Slurm's requeue delay), or being requeued now."""
+        return self.state.startswith("REQUEUE") or (self.state == "PENDING" and self.reason == "BeginTime")
+
+
+@dataclass(frozen=True)
+class EndedTask:
+    """How a task ended, as Slurm says: final state, reason and exit code (``code:signal``)."""
+
+    job_id: str
+    state: str
+    reason: str
+    exit_code: str
+
+    def describe(self) -> str:
+        parts = [f"exit code {self.exit_code}"] if self.exit_code else []
+        if self.reason and self.reason != "None":
+            parts.append(f"reason {self.reason}")
+        return f"{self.state}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def ended(task: SlurmTask) -> EndedTask:
+    """The final state of a task squeue lists as ended, with scontrol's exit code and reason when it still has them."""
+    detail = job_detail(task.job_id)
+    return EndedTask(task.job_id, detail.get("JobState", task.state), detail.get("Reason", task.reason),
+                     detail.get("ExitCode", ""))
 
 
 def slurm_available() -> bool:

@@ -14,6 +14,7 @@ import copy
 import math
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -93,8 +94,8 @@ def malformed(rng: random.Random, honest_ids: list[str]) -> list[bytes]:
 class Peer:
     """A DEALER that sends fuzz and throws away whatever comes back."""
 
-    def __init__(self, address: str, register_as: str | None = None) -> None:
-        self.sock = bare_dealer(address)
+    def __init__(self, address: str, deployment_dir: Path, register_as: str | None = None) -> None:
+        self.sock = bare_dealer(address, deployment_dir)
         if register_as is not None:
             self.sock.send_multipart(P.encode({"op": "register", "rid": 0, "node_id": register_as, "host": "fuzz",
                                                "pid": 1, "credit": 1, "tasks": ["zzz-no-such-task"]}))
@@ -116,8 +117,8 @@ class Peer:
 class HonestClient:
     """Submits jobs over a bare socket and counts every result pushed for each."""
 
-    def __init__(self, address: str, prefix: str) -> None:
-        self.sock = bare_dealer(address)
+    def __init__(self, address: str, deployment_dir: Path, prefix: str) -> None:
+        self.sock = bare_dealer(address, deployment_dir)
         self.prefix = prefix
         self.ids: list[str] = []
         self.results: dict[str, list[str]] = {}

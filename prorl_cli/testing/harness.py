@@ -49,18 +49,23 @@ class Deployment(LocalStack):
         return env
 
 
-def bare_dealer(address: str, *, unbounded: bool = False, ctx: Any = None) -> Any:
+def bare_dealer(address: str, deployment_dir: Path | None = None, *, unbounded: bool = False, ctx: Any = None) -> Any:
     """A raw DEALER socket to the broker (for scripts and tests that speak the protocol themselves).
 
+    ``deployment_dir``: where the deployment's CURVE keys are (every broker but a ``curve: off`` one wants them).
     ``unbounded``: no high-water marks, so a load generator never blocks or drops on its own side.
     """
     import zmq
+
+    from prorl_cli.security import secure_peer
 
     sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if unbounded:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+    if deployment_dir is not None:
+        secure_peer(sock, deployment_dir)
     sock.connect(address)
     return sock
 

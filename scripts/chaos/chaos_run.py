@@ -60,10 +60,10 @@ class Client:
         self.refused: list[dict[str, Any]] = []
         self.unknown_after_restart: list[str] = []
 
-    def connect(self, address: str) -> None:
+    def connect(self, address: str, deployment_dir: Path) -> None:
         if self.sock is not None:
             self.sock.close(0)
-        self.sock = bare_dealer(address)
+        self.sock = bare_dealer(address, deployment_dir)
 
     def send(self, header: dict[str, Any], payload: list[bytes] | None = None) -> None:
         assert self.sock is not None
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             gen += 1
             d.start_node(f"n{gen}", *node_args)
             alive.append(f"n{gen}")
-        client.connect(d.address)
+        client.connect(d.address, d.deployment_dir)
         for start in range(0, args.jobs, 100):
             batch = range(start, min(args.jobs, start + 100))
             if task == "test":
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 if broker_kills == 2:
                     d.config_path.write_text(yaml.safe_dump({**d.config, "broker": {**d.config["broker"], "port": fixed_port()}}))
                 d.start_broker()
-                client.connect(d.address)
+                client.connect(d.address, d.deployment_dir)
                 client.rewatch()
         elapsed_s = time.monotonic() - t0
         client.pump(500)

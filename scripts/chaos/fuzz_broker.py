@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         broker = d.start_broker()
         d.start_node("n1")
         proc = psutil.Process(broker.pid)
-        honest = HonestClient(d.address, "honest")
-        peers = [Peer(d.address, register_as=f"fz{i}" if i % 2 else None) for i in range(args.peers)]
+        honest = HonestClient(d.address, d.deployment_dir, "honest")
+        peers = [Peer(d.address, d.deployment_dir, register_as=f"fz{i}" if i % 2 else None) for i in range(args.peers)]
         rss_before = proc.memory_info().rss
         replies = 0
         per_batch = max(1, args.frames // max(1, args.honest_jobs // 10))

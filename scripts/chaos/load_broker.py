@@ -54,6 +54,8 @@ from prorl_cli.testing import bare_dealer  # noqa: E402
 TASK = "load"
 HOST = "sim"
 SIDECAR_PERIOD_S = 0.25
+#: Broker address -> its deployment folder (where the CURVE keys every simulated peer presents are).
+KEYS: dict[str, Path] = {}
 #: The prompt of every simulated call (small: the load is in routing, not in bytes) and the bridge's answer.
 PROMPT = P.pack_tokens(list(range(1, 33)))
 OUTPUT_IDS = [7, 8, 9, 10]
@@ -102,7 +104,7 @@ class SimNode:
 
     def __init__(self, ctx: zmq.Context[Any], address: str, node_id: str, credit: int) -> None:
         self.node_id, self.credit = node_id, credit
-        self.sock = bare_dealer(address, unbounded=True, ctx=ctx)
+        self.sock = bare_dealer(address, KEYS.get(address), unbounded=True, ctx=ctx)
         self.held: dict[str, int] = {}  # job id -> attempt
         self.calls: dict[int, Call] = {}  # rid -> the call it waits for
         self.ended: set[str] = set()  # jobs the broker answered a call of with ``unknown_job``: ended there
@@ -155,7 +157,7 @@ class SimBridge:
                  rng: random.Random) -> None:
         self.backend_id = backend_id
         self.latency_s, self.rng = latency_s, rng
-        self.sock = bare_dealer(address, unbounded=True, ctx=ctx)
+        self.sock = bare_dealer(address, KEYS.get(address), unbounded=True, ctx=ctx)
         self.registered = threading.Event()
         self.registrations = 0
         self.working: dict[int, float] = {}  # the broker's call id -> when its answer is due
@@ -212,7 +214,7 @@ def sidecar(ctx: zmq.Context[Any], address: str, nodes: list[SimNode], bridges: 
     their own process, a busy simulator loop must not look like a dead peer,
     so the deaths counted are the broker's doing.
     """
-    socks = [bare_dealer(address, unbounded=True, ctx=ctx) for _ in nodes]
+    socks = [bare_dealer(address, KEYS.get(address), unbounded=True, ctx=ctx) for _ in nodes]
     poller = zmq.Poller()
     by_sock = {b.sock: b for b in bridges}
     for b in bridges:
@@ -292,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         broker = stack.start_broker()
         address = stack.address
+        KEYS[address] = stack.deployment_dir
         credit = -(-args.jobs // args.nodes)
         nodes = [SimNode(ctx, address, f"sim{i}", credit) for i in range(args.nodes)]
         # The bridges' own generator: they live in the sidecar thread.
@@ -304,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             if not b.registered.wait(30):
                 raise SystemExit(f"bridge {b.backend_id} got no register_backend reply in 30 s")
         by_sock = {n.sock: n for n in nodes}
-        client = bare_dealer(address, unbounded=True, ctx=ctx)
-        monitor = bare_dealer(address, unbounded=True, ctx=ctx)
+        client = bare_dealer(address, KEYS.get(address), unbounded=True, ctx=ctx)
+        monitor = bare_dealer(address, KEYS.get(address), unbounded=True, ctx=ctx)
         poller = zmq.Poller()
         for s in [*by_sock, client, monitor]:
             poller.register(s, zmq.POLLIN)

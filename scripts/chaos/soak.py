@@ -143,7 +143,7 @@ class Soak:
         self.pending: set[str] = set()
         self.to_forget: list[str] = []
         self.refused: list[dict[str, Any]] = []
-        self.sock: zmq.Socket[bytes] = bare_dealer(d.address)
+        self.sock: zmq.Socket[bytes] = bare_dealer(d.address, d.deployment_dir)
         self.rid = 0
         self.cancel_rids: dict[str, list[str]] = {}
 

@@ -12,10 +12,9 @@ from typing import Any
 
 import msgpack
 import pytest
-import zmq
 
 from prorl_cli import protocol as P
-from tests.harness import Deployment, fixed_port
+from tests.harness import Deployment, bare_dealer, fixed_port
 
 REPLY_TIMEOUT_MS = 5000
 
@@ -23,10 +22,8 @@ REPLY_TIMEOUT_MS = 5000
 class Raw:
     """A bare DEALER speaking the protocol by hand (a misbehaving or spoofing peer)."""
 
-    def __init__(self, address: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+    def __init__(self, address: str, deployment_dir: Path) -> None:
+        self.sock = bare_dealer(address, deployment_dir)
 
     def send(self, header: dict[str, Any], payload: list[bytes] | None = None, version: int = P.PROTOCOL_VERSION) -> None:
         self.sock.send_multipart([msgpack.packb({"v": version, **header}, use_bin_type=True), *(payload or [])])
@@ -55,7 +52,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 @pytest.fixture
 def raw(deployment: Deployment) -> Iterator[Raw]:
-    r = Raw(deployment.address)
+    r = Raw(deployment.address, deployment.deployment_dir)
     yield r
     r.close()
 
@@ -162,7 +159,7 @@ def test_liveness_token_heartbeats_from_another_connection(deployment: Deploymen
     raw.send({"op": "register", "rid": 1, "node_id": "tok", "host": "h", "pid": 1, "credit": 1, "tasks": ["zzz"],
               "liveness_token": "secret"})
     assert raw.reply(1)["ok"]
-    sidecar = Raw(deployment.address)
+    sidecar = Raw(deployment.address, deployment.deployment_dir)
     try:
         # Wrong tokens are ignored without a reply; the right one keeps "tok" alive while its own socket is silent.
         sidecar.send({"op": "heartbeat", "node_id": "tok", "liveness_token": "wrong"})
@@ -250,7 +247,7 @@ def test_after_a_restart_new_and_unplaced_jobs_do_not_wait_for_claims(tmp_path: 
 
 def test_generate_headers_as_nodes_and_bridges_send_them_pass_validation(deployment: Deployment) -> None:
     """The schemas accept what the real peers send (sampling with every field, bridge replies and heartbeats)."""
-    bridge, node = Raw(deployment.address), Raw(deployment.address)
+    bridge, node = Raw(deployment.address, deployment.deployment_dir), Raw(deployment.address, deployment.deployment_dir)
     try:
         bridge.send({"op": "register_backend", "rid": 1, "backend_id": "fake-bridge", "host": "h", "model": "m",
                      "max_model_len": None, "capacity": 4})

@@ -17,6 +17,7 @@ from prorl_cli.broker.server import Broker
 from prorl_cli.broker.state import Node
 from prorl_cli.config import ProrlConfig
 from prorl_cli.protocol import JobSpec, JobState
+from prorl_cli.security import client_keys
 
 
 class GatedRecords(list):  # type: ignore[type-arg]
@@ -100,7 +101,7 @@ def test_liveness_is_judged_only_on_a_drained_inbox_and_stalls_are_credited(tmp_
         broker._tick()
         assert not node.alive
     finally:
-        broker.sock.close(0)
+        broker.close(0)
 
 
 def test_unread_input_is_bounded_per_peer_and_waits_in_the_sender(tmp_path: Path) -> None:
@@ -113,6 +114,9 @@ def test_unread_input_is_bounded_per_peer_and_waits_in_the_sender(tmp_path: Path
     peer = zmq.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
     peer.setsockopt(zmq.SNDHWM, 1)
+    if broker.curve_public_key:  # the broker's loop never runs, so it publishes no rendezvous file: its key from here
+        peer.curve_serverkey = broker.curve_public_key.encode()
+        peer.curve_publickey, peer.curve_secretkey = client_keys(config.deployment_dir)
     peer.connect(broker.address)
     offered, accepted = 1000, 0  # 250 MB of 256 KB messages, were nothing holding the sender back
     blob = bytes(256 * 1024)
@@ -130,4 +134,4 @@ def test_unread_input_is_bounded_per_peer_and_waits_in_the_sender(tmp_path: Path
         assert received == accepted
     finally:
         peer.close(0)
-        broker.sock.close(0)
+        broker.close(0)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import psutil
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from prorl_cli import protocol as P
 from prorl_cli.testing.fuzzing import HonestClient, Peer, malformed
-from tests.harness import Deployment
+from tests.harness import Deployment, bare_dealer
 
 EXAMPLES = 400
 
@@ -22,9 +25,9 @@ def test_fuzzed_broker_stays_up_and_honest_jobs_finish_once(tmp_path: Path) -> N
     try:
         broker = d.start_broker()
         d.start_node("n1")
-        honest = HonestClient(d.address, "honest")
+        honest = HonestClient(d.address, d.deployment_dir, "honest")
         honest.submit(40, {"sleep_s": {"run": 0.05}, "echo": "honest"})
-        peers = [Peer(d.address), Peer(d.address, register_as="fz-a"), Peer(d.address, register_as="fz-b")]
+        peers = [Peer(d.address, d.deployment_dir), Peer(d.address, d.deployment_dir, register_as="fz-a"), Peer(d.address, d.deployment_dir, register_as="fz-b")]
         rss_before = psutil.Process(broker.pid).memory_info().rss
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -52,5 +55,48 @@ def test_fuzzed_broker_stays_up_and_honest_jobs_finish_once(tmp_path: Path) -> N
         for p in peers:
             p.close()
         honest.close()
+    finally:
+        d.close()
+
+
+def _ask(sock: Any, header: dict[str, Any]) -> dict[str, Any]:
+    sock.send_multipart([msgpack.packb(header, use_bin_type=True)])
+    assert sock.poll(10_000), f"no reply to {header}"
+    return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+
+
+def test_error_replies_echo_every_usable_rid_and_edge_rids_are_answered(tmp_path: Path) -> None:
+    d = Deployment(tmp_path / "home", "rids")
+    try:
+        d.start_broker()
+        sock = bare_dealer(d.address, d.deployment_dir)
+        v = P.PROTOCOL_VERSION
+        cases = {
+            "unknown op": ({"v": v, "op": "frobnicate", "rid": 7}, "unknown_op"),
+            "wrong version": ({"v": 99, "op": "ping", "rid": 8}, "bad_version"),
+            "no version": ({"op": "ping", "rid": "nine"}, "bad_version"),
+            "no op": ({"v": v, "rid": 10}, "missing_field"),
+            "op not a string": ({"v": v, "op": 5, "rid": 11}, "missing_field"),
+            "bad field": ({"v": v, "op": "cancel", "rid": 12, "job_ids": "x"}, "bad_field"),
+        }
+        for what, (header, code) in cases.items():
+            reply = _ask(sock, header)
+            assert (reply["ok"], reply["error"]["code"], reply["rid"]) == (False, code, header["rid"]), (what, reply)
+        # A rid that is not usable is not echoed (a 300-character string): the reply still comes, rid null.
+        reply = _ask(sock, {"v": v, "op": "ping", "rid": "r" * 300})
+        assert (reply["ok"], reply["rid"]) == (False, None)
+        # Any msgpack integer is a rid, echoed as sent (docs/protocol.md).
+        for rid in ((1 << 64) - 1, -(1 << 63), 0):
+            reply = _ask(sock, {"v": v, "op": "ping", "rid": rid})
+            assert (reply["ok"], reply["rid"]) == (True, rid), reply
+        # A node that leaves shows as lost, with why, in the very next status (no stale stage counts).
+        registered = _ask(sock, {"v": v, "op": "register", "rid": 1, "node_id": "gone", "host": "h", "pid": 1,
+                                 "credit": 1, "tasks": ["t"]})
+        assert registered["ok"], registered
+        sock.send_multipart(P.encode({"op": "unregister", "node_id": "gone"}))
+        status = _ask(sock, {"v": v, "op": "status", "rid": 3})
+        (node,) = [n for n in status["status"]["nodes"] if n["node_id"] == "gone"]
+        assert (node["alive"], node["lost_reason"], node["stages"]) == (False, "unregistered", {}), node
+        sock.close(0)
     finally:
         d.close()

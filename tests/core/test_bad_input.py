@@ -8,7 +8,7 @@ import zmq
 
 from prorl_cli import protocol as P
 from prorl_cli.exceptions import RemoteError
-from tests.harness import Deployment
+from tests.harness import Deployment, bare_dealer
 
 REPLY_TIMEOUT_MS = 5000
 
@@ -24,9 +24,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def raw(deployment: Deployment):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(deployment.address)
+    sock = bare_dealer(deployment.address, deployment.deployment_dir)
     yield sock
     sock.close(0)
 
@@ -137,9 +135,7 @@ def test_oversized_frame_is_refused(deployment: Deployment, raw: zmq.Socket) -> 
     assert [r.output["echo"] for r in results] == list(range(5))
     client.close()
     # An oversized header (inside the frame limit) gets an error reply.
-    fresh = zmq.Context.instance().socket(zmq.DEALER)
-    fresh.setsockopt(zmq.LINGER, 0)
-    fresh.connect(deployment.address)
+    fresh = bare_dealer(deployment.address, deployment.deployment_dir)
     fresh.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "status", "rid": 1, "pad": "x" * (5 * 1024 * 1024)}))
     code, msg = _error(fresh)
     fresh.close(0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,14 @@ from prorl_cli.config import load_config
 from prorl_cli.exceptions import BrokerUnavailable, UnknownJob
 from prorl_cli.protocol import JobResult, JobSpec, Op
 from tests.harness import Deployment, fixed_port
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what}")
+        time.sleep(0.05)
 
 HAS_K1 = {"group_id", "meta"} <= set(JobSpec.__dataclass_fields__)
 HAS_FORGET = "forget" in {op.value for op in Op}
@@ -152,5 +161,39 @@ def test_a_broker_restarted_at_a_new_address_delivers_each_result_once_and_inven
         assert all(r.state == "done" for r in from_stream), [r for r in from_stream if r.state != "done"]
         assert {r.output["echo"] for r in from_stream if r.job_id in lost_ids} == {"retried"}
         assert late == [*slow, *lost_ids] and len(seen) == 2
+    finally:
+        d.close()
+
+
+def test_one_retry_with_the_same_ids_succeeds_after_the_broker_moved(tmp_path: Path) -> None:
+    """A submit in flight when the broker died fails; the trainer's single retry with the same ids goes to the new
+    broker and succeeds, however the reply that brings the new boot id races it; no result comes twice or made up."""
+    d = Deployment(tmp_path / "home", "mv1", config={"broker": {"port": fixed_port(), "journal": True}})
+    try:
+        d.start_broker()
+        d.start_node("n1")
+        client = RolloutClient("mv1", config=load_config(d.config_path), request_timeout_s=60)
+        stream = client.results(timeout_s=120)  # a trainer awaiting results: the client watches the broker
+        first = client.submit("test", [{"echo": "before"}] * 2)
+        got = [next(stream) for _ in first]
+        d.kill("broker", signal.SIGKILL)
+        d.drop_client()
+        # The node's register to the dead broker is under way when the new broker comes up elsewhere.
+        wait_until(lambda: "registering again" in d.log("n1"), 30, "the node to notice the broker is gone")
+        d.config_path.write_text(yaml.safe_dump({**d.config, "broker": {**d.config["broker"], "port": fixed_port()}}))
+        d.start_broker()
+        ids = ["move-0", "move-1", "move-2"]
+        with pytest.raises(BrokerUnavailable) as lost:
+            client.submit("test", [{"echo": "retried"}] * 3, job_ids=ids)  # went to the dead broker
+        assert "gone" in str(lost.value) or "does not answer" in str(lost.value), lost.value
+        retried = client.submit("test", [{"echo": "retried"}] * 3, job_ids=ids)  # the one retry
+        assert sorted(retried) == ids and not retried.existing
+        got += [next(stream) for _ in ids]
+        stream.close()
+        client.close()
+        assert sorted(r.job_id for r in got) == sorted([*first, *ids]), "each result exactly once"
+        assert all(r.state == "done" and r.critical_error is None for r in got), [r for r in got if r.state != "done"]
+        wait_until(lambda: "re-registered with the broker at" in d.log("n1"), 30, "the node to re-register")
+        assert "could not register" not in d.log("n1") and " ERROR " not in d.log("n1"), d.log("n1")
     finally:
         d.close()

@@ -133,6 +133,37 @@ async def _a_new_boot_id_fails_the_requests_the_old_broker_had(router: zmq.async
         await conn.close()
 
 
+def test_a_request_sent_after_the_one_that_met_the_new_broker_is_not_lost() -> None:
+    with_router(_a_request_sent_after_the_one_that_met_the_new_broker_is_not_lost)
+
+
+async def _a_request_sent_after_the_one_that_met_the_new_broker_is_not_lost(router: zmq.asyncio.Socket) -> None:
+    conn = await _conn(router)
+    try:
+        first = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
+        identity, h1 = await _receive(router)
+        await router.send_multipart([identity, *P.encode(P.reply(h1["rid"], boot_id="A"), ())])
+        await first
+        # Tasks start in the order they were made: the rids (and the sends) follow that order.
+        lost = asyncio.ensure_future(conn.call({"op": "submit"}, timeout_s=30))
+        ping = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
+        retry = asyncio.ensure_future(conn.call({"op": "submit"}, timeout_s=30))
+        _, h2 = await _receive(router)
+        _, h3 = await _receive(router)
+        _, h4 = await _receive(router)
+        assert [h2["op"], h3["op"], h4["op"]] == ["submit", "ping", "submit"]
+        # The ping meets the new broker first; the retry, sent after it, reached that broker too and is answered.
+        await router.send_multipart([identity, *P.encode(P.reply(h3["rid"], boot_id="B"), ())])
+        await ping
+        with pytest.raises(BrokerRestarted):
+            await lost
+        await router.send_multipart([identity, *P.encode(P.reply(h4["rid"], boot_id="B", accepted=["j"]), ())])
+        reply, _ = await retry
+        assert reply["accepted"] == ["j"]
+    finally:
+        await conn.close()
+
+
 @pytest.mark.parametrize(
     ("code", "cls", "builtin"),
     [

@@ -15,7 +15,7 @@ import zmq
 
 from prorl_cli import protocol as P
 from prorl_cli.protocol import JobResult, Op
-from tests.harness import Deployment
+from tests.harness import Deployment, bare_dealer
 
 
 @pytest.fixture
@@ -29,11 +29,9 @@ def deployment(tmp_path: Path):
 class RawClient:
     """A DEALER that speaks the wire protocol by hand, to send what the real client never would."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, deployment_dir: Path) -> None:
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self.sock = bare_dealer(address, deployment_dir, ctx=self.ctx)
         self._rid = 0
 
     def request(self, header: dict[str, Any], payload: list[bytes]) -> dict[str, Any]:
@@ -132,7 +130,7 @@ def test_an_instance_the_handler_cannot_use_fails_and_returns_its_credit(deploym
 
 def test_an_assignment_the_node_cannot_decode_comes_back_failed(deployment: Deployment) -> None:
     deployment.start_node("n1", "--credit", "1", "--n-init", "1", "--n-run", "1", "--n-eval", "1")
-    raw = RawClient(deployment.address)
+    raw = RawClient(deployment.address, deployment.deployment_dir)
     try:
         garbage = b"\xc1\xc1 not msgpack"
         reply = raw.request({"op": Op.SUBMIT.value, "jobs": [{"job_id": f"g{i}", "task": "test"} for i in range(2)]},
@@ -155,7 +153,7 @@ def test_an_assignment_the_node_cannot_decode_comes_back_failed(deployment: Depl
 
 def test_results_echo_group_id_and_meta(deployment: Deployment) -> None:
     deployment.start_node("n1")
-    raw = RawClient(deployment.address)
+    raw = RawClient(deployment.address, deployment.deployment_dir)
     try:
         meta = {"prompt": 7, "split": "train"}
         reply = raw.request({"op": Op.SUBMIT.value,

@@ -248,7 +248,7 @@ def test_curve_encrypts_and_authenticates(tmp_path: Path) -> None:
         intruder.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "status", "rid": 1}))
         assert not intruder.poll(1000)
         intruder.close(0)
-        plain = zmq.Context.instance().socket(zmq.DEALER)
+        plain = zmq.Context.instance().socket(zmq.DEALER)  # no keys at all
         plain.setsockopt(zmq.LINGER, 0)
         plain.connect(d.address)
         plain.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "status", "rid": 1}))

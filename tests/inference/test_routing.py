@@ -29,7 +29,7 @@ from prorl_cli.agent import Trajectory
 from prorl_cli.inference.bridge import InferenceBridge
 from prorl_cli.inference.contract import Engine, Generation
 from prorl_cli.protocol import SamplingParams
-from tests.harness import Deployment
+from tests.harness import Deployment, bare_dealer
 from tests.inference.conftest import HANDLERS, start_bridge
 
 
@@ -188,16 +188,17 @@ class ThreadBridge:
         self.backend_id = backend_id
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(d.address,), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(d.address, d.deployment_dir), daemon=True)
         self.thread.start()
         assert self._ready.wait(10), "the bridge thread did not start"
         d.wait_for(lambda st: any(b["backend_id"] == backend_id and b["alive"] for b in st.backends), 30,
                    f"backend {backend_id} to register")
 
-    def _run(self, address: str) -> None:
+    def _run(self, address: str, deployment_dir: Path) -> None:
         async def main() -> None:
             self.loop = asyncio.get_running_loop()
-            self.bridge = InferenceBridge(self.engine, address=address, backend_id=self.backend_id, host="127.0.0.1")
+            self.bridge = InferenceBridge(self.engine, address=address, backend_id=self.backend_id, host="127.0.0.1",
+                                          deployment_dir=deployment_dir)
             self._ready.set()
             await self.bridge.serve()
 
@@ -312,11 +313,7 @@ class RawPeer:
     """A DEALER speaking the protocol by hand: a node that does exactly what a test tells it, in that order."""
 
     def __init__(self, d: Deployment) -> None:
-        import zmq
-
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(d.address)
+        self.sock = bare_dealer(d.address, d.deployment_dir)
 
     def send(self, header: dict[str, Any], payload: list[bytes] | None = None) -> None:
         self.sock.send_multipart(P.encode(header, payload or []))
@@ -363,13 +360,9 @@ def test_a_generate_for_a_job_that_is_not_running_on_the_requester_is_refused_an
 
 def test_generate_from_an_unregistered_peer_is_answered_at_once_and_nothing_is_held(scripted: Any) -> None:
     """Defect 7: a stranger's generate gets ``unknown_peer``, with its rid, and the broker keeps nothing of it."""
-    import zmq
 
     d, _ = scripted({})
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(d.address)
+    sock = bare_dealer(d.address, d.deployment_dir)
     try:
         sock.send_multipart(P.encode({"op": "generate", "rid": 41, "job_id": "nobody"}, [P.pack_tokens([1] * 1024)]))
         assert sock.poll(10_000), "no answer"

@@ -22,6 +22,7 @@ import pytest
 
 from prorl_cli.client import RolloutClient
 from prorl_cli.config import load_config
+from prorl_cli.exceptions import BrokerUnavailable
 from prorl_cli.slurm import squeue
 from prorl_cli.slurm.launcher import LaunchRecord
 from tests.slurm.cluster import (
@@ -184,6 +185,57 @@ def test_requeued_broker_replays_its_journal(launched: Launched) -> None:
 
     launched.run_load(30, 1.5, requeue_broker)
     assert "journal replayed" in logs_of(launched.dir / "slurm" / "broker")
+    wait_until(lambda: launched.alive_nodes() >= {"node-0", "node-2"}, 60, "nodes back with the requeued broker")
+
+
+def _role_process(member: Any) -> psutil.Process:
+    """The process running a role in its Slurm task (submitit's function runner, found by the task's environment)."""
+    array_id, _, task_id = member.job_id.partition("_")
+    for proc in psutil.process_iter(["cmdline"]):
+        if "submitit.core._submit" not in " ".join(proc.info["cmdline"] or []):
+            continue
+        try:
+            env = proc.environ()
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            continue
+        if (env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")) == (array_id, task_id or None) or (
+            not task_id and env.get("SLURM_JOB_ID") == array_id
+        ):
+            return proc
+    raise AssertionError(f"no process of {member.peer_id} ({member.job_id})")
+
+
+def test_a_killed_inference_task_is_replaced_under_its_name(launched: Launched) -> None:
+    victim = launched.member("inference-1")
+    _role_process(victim).kill()  # SIGKILL: no unregister, the task ends FAILED
+
+    def replaced_and_serving() -> bool:
+        if launched.member("inference-1").job_id == victim.job_id:
+            return False
+        return any(b["backend_id"] == "inference-1" and b["alive"] for b in launched.client.status().backends)
+
+    wait_until(replaced_and_serving, 300, "a new inference-1 task to register")
+    assert "inference-1 (Slurm job" in logs_of(launched.dir / "slurm" / "broker")
+    assert victim.job_id in {m.job_id for m in launched.record.retired}
+
+
+def test_one_retry_of_a_submit_in_flight_across_a_broker_usr2_succeeds(launched: Launched) -> None:
+    broker = launched.member("broker")
+    client = launched.client
+    squeue.cancel([broker.job_id], signal_name="USR2")  # the time-limit warning: leave, requeue, replay the journal
+    wait_until(lambda: any(t.state == "PENDING" for t in squeue.query([broker.job_id])), 60, "broker requeued")
+    scontrol("update", f"JobId={broker.job_id}", "StartTime=now")
+    ids = [f"usr2-{i}" for i in range(10)]
+    instances = [{"echo": i, "sleep_s": {"run": 0.2}} for i in range(10)]
+    try:
+        client.submit("test", instances, job_ids=ids, timeout_s=120)  # in flight while the broker moves
+    except BrokerUnavailable:
+        client.submit("test", instances, job_ids=ids, timeout_s=120)  # the one retry
+    results = client.wait(ids, timeout_s=240)
+    assert [r.state for r in results] == ["done"] * 10 and [r.output["echo"] for r in results] == list(range(10))
+    text = logs_of(launched.dir / "slurm" / "broker")
+    leavers = re.findall(r"broker\[(\d+)\].*leaving on a signal", text)
+    assert leavers and len(leavers) == len(set(leavers)), "each broker that left on a signal said so once"
     wait_until(lambda: launched.alive_nodes() >= {"node-0", "node-2"}, 60, "nodes back with the requeued broker")
 
 

@@ -286,10 +286,19 @@ def print_status(app: App, status: StatusReport) -> None:
         cells = [f"{n.stages.get(s, {}).get('active', 0)}/{n.stages.get(s, {}).get('queued', 0)}" for s in ("init", "run", "eval")]
         # `local` runs agent code without isolation: make it stand out.
         sandbox = "[yellow]local[/]" if n.sandbox_runtime == "local" else (n.sandbox_runtime or "-")
-        nodes.add_row(n.node_id, n.host, "yes" if n.alive else "[red]no[/]", sandbox, f"{n.inflight}/{n.credit}", *cells,
+        nodes.add_row(n.node_id, n.host, _liveness(app, n), sandbox, f"{n.inflight}/{n.credit}", *cells,
                       ",".join(n.tasks))
     app.console.print(nodes)
     print_backends(app, status.backend_statuses())
+
+
+def _liveness(app: App, node: Any) -> str:
+    """``yes``; ``silent N s`` once it missed two heartbeats (not yet declared lost); ``lost: why``."""
+    if not node.alive:
+        return f"[red]lost[/]: {node.lost_reason}" if node.lost_reason else "[red]no[/]"
+    if node.silent_s > 2 * app.config.broker.heartbeat_interval_s:
+        return f"[yellow]silent {node.silent_s:.0f} s[/]"
+    return "[yellow]draining[/]" if node.draining else "yes"
 
 
 def print_backends(app: App, backends: list[Any]) -> None:

@@ -113,11 +113,13 @@ def print_slurm_view(app: App, deployment_dir: Path) -> bool | None:
     if record is None:
         return None
     try:
-        rows = squeue.query(record.job_ids)
+        # -t all: a task that ended keeps its final state in squeue for MinJobAge (300 s by default).
+        rows = squeue.query(record.job_ids, all_states=True)
     except SlurmError as e:
         app.err_console.print(f"[yellow]Slurm view unavailable:[/] {e}")
         return True
     app.console.print(_slurm_table(record, rows))
+    _print_ended(app, record, rows)
     if not any(t.active for t in rows) and record.broker_where != "here":
         app.console.print(
             f"[bold yellow]deployment {record.deployment}: all its Slurm jobs are gone[/] "
@@ -126,6 +128,38 @@ def print_slurm_view(app: App, deployment_dir: Path) -> bool | None:
         )
         return False
     return True
+
+
+def _print_ended(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
+    """For each task that ended on its own (failed, out of memory, node failure, time limit): why, and its log's end."""
+    from prorl_cli.exceptions import ProrlError
+    from prorl_cli.slurm import launcher, squeue
+    from prorl_cli.slurm.supervisor import Supervision
+
+    by_id = {t.job_id: t for t in rows}
+    sup = Supervision.load(Path(record.home) / record.deployment)
+    for name, named in sorted(sup.names.items()):
+        for old in named.history:
+            app.console.print(f"{name}: replaced its Slurm job {old['job_id']}, which ended {old['ended']}")
+    cfg = None
+    for m in record.members:
+        t = by_id.get(m.job_id)
+        if t is None or t.state not in squeue.UNASKED_END_STATES:
+            continue
+        ended = squeue.ended(t)
+        state = sup.names.get(m.peer_id)
+        verdict = ""
+        if state is not None and state.gave_up is not None and state.gave_up.get("job_id") == m.job_id:
+            verdict = f"; [bold red]failed[/]: not replaced any more ({state.restarts} restart(s), max_restarts spent)"
+        app.console.print(f"[red]{m.peer_id}[/] (Slurm job {m.job_id}) ended {ended.describe()}{verdict}")
+        if cfg is None:
+            try:
+                _, cfg = launcher.load_launched(Path(record.home) / record.deployment)
+            except ProrlError:
+                return
+        tail = launcher.log_tail(cfg, m, lines=8)
+        if tail:
+            app.console.print("  last lines of its log:\n" + "\n".join(f"    {line}" for line in tail.splitlines()))
 
 
 def _slurm_table(record: LaunchRecord, rows: list[SlurmTask]) -> Table:
@@ -137,8 +171,9 @@ def _slurm_table(record: LaunchRecord, rows: list[SlurmTask]) -> Table:
         table.add_column(col)
     for m in record.members:
         t = by_id.get(m.job_id)
-        table.add_row(m.role, m.peer_id, m.job_id, t.state if t else "gone",
-                      (t.pending_reason or t.nodes) if t else "", t.elapsed if t else "", t.time_left if t else "")
+        reason = (t.pending_reason or (t.reason if not t.active and t.reason not in ("", "None") else t.nodes)) if t else ""
+        table.add_row(m.role, m.peer_id, m.job_id, t.state if t else "gone (aged out of squeue)",
+                      reason, t.elapsed if t else "", t.time_left if t else "")
     return table
 
 
@@ -306,8 +341,11 @@ def scale(app: App, name: str | None, nodes: int | None, inference: int | None) 
         app.console.print(f"added {m.peer_id}: Slurm job {m.job_id}")
     for m in removed:
         app.console.print(f"drained and removed {m.peer_id}: Slurm job {m.job_id}")
+    counts = launcher.role_counts(cfg, role)
     if not added and not removed:
-        app.console.print(f"{role} already at {count}")
+        app.console.print(f"{role} already at {count}: {counts.describe()}")
+    else:
+        app.console.print(f"{role} now: {counts.describe()}")
 
 
 @click.command()
@@ -349,7 +387,7 @@ def render_sbatch(app: App, deploy_file: str, out_dir: str) -> None:
 
     \b
     Submit them with plain sbatch, the broker first:
-      sbatch DIR/broker.sbatch; sbatch DIR/nodes.sbatch; sbatch DIR/inference.sbatch
+      sbatch DIR/broker.sbatch; sbatch DIR/node.sbatch; sbatch DIR/inference.sbatch
     or one allocation with everything: sbatch DIR/all-in-one.sbatch
     """
     from prorl_cli.slurm.render import render_all
