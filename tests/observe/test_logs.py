@@ -17,7 +17,7 @@ def test_broker_logs_json_lines_and_each_bad_peer_once(tmp_path: Path, monkeypat
     ctx = zmq.Context()
     try:
         d.start_broker()
-        noisy, other = bare_dealer(d.address, ctx=ctx), bare_dealer(d.address, ctx=ctx)
+        noisy, other = bare_dealer(d.address, d.deployment_dir, ctx=ctx), bare_dealer(d.address, d.deployment_dir, ctx=ctx)
         for _ in range(5):
             noisy.send_multipart([b"not msgpack at all"])
         other.send_multipart([b"\xc1"])
