@@ -158,8 +158,8 @@ class Gateway:
             ("POST", "completions", openai_routes.completions),
             ("POST", "messages", anthropic_routes.messages),
         ):
-            app.router.add_route(method, f"/jobs/{{token}}/v1/{route}", self._with_body(fn))
-        app.router.add_get("/jobs/{token}/v1/models", self._models)
+            app.router.add_route(method, f"/jobs/{{token:[^/]*}}/v1/{route}", self._with_body(fn))
+        app.router.add_get("/jobs/{token:[^/]*}/v1/models", self._models)
         self.app = app
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         self._started = False
