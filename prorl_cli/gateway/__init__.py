@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from prorl_cli.agent.trajectory import Trajectory
     from prorl_cli.gateway.server import Gateway, JobGateway
     from prorl_cli.node.handler import JobContext
+    from prorl_cli.protocol import SamplingParams
 
 __all__ = ["session", "tokenizer_of"]
 
@@ -54,11 +55,13 @@ def tokenizer_of(ctx: JobContext) -> str:
 
 
 async def session(
-    ctx: JobContext, *, parser: str = "hermes", models: tuple[str, ...] = ("prorl",), gateway: Gateway | None = None,
+    ctx: JobContext, *, parser: str = "hermes", models: tuple[str, ...] = ("prorl",),
+    sampling: SamplingParams | None = None, gateway: Gateway | None = None,
 ) -> JobGateway:
     """Open this job's endpoint on the node's gateway; it closes after RUN (``ctx.add_cleanup``).
 
-    ``parser`` names the tool parser (``prorl_cli.agent.get_tool_parser``).
+    ``parser`` names the tool parser (``prorl_cli.agent.get_tool_parser``);
+    ``sampling`` is the default a request's own fields override (the job's).
     The trajectory is kept in ``ctx.output["trajectory"]`` after every call,
     so a RUN that fails or is cancelled still returns what was sampled.
     """
@@ -77,6 +80,6 @@ async def session(
 
     gw = gateway or await Gateway.get()
     job = gw.open_job(ctx.job_id, generate=ctx.generate, chat_for=chat_for, parser=get_tool_parser(parser),
-                      sampling=ctx.sampling, models=models, on_record=record)
+                      sampling=sampling or ctx.sampling, models=models, on_record=record)
     ctx.add_cleanup(job.close)
     return job

@@ -139,9 +139,15 @@ class Sandbox:
         reply = await self._call("edit", 30.0, **fields)
         return EditResult(output=reply["output"])
 
-    async def read_file(self, path: str) -> bytes:
-        """The bytes of a file inside the sandbox (copy out: save artifacts for EVAL)."""
-        reply = await self._call("read_file", 60.0, path=path)
+    async def read_file(self, path: str, *, offset: int = 0, max_bytes: int | None = None) -> bytes:
+        """The bytes of a file inside the sandbox (copy out: save artifacts for EVAL).
+
+        ``offset`` / ``max_bytes``: only that part (follow a growing log without re-reading it).
+        """
+        fields: dict[str, Any] = {"offset": offset} if offset else {}
+        if max_bytes is not None:
+            fields["max_bytes"] = max_bytes
+        reply = await self._call("read_file", 60.0, path=path, **fields)
         return base64.b64decode(reply["data"])
 
     async def write_file(self, path: str, data: bytes, mode: int | None = None) -> None:

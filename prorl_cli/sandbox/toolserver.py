@@ -574,9 +574,13 @@ class FileOps:
     @staticmethod
     def read_file(req):
         path = req["path"]
+        offset, max_bytes = int(req.get("offset") or 0), req.get("max_bytes")
         try:
             with open(path, "rb") as f:
-                return {"data": base64.b64encode(f.read()).decode("ascii")}
+                if offset:
+                    f.seek(offset)
+                data = f.read(-1 if max_bytes is None else int(max_bytes))
+                return {"data": base64.b64encode(data).decode("ascii")}
         except OSError as e:
             raise ToolError(f"cannot read {path}: {e.strerror}") from e
 
