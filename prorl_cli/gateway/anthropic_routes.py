@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from prorl_cli.gateway.messages import anthropic_request
 from prorl_cli.gateway.buffer import Reply
+from prorl_cli.gateway.messages import anthropic_request
 from prorl_cli.gateway.streaming import open_sse, send_event
 
 if TYPE_CHECKING:

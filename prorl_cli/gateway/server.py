@@ -36,8 +36,8 @@ from prorl_cli.agent.tools import ToolParser
 from prorl_cli.agent.trajectory import Trajectory
 from prorl_cli.exceptions import InferenceError
 from prorl_cli.gateway import anthropic_routes, openai_routes
-from prorl_cli.gateway.messages import RequestError
 from prorl_cli.gateway.buffer import ChatFactory, TokenBuffer
+from prorl_cli.gateway.messages import RequestError
 from prorl_cli.gateway.streaming import anthropic_error, openai_error
 from prorl_cli.protocol import SamplingParams
 
