@@ -178,3 +178,44 @@ def test_edited_history_starts_a_new_segment_with_the_reason(tokenizer: Any) -> 
     assert not traj.token_exact
     samples, report = build_samples(traj.to_dict(), rollout_id="r", group_id="g", reward=0.0)
     assert len(samples) == 2 and report.merge_ratio == 0.5
+
+
+def test_session_gives_host_side_agents_a_base_url(tokenizer: Any, tiny_model: Any, tmp_path: Any) -> None:
+    """``prorl_cli.gateway.session(ctx)``: an agent in the node process uses ``openai.AsyncOpenAI`` as is;
+    the trajectory lands in ``ctx.output`` and the endpoint closes with the job's cleanups."""
+    need_module("openai", "test")
+    import logging
+
+    import openai
+
+    from prorl_cli.config import ProrlConfig
+    from prorl_cli.gateway import session
+    from prorl_cli.node.handler import JobContext, Services
+    from prorl_cli.protocol import JobSpec
+
+    model = ScriptedModel(tokenizer, ["Hello from the node."])
+
+    class ScriptedServices(Services):
+        async def generate(self, ctx: JobContext, prompt_ids: list[int], sampling: SamplingParams) -> Any:
+            return await model(prompt_ids, sampling)
+
+    async def main() -> None:
+        ctx = JobContext(spec=JobSpec(job_id="host-1", task="agent"), instance={"tokenizer": str(tiny_model)},
+                         node_id="n", run_dir=tmp_path, config=ProrlConfig(), services=ScriptedServices(),
+                         log=logging.getLogger("test"))
+        gw = await session(ctx)
+        client = openai.AsyncOpenAI(base_url=gw.base_url(), api_key=gw.api_key, max_retries=0)
+        try:
+            resp = await client.chat.completions.create(model="prorl", messages=[{"role": "user", "content": "hi"}])
+            assert resp.choices[0].message.content == "Hello from the node."
+            assert len(ctx.output["trajectory"]["calls"]) == 1 and ctx.output["turns"] == 1
+            for cleanup in ctx._cleanups:  # what the node runs after RUN
+                await cleanup()
+            with pytest.raises(openai.APIStatusError) as ended:
+                await client.chat.completions.create(model="prorl", messages=[{"role": "user", "content": "hi"}])
+            assert ended.value.status_code == 410
+        finally:
+            await client.close()
+            await gw.gateway.close()
+
+    asyncio.run(main())
