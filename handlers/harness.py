@@ -195,10 +195,10 @@ class HarnessHandler(DomainHandler):
                 lines = (partial + chunk).split(b"\n")
                 partial = lines.pop()
                 for line in lines:
-                    ctx.log.info("harness| %s", line.decode("utf-8", "replace"))
+                    ctx.log.info("job %s harness| %s", ctx.job_id, line.decode("utf-8", "replace"))
             if rc_text:
                 if partial:
-                    ctx.log.info("harness| %s", partial.decode("utf-8", "replace"))
+                    ctx.log.info("job %s harness| %s", ctx.job_id, partial.decode("utf-8", "replace"))
                 code = int(rc_text)
                 return code, "stop" if code == 0 else "error"
             if loop.time() >= deadline:

@@ -39,7 +39,7 @@ python3 -m pip install -q --no-warn-conflicts --no-compile --no-index --find-lin
 # Compiled wheels (pydantic-core, tiktoken, ...) need libraries the minimal rootfs lacks
 # (libgcc_s, libstdc++): copy what their ldd names from this host (same architecture).
 find "$root/usr/lib/python3/dist-packages" -name '*.so*' -type f | while read -r so; do
-  ldd "$so" 2>/dev/null | awk '/=> \// {print $3}'
+  { ldd "$so" 2>/dev/null || true; } | awk '/=> \// {print $3}'
 done | sort -u | while read -r lib; do
   real=$(readlink -f "$lib")
   [ -e "$root$lib" ] || [ -e "$root$real" ] && continue

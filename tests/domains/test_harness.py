@@ -3,6 +3,7 @@ the job's gateway; every model call goes node -> broker -> scripted model bridge
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prorl_cli.agent import Trajectory
@@ -69,3 +70,40 @@ def test_harness_runs_an_unmodified_agent_in_the_sandbox(stack: ScriptedStack, d
     assert hang.reward == 0.0 and hang.output["stop_reason"] == "timeout"
     assert hang.output["harness_exit_code"] is None
     assert len(hang.output["trajectory"]["calls"]) == 1 and "ran:" not in hang.output["harness_log"]
+
+
+def test_a_cancelled_harness_is_killed(stack: ScriptedStack, domain_image: str) -> None:
+    import os
+    import time
+
+    def sleepers() -> list[str]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"613"]:
+                    found.append(pid)
+            except OSError:
+                continue  # it ended while we looked
+        return found
+
+    stack.add("[H-cancel]", turn("", ("bash", {"command": "sleep 613"})), "never reached")
+    stack.start_model()
+    client = stack.d.client
+    (job_id,) = client.submit("harness", [_instance("H-cancel", domain_image)], timeout_s=120)
+    node_log = stack.d.logs / "n1.log"
+    deadline = time.monotonic() + 120
+    # The harness streams its output to the job log: its first turn is printed before the tool runs.
+    while f"job {job_id} harness| assistant:" not in node_log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the harness never reported its first model turn"
+        time.sleep(0.1)
+    while not sleepers():  # the harness's tool command, running inside the sandbox
+        assert time.monotonic() < deadline, "the harness's tool command never started"
+        time.sleep(0.1)
+    client.cancel([job_id])
+    (result,) = client.wait([job_id], timeout_s=120)
+    assert result.state == "cancelled", result
+    # The broker answers the cancel at once; the node then kills the harness's process group and the sandbox.
+    deadline = time.monotonic() + 60
+    while sleepers():
+        assert time.monotonic() < deadline, f"the harness's processes {sleepers()} outlived the cancelled job"
+        time.sleep(0.1)
