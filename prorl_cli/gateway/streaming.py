@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 from aiohttp import web
@@ -14,6 +15,11 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
     await resp.prepare(request)
+    # Events are small writes: without TCP_NODELAY, Nagle holds each one back until the
+    # client's delayed ACK (tens of ms per event on Linux).
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return resp
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The harness test image (tests/domains/test_mini_swe_agent.py): the domain test
+# The harness test image $CACHE/harness (a sandbox directory; tests/domains/test_mini_swe_agent.py): the domain test
 # image (46-domain-images.sh: python3, git, sympy, pytest) plus the published
 # mini-swe-agent package and its dependencies, unmodified, in the image's
 # /usr/lib/python3/dist-packages, with its console scripts in /usr/local/bin.
@@ -10,7 +10,7 @@
 set -euo pipefail
 CACHE=${PRORL_TEST_IMAGES:-/var/cache/prorl-test}
 MSWEA_VERSION=${PRORL_MSWEA_VERSION:-2.4.6}
-stamp="$CACHE/.built-harness-v2-$MSWEA_VERSION"
+stamp="$CACHE/.built-harness-v3-$MSWEA_VERSION"
 if [ -f "$stamp" ]; then
   echo "harness test image cached in $CACHE"
   exit 0
@@ -55,18 +55,12 @@ for script in mini mini-swe-agent; do
     >"$root/usr/local/bin/$script"
   chmod 755 "$root/usr/local/bin/$script"
 done
-cat >"$work/harness.def" <<DEF
-Bootstrap: scratch
-%setup
-    cp -a $root/. \${APPTAINER_ROOTFS}/
-DEF
-if ! apptainer build --force "$work/harness.sif" "$work/harness.def" >"$work/build.log" 2>&1; then
-  tail -n 30 "$work/build.log" >&2
-  echo "47-harness-image.sh: apptainer build failed" >&2
-  exit 1
-fi
-apptainer exec "$work/harness.sif" python3 -c "import minisweagent.run.mini, litellm"
-mv -f "$work/harness.sif" "$CACHE/harness.sif"
-chmod a+r "$CACHE/harness.sif"
+# A sandbox directory, not a SIF: Apptainer runs it as is, and squashing 500 MB of
+# site-packages on a busy 2-core VM took a quarter of an hour.
+chmod -R a+rX "$root"
+env -i PATH=/usr/bin:/bin apptainer exec --containall --env LITELLM_LOCAL_MODEL_COST_MAP=True "$root" \
+  python3 -c "import minisweagent.run.mini, litellm"
+rm -rf "$CACHE/harness"
+mv "$root" "$CACHE/harness"
 touch "$stamp"
-ls -la "$CACHE/harness.sif"
+ls -ld "$CACHE/harness"

@@ -22,8 +22,8 @@ ENV = {"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors", "MSWE
 
 def test_mini_swe_agent_fixes_tinycalc_through_the_gateway(stack: ScriptedStack, tmp_path: Path) -> None:
     need_module("swebench", "swe")
-    image = IMAGES / "harness.sif"
-    if not image.is_file():
+    image = IMAGES / "harness"
+    if not (image / "usr" / "local" / "bin" / "mini-swe-agent").is_file():
         pytest.skip(f"{image} missing (run scripts/provision/47-harness-image.sh as root)")
     repo = make_tinyrepo(tmp_path / "tinycalc")
     stack.add("[MSWEA-fix]", turn("The mean divides by n - 1; fix it.", ("bash", {"command": FIX})),
