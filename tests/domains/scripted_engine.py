@@ -5,7 +5,7 @@ deployment add their own entries) holding a list of
 ``{"match": TEXT, "turns": [TEXT, ...]}``: a call whose prompt contains
 ``match`` gets ``turns[i]`` (plus ``<|im_end|>``) encoded with the real
 tokenizer, where ``i`` is the number of assistant turns already in the
-prompt. The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
+prompt. Every call is recorded (``calls_path_for``). The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
 so every call goes node -> broker -> bridge -> engine and back (the real
 generate contract). Run: ``python -m tests.domains.scripted_engine SCRIPT
 TOKENIZER_DIR BACKEND_ID DEPLOYMENT_DIR``.
@@ -29,6 +29,11 @@ from prorl_cli.rendezvous import wait_rendezvous
 FALLBACK_TURN = "I have no script for this prompt."
 
 
+def calls_path_for(script_path: Path) -> Path:
+    """Where the engine records the calls it served."""
+    return script_path.with_name(script_path.stem + "-calls.jsonl")
+
+
 class ScriptedEngine(Engine):
     """Answers from a script; stateless, so any number of jobs may interleave."""
 
@@ -43,6 +48,8 @@ class ScriptedEngine(Engine):
         self.script: list[dict[str, Any]] = []
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         self.calls = 0
+        #: Every call's prompt and output ids, one JSON object a line (``calls_path_for(script_path)``).
+        self.calls_path = calls_path_for(script_path)
 
     def turn_for(self, prompt: str) -> str:
         mtime_ns = self.script_path.stat().st_mtime_ns
@@ -62,6 +69,8 @@ class ScriptedEngine(Engine):
         finish = "stop"
         if len(ids) > sampling.max_tokens:
             ids, finish = ids[: sampling.max_tokens], "length"
+        with self.calls_path.open("a") as record:  # what the model saw, for tests that check the wire
+            record.write(json.dumps({"prompt_ids": list(prompt_ids), "output_ids": ids}) + "\n")
         return Generation(ids, [-0.1] * len(ids), finish, None)
 
 

@@ -4,6 +4,7 @@ format (a ``bash`` tool call, then its submit command), graded by the swe scorer
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from prorl_cli.agent import Trajectory
 from prorl_cli.domains.tinyrepo import make_tinyrepo
 from tests.domains.conftest import IMAGES, ScriptedStack, turn
+from tests.domains.scripted_engine import calls_path_for
 from tests.harness import need_module
 
 FIX = "cd /testbed && sed -i 's/(len(xs) - 1)/len(xs)/' tinycalc/stats.py && git diff --stat"
@@ -44,3 +46,7 @@ def test_mini_swe_agent_fixes_tinycalc_through_the_gateway(stack: ScriptedStack,
     assert len(traj.calls) == 2 and all(c.backend_id == "scripted" for c in traj.calls)
     assert out["continuity"] == 1.0 and out["segments"] == 1 and traj.token_exact  # mini-swe-agent edits no history
     assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" not in traj.calls[0].text
+    # Every recorded prompt is exactly what the model bridge received over the wire.
+    served = [json.loads(line) for line in calls_path_for(stack.script_path).read_text().splitlines()]
+    for call in traj.calls:
+        assert {"prompt_ids": call.prompt_ids, "output_ids": call.output_ids} in served
