@@ -35,6 +35,8 @@ class ModelCall:
     text: str = ""
     #: The trainer's policy version the broker served this call under (``None``: not reported).
     policy_version: int | None = None
+    #: Which token buffer the call extends (the gateway starts a new one when a harness edits history).
+    segment: int = 0
 
 
 @dataclass

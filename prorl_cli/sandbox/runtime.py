@@ -39,6 +39,8 @@ INSIDE_DIR = "/.prorl"
 INSIDE_TOOLSERVER = f"{INSIDE_DIR}/toolserver.py"
 INSIDE_RUN = f"{INSIDE_DIR}/run"
 SOCKET_NAME = "ts.sock"
+#: The model gateway's socket in the run directory (the node listens; the tool server's relay connects).
+GATEWAY_SOCKET_NAME = "gw.sock"
 # Unix socket paths longer than this fail (sun_path is 108 bytes with the NUL).
 MAX_SOCKET_PATH_BYTES = 100
 LOOPBACK_ENV = "PRORL_LOOPBACK_IP"

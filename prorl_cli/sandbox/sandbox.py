@@ -8,12 +8,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from prorl_cli.exceptions import SandboxError
 from prorl_cli.observe.timeline import TOOL, record_span
 from prorl_cli.sandbox.client import REPLY_MARGIN_S, ToolClient
-from prorl_cli.sandbox.runtime import SandboxProcess
+from prorl_cli.sandbox.runtime import GATEWAY_SOCKET_NAME, INSIDE_RUN, SandboxProcess
 
 
 @dataclass
@@ -147,9 +148,15 @@ class Sandbox:
         reply = await self._call("edit", 30.0, **fields)
         return EditResult(output=reply["output"])
 
-    async def read_file(self, path: str) -> bytes:
-        """The bytes of a file inside the sandbox (copy out: save artifacts for EVAL)."""
-        reply = await self._call("read_file", 60.0, path=path)
+    async def read_file(self, path: str, *, offset: int = 0, max_bytes: int | None = None) -> bytes:
+        """The bytes of a file inside the sandbox (copy out: save artifacts for EVAL).
+
+        ``offset`` / ``max_bytes``: only that part (follow a growing log without re-reading it).
+        """
+        fields: dict[str, Any] = {"offset": offset} if offset else {}
+        if max_bytes is not None:
+            fields["max_bytes"] = max_bytes
+        reply = await self._call("read_file", 60.0, path=path, **fields)
         return base64.b64decode(reply["data"])
 
     async def write_file(self, path: str, data: bytes, mode: int | None = None) -> None:
@@ -157,6 +164,21 @@ class Sandbox:
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(f"write_file needs bytes, got {type(data).__name__}")
         await self._call("write_file", 60.0, path=path, data=base64.b64encode(bytes(data)).decode(), mode=mode)
+
+    def gateway_socket(self) -> tuple[Path, str]:
+        """Where a node service listens for this sandbox: (host path, the same socket's path inside).
+
+        The sandbox's run directory is the one host folder bound into it, so a
+        Unix socket there is reachable from inside without any network.
+        """
+        host = self.process.spec.run_dir / GATEWAY_SOCKET_NAME
+        return host, str(host) if self.runtime == "local" else f"{INSIDE_RUN}/{GATEWAY_SOCKET_NAME}"
+
+    async def relay(self, target: str, *, host: str | None = None, port: int = 0) -> tuple[str, int]:
+        """Listen on ``host:port`` inside the sandbox (default: its loopback IP, a free port) and pipe
+        every connection to the Unix socket ``target`` (a path inside). Returns the address listened on."""
+        reply = await self._call("relay", 10.0, host=host or self.loopback_ip, port=port, target=target)
+        return str(reply["host"]), int(reply["port"])
 
     async def ping(self) -> dict[str, Any]:
         """The tool server's pid, python version, uid and loopback IP."""

@@ -12,6 +12,10 @@ a short path (socket paths break past ~108 bytes) and serves:
               timeout can interrupt it (SIGINT, then kill and restart)
 * ``edit``    view / create / str_replace / insert / undo
 * ``read_file`` / ``write_file``  bytes in and out
+* ``relay``   listen on a TCP address inside the sandbox (its own loopback) and
+              relay each connection's bytes to a Unix socket bind-mounted from
+              the node (the model gateway): a sandbox without a network reaches
+              that one service and nothing else
 
 Wire format (both ways): a 4-byte big-endian length, then a UTF-8 JSON object.
 Requests carry ``op``; replies carry ``ok`` and either ``result`` or
@@ -570,9 +574,13 @@ class FileOps:
     @staticmethod
     def read_file(req):
         path = req["path"]
+        offset, max_bytes = int(req.get("offset") or 0), req.get("max_bytes")
         try:
             with open(path, "rb") as f:
-                return {"data": base64.b64encode(f.read()).decode("ascii")}
+                if offset:
+                    f.seek(offset)
+                data = f.read(-1 if max_bytes is None else int(max_bytes))
+                return {"data": base64.b64encode(data).decode("ascii")}
         except OSError as e:
             raise ToolError(f"cannot read {path}: {e.strerror}") from e
 
@@ -592,6 +600,73 @@ class FileOps:
         return {"bytes": len(data)}
 
 
+class Relay:
+    """TCP listeners inside the sandbox whose connections are piped to a Unix socket (both ways)."""
+
+    def __init__(self):
+        self.listeners = []
+
+    def start(self, req):
+        host, port, target = str(req.get("host") or "127.0.0.1"), int(req.get("port") or 0), str(req["target"])
+        if not os.path.exists(target):
+            raise ToolError(f"relay target {target} does not exist")
+        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            srv.bind((host, port))
+        except OSError as e:
+            srv.close()
+            raise ToolError(f"relay cannot listen on {host}:{port}: {e.strerror}") from e
+        srv.listen(128)
+        self.listeners.append(srv)
+        threading.Thread(target=self._accept, args=(srv, target), daemon=True).start()
+        return {"host": host, "port": srv.getsockname()[1], "target": target}
+
+    def _accept(self, srv, target):
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._connect, args=(conn, target), daemon=True).start()
+
+    @staticmethod
+    def _connect(conn, target):
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            upstream.connect(target)
+        except OSError:
+            conn.close()
+            upstream.close()
+            return
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        back = threading.Thread(target=_pump, args=(upstream, conn), daemon=True)
+        back.start()
+        _pump(conn, upstream)
+        back.join()
+        conn.close()
+        upstream.close()
+
+    def close(self):
+        for srv in self.listeners:
+            with contextlib.suppress(OSError):
+                srv.close()
+
+
+def _pump(src, dst):
+    """Copy bytes until ``src`` ends, then end ``dst``'s writing side (so the peer sees EOF)."""
+    try:
+        while True:
+            data = src.recv(1 << 16)
+            if not data:
+                break
+            dst.sendall(data)
+    except OSError:
+        pass  # either side went away: the shutdown below tells the other
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
+
+
 class ToolServer:
     """Dispatches requests to the tools through :attr:`ops`; one instance per sandbox."""
 
@@ -600,6 +675,7 @@ class ToolServer:
         self.python = PythonSession()
         self.editor = Editor()
         self.files = FileOps()
+        self.relay = Relay()
         self.ops = {
             "ping": self._ping,
             "bash": lambda req: self.bash.run(str(req["command"]), float(req.get("timeout_s", 60.0)),
@@ -608,6 +684,7 @@ class ToolServer:
             "edit": lambda req: {"output": self.editor.call(req)},
             "read_file": self.files.read_file,
             "write_file": self.files.write_file,
+            "relay": self.relay.start,
         }
 
     def handle(self, req):
@@ -623,6 +700,7 @@ class ToolServer:
                 "loopback_ip": os.environ.get("PRORL_LOOPBACK_IP")}
 
     def close(self):
+        self.relay.close()
         self.bash.close()
         self.python.close()
 

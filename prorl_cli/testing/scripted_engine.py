@@ -6,7 +6,7 @@ deployment add their own entries) holding a list of
 ``match`` gets ``turns[i]`` (plus ``<|im_end|>``) encoded with the real
 tokenizer, where ``i`` is the number of assistant turns already in the
 prompt. A turn ``<<sleep:S>>TEXT`` answers ``TEXT`` after ``S`` seconds (a
-model call still in flight when a job's limit strikes). The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
+model call still in flight when a job's limit strikes). Every call is recorded (``calls_path_for``). The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
 so every call goes node -> broker -> bridge -> engine and back (the real
 generate contract). Run: ``python -m prorl_cli.testing.scripted_engine SCRIPT
 TOKENIZER_DIR BACKEND_ID DEPLOYMENT_DIR``.
@@ -32,6 +32,11 @@ FALLBACK_TURN = "I have no script for this prompt."
 SLEEP = re.compile(r"<<sleep:([0-9.]+)>>")
 
 
+def calls_path_for(script_path: Path) -> Path:
+    """Where the engine records the calls it served."""
+    return script_path.with_name(script_path.stem + "-calls.jsonl")
+
+
 class ScriptedEngine(Engine):
     """Answers from a script; stateless, so any number of jobs may interleave."""
 
@@ -46,6 +51,8 @@ class ScriptedEngine(Engine):
         self.script: list[dict[str, Any]] = []
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         self.calls = 0
+        #: Every call's prompt and output ids, one JSON object a line (``calls_path_for(script_path)``).
+        self.calls_path = calls_path_for(script_path)
 
     def turn_for(self, prompt: str) -> str:
         mtime_ns = self.script_path.stat().st_mtime_ns
@@ -70,6 +77,8 @@ class ScriptedEngine(Engine):
         finish = "stop"
         if len(ids) > sampling.max_tokens:
             ids, finish = ids[: sampling.max_tokens], "length"
+        with self.calls_path.open("a") as record:  # what the model saw, for tests that check the wire
+            record.write(json.dumps({"prompt_ids": list(prompt_ids), "output_ids": ids}) + "\n")
         return Generation(ids, [-0.1] * len(ids), finish, None)
 
 

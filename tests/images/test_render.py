@@ -111,7 +111,8 @@ def test_shipped_recipes_render_with_configured_mirror(ws: Workspace) -> None:
     ws.write(config_file=None, mirror="http://mirror.invalid/debian")
     (ws.root / "images.yaml").unlink()
     plans = ws.dry_run()  # the shipped sif_recipes/images.yaml
-    assert set(plans) == {"base", "python", "math", "swe"}
+    assert set(plans) == {"base", "python", "math", "swe", "harness"}
+    assert "-r /opt/prorl/lock/" in plans["harness"]["definition"]  # the harness lockfile is pip-installed
     assert "Include: python3 python3-sympy" in plans["math"]["definition"]
     assert "MirrorURL: http://mirror.invalid/debian" in plans["base"]["definition"]
     assert "OSVersion: bookworm" in plans["python"]["definition"]

@@ -1,0 +1,258 @@
+"""``harness``: an unmodified agent harness (mini-swe-agent, an OpenAI/Anthropic SDK program) as a task.
+
+The harness runs inside the job's sandbox (no network) and talks to the
+job's gateway (``prorl_cli.gateway``) through ``OPENAI_BASE_URL`` /
+``ANTHROPIC_BASE_URL`` / ``OPENAI_API_KEY``, which point at a loopback port
+the tool server relays to the node. Every model call is ``ctx.generate``,
+recorded token-exactly. Settings (``domains.harness`` in prorl.yaml, or an
+instance's ``settings``; docs/harness.md)::
+
+    image: python                  # the sandbox image, with the harness installed
+    command: "mini-swe-agent -t {task_file} --model openai/prorl -y --exit-immediately"
+    env: {MSWEA_COST_TRACKING: ignore_errors}
+    workdir: /testbed
+    timeout_s: 1800                # the harness is killed (its process group) past this
+    scorer: swe                    # swe | code | math | none | "module:function"
+    scorer_settings: {}            # the scorer domain's own settings (repo_dir, test_command, ...)
+
+INIT starts the sandbox (for ``scorer: swe`` the repository is checked out at
+``base_commit`` as the ``swe`` domain does) and writes the task text (the
+instance's ``problem_statement``, ``question``, ``problem``, ``prompt`` or
+``task``) to ``task_file``. RUN starts the command in its own process group,
+streams its output to the job log, keeps the last ``log_tail_bytes`` in
+``output["harness_log"]``, and saves the trajectory, the exit code and what
+the scorer needs (``git diff`` for ``swe``, the solution file for ``code``).
+A harness that exits non-zero, hangs past ``timeout_s`` or is cancelled is
+killed with its process group and keeps its partial trajectory, with
+``stop_reason`` ``error``, ``timeout`` or ``cancelled``. EVAL runs the scorer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import re
+import shlex
+import sys
+from typing import Any
+
+from prorl_cli import gateway
+from prorl_cli.domains.handler import DomainHandler
+from prorl_cli.domains.settings import DomainSettings, resolve_settings
+from prorl_cli.exceptions import DomainError, SandboxError, ToolError
+from prorl_cli.node.handler import JobContext
+
+HARNESS_DIR = "/tmp/prorl-harness"
+SCRIPT = f"{HARNESS_DIR}/run.sh"
+LOG = f"{HARNESS_DIR}/output.log"
+RC = f"{HARNESS_DIR}/exit_code"
+TASK_FIELDS = ("problem_statement", "question", "problem", "prompt", "task")
+DOMAIN_SCORERS = ("swe", "code", "math")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_READ_CHUNK_BYTES = 1 << 20
+
+
+def _domain_handler(name: str) -> DomainHandler:
+    """The shipped domain handler ``name`` (its scorer and workspace set-up are reused)."""
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("prorl_handlers."):
+            for obj in vars(module).values():
+                if inspect.isclass(obj) and issubclass(obj, DomainHandler) and obj.name == name:
+                    return obj()
+    from prorl_cli.node.registry import discover
+
+    cls = discover().get(name)  # the node has not loaded it yet (a node restricted to some tasks)
+    if not issubclass(cls, DomainHandler):
+        raise DomainError(f"harness: scorer {name!r} is not a domain handler")
+    return cls()
+
+
+def expand_command(template: str, **values: str) -> str:
+    """``{task_file}``, ``{workdir}`` and ``{model}`` replaced (shell-quoted); other braces left alone."""
+    for key, value in values.items():
+        template = template.replace("{" + key + "}", shlex.quote(value))
+    return template
+
+
+class HarnessHandler(DomainHandler):
+    """Runs an agent harness command in the sandbox against the job's gateway; scores with a domain's scorer."""
+
+    name = "harness"
+    defaults = DomainSettings(
+        max_turns=1000, system_prompt="", tools=(), image="python",
+        init_timeout_s=300.0, run_timeout_s=3600.0, eval_timeout_s=1800.0, max_tokens=2048,
+        extra={"command": "", "env": {}, "workdir": "/work", "timeout_s": 1800.0, "scorer": "none",
+               "scorer_settings": {}, "task_file": "/tmp/prorl-task.md", "task_field": "", "parser": "hermes",
+               "model": "prorl", "log_tail_bytes": 8192, "poll_s": 0.5},
+    )
+
+    # ------------------------------------------------------------------ INIT
+    def scorer_settings(self, ctx: JobContext, settings: DomainSettings, domain: DomainHandler) -> DomainSettings:
+        """The scorer domain's settings: its defaults, ``domains.<scorer>``, then ``scorer_settings``."""
+        own = dict(settings.get("scorer_settings"))
+        own.setdefault("image", settings.image)
+        return resolve_settings(
+            domain.defaults,
+            (f"prorl.yaml: domains.{domain.name}", ctx.config.domains.get(domain.name)),
+            (f"harness scorer_settings of job {ctx.job_id}", own),
+        )
+
+    def _task_text(self, ctx: JobContext, settings: DomainSettings) -> str:
+        field = settings.get("task_field")
+        names = (field,) if field else TASK_FIELDS
+        for name in names:
+            if isinstance(ctx.instance.get(name), str):
+                return str(ctx.instance[name])
+        raise DomainError(f"harness: the instance has no task text (a string field among {list(names)})")
+
+    async def setup(self, ctx: JobContext, settings: DomainSettings) -> None:
+        if not settings.get("command"):
+            raise DomainError("harness: settings.command is empty (e.g. 'mini-swe-agent -t {task_file} ...')")
+        bad = [k for k in settings.get("env") if not _ENV_NAME.match(k)]
+        if bad:
+            raise DomainError(f"harness: env names {bad} are not valid variable names")
+        scorer = str(settings.get("scorer"))
+        task = self._task_text(ctx, settings)
+        if scorer == "swe":
+            swe = _domain_handler("swe")
+            # The swe domain's own set-up: the repository at base_commit, a clean work tree.
+            sandbox = await swe._sandbox(ctx, self.scorer_settings(ctx, settings, swe))  # type: ignore[attr-defined]
+        else:
+            options: dict[str, Any] = {"network": False}
+            if settings.image:
+                options["image"] = settings.image
+            sandbox = await ctx.start_sandbox(**options)
+        ctx.state["sandbox"] = sandbox
+        workdir = shlex.quote(str(settings.get("workdir")))
+        made = await sandbox.bash(f"mkdir -p {workdir} {HARNESS_DIR} 2>&1")
+        if made.exit_code != 0:
+            raise DomainError(f"harness: cannot make the workdir {settings.get('workdir')}: {made.output[-500:]}")
+        await sandbox.write_file(str(settings.get("task_file")), task.encode())
+        ctx.output["sandboxes"] = {"run": sandbox.sandbox_id}
+
+    # ------------------------------------------------------------------- RUN
+    async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
+        sandbox = ctx.state["sandbox"]
+        job = await gateway.session(ctx, parser=str(settings.get("parser")), models=(str(settings.get("model")),),
+                                    sampling=self.sampling(ctx, settings))
+        host_sock, inside_sock = sandbox.gateway_socket()
+        await job.serve_unix(host_sock)
+        host, port = await sandbox.relay(inside_sock)
+        env = {**{k: str(v) for k, v in settings.get("env").items()}, **job.env(host, port)}
+        command = expand_command(str(settings.get("command")), task_file=str(settings.get("task_file")),
+                                 workdir=str(settings.get("workdir")), model=str(settings.get("model")))
+        script = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+        script += [f"cd {shlex.quote(str(settings.get('workdir')))} || exit 97", command,
+                   f"echo $? > {RC}.tmp && mv {RC}.tmp {RC}"]
+        await sandbox.write_file(SCRIPT, ("\n".join(script) + "\n").encode())
+        # A background job of the tool server's interactive shell gets a process group of its own: $! is its id.
+        started = await sandbox.bash(f"rm -f {RC}; : > {LOG}; sh {SCRIPT} >> {LOG} 2>&1 < /dev/null & echo $!")
+        try:
+            pgid = int(started.output.strip().splitlines()[-1])
+        except (ValueError, IndexError) as e:
+            raise DomainError(f"harness: could not start the command: {started.output[-500:]}") from e
+        ctx.state["harness_pgid"] = pgid
+        tail = bytearray()
+        stop_reason, exit_code = "cancelled", None
+        try:
+            exit_code, stop_reason = await self._follow(ctx, sandbox, settings, tail)
+        finally:
+            if stop_reason != "stop" and stop_reason != "error":
+                with contextlib.suppress(SandboxError, OSError):
+                    await asyncio.shield(self._kill(sandbox, pgid))
+            traj = job.trajectory
+            traj.stop_reason = stop_reason
+            ctx.output.update({
+                "trajectory": traj.to_dict(), "turns": len(traj.calls), "stop_reason": stop_reason,
+                "harness_exit_code": exit_code, "harness_log": tail.decode("utf-8", "replace"),
+                "continuity": job.buffer.continuity, "segments": len(job.buffer.segments),
+            })
+            await job.close()
+        await self._save_artifacts(ctx, settings, sandbox)
+
+    async def _follow(
+        self, ctx: JobContext, sandbox: Any, settings: DomainSettings, tail: bytearray
+    ) -> tuple[int | None, str]:
+        """Stream the harness's output to the job log until it exits or runs past ``timeout_s``."""
+        keep = int(settings.get("log_tail_bytes"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + float(settings.get("timeout_s"))
+        offset, partial = 0, b""
+        while True:
+            try:
+                rc_text = (await sandbox.read_file(RC)).decode().strip()
+            except ToolError:
+                rc_text = ""  # still running
+            while True:  # everything written so far, including after the exit code appeared
+                chunk = await sandbox.read_file(LOG, offset=offset, max_bytes=_READ_CHUNK_BYTES)
+                if not chunk:
+                    break
+                offset += len(chunk)
+                tail += chunk
+                del tail[: max(0, len(tail) - keep)]
+                lines = (partial + chunk).split(b"\n")
+                partial = lines.pop()
+                for line in lines:
+                    ctx.log.info("job %s harness| %s", ctx.job_id, line.decode("utf-8", "replace"))
+            if rc_text:
+                if partial:
+                    ctx.log.info("job %s harness| %s", ctx.job_id, partial.decode("utf-8", "replace"))
+                code = int(rc_text)
+                return code, "stop" if code == 0 else "error"
+            if loop.time() >= deadline:
+                ctx.log.warning("harness: still running after timeout_s=%g s; killing its process group",
+                                float(settings.get("timeout_s")))
+                return None, "timeout"
+            await asyncio.sleep(float(settings.get("poll_s")))
+
+    @staticmethod
+    async def _kill(sandbox: Any, pgid: int) -> None:
+        """SIGTERM the harness's process group, SIGKILL what is left after 2 s."""
+        await sandbox.bash(f"kill -TERM -- -{pgid} 2>/dev/null; for i in 1 2 3 4 5 6 7 8 9 10; do "
+                           f"kill -0 -- -{pgid} 2>/dev/null || break; sleep 0.2; done; "
+                           f"kill -KILL -- -{pgid} 2>/dev/null; true", timeout_s=10)
+
+    async def _save_artifacts(self, ctx: JobContext, settings: DomainSettings, sandbox: Any) -> None:
+        """What the scorer reads: the diff against ``base_commit`` (swe) or the solution file (code)."""
+        scorer = str(settings.get("scorer"))
+        if scorer == "swe":
+            swe = self.scorer_settings(ctx, settings, _domain_handler("swe"))
+            repo_dir = shlex.quote(str(swe.get("repo_dir")))
+            base = shlex.quote(str(ctx.instance["base_commit"]))
+            diff = await sandbox.bash(f"cd {repo_dir} && git add -A && git diff --cached --binary {base} "
+                                      "> /tmp/model.patch")
+            if diff.exit_code != 0:
+                raise DomainError(f"harness: git diff against base_commit failed: {diff.output[-1000:]}")
+            ctx.output["model_patch"] = (await sandbox.read_file("/tmp/model.patch")).decode("utf-8", "replace")
+        elif scorer == "code":
+            path = str(self.scorer_settings(ctx, settings, _domain_handler("code")).get("solution_path"))
+            try:
+                ctx.output["solution"] = (await sandbox.read_file(path)).decode("utf-8", "replace")
+                ctx.output["solution_source"] = path
+            except SandboxError:
+                ctx.output["solution"], ctx.output["solution_source"] = None, None
+
+    # ------------------------------------------------------------------ EVAL
+    async def score(self, ctx: JobContext, settings: DomainSettings) -> None:
+        scorer = str(settings.get("scorer"))
+        ctx.output["scorer"] = scorer
+        if scorer == "none":
+            ctx.reward = 0.0
+        elif scorer in DOMAIN_SCORERS:
+            domain = _domain_handler(scorer)
+            await domain.score(ctx, self.scorer_settings(ctx, settings, domain))
+        elif ":" in scorer:
+            module, _, attr = scorer.partition(":")
+            try:
+                fn = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as e:
+                raise DomainError(f"harness: scorer {scorer!r} cannot be imported: {e}") from e
+            result = fn(ctx)
+            if inspect.isawaitable(result):
+                result = await result
+            if result is not None:
+                ctx.reward = float(result)
+        else:
+            raise DomainError(f"harness: unknown scorer {scorer!r}; use swe, code, math, none or 'module:function'")

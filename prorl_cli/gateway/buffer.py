@@ -1,0 +1,290 @@
+"""The job's token buffer(s) behind the text API: token-exact continuation or a recorded new segment.
+
+A harness resends the whole conversation at every call. When a request's
+messages are the messages of an earlier request, plus the reply exactly as
+the gateway returned it, plus new messages, the new prompt is that request's
+prompt + the sampled output ids verbatim + only the new messages rendered
+through the chat template (``TokenSession``'s rule, through the same
+:meth:`ChatTokens.continuation`). Anything else (history truncated or
+rewritten, a changed system prompt or tool list, a second conversation)
+starts a new *segment* from the template's rendering of the whole request,
+and the reason (which message differed) is recorded in
+``trajectory.violations``; nothing is ever re-tokenized silently.
+
+The record is a :class:`~prorl_cli.agent.Trajectory` in ``run_tool_agent``'s
+format, each call tagged with its segment, so ``prorl_cli.training.samples``
+builds samples from it as from any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_cli.agent.chat import ChatTokens
+from prorl_cli.agent.loop import GenerateFn
+from prorl_cli.agent.tools import ToolCall, ToolParser
+from prorl_cli.agent.trajectory import ModelCall, Trajectory
+from prorl_cli.gateway.messages import ChatRequest, tool_call_message
+from prorl_cli.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+#: ``chat_for(tools) -> ChatTokens``: the tokenizer's template with these tool schemas.
+ChatFactory = Callable[[list[dict[str, Any]] | None], ChatTokens]
+
+
+@dataclass
+class Segment:
+    """One token buffer: a conversation the gateway can extend token-exactly."""
+
+    index: int
+    chat: ChatTokens
+    tools_key: str
+    #: Canonical messages so far, ending with the reply as returned (what the next request must start with).
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    sequence_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Reply:
+    """One answered request: the call as recorded, and what the API layer returns."""
+
+    call: ModelCall
+    content: str
+    tool_calls: list[ToolCall]
+    #: ``stop``, ``length`` or ``tool_calls`` (the API layers translate).
+    finish_reason: str
+    #: The stop string that ended the turn, if one did.
+    stop_string: str | None
+    segment: int
+    continued: bool
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.call.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.call.output_ids)
+
+
+def tools_key(tools: list[dict[str, Any]] | None) -> str:
+    return json.dumps(tools or [], sort_keys=True)
+
+
+def _first_difference(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> str:
+    for i, (a, b) in enumerate(zip(new, old, strict=False)):
+        if a != b:
+            fields = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            return (f"message {i} ({a.get('role')}) differs from the conversation so far "
+                    f"(field(s) {', '.join(fields)})")
+    if len(new) < len(old):
+        return f"the request has {len(new)} message(s), fewer than the {len(old)} of the conversation so far"
+    return "no difference"  # not reached: such a request extends the segment
+
+
+class TokenBuffer:
+    """The token buffers of one job and its trajectory (see the module docstring).
+
+    Requests are answered one at a time (a lock): the order of calls in the
+    trajectory is the order the model saw them.
+    """
+
+    def __init__(
+        self,
+        chat_for: ChatFactory,
+        generate: GenerateFn,
+        parser: ToolParser,
+        *,
+        sampling: SamplingParams,
+        model: str | None = None,
+        on_record: Callable[[Trajectory], None] | None = None,
+    ) -> None:
+        self._chat_for = chat_for
+        self._generate = generate
+        self.parser = parser
+        self.sampling = sampling
+        self.trajectory = Trajectory(model=model)
+        self.segments: list[Segment] = []
+        self._on_record = on_record
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------ prompts
+    def _match(self, messages: list[dict[str, Any]], key: str) -> Segment | None:
+        """The most recent segment this request extends token-exactly, if any."""
+        for seg in reversed(self.segments):
+            n = len(seg.messages)
+            if seg.tools_key == key and len(messages) >= n and messages[:n] == seg.messages:
+                return seg
+        return None
+
+    def _reason(self, messages: list[dict[str, Any]], key: str) -> str:
+        last = self.segments[-1]
+        if last.tools_key != key:
+            return "the request's tools differ from the conversation so far"
+        return _first_difference(messages, last.messages)
+
+    def _prompt(self, req: ChatRequest) -> tuple[list[int], Segment, bool, str | None]:
+        """(prompt ids, segment, whether it continues that segment, why a new segment began)."""
+        key = tools_key(req.tools)
+        seg = self._match(req.messages, key)
+        if seg is not None:
+            new = req.messages[len(seg.messages):]
+            delta = seg.chat.continuation(seg.output_ids, new)
+            return seg.prompt_ids + seg.output_ids + delta, seg, True, None
+        chat = self._chat_for(req.tools)
+        reason = self._reason(req.messages, key) if self.segments else None
+        seg = Segment(index=len(self.segments), chat=chat, tools_key=key)
+        return chat.initial_prompt(req.messages), seg, False, reason
+
+    def _sampling(self, req: ChatRequest, chat: ChatTokens) -> SamplingParams:
+        wire = self.sampling.to_wire()
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+            value = getattr(req, name)
+            if value is not None:
+                wire[name] = value
+        if not wire.get("stop_token_ids") and chat.stop_token_ids:
+            wire["stop_token_ids"] = list(chat.stop_token_ids)
+        return SamplingParams(**wire)
+
+    # ------------------------------------------------------------- calls
+    async def complete(self, req: ChatRequest) -> Reply:
+        """Answer one chat request: prompt, ``generate``, record, parse tool calls."""
+        async with self._lock:
+            prompt, seg, continued, reason = self._prompt(req)
+            sampling = self._sampling(req, seg.chat)
+            from prorl_cli.inference.contract import check_sampling
+
+            check_sampling(sampling)
+            gen = await self._generate(prompt, sampling)
+            out, lps = list(gen.output_ids), list(gen.logprobs)
+            finish = gen.finish_reason
+            stop_string = None
+            if req.stop:
+                out, lps, stop_string = _cut_at_stop(seg.chat, out, lps, req.stop)
+                if stop_string is not None:
+                    finish = "stop"
+            call = self._record(prompt, out, lps, finish, gen, seg, continued, reason)
+            text = call.text
+            if stop_string is not None:
+                text = text[: text.index(stop_string)]
+            content, calls = self._parse(text, req.parse_tools)
+            seg.messages = [*req.messages, self._assistant_message(content, calls)]
+            self.trajectory.messages = [dict(m) for m in seg.messages]
+            if self._on_record is not None:
+                self._on_record(self.trajectory)
+            finish_reason = "tool_calls" if calls else ("length" if finish == "length" else "stop")
+            return Reply(call, content, calls, finish_reason, stop_string, seg.index, continued)
+
+    async def complete_text(self, prompt_text: str, req: ChatRequest) -> Reply:
+        """Answer a plain completion (``/v1/completions``): the prompt text encoded as is."""
+        async with self._lock:
+            chat = self._chat_for(None)
+            prompt = chat.encode(prompt_text)
+            last = self.trajectory.calls[-1] if self.trajectory.calls else None
+            continued = last is not None and prompt[: len(last.prompt_ids) + len(last.output_ids)] == \
+                last.prompt_ids + last.output_ids
+            seg = self.segments[-1] if continued else Segment(len(self.segments), chat, "text")
+            reason = None if continued or not self.segments else "a text prompt that does not extend the last call"
+            sampling = self._sampling(req, chat)
+            from prorl_cli.inference.contract import check_sampling
+
+            check_sampling(sampling)
+            gen = await self._generate(prompt, sampling)
+            out, lps, stop_string = list(gen.output_ids), list(gen.logprobs), None
+            if req.stop:
+                out, lps, stop_string = _cut_at_stop(chat, out, lps, req.stop)
+            call = self._record(prompt, out, lps, "stop" if stop_string else gen.finish_reason, gen, seg,
+                                continued, reason)
+            seg.messages = []  # a text segment is never extended by a chat request
+            if self._on_record is not None:
+                self._on_record(self.trajectory)
+            text = chat.decode(out)
+            if stop_string is not None:
+                text = text[: text.index(stop_string)]
+            return Reply(call, text, [], "length" if call.finish_reason == "length" else "stop", stop_string,
+                         seg.index, continued)
+
+    def _record(
+        self, prompt: list[int], out: list[int], lps: list[float], finish: str, gen: Any, seg: Segment,
+        continued: bool, reason: str | None,
+    ) -> ModelCall:
+        traj = self.trajectory
+        prev = traj.calls[-1] if traj.calls else None
+        prefix_ok = prev is None or prompt[: len(prev.prompt_ids) + len(prev.output_ids)] == prev.prompt_ids + prev.output_ids
+        call = ModelCall(
+            prompt_ids=prompt, output_ids=out, logprobs=lps, finish_reason=finish,
+            backend_id=getattr(gen, "backend_id", None), prefix_ok=prefix_ok,
+            text=seg.chat.decode(out, skip_special_tokens=True),
+            policy_version=getattr(gen, "policy_version", None), segment=seg.index,
+        )
+        if not continued:
+            if seg.index == len(self.segments):
+                self.segments.append(seg)
+            if reason is not None:
+                message = f"call {len(traj.calls)}: new segment {seg.index}: {reason}"
+                log.info("gateway: %s", message)
+                traj.violations.append({"call": len(traj.calls), "segment": seg.index, "reason": reason,
+                                        "message": message})
+            seg.sequence_ids, seg.loss_mask, seg.logprobs = [], [], []
+        new = prompt[len(seg.sequence_ids):]
+        seg.sequence_ids = seg.sequence_ids + new + out
+        seg.loss_mask = seg.loss_mask + [0] * len(new) + [1] * len(out)
+        seg.logprobs = seg.logprobs + [0.0] * len(new) + lps
+        seg.prompt_ids, seg.output_ids = prompt, out
+        traj.calls.append(call)
+        traj.sequence_ids, traj.loss_mask, traj.logprobs = seg.sequence_ids, seg.loss_mask, seg.logprobs
+        return call
+
+    def _parse(self, text: str, parse_tools: bool) -> tuple[str, list[ToolCall]]:
+        """Content and tool calls of a turn; a call the parser cannot read leaves the whole text as content."""
+        if not parse_tools:
+            return text, []
+        try:
+            calls = self.parser.parse(text)
+        except Exception as e:  # a plug-in parser's failure must not fail the request
+            log.warning("gateway: tool parser %s failed: %s", type(self.parser).__name__, e)
+            return text, []
+        if not calls or any(c.error for c in calls):
+            return text, []
+        pattern = getattr(self.parser, "pattern", None)
+        content = pattern.sub("", text).strip() if pattern is not None else ""
+        return content, calls
+
+    @staticmethod
+    def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = [tool_call_message(c.name, c.arguments) for c in calls]
+        return msg
+
+    # ------------------------------------------------------------ reports
+    @property
+    def continuity(self) -> float:
+        """Fraction of calls after the first that extended an earlier call token-exactly (1.0 with <= 1 call)."""
+        calls = self.trajectory.calls
+        if len(calls) <= 1:
+            return 1.0
+        return sum(1 for c in calls[1:] if c.prefix_ok) / (len(calls) - 1)
+
+
+def _cut_at_stop(chat: ChatTokens, out: list[int], lps: list[float], stops: list[str]) -> tuple[list[int], list[float], str | None]:
+    """Cut a turn after the token that completes the first stop string (the tokens the model did sample)."""
+    full = chat.decode(out)
+    if not any(s in full for s in stops):
+        return out, lps, None
+    for k in range(1, len(out) + 1):
+        text = chat.decode(out[:k])
+        hits = [(text.index(s), s) for s in stops if s in text]
+        if hits:
+            return out[:k], lps[:k], min(hits)[1]
+    return out, lps, None

@@ -1,0 +1,290 @@
+"""OpenAI and Anthropic request bodies into the chat messages a chat template renders, and back.
+
+Both APIs are turned into one canonical form, the one ``ChatTokens`` and
+``run_tool_agent`` use: ``{"role": "system"|"user"|"assistant"|"tool",
+"content": str}``, assistant tool calls as ``tool_calls: [{"type":
+"function", "function": {"name", "arguments": {...}}}]`` and tool results as
+``{"role": "tool", "name": ..., "content": ...}``. The gateway compares
+requests in this form: two messages are the same when the template would
+render them the same, so ids, ``null`` versus missing fields and key order
+never break token continuity.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_cli.exceptions import ProrlError
+
+
+class RequestError(ProrlError, ValueError):
+    """A request the gateway refuses; ``status`` is the HTTP status, ``param`` the field at fault."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class ChatRequest:
+    """One chat request in canonical form, whichever API it came through."""
+
+    messages: list[dict[str, Any]]
+    #: Tool schemas in OpenAI function format, as given to the chat template (``None``: no tools).
+    tools: list[dict[str, Any]] | None
+    model: str
+    stream: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    #: ``False`` when the caller asked for no tool calls (OpenAI ``tool_choice: "none"``).
+    parse_tools: bool = True
+    include_usage: bool = True
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as one string: a string, null, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
+                if not isinstance(part.get("text"), str):
+                    raise RequestError(f"{where}[{i}].text must be a string", param=where)
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"{where}[{i}]: content parts of type {kind!r} are not supported (text only)",
+                                   param=where)
+        return "".join(parts)
+    raise RequestError(f"{where} must be a string, null or a list of text parts", param=where)
+
+
+def _arguments(raw: Any) -> Any:
+    """Tool-call arguments as the template wants them: a JSON object (kept as text if it is not JSON)."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw if raw is not None else {}
+
+
+def tool_call_message(name: str, arguments: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _number(body: dict[str, Any], key: str, kind: type, *, low: float | None = None) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+        raise RequestError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=key)
+    if low is not None and value < low:
+        raise RequestError(f"{key} must be >= {low:g}, got {value!r}", param=key)
+    return kind(value)
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return [s for s in value if s]
+    raise RequestError("stop must be a string or a list of strings", param="stop")
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model is required (a string)", param="model")
+    return model
+
+
+# ------------------------------------------------------------------- OpenAI
+def openai_messages(raw: Any) -> list[dict[str, Any]]:
+    """OpenAI chat ``messages`` in canonical form (tool results named after their call)."""
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"{where} must be an object", param="messages")
+        role = m.get("role")
+        if role in ("system", "developer"):
+            out.append({"role": "system", "content": _text(m.get("content"), f"{where}.content")})
+        elif role == "user":
+            out.append({"role": "user", "content": _text(m.get("content"), f"{where}.content")})
+        elif role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": _text(m.get("content"), f"{where}.content")}
+            calls = m.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise RequestError(f"{where}.tool_calls must be a list", param="messages")
+            canon = []
+            for j, tc in enumerate(calls):
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise RequestError(f"{where}.tool_calls[{j}] needs function.name", param="messages")
+                if isinstance(tc.get("id"), str):
+                    names[tc["id"]] = fn["name"]
+                canon.append(tool_call_message(fn["name"], _arguments(fn.get("arguments"))))
+            if canon:
+                msg["tool_calls"] = canon
+            out.append(msg)
+        elif role == "tool":
+            call_id = m.get("tool_call_id")
+            out.append({"role": "tool", "name": names.get(call_id, "") if isinstance(call_id, str) else "",
+                        "content": _text(m.get("content"), f"{where}.content")})
+        else:
+            raise RequestError(f"{where}.role {role!r} is not supported (system, developer, user, assistant, tool)",
+                               param="messages")
+    return out
+
+
+def _openai_tools(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise RequestError("tools must be a list", param="tools")
+    for i, t in enumerate(raw):
+        if not (isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)):
+            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+    return raw or None
+
+
+def openai_chat_request(body: dict[str, Any]) -> ChatRequest:
+    """Validate an OpenAI ``/v1/chat/completions`` body; :class:`RequestError` names the field."""
+    n = body.get("n")
+    if n not in (None, 1):
+        raise RequestError(f"n={n!r} is not supported: the gateway samples one choice per request (n=1)", param="n")
+    max_tokens = _number(body, "max_completion_tokens", int, low=1)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", int, low=1)
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise RequestError("stream_options must be an object", param="stream_options")
+    return ChatRequest(
+        messages=openai_messages(body.get("messages")),
+        tools=_openai_tools(body.get("tools")),
+        model=_model(body),
+        stream=bool(body.get("stream")),
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", float, low=0),
+        top_p=_number(body, "top_p", float),
+        seed=_number(body, "seed", int),
+        stop=_stop(body.get("stop")),
+        logprobs=bool(body.get("logprobs")),
+        parse_tools=body.get("tool_choice") != "none",
+        include_usage=True,
+    )
+
+
+# ---------------------------------------------------------------- Anthropic
+def anthropic_tools(raw: Any) -> list[dict[str, Any]] | None:
+    """Anthropic tool definitions in the OpenAI function format the chat template knows."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise RequestError("tools must be a list", param="tools")
+    out = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise RequestError(f"tools[{i}] needs a string name", param="tools")
+        fn: dict[str, Any] = {"name": t["name"]}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def anthropic_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
+    """Anthropic ``system`` + ``messages`` in canonical form (``tool_result`` blocks become tool messages)."""
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": _text(system, "system")})
+    names: dict[str, str] = {}
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise RequestError(f"{where} must be an object with role 'user' or 'assistant'", param="messages")
+        content = m.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise RequestError(f"{where}.content must be a string or a list of blocks", param="messages")
+        texts: list[str] = []
+        if m["role"] == "assistant":
+            calls = []
+            for j, b in enumerate(blocks):
+                kind = b.get("type") if isinstance(b, dict) else None
+                if kind == "text":
+                    texts.append(_text([b], f"{where}.content"))
+                elif kind == "tool_use":
+                    if not isinstance(b.get("name"), str):
+                        raise RequestError(f"{where}.content[{j}] tool_use needs a name", param="messages")
+                    if isinstance(b.get("id"), str):
+                        names[b["id"]] = b["name"]
+                    calls.append(tool_call_message(b["name"], b.get("input") if b.get("input") is not None else {}))
+                elif kind in ("thinking", "redacted_thinking"):
+                    continue
+                else:
+                    raise RequestError(f"{where}.content[{j}]: block type {kind!r} is not supported", param="messages")
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        for j, b in enumerate(blocks):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "tool_result":
+                result = b.get("content")
+                text = _text(result if not isinstance(result, str) else [{"type": "text", "text": result}],
+                             f"{where}.content[{j}].content")
+                use_id = b.get("tool_use_id")
+                out.append({"role": "tool", "name": names.get(use_id, "") if isinstance(use_id, str) else "",
+                            "content": text})
+            elif kind == "text":
+                texts.append(_text([b], f"{where}.content"))
+            else:
+                raise RequestError(f"{where}.content[{j}]: block type {kind!r} is not supported", param="messages")
+        if texts:
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def anthropic_request(body: dict[str, Any]) -> ChatRequest:
+    """Validate an Anthropic ``/v1/messages`` body; :class:`RequestError` names the field."""
+    max_tokens = _number(body, "max_tokens", int, low=1)
+    if max_tokens is None:
+        raise RequestError("max_tokens is required", param="max_tokens")
+    tool_choice = body.get("tool_choice")
+    return ChatRequest(
+        messages=anthropic_messages(body.get("system"), body.get("messages")),
+        tools=anthropic_tools(body.get("tools")),
+        model=_model(body),
+        stream=bool(body.get("stream")),
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", float, low=0),
+        top_p=_number(body, "top_p", float),
+        top_k=_number(body, "top_k", int, low=1),
+        stop=_stop(body.get("stop_sequences")),
+        parse_tools=not (isinstance(tool_choice, dict) and tool_choice.get("type") == "none"),
+    )

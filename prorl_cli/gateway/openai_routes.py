@@ -1,0 +1,116 @@
+"""OpenAI routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from prorl_cli.gateway.buffer import Reply
+from prorl_cli.gateway.messages import ChatRequest, RequestError, openai_chat_request
+from prorl_cli.gateway.streaming import open_sse, send_event
+
+if TYPE_CHECKING:
+    from prorl_cli.gateway.server import JobGateway
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+
+
+def _tool_calls(reply: Reply) -> list[dict[str, Any]]:
+    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in reply.tool_calls]
+
+
+def _logprobs(job: JobGateway, reply: Reply) -> dict[str, Any]:
+    chat = job.buffer.segments[reply.segment].chat
+    content = []
+    for tid, lp in zip(reply.call.output_ids, reply.call.logprobs, strict=True):
+        token = chat.decode([tid])
+        content.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+def _prorl_fields(reply: Reply) -> dict[str, Any]:
+    """What the gateway adds to every response (OpenAI clients ignore unknown fields)."""
+    return {"segment": reply.segment, "continued": reply.continued, "policy_version": reply.call.policy_version}
+
+
+async def chat_completions(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
+    req = openai_chat_request(body)
+    job.check_model(req.model)
+    if req.stream:
+        resp = await open_sse(request)
+        reply = await job.buffer.complete(req)
+        await _stream_chat(resp, job, req, reply)
+        return resp
+    reply = await job.buffer.complete(req)
+    calls = _tool_calls(reply)
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content if (reply.content or not calls) else None}
+    if calls:
+        message["tool_calls"] = calls
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reply.finish_reason,
+                              "logprobs": _logprobs(job, reply) if req.logprobs else None}
+    return web.json_response({
+        "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+        "model": req.model, "choices": [choice], "usage": _usage(reply), "prorl": _prorl_fields(reply),
+    })
+
+
+async def _stream_chat(resp: web.StreamResponse, job: JobGateway, req: ChatRequest, reply: Reply) -> None:
+    base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": req.model}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+
+    await send_event(resp, chunk({"role": "assistant", "content": ""}))
+    if reply.content:
+        logprobs: dict[str, Any] = {"logprobs": _logprobs(job, reply)} if req.logprobs else {}
+        await send_event(resp, chunk({"content": reply.content}, **logprobs))
+    for i, call in enumerate(_tool_calls(reply)):
+        await send_event(resp, chunk({"tool_calls": [{"index": i, **call}]}))
+    await send_event(resp, chunk({}, reply.finish_reason))
+    await send_event(resp, {**base, "choices": [], "usage": _usage(reply), "prorl": _prorl_fields(reply)})
+    await send_event(resp, "[DONE]")
+    await resp.write_eof()
+
+
+async def completions(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise RequestError("prompt must be a string (one prompt per request)", param="prompt")
+    chat_like = openai_chat_request({**body, "messages": [{"role": "user", "content": ""}]})
+    job.check_model(chat_like.model)
+    if chat_like.stream:
+        resp = await open_sse(request)
+        reply = await job.buffer.complete_text(prompt, chat_like)
+        base = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+                "model": chat_like.model}
+        await send_event(resp, {**base, "choices": [{"index": 0, "text": reply.content, "finish_reason": None,
+                                                     "logprobs": None}]})
+        await send_event(resp, {**base, "choices": [{"index": 0, "text": "", "finish_reason": reply.finish_reason,
+                                                     "logprobs": None}]})
+        await send_event(resp, {**base, "choices": [], "usage": _usage(reply)})
+        await send_event(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+    reply = await job.buffer.complete_text(prompt, chat_like)
+    return web.json_response({
+        "id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+        "model": chat_like.model,
+        "choices": [{"index": 0, "text": reply.content, "finish_reason": reply.finish_reason, "logprobs": None}],
+        "usage": _usage(reply), "prorl": _prorl_fields(reply),
+    })
+
+
+async def models(request: web.Request, job: JobGateway) -> web.Response:
+    return web.json_response({"object": "list", "data": [
+        {"id": m, "object": "model", "created": 0, "owned_by": "prorl"} for m in job.models]})

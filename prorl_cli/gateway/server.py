@@ -1,0 +1,271 @@
+"""The gateway's HTTP server: one per node process, serving every job under its own secret URL.
+
+Routes (``<token>`` is the job's unguessable token; nothing else names a job)::
+
+    POST /jobs/<token>/v1/chat/completions     OpenAI chat (streaming or not)
+    POST /jobs/<token>/v1/completions          OpenAI text completion
+    GET  /jobs/<token>/v1/models               the model names the job accepts
+    POST /jobs/<token>/v1/messages             Anthropic messages (streaming or not)
+
+A request with an unknown token gets 401 and is not recorded; one for a job
+that has ended gets 410. The server listens on 127.0.0.1 (an ephemeral
+port) for agents in the node process, and on one Unix socket per sandbox
+(bind-mounted into it, where the tool server relays a loopback port to it).
+Bad requests get the API's own error body naming the problem; the server
+never dies on one, and a client that disconnects cancels its model call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import secrets
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from prorl_cli.agent.chat import ChatTemplateError
+from prorl_cli.agent.loop import GenerateFn
+from prorl_cli.agent.tools import ToolParser
+from prorl_cli.agent.trajectory import Trajectory
+from prorl_cli.exceptions import InferenceError
+from prorl_cli.gateway import anthropic_routes, openai_routes
+from prorl_cli.gateway.buffer import ChatFactory, TokenBuffer
+from prorl_cli.gateway.messages import RequestError
+from prorl_cli.gateway.streaming import anthropic_error, openai_error
+from prorl_cli.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+#: Largest request body accepted (a long conversation is a few MB of JSON).
+MAX_BODY_BYTES = 32 * 1024 * 1024
+#: How many ended jobs' tokens are remembered (to answer 410 rather than 401).
+ENDED_TOKENS_KEPT = 4096
+#: The model name every job accepts; ``openai/prorl``-style prefixes are accepted too.
+DEFAULT_MODEL = "prorl"
+
+
+class JobGateway:
+    """One job's endpoint: its token, its token buffer, and where it listens."""
+
+    def __init__(self, gateway: Gateway, job_id: str, buffer: TokenBuffer, models: tuple[str, ...]) -> None:
+        self.gateway = gateway
+        self.job_id = job_id
+        self.buffer = buffer
+        self.models = models
+        self.token = secrets.token_urlsafe(24)
+        self.closed = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._unix_sites: list[web.UnixSite] = []
+
+    # -------------------------------------------------------------- URLs
+    def base_url(self, host: str | None = None, port: int | None = None) -> str:
+        """The OpenAI base URL (``.../v1``); default: the node's loopback listener."""
+        return f"http://{host or self.gateway.host}:{port or self.gateway.port}/jobs/{self.token}/v1"
+
+    def anthropic_base_url(self, host: str | None = None, port: int | None = None) -> str:
+        """The Anthropic base URL (the SDK appends ``/v1/messages``)."""
+        return f"http://{host or self.gateway.host}:{port or self.gateway.port}/jobs/{self.token}"
+
+    @property
+    def api_key(self) -> str:
+        """What to pass as the API key (SDKs insist on one; the URL's token is what authorises)."""
+        return self.token
+
+    def env(self, host: str | None = None, port: int | None = None) -> dict[str, str]:
+        """Environment variables that point OpenAI- and Anthropic-speaking harnesses here."""
+        base = self.base_url(host, port)
+        return {
+            "OPENAI_BASE_URL": base, "OPENAI_API_BASE": base, "OPENAI_API_KEY": self.token,
+            "ANTHROPIC_BASE_URL": self.anthropic_base_url(host, port), "ANTHROPIC_API_KEY": self.token,
+            "PRORL_GATEWAY_MODEL": self.models[0],
+        }
+
+    @property
+    def trajectory(self) -> Trajectory:
+        return self.buffer.trajectory
+
+    # ---------------------------------------------------------- serving
+    def check_model(self, model: str) -> None:
+        name = model.split("/", 1)[1] if "/" in model and model.split("/", 1)[0] in ("openai", "anthropic") else model
+        if name not in self.models:
+            raise RequestError(f"model {model!r} does not exist here; this job serves {list(self.models)}",
+                               status=404, param="model", code="model_not_found")
+
+    async def serve_unix(self, path: str | Path) -> None:
+        """Also listen on the Unix socket ``path`` (a sandbox's run directory; the relay connects to it)."""
+        if self.closed:
+            raise RuntimeError(f"job {self.job_id}'s gateway is closed")
+        site = web.UnixSite(self.gateway.runner, str(path))
+        await site.start()
+        self._unix_sites.append(site)
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """End the job's endpoint: later requests get 410; requests in flight are cancelled (streams end)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.gateway._retire(self)
+        for task in list(self._tasks):
+            task.cancel()
+        for site in self._unix_sites:
+            with contextlib.suppress(OSError, RuntimeError):
+                await site.stop()
+        self._unix_sites.clear()
+
+    async def __aenter__(self) -> JobGateway:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _is_anthropic(request: web.Request) -> bool:
+    return request.path.endswith("/v1/messages")
+
+
+def _error(request: web.Request, status: int, message: str, *, param: str | None = None,
+           code: str | None = None) -> web.Response:
+    body = anthropic_error(status, message) if _is_anthropic(request) else \
+        openai_error(status, message, param=param, code=code)
+    return web.json_response(body, status=status)
+
+
+class Gateway:
+    """The node's HTTP gateway (see the module docstring). Get the running loop's with :meth:`get`."""
+
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Gateway] = weakref.WeakKeyDictionary()
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.host = host
+        self.port = port
+        self.max_body_bytes = max_body_bytes
+        self._jobs: dict[str, JobGateway] = {}
+        self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
+        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
+        for method, route, fn in (
+            ("POST", "chat/completions", openai_routes.chat_completions),
+            ("POST", "completions", openai_routes.completions),
+            ("POST", "messages", anthropic_routes.messages),
+        ):
+            app.router.add_route(method, f"/jobs/{{token:[^/]*}}/v1/{route}", self._with_body(fn))
+        app.router.add_get("/jobs/{token:[^/]*}/v1/models", self._models)
+        self.app = app
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        self._started = False
+
+    @classmethod
+    async def get(cls) -> Gateway:
+        """This event loop's gateway (the node's), started on first use."""
+        loop = asyncio.get_running_loop()
+        gw = cls._by_loop.get(loop)
+        if gw is None:
+            gw = cls._by_loop[loop] = cls()
+        await gw.start()
+        return gw
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port)
+        await site.start()
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        if sockets:
+            self.port = int(sockets[0].getsockname()[1])
+        log.info("gateway listening on http://%s:%d", self.host, self.port)
+
+    async def close(self) -> None:
+        for job in list(self._jobs.values()):
+            await job.close()
+        if self._started:
+            await self.runner.cleanup()
+            self._started = False
+
+    # -------------------------------------------------------------- jobs
+    def open_job(
+        self, job_id: str, *, generate: GenerateFn, chat_for: ChatFactory, parser: ToolParser,
+        sampling: SamplingParams, models: tuple[str, ...] = (DEFAULT_MODEL,),
+        on_record: Callable[[Trajectory], None] | None = None,
+    ) -> JobGateway:
+        """A new endpoint for one job; its trajectory is kept in the returned object's ``buffer``."""
+        buffer = TokenBuffer(chat_for, generate, parser, sampling=sampling, model=models[0], on_record=on_record)
+        job = JobGateway(self, job_id, buffer, models)
+        self._jobs[job.token] = job
+        return job
+
+    def _retire(self, job: JobGateway) -> None:
+        self._jobs.pop(job.token, None)
+        self._ended[job.token] = job.job_id
+        while len(self._ended) > ENDED_TOKENS_KEPT:
+            self._ended.popitem(last=False)
+
+    def _job(self, request: web.Request) -> JobGateway:
+        token = request.match_info.get("token", "")
+        job = self._jobs.get(token)
+        if job is not None:
+            return job
+        if token in self._ended:
+            raise RequestError(f"job {self._ended[token]} has ended; its gateway no longer answers", status=410,
+                               code="job_ended")
+        raise RequestError("unknown or missing job token in the URL (/jobs/<token>/v1/...)", status=401,
+                           code="invalid_job_token")
+
+    # ---------------------------------------------------------- handlers
+    def _with_body(self, fn: Callable[..., Any]) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            job = self._job(request)  # before the body: a refused request costs nothing
+            task = asyncio.current_task()
+            assert task is not None
+            job._track(task)
+            raw = await request.read()
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise RequestError(f"the request body is not valid JSON: {e}") from e
+            if not isinstance(body, dict):
+                raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+            result: web.StreamResponse = await fn(request, job, body)
+            return result
+
+        return handler
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return await openai_routes.models(request, self._job(request))
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except RequestError as e:
+            return _error(request, e.status, str(e), param=e.param, code=e.code)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(request, 413, f"the request body exceeds the gateway's {self.max_body_bytes}-byte limit",
+                          code="request_too_large")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _error(request, e.status, f"{e.reason}: {request.method} {request.path} "
+                          "(routes: /jobs/<token>/v1/chat/completions, completions, models, messages)")
+        except (ValueError, ChatTemplateError) as e:  # sampling values no engine accepts, template failures
+            return _error(request, 400, str(e))
+        except InferenceError as e:
+            return _error(request, 502, f"the model call failed: {type(e).__name__}: {e}", code="inference_error")
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # one bad request must never take the node's gateway down
+            log.exception("gateway: %s %s failed", request.method, request.path)
+            return _error(request, 500, f"internal gateway error: {type(e).__name__}: {e}")

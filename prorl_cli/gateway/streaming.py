@@ -1,0 +1,53 @@
+"""Server-sent events: the response both APIs stream, and the error bodies of each API."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+from aiohttp import web
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    """Start a ``text/event-stream`` response (headers go out at once, before the model answers)."""
+    resp = web.StreamResponse(status=200, headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+    })
+    await resp.prepare(request)
+    # Events are small writes: without TCP_NODELAY, Nagle holds each one back until the
+    # client's delayed ACK (tens of ms per event on Linux).
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return resp
+
+
+async def send_event(resp: web.StreamResponse, data: Any, event: str | None = None) -> None:
+    """One event: ``event:`` line (Anthropic names its events) and a JSON ``data:`` line."""
+    head = f"event: {event}\n" if event else ""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    await resp.write(f"{head}data: {payload}\n\n".encode())
+
+
+def openai_error(status: int, message: str, *, kind: str | None = None, param: str | None = None,
+                 code: str | None = None) -> dict[str, Any]:
+    """An OpenAI error body (the SDKs raise the matching ``APIStatusError`` subclass)."""
+    return {"error": {"message": message, "type": kind or _kind(status), "param": param, "code": code}}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """An Anthropic error body."""
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             410: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error"}
+    return {"type": "error", "error": {"type": kinds.get(status, "api_error"), "message": message}}
+
+
+def _kind(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status < 500:
+        return "invalid_request_error"
+    return "server_error"
