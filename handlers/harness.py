@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import re
@@ -39,10 +40,9 @@ import sys
 from typing import Any
 
 from prorl_cli import gateway
-from prorl_cli.domains.handler import DomainHandler
-from prorl_cli.domains.settings import DomainSettings, resolve_settings
 from prorl_cli.exceptions import DomainError, SandboxError, ToolError
-from prorl_cli.node.handler import JobContext
+from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext
+from prorl_cli.node.settings import resolve_settings
 
 HARNESS_DIR = "/tmp/prorl-harness"
 SCRIPT = f"{HARNESS_DIR}/run.sh"
@@ -54,19 +54,22 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _READ_CHUNK_BYTES = 1 << 20
 
 
-def _domain_handler(name: str) -> DomainHandler:
+def _domain_handler(name: str) -> AgentHandler:
     """The shipped domain handler ``name`` (its scorer and workspace set-up are reused)."""
     for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith("prorl_handlers."):
+        if getattr(module, "__name__", "").startswith("prorl_cli.handlers."):
             for obj in vars(module).values():
-                if inspect.isclass(obj) and issubclass(obj, DomainHandler) and obj.name == name:
+                if inspect.isclass(obj) and issubclass(obj, AgentHandler) and obj.name == name:
                     return obj()
     from prorl_cli.node.registry import discover
 
     cls = discover().get(name)  # the node has not loaded it yet (a node restricted to some tasks)
-    if not issubclass(cls, DomainHandler):
-        raise DomainError(f"harness: scorer {name!r} is not a domain handler")
     return cls()
+
+
+def _as_domain(ctx: JobContext, domain: AgentHandler, settings: HandlerSettings) -> JobContext:
+    """The job seen as a job of ``domain`` with ``settings``: same state, output and sandboxes, the domain's settings."""
+    return dataclasses.replace(ctx, handler=domain, _settings=settings)
 
 
 def expand_command(template: str, **values: str) -> str:
@@ -76,11 +79,11 @@ def expand_command(template: str, **values: str) -> str:
     return template
 
 
-class HarnessHandler(DomainHandler):
+class HarnessHandler(AgentHandler):
     """Runs an agent harness command in the sandbox against the job's gateway; scores with a domain's scorer."""
 
     name = "harness"
-    defaults = DomainSettings(
+    defaults = HandlerSettings(
         max_turns=1000, system_prompt="", tools=(), image="python",
         init_timeout_s=300.0, run_timeout_s=3600.0, eval_timeout_s=1800.0, max_tokens=2048,
         extra={"command": "", "env": {}, "workdir": "/work", "timeout_s": 1800.0, "scorer": "none",
@@ -89,7 +92,7 @@ class HarnessHandler(DomainHandler):
     )
 
     # ------------------------------------------------------------------ INIT
-    def scorer_settings(self, ctx: JobContext, settings: DomainSettings, domain: DomainHandler) -> DomainSettings:
+    def scorer_settings(self, ctx: JobContext, settings: HandlerSettings, domain: AgentHandler) -> HandlerSettings:
         """The scorer domain's settings: its defaults, ``domains.<scorer>``, then ``scorer_settings``."""
         own = dict(settings.get("scorer_settings"))
         own.setdefault("image", settings.image)
@@ -99,7 +102,7 @@ class HarnessHandler(DomainHandler):
             (f"harness scorer_settings of job {ctx.job_id}", own),
         )
 
-    def _task_text(self, ctx: JobContext, settings: DomainSettings) -> str:
+    def _task_text(self, ctx: JobContext, settings: HandlerSettings) -> str:
         field = settings.get("task_field")
         names = (field,) if field else TASK_FIELDS
         for name in names:
@@ -107,7 +110,8 @@ class HarnessHandler(DomainHandler):
                 return str(ctx.instance[name])
         raise DomainError(f"harness: the instance has no task text (a string field among {list(names)})")
 
-    async def setup(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def init(self, ctx: JobContext) -> None:
+        settings = ctx.settings
         if not settings.get("command"):
             raise DomainError("harness: settings.command is empty (e.g. 'mini-swe-agent -t {task_file} ...')")
         bad = [k for k in settings.get("env") if not _ENV_NAME.match(k)]
@@ -118,7 +122,9 @@ class HarnessHandler(DomainHandler):
         if scorer == "swe":
             swe = _domain_handler("swe")
             # The swe domain's own set-up: the repository at base_commit, a clean work tree.
-            sandbox = await swe._sandbox(ctx, self.scorer_settings(ctx, settings, swe))  # type: ignore[attr-defined]
+            swe_settings = self.scorer_settings(ctx, settings, swe)
+            scrub = bool(swe_settings.get("scrub_history"))
+            sandbox = await swe._sandbox(_as_domain(ctx, swe, swe_settings), swe_settings, scrub)  # type: ignore[attr-defined]
         else:
             options: dict[str, Any] = {"network": False}
             if settings.image:
@@ -133,10 +139,11 @@ class HarnessHandler(DomainHandler):
         ctx.output["sandboxes"] = {"run": sandbox.sandbox_id}
 
     # ------------------------------------------------------------------- RUN
-    async def act(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def run(self, ctx: JobContext) -> None:
+        settings = ctx.settings
         sandbox = ctx.state["sandbox"]
         job = await gateway.session(ctx, parser=str(settings.get("parser")), models=(str(settings.get("model")),),
-                                    sampling=self.sampling(ctx, settings))
+                                    sampling=ctx.agent_sampling())
         host_sock, inside_sock = sandbox.gateway_socket()
         await job.serve_unix(host_sock)
         host, port = await sandbox.relay(inside_sock)
@@ -173,7 +180,7 @@ class HarnessHandler(DomainHandler):
         await self._save_artifacts(ctx, settings, sandbox)
 
     async def _follow(
-        self, ctx: JobContext, sandbox: Any, settings: DomainSettings, tail: bytearray
+        self, ctx: JobContext, sandbox: Any, settings: HandlerSettings, tail: bytearray
     ) -> tuple[int | None, str]:
         """Stream the harness's output to the job log until it exits or runs past ``timeout_s``."""
         keep = int(settings.get("log_tail_bytes"))
@@ -214,7 +221,7 @@ class HarnessHandler(DomainHandler):
                            f"kill -0 -- -{pgid} 2>/dev/null || break; sleep 0.2; done; "
                            f"kill -KILL -- -{pgid} 2>/dev/null; true", timeout_s=10)
 
-    async def _save_artifacts(self, ctx: JobContext, settings: DomainSettings, sandbox: Any) -> None:
+    async def _save_artifacts(self, ctx: JobContext, settings: HandlerSettings, sandbox: Any) -> None:
         """What the scorer reads: the diff against ``base_commit`` (swe) or the solution file (code)."""
         scorer = str(settings.get("scorer"))
         if scorer == "swe":
@@ -235,14 +242,17 @@ class HarnessHandler(DomainHandler):
                 ctx.output["solution"], ctx.output["solution_source"] = None, None
 
     # ------------------------------------------------------------------ EVAL
-    async def score(self, ctx: JobContext, settings: DomainSettings) -> None:
+    async def eval(self, ctx: JobContext) -> None:
+        settings = ctx.settings
         scorer = str(settings.get("scorer"))
         ctx.output["scorer"] = scorer
         if scorer == "none":
             ctx.reward = 0.0
         elif scorer in DOMAIN_SCORERS:
             domain = _domain_handler(scorer)
-            await domain.score(ctx, self.scorer_settings(ctx, settings, domain))
+            view = _as_domain(ctx, domain, self.scorer_settings(ctx, settings, domain))
+            await domain.eval(view)
+            ctx.reward = view.reward
         elif ":" in scorer:
             module, _, attr = scorer.partition(":")
             try:
