@@ -66,9 +66,9 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from prorl_cli.handlers.math_agent import CALCULATOR_SCHEMA
     from prorl_cli.agent import ChatTokens
     from prorl_cli.embedded import LocalStack
+    from prorl_cli.handlers.math_agent import CALCULATOR_SCHEMA
     from prorl_cli.inference.tiny_model import make_tiny_model
     from prorl_cli.integrations.trl import ProrlRollout, prorl_reward
 

@@ -11,8 +11,8 @@ import pytest
 
 from prorl_cli.agent import Trajectory
 from prorl_cli.domains.tinyrepo import make_tinyrepo
-from tests.domains.conftest import IMAGES, ScriptedStack, turn
 from prorl_cli.testing.scripted_engine import calls_path_for
+from tests.domains.conftest import IMAGES, ScriptedStack, turn
 from tests.harness import need_module
 
 FIX = "cd /testbed && sed -i 's/(len(xs) - 1)/len(xs)/' tinycalc/stats.py && git diff --stat"
