@@ -375,7 +375,7 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
         time.sleep(args.duration_s)
         cpu1, t1 = bproc.cpu_times(), time.monotonic()
         rss_mb = bproc.memory_info().rss / 2**20
-        # Routing state against the jobs really running: a leak (defect 17) shows as more bound jobs than running ones.
+        # Routing state against the jobs really running: a leak shows as more bound jobs than running ones.
         st = client.status()
         running = sum(n["inflight"] for n in st.nodes)
         bound = sum(b["jobs"] for b in st.backends)

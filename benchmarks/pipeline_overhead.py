@@ -101,7 +101,7 @@ async def prorl_process_style(address: str, jobs: int, inflight: int) -> tuple[f
     async with AsyncRolloutClient("bench", address=address) as client:
         await client.process("noop", {})  # warm up
         remaining = jobs
-        forget = getattr(client, "forget_local", None)  # older trees' clients (issue 9's "before") lack it
+        forget = getattr(client, "forget_local", None)  # older trees' clients lack it
 
         async def loop() -> None:
             nonlocal remaining
@@ -141,7 +141,7 @@ async def prorl_stream_style(address: str, jobs: int, inflight: int) -> tuple[fl
             submitted += k
 
         stream = client.results()
-        # Older trees' clients (issue 9's "before") have neither; the run works without them.
+        # Older trees' clients have neither; the run works without them.
         ready = getattr(stream, "ready", None)
         forget = getattr(client, "forget_local", None)
         t0 = time.perf_counter()

@@ -37,7 +37,6 @@ What happens:
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -295,10 +294,6 @@ class Bridge:
         return backend_id
 
 
-def _supports_version(fn: Any) -> bool:
-    return "policy_version" in inspect.signature(fn).parameters
-
-
 def used_tool(result: Any) -> bool:
     """Whether the episode called the calculator (a tool message in its trajectory)."""
     messages = (result.output or {}).get("trajectory", {}).get("messages", [])
@@ -373,7 +368,6 @@ def run(cfg: RunConfig) -> RunSummary:
         bridge = Bridge(stack)
         bridge.serve(checkpoint(version), version)
         client = stack.client
-        versioned = _supports_version(client.resume_generation)
         reward, tools = evaluate(client, held_out, cfg, "v0")
         summary.curve.append((0, reward))
         summary.tool_use.append((0, tools))
@@ -404,10 +398,9 @@ def run(cfg: RunConfig) -> RunSummary:
             summary.filtered.append(batch.stats.filtered)
             # Weight sync: hold generate calls (none in flight), load the new checkpoint in place, resume under the new version.
             version += 1
-            stamp = {"policy_version": version} if versioned else {}  # the weights about to be served (K3)
-            client.pause_generation(**stamp, wait=True, timeout_s=120)
+            client.pause_generation(policy_version=version, wait=True, timeout_s=120)
             bridge.serve(checkpoint(version), version)
-            client.resume_generation(**stamp)
+            client.resume_generation(policy_version=version)
             train_tools = sum(used_tool(r) for r in batch.results) / max(1, len(batch.results))
             line = (f"step {step}: loss {loss:+.4f}, train reward {summary.train_rewards[-1]:.3f}, "
                     f"train tool use {train_tools:.2f}, "

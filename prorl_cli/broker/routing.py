@@ -726,7 +726,7 @@ class Router:
     def on_generate(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
         node = self._node_of(identity)
         if node is None:
-            # Defect 7: nothing is held for a peer the broker does not know.
+            # Nothing is held for a peer the broker does not know.
             self._reply_error(identity, h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register")
             return
         if len(payload) != 1:
@@ -748,7 +748,7 @@ class Router:
         self._route_call(identity, h, payload, running=True)
 
     def _job_runs_on(self, identity: bytes, h: dict[str, Any], node: NodeLike) -> bool:
-        """Defect 17: only a job placed on the requesting node, and not finished, may call the model."""
+        """Only a job placed on the requesting node, and not finished, may call the model."""
         job_id = h["job_id"]
         where = self._running_node(job_id)
         if where == node.node_id:
@@ -932,7 +932,7 @@ class Router:
         self._answer_dropped(pend.requester, pend.rid, code, message, backend_id=pend.backend_id)
 
     def _answer_dropped(self, requester: bytes, rid: object, code: ErrorCode, message: str, **fields: Any) -> None:
-        """Defect 15: a call the broker drops is answered at once, so its node never waits out its timeout."""
+        """A call the broker drops is answered at once, so its node never waits out its timeout."""
         log.debug("generate %r of %r dropped: %s", rid, requester, message)
         self._send(requester, P.error_reply(rid, code, message, **fields), ())
 

@@ -54,7 +54,3 @@ class App:
 pass_app = click.make_pass_decorator(App)
 
 
-def not_implemented(what: str, issue: str) -> NoReturn:
-    """Exit non-zero for a command a later milestone implements; never pretend to work."""
-    click.echo(f"prorl {what}: not implemented yet ({issue})", err=True)
-    raise click.exceptions.Exit(2)

@@ -207,7 +207,7 @@ class Builder:
         """A reused image becomes the name's current image (adopting a finished image the manifest lacks)."""
         entry = self.cache.read_manifest()["builds"].get(plan.key)
         if entry is None:
-            mtime = datetime.datetime.fromtimestamp(plan.path.stat().st_mtime, datetime.timezone.utc)
+            mtime = datetime.datetime.fromtimestamp(plan.path.stat().st_mtime, datetime.UTC)
             _atomic_write(self.cache.log_path(plan.spec.name, plan.key, "def"), plan.definition)
             entry = self._entry(plan, 0.0, mtime.isoformat(timespec="milliseconds"))
         self.cache.record(entry)
@@ -244,7 +244,7 @@ class Builder:
         finally:
             tmp.unlink(missing_ok=True)
         build_s = time.monotonic() - t0
-        built_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+        built_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
         entry = self._entry(plan, build_s, built_at)
         self.cache.record(entry)
         return Result(name, key, plan.mode, "built", plan.reasons, str(plan.path), waited_s, build_s, entry["size_bytes"], log=str(log_path))

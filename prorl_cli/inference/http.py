@@ -111,7 +111,7 @@ class HttpClient:
                 if len(payload) > MAX_RESPONSE_BYTES:
                     raise InferenceError(f"{method} {url}: response larger than {MAX_RESPONSE_BYTES} bytes")
                 return HttpResponse(resp.status, {k.lower(): v for k, v in resp.headers.items()}, payload)
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise InferenceError(f"{method} {url}: no answer within {timeout_s:g} s") from e
         except (aiohttp.ClientError, OSError) as e:
             # Name the socket's own error (ConnectionRefusedError, ...) where aiohttp wraps one.

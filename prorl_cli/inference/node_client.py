@@ -172,7 +172,7 @@ class NodeInference:
         backend_id = reply.get("backend_id")
         redirect = reply.get("redirect")
         raw_version = reply.get("policy_version")
-        # The weights version that served the call: the bridge's, else the broker's when it routed it (contract K3).
+        # The weights version that served the call: the bridge's, else the broker's when it routed it.
         version = raw_version if isinstance(raw_version, int) and not isinstance(raw_version, bool) else None
         if redirect:
             engine = self._http_engine(str(redirect), backend_id)
@@ -213,7 +213,7 @@ class NodeInference:
             except BrokerRestarted as e:
                 # Nothing was sampled for us (or it was lost): ask the new broker; the handler sees only latency.
                 log.warning("job %s: %s; asking again", job_id, e)
-            except asyncio.TimeoutError as e:
+            except TimeoutError as e:
                 raise InferenceError(
                     f"job {job_id}: no generate answer from the broker within {timeout_s:g} s "
                     "(not counting time held at the broker)"

@@ -1,4 +1,4 @@
-"""Node liveness that a busy handler cannot break (contract K4).
+"""Node liveness that a busy handler cannot break.
 
 Heartbeats used to share the node's event loop with handlers: a handler
 that blocked the loop for a few seconds (a synchronous call in a stage) got

@@ -14,7 +14,7 @@ import asyncio
 import math
 from collections.abc import Callable, Coroutine
 from contextvars import Context
-from typing import Any, TypeVar, TypeVarTuple, Unpack
+from typing import Any, TypeVar, TypeVarTuple
 
 from prorl_cli.exceptions import InvalidTimer
 
@@ -30,12 +30,12 @@ def _check(what: str, value: float) -> None:
 class CheckedEventLoop(asyncio.SelectorEventLoop):
     """A selector event loop whose ``call_later``/``call_at`` refuse NaN and infinite times."""
 
-    def call_later(self, delay: float, callback: Callable[[Unpack[Ts]], object], *args: Unpack[Ts],
+    def call_later(self, delay: float, callback: Callable[[*Ts], object], *args: *Ts,
                    context: Context | None = None) -> asyncio.TimerHandle:
         _check("a timer delay", delay)
         return super().call_later(delay, callback, *args, context=context)
 
-    def call_at(self, when: float, callback: Callable[[Unpack[Ts]], object], *args: Unpack[Ts],
+    def call_at(self, when: float, callback: Callable[[*Ts], object], *args: *Ts,
                 context: Context | None = None) -> asyncio.TimerHandle:
         _check("a timer deadline", when)
         return super().call_at(when, callback, *args, context=context)

@@ -36,7 +36,7 @@ class ToolClient:
         try:
             async with asyncio.timeout(timeout_s):
                 reader, writer = await asyncio.open_unix_connection(path, limit=MAX_FRAME_BYTES)
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             raise SandboxError(f"cannot connect to the tool server at {path}: {e}") from e
         return cls(reader, writer, path)
 
@@ -46,7 +46,7 @@ class ToolClient:
         try:
             async with asyncio.timeout(timeout_s):
                 reader, writer = await asyncio.open_connection(host, port)
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             raise SandboxError(f"cannot connect to the tool server at {host}:{port}: {e}") from e
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -71,7 +71,7 @@ class ToolClient:
                     raise SandboxError(f"tool server at {self.where} sent a {length}-byte frame")
                 async with asyncio.timeout(reply_timeout_s):
                     body = await self._reader.readexactly(length)
-            except asyncio.TimeoutError as e:
+            except TimeoutError as e:
                 # The stream is now out of step with the server: close it.
                 self._writer.close()
                 raise SandboxTimeout(f"tool call {op!r} got no reply within {reply_timeout_s:.1f} s") from e

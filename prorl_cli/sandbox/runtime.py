@@ -350,7 +350,7 @@ class Runtime(abc.ABC):
         try:
             async with asyncio.timeout(self.config.start_timeout_s):
                 line = await proc.stdout.readline()
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise SandboxTimeout(
                 f"{self.name} sandbox {spec.sandbox_id} not ready after {self.config.start_timeout_s:.0f} s; "
                 f"log tail:\n{self._log_tail(spec)}"

@@ -49,13 +49,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.exceptions import ProrlError, RemoteError
-from prorl_cli.protocol import JobResult, JobSpec, Op
+from prorl_cli.exceptions import ProrlError
+from prorl_cli.protocol import JobResult, JobSpec
 
 log = logging.getLogger(__name__)
 
-#: Whether this prorl's protocol has the ``forget`` op (contract K2); without it only the client's copies go.
-_BROKER_FORGETS = any(op.value == "forget" for op in Op)
 FAILED_POLICIES = ("drop_group", "zero_reward", "exclude")
 MODES = ("async", "sync")
 
@@ -145,7 +143,7 @@ class StepStats:
     cancelled_jobs: int = 0
     cancelled_inflight_s: float = 0.0
     stale_groups: int = 0
-    #: Jobs a submit found already at the broker (a restarted trainer's resubmission, contract K2's ``existing``).
+    #: Jobs a submit found already at the broker (a restarted trainer's resubmission: the submit reply's ``existing``).
     existing_jobs: int = 0
     carried_in: int = 0
     carried_out: int = 0
@@ -416,13 +414,7 @@ class DapoSampler:
             self._job_group.pop(j, None)
         if not ids:
             return
-        if _BROKER_FORGETS:
-            try:
-                await self.client.forget(ids)
-                return
-            except RemoteError as e:  # a broker from before the forget op: keep its copies, drop ours
-                log.debug("broker-side forget failed (%s); forgetting locally", e)
-        self.client.forget_local(ids)
+        await self.client.forget(ids)
 
     # ------------------------------------------------------------ steps
 
@@ -489,13 +481,10 @@ def off_policy_fraction(results: Sequence[JobResult], policy_version: int) -> fl
 
 
 def _tag(specs: list[JobSpec], group_id: str, step: int, version: int) -> None:
-    """Put the group and the sampler's step/version on each spec where the protocol carries them (contract K1)."""
-    names = set(JobSpec.__dataclass_fields__)
+    """Put the group and the sampler's step/version on each spec (they come back on each result)."""
     for s in specs:
-        if "group_id" in names:
-            s.group_id = group_id
-        if "meta" in names:
-            s.meta = {"step": step, "policy_version": version}
+        s.group_id = group_id
+        s.meta = {"step": step, "policy_version": version}
 
 
 class BlockingDapoSampler:

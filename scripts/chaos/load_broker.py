@@ -76,7 +76,7 @@ class GenerateCounts:
     #: its cancel to the client, or answered one of the job's calls ``unknown_job``. They reach the broker after.
     after_cancel: int = 0
     #: Of those, calls not refused at once (answered by a bridge, or dropped after routing): routed although
-    #: the job had ended (defect 17). Must be 0.
+    #: the job had ended (a call routed for a finished job leaks routing state). Must be 0.
     after_cancel_routed: int = 0
     #: Calls the broker refused because their job was not running (it had ended when they arrived): never routed.
     refused_not_running: int = 0
@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             "generates_refused_not_running": gen.refused_not_running,
             "bridge_served": sum(b.served for b in bridges), "bridge_calls_stopped": sum(b.stopped for b in bridges),
             "bridge_cancels_late": sum(b.cancels_late for b in bridges),
-            # Routing state after the drain, from the broker's status: all must be 0 (defect 17: no leak).
+            # Routing state after the drain, from the broker's status: all must be 0 (no leak).
             "routing_state_read": final is not None,
             "backend_jobs_after_drain": sum(b["jobs"] for b in backends),
             "backend_inflight_after_drain": sum(b["inflight"] for b in backends),

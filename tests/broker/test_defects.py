@@ -1,4 +1,4 @@
-"""Broker reliability defects (issue 12), each against a real broker and real nodes over ZeroMQ."""
+"""Broker reliability rules, each against a real broker and real nodes over ZeroMQ."""
 
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def test_liveness_token_heartbeats_from_another_connection(deployment: Deploymen
 
 
 def test_cancel_reaches_a_job_placed_on_a_frozen_node(tmp_path: Path) -> None:
-    """Defect 1: the job is placed (assigned) while its node is frozen; the cancel must reach the node."""
+    """The job is placed (assigned) while its node is frozen; the cancel must reach the node."""
     journal = tmp_path / "stages"
     journal.mkdir()
     d = Deployment(tmp_path / "home", "frozen", config={"broker": {"heartbeat_liveness": 60}, "node": {"credit": 2}})
@@ -203,7 +203,7 @@ def test_cancel_reaches_a_job_placed_on_a_frozen_node(tmp_path: Path) -> None:
 
 
 def test_compaction_with_large_results_kills_no_node(tmp_path: Path) -> None:
-    """Defect 15: compaction (forced often) runs off the loop; no node is declared dead, no job re-runs."""
+    """Compaction (forced often) runs off the loop; no node is declared dead, no job re-runs."""
     d = Deployment(tmp_path / "home", "compact", config={
         # Liveness as in the other tests (2 s): on a shared CI machine a node's own loop may lag more than a
         # tighter bound; the mechanism itself is tested deterministically in test_loop.py.

@@ -32,7 +32,7 @@ def test_load_short_run_no_false_deaths_retention_holds_and_no_routing_leak() ->
     # The generate path ran, cancels landed, and every call got an answer.
     assert summary["generates_ok"] > 1024 and summary["cancelled"] > 0, summary
     assert summary["generates_unanswered"] == 0 and summary["generate_errors_uncancelled"] == 0, summary
-    # Defect 17: calls that reached the broker after their job's cancel (there were some: nodes carry on
+    # Calls that reached the broker after their job's cancel (there were some: nodes carry on
     # until they see the cancel) were refused, never routed ...
     assert summary["generates_after_cancel"] > 0 and summary["generates_after_cancel_routed"] == 0, summary
     # ... and after the drain no routing state is left: no live job on a backend, no call in flight or held.

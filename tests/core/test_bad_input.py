@@ -115,7 +115,7 @@ def test_unknown_task_names_the_served_tasks(deployment: Deployment) -> None:
             client.submit("no-such-task", [{}])
         assert e.value.code == "unknown_task"
         assert "no-such-task" in e.value.message and "test" in e.value.message
-        # cancel reports per id (issue 12): unknown ids are named, not raised.
+        # cancel reports per id: unknown ids are named, not raised.
         assert client.cancel(["never-submitted"]) == {"never-submitted": "unknown"}
     finally:
         client.close()

@@ -1,4 +1,4 @@
-"""The node's stage slots and per-job deadline (issue 11.4), on a real Pipeline in one event loop."""
+"""The node's stage slots and per-job deadline, on a real Pipeline in one event loop."""
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
-
 import tomllib
 
 from tests.harness import REPO

@@ -1,4 +1,4 @@
-"""A RUN that times out, fails or is cancelled keeps its tokens (issue 9.10).
+"""A RUN that times out, fails or is cancelled keeps its tokens.
 
 The node's real pipeline runs a handler on the real agent loop; the model is
 scripted (fixed ids through the generate contract) and hangs or fails on a

@@ -297,7 +297,7 @@ def test_cancel_propagation_stops_a_cancelled_jobs_call_and_its_ablation_leaves_
 
 
 def test_routing_state_drains_to_nothing_when_jobs_are_cancelled_while_their_calls_race(scripted: Any) -> None:
-    """Defect 17: calls that arrive after their job was cancelled are refused, never routed, and bind nothing."""
+    """Calls that arrive after their job was cancelled are refused, never routed, and bind nothing."""
     d, bridges = scripted({}, ScriptedEngine(delay_s=0.002), ScriptedEngine(delay_s=0.002))
     ids = d.client.submit("calls", [{"calls": 400}] * 12, sampling={"max_tokens": 2}, timeout_s=120)
     d.wait_for(lambda st: sum(b["served"] for b in st.backends) >= 60, 60, "calls to flow", "n1")
@@ -333,7 +333,7 @@ class RawPeer:
 
 
 def test_a_generate_for_a_job_that_is_not_running_on_the_requester_is_refused_and_binds_nothing(scripted: Any) -> None:
-    """Defect 17, deterministically: a node asks for a cancelled job, and for a queued job it was never given."""
+    """Deterministically: a node asks for a cancelled job, and for a queued job it was never given."""
     engine = ScriptedEngine()
     d, _ = scripted({}, engine)
     d.kill("n1")  # the raw node below is the only one: it gets the job
@@ -359,7 +359,7 @@ def test_a_generate_for_a_job_that_is_not_running_on_the_requester_is_refused_an
 
 
 def test_generate_from_an_unregistered_peer_is_answered_at_once_and_nothing_is_held(scripted: Any) -> None:
-    """Defect 7: a stranger's generate gets ``unknown_peer``, with its rid, and the broker keeps nothing of it."""
+    """A stranger's generate gets ``unknown_peer``, with its rid, and the broker keeps nothing of it."""
 
     d, _ = scripted({})
     sock = bare_dealer(d.address, d.deployment_dir)
