@@ -351,6 +351,14 @@ class Pipeline:
     async def _run(self, spec: JobSpec, instance: Any, timing: Any = None) -> JobResult:
         try:
             result = await self.run_job(spec, instance, timing)
+        except Exception as e:  # a fault of the node's own outside the stages must still answer for the job
+            log.exception("job %s: node fault outside the handler's stages", spec.job_id)
+            result = JobResult(
+                job_id=spec.job_id, task=spec.task, state=JobState.FAILED.value, attempt=spec.attempt,
+                node_id=self.node_id, critical_error="node",
+                error=ErrorInfo(stage="node", type=type(e).__name__, message=str(e)[:2000]).to_wire(),
+                group_id=spec.group_id, meta=spec.meta,
+            )
         finally:
             self.jobs.pop(spec.job_id, None)
         self.on_done(result)
