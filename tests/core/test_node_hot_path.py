@@ -66,3 +66,24 @@ def test_a_later_stage_with_an_earlier_deadline_times_out_at_its_own_cap(tmp_pat
         await asyncio.sleep(0.1)  # past its budget: a stale timer would cancel this test's task
 
     asyncio.run(main())
+
+
+def test_a_node_fault_outside_the_stages_still_answers_for_the_job(tmp_path: Path) -> None:
+    """Whatever breaks in the node's own code around a job, its submitter gets a FAILED result, not silence."""
+    done: list[JobResult] = []
+
+    async def broken(spec: JobSpec, instance: object, timing: object = None) -> JobResult:
+        raise RuntimeError("bookkeeping bug")
+
+    async def main() -> None:
+        pipeline = _pipeline(tmp_path, done)
+        pipeline.run_job = broken  # type: ignore[method-assign]
+        assert pipeline.start(JobSpec(job_id="j", task="test"), {})
+        while not done:
+            await asyncio.sleep(0.01)
+        assert "j" not in pipeline.jobs
+
+    asyncio.run(main())
+    [result] = done
+    assert (result.state, result.critical_error) == ("failed", "node")
+    assert result.error is not None and "bookkeeping bug" in result.error["message"]
