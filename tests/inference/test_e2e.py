@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -261,8 +262,8 @@ def test_cancelling_a_job_aborts_its_request_in_vllm(deployment: Deployment, vll
     _wait_text(vllm_server.log_path, "Aborted request", start=start)
 
 
-def test_a_call_the_node_gave_up_on_never_reaches_the_engine(tmp_path: Path, tiny_model: Path) -> None:
-    """The node's own generate timeout cancels its call at the broker; the job goes on and its next call is served."""
+def test_a_call_held_past_the_generate_timeout_is_served_after_resume(tmp_path: Path, tiny_model: Path) -> None:
+    """Time a call spends held at the broker (paused generation) does not count against the node's generate timeout."""
     from tests.inference.conftest import HANDLERS
 
     d = Deployment(tmp_path / "home", config={"inference": {"generate_timeout_s": 2.0}})
@@ -273,15 +274,14 @@ def test_a_call_the_node_gave_up_on_never_reaches_the_engine(tmp_path: Path, tin
         d.client.pause_generation()
         (job,) = d.client.submit("onecall", [{"prompt_ids": [5, 6, 7], "eval_call": True}],
                                  sampling={"max_tokens": 4, "seed": 1}, timeout_s=120)
-        # RUN's call was held until the node gave up; the node said so before EVAL began.
-        d.wait_for(lambda st: st.jobs.get("eval") == 1, 60, "the job to reach eval", "n1")
-        # Only EVAL's call is held now: RUN's was dropped, not kept for later.
-        d.wait_for(lambda st: st.held_generates == 1, 60, "EVAL's call to be held", "n1")
+        d.wait_for(lambda st: st.held_generates == 1, 60, "RUN's call to be held", "n1")
+        time.sleep(3.0)  # the pause itself (what is tested): it outlasts generate_timeout_s
+        assert d.client.status().held_generates == 1, "the node gave up on a call that was only held"
         d.client.resume_generation()
         (res,) = d.client.wait([job], timeout_s=120)
-        assert "no generate answer from the broker within 2 s" in res.output["error"]
-        assert len(res.output["eval"]["output_ids"]) == 4 and res.ok
+        assert res.ok and "error" not in res.output, res.output
+        assert len(res.output["eval"]["output_ids"]) == 4
         (b,) = d.client.status().backends
-        assert b["served"] == 1, "the call the node gave up on was never served"
+        assert b["served"] == 2, "both the held RUN call and EVAL's call are served"
     finally:
         d.close()
