@@ -28,6 +28,8 @@ Configurations, one fresh deployment each, the same prompts and job ids each:
   the paper) with the broker's KV-cache admission (``broker.kv_admission``);
 * ``carry_over_before``: carry-over as it was before the carry window and KV
   admission (``carry_window_steps: 0``, ``broker.kv_admission: 0``);
+* ``carry_over_w15``: the defaults with the wider carry window of before
+  (``carry_window_steps: 1.5``);
 * ``tmux``: every tool action takes ``--tmux-delay-s`` longer (tmux-style polling).
 
 Time runs ``--speedup`` times faster than on the simulated GPU (tool waits too),
@@ -87,6 +89,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "carry_over": {"sampler": {"carry_over": True}},
     # The default before the carry window and KV admission: what made wait-for-all batching look better.
     "carry_over_before": {"sampler": {"carry_over": True, "carry_window_steps": 0.0}, "broker": {"kv_admission": 0.0}},
+    # The default with the wider carry window it had before (1.5 steps' worth).
+    "carry_over_w15": {"sampler": {"carry_over": True, "carry_window_steps": 1.5}},
     "tmux": {"tmux": True},
 }
 DEFAULT_CONFIGS = ("full", "round_robin", "ever_assigned", "no_cleanup", "sync", "tmux")
@@ -99,6 +103,7 @@ PAPER: dict[str, tuple[float | None, float | None]] = {
     "sync": (0.25, 0.42),
     "carry_over": (None, None),
     "carry_over_before": (None, None),
+    "carry_over_w15": (None, None),
     "tmux": (0.29, 0.68),  # the paper's "without efficient bash" (0.78 s vs 0.42 s per action)
 }
 

@@ -20,8 +20,10 @@ def prompts(n: int = 40) -> list[dict[str, Any]]:
 
 def run_steps(tmp_path: Path, cap_carry: bool) -> tuple[list[tuple[int, int | None]], DapoSampler]:
     """Three steps; every progress callback records (groups in the window, the cap)."""
+    # With the cap: the default window.
+    window = {} if cap_carry else {"carry_window_steps": 0.0}
     cfg = SamplerConfig(group_size=2, target_groups=2, max_in_flight=32, carry_over=True, max_staleness=1,
-                        carry_window_steps=1.5 if cap_carry else 0.0, run_id=f"cap{int(cap_carry)}", step_timeout_s=60)
+                        run_id=f"cap{int(cap_carry)}", step_timeout_s=60, **window)
     seen: list[tuple[int, int | None]] = []
     dep = Deployment(tmp_path / f"cap{int(cap_carry)}", "cap", {"node": {"n_init": 8, "n_run": 40, "n_eval": 8}})
     with dep:
@@ -56,9 +58,11 @@ def test_carry_cap_keeps_the_groups_in_flight_to_what_the_staleness_window_consu
         # moves with the informative rate, so a window may stand above a cap that has since come down).
         highest = max(highest, cap)
         assert window <= highest, (window, cap, highest)
-    # The cap follows the informative rate: 1.5 steps' worth, target / rate each, rate Laplace-smoothed.
+    # The cap follows the informative rate: the default window's steps' worth, target / rate each, rate
+    # Laplace-smoothed.
     rate = (sampler._informative_groups + 1) / (sampler._finished_groups + 2)
-    assert sampler.group_cap() == math.ceil(1.5 * 2 / rate)
+    assert sampler.config.carry_window_steps == 1.0
+    assert sampler.group_cap() == math.ceil(1.0 * 2 / rate)
     # Without it, replenishment refills the slots finished members free: far more groups than the window uses.
     uncapped, _ = run_steps(tmp_path, cap_carry=False)
     assert max(w for w, _ in uncapped) > max(c for _, c in seen if c is not None)
