@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import signal
 import statistics
@@ -146,6 +147,11 @@ class Outcome:
     step_idle_gpu_s: list[float] = field(default_factory=list)
     #: Output tokens of returned groups submitted under an older policy version, over all returned tokens.
     off_policy_token_fraction: float = 0.0
+    #: Mean GPU-time gap between a job's call ending at its engine and its next call arriving there: the
+    #: modelled tool time plus this machine's hops (node, broker, bridge) scaled by ``speedup``. Far above
+    #: the modelled tool time, the replay measures this machine's CPU latency, not the configurations.
+    call_gap_gpu_s: float = 0.0
+    tool_mean_gpu_s: float = 0.0
 
 
 def prompts(seed: int, count: int, tool_median_s: float, speedup: float, action_delay_s: float) -> list[dict[str, Any]]:
@@ -260,6 +266,7 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
     for led in ledgers:
         for c in led["calls"]:
             tokens[c["job_id"]] = tokens.get(c["job_id"], 0) + int(c["output_tokens"])
+    gaps = call_gaps_s(ledgers)
     late = sum(tokens.get(j, 0) for ids, stale in returned if stale for j in ids)
     all_returned = sum(tokens.get(j, 0) for ids, _ in returned for j in ids)
     held_gpu_s = wall_s * args.speedup * BACKENDS
@@ -280,7 +287,25 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         step_in_flight=in_flight_means,
         step_idle_gpu_s=[round(idle_gpu_s(ledgers, a, b), 1) for a, b in zip(bounds, bounds[1:], strict=False)],
         off_policy_token_fraction=round(late / all_returned, 3) if all_returned else 0.0,
+        call_gap_gpu_s=round(statistics.fmean(gaps) * args.speedup, 2) if gaps else 0.0,
+        # The sim_agent's tool time is log-normal: mean = median * exp(sigma^2 / 2), sigma 1.
+        tool_mean_gpu_s=round(args.tool_median_s * math.exp(0.5) + delay, 2),
     )
+
+
+def call_gaps_s(ledgers: list[dict[str, Any]]) -> list[float]:
+    """Wall seconds between each call of a job ending at its engine and the job's next call arriving there."""
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for led in ledgers:
+        for c in led["calls"]:
+            if c["job_id"] is not None:
+                by_job.setdefault(c["job_id"], []).append(c)
+    gaps = []
+    for calls in by_job.values():
+        calls.sort(key=lambda c: c["submitted_at"])
+        gaps += [b["submitted_at"] - a["ended_at"] for a, b in zip(calls, calls[1:], strict=False)
+                 if a["ended_at"] is not None and a["outcome"] == "done"]
+    return gaps
 
 
 @dataclass
@@ -500,6 +525,8 @@ def main() -> None:
                     print(f"     recomputed prefill tokens {o.recomputed_tokens}, moved calls {o.moved_calls}; "
                           f"steps GPU-s {o.step_gpu_s}, idle {o.step_idle_gpu_s}, in flight {o.step_in_flight}; "
                           f"off-policy tokens {o.off_policy_token_fraction:.0%}", flush=True)
+                    print(f"     gap between a job's calls {o.call_gap_gpu_s} GPU-s (modelled tool time "
+                          f"{o.tool_mean_gpu_s}; the rest is this machine's hops x {args.speedup:g})", flush=True)
                 outcomes.append(o)
     title = (f"Table 3 replay: {BACKENDS} simulated H100/8B backends, {args.steps} DAPO steps, groups of {args.n}, "
              f"target {args.target}, {args.in_flight} in flight, time x{args.speedup:g}, seeds {seeds}")
