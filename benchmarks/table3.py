@@ -152,6 +152,8 @@ class Outcome:
     #: the modelled tool time, the replay measures this machine's CPU latency, not the configurations.
     call_gap_gpu_s: float = 0.0
     tool_mean_gpu_s: float = 0.0
+    #: How far the engines ran behind their virtual timelines at their steps' ends, mean (GPU-s): CPU they lacked.
+    engine_lag_gpu_s: float = 0.0
 
 
 def prompts(seed: int, count: int, tool_median_s: float, speedup: float, action_delay_s: float) -> list[dict[str, Any]]:
@@ -290,6 +292,8 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         call_gap_gpu_s=round(statistics.fmean(gaps) * args.speedup, 2) if gaps else 0.0,
         # The sim_agent's tool time is log-normal: mean = median * exp(sigma^2 / 2), sigma 1.
         tool_mean_gpu_s=round(args.tool_median_s * math.exp(0.5) + delay, 2),
+        engine_lag_gpu_s=round(statistics.fmean(float(led.get("lag_mean_s", 0.0)) for led in ledgers) * args.speedup, 2)
+        if ledgers else 0.0,
     )
 
 
@@ -526,7 +530,8 @@ def main() -> None:
                           f"steps GPU-s {o.step_gpu_s}, idle {o.step_idle_gpu_s}, in flight {o.step_in_flight}; "
                           f"off-policy tokens {o.off_policy_token_fraction:.0%}", flush=True)
                     print(f"     gap between a job's calls {o.call_gap_gpu_s} GPU-s (modelled tool time "
-                          f"{o.tool_mean_gpu_s}; the rest is this machine's hops x {args.speedup:g})", flush=True)
+                          f"{o.tool_mean_gpu_s}; the rest is this machine's hops x {args.speedup:g}); engines behind their "
+                          f"timelines by {o.engine_lag_gpu_s} GPU-s on average", flush=True)
                 outcomes.append(o)
     title = (f"Table 3 replay: {BACKENDS} simulated H100/8B backends, {args.steps} DAPO steps, groups of {args.n}, "
              f"target {args.target}, {args.in_flight} in flight, time x{args.speedup:g}, seeds {seeds}")

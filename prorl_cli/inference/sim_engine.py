@@ -217,6 +217,18 @@ class SimCounters:
     cached_tokens: int = 0
     prefill_tokens: int = 0
     output_tokens: int = 0
+    #: How far behind its virtual timeline the engine was at its steps' ends (wall seconds; 0 when on time):
+    #: an engine short of CPU falls behind, and its calls' ends are stamped on the timeline, earlier than
+    #: they were answered.
+    lag_sum_s: float = 0.0
+    lag_max_s: float = 0.0
+    lag_samples: int = 0
+
+    def note_lag(self, behind_s: float) -> None:
+        self.lag_samples += 1
+        if behind_s > 0:
+            self.lag_sum_s += behind_s
+            self.lag_max_s = max(self.lag_max_s, behind_s)
 
 
 class SimEngine(Engine):
@@ -267,6 +279,7 @@ class SimEngine(Engine):
             "backend_id": self.backend_id, "speedup": self.profile.speedup, "started_at": self._started_wall,
             "closed_at": time.monotonic(), **self.stats(),
             "busy_s": self.counters.busy_s, "prefill_tokens": self.counters.prefill_tokens, "idle_spans": self.idle_spans,
+            "lag_mean_s": self.counters.lag_sum_s / max(1, self.counters.lag_samples), "lag_max_s": self.counters.lag_max_s,
             "calls": [dataclasses.asdict(r) for r in self.ledger or ()],
         }
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -447,6 +460,7 @@ class SimEngine(Engine):
         # Steps already over, at least the one in progress; all of them if nothing arrived.
         n = k if not self._wake.is_set() else max(1, min(k, bisect.bisect_right(ends, done_gpu_s)))
         self._t = start + ends[n - 1] / speedup
+        self.counters.note_lag(time.monotonic() - self._t)
         if self.ledger is not None:
             self._charge_decode(running, n, ends[n - 1])
         self.counters.busy_s += ends[n - 1]
@@ -484,6 +498,7 @@ class SimEngine(Engine):
         self.counters.busy_s += step_s
         self.counters.steps += 1
         wait_s = self._t - time.monotonic()
+        self.counters.note_lag(-wait_s)
         if wait_s > 0:
             await asyncio.sleep(wait_s)
 

@@ -229,3 +229,27 @@ def test_ledger_calls_add_up_to_busy_time_with_a_cancel_and_a_cached_turn(tmp_pa
     second = calls[6]
     assert second["cached_tokens"] >= (300 + 40) // 16 * 16 and second["prefill_tokens"] < 100
     assert sum(c["prefill_tokens"] + c["cached_tokens"] for c in calls[:5]) == 5 * 300
+
+
+def test_an_engine_short_of_cpu_reports_how_far_it_ran_behind_its_timeline(tmp_path: Path) -> None:
+    import time
+
+    ledger = tmp_path / "led" / "sim-lag.json"
+
+    async def go() -> None:
+        await eng.start()
+        # 2,000 decode steps at 200x: about 0.1 s of wall time planned; the loop is then blocked for 0.3 s,
+        # as a process waiting for a core is, so the engine answers later than its timeline says.
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, time.sleep, 0.3)
+        await eng.generate([7] * 100, SamplingParams(max_tokens=2000, ignore_eos=True))
+        await eng.close()
+
+    eng = SimEngine(SimProfile.load(speedup=200.0), backend_id="sim-lag", ledger_path=ledger)
+    _run(go())
+    doc = json.loads(ledger.read_text())
+    assert 0 < doc["lag_mean_s"] <= doc["lag_max_s"]
+    # The block outlasted the planned steps: the engine's last step ended that much behind (less its steps).
+    assert doc["lag_max_s"] >= 0.1
+    # Busy time stays the latency model's, whatever the lag.
+    assert doc["busy_s"] == pytest.approx(sum(c["gpu_s"] for c in doc["calls"]), rel=1e-6)
