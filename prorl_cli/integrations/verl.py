@@ -90,6 +90,21 @@ def loop_output(result: JobResult) -> LoopOutput:
     )
 
 
+def fit_lengths(out: LoopOutput, prompt_length: int, response_length: int) -> bool:
+    """Cut ``out`` to veRL's ``rollout.prompt_length`` (keeping the prompt's end) and ``response_length`` (its start).
+
+    veRL pads every sample to those widths and cannot hold a longer one; its
+    own loops cut the same way. Returns whether anything was cut.
+    """
+    cut = len(out.prompt_ids) > prompt_length or len(out.response_ids) > response_length
+    out.prompt_ids = out.prompt_ids[-prompt_length:] if prompt_length > 0 else []
+    out.response_ids = out.response_ids[:response_length]
+    out.response_mask = out.response_mask[:response_length]
+    out.response_logprobs = out.response_logprobs[:response_length]
+    out.extra_fields["policy_versions"] = out.extra_fields["policy_versions"][:response_length]
+    return cut
+
+
 async def run_job(client: Any, task: str, instance: Any, sampling: dict[str, Any] | None = None,
                   timeout_s: float | None = None) -> tuple[LoopOutput, JobResult]:
     """Run ``instance`` as one prorl job on an :class:`~prorl_cli.client.AsyncRolloutClient`; return veRL's fields."""

@@ -25,7 +25,7 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.integrations.verl import AGENT_NAME, LoopOutput, run_job
+from prorl_cli.integrations.verl import AGENT_NAME, fit_lengths, run_job
 
 #: One client per event loop: veRL's worker keeps one loop for its lifetime, and a client's sockets belong to one loop.
 _CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncRolloutClient] = weakref.WeakKeyDictionary()
@@ -45,21 +45,6 @@ async def close_client() -> None:
     client = _CLIENTS.pop(asyncio.get_running_loop(), None)
     if client is not None:
         await client.close()
-
-
-def fit_lengths(out: LoopOutput, prompt_length: int, response_length: int) -> bool:
-    """Cut ``out`` to veRL's ``rollout.prompt_length`` (keeping the prompt's end) and ``response_length`` (its start).
-
-    veRL pads every sample to those widths and cannot hold a longer one; its
-    own loops cut the same way. Returns whether anything was cut.
-    """
-    cut = len(out.prompt_ids) > prompt_length or len(out.response_ids) > response_length
-    out.prompt_ids = out.prompt_ids[-prompt_length:] if prompt_length > 0 else []
-    out.response_ids = out.response_ids[:response_length]
-    out.response_mask = out.response_mask[:response_length]
-    out.response_logprobs = out.response_logprobs[:response_length]
-    out.extra_fields["policy_versions"] = out.extra_fields["policy_versions"][:response_length]
-    return cut
 
 
 @register(AGENT_NAME)

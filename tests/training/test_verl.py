@@ -18,6 +18,7 @@ import pytest
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.integrations.verl import (
     NoTrajectory,
+    fit_lengths,
     loop_output,
     nemo_rl_batch,
     run_job,
@@ -49,6 +50,15 @@ def test_the_agent_loop_output_of_a_two_turn_trajectory() -> None:
     assert out.extra_fields["policy_versions"] == [4, 4, -1, -1, 4] and out.extra_fields["prorl_samples"] == 1
     with pytest.raises(NoTrajectory, match="j2"):
         loop_output(JobResult(job_id="j2", task="t", state="failed", output={}))
+
+
+def test_a_sample_is_cut_to_verls_widths() -> None:
+    """veRL pads to rollout.prompt_length / response_length: a longer sample keeps its prompt's end and response's start."""
+    out = loop_output(_result("j1", TWO_TURNS))
+    assert not fit_lengths(out, 3, 5) and out.response_ids == [10, 11, 20, 21, 12]
+    assert fit_lengths(out, 2, 3)
+    assert out.prompt_ids == [2, 3] and out.response_ids == [10, 11, 20] and out.response_mask == [1, 1, 0]
+    assert out.response_logprobs == pytest.approx([-0.1, -0.2, 0.0]) and out.extra_fields["policy_versions"] == [4, 4, -1]
 
 
 def test_verl_and_nemo_rl_batches_from_an_export(tmp_path: Path) -> None:
