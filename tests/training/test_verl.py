@@ -116,6 +116,8 @@ def _verl_config(model: Path) -> Any:
     ]))
 
 
+# hydra 1.4 warns on every instantiate without an execution whitelist; veRL's worker passes none.
+@pytest.mark.filterwarnings("ignore:hydra.utils.instantiate:UserWarning")
 def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
         tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """veRL's ``AgentLoopWorker`` (built from veRL's config, no Ray cluster) runs ``prorl`` on a real deployment.
