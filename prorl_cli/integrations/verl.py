@@ -13,10 +13,9 @@ row's ``prorl_instance`` field, else the row itself; task from its
 ``prorl_task`` field or ``$PRORL_TASK``; deployment ``$PRORL_DEPLOYMENT``)
 and returns the token-exact trajectory, so prorl's routing, cancellation and
 sandboxes apply; veRL's own server manager is not used. In a trainer's
-config: ``actor_rollout_ref.rollout.agent.default_agent_loop: prorl`` and an
-``agent_loop_config_path`` file naming
-``prorl_cli.integrations.verl_loop.ProrlAgentLoop`` (veRL's workers are
-other processes, whose registry only that file fills).
+config: ``actor_rollout_ref.rollout.agent.default_agent_loop: prorl`` and
+``agent_loop_config_path`` set to :data:`AGENT_LOOP_CONFIG` (veRL's workers
+are other processes, whose registry only that file fills).
 
 **Batches from exports.** :func:`verl_batch` and :func:`nemo_rl_batch` turn
 rows of a prorl export (``write_samples_parquet``) into the tensors that
@@ -27,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import ProrlError
@@ -35,6 +35,10 @@ from prorl_cli.training.samples import NO_VERSION, build_samples
 
 #: The name the agent loop is registered under in veRL.
 AGENT_NAME = "prorl"
+
+#: veRL's ``actor_rollout_ref.rollout.agent.agent_loop_config_path`` file naming prorl's loop
+#: (veRL's workers are other processes: this file is what registers the loop there).
+AGENT_LOOP_CONFIG = Path(__file__).with_name("verl_agent_loops.yaml")
 
 
 class NoTrajectory(ProrlError, ValueError):

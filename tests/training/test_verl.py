@@ -17,6 +17,7 @@ import pytest
 
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.integrations.verl import (
+    AGENT_LOOP_CONFIG,
     NoTrajectory,
     fit_lengths,
     loop_output,
@@ -99,7 +100,7 @@ def test_register_agent_loop() -> None:
     assert get_class(_agent_loop_registry["prorl"]["_target_"]) is cls
 
 
-def _verl_config(model: Path) -> Any:
+def _verl_config(model: Path, agent_loops: Path) -> Any:
     """veRL's full trainer config (its flattened reference file; hydra's composition is not needed) for the tiny model."""
     from importlib.resources import files
 
@@ -113,6 +114,7 @@ def _verl_config(model: Path) -> Any:
         "actor_rollout_ref.rollout.response_length=64",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "actor_rollout_ref.rollout.agent.default_agent_loop=prorl",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={agent_loops}",
     ]))
 
 
@@ -133,7 +135,7 @@ def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
     import numpy as np
     import pyarrow.parquet as pq
     from verl import DataProto
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
 
     import prorl_cli.integrations.verl_loop as verl_loop
     from prorl_cli.training.export import write_samples_parquet
@@ -149,8 +151,11 @@ def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
         return out, result
 
     monkeypatch.setattr(verl_loop, "run_job", spy_run_job)
+    # What registers the loop in a veRL worker's process is the shipped agent_loop_config_path file.
+    monkeypatch.delitem(_agent_loop_registry, "prorl", raising=False)
     # No LLM server: prorl's loop generates through prorl's backends, never through veRL's client.
-    worker = AgentLoopWorker(_verl_config(tiny_model), llm_client=None)  # type: ignore[arg-type]
+    worker = AgentLoopWorker(_verl_config(tiny_model, AGENT_LOOP_CONFIG), llm_client=None)  # type: ignore[arg-type]
+    assert _agent_loop_registry["prorl"]["_target_"] == "prorl_cli.integrations.verl_loop.ProrlAgentLoop"
     batch = DataProto.from_dict(non_tensors={
         "raw_prompt": np.array([[{"role": "user", "content": "hi"}]], dtype=object),
         "prorl_task": np.array(["multiturn"], dtype=object),
