@@ -109,6 +109,22 @@ def fit_lengths(out: LoopOutput, prompt_length: int, response_length: int) -> bo
     return cut
 
 
+def plain(value: Any) -> Any:
+    """``value`` with numpy (or torch) arrays and scalars turned into lists and Python numbers, recursively.
+
+    veRL hands each dataset field to ``run`` as an element of a numpy object
+    array, so fields can be numpy values; a prorl instance travels as msgpack,
+    which carries only plain values.
+    """
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "tolist") and callable(value.tolist):
+        return plain(value.tolist())
+    return value
+
+
 async def run_job(client: Any, task: str, instance: Any, sampling: dict[str, Any] | None = None,
                   timeout_s: float | None = None) -> tuple[LoopOutput, JobResult]:
     """Run ``instance`` as one prorl job on an :class:`~prorl_cli.client.AsyncRolloutClient`; return veRL's fields."""

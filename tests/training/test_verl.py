@@ -22,6 +22,7 @@ from prorl_cli.integrations.verl import (
     fit_lengths,
     loop_output,
     nemo_rl_batch,
+    plain,
     run_job,
     verl_batch,
 )
@@ -60,6 +61,16 @@ def test_a_sample_is_cut_to_verls_widths() -> None:
     assert fit_lengths(out, 2, 3)
     assert out.prompt_ids == [2, 3] and out.response_ids == [10, 11, 20] and out.response_mask == [1, 1, 0]
     assert out.response_logprobs == pytest.approx([-0.1, -0.2, 0.0]) and out.extra_fields["policy_versions"] == [4, 4, -1]
+
+
+def test_a_verl_row_becomes_a_plain_instance() -> None:
+    """veRL's per-row values are numpy elements; the instance sent to prorl (msgpack) holds plain ones."""
+    np = pytest.importorskip("numpy")
+    import msgpack
+
+    row = {"q": np.str_("2+2"), "n": np.int64(3), "ids": np.array([1, 2]), "meta": {"w": np.float32(0.5)}}
+    assert plain(row) == {"q": "2+2", "n": 3, "ids": [1, 2], "meta": {"w": 0.5}}
+    msgpack.packb(plain(row))
 
 
 def test_verl_and_nemo_rl_batches_from_an_export(tmp_path: Path) -> None:
