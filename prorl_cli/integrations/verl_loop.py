@@ -25,6 +25,7 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 
 from prorl_cli.client import AsyncRolloutClient
+from prorl_cli.exceptions import ConfigError
 from prorl_cli.integrations.verl import AGENT_NAME, fit_lengths, plain, run_job
 
 #: One client per event loop: veRL's worker keeps one loop for its lifetime, and a client's sockets belong to one loop.
@@ -59,7 +60,7 @@ class ProrlAgentLoop(AgentLoopBase):
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         task = kwargs.get("prorl_task") or os.environ.get("PRORL_TASK")
         if not task:
-            raise ValueError("prorl agent loop: no task (a 'prorl_task' dataset field or $PRORL_TASK)")
+            raise ConfigError("prorl agent loop: no task (a 'prorl_task' dataset field or $PRORL_TASK)")
         instance = plain(kwargs.get("prorl_instance", kwargs))
         sampling = dict(sampling_params)
         # veRL's worker passes no per-call token limit; its response_length bounds the whole response.
