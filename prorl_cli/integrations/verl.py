@@ -7,13 +7,15 @@ registered by name (``@register("name")`` on a subclass of
 ``AgentLoopOutput``: ``prompt_ids``, ``response_ids`` (model and tool
 tokens), ``response_mask`` (1 on model tokens), ``response_logprobs``,
 ``reward_score``, ``num_turns``, ``metrics``, ``extra_fields``.
-:func:`register_agent_loop` defines and registers ``prorl`` (veRL imported
-only then): its ``run`` submits the sample as one prorl job (the dataset
+:func:`register_agent_loop` registers ``prorl`` (the class lives in
+:mod:`prorl_cli.integrations.verl_loop`, which imports veRL): its ``run`` submits the sample as one prorl job (the dataset
 row's ``prorl_instance`` field, else the row itself; task from its
 ``prorl_task`` field or ``$PRORL_TASK``; deployment ``$PRORL_DEPLOYMENT``)
 and returns the token-exact trajectory, so prorl's routing, cancellation and
 sandboxes apply; veRL's own server manager is not used. In a trainer's
-config: ``actor_rollout_ref.rollout.agent.default_agent_loop: prorl``.
+config: ``actor_rollout_ref.rollout.agent.default_agent_loop: prorl`` and
+``agent_loop_config_path`` set to :data:`AGENT_LOOP_CONFIG` (veRL's workers
+are other processes, whose registry only that file fills).
 
 **Batches from exports.** :func:`verl_batch` and :func:`nemo_rl_batch` turn
 rows of a prorl export (``write_samples_parquet``) into the tensors that
@@ -22,9 +24,9 @@ rows of a prorl export (``write_samples_parquet``) into the tensors that
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import ProrlError
@@ -33,6 +35,10 @@ from prorl_cli.training.samples import NO_VERSION, build_samples
 
 #: The name the agent loop is registered under in veRL.
 AGENT_NAME = "prorl"
+
+#: veRL's ``actor_rollout_ref.rollout.agent.agent_loop_config_path`` file naming prorl's loop
+#: (veRL's workers are other processes: this file is what registers the loop there).
+AGENT_LOOP_CONFIG = Path(__file__).with_name("verl_agent_loops.yaml")
 
 
 class NoTrajectory(ProrlError, ValueError):
@@ -88,6 +94,37 @@ def loop_output(result: JobResult) -> LoopOutput:
     )
 
 
+def fit_lengths(out: LoopOutput, prompt_length: int, response_length: int) -> bool:
+    """Cut ``out`` to veRL's ``rollout.prompt_length`` (keeping the prompt's end) and ``response_length`` (its start).
+
+    veRL pads every sample to those widths and cannot hold a longer one; its
+    own loops cut the same way. Returns whether anything was cut.
+    """
+    cut = len(out.prompt_ids) > prompt_length or len(out.response_ids) > response_length
+    out.prompt_ids = out.prompt_ids[-prompt_length:] if prompt_length > 0 else []
+    out.response_ids = out.response_ids[:response_length]
+    out.response_mask = out.response_mask[:response_length]
+    out.response_logprobs = out.response_logprobs[:response_length]
+    out.extra_fields["policy_versions"] = out.extra_fields["policy_versions"][:response_length]
+    return cut
+
+
+def plain(value: Any) -> Any:
+    """``value`` with numpy (or torch) arrays and scalars turned into lists and Python numbers, recursively.
+
+    veRL hands each dataset field to ``run`` as an element of a numpy object
+    array, so fields can be numpy values; a prorl instance travels as msgpack,
+    which carries only plain values.
+    """
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "tolist") and callable(value.tolist):
+        return plain(value.tolist())
+    return value
+
+
 async def run_job(client: Any, task: str, instance: Any, sampling: dict[str, Any] | None = None,
                   timeout_s: float | None = None) -> tuple[LoopOutput, JobResult]:
     """Run ``instance`` as one prorl job on an :class:`~prorl_cli.client.AsyncRolloutClient`; return veRL's fields."""
@@ -106,44 +143,18 @@ def _prorl_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def register_agent_loop(name: str = AGENT_NAME) -> type:
-    """Define and register prorl's agent loop with the installed veRL; return the class.
+def register_agent_loop() -> type:
+    """Register prorl's agent loop as ``prorl`` in the installed veRL's registry; return the class.
 
-    Raises ``ImportError`` naming the extra when veRL is not installed.
+    The class is :class:`prorl_cli.integrations.verl_loop.ProrlAgentLoop`
+    (defined at module level so that veRL's hydra-based instantiation can
+    import it by name). Raises ``ImportError`` naming the extra when veRL is
+    not installed.
     """
     try:
-        from verl.experimental.agent_loop.agent_loop import (
-            AgentLoopBase,
-            AgentLoopMetrics,
-            AgentLoopOutput,
-            register,
-        )
+        from prorl_cli.integrations.verl_loop import ProrlAgentLoop
     except ImportError as e:
         raise ImportError(f"prorl's veRL agent loop needs veRL: pip install 'prorl[verl]' ({e})") from e
-
-    class ProrlAgentLoop(AgentLoopBase):
-        """Runs each sample as a prorl job (see :mod:`prorl_cli.integrations.verl`)."""
-
-        _client: Any = None
-
-        async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
-            from prorl_cli.client import AsyncRolloutClient
-
-            if ProrlAgentLoop._client is None:
-                ProrlAgentLoop._client = AsyncRolloutClient(os.environ.get("PRORL_DEPLOYMENT"))
-            task = kwargs.get("prorl_task") or os.environ.get("PRORL_TASK")
-            if not task:
-                raise ValueError("prorl agent loop: no task (a 'prorl_task' dataset field or $PRORL_TASK)")
-            instance = kwargs.get("prorl_instance", kwargs)
-            out, result = await run_job(ProrlAgentLoop._client, str(task), instance, sampling_params)
-            return AgentLoopOutput(
-                prompt_ids=out.prompt_ids, response_ids=out.response_ids, response_mask=out.response_mask,
-                response_logprobs=out.response_logprobs, reward_score=out.reward_score, num_turns=out.num_turns,
-                metrics=AgentLoopMetrics(generate_sequences=float(result.stage_s.get("run", 0.0))),
-                extra_fields=out.extra_fields,
-            )
-
-    register(name)(ProrlAgentLoop)
     return ProrlAgentLoop
 
 

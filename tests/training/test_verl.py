@@ -1,16 +1,15 @@
-"""veRL and NeMo-RL: prorl's agent-loop output and the batch layouts built from prorl's exports.
+"""veRL and NeMo-RL: prorl's agent loop driven by veRL's own classes, and the batch layouts built from prorl's exports.
 
-veRL 0.9.1 does not install here without changing the shared transformers
-(its dependencies pin transformers 5.10, tokenizers and huggingface_hub
-below what is installed), and NeMo-RL not at all on a CPU: these tests
-check the fields against the layouts those trainers' code reads (veRL's
-``AgentLoopOutput`` and ``DataProto`` tensors, NeMo-RL's ``BatchedDataDict``
-keys), and the real ``register_agent_loop`` only where veRL imports.
+veRL 0.9.1 is installed without its dependency pins (scripts/install.sh, see
+docs/training.md): its ``AgentLoopWorker`` runs prorl's registered loop on a
+real deployment, and ``DataProto.from_dict`` takes ``verl_batch`` of a real
+export. NeMo-RL has no installable package (PyPI's ``nemo-rl`` is an empty
+placeholder): its ``BatchedDataDict`` tensors are checked against the keys
+and layout its loss reads.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +17,18 @@ import pytest
 
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.integrations.verl import (
+    AGENT_LOOP_CONFIG,
     NoTrajectory,
+    fit_lengths,
     loop_output,
     nemo_rl_batch,
+    plain,
     run_job,
     verl_batch,
 )
 from prorl_cli.protocol import JobResult
 from prorl_cli.training.samples import samples_from_results
+from tests.harness import need_module
 
 
 def _result(job_id: str, calls: list[ModelCall], reward: float = 1.0, group: str = "g") -> JobResult:
@@ -49,6 +52,25 @@ def test_the_agent_loop_output_of_a_two_turn_trajectory() -> None:
     assert out.extra_fields["policy_versions"] == [4, 4, -1, -1, 4] and out.extra_fields["prorl_samples"] == 1
     with pytest.raises(NoTrajectory, match="j2"):
         loop_output(JobResult(job_id="j2", task="t", state="failed", output={}))
+
+
+def test_a_sample_is_cut_to_verls_widths() -> None:
+    """veRL pads to rollout.prompt_length / response_length: a longer sample keeps its prompt's end and response's start."""
+    out = loop_output(_result("j1", TWO_TURNS))
+    assert not fit_lengths(out, 3, 5) and out.response_ids == [10, 11, 20, 21, 12]
+    assert fit_lengths(out, 2, 3)
+    assert out.prompt_ids == [2, 3] and out.response_ids == [10, 11, 20] and out.response_mask == [1, 1, 0]
+    assert out.response_logprobs == pytest.approx([-0.1, -0.2, 0.0]) and out.extra_fields["policy_versions"] == [4, 4, -1]
+
+
+def test_a_verl_row_becomes_a_plain_instance() -> None:
+    """veRL's per-row values are numpy elements; the instance sent to prorl (msgpack) holds plain ones."""
+    np = pytest.importorskip("numpy")
+    import msgpack
+
+    row = {"q": np.str_("2+2"), "n": np.int64(3), "ids": np.array([1, 2]), "meta": {"w": np.float32(0.5)}}
+    assert plain(row) == {"q": "2+2", "n": 3, "ids": [1, 2], "meta": {"w": 0.5}}
+    msgpack.packb(plain(row))
 
 
 def test_verl_and_nemo_rl_batches_from_an_export(tmp_path: Path) -> None:
@@ -78,24 +100,84 @@ def test_verl_and_nemo_rl_batches_from_an_export(tmp_path: Path) -> None:
 
 
 def test_register_agent_loop() -> None:
-    """With veRL: registered in its registry under ``prorl``. Without (here): an ImportError naming the extra."""
+    """``prorl`` lands in veRL's real registry under a path hydra can import (as veRL's worker instantiates it)."""
+    need_module("verl", "verl")
+    from hydra.utils import get_class
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
     from prorl_cli.integrations.verl import register_agent_loop
 
-    if importlib.util.find_spec("verl") is None:
-        with pytest.raises(ImportError, match=r"prorl\[verl\]"):
-            register_agent_loop()
-        return
-    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry  # type: ignore[import-not-found]
-
     cls = register_agent_loop()
-    assert _agent_loop_registry["prorl"]["_target_"].endswith(cls.__qualname__)
+    assert get_class(_agent_loop_registry["prorl"]["_target_"]) is cls
 
 
-def test_the_adapter_runs_real_jobs(tmp_path: Path, tiny_model: Path) -> None:
-    """``run_job`` (the body of the agent loop's ``run``) on a real deployment with a scripted bridge."""
+def _verl_config(model: Path, agent_loops: Path) -> Any:
+    """veRL's full trainer config (its flattened reference file; hydra's composition is not needed) for the tiny model."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.load(str(files("verl.trainer.config") / "_generated_ppo_trainer.yaml"))
+    return OmegaConf.merge(base, OmegaConf.from_dotlist([
+        f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.prompt_length=256",
+        "actor_rollout_ref.rollout.response_length=64",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=prorl",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={agent_loops}",
+    ]))
+
+
+# hydra 1.4 warns on every instantiate without an execution whitelist; veRL's worker passes none.
+@pytest.mark.filterwarnings("ignore:hydra.utils.instantiate:UserWarning")
+def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """veRL's ``AgentLoopWorker`` (built from veRL's config, no Ray cluster) runs ``prorl`` on a real deployment.
+
+    The worker looks the loop up in veRL's registry, instantiates it through
+    hydra and calls ``run`` as in training; the batch it returns holds the
+    job's trajectory token for token, and ``DataProto.from_dict`` takes
+    ``verl_batch`` of the same job's export with the same ids.
+    """
+    need_module("verl", "verl")
+    import asyncio
+
+    import numpy as np
+    import pyarrow.parquet as pq
+    from verl import DataProto
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
+
+    import prorl_cli.integrations.verl_loop as verl_loop
+    from prorl_cli.training.export import write_samples_parquet
     from tests.harness import Deployment
     from tests.inference.conftest import HANDLERS
     from tests.inference.test_routing import ScriptedEngine, ThreadBridge
+
+    results: list[JobResult] = []
+
+    async def spy_run_job(*args: Any, **kwargs: Any) -> Any:  # the real run_job, keeping its JobResult to compare with
+        out, result = await run_job(*args, **kwargs)
+        results.append(result)
+        return out, result
+
+    monkeypatch.setattr(verl_loop, "run_job", spy_run_job)
+    # What registers the loop in a veRL worker's process is the shipped agent_loop_config_path file.
+    monkeypatch.delitem(_agent_loop_registry, "prorl", raising=False)
+    # No LLM server: prorl's loop generates through prorl's backends, never through veRL's client.
+    worker = AgentLoopWorker(_verl_config(tiny_model, AGENT_LOOP_CONFIG), llm_client=None)  # type: ignore[arg-type]
+    assert _agent_loop_registry["prorl"]["_target_"] == "prorl_cli.integrations.verl_loop.ProrlAgentLoop"
+    batch = DataProto.from_dict(non_tensors={
+        "raw_prompt": np.array([[{"role": "user", "content": "hi"}]], dtype=object),
+        "prorl_task": np.array(["multiturn"], dtype=object),
+        "prorl_instance": np.array([{"tokenizer": str(tiny_model), "turns": 2}], dtype=object),
+    })
+
+    async def generate() -> Any:
+        try:
+            return await worker.generate_sequences(batch)
+        finally:
+            await verl_loop.close_client()
 
     d = Deployment(tmp_path / "home", config={"inference": {"generate_timeout_s": 60.0}})
     bridge: Any = None
@@ -103,16 +185,36 @@ def test_the_adapter_runs_real_jobs(tmp_path: Path, tiny_model: Path) -> None:
         d.start_broker()
         d.start_node("n1", "--handlers", str(HANDLERS))
         bridge = ThreadBridge(d, "b1", ScriptedEngine())
-        out, result = d.client._run(run_job(d.client._aio, "multiturn", {"tokenizer": str(tiny_model), "turns": 2},
-                                            {"max_tokens": 2, "temperature": 1.0, "logprobs": 1}))
+        for key, value in d.env().items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("PRORL_DEPLOYMENT", d.name)
+        out = asyncio.run(generate())
     finally:
         d.close()
         if bridge is not None:
             bridge.close()
-    assert result.ok and out.reward_score == 1.0
-    traj = Trajectory.from_dict(result.output["trajectory"])
-    assert len(traj.calls) == 2 and out.extra_fields["prorl_samples"] == 1
-    # The sampled ids are the engine's, in order; everything between them (the observation turn) is masked.
-    sampled = [t for t, m in zip(out.response_ids, out.response_mask, strict=True) if m]
-    assert sampled == [7, 8, 7, 8] and out.response_ids[:2] == [7, 8]
-    assert out.prompt_ids == traj.calls[0].prompt_ids and 0 in out.response_mask
+
+    (result,) = results
+    assert result.ok and out.non_tensor_batch["prorl_job_id"][0] == result.job_id
+    # The expected tensors, built from the raw trajectory: the first prompt, then each call's sampled ids
+    # (mask 1, the engine's logprobs) with the observation between calls (mask 0, logprob 0).
+    first, second = Trajectory.from_dict(result.output["trajectory"]).calls
+    observation = second.prompt_ids[len(first.prompt_ids) + len(first.output_ids):]
+    response = first.output_ids + observation + second.output_ids
+    mask = [1] * len(first.output_ids) + [0] * len(observation) + [1] * len(second.output_ids)
+    logprobs = first.logprobs + [0.0] * len(observation) + second.logprobs
+    p, r = len(first.prompt_ids), len(response)
+    assert observation and out.batch["prompts"].shape == (1, 256) and out.batch["responses"].shape == (1, 64)
+    assert out.batch["prompts"][0, -p:].tolist() == first.prompt_ids and not out.batch["attention_mask"][0, :256 - p].any()
+    assert out.batch["responses"][0, :r].tolist() == response
+    assert out.batch["response_mask"][0].tolist() == mask + [0] * (64 - r)
+    assert out.batch["rollout_log_probs"][0, :r].tolist() == pytest.approx(logprobs)
+    assert out.batch["rm_scores"][0, r - 1].item() == result.reward == 1.0 and out.batch["rm_scores"].sum().item() == 1.0
+    assert out.non_tensor_batch["__num_turns__"][0] == 4
+
+    # The same job through an export: verl_batch's tensors load into veRL's DataProto with the same ids.
+    rows = pq.read_table(write_samples_parquet(tmp_path / "s.parquet", samples_from_results([result]).samples)).to_pylist()
+    tensors, non_tensors = verl_batch(rows)
+    exported = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+    assert len(exported) == 1 and exported.batch["prompts"][0].tolist() == first.prompt_ids
+    assert exported.batch["responses"][0].tolist() == response and exported.batch["response_mask"][0].tolist() == mask
