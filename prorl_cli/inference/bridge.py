@@ -44,15 +44,22 @@ from prorl_cli.protocol import ErrorCode, Op, SamplingParams
 log = logging.getLogger(__name__)
 
 
-class _Call:
-    """One generate call at the bridge: its task, and where it is (for the log line of a cancel)."""
+#: Where a call is, as a cancel's log line says it.
+_WHERE = {
+    "queued": "before it reached the engine (never submitted to it)",
+    "engine": "in the engine",
+    "answered": "after the engine answered (the reply is dropped)",
+}
 
-    __slots__ = ("task", "in_engine")
+
+class _Call:
+    """One generate call at the bridge: its task, and where it is (a key of ``_WHERE``)."""
+
+    __slots__ = ("task", "stage")
 
     def __init__(self) -> None:
         self.task: asyncio.Future[None] | None = None
-        #: True from the moment the engine has the call until it answered.
-        self.in_engine = False
+        self.stage = "queued"
 
 
 class InferenceBridge(BrokerPeer):
@@ -135,8 +142,7 @@ class InferenceBridge(BrokerPeer):
             # The job ended: stop its call wherever it is. The broker expects no reply.
             ending = self._generating.get(header.get("rid"))
             if ending is not None and ending.task is not None:
-                where = "in the engine" if ending.in_engine else "before it reached the engine (never submitted to it)"
-                log.info("generate for job %s cancelled %s: the job ended", header.get("job_id"), where)
+                log.info("generate for job %s cancelled %s: the job ended", header.get("job_id"), _WHERE[ending.stage])
                 ending.task.cancel()
         else:
             log.debug("ignoring op %s", op.value)
@@ -255,7 +261,7 @@ class InferenceBridge(BrokerPeer):
             started = time.monotonic()
             try:
                 CALL_JOB_ID.set(header.get("job_id"))  # this call's own task: the engine's per-job accounting
-                call.in_engine = True
+                call.stage = "engine"
                 gen = await self.engine.generate(prompt_ids, sampling)
             except (InferenceError, ProtocolError, ValueError, TypeError) as e:
                 await self._answer_error(header, e)
@@ -268,7 +274,7 @@ class InferenceBridge(BrokerPeer):
                                  "error": {"code": ErrorCode.BACKEND_ERROR.value, "message": message}})
                 return
             finally:
-                call.in_engine = False
+                call.stage = "answered"
                 self._leave_engine()
         except asyncio.CancelledError:
             m.inc("prorl_bridge_generate_calls", ("cancelled",))
