@@ -14,17 +14,29 @@ ZeroMQ poll loop with one DEALER socket per simulated peer:
 * one client keeps the job count constant: it submits a replacement for
   every result it receives.
 
-Per level of jobs in flight (1k, 4k, 16k, 64k by default; nodes x slots),
-after every slot is filled, it measures for ``--duration-s``: the broker's
-CPU (cores, all its threads), messages/s through the broker, p50/p99 of job
-dispatch (submit -> assign at the node) and of generate routing (node ->
-bridge, and bridge -> node: send times travel in the token frames), and the
-broker's RSS. It prints a table and saves a PNG of CPU and p99 against jobs
-in flight (matplotlib, the ``bench`` extra).
+Per level of jobs in flight (1k, 4k, 16k, 64k by default; nodes x slots)
+and offered rate (``--rates``), after every slot is filled, it measures for
+``--duration-s``: the broker's CPU (cores, all its threads), messages/s
+through the broker, p50/p99/p999 of job dispatch (submit -> assign at the
+node) and of generate routing per hop (node -> broker -> bridge "in", and
+bridge -> broker -> node "back": send times travel in the token frames),
+the load generators' own CPU, and the broker's RSS. It prints a table and
+saves a PNG of CPU and p99 against jobs in flight (matplotlib, the
+``bench`` extra).
+
+``--pin`` gives the broker a core of its own: every thread of the broker
+process (its loop, ZeroMQ's I/O thread, the CURVE authenticator) runs on
+``--broker-cpu`` and the load generators (and this script) on the other
+cores, as ``taskset`` would; whatever else the machine runs still shares
+both (``--nice -10`` then gives the broker and the generators most of their
+cores against other work). A generator process at 100 % of its core queues what it receives,
+so the hop latencies then measure the generators, not the broker: the
+table shows their CPU next to the figures.
 
     python benchmarks/broker_scale.py                       # 1k, 4k, 16k, 64k in flight
     python benchmarks/broker_scale.py --levels 1024 16384 --duration-s 20
     python benchmarks/broker_scale.py --levels 1024 --duration-s 5 --calls 4   # a quick look
+    python benchmarks/broker_scale.py --levels 16384 --rates 2000 8000 --pin   # routing p99, broker on a core of its own
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import os
 import platform
 import random
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,6 +101,8 @@ class GenConfig:
     think_mean_s: float
     heartbeat_interval_s: float
     seed: int
+    cpus: list[int] | None = None  # run on these cores (``--pin``)
+    nice: int = 0  # scheduling priority (``--nice``)
 
 
 @dataclass
@@ -302,6 +317,10 @@ class Generator:
 
 
 def _generator_main(cfg: GenConfig, measuring: Any, stopping: Any, out: Any) -> None:
+    if cfg.cpus is not None:
+        os.sched_setaffinity(0, cfg.cpus)  # before ZeroMQ starts its I/O thread, which inherits it
+    if cfg.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, cfg.nice)
     stats = Generator(cfg, measuring, stopping).run()
     out.put((cfg.index, stats.__dict__))
 
@@ -316,9 +335,63 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path | None = None) -> dict[str, Any]:
+def pin_process(pid: int, cpus: list[int]) -> int:
+    """Move every thread of ``pid`` onto ``cpus`` (``taskset -a -p``); returns how many threads moved."""
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    for tid in tids:
+        os.sched_setaffinity(tid, cpus)
+    return len(tids)
+
+
+def set_nice(pid: int, nice: int) -> None:
+    """Every thread of ``pid`` at ``nice``, and its session's autogroup too.
+
+    With ``kernel.sched_autogroup_enabled`` (the default), the scheduler first
+    shares a core between sessions and only then between the processes of
+    one session by their nice values: a process's own nice alone gains
+    nothing against other sessions' work.
+    """
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.setpriority(os.PRIO_PROCESS, int(tid), nice)  # Linux: a thread's own nice value
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    if autogroup.exists():
+        autogroup.write_text(str(nice))
+
+
+def profile_summary(path: Path, top: int = 14) -> str:
+    """The functions the broker spent its samples in (self time) from py-spy's collapsed stacks."""
+    if not path.exists():
+        return f"# no profile: py-spy wrote nothing to {path} (is py-spy installed, may it attach?)"
+    own: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        leaf = stack.split(";")[-1]
+        own[leaf] = own.get(leaf, 0) + int(count)
+        total += int(count)
+    rows = sorted(own.items(), key=lambda kv: -kv[1])[:top]
+    return f"# broker profile ({total} samples, self time): " + "; ".join(f"{100 * n / total:.1f}% {f}" for f, n in rows)
+
+
+def _cpu_s(proc: Any) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
+def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path | None = None,
+              rate: float | None = None) -> dict[str, Any]:
     """One level; ``tree``: run the broker from that source tree instead of this one (a before/after baseline)."""
     import psutil
+
+    rate = args.rates[0] if rate is None else rate
+    broker_cpus = gen_cpus = None
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2 or args.broker_cpu not in cores:
+            raise SystemExit(f"--pin needs two cores with {args.broker_cpu} among them; this process may use {cores}")
+        broker_cpus, gen_cpus = [args.broker_cpu], [c for c in cores if c != args.broker_cpu]
 
     slots = max(1, inflight // args.nodes)
     inflight = slots * args.nodes
@@ -340,7 +413,14 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
         else:
             os.environ["PYTHONPATH"] = saved
     bproc = psutil.Process(broker.pid)
-    think_mean_s = inflight / args.rate if args.rate > 0 else 0.0
+    saved_affinity = os.sched_getaffinity(0)
+    if args.nice:
+        set_nice(broker.pid, args.nice)
+        set_nice(os.getpid(), args.nice)  # the generators are children of this session
+    if broker_cpus is not None and gen_cpus is not None:
+        pin_process(broker.pid, broker_cpus)
+        os.sched_setaffinity(0, gen_cpus)  # this script's status polls run with the generators
+    think_mean_s = inflight / rate if rate > 0 else 0.0
     node_names = [f"n{i:03d}" for i in range(args.nodes)]
     bridge_names = [f"b{i:02d}" for i in range(args.bridges)]
     ctx = mp.get_context("spawn")
@@ -351,7 +431,7 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
             address=stack.address, deployment_dir=str(stack.deployment_dir), index=g, nodes=node_names[g::args.generators], slots=slots,
             bridges=bridge_names[g::args.generators], client_jobs=inflight if g == 0 else 0,
             calls=args.calls, max_prompt_tokens=args.max_prompt_tokens, think_mean_s=think_mean_s,
-            heartbeat_interval_s=hb_s, seed=g,
+            heartbeat_interval_s=hb_s, seed=g, cpus=gen_cpus, nice=args.nice,
         )
         p = ctx.Process(target=_generator_main, args=(cfg, measuring, stopping, out), daemon=True)
         p.start()
@@ -370,10 +450,31 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
             time.sleep(0.5)
         fill_s = time.monotonic() - fill_start
         time.sleep(args.warmup_s)
+        if broker_cpus is not None:
+            threads = pin_process(broker.pid, broker_cpus)  # again: threads started since (none expected)
+            assert all(os.sched_getaffinity(int(t)) == set(broker_cpus) for t in os.listdir(f"/proc/{broker.pid}/task"))
+        else:
+            threads = len(bproc.threads())
+        gprocs = [psutil.Process(p.pid) for p in procs]
+        load0 = os.getloadavg()[0]
         cpu0, t0 = bproc.cpu_times(), time.monotonic()
+        gcpu0 = [_cpu_s(g) for g in gprocs]
         measuring.set()
+        spy = None
+        if args.profile_dir is not None:
+            # py-spy samples the broker through the window without stopping it (on the generators' cores when pinned).
+            args.profile_dir.mkdir(parents=True, exist_ok=True)
+            spy_out = args.profile_dir / f"broker-{inflight}-{rate:g}-{'base' if tree else 'this'}.txt"
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(broker.pid), "--duration", str(int(args.duration_s)),
+                                    "--rate", "200", "--nonblocking", "--format", "raw", "--output", str(spy_out)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(args.duration_s)
         cpu1, t1 = bproc.cpu_times(), time.monotonic()
+        if spy is not None:
+            spy.wait(60)
+            print(profile_summary(spy_out), flush=True)
+        gcpu1 = [_cpu_s(g) for g in gprocs]
+        load1 = os.getloadavg()[0]
         rss_mb = bproc.memory_info().rss / 2**20
         # Routing state against the jobs really running: a leak shows as more bound jobs than running ones.
         st = client.status()
@@ -394,10 +495,16 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
             if p.is_alive():
                 p.kill()
         stack.close()
+        os.sched_setaffinity(0, saved_affinity)
     wall = t1 - t0
     cores = ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / wall
     return {
         "inflight": inflight,
+        "rate_offered": rate,
+        "pinned": bool(args.pin),
+        "broker_threads": threads,
+        "load_avg": (load0 + load1) / 2,
+        "generator_cores": [(b - a) / wall for a, b in zip(gcpu0, gcpu1, strict=True)],
         "fill_s": fill_s,
         "broker_cores": cores,
         "broker_rss_mb": rss_mb,
@@ -411,8 +518,10 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
         "dispatch_p99_ms": pct(merged.dispatch_ms, 0.99),
         "route_in_p50_ms": pct(merged.route_in_ms, 0.5),
         "route_in_p99_ms": pct(merged.route_in_ms, 0.99),
+        "route_in_p999_ms": pct(merged.route_in_ms, 0.999),
         "route_back_p50_ms": pct(merged.route_back_ms, 0.5),
         "route_back_p99_ms": pct(merged.route_back_ms, 0.99),
+        "route_back_p999_ms": pct(merged.route_back_ms, 0.999),
         "jobs_running": running,
         "jobs_bound_to_backends": bound,
         "bridges_alive": bridges_alive,
@@ -448,12 +557,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _line(label: str, row: dict[str, Any]) -> str:
+    gens = "+".join(f"{c:.2f}" for c in row["generator_cores"])
     return (
-        f"{label:>8} in flight {row['inflight']:>6}: broker {row['broker_cores']:.2f} cores, {row['broker_rss_mb']:.0f} MB RSS, "
+        f"{label:>8} in flight {row['inflight']:>6}, {row['rate_offered']:g} calls/s offered"
+        f"{' (broker pinned to its own core)' if row['pinned'] else ''}, load average {row['load_avg']:.1f}: "
+        f"broker {row['broker_cores']:.2f} cores ({row['broker_threads']} threads), {row['broker_rss_mb']:.0f} MB RSS, "
+        f"generators {gens} cores | "
         f"{row['msgs_per_s']:.0f} msg/s, {row['calls_per_s']:.0f} calls/s ({row['cpu_us_per_call']:.0f} us CPU/call), "
         f"{row['jobs_per_s']:.1f} jobs/s | dispatch p50/p99 {row['dispatch_p50_ms']:.1f}/{row['dispatch_p99_ms']:.1f} ms | "
-        f"generate in p50/p99 {row['route_in_p50_ms']:.2f}/{row['route_in_p99_ms']:.2f} ms, "
-        f"back {row['route_back_p50_ms']:.2f}/{row['route_back_p99_ms']:.2f} ms | "
+        f"generate in p50/p99/p999 {row['route_in_p50_ms']:.2f}/{row['route_in_p99_ms']:.2f}/{row['route_in_p999_ms']:.2f} ms, "
+        f"back {row['route_back_p50_ms']:.2f}/{row['route_back_p99_ms']:.2f}/{row['route_back_p999_ms']:.2f} ms | "
         f"fill {row['fill_s']:.1f} s (dispatch p50/p99 {row['fill_dispatch_p50_ms']:.0f}/{row['fill_dispatch_p99_ms']:.0f} ms) | "
         f"{row['jobs_bound_to_backends']} jobs bound to {row['bridges_alive']} live bridges, {row['jobs_running']} running"
         + (f" | {row['errors']} errors, e.g. {row['error_sample']}" if row["errors"] else "")
@@ -467,7 +580,15 @@ def main() -> None:
     ap.add_argument("--bridges", type=int, default=8)
     ap.add_argument("--calls", type=int, default=20, help="generate calls per job")
     ap.add_argument("--max-prompt-tokens", type=int, default=8192, help="the last call's prompt length")
-    ap.add_argument("--rate", type=float, default=2000.0, help="generate calls/s offered (paces think times; 0: closed loop)")
+    ap.add_argument("--rates", "--rate", type=float, nargs="+", default=[2000.0],
+                    help="generate calls/s offered, one run each (paces think times; 0: closed loop)")
+    ap.add_argument("--pin", action="store_true",
+                    help="the broker on --broker-cpu alone, the load generators on the other cores (taskset)")
+    ap.add_argument("--broker-cpu", type=int, default=0)
+    ap.add_argument("--nice", type=int, default=0,
+                    help="run the broker and the generators at this nice value (say -10, as root: on a machine others "
+                         "share, the pinned broker then gets most of its core instead of a share of it)")
+    ap.add_argument("--profile-dir", type=Path, help="py-spy the broker through each window; collapsed stacks saved here")
     ap.add_argument("--duration-s", type=float, default=20.0, help="measured window per level")
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--fill-timeout-s", type=float, default=300.0)
@@ -486,22 +607,25 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}")
     print(f"# {args.nodes} nodes, {args.bridges} bridges, {args.calls} calls/job, prompts to {args.max_prompt_tokens} tokens, "
-          f"{args.rate:g} calls/s offered, {args.generators} generator processes, {args.duration_s:g} s per level")
+          f"{'/'.join(f'{r:g}' for r in args.rates)} calls/s offered, {args.generators} generator processes, "
+          f"{args.duration_s:g} s per level" + (f", broker pinned to CPU {args.broker_cpu}" if args.pin else "")
+          + (f", broker and generators at nice {args.nice}" if args.nice else ""))
     rows = []
     with tempfile.TemporaryDirectory(prefix="prorl-scale-") as tmp:
         for level in args.levels:
-            runs = [("baseline", args.baseline_tree)] if args.baseline_tree else []
-            for label, tree in [*runs, ("prorl", None)]:
-                row = run_level(args, level, Path(tmp), tree)
-                row["broker"] = label
-                if tree is None:
-                    rows.append(row)
-                print(_line(label, row), flush=True)
+            for rate in args.rates:
+                runs = [("baseline", args.baseline_tree)] if args.baseline_tree else []
+                for label, tree in [*runs, ("prorl", None)]:
+                    row = run_level(args, level, Path(tmp), tree, rate)
+                    row["broker"] = label
+                    if tree is None:
+                        rows.append(row)
+                    print(_line(label, row), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     if rows and args.plot and args.plot.name:
         try:
-            plot(rows, args.plot)
+            plot([r for r in rows if r["rate_offered"] == args.rates[0]], args.plot)
             print(f"# plot: {args.plot}")
         except ImportError:
             print("# no plot: matplotlib is not installed (pip install 'prorl[bench]')")

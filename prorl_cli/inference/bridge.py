@@ -14,13 +14,23 @@ carry the old ``policy_version``), has the engine load the checkpoint
 (:meth:`Engine.reload`), then serves again under the new version and
 answers ``weights_updated``. An engine that cannot reload answers with an
 error (the caller then restarts the backend on the new checkpoint).
+
+A ``generate_cancel`` (the job ended) stops the call wherever it is: one
+still waiting for its turn (capacity, or a weight load) is dropped and
+never reaches the engine; one in the engine is cancelled there (vLLM
+aborts the request, the transformers engine stops before its next token).
+The bridge's log line says which. The hot path takes no lock and makes no
+thread hop: admission to the engine is a counter and a FIFO of waiters,
+touched only from the bridge's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +42,24 @@ from prorl_cli.peer import BrokerPeer
 from prorl_cli.protocol import ErrorCode, Op, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+#: Where a call is, as a cancel's log line says it.
+_WHERE = {
+    "queued": "before it reached the engine (never submitted to it)",
+    "engine": "in the engine",
+    "answered": "after the engine answered (the reply is dropped)",
+}
+
+
+class _Call:
+    """One generate call at the bridge: its task, and where it is (a key of ``_WHERE``)."""
+
+    __slots__ = ("task", "stage")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Future[None] | None = None
+        self.stage = "queued"
 
 
 class InferenceBridge(BrokerPeer):
@@ -56,16 +84,17 @@ class InferenceBridge(BrokerPeer):
         self.capacity = capacity
         self.engine_check_interval_s = engine_check_interval_s
         self._stop = asyncio.Event()
-        self._slots = asyncio.Semaphore(capacity)
-        self._generating: dict[Any, asyncio.Task[None]] = {}  # forward id -> its call
+        self._generating: dict[Any, _Call] = {}  # forward id -> its call
         #: Why the bridge stopped on its own (engine died); ``None`` after a normal stop.
         self.failure: str | None = None
         #: The weights version the engine serves (from the last ``update_weights``); ``None`` until one came.
         self.policy_version: int | None = None
-        #: Calls inside the engine now, and whether new ones may enter (cleared while weights load).
+        #: Calls admitted to the engine (at most ``capacity``); later ones wait in ``_waiting``, first come first
+        #: served. While weights load (``_loading``) none is admitted, and ``_idle`` resolves once none is inside.
         self._serving = 0
-        self._gate = asyncio.Condition()
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._loading = False
+        self._idle: asyncio.Future[None] | None = None
         self._reload_lock = asyncio.Lock()
         #: Prometheus figures, sent in every heartbeat (the broker serves them).
         self.metrics = MetricSet()
@@ -103,17 +132,18 @@ class InferenceBridge(BrokerPeer):
     def on_message(self, op: Op, header: dict[str, Any], payload: list[bytes]) -> None:
         if op == Op.GENERATE:
             rid = header.get("rid")
-            task = asyncio.ensure_future(self._serve_generate(header, payload))
-            self._generating[rid] = task
-            task.add_done_callback(lambda _: self._generating.pop(rid, None))
+            call = _Call()
+            call.task = task = asyncio.ensure_future(self._serve_generate(call, header, payload))
+            self._generating[rid] = call
+            task.add_done_callback(partial(self._call_done, rid))
         elif op == Op.UPDATE_WEIGHTS:
             self.spawn(self._update_weights(header))
         elif op == Op.GENERATE_CANCEL:
-            # The job ended: stop its call at the engine. The broker expects no reply.
-            call = self._generating.get(header.get("rid"))
-            if call is not None:
-                log.info("generate for job %s cancelled: the job ended", header.get("job_id"))
-                call.cancel()
+            # The job ended: stop its call wherever it is. The broker expects no reply.
+            ending = self._generating.get(header.get("rid"))
+            if ending is not None and ending.task is not None:
+                log.info("generate for job %s cancelled %s: the job ended", header.get("job_id"), _WHERE[ending.stage])
+                ending.task.cancel()
         else:
             log.debug("ignoring op %s", op.value)
 
@@ -141,9 +171,13 @@ class InferenceBridge(BrokerPeer):
                 if t is not stop_wait and not t.cancelled() and t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
         finally:
-            for t in list(self._generating.values()):
-                t.cancel()
+            for call in list(self._generating.values()):
+                if call.task is not None:
+                    call.task.cancel()
             await self.close()
+
+    def _call_done(self, rid: Any, _: asyncio.Future[None]) -> None:
+        self._generating.pop(rid, None)
 
     async def _update_weights(self, header: dict[str, Any]) -> None:
         """Load new weights between calls: in-flight calls finish on the old ones, new ones wait."""
@@ -153,9 +187,10 @@ class InferenceBridge(BrokerPeer):
             try:
                 if not isinstance(checkpoint, str) or not isinstance(version, int) or isinstance(version, bool):
                     raise ProtocolError(ErrorCode.BAD_FIELD, "update_weights needs a checkpoint string and an int policy_version")
-                async with self._gate:
-                    self._loading = True
-                    await self._gate.wait_for(lambda: self._serving == 0)
+                self._loading = True
+                if self._serving:
+                    self._idle = asyncio.get_running_loop().create_future()
+                    await self._idle
                 log.info("loading weights from %s as policy version %d", checkpoint, version)
                 await self.engine.reload(checkpoint, version)
                 self.policy_version = version
@@ -164,54 +199,86 @@ class InferenceBridge(BrokerPeer):
                 log.error("weights not updated: %s", message)
                 reply["error"] = {"code": ErrorCode.RELOAD_FAILED.value, "message": message}
             finally:
-                async with self._gate:
-                    self._loading = False
-                    self._gate.notify_all()
+                self._loading = False
+                self._idle = None
+                self._admit()
         await self.send(reply)
 
+    # ------------------------------------------------------------- admission to the engine
+
     async def _enter_engine(self) -> int | None:
-        """Wait while weights load; count this call as inside the engine; return the version that serves it."""
-        async with self._gate:
-            await self._gate.wait_for(lambda: not self._loading)
+        """Wait for a place in the engine (capacity, no weights loading); return the version that serves the call.
+
+        The fast path (room, nobody waiting) does not suspend. A waiter is
+        admitted by :meth:`_admit`, which counts it in before waking it, so
+        the count never overshoots; one cancelled as its turn came hands the
+        place on.
+        """
+        if self._loading or self._waiting or self._serving >= self.capacity:
+            turn = asyncio.get_running_loop().create_future()
+            self._waiting.append(turn)
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():
+                    self._leave_engine()  # admitted, and cancelled before it ran: give the place back
+                raise
+        else:
             self._serving += 1
-            return self.policy_version
+        return self.policy_version
 
-    async def _leave_engine(self) -> None:
-        async with self._gate:
-            self._serving -= 1
-            if self._serving == 0:
-                self._gate.notify_all()
+    def _leave_engine(self) -> None:
+        self._serving -= 1
+        if self._loading:
+            if not self._serving and self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
+        elif self._waiting:
+            self._admit()
 
-    async def _serve_generate(self, header: dict[str, Any], payload: list[bytes]) -> None:
+    def _admit(self) -> None:
+        """Wake waiting calls, oldest first, while there is room and no weights are loading."""
+        while self._waiting and not self._loading and self._serving < self.capacity:
+            turn = self._waiting.popleft()
+            if not turn.done():  # a waiter cancelled meanwhile left its future cancelled
+                self._serving += 1
+                turn.set_result(None)
+
+    # ------------------------------------------------------------- generate
+
+    async def _serve_generate(self, call: _Call, header: dict[str, Any], payload: list[bytes]) -> None:
         rid = header.get("rid")
-        async with self._slots:
-            version = await self._enter_engine()
-            started = time.monotonic()
+        m = self.metrics
+        try:
             try:
                 if len(payload) != 1:
                     raise ProtocolError(ErrorCode.BAD_FIELD, f"generate needs one prompt frame, got {len(payload)}")
                 prompt_ids = P.unpack_tokens(payload[0])
                 sampling = SamplingParams.from_wire(header.get("sampling") or {}, what="sampling")
+            except (ProtocolError, ValueError, TypeError) as e:
+                await self._answer_error(header, e)
+                return
+            version = await self._enter_engine()
+            started = time.monotonic()
+            try:
                 CALL_JOB_ID.set(header.get("job_id"))  # this call's own task: the engine's per-job accounting
+                call.stage = "engine"
                 gen = await self.engine.generate(prompt_ids, sampling)
             except (InferenceError, ProtocolError, ValueError, TypeError) as e:
-                code = e.code if isinstance(e, ProtocolError) else ErrorCode.BACKEND_ERROR.value
-                message = f"backend {self.backend_id}: {e.message if isinstance(e, ProtocolError) else e}"
-                log.warning("generate (job %s) failed: %s", header.get("job_id"), message)
-                reply = {"op": Op.GENERATE_REPLY.value, "rid": rid, "error": {"code": code, "message": message}}
-                self.metrics.inc("prorl_bridge_generate_calls", ("error",))
-                await self.send(reply)
+                await self._answer_error(header, e)
                 return
             except Exception as e:  # an engine bug must still answer, or the job would wait out its timeout
                 log.exception("generate (job %s) crashed in the engine", header.get("job_id"))
                 message = f"backend {self.backend_id}: internal error: {type(e).__name__}: {e}"
-                error = {"code": ErrorCode.BACKEND_ERROR.value, "message": message}
-                self.metrics.inc("prorl_bridge_generate_calls", ("error",))
-                await self.send({"op": Op.GENERATE_REPLY.value, "rid": rid, "error": error})
+                m.inc("prorl_bridge_generate_calls", ("error",))
+                await self.send({"op": Op.GENERATE_REPLY.value, "rid": rid,
+                                 "error": {"code": ErrorCode.BACKEND_ERROR.value, "message": message}})
                 return
             finally:
-                await self._leave_engine()
-        m = self.metrics
+                call.stage = "answered"
+                self._leave_engine()
+        except asyncio.CancelledError:
+            m.inc("prorl_bridge_generate_calls", ("cancelled",))
+            raise
         m.observe("prorl_bridge_generate_seconds", (), time.monotonic() - started)
         m.inc("prorl_bridge_generate_calls", ("ok",))
         m.inc("prorl_bridge_prompt_tokens", (), len(prompt_ids))
@@ -220,6 +287,14 @@ class InferenceBridge(BrokerPeer):
         if version is not None:
             done["policy_version"] = version  # the weights that served this call, whatever came since
         await self.send(done, gen.payload())
+
+    async def _answer_error(self, header: dict[str, Any], e: Exception) -> None:
+        """Answer a call the engine (or its own input) refused, with the error's code and message."""
+        code = e.code if isinstance(e, ProtocolError) else ErrorCode.BACKEND_ERROR.value
+        message = f"backend {self.backend_id}: {e.message if isinstance(e, ProtocolError) else e}"
+        log.warning("generate (job %s) failed: %s", header.get("job_id"), message)
+        self.metrics.inc("prorl_bridge_generate_calls", ("error",))
+        await self.send({"op": Op.GENERATE_REPLY.value, "rid": header.get("rid"), "error": {"code": code, "message": message}})
 
     async def _engine_watch(self) -> None:
         """Stop serving once the engine is gone: its process died, or 3 health checks in a row failed."""

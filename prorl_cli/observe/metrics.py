@@ -93,7 +93,7 @@ FAMILIES: dict[str, Family] = {
                                           ("runtime",), "node"),
     # bridge (the broker adds the label backend)
     "prorl_bridge_generate_seconds": Family("histogram", "Engine time of a generate call at the bridge.", (), "bridge"),
-    "prorl_bridge_generate_calls": Family("counter", "Generate calls a bridge served, by outcome (ok, error).", ("outcome",), "bridge"),
+    "prorl_bridge_generate_calls": Family("counter", "Generate calls a bridge served, by outcome (ok, error, cancelled).", ("outcome",), "bridge"),
     "prorl_bridge_prompt_tokens": Family("counter", "Prompt tokens a bridge's engine read.", (), "bridge"),
     "prorl_bridge_output_tokens": Family("counter", "Tokens a bridge's engine sampled.", (), "bridge"),
     "prorl_bridge_inflight": Family("gauge", "Generate calls a bridge's engine serves now.", (), "bridge"),
