@@ -89,7 +89,8 @@ class RunConfig:
     init_from: Path | None = None
     #: Keep warm-up checkpoints here, one per seed and warm-up settings (``warmup_cache_key``): a run whose
     #: checkpoint is there loads it instead of warming up; both examples share it, so a TRL run starts from
-    #: exactly the weights this example's GRPO run of the same seed started from.
+    #: exactly the weights this example's GRPO run of the same seed started from. The key does not cover
+    #: the code (tiny model, problems, demonstrations): empty the directory after changing it.
     warmup_cache: Path | None = None
     clip_eps: float = 0.2
     #: Sampling temperature for training and held-out episodes: at 1.0 a third of tool episodes miscopy.

@@ -30,7 +30,13 @@ rewards are all equal and sample another (TRL fixes the prompts of a step
 before the rollouts), so some of its 4 groups per step teach nothing.
 
     python examples/train_trl_grpo.py --out /tmp/trl-grpo --short       # CI: 2 steps
-    python examples/train_trl_grpo.py --out /tmp/trl-grpo --seeds 3     # the curve in docs/training.md
+    python examples/train_trl_grpo.py --out /tmp/trl-grpo --seeds 3     # 3 seeds, each warms up itself
+
+Against the other example, from the same warm-ups (docs/training.md), for K in 0 1 2:
+
+    python examples/train_tiny_grpo.py --out runs/tiny/seed-K --seed K --warmup-cache runs/warmups
+    python examples/train_trl_grpo.py --out runs/trl/seed-K --seed K --warmup-cache runs/warmups
+    python examples/train_trl_grpo.py --out runs/trl --seeds 3 --plot-only --compare runs/tiny
 """
 
 from __future__ import annotations
