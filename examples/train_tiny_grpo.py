@@ -87,6 +87,11 @@ class RunConfig:
     ppo_epochs: int = 1
     #: Start from these weights instead of the warm-up (a directory a previous run wrote, e.g. checkpoints/v0).
     init_from: Path | None = None
+    #: Keep warm-up checkpoints here, one per seed and warm-up settings (``warmup_cache_key``): a run whose
+    #: checkpoint is there loads it instead of warming up; both examples share it, so a TRL run starts from
+    #: exactly the weights this example's GRPO run of the same seed started from. The key does not cover
+    #: the code (tiny model, problems, demonstrations): empty the directory after changing it.
+    warmup_cache: Path | None = None
     clip_eps: float = 0.2
     #: Sampling temperature for training and held-out episodes: at 1.0 a third of tool episodes miscopy.
     temperature: float = 0.7
@@ -235,6 +240,44 @@ def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig,
     return step, copy_acc, p_tool
 
 
+def warmup_cache_key(cfg: RunConfig) -> str:
+    """The cache entry of a warm-up: the seed and every setting the warm-up's weights depend on."""
+    import hashlib
+
+    settings = {name: getattr(cfg, name) for name in (
+        "seed", "n_eval", "warmup_tool_share", "guess_range", "warmup_steps", "warmup_copy_target",
+        "warmup_settle_steps", "warmup_batch", "warmup_lr")}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return f"seed-{cfg.seed}-{digest}"
+
+
+def warm_up_cached(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig,
+                   rng: random.Random) -> tuple[Any, int, float, float]:
+    """:func:`warm_up`, or its checkpoint from ``cfg.warmup_cache``; returns (model, steps, copy accuracy, P(tool)).
+
+    The weights are saved as float32 safetensors, so a loaded checkpoint is bit for bit the one the
+    warm-up made. Nothing after the warm-up draws from ``rng``, so a run that loads it goes on as the
+    run that saved it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    entry = cfg.warmup_cache / warmup_cache_key(cfg) if cfg.warmup_cache is not None else None
+    if entry is not None and (entry / "warmup.json").is_file():
+        meta = json.loads((entry / "warmup.json").read_text())
+        print(f"warm-up loaded from {entry} ({meta['steps']} steps)", flush=True)
+        model = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32)
+        model.eval()
+        return model, int(meta["steps"]), float(meta["copy_acc"]), float(meta["p_tool"])
+    steps, copy_acc, p_tool = warm_up(model, chat, train, cfg, rng)
+    if entry is not None:
+        model.save_pretrained(str(entry))
+        chat.tokenizer.save_pretrained(str(entry))
+        # Written last: an entry without it (a run killed while saving) is warmed up again.
+        (entry / "warmup.json").write_text(json.dumps({"steps": steps, "copy_acc": copy_acc, "p_tool": p_tool}))
+    return model, steps, copy_acc, p_tool
+
+
 def grpo_update(model: Any, opt: Any, samples: list[Any], clip_eps: float) -> float:
     """One clipped policy-gradient step; ``sum(loss_weights * per-token loss)`` is the batch loss."""
     import torch
@@ -351,7 +394,8 @@ def run(cfg: RunConfig) -> RunSummary:
         model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
         print(f"warm-up skipped: weights from {cfg.init_from}", flush=True)
     else:
-        summary.warmup_steps, summary.warmup_copy_acc, summary.warmup_p_tool = warm_up(model, chat, train, cfg, rng)
+        model, summary.warmup_steps, summary.warmup_copy_acc, summary.warmup_p_tool = warm_up_cached(
+            model, chat, train, cfg, rng)
         print(f"warm-up: {summary.warmup_steps} supervised steps, copy accuracy {summary.warmup_copy_acc:.2f}, "
               f"P(tool call first) {summary.warmup_p_tool:.2f} ({time.monotonic() - started:.0f} s)", flush=True)
 
@@ -486,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ppo-epochs", type=int, help="clipped epochs over each step's batch (default 1)")
     ap.add_argument("--temperature", type=float, help="sampling temperature, training and held-out (default 0.7)")
     ap.add_argument("--init-from", type=Path, help="skip the warm-up: start from this model directory")
+    ap.add_argument("--warmup-cache", type=Path,
+                    help="keep the warm-up checkpoint here per seed and warm-up settings, and load it when there "
+                         "(shared with examples/train_trl_grpo.py)")
     ap.add_argument("--short", action="store_true", help="the CI configuration: 2 GRPO steps, a small eval")
     ap.add_argument("--seeds", type=int, default=1,
                     help="run seeds SEED..SEED+N-1 one after another (OUT/seed-K each), then print the mean "
@@ -517,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "warmup_steps", "lr", "ppo_epochs", "temperature"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
-    cfg.init_from = args.init_from
+    cfg.init_from, cfg.warmup_cache = args.init_from, args.warmup_cache
     summary = run(cfg)
     return 0 if all(math.isfinite(x) for x in summary.losses) else 1
 

@@ -5,7 +5,8 @@ functions it reuses), with TRL's trainer instead of that example's own loop:
 
 1. ``prorl dev tiny-model`` weights and the supervised warm-up (or
    ``--init-from`` a directory with warmed-up weights, e.g. the other
-   example's ``checkpoints/v0``).
+   example's ``checkpoints/v0``; or ``--warmup-cache DIR``, shared with the
+   other example: the same seed and settings load the same checkpoint).
 2. A real prorl deployment on this machine (broker, node with the
    ``math_agent`` handler, a transformers-engine bridge on the warm-up
    checkpoint).
@@ -17,10 +18,25 @@ functions it reuses), with TRL's trainer instead of that example's own loop:
 4. Held-out mean reward and tool use every ``--eval-every`` steps (the same
    evaluation as the other example), saved as ``curve.json``,
    ``summary.json`` and ``reward_curve.png``; ``--seeds N`` runs N seeds
-   and plots mean and spread.
+   and plots mean and spread (``--plot-only`` aggregates seeds run apart;
+   ``--compare TINY_OUT`` adds the other example's seeds to a second plot).
+
+The GRPO settings are the other example's as far as TRL has them: groups of
+8, 4 groups per step, temperature 0.7 (prorl samples), lr 2e-4 constant,
+one epoch clipped at 0.2, gradient norm 1, advantages ``r - mean(group)``
+(``scale_rewards="none"``), each rollout's token-mean averaged over
+rollouts (``loss_type="grpo"``). What TRL cannot do: drop a group whose
+rewards are all equal and sample another (TRL fixes the prompts of a step
+before the rollouts), so some of its 4 groups per step teach nothing.
 
     python examples/train_trl_grpo.py --out /tmp/trl-grpo --short       # CI: 2 steps
-    python examples/train_trl_grpo.py --out /tmp/trl-grpo --seeds 3     # the curve in docs/training.md
+    python examples/train_trl_grpo.py --out /tmp/trl-grpo --seeds 3     # 3 seeds, each warms up itself
+
+Against the other example, from the same warm-ups (docs/training.md), for K in 0 1 2:
+
+    python examples/train_tiny_grpo.py --out runs/tiny/seed-K --seed K --warmup-cache runs/warmups
+    python examples/train_trl_grpo.py --out runs/trl/seed-K --seed K --warmup-cache runs/warmups
+    python examples/train_trl_grpo.py --out runs/trl --seeds 3 --plot-only --compare runs/tiny
 """
 
 from __future__ import annotations
@@ -49,6 +65,8 @@ import train_tiny_grpo as tiny  # noqa: E402  (the shared task, warm-up and eval
 class TrlSummary:
     seed: int
     warmup_steps: int = 0
+    #: The weights the run started from (``--init-from``, or the warm-up cache entry); None: warmed up itself.
+    init_from: str | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)
     tool_use: list[tuple[int, float]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -56,6 +74,8 @@ class TrlSummary:
     policy_versions_seen: list[list[int]] = field(default_factory=list)
     merge_ratio: list[float] = field(default_factory=list)
     masked_tokens: list[int] = field(default_factory=list)
+    #: Per step: groups whose rewards were not all equal (the others have advantage 0 throughout).
+    informative_groups: list[int] = field(default_factory=list)
     weight_delta: float = 0.0
     wall_s: float = 0.0
 
@@ -87,9 +107,12 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
     summary = TrlSummary(seed=cfg.seed)
     if cfg.init_from is not None:
         model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
+        summary.init_from = str(cfg.init_from)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32)
-        summary.warmup_steps, _, _ = tiny.warm_up(model, chat, train, cfg, rng)
+        model, summary.warmup_steps, _, _ = tiny.warm_up_cached(model, chat, train, cfg, rng)
+        if cfg.warmup_cache is not None:
+            summary.init_from = str(cfg.warmup_cache / tiny.warmup_cache_key(cfg))
         print(f"warm-up: {summary.warmup_steps} steps ({time.monotonic() - started:.0f} s)", flush=True)
     start_dir = cfg.out / "checkpoints" / "v0"
     model.save_pretrained(str(start_dir))
@@ -130,6 +153,11 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
             max_completion_length=256, learning_rate=cfg.lr, logging_steps=1, report_to="none",
             # TRL's log-probs at temperature 1: the engines' log-probs are of the unmodified distribution too.
             save_strategy="no",
+            # The other example's update: one clipped epoch, r - mean(group) advantages, each rollout's
+            # token-mean averaged over rollouts, a constant lr (TRL's default decays it to 0 over the run),
+            # torch's AdamW weight decay, gradient norm clipped at 1.
+            num_iterations=cfg.ppo_epochs, epsilon=cfg.clip_eps, scale_rewards="none", loss_type="grpo",
+            lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=1.0, beta=0.0,
         )
         trainer = GRPOTrainer(
             model=model, reward_funcs=[prorl_reward], args=args,
@@ -143,6 +171,7 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
     summary.policy_versions_seen = [h.policy_versions for h in rollout.history]
     summary.merge_ratio = [h.merge_ratio for h in rollout.history]
     summary.masked_tokens = [h.masked_tokens for h in rollout.history]
+    summary.informative_groups = [h.informative_groups for h in rollout.history]
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     summary.weight_delta = float((after - before).norm())
     summary.wall_s = time.monotonic() - started
@@ -150,6 +179,52 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
     (cfg.out / "curve.json").write_text(json.dumps(summary.curve))
     print("reward curve (step, held-out mean reward): " + ", ".join(f"({s}, {r:.3f})" for s, r in summary.curve))
     return summary
+
+
+def load_runs(out: Path, seeds: range) -> list[tiny.RunSummary]:
+    """The ``summary.json`` of ``OUT/seed-K`` for each seed (this example's or the other's), as the other example's summary."""
+    names = {f.name for f in tiny.RunSummary.__dataclass_fields__.values()}
+    runs = []
+    for seed in seeds:
+        data = json.loads((out / f"seed-{seed}" / "summary.json").read_text())
+        runs.append(tiny.RunSummary(**{k: v for k, v in data.items() if k in names}))
+    return runs
+
+
+def compare(trl: list[tiny.RunSummary], own: list[tiny.RunSummary], path: Path) -> dict[str, Any]:
+    """Mean and [min, max] per evaluation of both trainers' held-out reward; plots them to ``path`` and returns the table."""
+    table: dict[str, Any] = {}
+    for name, runs in (("trl", trl), ("train_tiny_grpo", own)):
+        points = []
+        for i, (step, _) in enumerate(runs[0].curve):
+            values = [r.curve[i][1] for r in runs]
+            points.append({"step": step, "mean": sum(values) / len(values), "min": min(values), "max": max(values)})
+        table[name] = {"seeds": [r.seed for r in runs], "points": points,
+                       "curves": {str(r.seed): r.curve for r in runs}, "tool_use": {str(r.seed): r.tool_use for r in runs}}
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'prorl[train]'): no PNG", flush=True)
+        return table
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    for (name, label), color in zip((("trl", "TRL GRPOTrainer"), ("train_tiny_grpo", "train_tiny_grpo's loop")),
+                                    ("tab:blue", "tab:orange"), strict=True):
+        pts = table[name]["points"]
+        steps = [p["step"] for p in pts]
+        ax.fill_between(steps, [p["min"] for p in pts], [p["max"] for p in pts], color=color, alpha=0.2)
+        ax.plot(steps, [p["mean"] for p in pts], marker="o", color=color,
+                label=f"{label} (mean, {len(table[name]['seeds'])} seeds)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("held-out mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,10 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float)
     ap.add_argument("--eval-every", type=int)
     ap.add_argument("--init-from", type=Path, help="skip the warm-up: start from this model directory")
+    ap.add_argument("--warmup-cache", type=Path,
+                    help="keep the warm-up checkpoint here per seed and warm-up settings, and load it when there "
+                         "(shared with examples/train_tiny_grpo.py)")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="with --seeds: only aggregate the OUT/seed-K that runs (e.g. started side by side) wrote")
+    ap.add_argument("--compare", type=Path, metavar="TINY_OUT",
+                    help="with --seeds: also plot train_tiny_grpo's seeds in TINY_OUT/seed-K against these "
+                         "(OUT/reward_curve_vs_tiny.png, OUT/comparison.json)")
     ap.add_argument("--short", action="store_true", help="the CI configuration: 2 GRPO steps, a small eval")
     args = ap.parse_args(argv)
+    seeds = range(args.seed, args.seed + args.seeds)
     runs = []
-    for seed in range(args.seed, args.seed + args.seeds):
+    for seed in seeds:
+        if args.plot_only:
+            break
         cfg = tiny.RunConfig(out=args.out / f"seed-{seed}" if args.seeds > 1 else args.out, seed=seed)
         if args.short:  # as the other example's CI run: a capped warm-up, lucky one-digit guesses give variance
             cfg.guess_range = (1, 9)
@@ -174,15 +260,20 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("steps", "warmup_steps", "lr", "eval_every"):
             if getattr(args, name) is not None:
                 setattr(cfg, name, getattr(args, name))
-        cfg.init_from = args.init_from
+        cfg.init_from, cfg.warmup_cache = args.init_from, args.warmup_cache
         summary = run(cfg)
         tiny.plot(tiny.RunSummary(seed=seed, curve=summary.curve, tool_use=summary.tool_use,
                                   train_rewards=summary.train_rewards), cfg.out / "reward_curve.png")
         runs.append(tiny.RunSummary(seed=seed, curve=summary.curve))
         if not all(math.isfinite(x) for x in summary.losses):
             return 1
+    if args.plot_only:
+        runs = load_runs(args.out, seeds)
     if len(runs) > 1:
         tiny.aggregate(runs, args.out / "reward_curve_seeds.png")
+        if args.compare is not None:
+            table = compare(runs, load_runs(args.compare, seeds), args.out / "reward_curve_vs_tiny.png")
+            (args.out / "comparison.json").write_text(json.dumps(table, indent=1))
     return 0
 
 

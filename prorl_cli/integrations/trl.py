@@ -74,6 +74,8 @@ class RolloutStats:
     global_step: int
     policy_version: int
     groups: int = 0
+    #: Groups whose rewards are not all equal: the others get advantage 0 on every token under GRPO.
+    informative_groups: int = 0
     rollouts: int = 0
     failed: int = 0
     #: Rollouts whose calls made more than one sample (TRL got the first).
@@ -200,6 +202,8 @@ class ProrlRollout:
         eos_id = _eos_id(trainer)
         rows = self._rows(results, stats, eos_id)
         stats.groups, stats.rollouts = len(groups), len(rows)
+        stats.informative_groups = sum(
+            len({r.reward for r in rows[i: i + group_size]}) > 1 for i in range(0, len(rows), group_size))
         stats.wall_s = time.monotonic() - started
         self.history.append(stats)
         self.last_rows = rows

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,3 +48,39 @@ def test_tiny_grpo_short_configuration(tmp_path: Path) -> None:
     assert [s for s, _ in summary["tool_use"]] == [0, 2] and all(0 <= u <= 1 for _, u in summary["tool_use"])
     assert 0 < summary["warmup_p_tool"] < 1  # the warm-up taught both ways: answer at once or call the tool
     assert (out / "samples.jsonl").read_text().count("\n") == table.num_rows
+
+
+def test_the_warmup_cache_hands_back_the_warmed_up_weights(tmp_path: Path) -> None:
+    """Both examples share warm-ups through ``--warmup-cache``: a second run of the same seed loads, not trains."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (pip install 'prorl[cpu]'; scripts/install.sh does it)")
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "examples"))
+    import train_tiny_grpo as tiny
+
+    from prorl_cli.agent import ChatTokens
+    from prorl_cli.handlers.math_agent import CALCULATOR_SCHEMA
+    from prorl_cli.inference.tiny_model import make_tiny_model
+
+    cfg = tiny.RunConfig(out=tmp_path, seed=3, warmup_steps=2, warmup_batch=2, warmup_cache=tmp_path / "cache")
+    init_dir = make_tiny_model(tmp_path / "init", seed=cfg.seed)
+    chat = ChatTokens.from_pretrained(init_dir, tools=[CALCULATOR_SCHEMA])
+    train = tiny.problems(random.Random(cfg.seed))[cfg.n_eval:]
+
+    def fresh() -> Any:
+        return AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32)
+
+    trained, steps, _, _ = tiny.warm_up_cached(fresh(), chat, train, cfg, random.Random(0))
+    loaded, steps_again, _, _ = tiny.warm_up_cached(fresh(), chat, train, cfg, random.Random(0))
+    assert steps == steps_again == 2
+    initial = fresh().state_dict()
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name  # bit for bit the warm-up's weights
+    assert any(not torch.equal(initial[n], t) for n, t in trained.state_dict().items())  # and not the initial ones
+    # Other warm-up settings are another entry: nothing is loaded for them.
+    assert tiny.warmup_cache_key(cfg) != tiny.warmup_cache_key(tiny.RunConfig(out=tmp_path, seed=3, warmup_steps=3))
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [tiny.warmup_cache_key(cfg)]
