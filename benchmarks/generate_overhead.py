@@ -138,7 +138,7 @@ def main() -> None:
         d.start_broker()
         d.start_node("n1", "--handlers", str(Path(__file__).resolve()))
         d.spawn("bridge", "serve", "inference", "--attach", url, "--backend-id", "b1")
-        d.wait_for(lambda st: any(b["backend_id"] == "b1" for b in st.backends), 120, "bridge", "bridge")
+        d.wait_for(lambda st: any(b.backend_id == "b1" for b in st.backends), 120, "bridge", "bridge")
         inst = {"url": url, "deployment": "bench", "address": d.address, "calls": args.calls, "warmup": args.warmup,
                 "max_tokens": args.max_tokens, "prompt_len": args.prompt_len}
         import prorl_cli

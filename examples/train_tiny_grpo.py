@@ -289,7 +289,7 @@ class Bridge:
         self.name = f"bridge-{self.restarts}"
         self.stack.spawn(self.name, "serve", "inference", "--engine", "transformers", "--model", str(checkpoint),
                          "--backend-id", backend_id, "--capacity", "4")
-        self.stack.wait_for(lambda st: any(b["backend_id"] == backend_id and b["alive"] for b in st.backends),
+        self.stack.wait_for(lambda st: any(b.backend_id == backend_id and b.alive for b in st.backends),
                             180, f"bridge {backend_id}", self.name)
         return backend_id
 
