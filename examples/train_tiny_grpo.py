@@ -305,12 +305,12 @@ def evaluate(client: Any, held_out: list[dict[str, Any]], cfg: RunConfig, tag: s
 
     Sampling seeds are fixed per (problem, sample), the same at every evaluation.
     """
-    from prorl_cli.protocol import JobSpec
+    from prorl_cli.protocol import JobSpec, SamplingParams
 
     specs, instances = [], []
     for i, problem in enumerate(held_out):
         for k in range(cfg.eval_samples):
-            sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": 1000 * i + k}
+            sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=1000 * i + k)
             specs.append(JobSpec(job_id=f"eval-{cfg.seed}-{tag}-{i}-{k}", task=TASK, timeout_s=300, sampling=sampling))
             instances.append(problem)
     client.submit_specs(specs, instances)

@@ -222,13 +222,13 @@ class GenerateCancel:
 class Assign:
     """Jobs placed on a node; payload: one instance per job.
 
-    ``jobs`` stay maps here: the node reads each with ``JobSpec.from_wire`` on its own, so one bad
+    ``jobs`` stay as read here: the node reads each with ``JobSpec.from_wire`` on its own, so one bad
     record fails that job (reported FAILED) and not the jobs beside it.
     """
 
-    jobs: list[dict[str, Any]]
+    jobs: list[Any]
     #: Per job: where its timeline starts (``since_submit_s``) and the broker's events so far.
-    timing: list[dict[str, Any]] | None = None
+    timing: list[Any] | None = None
 
 
 @dataclass(slots=True)

@@ -40,8 +40,6 @@ class _Record:
             v = getattr(self, name)
             if isinstance(v, _NESTED):
                 v = v.value if isinstance(v, enum.Enum) else v.to_wire()
-            elif type(v) is list and v and isinstance(v[0], _Record):
-                v = [x.to_wire() for x in v]
             out[name] = v
         return out
 
@@ -252,6 +250,13 @@ class StatusReport(_Record):
     failures: list[dict[str, Any]] = field(default_factory=list)
     #: Tokens through each backend so far, as the nodes count them: ``{backend: {"prompt": n, "output": n}}``.
     tokens: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The report as a msgpack-ready map, its nodes and backends as maps."""
+        wire = super().to_wire()
+        wire["nodes"] = [n.to_wire() for n in self.nodes]
+        wire["backends"] = [b.to_wire() for b in self.backends]
+        return wire
 
     @classmethod
     def from_wire(cls, data: Any, what: str | None = None) -> Self:

@@ -47,8 +47,34 @@ def _typed(check: Check, annotation: Any) -> Check:
     return check
 
 
-def _bad(path: str, message: str, code: ErrorCode | None = None) -> ProtocolError:
-    return ProtocolError((code or ErrorCode.BAD_FIELD).value, f"{path!r} {message}")
+class FieldError(ProtocolError):
+    """A :class:`ProtocolError` about one field: ``path`` (where) and ``detail`` (what), joined in its message.
+
+    Checkers name a value by the path their caller gave; containers pass their items an empty path
+    and put the item's place in front only when it fails, so a valid message builds no path strings.
+    """
+
+    def __init__(self, code: str, path: str, detail: str) -> None:
+        super().__init__(code, f"{path!r} {detail}")
+        self.path, self.detail = path, detail
+
+
+def _bad(path: str, message: str, code: ErrorCode | None = None) -> FieldError:
+    return FieldError((code or ErrorCode.BAD_FIELD).value, path, message)
+
+
+def _join(path: str, sub: str) -> str:
+    """``path`` followed by a relative ``sub`` path (``name``, ``[3]``, ``name[3].x`` or empty)."""
+    if not sub:
+        return path
+    if not path or sub.startswith("["):
+        return path + sub
+    return f"{path}.{sub}"
+
+
+def _within(path: str, sub: str, e: FieldError) -> FieldError:
+    """``e``, raised for an item at ``sub`` of the value at ``path``, with its full path."""
+    return FieldError(e.code, _join(path, _join(sub, e.path)), e.detail)
 
 
 def _type_name(value: Any) -> str:
@@ -142,10 +168,19 @@ def List(item: Check, max_len: int = MAX_JOBS_PER_MESSAGE) -> Check:
             raise _bad(path, f"must be a list, got {_type_name(v)}")
         if len(v) > max_len:
             raise _bad(path, f"has {len(v)} items; the limit is {max_len}")
-        if builds:
-            return [item(x, f"{path}[{i}]") for i, x in enumerate(v)]
-        for i, x in enumerate(v):
-            item(x, f"{path}[{i}]")
+        if item is _ANY:
+            return v
+        i = 0
+        try:
+            if builds:
+                out = []
+                for i, x in enumerate(v):  # noqa: B007 (``i`` names the failing item below)
+                    out.append(item(x, ""))
+                return out
+            for i, x in enumerate(v):  # noqa: B007
+                item(x, "")
+        except FieldError as e:
+            raise _within(path, f"[{i}]", e) from None
         return v
 
     if builds:
@@ -162,8 +197,14 @@ def Dict(key: Check, value: Check, max_len: int = 64, max_packed_bytes: int | No
         if len(v) > max_len:
             raise _bad(path, f"has {len(v)} entries; the limit is {max_len}")
         for k, x in v.items():
-            key(k, f"{path}.key")
-            value(x, f"{path}[{k!r}]")
+            try:
+                key(k, "")
+            except FieldError as e:
+                raise _within(path, "key", e) from None
+            try:
+                value(x, "")
+            except FieldError as e:
+                raise _within(path, f"[{k!r}]", e) from None
         if max_packed_bytes is not None and len(msgpack.packb(v, use_bin_type=True)) > max_packed_bytes:
             raise _bad(path, f"packs to more than {max_packed_bytes} bytes")
         return v
@@ -191,25 +232,29 @@ def Record(
     """
     make = build or cls
     specs = [(name, spec.check if isinstance(spec, Opt) else spec, isinstance(spec, Opt)) for name, spec in fields.items()]
+    names = frozenset(fields)
 
     def check(v: Any, path: str) -> Any:
         if type(v) is not dict:
             raise _bad(path, f"must be a map, got {_type_name(v)}")
-        if strict:
-            unknown = [k for k in v if k not in fields]
-            if unknown:
-                raise _bad(path, f"has unknown field(s) {sorted(map(str, unknown))}")
+        if strict and not v.keys() <= names:
+            raise _bad(path, f"has unknown field(s) {sorted(str(k) for k in v if k not in names)}")
         out = {}
-        for name, spec, optional in specs:
-            value = v.get(name)
-            if value is None:
-                if optional:
-                    continue
-                if name not in v:
-                    raise _bad(f"{path}.{name}" if path else name, "is missing", ErrorCode.MISSING_FIELD)
-            out[name] = spec(value, f"{path}.{name}" if path else name)
+        name = ""
+        try:
+            for name, spec, optional in specs:
+                value = v.get(name)
+                if value is None:
+                    if optional:
+                        continue
+                    if name not in v:
+                        raise _bad("", "is missing", ErrorCode.MISSING_FIELD)
+                out[name] = spec(value, "")
+        except FieldError as e:
+            raise _within(path, name, e) from None
         return v if make is None else make(**out)
 
+    RECORD_FIELDS[check] = fields
     if cls is None:
         return _typed(check, dict[str, Any])
     _BUILDERS.add(check)
@@ -218,6 +263,16 @@ def Record(
 
 #: Checkers whose value is built (a record, or a list of them) rather than the map as read.
 _BUILDERS: set[Check] = set()
+#: The fields of each :func:`Record` checker (what the typed classes are held to).
+RECORD_FIELDS: dict[Check, dict[str, FieldSpec]] = {}
+
+
+def _any(v: Any, path: str) -> Any:
+    """Anything: the receiver reads each item itself (``assign``'s jobs, one by one)."""
+    return v
+
+
+_ANY = _typed(_any, Any)
 
 
 #: The stage names, in order (``stage_timeouts_s`` keys, the node's stage pools).
@@ -325,7 +380,6 @@ class OpSchema:
 
 
 _RID: dict[str, FieldSpec] = {"rid": Id()}
-_ANY_MAP = Record({}, strict=False)
 
 OP_SCHEMAS: dict[Op, OpSchema] = {
     Op.SUBMIT: OpSchema({**_RID, "jobs": List(JOB_SPEC)}, payload="jobs"),
@@ -395,7 +449,7 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
     Op.GENERATE_DONE: OpSchema({"job_id": Str(), "backend_id": _URL}),
     Op.GENERATE_CANCEL: OpSchema({**_RID, "job_id": Str()}),
     # broker -> node: the node reads each of ``jobs`` itself (one bad record fails that job alone).
-    Op.ASSIGN: OpSchema({"jobs": List(_ANY_MAP), "timing": Opt(List(_ANY_MAP))}, payload="jobs"),
+    Op.ASSIGN: OpSchema({"jobs": List(_ANY), "timing": Opt(List(_ANY))}, payload="jobs"),
     Op.CANCEL_JOB: OpSchema({"job_ids": _JOB_IDS}),
     Op.GENERATE_HELD: OpSchema({**_RID, "job_id": Str(), "held": Bool()}),
     Op.SHUTDOWN: OpSchema({"rid": Opt(Id())}),
