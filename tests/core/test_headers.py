@@ -78,3 +78,17 @@ def test_a_record_given_a_class_builds_it_and_names_a_bad_field() -> None:
         check({"job_id": "a", "attempt": 0, "stage": "run"}, "u")
     with pytest.raises(ProtocolError, match="'u.stage' is missing"):
         check({"job_id": "a", "attempt": 1}, "u")
+
+
+def test_the_nodes_ops_are_checked_and_a_bad_job_record_fails_alone() -> None:
+    with pytest.raises(ProtocolError, match=r"op 'cancel_job': field 'job_ids\[1\]' must be a string"):
+        P.parse({"op": P.Op.CANCEL_JOB, "job_ids": ["a", 5]})
+    with pytest.raises(ProtocolError, match=r"op 'generate_held': field 'held' must be a boolean"):
+        P.parse({"op": P.Op.GENERATE_HELD, "rid": 3, "job_id": "a", "held": "yes"})
+    # An assignment is taken whole; each of its job records is read on its own, so one bad one fails alone.
+    good = {"job_id": "ok", "task": "t"}
+    assign = P.parse({"op": P.Op.ASSIGN, "jobs": [{"job_id": "bad", "task": "t", "timeout_s": -1}, good]}, 2)
+    assert isinstance(assign, H.Assign)
+    with pytest.raises(ProtocolError, match=r"'jobs\[0\].timeout_s' must be in \(0, 1e\+09\], got -1"):
+        P.JobSpec.from_wire(assign.jobs[0], "jobs[0]")
+    assert P.JobSpec.from_wire(assign.jobs[1], "jobs[1]") == P.JobSpec(job_id="ok", task="t")
