@@ -92,3 +92,33 @@ def test_the_nodes_ops_are_checked_and_a_bad_job_record_fails_alone() -> None:
     with pytest.raises(ProtocolError, match=r"'jobs\[0\].timeout_s' must be in \(0, 1e\+09\], got -1"):
         P.JobSpec.from_wire(assign.jobs[0], "jobs[0]")
     assert P.JobSpec.from_wire(assign.jobs[1], "jobs[1]") == P.JobSpec(job_id="ok", task="t")
+
+
+@pytest.mark.parametrize(("sampling", "expected"), [
+    (None, 77),  # no sampling: the handler's setting
+    ({"temperature": 0.5}, 77),  # sampling without max_tokens: still the handler's setting
+    ({"max_tokens": 9}, 9),  # the submitter's own choice wins
+])
+def test_a_handlers_max_tokens_applies_only_where_the_submitter_gave_none(
+    tmp_path: Any, sampling: dict[str, Any] | None, expected: int
+) -> None:
+    import logging
+
+    from prorl_cli.config import ProrlConfig
+    from prorl_cli.node.handler import AgentHandler, JobContext, Services
+    from prorl_cli.node.settings import HandlerSettings
+
+    class Capped(AgentHandler):
+        name = "capped"
+        defaults = HandlerSettings(max_tokens=77)
+
+        async def init(self, ctx: JobContext) -> None: ...
+        async def run(self, ctx: JobContext) -> None: ...
+        async def eval(self, ctx: JobContext) -> None: ...
+
+    wire = {"job_id": "j", "task": "capped", **({"sampling": sampling} if sampling is not None else {})}
+    spec = P.JobSpec.from_wire(P.JobSpec.from_wire(wire).to_wire())  # as the node gets it, forwarded by the broker
+    ctx = JobContext(spec, {}, "n1", tmp_path, ProrlConfig(), Services(), logging.getLogger("test"), handler=Capped())
+    assert ctx.agent_sampling().max_tokens == expected
+    if sampling and "temperature" in sampling:
+        assert ctx.agent_sampling().temperature == 0.5
