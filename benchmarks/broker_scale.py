@@ -441,7 +441,7 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
         client = stack.client
         while True:
             st = client.status()
-            placed = sum(n["inflight"] for n in st.nodes)
+            placed = sum(n.inflight for n in st.nodes)
             # Jobs finish and are replaced all the time: "filled" is the queue empty and (nearly) every slot busy.
             if st.queued == 0 and placed >= 0.97 * inflight:
                 break
@@ -478,9 +478,9 @@ def run_level(args: argparse.Namespace, inflight: int, workdir: Path, tree: Path
         rss_mb = bproc.memory_info().rss / 2**20
         # Routing state against the jobs really running: a leak shows as more bound jobs than running ones.
         st = client.status()
-        running = sum(n["inflight"] for n in st.nodes)
-        bound = sum(b["jobs"] for b in st.backends)
-        bridges_alive = sum(b["alive"] for b in st.backends)
+        running = sum(n.inflight for n in st.nodes)
+        bound = sum(b.jobs for b in st.backends)
+        bridges_alive = sum(b.alive for b in st.backends)
         stopping.set()
         merged = Stats()
         for _ in procs:

@@ -72,7 +72,7 @@ async def measure(stack: LocalStack, mode: str, args: argparse.Namespace) -> Run
         async def poll() -> None:
             while not stop.is_set():
                 st = await client.status()
-                busy.append(sum(n.inflight for n in st.node_statuses()))
+                busy.append(sum(n.inflight for n in st.nodes))
                 await asyncio.sleep(0.05)
 
         poller = asyncio.create_task(poll())
@@ -106,7 +106,7 @@ def main() -> None:
         with LocalStack(Path(tmp), "dapo-bench", config) as stack:
             stack.start_broker()
             stack.start_node("n1")
-            stack.wait_for(lambda st: any(n["alive"] for n in st.nodes), 60, "the node")
+            stack.wait_for(lambda st: any(n.alive for n in st.nodes), 60, "the node")
             runs = [asyncio.run(measure(stack, mode, args)) for mode in ("async", "sync")]
     print(f"{args.steps} steps x {args.target_groups} informative groups of {args.group_size}; {args.slots} worker slots; "
           f"durations {args.scale_s} s x Pareto(1.5); 40% zero-variance prompts")

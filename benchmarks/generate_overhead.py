@@ -207,6 +207,11 @@ def set_nice(pid: int, nice: int) -> None:
         autogroup.write_text(str(nice))
 
 
+def backend_id(b: Any) -> str:
+    """A status row's backend id: typed rows here, plain dicts in a baseline tree from before typed status."""
+    return b["backend_id"] if isinstance(b, dict) else b.backend_id
+
+
 def start_stack(d: Any, url: str | None, nice: int = 0) -> dict[str, Any]:
     """Broker, node and bridge (vLLM attached, or the echo engine); the benchmark job's instance."""
     d.start_broker()
@@ -218,7 +223,7 @@ def start_stack(d: Any, url: str | None, nice: int = 0) -> dict[str, Any]:
                 env=d.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     else:
         d.spawn("bridge", "serve", "inference", "--attach", url, "--backend-id", "b1")
-    d.wait_for(lambda st: any(b["backend_id"] == "b1" for b in st.backends), 120, "bridge", "bridge")
+    d.wait_for(lambda st: any(backend_id(b) == "b1" for b in st.backends), 120, "bridge", "bridge")
     if nice:
         for proc in d.procs.values():
             set_nice(proc.pid, nice)

@@ -193,7 +193,7 @@ def config_supported(extra: dict[str, Any]) -> str | None:
 def backend_totals(stack: LocalStack) -> dict[str, float]:
     totals: dict[str, float] = {}
     for b in stack.client.status().backends:
-        for k, v in (b.get("stats") or {}).items():
+        for k, v in b.stats.items():
             totals[k] = totals.get(k, 0.0) + float(v)
     return totals
 
@@ -228,7 +228,7 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         for i in range(BACKENDS):
             bid = f"sim-{i}"
             stack.spawn(bid, "serve", "inference", "--engine", "sim", "--backend-id", bid)
-        stack.wait_for(lambda st: sum(b["alive"] for b in st.backends) == BACKENDS, 60.0,
+        stack.wait_for(lambda st: sum(b.alive for b in st.backends) == BACKENDS, 60.0,
                        "the sim bridges to register", "sim-0")
         time.sleep(0.6)  # a first heartbeat with stats from every bridge
         before = backend_totals(stack)

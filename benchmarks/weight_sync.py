@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def start(name: str, backend_id: str, ckpt: Path) -> None:
                 d.spawn(name, "serve", "inference", "--engine", "transformers", "--model", str(ckpt), "--backend-id", backend_id)
-                d.wait_for(lambda st: any(b["backend_id"] == backend_id and b["alive"] for b in st.backends), 300,
+                d.wait_for(lambda st: any(b.backend_id == backend_id and b.alive for b in st.backends), 300,
                            f"bridge {backend_id}", name)
 
             start("bridge-0", "b0", ckpts[0])

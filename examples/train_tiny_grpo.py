@@ -332,7 +332,7 @@ class Bridge:
         self.name = f"bridge-{self.restarts}"
         self.stack.spawn(self.name, "serve", "inference", "--engine", "transformers", "--model", str(checkpoint),
                          "--backend-id", backend_id, "--capacity", "4")
-        self.stack.wait_for(lambda st: any(b["backend_id"] == backend_id and b["alive"] for b in st.backends),
+        self.stack.wait_for(lambda st: any(b.backend_id == backend_id and b.alive for b in st.backends),
                             180, f"bridge {backend_id}", self.name)
         return backend_id
 
@@ -348,12 +348,12 @@ def evaluate(client: Any, held_out: list[dict[str, Any]], cfg: RunConfig, tag: s
 
     Sampling seeds are fixed per (problem, sample), the same at every evaluation.
     """
-    from prorl_cli.protocol import JobSpec
+    from prorl_cli.protocol import JobSpec, SamplingParams
 
     specs, instances = [], []
     for i, problem in enumerate(held_out):
         for k in range(cfg.eval_samples):
-            sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": 1000 * i + k}
+            sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=1000 * i + k)
             specs.append(JobSpec(job_id=f"eval-{cfg.seed}-{tag}-{i}-{k}", task=TASK, timeout_s=300, sampling=sampling))
             instances.append(problem)
     client.submit_specs(specs, instances)

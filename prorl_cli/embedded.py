@@ -97,7 +97,7 @@ class LocalStack:
         proc = self.spawn(node_id, "serve", "node", "--node-id", node_id, *args)
         if wait:
             self.wait_for(
-                lambda st: any(n["node_id"] == node_id and n["alive"] for n in st.nodes),
+                lambda st: any(n.node_id == node_id and n.alive for n in st.nodes),
                 timeout_s, f"node {node_id} to register", node_id,
             )
         return proc

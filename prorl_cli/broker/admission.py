@@ -25,7 +25,8 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from prorl_cli.protocol.headers import Generate
 
 #: The heartbeat stat a backend reports its KV-cache size in (tokens).
 KV_CAPACITY_STAT = "kv_capacity_tokens"
@@ -37,20 +38,18 @@ class WaitingCall:
 
     since: float
     requester: bytes
-    header: dict[str, Any]
+    header: Generate
     payload: list[bytes]
 
     @property
     def job_id(self) -> str:
-        return str(self.header["job_id"])
+        return self.header.job_id
 
 
-def call_tokens(header: dict[str, Any], payload: list[bytes] | tuple[bytes, ...]) -> int:
-    """The context a call needs in KV: its prompt (int32 ids) and the most it may generate."""
-    sampling = header.get("sampling") or {}
-    max_tokens = sampling.get("max_tokens", 0) if isinstance(sampling, dict) else 0
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-        max_tokens = 0
+def call_tokens(header: Generate, payload: list[bytes] | tuple[bytes, ...]) -> int:
+    """The context a call needs in KV: its prompt (int32 ids) and the most it may generate (as the caller set it)."""
+    sampling = header.sampling
+    max_tokens = sampling.max_tokens if sampling is not None and sampling.is_set("max_tokens") else 0
     return (len(payload[0]) // 4 if payload else 0) + max_tokens
 
 

@@ -26,6 +26,7 @@ from prorl_cli import protocol as P
 from prorl_cli.broker.journal import attempt_record, end_record, job_record, placed_record
 from prorl_cli.broker.state import Job, Node, TaskQueues
 from prorl_cli.protocol import ForgetOutcome, JobResult, JobSpec, JobState
+from prorl_cli.protocol.headers import JobEnd, StageUpdate
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +209,11 @@ class JobTable:
 
     # ------------------------------------------------------------ node reports
 
-    def claim(self, node: Node, running: list[dict[str, Any]]) -> list[str]:
+    def claim(self, node: Node, running: list[StageUpdate]) -> list[str]:
         """A (re-)registering node's ``running`` list: take back what it may claim; return the ids it must drop."""
         drop: list[str] = []
         for c in running:
-            job_id, attempt = c["job_id"], c["attempt"]
+            job_id, attempt = c.job_id, c.attempt
             job = self.jobs.get(job_id)
             if job is None or job.state.terminal:
                 drop.append(job_id)
@@ -224,7 +225,7 @@ class JobTable:
             else:
                 drop.append(job_id)
                 continue
-            stage = JobState(c["stage"])
+            stage = JobState(c.stage)
             if stage in P.STAGES:
                 job.state = stage
             node.inflight.add(job_id)
@@ -233,34 +234,34 @@ class JobTable:
                         node.node_id, len(drop))
         return drop
 
-    def stage(self, node: Node, updates: list[dict[str, Any]]) -> None:
+    def stage(self, node: Node, updates: list[StageUpdate]) -> None:
         """Stage updates from ``node``: only for jobs placed on it, at their current attempt."""
         for upd in updates:
-            job = self.jobs.get(upd["job_id"])
-            if job is None or job.state.terminal or job.node_id != node.node_id or job.spec.attempt != upd["attempt"]:
+            job = self.jobs.get(upd.job_id)
+            if job is None or job.state.terminal or job.node_id != node.node_id or job.spec.attempt != upd.attempt:
                 continue
-            stage = JobState(upd["stage"])
+            stage = JobState(upd.stage)
             if stage in P.STAGES:
                 job.state = stage
 
-    def done(self, node: Node, infos: list[dict[str, Any]], results: list[bytes]) -> list[Job]:
+    def done(self, node: Node, infos: list[JobEnd], results: list[bytes]) -> list[Job]:
         """Results from ``node``; returns the jobs they finished (stale and foreign results are ignored)."""
         finished: list[Job] = []
         for info, result in zip(infos, results, strict=True):
-            job = self.jobs.get(info["job_id"])
+            job = self.jobs.get(info.job_id)
             if job is None:
                 # Gone already (cancelled, then dropped by retention before its node reported): the node's
                 # slot is free all the same. Only its own set is touched, so no node frees another's slot.
-                node.inflight.discard(info["job_id"])
+                node.inflight.discard(info.job_id)
                 continue
-            if self._claimable_by(job, node, info["attempt"]):
+            if self._claimable_by(job, node, info.attempt):
                 # A result sent before the node was declared dead (or before the broker restarted): take it.
-                self._take_back(job, node, info["attempt"])
+                self._take_back(job, node, info.attempt)
             if job.node_id == node.node_id:
                 node.inflight.discard(job.job_id)  # its slot is free, whatever became of the job
-            if job.state.terminal or job.node_id != node.node_id or job.spec.attempt != info["attempt"]:
+            if job.state.terminal or job.node_id != node.node_id or job.spec.attempt != info.attempt:
                 continue  # stale: cancelled meanwhile, re-queued elsewhere, or never this node's
-            state = JobState(info["state"])
+            state = JobState(info.state)
             self.finish(job, state if state.terminal else JobState.FAILED, bytes(result))
             finished.append(job)
         return finished

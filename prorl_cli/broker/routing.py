@@ -42,6 +42,7 @@ from prorl_cli import protocol as P
 from prorl_cli.broker.admission import KvAdmission, WaitingCall, call_tokens
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.protocol import ErrorCode, Op
+from prorl_cli.protocol import headers as H
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +147,12 @@ class HeldGenerate:
     """A generate call held while generation is paused or no backend is up."""
 
     requester: bytes
-    header: dict[str, Any]
+    header: H.Generate
     payload: list[bytes]
 
     @property
     def job_id(self) -> str:
-        return str(self.header["job_id"])
+        return self.header.job_id
 
 
 class HeldGenerates:
@@ -364,7 +365,7 @@ class Router:
         #: Weight updates waiting for their bridges, and forward id -> its update.
         self.updates: list[WeightUpdate] = []
         self._update_of: dict[int, WeightUpdate] = {}
-        self.handlers: dict[Op, Callable[[bytes, dict[str, Any], list[bytes]], None]] = {
+        self.handlers: dict[Op, Callable[[bytes, Any, list[bytes]], None]] = {
             Op.REGISTER_BACKEND: self.on_register_backend,
             Op.ADD_LLM_SERVER: self.on_add_llm_server,
             Op.CLEAR_LLM_SERVER: self.on_clear_llm_server,
@@ -391,14 +392,13 @@ class Router:
     def bridges_alive(self) -> bool:
         return any(b.alive and b.kind == "bridge" for b in self.backends.values())
 
-    def bridge_heartbeat(self, identity: bytes, h: dict[str, Any]) -> bool:
+    def bridge_heartbeat(self, identity: bytes, h: H.Heartbeat) -> bool:
         """A heartbeat from ``identity``: True if it is a live bridge (its engine figures are kept)."""
         backend = self.backend_by_identity.get(identity)
         if backend is None or not backend.alive:
             return False
-        stats = h.get("stats")
-        if isinstance(stats, dict):
-            backend.stats = {str(k): v for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        if h.stats is not None:
+            backend.stats = h.stats
         return True
 
     def touch(self, identity: bytes, now: float) -> None:
@@ -424,9 +424,9 @@ class Router:
             self._admit_waiting()
             return
         for item in self.held.pop_job(job_id):
-            self._answer_dropped(item.requester, item.header.get("rid"), ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
+            self._answer_dropped(item.requester, item.header.rid, ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
         for waiting in self.admission.pop_job(job_id):
-            self._answer_dropped(waiting.requester, waiting.header.get("rid"), ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
+            self._answer_dropped(waiting.requester, waiting.header.rid, ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
         for call_id, pend in self.pending.pop_job(job_id):
             self._stop_call(call_id, pend, ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
         self._prune_backends()
@@ -459,9 +459,9 @@ class Router:
             if backend.alive and backend.identity is not None:
                 self._send(backend.identity, {"op": Op.SHUTDOWN.value}, ())
         for item in self.held.pop_all():
-            self._answer_dropped(item.requester, item.header.get("rid"), ErrorCode.SHUTTING_DOWN, "the broker is stopping")
+            self._answer_dropped(item.requester, item.header.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping")
         for waiting in self.admission.take_all():
-            self._answer_dropped(waiting.requester, waiting.header.get("rid"), ErrorCode.SHUTTING_DOWN,
+            self._answer_dropped(waiting.requester, waiting.header.rid, ErrorCode.SHUTTING_DOWN,
                                  "the broker is stopping")
         for _, pend in self.pending.pop_all():
             if not pend.redirect:
@@ -473,21 +473,15 @@ class Router:
 
     # ------------------------------------------------------------------ backends
 
-    def on_register_backend(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        bid = h["backend_id"]
-        capacity = h.get("capacity") or 0
-        max_model_len = h.get("max_model_len")
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
-            self._reply_error(identity, h.get("rid"), ErrorCode.BAD_FIELD, f"capacity must be a non-negative int, got {capacity!r}")
-            return
-        if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)):
-            self._reply_error(identity, h.get("rid"), ErrorCode.BAD_FIELD, f"max_model_len must be an int, got {max_model_len!r}")
-            return
+    def on_register_backend(self, identity: bytes, h: H.RegisterBackend, payload: list[bytes]) -> None:
+        bid = h.backend_id
+        capacity = h.capacity or 0
+        max_model_len = h.max_model_len
         old = self.backends.get(bid)
         if old is not None and old.alive and old.identity not in (None, identity):
             self._backend_lost(old, "re-registered from a new connection")
         backend = Backend(
-            backend_id=bid, kind="bridge", identity=identity, host=h["host"], model=h["model"],
+            backend_id=bid, kind="bridge", identity=identity, host=h.host, model=h.model,
             max_model_len=max_model_len, capacity=capacity, last_seen=time.monotonic(),
         )
         if old is not None and old.alive and old.identity == identity:
@@ -498,47 +492,38 @@ class Router:
         log.info("backend %s registered (model %s on %s)", bid, backend.model, backend.host)
         self._send(
             identity,
-            P.reply(h["rid"], heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.heartbeat_liveness,
+            P.reply(h.rid, heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.heartbeat_liveness,
                     **self.register_reply_fields),
             (),
         )
         self._release_held()
         self._admit_waiting()
 
-    def on_add_llm_server(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        url = h["url"].rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            self._reply_error(identity, h["rid"], ErrorCode.BAD_FIELD, f"url {url!r} must start with http:// or https://")
-            return
-        model = h.get("model")
-        if model is not None and not isinstance(model, str):
-            self._reply_error(identity, h["rid"], ErrorCode.BAD_FIELD, f"model must be a string, got {type(model).__name__}")
-            return
+    def on_add_llm_server(self, identity: bytes, h: H.AddLlmServer, payload: list[bytes]) -> None:
+        url = h.url.rstrip("/")
+        model = h.model
         backend = self.backends.get(url)
         if backend is None or not backend.alive:
             host = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
             backend = Backend(backend_id=url, kind="http", url=url, host=host, model=model)
             self.backends[url] = backend
         backend.cleared = False
-        self._send(identity, P.reply(h["rid"], backend=backend.status(self.inflight(backend)).to_wire()), ())
+        self._send(identity, P.reply(h.rid, backend=backend.status(self.inflight(backend)).to_wire()), ())
         self._release_held()
 
-    def on_clear_llm_server(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        url = h.get("url")
-        if url is not None and not isinstance(url, str):
-            self._reply_error(identity, h["rid"], ErrorCode.BAD_FIELD, f"url must be a string, got {type(url).__name__}")
-            return
+    def on_clear_llm_server(self, identity: bytes, h: H.ClearLlmServer, payload: list[bytes]) -> None:
+        url = h.url
         targets = [b for b in self.backends.values() if url is None or b.backend_id == url.rstrip("/")]
         if url is not None and not targets:
-            self._reply_error(identity, h["rid"], ErrorCode.BAD_FIELD, f"no backend {url!r}")
+            self._reply_error(identity, h.rid, ErrorCode.BAD_FIELD, f"no backend {url!r}")
             return
         for b in targets:
             b.cleared = True  # no new jobs; jobs already routed here keep it
         self._prune_backends()
-        self._send(identity, P.reply(h["rid"], cleared=[b.backend_id for b in targets]), ())
+        self._send(identity, P.reply(h.rid, cleared=[b.backend_id for b in targets]), ())
 
-    def on_list_llm_servers(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        self._send(identity, P.reply(h["rid"], backends=[s.to_wire() for s in self.backend_statuses()]), ())
+    def on_list_llm_servers(self, identity: bytes, h: H.Request, payload: list[bytes]) -> None:
+        self._send(identity, P.reply(h.rid, backends=[s.to_wire() for s in self.backend_statuses()]), ())
 
     def _prune_backends(self) -> None:
         """Drop cleared HTTP backends that no job and no call uses any more."""
@@ -565,38 +550,30 @@ class Router:
 
     # ------------------------------------------------------------------ pause / resume
 
-    def _set_policy_version(self, identity: bytes, h: dict[str, Any]) -> bool:
-        version = h.get("policy_version")
-        if version is None:
-            return True
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            self._reply_error(identity, h["rid"], ErrorCode.BAD_FIELD, f"policy_version must be a non-negative int, got {version!r}")
-            return False
-        self.policy_version = version
-        return True
+    def _set_policy_version(self, h: H.PauseGeneration | H.ResumeGeneration) -> None:
+        if h.policy_version is not None:
+            self.policy_version = h.policy_version
 
-    def on_pause_generation(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        if not self._set_policy_version(identity, h):
-            return
+    def on_pause_generation(self, identity: bytes, h: H.PauseGeneration, payload: list[bytes]) -> None:
+        self._set_policy_version(h)
         self.paused = True
-        wait_s = h.get("drain_timeout_s")
+        wait_s = h.drain_timeout_s
         if wait_s is not None and len(self.pending):
             # A pause that drains: answered once no call is in flight on any backend, or at the deadline.
-            self.drains.append(Waiter(identity, h["rid"], time.monotonic() + float(wait_s)))
+            self.drains.append(Waiter(identity, h.rid, time.monotonic() + float(wait_s)))
             return
-        self._send(identity, P.reply(h["rid"], paused=True, inflight=len(self.pending), policy_version=self.policy_version,
+        self._send(identity, P.reply(h.rid, paused=True, inflight=len(self.pending), policy_version=self.policy_version,
                                      drained=not len(self.pending)), ())
 
-    def on_resume_generation(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        if not self._set_policy_version(identity, h):
-            return
+    def on_resume_generation(self, identity: bytes, h: H.ResumeGeneration, payload: list[bytes]) -> None:
+        self._set_policy_version(h)
         self.paused = False
         for w in self.drains:
             self._send(w.identity, P.error_reply(w.rid, ErrorCode.DRAIN_TIMEOUT, "generation was resumed before the calls "
                                                  "in flight drained: " + self._running_calls_text(),
                                                  running=self._running_calls()), ())
         self.drains = []
-        self._send(identity, P.reply(h["rid"], paused=False, released=len(self.held), policy_version=self.policy_version), ())
+        self._send(identity, P.reply(h.rid, paused=False, released=len(self.held), policy_version=self.policy_version), ())
         self._release_held()
 
     def _running_calls(self) -> list[dict[str, Any]]:
@@ -636,11 +613,11 @@ class Router:
 
     # ------------------------------------------------------------------ weight updates
 
-    def on_update_weights(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_update_weights(self, identity: bytes, h: H.UpdateWeights, payload: list[bytes]) -> None:
         """Forward the new weights to every live bridge; answer once each one has loaded them (or failed)."""
-        version = h["policy_version"]
-        timeout_s = float(h.get("load_timeout_s") or 600.0)
-        update = WeightUpdate(Waiter(identity, h["rid"], time.monotonic() + timeout_s), version)
+        version = h.policy_version
+        timeout_s = float(h.load_timeout_s or 600.0)
+        update = WeightUpdate(Waiter(identity, h.rid, time.monotonic() + timeout_s), version)
         for b in self.backends.values():
             if not b.alive:
                 continue
@@ -648,7 +625,7 @@ class Router:
                 update.skipped.append(b.backend_id)
                 continue
             fid = next(self._call_ids)
-            header = {"op": Op.UPDATE_WEIGHTS.value, "rid": fid, "checkpoint": h["checkpoint"], "policy_version": version}
+            header = {"op": Op.UPDATE_WEIGHTS.value, "rid": fid, "checkpoint": h.checkpoint, "policy_version": version}
             if self._send(b.identity, header, ()):
                 update.waiting[fid] = b.backend_id
                 self._update_of[fid] = update
@@ -658,20 +635,21 @@ class Router:
         if not update.waiting:
             self._finish_update(update)
 
-    def on_weights_updated(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_weights_updated(self, identity: bytes, h: H.WeightsUpdated, payload: list[bytes]) -> None:
         backend = self.backend_by_identity.get(identity)
         if backend is None or not backend.alive:
-            self._reply_error(identity, h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register_backend")
+            self._reply_error(identity, h.rid, ErrorCode.UNKNOWN_PEER, "not registered; send register_backend")
             return
-        fid = h["rid"]
-        update = self._update_of.get(fid) if isinstance(fid, int) else None
+        fid = h.rid
+        if not isinstance(fid, int):
+            return  # the broker's forward ids are integers: not an answer to one of its updates
+        update = self._update_of.get(fid)
         if update is None or update.waiting.get(fid) != backend.backend_id:
             return  # an update that timed out already (or another bridge's)
         del self._update_of[fid]
         del update.waiting[fid]
-        error = h.get("error")
-        if error:
-            update.failed[backend.backend_id] = str(error.get("message") if isinstance(error, dict) else error)
+        if h.error:
+            update.failed[backend.backend_id] = str(h.error["message"])
         else:
             update.updated.append(backend.backend_id)
         if not update.waiting:
@@ -710,58 +688,46 @@ class Router:
             self._tell_held(item, held=False)
             self._route_call(item.requester, item.header, item.payload)
 
-    def _hold(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def _hold(self, identity: bytes, h: H.Generate, payload: list[bytes]) -> None:
         """Hold a call, and tell its node (whose clocks of that job stand still while it is held)."""
         item = HeldGenerate(identity, h, list(payload))
         self.held.add(item)
         self._tell_held(item, held=True)
 
     def _tell_held(self, item: HeldGenerate, *, held: bool) -> None:
-        rid = item.header.get("rid")
-        if rid is not None:
-            self._send(item.requester, {"op": Op.GENERATE_HELD.value, "rid": rid, "job_id": item.job_id, "held": held}, ())
+        self._send(item.requester, {"op": Op.GENERATE_HELD.value, "rid": item.header.rid, "job_id": item.job_id, "held": held}, ())
 
     # ------------------------------------------------------------------ generate
 
-    def on_generate(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_generate(self, identity: bytes, h: H.Generate, payload: list[bytes]) -> None:
         node = self._node_of(identity)
         if node is None:
             # Nothing is held for a peer the broker does not know.
-            self._reply_error(identity, h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register")
+            self._reply_error(identity, h.rid, ErrorCode.UNKNOWN_PEER, "not registered; send register")
             return
-        if len(payload) != 1:
-            self._reply_error(identity, h["rid"], ErrorCode.BAD_FIELD, f"generate needs exactly one prompt frame, got {len(payload)}")
-            return
+        # The schema checked the fields and that one prompt frame came; its length is the payload's own.
         if len(payload[0]) % 4:
-            self._reply_error(identity, h["rid"], ErrorCode.BAD_FRAME, "prompt frame is not a whole number of int32")
-            return
-        sampling = h.get("sampling")
-        if sampling is not None and not isinstance(sampling, dict):
-            self._reply_error(identity, h["rid"], ErrorCode.BAD_FIELD, f"sampling must be a map, got {type(sampling).__name__}")
-            return
-        host = h.get("host")
-        if host is not None and not isinstance(host, str):
-            self._reply_error(identity, h["rid"], ErrorCode.BAD_FIELD, f"host must be a string, got {type(host).__name__}")
+            self._reply_error(identity, h.rid, ErrorCode.BAD_FRAME, "prompt frame is not a whole number of int32")
             return
         if not self._job_runs_on(identity, h, node):
             return
         self._route_call(identity, h, payload, running=True)
 
-    def _job_runs_on(self, identity: bytes, h: dict[str, Any], node: NodeLike) -> bool:
+    def _job_runs_on(self, identity: bytes, h: H.Generate, node: NodeLike) -> bool:
         """Only a job placed on the requesting node, and not finished, may call the model."""
-        job_id = h["job_id"]
+        job_id = h.job_id
         where = self._running_node(job_id)
         if where == node.node_id:
             return True
         why = "is not running" if where is None else f"runs on node {where}, not {node.node_id}"
-        self._reply_error(identity, h["rid"], ErrorCode.UNKNOWN_JOB, f"job {job_id!r} {why}; its generate call is refused")
+        self._reply_error(identity, h.rid, ErrorCode.UNKNOWN_JOB, f"job {job_id!r} {why}; its generate call is refused")
         return False
 
     def _candidates(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.alive and not b.cleared]
 
     def _route_call(
-        self, identity: bytes, h: dict[str, Any], payload: list[bytes], running: bool = False,
+        self, identity: bytes, h: H.Generate, payload: list[bytes], running: bool = False,
         waiting_since: float | None = None,
     ) -> None:
         """Send one validated call to its backend, or hold it (paused, no backend up, or no KV room for a new job).
@@ -769,14 +735,14 @@ class Router:
         ``running``: the caller has just checked that the job runs (else it is checked here).
         ``waiting_since``: a first call coming back from the admission queue (when it started waiting).
         """
-        job_id: str = h["job_id"]
+        job_id = h.job_id
         if self.paused:
             self._hold(identity, h, payload)
             return
         running = running or self._running_node(job_id) is not None
         if not running and self.cancel_propagation:
             # Held while its job ended (a node that lost the job meanwhile): answer, never route.
-            self._answer_dropped(identity, h.get("rid"), ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
+            self._answer_dropped(identity, h.rid, ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
             return
         tokens = call_tokens(h, payload)
         if self.admission.enabled and running and job_id not in self.sticky:
@@ -788,7 +754,7 @@ class Router:
             ):
                 self.admission.wait(WaitingCall(waiting_since or now, identity, h, list(payload)))
                 return
-        backend = self._route(job_id, identity, h.get("host"), running, tokens)
+        backend = self._route(job_id, identity, h.host, running, tokens)
         if backend is None:
             # Nothing registered yet: hold until a backend appears.
             self._hold(identity, h, payload)
@@ -797,16 +763,17 @@ class Router:
             self.admission.note(job_id, backend.backend_id, tokens)
         call_id = next(self._call_ids)
         if backend.kind == "http":
-            self.pending.add(call_id, PendingGenerate(identity, h["rid"], job_id, backend.backend_id, True, self.policy_version))
-            self._send(identity, P.reply(h["rid"], redirect=backend.url, backend_id=backend.backend_id,
+            self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, True, self.policy_version))
+            self._send(identity, P.reply(h.rid, redirect=backend.url, backend_id=backend.backend_id,
                                          policy_version=self.policy_version), ())
             return
-        header = {"op": Op.GENERATE.value, "rid": call_id, "job_id": job_id, "sampling": h.get("sampling") or {}}
+        header = {"op": Op.GENERATE.value, "rid": call_id, "job_id": job_id,
+                  "sampling": h.sampling.to_wire() if h.sampling is not None else {}}
         if backend.identity is None or not self._send(backend.identity, header, payload):
             self._backend_lost(backend, "unreachable")
-            self._reply_error(identity, h["rid"], ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
+            self._reply_error(identity, h.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
             return
-        self.pending.add(call_id, PendingGenerate(identity, h["rid"], job_id, backend.backend_id, False, self.policy_version))
+        self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, False, self.policy_version))
 
     def _route(self, job_id: str, requester: bytes, host: str | None, running: bool, tokens: int = 0) -> Backend | None:
         if self.policy.sticky:
@@ -853,40 +820,36 @@ class Router:
         if backend is not None:
             backend.jobs.discard(job_id)
 
-    def on_generate_reply(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_generate_reply(self, identity: bytes, h: H.GenerateReply, payload: list[bytes]) -> None:
         backend = self.backend_by_identity.get(identity)
         if backend is None or not backend.alive:
-            self._reply_error(identity, h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register_backend")
+            self._reply_error(identity, h.rid, ErrorCode.UNKNOWN_PEER, "not registered; send register_backend")
             return
-        call_id = h["rid"]
+        call_id = h.rid
         if self.pending.backend_of(call_id) != backend.backend_id:
             return  # late reply for a call already failed over or cancelled (or another bridge's call)
         pend = self.pending.pop(call_id)
         assert pend is not None
         backend.served += 1
-        error = h.get("error")
-        if error:
-            code = error.get("code", ErrorCode.BACKEND_ERROR.value) if isinstance(error, dict) else ErrorCode.BACKEND_ERROR.value
-            msg = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-            self._send(pend.requester, P.error_reply(pend.rid, str(code), str(msg), backend_id=pend.backend_id), ())
+        if h.error:
+            self._send(pend.requester, P.error_reply(pend.rid, h.error["code"], h.error["message"], backend_id=pend.backend_id), ())
             return
-        finish_reason = h.get("finish_reason")
-        version = h.get("policy_version")
+        version = h.policy_version
         self._send(
             pend.requester,
-            P.reply(pend.rid, backend_id=pend.backend_id, finish_reason=finish_reason if isinstance(finish_reason, str) else None,
-                    policy_version=version if isinstance(version, int) and not isinstance(version, bool) else pend.policy_version),
+            P.reply(pend.rid, backend_id=pend.backend_id, finish_reason=h.finish_reason,
+                    policy_version=version if version is not None else pend.policy_version),
             payload,
         )
         self._prune_backends_if_cleared(backend)
         if self.drains:
             self.check_waiters()
 
-    def on_generate_done(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_generate_done(self, identity: bytes, h: H.GenerateDone, payload: list[bytes]) -> None:
         if self._node_of(identity) is None:
-            self._reply_error(identity, h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register")
+            self._reply_error(identity, None, ErrorCode.UNKNOWN_PEER, "not registered; send register")
             return
-        job_id, backend_id = h["job_id"], h["backend_id"]
+        job_id, backend_id = h.job_id, h.backend_id
         calls = self.pending.find(job_id, lambda p: p.redirect and p.backend_id == backend_id and p.requester == identity)
         if not calls:
             return  # the job ended (or the backend went) meanwhile
@@ -902,15 +865,15 @@ class Router:
         if backend.cleared:
             self._prune_backends()
 
-    def on_generate_cancel(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_generate_cancel(self, identity: bytes, h: H.GenerateCancel, payload: list[bytes]) -> None:
         """A node gave up on one of its calls (its own timeout, or its job's task was cancelled)."""
         if self._node_of(identity) is None:
-            self._reply_error(identity, h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register")
+            self._reply_error(identity, h.rid, ErrorCode.UNKNOWN_PEER, "not registered; send register")
             return
         if not self.cancel_propagation:
             return  # the ablation: the engine keeps serving the call; its reply goes to the node, which ignores it
-        job_id, rid = h["job_id"], h["rid"]
-        for item in self.held.pop_job(job_id, lambda it: it.requester == identity and it.header.get("rid") == rid):
+        job_id, rid = h.job_id, h.rid
+        for item in self.held.pop_job(job_id, lambda it: it.requester == identity and it.header.rid == rid):
             self._answer_dropped(item.requester, rid, ErrorCode.UNKNOWN_JOB, "the node gave up on this call")
         for call_id in self.pending.find(job_id, lambda p: p.requester == identity and p.rid == rid):
             pend = self.pending.pop(call_id)

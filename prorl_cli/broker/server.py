@@ -40,6 +40,7 @@ from prorl_cli.observe.metrics import (
     jobs_by_task,
 )
 from prorl_cli.protocol import ErrorCode, JobSpec, JobState, Op
+from prorl_cli.protocol import headers as H
 from prorl_cli.rendezvous import Rendezvous, remove_rendezvous, write_rendezvous
 from prorl_cli.security import curve_wanted, secure_server
 
@@ -326,19 +327,22 @@ class Broker:
         try:
             header = P.decode_map(frames[1])
             rid = P.header_rid(header)  # before the envelope checks: a bad version or op still gets its rid back
-            P.check_envelope(header)
-            P.validate(header, len(frames) - 2)
+            op: Op = P.check_envelope(header)["op"]
+            handler = self._handlers.get(op)
+            routed = self.router.handlers.get(op) if handler is None else None
+            if handler is None and routed is None:
+                self._error(identity, rid, ErrorCode.UNKNOWN_OP, f"op {op.value!r} is not accepted by the broker")
+                return
+            typed = P.parse(header, len(frames) - 2)
         except ProtocolError as e:
             self._error(identity, rid, ErrorCode(e.code), e.message)
             return
-        op: Op = header["op"]
-        handler = self._handlers.get(op)
-        if handler is None:
-            self._error(identity, rid, ErrorCode.UNKNOWN_OP, f"op {op.value!r} is not accepted by the broker")
-            return
         self._touch(identity)
         try:
-            handler(self, identity, header, frames[2:])
+            if handler is not None:
+                handler(self, identity, typed, frames[2:])
+            elif routed is not None:
+                routed(identity, typed, frames[2:])
         except ProtocolError as e:
             self._error(identity, rid, ErrorCode(e.code), e.message)
 
@@ -351,16 +355,15 @@ class Broker:
 
     # ---------------------------------------------------------- client ops
 
-    def on_submit(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        rid = h["rid"]
+    def on_submit(self, identity: bytes, h: H.Submit, payload: list[bytes]) -> None:
+        rid = h.rid
         if self.stopping:
             self._error(identity, rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping; no new jobs")
             return
-        specs: list[JobSpec] = []
+        specs: list[JobSpec] = h.jobs  # checked by the submit schema
         seen: set[str] = set()
-        for i, (raw, instance) in enumerate(zip(h["jobs"], payload, strict=True)):
+        for i, (spec, instance) in enumerate(zip(specs, payload, strict=True)):
             try:
-                spec = JobSpec.from_wire(raw, what=f"jobs[{i}]")
                 P.unpack_obj(instance)  # a node must be able to decode it: refuse garbage here
             except ProtocolError as e:
                 self._error(identity, rid, ErrorCode(e.code), f"op 'submit': jobs[{i}]: {e.message}")
@@ -369,7 +372,6 @@ class Broker:
                 self._error(identity, rid, ErrorCode.BAD_FIELD, f"jobs[{i}]: job id {spec.job_id!r} appears twice in one submit")
                 return
             seen.add(spec.job_id)
-            specs.append(spec)
         live_tasks = self.table.live_tasks()
         if live_tasks:
             unknown = sorted({s.task for s in specs if s.job_id not in self.jobs} - live_tasks)
@@ -407,18 +409,18 @@ class Broker:
                 jobs.append(job)
         return jobs, unknown
 
-    def on_watch(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        jobs, unknown = self._watch_named(identity, h["job_ids"])
+    def on_watch(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
+        jobs, unknown = self._watch_named(identity, h.job_ids)
         self._results_out[identity].extend(job for job in jobs if job.result is not None)
-        self._send(identity, P.reply(h["rid"], unknown=unknown, boot_id=self.boot_id))
+        self._send(identity, P.reply(h.rid, unknown=unknown, boot_id=self.boot_id))
 
-    def on_cancel(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_cancel(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
         """Cancel the named jobs: per-id states for the known ones, ``unknown`` for the rest."""
-        self._watch_named(identity, h["job_ids"])
-        out = self.table.cancel(h["job_ids"])
+        self._watch_named(identity, h.job_ids)
+        out = self.table.cancel(h.job_ids)
         self._cancel_on_nodes(out.by_node)
         self._journal_flush()
-        self._send(identity, P.reply(h["rid"], states=out.states, unknown=out.unknown))
+        self._send(identity, P.reply(h.rid, states=out.states, unknown=out.unknown))
 
     def _cancel_on_nodes(self, by_node: dict[str, list[str]]) -> None:
         for node_id, job_ids in by_node.items():
@@ -427,25 +429,25 @@ class Broker:
                 continue
             self._send(node.identity, {"op": Op.CANCEL_JOB.value, "job_ids": job_ids})
 
-    def on_forget(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_forget(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
         """Drop the retained results of finished jobs the caller has taken; unfinished ones are kept."""
-        self._send(identity, P.reply(h["rid"], **self.table.forget(h["job_ids"]).to_wire()))
+        self._send(identity, P.reply(h.rid, **self.table.forget(h.job_ids).to_wire()))
 
-    def on_list_jobs(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_list_jobs(self, identity: bytes, h: H.ListJobs, payload: list[bytes]) -> None:
         """Ids and states of the held jobs that match, one page at a time (``next`` is the ``after`` of the next page)."""
-        found, after = self.table.find(h.get("prefix"), h.get("group_id"), h.get("after") or 0)
-        self._send(identity, P.reply(h["rid"], jobs=found, **({"next": after} if after is not None else {})))
+        found, after = self.table.find(h.prefix, h.group_id, h.after or 0)
+        self._send(identity, P.reply(h.rid, jobs=found, **({"next": after} if after is not None else {})))
 
-    def on_status(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        self._send(identity, P.reply(h["rid"], status=self.status().to_wire()))
+    def on_status(self, identity: bytes, h: H.Request, payload: list[bytes]) -> None:
+        self._send(identity, P.reply(h.rid, status=self.status().to_wire()))
 
     def status(self) -> P.StatusReport:
         return P.StatusReport(
             deployment=self.config.deployment,
             jobs=self.table.counts(),
             queued=len(self.queue) + len(self.table.awaiting_claim),
-            nodes=[n.status().to_wire() for n in self.nodes.values()],
-            backends=[b.to_wire() for b in self.router.backend_statuses()],
+            nodes=[n.status() for n in self.nodes.values()],
+            backends=self.router.backend_statuses(),
             generation_paused=self.router.paused,
             placing=self.placing,
             uptime_s=time.monotonic() - self.started_at,
@@ -460,19 +462,19 @@ class Broker:
             tokens=self.collector.token_totals(),
         )
 
-    def on_ping(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        self._send(identity, P.reply(h["rid"], address=self.address, deployment=self.config.deployment, boot_id=self.boot_id))
+    def on_ping(self, identity: bytes, h: H.Request, payload: list[bytes]) -> None:
+        self._send(identity, P.reply(h.rid, address=self.address, deployment=self.config.deployment, boot_id=self.boot_id))
 
-    def on_start(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_start(self, identity: bytes, h: H.Request, payload: list[bytes]) -> None:
         self.placing = True
-        self._send(identity, P.reply(h["rid"], placing=True))
+        self._send(identity, P.reply(h.rid, placing=True))
 
-    def on_hold(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_hold(self, identity: bytes, h: H.Request, payload: list[bytes]) -> None:
         self.placing = False
-        self._send(identity, P.reply(h["rid"], placing=False))
+        self._send(identity, P.reply(h.rid, placing=False))
 
-    def on_stop(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        self._send(identity, P.reply(h["rid"], stopping=True))
+    def on_stop(self, identity: bytes, h: H.Request, payload: list[bytes]) -> None:
+        self._send(identity, P.reply(h.rid, stopping=True))
         self.begin_stop()
 
     def begin_stop(self) -> None:
@@ -492,8 +494,8 @@ class Broker:
 
     # ------------------------------------------------------------ node ops
 
-    def on_register(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        node_id = h["node_id"]
+    def on_register(self, identity: bytes, h: H.Register, payload: list[bytes]) -> None:
+        node_id = h.node_id
         if self.stopping:
             self._send(identity, {"op": Op.SHUTDOWN.value})
             return
@@ -504,96 +506,97 @@ class Broker:
         if old is not None and old.alive and old.identity == identity:
             # Registered again on the same connection (it missed our reply): keep what it holds.
             node = old
-            node.credit, node.tasks, node.host = h["credit"], set(h["tasks"]), h["host"]
-            node.liveness_token = h.get("liveness_token")
-            node.sandbox_runtime = h.get("sandbox_runtime")
-            node.draining = bool(h.get("draining"))
+            node.credit, node.tasks, node.host = h.credit, set(h.tasks), h.host
+            node.liveness_token = h.liveness_token
+            node.sandbox_runtime = h.sandbox_runtime
+            node.draining = bool(h.draining)
         else:
             node = Node(
                 node_id=node_id,
                 identity=identity,
-                host=h["host"],
-                pid=h.get("pid") or 0,
-                credit=h["credit"],
-                tasks=set(h["tasks"]),
-                liveness_token=h.get("liveness_token"),
-                sandbox_runtime=h.get("sandbox_runtime"),
-                draining=bool(h.get("draining")),
+                host=h.host,
+                pid=h.pid or 0,
+                credit=h.credit,
+                tasks=set(h.tasks),
+                liveness_token=h.liveness_token,
+                sandbox_runtime=h.sandbox_runtime,
+                draining=bool(h.draining),
             )
         self.nodes[node_id] = node
         self.node_by_identity[identity] = node
-        drop = self.table.claim(node, h.get("running") or [])
+        drop = self.table.claim(node, h.running or [])
         log.info("node %s registered from %s (credit %d, tasks %s, running %d)", node_id, node.host, node.credit,
                  sorted(node.tasks), len(node.inflight))
         self._send(
             identity,
-            P.reply(h["rid"], heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.config.broker.heartbeat_liveness,
+            P.reply(h.rid, heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.config.broker.heartbeat_liveness,
                     drop=drop, boot_id=self.boot_id),
         )
 
-    def _node_of(self, identity: bytes, h: dict[str, Any]) -> Node | None:
+    def _node_of(self, identity: bytes, h: Any) -> Node | None:
+        """The live node on ``identity``; else the peer (``h``: its header) is told to register, and None."""
         node = self.node_by_identity.get(identity)
         if node is None or not node.alive:
             # Tell the peer to register again (e.g. after it was declared dead).
-            self._send(identity, P.error_reply(h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register"))
+            self._send(identity, P.error_reply(getattr(h, "rid", None), ErrorCode.UNKNOWN_PEER, "not registered; send register"))
             return None
         return node
 
-    def on_heartbeat(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        token = h.get("liveness_token")
-        sidecar = self.nodes.get(h.get("node_id") or "")
+    def on_heartbeat(self, identity: bytes, h: H.Heartbeat, payload: list[bytes]) -> None:
+        token = h.liveness_token
+        sidecar = self.nodes.get(h.node_id or "")
         if token is not None and (sidecar is None or sidecar.identity != identity):
             # A node's liveness sidecar (its own connection): refresh that node, never answer.
             node = sidecar
             if node is not None and node.alive and node.liveness_token is not None and node.liveness_token == token:
                 node.last_seen = time.monotonic()
-                if h.get("stages") is not None:
-                    node.stages = h["stages"]
+                if h.stages is not None:
+                    node.stages = h.stages
             else:
-                log.debug("heartbeat with a liveness token for node %r that does not match; ignored", h.get("node_id"))
+                log.debug("heartbeat with a liveness token for node %r that does not match; ignored", h.node_id)
             return
         if self.router.bridge_heartbeat(identity, h):
             backend = self.router.backend_by_identity.get(identity)
-            if backend is not None and h.get("metrics") is not None:
-                self.collector.update_peer("bridge", backend.backend_id, h["metrics"])
+            if backend is not None and h.metrics is not None:
+                self.collector.update_peer("bridge", backend.backend_id, h.metrics)
             return
-        if "backend_id" in h:
-            self._send(identity, P.error_reply(h.get("rid"), ErrorCode.UNKNOWN_PEER, "not registered; send register_backend"))
+        if h.backend_id is not None:
+            self._send(identity, P.error_reply(h.rid, ErrorCode.UNKNOWN_PEER, "not registered; send register_backend"))
             return
         node = self._node_of(identity, h)
-        if node is not None and h.get("stages") is not None:
-            node.stages = h["stages"]
-        if node is not None and h.get("metrics") is not None:
-            self.collector.update_peer("node", node.node_id, h["metrics"])
-        if node is not None and h.get("failures") is not None:
-            self.collector.failures[node.node_id] = h["failures"]
+        if node is not None and h.stages is not None:
+            node.stages = h.stages
+        if node is not None and h.metrics is not None:
+            self.collector.update_peer("node", node.node_id, h.metrics)
+        if node is not None and h.failures is not None:
+            self.collector.failures[node.node_id] = h.failures
 
-    def on_unregister(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_unregister(self, identity: bytes, h: H.Unregister, payload: list[bytes]) -> None:
         node = self.node_by_identity.get(identity)
         if node is not None and node.alive:
             self._node_lost(node, "unregistered")
         self.router.unregister(identity)
 
-    def on_release(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_release(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
         """A node drains: nothing more is placed on it; the jobs it names (never started there) are queued again."""
         node = self._node_of(identity, h)
         if node is None:
             return
         node.draining = True
-        released = self.table.release(node, h["job_ids"])
+        released = self.table.release(node, h.job_ids)
         log.info("node %s is draining: %d job(s) handed back, %d running on", node.node_id, len(released), len(node.inflight))
         self._journal_flush()
-        self._send(identity, P.reply(h["rid"], released=released))
+        self._send(identity, P.reply(h.rid, released=released))
 
-    def on_job_stage(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_job_stage(self, identity: bytes, h: H.JobStage, payload: list[bytes]) -> None:
         node = self._node_of(identity, h)
         if node is not None:
-            self.table.stage(node, h["updates"])
+            self.table.stage(node, h.updates)
 
-    def on_job_done(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
+    def on_job_done(self, identity: bytes, h: H.JobDone, payload: list[bytes]) -> None:
         node = self._node_of(identity, h)
         if node is not None:
-            self.table.done(node, h["jobs"], payload)
+            self.table.done(node, h.jobs, payload)
 
     # ---------------------------------------------------------- inference
 
@@ -605,10 +608,6 @@ class Broker:
         """The node a job is placed on while it is unfinished (the router routes only such jobs' calls)."""
         job = self.jobs.get(job_id)
         return job.node_id if job is not None and not job.state.terminal else None
-
-    def on_routing_op(self, identity: bytes, h: dict[str, Any], payload: list[bytes]) -> None:
-        """Generate routing, backends, pause/resume: the router's ops."""
-        self.router.handlers[h["op"]](identity, h, payload)
 
     # ---------------------------------------------------------- placement
 
@@ -701,6 +700,7 @@ class Broker:
         journal_bytes = self.journal.size_bytes if self.journal is not None else 0
         self.metrics.gauges = gauges_from_status(self.status(), journal_bytes)
 
+    #: The broker's own ops; generate routing, backends and pause/resume are the router's (``router.handlers``).
     _handlers: dict[Op, Any] = {
         Op.SUBMIT: on_submit,
         Op.WATCH: on_watch,
@@ -718,16 +718,4 @@ class Broker:
         Op.RELEASE: on_release,
         Op.JOB_STAGE: on_job_stage,
         Op.JOB_DONE: on_job_done,
-        Op.REGISTER_BACKEND: on_routing_op,
-        Op.ADD_LLM_SERVER: on_routing_op,
-        Op.CLEAR_LLM_SERVER: on_routing_op,
-        Op.LIST_LLM_SERVERS: on_routing_op,
-        Op.PAUSE_GENERATION: on_routing_op,
-        Op.RESUME_GENERATION: on_routing_op,
-        Op.GENERATE: on_routing_op,
-        Op.GENERATE_REPLY: on_routing_op,
-        Op.GENERATE_DONE: on_routing_op,
-        Op.GENERATE_CANCEL: on_routing_op,
-        Op.UPDATE_WEIGHTS: on_routing_op,
-        Op.WEIGHTS_UPDATED: on_routing_op,
     }

@@ -22,7 +22,15 @@ from prorl_cli.exceptions import (
     RemoteError,
     UnknownJob,
 )
-from prorl_cli.protocol import BackendStatus, ForgetOutcome, JobResult, JobSpec, Op, StatusReport
+from prorl_cli.protocol import (
+    BackendStatus,
+    ForgetOutcome,
+    JobResult,
+    JobSpec,
+    Op,
+    SamplingParams,
+    StatusReport,
+)
 
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 #: The short ping that tells "the broker does not answer" before a real request waits its full timeout.
@@ -214,35 +222,28 @@ class AsyncRolloutClient:
         job_ids: Sequence[str] | None = None,
         timeout_s: float | None = None,
         stage_timeouts_s: dict[str, float] | None = None,
-        sampling: dict[str, Any] | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None,
         max_attempts: int | None = None,
         group_id: str | None = None,
         meta: dict[str, Any] | None = None,
     ) -> list[JobSpec]:
-        """``count`` job specs for ``task`` (fresh uuids unless ``job_ids``); ``group_id``/``meta`` go on each."""
+        """``count`` job specs for ``task`` (fresh uuids unless ``job_ids``); ``group_id``/``meta`` go on each.
+
+        Each is checked by the ``submit`` schema the broker applies, so a bad field raises
+        :class:`ProtocolError` here, naming it, before anything is sent.
+        """
         if job_ids is not None and len(job_ids) != count:
             raise ValueError(f"{len(job_ids)} job ids for {count} instances")
         ids = list(job_ids) if job_ids is not None else [uuid.uuid4().hex for _ in range(count)]
-        extra: dict[str, Any] = {}
-        # group_id and meta travel only when given, so a broker from before they existed still takes the jobs.
-        if group_id is not None:
-            extra["group_id"] = group_id
-        if meta is not None:
-            extra["meta"] = meta
-        if extra and not set(extra) <= set(JobSpec.__dataclass_fields__):
-            raise ValueError(f"this prorl's job spec has no {sorted(set(extra) - set(JobSpec.__dataclass_fields__))}")
-        return [
-            JobSpec(
-                job_id=jid,
-                task=task,
-                timeout_s=timeout_s,
-                stage_timeouts_s=stage_timeouts_s,
-                sampling=sampling,
-                max_attempts=max_attempts or self.config.jobs.max_attempts,
-                **extra,
-            )
-            for jid in ids
-        ]
+        wire: dict[str, Any] = {"task": task, "max_attempts": max_attempts or self.config.jobs.max_attempts}
+        # Optional fields travel only when given, so a broker from before they existed still takes the jobs.
+        for name, value in (("timeout_s", timeout_s), ("stage_timeouts_s", stage_timeouts_s), ("group_id", group_id),
+                            ("meta", meta)):
+            if value is not None:
+                wire[name] = value
+        if sampling is not None:
+            wire["sampling"] = sampling.to_wire() if isinstance(sampling, SamplingParams) else sampling
+        return [JobSpec.from_wire({**wire, "job_id": jid}, f"job {jid}") for jid in ids]
 
     async def submit(
         self,
@@ -253,7 +254,7 @@ class AsyncRolloutClient:
         job_ids: Sequence[str] | None = None,
         timeout_s: float | None = None,
         stage_timeouts_s: dict[str, float] | None = None,
-        sampling: dict[str, Any] | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None,
         max_attempts: int | None = None,
         group_id: str | None = None,
         meta: dict[str, Any] | None = None,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -116,7 +117,7 @@ class JobContext:
     @property
     def sampling(self) -> SamplingParams:
         """The job's sampling parameters (defaults where the submitter gave none)."""
-        return SamplingParams(**(self.spec.sampling or {}))
+        return self.spec.sampling or SamplingParams()
 
     @property
     def settings(self) -> HandlerSettings:
@@ -199,10 +200,10 @@ class JobContext:
 
     def agent_sampling(self) -> SamplingParams:
         """The job's sampling, with the settings' ``max_tokens`` where the submitter set none."""
-        wire = dict(self.spec.sampling or {})
-        if self.settings.max_tokens is not None:
-            wire.setdefault("max_tokens", self.settings.max_tokens)
-        return SamplingParams(**wire)
+        sampling = self.sampling
+        if self.settings.max_tokens is not None and not (self.spec.sampling and self.spec.sampling.is_set("max_tokens")):
+            sampling = dataclasses.replace(sampling, max_tokens=self.settings.max_tokens)
+        return sampling
 
     async def agent(
         self,

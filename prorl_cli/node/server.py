@@ -33,6 +33,7 @@ from prorl_cli.node.registry import HandlerRegistry, discover
 from prorl_cli.node.services import NodeServices
 from prorl_cli.peer import BrokerPeer
 from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, Op
+from prorl_cli.protocol import headers as H
 from prorl_cli.rendezvous import read_rendezvous
 
 if TYPE_CHECKING:
@@ -181,19 +182,19 @@ class NodeServer(BrokerPeer):
         self._stop.set()
 
     def on_message(self, op: Op, header: dict[str, Any], payload: list[bytes]) -> None:
-        if op == Op.ASSIGN:
-            self._on_assign(header, payload)
-        elif op == Op.CANCEL_JOB:
-            job_ids = header.get("job_ids")
-            for job_id in job_ids if isinstance(job_ids, list) else []:
-                if isinstance(job_id, str):
-                    self.pipeline.cancel(job_id)
-        elif op == Op.GENERATE_HELD:
-            job_id = header.get("job_id")
-            if isinstance(job_id, str):
-                self.services.generate_held(job_id, bool(header.get("held")))
-        else:
+        if op not in (Op.ASSIGN, Op.CANCEL_JOB, Op.GENERATE_HELD):
             log.warning("unexpected op %s from the broker", op.value)
+            return
+        # Checked and typed by the op's schema (a bad one raises ProtocolError, which the reader logs);
+        # an assignment's payload is paired with its jobs one by one, so one missing frame fails one job.
+        h = P.parse(header)
+        if isinstance(h, H.Assign):
+            self._on_assign(h, payload)
+        elif isinstance(h, H.CancelJob):
+            for job_id in h.job_ids:
+                self.pipeline.cancel(job_id)
+        elif isinstance(h, H.GenerateHeld):
+            self.services.generate_held(h.job_id, h.held)
 
     # ------------------------------------------------------------- results
 
@@ -331,19 +332,13 @@ class NodeServer(BrokerPeer):
             log.info("drain grace over: stopping %d job(s); the broker re-queues them", len(self.pipeline.jobs))
         self._stop.set()
 
-    def _on_assign(self, header: dict[str, Any], payload: list[bytes]) -> None:
-        jobs = header.get("jobs")
-        timing = header.get("timing")
-        if not isinstance(timing, list):
-            timing = []
-        if not isinstance(jobs, list):
-            log.error("bad assignment from the broker: 'jobs' is %s, not a list", type(jobs).__name__)
-            return
-        for i, raw in enumerate(jobs):
+    def _on_assign(self, h: H.Assign, payload: list[bytes]) -> None:
+        timing = h.timing or []
+        for i, raw in enumerate(h.jobs):
             try:
                 if i >= len(payload):
                     raise ProtocolError(ErrorCode.MISSING_FIELD, f"assignment has no instance frame for job {i}")
-                spec = JobSpec.from_wire(raw)
+                spec = JobSpec.from_wire(raw, f"jobs[{i}]")  # the one check of this record, which types it
                 instance = P.unpack_obj(payload[i])
             except ProtocolError as e:
                 # Report it FAILED, so the trainer learns why and the broker gets the node's credit back.

@@ -84,9 +84,9 @@ class Dashboard:
         finished = sum(n for s, n in status.jobs.items() if s in _FINISHED)
         old_finished = sum(n for s, n in prev[1].jobs.items() if s in _FINISHED) if prev else finished
         old_tokens = prev[1].tokens if prev else status.tokens
-        old_served = {b["backend_id"]: b["served"] for b in (prev[1].backends if prev else status.backends)}
+        old_served = {b.backend_id: b.served for b in (prev[1].backends if prev else status.backends)}
         backends = []
-        for b in status.backend_statuses():
+        for b in status.backends:
             tok = status.tokens.get(b.backend_id, {})
             otok = old_tokens.get(b.backend_id, tok)
             backends.append(BackendRates(
@@ -104,7 +104,7 @@ class Dashboard:
         if not status.placing:
             flags.append("placement HELD")
         nodes = [{"node_id": n.node_id, "alive": n.alive, "inflight": n.inflight, "credit": n.credit,
-                  "stages": {s: dict(n.stages.get(s, {})) for s in STAGE_NAMES}} for n in status.node_statuses()]
+                  "stages": {s: dict(n.stages.get(s, {})) for s in STAGE_NAMES}} for n in status.nodes]
         return Snapshot(
             deployment=status.deployment, uptime_s=status.uptime_s, interval_s=dt, jobs=dict(status.jobs),
             by_task={t: dict(c) for t, c in status.by_task.items()}, finished=finished,

@@ -273,13 +273,13 @@ def gauges_from_status(status: StatusReport, journal_bytes: int) -> dict[Key, fl
     g[("prorl_retained_results", ())] = float(status.retained_results)
     g[("prorl_retained_bytes", ())] = float(status.retained_bytes)
     peers: dict[tuple[str, str], float] = {}
-    for n in status.node_statuses():
+    for n in status.nodes:
         key = ("node", "true" if n.alive else "false")
         peers[key] = peers.get(key, 0.0) + 1
         for stage, st in n.stages.items():
             for kind in ("active", "queued", "limit"):
                 g[("prorl_node_stage_jobs", (n.node_id, stage, kind))] = float(st.get(kind, 0))
-    for b in status.backend_statuses():
+    for b in status.backends:
         key = (b.kind, "true" if b.alive else "false")
         peers[key] = peers.get(key, 0.0) + 1
         g[("prorl_backend_inflight", (b.backend_id,))] = float(b.inflight)

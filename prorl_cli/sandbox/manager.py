@@ -44,7 +44,11 @@ AUTO_ORDER = ("apptainer", "bwrap")
 
 
 def make_runtime(config: SandboxConfig, log: logging.Logger) -> Runtime:
-    """The runtime ``config.runtime`` names (``auto``: the first that works here), checked to be usable."""
+    """The runtime ``config.runtime`` names (``auto``: the first that works here), checked to be usable.
+
+    ``auto`` falls back to the unisolated ``local`` runtime only off Slurm; inside a Slurm job
+    (``SLURM_JOB_ID`` set) it raises :class:`SandboxError` instead, naming what is missing.
+    """
     config.validate()
     if config.runtime == "auto":
         return _auto_runtime(config, log)
@@ -71,6 +75,14 @@ def _auto_runtime(config: SandboxConfig, log: logging.Logger) -> Runtime:
             continue
         log.info("sandbox.runtime auto: using %s", name)
         return runtime
+    if os.environ.get("SLURM_JOB_ID"):
+        # A cluster's jobs share nodes with other users' work: running agent code unisolated there is
+        # a decision for the operator to write down, never a silent fallback.
+        raise SandboxError(
+            "sandbox.runtime auto: no isolating runtime works on this Slurm node (" + "; ".join(reasons)
+            + "); install or enable apptainer or bwrap (bubblewrap) here, or set sandbox.runtime: local "
+            "to run without isolation on purpose"
+        )
     log.warning("sandbox.runtime auto: no isolating runtime works here (%s); falling back to the LOCAL runtime, "
                 "which does NOT isolate anything", "; ".join(reasons))
     return LocalRuntime(config, log)

@@ -415,8 +415,8 @@ def registered_ids(report: StatusReport | None) -> set[str]:
     """Node and backend ids the broker sees alive."""
     if report is None:
         return set()
-    ids = {n.node_id for n in report.node_statuses() if n.alive}
-    ids |= {b["backend_id"] for b in report.backends if b.get("alive", True) and not b.get("cleared")}
+    ids = {n.node_id for n in report.nodes if n.alive}
+    ids |= {b.backend_id for b in report.backends if b.alive and not b.cleared}
     return ids
 
 

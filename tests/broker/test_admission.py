@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from prorl_cli.broker.admission import KvAdmission, call_tokens
-from prorl_cli.protocol import ErrorCode, Op, pack_tokens
-from tests.broker.test_routing import N1, Cluster, end, run
+from prorl_cli.protocol import ErrorCode, Op, SamplingParams, pack_tokens
+from prorl_cli.protocol.headers import Generate
+from tests.broker.test_routing import N1, Cluster, end, hdr, run
 
 
 class Clocked(Cluster):
@@ -21,14 +22,14 @@ def admitting(capacity: int | None, *backends: str, max_wait_s: float = 60.0) ->
     for b in backends:
         ids[b] = c.bridge(b)
         if capacity is not None:
-            assert c.router.bridge_heartbeat(ids[b], {"stats": {"kv_capacity_tokens": capacity}})
+            assert c.router.bridge_heartbeat(ids[b], hdr(Op.HEARTBEAT, {"stats": {"kv_capacity_tokens": capacity}}))
     return c, ids
 
 
 def call(c: Cluster, job_id: str, prompt_tokens: int, max_tokens: int = 10) -> int:
     c._rid += 1
     h = {"op": Op.GENERATE, "rid": c._rid, "job_id": job_id, "sampling": {"max_tokens": max_tokens}}
-    c.router.on_generate(N1, h, [pack_tokens(list(range(prompt_tokens)))])
+    c.router.on_generate(N1, hdr(Op.GENERATE, h), [pack_tokens(list(range(prompt_tokens)))])
     return c._rid
 
 
@@ -40,9 +41,10 @@ def forwarded(c: Cluster) -> list[tuple[str, str]]:
 
 
 def test_call_tokens_counts_the_prompt_and_max_tokens() -> None:
-    assert call_tokens({"sampling": {"max_tokens": 7}}, [pack_tokens([1, 2, 3])]) == 10
-    assert call_tokens({"sampling": {"max_tokens": "x"}}, [pack_tokens([1])]) == 1
-    assert call_tokens({}, []) == 0
+    assert call_tokens(Generate(1, "j", SamplingParams.from_given(max_tokens=7)), [pack_tokens([1, 2, 3])]) == 10
+    # A call that left max_tokens to the engine reserves its prompt only.
+    assert call_tokens(Generate(1, "j", SamplingParams.from_given(temperature=0.5)), [pack_tokens([1])]) == 1
+    assert call_tokens(Generate(1, "j"), []) == 0
 
 
 def test_a_new_job_waits_for_room_and_a_placed_jobs_calls_never_do() -> None:

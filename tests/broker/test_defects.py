@@ -96,7 +96,7 @@ def test_messages_that_killed_the_broker(deployment: Deployment, raw: Raw) -> No
     assert "url" in raw.reply(7)["error"]["message"]
     deployment.client.clear_backends()
     status = deployment.client.status()
-    assert all(isinstance(n["stages"], dict) for n in status.nodes)
+    assert all(isinstance(n.stages, dict) for n in status.nodes)
     _healthy(deployment)
 
 
@@ -170,7 +170,7 @@ def test_liveness_token_heartbeats_from_another_connection(deployment: Deploymen
             time.sleep(0.1)
         assert not sidecar.sock.poll(100), "a sidecar heartbeat got an answer"
         status = deployment.client.status()
-        assert any(n["node_id"] == "tok" and n["alive"] for n in status.nodes)
+        assert any(n.node_id == "tok" and n.alive for n in status.nodes)
     finally:
         sidecar.close()
         raw.send({"op": "unregister"})
@@ -196,7 +196,7 @@ def test_cancel_reaches_a_job_placed_on_a_frozen_node(tmp_path: Path) -> None:
             os.kill(node.pid, signal.SIGCONT)
         after = client.process("test", {"journal": str(journal)}, timeout_s=30)
         assert after.state == "done"
-        d.wait_for(lambda st: all(n["inflight"] == 0 for n in st.nodes), 20, "the node to report the cancel")
+        d.wait_for(lambda st: all(n.inflight == 0 for n in st.nodes), 20, "the node to report the cancel")
         assert not (journal / f"{victim}.log").exists(), (journal / f"{victim}.log").read_text()
     finally:
         d.close()
@@ -218,7 +218,7 @@ def test_compaction_with_large_results_kills_no_node(tmp_path: Path) -> None:
         assert [r.state for r in results] == ["done"] * 48
         assert {r.attempt for r in results} == {1}
         assert "compacted" in d.log("broker") and "lost" not in d.log("broker")
-        assert all(n["alive"] for n in d.client.status().nodes)
+        assert all(n.alive for n in d.client.status().nodes)
     finally:
         d.close()
 

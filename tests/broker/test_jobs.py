@@ -9,6 +9,7 @@ from prorl_cli.broker.jobs import JobTable
 from prorl_cli.broker.journal import Journal
 from prorl_cli.broker.state import Job, Node
 from prorl_cli.protocol import JobSpec, JobState
+from prorl_cli.protocol.headers import JobEnd, StageUpdate
 
 
 class Recorder:
@@ -48,7 +49,7 @@ def test_placed_job_is_assigned_until_its_first_stage() -> None:
     assert [(n.node_id, j.job_id) for n, j in placed] == [("n1", "a")]
     assert job.state == JobState.ASSIGNED and job.node_id == "n1" and "a" in node.inflight
     assert {"t": "placed", "job_id": "a", "attempt": 1, "node_id": "n1"} in rec.records
-    table.stage(node, [{"job_id": "a", "attempt": 1, "stage": "run"}])
+    table.stage(node, [StageUpdate("a", 1, "run")])
     assert job.state == JobState.RUN
     assert table.counts()["run"] == 1
 
@@ -79,17 +80,17 @@ def test_results_and_stages_only_from_the_node_the_job_is_on() -> None:
     other = n2 if owner == "n1" else n1
     _add(table, "queued")
     # Another node's result for "a", and anyone's for a queued job it was never given, are ignored.
-    assert table.done(other, [{"job_id": "a", "attempt": 1, "state": "done"}], [_result("a")]) == []
-    assert table.done(other, [{"job_id": "queued", "attempt": 1, "state": "done"}], [_result("queued")]) == []
-    table.stage(other, [{"job_id": "a", "attempt": 1, "stage": "eval"}])
+    assert table.done(other, [JobEnd("a", 1, "done")], [_result("a")]) == []
+    assert table.done(other, [JobEnd("queued", 1, "done")], [_result("queued")]) == []
+    table.stage(other, [StageUpdate("a", 1, "eval")])
     assert table.jobs["a"].state == JobState.ASSIGNED and table.jobs["queued"].state == JobState.QUEUED
     # A claim for a never-placed queued job is refused.
-    assert table.claim(other, [{"job_id": "queued", "attempt": 1, "stage": "run"}]) == ["queued"]
+    assert table.claim(other, [StageUpdate("queued", 1, "run")]) == ["queued"]
     assert table.jobs["queued"].node_id is None
     # The owner's result counts, once.
     owner_node = table.nodes[owner or ""]
-    assert [j.job_id for j in table.done(owner_node, [{"job_id": "a", "attempt": 1, "state": "done"}], [_result("a")])] == ["a"]
-    assert table.done(owner_node, [{"job_id": "a", "attempt": 1, "state": "failed"}], [_result("a", "failed")]) == []
+    assert [j.job_id for j in table.done(owner_node, [JobEnd("a", 1, "done")], [_result("a")])] == ["a"]
+    assert table.done(owner_node, [JobEnd("a", 1, "failed")], [_result("a", "failed")]) == []
     assert table.jobs["a"].state == JobState.DONE
 
 
@@ -104,9 +105,9 @@ def test_a_node_gets_its_slot_back_for_a_cancelled_job_already_dropped_by_retent
     table.place()
     assert node.inflight == {"cancelled", "other"}
     assert table.cancel(["cancelled"]).by_node == {"n1": ["cancelled"]}
-    table.done(node, [{"job_id": "other", "attempt": 1, "state": "done"}], [_result("other")])
+    table.done(node, [JobEnd("other", 1, "done")], [_result("other")])
     assert "cancelled" not in table.jobs  # dropped by retention (count 1)
-    table.done(node, [{"job_id": "cancelled", "attempt": 1, "state": "cancelled"}], [_result("cancelled", "cancelled")])
+    table.done(node, [JobEnd("cancelled", 1, "cancelled")], [_result("cancelled", "cancelled")])
     assert node.inflight == set() and node.free == 2
 
 
@@ -119,9 +120,9 @@ def test_a_compaction_snapshot_lets_go_of_results_dropped_while_it_is_written() 
         _add(table, job_id)
     table.place()
     for job_id in ("a", "b"):
-        table.done(node, [{"job_id": job_id, "attempt": 1, "state": "done"}], [_result(job_id)])
+        table.done(node, [JobEnd(job_id, 1, "done")], [_result(job_id)])
     snapshot = table.journal_snapshot()  # taken on the loop; a thread writes it
-    table.done(node, [{"job_id": "c", "attempt": 1, "state": "done"}], [_result("c")])  # drops "a"
+    table.done(node, [JobEnd("c", 1, "done")], [_result("c")])  # drops "a"
     records = list(snapshot)
     ends = [r["job_id"] for r in records if r["t"] == "end"]
     assert ends == ["b"]  # "a" was dropped meanwhile; "c" finished after the snapshot (the journal's tail has it)
@@ -140,10 +141,10 @@ def test_node_lost_requeues_and_only_that_node_may_claim_the_old_attempt() -> No
     assert rec.detached == ["a"] and not n1.alive
     n2 = _node(table, "n2", credit=1)
     # Another node cannot claim it; n1, back with the attempt it ran, can.
-    assert table.claim(n2, [{"job_id": "a", "attempt": 1, "stage": "run"}]) == ["a"]
+    assert table.claim(n2, [StageUpdate("a", 1, "run")]) == ["a"]
     n1b = _node(table, "n1", credit=1)
-    assert table.claim(n1b, [{"job_id": "a", "attempt": 2, "stage": "run"}]) == ["a"]
-    assert table.claim(n1b, [{"job_id": "a", "attempt": 1, "stage": "run"}]) == []
+    assert table.claim(n1b, [StageUpdate("a", 2, "run")]) == ["a"]
+    assert table.claim(n1b, [StageUpdate("a", 1, "run")]) == []
     assert job.node_id == "n1" and job.spec.attempt == 1 and job.state == JobState.RUN and len(table.queue) == 0
 
 
@@ -172,7 +173,7 @@ def test_retention_is_bounded_by_bytes_and_count() -> None:
         _add(table, f"j{i}")
     table.place()
     for i in range(20):
-        table.done(node, [{"job_id": f"j{i}", "attempt": 1, "state": "done"}], [_result(f"j{i}", size=20_000)])
+        table.done(node, [JobEnd(f"j{i}", 1, "done")], [_result(f"j{i}", size=20_000)])
     assert table.retained_bytes <= 100_000
     assert 3 <= table.retained_count <= 5
     assert "j19" in table.jobs and "j0" not in table.jobs  # the oldest went first
@@ -182,7 +183,7 @@ def test_retention_is_bounded_by_bytes_and_count() -> None:
         _add(small, f"k{i}")
     small.place()
     for i in range(5):
-        small.done(node, [{"job_id": f"k{i}", "attempt": 1, "state": "done"}], [_result(f"k{i}")])
+        small.done(node, [JobEnd(f"k{i}", 1, "done")], [_result(f"k{i}")])
     assert small.retained_count == 3 and sorted(small.jobs) == ["k2", "k3", "k4"]
 
 
@@ -192,7 +193,7 @@ def test_forget_drops_finished_keeps_running() -> None:
     _add(table, "done")
     _add(table, "running")
     table.place()
-    table.done(node, [{"job_id": "done", "attempt": 1, "state": "done"}], [_result("done", size=1000)])
+    table.done(node, [JobEnd("done", 1, "done")], [_result("done", size=1000)])
     before = table.retained_bytes
     out = table.forget(["done", "running", "ghost"])
     assert (out.forgotten, out.running, out.unknown) == (["done"], ["running"], ["ghost"])
@@ -230,9 +231,9 @@ def test_replay_waits_only_for_placed_jobs(tmp_path) -> None:
     other = _node(table, "n2", credit=4)
     # The never-placed job goes at once to a node that registered; the placed one waits for n1.
     assert [j.job_id for _, j in table.place(now=1.0)] == ["never-placed"]
-    assert table.claim(other, [{"job_id": "placed", "attempt": 1, "stage": "run"}]) == ["placed"]
+    assert table.claim(other, [StageUpdate("placed", 1, "run")]) == ["placed"]
     back = _node(table, "n1", credit=1)
-    assert table.claim(back, [{"job_id": "placed", "attempt": 1, "stage": "run"}]) == []
+    assert table.claim(back, [StageUpdate("placed", 1, "run")]) == []
     assert table.jobs["placed"].node_id == "n1" and table.jobs["placed"].state == JobState.RUN
     del n1
 

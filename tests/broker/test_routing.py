@@ -11,13 +11,20 @@ from typing import Any
 
 import pytest
 
+from prorl_cli import protocol as P
 from prorl_cli.broker.routing import Router
 from prorl_cli.broker.state import Node
-from prorl_cli.exceptions import ConfigError
+from prorl_cli.exceptions import ConfigError, ProtocolError
 from prorl_cli.protocol import ErrorCode, Op, pack_tokens
 
 PROMPT = [pack_tokens([1, 2, 3])]
 N1, N2 = b"node-1", b"node-2"
+
+
+
+def hdr(op: Op, fields: dict[str, Any]) -> Any:
+    """The typed header the broker's dispatch hands the router for ``fields`` (checked by the op's schema)."""
+    return P.parse({"op": op, **fields})
 
 
 class Cluster:
@@ -48,7 +55,7 @@ class Cluster:
 
     def bridge(self, backend_id: str, host: str = "h9") -> bytes:
         identity = f"bridge-{backend_id}".encode()
-        self.router.on_register_backend(identity, {"rid": 1, "backend_id": backend_id, "host": host, "model": "m"}, [])
+        self.router.on_register_backend(identity, hdr(Op.REGISTER_BACKEND, {"rid": 1, "backend_id": backend_id, "host": host, "model": "m"}), [])
         (ack,) = [s for s in self.sent if s[0] == identity and s[1]["op"] == Op.REPLY.value]
         assert ack[1]["ok"]
         self.sent.remove(ack)
@@ -56,7 +63,7 @@ class Cluster:
 
     def generate(self, job_id: str, requester: bytes = N1) -> int:
         self._rid += 1
-        self.router.on_generate(requester, {"op": Op.GENERATE, "rid": self._rid, "job_id": job_id}, PROMPT)
+        self.router.on_generate(requester, hdr(Op.GENERATE, {"rid": self._rid, "job_id": job_id}), PROMPT)
         return self._rid
 
     def routed(self, job_id: str, requester: bytes = N1) -> str:
@@ -68,7 +75,7 @@ class Cluster:
         return who.decode().removeprefix("bridge-")
 
     def reply(self, bridge: bytes, call_id: int, **fields: Any) -> None:
-        self.router.on_generate_reply(bridge, {"op": Op.GENERATE_REPLY, "rid": call_id, "finish_reason": "stop", **fields},
+        self.router.on_generate_reply(bridge, hdr(Op.GENERATE_REPLY, {"rid": call_id, "finish_reason": "stop", **fields}),
                                       PROMPT + PROMPT)
 
     def inflight(self) -> dict[str, int]:
@@ -162,8 +169,8 @@ def test_inflight_is_computed_from_pending_calls_and_replies_carry_the_policy_ve
     c.reply(b1, calls[0])  # a repeat is ignored
     assert c.take() == [] and c.inflight() == {"b1": 2}
     # A call forwarded after a weight update is labelled with the new version.
-    c.router.on_pause_generation(b"trainer", {"rid": 7, "policy_version": 4}, [])
-    c.router.on_resume_generation(b"trainer", {"rid": 8}, [])
+    c.router.on_pause_generation(b"trainer", hdr(Op.PAUSE_GENERATION, {"rid": 7, "policy_version": 4}), [])
+    c.router.on_resume_generation(b"trainer", hdr(Op.RESUME_GENERATION, {"rid": 8}), [])
     assert [h["policy_version"] for h in c.take(b"trainer")] == [4, 4]
     c.generate("j2")
     (late,) = [h["rid"] for h in c.take(b1)]
@@ -198,7 +205,7 @@ def test_without_cancel_propagation_an_ended_jobs_calls_keep_running_and_still_a
     end(c, "j1")
     assert c.take() == [], "no cancel to the bridge, no early answer"
     assert c.inflight() == {"b1": 1} and c.live_jobs() == {"b1": 0}
-    c.router.on_generate_cancel(N1, {"rid": r1, "job_id": "j1"}, [])  # the node's own give-up is not propagated either
+    c.router.on_generate_cancel(N1, hdr(Op.GENERATE_CANCEL, {"rid": r1, "job_id": "j1"}), [])  # the node's own give-up is not propagated either
     assert c.take(b1) == [] and c.inflight() == {"b1": 1}
     c.reply(b1, fwd)
     (answer,) = c.take(N1)
@@ -210,7 +217,7 @@ def test_held_calls_of_an_ended_job_are_answered_and_the_rest_released_on_resume
     c = Cluster()
     b1 = c.bridge("b1")
     run(c, "j1", "j2")
-    c.router.on_pause_generation(b"trainer", {"rid": 1}, [])
+    c.router.on_pause_generation(b"trainer", hdr(Op.PAUSE_GENERATION, {"rid": 1}), [])
     r1 = c.generate("j1")
     c.generate("j2")
     assert len(c.router.held) == 2 and c.take(b1) == []
@@ -219,7 +226,7 @@ def test_held_calls_of_an_ended_job_are_answered_and_the_rest_released_on_resume
     end(c, "j1")
     (answer,) = c.take(N1)
     assert answer["rid"] == r1 and answer["error"]["code"] == ErrorCode.UNKNOWN_JOB.value
-    c.router.on_resume_generation(b"trainer", {"rid": 2}, [])
+    c.router.on_resume_generation(b"trainer", hdr(Op.RESUME_GENERATION, {"rid": 2}), [])
     assert [h["job_id"] for h in c.take(b1)] == ["j2"]
     assert len(c.router.held) == 0
 
@@ -245,10 +252,10 @@ def test_generate_from_an_unregistered_peer_is_refused_and_nothing_is_held() -> 
     (answer,) = c.take(b"stranger")
     assert answer["error"]["code"] == ErrorCode.UNKNOWN_PEER.value
     assert len(c.router.held) == 0 and len(c.router.pending) == 0
-    for op in (c.router.on_generate_done, c.router.on_generate_cancel):
-        op(b"stranger", {"rid": 3, "job_id": "j1", "backend_id": "b1"}, [])
+    for op, handler in ((Op.GENERATE_DONE, c.router.on_generate_done), (Op.GENERATE_CANCEL, c.router.on_generate_cancel)):
+        handler(b"stranger", hdr(op, {"rid": 3, "job_id": "j1", "backend_id": "b1"}), [])
         assert c.take(b"stranger")[0]["error"]["code"] == ErrorCode.UNKNOWN_PEER.value
-    c.router.on_generate_reply(b"stranger", {"rid": 1}, [])
+    c.router.on_generate_reply(b"stranger", hdr(Op.GENERATE_REPLY, {"rid": 1}), [])
     assert c.take(b"stranger")[0]["error"]["code"] == ErrorCode.UNKNOWN_PEER.value
 
 
@@ -308,15 +315,15 @@ def test_silent_bridge_is_lost_on_tick() -> None:
 def test_http_backend_redirects_counts_until_done_and_is_pruned_once_cleared_and_idle() -> None:
     c = Cluster()
     url = "http://h3:8000/v1"
-    c.router.on_add_llm_server(b"trainer", {"rid": 1, "url": url + "/"}, [])
+    c.router.on_add_llm_server(b"trainer", hdr(Op.ADD_LLM_SERVER, {"rid": 1, "url": url + "/"}), [])
     run(c, "j1")
     r1 = c.generate("j1")
     (answer,) = c.take(N1)
     assert answer["rid"] == r1 and answer["redirect"] == url and answer["policy_version"] == 0
     assert c.inflight() == {url: 1} and c.live_jobs() == {url: 1}
-    c.router.on_clear_llm_server(b"trainer", {"rid": 2, "url": url}, [])
+    c.router.on_clear_llm_server(b"trainer", hdr(Op.CLEAR_LLM_SERVER, {"rid": 2, "url": url}), [])
     assert url in c.router.backends, "a job still uses it"
-    c.router.on_generate_done(N1, {"job_id": "j1", "backend_id": url}, [])
+    c.router.on_generate_done(N1, hdr(Op.GENERATE_DONE, {"job_id": "j1", "backend_id": url}), [])
     assert c.inflight() == {url: 0}
     end(c, "j1")
     assert url not in c.router.backends
@@ -328,7 +335,7 @@ def test_stop_answers_held_and_forwarded_calls_and_shuts_bridges_down() -> None:
     run(c, "j1", "j2")
     c.generate("j1")
     c.take()
-    c.router.on_pause_generation(b"trainer", {"rid": 1}, [])
+    c.router.on_pause_generation(b"trainer", hdr(Op.PAUSE_GENERATION, {"rid": 1}), [])
     c.generate("j2")
     c.take()
     c.router.stop()
@@ -339,11 +346,10 @@ def test_stop_answers_held_and_forwarded_calls_and_shuts_bridges_down() -> None:
 
 
 def test_bad_policy_version_is_refused_by_name() -> None:
-    c = Cluster()
-    c.router.on_pause_generation(b"trainer", {"rid": 1, "policy_version": "v2"}, [])
-    (answer,) = c.take(b"trainer")
-    assert answer["error"]["code"] == ErrorCode.BAD_FIELD.value and "policy_version" in answer["error"]["message"]
-    assert not c.router.paused and c.router.policy_version == 0
+    # The op's schema refuses it before the router sees it (the broker answers with this error).
+    with pytest.raises(ProtocolError) as e:
+        hdr(Op.PAUSE_GENERATION, {"rid": 1, "policy_version": "v2"})
+    assert e.value.code == ErrorCode.BAD_FIELD.value and "policy_version" in e.value.message
 
 
 # ---------------------------------------------------------------------- weight sync: drain, update, versions
@@ -358,7 +364,7 @@ def test_a_draining_pause_is_answered_when_the_last_call_ends_or_at_its_deadline
     c.generate("j1")
     c.generate("j2")
     (f1, f2) = [h["rid"] for h in c.take(b1)]
-    c.router.on_pause_generation(b"trainer", {"rid": 7, "drain_timeout_s": 60.0}, [])
+    c.router.on_pause_generation(b"trainer", hdr(Op.PAUSE_GENERATION, {"rid": 7, "drain_timeout_s": 60.0}), [])
     assert c.take(b"trainer") == []  # two calls in flight: no answer yet
     c.reply(b1, f1)
     assert c.take(b"trainer") == []
@@ -366,10 +372,10 @@ def test_a_draining_pause_is_answered_when_the_last_call_ends_or_at_its_deadline
     (answer,) = c.take(b"trainer")
     assert answer["ok"] and answer["rid"] == 7 and answer["drained"] is True and c.router.paused
 
-    c.router.on_resume_generation(b"trainer", {"rid": 8}, [])
+    c.router.on_resume_generation(b"trainer", hdr(Op.RESUME_GENERATION, {"rid": 8}), [])
     c.take()
     c.generate("j1")
-    c.router.on_pause_generation(b"trainer", {"rid": 9, "drain_timeout_s": 5.0}, [])
+    c.router.on_pause_generation(b"trainer", hdr(Op.PAUSE_GENERATION, {"rid": 9, "drain_timeout_s": 5.0}), [])
     c.router.check_waiters(time.monotonic() + 6.0)
     (late,) = c.take(b"trainer")
     assert late["error"]["code"] == ErrorCode.DRAIN_TIMEOUT.value and "job j1 on b1" in late["error"]["message"]
@@ -379,19 +385,19 @@ def test_a_draining_pause_is_answered_when_the_last_call_ends_or_at_its_deadline
 def test_update_weights_waits_for_each_bridge_and_names_the_failures() -> None:
     c = Cluster()
     b1, b2 = c.bridge("b1"), c.bridge("b2")
-    c.router.on_update_weights(b"trainer", {"rid": 3, "checkpoint": "/c/v2", "policy_version": 2}, [])
+    c.router.on_update_weights(b"trainer", hdr(Op.UPDATE_WEIGHTS, {"rid": 3, "checkpoint": "/c/v2", "policy_version": 2}), [])
     fwd = {who: h for who, h, _ in c.sent if h.get("op") == Op.UPDATE_WEIGHTS.value}
     assert set(fwd) == {b1, b2} and all(h["checkpoint"] == "/c/v2" and h["policy_version"] == 2 for h in fwd.values())
     c.sent.clear()
-    c.router.on_weights_updated(b1, {"rid": fwd[b1]["rid"]}, [])
+    c.router.on_weights_updated(b1, hdr(Op.WEIGHTS_UPDATED, {"rid": fwd[b1]["rid"]}), [])
     assert c.take(b"trainer") == []
-    c.router.on_weights_updated(b2, {"rid": fwd[b2]["rid"], "error": {"code": "reload_failed", "message": "bad shapes"}}, [])
+    c.router.on_weights_updated(b2, hdr(Op.WEIGHTS_UPDATED, {"rid": fwd[b2]["rid"], "error": {"code": "reload_failed", "message": "bad shapes"}}), [])
     (answer,) = c.take(b"trainer")
     assert answer["error"]["code"] == ErrorCode.RELOAD_FAILED.value and answer["failed"] == {"b2": "bad shapes"}
     assert answer["updated"] == ["b1"] and c.router.policy_version == 0  # not all loaded: the version stays
-    c.router.on_update_weights(b"trainer", {"rid": 4, "checkpoint": "/c/v3", "policy_version": 3}, [])
+    c.router.on_update_weights(b"trainer", hdr(Op.UPDATE_WEIGHTS, {"rid": 4, "checkpoint": "/c/v3", "policy_version": 3}), [])
     for who, h, _ in [s for s in c.sent if s[1].get("op") == Op.UPDATE_WEIGHTS.value]:
-        c.router.on_weights_updated(who, {"rid": h["rid"]}, [])
+        c.router.on_weights_updated(who, hdr(Op.WEIGHTS_UPDATED, {"rid": h["rid"]}), [])
     (ok,) = c.take(b"trainer")
     assert ok["ok"] and sorted(ok["updated"]) == ["b1", "b2"] and c.router.policy_version == 3
 
@@ -400,8 +406,8 @@ def test_a_generate_reply_carries_the_bridges_own_version_when_it_has_one() -> N
     c = Cluster()
     b1 = c.bridge("b1")
     run(c, "j1")
-    c.router.on_pause_generation(b"trainer", {"rid": 1, "policy_version": 5}, [])
-    c.router.on_resume_generation(b"trainer", {"rid": 2}, [])
+    c.router.on_pause_generation(b"trainer", hdr(Op.PAUSE_GENERATION, {"rid": 1, "policy_version": 5}), [])
+    c.router.on_resume_generation(b"trainer", hdr(Op.RESUME_GENERATION, {"rid": 2}), [])
     c.take()
     c.generate("j1")
     (fwd,) = c.take(b1)

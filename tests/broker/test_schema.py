@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from prorl_cli import protocol as P
+from prorl_cli.client.aio import AsyncRolloutClient
 from prorl_cli.exceptions import ProtocolError
 from prorl_cli.testing.samples import STOP, VALID
 
@@ -105,7 +106,10 @@ def test_header_rid_is_kept_for_error_replies() -> None:
 
 
 def test_jobspec_refuses_nan_client_side() -> None:
-    with pytest.raises(ProtocolError):
-        P.JobSpec(job_id="a", task="t", timeout_s=math.nan)
-    with pytest.raises(ProtocolError):
-        P.JobSpec(job_id="a", task="t", stage_timeouts_s={"run": math.inf})
+    client = AsyncRolloutClient("schema-test")  # make_specs checks with the submit schema; nothing connects
+    with pytest.raises(ProtocolError, match="timeout_s"):
+        client.make_specs("t", 1, timeout_s=math.nan)
+    with pytest.raises(ProtocolError, match=r"stage_timeouts_s\['run'\]"):
+        client.make_specs("t", 1, stage_timeouts_s={"run": math.inf})
+    with pytest.raises(ProtocolError, match=r"sampling.top_k' must be -1 \(off\) or positive"):
+        client.make_specs("t", 1, sampling={"top_k": 0})

@@ -29,7 +29,7 @@ def test_usr2_delivers_what_finishes_in_the_grace_and_reruns_the_rest_elsewhere(
         [queued] = client.submit("test", [{"echo": "queued"}])  # waits for n1's only INIT slot: never starts there
         d.wait_for(lambda st: st.jobs.get("assigned") == 1, 30, "the fifth job placed on n1")
         os.killpg(d.procs["n1"].pid, signal.SIGUSR2)
-        d.wait_for(lambda st: any(n["node_id"] == "n1" and n.get("draining") for n in st.nodes), 30, "n1 draining", "n1")
+        d.wait_for(lambda st: any(n.node_id == "n1" and n.draining for n in st.nodes), 30, "n1 draining", "n1")
         d.start_node("n2")
         got = {r.job_id: r for r in (next(stream) for _ in range(3))}  # the two short ones and the handed-back one
         assert sorted(got) == sorted([*short, queued]), got
@@ -38,7 +38,7 @@ def test_usr2_delivers_what_finishes_in_the_grace_and_reruns_the_rest_elsewhere(
         assert (got[queued].state, got[queued].node_id, got[queued].attempt) == ("done", "n2", 1), got[queued]
         # After the grace n1 stops the rest and leaves; the broker runs them on n2 as their next attempt.
         assert d.procs["n1"].wait(timeout=GRACE_S + 30) == 0
-        d.wait_for(lambda st: any(n["node_id"] == "n2" and n["inflight"] == 2 for n in st.nodes), 30,
+        d.wait_for(lambda st: any(n.node_id == "n2" and n.inflight == 2 for n in st.nodes), 30,
                    "the two unfinished jobs rerun on n2")
         client.cancel([long_job, slow_init])
         rest = {r.job_id: r for r in (next(stream) for _ in range(2))}

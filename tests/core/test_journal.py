@@ -100,7 +100,7 @@ def test_without_a_journal_waiting_clients_hear_that_their_jobs_are_gone(make: C
     assert {r.error["type"] for r in results if r.error} == {"BrokerRestarted"}
     assert all(r.task == "test" for r in results)
     # The node dropped the jobs the new broker does not know, instead of running them on.
-    d.wait_for(lambda st: bool(st.nodes) and st.nodes[0]["alive"] and st.nodes[0]["inflight"] == 0, 30, "n1 back, idle")
+    d.wait_for(lambda st: bool(st.nodes) and st.nodes[0].alive and st.nodes[0].inflight == 0, 30, "n1 back, idle")
     assert "ended or moved to another node meanwhile; dropping it" in d.log("n1")
 
 

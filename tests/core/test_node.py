@@ -73,8 +73,8 @@ def test_a_handler_blocking_the_loop_10s_does_not_get_its_node_declared_dead(dep
     assert result.state == "done", result.error
     assert result.attempt == 1 and result.output["attempt"] == 1
     assert result.output["stages"] == ["init", "run", "eval"]
-    node = next(n for n in client.status().nodes if n["node_id"] == "busy")
-    assert node["alive"]
+    node = next(n for n in client.status().nodes if n.node_id == "busy")
+    assert node.alive
     # The sidecar writes "was blocked for" on its first check after the loop resumed, which may come after the result.
     deadline = time.monotonic() + 10
     log = deployment.log("busy")
@@ -112,7 +112,7 @@ def test_a_nan_sleep_fails_its_job_and_leaves_timers_and_heartbeats_working(depl
     hung = client.submit("test", [{"hang_in": "run"}] * 2, timeout_s=0.5)
     results = client.wait(quick + hung, timeout_s=30)
     assert [r.state for r in results] == ["done"] * 4 + ["timed_out"] * 2
-    assert all(n["alive"] for n in client.status().nodes)
+    assert all(n.alive for n in client.status().nodes)
     # The node said which sandbox runtime sandbox.runtime (auto, by default) picked.
     assert "sandbox runtime " in deployment.log("n1")
 

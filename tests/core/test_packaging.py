@@ -110,5 +110,5 @@ def test_a_production_node_serves_no_test_handler(tmp_path: Path, monkeypatch: p
         stack.start_broker()
         stack.start_node("n1")
         (node,) = stack.client.status().nodes
-    assert set(node["tasks"]) == BUILTIN_TASKS, node["tasks"]
+    assert set(node.tasks) == BUILTIN_TASKS, node.tasks
     assert set(discover(["prorl_cli.testing.handlers"]).tasks) == BUILTIN_TASKS | TEST_TASKS

@@ -139,7 +139,7 @@ def test_cancel_queued_and_running_jobs_completes_the_wait(tmp_path: Path) -> No
         # The node really stopped the running job and took the next one.
         after = client.process("test", {"echo": "after"}, timeout_s=10)
         assert after.state == "done" and after.output["echo"] == "after"
-        d.wait_for(lambda st: st.nodes[0]["inflight"] == 0, 10, "node credit to come back")
+        d.wait_for(lambda st: st.nodes[0].inflight == 0, 10, "node credit to come back")
     finally:
         d.close()
 
@@ -175,8 +175,8 @@ def test_kill_9_of_a_node_requeues_its_jobs_to_the_other(deployment: Deployment,
     assert {r.node_id for r in results} == {"survivor"}
     assert [r.attempt for r in results] == [2] * 4
     assert [r.output["attempt"] for r in results] == [2] * 4
-    nodes = {n["node_id"]: n for n in client.status().nodes}
-    assert nodes["victim"]["alive"] is False
+    nodes = {n.node_id: n for n in client.status().nodes}
+    assert nodes["victim"].alive is False
 
 
 def test_stop_leaves_no_process_of_the_deployment_running(deployment: Deployment) -> None:
@@ -212,7 +212,7 @@ def test_sigterm_of_a_node_hands_its_jobs_back(deployment: Deployment) -> None:
     assert deployment.procs["preempted"].returncode == 0
     # No heartbeat timeout is needed: the node said goodbye (liveness here is 2 s).
     st = deployment.wait_for(lambda st: st.jobs["queued"] == 3, 1.5, "jobs back in the queue")
-    assert not st.nodes[0]["alive"]
+    assert not st.nodes[0].alive
     deployment.start_node("next")
     results = client.wait(ids, timeout_s=60)
     assert [(r.state, r.node_id, r.attempt) for r in results] == [("done", "next", 2)] * 3

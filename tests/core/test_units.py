@@ -34,15 +34,15 @@ def test_header_round_trip_and_errors() -> None:
         P.decode_header(msgpack.packb({"v": 1, "op": 5}))
     assert e.value.code == P.ErrorCode.MISSING_FIELD
     with pytest.raises(ProtocolError) as e:
-        P.require_fields(P.decode_header(msgpack.packb({"v": 1, "op": "cancel", "rid": True, "job_ids": []})))
+        P.validate(P.decode_header(msgpack.packb({"v": 1, "op": "cancel", "rid": True, "job_ids": []})))
     assert e.value.code == P.ErrorCode.BAD_FIELD and "rid" in e.value.message
 
 
 def test_job_spec_validation_names_the_field() -> None:
     with pytest.raises(ProtocolError, match="job_id"):
-        P.JobSpec(job_id="", task="t")
-    with pytest.raises(ProtocolError, match="stage_timeouts_s has unknown stage 'warmup'"):
-        P.JobSpec(job_id="a", task="t", stage_timeouts_s={"warmup": 1})
+        P.JobSpec.from_wire({"job_id": "", "task": "t"})
+    with pytest.raises(ProtocolError, match=r"stage_timeouts_s.key' must be one of \['eval', 'init', 'run'\], got 'warmup'"):
+        P.JobSpec.from_wire({"job_id": "a", "task": "t", "stage_timeouts_s": {"warmup": 1}})
     with pytest.raises(ProtocolError, match="unknown field"):
         P.JobSpec.from_wire({"job_id": "a", "task": "t", "colour": "red"})
     spec = P.JobSpec.from_wire({"job_id": "a", "task": "t", "timeout_s": 2})

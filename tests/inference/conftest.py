@@ -67,7 +67,7 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
 def start_bridge(d: Deployment, backend_id: str, *args: str, timeout_s: float = 120.0) -> subprocess.Popen[bytes]:
     """``prorl serve inference --backend-id ID ARGS`` as a child; returns once it has registered."""
     proc = d.spawn(backend_id, "serve", "inference", "--backend-id", backend_id, *args)
-    d.wait_for(lambda st: any(b["backend_id"] == backend_id and b["alive"] for b in st.backends), timeout_s,
+    d.wait_for(lambda st: any(b.backend_id == backend_id and b.alive for b in st.backends), timeout_s,
                f"backend {backend_id} to register", backend_id)
     return proc
 

@@ -80,11 +80,11 @@ def test_rollout_through_http_backend_added_by_url(
     # The nodes report each direct call back, so the broker's counts hold for HTTP backends too.
     calls = sum(len(res.output["trajectory"]["calls"]) for res in results)
     st = deployment.wait_for(
-        lambda st: any(b["backend_id"] == status.backend_id and b["served"] == calls for b in st.backends),
+        lambda st: any(b.backend_id == status.backend_id and b.served == calls for b in st.backends),
         10, "served calls of the HTTP backend to be counted",
     )
-    (http,) = [b for b in st.backends if b["backend_id"] == status.backend_id]
-    assert http["inflight"] == 0 and http["jobs"] == 0
+    (http,) = [b for b in st.backends if b.backend_id == status.backend_id]
+    assert http.inflight == 0 and http.jobs == 0
 
 
 def test_rollout_through_transformers_engine(deployment: Deployment, tiny_model: Path, chat: ChatTokens) -> None:
@@ -145,7 +145,7 @@ def test_silent_bridge_is_dropped_and_its_job_gets_an_error(
     doomed = start_bridge(d, "b-doomed", "--engine", "transformers", "--model", str(tiny_model))
     inst = {"tokenizer": str(tiny_model), "turns": 2}
     ids = d.client.submit("multiturn", [inst] * 2, sampling={"max_tokens": 300, "temperature": 1.0}, timeout_s=240)
-    d.wait_for(lambda st: any(b["backend_id"] == "b-doomed" and b["inflight"] > 0 for b in st.backends),
+    d.wait_for(lambda st: any(b.backend_id == "b-doomed" and b.inflight > 0 for b in st.backends),
                60, "a call in flight on b-doomed", "b-doomed")
     kill_group(doomed)
     trajs = [Trajectory.from_dict(r.output["trajectory"]) for r in d.client.wait(ids, timeout_s=240)]
@@ -155,7 +155,7 @@ def test_silent_bridge_is_dropped_and_its_job_gets_an_error(
     (ok,) = [t for t in trajs if t.error is None]
     assert {c.backend_id for c in ok.calls} == {"b-keep"}
     st = d.client.status()
-    assert [b["backend_id"] for b in st.backends] == ["b-keep"]
+    assert [b.backend_id for b in st.backends] == ["b-keep"]
 
 
 def test_sigterm_unregisters_the_bridge(deployment: Deployment, tiny_model: Path) -> None:
@@ -197,8 +197,8 @@ def test_a_restarted_broker_gets_its_node_and_bridge_back(
         assert (d.address != old_address) == moved
         if moved:
             d.drop_client()  # the test's client was given the old address; the next one reads the new
-        d.wait_for(lambda st: [n["node_id"] for n in st.nodes if n["alive"]] == ["n1"], 60, "n1 to register again", "n1")
-        d.wait_for(lambda st: [b["backend_id"] for b in st.backends if b["alive"]] == ["b-tf"], 60,
+        d.wait_for(lambda st: [n.node_id for n in st.nodes if n.alive] == ["n1"], 60, "n1 to register again", "n1")
+        d.wait_for(lambda st: [b.backend_id for b in st.backends if b.alive] == ["b-tf"], 60,
                    "b-tf to register again", "b-tf")
         assert "registering again" in d.log("n1") and "registering again" in d.log("b-tf")
         assert ("bridge follows it" in d.log("b-tf")) == moved
@@ -233,7 +233,7 @@ def test_cancelling_a_job_stops_its_call_in_the_engine(deployment: Deployment, t
     d = deployment
     start_bridge(d, "b-tf", "--engine", "transformers", "--model", str(tiny_model))
     (job,) = d.client.submit("onecall", [{"prompt_ids": [5, 6, 7]}], sampling=LONG_CALL, timeout_s=240)
-    d.wait_for(lambda st: any(b["inflight"] == 1 for b in st.backends), 60, "the call to be in flight", "b-tf")
+    d.wait_for(lambda st: any(b.inflight == 1 for b in st.backends), 60, "the call to be in flight", "b-tf")
     assert d.client.cancel([job]) == {job: "cancelled"}
     (res,) = d.client.wait([job], timeout_s=60)
     assert res.state == "cancelled"
@@ -249,7 +249,7 @@ def test_cancelling_a_job_stops_its_call_in_the_engine(deployment: Deployment, t
         stopped = re.search(r"generation cancelled after (\d+) of at most 2000 tokens", log)
         assert stopped is None or int(stopped.group(1)) < 2000, stopped.group(0)
     (b,) = d.client.status().backends
-    assert (b["inflight"], b["jobs"]) == (0, 0)
+    assert (b.inflight, b.jobs) == (0, 0)
     # The engine's one worker thread is free: the next call runs to its full length.
     (short,) = d.client.submit("onecall", [{"prompt_ids": [5, 6, 7]}], sampling={**LONG_CALL, "max_tokens": 8})
     (res2,) = d.client.wait([short], timeout_s=120)
@@ -292,6 +292,6 @@ def test_a_call_held_past_the_generate_timeout_is_served_after_resume(tmp_path: 
         assert res.ok and "error" not in res.output, res.output
         assert len(res.output["eval"]["output_ids"]) == 4
         (b,) = d.client.status().backends
-        assert b["served"] == 2, "both the held RUN call and EVAL's call are served"
+        assert b.served == 2, "both the held RUN call and EVAL's call are served"
     finally:
         d.close()

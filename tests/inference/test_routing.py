@@ -39,8 +39,8 @@ def submit(d: Deployment, tiny_model: Path, n: int, turns: int = 3, sampling: di
     return d.client.submit("multiturn", [inst] * n, sampling=sampling or {"max_tokens": 8}, timeout_s=240)
 
 
-def backends(st: Any) -> dict[str, dict[str, Any]]:
-    return {b["backend_id"]: b for b in st.backends}
+def backends(st: Any) -> dict[str, Any]:
+    return {b.backend_id: b for b in st.backends}
 
 
 def trajectory(res: Any) -> Trajectory:
@@ -70,8 +70,8 @@ def test_forty_jobs_on_two_bridges_are_sticky_and_balanced(
     assert set(per_backend) == {"b1", "b2"}
     assert abs(per_backend["b1"] - per_backend["b2"]) <= 1, per_backend
     st = d.client.status()
-    assert sum(b["served"] for b in st.backends) == 120
-    assert all(b["inflight"] == 0 and b["jobs"] == 0 for b in st.backends)
+    assert sum(b.served for b in st.backends) == 120
+    assert all(b.inflight == 0 and b.jobs == 0 for b in st.backends)
 
 
 @pytest.mark.vllm
@@ -81,15 +81,15 @@ def test_pause_drains_in_flight_calls_and_holds_new_ones(
     d = deployment
     start_bridge(d, "b1", "--attach", vllm_server.url)
     ids = submit(d, tiny_model, 6, turns=4, sampling={"max_tokens": 48})
-    d.wait_for(lambda st: backends(st)["b1"]["inflight"] > 0, 120, "calls in flight", "b1")
+    d.wait_for(lambda st: backends(st)["b1"].inflight > 0, 120, "calls in flight", "b1")
     d.client.pause_generation()
-    drained = d.wait_for(lambda st: backends(st)["b1"]["inflight"] == 0, 120, "in-flight calls to drain", "b1")
-    served = backends(drained)["b1"]["served"]
+    drained = d.wait_for(lambda st: backends(st)["b1"].inflight == 0, 120, "in-flight calls to drain", "b1")
+    served = backends(drained)["b1"].served
     late = submit(d, tiny_model, 1, turns=2)
     d.wait_for(lambda st: st.jobs.get("run", 0) == 7, 60, "the late job in RUN", "n1")
     with pytest.raises(TimeoutError):
         d.client.result(late[0], timeout_s=1.5)
-    assert backends(d.client.status())["b1"]["served"] == served  # nothing served while paused
+    assert backends(d.client.status())["b1"].served == served  # nothing served while paused
     d.client.resume_generation()
     for res in d.client.wait(ids + late, timeout_s=300):
         traj = trajectory(res)
@@ -105,11 +105,11 @@ def test_clear_lets_jobs_finish_and_readd_routes_again(
     url = vllm_server.url
     d.client.add_backend(url)
     (job_a,) = submit(d, tiny_model, 1, turns=3, pause_s=1.0)
-    d.wait_for(lambda st: backends(st).get(url, {}).get("jobs") == 1, 60, "job A routed to the URL")
+    d.wait_for(lambda st: url in backends(st) and backends(st)[url].jobs == 1, 60, "job A routed to the URL")
     assert d.client.clear_backends(url) == [url]
     st = d.client.status()
     assert st.jobs.get("run") == 1, "job A must still be running when its backend is cleared"
-    assert backends(st)[url]["cleared"] is True
+    assert backends(st)[url].cleared is True
     (job_b,) = submit(d, tiny_model, 1, turns=2)
     # A keeps its backend and finishes; B, a new job, has nowhere to go and waits.
     traj_a = trajectory(d.client.result(job_a, timeout_s=120))
@@ -131,7 +131,7 @@ def test_killing_vllm_fails_its_job_and_the_rest_go_on(
     (vllm_proc,) = [p for p in psutil.Process(child_bridge.pid).children() if "vllm" in " ".join(p.cmdline())]
     long = {"max_tokens": 400, "temperature": 1.0}
     ids = submit(d, tiny_model, 2, turns=2, sampling=long)
-    d.wait_for(lambda st: backends(st)["b-child"]["inflight"] > 0, 120, "a call in flight on b-child", "b-child")
+    d.wait_for(lambda st: backends(st)["b-child"].inflight > 0, 120, "a call in flight on b-child", "b-child")
     os.killpg(vllm_proc.pid, signal.SIGKILL)  # vLLM runs in its own process group, which this test's bridge made
     results = {r.job_id: r for r in d.client.wait(ids, timeout_s=240)}
     trajs = [trajectory(r) for r in results.values()]
@@ -191,7 +191,7 @@ class ThreadBridge:
         self.thread = threading.Thread(target=self._run, args=(d.address, d.deployment_dir), daemon=True)
         self.thread.start()
         assert self._ready.wait(10), "the bridge thread did not start"
-        d.wait_for(lambda st: any(b["backend_id"] == backend_id and b["alive"] for b in st.backends), 30,
+        d.wait_for(lambda st: any(b.backend_id == backend_id and b.alive for b in st.backends), 30,
                    f"backend {backend_id} to register")
 
     def _run(self, address: str, deployment_dir: Path) -> None:
@@ -240,7 +240,7 @@ def scripted(tmp_path: Path) -> Iterator[Callable[..., tuple[Deployment, list[Th
 
 
 def drained(st: Any) -> bool:
-    return st.held_generates == 0 and all(b["inflight"] == 0 and b["jobs"] == 0 for b in st.backends)
+    return st.held_generates == 0 and all(b.inflight == 0 and b.jobs == 0 for b in st.backends)
 
 
 def one(d: Deployment, **instance: Any) -> list[str]:
@@ -262,9 +262,9 @@ def test_each_policy_routes_calls_where_it_says(scripted: Any, policy: str, expe
     d, _ = scripted({"routing_policy": policy}, ScriptedEngine(), ScriptedEngine())
     assert d.client.status().routing_policy == policy
     (job_a,) = one(d, calls=1, hold_s=60)
-    d.wait_for(lambda st: sum(b["served"] for b in st.backends) == 1, 30, "job A's call to be served", "n1")
+    d.wait_for(lambda st: sum(b.served for b in st.backends) == 1, 30, "job A's call to be served", "n1")
     st = d.client.status()
-    assert {b["backend_id"]: b["jobs"] for b in st.backends} == ({"b1": 0, "b2": 0} if policy == "round_robin" else {"b1": 1, "b2": 0})
+    assert {b.backend_id: b.jobs for b in st.backends} == ({"b1": 0, "b2": 0} if policy == "round_robin" else {"b1": 1, "b2": 0})
     got = []
     for _ in range(2):
         (res,) = d.client.wait(one(d, calls=2), timeout_s=60)
@@ -293,19 +293,19 @@ def test_cancel_propagation_stops_a_cancelled_jobs_call_and_its_ablation_leaves_
         # The engine served the stale call to its end; the broker counted it in flight until then.
         assert (engine.cancelled, engine.finished) == (0, 1)
     st = d.wait_for(drained, 30, "routing state to drain")
-    assert st.backends[0]["served"] == (0 if propagate else 1)
+    assert st.backends[0].served == (0 if propagate else 1)
 
 
 def test_routing_state_drains_to_nothing_when_jobs_are_cancelled_while_their_calls_race(scripted: Any) -> None:
     """Calls that arrive after their job was cancelled are refused, never routed, and bind nothing."""
     d, bridges = scripted({}, ScriptedEngine(delay_s=0.002), ScriptedEngine(delay_s=0.002))
     ids = d.client.submit("calls", [{"calls": 400}] * 12, sampling={"max_tokens": 2}, timeout_s=120)
-    d.wait_for(lambda st: sum(b["served"] for b in st.backends) >= 60, 60, "calls to flow", "n1")
+    d.wait_for(lambda st: sum(b.served for b in st.backends) >= 60, 60, "calls to flow", "n1")
     states = d.client.cancel(ids)
     results = d.client.wait(ids, timeout_s=60)
     assert set(states.values()) == {"cancelled"} and all(r.state == "cancelled" for r in results)
     st = d.wait_for(drained, 30, "routing state to drain")
-    assert {b["backend_id"] for b in st.backends} == {"b1", "b2"}
+    assert {b.backend_id for b in st.backends} == {"b1", "b2"}
     assert sum(b.engine.started for b in bridges) < 12 * 400
 
 
@@ -355,7 +355,7 @@ def test_a_generate_for_a_job_that_is_not_running_on_the_requester_is_refused_an
     finally:
         node.close()
     st = d.client.status()
-    assert [(b["jobs"], b["inflight"], b["served"]) for b in st.backends] == [(0, 0, 0)] and engine.started == 0
+    assert [(b.jobs, b.inflight, b.served) for b in st.backends] == [(0, 0, 0)] and engine.started == 0
 
 
 def test_generate_from_an_unregistered_peer_is_answered_at_once_and_nothing_is_held(scripted: Any) -> None:

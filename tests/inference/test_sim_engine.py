@@ -163,9 +163,9 @@ def test_sim_bridge_serves_a_sticky_multi_turn_job_and_status_shows_its_stats(tm
         for r in results:
             assert len(set(r.output["backends"])) == 1  # sticky: every turn on one backend
         # Wait for a heartbeat that has seen all 12 calls.
-        d.wait_for(lambda st: sum(b.get("stats", {}).get("requests", 0) for b in st.backends) == 12, 30.0,
+        d.wait_for(lambda st: sum(b.stats.get("requests", 0) for b in st.backends) == 12, 30.0,
                    "sim stats in status", "sim-a")
-        stats = [b["stats"] for b in d.client.status().backends]
+        stats = [b.stats for b in d.client.status().backends]
         prompt = sum(s["prompt_tokens"] for s in stats)
         cached = sum(s["cached_tokens"] for s in stats)
         # Turns 2..6 of each job find the previous turns cached: well over half the prompt tokens.

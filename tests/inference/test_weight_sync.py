@@ -111,7 +111,7 @@ def test_pause_with_wait_returns_once_slow_calls_in_flight_finish(stack: Any) ->
     engine.gate = True
     stack.bridge(d, "b1", engine)
     jobs = d.client.submit("calls", [{"calls": 1}] * 2, sampling={"max_tokens": 2})
-    d.wait_for(lambda st: st.backends[0]["inflight"] == 2, 30, "two calls in flight", "n1")
+    d.wait_for(lambda st: st.backends[0].inflight == 2, 30, "two calls in flight", "n1")
     done = threading.Event()
 
     def pause() -> None:
@@ -125,7 +125,7 @@ def test_pause_with_wait_returns_once_slow_calls_in_flight_finish(stack: Any) ->
     engine.release.set()
     t.join(60)
     assert done.is_set()
-    assert d.client.status().backends[0]["inflight"] == 0
+    assert d.client.status().backends[0].inflight == 0
     assert engine.finished == 2  # it returned after them, not before
     d.client.resume_generation()
     assert all(r.ok for r in d.client.wait(jobs, timeout_s=60))
@@ -137,7 +137,7 @@ def test_pause_with_wait_raises_at_its_timeout_naming_the_hung_call(stack: Any) 
     engine.gate = True  # never released: the call hangs
     stack.bridge(d, "b1", engine)
     (job,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2})
-    d.wait_for(lambda st: st.backends[0]["inflight"] == 1, 30, "the call in flight", "n1")
+    d.wait_for(lambda st: st.backends[0].inflight == 1, 30, "the call in flight", "n1")
     with pytest.raises(DrainTimeout, match=job) as err:
         d.client.pause_generation(wait=True, timeout_s=1.0)
     assert [c["job_id"] for c in err.value.running] == [job] and err.value.running[0]["backend_id"] == "b1"
@@ -154,7 +154,7 @@ def test_update_weights_waits_for_calls_in_flight_which_keep_the_old_version(sta
     engine.gate = True
     stack.bridge(d, "b1", engine)
     (before,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2})
-    d.wait_for(lambda st: st.backends[0]["inflight"] == 1, 30, "the call in flight", "n1")
+    d.wait_for(lambda st: st.backends[0].inflight == 1, 30, "the call in flight", "n1")
     updated: list[Any] = []
 
     def update() -> None:

@@ -56,7 +56,7 @@ def observed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedR
         d.start_broker()
         d.start_node("n1", "--handlers", str(HANDLERS))
         proc = d.spawn("sim-a", "serve", "inference", "--backend-id", "sim-a", "--engine", "sim")
-        d.wait_for(lambda st: any(b["backend_id"] == "sim-a" and b["alive"] for b in st.backends), 120.0,
+        d.wait_for(lambda st: any(b.backend_id == "sim-a" and b.alive for b in st.backends), 120.0,
                    "backend sim-a to register", "sim-a")
         assert proc.poll() is None
         tasks = tmp / "tasks.jsonl"

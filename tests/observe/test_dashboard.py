@@ -42,11 +42,11 @@ def test_dashboard_shows_a_loaded_deployment_as_status_reports_it(observed_run: 
     assert jobs["obs_slow"]["run"] == str(N_SLOW) and jobs["obs_slow"]["total"] == str(N_SLOW)
     assert jobs["all"]["total"] == str(sum(report.jobs.values())) and jobs["all"]["run"] == str(report.jobs["run"])
     # The node's RUN pool: active/queued/limit as its heartbeat said.
-    run_pool = report.node_statuses()[0].stages["run"]
+    run_pool = report.nodes[0].stages["run"]
     node = tables["nodes: stage pools active/queued/limit"]["n1"]
     assert node["run"] == f"{run_pool['active']}/{run_pool['queued']}/{run_pool['limit']}" == f"{N_SLOW}/0/8"
     # The backend: served calls as the broker counts them; tokens from the nodes' counters.
-    backend = report.backend_statuses()[0]
+    backend = report.backends[0]
     row = tables["inference backends"]["sim-a"]
     assert (row["in-flight"], row["served"], row["state"]) == (str(backend.inflight), str(backend.served), "serving")
     assert backend.served == sum(i["turns"] for i in INSTANCES)

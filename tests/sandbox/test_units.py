@@ -202,10 +202,21 @@ def test_auto_runtime_is_the_default_and_falls_back_to_local_loudly(
 ) -> None:
     assert SandboxConfig().runtime == "auto"
     monkeypatch.setenv("PATH", str(tmp_path))  # neither apptainer nor bwrap here
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with caplog.at_level(logging.WARNING, logger="test"):
         runtime = make_runtime(SandboxConfig(), log)
     assert runtime.name == "local" and not runtime.isolated
     assert "falling back to the LOCAL runtime" in caplog.text and "bwrap (bubblewrap) is not on PATH" in caplog.text
+
+
+def test_auto_runtime_on_a_slurm_node_refuses_to_run_unisolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither apptainer nor bwrap here
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with pytest.raises(SandboxError, match="no isolating runtime works on this Slurm node") as e:
+        make_runtime(SandboxConfig(), log)
+    assert "bwrap (bubblewrap) is not on PATH" in str(e.value) and "sandbox.runtime: local" in str(e.value)
+    # Chosen explicitly, the unisolated runtime is the operator's decision and is served.
+    assert make_runtime(SandboxConfig(runtime="local"), log).name == "local"
 
 
 def test_auto_runtime_prefers_apptainer_then_bubblewrap(

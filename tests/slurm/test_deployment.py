@@ -61,7 +61,7 @@ class Launched:
         return self._client
 
     def alive_nodes(self) -> set[str]:
-        return {n.node_id for n in self.client.status().node_statuses() if n.alive}
+        return {n.node_id for n in self.client.status().nodes if n.alive}
 
     def member(self, peer_id: str) -> Any:
         return next(m for m in self.record.members if m.peer_id == peer_id)
@@ -117,8 +117,8 @@ def test_launch_places_every_role(launched: Launched) -> None:
     node_hosts = {rows[m.job_id].nodes for m in record.of("nodes")}
     assert node_hosts == {"n1", "n2", "n3"}, "one node server per Slurm node"
     status = launched.client.status()
-    assert {n.node_id for n in status.node_statuses() if n.alive} == {"node-0", "node-1", "node-2"}
-    assert {b["backend_id"] for b in status.backends} == {"inference-0", "inference-1"}
+    assert {n.node_id for n in status.nodes if n.alive} == {"node-0", "node-1", "node-2"}
+    assert {b.backend_id for b in status.backends} == {"inference-0", "inference-1"}
     for m in record.of("inference"):
         text = logs_of(launched.dir / "slurm" / "inference" / m.job_id)
         gpus = re.findall(r"GPUs visible: (\S+)", text)
@@ -164,7 +164,7 @@ def test_scancel_of_a_node_task_mid_run_moves_its_jobs(launched: Launched) -> No
     victim = launched.member("node-1")
 
     def cancel_when_busy() -> None:
-        wait_until(lambda: any(n.node_id == "node-1" and n.inflight for n in launched.client.status().node_statuses()),
+        wait_until(lambda: any(n.node_id == "node-1" and n.inflight for n in launched.client.status().nodes),
                    60, "node-1 to hold jobs")
         squeue.cancel([victim.job_id])
 
@@ -212,7 +212,7 @@ def test_a_killed_inference_task_is_replaced_under_its_name(launched: Launched) 
     def replaced_and_serving() -> bool:
         if launched.member("inference-1").job_id == victim.job_id:
             return False
-        return any(b["backend_id"] == "inference-1" and b["alive"] for b in launched.client.status().backends)
+        return any(b.backend_id == "inference-1" and b.alive for b in launched.client.status().backends)
 
     wait_until(replaced_and_serving, 300, "a new inference-1 task to register")
     assert "inference-1 (Slurm job" in logs_of(launched.dir / "slurm" / "broker")

@@ -102,7 +102,7 @@ def test_rendered_sbatch_scripts_and_the_time_limit_warning(base: Path) -> None:
     try:
         wait_until(lambda: (home / name / "broker.json").exists(), 120, "the broker's rendezvous file")
         with _client(home, name) as client:
-            wait_until(lambda: {n.node_id for n in client.status().node_statuses() if n.alive} == {"node-0", "node-1"},
+            wait_until(lambda: {n.node_id for n in client.status().nodes if n.alive} == {"node-0", "node-1"},
                        120, "node-0 and node-1 to register")
             ids = client.submit("test", [{"echo": i, "sleep_s": {"run": 0.2}} for i in range(20)], timeout_s=60)
             results = client.wait(ids, timeout_s=120)
@@ -134,7 +134,7 @@ def test_all_in_one_allocation_serves_and_stops_on_scancel(base: Path) -> None:
     try:
         wait_until(lambda: (home / name / "broker.json").exists(), 120, "the broker's rendezvous file")
         with _client(home, name) as client:
-            wait_until(lambda: [n.node_id for n in client.status().node_statuses() if n.alive] == [f"node-{job}"],
+            wait_until(lambda: [n.node_id for n in client.status().nodes if n.alive] == [f"node-{job}"],
                        120, "the allocation's node server to register")
             results = client.wait(client.submit("test", [{"echo": i} for i in range(10)], timeout_s=60), timeout_s=60)
             assert collections.Counter(r.state for r in results) == {"done": 10}

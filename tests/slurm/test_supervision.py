@@ -30,7 +30,7 @@ def base(tmp_path: Path) -> Iterator[Path]:
 
 
 def _node_pid(client: RolloutClient, node_id: str) -> int | None:
-    return next((n.pid for n in client.status().node_statuses() if n.node_id == node_id and n.alive), None)
+    return next((n.pid for n in client.status().nodes if n.node_id == node_id and n.alive), None)
 
 
 def _supervision(home: Path) -> dict[str, dict]:

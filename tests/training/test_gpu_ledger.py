@@ -34,7 +34,7 @@ def sim_deployment(tmp_path: Path, ledgers: Path, **inference: Any) -> Deploymen
         for bid in ("sim-a", "sim-b"):
             d.spawn(bid, "serve", "inference", "--engine", "sim", "--backend-id", bid)
         # Running bridges with their first stats (KV capacity) in the broker's status.
-        d.wait_for(lambda st: sum(bool(b["alive"] and b.get("stats")) for b in st.backends) == 2, 60.0,
+        d.wait_for(lambda st: sum(bool(b.alive and b.stats) for b in st.backends) == 2, 60.0,
                    "the sim bridges", "sim-a")
     except BaseException:
         d.close()

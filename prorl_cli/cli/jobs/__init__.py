@@ -282,14 +282,14 @@ def print_status(app: App, status: StatusReport) -> None:
     nodes = Table(title="nodes")
     for col in ("node", "host", "alive", "sandbox", "inflight/credit", "init a/q", "run a/q", "eval a/q", "tasks"):
         nodes.add_column(col)
-    for n in status.node_statuses():
+    for n in status.nodes:
         cells = [f"{n.stages.get(s, {}).get('active', 0)}/{n.stages.get(s, {}).get('queued', 0)}" for s in ("init", "run", "eval")]
         # `local` runs agent code without isolation: make it stand out.
         sandbox = "[yellow]local[/]" if n.sandbox_runtime == "local" else (n.sandbox_runtime or "-")
         nodes.add_row(n.node_id, n.host, _liveness(app, n), sandbox, f"{n.inflight}/{n.credit}", *cells,
                       ",".join(n.tasks))
     app.console.print(nodes)
-    print_backends(app, status.backend_statuses())
+    print_backends(app, status.backends)
 
 
 def _liveness(app: App, node: Any) -> str:

@@ -102,7 +102,7 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
         started = time.monotonic()
         results = run_submission(app, stack.client, task, instances, n, out, None, None)
         elapsed_s = time.monotonic() - started
-        summary = {
+        summary: dict[str, Any] = {
             "engine": engine,
             "task": task,
             "runtime": plan.runtime if plan else None,
@@ -114,7 +114,7 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
             "trajectories": str(out),
         }
         if engine == "sim":
-            summary["backends"] = {b["backend_id"]: b.get("stats", {}) for b in stack.client.status().backends}
+            summary["backends"] = {b.backend_id: b.stats for b in stack.client.status().backends}
         if plan is not None and model is None:
             summary["note"] = "the tiny model has random weights: rewards near 0 are expected; pass --model DIR"
         if (task == "math_agent" or plan is not None) and _has_pyarrow() and any(
@@ -172,7 +172,7 @@ def _start_sim_inference(app: App, stack: LocalStack) -> tuple[str, list[Any]]:
     stack.spawn("inference-0", "serve", "inference", "--engine", "sim", "--sim-speedup", str(SIM_SPEEDUP),
                 "--backend-id", "inference-0")
     stack.wait_for(
-        lambda st: any(b["backend_id"] == "inference-0" and b["alive"] for b in st.backends),
+        lambda st: any(b.backend_id == "inference-0" and b.alive for b in st.backends),
         60.0, "the sim inference bridge to register", "inference-0",
     )
     app.console.print(f"  inference-0 registered (simulated H100, 8B model, {SIM_SPEEDUP:g}x real time; "
@@ -192,7 +192,7 @@ def _start_inference(app: App, stack: LocalStack, engine: str, model_dir: Path, 
             app.abort(f"prorl dev tiny-model failed:\n{stack.log('tiny-model')}")
     stack.spawn("inference-0", "serve", "inference", "--engine", engine, "--model", str(model_dir), "--backend-id", "inference-0")
     stack.wait_for(
-        lambda st: any(b["backend_id"] == "inference-0" and b["alive"] for b in st.backends),
+        lambda st: any(b.backend_id == "inference-0" and b.alive for b in st.backends),
         900.0, f"the {engine} inference bridge to register", "inference-0",
     )
     con.print(f"  inference-0 registered ({engine} engine, model {model_dir})")

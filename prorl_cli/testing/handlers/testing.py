@@ -80,7 +80,7 @@ class ScriptedTestHandler(AgentHandler):
         inst = ctx.instance if isinstance(ctx.instance, dict) else {}
         ctx.output["echo"] = inst.get("echo")
         if inst.get("echo_sampling"):  # what reached the handler: the job's sampling as submitted
-            ctx.output["sampling"] = ctx.spec.sampling
+            ctx.output["sampling"] = ctx.spec.sampling.to_wire() if ctx.spec.sampling is not None else None
 
     async def eval(self, ctx: JobContext) -> None:
         await self._stage(ctx, "eval")

@@ -1,0 +1,79 @@
+"""prorl's wire protocol: every op, header field and job-record field, written once.
+
+* :mod:`~prorl_cli.protocol.framing`: the ops, error codes and job states; header and payload frames.
+* :mod:`~prorl_cli.protocol.schema`: each op's fields with their types and ranges (``OP_SCHEMAS``),
+  checked in one place; :func:`parse` checks a header and returns it typed.
+* :mod:`~prorl_cli.protocol.headers`: the typed header of each op.
+* :mod:`~prorl_cli.protocol.records`: job specs, results, sampling and status records.
+
+Everything is importable from ``prorl_cli.protocol`` itself. ``docs/protocol.md`` describes
+the same ops for people; keep them in step.
+"""
+
+from prorl_cli.protocol import headers
+from prorl_cli.protocol.framing import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_LIVENESS,
+    MAX_HEADER_BYTES,
+    MAX_ID_CHARS,
+    PROTOCOL_VERSION,
+    RID_MAX,
+    RID_MIN,
+    STAGES,
+    TERMINAL_STATES,
+    ErrorCode,
+    JobState,
+    Op,
+    check_envelope,
+    decode_header,
+    decode_map,
+    encode,
+    error_reply,
+    header_rid,
+    pack_floats,
+    pack_obj,
+    pack_tokens,
+    reply,
+    unpack_floats,
+    unpack_obj,
+    unpack_tokens,
+)
+from prorl_cli.protocol.records import (
+    BackendStatus,
+    ErrorInfo,
+    ForgetOutcome,
+    JobResult,
+    JobSpec,
+    NodeStatus,
+    SamplingParams,
+    StageStats,
+    StatusReport,
+)
+from prorl_cli.protocol.schema import (
+    ANNOTATIONS,
+    FAILURE_GROUP,
+    JOB_SPEC,
+    JOB_SPEC_META,
+    MAX_JOBS_PER_MESSAGE,
+    MAX_LISTED_JOBS,
+    MAX_META_BYTES,
+    METRIC_SAMPLES,
+    OP_SCHEMAS,
+    SAMPLING,
+    STAGE_NAMES,
+    OpSchema,
+    Opt,
+    parse,
+    validate,
+)
+
+__all__ = [
+    "ANNOTATIONS", "FAILURE_GROUP", "HEARTBEAT_INTERVAL_S", "HEARTBEAT_LIVENESS", "JOB_SPEC", "JOB_SPEC_META",
+    "MAX_HEADER_BYTES", "MAX_ID_CHARS", "MAX_JOBS_PER_MESSAGE", "MAX_LISTED_JOBS", "MAX_META_BYTES",
+    "METRIC_SAMPLES", "OP_SCHEMAS", "PROTOCOL_VERSION", "RID_MAX", "RID_MIN", "SAMPLING", "STAGES", "STAGE_NAMES",
+    "TERMINAL_STATES", "BackendStatus", "ErrorCode", "ErrorInfo", "ForgetOutcome", "JobResult", "JobSpec",
+    "JobState", "NodeStatus", "Op", "OpSchema", "Opt", "SamplingParams", "StageStats", "StatusReport",
+    "check_envelope", "decode_header", "decode_map", "encode", "error_reply", "header_rid", "headers",
+    "pack_floats", "pack_obj", "pack_tokens", "parse", "reply", "unpack_floats", "unpack_obj", "unpack_tokens",
+    "validate",
+]

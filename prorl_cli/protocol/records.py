@@ -1,0 +1,267 @@
+"""The protocol's records: typed job specs, results, sampling and status, and their wire (msgpack map) forms.
+
+A record read off the wire is checked by its schema (:mod:`prorl_cli.protocol.schema`) while it is built,
+so a record in hand is valid: nothing downstream checks its fields again. One built in Python is
+trusted to follow its annotations (mypy checks them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+from prorl_cli.exceptions import ProtocolError
+from prorl_cli.protocol.framing import ErrorCode, JobState
+
+#: The schema checker that reads each checked record class off the wire (filled in by the schema module).
+RECORD_CHECKS: dict[type, Callable[[Any, str], Any]] = {}
+
+#: Field names per record class, computed once (``dataclasses.fields`` on every call was a hot-path cost).
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    return names
+
+
+class _Record:
+    """Mixin: to/from a msgpack-ready dict, rejecting wrong shapes with a named field."""
+
+    def to_wire(self) -> dict[str, Any]:
+        """This record as a msgpack-ready map (nested records and enums by value)."""
+        out = {}
+        for name in _field_names(type(self)):
+            v = getattr(self, name)
+            if isinstance(v, _NESTED):
+                v = v.value if isinstance(v, enum.Enum) else v.to_wire()
+            out[name] = v
+        return out
+
+    @classmethod
+    def from_wire(cls, data: Any, what: str | None = None) -> Self:
+        """The record ``data`` (a decoded map) stands for; :class:`ProtocolError` names the field that is wrong."""
+        check = RECORD_CHECKS.get(cls)
+        if check is not None:
+            record: Self = check(data, what or cls.__name__)
+            return record
+        if not isinstance(data, dict):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{what or cls.__name__} must be a map, got {type(data).__name__}")
+        unknown = data.keys() - _field_names(cls)
+        if unknown:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{what or cls.__name__} has unknown field(s) {sorted(unknown)}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ProtocolError(ErrorCode.MISSING_FIELD, f"{what or cls.__name__}: {e}") from e
+
+
+#: Field values that :meth:`_Record.to_wire` converts (a tuple: ``isinstance`` is faster with one than with a union).
+_NESTED = (enum.Enum, _Record)
+
+
+@dataclass
+class ForgetOutcome(_Record):
+    """The ``forget`` reply: results dropped, jobs still unfinished (kept), ids the broker does not know."""
+
+    forgotten: list[str] = field(default_factory=list)
+    running: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SamplingParams(_Record):
+    """Sampling of one generate call (the generate contract)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    #: Keep sampling past end-of-sequence tokens (fixed-length generations); ``stop_token_ids`` still stop.
+    ignore_eos: bool = False
+    #: The fields the sender gave, when read off the wire (``None``: built here, every field given).
+    given: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def from_given(cls, **fields: Any) -> SamplingParams:
+        """Sampling from the fields a sender gave (the rest at their defaults), remembering which it gave."""
+        sampling = cls(**fields)
+        sampling.given = frozenset(fields)
+        return sampling
+
+    def is_set(self, name: str) -> bool:
+        """Whether ``name`` was chosen by the sender (not left at its default)."""
+        return self.given is None or name in self.given
+
+    def to_wire(self) -> dict[str, Any]:
+        """The fields the sender gave (a field left at its default stays so downstream), else every field."""
+        wire = super().to_wire()
+        return wire if self.given is None else {k: v for k, v in wire.items() if k in self.given}
+
+
+@dataclass
+class JobSpec(_Record):
+    """A job as submitted. The task instance travels beside it as an opaque payload frame.
+
+    Read off the wire with :meth:`from_wire` (the ``submit`` schema checks every field's type and range).
+
+    ``timeout_s`` is the total in-stage budget; ``stage_timeouts_s`` optionally
+    caps each stage (keys ``init``, ``run``, ``eval``). Queue waits never count.
+    """
+
+    job_id: str
+    task: str
+    timeout_s: float | None = None
+    stage_timeouts_s: dict[str, float] | None = None
+    sampling: SamplingParams | None = None
+    attempt: int = 1
+    max_attempts: int = 3
+    #: The caller's group (e.g. the prompt of a GRPO group); echoed in the result.
+    group_id: str | None = None
+    #: A small map (str keys, scalar values, packed <= 4 KiB) echoed in the result.
+    meta: dict[str, str | int | float | bool | None] | None = None
+
+
+@dataclass
+class ErrorInfo(_Record):
+    """What went wrong in a stage: the stage, the exception type and its message."""
+
+    stage: str
+    type: str
+    message: str
+
+
+@dataclass
+class JobResult(_Record):
+    """The result of one job, always well formed whatever happened.
+
+    ``output`` is what the handler's ``final_result`` returned (trajectory,
+    messages, artifacts); ``reward`` is copied out of it for convenience.
+    ``critical_error`` names the stage that failed (or ``None``).
+    ``stage_s`` is the in-stage time of each stage; ``active_s`` their sum.
+    """
+
+    job_id: str
+    task: str
+    state: str
+    attempt: int = 1
+    node_id: str | None = None
+    reward: float | None = None
+    critical_error: str | None = None
+    error: dict[str, str] | None = None
+    stage_s: dict[str, float] = field(default_factory=dict)
+    active_s: float = 0.0
+    output: Any = None
+    #: Echoed from the JobSpec.
+    group_id: str | None = None
+    meta: dict[str, Any] | None = None
+    #: The job's timeline: ``[name, t_s, dur_s]`` or ``[name, t_s, dur_s, attrs]``, seconds since the broker
+    #: accepted it (``prorl_cli/observe/timeline.py``, docs/observability.md); ``None`` from older peers.
+    events: list[list[Any]] | None = None
+    #: The job's own log file on its node (written only when the job logged something), else ``None``.
+    log_path: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == JobState.DONE.value
+
+
+@dataclass
+class StageStats(_Record):
+    """Per-stage pool counters of one node."""
+
+    active: int = 0
+    queued: int = 0
+    limit: int = 0
+
+
+@dataclass
+class NodeStatus(_Record):
+    node_id: str
+    host: str
+    pid: int
+    alive: bool
+    credit: int
+    inflight: int
+    tasks: list[str]
+    stages: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: ``apptainer``, ``bwrap`` or ``local`` (no isolation), as the node's ``register`` said; None when not sent.
+    sandbox_runtime: str | None = None
+    #: Seconds since the broker last heard from the node (its heartbeats come every interval).
+    silent_s: float = 0.0
+    #: Why the broker declared the node lost (``silent for 2.1 s``, ``unregistered``, ...); None while alive.
+    lost_reason: str | None = None
+    #: Draining (a preemption or time-limit warning): running jobs finish, nothing new is placed on it.
+    draining: bool = False
+
+
+@dataclass
+class BackendStatus(_Record):
+    """An inference backend: a bridge (ZMQ peer) or a plain HTTP address."""
+
+    backend_id: str
+    kind: str  # "bridge" | "http"
+    url: str | None
+    host: str | None
+    model: str | None
+    max_model_len: int | None
+    inflight: int
+    jobs: int
+    served: int
+    cleared: bool
+    alive: bool
+    #: Engine figures from the bridge's heartbeat ``stats`` (str -> number); empty when it sends none.
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class StatusReport(_Record):
+    """The broker's answer to ``status``."""
+
+    deployment: str
+    jobs: dict[str, int]
+    queued: int
+    nodes: list[NodeStatus]
+    backends: list[BackendStatus]
+    generation_paused: bool
+    placing: bool
+    uptime_s: float
+    #: Generate calls held at the broker (generation paused, or no backend up).
+    held_generates: int = 0
+    #: Finished results kept for late watchers, and their size (instances and results).
+    retained_results: int = 0
+    retained_bytes: int = 0
+    #: The trainer's policy version, as last given to pause/resume_generation (0 until given).
+    policy_version: int = 0
+    #: ``broker.routing_policy``: how generate calls pick a backend.
+    routing_policy: str = "least_loaded_sticky"
+    #: Where the broker serves Prometheus metrics (``broker.metrics_port``), or ``None`` when off.
+    metrics_url: str | None = None
+    #: Jobs by task, then by state.
+    by_task: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Failed jobs grouped by task, stage and error type across nodes: ``{task, stage, type, count, sample, nodes}``.
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    #: Tokens through each backend so far, as the nodes count them: ``{backend: {"prompt": n, "output": n}}``.
+    tokens: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The report as a msgpack-ready map, its nodes and backends as maps."""
+        wire = super().to_wire()
+        wire["nodes"] = [n.to_wire() for n in self.nodes]
+        wire["backends"] = [b.to_wire() for b in self.backends]
+        return wire
+
+    @classmethod
+    def from_wire(cls, data: Any, what: str | None = None) -> Self:
+        """The report in a ``status`` reply, its nodes and backends typed."""
+        report = super().from_wire(data, what)
+        report.nodes = [NodeStatus.from_wire(n, f"nodes[{i}]") for i, n in enumerate(report.nodes)]
+        report.backends = [BackendStatus.from_wire(b, f"backends[{i}]") for i, b in enumerate(report.backends)]
+        return report
