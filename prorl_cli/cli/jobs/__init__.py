@@ -45,21 +45,15 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
 
 def read_instances(app: App, path: Path) -> list[Any]:
     """One JSON value per line; blank lines skipped; errors name the line."""
-    instances = []
+    from prorl_cli.exceptions import DatasetError
+    from prorl_cli.jsonl import jsonl_values
+
     try:
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    instances.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    app.abort(f"{path}:{lineno}: not valid JSON: {e.msg}")
-    except UnicodeDecodeError as e:
-        app.abort(f"{path}: not a UTF-8 text file (TASKS is JSONL: one JSON instance per line): {e.reason} at byte {e.start}")
+        return [value for _, value in jsonl_values(path, DatasetError, hint="TASKS is JSONL: one JSON instance per line")]
+    except DatasetError as e:
+        app.abort(str(e))
     except OSError as e:
         app.abort(f"{path}: cannot read: {e.strerror or e}")
-    return instances
 
 
 def load_task_file(app: App, task: str, path: Path, fmt: str | None) -> list[Any]:
