@@ -261,14 +261,10 @@ def submit(
 def print_status(app: App, status: StatusReport) -> None:
     from rich.table import Table
 
+    from prorl_cli.observe.dashboard import status_flags
+
     jobs = " ".join(f"{k}={v}" for k, v in status.jobs.items() if v)
-    flags = []
-    if status.generation_paused:
-        flags.append("generation PAUSED")
-    if status.held_generates:
-        flags.append(f"{status.held_generates} generate call(s) held")
-    if not status.placing:
-        flags.append("placement HELD")
+    flags = status_flags(status)
     app.console.print(
         f"deployment [bold]{status.deployment}[/]: up {status.uptime_s:.0f} s; jobs: {jobs or 'none'}"
         + (f"; {', '.join(flags)}" if flags else "")
