@@ -27,6 +27,7 @@ from typing import Any
 
 from prorl_cli.domains.answers import last_boxed
 from prorl_cli.exceptions import DatasetError
+from prorl_cli.jsonl import jsonl_values
 
 Row = dict[str, Any]
 FORMATS: dict[str, tuple[str, ...]] = {
@@ -56,20 +57,17 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
     if path.suffix == ".json":
         yield from _json_rows(path)
         return
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                if lineno == 1:
-                    document = _whole_document(path)
-                    if document is not None:
-                        yield from _items(path, document)
-                        return
-                raise DatasetError(f"{path}:{lineno}: not valid JSON: {e.msg}") from e
+    read_one = False
+    try:
+        for lineno, row in jsonl_values(path, DatasetError):
+            read_one = True
             yield f"{path}:{lineno}", row
+    except DatasetError as e:
+        # The first line is not JSON: the file may be one (pretty-printed) JSON document instead.
+        document = None if read_one or not isinstance(e.__cause__, json.JSONDecodeError) else _whole_document(path)
+        if document is None:
+            raise
+        yield from _items(path, document)
 
 
 def _whole_document(path: Path) -> Any:

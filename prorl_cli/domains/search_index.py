@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prorl_cli.exceptions import DatasetError, DomainError
+from prorl_cli.jsonl import jsonl_objects
 
 
 @dataclass(frozen=True)
@@ -37,24 +38,15 @@ def read_corpus(path: Path) -> list[Document]:
     """Documents of a JSONL corpus; a bad line is a :class:`DatasetError` naming file, line and field."""
     docs: list[Document] = []
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: not valid JSON: {e.msg}") from e
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{lineno}: expected a JSON object with id, title, text")
-            for key in ("id", "text"):
-                if key not in row:
-                    raise DatasetError(f"{path}:{lineno}: missing field {key!r} (corpus lines are {{id, title, text}})")
-            doc_id = str(row["id"])
-            if doc_id in seen:
-                raise DatasetError(f"{path}:{lineno}: duplicate document id {doc_id!r}")
-            seen.add(doc_id)
-            docs.append(Document(doc_id, str(row.get("title", "")), str(row["text"])))
+    for lineno, row in jsonl_objects(path, DatasetError, expected="id, title, text"):
+        for key in ("id", "text"):
+            if key not in row:
+                raise DatasetError(f"{path}:{lineno}: missing field {key!r} (corpus lines are {{id, title, text}})")
+        doc_id = str(row["id"])
+        if doc_id in seen:
+            raise DatasetError(f"{path}:{lineno}: duplicate document id {doc_id!r}")
+        seen.add(doc_id)
+        docs.append(Document(doc_id, str(row.get("title", "")), str(row["text"])))
     if not docs:
         raise DatasetError(f"{path}: the corpus has no documents")
     return docs

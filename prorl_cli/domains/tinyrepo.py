@@ -70,7 +70,8 @@ class TinyRepo:
     breaking_patch: str  # fixes the bug but breaks a PASS_TO_PASS test
 
 
-def _git(repo: Path, *args: str) -> str:
+def run_git(repo: Path, *args: str) -> str:
+    """``git -C repo ARGS`` with a fixed author, committer and date (the same commit ids every time); stdout."""
     env = {**os.environ, "GIT_AUTHOR_NAME": "prorl", "GIT_AUTHOR_EMAIL": "prorl@example.invalid",
            "GIT_COMMITTER_NAME": "prorl", "GIT_COMMITTER_EMAIL": "prorl@example.invalid",
            "GIT_AUTHOR_DATE": "2024-01-01T00:00:00+00:00", "GIT_COMMITTER_DATE": "2024-01-01T00:00:00+00:00",
@@ -78,33 +79,34 @@ def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env).stdout
 
 
-def _commit(repo: Path, files: dict[str, str], message: str) -> str:
+def commit_files(repo: Path, files: dict[str, str], message: str) -> str:
+    """Write ``files`` (relative path -> UTF-8 text) into ``repo``, commit everything, return the commit id."""
     for rel, text in files.items():
         path = repo / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", message)
-    return _git(repo, "rev-parse", "HEAD").strip()
+        path.write_text(text, encoding="utf-8")
+    run_git(repo, "add", "-A")
+    run_git(repo, "commit", "-q", "-m", message)
+    return run_git(repo, "rev-parse", "HEAD").strip()
 
 
 def make_tinyrepo(dest: Path) -> TinyRepo:
     """Create the repository at ``dest`` (which must not exist) checked out at its base commit."""
     dest.mkdir(parents=True)
-    _git(dest, "init", "-q", "-b", "main")
-    _commit(dest, {"tinycalc/__init__.py": "", "tinycalc/calc.py": CALC, "pyproject.toml":
+    run_git(dest, "init", "-q", "-b", "main")
+    commit_files(dest, {"tinycalc/__init__.py": "", "tinycalc/calc.py": CALC, "pyproject.toml":
                    '[project]\nname = "tinycalc"\nversion = "0.1"\n'}, "tinycalc: add and sub")
-    _commit(dest, {"tests/__init__.py": "", "tests/test_calc.py": TESTS}, "tests for add and sub")
-    base = _commit(dest, {"tinycalc/stats.py": STATS_BUGGY}, "stats: mean")
-    _commit(dest, {"tinycalc/stats.py": STATS_FIXED}, "fix mean")
-    fix_patch = _git(dest, "diff", base, "HEAD")
-    _commit(dest, {"tests/test_stats.py": TESTS_STATS}, "tests for mean")
-    test_patch = _git(dest, "diff", base, "HEAD", "--", "tests")
-    _commit(dest, {"tinycalc/calc.py": CALC.replace("return a + b", "return a + b + 1")}, "break add")
-    breaking_patch = _git(dest, "diff", base, "HEAD", "--", "tinycalc")
-    _git(dest, "checkout", "-q", base)
-    _git(dest, "branch", "-q", "-f", "main", base)
-    _git(dest, "checkout", "-q", "main")
+    commit_files(dest, {"tests/__init__.py": "", "tests/test_calc.py": TESTS}, "tests for add and sub")
+    base = commit_files(dest, {"tinycalc/stats.py": STATS_BUGGY}, "stats: mean")
+    commit_files(dest, {"tinycalc/stats.py": STATS_FIXED}, "fix mean")
+    fix_patch = run_git(dest, "diff", base, "HEAD")
+    commit_files(dest, {"tests/test_stats.py": TESTS_STATS}, "tests for mean")
+    test_patch = run_git(dest, "diff", base, "HEAD", "--", "tests")
+    commit_files(dest, {"tinycalc/calc.py": CALC.replace("return a + b", "return a + b + 1")}, "break add")
+    breaking_patch = run_git(dest, "diff", base, "HEAD", "--", "tinycalc")
+    run_git(dest, "checkout", "-q", base)
+    run_git(dest, "branch", "-q", "-f", "main", base)
+    run_git(dest, "checkout", "-q", "main")
     instance = {
         "instance_id": INSTANCE_ID,
         "repo": "prorl/tinycalc",

@@ -66,6 +66,21 @@ class Snapshot:
         return asdict(self)
 
 
+def status_flags(status: StatusReport) -> list[str]:
+    """What an operator must notice at once: generation paused, generate calls held, placement held.
+
+    ``prorl status`` and the dashboard show the same words, so both take them from here.
+    """
+    flags = []
+    if status.generation_paused:
+        flags.append("generation PAUSED")
+    if status.held_generates:
+        flags.append(f"{status.held_generates} generate call(s) held")
+    if not status.placing:
+        flags.append("placement HELD")
+    return flags
+
+
 class Dashboard:
     """Rates between successive status reports (the first report's rates are 0)."""
 
@@ -96,13 +111,7 @@ class Dashboard:
                 output_tokens_per_s=rate(tok.get("output", 0.0), otok.get("output", 0.0)),
                 prompt_tokens=tok.get("prompt", 0.0), output_tokens=tok.get("output", 0.0),
             ))
-        flags = []
-        if status.generation_paused:
-            flags.append("generation PAUSED")
-        if status.held_generates:
-            flags.append(f"{status.held_generates} generate call(s) held")
-        if not status.placing:
-            flags.append("placement HELD")
+        flags = status_flags(status)
         nodes = [{"node_id": n.node_id, "alive": n.alive, "inflight": n.inflight, "credit": n.credit,
                   "stages": {s: dict(n.stages.get(s, {})) for s in STAGE_NAMES}} for n in status.nodes]
         return Snapshot(

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import ProrlError
+from prorl_cli.jsonl import jsonl_objects
 from prorl_cli.protocol import JobResult
 
 _RESULT_FIELDS = frozenset(JobResult.__dataclass_fields__)
@@ -39,22 +40,7 @@ def load_results(path: str | Path) -> list[JobResult]:
         raise ResultsFileError(f"{p}: no such file")
     if p.suffix == ".parquet":
         return _load_parquet(p)
-    out = []
-    try:
-        with p.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ResultsFileError(f"{p}:{lineno}: not valid JSON: {e.msg}") from e
-                if not isinstance(row, dict):
-                    raise ResultsFileError(f"{p}:{lineno}: a line must be a JSON object, got {type(row).__name__}")
-                out.append(_from_row(row, f"{p}:{lineno}"))
-    except UnicodeDecodeError as e:
-        raise ResultsFileError(f"{p}: not a UTF-8 text file: {e.reason} at byte {e.start}") from e
-    return out
+    return [_from_row(row, f"{p}:{lineno}") for lineno, row in jsonl_objects(p, ResultsFileError)]
 
 
 def _load_parquet(p: Path) -> list[JobResult]:

@@ -43,7 +43,8 @@ Bootstrap: scratch
     cp -a $root/. \${APPTAINER_ROOTFS}/
 DEF
 export APPTAINER_CACHEDIR="$work/cache" APPTAINER_TMPDIR="$work"
-if ! apptainer build --force "$work/domains.sif" "$work/domains.def" >"$work/build.log" 2>&1; then
+# lz4, not the default gzip: squashing the ~130 MB tree costs under a CPU-second instead of ~25.
+if ! apptainer build --force --mksquashfs-args "-comp lz4" "$work/domains.sif" "$work/domains.def" >"$work/build.log" 2>&1; then
   tail -n 30 "$work/build.log" >&2
   echo "46-domain-images.sh: apptainer build failed" >&2
   exit 1

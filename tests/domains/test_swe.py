@@ -13,7 +13,7 @@ import pytest
 
 from prorl_cli.domains.tinyrepo import make_tinyrepo
 from tests.domains.conftest import IMAGES, ScriptedStack, turn
-from tests.harness import need_module
+from tests.harness import image_build_config, need_module
 
 DOCKERFILE = """FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1
@@ -48,7 +48,8 @@ def fixture_image(tmp_path_factory: pytest.TempPathFactory, domain_image: str) -
         "template": "Dockerfile", "base": f"localimage:{domain_image}"}}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     built = subprocess.run(
-        [sys.executable, "-m", "prorl_cli", "build-images", "-f", str(recipe / "images.yaml"), "--mode", "lock",
+        [sys.executable, "-m", "prorl_cli", "--config", str(image_build_config(recipe)), "build-images",
+         "-f", str(recipe / "images.yaml"), "--mode", "lock",
          "--cache-dir", str(IMAGES / "images"), "--json", "swe-tinycalc"],
         capture_output=True, text=True, timeout=900, env=env, start_new_session=True,
     )

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.domains.conftest import IMAGES, ScriptedStack, turn
-from tests.harness import need_module
+from tests.harness import image_build_config, need_module
 from tests.swe.spacey import FILE, make_spacey
 
 ROOT = IMAGES / "swe-datasets"
@@ -66,7 +66,7 @@ def dataset(domain_image: str) -> dict[str, Any]:
 def _build(data: dict[str, Any]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     built = subprocess.run(
-        [sys.executable, "-m", "prorl_cli", "build-images", "--swe", str(data["path"]), "--base",
+        [sys.executable, "-m", "prorl_cli", "--config", str(image_build_config(ROOT)), "build-images", "--swe", str(data["path"]), "--base",
          f"localimage:{data['base']}", "--wheels", str(data["wheels"]), "--repos-dir", str(data["repos"]),
          "--cache-dir", str(IMAGES / "images"), "--mode", "lock", "--map-out", str(ROOT / "repo_images.json"), "--json"],
         capture_output=True, text=True, timeout=1200, env=env, start_new_session=True)

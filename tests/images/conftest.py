@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from prorl_cli.processes import stop_group
+from tests.harness import TEST_BUILD_ARGS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -50,6 +51,7 @@ class Workspace:
             "cache_dir": str(self.cache),
             "recipe_dirs": [str(RECIPES)],
             "config_file": str(root / "images.yaml"),
+            "build_args": TEST_BUILD_ARGS,
         }
 
     def write(self, images: dict[str, Any] | None = None, **settings: Any) -> None:

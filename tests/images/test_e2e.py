@@ -17,6 +17,7 @@ import pytest
 
 from prorl_cli.images import resolve_image
 from prorl_cli.sandbox import SandboxConfig, SandboxManager
+from tests.harness import TEST_BUILD_ARGS
 
 from .conftest import REPO, TOOL_SERVER, Workspace, apptainer_missing
 
@@ -45,7 +46,8 @@ pytestmark = [
 def base_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped ``base`` image, built (or reused) by ``prorl build-images`` with the real tool server."""
     ws = Workspace(tmp_path_factory.mktemp("e2e"))
-    ws.settings = {"cache_dir": str(CACHE), "config_file": str(REPO / "sif_recipes" / "images.yaml")}
+    ws.settings = {"cache_dir": str(CACHE), "config_file": str(REPO / "sif_recipes" / "images.yaml"),
+                   "build_args": TEST_BUILD_ARGS}
     ws.write(ws.images)
     result = ws.build("--mode", "lock", "base")["base"]
     assert result["action"] in ("built", "reused"), result

@@ -21,6 +21,10 @@ from tests.harness import Deployment, need_module
 
 HANDLERS = Path(__file__).resolve().parent / "handlers"
 MAX_MODEL_LEN = 1024
+#: Every vLLM the tests start runs eagerly: vLLM's torch.compile warm-up of the tiny model took most of a
+#: server's start (over a minute on the 2-core CI machine, and more with a cold compile cache) and no test
+#: is about compiled execution.
+VLLM_TEST_ARGS = ["--enforce-eager"]
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +44,7 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         tiny_model,
         max_model_len=MAX_MODEL_LEN,
         # Its log then records each request and each abort: the witness that a cancelled job's call stopped.
-        extra_args=["--enable-log-requests"],
+        extra_args=["--enable-log-requests", *VLLM_TEST_ARGS],
         log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
     )
     server.start()

@@ -30,7 +30,7 @@ from prorl_cli.inference.bridge import InferenceBridge
 from prorl_cli.inference.contract import Engine, Generation
 from prorl_cli.protocol import SamplingParams
 from tests.harness import Deployment, bare_dealer
-from tests.inference.conftest import HANDLERS, start_bridge
+from tests.inference.conftest import HANDLERS, VLLM_TEST_ARGS, start_bridge
 
 
 def submit(d: Deployment, tiny_model: Path, n: int, turns: int = 3, sampling: dict[str, Any] | None = None,
@@ -127,7 +127,8 @@ def test_killing_vllm_fails_its_job_and_the_rest_go_on(
 ) -> None:
     d = deployment
     start_bridge(d, "b-ok", "--attach", vllm_server.url)
-    child_bridge = start_bridge(d, "b-child", "--model", str(tiny_model), "--max-model-len", "1024", timeout_s=500)
+    child_bridge = start_bridge(d, "b-child", "--model", str(tiny_model), "--max-model-len", "1024", "--",
+                                *VLLM_TEST_ARGS, timeout_s=500)
     (vllm_proc,) = [p for p in psutil.Process(child_bridge.pid).children() if "vllm" in " ".join(p.cmdline())]
     long = {"max_tokens": 400, "temperature": 1.0}
     ids = submit(d, tiny_model, 2, turns=2, sampling=long)

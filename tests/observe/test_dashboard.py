@@ -12,7 +12,7 @@ import time
 
 from rich.console import Console
 
-from prorl_cli.observe.dashboard import Dashboard, render
+from prorl_cli.observe.dashboard import Dashboard, render, status_flags
 from prorl_cli.protocol import StatusReport
 from tests.observe.conftest import INSTANCES, ObservedRun, scrape, total
 
@@ -73,6 +73,15 @@ def test_dashboard_shows_a_loaded_deployment_as_status_reports_it(observed_run: 
     assert {(f["task"], f["stage"], f["type"], f["count"]) for f in snap_json["failures"]} == {
         ("obs", "run", "RuntimeError", 1), ("obs", "eval", "ValueError", 1)}
     assert snap_json["backends"][0]["backend_id"] == "sim-a"
+
+
+def test_status_and_dashboard_flag_what_is_held() -> None:
+    base = StatusReport(deployment="d", jobs={}, queued=0, nodes=[], backends=[], generation_paused=False,
+                        placing=True, uptime_s=1.0)
+    assert status_flags(base) == []
+    held = StatusReport(**{**base.__dict__, "generation_paused": True, "held_generates": 3, "placing": False})
+    assert status_flags(held) == ["generation PAUSED", "3 generate call(s) held", "placement HELD"]
+    assert Dashboard().update(held, now=0.0).flags == status_flags(held)
 
 
 def test_status_watch_leaves_cleanly_on_ctrl_c(observed_run: ObservedRun) -> None:

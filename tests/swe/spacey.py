@@ -10,11 +10,11 @@ import only with ``PYTHONPATH=src``.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from prorl_cli.domains.tinyrepo import commit_files, run_git
 
 PAIRS_BUGGY = '''"""key = value pairs."""
 
@@ -73,42 +73,24 @@ class Spacey:
     breaking_patch: str  # the fix, plus a change that breaks ``test_join[with space inside]``
 
 
-def _git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "prorl", "GIT_AUTHOR_EMAIL": "prorl@example.invalid",
-           "GIT_COMMITTER_NAME": "prorl", "GIT_COMMITTER_EMAIL": "prorl@example.invalid",
-           "GIT_AUTHOR_DATE": "2024-01-01T00:00:00+00:00", "GIT_COMMITTER_DATE": "2024-01-01T00:00:00+00:00",
-           "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(repo)}
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env).stdout
-
-
-def _commit(repo: Path, files: dict[str, str], message: str) -> str:
-    for rel, text in files.items():
-        path = repo / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", message)
-    return _git(repo, "rev-parse", "HEAD").strip()
-
-
 def make_spacey(dest: Path, src_layout: bool = False) -> Spacey:
     """Create the repository at ``dest`` (which must not exist), checked out on ``main`` at its base commit."""
     pkg = "src/spacey" if src_layout else "spacey"
     dest.mkdir(parents=True)
-    _git(dest, "init", "-q", "-b", "main")
-    _commit(dest, {f"{pkg}/__init__.py": "", "pyproject.toml": '[project]\nname = "spacey"\nversion = "0.1"\n'},
+    run_git(dest, "init", "-q", "-b", "main")
+    commit_files(dest, {f"{pkg}/__init__.py": "", "pyproject.toml": '[project]\nname = "spacey"\nversion = "0.1"\n'},
             "spacey: package")
-    base = _commit(dest, {f"{pkg}/pairs.py": PAIRS_BUGGY, "tests/__init__.py": "", "tests/test_basic.py": TEST_BASIC},
+    base = commit_files(dest, {f"{pkg}/pairs.py": PAIRS_BUGGY, "tests/__init__.py": "", "tests/test_basic.py": TEST_BASIC},
                    "pairs: parse_pair and join_words")
-    _git(dest, "checkout", "-q", "-b", "fix")
-    fix = _commit(dest, {f"{pkg}/pairs.py": PAIRS_FIXED}, "fix parse_pair: strip the spaces")
-    gold = _git(dest, "diff", base, fix)
-    tests = _commit(dest, {FILE: TEST_PAIRS}, "tests for parse_pair")
-    test_patch = _git(dest, "diff", fix, tests)
-    _git(dest, "tag", "v1.0")
+    run_git(dest, "checkout", "-q", "-b", "fix")
+    fix = commit_files(dest, {f"{pkg}/pairs.py": PAIRS_FIXED}, "fix parse_pair: strip the spaces")
+    gold = run_git(dest, "diff", base, fix)
+    tests = commit_files(dest, {FILE: TEST_PAIRS}, "tests for parse_pair")
+    test_patch = run_git(dest, "diff", fix, tests)
+    run_git(dest, "tag", "v1.0")
     (dest / pkg / "pairs.py").write_text(PAIRS_BROKEN)
-    breaking = _git(dest, "diff", base, "--", pkg)
-    _git(dest, "checkout", "-q", "-f", "main")
+    breaking = run_git(dest, "diff", base, "--", pkg)
+    run_git(dest, "checkout", "-q", "-f", "main")
     instance = {
         "instance_id": f"prorl__spacey-{'src' if src_layout else 'flat'}-1",
         "repo": "prorl/spacey-src" if src_layout else "prorl/spacey",

@@ -113,9 +113,13 @@ def test_grpo_trainer_takes_two_steps_through_prorl(tiny_model: Path, tmp_path: 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # 20 warm-up steps, a bridge start, 2 held-out evaluations, 2 steps
+@pytest.mark.timeout(1200)  # 2 warm-up steps, a bridge start, 2 held-out evaluations, 2 steps
 def test_the_trl_example_runs(tmp_path: Path) -> None:
-    """``examples/train_trl_grpo.py --short`` (a brief warm-up): TRL trains on the calculator task through prorl."""
+    """``examples/train_trl_grpo.py --short`` (a token warm-up): TRL trains on the calculator task through prorl.
+
+    Nothing here depends on what the warm-up taught (the reward curve's rise is the example's own
+    multi-seed run, in docs/training.md), so two supervised steps exercise that path at a tenth of the cost.
+    """
     need_module("trl", "trl")
     import json
     import os
@@ -126,7 +130,7 @@ def test_the_trl_example_runs(tmp_path: Path) -> None:
 
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "train_trl_grpo.py"), "--out", str(out), "--short", "--warmup-steps", "20"],
+        [sys.executable, str(REPO / "examples" / "train_trl_grpo.py"), "--out", str(out), "--short", "--warmup-steps", "2"],
         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -45,21 +45,15 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
 
 def read_instances(app: App, path: Path) -> list[Any]:
     """One JSON value per line; blank lines skipped; errors name the line."""
-    instances = []
+    from prorl_cli.exceptions import DatasetError
+    from prorl_cli.jsonl import jsonl_values
+
     try:
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    instances.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    app.abort(f"{path}:{lineno}: not valid JSON: {e.msg}")
-    except UnicodeDecodeError as e:
-        app.abort(f"{path}: not a UTF-8 text file (TASKS is JSONL: one JSON instance per line): {e.reason} at byte {e.start}")
+        return [value for _, value in jsonl_values(path, DatasetError, hint="TASKS is JSONL: one JSON instance per line")]
+    except DatasetError as e:
+        app.abort(str(e))
     except OSError as e:
         app.abort(f"{path}: cannot read: {e.strerror or e}")
-    return instances
 
 
 def load_task_file(app: App, task: str, path: Path, fmt: str | None) -> list[Any]:
@@ -267,14 +261,10 @@ def submit(
 def print_status(app: App, status: StatusReport) -> None:
     from rich.table import Table
 
+    from prorl_cli.observe.dashboard import status_flags
+
     jobs = " ".join(f"{k}={v}" for k, v in status.jobs.items() if v)
-    flags = []
-    if status.generation_paused:
-        flags.append("generation PAUSED")
-    if status.held_generates:
-        flags.append(f"{status.held_generates} generate call(s) held")
-    if not status.placing:
-        flags.append("placement HELD")
+    flags = status_flags(status)
     app.console.print(
         f"deployment [bold]{status.deployment}[/]: up {status.uptime_s:.0f} s; jobs: {jobs or 'none'}"
         + (f"; {', '.join(flags)}" if flags else "")

@@ -1,0 +1,49 @@
+"""Reading JSON Lines files (one JSON value per line) with errors that name the file and the line.
+
+Every JSONL reader of prorl (results files, dataset files, search corpora,
+``prorl submit`` task files) goes through :func:`jsonl_values`, so a bad line
+reads the same everywhere: ``FILE:LINE: not valid JSON: ...``. Each caller
+passes the exception class of its own domain (``DatasetError``,
+``ResultsFileError``, ...); the JSON or decoding error is its ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "") -> Iterator[tuple[int, Any]]:
+    """``(line_number, value)`` for each non-blank line of ``path``, line numbers from 1.
+
+    A line that is not JSON raises ``error_cls("FILE:LINE: not valid JSON: ...")``;
+    a file that is not UTF-8 text raises ``error_cls("FILE: not a UTF-8 text file...")``,
+    with ``hint`` (what the file should be) in parentheses when given.
+    """
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise error_cls(f"{path}:{lineno}: not valid JSON: {e.msg}") from e
+                yield lineno, value
+    except UnicodeDecodeError as e:
+        extra = f" ({hint})" if hint else ""
+        raise error_cls(f"{path}: not a UTF-8 text file{extra}: {e.reason} at byte {e.start}") from e
+
+
+def jsonl_objects(path: Path, error_cls: type[Exception], *, expected: str = "") -> Iterator[tuple[int, dict[str, Any]]]:
+    """As :func:`jsonl_values`, each line a JSON object; any other value raises ``error_cls`` naming the line.
+
+    ``expected`` says what an object holds (``"id, title, text"``) for the message.
+    """
+    for lineno, value in jsonl_values(path, error_cls):
+        if not isinstance(value, dict):
+            what = f" with {expected}" if expected else ""
+            raise error_cls(f"{path}:{lineno}: a line must be a JSON object{what}, got {type(value).__name__}")
+        yield lineno, value
