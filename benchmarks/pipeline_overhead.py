@@ -46,6 +46,7 @@ if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(REPO))
 
 from prorl_cli.client import AsyncRolloutClient  # noqa: E402
+from prorl_cli.config import load_config  # noqa: E402
 from prorl_cli.embedded import LocalStack  # noqa: E402
 
 HTTP_SERVER = r'''
@@ -85,6 +86,11 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=lambda *a: print
 '''
 
 
+def bench_client(stack: LocalStack) -> AsyncRolloutClient:
+    """A client of the stack's broker with the deployment's config (its CURVE keys: the broker authenticates on loopback too)."""
+    return AsyncRolloutClient(stack.name, address=stack.address, config=load_config(stack.config_path))
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -96,9 +102,9 @@ def report(name: str, n: int, elapsed_s: float, lat_s: list[float]) -> float:
     return rate
 
 
-async def prorl_process_style(address: str, jobs: int, inflight: int) -> tuple[float, list[float]]:
+async def prorl_process_style(stack: LocalStack, jobs: int, inflight: int) -> tuple[float, list[float]]:
     lat: list[float] = []
-    async with AsyncRolloutClient("bench", address=address) as client:
+    async with bench_client(stack) as client:
         await client.process("noop", {})  # warm up
         remaining = jobs
         forget = getattr(client, "forget_local", None)  # older trees' clients lack it
@@ -119,11 +125,11 @@ async def prorl_process_style(address: str, jobs: int, inflight: int) -> tuple[f
         return time.perf_counter() - t0, lat
 
 
-async def prorl_stream_style(address: str, jobs: int, inflight: int) -> tuple[float, list[float]]:
+async def prorl_stream_style(stack: LocalStack, jobs: int, inflight: int) -> tuple[float, list[float]]:
     """Keep ``inflight`` jobs in the pipeline: each batch of results is replaced by one batched
     submit, sent without waiting for its reply (the reply is checked when it comes)."""
     lat: list[float] = []
-    async with AsyncRolloutClient("bench", address=address) as client:
+    async with bench_client(stack) as client:
         started: dict[str, float] = {}
         submits: list[asyncio.Task[list[str]]] = []
         submitted = 0
@@ -212,9 +218,9 @@ def cpu_per_job(jobs: int, inflight: int, warmup: int) -> None:
             with LocalStack(Path(tmp), "bench", config) as stack:
                 broker = stack.start_broker()
                 node = stack.start_node("node-0")
-                asyncio.run(prorl_stream_style(stack.address, warmup, inflight))
+                asyncio.run(prorl_stream_style(stack, warmup, inflight))
                 before = {"broker": cpu_s(broker.pid), "node": cpu_s(node.pid), "client": cpu_s()}
-                elapsed, lat = asyncio.run(prorl_stream_style(stack.address, jobs, inflight))
+                elapsed, lat = asyncio.run(prorl_stream_style(stack, jobs, inflight))
                 after = {"broker": cpu_s(broker.pid), "node": cpu_s(node.pid), "client": cpu_s()}
                 stack.stop()
         per_job = "   ".join(f"{k} {(after[k] - before[k]) / jobs * 1e6:5.1f} us" for k in before)
@@ -263,8 +269,8 @@ def main() -> None:
             with LocalStack(Path(tmp), "bench", config) as stack:
                 stack.start_broker()
                 stack.start_node("node-0")
-                proc_elapsed, proc_lat = asyncio.run(prorl_process_style(stack.address, args.jobs, args.inflight))
-                stream_elapsed, stream_lat = asyncio.run(prorl_stream_style(stack.address, args.jobs, args.inflight))
+                proc_elapsed, proc_lat = asyncio.run(prorl_process_style(stack, args.jobs, args.inflight))
+                stream_elapsed, stream_lat = asyncio.run(prorl_stream_style(stack, args.jobs, args.inflight))
                 stack.stop()
             runs[journal] = (proc_elapsed, proc_lat, stream_elapsed, stream_lat)
 
