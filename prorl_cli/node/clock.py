@@ -29,7 +29,7 @@ class JobClock:
     """In-stage time (:attr:`elapsed_s`, against ``budget_s``) and the current stage's deadline of one job."""
 
     __slots__ = ("task", "loop", "arming", "budget_s", "in_stage", "held", "expired", "at",
-                 "_elapsed_s", "_started", "_handle", "_handle_at", "_queued", "_held_left_s")
+                 "_elapsed_s", "_stage_base_s", "_started", "_handle", "_handle_at", "_queued", "_held_left_s")
 
     def __init__(self, budget_s: float | None, task: asyncio.Task[Any] | None, loop: asyncio.AbstractEventLoop,
                  arming: Arming) -> None:
@@ -47,6 +47,8 @@ class JobClock:
         #: The current stage's deadline (loop time), ``None`` between stages, without a limit, or while held.
         self.at: float | None = None
         self._elapsed_s = 0.0
+        #: ``_elapsed_s`` when the current stage began.
+        self._stage_base_s = 0.0
         #: When counting began (``time.monotonic()``), ``None`` while not counting.
         self._started: float | None = None
         self._handle: asyncio.TimerHandle | None = None
@@ -68,7 +70,9 @@ class JobClock:
         """Budget left (never negative), or ``None`` without a budget."""
         if self.budget_s is None:
             return None
-        return max(0.0, self.budget_s - self.elapsed_s)
+        started = self._started
+        elapsed_s = self._elapsed_s if started is None else self._elapsed_s + time.monotonic() - started
+        return max(0.0, self.budget_s - elapsed_s)
 
     # --------------------------------------------------------------- stages
 
@@ -77,6 +81,7 @@ class JobClock:
         self.in_stage = True
         self.expired = False
         self._held_left_s = None
+        self._stage_base_s = self._elapsed_s if self._started is None else self.elapsed_s
         if self.held:
             # Held from the start: the stage's whole limit waits for the release.
             self.at = None
@@ -88,8 +93,11 @@ class JobClock:
         else:
             self._set_at(now + limit_s)
 
-    def leave_stage(self, now: float) -> None:
-        """The stage ended at ``now``: stop counting and disarm (a handle that fires later does nothing)."""
+    def leave_stage(self, now: float) -> float:
+        """The stage ended at ``now``: stop counting and disarm (a handle that fires later does nothing).
+
+        Returns the seconds the stage counted (held time not included).
+        """
         self.in_stage = False
         self.at = None
         self._held_left_s = None
@@ -97,6 +105,7 @@ class JobClock:
         if started is not None:
             self._elapsed_s += now - started
             self._started = None
+        return self._elapsed_s - self._stage_base_s
 
     def hold(self, held: bool) -> None:
         """Stop (``held``) or restart the clock while one of the job's generate calls is held at the broker."""

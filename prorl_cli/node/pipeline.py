@@ -342,20 +342,21 @@ class Pipeline:
                 log.exception("job %s: final_result failed", job_id)
                 state = JobState.FAILED
                 error = ErrorInfo(stage="final_result", type=type(e).__name__, message=str(e))
+        state_name = state.value
         if error is not None:
             group = self.failures.setdefault((spec.task, error.stage, error.type), [0, ""])
             group[0] += 1
             group[1] = error.message[:300]
-            ctx.job_log().note(logging.ERROR, "%s %s in %s: %s: %s", job_id, state.value, error.stage, error.type,
+            ctx.job_log().note(logging.ERROR, "%s %s in %s: %s: %s", job_id, state_name, error.stage, error.type,
                                error.message)
-        timeline.instant(TL.FINISHED, {"state": state.value})
+        timeline.instant(TL.FINISHED, {"state": state_name})
         TL.CURRENT.reset(timeline_token)
-        observe_job(self.metrics, spec.task, state.value, timeline.events)
+        observe_job(self.metrics, spec.task, state_name, timeline.events)
         job_log = ctx._job_log
         return JobResult(
             job_id=job_id,
             task=spec.task,
-            state=state.value,
+            state=state_name,
             attempt=spec.attempt,
             node_id=self.node_id,
             reward=ctx.reward,
@@ -415,7 +416,6 @@ class Pipeline:
             which = "stage cap"
         limit_s = budget if cap is None else (cap if budget is None else min(budget, cap))
         task = clock.task
-        counted_s = clock.elapsed_s  # not counting between stages: no clock read
         entered = time.monotonic()
         clock.enter_stage(limit_s, entered)
         error: Exception | None = None
@@ -433,8 +433,7 @@ class Pipeline:
                 task.uncancel()  # the handler swallowed our cancel: still past its time
         finally:
             left = time.monotonic()
-            clock.leave_stage(left)
-            stage_s[stage] = stage_s.get(stage, 0.0) + clock.elapsed_s - counted_s
+            stage_s[stage] = stage_s.get(stage, 0.0) + clock.leave_stage(left)
             pool.leave()
             timeline.span(TL.STAGE, entered, left, {"stage": stage})
         if clock.expired:
@@ -479,11 +478,15 @@ class Pipeline:
 def _timeline(timing: Any) -> TL.Timeline:
     """A job's timeline, started where the broker says it was submitted (now when it says nothing usable)."""
     now = time.monotonic()
-    since_s = timing.get("since_submit_s") if isinstance(timing, dict) else None
-    if not isinstance(since_s, int | float) or isinstance(since_s, bool) or not 0 <= since_s < 1e9:
-        since_s = 0.0
-    broker_events = timing.get("events") if isinstance(timing, dict) else None
-    events = [e for e in broker_events if isinstance(e, list)] if isinstance(broker_events, list) else []
+    since_s: Any = 0.0
+    events: list[TL.Event] = []
+    if isinstance(timing, dict):
+        given = timing.get("since_submit_s")
+        if isinstance(given, (int, float)) and not isinstance(given, bool) and 0 <= given < 1e9:
+            since_s = given
+        broker_events = timing.get("events")
+        if isinstance(broker_events, list):
+            events = [e for e in broker_events if isinstance(e, list)]
     timeline = TL.Timeline(now - since_s, events)
     timeline.instant(TL.RECEIVED, at=now)
     return timeline
