@@ -116,3 +116,22 @@ def test_result_frames_are_the_bytes_of_to_wire_whatever_a_result_holds() -> Non
     assert P.unpack_obj(packer.pack(record))["error"] == {"stage": "run", "type": "E", "message": "m"}
     assert "note" not in P.unpack_obj(packer.pack(extra))
     assert packer.pack(plain) == P.pack_obj(plain.to_wire())
+
+
+def test_a_job_clock_counts_each_stage_and_keeps_a_held_stage_limit_whole() -> None:
+    from prorl_cli.node.clock import Arming, JobClock
+
+    async def main() -> None:
+        clock = JobClock(10.0, None, asyncio.get_running_loop(), Arming())
+        clock.enter_stage(3.0, 100.0)
+        assert clock.at == 103.0
+        assert clock.leave_stage(104.5) == 4.5 and clock.at is None
+        assert clock.remaining_s == 5.5  # the budget counts in-stage time only
+        clock.hold(True)  # held between stages: the next stage starts held
+        clock.enter_stage(2.0, 200.0)
+        assert clock.at is None  # no deadline while held
+        clock.hold(False)
+        assert clock.at is not None and clock.at - clock.loop.time() <= 2.0  # the stage's whole limit, from now
+        clock.close()
+
+    asyncio.run(main())
