@@ -1,7 +1,7 @@
 """The INIT → RUN → EVAL pipeline of one node: three pools, phase-aware timeouts.
 
 Each stage has its own concurrency limit. A job waits for a slot in a stage's
-pool with its :class:`PausableTimer` paused, so queue time never counts; only
+pool with its clock (:class:`~prorl_cli.node.clock.JobClock`) paused, so queue time never counts; only
 in-stage time does, against the job's total budget and the stage's own cap.
 A stage that raises or times out goes to the handler's ``*_exception``
 callback and the job ends with a well-formed :class:`JobResult` whose
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -23,9 +22,9 @@ from typing import Any
 
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import StageTimeout
+from prorl_cli.node.clock import Arming, JobClock
 from prorl_cli.node.handler import AgentHandler, JobContext, Services
 from prorl_cli.node.registry import HandlerRegistry
-from prorl_cli.node.timer import PausableTimer
 from prorl_cli.observe import timeline as TL
 from prorl_cli.observe.logs import JobLogger, formatter_for
 from prorl_cli.observe.metrics import MetricSet, observe_job
@@ -37,15 +36,74 @@ log = logging.getLogger(__name__)
 EVAL_AFTER_FAILURE_S = 60.0
 
 
-@dataclass
+@dataclass(slots=True)
 class RunningJob:
     """A job this node runs: its task, attempt and latest stage (what a re-registration claims)."""
 
     task: asyncio.Task[JobResult]
     attempt: int
+    spec: JobSpec
     stage: str = JobState.INIT.value
     #: Entered its first stage (until then it waits for an INIT slot and may be handed back untouched).
     started: bool = False
+    #: Its task has begun running (a task cancelled before that never runs: :meth:`Pipeline.cancel` answers for it).
+    begun: bool = False
+
+
+class _NodeJobContext(JobContext):
+    """A job's context on this node: its run directory's path and its logger are made on first use.
+
+    Most short jobs never write a file nor log a line, and a ``Path`` and a
+    logger per job were a good part of the node's CPU per no-op job. Reads of
+    ``run_dir`` and ``log`` give what they always gave; assigning either sets
+    it as before (``dataclasses.replace`` makes a copy with both set).
+    """
+
+    _pipeline: Pipeline | None = None
+    _run_dir: Path | None = None
+    _log: logging.Logger | None = None
+    #: The job's own logger once made (its file is closed and named in the result).
+    _job_log: JobLogger | None = None
+
+    @classmethod
+    def of(cls, pipeline: Pipeline, spec: JobSpec, instance: Any) -> _NodeJobContext:
+        """The context of a job that ``pipeline`` runs."""
+        ctx = cls(spec=spec, instance=instance, node_id=pipeline.node_id, run_dir=None,  # type: ignore[arg-type]
+                  config=pipeline.config, services=pipeline.services, log=None)  # type: ignore[arg-type]
+        ctx._pipeline = pipeline
+        return ctx
+
+    @property
+    def run_dir(self) -> Path:
+        run_dir = self._run_dir
+        if run_dir is None:
+            assert self._pipeline is not None
+            run_dir = self._run_dir = self._pipeline._jobs_dir / self.spec.job_id
+        return run_dir
+
+    @run_dir.setter
+    def run_dir(self, value: Path | None) -> None:
+        self._run_dir = value
+
+    @property
+    def log(self) -> logging.Logger:
+        return self._log if self._log is not None else self.job_log()
+
+    @log.setter
+    def log(self, value: logging.Logger | None) -> None:
+        self._log = value
+
+    def job_log(self) -> JobLogger:
+        """The job's own logger (made now if not yet)."""
+        if self._job_log is None:
+            pipeline = self._pipeline
+            assert pipeline is not None
+            task = self.spec.task
+            self._job_log = JobLogger(f"prorl.job.{task}.{self.spec.job_id}", pipeline._job_logger(task), self.run_dir,
+                                      pipeline._job_log_format)
+            if self._log is None:
+                self._log = self._job_log
+        return self._job_log
 
 
 class _Pool:
@@ -101,156 +159,6 @@ class _Pool:
         return StageStats(active=self.active, queued=self.queued, limit=self.limit)
 
 
-class _Deadline:
-    """One timer handle per job, armed for the deadline of the stage it is in.
-
-    The handle is armed at the end of the loop turn in which the stage began
-    (by :class:`_Arming`), at the stage's own deadline, and only if the job is
-    still in a stage by then: a job whose stages all finish without waiting
-    never gets one. A later stage whose deadline is no earlier than the armed
-    one keeps the handle (a job that runs its stages back to back has one
-    deadline: its budget); a handle that fires before the current stage's
-    deadline (it was armed for an earlier one) is armed again; it does
-    nothing while the job is between stages. When it fires in a stage it
-    cancels the job's task and says so, so a timeout is told apart from a
-    cancel from outside.
-    """
-
-    __slots__ = ("task", "loop", "arming", "at", "expired", "_handle", "_handle_at", "_queued", "_held_left_s")
-
-    def __init__(self, task: asyncio.Task[Any] | None, loop: asyncio.AbstractEventLoop, arming: _Arming) -> None:
-        self.task = task
-        self.loop = loop
-        self.arming = arming
-        #: The current stage's deadline (loop time), ``None`` between stages or without a limit.
-        self.at: float | None = None
-        #: Whether it fired in the current stage.
-        self.expired = False
-        self._handle: asyncio.TimerHandle | None = None
-        self._handle_at = 0.0
-        self._queued = False
-        #: Seconds the stage had left when a hold began (a generate call held at the broker); ``None`` otherwise.
-        self._held_left_s: float | None = None
-
-    def enter_stage(self, limit_s: float | None) -> None:
-        self.expired = False
-        self._held_left_s = None
-        if limit_s is None:
-            self.at = None
-            return
-        self._set_at(self.loop.time() + limit_s)
-
-    def _set_at(self, at: float) -> None:
-        self.at = at
-        if not self._queued and (self._handle is None or self._handle_at > self.at):
-            self._queued = True
-            self.arming.add(self)
-
-    def leave_stage(self) -> None:
-        self.at = None
-        self._held_left_s = None
-
-    def hold(self) -> None:
-        """Stop the clock: the job waits on a call held at the broker (a handle that fires meanwhile does nothing)."""
-        if self.at is not None:
-            self._held_left_s = max(0.0, self.at - self.loop.time())
-            self.at = None
-
-    def release(self) -> None:
-        """Run the clock again with the time the stage had left when :meth:`hold` stopped it."""
-        if self._held_left_s is not None:
-            left, self._held_left_s = self._held_left_s, None
-            self._set_at(self.loop.time() + left)
-
-    def close(self) -> None:
-        self.at = None
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-    def arm(self) -> None:
-        """Arm (or re-arm earlier) for the current stage's deadline, if the job is still in a stage."""
-        self._queued = False
-        at = self.at
-        if at is None or (self._handle is not None and self._handle_at <= at):
-            return
-        if self._handle is not None:
-            self._handle.cancel()
-        self._handle_at = at
-        self._handle = self.loop.call_at(at, self._fire)
-
-    def _fire(self) -> None:
-        self._handle = None
-        if self.at is None:
-            return
-        if self._handle_at < self.at:
-            self.arm()
-            return
-        self.expired = True
-        if self.task is not None:
-            self.task.cancel()
-
-
-class _Arming:
-    """Arms the deadlines of the jobs that entered a stage in this loop turn, once, at its end."""
-
-    __slots__ = ("_waiting", "_scheduled")
-
-    def __init__(self) -> None:
-        self._waiting: list[_Deadline] = []
-        self._scheduled = False
-
-    def add(self, deadline: _Deadline) -> None:
-        self._waiting.append(deadline)
-        if not self._scheduled:
-            self._scheduled = True
-            deadline.loop.call_soon(self._arm_all)
-
-    def _arm_all(self) -> None:
-        self._scheduled = False
-        waiting, self._waiting = self._waiting, []
-        for deadline in waiting:
-            deadline.arm()
-
-
-class _JobClock:
-    """A job's timer and deadline, which stand still while one of its generate calls is held at the broker."""
-
-    __slots__ = ("timer", "deadline", "in_stage", "held")
-
-    def __init__(self, timer: PausableTimer, deadline: _Deadline) -> None:
-        self.timer = timer
-        self.deadline = deadline
-        self.in_stage = False
-        self.held = False
-
-    def enter_stage(self, limit_s: float | None) -> None:
-        self.in_stage = True
-        self.deadline.enter_stage(limit_s)
-        if self.held:
-            self.deadline.hold()
-        else:
-            self.timer.resume()
-
-    def leave_stage(self) -> None:
-        self.in_stage = False
-        self.deadline.leave_stage()
-        self.timer.pause()
-
-    def hold(self, held: bool) -> None:
-        if held == self.held:
-            return
-        self.held = held
-        if not self.in_stage:
-            return
-        if held:
-            self.timer.pause()
-            self.deadline.hold()
-        else:
-            self.timer.resume()
-            self.deadline.release()
-
-
 class Pipeline:
     """Runs jobs through the three stage pools of one node."""
 
@@ -283,9 +191,11 @@ class Pipeline:
         #: Jobs running on this node, by id: the one table of them.
         self.jobs: dict[str, RunningJob] = {}
         self._jobs_dir = run_dir / "jobs"
-        self._arming = _Arming()
+        self._arming = Arming()
         self._loggers: dict[str, logging.Logger] = {}
-        self._clocks: dict[str, _JobClock] = {}
+        self._clocks: dict[str, JobClock] = {}
+        #: The in-stage budget of jobs that set none.
+        self._timeout_s = config.jobs.timeout_s
         #: The node's Prometheus figures; each job is counted from its timeline when it ends.
         self.metrics = MetricSet()
         #: Failed jobs by (task, stage, error type): [count, latest message] (sent in heartbeats).
@@ -308,26 +218,14 @@ class Pipeline:
     def start(self, spec: JobSpec, instance: Any, timing: Any = None) -> bool:
         """Start running a job in the background; ``False`` if it already runs (a repeated delivery).
 
-        :attr:`on_done` gets its result unless the job was dropped with :meth:`drop`.
+        :attr:`on_done` gets its result, also when it is cancelled before it began.
         ``timing``: the broker's ``{since_submit_s, events}`` for the job (its timeline's start).
         """
         if spec.job_id in self.jobs:
             return False
         task = asyncio.create_task(self._run(spec, instance, timing), name=f"job-{spec.job_id}")
-        self.jobs[spec.job_id] = RunningJob(task, spec.attempt)
-        task.add_done_callback(functools.partial(self._cancelled_before_start, spec))
+        self.jobs[spec.job_id] = RunningJob(task, spec.attempt, spec)
         return True
-
-    def _cancelled_before_start(self, spec: JobSpec, task: asyncio.Task[JobResult]) -> None:
-        # run_job never raises, so a cancelled task never started: a cancel_job read in the same turn
-        # as its assign. Nothing ran, but the broker still needs the job's result to free its credit.
-        if not task.cancelled():
-            return
-        job = self.jobs.get(spec.job_id)
-        if job is not None and job.task is task:
-            del self.jobs[spec.job_id]
-        self.on_done(JobResult(job_id=spec.job_id, task=spec.task, state=JobState.CANCELLED.value,
-                               attempt=spec.attempt, node_id=self.node_id, group_id=spec.group_id, meta=spec.meta))
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a running job (its result says ``cancelled``); ``False`` if it is not running here."""
@@ -335,6 +233,13 @@ class Pipeline:
         if job is None:
             return False
         job.task.cancel()
+        if not job.begun:
+            # Its task never ran (a cancel_job read in the same turn as its assign) and now never will:
+            # nothing ran, but the broker still needs the job's result to free its credit.
+            del self.jobs[job_id]
+            spec = job.spec
+            self.on_done(JobResult(job_id=spec.job_id, task=spec.task, state=JobState.CANCELLED.value,
+                                   attempt=spec.attempt, node_id=self.node_id, group_id=spec.group_id, meta=spec.meta))
         return True
 
     def not_started(self) -> list[str]:
@@ -349,6 +254,9 @@ class Pipeline:
         return (task_name[4:], job.stage) if job is not None else None
 
     async def _run(self, spec: JobSpec, instance: Any, timing: Any = None) -> JobResult:
+        running = self.jobs.get(spec.job_id)
+        if running is not None:
+            running.begun = True
         try:
             result = await self.run_job(spec, instance, timing)
         except Exception as e:  # a fault of the node's own outside the stages must still answer for the job
@@ -382,29 +290,17 @@ class Pipeline:
             meta=meta if isinstance(meta, dict) else None,
         )
 
-    def _stage_budget_s(self, spec: JobSpec, stage: str) -> float | None:
-        if spec.stage_timeouts_s and stage in spec.stage_timeouts_s:
-            return float(spec.stage_timeouts_s[stage])
-        return self._stage_caps_s[stage]
-
     async def run_job(self, spec: JobSpec, instance: Any, timing: Any = None) -> JobResult:
         """Run one job to a terminal state; never raises (cancellation included)."""
         timeline = _timeline(timing)
         timeline_token = TL.CURRENT.set(timeline)
-        run_dir = self._jobs_dir / spec.job_id
-        job_log = JobLogger(f"prorl.job.{spec.task}.{spec.job_id}", self._job_logger(spec.task), run_dir, self._job_log_format)
-        ctx = JobContext(
-            spec=spec,
-            instance=instance,
-            node_id=self.node_id,
-            run_dir=run_dir,
-            config=self.config,
-            services=self.services,
-            log=job_log,
+        ctx = _NodeJobContext.of(self, spec, instance)
+        job_id = spec.job_id
+        clock = self._clocks[job_id] = JobClock(
+            spec.timeout_s if spec.timeout_s is not None else self._timeout_s,
+            asyncio.current_task(), asyncio.get_running_loop(), self._arming,
         )
-        timer = PausableTimer(spec.timeout_s if spec.timeout_s is not None else self.config.jobs.timeout_s)
-        deadline = _Deadline(asyncio.current_task(), asyncio.get_running_loop(), self._arming)
-        clock = self._clocks[spec.job_id] = _JobClock(timer, deadline)
+        running = self.jobs.get(job_id)
         stage_s: dict[str, float] = {}
         state = JobState.DONE
         error: ErrorInfo | None = None
@@ -415,13 +311,13 @@ class Pipeline:
             for stage in STAGE_NAMES:
                 if stage == "eval" and ctx._cleanups:
                     await self._cleanup(ctx)  # sandboxes are gone before EVAL
-                outcome = await self._run_stage(handler, ctx, stage, timer, deadline, stage_s)
+                outcome = await self._run_stage(handler, ctx, stage, clock, stage_s, timeline, running)
                 if outcome is not None:
                     state, error = outcome
                     if stage == "run" and handler.eval_after_run_failure:
                         # The handler scores what RUN left; the job keeps RUN's state and error.
                         await self._cleanup(ctx)
-                        await self._run_stage(handler, ctx, "eval", timer, deadline, stage_s, after_failure=True)
+                        await self._run_stage(handler, ctx, "eval", clock, stage_s, timeline, running, after_failure=True)
                     break
         except asyncio.CancelledError:
             state = JobState.CANCELLED
@@ -433,9 +329,9 @@ class Pipeline:
             state = JobState.FAILED
             error = ErrorInfo(stage="init", type=type(e).__name__, message=str(e))
         finally:
-            deadline.close()
-            if self._clocks.get(spec.job_id) is clock:
-                del self._clocks[spec.job_id]
+            clock.close()
+            if self._clocks.get(job_id) is clock:
+                del self._clocks[job_id]
             if ctx._cleanups:
                 await self._cleanup(ctx)
         output: Any = None
@@ -443,33 +339,36 @@ class Pipeline:
             try:
                 output = handler.final_result(ctx)
             except Exception as e:  # plugin code: a broken final_result still yields a result
-                log.exception("job %s: final_result failed", spec.job_id)
+                log.exception("job %s: final_result failed", job_id)
                 state = JobState.FAILED
                 error = ErrorInfo(stage="final_result", type=type(e).__name__, message=str(e))
+        state_name = state.value
         if error is not None:
             group = self.failures.setdefault((spec.task, error.stage, error.type), [0, ""])
             group[0] += 1
             group[1] = error.message[:300]
-            job_log.note(logging.ERROR, "%s %s in %s: %s: %s", spec.job_id, state.value, error.stage, error.type, error.message)
-        timeline.instant(TL.FINISHED, {"state": state.value})
+            ctx.job_log().note(logging.ERROR, "%s %s in %s: %s: %s", job_id, state_name, error.stage, error.type,
+                               error.message)
+        timeline.instant(TL.FINISHED, {"state": state_name})
         TL.CURRENT.reset(timeline_token)
-        observe_job(self.metrics, spec.task, state.value, timeline.events)
+        observe_job(self.metrics, spec.task, state_name, timeline.events)
+        job_log = ctx._job_log
         return JobResult(
-            job_id=spec.job_id,
+            job_id=job_id,
             task=spec.task,
-            state=state.value,
+            state=state_name,
             attempt=spec.attempt,
             node_id=self.node_id,
             reward=ctx.reward,
             critical_error=error.stage if error else None,
             error=error.to_wire() if error else None,
             stage_s=stage_s,
-            active_s=timer.elapsed_s,
+            active_s=clock.elapsed_s,
             output=output,
             group_id=spec.group_id,
             meta=spec.meta,
             events=timeline.events,
-            log_path=job_log.close(),
+            log_path=job_log.close() if job_log is not None else None,
         )
 
     def _job_logger(self, task: str) -> logging.Logger:
@@ -479,8 +378,8 @@ class Pipeline:
         return logger
 
     async def _run_stage(
-        self, handler: AgentHandler, ctx: JobContext, stage: str, timer: PausableTimer, deadline: _Deadline,
-        stage_s: dict[str, float], *, after_failure: bool = False,
+        self, handler: AgentHandler, ctx: JobContext, stage: str, clock: JobClock, stage_s: dict[str, float],
+        timeline: TL.Timeline, running: RunningJob | None, *, after_failure: bool = False,
     ) -> tuple[JobState, ErrorInfo] | None:
         """Run one stage in its pool. Return (state, error) if the job must end here.
 
@@ -494,63 +393,50 @@ class Pipeline:
         except Exception as e:  # plugin code or bad settings: the job's failure, not the node's
             return self._stage_failed(handler, ctx, stage, e, JobState.FAILED)
         pool = self.pools[stage]
-        timeline = TL.CURRENT.get()
         if not pool.try_enter():
             waited_from = time.monotonic()
             await pool.enter()
-            if timeline is not None:
-                timeline.span(TL.WAIT, waited_from, time.monotonic(), {"stage": stage})
-        entered = time.monotonic()
-        running = self.jobs.get(ctx.job_id)
+            timeline.span(TL.WAIT, waited_from, time.monotonic(), {"stage": stage})
         if running is not None:
             running.stage = stage
             running.started = True
         if not after_failure:
             self.on_stage(ctx.spec, stage)
-        budget = timer.remaining_s
-        cap = self._stage_budget_s(ctx.spec, stage)
+        spec_caps = ctx.spec.stage_timeouts_s
+        cap = float(spec_caps[stage]) if spec_caps and stage in spec_caps else self._stage_caps_s[stage]
         if after_failure:
             budget = None
             cap = cap if cap is not None else EVAL_AFTER_FAILURE_S
+        else:
+            budget = clock.remaining_s
         # The handler's own limit is enforced like the node's: past it the job is timed out, not failed.
         if own_s is not None and (cap is None or own_s < cap):
             cap, which = own_s, f"handler's {stage} limit"
         else:
             which = "stage cap"
         limit_s = budget if cap is None else (cap if budget is None else min(budget, cap))
-        task = deadline.task
-        clock = self._clocks.get(ctx.job_id)
-        counted_s = timer.elapsed_s
-        if clock is not None and clock.deadline is deadline:
-            clock.enter_stage(limit_s)
-        else:
-            clock = None
-            deadline.enter_stage(limit_s)
-            timer.resume()
+        task = clock.task
+        entered = time.monotonic()
+        clock.enter_stage(limit_s, entered)
         error: Exception | None = None
         try:
             await getattr(handler, stage)(ctx)
         except asyncio.CancelledError:
-            if not deadline.expired or task is None or task.uncancel() > 0:
+            if not clock.expired or task is None or task.uncancel() > 0:
                 raise  # cancelled from outside (also when that raced with the deadline)
         except Exception as e:  # any handler error is the job's failure, not the node's
             error = e
-            if deadline.expired and task is not None:
+            if clock.expired and task is not None:
                 task.uncancel()  # the handler turned our cancel into another error
         else:
-            if deadline.expired and task is not None:
+            if clock.expired and task is not None:
                 task.uncancel()  # the handler swallowed our cancel: still past its time
         finally:
-            if clock is not None:
-                clock.leave_stage()
-            else:
-                deadline.leave_stage()
-                timer.pause()
-            stage_s[stage] = stage_s.get(stage, 0.0) + timer.elapsed_s - counted_s
+            left = time.monotonic()
+            stage_s[stage] = stage_s.get(stage, 0.0) + clock.leave_stage(left)
             pool.leave()
-            if timeline is not None:
-                timeline.span(TL.STAGE, entered, time.monotonic(), {"stage": stage})
-        if deadline.expired:
+            timeline.span(TL.STAGE, entered, left, {"stage": stage})
+        if clock.expired:
             if cap is None or (budget is not None and budget <= cap):
                 which = "job budget"
             exc = StageTimeout(f"{stage} ran past its {which} of {limit_s:.3f} s (in-stage time only, held generate calls not counted)")
@@ -592,11 +478,15 @@ class Pipeline:
 def _timeline(timing: Any) -> TL.Timeline:
     """A job's timeline, started where the broker says it was submitted (now when it says nothing usable)."""
     now = time.monotonic()
-    since_s = timing.get("since_submit_s") if isinstance(timing, dict) else None
-    if not isinstance(since_s, int | float) or isinstance(since_s, bool) or not 0 <= since_s < 1e9:
-        since_s = 0.0
-    broker_events = timing.get("events") if isinstance(timing, dict) else None
-    events = [e for e in broker_events if isinstance(e, list)] if isinstance(broker_events, list) else []
+    since_s: Any = 0.0
+    events: list[TL.Event] = []
+    if isinstance(timing, dict):
+        given = timing.get("since_submit_s")
+        if isinstance(given, (int, float)) and not isinstance(given, bool) and 0 <= given < 1e9:
+            since_s = given
+        broker_events = timing.get("events")
+        if isinstance(broker_events, list):
+            events = [e for e in broker_events if isinstance(e, list)]
     timeline = TL.Timeline(now - since_s, events)
     timeline.instant(TL.RECEIVED, at=now)
     return timeline

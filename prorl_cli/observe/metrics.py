@@ -296,6 +296,8 @@ def observe_job(metrics: MetricSet, task: str, state: str, events: list[list[Any
     metrics.inc("prorl_node_jobs", (task, state))
     for ev in events:
         name = ev[0]
+        if name not in _OBSERVED:
+            continue  # the broker's events, received, finished: nothing to count (no attrs built for them)
         attrs = ev[3] if len(ev) > 3 else {}
         if name == "stage":
             metrics.observe("prorl_stage_seconds", (task, attrs["stage"]), ev[2])
@@ -311,12 +313,16 @@ def observe_job(metrics: MetricSet, task: str, state: str, events: list[list[Any
                 metrics.inc("prorl_generate_output_tokens", (backend,), attrs.get("output", 0))
         elif name == "tool":
             metrics.observe("prorl_tool_call_seconds", (str(attrs.get("tool")),), ev[2])
-        elif name == "sandbox_start":
+        else:  # sandbox_start
             runtime = str(attrs.get("runtime") or "-")
             ok = attrs.get("ok", True)
             metrics.inc("prorl_sandbox_starts", (runtime, "ok" if ok else "failed"))
             if ok:
                 metrics.observe("prorl_sandbox_start_seconds", (runtime,), ev[2])
+
+
+#: The timeline events :func:`observe_job` counts.
+_OBSERVED = frozenset(("stage", "wait", "generate", "tool", "sandbox_start"))
 
 
 def jobs_by_task(jobs: Iterable[Job]) -> dict[str, dict[str, int]]:

@@ -50,7 +50,7 @@ class Timeline:
         return at - self.t0
 
     def instant(self, name: str, attrs: dict[str, Any] | None = None, at: float | None = None) -> None:
-        t = self.rel(time.monotonic() if at is None else at)
+        t = (time.monotonic() if at is None else at) - self.t0
         self.events.append([name, t, 0.0, attrs] if attrs else [name, t, 0.0])
 
     def span(self, name: str, start: float, end: float, attrs: dict[str, Any] | None = None) -> None:

@@ -87,3 +87,51 @@ def test_a_node_fault_outside_the_stages_still_answers_for_the_job(tmp_path: Pat
     [result] = done
     assert (result.state, result.critical_error) == ("failed", "node")
     assert result.error is not None and "bookkeeping bug" in result.error["message"]
+
+
+def test_result_frames_are_the_bytes_of_to_wire_whatever_a_result_holds() -> None:
+    """The node packs a result from its ``__dict__``; the frame must be what ``to_wire`` gives, or that path taken."""
+    import enum
+
+    from prorl_cli import protocol as P
+    from prorl_cli.node.server import ResultPacker
+    from prorl_cli.protocol import ErrorInfo, JobState
+
+    class Plain(enum.Enum):
+        A = "a"
+
+    events = [["submitted", 0.0, 0.0, {"at": 1764612345.25}], ["stage", 0.001, 1e-5, {"stage": "run"}]]
+    plain = JobResult(job_id="j", task="noop", state="done", node_id="n", reward=1.0, stage_s={"run": 1e-5},
+                      active_s=1e-5, output={"x": [1, 2.5, None, b"raw"]}, events=events, meta={"k": 1})
+    str_enum = JobResult(job_id="j", task="noop", state=JobState.FAILED)
+    record = JobResult(job_id="j", task="noop", state="failed",
+                       error=ErrorInfo(stage="run", type="E", message="m"))  # type: ignore[arg-type]
+    plain_enum = JobResult(job_id="j", task="noop", state="done", output=Plain.A)
+    extra = JobResult(job_id="j", task="noop", state="done")
+    extra.note = "not a field"  # type: ignore[attr-defined]
+    packer = ResultPacker()
+    for result in (plain, str_enum, record, plain_enum, plain):
+        assert packer.pack(result) == P.pack_obj(result.to_wire())
+    # A record in a field is converted as to_wire converts it, and the packer still works afterwards.
+    assert P.unpack_obj(packer.pack(record))["error"] == {"stage": "run", "type": "E", "message": "m"}
+    assert "note" not in P.unpack_obj(packer.pack(extra))
+    assert packer.pack(plain) == P.pack_obj(plain.to_wire())
+
+
+def test_a_job_clock_counts_each_stage_and_keeps_a_held_stage_limit_whole() -> None:
+    from prorl_cli.node.clock import Arming, JobClock
+
+    async def main() -> None:
+        clock = JobClock(10.0, None, asyncio.get_running_loop(), Arming())
+        clock.enter_stage(3.0, 100.0)
+        assert clock.at == 103.0
+        assert clock.leave_stage(104.5) == 4.5 and clock.at is None
+        assert clock.remaining_s == 5.5  # the budget counts in-stage time only
+        clock.hold(True)  # held between stages: the next stage starts held
+        clock.enter_stage(2.0, 200.0)
+        assert clock.at is None  # no deadline while held
+        clock.hold(False)
+        assert clock.at is not None and clock.at - clock.loop.time() <= 2.0  # the stage's whole limit, from now
+        clock.close()
+
+    asyncio.run(main())
