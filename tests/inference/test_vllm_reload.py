@@ -29,7 +29,7 @@ from tests.inference.conftest import HANDLERS
 from tests.inference.test_routing import ThreadBridge
 
 MAX_MODEL_LEN = 256
-GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+GREEDY: dict[str, Any] = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 
 class HeldEngine(OpenAIEngine):
@@ -184,3 +184,27 @@ def test_vllm_gets_the_reload_extension_unless_reload_is_off_or_the_user_gave_on
         "--dtype", "bfloat16", "--worker-extension-cls", WORKER_EXTENSION]
     assert vllm_args([], ["--worker-extension-cls=my.Ext"], reload_in_place=True) == ["--worker-extension-cls=my.Ext"]
     assert vllm_args(["--dtype", "bfloat16"], [], reload_in_place=False) == ["--dtype", "bfloat16"]
+
+
+@pytest.mark.parametrize(("status", "body"), [
+    (404, b'{"detail": "Not Found"}'),  # no VLLM_SERVER_DEV_MODE
+    (500, b'{"error": {"message": "Method \'prorl_reload_weights\' is not implemented."}}'),  # no extension
+])
+def test_a_vllm_without_the_reload_settings_is_named_with_the_fix(status: int, body: bytes) -> None:
+    """An attached vLLM started without dev mode or without prorl's extension: the error says what to start it with."""
+    from prorl_cli.exceptions import InferenceError
+    from prorl_cli.inference.vllm_reload import WORKER_EXTENSION
+    from tests.inference.test_engines import FakeServer
+
+    async def reload() -> None:
+        server = await asyncio.start_server(FakeServer(status, body).handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        engine = OpenAIEngine(f"http://127.0.0.1:{port}", model="m", reload_in_place=True)
+        try:
+            await engine.reload("/ckpt/v1", 1)
+        finally:
+            await engine.close()
+            server.close()
+
+    with pytest.raises(InferenceError, match=f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}"):
+        asyncio.run(reload())
