@@ -155,29 +155,40 @@ class OpenAIEngine(Engine):
         return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id)
 
     async def reload(self, checkpoint: str, policy_version: int) -> None:
-        """vLLM's in-place reload: ``POST /collective_rpc`` with the workers' ``reload_weights(weights_path=...)``.
+        """Load ``checkpoint`` in place through vLLM's ``POST /collective_rpc``, then drop cached prefixes.
 
-        Only with ``inference.vllm_reload_in_place`` (off by default: see its
-        comment); vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache``
-        only with ``VLLM_SERVER_DEV_MODE=1``, which that setting gives the vLLM
-        prorl starts. Otherwise the caller restarts the backend on the
-        checkpoint. The bridge has let in-flight calls finish before calling this.
+        The method called is ``prorl_reload_weights`` of
+        :class:`~prorl_cli.inference.vllm_reload.ReloadWorkerExtension`: vLLM's
+        own ``reload_weights(weights_path=...)`` plus the refresh of tied output
+        heads without which vLLM's CPU backend keeps the old head (see that
+        module). vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache``
+        only with ``VLLM_SERVER_DEV_MODE=1`` and knows the method only with
+        ``--worker-extension-cls``; the vLLM that prorl starts has both (unless
+        ``inference.vllm_reload_in_place`` is off). The bridge has let in-flight
+        calls finish before calling this.
         """
+        from prorl_cli.inference.vllm_reload import RELOAD_METHOD, WORKER_EXTENSION
+
         if not self.reload_in_place:
             raise InferenceError(f"backend {self.base_url}: in-place reload of vLLM is off (inference.vllm_reload_in_place); "
                                  f"restart it on {checkpoint}")
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}}
+        needs = f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}"
+        body = {"method": RELOAD_METHOD, "kwargs": {"weights_path": str(checkpoint)}}
         resp = await self.http.request("POST", f"{self.root_url}/collective_rpc", body, timeout_s=self.timeout_s)
         if resp.status == 404:
-            raise InferenceError(f"backend {self.base_url} has no /collective_rpc (start vLLM with VLLM_SERVER_DEV_MODE=1), "
+            raise InferenceError(f"backend {self.base_url} has no /collective_rpc (start vLLM with {needs}), "
                                  f"so it cannot load {checkpoint} in place; restart it on the checkpoint")
         if resp.status != 200:
-            raise InferenceError(f"backend {self.base_url}: reload_weights from {checkpoint}: HTTP {resp.status}: "
-                                 f"{server_message(resp)}")
+            message = server_message(resp)
+            hint = f" (start vLLM with {needs})" if RELOAD_METHOD in message else ""
+            raise InferenceError(f"backend {self.base_url}: {RELOAD_METHOD} from {checkpoint}: HTTP {resp.status}: "
+                                 f"{message}{hint}")
+        log.info("backend %s loaded %s in place: %s", self.base_url, checkpoint, resp.body[:300].decode(errors="replace"))
         # Cached prefixes were computed by the old weights.
         resp = await self.http.request("POST", f"{self.root_url}/reset_prefix_cache", {}, timeout_s=60.0)
         if resp.status != 200:
-            log.warning("backend %s: reset_prefix_cache after reload: HTTP %s", self.base_url, resp.status)
+            raise InferenceError(f"backend {self.base_url}: reset_prefix_cache after loading {checkpoint}: "
+                                 f"HTTP {resp.status}: {server_message(resp)}")
 
     async def close(self) -> None:
         await self.http.close()

@@ -41,6 +41,21 @@ class BridgeOptions:
     broker_wait_s: float = 300.0
 
 
+def vllm_args(configured: list[str], given: list[str], *, reload_in_place: bool) -> list[str]:
+    """vLLM's flags: the configured ones, the command line's, and prorl's reload extension when reloading in place.
+
+    A worker extension of the user's own (``--worker-extension-cls`` among the
+    flags) wins; it must then provide ``prorl_reload_weights`` (subclass
+    :class:`~prorl_cli.inference.vllm_reload.ReloadWorkerExtension`).
+    """
+    from prorl_cli.inference.vllm_reload import WORKER_EXTENSION
+
+    args = [*configured, *given]
+    if reload_in_place and not any(a.split("=", 1)[0] == "--worker-extension-cls" for a in args):
+        args += ["--worker-extension-cls", WORKER_EXTENSION]
+    return args
+
+
 def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> Engine:
     """The engine the options describe; :class:`InferenceError` names a bad combination."""
     ic = config.inference
@@ -71,7 +86,7 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
         opts.model,
         port=opts.port,
         max_model_len=opts.max_model_len,
-        extra_args=[*ic.vllm_args, *opts.vllm_args],
+        extra_args=vllm_args(ic.vllm_args, opts.vllm_args, reload_in_place=ic.vllm_reload_in_place),
         # vLLM serves /collective_rpc (in-place reload) only with its dev endpoints on.
         env={**({"VLLM_SERVER_DEV_MODE": "1"} if ic.vllm_reload_in_place else {}), **ic.vllm_env},
         log_path=config.deployment_dir / "inference" / f"{backend_id}.vllm.log",

