@@ -40,6 +40,7 @@ from prorl_cli.inference.contract import CALL_JOB_ID, Engine
 from prorl_cli.observe.metrics import MetricSet
 from prorl_cli.peer import BrokerPeer
 from prorl_cli.protocol import ErrorCode, Op, SamplingParams
+from prorl_cli.protocol import headers as H
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ _WHERE = {
     "engine": "in the engine",
     "answered": "after the engine answered (the reply is dropped)",
 }
+
+
+#: The ops a bridge serves (the broker's forwarded calls); anything else is ignored.
+_SERVED = frozenset({Op.GENERATE, Op.UPDATE_WEIGHTS, Op.GENERATE_CANCEL})
 
 
 class _Call:
@@ -130,22 +135,39 @@ class InferenceBridge(BrokerPeer):
         self._stop.set()
 
     def on_message(self, op: Op, header: dict[str, Any], payload: list[bytes]) -> None:
-        if op == Op.GENERATE:
-            rid = header.get("rid")
-            call = _Call()
-            call.task = task = asyncio.ensure_future(self._serve_generate(call, header, payload))
-            self._generating[rid] = call
-            task.add_done_callback(partial(self._call_done, rid))
-        elif op == Op.UPDATE_WEIGHTS:
-            self.spawn(self._update_weights(header))
-        elif op == Op.GENERATE_CANCEL:
-            # The job ended: stop its call wherever it is. The broker expects no reply.
-            ending = self._generating.get(header.get("rid"))
-            if ending is not None and ending.task is not None:
-                log.info("generate for job %s cancelled %s: the job ended", header.get("job_id"), _WHERE[ending.stage])
-                ending.task.cancel()
-        else:
+        if op not in _SERVED:
             log.debug("ignoring op %s", op.value)
+            return
+        try:
+            h = P.parse(header, len(payload))  # the one check of every field; what follows reads attributes
+        except ProtocolError as e:
+            self._refuse(op, header, e)
+            return
+        if isinstance(h, H.Generate):
+            call = _Call()
+            call.task = task = asyncio.ensure_future(self._serve_generate(call, h, payload[0]))
+            self._generating[h.rid] = call
+            task.add_done_callback(partial(self._call_done, h.rid))
+        elif isinstance(h, H.UpdateWeights):
+            self.spawn(self._update_weights(h))
+        elif isinstance(h, H.GenerateCancel):
+            # The job ended: stop its call wherever it is. The broker expects no reply.
+            ending = self._generating.get(h.rid)
+            if ending is not None and ending.task is not None:
+                log.info("generate for job %s cancelled %s: the job ended", h.job_id, _WHERE[ending.stage])
+                ending.task.cancel()
+
+    def _refuse(self, op: Op, header: dict[str, Any], e: ProtocolError) -> None:
+        """Answer a malformed request with an error naming the field (the rid is echoed as given)."""
+        rid = header.get("rid")
+        if op == Op.GENERATE:
+            self.spawn(self._answer_error(rid, str(header.get("job_id")), e))
+        elif op == Op.UPDATE_WEIGHTS:
+            log.error("weights not updated: %s", e.message)
+            self.spawn(self.send({"op": Op.WEIGHTS_UPDATED.value, "rid": rid,
+                                  "error": {"code": e.code, "message": f"backend {self.backend_id}: {e.message}"}}))
+        else:
+            log.warning("ignoring a malformed %s: %s", op.value, e.message)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -179,14 +201,12 @@ class InferenceBridge(BrokerPeer):
     def _call_done(self, rid: Any, _: asyncio.Future[None]) -> None:
         self._generating.pop(rid, None)
 
-    async def _update_weights(self, header: dict[str, Any]) -> None:
+    async def _update_weights(self, h: H.UpdateWeights) -> None:
         """Load new weights between calls: in-flight calls finish on the old ones, new ones wait."""
-        rid, checkpoint, version = header.get("rid"), header.get("checkpoint"), header.get("policy_version")
-        reply: dict[str, Any] = {"op": Op.WEIGHTS_UPDATED.value, "rid": rid}
+        checkpoint, version = h.checkpoint, h.policy_version
+        reply: dict[str, Any] = {"op": Op.WEIGHTS_UPDATED.value, "rid": h.rid}
         async with self._reload_lock:
             try:
-                if not isinstance(checkpoint, str) or not isinstance(version, int) or isinstance(version, bool):
-                    raise ProtocolError(ErrorCode.BAD_FIELD, "update_weights needs a checkpoint string and an int policy_version")
                 self._loading = True
                 if self._serving:
                     self._idle = asyncio.get_running_loop().create_future()
@@ -245,29 +265,27 @@ class InferenceBridge(BrokerPeer):
 
     # ------------------------------------------------------------- generate
 
-    async def _serve_generate(self, call: _Call, header: dict[str, Any], payload: list[bytes]) -> None:
-        rid = header.get("rid")
+    async def _serve_generate(self, call: _Call, h: H.Generate, prompt: bytes) -> None:
+        rid, job_id = h.rid, h.job_id
         m = self.metrics
         try:
             try:
-                if len(payload) != 1:
-                    raise ProtocolError(ErrorCode.BAD_FIELD, f"generate needs one prompt frame, got {len(payload)}")
-                prompt_ids = P.unpack_tokens(payload[0])
-                sampling = SamplingParams.from_wire(header.get("sampling") or {}, what="sampling")
+                prompt_ids = P.unpack_tokens(prompt)
             except (ProtocolError, ValueError, TypeError) as e:
-                await self._answer_error(header, e)
+                await self._answer_error(rid, job_id, e)
                 return
+            sampling = h.sampling if h.sampling is not None else SamplingParams()
             version = await self._enter_engine()
             started = time.monotonic()
             try:
-                CALL_JOB_ID.set(header.get("job_id"))  # this call's own task: the engine's per-job accounting
+                CALL_JOB_ID.set(job_id)  # this call's own task: the engine's per-job accounting
                 call.stage = "engine"
                 gen = await self.engine.generate(prompt_ids, sampling)
             except (InferenceError, ProtocolError, ValueError, TypeError) as e:
-                await self._answer_error(header, e)
+                await self._answer_error(rid, job_id, e)
                 return
             except Exception as e:  # an engine bug must still answer, or the job would wait out its timeout
-                log.exception("generate (job %s) crashed in the engine", header.get("job_id"))
+                log.exception("generate (job %s) crashed in the engine", job_id)
                 message = f"backend {self.backend_id}: internal error: {type(e).__name__}: {e}"
                 m.inc("prorl_bridge_generate_calls", ("error",))
                 await self.send({"op": Op.GENERATE_REPLY.value, "rid": rid,
@@ -288,13 +306,13 @@ class InferenceBridge(BrokerPeer):
             done["policy_version"] = version  # the weights that served this call, whatever came since
         await self.send(done, gen.payload())
 
-    async def _answer_error(self, header: dict[str, Any], e: Exception) -> None:
+    async def _answer_error(self, rid: Any, job_id: str, e: Exception) -> None:
         """Answer a call the engine (or its own input) refused, with the error's code and message."""
         code = e.code if isinstance(e, ProtocolError) else ErrorCode.BACKEND_ERROR.value
         message = f"backend {self.backend_id}: {e.message if isinstance(e, ProtocolError) else e}"
-        log.warning("generate (job %s) failed: %s", header.get("job_id"), message)
+        log.warning("generate (job %s) failed: %s", job_id, message)
         self.metrics.inc("prorl_bridge_generate_calls", ("error",))
-        await self.send({"op": Op.GENERATE_REPLY.value, "rid": header.get("rid"), "error": {"code": code, "message": message}})
+        await self.send({"op": Op.GENERATE_REPLY.value, "rid": rid, "error": {"code": code, "message": message}})
 
     async def _engine_watch(self) -> None:
         """Stop serving once the engine is gone: its process died, or 3 health checks in a row failed."""

@@ -205,3 +205,33 @@ def test_weights_load_between_calls_and_new_calls_wait_for_them() -> None:
         assert [x["rid"] for x in h.sent if x["op"] == "weights_updated"] == [99]
 
     run(main())
+
+
+def test_malformed_calls_are_answered_naming_the_field_and_the_bridge_serves_on() -> None:
+    """Each forwarded op is checked once (its typed header); a bad one is answered, never run, never fatal."""
+
+    async def main() -> None:
+        h = Harness(capacity=1)
+        bad_generates: list[tuple[dict[str, Any], list[bytes]]] = [
+            ({"op": Op.GENERATE, "rid": 10, "job_id": "j", "sampling": {"temperature": "hot"}}, [pack_tokens([10])]),
+            ({"op": Op.GENERATE, "rid": 11, "sampling": {}}, [pack_tokens([11])]),
+            ({"op": Op.GENERATE, "rid": 12, "job_id": "j"}, [pack_tokens([12]), pack_tokens([12])]),
+            ({"op": Op.GENERATE, "rid": 13, "job_id": "j", "sampling": {"max_tokens": -1}}, [pack_tokens([13])]),
+        ]
+        for header, payload in bad_generates:
+            h.bridge.on_message(Op.GENERATE, header, payload)
+        h.bridge.on_message(Op.UPDATE_WEIGHTS, {"op": Op.UPDATE_WEIGHTS, "rid": 20, "checkpoint": "/x",
+                                                "policy_version": "one"}, [])
+        h.bridge.on_message(Op.GENERATE_CANCEL, {"op": Op.GENERATE_CANCEL, "rid": [1]}, [])
+        await h.settle()
+        errors = {m["rid"]: m["error"]["message"] for m in h.sent if "error" in m}
+        assert set(errors) == {10, 11, 12, 13, 20}
+        assert "temperature" in errors[10] and "job_id" in errors[11] and "payload" in errors[12]
+        assert "max_tokens" in errors[13] and "policy_version" in errors[20]
+        assert h.engine.entered == [] and h.engine.reloads == [] and not h.bridge._generating
+        h.generate(1)
+        h.release(1)
+        await h.settle()
+        assert h.engine.entered == [1] and h.replies()[-1] == 1
+
+    run(main())
