@@ -112,7 +112,7 @@ CASES = [
     Case("sampling-not-json", _submit_with("--sampling", "{max_tokens: 5"), ("--sampling", "not valid JSON")),
     Case("sampling-not-an-object", _submit_with("--sampling", "[1, 2]"), ("--sampling", "must be a JSON object", "got list")),
     Case("sampling-unknown-field", _submit_with("--sampling", '{"max_token": 5}'), ("--sampling", "unknown field", "max_token")),
-    Case("sampling-bad-value", _submit_with("--sampling", '{"top_p": 1.5}'), ("--sampling", "sampling.top_p", "must be in [0, 1]")),
+    Case("sampling-bad-value", _submit_with("--sampling", '{"top_p": 1.5}'), ("--sampling", "sampling.top_p", "must be in (0, 1]")),
     Case("sampling-and-file", _submit_with("--sampling", "{}", "--sampling-file", "/etc/hostname"), ("--sampling or --sampling-file",)),
     Case("sampling-file-bad-value", _sampling_file("max_tokens: many\n"), ("sampling.yaml", "sampling.max_tokens", "must be an integer")),
     Case("status-two-names", lambda h: ["-d", "one", "status", "two"], ("-d one", "DEPLOYMENT two", "different deployments")),

@@ -62,7 +62,8 @@ def test_wheel_ships_the_packages_and_data_folders(wheel: Path) -> None:
     assert not any(n.startswith("prorl_cli/handlers/") and n.endswith(("testing.py", "sim_agent.py")) for n in names)
     assert any(n.startswith("prorl_cli/sif_recipes/") and n.endswith(".j2") for n in names)
     assert any(n.startswith("prorl_cli/slurm_templates/") for n in names)
-    assert "prorl_cli/protocol.py" in names
+    assert "prorl_cli/protocol/__init__.py" in names and "prorl_cli/protocol/headers.py" in names
+    assert "prorl_cli/integrations/verl_agent_loops.yaml" in names  # veRL's Ray workers register the loop from it
     assert any(n.endswith("entry_points.txt") for n in names)
 
 
