@@ -25,7 +25,7 @@ from prorl_cli.inference.contract import Generation
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.protocol import SamplingParams
 from tests.harness import Deployment, need_module
-from tests.inference.conftest import HANDLERS
+from tests.inference.conftest import HANDLERS, VLLM_TEST_ARGS
 from tests.inference.test_routing import ThreadBridge
 
 MAX_MODEL_LEN = 256
@@ -77,7 +77,9 @@ def reloadable_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     from prorl_cli.inference.vllm_server import VLLMChildEngine
 
     config = ProrlConfig(home=str(tmp_path_factory.mktemp("vllm-reload-home")))
-    engine = build_engine(BridgeOptions(engine="vllm", model=str(tiny_model), max_model_len=MAX_MODEL_LEN), config, "b1")
+    # Eager, as every test vLLM: the packed copy the reload must rebuild is the same with or without compilation.
+    opts = BridgeOptions(engine="vllm", model=str(tiny_model), max_model_len=MAX_MODEL_LEN, vllm_args=list(VLLM_TEST_ARGS))
+    engine = build_engine(opts, config, "b1")
     assert isinstance(engine, VLLMChildEngine) and engine.reload_in_place  # on by default
     server = engine.server
     assert server.env.get("VLLM_SERVER_DEV_MODE") == "1" and WORKER_EXTENSION in server.command()
@@ -124,7 +126,7 @@ def test_vllm_reload_serves_the_new_checkpoint_and_a_call_in_flight_keeps_the_ol
         # A call inside the bridge when the update comes: the update waits for it.
         engine.hold = True
         (before,) = d.client.submit("calls", [{"calls": 1}], sampling=GREEDY)
-        d.wait_for(lambda st: st.backends[0]["inflight"] == 1, 120, "the call in flight", "n1")
+        d.wait_for(lambda st: st.backends[0].inflight == 1, 120, "the call in flight", "n1")
         updated: list[Any] = []
 
         def update() -> None:
