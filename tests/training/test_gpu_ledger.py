@@ -82,8 +82,10 @@ def test_breakdown_of_a_short_replay_adds_up_to_the_engines_busy_time(tmp_path: 
 def test_carried_rollouts_keep_their_backend_across_a_weight_sync(tmp_path: Path) -> None:
     """Sticky carry: a rollout carried into the next step makes its next call on the backend of its previous one."""
     ledgers = tmp_path / "ledgers"
+    # No window cap: 16 jobs in flight for a step that takes one group, so some are always carried,
+    # however fast the machine finishes the first group.
     cfg = SamplerConfig(group_size=4, target_groups=1, max_in_flight=16, carry_over=True, max_staleness=5,
-                        run_id="carry", step_timeout_s=120)
+                        carry_window_steps=0, run_id="carry", step_timeout_s=120)
     d = sim_deployment(tmp_path, ledgers)
     try:
         async def go() -> set[str]:
