@@ -99,6 +99,9 @@ def _write_all(fd, data):
         data = data[os.write(fd, data):]
 
 
+#: Signals the pty shell starts with at their default action, whatever the tool server inherited.
+_SHELL_DEFAULT_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ)
+
 class ToolError(Exception):
     """A tool call was refused; the message goes back to the caller."""
 
@@ -129,6 +132,11 @@ class BashSession:
         pid, fd = pty.fork()
         if pid == 0:  # child: the shell
             try:
+                # The shell runs in a session of its own (the pty's); its jobs end on the hangup that closing the
+                # pty sends. Dispositions inherited as ignored (``nohup`` ignores SIGHUP, Python SIGPIPE) would
+                # survive exec and let them outlive the sandbox, so the shell starts with the defaults.
+                for sig in _SHELL_DEFAULT_SIGNALS:
+                    signal.signal(sig, signal.SIG_DFL)
                 attrs = termios.tcgetattr(0)
                 attrs[1] &= ~termios.ONLCR  # raw newlines in output
                 attrs[3] &= ~(termios.ECHO | termios.ECHONL)  # no echo of our input lines

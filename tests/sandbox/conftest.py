@@ -79,6 +79,8 @@ class ScenarioRunner:
 
     def argv(self, name: str, args: dict[str, Any]) -> list[str]:
         cmd = [SYSTEM_PYTHON, "-m", "tests.sandbox.scenarios", name, json.dumps(args)]
+        if args.get("nohup"):  # hangups ignored from the start, as for a node run under nohup
+            cmd = ["nohup", *cmd]
         if self.user is None:
             return cmd
         return ["runuser", "-u", self.user, "--", "env", f"PYTHONPATH={self.root}", *cmd]

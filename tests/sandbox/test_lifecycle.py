@@ -38,6 +38,13 @@ def test_stop_leaves_nothing(runtime: str, image: str | None, scenarios: Scenari
     assert len(r["records_before"]) == 1 and r["records_after"] == []
 
 
+def test_stop_leaves_nothing_under_nohup(scenarios: ScenarioRunner) -> None:
+    """A node started with hangups ignored (``nohup``): the local sandbox's shell jobs still end with it."""
+    r = scenarios.run("stop_clean", {"runtime": "local"}, nohup=True)
+    assert r["n_procs"] >= 3
+    assert r["alive_after"] == [] and r["session_after"] == []
+
+
 @pytest.mark.parametrize(("runtime", "image"), [*ISOLATED, pytest.param("local", None, id="local")])
 def test_kill9_node_leaves_nothing_and_a_node_with_another_id_reaps(
     runtime: str, image: str | None, scenarios: ScenarioRunner, images: dict[str, str], request: pytest.FixtureRequest
