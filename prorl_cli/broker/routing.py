@@ -838,7 +838,8 @@ class Router:
         self._send(
             pend.requester,
             P.reply(pend.rid, backend_id=pend.backend_id, finish_reason=h.finish_reason,
-                    policy_version=version if version is not None else pend.policy_version),
+                    policy_version=version if version is not None else pend.policy_version,
+                    **({"engine_s": h.engine_s} if h.engine_s is not None else {})),
             payload,
         )
         self._prune_backends_if_cleared(backend)

@@ -275,8 +275,8 @@ class InferenceBridge(BrokerPeer):
                 await self._answer_error(rid, job_id, e)
                 return
             sampling = h.sampling if h.sampling is not None else SamplingParams()
+            started = time.monotonic()  # waiting for the engine's turn counts as engine time, as its own queue does
             version = await self._enter_engine()
-            started = time.monotonic()
             try:
                 CALL_JOB_ID.set(job_id)  # this call's own task: the engine's per-job accounting
                 call.stage = "engine"
@@ -297,11 +297,13 @@ class InferenceBridge(BrokerPeer):
         except asyncio.CancelledError:
             m.inc("prorl_bridge_generate_calls", ("cancelled",))
             raise
-        m.observe("prorl_bridge_generate_seconds", (), time.monotonic() - started)
+        engine_s = time.monotonic() - started  # queued at the engine and generating
+        m.observe("prorl_bridge_generate_seconds", (), engine_s)
         m.inc("prorl_bridge_generate_calls", ("ok",))
         m.inc("prorl_bridge_prompt_tokens", (), len(prompt_ids))
         m.inc("prorl_bridge_output_tokens", (), len(gen.output_ids))
-        done: dict[str, Any] = {"op": Op.GENERATE_REPLY.value, "rid": rid, "finish_reason": gen.finish_reason}
+        done: dict[str, Any] = {"op": Op.GENERATE_REPLY.value, "rid": rid, "finish_reason": gen.finish_reason,
+                                "engine_s": round(engine_s, 6)}
         if version is not None:
             done["policy_version"] = version  # the weights that served this call, whatever came since
         await self.send(done, gen.payload())

@@ -45,6 +45,9 @@ class Generation:
     extra: dict[str, Any] = field(default_factory=dict)
     #: The policy version the broker served the call under (``generate`` reply field; ``None`` if absent).
     policy_version: int | None = None
+    #: Seconds the call spent at its engine, queued and generating: the bridge's timing, or the node's
+    #: around an HTTP backend's request. The rest of a call's latency is transport (node, broker, bridge).
+    engine_s: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -176,8 +177,10 @@ class NodeInference:
         version = raw_version if isinstance(raw_version, int) and not isinstance(raw_version, bool) else None
         if redirect:
             engine = self._http_engine(str(redirect), backend_id)
+            started = time.monotonic()
             try:
                 gen = await engine.generate(prompt_ids, sampling)
+                gen.engine_s = time.monotonic() - started
             finally:
                 if self.notify is not None and backend_id:
                     # The broker counts this backend's in-flight calls and served calls.
@@ -190,6 +193,8 @@ class NodeInference:
         except ProtocolError as e:
             raise InferenceError(f"backend {backend_id}: malformed generate reply: {e.message}") from e
         gen.policy_version = version
+        engine_s = reply.get("engine_s")  # checked by the broker's schema when the bridge sent it
+        gen.engine_s = float(engine_s) if isinstance(engine_s, int | float) and not isinstance(engine_s, bool) else None
         return gen
 
     async def _ask(

@@ -193,6 +193,8 @@ class GenerateReply:
     finish_reason: str | None = None
     #: The bridge's weights version when the call ran (absent: the broker stamps its own).
     policy_version: int | None = None
+    #: Seconds the call spent in the engine (queued there and generating), as the bridge timed it.
+    engine_s: float | None = None
     #: ``{code, message}`` when the call failed.
     error: dict[str, Any] | None = None
 

@@ -444,6 +444,8 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
         "finish_reason": Opt(Str(64)),
         # The bridge's own weights version when the call ran (absent: the broker stamps its current version).
         "policy_version": Opt(Int(0, _BIG)),
+        # Seconds the call spent in the bridge's engine (queued there and generating).
+        "engine_s": Opt(Num(0.0, 1e7)),
         "error": Opt(Record({"code": Str(64), "message": Str(64 * 1024, min_len=0)}, strict=False)),
     }, payload=None),
     Op.GENERATE_DONE: OpSchema({"job_id": Str(), "backend_id": _URL}),

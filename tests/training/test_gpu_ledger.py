@@ -156,3 +156,22 @@ def test_kv_admission_keeps_each_backends_live_contexts_within_its_kv_cache(tmp_
             most_at_once = max(most_at_once, len(live) + 1)
     # Far fewer than the 8 jobs per backend the sampler keeps in flight (16 over 2 backends).
     assert 1 <= most_at_once <= 6
+
+
+def test_engine_time_reaches_the_handler_and_tool_waits_absorb_the_hops(tmp_path: Path) -> None:
+    """Each call's engine time (the bridge's timing) reaches the handler inside its round trip; with
+    ``absorb_hops`` the rollout reports the hops it took out of its tool waits."""
+    d = sim_deployment(tmp_path, tmp_path / "ledgers")
+    try:
+        insts = [{**instances(1)[0], "turns": [4, 4], "absorb_hops": absorb} for absorb in (True, False)]
+        ids = list(d.client.submit("sim_agent", insts))
+        results = {r.job_id: r for r in d.client.wait(ids, timeout_s=120)}
+    finally:
+        d.close()
+    absorbing, plain = (results[j] for j in ids)
+    for r in (absorbing, plain):
+        assert r.state == "done", r.error
+        # Engine time is a part of each call's round trip, never more.
+        assert 0 < r.output["engine_s"] <= r.output["generate_s"], r.output
+    assert 0 <= absorbing.output["overrun_s"] <= absorbing.output["hops_s"], absorbing.output
+    assert "hops_s" not in plain.output
