@@ -21,20 +21,31 @@ Configurations, one fresh deployment each, the same prompts and job ids each:
   false``, so they and their model calls run on, results ignored;
 * ``sync``: no stale-job cleanup as the paper ran it ("waiting for all jobs to
   finish"): ``SamplerConfig.mode: sync``, batches of ``--in-flight`` jobs, each
-  waited for to the last rollout;
+  waited for to the last rollout (surplus informative groups feed the next
+  steps within ``max_staleness``); ``sync_s1``: the same with ``max_staleness: 1``;
 * ``carry_over``: the sampler's defaults (``SamplerConfig.carry_over: True``:
   unfinished groups complete into the next step instead of being cancelled,
-  at most ``carry_window_steps`` steps' worth of groups in flight; not in
-  the paper) with the broker's KV-cache admission (``broker.kv_admission``);
+  at most ``carry_window_steps: 1.5`` steps' worth of groups in flight,
+  ``max_staleness: 2``; not in the paper) with the broker's KV-cache
+  admission (``broker.kv_admission: 0.7``);
+* ``carry_over_w10``: the defaults before (``carry_window_steps: 1.0``,
+  ``max_staleness: 1``); ``carry_over_s1``: the default window with
+  ``max_staleness: 1``; ``carry_over_w20``: a window of 2.0 steps;
+  ``carry_over_kv85``: ``broker.kv_admission: 0.85``;
 * ``carry_over_before``: carry-over as it was before the carry window and KV
-  admission (``carry_window_steps: 0``, ``broker.kv_admission: 0``);
-* ``carry_over_w15``: the defaults with the wider carry window of before
-  (``carry_window_steps: 1.5``);
+  admission (``carry_window_steps: 0``, ``broker.kv_admission: 0``,
+  ``max_staleness: 1``);
 * ``tmux``: every tool action takes ``--tmux-delay-s`` longer (tmux-style polling).
 
 Time runs ``--speedup`` times faster than on the simulated GPU (tool waits too),
 so a run takes minutes on 2 cores; rates are reported in GPU time (wall rate /
-speedup). Printed per configuration (mean and spread over ``--seeds``):
+speedup). The rollouts' tool waits absorb this machine's hops (``sim_agent``'s
+``absorb_hops``: the time a call spent outside its engine, node, broker and
+bridge waiting for a core, comes out of the next tool wait), so a job's
+calls are the modelled tool time apart on the engines' clocks whatever the
+machine's load; ``--real-hops`` turns that off (the hops, times the
+speed-up, then count as tool time: the replay measures this machine's CPU
+latency as well). Printed per configuration (mean and spread over ``--seeds``):
 instances/s (rollouts of completed groups, informative or filtered, per
 second), busy fraction and prefix-cache hit rate of the backends, and the
 ratio to ``full``, beside the paper's figures; ``--plot`` saves a PNG.
@@ -52,7 +63,7 @@ GPU-second: per held GPU-second (the replay's window x backends: counts
 idle time, so it moves with this machine's load) and per busy GPU-second
 (engine step clocks only: does not). ``--plot-breakdown`` draws it.
 
-    python benchmarks/table3.py [--steps 3] [--n 4] [--target 8] [--in-flight 128] [--speedup 20]
+    python benchmarks/table3.py [--steps 12] [--n 4] [--target 8] [--in-flight 128] [--speedup 20]
         [--seeds 0,1,2] [--only full,sync,carry_over] [--plot docs/img/table3.png]
         [--plot-breakdown docs/img/table3_breakdown.png] [--json out.json] [--from-json out.json]
 """
@@ -87,11 +98,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "ever_assigned": {"broker": {"routing_policy": "ever_assigned"}},
     "no_cleanup": {"broker": {"cancel_propagation": False}, "sampler": {"cancel_dropped": False}},
     "sync": {"sampler": {"mode": "sync"}},
+    # Wait-for-all batching that drops surplus groups one version old, as the defaults did before.
+    "sync_s1": {"sampler": {"mode": "sync", "max_staleness": 1}},
     "carry_over": {"sampler": {"carry_over": True}},
-    # The default before the carry window and KV admission: what made wait-for-all batching look better.
-    "carry_over_before": {"sampler": {"carry_over": True, "carry_window_steps": 0.0}, "broker": {"kv_admission": 0.0}},
-    # The default with the wider carry window it had before (1.5 steps' worth).
-    "carry_over_w15": {"sampler": {"carry_over": True, "carry_window_steps": 1.5}},
+    # The defaults before: a one-step window and one version of staleness.
+    "carry_over_w10": {"sampler": {"carry_over": True, "carry_window_steps": 1.0, "max_staleness": 1}},
+    # The default window with the staleness limit of before: the window's tail is cancelled as stale.
+    "carry_over_s1": {"sampler": {"carry_over": True, "max_staleness": 1}},
+    # A wider window: more jobs than the KV caches hold wait at the broker's admission.
+    "carry_over_w20": {"sampler": {"carry_over": True, "carry_window_steps": 2.0}},
+    # KV admission filling 85% of each cache instead of 70%.
+    "carry_over_kv85": {"sampler": {"carry_over": True}, "broker": {"kv_admission": 0.85}},
+    # Carry-over before the carry window and KV admission.
+    "carry_over_before": {"sampler": {"carry_over": True, "carry_window_steps": 0.0, "max_staleness": 1},
+                          "broker": {"kv_admission": 0.0}},
     "tmux": {"tmux": True},
 }
 DEFAULT_CONFIGS = ("full", "round_robin", "ever_assigned", "no_cleanup", "sync", "tmux")
@@ -102,9 +122,13 @@ PAPER: dict[str, tuple[float | None, float | None]] = {
     "ever_assigned": (None, None),
     "no_cleanup": (0.25, 0.42),  # the paper's "without stale job cleanup" (it waited for all jobs: our "sync")
     "sync": (0.25, 0.42),
+    "sync_s1": (0.25, 0.42),
     "carry_over": (None, None),
+    "carry_over_w10": (None, None),
+    "carry_over_s1": (None, None),
+    "carry_over_w20": (None, None),
+    "carry_over_kv85": (None, None),
     "carry_over_before": (None, None),
-    "carry_over_w15": (None, None),
     "tmux": (0.29, 0.68),  # the paper's "without efficient bash" (0.78 s vs 0.42 s per action)
 }
 
@@ -154,9 +178,15 @@ class Outcome:
     tool_mean_gpu_s: float = 0.0
     #: How far the engines ran behind their virtual timelines at their steps' ends, mean (GPU-s): CPU they lacked.
     engine_lag_gpu_s: float = 0.0
+    #: Returned rollouts' hops (time outside the engine) per call in GPU-s, and the share of it the tool
+    #: waits could not absorb (hops longer than the tool wait): with ``absorb_hops``.
+    hop_gpu_s: float = 0.0
+    overrun_fraction: float = 0.0
 
 
-def prompts(seed: int, count: int, tool_median_s: float, speedup: float, action_delay_s: float) -> list[dict[str, Any]]:
+def prompts(
+    seed: int, count: int, tool_median_s: float, speedup: float, action_delay_s: float, absorb_hops: bool = True,
+) -> list[dict[str, Any]]:
     """The task instances, one per group; each rollout's draws come from the seed and its (deterministic) job id."""
     rng = random.Random(seed)
     out = []
@@ -168,7 +198,7 @@ def prompts(seed: int, count: int, tool_median_s: float, speedup: float, action_
             "output_tokens": {"median": 150, "sigma": 0.6, "max": 1024},
             "observation_tokens": {"median": 500, "sigma": 1.0, "max": 6000},
             "tool_s": {"median": tool_median_s, "sigma": 1.0, "max": 60.0},
-            "action_delay_s": action_delay_s, "time_scale": speedup, "p_solve": p_solve,
+            "action_delay_s": action_delay_s, "time_scale": speedup, "p_solve": p_solve, "absorb_hops": absorb_hops,
         })
     return out
 
@@ -221,7 +251,7 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
                       "sim_ledger_dir": str(home / f"ledgers-{name}-{seed}")},
         "log_level": "WARNING",
     }
-    tasks = prompts(seed, 4096, args.tool_median_s, args.speedup, delay)
+    tasks = prompts(seed, 4096, args.tool_median_s, args.speedup, delay, absorb_hops=not args.real_hops)
     with LocalStack(home / f"{name}-{seed}", "t3", config) as stack:
         stack.start_broker()
         stack.start_node("node-0")
@@ -241,6 +271,7 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         bounds = [started]
         in_flight_means = []
         returned: list[tuple[list[str], bool]] = []  # job ids of each returned group, consumed a version late
+        hops = [0.0, 0.0, 0]  # returned rollouts' hop seconds, seconds not absorbed, calls
         try:
             for k in range(args.steps):
                 in_flight.clear()
@@ -251,6 +282,10 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
                 rollouts += (len(batch.groups) + st.filtered) * args.n
                 cancelled += st.cancelled_jobs
                 returned += [([r.job_id for r in g.results], g.policy_version < k) for g in batch.groups]
+                for r in (r for g in batch.groups for r in g.results if isinstance(r.output, dict)):
+                    hops[0] += float(r.output.get("hops_s", 0.0))
+                    hops[1] += float(r.output.get("overrun_s", 0.0))
+                    hops[2] += max(0, int(r.output.get("turns", 1)) - 2)  # the calls whose hops were absorbed
                 if args.verbose:
                     print(f"  {name} seed {seed} step {k}: {st.wall_s:.1f} s, {st.submitted_groups} groups submitted, "
                           f"{st.filtered} filtered, {st.failed_groups} failed, {st.cancelled_jobs} jobs cancelled",
@@ -294,6 +329,8 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         tool_mean_gpu_s=round(args.tool_median_s * math.exp(0.5) + delay, 2),
         engine_lag_gpu_s=round(statistics.fmean(float(led.get("lag_mean_s", 0.0)) for led in ledgers) * args.speedup, 2)
         if ledgers else 0.0,
+        hop_gpu_s=round(hops[0] / hops[2] * args.speedup, 3) if hops[2] else 0.0,
+        overrun_fraction=round(hops[1] / hops[0], 4) if hops[0] else 0.0,
     )
 
 
@@ -485,7 +522,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12, help="DAPO steps (more: less of the replay is its cold start and its end)")
     ap.add_argument("--n", type=int, default=4, help="rollouts per group")
     ap.add_argument("--target", type=int, default=8, help="informative groups that end a step")
     ap.add_argument("--in-flight", type=int, default=128, help="the sampler's max_in_flight (jobs running at once)")
@@ -493,6 +530,8 @@ def main() -> None:
     ap.add_argument("--tool-median-s", type=float, default=1.0, help="median tool time per action (GPU time)")
     ap.add_argument("--tmux-delay-s", type=float, default=0.36,
                     help="extra per action in the tmux configuration (the paper: 0.78 s vs 0.42 s)")
+    ap.add_argument("--real-hops", action="store_true",
+                    help="tool waits do not absorb this machine's hops (they then count, times --speedup, as tool time)")
     ap.add_argument("--seeds", default="0", help="comma-separated workload seeds; each configuration runs once per seed")
     ap.add_argument("--only", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
     ap.add_argument("--json", type=Path, help="also write the outcomes here")
@@ -530,8 +569,9 @@ def main() -> None:
                           f"steps GPU-s {o.step_gpu_s}, idle {o.step_idle_gpu_s}, in flight {o.step_in_flight}; "
                           f"off-policy tokens {o.off_policy_token_fraction:.0%}", flush=True)
                     print(f"     gap between a job's calls {o.call_gap_gpu_s} GPU-s (modelled tool time "
-                          f"{o.tool_mean_gpu_s}; the rest is this machine's hops x {args.speedup:g}); engines behind their "
-                          f"timelines by {o.engine_lag_gpu_s} GPU-s on average", flush=True)
+                          f"{o.tool_mean_gpu_s}; more is this machine's hops x {args.speedup:g} not absorbed); engines behind their "
+                          f"timelines by {o.engine_lag_gpu_s} GPU-s on average; hops {o.hop_gpu_s} GPU-s per call, "
+                          f"{o.overrun_fraction:.1%} of them longer than the tool wait", flush=True)
                 outcomes.append(o)
     title = (f"Table 3 replay: {BACKENDS} simulated H100/8B backends, {args.steps} DAPO steps, groups of {args.n}, "
              f"target {args.target}, {args.in_flight} in flight, time x{args.speedup:g}, seeds {seeds}")
