@@ -8,11 +8,11 @@ they cannot drift. A header in hand is valid: its handler reads attributes and c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.protocol.framing import Op
-from prorl_cli.protocol.records import JobSpec, SamplingParams
+from prorl_cli.protocol.records import ForgetOutcome, JobSpec, SamplingParams
 
 #: A request id: a string, or any integer msgpack carries.
 Rid = str | int
@@ -286,6 +286,61 @@ HEADERS: dict[Op, type] = {
     Op.CANCEL_JOB: CancelJob,
     Op.GENERATE_HELD: GenerateHeld,
     Op.SHUTDOWN: Shutdown,
+}
+
+
+# ----------------------------------------------------------------- broker -> client: success replies
+# What :func:`prorl_cli.protocol.schema.parse_reply` turns a success reply into (``REPLY_SCHEMAS``). Every
+# field has a default: the client always took an absent field as empty, and still does; a wrong one is an error.
+
+
+@dataclass(slots=True)
+class SubmitReply:
+    """``submit``: the ids taken as new jobs, and those the broker already had (a submit is idempotent)."""
+
+    accepted: list[str] = field(default_factory=list)
+    existing: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WatchReply:
+    """``watch``: the ids the broker does not know (the others' results come as they finish)."""
+
+    unknown: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CancelReply:
+    """``cancel``: each known job's state after the cancel (ids the broker does not know are absent)."""
+
+    states: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class JobPage:
+    """``list_jobs``: one page of ids and states, in submission order; ``next`` is the next page's ``after``."""
+
+    jobs: dict[str, str] = field(default_factory=dict)
+    next: int | None = None
+
+
+@dataclass(slots=True)
+class WeightsUpdateReply:
+    """``update_weights``: bridges that loaded the weights, HTTP backends skipped, the version now served."""
+
+    updated: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    policy_version: int | None = None
+
+
+#: The typed success reply of each request op the client reads (``forget``'s is the :class:`ForgetOutcome` record).
+REPLIES: dict[Op, type] = {
+    Op.SUBMIT: SubmitReply,
+    Op.WATCH: WatchReply,
+    Op.CANCEL: CancelReply,
+    Op.LIST_JOBS: JobPage,
+    Op.FORGET: ForgetOutcome,
+    Op.UPDATE_WEIGHTS: WeightsUpdateReply,
 }
 
 __all__ = [name for name, value in dict(globals()).items() if isinstance(value, type) and value.__module__ == __name__]

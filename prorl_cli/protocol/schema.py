@@ -460,6 +460,33 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
 _OP_CHECKS = {op: Record(schema.fields, strict=False, cls=H.HEADERS[op]) for op, schema in OP_SCHEMAS.items()}
 
 
+#: The broker's success replies the client reads, per request op: their fields, checked and typed in one place
+#: (:func:`parse_reply`) into the classes of ``headers.REPLIES``. Fields not named here (``op``, ``rid``, ``ok``,
+#: ``boot_id``, a newer broker's) are ignored; each named one may be absent (the client takes it as empty).
+REPLY_SCHEMAS: dict[Op, dict[str, FieldSpec]] = {
+    Op.SUBMIT: {"accepted": Opt(_JOB_IDS), "existing": Opt(_JOB_IDS)},
+    Op.WATCH: {"unknown": Opt(_JOB_IDS)},
+    Op.CANCEL: {"states": Opt(Dict(Str(), Str(32), max_len=MAX_JOBS_PER_MESSAGE))},
+    Op.LIST_JOBS: {"jobs": Opt(Dict(Str(), Str(32), max_len=MAX_LISTED_JOBS)), "next": Opt(Int(0, _BIG))},
+    Op.FORGET: {"forgotten": Opt(_JOB_IDS), "running": Opt(_JOB_IDS), "unknown": Opt(_JOB_IDS)},
+    Op.UPDATE_WEIGHTS: {"updated": Opt(List(_URL, 4096)), "skipped": Opt(List(_URL, 4096)),
+                        "policy_version": Opt(Int(0, _BIG))},
+}
+_REPLY_CHECKS = {op: Record(fields, strict=False, cls=H.REPLIES[op]) for op, fields in REPLY_SCHEMAS.items()}
+
+
+def parse_reply(op: Op, header: dict[str, Any]) -> Any:
+    """The typed success reply to ``op`` (its class in :data:`~prorl_cli.protocol.headers.REPLIES`), checked.
+
+    ``header`` is a success reply (``ok`` true) as the connection hands it over. Raises
+    :class:`ProtocolError` (``bad_field``) naming the op and the field that is malformed.
+    """
+    try:
+        return _REPLY_CHECKS[op](header, "")
+    except ProtocolError as e:
+        raise ProtocolError(e.code, f"reply to {op.value!r}: field {e.message}") from None
+
+
 def parse(header: dict[str, Any], n_payload: int | None = None) -> Any:
     """The typed header (its op's class in :mod:`~prorl_cli.protocol.headers`) of ``header``, checked.
 
