@@ -411,8 +411,8 @@ class AsyncRolloutClient:
     # ------------------------------------------------------------- deployment
 
     async def status(self) -> StatusReport:
-        header, _ = await self.request(Op.STATUS)
-        return StatusReport.from_wire(header["status"])
+        reply: H.StatusReply = await self._ask(Op.STATUS)
+        return reply.status
 
     async def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Ask the broker for its address, deployment and boot id; :class:`BrokerUnavailable` if it does not answer."""
@@ -424,18 +424,18 @@ class AsyncRolloutClient:
         fields: dict[str, Any] = {"url": url}
         if model:
             fields["model"] = model
-        header, _ = await self.request(Op.ADD_LLM_SERVER, **fields)
-        return BackendStatus.from_wire(header["backend"])
+        reply: H.BackendReply = await self._ask(Op.ADD_LLM_SERVER, **fields)
+        return reply.backend
 
     async def clear_backends(self, url: str | None = None) -> list[str]:
         """Stop routing new jobs to one backend, or to all; jobs already using them finish."""
         fields: dict[str, Any] = {"url": url} if url else {}
-        header, _ = await self.request(Op.CLEAR_LLM_SERVER, **fields)
-        return list(header["cleared"])
+        reply: H.ClearedReply = await self._ask(Op.CLEAR_LLM_SERVER, **fields)
+        return reply.cleared
 
     async def list_backends(self) -> list[BackendStatus]:
-        header, _ = await self.request(Op.LIST_LLM_SERVERS)
-        return [BackendStatus.from_wire(b) for b in header["backends"]]
+        reply: H.BackendList = await self._ask(Op.LIST_LLM_SERVERS)
+        return reply.backends
 
     async def pause_generation(
         self, policy_version: int | None = None, *, wait: bool = False, timeout_s: float = 300.0

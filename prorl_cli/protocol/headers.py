@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.protocol.framing import Op
-from prorl_cli.protocol.records import ForgetOutcome, JobSpec, SamplingParams
+from prorl_cli.protocol.records import (
+    BackendStatus,
+    ForgetOutcome,
+    JobSpec,
+    SamplingParams,
+    StatusReport,
+)
 
 #: A request id: a string, or any integer msgpack carries.
 Rid = str | int
@@ -290,8 +296,9 @@ HEADERS: dict[Op, type] = {
 
 
 # ----------------------------------------------------------------- broker -> client: success replies
-# What :func:`prorl_cli.protocol.schema.parse_reply` turns a success reply into (``REPLY_SCHEMAS``). Every
-# field has a default: the client always took an absent field as empty, and still does; a wrong one is an error.
+# What :func:`prorl_cli.protocol.schema.parse_reply` turns a success reply into (``REPLY_SCHEMAS``). A list or
+# map field has a default: the client always took it as empty when absent, and still does; a wrong one is an
+# error. A reply that is nothing but its record (``status``, a backend) requires it.
 
 
 @dataclass(slots=True)
@@ -333,6 +340,34 @@ class WeightsUpdateReply:
     policy_version: int | None = None
 
 
+@dataclass(slots=True)
+class StatusReply:
+    """``status``: the broker's report."""
+
+    status: StatusReport
+
+
+@dataclass(slots=True)
+class BackendReply:
+    """``add_llm_server``: the backend as registered."""
+
+    backend: BackendStatus
+
+
+@dataclass(slots=True)
+class ClearedReply:
+    """``clear_llm_server``: the backends that take no new jobs now."""
+
+    cleared: list[str]
+
+
+@dataclass(slots=True)
+class BackendList:
+    """``list_llm_servers``: every backend the broker knows."""
+
+    backends: list[BackendStatus]
+
+
 #: The typed success reply of each request op the client reads (``forget``'s is the :class:`ForgetOutcome` record).
 REPLIES: dict[Op, type] = {
     Op.SUBMIT: SubmitReply,
@@ -341,6 +376,10 @@ REPLIES: dict[Op, type] = {
     Op.LIST_JOBS: JobPage,
     Op.FORGET: ForgetOutcome,
     Op.UPDATE_WEIGHTS: WeightsUpdateReply,
+    Op.STATUS: StatusReply,
+    Op.ADD_LLM_SERVER: BackendReply,
+    Op.CLEAR_LLM_SERVER: ClearedReply,
+    Op.LIST_LLM_SERVERS: BackendList,
 }
 
 __all__ = [name for name, value in dict(globals()).items() if isinstance(value, type) and value.__module__ == __name__]

@@ -43,10 +43,15 @@ MALFORMED: list[tuple[str, dict[str, Any], str]] = [
     ("forget", {"forgotten": "j1"}, r"reply to 'forget': field 'forgotten' must be a list, got str"),
     ("cancel", {"states": ["j1"]}, r"reply to 'cancel': field 'states' must be a map, got list"),
     ("result", {"unknown": [None]}, r"reply to 'watch': field 'unknown\[0\]' must be a string, got NoneType"),
+    ("update_weights", {"updated": "b1"}, r"reply to 'update_weights': field 'updated' must be a list, got str"),
+    ("status", {}, r"reply to 'status': field 'status' is missing"),
+    ("list_backends", {"backends": [{"backend_id": "b"}]},
+     r"reply to 'list_llm_servers': field 'backends\[0\]' is not a BackendStatus: .*missing .*required"),
 ]
 
 
-@pytest.mark.parametrize(("call", "fields", "message"), MALFORMED, ids=["submit-accepted", "list_jobs-jobs", "list_jobs-next", "forget-forgotten", "cancel-states", "result-watch-unknown"])
+@pytest.mark.parametrize(("call", "fields", "message"), MALFORMED,
+                         ids=[f"{call}-{i}" for i, (call, _, _) in enumerate(MALFORMED)])
 def test_a_malformed_reply_is_a_protocol_error_naming_the_field(
     call: str, fields: dict[str, Any], message: str, tmp_path: Path
 ) -> None:
@@ -59,6 +64,9 @@ def test_a_malformed_reply_is_a_protocol_error_naming_the_field(
             "forget": lambda: client.forget(["j1"]),
             "cancel": lambda: client.cancel(["j1"]),
             "result": lambda: client.result("j1", timeout_s=30),
+            "update_weights": lambda: client.update_weights(tmp_path, 1, timeout_s=30),
+            "status": lambda: client.status(),
+            "list_backends": lambda: client.list_backends(),
         }
         try:
             task = asyncio.ensure_future(calls[call]())
@@ -66,7 +74,8 @@ def test_a_malformed_reply_is_a_protocol_error_naming_the_field(
             await router.send_multipart([identity, *P.encode(P.reply(header["rid"], **fields), ())])
             with pytest.raises(ProtocolError, match=message) as info:
                 await task
-            assert info.value.code == P.ErrorCode.BAD_FIELD.value
+            want = P.ErrorCode.MISSING_FIELD if "missing" in message else P.ErrorCode.BAD_FIELD
+            assert info.value.code == want.value
             if call == "submit":
                 # The broker took the jobs whatever its reply looked like: the client still watches them.
                 assert "j1" in client._watched
