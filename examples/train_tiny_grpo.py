@@ -48,6 +48,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The examples' shared plots, beside this file (its folder is on sys.path when it is run as a script).
+import reward_plots
+
 # One thread per process: trainer, node and bridge share the cores, and spinning OpenMP threads
 # of several processes on an oversubscribed CPU make every forward pass many times slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -461,62 +464,17 @@ def run(cfg: RunConfig) -> RunSummary:
     summary.wall_s = time.monotonic() - started
     (cfg.out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     (cfg.out / "curve.json").write_text(json.dumps(summary.curve))
-    plot(summary, cfg.out / "reward_curve.png")
+    reward_plots.plot_run(cfg.out / "reward_curve.png", summary.curve, summary.train_rewards, summary.tool_use)
     print("reward curve (step, held-out mean reward): " + ", ".join(f"({s}, {r:.3f})" for s, r in summary.curve))
     return summary
 
 
-def plot(summary: RunSummary, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'prorl[train]'): no PNG", flush=True)
-        return
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([s for s, _ in summary.curve], [r for _, r in summary.curve], marker="o", label="held-out")
-    ax.plot(range(1, len(summary.train_rewards) + 1), summary.train_rewards, alpha=0.5, label="train (sampled)")
-    if summary.tool_use:
-        ax.plot([s for s, _ in summary.tool_use], [u for _, u in summary.tool_use], linestyle="--",
-                label="held-out tool use")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def aggregate(runs: list[RunSummary], path: Path) -> list[tuple[int, float, float, float]]:
     """Per evaluation point: (step, mean, min, max) of the held-out reward over the runs; plots them to ``path``."""
-    points = []
-    for i, (step, _) in enumerate(runs[0].curve):
-        values = [r.curve[i][1] for r in runs]
-        points.append((step, sum(values) / len(values), min(values), max(values)))
+    points = reward_plots.spread([r.curve for r in runs])
     print("held-out reward over seeds " + ", ".join(str(r.seed) for r in runs) + " (step: mean [min, max]): "
           + ", ".join(f"{s}: {m:.3f} [{lo:.3f}, {hi:.3f}]" for s, m, lo, hi in points), flush=True)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'prorl[train]'): no PNG", flush=True)
-        return points
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for r in runs:
-        ax.plot([s for s, _ in r.curve], [v for _, v in r.curve], marker=".", alpha=0.45, label=f"seed {r.seed}")
-    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color="black", label="mean")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("held-out mean reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    reward_plots.plot_seeds(path, {r.seed: r.curve for r in runs}, points)
     return points
 
 

@@ -58,6 +58,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
+import reward_plots  # noqa: E402  (the reward-curve plots both examples draw)
 import train_tiny_grpo as tiny  # noqa: E402  (the shared task, warm-up and evaluation)
 
 
@@ -194,36 +195,14 @@ def load_runs(out: Path, seeds: range) -> list[tiny.RunSummary]:
 def compare(trl: list[tiny.RunSummary], own: list[tiny.RunSummary], path: Path) -> dict[str, Any]:
     """Mean and [min, max] per evaluation of both trainers' held-out reward; plots them to ``path`` and returns the table."""
     table: dict[str, Any] = {}
-    for name, runs in (("trl", trl), ("train_tiny_grpo", own)):
-        points = []
-        for i, (step, _) in enumerate(runs[0].curve):
-            values = [r.curve[i][1] for r in runs]
-            points.append({"step": step, "mean": sum(values) / len(values), "min": min(values), "max": max(values)})
-        table[name] = {"seeds": [r.seed for r in runs], "points": points,
+    spreads = []
+    for name, label, runs in (("trl", "TRL GRPOTrainer", trl), ("train_tiny_grpo", "train_tiny_grpo's loop", own)):
+        points = reward_plots.spread([r.curve for r in runs])
+        table[name] = {"seeds": [r.seed for r in runs],
+                       "points": [{"step": s, "mean": m, "min": lo, "max": hi} for s, m, lo, hi in points],
                        "curves": {str(r.seed): r.curve for r in runs}, "tool_use": {str(r.seed): r.tool_use for r in runs}}
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'prorl[train]'): no PNG", flush=True)
-        return table
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
-    for (name, label), color in zip((("trl", "TRL GRPOTrainer"), ("train_tiny_grpo", "train_tiny_grpo's loop")),
-                                    ("tab:blue", "tab:orange"), strict=True):
-        pts = table[name]["points"]
-        steps = [p["step"] for p in pts]
-        ax.fill_between(steps, [p["min"] for p in pts], [p["max"] for p in pts], color=color, alpha=0.2)
-        ax.plot(steps, [p["mean"] for p in pts], marker="o", color=color,
-                label=f"{label} (mean, {len(table[name]['seeds'])} seeds)")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("held-out mean reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        spreads.append((f"{label} (mean, {len(runs)} seeds)", points))
+    reward_plots.plot_spreads(path, spreads)
     return table
 
 
@@ -262,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(cfg, name, getattr(args, name))
         cfg.init_from, cfg.warmup_cache = args.init_from, args.warmup_cache
         summary = run(cfg)
-        tiny.plot(tiny.RunSummary(seed=seed, curve=summary.curve, tool_use=summary.tool_use,
-                                  train_rewards=summary.train_rewards), cfg.out / "reward_curve.png")
+        reward_plots.plot_run(cfg.out / "reward_curve.png", summary.curve, summary.train_rewards, summary.tool_use)
         runs.append(tiny.RunSummary(seed=seed, curve=summary.curve))
         if not all(math.isfinite(x) for x in summary.losses):
             return 1

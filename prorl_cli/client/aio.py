@@ -31,6 +31,7 @@ from prorl_cli.protocol import (
     SamplingParams,
     StatusReport,
 )
+from prorl_cli.protocol import headers as H
 
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 #: The short ping that tells "the broker does not answer" before a real request waits its full timeout.
@@ -164,6 +165,11 @@ class AsyncRolloutClient:
             conn.follow_moved()
             raise
 
+    async def _ask(self, op: Op, payload: Sequence[bytes] = (), **fields: Any) -> Any:
+        """:meth:`request`, its reply checked and typed (``protocol.parse_reply``): ``ProtocolError`` names a bad field."""
+        header, _ = await self.request(op, payload, **fields)
+        return P.parse_reply(op, header)
+
     # --------------------------------------------------------- broker restarts
 
     def _on_new_boot(self, boot_id: str) -> None:
@@ -195,10 +201,10 @@ class AsyncRolloutClient:
             ids = [j for j in self._watched if j not in self._results]
             if ids:
                 try:
-                    header, _ = await self.request(Op.WATCH, job_ids=ids)
-                except (BrokerUnavailable, RemoteError):
+                    watched: H.WatchReply = await self._ask(Op.WATCH, job_ids=ids)
+                except (BrokerUnavailable, RemoteError, ProtocolError):
                     return  # the next new boot id tries again
-                for job_id in header.get("unknown") or []:
+                for job_id in watched.unknown:
                     if job_id not in self._watched:
                         continue  # forgotten meanwhile
                     # Without a journal the new broker never heard of it: say so rather than wait forever.
@@ -293,15 +299,15 @@ class AsyncRolloutClient:
         # it never saw accepted.
         for spec in specs:
             self._watched[spec.job_id] = spec.task
-        accepted = [str(j) for j in header.get("accepted") or []]
-        existing = [str(j) for j in header.get("existing") or []]
-        return Submitted([s.job_id for s in specs], accepted, existing)
+        # Read once the jobs are watched: a malformed reply (ProtocolError) still came from a broker that took them.
+        reply: H.SubmitReply = P.parse_reply(Op.SUBMIT, header)
+        return Submitted([s.job_id for s in specs], reply.accepted, reply.existing)
 
     async def _watch(self, job_ids: Iterable[str]) -> None:
         todo = [j for j in dict.fromkeys(job_ids) if j not in self._watched and j not in self._results]
         if todo:
-            header, _ = await self.request(Op.WATCH, job_ids=todo)
-            unknown = set(header.get("unknown") or [])
+            watched: H.WatchReply = await self._ask(Op.WATCH, job_ids=todo)
+            unknown = set(watched.unknown)
             for j in todo:
                 if j not in unknown:
                     self._watched.setdefault(j, "")
@@ -359,8 +365,8 @@ class AsyncRolloutClient:
         """Cancel jobs (queued or running); return each id's state after the cancel (``"unknown"`` for ids the
         broker does not know). The cancelled jobs' results come like any other."""
         ids = list(job_ids)
-        header, _ = await self.request(Op.CANCEL, job_ids=ids)
-        states = {str(k): str(v) for k, v in dict(header.get("states") or {}).items()}
+        reply: H.CancelReply = await self._ask(Op.CANCEL, job_ids=ids)
+        states = reply.states
         for job_id in states:
             self._watched.setdefault(job_id, "")  # the broker now pushes its result to us
         return {j: states.get(j, UNKNOWN) for j in ids}
@@ -376,10 +382,10 @@ class AsyncRolloutClient:
                 fields["prefix"] = prefix
             if group_id is not None:
                 fields["group_id"] = group_id
-            header, _ = await self.request(Op.LIST_JOBS, **fields)
-            found.update({str(k): str(v) for k, v in dict(header.get("jobs") or {}).items()})
-            nxt = header.get("next")
-            after = int(nxt) if isinstance(nxt, int) and nxt > after else None
+            page: H.JobPage = await self._ask(Op.LIST_JOBS, **fields)
+            found.update(page.jobs)
+            # Only forward: a page that points back would loop for ever.
+            after = page.next if page.next is not None and page.next > after else None
         return found
 
     async def forget(self, job_ids: Iterable[str]) -> ForgetOutcome:
@@ -389,12 +395,7 @@ class AsyncRolloutClient:
         not know come back in ``unknown`` (and are dropped here too).
         """
         ids = list(dict.fromkeys(job_ids))
-        header, _ = await self.request(Op("forget"), job_ids=ids)
-        outcome = ForgetOutcome(
-            forgotten=[str(j) for j in header.get("forgotten") or []],
-            running=[str(j) for j in header.get("running") or []],
-            unknown=[str(j) for j in header.get("unknown") or []],
-        )
+        outcome: ForgetOutcome = await self._ask(Op.FORGET, job_ids=ids)
         self.forget_local([*outcome.forgotten, *outcome.unknown])
         return outcome
 
@@ -410,8 +411,8 @@ class AsyncRolloutClient:
     # ------------------------------------------------------------- deployment
 
     async def status(self) -> StatusReport:
-        header, _ = await self.request(Op.STATUS)
-        return StatusReport.from_wire(header["status"])
+        reply: H.StatusReply = await self._ask(Op.STATUS)
+        return reply.status
 
     async def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Ask the broker for its address, deployment and boot id; :class:`BrokerUnavailable` if it does not answer."""
@@ -423,18 +424,18 @@ class AsyncRolloutClient:
         fields: dict[str, Any] = {"url": url}
         if model:
             fields["model"] = model
-        header, _ = await self.request(Op.ADD_LLM_SERVER, **fields)
-        return BackendStatus.from_wire(header["backend"])
+        reply: H.BackendReply = await self._ask(Op.ADD_LLM_SERVER, **fields)
+        return reply.backend
 
     async def clear_backends(self, url: str | None = None) -> list[str]:
         """Stop routing new jobs to one backend, or to all; jobs already using them finish."""
         fields: dict[str, Any] = {"url": url} if url else {}
-        header, _ = await self.request(Op.CLEAR_LLM_SERVER, **fields)
-        return list(header["cleared"])
+        reply: H.ClearedReply = await self._ask(Op.CLEAR_LLM_SERVER, **fields)
+        return reply.cleared
 
     async def list_backends(self) -> list[BackendStatus]:
-        header, _ = await self.request(Op.LIST_LLM_SERVERS)
-        return [BackendStatus.from_wire(b) for b in header["backends"]]
+        reply: H.BackendList = await self._ask(Op.LIST_LLM_SERVERS)
+        return reply.backends
 
     async def pause_generation(
         self, policy_version: int | None = None, *, wait: bool = False, timeout_s: float = 300.0
@@ -478,8 +479,9 @@ class AsyncRolloutClient:
         path = os.path.abspath(os.fspath(checkpoint))
         header = await self._call_keeping_fields(Op.UPDATE_WEIGHTS, timeout_s, checkpoint=path,
                                                  load_timeout_s=float(timeout_s), **fields)
-        return WeightsUpdated(updated=list(header.get("updated") or []), skipped=list(header.get("skipped") or []),
-                              policy_version=int(header.get("policy_version", policy_version)))
+        reply: H.WeightsUpdateReply = P.parse_reply(Op.UPDATE_WEIGHTS, header)
+        return WeightsUpdated(updated=reply.updated, skipped=reply.skipped,
+                              policy_version=policy_version if reply.policy_version is None else reply.policy_version)
 
     async def _call_keeping_fields(self, op: Op, wait_s: float, **fields: Any) -> dict[str, Any]:
         """A request the broker answers late (after ``wait_s``); an error's extra fields stay on the exception."""

@@ -162,9 +162,6 @@ class TokenBuffer:
         async with self._lock:
             prompt, seg, continued, reason = self._prompt(req)
             sampling = self._sampling(req, seg.chat)
-            from prorl_cli.inference.contract import check_sampling
-
-            check_sampling(sampling)
             gen = await self._generate(prompt, sampling)
             out, lps = list(gen.output_ids), list(gen.logprobs)
             finish = gen.finish_reason
@@ -196,9 +193,6 @@ class TokenBuffer:
             seg = self.segments[-1] if continued else Segment(len(self.segments), chat, "text")
             reason = None if continued or not self.segments else "a text prompt that does not extend the last call"
             sampling = self._sampling(req, chat)
-            from prorl_cli.inference.contract import check_sampling
-
-            check_sampling(sampling)
             gen = await self._generate(prompt, sampling)
             out, lps, stop_string = list(gen.output_ids), list(gen.logprobs), None
             if req.stop:

@@ -4,8 +4,8 @@ Heavy dependencies (torch, transformers, vllm) are imported only inside the
 engines that need them.
 """
 
-from prorl_cli.inference.contract import Engine, Generation, check_sampling
+from prorl_cli.inference.contract import Engine, Generation
 from prorl_cli.inference.node_client import NodeInference
 from prorl_cli.inference.settings import InferenceConfig
 
-__all__ = ["Engine", "Generation", "InferenceConfig", "NodeInference", "check_sampling"]
+__all__ = ["Engine", "Generation", "InferenceConfig", "NodeInference"]

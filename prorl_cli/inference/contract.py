@@ -77,20 +77,6 @@ class Generation:
         return cls(ids, lps, finish_reason, backend_id)
 
 
-def check_sampling(sampling: SamplingParams) -> None:
-    """Reject sampling parameters no engine could honour, naming the field."""
-    if not isinstance(sampling.max_tokens, int) or sampling.max_tokens < 1:
-        raise ValueError(f"sampling.max_tokens must be a positive integer, got {sampling.max_tokens!r}")
-    if sampling.temperature < 0:
-        raise ValueError(f"sampling.temperature must be >= 0, got {sampling.temperature!r}")
-    if not 0 < sampling.top_p <= 1:
-        raise ValueError(f"sampling.top_p must be in (0, 1], got {sampling.top_p!r}")
-    if sampling.top_k == 0 or sampling.top_k < -1:
-        raise ValueError(f"sampling.top_k must be -1 (off) or positive, got {sampling.top_k!r}")
-    if not isinstance(sampling.ignore_eos, bool):
-        raise ValueError(f"sampling.ignore_eos must be true or false, got {sampling.ignore_eos!r}")
-
-
 class Engine(abc.ABC):
     """Something that generates token ids from token ids (an inference backend's engine)."""
 

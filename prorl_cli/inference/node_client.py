@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from prorl_cli.exceptions import BrokerRestarted, InferenceError, ProtocolError, RemoteError
-from prorl_cli.inference.contract import Generation, check_sampling
+from prorl_cli.inference.contract import Generation
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.inference.settings import InferenceConfig
 from prorl_cli.protocol import ErrorCode, Op, SamplingParams, pack_tokens
@@ -152,10 +152,6 @@ class NodeInference:
 
     async def generate(self, job_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         """One model call for ``job_id``; raises :class:`InferenceError`."""
-        try:
-            check_sampling(sampling)
-        except ValueError as e:
-            raise InferenceError(str(e)) from e
         if not prompt_ids:
             raise InferenceError("generate needs at least one prompt token")
         header = {"op": Op.GENERATE.value, "job_id": job_id, "sampling": sampling.to_wire()}

@@ -14,7 +14,7 @@ from typing import Any
 
 from prorl_cli.exceptions import InferenceError
 from prorl_cli.inference import http
-from prorl_cli.inference.contract import Engine, Generation, check_sampling
+from prorl_cli.inference.contract import Engine, Generation
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,6 @@ class OpenAIEngine(Engine):
         return resp.status == 200
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        check_sampling(sampling)
         if not prompt_ids:
             raise InferenceError("generate needs at least one prompt token")
         if not self.model:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import InferenceError
-from prorl_cli.inference.contract import Engine, Generation, check_sampling
+from prorl_cli.inference.contract import Engine, Generation
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,6 @@ class TransformersEngine(Engine):
         self.model_dir = checkpoint
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        check_sampling(sampling)
         if not prompt_ids:
             raise InferenceError("generate needs at least one prompt token")
         await self.start()

@@ -3,7 +3,8 @@
 * :mod:`~prorl_cli.protocol.framing`: the ops, error codes and job states; header and payload frames.
 * :mod:`~prorl_cli.protocol.schema`: each op's fields with their types and ranges (``OP_SCHEMAS``),
   checked in one place; :func:`parse` checks a header and returns it typed.
-* :mod:`~prorl_cli.protocol.headers`: the typed header of each op.
+* :mod:`~prorl_cli.protocol.headers`: the typed header of each op, and of the broker's replies the
+  client reads (``REPLY_SCHEMAS``, :func:`parse_reply`).
 * :mod:`~prorl_cli.protocol.records`: job specs, results, sampling and status records.
 
 Everything is importable from ``prorl_cli.protocol`` itself. ``docs/protocol.md`` describes
@@ -59,21 +60,23 @@ from prorl_cli.protocol.schema import (
     MAX_META_BYTES,
     METRIC_SAMPLES,
     OP_SCHEMAS,
+    REPLY_SCHEMAS,
     SAMPLING,
     STAGE_NAMES,
     OpSchema,
     Opt,
     parse,
+    parse_reply,
     validate,
 )
 
 __all__ = [
     "ANNOTATIONS", "FAILURE_GROUP", "HEARTBEAT_INTERVAL_S", "HEARTBEAT_LIVENESS", "JOB_SPEC", "JOB_SPEC_META",
     "MAX_HEADER_BYTES", "MAX_ID_CHARS", "MAX_JOBS_PER_MESSAGE", "MAX_LISTED_JOBS", "MAX_META_BYTES",
-    "METRIC_SAMPLES", "OP_SCHEMAS", "PROTOCOL_VERSION", "RID_MAX", "RID_MIN", "SAMPLING", "STAGES", "STAGE_NAMES",
+    "METRIC_SAMPLES", "OP_SCHEMAS", "PROTOCOL_VERSION", "REPLY_SCHEMAS", "RID_MAX", "RID_MIN", "SAMPLING", "STAGES", "STAGE_NAMES",
     "TERMINAL_STATES", "BackendStatus", "ErrorCode", "ErrorInfo", "ForgetOutcome", "JobResult", "JobSpec",
     "JobState", "NodeStatus", "Op", "OpSchema", "Opt", "SamplingParams", "StageStats", "StatusReport",
     "check_envelope", "decode_header", "decode_map", "encode", "error_reply", "header_rid", "headers",
-    "pack_floats", "pack_obj", "pack_tokens", "parse", "reply", "unpack_floats", "unpack_obj", "unpack_tokens",
+    "pack_floats", "pack_obj", "pack_tokens", "parse", "parse_reply", "reply", "unpack_floats", "unpack_obj", "unpack_tokens",
     "validate",
 ]

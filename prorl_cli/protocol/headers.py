@@ -8,11 +8,17 @@ they cannot drift. A header in hand is valid: its handler reads attributes and c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.protocol.framing import Op
-from prorl_cli.protocol.records import JobSpec, SamplingParams
+from prorl_cli.protocol.records import (
+    BackendStatus,
+    ForgetOutcome,
+    JobSpec,
+    SamplingParams,
+    StatusReport,
+)
 
 #: A request id: a string, or any integer msgpack carries.
 Rid = str | int
@@ -288,6 +294,94 @@ HEADERS: dict[Op, type] = {
     Op.CANCEL_JOB: CancelJob,
     Op.GENERATE_HELD: GenerateHeld,
     Op.SHUTDOWN: Shutdown,
+}
+
+
+# ----------------------------------------------------------------- broker -> client: success replies
+# What :func:`prorl_cli.protocol.schema.parse_reply` turns a success reply into (``REPLY_SCHEMAS``). A list or
+# map field has a default: the client always took it as empty when absent, and still does; a wrong one is an
+# error. A reply that is nothing but its record (``status``, a backend) requires it.
+
+
+@dataclass(slots=True)
+class SubmitReply:
+    """``submit``: the ids taken as new jobs, and those the broker already had (a submit is idempotent)."""
+
+    accepted: list[str] = field(default_factory=list)
+    existing: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WatchReply:
+    """``watch``: the ids the broker does not know (the others' results come as they finish)."""
+
+    unknown: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CancelReply:
+    """``cancel``: each known job's state after the cancel (ids the broker does not know are absent)."""
+
+    states: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class JobPage:
+    """``list_jobs``: one page of ids and states, in submission order; ``next`` is the next page's ``after``."""
+
+    jobs: dict[str, str] = field(default_factory=dict)
+    next: int | None = None
+
+
+@dataclass(slots=True)
+class WeightsUpdateReply:
+    """``update_weights``: bridges that loaded the weights, HTTP backends skipped, the version now served."""
+
+    updated: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    policy_version: int | None = None
+
+
+@dataclass(slots=True)
+class StatusReply:
+    """``status``: the broker's report."""
+
+    status: StatusReport
+
+
+@dataclass(slots=True)
+class BackendReply:
+    """``add_llm_server``: the backend as registered."""
+
+    backend: BackendStatus
+
+
+@dataclass(slots=True)
+class ClearedReply:
+    """``clear_llm_server``: the backends that take no new jobs now."""
+
+    cleared: list[str]
+
+
+@dataclass(slots=True)
+class BackendList:
+    """``list_llm_servers``: every backend the broker knows."""
+
+    backends: list[BackendStatus]
+
+
+#: The typed success reply of each request op the client reads (``forget``'s is the :class:`ForgetOutcome` record).
+REPLIES: dict[Op, type] = {
+    Op.SUBMIT: SubmitReply,
+    Op.WATCH: WatchReply,
+    Op.CANCEL: CancelReply,
+    Op.LIST_JOBS: JobPage,
+    Op.FORGET: ForgetOutcome,
+    Op.UPDATE_WEIGHTS: WeightsUpdateReply,
+    Op.STATUS: StatusReply,
+    Op.ADD_LLM_SERVER: BackendReply,
+    Op.CLEAR_LLM_SERVER: ClearedReply,
+    Op.LIST_LLM_SERVERS: BackendList,
 }
 
 __all__ = [name for name, value in dict(globals()).items() if isinstance(value, type) and value.__module__ == __name__]

@@ -2,7 +2,8 @@
 
 A record read off the wire is checked by its schema (:mod:`prorl_cli.protocol.schema`) while it is built,
 so a record in hand is valid: nothing downstream checks its fields again. One built in Python is
-trusted to follow its annotations (mypy checks them).
+trusted to follow its annotations (mypy checks them); :class:`SamplingParams` also checks its
+fields' ranges when built, raising ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class ForgetOutcome(_Record):
 
 @dataclass
 class SamplingParams(_Record):
-    """Sampling of one generate call (the generate contract)."""
+    """Sampling of one generate call (the generate contract); a value out of range raises ``ValueError`` naming it."""
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -89,10 +90,33 @@ class SamplingParams(_Record):
     #: The fields the sender gave, when read off the wire (``None``: built here, every field given).
     given: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        # Values no engine could honour are refused where the record is built, whoever builds it (the
+        # gateway, the agent loop, a handler), so no engine or client checks them again. Off the wire the
+        # schema has already refused them with a protocol error naming the field; these checks then pass.
+        # Plain comparisons, written so that NaN fails them: this runs once per generate call.
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling.top_k must be -1 (off) or positive, got {self.top_k!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"sampling.ignore_eos must be true or false, got {self.ignore_eos!r}")
+
     @classmethod
     def from_given(cls, **fields: Any) -> SamplingParams:
-        """Sampling from the fields a sender gave (the rest at their defaults), remembering which it gave."""
-        sampling = cls(**fields)
+        """Sampling from the fields a sender gave (the rest at their defaults), remembering which it gave.
+
+        The wire schema calls it with checked fields; should a range ever be looser there than here, the
+        peer still gets a :class:`ProtocolError` naming the field, never a bare ``ValueError``.
+        """
+        try:
+            sampling = cls(**fields)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_FIELD, str(e)) from e
         sampling.given = frozenset(fields)
         return sampling
 

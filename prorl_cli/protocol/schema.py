@@ -28,7 +28,13 @@ from prorl_cli.protocol.framing import (
     JobState,
     Op,
 )
-from prorl_cli.protocol.records import RECORD_CHECKS, JobSpec, SamplingParams
+from prorl_cli.protocol.records import (
+    RECORD_CHECKS,
+    BackendStatus,
+    JobSpec,
+    SamplingParams,
+    StatusReport,
+)
 
 MAX_JOBS_PER_MESSAGE = 100_000
 MAX_META_BYTES = 4096
@@ -460,6 +466,56 @@ OP_SCHEMAS: dict[Op, OpSchema] = {
 
 #: One checker per op, built once (``parse`` runs on every message the broker reads): it checks and types.
 _OP_CHECKS = {op: Record(schema.fields, strict=False, cls=H.HEADERS[op]) for op, schema in OP_SCHEMAS.items()}
+
+
+def _read_by(cls: Any) -> Check:
+    """A record ``cls`` reads itself (``cls.from_wire``: its shape and nested records, not each field's range)."""
+
+    def check(v: Any, path: str) -> Any:
+        try:
+            return cls.from_wire(v)
+        except FieldError:
+            raise
+        except ProtocolError as e:
+            why = e.message.removeprefix(f"{cls.__name__}: ").removeprefix(f"{cls.__name__} ")
+            raise _bad(path, f"is not a {cls.__name__}: {why}", ErrorCode(e.code)) from None
+
+    _BUILDERS.add(check)
+    return _typed(check, cls)
+
+
+_STATUS_REPORT = _read_by(StatusReport)
+_BACKEND_STATUS = _read_by(BackendStatus)
+
+#: The broker's success replies the client reads, per request op: their fields, checked and typed in one place
+#: (:func:`parse_reply`) into the classes of ``headers.REPLIES``. Fields not named here (``op``, ``rid``, ``ok``,
+#: ``boot_id``, a newer broker's) are ignored; an optional one may be absent (the client takes it as empty).
+REPLY_SCHEMAS: dict[Op, dict[str, FieldSpec]] = {
+    Op.SUBMIT: {"accepted": Opt(_JOB_IDS), "existing": Opt(_JOB_IDS)},
+    Op.WATCH: {"unknown": Opt(_JOB_IDS)},
+    Op.CANCEL: {"states": Opt(Dict(Str(), Str(32), max_len=MAX_JOBS_PER_MESSAGE))},
+    Op.LIST_JOBS: {"jobs": Opt(Dict(Str(), Str(32), max_len=MAX_LISTED_JOBS)), "next": Opt(Int(0, _BIG))},
+    Op.FORGET: {"forgotten": Opt(_JOB_IDS), "running": Opt(_JOB_IDS), "unknown": Opt(_JOB_IDS)},
+    Op.UPDATE_WEIGHTS: {"updated": Opt(List(_URL, 4096)), "skipped": Opt(List(_URL, 4096)),
+                        "policy_version": Opt(Int(0, _BIG))},
+    Op.STATUS: {"status": _STATUS_REPORT},
+    Op.ADD_LLM_SERVER: {"backend": _BACKEND_STATUS},
+    Op.CLEAR_LLM_SERVER: {"cleared": List(_URL, 4096)},
+    Op.LIST_LLM_SERVERS: {"backends": List(_BACKEND_STATUS, 4096)},
+}
+_REPLY_CHECKS = {op: Record(fields, strict=False, cls=H.REPLIES[op]) for op, fields in REPLY_SCHEMAS.items()}
+
+
+def parse_reply(op: Op, header: dict[str, Any]) -> Any:
+    """The typed success reply to ``op`` (its class in :data:`~prorl_cli.protocol.headers.REPLIES`), checked.
+
+    ``header`` is a success reply (``ok`` true) as the connection hands it over. Raises
+    :class:`ProtocolError` (``bad_field``) naming the op and the field that is malformed.
+    """
+    try:
+        return _REPLY_CHECKS[op](header, "")
+    except ProtocolError as e:
+        raise ProtocolError(e.code, f"reply to {op.value!r}: field {e.message}") from None
 
 
 def parse(header: dict[str, Any], n_payload: int | None = None) -> Any:

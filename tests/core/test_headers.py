@@ -80,6 +80,34 @@ def test_a_record_given_a_class_builds_it_and_names_a_bad_field() -> None:
         check({"job_id": "a", "attempt": 1}, "u")
 
 
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"max_tokens": 0}, "sampling.max_tokens must be a positive integer, got 0"),
+    ({"max_tokens": 2.5}, "sampling.max_tokens must be a positive integer, got 2.5"),
+    ({"temperature": -0.1}, "sampling.temperature must be >= 0, got -0.1"),
+    ({"temperature": float("nan")}, "sampling.temperature must be >= 0, got nan"),
+    ({"top_p": 0}, r"sampling.top_p must be in \(0, 1\], got 0"),
+    ({"top_p": 1.5}, r"sampling.top_p must be in \(0, 1\], got 1.5"),
+    ({"top_k": 0}, r"sampling.top_k must be -1 \(off\) or positive, got 0"),
+    ({"ignore_eos": 1}, "sampling.ignore_eos must be true or false, got 1"),
+])
+def test_sampling_built_in_python_refuses_a_value_no_engine_honours(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        P.SamplingParams(**fields)
+    # Read off the wire, the same value is a protocol error naming the field, whichever check sees it first.
+    with pytest.raises(ProtocolError, match=f"sampling.{next(iter(fields))}"):
+        P.SamplingParams.from_wire(fields, "sampling")
+    with pytest.raises(ProtocolError, match=f"sampling.{next(iter(fields))}"):
+        P.SamplingParams.from_given(**fields)
+
+
+def test_every_sampling_the_wire_accepts_builds() -> None:
+    # The schema's bounds lie within the record's own: a checked frame never fails when the record is built.
+    for fields in ({"max_tokens": 1, "temperature": 0, "top_p": 1e-9, "top_k": -1},
+                   {"max_tokens": 1 << 24, "temperature": 1e6, "top_p": 1, "top_k": 1 << 24, "ignore_eos": True}):
+        sampling = P.SamplingParams.from_wire(fields, "sampling")
+        assert sampling.to_wire() == fields and sampling.given == frozenset(fields)
+
+
 def test_the_nodes_ops_are_checked_and_a_bad_job_record_fails_alone() -> None:
     with pytest.raises(ProtocolError, match=r"op 'cancel_job': field 'job_ids\[1\]' must be a string"):
         P.parse({"op": P.Op.CANCEL_JOB, "job_ids": ["a", 5]})

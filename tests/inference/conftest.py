@@ -8,16 +8,20 @@ reason, when vllm is not installed (a failure under PRORL_REQUIRE_ALL=1).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.harness import Deployment, need_module
+
+if TYPE_CHECKING:
+    from prorl_cli.inference.vllm_server import VLLMServer
 
 HANDLERS = Path(__file__).resolve().parent / "handlers"
 MAX_MODEL_LEN = 1024
@@ -25,6 +29,22 @@ MAX_MODEL_LEN = 1024
 #: server's start (over a minute on the 2-core CI machine, and more with a cold compile cache) and no test
 #: is about compiled execution.
 VLLM_TEST_ARGS = ["--enforce-eager"]
+
+
+@contextlib.contextmanager
+def serving_vllm(server: VLLMServer, ready_timeout_s: float = 600.0) -> Iterator[VLLMServer]:
+    """Run ``server`` for the ``with`` block: start it (eagerly, with :data:`VLLM_TEST_ARGS`), wait until it
+    answers, yield it, and stop its process group however the block ends.
+
+    Every test vLLM starts here, so every one runs eagerly, whichever way it was built.
+    """
+    server.extra_args += [a for a in VLLM_TEST_ARGS if a not in server.extra_args]
+    server.start()
+    try:
+        asyncio.run(server.wait_ready(ready_timeout_s))
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -44,15 +64,11 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         tiny_model,
         max_model_len=MAX_MODEL_LEN,
         # Its log then records each request and each abort: the witness that a cancelled job's call stopped.
-        extra_args=["--enable-log-requests", *VLLM_TEST_ARGS],
+        extra_args=["--enable-log-requests"],
         log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
     )
-    server.start()
-    try:
-        asyncio.run(server.wait_ready(600))
+    with serving_vllm(server):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from prorl_cli.inference.contract import Generation
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.protocol import SamplingParams
 from tests.harness import Deployment, need_module
-from tests.inference.conftest import HANDLERS, VLLM_TEST_ARGS
+from tests.inference.conftest import HANDLERS, VLLM_TEST_ARGS, serving_vllm
 from tests.inference.test_routing import ThreadBridge
 
 MAX_MODEL_LEN = 256
@@ -83,12 +83,8 @@ def reloadable_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     assert isinstance(engine, VLLMChildEngine) and engine.reload_in_place  # on by default
     server = engine.server
     assert server.env.get("VLLM_SERVER_DEV_MODE") == "1" and WORKER_EXTENSION in server.command()
-    server.start()
-    try:
-        asyncio.run(server.wait_ready(600))
+    with serving_vllm(server):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

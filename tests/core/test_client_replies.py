@@ -1,0 +1,85 @@
+"""The client reads each broker reply through its typed form: a malformed one is a ProtocolError naming the field.
+
+A raw ROUTER over real ZeroMQ plays the broker and answers each request with a canned reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from prorl_cli import protocol as P
+from prorl_cli.client import AsyncRolloutClient
+from prorl_cli.config import ProrlConfig
+from prorl_cli.exceptions import ProtocolError
+from prorl_cli.protocol import headers as H
+from tests.core.test_connection import _receive, with_router
+from tests.core.test_headers import _agree
+
+
+@pytest.mark.parametrize("op", list(P.REPLY_SCHEMAS), ids=lambda op: op.value)
+def test_every_typed_reply_agrees_with_its_schema(op: P.Op) -> None:
+    _agree(H.REPLIES[op], P.REPLY_SCHEMAS[op], f"reply to {op.value}")
+
+
+def test_a_reply_is_typed_and_fields_it_does_not_name_are_ignored() -> None:
+    page = P.parse_reply(P.Op.LIST_JOBS, P.reply(7, jobs={"a": "done"}, next=3, newer_field=[1]))
+    assert page == H.JobPage(jobs={"a": "done"}, next=3)
+    # Absent fields are empty, as the client always took them.
+    assert P.parse_reply(P.Op.FORGET, P.reply(7)) == P.ForgetOutcome()
+
+
+#: Per client call: the canned (malformed) reply fields and what the error must say.
+MALFORMED: list[tuple[str, dict[str, Any], str]] = [
+    ("submit", {"accepted": ["j1", 5], "existing": []},
+     r"reply to 'submit': field 'accepted\[1\]' must be a string, got int"),
+    ("list_jobs", {"jobs": {"j1": 3}}, r"""reply to 'list_jobs': field "jobs\['j1'\]" must be a string, got int"""),
+    ("list_jobs", {"jobs": {}, "next": "2"}, r"reply to 'list_jobs': field 'next' must be an integer, got str"),
+    ("forget", {"forgotten": "j1"}, r"reply to 'forget': field 'forgotten' must be a list, got str"),
+    ("cancel", {"states": ["j1"]}, r"reply to 'cancel': field 'states' must be a map, got list"),
+    ("result", {"unknown": [None]}, r"reply to 'watch': field 'unknown\[0\]' must be a string, got NoneType"),
+    ("update_weights", {"updated": "b1"}, r"reply to 'update_weights': field 'updated' must be a list, got str"),
+    ("status", {}, r"reply to 'status': field 'status' is missing"),
+    ("list_backends", {"backends": [{"backend_id": "b"}]},
+     r"reply to 'list_llm_servers': field 'backends\[0\]' is not a BackendStatus: .*missing .*required"),
+]
+
+
+@pytest.mark.parametrize(("call", "fields", "message"), MALFORMED,
+                         ids=[f"{call}-{i}" for i, (call, _, _) in enumerate(MALFORMED)])
+def test_a_malformed_reply_is_a_protocol_error_naming_the_field(
+    call: str, fields: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    async def play(router: zmq.asyncio.Socket) -> None:
+        client = AsyncRolloutClient(address=router.getsockopt_string(zmq.LAST_ENDPOINT),
+                                    config=ProrlConfig(home=str(tmp_path)))
+        calls = {
+            "submit": lambda: client.submit("t", [{}], job_ids=["j1"]),
+            "list_jobs": lambda: client.list_jobs(),
+            "forget": lambda: client.forget(["j1"]),
+            "cancel": lambda: client.cancel(["j1"]),
+            "result": lambda: client.result("j1", timeout_s=30),
+            "update_weights": lambda: client.update_weights(tmp_path, 1, timeout_s=30),
+            "status": lambda: client.status(),
+            "list_backends": lambda: client.list_backends(),
+        }
+        try:
+            task = asyncio.ensure_future(calls[call]())
+            identity, header = await _receive(router)
+            await router.send_multipart([identity, *P.encode(P.reply(header["rid"], **fields), ())])
+            with pytest.raises(ProtocolError, match=message) as info:
+                await task
+            want = P.ErrorCode.MISSING_FIELD if "missing" in message else P.ErrorCode.BAD_FIELD
+            assert info.value.code == want.value
+            if call == "submit":
+                # The broker took the jobs whatever its reply looked like: the client still watches them.
+                assert "j1" in client._watched
+        finally:
+            await client.close()
+
+    with_router(play)
