@@ -187,7 +187,8 @@ class Outcome:
 def prompts(
     seed: int, count: int, tool_median_s: float, speedup: float, action_delay_s: float, absorb_hops: bool = True,
 ) -> list[dict[str, Any]]:
-    """The task instances, one per group; each rollout's draws come from the seed and its (deterministic) job id."""
+    """The task instances, one per group; each rollout's draws come from the seed, its prompt and its index in the
+    group (not the step that submitted it), so every configuration runs the same rollouts of the prompts it uses."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
@@ -199,6 +200,7 @@ def prompts(
             "observation_tokens": {"median": 500, "sigma": 1.0, "max": 6000},
             "tool_s": {"median": tool_median_s, "sigma": 1.0, "max": 60.0},
             "action_delay_s": action_delay_s, "time_scale": speedup, "p_solve": p_solve, "absorb_hops": absorb_hops,
+            "draws_by_prompt": True,
         })
     return out
 

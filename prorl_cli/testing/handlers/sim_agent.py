@@ -10,6 +10,7 @@ Instance (all optional)::
 
     {"seed": 0,                                           # with the job id: each rollout's draws
      "rollout_seed": 17,                                  # instead: these draws, whatever the job id
+     "draws_by_prompt": false,                            # the job id without its DAPO step (below)
      "turns": [10, 40],                                   # drawn uniformly, inclusive
      "prompt_tokens": 2000,                               # the opening prompt
      "output_tokens": {"median": 150, "sigma": 0.6, "max": 1024},
@@ -19,6 +20,12 @@ Instance (all optional)::
      "time_scale": 1.0,                                   # tool waits are divided by this
      "absorb_hops": false,                                # see below
      "p_solve": 0.5}                                      # reward 1 with this probability
+
+``draws_by_prompt``: a DAPO sampler's job ids are
+``{run}-s{step}-p{prompt}-k{k}``; with this on, a rollout's draws (turns,
+tools, reward) come from the id without its step, so a prompt's k-th
+rollout is the same in every configuration of a replay, whichever step
+submitted it, and configurations differ only in how they schedule it.
 
 ``absorb_hops``: the time a call spends outside its engine (node, broker
 and bridge hops, ``Generation.engine_s`` subtracted from the call's
@@ -37,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
 import time
 from typing import Any
 
@@ -44,6 +52,7 @@ from prorl_cli.node.handler import AgentHandler, JobContext
 from prorl_cli.protocol import SamplingParams
 
 VOCAB = 120000
+_STEP = re.compile(r"-s\d+-p")  # the step in a DAPO sampler's job id
 
 
 def _lognormal(rng: random.Random, spec: dict[str, Any], default_median: float) -> float:
@@ -60,7 +69,8 @@ class SimAgentHandler(AgentHandler):
     async def init(self, ctx: JobContext) -> None:
         inst: dict[str, Any] = ctx.instance if isinstance(ctx.instance, dict) else {}
         # "rollout_seed" pins one rollout's draws whatever its job id (benchmarks comparing configurations).
-        seed = inst["rollout_seed"] if "rollout_seed" in inst else f"{inst.get('seed', 0)}:{ctx.job_id}"
+        key = _STEP.sub("-p", ctx.job_id) if inst.get("draws_by_prompt") else ctx.job_id
+        seed = inst["rollout_seed"] if "rollout_seed" in inst else f"{inst.get('seed', 0)}:{key}"
         ctx.state["rng"] = random.Random(str(seed))
 
     async def run(self, ctx: JobContext) -> None:
