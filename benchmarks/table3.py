@@ -583,6 +583,12 @@ def main() -> None:
     for o in outcomes:
         if o.skipped:
             print(f"{o.config:<14}skipped: {o.skipped}")
+    for o in outcomes:
+        if not o.skipped and o.overrun_fraction > 0.1:
+            print(f"warning: {o.config} seed {o.seed}: {o.overrun_fraction:.0%} of its hop time was longer than the tool "
+                  f"waits it had to come out of (calls {o.call_gap_gpu_s} GPU-s apart against {o.tool_mean_gpu_s} "
+                  "modelled): this machine's CPU latency shows in its figures; rerun on a quieter machine or with a "
+                  "lower --speedup")
     summaries = summarise(outcomes)
     for sm in summaries:
         paper = PAPER[sm.config]
