@@ -92,7 +92,7 @@ FAMILIES: dict[str, Family] = {
     "prorl_sandbox_start_seconds": Family("histogram", "Time to start a sandbox until its tool server answers.",
                                           ("runtime",), "node"),
     # bridge (the broker adds the label backend)
-    "prorl_bridge_generate_seconds": Family("histogram", "Engine time of a generate call at the bridge.", (), "bridge"),
+    "prorl_bridge_generate_seconds": Family("histogram", "Engine time of a generate call at the bridge (queued for its engine and generating).", (), "bridge"),
     "prorl_bridge_generate_calls": Family("counter", "Generate calls a bridge served, by outcome (ok, error, cancelled).", ("outcome",), "bridge"),
     "prorl_bridge_prompt_tokens": Family("counter", "Prompt tokens a bridge's engine read.", (), "bridge"),
     "prorl_bridge_output_tokens": Family("counter", "Tokens a bridge's engine sampled.", (), "bridge"),
