@@ -273,7 +273,8 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         bounds = [started]
         in_flight_means = []
         returned: list[tuple[list[str], bool]] = []  # job ids of each returned group, consumed a version late
-        hops = [0.0, 0.0, 0]  # returned rollouts' hop seconds, seconds not absorbed, calls
+        hop_s = unabsorbed_s = 0.0  # returned rollouts' hops, and the part of them their tool waits could not take
+        hop_calls = 0
         try:
             for k in range(args.steps):
                 in_flight.clear()
@@ -285,9 +286,9 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
                 cancelled += st.cancelled_jobs
                 returned += [([r.job_id for r in g.results], g.policy_version < k) for g in batch.groups]
                 for r in (r for g in batch.groups for r in g.results if isinstance(r.output, dict)):
-                    hops[0] += float(r.output.get("hops_s", 0.0))
-                    hops[1] += float(r.output.get("overrun_s", 0.0))
-                    hops[2] += max(0, int(r.output.get("turns", 1)) - 2)  # the calls whose hops were absorbed
+                    hop_s += float(r.output.get("hops_s", 0.0))
+                    unabsorbed_s += float(r.output.get("overrun_s", 0.0))
+                    hop_calls += max(0, int(r.output.get("turns", 1)) - 2)  # the calls whose hops were absorbed
                 if args.verbose:
                     print(f"  {name} seed {seed} step {k}: {st.wall_s:.1f} s, {st.submitted_groups} groups submitted, "
                           f"{st.filtered} filtered, {st.failed_groups} failed, {st.cancelled_jobs} jobs cancelled",
@@ -331,8 +332,8 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         tool_mean_gpu_s=round(args.tool_median_s * math.exp(0.5) + delay, 2),
         engine_lag_gpu_s=round(statistics.fmean(float(led.get("lag_mean_s", 0.0)) for led in ledgers) * args.speedup, 2)
         if ledgers else 0.0,
-        hop_gpu_s=round(hops[0] / hops[2] * args.speedup, 3) if hops[2] else 0.0,
-        overrun_fraction=round(hops[1] / hops[0], 4) if hops[0] else 0.0,
+        hop_gpu_s=round(hop_s / hop_calls * args.speedup, 3) if hop_calls else 0.0,
+        overrun_fraction=round(unabsorbed_s / hop_s, 4) if hop_s else 0.0,
     )
 
 
