@@ -59,8 +59,10 @@ class BrokerConfig:
     cancel_propagation: bool = True
     # KV-cache admission (sticky policies): a new job's first call goes only to a backend whose live jobs' contexts
     # fill at most this share of the KV cache it reports (kv_capacity_tokens); 0 turns it off. Such a call waits
-    # at the broker for room at most kv_admission_max_wait_s, then goes to the policy's choice anyway.
-    kv_admission: float = 0.7
+    # at the broker for room at most kv_admission_max_wait_s, then goes to the policy's choice anyway. The whole
+    # cache by default: a young job reserves the mean context so far, more than it holds, so the cache keeps
+    # headroom, and every job admitted makes the engines' batches larger (cheaper tokens).
+    kv_admission: float = 1.0
     kv_admission_max_wait_s: float = 120.0
     # Serve Prometheus metrics of the whole deployment at http://metrics_host:metrics_port/metrics (nodes and
     # bridges send theirs in their heartbeats). None: off; 0: a free port (logged, and shown by `prorl status`).

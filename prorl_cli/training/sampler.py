@@ -19,7 +19,7 @@ are not all equal), the way ProRL Agent's trainer does:
   version they were submitted under; groups older than ``max_staleness``
   versions are cancelled. So that carried work is work the next steps can
   use, groups in flight (or finished and not yet taken) are capped at
-  ``carry_window_steps`` steps' worth (default 1.5; 0: no cap), a step's
+  ``carry_window_steps`` steps' worth (default 1.75; 0: no cap), a step's
   worth being ``target_groups`` over the share of finished groups that were
   informative so far. Without the cap, replenishment keeps refilling the
   job slots a group's finished members free, the groups in flight pile up
@@ -30,12 +30,12 @@ are not all equal), the way ProRL Agent's trainer does:
   steps), so a window of ``w`` steps makes a group complete ``w`` steps
   after it was submitted on average. The window also sets how many jobs
   share the engines, and an engine's cost per token falls as its batches
-  grow: 1.5 keeps about as many jobs live as the backends' KV caches hold
+  grow: 1.75 keeps about as many jobs live as the backends' KV caches hold
   (the broker's KV admission starts the rest when there is room), and
-  ``max_staleness: 2`` lets the tail of a 1.5-step lag finish instead of
+  ``max_staleness: 2`` lets the tail of a 1.75-step lag finish instead of
   being cancelled. Narrower (1.0 with staleness 1) is fresher data and
-  smaller batches; wider only queues jobs at the KV admission, and they
-  start late and run into staleness (docs/benchmarks.md, Table 3);
+  smaller batches; wider makes the lag's tail run into the staleness limit
+  (docs/benchmarks.md, Table 3);
 - **resumable**: job ids are ``{run_id}-s{step}-p{prompt_id}-k{k}``; a trainer
   restarted from :meth:`DapoSampler.state` resubmits the same ids and gets
   the broker's existing jobs (and finished results) back.
@@ -99,7 +99,7 @@ class SamplerConfig:
     sync_batch_groups: int | None = None
     step_timeout_s: float | None = None
     #: With carry-over: at most this many steps' worth of groups in flight (module docstring); 0: no cap.
-    carry_window_steps: float = 1.5
+    carry_window_steps: float = 1.75
     #: Off: groups the sampler drops (early termination, staleness, failed siblings) are abandoned but
     #: left running at the broker, their results ignored: the paper's "no stale-job cleanup" ablation.
     cancel_dropped: bool = True

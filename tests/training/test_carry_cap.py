@@ -61,8 +61,8 @@ def test_carry_cap_keeps_the_groups_in_flight_to_what_the_staleness_window_consu
     # The cap follows the informative rate: the default window's steps' worth, target / rate each, rate
     # Laplace-smoothed.
     rate = (sampler._informative_groups + 1) / (sampler._finished_groups + 2)
-    assert sampler.config.carry_window_steps == 1.5
-    assert sampler.group_cap() == math.ceil(1.5 * 2 / rate)
+    assert sampler.config.carry_window_steps == 1.75
+    assert sampler.group_cap() == math.ceil(1.75 * 2 / rate)
     # Without it, replenishment refills the slots finished members free: far more groups than the window uses.
     uncapped, _ = run_steps(tmp_path, cap_carry=False)
     assert max(w for w, _ in uncapped) > max(c for _, c in seen if c is not None)
