@@ -25,13 +25,15 @@ Configurations, one fresh deployment each, the same prompts and job ids each:
   steps within ``max_staleness``); ``sync_s1``: the same with ``max_staleness: 1``;
 * ``carry_over``: the sampler's defaults (``SamplerConfig.carry_over: True``:
   unfinished groups complete into the next step instead of being cancelled,
-  at most ``carry_window_steps: 1.5`` steps' worth of groups in flight,
+  at most ``carry_window_steps: 1.75`` steps' worth of groups in flight,
   ``max_staleness: 2``; not in the paper) with the broker's KV-cache
-  admission (``broker.kv_admission: 0.7``);
-* ``carry_over_w10``: the defaults before (``carry_window_steps: 1.0``,
-  ``max_staleness: 1``); ``carry_over_s1``: the default window with
-  ``max_staleness: 1``; ``carry_over_w20``: a window of 2.0 steps;
-  ``carry_over_kv85``: ``broker.kv_admission: 0.85``;
+  admission filling each backend's cache (``broker.kv_admission: 1.0``);
+* ``carry_over_w15``: the defaults before (``carry_window_steps: 1.5``,
+  ``broker.kv_admission: 0.7``); ``carry_over_w10``: the ones before that
+  (``carry_window_steps: 1.0``, ``max_staleness: 1``, ``kv_admission: 0.7``);
+  ``carry_over_s1``: the default window with ``max_staleness: 1``;
+  ``carry_over_w20``: a window of 2.0 steps; ``carry_over_kv70``: the default
+  window with ``broker.kv_admission: 0.7``; ``sync_kv70``: ``sync`` so;
 * ``carry_over_before``: carry-over as it was before the carry window and KV
   admission (``carry_window_steps: 0``, ``broker.kv_admission: 0``,
   ``max_staleness: 1``);
@@ -101,14 +103,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Wait-for-all batching that drops surplus groups one version old, as the defaults did before.
     "sync_s1": {"sampler": {"mode": "sync", "max_staleness": 1}},
     "carry_over": {"sampler": {"carry_over": True}},
-    # The defaults before: a one-step window and one version of staleness.
-    "carry_over_w10": {"sampler": {"carry_over": True, "carry_window_steps": 1.0, "max_staleness": 1}},
+    # The defaults before: a 1.5-step window, KV admission filling 70% of each cache.
+    "carry_over_w15": {"sampler": {"carry_over": True, "carry_window_steps": 1.5}, "broker": {"kv_admission": 0.7}},
+    # The defaults before those: a one-step window and one version of staleness.
+    "carry_over_w10": {"sampler": {"carry_over": True, "carry_window_steps": 1.0, "max_staleness": 1},
+                       "broker": {"kv_admission": 0.7}},
     # The default window with the staleness limit of before: the window's tail is cancelled as stale.
     "carry_over_s1": {"sampler": {"carry_over": True, "max_staleness": 1}},
-    # A wider window: more jobs than the KV caches hold wait at the broker's admission.
+    # A wider window: the lag's tail runs into the staleness limit.
     "carry_over_w20": {"sampler": {"carry_over": True, "carry_window_steps": 2.0}},
-    # KV admission filling 85% of each cache instead of 70%.
-    "carry_over_kv85": {"sampler": {"carry_over": True}, "broker": {"kv_admission": 0.85}},
+    # The default window with the KV admission of before: jobs queue at the broker instead of running.
+    "carry_over_kv70": {"sampler": {"carry_over": True}, "broker": {"kv_admission": 0.7}},
+    "sync_kv70": {"sampler": {"mode": "sync"}, "broker": {"kv_admission": 0.7}},
     # Carry-over before the carry window and KV admission.
     "carry_over_before": {"sampler": {"carry_over": True, "carry_window_steps": 0.0, "max_staleness": 1},
                           "broker": {"kv_admission": 0.0}},
@@ -124,10 +130,12 @@ PAPER: dict[str, tuple[float | None, float | None]] = {
     "sync": (0.25, 0.42),
     "sync_s1": (0.25, 0.42),
     "carry_over": (None, None),
+    "sync_kv70": (0.25, 0.42),
+    "carry_over_w15": (None, None),
     "carry_over_w10": (None, None),
     "carry_over_s1": (None, None),
     "carry_over_w20": (None, None),
-    "carry_over_kv85": (None, None),
+    "carry_over_kv70": (None, None),
     "carry_over_before": (None, None),
     "tmux": (0.29, 0.68),  # the paper's "without efficient bash" (0.78 s vs 0.42 s per action)
 }
