@@ -79,18 +79,21 @@ def test_grpo_trainer_takes_two_steps_through_prorl(tiny_model: Path, tmp_path: 
             sampling={"max_tokens": 6, "temperature": 1.0}, checkpoint_dir=tmp_path / "ckpt", timeout_s=120,
         )
 
-        def first_token_parity(completion_ids: list[list[int]], **_: Any) -> list[float]:
-            return [float(ids[0] % 2) for ids in completion_ids]  # reward variance within a group: a gradient
+        def first_in_group(completion_ids: list[list[int]], **_: Any) -> list[float]:
+            # Reward variance within every group (TRL lays a group's completions side by side), so every step has
+            # a gradient; a reward drawn from the sampled tokens leaves both groups of a step flat now and then.
+            return [float(i % group == 0) for i in range(len(completion_ids))]
 
+        group = 2
         model = AutoModelForCausalLM.from_pretrained(str(start))
         before = [p.detach().clone() for p in model.parameters()]
         args = GRPOConfig(
             output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=2, per_device_train_batch_size=4,
-            num_generations=2, max_completion_length=64, learning_rate=1e-2, logging_steps=1, report_to="none",
+            num_generations=group, max_completion_length=64, learning_rate=1e-2, logging_steps=1, report_to="none",
             save_strategy="no", seed=0,
         )
         trainer = GRPOTrainer(
-            model=model, reward_funcs=[prorl_reward, first_token_parity], args=args,
+            model=model, reward_funcs=[prorl_reward, first_in_group], args=args,
             train_dataset=Dataset.from_dict({"prompt": [f"tool says {i}" for i in range(8)]}),
             processing_class=AutoTokenizer.from_pretrained(str(start)), rollout_func=rollout,
         )
