@@ -114,6 +114,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "carry_over_w20": {"sampler": {"carry_over": True, "carry_window_steps": 2.0}},
     # The default window with the KV admission of before: jobs queue at the broker instead of running.
     "carry_over_kv70": {"sampler": {"carry_over": True}, "broker": {"kv_admission": 0.7}},
+    # Wait-for-all batching with the KV admission of before (as sync ran in the earlier runs).
     "sync_kv70": {"sampler": {"mode": "sync"}, "broker": {"kv_admission": 0.7}},
     # Carry-over before the carry window and KV admission.
     "carry_over_before": {"sampler": {"carry_over": True, "carry_window_steps": 0.0, "max_staleness": 1},
@@ -129,8 +130,8 @@ PAPER: dict[str, tuple[float | None, float | None]] = {
     "no_cleanup": (0.25, 0.42),  # the paper's "without stale job cleanup" (it waited for all jobs: our "sync")
     "sync": (0.25, 0.42),
     "sync_s1": (0.25, 0.42),
-    "carry_over": (None, None),
     "sync_kv70": (0.25, 0.42),
+    "carry_over": (None, None),
     "carry_over_w15": (None, None),
     "carry_over_w10": (None, None),
     "carry_over_s1": (None, None),
