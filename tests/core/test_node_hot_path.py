@@ -68,6 +68,25 @@ def test_a_later_stage_with_an_earlier_deadline_times_out_at_its_own_cap(tmp_pat
     asyncio.run(main())
 
 
+def test_a_stage_that_ends_past_its_limit_without_yielding_is_timed_out(tmp_path: Path) -> None:
+    """A handler that blocks the loop past its cap gives the timer no turn to fire: the limit holds all the same."""
+    done: list[JobResult] = []
+
+    async def main() -> None:
+        pipeline = _pipeline(tmp_path, done)
+        spec = JobSpec(job_id="blocking", task="test", timeout_s=60, stage_timeouts_s={"eval": 0.01})
+        result = await pipeline.run_job(spec, {"block_s": {"eval": 0.05}})
+        assert result.state == "timed_out" and result.critical_error == "eval", result
+        assert "stage cap of 0.010 s" in (result.error or {}).get("message", "")
+        assert result.reward == 0.0 and result.output["fallback"] == "eval: StageTimeout"
+        # Within its limit the same stage is done.
+        spec = JobSpec(job_id="in-time", task="test", timeout_s=60, stage_timeouts_s={"eval": 5.0})
+        result = await pipeline.run_job(spec, {"block_s": {"eval": 0.05}})
+        assert result.state == "done" and result.reward == 1.0
+
+    asyncio.run(main())
+
+
 def test_a_node_fault_outside_the_stages_still_answers_for_the_job(tmp_path: Path) -> None:
     """Whatever breaks in the node's own code around a job, its submitter gets a FAILED result, not silence."""
     done: list[JobResult] = []
