@@ -61,9 +61,9 @@ def test_a_later_stage_with_an_earlier_deadline_times_out_at_its_own_cap(tmp_pat
         result = await pipeline.run_job(spec, slow_init)
         assert result.state == "timed_out" and "job budget" in (result.error or {}).get("message", "")
         # A job whose stages never wait finishes without any timer firing later on.
-        result = await pipeline.run_job(JobSpec(job_id="quick", task="test", timeout_s=0.05), {"echo": 1})
+        result = await pipeline.run_job(JobSpec(job_id="quick", task="test", timeout_s=0.5), {"echo": 1})
         assert result.state == "done"
-        await asyncio.sleep(0.1)  # past its budget: a stale timer would cancel this test's task
+        await asyncio.sleep(0.6)  # past its budget: a stale timer would cancel this test's task
 
     asyncio.run(main())
 
