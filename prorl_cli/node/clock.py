@@ -96,8 +96,13 @@ class JobClock:
     def leave_stage(self, now: float) -> float:
         """The stage ended at ``now``: stop counting and disarm (a handle that fires later does nothing).
 
+        A stage that ended past its deadline is :attr:`expired` even if the
+        timer never got a turn to fire (the stage did not yield long enough):
+        a limit holds however the stage spent its time.
         Returns the seconds the stage counted (held time not included).
         """
+        if self.at is not None and now >= self.at:
+            self.expired = True
         self.in_stage = False
         self.at = None
         self._held_left_s = None

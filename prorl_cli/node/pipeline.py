@@ -433,10 +433,6 @@ class Pipeline:
                 task.uncancel()  # the handler swallowed our cancel: still past its time
         finally:
             left = time.monotonic()
-            if not clock.expired and clock.at is not None and left >= clock.at:
-                # It ended past its limit before the timer could fire (it never yielded long enough):
-                # a limit holds however the stage spent its time.
-                clock.expired = True
             stage_s[stage] = stage_s.get(stage, 0.0) + clock.leave_stage(left)
             pool.leave()
             timeline.span(TL.STAGE, entered, left, {"stage": stage})

@@ -145,10 +145,11 @@ def test_a_job_clock_counts_each_stage_and_keeps_a_held_stage_limit_whole() -> N
         clock.enter_stage(3.0, 100.0)
         assert clock.at == 103.0
         assert clock.leave_stage(104.5) == 4.5 and clock.at is None
+        assert clock.expired  # it ended past its deadline, though the timer never fired
         assert clock.remaining_s == 5.5  # the budget counts in-stage time only
         clock.hold(True)  # held between stages: the next stage starts held
         clock.enter_stage(2.0, 200.0)
-        assert clock.at is None  # no deadline while held
+        assert clock.at is None and not clock.expired  # no deadline while held
         clock.hold(False)
         assert clock.at is not None and clock.at - clock.loop.time() <= 2.0  # the stage's whole limit, from now
         clock.close()
