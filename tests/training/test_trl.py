@@ -79,12 +79,13 @@ def test_grpo_trainer_takes_two_steps_through_prorl(tiny_model: Path, tmp_path: 
             sampling={"max_tokens": 6, "temperature": 1.0}, checkpoint_dir=tmp_path / "ckpt", timeout_s=120,
         )
 
+        group = 2
+
         def first_in_group(completion_ids: list[list[int]], **_: Any) -> list[float]:
             # Reward variance within every group (TRL lays a group's completions side by side), so every step has
             # a gradient; a reward drawn from the sampled tokens leaves both groups of a step flat now and then.
             return [float(i % group == 0) for i in range(len(completion_ids))]
 
-        group = 2
         model = AutoModelForCausalLM.from_pretrained(str(start))
         before = [p.detach().clone() for p in model.parameters()]
         args = GRPOConfig(
