@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -202,8 +203,12 @@ class Broker:
             ),
         )
 
-    def serve_forever(self) -> None:
-        """Run the loop until stopped. Writes the rendezvous file first, removes it last."""
+    def serve_forever(self, leave_requested: threading.Event | None = None) -> None:
+        """Run the loop until stopped. Writes the rendezvous file first, removes it last.
+
+        ``leave_requested`` set by the time the broker's own signal handlers are in (a signal the
+        caller's handler caught in the meantime): the broker leaves at once, as on that signal.
+        """
         self._start_metrics()
         self.publish_rendezvous()
         log.info(
@@ -223,6 +228,8 @@ class Broker:
                 chained(signum, frame)
 
         prev.update({sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGUSR2)})
+        if leave_requested is not None and leave_requested.is_set():
+            self.leave()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         try:

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,8 +98,12 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
     )
 
 
-async def run_bridge(opts: BridgeOptions, config: ProrlConfig) -> int:
-    """Run until stopped; return the process exit code (1 when the engine died)."""
+async def run_bridge(opts: BridgeOptions, config: ProrlConfig, leave_requested: threading.Event | None = None) -> int:
+    """Run until stopped; return the process exit code (1 when the engine died).
+
+    ``leave_requested`` set by the time this loop takes SIGTERM over (a signal the caller's handler
+    caught in the meantime): the bridge stops before starting its engine.
+    """
     host = socket.gethostname()
     backend_id = opts.backend_id or f"{host}-{os.getpid()}"
     engine = build_engine(opts, config, backend_id)
@@ -114,6 +119,8 @@ async def run_bridge(opts: BridgeOptions, config: ProrlConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    if leave_requested is not None and leave_requested.is_set():
+        on_signal()
     try:
         log.info("starting engine %s (model %s)", opts.attach and "attach" or opts.engine, opts.model or opts.attach)
         await engine.start()

@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,7 @@ class NodeServer(BrokerPeer):
         address: str | None = None,
         registry: HandlerRegistry | None = None,
         on_preempt: Callable[[], None] | None = None,
+        leave_requested: threading.Event | None = None,
     ) -> None:
         host = socket.gethostname()
         super().__init__(
@@ -134,6 +136,8 @@ class NodeServer(BrokerPeer):
         self._failures_sent = 0
         #: Called on SIGUSR2 (the Slurm role requeues the task once the node has left).
         self.on_preempt = on_preempt
+        #: Set by a signal handler that ran before ``serve`` took the signals over (the Slurm role's).
+        self.leave_requested = leave_requested
         self._draining = False
         #: Jobs handed back to the broker unstarted: their (cancelled) results are not reported.
         self._handed_back: set[str] = set()
@@ -275,6 +279,10 @@ class NodeServer(BrokerPeer):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGUSR2, self._on_usr2)
+        if self.leave_requested is not None and self.leave_requested.is_set():
+            # The signal came before this loop could take it: leave at once, never registered.
+            log.info("asked to leave before serving: not registering")
+            self._stop.set()
         await self.services.start()
         self._loop = loop
         self._stamp.start()
@@ -291,7 +299,8 @@ class NodeServer(BrokerPeer):
         self._sidecar.start()
         self.start_loops()
         try:
-            await self.register()
+            if not self._stop.is_set():
+                await self.register()
             await self._stop.wait()
         finally:
             await self._shutdown()
@@ -400,13 +409,16 @@ class NodeServer(BrokerPeer):
 
 def run_node(
     config: ProrlConfig, node_id: str | None = None, address: str | None = None,
-    on_preempt: Callable[[], None] | None = None,
+    on_preempt: Callable[[], None] | None = None, leave_requested: threading.Event | None = None,
 ) -> None:
     """Run a node server in the foreground until it is stopped (on a loop that refuses NaN timers).
 
     SIGTERM and SIGINT: the quick drain. SIGUSR2: the drain with grace (``on_preempt`` is called first).
+    ``leave_requested`` set before the loop takes the signals over (a signal caught by the caller's
+    handler in the meantime): the node leaves without registering.
     """
     async def main() -> None:
-        await NodeServer(config, node_id=node_id, address=address, on_preempt=on_preempt).serve()
+        await NodeServer(config, node_id=node_id, address=address, on_preempt=on_preempt,
+                         leave_requested=leave_requested).serve()
 
     run_checked(main())

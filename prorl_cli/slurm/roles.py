@@ -51,7 +51,9 @@ class RoleSignals:
 
     While a role's event loop runs, its own SIGTERM handler takes over; SIGUSR2
     stays here and turns into a SIGTERM to this process, so the role drains
-    through its one shutdown path.
+    through its one shutdown path. A signal can come before the role's
+    handlers are in (Slurm sends the time-limit warning up to a minute early),
+    so each role is handed :attr:`leave` and checks it once its own are.
     """
 
     def __init__(self) -> None:
@@ -164,10 +166,10 @@ def serve_role(spec: RoleSpec, config: ProrlConfig | None = None) -> int:
         log.info("%s of deployment %r: %s", spec.role, config.deployment, identity.describe())
     with slurm_lifecycle(spec.requeue) as signals:
         if spec.role == "broker":
-            return _serve_broker(spec, config)
+            return _serve_broker(spec, config, signals)
         if spec.role == "inference":
             # The engine starts while the broker may still be coming up; the bridge waits for it.
-            return _serve_inference(spec, config, identity)
+            return _serve_inference(spec, config, identity, signals)
         if not wait_for_broker(config.deployment_dir, spec.rendezvous_wait_s, signals.leave):
             log.info("asked to leave before the broker appeared")
             return 0
@@ -175,7 +177,7 @@ def serve_role(spec: RoleSpec, config: ProrlConfig | None = None) -> int:
         return 0
 
 
-def _serve_broker(spec: RoleSpec, config: ProrlConfig) -> int:
+def _serve_broker(spec: RoleSpec, config: ProrlConfig, signals: RoleSignals) -> int:
     from prorl_cli.broker.server import Broker
 
     config.broker.bind_host = spec.bind_host
@@ -186,7 +188,7 @@ def _serve_broker(spec: RoleSpec, config: ProrlConfig) -> int:
         log.info("broker of %r on %s", config.deployment, broker.address)
         supervisor = _start_supervisor(config.deployment_dir)
         try:
-            broker.serve_forever()
+            broker.serve_forever(leave_requested=signals.leave)
         finally:
             if supervisor is not None:
                 stop_process_group(supervisor)
@@ -224,10 +226,10 @@ def _serve_node(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity, si
     def preempted() -> None:  # the node drains with grace on its own loop; the task is requeued once it left
         signals.requeue = True
 
-    run_node(config, node_id=identity.member_id("node", spec.index), on_preempt=preempted)
+    run_node(config, node_id=identity.member_id("node", spec.index), on_preempt=preempted, leave_requested=signals.leave)
 
 
-def _serve_inference(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity) -> int:
+def _serve_inference(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentity, signals: RoleSignals) -> int:
     from prorl_cli.inference.serve import BridgeOptions, run_bridge
 
     if identity.in_slurm:
@@ -245,7 +247,7 @@ def _serve_inference(spec: RoleSpec, config: ProrlConfig, identity: SlurmIdentit
         vllm_args=vllm_args,
         broker_wait_s=spec.rendezvous_wait_s,
     )
-    return asyncio.run(run_bridge(opts, config))
+    return asyncio.run(run_bridge(opts, config, leave_requested=signals.leave))
 
 
 def remove_stale_results(folder: str | None, task_ref: str | None) -> list[Path]:

@@ -77,8 +77,8 @@ def serve_inference(
         opts.backend_id = identity.member_id("inference")  # the same name after a requeue
     try:
         # In a Slurm job, SIGUSR2 (time limit, preemption) stops the bridge and requeues the task.
-        with slurm_lifecycle(requeue=identity.in_slurm):
-            code = asyncio.run(run_bridge(opts, app.config))
+        with slurm_lifecycle(requeue=identity.in_slurm) as signals:
+            code = asyncio.run(run_bridge(opts, app.config, leave_requested=signals.leave))
     except ProrlError as e:
         app.abort(str(e))
     raise SystemExit(code)
