@@ -90,8 +90,11 @@ def test_rendered_sbatch_scripts_and_the_time_limit_warning(base: Path) -> None:
     deploy = write_yaml(base / "deploy.yaml", {
         "deployment": name, "home": str(home), "config": str(config),
         "broker": {"time": "5", "cpus_per_task": 1, "mem_gb": 0.5, "bind_host": "127.0.0.1"},
-        # One minute, warned 45 s before: the nodes drain well before Slurm kills them.
-        "nodes": {"count": 2, "time": "1", "signal_delay_s": 45, "requeue": False, "cpus_per_task": 1, "mem_gb": 0.5},
+        # Slurm checks time limits every 30 s and sends the warning at the first check that is within
+        # 30 s of it. Two minutes warned 60 s before: it comes 30-60 s in, after the nodes served, and with
+        # a 30 s grace they leave by 90 s, well before the kill. (A warning due in the first 30 s can be
+        # sent as the job starts, before anything can catch it.)
+        "nodes": {"count": 2, "time": "2", "signal_delay_s": 60, "requeue": False, "cpus_per_task": 1, "mem_gb": 0.5},
     })
     out = base / "sbatch"
     rendered = prorl(home, "render-sbatch", str(deploy), "--out", str(out))
