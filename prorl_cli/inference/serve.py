@@ -102,7 +102,7 @@ async def run_bridge(opts: BridgeOptions, config: ProrlConfig, leave_requested: 
     """Run until stopped; return the process exit code (1 when the engine died).
 
     ``leave_requested`` set by the time this loop takes SIGTERM over (a signal the caller's handler
-    caught in the meantime): the bridge stops before starting its engine.
+    caught in the meantime): the bridge leaves without starting its engine.
     """
     host = socket.gethostname()
     backend_id = opts.backend_id or f"{host}-{os.getpid()}"
@@ -119,9 +119,10 @@ async def run_bridge(opts: BridgeOptions, config: ProrlConfig, leave_requested: 
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    if leave_requested is not None and leave_requested.is_set():
-        on_signal()
     try:
+        if leave_requested is not None and leave_requested.is_set():
+            log.info("asked to leave before the engine started: not starting it")
+            return 0
         log.info("starting engine %s (model %s)", opts.attach and "attach" or opts.engine, opts.model or opts.attach)
         await engine.start()
         log.info("engine ready: model %s, max_model_len %s", engine.model, engine.max_model_len)

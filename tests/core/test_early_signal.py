@@ -66,6 +66,8 @@ def test_a_node_or_bridge_signalled_while_starting_leaves_without_registering(tm
         done = _run_role(d, role, sig)
         assert done.returncode == 0, done.stderr
         assert f"left; requeue asked: {sig == 'SIGUSR2'}" in done.stdout, done.stdout + done.stderr
+        said = {"node": "not registering", "inference": "not starting it"}[role]
+        assert said in done.stderr, done.stderr
         status = d.client.status()
         assert not status.nodes and not status.backends, "it never registered"
         assert "n-early" not in d.log("broker"), d.log("broker")
