@@ -270,19 +270,26 @@ class NodeServer(BrokerPeer):
 
     async def serve(self) -> None:
         """Connect, register and serve until told to stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGUSR2, self._on_usr2)
+        try:
+            if self.leave_requested is not None and self.leave_requested.is_set():
+                # The signal came before this loop could take it: leave before connecting.
+                log.info("asked to leave before serving: not registering")
+                return
+            await self._serve(loop)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+                loop.remove_signal_handler(sig)
+
+    async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.address is None:
             self.address = read_rendezvous(self.config.deployment_dir).address
             self.follow_rendezvous = True
         self.connect(linger_ms=2000, unbounded=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
-        loop.add_signal_handler(signal.SIGUSR2, self._on_usr2)
-        if self.leave_requested is not None and self.leave_requested.is_set():
-            # The signal came before this loop could take it: leave at once, never registered.
-            log.info("asked to leave before serving: not registering")
-            self._stop.set()
         await self.services.start()
         self._loop = loop
         self._stamp.start()
@@ -299,13 +306,10 @@ class NodeServer(BrokerPeer):
         self._sidecar.start()
         self.start_loops()
         try:
-            if not self._stop.is_set():
-                await self.register()
+            await self.register()
             await self._stop.wait()
         finally:
             await self._shutdown()
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
-                loop.remove_signal_handler(sig)
 
     async def _shutdown(self) -> None:
         """Cancel every job, clean up, unregister."""
