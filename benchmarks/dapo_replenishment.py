@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.config import load_config
 from prorl_cli.embedded import LocalStack
 from prorl_cli.training.sampler import DapoSampler, SamplerConfig
 
@@ -65,7 +64,7 @@ async def measure(stack: LocalStack, mode: str, args: argparse.Namespace) -> Run
         sync_batch_groups=max(1, args.slots // args.group_size), run_id=f"bench-{mode}", max_staleness=1,
     )
     busy: list[float] = []
-    async with AsyncRolloutClient(stack.name, address=stack.address, config=load_config(stack.config_path)) as client:
+    async with AsyncRolloutClient(stack.name, address=stack.address, config=stack.load_config()) as client:
         sampler = DapoSampler(client, "dapo_sim", prompts(4000, args.seed, args.scale_s), cfg)
         stop = asyncio.Event()
 

@@ -53,7 +53,6 @@ if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(REPO))
 
 from prorl_cli.client import AsyncRolloutClient  # noqa: E402
-from prorl_cli.config import load_config  # noqa: E402
 from prorl_cli.embedded import LocalStack  # noqa: E402
 
 HTTP_SERVER = r'''
@@ -95,7 +94,7 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=lambda *a: print
 
 def bench_client(stack: LocalStack) -> AsyncRolloutClient:
     """A client of the stack's broker with the deployment's config (its CURVE keys: the broker authenticates on loopback too)."""
-    return AsyncRolloutClient(stack.name, address=stack.address, config=load_config(stack.config_path))
+    return AsyncRolloutClient(stack.name, address=stack.address, config=stack.load_config())
 
 
 def pct(values: list[float], q: float) -> float:

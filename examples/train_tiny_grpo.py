@@ -100,6 +100,9 @@ class RunConfig:
     temperature: float = 0.7
     max_tokens: int = 40
     eval_every: int = 2
+    #: Where the policy trains: ``auto`` is the GPU when torch sees one, else the CPU (``cpu``, ``cuda:N``).
+    #: The bridge's transformers engine picks its own device the same way (``inference.device``).
+    device: str = "auto"
 
 
 @dataclass
@@ -180,6 +183,7 @@ def _batch(chat: Any, demos: list[tuple[list[int], list[int]]]) -> tuple[Any, An
 
 def _masked_logits(model: Any, ids_t: Any, mask_t: Any) -> tuple[Any, Any]:
     """Logits and targets at the trained positions only: the LM head over all ~250 positions dominated the step."""
+    ids_t, mask_t = ids_t.to(model.device), mask_t.to(model.device)
     hidden = model.model(input_ids=ids_t).last_hidden_state[:, :-1]
     sel = mask_t[:, 1:]
     return model.lm_head(hidden[sel]), ids_t[:, 1:][sel]
@@ -190,19 +194,19 @@ def warmup_probe(model: Any, chat: Any, probe: list[dict[str, Any]], rng: random
     import torch
 
     digit_ids = {i for d in "0123456789" for i in chat.encode(d)}
-    ids_t, mask_t = _batch(chat, [demonstration(chat, p, True, rng) for p in probe])
+    ids_t, mask_t = (t.to(model.device) for t in _batch(chat, [demonstration(chat, p, True, rng) for p in probe]))
     model.eval()
     with torch.no_grad():
         hidden = model.model(input_ids=ids_t).last_hidden_state  # one forward pass for both figures
         sel = mask_t[:, 1:]
         logits, targets = model.lm_head(hidden[:, :-1][sel]), ids_t[:, 1:][sel]
-        digits = torch.tensor([int(t) in digit_ids for t in targets])
+        digits = torch.tensor([int(t) in digit_ids for t in targets], device=model.device)
         # The mean probability of the right digit: what sampling at temperature 1 gets right.
         probs = torch.softmax(logits[digits], dim=-1)
         copy_acc = float(probs.gather(1, targets[digits][:, None]).mean())
         # The first trained position of each row is the decision: open a tool call or answer.
         first = mask_t[:, 1:].int().argmax(dim=1)
-        rows = torch.arange(len(probe))
+        rows = torch.arange(len(probe), device=model.device)
         p_first = torch.softmax(model.lm_head(hidden[rows, first]), dim=-1)[rows, ids_t[rows, first + 1]]
     model.train()
     return copy_acc, float(p_first.mean())
@@ -269,7 +273,7 @@ def warm_up_cached(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunC
     if entry is not None and (entry / "warmup.json").is_file():
         meta = json.loads((entry / "warmup.json").read_text())
         print(f"warm-up loaded from {entry} ({meta['steps']} steps)", flush=True)
-        model = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32).to(model.device)
         model.eval()
         return model, int(meta["steps"]), float(meta["copy_acc"]), float(meta["p_tool"])
     steps, copy_acc, p_tool = warm_up(model, chat, train, cfg, rng)
@@ -289,11 +293,11 @@ def grpo_update(model: Any, opt: Any, samples: list[Any], clip_eps: float) -> fl
     opt.zero_grad()
     total = 0.0
     for s in samples:
-        ids = torch.tensor([s.input_ids])
+        ids = torch.tensor([s.input_ids], device=model.device)
         logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
         logp = logp.gather(1, ids[0, 1:, None])[:, 0]
-        old = torch.tensor(s.old_log_probs[1:])
-        w = torch.tensor(s.loss_weights[1:])
+        old = torch.tensor(s.old_log_probs[1:], device=model.device)
+        w = torch.tensor(s.loss_weights[1:], device=model.device)
         ratio = torch.exp(logp - old)
         adv = s.advantage
         per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
@@ -309,7 +313,7 @@ def grpo_update(model: Any, opt: Any, samples: list[Any], clip_eps: float) -> fl
 def flat_params(model: Any) -> Any:
     import torch
 
-    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    return torch.cat([p.detach().reshape(-1).cpu().clone() for p in model.parameters()])
 
 
 class Bridge:
@@ -372,6 +376,7 @@ def run(cfg: RunConfig) -> RunSummary:
     from prorl_cli.agent import ChatTokens
     from prorl_cli.embedded import LocalStack
     from prorl_cli.handlers.math_agent import CALCULATOR_SCHEMA
+    from prorl_cli.inference.device import resolve_device
     from prorl_cli.inference.tiny_model import make_tiny_model
     from prorl_cli.training.export import write_samples_jsonl, write_samples_parquet
     from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
@@ -384,7 +389,9 @@ def run(cfg: RunConfig) -> RunSummary:
     cfg.out.mkdir(parents=True, exist_ok=True)
     init_dir = make_tiny_model(cfg.out / "model-init", seed=cfg.seed)
     chat = ChatTokens.from_pretrained(init_dir, tools=[CALCULATOR_SCHEMA])
-    model = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32)
+    device = resolve_device(cfg.device)
+    model = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32).to(device)
+    print(f"training on {device}", flush=True)
     every = problems(rng)
     held_out, train = every[:cfg.n_eval], every[cfg.n_eval:]
     tok_dir = str(init_dir)
@@ -394,7 +401,7 @@ def run(cfg: RunConfig) -> RunSummary:
 
     summary = RunSummary(seed=cfg.seed)
     if cfg.init_from is not None:
-        model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32).to(device)
         print(f"warm-up skipped: weights from {cfg.init_from}", flush=True)
     else:
         model, summary.warmup_steps, summary.warmup_copy_acc, summary.warmup_p_tool = warm_up_cached(
@@ -493,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the warm-up checkpoint here per seed and warm-up settings, and load it when there "
                          "(shared with examples/train_trl_grpo.py)")
     ap.add_argument("--short", action="store_true", help="the CI configuration: 2 GRPO steps, a small eval")
+    ap.add_argument("--device", default="auto",
+                    help="where the policy trains: auto (the GPU when torch sees one, else the CPU), cpu, cuda:N")
     ap.add_argument("--seeds", type=int, default=1,
                     help="run seeds SEED..SEED+N-1 one after another (OUT/seed-K each), then print the mean "
                          "and spread per evaluation point and plot them to OUT/reward_curve_seeds.png")
@@ -513,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(RunSummary(**{**json.loads((args.out / f"seed-{seed}" / "summary.json").read_text())}))
         aggregate(runs, args.out / "reward_curve_seeds.png")
         return 0
-    cfg = RunConfig(out=args.out, seed=args.seed)
+    cfg = RunConfig(out=args.out, seed=args.seed, device=args.device)
     if args.short:
         # A capped warm-up: the copies are not learned yet, so one-digit guesses (right one time in
         # nine) give the groups their reward variance; this checks the plumbing, not learning.

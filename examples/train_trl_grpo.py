@@ -90,6 +90,7 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
     from prorl_cli.agent import ChatTokens
     from prorl_cli.embedded import LocalStack
     from prorl_cli.handlers.math_agent import CALCULATOR_SCHEMA
+    from prorl_cli.inference.device import resolve_device
     from prorl_cli.inference.tiny_model import make_tiny_model
     from prorl_cli.integrations.trl import ProrlRollout, prorl_reward
 
@@ -106,11 +107,13 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
         p["tokenizer"] = str(init_dir)
         p["max_turns"] = 3
     summary = TrlSummary(seed=cfg.seed)
+    device = resolve_device(cfg.device)
+    print(f"training on {device}", flush=True)
     if cfg.init_from is not None:
-        model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32).to(device)
         summary.init_from = str(cfg.init_from)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32).to(device)
         model, summary.warmup_steps, _, _ = tiny.warm_up_cached(model, chat, train, cfg, rng)
         if cfg.warmup_cache is not None:
             summary.init_from = str(cfg.warmup_cache / tiny.warmup_cache_key(cfg))
@@ -118,7 +121,7 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
     start_dir = cfg.out / "checkpoints" / "v0"
     model.save_pretrained(str(start_dir))
     chat.tokenizer.save_pretrained(str(start_dir))
-    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    before = tiny.flat_params(model)  # on the CPU: TRL may move the model
     by_question = {p["question"]: p for p in train}
 
     with LocalStack(cfg.out / "stack", f"trl{cfg.seed}", {"log_level": "WARNING", "node": {"n_init": 4, "n_run": 8, "n_eval": 4}}) as stack:
@@ -149,7 +152,7 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
                       f"({time.monotonic() - started:.0f} s)", flush=True)
 
         args = GRPOConfig(
-            output_dir=str(cfg.out / "trl"), use_cpu=True, max_steps=cfg.steps, seed=cfg.seed,
+            output_dir=str(cfg.out / "trl"), use_cpu=device == "cpu", max_steps=cfg.steps, seed=cfg.seed,
             per_device_train_batch_size=cfg.group_size * cfg.target_groups, num_generations=cfg.group_size,
             max_completion_length=256, learning_rate=cfg.lr, logging_steps=1, report_to="none",
             # TRL's log-probs at temperature 1: the engines' log-probs are of the unmodified distribution too.
@@ -173,7 +176,7 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
     summary.merge_ratio = [h.merge_ratio for h in rollout.history]
     summary.masked_tokens = [h.masked_tokens for h in rollout.history]
     summary.informative_groups = [h.informative_groups for h in rollout.history]
-    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    after = tiny.flat_params(model)
     summary.weight_delta = float((after - before).norm())
     summary.wall_s = time.monotonic() - started
     (cfg.out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
@@ -225,13 +228,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --seeds: also plot train_tiny_grpo's seeds in TINY_OUT/seed-K against these "
                          "(OUT/reward_curve_vs_tiny.png, OUT/comparison.json)")
     ap.add_argument("--short", action="store_true", help="the CI configuration: 2 GRPO steps, a small eval")
+    ap.add_argument("--device", default="auto",
+                    help="where TRL trains: auto (the GPU when torch sees one, else the CPU), cpu, cuda:N")
     args = ap.parse_args(argv)
     seeds = range(args.seed, args.seed + args.seeds)
     runs = []
     for seed in seeds:
         if args.plot_only:
             break
-        cfg = tiny.RunConfig(out=args.out / f"seed-{seed}" if args.seeds > 1 else args.out, seed=seed)
+        cfg = tiny.RunConfig(out=args.out / f"seed-{seed}" if args.seeds > 1 else args.out, seed=seed,
+                             device=args.device)
         if args.short:  # as the other example's CI run: a capped warm-up, lucky one-digit guesses give variance
             cfg.guess_range = (1, 9)
             cfg.steps, cfg.warmup_steps, cfg.n_eval, cfg.eval_samples, cfg.eval_every = 2, 120, 4, 1, 2

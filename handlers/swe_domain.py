@@ -122,7 +122,8 @@ class SweHandler(AgentHandler):
         finally:
             await sandbox.stop()
         ctx.output["report"] = {**asdict(report), **extra}
-        ctx.reward = 1.0 if report.resolved else 0.0
+        # A run that could not be graded is no evidence against the patch: no reward, not a 0.
+        ctx.reward = None if report.infra_failure else (1.0 if report.resolved else 0.0)
 
 
 class SweOracleHandler(SweHandler):

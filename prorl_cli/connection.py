@@ -24,9 +24,11 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from prorl_cli import protocol as P
 from prorl_cli.exceptions import (
+    BrokerRefused,
     BrokerRestarted,
     BrokerUnavailable,
     ProtocolError,
@@ -43,6 +45,12 @@ log = logging.getLogger(__name__)
 Reply = tuple[dict[str, Any], list[bytes]]
 #: ``on_message(op, header, payload)``: a broker message that is not a reply.
 MessageHandler = Callable[[Op, dict[str, Any], list[bytes]], None]
+
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+#: A handshake that fails without detail (a broker key that does not decrypt) this many times in a
+#: row is a refusal; once could be a broker dying mid-handshake. An auth or protocol failure is at once.
+_NO_DETAIL_FAILURES = 3
 
 
 class BrokerConnection:
@@ -96,6 +104,9 @@ class BrokerConnection:
         self._socket_boot: str | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
+        #: Set when the current socket's CURVE handshake was refused; requests then fail at once.
+        self.refused: BrokerRefused | None = None
+        self._monitor: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- socket
 
@@ -125,16 +136,65 @@ class BrokerConnection:
         if self.unbounded:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-        if self.deployment_dir is not None:
-            secure_peer(sock, self.deployment_dir)  # reads the (new) broker's CURVE key
+        curve = self.deployment_dir is not None and secure_peer(sock, self.deployment_dir)  # the (new) broker's key
+        monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         sock.connect(self.address)
         self.sock = sock
         self._epoch += 1
         self._socket_boot = None
+        self.refused = None
+        if self._monitor is not None:
+            self._monitor.cancel()
+        self._monitor = asyncio.get_running_loop().create_task(
+            self._watch_handshake(monitor, self._epoch, curve), name=f"prorl-{self.name}-handshake"
+        )
         self._reader = asyncio.get_running_loop().create_task(
             self._read(sock, self._epoch), name=f"prorl-{self.name}-reader"
         )
         self._reader.add_done_callback(self._reader_done)
+
+    async def _watch_handshake(self, monitor: zmq.asyncio.Socket, epoch: int, curve: bool) -> None:
+        """Turn a refused CURVE handshake into :attr:`refused` and fail the requests waiting on it.
+
+        Without this a peer with the wrong keys (or none) waits out its whole request timeout:
+        the broker drops a handshake it refuses without a word.
+        """
+        failures = 0
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    failures = 0
+                    self.refused = None
+                    continue
+                if not event["event"] & _HANDSHAKE_EVENTS:
+                    continue
+                failures += 1
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and failures < _NO_DETAIL_FAILURES:
+                    continue
+                if epoch != self._epoch or self.refused is not None:
+                    continue
+                self.refused = BrokerRefused(self._refusal(event["event"], curve))
+                log.error("%s: %s", self.name, self.refused)
+                self._fail_pending(self.refused, epoch=epoch)
+        finally:
+            monitor.close(0)
+
+    def _refusal(self, event: int, curve: bool) -> str:
+        """What went wrong with the handshake, which keys were used, and what to do."""
+        where = f"the deployment folder {self.deployment_dir}" if self.deployment_dir else "no deployment folder"
+        if not curve:
+            return (f"the broker at {self.address} requires CURVE keys and this {self.name} has none "
+                    f"(no rendezvous file with the broker's key in {where}): connect by deployment name with "
+                    "the PRORL_HOME (or prorl --home) the deployment uses, so its client.key is read; "
+                    "an address alone is not enough")
+        what = ("refused this client's key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                else "did not complete the CURVE handshake (its public key is not the one in broker.json)")
+        return (f"the broker at {self.address} {what}: the keys came from {where}, which belongs to another "
+                "deployment or an old broker; use the PRORL_HOME (or prorl --home) and -d NAME the "
+                "deployment was started with")
 
     def _reader_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -144,11 +204,11 @@ class BrokerConnection:
     async def close(self, linger_ms: int | None = None) -> None:
         """Stop the reader and background tasks, fail waiting requests, close the socket."""
         self._closed = True
-        tasks = [t for t in (self._reader, *self._background) if t is not None]
+        tasks = [t for t in (self._reader, self._monitor, *self._background) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._reader = None
+        self._reader = self._monitor = None
         self._fail_pending(BrokerUnavailable(f"{self.name}: connection closed"))
         if self.sock is not None:
             self.sock.close(self.linger_ms if linger_ms is None else linger_ms)
@@ -203,6 +263,8 @@ class BrokerConnection:
         :class:`BrokerRestarted` when the broker that had the request is gone.
         """
         self.open()
+        if self.refused is not None:
+            raise self.refused
         rid = next(self._rids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut

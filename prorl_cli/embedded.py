@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from prorl_cli.client import RolloutClient
-from prorl_cli.config import ENV_CONFIG, ENV_HOME, load_config
+from prorl_cli.config import ENV_CONFIG, ENV_DEPLOYMENT, ENV_HOME, ProrlConfig, load_config
 from prorl_cli.exceptions import BrokerUnavailable
 from prorl_cli.processes import stop_groups
 from prorl_cli.protocol import StatusReport
@@ -58,6 +58,7 @@ class LocalStack:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env[ENV_HOME] = str(self.home)
+        env[ENV_DEPLOYMENT] = self.name
         env[ENV_CONFIG] = str(self.config_path)
         env["PYTHONUNBUFFERED"] = "1"
         return env
@@ -123,9 +124,18 @@ class LocalStack:
             self._client = self.new_client()
         return self._client
 
+    def load_config(self) -> ProrlConfig:
+        """This deployment's configuration, with its own home and name whatever the environment says.
+
+        ``PRORL_HOME`` and ``PRORL_DEPLOYMENT`` beat a config file (a user's shell sets them for
+        their cluster deployments); an embedded stack's clients must still find this stack's
+        rendezvous file and CURVE keys, so its home and name are passed as overrides.
+        """
+        return load_config(self.config_path, {"home": str(self.home), "deployment": self.name})
+
     def new_client(self, request_timeout_s: float = 15.0) -> RolloutClient:
         return RolloutClient(
-            self.name, address=self.address, config=load_config(self.config_path), request_timeout_s=request_timeout_s
+            self.name, address=self.address, config=self.load_config(), request_timeout_s=request_timeout_s
         )
 
     def drop_client(self) -> None:

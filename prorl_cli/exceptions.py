@@ -99,6 +99,10 @@ class BrokerUnavailable(ProrlError, ConnectionError):
     """No broker answered at the rendezvous address in time."""
 
 
+class BrokerRefused(BrokerUnavailable, ConnectionRefusedError):
+    """The broker's socket refused this peer's CURVE handshake: missing keys, or another deployment's."""
+
+
 class BrokerRestarted(BrokerUnavailable):
     """The broker a request went to died; a new one (started on the same address) never saw it."""
 

@@ -106,16 +106,20 @@ def secure_server(ctx: zmq.Context, sock: zmq.Socket, deployment_dir: Path) -> t
     return public.decode(), auth
 
 
-def secure_peer(sock: zmq.Socket, deployment_dir: Path, info: Rendezvous | None = None) -> None:
-    """Give a DEALER the CURVE keys the deployment's broker expects (no-op without CURVE)."""
+def secure_peer(sock: zmq.Socket, deployment_dir: Path, info: Rendezvous | None = None) -> bool:
+    """Give a DEALER the CURVE keys the deployment's broker expects; return whether it got any.
+
+    No rendezvous file (an explicit address) or a broker without CURVE: plain TCP, ``False``.
+    """
     if info is None:
         try:
             info = read_rendezvous(deployment_dir)
         except RendezvousError:
-            return  # an explicit address with no rendezvous file: plain TCP
+            return False  # an explicit address with no rendezvous file: plain TCP
     if not info.curve_public_key:
-        return
+        return False
     public, secret = client_keys(deployment_dir)
     sock.curve_serverkey = info.curve_public_key.encode()
     sock.curve_publickey = public
     sock.curve_secretkey = secret
+    return True

@@ -1,12 +1,32 @@
 #!/usr/bin/env bash
-# The README's test command: install everything the tests need, then run them.
+# The README's test command: install everything the tests need into a virtual
+# environment of their own, then run them there, as a newcomer's machine would.
 #   scripts/test.sh [pytest args...]
+#
 # As root it first provisions the real components (scripts/provision.sh).
+# The venv is .venv in the checkout (PRORL_VENV elsewhere), made with
+# `python3 -m venv` and no system site packages, so nothing the machine's own
+# Python happens to hold can hide a missing install step; PRORL_FRESH_VENV=1
+# removes an existing one first (CI does). pip's wheel cache is reused.
+# The suite runs with PRORL_HOME set to a fresh folder: users set it, and a
+# test that needs another home sets its own.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ "$(id -u)" = 0 ]; then
   bash scripts/provision.sh
 fi
-bash scripts/install.sh
+venv="${PRORL_VENV:-.venv}"
+if [ "${PRORL_FRESH_VENV:-0}" = 1 ]; then
+  rm -rf "$venv"
+fi
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+venv="$(cd "$venv" && pwd)"
+PRORL_PYTHON="$venv/bin/python" bash scripts/install.sh
+# The tests start `python3`, `prorl` and the venv's console scripts by name.
+export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
+PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")"
+export PRORL_HOME
 # pytest exits 5 when it collects no test; set -e makes that a failure too.
-python3 -m pytest -ra "$@"
+"$venv/bin/python" -m pytest -ra "$@"

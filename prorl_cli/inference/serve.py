@@ -78,7 +78,8 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
     if opts.engine == "transformers":
         from prorl_cli.inference.transformers_engine import TransformersEngine
 
-        return TransformersEngine(opts.model, max_model_len=opts.max_model_len, backend_id=backend_id)
+        return TransformersEngine(opts.model, max_model_len=opts.max_model_len, backend_id=backend_id,
+                                  device=ic.device)
     if opts.engine != "vllm":
         raise InferenceError(f"--engine {opts.engine!r}: expected vllm, transformers or sim")
     from prorl_cli.inference.vllm_server import VLLMChildEngine, VLLMServer

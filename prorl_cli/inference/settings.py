@@ -30,6 +30,8 @@ class InferenceConfig:
     sim_speedup: float | None = None
     #: Bridge, sim engine: write a per-call GPU-time ledger here on exit (``<backend id>.json``; benchmarks).
     sim_ledger_dir: str | None = None
+    #: Bridge, transformers engine: the torch device (``auto``: the GPU when torch sees one, else the CPU).
+    device: str = "auto"
     #: Bridge: generate requests served at once (more wait in the bridge).
     capacity: int = 64
     #: Bridge: how long vLLM may take to become healthy.

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class TransformersEngine(Engine):
-    """A local Hugging Face causal LM run with torch on the CPU."""
+    """A local Hugging Face causal LM run in-process with torch (``device``: ``auto`` takes the GPU if any)."""
 
     def __init__(
         self,
@@ -36,12 +36,15 @@ class TransformersEngine(Engine):
         max_model_len: int | None = None,
         dtype: str = "float32",
         backend_id: str | None = None,
+        device: str = "auto",
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model = str(model_dir)
         self.max_model_len = max_model_len or 0
         self.dtype = dtype
         self.backend_id = backend_id
+        #: As asked (``auto``, ``cpu``, ``cuda:0``); resolved to a real device when the model loads.
+        self.device = device
         self._model: Any = None
         self._eos_ids: set[int] = set()
         # One thread: torch already uses every core for one forward pass.
@@ -59,7 +62,11 @@ class TransformersEngine(Engine):
             raise InferenceError(f"the transformers engine needs torch: install prorl[cpu] ({e})") from e
         if not (self.model_dir / "config.json").is_file():
             raise InferenceError(f"{self.model_dir}: not a model directory (no config.json)")
+        from prorl_cli.inference.device import resolve_device
+
+        self.device = resolve_device(self.device)
         model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=getattr(torch, self.dtype))
+        model = model.to(self.device)  # type: ignore[arg-type]  # transformers' stub types .to's argument oddly
         model.eval()
         cfg = model.config
         limit = int(getattr(cfg, "max_position_embeddings", 0) or 0)
@@ -124,13 +131,13 @@ class TransformersEngine(Engine):
         logprobs: list[float] = []
         finish = "length"
         with torch.inference_mode():
-            result = self._model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+            result = self._model(input_ids=torch.tensor([prompt_ids], device=self.device), use_cache=True)
             for _ in range(budget):
                 if cancelled.is_set():
                     log.info("generation cancelled after %d of at most %d tokens", len(out_ids), budget)
                     finish = "abort"
                     break
-                logits = result.logits[0, -1].float()
+                logits = result.logits[0, -1].float().cpu()  # sampled on the CPU: one seeded generator anywhere
                 raw = torch.log_softmax(logits, dim=-1)
                 token = self._sample(logits, sampling, gen)
                 out_ids.append(token)
@@ -139,7 +146,8 @@ class TransformersEngine(Engine):
                     finish = "stop"
                     break
                 result = self._model(
-                    input_ids=torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True
+                    input_ids=torch.tensor([[token]], device=self.device), past_key_values=result.past_key_values,
+                    use_cache=True,
                 )
         return Generation(out_ids, logprobs, finish, self.backend_id)
 

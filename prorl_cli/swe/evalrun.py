@@ -47,6 +47,7 @@ def run_script(plan: TestPlan, repo_dir: str, work: str = WORK) -> str:
         f"export PRORL_SWE_NODEIDS={shlex.quote(work)}/nodeids.jsonl",
         f'export PYTHONPATH={shlex.quote(work)}/path${{PYTHONPATH:+:$PYTHONPATH}}',
         f"export PYTHONUSERBASE={shlex.quote(work)}/user",
+        *_plugin_functions(work),
         f"cd {shlex.quote(repo_dir)}",
     ]
     for command in plan.install:
@@ -57,6 +58,30 @@ def run_script(plan: TestPlan, repo_dir: str, work: str = WORK) -> str:
         lines += [f"echo '{START_TEST_OUTPUT}'", plan.script, "prorl_test_exit=$?", f"echo '{END_TEST_OUTPUT}'",
                   'echo "prorl: test command exit status $prorl_test_exit"']
     return "\n".join(lines) + "\n"
+
+
+#: The commands a test run starts pytest through; each gets a bash function of the same name.
+PLUGIN_COMMANDS = ("pytest", "python", "python3")
+
+
+def _plugin_functions(work: str) -> list[str]:
+    """Bash functions that put the plugin's folder after whatever ``PYTHONPATH`` a command sets.
+
+    ``PYTHONPATH=src pytest`` replaces the exported ``PYTHONPATH`` (and with it the start-up
+    hook), and a virtual environment's python never reads the user site: neither route
+    reaches such a command. A function named like the command sees the command's own
+    assignment and appends the plugin's folder to it; exported, it reaches the bash scripts
+    the run starts (an instance's eval script) too. Each runs the real command (``command``).
+    """
+    path = shlex.quote(f"{work}/path")
+    lines = []
+    for name in PLUGIN_COMMANDS:
+        lines.append(
+            f'{name}() {{ case ":${{PYTHONPATH:-}}:" in *:{path}:*) command {name} "$@" ;; '
+            f'*) PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}"{path} command {name} "$@" ;; esac; }}'
+        )
+    lines.append(f"export -f {' '.join(PLUGIN_COMMANDS)}")
+    return lines
 
 
 def _squote(text: str) -> str:

@@ -101,6 +101,7 @@ class SweReport:
     tests_status: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     status: str = "RESOLVED_NO"  # swebench's RESOLVED_FULL / RESOLVED_PARTIAL / RESOLVED_NO
     grading: str = ""  # "nodeids", or "log:<parser>"
+    grading_note: str = ""  # why a pytest run was graded from its log, and what that cost
     missing: dict[str, str | None] = field(default_factory=dict)  # listed test -> closest id the run produced
     tests: dict[str, str] = field(default_factory=dict)  # every test the run produced -> status
     collect_errors: list[str] = field(default_factory=list)
@@ -125,10 +126,14 @@ def grade_run(plan: TestPlan, instance: dict[str, Any], fail_to_pass: list[str],
     from swebench.harness.constants import EvalType
 
     by_id, collect_errors = fold_nodeids(nodeid_records)
+    note = ""
     if plan.log_parser is None:
         by_log = parse_log(PYTEST_PARSER, log, instance, fail_to_pass, pass_to_pass)
         primary, secondary = (by_id, by_log) if by_id else (by_log, {})
         label = "nodeids" if by_id else f"log:{PYTEST_PARSER}"
+        if not by_id:
+            note = ("the node-id plugin recorded no test (no pytest ran, or the test command's python "
+                    "did not load it): graded from the log, whose parser cuts test ids at whitespace")
     else:
         primary, secondary = parse_log(plan.log_parser, log, instance, fail_to_pass, pass_to_pass), by_id
         label = f"log:{plan.log_parser}"
@@ -155,6 +160,14 @@ def grade_run(plan: TestPlan, instance: dict[str, Any], fail_to_pass: list[str],
     for key in (grading.FAIL_TO_FAIL, grading.PASS_TO_FAIL):
         tests_status[key].setdefault("missing", [])
     resolved = status == grading.ResolvedStatus.FULL.value
+    # A pytest log cannot name an id with whitespace in it: such a listed test is missing for the
+    # parser's sake, not the patch's, so the run is not graded (no correct patch scores 0 for it).
+    unreadable = [name for name in missing if note and any(c.isspace() for c in name)]
+    infra_failure = bool(unreadable) and not resolved
+    if infra_failure:
+        note += (f"; {len(unreadable)} listed test id(s) with whitespace cannot be read from the log "
+                 f"(e.g. {unreadable[0]!r}): missing, not failed, and the run is not graded")
     return SweReport(patch_exists=True, patch_successfully_applied=True, resolved=resolved,
-                     tests_status=tests_status, status=status, grading=label, missing=missing,
-                     tests=dict(primary), collect_errors=collect_errors, test_source=plan.source)
+                     infra_failure=infra_failure, tests_status=tests_status, status=status, grading=label,
+                     grading_note=note, missing=missing, tests=dict(primary), collect_errors=collect_errors,
+                     test_source=plan.source)

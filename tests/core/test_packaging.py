@@ -1,9 +1,10 @@
 """The wheel: its contents, and prorl installed from it in a fresh virtual environment.
 
-Built once per module from this tree. The venv sees the system's site
-packages for the dependencies (torch, transformers, zmq: no downloads) but
-installs prorl itself from the wheel, and runs outside the checkout, so
-nothing can come from the source tree.
+Built once per module from this tree. The venv is a new one with no system
+site packages: prorl's wheel goes in with its declared dependencies, at the
+versions the running environment holds (pip's constraints, so its wheel cache
+serves them), and runs outside the checkout, so nothing can come from the
+source tree or from whatever the machine's own Python happens to hold.
 """
 
 from __future__ import annotations
@@ -41,11 +42,19 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv with prorl installed from the wheel; returns its python."""
     root = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root / "v")],
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "v")],
                    check=True, capture_output=True, timeout=120)
     python = root / "v" / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
+                            check=True, capture_output=True, text=True, timeout=120).stdout
+    constraints = root / "constraints.txt"
+    constraints.write_text("".join(line + "\n" for line in frozen.splitlines()
+                                   if line and not line.startswith(("prorl==", "-e ", "#"))))
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "-c", str(constraints), str(wheel)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
     return python
 
 

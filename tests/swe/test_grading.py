@@ -7,7 +7,13 @@ are checked in a second per case.
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import subprocess
+import sys
+import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +32,7 @@ def spacey(tmp_path: Path) -> Spacey:
 
 
 def _run(repo: Spacey, patch: str, work: Path, instance_extra: dict[str, object] | None = None,
-         settings: dict[str, object] | None = None) -> tuple[SweReport, str]:
+         settings: dict[str, object] | None = None, env: dict[str, str] | None = None) -> tuple[SweReport, str]:
     """Apply ``patch`` and the test patch to the repository, run the plan's tests as EVAL does, grade them."""
     work.mkdir(parents=True, exist_ok=True)
     instance = {**repo.instance, **(instance_extra or {})}
@@ -41,7 +47,7 @@ def _run(repo: Spacey, patch: str, work: Path, instance_extra: dict[str, object]
     (work / "nodeids.jsonl").write_text("")
     script = work / "run.sh"
     script.write_text(run_script(plan, str(repo.path), str(work)))
-    log = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120).stdout
+    log = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, env=env).stdout
     records = (work / "nodeids.jsonl").read_text()
     return grade_run(plan, instance, instance["FAIL_TO_PASS"], instance["PASS_TO_PASS"], log, records), plan.script
 
@@ -95,6 +101,73 @@ def test_instance_test_command_with_pythonpath_src_is_used_and_names_each_file_o
     plain = make_spacey(tmp_path / "plain", src_layout=True)
     report, script = _run(plain, plain.instance["patch"], tmp_path / "w2")
     assert not report.resolved and script.count(FILE) == 1
+
+
+def _venv_python(root: Path) -> Path:
+    """``python -m venv``: a python that never reads the user site."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    return root / "bin"
+
+
+def _uv_venv_python(root: Path) -> Path:
+    """``uv venv`` (the layout of uv-built SWE images), on this interpreter, offline."""
+    uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
+    if not Path(uv).exists():
+        pytest.skip("uv is not installed (pip install 'prorl[test]'; scripts/install.sh does it)")
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never", "UV_OFFLINE": "1", "UV_NO_CACHE": "1"}
+    subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(root)], check=True, timeout=120, env=env)
+    return root / "bin"
+
+
+def _conda_style_python(root: Path) -> Path:
+    """A prefix of its own on PATH whose python runs with the user site off (``-s``), like an env of conda's."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "python3"):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -s "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("make", [_venv_python, _uv_venv_python, _conda_style_python],
+                         ids=["venv", "uv-venv", "conda-style"])
+def test_a_pythonpath_src_command_in_a_sandbox_python_without_user_site_is_graded_by_exact_ids(
+    make: Callable[[Path], Path], tmp_path: Path
+) -> None:
+    need_module("swebench", "swe")
+    bin_dir = make(tmp_path / "py")
+    # The new python sees pytest (this environment's packages) through a path file, as an image's own would.
+    here = sysconfig.get_paths()["purelib"]
+    probe = subprocess.run([str(bin_dir / "python3"), "-c", "import site, sys; print(site.ENABLE_USER_SITE, sys.prefix)"],
+                           capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    assert probe[0] != "True", probe  # the user site (usercustomize) cannot reach these pythons
+    if make is not _conda_style_python:
+        purelib = subprocess.run([str(bin_dir / "python3"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+        Path(purelib, "outer.pth").write_text(here + "\n")
+    repo = make_spacey(tmp_path / "spacey", src_layout=True)
+    command = f"PYTHONPATH=src python -m pytest -rA -p no:cacheprovider {FILE} tests/test_basic.py"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    report, _ = _run(repo, repo.instance["patch"], tmp_path / "w", {"test_command": command}, env=env)
+    assert report.grading == "nodeids" and report.grading_note == "", report
+    assert report.resolved and not report.infra_failure, report
+
+
+def test_a_run_graded_from_its_log_says_why_and_never_fails_a_test_it_cannot_read(
+    spacey: Spacey, tmp_path: Path
+) -> None:
+    # The plugin's folder is gone (a command that cleared PYTHONPATH and ran a python of its own):
+    # the log parser cuts ids at spaces, so the spaced ids are missing and the run is not graded.
+    command = f"env -u PYTHONPATH -u PYTEST_ADDOPTS PYTHONNOUSERSITE=1 {sys.executable} -m pytest -rA -p no:cacheprovider {FILE} tests/test_basic.py"
+    report, _ = _run(spacey, spacey.instance["patch"], tmp_path, {"test_command": command})
+    assert report.grading == "log:parse_log_pytest", report
+    assert "node-id plugin recorded no test" in report.grading_note
+    spaced = [name for name in PASS_TO_PASS + FAIL_TO_PASS if " " in name]
+    assert spaced and all(name in report.missing for name in spaced), report.missing
+    for lists in report.tests_status.values():
+        assert not set(spaced) & set(lists.get("failure", [])), lists
+    assert report.infra_failure and not report.resolved
+    assert "not graded" in report.grading_note
 
 
 def test_precedence_instance_over_settings_over_swebench_over_default() -> None:

@@ -42,6 +42,20 @@ TWO_TURNS = [
 ]
 
 
+def test_every_module_of_verls_import_graph_is_installed() -> None:
+    """veRL goes in with --no-deps (scripts/install.sh): each module its agent loop, its protocol and
+    prorl's adapter import must be installed by name, or a fresh venv fails where a developer's did not."""
+    need_module("verl", "verl")
+    import subprocess
+    import sys
+
+    # A child interpreter: the import graph from nothing, not whatever this session imported already.
+    modules = ["verl.protocol", "verl.experimental.agent_loop.agent_loop", "prorl_cli.integrations.verl"]
+    script = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+    run = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_the_agent_loop_output_of_a_two_turn_trajectory() -> None:
     out = loop_output(_result("j1", TWO_TURNS, reward=0.5))
     assert out.prompt_ids == [1, 2, 3]

@@ -1,0 +1,74 @@
+"""Where users are: PRORL_HOME set in the shell, and clients holding the wrong CURVE keys (or none).
+
+An embedded stack (quickstart, examples, benchmarks) owns its home whatever
+PRORL_HOME says; a client refused by a CURVE broker is told so at once, with
+the folder its keys came from, instead of waiting out its request timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import zmq
+
+from prorl_cli.client import RolloutClient
+from prorl_cli.config import load_config
+from prorl_cli.embedded import LocalStack
+from prorl_cli.exceptions import BrokerRefused
+from prorl_cli.security import CLIENT_KEY_NAME
+
+# Far longer than a refusal takes: a BrokerRefused (not a timeout) shows the client did not wait it out.
+PATIENT_S = 60.0
+
+
+def test_an_embedded_stack_works_with_prorl_home_pointing_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRORL_HOME", str(tmp_path / "users-home"))
+    monkeypatch.setenv("PRORL_DEPLOYMENT", "users-deployment")
+    with LocalStack(tmp_path / "stack", "embedded", {"broker": {"journal": False}}) as stack:
+        stack.start_broker()
+        stack.start_node("n1")
+        status = stack.client.status()
+        assert [n.node_id for n in status.nodes] == ["n1"]
+        cfg = stack.load_config()
+        assert cfg.home_path == (tmp_path / "stack").resolve() and cfg.deployment == "embedded"
+    assert not (tmp_path / "users-home").exists()  # nothing written in the shell's home
+
+
+def test_a_client_without_the_deployments_keys_is_refused_naming_its_folder(tmp_path: Path) -> None:
+    with LocalStack(tmp_path / "stack", "keys", {"broker": {"journal": False}}) as stack:
+        stack.start_broker()
+        elsewhere = load_config(stack.config_path, {"home": str(tmp_path / "elsewhere"), "deployment": "keys"})
+        with RolloutClient("keys", address=stack.address, config=elsewhere, request_timeout_s=PATIENT_S) as client, \
+                pytest.raises(BrokerRefused) as refused:
+            client.status()
+        message = str(refused.value)
+        assert "requires CURVE keys" in message and str(tmp_path / "elsewhere") in message, message
+        assert "PRORL_HOME" in message
+        assert isinstance(refused.value, ConnectionRefusedError)
+
+
+def test_a_client_with_another_deployments_key_is_refused_naming_its_folder(tmp_path: Path) -> None:
+    with LocalStack(tmp_path / "stack", "keys", {"broker": {"journal": False}}) as stack:
+        stack.start_broker()
+        # Another deployment's folder: this broker's rendezvous file, but a client key of its own.
+        other = tmp_path / "other" / "keys"
+        other.mkdir(parents=True)
+        shutil.copy(stack.deployment_dir / "broker.json", other / "broker.json")
+        public, secret = zmq.curve_keypair()
+        (other / CLIENT_KEY_NAME).write_text(json.dumps({"public": public.decode(), "secret": secret.decode()}))
+        config = load_config(stack.config_path, {"home": str(tmp_path / "other"), "deployment": "keys"})
+        with RolloutClient("keys", address=stack.address, config=config, request_timeout_s=PATIENT_S) as client:
+            with pytest.raises(BrokerRefused) as refused:
+                client.status()
+            # Every later request fails the same way at once.
+            with pytest.raises(BrokerRefused):
+                client.status()
+        message = str(refused.value)
+        assert "refused this client's key" in message and str(other) in message, message
+        # The right keys still get in.
+        assert stack.new_client().status().nodes == []
