@@ -34,6 +34,7 @@ import abc
 import itertools
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -504,7 +505,7 @@ class Router:
         model = h.model
         backend = self.backends.get(url)
         if backend is None or not backend.alive:
-            host = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
+            host = urllib.parse.urlsplit(url).hostname or url  # the schema checked it has one
             backend = Backend(backend_id=url, kind="http", url=url, host=host, model=model)
             self.backends[url] = backend
         backend.cleared = False

@@ -11,6 +11,7 @@ the checked fields, so checking a header (:func:`parse`) is also what types it: 
 from __future__ import annotations
 
 import math
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -333,9 +334,23 @@ _URL = Str(2048)
 
 
 def _http_url(v: Any, path: str) -> Any:
-    """An ``http://`` or ``https://`` address (an HTTP backend the broker routes generate calls to)."""
-    if not _URL(v, path).startswith(("http://", "https://")):
+    """An ``http://`` or ``https://`` address with a host (an HTTP backend the broker routes generate calls to).
+
+    Parsed here, by ``urllib.parse``, so that no receiver slices a URL the check let through
+    (``http://``, ``https:///``, a bad port, whitespace).
+    """
+    text = _URL(v, path)
+    if not text.startswith(("http://", "https://")):
         raise _bad(path, f"must start with http:// or https://, got {v!r}")
+    if any(c.isspace() or not c.isprintable() for c in text):
+        raise _bad(path, f"must not contain whitespace or control characters, got {v!r}")
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018 (raises ValueError on a port that is not 0-65535)
+    except ValueError as e:
+        raise _bad(path, f"not a URL ({e}): {v!r}") from None
+    if not parts.hostname:
+        raise _bad(path, f"names no host: {v!r}")
     return v
 
 

@@ -108,6 +108,17 @@ def test_missing_and_mistyped_fields(deployment: Deployment, raw: zmq.Socket) ->
     _healthy(deployment)
 
 
+@pytest.mark.parametrize("url", ["http://", "https:///", "http://:80", "http://host:99999", "http://a b",
+                                 "http://host\x00", "http:/host", "ftp://host"])
+def test_an_add_llm_server_url_without_a_host_is_answered_and_the_broker_serves_on(
+    deployment: Deployment, raw: zmq.Socket, url: str
+) -> None:
+    raw.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "add_llm_server", "rid": 7138, "url": url}))
+    code, msg = _error(raw)
+    assert code == "bad_field" and "url" in msg, (code, msg)
+    _healthy(deployment)
+
+
 def test_unknown_task_names_the_served_tasks(deployment: Deployment) -> None:
     client = deployment.new_client()
     try:
