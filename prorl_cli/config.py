@@ -57,6 +57,9 @@ class BrokerConfig:
     routing_policy: Literal["least_loaded_sticky", "round_robin", "ever_assigned"] = "least_loaded_sticky"
     # A job that ends cancels its generate calls at the engine; false is an ablation (stale calls keep running).
     cancel_propagation: bool = True
+    # A job cancelled while it runs: its result waits this long for the node's own, which carries what the job
+    # did so far (its partial trajectory); then (or at once with 0) the broker's result, without output, goes out.
+    cancel_result_grace_s: float = 2.0
     # KV-cache admission (sticky policies): a new job's first call goes only to a backend whose live jobs' contexts
     # fill at most this share of the KV cache it reports (kv_capacity_tokens); 0 turns it off. Such a call waits
     # at the broker for room at most kv_admission_max_wait_s, then goes to the policy's choice anyway. The whole

@@ -25,6 +25,7 @@ from typing import Any
 from prorl_cli import protocol as P
 from prorl_cli.broker.journal import attempt_record, end_record, job_record, placed_record
 from prorl_cli.broker.state import Job, Node, TaskQueues
+from prorl_cli.exceptions import ProtocolError
 from prorl_cli.protocol import ForgetOutcome, JobResult, JobSpec, JobState
 from prorl_cli.protocol.headers import JobEnd, StageUpdate
 
@@ -48,8 +49,11 @@ class JobTable:
     """Jobs, the queue, the nodes' holdings and the finished results kept for late watchers.
 
     ``record`` receives journal records; ``on_end(job)`` is called when a job
-    reaches a terminal state (push its result), ``on_detach(job_id)`` when a
-    job ends or loses its node (its generate calls are released).
+    reaches a terminal state (push its result, unless it waits for its node's
+    partial result: ``Job.partial_until``), ``on_release(job)`` when such a
+    held result is final, ``on_detach(job_id)`` when a job ends or loses its
+    node (its generate calls are released). ``partial_grace_s``: how long a
+    running job's cancel waits for its node's result (0: not at all).
     """
 
     def __init__(
@@ -60,6 +64,8 @@ class JobTable:
         record: Callable[[dict[str, Any]], None] | None = None,
         on_end: Callable[[Job], None] | None = None,
         on_detach: Callable[[str], None] | None = None,
+        on_release: Callable[[Job], None] | None = None,
+        partial_grace_s: float = 0.0,
     ) -> None:
         self.jobs: dict[str, Job] = {}
         self.queue = TaskQueues()
@@ -74,6 +80,10 @@ class JobTable:
         self._record = record or _noop
         self._on_end = on_end or _noop
         self._on_detach = on_detach or _noop
+        self._on_release = on_release or _noop
+        self.partial_grace_s = partial_grace_s
+        #: Cancelled jobs whose results wait for their nodes' (``Job.partial_until``).
+        self._partials: dict[str, Job] = {}
 
     # ------------------------------------------------------------ queries
 
@@ -259,6 +269,9 @@ class JobTable:
                 self._take_back(job, node, info.attempt)
             if job.node_id == node.node_id:
                 node.inflight.discard(job.job_id)  # its slot is free, whatever became of the job
+            if job.partial_until is not None and job.node_id == node.node_id and job.spec.attempt == info.attempt:
+                self._adopt_partial(job, bytes(result))
+                continue
             if job.state.terminal or job.node_id != node.node_id or job.spec.attempt != info.attempt:
                 continue  # stale: cancelled meanwhile, re-queued elsewhere, or never this node's
             state = JobState(info.state)
@@ -332,12 +345,43 @@ class JobTable:
             if not job.state.terminal:
                 if job.node_id is not None:
                     out.by_node.setdefault(job.node_id, []).append(job_id)
+                    if self.partial_grace_s > 0:
+                        job.partial_until = time.monotonic() + self.partial_grace_s
+                        self._partials[job_id] = job
                 else:
                     self.queue.remove(job.spec.task, job_id)
                     self.awaiting_claim.pop(job_id, None)
                 self.finish_by_broker(job, JobState.CANCELLED, None)
             out.states[job_id] = job.state.value
         return out
+
+    def _adopt_partial(self, job: Job, result: bytes) -> None:
+        """A cancelled job's node reported: its result (what the job did until the cancel) replaces the broker's.
+
+        The job stays cancelled whatever the node says (a job that ended as the cancel crossed it
+        included): the client was told so, and the journal's end record is rewritten to match.
+        """
+        try:
+            record = P.unpack_obj(result)
+        except ProtocolError as e:
+            record = e
+        if not isinstance(record, dict):
+            log.warning("job %s: its node's result after a cancel is unreadable (%s); the broker's stands",
+                        job.job_id, record)
+        else:
+            record["state"] = JobState.CANCELLED.value
+            job.result = P.pack_obj(record)
+            self._record(end_record(job.job_id, JobState.CANCELLED, job.result))
+        job.partial_until = None
+        self._partials.pop(job.job_id, None)
+        self._on_release(job)
+
+    def expire_partials(self, now: float) -> None:
+        """Release the held results of cancelled jobs whose node did not report in time (gone, or slow)."""
+        for job in [j for j in self._partials.values() if j.partial_until is None or j.partial_until <= now]:
+            job.partial_until = None
+            del self._partials[job.job_id]
+            self._on_release(job)
 
     def find(self, prefix: str | None, group_id: str | None, after: int = 0, limit: int = P.MAX_LISTED_JOBS) -> tuple[dict[str, str], int | None]:
         """States of the held jobs whose id starts with ``prefix`` and whose group is ``group_id`` (each when given),

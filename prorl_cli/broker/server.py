@@ -101,6 +101,8 @@ class Broker:
             record=self._journal_append,
             on_end=self._job_finished,
             on_detach=self._job_ended,
+            on_release=self._deliver,
+            partial_grace_s=bc.cancel_result_grace_s,
         )
         # The job table's dicts, under the names the routing code reads.
         self.jobs: dict[str, Job] = self.table.jobs
@@ -395,7 +397,7 @@ class Broker:
                 # Idempotent: the same id returns the existing job, never a second run.
                 existing.append(spec.job_id)
                 job.watchers.add(identity)
-                if job.result is not None:
+                if job.result is not None and job.partial_until is None:
                     self._results_out[identity].append(job)
                 continue
             self.table.add(spec, bytes(instance), identity)
@@ -418,7 +420,7 @@ class Broker:
 
     def on_watch(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
         jobs, unknown = self._watch_named(identity, h.job_ids)
-        self._results_out[identity].extend(job for job in jobs if job.result is not None)
+        self._results_out[identity].extend(job for job in jobs if job.result is not None and job.partial_until is None)
         self._send(identity, P.reply(h.rid, unknown=unknown, boot_id=self.boot_id))
 
     def on_cancel(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
@@ -644,6 +646,11 @@ class Broker:
             # Failed by the broker itself (its nodes kept dying): no node will list it among its failures.
             error = P.unpack_obj(job.result).get("error")
             self.collector.note_broker_failure(job.spec.task, error if isinstance(error, dict) else {})
+        if job.partial_until is None:  # else it waits for its node's partial result (JobTable.cancel)
+            self._deliver(job)
+
+    def _deliver(self, job: Job) -> None:
+        """Push a job's final result to its watchers."""
         for w in job.watchers:
             self._results_out[w].append(job)
 
@@ -678,6 +685,7 @@ class Broker:
         self.router.check_waiters(now)
         for node_id in self.table.prune_dead_nodes(self.config.broker.dead_nodes_kept):
             self.collector.forget_peer("node", node_id)
+        self.table.expire_partials(now)
         if self.metrics_server is not None and now >= self._next_gauges_at:
             self._next_gauges_at = now + 1.0
             self._refresh_gauges()

@@ -34,6 +34,9 @@ class Job:
     #: The broker's timeline events of the job (``prorl_cli/observe/timeline.py``); sent with each assignment.
     #: The first one carries the wall-clock time of submission (``at``, epoch seconds): traces line jobs up by it.
     events: list[list[Any]] = field(default_factory=lambda: [["submitted", 0.0, 0.0, {"at": round(time.time(), 6)}]])
+    #: A job cancelled while it ran: until then (monotonic) its result waits for the node's own, which
+    #: carries what the job did so far (its partial trajectory); after it, the broker's result goes out.
+    partial_until: float | None = None
 
     @property
     def job_id(self) -> str:

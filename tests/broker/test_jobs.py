@@ -277,3 +277,40 @@ def test_a_compacted_journal_replays_like_the_full_one(tmp_path) -> None:
     assert key == {j: (x.spec.attempt, x.claim_node, x.state, x.result) for j, x in compacted.items()}
     assert full[placed_now].claim_node == "n2" and full["never"].claim_node is None
     del n2
+
+
+def test_a_running_jobs_cancel_waits_for_its_nodes_partial_result_then_keeps_it_cancelled() -> None:
+    rec = Recorder()
+    released: list[str] = []
+    table = rec.table(on_release=lambda j: released.append(j.job_id), partial_grace_s=60.0)
+    node = _node(table)
+    job = _add(table, "a")
+    table.place()
+    table.stage(node, [StageUpdate("a", 1, "run")])
+    out = table.cancel(["a"])
+    assert out.states == {"a": "cancelled"} and out.by_node == {"n1": ["a"]}
+    assert job.state is JobState.CANCELLED and job.partial_until is not None and released == []
+    # The node's result (it may say "done": the job ended as the cancel crossed it) replaces the broker's.
+    table.done(node, [JobEnd("a", 1, "done")], [_result("a", "done", size=3)])
+    kept = P.unpack_obj(job.result)
+    assert kept["state"] == "cancelled" and kept["output"] == "xxx", kept
+    assert released == ["a"] and job.partial_until is None and "a" not in node.inflight
+    assert rec.records[-1]["t"] == "end" and rec.records[-1]["result"] == job.result  # a replay sees the same
+
+
+def test_a_cancelled_jobs_result_goes_out_without_its_node_once_the_grace_is_over() -> None:
+    rec = Recorder()
+    released: list[str] = []
+    table = rec.table(on_release=lambda j: released.append(j.job_id), partial_grace_s=2.0)
+    node = _node(table)
+    job = _add(table, "a")
+    table.place()
+    table.cancel(["a"])
+    assert job.partial_until is not None
+    table.expire_partials(job.partial_until - 1.0)
+    assert released == []
+    table.expire_partials(job.partial_until)
+    assert released == ["a"] and P.unpack_obj(job.result)["output"] is None
+    # A late report from its node changes nothing now.
+    table.done(node, [JobEnd("a", 1, "cancelled")], [_result("a", "cancelled", size=3)])
+    assert released == ["a"] and P.unpack_obj(job.result)["output"] is None and "a" not in node.inflight

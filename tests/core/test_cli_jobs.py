@@ -223,3 +223,34 @@ def test_a_prefix_selects_its_submission_only(deployment: Deployment, tmp_path: 
     r = prorl(deployment, "results", "-d", deployment.name, "--prefix", "pre1", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert [json.loads(line)["job_id"] for line in out.read_text().splitlines()] == ["pre1-0-0"]
+
+
+def test_ctrl_c_on_submit_cancels_and_writes_the_cancelled_jobs_partial_trajectories(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    tasks = write_tasks(tmp_path / "t.jsonl", [{"end": "done"}, {"end": "hang"}, {"end": "hang"}])
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prorl_cli", "submit", "-d", deployment.name, str(tasks), "--task", "partial",
+         "--id-prefix", "sigint", "--out", str(out)],
+        env=deployment.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        client = deployment.client
+        deployment.wait_for(
+            lambda st: out.exists() and len(out.read_text().splitlines()) == 1
+            and sorted(client.list_jobs(prefix="sigint").values()) == ["done", "run", "run"],
+            60, "the finished job written and the hanging ones running")
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode != 0, err
+    rows = {(r := json.loads(line))["job_id"]: r for line in out.read_text().splitlines()}
+    assert {k: v["state"] for k, v in rows.items()} == {"sigint-0-0": "done", "sigint-1-0": "cancelled",
+                                                         "sigint-2-0": "cancelled"}, err
+    for job_id in ("sigint-1-0", "sigint-2-0"):
+        assert rows[job_id]["output"]["trajectory"]["sequence_ids"] == [1, 2, 3], rows[job_id]  # what it did so far
+    assert "cancelled job(s)' results" in err

@@ -75,3 +75,22 @@ def test_run_limit_times_out_and_run_failure_fails_with_the_partial_trajectory(
             assert traj["stop_reason"] == out["stop_reason"] == "error", (task, traj["stop_reason"])
             assert out["failure"] == {"stage": "run", "type": "RuntimeError",
                                       "message": "the model client fell over on call 2"}, out["failure"]
+
+
+def test_a_job_cancelled_mid_call_keeps_the_calls_it_made(stack: ScriptedStack) -> None:
+    """A cancel while the second model call is in flight: the result is the node's, with the first call kept."""
+    first = turn("", ("calculator", {"expression": "1+1"}))
+    stack.add("[P-cancel]", first, "<<sleep:300>>never read")
+    stack.start_model()
+    client = stack.d.client
+    served = sum(b.served for b in client.status().backends)
+    (job_id,) = client.submit("math_agent", [{"question": "[P-cancel]", "answer": "2"}], timeout_s=200)
+    # The first call answered and the second one held at the model: the job is mid-call.
+    stack.d.wait_for(lambda st: sum(b.served for b in st.backends) > served and sum(b.inflight for b in st.backends) > 0,
+                     60, "the second model call to be in flight")
+    assert client.cancel([job_id]) == {job_id: "cancelled"}
+    (r,) = client.wait([job_id], timeout_s=60)
+    assert r.state == "cancelled", r
+    traj = r.output["trajectory"]
+    assert len(traj["calls"]) == 1 and any(m["role"] == "tool" for m in traj["messages"]), traj
+    assert traj["stop_reason"] == "cancelled", traj["stop_reason"]

@@ -94,12 +94,33 @@ def collect(
             app.err_console.print(f"interrupted: cancelling {len(left)} unfinished job(s) "
                                   "(submit --detach leaves them running; prorl results collects them)")
             client.cancel(left)
+            _collect_cancelled(app, client, left, results, sink)
         else:
             app.err_console.print(f"interrupted: {len(left)} job(s) still running; `prorl results` collects them later")
         raise
     finally:
         sink.close(partial=sys.exc_info()[0] is not None)
     return results
+
+
+#: How long an interrupted submit waits for its cancelled jobs' results (the broker holds each for its
+#: node's partial result at most ``broker.cancel_result_grace_s``); a second Ctrl-C stops waiting.
+CANCELLED_RESULTS_WAIT_S = 30.0
+
+
+def _collect_cancelled(app: App, client: RolloutClient, ids: list[str], results: list[JobResult],
+                       sink: ResultFile) -> None:
+    """Write the cancelled jobs' results too: they carry what each job did until the cancel."""
+    from prorl_cli.exceptions import BrokerUnavailable
+
+    try:
+        for result in client.as_completed(ids, timeout_s=CANCELLED_RESULTS_WAIT_S):
+            results.append(result)
+            sink.add(result)
+    except (TimeoutError, BrokerUnavailable, KeyboardInterrupt) as e:
+        app.err_console.print(f"interrupted: {len(ids)} cancelled job(s)' results not all written ({type(e).__name__})")
+    else:
+        app.err_console.print(f"interrupted: wrote the {len(ids)} cancelled job(s)' results (partial trajectories)")
 
 
 def _counts_text(counts: dict[str, int]) -> str:
