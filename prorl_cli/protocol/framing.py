@@ -156,7 +156,9 @@ def decode_map(frame: bytes) -> dict[str, Any]:
     if len(frame) > MAX_HEADER_BYTES:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header frame is {len(frame)} bytes; the limit is {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        # Keys of any hashable type decode: a map keyed by numbers fails its field's check, which names
+        # the field and echoes the rid, instead of making the whole header unreadable.
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types for garbage
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header frame is not msgpack: {type(e).__name__}: {e}") from e
     if not isinstance(header, dict):

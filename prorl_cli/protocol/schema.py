@@ -49,8 +49,17 @@ Check = Callable[[Any, str], Any]
 ANNOTATIONS: dict[Check, Any] = {}
 
 
+#: What each checker accepts, for generators (``prorl_cli/testing/grammar.py``): a kind and its bounds.
+GRAMMAR: dict[Check, tuple[str, dict[str, Any]]] = {}
+
+
 def _typed(check: Check, annotation: Any) -> Check:
     ANNOTATIONS[check] = annotation
+    return check
+
+
+def _grammar(check: Check, kind: str, **bounds: Any) -> Check:
+    GRAMMAR[check] = (kind, bounds)
     return check
 
 
@@ -100,7 +109,7 @@ def Str(max_len: int = MAX_ID_CHARS, *, min_len: int = 1, choices: Sequence[str]
             raise _bad(path, f"must be one of {sorted(choices)}, got {v!r}")
         return v
 
-    return _typed(check, str)
+    return _grammar(_typed(check, str), "str", min_len=min_len, max_len=max_len, choices=choices)
 
 
 def Int(lo: int = 0, hi: int = _BIG) -> Check:
@@ -113,7 +122,7 @@ def Int(lo: int = 0, hi: int = _BIG) -> Check:
             raise _bad(path, f"must be in [{lo}, {hi}], got {v}")
         return v
 
-    return _typed(check, int)
+    return _grammar(_typed(check, int), "int", lo=lo, hi=hi)
 
 
 def Num(lo: float = 0.0, hi: float = float(_BIG), *, lo_open: bool = False) -> Check:
@@ -128,7 +137,7 @@ def Num(lo: float = 0.0, hi: float = float(_BIG), *, lo_open: bool = False) -> C
             raise _bad(path, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v:g}")
         return v
 
-    return _typed(check, float)
+    return _grammar(_typed(check, float), "num", lo=lo, hi=hi, lo_open=lo_open)
 
 
 def Bool() -> Check:
@@ -137,7 +146,7 @@ def Bool() -> Check:
             raise _bad(path, f"must be a boolean, got {_type_name(v)}")
         return v
 
-    return _typed(check, bool)
+    return _grammar(_typed(check, bool), "bool")
 
 
 def Id() -> Check:
@@ -147,7 +156,7 @@ def Id() -> Check:
     def check(v: Any, path: str) -> Any:
         return as_str(v, path) if isinstance(v, str) else as_int(v, path)
 
-    return _typed(check, str | int)
+    return _grammar(_typed(check, str | int), "one_of", checks=(as_str, as_int))
 
 
 def Scalar(max_len: int = 1024) -> Check:
@@ -163,7 +172,7 @@ def Scalar(max_len: int = 1024) -> Check:
             return n(v, path)
         raise _bad(path, f"must be a string, number, boolean or null, got {_type_name(v)}")
 
-    return _typed(check, str | int | float | bool | None)
+    return _grammar(_typed(check, str | int | float | bool | None), "one_of", checks=(s, n, Bool()))
 
 
 def List(item: Check, max_len: int = MAX_JOBS_PER_MESSAGE) -> Check:
@@ -192,6 +201,7 @@ def List(item: Check, max_len: int = MAX_JOBS_PER_MESSAGE) -> Check:
 
     if builds:
         _BUILDERS.add(check)
+    _grammar(check, "list", item=item, max_len=max_len)
     return _typed(check, list[ANNOTATIONS.get(item, Any)])  # type: ignore[misc]
 
 
@@ -216,6 +226,7 @@ def Dict(key: Check, value: Check, max_len: int = 64, max_packed_bytes: int | No
             raise _bad(path, f"packs to more than {max_packed_bytes} bytes")
         return v
 
+    _grammar(check, "dict", key=key, value=value, max_len=max_len)
     return _typed(check, dict[ANNOTATIONS.get(key, Any), ANNOTATIONS.get(value, Any)])  # type: ignore[misc]
 
 
@@ -262,6 +273,7 @@ def Record(
         return v if make is None else make(**out)
 
     RECORD_FIELDS[check] = fields
+    _grammar(check, "record", fields=fields, strict=strict)
     if cls is None:
         return _typed(check, dict[str, Any])
     _BUILDERS.add(check)
@@ -279,7 +291,7 @@ def _any(v: Any, path: str) -> Any:
     return v
 
 
-_ANY = _typed(_any, Any)
+_ANY = _grammar(_typed(_any, Any), "any")
 
 
 #: The stage names, in order (``stage_timeouts_s`` keys, the node's stage pools).
@@ -298,6 +310,7 @@ def _top_k(v: Any, path: str) -> Any:
 
 
 ANNOTATIONS[_top_k] = int
+GRAMMAR[_top_k] = ("int", {"lo": -1, "hi": 1 << 24})
 
 SAMPLING = Record({
     "max_tokens": Opt(Int(1, 1 << 24)),
@@ -355,6 +368,7 @@ def _http_url(v: Any, path: str) -> Any:
 
 
 ANNOTATIONS[_http_url] = str
+GRAMMAR[_http_url] = ("url", {"max_len": 2048})
 
 
 def _metric_sample(v: Any, path: str) -> Any:
@@ -379,6 +393,7 @@ def _metric_sample(v: Any, path: str) -> Any:
 
 
 ANNOTATIONS[_metric_sample] = list[Any]
+GRAMMAR[_metric_sample] = ("metric", {})
 
 #: Heartbeat ``metrics`` of a node or bridge (cumulative; names in ``prorl_cli/observe/metrics.py``).
 METRIC_SAMPLES = List(_metric_sample, 4096)

@@ -43,3 +43,18 @@ VALID: dict[P.Op, tuple[dict[str, Any], list[bytes]]] = {
 }
 # Not fuzzed over a live socket: it ends the deployment.
 STOP: tuple[dict[str, Any], list[bytes]] = ({"rid": 1}, [])
+# A node's own request to hand back unstarted jobs (from a peer that is no node: refused).
+RELEASE: tuple[dict[str, Any], list[bytes]] = ({"rid": 1, "job_ids": ["x"]}, [])
+
+#: What the broker sends to a node (``assign``, ``cancel_job``, ``generate_held``, ``shutdown``) and to a
+#: bridge (``generate``, ``update_weights``, ``generate_cancel``): the input a node's and a bridge's fuzz mutate.
+TO_NODE: dict[P.Op, tuple[dict[str, Any], list[bytes]]] = {
+    P.Op.ASSIGN: ({"jobs": [P.JobSpec(job_id="a1", task="test").to_wire()], "timing": [[]]}, [INSTANCE]),
+    P.Op.CANCEL_JOB: ({"job_ids": ["a1"]}, []),
+    P.Op.GENERATE_HELD: ({"rid": 1, "job_id": "a1", "held": True}, []),
+}
+TO_BRIDGE: dict[P.Op, tuple[dict[str, Any], list[bytes]]] = {
+    P.Op.GENERATE: ({"rid": 1, "job_id": "a1", "sampling": {"max_tokens": 4}}, [P.pack_tokens([1, 2])]),
+    P.Op.UPDATE_WEIGHTS: ({"rid": 1, "checkpoint": "/no/such/ckpt", "policy_version": 3, "load_timeout_s": 5.0}, []),
+    P.Op.GENERATE_CANCEL: ({"rid": 1, "job_id": "a1"}, []),
+}
