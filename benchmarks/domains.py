@@ -21,14 +21,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from prorl_cli.domains.search_index import Document, SearchIndex  # noqa: E402
 from prorl_cli.domains.tinyrepo import make_tinyrepo  # noqa: E402

@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from prorl_cli.agent import ChatTokens, TokenSession, Trajectory  # noqa: E402
 from prorl_cli.inference import Generation  # noqa: E402
 from prorl_cli.protocol import SamplingParams  # noqa: E402

@@ -78,15 +78,12 @@ import math
 import random
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from prorl_cli.embedded import LocalStack  # noqa: E402
 from prorl_cli.exceptions import ConfigError  # noqa: E402

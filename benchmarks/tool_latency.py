@@ -34,7 +34,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from prorl_cli.sandbox import SandboxConfig, SandboxManager  # noqa: E402
 from prorl_cli.sandbox.client import ToolClient  # noqa: E402

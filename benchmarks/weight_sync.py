@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from prorl_cli.inference.tiny_model import make_tiny_model
-    from tests.harness import Deployment
+    from prorl_cli.testing import Deployment
 
     with tempfile.TemporaryDirectory(prefix="prorl-weight-sync-") as tmp:
         root = Path(tmp)

@@ -38,8 +38,6 @@ import psutil
 import yaml
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's prorl_cli, installed or not
-
 from prorl_cli import protocol as P  # noqa: E402
 from prorl_cli.sandbox.runtime import session_members, stat_fields, wait_gone  # noqa: E402
 from prorl_cli.testing import Deployment, bare_dealer, fixed_port  # noqa: E402

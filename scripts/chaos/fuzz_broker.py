@@ -20,8 +20,6 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's prorl_cli, installed or not
-
 from prorl_cli.testing import Deployment  # noqa: E402
 from prorl_cli.testing.fuzzing import HonestClient, Peer, malformed  # noqa: E402
 

@@ -39,8 +39,6 @@ import msgpack
 import psutil
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's prorl_cli, installed or not
-
 from prorl_cli import protocol as P  # noqa: E402
 from prorl_cli.testing import Deployment, bare_dealer  # noqa: E402
 
