@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-from prorl_cli.domains.search_index import Document, SearchIndex  # noqa: E402
-from prorl_cli.domains.tinyrepo import make_tinyrepo  # noqa: E402
-from prorl_cli.testing import Deployment  # noqa: E402
-from prorl_cli.testing.scripted import TEST_IMAGES as IMAGES  # noqa: E402
-from prorl_cli.testing.scripted import ScriptedStack, turn  # noqa: E402
+from prorl_cli.domains.search_index import Document, SearchIndex
+from prorl_cli.domains.tinyrepo import make_tinyrepo
+from prorl_cli.testing import Deployment
+from prorl_cli.testing.scripted import TEST_IMAGES as IMAGES
+from prorl_cli.testing.scripted import ScriptedStack, turn
 
 FIX = ("editor", {"command": "str_replace", "path": "/testbed/tinycalc/stats.py", "old_str": "(len(xs) - 1)", "new_str": "len(xs)"})
 

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prorl_cli.agent import ChatTokens, TokenSession, Trajectory  # noqa: E402
-from prorl_cli.inference import Generation  # noqa: E402
-from prorl_cli.protocol import SamplingParams  # noqa: E402
+from prorl_cli.agent import ChatTokens, TokenSession, Trajectory
+from prorl_cli.inference import Generation
+from prorl_cli.protocol import SamplingParams
 
 OBSERVATIONS = [
     "result: 391", "  having 2 spaces", "ls -la\ntotal 8\ndrwxr-xr-x 2 root root 4096 .", "{\"ok\": true, \"value\": 3.14}",

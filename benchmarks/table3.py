@@ -84,10 +84,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-from prorl_cli.embedded import LocalStack  # noqa: E402
-from prorl_cli.exceptions import ConfigError  # noqa: E402
-from prorl_cli.training.gpu_ledger import OUTCOMES, breakdown, idle_gpu_s, load_ledgers  # noqa: E402
+from prorl_cli.embedded import LocalStack
+from prorl_cli.exceptions import ConfigError
+from prorl_cli.training.gpu_ledger import OUTCOMES, breakdown, idle_gpu_s, load_ledgers
 
 BACKENDS = 4
 #: Per configuration: prorl config overrides ("broker"), sampler settings ("sampler"), tmux-style tools ("tmux").

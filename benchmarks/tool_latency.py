@@ -35,9 +35,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-from prorl_cli.sandbox import SandboxConfig, SandboxManager  # noqa: E402
-from prorl_cli.sandbox.client import ToolClient  # noqa: E402
-from prorl_cli.sandbox.runtime import TOOLSERVER_PATH  # noqa: E402
+from prorl_cli.sandbox import SandboxConfig, SandboxManager
+from prorl_cli.sandbox.client import ToolClient
+from prorl_cli.sandbox.runtime import TOOLSERVER_PATH
 
 IMAGES = Path(os.environ.get("PRORL_TEST_IMAGES", "/var/cache/prorl-test"))
 COMMANDS = ("true", "echo x")

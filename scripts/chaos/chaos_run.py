@@ -38,9 +38,9 @@ import psutil
 import yaml
 import zmq
 
-from prorl_cli import protocol as P  # noqa: E402
-from prorl_cli.sandbox.runtime import session_members, stat_fields, wait_gone  # noqa: E402
-from prorl_cli.testing import Deployment, bare_dealer, fixed_port  # noqa: E402
+from prorl_cli import protocol as P
+from prorl_cli.sandbox.runtime import session_members, stat_fields, wait_gone
+from prorl_cli.testing import Deployment, bare_dealer, fixed_port
 
 IMAGES = Path(os.environ.get("PRORL_TEST_IMAGES", "/var/cache/prorl-test"))
 # The image each sandbox runtime starts (unused by ``local``).

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import psutil
 
-from prorl_cli.testing import Deployment  # noqa: E402
-from prorl_cli.testing.fuzzing import HonestClient, Peer, malformed  # noqa: E402
+from prorl_cli.testing import Deployment
+from prorl_cli.testing.fuzzing import HonestClient, Peer, malformed
 
 
 def main(argv: list[str] | None = None) -> int:

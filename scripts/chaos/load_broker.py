@@ -45,9 +45,9 @@ import msgpack
 import psutil
 import zmq
 
-from prorl_cli import protocol as P  # noqa: E402
-from prorl_cli.embedded import LocalStack  # noqa: E402
-from prorl_cli.testing import bare_dealer  # noqa: E402
+from prorl_cli import protocol as P
+from prorl_cli.embedded import LocalStack
+from prorl_cli.testing import bare_dealer
 
 TASK = "load"
 HOST = "sim"

@@ -39,8 +39,8 @@ import msgpack
 import psutil
 import zmq
 
-from prorl_cli import protocol as P  # noqa: E402
-from prorl_cli.testing import Deployment, bare_dealer  # noqa: E402
+from prorl_cli import protocol as P
+from prorl_cli.testing import Deployment, bare_dealer
 
 KINDS = ("ok", "raise", "stage_timeout", "job_timeout", "cancel_queued", "cancel_running")
 WEIGHTS = (0.70, 0.08, 0.05, 0.05, 0.06, 0.06)
