@@ -33,11 +33,11 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
 from prorl_cli.sandbox import SandboxConfig, SandboxManager
 from prorl_cli.sandbox.client import ToolClient
 from prorl_cli.sandbox.runtime import TOOLSERVER_PATH
+
+REPO = Path(__file__).resolve().parent.parent
 
 IMAGES = Path(os.environ.get("PRORL_TEST_IMAGES", "/var/cache/prorl-test"))
 COMMANDS = ("true", "echo x")
