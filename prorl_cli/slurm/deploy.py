@@ -105,7 +105,8 @@ class ArrayRole(SlurmJobOptions):
     array_parallelism: int = 0  # at most this many tasks at once; 0: all
     requeue: bool = True  # preempted or timed-out tasks drain, are requeued and rejoin
     # A task that ended on its own (FAILED, NODE_FAIL, OUT_OF_MEMORY, TIMEOUT) is replaced under its name by the
-    # broker job's supervisor at most this often per name, after restart_backoff_s (doubling with each restart).
+    # broker job's supervisor at most this often per name, restart_backoff_s after it was seen ended (that wait
+    # doubling with each restart of the name).
     max_restarts: int = 3
     restart_backoff_s: float = 30.0
 

@@ -4,6 +4,11 @@ One submitit executor per role; node and inference servers are job arrays
 (``map_array``, ``array_parallelism``). Every Slurm job id goes into
 ``$PRORL_HOME/<deployment>/launch.json``; Slurm's view is read from squeue
 (:mod:`prorl_cli.slurm.squeue`), never from submitit's job objects.
+
+Each launch has its own id (``launch_id`` in launch.json); what belongs to
+one launch (launch.json, the supervisor's supervision.json) is moved into
+``history/<launch id>/`` when the deployment is taken down, abandoned or
+launched again, so no launch reads another's state.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import io
 import json
 import logging
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -34,6 +40,7 @@ from prorl_cli.rendezvous import rendezvous_path
 from prorl_cli.slurm import squeue
 from prorl_cli.slurm.deploy import DeployConfig, load_deploy, time_minutes
 from prorl_cli.slurm.roles import RoleSpec, submitted_role
+from prorl_cli.slurm.supervisor import SUPERVISION_NAME, launch_id_of, launch_lock
 
 if TYPE_CHECKING:
     from prorl_cli.client import RolloutClient
@@ -42,6 +49,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LAUNCH_NAME = "launch.json"
+#: Under the deployment's folder: one folder per earlier launch, named by its launch id.
+HISTORY_NAME = "history"
 ROLES = ("broker", "nodes", "inference")
 #: What a node's drain on USR2 leaves of ``signal_delay_s`` for stopping the rest, unregistering and the requeue.
 DRAIN_REQUEUE_MARGIN_S = 30
@@ -71,6 +80,8 @@ class LaunchRecord:
     created_at: float
     broker_where: str = "slurm"
     broker_pid: int | None = None  # broker ``here``: the local process
+    #: This launch's id: supervision state is keyed by it (empty in records written before launches had ids).
+    launch_id: str = ""
     members: list[Member] = field(default_factory=list)
     #: Tasks scaled away: their role names are never given to another Slurm job.
     retired: list[Member] = field(default_factory=list)
@@ -109,6 +120,32 @@ class LaunchRecord:
             return cls(**data)
         except TypeError as e:
             raise SlurmError(f"{path}: malformed launch record: {e}") from e
+
+
+def new_launch_id(now: float | None = None) -> str:
+    """A launch id: the launch's UTC time (sorts in launch order) and a random suffix."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    return f"{stamp}-{secrets.token_hex(3)}"
+
+
+def archive_launch(deployment_dir: Path) -> Path | None:
+    """Move a launch's state (launch.json, supervision.json) into ``history/<launch id>/``; return that folder.
+
+    Called once the launch is over (``down`` with squeue empty, ``abandon``, the next ``launch``): a supervisor still
+    running would write its state again. None when there is nothing to move.
+    """
+    with launch_lock(deployment_dir):
+        present = [p for p in (deployment_dir / LAUNCH_NAME, deployment_dir / SUPERVISION_NAME) if p.exists()]
+        if not present:
+            return None
+        launch_id = next((i for i in map(launch_id_of, present) if i), None)
+        if launch_id is None:  # written before launches had ids
+            launch_id = "unnamed-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(present[0].stat().st_mtime))
+        dest = deployment_dir / HISTORY_NAME / launch_id
+        dest.mkdir(parents=True, exist_ok=True)
+        for path in present:
+            os.replace(path, dest / path.name)
+    return dest
 
 
 def prorl_config(cfg: DeployConfig) -> ProrlConfig:
@@ -339,10 +376,13 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
     # The broker that wrote it is gone: a stale file would send peers to a dead address.
     with contextlib.suppress(FileNotFoundError):
         rendezvous_path(cfg.deployment_dir).unlink()
+    # An earlier launch of this name that ended without `down`: its state is history, not this launch's.
+    archive_launch(cfg.deployment_dir)
     cfg.log_path.mkdir(parents=True, exist_ok=True)
+    now = time.time()
     record = LaunchRecord(
-        deployment=cfg.deployment, deploy_file=cfg.source, home=str(cfg.home_path), created_at=time.time(),
-        broker_where=cfg.broker.where,
+        deployment=cfg.deployment, deploy_file=cfg.source, home=str(cfg.home_path), created_at=now,
+        broker_where=cfg.broker.where, launch_id=new_launch_id(now),
     )
     try:
         if cfg.broker.where == "here":
@@ -386,7 +426,7 @@ def abandon(cfg: DeployConfig, record: LaunchRecord, wait_s: float = 60.0) -> li
         with contextlib.suppress(ProcessLookupError):
             os.killpg(record.broker_pid, signal.SIGTERM)
     left = squeue.wait_gone(record.job_ids, wait_s)
-    (cfg.deployment_dir / LAUNCH_NAME).unlink(missing_ok=True)
+    archive_launch(cfg.deployment_dir)
     with contextlib.suppress(FileNotFoundError):
         rendezvous_path(cfg.deployment_dir).unlink()
     return left
@@ -444,8 +484,6 @@ def scale(cfg: DeployConfig, role: str, count: int, drain_wait_s: float = 90.0) 
         raise SlurmError(f"cannot scale {role!r}: nodes or inference")
     if count < 0:
         raise SlurmError(f"--{role}: must be 0 or more, got {count}")
-    from prorl_cli.slurm.supervisor import launch_lock
-
     with launch_lock(cfg.deployment_dir):
         record = LaunchRecord.load(cfg.deployment_dir) or record  # the supervisor may have replaced a task
         return _scale_locked(cfg, record, role, count, drain_wait_s)
@@ -574,7 +612,8 @@ def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
         path.unlink()
         removed = True
     if not remaining:
-        (cfg.deployment_dir / LAUNCH_NAME).unlink(missing_ok=True)
+        # The launch's record and supervision state go to history/<launch id>/: the next launch starts afresh.
+        archive_launch(cfg.deployment_dir)
         # A broker that could not take the stop left its journal: down means nothing is replayed later.
         (cfg.deployment_dir / JOURNAL_NAME).unlink(missing_ok=True)
     return DownReport(stopped, cancelled, remaining, removed)

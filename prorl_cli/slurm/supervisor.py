@@ -1,17 +1,24 @@
 """Self-healing: replace node and inference tasks that ended without being asked to.
 
 Runs inside the broker's Slurm job (a child process the broker role starts
-and stops; no daemon on the login node). Every ``SUPERVISE_INTERVAL_S`` it
-reads the deployment's tasks from squeue (``-t all``: an ended task keeps its
-final state there for MinJobAge). A task that ended FAILED, NODE_FAIL,
-OUT_OF_MEMORY, TIMEOUT (not requeued), BOOT_FAIL or DEADLINE is replaced by a
-new Slurm job under the same role name (``node-<index>``), after a backoff
-that doubles with each restart of that name, at most ``max_restarts`` times
-per name (deploy.yaml, per role). Why the old task ended (Slurm's state,
-reason and exit code) is logged and kept in ``supervision.json``; a name
-whose budget is spent is marked given up there with its log tail, which
-``prorl status`` shows. Tasks that were asked to end (``scancel``: CANCELLED;
-a drain that exited: COMPLETED) and requeued ones (PENDING) are left alone.
+and stops; no daemon on the login node). Every ``SUPERVISE_INTERVAL_S`` (and
+when a replacement falls due) it reads the deployment's tasks from squeue
+(``-t all``: an ended task keeps its final state there for MinJobAge). A task
+that ended FAILED, NODE_FAIL, OUT_OF_MEMORY, TIMEOUT (not requeued),
+BOOT_FAIL or DEADLINE is replaced by a new Slurm job under the same role name
+(``node-<index>``) ``restart_backoff_s`` after the supervisor first saw it
+ended, that wait doubling with each restart of that name, at most
+``max_restarts`` times per name (deploy.yaml, per role). Why the old task
+ended (Slurm's state, reason and exit code) is logged and kept in
+``supervision.json``; a name whose budget is spent is marked given up there
+with its log tail, which ``prorl status`` shows. Tasks that were asked to end
+(``scancel``: CANCELLED; a drain that exited: COMPLETED) and requeued ones
+(PENDING) are left alone.
+
+``supervision.json`` belongs to one launch: it carries the launch id of
+``launch.json`` and is read only by that launch (a file of another launch is
+ignored); ``prorl down`` and the next ``prorl launch`` move it into
+``history/<launch id>/``.
 """
 
 from __future__ import annotations
@@ -25,9 +32,9 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prorl_cli.exceptions import ProrlError
 
@@ -39,39 +46,74 @@ SUPERVISE_INTERVAL_S = 5.0
 
 
 @dataclass
+class SeenFailure:
+    """A task of a name that the supervisor saw ended on its own and has not replaced yet."""
+
+    job_id: str
+    ended: str  # Slurm's words for how it ended
+    seen_at: float  # when the supervisor first saw it ended (epoch seconds)
+
+
+@dataclass
 class NameState:
     """What supervision did for one role name."""
 
     restarts: int = 0
-    last_restart_at: float = 0.0
+    #: The name's current task, once seen ended on its own and until replaced or given up on.
+    failure: SeenFailure | None = None
     #: Every replaced task: {"job_id", "ended"} (Slurm's words for how it ended).
     history: list[dict[str, str]] = field(default_factory=list)
     #: Set once the budget is spent: {"job_id", "ended", "log_tail"}.
     gave_up: dict[str, str] | None = None
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NameState:
+        known = {f.name for f in fields(cls)}
+        state = cls(**{k: v for k, v in data.items() if k in known})
+        if isinstance(state.failure, dict):
+            state.failure = SeenFailure(**state.failure)
+        return state
+
 
 @dataclass
 class Supervision:
-    """``supervision.json``: per role name, its restarts and why."""
+    """``supervision.json``: per role name of one launch, its restarts and why."""
 
     names: dict[str, NameState] = field(default_factory=dict)
+    #: The launch (``launch.json``'s ``launch_id``) this state belongs to.
+    launch_id: str = ""
 
     @classmethod
-    def load(cls, deployment_dir: Path) -> Supervision:
+    def load(cls, deployment_dir: Path, launch_id: str) -> Supervision:
+        """The state of launch ``launch_id``; empty when the file is missing or belongs to another launch."""
+        path = deployment_dir / SUPERVISION_NAME
         try:
-            data = json.loads((deployment_dir / SUPERVISION_NAME).read_text())
-            return cls({k: NameState(**v) for k, v in data.get("names", {}).items()})
+            data = json.loads(path.read_text())
+            if data.get("launch_id", "") != launch_id:
+                log.info("%s belongs to launch %r, not %r: not read", path, data.get("launch_id", ""), launch_id)
+                return cls(launch_id=launch_id)
+            return cls({k: NameState.from_dict(v) for k, v in data.get("names", {}).items()}, launch_id)
         except FileNotFoundError:
-            return cls()
-        except (OSError, ValueError, TypeError) as e:
-            log.warning("%s unreadable (%s); starting afresh", deployment_dir / SUPERVISION_NAME, e)
-            return cls()
+            return cls(launch_id=launch_id)
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            log.warning("%s unreadable (%s); starting afresh", path, e)
+            return cls(launch_id=launch_id)
 
     def save(self, deployment_dir: Path) -> None:
         path = deployment_dir / SUPERVISION_NAME
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"names": {k: asdict(v) for k, v in self.names.items()}}, indent=2))
+        data = {"launch_id": self.launch_id, "names": {k: asdict(v) for k, v in self.names.items()}}
+        tmp.write_text(json.dumps(data, indent=2))
         os.replace(tmp, path)
+
+
+def launch_id_of(path: Path) -> str | None:
+    """The ``launch_id`` a launch.json or supervision.json names, or None when it names none or is unreadable."""
+    try:
+        value = json.loads(path.read_text()).get("launch_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(value) if value else None
 
 
 @contextlib.contextmanager
@@ -86,36 +128,95 @@ def launch_lock(deployment_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def supervise_once(deployment_dir: Path, now: float | None = None) -> list[str]:
-    """One pass: replace what ended on its own and may be replaced; return the role names replaced."""
+@dataclass(frozen=True)
+class Decision:
+    """What to do about a name's task that ended on its own."""
+
+    #: wait: the replacement is not due yet; replace: it is; give_up: the budget is spent; done: given up already.
+    action: Literal["wait", "replace", "give_up", "done"]
+    due_at: float | None = None  # wait and replace: when the replacement is (was) due
+
+
+def replacement_due_at(restarts: int, seen_at: float, restart_backoff_s: float) -> float:
+    """A name's next replacement: ``restart_backoff_s`` after its task was seen ended, doubled per restart made."""
+    return seen_at + restart_backoff_s * (2**restarts)
+
+
+def decide(state: NameState, job_id: str, now: float, max_restarts: int, restart_backoff_s: float) -> Decision:
+    """What to do at ``now`` about ``job_id``, the name's task that ended on its own.
+
+    Its failure counts as seen at ``state.failure.seen_at`` when recorded for
+    this job, else at ``now`` (the caller records it).
+    """
+    if state.gave_up is not None and state.gave_up.get("job_id") == job_id:
+        return Decision("done")
+    if state.restarts >= max_restarts:
+        return Decision("give_up")
+    seen_at = state.failure.seen_at if state.failure is not None and state.failure.job_id == job_id else now
+    due_at = replacement_due_at(state.restarts, seen_at, restart_backoff_s)
+    return Decision("replace" if now >= due_at else "wait", due_at)
+
+
+@dataclass
+class PassResult:
+    """What one supervision pass did."""
+
+    replaced: list[str] = field(default_factory=list)  # role names given a new Slurm job
+    next_due_at: float | None = None  # the earliest replacement still waiting for its backoff
+
+
+def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult:
+    """One pass: replace what ended on its own and may be replaced (by now)."""
     from prorl_cli.slurm import launcher, squeue
 
     now = time.time() if now is None else now
-    replaced: list[str] = []
+    result = PassResult()
     with launch_lock(deployment_dir):
         record, cfg = launcher.load_launched(deployment_dir)
         members = [m for m in record.members if m.role in ("nodes", "inference")]
         rows = {t.job_id: t for t in squeue.query([m.job_id for m in members], all_states=True)}
-        sup = Supervision.load(deployment_dir)
+        sup = Supervision.load(deployment_dir, record.launch_id)
         changed = False
         for m in members:
             t = rows.get(m.job_id)
-            if t is None or t.state not in squeue.UNASKED_END_STATES:
+            state = sup.names.get(m.peer_id)
+            seen = state is not None and state.failure is not None and state.failure.job_id == m.job_id
+            if t is not None and t.state not in squeue.UNASKED_END_STATES:
+                if seen and t.active and state is not None:  # requeued by hand: it runs again
+                    state.failure = None
+                    changed = True
                 continue
+            if t is None and not seen:
+                continue  # not in squeue (aged out, or not there yet) and not seen ended
             state = sup.names.setdefault(m.peer_id, NameState())
-            if state.gave_up is not None and state.gave_up.get("job_id") == m.job_id:
+            opts = cfg.role(m.role)
+            budget = opts.max_restarts  # type: ignore[attr-defined]
+            decision = decide(state, m.job_id, now, budget, opts.restart_backoff_s)  # type: ignore[attr-defined]
+            if decision.action == "done":
                 continue
-            budget = cfg.role(m.role).max_restarts  # type: ignore[attr-defined]
-            ended = squeue.ended(t).describe()
-            if state.restarts >= budget:
+            if state.failure is not None and state.failure.job_id == m.job_id:
+                ended = state.failure.ended
+            else:
+                assert t is not None
+                ended = squeue.ended(t).describe()
+            if decision.action == "give_up":
                 tail = launcher.log_tail(cfg, m, lines=12)
                 state.gave_up = {"job_id": m.job_id, "ended": ended, "log_tail": tail}
+                state.failure = None
                 log.error("%s (Slurm job %s) ended %s; not replaced: its %d restart(s) (max_restarts) are spent",
                           m.peer_id, m.job_id, ended, budget)
                 changed = True
                 continue
-            backoff_s = cfg.role(m.role).restart_backoff_s * (2 ** state.restarts)  # type: ignore[attr-defined]
-            if now < state.last_restart_at + backoff_s:
+            assert decision.due_at is not None
+            if not seen:
+                state.failure = SeenFailure(m.job_id, ended, now)
+                changed = True
+                if decision.action == "wait":
+                    log.warning("%s (Slurm job %s) ended %s without being asked to: replacing it in %.0f s "
+                                "(restart %d of %d)", m.peer_id, m.job_id, ended, decision.due_at - now,
+                                state.restarts + 1, budget)
+            if decision.action == "wait":
+                result.next_due_at = min(decision.due_at, result.next_due_at or decision.due_at)
                 continue
             log.warning("%s (Slurm job %s) ended %s without being asked to: replacing it (restart %d of %d)",
                         m.peer_id, m.job_id, ended, state.restarts + 1, budget)
@@ -125,21 +226,21 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> list[str]:
                 log.error("could not replace %s: %s", m.peer_id, e)
                 continue
             state.restarts += 1
-            state.last_restart_at = now
+            state.failure = None
             state.history.append({"job_id": m.job_id, "ended": ended})
             record.members = [new if x is m else x for x in record.members]
             record.retired.append(m)
-            replaced.append(m.peer_id)
+            result.replaced.append(m.peer_id)
             changed = True
             log.info("%s is now Slurm job %s", new.peer_id, new.job_id)
         if changed:
             sup.save(deployment_dir)
             record.save(deployment_dir)
-    return replaced
+    return result
 
 
 def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S) -> None:
-    """Supervise until SIGTERM."""
+    """Supervise until SIGTERM: a pass every ``interval_s``, and one when a replacement falls due."""
     stop = False
 
     def on_term(signum: int, frame: Any) -> None:
@@ -149,13 +250,16 @@ def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S) -> None:
     signal.signal(signal.SIGTERM, on_term)
     log.info("supervising the node and inference tasks of %s every %.0f s", deployment_dir, interval_s)
     while not stop:
+        wait_s = interval_s
         try:
-            supervise_once(deployment_dir)
+            due_at = supervise_once(deployment_dir).next_due_at
+            if due_at is not None:
+                wait_s = min(interval_s, max(0.0, due_at - time.time()))
         except ProrlError as e:
             log.warning("supervision pass failed: %s", e)
-        deadline = time.monotonic() + interval_s
+        deadline = time.monotonic() + wait_s
         while not stop and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
 def child_env() -> dict[str, str]:

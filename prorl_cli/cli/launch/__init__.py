@@ -7,6 +7,7 @@ registered. ``prorl status`` adds the same Slurm view (:func:`print_slurm_view`)
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -134,29 +135,35 @@ def _print_ended(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
     """For each task that ended on its own (failed, out of memory, node failure, time limit): why, and its log's end."""
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.slurm import launcher, squeue
-    from prorl_cli.slurm.supervisor import Supervision
+    from prorl_cli.slurm.supervisor import Supervision, replacement_due_at
 
     by_id = {t.job_id: t for t in rows}
-    sup = Supervision.load(Path(record.home) / record.deployment)
+    # This launch's replacements only: an earlier launch's state (history/) is never read.
+    sup = Supervision.load(Path(record.home) / record.deployment, record.launch_id)
     for name, named in sorted(sup.names.items()):
         for old in named.history:
             app.console.print(f"{name}: replaced its Slurm job {old['job_id']}, which ended {old['ended']}")
-    cfg = None
+    cfg: DeployConfig | None = None
     for m in record.members:
         t = by_id.get(m.job_id)
         if t is None or t.state not in squeue.UNASKED_END_STATES:
             continue
         ended = squeue.ended(t)
+        if cfg is None:
+            with contextlib.suppress(ProrlError):
+                _, cfg = launcher.load_launched(Path(record.home) / record.deployment)
         state = sup.names.get(m.peer_id)
         verdict = ""
         if state is not None and state.gave_up is not None and state.gave_up.get("job_id") == m.job_id:
             verdict = f"; [bold red]failed[/]: not replaced any more ({state.restarts} restart(s), max_restarts spent)"
+        elif cfg is not None and state is not None and state.failure is not None and state.failure.job_id == m.job_id:
+            opts = cfg.role(m.role)
+            budget, backoff_s = opts.max_restarts, opts.restart_backoff_s  # type: ignore[attr-defined]
+            due_in_s = max(0.0, replacement_due_at(state.restarts, state.failure.seen_at, backoff_s) - time.time())
+            verdict = f"; replacement due in {due_in_s:.0f} s (restart {state.restarts + 1} of {budget})"
         app.console.print(f"[red]{m.peer_id}[/] (Slurm job {m.job_id}) ended {ended.describe()}{verdict}")
         if cfg is None:
-            try:
-                _, cfg = launcher.load_launched(Path(record.home) / record.deployment)
-            except ProrlError:
-                return
+            continue
         tail = launcher.log_tail(cfg, m, lines=8)
         if tail:
             app.console.print("  last lines of its log:\n" + "\n".join(f"    {line}" for line in tail.splitlines()))

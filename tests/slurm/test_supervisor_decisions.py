@@ -1,0 +1,172 @@
+"""The supervisor's decisions without a cluster, the clock passed in: a replacement is due restart_backoff_s after the
+failure was seen (doubling with each restart of the name), max_restarts bounds it, and its state belongs to one
+launch (another launch's supervision.json is not read; ``down`` moves it into history/<launch id>/)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prorl_cli.slurm import launcher, squeue
+from prorl_cli.slurm.deploy import ArrayRole
+from prorl_cli.slurm.launcher import HISTORY_NAME, LAUNCH_NAME, LaunchRecord, Member, archive_launch
+from prorl_cli.slurm.squeue import EndedTask, SlurmTask
+from prorl_cli.slurm.supervisor import (
+    SUPERVISION_NAME,
+    NameState,
+    SeenFailure,
+    Supervision,
+    decide,
+    supervise_once,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_the_first_replacement_waits_restart_backoff_s_from_when_the_failure_was_seen() -> None:
+    fresh = NameState()
+    # Seen now for the first time: due a whole backoff later, not at once (no earlier restart to count from).
+    assert decide(fresh, "10_0", now=1000.0, max_restarts=3, restart_backoff_s=30.0).action == "wait"
+    assert decide(fresh, "10_0", now=1000.0, max_restarts=3, restart_backoff_s=30.0).due_at == 1030.0
+    seen = NameState(failure=SeenFailure("10_0", "FAILED", seen_at=1000.0))
+    assert decide(seen, "10_0", now=1029.9, max_restarts=3, restart_backoff_s=30.0).action == "wait"
+    assert decide(seen, "10_0", now=1030.0, max_restarts=3, restart_backoff_s=30.0).action == "replace"
+    # No backoff: replaced at the pass that sees it.
+    assert decide(fresh, "10_0", now=1000.0, max_restarts=3, restart_backoff_s=0.0).action == "replace"
+
+
+def test_the_wait_doubles_with_each_restart_of_the_name_and_counts_from_the_new_failure() -> None:
+    dues = [decide(NameState(restarts=n, failure=SeenFailure("11_0", "FAILED", 5000.0)), "11_0", now=5000.0,
+                   max_restarts=3, restart_backoff_s=30.0).due_at for n in range(3)]
+    assert dues == [5030.0, 5060.0, 5120.0]
+    # A failure seen of the name's earlier task does not start the clock for its current one.
+    stale = NameState(restarts=1, failure=SeenFailure("10_0", "FAILED", seen_at=0.0))
+    assert decide(stale, "11_0", now=7000.0, max_restarts=3, restart_backoff_s=30.0).due_at == 7060.0
+
+
+def test_a_spent_budget_gives_up_once_per_task() -> None:
+    spent = NameState(restarts=2)
+    assert decide(spent, "12_0", now=0.0, max_restarts=2, restart_backoff_s=30.0).action == "give_up"
+    spent.gave_up = {"job_id": "12_0", "ended": "FAILED", "log_tail": ""}
+    assert decide(spent, "12_0", now=0.0, max_restarts=2, restart_backoff_s=30.0).action == "done"
+    assert decide(NameState(), "12_0", now=0.0, max_restarts=0, restart_backoff_s=30.0).action == "give_up"
+
+
+def test_supervision_state_of_another_launch_is_not_read(tmp_path: Path) -> None:
+    old = Supervision({"node-0": NameState(restarts=2, history=[{"job_id": "1_0", "ended": "FAILED"}] * 2)}, "L1")
+    old.save(tmp_path)
+    assert Supervision.load(tmp_path, "L1").names["node-0"].restarts == 2
+    fresh = Supervision.load(tmp_path, "L2")
+    assert fresh.names == {} and fresh.launch_id == "L2"
+    # A file written before launches had ids (with its old keys) is read by a record without one.
+    (tmp_path / SUPERVISION_NAME).write_text(json.dumps(
+        {"names": {"node-1": {"restarts": 1, "last_restart_at": 5.0, "history": [], "gave_up": None}}}))
+    assert Supervision.load(tmp_path, "").names["node-1"].restarts == 1
+    assert Supervision.load(tmp_path, "L2").names == {}
+
+
+def test_archive_moves_a_launch_state_into_history_under_its_launch_id(tmp_path: Path) -> None:
+    LaunchRecord(deployment="x", deploy_file="d.yaml", home=str(tmp_path), created_at=0.0, launch_id="L1").save(tmp_path)
+    Supervision({"node-0": NameState(restarts=1)}, "L1").save(tmp_path)
+    dest = archive_launch(tmp_path)
+    assert dest == tmp_path / HISTORY_NAME / "L1"
+    assert sorted(p.name for p in dest.iterdir()) == sorted([LAUNCH_NAME, SUPERVISION_NAME])
+    assert not (tmp_path / LAUNCH_NAME).exists() and not (tmp_path / SUPERVISION_NAME).exists()
+    assert archive_launch(tmp_path) is None, "nothing left to move"
+    # State from before launch ids is moved too, under a name of its own.
+    (tmp_path / SUPERVISION_NAME).write_text(json.dumps({"names": {}}))
+    unnamed = archive_launch(tmp_path)
+    assert unnamed is not None and unnamed.name.startswith("unnamed-") and not (tmp_path / SUPERVISION_NAME).exists()
+
+
+def test_new_launch_ids_differ() -> None:
+    assert launcher.new_launch_id(0.0) != launcher.new_launch_id(0.0)
+    assert launcher.new_launch_id(0.0).startswith("19700101T000000Z-")
+
+
+def test_the_example_deploy_file_states_the_default_backoff_and_budget() -> None:
+    data = yaml.safe_load((EXAMPLES / "deploy.yaml").read_text())
+    for role in ("nodes", "inference"):
+        assert data[role]["restart_backoff_s"] == ArrayRole.restart_backoff_s
+        assert data[role]["max_restarts"] == ArrayRole.max_restarts
+
+
+class FakeSlurm:
+    """squeue rows the test sets, and sbatch handing out the next array job id."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.states: dict[str, str] = {}
+        self.next_job = 20
+        self.submitted: list[str] = []
+        monkeypatch.setattr(squeue, "query", self.query)
+        monkeypatch.setattr(squeue, "ended", lambda t: EndedTask(t.job_id, t.state, "NonZeroExitCode", "137:0"))
+        monkeypatch.setattr(launcher, "_submit", self.submit)
+
+    def query(self, job_ids: list[str], all_states: bool = False) -> list[SlurmTask]:
+        return [SlurmTask(j, self.states[j], "None", "", "0:01", "", "prorl-x-nodes") for j in job_ids if j in self.states]
+
+    def submit(self, cfg: object, role: str, indices: list[int]) -> list[Member]:
+        job = f"{self.next_job}_{indices[0]}"
+        self.next_job += 1
+        self.states[job] = "RUNNING"
+        self.submitted.append(job)
+        return [Member(role, indices[0], job)]
+
+
+def _launched(tmp_path: Path, launch_id: str, max_restarts: int = 2) -> Path:
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(yaml.safe_dump({"deployment": "x", "home": str(tmp_path),
+                                      "nodes": {"count": 1, "max_restarts": max_restarts, "restart_backoff_s": 30.0}}))
+    deployment_dir = tmp_path / "x"
+    LaunchRecord(deployment="x", deploy_file=str(deploy), home=str(tmp_path), created_at=0.0, launch_id=launch_id,
+                 members=[Member("broker", 0, "9"), Member("nodes", 0, "10_0")]).save(deployment_dir)
+    return deployment_dir
+
+
+def _node0(deployment_dir: Path) -> str:
+    record = LaunchRecord.load(deployment_dir)
+    assert record is not None
+    return record.of("nodes")[0].job_id
+
+
+def test_a_pass_replaces_only_once_the_backoff_from_the_failure_has_passed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slurm = FakeSlurm(monkeypatch)
+    deployment_dir = _launched(tmp_path, "L1")
+    slurm.states["10_0"] = "RUNNING"
+    assert supervise_once(deployment_dir, now=900.0).replaced == []
+    slurm.states["10_0"] = "FAILED"
+    first = supervise_once(deployment_dir, now=1000.0)
+    assert first.replaced == [] and first.next_due_at == 1030.0, "seen now: due restart_backoff_s later"
+    assert supervise_once(deployment_dir, now=1029.0).replaced == []
+    assert supervise_once(deployment_dir, now=1030.0).replaced == ["node-0"]
+    assert _node0(deployment_dir) == "20_0"
+    # The replacement fails too: the second wait is doubled, from when that failure was seen.
+    slurm.states["20_0"] = "FAILED"
+    assert supervise_once(deployment_dir, now=2000.0).next_due_at == 2060.0
+    del slurm.states["20_0"]  # aged out of squeue (MinJobAge) while waiting: still replaced when due
+    assert supervise_once(deployment_dir, now=2059.0).replaced == []
+    assert supervise_once(deployment_dir, now=2060.0).replaced == ["node-0"]
+    sup = Supervision.load(deployment_dir, "L1").names["node-0"]
+    assert sup.restarts == 2 and [h["job_id"] for h in sup.history] == ["10_0", "20_0"] and sup.failure is None
+    # Budget spent: given up on, never submitted again.
+    slurm.states["21_0"] = "FAILED"
+    supervise_once(deployment_dir, now=9000.0)
+    assert Supervision.load(deployment_dir, "L1").names["node-0"].gave_up is not None
+    assert slurm.submitted == ["20_0", "21_0"]
+
+
+def test_a_new_launch_counts_its_restarts_from_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slurm = FakeSlurm(monkeypatch)
+    deployment_dir = _launched(tmp_path, "L2", max_restarts=1)
+    # What an earlier launch of the same name left, had nothing moved it away: its budget was spent.
+    Supervision({"node-0": NameState(restarts=1, gave_up={"job_id": "3_0", "ended": "FAILED", "log_tail": ""})},
+                "L1").save(deployment_dir)
+    slurm.states["10_0"] = "FAILED"
+    supervise_once(deployment_dir, now=1000.0)
+    assert supervise_once(deployment_dir, now=1030.0).replaced == ["node-0"], "restart 1 of 1, not given up"
+    saved = json.loads((deployment_dir / SUPERVISION_NAME).read_text())
+    assert saved["launch_id"] == "L2" and saved["names"]["node-0"]["restarts"] == 1
