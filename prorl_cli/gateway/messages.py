@@ -8,6 +8,15 @@ Both APIs are turned into one canonical form, the one ``ChatTokens`` and
 requests in this form: two messages are the same when the template would
 render them the same, so ids, ``null`` versus missing fields and key order
 never break token continuity.
+
+Every number a request gives is checked here, so that a value out of range
+is a 400 naming the API's field, never a later failure: the sampling fields
+(``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``) by the
+broker's own checks of ``SamplingParams`` (``prorl_cli.protocol.schema.SAMPLING``,
+the one place their ranges are written), so nothing the gateway accepts is
+refused by the broker or is too large for msgpack to carry; the fields that
+never leave the gateway (``n``, ``top_logprobs``, the penalties, the legacy
+``logprobs``) in the ranges the OpenAI API documents.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.exceptions import ProrlError
+from prorl_cli.protocol.schema import RECORD_FIELDS, SAMPLING, Check, FieldError, Int, Num, Opt
 
 
 class RequestError(ProrlError, ValueError):
@@ -47,7 +57,8 @@ class ChatRequest:
     logprobs: bool = False
     #: ``False`` when the caller asked for no tool calls (OpenAI ``tool_choice: "none"``).
     parse_tools: bool = True
-    include_usage: bool = True
+    #: OpenAI ``stream_options.include_usage``: end a stream with a usage chunk (whose ``choices`` is empty).
+    include_usage: bool = False
 
 
 def _text(content: Any, where: str) -> str:
@@ -87,15 +98,43 @@ def tool_call_message(name: str, arguments: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _number(body: dict[str, Any], key: str, kind: type, *, low: float | None = None) -> Any:
+#: The broker's check of each ``SamplingParams`` field (type and range), taken from its wire schema.
+SAMPLING_CHECKS: dict[str, Check] = {
+    name: spec.check if isinstance(spec, Opt) else spec for name, spec in RECORD_FIELDS[SAMPLING].items()}
+#: Fields the gateway reads but never sends on, in the OpenAI API's documented ranges.
+_TOP_LOGPROBS = Int(0, 20)
+_PENALTY = Num(-2.0, 2.0)
+_COMPLETION_LOGPROBS = Int(0, 5)
+
+
+def _checked(body: dict[str, Any], key: str, check: Check) -> Any:
+    """``body[key]`` checked by ``check`` (``None`` when absent or null); :class:`RequestError` names ``key``."""
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
-        raise RequestError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=key)
-    if low is not None and value < low:
-        raise RequestError(f"{key} must be >= {low:g}, got {value!r}", param=key)
-    return kind(value)
+    try:
+        return check(value, key)
+    except FieldError as e:
+        raise RequestError(f"{key} {e.detail}", param=key) from None
+
+
+def _sampling(body: dict[str, Any], key: str, field: str | None = None) -> Any:
+    """``body[key]`` checked as the broker checks the sampling field ``field`` (``key`` by default)."""
+    return _checked(body, key, SAMPLING_CHECKS[field or key])
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _flag(body: dict[str, Any], key: str, where: str | None = None) -> bool:
+    """A boolean field (absent or null: false); anything else is refused rather than read as truthy."""
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{where or key} must be a boolean, got {type(value).__name__}", param=where or key)
+    return value
 
 
 def _stop(value: Any) -> list[str]:
@@ -168,31 +207,58 @@ def _openai_tools(raw: Any) -> list[dict[str, Any]] | None:
     return raw or None
 
 
-def openai_chat_request(body: dict[str, Any]) -> ChatRequest:
-    """Validate an OpenAI ``/v1/chat/completions`` body; :class:`RequestError` names the field."""
+def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields (and the checked-only numbers) common to chat and legacy completions."""
     n = body.get("n")
-    if n not in (None, 1):
-        raise RequestError(f"n={n!r} is not supported: the gateway samples one choice per request (n=1)", param="n")
-    max_tokens = _number(body, "max_completion_tokens", int, low=1)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+        raise RequestError(f"n must be an integer, got {type(n).__name__}", param="n")
+    if n is not None and n != 1:
+        raise RequestError(f"n={n} is not supported: the gateway samples one choice per request (n=1)", param="n")
+    for key in ("presence_penalty", "frequency_penalty"):
+        _checked(body, key, _PENALTY)  # accepted for compatibility, not applied (the generate contract has none)
+    max_tokens = _sampling(body, "max_completion_tokens", "max_tokens")
     if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", int, low=1)
+        max_tokens = _sampling(body, "max_tokens")
+    return {"max_tokens": max_tokens, "temperature": _float(_sampling(body, "temperature")),
+            "top_p": _float(_sampling(body, "top_p")), "seed": _sampling(body, "seed")}
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise RequestError("stream_options must be an object", param="stream_options")
+    return _flag(stream_options, "include_usage", "stream_options.include_usage")
+
+
+def openai_chat_request(body: dict[str, Any]) -> ChatRequest:
+    """Validate an OpenAI ``/v1/chat/completions`` body; :class:`RequestError` names the field."""
+    sampling = _openai_sampling(body)
+    _checked(body, "top_logprobs", _TOP_LOGPROBS)  # only the sampled token's log-prob is returned
     return ChatRequest(
         messages=openai_messages(body.get("messages")),
         tools=_openai_tools(body.get("tools")),
         model=_model(body),
-        stream=bool(body.get("stream")),
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", float, low=0),
-        top_p=_number(body, "top_p", float),
-        seed=_number(body, "seed", int),
+        stream=_flag(body, "stream"),
         stop=_stop(body.get("stop")),
-        logprobs=bool(body.get("logprobs")),
+        logprobs=_flag(body, "logprobs"),
         parse_tools=body.get("tool_choice") != "none",
-        include_usage=True,
+        include_usage=_include_usage(body),
+        **sampling,
     )
+
+
+def openai_completion_request(body: dict[str, Any]) -> tuple[str, ChatRequest]:
+    """Validate an OpenAI ``/v1/completions`` body: the prompt text and its sampling, as a message-less request."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise RequestError("prompt must be a string (one prompt per request)", param="prompt")
+    # Here ``logprobs`` is how many alternatives per token (0-5), not chat's boolean; none are returned.
+    _checked(body, "logprobs", _COMPLETION_LOGPROBS)
+    req = ChatRequest(messages=[], tools=None, model=_model(body), stream=_flag(body, "stream"),
+                      stop=_stop(body.get("stop")), include_usage=_include_usage(body), **_openai_sampling(body))
+    return prompt, req
 
 
 # ---------------------------------------------------------------- Anthropic
@@ -272,7 +338,7 @@ def anthropic_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
 
 def anthropic_request(body: dict[str, Any]) -> ChatRequest:
     """Validate an Anthropic ``/v1/messages`` body; :class:`RequestError` names the field."""
-    max_tokens = _number(body, "max_tokens", int, low=1)
+    max_tokens = _sampling(body, "max_tokens")
     if max_tokens is None:
         raise RequestError("max_tokens is required", param="max_tokens")
     tool_choice = body.get("tool_choice")
@@ -280,11 +346,11 @@ def anthropic_request(body: dict[str, Any]) -> ChatRequest:
         messages=anthropic_messages(body.get("system"), body.get("messages")),
         tools=anthropic_tools(body.get("tools")),
         model=_model(body),
-        stream=bool(body.get("stream")),
+        stream=_flag(body, "stream"),
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", float, low=0),
-        top_p=_number(body, "top_p", float),
-        top_k=_number(body, "top_k", int, low=1),
+        temperature=_float(_sampling(body, "temperature")),
+        top_p=_float(_sampling(body, "top_p")),
+        top_k=_sampling(body, "top_k"),
         stop=_stop(body.get("stop_sequences")),
         parse_tools=not (isinstance(tool_choice, dict) and tool_choice.get("type") == "none"),
     )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from prorl_cli.gateway.buffer import Reply
-from prorl_cli.gateway.messages import ChatRequest, RequestError, openai_chat_request
+from prorl_cli.gateway.messages import ChatRequest, openai_chat_request, openai_completion_request
 from prorl_cli.gateway.streaming import open_sse, send_event
 
 if TYPE_CHECKING:
@@ -37,8 +37,30 @@ def _logprobs(job: JobGateway, reply: Reply) -> dict[str, Any]:
 
 
 def _prorl_fields(reply: Reply) -> dict[str, Any]:
-    """What the gateway adds to every response (OpenAI clients ignore unknown fields)."""
+    """What the gateway adds to every response (OpenAI clients ignore unknown fields).
+
+    A stream carries it on its finish-reason chunk, the last one with a choice: the usage chunk
+    after it is sent only on request (``stream_options.include_usage``), as OpenAI does, and its
+    empty ``choices`` is not what a client reading ``chunk.choices[0]`` expects.
+    """
     return {"segment": reply.segment, "continued": reply.continued, "policy_version": reply.call.policy_version}
+
+
+def _stream_base(req: ChatRequest, prefix: str, kind: str) -> dict[str, Any]:
+    """The fields every chunk of one stream shares (OpenAI sends ``usage: null`` on each when usage was asked for)."""
+    base: dict[str, Any] = {"id": f"{prefix}-{secrets.token_hex(12)}", "object": kind, "created": int(time.time()),
+                            "model": req.model}
+    if req.include_usage:
+        base["usage"] = None
+    return base
+
+
+async def _end_stream(resp: web.StreamResponse, req: ChatRequest, base: dict[str, Any], reply: Reply) -> None:
+    """The usage chunk (only when asked for: its ``choices`` is empty), ``[DONE]``, end of body."""
+    if req.include_usage:
+        await send_event(resp, {**base, "choices": [], "usage": _usage(reply)})
+    await send_event(resp, "[DONE]")
+    await resp.write_eof()
 
 
 async def chat_completions(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
@@ -63,8 +85,7 @@ async def chat_completions(request: web.Request, job: JobGateway, body: dict[str
 
 
 async def _stream_chat(resp: web.StreamResponse, job: JobGateway, req: ChatRequest, reply: Reply) -> None:
-    base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": req.model}
+    base = _stream_base(req, "chatcmpl", "chat.completion.chunk")
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
         return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
@@ -75,32 +96,22 @@ async def _stream_chat(resp: web.StreamResponse, job: JobGateway, req: ChatReque
         await send_event(resp, chunk({"content": reply.content}, **logprobs))
     for i, call in enumerate(_tool_calls(reply)):
         await send_event(resp, chunk({"tool_calls": [{"index": i, **call}]}))
-    await send_event(resp, chunk({}, reply.finish_reason))
-    await send_event(resp, {**base, "choices": [], "usage": _usage(reply), "prorl": _prorl_fields(reply)})
-    await send_event(resp, "[DONE]")
-    await resp.write_eof()
+    await send_event(resp, {**chunk({}, reply.finish_reason), "prorl": _prorl_fields(reply)})
+    await _end_stream(resp, req, base, reply)
 
 
 async def completions(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise RequestError("prompt must be a string (one prompt per request)", param="prompt")
-    chat_like = openai_chat_request({**body, "messages": [{"role": "user", "content": ""}]})
+    prompt, chat_like = openai_completion_request(body)
     job.check_model(chat_like.model)
     if chat_like.stream:
         resp = await open_sse(request)
         reply = await job.buffer.complete_text(prompt, chat_like)
-        base = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                "model": chat_like.model}
+        base = _stream_base(chat_like, "cmpl", "text_completion")
         await send_event(resp, {**base, "choices": [{"index": 0, "text": reply.content, "finish_reason": None,
                                                      "logprobs": None}]})
         await send_event(resp, {**base, "choices": [{"index": 0, "text": "", "finish_reason": reply.finish_reason,
-                                                     "logprobs": None}]})
-        await send_event(resp, {**base, "choices": [], "usage": _usage(reply)})
-        await send_event(resp, "[DONE]")
-        await resp.write_eof()
+                                                     "logprobs": None}], "prorl": _prorl_fields(reply)})
+        await _end_stream(resp, chat_like, base, reply)
         return resp
     reply = await job.buffer.complete_text(prompt, chat_like)
     return web.json_response({

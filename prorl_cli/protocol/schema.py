@@ -131,10 +131,13 @@ def Num(lo: float = 0.0, hi: float = float(_BIG), *, lo_open: bool = False) -> C
     def check(v: Any, path: str) -> Any:
         if not isinstance(v, int | float) or isinstance(v, bool):
             raise _bad(path, f"must be a number, got {_type_name(v)}")
-        if not math.isfinite(v):
+        # Only a float can be NaN or infinite; an int compares exactly with the bounds, however large
+        # (``math.isfinite`` and ``:g`` convert it to a float first, an OverflowError past 1e308).
+        if isinstance(v, float) and not math.isfinite(v):
             raise _bad(path, f"must be a finite number, got {v}")
         if v > hi or v < lo or (lo_open and v == lo):
-            raise _bad(path, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v:g}")
+            got = f"{v:g}" if isinstance(v, float) else str(v)
+            raise _bad(path, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {got}")
         return v
 
     return _grammar(_typed(check, float), "num", lo=lo, hi=hi, lo_open=lo_open)

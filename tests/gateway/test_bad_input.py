@@ -7,10 +7,15 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from prorl_cli import protocol as P
+from prorl_cli.exceptions import ProtocolError
+from prorl_cli.gateway.messages import SAMPLING_CHECKS
 from prorl_cli.gateway.server import Gateway
+from prorl_cli.testing.grammar import edge_values
 from tests.gateway.conftest import ScriptedModel, open_job
 
 OK_BODY = {"model": "prorl", "messages": [{"role": "user", "content": "hi"}]}
@@ -74,11 +79,16 @@ _json = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
     max_leaves=20,
 )
+#: Numbers of every size: msgpack's 64-bit integers and past them, floats to infinity and NaN.
+_numbers = st.integers() | st.integers(-(10**40), 10**40) | st.floats() | _json
 _bodies = st.one_of(
     _json,
     st.fixed_dictionaries({"model": st.just("prorl"), "messages": _json}, optional={
-        "tools": _json, "stream": st.booleans(), "max_tokens": _json, "stop": _json, "n": _json,
-        "temperature": _json, "system": _json, "stop_sequences": _json, "prompt": _json}),
+        "tools": _json, "stream": st.booleans(), "max_tokens": _numbers, "stop": _json, "n": _numbers,
+        "temperature": _numbers, "system": _json, "stop_sequences": _json, "prompt": _json, "seed": _numbers,
+        "top_p": _numbers, "top_k": _numbers, "max_completion_tokens": _numbers, "top_logprobs": _numbers,
+        "presence_penalty": _numbers, "frequency_penalty": _numbers, "logprobs": _numbers,
+        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": _json})}),
     st.fixed_dictionaries({"model": st.just("prorl"), "max_tokens": st.integers(1, 8), "messages": st.lists(
         st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system"]), "content": _json}),
         min_size=1, max_size=3)}),
@@ -161,6 +171,105 @@ def test_job_end_and_client_disconnect_cancel_the_model_call(tokenizer: Any) -> 
             job3 = open_job(gw, tokenizer, model)
             status, body = await _post(s, f"{job3.base_url()}/chat/completions", OK_BODY)
             assert status == 200 and body["choices"][0]["message"]["content"] == "never sent"
+        await gw.close()
+
+    asyncio.run(main())
+
+
+#: Where each route reads each sampling field: the API's name -> the ``SamplingParams`` field it sets.
+_SAMPLING_KEYS = {
+    "chat/completions": {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
+                         "temperature": "temperature", "top_p": "top_p", "seed": "seed"},
+    "completions": {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
+                    "temperature": "temperature", "top_p": "top_p", "seed": "seed"},
+    "messages": {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"},
+}
+_BASE: dict[str, dict[str, Any]] = {
+    "chat/completions": OK_BODY,
+    "completions": {"model": "prorl", "prompt": "hi"},
+    "messages": {**OK_BODY, "max_tokens": 8},
+}
+#: Past msgpack's 64 bits, and past a float's range (a valid JSON integer still).
+_HUGE = [10**12, 2**63, 2**64, -(2**64), 10**30, 2**70, -(2**70), 10**400, -(10**400)]
+
+
+def _broker_accepts(field: str, value: Any) -> bool:
+    """Whether a generate call with ``sampling: {field: value}`` can be sent and passes the broker's check."""
+    try:
+        P.parse(P.decode_header(P.encode({"op": "generate", "rid": 1, "job_id": "j", "sampling": {field: value}})[0]), 1)
+    except (ProtocolError, OverflowError):
+        return False
+    return True
+
+
+def test_every_sampling_number_is_accepted_exactly_when_the_broker_accepts_it(tokenizer: Any) -> None:
+    """Each sampling field of each route, at the edges of the broker's schema (``edge_values`` reads them off
+    ``prorl_cli.protocol.schema.SAMPLING``), past msgpack's integers and past a float's range: the gateway answers
+    200 when the broker would take the value and 400 naming the field when it would not: never 500, never a
+    502 from the broker, and nothing it refused reaches the model."""
+    import aiohttp
+
+    async def main() -> None:
+        gw = Gateway()
+        await gw.start()
+        model = ScriptedModel(tokenizer, ["ok"] * 10_000)
+        job = open_job(gw, tokenizer, model)
+        refused = accepted = 0
+        async with aiohttp.ClientSession() as s:
+            for route, keys in _SAMPLING_KEYS.items():
+                for key, field in keys.items():
+                    values = [v for v in edge_values(SAMPLING_CHECKS[field]) if not isinstance(v, bytes)] + _HUGE
+                    for value in values:
+                        calls = model.calls
+                        status, body = await _post(s, f"{job.base_url()}/{route}", {**_BASE[route], key: value})
+                        what = (route, key, value, body)
+                        required = route == "messages" and key == "max_tokens"  # Anthropic's max_tokens
+                        if _broker_accepts(field, value) and not (required and value is None):
+                            accepted += 1
+                            assert status == 200 and model.calls == calls + 1, what
+                            continue
+                        refused += 1
+                        assert status == 400 and model.calls == calls, what
+                        message = body["error"]["message"]
+                        assert message.startswith(f"{key} "), what
+                        if route != "messages":  # Anthropic's error body has no param; its message names the field
+                            assert body["error"]["param"] == key, what
+        assert refused > 100 and accepted > 20  # both sides of every bound were crossed
+        await gw.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("route", "extra", "param", "words"), [
+    ("chat/completions", {"n": 2**70}, "n", "is not supported"),
+    ("chat/completions", {"n": 1.0}, "n", "n must be an integer"),
+    ("chat/completions", {"top_logprobs": 10**30}, "top_logprobs", "top_logprobs must be in [0, 20]"),
+    ("chat/completions", {"presence_penalty": 3}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+    ("chat/completions", {"frequency_penalty": -(10**400)}, "frequency_penalty", "frequency_penalty must be in"),
+    ("chat/completions", {"frequency_penalty": float("nan")}, "frequency_penalty", "must be a finite number"),
+    ("chat/completions", {"logprobs": 10**30}, "logprobs", "logprobs must be a boolean"),
+    ("chat/completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage",
+     "stream_options.include_usage must be a boolean"),
+    ("completions", {"logprobs": 6}, "logprobs", "logprobs must be in [0, 5]"),
+    ("completions", {"n": 2}, "n", "is not supported"),
+])
+def test_numbers_the_gateway_keeps_are_checked_too(tokenizer: Any, route: str, extra: dict[str, Any], param: str,
+                                                   words: str) -> None:
+    """Numbers that never reach the broker (``n``, ``top_logprobs``, penalties, the legacy ``logprobs``) are held
+    to the OpenAI API's ranges: 400 naming the field, nothing sampled, the job served afterwards."""
+    import aiohttp
+
+    async def main() -> None:
+        gw = Gateway()
+        await gw.start()
+        model = ScriptedModel(tokenizer, ["hello"])
+        job = open_job(gw, tokenizer, model)
+        async with aiohttp.ClientSession() as s:
+            status, body = await _post(s, f"{job.base_url()}/{route}", {**_BASE[route], **extra})
+            assert (status, body["error"]["param"]) == (400, param) and words in body["error"]["message"], body
+            assert model.calls == 0
+            status, body = await _post(s, f"{job.base_url()}/{route}", _BASE[route])
+            assert status == 200 and model.calls == 1
         await gw.close()
 
     asyncio.run(main())

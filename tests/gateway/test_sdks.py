@@ -219,3 +219,44 @@ def test_session_gives_host_side_agents_a_base_url(tokenizer: Any, tiny_model: A
             await gw.gateway.close()
 
     asyncio.run(main())
+
+
+def test_openai_streams_end_with_a_usage_chunk_only_when_asked(tokenizer: Any) -> None:
+    """As OpenAI streams: the usage chunk (empty ``choices``) only with ``stream_options.include_usage``, and then
+    ``usage: null`` on every other chunk; the gateway's own ``prorl`` fields ride on the finish-reason chunk,
+    whichever way (chat and legacy completions)."""
+    need_module("openai", "test")
+    import openai
+
+    async def main() -> None:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, ["Streamed."] * 8))
+        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
+        try:
+            for include_usage in (None, False, True):
+                options: dict[str, Any] = {} if include_usage is None else {
+                    "stream_options": {"include_usage": include_usage}}
+                chat = [c async for c in await client.chat.completions.create(
+                    model="prorl", messages=[{"role": "user", "content": "hi"}], stream=True, **options)]
+                text = [c async for c in await client.completions.create(
+                    model="prorl", prompt="hi", stream=True, **options)]
+                for chunks in (chat, text):
+                    call = job.trajectory.calls[-1 if chunks is text else -2]
+                    with_choice = chunks[:-1] if include_usage else chunks
+                    assert all(c.choices for c in with_choice) and all(c.usage is None for c in with_choice)
+                    last = with_choice[-1]
+                    assert last.choices[0].finish_reason == "stop"
+                    assert (last.model_extra or {})["prorl"] == {
+                        "segment": call.segment, "continued": False, "policy_version": 7}
+                    if include_usage:
+                        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+                        assert chunks[-1].usage.completion_tokens == len(call.output_ids)
+                        assert chunks[-1].usage.prompt_tokens == len(call.prompt_ids)
+                assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == "Streamed."
+                assert "".join(c.choices[0].text for c in text if c.choices).startswith("Streamed.")
+        finally:
+            await client.close()
+            await gw.close()
+
+    asyncio.run(main())
