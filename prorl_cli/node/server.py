@@ -67,9 +67,34 @@ class ResultPacker:
         if len(fields) == _RESULT_FIELDS:
             try:
                 return bytes(self._packer.pack(fields))
-            except TypeError:
+            except (TypeError, OverflowError):
                 pass  # the packer reset its buffer; to_wire converts what it refused
-        return P.pack_obj(result.to_wire())
+        wire = result.to_wire()
+        try:
+            return P.pack_obj(wire)
+        except (TypeError, OverflowError, ValueError) as e:
+            # Handler output is anyone's data (a model's tool call can hold a 100-digit integer): the result
+            # still goes out, with what msgpack cannot carry as text, rather than failing its delivery.
+            log.warning("job %s: its result holds values msgpack cannot carry (%s); they are sent as text",
+                        result.job_id, e)
+            return P.pack_obj(_carriable(wire))
+
+
+#: msgpack's integer range.
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _carriable(value: Any) -> Any:
+    """``value`` with every integer msgpack cannot carry, and every object it does not know, as text."""
+    if isinstance(value, dict):
+        return {_carriable(k): _carriable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_carriable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, float | str | bytes):
+        return value
+    if isinstance(value, int):
+        return value if _INT_MIN <= value <= _INT_MAX else str(value)
+    return repr(value)
 
 #: ``node.drain_grace_s`` when the config leaves it unset (and no Slurm launch set it from signal_delay_s).
 DEFAULT_DRAIN_GRACE_S = 90.0

@@ -137,6 +137,23 @@ def test_result_frames_are_the_bytes_of_to_wire_whatever_a_result_holds() -> Non
     assert packer.pack(plain) == P.pack_obj(plain.to_wire())
 
 
+def test_a_result_holding_what_msgpack_cannot_carry_still_goes_out_with_it_as_text() -> None:
+    """A model's tool call with a 100-digit integer (or a handler's set) must not stop the result's delivery."""
+    from prorl_cli import protocol as P
+    from prorl_cli.node.server import ResultPacker
+
+    huge = 10**100
+    result = JobResult(job_id="j", task="noop", state="done",
+                       output={"messages": [{"tool_calls": [{"arguments": {"n": huge, "m": -huge, "k": 7}}]}],
+                               "seen": {3}, "fine": [1, 2.5, None]})
+    packer = ResultPacker()
+    out = P.unpack_obj(packer.pack(result))["output"]
+    assert out["messages"][0]["tool_calls"][0]["arguments"] == {"n": str(huge), "m": str(-huge), "k": 7}
+    assert out["seen"] == "{3}" and out["fine"] == [1, 2.5, None]
+    plain = JobResult(job_id="j", task="noop", state="done", output={"x": 1})
+    assert packer.pack(plain) == P.pack_obj(plain.to_wire())  # and the fast path still works
+
+
 def test_a_job_clock_counts_each_stage_and_keeps_a_held_stage_limit_whole() -> None:
     from prorl_cli.node.clock import Arming, JobClock
 
