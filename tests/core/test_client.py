@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from prorl_cli.client import AsyncRolloutClient, RolloutClient, Submitted
-from prorl_cli.config import load_config
 from prorl_cli.exceptions import BrokerUnavailable, UnknownJob
 from prorl_cli.protocol import JobResult
 from tests.harness import Deployment, fixed_port
@@ -129,7 +128,7 @@ def test_a_broker_restarted_at_a_new_address_delivers_each_result_once_and_inven
         d.start_broker()
         d.start_node("n1")
         # No address: the client follows the rendezvous file, as a trainer does.
-        client = RolloutClient("mv", config=load_config(d.config_path), request_timeout_s=60)
+        client = RolloutClient("mv", config=d.load_config(), request_timeout_s=60)
         stream = client.results(timeout_s=180)  # open-ended: everything this client receives from now on
         quick = client.submit("test", [{"echo": "quick"}] * 2)
         slow = client.submit("test", [{"sleep_s": {"run": 1.5}}] * 4, timeout_s=60)
@@ -168,7 +167,7 @@ def test_one_retry_with_the_same_ids_succeeds_after_the_broker_moved(tmp_path: P
     try:
         d.start_broker()
         d.start_node("n1")
-        client = RolloutClient("mv1", config=load_config(d.config_path), request_timeout_s=60)
+        client = RolloutClient("mv1", config=d.load_config(), request_timeout_s=60)
         stream = client.results(timeout_s=120)  # a trainer awaiting results: the client watches the broker
         first = client.submit("test", [{"echo": "before"}] * 2)
         got = [next(stream) for _ in first]

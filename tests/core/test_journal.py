@@ -107,7 +107,6 @@ def test_without_a_journal_waiting_clients_hear_that_their_jobs_are_gone(make: C
 def test_nodes_and_clients_follow_a_broker_restarted_at_a_new_address(tmp_path: Path) -> None:
     """With a free port (the default), the new broker listens elsewhere; peers find it in the rendezvous file."""
     from prorl_cli.client import RolloutClient
-    from prorl_cli.config import load_config
 
     d = Deployment(tmp_path / "home", "mv", config={"node": {"n_init": 2, "n_run": 2, "n_eval": 2, "credit": 2}})
     runs = tmp_path / "runs"
@@ -116,7 +115,7 @@ def test_nodes_and_clients_follow_a_broker_restarted_at_a_new_address(tmp_path: 
         d.start_broker()
         old_address = d.address
         d.start_node("n1")
-        client = RolloutClient("mv", config=load_config(d.config_path))  # no address: it reads the rendezvous file
+        client = RolloutClient("mv", config=d.load_config())  # no address: it reads the rendezvous file
         ids = client.submit("test", [{"sleep_s": {"run": 1.0}, "journal": str(runs)}] * 4, timeout_s=60)
         d.wait_for(lambda st: st.jobs["run"] == 2, 30, "two jobs running, two queued")
         d.kill("broker", signal.SIGKILL)

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.config import load_config
 from prorl_cli.training.sampler import DapoSampler, SamplerConfig, StepStats
 from tests.harness import Deployment
 
@@ -31,7 +30,7 @@ def run_steps(tmp_path: Path, cap_carry: bool) -> tuple[list[tuple[int, int | No
         dep.start_node("n1")
 
         async def go() -> DapoSampler:
-            client = AsyncRolloutClient(dep.name, address=dep.address, config=load_config(dep.config_path))
+            client = AsyncRolloutClient(dep.name, address=dep.address, config=dep.load_config())
             async with client:
                 sampler = DapoSampler(client, "dapo_sim", prompts(), cfg)
 

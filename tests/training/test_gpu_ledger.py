@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.config import load_config
 from prorl_cli.training.gpu_ledger import OUTCOMES, breakdown, load_ledgers
 from prorl_cli.training.sampler import DapoSampler, SamplerConfig
 from tests.harness import Deployment
@@ -50,7 +49,7 @@ def test_breakdown_of_a_short_replay_adds_up_to_the_engines_busy_time(tmp_path: 
     try:
 
         async def go() -> dict[str, str]:
-            client = AsyncRolloutClient(d.name, address=d.address, config=load_config(d.config_path))
+            client = AsyncRolloutClient(d.name, address=d.address, config=d.load_config())
             async with client:
                 sampler = DapoSampler(client, "sim_agent", instances(16), cfg)
                 sampler.job_outcomes = {}
@@ -89,7 +88,7 @@ def test_carried_rollouts_keep_their_backend_across_a_weight_sync(tmp_path: Path
     d = sim_deployment(tmp_path, ledgers)
     try:
         async def go() -> set[str]:
-            client = AsyncRolloutClient(d.name, address=d.address, config=load_config(d.config_path))
+            client = AsyncRolloutClient(d.name, address=d.address, config=d.load_config())
             async with client:
                 sampler = DapoSampler(client, "sim_agent", instances(32), cfg)
                 carried: set[str] = set()
@@ -128,7 +127,7 @@ def test_kv_admission_keeps_each_backends_live_contexts_within_its_kv_cache(tmp_
     d = sim_deployment(tmp_path, ledgers, sim_profile=str(profile))
     try:
         async def go() -> None:
-            client = AsyncRolloutClient(d.name, address=d.address, config=load_config(d.config_path))
+            client = AsyncRolloutClient(d.name, address=d.address, config=d.load_config())
             async with client:
                 sampler = DapoSampler(client, "sim_agent", instances(16), cfg)
                 await sampler.step(policy_version=0)

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.config import load_config
 from prorl_cli.training.sampler import DapoSampler, SamplerConfig, SamplerState, StepBatch
 from tests.harness import Deployment
 
@@ -41,7 +40,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
 
 
 def aclient(dep: Deployment) -> AsyncRolloutClient:
-    return AsyncRolloutClient(dep.name, address=dep.address, config=load_config(dep.config_path))
+    return AsyncRolloutClient(dep.name, address=dep.address, config=dep.load_config())
 
 
 def check_batch(batch: StepBatch, cfg: SamplerConfig) -> None:
@@ -154,7 +153,7 @@ def test_restarted_sampler_resubmits_the_same_ids(stack: Deployment, tmp_path: P
     out = tmp_path / "ids.json"
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, stack.name, stack.address, str(stack.config_path), str(out), json.dumps(ps)],
-        env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
+        env={**stack.env(), "PYTHONPATH": str(REPO)}, start_new_session=True,
     )
     try:
         stack.wait_for(lambda st: out.exists() and st.jobs.get("done", 0) > 0, 60, "the first trainer's jobs", None)
