@@ -1,56 +1,44 @@
 """Generate routing: which inference backend serves each model call of a job.
 
-The broker's loop owns one :class:`Router`. It hands the router the
-generate-related ops (``generate``, ``generate_reply``, ``generate_done``,
-``generate_cancel``, backend registration, ``add/clear/list_llm_server``,
-``pause/resume_generation``, ``update_weights``), tells it when a job ends or loses its node
-(:meth:`Router.job_ended`, the seam with the job table), and calls
-:meth:`Router.tick` for bridge liveness. The router sends through the
-function it was given and asks the broker only two things: which node a
-peer is, and which node a job runs on.
+The broker's loop owns one :class:`Router` and hands it the generate ops
+(``generate``, ``generate_reply``, ``generate_done``, ``generate_cancel``),
+the backend ops (``register_backend``, ``add/clear/list_llm_server``) and
+the weight-sync ops of its :class:`~prorl_cli.broker.weights.WeightSync`.
+It tells the router when a job ends or loses its node (:meth:`Router.job_ended`,
+the seam with the job table) and calls :meth:`Router.tick` for bridge
+liveness. The router sends through the function it was given and asks the
+broker only two things: which node a peer is, and which node a job runs on.
 
-A backend's in-flight count is computed from the calls the router holds
-for it (forwarded to a bridge, or redirected to an HTTP backend and not yet
-reported done); nothing is counted by hand. The policy that picks a backend
-is a named choice (``broker.routing_policy``):
-
-- ``least_loaded_sticky`` (default): a job's first call goes to the live
-  backend with the fewest live jobs, then fewest in-flight calls, then on
-  the requesting node's host; its later calls follow it there.
-- ``round_robin``: every call goes to the next backend in turn (no
-  stickiness: a multi-turn job's prefix cache is lost on every hop).
-- ``ever_assigned``: the paper's server: sticky, and a new job goes to the
-  backend that was ever assigned the fewest jobs (a count never decremented).
-
-With a sticky policy, a new job's first call also passes KV-cache admission
-(:mod:`prorl_cli.broker.admission`, ``broker.kv_admission``): it goes only to
-a backend whose live jobs' contexts leave room for it in the KV cache the
-backend reports, and waits at the broker while none has room.
+Rules: a call is routed only for a job placed on the requesting node and not
+finished; every call the router drops is answered at once. Its calls live in
+the tables of ``broker/calls.py``, and a backend's in-flight count is computed
+from them, never counted by hand. The backends and the named policies that
+pick one (``broker.routing_policy``) are in ``broker/backends.py``. With a
+sticky policy, a new job's first call also passes KV-cache admission
+(``broker/admission.py``, ``broker.kv_admission``): it waits at the broker
+while no backend's KV cache has room for it.
 """
 
 from __future__ import annotations
 
-import abc
 import itertools
 import logging
 import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prorl_cli import protocol as P
 from prorl_cli.broker.admission import KvAdmission, WaitingCall, call_tokens
+from prorl_cli.broker.backends import POLICY_CLASSES, Backend
+from prorl_cli.broker.calls import HeldGenerate, HeldGenerates, PendingGenerate, PendingGenerates
+from prorl_cli.broker.state import SendFn
+from prorl_cli.broker.weights import WeightSync
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.protocol import ErrorCode, Op
 from prorl_cli.protocol import headers as H
 
 log = logging.getLogger(__name__)
-
-#: ``send(identity, header, payload) -> bool``: False when the peer is gone.
-SendFn = Callable[[bytes, dict[str, Any], "list[bytes] | tuple[bytes, ...]"], bool]
-
-ROUTING_POLICIES = ("least_loaded_sticky", "round_robin", "ever_assigned")
 
 
 class NodeLike(Protocol):
@@ -58,259 +46,6 @@ class NodeLike(Protocol):
 
     node_id: str
     host: str
-
-
-# ---------------------------------------------------------------------- tables
-
-
-@dataclass
-class PendingGenerate:
-    """A generate call routed to a backend and not yet over.
-
-    Bridge calls (``redirect`` false) wait for the bridge's ``generate_reply``;
-    redirected calls (an HTTP backend the node calls itself) wait for the
-    node's ``generate_done``.
-    """
-
-    requester: bytes
-    rid: object
-    job_id: str
-    backend_id: str
-    redirect: bool = False
-    #: The policy version current when the call went to its backend (the weights that serve it).
-    policy_version: int = 0
-    #: When it went to its backend (monotonic s): a drain that times out says how long each call ran.
-    since: float = field(default_factory=time.monotonic)
-
-
-class PendingGenerates:
-    """Routed calls by call id, indexed by job and by backend."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, PendingGenerate] = {}
-        self._by_job: dict[str, set[int]] = {}
-        self._by_backend: dict[str, set[int]] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def add(self, call_id: int, pend: PendingGenerate) -> None:
-        self._by_id[call_id] = pend
-        self._by_job.setdefault(pend.job_id, set()).add(call_id)
-        self._by_backend.setdefault(pend.backend_id, set()).add(call_id)
-
-    def on_backend(self, backend_id: str) -> int:
-        """How many calls ``backend_id`` is serving now."""
-        return len(self._by_backend.get(backend_id, ()))
-
-    def backend_of(self, call_id: object) -> str | None:
-        """The backend a pending call went to (None if no such call is pending)."""
-        pend = self._by_id.get(call_id) if isinstance(call_id, int) and not isinstance(call_id, bool) else None
-        return pend.backend_id if pend is not None else None
-
-    def pop(self, call_id: object) -> PendingGenerate | None:
-        pend = self._by_id.pop(call_id, None) if isinstance(call_id, int) and not isinstance(call_id, bool) else None
-        if pend is None:
-            return None
-        for index, key in ((self._by_job, pend.job_id), (self._by_backend, pend.backend_id)):
-            ids = index[key]
-            ids.discard(call_id)
-            if not ids:
-                del index[key]
-        return pend
-
-    def find(self, job_id: str, match: Callable[[PendingGenerate], bool]) -> list[int]:
-        """Call ids of ``job_id`` whose record ``match``es, oldest first."""
-        return sorted(c for c in self._by_job.get(job_id, ()) if match(self._by_id[c]))
-
-    def pop_job(self, job_id: str) -> list[tuple[int, PendingGenerate]]:
-        """Remove and return every call of ``job_id``."""
-        return [(c, pend) for c in sorted(self._by_job.get(job_id, ())) if (pend := self.pop(c)) is not None]
-
-    def pop_backend(self, backend_id: str) -> list[tuple[int, PendingGenerate]]:
-        """Remove and return every call routed to ``backend_id``."""
-        return [(c, pend) for c in sorted(self._by_backend.get(backend_id, ())) if (pend := self.pop(c)) is not None]
-
-    def items(self) -> list[tuple[int, PendingGenerate]]:
-        """Every pending call, oldest first."""
-        return sorted(self._by_id.items())
-
-    def pop_all(self) -> list[tuple[int, PendingGenerate]]:
-        out = sorted(self._by_id.items())
-        self._by_id.clear()
-        self._by_job.clear()
-        self._by_backend.clear()
-        return out
-
-
-@dataclass
-class HeldGenerate:
-    """A generate call held while generation is paused or no backend is up."""
-
-    requester: bytes
-    header: H.Generate
-    payload: list[bytes]
-
-    @property
-    def job_id(self) -> str:
-        return self.header.job_id
-
-
-class HeldGenerates:
-    """Held calls in arrival order, indexed by job (a job that ends drops its own in O(its calls))."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, HeldGenerate] = {}  # insertion order is arrival order
-        self._by_job: dict[str, set[int]] = {}
-        self._ids = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def add(self, item: HeldGenerate) -> None:
-        hid = next(self._ids)
-        self._by_id[hid] = item
-        self._by_job.setdefault(item.job_id, set()).add(hid)
-
-    def pop_job(self, job_id: str, match: Callable[[HeldGenerate], bool] | None = None) -> list[HeldGenerate]:
-        hids = sorted(self._by_job.get(job_id, ()))
-        out = []
-        for hid in hids:
-            item = self._by_id[hid]
-            if match is None or match(item):
-                del self._by_id[hid]
-                self._by_job[job_id].discard(hid)
-                out.append(item)
-        if not self._by_job.get(job_id, True):
-            del self._by_job[job_id]
-        return out
-
-    def pop_all(self) -> list[HeldGenerate]:
-        out = list(self._by_id.values())
-        self._by_id.clear()
-        self._by_job.clear()
-        return out
-
-
-@dataclass
-class Waiter:
-    """A client waiting for an answer that the router gives later (a drain, a weight update)."""
-
-    identity: bytes
-    rid: object
-    deadline: float
-
-
-@dataclass
-class WeightUpdate:
-    """An ``update_weights`` forwarded to bridges: answered once each has loaded (or failed, or went away)."""
-
-    waiter: Waiter
-    policy_version: int
-    #: Forward id -> backend id of the bridges that have not answered yet.
-    waiting: dict[int, str] = field(default_factory=dict)
-    updated: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-    #: HTTP backends (``backends add``): the broker cannot reload them.
-    skipped: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Backend:
-    """An inference backend: a bridge peer (``identity``) or a plain HTTP address (``url``)."""
-
-    backend_id: str
-    kind: str  # "bridge" | "http"
-    identity: bytes | None = None
-    url: str | None = None
-    host: str | None = None
-    model: str | None = None
-    max_model_len: int | None = None
-    capacity: int = 0
-    jobs: set[str] = field(default_factory=set)  # live jobs routed here (sticky policies)
-    #: Jobs ever routed here; never decremented (the ``ever_assigned`` policy's count).
-    assigned: int = 0
-    served: int = 0
-    cleared: bool = False
-    alive: bool = True
-    last_seen: float = 0.0
-    #: The bridge's engine figures from its last heartbeat (the sim engine: busy fraction, tokens/s, hit rate).
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def status(self, inflight: int) -> P.BackendStatus:
-        return P.BackendStatus(
-            backend_id=self.backend_id,
-            kind=self.kind,
-            url=self.url,
-            host=self.host,
-            model=self.model,
-            max_model_len=self.max_model_len,
-            inflight=inflight,
-            jobs=len(self.jobs),
-            served=self.served,
-            cleared=self.cleared,
-            alive=self.alive,
-            stats=dict(self.stats),
-        )
-
-
-# ---------------------------------------------------------------------- policies
-
-
-class RoutingPolicy(abc.ABC):
-    """Picks a backend for a job's call among live, uncleared ``candidates`` (never empty)."""
-
-    #: Whether a job's later calls follow its first one.
-    sticky = True
-
-    def __init__(self, inflight: Callable[[Backend], int]) -> None:
-        self.inflight = inflight
-
-    @abc.abstractmethod
-    def choose(self, candidates: list[Backend], host: str | None) -> Backend:
-        """The backend for a new job (sticky policies) or for this call (others)."""
-
-
-class LeastLoadedSticky(RoutingPolicy):
-    """Fewest live jobs, then fewest in-flight calls, then same host, then fewest served."""
-
-    def choose(self, candidates: list[Backend], host: str | None) -> Backend:
-        def key(b: Backend) -> tuple[int, int, int, int]:
-            return (len(b.jobs), self.inflight(b), 0 if host and host == b.host else 1, b.served)
-
-        return min(candidates, key=key)
-
-
-class RoundRobin(RoutingPolicy):
-    """Each call to the next backend in turn, whatever job it belongs to."""
-
-    sticky = False
-
-    def __init__(self, inflight: Callable[[Backend], int]) -> None:
-        super().__init__(inflight)
-        self._turn = 0
-
-    def choose(self, candidates: list[Backend], host: str | None) -> Backend:
-        backend = candidates[self._turn % len(candidates)]
-        self._turn += 1
-        return backend
-
-
-class EverAssigned(RoutingPolicy):
-    """The paper's server: the backend ever assigned the fewest jobs (first registered on a tie)."""
-
-    def choose(self, candidates: list[Backend], host: str | None) -> Backend:
-        return min(candidates, key=lambda b: b.assigned)
-
-
-POLICY_CLASSES: dict[str, type[RoutingPolicy]] = {
-    "least_loaded_sticky": LeastLoadedSticky,
-    "round_robin": RoundRobin,
-    "ever_assigned": EverAssigned,
-}
-
-
-# ---------------------------------------------------------------------- the router
 
 
 class Router:
@@ -357,31 +92,36 @@ class Router:
         #: New jobs' first calls waiting for KV room on a backend (sticky policies only).
         self.admission = KvAdmission(kv_admission if POLICY_CLASSES[policy].sticky else 0.0, kv_admission_max_wait_s)
         self._call_ids = itertools.count(1)
-        self.paused = False
-        #: The trainer's policy (weights) version, set by pause/resume; 0 until told.
-        self.policy_version = 0
         self.stopping = False
-        #: Clients waiting for in-flight calls to drain (``pause_generation`` with ``drain_timeout_s``).
-        self.drains: list[Waiter] = []
-        #: Weight updates waiting for their bridges, and forward id -> its update.
-        self.updates: list[WeightUpdate] = []
-        self._update_of: dict[int, WeightUpdate] = {}
+        #: Pause/resume, drains and weight updates; its ops are reachable here too (``handlers``, ``on_...``).
+        self.weights = w = WeightSync(send, self.pending, self.held, self.backends, self.backend_by_identity,
+                                      self._call_ids.__next__, self._release_held)
+        self.on_pause_generation, self.on_resume_generation = w.on_pause_generation, w.on_resume_generation
+        self.on_update_weights, self.on_weights_updated = w.on_update_weights, w.on_weights_updated
+        self.check_waiters = w.check_waiters
         self.handlers: dict[Op, Callable[[bytes, Any, list[bytes]], None]] = {
             Op.REGISTER_BACKEND: self.on_register_backend,
             Op.ADD_LLM_SERVER: self.on_add_llm_server,
             Op.CLEAR_LLM_SERVER: self.on_clear_llm_server,
             Op.LIST_LLM_SERVERS: self.on_list_llm_servers,
-            Op.PAUSE_GENERATION: self.on_pause_generation,
-            Op.RESUME_GENERATION: self.on_resume_generation,
             Op.GENERATE: self.on_generate,
             Op.GENERATE_REPLY: self.on_generate_reply,
             Op.GENERATE_DONE: self.on_generate_done,
             Op.GENERATE_CANCEL: self.on_generate_cancel,
-            Op.UPDATE_WEIGHTS: self.on_update_weights,
-            Op.WEIGHTS_UPDATED: self.on_weights_updated,
+            **w.handlers,
         }
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def paused(self) -> bool:
+        """Generation is paused (new calls are held): the weight sync's state."""
+        return self.weights.paused
+
+    @property
+    def policy_version(self) -> int:
+        """The weights version stamped on calls routed now: the weight sync's state."""
+        return self.weights.policy_version
 
     def inflight(self, backend: Backend) -> int:
         """Calls ``backend`` serves now: computed from the calls routed to it."""
@@ -432,8 +172,8 @@ class Router:
             self._stop_call(call_id, pend, ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
         self._prune_backends()
         self._admit_waiting()  # its share of KV is free
-        if self.drains:
-            self.check_waiters()
+        if self.weights.drains:
+            self.weights.check_waiters()
 
     def tick(self, now: float) -> None:
         """Bridge liveness: declare silent bridges lost, heartbeat the others; route first calls waited long enough."""
@@ -467,46 +207,34 @@ class Router:
         for _, pend in self.pending.pop_all():
             if not pend.redirect:
                 self._answer_dropped(pend.requester, pend.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping")
-        for w in [*self.drains, *(u.waiter for u in self.updates)]:
-            self._answer_dropped(w.identity, w.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping")
-        self.drains, self.updates = [], []
-        self._update_of.clear()
+        self.weights.stop()
 
     # ------------------------------------------------------------------ backends
 
     def on_register_backend(self, identity: bytes, h: H.RegisterBackend, payload: list[bytes]) -> None:
         bid = h.backend_id
-        capacity = h.capacity or 0
-        max_model_len = h.max_model_len
         old = self.backends.get(bid)
         if old is not None and old.alive and old.identity not in (None, identity):
             self._backend_lost(old, "re-registered from a new connection")
-        backend = Backend(
-            backend_id=bid, kind="bridge", identity=identity, host=h.host, model=h.model,
-            max_model_len=max_model_len, capacity=capacity, last_seen=time.monotonic(),
-        )
+        backend = Backend(backend_id=bid, kind="bridge", identity=identity, host=h.host, model=h.model,
+                          max_model_len=h.max_model_len, capacity=h.capacity or 0, last_seen=time.monotonic())
         if old is not None and old.alive and old.identity == identity:
             # The same bridge registering again (it thought us dead): its calls and jobs stay.
             backend.jobs, backend.assigned, backend.served = old.jobs, old.assigned, old.served
         self.backends[bid] = backend
         self.backend_by_identity[identity] = backend
         log.info("backend %s registered (model %s on %s)", bid, backend.model, backend.host)
-        self._send(
-            identity,
-            P.reply(h.rid, heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.heartbeat_liveness,
-                    **self.register_reply_fields),
-            (),
-        )
+        self._send(identity, P.reply(h.rid, heartbeat_interval_s=self.heartbeat_interval_s,
+                                     heartbeat_liveness=self.heartbeat_liveness, **self.register_reply_fields), ())
         self._release_held()
         self._admit_waiting()
 
     def on_add_llm_server(self, identity: bytes, h: H.AddLlmServer, payload: list[bytes]) -> None:
         url = h.url.rstrip("/")
-        model = h.model
         backend = self.backends.get(url)
         if backend is None or not backend.alive:
             host = urllib.parse.urlsplit(url).hostname or url  # the schema checked it has one
-            backend = Backend(backend_id=url, kind="http", url=url, host=host, model=model)
+            backend = Backend(backend_id=url, kind="http", url=url, host=host, model=h.model)
             self.backends[url] = backend
         backend.cleared = False
         self._send(identity, P.reply(h.rid, backend=backend.status(self.inflight(backend)).to_wire()), ())
@@ -545,145 +273,10 @@ class Router:
         backend.jobs.clear()
         if self.stopping or backend.kind == "bridge":
             self.backends.pop(backend.backend_id, None)
-        self._update_backend_lost(backend.backend_id)
-        if self.drains:
-            self.check_waiters()
-
-    # ------------------------------------------------------------------ pause / resume
-
-    def _set_policy_version(self, h: H.PauseGeneration | H.ResumeGeneration) -> None:
-        if h.policy_version is not None:
-            self.policy_version = h.policy_version
-
-    def on_pause_generation(self, identity: bytes, h: H.PauseGeneration, payload: list[bytes]) -> None:
-        self._set_policy_version(h)
-        self.paused = True
-        wait_s = h.drain_timeout_s
-        if wait_s is not None and len(self.pending):
-            # A pause that drains: answered once no call is in flight on any backend, or at the deadline.
-            self.drains.append(Waiter(identity, h.rid, time.monotonic() + float(wait_s)))
-            return
-        self._send(identity, P.reply(h.rid, paused=True, inflight=len(self.pending), policy_version=self.policy_version,
-                                     drained=not len(self.pending)), ())
-
-    def on_resume_generation(self, identity: bytes, h: H.ResumeGeneration, payload: list[bytes]) -> None:
-        self._set_policy_version(h)
-        self.paused = False
-        for w in self.drains:
-            self._send(w.identity, P.error_reply(w.rid, ErrorCode.DRAIN_TIMEOUT, "generation was resumed before the calls "
-                                                 "in flight drained: " + self._running_calls_text(),
-                                                 running=self._running_calls()), ())
-        self.drains = []
-        self._send(identity, P.reply(h.rid, paused=False, released=len(self.held), policy_version=self.policy_version), ())
-        self._release_held()
-
-    def _running_calls(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
-        return [{"job_id": p.job_id, "backend_id": p.backend_id, "running_s": round(now - p.since, 3)}
-                for _, p in self.pending.items()]
-
-    def _running_calls_text(self, limit: int = 20) -> str:
-        calls = self._running_calls()
-        text = ", ".join(f"job {c['job_id']} on {c['backend_id']} ({c['running_s']:.1f} s)" for c in calls[:limit])
-        return text + (f" and {len(calls) - limit} more" if len(calls) > limit else "")
-
-    def check_waiters(self, now: float | None = None) -> None:
-        """Answer drains that are over (nothing in flight) or out of time, and weight updates out of time."""
-        now = time.monotonic() if now is None else now
-        if self.drains:
-            keep = []
-            for w in self.drains:
-                if not len(self.pending):
-                    self._send(w.identity, P.reply(w.rid, paused=self.paused, inflight=0, drained=True,
-                                                   policy_version=self.policy_version), ())
-                elif now >= w.deadline:
-                    n = len(self.pending)
-                    self._send(w.identity, P.error_reply(
-                        w.rid, ErrorCode.DRAIN_TIMEOUT,
-                        f"{n} generate call(s) still in flight (generation stays paused): {self._running_calls_text()}",
-                        running=self._running_calls()), ())
-                else:
-                    keep.append(w)
-            self.drains = keep
-        for update in [u for u in self.updates if now >= u.waiter.deadline]:
-            for fid, bid in list(update.waiting.items()):
-                update.failed[bid] = "did not answer in time"
-                self._update_of.pop(fid, None)
-            update.waiting.clear()
-            self._finish_update(update)
-
-    # ------------------------------------------------------------------ weight updates
-
-    def on_update_weights(self, identity: bytes, h: H.UpdateWeights, payload: list[bytes]) -> None:
-        """Forward the new weights to every live bridge; answer once each one has loaded them (or failed)."""
-        version = h.policy_version
-        timeout_s = float(h.load_timeout_s or 600.0)
-        update = WeightUpdate(Waiter(identity, h.rid, time.monotonic() + timeout_s), version)
-        for b in self.backends.values():
-            if not b.alive:
-                continue
-            if b.kind != "bridge" or b.identity is None:
-                update.skipped.append(b.backend_id)
-                continue
-            fid = next(self._call_ids)
-            header = {"op": Op.UPDATE_WEIGHTS.value, "rid": fid, "checkpoint": h.checkpoint, "policy_version": version}
-            if self._send(b.identity, header, ()):
-                update.waiting[fid] = b.backend_id
-                self._update_of[fid] = update
-            else:
-                update.failed[b.backend_id] = "unreachable"
-        self.updates.append(update)
-        if not update.waiting:
-            self._finish_update(update)
-
-    def on_weights_updated(self, identity: bytes, h: H.WeightsUpdated, payload: list[bytes]) -> None:
-        backend = self.backend_by_identity.get(identity)
-        if backend is None or not backend.alive:
-            self._reply_error(identity, h.rid, ErrorCode.UNKNOWN_PEER, "not registered; send register_backend")
-            return
-        fid = h.rid
-        if not isinstance(fid, int):
-            return  # the broker's forward ids are integers: not an answer to one of its updates
-        update = self._update_of.get(fid)
-        if update is None or update.waiting.get(fid) != backend.backend_id:
-            return  # an update that timed out already (or another bridge's)
-        del self._update_of[fid]
-        del update.waiting[fid]
-        if h.error:
-            update.failed[backend.backend_id] = str(h.error["message"])
-        else:
-            update.updated.append(backend.backend_id)
-        if not update.waiting:
-            self._finish_update(update)
-
-    def _update_backend_lost(self, backend_id: str) -> None:
-        for update in list(self.updates):
-            for fid, bid in list(update.waiting.items()):
-                if bid == backend_id:
-                    del update.waiting[fid]
-                    self._update_of.pop(fid, None)
-                    update.failed[bid] = "backend lost while loading"
-            if not update.waiting:
-                self._finish_update(update)
-
-    def _finish_update(self, update: WeightUpdate) -> None:
-        if update in self.updates:
-            self.updates.remove(update)
-        w = update.waiter
-        fields = {"updated": update.updated, "skipped": update.skipped, "failed": update.failed,
-                  "policy_version": update.policy_version}
-        if update.failed:
-            why = "; ".join(f"{bid}: {msg}" for bid, msg in sorted(update.failed.items()))
-            self._send(w.identity, P.error_reply(w.rid, ErrorCode.RELOAD_FAILED,
-                                                 f"{len(update.failed)} backend(s) did not load the new weights: {why}",
-                                                 **fields), ())
-            return
-        # Calls routed from now on go to the new weights (a bridge also stamps each reply with its own version).
-        self.policy_version = max(self.policy_version, update.policy_version)
-        self._send(w.identity, P.reply(w.rid, **fields), ())
+        self.weights.backend_lost(backend.backend_id)
 
     def _release_held(self) -> None:
-        if self.paused or not len(self.held) or not self._candidates():
+        if self.weights.paused or not len(self.held) or not self._candidates():
             return
         for item in self.held.pop_all():
             self._tell_held(item, held=False)
@@ -737,7 +330,7 @@ class Router:
         ``waiting_since``: a first call coming back from the admission queue (when it started waiting).
         """
         job_id = h.job_id
-        if self.paused:
+        if self.weights.paused:
             self._hold(identity, h, payload)
             return
         running = running or self._running_node(job_id) is not None
@@ -764,9 +357,9 @@ class Router:
             self.admission.note(job_id, backend.backend_id, tokens)
         call_id = next(self._call_ids)
         if backend.kind == "http":
-            self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, True, self.policy_version))
+            self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, True, self.weights.policy_version))
             self._send(identity, P.reply(h.rid, redirect=backend.url, backend_id=backend.backend_id,
-                                         policy_version=self.policy_version), ())
+                                         policy_version=self.weights.policy_version), ())
             return
         header = {"op": Op.GENERATE.value, "rid": call_id, "job_id": job_id,
                   "sampling": h.sampling.to_wire() if h.sampling is not None else {}}
@@ -774,7 +367,7 @@ class Router:
             self._backend_lost(backend, "unreachable")
             self._reply_error(identity, h.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
             return
-        self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, False, self.policy_version))
+        self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, False, self.weights.policy_version))
 
     def _route(self, job_id: str, requester: bytes, host: str | None, running: bool, tokens: int = 0) -> Backend | None:
         if self.policy.sticky:
@@ -803,7 +396,7 @@ class Router:
 
     def _admit_waiting(self) -> None:
         """Route the first calls waiting for KV room, oldest first; the rest keep waiting behind one that still fits nowhere."""
-        if not len(self.admission) or self.paused:
+        if not len(self.admission) or self.weights.paused:
             return
         blocked = False
         for call in self.admission.take_all():
@@ -843,9 +436,10 @@ class Router:
                     **({"engine_s": h.engine_s} if h.engine_s is not None else {})),
             payload,
         )
-        self._prune_backends_if_cleared(backend)
-        if self.drains:
-            self.check_waiters()
+        if backend.cleared:
+            self._prune_backends()
+        if self.weights.drains:
+            self.weights.check_waiters()
 
     def on_generate_done(self, identity: bytes, h: H.GenerateDone, payload: list[bytes]) -> None:
         if self._node_of(identity) is None:
@@ -859,13 +453,10 @@ class Router:
         backend = self.backends.get(backend_id)
         if backend is not None:
             backend.served += 1
-            self._prune_backends_if_cleared(backend)
-        if self.drains:
-            self.check_waiters()
-
-    def _prune_backends_if_cleared(self, backend: Backend) -> None:
-        if backend.cleared:
-            self._prune_backends()
+            if backend.cleared:
+                self._prune_backends()
+        if self.weights.drains:
+            self.weights.check_waiters()
 
     def on_generate_cancel(self, identity: bytes, h: H.GenerateCancel, payload: list[bytes]) -> None:
         """A node gave up on one of its calls (its own timeout, or its job's task was cancelled)."""
@@ -882,8 +473,8 @@ class Router:
             if pend is not None:
                 self._stop_call(call_id, pend, ErrorCode.UNKNOWN_JOB, "the node gave up on this call")
         self._prune_backends()
-        if self.drains:
-            self.check_waiters()
+        if self.weights.drains:
+            self.weights.check_waiters()
 
     # ------------------------------------------------------------------ answering
 

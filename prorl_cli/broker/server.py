@@ -1,33 +1,39 @@
-"""The broker: one ZeroMQ ROUTER socket, one poll loop, no threads.
+"""The broker's loop: one ZeroMQ ROUTER socket, one poll loop, no threads; and the client job ops.
 
-The job table (:mod:`prorl_cli.broker.jobs`) holds jobs, placement and
-claims; this file is the loop: it checks every message against its op's
-schema (:mod:`prorl_cli.protocol`) before any handler runs, hands generate
-calls and backends to its router (``broker/routing.py``), pushes results to
-the clients that watch them, and keeps every peer's liveness with heartbeats. Bad input
-is answered with an error naming the op and field; it never stops the loop.
-Nothing on the loop blocks for long: journal compaction runs in a thread,
-and liveness is judged only once the inbox is drained.
+Every message is checked against its op's schema (:mod:`prorl_cli.protocol`)
+before any handler runs, then goes by one table lookup (``Broker.handlers``)
+to its handler: the client job ops here (submit, watch, cancel, forget,
+list_jobs, status, ping, start/hold/stop), the node ops to the members
+(``broker/members.py``), generate calls, backends and weight sync to the
+router (``broker/routing.py``). The job table (``broker/jobs.py``) decides;
+what follows for peers is batched in the outbox (``broker/outbox.py``) and
+sent at the turn's end, once the journal is durable. The socket itself and
+the rendezvous file: ``broker/endpoint.py``.
+
+Rules: bad input is answered with an error naming the op and field; it
+never stops the loop. Nothing on the loop blocks for long: journal
+compaction runs in a thread, and liveness is judged only once the inbox is drained.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import socket
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from prorl_cli import protocol as P
 from prorl_cli.broker.allocator import fix_mmap_threshold
+from prorl_cli.broker.endpoint import Endpoint, serve_metrics
 from prorl_cli.broker.jobs import JobTable
 from prorl_cli.broker.journal import JOURNAL_NAME, Journal
+from prorl_cli.broker.members import Members
+from prorl_cli.broker.outbox import Outbox
 from prorl_cli.broker.routing import Router
 from prorl_cli.broker.state import Job, Node
 from prorl_cli.config import ProrlConfig
@@ -40,10 +46,8 @@ from prorl_cli.observe.metrics import (
     gauges_from_status,
     jobs_by_task,
 )
-from prorl_cli.protocol import ErrorCode, JobSpec, JobState, Op
+from prorl_cli.protocol import ErrorCode, JobSpec, Op
 from prorl_cli.protocol import headers as H
-from prorl_cli.rendezvous import Rendezvous, remove_rendezvous, write_rendezvous
-from prorl_cli.security import curve_wanted, secure_server
 
 log = logging.getLogger(__name__)
 
@@ -70,45 +74,18 @@ class Broker:
         self.heartbeat_interval_s = bc.heartbeat_interval_s
         self.dead_after_s = bc.heartbeat_interval_s * bc.heartbeat_liveness
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        # Bounded per peer (libzmq then stops reading that connection): unread input cannot outgrow memory
-        # when nodes send results faster than the loop reads them; the backlog waits in the senders.
-        self.sock.setsockopt(zmq.RCVHWM, bc.receive_window_messages)
-        # Oversized frames are refused by libzmq itself (the sender is disconnected).
-        self.sock.setsockopt(zmq.MAXMSGSIZE, bc.max_message_bytes)
-        self.curve_public_key: str | None = None
-        self._auth = None
-        if curve_wanted(bc.curve, bc.bind_host):
-            self.curve_public_key, self._auth = secure_server(self.ctx, self.sock, config.deployment_dir)
-        if bc.port:
-            self.sock.bind(f"tcp://{bc.bind_host}:{bc.port}")
-        else:
-            self.sock.bind(f"tcp://{bc.bind_host}:*")
-        bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        # Peers on other hosts cannot dial a wildcard: publish this host's name instead.
-        self.address = bound.replace("0.0.0.0", socket.getfqdn(), 1) if "://0.0.0.0:" in bound else bound
+        self.endpoint = Endpoint(self.ctx, config)
+        self.sock, self.address, self.curve_public_key = self.endpoint.sock, self.endpoint.address, self.endpoint.curve_public_key
         self.started_at = time.monotonic()
 
         #: Changes each time a broker starts: clients that see it change watch their jobs again.
         self.boot_id = uuid.uuid4().hex
         self.journal: Journal | None = None
-        self.table = JobTable(
-            retention_count=bc.result_retention,
-            retention_bytes=bc.result_retention_mb * 1024 * 1024,
-            record=self._journal_append,
-            on_end=self._job_finished,
-            on_detach=self._job_ended,
-            on_release=self._deliver,
-            partial_grace_s=bc.cancel_result_grace_s,
-        )
-        # The job table's dicts, under the names the routing code reads.
-        self.jobs: dict[str, Job] = self.table.jobs
-        self.queue = self.table.queue
-        self.nodes: dict[str, Node] = self.table.nodes
-        self.node_by_identity: dict[bytes, Node] = {}
+        #: Prometheus figures: the broker's own, and every peer's from its heartbeats (served when metrics_port is set).
+        self.metrics = MetricSet()
+        self.collector = DeploymentCollector(self.metrics)
+        self.metrics_server: MetricsServer | None = None
+        self.outbox = Outbox(self._send, self.collector)
         self.router = Router(
             self._send, self._live_node, self._running_node,
             policy=bc.routing_policy, cancel_propagation=bc.cancel_propagation,
@@ -116,21 +93,41 @@ class Broker:
             heartbeat_interval_s=bc.heartbeat_interval_s, heartbeat_liveness=bc.heartbeat_liveness,
             register_reply_fields={"boot_id": self.boot_id},
         )
+        self.table = JobTable(
+            retention_count=bc.result_retention,
+            retention_bytes=bc.result_retention_mb * 1024 * 1024,
+            record=self._journal_append,
+            on_end=self.outbox.job_finished,
+            on_detach=self.router.job_ended,  # its generate calls are released (the routing seam)
+            on_release=self.outbox.deliver,
+            partial_grace_s=bc.cancel_result_grace_s,
+        )
+        # The job table's dicts, under the names the ops and the router's seams read.
+        self.jobs: dict[str, Job] = self.table.jobs
+        self.queue = self.table.queue
+        self.nodes: dict[str, Node] = self.table.nodes
+        self.members = Members(
+            self.table, self._send, self.collector, self._journal_flush,
+            heartbeat_interval_s=bc.heartbeat_interval_s, heartbeat_liveness=bc.heartbeat_liveness, boot_id=self.boot_id,
+            bridge_heartbeat=self.router.bridge_heartbeat, bridges=self.router.backend_by_identity,
+            bridge_unregister=self.router.unregister,
+        )
+        self.node_by_identity: dict[bytes, Node] = self.members.node_by_identity
+        #: Every op the broker takes, to its handler: the client job ops here, the node ops (members), the router's.
+        self.handlers: dict[Op, Callable[[bytes, Any, list[bytes]], None]] = {
+            **self.router.handlers, **self.members.handlers,
+            Op.SUBMIT: self.on_submit, Op.WATCH: self.on_watch, Op.CANCEL: self.on_cancel, Op.FORGET: self.on_forget,
+            Op.STATUS: self.on_status, Op.LIST_JOBS: self.on_list_jobs, Op.PING: self.on_ping,
+            Op.START: self.on_start, Op.HOLD: self.on_hold, Op.STOP: self.on_stop,
+        }
         self.placing = True
         self.stopping = False
         self._leaving = False  # set by SIGTERM/SIGUSR2: exit without a clean stop
         self._stop_deadline: float | None = None
-        # Output batched within one loop turn, flushed at its end.
-        self._results_out: dict[bytes, list[Job]] = defaultdict(list)
-        self._assign_out: dict[str, list[Job]] = defaultdict(list)
         self._next_tick = time.monotonic()
         self._last_tick = time.monotonic()
         # False while messages may be waiting unread: liveness is judged only on a drained inbox.
         self._drained = True
-        #: Prometheus figures: the broker's own, and every peer's from its heartbeats (served when metrics_port is set).
-        self.metrics = MetricSet()
-        self.collector = DeploymentCollector(self.metrics)
-        self.metrics_server: MetricsServer | None = None
         self._next_gauges_at = 0.0
         self._rejects = OncePerPeer(log)
         if bc.journal:
@@ -192,32 +189,16 @@ class Broker:
                            f"{code.value}: {message} (rid {rid!r})")
         self._send(identity, P.error_reply(rid, code, message))
 
-    def publish_rendezvous(self) -> None:
-        write_rendezvous(
-            self.config.deployment_dir,
-            Rendezvous(
-                address=self.address,
-                deployment=self.config.deployment,
-                host=socket.gethostname(),
-                pid=os.getpid(),
-                started_at=time.time(),
-                curve_public_key=self.curve_public_key,
-            ),
-        )
-
     def serve_forever(self, leave_requested: threading.Event | None = None) -> None:
         """Run the loop until stopped. Writes the rendezvous file first, removes it last.
 
         ``leave_requested`` set by the time the broker's own signal handlers are in (a signal the
         caller's handler caught in the meantime): the broker leaves at once, as on that signal.
         """
-        self._start_metrics()
-        self.publish_rendezvous()
-        log.info(
-            "broker of deployment %r listening on %s (%s)", self.config.deployment, self.address,
-            "CURVE encrypted and authenticated" if self.curve_public_key
-            else "plain TCP (broker.curve: off): whoever reaches the port can use it",
-        )
+        self.metrics_server = serve_metrics(self.collector, self.config.broker)
+        if self.metrics_server is not None:
+            self._refresh_gauges()
+        self.endpoint.publish()
         # SIGTERM/SIGUSR2 (Slurm preemption, time limit, requeue): leave without cancelling
         # anything and keep the journal; the broker started next replays it. Only the
         # ``stop`` op is a clean stop.
@@ -256,7 +237,7 @@ class Broker:
         finally:
             for sig, handler in prev.items():
                 signal.signal(sig, handler)
-            remove_rendezvous(self.config.deployment_dir, os.getpid())
+            self.endpoint.unpublish()
             if self.metrics_server is not None:
                 self.metrics_server.close()
             if self.journal is not None:
@@ -270,10 +251,7 @@ class Broker:
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket and stop the CURVE authenticator's thread (``serve_forever`` does it on its way out)."""
-        self.sock.close(linger=linger_ms)
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
+        self.endpoint.close(linger_ms)
 
     def leave(self) -> None:
         """Exit the loop soon, cancelling nothing: jobs stay in the journal for the next broker."""
@@ -292,32 +270,15 @@ class Broker:
             return True
         return self._stop_deadline is not None and time.monotonic() >= self._stop_deadline
 
+    def _place(self) -> None:
+        """Place queued jobs on nodes with free credit (unless held); their assignments go out with the flush."""
+        if self.placing and (placed := self.table.place()):
+            self.outbox.placed(placed)
+
     def _flush(self) -> None:
+        """End of a loop turn: make the journal durable, then send the turn's results and assignments."""
         self._journal_flush()
-        for identity, finished in self._results_out.items():
-            # Job objects, not ids: a result evicted by retention in this same turn still goes out.
-            jobs = list({j.job_id: j for j in finished if j.result is not None}.values())
-            if jobs:
-                self._send(
-                    identity,
-                    {"op": Op.RESULT.value, "jobs": [{"job_id": j.job_id, "state": j.state.value} for j in jobs]},
-                    [j.result for j in jobs],  # type: ignore[misc]
-                )
-        self._results_out.clear()
-        for node_id, jobs in self._assign_out.items():
-            node = self.nodes.get(node_id)
-            if node is None or not node.alive:
-                continue
-            now = time.monotonic()
-            # ``timing``: where each job's timeline starts (seconds since it was accepted) and the broker's events.
-            timing = [{"since_submit_s": now - j.submitted_at, "events": j.events} for j in jobs]
-            if not self._send(
-                node.identity,
-                {"op": Op.ASSIGN.value, "jobs": [j.spec.to_wire() for j in jobs], "timing": timing},
-                [j.instance for j in jobs],
-            ):
-                self._node_lost(node, "unreachable")
-        self._assign_out.clear()
+        self.outbox.flush(self.nodes, self.members.node_lost)
 
     # ------------------------------------------------------------- dispatch
 
@@ -337,30 +298,24 @@ class Broker:
             header = P.decode_map(frames[1])
             rid = P.header_rid(header)  # before the envelope checks: a bad version or op still gets its rid back
             op: Op = P.check_envelope(header)["op"]
-            handler = self._handlers.get(op)
-            routed = self.router.handlers.get(op) if handler is None else None
-            if handler is None and routed is None:
+            handler = self.handlers.get(op)
+            if handler is None:
                 self._error(identity, rid, ErrorCode.UNKNOWN_OP, f"op {op.value!r} is not accepted by the broker")
                 return
             typed = P.parse(header, len(frames) - 2)
         except ProtocolError as e:
             self._error(identity, rid, ErrorCode(e.code), e.message)
             return
-        self._touch(identity)
-        try:
-            if handler is not None:
-                handler(self, identity, typed, frames[2:])
-            elif routed is not None:
-                routed(identity, typed, frames[2:])
-        except ProtocolError as e:
-            self._error(identity, rid, ErrorCode(e.code), e.message)
-
-    def _touch(self, identity: bytes) -> None:
+        # A message is a sign of life, whoever sent it (a node, or a bridge: the router's).
         now = time.monotonic()
         node = self.node_by_identity.get(identity)
         if node is not None:
             node.last_seen = now
         self.router.touch(identity, now)
+        try:
+            handler(identity, typed, frames[2:])
+        except ProtocolError as e:
+            self._error(identity, rid, ErrorCode(e.code), e.message)
 
     # ---------------------------------------------------------- client ops
 
@@ -398,7 +353,7 @@ class Broker:
                 existing.append(spec.job_id)
                 job.watchers.add(identity)
                 if job.result is not None and job.partial_until is None:
-                    self._results_out[identity].append(job)
+                    self.outbox.results[identity].append(job)
                 continue
             self.table.add(spec, bytes(instance), identity)
             self.metrics.inc("prorl_jobs_submitted", (spec.task,))
@@ -420,7 +375,7 @@ class Broker:
 
     def on_watch(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
         jobs, unknown = self._watch_named(identity, h.job_ids)
-        self._results_out[identity].extend(job for job in jobs if job.result is not None and job.partial_until is None)
+        self.outbox.results[identity].extend(job for job in jobs if job.result is not None and job.partial_until is None)
         self._send(identity, P.reply(h.rid, unknown=unknown, boot_id=self.boot_id))
 
     def on_cancel(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
@@ -495,119 +450,11 @@ class Broker:
         self.placing = False
         self._stop_deadline = time.monotonic() + self.config.node.stop_grace_s + 2 * self.dead_after_s
         self.table.cancel_all()
-        for node in self.nodes.values():
-            if node.alive:
-                self._send(node.identity, {"op": Op.SHUTDOWN.value})
+        self.members.stop()
         self.router.stop()
         self._flush()
 
-    # ------------------------------------------------------------ node ops
-
-    def on_register(self, identity: bytes, h: H.Register, payload: list[bytes]) -> None:
-        node_id = h.node_id
-        if self.stopping:
-            self._send(identity, {"op": Op.SHUTDOWN.value})
-            return
-        old = self.nodes.get(node_id)
-        if old is not None and old.alive and old.identity != identity:
-            # Same node id from a new connection: the old process is gone.
-            self._node_lost(old, "re-registered from a new connection")
-        if old is not None and old.alive and old.identity == identity:
-            # Registered again on the same connection (it missed our reply): keep what it holds.
-            node = old
-            node.credit, node.tasks, node.host = h.credit, set(h.tasks), h.host
-            node.liveness_token = h.liveness_token
-            node.sandbox_runtime = h.sandbox_runtime
-            node.draining = bool(h.draining)
-        else:
-            node = Node(
-                node_id=node_id,
-                identity=identity,
-                host=h.host,
-                pid=h.pid or 0,
-                credit=h.credit,
-                tasks=set(h.tasks),
-                liveness_token=h.liveness_token,
-                sandbox_runtime=h.sandbox_runtime,
-                draining=bool(h.draining),
-            )
-        self.nodes[node_id] = node
-        self.node_by_identity[identity] = node
-        drop = self.table.claim(node, h.running or [])
-        log.info("node %s registered from %s (credit %d, tasks %s, running %d)", node_id, node.host, node.credit,
-                 sorted(node.tasks), len(node.inflight))
-        self._send(
-            identity,
-            P.reply(h.rid, heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.config.broker.heartbeat_liveness,
-                    drop=drop, boot_id=self.boot_id),
-        )
-
-    def _node_of(self, identity: bytes, h: Any) -> Node | None:
-        """The live node on ``identity``; else the peer (``h``: its header) is told to register, and None."""
-        node = self.node_by_identity.get(identity)
-        if node is None or not node.alive:
-            # Tell the peer to register again (e.g. after it was declared dead).
-            self._send(identity, P.error_reply(getattr(h, "rid", None), ErrorCode.UNKNOWN_PEER, "not registered; send register"))
-            return None
-        return node
-
-    def on_heartbeat(self, identity: bytes, h: H.Heartbeat, payload: list[bytes]) -> None:
-        token = h.liveness_token
-        sidecar = self.nodes.get(h.node_id or "")
-        if token is not None and (sidecar is None or sidecar.identity != identity):
-            # A node's liveness sidecar (its own connection): refresh that node, never answer.
-            node = sidecar
-            if node is not None and node.alive and node.liveness_token is not None and node.liveness_token == token:
-                node.last_seen = time.monotonic()
-                if h.stages is not None:
-                    node.stages = h.stages
-            else:
-                log.debug("heartbeat with a liveness token for node %r that does not match; ignored", h.node_id)
-            return
-        if self.router.bridge_heartbeat(identity, h):
-            backend = self.router.backend_by_identity.get(identity)
-            if backend is not None and h.metrics is not None:
-                self.collector.update_peer("bridge", backend.backend_id, h.metrics)
-            return
-        if h.backend_id is not None:
-            self._send(identity, P.error_reply(h.rid, ErrorCode.UNKNOWN_PEER, "not registered; send register_backend"))
-            return
-        node = self._node_of(identity, h)
-        if node is not None and h.stages is not None:
-            node.stages = h.stages
-        if node is not None and h.metrics is not None:
-            self.collector.update_peer("node", node.node_id, h.metrics)
-        if node is not None and h.failures is not None:
-            self.collector.failures[node.node_id] = h.failures
-
-    def on_unregister(self, identity: bytes, h: H.Unregister, payload: list[bytes]) -> None:
-        node = self.node_by_identity.get(identity)
-        if node is not None and node.alive:
-            self._node_lost(node, "unregistered")
-        self.router.unregister(identity)
-
-    def on_release(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
-        """A node drains: nothing more is placed on it; the jobs it names (never started there) are queued again."""
-        node = self._node_of(identity, h)
-        if node is None:
-            return
-        node.draining = True
-        released = self.table.release(node, h.job_ids)
-        log.info("node %s is draining: %d job(s) handed back, %d running on", node.node_id, len(released), len(node.inflight))
-        self._journal_flush()
-        self._send(identity, P.reply(h.rid, released=released))
-
-    def on_job_stage(self, identity: bytes, h: H.JobStage, payload: list[bytes]) -> None:
-        node = self._node_of(identity, h)
-        if node is not None:
-            self.table.stage(node, h.updates)
-
-    def on_job_done(self, identity: bytes, h: H.JobDone, payload: list[bytes]) -> None:
-        node = self._node_of(identity, h)
-        if node is not None:
-            self.table.done(node, h.jobs, payload)
-
-    # ---------------------------------------------------------- inference
+    # ---------------------------------------------------------- the router's seams
 
     def _live_node(self, identity: bytes) -> Node | None:
         node = self.node_by_identity.get(identity)
@@ -618,47 +465,7 @@ class Broker:
         job = self.jobs.get(job_id)
         return job.node_id if job is not None and not job.state.terminal else None
 
-    # ---------------------------------------------------------- placement
-
-    def _place(self) -> None:
-        if not self.placing:
-            return
-        placed = self.table.place()
-        if not placed:
-            return
-        now = time.monotonic()
-        for node, job in placed:
-            self._assign_out[node.node_id].append(job)
-            job.events.append(["assigned", round(now - job.submitted_at, 6), 0.0, {"node": node.node_id, "attempt": job.spec.attempt}])
-            self.metrics.observe("prorl_job_queue_seconds", (job.spec.task,), now - job.queued_at)
-
-    def _node_lost(self, node: Node, why: str) -> None:
-        """Declare a node dead and put its jobs back in the queue with a new attempt."""
-        self.node_by_identity.pop(node.identity, None)
-        self.table.node_lost(node, why)
-
-    # ------------------------------------------------------------ finishing
-
-    def _job_finished(self, job: Job) -> None:
-        """A job reached a terminal state: push its result to its watchers."""
-        self.metrics.inc("prorl_jobs_finished", (job.spec.task, job.state.value, str(job.spec.attempt)))
-        if job.state is JobState.FAILED and job.node_id is None and job.result is not None:
-            # Failed by the broker itself (its nodes kept dying): no node will list it among its failures.
-            error = P.unpack_obj(job.result).get("error")
-            self.collector.note_broker_failure(job.spec.task, error if isinstance(error, dict) else {})
-        if job.partial_until is None:  # else it waits for its node's partial result (JobTable.cancel)
-            self._deliver(job)
-
-    def _deliver(self, job: Job) -> None:
-        """Push a job's final result to its watchers."""
-        for w in job.watchers:
-            self._results_out[w].append(job)
-
-    def _job_ended(self, job_id: str) -> None:
-        """A job ended or lost its node: its generate calls are released (the routing seam)."""
-        self.router.job_ended(job_id)
-
-    # ------------------------------------------------------------ liveness
+    # ------------------------------------------------------------ liveness and gauges
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -668,23 +475,14 @@ class Broker:
         overrun_s = now - self._last_tick - self.heartbeat_interval_s
         self._last_tick = now
         if overrun_s > 0:
-            for node in self.nodes.values():
-                node.last_seen = min(now, node.last_seen + overrun_s)
             for backend in self.router.backends.values():
                 backend.last_seen = min(now, backend.last_seen + overrun_s)
         judge = self._drained
-        for node in list(self.nodes.values()):
-            if not node.alive:
-                continue
-            if judge and now - node.last_seen > self.dead_after_s:
-                self._node_lost(node, f"silent for {now - node.last_seen:.1f} s")
-            else:
-                self._send(node.identity, {"op": Op.HEARTBEAT.value})
+        self.members.tick(now, overrun_s, judge)
         if judge:
             self.router.tick(now)
         self.router.check_waiters(now)
-        for node_id in self.table.prune_dead_nodes(self.config.broker.dead_nodes_kept):
-            self.collector.forget_peer("node", node_id)
+        self.members.prune(self.config.broker.dead_nodes_kept)
         self.table.expire_partials(now)
         if self.metrics_server is not None and now >= self._next_gauges_at:
             self._next_gauges_at = now + 1.0
@@ -692,45 +490,7 @@ class Broker:
         self._place()
         self._flush()
 
-    # ------------------------------------------------------------ metrics
-
-    def _start_metrics(self) -> None:
-        bc = self.config.broker
-        if bc.metrics_port is None:
-            return
-        try:
-            self.metrics_server = MetricsServer(self.collector, bc.metrics_host, bc.metrics_port)
-        except ImportError as e:
-            log.error("broker.metrics_port is set but prometheus-client is missing (pip install 'prorl[observe]'): %s; "
-                      "the broker runs without metrics", e)
-            return
-        except OSError as e:
-            log.error("cannot serve metrics on %s:%s: %s; the broker runs without them", bc.metrics_host, bc.metrics_port, e)
-            return
-        self._refresh_gauges()
-        log.info("Prometheus metrics at %s", self.metrics_server.url)
-
     def _refresh_gauges(self) -> None:
         """The gauges that describe the broker's state now (about once a second, on the loop)."""
         journal_bytes = self.journal.size_bytes if self.journal is not None else 0
         self.metrics.gauges = gauges_from_status(self.status(), journal_bytes)
-
-    #: The broker's own ops; generate routing, backends and pause/resume are the router's (``router.handlers``).
-    _handlers: dict[Op, Any] = {
-        Op.SUBMIT: on_submit,
-        Op.WATCH: on_watch,
-        Op.CANCEL: on_cancel,
-        Op.FORGET: on_forget,
-        Op.STATUS: on_status,
-        Op.LIST_JOBS: on_list_jobs,
-        Op.PING: on_ping,
-        Op.START: on_start,
-        Op.HOLD: on_hold,
-        Op.STOP: on_stop,
-        Op.REGISTER: on_register,
-        Op.HEARTBEAT: on_heartbeat,
-        Op.UNREGISTER: on_unregister,
-        Op.RELEASE: on_release,
-        Op.JOB_STAGE: on_job_stage,
-        Op.JOB_DONE: on_job_done,
-    }

@@ -1,16 +1,23 @@
-"""The broker's tables: jobs and nodes. Plain data; the server mutates them (backends: ``routing``)."""
+"""The broker's tables: jobs and nodes, and the send function its parts share.
+
+Plain data; the job table and the node membership mutate them (backends: ``broker/backends.py``).
+"""
 
 from __future__ import annotations
 
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.protocol import JobSpec, JobState, NodeStatus
 
 _seq = itertools.count()
+
+#: ``send(identity, header, payload) -> bool``: False when the peer is gone (the broker's ``_send``).
+SendFn = Callable[[bytes, dict[str, Any], "list[bytes] | tuple[bytes, ...]"], bool]
 
 
 @dataclass

@@ -1,0 +1,123 @@
+"""Inference backends and the policies that pick one for a generate call.
+
+A :class:`Backend` is a bridge peer (registered with ``register_backend``)
+or a plain HTTP address (``add_llm_server``); the router
+(``broker/routing.py``) keeps them and changes their records. Rules: a
+backend's in-flight count is never stored here, it is computed from the
+router's pending calls and handed to the policy (``inflight``); ``jobs`` is
+the live jobs routed to it, ``assigned`` the jobs ever routed to it (never
+decremented).
+
+The policy that picks a backend is a named choice (``broker.routing_policy``),
+and picks only among live, uncleared backends:
+
+- ``least_loaded_sticky`` (default): a job's first call goes to the live
+  backend with the fewest live jobs, then fewest in-flight calls, then on
+  the requesting node's host; its later calls follow it there.
+- ``round_robin``: every call goes to the next backend in turn (no
+  stickiness: a multi-turn job's prefix cache is lost on every hop).
+- ``ever_assigned``: the paper's server: sticky, and a new job goes to the
+  backend that was ever assigned the fewest jobs (a count never decremented).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prorl_cli import protocol as P
+
+ROUTING_POLICIES = ("least_loaded_sticky", "round_robin", "ever_assigned")
+
+
+@dataclass
+class Backend:
+    """An inference backend: a bridge peer (``identity``) or a plain HTTP address (``url``)."""
+
+    backend_id: str
+    kind: str  # "bridge" | "http"
+    identity: bytes | None = None
+    url: str | None = None
+    host: str | None = None
+    model: str | None = None
+    max_model_len: int | None = None
+    capacity: int = 0
+    jobs: set[str] = field(default_factory=set)  # live jobs routed here (sticky policies)
+    #: Jobs ever routed here; never decremented (the ``ever_assigned`` policy's count).
+    assigned: int = 0
+    served: int = 0
+    cleared: bool = False
+    alive: bool = True
+    last_seen: float = 0.0
+    #: The bridge's engine figures from its last heartbeat (the sim engine: busy fraction, tokens/s, hit rate).
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def status(self, inflight: int) -> P.BackendStatus:
+        return P.BackendStatus(
+            backend_id=self.backend_id,
+            kind=self.kind,
+            url=self.url,
+            host=self.host,
+            model=self.model,
+            max_model_len=self.max_model_len,
+            inflight=inflight,
+            jobs=len(self.jobs),
+            served=self.served,
+            cleared=self.cleared,
+            alive=self.alive,
+            stats=dict(self.stats),
+        )
+
+
+class RoutingPolicy(abc.ABC):
+    """Picks a backend for a job's call among live, uncleared ``candidates`` (never empty)."""
+
+    #: Whether a job's later calls follow its first one.
+    sticky = True
+
+    def __init__(self, inflight: Callable[[Backend], int]) -> None:
+        self.inflight = inflight
+
+    @abc.abstractmethod
+    def choose(self, candidates: list[Backend], host: str | None) -> Backend:
+        """The backend for a new job (sticky policies) or for this call (others)."""
+
+
+class LeastLoadedSticky(RoutingPolicy):
+    """Fewest live jobs, then fewest in-flight calls, then same host, then fewest served."""
+
+    def choose(self, candidates: list[Backend], host: str | None) -> Backend:
+        def key(b: Backend) -> tuple[int, int, int, int]:
+            return (len(b.jobs), self.inflight(b), 0 if host and host == b.host else 1, b.served)
+
+        return min(candidates, key=key)
+
+
+class RoundRobin(RoutingPolicy):
+    """Each call to the next backend in turn, whatever job it belongs to."""
+
+    sticky = False
+
+    def __init__(self, inflight: Callable[[Backend], int]) -> None:
+        super().__init__(inflight)
+        self._turn = 0
+
+    def choose(self, candidates: list[Backend], host: str | None) -> Backend:
+        backend = candidates[self._turn % len(candidates)]
+        self._turn += 1
+        return backend
+
+
+class EverAssigned(RoutingPolicy):
+    """The paper's server: the backend ever assigned the fewest jobs (first registered on a tie)."""
+
+    def choose(self, candidates: list[Backend], host: str | None) -> Backend:
+        return min(candidates, key=lambda b: b.assigned)
+
+
+POLICY_CLASSES: dict[str, type[RoutingPolicy]] = {
+    "least_loaded_sticky": LeastLoadedSticky,
+    "round_robin": RoundRobin,
+    "ever_assigned": EverAssigned,
+}

@@ -1,0 +1,109 @@
+"""Where the broker listens: its ROUTER socket, the rendezvous file that publishes it, its metrics HTTP server.
+
+The broker's loop reads and writes the socket (``broker/server.py``); this
+file only opens, publishes and closes. Rules:
+
+- A send never blocks and never queues half a message: an unknown peer is
+  refused at once (``ROUTER_MANDATORY``, no send high-water mark).
+- Unread input is bounded per peer (``broker.receive_window_messages``:
+  libzmq stops reading that connection, the backlog waits in the sender),
+  and an oversized frame disconnects its sender (``broker.max_message_bytes``).
+- CURVE encrypts and authenticates whenever the broker listens beyond
+  loopback (``broker.curve``); peers learn the public key from the
+  rendezvous file, which is written once the loop is about to run and
+  removed on the way out only if it is still this process's.
+- A wildcard bind publishes this host's name (peers elsewhere cannot dial
+  ``0.0.0.0``).
+- A metrics port that cannot be served is logged, and the broker runs without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import zmq
+
+from prorl_cli.config import BrokerConfig, ProrlConfig
+from prorl_cli.observe.metrics import DeploymentCollector, MetricsServer
+from prorl_cli.rendezvous import Rendezvous, remove_rendezvous, write_rendezvous
+from prorl_cli.security import curve_wanted, secure_server
+
+log = logging.getLogger(__name__)
+
+
+class Endpoint:
+    """The broker's bound ROUTER socket (``sock``), the ``address`` peers dial, and its CURVE key."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], config: ProrlConfig) -> None:
+        self.config = config
+        bc = config.broker
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        # Bounded per peer (libzmq then stops reading that connection): unread input cannot outgrow memory
+        # when nodes send results faster than the loop reads them; the backlog waits in the senders.
+        self.sock.setsockopt(zmq.RCVHWM, bc.receive_window_messages)
+        # Oversized frames are refused by libzmq itself (the sender is disconnected).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, bc.max_message_bytes)
+        self.curve_public_key: str | None = None
+        self._auth = None
+        if curve_wanted(bc.curve, bc.bind_host):
+            self.curve_public_key, self._auth = secure_server(ctx, self.sock, config.deployment_dir)
+        if bc.port:
+            self.sock.bind(f"tcp://{bc.bind_host}:{bc.port}")
+        else:
+            self.sock.bind(f"tcp://{bc.bind_host}:*")
+        bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Peers on other hosts cannot dial a wildcard: publish this host's name instead.
+        self.address = bound.replace("0.0.0.0", socket.getfqdn(), 1) if "://0.0.0.0:" in bound else bound
+
+    def publish(self) -> None:
+        """Write the rendezvous file (every peer finds the broker and its key there) and say where it listens."""
+        write_rendezvous(
+            self.config.deployment_dir,
+            Rendezvous(
+                address=self.address,
+                deployment=self.config.deployment,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                started_at=time.time(),
+                curve_public_key=self.curve_public_key,
+            ),
+        )
+        log.info(
+            "broker of deployment %r listening on %s (%s)", self.config.deployment, self.address,
+            "CURVE encrypted and authenticated" if self.curve_public_key
+            else "plain TCP (broker.curve: off): whoever reaches the port can use it",
+        )
+
+    def unpublish(self) -> None:
+        """Remove the rendezvous file if it is still ours (a newer broker may have replaced it)."""
+        remove_rendezvous(self.config.deployment_dir, os.getpid())
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket and stop the CURVE authenticator's thread."""
+        self.sock.close(linger=linger_ms)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+def serve_metrics(collector: DeploymentCollector, bc: BrokerConfig) -> MetricsServer | None:
+    """Serve ``collector`` on ``broker.metrics_host:metrics_port``; None when unset, or (logged) when it cannot."""
+    if bc.metrics_port is None:
+        return None
+    try:
+        server = MetricsServer(collector, bc.metrics_host, bc.metrics_port)
+    except ImportError as e:
+        log.error("broker.metrics_port is set but prometheus-client is missing (pip install 'prorl[observe]'): %s; "
+                  "the broker runs without metrics", e)
+        return None
+    except OSError as e:
+        log.error("cannot serve metrics on %s:%s: %s; the broker runs without them", bc.metrics_host, bc.metrics_port, e)
+        return None
+    log.info("Prometheus metrics at %s", server.url)
+    return server
