@@ -19,7 +19,11 @@ back by exact pytest node id and are graded with the ``swebench`` package
 (``prorl_cli.swe.grading``): reward 1.0 only when every FAIL_TO_PASS test
 passes and every PASS_TO_PASS test still passes. ``output["report"]`` holds
 swebench's report fields plus ``missing`` (listed tests the run never
-produced, with the closest id it did).
+produced, with the closest id it did), each EVAL step's status and seconds,
+and ``eval_timings``. A run that is no evidence about the patch (a setup step
+that is not shell, fails or times out; no listed test collected; see
+``prorl_cli.swe.grading``) is an ``infra_failure`` naming the step, its exit
+status and output tail, and its reward is None (left out of training), never 0.
 """
 
 from __future__ import annotations
@@ -141,8 +145,10 @@ class SweOracleHandler(SweHandler):
             raise DomainError(f"{self.name}: instance {ctx.instance.get('instance_id')} has no gold 'patch'")
         sandbox = ctx.state["sandbox"]
         await sandbox.write_file("/tmp/gold.patch", gold.encode())
+        # SWE-smith ships the patch that introduced the bug (patch_reverse): the fix is that patch reversed.
+        reverse = " --reverse" if ctx.instance.get("patch_reverse") is True else ""
         applied = await sandbox.bash(f"cd {shlex.quote(str(settings.get('repo_dir')))} && "
-                                     "git apply --whitespace=nowarn /tmp/gold.patch 2>&1 && rm -f /tmp/gold.patch")
+                                     f"git apply{reverse} --whitespace=nowarn /tmp/gold.patch 2>&1 && rm -f /tmp/gold.patch")
         if applied.exit_code != 0:
             raise DomainError(f"{self.name}: the gold patch does not apply: {applied.output[-1000:]}")
         await self.save_patch(ctx, settings)

@@ -11,7 +11,11 @@ for ``--format`` when a row fits more than one):
   as a list of ``{input, output}`` or ``{inputs, outputs}`` (``test_cases``),
   APPS/TACO ``input_output`` JSON (``apps``), or LiveCodeBench
   ``public_test_cases``/``private_test_cases`` JSON (``livecodebench``).
-- ``swe``: SWE-bench / SWE-Gym rows (``FAIL_TO_PASS``/``PASS_TO_PASS`` may be JSON strings).
+- ``swe``: SWE-bench (full, Lite, Verified), SWE-Gym, SWE-smith, SWE-rebench,
+  nebius SWE-bench-extra and swebench task rows, each with its own field
+  names, mapped to the swe instance by :mod:`prorl_cli.swe.sources`
+  (``--format`` names the source where ``auto`` should not guess). Fields
+  prorl cannot use are kept and reported once per dataset (``warn``).
 - ``search``: ``question`` with ``answers``, ``answer`` or ``golden_answers``.
 
 Any other task: each row is passed through unchanged. Errors name the file,
@@ -21,6 +25,7 @@ the line (JSONL) or row (Parquet) and the missing field.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,12 +33,14 @@ from typing import Any
 from prorl_cli.domains.answers import last_boxed
 from prorl_cli.exceptions import DatasetError
 from prorl_cli.jsonl import jsonl_values
+from prorl_cli.swe.sources import SOURCES, SweRows
 
+log = logging.getLogger(__name__)
 Row = dict[str, Any]
 FORMATS: dict[str, tuple[str, ...]] = {
     "math": ("auto",),
     "code": ("auto", "io", "test_cases", "apps", "livecodebench"),
-    "swe": ("auto",),
+    "swe": ("auto", *SOURCES),
     "search": ("auto",),
 }
 
@@ -189,22 +196,9 @@ def _code(row: Row, where: str, fmt: str) -> Row:
     return _keep(row, {"question": str(question), "tests": tests})
 
 
-SWE_FIELDS = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
-
-
 def _swe(row: Row, where: str, fmt: str) -> Row:
-    for name in SWE_FIELDS:
-        if name not in row:
-            raise DatasetError(f"{where}: missing field {name!r} (SWE-bench rows need {list(SWE_FIELDS)})")
-    out = dict(row)
-    for name in ("FAIL_TO_PASS", "PASS_TO_PASS"):
-        value = _json_field(row[name], where, name)
-        if not isinstance(value, list):
-            raise DatasetError(f"{where}: {name} must be a list of test names")
-        out[name] = value
-    if isinstance(row.get("install_config"), str):  # SWE-rebench ships it as a JSON string
-        out["install_config"] = _json_field(row["install_config"], where, "install_config")
-    return out
+    """One SWE row on its own (:func:`load_instances` maps a whole file and reports what it could not use)."""
+    return SweRows(fmt).map(row, where)
 
 
 def _search(row: Row, where: str, fmt: str) -> Row:
@@ -223,8 +217,13 @@ def _search(row: Row, where: str, fmt: str) -> Row:
 LOADERS: dict[str, Callable[[Row, str, str], Row]] = {"math": _math, "code": _code, "swe": _swe, "search": _search}
 
 
-def load_instances(task: str, path: str | Path, fmt: str | None = None) -> list[Any]:
-    """The instances of ``path`` for ``task``; a :class:`DatasetError` names file, line/row and field."""
+def load_instances(task: str, path: str | Path, fmt: str | None = None,
+                   warn: Callable[[str], None] | None = None) -> list[Any]:
+    """The instances of ``path`` for ``task``; a :class:`DatasetError` names file, line/row and field.
+
+    ``warn`` gets one line per field the rows carry and prorl cannot use (``swe``: once per dataset,
+    naming the field and the source); by default it is logged as a warning.
+    """
     file = Path(path)
     fmt = fmt or "auto"
     loader = LOADERS.get(task)
@@ -232,6 +231,7 @@ def load_instances(task: str, path: str | Path, fmt: str | None = None) -> list[
         raise DatasetError(f"--format {fmt!r} does not apply to task {task!r}; choose from {list(FORMATS[task])}")
     if loader is None and fmt != "auto":
         raise DatasetError(f"--format applies to the domain tasks {sorted(LOADERS)}, not to {task!r}")
+    swe = SweRows(fmt) if task == "swe" else None
     instances: list[Any] = []
     for where, row in read_rows(file):
         if loader is None:
@@ -239,7 +239,9 @@ def load_instances(task: str, path: str | Path, fmt: str | None = None) -> list[
             continue
         if not isinstance(row, dict):
             raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        instances.append(loader(row, where, fmt))
+        instances.append(swe.map(row, where) if swe is not None else loader(row, where, fmt))
+    for line in swe.report() if swe is not None else []:
+        (warn or log.warning)(f"{file}: {line}")
     return instances
 
 

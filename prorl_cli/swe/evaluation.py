@@ -9,17 +9,24 @@ What lands in the output folder:
   resolved, patch);
 - ``reports/<instance_id>.json``: swebench's per-instance ``report.json``
   (``{instance_id: {patch_is_None, patch_exists, patch_successfully_applied,
-  resolved, infra_failure, tests_status}}``) of the first sample;
+  resolved, infra_failure, tests_status}}``, plus ``infra_failure_reason``
+  when set, as swebench writes it) of the first sample;
+- ``details/<instance_id>.json``: what a person debugging the instance wants,
+  every sample: the stage timings (``stage_s``: INIT, RUN, EVAL; ``eval``:
+  patch apply and run seconds, and each EVAL step's status, exit status and
+  seconds), ``missing`` (listed test -> the closest id the run produced), the
+  log tail, and for an ``infra_failure`` its reason and step;
 - ``summary.json``: swebench's run report keys (``total_instances``,
   ``resolved_ids``, ...) for the first samples, plus ``resolved_rate`` and
-  ``pass_at_k`` over all samples (the unbiased estimator of Chen et al. 2021).
+  ``pass_at_k`` over all samples (the unbiased estimator of Chen et al. 2021)
+  and ``mean_reward`` over the graded samples (an infra failure has no reward).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,7 @@ class Sample:
     model_patch: str | None
     report: dict[str, Any] | None  # the handler's output["report"]
     failure: dict[str, Any] | None = None  # output["failure"] when a stage failed
+    stage_s: dict[str, float] = field(default_factory=dict)  # in-stage seconds of INIT, RUN, EVAL
 
     @property
     def resolved(self) -> bool:
@@ -49,9 +57,30 @@ class Sample:
         output = result.output if isinstance(result.output, dict) else {}
         patch = output.get("model_patch")
         report = output.get("report")
+        stage_s = getattr(result, "stage_s", None)
         return cls(instance_id, sample, result.job_id, result.state, result.reward,
                    patch if isinstance(patch, str) else None, report if isinstance(report, dict) else None,
-                   output.get("failure") if isinstance(output.get("failure"), dict) else None)
+                   output.get("failure") if isinstance(output.get("failure"), dict) else None,
+                   dict(stage_s) if isinstance(stage_s, dict) else {})
+
+    def details(self) -> dict[str, Any]:
+        """This sample's debugging record: state, reward, timings, missing tests, log tail, infra failure."""
+        report = self.report or {}
+        return {
+            "sample": self.sample, "job_id": self.job_id, "state": self.state, "reward": self.reward,
+            "resolved": self.resolved, "status": report.get("status"),
+            "infra_failure": bool(report.get("infra_failure")),
+            "infra_failure_reason": report.get("infra_failure_reason") or None,
+            "infra_step": report.get("infra_step"),
+            "stage_s": self.stage_s,
+            "eval": {"timings": report.get("eval_timings") or {}, "steps": report.get("steps") or []},
+            "missing": report.get("missing") or {},
+            "grading": report.get("grading"), "grading_note": report.get("grading_note") or None,
+            "test_source": report.get("test_source"), "test_command": report.get("test_command"),
+            "tests_timed_out": report.get("tests_timed_out"),
+            "log_tail": report.get("log_tail"),
+            "failure": self.failure,
+        }
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -74,6 +103,8 @@ def swebench_report(sample: Sample) -> dict[str, Any]:
     if sample.report:
         for key in keys:
             body[key] = bool(sample.report.get(key, body[key]))
+        if sample.report.get("infra_failure_reason"):
+            body["infra_failure_reason"] = sample.report["infra_failure_reason"]  # swebench's key
         if "tests_status" in sample.report:
             body["tests_status"] = sample.report["tests_status"]
     return body
@@ -90,6 +121,7 @@ def summarize(instance_ids: list[str], samples: list[Sample], model_name: str, n
     by_instance: dict[str, list[Sample]] = {}
     for s in samples:
         by_instance.setdefault(s.instance_id, []).append(s)
+    graded = [s.reward for s in samples if s.reward is not None]  # an infra failure has no reward, not a 0
     ks = sorted({1, n} | {k for k in (5, 10) if k < n})
     at_k = {str(k): sum(pass_at_k(len(ss), sum(x.resolved for x in ss), k) for ss in by_instance.values())
             / max(len(by_instance), 1) for k in ks}
@@ -117,7 +149,9 @@ def summarize(instance_ids: list[str], samples: list[Sample], model_name: str, n
         "schema_version": SCHEMA_VERSION,
         "samples_per_instance": n,
         "resolved_rate": len(resolved) / len(instance_ids) if instance_ids else 0.0,
-        "mean_reward": (sum(s.reward or 0.0 for s in samples) / len(samples)) if samples else 0.0,
+        "mean_reward": (sum(graded) / len(graded)) if graded else 0.0,
+        "graded_samples": len(graded),
+        "ungraded_samples": len(samples) - len(graded),
         "pass_at_k": at_k,
     }
 
@@ -143,6 +177,13 @@ def write_outputs(out_dir: Path, instance_ids: list[str], samples: list[Sample],
         if s.sample == 0:
             path = reports / f"{s.instance_id.replace('/', '__')}.json"
             path.write_text(json.dumps({s.instance_id: swebench_report(s)}, indent=2) + "\n")
+    details = out_dir / "details"
+    details.mkdir(exist_ok=True)
+    for iid in instance_ids:
+        mine = [s.details() for s in ordered if s.instance_id == iid]
+        if mine:
+            path = details / f"{iid.replace('/', '__')}.json"
+            path.write_text(json.dumps({"instance_id": iid, "samples": mine}, indent=2, default=str) + "\n")
     summary = summarize(instance_ids, samples, model_name, n)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -5,10 +5,27 @@ plan grades by node id, else from the swebench log parser the plan names.
 The other source fills in names the first lacks: SWE-bench lists made by
 ``parse_log_pytest`` hold ids cut at the first space, and those still match
 the log parse. Resolution is swebench's (``get_eval_tests_report``,
-``get_resolution_status``). A listed test found in neither source is
-``missing``: reported in its own list with the closest id the run did
-produce, and never counted as passing; under ``pass_and_fail`` grading it
-leaves the instance unresolved, as in swebench.
+``get_resolution_status``), and ``tests_status`` is swebench's own: a listed
+test found in neither source counts as a failure there, as swebench counts
+it (under ``fail_only`` swebench counts it as passing, its parsers logging
+failures only), so swebench's ``get_resolution_status`` on the report agrees
+with ``resolved``. prorl adds ``missing``: those tests again, each with the
+closest id the run did produce.
+
+A run that is no evidence about the patch is an ``infra_failure`` (no
+reward, never a clean 0), with ``infra_failure_reason`` and the step, its
+exit status and the tail of its output in ``infra_step``:
+
+- a setup step (``eval_commands``, ``install``) that ``bash -n`` refuses,
+  exits non-zero, or is still running when the run hits its time limit, or a
+  test command or eval script that ``bash -n`` refuses;
+- an instance that lists no test at all;
+- a finished test step that produced none of the listed tests and no
+  collection error (under ``fail_only``: no result at all and no sign in the
+  log that the suite ran). A test step cut at the time limit is graded as it
+  stands: a patch that hangs the suite must not escape its 0;
+- a pytest run graded from its log whose listed ids hold whitespace the log
+  cannot carry, when they stand between the run and ``resolved``.
 """
 
 from __future__ import annotations
@@ -20,11 +37,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.exceptions import DomainError
+from prorl_cli.swe.evalrun import (
+    END_TEST_OUTPUT,
+    START_TEST_OUTPUT,
+    SYNTAX,
+    TESTS,
+    TIMEOUT,
+    StepOutcome,
+)
 from prorl_cli.swe.testplan import FAIL_ONLY, PYTEST_PARSER, TestPlan
 
 PASSED, FAILED, SKIPPED, ERROR, XFAIL = "PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL"
-START_TEST_OUTPUT = ">>>>> Start Test Output"
-END_TEST_OUTPUT = ">>>>> End Test Output"
+#: ``infra_failure_reason`` values.
+STEP_SYNTAX_ERROR, SETUP_FAILED, SETUP_TIMEOUT, SETUP_INTERRUPTED = (
+    "step_syntax_error", "setup_failed", "setup_timeout", "setup_interrupted")
+NO_LISTED_TESTS, NO_TESTS_COLLECTED, UNREADABLE_TEST_IDS = "no_listed_tests", "no_tests_collected", "unreadable_test_ids"
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,7 +128,10 @@ class SweReport:
     tests_status: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     status: str = "RESOLVED_NO"  # swebench's RESOLVED_FULL / RESOLVED_PARTIAL / RESOLVED_NO
     grading: str = ""  # "nodeids", or "log:<parser>"
-    grading_note: str = ""  # why a pytest run was graded from its log, and what that cost
+    grading_note: str = ""  # why a pytest run was graded from its log, what that cost, why a run is not graded
+    infra_failure_reason: str = ""  # swebench's key: why the run is no evidence (module doc)
+    infra_step: dict[str, Any] | None = None  # the step behind it: name, source, status, exit, log_tail
+    steps: list[dict[str, Any]] = field(default_factory=list)  # every step: name, source, kind, status, exit, seconds
     missing: dict[str, str | None] = field(default_factory=dict)  # listed test -> closest id the run produced
     tests: dict[str, str] = field(default_factory=dict)  # every test the run produced -> status
     collect_errors: list[str] = field(default_factory=list)
@@ -109,9 +139,12 @@ class SweReport:
 
     def swebench(self) -> dict[str, Any]:
         """The per-instance body of swebench's ``report.json`` (``{instance_id: this}``)."""
-        return {"patch_is_None": self.patch_is_None, "patch_exists": self.patch_exists,
+        body = {"patch_is_None": self.patch_is_None, "patch_exists": self.patch_exists,
                 "patch_successfully_applied": self.patch_successfully_applied, "resolved": self.resolved,
                 "infra_failure": self.infra_failure, "tests_status": self.tests_status}
+        if self.infra_failure_reason:
+            body["infra_failure_reason"] = self.infra_failure_reason
+        return body
 
 
 def _closest(name: str, ids: list[str]) -> str | None:
@@ -120,8 +153,8 @@ def _closest(name: str, ids: list[str]) -> str | None:
 
 
 def grade_run(plan: TestPlan, instance: dict[str, Any], fail_to_pass: list[str], pass_to_pass: list[str],
-              log: str, nodeid_records: str) -> SweReport:
-    """Grade one run of ``plan``: its output ``log`` and the node-id records the plugin wrote."""
+              log: str, nodeid_records: str, steps: list[StepOutcome] | None = None) -> SweReport:
+    """Grade one run of ``plan``: its output ``log``, the node-id records the plugin wrote, and each step's outcome."""
     grading = _swebench()
     from swebench.harness.constants import EvalType
 
@@ -129,9 +162,10 @@ def grade_run(plan: TestPlan, instance: dict[str, Any], fail_to_pass: list[str],
     note = ""
     if plan.log_parser is None:
         by_log = parse_log(PYTEST_PARSER, log, instance, fail_to_pass, pass_to_pass)
-        primary, secondary = (by_id, by_log) if by_id else (by_log, {})
-        label = "nodeids" if by_id else f"log:{PYTEST_PARSER}"
-        if not by_id:
+        plugin_ran = bool(by_id) or bool(collect_errors)  # it recorded tests, or the files it could not collect
+        primary, secondary = (by_id, by_log) if plugin_ran else (by_log, {})
+        label = "nodeids" if plugin_ran else f"log:{PYTEST_PARSER}"
+        if not plugin_ran:
             note = ("the node-id plugin recorded no test (no pytest ran, or the test command's python "
                     "did not load it): graded from the log, whose parser cuts test ids at whitespace")
     else:
@@ -139,8 +173,8 @@ def grade_run(plan: TestPlan, instance: dict[str, Any], fail_to_pass: list[str],
         label = f"log:{plan.log_parser}"
     merged = {**secondary, **primary}
     gold = {grading.FAIL_TO_PASS: fail_to_pass, grading.PASS_TO_PASS: pass_to_pass}
+    # swebench's own lists: under pass_and_fail a listed test the run never produced is a failure.
     tests_status = grading.get_eval_tests_report(merged, gold, eval_type=EvalType(plan.eval_type))
-    status = grading.get_resolution_status(tests_status)
 
     resolve = getattr(grading, "_resolve_case", None)  # swebench's tolerance of truncated parametrized ids
 
@@ -150,24 +184,80 @@ def grade_run(plan: TestPlan, instance: dict[str, Any], fail_to_pass: list[str],
     ids = sorted(merged)
     missing: dict[str, str | None] = {}
     for key in (grading.FAIL_TO_PASS, grading.PASS_TO_PASS):
-        lists = tests_status[key]
         absent = [name for name in gold[key] if not found(name)]
         for name in absent:
             missing[name] = _closest(name, ids)
-        lists["missing"] = absent
-        if plan.eval_type != FAIL_ONLY:  # swebench files them as failures; here they are their own list
-            lists["failure"] = [name for name in lists["failure"] if name not in absent]
+        tests_status[key]["missing"] = absent  # prorl's extra list; swebench's "failure" keeps them
     for key in (grading.FAIL_TO_FAIL, grading.PASS_TO_FAIL):
         tests_status[key].setdefault("missing", [])
+    status = grading.get_resolution_status(tests_status)
     resolved = status == grading.ResolvedStatus.FULL.value
+
+    outcomes = steps or []
+    reason, culprit, why = _infra(plan, outcomes, merged, collect_errors, log, fail_to_pass, pass_to_pass,
+                                  any(found(name) for name in [*fail_to_pass, *pass_to_pass]))
+    # A test step cut at the time limit is graded as it stands: a patch that hangs the suite keeps its 0.
+    cut = any(s.kind == TESTS and s.status == TIMEOUT for s in outcomes)
     # A pytest log cannot name an id with whitespace in it: such a listed test is missing for the
     # parser's sake, not the patch's, so the run is not graded (no correct patch scores 0 for it).
     unreadable = [name for name in missing if note and any(c.isspace() for c in name)]
-    infra_failure = bool(unreadable) and not resolved
-    if infra_failure:
-        note += (f"; {len(unreadable)} listed test id(s) with whitespace cannot be read from the log "
-                 f"(e.g. {unreadable[0]!r}): missing, not failed, and the run is not graded")
+    if not reason and not cut and unreadable and not resolved:
+        reason, why = UNREADABLE_TEST_IDS, (
+            f"{len(unreadable)} listed test id(s) with whitespace cannot be read from the log "
+            f"(e.g. {unreadable[0]!r}): missing, and the run is not graded")
+    if reason:
+        if plan.eval_type == FAIL_ONLY:
+            # swebench counts an absent test as passing under fail_only; in a run that is no evidence it is not.
+            for key in (grading.FAIL_TO_PASS, grading.PASS_TO_PASS):
+                lists = tests_status[key]
+                lists["success"] = [name for name in lists["success"] if name not in lists["missing"]]
+                lists["failure"] = [*lists["failure"], *(n for n in lists["missing"] if n not in lists["failure"])]
+            status = grading.get_resolution_status(tests_status)
+        resolved = False
+        # The plugin's note explains a run whose tests ran; a setup step that stopped them is the whole story.
+        note = f"{note}; {why}" if note and reason in (NO_TESTS_COLLECTED, UNREADABLE_TEST_IDS) else why
     return SweReport(patch_exists=True, patch_successfully_applied=True, resolved=resolved,
-                     infra_failure=infra_failure, tests_status=tests_status, status=status, grading=label,
-                     grading_note=note, missing=missing, tests=dict(primary), collect_errors=collect_errors,
-                     test_source=plan.source)
+                     infra_failure=bool(reason), tests_status=tests_status, status=status, grading=label,
+                     grading_note=note, infra_failure_reason=reason, infra_step=culprit,
+                     steps=[_step_record(o) for o in outcomes], missing=missing, tests=dict(primary),
+                     collect_errors=collect_errors, test_source=plan.source)
+
+
+def _step_record(outcome: StepOutcome) -> dict[str, Any]:
+    return {"name": outcome.name, "source": outcome.source, "kind": outcome.kind, "status": outcome.status,
+            "exit": outcome.exit, "seconds": outcome.seconds}
+
+
+def _infra(plan: TestPlan, steps: list[StepOutcome], merged: dict[str, str], collect_errors: list[str], log: str,
+           fail_to_pass: list[str], pass_to_pass: list[str],
+           listed_found: bool) -> tuple[str, dict[str, Any] | None, str]:
+    """Why the run is no evidence about the patch: (reason, the step behind it, a sentence), or ("", None, "")."""
+    for step in steps:
+        if step.failed_setup:
+            reason = {SYNTAX: STEP_SYNTAX_ERROR, TIMEOUT: SETUP_TIMEOUT}.get(step.status, SETUP_FAILED)
+            if step.status not in (SYNTAX, TIMEOUT) and step.exit is None:
+                reason = SETUP_INTERRUPTED
+            what = {SYNTAX: "is not shell (bash -n refused it)", TIMEOUT: "ran past the run's time limit"}.get(
+                step.status, f"exited with status {step.exit}" if step.exit is not None else "did not finish")
+            return reason, _culprit(step), (f"{step.kind} step {step.name} ({step.source}) {what}: the tests "
+                                            "did not run as the instance says, and the run is not graded")
+    if not fail_to_pass and not pass_to_pass:
+        return NO_LISTED_TESTS, None, "the instance lists no test (FAIL_TO_PASS and PASS_TO_PASS are empty)"
+    test_step = next((s for s in steps if s.kind == TESTS), None)
+    if test_step is not None and test_step.status == TIMEOUT:
+        return "", None, ""  # cut at the time limit: graded as it stands (a hanging patch keeps its 0)
+    if plan.eval_type == FAIL_ONLY:
+        suite_ran = getattr(_swebench(), "SUITE_RAN", None)
+        ran = bool(merged) or bool(collect_errors) or (suite_ran is not None and bool(suite_ran.search(log)))
+    else:
+        ran = listed_found or bool(collect_errors)
+    if ran:
+        return "", None, ""
+    return NO_TESTS_COLLECTED, _culprit(test_step) if test_step else None, (
+        "the test run produced none of the listed tests and no collection error: it is no evidence about the "
+        "patch, and the run is not graded")
+
+
+def _culprit(step: StepOutcome) -> dict[str, Any]:
+    return {"name": step.name, "source": step.source, "kind": step.kind, "status": step.status, "exit": step.exit,
+            "log_tail": step.log_tail}

@@ -7,18 +7,23 @@ list (``sif_recipes`` machinery: spython-converted Dockerfile, lock-mode
 key, file locks, the manifest) holding:
 
 - the environment: the rows' ``install_config`` ``pre_install`` commands and
-  ``pip_packages`` (SWE-rebench's and old SWE-bench specs' keys), installed
-  from ``--wheels DIR`` when given (pip ``--no-index``, or unpacked into the
-  site folder where the image has no pip) and from the package index
-  otherwise;
+  ``pip_packages`` (SWE-rebench's and old SWE-bench specs' keys), and their
+  ``requirements`` (SWE-rebench's pinned ``pip freeze`` of the environment:
+  editable installs, local paths and option lines left out, the project itself
+  being installed by ``install_config.install``), installed from
+  ``--wheels DIR`` when given (pip ``--no-index``, or unpacked into the site
+  folder where the image has no pip) and from the package index otherwise.
+  Rows of one repository/version whose ``requirements`` differ get one image
+  per distinct set (``swe-<repo>-<version>-<digest>``), mapped by instance id;
 - the repository in ``/testbed``, cloned from a bundle holding the base
   commits of the group's instances and their history, nothing later (INIT
   still checks out each instance's ``base_commit`` and removes whatever is
   not its ancestor), and ``install_config.install`` run there.
 
-Rows that name their own ``image`` (published per-instance images), or all
+Rows that name their own ``image`` (published images: SWE-smith's
+``image_name`` and SWE-rebench's ``docker_image`` arrive as ``image``), or all
 rows with ``--images-from docker://NAMESPACE`` (SWE-bench's image names),
-get a per-instance entry pulled from that reference instead;
+get an entry pulled from that reference instead, one per distinct reference;
 ``--images-from DIR`` maps each instance to ``DIR/<instance_id>.sif`` as it is.
 
 The repository comes from the rows' ``repo_path`` or from ``--repos-dir``
@@ -46,6 +51,7 @@ from prorl_cli.swe.history import _git
 
 WHEELS_DST = "/opt/prorl-wheels"
 BUNDLE_DST = "/opt/prorl-swe/repo.bundle"
+REQUIREMENTS_DST = "/opt/prorl-swe/requirements.txt"
 #: First site folder on the image python's path (Debian's python does not search sysconfig's purelib).
 _SITE = ("$(python3 -c \"import sys; print([p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))][0])\")")
 
@@ -62,15 +68,17 @@ class RepoGroup:
     pip_packages: list[str] = field(default_factory=list)
     pre_install: list[str] = field(default_factory=list)
     install: list[str] = field(default_factory=list)
+    requirements: list[str] = field(default_factory=list)  # pinned lines, installed with pip -r
+    variant: str = ""  # a digest of ``requirements`` when the repository/version has several sets
 
     @property
     def key(self) -> str:
-        return f"{self.repo}@{self.version}"
+        return f"{self.repo}@{self.version}" + (f"#{self.variant}" if self.variant else "")
 
     @property
     def slug(self) -> str:
-        raw = f"{self.repo.replace('/', '-')}-{self.version}".lower()
-        return re.sub(r"[^a-z0-9._-]+", "-", raw).strip("-.") or "repo"
+        raw = f"{self.repo.replace('/', '-')}-{self.version}" + (f"-{self.variant}" if self.variant else "")
+        return re.sub(r"[^a-z0-9._-]+", "-", raw.lower()).strip("-.") or "repo"
 
 
 @dataclass
@@ -126,30 +134,66 @@ def _list(value: Any, where: str) -> list[str]:
     raise DatasetError(f"{where}: expected a string or a list of strings, got {value!r}")
 
 
+def requirement_lines(text: Any, where: str) -> list[str]:
+    """The installable lines of a ``requirements`` field (a ``pip freeze``): no comments, options, editable
+    installs or local paths (the project itself is installed by ``install_config.install``)."""
+    if text in (None, ""):
+        return []
+    if isinstance(text, list) and all(isinstance(t, str) for t in text):
+        text = "\n".join(text)
+    if not isinstance(text, str):
+        raise DatasetError(f"{where}: expected the text of a requirements file, got {type(text).__name__}")
+    lines = []
+    for raw in text.splitlines():
+        line = raw.split(" #", 1)[0].strip()
+        if not line or line.startswith(("#", "-")) or "@ file:" in line or line.startswith(("file:", "/", ".")):
+            continue
+        lines.append(line)
+    return lines
+
+
 def group_rows(rows: list[dict[str, Any]], repos_dir: Path | None) -> tuple[dict[str, RepoGroup], dict[str, str]]:
-    """Rows by repository/version (rows with their own ``image`` apart: instance id -> image reference)."""
-    groups: dict[str, RepoGroup] = {}
+    """Rows by repository/version and requirements set (rows with their own ``image`` apart: instance id -> image
+    reference)."""
+    by_key: dict[str, dict[str, list[dict[str, Any]]]] = {}
     pulled: dict[str, str] = {}
     for row in rows:
         iid = str(row["instance_id"])
         if isinstance(row.get("image"), str) and row["image"]:
             pulled[iid] = row["image"]
             continue
-        version = str(row.get("version") or "latest")
-        group = groups.setdefault(f"{row['repo']}@{version}", RepoGroup(str(row["repo"]), version))
-        group.instance_ids.append(iid)
-        if row["base_commit"] not in group.base_commits:
-            group.base_commits.append(str(row["base_commit"]))
-        if group.repo_path is None:
-            group.repo_path = _repo_path(row, repos_dir)
-        raw = row.get("install_config")
-        config: dict[str, Any] = raw if isinstance(raw, dict) else {}
-        where = f"instance {iid} install_config"
-        for attr in ("pip_packages", "pre_install", "install"):
-            for item in _list(config.get(attr), f"{where}.{attr}"):
-                if item not in getattr(group, attr):
-                    getattr(group, attr).append(item)
+        reqs = requirement_lines(row.get("requirements"), f"instance {iid} requirements")
+        digest = hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:8] if reqs else ""
+        key = f"{row['repo']}@{row.get('version') or 'latest'}"
+        by_key.setdefault(key, {}).setdefault(digest, []).append(row)
+    groups: dict[str, RepoGroup] = {}
+    for variants in by_key.values():
+        for digest, members in variants.items():
+            first = members[0]
+            version = str(first.get("version") or "latest")
+            # One requirements set keeps the plain repo@version key; several get one image each.
+            group = RepoGroup(str(first["repo"]), version, variant=digest if len(variants) > 1 else "")
+            group.requirements = requirement_lines(first.get("requirements"), "requirements")
+            for row in members:
+                _add_row(group, row, repos_dir)
+            groups[group.key] = group
     return groups, pulled
+
+
+def _add_row(group: RepoGroup, row: dict[str, Any], repos_dir: Path | None) -> None:
+    iid = str(row["instance_id"])
+    group.instance_ids.append(iid)
+    if row["base_commit"] not in group.base_commits:
+        group.base_commits.append(str(row["base_commit"]))
+    if group.repo_path is None:
+        group.repo_path = _repo_path(row, repos_dir)
+    raw = row.get("install_config")
+    config: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    where = f"instance {iid} install_config"
+    for attr in ("pip_packages", "pre_install", "install"):
+        for item in _list(config.get(attr), f"{where}.{attr}"):
+            if item not in getattr(group, attr):
+                getattr(group, attr).append(item)
 
 
 def _repo_path(row: dict[str, Any], repos_dir: Path | None) -> str | None:
@@ -185,8 +229,9 @@ def bundle_commits(repo_path: str, commits: list[str], dest: Path) -> None:
             new.replace(dest)
 
 
-def _pip_line(packages: list[str], wheels: bool) -> str:
-    names = " ".join(shlex.quote(p) for p in packages)
+def _pip_line(packages: list[str], wheels: bool, requirements_file: str | None = None) -> str:
+    """A RUN line installing ``packages`` (or the file ``requirements_file`` holding them, one per line)."""
+    names = f"-r {requirements_file}" if requirements_file else " ".join(shlex.quote(p) for p in packages)
     if not wheels:
         return f"RUN python3 -m pip install --no-cache-dir {names}"
     stems = " ".join(shlex.quote(re.split(r"[<>=!~\[; ]", p, maxsplit=1)[0].replace("-", "_")) for p in packages)
@@ -203,6 +248,9 @@ def dockerfile(group: RepoGroup, wheels: bool, repo_dir: str) -> str:
     testbed = shlex.quote(repo_dir)
     lines = ["FROM prorl-swe-base", "ENV PYTHONDONTWRITEBYTECODE=1"]
     lines += [f"RUN {command}" for command in group.pre_install]
+    if group.requirements:
+        lines += [f"COPY requirements.txt {REQUIREMENTS_DST}",
+                  _pip_line(group.requirements, wheels, REQUIREMENTS_DST)]
     if group.pip_packages:
         lines.append(_pip_line(group.pip_packages, wheels))
     lines += [
@@ -238,6 +286,8 @@ def plan_dataset(rows: list[dict[str, Any]], recipes_dir: Path, base: str, wheel
         folder = recipes_dir / group.slug
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "Dockerfile").write_text(dockerfile(group, wheels_dir is not None, repo_dir))
+        if group.requirements:
+            _write_if_changed(folder / "requirements.txt", "\n".join(group.requirements) + "\n")
         try:
             bundle_commits(group.repo_path, group.base_commits, folder / "repo.bundle")
         except DomainError as e:  # a broken repository is this group's problem; the others still build
@@ -251,15 +301,24 @@ def plan_dataset(rows: list[dict[str, Any]], recipes_dir: Path, base: str, wheel
             entry["files"] = [{"src": str(wheels_dir), "dst": WHEELS_DST}]
         images[name] = entry
         names.append(name)
-        repo_images[key] = name
+        if group.variant:  # several requirements sets for one repo@version: each instance is mapped on its own
+            repo_images.update({iid: name for iid in group.instance_ids})
+        else:
+            repo_images[key] = name
+    first_of: dict[str, str] = {}  # reference -> the first instance pulling it: one image per reference
     for iid, ref in sorted(pulled.items()):
-        slug = re.sub(r"[^a-z0-9._-]+", "-", iid.lower()).strip("-.")
-        folder = recipes_dir / "pulled"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "Dockerfile").write_text("FROM published\n")
-        images[f"swe-i-{slug}"] = {"template": "pulled/Dockerfile", "base": ref if "://" in ref or ref.endswith(".sif")
-                                   else f"docker://{ref}", "description": f"published image of {iid}"}
-        names.append(f"swe-i-{slug}")
+        first = first_of.setdefault(ref, iid)
+        slug = re.sub(r"[^a-z0-9._-]+", "-", first.lower()).strip("-.")
+        if first == iid:
+            folder = recipes_dir / "pulled"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "Dockerfile").write_text("FROM published\n")
+            users = sorted(i for i, r in pulled.items() if r == ref)
+            images[f"swe-i-{slug}"] = {"template": "pulled/Dockerfile",
+                                       "base": ref if "://" in ref or ref.endswith(".sif") else f"docker://{ref}",
+                                       "description": f"published image of {', '.join(users[:3])}"
+                                                      + (f" and {len(users) - 3} more" if len(users) > 3 else "")}
+            names.append(f"swe-i-{slug}")
         repo_images[iid] = f"swe-i-{slug}"
     images_file = recipes_dir / "images.yaml"
     if images:
@@ -267,6 +326,12 @@ def plan_dataset(rows: list[dict[str, Any]], recipes_dir: Path, base: str, wheel
         if not images_file.is_file() or images_file.read_text() != text:
             images_file.write_text(text)
     return SwePlan(images_file, names, repo_images, problems, ready)
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Write ``text`` unless ``path`` holds it already (its mtime stays: lock keys hold)."""
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
 
 
 def recipes_folder(dataset: Path, cache_dir: Path) -> Path:

@@ -6,6 +6,8 @@ Precedence, first found wins (each key separately):
    shape: it applies the test patch and runs the tests itself), else
    ``test_command`` (SWE-rebench's ``install_config.test_cmd`` counts as one);
    ``install`` (a string or a list of commands); ``log_parser``; ``eval_type``;
+   ``eval_commands`` (SWE-rebench's, run before ``install``) and ``env``
+   (variables exported for every step) come from the instance only;
 2. the ``domains.swe`` settings (prorl.yaml, then the instance's ``settings``):
    ``eval_script``, ``test_command``, ``install``, ``log_parser``;
 3. the ``swebench`` package, for SWE-bench's own repositories: the per-repo
@@ -22,6 +24,7 @@ test file runs twice and none is left out.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +48,9 @@ class TestPlan:
     applies_test_patch: bool  # an eval_script applies the test patch itself
     test_files: list[str] = field(default_factory=list)  # each named once on the command line
     install: list[str] = field(default_factory=list)
+    install_source: str = ""  # "instance install" or "settings install"
+    eval_commands: list[str] = field(default_factory=list)  # the instance's, run before install
+    env: dict[str, str] = field(default_factory=dict)  # exported for every step
     log_parser: str | None = None  # a swebench PARSER_REGISTRY name; None: exact node ids (pytest log as fallback)
     log_parser_source: str = "default"
     eval_type: str = PASS_AND_FAIL
@@ -107,12 +113,15 @@ def plan_tests(instance: dict[str, Any], settings: dict[str, Any], fail_to_pass:
     files = test_targets(str(instance.get("test_patch", "")), fail_to_pass, pass_to_pass)
 
     install: list[str] = []
+    install_source = ""
     for where, value in (("instance install", instance.get("install")),
                          ("settings install", settings.get("install"))):
         found = _commands(value, where)
         if found is not None:
-            install = found
+            install, install_source = found, where
             break
+    eval_commands = _commands(instance.get("eval_commands"), "instance eval_commands") or []
+    env = _env(instance.get("env"))
 
     parser, parser_source = None, "default"
     for where, value in (("instance log_parser", instance.get("log_parser")),
@@ -133,8 +142,9 @@ def plan_tests(instance: dict[str, Any], settings: dict[str, Any], fail_to_pass:
         raise DomainError(f"swe: eval_type must be {PASS_AND_FAIL!r} or {FAIL_ONLY!r}, got {eval_type!r}")
 
     plan = TestPlan(script=command_with_files(DEFAULT_TEST_COMMAND, files), source="default",
-                    applies_test_patch=False, test_files=files, install=install, log_parser=parser,
-                    log_parser_source=parser_source, eval_type=eval_type)
+                    applies_test_patch=False, test_files=files, install=install, install_source=install_source,
+                    eval_commands=eval_commands, env=env, log_parser=parser, log_parser_source=parser_source,
+                    eval_type=eval_type)
     candidates: list[tuple[str, str, Any]] = [
         ("instance eval_script", "script", instance.get("eval_script")),
         ("instance test_command", "command", instance.get("test_command")),
@@ -150,6 +160,18 @@ def plan_tests(instance: dict[str, Any], settings: dict[str, Any], fail_to_pass:
             return dataclasses.replace(plan, script=text, source=where, applies_test_patch=True)
         return dataclasses.replace(plan, script=command_with_files(text, files), source=where)
     return plan
+
+
+def _env(value: Any) -> dict[str, str]:
+    """The instance's ``env``: variable names a shell can export, values as text."""
+    if value in (None, {}):
+        return {}
+    if not isinstance(value, dict):
+        raise DomainError(f"swe: instance env must be an object of NAME: value, got {type(value).__name__}")
+    bad = [k for k in value if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+    if bad:
+        raise DomainError(f"swe: instance env names {bad!r} are not shell variable names")
+    return {k: str(v) for k, v in value.items()}
 
 
 def _check_parser(name: str, where: str) -> None:

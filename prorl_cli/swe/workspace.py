@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import time
 from typing import Any
 
 from prorl_cli.exceptions import DomainError
 from prorl_cli.swe.evalrun import (
-    EVAL_SCRIPT,
     LOG,
     NODEIDS,
     RUN,
+    STEPS,
     TEST_PATCH,
     WORK,
+    plan_steps,
+    read_steps,
     run_script,
     support_files,
 )
@@ -65,14 +68,18 @@ async def _apply(sandbox: Any, repo_dir: str, path: str) -> tuple[bool, str]:
 async def run_tests(sandbox: Any, instance: dict[str, Any], settings: dict[str, Any], patch: str | None,
                     fail_to_pass: list[str], pass_to_pass: list[str], repo_dir: str,
                     timeout_s: float) -> tuple[SweReport, dict[str, Any]]:
-    """Apply ``patch`` (and the test patch unless the plan's eval script does), run the tests, grade them.
+    """Apply ``patch`` (and the test patch unless the plan's eval script does), run the steps, grade them.
 
-    Returns the report and what a person debugging the run wants (command, log tail, timeout).
+    Returns the report and what a person debugging the run wants (command, log tail, timeout, and
+    ``eval_timings``: seconds to apply the patches and to run the steps).
     """
     plan = plan_tests(instance, settings, fail_to_pass, pass_to_pass)
     extra: dict[str, Any] = {"test_command": plan.script, "log_parser_source": plan.log_parser_source}
     if patch is None:
         return SweReport(patch_is_None=True, test_source=plan.source), extra
+    timings: dict[str, float] = {}
+    extra["eval_timings"] = timings
+    started = time.monotonic()
     for path, data in support_files().items():
         await sandbox.write_file(path, data)
     if patch.strip():
@@ -81,18 +88,21 @@ async def run_tests(sandbox: Any, instance: dict[str, Any], settings: dict[str, 
         if not ok:
             extra["log_tail"] = output[-3000:]
             return SweReport(patch_exists=True, test_source=plan.source, status="PATCH_APPLY_FAILED"), extra
-    if plan.applies_test_patch:
-        await sandbox.write_file(EVAL_SCRIPT, plan.script.encode())
-    else:
+    if not plan.applies_test_patch:
         await sandbox.write_file(TEST_PATCH, str(instance.get("test_patch", "")).encode())
         if str(instance.get("test_patch", "")).strip():
             ok, output = await _apply(sandbox, repo_dir, TEST_PATCH)
             if not ok:
                 raise DomainError(f"swe: the instance's test_patch does not apply: {output[-1000:]}")
+    timings["apply_s"] = round(time.monotonic() - started, 3)
     await sandbox.write_file(RUN, run_script(plan, repo_dir).encode())
-    ran = await sandbox.bash(f": > {NODEIDS}; bash {RUN} > {LOG} 2>&1", timeout_s=timeout_s)
+    started = time.monotonic()
+    ran = await sandbox.bash(f": > {NODEIDS}; : > {STEPS}; bash {RUN} > {LOG} 2>&1", timeout_s=timeout_s)
+    timings["run_s"] = round(time.monotonic() - started, 3)
     log = (await sandbox.read_file(LOG)).decode("utf-8", "replace")
     records = (await sandbox.read_file(NODEIDS)).decode("utf-8", "replace")
-    report = grade_run(plan, instance, fail_to_pass, pass_to_pass, log, records)
+    step_records = (await sandbox.read_file(STEPS)).decode("utf-8", "replace")
+    steps = read_steps(plan_steps(plan), step_records, log, bool(ran.timed_out))
+    report = grade_run(plan, instance, fail_to_pass, pass_to_pass, log, records, steps)
     extra.update(tests_timed_out=ran.timed_out, log_tail=log[-3000:])
     return report, extra

@@ -101,3 +101,46 @@ def test_prorl_eval_writes_swebench_predictions_and_reports(stack: ScriptedStack
     report = json.loads((out / "reports" / "prorl__spacey-src-1.json").read_text())["prorl__spacey-src-1"]
     assert report["resolved"] and report["patch_successfully_applied"]
     assert sorted(report["tests_status"]["FAIL_TO_PASS"]["success"]) == sorted(FAIL_TO_PASS)
+
+
+def test_no_silent_zero_inside_the_sandbox(stack: ScriptedStack, repos: tuple[Spacey, Spacey], tmp_path: Path) -> None:
+    """A prose install as shipped, and a test command that runs nothing: no reward, the step and why in the report."""
+    flat, _ = repos
+    prose = "Install the package in editable mode (pip install -e .) and make sure numpy is available."
+    # SWE-smith's shape: the patch introduces the bug (here: the fix reversed), and the oracle reverses it.
+    bug = subprocess.run(["git", "-C", str(flat.path), "diff", flat.fix_commit, flat.instance["base_commit"], "--",
+                          "spacey"], capture_output=True, text=True, check=True).stdout
+    as_shipped, nothing_ran, smith = stack.run("swe_oracle", [
+        _with_repo(flat, instance_id="prorl__spacey-prose", install=[prose]),  # submitted as is: EVAL's guard
+        _with_repo(flat, instance_id="prorl__spacey-notests", test_command="echo no tests here"),
+        _with_repo(flat, instance_id="prorl__spacey-smith", patch=bug, patch_reverse=True),
+    ], timeout_s=300)
+    assert smith.reward == 1.0, json.dumps(smith.output, indent=1)[-3000:]
+    assert as_shipped.state == "done" and as_shipped.reward is None, json.dumps(as_shipped.output, indent=1)[-3000:]
+    report = as_shipped.output["report"]
+    assert report["infra_failure"] and report["infra_failure_reason"] == "step_syntax_error"
+    assert report["infra_step"]["name"] == "install[0]" and report["infra_step"]["exit"] == 2
+    assert "syntax error" in report["infra_step"]["log_tail"]
+    assert [s["status"] for s in report["steps"]] == ["syntax", "not_run"]
+    assert nothing_ran.reward is None and nothing_ran.output["report"]["infra_failure_reason"] == "no_tests_collected"
+
+    # Through the loader (prorl eval): the prose never reaches a shell, the warning names the field, and the
+    # gold patch resolves; the instance whose tests never ran is left ungraded, with its details on disk.
+    rows = [{**_with_repo(flat, instance_id="prorl__spacey-prose"), "install": prose, "hints_text": "",
+             "created_at": "2024-01-01T00:00:00Z"},
+            _with_repo(flat, instance_id="prorl__spacey-notests", test_command="echo no tests here")]
+    dataset = tmp_path / "dataset.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    ran = subprocess.run(
+        [sys.executable, "-m", "prorl_cli", "-d", stack.d.name, "eval", "--task", "swe_oracle", str(dataset),
+         "--out", str(out)], env=stack.d.env(), capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stdout + ran.stderr[-3000:]
+    assert "field 'install'" in ran.stderr and "never run" in ran.stderr
+    assert "1 sample(s) not graded (infra_failure: no_tests_collected" in ran.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resolved_ids"] == ["prorl__spacey-prose"] and summary["infra_failure_ids"] == ["prorl__spacey-notests"]
+    (sample,) = json.loads((out / "details" / "prorl__spacey-notests.json").read_text())["samples"]
+    assert sample["reward"] is None and set(sample["stage_s"]) >= {"init", "run", "eval"}
+    assert sample["infra_step"]["name"] == "tests" and "no tests here" in sample["log_tail"]
+    assert sorted(sample["missing"]) == sorted(flat.instance["FAIL_TO_PASS"] + flat.instance["PASS_TO_PASS"])

@@ -84,3 +84,37 @@ def test_outputs_match_swebench_report_and_run_report(tmp_path: Path, monkeypatc
     for key in ("resolved_ids", "unresolved_ids", "empty_patch_ids", "completed_ids", "total_instances"):
         assert run[key] == summary[key], key
     assert set(run) <= set(summary)
+
+
+def test_details_hold_stage_timings_missing_ids_log_tail_and_the_infra_step(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    infra = {**_report(False), "infra_failure": True, "infra_failure_reason": "step_syntax_error",
+             "infra_step": {"name": "install[0]", "source": "instance install", "kind": "setup", "status": "syntax",
+                            "exit": 2, "log_tail": "syntax error near unexpected token `('"},
+             "steps": [{"name": "install[0]", "source": "instance install", "kind": "setup", "status": "syntax",
+                        "exit": 2, "seconds": 0.01}, {"name": "tests", "source": "default", "kind": "tests",
+                                                       "status": "not_run", "exit": None, "seconds": None}],
+             "eval_timings": {"apply_s": 0.2, "run_s": 0.1}, "missing": {"t.py::a b": None},
+             "log_tail": ">>>>> prorl step 0 start\n...", "grading_note": "setup step install[0] ... not graded"}
+    result = SimpleNamespace(job_id="j0", state="done", reward=None, stage_s={"init": 1.5, "run": 2.0, "eval": 3.0},
+                             output={"model_patch": "diff a", "report": infra})
+    samples = [Sample.from_result("org__a-1", 0, result),
+               Sample("org__a-1", 1, "j3", "done", 0.0, "diff a2", _report(False)),
+               Sample("org__b-2", 0, "j1", "done", 1.0, "diff b", _report(True)),
+               Sample("org__b-2", 1, "j2", "done", 0.0, "diff b2", _report(False))]
+    out = tmp_path / "out"
+    summary = write_outputs(out, ["org__a-1", "org__b-2"], samples, "m", 2)
+    # The infra failure has no reward: the mean is over the graded samples, not a 0 for it.
+    assert summary["mean_reward"] == pytest.approx(1 / 3) and summary["ungraded_samples"] == 1
+    assert summary["infra_failure_ids"] == ["org__a-1"]
+    details = json.loads((out / "details" / "org__a-1.json").read_text())
+    sample, _ = details["samples"]
+    assert sample["stage_s"] == {"init": 1.5, "run": 2.0, "eval": 3.0} and sample["reward"] is None
+    assert sample["eval"]["timings"] == {"apply_s": 0.2, "run_s": 0.1}
+    assert [s["status"] for s in sample["eval"]["steps"]] == ["syntax", "not_run"]
+    assert sample["missing"] == {"t.py::a b": None} and sample["log_tail"].startswith(">>>>> prorl step 0")
+    assert sample["infra_failure_reason"] == "step_syntax_error" and sample["infra_step"]["exit"] == 2
+    report = json.loads((out / "reports" / "org__a-1.json").read_text())["org__a-1"]
+    assert report["infra_failure"] and report["infra_failure_reason"] == "step_syntax_error"  # swebench's key
+    assert [s["sample"] for s in json.loads((out / "details" / "org__b-2.json").read_text())["samples"]] == [0, 1]

@@ -85,7 +85,9 @@ def test_a_listed_test_that_never_ran_is_missing_with_the_closest_id(spacey: Spa
     report, _ = _run(spacey, spacey.instance["patch"], tmp_path, {"PASS_TO_PASS": [*PASS_TO_PASS, ghost]})
     assert not report.resolved  # a test that did not run is not a test that passed
     assert report.tests_status["PASS_TO_PASS"]["missing"] == [ghost]
-    assert ghost not in report.tests_status["PASS_TO_PASS"]["failure"]  # its own category
+    # swebench's own list counts it as a failure (as swebench does); prorl's "missing" names it besides.
+    assert ghost in report.tests_status["PASS_TO_PASS"]["failure"]
+    assert not report.infra_failure  # the other listed tests ran: the run is evidence, and unresolved
     assert report.missing == {ghost: f"{FILE}::test_parse_pair[a = b]"}
 
 
@@ -164,9 +166,14 @@ def test_a_run_graded_from_its_log_says_why_and_never_fails_a_test_it_cannot_rea
     assert "node-id plugin recorded no test" in report.grading_note
     spaced = [name for name in PASS_TO_PASS + FAIL_TO_PASS if " " in name]
     assert spaced and all(name in report.missing for name in spaced), report.missing
-    for lists in report.tests_status.values():
-        assert not set(spaced) & set(lists.get("failure", [])), lists
+    # Never failed against the patch: swebench's lists count the unreadable ids as failures (as swebench
+    # itself would), but the run is an infra_failure, not graded, so no reward is taken from it.
+    for key in ("FAIL_TO_PASS", "PASS_TO_PASS"):
+        lists = report.tests_status[key]
+        assert set(lists["missing"]) == {n for n in spaced if n in (FAIL_TO_PASS if key == "FAIL_TO_PASS"
+                                                                    else PASS_TO_PASS)}, lists
     assert report.infra_failure and not report.resolved
+    assert report.infra_failure_reason == "unreadable_test_ids"
     assert "not graded" in report.grading_note
 
 

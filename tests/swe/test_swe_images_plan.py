@@ -70,3 +70,56 @@ def test_cli_names_what_is_missing(tmp_path: Path) -> None:
     assert no_base.returncode == 1 and "give --base" in no_base.stderr
     no_repo = prorl("--swe", str(dataset), "--base", "scratch", "--cache-dir", str(tmp_path / "c"), "--dry-run")
     assert no_repo.returncode == 1 and "o/r@1" in no_repo.stdout and "no repository" in no_repo.stdout
+
+
+def test_requirements_are_installed_and_one_published_image_serves_its_instances(tmp_path: Path) -> None:
+    import json
+
+    from prorl_cli.domains.datasets import load_instances
+
+    repos = tmp_path / "repos"
+    flat = make_spacey(repos / "prorl__spacey")
+    reqs_a = "attrs==23.1.0\n-e git+https://example.invalid/spacey.git@abc#egg=spacey\nspacey @ file:///testbed\n# pinned\npytest==7.4.0\n"
+    rows = [
+        {**flat.instance, "requirements": reqs_a, "install_config": {"packages": "requirements.txt", "install": "true"}},
+        {**flat.instance, "instance_id": "prorl__spacey-flat-2", "requirements": reqs_a},
+        {**flat.instance, "instance_id": "prorl__spacey-flat-3", "requirements": "attrs==22.2.0\n"},
+        {**flat.instance, "instance_id": "o__smith-1", "image_name": "jyangballin/swesmith.x86_64.o_1776_r.abc"},
+        {**flat.instance, "instance_id": "o__smith-2", "image_name": "jyangballin/swesmith.x86_64.o_1776_r.abc"},
+    ]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_instances("swe", dataset, warn=lambda line: None)  # image_name -> image, as build-images reads it
+    plan = plan_dataset(loaded, tmp_path / "recipes", "localimage:/base.sif", None, repos)
+    # Two requirements sets for prorl/spacey@0.1: an image each, every instance mapped by its id.
+    (a,) = [n for n in plan.names if plan.repo_images["prorl__spacey-flat-1"] == n]
+    assert plan.repo_images["prorl__spacey-flat-2"] == a and plan.repo_images["prorl__spacey-flat-3"] != a
+    assert "prorl/spacey@0.1" not in plan.repo_images
+    folder = tmp_path / "recipes" / a.removeprefix("swe-")
+    assert (folder / "requirements.txt").read_text() == "attrs==23.1.0\npytest==7.4.0\n"  # no -e, no file: paths
+    dockerfile = (folder / "Dockerfile").read_text()
+    assert "COPY requirements.txt /opt/prorl-swe/requirements.txt" in dockerfile
+    assert "pip install --no-cache-dir -r /opt/prorl-swe/requirements.txt" in dockerfile
+    # SWE-smith's image_name is one image per repository: pulled once, for both instances.
+    assert plan.repo_images["o__smith-1"] == plan.repo_images["o__smith-2"]
+    images = yaml.safe_load(plan.images_file.read_text())["images"]
+    assert images[plan.repo_images["o__smith-1"]]["base"] == "docker://jyangballin/swesmith.x86_64.o_1776_r.abc"
+    assert len([n for n in plan.names if n.startswith("swe-i-")]) == 1
+
+
+def test_cli_reports_the_fields_it_cannot_use_once(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    rows = [{"instance_id": f"o__r-{i}", "repo": "o/r", "version": "1", "base_commit": "abc", "problem_statement": "",
+             "test_patch": "", "FAIL_TO_PASS": [], "PASS_TO_PASS": [], "requirements": "attrs==23.1.0\n",
+             "environment": "name: testbed\n", "install_config": {"python": "3.9"}} for i in (1, 2)]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = subprocess.run([sys.executable, "-m", "prorl_cli", "build-images", "--swe", str(dataset), "--base", "scratch",
+                           "--cache-dir", str(tmp_path / "c"), "--dry-run"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    lines = [line for line in done.stderr.splitlines() if "SWE-rebench rows: field" in line]
+    assert sorted(line.split("field ")[1].split(" ")[0] for line in lines) == ["'environment'", "'install_config.python'"]
+    assert all("(2 of 2 row(s)" in line for line in lines)

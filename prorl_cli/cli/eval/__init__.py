@@ -17,22 +17,28 @@ from prorl_cli.cli.naming import deployment_option
               help="Handler to run each instance with: swe, swe_oracle (the gold patch), or a subclass of swe.")
 @click.option("-n", "--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Samples per instance (pass@k up to n).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("prorl-eval"), show_default=True,
-              help="Folder for predictions.jsonl, samples.jsonl, reports/ and summary.json.")
+              help="Folder for predictions.jsonl, samples.jsonl, reports/, details/ and summary.json.")
 @click.option("--run-id", metavar="ID", help="Job ids ID-ROW-K: running the same ID again resumes instead of rerunning.")
 @click.option("--model-name", metavar="NAME", help="model_name_or_path in the predictions (default: the task name).")
 @click.option("--instance-id", "instance_ids", multiple=True, metavar="ID", help="Only these instances (repeatable).")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
+@click.option("--format", "fmt", metavar="SOURCE", default="auto", show_default=True,
+              help="The project DATASET's rows come from, where auto should not guess: swe-bench, swe-gym, swe-smith, "
+                   "swe-rebench, nebius, swebench-task, prorl (docs/domains.md, 'SWE datasets: sources').")
 @deployment_option
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @pass_app
 def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: str | None, model_name: str | None,
-                 instance_ids: tuple[str, ...], timeout_s: float | None, address: str | None) -> None:
+                 instance_ids: tuple[str, ...], timeout_s: float | None, fmt: str, address: str | None) -> None:
     """Run every instance of DATASET (SWE-bench rows: JSONL, Parquet or JSON) N times and grade it.
 
     Writes SWE-bench predictions (instance_id, model_name_or_path, model_patch), swebench's
-    per-instance report.json under reports/, and summary.json with swebench's run-report keys,
-    the resolved rate and pass@k. Exits 1 when a job did not finish (state other than done).
+    per-instance report.json under reports/, per-instance details under details/ (stage timings,
+    missing tests with the closest id run, log tail, infra failure step), and summary.json with
+    swebench's run-report keys, the resolved rate and pass@k. Fields of DATASET prorl cannot use
+    are named on stderr, once each. Exits 1 when a job did not finish (state other than done).
     """
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from prorl_cli.cli.jobs import connect
@@ -41,7 +47,8 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     from prorl_cli.swe.evaluation import Sample, write_outputs
 
     try:
-        instances: list[dict[str, Any]] = load_instances("swe", dataset)
+        instances: list[dict[str, Any]] = load_instances(
+            "swe", dataset, fmt, warn=lambda line: app.err_console.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True))
     except (DatasetError, OSError, UnicodeDecodeError) as e:
         app.abort(str(e))
     if instance_ids:
@@ -76,5 +83,10 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     at_k = "  ".join(f"pass@{k} {v:.3f}" for k, v in summary["pass_at_k"].items())
     app.console.print(f"{task}: resolved {summary['resolved_instances']}/{summary['total_instances']} "
                       f"({summary['resolved_rate']:.1%})  {at_k}  -> {out}")
+    ungraded = [s for s in samples if s.report and s.report.get("infra_failure")]
+    if ungraded:
+        reasons = sorted({str(s.report.get("infra_failure_reason") or "?") for s in ungraded if s.report})
+        app.err_console.print(f"{len(ungraded)} sample(s) not graded (infra_failure: {', '.join(reasons)}; reward None): "
+                              f"see {out / 'details'}", soft_wrap=True, markup=False)
     if any(s.state != "done" for s in samples):
         raise click.exceptions.Exit(1)
