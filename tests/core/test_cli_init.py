@@ -7,11 +7,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.slurm.deploy import load_deploy
 from prorl_cli.slurm.launcher import effective_deploy
+
+
+@pytest.fixture(autouse=True)
+def _no_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests compare the written files with the defaults: the suite's PRORL_HOME is not the file's."""
+    for name in ("PRORL_HOME", "PRORL_DEPLOYMENT", "PRORL_CONFIG", "PRORL_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def prorl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
