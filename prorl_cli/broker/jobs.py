@@ -279,9 +279,16 @@ class JobTable:
             finished.append(job)
         return finished
 
-    def node_lost(self, node: Node, why: str, now: float | None = None) -> None:
-        """Declare a node dead; its jobs go back to the front of the queue with a new attempt (or fail)."""
-        log.warning("node %s lost (%s); re-queueing %d job(s)", node.node_id, why, len(node.inflight))
+    def node_lost(self, node: Node, why: str, now: float | None = None, *, planned: bool = False) -> None:
+        """Declare a node dead; its jobs go back to the front of the queue with a new attempt (or fail).
+
+        ``planned``: it said it was leaving (a drain, a scale-down, ``down``): logged as having left, not
+        as a loss, and its ``lost_reason`` says ``left``; whatever it still held is requeued all the same.
+        """
+        if planned:
+            log.info("node %s %s; re-queueing %d job(s)", node.node_id, why, len(node.inflight))
+        else:
+            log.warning("node %s lost (%s); re-queueing %d job(s)", node.node_id, why, len(node.inflight))
         node.alive = False
         node.died_at = died_at = time.monotonic() if now is None else now
         node.lost_reason = why

@@ -36,6 +36,7 @@ from prorl_cli.broker.state import Node, SendFn
 from prorl_cli.observe.metrics import DeploymentCollector
 from prorl_cli.protocol import ErrorCode, Op
 from prorl_cli.protocol import headers as H
+from prorl_cli.protocol.records import NODE_LEFT as LEFT
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,8 @@ class Members:
     def on_unregister(self, identity: bytes, h: H.Unregister, payload: list[bytes]) -> None:
         node = self.node_by_identity.get(identity)
         if node is not None and node.alive:
-            self.node_lost(node, "unregistered")
+            # Only a node that means to go sends this (a drain, a scale-down, `down`): it left, it was not lost.
+            self.node_lost(node, f"{LEFT} (drained)" if node.draining else LEFT, planned=True)
         self._bridge_unregister(identity)
 
     def on_release(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
@@ -197,10 +199,10 @@ class Members:
 
     # ------------------------------------------------------------------ liveness
 
-    def node_lost(self, node: Node, why: str) -> None:
-        """Declare a node dead and put its jobs back in the queue with a new attempt."""
+    def node_lost(self, node: Node, why: str, *, planned: bool = False) -> None:
+        """Declare a node dead and put its jobs back in the queue with a new attempt (``planned``: it left)."""
         self.node_by_identity.pop(node.identity, None)
-        self.table.node_lost(node, why)
+        self.table.node_lost(node, why, planned=planned)
 
     def tick(self, now: float, overrun_s: float, judge: bool) -> None:
         """Credit an overrun loop turn to every node; if ``judge``, declare silent nodes lost; heartbeat the others."""

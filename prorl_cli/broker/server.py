@@ -18,6 +18,7 @@ compaction runs in a thread, and liveness is judged only once the inbox is drain
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -234,6 +235,8 @@ class Broker:
                     self._flush()
                 if time.monotonic() >= self._next_tick:
                     self._tick()
+            self.table.expire_partials(math.inf)  # cancelled jobs whose nodes left without a word: the broker's results
+            self._flush()
         finally:
             for sig, handler in prev.items():
                 signal.signal(sig, handler)

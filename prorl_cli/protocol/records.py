@@ -206,6 +206,10 @@ class StageStats(_Record):
     limit: int = 0
 
 
+#: The start of a gone node's ``lost_reason`` when it left on purpose: a planned exit, not a loss.
+NODE_LEFT = "left"
+
+
 @dataclass
 class NodeStatus(_Record):
     node_id: str
@@ -220,7 +224,8 @@ class NodeStatus(_Record):
     sandbox_runtime: str | None = None
     #: Seconds since the broker last heard from the node (its heartbeats come every interval).
     silent_s: float = 0.0
-    #: Why the broker declared the node lost (``silent for 2.1 s``, ``unregistered``, ...); None while alive.
+    #: Why the node is gone: lost (``silent for 2.1 s``, ``re-registered from a new connection``), or, when it
+    #: said it was leaving (a drain, a scale-down, ``down``), :data:`NODE_LEFT` (``left (drained)``); None while alive.
     lost_reason: str | None = None
     #: Draining (a preemption or time-limit warning): running jobs finish, nothing new is placed on it.
     draining: bool = False

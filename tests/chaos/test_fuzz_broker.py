@@ -96,7 +96,7 @@ def test_error_replies_echo_every_usable_rid_and_edge_rids_are_answered(tmp_path
         sock.send_multipart(P.encode({"op": "unregister", "node_id": "gone"}))
         status = _ask(sock, {"v": v, "op": "status", "rid": 3})
         (node,) = [n for n in status["status"]["nodes"] if n["node_id"] == "gone"]
-        assert (node["alive"], node["lost_reason"], node["stages"]) == (False, "unregistered", {}), node
+        assert (node["alive"], node["lost_reason"], node["stages"]) == (False, "left", {}), node
         sock.close(0)
     finally:
         d.close()

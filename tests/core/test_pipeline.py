@@ -213,6 +213,10 @@ def test_sigterm_of_a_node_hands_its_jobs_back(deployment: Deployment) -> None:
     # No heartbeat timeout is needed: the node said goodbye (liveness here is 2 s).
     st = deployment.wait_for(lambda st: st.jobs["queued"] == 3, 1.5, "jobs back in the queue")
     assert not st.nodes[0].alive
+    # A planned exit, not a loss: it left, and the broker says so in its status and its log.
+    assert st.nodes[0].lost_reason == "left", st.nodes[0]
+    assert "node preempted left; re-queueing 3 job(s)" in deployment.log("broker")
+    assert "node preempted lost" not in deployment.log("broker")
     deployment.start_node("next")
     results = client.wait(ids, timeout_s=60)
     assert [(r.state, r.node_id, r.attempt) for r in results] == [("done", "next", 2)] * 3
