@@ -28,15 +28,19 @@ class ModelCall:
     logprobs: list[float]
     finish_reason: str
     backend_id: str | None = None
-    #: Whether ``prompt_ids`` extends the previous call's prompt + output token-exactly
-    #: (always true for the first call).
+    #: Whether ``prompt_ids`` extends the previous call of its conversation (``segment``) token-exactly:
+    #: true for the first call of a conversation; false when a harness edited a conversation's history.
     prefix_ok: bool = True
     #: Decoded output, for people and tool parsing; never used to rebuild tokens.
     text: str = ""
     #: The trainer's policy version the broker served this call under (``None``: not reported).
     policy_version: int | None = None
-    #: Which token buffer the call extends (the gateway starts a new one when a harness edits history).
+    #: Which token buffer (conversation) the call extends: the gateway keeps one per conversation of a job
+    #: (a main agent and its sub-agents), and starts a new one when a harness edits a conversation's history.
     segment: int = 0
+    #: The agent that made the call, as the harness named it (the gateway's ``X-Prorl-Agent`` header or
+    #: ``/jobs/<token>/agents/<name>/v1`` path); None when unnamed. Trainers can pick agents by it.
+    agent: str | None = None
 
 
 @dataclass
@@ -61,7 +65,7 @@ class Trajectory:
 
     @property
     def token_exact(self) -> bool:
-        """Every call's prompt extends the previous prompt + output exactly."""
+        """Every call's prompt extends its conversation's previous prompt + output exactly, with no history edit."""
         return not self.violations and all(c.prefix_ok for c in self.calls)
 
     def to_dict(self) -> dict[str, Any]:

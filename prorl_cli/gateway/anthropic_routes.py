@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from prorl_cli.gateway.buffer import Reply
-from prorl_cli.gateway.messages import anthropic_request
+from prorl_cli.gateway.messages import AGENT_HEADER, anthropic_request, request_agent
 from prorl_cli.gateway.streaming import open_sse, send_event
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ def _stop_reason(reply: Reply) -> str:
 
 async def messages(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
     req = anthropic_request(body)
+    req.agent = request_agent(request.match_info.get("agent"), request.headers.get(AGENT_HEADER), body)
     job.check_model(req.model)
     message_id = f"msg_{secrets.token_hex(12)}"
     if not req.stream:

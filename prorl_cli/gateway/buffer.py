@@ -5,11 +5,17 @@ messages are the messages of an earlier request, plus the reply exactly as
 the gateway returned it, plus new messages, the new prompt is that request's
 prompt + the sampled output ids verbatim + only the new messages rendered
 through the chat template (``TokenSession``'s rule, through the same
-:meth:`ChatTokens.continuation`). Anything else (history truncated or
-rewritten, a changed system prompt or tool list, a second conversation)
-starts a new *segment* from the template's rendering of the whole request,
-and the reason (which message differed) is recorded in
-``trajectory.violations``; nothing is ever re-tokenized silently.
+:meth:`ChatTokens.continuation`).
+
+A job holds one buffer (*segment*) per conversation: a main agent and its
+sub-agents, handoffs or parallel branches each extend their own, whatever
+order their calls come in. A request extends the segment of the same agent
+and tools whose messages are the longest prefix of its own. One that extends
+none starts a new segment from the template's rendering of the whole
+request: a new conversation when no segment of that agent begins with the
+same first message, else an edit of a conversation's history (truncated or
+rewritten), whose reason (which message differed) is recorded in
+``trajectory.violations``. Nothing is ever re-tokenized silently.
 
 The record is a :class:`~prorl_cli.agent.Trajectory` in ``run_tool_agent``'s
 format, each call tagged with its segment, so ``prorl_cli.training.samples``
@@ -45,6 +51,8 @@ class Segment:
     index: int
     chat: ChatTokens
     tools_key: str
+    #: The agent whose conversation this is (None: unnamed).
+    agent: str | None = None
     #: Canonical messages so far, ending with the reply as returned (what the next request must start with).
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
@@ -119,16 +127,28 @@ class TokenBuffer:
         self._lock = asyncio.Lock()
 
     # ------------------------------------------------------------ prompts
-    def _match(self, messages: list[dict[str, Any]], key: str) -> Segment | None:
-        """The most recent segment this request extends token-exactly, if any."""
-        for seg in reversed(self.segments):
+    def _match(self, messages: list[dict[str, Any]], key: str, agent: str | None) -> Segment | None:
+        """The segment of this agent and tools whose messages are the longest prefix of the request's, if any."""
+        best: Segment | None = None
+        for seg in self.segments:
             n = len(seg.messages)
-            if seg.tools_key == key and len(messages) >= n and messages[:n] == seg.messages:
-                return seg
-        return None
+            if (seg.agent == agent and seg.tools_key == key and n and len(messages) >= n
+                    and (best is None or n > len(best.messages)) and messages[:n] == seg.messages):
+                best = seg
+        return best
 
-    def _reason(self, messages: list[dict[str, Any]], key: str) -> str:
-        last = self.segments[-1]
+    def _reason(self, messages: list[dict[str, Any]], key: str, agent: str | None) -> str | None:
+        """Why a request that extends no segment is an edit of a conversation; None for a new conversation.
+
+        An edit keeps a conversation's first message (its system prompt or task) and changes what follows,
+        or changes its tools; a request whose first message no segment of its agent begins with is another
+        conversation (a sub-agent, a handoff, a parallel branch), not a violation.
+        """
+        mine = [seg for seg in self.segments if seg.agent == agent and seg.messages]
+        same_start = [seg for seg in mine if messages[:1] == seg.messages[:1]]
+        if not same_start:
+            return None
+        last = same_start[-1]
         if last.tools_key != key:
             return "the request's tools differ from the conversation so far"
         return _first_difference(messages, last.messages)
@@ -136,14 +156,14 @@ class TokenBuffer:
     def _prompt(self, req: ChatRequest) -> tuple[list[int], Segment, bool, str | None]:
         """(prompt ids, segment, whether it continues that segment, why a new segment began)."""
         key = tools_key(req.tools)
-        seg = self._match(req.messages, key)
+        seg = self._match(req.messages, key, req.agent)
         if seg is not None:
             new = req.messages[len(seg.messages):]
             delta = seg.chat.continuation(seg.output_ids, new)
             return seg.prompt_ids + seg.output_ids + delta, seg, True, None
         chat = self._chat_for(req.tools)
-        reason = self._reason(req.messages, key) if self.segments else None
-        seg = Segment(index=len(self.segments), chat=chat, tools_key=key)
+        reason = self._reason(req.messages, key, req.agent)
+        seg = Segment(index=len(self.segments), chat=chat, tools_key=key, agent=req.agent)
         return chat.initial_prompt(req.messages), seg, False, reason
 
     def _sampling(self, req: ChatRequest, chat: ChatTokens) -> SamplingParams:
@@ -190,7 +210,7 @@ class TokenBuffer:
             last = self.trajectory.calls[-1] if self.trajectory.calls else None
             continued = last is not None and prompt[: len(last.prompt_ids) + len(last.output_ids)] == \
                 last.prompt_ids + last.output_ids
-            seg = self.segments[-1] if continued else Segment(len(self.segments), chat, "text")
+            seg = self.segments[-1] if continued else Segment(len(self.segments), chat, "text", agent=req.agent)
             reason = None if continued or not self.segments else "a text prompt that does not extend the last call"
             sampling = self._sampling(req, chat)
             gen = await self._generate(prompt, sampling)
@@ -213,13 +233,17 @@ class TokenBuffer:
         continued: bool, reason: str | None,
     ) -> ModelCall:
         traj = self.trajectory
-        prev = traj.calls[-1] if traj.calls else None
-        prefix_ok = prev is None or prompt[: len(prev.prompt_ids) + len(prev.output_ids)] == prev.prompt_ids + prev.output_ids
+        # Continuity is per conversation: a call extends its segment's last call, or opens a conversation.
+        if continued:
+            held = seg.prompt_ids + seg.output_ids
+            prefix_ok = prompt[: len(held)] == held
+        else:
+            prefix_ok = reason is None
         call = ModelCall(
             prompt_ids=prompt, output_ids=out, logprobs=lps, finish_reason=finish,
             backend_id=getattr(gen, "backend_id", None), prefix_ok=prefix_ok,
             text=seg.chat.decode(out, skip_special_tokens=True),
-            policy_version=getattr(gen, "policy_version", None), segment=seg.index,
+            policy_version=getattr(gen, "policy_version", None), segment=seg.index, agent=seg.agent,
         )
         if not continued:
             if seg.index == len(self.segments):
@@ -264,11 +288,19 @@ class TokenBuffer:
     # ------------------------------------------------------------ reports
     @property
     def continuity(self) -> float:
-        """Fraction of calls after the first that extended an earlier call token-exactly (1.0 with <= 1 call)."""
+        """Fraction of calls after the first that extended their conversation token-exactly or opened a new
+        one (1.0 with <= 1 call): below 1 only when a harness edited a conversation's history."""
         calls = self.trajectory.calls
         if len(calls) <= 1:
             return 1.0
         return sum(1 for c in calls[1:] if c.prefix_ok) / (len(calls) - 1)
+
+    def continuity_by_conversation(self) -> dict[int, float]:
+        """Per segment: the fraction of its calls after its first that extended it token-exactly."""
+        by: dict[int, list[bool]] = {}
+        for c in self.trajectory.calls:
+            by.setdefault(c.segment, []).append(c.prefix_ok)
+        return {seg: (sum(oks[1:]) / (len(oks) - 1) if len(oks) > 1 else 1.0) for seg, oks in by.items()}
 
 
 def _cut_at_stop(chat: ChatTokens, out: list[int], lps: list[float], stops: list[str]) -> tuple[list[int], list[float], str | None]:

@@ -59,6 +59,8 @@ class ChatRequest:
     parse_tools: bool = True
     #: OpenAI ``stream_options.include_usage``: end a stream with a usage chunk (whose ``choices`` is empty).
     include_usage: bool = False
+    #: The agent making the call (:func:`request_agent`); None when the harness names none.
+    agent: str | None = None
 
 
 def _text(content: Any, where: str) -> str:
@@ -354,3 +356,27 @@ def anthropic_request(body: dict[str, Any]) -> ChatRequest:
         stop=_stop(body.get("stop_sequences")),
         parse_tools=not (isinstance(tool_choice, dict) and tool_choice.get("type") == "none"),
     )
+
+
+#: Longest agent name a harness may give (it is recorded with every call).
+MAX_AGENT_CHARS = 128
+AGENT_HEADER = "X-Prorl-Agent"
+
+
+def request_agent(path_agent: str | None, header: str | None, body: dict[str, Any]) -> str | None:
+    """The agent a request names: its URL (``/jobs/<token>/agents/<name>/v1/...``), else the
+    ``X-Prorl-Agent`` header, else the API's own field (OpenAI ``user``, Anthropic ``metadata.user_id``).
+
+    Raises :class:`RequestError` (400) for a name that is empty, too long or not printable.
+    """
+    metadata = body.get("metadata")
+    candidates = [(path_agent, "the URL's agent"), (header, AGENT_HEADER), (body.get("user"), "user"),
+                  (metadata.get("user_id") if isinstance(metadata, dict) else None, "metadata.user_id")]
+    for value, where in candidates:
+        if value is None:
+            continue
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_AGENT_CHARS or not value.isprintable():
+            raise RequestError(f"{where} must name the agent in 1 to {MAX_AGENT_CHARS} printable characters",
+                               param="user" if where == "user" else None)
+        return value
+    return None

@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from prorl_cli.gateway.buffer import Reply
-from prorl_cli.gateway.messages import ChatRequest, openai_chat_request, openai_completion_request
+from prorl_cli.gateway.messages import (
+    AGENT_HEADER,
+    ChatRequest,
+    openai_chat_request,
+    openai_completion_request,
+    request_agent,
+)
 from prorl_cli.gateway.streaming import open_sse, send_event
 
 if TYPE_CHECKING:
@@ -65,6 +71,7 @@ async def _end_stream(resp: web.StreamResponse, req: ChatRequest, base: dict[str
 
 async def chat_completions(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
     req = openai_chat_request(body)
+    req.agent = request_agent(request.match_info.get("agent"), request.headers.get(AGENT_HEADER), body)
     job.check_model(req.model)
     if req.stream:
         resp = await open_sse(request)
@@ -102,6 +109,7 @@ async def _stream_chat(resp: web.StreamResponse, job: JobGateway, req: ChatReque
 
 async def completions(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
     prompt, chat_like = openai_completion_request(body)
+    chat_like.agent = request_agent(request.match_info.get("agent"), request.headers.get(AGENT_HEADER), body)
     job.check_model(chat_like.model)
     if chat_like.stream:
         resp = await open_sse(request)

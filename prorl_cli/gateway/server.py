@@ -159,7 +159,11 @@ class Gateway:
             ("POST", "messages", anthropic_routes.messages),
         ):
             app.router.add_route(method, f"/jobs/{{token:[^/]*}}/v1/{route}", self._with_body(fn))
+            # The same endpoint per agent: a harness gives each agent its own base URL to label its calls.
+            app.router.add_route(method, f"/jobs/{{token:[^/]*}}/agents/{{agent:[^/]+}}/v1/{route}",
+                                 self._with_body(fn))
         app.router.add_get("/jobs/{token:[^/]*}/v1/models", self._models)
+        app.router.add_get("/jobs/{token:[^/]*}/agents/{agent:[^/]+}/v1/models", self._models)
         self.app = app
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         self._started = False

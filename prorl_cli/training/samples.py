@@ -86,6 +86,8 @@ class TrainingSample:
     calls: list[int] = field(default_factory=list)
     advantage: float = 0.0
     loss_weights: list[float] = field(default_factory=list)
+    #: The agent whose calls these are (``ModelCall.agent``; None: unnamed).
+    agent: str | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -148,24 +150,32 @@ def build_samples(
 ) -> tuple[list[TrainingSample], MergeReport]:
     """Split one rollout's model calls into samples under token-exact prefix continuity.
 
-    A call joins the current sample when its prompt starts with exactly the
-    sample's ids so far (previous prompt + output); only the new suffix of
-    the prompt (observation, template tokens) is appended, unmasked, then
-    its output, masked. Any other call closes the sample and opens a new one
-    with its own prompt. A rollout without calls yields no sample.
+    A call joins the sample of its agent whose ids so far (its calls' prompts
+    and outputs) are the longest exact prefix of the call's prompt; only the
+    new suffix of the prompt (observation, template tokens) is appended,
+    unmasked, then its output, masked. A call that extends no sample opens a
+    new one with its own prompt. Interleaved conversations (a main agent and
+    its sub-agents) so merge into one sample each. A rollout without calls
+    yields no sample.
     """
     traj = Trajectory.from_dict(trajectory) if isinstance(trajectory, dict) else trajectory
     samples: list[TrainingSample] = []
-    cur: TrainingSample | None = None
     for i, call in enumerate(traj.calls):
         prompt = list(call.prompt_ids)
         version = _call_version(call)
-        if cur is not None and len(prompt) >= len(cur.input_ids) and prompt[: len(cur.input_ids)] == cur.input_ids:
+        cur: TrainingSample | None = None
+        for sample in samples:
+            n = len(sample.input_ids)
+            if (sample.agent == call.agent and len(prompt) >= n and (cur is None or n > len(cur.input_ids))
+                    and prompt[:n] == sample.input_ids):
+                cur = sample
+        if cur is not None:
             new = prompt[len(cur.input_ids) :]
         else:
             cur = TrainingSample(
                 rollout_id=rollout_id, group_id=group_id, job_id=job_id or rollout_id,
                 input_ids=[], response_mask=[], old_log_probs=[], policy_versions=[], reward=float(reward),
+                agent=call.agent,
             )
             samples.append(cur)
             new = prompt
@@ -349,12 +359,16 @@ def samples_from_results(
     off_policy: OffPolicy | str = OffPolicy.KEEP,
     current_log_probs: Callable[[TrainingSample], Sequence[float]] | None = None,
     is_cap: float = 2.0,
+    agents: Iterable[str | None] | None = None,
 ) -> SampleBatch:
     """Job results (``JobResult`` with a ``trajectory`` in its output) into weighted samples.
 
     The group of a result is ``group_of[job_id]``, else its ``group_id``
     field, else its job id. Results without a trajectory or reward are skipped.
     ``off_policy`` (with ``current_log_probs``, ``is_cap``): see :func:`apply_off_policy`.
+    ``agents``: train only these agents' samples (``ModelCall.agent``; ``None`` in it keeps unnamed
+    ones), as in selective optimisation of one agent of a multi-agent harness; advantages are
+    computed over every sample first, so a rollout's advantage is the same whichever agents are kept.
     """
     report = MergeReport()
     out: list[TrainingSample] = []
@@ -368,6 +382,9 @@ def samples_from_results(
         out += samples
         report.add(rep)
     assign_advantages(out, estimator=estimator, level=level, std_normalize=std_normalize)
+    if agents is not None:
+        chosen = set(agents)
+        out = [sample for sample in out if sample.agent in chosen]
     assign_loss_weights(out, loss_norm)
     stale = apply_off_policy(out, off_policy, current_log_probs=current_log_probs, is_cap=is_cap)
     return SampleBatch(out, report, stale)

@@ -1,0 +1,125 @@
+"""A main agent and a sub-agent interleaving their calls in one job, through the official openai SDK.
+
+Each conversation extends its own token buffer whatever order the calls come
+in: per-conversation continuity 1.0, one segment per conversation, one merged
+sample per conversation, every call labelled with the agent that made it (by
+its URL or by the ``X-Prorl-Agent`` header), and a trainer that picks one agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prorl_cli.agent import Trajectory
+from prorl_cli.gateway.server import Gateway
+from prorl_cli.protocol import JobResult
+from prorl_cli.training.samples import build_samples, samples_from_results
+from tests.gateway.conftest import ScriptedModel, open_job
+from tests.harness import need_module
+
+TURNS = ["first", "second", "third"]
+
+
+def test_interleaved_main_and_sub_agent_conversations_stay_token_exact_and_labelled(tokenizer: Any) -> None:
+    need_module("openai", "test")
+    import openai
+
+    async def main() -> tuple[Trajectory, Any]:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, TURNS))
+        # The main agent names itself by its base URL, the sub-agent by a header.
+        lead = openai.AsyncOpenAI(base_url=job.base_url().replace("/v1", "/agents/lead/v1"), api_key=job.api_key,
+                                  max_retries=0)
+        helper = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0,
+                                    default_headers={"X-Prorl-Agent": "researcher"})
+        convs: dict[str, list[Any]] = {
+            "lead": [{"role": "system", "content": "You lead."}, {"role": "user", "content": "plan"}],
+            "researcher": [{"role": "system", "content": "You research."}, {"role": "user", "content": "look"}],
+        }
+        clients = {"lead": lead, "researcher": helper}
+        try:
+            for who in ("lead", "researcher", "lead", "researcher", "researcher", "lead"):
+                resp = await clients[who].chat.completions.create(model="prorl", messages=convs[who])
+                convs[who] += [{"role": "assistant", "content": resp.choices[0].message.content},
+                               {"role": "user", "content": "go on"}]
+            return job.trajectory, job.buffer
+        finally:
+            await lead.close()
+            await helper.close()
+            await gw.close()
+
+    traj, buffer = asyncio.run(main())
+    agents = [c.agent for c in traj.calls]
+    assert agents == ["lead", "researcher", "lead", "researcher", "researcher", "lead"]
+    assert [c.segment for c in traj.calls] == [0, 1, 0, 1, 1, 0]
+    assert len(buffer.segments) == 2 and traj.violations == [] and traj.token_exact
+    assert buffer.continuity == 1.0 and buffer.continuity_by_conversation() == {0: 1.0, 1: 1.0}
+    # Each conversation merges into one sample; a trainer can pick one agent.
+    samples, report = build_samples(traj.to_dict(), rollout_id="r", group_id="g", reward=1.0)
+    # Every call after a conversation's first merges: 4 of the 5 boundaries (the fifth opens the second conversation).
+    assert [s.agent for s in samples] == ["lead", "researcher"] and report.samples == 2 and report.merge_ratio == 0.8
+    assert [s.calls for s in samples] == [[0, 2, 5], [1, 3, 4]]
+    results = [JobResult(job_id=j, task="harness", state="done", reward=r, group_id="g",
+                         output={"trajectory": traj.to_dict()}) for j, r in (("a", 1.0), ("b", 0.0))]
+    everyone = samples_from_results(results)
+    research = samples_from_results(results, agents=["researcher"])
+    assert {s.agent for s in research.samples} == {"researcher"} and len(research.samples) == 2
+    by_job = {s.job_id: s.advantage for s in everyone.samples}
+    assert all(s.advantage == by_job[s.job_id] for s in research.samples)  # rollout-level advantage, unchanged
+
+
+def test_an_edit_of_one_conversation_is_a_violation_and_a_new_conversation_is_not(tokenizer: Any) -> None:
+    need_module("openai", "test")
+    import openai
+
+    async def main() -> Trajectory:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, TURNS))
+        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
+        a: list[Any] = [{"role": "system", "content": "A."}, {"role": "user", "content": "one"}]
+        b: list[Any] = [{"role": "system", "content": "B."}, {"role": "user", "content": "other"}]
+        try:
+            first = await client.chat.completions.create(model="prorl", messages=a)
+            a += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "two"}]
+            await client.chat.completions.create(model="prorl", messages=b)  # another conversation
+            await client.chat.completions.create(model="prorl", messages=[a[0], {"role": "user", "content": "edited"}])
+            return job.trajectory
+        finally:
+            await client.close()
+            await gw.close()
+
+    traj = asyncio.run(main())
+    assert [c.segment for c in traj.calls] == [0, 1, 2]
+    assert [c.prefix_ok for c in traj.calls] == [True, True, False]
+    (v,) = traj.violations
+    assert v["call"] == 2 and v["segment"] == 2
+
+
+def test_an_agent_name_that_is_not_printable_or_too_long_is_refused_naming_it(tokenizer: Any) -> None:
+    need_module("openai", "test")
+    import openai
+
+    async def main() -> list[str]:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, TURNS))
+        errors = []
+        try:
+            for headers in ({"X-Prorl-Agent": "x" * 129}, {"X-Prorl-Agent": "tab\there"}):
+                client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0,
+                                            default_headers=headers)
+                try:
+                    await client.chat.completions.create(model="prorl", messages=[{"role": "user", "content": "hi"}])
+                except openai.BadRequestError as e:
+                    errors.append(str(e))
+                finally:
+                    await client.close()
+            return errors
+        finally:
+            await gw.close()
+
+    errors = asyncio.run(main())
+    assert len(errors) == 2 and all("X-Prorl-Agent" in e for e in errors), errors
