@@ -1,0 +1,74 @@
+"""The published OpenAI Agents SDK (``openai-agents``), unmodified, through the gateway: a triage agent hands
+off to a refunds agent that calls a tool. Each agent's calls are recorded under its name, both conversations
+are token-exact, and a trainer can take the refunds agent's samples alone."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prorl_cli.agent import Trajectory
+from prorl_cli.gateway.server import Gateway
+from prorl_cli.protocol import JobResult
+from prorl_cli.training.samples import samples_from_results
+from tests.gateway.conftest import ScriptedModel, open_job, turn
+from tests.harness import need_module
+
+# Turn i of a conversation = assistant turns already in its prompt: the refunds agent sees triage's handoff.
+TURNS = [
+    turn("", ("transfer_to_refunds", {})),
+    turn("", ("lookup_order", {"order_id": "7"})),
+    "Order 7 is refunded.",
+]
+
+
+def test_a_handoff_between_two_sdk_agents_is_recorded_per_agent_and_token_exact(tokenizer: Any) -> None:
+    need_module("agents", "test")
+    import openai
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+    looked_up: list[str] = []
+
+    @function_tool
+    def lookup_order(order_id: str) -> str:
+        """Find an order by its id."""
+        looked_up.append(order_id)
+        return f"order {order_id}: paid, 12 EUR"
+
+    async def main() -> tuple[Trajectory, Any, str]:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, TURNS))
+
+        def model_for(name: str) -> Any:
+            # Configuration only: each agent's model is the job's endpoint under the agent's name.
+            client = openai.AsyncOpenAI(base_url=job.base_url().replace("/v1", f"/agents/{name}/v1"),
+                                        api_key=job.api_key, max_retries=0)
+            return OpenAIChatCompletionsModel(model="prorl", openai_client=client)
+
+        refunds = Agent(name="refunds", instructions="You handle refunds.", tools=[lookup_order],
+                        model=model_for("refunds"))
+        triage = Agent(name="triage", instructions="You route customers.", handoffs=[refunds],
+                       model=model_for("triage"))
+        try:
+            result = await Runner.run(triage, "I need a refund for order 7.")
+            return job.trajectory, job.buffer, str(result.final_output)
+        finally:
+            await gw.close()
+
+    traj, buffer, final = asyncio.run(main())
+    assert final == "Order 7 is refunded." and looked_up == ["7"]
+    assert [c.agent for c in traj.calls] == ["triage", "refunds", "refunds"]
+    assert traj.violations == [] and traj.token_exact
+    assert buffer.continuity_by_conversation() == {0: 1.0, 1: 1.0}
+    results = [JobResult(job_id=j, task="harness", state="done", reward=r, group_id="g",
+                         output={"trajectory": traj.to_dict()}) for j, r in (("a", 1.0), ("b", 0.0))]
+    batch = samples_from_results(results, agents=["refunds"])
+    assert [(s.agent, s.calls) for s in batch.samples] == [("refunds", [1, 2])] * 2
