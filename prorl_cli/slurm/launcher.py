@@ -54,6 +54,11 @@ HISTORY_NAME = "history"
 ROLES = ("broker", "nodes", "inference")
 #: What a node's drain on USR2 leaves of ``signal_delay_s`` for stopping the rest, unregistering and the requeue.
 DRAIN_REQUEUE_MARGIN_S = 30
+#: ``scale`` down: how long after a node's drain grace it waits for the drained task to leave squeue
+#: (stopping what still runs, unregistering, Slurm ending the job) before it sends SIGTERM.
+DRAIN_EXIT_MARGIN_S = 60.0
+#: ``scale`` down: how long a task sent SIGTERM (pending, starting, a bridge) may take to leave squeue.
+TERM_WAIT_S = 90.0
 
 
 @dataclass
@@ -83,15 +88,28 @@ class LaunchRecord:
     #: This launch's id: supervision state is keyed by it (empty in records written before launches had ids).
     launch_id: str = ""
     members: list[Member] = field(default_factory=list)
-    #: Tasks scaled away: their role names are never given to another Slurm job.
+    #: Tasks scaled away and tasks replaced by the supervisor, in the order they left: their role names are never
+    #: given to another Slurm job, and ``prorl logs ROLE[I] --all`` still finds their logs.
     retired: list[Member] = field(default_factory=list)
+    #: Set by ``prorl down`` (and a failed launch's clean-up) before anything is stopped: the supervisor replaces
+    #: nothing of a deployment being taken down.
+    stopping: bool = False
 
     @property
     def job_ids(self) -> list[str]:
         return [m.job_id for m in self.members]
 
+    @property
+    def all_job_ids(self) -> list[str]:
+        """Every Slurm job of this launch, retired ones included (a task scaled away may still be draining)."""
+        return [m.job_id for m in [*self.members, *self.retired]]
+
     def of(self, role: str) -> list[Member]:
         return [m for m in self.members if m.role == role]
+
+    def jobs_of(self, role: str, index: int) -> list[Member]:
+        """Every Slurm job task ``role[index]`` has had in this launch, oldest first (the live one, if any, last)."""
+        return [m for m in [*self.retired, *self.members] if m.role == role and m.index == index]
 
     def next_index(self, role: str) -> int:
         """The first array index no task of ``role`` ever had (live or scaled away): names are never reused."""
@@ -207,7 +225,7 @@ def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpe
                 overrides[f"node.{name}"] = getattr(n, name)
         if prorl_config(cfg).node.drain_grace_s is None:
             # On the USR2 warning running jobs may finish until shortly before the end; 30 s are left for the requeue.
-            overrides["node.drain_grace_s"] = float(max(0, n.signal_delay_s - DRAIN_REQUEUE_MARGIN_S))
+            overrides["node.drain_grace_s"] = node_drain_grace_s(cfg)
         if inf.model and prorl_config(cfg).inference.tokenizer is None:
             # Handlers tokenize for the model the bridges serve.
             overrides["inference.tokenizer"] = inf.model
@@ -228,6 +246,13 @@ def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpe
         capacity=inf.capacity,
         max_model_len=inf.max_model_len,
     )
+
+
+def node_drain_grace_s(cfg: DeployConfig) -> float:
+    """How long a node's drain with grace lets running jobs finish: prorl.yaml's ``node.drain_grace_s``, else
+    the nodes' ``signal_delay_s`` minus :data:`DRAIN_REQUEUE_MARGIN_S`."""
+    configured = prorl_config(cfg).node.drain_grace_s
+    return float(configured) if configured is not None else float(max(0, cfg.nodes.signal_delay_s - DRAIN_REQUEUE_MARGIN_S))
 
 
 def sbatch_options(cfg: DeployConfig, role: str) -> dict[str, Any]:
@@ -356,7 +381,7 @@ def existing_launch(cfg: DeployConfig) -> tuple[LaunchRecord | None, list[squeue
     record = LaunchRecord.load(cfg.deployment_dir)
     if record is None:
         return None, []
-    return record, squeue.active(record.job_ids)
+    return record, squeue.active(record.all_job_ids)
 
 
 def launch(cfg: DeployConfig) -> LaunchRecord:
@@ -419,13 +444,24 @@ def _broker_answers(cfg: DeployConfig, timeout_s: float = 3.0) -> bool:
         client.close()
 
 
+def mark_stopping(deployment_dir: Path, record: LaunchRecord) -> LaunchRecord:
+    """Say in launch.json that the deployment is being taken down (the supervisor then replaces nothing of it)."""
+    with launch_lock(deployment_dir):
+        current = LaunchRecord.load(deployment_dir) or record  # the supervisor may have replaced a task meanwhile
+        current.stopping = True
+        current.save(deployment_dir)
+    return current
+
+
 def abandon(cfg: DeployConfig, record: LaunchRecord, wait_s: float = 60.0) -> list[squeue.SlurmTask]:
     """Cancel everything of a launch that did not come up; return what squeue still shows."""
-    squeue.cancel(record.job_ids)
+    if (cfg.deployment_dir / LAUNCH_NAME).exists():
+        record = mark_stopping(cfg.deployment_dir, record)
+    squeue.cancel(record.all_job_ids)
     if record.broker_pid and _pid_alive(record.broker_pid):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(record.broker_pid, signal.SIGTERM)
-    left = squeue.wait_gone(record.job_ids, wait_s)
+    left = squeue.wait_gone(record.all_job_ids, wait_s)
     archive_launch(cfg.deployment_dir)
     with contextlib.suppress(FileNotFoundError):
         rendezvous_path(cfg.deployment_dir).unlink()
@@ -475,8 +511,92 @@ def log_tail(cfg: DeployConfig, member: Member, lines: int = 12) -> str:
     return "\n".join(text[-lines:])
 
 
-def scale(cfg: DeployConfig, role: str, count: int, drain_wait_s: float = 90.0) -> tuple[list[Member], list[Member]]:
-    """Grow or shrink an array to ``count`` running tasks; return (added, removed)."""
+@dataclass
+class Removal:
+    """A task ``scale`` chose to take away, and what it was doing then."""
+
+    member: Member
+    #: pending (waiting in squeue), starting (running, not registered), idle (registered, no jobs),
+    #: serving (registered, with jobs), or unknown (running; the broker did not answer, so its load is not known).
+    kind: str
+    running: int = 0  # its running jobs (a bridge: its generate calls in flight), as the broker counts them
+    held: int = 0  # every job placed on it (a node: running or queued there)
+    reason: str = ""  # pending: Slurm's reason
+    #: How it was asked to leave: "drain" (a node: Requeue=0, then SIGUSR2: running jobs finish, the rest goes
+    #: back to the broker) or "term" (scancel: pending, starting, a bridge; or a drain that did not end in time).
+    how: str = "term"
+
+    def describe(self) -> str:
+        if self.kind == "pending":
+            return f"pending ({self.reason or 'not started'})"
+        if self.kind == "starting":
+            return "starting, not registered"
+        if self.kind == "idle":
+            return "idle"
+        if self.kind == "serving":
+            return f"serving, {self.running} running job(s)" + (f" of {self.held} placed" if self.held > self.running else "")
+        return "running; load unknown (the broker did not answer)"
+
+
+#: ``scale`` down takes tasks in this order: the least useful first.
+REMOVAL_ORDER = ("pending", "starting", "idle", "unknown", "serving")
+
+
+def choose_removals(role: str, members: list[Member], rows: list[squeue.SlurmTask], report: StatusReport | None,
+                    n: int) -> list[Removal]:
+    """Which ``n`` of a role's live tasks ``scale`` down takes away: pending ones first, then starting and idle
+    ones, then the serving ones with the fewest running jobs (ties: the highest index first).
+
+    Load comes from the broker's status (``report``): a node's running jobs (its stages' active counts, then every
+    job placed on it), a backend's calls in flight. Without a report every running task's load is unknown.
+    """
+    by_id = {t.job_id: t for t in rows}
+    loads: dict[str, tuple[int, int]] = {}
+    if report is not None:
+        if role == "nodes":
+            loads = {nd.node_id: (sum(int(st.get("active", 0)) for st in nd.stages.values()), nd.inflight)
+                     for nd in report.nodes if nd.alive}
+        else:
+            loads = {b.backend_id: (b.inflight, b.inflight) for b in report.backends if b.alive and not b.cleared}
+    chosen: list[tuple[tuple[int, int, int, int], Removal]] = []
+    for m in members:
+        t = by_id.get(m.job_id)
+        if t is None or not t.active:
+            continue
+        if t.state not in squeue.RUNNING_STATES:
+            removal = Removal(m, "pending", reason=t.pending_reason or t.state)
+        elif report is None:
+            removal = Removal(m, "unknown")
+        elif m.peer_id not in loads:
+            removal = Removal(m, "starting")
+        else:
+            running, held = loads[m.peer_id]
+            removal = Removal(m, "serving" if held else "idle", running=running, held=held)
+        key = (REMOVAL_ORDER.index(removal.kind), removal.running, removal.held, -m.index)
+        chosen.append((key, removal))
+    chosen.sort(key=lambda item: item[0])
+    return [removal for _, removal in chosen[:n]]
+
+
+@dataclass
+class ScaleResult:
+    added: list[Member] = field(default_factory=list)
+    removed: list[Removal] = field(default_factory=list)
+
+
+def scale(cfg: DeployConfig, role: str, count: int, drain_wait_s: float | None = None) -> ScaleResult:
+    """Grow or shrink an array to ``count`` live tasks.
+
+    Shrinking takes tasks away in :func:`choose_removals`' order. A running
+    node leaves with the drain of the time-limit warning, but is not requeued:
+    its job is set Requeue=0, then sent SIGUSR2, so it hands back the jobs it
+    has not started, lets running ones finish for its drain grace and delivers
+    them, and exits. Pending and starting tasks and bridges get SIGTERM. The
+    tasks go to launch.json's ``retired`` before they are signalled, so the
+    supervisor never takes one for a failure. ``drain_wait_s`` (default: the
+    nodes' drain grace + :data:`DRAIN_EXIT_MARGIN_S`) bounds the wait for a
+    drain; a task still there then gets SIGTERM.
+    """
     record = LaunchRecord.load(cfg.deployment_dir)
     if record is None:
         raise SlurmError(f"deployment {cfg.deployment!r} was not launched (no {cfg.deployment_dir / LAUNCH_NAME})")
@@ -484,33 +604,81 @@ def scale(cfg: DeployConfig, role: str, count: int, drain_wait_s: float = 90.0) 
         raise SlurmError(f"cannot scale {role!r}: nodes or inference")
     if count < 0:
         raise SlurmError(f"--{role}: must be 0 or more, got {count}")
+    report = None
+    if count < len(record.of(role)):
+        # Shrinking: the broker's view says which tasks are idle (asked before the lock: the supervisor waits on it).
+        client = broker_client(cfg)
+        try:
+            report = broker_status(client)
+        finally:
+            if client is not None:
+                client.close()
     with launch_lock(cfg.deployment_dir):
         record = LaunchRecord.load(cfg.deployment_dir) or record  # the supervisor may have replaced a task
-        return _scale_locked(cfg, record, role, count, drain_wait_s)
+        result = _scale_locked(cfg, record, role, count, report)
+    if result.removed:
+        _await_removal(cfg, result.removed, drain_wait_s)
+    return result
 
 
-def _scale_locked(
-    cfg: DeployConfig, record: LaunchRecord, role: str, count: int, drain_wait_s: float
-) -> tuple[list[Member], list[Member]]:
-    live_ids = {t.job_id for t in squeue.active(record.job_ids)}
+def _scale_locked(cfg: DeployConfig, record: LaunchRecord, role: str, count: int,
+                  report: StatusReport | None) -> ScaleResult:
+    rows = squeue.active(record.job_ids)
+    live_ids = {t.job_id for t in rows}
     live = sorted((m for m in record.of(role) if m.job_id in live_ids), key=lambda m: m.index)
-    added: list[Member] = []
-    removed: list[Member] = []
+    result = ScaleResult()
     if count > len(live):
         start = record.next_index(role)
-        added = _submit(cfg, role, list(range(start, start + count - len(live))))
-        record.members += added
+        result.added = _submit(cfg, role, list(range(start, start + count - len(live))))
+        record.members += result.added
     elif count < len(live):
-        removed = live[count:]
-        squeue.cancel(m.job_id for m in removed)  # SIGTERM: each drains and tells the broker
-        left = squeue.wait_gone([m.job_id for m in removed], drain_wait_s)
-        if left:
-            raise SlurmError(f"tasks still in squeue after {drain_wait_s:.0f} s: {', '.join(t.job_id for t in left)}")
-        gone = {m.job_id for m in removed}
+        result.removed = choose_removals(role, live, rows, report, len(live) - count)
+        gone = {r.member.job_id for r in result.removed}
+        # Retired before they are signalled: what they do next is asked for, never a failure to replace.
         record.members = [m for m in record.members if m.job_id not in gone]
-        record.retired += removed
+        record.retired += [r.member for r in result.removed]
+        record.save(cfg.deployment_dir)
+        for removal in result.removed:
+            _ask_to_leave(removal)
     record.save(cfg.deployment_dir)
-    return added, removed
+    return result
+
+
+def _ask_to_leave(removal: Removal) -> None:
+    """A running node: Requeue=0, then SIGUSR2 (the drain with grace, no requeue). Anything else: SIGTERM."""
+    ref = removal.member.job_id
+    if removal.member.role == "nodes" and removal.kind in ("idle", "serving", "unknown"):
+        try:
+            squeue.set_requeue(ref, False)  # the role's requeue after its drain reads it and leaves for good
+            squeue.cancel([ref], signal_name="USR2")
+            removal.how = "drain"
+            return
+        except SlurmError as e:
+            log.warning("cannot drain %s with grace (%s): sending SIGTERM", removal.member.peer_id, e)
+    squeue.cancel([ref])  # SIGTERM: a node drains quickly and unregisters, a bridge unregisters
+    removal.how = "term"
+
+
+def _await_removal(cfg: DeployConfig, removed: list[Removal], drain_wait_s: float | None) -> None:
+    """Wait until the removed tasks left squeue: a drain for its grace and a margin, then SIGTERM."""
+    ids = [r.member.job_id for r in removed]
+    if any(r.how == "drain" for r in removed):
+        wait_s = drain_wait_s if drain_wait_s is not None else node_drain_grace_s(cfg) + DRAIN_EXIT_MARGIN_S
+    else:
+        wait_s = TERM_WAIT_S
+    left = squeue.wait_gone(ids, wait_s)
+    if not left:
+        return
+    late = [t.job_id for t in left]
+    log.warning("still in squeue after %.0f s: %s; sending SIGTERM", wait_s, ", ".join(late))
+    squeue.cancel(late)
+    for r in removed:
+        if r.member.job_id in late:
+            r.how = "term"
+    left = squeue.wait_gone(late, TERM_WAIT_S)
+    if left:
+        raise SlurmError(f"tasks still in squeue {wait_s + TERM_WAIT_S:.0f} s after they were asked to leave: "
+                         f"{', '.join(t.job_id for t in left)} (retired; `prorl down` cancels them)")
 
 
 @dataclass
@@ -583,6 +751,8 @@ def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
     record = LaunchRecord.load(cfg.deployment_dir)
     if record is None:
         raise SlurmError(f"deployment {cfg.deployment!r} was not launched (no {cfg.deployment_dir / LAUNCH_NAME})")
+    # First of all: tasks that end from here on were asked to, and the supervisor must not replace them.
+    record = mark_stopping(cfg.deployment_dir, record)
     stopped = False
     client = broker_client(cfg)
     if client is not None:
@@ -596,7 +766,7 @@ def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
     if stopped:
         # The broker exits once nodes and bridges left; give it that long before scancel.
         squeue.wait_gone([m.job_id for m in record.of("broker")], min(wait_s / 2, 60.0))
-    left = squeue.active(record.job_ids)
+    left = squeue.active(record.all_job_ids)  # a task scaled away may still be draining
     cancelled = [t.job_id for t in left]
     squeue.cancel(cancelled)
     if record.broker_pid and _pid_alive(record.broker_pid):
@@ -605,7 +775,7 @@ def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
         deadline = time.monotonic() + 30
         while _pid_alive(record.broker_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-    remaining = squeue.wait_gone(record.job_ids, wait_s)
+    remaining = squeue.wait_gone(record.all_job_ids, wait_s)
     removed = False
     path = rendezvous_path(cfg.deployment_dir)
     if path.exists():

@@ -13,7 +13,12 @@ behaves the same whichever way it was submitted:
   ``preempt_send_user_signal``) drains (a node with grace: its running jobs
   may finish for ``node.drain_grace_s``), then requeues the task with
   ``scontrol requeue`` so it comes back and rejoins. A broker leaves without
-  cancelling jobs and keeps its journal; the requeued broker replays it.
+  cancelling jobs and keeps its journal; the requeued broker replays it;
+- Slurm holds a requeued job in PENDING (BeginTime) for about two minutes: a
+  node or bridge of a ``prorl launch`` deployment that sees its broker away
+  (no rendezvous file) and its broker's job held that way makes it eligible
+  at once (``scontrol update StartTime=now``); the broker's supervisor does
+  the same for requeued node and inference tasks.
 
 The role runs in this very process (no server child), so signals reach it
 the same way under ``proctrack/cgroup`` and ``proctrack/linuxproc``.
@@ -23,8 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -37,8 +44,8 @@ from types import FrameType
 from typing import Any, Literal
 
 from prorl_cli.config import ProrlConfig, load_config
-from prorl_cli.exceptions import RendezvousError
-from prorl_cli.rendezvous import BrokerLock, read_rendezvous
+from prorl_cli.exceptions import ProrlError, RendezvousError
+from prorl_cli.rendezvous import BrokerLock, read_rendezvous, rendezvous_path
 from prorl_cli.slurm.identity import SlurmIdentity
 
 log = logging.getLogger(__name__)
@@ -94,14 +101,20 @@ def wait_for_broker(deployment_dir: Path, timeout_s: float, leave: threading.Eve
 
 
 def requeue_self(identity: SlurmIdentity) -> None:
-    """Ask Slurm to requeue this task (it comes back after the cluster's requeue delay)."""
+    """Ask Slurm to requeue this task, unless its job says Requeue=0.
+
+    Slurm then holds it for its requeue delay; whoever sees it held makes it
+    eligible at once (the broker's supervisor for a node or bridge, the nodes
+    and bridges for the broker).
+    """
     ref = identity.task_ref
     if ref is None:
         return
     from prorl_cli.slurm.squeue import job_detail
 
     if job_detail(ref).get("Requeue") == "0":
-        log.info("%s was submitted with --no-requeue: not requeueing", ref)
+        # Submitted with --no-requeue, or set so by `prorl scale` before it drained this task away.
+        log.info("%s may not be requeued (Requeue=0): not requeueing", ref)
         return
     # Requeueing sends us SIGTERM once more; we are done, so let it pass quietly.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -110,6 +123,71 @@ def requeue_self(identity: SlurmIdentity) -> None:
         log.error("scontrol requeue %s failed: %s", ref, proc.stderr.strip())
     else:
         log.info("requeued %s", ref)
+
+
+#: How often a node or bridge checks on its broker's Slurm job while the broker is away: a random pick in this
+#: range, so the nodes of a large deployment do not all ask Slurm at once.
+BROKER_WATCH_INTERVAL_S = (2.0, 4.0)
+#: ``launch.json`` (prorl_cli.slurm.launcher.LAUNCH_NAME), read here without importing the launcher.
+_LAUNCH_NAME = "launch.json"
+
+
+def broker_job_of(deployment_dir: Path) -> str | None:
+    """The broker's Slurm job of a ``prorl launch`` deployment (from launch.json), or None (plain sbatch, unreadable)."""
+    try:
+        data = json.loads((deployment_dir / _LAUNCH_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    members = data.get("members") if isinstance(data, dict) else None
+    for m in members if isinstance(members, list) else []:
+        if isinstance(m, dict) and m.get("role") == "broker" and m.get("job_id"):
+            return str(m["job_id"])
+    return None
+
+
+def release_requeued_broker(deployment_dir: Path) -> bool:
+    """While the broker is away (no rendezvous file), make its requeued Slurm job eligible now; True when it did.
+
+    A requeued job waits in PENDING (BeginTime) for Slurm's requeue delay
+    (about two minutes) and every client of the deployment with it. Its own
+    job cannot shorten that (the delay is set once the job has ended), so the
+    peers that wait for it do.
+    """
+    if rendezvous_path(deployment_dir).exists():
+        return False
+    ref = broker_job_of(deployment_dir)
+    if ref is None:
+        return False
+    from prorl_cli.slurm.squeue import release_requeued
+
+    if not release_requeued(ref):
+        return False
+    log.info("the broker's Slurm job %s was requeued and held for Slurm's requeue delay: "
+             "made it eligible now (scontrol update StartTime=now)", ref)
+    return True
+
+
+@contextlib.contextmanager
+def broker_requeue_watch(deployment_dir: Path, identity: SlurmIdentity) -> Iterator[None]:
+    """Around a node or bridge in Slurm: a thread that releases the broker's requeued job (:func:`release_requeued_broker`)."""
+    if not identity.in_slurm:
+        yield
+        return
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(random.uniform(*BROKER_WATCH_INTERVAL_S)):
+            try:
+                release_requeued_broker(deployment_dir)
+            except (ProrlError, OSError) as e:  # Slurm unreachable for a moment: try again next time
+                log.debug("could not check the broker's Slurm job: %s", e)
+
+    thread = threading.Thread(target=watch, name="broker-requeue-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
 
 
 @dataclass
@@ -167,14 +245,15 @@ def serve_role(spec: RoleSpec, config: ProrlConfig | None = None) -> int:
     with slurm_lifecycle(spec.requeue) as signals:
         if spec.role == "broker":
             return _serve_broker(spec, config, signals)
-        if spec.role == "inference":
-            # The engine starts while the broker may still be coming up; the bridge waits for it.
-            return _serve_inference(spec, config, identity, signals)
-        if not wait_for_broker(config.deployment_dir, spec.rendezvous_wait_s, signals.leave):
-            log.info("asked to leave before the broker appeared")
+        with broker_requeue_watch(config.deployment_dir, identity):
+            if spec.role == "inference":
+                # The engine starts while the broker may still be coming up; the bridge waits for it.
+                return _serve_inference(spec, config, identity, signals)
+            if not wait_for_broker(config.deployment_dir, spec.rendezvous_wait_s, signals.leave):
+                log.info("asked to leave before the broker appeared")
+                return 0
+            _serve_node(spec, config, identity, signals)
             return 0
-        _serve_node(spec, config, identity, signals)
-        return 0
 
 
 def _serve_broker(spec: RoleSpec, config: ProrlConfig, signals: RoleSignals) -> int:

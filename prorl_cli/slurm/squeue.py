@@ -7,13 +7,16 @@ itself.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from prorl_cli.exceptions import SlurmError
+
+log = logging.getLogger(__name__)
 
 # squeue fields: job id (123_4 for array tasks), state, reason, node list, elapsed, time left, name.
 _FORMAT = "%i|%T|%r|%N|%M|%L|%j"
@@ -158,3 +161,39 @@ def job_detail(ref: str) -> dict[str, str]:
         if sep:
             out.setdefault(key, value)
     return out
+
+
+def requeue_delayed(detail: Mapping[str, str]) -> bool:
+    """Whether ``scontrol show job`` describes a requeued job Slurm holds for its requeue delay.
+
+    Slurm keeps a requeued job in PENDING with reason BeginTime for about two
+    minutes (its launch credential's lifetime); ``Restarts`` > 0 tells it from
+    a job submitted with a later ``--begin``.
+    """
+    try:
+        restarts = int(detail.get("Restarts", "0"))
+    except ValueError:
+        restarts = 0
+    return detail.get("JobState") == "PENDING" and detail.get("Reason") == "BeginTime" and restarts > 0
+
+
+def release_requeued(ref: str) -> bool:
+    """Make a requeued job that waits out Slurm's requeue delay eligible now (``scontrol update StartTime=now``).
+
+    True when it did; False when the job is not held that way or Slurm refused
+    (a user may only update jobs Slurm lets them: then it starts after the delay).
+    """
+    if not requeue_delayed(job_detail(ref)):
+        return False
+    proc = _run(["scontrol", "update", f"JobId={ref}", "StartTime=now"])
+    if proc.returncode != 0:
+        log.warning("scontrol update JobId=%s StartTime=now failed: %s", ref, proc.stderr.strip())
+        return False
+    return True
+
+
+def set_requeue(ref: str, requeue: bool) -> None:
+    """``scontrol update JobId=REF Requeue=0|1``: whether the job may be requeued (its role reads it before requeueing)."""
+    proc = _run(["scontrol", "update", f"JobId={ref}", f"Requeue={int(requeue)}"])
+    if proc.returncode != 0:
+        raise SlurmError(f"scontrol update JobId={ref} Requeue={int(requeue)} failed: {proc.stderr.strip()}")

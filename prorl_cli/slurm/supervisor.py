@@ -13,7 +13,16 @@ ended (Slurm's state, reason and exit code) is logged and kept in
 ``supervision.json``; a name whose budget is spent is marked given up there
 with its log tail, which ``prorl status`` shows. Tasks that were asked to end
 (``scancel``: CANCELLED; a drain that exited: COMPLETED) and requeued ones
-(PENDING) are left alone.
+(PENDING) are left alone, and so is every planned exit: a task ``prorl scale``
+takes away is moved to launch.json's ``retired`` before it is signalled (the
+supervisor looks only at ``members``), and ``prorl down`` marks launch.json
+``stopping`` before it stops anything (the supervisor then replaces nothing).
+
+A requeued task (a node's or bridge's drain on SIGUSR2, preemption, a
+requeue by hand) waits in PENDING (BeginTime) for Slurm's requeue delay,
+about two minutes; the supervisor makes it eligible at once
+(``scontrol update StartTime=now``). The broker's own requeue is seen by the
+nodes and bridges (:func:`prorl_cli.slurm.roles.release_requeued_broker`).
 
 ``supervision.json`` belongs to one launch: it carries the launch id of
 ``launch.json`` and is read only by that launch (a file of another launch is
@@ -163,6 +172,8 @@ class PassResult:
 
     replaced: list[str] = field(default_factory=list)  # role names given a new Slurm job
     next_due_at: float | None = None  # the earliest replacement still waiting for its backoff
+    released: list[str] = field(default_factory=list)  # role names whose requeued task was made eligible now
+    stopping: bool = False  # the deployment is being taken down: nothing was looked at
 
 
 def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult:
@@ -173,6 +184,10 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult
     result = PassResult()
     with launch_lock(deployment_dir):
         record, cfg = launcher.load_launched(deployment_dir)
+        if record.stopping:  # `prorl down`: what ends now was asked to
+            result.stopping = True
+            return result
+        # Only members: tasks scaled away went to `retired` before they were asked to leave.
         members = [m for m in record.members if m.role in ("nodes", "inference")]
         rows = {t.job_id: t for t in squeue.query([m.job_id for m in members], all_states=True)}
         sup = Supervision.load(deployment_dir, record.launch_id)
@@ -181,6 +196,10 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult
             t = rows.get(m.job_id)
             state = sup.names.get(m.peer_id)
             seen = state is not None and state.failure is not None and state.failure.job_id == m.job_id
+            if t is not None and t.state == "PENDING" and t.reason == "BeginTime" and squeue.release_requeued(m.job_id):
+                log.info("%s (Slurm job %s) was requeued and held for Slurm's requeue delay: made it eligible now "
+                         "(scontrol update StartTime=now)", m.peer_id, m.job_id)
+                result.released.append(m.peer_id)
             if t is not None and t.state not in squeue.UNASKED_END_STATES:
                 if seen and t.active and state is not None:  # requeued by hand: it runs again
                     state.failure = None
@@ -249,12 +268,16 @@ def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     log.info("supervising the node and inference tasks of %s every %.0f s", deployment_dir, interval_s)
+    said_stopping = False
     while not stop:
         wait_s = interval_s
         try:
-            due_at = supervise_once(deployment_dir).next_due_at
-            if due_at is not None:
-                wait_s = min(interval_s, max(0.0, due_at - time.time()))
+            passed = supervise_once(deployment_dir)
+            if passed.stopping and not said_stopping:
+                log.info("the deployment is being taken down: replacing nothing")
+                said_stopping = True
+            if passed.next_due_at is not None:
+                wait_s = min(interval_s, max(0.0, passed.next_due_at - time.time()))
         except ProrlError as e:
             log.warning("supervision pass failed: %s", e)
         deadline = time.monotonic() + wait_s

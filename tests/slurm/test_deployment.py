@@ -3,7 +3,12 @@
 1 broker job, a 3-task node array (one per Slurm node), a 2-task inference
 array with one fake GPU each (transformers engine, tiny model); 100 math
 rollouts; status with both views; scancel of a node task mid-run; requeue of
-the broker (journal replay); scale up and down under load; down leaves nothing.
+the broker (journal replay), made eligible again by its nodes and bridges
+without waiting out Slurm's requeue delay; status while the broker restarts;
+a node requeued on SIGUSR2, released by the supervisor and not counted as a
+failure; scale up, and down: a pending task first, then the least loaded one,
+drained with its running jobs delivered once; down leaves nothing, and the
+supervisor replaced only the task that was killed.
 The tests share the deployment and run in file order.
 """
 
@@ -24,7 +29,8 @@ from prorl_cli.client import RolloutClient
 from prorl_cli.config import load_config
 from prorl_cli.exceptions import BrokerUnavailable
 from prorl_cli.slurm import squeue
-from prorl_cli.slurm.launcher import LaunchRecord
+from prorl_cli.slurm.launcher import HISTORY_NAME, LaunchRecord
+from prorl_cli.slurm.supervisor import SUPERVISION_NAME
 from tests.slurm.cluster import (
     ROLE_CONFIG,
     logs_of,
@@ -41,10 +47,12 @@ pytestmark = pytest.mark.timeout(600)
 
 
 class Launched:
-    def __init__(self, home: Path, deploy_file: Path, model: Path) -> None:
+    def __init__(self, home: Path, deploy_file: Path, model: Path, gate: Path) -> None:
         self.home = home
         self.deploy_file = deploy_file
         self.model = model
+        #: While this file exists, a broker job that starts waits in its setup line (running, no broker yet).
+        self.gate = gate
         self.dir = home / NAME
         self._client: RolloutClient | None = None
 
@@ -66,6 +74,14 @@ class Launched:
     def member(self, peer_id: str) -> Any:
         return next(m for m in self.record.members if m.peer_id == peer_id)
 
+    def node_pid(self, node_id: str) -> int | None:
+        return next((n.pid for n in self.client.status().nodes if n.node_id == node_id and n.alive), None)
+
+    def supervised(self) -> dict[str, Any]:
+        """supervision.json's names: what the supervisor counted as failures (and replaced)."""
+        path = self.dir / SUPERVISION_NAME
+        return json.loads(path.read_text())["names"] if path.exists() else {}
+
     def run_load(self, n: int, sleep_s: float, during: Any) -> None:
         """Submit ``n`` jobs, call ``during()`` while they run; every job finishes once, done."""
         ids = self.client.submit("test", [{"echo": i, "sleep_s": {"run": sleep_s}} for i in range(n)], timeout_s=120)
@@ -86,17 +102,19 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
     base = tmp_path_factory.mktemp("slurm")
     model = make_tiny_model(base / "model")
     home = base / "home"
+    gate = base / "broker-gate"
     config = write_yaml(base / "prorl.yaml", {**ROLE_CONFIG, "inference": {"tokenizer": str(model)}})
     deploy = write_yaml(base / "deploy.yaml", {
         "deployment": NAME, "home": str(home), "config": str(config), "rendezvous_wait_s": 300,
-        "broker": {"time": "30", "cpus_per_task": 1, "mem_gb": 0.5},
+        "broker": {"time": "30", "cpus_per_task": 1, "mem_gb": 0.5,
+                   "setup": [f"while [ -e {gate} ]; do sleep 0.2; done"]},
         # 60% of a node's memory each: no two node tasks share a Slurm node.
         "nodes": {"count": 3, "time": "30", "cpus_per_task": 1, "mem_gb": round(node_memory_gb() * 0.6, 1)},
         "inference": {"count": 2, "time": "30", "cpus_per_task": 1, "mem_gb": 0.5, "gpus_per_task": 1,
                       "engine": "transformers", "model": str(model)},
     })
     up = prorl(home, "launch", str(deploy), "--wait-s", "300", timeout_s=400)
-    launched = Launched(home, deploy, model)
+    launched = Launched(home, deploy, model, gate)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "is up" in up.stdout
@@ -173,18 +191,28 @@ def test_scancel_of_a_node_task_mid_run_moves_its_jobs(launched: Launched) -> No
     assert not squeue.wait_gone([victim.job_id], 60), "the cancelled task left squeue"
 
 
+def _restarts(job_id: str) -> int:
+    return int(squeue.job_detail(job_id).get("Restarts", "0"))
+
+
+#: What a node or bridge logs when it made the broker's requeued job eligible without Slurm's requeue delay.
+BROKER_RELEASED = "requeued and held for Slurm's requeue delay: made it eligible now"
+
+
+def _peer_logs(launched: Launched) -> str:
+    return logs_of(launched.dir / "slurm" / "nodes") + logs_of(launched.dir / "slurm" / "inference")
+
+
 def test_requeued_broker_replays_its_journal(launched: Launched) -> None:
     broker = launched.member("broker")
 
     def requeue_broker() -> None:
         wait_until(lambda: launched.client.status().jobs.get("run", 0) > 0, 60, "jobs running")
-        scontrol("requeue", broker.job_id)
-        # Skip Slurm's requeue delay (PENDING/BeginTime, about 120 s).
-        wait_until(lambda: any(t.state == "PENDING" for t in squeue.query([broker.job_id])), 60, "broker pending")
-        scontrol("update", f"JobId={broker.job_id}", "StartTime=now")
+        scontrol("requeue", broker.job_id)  # by hand; its nodes and bridges release it from Slurm's requeue delay
 
     launched.run_load(30, 1.5, requeue_broker)
     assert "journal replayed" in logs_of(launched.dir / "slurm" / "broker")
+    assert f"the broker's Slurm job {broker.job_id} was {BROKER_RELEASED}" in _peer_logs(launched)
     wait_until(lambda: launched.alive_nodes() >= {"node-0", "node-2"}, 60, "nodes back with the requeued broker")
 
 
@@ -219,12 +247,26 @@ def test_a_killed_inference_task_is_replaced_under_its_name(launched: Launched) 
     assert victim.job_id in {m.job_id for m in launched.record.retired}
 
 
-def test_one_retry_of_a_submit_in_flight_across_a_broker_usr2_succeeds(launched: Launched) -> None:
+def test_a_usr2_requeued_broker_comes_back_by_itself_status_says_restarting_and_one_retry_suffices(
+        launched: Launched) -> None:
     broker = launched.member("broker")
     client = launched.client
-    squeue.cancel([broker.job_id], signal_name="USR2")  # the time-limit warning: leave, requeue, replay the journal
-    wait_until(lambda: any(t.state == "PENDING" for t in squeue.query([broker.job_id])), 60, "broker requeued")
-    scontrol("update", f"JobId={broker.job_id}", "StartTime=now")
+    before = _restarts(broker.job_id)
+    released_before = _peer_logs(launched).count(BROKER_RELEASED)
+    launched.gate.write_text("")  # the requeued job waits in its setup line: the broker is away, its job RUNNING
+    try:
+        squeue.cancel([broker.job_id], signal_name="USR2")  # the time-limit warning: leave, requeue, replay the journal
+        # No scontrol here: a node or bridge sees the requeued job held for Slurm's requeue delay and releases it.
+        wait_until(lambda: _restarts(broker.job_id) > before
+                   and any(t.state == "RUNNING" for t in squeue.query([broker.job_id])), 300,
+                   "the requeued broker job to run again")
+        st = prorl(launched.home, "status", NAME)
+        assert st.returncode == 0, st.stdout + st.stderr
+        assert "broker restarting" in st.stdout and f"Slurm job {broker.job_id} is RUNNING" in st.stdout, st.stdout
+        assert "Slurm" in st.stdout and st.stdout.count("RUNNING") >= 5, "Slurm's view of every task"
+        assert _peer_logs(launched).count(BROKER_RELEASED) > released_before, "released by its peers, not by Slurm's clock"
+    finally:
+        launched.gate.unlink(missing_ok=True)
     ids = [f"usr2-{i}" for i in range(10)]
     instances = [{"echo": i, "sleep_s": {"run": 0.2}} for i in range(10)]
     try:
@@ -239,22 +281,90 @@ def test_one_retry_of_a_submit_in_flight_across_a_broker_usr2_succeeds(launched:
     wait_until(lambda: launched.alive_nodes() >= {"node-0", "node-2"}, 60, "nodes back with the requeued broker")
 
 
-def test_scale_up_and_down_under_load(launched: Launched) -> None:
-    def scale() -> None:
-        up = prorl(launched.home, "scale", NAME, "--nodes", "3")
-        assert up.returncode == 0, up.stderr
-        assert "added node-3" in up.stdout
-        wait_until(lambda: "node-3" in launched.alive_nodes(), 120, "node-3 to register")
-        down = prorl(launched.home, "scale", NAME, "--nodes", "2")
-        assert down.returncode == 0, down.stderr
-        assert "removed node-3" in down.stdout
+def test_a_node_requeued_on_usr2_is_released_by_the_supervisor_and_not_counted_as_a_failure(
+        launched: Launched) -> None:
+    victim = launched.member("node-0")
+    before, old_pid = _restarts(victim.job_id), launched.node_pid("node-0")
+    squeue.cancel([victim.job_id], signal_name="USR2")  # drain with grace, then requeue itself
+    wait_until(lambda: (launched.node_pid("node-0") or old_pid) != old_pid, 300, "node-0 back after its requeue")
+    assert _restarts(victim.job_id) == before + 1 and launched.member("node-0").job_id == victim.job_id, "requeued, not replaced"
+    broker_log = logs_of(launched.dir / "slurm" / "broker")
+    assert f"node-0 (Slurm job {victim.job_id}) was requeued and held for Slurm's requeue delay: made it eligible now" \
+        in broker_log, broker_log[-3000:]
+    assert "node-0" not in launched.supervised(), "a requeue is no failure"
 
-    launched.run_load(60, 0.5, scale)
-    assert launched.alive_nodes() == {"node-0", "node-2"}
+
+def _serving_and_pending(launched: Launched, peers: tuple[str, ...]) -> tuple[str, str] | None:
+    rows = {t.job_id: t for t in squeue.query(launched.record.job_ids)}
+    states = {p: rows[launched.member(p).job_id].state for p in peers if launched.member(p).job_id in rows}
+    alive = launched.alive_nodes()
+    serving = [p for p, state in states.items() if state == "RUNNING" and p in alive]
+    pending = [p for p, state in states.items() if state == "PENDING"]
+    return (serving[0], pending[0]) if len(serving) == 1 and len(pending) == 1 else None
+
+
+def test_scale_down_takes_a_pending_task_first_then_drains_the_least_loaded_with_its_jobs_delivered(
+        launched: Launched) -> None:
+    # node-0 and node-2 hold 60% of a Slurm node each; node-1's Slurm node is free: one new task fits, not two.
+    up = prorl(launched.home, "scale", NAME, "--nodes", "4")
+    assert up.returncode == 0, up.stderr
+    assert "added node-3" in up.stdout and "added node-4" in up.stdout
+    new = ("node-3", "node-4")
+    serving, pending = wait_until(lambda: _serving_and_pending(launched, new), 180,
+                                  "one new node serving and the other pending")
+    if int(pending.split("-")[1]) > int(serving.split("-")[1]):
+        # The highest index is the pending one (Slurm starts an array's lower index first): swap them, so taking the
+        # highest index, which scale-down used to do whatever the task did, would take a serving node.
+        scontrol("requeuehold", launched.member(serving).job_id)
+        swapped = (pending, serving)
+        wait_until(lambda: _serving_and_pending(launched, new) == swapped, 180,
+                   "the pending node to start and the other to wait, held")
+        serving, pending = swapped
+    pending_job = launched.member(pending).job_id
+    shrink = prorl(launched.home, "scale", NAME, "--nodes", "3")
+    assert shrink.returncode == 0, shrink.stderr
+    assert f"removed {pending} (pending" in shrink.stdout, shrink.stdout
+    assert not squeue.wait_gone([pending_job], 60)
+    assert launched.alive_nodes() == {"node-0", "node-2", serving}
+
+    # Under load: the least loaded serving node is drained; its running jobs finish there, delivered once.
+    client = launched.client
+    ids = client.submit("test", [{"echo": i, "sleep_s": {"run": 8.0}} for i in range(60)], timeout_s=120)
+
+    def all_running() -> bool:
+        nodes = [n for n in client.status().nodes if n.alive]
+        return len(nodes) == 3 and all(n.stages.get("run", {}).get("active", 0) > 0 for n in nodes)
+
+    wait_until(all_running, 60, "every node running jobs")
+    down = prorl(launched.home, "scale", NAME, "--nodes", "2", timeout_s=400)
+    assert down.returncode == 0, down.stdout + down.stderr
+    chosen = re.search(r"drained and removed (node-\d) \(serving, (\d+) running job", down.stdout)
+    assert chosen, down.stdout
+    drained, running = chosen.group(1), int(chosen.group(2))
+    results = client.wait(ids, timeout_s=240)
+    assert sorted(r.job_id for r in results) == sorted(ids), "every job answered once"
+    assert collections.Counter(r.state for r in results) == {"done": 60}
+    assert sorted(r.output["echo"] for r in results) == list(range(60)), "no job lost or doubled"
+    assert [r.job_id for r in results if r.attempt != 1] == [], "none was stopped and run again"
+    assert sum(r.node_id == drained for r in results) >= running > 0, "its running jobs finished on it"
+    assert drained not in launched.alive_nodes() and len(launched.alive_nodes()) == 2
+    job = next(m.job_id for m in launched.record.retired if m.peer_id == drained)
+    assert "JobState=COMPLETED" in scontrol("-o", "show", "job", job), "it drained and exited, not cancelled"
+    assert "not requeueing" in logs_of(launched.dir / "slurm" / "nodes" / job)
+
+
+def _counted_failures(launched: Launched) -> list[str]:
+    """The names the supervisor logged as ended without being asked to."""
+    text = logs_of(launched.dir / "slurm" / "broker")
+    return sorted(set(re.findall(r"(\S+) \(Slurm job \S+\) ended .*without being asked to", text)))
 
 
 def test_down_leaves_nothing(launched: Launched) -> None:
     record = launched.record
+    # Only the inference task killed with SIGKILL was a failure: the requeues, the scancel of node-1 and the
+    # tasks scaled away were asked for.
+    assert _counted_failures(launched) == ["inference-1"]
+    assert {name: state["restarts"] for name, state in launched.supervised().items()} == {"inference-1": 1}
     launched.client.close()
     launched._client = None
     down = prorl(launched.home, "down", NAME, timeout_s=200)
@@ -268,3 +378,7 @@ def test_down_leaves_nothing(launched: Launched) -> None:
     assert not leftovers, f"processes of the deployment still running: {leftovers}"
     gone = prorl(launched.home, "-d", NAME, "status")
     assert gone.returncode != 0
+    # Nor did anything taken down count as a failure: the supervisor's state, archived with the launch, is unchanged.
+    assert _counted_failures(launched) == ["inference-1"]
+    archived = json.loads((launched.dir / HISTORY_NAME / record.launch_id / SUPERVISION_NAME).read_text())
+    assert {name: state["restarts"] for name, state in archived["names"].items()} == {"inference-1": 1}

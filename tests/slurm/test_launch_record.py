@@ -1,5 +1,7 @@
-"""What `scale` and `status` say, without a cluster: role names never reused, tasks counted by what they are doing,
-how an ended task ended, stale submitit results removed, the help naming the files render-sbatch writes."""
+"""What `scale`, `status` and `logs` say and choose, without a cluster: role names never reused, tasks counted by what
+they are doing, which tasks a scale-down takes (pending, then idle, then the least loaded), a broker that is restarting
+told from one that is gone, every Slurm job of a task found by its name, how an ended task ended, stale submitit
+results removed, the help naming the files render-sbatch writes."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import yaml
 from click.testing import CliRunner
 
 from prorl_cli.cli import cli
+from prorl_cli.cli.launch import SlurmView
+from prorl_cli.protocol import NodeStatus, StatusReport
 from prorl_cli.slurm.deploy import load_deploy
-from prorl_cli.slurm.launcher import LaunchRecord, Member, count_role
+from prorl_cli.slurm.launcher import LaunchRecord, Member, choose_removals, count_role
 from prorl_cli.slurm.render import render_all
 from prorl_cli.slurm.roles import remove_stale_results
-from prorl_cli.slurm.squeue import EndedTask, SlurmTask
+from prorl_cli.slurm.squeue import EndedTask, SlurmTask, requeue_delayed
+from prorl_cli.slurm.supervisor import NameState, Supervision
 
 
 def _row(job_id: str, state: str, reason: str = "None") -> SlurmTask:
@@ -67,3 +72,100 @@ def test_render_sbatch_help_names_the_files_it_writes(tmp_path: Path) -> None:
                                      "inference": {"count": 1, "model": str(tmp_path)}}))
     written = {p.name for p in render_all(load_deploy(path), tmp_path / "out")}
     assert named and named <= written, (named, written)
+
+
+def _report(**running: tuple[int, int]) -> StatusReport:
+    """A broker status whose alive nodes hold these (running, placed) jobs."""
+    nodes = [NodeStatus(node_id, "vm", 1, True, 16, held, ["test"], {"run": {"active": run, "queued": held - run}})
+             for node_id, (run, held) in running.items()]
+    return StatusReport("x", {}, 0, nodes, [], False, True, 1.0)
+
+
+def test_scale_down_takes_pending_tasks_first_then_idle_then_the_least_loaded() -> None:
+    members = [Member("nodes", i, f"30_{i}") for i in range(5)]
+    rows = [_row("30_0", "RUNNING"), _row("30_1", "RUNNING"), _row("30_2", "RUNNING"), _row("30_3", "RUNNING"),
+            _row("30_4", "PENDING", "Resources")]
+    # node-0 runs 5 jobs, node-1 2 of 6 placed, node-2 none; node-3 runs but has not registered.
+    report = _report(**{"node-0": (5, 5), "node-1": (2, 6), "node-2": (0, 0)})
+    order = [(r.member.peer_id, r.kind) for r in choose_removals("nodes", members, rows, report, 5)]
+    assert order == [("node-4", "pending"), ("node-3", "starting"), ("node-2", "idle"), ("node-1", "serving"),
+                     ("node-0", "serving")]
+    [one] = choose_removals("nodes", members, rows, report, 1)
+    assert one.member.peer_id == "node-4" and one.describe() == "pending (Resources)"
+    # It used to be the highest index whatever it did: with nothing pending, the idle node goes, not node-3's peers.
+    busy = choose_removals("nodes", members[:3], rows, report, 1)
+    assert [r.member.peer_id for r in busy] == ["node-2"]
+    two = choose_removals("nodes", members[:2], rows, report, 1)
+    assert [(r.member.peer_id, r.describe()) for r in two] == [("node-1", "serving, 2 running job(s) of 6 placed")]
+    # Equal loads: the highest index goes first; ended tasks are never chosen.
+    even = _report(**{"node-0": (1, 1), "node-1": (1, 1)})
+    assert [r.member.peer_id for r in choose_removals("nodes", members[:2], rows, even, 1)] == ["node-1"]
+    ended = [_row("30_0", "RUNNING"), _row("30_1", "FAILED")]
+    assert [r.member.peer_id for r in choose_removals("nodes", members[:2], ended, even, 2)] == ["node-0"]
+    # The broker not answering: pending ones still first, the running ones' load unknown.
+    blind = choose_removals("nodes", members, rows, None, 2)
+    assert [(r.member.peer_id, r.kind) for r in blind] == [("node-4", "pending"), ("node-3", "unknown")]
+
+
+def test_a_broker_job_queued_or_running_is_restarting_and_an_ended_one_is_not() -> None:
+    record = LaunchRecord(deployment="x", deploy_file="d.yaml", home="/h", created_at=0.0,
+                          members=[Member("broker", 0, "40"), Member("nodes", 0, "41_0")])
+    node = _row("41_0", "RUNNING")
+    for state, reason, says in (("PENDING", "BeginTime", "its Slurm job 40 is PENDING (BeginTime)"),
+                                ("RUNNING", "None", "its Slurm job 40 is RUNNING on n1")):
+        view = SlurmView(record, [_row("40", state, reason), node])
+        assert view.broker_restarting() == says and view.broker_ended() is None and not view.gone
+    failed = SlurmView(record, [_row("40", "FAILED", "NonZeroExitCode"), node])
+    assert failed.broker_restarting() is None and failed.broker_ended() == "its Slurm job 40 ended FAILED"
+    assert SlurmView(record, [node]).broker_ended() == "its Slurm job 40 is not in squeue"
+    assert SlurmView(record, [_row("40", "COMPLETED"), _row("41_0", "CANCELLED")]).gone
+    assert SlurmView(record, None).broker_restarting() is None, "squeue did not answer: nothing to say"
+
+
+def test_only_a_requeued_job_held_for_the_requeue_delay_is_released() -> None:
+    assert requeue_delayed({"JobState": "PENDING", "Reason": "BeginTime", "Restarts": "1"})
+    assert not requeue_delayed({"JobState": "PENDING", "Reason": "BeginTime", "Restarts": "0"}), "a later --begin"
+    assert not requeue_delayed({"JobState": "PENDING", "Reason": "Resources", "Restarts": "2"})
+    assert not requeue_delayed({"JobState": "RUNNING", "Reason": "None", "Restarts": "1"})
+    assert not requeue_delayed({})
+
+
+def test_logs_finds_every_slurm_job_a_task_had_by_its_name(tmp_path: Path) -> None:
+    home, name = tmp_path / "home", "lg"
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(yaml.safe_dump({"deployment": name, "home": str(home), "nodes": {"count": 2}}))
+    # node-0 crashed and was replaced (50_0 -> 52_0); node-1 was scaled away; the broker has had one job.
+    record = LaunchRecord(deployment=name, deploy_file=str(deploy), home=str(home), created_at=0.0, launch_id="L1",
+                          members=[Member("broker", 0, "49"), Member("nodes", 0, "52_0")],
+                          retired=[Member("nodes", 1, "50_1"), Member("nodes", 0, "50_0")])
+    record.save(home / name)
+    Supervision({"node-0": NameState(restarts=1, history=[{"job_id": "50_0", "ended": "FAILED (exit code 0:9)"}])},
+                "L1").save(home / name)
+    for role, job in (("nodes", "50_0"), ("nodes", "50_1"), ("nodes", "52_0"), ("broker", "49")):
+        folder = home / name / "slurm" / role / job
+        folder.mkdir(parents=True)
+        (folder / f"{job}_0_log.out").write_text(f"log of {job}\n")
+
+    def logs(*args: str) -> tuple[int, str, str]:
+        out = CliRunner().invoke(cli, ["--home", str(home), "logs", "-d", name, *args])
+        return out.exit_code, out.stdout, out.stderr
+
+    code, out, err = logs("nodes[0]")
+    assert code == 0 and out == "log of 52_0\n", "the latest job by default"
+    assert "attempt 1 = 50_0 (replaced; it ended FAILED (exit code 0:9))" in err and "--all" in err
+    code, out, err = logs("nodes[0]", "--all")
+    assert code == 0 and out == "log of 50_0\nlog of 52_0\n"
+    assert "nodes[0] attempt 1 (Slurm job 50_0" in err and "nodes[0] attempt 2 (Slurm job 52_0, current)" in err
+    assert logs("node-0", "--attempt", "1")[1] == "log of 50_0\n"
+    code, _, err = logs("nodes[0]", "--attempt", "3")
+    assert code == 1 and "has had 2 Slurm job(s)" in err
+    code, out, _ = logs("nodes[1]")
+    assert code == 0 and out == "log of 50_1\n", "a task scaled away is found by its name"
+    code, out, _ = logs("nodes[0]", "--list")
+    assert code == 0 and out.splitlines()[0].startswith("nodes[0] attempt 1: Slurm job 50_0 (replaced;")
+    assert "nodes[0] attempt 2: Slurm job 52_0 (current)" in out
+    assert logs("nodes")[1] == "log of 52_0\n", "the role: its live tasks"
+    assert logs("nodes", "--all")[1] == "log of 50_0\nlog of 52_0\nlog of 50_1\n", "the role: every task it had"
+    code, _, err = logs("nodes[7]")
+    assert code == 1 and "nodes[0], nodes[1]" in err
+    assert logs("broker")[1] == "log of 49\n"

@@ -1,5 +1,5 @@
-"""A self-healing fleet on the test Slurm: a node task killed with SIGKILL is replaced under its name and every job
-completes once; a replacement whose setup line fails spends the name's max_restarts and status says so, with its log.
+"""A self-healing fleet on the test Slurm: a node task killed with SIGKILL is replaced under its name, `prorl logs
+nodes[0] --all` shows the killed job's log and the replacement's, and every job completes once; a replacement whose setup line fails spends the name's max_restarts and status says so, with its log.
 Restarts belong to one launch (a deployment taken down and launched again counts from zero; the old state is kept in
 history/), and a replacement waits restart_backoff_s from when the failure was seen."""
 
@@ -104,10 +104,20 @@ def test_a_killed_node_task_is_replaced_and_a_failing_one_given_up_with_its_log(
         wait_until(lambda: client.status().jobs.get("run", 0) > 0, 60, "jobs running")
         first_pid = _node_pid(client, "node-0")
         assert first_pid is not None
+        killed = _node0_job(home, NAME)
         os.kill(first_pid, signal.SIGKILL)  # the node task's process: no drain, no unregister; the task ends FAILED
         wait_until(lambda: _supervision(home).get("node-0", {}).get("restarts") == 1, 120, "node-0 replaced")
         wait_until(lambda: (_node_pid(client, "node-0") or first_pid) != first_pid, 180,
                    "the replacement to register as node-0")
+        # Both Slurm jobs of nodes[0] by its name: the killed one's log and the replacement's.
+        replacement = _node0_job(home, NAME)
+        shown = prorl(home, "logs", "-d", NAME, "nodes[0]", "--all")
+        assert shown.returncode == 0, shown.stderr
+        assert f"nodes[0] attempt 1 (Slurm job {killed}, replaced; it ended FAILED" in shown.stderr, shown.stderr
+        assert f"nodes[0] attempt 2 (Slurm job {replacement}, current)" in shown.stderr, shown.stderr
+        assert shown.stdout.count("node node-0 registered") >= 2, "the killed job's log and the replacement's"
+        first = prorl(home, "logs", "-d", NAME, "nodes[0]", "--attempt", "1")
+        assert first.returncode == 0 and first.stdout.count("node node-0 registered") == 1, first.stderr
         results = client.wait(ids, timeout_s=240)
         assert collections.Counter(r.state for r in results) == {"done": 30}
         assert sorted(r.output["echo"] for r in results) == list(range(30)), "none lost or doubled"

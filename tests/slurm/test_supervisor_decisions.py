@@ -1,6 +1,8 @@
 """The supervisor's decisions without a cluster, the clock passed in: a replacement is due restart_backoff_s after the
 failure was seen (doubling with each restart of the name), max_restarts bounds it, and its state belongs to one
-launch (another launch's supervision.json is not read; ``down`` moves it into history/<launch id>/)."""
+launch (another launch's supervision.json is not read; ``down`` moves it into history/<launch id>/). Planned exits
+(a requeue, a task scaled away, a deployment being taken down) are never replaced, and a requeued task held for
+Slurm's requeue delay is made eligible at once."""
 
 from __future__ import annotations
 
@@ -99,14 +101,23 @@ class FakeSlurm:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.states: dict[str, str] = {}
+        self.reasons: dict[str, str] = {}
         self.next_job = 20
         self.submitted: list[str] = []
+        self.released: list[str] = []
         monkeypatch.setattr(squeue, "query", self.query)
+        monkeypatch.setattr(squeue, "release_requeued", self.release)
         monkeypatch.setattr(squeue, "ended", lambda t: EndedTask(t.job_id, t.state, "NonZeroExitCode", "137:0"))
         monkeypatch.setattr(launcher, "_submit", self.submit)
 
     def query(self, job_ids: list[str], all_states: bool = False) -> list[SlurmTask]:
-        return [SlurmTask(j, self.states[j], "None", "", "0:01", "", "prorl-x-nodes") for j in job_ids if j in self.states]
+        return [SlurmTask(j, self.states[j], self.reasons.get(j, "None"), "", "0:01", "", "prorl-x-nodes")
+                for j in job_ids if j in self.states]
+
+    def release(self, ref: str) -> bool:
+        self.released.append(ref)
+        self.states[ref], self.reasons[ref] = "RUNNING", "None"
+        return True
 
     def submit(self, cfg: object, role: str, indices: list[int]) -> list[Member]:
         job = f"{self.next_job}_{indices[0]}"
@@ -170,3 +181,42 @@ def test_a_new_launch_counts_its_restarts_from_zero(tmp_path: Path, monkeypatch:
     assert supervise_once(deployment_dir, now=1030.0).replaced == ["node-0"], "restart 1 of 1, not given up"
     saved = json.loads((deployment_dir / SUPERVISION_NAME).read_text())
     assert saved["launch_id"] == "L2" and saved["names"]["node-0"]["restarts"] == 1
+
+
+def test_planned_exits_are_not_failures_and_a_requeued_task_is_released_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slurm = FakeSlurm(monkeypatch)
+    deployment_dir = _launched(tmp_path, "L3")
+    # A drain on SIGUSR2 requeued node-0: Slurm holds it for its requeue delay; the supervisor releases it.
+    slurm.states["10_0"], slurm.reasons["10_0"] = "PENDING", "BeginTime"
+    passed = supervise_once(deployment_dir, now=1000.0)
+    assert passed.released == ["node-0"] and passed.replaced == [] and slurm.released == ["10_0"]
+    # Waiting for resources is not a requeue delay: nothing to release.
+    slurm.states["10_0"], slurm.reasons["10_0"] = "PENDING", "Resources"
+    assert supervise_once(deployment_dir, now=1001.0).released == []
+    # A drain that exited, and a scancel: asked to end.
+    for state in ("COMPLETED", "CANCELLED"):
+        slurm.states["10_0"] = state
+        assert supervise_once(deployment_dir, now=1100.0).replaced == []
+    assert not (deployment_dir / SUPERVISION_NAME).exists(), "nothing was counted"
+    # `prorl scale` moved node-0 to retired before it signalled it: however it ends, it is not replaced.
+    record = LaunchRecord.load(deployment_dir)
+    assert record is not None
+    record.retired, record.members = record.of("nodes"), record.of("broker")
+    record.save(deployment_dir)
+    slurm.states["10_0"] = "FAILED"
+    assert supervise_once(deployment_dir, now=1200.0).replaced == []
+    assert supervise_once(deployment_dir, now=9999.0).replaced == [] and slurm.submitted == []
+
+
+def test_a_deployment_being_taken_down_is_not_supervised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slurm = FakeSlurm(monkeypatch)
+    deployment_dir = _launched(tmp_path, "L4")
+    record = LaunchRecord.load(deployment_dir)
+    assert record is not None
+    launcher.mark_stopping(deployment_dir, record)  # what `prorl down` does first
+    slurm.states["10_0"] = "FAILED"  # a node that failed on its way out
+    for now in (1000.0, 1030.0, 5000.0):
+        passed = supervise_once(deployment_dir, now=now)
+        assert passed.stopping and passed.replaced == [] and passed.next_due_at is None
+    assert slurm.submitted == [] and not (deployment_dir / SUPERVISION_NAME).exists()

@@ -283,8 +283,12 @@ def print_status(app: App, status: StatusReport) -> None:
 
 
 def _liveness(app: App, node: Any) -> str:
-    """``yes``; ``silent N s`` once it missed two heartbeats (not yet declared lost); ``lost: why``."""
+    """``yes``; ``silent N s`` once it missed two heartbeats (not yet declared lost); ``left`` or ``lost: why``."""
+    from prorl_cli.protocol.records import NODE_LEFT
+
     if not node.alive:
+        if node.lost_reason and node.lost_reason.startswith(NODE_LEFT):
+            return node.lost_reason  # a planned exit (drain, scale-down, down): not a loss
         return f"[red]lost[/]: {node.lost_reason}" if node.lost_reason else "[red]no[/]"
     if node.silent_s > 2 * app.config.broker.heartbeat_interval_s:
         return f"[yellow]silent {node.silent_s:.0f} s[/]"
@@ -326,23 +330,59 @@ def status(app: App, as_json: bool, address: str | None, watch: bool) -> None:
     \b
     DEPLOYMENT is the same as -d NAME (prorl status NAME, prorl status -d NAME).
     For a deployment started with `prorl launch`, Slurm's view comes first:
-    job ids, states, pending reasons or nodes, elapsed and time left.
+    job ids, states, pending reasons or nodes, elapsed and time left. A broker
+    that does not answer while its Slurm job is queued or running (requeued,
+    starting) is reported as restarting, exit 0; exit 1 when its job is gone
+    or ended, or when every Slurm job of the deployment is.
     """
     if watch:
         from prorl_cli.cli.observe import run_top
 
         return run_top(app, address, as_json, 1.0)
+    view = None
     if not as_json:
         from prorl_cli.cli.launch import print_slurm_view
 
-        if print_slurm_view(app, app.config.deployment_dir) is False:
+        view = print_slurm_view(app, app.config.deployment_dir)
+        if view is not None and view.gone:
             raise click.exceptions.Exit(1)  # every Slurm job of it is gone: say so, do not wait for a broker
-    with connect(app, address) as client:
-        report = client.status()
+    if view is None:
+        with connect(app, address) as client:
+            report = client.status()
+    else:
+        found = _broker_report(app, address)
+        if isinstance(found, str):
+            restarting = view.broker_restarting()
+            if restarting is None:
+                ended = view.broker_ended()
+                app.abort(f"{found}" + (f"; the broker: {ended}" if ended else ""))
+            app.console.print(f"[bold yellow]broker restarting[/]: {restarting}, not answering yet; "
+                              f"its view comes back once it is up ({found})", soft_wrap=True)
+            return
+        report = found
     if as_json:
         click.echo(json.dumps(report.to_wire(), indent=2))
     else:
         print_status(app, report)
+
+
+def _broker_report(app: App, address: str | None) -> StatusReport | str:
+    """The broker's status, or why there is none (no rendezvous file, no answer): ``status`` of a Slurm launch
+    then looks at the broker's Slurm job before it calls that an error."""
+    from prorl_cli.client import RolloutClient
+    from prorl_cli.exceptions import BrokerUnavailable, RendezvousError
+
+    client = RolloutClient(app.config.deployment, address=address, config=app.config)
+    try:
+        client.ping(timeout_s=PING_TIMEOUT_S)
+        return client.status()
+    except RendezvousError as e:
+        return str(e)
+    except (BrokerUnavailable, TimeoutError):
+        return (f"the broker at {client.address or address or '?'} does not answer (deployment "
+                f"{app.config.deployment!r}, no reply within {PING_TIMEOUT_S:g} s)")
+    finally:
+        client.close()
 
 
 @click.command()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,11 +101,50 @@ def _member_table(cfg: DeployConfig, record: LaunchRecord, rows: list[SlurmTask]
     return table
 
 
-def print_slurm_view(app: App, deployment_dir: Path) -> bool | None:
+@dataclass
+class SlurmView:
+    """What ``prorl status`` printed of Slurm's view, for what it does next."""
+
+    record: LaunchRecord
+    rows: list[SlurmTask] | None  # None: squeue did not answer
+
+    @property
+    def gone(self) -> bool:
+        """Every Slurm job of the deployment is gone (a broker ``here`` aside)."""
+        return self.rows is not None and not any(t.active for t in self.rows) and self.record.broker_where != "here"
+
+    def broker_task(self) -> SlurmTask | None:
+        """The broker job's squeue row (None: not on Slurm, not in squeue, or squeue did not answer)."""
+        by_id = {t.job_id: t for t in self.rows or []}
+        return next((by_id[m.job_id] for m in self.record.of("broker") if m.job_id in by_id), None)
+
+    def broker_restarting(self) -> str | None:
+        """Slurm's words for a broker job that is queued or running (so a broker not answering is on its way
+        back, e.g. requeued); None when the broker is not a Slurm job or its job is gone or ended."""
+        if self.record.broker_where == "here":
+            return None
+        t = self.broker_task()
+        if t is None or not t.active:
+            return None
+        where = f" ({t.pending_reason})" if t.pending_reason else (f" on {t.nodes}" if t.nodes else "")
+        return f"its Slurm job {t.job_id} is {t.state}{where}"
+
+    def broker_ended(self) -> str | None:
+        """How the broker job ended, when squeue still shows it ended or no longer shows it."""
+        if self.record.broker_where == "here" or self.rows is None:
+            return None
+        t = self.broker_task()
+        if t is not None and t.active:
+            return None
+        ids = ", ".join(m.job_id for m in self.record.of("broker")) or "-"
+        return f"its Slurm job {ids} ended {t.state}" if t is not None else f"its Slurm job {ids} is not in squeue"
+
+
+def print_slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
     """Slurm's view of a launched deployment (for ``prorl status``).
 
     Returns None when the deployment was not launched with ``prorl launch``,
-    False when none of its Slurm jobs is left (printed as such), True otherwise.
+    else what was seen (``gone`` when none of its Slurm jobs is left, printed as such).
     """
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import squeue
@@ -118,17 +158,17 @@ def print_slurm_view(app: App, deployment_dir: Path) -> bool | None:
         rows = squeue.query(record.job_ids, all_states=True)
     except SlurmError as e:
         app.err_console.print(f"[yellow]Slurm view unavailable:[/] {e}")
-        return True
+        return SlurmView(record, None)
     app.console.print(_slurm_table(record, rows))
     _print_ended(app, record, rows)
-    if not any(t.active for t in rows) and record.broker_where != "here":
+    view = SlurmView(record, rows)
+    if view.gone:
         app.console.print(
             f"[bold yellow]deployment {record.deployment}: all its Slurm jobs are gone[/] "
             f"(none of {', '.join(record.job_ids)} is in squeue); `prorl down {record.deployment}` cleans up, "
             f"`prorl launch` starts it again"
         )
-        return False
-    return True
+    return view
 
 
 def _print_ended(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
@@ -325,11 +365,23 @@ def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> 
 @deployment_option
 @click.option("--nodes", type=click.IntRange(min=0), help="Node array tasks wanted.")
 @click.option("--inference", type=click.IntRange(min=0), help="Inference array tasks wanted.")
+@click.option("--drain-wait-s", type=click.FloatRange(min=0, min_open=True),
+              help="Shrinking: how long a drained node may take to leave before it gets SIGTERM "
+                   "(default: the nodes' drain grace + 60 s).")
 @pass_app
-def scale(app: App, name: str | None, nodes: int | None, inference: int | None) -> None:
+def scale(app: App, name: str | None, nodes: int | None, inference: int | None, drain_wait_s: float | None) -> None:
     """Grow or shrink a launched deployment's arrays (shrinking drains the removed tasks).
 
+    \b
     NAME is the deployment name (the same as -d NAME) or its deploy.yaml.
+    Growing submits new array tasks under new names (node-4 after node-3).
+    Shrinking chooses, in this order: tasks still pending in squeue, then
+    starting (running, not registered) and idle ones, then the serving ones
+    with the fewest running jobs (load from the broker's status; ties: the
+    highest index). A running node is drained as on the time-limit warning,
+    without the requeue: it hands back the jobs it has not started, lets
+    running ones finish (node.drain_grace_s) and delivers them, then exits.
+    Pending and starting tasks and bridges get SIGTERM.
     """
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import launcher
@@ -341,15 +393,16 @@ def scale(app: App, name: str | None, nodes: int | None, inference: int | None) 
     role, count = ("nodes", nodes) if nodes is not None else ("inference", inference)
     assert count is not None
     try:
-        added, removed = launcher.scale(cfg, role, count)
+        result = launcher.scale(cfg, role, count, drain_wait_s=drain_wait_s)
     except SlurmError as e:
         app.abort(str(e))
-    for m in added:
+    for m in result.added:
         app.console.print(f"added {m.peer_id}: Slurm job {m.job_id}")
-    for m in removed:
-        app.console.print(f"drained and removed {m.peer_id}: Slurm job {m.job_id}")
+    for r in result.removed:
+        how = "drained and removed" if r.how == "drain" else "removed"
+        app.console.print(f"{how} {r.member.peer_id} ({r.describe()}): Slurm job {r.member.job_id}")
     counts = launcher.role_counts(cfg, role)
-    if not added and not removed:
+    if not result.added and not result.removed:
         app.console.print(f"{role} already at {count}: {counts.describe()}")
     else:
         app.console.print(f"{role} now: {counts.describe()}")

@@ -4,7 +4,10 @@ The logs are where ``prorl launch`` had submitit write them:
 ``<log_dir>/<role>/<slurm job>/<slurm job>_0_log.out`` (``log_dir`` defaults to
 ``$PRORL_HOME/<deployment>/slurm``; array tasks are ``<array>_<index>``), and
 ``<log_dir>/broker-here.log`` for ``broker.where: here``. The task list comes
-from the deployment's launch record, so tasks added by ``prorl scale`` are found too.
+from the deployment's launch record, so tasks added by ``prorl scale`` are found too,
+and so is every Slurm job a task has had in this launch: one the supervisor
+replaced, one ``scale`` took away (launch.json's ``retired``). A task's jobs are
+its attempts, numbered from 1 in the order they ran.
 """
 
 from __future__ import annotations
@@ -12,11 +15,15 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
 from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.naming import deployment_option, require_deployment
+
+if TYPE_CHECKING:
+    from prorl_cli.slurm.launcher import LaunchRecord
 
 #: ROLE, ROLE[INDEX], ROLE-INDEX or ROLE:INDEX; node/nodes and backend/inference are the same role.
 _MEMBER_RE = re.compile(r"^(?P<role>[a-z]+)(?:\[(?P<a>\d+)\]|[-:](?P<b>\d+))?$")
@@ -36,47 +43,105 @@ def parse_member(text: str) -> tuple[str, int | None]:
     return role, int(index) if index is not None else None
 
 
+def job_notes(record: LaunchRecord) -> dict[str, str]:
+    """What became of each Slurm job of the launch, by job id: replaced (and how it ended), scaled away, current."""
+    from prorl_cli.slurm.supervisor import Supervision
+
+    sup = Supervision.load(Path(record.home) / record.deployment, record.launch_id)
+    replaced = {old["job_id"]: old.get("ended", "") for named in sup.names.values() for old in named.history}
+    notes = {m.job_id: "current" for m in record.members}
+    for m in record.retired:
+        notes[m.job_id] = f"replaced; it ended {replaced[m.job_id]}" if m.job_id in replaced else "scaled away"
+    return notes
+
+
 @click.command()
 @click.argument("member", metavar="ROLE[INDEX]")
 @deployment_option
 @click.option("-f", "--follow", is_flag=True, help="Keep printing lines as they are written (one task), until Ctrl-C.")
 @click.option("--lines", type=click.IntRange(min=0), default=0, help="Only the last N lines of each log (0: all).")
+@click.option("--attempt", type=click.IntRange(min=1), metavar="N",
+              help="The task's Nth Slurm job in this launch (1: the first; a task the supervisor replaced has "
+                   "several); default: its latest.")
+@click.option("--all", "every", is_flag=True, help="Every Slurm job the task (or role) has had in this launch, oldest first.")
+@click.option("--list", "listing", is_flag=True, help="List the task's Slurm jobs (attempt, job, what became of it, log) "
+              "instead of printing logs.")
 @pass_app
-def logs(app: App, member: str, follow: bool, lines: int) -> None:
+def logs(app: App, member: str, follow: bool, lines: int, attempt: int | None, every: bool, listing: bool) -> None:
     """Print the Slurm log of a launched deployment's task: broker, nodes[INDEX], inference[INDEX].
 
     \b
-    Without INDEX, every task of the role, one after the other. The deployment
-    is -d NAME (or prorl -d NAME, or $PRORL_DEPLOYMENT).
+    A task keeps its name across Slurm jobs: a replacement after a crash is
+    nodes[1] again, and a task scaled away is still found by its name. By
+    default its latest job's log; --attempt N its Nth job's, --all every
+    job's (oldest first), --list the jobs themselves. Without INDEX, every
+    live task of the role (with --all, every task it ever had). The
+    deployment is -d NAME (or prorl -d NAME, or $PRORL_DEPLOYMENT).
     """
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.slurm.launcher import load_launched, log_files
 
     role, index = parse_member(member)
+    if attempt is not None and (index is None and role != "broker"):
+        app.abort("--attempt N needs one task: ROLE[INDEX]")
+    if attempt is not None and every:
+        app.abort("give --attempt N or --all, not both")
     name = require_deployment(app, "logs")
     try:
         record, cfg = load_launched(app.config.home_path / name)
     except ProrlError as e:
         app.abort(str(e))
     cfg.home = record.home
+    notes = job_notes(record)
     files: list[tuple[str, Path | None]] = []
     if role == "broker" and record.broker_where == "here":
         files.append(("broker (here)", cfg.log_path / "broker-here.log"))
-    for m in record.of(role):
-        if index is None or m.index == index:
-            found = log_files(cfg, m)
-            files += [(f"{m.role}[{m.index}] (Slurm job {m.job_id})", f) for f in found] or [
-                (f"{m.role}[{m.index}] (Slurm job {m.job_id})", None)]
+    if index is not None:
+        indices = [index]
+    else:  # the role's live tasks; with --all every task it ever had
+        pool = [*record.retired, *record.members] if every else record.members
+        indices = sorted({m.index for m in pool if m.role == role})
+    for i in indices:
+        jobs = record.jobs_of(role, i)
+        if not jobs:
+            continue
+        label = role if role == "broker" else f"{role}[{i}]"
+        if listing:
+            for n, m in enumerate(jobs, 1):
+                found = log_files(cfg, m)
+                click.echo(f"{label} attempt {n}: Slurm job {m.job_id} ({notes.get(m.job_id, '?')}): "
+                           f"{found[-1] if found else 'no log yet'}")
+            continue
+        if attempt is not None:
+            if attempt > len(jobs):
+                app.abort(f"{label} has had {len(jobs)} Slurm job(s) in this launch: "
+                          + ", ".join(f"attempt {n} = {m.job_id}" for n, m in enumerate(jobs, 1)))
+            chosen = [(attempt, jobs[attempt - 1])]
+        elif every:
+            chosen = list(enumerate(jobs, 1))
+        else:
+            chosen = [(len(jobs), jobs[-1])]
+            if len(jobs) > 1:
+                app.err_console.print(
+                    f"{label} has had {len(jobs)} Slurm jobs in this launch: "
+                    + ", ".join(f"attempt {n} = {m.job_id} ({notes.get(m.job_id, '?')})" for n, m in enumerate(jobs, 1))
+                    + f"; showing attempt {len(jobs)} (--attempt N, --all)", soft_wrap=True)
+        for n, m in chosen:
+            what = f"{label} attempt {n} (Slurm job {m.job_id}, {notes.get(m.job_id, '?')})"
+            files += [(what, f) for f in log_files(cfg, m)] or [(what, None)]
+    if listing:
+        if not any(record.jobs_of(role, i) for i in indices):
+            _no_task(app, record, name, member)
+        return
     if not files:
-        have = ", ".join(f"{m.role}[{m.index}]" for m in record.members) or "none"
-        app.abort(f"deployment {name!r} has no task {member}; its tasks: {have}")
+        _no_task(app, record, name, member)
     if follow and len(files) != 1:
-        app.abort(f"-f follows one log; {member} has {len(files)}: give ROLE[INDEX]")
+        app.abort(f"-f follows one log; {member} has {len(files)}: give ROLE[INDEX] (and --attempt N)")
     for label, path in files:
         if path is None or not path.exists():
             app.err_console.print(f"==> {label}: no log yet (the task has not started)")
             continue
-        if len(files) > 1:
+        if len(files) > 1 or every:
             app.err_console.print(f"==> {label}: {path}")
         data = path.read_bytes()
         text = data.decode(errors="replace")
@@ -84,6 +149,11 @@ def logs(app: App, member: str, follow: bool, lines: int) -> None:
         click.echo("".join(shown), nl=False)
         if follow:
             _follow(path, len(data))
+
+
+def _no_task(app: App, record: LaunchRecord, name: str, member: str) -> NoReturn:
+    have = sorted({f"{m.role}[{m.index}]" for m in [*record.members, *record.retired]}) or ["none"]
+    app.abort(f"deployment {name!r} has no task {member}; its tasks in this launch: {', '.join(have)}")
 
 
 def _follow(path: Path, offset: int) -> None:
