@@ -88,7 +88,8 @@ _bodies = st.one_of(
         "temperature": _numbers, "system": _json, "stop_sequences": _json, "prompt": _json, "seed": _numbers,
         "top_p": _numbers, "top_k": _numbers, "max_completion_tokens": _numbers, "top_logprobs": _numbers,
         "presence_penalty": _numbers, "frequency_penalty": _numbers, "logprobs": _numbers,
-        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": _json})}),
+        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": _json}),
+        "user": _json, "metadata": _json}),
     st.fixed_dictionaries({"model": st.just("prorl"), "max_tokens": st.integers(1, 8), "messages": st.lists(
         st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system"]), "content": _json}),
         min_size=1, max_size=3)}),
