@@ -157,6 +157,10 @@ class ApptainerRuntime(Runtime):
     def check(self) -> None:
         if self.binary is None:
             raise SandboxError("apptainer runtime: neither apptainer nor singularity is on PATH")
+        if os.geteuid() == 0 and not self.config.fakeroot:
+            self.log.warning("apptainer runtime as root with sandbox.fakeroot off: sandboxes run as the host's uid 0 "
+                             "(no capabilities) and can write the host's sysctls (/proc/sys) and the host files "
+                             "Apptainer binds in (/etc/localtime); keep fakeroot on")
 
     def probe(self) -> None:
         """The binary runs, and this user may create user namespaces (rootless Apptainer needs them)."""
@@ -187,8 +191,9 @@ class ApptainerRuntime(Runtime):
         if cfg.fakeroot:
             argv.append("--fakeroot")
         elif os.geteuid() == 0:
-            # Root without fakeroot: a user namespace still, never real root inside.
-            argv.append("--userns")
+            # Root without fakeroot: a user namespace still, never real root inside; without the
+            # host's /sys (its uid 0 could write there, cgroups included).
+            argv += ["--userns", "--no-mount", "sys"]
         if not spec.network:
             argv += ["--net", "--network", "none"]
         if cfg.writable == "overlay":
@@ -198,6 +203,12 @@ class ApptainerRuntime(Runtime):
         elif cfg.writable == "tmpfs":
             # Sized by apptainer.conf's "sessiondir max size" (a site setting).
             argv.append("--writable-tmpfs")
+        # /tmp, /var/tmp and /dev/shm in the session folder (under sandbox.disk_mb), not Apptainer's
+        # unbounded tmpfs; with fakeroot the tool server mounts one bounded tmpfs over them.
+        scratch = spec.session_dir / "scratch"
+        (scratch / "shm").mkdir(parents=True, exist_ok=True)
+        os.chmod(scratch / "shm", 0o1777)
+        argv += ["--workdir", str(scratch), "--bind", f"{scratch / 'shm'}:/dev/shm"]
         argv += ["--bind", f"{spec.run_dir}:{INSIDE_RUN}"]
         argv += ["--bind", f"{TOOLSERVER_PATH}:{INSIDE_TOOLSERVER}:ro"]
         for mount in spec.mounts:
@@ -213,4 +224,6 @@ class ApptainerRuntime(Runtime):
         # mounting it needs root in the sandbox's user namespace.
         remount_sys = cfg.fakeroot and not spec.network
         argv += self.toolserver_argv(f"{INSIDE_RUN}/{SOCKET_NAME}", remount_sys=remount_sys, spec=spec)
+        if cfg.fakeroot:
+            argv += ["--scratch-mb", str(cfg.writable_size_mb), "--protect-host"]
         return argv

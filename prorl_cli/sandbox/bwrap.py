@@ -2,10 +2,11 @@
 
 The image is a root filesystem directory (an unpacked image) or ``"host"``:
 the host's /usr, read-only, with the usual /bin, /lib links. The image is
-bound read-only; the writable layer is bubblewrap's own tmpfs root plus
-/tmp, /root, /home and /var/tmp as tmpfs sized by ``writable_size_mb``
-(bubblewrap 0.8.0, Debian 12's, has no ``--overlay``; newer releases do,
-and an overlay over the whole image is a possible extension).
+bound read-only; the writable layer is a tmpfs root of ``writable_size_mb``
+holding /tmp, /root, /home (and with ``host``, /var/tmp) as plain directories,
+so they share one budget; /dev/shm is a second tmpfs of that size and /dev
+itself is read-only (bubblewrap 0.8.0, Debian 12's, has no ``--overlay``;
+newer releases do, and an overlay over the whole image is a possible extension).
 """
 
 from __future__ import annotations
@@ -63,33 +64,49 @@ class BwrapRuntime(Runtime):
         if spec.network:
             argv.append("--share-net")
         size = ["--size", str(cfg.writable_size_mb * 1024 * 1024)]
+        # bwrap's own root tmpfs has no size: a sized tmpfs over it is the writable layer, and the
+        # scratch directories are directories of it (one budget, writable_size_mb, for all of them).
+        argv += [*size, "--tmpfs", "/"]
+        read_only_root = cfg.writable == "none"
+        scratch: list[str] = []
         if spec.image == "host":
-            # bwrap's root is already a tmpfs: the writable layer, with /usr read-only.
+            # The writable layer, with /usr read-only.
             argv += ["--ro-bind", "/usr", "/usr"]
             for link in ("bin", "lib", "lib64", "sbin"):
                 if Path(f"/{link}").is_symlink():
                     argv += ["--symlink", f"usr/{link}", f"/{link}"]
-            for d in _WRITABLE_DIRS:
-                argv += [*size, "--tmpfs", d]
+            scratch = list(_WRITABLE_DIRS)
         else:
-            # bwrap's root is a tmpfs: bind each top-level entry of the image
-            # read-only onto it (so /.prorl can still be created), and give the
-            # usual scratch directories sized tmpfs.
-            writable = set(_WRITABLE_DIRS) if cfg.writable != "none" else {"/tmp"}
+            # Bind each top-level entry of the image read-only onto the root
+            # (so /.prorl can still be created); the usual scratch directories are the root's own.
+            writable = set(_WRITABLE_DIRS) if not read_only_root else {"/tmp"}
             for entry in sorted(Path(spec.image).iterdir()):
                 target = f"/{entry.name}"
                 if entry.is_symlink():
                     argv += ["--symlink", os.readlink(entry), target]
                 elif target in writable and entry.is_dir():
-                    argv += [*size, "--tmpfs", target]
+                    scratch.append(target)
                 elif target not in ("/dev", "/proc"):
                     argv += ["--ro-bind", str(entry), target]
-        argv += ["--dev", "/dev", "--proc", "/proc"]
+        for d in scratch:
+            if read_only_root:
+                argv += [*size, "--tmpfs", d]  # the root is made read-only below: a tmpfs of its own
+            else:
+                argv += ["--dir", d]
+            if d.endswith("tmp"):
+                argv += ["--chmod", "1777", d]
+        # bwrap's /dev is a tmpfs without a size: read-only, with a sized tmpfs for /dev/shm.
+        argv += ["--dev", "/dev", *size, "--tmpfs", "/dev/shm", "--chmod", "1777", "/dev/shm", "--remount-ro", "/dev"]
+        # Run by root, the sandbox's uid 0 is the host's: its sysctls read-only (bwrap covers only /proc/irq, /proc/bus).
+        argv += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
+                 "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
         argv += ["--dir", INSIDE_DIR]
         argv += ["--bind", str(spec.run_dir), INSIDE_RUN]
         argv += ["--ro-bind", str(TOOLSERVER_PATH), INSIDE_TOOLSERVER]
         for mount in spec.mounts:
             argv += ["--bind" if mount.writable else "--ro-bind", mount.source, mount.target]
+        if read_only_root:
+            argv += ["--remount-ro", "/"]
         argv += ["--clearenv", "--setenv", "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         argv += ["--setenv", "HOME", "/root", "--chdir", "/root" if spec.image == "host" else "/"]
         for key, value in spec.sandbox_env.items():

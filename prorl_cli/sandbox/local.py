@@ -6,6 +6,7 @@ your network. Every start logs a warning that says so.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from prorl_cli.sandbox.runtime import TOOLSERVER_PATH, LaunchSpec, Runtime
@@ -32,6 +33,7 @@ class LocalRuntime(Runtime):
         return [sys.executable, str(TOOLSERVER_PATH), *self.toolserver_argv(str(spec.socket_path), spec=spec)]
 
     def host_env(self, spec: LaunchSpec) -> dict[str, str]:
-        env = super().host_env(spec)
+        # Nothing to hide: without isolation the tool server can read the node's environment anyway.
+        env = dict(os.environ)
         env.update(spec.sandbox_env)
         return env

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import secrets
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +18,8 @@ from typing import Any
 from prorl_cli.exceptions import SandboxError
 from prorl_cli.sandbox.apptainer import ApptainerRuntime
 from prorl_cli.sandbox.bwrap import BwrapRuntime
+from prorl_cli.sandbox.cgroups import PREFIX as CGROUP_PREFIX
+from prorl_cli.sandbox.cgroups import CgroupParents, SandboxCgroup, find_parents
 from prorl_cli.sandbox.client import ToolClient
 from prorl_cli.sandbox.local import LocalRuntime
 from prorl_cli.sandbox.loopback import LoopbackAllocator
@@ -95,6 +100,44 @@ def default_local_dir(config: SandboxConfig) -> Path:
     return Path(os.environ.get("TMPDIR") or "/tmp") / f"prorl-{os.getuid()}"
 
 
+#: How long one disk measurement of the live sandboxes may take before it is abandoned.
+DISK_MEASURE_TIMEOUT_S = 120.0
+
+
+async def disk_usage(paths: list[Path]) -> dict[str, int]:
+    """Bytes of disk each directory uses (``du``; a path that is gone is left out).
+
+    A subprocess, not a walk in this process: it costs the node's event loop
+    nothing. Not as root, ``du`` runs in a user namespace that maps this user's
+    subordinate ids (as :func:`remove_tree` does), so it also counts what a
+    fakeroot sandbox made under another uid and closed to others (``chmod 700``).
+    """
+    if not paths:
+        return {}
+    argv = ["du", "-s", "-B1", "-x", *map(str, paths)]
+    if os.geteuid() != 0 and shutil.which("unshare") and shutil.which("newuidmap"):
+        argv = ["unshare", "--user", "--map-root-user", "--map-auto", *argv]
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+    except OSError as e:
+        raise SandboxError(f"cannot measure the sandboxes' disk use ({argv[0]}: {e})") from e
+    try:
+        async with asyncio.timeout(DISK_MEASURE_TIMEOUT_S):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        return {}
+    usage = {}
+    for line in out.decode(errors="replace").splitlines():
+        size, _, path = line.partition("\t")
+        if size.isdigit():
+            usage[path] = int(size)
+    return usage
+
+
 def _mount(value: Any) -> Mount:
     if not isinstance(value, Mount):
         raise SandboxError(f"sandbox option mounts takes Mount(source, target) objects, got {value!r}")
@@ -126,6 +169,25 @@ class SandboxManager:
         self._owner = (os.getpid(), proc_start_ticks(os.getpid()))
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._sessions: dict[str, int] = {}  # sandbox id -> its session id, as the watchdog knows them
+        self._disk_watch: asyncio.Task[None] | None = None
+        self.cgroups = self._find_cgroups()
+
+    def _find_cgroups(self) -> CgroupParents | None:
+        """Where this node makes its sandboxes' cgroups (``None``: nowhere; the rlimits alone apply)."""
+        if not self.runtime.isolated:
+            return None
+        parents, why = find_parents() if self.config.cgroups else (None, "sandbox.cgroups is off")
+        if parents is not None:
+            self.log.info("sandbox limits: rlimits, and a cgroup per sandbox (%s)", parents.describe())
+            return parents
+        if os.geteuid() == 0 and self.config.max_procs > 0:
+            self.log.warning(
+                "sandbox.max_procs is NOT enforced: this node runs as root, the kernel exempts uid 0 from "
+                "RLIMIT_NPROC, and no pids cgroup can be made (%s); a fork bomb in a sandbox is bounded only "
+                "by the host (run the node as an ordinary user, or let it make cgroups)", why)
+        else:
+            self.log.info("sandbox limits: rlimits only, no per-sandbox cgroups (%s)", why)
+        return None
 
     @property
     def live(self) -> list[Sandbox]:
@@ -194,15 +256,23 @@ class SandboxManager:
             env=dict(env),
             mounts=mounts,
         )
-        # Recorded before the runtime makes the session folder: a node killed mid-start leaves it to be reaped.
-        self.records.write(self._new_record(sandbox_id, job_id, spec.session_dir))
+        parents = self.cgroups if config.max_procs > 0 or config.mem_gb > 0 else None
+        planned = [str(d / f"{CGROUP_PREFIX}{sandbox_id}") for d in parents.dirs] if parents is not None else []
+        # Recorded before the runtime makes the session folder (and the cgroups): a node killed mid-start
+        # leaves them to be reaped.
+        self.records.write(self._new_record(sandbox_id, job_id, spec.session_dir, planned))
         try:
+            if parents is not None:
+                spec.cgroup = self._make_cgroup(sandbox_id, config)
             async with self._starts:
                 process = await self.runtime.start(spec, on_spawn=lambda p: self._record(p, job_id))
             client = await ToolClient.connect_unix(str(spec.socket_path))
         except BaseException:
             self._forget_session(sandbox_id)
             self.loopback.release(spec.loopback_ip)
+            if spec.cgroup is not None:
+                await asyncio.to_thread(spec.cgroup.kill)
+                await asyncio.to_thread(spec.cgroup.remove)
             remove_tree(spec.session_dir, self.log)
             self.records.remove(sandbox_id)  # last: until the folder is gone, the record names it
             raise
@@ -210,6 +280,7 @@ class SandboxManager:
             sandbox_id, job_id, process, client,
             loopback_ip=spec.loopback_ip, runtime=self.runtime.name, image=resolved_image,
             tool_timeout_s=self.config.tool_timeout_s, max_output_bytes=self.config.max_output_bytes,
+            output_limit_bytes=int(self.config.output_limit_mb * (1 << 20)),
             on_stop=self._stopped, log=self.log,
         )
         self._live[sandbox_id] = sandbox
@@ -217,6 +288,8 @@ class SandboxManager:
             self._wall_timers[sandbox_id] = asyncio.get_running_loop().call_later(
                 config.wall_s, self._wall_expired, sandbox
             )
+        if config.disk_mb > 0 and self.runtime.isolated and (self._disk_watch is None or self._disk_watch.done()):
+            self._disk_watch = asyncio.create_task(self._watch_disk(), name="sandbox-disk-watch")
         self.log.info(
             "sandbox %s started for job %s (%s, image %s, loopback %s, network %s)",
             sandbox_id, job_id, self.runtime.name, resolved_image, spec.loopback_ip,
@@ -239,26 +312,72 @@ class SandboxManager:
             raise SandboxError(f"sandbox.local_dir {self.local_dir} is writable by others "
                                f"(mode {st.st_mode & 0o777:o}); make it 0700 or choose another directory")
 
+    def _make_cgroup(self, sandbox_id: str, config: SandboxConfig) -> SandboxCgroup:
+        assert self.cgroups is not None
+        try:
+            return self.cgroups.create(sandbox_id, config.max_procs, int(config.mem_gb * (1 << 30)))
+        except OSError as e:
+            raise SandboxError(f"cannot make the cgroup of sandbox {sandbox_id} ({self.cgroups.describe()}): {e}; "
+                               "set sandbox.cgroups: false to use rlimits only") from e
+
     def _record(self, process: SandboxProcess, job_id: str) -> None:
         self._tell_watchdog(f"add {process.pid} {'-' if process.start_ticks is None else process.start_ticks}\n")
         self._sessions[process.spec.sandbox_id] = process.pid
-        record = self._new_record(process.spec.sandbox_id, job_id, process.spec.session_dir)
+        cgroup = process.spec.cgroup
+        record = self._new_record(process.spec.sandbox_id, job_id, process.spec.session_dir,
+                                  [str(d) for d in cgroup.dirs] if cgroup is not None else [])
         record.pid, record.pgid, record.start_ticks = process.pid, process.pgid, process.start_ticks
         self.records.write(record)
 
-    def _new_record(self, sandbox_id: str, job_id: str, session_dir: Path) -> SandboxRecord:
+    def _new_record(self, sandbox_id: str, job_id: str, session_dir: Path, cgroups: list[str]) -> SandboxRecord:
         return SandboxRecord(
             sandbox_id=sandbox_id, job_id=job_id, runtime=self.runtime.name, pid=None, pgid=None, start_ticks=None,
             boot_id=self._boot_id, session_dir=str(session_dir), owner_pid=self._owner[0],
-            owner_start_ticks=self._owner[1],
+            owner_start_ticks=self._owner[1], cgroups=cgroups,
         )
 
     def _wall_expired(self, sandbox: Sandbox) -> None:
-        self.log.warning("sandbox %s of job %s ran past sandbox.wall_s (or its own limits.wall_s): stopping it",
-                         sandbox.sandbox_id, sandbox.job_id)
+        wall_s = sandbox.process.spec.config.wall_s
+        self._limit_stop(sandbox, f"it ran past sandbox.wall_s (or its own limits.wall_s) of {wall_s:g} s")
+
+    def _limit_stop(self, sandbox: Sandbox, reason: str) -> None:
+        """Stop a sandbox that broke one of its limits; its calls then fail naming ``reason``."""
+        if sandbox.stopped or sandbox.stop_reason is not None:
+            return
+        sandbox.stop_reason = reason
+        self.log.warning("sandbox %s of job %s: %s: stopping it", sandbox.sandbox_id, sandbox.job_id, reason)
         task = asyncio.ensure_future(sandbox.stop())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _watch_disk(self) -> None:
+        """Every ``disk_check_s``: stop the live sandboxes whose session folder is over their ``disk_mb``.
+
+        The session folder holds everything a sandbox writes to the node's disk:
+        the overlay (Apptainer), /tmp, /var/tmp and /dev/shm where they are not
+        in memory (Apptainer without fakeroot), the run directory and the log.
+        Rootless runtimes cannot get a size-capped filesystem on disk, so the
+        limit is checked like Kubernetes checks ephemeral storage: by measuring.
+        """
+        while True:
+            await asyncio.sleep(self.config.disk_check_s)
+            watched = [sb for sb in self._live.values()
+                       if sb.process.spec.config.disk_mb > 0 and not sb.stopped and sb.stop_reason is None]
+            if not watched:
+                if not self._live:
+                    return  # started again with the next sandbox
+                continue
+            try:
+                usage = await disk_usage([sb.process.spec.session_dir for sb in watched])
+            except SandboxError as e:
+                self.log.error("%s: sandbox.disk_mb is not enforced", e)
+                return
+            for sb in watched:
+                used = usage.get(str(sb.process.spec.session_dir))
+                limit_mb = sb.process.spec.config.disk_mb
+                if used is not None and used > limit_mb * (1 << 20):
+                    self._limit_stop(sb, f"it wrote {used / (1 << 20):.0f} MB to the node's disk, over its limit of "
+                                         f"{limit_mb} MB (sandbox.disk_mb or limits.disk_mb)")
 
     async def _stopped(self, sandbox: Sandbox) -> None:
         timer = self._wall_timers.pop(sandbox.sandbox_id, None)
@@ -280,6 +399,11 @@ class SandboxManager:
 
     async def stop_all(self) -> None:
         """Stop every live sandbox, then the watchdog (node shutdown)."""
+        if self._disk_watch is not None:
+            self._disk_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._disk_watch
+            self._disk_watch = None
         await asyncio.gather(*(sb.stop() for sb in self.live))
         if self._watchdog is not None:
             watchdog, self._watchdog = self._watchdog, None

@@ -28,14 +28,15 @@ class Mount:
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-sandbox limits replacing ``sandbox.mem_gb`` / ``max_procs`` / ``wall_s`` (``None``: keep the node's)."""
+    """Per-sandbox limits replacing ``sandbox.mem_gb`` / ``max_procs`` / ``wall_s`` / ``disk_mb`` (``None``: keep the node's)."""
 
     mem_gb: float | None = None
     max_procs: int | None = None
     wall_s: float | None = None
+    disk_mb: int | None = None
 
     def check(self) -> SandboxLimits:
-        for name in ("mem_gb", "max_procs", "wall_s"):
+        for name in ("mem_gb", "max_procs", "wall_s", "disk_mb"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
                 raise SandboxError(f"sandbox limit {name}: expected a number >= 0 (0: no limit), got {value!r}")

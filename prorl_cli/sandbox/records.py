@@ -18,9 +18,10 @@ import json
 import logging
 import os
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from prorl_cli.sandbox.cgroups import remove_paths
 from prorl_cli.sandbox.runtime import (
     kill_session,
     proc_start_ticks,
@@ -57,6 +58,8 @@ class SandboxRecord:
     #: The node process that started it (pid, start time); ``None`` in records of older nodes.
     owner_pid: int | None = None
     owner_start_ticks: int | None = None
+    #: Its cgroup directories (``prorl-sandbox-<id>``), where the node made any.
+    cgroups: list[str] = field(default_factory=list)
 
     def owner_dead(self, current_boot: str) -> bool:
         """Whether the node that recorded this sandbox is known to be dead on this machine."""
@@ -108,6 +111,7 @@ class RecordStore:
         for rec in self.load_all():
             alive = self._kill_if_ours(rec, current_boot)
             killed += alive
+            self._remove_cgroups(rec)
             remove_tree(Path(rec.session_dir), self.log)
             self.remove(rec.sandbox_id)
             self.log.info(
@@ -129,11 +133,18 @@ class RecordStore:
                     continue
                 alive = self._kill_if_ours(rec, current_boot)
                 killed += alive
+                self._remove_cgroups(rec)
                 remove_tree(Path(rec.session_dir), self.log)
                 other.remove(rec.sandbox_id)
                 self.log.info("reaped sandbox %s of job %s left by dead node process %s (%s)", rec.sandbox_id,
                               rec.job_id, rec.owner_pid, "killed its processes" if alive else "already gone")
         return killed
+
+    def _remove_cgroups(self, rec: SandboxRecord) -> None:
+        """Empty and remove a dead node's sandbox cgroups (anything in them is that sandbox's)."""
+        if rec.cgroups and rec.boot_id == boot_id():
+            for path in remove_paths(rec.cgroups):
+                self.log.warning("sandbox %s: could not remove its cgroup %s", rec.sandbox_id, path)
 
     def _kill_if_ours(self, rec: SandboxRecord, current_boot: str) -> bool:
         if rec.boot_id != current_boot or rec.pid is None or rec.pgid is None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prorl_cli.exceptions import SandboxError, SandboxTimeout
+from prorl_cli.sandbox.cgroups import SandboxCgroup
 from prorl_cli.sandbox.options import Mount
 from prorl_cli.sandbox.settings import SandboxConfig
 from prorl_cli.sandbox.toolserver import READY_LINE
@@ -46,6 +47,15 @@ MAX_SOCKET_PATH_BYTES = 100
 LOOPBACK_ENV = "PRORL_LOOPBACK_IP"
 # How long stop waits for a killed sandbox's processes to disappear.
 STOP_WAIT_S = 30.0
+#: The node's environment variables an isolating runtime's own process gets (nothing else: the
+#: runtime's parent process is visible inside, bubblewrap's as /proc/1/environ, and Apptainer turns
+#: APPTAINERENV_* into the sandbox's variables and APPTAINER_BIND into binds).
+RUNTIME_ENV_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
+                    "XDG_RUNTIME_DIR", "APPTAINER_CACHEDIR", "APPTAINER_TMPDIR", "APPTAINER_CONFIGDIR",
+                    "SINGULARITY_CACHEDIR", "SINGULARITY_TMPDIR")
+#: Joins the sandbox's cgroup(s) before the runtime starts (so everything it forks is inside):
+#: ``sh -c CGROUP_JOIN prorl-cgroup PROCS_FILE... -- ARGV...``.
+CGROUP_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
 
 @dataclass
@@ -61,6 +71,8 @@ class LaunchSpec:
     env: dict[str, str] = field(default_factory=dict)
     #: Host paths bound in (``Mount``); only isolating runtimes honour them.
     mounts: list[Mount] = field(default_factory=list)
+    #: The sandbox's cgroup(s), where the node makes them: the runtime starts inside.
+    cgroup: SandboxCgroup | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -199,10 +211,17 @@ class SandboxProcess:
         """
         tree = set(process_tree(self.pid)) | set(session_members(self.pid))
         tree |= set(await terminate_group(self.proc, self.pgid, grace_s, term_leader=self.term_leader))
+        cgroup = self.spec.cgroup
+        if cgroup is not None:
+            # Whatever is in the sandbox's cgroup is the sandbox's, whichever session it made for itself.
+            tree |= set(await asyncio.to_thread(cgroup.kill))
         left = await asyncio.to_thread(wait_gone, sorted(tree), STOP_WAIT_S)
         if left:
             self._log.warning("sandbox %s: processes %s still running %.0f s after SIGKILL",
                               self.spec.sandbox_id, left, STOP_WAIT_S)
+        if cgroup is not None:
+            for path in await asyncio.to_thread(cgroup.remove):
+                self._log.warning("sandbox %s: could not remove its cgroup %s", self.spec.sandbox_id, path)
         remove_tree(self.spec.session_dir, self._log)
 
 
@@ -296,6 +315,7 @@ class Runtime(abc.ABC):
             "--socket", socket_path,
             "--mem-gb", str(limits.mem_gb),
             "--max-procs", str(limits.max_procs),
+            "--max-file-mb", str(limits.disk_mb),
         ]
         if remount_sys:
             argv.append("--remount-sys")
@@ -318,6 +338,8 @@ class Runtime(abc.ABC):
         await self.prepare(spec)
         argv = self.command(spec)
         self.log.debug("sandbox %s: %s", spec.sandbox_id, " ".join(argv))
+        if spec.cgroup is not None:
+            argv = ["/bin/sh", "-c", CGROUP_JOIN, "prorl-cgroup", *map(str, spec.cgroup.procs_files), "--", *argv]
         with open(spec.log_path, "ab") as log_file:
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -341,8 +363,12 @@ class Runtime(abc.ABC):
         return handle
 
     def host_env(self, spec: LaunchSpec) -> dict[str, str]:
-        """Environment of the runtime process on the host (the sandbox's own is set by flags)."""
-        return dict(os.environ)
+        """Environment of the runtime process on the host (the sandbox's own is set by flags).
+
+        Only :data:`RUNTIME_ENV_KEEP` of the node's: its secrets (API tokens, ``PRORL_*``) stay out of
+        reach of the sandbox, which can read its runtime's initial environment (``/proc/1/environ``).
+        """
+        return {k: v for k, v in os.environ.items() if k in RUNTIME_ENV_KEEP}
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process, spec: LaunchSpec) -> None:
         assert proc.stdout is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from prorl_cli.exceptions import SandboxError
+from prorl_cli.exceptions import SandboxError, ToolError
 from prorl_cli.observe.timeline import TOOL, record_span
 from prorl_cli.sandbox.client import REPLY_MARGIN_S, ToolClient
 from prorl_cli.sandbox.runtime import GATEWAY_SOCKET_NAME, INSIDE_RUN, SandboxProcess
@@ -27,6 +28,8 @@ class BashResult:
     truncated: bool  # output was cut to max_output_bytes (the text says where)
     output_bytes: int  # bytes printed in all
     shell_restarted: bool  # the shell ended or hung and was replaced: cwd and env are reset
+    #: It printed more than ``sandbox.output_limit_mb`` and was interrupted there (as at a timeout).
+    output_limited: bool = False
 
 
 @dataclass
@@ -48,6 +51,9 @@ class EditResult:
     output: str
 
 
+#: How long a call that lost its tool server waits for the sandbox to exit, to tell a death from a hiccup.
+DEATH_WAIT_S = 2.0
+
 EditCommand = Literal["view", "create", "str_replace", "insert", "undo"]
 
 
@@ -68,6 +74,7 @@ class Sandbox:
         max_output_bytes: int,
         on_stop: Callable[[Sandbox], Awaitable[None]],
         log: logging.Logger,
+        output_limit_bytes: int = 0,
     ) -> None:
         self.sandbox_id = sandbox_id
         self.job_id = job_id
@@ -77,6 +84,9 @@ class Sandbox:
         self.image = image
         self.tool_timeout_s = tool_timeout_s
         self.max_output_bytes = max_output_bytes
+        self.output_limit_bytes = output_limit_bytes
+        #: Why the sandbox ended before its job let it go (a limit, or its tool server died); ``None`` while fine.
+        self.stop_reason: str | None = None
         self._client = client
         self._on_stop = on_stop
         self._stopped = False
@@ -93,17 +103,56 @@ class Sandbox:
     def stopped(self) -> bool:
         return self._stopped
 
+    def limit_events(self) -> dict[str, int]:
+        """Its cgroup's limit events (``oom_kill``: processes the OOM killer ended, ``pids_max``: forks refused),
+        where it has a cgroup; ``{}`` otherwise."""
+        cgroup = self.process.spec.cgroup
+        return cgroup.events() if cgroup is not None else {}
+
     async def _call(self, op: str, budget_s: float, **fields: Any) -> Any:
-        if self._stopped:
-            raise SandboxError(f"sandbox {self.sandbox_id} (job {self.job_id}) is stopped")
+        if self._stopped or self.stop_reason is not None:
+            ended = "is stopped" if self._stopped else "has ended"
+            why = f": {self.stop_reason}" if self.stop_reason else ""
+            raise SandboxError(f"sandbox {self.sandbox_id} (job {self.job_id}) {ended}{why}")
         started = time.monotonic()
         ok = False
         try:
             result = await self._client.call(op, budget_s + REPLY_MARGIN_S, **fields)
             ok = True
             return result
+        except ToolError:
+            raise  # the tool refused the call; the sandbox is fine
+        except SandboxError as e:
+            if self._stopped and self.stop_reason is None:
+                # Stopped on purpose (the handler, the node's shutdown) while the call ran: not a death.
+                raise SandboxError(f"sandbox {self.sandbox_id} (job {self.job_id}) was stopped during {op}") from e
+            reason = self.stop_reason or await self._death()
+            if reason is None:
+                raise
+            raise SandboxError(f"sandbox {self.sandbox_id} (job {self.job_id}): {op} failed: {reason}") from e
         finally:
             record_span(TOOL, started, {"tool": f"sandbox.{op}", "ok": ok})
+
+    async def _death(self) -> str | None:
+        """Why the tool server went away, if the sandbox has ended by itself (it is then marked ended)."""
+        proc = self.process.proc
+        if proc.returncode is None:
+            # The tool server is gone: the runtime's init follows it within moments.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(DEATH_WAIT_S):
+                    await proc.wait()
+        if proc.returncode is None:
+            return None
+        why = f"its tool server died and the sandbox exited (status {proc.returncode})"
+        oom = self.limit_events().get("oom_kill", 0)
+        if oom:
+            why += (f": the out-of-memory killer ended {oom} process(es) in it at its memory limit "
+                    f"({self.process.spec.config.mem_gb:g} GB, sandbox.mem_gb)")
+        else:
+            why += ": a process inside killed it (kill -1?) or it ran out of memory"
+        self.stop_reason = why
+        self._log.warning("sandbox %s of job %s: %s", self.sandbox_id, self.job_id, why)
+        return why
 
     async def bash(
         self, command: str, timeout_s: float | None = None, max_output_bytes: int | None = None
@@ -117,13 +166,19 @@ class Sandbox:
         reply = await self._call(
             "bash", t, command=command, timeout_s=t,
             max_output_bytes=max_output_bytes or self.max_output_bytes,
+            output_limit_bytes=self.output_limit_bytes,
         )
         return BashResult(**reply)
 
     async def python(self, code: str, timeout_s: float | None = None) -> PythonResult:
-        """Run ``code`` in the sandbox's persistent Python namespace."""
+        """Run ``code`` in the sandbox's persistent Python namespace.
+
+        stdout, stderr, the result's repr and the error are each cut to the head
+        and tail of ``max_output_bytes`` (in the worker: a cell that prints
+        gigabytes holds no more than that).
+        """
         t = self.tool_timeout_s if timeout_s is None else timeout_s
-        reply = await self._call("python", t, code=code, timeout_s=t)
+        reply = await self._call("python", t, code=code, timeout_s=t, max_output_bytes=self.max_output_bytes)
         return PythonResult(**reply)
 
     async def edit(

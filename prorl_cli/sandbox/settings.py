@@ -33,11 +33,21 @@ class SandboxConfig:
     # under local_dir, removed on stop), "tmpfs" (in memory, writable_size_mb),
     # or "none" (read-only image; only /tmp is writable).
     writable: Literal["overlay", "tmpfs", "none"] = "overlay"
+    # Size of each sandbox's in-memory scratch (tmpfs): bubblewrap's root (with /tmp,
+    # /root, /home) and /dev/shm; Apptainer's /tmp, /var/tmp and /dev/shm (fakeroot).
     writable_size_mb: int = 1024
-    # Per-sandbox limits; 0 means no limit.
-    mem_gb: float = 4.0  # address space of each process (RLIMIT_AS)
-    max_procs: int = 512  # processes and threads of the sandbox's user (RLIMIT_NPROC)
+    # Per-sandbox limits; 0 means no limit (docs/sandbox.md, "Limits").
+    mem_gb: float = 4.0  # address space of each process (RLIMIT_AS); the whole sandbox's with a memory cgroup
+    max_procs: int = 512  # processes and threads (RLIMIT_NPROC per user namespace; a pids cgroup where available)
     wall_s: float = 0.0  # a sandbox older than this is stopped
+    # Disk under local_dir (overlay, run directory, log): a sandbox over it is stopped (checked every
+    # disk_check_s); no single file may be larger (RLIMIT_FSIZE).
+    disk_mb: int = 10240
+    disk_check_s: float = 5.0
+    # A bash command that prints more than this is interrupted (what comes back is max_output_bytes).
+    output_limit_mb: float = 256.0
+    # Per-sandbox pids and memory cgroups where this node may make them (root, or a delegated cgroup v2).
+    cgroups: bool = True
     # Sandboxes starting at once per node (mass starts on shared filesystems stall).
     max_concurrent_starts: int = 8
     start_timeout_s: float = 120.0
@@ -61,13 +71,14 @@ class SandboxConfig:
         positive = {
             "writable_size_mb": self.writable_size_mb, "max_concurrent_starts": self.max_concurrent_starts,
             "start_timeout_s": self.start_timeout_s, "tool_timeout_s": self.tool_timeout_s,
-            "max_output_bytes": self.max_output_bytes,
+            "max_output_bytes": self.max_output_bytes, "disk_check_s": self.disk_check_s,
+            "output_limit_mb": self.output_limit_mb,
         }
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{where}.{key}: must be positive, got {value}")
         for key, value in {"mem_gb": self.mem_gb, "max_procs": self.max_procs, "wall_s": self.wall_s,
-                           "stop_grace_s": self.stop_grace_s}.items():
+                           "disk_mb": self.disk_mb, "stop_grace_s": self.stop_grace_s}.items():
             if value < 0:
                 raise ConfigError(f"{where}.{key}: must be 0 (no limit) or positive, got {value}")
         if 0 < self.max_procs < 16:

@@ -22,8 +22,8 @@ Requests carry ``op``; replies carry ``ok`` and either ``result`` or
 ``error: {type, message}``. The host side is :mod:`prorl_cli.sandbox.client`.
 
 Run: ``python3 toolserver.py --socket PATH [--tcp HOST:PORT] [--mem-gb N]
-[--max-procs N] [--remount-sys]``. It prints ``PRORL-TOOLSERVER-READY`` on
-stdout once it accepts connections. ``toolserver.py --python-worker RFD WFD``
+[--max-procs N] [--max-file-mb N] [--scratch-mb N] [--remount-sys] [--protect-host]``. It prints
+``PRORL-TOOLSERVER-READY`` on stdout once it accepts connections. ``toolserver.py --python-worker RFD WFD``
 is the ``python`` tool's worker process (same file, same framing over pipes).
 """
 
@@ -31,6 +31,7 @@ import argparse
 import base64
 import contextlib
 import errno
+import io
 import json
 import os
 import pty
@@ -173,14 +174,14 @@ class BashSession:
             return False
         return done == 0
 
-    def run(self, command, timeout_s, max_output_bytes):
+    def run(self, command, timeout_s, max_output_bytes, output_limit_bytes=0):
         with self.lock:
             if not self._alive():
                 self.close()
                 self._spawn()
-            return self._run_raw(command, timeout_s, max_output_bytes)
+            return self._run_raw(command, timeout_s, max_output_bytes, output_limit_bytes)
 
-    def _run_raw(self, command, timeout_s, max_output_bytes):
+    def _run_raw(self, command, timeout_s, max_output_bytes, output_limit_bytes=0):
         self.counter += 1
         nonce = f"{os.getpid():x}{self.counter:x}"
         path = os.path.join(self.workdir, f"cmd-{nonce}.sh")
@@ -190,13 +191,14 @@ class BashSession:
         out = _Output(max_output_bytes)
         marker = (f"\x1ePRORL-{nonce}:").encode()
         self._type(f". {path}; printf '\\036PRORL-{nonce}:%d\\036' \"$?\"\n")
-        rc, restarted = self._collect(out, marker, time.monotonic() + timeout_s), False
-        timed_out = False
+        rc = self._collect(out, marker, time.monotonic() + timeout_s, output_limit_bytes)
+        restarted = timed_out = limited = False
         if rc is _EXITED:  # the command ended the shell (``exit 3``): report, start afresh
             rc, restarted = self._reap(), True
             self._spawn()
-        elif rc is None:
-            timed_out = True
+        elif rc is None or rc is _LIMITED:
+            # Past its time, or it printed more than the output limit: interrupt it the same way.
+            timed_out, limited = rc is None, rc is _LIMITED
             rc, restarted = self._interrupt(out, nonce)
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -207,19 +209,24 @@ class BashSession:
             "truncated": out.truncated,
             "output_bytes": out.total,
             "shell_restarted": restarted,
+            "output_limited": limited,
         }
 
     def _type(self, line):
         os.write(self.fd, line.encode())
 
-    def _collect(self, out, marker, deadline):
-        """Read until ``marker<rc>\\x1e``; return rc, or None at the deadline or EOF."""
+    def _collect(self, out, marker, deadline, limit_bytes=0):
+        """Read until ``marker<rc>\\x1e``; return rc, None at the deadline, ``_EXITED`` at EOF, or
+        ``_LIMITED`` once more than ``limit_bytes`` (if set) came."""
         window = b""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 out.add(window)
                 return None
+            if limit_bytes and out.total > limit_bytes:
+                out.add(window)
+                return _LIMITED
             ready, _, _ = select.select([self.fd], [], [], remaining)
             if not ready:
                 continue
@@ -282,6 +289,7 @@ class BashSession:
 
 
 _EXITED = object()  # _collect's answer when the shell ended
+_LIMITED = object()  # _collect's answer when the command printed more than its output limit
 
 
 def _session_members(sid):
@@ -348,7 +356,6 @@ class _Output:
 def python_worker(rfd, wfd):
     """The ``python`` tool's worker: run cells in one namespace, one frame in and one out per cell."""
     import ast
-    import io
     import traceback
 
     shell = _ipython_shell()
@@ -359,7 +366,8 @@ def python_worker(rfd, wfd):
         if request is None:
             return  # the tool server closed the pipe
         code = request["code"]
-        out, err = io.StringIO(), io.StringIO()
+        limit = int(request.get("max_output_bytes") or 64 * 1024)
+        out, err = _CappedText(limit), _CappedText(limit)
         result = error = None
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -383,8 +391,34 @@ def python_worker(rfd, wfd):
         except BaseException as e:  # the cell's error is the tool's answer, whatever it is
             error = "".join(traceback.format_exception_only(type(e), e)).strip()
             err.write(traceback.format_exc())
-        _write_all(wfd, encode_frame({"stdout": out.getvalue(), "stderr": err.getvalue(), "result": result,
-                                      "error": error}))
+        _write_all(wfd, encode_frame({"stdout": out.getvalue(), "stderr": err.getvalue(),
+                                      "result": _cap_text(result, limit), "error": _cap_text(error, limit)}))
+
+
+class _CappedText(io.TextIOBase):
+    """A cell's stdout or stderr (as ``io.StringIO`` was) that keeps only the head and tail of ``max_bytes``."""
+
+    def __init__(self, max_bytes):
+        super().__init__()
+        self.out = _Output(max_bytes)
+
+    def writable(self):
+        return True
+
+    def write(self, text):
+        self.out.add(text.encode("utf-8", "surrogateescape"))
+        return len(text)
+
+    def getvalue(self):
+        return self.out.text()
+
+
+def _cap_text(text, limit):
+    """``text`` cut to its head and tail when longer than ``limit`` characters (None stays None)."""
+    if text is None or len(text) <= limit:
+        return text
+    half = max(limit // 2, 128)
+    return f"{text[:half]}\n[... {len(text)} characters in all; showing the first and the last {half} ...]\n{text[-half:]}"
 
 
 def _ipython_shell():
@@ -447,11 +481,11 @@ class PythonSession:
         # The worker writes each frame at once: once it starts, the rest follows.
         return read_frame(lambda n: os.read(self.rfd, n))
 
-    def run(self, code, timeout_s):
+    def run(self, code, timeout_s, max_output_bytes=64 * 1024):
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self._spawn()
-            _write_all(self.wfd, encode_frame({"code": code}))
+            _write_all(self.wfd, encode_frame({"code": code, "max_output_bytes": max_output_bytes}))
             reply = self._read(timeout_s)
             if reply is not None:
                 reply.update(timed_out=False, restarted=False)
@@ -687,8 +721,10 @@ class ToolServer:
         self.ops = {
             "ping": self._ping,
             "bash": lambda req: self.bash.run(str(req["command"]), float(req.get("timeout_s", 60.0)),
-                                              int(req.get("max_output_bytes", 64 * 1024))),
-            "python": lambda req: self.python.run(str(req["code"]), float(req.get("timeout_s", 60.0))),
+                                              int(req.get("max_output_bytes", 64 * 1024)),
+                                              int(req.get("output_limit_bytes") or 0)),
+            "python": lambda req: self.python.run(str(req["code"]), float(req.get("timeout_s", 60.0)),
+                                                  int(req.get("max_output_bytes", 64 * 1024))),
             "edit": lambda req: {"output": self.editor.call(req)},
             "read_file": self.files.read_file,
             "write_file": self.files.write_file,
@@ -750,7 +786,7 @@ class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         super().server_bind()
 
 
-def _apply_limits(mem_gb, max_procs):
+def _apply_limits(mem_gb, max_procs, max_file_mb=0):
     import resource
 
     if mem_gb:
@@ -758,6 +794,130 @@ def _apply_limits(mem_gb, max_procs):
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     if max_procs:
         resource.setrlimit(resource.RLIMIT_NPROC, (max_procs, max_procs))
+    if max_file_mb:
+        # No file may grow past the sandbox's disk limit (a write beyond it fails with EFBIG, SIGXFSZ).
+        limit = int(max_file_mb * (1 << 20))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
+#: Mount options that must be kept in a remount from a user namespace (the kernel locks them).
+_LOCKED_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": 1 << 10,
+                 "nodiratime": 1 << 11, "relatime": 1 << 21, "strictatime": 1 << 24}
+_SCRATCH = {"tmp": "/tmp", "var_tmp": "/var/tmp", "shm": "/dev/shm"}
+
+
+def _private_scratch(size_mb):
+    """Bounded in-memory scratch, for Apptainer's fakeroot sandboxes (root in their own user and mount namespace).
+
+    Apptainer gives /tmp, /var/tmp, /dev/shm, /dev, /etc/hosts and /etc/resolv.conf
+    as tmpfs without a size: writing there would take the host's memory. One
+    tmpfs of ``size_mb`` now holds /tmp, /var/tmp and /dev/shm (a directory of it
+    bound on each, so they share the budget), and the other tmpfs mounts are made
+    read-only. Returns whether it worked; on failure it says why on stderr (the
+    sandbox's log) and the mounts stay as they were.
+    """
+    mount = _libc_mount()
+    try:
+        with open("/proc/self/mounts") as f:
+            before = [line.split() for line in f]
+        targets = {name: path for name, path in _SCRATCH.items() if os.path.isdir(path)}
+        mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={int(size_mb)}m,mode=1777")
+        for name in targets:
+            os.mkdir(f"/tmp/{name}")
+            os.chmod(f"/tmp/{name}", 0o1777)
+        for name, path in targets.items():
+            if name != "tmp":
+                mount(f"/tmp/{name}", path, None, _MS_BIND)
+        mount("/tmp/tmp", "/tmp", None, _MS_BIND)  # last: covers the tmpfs's root and its other directories
+    except OSError as e:
+        sys.stderr.write(f"toolserver: could not set up bounded scratch space ({e}); /tmp, /var/tmp and /dev/shm "
+                         "stay in the session folder\n")
+        return False
+    done = True
+    for fields in before:
+        target = fields[1].replace("\\040", " ") if len(fields) >= 4 else ""
+        # /sys/fs/cgroup: hidden by _protect_host (or under a fresh /sys already).
+        if fields[2:3] != ["tmpfs"] or target in _SCRATCH.values() or target.startswith(("/sys/", "/proc/")):
+            continue
+        try:
+            _remount_read_only(mount, target)
+        except OSError as e:
+            sys.stderr.write(f"toolserver: {target} stays a writable tmpfs without a size ({e})\n")
+            done = False
+    return done
+
+
+def _libc_mount():
+    """``mount(source, target, fstype, flags, data)`` through libc, raising ``OSError``."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def mount(source, target, fstype, flags, data=None):
+        if libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+                      data.encode() if data else None) != 0:
+            raise OSError(ctypes.get_errno(), f"mount {target}: {os.strerror(ctypes.get_errno())}")
+
+    return mount
+
+
+def _mount_options(target):
+    """The options of the mount on ``target`` (the topmost), or None if ``target`` is no mount point."""
+    found = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 4 and fields[1].replace("\\040", " ") == target:
+                found = fields[3].split(",")
+    return found
+
+
+def _remount_read_only(mount, target):
+    """Make ``target`` read-only (bound onto itself first when it is no mount point of its own)."""
+    options = _mount_options(target)
+    if options is None:
+        mount(target, target, None, _MS_BIND)
+        options = _mount_options(target) or []
+    if "ro" in options:
+        return
+    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
+    for option in options:
+        flags |= _LOCKED_FLAGS.get(option, 0)  # a user namespace may not drop these
+    mount("none", target, None, flags)
+
+
+def _protect_host():
+    """The host's settings and files out of the sandbox's reach, for Apptainer's fakeroot sandboxes.
+
+    Run by a root node, the sandbox's root is the host's uid 0 (without its
+    capabilities): file permissions alone would let it write the host's
+    sysctls (/proc/sys), /proc/sysrq-trigger, /sys (when it is the host's), the
+    host's cgroup hierarchy, and the host files Apptainer binds into /etc
+    (/etc/localtime; /etc/hosts and /etc/resolv.conf with the host's network).
+    Those become read-only, and /sys/fs/cgroup is covered.
+    """
+    mount = _libc_mount()
+    done = True
+    with open("/proc/self/mounts") as f:
+        etc = sorted({line.split()[1].replace("\\040", " ") for line in f if line.split()[1].startswith("/etc/")})
+    for target in ("/proc/sys", "/proc/sysrq-trigger", "/sys", *etc):
+        if not os.path.exists(target):
+            continue
+        try:
+            _remount_read_only(mount, target)
+        except OSError as e:
+            sys.stderr.write(f"toolserver: {target} stays writable ({e})\n")
+            done = False
+    if os.path.ismount("/sys/fs/cgroup"):
+        # The host's cgroup hierarchy (a /sys shared with the host): out of sight, so no process
+        # inside can leave the sandbox's cgroup or touch another's.
+        try:
+            mount("tmpfs", "/sys/fs/cgroup", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k")
+        except OSError as e:
+            sys.stderr.write(f"toolserver: /sys/fs/cgroup stays visible ({e})\n")
+            done = False
+    return done
 
 
 def _remount_sys():
@@ -779,7 +939,14 @@ def main(argv=None):
     parser.add_argument("--tcp", help="HOST:PORT to listen on instead (benchmarks)")
     parser.add_argument("--mem-gb", type=float, default=0.0)
     parser.add_argument("--max-procs", type=int, default=0)
+    parser.add_argument("--max-file-mb", type=float, default=0.0)
+    parser.add_argument("--scratch-mb", type=int, default=0,
+                        help="one tmpfs of this size for /tmp, /var/tmp, /dev/shm; other tmpfs read-only (needs root "
+                             "in the sandbox's user namespace)")
     parser.add_argument("--remount-sys", action="store_true")
+    parser.add_argument("--protect-host", action="store_true",
+                        help="make /proc/sys, /proc/sysrq-trigger, /sys and the binds into /etc read-only, cover "
+                             "/sys/fs/cgroup (needs root in the sandbox's user namespace)")
     parser.add_argument("--python-worker", nargs=2, type=int, metavar=("RFD", "WFD"),
                         help="run as the python tool's worker on these pipe fds (the tool server starts it)")
     args = parser.parse_args(argv)
@@ -790,9 +957,15 @@ def main(argv=None):
         parser.error("give exactly one of --socket and --tcp")
     if args.remount_sys:
         _remount_sys()
-    workdir = tempfile.mkdtemp(prefix="prorl-tools-")
+    if args.scratch_mb:
+        _private_scratch(args.scratch_mb)  # before any tool runs: it covers what /tmp held
+    if args.protect_host:
+        _protect_host()
+    # The bash tool's command files: beside the socket (the run directory, outside the sandbox's scratch
+    # space), so a command that fills /tmp does not leave the tools unable to run the next one.
+    workdir = tempfile.mkdtemp(prefix="prorl-tools-", dir=os.path.dirname(args.socket) if args.socket else None)
     server = ToolServer(workdir)
-    _apply_limits(args.mem_gb, args.max_procs)
+    _apply_limits(args.mem_gb, args.max_procs, args.max_file_mb)
     if args.socket:
         if os.path.exists(args.socket):
             os.unlink(args.socket)

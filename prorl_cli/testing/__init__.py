@@ -4,7 +4,7 @@ Import it from tests, ``benchmarks/`` and ``scripts/chaos`` (no ``sys.path``
 edits): :class:`Deployment` is a :class:`~prorl_cli.embedded.LocalStack`
 with short heartbeats and small pools whose nodes also serve the handlers in
 :data:`TEST_HANDLERS` (``test``, ``noop``, ``dapo_sim``, ``sim_agent``,
-``sandbox_demo``), which production nodes do not serve.
+``sandbox_demo``, ``sandbox_bash``), which production nodes do not serve.
 """
 
 from prorl_cli.testing.harness import (

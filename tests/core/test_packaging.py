@@ -24,7 +24,7 @@ from prorl_cli.node.registry import discover
 from tests.harness import REPO
 
 BUILTIN_TASKS = {"code", "harness", "math", "math_agent", "search", "swe", "swe_oracle"}
-TEST_TASKS = {"test", "noop", "dapo_sim", "sim_agent", "sandbox_demo"}
+TEST_TASKS = {"test", "noop", "dapo_sim", "sim_agent", "sandbox_demo", "sandbox_bash"}
 
 
 @pytest.fixture(scope="module")

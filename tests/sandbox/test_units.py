@@ -275,3 +275,161 @@ def test_mounts_reach_the_runtime_command_lines(tmp_path: Path) -> None:
         pytest.skip("apptainer is not installed (scripts/provision/30-apptainer.sh)")
     argv = apptainer.command(spec)
     assert f"{tmp_path}:/data:ro" in argv and "/usr/share:/share:rw" in argv
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"disk_mb": -1}, "sandbox.disk_mb: must be 0 (no limit) or positive, got -1"),
+        ({"disk_check_s": 0}, "sandbox.disk_check_s: must be positive"),
+        ({"output_limit_mb": 0}, "sandbox.output_limit_mb: must be positive"),
+        ({"cgroups": "yes"}, "sandbox.cgroups: expected bool"),
+    ],
+)
+def test_limit_settings_are_checked(section: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"sandbox": section}, "prorl.yaml")
+    assert message in str(info.value)
+
+
+def test_output_limits_of_bash_and_python(tmp_path: Path) -> None:
+    """A flood of output is interrupted at output_limit_mb; the python tool keeps head and tail of its streams."""
+
+    async def main() -> None:
+        m = SandboxManager(SandboxConfig(runtime="local", output_limit_mb=1, max_output_bytes=4096), tmp_path, log)
+        sb = await m.start("flood")
+        try:
+            r = await sb.bash("yes | head -c 100000000; echo never")
+            assert r.output_limited is True and r.truncated is True and r.timed_out is False
+            assert 1 << 20 < r.output_bytes < 100_000_000 and "never" not in r.output
+            assert (await sb.bash("echo next")).output == "next\n" and not (await sb.bash("true")).output_limited
+            p = await sb.python("import sys\nfor _ in range(64): sys.stdout.write('y' * (1 << 20))\n'z' * 100000")
+            assert len(p.stdout) < 4096 + 200 and "output truncated: 67108864 bytes in all" in p.stdout
+            assert p.result is not None and len(p.result) < 4096 + 200 and "100002 characters in all" in p.result
+        finally:
+            await m.stop_all()
+
+    asyncio.run(main())
+
+
+def test_isolating_runtimes_get_only_harmless_variables_of_the_node(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    from prorl_cli.sandbox import LaunchSpec
+    from prorl_cli.sandbox.bwrap import BwrapRuntime
+
+    monkeypatch.setenv("PRORL_HOME", "/secret/home")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("APPTAINERENV_TOKEN", "x")
+    monkeypatch.setenv("APPTAINER_BIND", "/secret")
+    monkeypatch.setenv("APPTAINER_CACHEDIR", "/cache")
+    config = SandboxConfig(runtime="bwrap")
+    spec = LaunchSpec(sandbox_id="s", image="host", network=False, session_dir=tmp_path / "s",
+                      loopback_ip="127.0.0.2", config=config)
+    env = BwrapRuntime(config, log).host_env(spec)
+    assert env.get("APPTAINER_CACHEDIR") == "/cache" and "PATH" in env
+    assert not {"PRORL_HOME", "HF_TOKEN", "APPTAINERENV_TOKEN", "APPTAINER_BIND"} & set(env)
+    local = make_runtime(SandboxConfig(runtime="local"), log).host_env(spec)
+    assert local["HF_TOKEN"] == "hf_secret" and local["PRORL_LOOPBACK_IP"] == "127.0.0.2"  # no isolation anyway
+
+
+def test_bounded_writable_places_on_the_command_lines(tmp_path: Path) -> None:
+    """bwrap: a sized tmpfs root (scratch dirs are its own), a sized /dev/shm, /dev and /proc/sys read-only;
+    Apptainer: /tmp, /var/tmp and /dev/shm in the session folder, the tool server told to bound and protect."""
+    from prorl_cli.sandbox import LaunchSpec
+    from prorl_cli.sandbox.apptainer import ApptainerRuntime
+    from prorl_cli.sandbox.bwrap import BwrapRuntime
+
+    rootfs = tmp_path / "rootfs"
+    for d in ("usr", "etc", "tmp", "root"):
+        (rootfs / d).mkdir(parents=True)
+    size = str(64 << 20)
+
+    def before(argv: list[str], target: str, n: int) -> list[str]:
+        """``target`` (its first occurrence) and the ``n`` arguments before it."""
+        at = argv.index(target)
+        return argv[at - n: at + 1]
+
+    for writable in ("overlay", "none"):
+        config = SandboxConfig(runtime="bwrap", writable_size_mb=64, writable=writable)  # type: ignore[arg-type]
+        spec = LaunchSpec(sandbox_id="s", image=str(rootfs), network=False, session_dir=tmp_path / "s",
+                          loopback_ip="127.0.0.2", config=config)
+        runtime = BwrapRuntime(config, log)
+        runtime.binary = "/usr/bin/bwrap"
+        argv = runtime.command(spec)
+        assert before(argv, "/", 3) == ["--size", size, "--tmpfs", "/"]  # the first mount: the writable layer
+        assert before(argv, "/dev/shm", 3) == ["--size", size, "--tmpfs", "/dev/shm"]
+        assert before(argv, "/dev", 1) == ["--dev", "/dev"] and argv[argv.index("--remount-ro") + 1] == "/dev"
+        assert argv[argv.index("/proc/sys") - 1: argv.index("/proc/sys") + 2] == ["--ro-bind", "/proc/sys", "/proc/sys"]
+        assert before(argv, "/etc", 2) == ["--ro-bind", str(rootfs / "etc"), "/etc"]
+        if writable == "overlay":
+            assert before(argv, "/tmp", 1) == ["--dir", "/tmp"] and before(argv, "/root", 1) == ["--dir", "/root"]
+            assert argv.count("--remount-ro") == 1
+        else:  # a read-only root: /tmp is a tmpfs of its own, /root the image's
+            assert before(argv, "/tmp", 3) == ["--size", size, "--tmpfs", "/tmp"]
+            assert before(argv, "/root", 2) == ["--ro-bind", str(rootfs / "root"), "/root"]
+            assert argv[len(argv) - argv[::-1].index("--remount-ro") - 1:][:2] == ["--remount-ro", "/"]
+        assert "--max-file-mb" in argv
+    config = SandboxConfig(runtime="apptainer", writable_size_mb=64)
+    spec = LaunchSpec(sandbox_id="s", image=str(rootfs), network=False, session_dir=tmp_path / "s",
+                      loopback_ip="127.0.0.2", config=config)
+    apptainer = ApptainerRuntime(config, log)
+    apptainer.binary = "/usr/bin/apptainer"
+    argv = apptainer.command(spec)
+    scratch = tmp_path / "s" / "scratch"
+    assert ["--workdir", str(scratch), "--bind", f"{scratch / 'shm'}:/dev/shm"] == \
+        argv[argv.index("--workdir"): argv.index("--workdir") + 4]
+    assert (scratch / "shm").stat().st_mode & 0o7777 == 0o1777
+    assert argv[-3:] == ["--scratch-mb", "64", "--protect-host"]
+
+
+def test_sandbox_cgroup_files(tmp_path: Path) -> None:
+    """Limits, members, events and removal, on a stand-in of the cgroup files (v1: two directories, v2: one)."""
+    from prorl_cli.sandbox.cgroups import PREFIX, CgroupParents, SandboxCgroup, remove_paths
+
+    def fake(version: int) -> CgroupParents:
+        parents = []
+        for controller in ("pids", "memory") if version == 1 else ("unified",):
+            parent = tmp_path / f"v{version}" / controller
+            parent.mkdir(parents=True)
+            parents.append(parent)
+        return CgroupParents(version, tuple(parents))
+
+    def populate(group: SandboxCgroup, files: dict[str, str]) -> None:
+        """The files a kernel would show: v1 pids.* in the first directory, memory.* in the second."""
+        for d in group.dirs:
+            (d / "cgroup.procs").write_text("")
+        for name, text in files.items():
+            target = group.dirs[1] if group.version == 1 and name.startswith("memory.") else group.dirs[0]
+            (target / name).write_text(text)
+
+    v1 = fake(1)
+    with pytest.raises(OSError):  # an empty directory is no cgroup: nothing is left behind
+        v1.create("abc", 64, 1 << 29)
+    assert [list(p.iterdir()) for p in v1.dirs] == [[], []]
+    group = SandboxCgroup(1, tuple(p / f"{PREFIX}abc" for p in v1.dirs))
+    for d in group.dirs:
+        d.mkdir()
+    populate(group, {"pids.max": "max", "memory.limit_in_bytes": "0", "pids.events": "max 7\n",
+                     "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n"})
+    group.set_limits(64, 1 << 29)
+    assert (group.dirs[0] / "pids.max").read_text() == "64"
+    assert (group.dirs[1] / "memory.limit_in_bytes").read_text() == str(1 << 29)
+    assert group.events() == {"oom_kill": 2, "pids_max": 7}
+    assert group.members() == [] and group.kill() == []
+    assert [str(p) for p in group.procs_files] == [str(d / "cgroup.procs") for d in group.dirs]
+    assert group.remove() == list(group.dirs)  # not empty (here: files), so not removable; no waiting for that
+    for d in group.dirs:
+        for f in d.iterdir():
+            f.unlink()
+    assert group.remove() == [] and not any(d.exists() for d in group.dirs)
+    v2 = SandboxCgroup(2, (fake(2).dirs[0] / f"{PREFIX}xyz",))
+    v2.dirs[0].mkdir()
+    populate(v2, {"pids.max": "max", "memory.max": "max", "memory.swap.max": "max", "pids.events": "max 0\n",
+                  "memory.events": "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n"})
+    v2.set_limits(100, 1 << 30)
+    assert (v2.dirs[0] / "memory.max").read_text() == str(1 << 30)
+    assert (v2.dirs[0] / "memory.swap.max").read_text() == "0"
+    assert v2.events() == {"oom_kill": 1, "pids_max": 0}
+    # Only prorl-sandbox-* directories are ever removed (files in them: these are no real cgroups, so rmdir fails).
+    assert remove_paths([str(tmp_path)]) == []
+    assert tmp_path.exists()

@@ -8,5 +8,6 @@ and ``prorl quickstart --engine none|sim`` do it for you.
 
 - ``noop``, ``test`` (:mod:`.testing`): the pipeline without a model;
 - ``sim_agent``, ``dapo_sim``: simulated agents on the simulated engine;
-- ``sandbox_demo``: one sandbox tool round.
+- ``sandbox_demo``: one sandbox tool round;
+- ``sandbox_bash``: given tool calls in a sandbox, beside a benign peer job (hostile-code tests).
 """
