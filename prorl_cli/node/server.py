@@ -38,6 +38,7 @@ from prorl_cli.node.services import NodeServices
 from prorl_cli.peer import BrokerPeer
 from prorl_cli.protocol import ErrorCode, JobResult, JobSpec, Op
 from prorl_cli.protocol import headers as H
+from prorl_cli.protocol.framing import INT_MAX, INT_MIN
 from prorl_cli.rendezvous import read_rendezvous
 
 if TYPE_CHECKING:
@@ -80,10 +81,6 @@ class ResultPacker:
             return P.pack_obj(_carriable(wire))
 
 
-#: msgpack's integer range.
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
-
-
 def _carriable(value: Any) -> Any:
     """``value`` with every integer msgpack cannot carry, and every object it does not know, as text."""
     if isinstance(value, dict):
@@ -93,7 +90,7 @@ def _carriable(value: Any) -> Any:
     if isinstance(value, bool) or value is None or isinstance(value, float | str | bytes):
         return value
     if isinstance(value, int):
-        return value if _INT_MIN <= value <= _INT_MAX else str(value)
+        return value if INT_MIN <= value <= INT_MAX else str(value)
     return repr(value)
 
 #: ``node.drain_grace_s`` when the config leaves it unset (and no Slurm launch set it from signal_delay_s).

@@ -35,7 +35,9 @@ HEARTBEAT_LIVENESS = 3
 
 MAX_ID_CHARS = 256
 #: A request id may be any integer msgpack carries (int64 and uint64): the broker echoes it as sent.
-RID_MIN, RID_MAX = -(1 << 63), (1 << 64) - 1
+#: msgpack's integer range: an integer outside it cannot be sent at all.
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
+RID_MIN, RID_MAX = INT_MIN, INT_MAX
 
 # Whole messages are bounded by config broker.max_message_bytes (ZMQ_MAXMSGSIZE drops
 # the connection); headers must stay small because the broker decodes every one of them.

@@ -807,6 +807,17 @@ _LOCKED_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
 _SCRATCH = {"tmp": "/tmp", "var_tmp": "/var/tmp", "shm": "/dev/shm"}
 
 
+def _mounts():
+    """The mount table as (target, fstype, options) rows, targets unescaped, in mount order."""
+    rows = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 4:
+                rows.append((fields[1].replace("\\040", " "), fields[2], fields[3].split(",")))
+    return rows
+
+
 def _private_scratch(size_mb):
     """Bounded in-memory scratch, for Apptainer's fakeroot sandboxes (root in their own user and mount namespace).
 
@@ -819,8 +830,7 @@ def _private_scratch(size_mb):
     """
     mount = _libc_mount()
     try:
-        with open("/proc/self/mounts") as f:
-            before = [line.split() for line in f]
+        before = _mounts()
         targets = {name: path for name, path in _SCRATCH.items() if os.path.isdir(path)}
         mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={int(size_mb)}m,mode=1777")
         for name in targets:
@@ -835,10 +845,9 @@ def _private_scratch(size_mb):
                          "stay in the session folder\n")
         return False
     done = True
-    for fields in before:
-        target = fields[1].replace("\\040", " ") if len(fields) >= 4 else ""
+    for target, fstype, _ in before:
         # /sys/fs/cgroup: hidden by _protect_host (or under a fresh /sys already).
-        if fields[2:3] != ["tmpfs"] or target in _SCRATCH.values() or target.startswith(("/sys/", "/proc/")):
+        if fstype != "tmpfs" or target in _SCRATCH.values() or target.startswith(("/sys/", "/proc/")):
             continue
         try:
             _remount_read_only(mount, target)
@@ -865,11 +874,9 @@ def _libc_mount():
 def _mount_options(target):
     """The options of the mount on ``target`` (the topmost), or None if ``target`` is no mount point."""
     found = None
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 4 and fields[1].replace("\\040", " ") == target:
-                found = fields[3].split(",")
+    for mounted, _, options in _mounts():
+        if mounted == target:
+            found = options
     return found
 
 
@@ -899,8 +906,7 @@ def _protect_host():
     """
     mount = _libc_mount()
     done = True
-    with open("/proc/self/mounts") as f:
-        etc = sorted({line.split()[1].replace("\\040", " ") for line in f if line.split()[1].startswith("/etc/")})
+    etc = sorted({target for target, _, _ in _mounts() if target.startswith("/etc/")})
     for target in ("/proc/sys", "/proc/sysrq-trigger", "/sys", *etc):
         if not os.path.exists(target):
             continue
@@ -923,14 +929,10 @@ def _protect_host():
 def _remount_sys():
     # A fresh sysfs shows this sandbox's network namespace (only lo), not the
     # host's devices; it needs root in the sandbox's user namespace (fakeroot).
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    ms_rdonly, ms_nosuid, ms_nodev, ms_noexec = 1, 2, 4, 8
-    flags = ms_rdonly | ms_nosuid | ms_nodev | ms_noexec
-    if libc.mount(b"sysfs", b"/sys", b"sysfs", flags, None) != 0:
-        err = ctypes.get_errno()
-        sys.stderr.write(f"toolserver: could not mount a fresh /sys: {os.strerror(err)}\n")
+    try:
+        _libc_mount()("sysfs", "/sys", "sysfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    except OSError as e:
+        sys.stderr.write(f"toolserver: could not mount a fresh /sys: {e.strerror}\n")
 
 
 def main(argv=None):

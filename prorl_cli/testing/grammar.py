@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prorl_cli import protocol as P
+from prorl_cli.protocol.framing import INT_MAX, INT_MIN
 from prorl_cli.protocol.schema import GRAMMAR, OP_SCHEMAS, Check, Opt
 from prorl_cli.testing.samples import RELEASE, STOP, TO_BRIDGE, TO_NODE, VALID
 
@@ -32,8 +33,6 @@ SAMPLES: dict[P.Op, tuple[dict[str, Any], list[bytes]]] = {
     P.Op.SHUTDOWN: ({"rid": 1}, []),
 }
 
-#: msgpack's integer range: a value outside it cannot be sent at all.
-INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
 #: Lists longer than this are not grown one past their limit (a million small items is a slow test, not a new case).
 MAX_GROWN_LIST = 5000
 #: Values of the wrong type for any field.
