@@ -1,10 +1,11 @@
 """prorl's wire protocol: every op, header field and job-record field, written once.
 
 * :mod:`~prorl_cli.protocol.framing`: the ops, error codes and job states; header and payload frames.
-* :mod:`~prorl_cli.protocol.schema`: each op's fields with their types and ranges (``OP_SCHEMAS``),
-  checked in one place; :func:`parse` checks a header and returns it typed.
-* :mod:`~prorl_cli.protocol.headers`: the typed header of each op, and of the broker's replies the
-  client reads (``REPLY_SCHEMAS``, :func:`parse_reply`).
+* :mod:`~prorl_cli.protocol.checks`: the checker DSL (``Str``, ``Int``, ``List``, ``Record``, ...).
+* :mod:`~prorl_cli.protocol.schema`: the job records' checkers and the fields several ops share.
+* :mod:`~prorl_cli.protocol.headers`: each op declared once, as its header class whose fields carry
+  their checks; :func:`parse` checks a header and returns it typed, :func:`parse_reply` a broker's
+  reply; ``OP_SCHEMAS``, ``HEADERS``, ``REPLY_SCHEMAS`` and ``REPLIES`` are derived from the classes.
 * :mod:`~prorl_cli.protocol.records`: job specs, results, sampling and status records.
 
 Everything is importable from ``prorl_cli.protocol`` itself. ``docs/protocol.md`` describes
@@ -39,6 +40,14 @@ from prorl_cli.protocol.framing import (
     unpack_obj,
     unpack_tokens,
 )
+from prorl_cli.protocol.headers import (
+    OP_SCHEMAS,
+    REPLY_SCHEMAS,
+    OpSchema,
+    parse,
+    parse_reply,
+    validate,
+)
 from prorl_cli.protocol.records import (
     BackendStatus,
     ErrorInfo,
@@ -59,15 +68,9 @@ from prorl_cli.protocol.schema import (
     MAX_LISTED_JOBS,
     MAX_META_BYTES,
     METRIC_SAMPLES,
-    OP_SCHEMAS,
-    REPLY_SCHEMAS,
     SAMPLING,
     STAGE_NAMES,
-    OpSchema,
     Opt,
-    parse,
-    parse_reply,
-    validate,
 )
 
 __all__ = [

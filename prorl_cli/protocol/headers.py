@@ -1,17 +1,48 @@
-"""Typed headers: one class per op, what :func:`prorl_cli.protocol.schema.parse` turns a checked header into.
+"""The ops' headers: each op declared once, as a class whose fields carry their checks.
 
-Each class's fields are its op's schema fields (``OP_SCHEMAS``), with the Python type the schema's
-checker stands for: a required field has no default, an optional one has a default (``None``
-unless the record says otherwise). ``tests/core/test_headers.py`` holds the two together, so
-they cannot drift. A header in hand is valid: its handler reads attributes and checks nothing again.
+A header class is a dataclass whose every field says ``Annotated[type, check]`` (a checker of
+:mod:`prorl_cli.protocol.checks`); a field with a default is optional (absent or null on the wire:
+the default). :func:`header` names the op(s) it is the header of and their payload frames. From
+these classes alone come the per-op checkers :func:`parse` uses (built once, at import), the
+tables ``HEADERS`` and ``OP_SCHEMAS``, and what the fuzz grammar generates; :func:`reply` does the
+same for the broker's success replies the client reads (``REPLIES``, ``REPLY_SCHEMAS``,
+:func:`parse_reply`). A class declared without its checks, or with a type its check does not
+produce, fails at import, and so does an op with no header class (:func:`check_declared`).
+
+A header in hand is valid: its handler reads attributes and checks nothing again. A sender builds
+one and sends ``to_wire()``: the map with ``op`` and every field given (``None`` ones left out).
 """
 
-from __future__ import annotations
-
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, ClassVar, TypeVar
 
-from prorl_cli.protocol.framing import Op
+from prorl_cli.exceptions import ProtocolDeclarationError, ProtocolError
+from prorl_cli.protocol.checks import (
+    ANY,
+    BIG,
+    HTTP_URL,
+    MAX_JOBS_PER_MESSAGE,
+    MAX_LISTED_JOBS,
+    METRIC_SAMPLES,
+    URL,
+    Bool,
+    Check,
+    Dict,
+    FieldSpec,
+    Id,
+    Int,
+    List,
+    Num,
+    Opt,
+    Record,
+    Str,
+    builds,
+    declared_fields,
+    read_by,
+    record_of,
+)
+from prorl_cli.protocol.framing import ErrorCode, Op
 from prorl_cli.protocol.records import (
     BackendStatus,
     ForgetOutcome,
@@ -19,369 +50,569 @@ from prorl_cli.protocol.records import (
     SamplingParams,
     StatusReport,
 )
+from prorl_cli.protocol.schema import (
+    ERROR,
+    FAILURE_GROUP,
+    JOB_IDS,
+    JOB_SPEC,
+    JOB_STATE,
+    POSITIVE_S,
+    SAMPLING,
+    STAGE_STATS,
+    TOKEN,
+)
 
 #: A request id: a string, or any integer msgpack carries.
 Rid = str | int
+#: The rid of a request built before its connection numbers it: ``BrokerConnection.request`` sends its own instead.
+NEW_RID: Rid = 0
+#: The fields most ops share, declared once.
+RequestId = Annotated[Rid, Id()]
+JobId = Annotated[str, Str()]
+JobIdList = Annotated[list[str], JOB_IDS]
+Version = Annotated[int, Int(0, BIG)]
+Attempt = Annotated[int, Int(1, 1_000_000)]
+
+
+class Wire:
+    """Base of the header classes and their nested records: the map a sender puts on the wire."""
+
+    __slots__ = ()
+    #: (name, optional, holds records) of each declared field, in order (set when the class is declared).
+    WIRE_FIELDS: ClassVar[tuple[tuple[str, bool, bool], ...]] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        """The fields as a msgpack-ready map: an optional field that is ``None`` is left out, records by their wire form."""
+        return self._fill({})
+
+    def _fill(self, out: dict[str, Any]) -> dict[str, Any]:
+        for name, optional, records in self.WIRE_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                if optional:
+                    continue
+            elif records:
+                value = [v.to_wire() for v in value] if type(value) is list else value.to_wire()
+            out[name] = value
+        return out
+
+
+class Header(Wire):
+    """Base of every header class (see :func:`header`)."""
+
+    __slots__ = ()
+    #: The ops this class is the header of.
+    OPS: ClassVar[tuple[Op, ...]] = ()
+    #: The op's name on the wire when the class has one op (``None``: several, ``to_wire`` is told which).
+    WIRE_OP: ClassVar[str | None] = None
+
+    def to_wire(self, op: Op | None = None) -> dict[str, Any]:
+        """This header as sent: ``op`` (this class's only op when not given), then its fields."""
+        if op is None:
+            if self.WIRE_OP is None:
+                raise ProtocolDeclarationError(
+                    f"{type(self).__name__} is the header of {[o.value for o in self.OPS]}: name the op to send")
+            return self._fill({"op": self.WIRE_OP})
+        if op not in self.OPS:
+            raise ProtocolDeclarationError(f"{type(self).__name__} is not the header of op {op.value!r}")
+        return self._fill({"op": op.value})
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """The header fields of one op (derived from its class) and how many payload frames it carries.
+
+    ``payload``: an exact count, ``"jobs"`` (one frame per item of the header's ``jobs``) or ``None`` (any).
+    """
+
+    fields: dict[str, FieldSpec]
+    payload: int | str | None = 0
+
+
+#: The header class of each op (several ops share one shape), its fields and payload, its checker.
+HEADERS: dict[Op, type[Header]] = {}
+OP_SCHEMAS: dict[Op, OpSchema] = {}
+_OP_CHECKS: dict[Op, tuple[Check, int | str | None]] = {}
+#: The typed success reply of each request op the client reads, and its fields.
+REPLIES: dict[Op, type] = {}
+REPLY_SCHEMAS: dict[Op, dict[str, FieldSpec]] = {}
+_REPLY_CHECKS: dict[Op, Check] = {}
+#: Ops with no header class of their own: a ``reply`` is read per request op (:func:`parse_reply`), a ``result``
+#: by the client that watches (its jobs' records are the payload frames).
+UNDECLARED_OPS = frozenset({Op.REPLY, Op.RESULT})
+
+W = TypeVar("W", bound="Header")
+T = TypeVar("T")
+
+
+def _declare(cls: type[Wire]) -> dict[str, FieldSpec]:
+    fields = declared_fields(cls)
+    cls.WIRE_FIELDS = tuple((name, isinstance(spec, Opt), builds(spec.check if isinstance(spec, Opt) else spec))
+                            for name, spec in fields.items())
+    return fields
+
+
+def header(*ops: Op, payload: int | str | None = 0) -> Callable[[type[W]], type[W]]:
+    """Class decorator: ``cls`` is the header of ``ops``, carrying ``payload`` frames (see :class:`OpSchema`).
+
+    Its fields and their checks come from its annotations (:func:`~prorl_cli.protocol.checks.declared_fields`).
+    Raises :class:`ProtocolDeclarationError` on a field without its check, or an op declared twice.
+    """
+
+    def declare(cls: type[W]) -> type[W]:
+        if not ops or not issubclass(cls, Header):
+            raise ProtocolDeclarationError(f"{cls.__name__}: a header class subclasses Header and names its op(s)")
+        fields = _declare(cls)
+        if payload == "jobs" and "jobs" not in fields:
+            raise ProtocolDeclarationError(f"{cls.__name__}: payload='jobs' needs a 'jobs' field")
+        check = Record(fields, strict=False, cls=cls)
+        for op in ops:
+            if op in HEADERS or op in UNDECLARED_OPS:
+                raise ProtocolDeclarationError(f"op {op.value!r} is declared twice ({cls.__name__})")
+        for op in ops:
+            HEADERS[op], OP_SCHEMAS[op], _OP_CHECKS[op] = cls, OpSchema(fields, payload), (check, payload)
+        cls.OPS = ops
+        cls.WIRE_OP = ops[0].value if len(ops) == 1 else None
+        return cls
+
+    return declare
+
+
+def reply(op: Op) -> Callable[[type[T]], type[T]]:
+    """Class decorator: ``cls`` is the broker's success reply to ``op``, its fields declared as a header's are."""
+
+    def declare(cls: type[T]) -> type[T]:
+        if op in REPLIES:
+            raise ProtocolDeclarationError(f"the reply to op {op.value!r} is declared twice ({cls.__name__})")
+        fields = declared_fields(cls)
+        REPLIES[op], REPLY_SCHEMAS[op], _REPLY_CHECKS[op] = cls, fields, Record(fields, strict=False, cls=cls)
+        return cls
+
+    return declare
+
+
+def check_declared(headers: dict[Op, type[Header]] | None = None) -> None:
+    """Raise :class:`ProtocolDeclarationError` naming every op with no header class (run at import)."""
+    missing = set(Op) - set(HEADERS if headers is None else headers) - UNDECLARED_OPS
+    if missing:
+        raise ProtocolDeclarationError(
+            f"op(s) {sorted(op.value for op in missing)} have no header class: declare one with @header(Op...)")
 
 
 # ----------------------------------------------------------------- nested records
 
 
 @dataclass(slots=True)
-class StageUpdate:
+class StageUpdate(Wire):
     """A job's new stage (``job_stage``), or a job a re-registering node still runs (``register``)."""
 
-    job_id: str
-    attempt: int
-    stage: str
+    job_id: JobId
+    attempt: Attempt
+    stage: Annotated[str, JOB_STATE]
+
+
+UPDATE = record_of(StageUpdate)
+_declare(StageUpdate)
 
 
 @dataclass(slots=True)
-class JobEnd:
+class JobEnd(Wire):
     """A finished job of ``job_done``; its result is the payload frame at the same index."""
 
-    job_id: str
-    attempt: int
-    state: str
+    job_id: JobId
+    attempt: Attempt
+    state: Annotated[str, JOB_STATE]
+
+
+JOB_END = record_of(JobEnd)
+_declare(JobEnd)
 
 
 # ----------------------------------------------------------------- client -> broker
 
 
+@header(Op.SUBMIT, payload="jobs")
 @dataclass(slots=True)
-class Submit:
-    rid: Rid
-    jobs: list[JobSpec]
+class Submit(Header):
+    rid: RequestId
+    jobs: Annotated[list[JobSpec], List(JOB_SPEC)]
 
 
+@header(Op.CANCEL, Op.WATCH, Op.FORGET, Op.RELEASE)
 @dataclass(slots=True)
-class JobIds:
+class JobIds(Header):
     """``cancel``, ``watch``, ``forget`` (client), ``release`` (node)."""
 
-    rid: Rid
-    job_ids: list[str]
+    rid: RequestId
+    job_ids: JobIdList
 
 
+@header(Op.LIST_JOBS)
 @dataclass(slots=True)
-class ListJobs:
-    rid: Rid
-    prefix: str | None = None
-    group_id: str | None = None
-    after: int | None = None
+class ListJobs(Header):
+    rid: RequestId
+    prefix: Annotated[str | None, Str()] = None
+    group_id: Annotated[str | None, Str()] = None
+    after: Annotated[int | None, Int(0, BIG)] = None
 
 
+@header(Op.STATUS, Op.LIST_LLM_SERVERS, Op.START, Op.HOLD, Op.STOP, Op.PING)
 @dataclass(slots=True)
-class Request:
+class Request(Header):
     """An op with nothing but its request id (``status``, ``start``, ``hold``, ``stop``, ``ping``, ...)."""
 
-    rid: Rid
+    rid: RequestId
 
 
+@header(Op.ADD_LLM_SERVER)
 @dataclass(slots=True)
-class AddLlmServer:
-    rid: Rid
-    url: str
-    model: str | None = None
+class AddLlmServer(Header):
+    rid: RequestId
+    url: Annotated[str, HTTP_URL]
+    model: Annotated[str | None, Str()] = None
 
 
+@header(Op.CLEAR_LLM_SERVER)
 @dataclass(slots=True)
-class ClearLlmServer:
-    rid: Rid
+class ClearLlmServer(Header):
+    rid: RequestId
     #: Absent: clear every HTTP backend.
-    url: str | None = None
+    url: Annotated[str | None, URL] = None
 
 
+@header(Op.PAUSE_GENERATION)
 @dataclass(slots=True)
-class PauseGeneration:
-    rid: Rid
-    policy_version: int | None = None
+class PauseGeneration(Header):
+    rid: RequestId
+    policy_version: Annotated[int | None, Int(0, BIG)] = None
     #: Answer once the calls in flight drained (or this ran out); absent: answer at once.
-    drain_timeout_s: float | None = None
+    drain_timeout_s: Annotated[float | None, Num(0.0, 1e6)] = None
 
 
+@header(Op.RESUME_GENERATION)
 @dataclass(slots=True)
-class ResumeGeneration:
-    rid: Rid
-    policy_version: int | None = None
+class ResumeGeneration(Header):
+    rid: RequestId
+    policy_version: Annotated[int | None, Int(0, BIG)] = None
 
 
+@header(Op.UPDATE_WEIGHTS)
 @dataclass(slots=True)
-class UpdateWeights:
-    rid: Rid
-    checkpoint: str
-    policy_version: int
-    load_timeout_s: float | None = None
+class UpdateWeights(Header):
+    rid: RequestId
+    checkpoint: Annotated[str, Str(4096)]
+    policy_version: Version
+    load_timeout_s: Annotated[float | None, POSITIVE_S] = None
 
 
 # ----------------------------------------------------------------- node / bridge -> broker
 
 
+@header(Op.REGISTER)
 @dataclass(slots=True)
-class Register:
-    rid: Rid
-    node_id: str
-    host: str
-    credit: int
-    tasks: list[str]
-    pid: int | None = None
+class Register(Header):
+    rid: RequestId
+    node_id: Annotated[str, Str()]
+    host: Annotated[str, Str()]
+    credit: Annotated[int, Int(1, 1_000_000)]
+    tasks: Annotated[list[str], List(Str(), 4096)]
+    pid: Annotated[int | None, Int(0, (1 << 31) - 1)] = None
     #: Jobs the node still runs (a broker that restarted learns them back).
-    running: list[StageUpdate] | None = None
-    liveness_token: str | None = None
-    #: The sandbox runtime the node picked (``sandbox.runtime: auto`` resolved).
-    sandbox_runtime: str | None = None
-    #: The node is draining: a restarted broker places nothing more on it.
-    draining: bool | None = None
+    running: Annotated[list[StageUpdate] | None, List(UPDATE, 1_000_000)] = None
+    liveness_token: Annotated[str | None, TOKEN] = None
+    #: The sandbox runtime the node picked (``sandbox.runtime: auto`` resolved); absent when it has none.
+    sandbox_runtime: Annotated[str | None, Str(32)] = None
+    #: The node is draining (it sent ``release``): a restarted broker places nothing more on it.
+    draining: Annotated[bool | None, Bool()] = None
 
 
+@header(Op.HEARTBEAT)
 @dataclass(slots=True)
-class Heartbeat:
+class Heartbeat(Header):
     """A node's or bridge's heartbeat (or a node's liveness sidecar's, with ``liveness_token``)."""
 
-    rid: Rid | None = None
-    node_id: str | None = None
-    backend_id: str | None = None
+    rid: Annotated[Rid | None, Id()] = None
+    node_id: Annotated[str | None, Str()] = None
+    backend_id: Annotated[str | None, Str()] = None
     #: Per-stage pool counters: ``{stage: {active, queued, limit}}``.
-    stages: dict[str, dict[str, Any]] | None = None
-    inflight: int | None = None
-    liveness_token: str | None = None
+    stages: Annotated[dict[str, dict[str, Any]] | None, STAGE_STATS] = None
+    inflight: Annotated[int | None, Int(0, BIG)] = None
+    liveness_token: Annotated[str | None, TOKEN] = None
     #: A bridge's engine figures.
-    stats: dict[str, float] | None = None
-    #: Prometheus samples (docs/observability.md).
-    metrics: list[list[Any]] | None = None
-    #: A node's failed jobs grouped: ``{task, stage, type, count, sample}``.
-    failures: list[dict[str, Any]] | None = None
+    stats: Annotated[dict[str, float] | None, Dict(Str(64), Num(-float(BIG), float(BIG)), max_len=32)] = None
+    #: A node's or bridge's Prometheus figures (docs/observability.md).
+    metrics: Annotated[list[list[Any]] | None, METRIC_SAMPLES] = None
+    #: A node's failed jobs grouped: ``{task, stage, type, count, sample}`` (shown by ``prorl top``).
+    failures: Annotated[list[dict[str, Any]] | None, List(FAILURE_GROUP, 256)] = None
 
 
+@header(Op.UNREGISTER)
 @dataclass(slots=True)
-class Unregister:
-    rid: Rid | None = None
-    node_id: str | None = None
-    backend_id: str | None = None
+class Unregister(Header):
+    rid: Annotated[Rid | None, Id()] = None
+    node_id: Annotated[str | None, Str()] = None
+    backend_id: Annotated[str | None, Str()] = None
+    #: Why a peer leaves when it did not mean to (a bridge whose engine died); absent: a planned exit.
+    reason: Annotated[str | None, Str()] = None
 
 
+@header(Op.JOB_STAGE)
 @dataclass(slots=True)
-class JobStage:
-    updates: list[StageUpdate]
+class JobStage(Header):
+    updates: Annotated[list[StageUpdate], List(UPDATE, 1_000_000)]
 
 
+@header(Op.JOB_DONE, payload="jobs")
 @dataclass(slots=True)
-class JobDone:
-    jobs: list[JobEnd]
+class JobDone(Header):
+    """Finished jobs; payload: one result per job."""
+
+    jobs: Annotated[list[JobEnd], List(JOB_END, 1_000_000)]
 
 
+@header(Op.GENERATE, payload=1)
 @dataclass(slots=True)
-class Generate:
+class Generate(Header):
     """A generate call (node -> broker, and broker -> bridge); payload: the prompt (int32)."""
 
-    rid: Rid
-    job_id: str
+    rid: RequestId
+    job_id: JobId
     #: Absent: the engine's defaults (:class:`SamplingParams`).
-    sampling: SamplingParams | None = None
+    sampling: Annotated[SamplingParams | None, SAMPLING] = None
     #: The caller's host (the ``local_first`` routing policy prefers a backend there).
-    host: str | None = None
+    host: Annotated[str | None, Str()] = None
 
 
+@header(Op.REGISTER_BACKEND)
 @dataclass(slots=True)
-class RegisterBackend:
-    rid: Rid
-    backend_id: str
-    host: str
-    model: str
-    max_model_len: int | None = None
-    capacity: int | None = None
+class RegisterBackend(Header):
+    rid: RequestId
+    backend_id: Annotated[str, Str()]
+    host: Annotated[str, Str()]
+    model: Annotated[str, Str(1024)]
+    max_model_len: Annotated[int | None, Int(1, 1 << 31)] = None
+    capacity: Annotated[int | None, Int(0, 1_000_000)] = None
+    #: The weights version the bridge serves (``None``: the weights it was started on).
+    policy_version: Annotated[int | None, Int(0, BIG)] = None
 
 
+@header(Op.GENERATE_REPLY, payload=None)
 @dataclass(slots=True)
-class GenerateReply:
+class GenerateReply(Header):
     """A bridge's answer to a forwarded generate call; payload: ids (int32) and log-probs (float32)."""
 
-    rid: Rid
-    finish_reason: str | None = None
+    rid: RequestId
+    finish_reason: Annotated[str | None, Str(64)] = None
     #: The bridge's weights version when the call ran (absent: the broker stamps its own).
-    policy_version: int | None = None
+    policy_version: Annotated[int | None, Int(0, BIG)] = None
     #: Seconds the call spent in the engine (queued there and generating), as the bridge timed it.
-    engine_s: float | None = None
+    engine_s: Annotated[float | None, Num(0.0, 1e7)] = None
     #: ``{code, message}`` when the call failed.
-    error: dict[str, Any] | None = None
+    error: Annotated[dict[str, Any] | None, ERROR] = None
 
 
+@header(Op.WEIGHTS_UPDATED)
 @dataclass(slots=True)
-class WeightsUpdated:
-    rid: Rid
-    error: dict[str, Any] | None = None
+class WeightsUpdated(Header):
+    rid: RequestId
+    error: Annotated[dict[str, Any] | None, ERROR] = None
 
 
+@header(Op.GENERATE_DONE)
 @dataclass(slots=True)
-class GenerateDone:
-    job_id: str
-    backend_id: str
+class GenerateDone(Header):
+    job_id: JobId
+    backend_id: Annotated[str, URL]
 
 
+@header(Op.GENERATE_CANCEL)
 @dataclass(slots=True)
-class GenerateCancel:
-    rid: Rid
-    job_id: str
+class GenerateCancel(Header):
+    rid: RequestId
+    job_id: JobId
 
 
 # ----------------------------------------------------------------- broker -> node
 
 
+@header(Op.ASSIGN, payload="jobs")
 @dataclass(slots=True)
-class Assign:
+class Assign(Header):
     """Jobs placed on a node; payload: one instance per job.
 
     ``jobs`` stay as read here: the node reads each with ``JobSpec.from_wire`` on its own, so one bad
     record fails that job (reported FAILED) and not the jobs beside it.
     """
 
-    jobs: list[Any]
+    jobs: Annotated[list[Any], List(ANY)]
     #: Per job: where its timeline starts (``since_submit_s``) and the broker's events so far.
-    timing: list[Any] | None = None
+    timing: Annotated[list[Any] | None, List(ANY)] = None
 
 
+@header(Op.CANCEL_JOB)
 @dataclass(slots=True)
-class CancelJob:
+class CancelJob(Header):
     """Stop these jobs (the broker -> node form of ``cancel``)."""
 
-    job_ids: list[str]
+    job_ids: JobIdList
 
 
+@header(Op.GENERATE_HELD)
 @dataclass(slots=True)
-class GenerateHeld:
-    rid: Rid
-    job_id: str
-    held: bool
+class GenerateHeld(Header):
+    rid: RequestId
+    job_id: JobId
+    held: Annotated[bool, Bool()]
 
 
+@header(Op.SHUTDOWN)
 @dataclass(slots=True)
-class Shutdown:
+class Shutdown(Header):
     """The broker tells a node or bridge to leave."""
 
-    rid: Rid | None = None
+    rid: Annotated[Rid | None, Id()] = None
 
 
-#: The header class of each op (several ops share one shape).
-HEADERS: dict[Op, type] = {
-    Op.SUBMIT: Submit,
-    Op.CANCEL: JobIds,
-    Op.WATCH: JobIds,
-    Op.FORGET: JobIds,
-    Op.LIST_JOBS: ListJobs,
-    Op.STATUS: Request,
-    Op.ADD_LLM_SERVER: AddLlmServer,
-    Op.CLEAR_LLM_SERVER: ClearLlmServer,
-    Op.LIST_LLM_SERVERS: Request,
-    Op.PAUSE_GENERATION: PauseGeneration,
-    Op.RESUME_GENERATION: ResumeGeneration,
-    Op.UPDATE_WEIGHTS: UpdateWeights,
-    Op.WEIGHTS_UPDATED: WeightsUpdated,
-    Op.START: Request,
-    Op.HOLD: Request,
-    Op.STOP: Request,
-    Op.PING: Request,
-    Op.REGISTER: Register,
-    Op.HEARTBEAT: Heartbeat,
-    Op.UNREGISTER: Unregister,
-    Op.RELEASE: JobIds,
-    Op.JOB_STAGE: JobStage,
-    Op.JOB_DONE: JobDone,
-    Op.GENERATE: Generate,
-    Op.REGISTER_BACKEND: RegisterBackend,
-    Op.GENERATE_REPLY: GenerateReply,
-    Op.GENERATE_DONE: GenerateDone,
-    Op.GENERATE_CANCEL: GenerateCancel,
-    Op.ASSIGN: Assign,
-    Op.CANCEL_JOB: CancelJob,
-    Op.GENERATE_HELD: GenerateHeld,
-    Op.SHUTDOWN: Shutdown,
-}
+check_declared()
 
 
 # ----------------------------------------------------------------- broker -> client: success replies
-# What :func:`prorl_cli.protocol.schema.parse_reply` turns a success reply into (``REPLY_SCHEMAS``). A list or
-# map field has a default: the client always took it as empty when absent, and still does; a wrong one is an
-# error. A reply that is nothing but its record (``status``, a backend) requires it.
+# What :func:`parse_reply` turns a success reply into. A list or map field has a default: the client always took
+# it as empty when absent, and still does; a wrong one is an error. A reply that is nothing but its record
+# (``status``, a backend) requires it. Fields not declared (``op``, ``rid``, ``ok``, ``boot_id``, a newer
+# broker's) are ignored.
+
+_STATUS_REPORT = read_by(StatusReport)
+_BACKEND_STATUS = read_by(BackendStatus)
+_URLS = List(URL, 4096)
 
 
+@reply(Op.SUBMIT)
 @dataclass(slots=True)
 class SubmitReply:
     """``submit``: the ids taken as new jobs, and those the broker already had (a submit is idempotent)."""
 
-    accepted: list[str] = field(default_factory=list)
-    existing: list[str] = field(default_factory=list)
+    accepted: JobIdList = field(default_factory=list)
+    existing: JobIdList = field(default_factory=list)
 
 
+@reply(Op.WATCH)
 @dataclass(slots=True)
 class WatchReply:
     """``watch``: the ids the broker does not know (the others' results come as they finish)."""
 
-    unknown: list[str] = field(default_factory=list)
+    unknown: JobIdList = field(default_factory=list)
 
 
+@reply(Op.CANCEL)
 @dataclass(slots=True)
 class CancelReply:
     """``cancel``: each known job's state after the cancel (ids the broker does not know are absent)."""
 
-    states: dict[str, str] = field(default_factory=dict)
+    states: Annotated[dict[str, str], Dict(Str(), Str(32), max_len=MAX_JOBS_PER_MESSAGE)] = field(default_factory=dict)
 
 
+@reply(Op.LIST_JOBS)
 @dataclass(slots=True)
 class JobPage:
     """``list_jobs``: one page of ids and states, in submission order; ``next`` is the next page's ``after``."""
 
-    jobs: dict[str, str] = field(default_factory=dict)
-    next: int | None = None
+    jobs: Annotated[dict[str, str], Dict(Str(), Str(32), max_len=MAX_LISTED_JOBS)] = field(default_factory=dict)
+    next: Annotated[int | None, Int(0, BIG)] = None
 
 
+@reply(Op.UPDATE_WEIGHTS)
 @dataclass(slots=True)
 class WeightsUpdateReply:
     """``update_weights``: bridges that loaded the weights, HTTP backends skipped, the version now served."""
 
-    updated: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    policy_version: int | None = None
+    updated: Annotated[list[str], _URLS] = field(default_factory=list)
+    skipped: Annotated[list[str], _URLS] = field(default_factory=list)
+    policy_version: Annotated[int | None, Int(0, BIG)] = None
 
 
+@reply(Op.STATUS)
 @dataclass(slots=True)
 class StatusReply:
     """``status``: the broker's report."""
 
-    status: StatusReport
+    status: Annotated[StatusReport, _STATUS_REPORT]
 
 
+@reply(Op.ADD_LLM_SERVER)
 @dataclass(slots=True)
 class BackendReply:
     """``add_llm_server``: the backend as registered."""
 
-    backend: BackendStatus
+    backend: Annotated[BackendStatus, _BACKEND_STATUS]
 
 
+@reply(Op.CLEAR_LLM_SERVER)
 @dataclass(slots=True)
 class ClearedReply:
     """``clear_llm_server``: the backends that take no new jobs now."""
 
-    cleared: list[str]
+    cleared: Annotated[list[str], _URLS]
 
 
+@reply(Op.LIST_LLM_SERVERS)
 @dataclass(slots=True)
 class BackendList:
     """``list_llm_servers``: every backend the broker knows."""
 
-    backends: list[BackendStatus]
+    backends: Annotated[list[BackendStatus], List(_BACKEND_STATUS, 4096)]
 
 
-#: The typed success reply of each request op the client reads (``forget``'s is the :class:`ForgetOutcome` record).
-REPLIES: dict[Op, type] = {
-    Op.SUBMIT: SubmitReply,
-    Op.WATCH: WatchReply,
-    Op.CANCEL: CancelReply,
-    Op.LIST_JOBS: JobPage,
-    Op.FORGET: ForgetOutcome,
-    Op.UPDATE_WEIGHTS: WeightsUpdateReply,
-    Op.STATUS: StatusReply,
-    Op.ADD_LLM_SERVER: BackendReply,
-    Op.CLEAR_LLM_SERVER: ClearedReply,
-    Op.LIST_LLM_SERVERS: BackendList,
-}
+# ``forget``'s reply is the :class:`ForgetOutcome` record (its fields declared in ``records.py``).
+reply(Op.FORGET)(ForgetOutcome)
+
+
+def parse_reply(op: Op, header: dict[str, Any]) -> Any:
+    """The typed success reply to ``op`` (its class in :data:`REPLIES`), checked.
+
+    ``header`` is a success reply (``ok`` true) as the connection hands it over. Raises
+    :class:`ProtocolError` (``bad_field``) naming the op and the field that is malformed.
+    """
+    try:
+        return _REPLY_CHECKS[op](header, "")
+    except ProtocolError as e:
+        raise ProtocolError(e.code, f"reply to {op.value!r}: field {e.message}") from None
+
+
+def parse(header: dict[str, Any], n_payload: int | None = None) -> Any:
+    """The typed header (its op's class in :data:`HEADERS`) of ``header``, checked.
+
+    ``header`` is decoded and its envelope checked (:func:`~prorl_cli.protocol.framing.decode_header`);
+    every field its op's class declares is checked for type and range, and the payload count when
+    ``n_payload`` is given. Raises :class:`ProtocolError` (``missing_field`` / ``bad_field``) naming
+    the op and the field.
+    """
+    op: Op = header["op"]
+    found = _OP_CHECKS.get(op)
+    if found is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP.value, f"op {op.value!r} has no header schema")
+    check, payload = found
+    try:
+        typed = check(header, "")
+    except ProtocolError as e:
+        raise ProtocolError(e.code, f"op {op.value!r}: field {e.message}") from None
+    if n_payload is not None and payload is not None:
+        want = len(header["jobs"]) if payload == "jobs" else payload
+        if n_payload != want:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD.value,
+                f"op {op.value!r} carries {n_payload} payload frame(s) but needs {want}"
+                + (" (one instance/result frame per item of 'jobs': the job records and frames must pair up)"
+                   if payload == "jobs" else ""),
+            )
+    return typed
+
+
+def validate(header: dict[str, Any], n_payload: int | None = None) -> None:
+    """Check ``header`` as :func:`parse` does, keeping nothing (for callers that only need the verdict)."""
+    parse(header, n_payload)
+
 
 __all__ = [name for name, value in dict(globals()).items() if isinstance(value, type) and value.__module__ == __name__]
+__all__ += ["HEADERS", "NEW_RID", "OP_SCHEMAS", "REPLIES", "REPLY_SCHEMAS", "UNDECLARED_OPS", "check_declared", "header",
+            "parse", "parse_reply", "reply", "validate"]

@@ -12,10 +12,14 @@ import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Annotated, Any, Self
 
 from prorl_cli.exceptions import ProtocolError
+from prorl_cli.protocol.checks import List, Str
 from prorl_cli.protocol.framing import ErrorCode, JobState
+
+#: Job ids, as the ``forget`` reply lists them (its fields are declared with their checks, as a header's are).
+JOB_IDS = List(Str())
 
 #: The schema checker that reads each checked record class off the wire (filled in by the schema module).
 RECORD_CHECKS: dict[type, Callable[[Any, str], Any]] = {}
@@ -70,9 +74,13 @@ _NESTED = (enum.Enum, _Record)
 class ForgetOutcome(_Record):
     """The ``forget`` reply: results dropped, jobs still unfinished (kept), ids the broker does not know."""
 
-    forgotten: list[str] = field(default_factory=list)
-    running: list[str] = field(default_factory=list)
-    unknown: list[str] = field(default_factory=list)
+    forgotten: Annotated[list[str], JOB_IDS] = field(default_factory=list)
+    running: Annotated[list[str], JOB_IDS] = field(default_factory=list)
+    unknown: Annotated[list[str], JOB_IDS] = field(default_factory=list)
+
+
+#: Most alternatives per output token a generate call may ask for (OpenAI's ``top_logprobs`` limit).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -87,6 +95,9 @@ class SamplingParams(_Record):
     stop_token_ids: list[int] = field(default_factory=list)
     #: Keep sampling past end-of-sequence tokens (fixed-length generations); ``stop_token_ids`` still stop.
     ignore_eos: bool = False
+    #: Alternatives per output token to return with the sampled one (``Generation.top_logprobs``), 0 to 20;
+    #: ``None`` or 0: none. Engines that cannot return them ignore it.
+    top_logprobs: int | None = None
     #: The fields the sender gave, when read off the wire (``None``: built here, every field given).
     given: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -105,6 +116,10 @@ class SamplingParams(_Record):
             raise ValueError(f"sampling.top_k must be -1 (off) or positive, got {self.top_k!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"sampling.ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.top_logprobs is not None and not (
+                type(self.top_logprobs) is int and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"sampling.top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.top_logprobs!r}")
 
     @classmethod
     def from_given(cls, **fields: Any) -> SamplingParams:
@@ -248,6 +263,13 @@ class BackendStatus(_Record):
     alive: bool
     #: Engine figures from the bridge's heartbeat ``stats`` (str -> number); empty when it sends none.
     stats: dict[str, float] = field(default_factory=dict)
+    #: The weights version the bridge serves (``None``: the weights it was started on; HTTP backends: unknown).
+    policy_version: int | None = None
+    #: The bridge is loading the deployment's current weights (it rejoined on others): it serves no call until then.
+    loading: bool = False
+    #: Why a bridge is gone (in ``StatusReport.gone_backends``): :data:`NODE_LEFT` for a planned exit (a signal,
+    #: a scale-down, ``down``), else why it was lost (``silent for 2.1 s``, its engine died); None while alive.
+    gone_reason: str | None = None
 
 
 @dataclass
@@ -279,12 +301,15 @@ class StatusReport(_Record):
     failures: list[dict[str, Any]] = field(default_factory=list)
     #: Tokens through each backend so far, as the nodes count them: ``{backend: {"prompt": n, "output": n}}``.
     tokens: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Bridges that went away and have not registered again (the latest few), each with its ``gone_reason``.
+    gone_backends: list[BackendStatus] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a msgpack-ready map, its nodes and backends as maps."""
         wire = super().to_wire()
         wire["nodes"] = [n.to_wire() for n in self.nodes]
         wire["backends"] = [b.to_wire() for b in self.backends]
+        wire["gone_backends"] = [b.to_wire() for b in self.gone_backends]
         return wire
 
     @classmethod
@@ -293,4 +318,5 @@ class StatusReport(_Record):
         report = super().from_wire(data, what)
         report.nodes = [NodeStatus.from_wire(n, f"nodes[{i}]") for i, n in enumerate(report.nodes)]
         report.backends = [BackendStatus.from_wire(b, f"backends[{i}]") for i, b in enumerate(report.backends)]
+        report.gone_backends = [BackendStatus.from_wire(b, f"gone_backends[{i}]") for i, b in enumerate(report.gone_backends)]
         return report

@@ -1,7 +1,7 @@
 """Messages built from the protocol's own grammar: every field of every op at its bounds and just past them.
 
-The schema (``prorl_cli/protocol/schema.py``) records what each checker accepts
-(``GRAMMAR``: a kind and its bounds). From it, :func:`edge_values` gives, for
+The checkers (``prorl_cli/protocol/checks.py``) record what each accepts (``GRAMMAR``: a kind
+and its bounds); each op's fields are its header class's (``prorl_cli/protocol/headers.py``). From it, :func:`edge_values` gives, for
 one field, values at each bound and one step past it, the empty and the
 oversized, unicode and control characters, wrong types and nested
 containers, and, for URLs, addresses that pass a prefix check but name no
@@ -23,8 +23,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from prorl_cli import protocol as P
+from prorl_cli.protocol.checks import GRAMMAR, Check, Opt
 from prorl_cli.protocol.framing import INT_MAX, INT_MIN
-from prorl_cli.protocol.schema import GRAMMAR, OP_SCHEMAS, Check, Opt
+from prorl_cli.protocol.headers import OP_SCHEMAS
 from prorl_cli.testing.samples import RELEASE, STOP, TO_BRIDGE, TO_NODE, VALID
 
 #: A valid sample of every op, whoever sends it (the broker's input, then a node's and a bridge's).

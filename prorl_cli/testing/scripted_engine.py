@@ -6,7 +6,10 @@ deployment add their own entries) holding a list of
 ``match`` gets ``turns[i]`` (plus ``<|im_end|>``) encoded with the real
 tokenizer, where ``i`` is the number of assistant turns already in the
 prompt. A turn ``<<sleep:S>>TEXT`` answers ``TEXT`` after ``S`` seconds (a
-model call still in flight when a job's limit strikes). Every call is recorded (``calls_path_for``). The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
+model call still in flight when a job's limit strikes). A call that asks for
+``top_logprobs = k`` gets, at every position, the sampled token (log-prob
+-0.1) then the first tokens of the entry's ``"alternatives"`` texts (log-probs
+-1, -2, ...), then the ids after the sampled one, k in all. Every call is recorded (``calls_path_for``). The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
 so every call goes node -> broker -> bridge -> engine and back (the real
 generate contract). Run: ``python -m prorl_cli.testing.scripted_engine SCRIPT
 TOKENIZER_DIR BACKEND_ID DEPLOYMENT_DIR``.
@@ -51,6 +54,8 @@ class ScriptedEngine(Engine):
         self.script: list[dict[str, Any]] = []
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         self.calls = 0
+        #: The matched entry's ``alternatives`` (first token ids) for the current call.
+        self._alternatives: list[int] = []
         #: Every call's prompt and output ids, one JSON object a line (``calls_path_for(script_path)``).
         self.calls_path = calls_path_for(script_path)
 
@@ -59,8 +64,11 @@ class ScriptedEngine(Engine):
         if mtime_ns != self._mtime_ns:
             self.script, self._mtime_ns = json.loads(self.script_path.read_text()), mtime_ns
         done = prompt.count("<|im_start|>assistant") - 1
+        self._alternatives = []
         for entry in self.script:
             if entry["match"] in prompt:
+                self._alternatives = [self.tokenizer.encode(t, add_special_tokens=False)[0]
+                                      for t in entry.get("alternatives", []) if t]
                 turns = entry["turns"]
                 return str(turns[done]) if done < len(turns) else FALLBACK_TURN
         return FALLBACK_TURN
@@ -69,6 +77,7 @@ class ScriptedEngine(Engine):
         self.calls += 1
         prompt = str(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
         text = self.turn_for(prompt)
+        alternatives = self._alternatives  # read before any await: calls interleave
         slow = SLEEP.match(text)
         if slow:
             await asyncio.sleep(float(slow.group(1)))
@@ -79,7 +88,18 @@ class ScriptedEngine(Engine):
             ids, finish = ids[: sampling.max_tokens], "length"
         with self.calls_path.open("a") as record:  # what the model saw, for tests that check the wire
             record.write(json.dumps({"prompt_ids": list(prompt_ids), "output_ids": ids}) + "\n")
-        return Generation(ids, [-0.1] * len(ids), finish, None)
+        return Generation(ids, [-0.1] * len(ids), finish, None,
+                          top_logprobs=top_logprobs(ids, sampling.top_logprobs, alternatives) if sampling.top_logprobs else None)
+
+
+def top_logprobs(ids: list[int], k: int, alternatives: list[int]) -> list[list[tuple[int, float]]]:
+    """Per position: the sampled token, then ``alternatives``, then the ids after the sampled one, k in all."""
+    rows = []
+    for token in ids:
+        others = [t for t in alternatives if t != token]
+        others += [t for t in range(token + 1, token + k + 1) if t not in others]  # k of them, whatever is configured
+        rows.append([(token, -0.1)] + [(t, -1.0 - j) for j, t in enumerate(others[: k - 1])])
+    return rows
 
 
 async def serve(script_path: str, tokenizer_dir: str, backend_id: str, deployment_dir: str) -> None:

@@ -23,7 +23,7 @@ from prorl_cli.embedded import LocalStack
 from prorl_cli.node.registry import discover
 from tests.harness import REPO
 
-BUILTIN_TASKS = {"code", "harness", "math", "math_agent", "search", "swe", "swe_oracle"}
+BUILTIN_TASKS = {"code", "harness", "math", "math_agent", "search", "swe", "swe_no_fix", "swe_oracle"}
 TEST_TASKS = {"test", "noop", "dapo_sim", "sim_agent", "sandbox_demo", "sandbox_bash"}
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -68,15 +69,24 @@ async def _wait(event: asyncio.Event, ctx: JobContext) -> None:
         await event.wait()
 
 
-def _identity(sandbox: Sandbox) -> dict[str, Any]:
+async def _identity(sandbox: Sandbox) -> dict[str, Any]:
     """What identifies the sandbox's processes and files on the host (for the tests' leftover checks)."""
     own = os.readlink("/proc/self/ns/pid")
     namespaces = set()
     for pid in process_tree(sandbox.pid):
         with contextlib.suppress(OSError):
             namespaces.add(os.readlink(f"/proc/{pid}/ns/pid"))
+    if not namespaces - {own}:
+        # A rootless node may not read the namespaces of a fakeroot sandbox's processes (they run as its
+        # subordinate ids): ask inside, where the link names the same namespace.
+        inside = await sandbox.bash("readlink /proc/self/ns/pid")
+        namespaces.add(inside.output.strip())
     cgroup = sandbox.process.spec.cgroup
     return {
+        # Clock ticks after boot, as /proc/PID/stat's start times: the sandbox's pid namespace's init started
+        # before this, and lives as long as any process in the namespace; a namespace made after this one
+        # was freed may get its number again.
+        "ready_ticks": int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK")),
         "id": sandbox.sandbox_id, "pid": sandbox.pid, "session_dir": str(sandbox.process.spec.session_dir),
         "pid_namespaces": sorted(namespaces - {own}), "loopback_ip": sandbox.loopback_ip,
         "cgroups": [str(d) for d in cgroup.dirs] if cgroup is not None else [],
@@ -94,7 +104,7 @@ class SandboxBashHandler(AgentHandler):
         limits = SandboxLimits(**inst["limits"]) if inst.get("limits") else None
         sandbox = await ctx.start_sandbox(network=bool(inst.get("network", False)), limits=limits)
         ctx.state["sandbox"] = sandbox
-        ctx.output["sandbox"] = _identity(sandbox)
+        ctx.output["sandbox"] = await _identity(sandbox)
         pair = _pair(ctx)
         if pair is None:
             return

@@ -7,6 +7,7 @@
      "block_s": {"run": 10},                  # block the event loop in a stage (time.sleep)
      "raise_in": "run",                       # raise RuntimeError in a stage
      "hang_in": "eval",                       # await forever in a stage
+     "hang_attempt": 1,                       # ...only in this attempt (a retry elsewhere finishes)
      "on_cancel": "swallow" | "raise",        # ...and misbehave when cancelled
      "journal": "/path/dir"}                  # append "<job_id> <attempt> <stage>" per stage start
 
@@ -61,7 +62,7 @@ class ScriptedTestHandler(AgentHandler):
             await asyncio.sleep(float(delay_s))
         if inst.get("raise_in") == stage:
             raise RuntimeError(f"scripted failure in {stage}")
-        if inst.get("hang_in") == stage:
+        if inst.get("hang_in") == stage and inst.get("hang_attempt", ctx.attempt) == ctx.attempt:
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:

@@ -166,7 +166,8 @@ def test_resubmitting_a_job_id_returns_the_same_job(deployment: Deployment, tmp_
 def test_kill_9_of_a_node_requeues_its_jobs_to_the_other(deployment: Deployment, tmp_path: Path) -> None:
     deployment.start_node("victim")
     client = deployment.client
-    ids = client.submit("test", [{"sleep_s": {"run": 2.0}}] * 4, timeout_s=30)
+    # The first attempt never ends: only the survivor can finish these jobs, however slow the machine.
+    ids = client.submit("test", [{"hang_in": "run", "hang_attempt": 1}] * 4, timeout_s=30)
     deployment.wait_for(lambda st: st.jobs["run"] == 4, 20, "4 jobs in RUN on the victim")
     deployment.start_node("survivor")
     deployment.kill("victim", signal.SIGKILL)

@@ -12,7 +12,7 @@ import yaml
 
 from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.slurm.deploy import load_deploy
-from prorl_cli.slurm.launcher import effective_deploy
+from prorl_cli.slurm.options import effective_deploy
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,8 @@
-"""BrokerConnection over real ZeroMQ sockets: a raw ROUTER in the test plays the broker's side of the wire."""
+"""BrokerConnection over real ZeroMQ sockets: a raw ROUTER (``tests.fakes.connections``) plays the broker's side of the wire."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 import pytest
 import zmq
@@ -20,33 +19,13 @@ from prorl_cli.exceptions import (
     RemoteError,
     UnknownJob,
 )
-
-
-def with_router(test: Callable[[zmq.asyncio.Socket], Awaitable[None]]) -> None:
-    """Run ``test(router)`` on a fresh event loop with a bound ROUTER (no pytest-asyncio here)."""
-
-    async def main() -> None:
-        sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind("tcp://127.0.0.1:*")
-        try:
-            async with asyncio.timeout(60):
-                await test(sock)
-        finally:
-            sock.close(0)
-
-    asyncio.run(main())
+from tests.fakes.connections import receive_request, with_router
 
 
 async def _conn(router: zmq.asyncio.Socket, **kwargs: object) -> BrokerConnection:
     conn = BrokerConnection(address=router.getsockopt_string(zmq.LAST_ENDPOINT), deployment_dir=None, **kwargs)  # type: ignore[arg-type]
     conn.open()
     return conn
-
-
-async def _receive(router: zmq.asyncio.Socket) -> tuple[bytes, dict[str, object]]:
-    identity, *frames = await router.recv_multipart()
-    return identity, P.decode_header(frames[0])
 
 
 def test_a_cancel_racing_a_reply_is_never_lost() -> None:
@@ -67,7 +46,7 @@ async def _a_cancel_racing_a_reply_is_never_lost(router: zmq.asyncio.Socket) -> 
             task = asyncio.ensure_future(
                 conn.request({"op": "generate", "job_id": "j"}, timeout_s=30, cancel={"op": "generate_cancel", "job_id": "j"})
             )
-            identity, header = await _receive(router)
+            identity, header = await receive_request(router)
             (fut,) = conn._pending.values()
             accepted: list[bool] = []
             fut.add_done_callback(lambda _f, t=task, a=accepted: a.append(t.cancel()))
@@ -95,11 +74,11 @@ async def _a_cancelled_request_tells_the_broker(router: zmq.asyncio.Socket) -> N
     conn = await _conn(router)
     try:
         task = asyncio.ensure_future(conn.request({"op": "generate"}, cancel={"op": "generate_cancel", "job_id": "j"}))
-        _, header = await _receive(router)
+        _, header = await receive_request(router)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        _, cancel = await _receive(router)
+        _, cancel = await receive_request(router)
         assert cancel == {**cancel, "op": "generate_cancel", "job_id": "j", "rid": header["rid"]}
     finally:
         await conn.close()
@@ -114,13 +93,13 @@ async def _a_new_boot_id_fails_the_requests_the_old_broker_had(router: zmq.async
     conn = await _conn(router, on_new_boot=boots.append)
     try:
         first = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
-        identity, h1 = await _receive(router)
+        identity, h1 = await receive_request(router)
         await router.send_multipart([identity, *P.encode(P.reply(h1["rid"], boot_id="A"), ())])
         await first
         lost = asyncio.ensure_future(conn.call({"op": "submit"}, timeout_s=30))
         answered = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
-        _, h2 = await _receive(router)
-        _, h3 = await _receive(router)
+        _, h2 = await receive_request(router)
+        _, h3 = await receive_request(router)
         # Only the ping is answered, by a broker with a new boot id: the submit went with the old one.
         await router.send_multipart([identity, *P.encode(P.reply(h3["rid"], boot_id="B"), ())])
         reply, _ = await answered
@@ -141,16 +120,16 @@ async def _a_request_sent_after_the_one_that_met_the_new_broker_is_not_lost(rout
     conn = await _conn(router)
     try:
         first = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
-        identity, h1 = await _receive(router)
+        identity, h1 = await receive_request(router)
         await router.send_multipart([identity, *P.encode(P.reply(h1["rid"], boot_id="A"), ())])
         await first
         # Tasks start in the order they were made: the rids (and the sends) follow that order.
         lost = asyncio.ensure_future(conn.call({"op": "submit"}, timeout_s=30))
         ping = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
         retry = asyncio.ensure_future(conn.call({"op": "submit"}, timeout_s=30))
-        _, h2 = await _receive(router)
-        _, h3 = await _receive(router)
-        _, h4 = await _receive(router)
+        _, h2 = await receive_request(router)
+        _, h3 = await receive_request(router)
+        _, h4 = await receive_request(router)
         assert [h2["op"], h3["op"], h4["op"]] == ["submit", "ping", "submit"]
         # The ping meets the new broker first; the retry, sent after it, reached that broker too and is answered.
         await router.send_multipart([identity, *P.encode(P.reply(h3["rid"], boot_id="B"), ())])

@@ -56,12 +56,13 @@ def test_bad_handler_sources_are_reported_by_name(tmp_path: Path, monkeypatch: p
 def test_bad_handler_settings_in_the_config_stop_the_node_at_start(tmp_path: Path) -> None:
     import subprocess
 
+    from prorl_cli.config import config_from_dict
     from tests.harness import Deployment
 
     reg = discover()
-    assert reg.settings_errors({"math": {"max_turns": 3}, "other": {"x": 1}}) == []
-    assert reg.settings_errors({"math": {"tools": ["python", "shell"]}}) == [
-        "prorl.yaml: domains.math: tools ['shell'] do not exist; math offers ['python']"]
+    assert reg.settings_errors(config_from_dict({"handlers": {"math": {"max_turns": 3}, "other": {"x": 1}}})) == []
+    assert reg.settings_errors(config_from_dict({"handlers": {"math": {"tools": ["python", "shell"]}}})) == [
+        "prorl.yaml: handlers.math: tools ['shell'] do not exist; math offers ['python']"]
     d = Deployment(tmp_path / "home", "badset", config={"domains": {"code": {"test_mem_mb": "lots"}}})
     try:
         proc = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", "badset", "serve", "node"],

@@ -193,6 +193,7 @@ def test_quickstart_without_llm_runs_end_to_end(tmp_path: Path) -> None:
     assert not (tmp_path / "qs" / "quickstart" / "broker.json").exists()
 
 
+@pytest.mark.timeout(900)  # the subprocess's own limit; a loaded machine needs more than the default 300 s
 def test_quickstart_with_the_tiny_model_runs_a_real_agent(tmp_path: Path) -> None:
     """The README's main command: a real transformers model behind a real bridge."""
     pytest.importorskip("torch", reason="the cpu extra (torch) is not installed")
