@@ -9,7 +9,7 @@ the live jobs routed to it, ``assigned`` the jobs ever routed to it (never
 decremented).
 
 The policy that picks a backend is a named choice (``broker.routing_policy``),
-and picks only among live, uncleared backends:
+and picks only among live, uncleared backends that are not loading weights:
 
 - ``least_loaded_sticky`` (default): a job's first call goes to the live
   backend with the fewest live jobs, then fewest in-flight calls, then on
@@ -52,6 +52,10 @@ class Backend:
     last_seen: float = 0.0
     #: The bridge's engine figures from its last heartbeat (the sim engine: busy fraction, tokens/s, hit rate).
     stats: dict[str, float] = field(default_factory=dict)
+    #: The weights version the bridge serves (``None``: the weights it was started on; HTTP backends: unknown).
+    policy_version: int | None = None
+    #: Loading the deployment's current weights after it (re)joined on others: no call is routed to it meanwhile.
+    loading: bool = False
 
     def status(self, inflight: int) -> P.BackendStatus:
         return P.BackendStatus(
@@ -67,6 +71,8 @@ class Backend:
             cleared=self.cleared,
             alive=self.alive,
             stats=dict(self.stats),
+            policy_version=self.policy_version,
+            loading=self.loading,
         )
 
 
@@ -121,3 +127,27 @@ POLICY_CLASSES: dict[str, type[RoutingPolicy]] = {
     "round_robin": RoundRobin,
     "ever_assigned": EverAssigned,
 }
+
+
+class GoneBridges:
+    """Bridges that went away and have not registered again, for ``status`` (the latest ``kept``)."""
+
+    def __init__(self, kept: int = 32) -> None:
+        self.kept = kept
+        self._by_id: dict[str, P.BackendStatus] = {}
+
+    def add(self, status: P.BackendStatus, why: str) -> None:
+        """``status`` as it was when it went, marked not alive with ``why`` (``left ...`` or the loss)."""
+        status.alive, status.gone_reason = False, why
+        self._by_id.pop(status.backend_id, None)
+        self._by_id[status.backend_id] = status
+        while len(self._by_id) > self.kept:
+            self._by_id.pop(next(iter(self._by_id)))
+
+    def back(self, backend_id: str) -> None:
+        """It registered again."""
+        self._by_id.pop(backend_id, None)
+
+    def statuses(self) -> list[P.BackendStatus]:
+        """Latest last."""
+        return list(self._by_id.values())

@@ -100,15 +100,16 @@ class JobTable:
     def live_tasks(self) -> set[str]:
         return set().union(*(n.tasks for n in self.nodes.values() if n.alive)) if self.nodes else set()
 
-    def journal_snapshot(self) -> Iterator[dict[str, Any]]:
-        """What a replay needs, as journal records, for a writer that may run in another thread.
+    def journal_snapshot(self, head: list[dict[str, Any]] | None = None) -> Iterator[dict[str, Any]]:
+        """What a replay needs, as journal records (after ``head``: the broker's other state), for a writer that
+        may run in another thread.
 
         Unfinished jobs' records are built now (their specs still change). Finished jobs are named
         now and read when written, and those dropped meanwhile (retention, ``forget``) are skipped, as
         a later snapshot would: a compaction must not keep alive results the loop has let go of, or
         a broker that finishes results fast holds up to its retention again while it writes.
         """
-        unfinished: list[dict[str, Any]] = []
+        unfinished: list[dict[str, Any]] = list(head or ())
         for job in self.jobs.values():
             if job.result is not None:
                 continue

@@ -9,7 +9,10 @@ An append-only file of msgpack records in the deployment folder:
 - ``{"t": "attempt", "job_id", "attempt"}`` when its node died and it was
   queued again;
 - ``{"t": "end", "job_id", "state", "result": bytes}`` when it finishes
-  (written before its result is pushed).
+  (written before its result is pushed);
+- ``{"t": "weights", "checkpoint", "policy_version", "load_timeout_s"}`` when
+  every bridge has loaded a weight update: the deployment's current weights,
+  which a bridge (re)joining after a broker restart must still load first.
 
 A restarted broker replays it: finished jobs keep their results for late
 watchers; unfinished ones that were placed wait for the node they were placed
@@ -83,6 +86,11 @@ def attempt_record(job_id: str, attempt: int) -> dict[str, Any]:
     return {"t": "attempt", "job_id": job_id, "attempt": attempt}
 
 
+def weights_record(checkpoint: str, policy_version: int, load_timeout_s: float) -> dict[str, Any]:
+    return {"t": "weights", "checkpoint": checkpoint, "policy_version": policy_version,
+            "load_timeout_s": load_timeout_s}
+
+
 class Journal:
     """Appends records to ``path``; :meth:`replay` reads them back."""
 
@@ -100,6 +108,8 @@ class Journal:
         self._compactor: threading.Thread | None = None
         self._compact_error: OSError | None = None
         self._copied_until = 0
+        #: The last ``weights`` record :meth:`replay` read (None: no update was ever loaded by every bridge).
+        self.weights: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ reading
 
@@ -110,6 +120,9 @@ class Journal:
             return jobs
         for n, record in enumerate(self._records()):
             try:
+                if record["t"] == "weights":
+                    self.weights = _checked_weights(record)
+                    continue
                 self._apply(jobs, record)
             except (KeyError, TypeError, ValueError) as e:
                 log.error("journal %s: record %d is malformed (%s); skipped", self.path, n, e)
@@ -291,6 +304,14 @@ class Journal:
         self.close()
         self.path.unlink(missing_ok=True)
         self._tmp.unlink(missing_ok=True)
+
+
+def _checked_weights(record: dict[str, Any]) -> dict[str, Any]:
+    """A ``weights`` record read back, its fields typed (ValueError/TypeError on a malformed one)."""
+    checkpoint, version, timeout_s = record["checkpoint"], record["policy_version"], record["load_timeout_s"]
+    if not isinstance(checkpoint, str) or not checkpoint or isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(f"weights record {record!r}: needs a checkpoint path and an integer policy version")
+    return weights_record(checkpoint, version, float(timeout_s))
 
 
 def _copy_from(path: Path, offset: int, out: Any, until: int | None = None, chunk: int = 1 << 20) -> int:

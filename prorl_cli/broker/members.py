@@ -64,7 +64,7 @@ class Members:
         boot_id: str,
         bridge_heartbeat: Callable[[bytes, H.Heartbeat], bool],
         bridges: dict[bytes, Backend],
-        bridge_unregister: Callable[[bytes], None],
+        bridge_unregister: Callable[[bytes, str | None], None],
     ) -> None:
         self.table = table
         self.nodes: dict[str, Node] = table.nodes
@@ -94,7 +94,7 @@ class Members:
     def on_register(self, identity: bytes, h: H.Register, payload: list[bytes]) -> None:
         node_id = h.node_id
         if self.stopping:
-            self._send(identity, {"op": Op.SHUTDOWN.value}, ())
+            self._send(identity, H.Shutdown().to_wire(), ())
             return
         old = self.nodes.get(node_id)
         if old is not None and old.alive and old.identity != identity:
@@ -174,7 +174,7 @@ class Members:
         if node is not None and node.alive:
             # Only a node that means to go sends this (a drain, a scale-down, `down`): it left, it was not lost.
             self.node_lost(node, f"{LEFT} (drained)" if node.draining else LEFT, planned=True)
-        self._bridge_unregister(identity)
+        self._bridge_unregister(identity, h.reason)  # a bridge: left, unless it says what broke
 
     def on_release(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
         """A node drains: nothing more is placed on it; the jobs it names (never started there) are queued again."""
@@ -215,7 +215,7 @@ class Members:
             if judge and now - node.last_seen > self.dead_after_s:
                 self.node_lost(node, f"silent for {now - node.last_seen:.1f} s")
             else:
-                self._send(node.identity, {"op": Op.HEARTBEAT.value}, ())
+                self._send(node.identity, H.Heartbeat().to_wire(), ())
 
     def prune(self, kept: int) -> None:
         """Forget the oldest dead nodes beyond ``kept`` (and their figures)."""
@@ -227,4 +227,4 @@ class Members:
         self.stopping = True
         for node in self.nodes.values():
             if node.alive:
-                self._send(node.identity, {"op": Op.SHUTDOWN.value}, ())
+                self._send(node.identity, H.Shutdown().to_wire(), ())

@@ -24,6 +24,7 @@ from prorl_cli import protocol as P
 from prorl_cli.broker.state import Job, Node, SendFn
 from prorl_cli.observe.metrics import DeploymentCollector
 from prorl_cli.protocol import JobState, Op
+from prorl_cli.protocol import headers as H
 
 
 class Outbox:
@@ -82,7 +83,7 @@ class Outbox:
             timing = [{"since_submit_s": now - j.submitted_at, "events": j.events} for j in jobs]
             if not self._send(
                 node.identity,
-                {"op": Op.ASSIGN.value, "jobs": [j.spec.to_wire() for j in jobs], "timing": timing},
+                H.Assign([j.spec.to_wire() for j in jobs], timing).to_wire(),
                 [j.instance for j in jobs],
             ):
                 node_lost(node, "unreachable")

@@ -2,7 +2,8 @@
 
 The broker's loop owns one :class:`Router` and hands it the generate ops
 (``generate``, ``generate_reply``, ``generate_done``, ``generate_cancel``),
-the backend ops (``register_backend``, ``add/clear/list_llm_server``) and
+the backend ops (``register_backend``; ``add/clear/list_llm_server`` through
+``broker/http_servers.py``) and
 the weight-sync ops of its :class:`~prorl_cli.broker.weights.WeightSync`.
 It tells the router when a job ends or loses its node (:meth:`Router.job_ended`,
 the seam with the job table) and calls :meth:`Router.tick` for bridge
@@ -24,19 +25,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from prorl_cli import protocol as P
 from prorl_cli.broker.admission import KvAdmission, WaitingCall, call_tokens
-from prorl_cli.broker.backends import POLICY_CLASSES, Backend
+from prorl_cli.broker.backends import POLICY_CLASSES, Backend, GoneBridges
 from prorl_cli.broker.calls import HeldGenerate, HeldGenerates, PendingGenerate, PendingGenerates
+from prorl_cli.broker.http_servers import HttpServers
 from prorl_cli.broker.state import SendFn
 from prorl_cli.broker.weights import WeightSync
 from prorl_cli.exceptions import ConfigError
-from prorl_cli.protocol import ErrorCode, Op
+from prorl_cli.protocol import ErrorCode, Op, SamplingParams
 from prorl_cli.protocol import headers as H
+from prorl_cli.protocol.records import NODE_LEFT as LEFT  # a planned exit, for bridges as for nodes
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ class Router:
         #: Fields the broker adds to every ``register_backend`` reply (its boot id).
         self.register_reply_fields = register_reply_fields or {}
         self.backends: dict[str, Backend] = {}
+        #: Bridges gone and not registered again (a scale-down of a large array lists its last few).
+        self.gone = GoneBridges(kept=32)
         self.backend_by_identity: dict[bytes, Backend] = {}
         self.sticky: dict[str, str] = {}  # job id -> backend id
         self.pending = PendingGenerates()
@@ -95,15 +99,15 @@ class Router:
         self.stopping = False
         #: Pause/resume, drains and weight updates; its ops are reachable here too (``handlers``, ``on_...``).
         self.weights = w = WeightSync(send, self.pending, self.held, self.backends, self.backend_by_identity,
-                                      self._call_ids.__next__, self._release_held)
+                                      self._call_ids.__next__, self._release_held, self._backend_lost)
+        #: OpenAI-compatible servers the broker redirects calls to (``add/clear/list_llm_server``).
+        self.http = HttpServers(send, self.backends, self.inflight, self.backend_statuses, self._release_held)
         self.on_pause_generation, self.on_resume_generation = w.on_pause_generation, w.on_resume_generation
         self.on_update_weights, self.on_weights_updated = w.on_update_weights, w.on_weights_updated
         self.check_waiters = w.check_waiters
         self.handlers: dict[Op, Callable[[bytes, Any, list[bytes]], None]] = {
             Op.REGISTER_BACKEND: self.on_register_backend,
-            Op.ADD_LLM_SERVER: self.on_add_llm_server,
-            Op.CLEAR_LLM_SERVER: self.on_clear_llm_server,
-            Op.LIST_LLM_SERVERS: self.on_list_llm_servers,
+            **self.http.handlers,
             Op.GENERATE: self.on_generate,
             Op.GENERATE_REPLY: self.on_generate_reply,
             Op.GENERATE_DONE: self.on_generate_done,
@@ -129,6 +133,12 @@ class Router:
 
     def backend_statuses(self) -> list[P.BackendStatus]:
         return [b.status(self.inflight(b)) for b in self.backends.values()]
+
+    def status_fields(self) -> dict[str, Any]:
+        """The router's part of the broker's ``StatusReport``."""
+        return {"backends": self.backend_statuses(), "gone_backends": self.gone.statuses(),
+                "generation_paused": self.paused, "held_generates": len(self.held),
+                "policy_version": self.policy_version, "routing_policy": self.policy_name}
 
     def bridges_alive(self) -> bool:
         return any(b.alive and b.kind == "bridge" for b in self.backends.values())
@@ -170,7 +180,7 @@ class Router:
             self._answer_dropped(waiting.requester, waiting.header.rid, ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
         for call_id, pend in self.pending.pop_job(job_id):
             self._stop_call(call_id, pend, ErrorCode.UNKNOWN_JOB, f"job {job_id} ended")
-        self._prune_backends()
+        self.http.prune()
         self._admit_waiting()  # its share of KV is free
         if self.weights.drains:
             self.weights.check_waiters()
@@ -185,20 +195,20 @@ class Router:
             if now - backend.last_seen > self.dead_after_s:
                 self._backend_lost(backend, f"silent for {now - backend.last_seen:.1f} s")
             elif backend.identity is not None:
-                self._send(backend.identity, {"op": Op.HEARTBEAT.value}, ())
+                self._send(backend.identity, H.Heartbeat().to_wire(), ())
 
-    def unregister(self, identity: bytes) -> None:
-        """A bridge said goodbye."""
+    def unregister(self, identity: bytes, reason: str | None = None) -> None:
+        """A bridge said goodbye: it left (a signal, a scale-down, ``down``), or it says what broke (``reason``)."""
         backend = self.backend_by_identity.get(identity)
         if backend is not None and backend.alive:
-            self._backend_lost(backend, "unregistered")
+            self._backend_lost(backend, reason or LEFT, planned=reason is None)
 
     def stop(self) -> None:
         """The broker is stopping: answer every call, tell bridges to shut down."""
         self.stopping = True
         for backend in self.backends.values():
             if backend.alive and backend.identity is not None:
-                self._send(backend.identity, {"op": Op.SHUTDOWN.value}, ())
+                self._send(backend.identity, H.Shutdown().to_wire(), ())
         for item in self.held.pop_all():
             self._answer_dropped(item.requester, item.header.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping")
         for waiting in self.admission.take_all():
@@ -223,44 +233,23 @@ class Router:
             backend.jobs, backend.assigned, backend.served = old.jobs, old.assigned, old.served
         self.backends[bid] = backend
         self.backend_by_identity[identity] = backend
-        log.info("backend %s registered (model %s on %s)", bid, backend.model, backend.host)
+        self.gone.back(bid)
+        log.info("backend %s registered (model %s on %s, policy version %s)", bid, backend.model, backend.host, h.policy_version)
         self._send(identity, P.reply(h.rid, heartbeat_interval_s=self.heartbeat_interval_s,
                                      heartbeat_liveness=self.heartbeat_liveness, **self.register_reply_fields), ())
+        self.weights.backend_registered(backend, h.policy_version)  # on other weights: it loads them first
         self._release_held()
         self._admit_waiting()
 
-    def on_add_llm_server(self, identity: bytes, h: H.AddLlmServer, payload: list[bytes]) -> None:
-        url = h.url.rstrip("/")
-        backend = self.backends.get(url)
-        if backend is None or not backend.alive:
-            host = urllib.parse.urlsplit(url).hostname or url  # the schema checked it has one
-            backend = Backend(backend_id=url, kind="http", url=url, host=host, model=h.model)
-            self.backends[url] = backend
-        backend.cleared = False
-        self._send(identity, P.reply(h.rid, backend=backend.status(self.inflight(backend)).to_wire()), ())
-        self._release_held()
-
-    def on_clear_llm_server(self, identity: bytes, h: H.ClearLlmServer, payload: list[bytes]) -> None:
-        url = h.url
-        targets = [b for b in self.backends.values() if url is None or b.backend_id == url.rstrip("/")]
-        if url is not None and not targets:
-            self._reply_error(identity, h.rid, ErrorCode.BAD_FIELD, f"no backend {url!r}")
-            return
-        for b in targets:
-            b.cleared = True  # no new jobs; jobs already routed here keep it
-        self._prune_backends()
-        self._send(identity, P.reply(h.rid, cleared=[b.backend_id for b in targets]), ())
-
-    def on_list_llm_servers(self, identity: bytes, h: H.Request, payload: list[bytes]) -> None:
-        self._send(identity, P.reply(h.rid, backends=[s.to_wire() for s in self.backend_statuses()]), ())
-
-    def _prune_backends(self) -> None:
-        """Drop cleared HTTP backends that no job and no call uses any more."""
-        for b in [b for b in self.backends.values() if b.kind == "http" and b.cleared and not b.jobs and not self.inflight(b)]:
-            del self.backends[b.backend_id]
-
-    def _backend_lost(self, backend: Backend, why: str) -> None:
-        log.warning("backend %s lost: %s", backend.backend_id, why)
+    def _backend_lost(self, backend: Backend, why: str, *, planned: bool = False) -> None:
+        """A backend is gone: answer its calls, forget its jobs (``planned``: it left, which is no loss)."""
+        if planned:
+            log.info("backend %s %s; answering its %d call(s) in flight", backend.backend_id, why,
+                     self.pending.on_backend(backend.backend_id))
+        else:
+            log.warning("backend %s lost: %s", backend.backend_id, why)
+        if backend.kind == "bridge":
+            self.gone.add(backend.status(self.inflight(backend)), why)
         backend.alive = False
         if backend.identity is not None:
             self.backend_by_identity.pop(backend.identity, None)
@@ -289,7 +278,7 @@ class Router:
         self._tell_held(item, held=True)
 
     def _tell_held(self, item: HeldGenerate, *, held: bool) -> None:
-        self._send(item.requester, {"op": Op.GENERATE_HELD.value, "rid": item.header.rid, "job_id": item.job_id, "held": held}, ())
+        self._send(item.requester, H.GenerateHeld(item.header.rid, item.job_id, held).to_wire(), ())
 
     # ------------------------------------------------------------------ generate
 
@@ -318,7 +307,7 @@ class Router:
         return False
 
     def _candidates(self) -> list[Backend]:
-        return [b for b in self.backends.values() if b.alive and not b.cleared]
+        return [b for b in self.backends.values() if b.alive and not b.cleared and not b.loading]
 
     def _route_call(
         self, identity: bytes, h: H.Generate, payload: list[bytes], running: bool = False,
@@ -361,8 +350,9 @@ class Router:
             self._send(identity, P.reply(h.rid, redirect=backend.url, backend_id=backend.backend_id,
                                          policy_version=self.weights.policy_version), ())
             return
-        header = {"op": Op.GENERATE.value, "rid": call_id, "job_id": job_id,
-                  "sampling": h.sampling.to_wire() if h.sampling is not None else {}}
+        # Forwarded with the sampling the caller gave (none: an empty map, the engine's defaults).
+        sampling = h.sampling if h.sampling is not None else SamplingParams.from_given()
+        header = H.Generate(call_id, job_id, sampling).to_wire()
         if backend.identity is None or not self._send(backend.identity, header, payload):
             self._backend_lost(backend, "unreachable")
             self._reply_error(identity, h.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
@@ -437,7 +427,7 @@ class Router:
             payload,
         )
         if backend.cleared:
-            self._prune_backends()
+            self.http.prune()
         if self.weights.drains:
             self.weights.check_waiters()
 
@@ -454,7 +444,7 @@ class Router:
         if backend is not None:
             backend.served += 1
             if backend.cleared:
-                self._prune_backends()
+                self.http.prune()
         if self.weights.drains:
             self.weights.check_waiters()
 
@@ -472,7 +462,7 @@ class Router:
             pend = self.pending.pop(call_id)
             if pend is not None:
                 self._stop_call(call_id, pend, ErrorCode.UNKNOWN_JOB, "the node gave up on this call")
-        self._prune_backends()
+        self.http.prune()
         if self.weights.drains:
             self.weights.check_waiters()
 
@@ -484,7 +474,7 @@ class Router:
             return  # the node calls that HTTP backend itself, and was answered (redirect) already
         backend = self.backends.get(pend.backend_id)
         if backend is not None and backend.alive and backend.identity is not None:
-            self._send(backend.identity, {"op": Op.GENERATE_CANCEL.value, "rid": call_id, "job_id": pend.job_id}, ())
+            self._send(backend.identity, H.GenerateCancel(call_id, pend.job_id).to_wire(), ())
         self._answer_dropped(pend.requester, pend.rid, code, message, backend_id=pend.backend_id)
 
     def _answer_dropped(self, requester: bytes, rid: object, code: ErrorCode, message: str, **fields: Any) -> None:

@@ -114,6 +114,7 @@ class Broker:
             bridge_unregister=self.router.unregister,
         )
         self.node_by_identity: dict[bytes, Node] = self.members.node_by_identity
+        self.router.weights.record = lambda record: self._journal_append(record, durable=True)
         #: Every op the broker takes, to its handler: the client job ops here, the node ops (members), the router's.
         self.handlers: dict[Op, Callable[[bytes, Any, list[bytes]], None]] = {
             **self.router.handlers, **self.members.handlers,
@@ -142,17 +143,20 @@ class Broker:
     def _replay(self) -> None:
         assert self.journal is not None
         jobs = self.journal.replay().values()
+        self.router.weights.restore(self.journal.weights)
         waiting = self.table.load_replayed(jobs, claim_window_s=2 * self.dead_after_s)
-        self.journal.rewrite(self.table.journal_snapshot())
+        self.journal.rewrite(self.table.journal_snapshot(self.router.weights.journal_records()))
         if self.jobs:
             log.info("journal replayed: %d job(s), %d unfinished", len(self.jobs), sum(not j.state.terminal for j in self.jobs.values()))
         if waiting:
             # Only jobs a node may still be running wait; new and never-placed jobs are placed at once.
             log.info("%d placed job(s) wait %.1f s for their nodes to claim them", waiting, 2 * self.dead_after_s)
 
-    def _journal_append(self, record: dict[str, Any]) -> None:
+    def _journal_append(self, record: dict[str, Any], durable: bool = False) -> None:
         if self.journal is not None:
             self.journal.append(record)
+            if durable:  # on disk now: its reply goes out before this turn's end (the weights record)
+                self._journal_flush()
 
     def _journal_flush(self) -> None:
         """Make what was journaled durable before anyone hears of it; compaction runs off the loop."""
@@ -161,7 +165,7 @@ class Broker:
         self.journal.flush()
         self.journal.poll()
         if self.journal.wants_compaction:
-            self.journal.compact_in_background(self.table.journal_snapshot())
+            self.journal.compact_in_background(self.table.journal_snapshot(self.router.weights.journal_records()))
 
     # ------------------------------------------------------------------ I/O
 
@@ -394,7 +398,7 @@ class Broker:
             node = self.nodes.get(node_id)
             if node is None or not node.alive:
                 continue
-            self._send(node.identity, {"op": Op.CANCEL_JOB.value, "job_ids": job_ids})
+            self._send(node.identity, H.CancelJob(job_ids).to_wire())
 
     def on_forget(self, identity: bytes, h: H.JobIds, payload: list[bytes]) -> None:
         """Drop the retained results of finished jobs the caller has taken; unfinished ones are kept."""
@@ -414,19 +418,15 @@ class Broker:
             jobs=self.table.counts(),
             queued=len(self.queue) + len(self.table.awaiting_claim),
             nodes=[n.status() for n in self.nodes.values()],
-            backends=self.router.backend_statuses(),
-            generation_paused=self.router.paused,
             placing=self.placing,
             uptime_s=time.monotonic() - self.started_at,
-            held_generates=len(self.router.held),
             retained_results=self.table.retained_count,
             retained_bytes=self.table.retained_bytes,
-            policy_version=self.router.policy_version,
-            routing_policy=self.router.policy_name,
             metrics_url=self.metrics_server.url if self.metrics_server is not None else None,
             by_task=jobs_by_task(self.jobs.values()),
             failures=self.collector.failure_groups(),
             tokens=self.collector.token_totals(),
+            **self.router.status_fields(),
         )
 
     def on_ping(self, identity: bytes, h: H.Request, payload: list[bytes]) -> None:

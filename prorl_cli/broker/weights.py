@@ -16,9 +16,19 @@ Rules:
 - ``update_weights`` goes to every live bridge (HTTP backends are skipped:
   the broker cannot reload them) and is answered once each one has loaded,
   failed, been lost, or run out of ``load_timeout_s``.
+- An update that every bridge loaded becomes the deployment's current
+  weights (:class:`CurrentWeights`). A bridge that registers on other weights
+  (a requeued or preempted bridge coming back on its start checkpoint, a new
+  one from a scale-up) is sent them first (a catch-up) and is ``loading``
+  until it has them: no call is routed to it meanwhile. One that registers
+  while an update is in flight catches up on that update's weights. A bridge
+  that cannot load them (an error, or no answer within the update's
+  ``load_timeout_s``) is told to shut down and dropped, with a log line
+  saying why: it would serve a policy the trainer has left.
 - The router calls :meth:`WeightSync.check_waiters` when a call ends while a
-  drain waits, and :meth:`WeightSync.backend_lost` when a backend goes; the
-  loop calls ``check_waiters`` on each tick for the deadlines.
+  drain waits, :meth:`WeightSync.backend_registered` when a bridge registers
+  and :meth:`WeightSync.backend_lost` when a backend goes; the loop calls
+  ``check_waiters`` on each tick for the deadlines.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from typing import Any
 from prorl_cli import protocol as P
 from prorl_cli.broker.backends import Backend
 from prorl_cli.broker.calls import HeldGenerates, PendingGenerates
+from prorl_cli.broker.journal import weights_record
 from prorl_cli.broker.state import SendFn
 from prorl_cli.protocol import ErrorCode, Op
 from prorl_cli.protocol import headers as H
@@ -48,12 +59,33 @@ class Waiter:
     deadline: float
 
 
+@dataclass(frozen=True)
+class CurrentWeights:
+    """A checkpoint and its policy version: what every bridge serves, or is being sent (an update in flight)."""
+
+    checkpoint: str
+    policy_version: int
+    #: How long a bridge may take to load them (the update's ``load_timeout_s``).
+    load_timeout_s: float
+
+
+@dataclass
+class CatchUp:
+    """The current weights sent to one bridge that (re)joined on others; it serves nothing until it answers."""
+
+    backend_id: str
+    weights: CurrentWeights
+    deadline: float
+
+
 @dataclass
 class WeightUpdate:
     """An ``update_weights`` forwarded to bridges: answered once each has loaded (or failed, or went away)."""
 
     waiter: Waiter
     policy_version: int
+    checkpoint: str = ""
+    load_timeout_s: float = 600.0
     #: Forward id -> backend id of the bridges that have not answered yet.
     waiting: dict[int, str] = field(default_factory=dict)
     updated: list[str] = field(default_factory=list)
@@ -68,7 +100,8 @@ class WeightSync:
     ``pending``/``held``: the router's call tables; ``backends`` and
     ``backend_by_identity``: its backends by id and by bridge peer;
     ``next_id()``: a fresh forward id (from the router's call ids);
-    ``release_held()``: route the held calls (on resume).
+    ``release_held()``: route the held calls (on resume, and when a bridge has caught up);
+    ``drop_backend(backend, why)``: the router forgets a backend (one that cannot load the current weights).
     """
 
     def __init__(
@@ -80,6 +113,7 @@ class WeightSync:
         backend_by_identity: dict[bytes, Backend],
         next_id: Callable[[], int],
         release_held: Callable[[], None],
+        drop_backend: Callable[[Backend, str], None],
     ) -> None:
         self._send = send
         self._pending = pending
@@ -88,6 +122,7 @@ class WeightSync:
         self._backend_by_identity = backend_by_identity
         self._next_id = next_id
         self._release_held = release_held
+        self._drop_backend = drop_backend
         self.paused = False
         #: The trainer's policy (weights) version, set by pause/resume; 0 until told.
         self.policy_version = 0
@@ -96,6 +131,12 @@ class WeightSync:
         #: Weight updates waiting for their bridges, and forward id -> its update.
         self.updates: list[WeightUpdate] = []
         self._update_of: dict[int, WeightUpdate] = {}
+        #: The last update every bridge loaded (None until one did): what a (re)joining bridge loads first.
+        self.current: CurrentWeights | None = None
+        #: Forward id -> the catch-up it carries, for bridges loading the current weights.
+        self._catch_ups: dict[int, CatchUp] = {}
+        #: Where new current weights are recorded (the broker's journal: a restarted broker still knows them).
+        self.record: Callable[[dict[str, Any]], None] | None = None
         self.handlers: dict[Op, Callable[[bytes, Any, list[bytes]], None]] = {
             Op.PAUSE_GENERATION: self.on_pause_generation,
             Op.RESUME_GENERATION: self.on_resume_generation,
@@ -165,6 +206,12 @@ class WeightSync:
                 self._update_of.pop(fid, None)
             update.waiting.clear()
             self._finish_update(update)
+        for fid, catch_up in list(self._catch_ups.items()):
+            if now >= catch_up.deadline:
+                del self._catch_ups[fid]
+                backend = self._backends.get(catch_up.backend_id)
+                if backend is not None and backend.alive:
+                    self._cannot_load(backend, catch_up.weights, f"no answer within {catch_up.weights.load_timeout_s:g} s")
 
     # ------------------------------------------------------------------ weight updates
 
@@ -172,7 +219,7 @@ class WeightSync:
         """Forward the new weights to every live bridge; answer once each one has loaded them (or failed)."""
         version = h.policy_version
         timeout_s = float(h.load_timeout_s or 600.0)
-        update = WeightUpdate(Waiter(identity, h.rid, time.monotonic() + timeout_s), version)
+        update = WeightUpdate(Waiter(identity, h.rid, time.monotonic() + timeout_s), version, h.checkpoint, timeout_s)
         for b in self._backends.values():
             if not b.alive:
                 continue
@@ -180,7 +227,7 @@ class WeightSync:
                 update.skipped.append(b.backend_id)
                 continue
             fid = self._next_id()
-            header = {"op": Op.UPDATE_WEIGHTS.value, "rid": fid, "checkpoint": h.checkpoint, "policy_version": version}
+            header = H.UpdateWeights(fid, h.checkpoint, version).to_wire()
             if self._send(b.identity, header, ()):
                 update.waiting[fid] = b.backend_id
                 self._update_of[fid] = update
@@ -200,6 +247,9 @@ class WeightSync:
         fid = h.rid
         if not isinstance(fid, int):
             return  # the broker's forward ids are integers: not an answer to one of its updates
+        if fid in self._catch_ups:
+            self._caught_up(backend, self._catch_ups.pop(fid), h.error)
+            return
         update = self._update_of.get(fid)
         if update is None or update.waiting.get(fid) != backend.backend_id:
             return  # an update that timed out already (or another bridge's)
@@ -209,11 +259,16 @@ class WeightSync:
             update.failed[backend.backend_id] = str(h.error["message"])
         else:
             update.updated.append(backend.backend_id)
+            backend.policy_version = update.policy_version
         if not update.waiting:
             self._finish_update(update)
+        if backend.loading:
+            self._settle(backend)  # it (re)joined before this update: it caught up through it
 
     def backend_lost(self, backend_id: str) -> None:
         """A backend went: an update waiting for it counts it failed; a drain may be over (its calls were dropped)."""
+        for fid in [fid for fid, c in self._catch_ups.items() if c.backend_id == backend_id]:
+            del self._catch_ups[fid]
         for update in list(self.updates):
             for fid, bid in list(update.waiting.items()):
                 if bid == backend_id:
@@ -239,7 +294,85 @@ class WeightSync:
             return
         # Calls routed from now on go to the new weights (a bridge also stamps each reply with its own version).
         self.policy_version = max(self.policy_version, update.policy_version)
+        if update.updated:
+            self.current = CurrentWeights(update.checkpoint, update.policy_version, update.load_timeout_s)
+            if self.record is not None:
+                self.record(self.journal_records()[0])
         self._send(w.identity, P.reply(w.rid, **fields), ())
+
+    def journal_records(self) -> list[dict[str, Any]]:
+        """The current weights as journal records (none before an update every bridge loaded)."""
+        w = self.current
+        return [] if w is None else [weights_record(w.checkpoint, w.policy_version, w.load_timeout_s)]
+
+    def restore(self, record: dict[str, Any] | None) -> None:
+        """Take back the current weights a journal recorded (a restarted broker): rejoining bridges load them."""
+        if record is None:
+            return
+        self.current = CurrentWeights(record["checkpoint"], record["policy_version"], record["load_timeout_s"])
+        self.policy_version = max(self.policy_version, self.current.policy_version)
+        log.info("current weights from the journal: %s (policy version %d)", self.current.checkpoint,
+                 self.current.policy_version)
+
+    # ------------------------------------------------------------------ bridges (re)joining
+
+    def _target(self) -> CurrentWeights | None:
+        """The weights a bridge joining now must serve: the newest update in flight's, else the current ones."""
+        if self.updates:
+            u = self.updates[-1]
+            return CurrentWeights(u.checkpoint, u.policy_version, u.load_timeout_s)
+        return self.current
+
+    def backend_registered(self, backend: Backend, policy_version: int | None) -> None:
+        """A bridge registered serving ``policy_version`` (None: its start weights): on other weights, it catches up."""
+        backend.policy_version = policy_version
+        target = self._target()
+        if backend.kind != "bridge" or backend.identity is None or target is None:
+            return
+        if policy_version == target.policy_version:
+            backend.loading = False
+            return
+        backend.loading = True
+        fid = self._next_id()
+        log.info("backend %s joined on %s: it loads %s (policy version %d) before it serves", backend.backend_id,
+                 "its start weights" if policy_version is None else f"policy version {policy_version}",
+                 target.checkpoint, target.policy_version)
+        header = H.UpdateWeights(fid, target.checkpoint, target.policy_version).to_wire()
+        if not self._send(backend.identity, header, ()):
+            self._cannot_load(backend, target, "unreachable")
+            return
+        self._catch_ups[fid] = CatchUp(backend.backend_id, target, time.monotonic() + target.load_timeout_s)
+
+    def _caught_up(self, backend: Backend, catch_up: CatchUp, error: dict[str, Any] | None) -> None:
+        if backend.backend_id != catch_up.backend_id:
+            return  # another bridge's (a forward id is answered by the peer it went to)
+        if error:
+            self._cannot_load(backend, catch_up.weights, str(error.get("message")))
+            return
+        backend.policy_version = catch_up.weights.policy_version
+        self._settle(backend)
+
+    def _settle(self, backend: Backend) -> None:
+        """A loading bridge answered a load: it serves once it has the newest weights and none is on its way."""
+        bid = backend.backend_id
+        if any(c.backend_id == bid for c in self._catch_ups.values()) or any(bid in u.waiting.values() for u in self.updates):
+            return  # more weights are on their way to it (it re-registered, or an update came meanwhile)
+        target = self._target()
+        if target is not None and target.policy_version != backend.policy_version:
+            self.backend_registered(backend, backend.policy_version)  # newer weights came meanwhile: those too
+            return
+        backend.loading = False
+        log.info("backend %s serves policy version %s", bid, backend.policy_version)
+        self._release_held()
+
+    def _cannot_load(self, backend: Backend, weights: CurrentWeights, why: str) -> None:
+        """A bridge that cannot load the current weights would serve a policy the trainer left: it goes."""
+        message = (f"backend {backend.backend_id} could not load the current weights ({weights.checkpoint}, "
+                   f"policy version {weights.policy_version}): {why}; it is told to shut down")
+        log.error("%s", message)
+        if backend.identity is not None:
+            self._send(backend.identity, H.Shutdown().to_wire(), ())
+        self._drop_backend(backend, message)
 
     def stop(self) -> None:
         """The broker is stopping: answer every drain and weight update that still waits."""
@@ -248,3 +381,4 @@ class WeightSync:
             self._send(w.identity, P.error_reply(w.rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping"), ())
         self.drains, self.updates = [], []
         self._update_of.clear()
+        self._catch_ups.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prorl_cli.broker.admission import KvAdmission, call_tokens
 from prorl_cli.protocol import ErrorCode, Op, SamplingParams, pack_tokens
 from prorl_cli.protocol.headers import Generate
-from tests.broker.test_routing import N1, Cluster, end, hdr, run
+from tests.fakes.broker_cluster import N1, Cluster, end, hdr, run
 
 
 class Clocked(Cluster):

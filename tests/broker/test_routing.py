@@ -1,100 +1,17 @@
 """The router as a plain object: each policy's choice, call bookkeeping, job ends and backend loss.
 
-No sockets: the router sends through a function that records what it sent,
-and asks a table of real ``Node`` records which node a peer is and where a
-job runs. Everything is driven by the same handler calls the broker makes.
+No sockets: :class:`tests.fakes.broker_cluster.Cluster` records what the
+router sent and gives it a table of real ``Node`` records. Everything is
+driven by the same handler calls the broker makes.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from prorl_cli import protocol as P
-from prorl_cli.broker.routing import Router
-from prorl_cli.broker.state import Node
 from prorl_cli.exceptions import ConfigError, ProtocolError
-from prorl_cli.protocol import ErrorCode, Op, pack_tokens
-
-PROMPT = [pack_tokens([1, 2, 3])]
-N1, N2 = b"node-1", b"node-2"
-
-
-
-def hdr(op: Op, fields: dict[str, Any]) -> Any:
-    """The typed header the broker's dispatch hands the router for ``fields`` (checked by the op's schema)."""
-    return P.parse({"op": op, **fields})
-
-
-class Cluster:
-    """Two nodes, a job table (job id -> node id) and a router whose sends are recorded."""
-
-    def __init__(self, policy: str = "least_loaded_sticky", cancel_propagation: bool = True) -> None:
-        self.sent: list[tuple[bytes, dict[str, Any], list[bytes]]] = []
-        self.nodes = {
-            N1: Node(node_id="n1", identity=N1, host="h1", pid=1, credit=8, tasks={"t"}),
-            N2: Node(node_id="n2", identity=N2, host="h2", pid=2, credit=8, tasks={"t"}),
-        }
-        self.jobs: dict[str, str] = {}  # running job -> node id
-        self.router = Router(
-            self.send, self.nodes.get, self.jobs.get, policy=policy, cancel_propagation=cancel_propagation,
-            heartbeat_interval_s=1.0, heartbeat_liveness=3,
-        )
-        self._rid = 0
-
-    def send(self, identity: bytes, header: dict[str, Any], payload: Any = ()) -> bool:
-        self.sent.append((identity, header, list(payload)))
-        return True
-
-    def take(self, identity: bytes | None = None) -> list[dict[str, Any]]:
-        """Headers sent (to ``identity``) since the last take."""
-        out = [h for who, h, _ in self.sent if identity is None or who == identity]
-        self.sent = [s for s in self.sent if identity is not None and s[0] != identity]
-        return out
-
-    def bridge(self, backend_id: str, host: str = "h9") -> bytes:
-        identity = f"bridge-{backend_id}".encode()
-        self.router.on_register_backend(identity, hdr(Op.REGISTER_BACKEND, {"rid": 1, "backend_id": backend_id, "host": host, "model": "m"}), [])
-        (ack,) = [s for s in self.sent if s[0] == identity and s[1]["op"] == Op.REPLY.value]
-        assert ack[1]["ok"]
-        self.sent.remove(ack)
-        return identity
-
-    def generate(self, job_id: str, requester: bytes = N1) -> int:
-        self._rid += 1
-        self.router.on_generate(requester, hdr(Op.GENERATE, {"rid": self._rid, "job_id": job_id}), PROMPT)
-        return self._rid
-
-    def routed(self, job_id: str, requester: bytes = N1) -> str:
-        """Make one call for ``job_id`` and return the backend it was forwarded to."""
-        self.generate(job_id, requester)
-        ((who, header, _),) = [s for s in self.sent if s[1].get("op") == Op.GENERATE.value]
-        self.sent.clear()
-        assert header["job_id"] == job_id
-        return who.decode().removeprefix("bridge-")
-
-    def reply(self, bridge: bytes, call_id: int, **fields: Any) -> None:
-        self.router.on_generate_reply(bridge, hdr(Op.GENERATE_REPLY, {"rid": call_id, "finish_reason": "stop", **fields}),
-                                      PROMPT + PROMPT)
-
-    def inflight(self) -> dict[str, int]:
-        return {s.backend_id: s.inflight for s in self.router.backend_statuses()}
-
-    def live_jobs(self) -> dict[str, int]:
-        return {s.backend_id: s.jobs for s in self.router.backend_statuses()}
-
-
-def run(c: Cluster, *job_ids: str, node: str = "n1") -> None:
-    for j in job_ids:
-        c.jobs[j] = node
-
-
-def end(c: Cluster, *job_ids: str) -> None:
-    for j in job_ids:
-        del c.jobs[j]
-        c.router.job_ended(j)
-
+from prorl_cli.protocol import ErrorCode, Op
+from tests.fakes.broker_cluster import N1, N2, Cluster, end, hdr, run
 
 # ---------------------------------------------------------------------- policies
 
@@ -299,6 +216,17 @@ def test_a_lost_backend_fails_its_calls_and_its_jobs_move() -> None:
     assert c.routed("j1") == "b2"
 
 
+def test_a_bridge_that_names_a_fault_is_lost_one_that_does_not_has_left() -> None:
+    c = Cluster()
+    b1, b2 = c.bridge("b1"), c.bridge("b2")
+    c.router.unregister(b1)  # a signal, a scale-down, `down`: nothing broke
+    c.router.unregister(b2, "engine of backend b2 is down: exit 1")
+    assert {s.backend_id: (s.alive, s.gone_reason) for s in c.router.gone.statuses()} == {
+        "b1": (False, "left"), "b2": (False, "engine of backend b2 is down: exit 1")}
+    c.bridge("b1")  # back (a requeue): no longer gone
+    assert [s.backend_id for s in c.router.gone.statuses()] == ["b2"]
+
+
 def test_silent_bridge_is_lost_on_tick() -> None:
     c = Cluster()
     b1 = c.bridge("b1")
@@ -315,13 +243,13 @@ def test_silent_bridge_is_lost_on_tick() -> None:
 def test_http_backend_redirects_counts_until_done_and_is_pruned_once_cleared_and_idle() -> None:
     c = Cluster()
     url = "http://h3:8000/v1"
-    c.router.on_add_llm_server(b"trainer", hdr(Op.ADD_LLM_SERVER, {"rid": 1, "url": url + "/"}), [])
+    c.router.http.on_add_llm_server(b"trainer", hdr(Op.ADD_LLM_SERVER, {"rid": 1, "url": url + "/"}), [])
     run(c, "j1")
     r1 = c.generate("j1")
     (answer,) = c.take(N1)
     assert answer["rid"] == r1 and answer["redirect"] == url and answer["policy_version"] == 0
     assert c.inflight() == {url: 1} and c.live_jobs() == {url: 1}
-    c.router.on_clear_llm_server(b"trainer", hdr(Op.CLEAR_LLM_SERVER, {"rid": 2, "url": url}), [])
+    c.router.http.on_clear_llm_server(b"trainer", hdr(Op.CLEAR_LLM_SERVER, {"rid": 2, "url": url}), [])
     assert url in c.router.backends, "a job still uses it"
     c.router.on_generate_done(N1, hdr(Op.GENERATE_DONE, {"job_id": "j1", "backend_id": url}), [])
     assert c.inflight() == {url: 0}
