@@ -74,3 +74,8 @@ class SlurmIdentity:
         if self.restart_count:
             parts.append(f"restart {self.restart_count}")
         return ", ".join(parts)
+
+
+def child_env() -> dict[str, str]:
+    """This environment without the broker job's Slurm variables (sbatch would take them for the new job's)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))}

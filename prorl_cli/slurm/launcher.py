@@ -5,42 +5,49 @@ One submitit executor per role; node and inference servers are job arrays
 ``$PRORL_HOME/<deployment>/launch.json``; Slurm's view is read from squeue
 (:mod:`prorl_cli.slurm.squeue`), never from submitit's job objects.
 
-Each launch has its own id (``launch_id`` in launch.json); what belongs to
-one launch (launch.json, the supervisor's supervision.json) is moved into
-``history/<launch id>/`` when the deployment is taken down, abandoned or
-launched again, so no launch reads another's state.
+The launch record, its lock and history are in :mod:`prorl_cli.slurm.record`;
+each role's sbatch options and its submission in :mod:`prorl_cli.slurm.options`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import logging
 import os
-import secrets
-import shlex
 import signal
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prorl_cli.broker.journal import JOURNAL_NAME
-from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.exceptions import (
     BrokerUnavailable,
-    ConfigError,
     ProrlError,
     RendezvousError,
     SlurmError,
 )
 from prorl_cli.rendezvous import rendezvous_path
 from prorl_cli.slurm import squeue
-from prorl_cli.slurm.deploy import DeployConfig, load_deploy, time_minutes
-from prorl_cli.slurm.roles import RoleSpec, submitted_role
-from prorl_cli.slurm.supervisor import SUPERVISION_NAME, launch_id_of, launch_lock
+from prorl_cli.slurm.deploy import DeployConfig
+from prorl_cli.slurm.options import (
+    broker_bind_host,
+    executor,
+    node_drain_grace_s,
+    prorl_config,
+    sbatch_options,
+    submit_role,
+)
+from prorl_cli.slurm.record import (
+    LAUNCH_NAME,
+    ROLES,
+    LaunchRecord,
+    Member,
+    archive_launch,
+    launch_lock,
+    new_launch_id,
+)
 
 if TYPE_CHECKING:
     from prorl_cli.client import RolloutClient
@@ -48,269 +55,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LAUNCH_NAME = "launch.json"
-#: Under the deployment's folder: one folder per earlier launch, named by its launch id.
-HISTORY_NAME = "history"
-ROLES = ("broker", "nodes", "inference")
-#: What a node's drain on USR2 leaves of ``signal_delay_s`` for stopping the rest, unregistering and the requeue.
-DRAIN_REQUEUE_MARGIN_S = 30
 #: ``scale`` down: how long after a node's drain grace it waits for the drained task to leave squeue
 #: (stopping what still runs, unregistering, Slurm ending the job) before it sends SIGTERM.
 DRAIN_EXIT_MARGIN_S = 60.0
 #: ``scale`` down: how long a task sent SIGTERM (pending, starting, a bridge) may take to leave squeue.
 TERM_WAIT_S = 90.0
-
-
-@dataclass
-class Member:
-    """One submitted role task: the broker job, or one array task."""
-
-    role: str  # broker | nodes | inference
-    index: int
-    job_id: str  # "123" or "123_4" (what squeue and scancel call it)
-
-    @property
-    def peer_id(self) -> str:
-        """The id it registers with at the broker."""
-        return {"nodes": f"node-{self.index}", "inference": f"inference-{self.index}"}.get(self.role, "broker")
-
-
-@dataclass
-class LaunchRecord:
-    """``launch.json``: what ``prorl launch`` submitted (and ``scale`` added)."""
-
-    deployment: str
-    deploy_file: str
-    home: str
-    created_at: float
-    broker_where: str = "slurm"
-    broker_pid: int | None = None  # broker ``here``: the local process
-    #: This launch's id: supervision state is keyed by it (empty in records written before launches had ids).
-    launch_id: str = ""
-    members: list[Member] = field(default_factory=list)
-    #: Tasks scaled away and tasks replaced by the supervisor, in the order they left: their role names are never
-    #: given to another Slurm job, and ``prorl logs ROLE[I] --all`` still finds their logs.
-    retired: list[Member] = field(default_factory=list)
-    #: Set by ``prorl down`` (and a failed launch's clean-up) before anything is stopped: the supervisor replaces
-    #: nothing of a deployment being taken down.
-    stopping: bool = False
-
-    @property
-    def job_ids(self) -> list[str]:
-        return [m.job_id for m in self.members]
-
-    @property
-    def all_job_ids(self) -> list[str]:
-        """Every Slurm job of this launch, retired ones included (a task scaled away may still be draining)."""
-        return [m.job_id for m in [*self.members, *self.retired]]
-
-    def of(self, role: str) -> list[Member]:
-        return [m for m in self.members if m.role == role]
-
-    def jobs_of(self, role: str, index: int) -> list[Member]:
-        """Every Slurm job task ``role[index]`` has had in this launch, oldest first (the live one, if any, last)."""
-        return [m for m in [*self.retired, *self.members] if m.role == role and m.index == index]
-
-    def next_index(self, role: str) -> int:
-        """The first array index no task of ``role`` ever had (live or scaled away): names are never reused."""
-        return max((m.index for m in [*self.members, *self.retired] if m.role == role), default=-1) + 1
-
-    def save(self, deployment_dir: Path) -> Path:
-        deployment_dir.mkdir(parents=True, exist_ok=True)
-        path = deployment_dir / LAUNCH_NAME
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(tmp, path)
-        return path
-
-    @classmethod
-    def load(cls, deployment_dir: Path) -> LaunchRecord | None:
-        path = deployment_dir / LAUNCH_NAME
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            raise SlurmError(f"{path}: unreadable launch record: {e}") from e
-        try:
-            data["members"] = [Member(**m) for m in data.get("members", [])]
-            data["retired"] = [Member(**m) for m in data.get("retired", [])]
-            return cls(**data)
-        except TypeError as e:
-            raise SlurmError(f"{path}: malformed launch record: {e}") from e
-
-
-def new_launch_id(now: float | None = None) -> str:
-    """A launch id: the launch's UTC time (sorts in launch order) and a random suffix."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
-    return f"{stamp}-{secrets.token_hex(3)}"
-
-
-def archive_launch(deployment_dir: Path) -> Path | None:
-    """Move a launch's state (launch.json, supervision.json) into ``history/<launch id>/``; return that folder.
-
-    Called once the launch is over (``down`` with squeue empty, ``abandon``, the next ``launch``): a supervisor still
-    running would write its state again. None when there is nothing to move.
-    """
-    with launch_lock(deployment_dir):
-        present = [p for p in (deployment_dir / LAUNCH_NAME, deployment_dir / SUPERVISION_NAME) if p.exists()]
-        if not present:
-            return None
-        launch_id = next((i for i in map(launch_id_of, present) if i), None)
-        if launch_id is None:  # written before launches had ids
-            launch_id = "unnamed-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(present[0].stat().st_mtime))
-        dest = deployment_dir / HISTORY_NAME / launch_id
-        dest.mkdir(parents=True, exist_ok=True)
-        for path in present:
-            os.replace(path, dest / path.name)
-    return dest
-
-
-def prorl_config(cfg: DeployConfig) -> ProrlConfig:
-    """The prorl.yaml every role of this deployment reads, with its home and name."""
-    return load_config(cfg.config, {"home": str(cfg.home_path), "deployment": cfg.deployment})
-
-
-#: Where a broker on Slurm listens when neither deploy.yaml nor prorl.yaml says: every interface (peers run elsewhere).
-SLURM_BIND_HOST = "0.0.0.0"
-
-
-def broker_bind_host(cfg: DeployConfig) -> str:
-    """The broker's listen address: deploy.yaml's ``broker.bind_host``, else the one prorl.yaml sets, else 0.0.0.0."""
-    if cfg.broker.bind_host:
-        return cfg.broker.bind_host
-    if cfg.config:
-        import yaml
-
-        try:
-            data = yaml.safe_load(Path(cfg.config).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"{cfg.config}: cannot read: {e}") from e
-        broker = data.get("broker") if isinstance(data, dict) else None
-        if isinstance(broker, dict) and broker.get("bind_host"):
-            return str(broker["bind_host"])
-    return SLURM_BIND_HOST
-
-
-def sandbox_runtime(cfg: DeployConfig) -> str:
-    """The nodes' sandbox runtime: deploy.yaml's ``nodes.sandbox_runtime``, else prorl.yaml's ``sandbox.runtime``."""
-    return cfg.nodes.sandbox_runtime or prorl_config(cfg).sandbox.runtime
-
-
-def effective_deploy(cfg: DeployConfig) -> dict[str, Any]:
-    """deploy.yaml as the roles will see it: defaults, paths and what it leaves to prorl.yaml filled in."""
-    data = asdict(cfg)
-    data.pop("source", None)
-    data.update(home=str(cfg.home_path), log_dir=str(cfg.log_path), python=cfg.python_path)
-    data["broker"]["bind_host"] = broker_bind_host(cfg)
-    data["nodes"]["sandbox_runtime"] = sandbox_runtime(cfg)
-    return data
-
-
-def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpec:
-    """What a submitted task of ``role`` runs."""
-    n, inf = cfg.nodes, cfg.inference
-    overrides: dict[str, Any] = {}
-    if role == "nodes":
-        if n.sandbox_runtime is not None:  # unset: the roles' prorl.yaml decides
-            overrides["sandbox.runtime"] = n.sandbox_runtime
-        if n.sandbox_image:
-            overrides["sandbox.image"] = n.sandbox_image
-        if n.handler_paths:
-            overrides["node.handler_paths"] = list(n.handler_paths)
-        if n.tasks:
-            overrides["node.tasks"] = list(n.tasks)
-        for name in ("n_init", "n_run", "n_eval"):
-            if getattr(n, name) is not None:
-                overrides[f"node.{name}"] = getattr(n, name)
-        if prorl_config(cfg).node.drain_grace_s is None:
-            # On the USR2 warning running jobs may finish until shortly before the end; 30 s are left for the requeue.
-            overrides["node.drain_grace_s"] = node_drain_grace_s(cfg)
-        if inf.model and prorl_config(cfg).inference.tokenizer is None:
-            # Handlers tokenize for the model the bridges serve.
-            overrides["inference.tokenizer"] = inf.model
-    return RoleSpec(
-        role={"broker": "broker", "nodes": "node", "inference": "inference"}[role],  # type: ignore[arg-type]
-        deployment=cfg.deployment,
-        home=str(cfg.home_path),
-        config_path=cfg.config,
-        overrides=overrides,
-        index=index,
-        rendezvous_wait_s=cfg.rendezvous_wait_s,
-        requeue=True if role == "broker" else cfg.role(role).requeue,  # type: ignore[attr-defined]
-        bind_host=broker_bind_host(cfg),
-        port=cfg.broker.port,
-        model=inf.model,
-        engine=inf.engine,
-        vllm_args=list(inf.vllm_args),
-        capacity=inf.capacity,
-        max_model_len=inf.max_model_len,
-    )
-
-
-def node_drain_grace_s(cfg: DeployConfig) -> float:
-    """How long a node's drain with grace lets running jobs finish: prorl.yaml's ``node.drain_grace_s``, else
-    the nodes' ``signal_delay_s`` minus :data:`DRAIN_REQUEUE_MARGIN_S`."""
-    configured = prorl_config(cfg).node.drain_grace_s
-    return float(configured) if configured is not None else float(max(0, cfg.nodes.signal_delay_s - DRAIN_REQUEUE_MARGIN_S))
-
-
-def sbatch_options(cfg: DeployConfig, role: str) -> dict[str, Any]:
-    """The role's sbatch options (long names without dashes; True is a bare flag)."""
-    opts = cfg.role(role)
-    out: dict[str, Any] = {
-        "job-name": f"prorl-{cfg.deployment}-{role}",
-        "time": time_minutes(opts.time),
-        "cpus-per-task": opts.cpus_per_task,
-        "signal": f"USR2@{opts.signal_delay_s}",
-        "open-mode": "append",
-    }
-    for key in ("partition", "account", "qos", "constraint"):
-        if getattr(opts, key):
-            out[key] = getattr(opts, key)
-    if opts.mem_gb is not None:
-        out["mem"] = f"{int(opts.mem_gb * 1024)}M"
-    if role == "inference" and (cfg.inference.gres or cfg.inference.gpus_per_task):
-        out["gres"] = cfg.inference.gres or f"gpu:{cfg.inference.gpus_per_task}"
-    requeue = True if role == "broker" else getattr(opts, "requeue", True)
-    out["requeue" if requeue else "no-requeue"] = True
-    out.update(opts.sbatch_options)
-    return out
-
-
-def _executor(cfg: DeployConfig, role: str, count: int) -> Any:
-    import submitit
-
-    opts = cfg.role(role)
-    sb = sbatch_options(cfg, role)
-    ex = submitit.SlurmExecutor(folder=str(cfg.log_path / role / "%j"), python=shlex.quote(cfg.python_path))
-    # submitit's own knobs; everything else goes in as raw sbatch options.
-    ex.update_parameters(
-        job_name=sb.pop("job-name"),
-        time=sb.pop("time"),
-        cpus_per_task=sb.pop("cpus-per-task"),
-        signal_delay_s=opts.signal_delay_s,
-        setup=[*cfg.setup, *opts.setup],
-        stderr_to_stdout=True,
-        array_parallelism=getattr(opts, "array_parallelism", 0) or max(count, 1),
-        additional_parameters={k: v for k, v in sb.items() if k != "signal"},
-    )
-    return ex
-
-
-def _submit(cfg: DeployConfig, role: str, indices: list[int]) -> list[Member]:
-    """Submit ``role`` tasks with these indices (one job, or one array)."""
-    ex = _executor(cfg, role, len(indices))
-    # submitit prints a failed sbatch's stderr itself and raises with the same text: keep only the error we raise.
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            if role == "broker":
-                job = ex.submit(submitted_role, role_spec(cfg, role))
-                return [Member(role, 0, str(job.job_id))]
-            jobs = ex.map_array(submitted_role, [role_spec(cfg, role, i) for i in indices])
-    except RuntimeError as e:  # submitit's FailedJobError carries sbatch's message
-        raise SlurmError(f"sbatch refused the {role}: {str(e).strip()}") from e
-    return [Member(role, i, str(j.job_id)) for i, j in zip(indices, jobs, strict=True)]
 
 
 @dataclass
@@ -332,7 +81,7 @@ def plan(cfg: DeployConfig) -> list[PlannedRole]:
         count = 1 if role == "broker" else cfg.role(role).count  # type: ignore[attr-defined]
         if not count:
             continue
-        ex = _executor(cfg, role, count)
+        ex = executor(cfg, role, count)
         if role != "broker":
             ex.parameters["map_count"] = count  # as map_array does: one --array job
         # submitit's own rendering of the script it would submit (the same call its submit makes).
@@ -413,12 +162,12 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
         if cfg.broker.where == "here":
             record.broker_pid = _start_local_broker(cfg)
         else:
-            record.members += _submit(cfg, "broker", [0])
+            record.members += submit_role(cfg, "broker", [0])
         record.save(cfg.deployment_dir)
         for role in ("nodes", "inference"):
             count = cfg.role(role).count  # type: ignore[attr-defined]
             if count:
-                record.members += _submit(cfg, role, list(range(count)))
+                record.members += submit_role(cfg, role, list(range(count)))
                 record.save(cfg.deployment_dir)
     except SlurmError as e:
         # Roles submitted before the refused one go too: nothing of a half deployment stays queued.
@@ -457,11 +206,10 @@ def abandon(cfg: DeployConfig, record: LaunchRecord, wait_s: float = 60.0) -> li
     """Cancel everything of a launch that did not come up; return what squeue still shows."""
     if (cfg.deployment_dir / LAUNCH_NAME).exists():
         record = mark_stopping(cfg.deployment_dir, record)
-    squeue.cancel(record.all_job_ids)
     if record.broker_pid and _pid_alive(record.broker_pid):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(record.broker_pid, signal.SIGTERM)
-    left = squeue.wait_gone(record.all_job_ids, wait_s)
+    left = squeue.cancel_until_gone(record.all_job_ids, wait_s)
     archive_launch(cfg.deployment_dir)
     with contextlib.suppress(FileNotFoundError):
         rendezvous_path(cfg.deployment_dir).unlink()
@@ -494,21 +242,6 @@ def registered_ids(report: StatusReport | None) -> set[str]:
     ids = {n.node_id for n in report.nodes if n.alive}
     ids |= {b.backend_id for b in report.backends if b.alive and not b.cleared}
     return ids
-
-
-def log_files(cfg: DeployConfig, member: Member) -> list[Path]:
-    """A task's Slurm logs: submitit writes <log_dir>/<role>/<job>/<job>_<task>_log.out (array jobs: <job> is A_a)."""
-    folder = cfg.log_path / member.role / member.job_id
-    return sorted(folder.glob("*_log.out")) if folder.is_dir() else []
-
-
-def log_tail(cfg: DeployConfig, member: Member, lines: int = 12) -> str:
-    """The end of a task's Slurm log."""
-    candidates = log_files(cfg, member)
-    if not candidates:
-        return ""
-    text = candidates[-1].read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
 
 
 @dataclass
@@ -629,7 +362,7 @@ def _scale_locked(cfg: DeployConfig, record: LaunchRecord, role: str, count: int
     result = ScaleResult()
     if count > len(live):
         start = record.next_index(role)
-        result.added = _submit(cfg, role, list(range(start, start + count - len(live))))
+        result.added = submit_role(cfg, role, list(range(start, start + count - len(live))))
         record.members += result.added
     elif count < len(live):
         result.removed = choose_removals(role, live, rows, report, len(live) - count)
@@ -787,13 +520,3 @@ def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
         # A broker that could not take the stop left its journal: down means nothing is replayed later.
         (cfg.deployment_dir / JOURNAL_NAME).unlink(missing_ok=True)
     return DownReport(stopped, cancelled, remaining, removed)
-
-
-def load_launched(deployment_dir: Path) -> tuple[LaunchRecord, DeployConfig]:
-    """The launch record and the deploy file it came from (for scale)."""
-    record = LaunchRecord.load(deployment_dir)
-    if record is None:
-        raise SlurmError(f"deployment {deployment_dir.name!r} was not launched (no {deployment_dir / LAUNCH_NAME})")
-    cfg = load_deploy(record.deploy_file, deployment=record.deployment)
-    cfg.home = record.home
-    return record, cfg

@@ -1,7 +1,7 @@
 """``prorl render-sbatch``: the same deployment as plain sbatch scripts.
 
 Renders ``slurm_templates/*.sbatch.j2`` from a ``deploy.yaml`` with the
-options ``prorl launch`` would use (:func:`prorl_cli.slurm.launcher.sbatch_options`),
+options ``prorl launch`` would use (:func:`prorl_cli.slurm.options.sbatch_options`),
 plus ``prorl.yaml`` next to them: the effective configuration the roles read
 (the deploy file's node settings, such as the sandbox runtime, folded in).
 The roles behave as under ``prorl launch``: same identity, waiting and signals.
@@ -18,7 +18,7 @@ import jinja2
 from prorl_cli.config import apply_overrides, config_from_dict, dump_config
 from prorl_cli.resources import data_dir
 from prorl_cli.slurm.deploy import DeployConfig
-from prorl_cli.slurm.launcher import broker_bind_host, prorl_config, role_spec, sbatch_options
+from prorl_cli.slurm.options import broker_bind_host, prorl_config, role_spec, sbatch_options
 
 TEMPLATES = {
     "broker": "broker.sbatch.j2",

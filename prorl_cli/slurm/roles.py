@@ -15,10 +15,11 @@ behaves the same whichever way it was submitted:
   ``scontrol requeue`` so it comes back and rejoins. A broker leaves without
   cancelling jobs and keeps its journal; the requeued broker replays it;
 - Slurm holds a requeued job in PENDING (BeginTime) for about two minutes: a
-  node or bridge of a ``prorl launch`` deployment that sees its broker away
-  (no rendezvous file) and its broker's job held that way makes it eligible
-  at once (``scontrol update StartTime=now``); the broker's supervisor does
-  the same for requeued node and inference tasks.
+  node or bridge that sees its broker away (no rendezvous file) and its
+  broker's job held that way makes it eligible at once (``scontrol update
+  StartTime=now``); for requeued node and inference tasks the broker's
+  supervisor does the same (``prorl launch``), or, for plain sbatch scripts,
+  the broker itself from the notes the tasks leave (:mod:`prorl_cli.slurm.requeue`).
 
 The role runs in this very process (no server child), so signals reach it
 the same way under ``proctrack/cgroup`` and ``proctrack/linuxproc``.
@@ -31,7 +32,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -44,9 +44,10 @@ from types import FrameType
 from typing import Any, Literal
 
 from prorl_cli.config import ProrlConfig, load_config
-from prorl_cli.exceptions import ProrlError, RendezvousError
+from prorl_cli.exceptions import RendezvousError
 from prorl_cli.rendezvous import BrokerLock, read_rendezvous, rendezvous_path
 from prorl_cli.slurm.identity import SlurmIdentity
+from prorl_cli.slurm.requeue import note_requeued, noted_broker_job, release_requeued_peers, watch
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,13 @@ def wait_for_broker(deployment_dir: Path, timeout_s: float, leave: threading.Eve
             return False
 
 
-def requeue_self(identity: SlurmIdentity) -> None:
+def requeue_self(identity: SlurmIdentity, deployment_dir: Path | None = None, peer_id: str | None = None) -> None:
     """Ask Slurm to requeue this task, unless its job says Requeue=0.
 
     Slurm then holds it for its requeue delay; whoever sees it held makes it
     eligible at once (the broker's supervisor for a node or bridge, the nodes
-    and bridges for the broker).
+    and bridges for the broker). Without a launch record (plain sbatch scripts)
+    it leaves a note in ``deployment_dir`` naming ``peer_id``, which its peers read.
     """
     ref = identity.task_ref
     if ref is None:
@@ -121,21 +123,27 @@ def requeue_self(identity: SlurmIdentity) -> None:
     proc = subprocess.run(["scontrol", "requeue", ref], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         log.error("scontrol requeue %s failed: %s", ref, proc.stderr.strip())
-    else:
-        log.info("requeued %s", ref)
+        return
+    log.info("requeued %s", ref)
+    if deployment_dir is not None and peer_id is not None and not (deployment_dir / _LAUNCH_NAME).exists():
+        try:
+            note_requeued(deployment_dir, ref, peer_id)
+        except OSError as e:
+            log.warning("could not leave the requeue note for %s in %s (%s): it waits out Slurm's requeue delay",
+                        ref, deployment_dir, e)
 
 
-#: How often a node or bridge checks on its broker's Slurm job while the broker is away: a random pick in this
-#: range, so the nodes of a large deployment do not all ask Slurm at once.
-BROKER_WATCH_INTERVAL_S = (2.0, 4.0)
-#: ``launch.json`` (prorl_cli.slurm.launcher.LAUNCH_NAME), read here without importing the launcher.
+#: ``launch.json`` (prorl_cli.slurm.record.LAUNCH_NAME), read here without importing the record module.
 _LAUNCH_NAME = "launch.json"
 
 
 def broker_job_of(deployment_dir: Path) -> str | None:
-    """The broker's Slurm job of a ``prorl launch`` deployment (from launch.json), or None (plain sbatch, unreadable)."""
+    """The broker's Slurm job: of a ``prorl launch`` deployment (from launch.json), else the one a requeued broker
+    of plain sbatch scripts noted (:mod:`prorl_cli.slurm.requeue`); None when neither says."""
     try:
         data = json.loads((deployment_dir / _LAUNCH_NAME).read_text())
+    except FileNotFoundError:
+        return noted_broker_job(deployment_dir)
     except (OSError, ValueError):
         return None
     members = data.get("members") if isinstance(data, dict) else None
@@ -173,21 +181,8 @@ def broker_requeue_watch(deployment_dir: Path, identity: SlurmIdentity) -> Itera
     if not identity.in_slurm:
         yield
         return
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.wait(random.uniform(*BROKER_WATCH_INTERVAL_S)):
-            try:
-                release_requeued_broker(deployment_dir)
-            except (ProrlError, OSError) as e:  # Slurm unreachable for a moment: try again next time
-                log.debug("could not check the broker's Slurm job: %s", e)
-
-    thread = threading.Thread(target=watch, name="broker-requeue-watch", daemon=True)
-    thread.start()
-    try:
+    with watch("broker-requeue-watch", lambda: release_requeued_broker(deployment_dir)):
         yield
-    finally:
-        stop.set()
 
 
 @dataclass
@@ -219,8 +214,10 @@ class RoleSpec:
 
 
 @contextlib.contextmanager
-def slurm_lifecycle(requeue: bool = True) -> Iterator[RoleSignals]:
-    """Around a role: SIGTERM leaves, SIGUSR2 leaves and (in Slurm, ``requeue``) requeues the task after."""
+def slurm_lifecycle(requeue: bool = True, deployment_dir: Path | None = None,
+                    peer_id: str | None = None) -> Iterator[RoleSignals]:
+    """Around a role: SIGTERM leaves, SIGUSR2 leaves and (in Slurm, ``requeue``) requeues the task after
+    (noting it in ``deployment_dir`` as ``peer_id`` for the peers that release it: :func:`requeue_self`)."""
     identity = SlurmIdentity.from_env()
     signals = RoleSignals()
     signals.install()
@@ -229,7 +226,7 @@ def slurm_lifecycle(requeue: bool = True) -> Iterator[RoleSignals]:
     finally:
         signals.install()  # a role's event loop restores the default handlers on its way out
         if signals.requeue and requeue and identity.in_slurm:
-            requeue_self(identity)
+            requeue_self(identity, deployment_dir, peer_id)
 
 
 def serve_role(spec: RoleSpec, config: ProrlConfig | None = None) -> int:
@@ -242,7 +239,8 @@ def serve_role(spec: RoleSpec, config: ProrlConfig | None = None) -> int:
         configure_logging(spec.role, config.log_level)
     if identity.in_slurm:
         log.info("%s of deployment %r: %s", spec.role, config.deployment, identity.describe())
-    with slurm_lifecycle(spec.requeue) as signals:
+    peer_id = "broker" if spec.role == "broker" else identity.member_id(spec.role, spec.index)
+    with slurm_lifecycle(spec.requeue, config.deployment_dir, peer_id) as signals:
         if spec.role == "broker":
             return _serve_broker(spec, config, signals)
         with broker_requeue_watch(config.deployment_dir, identity):
@@ -267,17 +265,28 @@ def _serve_broker(spec: RoleSpec, config: ProrlConfig, signals: RoleSignals) -> 
         log.info("broker of %r on %s", config.deployment, broker.address)
         supervisor = _start_supervisor(config.deployment_dir)
         try:
-            broker.serve_forever(leave_requested=signals.leave)
+            with _peer_requeue_watch(config.deployment_dir, supervisor is None):
+                broker.serve_forever(leave_requested=signals.leave)
         finally:
             if supervisor is not None:
                 stop_process_group(supervisor)
     return 0
 
 
+@contextlib.contextmanager
+def _peer_requeue_watch(deployment_dir: Path, unsupervised: bool) -> Iterator[None]:
+    """In the broker's Slurm job of plain sbatch scripts (no supervisor): release requeued nodes and bridges."""
+    if not (unsupervised and SlurmIdentity.from_env().in_slurm):
+        yield
+        return
+    with watch("peer-requeue-watch", lambda: release_requeued_peers(deployment_dir)):
+        yield
+
+
 def _start_supervisor(deployment_dir: Path) -> subprocess.Popen[bytes] | None:
     """In the broker's Slurm job of a ``prorl launch`` deployment: the child that replaces crashed tasks."""
-    from prorl_cli.slurm.launcher import LAUNCH_NAME
-    from prorl_cli.slurm.supervisor import child_env
+    from prorl_cli.slurm.identity import child_env
+    from prorl_cli.slurm.record import LAUNCH_NAME
 
     if not SlurmIdentity.from_env().in_slurm or not (deployment_dir / LAUNCH_NAME).exists():
         return None  # plain sbatch scripts or a broker outside Slurm: nothing recorded to supervise

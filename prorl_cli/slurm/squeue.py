@@ -150,6 +150,29 @@ def wait_gone(job_ids: Iterable[str], timeout_s: float) -> list[SlurmTask]:
         time.sleep(0.5)
 
 
+def cancel_until_gone(refs: Iterable[str], timeout_s: float) -> list[SlurmTask]:
+    """``scancel`` these jobs and wait until squeue no longer lists them; return what is left at the deadline.
+
+    A task that was being requeued when ``scancel`` reached it (a preempted node, a role that requeued itself
+    on SIGUSR2) can come back afterwards as PENDING for Slurm's requeue delay and would start again later on
+    its own: such a task is cancelled again.
+    """
+    ids = list(refs)
+    if not ids:
+        return []
+    cancel(ids)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = active(ids)
+        if not left or time.monotonic() >= deadline:
+            return left
+        back = [t.job_id for t in left if t.state == "PENDING"]
+        if back:
+            log.info("cancelling again what came back from a requeue: %s", " ".join(back))
+            cancel(back)
+        time.sleep(0.5)
+
+
 def job_detail(ref: str) -> dict[str, str]:
     """``scontrol show job`` as a key/value map (empty once the job has aged out)."""
     proc = _run(["scontrol", "-o", "show", "job", ref])

@@ -32,25 +32,21 @@ ignored); ``prorl down`` and the next ``prorl launch`` move it into
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 from prorl_cli.exceptions import ProrlError
+from prorl_cli.slurm.record import SUPERVISION_NAME, launch_lock, load_launched, log_tail
 
 log = logging.getLogger("prorl_cli.slurm.supervisor")  # also when run as __main__
 
-SUPERVISION_NAME = "supervision.json"
-LOCK_NAME = "launch.lock"
 SUPERVISE_INTERVAL_S = 5.0
 
 
@@ -116,27 +112,6 @@ class Supervision:
         os.replace(tmp, path)
 
 
-def launch_id_of(path: Path) -> str | None:
-    """The ``launch_id`` a launch.json or supervision.json names, or None when it names none or is unreadable."""
-    try:
-        value = json.loads(path.read_text()).get("launch_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return str(value) if value else None
-
-
-@contextlib.contextmanager
-def launch_lock(deployment_dir: Path) -> Iterator[None]:
-    """Held while ``launch.json`` is read, changed and written (``scale`` on the login node, this supervisor)."""
-    deployment_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(deployment_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True)
 class Decision:
     """What to do about a name's task that ended on its own."""
@@ -178,12 +153,13 @@ class PassResult:
 
 def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult:
     """One pass: replace what ended on its own and may be replaced (by now)."""
-    from prorl_cli.slurm import launcher, squeue
+    from prorl_cli.slurm import squeue
+    from prorl_cli.slurm.options import submit_role
 
     now = time.time() if now is None else now
     result = PassResult()
     with launch_lock(deployment_dir):
-        record, cfg = launcher.load_launched(deployment_dir)
+        record, cfg = load_launched(deployment_dir)
         if record.stopping:  # `prorl down`: what ends now was asked to
             result.stopping = True
             return result
@@ -219,7 +195,7 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult
                 assert t is not None
                 ended = squeue.ended(t).describe()
             if decision.action == "give_up":
-                tail = launcher.log_tail(cfg, m, lines=12)
+                tail = log_tail(cfg, m, lines=12)
                 state.gave_up = {"job_id": m.job_id, "ended": ended, "log_tail": tail}
                 state.failure = None
                 log.error("%s (Slurm job %s) ended %s; not replaced: its %d restart(s) (max_restarts) are spent",
@@ -240,7 +216,7 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult
             log.warning("%s (Slurm job %s) ended %s without being asked to: replacing it (restart %d of %d)",
                         m.peer_id, m.job_id, ended, state.restarts + 1, budget)
             try:
-                [new] = launcher._submit(cfg, m.role, [m.index])
+                [new] = submit_role(cfg, m.role, [m.index])
             except ProrlError as e:
                 log.error("could not replace %s: %s", m.peer_id, e)
                 continue
@@ -283,11 +259,6 @@ def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S) -> None:
         deadline = time.monotonic() + wait_s
         while not stop and time.monotonic() < deadline:
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-
-
-def child_env() -> dict[str, str]:
-    """This environment without the broker job's Slurm variables (sbatch would take them for the new job's)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))}
 
 
 if __name__ == "__main__":

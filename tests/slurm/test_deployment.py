@@ -29,8 +29,7 @@ from prorl_cli.client import RolloutClient
 from prorl_cli.config import load_config
 from prorl_cli.exceptions import BrokerUnavailable
 from prorl_cli.slurm import squeue
-from prorl_cli.slurm.launcher import HISTORY_NAME, LaunchRecord
-from prorl_cli.slurm.supervisor import SUPERVISION_NAME
+from prorl_cli.slurm.record import HISTORY_NAME, SUPERVISION_NAME, LaunchRecord
 from tests.slurm.cluster import (
     ROLE_CONFIG,
     logs_of,
@@ -173,6 +172,7 @@ def test_math_rollouts_from_prorl_submit_and_both_views_in_status(launched: Laun
         assert st.stdout.count(peer) >= 2, f"{peer} in both views"
     # The nodes' sandbox runtime (prorl.yaml's sandbox.runtime: auto, which picks Apptainer here), as each registered it.
     report = json.loads(prorl(launched.home, "status", NAME, "--json").stdout)
+    assert report["broker"] == "up" and len(report["slurm"]) == 6, report.get("slurm")  # a launch's JSON has both views
     assert {n["node_id"]: n["sandbox_runtime"] for n in report["nodes"]} == dict.fromkeys(("node-0", "node-1", "node-2"), "apptainer")
     node_rows = [line for line in st.stdout.splitlines() if re.search(r"\bnode-\d\b", line) and "RUNNING" not in line]
     assert len(node_rows) == 3 and all("apptainer" in line for line in node_rows), st.stdout
@@ -264,6 +264,11 @@ def test_a_usr2_requeued_broker_comes_back_by_itself_status_says_restarting_and_
         assert st.returncode == 0, st.stdout + st.stderr
         assert "broker restarting" in st.stdout and f"Slurm job {broker.job_id} is RUNNING" in st.stdout, st.stdout
         assert "Slurm" in st.stdout and st.stdout.count("RUNNING") >= 5, "Slurm's view of every task"
+        js = prorl(launched.home, "status", NAME, "--json")  # the same, for scripts: exit 0, the broker restarting
+        assert js.returncode == 0, js.stdout + js.stderr
+        doc = json.loads(js.stdout)
+        assert doc["broker"] == "restarting" and f"Slurm job {broker.job_id} is RUNNING" in doc["broker_detail"], doc
+        assert {e["task"]: e["state"] for e in doc["slurm"]}["broker"] == "RUNNING", doc["slurm"]
         assert _peer_logs(launched).count(BROKER_RELEASED) > released_before, "released by its peers, not by Slurm's clock"
     finally:
         launched.gate.unlink(missing_ok=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prorl_cli.slurm import squeue
-from prorl_cli.slurm.launcher import LaunchRecord
+from prorl_cli.slurm.record import LaunchRecord
 from tests.slurm.cluster import ROLE_CONFIG, prorl, require_slurm, write_yaml
 
 pytestmark = pytest.mark.timeout(400)

@@ -117,7 +117,7 @@ def test_a_task_that_dies_before_registering_fails_the_launch_with_its_log(base:
 
 def test_status_of_a_deployment_whose_slurm_jobs_are_gone_says_so(base: Path) -> None:
     from prorl_cli.slurm import squeue
-    from prorl_cli.slurm.launcher import LaunchRecord, Member
+    from prorl_cli.slurm.record import LaunchRecord, Member
 
     home = base / "home"
     deploy = write_yaml(base / "deploy.yaml", {"deployment": "gone", "home": str(home)})

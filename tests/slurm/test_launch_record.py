@@ -15,7 +15,8 @@ from prorl_cli.cli import cli
 from prorl_cli.cli.launch import SlurmView
 from prorl_cli.protocol import NodeStatus, StatusReport
 from prorl_cli.slurm.deploy import load_deploy
-from prorl_cli.slurm.launcher import LaunchRecord, Member, choose_removals, count_role
+from prorl_cli.slurm.launcher import choose_removals, count_role
+from prorl_cli.slurm.record import LaunchRecord, Member
 from prorl_cli.slurm.render import render_all
 from prorl_cli.slurm.roles import remove_stale_results
 from prorl_cli.slurm.squeue import EndedTask, SlurmTask, requeue_delayed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from prorl_cli.client import RolloutClient
 from prorl_cli.config import load_config
 from prorl_cli.slurm import squeue
-from prorl_cli.slurm.launcher import LaunchRecord
+from prorl_cli.slurm.record import LaunchRecord
 from tests.slurm.cluster import (
     ROLE_CONFIG,
     logs_of,
@@ -119,8 +120,7 @@ def test_rendered_sbatch_scripts_and_the_time_limit_warning(base: Path) -> None:
         assert text.count("SIGUSR2") >= 2 and "not requeueing" in text
         assert "node node-0 stopped" in text and "node node-1 stopped" in text
     finally:
-        squeue.cancel([nodes, broker])
-        assert not squeue.wait_gone([nodes, broker], 60)
+        assert not squeue.cancel_until_gone([nodes, broker], 60)
 
 
 def test_all_in_one_allocation_serves_and_stops_on_scancel(base: Path) -> None:
@@ -147,3 +147,70 @@ def test_all_in_one_allocation_serves_and_stops_on_scancel(base: Path) -> None:
         assert f"node node-{job} stopped" in text and "leaving on a signal" in text
     finally:
         squeue.cancel([job])
+
+
+def _restarts(ref: str) -> int:
+    detail = squeue.job_detail(ref)
+    return int(detail.get("Restarts", "0") or 0)
+
+
+def _usr2(ref: str) -> None:
+    """The time-limit warning to a plain sbatch task: its batch step is the role itself (``exec``)."""
+    subprocess.run(["scancel", "--batch", "--signal=USR2", ref], check=True, capture_output=True)
+
+
+def _one_job_done(home: Path, name: str, tag: str) -> None:
+    with _client(home, name) as client:
+        (job,) = client.submit("test", [{"echo": tag}], timeout_s=60)
+        (result,) = client.wait([job], timeout_s=120)
+    assert result.state == "done" and result.output["echo"] == tag, result
+
+
+def test_rendered_scripts_requeue_without_waiting_out_slurms_delay(base: Path) -> None:
+    """Plain sbatch scripts (no supervisor): a node requeued on SIGUSR2 is made eligible by the broker, a broker
+    requeued on SIGUSR2 by its node, each from the note the requeued task left; both serve again."""
+    home, name = base / "home", "plainrq"
+    config = write_yaml(base / "prorl.yaml", ROLE_CONFIG)
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": name, "home": str(home), "config": str(config),
+        "broker": {"time": "10", "cpus_per_task": 1, "mem_gb": 0.5, "bind_host": "127.0.0.1", "signal_delay_s": 30},
+        "nodes": {"count": 1, "time": "10", "signal_delay_s": 30, "cpus_per_task": 1, "mem_gb": 0.5},
+    })
+    out = base / "sbatch"
+    rendered = prorl(home, "render-sbatch", str(deploy), "--out", str(out))
+    assert rendered.returncode == 0, rendered.stderr
+    nodes = _sbatch(str(out / "node.sbatch"))
+    broker = _sbatch(str(out / "broker.sbatch"))
+    node = f"{nodes}_0"
+    logs = home / name / "slurm"
+    figures = {}
+    try:
+        wait_until(lambda: (home / name / "broker.json").exists(), 120, "the broker's rendezvous file")
+        wait_until(lambda: logs_of(logs).count("node node-0 registered from") >= 1, 120, "node-0 to register")
+        _one_job_done(home, name, "before")
+
+        started = time.monotonic()
+        _usr2(node)  # drain, requeue itself, leave a note; the broker makes it eligible at once
+        # The broker's line (the node logs "registered with"), counted once Slurm has requeued the task: the
+        # USR2 is delivered asynchronously, and a job sent meanwhile may still be served by the old task.
+        wait_until(lambda: _restarts(node) == 1 and logs_of(logs).count("node node-0 registered from") >= 2, 240,
+                   "node-0 back after its requeue")
+        _one_job_done(home, name, "node-back")
+        figures["node USR2 -> serving again"] = time.monotonic() - started
+        assert _restarts(node) == 1
+        text = logs_of(logs)
+        assert f"node-0 (Slurm job {node}) was requeued and held for Slurm's requeue delay: made it eligible now" in text
+
+        started = time.monotonic()
+        _usr2(broker)  # leave keeping the journal, requeue itself, leave a note; node-0 makes it eligible
+        wait_until(lambda: _restarts(broker) == 1 and (home / name / "broker.json").exists(), 240,
+                   "the broker back after its requeue")
+        _one_job_done(home, name, "broker-back")
+        figures["broker USR2 -> serving again"] = time.monotonic() - started
+        text = logs_of(logs)
+        assert f"the broker's Slurm job {broker} was requeued and held for Slurm's requeue delay: made it eligible now" \
+            in text, text[-3000:]
+    finally:
+        assert not squeue.cancel_until_gone([nodes, broker], 60)
+    # Seconds on this machine (docs/reliability.md quotes them; no assertion on speed here).
+    print({k: round(v, 1) for k, v in figures.items()})

@@ -17,8 +17,7 @@ import pytest
 from prorl_cli.client import RolloutClient
 from prorl_cli.config import load_config
 from prorl_cli.slurm import squeue
-from prorl_cli.slurm.launcher import HISTORY_NAME, LaunchRecord
-from prorl_cli.slurm.supervisor import SUPERVISION_NAME
+from prorl_cli.slurm.record import HISTORY_NAME, SUPERVISION_NAME, LaunchRecord
 from tests.slurm.cluster import ROLE_CONFIG, logs_of, prorl, require_slurm, wait_until, write_yaml
 
 pytestmark = pytest.mark.timeout(600)

@@ -12,9 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prorl_cli.slurm import launcher, squeue
+from prorl_cli.slurm import launcher, options, squeue
 from prorl_cli.slurm.deploy import ArrayRole
-from prorl_cli.slurm.launcher import HISTORY_NAME, LAUNCH_NAME, LaunchRecord, Member, archive_launch
+from prorl_cli.slurm.record import (
+    HISTORY_NAME,
+    LAUNCH_NAME,
+    LaunchRecord,
+    Member,
+    archive_launch,
+    new_launch_id,
+)
 from prorl_cli.slurm.squeue import EndedTask, SlurmTask
 from prorl_cli.slurm.supervisor import (
     SUPERVISION_NAME,
@@ -85,8 +92,8 @@ def test_archive_moves_a_launch_state_into_history_under_its_launch_id(tmp_path:
 
 
 def test_new_launch_ids_differ() -> None:
-    assert launcher.new_launch_id(0.0) != launcher.new_launch_id(0.0)
-    assert launcher.new_launch_id(0.0).startswith("19700101T000000Z-")
+    assert new_launch_id(0.0) != new_launch_id(0.0)
+    assert new_launch_id(0.0).startswith("19700101T000000Z-")
 
 
 def test_the_example_deploy_file_states_the_default_backoff_and_budget() -> None:
@@ -108,7 +115,7 @@ class FakeSlurm:
         monkeypatch.setattr(squeue, "query", self.query)
         monkeypatch.setattr(squeue, "release_requeued", self.release)
         monkeypatch.setattr(squeue, "ended", lambda t: EndedTask(t.job_id, t.state, "NonZeroExitCode", "137:0"))
-        monkeypatch.setattr(launcher, "_submit", self.submit)
+        monkeypatch.setattr(options, "submit_role", self.submit)
 
     def query(self, job_ids: list[str], all_states: bool = False) -> list[SlurmTask]:
         return [SlurmTask(j, self.states[j], self.reasons.get(j, "None"), "", "0:01", "", "prorl-x-nodes")

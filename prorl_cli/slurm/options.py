@@ -1,0 +1,174 @@
+"""The sbatch options and submission of each role: what ``prorl launch``, the supervisor and ``render-sbatch`` share.
+
+``sbatch_options`` is the one place a role's Slurm options are computed
+(``render-sbatch`` writes them into scripts, ``launch`` hands them to
+submitit); :func:`submit_role` submits tasks of a role (the launcher's first
+submission, the supervisor's replacements).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shlex
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from prorl_cli.config import ProrlConfig, load_config
+from prorl_cli.exceptions import ConfigError, SlurmError
+from prorl_cli.slurm.deploy import DeployConfig, time_minutes
+from prorl_cli.slurm.record import Member
+from prorl_cli.slurm.roles import RoleSpec, submitted_role
+
+#: What a node's drain on USR2 leaves of ``signal_delay_s`` for stopping the rest, unregistering and the requeue.
+DRAIN_REQUEUE_MARGIN_S = 30
+
+
+def prorl_config(cfg: DeployConfig) -> ProrlConfig:
+    """The prorl.yaml every role of this deployment reads, with its home and name."""
+    return load_config(cfg.config, {"home": str(cfg.home_path), "deployment": cfg.deployment})
+
+
+#: Where a broker on Slurm listens when neither deploy.yaml nor prorl.yaml says: every interface (peers run elsewhere).
+SLURM_BIND_HOST = "0.0.0.0"
+
+
+def broker_bind_host(cfg: DeployConfig) -> str:
+    """The broker's listen address: deploy.yaml's ``broker.bind_host``, else the one prorl.yaml sets, else 0.0.0.0."""
+    if cfg.broker.bind_host:
+        return cfg.broker.bind_host
+    if cfg.config:
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(cfg.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{cfg.config}: cannot read: {e}") from e
+        broker = data.get("broker") if isinstance(data, dict) else None
+        if isinstance(broker, dict) and broker.get("bind_host"):
+            return str(broker["bind_host"])
+    return SLURM_BIND_HOST
+
+
+def sandbox_runtime(cfg: DeployConfig) -> str:
+    """The nodes' sandbox runtime: deploy.yaml's ``nodes.sandbox_runtime``, else prorl.yaml's ``sandbox.runtime``."""
+    return cfg.nodes.sandbox_runtime or prorl_config(cfg).sandbox.runtime
+
+
+def effective_deploy(cfg: DeployConfig) -> dict[str, Any]:
+    """deploy.yaml as the roles will see it: defaults, paths and what it leaves to prorl.yaml filled in."""
+    data = asdict(cfg)
+    data.pop("source", None)
+    data.update(home=str(cfg.home_path), log_dir=str(cfg.log_path), python=cfg.python_path)
+    data["broker"]["bind_host"] = broker_bind_host(cfg)
+    data["nodes"]["sandbox_runtime"] = sandbox_runtime(cfg)
+    return data
+
+
+def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpec:
+    """What a submitted task of ``role`` runs."""
+    n, inf = cfg.nodes, cfg.inference
+    overrides: dict[str, Any] = {}
+    if role == "nodes":
+        if n.sandbox_runtime is not None:  # unset: the roles' prorl.yaml decides
+            overrides["sandbox.runtime"] = n.sandbox_runtime
+        if n.sandbox_image:
+            overrides["sandbox.image"] = n.sandbox_image
+        if n.handler_paths:
+            overrides["node.handler_paths"] = list(n.handler_paths)
+        if n.tasks:
+            overrides["node.tasks"] = list(n.tasks)
+        for name in ("n_init", "n_run", "n_eval"):
+            if getattr(n, name) is not None:
+                overrides[f"node.{name}"] = getattr(n, name)
+        if prorl_config(cfg).node.drain_grace_s is None:
+            # On the USR2 warning running jobs may finish until shortly before the end; 30 s are left for the requeue.
+            overrides["node.drain_grace_s"] = node_drain_grace_s(cfg)
+        if inf.model and prorl_config(cfg).inference.tokenizer is None:
+            # Handlers tokenize for the model the bridges serve.
+            overrides["inference.tokenizer"] = inf.model
+    return RoleSpec(
+        role={"broker": "broker", "nodes": "node", "inference": "inference"}[role],  # type: ignore[arg-type]
+        deployment=cfg.deployment,
+        home=str(cfg.home_path),
+        config_path=cfg.config,
+        overrides=overrides,
+        index=index,
+        rendezvous_wait_s=cfg.rendezvous_wait_s,
+        requeue=True if role == "broker" else cfg.role(role).requeue,  # type: ignore[attr-defined]
+        bind_host=broker_bind_host(cfg),
+        port=cfg.broker.port,
+        model=inf.model,
+        engine=inf.engine,
+        vllm_args=list(inf.vllm_args),
+        capacity=inf.capacity,
+        max_model_len=inf.max_model_len,
+    )
+
+
+def node_drain_grace_s(cfg: DeployConfig) -> float:
+    """How long a node's drain with grace lets running jobs finish: prorl.yaml's ``node.drain_grace_s``, else
+    the nodes' ``signal_delay_s`` minus :data:`DRAIN_REQUEUE_MARGIN_S`."""
+    configured = prorl_config(cfg).node.drain_grace_s
+    return float(configured) if configured is not None else float(max(0, cfg.nodes.signal_delay_s - DRAIN_REQUEUE_MARGIN_S))
+
+
+def sbatch_options(cfg: DeployConfig, role: str) -> dict[str, Any]:
+    """The role's sbatch options (long names without dashes; True is a bare flag)."""
+    opts = cfg.role(role)
+    out: dict[str, Any] = {
+        "job-name": f"prorl-{cfg.deployment}-{role}",
+        "time": time_minutes(opts.time),
+        "cpus-per-task": opts.cpus_per_task,
+        "signal": f"USR2@{opts.signal_delay_s}",
+        "open-mode": "append",
+    }
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(opts, key):
+            out[key] = getattr(opts, key)
+    if opts.mem_gb is not None:
+        out["mem"] = f"{int(opts.mem_gb * 1024)}M"
+    if role == "inference" and (cfg.inference.gres or cfg.inference.gpus_per_task):
+        out["gres"] = cfg.inference.gres or f"gpu:{cfg.inference.gpus_per_task}"
+    requeue = True if role == "broker" else getattr(opts, "requeue", True)
+    out["requeue" if requeue else "no-requeue"] = True
+    out.update(opts.sbatch_options)
+    return out
+
+
+def executor(cfg: DeployConfig, role: str, count: int) -> Any:
+    import submitit
+
+    opts = cfg.role(role)
+    sb = sbatch_options(cfg, role)
+    ex = submitit.SlurmExecutor(folder=str(cfg.log_path / role / "%j"), python=shlex.quote(cfg.python_path))
+    # submitit's own knobs; everything else goes in as raw sbatch options.
+    ex.update_parameters(
+        job_name=sb.pop("job-name"),
+        time=sb.pop("time"),
+        cpus_per_task=sb.pop("cpus-per-task"),
+        signal_delay_s=opts.signal_delay_s,
+        setup=[*cfg.setup, *opts.setup],
+        stderr_to_stdout=True,
+        array_parallelism=getattr(opts, "array_parallelism", 0) or max(count, 1),
+        additional_parameters={k: v for k, v in sb.items() if k != "signal"},
+    )
+    return ex
+
+
+def submit_role(cfg: DeployConfig, role: str, indices: list[int]) -> list[Member]:
+    """Submit ``role`` tasks with these indices (one job, or one array)."""
+    ex = executor(cfg, role, len(indices))
+    # submitit prints a failed sbatch's stderr itself and raises with the same text: keep only the error we raise.
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            if role == "broker":
+                job = ex.submit(submitted_role, role_spec(cfg, role))
+                return [Member(role, 0, str(job.job_id))]
+            jobs = ex.map_array(submitted_role, [role_spec(cfg, role, i) for i in indices])
+    except RuntimeError as e:  # submitit's FailedJobError carries sbatch's message
+        raise SlurmError(f"sbatch refused the {role}: {str(e).strip()}") from e
+    return [Member(role, i, str(j.job_id)) for i, j in zip(indices, jobs, strict=True)]
+
+
