@@ -56,12 +56,15 @@ def tokenizer_of(ctx: JobContext) -> str:
 
 async def session(
     ctx: JobContext, *, parser: str = "hermes", models: tuple[str, ...] = ("prorl",),
-    sampling: SamplingParams | None = None, gateway: Gateway | None = None,
+    sampling: SamplingParams | None = None, gateway: Gateway | None = None, max_concurrent: int = 8,
+    tool_choice_retries: int = 2,
 ) -> JobGateway:
     """Open this job's endpoint on the node's gateway; it closes after RUN (``ctx.add_cleanup``).
 
     ``parser`` names the tool parser (``prorl_cli.agent.get_tool_parser``);
-    ``sampling`` is the default a request's own fields override (the job's).
+    ``sampling`` is the default a request's own fields override (the job's);
+    ``max_concurrent`` bounds the job's requests answered at once;
+    ``tool_choice_retries`` bounds the turns sampled again when one does not honour ``tool_choice``.
     The trajectory is kept in ``ctx.output["trajectory"]`` after every call,
     so a RUN that fails or is cancelled still returns what was sampled.
     """
@@ -80,6 +83,7 @@ async def session(
 
     gw = gateway or await Gateway.get()
     job = gw.open_job(ctx.job_id, generate=ctx.generate, chat_for=chat_for, parser=get_tool_parser(parser),
-                      sampling=sampling or ctx.sampling, models=models, on_record=record)
+                      sampling=sampling or ctx.sampling, models=models, on_record=record,
+                      max_concurrent=max_concurrent, tool_choice_retries=tool_choice_retries)
     ctx.add_cleanup(job.close)
     return job

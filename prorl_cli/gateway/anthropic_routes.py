@@ -10,7 +10,7 @@ from aiohttp import web
 
 from prorl_cli.gateway.buffer import Reply
 from prorl_cli.gateway.messages import AGENT_HEADER, anthropic_request, request_agent
-from prorl_cli.gateway.streaming import open_sse, send_event
+from prorl_cli.gateway.streaming import SseEvents, open_sse
 
 if TYPE_CHECKING:
     from prorl_cli.gateway.server import JobGateway
@@ -44,7 +44,8 @@ async def messages(request: web.Request, job: JobGateway, body: dict[str, Any]) 
         })
     resp = await open_sse(request)
     reply = await job.buffer.complete(req)
-    await send_event(resp, {"type": "message_start", "message": {
+    events = SseEvents()
+    events.add({"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": req.model, "content": [],
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}}}, "message_start")
@@ -56,13 +57,12 @@ async def messages(request: web.Request, job: JobGateway, body: dict[str, Any]) 
         else:
             start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        await send_event(resp, {"type": "content_block_start", "index": i, "content_block": start},
-                         "content_block_start")
-        await send_event(resp, {"type": "content_block_delta", "index": i, "delta": delta}, "content_block_delta")
-        await send_event(resp, {"type": "content_block_stop", "index": i}, "content_block_stop")
-    await send_event(resp, {"type": "message_delta",
-                            "delta": {"stop_reason": _stop_reason(reply), "stop_sequence": reply.stop_string},
-                            "usage": {"output_tokens": reply.completion_tokens}}, "message_delta")
-    await send_event(resp, {"type": "message_stop"}, "message_stop")
-    await resp.write_eof()
+        events.add({"type": "content_block_start", "index": i, "content_block": start}, "content_block_start")
+        events.add({"type": "content_block_delta", "index": i, "delta": delta}, "content_block_delta")
+        events.add({"type": "content_block_stop", "index": i}, "content_block_stop")
+    events.add({"type": "message_delta",
+                "delta": {"stop_reason": _stop_reason(reply), "stop_sequence": reply.stop_string},
+                "usage": {"output_tokens": reply.completion_tokens}}, "message_delta")
+    events.add({"type": "message_stop"}, "message_stop")
+    await events.end(resp)
     return resp

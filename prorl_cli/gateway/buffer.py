@@ -40,6 +40,12 @@ from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
 
+#: Requests of one job answered at once by default (the harness setting ``max_concurrent_requests``).
+DEFAULT_MAX_CONCURRENT = 8
+#: Generations discarded at most per request for not honouring its ``tool_choice`` (harness ``tool_choice_retries``).
+DEFAULT_TOOL_CHOICE_RETRIES = 2
+#: The largest seed the broker's schema accepts (``SAMPLING``: within +-2^62); a retried seed stays inside.
+_SEED_MAX = 1 << 62
 #: ``chat_for(tools) -> ChatTokens``: the tokenizer's template with these tool schemas.
 ChatFactory = Callable[[list[dict[str, Any]] | None], ChatTokens]
 
@@ -60,6 +66,8 @@ class Segment:
     sequence_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    #: Set while a call of this conversation is in flight; set to done (and cleared) when it is recorded.
+    in_flight: asyncio.Event | None = None
 
 
 @dataclass
@@ -75,6 +83,9 @@ class Reply:
     stop_string: str | None
     segment: int
     continued: bool
+    #: Per output token, ``(token id, logprob)`` alternatives when the request asked for them and the engine
+    #: returned them (``Generation.top_logprobs``); None otherwise.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -103,8 +114,13 @@ def _first_difference(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> s
 class TokenBuffer:
     """The token buffers of one job and its trajectory (see the module docstring).
 
-    Requests are answered one at a time (a lock): the order of calls in the
-    trajectory is the order the model saw them.
+    Conversations are answered concurrently (sub-agents a harness runs in
+    parallel each have a call in flight), one call at a time per
+    conversation: a request that matches a conversation whose call is still
+    in flight waits for it, then is matched again (a retry or a fork of that
+    conversation cannot extend a reply it has not seen). Calls are recorded
+    in the order they end. Matching, segment creation and recording run
+    between awaits, so no two requests interleave inside them.
     """
 
     def __init__(
@@ -116,7 +132,15 @@ class TokenBuffer:
         sampling: SamplingParams,
         model: str | None = None,
         on_record: Callable[[Trajectory], None] | None = None,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        tool_choice_retries: int = DEFAULT_TOOL_CHOICE_RETRIES,
     ) -> None:
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
+        if tool_choice_retries < 0:
+            raise ValueError(f"tool_choice_retries must be at least 0, got {tool_choice_retries}")
+        #: Generations discarded at most per request whose turn does not honour its ``tool_choice``.
+        self.tool_choice_retries = tool_choice_retries
         self._chat_for = chat_for
         self._generate = generate
         self.parser = parser
@@ -124,7 +148,10 @@ class TokenBuffer:
         self.trajectory = Trajectory(model=model)
         self.segments: list[Segment] = []
         self._on_record = on_record
-        self._lock = asyncio.Lock()
+        #: Plain completions (``complete_text``) extend "the last call", so they run one at a time.
+        self._text_lock = asyncio.Lock()
+        #: Requests of this job answered at once; more wait their turn (a runaway harness cannot flood the engines).
+        self._slots = asyncio.Semaphore(max_concurrent)
 
     # ------------------------------------------------------------ prompts
     def _match(self, messages: list[dict[str, Any]], key: str, agent: str | None) -> Segment | None:
@@ -153,18 +180,37 @@ class TokenBuffer:
             return "the request's tools differ from the conversation so far"
         return _first_difference(messages, last.messages)
 
-    def _prompt(self, req: ChatRequest) -> tuple[list[int], Segment, bool, str | None]:
-        """(prompt ids, segment, whether it continues that segment, why a new segment began)."""
+    async def _claim(self, req: ChatRequest) -> tuple[list[int], Segment, bool, str | None]:
+        """(prompt ids, segment, whether it continues that segment, why a new segment began); the segment is
+        marked in flight (a new one is added to ``segments`` at once, so concurrent ones get their own index)."""
         key = tools_key(req.tools)
-        seg = self._match(req.messages, key, req.agent)
+        while True:
+            seg = self._match(req.messages, key, req.agent)
+            if seg is None or seg.in_flight is None:
+                break
+            await seg.in_flight.wait()
         if seg is not None:
             new = req.messages[len(seg.messages):]
             delta = seg.chat.continuation(seg.output_ids, new)
-            return seg.prompt_ids + seg.output_ids + delta, seg, True, None
-        chat = self._chat_for(req.tools)
-        reason = self._reason(req.messages, key, req.agent)
-        seg = Segment(index=len(self.segments), chat=chat, tools_key=key, agent=req.agent)
-        return chat.initial_prompt(req.messages), seg, False, reason
+            prompt, continued, reason = seg.prompt_ids + seg.output_ids + delta, True, None
+        else:
+            chat = self._chat_for(req.tools)
+            reason = self._reason(req.messages, key, req.agent)
+            seg = self._new_segment(chat, key, req.agent)
+            prompt, continued = chat.initial_prompt(req.messages), False
+        seg.in_flight = asyncio.Event()
+        return prompt, seg, continued, reason
+
+    def _new_segment(self, chat: ChatTokens, key: str, agent: str | None) -> Segment:
+        seg = Segment(index=len(self.segments), chat=chat, tools_key=key, agent=agent)
+        self.segments.append(seg)  # no messages yet: matched by nothing until its first call is recorded
+        return seg
+
+    @staticmethod
+    def _release(seg: Segment) -> None:
+        if seg.in_flight is not None:
+            seg.in_flight.set()
+            seg.in_flight = None
 
     def _sampling(self, req: ChatRequest, chat: ChatTokens) -> SamplingParams:
         wire = self.sampling.to_wire()
@@ -174,43 +220,87 @@ class TokenBuffer:
                 wire[name] = value
         if not wire.get("stop_token_ids") and chat.stop_token_ids:
             wire["stop_token_ids"] = list(chat.stop_token_ids)
+        if req.top_logprobs:
+            wire["top_logprobs"] = req.top_logprobs
         return SamplingParams(**wire)
+
+    @staticmethod
+    def _retry_sampling(sampling: SamplingParams, attempt: int) -> SamplingParams:
+        """The sampling of a retry: a fixed seed moves on (the same seed would sample the same turn again)."""
+        if sampling.seed is None or attempt == 0:
+            return sampling
+        wire = sampling.to_wire()
+        seed = sampling.seed + attempt
+        wire["seed"] = seed if seed <= _SEED_MAX else sampling.seed - attempt
+        return SamplingParams(**wire)
+
+    @staticmethod
+    def _honours(req: ChatRequest, calls: list[ToolCall]) -> bool:
+        """Whether a turn's tool calls satisfy the request's ``tool_choice``."""
+        if req.tool_name is not None:
+            return any(c.name == req.tool_name for c in calls)
+        return bool(calls) or not req.require_tool
 
     # ------------------------------------------------------------- calls
     async def complete(self, req: ChatRequest) -> Reply:
         """Answer one chat request: prompt, ``generate``, record, parse tool calls."""
-        async with self._lock:
-            prompt, seg, continued, reason = self._prompt(req)
+        async with self._slots:
+            return await self._complete(req)
+
+    async def _complete(self, req: ChatRequest) -> Reply:
+        prompt, seg, continued, reason = await self._claim(req)
+        try:
             sampling = self._sampling(req, seg.chat)
-            gen = await self._generate(prompt, sampling)
-            out, lps = list(gen.output_ids), list(gen.logprobs)
-            finish = gen.finish_reason
-            stop_string = None
-            if req.stop:
-                out, lps, stop_string = _cut_at_stop(seg.chat, out, lps, req.stop)
+            # A turn that does not honour tool_choice is sampled again from the same prompt; only the turn
+            # returned is recorded (the trajectory stays what the agent saw), with the discarded ones counted.
+            retries = self.tool_choice_retries if req.require_tool and req.parse_tools else 0
+            for attempt in range(retries + 1):
+                gen = await self._generate(prompt, self._retry_sampling(sampling, attempt))
+                out, lps = list(gen.output_ids), list(gen.logprobs)
+                finish = gen.finish_reason
+                stop_string = None
+                if req.stop:
+                    out, lps, stop_string = _cut_at_stop(seg.chat, out, lps, req.stop)
+                    if stop_string is not None:
+                        finish = "stop"
+                text = seg.chat.decode(out, skip_special_tokens=True)
                 if stop_string is not None:
-                    finish = "stop"
+                    text = text[: text.index(stop_string)]
+                content, calls = self._parse(text, req.parse_tools)
+                if self._honours(req, calls):
+                    break
+            unmet = not self._honours(req, calls)
+            if unmet:
+                wanted = f"a call to {req.tool_name!r}" if req.tool_name is not None else "a tool call"
+                log.warning("gateway: no turn of %d honoured tool_choice (%s); answering the last one",
+                            attempt + 1, wanted)
             call = self._record(prompt, out, lps, finish, gen, seg, continued, reason)
-            text = call.text
-            if stop_string is not None:
-                text = text[: text.index(stop_string)]
-            content, calls = self._parse(text, req.parse_tools)
+            call.tool_choice_retries, call.tool_choice_unmet = attempt, unmet
             seg.messages = [*req.messages, self._assistant_message(content, calls)]
             self.trajectory.messages = [dict(m) for m in seg.messages]
             if self._on_record is not None:
                 self._on_record(self.trajectory)
-            finish_reason = "tool_calls" if calls else ("length" if finish == "length" else "stop")
-            return Reply(call, content, calls, finish_reason, stop_string, seg.index, continued)
+        except BaseException:
+            if not continued and not seg.messages and self.segments[-1] is seg:
+                self.segments.pop()  # its first call failed: no conversation began (later ones keep their index)
+            raise
+        finally:
+            self._release(seg)
+        finish_reason = "tool_calls" if calls else ("length" if finish == "length" else "stop")
+        top = getattr(gen, "top_logprobs", None)
+        return Reply(call, content, calls, finish_reason, stop_string, seg.index, continued,
+                     top_logprobs=top[: len(out)] if top is not None and req.top_logprobs else None)
 
     async def complete_text(self, prompt_text: str, req: ChatRequest) -> Reply:
         """Answer a plain completion (``/v1/completions``): the prompt text encoded as is."""
-        async with self._lock:
+        async with self._slots, self._text_lock:
             chat = self._chat_for(None)
             prompt = chat.encode(prompt_text)
             last = self.trajectory.calls[-1] if self.trajectory.calls else None
             continued = last is not None and prompt[: len(last.prompt_ids) + len(last.output_ids)] == \
                 last.prompt_ids + last.output_ids
-            seg = self.segments[-1] if continued else Segment(len(self.segments), chat, "text", agent=req.agent)
+            seg = self.segments[last.segment] if continued and last is not None else \
+                self._new_segment(chat, "text", req.agent)
             reason = None if continued or not self.segments else "a text prompt that does not extend the last call"
             sampling = self._sampling(req, chat)
             gen = await self._generate(prompt, sampling)
@@ -246,8 +336,6 @@ class TokenBuffer:
             policy_version=getattr(gen, "policy_version", None), segment=seg.index, agent=seg.agent,
         )
         if not continued:
-            if seg.index == len(self.segments):
-                self.segments.append(seg)
             if reason is not None:
                 message = f"call {len(traj.calls)}: new segment {seg.index}: {reason}"
                 log.info("gateway: %s", message)

@@ -15,8 +15,12 @@ is a 400 naming the API's field, never a later failure: the sampling fields
 broker's own checks of ``SamplingParams`` (``prorl_cli.protocol.schema.SAMPLING``,
 the one place their ranges are written), so nothing the gateway accepts is
 refused by the broker or is too large for msgpack to carry; the fields that
-never leave the gateway (``n``, ``top_logprobs``, the penalties, the legacy
-``logprobs``) in the ranges the OpenAI API documents.
+never leave the gateway (``n``, the penalties, the legacy ``logprobs``) in
+the ranges the OpenAI API documents.
+
+``tool_choice`` is read into :attr:`ChatRequest.require_tool` and
+:attr:`ChatRequest.tool_name`; a named tool that is not among ``tools`` is a
+400 naming ``tool_choice``. The token buffer honours them (docs/harness.md).
 """
 
 from __future__ import annotations
@@ -57,6 +61,13 @@ class ChatRequest:
     logprobs: bool = False
     #: ``False`` when the caller asked for no tool calls (OpenAI ``tool_choice: "none"``).
     parse_tools: bool = True
+    #: The turn must call a tool (OpenAI ``tool_choice: "required"``, Anthropic ``{"type": "any"}``).
+    require_tool: bool = False
+    #: The turn must call this tool (OpenAI ``{"type": "function", "function": {"name": N}}``,
+    #: Anthropic ``{"type": "tool", "name": N}``); implies ``require_tool``.
+    tool_name: str | None = None
+    #: OpenAI ``top_logprobs`` (with ``logprobs: true``): alternatives returned per output token.
+    top_logprobs: int | None = None
     #: OpenAI ``stream_options.include_usage``: end a stream with a usage chunk (whose ``choices`` is empty).
     include_usage: bool = False
     #: The agent making the call (:func:`request_agent`); None when the harness names none.
@@ -104,7 +115,6 @@ def tool_call_message(name: str, arguments: Any) -> dict[str, Any]:
 SAMPLING_CHECKS: dict[str, Check] = {
     name: spec.check if isinstance(spec, Opt) else spec for name, spec in RECORD_FIELDS[SAMPLING].items()}
 #: Fields the gateway reads but never sends on, in the OpenAI API's documented ranges.
-_TOP_LOGPROBS = Int(0, 20)
 _PENALTY = Num(-2.0, 2.0)
 _COMPLETION_LOGPROBS = Int(0, 5)
 
@@ -157,45 +167,80 @@ def _model(body: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------- OpenAI
-def openai_messages(raw: Any) -> list[dict[str, Any]]:
+class MessageMemo:
+    """The last request's raw messages and their canonical form, for one job.
+
+    A harness resends the whole conversation at every call; the messages it
+    already sent are equal to last time's, so their canonical form is reused
+    instead of being validated and parsed again (tool-call arguments are JSON
+    text to decode). Reuse stops at the first message that differs: a
+    message's canonical form depends on the ones before it (tool results take
+    the name of their call). The canonical dicts are shared between requests
+    and must not be mutated.
+    """
+
+    __slots__ = ("raw", "out")
+
+    def __init__(self) -> None:
+        self.raw: list[Any] = []
+        self.out: list[dict[str, Any]] = []
+
+
+def openai_messages(raw: Any, memo: MessageMemo | None = None) -> list[dict[str, Any]]:
     """OpenAI chat ``messages`` in canonical form (tool results named after their call)."""
     if not isinstance(raw, list) or not raw:
         raise RequestError("messages must be a non-empty list", param="messages")
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(f"{where} must be an object", param="messages")
-        role = m.get("role")
-        if role in ("system", "developer"):
-            out.append({"role": "system", "content": _text(m.get("content"), f"{where}.content")})
-        elif role == "user":
-            out.append({"role": "user", "content": _text(m.get("content"), f"{where}.content")})
-        elif role == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": _text(m.get("content"), f"{where}.content")}
-            calls = m.get("tool_calls") or []
-            if not isinstance(calls, list):
-                raise RequestError(f"{where}.tool_calls must be a list", param="messages")
-            canon = []
-            for j, tc in enumerate(calls):
-                fn = tc.get("function") if isinstance(tc, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise RequestError(f"{where}.tool_calls[{j}] needs function.name", param="messages")
+    same = 0
+    if memo is not None:
+        prev = memo.raw
+        limit = min(len(prev), len(raw))
+        while same < limit and raw[same] == prev[same]:
+            m = raw[same]
+            for tc in m.get("tool_calls") or () if m.get("role") == "assistant" else ():
                 if isinstance(tc.get("id"), str):
-                    names[tc["id"]] = fn["name"]
-                canon.append(tool_call_message(fn["name"], _arguments(fn.get("arguments"))))
-            if canon:
-                msg["tool_calls"] = canon
-            out.append(msg)
-        elif role == "tool":
-            call_id = m.get("tool_call_id")
-            out.append({"role": "tool", "name": names.get(call_id, "") if isinstance(call_id, str) else "",
-                        "content": _text(m.get("content"), f"{where}.content")})
-        else:
-            raise RequestError(f"{where}.role {role!r} is not supported (system, developer, user, assistant, tool)",
-                               param="messages")
+                    names[tc["id"]] = tc["function"]["name"]
+            same += 1
+        out.extend(memo.out[:same])
+    for i in range(same, len(raw)):
+        out.append(_openai_message(raw[i], f"messages[{i}]", names))
+    if memo is not None:
+        memo.raw, memo.out = raw, out
     return out
+
+
+def _openai_message(m: Any, where: str, names: dict[str, str]) -> dict[str, Any]:
+    """One message in canonical form; an assistant's tool-call ids are added to ``names``."""
+    if not isinstance(m, dict):
+        raise RequestError(f"{where} must be an object", param="messages")
+    role = m.get("role")
+    if role in ("system", "developer"):
+        return {"role": "system", "content": _text(m.get("content"), f"{where}.content")}
+    if role == "user":
+        return {"role": "user", "content": _text(m.get("content"), f"{where}.content")}
+    if role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": _text(m.get("content"), f"{where}.content")}
+        calls = m.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise RequestError(f"{where}.tool_calls must be a list", param="messages")
+        canon = []
+        for j, tc in enumerate(calls):
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise RequestError(f"{where}.tool_calls[{j}] needs function.name", param="messages")
+            if isinstance(tc.get("id"), str):
+                names[tc["id"]] = fn["name"]
+            canon.append(tool_call_message(fn["name"], _arguments(fn.get("arguments"))))
+        if canon:
+            msg["tool_calls"] = canon
+        return msg
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        return {"role": "tool", "name": names.get(call_id, "") if isinstance(call_id, str) else "",
+                "content": _text(m.get("content"), f"{where}.content")}
+    raise RequestError(f"{where}.role {role!r} is not supported (system, developer, user, assistant, tool)",
+                       param="messages")
 
 
 def _openai_tools(raw: Any) -> list[dict[str, Any]] | None:
@@ -232,19 +277,57 @@ def _include_usage(body: dict[str, Any]) -> bool:
     return _flag(stream_options, "include_usage", "stream_options.include_usage")
 
 
-def openai_chat_request(body: dict[str, Any]) -> ChatRequest:
-    """Validate an OpenAI ``/v1/chat/completions`` body; :class:`RequestError` names the field."""
+def _chosen_tool(name: str, tools: list[dict[str, Any]] | None, where: str) -> str:
+    """``name`` if it is one of ``tools``; else a 400 naming ``tool_choice``."""
+    names = [t["function"]["name"] for t in tools or []]
+    if name not in names:
+        raise RequestError(f"{where} names the tool {name!r}, which is not among the request's tools {names}",
+                           param="tool_choice")
+    return name
+
+
+def _needs_tools(tools: list[dict[str, Any]] | None, what: str) -> None:
+    if not tools:
+        raise RequestError(f"tool_choice {what} needs tools, and the request has none", param="tool_choice")
+
+
+def _openai_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The :class:`ChatRequest` fields OpenAI's ``tool_choice`` sets (``none``, ``auto``, ``required``, named)."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return {}
+    if choice == "none":
+        return {"parse_tools": False}
+    if choice == "required":
+        _needs_tools(tools, "'required'")
+        return {"require_tool": True}
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+        return {"require_tool": True, "tool_name": _chosen_tool(fn["name"], tools, "tool_choice.function.name")}
+    raise RequestError("tool_choice must be 'none', 'auto', 'required' or "
+                       "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+
+
+def openai_chat_request(body: dict[str, Any], memo: MessageMemo | None = None) -> ChatRequest:
+    """Validate an OpenAI ``/v1/chat/completions`` body; :class:`RequestError` names the field.
+
+    ``memo`` (the job's) lets messages equal to the last request's keep their canonical form.
+    """
     sampling = _openai_sampling(body)
-    _checked(body, "top_logprobs", _TOP_LOGPROBS)  # only the sampled token's log-prob is returned
+    logprobs = _flag(body, "logprobs")
+    # Checked as the broker checks the sampling field; only sent on when log-probs are asked for.
+    top_logprobs = _sampling(body, "top_logprobs")
+    tools = _openai_tools(body.get("tools"))
     return ChatRequest(
-        messages=openai_messages(body.get("messages")),
-        tools=_openai_tools(body.get("tools")),
+        messages=openai_messages(body.get("messages"), memo),
+        tools=tools,
         model=_model(body),
         stream=_flag(body, "stream"),
         stop=_stop(body.get("stop")),
-        logprobs=_flag(body, "logprobs"),
-        parse_tools=body.get("tool_choice") != "none",
+        logprobs=logprobs,
+        top_logprobs=top_logprobs if logprobs and top_logprobs else None,
         include_usage=_include_usage(body),
+        **_openai_tool_choice(body, tools),
         **sampling,
     )
 
@@ -343,10 +426,10 @@ def anthropic_request(body: dict[str, Any]) -> ChatRequest:
     max_tokens = _sampling(body, "max_tokens")
     if max_tokens is None:
         raise RequestError("max_tokens is required", param="max_tokens")
-    tool_choice = body.get("tool_choice")
+    tools = anthropic_tools(body.get("tools"))
     return ChatRequest(
         messages=anthropic_messages(body.get("system"), body.get("messages")),
-        tools=anthropic_tools(body.get("tools")),
+        tools=tools,
         model=_model(body),
         stream=_flag(body, "stream"),
         max_tokens=max_tokens,
@@ -354,8 +437,26 @@ def anthropic_request(body: dict[str, Any]) -> ChatRequest:
         top_p=_float(_sampling(body, "top_p")),
         top_k=_sampling(body, "top_k"),
         stop=_stop(body.get("stop_sequences")),
-        parse_tools=not (isinstance(tool_choice, dict) and tool_choice.get("type") == "none"),
+        **_anthropic_tool_choice(body.get("tool_choice"), tools),
     )
+
+
+def _anthropic_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The :class:`ChatRequest` fields Anthropic's ``tool_choice`` sets (``auto``, ``any``, ``tool``, ``none``)."""
+    if choice is None:
+        return {}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "auto":
+        return {}
+    if kind == "none":
+        return {"parse_tools": False}
+    if kind == "any":
+        _needs_tools(tools, "{'type': 'any'}")
+        return {"require_tool": True}
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"require_tool": True, "tool_name": _chosen_tool(choice["name"], tools, "tool_choice.name")}
+    raise RequestError("tool_choice must be {'type': 'auto'}, {'type': 'any'}, {'type': 'none'} or "
+                       "{'type': 'tool', 'name': ...}", param="tool_choice")
 
 
 #: Longest agent name a harness may give (it is recorded with every call).

@@ -17,7 +17,7 @@ from prorl_cli.gateway.messages import (
     openai_completion_request,
     request_agent,
 )
-from prorl_cli.gateway.streaming import open_sse, send_event
+from prorl_cli.gateway.streaming import SseEvents, open_sse
 
 if TYPE_CHECKING:
     from prorl_cli.gateway.server import JobGateway
@@ -33,12 +33,18 @@ def _tool_calls(reply: Reply) -> list[dict[str, Any]]:
              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in reply.tool_calls]
 
 
+def _token(chat: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    token = chat.decode([token_id])
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
 def _logprobs(job: JobGateway, reply: Reply) -> dict[str, Any]:
+    """``choices[0].logprobs``: each output token's log-prob, and its alternatives when asked for
+    (``top_logprobs``) and the engine returned them (else ``[]``)."""
     chat = job.buffer.segments[reply.segment].chat
-    content = []
-    for tid, lp in zip(reply.call.output_ids, reply.call.logprobs, strict=True):
-        token = chat.decode([tid])
-        content.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")), "top_logprobs": []})
+    top = reply.top_logprobs or [[] for _ in reply.call.output_ids]
+    content = [{**_token(chat, tid, lp), "top_logprobs": [_token(chat, t, alt) for t, alt in alts]}
+               for tid, lp, alts in zip(reply.call.output_ids, reply.call.logprobs, top, strict=True)]
     return {"content": content, "refusal": None}
 
 
@@ -61,16 +67,17 @@ def _stream_base(req: ChatRequest, prefix: str, kind: str) -> dict[str, Any]:
     return base
 
 
-async def _end_stream(resp: web.StreamResponse, req: ChatRequest, base: dict[str, Any], reply: Reply) -> None:
+async def _end_stream(resp: web.StreamResponse, events: SseEvents, req: ChatRequest, base: dict[str, Any],
+                      reply: Reply) -> None:
     """The usage chunk (only when asked for: its ``choices`` is empty), ``[DONE]``, end of body."""
     if req.include_usage:
-        await send_event(resp, {**base, "choices": [], "usage": _usage(reply)})
-    await send_event(resp, "[DONE]")
-    await resp.write_eof()
+        events.add({**base, "choices": [], "usage": _usage(reply)})
+    events.add("[DONE]")
+    await events.end(resp)
 
 
 async def chat_completions(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
-    req = openai_chat_request(body)
+    req = openai_chat_request(body, job.memo)
     req.agent = request_agent(request.match_info.get("agent"), request.headers.get(AGENT_HEADER), body)
     job.check_model(req.model)
     if req.stream:
@@ -97,14 +104,15 @@ async def _stream_chat(resp: web.StreamResponse, job: JobGateway, req: ChatReque
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
         return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
 
-    await send_event(resp, chunk({"role": "assistant", "content": ""}))
+    events = SseEvents()
+    events.add(chunk({"role": "assistant", "content": ""}))
     if reply.content:
         logprobs: dict[str, Any] = {"logprobs": _logprobs(job, reply)} if req.logprobs else {}
-        await send_event(resp, chunk({"content": reply.content}, **logprobs))
+        events.add(chunk({"content": reply.content}, **logprobs))
     for i, call in enumerate(_tool_calls(reply)):
-        await send_event(resp, chunk({"tool_calls": [{"index": i, **call}]}))
-    await send_event(resp, {**chunk({}, reply.finish_reason), "prorl": _prorl_fields(reply)})
-    await _end_stream(resp, req, base, reply)
+        events.add(chunk({"tool_calls": [{"index": i, **call}]}))
+    events.add({**chunk({}, reply.finish_reason), "prorl": _prorl_fields(reply)})
+    await _end_stream(resp, events, req, base, reply)
 
 
 async def completions(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
@@ -115,11 +123,12 @@ async def completions(request: web.Request, job: JobGateway, body: dict[str, Any
         resp = await open_sse(request)
         reply = await job.buffer.complete_text(prompt, chat_like)
         base = _stream_base(chat_like, "cmpl", "text_completion")
-        await send_event(resp, {**base, "choices": [{"index": 0, "text": reply.content, "finish_reason": None,
-                                                     "logprobs": None}]})
-        await send_event(resp, {**base, "choices": [{"index": 0, "text": "", "finish_reason": reply.finish_reason,
-                                                     "logprobs": None}], "prorl": _prorl_fields(reply)})
-        await _end_stream(resp, chat_like, base, reply)
+        events = SseEvents()
+        events.add({**base, "choices": [{"index": 0, "text": reply.content, "finish_reason": None,
+                                         "logprobs": None}]})
+        events.add({**base, "choices": [{"index": 0, "text": "", "finish_reason": reply.finish_reason,
+                                         "logprobs": None}], "prorl": _prorl_fields(reply)})
+        await _end_stream(resp, events, chat_like, base, reply)
         return resp
     reply = await job.buffer.complete_text(prompt, chat_like)
     return web.json_response({

@@ -36,8 +36,13 @@ from prorl_cli.agent.tools import ToolParser
 from prorl_cli.agent.trajectory import Trajectory
 from prorl_cli.exceptions import InferenceError
 from prorl_cli.gateway import anthropic_routes, openai_routes
-from prorl_cli.gateway.buffer import ChatFactory, TokenBuffer
-from prorl_cli.gateway.messages import RequestError
+from prorl_cli.gateway.buffer import (
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_TOOL_CHOICE_RETRIES,
+    ChatFactory,
+    TokenBuffer,
+)
+from prorl_cli.gateway.messages import MessageMemo, RequestError
 from prorl_cli.gateway.streaming import anthropic_error, openai_error
 from prorl_cli.protocol import SamplingParams
 
@@ -61,6 +66,8 @@ class JobGateway:
         self.models = models
         self.token = secrets.token_urlsafe(24)
         self.closed = False
+        #: The last chat request's messages in canonical form (reused for the unchanged prefix of the next).
+        self.memo = MessageMemo()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._unix_sites: list[web.UnixSite] = []
 
@@ -202,10 +209,16 @@ class Gateway:
     def open_job(
         self, job_id: str, *, generate: GenerateFn, chat_for: ChatFactory, parser: ToolParser,
         sampling: SamplingParams, models: tuple[str, ...] = (DEFAULT_MODEL,),
-        on_record: Callable[[Trajectory], None] | None = None,
+        on_record: Callable[[Trajectory], None] | None = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        tool_choice_retries: int = DEFAULT_TOOL_CHOICE_RETRIES,
     ) -> JobGateway:
-        """A new endpoint for one job; its trajectory is kept in the returned object's ``buffer``."""
-        buffer = TokenBuffer(chat_for, generate, parser, sampling=sampling, model=models[0], on_record=on_record)
+        """A new endpoint for one job; its trajectory is kept in the returned object's ``buffer``.
+
+        ``max_concurrent``: requests of this job answered at once (more wait);
+        ``tool_choice_retries``: turns sampled again at most when one does not honour ``tool_choice``.
+        """
+        buffer = TokenBuffer(chat_for, generate, parser, sampling=sampling, model=models[0], on_record=on_record,
+                             max_concurrent=max_concurrent, tool_choice_retries=tool_choice_retries)
         job = JobGateway(self, job_id, buffer, models)
         self._jobs[job.token] = job
         return job

@@ -13,7 +13,10 @@ calls, lets the calls in flight finish on the old weights (their replies
 carry the old ``policy_version``), has the engine load the checkpoint
 (:meth:`Engine.reload`), then serves again under the new version and
 answers ``weights_updated``. An engine that cannot reload answers with an
-error (the caller then restarts the backend on the new checkpoint).
+error (the caller then restarts the backend on the new checkpoint). The
+bridge registers with the version it serves (none: the weights it started
+on), so a broker whose current weights differ sends it those before any
+call (a requeued bridge comes back on its start checkpoint).
 
 A ``generate_cancel`` (the job ended) stops the call wherever it is: one
 still waiting for its turn (capacity, or a weight load) is dropped and
@@ -107,26 +110,20 @@ class InferenceBridge(BrokerPeer):
     # ------------------------------------------------------------- the peer
 
     def register_header(self) -> dict[str, Any]:
-        return {
-            "op": Op.REGISTER_BACKEND.value,
-            "backend_id": self.backend_id,
-            "host": self.host,
-            "model": self.engine.model,
-            "max_model_len": self.engine.max_model_len,
-            "capacity": self.capacity,
-        }
+        # policy_version: the weights it serves (a broker whose current weights differ sends them before any call).
+        return H.RegisterBackend(H.NEW_RID, self.backend_id, self.host, self.engine.model,
+                                 max_model_len=self.engine.max_model_len, capacity=self.capacity,
+                                 policy_version=self.policy_version).to_wire()
 
     def heartbeat_header(self) -> dict[str, Any]:
-        header: dict[str, Any] = {"op": Op.HEARTBEAT.value, "backend_id": self.backend_id, "inflight": len(self._generating)}
-        stats = self.engine.stats()
-        if stats:
-            header["stats"] = stats  # str -> number; the broker shows them in status
+        stats = self.engine.stats()  # str -> number; the broker shows them in status
         self.metrics.set("prorl_bridge_inflight", (), float(len(self._generating)))
-        header["metrics"] = self.metrics.to_wire()
-        return header
+        return H.Heartbeat(backend_id=self.backend_id, inflight=len(self._generating), stats=stats or None,
+                           metrics=self.metrics.to_wire()).to_wire()
 
     def unregister_header(self) -> dict[str, Any]:
-        return {"op": Op.UNREGISTER.value, "backend_id": self.backend_id}
+        # reason: its engine died (a loss); without a reason it left on purpose.
+        return H.Unregister(backend_id=self.backend_id, reason=self.failure or None).to_wire()
 
     def on_registered(self, reply: dict[str, Any]) -> None:
         log.info("registered as backend %s (model %s, max_model_len %s)", self.backend_id, self.engine.model, self.engine.max_model_len)
@@ -204,7 +201,7 @@ class InferenceBridge(BrokerPeer):
     async def _update_weights(self, h: H.UpdateWeights) -> None:
         """Load new weights between calls: in-flight calls finish on the old ones, new ones wait."""
         checkpoint, version = h.checkpoint, h.policy_version
-        reply: dict[str, Any] = {"op": Op.WEIGHTS_UPDATED.value, "rid": h.rid}
+        reply = H.WeightsUpdated(h.rid)
         async with self._reload_lock:
             try:
                 self._loading = True
@@ -217,12 +214,12 @@ class InferenceBridge(BrokerPeer):
             except (InferenceError, ProtocolError, OSError, ValueError, RuntimeError) as e:
                 message = f"backend {self.backend_id}: {e.message if isinstance(e, ProtocolError) else e}"
                 log.error("weights not updated: %s", message)
-                reply["error"] = {"code": ErrorCode.RELOAD_FAILED.value, "message": message}
+                reply.error = {"code": ErrorCode.RELOAD_FAILED.value, "message": message}
             finally:
                 self._loading = False
                 self._idle = None
                 self._admit()
-        await self.send(reply)
+        await self.send(reply.to_wire())
 
     # ------------------------------------------------------------- admission to the engine
 
@@ -288,8 +285,7 @@ class InferenceBridge(BrokerPeer):
                 log.exception("generate (job %s) crashed in the engine", job_id)
                 message = f"backend {self.backend_id}: internal error: {type(e).__name__}: {e}"
                 m.inc("prorl_bridge_generate_calls", ("error",))
-                await self.send({"op": Op.GENERATE_REPLY.value, "rid": rid,
-                                 "error": {"code": ErrorCode.BACKEND_ERROR.value, "message": message}})
+                await self.send(H.GenerateReply(rid, error={"code": ErrorCode.BACKEND_ERROR.value, "message": message}).to_wire())
                 return
             finally:
                 call.stage = "answered"
@@ -302,11 +298,9 @@ class InferenceBridge(BrokerPeer):
         m.inc("prorl_bridge_generate_calls", ("ok",))
         m.inc("prorl_bridge_prompt_tokens", (), len(prompt_ids))
         m.inc("prorl_bridge_output_tokens", (), len(gen.output_ids))
-        done: dict[str, Any] = {"op": Op.GENERATE_REPLY.value, "rid": rid, "finish_reason": gen.finish_reason,
-                                "engine_s": round(engine_s, 6)}
-        if version is not None:
-            done["policy_version"] = version  # the weights that served this call, whatever came since
-        await self.send(done, gen.payload())
+        # policy_version: the weights that served this call, whatever came since.
+        done = H.GenerateReply(rid, gen.finish_reason, policy_version=version, engine_s=round(engine_s, 6))
+        await self.send(done.to_wire(), gen.payload())
 
     async def _answer_error(self, rid: Any, job_id: str, e: Exception) -> None:
         """Answer a call the engine (or its own input) refused, with the error's code and message."""

@@ -3,7 +3,9 @@
 Every engine (vLLM over HTTP, the in-process transformers engine) and every
 path through the broker returns a :class:`Generation`. Tokens are ids, never
 text: on the wire they travel as int32 bytes (``protocol.pack_tokens``),
-log-probs as float32 bytes.
+log-probs as float32 bytes. When a call asks for ``sampling.top_logprobs = k``
+and the engine can say, each output position also carries its k most likely
+tokens (``Generation.top_logprobs``), as two more frames.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class Generation:
     ``logprobs[i]`` is the log-probability the engine assigned to
     ``output_ids[i]`` under the unmodified model distribution (vLLM's default
     ``raw_logprobs``; the transformers engine does the same).
+
+    ``top_logprobs[i]``, when the call asked for ``k`` alternatives and the
+    engine returns them, is the ``k`` most likely ``(token id, logprob)`` at
+    position ``i``, most likely first (the same distribution); ``None`` when
+    not asked for or the engine cannot say.
     """
 
     output_ids: list[int]
@@ -48,33 +55,59 @@ class Generation:
     #: Seconds the call spent at its engine, queued and generating: the bridge's timing, or the node's
     #: around an HTTP backend's request. The rest of a call's latency is transport (node, broker, bridge).
     engine_s: float | None = None
+    #: Per output position, the ``k`` most likely ``(token id, logprob)`` (see the class docstring).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"generation has {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"
             )
+        if self.top_logprobs is not None:
+            if len(self.top_logprobs) != len(self.output_ids):
+                raise ValueError(f"generation has {len(self.output_ids)} output ids but top_logprobs for "
+                                 f"{len(self.top_logprobs)} positions")
+            widths = {len(row) for row in self.top_logprobs}
+            if len(widths) > 1:
+                raise ValueError(f"generation's top_logprobs rows differ in length: {sorted(widths)}")
 
     def payload(self) -> list[bytes]:
-        """The two payload frames of a ``generate_reply``: ids (int32) and logprobs (float32)."""
-        return [pack_tokens(self.output_ids), pack_floats(self.logprobs)]
+        """The payload frames of a ``generate_reply``: ids (int32) and logprobs (float32); with
+        :attr:`top_logprobs`, two more: their ids (int32, n*k) and logprobs (float32, n*k), row by row."""
+        frames = [pack_tokens(self.output_ids), pack_floats(self.logprobs)]
+        if self.top_logprobs is not None:
+            frames += [pack_tokens([t for row in self.top_logprobs for t, _ in row]),
+                       pack_floats([lp for row in self.top_logprobs for _, lp in row])]
+        return frames
 
     @classmethod
     def from_payload(cls, frames: list[bytes], finish_reason: str, backend_id: str | None) -> Generation:
-        """Inverse of :meth:`payload`; raises ``ProtocolError`` on malformed frames."""
+        """Inverse of :meth:`payload` (2 or 4 frames); raises ``ProtocolError`` on malformed frames."""
         from prorl_cli.exceptions import ProtocolError
         from prorl_cli.protocol import ErrorCode
 
-        if len(frames) != 2:
+        if len(frames) not in (2, 4):
             raise ProtocolError(
-                ErrorCode.BAD_FRAME, f"generate reply needs 2 payload frames (ids, logprobs), got {len(frames)}"
+                ErrorCode.BAD_FRAME, "generate reply needs 2 payload frames (ids, logprobs) or 4 (and top_logprobs "
+                f"ids, logprobs), got {len(frames)}"
             )
         ids, lps = unpack_tokens(frames[0]), unpack_floats(frames[1])
         if len(ids) != len(lps):
             raise ProtocolError(
                 ErrorCode.BAD_FRAME, f"generate reply has {len(ids)} ids but {len(lps)} logprobs"
             )
-        return cls(ids, lps, finish_reason, backend_id)
+        top = None
+        if len(frames) == 4:
+            top_ids, top_lps = unpack_tokens(frames[2]), unpack_floats(frames[3])
+            if len(top_ids) != len(top_lps) or (ids and len(top_ids) % len(ids)) or (not ids and top_ids):
+                raise ProtocolError(
+                    ErrorCode.BAD_FRAME, f"generate reply has {len(top_ids)} top_logprobs ids and {len(top_lps)} "
+                    f"logprobs for {len(ids)} output tokens (needs k per token for both)"
+                )
+            k = len(top_ids) // len(ids) if ids else 0
+            pairs = list(zip(top_ids, top_lps, strict=True))
+            top = [pairs[i * k:(i + 1) * k] for i in range(len(ids))]
+        return cls(ids, lps, finish_reason, backend_id, top_logprobs=top)
 
 
 class Engine(abc.ABC):

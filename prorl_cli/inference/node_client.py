@@ -24,7 +24,8 @@ from prorl_cli.exceptions import BrokerRestarted, InferenceError, ProtocolError,
 from prorl_cli.inference.contract import Generation
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.inference.settings import InferenceConfig
-from prorl_cli.protocol import ErrorCode, Op, SamplingParams, pack_tokens
+from prorl_cli.protocol import ErrorCode, SamplingParams, pack_tokens
+from prorl_cli.protocol import headers as H
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class NodeInference:
         """One model call for ``job_id``; raises :class:`InferenceError`."""
         if not prompt_ids:
             raise InferenceError("generate needs at least one prompt token")
-        header = {"op": Op.GENERATE.value, "job_id": job_id, "sampling": sampling.to_wire()}
+        header = H.Generate(H.NEW_RID, job_id, sampling).to_wire()  # the connection numbers it and adds its host
         timeout_s = self.config.generate_timeout_s
         call = self._begin(job_id, timeout_s)
         try:
@@ -180,7 +181,7 @@ class NodeInference:
             finally:
                 if self.notify is not None and backend_id:
                     # The broker counts this backend's in-flight calls and served calls.
-                    await self.notify({"op": Op.GENERATE_DONE.value, "job_id": job_id, "backend_id": backend_id})
+                    await self.notify(H.GenerateDone(job_id, backend_id).to_wire())
             gen.backend_id = backend_id or engine.backend_id
             gen.policy_version = version
             return gen
@@ -198,7 +199,7 @@ class NodeInference:
     ) -> tuple[dict[str, Any], list[bytes]]:
         """Ask the broker until it answers (registering again, or asking a restarted broker again)."""
         # Giving up (timeout, or the job's task was cancelled) tells the broker, which stops the call at the engine.
-        cancel = {"op": Op.GENERATE_CANCEL.value, "job_id": job_id}
+        cancel = H.GenerateCancel(H.NEW_RID, job_id).to_wire()
         loop = asyncio.get_running_loop()
         while True:
             try:

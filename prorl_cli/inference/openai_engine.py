@@ -4,6 +4,9 @@ The prompt goes as a list of token ids, with ``return_token_ids`` and
 ``logprobs: 0``, so the server returns the sampled ids and their log-probs
 and never round-trips through text. The server's echo of the prompt ids is
 checked against what was sent: a server that re-tokenized would be caught.
+A call with ``sampling.top_logprobs = k`` asks for ``logprobs: k`` with
+vLLM's ``return_tokens_as_token_ids``, so each position's alternatives come
+keyed ``token_id:N``; a server that keys them by text gives none.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def completions_body(model: str, prompt_ids: list[int], sampling: SamplingParams
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
-        "logprobs": 0,
+        "logprobs": sampling.top_logprobs or 0,
         "return_token_ids": True,
         # Without this vLLM would hide special tokens only in the text; ids are unaffected,
         # but keeping the text faithful helps people reading server logs.
@@ -48,7 +51,31 @@ def completions_body(model: str, prompt_ids: list[int], sampling: SamplingParams
         body["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.ignore_eos:
         body["ignore_eos"] = True  # a vLLM extension of the completions API
+    if sampling.top_logprobs:
+        body["return_tokens_as_token_ids"] = True  # alternatives keyed "token_id:N", not by text (vLLM)
     return body
+
+
+_TOKEN_ID_KEY = "token_id:"
+
+
+def parse_top_logprobs(raw: Any, n: int, k: int, where: str) -> list[list[tuple[int, float]]] | None:
+    """``logprobs.top_logprobs`` (one ``{"token_id:N": logprob}`` map per position) as ``k`` (id, logprob) pairs
+    per position, most likely first; None when the server gave none or keyed them by text (ids unknown)."""
+    if not isinstance(raw, list) or len(raw) != n or not all(isinstance(row, dict) for row in raw):
+        return None
+    top: list[list[tuple[int, float]]] = []
+    for row in raw:
+        pairs = []
+        for key, lp in row.items():
+            if not (isinstance(key, str) and key.startswith(_TOKEN_ID_KEY) and key[len(_TOKEN_ID_KEY):].isdigit()):
+                log.warning("%s: top_logprobs keyed %r, not token_id:N; returning none", where, key)
+                return None
+            pairs.append((int(key[len(_TOKEN_ID_KEY):]), float(lp) if lp is not None else math.nan))
+        # vLLM adds the sampled token when it is not among the k: keep the k most likely.
+        top.append(sorted(pairs, key=lambda p: -p[1])[:k])
+    width = min((len(row) for row in top), default=0)
+    return [row[:width] for row in top]  # one k for every position (the payload frames need it)
 
 
 def server_message(resp: http.HttpResponse) -> str:
@@ -67,9 +94,12 @@ def server_message(resp: http.HttpResponse) -> str:
 
 
 def parse_completion(
-    data: Any, prompt_ids: list[int], url: str, backend_id: str | None
+    data: Any, prompt_ids: list[int], url: str, backend_id: str | None, top_logprobs: int | None = None,
 ) -> Generation:
-    """Turn a ``/v1/completions`` JSON answer into a :class:`Generation`, checking its shape."""
+    """Turn a ``/v1/completions`` JSON answer into a :class:`Generation`, checking its shape.
+
+    ``top_logprobs``: the alternatives per position asked for (``Generation.top_logprobs``).
+    """
     where = f"backend {url}"
     try:
         choice = data["choices"][0]
@@ -92,7 +122,8 @@ def parse_completion(
     if isinstance(echoed, list) and echoed and echoed != list(prompt_ids):
         raise InferenceError(f"{where}: the server's prompt_token_ids differ from the prompt ids sent")
     finish = choice.get("finish_reason") or "stop"
-    return Generation(ids, logprobs, str(finish), backend_id)
+    top = parse_top_logprobs(lp_block.get("top_logprobs"), len(ids), top_logprobs, where) if top_logprobs else None
+    return Generation(ids, logprobs, str(finish), backend_id, top_logprobs=top)
 
 
 class OpenAIEngine(Engine):
@@ -151,7 +182,7 @@ class OpenAIEngine(Engine):
         resp = await self.http.request("POST", f"{self.base_url}/completions", body, timeout_s=self.timeout_s)
         if resp.status != 200:
             raise InferenceError(f"backend {self.base_url}: HTTP {resp.status}: {server_message(resp)}")
-        return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id)
+        return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id, sampling.top_logprobs)
 
     async def reload(self, checkpoint: str, policy_version: int) -> None:
         """Load ``checkpoint`` in place through vLLM's ``POST /collective_rpc``, then drop cached prefixes.

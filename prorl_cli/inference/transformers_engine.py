@@ -129,6 +129,8 @@ class TransformersEngine(Engine):
         budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         out_ids: list[int] = []
         logprobs: list[float] = []
+        k = sampling.top_logprobs or 0
+        top: list[list[tuple[int, float]]] | None = [] if k else None
         finish = "length"
         with torch.inference_mode():
             result = self._model(input_ids=torch.tensor([prompt_ids], device=self.device), use_cache=True)
@@ -142,6 +144,9 @@ class TransformersEngine(Engine):
                 token = self._sample(logits, sampling, gen)
                 out_ids.append(token)
                 logprobs.append(float(raw[token]))
+                if top is not None:
+                    values, indices = torch.topk(raw, min(k, raw.numel()))
+                    top.append(list(zip(indices.tolist(), values.tolist(), strict=True)))
                 if token in stop_ids:
                     finish = "stop"
                     break
@@ -149,7 +154,7 @@ class TransformersEngine(Engine):
                     input_ids=torch.tensor([[token]], device=self.device), past_key_values=result.past_key_values,
                     use_cache=True,
                 )
-        return Generation(out_ids, logprobs, finish, self.backend_id)
+        return Generation(out_ids, logprobs, finish, self.backend_id, top_logprobs=top)
 
     @staticmethod
     def _sample(logits: Any, sampling: SamplingParams, gen: Any) -> int:

@@ -123,3 +123,90 @@ def test_an_agent_name_that_is_not_printable_or_too_long_is_refused_naming_it(to
 
     errors = asyncio.run(main())
     assert len(errors) == 2 and all("X-Prorl-Agent" in e for e in errors), errors
+
+
+def _parallel_conversations(tokenizer: Any, n: int, model: Any, max_concurrent: int) -> tuple[Trajectory, Any]:
+    """``n`` sub-agents (each named by its URL) talk at once through the openai SDK, two turns each."""
+    import openai
+
+    async def main() -> tuple[Trajectory, Any]:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, model, max_concurrent=max_concurrent)
+        clients = [openai.AsyncOpenAI(base_url=job.base_url().replace("/v1", f"/agents/sub{i}/v1"),
+                                      api_key=job.api_key, max_retries=0) for i in range(n)]
+
+        async def converse(i: int) -> None:
+            messages: list[Any] = [{"role": "system", "content": "You help."}, {"role": "user", "content": f"task {i}"}]
+            for _ in range(2):
+                resp = await clients[i].chat.completions.create(model="prorl", messages=messages)
+                messages += [{"role": "assistant", "content": resp.choices[0].message.content},
+                             {"role": "user", "content": "go on"}]
+
+        try:
+            await asyncio.gather(*(converse(i) for i in range(n)))
+            return job.trajectory, job.buffer
+        finally:
+            for c in clients:
+                await c.close()
+            await gw.close()
+
+    return asyncio.run(main())
+
+
+def _each_conversation_is_token_exact(traj: Trajectory, buffer: Any, n: int) -> None:
+    assert sorted(c.agent for c in traj.calls) == sorted(f"sub{i}" for i in range(n) for _ in range(2))
+    assert len(buffer.segments) == n and traj.violations == [] and traj.token_exact
+    assert buffer.continuity_by_conversation() == dict.fromkeys(range(n), 1.0)
+    for seg in range(n):  # each conversation's second call extends its own first one token for token
+        first, second = [c for c in traj.calls if c.segment == seg]
+        assert second.prompt_ids[: len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+
+
+def test_eight_parallel_sub_agents_are_answered_at_once_and_each_stays_token_exact(tokenizer: Any) -> None:
+    """Eight conversations with a call in flight together: the model sees all eight before it answers any."""
+    need_module("openai", "test")
+    from prorl_cli.inference.contract import Generation
+
+    class Barrier(ScriptedModel):
+        """Holds the first calls until eight are in flight: it answers only if they run concurrently."""
+
+        def __init__(self, tok: Any) -> None:
+            super().__init__(tok, TURNS)
+            self.waiting = 0
+            self.all_in = asyncio.Event()
+
+        async def __call__(self, prompt_ids: list[int], sampling: Any) -> Generation:
+            self.waiting += 1
+            if self.waiting >= 8:
+                self.all_in.set()
+            await asyncio.wait_for(self.all_in.wait(), 60)  # a gateway that serialises a job never gets here
+            return await super().__call__(prompt_ids, sampling)
+
+    traj, buffer = _parallel_conversations(tokenizer, 8, Barrier(tokenizer), max_concurrent=8)
+    _each_conversation_is_token_exact(traj, buffer, 8)
+
+
+def test_a_jobs_bound_on_requests_at_once_holds_and_every_request_is_answered(tokenizer: Any) -> None:
+    need_module("openai", "test")
+    from prorl_cli.inference.contract import Generation
+
+    class Counting(ScriptedModel):
+        def __init__(self, tok: Any) -> None:
+            super().__init__(tok, TURNS)
+            self.inflight = self.peak = 0
+
+        async def __call__(self, prompt_ids: list[int], sampling: Any) -> Generation:
+            self.inflight += 1
+            self.peak = max(self.peak, self.inflight)
+            try:
+                for _ in range(20):  # give the other requests every chance to come in meanwhile
+                    await asyncio.sleep(0)
+                return await super().__call__(prompt_ids, sampling)
+            finally:
+                self.inflight -= 1
+
+    model = Counting(tokenizer)
+    traj, buffer = _parallel_conversations(tokenizer, 8, model, max_concurrent=2)
+    assert model.peak <= 2
+    _each_conversation_is_token_exact(traj, buffer, 8)

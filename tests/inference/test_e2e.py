@@ -166,7 +166,7 @@ def test_sigterm_unregisters_the_bridge(deployment: Deployment, tiny_model: Path
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     d.wait_for(lambda st: not st.backends, 30, "b-tf to be gone")
-    assert "backend b-tf lost: unregistered" in d.log("broker")
+    assert "backend b-tf left" in d.log("broker")  # a planned exit, not a loss
 
 
 @pytest.mark.parametrize("moved", [False, True], ids=["same-port", "new-port"])

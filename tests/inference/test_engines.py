@@ -14,6 +14,7 @@ from prorl_cli.exceptions import InferenceError
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.inference.vllm_server import free_port
 from prorl_cli.protocol import SamplingParams
+from tests.fakes.canned_http import CannedHTTPServer
 
 PROMPT = [1, 1624, 201, 57, 74, 277, 316, 2, 201, 1, 2703, 201]
 
@@ -100,25 +101,10 @@ def test_server_down_is_an_error_not_a_hang() -> None:
     assert run(eng.healthy()) is False
 
 
-class FakeServer:
-    """An HTTP server answering every request with one canned response (for malformed replies)."""
-
-    def __init__(self, status: int, body: bytes) -> None:
-        self.status, self.body = status, body
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next((ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")), b"0"))
-        await reader.readexactly(length)
-        writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n" % (self.status, len(self.body)) + self.body)
-        await writer.drain()
-        writer.close()
-
-
 @pytest.fixture
 def fake() -> Iterator[Any]:
     async def call(status: int, body: bytes) -> Any:
-        server = await asyncio.start_server(FakeServer(status, body).handle, "127.0.0.1", 0)
+        server = await asyncio.start_server(CannedHTTPServer(status, body).handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
             return await OpenAIEngine(f"http://127.0.0.1:{port}", model="m").generate(PROMPT, SamplingParams())

@@ -1,6 +1,6 @@
 """Backend routing through the real broker and node, to real bridges.
 
-Scripted-engine bridges (run in this process, speaking the real protocol)
+Counting-engine bridges (``tests.fakes``: run in this process, speaking the real protocol)
 show which backend each call reached under each routing policy, that
 cancel propagation stops a finished job's calls at the engine (and that
 switching it off leaves them running), and that routing state drains to
@@ -10,11 +10,8 @@ balance, pause/resume, clear, kill.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import signal
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -26,9 +23,8 @@ import pytest
 
 from prorl_cli import protocol as P
 from prorl_cli.agent import Trajectory
-from prorl_cli.inference.bridge import InferenceBridge
-from prorl_cli.inference.contract import Engine, Generation
-from prorl_cli.protocol import SamplingParams
+from tests.fakes.bridges import ThreadBridge
+from tests.fakes.engines import CountingEngine
 from tests.harness import Deployment, bare_dealer
 from tests.inference.conftest import HANDLERS, VLLM_TEST_ARGS, start_bridge
 
@@ -153,77 +149,14 @@ def test_killing_vllm_fails_its_job_and_the_rest_go_on(
 # ---------------------------------------------------------------------- scripted bridges
 
 
-class ScriptedEngine(Engine):
-    """Returns fixed ids after ``delay_s`` (a cancellable wait, like a real engine's step loop); counts what it did."""
-
-    model = "scripted"
-    max_model_len = 1 << 20
-
-    def __init__(self, delay_s: float = 0.0) -> None:
-        self.delay_s = delay_s
-        self.started = 0
-        self.finished = 0
-        self.cancelled = 0
-        self.first_started = threading.Event()
-        self.first_ended = threading.Event()
-
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        self.started += 1
-        self.first_started.set()
-        try:
-            await asyncio.sleep(self.delay_s)
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            self.first_ended.set()
-            raise
-        self.finished += 1
-        self.first_ended.set()
-        return Generation([7, 8], [-0.5, -0.25], "stop")
-
-
-class ThreadBridge:
-    """A real :class:`InferenceBridge` on its own event loop in a thread of this test, serving a scripted engine."""
-
-    def __init__(self, d: Deployment, backend_id: str, engine: ScriptedEngine) -> None:
-        self.engine = engine
-        self.backend_id = backend_id
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(d.address, d.deployment_dir), daemon=True)
-        self.thread.start()
-        assert self._ready.wait(10), "the bridge thread did not start"
-        d.wait_for(lambda st: any(b.backend_id == backend_id and b.alive for b in st.backends), 30,
-                   f"backend {backend_id} to register")
-
-    def _run(self, address: str, deployment_dir: Path) -> None:
-        async def main() -> None:
-            self.loop = asyncio.get_running_loop()
-            self.bridge = InferenceBridge(self.engine, address=address, backend_id=self.backend_id, host="127.0.0.1",
-                                          deployment_dir=deployment_dir)
-            self._ready.set()
-            await self.bridge.serve()
-
-        try:
-            asyncio.run(main())
-        except BaseException as e:  # reported by close(): a test thread must not die silently
-            self._error = e
-
-    def close(self) -> None:
-        """Stop the bridge (when the broker's shutdown has not stopped it already)."""
-        with contextlib.suppress(RuntimeError):  # its loop is closed: the broker's shutdown stopped it already
-            self.loop.call_soon_threadsafe(self.bridge.stop)
-        self.thread.join(15)
-        assert not self.thread.is_alive() and self._error is None, self._error
-
-
 @pytest.fixture
-def scripted(tmp_path: Path) -> Iterator[Callable[..., tuple[Deployment, list[ThreadBridge]]]]:
+def scripted(tmp_path: Path) -> Iterator[Callable[..., tuple[Deployment, list[ThreadBridge[CountingEngine]]]]]:
     """``start(broker_config, *engines)``: a deployment (broker + node) and one scripted bridge per engine."""
-    made: list[tuple[Deployment, list[ThreadBridge]]] = []
+    made: list[tuple[Deployment, list[ThreadBridge[CountingEngine]]]] = []
 
-    def start(broker: dict[str, Any], *engines: ScriptedEngine) -> tuple[Deployment, list[ThreadBridge]]:
+    def start(broker: dict[str, Any], *engines: CountingEngine) -> tuple[Deployment, list[ThreadBridge[CountingEngine]]]:
         d = Deployment(tmp_path / f"home{len(made)}", config={"broker": broker, "inference": {"generate_timeout_s": 60.0}})
-        bridges: list[ThreadBridge] = []
+        bridges: list[ThreadBridge[CountingEngine]] = []
         made.append((d, bridges))
         d.start_broker()
         d.start_node("n1", "--handlers", str(HANDLERS))
@@ -260,7 +193,7 @@ def one(d: Deployment, **instance: Any) -> list[str]:
     ],
 )
 def test_each_policy_routes_calls_where_it_says(scripted: Any, policy: str, expected: tuple[list[str], list[str]]) -> None:
-    d, _ = scripted({"routing_policy": policy}, ScriptedEngine(), ScriptedEngine())
+    d, _ = scripted({"routing_policy": policy}, CountingEngine(), CountingEngine())
     assert d.client.status().routing_policy == policy
     (job_a,) = one(d, calls=1, hold_s=60)
     d.wait_for(lambda st: sum(b.served for b in st.backends) == 1, 30, "job A's call to be served", "n1")
@@ -280,7 +213,7 @@ def test_each_policy_routes_calls_where_it_says(scripted: Any, policy: str, expe
 def test_cancel_propagation_stops_a_cancelled_jobs_call_and_its_ablation_leaves_it_running(
     scripted: Any, propagate: bool
 ) -> None:
-    engine = ScriptedEngine(delay_s=4.0)
+    engine = CountingEngine(delay_s=4.0)
     d, _ = scripted({"cancel_propagation": propagate}, engine)
     (job,) = one(d, calls=1)
     assert engine.first_started.wait(30), "the call never reached the engine"
@@ -299,7 +232,7 @@ def test_cancel_propagation_stops_a_cancelled_jobs_call_and_its_ablation_leaves_
 
 def test_routing_state_drains_to_nothing_when_jobs_are_cancelled_while_their_calls_race(scripted: Any) -> None:
     """Calls that arrive after their job was cancelled are refused, never routed, and bind nothing."""
-    d, bridges = scripted({}, ScriptedEngine(delay_s=0.002), ScriptedEngine(delay_s=0.002))
+    d, bridges = scripted({}, CountingEngine(delay_s=0.002), CountingEngine(delay_s=0.002))
     ids = d.client.submit("calls", [{"calls": 400}] * 12, sampling={"max_tokens": 2}, timeout_s=120)
     d.wait_for(lambda st: sum(b.served for b in st.backends) >= 60, 60, "calls to flow", "n1")
     states = d.client.cancel(ids)
@@ -335,7 +268,7 @@ class RawPeer:
 
 def test_a_generate_for_a_job_that_is_not_running_on_the_requester_is_refused_and_binds_nothing(scripted: Any) -> None:
     """Deterministically: a node asks for a cancelled job, and for a queued job it was never given."""
-    engine = ScriptedEngine()
+    engine = CountingEngine()
     d, _ = scripted({}, engine)
     d.kill("n1")  # the raw node below is the only one: it gets the job
     node = RawPeer(d)
@@ -376,7 +309,7 @@ def test_generate_from_an_unregistered_peer_is_answered_at_once_and_nothing_is_h
 
 def test_policy_version_given_to_pause_and_resume_is_kept_and_shown(scripted: Any) -> None:
     """K3: the trainer's version travels with pause/resume; status shows the current one."""
-    d, _ = scripted({}, ScriptedEngine())
+    d, _ = scripted({}, CountingEngine())
     assert d.client.status().policy_version == 0
     d.client.pause_generation(policy_version=3)
     (job,) = one(d, calls=1)

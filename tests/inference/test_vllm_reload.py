@@ -24,9 +24,10 @@ import pytest
 from prorl_cli.inference.contract import Generation
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.protocol import SamplingParams
+from tests.fakes.bridges import ThreadBridge
+from tests.fakes.canned_http import CannedHTTPServer
 from tests.harness import Deployment, need_module
 from tests.inference.conftest import HANDLERS, VLLM_TEST_ARGS, serving_vllm
-from tests.inference.test_routing import ThreadBridge
 
 MAX_MODEL_LEN = 256
 GREEDY: dict[str, Any] = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -107,7 +108,7 @@ def test_vllm_reload_serves_the_new_checkpoint_and_a_call_in_flight_keeps_the_ol
         d.start_broker()
         d.start_node("n1", "--handlers", str(HANDLERS))
         engine = HeldEngine(reloadable_vllm.url, reloadable_vllm.model)
-        bridge = ThreadBridge(d, "b1", engine)  # type: ignore[arg-type]
+        bridge = ThreadBridge(d, "b1", engine)
 
         def one_call() -> Any:
             (res,) = d.client.wait(d.client.submit("calls", [{"calls": 1}], sampling=GREEDY), timeout_s=300)
@@ -192,10 +193,9 @@ def test_a_vllm_without_the_reload_settings_is_named_with_the_fix(status: int, b
     """An attached vLLM started without dev mode or without prorl's extension: the error says what to start it with."""
     from prorl_cli.exceptions import InferenceError
     from prorl_cli.inference.vllm_reload import WORKER_EXTENSION
-    from tests.inference.test_engines import FakeServer
 
     async def reload() -> None:
-        server = await asyncio.start_server(FakeServer(status, body).handle, "127.0.0.1", 0)
+        server = await asyncio.start_server(CannedHTTPServer(status, body).handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         engine = OpenAIEngine(f"http://127.0.0.1:{port}", model="m", reload_in_place=True)
         try:

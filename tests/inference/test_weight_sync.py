@@ -18,12 +18,13 @@ import pytest
 from prorl_cli.exceptions import DrainTimeout
 from prorl_cli.inference.contract import Generation
 from prorl_cli.protocol import SamplingParams
+from tests.fakes.bridges import ThreadBridge
+from tests.fakes.engines import CountingEngine
 from tests.harness import Deployment
 from tests.inference.conftest import HANDLERS
-from tests.inference.test_routing import ScriptedEngine, ThreadBridge
 
 
-class VersionedEngine(ScriptedEngine):
+class VersionedEngine(CountingEngine):
     """A scripted engine whose weights are a version number: a reload swaps it, the output says which served."""
 
     def __init__(self, delay_s: float = 0.0) -> None:
@@ -79,7 +80,7 @@ def test_a_paused_cluster_times_out_no_job(stack: Any) -> None:
     d.wait_for(lambda st: st.held_generates == 1, 30, "the call to be held (no backend)", "n1")
     with pytest.raises(TimeoutError):
         d.client.result(early, timeout_s=4.0)  # twice its limits pass while it is held
-    stack.bridge(d, "b1", ScriptedEngine())
+    stack.bridge(d, "b1", CountingEngine())
     (res,) = d.client.wait([early], timeout_s=60)
     assert res.state == "done" and res.output["backends"] == ["b1"], res
     assert res.stage_s["run"] < 2.0, res.stage_s  # the held time is not in-stage time
@@ -99,7 +100,7 @@ def test_a_paused_cluster_times_out_no_job(stack: Any) -> None:
 def test_the_clock_still_runs_for_a_call_that_is_not_held(stack: Any) -> None:
     """The control: a call that a backend serves slowly still times out (only held time stands still)."""
     d = stack({"inference": {"generate_timeout_s": 60.0}})
-    stack.bridge(d, "b1", ScriptedEngine(delay_s=30.0))
+    stack.bridge(d, "b1", CountingEngine(delay_s=30.0))
     (job,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2}, stage_timeouts_s={"run": 1.0})
     (res,) = d.client.wait([job], timeout_s=60)
     assert res.state == "timed_out" and res.critical_error == "run", res
@@ -179,7 +180,7 @@ def test_update_weights_names_a_backend_that_cannot_reload(stack: Any) -> None:
     from prorl_cli.exceptions import ReloadFailed
 
     d = stack()
-    stack.bridge(d, "b1", ScriptedEngine())  # the Engine default: no in-place reload
+    stack.bridge(d, "b1", CountingEngine())  # the Engine default: no in-place reload
     with pytest.raises(ReloadFailed, match="b1.*cannot load weights in place") as err:
         d.client.update_weights("/ckpt/v2", policy_version=2, timeout_s=30)
     assert list(err.value.failed) == ["b1"]

@@ -3,7 +3,7 @@
 Instance: ``{"prompt_ids": [1, 2, 3], "eval_call": false}``. RUN makes the
 call; with ``eval_call`` EVAL makes one more, so a test can tell (by the
 job's stage) that RUN's call is over. The output holds each call's ids,
-finish reason and backend, or the error it raised.
+finish reason, backend and alternatives (``top_logprobs``), or the error it raised.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ async def _call(ctx: JobContext) -> dict[str, Any]:
         gen = await ctx.generate(list(ctx.instance["prompt_ids"]))
     except InferenceError as e:
         return {"error": str(e)}
-    return {"output_ids": gen.output_ids, "finish_reason": gen.finish_reason, "backend_id": gen.backend_id}
+    return {"output_ids": gen.output_ids, "finish_reason": gen.finish_reason, "backend_id": gen.backend_id,
+            "top_logprobs": gen.top_logprobs}
 
 
 class OneCallHandler(AgentHandler):
