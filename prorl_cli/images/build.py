@@ -27,7 +27,7 @@ from typing import Any
 
 from prorl_cli import __version__
 from prorl_cli.exceptions import ImageBuildError
-from prorl_cli.images.cache import Cache, _atomic_write
+from prorl_cli.images.cache import Cache, _atomic_write, make_dirs, share_file
 from prorl_cli.images.plan import Plan, decide
 from prorl_cli.processes import stop_group
 
@@ -137,6 +137,10 @@ class Builder:
                     raise error
                 assert result is not None
                 results[name] = result
+                if len(plans) > 1:  # progress over many images (a dataset's pulls): how far along the run is
+                    done = sum(r.action in ("built", "reused") for r in results.values())
+                    self.on_event(name, f"{result.action}; {done}/{len(plans)} image(s) ready, "
+                                        f"{len(results) - done} not")
         except BaseException:
             self.abort()
             for name in list(self._building):
@@ -230,7 +234,7 @@ class Builder:
         log_path = self.cache.log_path(name, key, "log")
         _atomic_write(def_path, plan.definition)
         tmp = self.cache.tmp_image_path(name, key)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(tmp.parent)
         cmd = [self.apptainer, "build", "--fakeroot", *plan.build_args, str(tmp), str(def_path)]
         self.on_event(name, f"building {key}: {' '.join(cmd)}")
         t0 = time.monotonic()
@@ -240,6 +244,7 @@ class Builder:
                 raise ImageBuildError(f"image {name}: apptainer exited 0 but wrote no image at {tmp}")
             with tmp.open("rb") as f:
                 os.fsync(f.fileno())  # the rename must never publish a file whose bytes are not on disk
+            share_file(tmp)  # Apptainer writes with the builder's umask; the cache's other users read it
             os.replace(tmp, plan.path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -256,7 +261,7 @@ class Builder:
         prefix = [sys.executable, "-m", "prorl_cli.images.runner", str(os.getpid()), str(_TERM_GRACE_S)]
         tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         step = "starting apptainer"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(log_path.parent)
         timed_out = threading.Event()
         with log_path.open("w") as log:
             with self._procs_lock:  # abort() either sees this build or stops it from starting

@@ -26,7 +26,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +84,50 @@ def changed_inputs(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -
     return out
 
 
+def _group_shared(folder: Path) -> bool:
+    return bool(folder.stat().st_mode & stat.S_IWGRP)
+
+
+def make_dirs(path: Path) -> None:
+    """``mkdir -p`` that keeps a group-shared cache shared, whatever each user's umask.
+
+    A folder made inside a group-writable folder is group-writable and setgid
+    too (new files then belong to the folder's group), so every member of the
+    group can build, lock and publish in a cache whose root was made so once
+    (``chmod 2775``, ``chgrp GROUP``).
+    """
+    missing: list[Path] = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue  # another process made it meanwhile
+        if _group_shared(d.parent):
+            os.chmod(d, stat.S_IMODE(d.stat().st_mode) | stat.S_IRWXG | stat.S_ISGID)
+
+
+def share_file(path: Path) -> None:
+    """Make a file this process created readable by all, and group-writable in a group-shared folder."""
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        return  # not ours: its owner made it so
+    mode = stat.S_IMODE(st.st_mode) | 0o444
+    if _group_shared(path.parent):
+        mode |= stat.S_IRGRP | stat.S_IWGRP
+    if mode != stat.S_IMODE(st.st_mode):
+        os.chmod(path, mode)
+
+
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; a shared cache must stay readable by its other users
+        # mkstemp makes 0600; a shared cache must stay readable by its other users (and writable by its group).
+        os.fchmod(fd, 0o664 if _group_shared(path.parent) else 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -136,8 +175,9 @@ def file_lock(path: Path, on_wait: Callable[[str], None] | None = None) -> Itera
     When another process holds it, ``on_wait`` is called once with the
     holder's description before blocking.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    share_file(path)  # other users of a shared cache open it read-write to lock it
     t0 = time.monotonic()
     try:
         try:
@@ -237,6 +277,48 @@ class Cache:
         return path
 
 
-def resolve_image(name: str, cache_dir: str | os.PathLike[str]) -> Path:
-    """The built .sif for image ``name`` in ``cache_dir`` (what node servers call for a handler's image)."""
-    return Cache(Path(os.path.expandvars(os.path.expanduser(str(cache_dir))))).resolve(name)
+def _expand(path: str | os.PathLike[str]) -> Path:
+    return Path(os.path.expandvars(os.path.expanduser(str(path))))
+
+
+def find_in_dirs(name: str, search_dirs: Sequence[str | os.PathLike[str]]) -> tuple[Path | None, list[Path]]:
+    """The first ``DIR/NAME.sif`` file or ``DIR/NAME`` folder (an Apptainer sandbox directory) in ``search_dirs``,
+    and every path that was looked at (for the error that names them)."""
+    looked: list[Path] = []
+    for folder in search_dirs:
+        root = _expand(folder)
+        sif, sandbox_dir = root / f"{name}.sif", root / name
+        looked += [sif, sandbox_dir]
+        if sif.is_file():
+            return sif, looked
+        # A root file system, not some other folder that happens to share the name.
+        if (sandbox_dir / "usr").is_dir() or (sandbox_dir / ".singularity.d").is_dir():
+            return sandbox_dir, looked
+    return None, looked
+
+
+def resolve_image(name: str, cache_dir: str | os.PathLike[str], search_dirs: Sequence[str | os.PathLike[str]] = ()) -> Path:
+    """The image ``name`` stands for (what node servers call for a handler's image).
+
+    The current build of ``name`` in the cache ``cache_dir`` (``prorl build-images NAME``) wins; else the first
+    ``NAME.sif`` or ``NAME/`` sandbox directory in ``search_dirs`` (``images.search_dirs``: images built some
+    other way, such as the provisioned test images). Neither: :class:`ImageBuildError` saying where it looked
+    and what to run.
+    """
+    cache = Cache(_expand(cache_dir))
+    try:
+        return cache.resolve(name)
+    except ImageBuildError as e:
+        if cache.current(name) is not None:
+            raise  # listed in the manifest but its file is gone: rebuilding is the fix
+        found, looked = find_in_dirs(name, search_dirs)
+        if found is not None:
+            return found
+        where = ", ".join(str(p) for p in looked) if looked else "none (images.search_dirs is empty)"
+        raise ImageBuildError(
+            f"image {name!r} is not in {cache.manifest_path} "
+            f"(built: {sorted(cache.read_manifest()['images']) or 'none'}) and no image file or sandbox directory "
+            f"of that name is in images.search_dirs (looked at: {where}). Run `prorl build-images {name}` "
+            f"(needs the network), or add the folder holding {name}.sif or {name}/ to images.search_dirs, "
+            f"or give the image as a path"
+        ) from e

@@ -13,8 +13,11 @@ and logged; the build goes on without them. Multi-stage Dockerfiles are refused.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +95,9 @@ def convert_dockerfile(
     from spython.main.parse.writers import SingularityWriter
 
     text = path.read_text()
+    # The definition (and so the lock key) names the Dockerfile by its bytes, not its path: the same recipe
+    # in another folder (another user's copy of a dataset) is the same image in a shared cache.
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     instructions = _instructions(text)
     froms = [args for _, word, args in instructions if word == "FROM"]
     if len(froms) != 1:
@@ -107,7 +113,9 @@ def convert_dockerfile(
     if str(spec.base) != f"docker://{from_image}":
         not_converted.append(f"FROM {from_image}: replaced by the image list's base {spec.base}")
 
-    recipe = DockerParser(str(path)).recipe
+    with spython_messages() as spython_notes:
+        recipe = DockerParser(str(path)).recipe
+    not_converted += spython_notes
     (stage, parsed), *_ = recipe.items()
     context = path.parent
     files: list[FileCopy] = []
@@ -128,11 +136,59 @@ def convert_dockerfile(
     # spython writes each label as its list of words joined by spaces.
     parsed.labels += [["org.prorl.image", spec.name], ["org.prorl.version", prorl_version],
                       ["org.prorl.base", str(spec.base)],
-                      ["org.prorl.dockerfile", str(path)]]
+                      ["org.prorl.dockerfile", f"{path.name} sha256:{digest}"]]
     body = SingularityWriter(recipe).convert()
     body = body.split(f"Stage: {stage}", 1)[1].strip("\n")
     notes = "".join(f"# prorl: not converted: {note}\n" for note in not_converted)
-    definition = f"{header}\n\n# prorl: converted from {path} by spython\n{notes}\n{body}\n"
+    definition = f"{header}\n\n# prorl: converted from {path.name} (sha256:{digest}) by spython\n{notes}\n{body}\n"
     for note in not_converted:
-        log.warning("image %s: %s: not converted: %s", spec.name, path.name, note)
+        if note.startswith(f"FROM {from_image}: replaced"):
+            # The image list's base is what its author asked for (generated --swe recipes always do it): no warning.
+            log.debug("image %s: %s: %s", spec.name, path.name, note)
+        else:
+            log.warning("image %s: %s: not converted: %s", spec.name, path.name, note)
     return Conversion(definition, files, from_image, not_converted)
+
+
+# spython's warnings that prorl checks better itself: COPY sources are looked up relative to the
+# Dockerfile's folder (spython looks in the current directory, so every build warned).
+_SPYTHON_CHECKED = (re.compile(r"doesn't exist, ensure exists for build"),)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextlib.contextmanager
+def spython_messages() -> Iterator[list[str]]:
+    """Silence spython's own printing while it parses; yields its warnings that still mean something.
+
+    spython prints every message to stderr with a "WARNING" prefix (colored
+    like an error on a terminal); prorl reports the real ones in its own
+    not-converted list instead, and exits through spython's ``bot.exit`` become errors.
+    """
+    from spython.logger import bot
+    from spython.logger.message import QUIET
+
+    level, start = bot.level, len(bot.history)
+    notes: list[str] = []
+    bot.level = QUIET
+    try:
+        yield notes
+    except SystemExit as e:  # spython's bot.exit
+        raise ConfigError(f"spython could not parse the Dockerfile: {_spython_text(bot.history[start:])}") from e
+    finally:
+        bot.level = level
+        emitted = list(bot.history[start:])
+        del bot.history[start:]
+    for message in emitted:
+        plain = _ANSI.sub("", message).strip()
+        if not plain.startswith(("WARNING ", "ERROR ")):
+            continue  # its debug and info lines
+        text = _spython_text([plain])
+        if text and not any(p.search(text) for p in _SPYTHON_CHECKED):
+            notes.append(f"spython: {text}")
+
+
+def _spython_text(messages: list[str]) -> str:
+    """spython's messages without their level prefixes and color codes."""
+    text = " ".join(m.strip() for m in messages)
+    text = _ANSI.sub("", text)
+    return re.sub(r"\b(WARNING|ERROR|LOG|ABORT|CRITICAL) ", "", text).strip()

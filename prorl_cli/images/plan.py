@@ -11,6 +11,7 @@ from prorl_cli import __version__
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.cache import Cache, cache_key, changed_inputs, sha256_file, sha256_path
 from prorl_cli.images.dockerfile import convert_dockerfile, find_dockerfile, is_dockerfile
+from prorl_cli.images.published import plain_http, saved_image_digest
 from prorl_cli.images.render import (
     bootstrap_header,
     make_environment,
@@ -19,7 +20,7 @@ from prorl_cli.images.render import (
     template_dirs,
 )
 from prorl_cli.images.settings import BUILD_MODES, ImagesConfig
-from prorl_cli.images.spec import ImageSpec, build_order
+from prorl_cli.images.spec import SAVED_KINDS, ImageSpec, build_order
 
 
 @dataclass
@@ -58,6 +59,8 @@ def lock_inputs(spec: ImageSpec, definition: str, build_args: list[str], base_re
     if spec.base.kind == "localimage":
         # Same path, new bytes: a lock build must notice.
         inputs["base_image"] = sha256_file(Path(spec.base.ref)) if Path(spec.base.ref).is_file() else "missing"
+    elif spec.base.kind in SAVED_KINDS:
+        inputs["base_image"] = saved_image_digest(spec.base.kind, Path(spec.base.ref))
     return inputs
 
 
@@ -100,6 +103,9 @@ def plan_images(
             ctx = template_context(spec, header=header, base_path=base_path, mirror=mirror)
             definition = render_template(env, spec.template, ctx, image=name)
         build_args = [*settings.build_args, *spec.build_args]
+        if spec.base.kind == "docker" and plain_http(spec.base.ref, settings.insecure_registries) \
+                and "--no-https" not in build_args:
+            build_args.append("--no-https")
         if mode == "versioned":
             inputs = versioned_inputs(spec, base_ref)
         else:  # scratch keys are the lock key's inputs: they name what was built, though never reused

@@ -16,7 +16,7 @@ import jinja2
 
 from prorl_cli import __version__
 from prorl_cli.exceptions import ConfigError
-from prorl_cli.images.spec import Base, ImageSpec
+from prorl_cli.images.spec import SAVED_KINDS, Base, ImageSpec
 from prorl_cli.resources import data_dir
 
 # Where recipes put what prorl adds to every image. (The tool server is not in images:
@@ -79,8 +79,8 @@ def bootstrap_header(base: Base, *, base_path: Path | None, mirror: str | None, 
         if docker_registry:
             lines.append(f"Registry: {docker_registry}")
         return "\n".join(lines)
-    if base.kind == "localimage":
-        return f"Bootstrap: localimage\nFrom: {base.ref}"
+    if base.kind in ("localimage", *SAVED_KINDS):
+        return f"Bootstrap: {base.kind}\nFrom: {base.ref}"
     if base.kind == "image":
         assert base_path is not None, "an image: base needs the path of its built image"
         return f"Bootstrap: localimage\nFrom: {base_path}"

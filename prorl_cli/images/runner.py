@@ -20,7 +20,6 @@ Output is inherited: the command writes straight into prorl's pipe.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -28,37 +27,7 @@ import sys
 import time
 from types import FrameType
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
-
-
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (read from /proc), children before grandchildren."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # it exited meanwhile
-        # The command name may hold spaces and parentheses: fields start after the last ')'.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    out: list[int] = []
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+from prorl_cli.processes import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, descendants, prctl
 
 
 def _reap() -> None:
@@ -90,8 +59,8 @@ def stop_tree(child: subprocess.Popen[bytes], grace_s: float) -> None:
 
 def main(argv: list[str]) -> int:
     parent, grace_s, cmd = int(argv[0]), float(argv[1]), argv[2:]
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     if os.getppid() != parent:
         return 143  # prorl died before the request took effect
     child = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)

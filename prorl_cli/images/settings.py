@@ -30,8 +30,14 @@ class ImagesConfig:
     mirror: str | None = None
     # A registry the site mirrors docker:// bases from (rendered as the recipe's Registry:).
     docker_registry: str | None = None
+    # Registries (HOST or HOST:PORT) served over plain HTTP: their docker:// pulls get --no-https.
+    # Loopback hosts (127.0.0.0/8, ::1, localhost) always do.
+    insecure_registries: list[str] = field(default_factory=list)
     # Extra template folders searched before the shipped sif_recipes/.
     recipe_dirs: list[str] = field(default_factory=list)
+    # Folders of images built some other way (the provisioned test images, a site's shared images): an image
+    # name NAME with no build in cache_dir is DIR/NAME.sif or the sandbox directory DIR/NAME, first found.
+    search_dirs: list[str] = field(default_factory=list)
     apptainer: str = "apptainer"
     # Extra arguments for every `apptainer build` (images add their own in the image list).
     build_args: list[str] = field(default_factory=list)

@@ -15,8 +15,10 @@ Example (``examples/images.yaml``)::
           - {src: data/, dst: /opt/data}
 
 Bases: ``debootstrap:SUITE``, ``docker://REF``, ``localimage:PATH`` (or a
-path ending in ``.sif``), ``image:NAME`` (an image of this list) and
-``scratch``. Users add images with their own templates (``template`` may be a
+path ending in ``.sif``), ``image:NAME`` (an image of this list),
+``scratch``, and images saved on disk: ``oci:DIR`` (an OCI layout),
+``oci-archive:PATH`` (one as a tar) and ``docker-archive:PATH`` (``docker
+save``'s tar). Users add images with their own templates (``template`` may be a
 path relative to this file) without touching prorl.
 """
 
@@ -31,7 +33,9 @@ import yaml
 
 from prorl_cli.exceptions import ConfigError
 
-BASE_KINDS = ("debootstrap", "docker", "localimage", "image", "scratch")
+BASE_KINDS = ("debootstrap", "docker", "localimage", "image", "scratch", "oci", "oci-archive", "docker-archive")
+#: Bases that are an image saved on disk (a path, converted by Apptainer's bootstrap agent of the same name).
+SAVED_KINDS = ("oci", "oci-archive", "docker-archive")
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class Base:
     """Where an image starts from."""
 
     kind: str  # one of BASE_KINDS
-    ref: str  # suite, docker reference, absolute .sif path, image name, or ""
+    ref: str  # suite, docker reference, absolute .sif, layout or archive path, image name, or ""
 
     def __str__(self) -> str:
         if self.kind == "scratch":
@@ -82,7 +86,7 @@ _KEYS = {"template", "base", "variables", "files", "lockfile", "build_args", "de
 def parse_base(value: Any, where: str, root: Path) -> Base:
     """Parse a base reference string (see the module docstring)."""
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{where}: expected a base such as 'debootstrap:bookworm', 'docker://python:3.11-slim', 'localimage:/path/x.sif', 'image:NAME' or 'scratch', got {value!r}")
+        raise ConfigError(f"{where}: expected a base such as 'debootstrap:bookworm', 'docker://python:3.11-slim', 'localimage:/path/x.sif', 'oci-archive:/path/x.tar', 'image:NAME' or 'scratch', got {value!r}")
     value = value.strip()
     if value == "scratch":
         return Base("scratch", "")
@@ -92,15 +96,16 @@ def parse_base(value: Any, where: str, root: Path) -> Base:
             raise ConfigError(f"{where}: docker:// needs an image reference")
         return Base("docker", ref)
     kind, sep, ref = value.partition(":")
-    if sep and kind in ("debootstrap", "image", "localimage"):
+    if sep and kind in ("debootstrap", "image", "localimage", *SAVED_KINDS):
         if not ref:
             raise ConfigError(f"{where}: {kind}: needs a value after the colon")
-        if kind == "localimage":
-            return Base("localimage", str(_resolve(ref, root)))
+        if kind == "localimage" or kind in SAVED_KINDS:
+            return Base(kind, str(_resolve(ref, root)))
         return Base(kind, ref)
     if value.endswith(".sif"):
         return Base("localimage", str(_resolve(value, root)))
-    raise ConfigError(f"{where}: unknown base {value!r}; use one of debootstrap:SUITE, docker://REF, localimage:PATH, image:NAME, scratch")
+    raise ConfigError(f"{where}: unknown base {value!r}; use one of debootstrap:SUITE, docker://REF, localimage:PATH, "
+                      "oci:DIR, oci-archive:PATH, docker-archive:PATH, image:NAME, scratch")
 
 
 def _resolve(path: str, root: Path) -> Path:

@@ -22,9 +22,11 @@ key, file locks, the manifest) holding:
 
 Rows that name their own ``image`` (published images: SWE-smith's
 ``image_name`` and SWE-rebench's ``docker_image`` arrive as ``image``), or all
-rows with ``--images-from docker://NAMESPACE`` (SWE-bench's image names),
-get an entry pulled from that reference instead, one per distinct reference;
-``--images-from DIR`` maps each instance to ``DIR/<instance_id>.sif`` as it is.
+rows with ``--images-from docker://HOST/NAMESPACE/TEMPLATE`` (naming templates
+of :mod:`prorl_cli.images.published`), get an entry pulled from that
+reference instead, one per distinct reference; ``--images-from DIR`` maps each
+instance to ``DIR/<instance_id>.sif`` as it is and converts OCI archives and
+layouts there.
 
 The repository comes from the rows' ``repo_path`` or from ``--repos-dir``
 (``DIR/<owner>__<name>`` or ``DIR/<owner>/<name>``). The generated list and recipes live under the
@@ -47,6 +49,7 @@ from typing import Any
 import yaml
 
 from prorl_cli.exceptions import DatasetError, DomainError
+from prorl_cli.images import published
 from prorl_cli.swe.history import _git
 
 WHEELS_DST = "/opt/prorl-wheels"
@@ -92,36 +95,11 @@ class SwePlan:
     ready: dict[str, str] = field(default_factory=dict)  # instance id -> a .sif found on disk (nothing to build)
 
 
-def published_image(instance_id: str, namespace: str) -> str:
-    """SWE-bench's name of an instance's published image in ``namespace`` (swebench's rule when installed)."""
-    try:
-        from swebench.task.checks import expected_image
-    except ImportError:
-        return f"{namespace}/sweb.eval.x86_64.{instance_id}:latest".lower().replace("__", "_1776_")
-    return str(expected_image(instance_id, namespace))
-
-
 def assign_published(rows: list[dict[str, Any]], images_from: str) -> tuple[list[dict[str, Any]], dict[str, str],
                                                                            dict[str, str]]:
-    """Rows pointed at published per-instance images: ``docker://NAMESPACE`` (SWE-bench's image names) or a
-    folder of ``<instance_id>.sif`` files. Returns the rows to build or pull, the ready .sif paths, problems."""
-    ready: dict[str, str] = {}
-    problems: dict[str, str] = {}
-    out: list[dict[str, Any]] = []
-    folder = None if images_from.startswith("docker://") else Path(images_from)
-    for row in rows:
-        iid = str(row["instance_id"])
-        if row.get("image"):
-            out.append(row)
-        elif folder is None:
-            out.append({**row, "image": f"docker://{published_image(iid, images_from[len('docker://'):].rstrip('/'))}"})
-        elif (folder / f"{iid}.sif").is_file():
-            ready[iid] = str((folder / f"{iid}.sif").resolve())
-        else:
-            archive = next((p for p in (folder / f"{iid}.tar", folder / f"{iid}.oci.tar") if p.is_file()), None)
-            problems[iid] = (f"{archive} is an OCI archive: convert it once with `apptainer build {folder / iid}.sif "
-                             f"oci-archive:{archive}`" if archive else f"no {iid}.sif in {folder}")
-    return out, ready, problems
+    """Rows pointed at published per-instance images (see :mod:`prorl_cli.images.published`): the rows to pull
+    or convert, the ready .sif paths, problems."""
+    return published.assign(rows, images_from)
 
 
 def _list(value: Any, where: str) -> list[str]:
@@ -315,7 +293,7 @@ def plan_dataset(rows: list[dict[str, Any]], recipes_dir: Path, base: str, wheel
             (folder / "Dockerfile").write_text("FROM published\n")
             users = sorted(i for i, r in pulled.items() if r == ref)
             images[f"swe-i-{slug}"] = {"template": "pulled/Dockerfile",
-                                       "base": ref if "://" in ref or ref.endswith(".sif") else f"docker://{ref}",
+                                       "base": published.base_reference(ref),
                                        "description": f"published image of {', '.join(users[:3])}"
                                                       + (f" and {len(users) - 3} more" if len(users) > 3 else "")}
             names.append(f"swe-i-{slug}")

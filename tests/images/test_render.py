@@ -151,3 +151,30 @@ def test_example_image_list_renders(ws: Workspace) -> None:
     assert "Bootstrap: docker\nFrom: python:3.11-slim\nRegistry: registry.site.invalid" in plans["python-oci"]["definition"]
     assert "(cd /testbed && git init -q .)" in plans["swe"]["definition"]
     assert "python3-numpy" in plans["python"]["definition"]
+
+
+def test_dockerfile_conversion_warns_only_about_what_it_drops(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                              caplog: pytest.LogCaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from prorl_cli.images.dockerfile import convert_dockerfile
+    from prorl_cli.images.spec import parse_image
+
+    context = tmp_path / "recipe"
+    context.mkdir()
+    (context / "repo.bundle").write_bytes(b"bundle")
+    (context / "Dockerfile").write_text("FROM prorl-swe-base\nARG NO_DEFAULT\nCOPY repo.bundle /opt/repo.bundle\n"
+                                        "EXPOSE 80\n")
+    monkeypatch.chdir(tmp_path)  # spython looked for COPY sources here, and warned on every --swe build
+    spec = parse_image("img", {"template": "Dockerfile", "base": "scratch"}, "images.yaml: images.img", context, None)
+    with caplog.at_level(logging.DEBUG, logger="prorl.images"):
+        conv = convert_dockerfile(context / "Dockerfile", spec, header="Bootstrap: scratch", prorl_version="0")
+    assert capfd.readouterr().err == ""  # spython itself prints nothing
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 2, warned
+    assert "line 4: EXPOSE 80" in warned[0]
+    assert "spython: ARG is not supported" in warned[1] and "NO_DEFAULT" in warned[1]
+    # The base replacing FROM is what the image list asked for: a comment in the definition, not a warning.
+    assert "# prorl: not converted: FROM prorl-swe-base: replaced by the image list's base scratch" in conv.definition
+    assert f"{context}/repo.bundle /opt/repo.bundle" in conv.definition

@@ -26,7 +26,7 @@ def test_subclasses_get_their_own_names_and_share_the_swe_settings(tmp_path: Pat
     registry = discover([str(tmp_path)])
     assert registry.errors == []  # no "task 'swe' is defined twice"
     assert {"swe", "swe_oracle", "my_agent", "swe_own"} <= set(registry.tasks)
-    config = SimpleNamespace(domains={"swe": {"test_timeout_s": 42.0}, "swe_own": {"test_timeout_s": 7.0}})
+    config = SimpleNamespace(handlers={"swe": {"test_timeout_s": 42.0}, "swe_own": {"test_timeout_s": 7.0}}, domains={})
 
     def timeout_of(task: str) -> float:
         ctx = SimpleNamespace(state={}, instance={}, config=config, job_id="j1")

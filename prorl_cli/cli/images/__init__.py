@@ -6,28 +6,17 @@ Heavy imports (jinja2, the builder) happen inside the commands so ``prorl --help
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 from rich.markup import escape
 
 from prorl_cli.cli.application import App, pass_app
-
-if TYPE_CHECKING:
-    from prorl_cli.images.build import Result
+from prorl_cli.cli.images.run import run_builds, size_text
 
 MODES = ("scratch", "versioned", "lock")
 
-
-def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
-
-
-def _sigterm_to_interrupt(signum: int, frame: Any) -> None:
-    # SIGTERM unwinds like Ctrl-C, so running builds are stopped and their temp files removed.
-    raise KeyboardInterrupt
 
 
 @click.command("build-images")
@@ -45,7 +34,7 @@ def _sigterm_to_interrupt(signum: int, frame: Any) -> None:
 @click.option("--wheels", type=click.Path(exists=True, file_okay=False, path_type=Path), help="With --swe: install pip_packages from this wheels folder only (offline).")
 @click.option("--repos-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="With --swe: git repositories as DIR/owner__name or DIR/owner/name (rows without repo_path).")
 @click.option("--map-out", type=click.Path(dir_okay=False, path_type=Path), help="With --swe: where to write the repo_images JSON map.")
-@click.option("--images-from", metavar="docker://NS|DIR", help="With --swe: published per-instance images (SWE-bench's names in a registry namespace, or DIR/<instance_id>.sif) instead of building.")
+@click.option("--images-from", metavar="docker://HOST/NS/TEMPLATE|DIR", help="With --swe: published per-instance images instead of building: pulled from a registry, named by TEMPLATE ({swebench}, {swesmith}, {swegym}, {swerebench}, or fields such as {id_1776}; docker://NS alone: SWE-bench's names), or DIR/<instance_id>.sif as is and DIR/<instance_id>.tar or OCI layout DIR/<instance_id>/ converted. See docs/images.md.")
 @pass_app
 def build_images(app: App, names: tuple[str, ...], mode: str | None, cache_dir: str | None, jobs: int | None,
                  images_file: str | None, mirror: str | None, dry_run: bool, as_json: bool, swe_dataset: Path | None,
@@ -82,54 +71,11 @@ def build_images(app: App, names: tuple[str, ...], mode: str | None, cache_dir: 
                 console.rule(f"{p.spec.name} ({p.spec.template}) → {p.path.name}")
                 console.print(p.definition, markup=False, soft_wrap=True)
         return
-    results = _run_builds(app, plans, cache, settings, console)
+    results = run_builds(app, plans, cache, settings, console)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     if any(r.action in ("failed", "skipped") for r in results):
         raise click.exceptions.Exit(1)
-
-
-def _run_builds(app: App, plans: list[Any], cache: Any, settings: Any, console: Any) -> list[Result]:
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from prorl_cli.images.build import Builder
-
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True,
-                        disable=not console.is_terminal)
-    tasks: dict[str, Any] = {}
-
-    def on_event(name: str, message: str) -> None:
-        progress.console.print(f"[bold]{name}[/]: {escape(message)}", markup=True, highlight=False, soft_wrap=True)
-        if name in tasks:
-            progress.update(tasks[name], description=f"{name}: {message[:80]}")
-
-    builder = Builder(cache, apptainer=settings.apptainer, timeout_s=settings.build_timeout_s, on_event=on_event)
-    previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
-    try:
-        with progress:
-            for p in plans:
-                tasks[p.spec.name] = progress.add_task(f"{p.spec.name}: waiting", total=None)
-            results = builder.run(plans, settings.jobs)
-    except KeyboardInterrupt:
-        app.abort("interrupted: running builds stopped, no image published", code=130)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    for r in results:
-        if r.action == "built":
-            console.print(f"[bold]{r.name}[/]: [green]built[/] in {r.build_s:.1f} s, {_size(r.size_bytes)} → {r.path}", soft_wrap=True)
-        elif r.action == "reused":
-            waited = f" after waiting {r.waited_s:.1f} s ({escape(r.reasons[0])})" if r.waited_s >= 0.05 else ""
-            console.print(f"[bold]{r.name}[/]: [green]reused[/]{waited} → {escape(r.path)}", soft_wrap=True)
-        elif r.action == "skipped":
-            console.print(f"[bold]{r.name}[/]: [yellow]skipped[/]: {escape('; '.join(r.reasons))}", soft_wrap=True)
-        else:
-            console.print(f"[bold]{r.name}[/]: [bold red]FAILED[/]: {escape(r.error or '')}", markup=True, soft_wrap=True)
-            if r.log_tail:
-                console.rule(f"last {len(r.log_tail)} lines of apptainer's output")
-                console.print("\n".join(r.log_tail), markup=False, soft_wrap=True)
-                console.rule()
-                console.print(f"full log: {r.log}", markup=False, soft_wrap=True)
-    return results
 
 
 @click.group()
@@ -177,7 +123,7 @@ def images_list(app: App, cache_dir: str | None, as_json: bool) -> None:
     table = Table("name", "mode", "key", "base", "built", "size", "path", title=str(cache.manifest_path))
     for name, e in current.items():
         exists = (cache.root / e["path"]).is_file()
-        table.add_row(name, e["mode"], e["key"], e["base"], e["built_at"], _size(e["size_bytes"]),
+        table.add_row(name, e["mode"], e["key"], e["base"], e["built_at"], size_text(e["size_bytes"]),
                       e["path"] if exists else f"[red]{e['path']} (missing)[/]")
     app.console.print(table, soft_wrap=True)
 

@@ -15,7 +15,7 @@ from prorl_cli.cli.application import App
 def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, repos_dir: Path | None,
               map_out: Path | None, dry_run: bool, as_json: bool, images_from: str | None = None) -> None:
     """Plan (and unless ``dry_run`` build) the dataset's images; write the ``repo_images`` map."""
-    from prorl_cli.cli.images import _run_builds
+    from prorl_cli.cli.images.run import run_builds
     from prorl_cli.domains.datasets import load_instances
     from prorl_cli.exceptions import ConfigError, DatasetError, DomainError, ImageBuildError
     from prorl_cli.images.cache import Cache
@@ -41,7 +41,7 @@ def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, re
     try:
         plan = plan_dataset(rows, recipes, base or "scratch", wheels.resolve() if wheels else None,
                             repos_dir.resolve() if repos_dir else None, images_from=images_from)
-    except (DatasetError, DomainError) as e:
+    except (DatasetError, DomainError, ConfigError) as e:
         app.abort(str(e))
     for where, why in plan.problems.items():
         console.print(f"[bold]{escape(where)}[/]: [bold red]no image[/]: {escape(why)}", soft_wrap=True)
@@ -76,7 +76,7 @@ def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, re
                 console.rule(f"{p.spec.name} → {p.path.name}")
                 console.print(p.definition, markup=False, soft_wrap=True)
         return
-    results = _run_builds(app, plans, cache, settings, console)
+    results = run_builds(app, plans, cache, settings, console)
     paths = {r.name: r.path for r in results if r.action in ("built", "reused")}
     mapping = write_map(out, plan.repo_images, paths, plan.ready)
     failed: dict[str, Any] = {r.name: r.log for r in results if r.action in ("failed", "skipped")}

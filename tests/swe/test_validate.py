@@ -1,0 +1,214 @@
+"""``prorl swe validate``: six real instances classified through real jobs, clean.jsonl written, a second run resumes.
+
+The end-to-end test runs the command as a user does (a child ``prorl``
+process starting its own broker and node, Apptainer sandboxes on the domain
+test image, each instance's repository cloned in from this machine). The
+flaky instance's test reads a folder every sandbox of the run shares (bound
+in with ``sandbox.extra_args``): the runs take turns failing it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+
+from prorl_cli.domains.datasets import load_instances
+from prorl_cli.swe.validate_run import Ledger, job_instance, plan_jobs, run_id_for, to_run
+from prorl_cli.swe.validation import (
+    DROP_ROW,
+    ENV_BROKEN,
+    FLAKY,
+    GOLD,
+    GOLD_FAILS,
+    NO_FIX,
+    REMOVE_IDS,
+    VALID,
+    RunOutcome,
+    classify,
+    clean_row,
+)
+from prorl_cli.testing.scripted import TEST_IMAGES
+from tests.harness import need_module
+from tests.swe.validate_fixtures import EXPECTED, FLAKY_ID, SHARED_INSIDE, make_rows
+
+
+def _result(job_id: str, state: str = "done", report: dict[str, Any] | None = None,
+            failure: dict[str, str] | None = None) -> SimpleNamespace:
+    output: dict[str, Any] = {"model_patch": "diff"}
+    if report is not None:
+        output["report"] = report
+    if failure is not None:
+        output["failure"] = failure
+    return SimpleNamespace(job_id=job_id, state=state, output=output, stage_s={"init": 1.0}, error=None,
+                           critical_error=None)
+
+
+def _graded(passed: list[str], failed: list[str]) -> dict[str, Any]:
+    status = {"FAIL_TO_PASS": {"success": passed, "failure": failed, "missing": []},
+              "PASS_TO_PASS": {"success": [], "failure": [], "missing": []}}
+    return {"patch_successfully_applied": True, "infra_failure": False, "tests_status": status}
+
+
+def test_classes_follow_their_precedence_and_flaky_rows_lose_only_their_flaky_ids() -> None:
+    inst = {"instance_id": "a-1", "FAIL_TO_PASS": ["t::f1", "t::f2"], "PASS_TO_PASS": []}
+    ok = [RunOutcome.from_result(GOLD, k, _result(f"g{k}", report=_graded(["t::f1", "t::f2"], []))) for k in range(3)]
+    base = RunOutcome.from_result(NO_FIX, 0, _result("n", report=_graded([], ["t::f1", "t::f2"])))
+    assert classify(inst, ok, base).status == VALID
+
+    wobbly = [*ok[:2], RunOutcome.from_result(GOLD, 2, _result("g2", report=_graded(["t::f1"], ["t::f2"])))]
+    verdict = classify(inst, wobbly, base)
+    assert verdict.status == FLAKY and verdict.flaky == ["t::f2"]
+    kept = clean_row(inst, verdict, REMOVE_IDS)
+    assert kept is not None and kept["FAIL_TO_PASS"] == ["t::f1"] and inst["FAIL_TO_PASS"] == ["t::f1", "t::f2"]
+    assert clean_row(inst, classify(inst, wobbly, base), DROP_ROW) is None
+
+    # A run that could not be evaluated makes the instance env-broken, whatever the other runs say.
+    timed_out = RunOutcome.from_result(NO_FIX, 0, SimpleNamespace(
+        job_id="n", state="timed_out", output={}, stage_s={}, error={"message": "job budget spent"}, critical_error="eval"))
+    verdict = classify(inst, wobbly, timed_out)
+    assert verdict.status == ENV_BROKEN and not verdict.evaluated and "job timed_out in eval" in verdict.reason
+    # A gold patch that does not apply (RUN of swe_oracle failed) is the gold's fault, not the environment's.
+    unapplied = RunOutcome.from_result(GOLD, 0, _result("g0", state="failed", failure={
+        "stage": "run", "type": "DomainError", "message": "swe_oracle: the gold patch does not apply"}))
+    verdict = classify(inst, [unapplied, *ok[1:]], base)
+    assert verdict.status == GOLD_FAILS and "does not apply" in verdict.reason and clean_row(inst, verdict, REMOVE_IDS) is None
+    # RUN out of time is the environment's doing, not the gold patch's.
+    slow = RunOutcome.from_result(GOLD, 0, _result("g0", state="timed_out", failure={
+        "stage": "run", "type": "StageTimeout", "message": "run took longer than 300 s"}))
+    assert classify(inst, [slow, *ok[1:]], base).status == ENV_BROKEN
+
+
+def test_the_ledger_skips_a_line_cut_short_and_reruns_cancelled_and_on_request_unevaluated_runs(tmp_path: Path) -> None:
+    from prorl_cli.protocol import JobResult
+
+    out = tmp_path / "out"
+    run_id = run_id_for(out, tmp_path / "d.jsonl")
+    assert run_id_for(out, tmp_path / "d.jsonl") == run_id
+    ok = JobResult(job_id="", task="swe_oracle", state="done", output={"report": _graded(["t::f"], [])})
+    jobs = plan_jobs([{"instance_id": "a-1", "FAIL_TO_PASS": ["t::f"]}], 1, run_id)
+    gold, no_fix = jobs
+    ledger = Ledger(out)
+    ledger.add(JobResult(**{**ok.to_wire(), "job_id": gold.job_id}))
+    ledger.add(JobResult(job_id=no_fix.job_id, task="swe_no_fix", state="cancelled"))
+    with ledger.path.open("a") as f:
+        f.write('{"job_id": "j3", "task": "swe_o')  # a kill in mid-write
+    again = Ledger(out)
+    assert again.unreadable == 1
+    # The cancelled run gets a new attempt's id (a broker answers a known id with the cancelled job).
+    assert to_run(jobs, again, retry_not_evaluated=False) == [(no_fix, f"{no_fix.job_id}-a2")]
+    again.add(JobResult(job_id=f"{no_fix.job_id}-a2", task="swe_no_fix", state="timed_out"))  # not glued to the cut
+    third = Ledger(out)
+    assert third.latest(no_fix)[0] is not None and third.latest(no_fix)[0].state == "timed_out"  # type: ignore[union-attr]
+    assert to_run(jobs, third, retry_not_evaluated=False) == []
+    assert to_run(jobs, third, retry_not_evaluated=True) == [(no_fix, f"{no_fix.job_id}-a3")]
+
+
+@pytest.fixture(scope="module")
+def domain_image() -> str:
+    need_module("swebench", "swe")
+    if shutil.which("apptainer") is None:
+        pytest.skip("apptainer is not installed (scripts/provision/30-apptainer.sh)")
+    path = TEST_IMAGES / "domains.sif"
+    if not path.is_file():
+        pytest.skip(f"{path} missing (run scripts/provision/46-domain-images.sh as root)")
+    return str(path)
+
+
+def _validate(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PRORL_DEPLOYMENT", "PRORL_CONFIG")}
+    env["PRORL_HOME"] = str(root / "home")
+    return subprocess.run([sys.executable, "-m", "prorl_cli", "--config", str(root / "prorl.yaml"), "swe", "validate",
+                           str(root / "dataset.jsonl"), "--out", str(root / "out"), *args],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=root, start_new_session=True)
+
+
+@pytest.mark.apptainer
+@pytest.mark.slow
+def test_validate_classifies_six_instances_writes_clean_rows_and_resumes(tmp_path: Path, domain_image: str) -> None:
+    rows = make_rows(tmp_path / "repos")
+    # As SWE-bench ships them: the test lists as JSON strings (the loader makes them lists).
+    shipped = [{**r, "FAIL_TO_PASS": json.dumps(r["FAIL_TO_PASS"]), "PASS_TO_PASS": json.dumps(r["PASS_TO_PASS"])}
+               for r in rows]
+    (tmp_path / "dataset.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shipped))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "prorl.yaml").write_text(yaml.safe_dump({
+        "sandbox": {"runtime": "apptainer", "image": domain_image, "extra_args": ["--bind", f"{shared}:{SHARED_INSIDE}"]},
+        "handlers": {"swe": {"image": domain_image}}}))
+
+    first = _validate(tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr[-5000:]
+    out = tmp_path / "out"
+    report = json.loads((out / "report.json").read_text())
+    assert {r["instance_id"]: r["status"] for r in report["results"]} == EXPECTED, json.dumps(report, indent=1)[-6000:]
+    by_id = {r["instance_id"]: r for r in report["results"]}
+    assert by_id["prorl__tinycalc-gold-fails"]["gold_failures"] == ["tests/test_calc.py::test_add"]
+    assert by_id["prorl__tinycalc-f2p-passes"]["passes_without_fix"] == ["tests/test_calc.py::test_add"]
+    assert by_id["prorl__tinycalc-flaky"]["flaky"] == [FLAKY_ID]
+    # Not evaluated is said, with the step, for every run; nothing is scored.
+    broken = by_id["prorl__tinycalc-env-broken"]
+    assert report["not_evaluated"] == ["prorl__tinycalc-env-broken"] and not broken["evaluated"]
+    assert all("setup_failed" in r["problem"] and "install[0]" in r["problem"] for r in broken["runs"])
+    assert all(r["evaluated"] for i, v in by_id.items() if i != "prorl__tinycalc-env-broken" for r in v["runs"])
+    assert report["counts"] == {"valid": 2, "flaky": 1, "f2p-passes-without-fix": 1, "gold-fails": 1, "env-broken": 1,
+                                "pending": 0}
+
+    clean = [json.loads(line) for line in (out / "clean.jsonl").read_text().splitlines()]
+    assert [c["instance_id"] for c in clean] == ["prorl__tinycalc-valid", "prorl__tinycalc-flaky", "prorl__spacey-flat-1"]
+    assert FLAKY_ID not in clean[1]["PASS_TO_PASS"] and clean[1]["FAIL_TO_PASS"] == rows[4]["FAIL_TO_PASS"]
+    assert clean[2]["FAIL_TO_PASS"] == rows[5]["FAIL_TO_PASS"]  # ids with spaces and brackets, as listed
+    assert all("settings" not in c for c in clean)  # the rows as read, not as the jobs got them
+    page = (out / "report.html").read_text()
+    assert all(f"<td>{iid}</td>" in page for iid in EXPECTED) and "f2p-passes-without-fix" in page
+
+    # Cut short: two results of the valid instance lost, and a line half written. The second run runs those two only.
+    run_id = json.loads((out / "validate.json").read_text())["run_id"]
+    valid_row = load_instances("swe", tmp_path / "dataset.jsonl")[0]
+    lost = {j.job_id for j in plan_jobs([job_instance(valid_row, {})[0]], 3, run_id) if j.kind == NO_FIX or j.k == 0}
+    ledger = out / "results.jsonl"
+    kept = [line for line in ledger.read_text().splitlines() if json.loads(line)["job_id"] not in lost]
+    assert len(kept) == 22
+    ledger.write_text("".join(line + "\n" for line in kept) + '{"job_id": "cut')
+    runs_of_flaky_test = len(list(shared.iterdir()))
+    second = _validate(tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr[-5000:]
+    assert "22 already have a result" in second.stderr and "1 unreadable line(s)" in second.stderr
+    rerun = [json.loads(line)["job_id"] for line in ledger.read_text().splitlines()[23:]]
+    assert sorted(rerun) == sorted(lost)
+    assert len(list(shared.iterdir())) == runs_of_flaky_test == 4  # the flaky instance's jobs were not run again
+    again = json.loads((out / "report.json").read_text())
+    assert {r["instance_id"]: r["status"] for r in again["results"]} == EXPECTED
+
+
+def test_bad_flags_are_refused_and_an_instance_without_image_is_env_broken_unrun(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from prorl_cli.cli import cli
+
+    row = {"instance_id": "org__a-1", "repo": "org/a", "version": "1", "base_commit": "abc", "problem_statement": "p",
+           "patch": "diff", "test_patch": "", "FAIL_TO_PASS": ["t.py::a"], "PASS_TO_PASS": []}
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(json.dumps(row) + "\n")
+    images = tmp_path / "repo_images.json"
+    images.write_text(json.dumps({"other/repo": "/images/other.sif"}))
+    runner = CliRunner()
+    both = runner.invoke(cli, ["swe", "validate", str(dataset), "--base", "docker://x", "--images-from", "docker://y"])
+    assert both.exit_code == 1 and "not both" in both.output
+    out = tmp_path / "out"
+    # No job is submitted (no deployment is started): the map has no image for the only instance.
+    done = runner.invoke(cli, ["swe", "validate", str(dataset), "--repo-images", str(images), "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    report = json.loads((out / "report.json").read_text())
+    (result,) = report["results"]
+    assert result["status"] == ENV_BROKEN and result["reason"].startswith("no image") and not result["evaluated"]
+    assert report["not_evaluated"] == ["org__a-1"] and (out / "clean.jsonl").read_text() == ""
+    assert not (out / "deployment").exists()
