@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 
-from prorl_cli.agent import Trajectory
 from prorl_cli.domains.code_judge import parse_tests, run_test, summarise
 from prorl_cli.domains.sandbox_tools import BASH, EDITOR
 from prorl_cli.exceptions import SandboxError
@@ -40,8 +39,8 @@ class CodeHandler(AgentHandler):
     name = "code"
     defaults = HandlerSettings(
         max_turns=8, system_prompt=SYSTEM, tools=("bash", "editor"), image="python",
-        init_timeout_s=120.0, run_timeout_s=900.0, eval_timeout_s=600.0, max_tokens=2048,
-        extra={"tool_timeout_s": 30.0, "test_time_limit_s": 4.0, "test_mem_mb": 512, "max_tests": 50,
+        init_timeout_s=120.0, run_timeout_s=900.0, eval_timeout_s=600.0, max_tokens=2048, tool_timeout_s=30.0,
+        extra={"test_time_limit_s": 4.0, "test_mem_mb": 512, "max_tests": 50,
                "solution_path": "/work/solution.py"},
     )
     tools = (BASH, EDITOR)
@@ -50,17 +49,14 @@ class CodeHandler(AgentHandler):
     async def init(self, ctx: JobContext) -> None:
         ctx.output["domain"] = self.name
         parse_tests(ctx.instance)  # bad tests fail INIT, not EVAL
-        await ctx.chat()
         sandbox = await ctx.start_sandbox(network=False)
-        ctx.state["sandbox"] = sandbox
         await sandbox.bash("mkdir -p /work && cd /work")
 
     async def run(self, ctx: JobContext) -> None:
-        sandbox = ctx.state["sandbox"]
         traj = await ctx.agent(ctx.instance["question"])
         path = str(ctx.settings.get("solution_path"))
         try:
-            ctx.output["solution"] = (await sandbox.read_file(path)).decode("utf-8", "replace")
+            ctx.output["solution"] = (await ctx.sandbox.read_file(path)).decode("utf-8", "replace")
             ctx.output["solution_source"] = path
         except SandboxError:
             blocks = FENCE.findall(final_text(traj))
@@ -69,7 +65,6 @@ class CodeHandler(AgentHandler):
 
     async def eval(self, ctx: JobContext) -> None:
         settings = ctx.settings
-        Trajectory.from_dict(ctx.output["trajectory"])  # a malformed record fails EVAL loudly
         program = ctx.output.get("solution")
         tests = parse_tests(ctx.instance)[: int(settings.get("max_tests"))]
         if not program:

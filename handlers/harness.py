@@ -4,16 +4,18 @@ The harness runs inside the job's sandbox (no network) and talks to the
 job's gateway (``prorl_cli.gateway``) through ``OPENAI_BASE_URL`` /
 ``ANTHROPIC_BASE_URL`` / ``OPENAI_API_KEY``, which point at a loopback port
 the tool server relays to the node. Every model call is ``ctx.generate``,
-recorded token-exactly. Settings (``domains.harness`` in prorl.yaml, or an
+recorded token-exactly. Settings (``handlers.harness`` in prorl.yaml, or an
 instance's ``settings``; docs/harness.md)::
 
-    image: python                  # the sandbox image, with the harness installed
-    command: "mini-swe-agent -t {task_file} --model openai/prorl -y --exit-immediately"
-    env: {MSWEA_COST_TRACKING: ignore_errors}
+    image: harness                 # the sandbox image, with the harness installed
+    # mini-swe-agent's -t takes the task text itself, not a file: read it from task_file.
+    command: 'mini-swe-agent -t "$(cat {task_file})" -m openai/prorl -y --exit-immediately -l 0'
+    env: {MSWEA_CONFIGURED: "true", MSWEA_COST_TRACKING: ignore_errors}
     workdir: /testbed
     timeout_s: 1800                # the harness is killed (its process group) past this
     scorer: swe                    # swe | code | math | none | "module:function"
     scorer_settings: {}            # the scorer domain's own settings (repo_dir, test_command, ...)
+    workspace_max_mb: 256          # module:function scorers: the largest workdir copied out for them
 
 INIT starts the sandbox (for ``scorer: swe`` the repository is checked out at
 ``base_commit`` as the ``swe`` domain does) and writes the task text (the
@@ -21,10 +23,15 @@ instance's ``problem_statement``, ``question``, ``problem``, ``prompt`` or
 ``task``) to ``task_file``. RUN starts the command in its own process group,
 streams its output to the job log, keeps the last ``log_tail_bytes`` in
 ``output["harness_log"]``, and saves the trajectory, the exit code and what
-the scorer needs (``git diff`` for ``swe``, the solution file for ``code``).
+the scorer needs (``git diff`` for ``swe``, the solution file for ``code``,
+the whole ``workdir`` for a ``module:function`` scorer, copied to the job's
+run directory on the node, since the sandbox is stopped before EVAL).
 A harness that exits non-zero, hangs past ``timeout_s`` or is cancelled is
 killed with its process group and keeps its partial trajectory, with
-``stop_reason`` ``error``, ``timeout`` or ``cancelled``. EVAL runs the scorer.
+``stop_reason`` ``error``, ``timeout`` or ``cancelled``. EVAL runs the scorer:
+a ``module:function`` one is called as ``function(ctx, workspace)`` (the copied
+``workdir``, a :class:`~pathlib.Path`, or ``None`` when RUN ended before it was
+saved; a one-parameter function gets ``ctx`` alone) and returns the reward.
 """
 
 from __future__ import annotations
@@ -36,18 +43,22 @@ import importlib
 import inspect
 import re
 import shlex
+import shutil
 import sys
+import tarfile
+from pathlib import Path
 from typing import Any
 
 from prorl_cli import gateway
 from prorl_cli.exceptions import DomainError, SandboxError, ToolError
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext
-from prorl_cli.node.settings import resolve_settings
+from prorl_cli.node.settings import deployment_settings, resolve_settings
 
 HARNESS_DIR = "/tmp/prorl-harness"
 SCRIPT = f"{HARNESS_DIR}/run.sh"
 LOG = f"{HARNESS_DIR}/output.log"
 RC = f"{HARNESS_DIR}/exit_code"
+WORKSPACE_TAR = f"{HARNESS_DIR}/workspace.tar"
 TASK_FIELDS = ("problem_statement", "question", "problem", "prompt", "task")
 DOMAIN_SCORERS = ("swe", "code", "math")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -79,6 +90,38 @@ def expand_command(template: str, **values: str) -> str:
     return template
 
 
+def _unpack(tar_path: Path, dest: Path) -> list[str]:
+    """Extract ``tar_path`` into a fresh ``dest`` (then delete it); the names left out as unsafe."""
+    skipped: list[str] = []
+
+    def safe(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+        try:
+            return tarfile.data_filter(member, path)
+        except tarfile.FilterError:  # a link out of the copy, a device: not part of what a scorer reads
+            skipped.append(member.name)
+            return None
+
+    shutil.rmtree(dest, ignore_errors=True)  # a retried RUN's earlier copy
+    dest.mkdir(parents=True)
+    try:
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(dest, filter=safe)
+    finally:
+        tar_path.unlink()
+    return skipped
+
+
+def _scorer_args(fn: Any, ctx: JobContext, workspace: Path | None) -> tuple[Any, ...]:
+    """``(ctx, workspace)``, or ``(ctx,)`` for a scorer that takes one argument."""
+    try:
+        inspect.signature(fn).bind(ctx, workspace)
+    except TypeError:
+        return (ctx,)
+    except ValueError:  # no signature to inspect (a builtin): the documented form
+        pass
+    return (ctx, workspace)
+
+
 class HarnessHandler(AgentHandler):
     """Runs an agent harness command in the sandbox against the job's gateway; scores with a domain's scorer."""
 
@@ -88,17 +131,19 @@ class HarnessHandler(AgentHandler):
         init_timeout_s=300.0, run_timeout_s=3600.0, eval_timeout_s=1800.0, max_tokens=2048,
         extra={"command": "", "env": {}, "workdir": "/work", "timeout_s": 1800.0, "scorer": "none",
                "scorer_settings": {}, "task_file": "/tmp/prorl-task.md", "task_field": "", "parser": "hermes",
-               "model": "prorl", "log_tail_bytes": 8192, "poll_s": 0.5},
+               "model": "prorl", "log_tail_bytes": 8192, "poll_s": 0.5, "max_concurrent_requests": 8,
+               "workspace_max_mb": 256.0,
+               "tool_choice_retries": 2},
     )
 
     # ------------------------------------------------------------------ INIT
     def scorer_settings(self, ctx: JobContext, settings: HandlerSettings, domain: AgentHandler) -> HandlerSettings:
-        """The scorer domain's settings: its defaults, ``domains.<scorer>``, then ``scorer_settings``."""
+        """The scorer domain's settings: its defaults, ``handlers.<scorer>``, then ``scorer_settings``."""
         own = dict(settings.get("scorer_settings"))
         own.setdefault("image", settings.image)
         return resolve_settings(
             domain.defaults,
-            (f"prorl.yaml: domains.{domain.name}", ctx.config.domains.get(domain.name)),
+            deployment_settings(ctx.config, domain.name),
             (f"harness scorer_settings of job {ctx.job_id}", own),
         )
 
@@ -113,7 +158,8 @@ class HarnessHandler(AgentHandler):
     async def init(self, ctx: JobContext) -> None:
         settings = ctx.settings
         if not settings.get("command"):
-            raise DomainError("harness: settings.command is empty (e.g. 'mini-swe-agent -t {task_file} ...')")
+            raise DomainError("harness: settings.command is empty "
+                              "(e.g. 'mini-swe-agent -t \"$(cat {task_file})\" -m openai/prorl -y ...')")
         bad = [k for k in settings.get("env") if not _ENV_NAME.match(k)]
         if bad:
             raise DomainError(f"harness: env names {bad} are not valid variable names")
@@ -130,7 +176,7 @@ class HarnessHandler(AgentHandler):
             if settings.image:
                 options["image"] = settings.image
             sandbox = await ctx.start_sandbox(**options)
-        ctx.state["sandbox"] = sandbox
+        ctx.sandbox = sandbox  # the swe set-up started it on the domain's view of the job
         workdir = shlex.quote(str(settings.get("workdir")))
         made = await sandbox.bash(f"mkdir -p {workdir} {HARNESS_DIR} 2>&1")
         if made.exit_code != 0:
@@ -141,9 +187,11 @@ class HarnessHandler(AgentHandler):
     # ------------------------------------------------------------------- RUN
     async def run(self, ctx: JobContext) -> None:
         settings = ctx.settings
-        sandbox = ctx.state["sandbox"]
+        sandbox = ctx.sandbox
         job = await gateway.session(ctx, parser=str(settings.get("parser")), models=(str(settings.get("model")),),
-                                    sampling=ctx.agent_sampling())
+                                    sampling=ctx.agent_sampling(),
+                                    max_concurrent=int(settings.get("max_concurrent_requests")),
+                                    tool_choice_retries=int(settings.get("tool_choice_retries")))
         host_sock, inside_sock = sandbox.gateway_socket()
         await job.serve_unix(host_sock)
         host, port = await sandbox.relay(inside_sock)
@@ -169,7 +217,7 @@ class HarnessHandler(AgentHandler):
             if stop_reason != "stop" and stop_reason != "error":
                 with contextlib.suppress(SandboxError, OSError):
                     await asyncio.shield(self._kill(sandbox, pgid))
-            traj = job.trajectory
+            traj = ctx.trajectory = job.trajectory
             traj.stop_reason = stop_reason
             ctx.output.update({
                 "trajectory": traj.to_dict(), "turns": len(traj.calls), "stop_reason": stop_reason,
@@ -240,6 +288,38 @@ class HarnessHandler(AgentHandler):
                 ctx.output["solution_source"] = path
             except SandboxError:
                 ctx.output["solution"], ctx.output["solution_source"] = None, None
+        elif ":" in scorer:
+            ctx.state["workspace"] = str(await self._save_workspace(ctx, settings, sandbox))
+
+    async def _save_workspace(self, ctx: JobContext, settings: HandlerSettings, sandbox: Any) -> Path:
+        """Copy ``workdir`` out of the sandbox into ``<job run dir>/workspace``; returns that folder.
+
+        A ``module:function`` scorer runs in EVAL, after the node has stopped the sandbox, so what the
+        agent wrote is only readable from a copy. Links that point outside the copy, device files and
+        the like are left out (with a warning), as :func:`tarfile.data_filter` refuses them.
+        """
+        workdir = str(settings.get("workdir"))
+        max_mb = float(settings.get("workspace_max_mb"))
+        packed = await sandbox.bash(f"tar -C {shlex.quote(workdir)} -cf {WORKSPACE_TAR} . 2>&1 && wc -c < {WORKSPACE_TAR}",
+                                    timeout_s=600)
+        if packed.exit_code != 0:
+            raise DomainError(f"harness: cannot pack the workdir {workdir} for the scorer: {packed.output[-500:]}")
+        size_bytes = int(packed.output.split()[-1])
+        if size_bytes > max_mb * 2**20:
+            await sandbox.bash(f"rm -f {WORKSPACE_TAR}")
+            raise DomainError(f"harness: the workdir {workdir} is {size_bytes / 2**20:.1f} MiB (as a tar), over "
+                              f"workspace_max_mb={max_mb:g}; raise the setting or have the command clean up")
+        ctx.run_dir.mkdir(parents=True, exist_ok=True)
+        dest, tar_path = ctx.run_dir / "workspace", ctx.run_dir / "workspace.tar"
+        with tar_path.open("wb") as out:
+            while chunk := await sandbox.read_file(WORKSPACE_TAR, offset=out.tell(), max_bytes=_READ_CHUNK_BYTES):
+                out.write(chunk)
+        await sandbox.bash(f"rm -f {WORKSPACE_TAR}")
+        skipped = await asyncio.to_thread(_unpack, tar_path, dest)
+        if skipped:
+            ctx.log.warning("harness: %d entries of %s not copied for the scorer (outside the workdir or not "
+                            "regular files), e.g. %s", len(skipped), workdir, skipped[:5])
+        return dest
 
     # ------------------------------------------------------------------ EVAL
     async def eval(self, ctx: JobContext) -> None:
@@ -255,13 +335,19 @@ class HarnessHandler(AgentHandler):
             ctx.reward = view.reward
         elif ":" in scorer:
             module, _, attr = scorer.partition(":")
+            importlib.invalidate_caches()  # a scorer module written after the node started is found too
             try:
                 fn = getattr(importlib.import_module(module), attr)
             except (ImportError, AttributeError) as e:
                 raise DomainError(f"harness: scorer {scorer!r} cannot be imported: {e}") from e
-            result = fn(ctx)
-            if inspect.isawaitable(result):
-                result = await result
+            workspace = Path(ctx.state["workspace"]) if ctx.state.get("workspace") else None
+            try:
+                result = fn(*_scorer_args(fn, ctx, workspace))
+                if inspect.isawaitable(result):
+                    result = await result
+            finally:
+                if workspace is not None:  # the copy lives on the node's disk: only for the scorer
+                    await asyncio.to_thread(shutil.rmtree, workspace, True)
             if result is not None:
                 ctx.reward = float(result)
         else:

@@ -20,7 +20,6 @@ import operator
 import re
 from typing import Any
 
-from prorl_cli.agent import Trajectory
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, Tool, final_text
 
 CALCULATOR_SCHEMA = {
@@ -80,14 +79,13 @@ class MathAgentHandler(AgentHandler):
     async def init(self, ctx: JobContext) -> None:
         if not isinstance(ctx.instance.get("question"), str):
             raise ValueError("math_agent instance needs a 'question' string")
-        await ctx.chat()  # the tokenizer takes seconds to load: in INIT, off the event loop
 
     async def run(self, ctx: JobContext) -> None:
-        # The trajectory so far is kept in ctx.output: a RUN that times out or fails still returns its tokens.
+        # The trajectory is ctx.trajectory from the first call on: a RUN that times out or fails still returns it.
         await ctx.agent(ctx.instance["question"], max_turns=int(ctx.instance.get("max_turns", ctx.settings.max_turns)))
 
     async def eval(self, ctx: JobContext) -> None:
-        traj = Trajectory.from_dict(ctx.output["trajectory"])
+        traj = ctx.trajectory
         answer = final_text(traj) if traj.stop_reason == "stop" else ""
         got = final_number(answer)
         ctx.output["predicted"] = got

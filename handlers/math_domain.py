@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-from prorl_cli.agent import Trajectory
 from prorl_cli.domains.answers import last_boxed, math_equal
 from prorl_cli.domains.sandbox_tools import PYTHON
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, final_text
@@ -35,7 +34,7 @@ class MathHandler(AgentHandler):
     defaults = HandlerSettings(
         max_turns=6, system_prompt=SYSTEM, tools=("python",), image="math",
         init_timeout_s=120.0, run_timeout_s=900.0, eval_timeout_s=60.0, max_tokens=1024,
-        extra={"tool_timeout_s": 30.0},
+        tool_timeout_s=30.0,
     )
     tools = (PYTHON,)
 
@@ -47,15 +46,14 @@ class MathHandler(AgentHandler):
             raise ValueError("math: instance needs a 'problem' string")
         if "answer" not in ctx.instance:
             raise ValueError("math: instance needs an 'answer'")
-        await ctx.chat()
         if "python" in (ctx.settings.tools or ()):
-            ctx.state["sandbox"] = await ctx.start_sandbox(network=False)
+            await ctx.start_sandbox(network=False)
 
     async def run(self, ctx: JobContext) -> None:
         await ctx.agent(ctx.instance.get("problem", ctx.instance.get("question")))
 
     async def eval(self, ctx: JobContext) -> None:
-        traj = Trajectory.from_dict(ctx.output["trajectory"])
+        traj = ctx.trajectory
         answer = last_boxed(final_text(traj)) if traj.stop_reason == "stop" else None
         # sympy can take a while on adversarial answers: off the event loop (bounded by the EVAL limit).
         verdict = await asyncio.to_thread(math_equal, str(ctx.instance["answer"]), answer)

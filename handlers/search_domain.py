@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from prorl_cli.agent import Trajectory
 from prorl_cli.domains.answers import exact_match, f1_score, last_boxed
 from prorl_cli.domains.search_index import BUILDS, SearchIndex, get_index, hits_text
 from prorl_cli.exceptions import DomainError
@@ -89,7 +88,6 @@ class SearchHandler(AgentHandler):
     async def init(self, ctx: JobContext) -> None:
         ctx.output["domain"] = self.name
         gold_answers(ctx.instance)
-        await ctx.chat()
         corpus = str(ctx.settings.get("corpus"))
         index, built = await asyncio.to_thread(get_index, corpus)
         ctx.state["index"] = index
@@ -103,7 +101,7 @@ class SearchHandler(AgentHandler):
         await ctx.agent(ctx.instance["question"])
 
     async def eval(self, ctx: JobContext) -> None:
-        traj = Trajectory.from_dict(ctx.output["trajectory"])
+        traj = ctx.trajectory
         text = final_text(traj) if traj.stop_reason == "stop" else ""
         answer = last_boxed(text)
         predicted = answer if answer is not None else text.strip()

@@ -51,7 +51,7 @@ class SweHandler(AgentHandler):
 
     A subclass (another agent on the same grading, say) gets its own task
     name, the snake-case of its class name without ``Handler``, unless it sets
-    ``name``; it reads the ``domains.swe`` settings unless it sets
+    ``name``; it reads the ``handlers.swe`` settings unless it sets
     ``settings_section``.
     """
 
@@ -59,8 +59,8 @@ class SweHandler(AgentHandler):
     settings_section = "swe"
     defaults = HandlerSettings(
         max_turns=30, system_prompt=SYSTEM, tools=("bash", "editor"), image="swe",
-        init_timeout_s=300.0, run_timeout_s=3600.0, eval_timeout_s=1800.0, max_tokens=2048,
-        extra={"repo_dir": "/testbed", "repo_images": {}, "tool_timeout_s": 120.0, "test_timeout_s": 900.0,
+        init_timeout_s=300.0, run_timeout_s=3600.0, eval_timeout_s=1800.0, max_tokens=2048, tool_timeout_s=120.0,
+        extra={"repo_dir": "/testbed", "repo_images": {}, "test_timeout_s": 900.0,
                "test_command": "", "eval_script": "", "install": "", "log_parser": "", "scrub_history": True},
     )
     tools = (BASH, EDITOR)
@@ -91,9 +91,9 @@ class SweHandler(AgentHandler):
         settings = ctx.settings
         test_list(ctx.instance["FAIL_TO_PASS"], "FAIL_TO_PASS")
         test_list(ctx.instance["PASS_TO_PASS"], "PASS_TO_PASS")
-        # The agent's sandbox: nothing after base_commit may reach it.
-        ctx.state["sandbox"] = await self._sandbox(ctx, settings, scrub=bool(settings.get("scrub_history")))
-        ctx.output["sandboxes"] = {"run": ctx.state["sandbox"].sandbox_id}
+        # The agent's sandbox (the job's first: ctx.sandbox): nothing after base_commit may reach it.
+        sandbox = await self._sandbox(ctx, settings, scrub=bool(settings.get("scrub_history")))
+        ctx.output["sandboxes"] = {"run": sandbox.sandbox_id}
 
     async def run(self, ctx: JobContext) -> None:
         settings = ctx.settings
@@ -103,7 +103,7 @@ class SweHandler(AgentHandler):
 
     async def save_patch(self, ctx: JobContext, settings: HandlerSettings) -> None:
         """``git diff`` of the work tree against ``base_commit`` (new files included) as ``output["model_patch"]``."""
-        sandbox = ctx.state["sandbox"]
+        sandbox = ctx.sandbox
         repo_dir = shlex.quote(str(settings.get("repo_dir")))
         base = shlex.quote(str(ctx.instance["base_commit"]))
         diff = await sandbox.bash(f"cd {repo_dir} && git add -A && git diff --cached --binary {base} > /tmp/model.patch")
@@ -138,12 +138,14 @@ class SweOracleHandler(SweHandler):
     validation runs the gold patches.
     """
 
+    uses_model = False
+
     async def run(self, ctx: JobContext) -> None:
         settings = ctx.settings
         gold = ctx.instance.get("patch")
         if not isinstance(gold, str) or not gold.strip():
             raise DomainError(f"{self.name}: instance {ctx.instance.get('instance_id')} has no gold 'patch'")
-        sandbox = ctx.state["sandbox"]
+        sandbox = ctx.sandbox
         await sandbox.write_file("/tmp/gold.patch", gold.encode())
         # SWE-smith ships the patch that introduced the bug (patch_reverse): the fix is that patch reversed.
         reverse = " --reverse" if ctx.instance.get("patch_reverse") is True else ""

@@ -1,16 +1,20 @@
-"""The sandbox tools the domains offer a model (``bash``, ``editor``, ``python``), each declared once.
+"""The sandbox tools any handler may offer a model (``bash``, ``editor``, ``python``), each declared once.
 
 Each :class:`~prorl_cli.agent.Tool` here runs in the job's sandbox,
-``ctx.state["sandbox"]`` (started by the handler's INIT), with the handler's
-``tool_timeout_s`` setting.
+``ctx.sandbox`` (the first sandbox the handler's INIT started), each call
+bounded by the ``tool_timeout_s`` setting (unset: the sandbox's default,
+``sandbox.tool_timeout_s``). Declare them in ``tools``; see docs/handlers.md.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from prorl_cli.agent.tools import Tool
-from prorl_cli.exceptions import DomainError
+
+if TYPE_CHECKING:
+    from prorl_cli.node.handler import JobContext
+    from prorl_cli.sandbox.sandbox import EditCommand
 
 PYTHON_SCHEMA = {
     "type": "function",
@@ -49,35 +53,35 @@ EDITOR_SCHEMA = {
 }
 
 
-def _sandbox(ctx: Any) -> Any:
-    sandbox = ctx.state.get("sandbox")
-    if sandbox is None:
-        raise DomainError(f"{ctx.task}: no sandbox in ctx.state['sandbox'] (INIT starts it)")
-    return sandbox
+def _timeout_s(ctx: JobContext) -> float:
+    """This job's limit of one tool call: the setting, else the sandbox's own default."""
+    timeout_s = ctx.settings.tool_timeout_s
+    return float(timeout_s if timeout_s is not None else ctx.sandbox.tool_timeout_s)
 
 
-async def bash(ctx: Any, command: str) -> str:
+async def bash(ctx: JobContext, command: str) -> str:
     """Run ``command`` in the job's persistent shell."""
-    timeout_s = float(ctx.settings.get("tool_timeout_s"))
-    r = await _sandbox(ctx).bash(str(command), timeout_s=timeout_s)
+    timeout_s = _timeout_s(ctx)
+    r = await ctx.sandbox.bash(str(command), timeout_s=timeout_s)
     tail = f"\n[exit code {r.exit_code}]" if r.exit_code not in (0, None) else ""
     if r.timed_out:
         tail += f"\n[stopped after {timeout_s:g} s]"
     return (r.output + tail) or "(no output)"
 
 
-async def editor(ctx: Any, command: str, path: str, file_text: str | None = None, old_str: str | None = None,
+async def editor(ctx: JobContext, command: str, path: str, file_text: str | None = None, old_str: str | None = None,
                  new_str: str | None = None, insert_line: int | None = None) -> str:
     """View or edit a file in the job's sandbox."""
-    r = await _sandbox(ctx).edit(command, path, file_text=file_text, old_str=old_str, new_str=new_str,
-                                 insert_line=insert_line)
+    # The model's command goes as it is: the sandbox's tool server refuses an unknown one (the model sees why).
+    r = await ctx.sandbox.edit(cast("EditCommand", command), path, file_text=file_text, old_str=old_str, new_str=new_str,
+                               insert_line=insert_line)
     return str(r.output)
 
 
-async def python(ctx: Any, code: str) -> str:
+async def python(ctx: JobContext, code: str) -> str:
     """Run ``code`` in the job's persistent Python namespace."""
-    timeout_s = float(ctx.settings.get("tool_timeout_s"))
-    r = await _sandbox(ctx).python(str(code), timeout_s=timeout_s)
+    timeout_s = _timeout_s(ctx)
+    r = await ctx.sandbox.python(str(code), timeout_s=timeout_s)
     parts = [r.stdout.rstrip()] if r.stdout.strip() else []
     if r.result is not None:
         parts.append(r.result)

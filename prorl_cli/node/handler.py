@@ -14,16 +14,22 @@ tools), RUN (the agent loop), EVAL (score from what RUN saved; sandboxes are
 already stopped). A handler may also declare
 
 - ``defaults`` (:class:`HandlerSettings`): max turns, system prompt, image,
-  per-stage limits and its own knobs, overridden by ``domains.<name>`` in
-  prorl.yaml and by the instance's ``settings``; the job's effective
-  settings are ``ctx.settings``. The node enforces the stage limits like its
-  own: a stage past any limit ends the job ``timed_out``;
+  per-stage limits, ``tool_timeout_s`` and its own knobs, overridden by
+  ``handlers.<name>`` in prorl.yaml and by the instance's ``settings``; the
+  job's effective settings are ``ctx.settings``. The node enforces the stage
+  limits like its own: a stage past any limit ends the job ``timed_out``;
 - ``tools`` (:class:`~prorl_cli.agent.Tool`): each declared once, it reaches
-  both the chat template and the loop of :meth:`JobContext.agent`.
+  both the chat template and the loop of :meth:`JobContext.agent`. The node
+  loads the chat template with their schemas at the start of INIT.
 
-A stage that raises or runs out of time goes to the matching ``*_exception``
-callback, and the job still returns a well-formed result built by
-:meth:`AgentHandler.final_result`, with what RUN recorded so far.
+The contract with the node is explicit: the first sandbox started is
+``ctx.sandbox`` (the shipped sandbox tools run there), and the trajectory the
+agent loop records is ``ctx.trajectory``, which the node writes into the
+output (``trajectory``, ``stop_reason``, ``turns``) after INIT and RUN,
+including a RUN that failed, timed out or was cancelled. A stage that raises
+or runs out of time goes to the matching ``*_exception`` callback, and the
+job still returns a well-formed result built by
+:meth:`AgentHandler.final_result`. ``docs/handlers.md`` is the reference.
 """
 
 from __future__ import annotations
@@ -41,9 +47,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from prorl_cli.agent.tools import Tool, ToolFn
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import DomainError, HandlerError
+from prorl_cli.exceptions import ConfigError, DomainError, HandlerError, SettingsError
 from prorl_cli.inference.contract import Generation
-from prorl_cli.node.settings import HandlerSettings, resolve_settings
+from prorl_cli.node.settings import HandlerSettings, deployment_settings, resolve_settings
 from prorl_cli.protocol import JobSpec, SamplingParams
 
 if TYPE_CHECKING:
@@ -84,7 +90,8 @@ class JobContext:
 
     ``state`` is the handler's scratch space carried from INIT to RUN to EVAL;
     ``output`` is what :meth:`AgentHandler.final_result` returns by default;
-    ``reward`` is the scalar reward EVAL sets.
+    ``reward`` is the scalar reward EVAL sets; :attr:`sandbox` is the job's
+    first sandbox and :attr:`trajectory` what the agent loop recorded.
     """
 
     spec: JobSpec
@@ -101,6 +108,10 @@ class JobContext:
     handler: AgentHandler | None = field(default=None, repr=False)
     _cleanups: list[Cleanup] = field(default_factory=list, repr=False)
     _settings: HandlerSettings | None = field(default=None, repr=False)
+    _sandbox: Sandbox | None = field(default=None, repr=False)
+    _trajectory: Trajectory | None = field(default=None, repr=False)
+    #: What :meth:`publish_trajectory` last wrote (trajectory id, calls, messages, stop reason): not copied twice.
+    _published: tuple[int, int, int, str | None] | None = field(default=None, repr=False)
 
     @property
     def job_id(self) -> str:
@@ -120,10 +131,85 @@ class JobContext:
         return self.spec.sampling or SamplingParams()
 
     @property
-    def settings(self) -> HandlerSettings:
-        """The job's effective handler settings (defaults < prorl.yaml ``domains.<task>`` < instance ``settings``).
+    def sandbox(self) -> Sandbox:
+        """The job's sandbox: the first one :meth:`start_sandbox` started (the shipped sandbox tools run there).
 
-        Bad settings raise :class:`~prorl_cli.exceptions.DomainError` naming
+        Assign it to make another sandbox the job's. ``ctx.state["sandbox"]``
+        holds the same object, and a sandbox a handler put there itself counts
+        too (handlers written before this attribute keep working). Without a
+        sandbox: :class:`~prorl_cli.exceptions.HandlerError`.
+        """
+        sandbox = self._sandbox if self._sandbox is not None else self.state.get("sandbox")
+        if sandbox is None:
+            raise HandlerError(f"{self.task}: job {self.job_id} has no sandbox; start one in INIT with ctx.start_sandbox()")
+        return sandbox
+
+    @sandbox.setter
+    def sandbox(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+        self.state["sandbox"] = sandbox
+
+    @property
+    def has_sandbox(self) -> bool:
+        """Whether the job has a sandbox (:attr:`sandbox` would not raise)."""
+        return self._sandbox is not None or self.state.get("sandbox") is not None
+
+    @property
+    def trajectory(self) -> Trajectory:
+        """The trajectory the agent loop recorded (:meth:`agent`), live while RUN goes on; read it in EVAL.
+
+        The node writes it into the output after INIT and RUN (also a RUN that
+        failed, timed out or was cancelled, with ``stop_reason`` ``error``,
+        ``timeout`` or ``cancelled``). A handler that records one some other
+        way (the gateway, a loop of its own) assigns it here. Before any:
+        the ``trajectory`` in the output, else :class:`~prorl_cli.exceptions.HandlerError`.
+        """
+        if self._trajectory is not None:
+            return self._trajectory
+        recorded = self.output.get("trajectory")
+        if isinstance(recorded, dict):
+            from prorl_cli.agent import Trajectory
+
+            return Trajectory.from_dict(recorded)
+        raise HandlerError(f"{self.task}: job {self.job_id} has no trajectory; ctx.agent() in RUN records one")
+
+    @trajectory.setter
+    def trajectory(self, trajectory: Trajectory) -> None:
+        self._trajectory = trajectory
+
+    @property
+    def has_trajectory(self) -> bool:
+        """Whether a trajectory was recorded (:attr:`trajectory` would not raise)."""
+        return self._trajectory is not None or isinstance(self.output.get("trajectory"), dict)
+
+    def record_trajectory(self, trajectory: Trajectory) -> None:
+        """Make ``trajectory`` the job's (the agent loop calls this with its live trajectory)."""
+        self._trajectory = trajectory
+
+    def publish_trajectory(self) -> None:
+        """Write :attr:`trajectory` into the output (``trajectory``, ``stop_reason``, ``turns``); the node calls it.
+
+        It runs when :meth:`agent` ends, after INIT and RUN, and before a
+        ``*_exception`` callback, so the output a trainer gets always holds
+        what RUN sampled.
+        """
+        traj = self._trajectory
+        if traj is None:
+            return
+        # A trajectory only grows (calls, messages) or ends (stop_reason): those say whether it changed.
+        state = (id(traj), len(traj.calls), len(traj.messages), traj.stop_reason)
+        if state == self._published and isinstance(self.output.get("trajectory"), dict):
+            return
+        self.output["trajectory"] = traj.to_dict()
+        self.output["stop_reason"] = traj.stop_reason
+        self.output["turns"] = len(traj.calls)
+        self._published = state
+
+    @property
+    def settings(self) -> HandlerSettings:
+        """The job's effective handler settings (defaults < prorl.yaml ``handlers.<task>`` < instance ``settings``).
+
+        Bad settings raise :class:`~prorl_cli.exceptions.SettingsError` naming
         where they came from (the node resolves them before INIT, so the job
         fails there).
         """
@@ -157,7 +243,8 @@ class JobContext:
         ``env``: extra environment variables; ``mounts``: host paths bound in
         (:class:`~prorl_cli.sandbox.options.Mount`, Apptainer and bubblewrap);
         ``limits``: this sandbox's memory, process and wall-time limits
-        (:class:`~prorl_cli.sandbox.options.SandboxLimits`).
+        (:class:`~prorl_cli.sandbox.options.SandboxLimits`). The first sandbox
+        a job starts becomes :attr:`sandbox`.
         """
         options: dict[str, Any] = {}
         chosen = image if image is not None else (self.settings.image if self.handler is not None else None)
@@ -171,7 +258,10 @@ class JobContext:
             options["mounts"] = list(mounts)
         if limits is not None:
             options["limits"] = limits
-        return await self.services.start_sandbox(self, **options)
+        sandbox = await self.services.start_sandbox(self, **options)
+        if not self.has_sandbox:
+            self.sandbox = sandbox
+        return sandbox
 
     # -- the agent loop over the handler's declared tools ---------------------------------
     def _tools(self) -> list[Tool]:
@@ -184,7 +274,8 @@ class JobContext:
         """The chat tokenizer (instance ``tokenizer``, else ``inference.tokenizer``) with the enabled tools' schemas.
 
         Loaded once per node process and shared (a tokenizer takes seconds to
-        load: off the event loop).
+        load: off the event loop). The node calls it at the start of INIT for
+        a handler that declares tools (and :attr:`AgentHandler.uses_model`).
         """
         cached = self.state.get("chat")
         if cached is not None:
@@ -192,7 +283,7 @@ class JobContext:
         inst = self.instance if isinstance(self.instance, dict) else {}
         tokenizer = inst.get("tokenizer") or self.config.inference.tokenizer
         if not tokenizer:
-            raise DomainError(f"{self.task} needs a tokenizer: instance 'tokenizer' or inference.tokenizer in prorl.yaml")
+            raise ConfigError(f"{self.task} needs a tokenizer: instance 'tokenizer' or inference.tokenizer in prorl.yaml")
         schemas = json.dumps([t.spec() for t in self._tools()])
         chat = await asyncio.to_thread(_chat, str(tokenizer), schemas)
         self.state["chat"] = chat
@@ -222,9 +313,10 @@ class JobContext:
         ``system``) and ``user``. ``tools`` supplies or replaces the
         implementation of declared tools by name (a per-job closure); the
         schemas always come from the declarations. With ``record`` (the
-        default) the trajectory so far is kept in ``ctx.output``
-        (``trajectory``, ``stop_reason``, ``turns``) after every model call,
-        so a RUN that fails or times out still returns its tokens.
+        default) the loop's trajectory is :attr:`trajectory` from its first
+        call on, so a RUN that fails or times out still returns its tokens,
+        and it is written into the output when the loop ends. Recording does
+        not depend on :meth:`generate`: a handler may wrap or replace it.
         """
         from prorl_cli.agent import run_tool_agent
 
@@ -246,12 +338,18 @@ class JobContext:
                 raise HandlerError("ctx.agent() needs a user message or messages")
             prompt = settings.system_prompt if system is None else system
             messages = ([{"role": "system", "content": prompt}] if prompt else []) + [{"role": "user", "content": user}]
-        return await run_tool_agent(
-            self.generate, await self.chat(), messages, functions,
-            sampling=sampling or self.agent_sampling(),
-            max_turns=max_turns if max_turns is not None else settings.max_turns,
-            record_into=self.output if record else None,
-        )
+        chat = await self.chat()
+        try:
+            return await run_tool_agent(
+                self.generate, chat, messages, functions,
+                sampling=sampling or self.agent_sampling(),
+                max_turns=max_turns if max_turns is not None else settings.max_turns,
+                record_into=self.record_trajectory if record else None,
+            )
+        finally:
+            if record:
+                # In the output as soon as the loop ends, also for code that drives the hooks itself.
+                self.publish_trajectory()
 
 
 #: Resolved settings without instance overrides, by (handler class, id of the config), with the config
@@ -268,20 +366,27 @@ class AgentHandler(abc.ABC):
     image: ClassVar[str | None] = None
     #: The handler's settings before overrides (see :class:`HandlerSettings`).
     defaults: ClassVar[HandlerSettings] = HandlerSettings()
-    #: The ``domains.<section>`` of prorl.yaml the handler reads (default: its :attr:`name`), so a
+    #: The ``handlers.<section>`` of prorl.yaml the handler reads (default: its :attr:`name`), so a
     #: subclass under another name can share its parent's deployment settings.
     settings_section: ClassVar[str | None] = None
     #: Tools offered to the model by :meth:`JobContext.agent` (and rendered by its chat template).
     tools: ClassVar[Sequence[Tool]] = ()
+    #: Whether the handler's jobs sample from the model. With declared :attr:`tools`, the node then
+    #: loads the chat template (:meth:`JobContext.chat`) at the start of INIT; a handler that declares
+    #: tools but never calls the model (one that applies a gold patch, say) sets it ``False``.
+    uses_model: ClassVar[bool] = True
     #: Instance fields that must be present (checked before INIT; the error names them).
     required_fields: ClassVar[tuple[str, ...]] = ()
     #: Run EVAL even when RUN failed or timed out (it then scores the partial trajectory
     #: in ``ctx.output``); the job's state stays ``failed``/``timed_out``. Default: skip EVAL.
     eval_after_run_failure: ClassVar[bool] = False
 
-    @abc.abstractmethod
-    async def init(self, ctx: JobContext) -> None:
-        """INIT: provision what RUN needs (sandbox, tools)."""
+    async def init(self, ctx: JobContext) -> None:  # noqa: B027 - optional: a handler with nothing to set up leaves it out
+        """INIT: provision what RUN needs (a sandbox, files in it). Default: nothing.
+
+        The node has loaded the chat template with the tools' schemas before
+        (:meth:`JobContext.chat`) when the handler declares tools.
+        """
 
     @abc.abstractmethod
     async def run(self, ctx: JobContext) -> None:
@@ -293,16 +398,20 @@ class AgentHandler(abc.ABC):
 
     # -- settings and limits ------------------------------------------------------------
     def settings_for(self, ctx: JobContext) -> HandlerSettings:
-        """The job's effective settings: ``defaults`` < ``domains.<settings_section or name>`` in prorl.yaml < instance ``settings``."""
+        """The job's effective settings: ``defaults`` < ``handlers.<settings_section or name>`` in prorl.yaml < instance ``settings``.
+
+        ``domains.<section>``, the old name of the prorl.yaml section, is read
+        too (with a warning once per process); both set is a :class:`SettingsError`.
+        """
         cls = type(self)
         key = (cls, id(ctx.config))
         cached = _BASE_SETTINGS.get(key)
         if cached is not None and cached[0] is ctx.config:
             base = cached[1]
         else:
-            section = cls.settings_section or cls.name
-            base = resolve_settings(cls.defaults, (f"prorl.yaml: domains.{section}", ctx.config.domains.get(section)))
-            self._check_tools(base, f"prorl.yaml: domains.{section}")
+            where, layer = deployment_settings(ctx.config, cls.settings_section or cls.name)
+            base = resolve_settings(cls.defaults, (where, layer))
+            self._check_tools(base, where)
             if len(_BASE_SETTINGS) > 256:
                 _BASE_SETTINGS.clear()  # configs come and go in tests; a node has one
             _BASE_SETTINGS[key] = (ctx.config, base)
@@ -320,7 +429,7 @@ class AgentHandler(abc.ABC):
         declared = sorted(t.name for t in self.tools)
         unknown = sorted(set(settings.tools) - set(declared))
         if unknown:
-            raise DomainError(f"{where}: tools {unknown} do not exist; {self.name} offers {declared}")
+            raise SettingsError(f"{where}: tools {unknown} do not exist; {self.name} offers {declared}")
 
     def check_instance(self, ctx: JobContext) -> None:
         """Before INIT: the instance has :attr:`required_fields` (an object then) and valid settings."""
@@ -331,6 +440,10 @@ class AgentHandler(abc.ABC):
             if missing:
                 raise DomainError(f"{self.name}: instance of job {ctx.job_id} lacks field(s) {missing}")
         _ = ctx.settings
+
+    def prepares_chat(self) -> bool:
+        """Whether the node loads the chat template before INIT: the handler declares tools and uses the model."""
+        return bool(self.tools) and self.uses_model
 
     def stage_limit_s(self, ctx: JobContext, stage: str) -> float | None:
         """This job's limit of ``stage`` from the handler's settings (``None``: only the node's limits)."""
@@ -349,8 +462,8 @@ class AgentHandler(abc.ABC):
     def run_exception(self, ctx: JobContext, exc: BaseException) -> None:
         """RUN failed or timed out; fill in a fallback result. Default: :meth:`record_failure`.
 
-        What RUN recorded so far is still in ``ctx.output`` (the agent loop keeps
-        ``ctx.output["trajectory"]`` current, with ``stop_reason`` ``timeout``,
+        What RUN recorded so far is ``ctx.trajectory``, already written into
+        ``ctx.output`` (``trajectory``, with ``stop_reason`` ``timeout``,
         ``error`` or ``cancelled``), and goes to the trainer with the result.
         """
         self.record_failure(ctx, "run", exc)

@@ -26,7 +26,7 @@ from pathlib import Path
 import zmq
 
 from prorl_cli import protocol as P
-from prorl_cli.protocol import Op
+from prorl_cli.protocol import headers as H
 from prorl_cli.security import secure_peer
 
 log = logging.getLogger(__name__)
@@ -157,8 +157,8 @@ class LivenessSidecar(threading.Thread):
                     continue
                 vouching = True
                 try:
-                    sock.send_multipart(P.encode({"op": Op.HEARTBEAT.value, "node_id": self.node_id,
-                                                  "liveness_token": self.token}), flags=zmq.NOBLOCK)
+                    heartbeat = H.Heartbeat(node_id=self.node_id, liveness_token=self.token).to_wire()
+                    sock.send_multipart(P.encode(heartbeat), flags=zmq.NOBLOCK)
                     self.sent += 1
                 except zmq.Again:
                     pass  # the broker is not reachable right now: the next round tries again

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prorl_cli.agent.loop import JOB_RECORDER
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import StageTimeout
 from prorl_cli.node.clock import Arming, JobClock
@@ -295,6 +296,8 @@ class Pipeline:
         timeline = _timeline(timing)
         timeline_token = TL.CURRENT.set(timeline)
         ctx = _NodeJobContext.of(self, spec, instance)
+        # The agent loop records into the job running in this task, however the handler calls it.
+        recorder_token = JOB_RECORDER.set(ctx.record_trajectory)
         job_id = spec.job_id
         clock = self._clocks[job_id] = JobClock(
             spec.timeout_s if spec.timeout_s is not None else self._timeout_s,
@@ -351,6 +354,7 @@ class Pipeline:
                                error.message)
         timeline.instant(TL.FINISHED, {"state": state_name})
         TL.CURRENT.reset(timeline_token)
+        JOB_RECORDER.reset(recorder_token)
         observe_job(self.metrics, spec.task, state_name, timeline.events)
         job_log = ctx._job_log
         return JobResult(
@@ -420,6 +424,8 @@ class Pipeline:
         clock.enter_stage(limit_s, entered)
         error: Exception | None = None
         try:
+            if stage == "init" and handler.prepares_chat():
+                await ctx.chat()  # the template with the tools' schemas (seconds, once per node): RUN finds it ready
             await getattr(handler, stage)(ctx)
         except asyncio.CancelledError:
             if not clock.expired or task is None or task.uncancel() > 0:
@@ -432,6 +438,8 @@ class Pipeline:
             if clock.expired and task is not None:
                 task.uncancel()  # the handler swallowed our cancel: still past its time
         finally:
+            if stage != "eval":
+                ctx.publish_trajectory()  # what the loop recorded reaches the output, also when the stage failed
             left = time.monotonic()
             stage_s[stage] = stage_s.get(stage, 0.0) + clock.leave_stage(left)
             pool.leave()
@@ -451,12 +459,16 @@ class Pipeline:
         self, handler: AgentHandler, ctx: JobContext, stage: str, exc: BaseException, state: JobState
     ) -> tuple[JobState, ErrorInfo]:
         log.info("job %s: %s %s: %s: %s", ctx.job_id, stage, state.value, type(exc).__name__, exc)
-        partial = ctx.output.get("trajectory")
-        if stage == "run" and isinstance(partial, dict) and state == JobState.TIMED_OUT:
+        if stage == "run" and state == JobState.TIMED_OUT:
             # The loop saw only a cancel: the node knows it was the clock.
-            partial["stop_reason"] = "timeout"
-            if "stop_reason" in ctx.output:
-                ctx.output["stop_reason"] = "timeout"
+            if ctx._trajectory is not None:
+                ctx._trajectory.stop_reason = "timeout"
+                ctx.publish_trajectory()
+            partial = ctx.output.get("trajectory")
+            if isinstance(partial, dict):  # also one a handler wrote itself (the gateway records so)
+                partial["stop_reason"] = "timeout"
+                if "stop_reason" in ctx.output:
+                    ctx.output["stop_reason"] = "timeout"
         callback = getattr(handler, f"{stage}_exception")
         try:
             callback(ctx, exc)

@@ -29,11 +29,14 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
-from prorl_cli.exceptions import DomainError, HandlerError, UnknownTask
+from prorl_cli.exceptions import HandlerError, SettingsError, UnknownTask
 from prorl_cli.node.handler import AgentHandler
-from prorl_cli.node.settings import resolve_settings
+from prorl_cli.node.settings import deployment_settings, resolve_settings
+
+if TYPE_CHECKING:
+    from prorl_cli.config import ProrlConfig
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "prorl.handlers"
@@ -70,18 +73,21 @@ class HandlerRegistry:
     def tasks(self) -> list[str]:
         return sorted(self.handlers)
 
-    def settings_errors(self, domains: dict[str, Any]) -> list[str]:
-        """Problems of ``domains.<task>`` in prorl.yaml for the served handlers (checked at node start)."""
+    def settings_errors(self, config: ProrlConfig) -> list[str]:
+        """Problems of ``handlers.<task>`` (or the old ``domains.<task>``) in prorl.yaml for the served handlers.
+
+        Checked at node start, so bad deployment settings stop the node instead of failing every job.
+        """
         errors = []
         for name, cls in sorted(self.handlers.items()):
-            where = f"prorl.yaml: domains.{name}"
             try:
-                settings = resolve_settings(cls.defaults, (where, domains.get(name)))
+                where, layer = deployment_settings(config, cls.settings_section or name)
+                settings = resolve_settings(cls.defaults, (where, layer))
                 declared = {t.name for t in cls.tools}
                 unknown = sorted(set(settings.tools or ()) - declared)
                 if unknown:
-                    raise DomainError(f"{where}: tools {unknown} do not exist; {name} offers {sorted(declared)}")
-            except DomainError as e:
+                    raise SettingsError(f"{where}: tools {unknown} do not exist; {name} offers {sorted(declared)}")
+            except SettingsError as e:
                 errors.append(str(e))
         return errors
 

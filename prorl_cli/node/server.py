@@ -124,7 +124,7 @@ class NodeServer(BrokerPeer):
         self.registry = registry or discover(config.node.handler_paths, config.node.tasks or None)
         # A broken handler file must not leave a node serving without it (its jobs would queue forever),
         # nor bad handler settings fail every one of its jobs.
-        errors = self.registry.errors + self.registry.settings_errors(config.domains)
+        errors = self.registry.errors + self.registry.settings_errors(config)
         if errors:
             raise HandlerError("cannot serve: " + "; ".join(errors))
         if not self.registry.handlers:
@@ -136,6 +136,7 @@ class NodeServer(BrokerPeer):
             node_id=self.node_id,
             sandbox=config.sandbox,
             image_cache_dir=config.images.cache_dir,
+            image_search_dirs=config.images.search_dirs,
             run_dir=self.run_dir,
             image_of=lambda task: self.registry.get(task).image,
             make_inference=self._make_inference,
@@ -189,40 +190,39 @@ class NodeServer(BrokerPeer):
     # ------------------------------------------------------------- the peer
 
     def register_header(self) -> dict[str, Any]:
-        return {
-            "op": Op.REGISTER.value,
-            "node_id": self.node_id,
-            "host": self.host,
-            "pid": os.getpid(),
-            "credit": self.credit,
-            "tasks": self.registry.tasks,
+        return H.Register(
+            rid=H.NEW_RID,
+            node_id=self.node_id,
+            host=self.host,
+            pid=os.getpid(),
+            credit=self.credit,
+            tasks=self.registry.tasks,
             # What this node still runs: a broker that lost track of it (declared us dead, or restarted) takes it back.
-            "running": [{"job_id": j, "attempt": r.attempt, "stage": r.stage} for j, r in self.pipeline.jobs.items()],
+            running=[H.StageUpdate(j, r.attempt, r.stage) for j, r in self.pipeline.jobs.items()],
             # Heartbeats carrying this token, from any socket, vouch for this node (the liveness sidecar's).
-            "liveness_token": self.liveness_token,
+            liveness_token=self.liveness_token,
             # Shown by `prorl status`: which isolation this node's sandboxes really get.
-            "sandbox_runtime": self.services.runtime_name,
+            sandbox_runtime=self.services.runtime_name,
             # Draining: a broker that restarted must place nothing more here either.
-            "draining": self._draining,
-        }
+            draining=self._draining,
+        ).to_wire()
 
     def heartbeat_header(self) -> dict[str, Any]:
         # A result is confirmed once the broker has been heard from a whole interval after it went out.
         while self._unconfirmed and self._unconfirmed[0][0] < self._last_heard - self._interval_s:
             self._unconfirmed.popleft()
-        header: dict[str, Any] = {"op": Op.HEARTBEAT.value, "node_id": self.node_id, "stages": self.pipeline.stats(),
-                                  "metrics": self.pipeline.metrics.to_wire()}
+        header = H.Heartbeat(node_id=self.node_id, stages=self.pipeline.stats(), metrics=self.pipeline.metrics.to_wire())
         # Failure groups go when they changed, and every 30th heartbeat (a restarted broker learns them again).
         failed = sum(c for c, _ in self.pipeline.failures.values())
         self._heartbeats += 1
         if failed != self._failures_sent or self._heartbeats % 30 == 0:
             self._failures_sent = failed
-            header["failures"] = [{"task": t, "stage": s, "type": e, "count": c, "sample": m}
-                                  for (t, s, e), (c, m) in list(self.pipeline.failures.items())[-256:]]
-        return header
+            header.failures = [{"task": t, "stage": s, "type": e, "count": c, "sample": m}
+                               for (t, s, e), (c, m) in list(self.pipeline.failures.items())[-256:]]
+        return header.to_wire()
 
     def unregister_header(self) -> dict[str, Any]:
-        return {"op": Op.UNREGISTER.value, "node_id": self.node_id}
+        return H.Unregister(node_id=self.node_id).to_wire()
 
     def on_registered(self, reply: dict[str, Any]) -> None:
         log.info("node %s registered with %s: tasks %s, credit %d, running %d, sandbox runtime %s",
@@ -273,9 +273,9 @@ class NodeServer(BrokerPeer):
         # Short jobs pass several stages in one turn: report only the latest,
         # and nothing for jobs whose result goes out in this same flush.
         finished = {r.job_id for r in done}
-        stages = [{"job_id": j, "attempt": a, "stage": st} for j, (a, st) in stages_by_job.items() if j not in finished]
+        stages = [H.StageUpdate(j, a, st) for j, (a, st) in stages_by_job.items() if j not in finished]
         if stages:
-            await self.send({"op": Op.JOB_STAGE.value, "updates": stages})
+            await self.send(H.JobStage(stages).to_wire())
         if done:
             now = time.monotonic()
             self._unconfirmed.extend((now, r) for r in done)
@@ -284,7 +284,7 @@ class NodeServer(BrokerPeer):
     async def _send_results(self, done: list[JobResult]) -> None:
         pack = self._pack_result
         await self.send(
-            {"op": Op.JOB_DONE.value, "jobs": [{"job_id": r.job_id, "attempt": r.attempt, "state": r.state} for r in done]},
+            H.JobDone([H.JobEnd(r.job_id, r.attempt, r.state) for r in done]).to_wire(),
             [pack(r) for r in done],
         )
 
@@ -382,7 +382,7 @@ class NodeServer(BrokerPeer):
     async def _release(self, job_ids: list[str]) -> None:
         assert self.conn is not None
         try:
-            reply, _ = await self.conn.call({"op": Op.RELEASE.value, "job_ids": job_ids}, timeout_s=10.0)
+            reply, _ = await self.conn.call(H.JobIds(H.NEW_RID, job_ids).to_wire(Op.RELEASE), timeout_s=10.0)
         except (BrokerUnavailable, ProtocolError) as e:
             # Not taken: the unregister at the end of the drain re-queues them as well.
             log.warning("the broker did not take the drain notice: %s", e)

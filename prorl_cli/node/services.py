@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,12 +42,14 @@ class NodeServices(Services):
         sandbox: SandboxConfig,
         image_cache_dir: str,
         run_dir: Path,
+        image_search_dirs: Sequence[str] = (),
         image_of: Callable[[str], str | None],
         make_inference: Callable[[], NodeInference],
     ) -> None:
         self.node_id = node_id
         self.sandbox_config = sandbox
         self.image_cache_dir = image_cache_dir
+        self.image_search_dirs = tuple(image_search_dirs)
         self.run_dir = run_dir
         self.image_of = image_of
         self.make_inference = make_inference
@@ -116,9 +118,9 @@ class NodeServices(Services):
         from prorl_cli.images import resolve_image
 
         try:
-            return resolve_image(name, self.image_cache_dir)
+            return resolve_image(name, self.image_cache_dir, self.image_search_dirs)
         except ImageBuildError as e:
-            raise SandboxError(f"image {name!r}: {e} (build it with 'prorl build-images {name}')") from e
+            raise SandboxError(f"image {name!r}: {e}") from e  # the error says where it looked and what to run
 
     async def start_sandbox(self, ctx: JobContext, **options: Any) -> Sandbox:
         if self._sandbox_error is not None:

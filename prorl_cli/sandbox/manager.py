@@ -23,6 +23,7 @@ from prorl_cli.sandbox.cgroups import CgroupParents, SandboxCgroup, find_parents
 from prorl_cli.sandbox.client import ToolClient
 from prorl_cli.sandbox.local import LocalRuntime
 from prorl_cli.sandbox.loopback import LoopbackAllocator
+from prorl_cli.sandbox.memory import tree_memory
 from prorl_cli.sandbox.options import Mount, SandboxLimits
 from prorl_cli.sandbox.records import RecordStore, SandboxRecord, boot_id
 from prorl_cli.sandbox.runtime import (
@@ -170,6 +171,7 @@ class SandboxManager:
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._sessions: dict[str, int] = {}  # sandbox id -> its session id, as the watchdog knows them
         self._disk_watch: asyncio.Task[None] | None = None
+        self._memory_watch: asyncio.Task[None] | None = None
         self.cgroups = self._find_cgroups()
 
     def _find_cgroups(self) -> CgroupParents | None:
@@ -186,7 +188,9 @@ class SandboxManager:
                 "RLIMIT_NPROC, and no pids cgroup can be made (%s); a fork bomb in a sandbox is bounded only "
                 "by the host (run the node as an ordinary user, or let it make cgroups)", why)
         else:
-            self.log.info("sandbox limits: rlimits only, no per-sandbox cgroups (%s)", why)
+            self.log.info("sandbox limits: rlimits only, no per-sandbox cgroups (%s); the node measures each "
+                          "sandbox's memory every %g s (sandbox.memory_check_s) against sandbox.mem_gb",
+                          why, self.config.memory_check_s)
         return None
 
     @property
@@ -290,6 +294,9 @@ class SandboxManager:
             )
         if config.disk_mb > 0 and self.runtime.isolated and (self._disk_watch is None or self._disk_watch.done()):
             self._disk_watch = asyncio.create_task(self._watch_disk(), name="sandbox-disk-watch")
+        if (spec.cgroup is None and config.mem_gb > 0 and self.runtime.isolated
+                and (self._memory_watch is None or self._memory_watch.done())):
+            self._memory_watch = asyncio.create_task(self._watch_memory(), name="sandbox-memory-watch")
         self.log.info(
             "sandbox %s started for job %s (%s, image %s, loopback %s, network %s)",
             sandbox_id, job_id, self.runtime.name, resolved_image, spec.loopback_ip,
@@ -379,6 +386,32 @@ class SandboxManager:
                     self._limit_stop(sb, f"it wrote {used / (1 << 20):.0f} MB to the node's disk, over its limit of "
                                          f"{limit_mb} MB (sandbox.disk_mb or limits.disk_mb)")
 
+    async def _watch_memory(self) -> None:
+        """Every ``memory_check_s``: stop the live sandboxes without a memory cgroup whose processes hold more
+        than their ``mem_gb`` (:mod:`prorl_cli.sandbox.memory` says what is counted).
+
+        The kernel bounds each process (``RLIMIT_AS``), not their sum; this bounds the sum, as measured: a
+        sandbox may overshoot by what it allocates in ``memory_check_s``. The sandbox's processes are also
+        the kernel's first choice when the host runs out of memory (the tool server raises their
+        ``oom_score_adj``), so the node outlives a bomb faster than the check.
+        """
+        while True:
+            await asyncio.sleep(self.config.memory_check_s)
+            watched = [sb for sb in self._live.values()
+                       if sb.process.spec.cgroup is None and sb.process.spec.config.mem_gb > 0
+                       and not sb.stopped and sb.stop_reason is None]
+            if not watched:
+                if not self._live:
+                    return  # started again with the next sandbox
+                continue
+            usage = await asyncio.to_thread(tree_memory, [sb.pid for sb in watched])
+            for sb in watched:
+                used = usage[sb.pid]
+                limit_gb = sb.process.spec.config.mem_gb
+                if used.rss_bytes > limit_gb * (1 << 30):
+                    self._limit_stop(sb, f"its {used.processes} processes held {used.rss_bytes / (1 << 20):.0f} MB of "
+                                         f"memory, over its limit of {limit_gb:g} GB (sandbox.mem_gb or limits.mem_gb)")
+
     async def _stopped(self, sandbox: Sandbox) -> None:
         timer = self._wall_timers.pop(sandbox.sandbox_id, None)
         if timer is not None:
@@ -399,11 +432,12 @@ class SandboxManager:
 
     async def stop_all(self) -> None:
         """Stop every live sandbox, then the watchdog (node shutdown)."""
-        if self._disk_watch is not None:
-            self._disk_watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._disk_watch
-            self._disk_watch = None
+        for watch in (self._disk_watch, self._memory_watch):
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+        self._disk_watch = self._memory_watch = None
         await asyncio.gather(*(sb.stop() for sb in self.live))
         if self._watchdog is not None:
             watchdog, self._watchdog = self._watchdog, None

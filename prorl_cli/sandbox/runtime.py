@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prorl_cli.exceptions import SandboxError, SandboxTimeout
+from prorl_cli.processes import descendants
 from prorl_cli.sandbox.cgroups import SandboxCgroup
 from prorl_cli.sandbox.options import Mount
 from prorl_cli.sandbox.settings import SandboxConfig
@@ -150,18 +151,7 @@ def kill_session(sid: int) -> list[int]:
 
 def process_tree(pid: int) -> list[int]:
     """``pid`` and all its descendants, as the host sees them."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = stat_fields(entry)
-            if fields is not None:
-                children.setdefault(int(fields[1]), []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return tree
+    return [pid, *descendants(pid)]
 
 
 def remove_tree(path: Path, log: logging.Logger) -> None:

@@ -37,13 +37,17 @@ class SandboxConfig:
     # /root, /home) and /dev/shm; Apptainer's /tmp, /var/tmp and /dev/shm (fakeroot).
     writable_size_mb: int = 1024
     # Per-sandbox limits; 0 means no limit (docs/sandbox.md, "Limits").
-    mem_gb: float = 4.0  # address space of each process (RLIMIT_AS); the whole sandbox's with a memory cgroup
+    # Address space of each process (RLIMIT_AS); the whole sandbox's with a memory cgroup, else as measured.
+    mem_gb: float = 4.0
     max_procs: int = 512  # processes and threads (RLIMIT_NPROC per user namespace; a pids cgroup where available)
     wall_s: float = 0.0  # a sandbox older than this is stopped
     # Disk under local_dir (overlay, run directory, log): a sandbox over it is stopped (checked every
     # disk_check_s); no single file may be larger (RLIMIT_FSIZE).
     disk_mb: int = 10240
     disk_check_s: float = 5.0
+    # Where no memory cgroup bounds a sandbox (rootless without delegation), the node sums its processes'
+    # private memory every memory_check_s and stops a sandbox over mem_gb (docs/sandbox.md, "Limits").
+    memory_check_s: float = 1.0
     # A bash command that prints more than this is interrupted (what comes back is max_output_bytes).
     output_limit_mb: float = 256.0
     # Per-sandbox pids and memory cgroups where this node may make them (root, or a delegated cgroup v2).
@@ -72,7 +76,7 @@ class SandboxConfig:
             "writable_size_mb": self.writable_size_mb, "max_concurrent_starts": self.max_concurrent_starts,
             "start_timeout_s": self.start_timeout_s, "tool_timeout_s": self.tool_timeout_s,
             "max_output_bytes": self.max_output_bytes, "disk_check_s": self.disk_check_s,
-            "output_limit_mb": self.output_limit_mb,
+            "output_limit_mb": self.output_limit_mb, "memory_check_s": self.memory_check_s,
         }
         for key, value in positive.items():
             if value <= 0:

@@ -41,7 +41,7 @@ def _shared_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, do
         "jobs": {"timeout_s": 240.0},
         "node": {"n_init": 4, "n_run": 8, "n_eval": 4,
                  "handler_paths": [str(Path(__file__).with_name("failing_handlers.py"))]},
-        "domains": {name: {"image": domain_image} for name in ("math", "code", "swe")},
+        "handlers": {name: {"image": domain_image} for name in ("math", "code", "swe")},
     }
     d = Deployment(tmp_path / "home", "dom", config=config)
     try:

@@ -9,30 +9,7 @@ from typing import Any
 from prorl_cli.agent import Trajectory
 from prorl_cli.training.samples import build_samples
 from tests.domains.conftest import ScriptedStack, turn
-
-# A plain agent (standard library only): chat completions with a bash tool until a turn calls no tool.
-AGENT = r"""python3 - {task_file} <<'PRORL_AGENT'
-import json, os, subprocess, sys, urllib.request
-base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
-tools = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.",
-          "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
-messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": open(sys.argv[1]).read()}]
-for step in range(8):
-    req = urllib.request.Request(base + "/chat/completions", headers={"Content-Type": "application/json",
-        "Authorization": "Bearer " + key}, data=json.dumps({"model": "prorl", "messages": messages,
-        "tools": tools}).encode())
-    msg = json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["message"]
-    messages.append(msg)
-    print("assistant:", msg.get("content"), flush=True)
-    if not msg.get("tool_calls"):
-        break
-    for tc in msg["tool_calls"]:
-        cmd = json.loads(tc["function"]["arguments"])["command"]
-        out = subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout
-        print("ran:", cmd, "->", out.strip(), flush=True)
-        messages.append({"role": "tool", "tool_call_id": tc["id"], "content": out})
-sys.exit(int(os.environ.get("AGENT_EXIT", "0")))
-PRORL_AGENT"""
+from tests.fakes.agents import AGENT
 
 COMPUTE = ("bash", {"command": "python3 -c 'print(2+3)'"})
 

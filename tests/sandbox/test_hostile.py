@@ -14,18 +14,27 @@ more once the hostile job's sandbox is gone). Every case checks that
 * nothing of either sandbox survives its job: no process in its pid namespace,
   its session or its cgroup, no session folder, no cgroup, no record.
 
-The node runs as root, as in ``test_node_e2e.py`` (Apptainer with fakeroot):
-the sandboxes' root is the host's uid 0, the hardest case (the kernel does not
-apply RLIMIT_NPROC to it; file permissions alone do not protect the host's
-sysctls from it). Limits are small (docs/sandbox.md, "Limits"), and every loop
-in the hostile commands is bounded.
+The matrix runs its node as root, as in ``test_node_e2e.py`` (Apptainer with
+fakeroot): the sandboxes' root is the host's uid 0, the hardest case (the kernel
+does not apply RLIMIT_NPROC to it; file permissions alone do not protect the
+host's sysctls from it). ``test_hostile_rootless`` runs the cases whose defence
+differs for an ordinary user (processes, memory, disk, output, ``kill -9 -1``,
+the user's own keys and sandboxes) with broker and node as the unprivileged
+test user, as users run them: no cgroup can be made there (this machine has
+cgroup v1), so RLIMIT_NPROC per user namespace bounds processes and the node's
+measurement bounds a sandbox's memory. Limits are small (docs/sandbox.md,
+"Limits"), and every loop in the hostile commands is bounded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import secrets
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +42,12 @@ from typing import Any
 
 import pytest
 
+from prorl_cli.node.registry import ENV_HANDLER_PATHS
 from prorl_cli.protocol import JobResult, JobState
 from prorl_cli.sandbox.cgroups import find_parents
 from prorl_cli.sandbox.runtime import session_members, stat_fields
 from tests.harness import Deployment
+from tests.sandbox.conftest import ScenarioRunner
 
 MAX_PROCS = 64
 MEM_GB = 0.5
@@ -46,10 +57,12 @@ OUTPUT_LIMIT_MB = 16
 MAX_OUTPUT_BYTES = 64 * 1024
 SANDBOX = {
     "mem_gb": MEM_GB, "max_procs": MAX_PROCS, "writable_size_mb": SCRATCH_MB, "disk_mb": DISK_MB,
-    "disk_check_s": 0.5, "output_limit_mb": OUTPUT_LIMIT_MB, "max_output_bytes": MAX_OUTPUT_BYTES,
+    "disk_check_s": 0.5, "memory_check_s": 0.5, "output_limit_mb": OUTPUT_LIMIT_MB, "max_output_bytes": MAX_OUTPUT_BYTES,
     "tool_timeout_s": 60.0,
 }
 PAIR_TIMEOUT_S = 300.0
+#: A Python the unprivileged user can run with prorl's dependencies (scripts/provision/55-user-python.sh).
+USER_PYTHON = Path(os.environ.get("PRORL_USER_VENV", "/opt/prorl-venv")) / "bin" / "python"
 
 
 class HostileDeployment(Deployment):
@@ -73,6 +86,34 @@ class HostileDeployment(Deployment):
         return env
 
 
+class RootlessDeployment(HostileDeployment):
+    """The same, with broker and node run as an unprivileged user (``setpriv``), from a copy of the package
+    that user can read (``tree``), with a Python of its own; ``home`` belongs to that user."""
+
+    def __init__(self, home: Path, name: str, config: dict[str, Any], user: str | None, tree: Path) -> None:
+        super().__init__(home, name, config)
+        self.user, self.tree = user, tree
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        env[ENV_HANDLER_PATHS] = str(self.tree / "prorl_cli" / "testing" / "handlers")
+        env["PYTHONPATH"] = str(self.tree)
+        return env
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        argv = [str(USER_PYTHON), "-m", "prorl_cli", "-d", self.name, *args]
+        if self.user is not None:
+            # setpriv execs (the server keeps the pid the harness waits for); the user's own HOME and names.
+            pw = pwd.getpwnam(self.user)
+            argv = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", "env",
+                    f"HOME={pw.pw_dir}", f"USER={self.user}", f"LOGNAME={self.user}", *argv]
+        with open(self.logs / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=self.home)
+        self.procs[name] = proc
+        return proc
+
+
 @dataclass
 class Node:
     """The shared deployment of one runtime."""
@@ -82,6 +123,7 @@ class Node:
     local_dir: Path
     cgroups: bool  # the node makes a cgroup per sandbox (sandbox.cgroups, and this machine lets root make them)
     serial: int = 0
+    rootless: bool = False  # broker and node run as the unprivileged test user
 
     def secrets(self) -> list[str]:
         """Everything that must never reach a sandbox's output."""
@@ -119,6 +161,38 @@ def node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         yield Node(d, runtime, local_dir, cgroups and find_parents()[0] is not None)
     finally:
         d.close()
+
+
+@pytest.fixture(scope="module")
+def rootless_node(request: pytest.FixtureRequest, images: dict[str, str],
+                  scenarios: ScenarioRunner) -> Iterator[Node]:
+    """A deployment of one runtime whose broker and node run as the unprivileged test user."""
+    runtime = request.param
+    request.getfixturevalue(f"need_{runtime}")
+    if not USER_PYTHON.exists():
+        pytest.skip(f"{USER_PYTHON} missing: a Python the test user can run (scripts/provision/55-user-python.sh)")
+    # Under /tmp, not pytest's tmp_path: that sits in root's private folder, out of the user's reach.
+    root = Path(tempfile.mkdtemp(prefix=f"prorl-hostile-{runtime}-"))
+    root.chmod(0o755)
+    home, local_dir = root / "home", root / "sb"
+    home.mkdir()
+    if scenarios.user is not None:
+        pw = pwd.getpwnam(scenarios.user)
+        os.chown(home, pw.pw_uid, pw.pw_gid)
+        os.chown(root, pw.pw_uid, pw.pw_gid)
+    image = images["sif"] if runtime == "apptainer" else images["rootfs"]
+    d = RootlessDeployment(home, "hostile", {
+        "sandbox": {"runtime": runtime, "image": image, "local_dir": str(local_dir), **SANDBOX},
+        "jobs": {"timeout_s": 240.0},
+    }, scenarios.user, scenarios.root)
+    try:
+        d.start_broker()
+        d.start_node("n1")
+        assert "rlimits only, no per-sandbox cgroups" in d.log("n1"), d.log("n1")
+        yield Node(d, runtime, local_dir, cgroups=False, rootless=True)
+    finally:
+        d.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @dataclass
@@ -191,8 +265,14 @@ def _alive(pid: int) -> bool:
     return fields is not None and fields[0] not in ("Z", "X")
 
 
-def _in_namespaces(namespaces: set[str]) -> list[int]:
-    """Live processes (zombies are dead) in any of the given pid namespaces."""
+def _in_namespaces(namespaces: set[str], before_ticks: int) -> list[int]:
+    """Live processes (zombies are dead) in any of the given pid namespaces, started before ``before_ticks``.
+
+    Any process left in a sandbox's pid namespace keeps the namespace's init alive (its exit waits for them
+    all), and that init started before the sandbox was ready (``before_ticks``). Later processes in a namespace
+    of that number are another's: the kernel reuses a freed namespace's number (other sandboxes start all
+    the time on a shared machine).
+    """
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -200,15 +280,24 @@ def _in_namespaces(namespaces: set[str]) -> list[int]:
                 ns = os.readlink(f"/proc/{entry}/ns/pid")
             except OSError:
                 continue
-            if ns in namespaces and _alive(int(entry)):
+            fields = stat_fields(entry)
+            if ns in namespaces and _alive(int(entry)) and fields is not None and int(fields[19]) <= before_ticks:
                 found.append(int(entry))
     return found
+
+
+def _describe(pids: list[int]) -> str:
+    """What the given processes are (for a failure's message)."""
+    done = subprocess.run(["ps", "-o", "pid,ppid,pgid,sid,uid,stat,etimes,args", "-p", ",".join(map(str, pids))],
+                          capture_output=True, text=True, check=False)
+    return done.stdout
 
 
 def _check_nothing_left(node: Node, result: JobResult) -> None:
     box = result.output["sandbox"]
     assert box["pid_namespaces"], box  # the sandbox had a pid namespace of its own
-    assert _in_namespaces(set(box["pid_namespaces"])) == []
+    left = _in_namespaces(set(box["pid_namespaces"]), box["ready_ticks"])
+    assert left == [], _describe(left)
     assert [p for p in session_members(box["pid"]) if _alive(p)] == []
     assert not Path(box["session_dir"]).exists()
     for cgroup in box["cgroups"]:
@@ -235,14 +324,14 @@ def _done(o: Outcome) -> None:
 
 # --------------------------------------------------------------------------------------------- the cases
 def fork_bomb(node: Node) -> None:
-    if not node.cgroups:
+    if not node.cgroups and not node.rootless:
         # Documented fallback: a root node's sandboxes are the host's uid 0, which the kernel exempts from
         # RLIMIT_NPROC; without a pids cgroup nothing bounds their processes, and the node says so at start.
         # (Rootless nodes: RLIMIT_NPROC holds, test_lifecycle.py::test_fork_bomb_and_memory_hog_are_contained.)
         assert "sandbox.max_procs is NOT enforced" in (node.deployment.logs / "n1.log").read_text()
         return
     # In the foreground: it grows until forks fail, and the call's timeout ends it (Ctrl-C, then SIGKILL).
-    o = run_pair(node, "fork-bomb", [{"bash": "f() { f | f; }; f", "timeout_s": 10},
+    o = run_pair(node, "fork-bomb", [{"bash": "f() { f | f; }; f", "timeout_s": 5},
                                      {"bash": "echo after-bomb"}])
     _done(o)
     bomb, after = o.steps()
@@ -251,13 +340,19 @@ def fork_bomb(node: Node) -> None:
     # The shell still serves. (Bomb processes forked as the interrupt came may go on, and print, until the
     # sandbox is stopped: the same limit holds them, and the stop takes them with the rest.)
     assert after["exit_code"] == 0 and "after-bomb\n" in after["output"], after
-    assert o.cgroup and o.hostile.output["limit_events"]["pids_max"] > 0  # forks refused at pids.max
+    if node.rootless:
+        # RLIMIT_NPROC, counted per (user namespace, uid): the sandbox's own uid 0 holds max_procs, and the
+        # node, the same user outside, still forks (the benign job and the node's checks in run_pair).
+        assert not o.cgroup and o.hostile.output["limit_events"] == {}
+    else:
+        assert o.cgroup and o.hostile.output["limit_events"]["pids_max"] > 0  # forks refused at pids.max
 
 
 # Allocations past RLIMIT_AS at once: MemoryError, deterministically. (A process that grows slowly towards
 # mem_gb may meet the sandbox's memory cgroup first, whose OOM killer ends it: spread_memory_bomb.)
 MEMORY_BOMB = """python3 -c 'x = bytearray(2 << 30)' 2>&1 | tail -1
 python3 -c 'x = [0] * (400 << 20)' 2>&1 | tail -1
+cat /proc/self/oom_score_adj
 echo bombs-done"""
 
 
@@ -265,7 +360,8 @@ def memory_bomb(node: Node) -> None:
     o = run_pair(node, "memory-bomb", [{"bash": MEMORY_BOMB}])
     _done(o)
     lines = o.steps()[0]["output"].splitlines()
-    assert lines == ["MemoryError", "MemoryError", "bombs-done"], lines  # RLIMIT_AS: mem_gb per process
+    # RLIMIT_AS: mem_gb per process; and the host's OOM killer would take the sandbox's processes first.
+    assert lines == ["MemoryError", "MemoryError", "1000", "bombs-done"], lines
 
 
 # Children that each stay under RLIMIT_AS (mem_gb) but together hold more than mem_gb; they hold their
@@ -298,25 +394,33 @@ while len(got) < N:
     if not chunk:
         break  # every child is ready or dead
     got += chunk
+import time
+time.sleep(HOLD_S)  # the hostile part: hold it all (bounded)
 os.close(hold_w)
 codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in kids]
 print("codes", sorted(codes))
 EOF"""
+#: How long the children of the spread bomb hold their memory once all have it, where only the node's
+#: measurement (sandbox.memory_check_s, 0.5 s here) bounds their sum.
+MEMORY_HOLD_S = 60
 
 
 def spread_memory_bomb(node: Node) -> None:
-    o = run_pair(node, "spread-memory-bomb", [{"bash": SPREAD_MEMORY_BOMB}])
+    hold_s = 0 if node.cgroups else MEMORY_HOLD_S
+    o = run_pair(node, "spread-memory-bomb", [{"bash": SPREAD_MEMORY_BOMB.replace("HOLD_S", str(hold_s)),
+                                               "timeout_s": 2 * MEMORY_HOLD_S}])
+    assert o.cgroup == node.cgroups
+    if not o.cgroup:
+        # No memory cgroup (rootless, or cgroups off): each process is bounded (RLIMIT_AS), and the node sums
+        # the sandbox's processes' memory and stops it over mem_gb.
+        _failed_naming(o, "sandbox.mem_gb", f"over its limit of {MEM_GB:g} GB")
+        return
+    # The memory cgroup bounds the sandbox as a whole: the OOM killer ends a child inside it.
     _done(o)
     line = o.steps()[0]["output"].strip().splitlines()[-1]
     codes = json.loads(line.removeprefix("codes "))
-    assert o.cgroup == node.cgroups
-    if o.cgroup:
-        # The memory cgroup bounds the sandbox as a whole: the OOM killer ends a child inside it.
-        assert -9 in codes, codes
-        assert o.hostile.output["limit_events"]["oom_kill"] > 0
-    else:
-        # Documented fallback without cgroups: each process is bounded (RLIMIT_AS), their sum is not.
-        assert codes == [0, 0, 0, 0], codes
+    assert -9 in codes, codes
+    assert o.hostile.output["limit_events"]["oom_kill"] > 0
 
 
 def fill_tmp(node: Node) -> None:
@@ -478,3 +582,24 @@ CASES: dict[str, Callable[[Node], None]] = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hostile(case: str, node: Node) -> None:
     CASES[case](node)
+
+
+#: The cases whose defence differs for a node run by an ordinary user without cgroups (processes, memory,
+#: disk measured through a user namespace, output, kill -1 as that user, the user's own keys and sandboxes).
+ROOTLESS_CASES = ("fork_bomb", "memory_bomb", "spread_memory_bomb", "fill_workspace", "fill_run_dir",
+                  "stdout_flood", "kill_everything", "read_secrets", "reach_other_jobs")
+
+
+#: (runtime, case): filling the workspace differs only for Apptainer (its overlay is on the node's disk);
+#: bubblewrap's workspace is its tmpfs root, tried in the root matrix.
+ROOTLESS_MATRIX = [
+    pytest.param(runtime, case, marks=getattr(pytest.mark, runtime), id=f"{runtime}-{case}")
+    for runtime in ("apptainer", "bwrap") for case in ROOTLESS_CASES
+    if not (runtime == "bwrap" and case == "fill_workspace")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rootless_node", "case"), ROOTLESS_MATRIX, indirect=["rootless_node"])
+def test_hostile_rootless(case: str, rootless_node: Node) -> None:
+    CASES[case](rootless_node)

@@ -17,6 +17,7 @@ import pytest
 from prorl_cli.config import config_from_dict
 from prorl_cli.exceptions import ConfigError, SandboxError
 from prorl_cli.sandbox import LoopbackAllocator, SandboxConfig, SandboxManager, make_runtime
+from prorl_cli.sandbox.memory import tree_memory
 from prorl_cli.sandbox.records import RecordStore, SandboxRecord, boot_id
 from prorl_cli.sandbox.runtime import TOOLSERVER_PATH, proc_start_ticks
 from prorl_cli.sandbox.toolserver import READY_LINE, recv_frame, send_frame
@@ -283,6 +284,7 @@ def test_mounts_reach_the_runtime_command_lines(tmp_path: Path) -> None:
         ({"disk_mb": -1}, "sandbox.disk_mb: must be 0 (no limit) or positive, got -1"),
         ({"disk_check_s": 0}, "sandbox.disk_check_s: must be positive"),
         ({"output_limit_mb": 0}, "sandbox.output_limit_mb: must be positive"),
+        ({"memory_check_s": 0}, "sandbox.memory_check_s: must be positive"),
         ({"cgroups": "yes"}, "sandbox.cgroups: expected bool"),
     ],
 )
@@ -290,6 +292,35 @@ def test_limit_settings_are_checked(section: dict[str, object], message: str) ->
     with pytest.raises(ConfigError) as info:
         config_from_dict({"sandbox": section}, "prorl.yaml")
     assert message in str(info.value)
+
+
+HOLDER = """import os, sys
+b = bytearray(64 << 20)
+b[::4096] = b"x" * len(b[::4096])  # touched: resident
+for _ in range(3):
+    if os.fork() == 0:  # children share the 64 MB copy-on-write
+        sys.stdin.read()
+        os._exit(0)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_tree_memory_counts_the_whole_tree_and_shared_pages_once(tmp_path: Path) -> None:
+    """What the node measures where no memory cgroup bounds a sandbox: every process of the tree, with pages
+    that a fork shares split among the processes (64 MB held by four processes is 64 MB, not 256)."""
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    # A shell between: the holders are grandchildren of the leader, as a sandbox's processes are of its runtime.
+    leader = subprocess.Popen(["/bin/sh", "-c", f"{sys.executable} {script}; true"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert leader.stdout is not None and leader.stdout.readline() == "held\n"
+        found = tree_memory([leader.pid])[leader.pid]
+        assert found.processes == 5, found  # sh, the holder, its three children
+        assert 64 << 20 <= found.rss_bytes < 96 << 20, found
+    finally:
+        leader.communicate("", timeout=30)
 
 
 def test_output_limits_of_bash_and_python(tmp_path: Path) -> None:

@@ -1,0 +1,64 @@
+"""A ``module:function`` scorer of the ``harness`` task reads the files the agent wrote: RUN copies the
+``workdir`` out of the sandbox before the node stops it, and EVAL hands the copy to the scorer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.domains.conftest import ScriptedStack, turn
+from tests.fakes.agents import AGENT
+
+# The node imports scorers by module name; its working directory (the deployment's home) is on its sys.path.
+SCORERS = '''
+import json
+from pathlib import Path
+
+
+def reads_answer(ctx, workspace):
+    """1.0 when the agent wrote 5 to answer.txt in its workdir."""
+    files = sorted(str(p.relative_to(workspace)) for p in Path(workspace).rglob("*") if p.is_file())
+    ctx.output["scorer_saw"] = {"workspace": str(workspace), "files": files,
+                                "notes": (Path(workspace) / "sub" / "notes.txt").read_text()}
+    return 1.0 if (Path(workspace) / "answer.txt").read_text().strip() == "5" else 0.0
+
+
+async def ctx_only(ctx):
+    """The one-argument form: the copy's path is in ctx.state["workspace"]."""
+    return float((Path(ctx.state["workspace"]) / "answer.txt").read_text().strip() == "5")
+'''
+
+WRITE = ("bash", {"command": "mkdir -p sub && echo 5 > answer.txt && echo kept > sub/notes.txt && "
+                             "ln -s /etc/hostname outside && ln -s answer.txt inside && ls"})
+
+
+def _instance(tag: str, image: str, scorer: str, **settings: Any) -> dict[str, Any]:
+    return {"task": f"[{tag}] Write 5 to answer.txt.",
+            "settings": {"image": image, "command": AGENT, "workdir": "/work/out", "scorer": scorer,
+                         "poll_s": 0.2, **settings}}
+
+
+def test_a_module_function_scorer_reads_the_files_the_agent_wrote(stack: ScriptedStack, domain_image: str) -> None:
+    (stack.d.home / "prorl_test_scorers.py").write_text(SCORERS)
+    for tag in ("WS-two", "WS-one", "WS-big"):
+        stack.add(f"[{tag}]", turn("", WRITE), "Done.")
+    stack.start_model()
+    two, one, big = stack.run("harness", [
+        _instance("WS-two", domain_image, "prorl_test_scorers:reads_answer"),
+        _instance("WS-one", domain_image, "prorl_test_scorers:ctx_only"),
+        _instance("WS-big", domain_image, "prorl_test_scorers:reads_answer", workspace_max_mb=0.001),
+    ], timeout_s=300)
+
+    assert two.state == "done" and two.reward == 1.0, two.output.get("failure") or two.output.get("harness_log")
+    saw = two.output["scorer_saw"]
+    # What the agent wrote, as it wrote it; the link out of the workdir is not copied, the one inside is.
+    assert saw["files"] == ["answer.txt", "inside", "sub/notes.txt"] and saw["notes"] == "kept\n", saw
+    # The copy was on the node's disk during EVAL only.
+    assert saw["workspace"].endswith(f"/{two.job_id}/workspace") and not Path(saw["workspace"]).exists()
+
+    assert one.state == "done" and one.reward == 1.0, one.output.get("failure") or one.output.get("harness_log")
+
+    assert big.state == "failed", big
+    message = json.dumps(big.error)
+    assert "workspace_max_mb=0.001" in message and "/work/out" in message, message
