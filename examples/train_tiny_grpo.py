@@ -44,6 +44,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,11 @@ def demonstration(chat: Any, problem: dict[str, Any], use_tool: bool, rng: rando
     return ids, mask
 
 
+#: Builds one warm-up episode: ``(chat, problem, use_tool, rng, guess_range) -> (ids, loss mask)``
+#: (:func:`demonstration` here; ``train_harness_grpo.py`` passes its agent program's own).
+Demo = Callable[[Any, dict[str, Any], bool, random.Random, tuple[int, int]], tuple[list[int], list[int]]]
+
+
 def _batch(chat: Any, demos: list[tuple[list[int], list[int]]]) -> tuple[Any, Any]:
     import torch
 
@@ -189,12 +195,13 @@ def _masked_logits(model: Any, ids_t: Any, mask_t: Any) -> tuple[Any, Any]:
     return model.lm_head(hidden[sel]), ids_t[:, 1:][sel]
 
 
-def warmup_probe(model: Any, chat: Any, probe: list[dict[str, Any]], rng: random.Random) -> tuple[float, float]:
+def warmup_probe(model: Any, chat: Any, probe: list[dict[str, Any]], rng: random.Random,
+                 demo: Demo = demonstration) -> tuple[float, float]:
     """(mean teacher-forced P(right digit) where tool episodes copy one, mean P(first answer token is ``<tool_call>``))."""
     import torch
 
     digit_ids = {i for d in "0123456789" for i in chat.encode(d)}
-    ids_t, mask_t = (t.to(model.device) for t in _batch(chat, [demonstration(chat, p, True, rng) for p in probe]))
+    ids_t, mask_t = (t.to(model.device) for t in _batch(chat, [demo(chat, p, True, rng, (10, 99)) for p in probe]))
     model.eval()
     with torch.no_grad():
         hidden = model.model(input_ids=ids_t).last_hidden_state  # one forward pass for both figures
@@ -213,7 +220,7 @@ def warmup_probe(model: Any, chat: Any, probe: list[dict[str, Any]], rng: random
 
 
 def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig,
-            rng: random.Random) -> tuple[int, float, float]:
+            rng: random.Random, demo: Demo = demonstration) -> tuple[int, float, float]:
     """Supervised steps on mixed demonstrations until the copies are learned; returns (steps, copy accuracy, P(tool))."""
     import torch
 
@@ -223,8 +230,7 @@ def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig,
     step, settle, copy_acc = 0, 0, 0.0
     while step < cfg.warmup_steps and settle < cfg.warmup_settle_steps:
         step += 1
-        demos = [demonstration(chat, rng.choice(train), rng.random() < cfg.warmup_tool_share, rng,
-                               cfg.guess_range)
+        demos = [demo(chat, rng.choice(train), rng.random() < cfg.warmup_tool_share, rng, cfg.guess_range)
                  for _ in range(cfg.warmup_batch)]
         logits, targets = _masked_logits(model, *_batch(chat, demos))
         loss = torch.nn.functional.cross_entropy(logits, targets)
@@ -234,7 +240,7 @@ def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig,
         if settle:
             settle += 1
         elif step % 25 == 0:
-            copy_acc, p_tool = warmup_probe(model, chat, probe, rng)
+            copy_acc, p_tool = warmup_probe(model, chat, probe, rng, demo)
             if step % 100 == 0:
                 print(f"warm-up step {step}: P(right copied digit) {copy_acc:.2f}, P(tool call first) {p_tool:.2f}",
                       flush=True)
@@ -242,8 +248,14 @@ def warm_up(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig,
                 settle = 1
                 for g in opt.param_groups:
                     g["lr"] = cfg.warmup_lr / 10
-    copy_acc, p_tool = warmup_probe(model, chat, probe, rng)
+    copy_acc, p_tool = warmup_probe(model, chat, probe, rng, demo)
     model.eval()
+    if copy_acc < cfg.warmup_copy_target:
+        # Then a tool call cannot earn reward (the answer is not copied from the result): GRPO can raise the
+        # tool use but hardly the reward, and the curve says nothing about learning.
+        print(f"warning: the warm-up stopped at its cap of {cfg.warmup_steps} steps with copy accuracy "
+              f"{copy_acc:.2f}, below the target {cfg.warmup_copy_target:.2f}: the policy does not copy the "
+              "tool's result yet; raise --warmup-steps or take another seed", file=sys.stderr, flush=True)
     return step, copy_acc, p_tool
 
 
@@ -259,7 +271,7 @@ def warmup_cache_key(cfg: RunConfig) -> str:
 
 
 def warm_up_cached(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunConfig,
-                   rng: random.Random) -> tuple[Any, int, float, float]:
+                   rng: random.Random, demo: Demo = demonstration) -> tuple[Any, int, float, float]:
     """:func:`warm_up`, or its checkpoint from ``cfg.warmup_cache``; returns (model, steps, copy accuracy, P(tool)).
 
     The weights are saved as float32 safetensors, so a loaded checkpoint is bit for bit the one the
@@ -276,7 +288,7 @@ def warm_up_cached(model: Any, chat: Any, train: list[dict[str, Any]], cfg: RunC
         model = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32).to(model.device)
         model.eval()
         return model, int(meta["steps"]), float(meta["copy_acc"]), float(meta["p_tool"])
-    steps, copy_acc, p_tool = warm_up(model, chat, train, cfg, rng)
+    steps, copy_acc, p_tool = warm_up(model, chat, train, cfg, rng, demo)
     if entry is not None:
         model.save_pretrained(str(entry))
         chat.tokenizer.save_pretrained(str(entry))
@@ -390,7 +402,8 @@ def run(cfg: RunConfig) -> RunSummary:
     init_dir = make_tiny_model(cfg.out / "model-init", seed=cfg.seed)
     chat = ChatTokens.from_pretrained(init_dir, tools=[CALCULATOR_SCHEMA])
     device = resolve_device(cfg.device)
-    model = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32).to(device)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32)
+    model = model.to(device)
     print(f"training on {device}", flush=True)
     every = problems(rng)
     held_out, train = every[:cfg.n_eval], every[cfg.n_eval:]
@@ -401,7 +414,8 @@ def run(cfg: RunConfig) -> RunSummary:
 
     summary = RunSummary(seed=cfg.seed)
     if cfg.init_from is not None:
-        model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32).to(device)
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
+        model = model.to(device)
         print(f"warm-up skipped: weights from {cfg.init_from}", flush=True)
     else:
         model, summary.warmup_steps, summary.warmup_copy_acc, summary.warmup_p_tool = warm_up_cached(

@@ -52,12 +52,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "examples"))
 
+# The sibling examples (this script's folder is on sys.path when it is run as a script), after the
+# settings above, which must come before anything imports torch or TRL.
 import reward_plots  # noqa: E402  (the reward-curve plots both examples draw)
 import train_tiny_grpo as tiny  # noqa: E402  (the shared task, warm-up and evaluation)
 

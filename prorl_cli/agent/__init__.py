@@ -3,7 +3,9 @@
 from prorl_cli.agent.chat import ChatTemplateError, ChatTokens
 from prorl_cli.agent.loop import (
     FROM_CONTEXT,
+    JOB_RECORDER,
     GenerateFn,
+    Recorder,
     TokenSession,
     ToolFn,
     call_tool,
@@ -29,12 +31,14 @@ from prorl_cli.agent.trajectory import (
 
 __all__ = [
     "FROM_CONTEXT",
+    "JOB_RECORDER",
     "TRAJECTORY_FORMAT",
     "ChatTemplateError",
     "ChatTokens",
     "GenerateFn",
     "HermesToolParser",
     "ModelCall",
+    "Recorder",
     "TokenSession",
     "Tool",
     "ToolCall",

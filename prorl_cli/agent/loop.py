@@ -15,6 +15,7 @@ from the decoded output, run the tools, append their results, repeat.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import json
 import logging
@@ -34,16 +35,17 @@ log = logging.getLogger(__name__)
 
 #: ``await generate(prompt_ids, sampling) -> Generation`` (``JobContext.generate`` fits).
 GenerateFn = Callable[[list[int], SamplingParams], Awaitable[Generation]]
-#: ``record_into``'s default: the job's ``ctx.output`` when ``generate`` is ``ctx.generate``.
+#: Takes the loop's live trajectory (``JobContext.record_trajectory`` is one).
+Recorder = Callable[[Trajectory], None]
+#: ``record_into``'s default: the recorder of the job running in this task (:data:`JOB_RECORDER`).
 FROM_CONTEXT: Any = object()
+#: The running job's recorder; the node sets it for each job's task (``None`` outside a job).
+JOB_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("prorl_job_recorder", default=None)
 
-__all__ = ["FROM_CONTEXT", "GenerateFn", "TokenSession", "ToolFn", "call_tool", "run_tool_agent", "tool_functions"]
-
-
-def _context_output(generate: GenerateFn) -> dict[str, Any] | None:
-    """``ctx.output`` of the job whose bound ``ctx.generate`` this is, else ``None``."""
-    output = getattr(getattr(generate, "__self__", None), "output", None)
-    return output if isinstance(output, dict) else None
+__all__ = [
+    "FROM_CONTEXT", "JOB_RECORDER", "GenerateFn", "Recorder", "TokenSession", "ToolFn", "call_tool", "run_tool_agent",
+    "tool_functions",
+]
 
 
 class TokenSession:
@@ -168,30 +170,38 @@ async def run_tool_agent(
     max_turns: int = 8,
     parser: ToolParser | None = None,
     model: str | None = None,
-    record_into: dict[str, Any] | None = FROM_CONTEXT,
+    record_into: Recorder | dict[str, Any] | None = FROM_CONTEXT,
 ) -> Trajectory:
     """Generate, run tool calls, append their results; stop on a turn without tool calls.
 
     A failing generate call ends the loop with ``stop_reason == "error"`` and
     ``trajectory.error`` set; the trajectory so far is returned, not lost.
 
-    ``record_into``: the trajectory so far is kept there under ``"trajectory"``
-    (as a dict, with ``"stop_reason"`` beside it) after every model call, so a
-    RUN that times out, fails or is cancelled still returns its tokens, with
-    ``stop_reason`` ``timeout`` (set by the node), ``error`` or ``cancelled``.
-    By default that is the job's ``ctx.output`` when ``generate`` is
-    ``ctx.generate``; pass ``None`` to keep nothing.
+    ``record_into``: where the trajectory goes, so a RUN that times out, fails
+    or is cancelled still returns its tokens, with ``stop_reason`` ``timeout``
+    (set by the node), ``error`` or ``cancelled``. A callable (a
+    :data:`Recorder`, e.g. ``ctx.record_trajectory``) gets the live
+    trajectory before the first call; a dict gets a copy under
+    ``"trajectory"`` (``"stop_reason"`` and ``"turns"`` beside it) after every
+    model call. By default: the job running in this task (:data:`JOB_RECORDER`),
+    whatever ``generate`` is (a wrapper of ``ctx.generate`` records the same);
+    ``None`` keeps nothing.
     """
     if record_into is FROM_CONTEXT:
-        record_into = _context_output(generate)
+        record_into = JOB_RECORDER.get()
     tools = tool_functions(tools)
     parser = parser or get_tool_parser("hermes")
     if not sampling.stop_token_ids and chat.stop_token_ids:
         sampling = SamplingParams(**{**sampling.to_wire(), "stop_token_ids": chat.stop_token_ids})
     session = TokenSession(chat, generate, messages, model=model)
     traj = session.trajectory
+    snapshot_into: dict[str, Any] | None = None
+    if isinstance(record_into, dict):
+        snapshot_into = record_into
+    elif record_into is not None:
+        record_into(traj)  # live: the recorder sees every call as it is made
     try:
-        return await _tool_turns(session, tools, sampling, max_turns, parser, record_into)
+        return await _tool_turns(session, tools, sampling, max_turns, parser, snapshot_into)
     except asyncio.CancelledError:
         traj.stop_reason = "cancelled"  # a stage timeout arrives as a cancel too; the node relabels it
         raise
@@ -200,8 +210,8 @@ async def run_tool_agent(
         traj.error = traj.error or {"call": len(traj.calls), "type": type(e).__name__, "message": str(e)}
         raise
     finally:
-        if record_into is not None:
-            _record(record_into, traj)
+        if snapshot_into is not None:
+            _record(snapshot_into, traj)
 
 
 def tool_functions(tools: Mapping[str, ToolFn] | Sequence[Tool]) -> dict[str, ToolFn]:

@@ -41,6 +41,11 @@ class ModelCall:
     #: The agent that made the call, as the harness named it (the gateway's ``X-Prorl-Agent`` header or
     #: ``/jobs/<token>/agents/<name>/v1`` path); None when unnamed. Trainers can pick agents by it.
     agent: str | None = None
+    #: Generations the gateway discarded before this one because they did not honour the request's
+    #: ``tool_choice`` (no tool call, or none to the named tool); they are not part of the trajectory.
+    tool_choice_retries: int = 0
+    #: True when no generation honoured ``tool_choice`` within the gateway's bound: this is the last one.
+    tool_choice_unmet: bool = False
 
 
 @dataclass

@@ -182,12 +182,12 @@ def test_restarted_sampler_resubmits_the_same_ids(stack: Deployment, tmp_path: P
     assert sum(after.values()) - sum(before.values()) == len(second_ids - first_ids)
 
 
-def test_prorl_submit_dapo(stack: Deployment, tmp_path: Path) -> None:
+def test_prorl_sample_collects_informative_groups(stack: Deployment, tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({**p, "scale_s": 0.01}) + "\n" for p in prompts(9)))
     out = tmp_path / "groups.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(tasks), "--task", "dapo_sim", "--dapo",
+        [sys.executable, "-m", "prorl_cli", "-d", stack.name, "sample", str(tasks), "--task", "dapo_sim",
          "--group-size", "3", "--target-groups", "2", "--id-prefix", "cli", "--out", str(out)],
         env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
     )
@@ -198,9 +198,14 @@ def test_prorl_submit_dapo(stack: Deployment, tmp_path: Path) -> None:
     for r in rows:
         groups.setdefault(r["group_id"], []).append(r["reward"])
     assert len(groups) == 2 and all(len(set(v)) > 1 and len(v) == 3 for v in groups.values())
+    # `submit --dapo` (where dynamic sampling used to live) names the command that does it now.
     bad = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(tasks), "--task", "dapo_sim",
-                          "--group-size", "3"], env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
-    assert bad.returncode != 0 and "--group-size need --dapo" in bad.stderr
+                          "--dapo"], env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "prorl sample TASKS" in bad.stderr, bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.name, "sample", str(tasks), "--task",
+                              "dapo_sim", "--group-size", "3"], env={**stack.env(), "PYTHONPATH": str(REPO)},
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "--target-groups" in missing.stderr, missing.stderr
     # Parquet goes through the same loaders as plain submit.
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -208,12 +213,12 @@ def test_prorl_submit_dapo(stack: Deployment, tmp_path: Path) -> None:
     table = tmp_path / "tasks.parquet"
     pq.write_table(pa.Table.from_pylist([{**p, "scale_s": 0.01} for p in prompts(9)]), table)
     proc = subprocess.run(
-        [sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(table), "--task", "dapo_sim", "--dapo",
+        [sys.executable, "-m", "prorl_cli", "-d", stack.name, "sample", str(table), "--task", "dapo_sim",
          "--group-size", "3", "--target-groups", "1", "--id-prefix", "pq", "--out", str(tmp_path / "pq.jsonl")],
         env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0 and "informative 1/1" in proc.stderr, proc.stderr + proc.stdout
-    wrong = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.name, "submit", str(table), "--task", "dapo_sim",
-                            "--dapo", "--group-size", "3", "--target-groups", "1", "--format", "io"],
+    wrong = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.name, "sample", str(table), "--task", "dapo_sim",
+                            "--group-size", "3", "--target-groups", "1", "--format", "io"],
                            env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
     assert wrong.returncode != 0 and "--format applies to the domain tasks" in wrong.stderr, wrong.stderr

@@ -164,9 +164,10 @@ def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
 
     import prorl_cli.integrations.verl_loop as verl_loop
     from prorl_cli.training.export import write_samples_parquet
+    from tests.fakes.bridges import ThreadBridge
+    from tests.fakes.engines import CountingEngine
     from tests.harness import Deployment
     from tests.inference.conftest import HANDLERS
-    from tests.inference.test_routing import ScriptedEngine, ThreadBridge
 
     results: list[JobResult] = []
 
@@ -198,7 +199,7 @@ def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
     try:
         d.start_broker()
         d.start_node("n1", "--handlers", str(HANDLERS))
-        bridge = ThreadBridge(d, "b1", ScriptedEngine())
+        bridge = ThreadBridge(d, "b1", CountingEngine())
         for key, value in d.env().items():
             monkeypatch.setenv(key, value)
         monkeypatch.setenv("PRORL_DEPLOYMENT", d.name)
