@@ -50,7 +50,6 @@ import platform
 import random
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -58,15 +57,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
+import zmq
+
+from prorl_cli import protocol as P
+from prorl_cli.embedded import LocalStack
+from prorl_cli.security import secure_peer
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import msgpack  # noqa: E402
-import zmq  # noqa: E402
-
-from prorl_cli import protocol as P  # noqa: E402
-from prorl_cli.embedded import LocalStack  # noqa: E402
-from prorl_cli.security import secure_peer  # noqa: E402
 
 TASK = "sim"
 OUTPUT_TOKENS = 64

@@ -49,15 +49,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if not os.environ.get("PYTHONPATH"):
-    # The broker, node and bridge are `python -m prorl_cli` children: make them import this checkout too.
-    os.environ["PYTHONPATH"] = str(ROOT)
-    sys.path.insert(0, str(ROOT))
+from prorl_cli.inference.contract import Engine, Generation
+from prorl_cli.node.handler import AgentHandler, JobContext
+from prorl_cli.protocol import SamplingParams
 
-from prorl_cli.inference.contract import Engine, Generation  # noqa: E402
-from prorl_cli.node.handler import AgentHandler, JobContext  # noqa: E402
-from prorl_cli.protocol import SamplingParams  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class GenerateOverheadHandler(AgentHandler):
@@ -179,7 +175,7 @@ def print_table(path: str, s: dict[str, list[float]]) -> None:
 
 
 def _deployment(work: Path, tree: Path | None) -> Any:
-    """A deployment whose children import prorl from ``tree`` (default: whatever PYTHONPATH says)."""
+    """A deployment whose children import prorl from ``tree`` (default: the prorl this script imports)."""
     from prorl_cli.testing import Deployment
 
     class TreeDeployment(Deployment):
@@ -241,7 +237,7 @@ PATHS = {"bridge": "bridge (worker -> broker -> bridge -> engine)", "http": "HTT
 
 
 def run_one(args: argparse.Namespace, url: str | None, work: Path) -> None:
-    """One deployment of the prorl on PYTHONPATH: the bridge path, then (with vLLM) the HTTP-backend path."""
+    """One deployment of the prorl this script imports: the bridge path, then (with vLLM) the HTTP-backend path."""
     d = _deployment(work, None)
     try:
         inst = {**start_stack(d, url, args.nice), "calls": args.calls, "warmup": args.warmup, "max_tokens": args.max_tokens,

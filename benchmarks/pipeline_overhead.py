@@ -25,9 +25,9 @@ broker's journal and without (broker, node and client CPU per job). With
 this repository) the rounds alternate between this tree and the baseline,
 and the table shows min / median of each and the ratio of the medians.
 
-Children import prorl from ``PYTHONPATH`` when it is set (to compare two
-trees with this one script), else from this checkout; the tree in use is
-printed.
+Children import the prorl this script imports: the installed package, or
+the tree ``PYTHONPATH`` names (to measure another tree with this one
+script); the tree in use is printed.
 """
 
 from __future__ import annotations
@@ -46,14 +46,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if not os.environ.get("PYTHONPATH"):
-    # The broker and node are `python -m prorl_cli` children: make them import this checkout too.
-    os.environ["PYTHONPATH"] = str(REPO)
-    sys.path.insert(0, str(REPO))
+from prorl_cli.client import AsyncRolloutClient
+from prorl_cli.embedded import LocalStack
 
-from prorl_cli.client import AsyncRolloutClient  # noqa: E402
-from prorl_cli.embedded import LocalStack  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 HTTP_SERVER = r'''
 import asyncio, sys
@@ -358,7 +354,10 @@ def compare(args: argparse.Namespace) -> None:
     import statistics
 
     with tempfile.TemporaryDirectory(prefix="prorl-bench-base-") as tmp:
-        trees = {"this tree": Path(os.environ["PYTHONPATH"].split(os.pathsep)[0]).resolve()}
+        import prorl_cli
+
+        # The prorl this script imported (the installed package, or the tree PYTHONPATH names).
+        trees = {"this tree": Path(prorl_cli.__file__).resolve().parent.parent}
         if args.baseline:
             trees[f"baseline ({args.baseline})"] = baseline_tree(args.baseline, Path(tmp))
         for name, tree in trees.items():

@@ -115,8 +115,10 @@ class ProrlConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
-    # Per-task overrides of a domain handler's defaults, by task name
-    # (e.g. {math: {max_turns: 8, image: /shared/math.sif}}); see docs/domains.md.
+    # Per-task overrides of a handler's default settings, by task name
+    # (e.g. {math: {max_turns: 8, image: /shared/math.sif}}); see docs/handlers.md.
+    handlers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The old name of ``handlers``, still read (with a deprecation warning naming the new key).
     domains: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property

@@ -23,7 +23,7 @@ import yaml
 from prorl_cli.client import RolloutClient
 from prorl_cli.config import ENV_CONFIG, ENV_DEPLOYMENT, ENV_HOME, ProrlConfig, load_config
 from prorl_cli.exceptions import BrokerUnavailable
-from prorl_cli.processes import stop_groups
+from prorl_cli.processes import DIE_WITH_PARENT_ENV, stop_groups
 from prorl_cli.protocol import StatusReport
 from prorl_cli.rendezvous import read_rendezvous, wait_rendezvous
 
@@ -63,12 +63,16 @@ class LocalStack:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
+    def _server_env(self) -> dict[str, str]:
+        """:meth:`env` for a server of the stack: it ends when this process ends, even by SIGKILL."""
+        return {**self.env(), DIE_WITH_PARENT_ENV: str(os.getpid())}
+
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Start ``prorl ARGS`` as a child in its own process group, logging to logs/NAME.log."""
         with open(self.logs / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "prorl_cli", "-d", self.name, *args],
-                env=self.env(),
+                env=self._server_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -27,6 +27,10 @@ class ProtocolError(ProrlError, ValueError):
         self.message = message
 
 
+class ProtocolDeclarationError(ProrlError, TypeError):
+    """A header or record class declares a wire field without its check (a programming error, raised at import)."""
+
+
 class RemoteError(ProrlError, RuntimeError):
     """The broker (or another peer) answered a request with an error.
 
@@ -160,6 +164,15 @@ class SlurmError(ProrlError, RuntimeError):
 
 class DomainError(ProrlError, ValueError):
     """A task instance or a domain setting that a domain handler cannot use (names the field)."""
+
+
+class SettingsError(DomainError):
+    """A handler setting (class defaults, prorl.yaml ``handlers.<task>``, an instance's ``settings``) is invalid.
+
+    The message names where the setting came from, the key and the keys that
+    exist. It derives from :class:`DomainError` (and so from ``ValueError``)
+    because settings errors were raised as that before, and handlers catch it.
+    """
 
 
 class DatasetError(ProrlError, ValueError):

@@ -8,12 +8,70 @@ prorl did not start is ever signalled.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Iterable
 from typing import Any
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+#: Set by a parent for the servers it starts (``LocalStack``): the pid whose end ends them.
+DIE_WITH_PARENT_ENV = "PRORL_DIE_WITH_PARENT"
+
+
+def prctl(option: int, value: int) -> None:
+    """Linux ``prctl(option, value)``; OSError when the kernel refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def child_pids() -> dict[int, list[int]]:
+    """Every live process's children, from one pass over /proc (the parent is field 4 of ``/proc/PID/stat``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue  # it ended while we looked
+        # The command name may hold spaces and parentheses: the fields after it start past the last ')'.
+        fields = raw[raw.rindex(b")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def descendants(root: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """Every live process below ``root``, children before grandchildren (``children``: a :func:`child_pids` scan)."""
+    children = child_pids() if children is None else children
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def die_with_parent() -> None:
+    """Get SIGTERM when the parent named in ``$PRORL_DIE_WITH_PARENT`` ends, however it ends.
+
+    A parent that is killed with SIGKILL cannot stop its children; the kernel
+    signals them instead (``PR_SET_PDEATHSIG``), and each shuts down as on any
+    SIGTERM. The variable is removed, so what this process starts in turn
+    (sandboxes, engines) is stopped by this process, not by the kernel.
+    """
+    raw = os.environ.pop(DIE_WITH_PARENT_ENV, None)
+    if not raw or not raw.isdigit():
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(raw):  # the parent ended before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_groups(procs: Iterable[subprocess.Popen[Any]], grace_s: float) -> None:

@@ -13,13 +13,14 @@ from prorl_cli.cli.eval import eval_command
 from prorl_cli.cli.images import build_images, images
 from prorl_cli.cli.init import init
 from prorl_cli.cli.jobs import cancel, status, stop, submit
-from prorl_cli.cli.jobs.dapo import with_dapo_options
 from prorl_cli.cli.jobs.results import results
 from prorl_cli.cli.launch import down, launch, render_sbatch, scale
 from prorl_cli.cli.logs import logs
 from prorl_cli.cli.observe import OBSERVE_COMMANDS
 from prorl_cli.cli.quickstart import quickstart
+from prorl_cli.cli.sample import sample
 from prorl_cli.cli.serve import serve
+from prorl_cli.cli.swe import swe
 
 
 class ProrlGroup(click.Group):
@@ -49,7 +50,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     \b
     Login node:   prorl build-images, prorl launch / scale / down / logs / render-sbatch
     Allocations:  prorl serve broker | node | inference
-    Trainer:      prorl submit, results, status, cancel, backends, stop
+    Trainer:      prorl submit, sample, results, status, cancel, backends, stop
     One machine:  prorl quickstart
     Start here:   prorl init [--slurm] (commented prorl.yaml, deploy.yaml), prorl config show
     """
@@ -57,9 +58,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     ctx.obj = App(config_path, {k: v for k, v in overrides.items() if v is not None})
 
 
-with_dapo_options(submit)  # prorl submit --dapo (training team's hook)
-
-for command in (serve, submit, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch, eval_command):
+for command in (serve, submit, sample, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch, eval_command, swe):
     cli.add_command(command)
 for command in OBSERVE_COMMANDS:  # trace, inspect, report, top
     cli.add_command(command)

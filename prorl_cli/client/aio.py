@@ -154,21 +154,26 @@ class AsyncRolloutClient:
     ) -> Reply:
         """Send one request; return the reply. Raise :class:`RemoteError` on an error reply and
         :class:`BrokerUnavailable` when no reply comes within ``timeout_s`` (default ``request_timeout_s``)."""
+        return await self._call({"op": op.value, **fields}, payload, timeout_s)
+
+    async def _call(self, header: dict[str, Any], payload: Sequence[bytes] = (), timeout_s: float | None = None) -> Reply:
+        """:meth:`request` with its header built (its ``rid`` is the connection's own)."""
         await self.connect()
         assert self._conn is not None
         timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
         conn = self._conn
         try:
-            return await conn.call({"op": op.value, **fields}, payload, timeout_s=timeout_s)
+            return await conn.call(header, payload, timeout_s=timeout_s)
         except BrokerUnavailable:
             # Unanswered: if the broker moved meanwhile, the caller's retry goes to the new one.
             conn.follow_moved()
             raise
 
-    async def _ask(self, op: Op, payload: Sequence[bytes] = (), **fields: Any) -> Any:
-        """:meth:`request`, its reply checked and typed (``protocol.parse_reply``): ``ProtocolError`` names a bad field."""
-        header, _ = await self.request(op, payload, **fields)
-        return P.parse_reply(op, header)
+    async def _ask(self, op: Op, header: H.Header, payload: Sequence[bytes] = ()) -> Any:
+        """Send the typed ``header`` of ``op``; its reply checked and typed (``protocol.parse_reply``): ``ProtocolError``
+        names a bad field."""
+        reply, _ = await self._call(header.to_wire(op), payload)
+        return P.parse_reply(op, reply)
 
     # --------------------------------------------------------- broker restarts
 
@@ -188,12 +193,12 @@ class AsyncRolloutClient:
             if not (self._waiters or self._streams or (self._conn is not None and self._conn.waiting)):
                 continue  # nobody is waiting for a result or a reply
             try:
-                await self.request(Op.PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
+                await self._call(_PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
             except (BrokerUnavailable, RemoteError):
                 # Down: it may come back here (the next ping sees its boot id) or at a new address.
                 if self._conn is not None and self._conn.follow_moved():
                     with contextlib.suppress(BrokerUnavailable, RemoteError):
-                        await self.request(Op.PING)  # its reply brings the new boot id, which watches again
+                        await self._call(_PING)  # its reply brings the new boot id, which watches again
 
     async def _rewatch(self) -> None:
         while True:
@@ -201,7 +206,7 @@ class AsyncRolloutClient:
             ids = [j for j in self._watched if j not in self._results]
             if ids:
                 try:
-                    watched: H.WatchReply = await self._ask(Op.WATCH, job_ids=ids)
+                    watched: H.WatchReply = await self._ask(Op.WATCH, H.JobIds(H.NEW_RID, ids))
                 except (BrokerUnavailable, RemoteError, ProtocolError):
                     return  # the next new boot id tries again
                 for job_id in watched.unknown:
@@ -288,9 +293,7 @@ class AsyncRolloutClient:
         # sending, so the answer to this submit (the broker pushes an existing job's result again) is taken in.
         kept = {s.job_id: r for s in specs if (r := self._results.pop(s.job_id, None)) is not None}
         try:
-            header, _ = await self.request(
-                Op.SUBMIT, [P.pack_obj(i) for i in instances], jobs=[s.to_wire() for s in specs]
-            )
+            header, _ = await self._call(H.Submit(H.NEW_RID, list(specs)).to_wire(), [P.pack_obj(i) for i in instances])
         except BaseException:
             for job_id, result in kept.items():
                 self._results.setdefault(job_id, result)
@@ -306,7 +309,7 @@ class AsyncRolloutClient:
     async def _watch(self, job_ids: Iterable[str]) -> None:
         todo = [j for j in dict.fromkeys(job_ids) if j not in self._watched and j not in self._results]
         if todo:
-            watched: H.WatchReply = await self._ask(Op.WATCH, job_ids=todo)
+            watched: H.WatchReply = await self._ask(Op.WATCH, H.JobIds(H.NEW_RID, todo))
             unknown = set(watched.unknown)
             for j in todo:
                 if j not in unknown:
@@ -365,7 +368,7 @@ class AsyncRolloutClient:
         """Cancel jobs (queued or running); return each id's state after the cancel (``"unknown"`` for ids the
         broker does not know). The cancelled jobs' results come like any other."""
         ids = list(job_ids)
-        reply: H.CancelReply = await self._ask(Op.CANCEL, job_ids=ids)
+        reply: H.CancelReply = await self._ask(Op.CANCEL, H.JobIds(H.NEW_RID, ids))
         states = reply.states
         for job_id in states:
             self._watched.setdefault(job_id, "")  # the broker now pushes its result to us
@@ -377,12 +380,7 @@ class AsyncRolloutClient:
         found: dict[str, str] = {}
         after: int | None = 0
         while after is not None:
-            fields: dict[str, Any] = {"after": after}
-            if prefix is not None:
-                fields["prefix"] = prefix
-            if group_id is not None:
-                fields["group_id"] = group_id
-            page: H.JobPage = await self._ask(Op.LIST_JOBS, **fields)
+            page: H.JobPage = await self._ask(Op.LIST_JOBS, H.ListJobs(H.NEW_RID, prefix, group_id, after))
             found.update(page.jobs)
             # Only forward: a page that points back would loop for ever.
             after = page.next if page.next is not None and page.next > after else None
@@ -395,7 +393,7 @@ class AsyncRolloutClient:
         not know come back in ``unknown`` (and are dropped here too).
         """
         ids = list(dict.fromkeys(job_ids))
-        outcome: ForgetOutcome = await self._ask(Op.FORGET, job_ids=ids)
+        outcome: ForgetOutcome = await self._ask(Op.FORGET, H.JobIds(H.NEW_RID, ids))
         self.forget_local([*outcome.forgotten, *outcome.unknown])
         return outcome
 
@@ -411,30 +409,26 @@ class AsyncRolloutClient:
     # ------------------------------------------------------------- deployment
 
     async def status(self) -> StatusReport:
-        reply: H.StatusReply = await self._ask(Op.STATUS)
+        reply: H.StatusReply = await self._ask(Op.STATUS, H.Request(H.NEW_RID))
         return reply.status
 
     async def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Ask the broker for its address, deployment and boot id; :class:`BrokerUnavailable` if it does not answer."""
-        header, _ = await self.request(Op.PING, timeout_s=timeout_s)
+        header, _ = await self._call(_PING, timeout_s=timeout_s)
         return header
 
     async def add_backend(self, url: str, model: str | None = None) -> BackendStatus:
         """Register a plain HTTP OpenAI-compatible backend (the paper's add_llm_server)."""
-        fields: dict[str, Any] = {"url": url}
-        if model:
-            fields["model"] = model
-        reply: H.BackendReply = await self._ask(Op.ADD_LLM_SERVER, **fields)
+        reply: H.BackendReply = await self._ask(Op.ADD_LLM_SERVER, H.AddLlmServer(H.NEW_RID, url, model or None))
         return reply.backend
 
     async def clear_backends(self, url: str | None = None) -> list[str]:
         """Stop routing new jobs to one backend, or to all; jobs already using them finish."""
-        fields: dict[str, Any] = {"url": url} if url else {}
-        reply: H.ClearedReply = await self._ask(Op.CLEAR_LLM_SERVER, **fields)
+        reply: H.ClearedReply = await self._ask(Op.CLEAR_LLM_SERVER, H.ClearLlmServer(H.NEW_RID, url or None))
         return reply.cleared
 
     async def list_backends(self) -> list[BackendStatus]:
-        reply: H.BackendList = await self._ask(Op.LIST_LLM_SERVERS)
+        reply: H.BackendList = await self._ask(Op.LIST_LLM_SERVERS, H.Request(H.NEW_RID))
         return reply.backends
 
     async def pause_generation(
@@ -449,13 +443,13 @@ class AsyncRolloutClient:
         calls still running (generation stays paused either way). Calls held
         at the broker meanwhile do not count against their jobs' clocks.
         """
-        fields = _version_field(policy_version)
+        version = _checked_version(policy_version)
         if not wait:
-            await self.request(Op.PAUSE_GENERATION, **fields)
+            await self._call(H.PauseGeneration(H.NEW_RID, version).to_wire())
             return
         if not (isinstance(timeout_s, int | float) and 0 <= timeout_s <= 1e6):
             raise ValueError(f"timeout_s must be a number of seconds in [0, 1e6], got {timeout_s!r}")
-        await self._call_keeping_fields(Op.PAUSE_GENERATION, timeout_s, drain_timeout_s=float(timeout_s), **fields)
+        await self._call_keeping_fields(H.PauseGeneration(H.NEW_RID, version, float(timeout_s)), timeout_s)
 
     async def update_weights(
         self, checkpoint: str | os.PathLike[str], policy_version: int, *, timeout_s: float = 600.0
@@ -471,23 +465,22 @@ class AsyncRolloutClient:
         Raises :class:`ReloadFailed` naming the bridges that could not load
         it (restart those on the checkpoint; the engine's restart path).
         """
-        fields = _version_field(policy_version)
-        if not fields:
+        version = _checked_version(policy_version)
+        if version is None:
             raise ValueError("update_weights needs a policy_version")
         if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= 1e9):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         path = os.path.abspath(os.fspath(checkpoint))
-        header = await self._call_keeping_fields(Op.UPDATE_WEIGHTS, timeout_s, checkpoint=path,
-                                                 load_timeout_s=float(timeout_s), **fields)
+        header = await self._call_keeping_fields(H.UpdateWeights(H.NEW_RID, path, version, float(timeout_s)), timeout_s)
         reply: H.WeightsUpdateReply = P.parse_reply(Op.UPDATE_WEIGHTS, header)
         return WeightsUpdated(updated=reply.updated, skipped=reply.skipped,
                               policy_version=policy_version if reply.policy_version is None else reply.policy_version)
 
-    async def _call_keeping_fields(self, op: Op, wait_s: float, **fields: Any) -> dict[str, Any]:
+    async def _call_keeping_fields(self, header: H.Header, wait_s: float) -> dict[str, Any]:
         """A request the broker answers late (after ``wait_s``); an error's extra fields stay on the exception."""
         await self.connect()
         assert self._conn is not None
-        reply, _ = await self._conn.request({"op": op.value, **fields}, timeout_s=wait_s + self.request_timeout_s)
+        reply, _ = await self._conn.request(header.to_wire(), timeout_s=wait_s + self.request_timeout_s)
         if reply.get("ok"):
             return reply
         error = RemoteError.from_reply(reply)
@@ -499,24 +492,28 @@ class AsyncRolloutClient:
 
     async def resume_generation(self, policy_version: int | None = None) -> None:
         """Release held generate calls and route new ones again (``policy_version``: the weights now served)."""
-        await self.request(Op.RESUME_GENERATION, **_version_field(policy_version))
+        await self._call(H.ResumeGeneration(H.NEW_RID, _checked_version(policy_version)).to_wire())
 
     async def hold(self) -> None:
         """Stop placing queued jobs on nodes (running ones go on)."""
-        await self.request(Op.HOLD)
+        await self._call(H.Request(H.NEW_RID).to_wire(Op.HOLD))
 
     async def start(self) -> None:
         """(Re)open job placement (the paper's /start)."""
-        await self.request(Op.START)
+        await self._call(H.Request(H.NEW_RID).to_wire(Op.START))
 
     async def stop(self) -> None:
         """Stop the deployment: cancel all jobs, shut nodes and bridges down, stop the broker."""
-        await self.request(Op.STOP)
+        await self._call(H.Request(H.NEW_RID).to_wire(Op.STOP))
 
 
-def _version_field(policy_version: int | None) -> dict[str, Any]:
+def _checked_version(policy_version: int | None) -> int | None:
     if policy_version is None:
-        return {}
+        return None
     if not isinstance(policy_version, int) or isinstance(policy_version, bool) or policy_version < 0:
         raise ValueError(f"policy_version must be a non-negative integer, got {policy_version!r}")
-    return {"policy_version": policy_version}
+    return policy_version
+
+
+#: A ``ping``: the broker's address, deployment and boot id (also the client's liveness probe).
+_PING = H.Request(H.NEW_RID).to_wire(Op.PING)

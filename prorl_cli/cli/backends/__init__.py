@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from prorl_cli.cli.application import App, pass_app
-from prorl_cli.cli.jobs import connect, print_backends
+from prorl_cli.cli.common import connect
+from prorl_cli.cli.jobs import print_backends
 from prorl_cli.cli.naming import deployment_option
 
 _address = click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")

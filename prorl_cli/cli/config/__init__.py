@@ -41,7 +41,7 @@ def config_show(app: App, deploy_file: str | None) -> None:
     from prorl_cli.cli.naming import named_deployment
     from prorl_cli.exceptions import ConfigError
     from prorl_cli.slurm.deploy import load_deploy
-    from prorl_cli.slurm.launcher import effective_deploy
+    from prorl_cli.slurm.options import effective_deploy
 
     try:
         effective = effective_deploy(load_deploy(deploy, deployment=named_deployment(app)))
@@ -54,7 +54,7 @@ def config_show(app: App, deploy_file: str | None) -> None:
 def _default_deploy_file(deployment_dir: Path) -> str | None:
     """./deploy.yaml, else the deploy file the deployment was launched from (its launch.json says)."""
     from prorl_cli.exceptions import SlurmError
-    from prorl_cli.slurm.launcher import LaunchRecord
+    from prorl_cli.slurm.record import LaunchRecord
 
     if Path("deploy.yaml").is_file():
         return "deploy.yaml"

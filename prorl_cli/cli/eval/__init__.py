@@ -41,7 +41,7 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from prorl_cli.cli.jobs import connect
+    from prorl_cli.cli.common import connect
     from prorl_cli.domains.datasets import load_instances
     from prorl_cli.exceptions import DatasetError, ProrlError
     from prorl_cli.swe.evaluation import Sample, write_outputs

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,121 +10,19 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.common import (
+    PING_TIMEOUT_S,
+    check_out_path,
+    connect,
+    load_task_file,
+    sampling_of,
+    sampling_options,
+)
 from prorl_cli.cli.naming import deployment_argument, deployment_option, id_prefix
 
 if TYPE_CHECKING:
     from prorl_cli.client import RolloutClient
     from prorl_cli.protocol import JobResult, StatusReport
-
-
-#: How long a command waits for the broker's ping before saying it does not answer.
-PING_TIMEOUT_S = 3.0
-
-
-def connect(app: App, address: str | None = None) -> RolloutClient:
-    """A client for the deployment whose broker answered a short ping; a one-line error if it is not there."""
-    from prorl_cli.client import RolloutClient
-    from prorl_cli.exceptions import BrokerUnavailable, RendezvousError
-
-    client = RolloutClient(app.config.deployment, address=address, config=app.config)
-    try:
-        client.ping(timeout_s=PING_TIMEOUT_S)
-    except RendezvousError as e:
-        client.close()
-        app.abort(str(e))
-    except BrokerUnavailable:
-        where = client.address or address or "?"
-        client.close()
-        app.abort(
-            f"the broker at {where} does not answer (deployment {app.config.deployment!r}, "
-            f"no reply within {PING_TIMEOUT_S:g} s); is it running?"
-        )
-    return client
-
-
-def read_instances(app: App, path: Path) -> list[Any]:
-    """One JSON value per line; blank lines skipped; errors name the line."""
-    from prorl_cli.exceptions import DatasetError
-    from prorl_cli.jsonl import jsonl_values
-
-    try:
-        return [value for _, value in jsonl_values(path, DatasetError, hint="TASKS is JSONL: one JSON instance per line")]
-    except DatasetError as e:
-        app.abort(str(e))
-    except OSError as e:
-        app.abort(f"{path}: cannot read: {e.strerror or e}")
-
-
-def load_task_file(app: App, task: str, path: Path, fmt: str | None) -> list[Any]:
-    """TASKS for ``task``: domain rows through their loaders, others as JSON lines (or Parquet rows)."""
-    from prorl_cli.domains.datasets import LOADERS, load_instances
-    from prorl_cli.exceptions import DatasetError
-
-    if task not in LOADERS and fmt is None and path.suffix != ".parquet":
-        return read_instances(app, path)
-    try:
-        return load_instances(task, path, fmt)
-    except DatasetError as e:
-        app.abort(str(e))
-    except UnicodeDecodeError as e:
-        app.abort(f"{path}: not a UTF-8 text file: {e.reason} at byte {e.start}")
-    except OSError as e:
-        app.abort(f"{path}: cannot read: {e.strerror or e}")
-
-
-def check_out_path(app: App, out: Path) -> None:
-    """Refuse an ``--out`` that cannot be written, before anything is submitted."""
-    parent = out.parent
-    if not parent.is_dir():
-        app.abort(f"--out {out}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        app.abort(f"--out {out}: folder {parent} is not writable")
-    if out.is_dir():
-        app.abort(f"--out {out}: is a folder")
-
-
-def sampling_from_options(
-    app: App, sampling_json: str | None, sampling_file: Path | None, flags: dict[str, Any],
-) -> dict[str, Any] | None:
-    """The ``sampling`` of every job: ``--sampling`` JSON or ``--sampling-file``, then the single flags on top.
-
-    Checked against the generate contract's SamplingParams here, so a typo is
-    refused before anything is submitted, naming the option and the field.
-    """
-    from prorl_cli.exceptions import ProtocolError
-    from prorl_cli.protocol import SAMPLING
-
-    if sampling_json is not None and sampling_file is not None:
-        app.abort("give --sampling or --sampling-file, not both")
-    base: Any = None
-    source = ""
-    if sampling_json is not None:
-        source = "--sampling"
-        try:
-            base = json.loads(sampling_json)
-        except json.JSONDecodeError as e:
-            app.abort(f"--sampling: not valid JSON ({e.msg} at character {e.pos}); e.g. '{{\"max_tokens\": 64, \"temperature\": 0.7}}'")
-    elif sampling_file is not None:
-        import yaml
-
-        source = f"--sampling-file {sampling_file}"
-        try:
-            base = yaml.safe_load(sampling_file.read_text(encoding="utf-8"))  # YAML is a superset of JSON
-        except (OSError, UnicodeDecodeError) as e:
-            app.abort(f"{source}: cannot read: {getattr(e, 'strerror', None) or e}")
-        except yaml.YAMLError as e:
-            app.abort(f"{source}: not valid YAML or JSON: {str(e).splitlines()[0]}")
-    if base is not None and not isinstance(base, dict):
-        app.abort(f"{source}: must be a JSON object of sampling fields (max_tokens, temperature, top_p, top_k, seed, "
-                  f"stop_token_ids, ignore_eos), got {type(base).__name__}")
-    sampling = {**(base or {}), **{k: v for k, v in flags.items() if v is not None}}
-    if not sampling:
-        return None
-    try:
-        SAMPLING(sampling, "sampling")
-    except ProtocolError as e:
-        app.abort(f"{source or 'sampling'}: {e.message}")
-    return sampling
 
 
 #: Job ids of a submission without --id-prefix: PREFIX-LINE-K with a fresh PREFIX, so `prorl results --prefix` finds them.
@@ -191,7 +88,7 @@ def submit_jobs(
               help="Results file. JSONL (any name but .parquet): every job's whole result, written as it ends. "
                    ".parquet: one row per job with a token-level trajectory (sequence ids, loss mask, log-probs), partial "
                    "ones of failed and timed-out jobs included, with a state column, written at the end. "
-                   "With --dapo, .parquet holds training samples instead (docs/training.md).")
+                   "`prorl sample` writes training samples to .parquet instead (docs/training.md).")
 @click.option("--only-done", is_flag=True, help="--out keeps only jobs that ended done.")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
 @click.option("--id-prefix", metavar="PREFIX",
@@ -201,23 +98,14 @@ def submit_jobs(
 @click.option("--strict", is_flag=True, help="Exit 1 when any job did not end done (by default failed and timed-out jobs are counted, not errors).")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @deployment_option
-@click.option("--format", "fmt", metavar="FORMAT",
-              help="Row shape of TASKS for the domain tasks (math, code, swe, search) where it is ambiguous, e.g. code: io, test_cases, apps, livecodebench (docs/domains.md).")
-@click.option("--max-tokens", type=click.IntRange(min=1), help="Sampling: most tokens per generate call.")
-@click.option("--temperature", type=click.FloatRange(min=0), help="Sampling: temperature (0 is greedy).")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="Sampling: nucleus mass, in (0, 1].")
-@click.option("--seed", type=int, help="Sampling: engine seed (reproducible generations where the engine supports it).")
-@click.option("--sampling", "sampling_json", metavar="JSON",
-              help='Sampling of every job as a JSON object of SamplingParams fields, e.g. \'{"max_tokens": 64, "top_k": 20}\' '
-                   "(docs/protocol.md); the single options above override its keys.")
-@click.option("--sampling-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="The same object read from a JSON or YAML file.")
+@sampling_options
+@click.option("--dapo", is_flag=True, hidden=True)  # moved to `prorl sample`; named in the error
 @pass_app
 def submit(
     app: App, tasks_file: Path, task: str, n: int, out: Path | None, only_done: bool, timeout_s: float | None,
     id_prefix: str | None, detach: bool, strict: bool, address: str | None,
     fmt: str | None, max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
-    sampling_json: str | None, sampling_file: Path | None,
+    sampling_json: str | None, sampling_file: Path | None, dapo: bool,
 ) -> None:
     """Submit every instance of TASKS (JSONL, or Parquet) and collect the results.
 
@@ -228,9 +116,12 @@ def submit(
     Exit status: 0 once every job ended (done, failed, timed out: counted in the summary), 1 when
     the submission or the connection failed (or, with --strict, when a job did not end done),
     130 on Ctrl-C (which cancels the unfinished jobs; --detach leaves them running).
+    For GRPO groups with DAPO dynamic sampling, see `prorl sample`.
     """
-    sampling = sampling_from_options(app, sampling_json, sampling_file,
-                                     {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed})
+    if dapo:
+        app.abort("dynamic sampling is its own command: prorl sample TASKS --task T --group-size G --target-groups N "
+                  "(prorl sample --help)")
+    sampling = sampling_of(app, max_tokens, temperature, top_p, seed, sampling_json, sampling_file)
     instances = load_task_file(app, task, tasks_file, fmt)
     if not instances:
         app.abort(f"{tasks_file}: no instances")
@@ -279,7 +170,7 @@ def print_status(app: App, status: StatusReport) -> None:
         nodes.add_row(n.node_id, n.host, _liveness(app, n), sandbox, f"{n.inflight}/{n.credit}", *cells,
                       ",".join(n.tasks))
     app.console.print(nodes)
-    print_backends(app, status.backends)
+    print_backends(app, status.backends, status.gone_backends)
 
 
 def _liveness(app: App, node: Any) -> str:
@@ -295,19 +186,25 @@ def _liveness(app: App, node: Any) -> str:
     return "[yellow]draining[/]" if node.draining else "yes"
 
 
-def print_backends(app: App, backends: list[Any]) -> None:
+def print_backends(app: App, backends: list[Any], gone: list[Any] | None = None) -> None:
+    """The backends table; bridges that went away (``gone``) last, as ``left`` (a planned exit) or ``lost: why``."""
     from rich.table import Table
+
+    from prorl_cli.protocol.records import NODE_LEFT
 
     table = Table(title="inference backends")
     engine_stats = any(b.stats for b in backends)
-    for col in ("backend", "kind", "model", "host", "in-flight", "jobs", "served", "state"):
+    for col in ("backend", "kind", "model", "host", "in-flight", "jobs", "served", "policy", "state"):
         table.add_column(col)
     if engine_stats:  # simulated engines report what a GPU server's metrics would show
         for col in ("busy", "tokens/s", "prefix hits"):
             table.add_column(col)
-    for b in backends:
-        state = "dead" if not b.alive else ("cleared" if b.cleared else "active")
-        row = [b.backend_id, b.kind, b.model or "-", b.host or "-", str(b.inflight), str(b.jobs), str(b.served), state]
+    for b in [*backends, *(gone or [])]:
+        state = "dead" if not b.alive else ("cleared" if b.cleared else "loading weights" if b.loading else "active")
+        if b.gone_reason is not None:
+            state = b.gone_reason if b.gone_reason.startswith(NODE_LEFT) else f"[red]lost[/]: {b.gone_reason}"
+        policy = "-" if b.policy_version is None else f"v{b.policy_version}"  # the weights it serves (-: its start ones)
+        row = [b.backend_id, b.kind, b.model or "-", b.host or "-", str(b.inflight), str(b.jobs), str(b.served), policy, state]
         if engine_stats:
             st = b.stats
             row += [f"{st['busy_fraction']:.0%}" if "busy_fraction" in st else "-",
@@ -334,18 +231,26 @@ def status(app: App, as_json: bool, address: str | None, watch: bool) -> None:
     that does not answer while its Slurm job is queued or running (requeued,
     starting) is reported as restarting, exit 0; exit 1 when its job is gone
     or ended, or when every Slurm job of the deployment is.
+
+    \b
+    --json: the broker's report. For a `prorl launch` deployment, with
+    "broker": "up" and "slurm" (one entry per Slurm task); while its broker
+    restarts, "broker": "restarting", "broker_detail" (Slurm's words), "error"
+    and "slurm", exit 0; "broker": "gone" (every Slurm job gone), "ended" or
+    "unreachable" exit 1, as without --json.
     """
     if watch:
         from prorl_cli.cli.observe import run_top
 
         return run_top(app, address, as_json, 1.0)
-    view = None
-    if not as_json:
-        from prorl_cli.cli.launch import print_slurm_view
+    from prorl_cli.cli.launch import print_slurm_view, slurm_view
 
-        view = print_slurm_view(app, app.config.deployment_dir)
-        if view is not None and view.gone:
-            raise click.exceptions.Exit(1)  # every Slurm job of it is gone: say so, do not wait for a broker
+    view = slurm_view(app, app.config.deployment_dir) if as_json else print_slurm_view(app, app.config.deployment_dir)
+    slurm = {"slurm": view.to_json()} if view is not None else {}
+    if view is not None and view.gone:
+        if as_json:
+            _echo_json({"deployment": app.config.deployment, "broker": "gone", **slurm})
+        raise click.exceptions.Exit(1)  # every Slurm job of it is gone: say so, do not wait for a broker
     if view is None:
         with connect(app, address) as client:
             report = client.status()
@@ -355,15 +260,28 @@ def status(app: App, as_json: bool, address: str | None, watch: bool) -> None:
             restarting = view.broker_restarting()
             if restarting is None:
                 ended = view.broker_ended()
+                if as_json:
+                    _echo_json({"deployment": app.config.deployment, "broker": "ended" if ended else "unreachable",
+                                "broker_detail": ended, "error": found, **slurm})
+                    raise click.exceptions.Exit(1)
                 app.abort(f"{found}" + (f"; the broker: {ended}" if ended else ""))
-            app.console.print(f"[bold yellow]broker restarting[/]: {restarting}, not answering yet; "
-                              f"its view comes back once it is up ({found})", soft_wrap=True)
+            if as_json:
+                _echo_json({"deployment": app.config.deployment, "broker": "restarting", "broker_detail": restarting,
+                            "error": found, **slurm})
+            else:
+                app.console.print(f"[bold yellow]broker restarting[/]: {restarting}, not answering yet; "
+                                  f"its view comes back once it is up ({found})", soft_wrap=True)
             return
         report = found
     if as_json:
-        click.echo(json.dumps(report.to_wire(), indent=2))
+        # A launch adds the broker's state and Slurm's view; otherwise the report alone (StatusReport.from_wire).
+        _echo_json({**report.to_wire(), **({"broker": "up", **slurm} if view is not None else {})})
     else:
         print_status(app, report)
+
+
+def _echo_json(doc: dict[str, Any]) -> None:
+    click.echo(json.dumps(doc, indent=2))
 
 
 def _broker_report(app: App, address: str | None) -> StatusReport | str:

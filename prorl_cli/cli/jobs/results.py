@@ -38,7 +38,7 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
     leaves the jobs running. Exit status 0 once the selected results are written,
     1 when nothing matches or the broker cannot be reached.
     """
-    from prorl_cli.cli.jobs import check_out_path, connect
+    from prorl_cli.cli.common import check_out_path, connect
     from prorl_cli.cli.jobs.collect import ResultFile, collect, print_summary
     from prorl_cli.protocol import TERMINAL_STATES
 

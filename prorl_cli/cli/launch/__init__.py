@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from prorl_cli.protocol import StatusReport
     from prorl_cli.slurm.deploy import DeployConfig
-    from prorl_cli.slurm.launcher import LaunchRecord
+    from prorl_cli.slurm.record import LaunchRecord
     from prorl_cli.slurm.squeue import SlurmTask
 
 # Pending reasons that waiting will not cure: launch gives up on them at once.
@@ -56,7 +56,7 @@ def _deploy_for(app: App, name_or_file: str | None, command: str) -> DeployConfi
     """A launched deployment named on the command line: its deploy.yaml, or its name (``NAME``, ``-d NAME``,
     ``$PRORL_DEPLOYMENT``), whose launch.json names the deploy file."""
     from prorl_cli.exceptions import ProrlError
-    from prorl_cli.slurm.launcher import load_launched
+    from prorl_cli.slurm.record import load_launched
 
     if name_or_file is not None and Path(name_or_file).is_file():
         return _load_deploy(app, name_or_file, named_deployment(app))
@@ -139,16 +139,29 @@ class SlurmView:
         ids = ", ".join(m.job_id for m in self.record.of("broker")) or "-"
         return f"its Slurm job {ids} ended {t.state}" if t is not None else f"its Slurm job {ids} is not in squeue"
 
+    def to_json(self) -> list[dict[str, str]]:
+        """One entry per member of the launch: role, task, Slurm job id and squeue's row (``gone``: aged out)."""
+        by_id = {t.job_id: t for t in self.rows or []}
+        entries = []
+        for m in self.record.members:
+            t = by_id.get(m.job_id)
+            entry = {"role": m.role, "task": m.peer_id, "job_id": m.job_id}
+            if t is not None:
+                entry.update(state=t.state, reason=t.reason, nodes=t.nodes, elapsed=t.elapsed, time_left=t.time_left)
+            else:
+                entry["state"] = "unknown" if self.rows is None else "gone"
+            entries.append(entry)
+        return entries
 
-def print_slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
-    """Slurm's view of a launched deployment (for ``prorl status``).
 
-    Returns None when the deployment was not launched with ``prorl launch``,
-    else what was seen (``gone`` when none of its Slurm jobs is left, printed as such).
+def slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
+    """Slurm's view of a launched deployment, printing nothing but a warning when squeue does not answer.
+
+    Returns None when the deployment was not launched with ``prorl launch``.
     """
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import squeue
-    from prorl_cli.slurm.launcher import LaunchRecord
+    from prorl_cli.slurm.record import LaunchRecord
 
     record = LaunchRecord.load(deployment_dir)
     if record is None:
@@ -159,6 +172,19 @@ def print_slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
     except SlurmError as e:
         app.err_console.print(f"[yellow]Slurm view unavailable:[/] {e}")
         return SlurmView(record, None)
+    return SlurmView(record, rows)
+
+
+def print_slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
+    """Slurm's view of a launched deployment (for ``prorl status``).
+
+    Returns None when the deployment was not launched with ``prorl launch``,
+    else what was seen (``gone`` when none of its Slurm jobs is left, printed as such).
+    """
+    found = slurm_view(app, deployment_dir)
+    if found is None or found.rows is None:
+        return found
+    record, rows = found.record, found.rows
     app.console.print(_slurm_table(record, rows))
     _print_ended(app, record, rows)
     view = SlurmView(record, rows)
@@ -174,7 +200,8 @@ def print_slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
 def _print_ended(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
     """For each task that ended on its own (failed, out of memory, node failure, time limit): why, and its log's end."""
     from prorl_cli.exceptions import ProrlError
-    from prorl_cli.slurm import launcher, squeue
+    from prorl_cli.slurm import squeue
+    from prorl_cli.slurm.record import load_launched, log_tail
     from prorl_cli.slurm.supervisor import Supervision, replacement_due_at
 
     by_id = {t.job_id: t for t in rows}
@@ -191,7 +218,7 @@ def _print_ended(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
         ended = squeue.ended(t)
         if cfg is None:
             with contextlib.suppress(ProrlError):
-                _, cfg = launcher.load_launched(Path(record.home) / record.deployment)
+                _, cfg = load_launched(Path(record.home) / record.deployment)
         state = sup.names.get(m.peer_id)
         verdict = ""
         if state is not None and state.gave_up is not None and state.gave_up.get("job_id") == m.job_id:
@@ -204,7 +231,7 @@ def _print_ended(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
         app.console.print(f"[red]{m.peer_id}[/] (Slurm job {m.job_id}) ended {ended.describe()}{verdict}")
         if cfg is None:
             continue
-        tail = launcher.log_tail(cfg, m, lines=8)
+        tail = log_tail(cfg, m, lines=8)
         if tail:
             app.console.print("  last lines of its log:\n" + "\n".join(f"    {line}" for line in tail.splitlines()))
 
@@ -248,13 +275,14 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
     """
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import launcher
+    from prorl_cli.slurm.options import sandbox_runtime
 
     cfg = _load_deploy(app, deploy_file, named_deployment(app))
     if dry_run:
         _print_plan(app, cfg)
         return
     _require_slurm(app)
-    runtime = launcher.sandbox_runtime(cfg)
+    runtime = sandbox_runtime(cfg)
     if runtime == "local":
         app.err_console.print("[yellow]warning:[/] the nodes' sandbox runtime is local: sandboxes run WITHOUT isolation")
     elif runtime == "auto":
@@ -321,6 +349,7 @@ def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> 
     from rich.live import Live
 
     from prorl_cli.slurm import launcher, squeue
+    from prorl_cli.slurm.record import log_tail
 
     deadline = time.monotonic() + wait_s if wait_s > 0 else None  # 0: no timer
     wanted = {m.peer_id for m in record.members if m.role != "broker"}
@@ -343,7 +372,7 @@ def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> 
                     if t is None:
                         continue
                     if not t.active and (m.role == "broker" or m.peer_id not in seen):
-                        tail = launcher.log_tail(cfg, m)
+                        tail = log_tail(cfg, m)
                         failure = f"{m.role} task {m.peer_id} (Slurm job {m.job_id}) ended {t.state}." + (
                             f"\nlog tail:\n{tail}" if tail else "")
                         return failure

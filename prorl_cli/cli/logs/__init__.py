@@ -23,7 +23,7 @@ from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.naming import deployment_option, require_deployment
 
 if TYPE_CHECKING:
-    from prorl_cli.slurm.launcher import LaunchRecord
+    from prorl_cli.slurm.record import LaunchRecord
 
 #: ROLE, ROLE[INDEX], ROLE-INDEX or ROLE:INDEX; node/nodes and backend/inference are the same role.
 _MEMBER_RE = re.compile(r"^(?P<role>[a-z]+)(?:\[(?P<a>\d+)\]|[-:](?P<b>\d+))?$")
@@ -79,7 +79,7 @@ def logs(app: App, member: str, follow: bool, lines: int, attempt: int | None, e
     deployment is -d NAME (or prorl -d NAME, or $PRORL_DEPLOYMENT).
     """
     from prorl_cli.exceptions import ProrlError
-    from prorl_cli.slurm.launcher import load_launched, log_files
+    from prorl_cli.slurm.record import load_launched, log_files
 
     role, index = parse_member(member)
     if attempt is not None and (index is None and role != "broker"):

@@ -53,7 +53,7 @@ def trace(app: App, results_file: Path, out: Path) -> None:
 
 def run_top(app: App, address: str | None, as_json: bool, interval_s: float, frames: int | None = None) -> None:
     """The live dashboard (``prorl top``, ``prorl status --watch``), or one ``--json`` snapshot."""
-    from prorl_cli.cli.jobs import connect
+    from prorl_cli.cli.common import connect
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.observe.dashboard import Dashboard, watch
 

@@ -79,7 +79,7 @@ def plan_domain(app: App, task: str, home: Path, image: str | None, n_instances:
     settings["image"] = image  # None: the runtime's default (the local runtime has no images)
     if image is not None:
         config["sandbox"]["image"] = image
-    config["domains"] = {task: settings}
+    config["handlers"] = {task: settings}
     if task == "swe":
         from prorl_cli.domains.tinyrepo import make_tinyrepo
 

@@ -12,6 +12,9 @@ from prorl_cli.cli.serve.inference import serve_inference
 @click.group()
 def serve() -> None:
     """Run a broker, a node server or an inference bridge in the foreground."""
+    from prorl_cli.processes import die_with_parent
+
+    die_with_parent()  # a server of an embedded stack ends with the process that started it
 
 
 @serve.command("broker")

@@ -70,14 +70,17 @@ def serve_inference(
         vllm_args=extra,
     )
     from prorl_cli.slurm.identity import SlurmIdentity
-    from prorl_cli.slurm.roles import slurm_lifecycle
+    from prorl_cli.slurm.roles import broker_requeue_watch, slurm_lifecycle
 
     identity = SlurmIdentity.from_env()
     if identity.in_slurm and backend_id is None:
         opts.backend_id = identity.member_id("inference")  # the same name after a requeue
     try:
-        # In a Slurm job, SIGUSR2 (time limit, preemption) stops the bridge and requeues the task.
-        with slurm_lifecycle(requeue=identity.in_slurm) as signals:
+        # In a Slurm job, SIGUSR2 (time limit, preemption) stops the bridge and requeues the task; while the
+        # broker is away, a requeued broker job held for Slurm's delay is made eligible.
+        deployment_dir = app.config.deployment_dir
+        with slurm_lifecycle(identity.in_slurm, deployment_dir, opts.backend_id) as signals, \
+                broker_requeue_watch(deployment_dir, identity):
             code = asyncio.run(run_bridge(opts, app.config, leave_requested=signals.leave))
     except ProrlError as e:
         app.abort(str(e))

@@ -1,0 +1,159 @@
+"""What several commands share: connecting to a deployment, reading TASKS files, the sampling options."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from prorl_cli.cli.application import App
+
+if TYPE_CHECKING:
+    from prorl_cli.client import RolloutClient
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+#: How long a command waits for the broker's ping before saying it does not answer.
+PING_TIMEOUT_S = 3.0
+
+
+def connect(app: App, address: str | None = None) -> RolloutClient:
+    """A client for the deployment whose broker answered a short ping; a one-line error if it is not there."""
+    from prorl_cli.client import RolloutClient
+    from prorl_cli.exceptions import BrokerUnavailable, RendezvousError
+
+    client = RolloutClient(app.config.deployment, address=address, config=app.config)
+    try:
+        client.ping(timeout_s=PING_TIMEOUT_S)
+    except RendezvousError as e:
+        client.close()
+        app.abort(str(e))
+    except BrokerUnavailable:
+        where = client.address or address or "?"
+        client.close()
+        app.abort(
+            f"the broker at {where} does not answer (deployment {app.config.deployment!r}, "
+            f"no reply within {PING_TIMEOUT_S:g} s); is it running?"
+        )
+    return client
+
+
+def read_instances(app: App, path: Path) -> list[Any]:
+    """One JSON value per line; blank lines skipped; errors name the line."""
+    from prorl_cli.exceptions import DatasetError
+    from prorl_cli.jsonl import jsonl_values
+
+    try:
+        return [value for _, value in jsonl_values(path, DatasetError, hint="TASKS is JSONL: one JSON instance per line")]
+    except DatasetError as e:
+        app.abort(str(e))
+    except OSError as e:
+        app.abort(f"{path}: cannot read: {e.strerror or e}")
+
+
+def load_task_file(app: App, task: str, path: Path, fmt: str | None) -> list[Any]:
+    """TASKS for ``task``: domain rows through their loaders, others as JSON lines (or Parquet rows)."""
+    from prorl_cli.domains.datasets import LOADERS, load_instances
+    from prorl_cli.exceptions import DatasetError
+
+    if task not in LOADERS and fmt is None and path.suffix != ".parquet":
+        return read_instances(app, path)
+    try:
+        return load_instances(task, path, fmt)
+    except DatasetError as e:
+        app.abort(str(e))
+    except UnicodeDecodeError as e:
+        app.abort(f"{path}: not a UTF-8 text file: {e.reason} at byte {e.start}")
+    except OSError as e:
+        app.abort(f"{path}: cannot read: {e.strerror or e}")
+
+
+def check_out_path(app: App, out: Path) -> None:
+    """Refuse an ``--out`` that cannot be written, before anything is submitted."""
+    parent = out.parent
+    if not parent.is_dir():
+        app.abort(f"--out {out}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        app.abort(f"--out {out}: folder {parent} is not writable")
+    if out.is_dir():
+        app.abort(f"--out {out}: is a folder")
+
+
+def sampling_from_options(
+    app: App, sampling_json: str | None, sampling_file: Path | None, flags: dict[str, Any],
+) -> dict[str, Any] | None:
+    """The ``sampling`` of every job: ``--sampling`` JSON or ``--sampling-file``, then the single flags on top.
+
+    Checked against the generate contract's SamplingParams here, so a typo is
+    refused before anything is submitted, naming the option and the field.
+    """
+    from prorl_cli.exceptions import ProtocolError
+    from prorl_cli.protocol import SAMPLING
+
+    if sampling_json is not None and sampling_file is not None:
+        app.abort("give --sampling or --sampling-file, not both")
+    base: Any = None
+    source = ""
+    if sampling_json is not None:
+        source = "--sampling"
+        try:
+            base = json.loads(sampling_json)
+        except json.JSONDecodeError as e:
+            app.abort(f"--sampling: not valid JSON ({e.msg} at character {e.pos}); e.g. '{{\"max_tokens\": 64, \"temperature\": 0.7}}'")
+    elif sampling_file is not None:
+        import yaml
+
+        source = f"--sampling-file {sampling_file}"
+        try:
+            base = yaml.safe_load(sampling_file.read_text(encoding="utf-8"))  # YAML is a superset of JSON
+        except (OSError, UnicodeDecodeError) as e:
+            app.abort(f"{source}: cannot read: {getattr(e, 'strerror', None) or e}")
+        except yaml.YAMLError as e:
+            app.abort(f"{source}: not valid YAML or JSON: {str(e).splitlines()[0]}")
+    if base is not None and not isinstance(base, dict):
+        app.abort(f"{source}: must be a JSON object of sampling fields (max_tokens, temperature, top_p, top_k, seed, "
+                  f"stop_token_ids, ignore_eos), got {type(base).__name__}")
+    sampling = {**(base or {}), **{k: v for k, v in flags.items() if v is not None}}
+    if not sampling:
+        return None
+    try:
+        SAMPLING(sampling, "sampling")
+    except ProtocolError as e:
+        app.abort(f"{source or 'sampling'}: {e.message}")
+    return sampling
+
+
+def sampling_options(fn: F) -> F:
+    """The TASKS ``--format`` and the sampling options every job of a command gets (``submit``, ``sample``)."""
+    options = [
+        click.option("--format", "fmt", metavar="FORMAT",
+                     help="Row shape of TASKS for the domain tasks (math, code, swe, search) where it is ambiguous, "
+                          "e.g. code: io, test_cases, apps, livecodebench (docs/domains.md)."),
+        click.option("--max-tokens", type=click.IntRange(min=1), help="Sampling: most tokens per generate call."),
+        click.option("--temperature", type=click.FloatRange(min=0), help="Sampling: temperature (0 is greedy)."),
+        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True),
+                     help="Sampling: nucleus mass, in (0, 1]."),
+        click.option("--seed", type=int,
+                     help="Sampling: engine seed (reproducible generations where the engine supports it)."),
+        click.option("--sampling", "sampling_json", metavar="JSON",
+                     help='Sampling of every job as a JSON object of SamplingParams fields, e.g. '
+                          '\'{"max_tokens": 64, "top_k": 20}\' (docs/protocol.md); the single options above override '
+                          "its keys."),
+        click.option("--sampling-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="The same object read from a JSON or YAML file."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def sampling_of(app: App, max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
+                sampling_json: str | None, sampling_file: Path | None) -> dict[str, Any] | None:
+    """The checked sampling of :func:`sampling_options`' values (None when nothing was given)."""
+    return sampling_from_options(app, sampling_json, sampling_file,
+                                 {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed})
