@@ -332,14 +332,13 @@ def _train(cfg: HarnessRunConfig, summary: HarnessRunSummary, client: Any, bridg
             summary.filtered.append(batch.stats.filtered)
             # Weight sync: no call in flight, the new checkpoint loaded in place, generation resumed under it.
             version += 1
-            client.pause_generation(policy_version=version, wait=True, timeout_s=300)
-            path = checkpoint(version)
-            if bridge is not None:
-                bridge.serve(path, version)
-                updated = [b.backend_id for b in client.status().backends if b.kind == "bridge" and b.alive]
-            else:
-                updated = list(client.update_weights(path, policy_version=version).updated)
-            client.resume_generation(policy_version=version)
+            with client.generation_paused(version, drain_timeout_s=300):
+                path = checkpoint(version)
+                if bridge is not None:
+                    bridge.serve(path, version)
+                    updated = [b.backend_id for b in client.status().backends if b.kind == "bridge" and b.alive]
+                else:
+                    updated = list(client.update_weights(path, policy_version=version).updated)
             summary.bridge_versions = bridge_versions(client, updated, version)
             line = (f"step {step}: loss {losses[0]:+.4f}, train reward {summary.train_rewards[-1]:.3f}, "
                     f"train tool use {sum(used_tool(r) for r in batch.results) / max(1, len(batch.results)):.2f}, "

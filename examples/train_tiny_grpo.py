@@ -20,10 +20,11 @@ What happens:
    groups filtered), samples merged token-exactly, rollout-level
    advantages, rollout-level token-mean loss weights, one clipped
    policy-gradient update per step.
-4. Weight sync between steps: ``pause_generation(wait=True)`` (no call in
-   flight), save the checkpoint, ``update_weights`` (the running bridge
+4. Weight sync between steps, inside ``client.generation_paused(version)``
+   (no call in flight during the block; generation resumes however it
+   ends): save the checkpoint, ``update_weights`` (the running bridge
    loads it in place; restarting the bridge on it is the fallback for
-   engines that cannot reload), then ``resume_generation`` with the bumped
+   engines that cannot reload); generation resumes under the bumped
    policy version, which the bridge stamps on every generate reply
    (``ModelCall.policy_version``).
    The reward (``math_agent``: 1.0 for the right number) pays the tool
@@ -467,9 +468,8 @@ def run(cfg: RunConfig) -> RunSummary:
             summary.filtered.append(batch.stats.filtered)
             # Weight sync: hold generate calls (none in flight), load the new checkpoint in place, resume under the new version.
             version += 1
-            client.pause_generation(policy_version=version, wait=True, timeout_s=120)
-            bridge.serve(checkpoint(version), version)
-            client.resume_generation(policy_version=version)
+            with client.generation_paused(version, drain_timeout_s=120):
+                bridge.serve(checkpoint(version), version)
             train_tools = sum(used_tool(r) for r in batch.results) / max(1, len(batch.results))
             line = (f"step {step}: loss {loss:+.4f}, train reward {summary.train_rewards[-1]:.3f}, "
                     f"train tool use {train_tools:.2f}, "

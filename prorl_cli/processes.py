@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
@@ -72,6 +72,27 @@ def die_with_parent() -> None:
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(raw):  # the parent ended before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def dies_with_spawning_thread(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn`` for a child in a process group of its own: it gets ``sig`` when its starter ends.
+
+    A child started with ``start_new_session`` is out of reach of a signal to
+    the starter's group, so a starter killed with SIGKILL would leave it running
+    (a vLLM server holding gigabytes). The kernel follows the *thread* that
+    forked: call ``Popen`` from the thread that will stop the child (an event
+    loop's, as the engines do). libc is looked up here, before the fork, so the
+    child only makes two system calls and takes no loader lock.
+    """
+    libc_prctl = ctypes.CDLL(None, use_errno=True).prctl
+    starter = os.getpid()
+
+    def preexec() -> None:
+        libc_prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != starter:  # the starter ended before the request took effect
+            os.kill(os.getpid(), int(sig))
+
+    return preexec
 
 
 def stop_groups(procs: Iterable[subprocess.Popen[Any]], grace_s: float) -> None:

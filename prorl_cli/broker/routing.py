@@ -56,7 +56,8 @@ class Router:
     ``send(identity, header, payload) -> bool`` sends one message;
     ``node_of(identity)`` is the live registered node behind a peer (or None);
     ``running_node(job_id)`` is the node id a job is placed on while it is
-    not finished (None for unknown, queued-unplaced and finished jobs).
+    not finished (None for unknown, queued-unplaced and finished jobs);
+    ``record_weights(record)`` writes new current weights where a restarted broker finds them.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class Router:
         register_reply_fields: dict[str, Any] | None = None,
         kv_admission: float = 0.0,
         kv_admission_max_wait_s: float = 120.0,
+        record_weights: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         if policy not in POLICY_CLASSES:
             raise ConfigError(f"broker.routing_policy: {policy!r} is not one of {list(POLICY_CLASSES)}")
@@ -99,7 +101,8 @@ class Router:
         self.stopping = False
         #: Pause/resume, drains and weight updates; its ops are reachable here too (``handlers``, ``on_...``).
         self.weights = w = WeightSync(send, self.pending, self.held, self.backends, self.backend_by_identity,
-                                      self._call_ids.__next__, self._release_held, self._backend_lost)
+                                      self._call_ids.__next__, self._release_held, self._backend_lost,
+                                      record=record_weights)
         #: OpenAI-compatible servers the broker redirects calls to (``add/clear/list_llm_server``).
         self.http = HttpServers(send, self.backends, self.inflight, self.backend_statuses, self._release_held)
         self.on_pause_generation, self.on_resume_generation = w.on_pause_generation, w.on_resume_generation

@@ -93,6 +93,7 @@ class Broker:
             kv_admission=bc.kv_admission, kv_admission_max_wait_s=bc.kv_admission_max_wait_s,
             heartbeat_interval_s=bc.heartbeat_interval_s, heartbeat_liveness=bc.heartbeat_liveness,
             register_reply_fields={"boot_id": self.boot_id},
+            record_weights=lambda record: self._journal_append(record, durable=True),
         )
         self.table = JobTable(
             retention_count=bc.result_retention,
@@ -114,7 +115,6 @@ class Broker:
             bridge_unregister=self.router.unregister,
         )
         self.node_by_identity: dict[bytes, Node] = self.members.node_by_identity
-        self.router.weights.record = lambda record: self._journal_append(record, durable=True)
         #: Every op the broker takes, to its handler: the client job ops here, the node ops (members), the router's.
         self.handlers: dict[Op, Callable[[bytes, Any, list[bytes]], None]] = {
             **self.router.handlers, **self.members.handlers,

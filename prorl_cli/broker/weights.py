@@ -101,7 +101,9 @@ class WeightSync:
     ``backend_by_identity``: its backends by id and by bridge peer;
     ``next_id()``: a fresh forward id (from the router's call ids);
     ``release_held()``: route the held calls (on resume, and when a bridge has caught up);
-    ``drop_backend(backend, why)``: the router forgets a backend (one that cannot load the current weights).
+    ``drop_backend(backend, why)``: the router forgets a backend (one that cannot load the current weights);
+    ``record(record)``: where new current weights are written (the broker's journal, so a restarted broker
+    still knows them), before the update is answered.
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class WeightSync:
         next_id: Callable[[], int],
         release_held: Callable[[], None],
         drop_backend: Callable[[Backend, str], None],
+        record: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self._send = send
         self._pending = pending
@@ -135,8 +138,7 @@ class WeightSync:
         self.current: CurrentWeights | None = None
         #: Forward id -> the catch-up it carries, for bridges loading the current weights.
         self._catch_ups: dict[int, CatchUp] = {}
-        #: Where new current weights are recorded (the broker's journal: a restarted broker still knows them).
-        self.record: Callable[[dict[str, Any]], None] | None = None
+        self._record = record
         self.handlers: dict[Op, Callable[[bytes, Any, list[bytes]], None]] = {
             Op.PAUSE_GENERATION: self.on_pause_generation,
             Op.RESUME_GENERATION: self.on_resume_generation,
@@ -296,8 +298,8 @@ class WeightSync:
         self.policy_version = max(self.policy_version, update.policy_version)
         if update.updated:
             self.current = CurrentWeights(update.checkpoint, update.policy_version, update.load_timeout_s)
-            if self.record is not None:
-                self.record(self.journal_records()[0])
+            if self._record is not None:
+                self._record(self.journal_records()[0])
         self._send(w.identity, P.reply(w.rid, **fields), ())
 
     def journal_records(self) -> list[dict[str, Any]]:

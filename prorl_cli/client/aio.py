@@ -476,6 +476,44 @@ class AsyncRolloutClient:
         return WeightsUpdated(updated=reply.updated, skipped=reply.skipped,
                               policy_version=policy_version if reply.policy_version is None else reply.policy_version)
 
+    @contextlib.asynccontextmanager
+    async def generation_paused(
+        self, policy_version: int, *, drain_timeout_s: float = 300.0
+    ) -> AsyncIterator[None]:
+        """A trainer's step boundary around a weight load of its own: no generate call runs inside the block.
+
+        Pauses and waits until no call is in flight (:class:`DrainTimeout` after ``drain_timeout_s``, and
+        generation resumed), runs the block, and resumes: under ``policy_version`` when the block succeeded,
+        under the version served before when it raised (the error goes on). A failed load never leaves the
+        deployment paused.
+        """
+        version = _checked_version(policy_version)
+        if version is None:
+            raise ValueError("generation_paused needs a policy_version")
+        try:
+            await self.pause_generation(wait=True, timeout_s=drain_timeout_s)
+        except BaseException:
+            await self.resume_generation()
+            raise
+        try:
+            yield
+        except BaseException:
+            await self.resume_generation()
+            raise
+        await self.resume_generation(version)
+
+    async def sync_weights(
+        self, checkpoint: str | os.PathLike[str], policy_version: int, *,
+        drain_timeout_s: float = 300.0, timeout_s: float = 600.0,
+    ) -> WeightsUpdated:
+        """One step boundary: drain, have every bridge load ``checkpoint`` as ``policy_version``, resume.
+
+        :meth:`update_weights` inside :meth:`generation_paused`: calls in flight finish on the old weights,
+        none starts during the load, and generation resumes however the load ends.
+        """
+        async with self.generation_paused(policy_version, drain_timeout_s=drain_timeout_s):
+            return await self.update_weights(checkpoint, policy_version, timeout_s=timeout_s)
+
     async def _call_keeping_fields(self, header: H.Header, wait_s: float) -> dict[str, Any]:
         """A request the broker answers late (after ``wait_s``); an error's extra fields stay on the exception."""
         await self.connect()

@@ -8,6 +8,7 @@ meanwhile are taken in as well.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -124,6 +125,25 @@ class RolloutClient:
 
     def resume_generation(self, policy_version: int | None = None) -> None:
         self._run(self._aio.resume_generation(policy_version))
+
+    @contextlib.contextmanager
+    def generation_paused(self, policy_version: int, *, drain_timeout_s: float = 300.0) -> Iterator[None]:
+        """See :meth:`AsyncRolloutClient.generation_paused`: no generate call runs inside the block."""
+        paused = self._aio.generation_paused(policy_version, drain_timeout_s=drain_timeout_s)
+        self._run(paused.__aenter__())
+        try:
+            yield
+        except BaseException as e:
+            if not self._run(paused.__aexit__(type(e), e, e.__traceback__)):
+                raise
+        else:
+            self._run(paused.__aexit__(None, None, None))
+
+    def sync_weights(self, checkpoint: str | os.PathLike[str], policy_version: int, *,
+                     drain_timeout_s: float = 300.0, timeout_s: float = 600.0) -> WeightsUpdated:
+        """See :meth:`AsyncRolloutClient.sync_weights`: drain, load everywhere, resume."""
+        return self._run(self._aio.sync_weights(checkpoint, policy_version, drain_timeout_s=drain_timeout_s,
+                                                timeout_s=timeout_s))
 
     def hold(self) -> None:
         self._run(self._aio.hold())

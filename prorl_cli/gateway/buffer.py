@@ -36,6 +36,7 @@ from prorl_cli.agent.loop import GenerateFn
 from prorl_cli.agent.tools import ToolCall, ToolParser
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.gateway.messages import ChatRequest, tool_call_message
+from prorl_cli.inference.contract import Generation
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -287,7 +288,7 @@ class TokenBuffer:
         finally:
             self._release(seg)
         finish_reason = "tool_calls" if calls else ("length" if finish == "length" else "stop")
-        top = getattr(gen, "top_logprobs", None)
+        top = gen.top_logprobs
         return Reply(call, content, calls, finish_reason, stop_string, seg.index, continued,
                      top_logprobs=top[: len(out)] if top is not None and req.top_logprobs else None)
 
@@ -319,7 +320,7 @@ class TokenBuffer:
                          seg.index, continued)
 
     def _record(
-        self, prompt: list[int], out: list[int], lps: list[float], finish: str, gen: Any, seg: Segment,
+        self, prompt: list[int], out: list[int], lps: list[float], finish: str, gen: Generation, seg: Segment,
         continued: bool, reason: str | None,
     ) -> ModelCall:
         traj = self.trajectory
@@ -331,9 +332,9 @@ class TokenBuffer:
             prefix_ok = reason is None
         call = ModelCall(
             prompt_ids=prompt, output_ids=out, logprobs=lps, finish_reason=finish,
-            backend_id=getattr(gen, "backend_id", None), prefix_ok=prefix_ok,
+            backend_id=gen.backend_id, prefix_ok=prefix_ok,
             text=seg.chat.decode(out, skip_special_tokens=True),
-            policy_version=getattr(gen, "policy_version", None), segment=seg.index, agent=seg.agent,
+            policy_version=gen.policy_version, segment=seg.index, agent=seg.agent,
         )
         if not continued:
             if reason is not None:
@@ -392,13 +393,24 @@ class TokenBuffer:
 
 
 def _cut_at_stop(chat: ChatTokens, out: list[int], lps: list[float], stops: list[str]) -> tuple[list[int], list[float], str | None]:
-    """Cut a turn after the token that completes the first stop string (the tokens the model did sample)."""
-    full = chat.decode(out)
-    if not any(s in full for s in stops):
-        return out, lps, None
-    for k in range(1, len(out) + 1):
+    """Cut a turn after the token that completes the first stop string (the tokens the model did sample).
+
+    That token ends the shortest prefix whose text holds a stop string. A longer prefix decodes to a longer
+    prefix of the text, so the shortest one is found by bisection: a few decodes, not one per token.
+    """
+
+    def hit(k: int) -> bool:
         text = chat.decode(out[:k])
-        hits = [(text.index(s), s) for s in stops if s in text]
-        if hits:
-            return out[:k], lps[:k], min(hits)[1]
-    return out, lps, None
+        return any(s in text for s in stops)
+
+    if not out or not hit(len(out)):
+        return out, lps, None
+    lo, hi = 1, len(out)  # the prefix of hi tokens holds a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hit(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    text = chat.decode(out[:lo])
+    return out[:lo], lps[:lo], min((text.index(s), s) for s in stops if s in text)[1]

@@ -25,7 +25,7 @@ from pathlib import Path
 from prorl_cli.exceptions import InferenceError
 from prorl_cli.inference import http
 from prorl_cli.inference.openai_engine import OpenAIEngine
-from prorl_cli.processes import stop_group
+from prorl_cli.processes import dies_with_spawning_thread, stop_group
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,11 @@ class VLLMServer:
         return cmd + self.extra_args
 
     def start(self) -> None:
-        """Spawn the server (returns at once; see :meth:`wait_ready`)."""
+        """Spawn the server (returns at once; see :meth:`wait_ready`).
+
+        Call it from the thread that will stop the server: the server gets SIGTERM when that thread ends,
+        even when its process is killed with SIGKILL.
+        """
         if not vllm_available():
             raise InferenceError(f"vllm is not installed in {self.python}; install prorl[vllm] or use --attach URL")
         if not Path(self.model).exists():
@@ -105,6 +109,8 @@ class VLLMServer:
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.env},
             start_new_session=True,  # own process group: stop() reaches vLLM's workers too
+            # Out of the starter's group, vLLM would outlive a starter killed with SIGKILL: the kernel ends it.
+            preexec_fn=dies_with_spawning_thread(),
         )
 
     def log_tail(self) -> str:

@@ -11,9 +11,9 @@ other key is handed to the reward functions as a keyword argument.
 :class:`ProrlRollout` is such a function. Per call it
 
 1. syncs weights when the trainer's ``global_step`` moved: saves the model,
-   ``pause_generation(policy_version=step, wait=True)``,
-   ``update_weights(checkpoint, step)`` (every bridge loads it in place),
-   ``resume_generation(step)``; the step is the policy version;
+   then ``client.sync_weights(checkpoint, step)`` (drains, every bridge
+   loads it in place, resumes even when a load fails); the step is the
+   policy version;
 2. submits each prompt group as ``num_generations`` prorl jobs of ``task``
    (multi-turn agent episodes in sandboxes) through a DAPO sampler in sync
    mode that keeps every group (TRL needs one completion per prompt), then
@@ -181,11 +181,7 @@ class ProrlRollout:
         tokenizer = getattr(trainer, "processing_class", None)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(path))
-        self.client.pause_generation(policy_version=step, wait=True, timeout_s=self.drain_timeout_s)
-        try:
-            self.client.update_weights(path, policy_version=step)
-        finally:
-            self.client.resume_generation(policy_version=step)
+        self.client.sync_weights(path, step, drain_timeout_s=self.drain_timeout_s)
         self.policy_version = step
         return time.monotonic() - started
 

@@ -108,15 +108,3 @@ __all__ = [
     "SAMPLING", "STAGE_NAMES", "STAGE_STATS", "TOKEN", "URL", "Bool", "Check", "Dict", "FieldError", "FieldSpec", "Id",
     "Int", "List", "Num", "Opt", "Record", "Scalar", "Str", "read_by",
 ]
-
-#: What moved to :mod:`prorl_cli.protocol.headers` (derived there from the header classes), still importable from here.
-_DERIVED = frozenset({"OP_SCHEMAS", "REPLY_SCHEMAS", "OpSchema", "parse", "parse_reply", "validate"})
-
-
-def __getattr__(name: str) -> Any:
-    # Imported on first use: headers imports this module (its classes' fields use the checkers above).
-    if name in _DERIVED:
-        from prorl_cli.protocol import headers
-
-        return getattr(headers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

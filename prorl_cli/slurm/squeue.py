@@ -20,11 +20,18 @@ log = logging.getLogger(__name__)
 
 # squeue fields: job id (123_4 for array tasks), state, reason, node list, elapsed, time left, name.
 _FORMAT = "%i|%T|%r|%N|%M|%L|%j"
-ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"})
+#: Slurm's final job states. A task is active (holds or waits for resources) unless squeue shows one of
+#: these: squeue prints a state *flag* in place of the base state while one is set (SIGNALING while a
+#: signal such as the time-limit warning is delivered, STAGE_OUT, STOPPED, REQUEUE_HOLD, SPECIAL_EXIT,
+#: RESV_DEL_HOLD, ...), so a list of live states would take a task being signalled for a gone one, and a
+#: state a later Slurm adds counts as still there.
+ENDED_STATES = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+                          "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT", "REVOKED"})
 #: Final states of a task that ended without being asked to (not cancelled, not a clean exit).
 UNASKED_END_STATES = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE"})
-#: squeue states of a task that holds its allocation.
-RUNNING_STATES = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "RESIZING"})
+#: squeue states of a task that holds its allocation (the flags a running task can show included).
+RUNNING_STATES = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "RESIZING", "SIGNALING", "STAGE_OUT",
+                            "STOPPED"})
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,8 @@ class SlurmTask:
 
     @property
     def active(self) -> bool:
-        return self.state in ACTIVE_STATES
+        """Holds or waits for resources: any state but a final one (see ``ENDED_STATES``)."""
+        return self.state not in ENDED_STATES
 
     @property
     def pending_reason(self) -> str | None:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from prorl_cli import protocol as P
 from prorl_cli.exceptions import ProtocolError
-from prorl_cli.protocol.schema import OP_SCHEMAS
+from prorl_cli.protocol.headers import OP_SCHEMAS
 from prorl_cli.testing import grammar
 from prorl_cli.testing.samples import TO_BRIDGE, TO_NODE
 from tests.harness import Deployment, bare_dealer

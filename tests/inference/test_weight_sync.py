@@ -187,6 +187,39 @@ def test_update_weights_names_a_backend_that_cannot_reload(stack: Any) -> None:
     assert d.client.status().policy_version == 0
 
 
+
+def test_sync_weights_is_a_whole_step_boundary_and_a_failing_load_leaves_generation_running(stack: Any) -> None:
+    d = stack()
+    engine = VersionedEngine()
+    stack.bridge(d, "b1", engine)
+    synced = d.client.sync_weights("/ckpt/v3", policy_version=3, drain_timeout_s=30, timeout_s=60)
+    assert synced.updated == ["b1"] and engine.reloads == ["/ckpt/v3"]
+    report = d.client.status()
+    assert report.policy_version == 3 and not report.generation_paused
+    (after,) = d.client.wait(d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2}), timeout_s=60)
+    assert after.output["outputs"] == [[103]] and after.output["versions"] == [3]
+    # A trainer's own load that raises: the error goes on, generation resumes under the version served before.
+    with pytest.raises(RuntimeError, match="disk full"), d.client.generation_paused(4, drain_timeout_s=30):
+        assert d.client.status().generation_paused
+        raise RuntimeError("disk full")
+    report = d.client.status()
+    assert not report.generation_paused and report.policy_version == 3
+    (again,) = d.client.wait(d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2}), timeout_s=60)
+    assert again.output["versions"] == [3]
+
+
+def test_sync_weights_to_a_bridge_that_cannot_reload_raises_and_resumes(stack: Any) -> None:
+    from prorl_cli.exceptions import ReloadFailed
+
+    d = stack()
+    stack.bridge(d, "b1", CountingEngine())
+    with pytest.raises(ReloadFailed, match="b1"):
+        d.client.sync_weights("/ckpt/v2", policy_version=2, drain_timeout_s=30, timeout_s=30)
+    assert not d.client.status().generation_paused
+    (res,) = d.client.wait(d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2}), timeout_s=60)
+    assert res.state == "done"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_reload_serves_the_new_checkpoint_like_a_fresh_bridge(stack: Any, tiny_model: Path, tmp_path: Path) -> None:

@@ -227,3 +227,28 @@ def test_a_deployment_being_taken_down_is_not_supervised(tmp_path: Path, monkeyp
         passed = supervise_once(deployment_dir, now=now)
         assert passed.stopping and passed.replaced == [] and passed.next_due_at is None
     assert slurm.submitted == [] and not (deployment_dir / SUPERVISION_NAME).exists()
+
+
+@pytest.mark.parametrize("state", ["SIGNALING", "STAGE_OUT", "STOPPED", "REQUEUE_HOLD", "SPECIAL_EXIT",
+                                   "RESV_DEL_HOLD", "REQUEUE_FED", "SUSPENDED", "A_STATE_SLURM_ADDS_LATER"])
+def test_a_task_showing_a_state_flag_is_still_there_and_not_replaced(
+        state: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # squeue prints a flag in place of the base state while it is set: SIGNALING while the time-limit warning
+    # reaches a running node. Only a final state means the task is gone.
+    slurm = FakeSlurm(monkeypatch)
+    deployment_dir = _launched(tmp_path, "L5")
+    slurm.states["10_0"] = state
+    assert [t.job_id for t in squeue.active(["10_0"])] == ["10_0"]
+    for now in (1000.0, 1100.0, 9999.0):
+        assert supervise_once(deployment_dir, now=now).replaced == []
+    assert slurm.submitted == []
+
+
+@pytest.mark.parametrize("state", sorted(squeue.ENDED_STATES))
+def test_a_task_in_a_final_state_is_gone(state: str) -> None:
+    assert not SlurmTask("10_0", state, "None", "", "0:01", "", "prorl-x-nodes").active
+
+
+def test_a_running_task_being_signalled_holds_its_allocation() -> None:
+    assert {"SIGNALING", "STAGE_OUT", "STOPPED"} <= squeue.RUNNING_STATES
+    assert not squeue.RUNNING_STATES & squeue.ENDED_STATES
