@@ -162,6 +162,10 @@ class SlurmError(ProrlError, RuntimeError):
     """A Slurm command failed, or a deployment could not be launched, scaled or taken down."""
 
 
+class PlanError(ProrlError, ValueError):
+    """A workload, results file or cluster shape ``prorl plan`` cannot use; the message names the file, line or field."""
+
+
 class DomainError(ProrlError, ValueError):
     """A task instance or a domain setting that a domain handler cannot use (names the field)."""
 

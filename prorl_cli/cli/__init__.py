@@ -17,6 +17,7 @@ from prorl_cli.cli.jobs.results import results
 from prorl_cli.cli.launch import down, launch, render_sbatch, scale
 from prorl_cli.cli.logs import logs
 from prorl_cli.cli.observe import OBSERVE_COMMANDS
+from prorl_cli.cli.plan import plan
 from prorl_cli.cli.quickstart import quickstart
 from prorl_cli.cli.sample import sample
 from prorl_cli.cli.serve import serve
@@ -51,6 +52,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     Login node:   prorl build-images, prorl launch / scale / down / logs / render-sbatch
     Allocations:  prorl serve broker | node | inference
     Trainer:      prorl submit, sample, results, status, cancel, backends, stop
+    Planning:     prorl plan (rollouts/s and informative groups per GPU-hour of a cluster shape)
     One machine:  prorl quickstart
     Start here:   prorl init [--slurm] (commented prorl.yaml, deploy.yaml), prorl config show
     """
@@ -58,7 +60,7 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     ctx.obj = App(config_path, {k: v for k, v in overrides.items() if v is not None})
 
 
-for command in (serve, submit, sample, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch, eval_command, swe):
+for command in (serve, submit, sample, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch, eval_command, swe, plan):
     cli.add_command(command)
 for command in OBSERVE_COMMANDS:  # trace, inspect, report, top
     cli.add_command(command)

@@ -107,6 +107,23 @@ class SimProfile:
         profile.validate(str(path))
         return profile
 
+    def step_s(self, prefill_tokens: int, decoders: int, context_tokens: int) -> float:
+        """GPU seconds of one engine step: ``prefill_tokens`` uncached prompt tokens computed, ``decoders``
+        sequences decoding one token each over ``context_tokens`` tokens of context in all.
+
+        The one statement of the GPU model: :class:`SimEngine` and the capacity planner
+        (:mod:`prorl_cli.planning.simulator`) both cost their steps here, so they cannot drift apart.
+        """
+        return (self.step_base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decoders
+                + self.kv_read_s_per_token * context_tokens)
+
+    def decode_steps_s(self, decoders: int, context_tokens: int, steps: int) -> float:
+        """GPU seconds of ``steps`` decode-only steps of ``decoders`` sequences whose context starts at
+        ``context_tokens`` (all of them together) and grows by one token per sequence per step:
+        the sum of :meth:`step_s` over those steps, in closed form."""
+        return (steps * (self.step_base_s + self.decode_s_per_seq * decoders)
+                + self.kv_read_s_per_token * (steps * context_tokens + decoders * steps * (steps - 1) / 2))
+
     def validate(self, where: str) -> None:
         """Reject settings the simulator cannot run, naming the key."""
         for f in dataclasses.fields(self):
@@ -390,8 +407,7 @@ class SimEngine(Engine):
             self._running.append(req)
 
     def _step_s(self, n_prefill: int, decoders: int, context: int) -> float:
-        p = self.profile
-        return p.step_base_s + p.prefill_s_per_token * n_prefill + p.decode_s_per_seq * decoders + p.kv_read_s_per_token * context
+        return self.profile.step_s(n_prefill, decoders, context)
 
     async def _schedule(self) -> None:
         speedup = self.profile.speedup

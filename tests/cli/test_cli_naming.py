@@ -12,8 +12,8 @@ import pytest
 
 from prorl_cli.cli import cli
 
-#: Commands that act on no deployment: they build, make, check or read files.
-NO_DEPLOYMENT = {"quickstart", "build-images", "images", "dev", "config check", "trace", "inspect", "report"}
+#: Commands that act on no deployment: they build, make, check, read files or simulate (plan).
+NO_DEPLOYMENT = {"quickstart", "build-images", "images", "dev", "config check", "trace", "inspect", "report", "plan"}
 
 
 def _leaves(group: click.Group, prefix: str = "") -> list[tuple[str, click.Command]]:

@@ -1,0 +1,103 @@
+"""A capacity plan: one simulation per candidate of jobs in flight, and the recommended one.
+
+The figures per candidate (:class:`Prediction`) are in simulated seconds of
+compute; informative groups per GPU-hour are rollouts/s times the chance that
+a group is informative (:meth:`Workload.p_informative`), over the group size,
+per GPU the plan holds. The recommendation rule is :data:`RULE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prorl_cli.inference.sim_engine import SimProfile
+from prorl_cli.planning.simulator import ClusterShape, SimResult, simulate
+from prorl_cli.planning.workload import PlanError, Workload
+
+#: Within this share of the best informative groups per GPU-hour, fewer jobs in flight win.
+TOLERANCE = 0.05
+RULE = ("the smallest in_flight within 5% of the best informative groups per GPU-hour "
+        "(fewer jobs in flight: less off-policy lag, less KV pressure)")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What one sampler setting (jobs in flight) delivers on the cluster shape."""
+
+    in_flight: int
+    rollouts_per_s: float
+    informative_groups_per_gpu_hour: float
+    gpu_busy_share: float
+    mean_rollout_s: float
+    prefix_hit_rate: float
+    #: Rollouts measured (after warm-up) and the simulated seconds they took.
+    measured_rollouts: int
+    window_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sweep over ``in_flight`` and the recommended setting, with what it was computed from."""
+
+    workload: str
+    workload_rollouts: int
+    mean_calls_per_rollout: float
+    profile: str
+    cluster: ClusterShape
+    group_size: int
+    p_informative: float
+    rollouts: int
+    seed: int
+    sweep: tuple[Prediction, ...]
+    recommended: Prediction
+    rule: str = RULE
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (``prorl plan --json``)."""
+        return dataclasses.asdict(self)
+
+
+def recommend(sweep: Sequence[Prediction]) -> Prediction:
+    """:data:`RULE` applied to ``sweep`` (by rollouts/s when no group is ever informative)."""
+    if not sweep:
+        raise PlanError("no in_flight candidate to recommend from")
+    by_groups = any(p.informative_groups_per_gpu_hour > 0 for p in sweep)
+
+    def value(p: Prediction) -> float:
+        return p.informative_groups_per_gpu_hour if by_groups else p.rollouts_per_s
+
+    best = max(value(p) for p in sweep)
+    return min((p for p in sweep if value(p) >= best * (1 - TOLERANCE)), key=lambda p: p.in_flight)
+
+
+def make_plan(
+    workload: Workload, profile: SimProfile, cluster: ClusterShape, *, group_size: int, in_flight: Sequence[int],
+    rollouts: int, seed: int = 0,
+) -> Plan:
+    """Simulate each ``in_flight`` candidate for ``rollouts`` rollouts and recommend one."""
+    cluster.validate()
+    if not isinstance(group_size, int) or group_size < 2:
+        raise PlanError(f"group size must be at least 2, got {group_size!r}")
+    candidates = sorted(set(in_flight))
+    if not candidates or candidates[0] < 1:
+        raise PlanError(f"in_flight candidates must be positive integers, got {list(in_flight)!r}")
+    p_inf = workload.p_informative(group_size)
+    sweep = tuple(_prediction(simulate(workload, profile, cluster, n, rollouts), p_inf, group_size, cluster)
+                  for n in candidates)
+    return Plan(
+        workload=workload.source, workload_rollouts=len(workload.shapes), mean_calls_per_rollout=workload.mean_calls,
+        profile=profile.name, cluster=cluster, group_size=group_size, p_informative=p_inf, rollouts=rollouts,
+        seed=seed, sweep=sweep, recommended=recommend(sweep),
+    )
+
+
+def _prediction(r: SimResult, p_informative: float, group_size: int, cluster: ClusterShape) -> Prediction:
+    return Prediction(
+        in_flight=r.in_flight, rollouts_per_s=r.rollouts_per_s,
+        informative_groups_per_gpu_hour=r.rollouts_per_s * p_informative / group_size * 3600.0 / cluster.gpus,
+        gpu_busy_share=r.gpu_busy_share, mean_rollout_s=r.mean_rollout_s, prefix_hit_rate=r.prefix_hit_rate,
+        measured_rollouts=r.rollouts, window_s=r.window_s,
+    )

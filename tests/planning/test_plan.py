@@ -1,0 +1,267 @@
+"""``prorl plan``: the capacity planner's simulation, its workload readers and its command line.
+
+Everything here runs on the simulated clock: no processes, no sleeps, no timing assertions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from prorl_cli.cli import cli
+from prorl_cli.inference.sim_engine import PROFILES_DIR, SimEngine, SimProfile
+from prorl_cli.planning import (
+    Call,
+    ClusterShape,
+    PlanError,
+    Prediction,
+    RolloutShape,
+    Workload,
+    make_plan,
+    recommend,
+    simulate,
+)
+from prorl_cli.protocol import JobResult
+
+#: A small SWE-like workload (sim_agent's fields), quick to simulate.
+SMALL = {
+    "turns": [3, 6], "prompt_tokens": 1000,
+    "output_tokens": {"median": 80, "sigma": 0.5, "max": 400},
+    "observation_tokens": {"median": 300, "sigma": 0.8, "max": 2000},
+    "tool_s": {"median": 1.0, "sigma": 0.8, "max": 20},
+    "p_solve": [0.0, 0.3, 0.5, 1.0],
+}
+
+
+@pytest.fixture(scope="module")
+def profile() -> SimProfile:
+    return SimProfile.load("h100-8b")
+
+
+def test_same_input_gives_identical_figures(profile: SimProfile) -> None:
+    a = make_plan(Workload.from_description(SMALL, 150, seed=3), profile, ClusterShape(bridges=2),
+                  group_size=4, in_flight=[4, 16], rollouts=150, seed=3)
+    b = make_plan(Workload.from_description(SMALL, 150, seed=3), profile, ClusterShape(bridges=2),
+                  group_size=4, in_flight=[16, 4], rollouts=150, seed=3)
+    assert a.to_dict() == b.to_dict()
+    assert [p.in_flight for p in a.sweep] == [4, 16]
+    assert all(p.rollouts_per_s > 0 and 0 < p.gpu_busy_share <= 1 for p in a.sweep)
+    # Another seed draws other rollouts, so other figures.
+    c = make_plan(Workload.from_description(SMALL, 150, seed=4), profile, ClusterShape(bridges=2),
+                  group_size=4, in_flight=[4, 16], rollouts=150, seed=4)
+    assert c.sweep[0].rollouts_per_s != a.sweep[0].rollouts_per_s
+
+
+def _closed_form_s(p: dict[str, Any], calls: list[tuple[int, int]], gaps: list[float]) -> float:
+    """One rollout alone on an idle engine, step by step from the profile's numbers (the engine's model)."""
+    total = sum(gaps)
+    held = 0  # tokens of this rollout's context in the prefix cache (full blocks)
+    for prompt, output in calls:
+        cached = min(min(held, prompt // p["block_tokens"] * p["block_tokens"]), prompt - 1)
+        uncached = prompt - cached
+        while uncached > 0:  # chunked prefill: no decoder yet, max_batched_tokens per step
+            chunk = min(uncached, p["max_batched_tokens"])
+            total += p["step_base_s"] + p["prefill_s_per_token"] * chunk
+            uncached -= chunk
+        # The last prefill step gave the first token; each later one is a decode step of one sequence.
+        for generated in range(1, output):
+            total += p["step_base_s"] + p["decode_s_per_seq"] + p["kv_read_s_per_token"] * (prompt + generated)
+        held = (prompt + output) // p["block_tokens"] * p["block_tokens"]
+    return total
+
+
+def test_single_rollout_on_an_idle_engine_takes_the_closed_form_time(profile: SimProfile) -> None:
+    calls = [(10000, 120), (10500, 40), (11300, 1)]  # 10,000 tokens: two prefill chunks of at most 8,192
+    gaps = [1.5, 2.25]
+    shape = RolloutShape(tuple(Call(p, o) for p, o in calls), tuple(gaps))
+    raw = yaml.safe_load((PROFILES_DIR / "h100-8b.yaml").read_text())
+    expected = _closed_form_s(raw, calls, gaps)
+    # One rollout in flight on one backend: each runs alone (and finds none of the others' context cached).
+    r = simulate(Workload("one", [shape]), profile, ClusterShape(bridges=1), in_flight=1, rollouts=5)
+    assert r.mean_rollout_s == pytest.approx(expected, rel=1e-12)
+    assert r.rollouts_per_s == pytest.approx(1 / expected, rel=1e-12)
+    # Busy all the time except the tool waits.
+    assert r.gpu_busy_share == pytest.approx((expected - sum(gaps)) / expected, rel=1e-9)
+
+
+def test_engine_and_planner_share_one_step_model(profile: SimProfile) -> None:
+    engine = SimEngine(profile)
+    assert engine._step_s(300, 7, 21000) == profile.step_s(300, 7, 21000)
+    looped = sum(profile.step_s(0, 5, 4000 + 5 * i) for i in range(37))
+    assert profile.decode_steps_s(5, 4000, 37) == pytest.approx(looped, rel=1e-12)
+    slower = SimProfile.load("h100-8b", step_base_s=0.016)
+    assert slower.step_s(0, 1, 0) > profile.step_s(0, 1, 0)
+
+
+def test_throughput_does_not_fall_with_more_slots_or_bridges(profile: SimProfile) -> None:
+    work = Workload.from_description(SMALL, 200, seed=1)
+    by_slots = [simulate(work, profile, ClusterShape(bridges=2, nodes=1, slots=s), 32, 200).rollouts_per_s
+                for s in (2, 4, 8, 32)]
+    assert by_slots == sorted(by_slots)
+    assert by_slots[-1] > by_slots[0] * 2  # slot-bound at 2: more slots must help a lot
+    by_bridges = [simulate(work, profile, ClusterShape(bridges=b), 64, 200).rollouts_per_s for b in (1, 2, 4)]
+    assert by_bridges == sorted(by_bridges)
+    assert by_bridges[-1] > by_bridges[0]
+
+
+def test_recommendation_rule() -> None:
+    def pred(n: int, groups: float) -> Prediction:
+        return Prediction(n, groups / 10, groups, 0.5, 10.0, 0.9, 100, 100.0)
+
+    # 32 is within 5% of the best (64): fewer in flight wins; 16 is not.
+    assert recommend([pred(16, 90.0), pred(32, 96.0), pred(64, 100.0), pred(128, 99.0)]).in_flight == 32
+    assert recommend([pred(8, 10.0)]).in_flight == 8
+
+
+def _result_line(job_id: str, group: str, reward: float, state: str = "done",
+                 calls: tuple[tuple[float, float, int, int], ...] = ()) -> str:
+    """One line exactly as `prorl results --out` writes it (JobResult.to_wire), with a node-recorded timeline."""
+    events: list[list[Any]] = [["submitted", 0.0, 0.0], ["queued", 0.001, 0.0], ["assigned", 0.002, 0.0],
+                               ["received", 0.004, 0.0], ["wait", 0.004, 0.001, {"stage": "init"}],
+                               ["stage", 0.005, 0.5, {"stage": "init"}]]
+    run_start = 0.505
+    end = run_start
+    for t, dur, prompt, output in calls:
+        events.append(["generate", t, dur, {"backend": "sim-0", "prompt": prompt, "output": output}])
+        end = t + dur
+    events.append(["stage", run_start, end - run_start + 0.01, {"stage": "run"}])
+    events.append(["stage", end + 0.01, 0.2, {"stage": "eval"}])
+    events.append(["finished", end + 0.21, 0.0, {"state": state}])
+    result = JobResult(job_id=job_id, task="sim_agent", state=state, node_id="node-0", reward=reward,
+                       stage_s={"run": 1.0}, active_s=1.0, output={"turns": len(calls)}, group_id=group,
+                       events=events)
+    return json.dumps(result.to_wire())
+
+
+def test_workload_from_a_results_file(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    first = ((0.6, 2.0, 2000, 150), (3.1, 1.0, 2700, 80))  # gap 3.1 - 2.6 = 0.5 s
+    lines = [
+        _result_line("run-0-0", "run-0", 1.0, calls=first),
+        _result_line("run-0-1", "run-0", 0.0, calls=((0.7, 1.0, 2000, 10),)),
+        "",  # blank lines are skipped
+        _result_line("run-1-0", "run-1", 1.0, calls=((0.6, 1.0, 500, 20), (2.0, 1.0, 900, 30), (5.5, 0.5, 1500, 5))),
+        _result_line("run-1-1", "run-1", 1.0, calls=((0.6, 1.0, 500, 20),)),
+        _result_line("run-2-0", "run-2", 0.0, state="cancelled", calls=((0.6, 1.0, 500, 20),)),
+        *(_result_line(f"run-3-{k}", "run-3", reward, calls=((0.6, 1.0, 700, 9),)) for k, reward in enumerate([1, 0, 1])),
+    ]
+    # A failed call (no output) is not a call the GPU served.
+    failed = json.loads(lines[1])
+    failed["events"].insert(6, ["generate", 0.55, 0.01, {"prompt": 2000, "ok": False, "error": "BackendFailed"}])
+    lines[1] = json.dumps(failed)
+    path.write_text("\n".join(lines) + "\n")
+
+    w = Workload.from_results(path)
+    assert w.skipped == 1  # the cancelled job
+    assert [[(c.prompt_tokens, c.output_tokens) for c in s.calls] for s in w.shapes] == [
+        [(2000, 150), (2700, 80)], [(2000, 10)], [(500, 20), (900, 30), (1500, 5)], [(500, 20)], *[[(700, 9)]] * 3]
+    assert w.shapes[0].gaps_s == pytest.approx((0.5,))
+    assert w.shapes[2].gaps_s == pytest.approx((0.4, 2.5))
+    assert w.shapes[0].lead_s == pytest.approx(0.6 - 0.005)  # from the first stage to the first call
+    assert w.shapes[0].tail_s == pytest.approx(0.01 + 0.2)  # last call's end to the eval stage's end
+    assert [s.reward for s in w.shapes] == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    # Groups of 2 as measured: run-0 informative, run-1 not (run-3, of another size, aside).
+    assert w.p_informative(2) == 0.5
+    assert w.p_informative(3) == 1.0  # run-3 alone
+    # No group of 4: each group's success rate in 1 - p^n - (1-p)^n, averaged (p: 1/2, 1, 2/3).
+    assert w.p_informative(4) == pytest.approx((1 - 2 * 0.5 ** 4 + 0.0 + 1 - (2 / 3) ** 4 - (1 / 3) ** 4) / 3)
+    # A replay that ran 20 times faster than its workload: its gaps are 20 times longer in GPU time.
+    assert Workload.from_results(path, time_scale=20).shapes[0].gaps_s == pytest.approx((10.0,))
+
+
+def test_workload_description_draws_like_sim_agent() -> None:
+    w = Workload.from_description({**SMALL, "turns": 4, "seed": 9, "time_scale": 20}, 30, seed=0)
+    for s in w.shapes:
+        assert len(s.calls) == 4 and len(s.gaps_s) == 3
+        assert s.calls[0].prompt_tokens == 1000
+        for a, b in zip(s.calls, s.calls[1:], strict=False):
+            assert b.prompt_tokens > a.prompt_tokens + a.output_tokens  # the context grows by output and observation
+        assert all(1 <= c.output_tokens <= 400 for c in s.calls)
+    p = [0.0, 0.3, 0.5, 1.0]
+    assert w.p_informative(4) == pytest.approx(sum(1 - q ** 4 - (1 - q) ** 4 for q in p) / 4)
+
+
+@pytest.mark.parametrize(("desc", "fragment"), [
+    ({"output_tokens": {"median": -5}}, "output_tokens.median must be a number > 0, got -5"),
+    ({"turns": [5, 2]}, "turns must be"),
+    ({"p_solve": 1.5}, "p_solve must be a probability"),
+    ({"tool_s": {"mean": 1}}, "tool_s: unknown key(s) ['mean']"),
+    ({"turnz": 3}, "unknown field(s) ['turnz']"),
+    ([1, 2], "a workload description is a map"),
+])
+def test_bad_descriptions_name_the_field(desc: Any, fragment: str) -> None:
+    with pytest.raises(PlanError) as e:
+        Workload.from_description(desc, 10, where="w.yaml")
+    assert str(e.value).startswith("w.yaml: ") and fragment in str(e.value)
+
+
+def test_bad_results_files_name_the_file_and_line(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="nope.jsonl: no such results file"):
+        Workload.from_results(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(_result_line("a", "g", 1.0, calls=((0.6, 1.0, 10, 2),)) + "\n{not json\n")
+    with pytest.raises(PlanError, match=r"bad.jsonl:2: not valid JSON"):
+        Workload.from_results(bad)
+    row = json.loads(_result_line("a", "g", 1.0, calls=((0.6, 1.0, 10, 2),)))
+    del row["events"][6][3]["output"]
+    bad.write_text(json.dumps(row) + "\n")
+    with pytest.raises(PlanError, match=r"bad.jsonl:1: events\[6\] \(generate\) needs a token count attrs.output"):
+        Workload.from_results(bad)
+    bad.write_text(_result_line("a", "g", 1.0, state="failed", calls=((0.6, 1.0, 10, 2),)) + "\n")
+    with pytest.raises(PlanError, match="no finished rollout"):
+        Workload.from_results(bad)
+
+
+def test_bad_cluster_shapes(profile: SimProfile) -> None:
+    work = Workload.from_description(SMALL, 10)
+    with pytest.raises(PlanError, match="bridges must be at least 1, got 0"):
+        simulate(work, profile, ClusterShape(bridges=0), 4, 10)
+    with pytest.raises(PlanError, match="in_flight must be at least 1"):
+        simulate(work, profile, ClusterShape(bridges=1), 0, 10)
+    with pytest.raises(PlanError, match="group size must be at least 2"):
+        make_plan(work, profile, ClusterShape(bridges=1), group_size=1, in_flight=[4], rollouts=10)
+
+
+def _invoke(*args: str) -> Any:
+    return CliRunner().invoke(cli, ["plan", *args])
+
+
+def test_cli_plan(tmp_path: Path, profile: SimProfile) -> None:
+    wfile = tmp_path / "w.yaml"
+    wfile.write_text(yaml.safe_dump(SMALL))
+    res = _invoke("--workload", str(wfile), "--bridges", "2", "--group-size", "4", "--in-flight", "4,8",
+                  "--rollouts", "60", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert [p["in_flight"] for p in doc["sweep"]] == [4, 8]
+    assert doc["recommended"]["in_flight"] in (4, 8)
+    assert doc["cluster"]["bridges"] == 2
+    # The same figures as the API gives.
+    direct = make_plan(Workload.from_description(SMALL, 60, seed=0, where=str(wfile)), profile, ClusterShape(bridges=2),
+                       group_size=4, in_flight=[4, 8], rollouts=60)
+    assert doc["sweep"] == json.loads(json.dumps(direct.to_dict()))["sweep"]
+    table = _invoke("--workload", str(wfile), "--bridges", "2", "--in-flight", "4,8", "--rollouts", "60")
+    assert table.exit_code == 0, table.output
+    assert "recommended: --max-in-flight" in table.stdout and "informative" in table.stdout
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--results", "{tmp}/missing.jsonl", "--bridges", "1"], "missing.jsonl: no such results file"),
+    (["--results", "{tmp}/bad.jsonl", "--bridges", "1"], "bad.jsonl:1: not valid JSON"),
+    (["--workload", "{tmp}/neg.yaml", "--bridges", "1"], "output_tokens.median must be a number > 0, got -3"),
+    (["--workload", "{tmp}/neg.yaml", "--bridges", "0"], "bridges must be at least 1, got 0"),
+    (["--bridges", "1"], "give the workload as one of --results FILE or --workload FILE.yaml"),
+    (["--workload", "{tmp}/neg.yaml", "--bridges", "1", "--profile", "nosuch"], "sim profile 'nosuch'"),
+])
+def test_cli_bad_input(tmp_path: Path, args: list[str], fragment: str) -> None:
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    (tmp_path / "neg.yaml").write_text(yaml.safe_dump({"output_tokens": {"median": -3}}))
+    res = _invoke(*[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert res.exit_code == 1
+    assert "error:" in res.stderr and fragment in res.stderr
+    assert "Traceback" not in res.output
