@@ -138,6 +138,11 @@ class InferenceError(ProrlError, RuntimeError):
     """A generate call failed (backend gone, server error, context too long)."""
 
 
+class JobEnded(InferenceError):
+    """The broker ended the job a generate call was for (cancelled, timed out, moved off this node) and stopped
+    the call. The node's cancel for the job is on its way: an agent loop ends as cancelled, not as an error."""
+
+
 class BackendFailed(RemoteError, InferenceError):
     """The broker answered a generate call with an error (backend gone or failing)."""
 

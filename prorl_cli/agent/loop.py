@@ -26,7 +26,7 @@ from typing import Any
 from prorl_cli.agent.chat import ChatTokens
 from prorl_cli.agent.tools import Tool, ToolCall, ToolFn, ToolParser, get_tool_parser
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
-from prorl_cli.exceptions import InferenceError
+from prorl_cli.exceptions import InferenceError, JobEnded
 from prorl_cli.inference.contract import Generation
 from prorl_cli.observe.timeline import TOOL, record_span
 from prorl_cli.protocol import SamplingParams
@@ -93,7 +93,7 @@ class TokenSession:
             gen = await self._generate(prompt, sampling)
         except InferenceError as e:
             self.trajectory.error = {"call": len(self.calls), "type": type(e).__name__, "message": str(e)}
-            self.trajectory.stop_reason = "error"
+            self.trajectory.stop_reason = "cancelled" if isinstance(e, JobEnded) else "error"
             raise
         call = ModelCall(
             prompt_ids=prompt,
@@ -206,7 +206,8 @@ async def run_tool_agent(
         traj.stop_reason = "cancelled"  # a stage timeout arrives as a cancel too; the node relabels it
         raise
     except Exception as e:
-        traj.stop_reason = "error"
+        # A call stopped because the broker ended the job is the job's cancel arriving first, not a failure.
+        traj.stop_reason = "cancelled" if isinstance(e, JobEnded) else "error"
         traj.error = traj.error or {"call": len(traj.calls), "type": type(e).__name__, "message": str(e)}
         raise
     finally:

@@ -20,7 +20,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from prorl_cli.exceptions import BrokerRestarted, InferenceError, ProtocolError, RemoteError
+from prorl_cli.exceptions import (
+    BrokerRestarted,
+    InferenceError,
+    JobEnded,
+    ProtocolError,
+    RemoteError,
+)
 from prorl_cli.inference.contract import Generation
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.inference.settings import InferenceConfig
@@ -164,6 +170,9 @@ class NodeInference:
             self._end(job_id, call)
         if not reply.get("ok"):
             error = RemoteError.from_reply(reply)
+            if error.code == ErrorCode.UNKNOWN_JOB.value:
+                # The broker answers a call of a job it ended before the job's cancel reaches this node.
+                raise JobEnded(str(error)) from error
             if isinstance(error, InferenceError):
                 raise error
             raise InferenceError(str(error)) from error

@@ -39,6 +39,10 @@ def _shared_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, do
         "sandbox": {"runtime": "apptainer", "image": domain_image, "local_dir": str(tmp_path / "sb")},
         "inference": {"tokenizer": str(tiny_model), "generate_timeout_s": 60.0},
         "jobs": {"timeout_s": 240.0},
+        # A cancelled job's result is its node's when it comes within this grace (else the broker's, without
+        # output): what these tests check is that the node's partial trajectory is kept, not how fast a node
+        # stops its job on a 2-core machine running the Slurm tier beside it.
+        "broker": {"cancel_result_grace_s": 30.0},
         "node": {"n_init": 4, "n_run": 8, "n_eval": 4,
                  "handler_paths": [str(Path(__file__).with_name("failing_handlers.py"))]},
         "handlers": {name: {"image": domain_image} for name in ("math", "code", "swe")},
