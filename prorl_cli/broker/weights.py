@@ -16,15 +16,16 @@ Rules:
 - ``update_weights`` goes to every live bridge (HTTP backends are skipped:
   the broker cannot reload them) and is answered once each one has loaded,
   failed, been lost, or run out of ``load_timeout_s``.
-- An update that every bridge loaded becomes the deployment's current
-  weights (:class:`CurrentWeights`). A bridge that registers on other weights
-  (a requeued or preempted bridge coming back on its start checkpoint, a new
-  one from a scale-up) is sent them first (a catch-up) and is ``loading``
-  until it has them: no call is routed to it meanwhile. One that registers
-  while an update is in flight catches up on that update's weights. A bridge
-  that cannot load them (an error, or no answer within the update's
-  ``load_timeout_s``) is told to shut down and dropped, with a log line
-  saying why: it would serve a policy the trainer has left.
+- An update that every bridge loaded (also one answered while no bridge was
+  up) becomes the deployment's current weights (:class:`CurrentWeights`). A
+  bridge that registers on other weights (a requeued or preempted bridge
+  coming back on its start checkpoint, a new one from a scale-up) is sent
+  them first (a catch-up) and is ``loading`` until it has them: no call is
+  routed to it meanwhile. One that registers while an update is in flight
+  catches up on that update's weights. A bridge that cannot load them (an
+  error, or no answer within the update's ``load_timeout_s``) is told to
+  shut down and dropped, with a log line saying why: it would serve a policy
+  the trainer has left.
 - The router calls :meth:`WeightSync.check_waiters` when a call ends while a
   drain waits, :meth:`WeightSync.backend_registered` when a bridge registers
   and :meth:`WeightSync.backend_lost` when a backend goes; the loop calls
@@ -209,8 +210,8 @@ class WeightSync:
             update.waiting.clear()
             self._finish_update(update)
         for fid, catch_up in list(self._catch_ups.items()):
-            if now >= catch_up.deadline:
-                del self._catch_ups[fid]
+            # Popped, not deleted: dropping a bridge below also drops its other catch-ups (one that re-registered).
+            if now >= catch_up.deadline and self._catch_ups.pop(fid, None) is not None:
                 backend = self._backends.get(catch_up.backend_id)
                 if backend is not None and backend.alive:
                     self._cannot_load(backend, catch_up.weights, f"no answer within {catch_up.weights.load_timeout_s:g} s")
@@ -249,8 +250,11 @@ class WeightSync:
         fid = h.rid
         if not isinstance(fid, int):
             return  # the broker's forward ids are integers: not an answer to one of its updates
-        if fid in self._catch_ups:
-            self._caught_up(backend, self._catch_ups.pop(fid), h.error)
+        catch_up = self._catch_ups.get(fid)
+        if catch_up is not None:
+            if catch_up.backend_id == backend.backend_id:  # another bridge's answer leaves it waiting for its own
+                del self._catch_ups[fid]
+                self._caught_up(backend, catch_up, h.error)
             return
         update = self._update_of.get(fid)
         if update is None or update.waiting.get(fid) != backend.backend_id:
@@ -296,10 +300,11 @@ class WeightSync:
             return
         # Calls routed from now on go to the new weights (a bridge also stamps each reply with its own version).
         self.policy_version = max(self.policy_version, update.policy_version)
-        if update.updated:
-            self.current = CurrentWeights(update.checkpoint, update.policy_version, update.load_timeout_s)
-            if self._record is not None:
-                self._record(self.journal_records()[0])
+        # Also with no bridge to load them (none up at the moment, or HTTP backends only): calls are stamped
+        # with this version from now on, so a bridge that joins later must load these weights before it serves.
+        self.current = CurrentWeights(update.checkpoint, update.policy_version, update.load_timeout_s)
+        if self._record is not None:
+            self._record(self.journal_records()[0])
         self._send(w.identity, P.reply(w.rid, **fields), ())
 
     def journal_records(self) -> list[dict[str, Any]]:
@@ -346,8 +351,6 @@ class WeightSync:
         self._catch_ups[fid] = CatchUp(backend.backend_id, target, time.monotonic() + target.load_timeout_s)
 
     def _caught_up(self, backend: Backend, catch_up: CatchUp, error: dict[str, Any] | None) -> None:
-        if backend.backend_id != catch_up.backend_id:
-            return  # another bridge's (a forward id is answered by the peer it went to)
         if error:
             self._cannot_load(backend, catch_up.weights, str(error.get("message")))
             return

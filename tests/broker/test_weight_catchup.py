@@ -122,3 +122,48 @@ def test_a_bridge_that_cannot_load_the_current_weights_is_shut_down() -> None:
     c.router.check_waiters(time.monotonic() + 601)
     assert [h["op"] for h in c.take(b3)] == [Op.SHUTDOWN.value] and "b3" not in _statuses(c)
     assert _statuses(c) == {"b1": (1, False)}
+
+
+def test_a_bridge_that_registered_twice_while_catching_up_is_dropped_once_when_both_time_out() -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    (fwd,) = _update(c, 1).values()
+    _loaded(c, b1, fwd)
+    first = _register(c, "b2")
+    again = _register(c, "b2")  # the same peer registering again (it thought us dead): a second catch-up
+    assert again == first
+    catch_ups = [h for h in c.take(again) if h["op"] == Op.UPDATE_WEIGHTS.value]
+    assert len(catch_ups) == 2
+    # Neither is answered; both are past their deadline on the same tick: b2 goes once, the broker's tick goes on.
+    c.router.check_waiters(time.monotonic() + 601)
+    assert [h["op"] for h in c.take(again)] == [Op.SHUTDOWN.value] and _statuses(c) == {"b1": (1, False)}
+
+
+def test_another_bridge_answering_a_catch_up_leaves_it_waiting_for_its_own_bridge() -> None:
+    c = Cluster()
+    b1 = c.bridge("b1")
+    (fwd,) = _update(c, 1).values()
+    _loaded(c, b1, fwd)
+    c.take()
+    b2 = _register(c, "b2")
+    (catch_up,) = [h for h in c.take(b2) if h["op"] == Op.UPDATE_WEIGHTS.value]
+    _loaded(c, b1, catch_up)  # b1 answers b2's forward id (a confused or hostile peer): ignored
+    assert _statuses(c)["b2"] == (None, True)
+    _loaded(c, b2, catch_up)  # b2's own answer still counts: it serves
+    assert _statuses(c)["b2"] == (1, False)
+
+
+def test_weights_synced_while_no_bridge_is_up_are_what_a_bridge_joining_later_loads() -> None:
+    """An update answered with no bridge to load it (all requeued at that moment) still sets the current
+    weights: the broker stamps its version on every call from then on, so a bridge back on its start weights
+    must load them before it serves, or its tokens would carry a version they were not sampled with."""
+    c = Cluster()
+    assert _update(c, 1) == {}
+    (answer,) = [h for h in c.take(b"trainer")]
+    assert answer.get("ok") and answer["updated"] == [] and c.router.policy_version == 1
+    b1 = _register(c, "b1")
+    (catch_up,) = [h for h in c.take(b1) if h["op"] == Op.UPDATE_WEIGHTS.value]
+    assert (catch_up["checkpoint"], catch_up["policy_version"]) == ("/c/v1", 1)
+    assert _statuses(c)["b1"] == (None, True)
+    _loaded(c, b1, catch_up)
+    assert _statuses(c)["b1"] == (1, False)
