@@ -447,8 +447,7 @@ class AsyncRolloutClient:
         if not wait:
             await self._call(H.PauseGeneration(H.NEW_RID, version).to_wire())
             return
-        if not (isinstance(timeout_s, int | float) and 0 <= timeout_s <= 1e6):
-            raise ValueError(f"timeout_s must be a number of seconds in [0, 1e6], got {timeout_s!r}")
+        _check_drain_s(timeout_s)
         await self._call_keeping_fields(H.PauseGeneration(H.NEW_RID, version, float(timeout_s)), timeout_s)
 
     async def update_weights(
@@ -468,8 +467,7 @@ class AsyncRolloutClient:
         version = _checked_version(policy_version)
         if version is None:
             raise ValueError("update_weights needs a policy_version")
-        if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= 1e9):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        _check_load_s(timeout_s)
         path = os.path.abspath(os.fspath(checkpoint))
         header = await self._call_keeping_fields(H.UpdateWeights(H.NEW_RID, path, version, float(timeout_s)), timeout_s)
         reply: H.WeightsUpdateReply = P.parse_reply(Op.UPDATE_WEIGHTS, header)
@@ -490,6 +488,8 @@ class AsyncRolloutClient:
         version = _checked_version(policy_version)
         if version is None:
             raise ValueError("generation_paused needs a policy_version")
+        # Refused before the pause: a bad argument must neither pause the deployment nor resume one paused before.
+        _check_drain_s(drain_timeout_s, "drain_timeout_s")
         try:
             await self.pause_generation(wait=True, timeout_s=drain_timeout_s)
         except BaseException:
@@ -511,6 +511,8 @@ class AsyncRolloutClient:
         :meth:`update_weights` inside :meth:`generation_paused`: calls in flight finish on the old weights,
         none starts during the load, and generation resumes however the load ends.
         """
+        os.fspath(checkpoint)  # bad arguments raise before the drain, not after it
+        _check_load_s(timeout_s)
         async with self.generation_paused(policy_version, drain_timeout_s=drain_timeout_s):
             return await self.update_weights(checkpoint, policy_version, timeout_s=timeout_s)
 
@@ -551,6 +553,16 @@ def _checked_version(policy_version: int | None) -> int | None:
     if not isinstance(policy_version, int) or isinstance(policy_version, bool) or policy_version < 0:
         raise ValueError(f"policy_version must be a non-negative integer, got {policy_version!r}")
     return policy_version
+
+
+def _check_drain_s(timeout_s: float, name: str = "timeout_s") -> None:
+    if not (isinstance(timeout_s, int | float) and 0 <= timeout_s <= 1e6):
+        raise ValueError(f"{name} must be a number of seconds in [0, 1e6], got {timeout_s!r}")
+
+
+def _check_load_s(timeout_s: float) -> None:
+    if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= 1e9):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
 
 
 #: A ``ping``: the broker's address, deployment and boot id (also the client's liveness probe).

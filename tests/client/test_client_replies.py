@@ -83,3 +83,30 @@ def test_a_malformed_reply_is_a_protocol_error_naming_the_field(
             await client.close()
 
     with_router(play)
+
+
+def test_bad_arguments_to_a_step_boundary_are_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    """``generation_paused`` and ``sync_weights`` check their arguments first: a bad one neither pauses (and
+    drains) the deployment nor resumes one paused before; the broker's first request is the ping sent after."""
+
+    async def play(router: zmq.asyncio.Socket) -> None:
+        client = AsyncRolloutClient(address=router.getsockopt_string(zmq.LAST_ENDPOINT),
+                                    config=ProrlConfig(home=str(tmp_path)), request_timeout_s=2.0)
+        try:
+            first = asyncio.ensure_future(receive_request(router))
+            with pytest.raises(ValueError, match=r"drain_timeout_s must be a number of seconds in \[0, 1e6\], got -1"):
+                async with client.generation_paused(2, drain_timeout_s=-1):
+                    pytest.fail("the block ran")
+            with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds, got 0"):
+                await client.sync_weights(tmp_path, 2, timeout_s=0)
+            with pytest.raises(TypeError):
+                await client.sync_weights(None, 2)  # type: ignore[arg-type]
+            ping = asyncio.ensure_future(client.ping())
+            identity, header = await first
+            assert header["op"] == P.Op.PING.value
+            await router.send_multipart([identity, *P.encode(P.reply(header["rid"]), ())])
+            await ping
+        finally:
+            await client.close()
+
+    with_router(play)
