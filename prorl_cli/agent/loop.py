@@ -174,7 +174,8 @@ async def run_tool_agent(
 ) -> Trajectory:
     """Generate, run tool calls, append their results; stop on a turn without tool calls.
 
-    A failing generate call ends the loop with ``stop_reason == "error"`` and
+    A failing generate call ends the loop with ``stop_reason == "error"`` (or
+    ``"cancelled"`` when the broker ended the job: :class:`JobEnded`) and
     ``trajectory.error`` set; the trajectory so far is returned, not lost.
 
     ``record_into``: where the trajectory goes, so a RUN that times out, fails

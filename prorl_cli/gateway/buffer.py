@@ -300,9 +300,10 @@ class TokenBuffer:
             last = self.trajectory.calls[-1] if self.trajectory.calls else None
             continued = last is not None and prompt[: len(last.prompt_ids) + len(last.output_ids)] == \
                 last.prompt_ids + last.output_ids
+            # Judged before a new segment is added: the job's first call opens a conversation, it edits none.
+            reason = None if continued or not self.segments else "a text prompt that does not extend the last call"
             seg = self.segments[last.segment] if continued and last is not None else \
                 self._new_segment(chat, "text", req.agent)
-            reason = None if continued or not self.segments else "a text prompt that does not extend the last call"
             sampling = self._sampling(req, chat)
             gen = await self._generate(prompt, sampling)
             out, lps, stop_string = list(gen.output_ids), list(gen.logprobs), None
