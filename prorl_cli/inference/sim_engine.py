@@ -79,6 +79,8 @@ class SimProfile:
     kv_budget_tokens: int = 400000
     output_tokens_median: float = 256.0
     output_tokens_sigma: float = 0.8
+    #: GPU seconds an in-place weight load holds the engine (nothing served meanwhile); 0: not modelled.
+    reload_s: float = 0.0
     speedup: float = 1.0
     seed: int = 0
 
@@ -240,6 +242,9 @@ class SimCounters:
     lag_sum_s: float = 0.0
     lag_max_s: float = 0.0
     lag_samples: int = 0
+    #: In-place weight loads, and the GPU seconds they held the engine (``reload_s`` each).
+    reloads: int = 0
+    reload_s: float = 0.0
 
     def note_lag(self, behind_s: float) -> None:
         self.lag_samples += 1
@@ -305,8 +310,16 @@ class SimEngine(Engine):
         tmp.replace(path)
 
     async def reload(self, checkpoint: str, policy_version: int) -> None:
-        """Simulated weights: nothing to load; the prefix cache goes, as a real engine's does with new weights."""
+        """Simulated weights: nothing is read, but the load holds the engine for the profile's ``reload_s``
+        (the bridge has drained it first), and the prefix cache goes, as a real engine's does with new weights:
+        a rollout's next call after the load prefills its whole context again."""
         self.cache = PrefixCache(self.profile.block_tokens, self.profile.kv_budget_tokens)
+        self.counters.reloads += 1
+        if self.profile.reload_s > 0:
+            self.counters.reload_s += self.profile.reload_s
+            # On the virtual timeline: the engine's next step starts after the load.
+            self._t = max(self._t, time.monotonic()) + self.profile.reload_s / self.profile.speedup
+            await asyncio.sleep(max(0.0, self._t - time.monotonic()))
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         if not prompt_ids:
@@ -357,6 +370,8 @@ class SimEngine(Engine):
             "output_tokens": c.output_tokens,
             "requests": c.requests,
             "aborted": c.aborted,
+            "reloads": c.reloads,
+            "reload_s": round(c.reload_s, 3),
             "running": len(self._running),
             # What the broker's KV admission sizes this backend's live jobs by.
             "kv_capacity_tokens": self.profile.kv_budget_tokens,

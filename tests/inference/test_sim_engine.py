@@ -137,6 +137,36 @@ def test_cancelled_call_leaves_the_batch() -> None:
     assert stats["running"] == 0 and stats["aborted"] == 1
 
 
+def test_a_weight_load_holds_the_engine_for_reload_s_and_drops_the_prefix_cache() -> None:
+    """New weights: nothing served for the profile's reload_s (not busy time), and no prefix is reused."""
+    import time
+
+    async def go() -> tuple[int, dict[str, float], dict[str, float], float, float]:
+        eng = SimEngine(SimProfile.load(speedup=200.0, reload_s=3.0), keep_ledger=True)
+        prompt = list(range(1, 801))
+        params = SamplingParams(max_tokens=8, ignore_eos=True, seed=1)
+        try:
+            await eng.generate(prompt, params)
+            await eng.generate(prompt, params)
+            warm_hits = int(eng.stats()["cached_tokens"])
+            before = eng.stats()
+            load_from = time.monotonic()
+            await eng.reload("checkpoint", 1)
+            await eng.generate(prompt, params)
+            assert eng.ledger is not None and eng.ledger[-1].admitted_at is not None
+            return warm_hits, before, eng.stats(), load_from, eng.ledger[-1].admitted_at
+        finally:
+            await eng.close()
+
+    warm_hits, before, after, load_from, admitted_at = _run(go())
+    assert warm_hits > 0  # the second call found the first one's prompt cached
+    assert after["cached_tokens"] == before["cached_tokens"]  # after the load, none of it
+    assert after["reloads"] == 1 and after["reload_s"] == 3.0
+    # On the engine's timeline the next call starts after the load (3 GPU-s at 200x), which is not busy time.
+    assert admitted_at >= load_from + 3.0 / 200
+    assert after["busy_s"] - before["busy_s"] < 3.0
+
+
 def test_bad_profiles_are_named(tmp_path: Path) -> None:
     with pytest.raises(InferenceError, match="no such file or profile"):
         SimProfile.load("no-such-gpu")
