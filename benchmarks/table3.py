@@ -65,9 +65,20 @@ GPU-second: per held GPU-second (the replay's window x backends: counts
 idle time, so it moves with this machine's load) and per busy GPU-second
 (engine step clocks only: does not). ``--plot-breakdown`` draws it.
 
+``--weight-sync`` makes each step boundary a trainer's: ``update_weights`` to
+version k+1 (each bridge lets its calls in flight finish, the engine is held
+``--reload-gpu-s`` for the load and drops its prefix cache, so a carried
+rollout's next call prefills its whole context again). A rollout carried
+across the sync then has calls of two versions, and the off-policy share is
+also counted per token (the version that served it, the rollout's
+``tokens_by_version``): a carried rollout's tail is on-policy, its head is
+not. ``--plot-pareto`` draws informative groups per GPU-second against
+that share, the two axes of the throughput/staleness trade-off.
+
     python benchmarks/table3.py [--steps 12] [--n 4] [--target 8] [--in-flight 128] [--speedup 20]
         [--seeds 0,1,2] [--only full,sync,carry_over] [--plot docs/img/table3.png]
-        [--plot-breakdown docs/img/table3_breakdown.png] [--json out.json] [--from-json out.json]
+        [--plot-breakdown docs/img/table3_breakdown.png] [--weight-sync [--reload-gpu-s 2]]
+        [--plot-pareto docs/img/table3_pareto.png] [--json out.json] [--from-json out.json]
 """
 
 from __future__ import annotations
@@ -167,6 +178,16 @@ class Outcome:
     step_idle_gpu_s: list[float] = field(default_factory=list)
     #: Output tokens of returned groups submitted under an older policy version, over all returned tokens.
     off_policy_token_fraction: float = 0.0
+    #: Output tokens of returned groups served by an older policy version than the step's, over all returned
+    #: tokens (per token: a rollout carried across a weight sync counts only its calls before it). Equal to the
+    #: group-level share above without ``--weight-sync`` would be wrong: the engines then never change version,
+    #: so it is 0 there.
+    stale_token_fraction: float = 0.0
+    #: Mean versions behind per returned output token (per token, as above).
+    token_lag_versions: float = 0.0
+    #: GPU seconds the weight syncs between steps took (wall x speedup: drains and loads), and the loads alone.
+    weight_sync_gpu_s: float = 0.0
+    reload_gpu_s: float = 0.0
     #: Mean GPU-time gap between a job's call ending at its engine and its next call arriving there: the
     #: modelled tool time plus this machine's hops (node, broker, bridge) scaled by ``speedup``. Far above
     #: the modelled tool time, the replay measures this machine's CPU latency, not the configurations.
@@ -250,6 +271,20 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         "log_level": "WARNING",
     }
     tasks = prompts(seed, 4096, args.tool_median_s, args.speedup, delay, absorb_hops=not args.real_hops)
+    if args.weight_sync:
+        # The default profile, with a weight load that holds each engine for --reload-gpu-s.
+        import yaml
+
+        from prorl_cli.inference.sim_engine import PROFILES_DIR
+
+        profile = yaml.safe_load((PROFILES_DIR / "h100-8b.yaml").read_text())
+        profile["reload_s"] = args.reload_gpu_s
+        path = home / f"profile-{name}-{seed}.yaml"
+        path.write_text(yaml.safe_dump(profile))
+        config["inference"]["sim_profile"] = str(path)
+    sync_wall_s = 0.0
+    stale_tokens = returned_tokens = 0
+    lag_tokens = 0
     with LocalStack(home / f"{name}-{seed}", "t3", config) as stack:
         stack.start_broker()
         stack.start_node("node-0")
@@ -281,6 +316,18 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
                 rollouts += (len(batch.groups) + st.filtered) * args.n
                 cancelled += st.cancelled_jobs
                 returned += [([r.job_id for r in g.results], g.policy_version < k) for g in batch.groups]
+                for r in (r for g in batch.groups for r in g.results if isinstance(r.output, dict)):
+                    for version, n in (r.output.get("tokens_by_version") or {}).items():
+                        behind = k - int(version) if version.isdigit() else 0
+                        returned_tokens += n
+                        stale_tokens += n if behind > 0 else 0
+                        lag_tokens += n * max(0, behind)
+                if args.weight_sync and k + 1 < args.steps:
+                    # The trainer's step boundary: every bridge lets its calls in flight finish on the old
+                    # weights, loads the new ones (the cache goes with them) and serves them as version k + 1.
+                    t0 = time.monotonic()
+                    stack.client.update_weights(home / "checkpoint", policy_version=k + 1)
+                    sync_wall_s += time.monotonic() - t0
                 for r in (r for g in batch.groups for r in g.results if isinstance(r.output, dict)):
                     hop_s += float(r.output.get("hops_s", 0.0))
                     unabsorbed_s += float(r.output.get("overrun_s", 0.0))
@@ -323,6 +370,9 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         step_in_flight=in_flight_means,
         step_idle_gpu_s=[round(idle_gpu_s(ledgers, a, b), 1) for a, b in zip(bounds, bounds[1:], strict=False)],
         off_policy_token_fraction=round(late / all_returned, 3) if all_returned else 0.0,
+        stale_token_fraction=round(stale_tokens / returned_tokens, 3) if returned_tokens else 0.0,
+        token_lag_versions=round(lag_tokens / returned_tokens, 3) if returned_tokens else 0.0,
+        weight_sync_gpu_s=round(sync_wall_s * args.speedup, 1), reload_gpu_s=round(d.get("reload_s", 0.0), 1),
         call_gap_gpu_s=round(statistics.fmean(gaps) * args.speedup, 2) if gaps else 0.0,
         # The sim_agent's tool time is log-normal: mean = median * exp(sigma^2 / 2), sigma 1.
         tool_mean_gpu_s=round(args.tool_median_s * math.exp(0.5) + delay, 2),
@@ -398,6 +448,8 @@ class Useful:
     vs_sync_range: tuple[float, float] | None
     vs_full: float | None
     off_policy: float
+    #: Per-token off-policy share (by the version that served each token; see Outcome.stale_token_fraction).
+    stale_tokens: float
     #: Mean share of held GPU-seconds per outcome, and "idle".
     shares: dict[str, float]
     recomputed_per_call: float
@@ -430,7 +482,8 @@ def useful_work(outcomes: list[Outcome]) -> list[Useful]:
             statistics.fmean(ratios["sync"]) if ratios["sync"] else None,
             (min(ratios["sync"]), max(ratios["sync"])) if ratios["sync"] else None,
             statistics.fmean(ratios["full"]) if ratios["full"] else None,
-            statistics.fmean(o.off_policy_token_fraction for o in runs), shares,
+            statistics.fmean(o.off_policy_token_fraction for o in runs),
+            statistics.fmean(o.stale_token_fraction for o in runs), shares,
             sum(sum(o.recomputed_tokens.values()) for o in runs) / calls if calls else 0.0,
         ))
     return out
@@ -468,6 +521,38 @@ def plot_breakdown(useful: list[Useful], path: Path, title: str) -> None:
     ax2.set_xticks(x, names, rotation=20)
     ax2.set_ylabel("informative groups per 1,000 GPU-s (min-max over seeds)")
     fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_pareto(useful: list[Useful], outcomes: list[Outcome], path: Path, title: str) -> None:
+    """Informative groups per GPU-second against the off-policy token share, per configuration (seeds and mean).
+
+    The share is per token (the version that served it) where the runs synced weights between steps, else
+    per group (submitted under an older version): the two axes of the trade-off between throughput and staleness.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for i, u in enumerate(useful):
+        runs = [o for o in outcomes if o.config == u.config and not o.skipped]
+        per_token = any(o.weight_sync_gpu_s for o in runs)
+        xs = [100 * (o.stale_token_fraction if per_token else o.off_policy_token_fraction) for o in runs]
+        ys = [1000 * o.informative_per_gpu_s for o in runs]
+        color = f"C{i % 10}"
+        ax.scatter(xs, ys, s=14, color=color, alpha=0.5)
+        ax.scatter([statistics.fmean(xs)], [u.per_kgpu_s], s=60, color=color, edgecolor="black",
+                   label=f"{u.config} ({'per token' if per_token else 'per group'})")
+    ax.set_xlabel("off-policy output tokens, % of returned (lower is fresher)")
+    ax.set_ylabel("informative groups per 1,000 held GPU-s")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -537,8 +622,16 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="save a PNG plot here (e.g. docs/img/table3.png)")
     ap.add_argument("--plot-breakdown", type=Path,
                     help="save the GPU-time breakdown (stacked bars) and informative groups per GPU-s here (PNG)")
+    ap.add_argument("--plot-pareto", type=Path,
+                    help="save informative groups per GPU-s against the off-policy token share here (PNG)")
     ap.add_argument("--from-json", type=Path, help="summarise and plot these saved outcomes instead of running")
     ap.add_argument("--verbose", action="store_true", help="print each step")
+    ap.add_argument("--weight-sync", action="store_true",
+                    help="a weight sync between steps (update_weights to version k+1: each bridge drains, loads, drops "
+                         "its prefix cache), so a carried rollout's later calls run on the new weights; the per-token "
+                         "off-policy share then counts only tokens served by an older version")
+    ap.add_argument("--reload-gpu-s", type=float, default=2.0,
+                    help="with --weight-sync: GPU seconds a weight load holds each engine (the sim profile's reload_s)")
     args = ap.parse_args()
     names = [c for c in args.only.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
@@ -566,14 +659,17 @@ def main() -> None:
                     print(f"     busy GPU-s by outcome: {o.gpu_s}; jobs {o.jobs}", flush=True)
                     print(f"     recomputed prefill tokens {o.recomputed_tokens}, moved calls {o.moved_calls}; "
                           f"steps GPU-s {o.step_gpu_s}, idle {o.step_idle_gpu_s}, in flight {o.step_in_flight}; "
-                          f"off-policy tokens {o.off_policy_token_fraction:.0%}", flush=True)
+                          f"off-policy tokens {o.off_policy_token_fraction:.0%} by group, {o.stale_token_fraction:.0%} "
+                          f"by the version that served them ({o.token_lag_versions:.2f} versions behind per token); "
+                          f"weight syncs {o.weight_sync_gpu_s} GPU-s, loads {o.reload_gpu_s} GPU-s", flush=True)
                     print(f"     gap between a job's calls {o.call_gap_gpu_s} GPU-s (modelled tool time "
                           f"{o.tool_mean_gpu_s}; more is this machine's hops x {args.speedup:g} not absorbed); engines behind their "
                           f"timelines by {o.engine_lag_gpu_s} GPU-s on average; hops {o.hop_gpu_s} GPU-s per call, "
                           f"{o.overrun_fraction:.1%} of them longer than the tool wait", flush=True)
                 outcomes.append(o)
     title = (f"Table 3 replay: {BACKENDS} simulated H100/8B backends, {args.steps} DAPO steps, groups of {args.n}, "
-             f"target {args.target}, {args.in_flight} in flight, time x{args.speedup:g}, seeds {seeds}")
+             f"target {args.target}, {args.in_flight} in flight, time x{args.speedup:g}, seeds {seeds}"
+             + (f", weight sync between steps ({args.reload_gpu_s:g} GPU-s loads)" if args.weight_sync else ""))
     print("\n" + title)
     print(f"{'config':<14}{'inst/s':>8}{'spread':>14}{'ratio':>7}{'spread':>12}{'busy':>6}{'spread':>10}"
           f"{'prefix hit':>11}   paper inst/s, util (ratio)")
@@ -599,14 +695,14 @@ def main() -> None:
     print("\nuseful work: informative groups per 1,000 GPU-s held (window x backends) and per 1,000 busy GPU-s "
           "(engine clocks); share of held GPU-s per job outcome")
     print(f"{'config':<14}{'inf/kGPU-s':>11}{'spread':>14}{'x sync':>7}{'spread':>12}{'x full':>7}{'inf/kbusy':>10}"
-          f"{'off-pol':>8}{'recomp/call':>12}{'carried cr.':>12}{'x sync':>7}   shares")
+          f"{'off-pol':>8}{'stale tok':>10}{'recomp/call':>12}{'carried cr.':>12}{'x sync':>7}   shares")
     for u in useful:
         vs = f"{u.vs_sync:.2f}" if u.vs_sync is not None else "-"
         vsr = f"{u.vs_sync_range[0]:.2f}-{u.vs_sync_range[1]:.2f}" if u.vs_sync_range else "-"
         vf = f"{u.vs_full:.2f}" if u.vs_full is not None else "-"
         shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(u.shares.items(), key=lambda kv: -kv[1]) if v >= 0.005)
         print(f"{u.config:<14}{u.per_kgpu_s:>11.2f}{u.per_kgpu_s_range[0]:>7.2f}-{u.per_kgpu_s_range[1]:<6.2f}"
-              f"{vs:>7}{vsr:>12}{vf:>7}{u.per_kbusy_s:>10.2f}{u.off_policy:>8.0%}{u.recomputed_per_call:>12.0f}"
+              f"{vs:>7}{vsr:>12}{vf:>7}{u.per_kbusy_s:>10.2f}{u.off_policy:>8.0%}{u.stale_tokens:>10.0%}{u.recomputed_per_call:>12.0f}"
               f"{u.per_kgpu_s_carried:>12.2f}{(f'{u.vs_sync_carried:.2f}' if u.vs_sync_carried else '-'):>7}   {shares}")
     if args.json:
         args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=2))
@@ -616,6 +712,9 @@ def main() -> None:
     if args.plot_breakdown:
         plot_breakdown(useful, args.plot_breakdown, title)
         print(f"plot: {args.plot_breakdown}")
+    if args.plot_pareto:
+        plot_pareto(useful, outcomes, args.plot_pareto, title)
+        print(f"plot: {args.plot_pareto}")
 
 
 if __name__ == "__main__":

@@ -87,19 +87,18 @@ def test_carried_rollouts_keep_their_backend_across_a_weight_sync(tmp_path: Path
                         carry_window_steps=0, run_id="carry", step_timeout_s=120)
     d = sim_deployment(tmp_path, ledgers)
     try:
-        async def go() -> set[str]:
+        async def go() -> dict[str, dict[str, int]]:
             client = AsyncRolloutClient(d.name, address=d.address, config=d.load_config())
             async with client:
                 sampler = DapoSampler(client, "sim_agent", instances(32), cfg)
-                carried: set[str] = set()
+                carried: dict[str, dict[str, int]] = {}  # job id -> its output tokens per serving version
                 for v in range(3):
                     batch = await sampler.step(policy_version=v)
-                    # A weight sync between steps: calls wait at the broker, then go on under version v + 1.
-                    await client.pause_generation(policy_version=v + 1)
-                    await client.resume_generation(policy_version=v + 1)
+                    # A weight sync between steps: each bridge finishes its calls, loads, serves version v + 1.
+                    await client.update_weights(tmp_path / f"v{v + 1}", policy_version=v + 1)
                     for g in batch.groups:
                         if g.policy_version < v:
-                            carried |= {r.job_id for r in g.results}
+                            carried |= {r.job_id: r.output["tokens_by_version"] for r in g.results}
                 await sampler.close()
                 return carried
 
@@ -112,9 +111,17 @@ def test_carried_rollouts_keep_their_backend_across_a_weight_sync(tmp_path: Path
     for doc in load_ledgers(ledgers):
         for c in doc["calls"]:
             calls.setdefault(c["job_id"], []).append((c["submitted_at"], doc["backend_id"]))
+    output_tokens: dict[str, int] = {}
+    for doc in load_ledgers(ledgers):
+        for c in doc["calls"]:
+            output_tokens[c["job_id"]] = output_tokens.get(c["job_id"], 0) + c["output_tokens"]
     for job in carried:
         backends = [b for _, b in sorted(calls[job])]
         assert len(backends) >= 2 and set(backends) == {backends[0]}, f"carried job {job} moved: {backends}"
+        # Each token is counted under the version that served it; they add up to what the engine generated.
+        assert sum(carried[job].values()) == output_tokens[job], (job, carried[job])
+    # A rollout whose calls straddle a weight sync has tokens of two versions (the per-token off-policy share).
+    assert any(len(v) >= 2 for v in carried.values()), carried
 
 
 def test_kv_admission_keeps_each_backends_live_contexts_within_its_kv_cache(tmp_path: Path) -> None:

@@ -83,6 +83,8 @@ class SimAgentHandler(AgentHandler):
         absorb = bool(inst.get("absorb_hops", False))
         prompt = [rng.randrange(VOCAB) for _ in range(int(inst.get("prompt_tokens", 2000)))]
         backends: dict[str, int] = {}
+        # Output tokens per policy version that served them: a rollout carried across a weight sync has two.
+        tokens_by_version: dict[str, int] = {}
         generate_s = engine_s = tool_s = hops_s = overrun_s = 0.0
         for turn in range(n_turns):
             max_tokens = max(1, int(_lognormal(rng, inst.get("output_tokens", {}), 150)))
@@ -92,6 +94,8 @@ class SimAgentHandler(AgentHandler):
             generate_s += round_trip_s
             engine_s += gen.engine_s or 0.0
             backends[str(gen.backend_id)] = backends.get(str(gen.backend_id), 0) + 1
+            version = str(gen.policy_version)
+            tokens_by_version[version] = tokens_by_version.get(version, 0) + len(gen.output_ids)
             if turn == n_turns - 1:
                 break
             wait_s = (_lognormal(rng, inst.get("tool_s", {}), 1.0) + delay_s) / scale
@@ -105,7 +109,7 @@ class SimAgentHandler(AgentHandler):
             await asyncio.sleep(wait_s)
             n_obs = max(1, int(_lognormal(rng, inst.get("observation_tokens", {}), 500)))
             prompt = prompt + gen.output_ids + [rng.randrange(VOCAB) for _ in range(n_obs)]
-        ctx.output.update(turns=n_turns, prompt_tokens=len(prompt), backends=backends,
+        ctx.output.update(turns=n_turns, prompt_tokens=len(prompt), backends=backends, tokens_by_version=tokens_by_version,
                           generate_s=round(generate_s, 3), engine_s=round(engine_s, 3), tool_s=round(tool_s, 3))
         if absorb:
             ctx.output.update(hops_s=round(hops_s, 4), overrun_s=round(overrun_s, 4))
