@@ -35,7 +35,7 @@ from typing import Any
 
 from prorl_cli.domains.sandbox_tools import BASH, EDITOR
 from prorl_cli.domains.swe_grading import test_list
-from prorl_cli.exceptions import DomainError
+from prorl_cli.exceptions import DomainError, SandboxError
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext
 from prorl_cli.swe.workspace import prepare, run_tests
 
@@ -108,7 +108,8 @@ class SweHandler(AgentHandler):
         base = shlex.quote(str(ctx.instance["base_commit"]))
         diff = await sandbox.bash(f"cd {repo_dir} && git add -A && git diff --cached --binary {base} > /tmp/model.patch")
         if diff.exit_code != 0:
-            raise DomainError(f"swe: git diff against base_commit failed: {diff.output[-1000:]}")
+            # The sandbox's repository, not the instance: prorl swe validate counts it env-broken, not gold-fails.
+            raise SandboxError(f"swe: git diff against base_commit failed: {diff.output[-1000:]}")
         ctx.output["model_patch"] = (await sandbox.read_file("/tmp/model.patch")).decode("utf-8", "replace")
 
     async def eval(self, ctx: JobContext) -> None:

@@ -164,9 +164,13 @@ def job_instance(instance: dict[str, Any], repo_images: dict[str, str]) -> tuple
 
     Its ``settings`` (its own entries win) carry ``repo_images`` when a map is given, and turn the
     history scrub off: no agent works in a validation's sandboxes, and on a large repository the
-    scrub's repack is most of INIT.
+    scrub's repack is most of INIT. A ``settings`` that is not a map is a :class:`DatasetError` naming the instance.
     """
-    settings = dict(instance.get("settings") or {})
+    own_settings = instance.get("settings")
+    if own_settings is not None and not isinstance(own_settings, dict):
+        raise DatasetError(f"instance {instance.get('instance_id')}: 'settings' must be a map of handler settings, "
+                           f"got {type(own_settings).__name__} {own_settings!r:.80}")
+    settings = dict(own_settings or {})
     settings.setdefault("scrub_history", False)
     image = None
     if repo_images:

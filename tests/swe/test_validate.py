@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from prorl_cli.domains.datasets import load_instances
+from prorl_cli.exceptions import DatasetError
 from prorl_cli.swe.validate_run import Ledger, job_instance, plan_jobs, run_id_for, to_run
 from prorl_cli.swe.validation import (
     DROP_ROW,
@@ -212,3 +213,51 @@ def test_bad_flags_are_refused_and_an_instance_without_image_is_env_broken_unrun
     assert result["status"] == ENV_BROKEN and result["reason"].startswith("no image") and not result["evaluated"]
     assert report["not_evaluated"] == ["org__a-1"] and (out / "clean.jsonl").read_text() == ""
     assert not (out / "deployment").exists()
+
+
+def test_an_instance_whose_settings_are_not_a_map_is_refused_by_name_before_any_job(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from prorl_cli.cli import cli
+
+    row = {"instance_id": "org__a-1", "repo": "org/a", "version": "1", "base_commit": "abc", "problem_statement": "p",
+           "patch": "diff", "test_patch": "", "FAIL_TO_PASS": ["t.py::a"], "PASS_TO_PASS": [], "settings": ["ab"]}
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "out"
+    done = CliRunner().invoke(cli, ["swe", "validate", str(dataset), "--out", str(out)])
+    # Not read as the map {"a": "b"} (nor a bare ValueError for a string): the row and the field are named.
+    assert done.exit_code == 1 and "org__a-1" in done.output and "'settings' must be a map" in done.output, done.output
+    assert not (out / "deployment").exists() and not (out / "results.jsonl").exists()
+    with pytest.raises(DatasetError, match="'settings' must be a map"):
+        job_instance({**row, "settings": "fast"}, {"org/a": "/images/a.sif"})
+
+
+class _RepoGone:
+    """A sandbox whose gold patch applies but whose repository then cannot be diffed (a broken work tree)."""
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        pass
+
+    async def bash(self, command: str) -> SimpleNamespace:
+        if "git diff" in command:
+            return SimpleNamespace(exit_code=128, output="fatal: not a git repository")
+        return SimpleNamespace(exit_code=0, output="")
+
+
+def test_a_gold_run_whose_repository_cannot_be_diffed_is_env_broken_not_gold_fails() -> None:
+    import asyncio
+
+    from prorl_cli.handlers.swe_domain import SweOracleHandler
+
+    inst = {"instance_id": "a-1", "base_commit": "abc", "patch": "diff --git a/x b/x", "FAIL_TO_PASS": ["t::f"],
+            "PASS_TO_PASS": []}
+    ctx = SimpleNamespace(settings=SweOracleHandler.defaults, instance=inst, sandbox=_RepoGone(), output={})
+    with pytest.raises(Exception) as raised:  # whichever type: what validate makes of it is the point
+        asyncio.run(SweOracleHandler().run(ctx))  # type: ignore[arg-type]
+    failure = {"stage": "run", "type": type(raised.value).__name__, "message": str(raised.value)}
+    broken = RunOutcome.from_result(GOLD, 0, _result("g0", state="failed", failure=failure))
+    ok = [RunOutcome.from_result(GOLD, k, _result(f"g{k}", report=_graded(["t::f"], []))) for k in (1, 2)]
+    base = RunOutcome.from_result(NO_FIX, 0, _result("n", report=_graded([], ["t::f"])))
+    verdict = classify(inst, [broken, *ok], base)
+    assert verdict.status == ENV_BROKEN and "git diff" in verdict.reason, verdict
