@@ -101,6 +101,8 @@ class LaunchRecord:
             return None
         except (OSError, ValueError) as e:
             raise SlurmError(f"{path}: unreadable launch record: {e}") from e
+        if not isinstance(data, dict):
+            raise SlurmError(f"{path}: malformed launch record: a JSON object is expected, got {type(data).__name__}")
         try:
             data["members"] = [Member(**m) for m in data.get("members", [])]
             data["retired"] = [Member(**m) for m in data.get("retired", [])]

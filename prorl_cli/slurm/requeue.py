@@ -63,8 +63,20 @@ def forget(deployment_dir: Path, ref: str) -> None:
 
 
 def noted_broker_job(deployment_dir: Path) -> str | None:
-    """The Slurm job of a broker that requeued itself (plain sbatch scripts), or None."""
-    return next((ref for ref, peer in requeued(deployment_dir).items() if peer == "broker"), None)
+    """The Slurm job of a broker that requeued itself (plain sbatch scripts), or None; the newest note when
+    several name a broker (one of an earlier broker job that never ran again stays until it leaves squeue)."""
+    folder = deployment_dir / REQUEUED_DIR
+    newest: tuple[float, str] | None = None
+    for ref, peer in requeued(deployment_dir).items():
+        if peer != "broker":
+            continue
+        try:
+            mtime = (folder / ref).stat().st_mtime
+        except OSError:
+            continue  # gone meanwhile
+        if newest is None or mtime > newest[0]:
+            newest = (mtime, ref)
+    return None if newest is None else newest[1]
 
 
 def release_requeued_peers(deployment_dir: Path) -> list[str]:

@@ -47,6 +47,7 @@ from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.exceptions import RendezvousError
 from prorl_cli.rendezvous import BrokerLock, read_rendezvous, rendezvous_path
 from prorl_cli.slurm.identity import SlurmIdentity
+from prorl_cli.slurm.requeue import forget as forget_requeued
 from prorl_cli.slurm.requeue import note_requeued, noted_broker_job, release_requeued_peers, watch
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,14 @@ def slurm_lifecycle(requeue: bool = True, deployment_dir: Path | None = None,
     """Around a role: SIGTERM leaves, SIGUSR2 leaves and (in Slurm, ``requeue``) requeues the task after
     (noting it in ``deployment_dir`` as ``peer_id`` for the peers that release it: :func:`requeue_self`)."""
     identity = SlurmIdentity.from_env()
+    ref = identity.task_ref
+    if identity.in_slurm and deployment_dir is not None and ref is not None:
+        # This task runs again: the note it left when it requeued itself goes (a peer would take the stale
+        # note's job for the one to release the next time this role is away).
+        try:
+            forget_requeued(deployment_dir, ref)
+        except OSError as e:
+            log.warning("could not remove the requeue note of %s in %s: %s", ref, deployment_dir, e)
     signals = RoleSignals()
     signals.install()
     try:

@@ -170,3 +170,15 @@ def test_logs_finds_every_slurm_job_a_task_had_by_its_name(tmp_path: Path) -> No
     code, _, err = logs("nodes[7]")
     assert code == 1 and "nodes[0], nodes[1]" in err
     assert logs("broker")[1] == "log of 49\n"
+
+
+def test_a_launch_record_that_is_not_a_json_object_is_refused_naming_the_file(tmp_path: Path) -> None:
+    import pytest
+
+    from prorl_cli.exceptions import SlurmError
+    from prorl_cli.slurm.record import LAUNCH_NAME
+
+    for text in ("[]", "null", '"x"', '{"members": [1]}'):
+        (tmp_path / LAUNCH_NAME).write_text(text)
+        with pytest.raises(SlurmError, match=f"{LAUNCH_NAME}: malformed launch record"):
+            LaunchRecord.load(tmp_path)

@@ -1,0 +1,52 @@
+"""The requeue notes of plain sbatch scripts (``prorl_cli.slurm.requeue``) without a cluster: a task that runs again
+takes its own note away, and with several broker notes the newest names the broker job to release."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prorl_cli.slurm.requeue import REQUEUED_DIR, note_requeued, noted_broker_job, requeued
+from prorl_cli.slurm.roles import slurm_lifecycle
+
+
+@pytest.fixture
+def restore_signals() -> Iterator[None]:
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_a_requeued_task_that_runs_again_takes_its_note_away(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              restore_signals: object) -> None:
+    note_requeued(tmp_path, "4242", "broker")
+    note_requeued(tmp_path, "77_1", "node-1")
+    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with slurm_lifecycle(requeue=False, deployment_dir=tmp_path, peer_id="broker"):
+        # The broker's job runs again: no peer may take 4242 for a broker job to release any more.
+        assert noted_broker_job(tmp_path) is None
+    assert requeued(tmp_path) == {"77_1": "node-1"}  # another task's note stays for its own release
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    with slurm_lifecycle(requeue=False, deployment_dir=tmp_path, peer_id="node-1"):
+        assert requeued(tmp_path) == {}
+
+
+def test_the_newest_broker_note_names_the_broker_job(tmp_path: Path) -> None:
+    note_requeued(tmp_path, "900", "broker")  # an earlier broker job that never ran again
+    note_requeued(tmp_path, "1000", "broker")
+    note_requeued(tmp_path, "1001_0", "node-0")
+    folder = tmp_path / REQUEUED_DIR
+    os.utime(folder / "900", (2_000_000_000, 2_000_000_000))
+    os.utime(folder / "1000", (1_000_000_000, 1_000_000_000))
+    assert noted_broker_job(tmp_path) == "900"
+    os.utime(folder / "1000", (2_000_000_100, 2_000_000_100))
+    assert noted_broker_job(tmp_path) == "1000"
