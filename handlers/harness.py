@@ -335,13 +335,13 @@ class HarnessHandler(AgentHandler):
             ctx.reward = view.reward
         elif ":" in scorer:
             module, _, attr = scorer.partition(":")
-            importlib.invalidate_caches()  # a scorer module written after the node started is found too
-            try:
-                fn = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as e:
-                raise DomainError(f"harness: scorer {scorer!r} cannot be imported: {e}") from e
             workspace = Path(ctx.state["workspace"]) if ctx.state.get("workspace") else None
             try:
+                importlib.invalidate_caches()  # a scorer module written after the node started is found too
+                try:
+                    fn = getattr(importlib.import_module(module), attr)
+                except (ImportError, AttributeError) as e:
+                    raise DomainError(f"harness: scorer {scorer!r} cannot be imported: {e}") from e
                 result = fn(*_scorer_args(fn, ctx, workspace))
                 if inspect.isawaitable(result):
                     result = await result

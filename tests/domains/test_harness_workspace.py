@@ -62,3 +62,26 @@ def test_a_module_function_scorer_reads_the_files_the_agent_wrote(stack: Scripte
     assert big.state == "failed", big
     message = json.dumps(big.error)
     assert "workspace_max_mb=0.001" in message and "/work/out" in message, message
+
+
+def test_the_workspace_copy_goes_also_when_the_scorer_cannot_be_imported(tmp_path: Path) -> None:
+    """A scorer name with a typo fails EVAL naming it, and leaves no copy behind on the node's disk (one per job)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import pytest
+
+    from prorl_cli.exceptions import DomainError
+    from prorl_cli.handlers.harness import HarnessHandler
+    from prorl_cli.node.settings import resolve_settings
+
+    workspace = tmp_path / "jobs" / "j1" / "workspace"
+    (workspace / "sub").mkdir(parents=True)
+    (workspace / "sub" / "answer.txt").write_text("5\n")
+    for scorer in ("prorl_no_such_scorer_module:score", "json:no_such_function"):
+        settings = resolve_settings(HarnessHandler.defaults, ("test", {"scorer": scorer}))
+        ctx = SimpleNamespace(settings=settings, output={}, state={"workspace": str(workspace)}, reward=None)
+        with pytest.raises(DomainError, match="cannot be imported"):
+            asyncio.run(HarnessHandler().eval(ctx))  # type: ignore[arg-type]
+        assert not workspace.exists(), scorer
+        workspace.mkdir(parents=True)
