@@ -182,6 +182,24 @@ def test_restarted_sampler_resubmits_the_same_ids(stack: Deployment, tmp_path: P
     assert sum(after.values()) - sum(before.values()) == len(second_ids - first_ids)
 
 
+def test_prorl_sample_without_id_prefix_runs_new_jobs_each_time(stack: Deployment, tmp_path: Path) -> None:
+    """Two runs on one deployment: the second samples anew, not the first run's jobs the broker still holds
+    under the same ids (step 0's results are kept: a sampler forgets only earlier steps')."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({**p, "scale_s": 0.01}) + "\n" for p in prompts(9)))
+    runs = []
+    for n in (1, 2):
+        out = tmp_path / f"run{n}.jsonl"
+        proc = subprocess.run(
+            [sys.executable, "-m", "prorl_cli", "-d", stack.name, "sample", str(tasks), "--task", "dapo_sim",
+             "--group-size", "3", "--target-groups", "1", "--out", str(out)],
+            env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr + proc.stdout
+        runs.append({json.loads(line)["job_id"] for line in out.read_text().splitlines()})
+    assert runs[0] and runs[1] and not runs[0] & runs[1], runs
+
+
 def test_prorl_sample_collects_informative_groups(stack: Deployment, tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({**p, "scale_s": 0.01}) + "\n" for p in prompts(9)))

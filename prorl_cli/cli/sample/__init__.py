@@ -10,6 +10,7 @@ failed / cancelled / in flight. docs/training.md.
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,7 +42,9 @@ if TYPE_CHECKING:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="JSONL: one result per line with its group_id and step. .parquet: training samples (docs/training.md).")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
-@click.option("--id-prefix", metavar="PREFIX", help="Run id: job ids and group ids start with it [default: dapo].")
+@click.option("--id-prefix", metavar="PREFIX",
+              help="Run id: job ids and group ids start with it [default: dapo-<random>, new for each run; the same "
+                   "PREFIX again gets the jobs the broker still holds under its ids back, not new ones].")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @deployment_option
 @sampling_options
@@ -74,7 +77,7 @@ def sample(
     if out is not None:
         check_out_path(app, out)
     cfg = SamplerConfig(group_size=group_size, target_groups=target_groups, max_in_flight=max_in_flight,
-                        run_id=id_prefix or "dapo", timeout_s=timeout_s, sampling=sampling)
+                        run_id=id_prefix or f"dapo-{uuid.uuid4().hex[:10]}", timeout_s=timeout_s, sampling=sampling)
     batches: list[StepBatch] = []
     with connect(app, address) as client:
         sampler = BlockingDapoSampler(client, task, instances, cfg)
