@@ -64,7 +64,10 @@ def die_with_parent() -> None:
     A parent that is killed with SIGKILL cannot stop its children; the kernel
     signals them instead (``PR_SET_PDEATHSIG``), and each shuts down as on any
     SIGTERM. The variable is removed, so what this process starts in turn
-    (sandboxes, engines) is stopped by this process, not by the kernel.
+    (sandboxes, engines) is stopped by this process, not by the kernel. The
+    kernel follows the parent's *thread* that forked, not its process: start
+    such servers from the thread that lives as long as they should (a
+    ``LocalStack`` spawns from its owner's thread).
     """
     raw = os.environ.pop(DIE_WITH_PARENT_ENV, None)
     if not raw or not raw.isdigit():
