@@ -122,11 +122,11 @@ class KvAdmission:
         self._waiting.clear()
         return out
 
-    def pop_job(self, job_id: str) -> list[WaitingCall]:
-        """The waiting calls of ``job_id`` (it ended)."""
+    def pop_job(self, job_id: str, match: Callable[[WaitingCall], bool] | None = None) -> list[WaitingCall]:
+        """The waiting calls of ``job_id`` (it ended), or those of them ``match`` picks (a call its node gave up on)."""
         if not self._waiting:
             return []
-        keys = [k for k, c in self._waiting.items() if c.job_id == job_id]
+        keys = [k for k, c in self._waiting.items() if c.job_id == job_id and (match is None or match(c))]
         return [self._waiting.pop(k) for k in keys]
 
     def overdue(self) -> bool:

@@ -461,6 +461,9 @@ class Router:
         job_id, rid = h.job_id, h.rid
         for item in self.held.pop_job(job_id, lambda it: it.requester == identity and it.header.rid == rid):
             self._answer_dropped(item.requester, rid, ErrorCode.UNKNOWN_JOB, "the node gave up on this call")
+        # A first call waiting for KV room (the node timed out first): never routed to an engine afterwards.
+        for waiting in self.admission.pop_job(job_id, lambda w: w.requester == identity and w.header.rid == rid):
+            self._answer_dropped(waiting.requester, rid, ErrorCode.UNKNOWN_JOB, "the node gave up on this call")
         for call_id in self.pending.find(job_id, lambda p: p.requester == identity and p.rid == rid):
             pend = self.pending.pop(call_id)
             if pend is not None:

@@ -118,3 +118,20 @@ def test_a_backend_that_reports_no_kv_capacity_is_never_limited() -> None:
 def test_admission_is_off_for_a_policy_without_stickiness() -> None:
     c = Cluster(policy="round_robin")
     assert not c.router.admission.enabled
+
+
+def test_a_waiting_first_call_its_node_gave_up_on_is_answered_and_never_routed() -> None:
+    c, _ = admitting(100, "b1")
+    run(c, "j1", "j2")
+    call(c, "j1", 90)
+    r2 = call(c, "j2", 90)  # waits for room
+    forwarded(c)
+    c.sent.clear()
+    # The node's generate timeout ran out first: it gives the call up.
+    cancel = {"op": Op.GENERATE_CANCEL, "rid": r2, "job_id": "j2"}
+    c.router.on_generate_cancel(N1, hdr(Op.GENERATE_CANCEL, cancel), [])
+    (answer,) = c.take(N1)
+    assert answer["rid"] == r2 and answer["error"]["code"] == ErrorCode.UNKNOWN_JOB.value
+    assert len(c.router.admission) == 0
+    end(c, "j1")  # room frees: the abandoned call must not reach an engine
+    assert forwarded(c) == []
