@@ -56,6 +56,19 @@ _WHERE = {
 }
 
 
+#: Longest error message a bridge sends (the broker refuses a reply whose message passes the protocol's 64 KiB,
+#: and the call would go unanswered): a server's message may echo a whole request.
+MAX_ERROR_CHARS = 8192
+
+
+def _error(code: str, message: str) -> dict[str, str]:
+    """An ``error`` field, its message cut to :data:`MAX_ERROR_CHARS`."""
+    if len(message) > MAX_ERROR_CHARS:
+        cut = len(message) - MAX_ERROR_CHARS
+        message = f"{message[:MAX_ERROR_CHARS]}... ({cut} more characters cut)"
+    return {"code": code, "message": message}
+
+
 #: The ops a bridge serves (the broker's forwarded calls); anything else is ignored.
 _SERVED = frozenset({Op.GENERATE, Op.UPDATE_WEIGHTS, Op.GENERATE_CANCEL})
 
@@ -162,7 +175,7 @@ class InferenceBridge(BrokerPeer):
         elif op == Op.UPDATE_WEIGHTS:
             log.error("weights not updated: %s", e.message)
             self.spawn(self.send({"op": Op.WEIGHTS_UPDATED.value, "rid": rid,
-                                  "error": {"code": e.code, "message": f"backend {self.backend_id}: {e.message}"}}))
+                                  "error": _error(e.code, f"backend {self.backend_id}: {e.message}")}))
         else:
             log.warning("ignoring a malformed %s: %s", op.value, e.message)
 
@@ -214,7 +227,11 @@ class InferenceBridge(BrokerPeer):
             except (InferenceError, ProtocolError, OSError, ValueError, RuntimeError) as e:
                 message = f"backend {self.backend_id}: {e.message if isinstance(e, ProtocolError) else e}"
                 log.error("weights not updated: %s", message)
-                reply.error = {"code": ErrorCode.RELOAD_FAILED.value, "message": message}
+                reply.error = _error(ErrorCode.RELOAD_FAILED.value, message)
+            except Exception as e:  # an engine bug (a torn checkpoint's loader error) must still answer the update
+                log.exception("weights not updated: loading %s crashed in the engine", checkpoint)
+                reply.error = _error(ErrorCode.RELOAD_FAILED.value,
+                                     f"backend {self.backend_id}: internal error: {type(e).__name__}: {e}")
             finally:
                 self._loading = False
                 self._idle = None
@@ -285,7 +302,7 @@ class InferenceBridge(BrokerPeer):
                 log.exception("generate (job %s) crashed in the engine", job_id)
                 message = f"backend {self.backend_id}: internal error: {type(e).__name__}: {e}"
                 m.inc("prorl_bridge_generate_calls", ("error",))
-                await self.send(H.GenerateReply(rid, error={"code": ErrorCode.BACKEND_ERROR.value, "message": message}).to_wire())
+                await self.send(H.GenerateReply(rid, error=_error(ErrorCode.BACKEND_ERROR.value, message)).to_wire())
                 return
             finally:
                 call.stage = "answered"
@@ -308,7 +325,7 @@ class InferenceBridge(BrokerPeer):
         message = f"backend {self.backend_id}: {e.message if isinstance(e, ProtocolError) else e}"
         log.warning("generate (job %s) failed: %s", job_id, message)
         self.metrics.inc("prorl_bridge_generate_calls", ("error",))
-        await self.send({"op": Op.GENERATE_REPLY.value, "rid": rid, "error": {"code": code, "message": message}})
+        await self.send({"op": Op.GENERATE_REPLY.value, "rid": rid, "error": _error(code, message)})
 
     async def _engine_watch(self) -> None:
         """Stop serving once the engine is gone: its process died, or 3 health checks in a row failed."""

@@ -235,3 +235,51 @@ def test_malformed_calls_are_answered_naming_the_field_and_the_bridge_serves_on(
         assert h.engine.entered == [1] and h.replies()[-1] == 1
 
     run(main())
+
+
+def test_a_reload_that_crashes_in_the_engine_is_answered_naming_it_and_calls_go_on() -> None:
+    """An unexpected error from the engine's loader (a torn checkpoint) still answers weights_updated."""
+
+    class BrokenLoader(HeldEngine):
+        async def reload(self, checkpoint: str, policy_version: int) -> None:
+            raise KeyError("model.embed_tokens.weight")
+
+    async def main() -> None:
+        h = Harness(capacity=2)
+        h.bridge.engine = h.engine = BrokenLoader()
+        h.bridge.on_message(Op.UPDATE_WEIGHTS, {"op": "update_weights", "rid": 99, "checkpoint": "/ckpt",
+                                                "policy_version": 7}, [])
+        await h.settle()
+        (answer,) = [x for x in h.sent if x["op"] == "weights_updated"]
+        assert answer["rid"] == 99 and answer["error"]["code"] == "reload_failed"
+        assert "KeyError" in answer["error"]["message"] and "embed_tokens" in answer["error"]["message"]
+        assert h.bridge.policy_version is None
+        h.generate(1)  # serving goes on, on the old weights
+        h.release(1)
+        await h.settle()
+        assert h.replies() == [1]
+
+    run(main())
+
+
+def test_an_error_message_too_long_for_the_protocol_is_cut_so_the_broker_takes_the_reply() -> None:
+    """A server's message may echo a whole request: the reply must still pass the broker's check, or the call
+    would go unanswered until its timeout."""
+    from prorl_cli import protocol as P
+    from prorl_cli.exceptions import InferenceError
+
+    class Verbose(HeldEngine):
+        async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+            raise InferenceError("HTTP 400: invalid request: " + "x" * 100_000)
+
+    async def main() -> None:
+        h = Harness(capacity=1)
+        h.bridge.engine = h.engine = Verbose()
+        h.generate(1)
+        await h.settle()
+        (reply,) = [x for x in h.sent if x["op"] == "generate_reply"]
+        checked = P.parse(P.decode_header(P.encode(reply)[0]), 0)  # as the broker reads it: no ProtocolError
+        assert checked.error["message"].startswith("backend b1: HTTP 400: invalid request: xxx")
+        assert "more characters cut" in checked.error["message"]
+
+    run(main())
