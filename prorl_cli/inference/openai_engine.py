@@ -71,7 +71,12 @@ def parse_top_logprobs(raw: Any, n: int, k: int, where: str) -> list[list[tuple[
             if not (isinstance(key, str) and key.startswith(_TOKEN_ID_KEY) and key[len(_TOKEN_ID_KEY):].isdigit()):
                 log.warning("%s: top_logprobs keyed %r, not token_id:N; returning none", where, key)
                 return None
-            pairs.append((int(key[len(_TOKEN_ID_KEY):]), float(lp) if lp is not None else math.nan))
+            try:
+                pairs.append((int(key[len(_TOKEN_ID_KEY):]), float(lp) if lp is not None else math.nan))
+            except (TypeError, ValueError):
+                log.warning("%s: top_logprobs entry %r: %r is not a token id and a log-probability; returning none",
+                            where, key, lp)
+                return None
         # vLLM adds the sampled token when it is not among the k: keep the k most likely.
         top.append(sorted(pairs, key=lambda p: -p[1])[:k])
     width = min((len(row) for row in top), default=0)
@@ -117,7 +122,10 @@ def parse_completion(
             f"{where}: completion has {len(ids)} token ids but logprobs.token_logprobs is "
             f"{'missing' if not isinstance(lps, list) else f'{len(lps)} long'}"
         )
-    logprobs = [float(x) if x is not None else math.nan for x in lps]
+    try:
+        logprobs = [float(x) if x is not None else math.nan for x in lps]
+    except (TypeError, ValueError) as e:
+        raise InferenceError(f"{where}: logprobs.token_logprobs holds a value that is not a number: {e}") from e
     echoed = choice.get("prompt_token_ids", data.get("prompt_token_ids"))
     if isinstance(echoed, list) and echoed and echoed != list(prompt_ids):
         raise InferenceError(f"{where}: the server's prompt_token_ids differ from the prompt ids sent")
@@ -153,10 +161,11 @@ class OpenAIEngine(Engine):
         try:
             entries = data["data"]
             entry = next((e for e in entries if e.get("id") == self.model), entries[0]) if self.model else entries[0]
-        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            model = self.model or str(entry["id"])
+            max_model_len = int(entry.get("max_model_len") or 0)
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
             raise InferenceError(f"backend {self.base_url}: malformed /models answer: {str(data)[:300]}") from e
-        self.model = self.model or str(entry["id"])
-        self.max_model_len = int(entry.get("max_model_len") or 0)
+        self.model, self.max_model_len = model, max_model_len
 
     async def start(self) -> None:
         await self.describe()

@@ -131,3 +131,21 @@ def test_malformed_replies_are_named(fake: Any) -> None:
     gen = fake(200, json.dumps({"choices": [{"token_ids": [4], "logprobs": {"token_logprobs": [-0.25]},
                                              "finish_reason": "length"}]}).encode())
     assert (gen.output_ids, gen.logprobs, gen.finish_reason) == ([4], [-0.25], "length")
+
+
+@pytest.mark.parametrize("models", [{"data": [{"object": "model"}]}, {"data": [{"id": "m", "max_model_len": "long"}]}])
+def test_a_malformed_models_answer_is_named(models: dict[str, Any]) -> None:
+    """``describe`` (an engine given no model name, or ``--attach``) names a /models answer it cannot read."""
+
+    async def call() -> None:
+        server = await asyncio.start_server(CannedHTTPServer(200, json.dumps(models).encode()).handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        engine = OpenAIEngine(f"http://127.0.0.1:{port}")
+        try:
+            await engine.describe()
+        finally:
+            await engine.close()
+            server.close()
+
+    with pytest.raises(InferenceError, match="malformed /models answer"):
+        run(call())

@@ -122,6 +122,21 @@ def test_the_openai_engine_gives_none_when_the_server_keys_alternatives_by_text(
     assert "not token_id:N" in caplog.text
 
 
+def test_values_that_are_not_numbers_are_named_not_a_bare_value_error(caplog: Any) -> None:
+    from prorl_cli.exceptions import InferenceError
+    from prorl_cli.inference.openai_engine import parse_completion
+
+    # An alternative that is not a log-probability (or an id int() refuses): the alternatives are dropped, the call stands.
+    for top in ([{"token_id:7": "high"}], [{"token_id:7": [1]}], [{"token_id:\u00b2": -0.5}]):
+        gen = _openai_engine_call(_vllm_answer([7], top), SamplingParams(top_logprobs=1))
+        assert gen.top_logprobs is None and gen.output_ids == [7] and gen.logprobs == [-0.5]
+    assert "not a token id and a log-probability" in caplog.text
+    # The sampled tokens' own log-probabilities are required: a bad one fails the call, naming the field.
+    data = {"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": ["-0.5x"]}}]}
+    with pytest.raises(InferenceError, match="token_logprobs holds a value that is not a number"):
+        parse_completion(data, PROMPT, "http://x/v1", None)
+
+
 def test_alternatives_travel_node_broker_bridge_and_back(deployment: Deployment, tiny_model: Path) -> None:
     """The real path: a job's call through the broker to a transformers bridge; the reply's two extra frames
     come back as ``Generation.top_logprobs`` only for the job that asked."""
