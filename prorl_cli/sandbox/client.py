@@ -29,6 +29,8 @@ class ToolClient:
         self._writer = writer
         self._lock = asyncio.Lock()
         self.where = where
+        #: Why this connection was closed out of step with the server (a call given up on); later calls fail naming it.
+        self._broken: str | None = None
 
     @classmethod
     async def connect_unix(cls, path: str, timeout_s: float = 10.0) -> ToolClient:
@@ -61,6 +63,8 @@ class ToolClient:
         """
         data = json.dumps({"op": op, **fields}, separators=(",", ":")).encode()
         async with self._lock:
+            if self._broken is not None:
+                raise SandboxError(f"tool server connection at {self.where} is closed: {self._broken}")
             try:
                 self._writer.write(_HEADER.pack(len(data)) + data)
                 await self._writer.drain()
@@ -73,8 +77,14 @@ class ToolClient:
                     body = await self._reader.readexactly(length)
             except TimeoutError as e:
                 # The stream is now out of step with the server: close it.
+                self._broken = f"an earlier {op!r} call got no reply within {reply_timeout_s:.1f} s"
                 self._writer.close()
                 raise SandboxTimeout(f"tool call {op!r} got no reply within {reply_timeout_s:.1f} s") from e
+            except asyncio.CancelledError:
+                # Its reply would answer the next call on this connection: close it, so later calls fail instead.
+                self._broken = f"an earlier {op!r} call was cancelled before its reply came"
+                self._writer.close()
+                raise
             except (OSError, asyncio.IncompleteReadError) as e:
                 raise SandboxError(
                     f"tool server at {self.where} went away during {op!r} (sandbox stopped or crashed): {e}"

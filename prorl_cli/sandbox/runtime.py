@@ -48,6 +48,8 @@ MAX_SOCKET_PATH_BYTES = 100
 LOOPBACK_ENV = "PRORL_LOOPBACK_IP"
 # How long stop waits for a killed sandbox's processes to disappear.
 STOP_WAIT_S = 30.0
+#: How long a start that did not print the ready line waits for the runtime's exit code.
+NOT_READY_EXIT_WAIT_S = 5.0
 #: The node's environment variables an isolating runtime's own process gets (nothing else: the
 #: runtime's parent process is visible inside, bubblewrap's as /proc/1/environ, and Apptainer turns
 #: APPTAINERENV_* into the sandbox's variables and APPTAINER_BIND into binds).
@@ -372,7 +374,16 @@ class Runtime(abc.ABC):
                 f"log tail:\n{self._log_tail(spec)}"
             ) from e
         if not line.startswith(READY_LINE.encode()):
-            await proc.wait()
+            # It printed something else (or closed stdout): its exit code, if it exits; one that runs on is
+            # stopped by the caller. Never an unbounded wait, which would hold a start slot for good.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(NOT_READY_EXIT_WAIT_S):
+                    await proc.wait()
+            if line and proc.returncode is None:
+                raise SandboxError(
+                    f"{self.name} sandbox {spec.sandbox_id} printed {line[:200]!r} instead of its ready line "
+                    f"(image {spec.image}); log tail:\n{self._log_tail(spec)}"
+                )
             tail = self._log_tail(spec)
             hint = ""
             if self.config.python in tail and ("not found" in tail or "No such file" in tail):

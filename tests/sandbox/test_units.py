@@ -464,3 +464,27 @@ def test_sandbox_cgroup_files(tmp_path: Path) -> None:
     # Only prorl-sandbox-* directories are ever removed (files in them: these are no real cgroups, so rmdir fails).
     assert remove_paths([str(tmp_path)]) == []
     assert tmp_path.exists()
+
+
+def test_a_start_that_prints_something_else_and_runs_on_fails_naming_it(tmp_path: Path) -> None:
+    """The runtime printed another line than the ready line and did not exit: the start fails (never waits
+    for the exit for good, holding one of max_concurrent_starts), and what it started is stopped."""
+    from prorl_cli.sandbox import LaunchSpec
+    from prorl_cli.sandbox.local import LocalRuntime
+
+    class Chatty(LocalRuntime):
+        def command(self, spec: LaunchSpec) -> list[str]:
+            return [sys.executable, "-c", "import sys, time; print('hello from sitecustomize', flush=True); "
+                                          "time.sleep(600)"]
+
+    async def main() -> None:
+        config = SandboxConfig(runtime="local")
+        spec = LaunchSpec(sandbox_id="s", image="host", network=False, session_dir=tmp_path / "s",
+                          loopback_ip="127.0.0.2", config=config)
+        spawned = []
+        with pytest.raises(SandboxError, match="printed b'hello from sitecustomize\\\\n' instead of its ready line"):
+            await Chatty(config, log).start(spec, on_spawn=spawned.append)
+        (process,) = spawned
+        assert process.proc.returncode is not None  # stopped, not left running
+
+    asyncio.run(asyncio.wait_for(main(), 60))
