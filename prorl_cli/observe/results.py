@@ -24,13 +24,21 @@ def _from_row(row: dict[str, Any], where: str) -> JobResult:
     if "trajectory" in row and "output" not in row:
         # A trajectories file (Parquet, or rows of write_jsonl): the trajectory is the output.
         traj = row["trajectory"]
-        fields["output"] = {"trajectory": json.loads(traj) if isinstance(traj, str) else traj}
+        fields["output"] = {"trajectory": _json_field(traj, "trajectory", where) if isinstance(traj, str) else traj}
     fields.setdefault("task", "")
     fields.setdefault("state", "done")
     for name in ("events", "error", "meta"):
         if isinstance(fields.get(name), str):
-            fields[name] = json.loads(fields[name])
+            fields[name] = _json_field(fields[name], name, where)
     return JobResult(**fields)
+
+
+def _json_field(text: str, name: str, where: str) -> Any:
+    """A field a file holds as JSON text (Parquet's columns), decoded; :class:`ResultsFileError` naming it if not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ResultsFileError(f"{where}: field {name!r} is not JSON ({e})") from e
 
 
 def load_results(path: str | Path) -> list[JobResult]:
