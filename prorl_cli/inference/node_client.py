@@ -150,6 +150,12 @@ class NodeInference:
             if self._held.get(job_id):
                 self._release(job_id, asyncio.get_running_loop().time())
 
+    async def close(self) -> None:
+        """Close the connections of the HTTP backends this node called (it is stopping)."""
+        engines, self._http = list(self._http.values()), {}
+        for engine in engines:
+            await engine.close()
+
     def _http_engine(self, url: str, backend_id: str | None) -> OpenAIEngine:
         engine = self._http.get(url)
         if engine is None:

@@ -91,6 +91,8 @@ class NodeServices(Services):
     async def stop(self) -> None:
         if self._sandboxes is not None:
             await self._sandboxes.stop_all()
+        if self._inference is not None:
+            await self._inference.close()
 
     async def generate(self, ctx: JobContext, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         if self._inference is None:
