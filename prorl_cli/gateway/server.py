@@ -43,7 +43,7 @@ from prorl_cli.gateway.buffer import (
     TokenBuffer,
 )
 from prorl_cli.gateway.messages import MessageMemo, RequestError
-from prorl_cli.gateway.streaming import anthropic_error, openai_error
+from prorl_cli.gateway.streaming import SSE_RESPONSE, anthropic_error, end_with_error, openai_error
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -141,10 +141,14 @@ def _is_anthropic(request: web.Request) -> bool:
     return request.path.endswith("/v1/messages")
 
 
-def _error(request: web.Request, status: int, message: str, *, param: str | None = None,
-           code: str | None = None) -> web.Response:
-    body = anthropic_error(status, message) if _is_anthropic(request) else \
-        openai_error(status, message, param=param, code=code)
+async def _error(request: web.Request, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None) -> web.StreamResponse:
+    """The API's error body with ``status``; on a stream already answered 200, its last event instead."""
+    anthropic = _is_anthropic(request)
+    body = anthropic_error(status, message) if anthropic else openai_error(status, message, param=param, code=code)
+    stream = request.get(SSE_RESPONSE)
+    if isinstance(stream, web.StreamResponse) and stream.prepared:
+        return await end_with_error(stream, body, anthropic=anthropic)
     return web.json_response(body, status=status)
 
 
@@ -268,21 +272,21 @@ class Gateway:
             response: web.StreamResponse = await handler(request)
             return response
         except RequestError as e:
-            return _error(request, e.status, str(e), param=e.param, code=e.code)
+            return await _error(request, e.status, str(e), param=e.param, code=e.code)
         except web.HTTPRequestEntityTooLarge:
-            return _error(request, 413, f"the request body exceeds the gateway's {self.max_body_bytes}-byte limit",
-                          code="request_too_large")
+            return await _error(request, 413, f"the request body exceeds the gateway's {self.max_body_bytes}-byte limit",
+                                code="request_too_large")
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return _error(request, e.status, f"{e.reason}: {request.method} {request.path} "
-                          "(routes: /jobs/<token>/v1/chat/completions, completions, models, messages)")
+            return await _error(request, e.status, f"{e.reason}: {request.method} {request.path} "
+                                "(routes: /jobs/<token>/v1/chat/completions, completions, models, messages)")
         except (ValueError, ChatTemplateError) as e:  # sampling values no engine accepts, template failures
-            return _error(request, 400, str(e))
+            return await _error(request, 400, str(e))
         except InferenceError as e:
-            return _error(request, 502, f"the model call failed: {type(e).__name__}: {e}", code="inference_error")
+            return await _error(request, 502, f"the model call failed: {type(e).__name__}: {e}", code="inference_error")
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as e:  # one bad request must never take the node's gateway down
             log.exception("gateway: %s %s failed", request.method, request.path)
-            return _error(request, 500, f"internal gateway error: {type(e).__name__}: {e}")
+            return await _error(request, 500, f"internal gateway error: {type(e).__name__}: {e}")

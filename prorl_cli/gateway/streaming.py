@@ -8,6 +8,11 @@ from typing import Any
 
 from aiohttp import web
 
+#: Where :func:`open_sse` keeps a request's stream (an error after its headers went out ends it:
+#: :func:`end_with_error`); a typed key where aiohttp has them (3.12+: a string key warns there).
+SSE_RESPONSE: Any = (web.RequestKey("prorl_sse_response", web.StreamResponse) if hasattr(web, "RequestKey")
+                     else "prorl_sse_response")
+
 
 async def open_sse(request: web.Request) -> web.StreamResponse:
     """Start a ``text/event-stream`` response (headers go out at once, before the model answers)."""
@@ -15,6 +20,7 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
     await resp.prepare(request)
+    request[SSE_RESPONSE] = resp
     # Events are small writes: without TCP_NODELAY, Nagle holds each one back until the
     # client's delayed ACK (tens of ms per event on Linux).
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
@@ -46,6 +52,18 @@ class SseEvents:
         await resp.write(b"".join(self._parts))
         self._parts.clear()
         await resp.write_eof()
+
+
+async def end_with_error(resp: web.StreamResponse, body: dict[str, Any], *, anthropic: bool) -> web.StreamResponse:
+    """End a stream whose 200 and headers are already out with the error ``body`` as its last event.
+
+    The status can no longer change, so the error is an event each API's SDK raises as an error:
+    Anthropic's ``event: error``, OpenAI's ``data: {"error": ...}`` (no ``[DONE]`` after it).
+    """
+    events = SseEvents()
+    events.add(body, "error" if anthropic else None)
+    await events.end(resp)
+    return resp
 
 
 def openai_error(status: int, message: str, *, kind: str | None = None, param: str | None = None,

@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prorl_cli import protocol as P
-from prorl_cli.exceptions import ProtocolError
+from prorl_cli.exceptions import InferenceError, ProtocolError
 from prorl_cli.gateway.messages import SAMPLING_CHECKS
 from prorl_cli.gateway.server import Gateway
 from prorl_cli.testing.grammar import edge_values
 from tests.gateway.conftest import ScriptedModel, open_job
+from tests.harness import need_module
 
 OK_BODY = {"model": "prorl", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -272,5 +273,51 @@ def test_numbers_the_gateway_keeps_are_checked_too(tokenizer: Any, route: str, e
             status, body = await _post(s, f"{job.base_url()}/{route}", _BASE[route])
             assert status == 200 and model.calls == 1
         await gw.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_model_call_fails_ends_with_an_error_event_the_sdks_raise(tokenizer: Any) -> None:
+    """A streamed request's 200 and headers go out before the model answers; when the model call then fails,
+    the stream ends with the API's error event (the SDKs raise it, naming the failure), never a second HTTP
+    response written into the stream's body; the gateway keeps serving."""
+    need_module("openai", "test")
+    need_module("anthropic", "test")
+    import anthropic
+    import openai
+
+    async def main() -> None:
+        gw = Gateway()
+        await gw.start()
+        model = ScriptedModel(tokenizer, ["fine again"])
+        failing = True
+
+        async def generate(prompt_ids: list[int], sampling: Any) -> Any:
+            if failing:
+                raise InferenceError("the engine died")
+            return await model(prompt_ids, sampling)
+
+        job = open_job(gw, tokenizer, generate)
+        try:
+            async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as oa:
+                with pytest.raises(openai.APIError, match="the model call failed: InferenceError: the engine died"):
+                    async for _ in await oa.chat.completions.create(model="prorl", messages=OK_BODY["messages"],
+                                                                     stream=True):
+                        pass
+                with pytest.raises(openai.APIError, match="the engine died"):
+                    async for _ in await oa.completions.create(model="prorl", prompt="hi", stream=True):
+                        pass
+                async with anthropic.AsyncAnthropic(base_url=job.anthropic_base_url(), api_key=job.api_key,
+                                                    max_retries=0) as an:
+                    with pytest.raises(anthropic.APIError, match="the engine died"):
+                        async for _ in await an.messages.create(model="prorl", max_tokens=8, stream=True,
+                                                                messages=[{"role": "user", "content": "hi"}]):
+                            pass
+                failing = False
+                chunks = [c async for c in await oa.chat.completions.create(
+                    model="prorl", messages=OK_BODY["messages"], stream=True)]
+                assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "fine again"
+        finally:
+            await gw.close()
 
     asyncio.run(main())
