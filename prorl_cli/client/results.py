@@ -102,7 +102,12 @@ class ResultStream:
         while True:
             if self._to_watch:
                 todo, self._to_watch = self._to_watch, []
-                await self._client._watch(todo)
+                try:
+                    await self._client._watch(todo)
+                except BaseException:
+                    # Not watched (a broker down, an unknown id): the next call asks again, rather than wait for ever.
+                    self._to_watch[:0] = todo
+                    raise
             while not self._queue.empty():
                 result = self._take(self._queue.get_nowait())
                 if result is not None:
