@@ -118,27 +118,43 @@ class BrokerConnection:
         """Connect (reading the rendezvous file when no address was given) and start the reader.
 
         Raises :class:`RendezvousError` when there is no address and no rendezvous file.
-        Call from a running event loop.
+        Call from a running event loop. A socket whose reader died (logged, its waiting requests
+        failed) is replaced: nothing would read the replies to what is sent on it. The broker
+        knows the new socket by nothing the old one asked for (its watches), so ``on_new_boot``
+        is called as for a new broker.
         """
+        redo = None
         if self.sock is not None:
-            return
+            if self._reader is None or not self._reader.done():
+                return
+            self.sock.close(0)  # left in place until a new one opens: a closed socket refuses to send
+            redo = self.boot_id
         if self.address is None:
             if self.deployment_dir is None:
                 raise BrokerUnavailable(f"{self.name}: no broker address and no deployment to find one in")
             self.address = read_rendezvous(self.deployment_dir).address
         self._closed = False
         self._connect()
+        if redo is not None and self.on_new_boot is not None:
+            self.on_new_boot(redo)
 
     def _connect(self) -> None:
         assert self.address is not None
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, self.linger_ms)
-        if self.unbounded:
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-        curve = self.deployment_dir is not None and secure_peer(sock, self.deployment_dir)  # the (new) broker's key
-        monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
-        sock.connect(self.address)
+        monitor: zmq.asyncio.Socket | None = None
+        try:
+            sock.setsockopt(zmq.LINGER, self.linger_ms)
+            if self.unbounded:
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.setsockopt(zmq.RCVHWM, 0)
+            curve = self.deployment_dir is not None and secure_peer(sock, self.deployment_dir)  # the broker's key
+            monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+            sock.connect(self.address)  # a malformed address raises here, naming it
+        except BaseException:
+            if monitor is not None:
+                monitor.close(0)
+            sock.close(0)
+            raise
         self.sock = sock
         self._epoch += 1
         self._socket_boot = None

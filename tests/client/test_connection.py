@@ -15,6 +15,7 @@ from prorl_cli.exceptions import (
     BadRequest,
     BrokerRestarted,
     BrokerStopping,
+    BrokerUnavailable,
     InferenceError,
     RemoteError,
     UnknownJob,
@@ -163,3 +164,59 @@ def test_an_error_reply_becomes_a_typed_exception(code: str, cls: type, builtin:
 def test_a_malformed_error_reply_still_becomes_an_exception() -> None:
     e = RemoteError.from_reply({"op": "reply", "ok": False, "error": "just a string"})
     assert type(e) is RemoteError and e.code == "error" and "just a string" in e.message
+
+
+def test_a_request_after_the_reader_died_is_answered_on_a_new_socket() -> None:
+    with_router(_a_request_after_the_reader_died_is_answered_on_a_new_socket)
+
+
+async def _a_request_after_the_reader_died_is_answered_on_a_new_socket(router: zmq.asyncio.Socket) -> None:
+    """A broker message its handler fails on with an error the reader does not expect ends the reader; the
+    request waiting then fails naming it, and later requests are not left waiting for replies no one reads:
+    they go out on a new socket, which the broker knows nothing of (``on_new_boot`` watches again)."""
+    def on_message(op: P.Op, header: dict[str, object], payload: list[bytes]) -> None:
+        raise RuntimeError("a handler bug")
+
+    boots: list[str] = []
+    conn = await _conn(router, on_message=on_message, on_new_boot=boots.append)
+    try:
+        first = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
+        identity, header = await receive_request(router)
+        await router.send_multipart([identity, *P.encode(P.reply(header["rid"], boot_id="A"), ())])
+        await first
+        waiting = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
+        identity, _ = await receive_request(router)
+        await router.send_multipart([identity, *P.encode({"op": "shutdown"}, ())])
+        with pytest.raises(BrokerUnavailable, match="a handler bug"):
+            await waiting
+        assert boots == []
+        later = asyncio.ensure_future(conn.call({"op": "ping"}, timeout_s=30))
+        new_identity, header = await receive_request(router)
+        assert new_identity != identity and boots == ["A"]
+        await router.send_multipart([new_identity, *P.encode(P.reply(header["rid"], value=2, boot_id="A"), ())])
+        reply, _ = await later
+        assert reply["value"] == 2 and boots == ["A"]
+    finally:
+        await conn.close()
+
+
+def test_an_address_zeromq_refuses_leaves_no_socket_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[zmq.Socket] = []  # type: ignore[type-arg]
+    make = zmq.asyncio.Context.socket
+
+    def socket(self: zmq.asyncio.Context, *args: object, **kwargs: object) -> zmq.Socket:  # type: ignore[type-arg]
+        sock = make(self, *args, **kwargs)  # type: ignore[arg-type]
+        opened.append(sock)
+        return sock
+
+    monkeypatch.setattr(zmq.asyncio.Context, "socket", socket)
+
+    async def main() -> None:
+        conn = BrokerConnection(address="tcp://127.0.0.1", deployment_dir=None)  # no port
+        for _ in range(2):
+            with pytest.raises(zmq.ZMQError, match="tcp://127.0.0.1"):
+                conn.open()
+        assert conn.sock is None
+
+    asyncio.run(main())
+    assert len(opened) == 4 and all(s.closed for s in opened)  # the DEALER and its monitor, twice
