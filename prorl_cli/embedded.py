@@ -89,6 +89,8 @@ class LocalStack:
                 info = wait_rendezvous(self.deployment_dir, min(1.0, timeout_s))
                 if info.pid == proc.pid:
                     return proc
+                # An earlier broker's file (one killed, or still stopping): read again soon, not in a busy loop.
+                time.sleep(0.05)
             except OSError:
                 pass
             if time.monotonic() > deadline or proc.poll() is not None:
