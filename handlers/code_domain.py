@@ -9,9 +9,10 @@ Instance (the loader turns Codeforces / Eurus / LiveCodeBench rows into this)::
 The agent writes and runs code with ``bash`` and ``editor`` in a sandbox;
 the solution is ``/work/solution.py`` (or, when the file is missing, the last
 fenced Python block of the final turn). RUN saves it as the artifact
-``output["solution"]``. EVAL runs every hidden test in a fresh sandbox with
-no network under the per-test time and memory limits
-(:mod:`prorl_cli.domains.code_judge`); reward 1.0 only when all pass.
+``output["solution"]``. EVAL runs the hidden tests (the first ``max_tests``,
+50 by default), each in a fresh sandbox with no network under the per-test
+time and memory limits (:mod:`prorl_cli.domains.code_judge`); reward 1.0
+only when all of those pass.
 ``output["judge"]`` has the pass fraction, the first failing test's verdict
 (WA, TLE, RE, MLE) and every test's verdict. Solutions are Python 3.
 """

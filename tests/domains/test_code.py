@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+from prorl_cli.domains.code_judge import RUNNER
 from tests.domains.conftest import ScriptedStack, turn
 
 TESTS = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -3\n", "output": "7\n"}, {"input": "0 0\n", "output": "0\n"}]
@@ -72,3 +78,52 @@ def test_code_handler_verdicts(stack: ScriptedStack) -> None:
     assert bad.critical_error == "init" and bad.reward == 0.0
     assert "tests[0] must be {input: str, output: str}" in bad.output["failure"]["message"]
 
+
+
+def test_a_program_whose_descendant_leaves_its_group_still_times_out(tmp_path: Path) -> None:
+    """A descendant in a session of its own keeps the output pipes open past the group's SIGKILL: the
+    runner reports the time limit rather than waiting on it (the judge would fail the job, not score it)."""
+    pid_file = tmp_path / "escaped.pid"
+    program = tmp_path / "solution.py"
+    program.write_text(
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(300)\n"
+        "    os._exit(0)\n"
+        "time.sleep(300)\n"
+    )
+    (tmp_path / "input.txt").write_text("")
+    spec = {"command": [sys.executable, str(program)], "stdin_path": str(tmp_path / "input.txt"),
+            "time_limit_s": 1.0, "mem_mb": 512, "cwd": str(tmp_path), "report_path": str(tmp_path / "report.json")}
+    (tmp_path / "judge.json").write_text(json.dumps(spec))
+    try:
+        subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "judge.json")], check=True, timeout=60)
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["status"] == "timeout", report
+        escaped = int(pid_file.read_text())
+        os.kill(escaped, 0)  # still running: the runner did not wait for it
+    finally:
+        if pid_file.is_file():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_program_printing_without_end_does_not_fill_the_runners_memory(tmp_path: Path) -> None:
+    """The runner keeps only what its report holds (it read gigabytes into memory within a time limit)."""
+    program = tmp_path / "solution.py"
+    program.write_text("import sys\nchunk = b'x' * 65536\nwhile True:\n    sys.stdout.buffer.write(chunk)\n")
+    (tmp_path / "input.txt").write_text("")
+    spec = {"command": [sys.executable, str(program)], "stdin_path": str(tmp_path / "input.txt"),
+            "time_limit_s": 1.0, "mem_mb": 256, "cwd": str(tmp_path), "report_path": str(tmp_path / "report.json"),
+            "max_output_bytes": 1000}
+    (tmp_path / "judge.json").write_text(json.dumps(spec))
+
+    def cap_memory() -> None:  # the runner's own address space: far below what the program prints in a second
+        resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
+
+    subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "judge.json")], check=True, timeout=60,
+                   preexec_fn=cap_memory)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["status"] == "timeout" and report["stdout"] == "x" * 1000, {**report, "stdout": "..."}
