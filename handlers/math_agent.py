@@ -41,6 +41,8 @@ _OPS: dict[type, Any] = {
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
     ast.USub: operator.neg, ast.UAdd: operator.pos,
 }
+#: The largest integer power the calculator computes (about 3,000 decimal digits).
+_MAX_POW_BITS = 10_000
 
 
 def calculator(expression: str) -> str:
@@ -53,6 +55,11 @@ def calculator(expression: str) -> str:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > 100:
                 raise ValueError("exponent too large")
+            # Nested powers ((9**99)**99)**99 grow past any bound on the exponent alone, and the call runs on
+            # the node's event loop: refuse a result of more than _MAX_POW_BITS bits before computing it.
+            if (isinstance(node.op, ast.Pow) and isinstance(left, int) and isinstance(right, int) and right > 0
+                    and abs(left).bit_length() * right > _MAX_POW_BITS):
+                raise ValueError(f"result too large (over {_MAX_POW_BITS} bits)")
             return _OPS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))

@@ -144,6 +144,15 @@ def test_hermes_parser() -> None:
     assert p.parse("no calls here") == []
 
 
+def test_calculator_refuses_a_power_too_large_to_compute() -> None:
+    assert calculator("(9**99)**10") == str((9**99) ** 10)  # about 950 digits: fine
+    with pytest.raises(ValueError, match="result too large"):
+        calculator("(9**99)**99")
+    # Each exponent is small, yet 9**96059601 would hold the node's event loop for minutes.
+    with pytest.raises(ValueError, match="result too large"):
+        calculator("(((9**99)**99)**99)**99")
+
+
 def test_add_messages_needs_a_generate_first(chat: ChatTokens) -> None:
     session = TokenSession(chat, ScriptedModel(chat, []), [{"role": "user", "content": "hi"}])
     with pytest.raises(RuntimeError, match="follows a generate"):
