@@ -263,7 +263,11 @@ class Builder:
         step = "starting apptainer"
         make_dirs(log_path.parent)
         timed_out = threading.Event()
+        # The log of an earlier try of this key (a failed build, a scratch rebuild) may be another user's, which
+        # this user cannot open for writing even in a group-shared cache: replace it (the folder is writable).
+        log_path.unlink(missing_ok=True)
         with log_path.open("w") as log:
+            share_file(log_path)
             with self._procs_lock:  # abort() either sees this build or stops it from starting
                 if self._aborted.is_set():
                     raise ImageBuildError(f"image {name}: build cancelled")

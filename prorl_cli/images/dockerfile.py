@@ -109,7 +109,10 @@ def convert_dockerfile(
             not_converted.append(f"line {n}: {word} {args} - flags --from/--chown/--chmod are ignored")
         if word == "ADD" and re.search(r"https?://", args):
             not_converted.append(f"line {n}: ADD {args} - URLs are not fetched; download in a RUN step")
-    from_image = froms[0].split()[0]
+    # FROM [--platform=...] IMAGE [AS NAME]: the image is the first word that is not a flag.
+    from_image = next((word for word in froms[0].split() if not word.startswith("--")), None)
+    if from_image is None:
+        raise ConfigError(f"image {spec.name}: {path}: FROM names no image")
     if str(spec.base) != f"docker://{from_image}":
         not_converted.append(f"FROM {from_image}: replaced by the image list's base {spec.base}")
 

@@ -10,7 +10,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from prorl_cli.images.cache import Cache
+from prorl_cli.images.cache import Cache, make_dirs, share_file
 
 _TMP_RE = re.compile(r"^\.(?P<key>[a-z]+-[0-9a-f]+)\.tmp-")
 
@@ -19,9 +19,10 @@ _TMP_RE = re.compile(r"^\.(?P<key>[a-z]+-[0-9a-f]+)\.tmp-")
 def _try_key_lock(cache: Cache, key: str) -> Iterator[bool]:
     """Hold the key's lock if free (yield True); a key being built or reused now is left alone."""
     path = cache.root / "locks" / f"{key}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
+        share_file(path)  # as file_lock does: the other users of a shared cache must open it read-write later
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except (BlockingIOError, PermissionError):

@@ -156,8 +156,10 @@ def plain_http(ref: str, insecure_registries: list[str]) -> bool:
         return False
     if host in insecure_registries:
         return True
-    name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") else host
-    name = name.strip("[]")
+    if host.startswith("["):  # [IPv6] or [IPv6]:PORT
+        name = host[1:host.find("]")] if "]" in host else host
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
     if name == "localhost":
         return True
     try:

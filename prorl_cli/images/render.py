@@ -16,6 +16,7 @@ import jinja2
 
 from prorl_cli import __version__
 from prorl_cli.exceptions import ConfigError
+from prorl_cli.images.published import registry_host
 from prorl_cli.images.spec import SAVED_KINDS, Base, ImageSpec
 from prorl_cli.resources import data_dir
 
@@ -76,7 +77,9 @@ def bootstrap_header(base: Base, *, base_path: Path | None, mirror: str | None, 
         return "\n".join(lines)
     if base.kind == "docker":
         lines = ["Bootstrap: docker", f"From: {base.ref}"]
-        if docker_registry:
+        # The mirror stands for Docker Hub: Apptainer puts it in front of From, so a reference that names its own
+        # registry (127.0.0.1:5000/ns/img, a published image's) would become "MIRROR/127.0.0.1:5000/ns/img".
+        if docker_registry and registry_host(base.ref) is None:
             lines.append(f"Registry: {docker_registry}")
         return "\n".join(lines)
     if base.kind in ("localimage", *SAVED_KINDS):

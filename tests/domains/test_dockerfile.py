@@ -40,3 +40,12 @@ def test_refused_shapes_name_the_problem(tmp_path: Path) -> None:
         _convert(tmp_path, "FROM a AS b\nRUN x\nFROM c\nCOPY --from=b /x /x\n")
     with pytest.raises(ConfigError, match="COPY source 'missing' does not exist"):
         _convert(tmp_path, "FROM a\nCOPY missing /x\n")
+
+
+def test_from_with_a_platform_flag_names_its_image_and_a_bare_from_is_refused(tmp_path: Path) -> None:
+    conv = _convert(tmp_path, "FROM --platform=linux/amd64 python:3.11-slim AS app\nRUN echo hi\n",
+                    base="docker://python:3.11-slim")
+    assert conv.from_image == "python:3.11-slim"  # type: ignore[attr-defined]
+    assert conv.not_converted == []  # type: ignore[attr-defined]  # the base is what FROM names: nothing replaced
+    with pytest.raises(ConfigError, match="FROM names no image"):
+        _convert(tmp_path, "FROM\nRUN echo hi\n")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 import threading
@@ -12,6 +14,10 @@ from pathlib import Path
 import pytest
 
 from prorl_cli.images import cache
+from prorl_cli.images.build import Builder
+from prorl_cli.images.plan import Plan
+from prorl_cli.images.prune import prune
+from prorl_cli.images.spec import parse_image
 
 # A holder that locks first and writes its id only when told: the gap a waiter can fall into.
 _HOLDER = r"""
@@ -85,3 +91,54 @@ def test_a_holder_that_never_writes_is_another_process(holder: tuple[Path, subpr
     with cache.file_lock(lock, on_wait) as waited_s:
         assert waited_s >= 0
     assert seen == ["another process"]
+
+
+def test_prune_makes_lock_files_that_the_other_users_of_a_group_shared_cache_can_open(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o2775)  # a cache shared by a group
+    key = "lock-0123456789abcdef"
+    old_umask = os.umask(0o022)  # the pruning user's umask: new files 0644
+    try:
+        c = cache.Cache(root)
+        # A build no name resolves to: prune takes its key's lock to remove it.
+        c.update_manifest(lambda data: data["builds"].update(
+            {key: {"name": "x", "key": key, "path": f"images/x/{key}.sif"}}))
+        assert prune(c) == [f"x {key} ({root / 'images' / 'x' / (key + '.sif')})"]
+    finally:
+        os.umask(old_umask)
+    lock = root / "locks" / f"{key}.lock"
+    # Another member of the group building this key later opens the lock file read-write.
+    assert stat.S_IMODE(lock.stat().st_mode) & 0o060 == 0o060
+    assert lock.parent.stat().st_mode & (stat.S_IWGRP | stat.S_ISGID) == stat.S_IWGRP | stat.S_ISGID
+
+
+def test_a_retried_build_replaces_the_earlier_log_and_leaves_it_group_writable(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o2775)  # a cache shared by a group
+    fake = tmp_path / "apptainer"
+    fake.write_text("#!/bin/sh\necho 'FATAL: no route to the registry'\nexit 1\n")
+    fake.chmod(0o755)
+    c = cache.Cache(root)
+    key = "lock-0123456789abcdef"
+    spec = parse_image("img", {"template": "x.def.j2", "base": "scratch"}, "images.yaml: images.img", tmp_path, None)
+    plan = Plan(spec, "lock", key, {}, "Bootstrap: scratch\n", c.image_path("img", key), None, [])
+    # An earlier failed try of this key by another member of the group: its log is that user's, mode 0644.
+    log = c.log_path("img", key, "log")
+    cache.make_dirs(log.parent)
+    log.write_text("another user's failed try\n")
+    log.chmod(0o644)
+    earlier = tmp_path / "earlier.log"
+    os.link(log, earlier)  # the same file under a second name: shows whether the build wrote into it
+    old_umask = os.umask(0o022)
+    try:
+        result = Builder(c, apptainer=str(fake), timeout_s=60, on_event=lambda name, message: None).make_ready(plan)
+    finally:
+        os.umask(old_umask)
+    assert result.action == "failed" and "FATAL: no route to the registry" in (result.error or "")
+    assert log.read_text() == "FATAL: no route to the registry\n"
+    # Replaced, not opened for writing: the other user's file is not writable by this one.
+    assert earlier.read_text() == "another user's failed try\n"
+    # The next member of the group to retry can open it for writing.
+    assert stat.S_IMODE(log.stat().st_mode) & 0o060 == 0o060

@@ -32,6 +32,7 @@ from prorl_cli.images.published import (
     SCHEMES,
     instance_fields,
     on_disk,
+    plain_http,
     registry_template,
     saved_image_digest,
 )
@@ -172,6 +173,14 @@ def test_naming_schemes_follow_the_datasets_own_rules() -> None:
         smith.reference("o__r-1")
     with pytest.raises(ConfigError, match="not a valid image reference"):
         registry_template("docker://ns/{instance_id}").reference("Upper__Case-1")
+
+
+def test_loopback_and_listed_registries_are_pulled_over_plain_http() -> None:
+    assert plain_http("127.0.0.1:5000/ns/img:1", []) and plain_http("localhost:5000/ns/img", [])
+    assert plain_http("[::1]:5000/ns/img", []) and plain_http("[::1]/ns/img", [])
+    assert plain_http("reg.example:5000/ns/img", ["reg.example:5000"])
+    assert not plain_http("reg.example:5000/ns/img", []) and not plain_http("swebench/img", [])
+    assert not plain_http("[2001:db8::1]:5000/ns/img", [])
 
 
 def test_images_on_disk_are_recognised_by_their_index(tmp_path: Path) -> None:

@@ -99,6 +99,10 @@ def test_bootstrap_headers_for_every_base_kind(tmp_path: Path) -> None:
     assert deb.splitlines() == ["Bootstrap: debootstrap", "OSVersion: bookworm", "MirrorURL: http://m.invalid/debian", "Include: python3"]
     docker = bootstrap_header(Base("docker", "python:3.11-slim"), base_path=None, mirror=None, docker_registry="registry.site.invalid")
     assert docker.splitlines() == ["Bootstrap: docker", "From: python:3.11-slim", "Registry: registry.site.invalid"]
+    # A reference with its own registry is pulled from there: the site's mirror in front would make it invalid.
+    own = bootstrap_header(Base("docker", "127.0.0.1:5000/ns/img:1"), base_path=None, mirror=None,
+                           docker_registry="registry.site.invalid")
+    assert own.splitlines() == ["Bootstrap: docker", "From: 127.0.0.1:5000/ns/img:1"]
     local = bootstrap_header(Base("localimage", "/x/y.sif"), base_path=None, mirror=None, docker_registry=None)
     assert local == "Bootstrap: localimage\nFrom: /x/y.sif"
     dep = bootstrap_header(Base("image", "base"), base_path=tmp_path / "b.sif", mirror=None, docker_registry=None)
