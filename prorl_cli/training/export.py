@@ -79,10 +79,14 @@ def write_samples_jsonl(path: str | os.PathLike[str], samples: Iterable[Training
     """One JSON object per sample (the columns of :data:`COLUMNS`); written atomically."""
     out = Path(path)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    with tmp.open("w") as f:
-        for s in samples:
-            f.write(json.dumps(sample_row(s)) + "\n")
-    os.replace(tmp, out)
+    try:
+        with tmp.open("w") as f:
+            for s in samples:
+                f.write(json.dumps(sample_row(s)) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed export leaves neither a half file nor its temp file behind
+        raise
     return out
 
 

@@ -64,6 +64,20 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
     assert set(rows[0]) == set(COLUMNS)
 
 
+def test_a_failed_jsonl_export_keeps_the_old_file_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    path = write_samples_jsonl(tmp_path / "s.jsonl", samples())
+    before = path.read_text()
+
+    def broken():  # the samples' source fails part way through
+        yield from samples()[:1]
+        raise RuntimeError("the trainer's iterator broke")
+
+    with pytest.raises(RuntimeError, match="iterator broke"):
+        write_samples_jsonl(path, broken())
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.jsonl"]
+
+
 def test_docs_list_every_export_column() -> None:
     documented = set(re.findall(r"^\| `(\w+)` \|", DOC.read_text(), re.M))
     assert set(COLUMNS) <= documented, sorted(set(COLUMNS) - documented)
