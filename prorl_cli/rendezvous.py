@@ -6,6 +6,7 @@ address and its CURVE public key (none only with ``broker.curve: off``).
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -62,18 +63,36 @@ def read_rendezvous(deployment_dir: Path) -> Rendezvous:
         raise RendezvousError(f"{path}: malformed rendezvous file: {e}") from e
 
 
+def _read_by(deployment_dir: Path, deadline: float) -> Rendezvous | None:
+    """The rendezvous file; None while it is not there yet, its error once ``deadline`` (monotonic) is past."""
+    try:
+        return read_rendezvous(deployment_dir)
+    except RendezvousError:
+        if time.monotonic() >= deadline:
+            raise
+        return None
+
+
 def wait_rendezvous(deployment_dir: Path, timeout_s: float) -> Rendezvous:
     """Poll for the rendezvous file (it appears once the broker has bound its socket)."""
-    deadline = time.monotonic() + timeout_s
-    delay_s = 0.02
-    while True:
-        try:
-            return read_rendezvous(deployment_dir)
-        except RendezvousError:
-            if time.monotonic() >= deadline:
-                raise
+    deadline, delay_s = time.monotonic() + timeout_s, 0.02
+    while (info := _read_by(deployment_dir, deadline)) is None:
         time.sleep(delay_s)
         delay_s = min(delay_s * 2, 0.5)
+    return info
+
+
+async def await_rendezvous(deployment_dir: Path, timeout_s: float) -> Rendezvous:
+    """:func:`wait_rendezvous` on the running event loop.
+
+    Not ``wait_rendezvous`` in a thread: a cancel (a SIGTERM meanwhile) ends this at once, where a thread
+    would poll on and hold up the process's exit (``asyncio.run`` joins it) until ``timeout_s``.
+    """
+    deadline, delay_s = time.monotonic() + timeout_s, 0.02
+    while (info := _read_by(deployment_dir, deadline)) is None:
+        await asyncio.sleep(delay_s)
+        delay_s = min(delay_s * 2, 0.5)
+    return info
 
 
 def remove_rendezvous(deployment_dir: Path, pid: int) -> None:

@@ -14,15 +14,14 @@ import os
 import signal
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import InferenceError, RendezvousError
+from prorl_cli.exceptions import InferenceError
 from prorl_cli.inference.bridge import InferenceBridge
 from prorl_cli.inference.contract import Engine
-from prorl_cli.rendezvous import Rendezvous, read_rendezvous
+from prorl_cli.rendezvous import await_rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -100,24 +99,6 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
     )
 
 
-async def _wait_rendezvous(deployment_dir: Path, timeout_s: float) -> Rendezvous:
-    """Poll for the broker's rendezvous file on the loop, for at most ``timeout_s``.
-
-    Not ``wait_rendezvous`` in a thread: a SIGTERM meanwhile cancels this at once, where a thread would
-    poll on and hold up the process's exit (``asyncio.run`` joins it) until ``timeout_s``.
-    """
-    deadline = time.monotonic() + timeout_s
-    delay_s = 0.02
-    while True:
-        try:
-            return read_rendezvous(deployment_dir)
-        except RendezvousError:
-            if time.monotonic() >= deadline:
-                raise
-        await asyncio.sleep(delay_s)
-        delay_s = min(delay_s * 2, 0.5)
-
-
 async def run_bridge(opts: BridgeOptions, config: ProrlConfig, leave_requested: threading.Event | None = None) -> int:
     """Run until stopped; return the process exit code (1 when the engine died).
 
@@ -148,7 +129,7 @@ async def run_bridge(opts: BridgeOptions, config: ProrlConfig, leave_requested: 
         log.info("engine ready: model %s, max_model_len %s", engine.model, engine.max_model_len)
         address = opts.address
         if address is None:
-            info = await _wait_rendezvous(config.deployment_dir, opts.broker_wait_s)
+            info = await await_rendezvous(config.deployment_dir, opts.broker_wait_s)
             address = info.address
         bridge = InferenceBridge(
             engine, address=address, backend_id=backend_id, host=host, capacity=opts.capacity,

@@ -29,7 +29,7 @@ from typing import Any
 from prorl_cli.inference.bridge import InferenceBridge
 from prorl_cli.inference.contract import Engine, Generation
 from prorl_cli.protocol import SamplingParams
-from prorl_cli.rendezvous import wait_rendezvous
+from prorl_cli.rendezvous import await_rendezvous
 
 FALLBACK_TURN = "I have no script for this prompt."
 SLEEP = re.compile(r"<<sleep:([0-9.]+)>>")
@@ -104,7 +104,7 @@ def top_logprobs(ids: list[int], k: int, alternatives: list[int]) -> list[list[t
 
 async def serve(script_path: str, tokenizer_dir: str, backend_id: str, deployment_dir: str) -> None:
     engine = ScriptedEngine(Path(script_path), tokenizer_dir)
-    info = await asyncio.to_thread(wait_rendezvous, Path(deployment_dir), 60.0)
+    info = await await_rendezvous(Path(deployment_dir), 60.0)
     bridge = InferenceBridge(engine, address=info.address, backend_id=backend_id, host=socket.gethostname(),
                              capacity=256, deployment_dir=Path(deployment_dir))
     loop = asyncio.get_running_loop()
