@@ -34,6 +34,11 @@ from prorl_cli.processes import stop_group
 LOG_TAIL_LINES = 25
 _STEP_RE = re.compile(r"^(INFO|VERBOSE):\s+(.*)")
 _TERM_GRACE_S = 10.0
+#: Apptainer's layer cache is not safe for concurrent builds (sylabs/singularity#3634): a build that reads a blob
+#: or index another build is writing fails fetching its base with one of these. Such a build is tried again.
+_CACHE_RACE_ERRORS = ("unexpected end of JSON input", "unexpected EOF")
+#: Tries of one build that failed that way (the other build has finished writing by then).
+_CACHE_RACE_TRIES = 3
 
 
 @dataclass
@@ -67,6 +72,12 @@ class BuildFailed(ImageBuildError):
         super().__init__(message)
         self.log = log
         self.tail = tail or []
+
+
+def _cache_race_line(e: BuildFailed) -> str | None:
+    """The FATAL line of a build that failed fetching its base from a layer cache another build was writing."""
+    return next((t for t in reversed(e.tail) if t.startswith("FATAL") and "conveyor failed to get" in t
+                 and any(sig in t for sig in _CACHE_RACE_ERRORS)), None)
 
 
 def _rootless_hint() -> str:
@@ -239,7 +250,17 @@ class Builder:
         self.on_event(name, f"building {key}: {' '.join(cmd)}")
         t0 = time.monotonic()
         try:
-            self._run_apptainer(name, cmd, log_path)
+            for attempt in range(1, _CACHE_RACE_TRIES + 1):
+                try:
+                    self._run_apptainer(name, cmd, log_path)
+                    break
+                except BuildFailed as e:
+                    race = _cache_race_line(e)
+                    if attempt == _CACHE_RACE_TRIES or race is None:
+                        raise
+                    self.on_event(name, f"fetching the base failed on Apptainer's layer cache, which another build "
+                                        f"was writing ({race.strip()}): trying again ({attempt + 1} of {_CACHE_RACE_TRIES})")
+                    time.sleep(attempt)
             if not tmp.is_file() or tmp.stat().st_size == 0:
                 raise ImageBuildError(f"image {name}: apptainer exited 0 but wrote no image at {tmp}")
             with tmp.open("rb") as f:

@@ -142,3 +142,38 @@ def test_a_retried_build_replaces_the_earlier_log_and_leaves_it_group_writable(t
     assert earlier.read_text() == "another user's failed try\n"
     # The next member of the group to retry can open it for writing.
     assert stat.S_IMODE(log.stat().st_mode) & 0o060 == 0o060
+
+
+_RACY_APPTAINER = """#!/bin/sh
+# Fails fetching its base the first time (as when another build was writing Apptainer's layer cache), then builds.
+n=$(cat "$0.count" 2>/dev/null || echo 0); echo $((n + 1)) > "$0.count"
+echo 'INFO:    Fetching OCI image...'
+if [ "$n" = 0 ]; then echo 'FATAL:   While performing build: conveyor failed to get: {error}'; exit 255; fi
+for last; do :; done
+eval "out=\\${{$(($# - 1))}}"
+echo built > "$out"
+"""
+
+
+@pytest.mark.parametrize("error, tries", [("unexpected end of JSON input", 2), ("manifest unknown", 1)])
+def test_a_build_that_read_the_layer_cache_while_another_wrote_it_is_tried_again(
+        tmp_path: Path, error: str, tries: int) -> None:
+    root = tmp_path / "cache"
+    root.mkdir()
+    fake = tmp_path / "apptainer"
+    fake.write_text(_RACY_APPTAINER.format(error=error))
+    fake.chmod(0o755)
+    c = cache.Cache(root)
+    key = "lock-0123456789abcdef"
+    spec = parse_image("img", {"template": "x.def.j2", "base": "scratch"}, "images.yaml: images.img", tmp_path, None)
+    plan = Plan(spec, "lock", key, {}, "Bootstrap: scratch\n", c.image_path("img", key), None, [])
+    events: list[str] = []
+    result = Builder(c, apptainer=str(fake), timeout_s=60,
+                     on_event=lambda name, message: events.append(message)).make_ready(plan)
+    assert (tmp_path / "apptainer.count").read_text().strip() == str(tries)
+    if tries == 2:  # the race: built on the second try, and the user was told why it went again
+        assert result.action == "built" and Path(result.path or "").read_text() == "built\n"
+        assert any("trying again (2 of 3)" in m and error in m for m in events), events
+    else:  # any other failure to fetch is the user's to see at once
+        assert result.action == "failed" and error in (result.error or "")
+        assert not any("trying again" in m for m in events), events
