@@ -260,6 +260,7 @@ class Builder:
                         raise
                     self.on_event(name, f"fetching the base failed on Apptainer's layer cache, which another build "
                                         f"was writing ({race.strip()}): trying again ({attempt + 1} of {_CACHE_RACE_TRIES})")
+                    tmp.unlink(missing_ok=True)  # apptainer will not build over a file a failed try left
                     time.sleep(attempt)
             if not tmp.is_file() or tmp.stat().st_size == 0:
                 raise ImageBuildError(f"image {name}: apptainer exited 0 but wrote no image at {tmp}")
