@@ -1,4 +1,4 @@
-"""Reading JSON Lines files (one JSON value per line) with errors that name the file and the line.
+"""Reading and writing JSON Lines files (one JSON value per line); read errors name the file and the line.
 
 Every JSONL reader of prorl (results files, dataset files, search corpora,
 ``prorl submit`` task files) goes through :func:`jsonl_values`, so a bad line
@@ -10,7 +10,8 @@ passes the exception class of its own domain (``DatasetError``,
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +48,20 @@ def jsonl_objects(path: Path, error_cls: type[Exception], *, expected: str = "")
             what = f" with {expected}" if expected else ""
             raise error_cls(f"{path}:{lineno}: a line must be a JSON object{what}, got {type(value).__name__}")
         yield lineno, value
+
+
+def write_jsonl_atomic(path: str | os.PathLike[str], rows: Iterable[Any], *, allow_nan: bool = False) -> Path:
+    """Write one JSON value per line to ``path``, all or nothing: the lines go to a temp file beside it that
+    replaces ``path`` when every row is written. Whatever stops the write (a row that is not JSON, a full disk,
+    Ctrl-C) leaves ``path`` as it was and no temp file behind. Returns ``path``."""
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, allow_nan=allow_nan) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prorl_cli.jsonl import write_jsonl_atomic
+
 TRAJECTORY_FORMAT = "prorl.trajectory/1"
 
 
@@ -103,13 +105,7 @@ def trajectory_rows(
 
 def write_jsonl(path: str | os.PathLike[str], records: Iterable[dict[str, Any] | Trajectory]) -> Path:
     """One JSON object per line: ``{..., "trajectory": {...}}``. Returns the path."""
-    out = Path(path)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    with tmp.open("w") as f:
-        for row in trajectory_rows(records):
-            f.write(json.dumps(row, allow_nan=True) + "\n")
-    os.replace(tmp, out)
-    return out
+    return write_jsonl_atomic(path, trajectory_rows(records), allow_nan=True)
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from prorl_cli.jsonl import write_jsonl_atomic
 from prorl_cli.training.samples import TrainingSample
 
 EXPORT_FORMAT = "prorl.samples/1"
@@ -77,17 +78,7 @@ def sample_row(s: TrainingSample) -> dict[str, Any]:
 
 def write_samples_jsonl(path: str | os.PathLike[str], samples: Iterable[TrainingSample]) -> Path:
     """One JSON object per sample (the columns of :data:`COLUMNS`); written atomically."""
-    out = Path(path)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    try:
-        with tmp.open("w") as f:
-            for s in samples:
-                f.write(json.dumps(sample_row(s)) + "\n")
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed export leaves neither a half file nor its temp file behind
-        raise
-    return out
+    return write_jsonl_atomic(path, (sample_row(s) for s in samples))
 
 
 def read_samples_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -28,3 +28,14 @@ def test_jsonl_reader_numbers_lines_and_names_the_bad_one(tmp_path: Path) -> Non
     binary.write_bytes(b'{"a": 1}\n\xff\xfe\n')
     with pytest.raises(DatasetError, match=r"b\.jsonl: not a UTF-8 text file \(one row a line\): .* at byte"):
         list(jsonl_values(binary, DatasetError, hint="one row a line"))
+
+
+def test_a_failed_trajectory_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    from prorl_cli.agent.trajectory import read_jsonl, write_jsonl
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"job_id": "j1", "reward": 1.0}])
+    rows = ({"job_id": f"j{i}", "reward": 1.0 if i < 2 else {1, 2}} for i in range(3))  # the third is not JSON
+    with pytest.raises(TypeError, match="set is not JSON serializable"):
+        write_jsonl(path, rows)
+    assert [r["job_id"] for r in read_jsonl(path)] == ["j1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
