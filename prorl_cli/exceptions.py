@@ -188,6 +188,10 @@ class DatasetError(ProrlError, ValueError):
     """A dataset file that cannot be loaded (names the file, the line or row, and the field)."""
 
 
+class LedgerError(ProrlError, ValueError):
+    """A simulated engine's call ledger that cannot be read (names the file and the field)."""
+
+
 #: Error code (``protocol.ErrorCode`` values) -> the exception :meth:`RemoteError.from_reply` raises.
 _ERROR_CLASSES: dict[str, type[RemoteError]] = {
     "bad_frame": BadRequest,

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prorl_cli.exceptions import LedgerError
+
 #: What became of a job (``DapoSampler.job_outcomes`` values), in the order reports list them.
 OUTCOMES = (
     "informative",   # its group was informative (returned by a step, or ready for the next)
@@ -61,9 +63,42 @@ class Breakdown:
         return self.gpu_s.get(outcome, 0.0) / self.busy_s if self.busy_s else 0.0
 
 
+#: What :func:`breakdown` and :func:`idle_gpu_s` read of a ledger, and of each of its calls: key -> types.
+_LEDGER_FIELDS: dict[str, tuple[type, ...]] = {
+    "backend_id": (str, type(None)), "busy_s": (int, float), "speedup": (int, float), "idle_spans": (list,),
+    "calls": (list,),
+}
+_CALL_FIELDS: dict[str, tuple[type, ...]] = {
+    "job_id": (str, type(None)), "submitted_at": (int, float), "gpu_s": (int, float), "prompt_tokens": (int,),
+    "cached_tokens": (int,), "output_tokens": (int,),
+}
+
+
 def load_ledgers(folder: Path) -> list[dict[str, Any]]:
-    """Every ``*.json`` ledger in ``folder`` (one per simulated backend)."""
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    """Every ``*.json`` ledger in ``folder`` (one per simulated backend), each checked for the fields the
+    breakdown reads; a file that is not such a ledger raises :class:`LedgerError` naming it and the field."""
+    docs = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LedgerError(f"ledger {path}: not a readable JSON document: {e}") from e
+        _check_fields(doc, _LEDGER_FIELDS, f"ledger {path}")
+        for i, call in enumerate(doc["calls"]):
+            _check_fields(call, _CALL_FIELDS, f"ledger {path}: calls[{i}]")
+        docs.append(doc)
+    return docs
+
+
+def _check_fields(value: Any, fields: Mapping[str, tuple[type, ...]], where: str) -> None:
+    if not isinstance(value, dict):
+        raise LedgerError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    for key, types in fields.items():
+        if key not in value:
+            raise LedgerError(f"{where}: missing field {key!r}")
+        if not isinstance(value[key], types) or isinstance(value[key], bool):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise LedgerError(f"{where}: field {key!r} must be {names}, got {value[key]!r:.80}")
 
 
 def breakdown(ledgers: Iterable[Mapping[str, Any]], outcomes: Mapping[str, str], *, block_tokens: int = 16) -> Breakdown:
@@ -77,7 +112,7 @@ def breakdown(ledgers: Iterable[Mapping[str, Any]], outcomes: Mapping[str, str],
     for job_id, calls in by_job.items():
         outcome = outcomes.get(job_id, "unknown") if job_id is not None else "unknown"
         if outcome not in OUTCOMES:
-            raise ValueError(f"job {job_id}: unknown outcome {outcome!r} (expected one of {OUTCOMES})")
+            raise LedgerError(f"job {job_id}: unknown outcome {outcome!r} (expected one of {OUTCOMES})")
         out.jobs[outcome] = out.jobs.get(outcome, 0) + 1
         out.calls[outcome] = out.calls.get(outcome, 0) + len(calls)
         calls.sort(key=lambda bc: bc[1]["submitted_at"])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from prorl_cli.client import AsyncRolloutClient
+from prorl_cli.exceptions import LedgerError
 from prorl_cli.training.gpu_ledger import OUTCOMES, breakdown, load_ledgers
 from prorl_cli.training.sampler import DapoSampler, SamplerConfig
 from tests.harness import Deployment
@@ -181,3 +183,25 @@ def test_engine_time_reaches_the_handler_and_tool_waits_absorb_the_hops(tmp_path
         assert 0 < r.output["engine_s"] <= r.output["generate_s"], r.output
     assert 0 <= absorbing.output["overrun_s"] <= absorbing.output["hops_s"], absorbing.output
     assert "hops_s" not in plain.output
+
+
+def test_a_ledger_that_is_not_one_is_named_with_its_file_and_field(tmp_path: Path) -> None:
+    good_call = {"job_id": "j1", "submitted_at": 1.0, "gpu_s": 0.5, "prompt_tokens": 10, "cached_tokens": 0,
+                 "output_tokens": 3}
+    good = {"backend_id": "sim-a", "busy_s": 0.5, "speedup": 1.0, "idle_spans": [], "calls": [good_call]}
+    (tmp_path / "a.json").write_text(json.dumps(good))
+    assert breakdown(load_ledgers(tmp_path), {"j1": "informative"}).gpu_s == {"informative": 0.5}
+    with pytest.raises(LedgerError, match="job j1: unknown outcome 'won'"):
+        breakdown(load_ledgers(tmp_path), {"j1": "won"})
+    cases = [
+        ("{not json", r"b\.json: not a readable JSON document"),
+        ("[]", r"b\.json: expected a JSON object, got list"),
+        (json.dumps({**good, "busy_s": "1"}), r"b\.json: field 'busy_s' must be int or float, got '1'"),
+        (json.dumps({k: v for k, v in good.items() if k != "calls"}), r"b\.json: missing field 'calls'"),
+        (json.dumps({**good, "calls": [{**good_call, "prompt_tokens": 1.5}]}),
+         r"b\.json: calls\[0\]: field 'prompt_tokens' must be int, got 1\.5"),
+    ]
+    for text, message in cases:
+        (tmp_path / "b.json").write_text(text)
+        with pytest.raises(LedgerError, match=message):
+            load_ledgers(tmp_path)
