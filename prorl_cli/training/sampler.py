@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.exceptions import ProrlError
+from prorl_cli.exceptions import ConfigError, ProrlError
 from prorl_cli.protocol import JobResult, JobSpec
 
 log = logging.getLogger(__name__)
@@ -98,29 +98,57 @@ class SamplerConfig:
     #: Groups per batch in sync mode (default ``target_groups``).
     sync_batch_groups: int | None = None
     step_timeout_s: float | None = None
-    #: With carry-over: at most this many steps' worth of groups in flight (module docstring); 0: no cap.
+    #: With carry-over: at most this many steps' worth of groups in flight (module docstring); 0: no cap. A step
+    #: with nothing in flight submits a group whatever the window, so a window under one step still makes progress.
     carry_window_steps: float = 1.75
     #: Off: groups the sampler drops (early termination, staleness, failed siblings) are abandoned but
     #: left running at the broker, their results ignored: the paper's "no stale-job cleanup" ablation.
     cancel_dropped: bool = True
 
     def __post_init__(self) -> None:
+        """Check every setting here, before a step runs: a bad one raises :class:`ConfigError` naming it."""
+
+        def bad(name: str, rule: str) -> ConfigError:
+            return ConfigError(f"sampler {name} must be {rule}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
         for name in ("group_size", "target_groups"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "a positive integer")
+        for name in ("max_in_flight", "sync_batch_groups", "max_attempts"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"sampler {name} must be a positive integer, got {v!r}")
+            if v is not None and (not is_int(v) or v < 1):
+                raise bad(name, "a positive integer or None")
+        if not is_int(self.max_staleness) or self.max_staleness < 0:
+            raise bad("max_staleness", "an integer >= 0 (policy versions)")
+        if not is_number(self.carry_window_steps) or self.carry_window_steps < 0:
+            raise bad("carry_window_steps", "a number >= 0 (0: no cap)")
+        for name in ("timeout_s", "step_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and (not is_number(v) or v <= 0):
+                raise bad(name, "a positive number of seconds or None")
+        for name in ("carry_over", "cancel_dropped"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
         if self.mode not in MODES:
-            raise ValueError(f"sampler mode must be one of {MODES}, got {self.mode!r}")
+            raise bad("mode", f"one of {MODES}")
         if self.failed not in FAILED_POLICIES:
-            raise ValueError(f"sampler failed must be one of {FAILED_POLICIES}, got {self.failed!r}")
-        if self.carry_window_steps < 0:
-            raise ValueError(f"sampler carry_window_steps must be >= 0 (0: no cap), got {self.carry_window_steps}")
-        if self.max_staleness < 0:
-            raise ValueError(f"sampler max_staleness must be >= 0, got {self.max_staleness}")
+            raise bad("failed", f"one of {FAILED_POLICIES}")
+        if not callable(self.informative):
+            raise bad("informative", "a function of a group's rewards")
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise bad("run_id", "a non-empty string")
+        if self.sampling is not None and not isinstance(self.sampling, dict):
+            raise bad("sampling", "a map of sampling parameters or None")
         if self.max_in_flight is None:
             self.max_in_flight = 2 * self.group_size * self.target_groups
         if self.max_in_flight < self.group_size:
-            raise ValueError(f"sampler max_in_flight ({self.max_in_flight}) is smaller than one group ({self.group_size})")
+            raise ConfigError(f"sampler max_in_flight ({self.max_in_flight}) is smaller than one group ({self.group_size})")
 
 
 @dataclass
@@ -306,6 +334,10 @@ class DapoSampler:
         assert self.config.max_in_flight is not None
         if self.in_flight_jobs + self.config.group_size > self.config.max_in_flight:
             return False
+        if not self._pending:
+            # Nothing in flight: a step short of its target waits for a result, so one must be coming.
+            # (A window under one step's worth can be full of ready groups that are still too few.)
+            return True
         cap = self.group_cap()
         # Ready groups wait to be taken by a step: they count against the window too.
         return cap is None or self.groups_in_window < cap

@@ -148,6 +148,49 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def test_a_carry_window_under_one_step_never_leaves_a_step_waiting_on_nothing(stack: Deployment) -> None:
+    """A window of 0.3 steps' worth holds fewer groups than a step needs: when it is full of ready groups and
+    nothing is in flight, the step still submits (else it would wait for a result that cannot come)."""
+    ps = [{"p": 0.5, "scale_s": 0.01, "alpha": 1.2, "max_s": 0.2, "seed": 5} for _ in range(8)]
+    cfg = SamplerConfig(group_size=4, target_groups=3, max_in_flight=16, carry_window_steps=0.3, run_id="t6",
+                        step_timeout_s=30)
+
+    async def go() -> tuple[list[StepBatch], list[int | None]]:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", ps, cfg)
+            caps: list[int | None] = []
+            sampler.on_progress = lambda _st: caps.append(sampler.group_cap())
+            batches = [await sampler.step(policy_version=v) for v in range(2)]
+            await sampler.close()
+            return batches, caps
+
+    batches, caps = asyncio.run(go())
+    for b in batches:
+        check_batch(b, cfg)
+    # The window really was below a step's worth of groups at some point.
+    assert min(c for c in caps if c is not None) < cfg.target_groups, caps
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"group_size": 0}, r"group_size must be a positive integer, got 0"),
+    ({"target_groups": 2.0}, r"target_groups must be a positive integer, got 2\.0"),
+    ({"max_in_flight": "16"}, r"max_in_flight must be a positive integer or None, got '16'"),
+    ({"sync_batch_groups": 0}, r"sync_batch_groups must be a positive integer or None, got 0"),
+    ({"max_staleness": 1.5}, r"max_staleness must be an integer >= 0"),
+    ({"carry_window_steps": float("nan")}, r"carry_window_steps must be a number >= 0"),
+    ({"step_timeout_s": 0}, r"step_timeout_s must be a positive number of seconds or None, got 0"),
+    ({"carry_over": "no"}, r"carry_over must be true or false, got 'no'"),
+    ({"mode": "batch"}, r"mode must be one of \('async', 'sync'\), got 'batch'"),
+    ({"run_id": ""}, r"run_id must be a non-empty string"),
+    ({"max_in_flight": 2}, r"max_in_flight \(2\) is smaller than one group \(4\)"),
+])
+def test_sampler_settings_are_checked_before_a_step_and_named(settings: dict[str, Any], message: str) -> None:
+    from prorl_cli.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        SamplerConfig(**{"group_size": 4, "target_groups": 2, **settings})
+
+
 def test_restarted_sampler_resubmits_the_same_ids(stack: Deployment, tmp_path: Path) -> None:
     ps = [{**p, "scale_s": 0.3} for p in prompts()]
     out = tmp_path / "ids.json"
