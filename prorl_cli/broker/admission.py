@@ -17,6 +17,9 @@ fits nowhere waits at the broker, in arrival order, until a job ends (and
 frees its share), and at most ``max_wait_s``: then it goes to the policy's
 choice anyway, so no job waits out its generate timeout here. Calls of jobs
 already placed are never held: admission only decides when work starts.
+A backend that goes (lost, or it left), or that re-registers loading other
+weights, frees every share reserved on it at once: its jobs are placed again
+by their next call, as new jobs are.
 """
 
 from __future__ import annotations
@@ -112,6 +115,15 @@ class KvAdmission:
                 self._load[bid] = left
             else:
                 self._load.pop(bid, None)
+
+    def forget_backend(self, backend_id: str) -> None:
+        """``backend_id`` went (or serves none of its jobs any more): every share reserved on it is free.
+
+        Its jobs' next calls reserve again wherever they are routed, as a new job's first call does.
+        """
+        for job_id in [j for j, (bid, _) in self._context.items() if bid == backend_id]:
+            del self._context[job_id]
+        self._load.pop(backend_id, None)
 
     def wait(self, call: WaitingCall) -> None:
         self._waiting[next(self._ids)] = call

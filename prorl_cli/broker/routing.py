@@ -241,6 +241,9 @@ class Router:
         self._send(identity, P.reply(h.rid, heartbeat_interval_s=self.heartbeat_interval_s,
                                      heartbeat_liveness=self.heartbeat_liveness, **self.register_reply_fields), ())
         self.weights.backend_registered(backend, h.policy_version)  # on other weights: it loads them first
+        if backend.loading:
+            # No call goes to it before it has loaded them, nor to the jobs it kept (their KV is of the old weights).
+            self._release_jobs(backend)
         self._release_held()
         self._admit_waiting()
 
@@ -260,12 +263,21 @@ class Router:
             if not pend.redirect:
                 self._answer_dropped(pend.requester, pend.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} {why}",
                                      backend_id=backend.backend_id)
-        for job_id in backend.jobs:
-            self.sticky.pop(job_id, None)
-        backend.jobs.clear()
+        self._release_jobs(backend)
         if self.stopping or backend.kind == "bridge":
             self.backends.pop(backend.backend_id, None)
         self.weights.backend_lost(backend.backend_id)
+
+    def _release_jobs(self, backend: Backend) -> None:
+        """``backend`` serves its jobs no more (it went, or it loads other weights): unbind them, free their KV.
+
+        Each job's next call is routed like a first call, through KV admission, to a backend that serves.
+        """
+        for job_id in backend.jobs:
+            if self.sticky.get(job_id) == backend.backend_id:
+                del self.sticky[job_id]
+        backend.jobs.clear()
+        self.admission.forget_backend(backend.backend_id)
 
     def _release_held(self) -> None:
         if self.weights.paused or not len(self.held) or not self._candidates():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prorl_cli.broker.admission import KvAdmission, call_tokens
 from prorl_cli.protocol import ErrorCode, Op, SamplingParams, pack_tokens
 from prorl_cli.protocol.headers import Generate
@@ -135,3 +137,17 @@ def test_a_waiting_first_call_its_node_gave_up_on_is_answered_and_never_routed()
     assert len(c.router.admission) == 0
     end(c, "j1")  # room frees: the abandoned call must not reach an engine
     assert forwarded(c) == []
+
+
+def test_a_bridge_declared_dead_frees_its_jobs_kv_and_has_room_when_it_registers_again() -> None:
+    c, ids = admitting(100, "b1")
+    run(c, "placed", "new")
+    call(c, "placed", 80)
+    assert forwarded(c) == [("placed", "b1")] and c.router.admission.load("b1") == 90
+    c.router.tick(time.monotonic() + 10 * c.router.dead_after_s)  # silent too long: lost
+    assert "b1" not in c.router.backends and c.router.admission.load("b1") == 0
+    # It comes back on its connection (it thought the broker gone): it serves no job, so a new one fits.
+    assert c.bridge("b1") == ids["b1"]
+    assert c.router.bridge_heartbeat(ids["b1"], hdr(Op.HEARTBEAT, {"stats": {"kv_capacity_tokens": 100}}))
+    call(c, "new", 80)
+    assert forwarded(c) == [("new", "b1")] and c.router.admission.load("b1") == 90
