@@ -99,7 +99,11 @@ def prorl_reward(prompts: Any = None, completions: Any = None, **kwargs: Any) ->
 
 
 def row_from_sample(sample: TrainingSample) -> TrlRow:
-    """A training sample as TRL's prompt / completion / log-probs / mask."""
+    """A training sample as TRL's prompt / completion / log-probs / mask.
+
+    A sample whose per-token lists differ in length raises :class:`~prorl_cli.training.samples.SampleError`.
+    """
+    sample.check_aligned()
     p = sample.prompt_length
     return TrlRow(
         prompt_ids=list(sample.input_ids[:p]),

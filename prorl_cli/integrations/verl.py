@@ -45,6 +45,30 @@ class NoTrajectory(ProrlError, ValueError):
     """A job result without a token-level trajectory (the job failed before any model call, or its handler keeps none)."""
 
 
+class RowMismatch(ProrlError, ValueError):
+    """An export row whose per-token columns do not line up with its ``input_ids`` (or lacks a column a batch needs)."""
+
+
+def _check_rows(rows: Sequence[dict[str, Any]], scalars: Sequence[str], per_token: Sequence[str], batch: str) -> None:
+    """Raise :class:`RowMismatch` unless every row has ``per_token`` columns as long as its ``input_ids``.
+
+    The batches pad each column on its own, so a column of another length would not fail: it would
+    shift every later value off its token.
+    """
+    for i, r in enumerate(rows):
+        missing = [k for k in ("input_ids", *scalars, *per_token) if k not in r]
+        if missing:
+            raise RowMismatch(f"{batch}: row {i} lacks column(s) {missing}")
+        n = len(r["input_ids"])
+        if "input_lengths" in r and r["input_lengths"] != n:
+            raise RowMismatch(f"{batch}: row {i} has input_lengths {r['input_lengths']} for {n} input_ids")
+        if "prompt_length" in r and not 0 <= r["prompt_length"] <= n:
+            raise RowMismatch(f"{batch}: row {i} has prompt_length {r['prompt_length']} for {n} input_ids")
+        for k in per_token:
+            if len(r[k]) != n:
+                raise RowMismatch(f"{batch}: row {i} has {len(r[k])} {k} for {n} input_ids")
+
+
 @dataclass
 class LoopOutput:
     """The fields of veRL's ``AgentLoopOutput`` that a prorl trajectory fills (``metrics`` aside)."""
@@ -169,12 +193,15 @@ def verl_batch(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str
     their concatenation; the response-side tensors (``response_mask``,
     ``old_log_probs``, ``advantages``, ``token_level_scores``) cover the ids
     after each row's ``prompt_length``. ``non_tensors["uid"]`` is the GRPO group.
+    A row whose columns do not line up with its ``input_ids`` raises :class:`RowMismatch`.
     """
     import numpy as np
     import torch
 
     if not rows:
         raise ValueError("verl_batch needs at least one row")
+    _check_rows(rows, ("prompt_length", "group_id"),
+                ("attention_mask", "response_mask", "old_log_probs", "advantages", "token_level_scores"), "verl_batch")
     width_p = max(r["prompt_length"] for r in rows)
     width_r = max(len(r["input_ids"]) - r["prompt_length"] for r in rows)
 
@@ -207,6 +234,8 @@ def nemo_rl_batch(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     if not rows:
         raise ValueError("nemo_rl_batch needs at least one row")
+    _check_rows(rows, ("input_lengths", "sample_mask"),
+                ("advantages", "prev_logprobs", "generation_logprobs", "token_mask"), "nemo_rl_batch")
     width = max(r["input_lengths"] for r in rows)
 
     def pad(key: str, dtype: Any) -> Any:

@@ -27,9 +27,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.agent.trajectory import Trajectory
+from prorl_cli.exceptions import ProrlError
 
 #: Policy version of a token the model did not sample (prompt, tool output).
 NO_VERSION = -1
+
+
+class SampleError(ProrlError, ValueError):
+    """A trajectory, reward or sample a trainer cannot use as it is (the message names the rollout and the problem)."""
+
+
+def _finite_reward(reward: Any, rollout_id: str) -> float:
+    """``reward`` as a float; a missing, NaN or infinite reward would put NaN into every loss of its group."""
+    try:
+        value = float(reward)
+    except (TypeError, ValueError):
+        raise SampleError(f"rollout {rollout_id!r}: reward {reward!r} is not a number") from None
+    if not math.isfinite(value):
+        raise SampleError(f"rollout {rollout_id!r}: reward {reward!r} is not finite")
+    return value
 
 
 class AdvantageEstimator(str, enum.Enum):
@@ -105,6 +121,19 @@ class TrainingSample:
         """The newest policy version among the sample's sampled tokens (:data:`NO_VERSION` if none was reported)."""
         return max((v for v, m in zip(self.policy_versions, self.response_mask, strict=True) if m), default=NO_VERSION)
 
+    def check_aligned(self) -> None:
+        """Raise :class:`SampleError` unless every per-token list is as long as ``input_ids`` (``loss_weights``: or empty)."""
+        n = len(self.input_ids)
+        lists: dict[str, Sequence[Any]] = {
+            "response_mask": self.response_mask, "old_log_probs": self.old_log_probs,
+            "policy_versions": self.policy_versions,
+        }
+        if self.loss_weights:
+            lists["loss_weights"] = self.loss_weights
+        for name, values in lists.items():
+            if len(values) != n:
+                raise SampleError(f"sample of rollout {self.rollout_id!r} has {len(values)} {name} for {n} input_ids")
+
     def off_policy_positions(self) -> list[int]:
         """Indices of sampled tokens served under an older version than :attr:`newest_version`."""
         newest = self.newest_version
@@ -159,8 +188,13 @@ def build_samples(
     yields no sample.
     """
     traj = Trajectory.from_dict(trajectory) if isinstance(trajectory, dict) else trajectory
+    reward = _finite_reward(reward, rollout_id)
     samples: list[TrainingSample] = []
     for i, call in enumerate(traj.calls):
+        if len(call.logprobs) != len(call.output_ids):
+            # Appending them as they are would shift every later log-prob off its token.
+            raise SampleError(f"rollout {rollout_id!r}: call {i} has {len(call.logprobs)} logprobs "
+                              f"for {len(call.output_ids)} output ids")
         prompt = list(call.prompt_ids)
         version = _call_version(call)
         cur: TrainingSample | None = None
@@ -174,7 +208,7 @@ def build_samples(
         else:
             cur = TrainingSample(
                 rollout_id=rollout_id, group_id=group_id, job_id=job_id or rollout_id,
-                input_ids=[], response_mask=[], old_log_probs=[], policy_versions=[], reward=float(reward),
+                input_ids=[], response_mask=[], old_log_probs=[], policy_versions=[], reward=reward,
                 agent=call.agent,
             )
             samples.append(cur)
@@ -190,6 +224,10 @@ def build_samples(
 
 def _baselines(rewards: Sequence[float], estimator: AdvantageEstimator, std_normalize: bool, eps: float) -> list[float]:
     n = len(rewards)
+    if max(rewards) == min(rewards):
+        # No signal, exactly: rounding in the mean (0.1 * 3 / 3 != 0.1) would leave ~1e-17 residues,
+        # which std normalisation with a small eps blows up to advantages of order 1 (and eps=0 divides by 0).
+        return [0.0] * n
     mean = sum(rewards) / n
     if estimator == AdvantageEstimator.RLOO:
         # Leave-one-out: r_i - mean(r_j, j != i); a group of one has no baseline to compare with.
@@ -221,6 +259,7 @@ def assign_advantages(
     level = AdvantageLevel(level)
     groups: dict[str, list[TrainingSample]] = defaultdict(list)
     for s in samples:
+        _finite_reward(s.reward, s.rollout_id)
         groups[s.group_id].append(s)
     for members in groups.values():
         if level == AdvantageLevel.SAMPLE:
@@ -230,7 +269,7 @@ def assign_advantages(
         rewards: dict[str, float] = {}
         for s in members:
             if rewards.setdefault(s.rollout_id, s.reward) != s.reward:
-                raise ValueError(f"rollout {s.rollout_id!r} has samples with different rewards")
+                raise SampleError(f"rollout {s.rollout_id!r} has samples with different rewards")
         by_rollout = dict(zip(rewards, _baselines(list(rewards.values()), estimator, std_normalize, eps), strict=True))
         for s in members:
             s.advantage = by_rollout[s.rollout_id]
@@ -242,19 +281,24 @@ def assign_loss_weights(samples: Sequence[TrainingSample], norm: LossNorm | str 
     - token-mean: every response token of the batch weighs ``1 / total tokens``;
     - seq-mean-token-mean: ``1 / (samples * tokens of its sample)``;
     - rollout-token-mean: ``1 / (rollouts * tokens of its rollout, all samples)``.
+
+    A sample (rollout) without any sampled token has no token mean and is not
+    counted, so the weights of a batch with sampled tokens sum to 1.
     """
     norm = LossNorm(norm)
     total = sum(s.n_response_tokens for s in samples)
     per_rollout: dict[str, int] = defaultdict(int)
     for s in samples:
         per_rollout[s.rollout_id] += s.n_response_tokens
+    n_sequences = sum(1 for s in samples if s.n_response_tokens)
+    n_rollouts = sum(1 for n in per_rollout.values() if n)
     for s in samples:
         if norm == LossNorm.TOKEN_MEAN:
             denom = total
         elif norm == LossNorm.SEQ_MEAN_TOKEN_MEAN:
-            denom = len(samples) * s.n_response_tokens
+            denom = n_sequences * s.n_response_tokens
         else:
-            denom = len(per_rollout) * per_rollout[s.rollout_id]
+            denom = n_rollouts * per_rollout[s.rollout_id]
         w = 1.0 / denom if denom else 0.0
         s.loss_weights = [w * m for m in s.response_mask]
 
@@ -294,6 +338,9 @@ def apply_off_policy(
         count += len(positions)
         if mode == OffPolicy.KEEP or not positions:
             continue
+        if len(s.loss_weights) != len(s.input_ids):
+            raise SampleError(f"sample of rollout {s.rollout_id!r} has {len(s.loss_weights)} loss weights for "
+                              f"{len(s.input_ids)} ids: call assign_loss_weights before apply_off_policy")
         if mode == OffPolicy.MASK:
             for i in positions:
                 s.loss_weights[i] = 0.0
@@ -301,9 +348,15 @@ def apply_off_policy(
         assert current_log_probs is not None
         now = list(current_log_probs(s))
         if len(now) != len(s.input_ids):
-            raise ValueError(f"current_log_probs of sample {s.rollout_id!r} has {len(now)} values for {len(s.input_ids)} ids")
+            raise SampleError(f"current_log_probs of sample {s.rollout_id!r} has {len(now)} values for "
+                              f"{len(s.input_ids)} ids")
         for i in positions:
-            s.loss_weights[i] *= min(math.exp(float(now[i]) - s.old_log_probs[i]), is_cap)
+            delta = float(now[i]) - s.old_log_probs[i]
+            if math.isnan(delta):
+                raise SampleError(f"sample of rollout {s.rollout_id!r}: log-prob ratio at token {i} is NaN "
+                                  f"(current {now[i]!r}, old {s.old_log_probs[i]!r})")
+            # min(exp(delta), cap) without exp overflowing on a large delta (an old log-prob of -1e4, say).
+            s.loss_weights[i] *= is_cap if delta >= math.log(is_cap) else math.exp(delta)
     return count
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
@@ -191,3 +193,157 @@ def test_the_sampler_reports_the_off_policy_token_fraction() -> None:
     results = [_Result("a", _stale_rollout(), 1.0)]
     assert off_policy_fraction(results, 2) == pytest.approx(2 / 3)  # the 2 tokens of version 1 of 3
     assert off_policy_fraction(results, 1) == 0.0
+
+
+# --------------------------------------------------------------------- what a trainer must never receive silently
+
+
+def test_nan_inf_and_missing_rewards_are_refused_by_name() -> None:
+    """A NaN or infinite reward would make every advantage of its group NaN: refused, naming the rollout."""
+    from prorl_cli.training.samples import SampleError, samples_from_results
+
+    traj = Trajectory(calls=[call([1, 2], [3])])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(SampleError, match="rollout 'r': reward .* is not finite"):
+            build_samples(traj, rollout_id="r", group_id="g", reward=bad)
+        ss = [sample("a", "g", 1.0, 2), sample("b", "g", bad, 2), sample("b", "g", bad, 2)]
+        with pytest.raises(SampleError, match="rollout 'b': reward .* is not finite"):
+            assign_advantages(ss)
+    with pytest.raises(SampleError, match="rollout 'b': reward None is not a number"):
+        assign_advantages([sample("a", "g", 1.0, 2), sample("b", "g", None, 2)])  # type: ignore[arg-type]
+    with pytest.raises(SampleError, match="rollout 'x'"):
+        samples_from_results([_Result("x", traj.to_dict(), float("nan"))])
+
+
+def test_logprobs_that_do_not_match_the_output_ids_are_refused() -> None:
+    """Appending a call's log-probs as they are would shift every later one off its token."""
+    from prorl_cli.training.samples import SampleError
+
+    good = call([1, 2], [3, 4])
+    short = ModelCall(prompt_ids=[1, 2, 3, 4, 5], output_ids=[6, 7], logprobs=[-0.5], finish_reason="stop")
+    with pytest.raises(SampleError, match="rollout 'r': call 1 has 1 logprobs for 2 output ids"):
+        build_samples(Trajectory(calls=[good, short]), rollout_id="r", group_id="g", reward=1.0)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+@pytest.mark.parametrize("level", ["rollout", "sample"])
+def test_all_equal_rewards_give_exactly_zero_advantages(estimator: str, level: str) -> None:
+    """Equal rewards carry no signal; rounding in the mean (0.1 * 3 / 3) must not become advantages of order 1."""
+    for rewards in ([0.1, 0.1, 0.1], [1.0, 1.0], [0.7]):
+        ss = [sample(f"r{i}", "g", r, 2) for i, r in enumerate(rewards)]
+        assign_advantages(ss, estimator=estimator, level=level, std_normalize=True, eps=0.0)
+        assert [s.advantage for s in ss] == [0.0] * len(rewards)
+
+
+def test_advantages_of_groups_whose_rollouts_split_differently() -> None:
+    """Rollout level: a rollout counts once however many samples it split into; groups never mix."""
+    ss = [sample("a", "g", 1.0, 2)] + [sample("b", "g", 0.0, 2)] * 3 + [sample("c", "h", 2.0, 1), sample("d", "h", 0.0, 1)]
+    assign_advantages(ss, std_normalize=True, eps=0.0)
+    std = 0.5 ** 0.5  # sample std of [1, 0]
+    assert [s.advantage for s in ss[:4]] == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, -0.5 / std])
+    assert [s.advantage for s in ss[4:]] == pytest.approx([1.0 / 2 ** 0.5, -1.0 / 2 ** 0.5])  # std of [2, 0] is sqrt 2
+
+
+@pytest.mark.parametrize("norm", ["token-mean", "seq-mean-token-mean", "rollout-token-mean"])
+def test_loss_weights_sum_to_one_with_a_sample_without_sampled_tokens(norm: str) -> None:
+    """A sample (here a whole rollout) with no sampled token has no token mean: it must not dilute the others."""
+    ss = [sample("a", "g", 1.0, 4), sample("a", "g", 1.0, 2), sample("b", "g", 0.0, 3), sample("e", "g", 0.0, 0)]
+    assign_loss_weights(ss, norm)
+    assert sum(w for s in ss for w in s.loss_weights) == pytest.approx(1.0)
+    assert ss[3].loss_weights == [0.0, 0.0]
+    assert all(len(s.loss_weights) == len(s.input_ids) for s in ss)
+
+
+def test_truncated_is_caps_a_huge_ratio_and_refuses_a_nan_one() -> None:
+    """An old log-prob of -1000 (exp overflows) is capped; a NaN one (an engine's null) is refused, not trained on."""
+    from prorl_cli.training.samples import SampleError, samples_from_results
+
+    def stale(old: float) -> dict:
+        return Trajectory(calls=[
+            ModelCall([1, 2], [3, 4], [old, -1.0], "stop", policy_version=1),
+            ModelCall([1, 2, 3, 4, 9], [5], [-0.25], "stop", policy_version=2),
+        ]).to_dict()
+
+    now = [0.0, 0.0, 0.0, -1.5, 0.0, 0.0]
+    w = samples_from_results([_Result("a", stale(-1000.0), 1.0)]).samples[0].loss_weights
+    s = samples_from_results([_Result("a", stale(-1000.0), 1.0)], off_policy="truncated_is",
+                             current_log_probs=lambda _s: now, is_cap=2.0).samples[0]
+    assert s.loss_weights[2] == w[2] * 2.0 and s.loss_weights[3] == pytest.approx(w[3] * math.exp(-0.5))
+    with pytest.raises(SampleError, match="ratio at token 2 is NaN"):
+        samples_from_results([_Result("a", stale(float("nan")), 1.0)], off_policy="truncated_is",
+                             current_log_probs=lambda _s: now)
+    with pytest.raises(SampleError, match="ratio at token 3 is NaN"):
+        samples_from_results([_Result("a", stale(-0.5), 1.0)], off_policy="truncated_is",
+                             current_log_probs=lambda _s: [0.0, 0.0, 0.0, float("nan"), 0.0, 0.0])
+
+
+def test_off_policy_before_loss_weights_is_a_named_error() -> None:
+    from prorl_cli.training.samples import SampleError, apply_off_policy
+
+    (s,), _ = build_samples(_stale_rollout(), rollout_id="a", group_id="g", reward=1.0)
+    with pytest.raises(SampleError, match="call assign_loss_weights before apply_off_policy"):
+        apply_off_policy([s], "mask")
+
+
+def test_sub_agent_calls_never_merge_into_another_agents_sample() -> None:
+    """A sub-agent's prompt that happens to extend the main agent's ids exactly still opens its own sample."""
+    traj = Trajectory(calls=[
+        ModelCall([1, 2], [3], [-0.1], "stop", agent="main"),
+        ModelCall([1, 2, 3, 4], [5], [-0.2], "stop", agent="sub"),
+        ModelCall([1, 2, 3, 6], [7], [-0.3], "stop", agent="main"),
+        ModelCall([1, 2, 3, 4, 5, 8], [9], [-0.4], "stop", agent="sub"),
+    ])
+    samples, report = build_samples(traj, rollout_id="r", group_id="g", reward=1.0)
+    assert [(s.agent, s.calls) for s in samples] == [("main", [0, 2]), ("sub", [1, 3])]
+    assert samples[0].input_ids == [1, 2, 3, 6, 7] and samples[0].response_mask == [0, 0, 1, 0, 1]
+    assert samples[1].input_ids == [1, 2, 3, 4, 5, 8, 9] and samples[1].response_mask == [0, 0, 0, 0, 1, 0, 1]
+    assert samples[1].old_log_probs == [0.0] * 4 + [-0.2, 0.0, -0.4]
+    assert report.samples == 2 and report.merge_ratio == pytest.approx(2 / 3)
+
+
+def test_merged_samples_stay_aligned_with_the_calls_they_hold() -> None:
+    """Random mixes of extending and non-extending calls: every call's prompt is its sample's ids before its
+    output, and its output sits there with mask 1, its log-probs and its version; everything else is mask 0."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        calls: list[ModelCall] = []
+        for k in range(rng.randint(1, 6)):
+            if calls and rng.random() < 0.7:
+                prev = rng.choice(calls)
+                base = prev.prompt_ids + prev.output_ids if rng.random() < 0.8 else prev.prompt_ids[:-1]
+            else:
+                base = [rng.randint(0, 3)]
+            prompt = base + [rng.randint(0, 50) for _ in range(rng.randint(0, 2))]
+            out = [rng.randint(0, 50) for _ in range(rng.randint(0, 3))]
+            calls.append(ModelCall(prompt, out, [-rng.random() for _ in out], "stop", policy_version=k,
+                                   agent=rng.choice([None, "sub"])))
+        samples, report = build_samples(Trajectory(calls=calls), rollout_id="r", group_id="g", reward=1.0)
+        assert sorted(i for s in samples for i in s.calls) == list(range(len(calls)))
+        for s in samples:
+            s.check_aligned()
+            sampled = set()
+            for i in s.calls:
+                c = calls[i]
+                assert c.agent == s.agent
+                n = len(c.prompt_ids)
+                assert s.input_ids[:n] == c.prompt_ids
+                assert s.input_ids[n:n + len(c.output_ids)] == c.output_ids
+                assert s.response_mask[n:n + len(c.output_ids)] == [1] * len(c.output_ids)
+                assert s.old_log_probs[n:n + len(c.output_ids)] == c.logprobs
+                assert s.policy_versions[n:n + len(c.output_ids)] == [c.policy_version] * len(c.output_ids)
+                sampled.update(range(n, n + len(c.output_ids)))
+            assert {i for i, m in enumerate(s.response_mask) if m} == sampled
+            assert all(lp == 0.0 and v == NO_VERSION for lp, v, m in
+                       zip(s.old_log_probs, s.policy_versions, s.response_mask, strict=True) if not m)
+        assert report.samples == len(samples)
+
+
+def test_micro_batches_of_nothing_and_of_an_oversized_rollout() -> None:
+    assert pack_micro_batches([], 10) == []
+    big = [sample("big", "g", 1.0, 20), sample("big", "g", 1.0, 20)]  # 44 ids, over the budget of 30
+    small = [sample("s1", "g", 0.0, 8), sample("s2", "g", 0.0, 8)]  # 10 ids each
+    batches = pack_micro_batches(big + small, 30)
+    assert batches[0] == big  # alone, whole, in order
+    assert [len(b) for b in batches[1:]] == [2] and sum(len(s) for s in batches[1]) == 20

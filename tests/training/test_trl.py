@@ -144,3 +144,26 @@ def test_the_trl_example_runs(tmp_path: Path) -> None:
     # Masked: tool results and their chat scaffolding (none in a step where no episode called the tool).
     assert len(summary["masked_tokens"]) == 2 and all(m >= 0 for m in summary["masked_tokens"])
     assert [s for s, _ in summary["curve"]] == [0, 2] and (out / "reward_curve.png").is_file()
+
+
+def test_a_sample_whose_lists_do_not_line_up_is_refused_not_shifted() -> None:
+    """A hand-built sample with one log-prob short would hand TRL log-probs one token off: a named error instead."""
+    from prorl_cli.training.samples import SampleError
+
+    (sample,), _ = build_samples(_two_turn(), rollout_id="j", group_id="g", reward=1.0)
+    sample.old_log_probs = sample.old_log_probs[:-1]
+    with pytest.raises(SampleError, match="sample of rollout 'j' has 7 old_log_probs for 8 input_ids"):
+        row_from_sample(sample)
+
+
+def test_a_rollout_that_split_hands_trl_its_first_sample_whole() -> None:
+    """The row is the first sample (call 0's prompt and what merged into it); every list is the completion's length."""
+    traj = Trajectory(calls=[
+        ModelCall([1, 2, 3], [10, 11], [-0.1, -0.2], "stop", policy_version=4),
+        ModelCall([1, 2, 9], [12], [-0.3], "stop", policy_version=4),  # the history was edited: a new sample
+    ])
+    samples, report = build_samples(traj, rollout_id="j", group_id="g", reward=0.5)
+    row = row_from_sample(samples[0])
+    assert report.samples == 2
+    assert (row.prompt_ids, row.completion_ids, row.env_mask) == ([1, 2, 3], [10, 11], [1, 1])
+    assert row.logprobs == pytest.approx([-0.1, -0.2]) and row.policy_versions == [4, 4] and row.reward == 0.5

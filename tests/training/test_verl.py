@@ -233,3 +233,30 @@ def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
     exported = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
     assert len(exported) == 1 and exported.batch["prompts"][0].tolist() == first.prompt_ids
     assert exported.batch["responses"][0].tolist() == response and exported.batch["response_mask"][0].tolist() == mask
+
+
+def test_export_rows_that_do_not_line_up_are_refused_not_shifted(tmp_path: Path) -> None:
+    """Each column is padded on its own, so a column one short would shift every later value off its token
+    without any shape error: the batches name the row and column instead."""
+    torch = pytest.importorskip("torch")
+    from prorl_cli.integrations.verl import RowMismatch
+    from prorl_cli.training.export import sample_row
+
+    built = samples_from_results([_result("a", TWO_TURNS, 1.0), _result("b", [ModelCall([5, 6], [7], [-0.7], "stop")], 0.0)])
+    rows = [sample_row(s) for s in built.samples]
+    tensors, _ = verl_batch(rows)
+    assert tensors["responses"].dtype == torch.long and tensors["old_log_probs"].dtype == torch.float32
+    assert tensors["attention_mask"].shape == tensors["input_ids"].shape == tensors["position_ids"].shape
+    short = [dict(rows[0], old_log_probs=rows[0]["old_log_probs"][:-1]), rows[1]]
+    with pytest.raises(RowMismatch, match="verl_batch: row 0 has 7 old_log_probs for 8 input_ids"):
+        verl_batch(short)
+    with pytest.raises(RowMismatch, match="row 1 has prompt_length 9 for 3 input_ids"):
+        verl_batch([rows[0], dict(rows[1], prompt_length=9)])
+    with pytest.raises(RowMismatch, match="lacks column"):
+        verl_batch([{k: v for k, v in rows[0].items() if k != "advantages"}])
+    nemo = nemo_rl_batch(rows)
+    assert nemo["input_ids"].dtype == torch.long and nemo["token_mask"].shape == nemo["input_ids"].shape
+    with pytest.raises(RowMismatch, match="nemo_rl_batch: row 1 has 2 token_mask for 3 input_ids"):
+        nemo_rl_batch([rows[0], dict(rows[1], token_mask=[0, 1])])
+    with pytest.raises(RowMismatch, match="row 0 has input_lengths 7 for 8 input_ids"):
+        nemo_rl_batch([dict(rows[0], input_lengths=7), rows[1]])
