@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
+
+import zmq
 
 from prorl_cli.client.aio import AsyncRolloutClient, WeightsUpdated
 from prorl_cli.client.results import ResultStream, Submitted
 from prorl_cli.connection import Reply
+from prorl_cli.exceptions import ProrlError
 from prorl_cli.protocol import BackendStatus, ForgetOutcome, JobResult, JobSpec, Op, StatusReport
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class RolloutClient:
@@ -33,10 +39,16 @@ class RolloutClient:
         return AsyncRolloutClient(deployment, **kwargs)
 
     def _run(self, coro: Any) -> Any:
+        self._refuse_inside_a_loop(coro)
+        return self._loop.run_until_complete(coro)
+
+    @staticmethod
+    def _refuse_inside_a_loop(coro: Coroutine[Any, Any, Any]) -> None:
+        """RuntimeError (``coro`` closed, never run) when called inside a running event loop: this would block it."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return self._loop.run_until_complete(coro)
+            return
         coro.close()
         raise RuntimeError("RolloutClient blocks; inside a running event loop use AsyncRolloutClient")
 
@@ -128,22 +140,60 @@ class RolloutClient:
 
     @contextlib.contextmanager
     def generation_paused(self, policy_version: int, *, drain_timeout_s: float = 300.0) -> Iterator[None]:
-        """See :meth:`AsyncRolloutClient.generation_paused`: no generate call runs inside the block."""
+        """See :meth:`AsyncRolloutClient.generation_paused`: no generate call runs inside the block.
+
+        A Ctrl-C while it pauses or drains cancels the pause and resumes generation (a pause that never went
+        out is neither sent later nor resumed); one while it resumes lets the resume finish first.
+        """
         paused = self._aio.generation_paused(policy_version, drain_timeout_s=drain_timeout_s)
-        self._run(paused.__aenter__())
+        enter = self._task(paused.__aenter__())
+        try:
+            self._run_to_end(enter, cancel=True)
+        except BaseException as e:
+            if enter.done() and not enter.cancelled() and enter.exception() is None:
+                # Paused, and the interrupt came just after: the block never runs, so release the pause now.
+                self._run_to_end(self._task(paused.__aexit__(type(e), e, e.__traceback__)), cancel=False)
+            raise
         try:
             yield
         except BaseException as e:
-            if not self._run(paused.__aexit__(type(e), e, e.__traceback__)):
+            if not self._run_to_end(self._task(paused.__aexit__(type(e), e, e.__traceback__)), cancel=False):
                 raise
         else:
-            self._run(paused.__aexit__(None, None, None))
+            self._run_to_end(self._task(paused.__aexit__(None, None, None)), cancel=False)
+
+    def _task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """``coro`` as a task of this client's loop, not started yet: an interrupt leaves it in hand."""
+        self._refuse_inside_a_loop(coro)
+        return self._loop.create_task(coro)
+
+    def _run_to_end(self, task: asyncio.Task[T], *, cancel: bool) -> T:
+        """:meth:`_run` for a :meth:`_task`, but an interrupt (Ctrl-C raises KeyboardInterrupt out of the loop)
+        does not leave it halfway, to go on at the next call or never: it is cancelled (``cancel``) or not, and run
+        to its end before the interrupt goes on. A second interrupt meanwhile goes on at once."""
+        try:
+            return self._loop.run_until_complete(task)
+        except BaseException:
+            if task.done():
+                raise  # its own outcome (an interrupt inside it has been through its cleanup already)
+            if cancel:
+                task.cancel()
+            try:
+                self._loop.run_until_complete(task)
+            except asyncio.CancelledError:
+                pass  # the cancel asked for above, once its cleanup ran
+            except (ProrlError, zmq.ZMQError) as cleanup_error:
+                log.error("after the interrupt, generation_paused could not finish its cleanup (generation may stay "
+                          "paused; resume it with resume_generation): %s", cleanup_error)
+            raise
 
     def sync_weights(self, checkpoint: str | os.PathLike[str], policy_version: int, *,
                      drain_timeout_s: float = 300.0, timeout_s: float = 600.0) -> WeightsUpdated:
-        """See :meth:`AsyncRolloutClient.sync_weights`: drain, load everywhere, resume."""
-        return self._run(self._aio.sync_weights(checkpoint, policy_version, drain_timeout_s=drain_timeout_s,
-                                                timeout_s=timeout_s))
+        """See :meth:`AsyncRolloutClient.sync_weights`: drain, load everywhere, resume (a Ctrl-C cancels the step, as
+        in :meth:`generation_paused`)."""
+        return self._run_to_end(self._task(self._aio.sync_weights(checkpoint, policy_version,
+                                                                  drain_timeout_s=drain_timeout_s, timeout_s=timeout_s)),
+                                cancel=True)
 
     def hold(self) -> None:
         self._run(self._aio.hold())
