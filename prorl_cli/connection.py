@@ -36,7 +36,7 @@ from prorl_cli.exceptions import (
     RendezvousError,
 )
 from prorl_cli.protocol import Op
-from prorl_cli.rendezvous import read_rendezvous
+from prorl_cli.rendezvous import read_rendezvous, rendezvous_path
 from prorl_cli.security import secure_peer
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,8 @@ class BrokerConnection:
         #: Set when the current socket's CURVE handshake was refused; requests then fail at once.
         self.refused: BrokerRefused | None = None
         self._monitor: asyncio.Task[None] | None = None
+        #: Why :meth:`follow_moved` last could not follow the rendezvous file (logged once), None once it could.
+        self._follow_problem: str | None = None
 
     # ----------------------------------------------------------------- socket
 
@@ -411,18 +413,34 @@ class BrokerConnection:
             return False
         try:
             info = read_rendezvous(self.deployment_dir)
-        except RendezvousError:
-            return False  # not written yet: the new broker is still starting
-        if info.address == self.address:
+        except RendezvousError as e:
+            if not isinstance(e.__cause__, FileNotFoundError):  # none yet: the new broker is still starting
+                self._cannot_follow(str(e))
             return False
-        log.warning("the broker moved from %s to %s; %s follows it", self.address, info.address, self.name)
-        self._fail_pending(BrokerRestarted(f"the broker at {self.address} is gone; this request went with it"))
-        old_sock, old_reader = self.sock, self._reader
+        if info.address == self.address:
+            self._follow_problem = None
+            return False
+        old_sock, old_reader, old_address = self.sock, self._reader, self.address
+        self.address = info.address
+        try:
+            self._connect()  # before the old socket goes: an address it cannot connect to leaves that one in place
+        except (zmq.ZMQError, RendezvousError) as e:
+            self.address = old_address
+            self._cannot_follow(f"{rendezvous_path(self.deployment_dir)} names the broker address {info.address!r}, "
+                                f"which this {self.name} cannot connect to: {e}")
+            return False
+        self._follow_problem = None
+        log.warning("the broker moved from %s to %s; %s follows it", old_address, info.address, self.name)
+        self._fail_pending(BrokerRestarted(f"the broker at {old_address} is gone; this request went with it"))
         if old_reader is not None:
             old_reader.cancel()
             self._background.add(old_reader)
             old_reader.add_done_callback(self._background.discard)
         old_sock.close(0)
-        self.address = info.address
-        self._connect()
         return True
+
+    def _cannot_follow(self, problem: str) -> None:
+        """Log why the rendezvous file cannot be followed (once while it stays the same): the old address stays."""
+        if problem != self._follow_problem:
+            self._follow_problem = problem
+            log.error("%s cannot follow the rendezvous file: %s; staying with %s", self.name, problem, self.address)

@@ -58,9 +58,29 @@ def read_rendezvous(deployment_dir: Path) -> Rendezvous:
     except (OSError, ValueError) as e:
         raise RendezvousError(f"{path}: unreadable rendezvous file: {e}") from e
     try:
-        return Rendezvous(**data)
+        info = Rendezvous(**data)
     except TypeError as e:
         raise RendezvousError(f"{path}: malformed rendezvous file: {e}") from e
+    problem = _malformed(info)
+    if problem is not None:
+        raise RendezvousError(f"{path}: malformed rendezvous file: {problem}")
+    return info
+
+
+def _malformed(info: Rendezvous) -> str | None:
+    """What is wrong with the fields of a file that parsed (written by hand, say, or by something else), or None."""
+    if not isinstance(info.address, str) or "://" not in info.address:
+        return f"address {info.address!r} is not a ZeroMQ endpoint (transport://where, as tcp://host:port)"
+    for name in ("deployment", "host"):
+        if not isinstance(getattr(info, name), str):
+            return f"{name} {getattr(info, name)!r} is not a string"
+    if not isinstance(info.pid, int) or isinstance(info.pid, bool):
+        return f"pid {info.pid!r} is not an integer"
+    if not isinstance(info.started_at, int | float) or isinstance(info.started_at, bool):
+        return f"started_at {info.started_at!r} is not a number"
+    if info.curve_public_key is not None and not isinstance(info.curve_public_key, str):
+        return f"curve_public_key {info.curve_public_key!r} is not a string"
+    return None
 
 
 def _read_by(deployment_dir: Path, deadline: float) -> Rendezvous | None:
