@@ -1,4 +1,5 @@
-"""Anthropic route: ``POST /v1/messages`` (text, ``tool_use`` / ``tool_result``, streaming events)."""
+"""Anthropic routes: ``POST /v1/messages`` (text, ``tool_use`` / ``tool_result``, streaming events) and
+``POST /v1/messages/count_tokens`` (Claude Code calls it to manage its context)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,10 @@ async def messages(request: web.Request, job: JobGateway, body: dict[str, Any]) 
     events.add({"type": "message_stop"}, "message_stop")
     await events.end(resp)
     return resp
+
+
+async def count_tokens(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
+    """The prompt's length in the job's tokenizer and template (with the request's tools); nothing is sampled."""
+    req = anthropic_request(body, count_only=True)
+    job.check_model(req.model)
+    return web.json_response({"input_tokens": job.buffer.prompt_tokens(req)})

@@ -237,10 +237,20 @@ class TokenBuffer:
 
     @staticmethod
     def _honours(req: ChatRequest, calls: list[ToolCall]) -> bool:
-        """Whether a turn's tool calls satisfy the request's ``tool_choice``."""
+        """Whether a turn's tool calls satisfy the request's ``tool_choice`` and ``parallel_tool_calls``."""
+        if not req.parallel_tool_calls and len(calls) > 1:
+            return False
         if req.tool_name is not None:
             return any(c.name == req.tool_name for c in calls)
         return bool(calls) or not req.require_tool
+
+    @staticmethod
+    def _wanted(req: ChatRequest) -> str:
+        """What a turn must be to honour the request (for the log)."""
+        wanted = f"a call to {req.tool_name!r}" if req.tool_name is not None else \
+            "a tool call" if req.require_tool else ""
+        one = "" if req.parallel_tool_calls else "at most one tool call"
+        return " and ".join(w for w in (wanted, one) if w)
 
     # ------------------------------------------------------------- calls
     async def complete(self, req: ChatRequest) -> Reply:
@@ -254,7 +264,8 @@ class TokenBuffer:
             sampling = self._sampling(req, seg.chat)
             # A turn that does not honour tool_choice is sampled again from the same prompt; only the turn
             # returned is recorded (the trajectory stays what the agent saw), with the discarded ones counted.
-            retries = self.tool_choice_retries if req.require_tool and req.parse_tools else 0
+            constrained = req.require_tool or not req.parallel_tool_calls
+            retries = self.tool_choice_retries if constrained and req.parse_tools else 0
             for attempt in range(retries + 1):
                 gen = await self._generate(prompt, self._retry_sampling(sampling, attempt))
                 out, lps = list(gen.output_ids), list(gen.logprobs)
@@ -272,9 +283,8 @@ class TokenBuffer:
                     break
             unmet = not self._honours(req, calls)
             if unmet:
-                wanted = f"a call to {req.tool_name!r}" if req.tool_name is not None else "a tool call"
                 log.warning("gateway: no turn of %d honoured tool_choice (%s); answering the last one",
-                            attempt + 1, wanted)
+                            attempt + 1, self._wanted(req))
             call = self._record(prompt, out, lps, finish, gen, seg, continued, reason)
             call.tool_choice_retries, call.tool_choice_unmet = attempt, unmet
             seg.messages = [*req.messages, self._assistant_message(content, calls)]
@@ -317,8 +327,10 @@ class TokenBuffer:
             text = chat.decode(out)
             if stop_string is not None:
                 text = text[: text.index(stop_string)]
+            top = gen.top_logprobs
             return Reply(call, text, [], "length" if call.finish_reason == "length" else "stop", stop_string,
-                         seg.index, continued)
+                         seg.index, continued,
+                         top_logprobs=top[: len(out)] if top is not None and req.top_logprobs else None)
 
     def _record(
         self, prompt: list[int], out: list[int], lps: list[float], finish: str, gen: Generation, seg: Segment,
@@ -374,6 +386,11 @@ class TokenBuffer:
         if calls:
             msg["tool_calls"] = [tool_call_message(c.name, c.arguments) for c in calls]
         return msg
+
+    def prompt_tokens(self, req: ChatRequest) -> int:
+        """How many tokens the template renders ``req``'s messages and tools to (Anthropic ``count_tokens``);
+        nothing is sampled or recorded."""
+        return len(self._chat_for(req.tools).initial_prompt(req.messages))
 
     # ------------------------------------------------------------ reports
     @property

@@ -19,13 +19,22 @@ never leave the gateway (``n``, the penalties, the legacy ``logprobs``) in
 the ranges the OpenAI API documents.
 
 ``tool_choice`` is read into :attr:`ChatRequest.require_tool` and
-:attr:`ChatRequest.tool_name`; a named tool that is not among ``tools`` is a
-400 naming ``tool_choice``. The token buffer honours them (docs/harness.md).
+:attr:`ChatRequest.tool_name`, OpenAI ``parallel_tool_calls`` / Anthropic
+``disable_parallel_tool_use`` into :attr:`ChatRequest.parallel_tool_calls`;
+a named tool that is not among ``tools`` is a 400 naming ``tool_choice``.
+The token buffer honours them (docs/harness.md).
+
+A field that would change the result but that the gateway cannot apply
+(structured output, logit bias, the legacy function-calling API, audio,
+vLLM's ``min_p`` or ``chat_template_kwargs``, ``echo``, Anthropic's own
+server tools, a prefilled assistant turn) is a 400 naming it, never ignored:
+the tables ``_OPENAI_UNAPPLIED`` and ``_COMPLETION_UNAPPLIED`` list them.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +75,9 @@ class ChatRequest:
     #: The turn must call this tool (OpenAI ``{"type": "function", "function": {"name": N}}``,
     #: Anthropic ``{"type": "tool", "name": N}``); implies ``require_tool``.
     tool_name: str | None = None
+    #: ``False``: the turn may call one tool at most (OpenAI ``parallel_tool_calls: false``, Anthropic
+    #: ``tool_choice.disable_parallel_tool_use: true``); the token buffer honours it as it does ``require_tool``.
+    parallel_tool_calls: bool = True
     #: OpenAI ``top_logprobs`` (with ``logprobs: true``): alternatives returned per output token.
     top_logprobs: int | None = None
     #: OpenAI ``stream_options.include_usage``: end a stream with a usage chunk (whose ``choices`` is empty).
@@ -146,6 +158,56 @@ def _flag(body: dict[str, Any], key: str, where: str | None = None) -> bool:
         return False
     if not isinstance(value, bool):
         raise RequestError(f"{where or key} must be a boolean, got {type(value).__name__}", param=where or key)
+    return value
+
+
+#: Fields that would change the result but that the gateway cannot apply, per API: ``field -> (whether a value
+#: may be accepted because it asks for nothing beyond what the gateway does, why other values are refused)``.
+#: Such a value is a 400 naming the field, never silently ignored (a client would get a result it did not ask for).
+_Unapplied = dict[str, tuple[Callable[[Any], bool], str]]
+_OPENAI_UNAPPLIED: _Unapplied = {
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
+                        "the gateway cannot constrain the output to JSON (only {'type': 'text'})"),
+    "logit_bias": (lambda v: v == {}, "the generate contract has no logit bias (only {})"),
+    "functions": (lambda v: v == [], "send tools (the legacy function-calling API is not served)"),
+    "function_call": (lambda v: False, "send tool_choice (the legacy function-calling API is not served)"),
+    "modalities": (lambda v: v == ["text"], "the gateway answers text only (only ['text'])"),
+    "audio": (lambda v: False, "the gateway answers text only"),
+    "web_search_options": (lambda v: False, "the gateway has no web search"),
+    # vLLM's extensions, sent by clients set up for a vLLM server (``extra_body``).
+    "min_p": (lambda v: v == 0, "the generate contract has no min_p (only 0)"),
+    "repetition_penalty": (lambda v: v == 1, "the generate contract has no repetition penalty (only 1)"),
+    "chat_template_kwargs": (lambda v: v == {}, "the job's chat template is rendered as configured (only {})"),
+    "guided_json": (lambda v: False, "the gateway cannot constrain the output"),
+    "guided_regex": (lambda v: False, "the gateway cannot constrain the output"),
+    "guided_choice": (lambda v: False, "the gateway cannot constrain the output"),
+    "guided_grammar": (lambda v: False, "the gateway cannot constrain the output"),
+    "structured_outputs": (lambda v: False, "the gateway cannot constrain the output"),
+}
+_COMPLETION_UNAPPLIED: _Unapplied = {
+    "echo": (lambda v: v is False, "the gateway does not echo the prompt (only false)"),
+    "suffix": (lambda v: v == "", "the gateway does not insert text (only '')"),
+    "best_of": (lambda v: v == 1 and not isinstance(v, bool),
+                "the gateway samples one completion per request (only 1)"),
+    **{key: _OPENAI_UNAPPLIED[key] for key in ("logit_bias", "min_p", "repetition_penalty", "guided_json",
+                                                "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+}
+
+
+def _refuse_unapplied(body: dict[str, Any], fields: _Unapplied) -> None:
+    """A 400 naming the first of ``fields`` whose value asks for something the gateway cannot do (null: absent)."""
+    for key, (accepted, why) in fields.items():
+        value = body.get(key)
+        if value is not None and not accepted(value):
+            raise RequestError(f"{key} {json.dumps(value)[:80]} is not supported: {why}", param=key)
+
+
+def _allow_parallel(value: Any, where: str) -> bool:
+    """OpenAI ``parallel_tool_calls`` (absent or null: true), a boolean."""
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise RequestError(f"{where} must be a boolean, got {type(value).__name__}", param=where)
     return value
 
 
@@ -251,6 +313,10 @@ def _openai_tools(raw: Any) -> list[dict[str, Any]] | None:
     for i, t in enumerate(raw):
         if not (isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)):
             raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+        if t.get("type") not in (None, "function"):
+            raise RequestError(f"tools[{i}].type {t.get('type')!r} is not supported (function only)", param="tools")
+        if t["function"].get("parameters") is not None and not isinstance(t["function"]["parameters"], dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
     return raw or None
 
 
@@ -266,8 +332,10 @@ def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
     max_tokens = _sampling(body, "max_completion_tokens", "max_tokens")
     if max_tokens is None:
         max_tokens = _sampling(body, "max_tokens")
+    # top_k is vLLM's extension (clients set up for vLLM send it); the generate contract carries it.
     return {"max_tokens": max_tokens, "temperature": _float(_sampling(body, "temperature")),
-            "top_p": _float(_sampling(body, "top_p")), "seed": _sampling(body, "seed")}
+            "top_p": _float(_sampling(body, "top_p")), "top_k": _sampling(body, "top_k"),
+            "seed": _sampling(body, "seed")}
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -313,6 +381,7 @@ def openai_chat_request(body: dict[str, Any], memo: MessageMemo | None = None) -
 
     ``memo`` (the job's) lets messages equal to the last request's keep their canonical form.
     """
+    _refuse_unapplied(body, _OPENAI_UNAPPLIED)
     sampling = _openai_sampling(body)
     logprobs = _flag(body, "logprobs")
     # Checked as the broker checks the sampling field; only sent on when log-probs are asked for.
@@ -327,6 +396,7 @@ def openai_chat_request(body: dict[str, Any], memo: MessageMemo | None = None) -
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs and top_logprobs else None,
         include_usage=_include_usage(body),
+        parallel_tool_calls=_allow_parallel(body.get("parallel_tool_calls"), "parallel_tool_calls"),
         **_openai_tool_choice(body, tools),
         **sampling,
     )
@@ -339,10 +409,13 @@ def openai_completion_request(body: dict[str, Any]) -> tuple[str, ChatRequest]:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise RequestError("prompt must be a string (one prompt per request)", param="prompt")
-    # Here ``logprobs`` is how many alternatives per token (0-5), not chat's boolean; none are returned.
-    _checked(body, "logprobs", _COMPLETION_LOGPROBS)
+    _refuse_unapplied(body, _COMPLETION_UNAPPLIED)
+    # Here ``logprobs`` is how many alternatives per token (0-5), not chat's boolean: 0 asks for the sampled
+    # tokens' log-probs only.
+    alternatives = _checked(body, "logprobs", _COMPLETION_LOGPROBS)
     req = ChatRequest(messages=[], tools=None, model=_model(body), stream=_flag(body, "stream"),
-                      stop=_stop(body.get("stop")), include_usage=_include_usage(body), **_openai_sampling(body))
+                      stop=_stop(body.get("stop")), include_usage=_include_usage(body),
+                      logprobs=alternatives is not None, top_logprobs=alternatives or None, **_openai_sampling(body))
     return prompt, req
 
 
@@ -357,6 +430,13 @@ def anthropic_tools(raw: Any) -> list[dict[str, Any]] | None:
     for i, t in enumerate(raw):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise RequestError(f"tools[{i}] needs a string name", param="tools")
+        if t.get("type", "custom") not in ("custom", None):
+            # Server and client tools of Anthropic's own (web_search_..., bash_..., text_editor_...): their
+            # schema and behaviour are Anthropic's, and nothing here runs them.
+            raise RequestError(f"tools[{i}].type {t['type']!r} is not supported (custom tools with an input_schema "
+                               "only)", param="tools")
+        if t.get("input_schema") is not None and not isinstance(t["input_schema"], dict):
+            raise RequestError(f"tools[{i}].input_schema must be a JSON Schema object", param="tools")
         fn: dict[str, Any] = {"name": t["name"]}
         if t.get("description"):
             fn["description"] = t["description"]
@@ -365,8 +445,11 @@ def anthropic_tools(raw: Any) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def anthropic_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
-    """Anthropic ``system`` + ``messages`` in canonical form (``tool_result`` blocks become tool messages)."""
+def anthropic_messages(system: Any, raw: Any, *, prefill_ok: bool = False) -> list[dict[str, Any]]:
+    """Anthropic ``system`` + ``messages`` in canonical form (``tool_result`` blocks become tool messages).
+
+    A final assistant message (a prefill) is refused unless ``prefill_ok`` (counting tokens samples nothing).
+    """
     if not isinstance(raw, list) or not raw:
         raise RequestError("messages must be a non-empty list", param="messages")
     out: list[dict[str, Any]] = []
@@ -418,17 +501,26 @@ def anthropic_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
                 raise RequestError(f"{where}.content[{j}]: block type {kind!r} is not supported", param="messages")
         if texts:
             out.append({"role": "user", "content": "".join(texts)})
+    if raw[-1]["role"] == "assistant" and not prefill_ok:
+        # Anthropic continues a final assistant message (a prefill) in the same turn; the gateway's chat
+        # template would close it and start a new turn: a different answer than the API's, so refused.
+        raise RequestError(f"messages[{len(raw) - 1}]: a final assistant message (prefill) is not supported: "
+                           "end with a user message", param="messages")
     return out
 
 
-def anthropic_request(body: dict[str, Any]) -> ChatRequest:
-    """Validate an Anthropic ``/v1/messages`` body; :class:`RequestError` names the field."""
+def anthropic_request(body: dict[str, Any], *, count_only: bool = False) -> ChatRequest:
+    """Validate an Anthropic ``/v1/messages`` body; :class:`RequestError` names the field.
+
+    ``count_only``: a ``/v1/messages/count_tokens`` body (no ``max_tokens``; a final assistant message counts).
+    """
     max_tokens = _sampling(body, "max_tokens")
-    if max_tokens is None:
+    if max_tokens is None and not count_only:
         raise RequestError("max_tokens is required", param="max_tokens")
     tools = anthropic_tools(body.get("tools"))
+    _anthropic_thinking(body.get("thinking"))
     return ChatRequest(
-        messages=anthropic_messages(body.get("system"), body.get("messages")),
+        messages=anthropic_messages(body.get("system"), body.get("messages"), prefill_ok=count_only),
         tools=tools,
         model=_model(body),
         stream=_flag(body, "stream"),
@@ -441,26 +533,50 @@ def anthropic_request(body: dict[str, Any]) -> ChatRequest:
     )
 
 
+def _anthropic_thinking(thinking: Any) -> None:
+    """Check Anthropic's ``thinking`` as the API does. It is not applied: whether the model reasons, and how long,
+    is its chat template's and its own (its reasoning comes back as it wrote it, in the text)."""
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        # Not held below max_tokens: Anthropic's interleaved thinking lets the budget exceed it.
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise RequestError(f"thinking.budget_tokens must be a positive integer, got {json.dumps(budget)[:40]}",
+                               param="thinking")
+    elif kind not in ("disabled", "adaptive"):
+        raise RequestError("thinking must be {'type': 'enabled', 'budget_tokens': N}, {'type': 'disabled'} or "
+                           "{'type': 'adaptive'}", param="thinking")
+
+
 def _anthropic_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
     """The :class:`ChatRequest` fields Anthropic's ``tool_choice`` sets (``auto``, ``any``, ``tool``, ``none``)."""
     if choice is None:
         return {}
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind == "auto":
-        return {}
     if kind == "none":
         return {"parse_tools": False}
+    disable = choice.get("disable_parallel_tool_use") if isinstance(choice, dict) else None
+    if disable is not None and not isinstance(disable, bool):
+        raise RequestError("tool_choice.disable_parallel_tool_use must be a boolean", param="tool_choice")
+    parallel = {"parallel_tool_calls": False} if disable else {}
+    if kind == "auto":
+        return parallel
     if kind == "any":
         _needs_tools(tools, "{'type': 'any'}")
-        return {"require_tool": True}
+        return {"require_tool": True, **parallel}
     if kind == "tool" and isinstance(choice.get("name"), str):
-        return {"require_tool": True, "tool_name": _chosen_tool(choice["name"], tools, "tool_choice.name")}
+        return {"require_tool": True, "tool_name": _chosen_tool(choice["name"], tools, "tool_choice.name"), **parallel}
     raise RequestError("tool_choice must be {'type': 'auto'}, {'type': 'any'}, {'type': 'none'} or "
                        "{'type': 'tool', 'name': ...}", param="tool_choice")
 
 
-#: Longest agent name a harness may give (it is recorded with every call).
+#: Longest agent name a harness may give in the URL or the header (it is recorded with every call).
 MAX_AGENT_CHARS = 128
+#: Longest OpenAI ``user`` / Anthropic ``metadata.user_id`` taken as the agent's name: the length Anthropic's API
+#: accepts, which clients fill (Claude Code sends ~150 characters of JSON naming its device and session).
+MAX_API_USER_CHARS = 256
 AGENT_HEADER = "X-Prorl-Agent"
 
 
@@ -471,13 +587,15 @@ def request_agent(path_agent: str | None, header: str | None, body: dict[str, An
     Raises :class:`RequestError` (400) for a name that is empty, too long or not printable.
     """
     metadata = body.get("metadata")
-    candidates = [(path_agent, "the URL's agent"), (header, AGENT_HEADER), (body.get("user"), "user"),
-                  (metadata.get("user_id") if isinstance(metadata, dict) else None, "metadata.user_id")]
-    for value, where in candidates:
+    candidates = [(path_agent, "the URL's agent", MAX_AGENT_CHARS), (header, AGENT_HEADER, MAX_AGENT_CHARS),
+                  (body.get("user"), "user", MAX_API_USER_CHARS),
+                  (metadata.get("user_id") if isinstance(metadata, dict) else None, "metadata.user_id",
+                   MAX_API_USER_CHARS)]
+    for value, where, most in candidates:
         if value is None:
             continue
-        if not isinstance(value, str) or not 0 < len(value) <= MAX_AGENT_CHARS or not value.isprintable():
-            raise RequestError(f"{where} must name the agent in 1 to {MAX_AGENT_CHARS} printable characters",
+        if not isinstance(value, str) or not 0 < len(value) <= most or not value.isprintable():
+            raise RequestError(f"{where} must name the agent in 1 to {most} printable characters",
                                param="user" if where == "user" else None)
         return value
     return None

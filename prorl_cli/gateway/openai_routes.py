@@ -48,6 +48,28 @@ def _logprobs(job: JobGateway, reply: Reply) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
+def _text_logprobs(job: JobGateway, reply: Reply, req: ChatRequest) -> dict[str, Any] | None:
+    """A legacy completion's ``choices[0].logprobs`` when the request asked for them: each output token, its
+    log-prob, its alternatives (``{token: logprob}``; ``None`` each with ``logprobs: 0``, ``{}`` from an engine
+    that returns none) and where its text starts in the completion's."""
+    if not req.logprobs:
+        return None
+    chat = job.buffer.segments[reply.segment].chat
+    tokens = [chat.decode([t]) for t in reply.call.output_ids]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    top: list[dict[str, float] | None]
+    if not req.top_logprobs:
+        top = [None] * len(tokens)
+    else:
+        alts = reply.top_logprobs or [[] for _ in tokens]
+        top = [{chat.decode([t]): lp for t, lp in a} for a in alts]
+    return {"tokens": tokens, "token_logprobs": list(reply.call.logprobs), "top_logprobs": top,
+            "text_offset": offsets}
+
+
 def _prorl_fields(reply: Reply) -> dict[str, Any]:
     """What the gateway adds to every response (OpenAI clients ignore unknown fields).
 
@@ -106,12 +128,15 @@ async def _stream_chat(resp: web.StreamResponse, job: JobGateway, req: ChatReque
 
     events = SseEvents()
     events.add(chunk({"role": "assistant", "content": ""}))
+    # Every output token's log-prob (the tool calls' too, as without streaming) on the first chunk after the role.
+    logprobs: dict[str, Any] = {"logprobs": _logprobs(job, reply)} if req.logprobs else {}
     if reply.content:
-        logprobs: dict[str, Any] = {"logprobs": _logprobs(job, reply)} if req.logprobs else {}
         events.add(chunk({"content": reply.content}, **logprobs))
+        logprobs = {}
     for i, call in enumerate(_tool_calls(reply)):
-        events.add(chunk({"tool_calls": [{"index": i, **call}]}))
-    events.add({**chunk({}, reply.finish_reason), "prorl": _prorl_fields(reply)})
+        events.add(chunk({"tool_calls": [{"index": i, **call}]}, **logprobs))
+        logprobs = {}
+    events.add({**chunk({}, reply.finish_reason, **logprobs), "prorl": _prorl_fields(reply)})
     await _end_stream(resp, events, req, base, reply)
 
 
@@ -125,7 +150,7 @@ async def completions(request: web.Request, job: JobGateway, body: dict[str, Any
         base = _stream_base(chat_like, "cmpl", "text_completion")
         events = SseEvents()
         events.add({**base, "choices": [{"index": 0, "text": reply.content, "finish_reason": None,
-                                         "logprobs": None}]})
+                                         "logprobs": _text_logprobs(job, reply, chat_like)}]})
         events.add({**base, "choices": [{"index": 0, "text": "", "finish_reason": reply.finish_reason,
                                          "logprobs": None}], "prorl": _prorl_fields(reply)})
         await _end_stream(resp, events, chat_like, base, reply)
@@ -134,7 +159,8 @@ async def completions(request: web.Request, job: JobGateway, body: dict[str, Any
     return web.json_response({
         "id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
         "model": chat_like.model,
-        "choices": [{"index": 0, "text": reply.content, "finish_reason": reply.finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "text": reply.content, "finish_reason": reply.finish_reason,
+                     "logprobs": _text_logprobs(job, reply, chat_like)}],
         "usage": _usage(reply), "prorl": _prorl_fields(reply),
     })
 

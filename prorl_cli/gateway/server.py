@@ -6,6 +6,7 @@ Routes (``<token>`` is the job's unguessable token; nothing else names a job)::
     POST /jobs/<token>/v1/completions          OpenAI text completion
     GET  /jobs/<token>/v1/models               the model names the job accepts
     POST /jobs/<token>/v1/messages             Anthropic messages (streaming or not)
+    POST /jobs/<token>/v1/messages/count_tokens  Anthropic token count (nothing sampled)
 
 A request with an unknown token gets 401 and is not recorded; one for a job
 that has ended gets 410. The server listens on 127.0.0.1 (an ephemeral
@@ -138,7 +139,7 @@ class JobGateway:
 
 
 def _is_anthropic(request: web.Request) -> bool:
-    return request.path.endswith("/v1/messages")
+    return request.path.endswith(("/v1/messages", "/v1/messages/count_tokens"))
 
 
 async def _error(request: web.Request, status: int, message: str, *, param: str | None = None,
@@ -168,6 +169,7 @@ class Gateway:
             ("POST", "chat/completions", openai_routes.chat_completions),
             ("POST", "completions", openai_routes.completions),
             ("POST", "messages", anthropic_routes.messages),
+            ("POST", "messages/count_tokens", anthropic_routes.count_tokens),
         ):
             app.router.add_route(method, f"/jobs/{{token:[^/]*}}/v1/{route}", self._with_body(fn))
             # The same endpoint per agent: a harness gives each agent its own base URL to label its calls.
@@ -280,7 +282,8 @@ class Gateway:
             if e.status < 400:
                 raise
             return await _error(request, e.status, f"{e.reason}: {request.method} {request.path} "
-                                "(routes: /jobs/<token>/v1/chat/completions, completions, models, messages)")
+                                "(routes: /jobs/<token>/v1/chat/completions, completions, models, messages, "
+                                "messages/count_tokens)")
         except (ValueError, ChatTemplateError) as e:  # sampling values no engine accepts, template failures
             return await _error(request, 400, str(e))
         except InferenceError as e:

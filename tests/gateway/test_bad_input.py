@@ -90,7 +90,9 @@ _bodies = st.one_of(
         "top_p": _numbers, "top_k": _numbers, "max_completion_tokens": _numbers, "top_logprobs": _numbers,
         "presence_penalty": _numbers, "frequency_penalty": _numbers, "logprobs": _numbers,
         "stream_options": st.fixed_dictionaries({}, optional={"include_usage": _json}),
-        "user": _json, "metadata": _json}),
+        "user": _json, "metadata": _json, "response_format": _json, "parallel_tool_calls": _json,
+        "logit_bias": _json, "functions": _json, "function_call": _json, "tool_choice": _json, "thinking": _json,
+        "echo": _json, "suffix": _json, "best_of": _numbers, "modalities": _json}),
     st.fixed_dictionaries({"model": st.just("prorl"), "max_tokens": st.integers(1, 8), "messages": st.lists(
         st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system"]), "content": _json}),
         min_size=1, max_size=3)}),
@@ -108,7 +110,8 @@ def test_fuzzed_requests_never_break_the_gateway(tokenizer: Any) -> None:
     statuses: set[int] = set()
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(route=st.sampled_from(["chat/completions", "completions", "messages"]), body=_bodies)
+    @given(route=st.sampled_from(["chat/completions", "completions", "messages", "messages/count_tokens"]),
+           body=_bodies)
     def one(route: str, body: Any) -> None:
         async def go() -> None:
             async with session.post(f"{job.base_url()}/{route}", data=json.dumps(body).encode()) as r:
@@ -181,9 +184,9 @@ def test_job_end_and_client_disconnect_cancel_the_model_call(tokenizer: Any) -> 
 #: Where each route reads each sampling field: the API's name -> the ``SamplingParams`` field it sets.
 _SAMPLING_KEYS = {
     "chat/completions": {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
-                         "temperature": "temperature", "top_p": "top_p", "seed": "seed"},
+                         "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"},
     "completions": {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
-                    "temperature": "temperature", "top_p": "top_p", "seed": "seed"},
+                    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"},
     "messages": {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"},
 }
 _BASE: dict[str, dict[str, Any]] = {

@@ -95,3 +95,45 @@ def test_top_logprobs_out_of_range_is_a_400_naming_it(tokenizer: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         _ask(tokenizer, logprobs=True, top_logprobs=21)
     assert isinstance(e.value.body, dict) and e.value.body["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_text_completion_returns_the_logprobs_it_asks_for(tokenizer: Any, stream: bool) -> None:
+    """``/v1/completions`` with ``logprobs: k``: each output token, its log-prob and its k alternatives as the
+    SDK's legacy ``Logprobs``; ``logprobs: 0``, the log-probs alone; absent, none (and none asked of the engine)."""
+    need_module("openai", "test")
+    import openai
+
+    async def main() -> tuple[list[Any], AlternativesModel]:
+        gw = Gateway()
+        await gw.start()
+        model = AlternativesModel(tokenizer)
+        job = open_job(gw, tokenizer, model)  # type: ignore[arg-type]  # any generate function
+        got = []
+        try:
+            async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as client:
+                for k in (2, 0, None):
+                    extra = {} if k is None else {"logprobs": k}
+                    if stream:
+                        chunks = [c async for c in await client.completions.create(
+                            model="prorl", prompt="Say hello.", stream=True, **extra)]
+                        got.append(next((c.choices[0].logprobs for c in chunks if c.choices[0].logprobs), None))
+                    else:
+                        resp = await client.completions.create(model="prorl", prompt="Say hello.", **extra)
+                        got.append(resp.choices[0].logprobs)
+        finally:
+            await gw.close()
+        return got, model
+
+    (two, zero, absent), model = asyncio.run(main())
+    assert model.asked == [2, None, None]
+    ids = tokenizer.encode(ANSWER + "<|im_end|>", add_special_tokens=False)
+    tokens = [tokenizer.decode([t]) for t in ids]
+    for lp in (two, zero):
+        assert lp is not None and lp.tokens == tokens and lp.token_logprobs == pytest.approx([-0.1] * len(ids))
+        assert lp.text_offset == [len("".join(tokens[:i])) for i in range(len(ids))]
+    assert two.top_logprobs is not None and len(two.top_logprobs) == len(ids)
+    for token, alts in zip(tokens, two.top_logprobs, strict=True):
+        assert alts[token] == pytest.approx(-0.1) and len(alts) == 2  # k = 2: the sampled token and one more
+    assert zero.top_logprobs == [None] * len(ids)
+    assert absent is None

@@ -1,0 +1,315 @@
+"""Request fields that real SDKs send and that change the result: applied as the API says, or a 400 naming them.
+
+The official ``openai`` and ``anthropic`` SDKs drive the real gateway; the
+model is scripted behind the generate contract. A field the gateway cannot
+apply (structured output, logit bias, the legacy function-calling API, audio,
+Anthropic's own server tools, ...) is refused before anything is sampled: a
+client never gets a result it did not ask for. ``parallel_tool_calls: false``
+(Anthropic ``disable_parallel_tool_use``) is honoured as ``tool_choice`` is: a
+turn with more than one tool call is sampled again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from prorl_cli.agent import Trajectory
+from prorl_cli.gateway.server import Gateway
+from prorl_cli.protocol import SamplingParams
+from tests.gateway.conftest import CALC_TOOLS, ScriptedModel, open_job, turn
+from tests.gateway.test_tool_choice import (
+    ANTHROPIC_TOOLS,
+    CALC,
+    MESSAGES,
+    SEARCH,
+    TOOLS,
+    AttemptsModel,
+)
+from tests.harness import need_module
+
+#: A turn that calls both tools at once.
+BOTH = turn("Both at once.", ("calculator", {"expression": "2+3"}), ("search", {"q": "2+3"}))
+
+#: (route, the request's extra fields, the field named in the 400).
+_REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "answer", "strict": True, "schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}}},
+     "response_format"),
+    ("chat", {"logit_bias": {"42": 100}}, "logit_bias"),
+    ("chat", {"functions": [{"name": "calculator", "parameters": {"type": "object"}}]}, "functions"),
+    ("chat", {"function_call": "auto"}, "function_call"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat", {"web_search_options": {}}, "web_search_options"),
+    ("chat", {"parallel_tool_calls": "no", "tools": CALC_TOOLS}, "parallel_tool_calls"),
+    # vLLM's extensions, as a client set up for a vLLM server sends them.
+    ("chat", {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, "chat_template_kwargs"),
+    ("chat", {"extra_body": {"min_p": 0.05}}, "min_p"),
+    ("chat", {"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
+    ("chat", {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ("completions", {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "calculator", "parameters": "expression"}}]},
+     "tools"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"suffix": "\n# end"}, "suffix"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"logit_bias": {"42": -100}}, "logit_bias"),
+    ("messages", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
+    ("messages", {"tools": [{"type": "text_editor_20250124", "name": "str_replace_editor"}]}, "tools"),
+    ("messages", {"tools": [{"name": "calculator", "input_schema": "expression"}]}, "tools"),
+    ("messages", {"thinking": {"type": "enabled"}}, "thinking"),
+    ("messages", {"thinking": True}, "thinking"),
+    ("messages", {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+     "tool_choice"),
+    # A prefill: Anthropic continues the final assistant message; the template would start a new turn.
+    ("messages", {"messages": [*MESSAGES[1:], {"role": "assistant", "content": "The answer is"}]}, "messages[1]"),
+]
+#: Values of the same fields that ask for nothing beyond what the gateway does: answered.
+_ACCEPTED: list[tuple[str, dict[str, Any]]] = [
+    ("chat", {"extra_body": {"min_p": 0, "repetition_penalty": 1, "chat_template_kwargs": {}}}),
+    ("chat", {"response_format": {"type": "text"}, "logit_bias": {}, "modalities": ["text"], "functions": [],
+              "parallel_tool_calls": True, "tools": CALC_TOOLS, "seed": 3, "user": "agent-1",
+              "metadata": {"run": "r1"}, "store": False}),
+    ("completions", {"echo": False, "suffix": "", "best_of": 1}),
+    ("messages", {"thinking": {"type": "enabled", "budget_tokens": 2048}, "metadata": {"user_id": "u-1"},
+                  "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]}),
+    ("messages", {"thinking": {"type": "disabled"}}),
+]
+
+
+async def _send(job: Any, route: str, extra: dict[str, Any]) -> Any:
+    """One request through the official SDK (extra fields as the SDK sends them); the response object."""
+    import anthropic
+    import openai
+
+    if route == "messages":
+        async with anthropic.AsyncAnthropic(base_url=job.anthropic_base_url(), api_key=job.api_key,
+                                            max_retries=0) as an:
+            return await an.messages.create(**{"model": "prorl", "max_tokens": 64, "messages": MESSAGES[1:], **extra})
+    async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as oa:
+        if route == "completions":
+            return await oa.completions.create(model="prorl", prompt="2+3=", max_tokens=8, **extra)
+        return await oa.chat.completions.create(model="prorl", messages=MESSAGES, **extra)
+
+
+def test_fields_the_gateway_cannot_apply_are_a_400_naming_them_and_nothing_is_sampled(tokenizer: Any) -> None:
+    need_module("openai", "test")
+    need_module("anthropic", "test")
+    import anthropic
+    import openai
+
+    async def main() -> None:
+        gw = Gateway()
+        await gw.start()
+        model = ScriptedModel(tokenizer, ["5"] * 100)
+        job = open_job(gw, tokenizer, model)
+        try:
+            for route, extra, param in _REFUSED:
+                with pytest.raises((openai.BadRequestError, anthropic.BadRequestError)) as e:
+                    await _send(job, route, extra)
+                body = e.value.body
+                assert isinstance(body, dict), (route, extra)
+                if route == "messages":  # Anthropic's error body has no param; the message names the field
+                    assert body["error"]["message"].startswith(param), (extra, body)
+                else:
+                    assert body["param"] == param and param in body["message"], (extra, body)
+            assert model.calls == 0 and job.trajectory.calls == []
+            for route, extra in _ACCEPTED:
+                await _send(job, route, extra)
+            assert model.calls == len(_ACCEPTED)
+        finally:
+            await gw.close()
+
+    asyncio.run(main())
+
+
+def _calls_made(tokenizer: Any, answers: list[str], ask: Any) -> tuple[Any, Trajectory, AttemptsModel]:
+    async def main() -> tuple[Any, Trajectory, AttemptsModel]:
+        gw = Gateway()
+        await gw.start()
+        model = AttemptsModel(tokenizer, answers)
+        job = open_job(gw, tokenizer, model)  # type: ignore[arg-type]  # any generate function
+        try:
+            return await ask(job), job.trajectory, model
+        finally:
+            await gw.close()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_openai_parallel_tool_calls_false_never_gets_two_calls_when_a_retry_has_one(
+        tokenizer: Any, stream: bool) -> None:
+    need_module("openai", "test")
+    import openai
+
+    async def ask(job: Any) -> list[str]:
+        async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as client:
+            create: dict[str, Any] = {"model": "prorl", "messages": MESSAGES, "tools": TOOLS,
+                                      "parallel_tool_calls": False}
+            if stream:
+                chunks = [c async for c in await client.chat.completions.create(stream=True, **create)]
+                return [tc.function.name for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+            msg = (await client.chat.completions.create(**create)).choices[0].message
+            return [c.function.name for c in msg.tool_calls or []]
+
+    names, traj, model = _calls_made(tokenizer, [BOTH, CALC], ask)
+    assert names == ["calculator"] and len(model.prompts) == 2
+    (call,) = traj.calls
+    assert call.output_ids == model.ids(1) and call.tool_choice_retries == 1 and not call.tool_choice_unmet
+    assert traj.token_exact
+    # Without the flag (or with true), two calls in one turn are what the API allows: nothing is sampled again.
+    names, traj, model = _calls_made(tokenizer, [BOTH, CALC], _plain_openai(parallel_tool_calls=True))
+    assert names == ["calculator", "search"] and len(model.prompts) == 1
+
+
+def _plain_openai(**extra: Any) -> Any:
+    async def ask(job: Any) -> list[str]:
+        import openai
+
+        async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as client:
+            msg = (await client.chat.completions.create(model="prorl", messages=MESSAGES, tools=TOOLS,
+                                                        **extra)).choices[0].message
+            return [c.function.name for c in msg.tool_calls or []]
+
+    return ask
+
+
+def test_anthropic_disable_parallel_tool_use_is_honoured_with_any_and_auto(tokenizer: Any) -> None:
+    need_module("anthropic", "test")
+    import anthropic
+
+    def ask_with(choice: dict[str, Any]) -> Any:
+        async def ask(job: Any) -> list[str]:
+            async with anthropic.AsyncAnthropic(base_url=job.anthropic_base_url(), api_key=job.api_key,
+                                                max_retries=0) as client:
+                resp = await client.messages.create(model="prorl", max_tokens=256, messages=MESSAGES[1:],
+                                                    tools=ANTHROPIC_TOOLS, tool_choice=choice)  # type: ignore[arg-type]
+                return [b.name for b in resp.content if b.type == "tool_use"]
+
+        return ask
+
+    names, traj, model = _calls_made(tokenizer, [BOTH, SEARCH], ask_with(
+        {"type": "auto", "disable_parallel_tool_use": True}))
+    assert names == ["search"] and len(model.prompts) == 2 and traj.calls[0].tool_choice_retries == 1
+    names, traj, model = _calls_made(tokenizer, [BOTH, BOTH, BOTH], ask_with(
+        {"type": "any", "disable_parallel_tool_use": True}))
+    assert names == ["calculator", "search"] and len(model.prompts) == 3  # never met: the last turn, marked
+    assert traj.calls[0].tool_choice_unmet
+
+
+def test_a_streamed_tool_call_turn_carries_its_logprobs_as_without_streaming(tokenizer: Any) -> None:
+    """``logprobs: true`` on a turn that is only tool calls: every output token's log-prob, streamed or not."""
+    need_module("openai", "test")
+    import openai
+
+    async def ask(job: Any) -> tuple[list[float], list[float]]:
+        async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as client:
+            create: dict[str, Any] = {"model": "prorl", "messages": MESSAGES, "tools": TOOLS, "logprobs": True}
+            plain = (await client.chat.completions.create(**create)).choices[0]
+            chunks = [c async for c in await client.chat.completions.create(stream=True, **create)]
+            streamed = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+                        for t in c.choices[0].logprobs.content or []]
+            assert plain.message.tool_calls and not plain.message.content
+            return [t.logprob for t in plain.logprobs.content or []] if plain.logprobs else [], streamed
+
+    (plain, streamed), traj, model = _calls_made(tokenizer, [SEARCH, SEARCH], ask)
+    assert plain == streamed == [-0.5] * len(model.ids(0))
+
+
+def test_anthropic_count_tokens_counts_the_prompt_a_call_would_send_and_samples_nothing(tokenizer: Any) -> None:
+    """Claude Code calls ``/v1/messages/count_tokens`` (``?beta=true``) to manage its context: the count is the
+    prompt the same messages and tools would be sent as (the next call's ``input_tokens``); nothing is recorded."""
+    need_module("anthropic", "test")
+    import anthropic
+
+    async def main() -> None:
+        gw = Gateway()
+        await gw.start()
+        model = ScriptedModel(tokenizer, ["5"])
+        job = open_job(gw, tokenizer, model)
+        ask: dict[str, Any] = {"model": "prorl", "system": MESSAGES[0]["content"], "messages": MESSAGES[1:],
+                               "tools": ANTHROPIC_TOOLS}
+        try:
+            async with anthropic.AsyncAnthropic(base_url=job.anthropic_base_url(), api_key=job.api_key,
+                                                max_retries=0) as client:
+                counted = await client.messages.count_tokens(**ask)
+                beta = await client.beta.messages.count_tokens(**ask)
+                assert model.calls == 0 and job.trajectory.calls == []
+                resp = await client.messages.create(max_tokens=16, **ask)
+                assert counted.input_tokens == beta.input_tokens == resp.usage.input_tokens > 0
+                with pytest.raises(anthropic.NotFoundError, match="model 'claude-x' does not exist"):
+                    await client.messages.count_tokens(**{**ask, "model": "claude-x"})
+                with pytest.raises(anthropic.BadRequestError, match="messages must be a non-empty list"):
+                    await client.messages.count_tokens(**{**ask, "messages": []})
+        finally:
+            await gw.close()
+
+    asyncio.run(main())
+
+
+def test_claude_codes_metadata_user_id_is_accepted_and_names_the_agent(tokenizer: Any) -> None:
+    """Claude Code sends ``metadata.user_id`` on every call: ``user_<sha256>_account_<uuid>_session_<uuid>``
+    (159 characters when logged in) or, since v2.1.78, JSON naming its device and session (~150). Both are within
+    the 256 characters Anthropic's API accepts and name the agent; past 256 is a 400 naming the field."""
+    need_module("anthropic", "test")
+    import anthropic
+
+    uuid = "54c1eb09-bc4c-4d2f-98eb-6d2ab2d5e2fe"
+    legacy = f"user_{'a' * 64}_account_{uuid}_session_{uuid}"
+    current = json.dumps({"device_id": "b" * 64, "account_uuid": "", "session_id": uuid}, separators=(",", ":"))
+    assert len(legacy) > 128 and len(current) > 128
+
+    async def main() -> Trajectory:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, ["5"] * 4))
+        try:
+            async with anthropic.AsyncAnthropic(base_url=job.anthropic_base_url(), api_key=job.api_key,
+                                                max_retries=0) as client:
+                for user_id in (legacy, current):
+                    await client.messages.create(model="prorl", max_tokens=16, messages=MESSAGES[1:],
+                                                 metadata={"user_id": user_id})
+                with pytest.raises(anthropic.BadRequestError, match="metadata.user_id must name the agent in 1 to 256"):
+                    await client.messages.create(model="prorl", max_tokens=16, messages=MESSAGES[1:],
+                                                 metadata={"user_id": "x" * 257})
+            return job.trajectory
+        finally:
+            await gw.close()
+
+    traj = asyncio.run(main())
+    assert [c.agent for c in traj.calls] == [legacy, current]
+
+
+def test_vllm_top_k_reaches_the_model(tokenizer: Any) -> None:
+    """``top_k`` (vLLM's extension; the generate contract carries it) is applied on both OpenAI routes."""
+    need_module("openai", "test")
+    import openai
+
+    seen: list[int | None] = []
+
+    async def main() -> None:
+        gw = Gateway()
+        await gw.start()
+        model = ScriptedModel(tokenizer, ["5"] * 4)
+
+        async def generate(prompt_ids: list[int], sampling: Any) -> Any:
+            seen.append(sampling.top_k)
+            return await model(prompt_ids, sampling)
+
+        job = open_job(gw, tokenizer, generate)
+        try:
+            async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model="prorl", messages=MESSAGES, extra_body={"top_k": 20})
+                await client.completions.create(model="prorl", prompt="2+3=", extra_body={"top_k": 7})
+                await client.chat.completions.create(model="prorl", messages=MESSAGES)
+        finally:
+            await gw.close()
+
+    asyncio.run(main())
+    assert seen == [20, 7, SamplingParams().top_k]  # the job's own when the request gives none
