@@ -107,7 +107,7 @@ def submit(
     fmt: str | None, max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
     sampling_json: str | None, sampling_file: Path | None, dapo: bool,
 ) -> None:
-    """Submit every instance of TASKS (JSONL, or Parquet) and collect the results.
+    """Submit every instance of TASKS (JSONL, Parquet or JSON) and collect the results.
 
     \b
     For the domain tasks (math, code, swe, search) public dataset rows are converted to instances.
