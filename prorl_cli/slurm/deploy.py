@@ -46,6 +46,21 @@ def time_minutes(value: str) -> int:
     return max(1, (total_s + 59) // 60)
 
 
+#: sbatch options prorl sets itself from a role's keys (launch and render-sbatch alike): sbatch_options may not.
+MANAGED_SBATCH_OPTIONS = {
+    "time": "time",
+    "signal": "signal_delay_s (the role drains on SIGUSR2 that long before the limit)",
+    "cpus-per-task": "cpus_per_task",
+    "job-name": "deployment (jobs are named prorl-<deployment>-<role>)",
+    "array": "count and array_parallelism",
+    "output": "log_dir",
+    "error": "log_dir",
+    "open-mode": "nothing (logs are appended to, so a requeued task keeps its log)",
+    "requeue": "requeue",
+    "no-requeue": "requeue",
+}
+
+
 @dataclass
 class SlurmJobOptions:
     """Where and how long a role's Slurm job runs (sbatch options)."""
@@ -64,6 +79,11 @@ class SlurmJobOptions:
     setup: list[str] = field(default_factory=list)  # run before this role only, after the top-level setup
 
     def validate(self, where: str) -> None:
+        # sbatch takes mail_type and mail-type alike; keep one spelling so the managed keys below are found.
+        self.sbatch_options = {str(k).replace("_", "-"): v for k, v in self.sbatch_options.items()}
+        for key, instead in MANAGED_SBATCH_OPTIONS.items():
+            if key in self.sbatch_options:
+                raise ConfigError(f"{where}.sbatch_options.{key}: set by prorl; use {instead}")
         try:
             time_minutes(self.time)
         except ValueError as e:

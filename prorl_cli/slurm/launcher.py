@@ -114,6 +114,7 @@ def _start_local_broker(cfg: DeployConfig) -> int:
 
 
 def _pid_alive(pid: int | None) -> bool:
+    """Whether ``pid`` is the local broker ``launch`` started (a pid recorded long ago may be another process's now)."""
     if not pid:
         return False
     try:
@@ -122,7 +123,31 @@ def _pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True  # no /proc to ask: take it for the broker
+    return b"prorl_cli" in argv and b"serve" in argv and b"broker" in argv
+
+
+#: ``broker.where: here``: how long ``down`` lets the local broker's process group stop on SIGTERM before SIGKILL.
+LOCAL_BROKER_STOP_S = 30.0
+
+
+def _stop_local_broker(pid: int, grace_s: float | None = None) -> None:
+    """SIGTERM the local broker's process group (its own session), SIGKILL what is left after ``grace_s``."""
+    grace_s = LOCAL_BROKER_STOP_S if grace_s is None else grace_s
+    if not _pid_alive(pid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _pid_alive(pid):
+        log.warning("the local broker (pid %d) did not stop %.0f s after SIGTERM: killing its process group", pid, grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def existing_launch(cfg: DeployConfig) -> tuple[LaunchRecord | None, list[squeue.SlurmTask]]:
@@ -133,8 +158,33 @@ def existing_launch(cfg: DeployConfig) -> tuple[LaunchRecord | None, list[squeue
     return record, squeue.active(record.all_job_ids)
 
 
+def check_partitions(cfg: DeployConfig) -> None:
+    """Refuse, before anything is submitted, a role whose partition this cluster does not have (naming the key)."""
+    wanted: dict[str, str] = {}
+    for role in ROLES:
+        if role == "broker" and cfg.broker.where == "here":
+            continue
+        if role != "broker" and not cfg.role(role).count:  # type: ignore[attr-defined]
+            continue
+        opts = cfg.role(role)
+        key = "sbatch_options.partition" if "partition" in opts.sbatch_options else "partition"
+        partition = sbatch_options(cfg, role).get("partition")
+        if partition:
+            wanted[f"{role}.{key}"] = str(partition)
+    if not wanted:
+        return
+    known = squeue.partitions()
+    for where, value in wanted.items():
+        # sbatch takes a comma-separated list: the job runs in whichever of them can take it first.
+        missing = [p for p in value.split(",") if p not in known]
+        if missing:
+            raise SlurmError(f"{cfg.source}: {where}: no Slurm partition {', '.join(map(repr, missing))} "
+                             f"(this cluster has: {', '.join(sorted(known)) or 'none'}); nothing submitted")
+
+
 def launch(cfg: DeployConfig) -> LaunchRecord:
     """Submit every role; raises :class:`SlurmError` (with nothing left queued) when Slurm refuses one."""
+    check_partitions(cfg)
     record, left = existing_launch(cfg)
     if record is not None and (left or (record.broker_where == "here" and _pid_alive(record.broker_pid))):
         raise SlurmError(
@@ -206,9 +256,8 @@ def abandon(cfg: DeployConfig, record: LaunchRecord, wait_s: float = 60.0) -> li
     """Cancel everything of a launch that did not come up; return what squeue still shows."""
     if (cfg.deployment_dir / LAUNCH_NAME).exists():
         record = mark_stopping(cfg.deployment_dir, record)
-    if record.broker_pid and _pid_alive(record.broker_pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(record.broker_pid, signal.SIGTERM)
+    if record.broker_pid:
+        _stop_local_broker(record.broker_pid)
     left = squeue.cancel_until_gone(record.all_job_ids, wait_s)
     archive_launch(cfg.deployment_dir)
     with contextlib.suppress(FileNotFoundError):
@@ -502,13 +551,11 @@ def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
     left = squeue.active(record.all_job_ids)  # a task scaled away may still be draining
     cancelled = [t.job_id for t in left]
     squeue.cancel(cancelled)
-    if record.broker_pid and _pid_alive(record.broker_pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(record.broker_pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while _pid_alive(record.broker_pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    remaining = squeue.wait_gone(record.all_job_ids, wait_s)
+    if record.broker_pid:
+        _stop_local_broker(record.broker_pid)
+    # A task that was requeueing itself when the scancel came (its drain on SIGUSR2 under way, a preemption) comes
+    # back PENDING for Slurm's requeue delay and would start again later: cancel_until_gone cancels it again.
+    remaining = squeue.cancel_until_gone(record.all_job_ids, wait_s)
     removed = False
     path = rendezvous_path(cfg.deployment_dir)
     if path.exists():

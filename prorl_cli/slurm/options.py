@@ -133,7 +133,8 @@ def sbatch_options(cfg: DeployConfig, role: str) -> dict[str, Any]:
         out["gres"] = cfg.inference.gres or f"gpu:{cfg.inference.gpus_per_task}"
     requeue = True if role == "broker" else getattr(opts, "requeue", True)
     out["requeue" if requeue else "no-requeue"] = True
-    out.update(opts.sbatch_options)
+    # false or null: the option is left out (submitit would write `--exclusive=False`, which sbatch refuses).
+    out.update({k: v for k, v in opts.sbatch_options.items() if v is not False and v is not None})
     return out
 
 
@@ -153,6 +154,9 @@ def executor(cfg: DeployConfig, role: str, count: int) -> Any:
         stderr_to_stdout=True,
         array_parallelism=getattr(opts, "array_parallelism", 0) or max(count, 1),
         additional_parameters={k: v for k, v in sb.items() if k != "signal"},
+        # The role runs in submitit's srun step: with sbatch_options `export: NONE` (a clean environment) the step
+        # would inherit that and start with an empty environment, without what the setup lines exported.
+        srun_args=["--export=ALL"],
     )
     return ex
 

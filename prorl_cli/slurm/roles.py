@@ -115,9 +115,16 @@ def requeue_self(identity: SlurmIdentity, deployment_dir: Path | None = None, pe
         return
     from prorl_cli.slurm.squeue import job_detail
 
-    if job_detail(ref).get("Requeue") == "0":
+    detail = job_detail(ref)
+    if detail.get("Requeue") == "0":
         # Submitted with --no-requeue, or set so by `prorl scale` before it drained this task away.
         log.info("%s may not be requeued (Requeue=0): not requeueing", ref)
+        return
+    if detail.get("JobState") in ("CANCELLED", "COMPLETING") and detail.get("Reason") != "TimeLimit":
+        # scancel (`prorl down`, a user) came while the drain ran: the job is ending (scontrol shows COMPLETING,
+        # reason None; at the time limit the reason is TimeLimit, and that one is requeued). Slurm would requeue
+        # even a cancelled job, and it would come back and start again after the requeue delay.
+        log.info("%s was cancelled while it drained (JobState=%s): not requeueing", ref, detail.get("JobState"))
         return
     # Requeueing sends us SIGTERM once more; we are done, so let it pass quietly.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -299,7 +306,8 @@ def _start_supervisor(deployment_dir: Path) -> subprocess.Popen[bytes] | None:
 
     if not SlurmIdentity.from_env().in_slurm or not (deployment_dir / LAUNCH_NAME).exists():
         return None  # plain sbatch scripts or a broker outside Slurm: nothing recorded to supervise
-    return subprocess.Popen([sys.executable, "-m", "prorl_cli.slurm.supervisor", str(deployment_dir)],
+    # It is given the broker's pid and stops once the broker is gone (killed outright, it cannot stop its child).
+    return subprocess.Popen([sys.executable, "-m", "prorl_cli.slurm.supervisor", str(deployment_dir), str(os.getpid())],
                             env=child_env(), stdin=subprocess.DEVNULL, start_new_session=True)
 
 

@@ -181,6 +181,14 @@ def cancel_until_gone(refs: Iterable[str], timeout_s: float) -> list[SlurmTask]:
         time.sleep(0.5)
 
 
+def partitions() -> set[str]:
+    """The partitions this cluster has (``sinfo -a``: hidden ones and those of other groups included)."""
+    proc = _run(["sinfo", "-a", "-h", "-o", "%R"])
+    if proc.returncode != 0:
+        raise SlurmError(f"sinfo failed: {proc.stderr.strip()}")
+    return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
+
+
 def job_detail(ref: str) -> dict[str, str]:
     """``scontrol show job`` as a key/value map (empty once the job has aged out)."""
     proc = _run(["scontrol", "-o", "show", "job", ref])

@@ -234,18 +234,29 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult
     return result
 
 
-def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S) -> None:
-    """Supervise until SIGTERM: a pass every ``interval_s``, and one when a replacement falls due."""
+def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S, parent_pid: int | None = None) -> None:
+    """Supervise until SIGTERM, or until ``parent_pid`` (the broker that started it) is gone: a pass every
+    ``interval_s``, and one when a replacement falls due.
+
+    The broker stops it on its way out, but a broker killed outright (SIGKILL, the OOM killer) cannot; in its
+    own session, under ``proctrack/linuxproc`` it would outlive the job and go on submitting replacements.
+    """
     stop = False
 
     def on_term(signum: int, frame: Any) -> None:
         nonlocal stop
         stop = True
 
+    def orphaned() -> bool:
+        if parent_pid is None or os.getppid() == parent_pid:
+            return False
+        log.warning("its broker (pid %d) is gone: stopping", parent_pid)
+        return True
+
     signal.signal(signal.SIGTERM, on_term)
     log.info("supervising the node and inference tasks of %s every %.0f s", deployment_dir, interval_s)
     said_stopping = False
-    while not stop:
+    while not stop and not orphaned():
         wait_s = interval_s
         try:
             passed = supervise_once(deployment_dir)
@@ -257,11 +268,11 @@ def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S) -> None:
         except ProrlError as e:
             log.warning("supervision pass failed: %s", e)
         deadline = time.monotonic() + wait_s
-        while not stop and time.monotonic() < deadline:
+        while not stop and time.monotonic() < deadline and (parent_pid is None or os.getppid() == parent_pid):
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s supervisor[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
-    run(Path(sys.argv[1]))
+    run(Path(sys.argv[1]), parent_pid=int(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -62,6 +62,9 @@ def test_example_lists_every_key_with_its_default() -> None:
         ("deployment: ../x", "deployment: '../x' is not a valid deployment name"),
         ("broker: {where: cloud}", "broker.where: expected one of"),
         ("- a list", "top level must be a mapping"),
+        ("nodes: {sbatch_options: {time: '1:00:00'}}", "nodes.sbatch_options.time: set by prorl; use time"),
+        ("broker: {sbatch_options: {job_name: x}}", "broker.sbatch_options.job-name: set by prorl"),
+        ("inference: {sbatch_options: {no-requeue: true}}", "inference.sbatch_options.no-requeue: set by prorl; use requeue"),
     ],
 )
 def test_bad_deploy_file_names_file_and_key(tmp_path: Path, text: str, needle: str) -> None:
@@ -129,3 +132,16 @@ def test_slurm_identity_from_the_environment() -> None:
     assert me.member_id("node", 7) == "node-7"
     assert "restart 1" in me.describe()
     assert not SlurmIdentity.from_env({}).in_slurm
+
+
+def test_sbatch_options_set_false_or_null_are_left_out_of_the_submitted_script(tmp_path: Path) -> None:
+    from prorl_cli.slurm.launcher import plan
+
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump({"deployment": "f", "home": str(tmp_path / "home"),
+                                    "nodes": {"count": 1, "sbatch_options": {"exclusive": False, "comment": None,
+                                                                             "mail_type": "FAIL"}}}))
+    (nodes,) = [p for p in plan(load_deploy(path)) if p.role == "nodes"]
+    assert "exclusive" not in nodes.script and "comment" not in nodes.script, nodes.script
+    assert "#SBATCH --mail-type=FAIL" in nodes.script
+

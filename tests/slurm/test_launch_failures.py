@@ -34,6 +34,21 @@ def test_bad_deploy_file_is_refused_before_submitting(base: Path) -> None:
     assert not (base / "home" / "bad").exists(), "nothing submitted, nothing written"
 
 
+def test_a_partition_the_cluster_lacks_is_refused_naming_the_key_before_submitting(base: Path) -> None:
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": "nopart", "home": str(base / "home"),
+        "broker": {"time": "5", "cpus_per_task": 1, "mem_gb": 0.5},
+        "nodes": {"count": 1, "time": "5", "cpus_per_task": 1, "mem_gb": 0.5, "partition": "no-such-partition"},
+    })
+    out = prorl(base / "home", "launch", str(deploy), "--wait-s", "60")
+    assert out.returncode != 0
+    (error,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert "nodes.partition" in error and "'no-such-partition'" in error and "debug" in error, out.stderr
+    assert not _queued("nopart")
+    # Nothing was submitted (the broker before the nodes included), so no launch went to history either.
+    assert not (base / "home" / "nopart" / "history").exists(), "a broker was submitted and cancelled"
+
+
 def test_more_gpus_than_any_node_fails_with_slurms_reason(base: Path) -> None:
     deploy = write_yaml(base / "deploy.yaml", {
         "deployment": "greedy", "home": str(base / "home"),
