@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 
 class JobClock:
     """In-stage time (:attr:`elapsed_s`, against ``budget_s``) and the current stage's deadline of one job."""
 
-    __slots__ = ("task", "loop", "arming", "budget_s", "in_stage", "held", "expired", "at",
+    __slots__ = ("task", "loop", "arming", "budget_s", "in_stage", "held", "expired", "at", "on_expire",
                  "_elapsed_s", "_stage_base_s", "_started", "_handle", "_handle_at", "_queued", "_held_left_s")
 
     def __init__(self, budget_s: float | None, task: asyncio.Task[Any] | None, loop: asyncio.AbstractEventLoop,
@@ -46,6 +47,8 @@ class JobClock:
         self.expired = False
         #: The current stage's deadline (loop time), ``None`` between stages, without a limit, or while held.
         self.at: float | None = None
+        #: Called right after the deadline cancelled the task (the pipeline watches that the stage really ends).
+        self.on_expire: Callable[[], None] | None = None
         self._elapsed_s = 0.0
         #: ``_elapsed_s`` when the current stage began.
         self._stage_base_s = 0.0
@@ -169,6 +172,8 @@ class JobClock:
         self.expired = True
         if self.task is not None:
             self.task.cancel()
+        if self.on_expire is not None:
+            self.on_expire()
 
 
 class Arming:

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import inspect
 import logging
+import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +26,7 @@ from typing import Any
 
 from prorl_cli.agent.loop import JOB_RECORDER
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import StageTimeout
+from prorl_cli.exceptions import HandlerError, StageTimeout
 from prorl_cli.node.clock import Arming, JobClock
 from prorl_cli.node.handler import AgentHandler, JobContext, Services
 from prorl_cli.node.registry import HandlerRegistry
@@ -49,6 +53,14 @@ class RunningJob:
     started: bool = False
     #: Its task has begun running (a task cancelled before that never runs: :meth:`Pipeline.cancel` answers for it).
     begun: bool = False
+    #: The pool whose slot it holds now (``None`` between stages, and once the slot was taken back from it).
+    slot: _Pool | None = None
+    #: How many stages it entered so far (tells one stage from the next).
+    entries: int = 0
+    #: Its stage ignored a cancel past the grace: the job was reported without it, its task is left to itself.
+    abandoned: bool = False
+    #: (context, handler, clock, timeline, stage_s) while it runs: what ending it from outside its task needs.
+    live: tuple[_NodeJobContext, AgentHandler, JobClock, TL.Timeline, dict[str, float]] | None = None
 
 
 class _NodeJobContext(JobContext):
@@ -197,6 +209,10 @@ class Pipeline:
         self._clocks: dict[str, JobClock] = {}
         #: The in-stage budget of jobs that set none.
         self._timeout_s = config.jobs.timeout_s
+        #: How long a stage may go on after its job was cancelled or timed out before its slot is taken back.
+        self._cancel_grace_s = nc.stop_grace_s
+        #: Cleanups of abandoned jobs, running in the background (a reference keeps each task alive).
+        self._background: set[asyncio.Task[None]] = set()
         #: The node's Prometheus figures; each job is counted from its timeline when it ends.
         self.metrics = MetricSet()
         #: Failed jobs by (task, stage, error type): [count, latest message] (sent in heartbeats).
@@ -234,6 +250,8 @@ class Pipeline:
         if job is None:
             return False
         job.task.cancel()
+        if job.begun:
+            self._watch(job, JobState.CANCELLED)
         if not job.begun:
             # Its task never ran (a cancel_job read in the same turn as its assign) and now never will:
             # nothing ran, but the broker still needs the job's result to free its credit.
@@ -260,7 +278,13 @@ class Pipeline:
             running.begun = True
         try:
             result = await self.run_job(spec, instance, timing)
-        except Exception as e:  # a fault of the node's own outside the stages must still answer for the job
+        except asyncio.CancelledError:
+            # Cancelled again where run_job could not take it: the broker still needs the job's one result.
+            result = JobResult(job_id=spec.job_id, task=spec.task, state=JobState.CANCELLED.value, attempt=spec.attempt,
+                               node_id=self.node_id, group_id=spec.group_id, meta=spec.meta)
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:  # a fault of the node's own outside the stages must still answer for the job
             log.exception("job %s: node fault outside the handler's stages", spec.job_id)
             result = JobResult(
                 job_id=spec.job_id, task=spec.task, state=JobState.FAILED.value, attempt=spec.attempt,
@@ -269,9 +293,53 @@ class Pipeline:
                 group_id=spec.group_id, meta=spec.meta,
             )
         finally:
-            self.jobs.pop(spec.job_id, None)
+            if running is None or self.jobs.get(spec.job_id) is running:
+                self.jobs.pop(spec.job_id, None)
+        if running is not None and running.abandoned:
+            log.warning("job %s: its abandoned %s stage ended at last; its result went out already", spec.job_id,
+                        running.stage)
+            return result
         self.on_done(result)
         return result
+
+    def _watch(self, job: RunningJob, state: JobState) -> None:
+        """The job was cancelled (from outside, or by its deadline): take its slot back if its stage has not
+        ended after the grace (a handler that swallows every cancel, or blocks in a thread it awaits)."""
+        asyncio.get_running_loop().call_later(self._cancel_grace_s, self._abandon_if_stuck, job, job.entries, state)
+
+    def _abandon_if_stuck(self, job: RunningJob, entries: int, state: JobState) -> None:
+        job_id = job.spec.job_id
+        pool = job.slot
+        if (job.abandoned or job.task.done() or pool is None or job.entries != entries or job.live is None
+                or self.jobs.get(job_id) is not job):
+            return  # it ended, or left that stage
+        ctx, handler, clock, timeline, stage_s = job.live
+        stage = job.stage
+        job.abandoned = True
+        job.slot = None
+        pool.leave()
+        del self.jobs[job_id]
+        now = time.monotonic()
+        stage_s = dict(stage_s)
+        stage_s[stage] = stage_s.get(stage, 0.0) + clock.leave_stage(now)
+        clock.close()
+        if self._clocks.get(job_id) is clock:
+            del self._clocks[job_id]
+        log.error("job %s: the %r handler's %s ignored its cancel for %.1f s; its %s slot is taken back and the job "
+                  "ends %s without it (its task is left running)", job_id, ctx.task, stage, self._cancel_grace_s,
+                  stage, state.value)
+        error: ErrorInfo | None = None
+        if state == JobState.TIMED_OUT:
+            exc = StageTimeout(f"{stage} ran past its limit and did not end within {self._cancel_grace_s:g} s of being "
+                               f"cancelled: the {ctx.task!r} handler ignored the cancel")
+            state, error = self._stage_failed(handler, ctx, stage, exc, state)
+        elif stage != "eval":
+            ctx.publish_trajectory()
+        if ctx._cleanups:
+            cleanup = asyncio.ensure_future(self._cleanup(ctx))
+            self._background.add(cleanup)
+            cleanup.add_done_callback(self._background.discard)
+        self.on_done(self._finish(ctx, handler, state, error, stage_s, clock, timeline))
 
     def rejected(self, raw: Any, problem: str) -> JobResult | None:
         """The FAILED result of an assignment this node cannot decode, or ``None`` without a job id to report on."""
@@ -311,6 +379,9 @@ class Pipeline:
         try:
             handler = self.registry.get(spec.task)()
             ctx.handler = handler
+            if running is not None:
+                running.live = (ctx, handler, clock, timeline, stage_s)
+                clock.on_expire = functools.partial(self._watch, running, JobState.TIMED_OUT)
             for stage in STAGE_NAMES:
                 if stage == "eval" and ctx._cleanups:
                     await self._cleanup(ctx)  # sandboxes are gone before EVAL
@@ -336,15 +407,41 @@ class Pipeline:
             if self._clocks.get(job_id) is clock:
                 del self._clocks[job_id]
             if ctx._cleanups:
-                await self._cleanup(ctx)
+                try:
+                    await self._cleanup(ctx)
+                except asyncio.CancelledError:  # cancelled while cleaning up: all cleanups ran; the job is cancelled
+                    state, error = JobState.CANCELLED, None
+                    task = asyncio.current_task()
+                    if task is not None:
+                        task.uncancel()
+        TL.CURRENT.reset(timeline_token)
+        JOB_RECORDER.reset(recorder_token)
+        if running is not None and running.abandoned:  # its result went out when its slot was taken back
+            return JobResult(job_id=job_id, task=spec.task, state=state.value, attempt=spec.attempt, node_id=self.node_id)
+        return self._finish(ctx, handler, state, error, stage_s, clock, timeline)
+
+    def _finish(
+        self, ctx: _NodeJobContext, handler: AgentHandler | None, state: JobState, error: ErrorInfo | None,
+        stage_s: dict[str, float], clock: JobClock, timeline: TL.Timeline,
+    ) -> JobResult:
+        """The job's result: the handler's ``final_result``, its failure counted, its timeline closed."""
+        spec = ctx.spec
+        job_id = spec.job_id
         output: Any = None
         if handler is not None:
             try:
                 output = handler.final_result(ctx)
-            except Exception as e:  # plugin code: a broken final_result still yields a result
+            except BaseException as e:  # plugin code: a broken final_result still yields a result
+                if isinstance(e, GeneratorExit):
+                    raise
                 log.exception("job %s: final_result failed", job_id)
                 state = JobState.FAILED
-                error = ErrorInfo(stage="final_result", type=type(e).__name__, message=str(e))
+                error = ErrorInfo(stage="final_result", type=type(e).__name__,
+                                  message=str(e) if isinstance(e, Exception) else _handler_fault(spec.task, "final_result", e))
+        bad_reward = _bad_reward(ctx, "final_result" if error is None else f"{error.stage}_exception")
+        if bad_reward is not None and state == JobState.DONE:  # set outside EVAL (its check saw a good one), or by a callback
+            state = JobState.FAILED
+            error = ErrorInfo(stage="final_result", type=type(bad_reward).__name__, message=str(bad_reward))
         state_name = state.value
         if error is not None:
             group = self.failures.setdefault((spec.task, error.stage, error.type), [0, ""])
@@ -353,8 +450,6 @@ class Pipeline:
             ctx.job_log().note(logging.ERROR, "%s %s in %s: %s: %s", job_id, state_name, error.stage, error.type,
                                error.message)
         timeline.instant(TL.FINISHED, {"state": state_name})
-        TL.CURRENT.reset(timeline_token)
-        JOB_RECORDER.reset(recorder_token)
         observe_job(self.metrics, spec.task, state_name, timeline.events)
         job_log = ctx._job_log
         return JobResult(
@@ -394,8 +489,10 @@ class Pipeline:
             if stage == "init":
                 handler.check_instance(ctx)  # bad instances and settings fail INIT, naming the problem
             own_s = handler.stage_limit_s(ctx, stage)
-        except Exception as e:  # plugin code or bad settings: the job's failure, not the node's
-            return self._stage_failed(handler, ctx, stage, e, JobState.FAILED)
+        except BaseException as e:  # plugin code or bad settings: the job's failure, not the node's
+            if isinstance(e, GeneratorExit):
+                raise
+            return self._stage_failed(handler, ctx, stage, _as_error(ctx.task, stage, e), JobState.FAILED)
         pool = self.pools[stage]
         if not pool.try_enter():
             waited_from = time.monotonic()
@@ -404,6 +501,8 @@ class Pipeline:
         if running is not None:
             running.stage = stage
             running.started = True
+            running.slot = pool
+            running.entries += 1
         if not after_failure:
             self.on_stage(ctx.spec, stage)
         spec_caps = ctx.spec.stage_timeouts_s
@@ -426,23 +525,37 @@ class Pipeline:
         try:
             if stage == "init" and handler.prepares_chat():
                 await ctx.chat()  # the template with the tools' schemas (seconds, once per node): RUN finds it ready
-            await getattr(handler, stage)(ctx)
+            hook = getattr(handler, stage)(ctx)
+            if not inspect.isawaitable(hook):
+                raise HandlerError(f"the {ctx.task!r} handler's {stage} returned {type(hook).__name__}, not an awaitable: "
+                                   f"declare it 'async def {stage}(self, ctx)'")
+            await hook
         except asyncio.CancelledError:
             if not clock.expired or task is None or task.uncancel() > 0:
                 raise  # cancelled from outside (also when that raced with the deadline)
-        except Exception as e:  # any handler error is the job's failure, not the node's
-            error = e
+        except BaseException as e:  # any handler error is the job's failure, not the node's (sys.exit() included)
+            if isinstance(e, GeneratorExit):
+                raise  # the coroutine is being closed: nothing may run on
+            error = _as_error(ctx.task, stage, e)
             if clock.expired and task is not None:
                 task.uncancel()  # the handler turned our cancel into another error
         else:
             if clock.expired and task is not None:
                 task.uncancel()  # the handler swallowed our cancel: still past its time
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError  # it swallowed a cancel from outside: the job is still cancelled
+            if stage == "eval":
+                error = _bad_reward(ctx, stage)
         finally:
             if stage != "eval":
                 ctx.publish_trajectory()  # what the loop recorded reaches the output, also when the stage failed
             left = time.monotonic()
             stage_s[stage] = stage_s.get(stage, 0.0) + clock.leave_stage(left)
-            pool.leave()
+            if running is None:
+                pool.leave()
+            elif running.slot is pool:  # else it was taken back already (the stage ignored its cancel)
+                running.slot = None
+                pool.leave()
             timeline.span(TL.STAGE, entered, left, {"stage": stage})
         if clock.expired:
             if cap is None or (budget is not None and budget <= cap):
@@ -472,19 +585,62 @@ class Pipeline:
         callback = getattr(handler, f"{stage}_exception")
         try:
             callback(ctx, exc)
-        except Exception as e:  # a broken callback must not lose the job
+        except BaseException as e:  # a broken callback must not lose the job
+            if isinstance(e, GeneratorExit):
+                raise
             log.exception("job %s: %s_exception raised", ctx.job_id, stage)
             return state, ErrorInfo(stage=stage, type=type(e).__name__, message=f"{stage}_exception raised: {e}")
         return state, ErrorInfo(stage=stage, type=type(exc).__name__, message=str(exc))
 
     async def _cleanup(self, ctx: JobContext) -> None:
-        """Run and forget the job's cleanups (idempotent), logging their failures."""
+        """Run and forget the job's cleanups (idempotent), logging their failures.
+
+        A cancel that comes during one stops that one only: the others still
+        run (a sandbox or workspace must not outlive its job), then it is raised.
+        """
         cleanups, ctx._cleanups = ctx._cleanups, []
+        cancelled: asyncio.CancelledError | None = None
         for fn in reversed(cleanups):
             try:
                 await fn()
-            except Exception:  # one failed cleanup must not skip the others
+            except asyncio.CancelledError as e:
+                cancelled = e
+            except BaseException:  # one failed cleanup must not skip the others
                 log.exception("job %s: cleanup failed", ctx.job_id)
+        if cancelled is not None:
+            raise cancelled
+
+
+def _handler_fault(task: str, stage: str, exc: BaseException) -> str:
+    """The message of a handler error that is no ``Exception`` (``sys.exit()``, a ``BaseException`` subclass)."""
+    return f"the {task!r} handler's {stage} raised {type(exc).__name__}, which is no Exception: {exc!r}"
+
+
+def _as_error(task: str, stage: str, exc: BaseException) -> Exception:
+    """``exc`` as the job's error: a ``BaseException`` that is no ``Exception`` becomes a :class:`HandlerError` naming it."""
+    if isinstance(exc, Exception):
+        return exc
+    error = HandlerError(_handler_fault(task, stage, exc))
+    error.__cause__ = exc
+    return error
+
+
+def _bad_reward(ctx: JobContext, stage: str) -> HandlerError | None:
+    """The error of a reward ``stage`` left that is neither ``None`` nor a finite real number (then it is reset to
+    ``None``; a good one is made a ``float``)."""
+    reward = ctx.reward
+    if reward is None or type(reward) is float and math.isfinite(reward):
+        return None
+    if isinstance(reward, numbers.Real):
+        value = float(reward)  # an int or a bool (``answer == gold``), or a numpy scalar msgpack could not carry
+        if math.isfinite(value):
+            ctx.reward = value
+            return None
+        problem = f"a non-finite reward {value!r}"
+    else:
+        problem = f"a reward of type {type(reward).__name__} ({reward!r:.100}), not a number"
+    ctx.reward = None
+    return HandlerError(f"the {ctx.task!r} handler's {stage} set {problem}; ctx.reward must be a finite number or None")
 
 
 def _timeline(timing: Any) -> TL.Timeline:

@@ -68,7 +68,7 @@ class ResultPacker:
         if len(fields) == _RESULT_FIELDS:
             try:
                 return bytes(self._packer.pack(fields))
-            except (TypeError, OverflowError):
+            except (TypeError, OverflowError, ValueError):
                 pass  # the packer reset its buffer; to_wire converts what it refused
         wire = result.to_wire()
         try:
@@ -78,7 +78,21 @@ class ResultPacker:
             # still goes out, with what msgpack cannot carry as text, rather than failing its delivery.
             log.warning("job %s: its result holds values msgpack cannot carry (%s); they are sent as text",
                         result.job_id, e)
+        try:
             return P.pack_obj(_carriable(wire))
+        except (RecursionError, ValueError, TypeError, OverflowError) as e:
+            # Not even as text (a cycle, nesting deeper than msgpack goes): the job fails without its output,
+            # rather than take its batch of results down with it. The result itself changes, so the header
+            # that goes with it, and a later resend, say the same.
+            problem = (f"the {result.task!r} handler's final_result returned an output no wire format carries "
+                       f"({type(e).__name__}: {e}); a cycle, or nesting deeper than msgpack allows? It was dropped")
+            log.error("job %s: %s", result.job_id, problem)
+            result.state = P.JobState.FAILED.value
+            result.critical_error = "final_result"
+            result.error = P.ErrorInfo(stage="final_result", type="HandlerError", message=problem).to_wire()
+            result.output = None
+            result.reward = None
+            return P.pack_obj(result.to_wire())
 
 
 def _carriable(value: Any) -> Any:
@@ -283,10 +297,8 @@ class NodeServer(BrokerPeer):
 
     async def _send_results(self, done: list[JobResult]) -> None:
         pack = self._pack_result
-        await self.send(
-            H.JobDone([H.JobEnd(r.job_id, r.attempt, r.state) for r in done]).to_wire(),
-            [pack(r) for r in done],
-        )
+        frames = [pack(r) for r in done]  # first: packing may turn a result into a failure (the header follows)
+        await self.send(H.JobDone([H.JobEnd(r.job_id, r.attempt, r.state) for r in done]).to_wire(), frames)
 
     # ------------------------------------------------------------- lifecycle
 
