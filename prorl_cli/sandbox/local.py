@@ -30,7 +30,10 @@ class LocalRuntime(Runtime):
             "(development only; set sandbox.runtime to apptainer or bwrap)",
             spec.sandbox_id,
         )
-        return [sys.executable, str(TOOLSERVER_PATH), *self.toolserver_argv(str(spec.socket_path), spec=spec)]
+        # --subreaper: a command's double-forked daemon stays the tool server's descendant (no PID namespace
+        # holds it here), so stop finds and ends it.
+        return [sys.executable, str(TOOLSERVER_PATH), *self.toolserver_argv(str(spec.socket_path), spec=spec),
+                "--subreaper"]
 
     def host_env(self, spec: LaunchSpec) -> dict[str, str]:
         # Nothing to hide: without isolation the tool server can read the node's environment anyway.

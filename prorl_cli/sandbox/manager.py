@@ -43,6 +43,8 @@ RUNTIMES: dict[str, type[Runtime]] = {
     "local": LocalRuntime,
 }
 _START_OPTIONS = {"env", "mounts", "limits"}
+#: SIGTERM-to-SIGKILL grace for a sandbox that started but never served a tool call (nothing in it to save).
+NOT_SERVING_STOP_GRACE_S = 0.5
 
 
 #: What ``sandbox.runtime: auto`` tries, in order; ``local`` (no isolation) is the last resort.
@@ -265,16 +267,20 @@ class SandboxManager:
         # Recorded before the runtime makes the session folder (and the cgroups): a node killed mid-start
         # leaves them to be reaped.
         self.records.write(self._new_record(sandbox_id, job_id, spec.session_dir, planned))
+        started: SandboxProcess | None = None
         try:
             if parents is not None:
                 spec.cgroup = self._make_cgroup(sandbox_id, config)
             async with self._starts:
-                process = await self.runtime.start(spec, on_spawn=lambda p: self._record(p, job_id))
+                process = started = await self.runtime.start(spec, on_spawn=lambda p: self._record(p, job_id))
             client = await ToolClient.connect_unix(str(spec.socket_path))
         except BaseException:
+            if started is not None:
+                # Ready, but the connect failed or was cancelled: the sandbox runs, and nothing else would stop it.
+                await started.stop(NOT_SERVING_STOP_GRACE_S)  # its cgroup and session folder go too
             self._forget_session(sandbox_id)
             self.loopback.release(spec.loopback_ip)
-            if spec.cgroup is not None:
+            if spec.cgroup is not None and started is None:
                 await asyncio.to_thread(spec.cgroup.kill)
                 await asyncio.to_thread(spec.cgroup.remove)
             remove_tree(spec.session_dir, self.log)

@@ -6,7 +6,9 @@ in its own process group (session), reports readiness with one line on
 stdout, and is stopped with SIGTERM to the group, then SIGKILL after a grace
 period. Runtimes that use a PID namespace (Apptainer ``--containall``,
 bubblewrap ``--unshare-pid``) take every process inside down with their
-init; the group kill covers the rest.
+init; the group kill covers the rest. Without one (the local runtime) the
+tool server is a child subreaper, so a command's double-forked daemon stays
+its descendant, and stop kills the descendants it found as well.
 """
 
 from __future__ import annotations
@@ -201,8 +203,15 @@ class SandboxProcess:
         Returns when every process of the sandbox is gone: with a PID
         namespace, its init exits only after all processes inside have.
         """
-        tree = set(process_tree(self.pid)) | set(session_members(self.pid))
+        descendants_now = {pid: proc_start_ticks(pid) for pid in process_tree(self.pid)}
+        tree = set(descendants_now) | set(session_members(self.pid))
         tree |= set(await terminate_group(self.proc, self.pgid, grace_s, term_leader=self.term_leader))
+        # Descendants that left the session (a daemon's setsid), orphaned now that the sandbox is gone: the
+        # same processes (pid and start time) still running get SIGKILL too.
+        for pid, ticks in descendants_now.items():
+            if ticks is not None and proc_start_ticks(pid) == ticks:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
         cgroup = self.spec.cgroup
         if cgroup is not None:
             # Whatever is in the sandbox's cgroup is the sandbox's, whichever session it made for itself.

@@ -90,7 +90,7 @@ class Sandbox:
         self._client = client
         self._on_stop = on_stop
         self._stopped = False
-        self._stop_lock = asyncio.Lock()
+        self._stop_task: asyncio.Task[None] | None = None
         self._stopped_event = asyncio.Event()
         self._log = log
 
@@ -204,7 +204,7 @@ class Sandbox:
         return EditResult(output=reply["output"])
 
     async def read_file(self, path: str, *, offset: int = 0, max_bytes: int | None = None) -> bytes:
-        """The bytes of a file inside the sandbox (copy out: save artifacts for EVAL).
+        """The bytes of a file inside the sandbox (copy out: save artifacts for EVAL); ``path`` must be absolute.
 
         ``offset`` / ``max_bytes``: only that part (follow a growing log without re-reading it).
         """
@@ -215,7 +215,7 @@ class Sandbox:
         return base64.b64decode(reply["data"])
 
     async def write_file(self, path: str, data: bytes, mode: int | None = None) -> None:
-        """Write bytes to a file inside the sandbox (parents are created)."""
+        """Write bytes to a file inside the sandbox (parents are created); ``path`` must be absolute."""
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(f"write_file needs bytes, got {type(data).__name__}")
         await self._call("write_file", 60.0, path=path, data=base64.b64encode(bytes(data)).decode(), mode=mode)
@@ -245,15 +245,26 @@ class Sandbox:
 
         Idempotent: the job's cleanup and the node's shutdown may both call it.
         """
-        async with self._stop_lock:
-            if self._stopped:
-                return
+        if self._stop_task is None:
             self._stopped = True
-            try:
-                await self._client.close()
-                await self._on_stop(self)
-            finally:
-                self._stopped_event.set()
+            self._stop_task = asyncio.get_running_loop().create_task(self._stop_once(),
+                                                                     name=f"sandbox-stop-{self.sandbox_id}")
+            self._stop_task.add_done_callback(self._stop_done)
+        # Shielded: a caller cancelled part-way (a job's stage timeout) must not leave the sandbox running,
+        # unrecorded, with every later stop() returning at once. The stop goes on; later callers wait for it.
+        await asyncio.shield(self._stop_task)
+
+    def _stop_done(self, task: asyncio.Task[None]) -> None:
+        # Seen even when every caller was cancelled meanwhile (nobody else would retrieve it).
+        if not task.cancelled() and task.exception() is not None:
+            self._log.warning("sandbox %s of job %s: stop failed: %r", self.sandbox_id, self.job_id, task.exception())
+
+    async def _stop_once(self) -> None:
+        try:
+            await self._client.close()
+            await self._on_stop(self)
+        finally:
+            self._stopped_event.set()
 
     async def wait_stopped(self) -> None:
         """Return once the sandbox has been stopped (by a handler, the node, or ``wall_s``)."""

@@ -261,16 +261,18 @@ class BashSession:
         self.counter += 1
         sync = f"{os.getpid():x}{self.counter:x}"
         sync_marker = (f"\x1ePRORL-{sync}:").encode()
-        self._type(f"printf '\\036PRORL-{sync}:%d\\036' \"$?\"\n")
-        rc = self._collect(out, sync_marker, time.monotonic() + 2.0)
-        if rc is None:  # it ignores SIGINT: kill the foreground process group
-            try:
+        # A job reading the terminal (cat, a prompt) would read the sync line before it dies of the SIGINT:
+        # type it once the shell has the terminal back.
+        if not self._shell_in_foreground(time.monotonic() + 2.0, out):
+            try:  # it ignores SIGINT: kill the foreground process group
                 fg = os.tcgetpgrp(self.fd)
                 if fg != self.pid:
                     os.killpg(fg, signal.SIGKILL)
             except OSError:
                 pass  # it ended by itself meanwhile
-            rc = self._collect(out, sync_marker, time.monotonic() + 2.0)
+            self._shell_in_foreground(time.monotonic() + 2.0, out)
+        self._type(f"printf '\\036PRORL-{sync}:%d\\036' \"$?\"\n")
+        rc = self._collect(out, sync_marker, time.monotonic() + 2.0)
         if rc is not None and rc is not _EXITED:
             out.drop_marker(nonce)
             return rc, False
@@ -278,6 +280,25 @@ class BashSession:
         self.close()
         self._spawn()
         return None, True
+
+    def _shell_in_foreground(self, deadline, out):
+        """Wait until the shell's own process group holds the terminal (its job ended), keeping what is printed
+        meanwhile; return whether it does by ``deadline``."""
+        while True:
+            try:
+                if os.tcgetpgrp(self.fd) == self.pid:
+                    return True
+            except OSError:
+                return False  # the terminal is gone with the shell
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            ready, _, _ = select.select([self.fd], [], [], min(remaining, 0.01))
+            if ready:
+                try:
+                    out.add(os.read(self.fd, 1 << 16))
+                except OSError:
+                    return False
 
     def _reap(self):
         """Exit status of a shell that ended; None if it was killed by a signal."""
@@ -401,6 +422,16 @@ class _CappedText(io.TextIOBase):
     def __init__(self, max_bytes):
         super().__init__()
         self.out = _Output(max_bytes)
+        self._buffer = _CappedBytes(self.out)
+
+    @property
+    def buffer(self):
+        """The binary side (``sys.stdout.buffer.write(b"...")``): the same budget; shown decoded as UTF-8."""
+        return self._buffer
+
+    @property
+    def encoding(self):
+        return "utf-8"
 
     def writable(self):
         return True
@@ -411,6 +442,22 @@ class _CappedText(io.TextIOBase):
 
     def getvalue(self):
         return self.out.text()
+
+
+class _CappedBytes(io.RawIOBase):
+    """The ``buffer`` of a :class:`_CappedText`: bytes into the same head-and-tail budget."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.out = out
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        data = bytes(data)
+        self.out.add(data)
+        return len(data)
 
 
 def _cap_text(text, limit):
@@ -499,6 +546,14 @@ class PythonSession:
             self.close()  # it ignored SIGINT: the namespace is lost
             return {"stdout": "", "stderr": "", "result": None, "timed_out": True, "restarted": True,
                     "error": f"timed out after {timeout_s:.1f} s; the python worker was killed and its namespace reset"}
+
+
+def _absolute(path):
+    """``path``, refused unless absolute: a relative one would resolve against the tool server's own folder
+    (the node's, under the local runtime), not the shell's working directory."""
+    if not isinstance(path, str) or not os.path.isabs(path):
+        raise ToolError(f"path must be absolute: {path!r}")
+    return path
 
 
 # ---------------------------------------------------------------------- editor
@@ -615,7 +670,7 @@ class FileOps:
 
     @staticmethod
     def read_file(req):
-        path = req["path"]
+        path = _absolute(req["path"])
         offset, max_bytes = int(req.get("offset") or 0), req.get("max_bytes")
         try:
             with open(path, "rb") as f:
@@ -628,7 +683,7 @@ class FileOps:
 
     @staticmethod
     def write_file(req):
-        path = req["path"]
+        path = _absolute(req["path"])
         data = base64.b64decode(req["data"])
         try:
             if req.get("make_parents", True) and os.path.dirname(path):
@@ -743,6 +798,10 @@ class ToolServer:
         return {"pid": os.getpid(), "python": sys.version.split()[0], "uid": os.getuid(),
                 "loopback_ip": os.environ.get("PRORL_LOOPBACK_IP")}
 
+    def own_children(self):
+        """Pids of the children this server waits for itself (its shell and its python worker)."""
+        return {pid for pid in (self.bash.pid, self.python.proc.pid if self.python.proc else None) if pid}
+
     def close(self):
         self.relay.close()
         self.bash.close()
@@ -773,11 +832,22 @@ def _make_handler(server):
     return Handler
 
 
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _ReapAdopted:
+    """Between requests, collects the exit status of orphans adopted as a child subreaper (``--subreaper``)."""
+
+    tool_server = None  # the ToolServer: its shell and python worker it waits for itself
+
+    def service_actions(self):
+        super().service_actions()
+        if self.tool_server is not None and _SUBREAPER[0]:
+            _reap_adopted(self.tool_server.own_children())
+
+
+class _UnixServer(_ReapAdopted, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
 
-class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+class _TCPServer(_ReapAdopted, socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
@@ -933,6 +1003,42 @@ def _protect_host():
     return done
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+_SUBREAPER = [False]  # set once main() has made this process a child subreaper
+
+
+def _become_subreaper():
+    """Adopt the orphans of what the tools start (a daemon's double fork), so they stay our descendants.
+
+    Without a PID namespace (the local runtime) an orphan would go to the host's init, out of the node's
+    reach when it stops the sandbox; as our descendant it is found and ended with us.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        sys.stderr.write(f"toolserver: cannot become a child subreaper: {os.strerror(ctypes.get_errno())}\n")
+        return
+    _SUBREAPER[0] = True
+
+
+def _reap_adopted(own):
+    """Collect exited adopted orphans (zombies whose parent we are), leaving the children in ``own`` alone."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in own:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue  # it ended while we looked
+        fields = raw[raw.rindex(")") + 2 :].split()
+        if fields[0] == "Z" and int(fields[1]) == me:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(entry), os.WNOHANG)
+
+
 def _remount_sys():
     # A fresh sysfs shows this sandbox's network namespace (only lo), not the
     # host's devices; it needs root in the sandbox's user namespace (fakeroot).
@@ -956,6 +1062,8 @@ def main(argv=None):
     parser.add_argument("--protect-host", action="store_true",
                         help="make /proc/sys, /proc/sysrq-trigger, /sys and the binds into /etc read-only, cover "
                              "/sys/fs/cgroup (needs root in the sandbox's user namespace)")
+    parser.add_argument("--subreaper", action="store_true",
+                        help="adopt orphaned descendants (the local runtime: no PID namespace holds them)")
     parser.add_argument("--python-worker", nargs=2, type=int, metavar=("RFD", "WFD"),
                         help="run as the python tool's worker on these pipe fds (the tool server starts it)")
     args = parser.parse_args(argv)
@@ -964,6 +1072,8 @@ def main(argv=None):
         return
     if bool(args.socket) == bool(args.tcp):
         parser.error("give exactly one of --socket and --tcp")
+    if args.subreaper:
+        _become_subreaper()
     if args.remount_sys:
         _remount_sys()
     if args.scratch_mb:
@@ -982,6 +1092,7 @@ def main(argv=None):
     else:
         host, port = args.tcp.rsplit(":", 1)
         srv = _TCPServer((host, int(port)), _make_handler(server))
+    srv.tool_server = server
 
     def _stop(signum, frame):
         # Shut down from another thread: serve_forever() is running in this one.

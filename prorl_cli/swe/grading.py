@@ -19,11 +19,15 @@ exit status and the tail of its output in ``infra_step``:
 - a setup step (``eval_commands``, ``install``) that ``bash -n`` refuses,
   exits non-zero, or is still running when the run hits its time limit, or a
   test command or eval script that ``bash -n`` refuses;
-- an instance that lists no test at all;
+- an instance that lists no test at all, or no FAIL_TO_PASS test (swebench
+  would resolve it for any patch that keeps PASS_TO_PASS passing, the empty one too);
 - a finished test step that produced none of the listed tests and no
   collection error (under ``fail_only``: no result at all and no sign in the
-  log that the suite ran). A test step cut at the time limit is graded as it
-  stands: a patch that hangs the suite must not escape its 0;
+  log that the suite ran), unless the same run without the model patch
+  produces them: then the patch stopped them (a broken conftest or import),
+  and each listed test is a failure (``prorl_cli/swe/workspace.py`` makes that
+  run). A test step cut at the time limit is graded as it stands: a patch that
+  hangs the suite must not escape its 0;
 - a pytest run graded from its log whose listed ids hold whitespace the log
   cannot carry, when they stand between the run and ``resolved``.
 """
@@ -52,6 +56,7 @@ PASSED, FAILED, SKIPPED, ERROR, XFAIL = "PASSED", "FAILED", "SKIPPED", "ERROR", 
 STEP_SYNTAX_ERROR, SETUP_FAILED, SETUP_TIMEOUT, SETUP_INTERRUPTED = (
     "step_syntax_error", "setup_failed", "setup_timeout", "setup_interrupted")
 NO_LISTED_TESTS, NO_TESTS_COLLECTED, UNREADABLE_TEST_IDS = "no_listed_tests", "no_tests_collected", "unreadable_test_ids"
+NO_FAIL_TO_PASS = "no_fail_to_pass"
 
 
 @functools.lru_cache(maxsize=1)
@@ -153,8 +158,14 @@ def _closest(name: str, ids: list[str]) -> str | None:
 
 
 def grade_run(plan: TestPlan, instance: dict[str, Any], fail_to_pass: list[str], pass_to_pass: list[str],
-              log: str, nodeid_records: str, steps: list[StepOutcome] | None = None) -> SweReport:
-    """Grade one run of ``plan``: its output ``log``, the node-id records the plugin wrote, and each step's outcome."""
+              log: str, nodeid_records: str, steps: list[StepOutcome] | None = None,
+              patch_stopped_tests: bool = False) -> SweReport:
+    """Grade one run of ``plan``: its output ``log``, the node-id records the plugin wrote, and each step's outcome.
+
+    ``patch_stopped_tests``: the same run without the model patch produced the listed tests, so a run that
+    produced none of them is the patch's doing (it broke a conftest, the package's import, pytest's start):
+    graded, every listed test a failure, instead of ``no_tests_collected``.
+    """
     grading = _swebench()
     from swebench.harness.constants import EvalType
 
@@ -205,6 +216,10 @@ def grade_run(plan: TestPlan, instance: dict[str, Any], fail_to_pass: list[str],
         reason, why = UNREADABLE_TEST_IDS, (
             f"{len(unreadable)} listed test id(s) with whitespace cannot be read from the log "
             f"(e.g. {unreadable[0]!r}): missing, and the run is not graded")
+    blamed = patch_stopped_tests and reason == NO_TESTS_COLLECTED
+    if blamed:
+        why = ("the test run produced none of the listed tests, and without the model patch it does: the patch "
+               "stopped them, and each counts as a failure")
     if reason:
         if plan.eval_type == FAIL_ONLY:
             # swebench counts an absent test as passing under fail_only; in a run that is no evidence it is not.
@@ -216,6 +231,8 @@ def grade_run(plan: TestPlan, instance: dict[str, Any], fail_to_pass: list[str],
         resolved = False
         # The plugin's note explains a run whose tests ran; a setup step that stopped them is the whole story.
         note = f"{note}; {why}" if note and reason in (NO_TESTS_COLLECTED, UNREADABLE_TEST_IDS) else why
+    if blamed:
+        reason, culprit = "", None
     return SweReport(patch_exists=True, patch_successfully_applied=True, resolved=resolved,
                      infra_failure=bool(reason), tests_status=tests_status, status=status, grading=label,
                      grading_note=note, infra_failure_reason=reason, infra_step=culprit,
@@ -243,6 +260,10 @@ def _infra(plan: TestPlan, steps: list[StepOutcome], merged: dict[str, str], col
                                             "did not run as the instance says, and the run is not graded")
     if not fail_to_pass and not pass_to_pass:
         return NO_LISTED_TESTS, None, "the instance lists no test (FAIL_TO_PASS and PASS_TO_PASS are empty)"
+    if not fail_to_pass:
+        # swebench resolves it whenever PASS_TO_PASS passes: the empty patch would score 1.
+        return NO_FAIL_TO_PASS, None, ("the instance lists no FAIL_TO_PASS test: every patch that keeps PASS_TO_PASS "
+                                       "passing (the empty one too) would resolve it, so the run is not graded")
     test_step = next((s for s in steps if s.kind == TESTS), None)
     if test_step is not None and test_step.status == TIMEOUT:
         return "", None, ""  # cut at the time limit: graded as it stands (a hanging patch keeps its 0)

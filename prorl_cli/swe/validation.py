@@ -7,12 +7,14 @@ listed test's pass or fail, or not evaluated with the reason. The instance's
 class (:func:`classify`), the first rule that holds:
 
 - ``gold-fails``: the gold patch is missing or does not apply (``swe_oracle``'s RUN refused it);
+- ``f2p-passes-without-fix``: the instance lists no FAIL_TO_PASS test (EVAL
+  grades none of its runs: ``no_fail_to_pass``);
 - ``env-broken``: some run could not be evaluated (a stage failed, the job
   timed out, a setup step failed, no listed test ran: an ``infra_failure``).
   It is reported with each run's reason, never scored;
 - ``gold-fails``: a listed test fails in every gold run;
 - ``f2p-passes-without-fix``: a FAIL_TO_PASS test (not flaky) passes with the
-  test patch alone, or the instance lists no FAIL_TO_PASS test;
+  test patch alone;
 - ``flaky``: a listed test passes in some gold runs and fails in others;
 - ``valid``.
 
@@ -134,6 +136,8 @@ def classify(instance: dict[str, Any], gold: list[RunOutcome], no_fix: RunOutcom
     if unapplied:
         return Verdict(iid, GOLD_FAILS, f"the gold patch could not be applied: {unapplied[0].problem}", False, runs=runs)
     broken = [r for r in [*gold, no_fix] if not r.evaluated]
+    if not f2p:  # EVAL grades no run of it (no_fail_to_pass): the instance, not the environment, is at fault
+        return Verdict(iid, F2P_PASSES, "FAIL_TO_PASS is empty: nothing fails without the fix", not broken, runs=runs)
     if broken:
         reasons = list(dict.fromkeys(f"{r.kind} run: {r.problem}" for r in broken))
         return Verdict(iid, ENV_BROKEN, f"{len(broken)} of {len(gold) + 1} run(s) not evaluated; " + "; ".join(reasons),
@@ -150,8 +154,6 @@ def classify(instance: dict[str, Any], gold: list[RunOutcome], no_fix: RunOutcom
     if failing:
         verdict.status = GOLD_FAILS
         verdict.reason = f"{len(failing)} listed test(s) fail in every gold run, e.g. {failing[0]!r}"
-    elif not f2p:
-        verdict.status, verdict.reason = F2P_PASSES, "FAIL_TO_PASS is empty: nothing fails without the fix"
     elif passing:
         verdict.status = F2P_PASSES
         verdict.reason = f"{len(passing)} FAIL_TO_PASS test(s) pass with the test patch alone, e.g. {passing[0]!r}"

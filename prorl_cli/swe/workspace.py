@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import shlex
 import time
 from typing import Any
@@ -15,14 +16,15 @@ from prorl_cli.swe.evalrun import (
     STEPS,
     TEST_PATCH,
     WORK,
+    StepOutcome,
     plan_steps,
     read_steps,
     run_script,
     support_files,
 )
-from prorl_cli.swe.grading import SweReport, grade_run
+from prorl_cli.swe.grading import NO_TESTS_COLLECTED, SweReport, grade_run
 from prorl_cli.swe.history import bundle_base, scrub_script
-from prorl_cli.swe.testplan import plan_tests
+from prorl_cli.swe.testplan import TestPlan, plan_tests
 
 SCRUB_TIMEOUT_S = 900.0
 #: Tried in order, as swebench's harness does: a strict apply, then GNU patch with fuzz.
@@ -65,6 +67,74 @@ async def _apply(sandbox: Any, repo_dir: str, path: str) -> tuple[bool, str]:
     return False, "\n".join(outputs)
 
 
+def _patch_paths(numstat: bytes, patch: str) -> list[str]:
+    """Every path ``git apply --numstat -z`` names (both sides of a rename), else the patch's ``---``/``+++`` paths."""
+    paths: list[str] = []
+    tokens = numstat.split(b"\0")
+    i = 0
+    while i < len(tokens):
+        fields = tokens[i].split(b"\t")
+        i += 1
+        if len(fields) != 3:
+            continue
+        names = [fields[2]] if fields[2] else tokens[i:i + 2]  # a rename: old and new name follow
+        i += 0 if fields[2] else 2
+        paths += [name.decode("utf-8", "surrogateescape") for name in names if name]
+    if not paths:  # git could not read it (GNU patch may): the plain headers, unquoted names only
+        for m in re.finditer(r"^(?:---|\+\+\+) [ab]/(.+?)\t?$", patch, re.MULTILINE):
+            paths.append(m.group(1))
+    return list(dict.fromkeys(paths))
+
+
+async def _reset_test_files(sandbox: Any, repo_dir: str, base: str, test_patch: str) -> list[str]:
+    """Put the files the test patch touches back as they are at ``base``, as swebench's eval script does.
+
+    The model patch's changes to them are dropped (an agent's own tests in the same file would stop the test
+    patch from applying; an edit beside the test patch's hunks could rig a listed test); a file the test
+    patch creates is removed. Returns the paths reset.
+    """
+    repo = shlex.quote(repo_dir)
+    listed = await sandbox.bash(f"cd {repo} && git apply --numstat -z {TEST_PATCH} > {WORK}/test-files 2>/dev/null")
+    numstat = await sandbox.read_file(f"{WORK}/test-files") if listed.exit_code == 0 else b""
+    paths = _patch_paths(numstat, test_patch)
+    if not paths:
+        return []
+    rev = shlex.quote(base)
+    lines = [f"cd {repo} || exit 1"]
+    for path in paths:
+        name = shlex.quote(path)
+        lines.append(f"if git cat-file -e {shlex.quote(f'{base}:{path}')} 2>/dev/null; "
+                     f"then git checkout -q {rev} -- {name} || exit 1; else rm -rf -- {name} || exit 1; fi")
+    await sandbox.write_file(f"{WORK}/reset-tests.sh", ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
+    done = await sandbox.bash(f"bash {WORK}/reset-tests.sh 2>&1")
+    if done.exit_code != 0:
+        raise DomainError(f"swe: cannot reset the test patch's files {paths} to base_commit {base}: "
+                          f"{done.output[-1000:]}")
+    return paths
+
+
+async def _apply_test_patch(sandbox: Any, instance: dict[str, Any], repo_dir: str) -> list[str]:
+    """Write the instance's test patch and apply it over its files as they are at base_commit; return those files."""
+    test_patch = str(instance.get("test_patch", ""))
+    await sandbox.write_file(TEST_PATCH, test_patch.encode())
+    if not test_patch.strip():
+        return []
+    reset = await _reset_test_files(sandbox, repo_dir, str(instance["base_commit"]), test_patch)
+    ok, output = await _apply(sandbox, repo_dir, TEST_PATCH)
+    if not ok:
+        raise DomainError(f"swe: the instance's test_patch does not apply: {output[-1000:]}")
+    return reset
+
+
+async def _run(sandbox: Any, plan: TestPlan, timeout_s: float) -> tuple[str, str, list[StepOutcome], bool]:
+    """Run the run script once: its log, the node-id records, each step's outcome, and whether it hit ``timeout_s``."""
+    ran = await sandbox.bash(f": > {NODEIDS}; : > {STEPS}; bash {RUN} > {LOG} 2>&1", timeout_s=timeout_s)
+    log = (await sandbox.read_file(LOG)).decode("utf-8", "replace")
+    records = (await sandbox.read_file(NODEIDS)).decode("utf-8", "replace")
+    step_records = (await sandbox.read_file(STEPS)).decode("utf-8", "replace")
+    return log, records, read_steps(plan_steps(plan), step_records, log, bool(ran.timed_out)), bool(ran.timed_out)
+
+
 async def run_tests(sandbox: Any, instance: dict[str, Any], settings: dict[str, Any], patch: str | None,
                     fail_to_pass: list[str], pass_to_pass: list[str], repo_dir: str,
                     timeout_s: float) -> tuple[SweReport, dict[str, Any]]:
@@ -89,20 +159,29 @@ async def run_tests(sandbox: Any, instance: dict[str, Any], settings: dict[str, 
             extra["log_tail"] = output[-3000:]
             return SweReport(patch_exists=True, test_source=plan.source, status="PATCH_APPLY_FAILED"), extra
     if not plan.applies_test_patch:
-        await sandbox.write_file(TEST_PATCH, str(instance.get("test_patch", "")).encode())
-        if str(instance.get("test_patch", "")).strip():
-            ok, output = await _apply(sandbox, repo_dir, TEST_PATCH)
-            if not ok:
-                raise DomainError(f"swe: the instance's test_patch does not apply: {output[-1000:]}")
+        extra["reset_test_files"] = await _apply_test_patch(sandbox, instance, repo_dir)
     timings["apply_s"] = round(time.monotonic() - started, 3)
     await sandbox.write_file(RUN, run_script(plan, repo_dir).encode())
     started = time.monotonic()
-    ran = await sandbox.bash(f": > {NODEIDS}; : > {STEPS}; bash {RUN} > {LOG} 2>&1", timeout_s=timeout_s)
+    log, records, steps, timed_out = await _run(sandbox, plan, timeout_s)
     timings["run_s"] = round(time.monotonic() - started, 3)
-    log = (await sandbox.read_file(LOG)).decode("utf-8", "replace")
-    records = (await sandbox.read_file(NODEIDS)).decode("utf-8", "replace")
-    step_records = (await sandbox.read_file(STEPS)).decode("utf-8", "replace")
-    steps = read_steps(plan_steps(plan), step_records, log, bool(ran.timed_out))
     report = grade_run(plan, instance, fail_to_pass, pass_to_pass, log, records, steps)
-    extra.update(tests_timed_out=ran.timed_out, log_tail=log[-3000:])
+    extra.update(tests_timed_out=timed_out, log_tail=log[-3000:])
+    if report.infra_failure_reason == NO_TESTS_COLLECTED and patch.strip():
+        # None of the listed tests ran: the environment's fault, or the patch's (a broken conftest or import)?
+        # The same run without the patch tells; a patch that stops the suite must not escape its 0.
+        base = shlex.quote(str(instance["base_commit"]))
+        reset = await sandbox.bash(f"cd {shlex.quote(repo_dir)} && git checkout -q -f {base} 2>&1 && git clean -fdq 2>&1")
+        if reset.exit_code != 0:
+            raise DomainError(f"swe: cannot put the repository back at base_commit for a run without the patch: "
+                              f"{reset.output[-1000:]}")
+        if not plan.applies_test_patch:
+            await _apply_test_patch(sandbox, instance, repo_dir)
+        base_log, base_records, base_steps, _ = await _run(sandbox, plan, timeout_s)
+        without = grade_run(plan, instance, fail_to_pass, pass_to_pass, base_log, base_records, base_steps)
+        extra["run_without_patch"] = {"infra_failure_reason": without.infra_failure_reason,
+                                      "tests": len(without.tests), "log_tail": base_log[-1000:]}
+        if not without.infra_failure:
+            report = grade_run(plan, instance, fail_to_pass, pass_to_pass, log, records, steps,
+                               patch_stopped_tests=True)
     return report, extra

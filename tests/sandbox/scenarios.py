@@ -77,6 +77,12 @@ async def _tools(sb: Sandbox) -> dict[str, Any]:
     t = await sb.bash("echo started; sleep 100", timeout_s=1.5)
     out["sleep"] = {"timed_out": t.timed_out, "output": t.output, "restarted": t.shell_restarted}
     out["after_sleep"] = (await sb.bash("echo usable; pwd")).output
+    reads = {}
+    for name, command in (("cat", "cat"), ("python_input", "python3 -c 'input()'")):
+        t = await sb.bash(f"cd /tmp && export PRORL_STDIN={name}; echo waiting; {command}", timeout_s=1.5)
+        reads[name] = {"timed_out": t.timed_out, "restarted": t.shell_restarted,
+                       "after": (await sb.bash("pwd; echo $PRORL_STDIN")).output}
+    out["reads_stdin"] = reads
     big = await sb.bash("head -c 10000000 /dev/zero | tr '\\0' x", max_output_bytes=4096)
     out["big"] = {"truncated": big.truncated, "len": len(big.output), "total": big.output_bytes,
                   "has_note": "output truncated: 10000000 bytes" in big.output}
@@ -92,6 +98,14 @@ async def _tools(sb: Sandbox) -> dict[str, Any]:
         except ToolError as e:
             errors[name] = str(e)
     out["edit_errors"] = errors
+    relative = {}
+    for name, call in (("read", lambda: sb.read_file("relative.txt")), ("write", lambda: sb.write_file("rel.txt", b"x"))):
+        try:
+            await call()
+            relative[name] = None
+        except ToolError as e:
+            relative[name] = str(e)
+    out["relative_paths"] = relative
     await sb.edit("str_replace", "/tmp/e.txt", old_str="beta", new_str="BETA")
     await sb.edit("insert", "/tmp/e.txt", insert_line=1, new_str="inserted")
     out["view"] = (await sb.edit("view", "/tmp/e.txt", view_range=[1, 3])).output
@@ -100,6 +114,8 @@ async def _tools(sb: Sandbox) -> dict[str, Any]:
     await sb.python("x = 20")
     p = await sb.python("print('side'); x * 2 + 2")
     out["python"] = {"stdout": p.stdout, "result": p.result, "error": p.error}
+    p = await sb.python("import sys; sys.stdout.write('text '); sys.stdout.flush(); sys.stdout.buffer.write(b'bytes \\xff'); 7")
+    out["python_binary"] = {"stdout": p.stdout, "result": p.result, "error": p.error}
     p = await sb.python("1/0")
     out["python_error"] = p.error
     p = await sb.python("import time; time.sleep(60)", timeout_s=1.0)
@@ -184,8 +200,17 @@ async def scenario_stop_clean(args: dict[str, Any]) -> dict[str, Any]:
     m = manager(args)
     sb = await m.start("stop")
     await sb.bash("sleep 300 & sleep 301 & echo started")
+    # One that leaves the shell's session and is orphaned at once (a daemon's double fork): without a pid
+    # namespace (local) only its pid file finds it.
+    pid_file = f"/tmp/prorl-escapee-{sb.sandbox_id}.pid"
+    await sb.bash(f"setsid sh -c 'echo $$ > {pid_file}; exec sleep 302' </dev/null >/dev/null 2>&1 & "
+                  f"for _ in $(seq 200); do [ -s {pid_file} ] && break; sleep 0.05; done")
     await sb.python("import threading; x = 1")
     procs = descendants(sb.pid)
+    if sb.runtime == "local":
+        escapee = int((await sb.read_file(pid_file)).decode())
+        procs[escapee] = proc_start_ticks(escapee)
+        os.unlink(pid_file)
     pgid = sb.process.pgid
     session = sb.process.spec.session_dir
     socket_path = sb.process.spec.socket_path
@@ -201,6 +226,57 @@ async def scenario_stop_clean(args: dict[str, Any]) -> dict[str, Any]:
         "records_before": records,
         "records_after": sorted(p.name for p in (Path(args["state_dir"]) / "sandboxes").glob("*.json")),
     }
+
+
+async def scenario_stop_cancelled(args: dict[str, Any]) -> dict[str, Any]:
+    """A stop whose caller is cancelled part-way (a job's stage timeout while its sandbox stops) still ends it."""
+    m = manager(args)
+    sb = await m.start("cancelled-stop")
+    await sb.bash("sleep 300 & echo started")
+    procs = descendants(sb.pid)
+    stopping = asyncio.ensure_future(sb.stop())
+    while not sb.stopped:  # let the stop begin: it is past its first await
+        await asyncio.sleep(0)
+    stopping.cancel()
+    try:
+        await stopping
+        cancelled = False
+    except asyncio.CancelledError:
+        cancelled = True
+    await sb.stop()  # the job's cleanup stops it again: it returns once the sandbox is gone
+    alive = still_alive(procs)  # while the node runs on (its shutdown's watchdog would end them anyway)
+    records = sorted(p.name for p in (Path(args["state_dir"]) / "sandboxes").glob("*.json"))
+    await m.stop_all()
+    return {"cancelled": cancelled, "n_procs": len(procs), "alive_after": alive, "records_after": records}
+
+
+async def scenario_connect_fails(args: dict[str, Any]) -> dict[str, Any]:
+    """The sandbox started (ready line printed) but its tool server cannot be reached: the start fails, and stops it."""
+    m = manager(args)
+    seen: dict[str, Any] = {}
+    real_start = m.runtime.start
+
+    async def start_then_lose_socket(spec: Any, on_spawn: Any = None) -> Any:
+        process = await real_start(spec, on_spawn)
+        seen["procs"], seen["pgid"], seen["session_dir"] = descendants(process.pid), process.pgid, spec.session_dir
+        spec.socket_path.unlink()  # what a connect that fails (refused, timed out, cancelled) leaves
+        return process
+
+    m.runtime.start = start_then_lose_socket  # type: ignore[method-assign]
+    error = None
+    try:
+        await m.start("lost")
+    except SandboxError as e:
+        error = str(e)
+    # What is still running once start has returned (no waiting: stop must be done by then).
+    alive = still_alive(seen["procs"])
+    in_session = [p for p in session_members(seen["pgid"]) if _state(p) not in (None, "Z", "X")]
+    left = seen["session_dir"].exists()
+    await m.stop_all()
+    for pid in alive:  # do not leave them to the next test
+        os.kill(pid, 9)
+    return {"error": error, "n_procs": len(seen["procs"]), "alive_after": alive, "session_after": in_session,
+            "session_dir_left": left, "records_after": sorted(p.name for p in (Path(args["state_dir"]) / "sandboxes").glob("*.json"))}
 
 
 def _session_dirs_left(m: SandboxManager) -> list[str]:

@@ -38,6 +38,29 @@ def test_stop_leaves_nothing(runtime: str, image: str | None, scenarios: Scenari
     assert len(r["records_before"]) == 1 and r["records_after"] == []
 
 
+@pytest.mark.parametrize(("runtime", "image"), [*ISOLATED, pytest.param("local", None, id="local")])
+def test_a_start_whose_tool_server_cannot_be_reached_leaves_nothing(
+        runtime: str, image: str | None, scenarios: ScenarioRunner, images: dict[str, str],
+        request: pytest.FixtureRequest) -> None:
+    """The runtime printed its ready line, then the connect failed: start raises and the sandbox is stopped."""
+    config = {"runtime": "local"} if runtime == "local" else _config(runtime, image or "", images, request)
+    r = scenarios.run("connect_fails", config)
+    assert r["error"] and "cannot connect to the tool server" in r["error"], r
+    assert r["n_procs"] >= 1  # the tool server (and, isolated, its runtime)
+    assert r["alive_after"] == [] and r["session_after"] == [], r
+    assert r["session_dir_left"] is False and r["records_after"] == [], r
+
+
+@pytest.mark.parametrize(("runtime", "image"), [*ISOLATED, pytest.param("local", None, id="local")])
+def test_a_stop_whose_caller_is_cancelled_still_ends_the_sandbox(
+        runtime: str, image: str | None, scenarios: ScenarioRunner, images: dict[str, str],
+        request: pytest.FixtureRequest) -> None:
+    config = {"runtime": "local"} if runtime == "local" else _config(runtime, image or "", images, request)
+    r = scenarios.run("stop_cancelled", config)
+    assert r["cancelled"] is True and r["n_procs"] >= 3, r
+    assert r["alive_after"] == [] and r["records_after"] == [], r
+
+
 def test_stop_leaves_nothing_under_nohup(scenarios: ScenarioRunner) -> None:
     """A node started with hangups ignored (``nohup``): the local sandbox's shell jobs still end with it."""
     r = scenarios.run("stop_clean", {"runtime": "local"}, nohup=True)

@@ -36,6 +36,9 @@ def test_tools(
     assert r["sleep"]["output"].startswith("started")
     assert r["sleep"]["restarted"] is False
     assert r["after_sleep"] == "usable\n/tmp\n"
+    # a command that waits on stdin (cat, a prompt) is interrupted too, and the shell keeps its cwd and env
+    assert r["reads_stdin"] == {name: {"timed_out": True, "restarted": False, "after": f"/tmp\n{name}\n"}
+                                for name in ("cat", "python_input")}
     # 10 MB of output: truncated to the budget, with a note saying so
     assert r["big"]["truncated"] is True
     assert r["big"]["has_note"] is True
@@ -51,7 +54,12 @@ def test_tools(
     # python: a persistent namespace, captured output, errors, interruptible
     assert r["python"] == {"stdout": "side\n", "result": "42", "error": None}
     assert r["python_error"].startswith("ZeroDivisionError")
+    # binary output through sys.stdout.buffer: kept (not UTF-8: replaced), not an AttributeError
+    assert r["python_binary"] == {"stdout": "text bytes \ufffd", "result": "7", "error": None}
     assert r["python_timeout"] == {"timed_out": True, "after": "20"}
+    # files: a relative path is refused by name (it would resolve against the tool server's folder, not the shell's)
+    assert r["relative_paths"] == {"read": "read_file: path must be absolute: 'relative.txt'",
+                                   "write": "write_file: path must be absolute: 'rel.txt'"}
     # files: bytes round-trip exactly
     assert r["roundtrip"] is True
     assert r["shell_sees_size"] == str(256 + (1 << 20))

@@ -212,3 +212,12 @@ def test_phases_fold_like_pytest_summary() -> None:
     status, collect_errors = fold_nodeids(records)
     assert status == {"t.py::a b": "ERROR", "t.py::x": "XFAIL", "t.py::s": "SKIPPED", "t.py::e": "ERROR"}
     assert collect_errors == ["u.py"]
+
+
+def test_an_instance_without_fail_to_pass_tests_is_not_graded_for_any_patch(spacey: Spacey, tmp_path: Path) -> None:
+    """With no FAIL_TO_PASS test every patch that keeps PASS_TO_PASS passing resolves it, the empty one too: no reward."""
+    for name, patch in (("empty", ""), ("gold", spacey.instance["patch"])):
+        repo = make_spacey(tmp_path / name / "spacey")
+        report, _ = _run(repo, patch, tmp_path / name / "work", {"FAIL_TO_PASS": []})
+        assert not report.resolved and report.infra_failure, (name, report)
+        assert report.infra_failure_reason == "no_fail_to_pass" and "no FAIL_TO_PASS" in report.grading_note, report

@@ -27,6 +27,7 @@ from prorl_cli.swe.validate_run import Ledger, job_instance, plan_jobs, run_id_f
 from prorl_cli.swe.validation import (
     DROP_ROW,
     ENV_BROKEN,
+    F2P_PASSES,
     FLAKY,
     GOLD,
     GOLD_FAILS,
@@ -86,6 +87,17 @@ def test_classes_follow_their_precedence_and_flaky_rows_lose_only_their_flaky_id
     slow = RunOutcome.from_result(GOLD, 0, _result("g0", state="timed_out", failure={
         "stage": "run", "type": "StageTimeout", "message": "run took longer than 300 s"}))
     assert classify(inst, [slow, *ok[1:]], base).status == ENV_BROKEN
+
+
+def test_an_instance_without_fail_to_pass_tests_is_f2p_passes_though_its_runs_are_not_graded() -> None:
+    """EVAL grades no run of an instance without FAIL_TO_PASS tests (``no_fail_to_pass``): its class says why."""
+    inst = {"instance_id": "a-2", "FAIL_TO_PASS": [], "PASS_TO_PASS": ["t::p"]}
+    ungraded = {"patch_successfully_applied": True, "infra_failure": True, "infra_failure_reason": "no_fail_to_pass",
+                "tests_status": {}}
+    gold = [RunOutcome.from_result(GOLD, k, _result(f"g{k}", report=ungraded)) for k in range(3)]
+    verdict = classify(inst, gold, RunOutcome.from_result(NO_FIX, 0, _result("n", report=ungraded)))
+    assert verdict.status == F2P_PASSES and "FAIL_TO_PASS is empty" in verdict.reason, verdict
+    assert clean_row(inst, verdict, REMOVE_IDS) is None
 
 
 def test_the_ledger_skips_a_line_cut_short_and_reruns_cancelled_and_on_request_unevaluated_runs(tmp_path: Path) -> None:
