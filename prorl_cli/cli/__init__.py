@@ -25,16 +25,33 @@ from prorl_cli.cli.swe import swe
 
 
 class ProrlGroup(click.Group):
-    """The ``prorl`` group: a prorl error from any command ends in one line on stderr, never a traceback."""
+    """The ``prorl`` group: a prorl error from any command, an OS error on a named path, or a Ctrl-C, ends in one
+    line on stderr, never a traceback (exit 1, or 130 for the Ctrl-C)."""
 
     def invoke(self, ctx: click.Context) -> object:
+        from prorl_cli.cli.application import one_line
         from prorl_cli.exceptions import ProrlError
 
         try:
             return super().invoke(ctx)
         except ProrlError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {one_line(str(e))}", err=True)
             raise click.exceptions.Exit(1) from e
+        except OSError as e:
+            if e.filename is None:  # not about a path the user gave or a folder of theirs: a bug, with its traceback
+                raise
+            # A file or folder the command could not read, write or create (--out in a folder that cannot be made,
+            # one not writable): its path and the OS's reason.
+            where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
+            click.echo(f"error: {where}: {e.strerror or e}", err=True)
+            raise click.exceptions.Exit(1) from e
+        except KeyboardInterrupt:
+            # A command that does not handle Ctrl-C itself (what it started is stopped by its own cleanup, which
+            # ran as the interrupt unwound): one line and the shell's 128 + SIGINT, not click's bare "Aborted!".
+            # The newline first (as click's own "Aborted!"): the terminal's ^C, or a live progress line, has none.
+            click.echo(err=True)
+            click.echo("error: interrupted (Ctrl-C)", err=True)
+            raise click.exceptions.Exit(130) from None
 
 
 @click.group(cls=ProrlGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +23,25 @@ F = TypeVar("F", bound=Callable[..., Any])
 PING_TIMEOUT_S = 3.0
 
 
+class Seconds(click.ParamType):
+    """A finite number of seconds, at least 0: nan, inf and negatives are refused (a wait for nan seconds never ends)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(seconds) or seconds < 0:
+            self.fail(f"{value!r} is not a finite number of seconds >= 0", param, ctx)
+        return seconds
+
+
 def connect(app: App, address: str | None = None) -> RolloutClient:
     """A client for the deployment whose broker answered a short ping; a one-line error if it is not there."""
+    import zmq
+
     from prorl_cli.client import RolloutClient
     from prorl_cli.exceptions import BrokerUnavailable, RendezvousError
 
@@ -33,6 +51,10 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
     except RendezvousError as e:
         client.close()
         app.abort(str(e))
+    except zmq.ZMQError as e:  # an endpoint ZeroMQ cannot connect to (no tcp://, no port)
+        where = f"--address {address}" if address is not None else f"broker address {client.address}"
+        client.close()
+        app.abort(f"{where}: not an endpoint to connect to ({e.strerror}); give tcp://HOST:PORT")
     except BrokerUnavailable:
         where = client.address or address or "?"
         client.close()
@@ -67,21 +89,40 @@ def load_task_file(app: App, task: str, path: Path, fmt: str | None) -> list[Any
         return load_instances(task, path, fmt)
     except DatasetError as e:
         app.abort(str(e))
+    except _parquet_errors() as e:  # a .parquet that is not one (pyarrow raises its own types)
+        app.abort(f"{path}: not a readable Parquet file: {e}")
     except UnicodeDecodeError as e:
         app.abort(f"{path}: not a UTF-8 text file: {e.reason} at byte {e.start}")
     except OSError as e:
         app.abort(f"{path}: cannot read: {e.strerror or e}")
 
 
-def check_out_path(app: App, out: Path) -> None:
-    """Refuse an ``--out`` that cannot be written, before anything is submitted."""
+def _parquet_errors() -> tuple[type[Exception], ...]:
+    """pyarrow's errors for a file that is not Parquet (none when pyarrow is not installed: nothing raises them)."""
+    try:
+        from pyarrow import ArrowException
+    except ImportError:
+        return ()
+    return (ArrowException,)
+
+
+def dataset_errors() -> tuple[type[Exception], ...]:
+    """What reading a dataset file (JSONL, JSON or Parquet) raises when the file is bad: the loaders' DatasetError,
+    the OS's, a non-UTF-8 file's and pyarrow's (a .parquet that is not one; its message names the file)."""
+    from prorl_cli.exceptions import DatasetError
+
+    return (DatasetError, OSError, UnicodeDecodeError, *_parquet_errors())
+
+
+def check_out_path(app: App, out: Path, option: str = "--out") -> None:
+    """Refuse an output file (``option``) that cannot be written, before anything is submitted or computed."""
     parent = out.parent
     if not parent.is_dir():
-        app.abort(f"--out {out}: folder {parent} does not exist")
+        app.abort(f"{option} {out}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK):
-        app.abort(f"--out {out}: folder {parent} is not writable")
+        app.abort(f"{option} {out}: folder {parent} is not writable")
     if out.is_dir():
-        app.abort(f"--out {out}: is a folder")
+        app.abort(f"{option} {out}: is a folder")
 
 
 def sampling_from_options(

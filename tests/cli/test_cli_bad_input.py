@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from prorl_cli.rendezvous import read_rendezvous
-from tests.harness import Deployment, fixed_port
+from tests.harness import REPO, Deployment, fixed_port
 
 
 def run_prorl(home: Path, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
@@ -99,6 +100,23 @@ def _port_in_use(home: Path) -> list[str]:
 
 _KEEP: list[socket.socket] = []
 
+
+def _file(name: str, content: bytes, *args: str) -> Callable[[Path], list[str]]:
+    """Write ``content`` to ``name`` beside the home; the CLI args, ``{f}`` standing for its path, ``{d}`` its folder."""
+
+    def prepare(home: Path) -> list[str]:
+        path = home.parent / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+        return [a.replace("{f}", str(path)).replace("{d}", str(path.parent)) for a in args]
+
+    return prepare
+
+
+_BAD_YAML = b"a: 1\nb: [2\n"  # the parser's message spans lines (with a source excerpt and a caret line)
+_NOT_UTF8 = b"\xff\xfe\x00deployment: x\n"
+_RESULTS = b'{"job_id": "a", "state": "done"}\n'
+
 CASES = [
     Case("status-no-broker", lambda h: ["-d", "nodeploy", "status"], ("nodeploy", "rendezvous")),
     Case("stop-no-broker", lambda h: ["-d", "nodeploy", "stop"], ("nodeploy", "rendezvous")),
@@ -120,6 +138,44 @@ CASES = [
     Case("serve-broker-port-in-use", _port_in_use, ("cannot listen", "in use")),
     Case("serve-broker-bad-bind-host", lambda h: ["-d", "badhost", "serve", "broker", "--bind-host", "no-such-host.invalid"],
          ("cannot listen", "no-such-host.invalid")),
+    # A multi-line message (YAML's) is joined onto the one error line: its position and its reason are on it.
+    Case("config-not-yaml", _file("bad.yaml", _BAD_YAML, "--config", "{f}", "config", "show"),
+         ("bad.yaml: not valid YAML", "line 2, column 4", "expected ',' or ']'")),
+    Case("config-check-not-yaml", _file("bad.yaml", _BAD_YAML, "config", "check", "{f}"),
+         ("bad.yaml: not valid YAML", "line 2, column 4", "expected ',' or ']'")),
+    Case("deploy-file-not-yaml", _file("deploy.yaml", _BAD_YAML, "render-sbatch", "{f}", "--out", "sbatch"),
+         ("deploy.yaml", "line 2, column 4", "expected ',' or ']'")),
+    Case("config-not-utf8", _file("bin.yaml", _NOT_UTF8, "--config", "{f}", "config", "show"),
+         ("bin.yaml", "not a UTF-8 text file")),
+    Case("config-check-not-utf8", _file("bin.yaml", _NOT_UTF8, "config", "check", "{f}"), ("bin.yaml", "not a UTF-8 text file")),
+    Case("tasks-parquet-that-is-not", _file("tasks.parquet", b"not parquet\n", "submit", "{f}", "--task", "test"),
+         ("tasks.parquet", "Parquet")),
+    Case("math-tasks-parquet-that-is-not", _file("tasks.parquet", b"not parquet\n", "submit", "{f}", "--task", "math"),
+         ("tasks.parquet", "Parquet")),
+    Case("eval-parquet-that-is-not", _file("swe.parquet", b"not parquet\n", "-d", "x", "eval", "{f}", "--task", "swe"),
+         ("swe.parquet", "Parquet")),
+    Case("swe-validate-parquet-that-is-not", _file("swe.parquet", b"not parquet\n", "swe", "validate", "{f}"),
+         ("swe.parquet", "Parquet")),
+    Case("build-images-swe-parquet-that-is-not", _file("swe.parquet", b"not parquet\n", "build-images", "--swe", "{f}"),
+         ("swe.parquet", "Parquet")),
+    # A bridge that dies at start (no model there: a config.json without model_type; or no torch): its last log line.
+    Case("quickstart-bridge-dies", _file("model/config.json", b"{}", "quickstart", "--engine", "transformers", "--model",
+                                         "{d}", "--out", "qs"),
+         ("gave up waiting for the transformers inference bridge", "its log ends")),
+    Case("address-not-an-endpoint", lambda h: ["-d", "x", "status", "--address", "garbage"],
+         ("--address garbage", "tcp://HOST:PORT")),
+    Case("submit-address-without-port", _file("tasks.jsonl", b'{"echo": 1}\n', "submit", "{f}", "--task", "test",
+                                              "--address", "tcp://127.0.0.1"), ("--address tcp://127.0.0.1",)),
+    # The output file is checked before the (slow) work: a folder that does not exist is named, not a traceback.
+    Case("report-html-into-missing-folder", _file("r.jsonl", _RESULTS, "report", "{f}", "--html", "no/such/r.html"),
+         ("--html no/such/r.html", "does not exist")),
+    # A folder to create under a file: the OS error names the path (for a non-root user, an unwritable folder too).
+    Case("init-out-under-a-file", _file("a-file", b"x", "init", "--out", "{f}/sub"), ("a-file/sub", "Not a directory")),
+    Case("render-sbatch-out-under-a-file",
+         _file("a-file", b"x", "render-sbatch", str(REPO / "examples" / "deploy.yaml"), "--out", "{f}/sub"),
+         ("a-file/sub", "Not a directory")),
+    Case("trace-out-into-missing-folder", _file("r.jsonl", _RESULTS, "trace", "{f}", "-o", "no/such/t.json"),
+         ("--out no/such/t.json", "does not exist")),
 ]
 
 
@@ -129,6 +185,9 @@ USAGE_CASES = [
     Case("temperature-negative", _submit_with("--temperature", "-1"), ("'--temperature'", "-1.0 is not in the range")),
     Case("top-p-above-one", _submit_with("--top-p", "1.5"), ("'--top-p'", "1.5 is not in the range")),
     Case("seed-not-an-int", _submit_with("--seed", "abc"), ("'--seed'", "'abc' is not a valid integer")),
+    # A wait of nan seconds never ended; a negative one was silently no wait.
+    Case("node-wait-nan", lambda h: ["-d", "x", "serve", "node", "--wait-s", "nan"], ("'--wait-s'", "'nan' is not a finite")),
+    Case("node-wait-negative", lambda h: ["-d", "x", "serve", "node", "--wait-s", "-1"], ("'--wait-s'", "'-1' is not a finite")),
 ]
 
 
@@ -192,3 +251,74 @@ def test_bad_option_values_get_clicks_usage_error(case: Case, home: Path) -> Non
     assert len(errors) == 1, r.stderr
     for fragment in case.expect:
         assert fragment in errors[0], (fragment, r.stderr)
+
+
+@pytest.mark.parametrize(("args", "expect"), [
+    (["-d", "a/b"], "deployment: 'a/b' is not a valid deployment name"),
+    (["--home", "{file}"], "is a file; PRORL_HOME (or --home) must name a folder"),
+], ids=["bad-name", "home-is-a-file"])
+def test_init_refuses_a_users_mistake_before_writing_anything(tmp_path: Path, args: list[str], expect: str) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    out = tmp_path / "out"
+    r = run_prorl(home, *[str(a_file) if a == "{file}" else a for a in args], "init", "--slurm", "--out", str(out))
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and "prorl bug" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expect in errors[0], r.stderr
+    assert not out.exists() or not any(out.iterdir()), "init wrote files it then called broken"
+
+
+def test_ctrl_c_in_quickstart_ends_in_one_line_and_leaves_no_process(tmp_path: Path) -> None:
+    import psutil
+
+    env = {**os.environ, "PRORL_HOME": str(tmp_path / "home")}
+    env.pop("PRORL_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prorl_cli", "quickstart", "--engine", "none", "--out", str(tmp_path / "qs")],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    children: list[psutil.Process] = []
+    try:
+        assert proc.stdout is not None
+        seen = ""
+        while "broker up" not in seen:  # the broker runs: quickstart has a child to stop
+            line = proc.stdout.readline()
+            assert line, f"quickstart ended before its broker was up: {proc.wait(60)}, {proc.stderr.read() if proc.stderr else ''}"
+            seen += line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the broker is a child of quickstart"
+        os.kill(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends (the children run in their own sessions)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "Aborted!" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: interrupted (Ctrl-C)"], err
+    # quickstart's own cleanup waited for what it started: nothing is left running.
+    left = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [" ".join(c.cmdline()) for c in left]
+
+
+def test_the_live_line_of_sample_ends_its_line_off_a_terminal() -> None:
+    """Piped to a file, the error that follows ``prorl sample``'s live line starts a line of its own."""
+    import io
+
+    from rich.console import Console
+    from rich.text import Text
+
+    from prorl_cli.cli.application import App
+    from prorl_cli.cli.sample import live_line
+
+    app = App(None, {})
+    buf = io.StringIO()
+    app.err_console = Console(file=buf, highlight=False)  # not a terminal, as when stderr goes to a log file
+    with live_line(app) as live:
+        live.update(Text("step 0: informative 0/1"))
+    app.err_console.print("error: dynamic sampling failed")
+    assert buf.getvalue().splitlines()[-2:] == ["step 0: informative 0/1", "error: dynamic sampling failed"], buf.getvalue()

@@ -41,15 +41,15 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from prorl_cli.cli.common import connect
+    from prorl_cli.cli.common import connect, dataset_errors
     from prorl_cli.domains.datasets import load_instances
-    from prorl_cli.exceptions import DatasetError, ProrlError
+    from prorl_cli.exceptions import ProrlError
     from prorl_cli.swe.evaluation import Sample, write_outputs
 
     try:
         instances: list[dict[str, Any]] = load_instances(
             "swe", dataset, fmt, warn=lambda line: app.err_console.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True))
-    except (DatasetError, OSError, UnicodeDecodeError) as e:
+    except dataset_errors() as e:
         app.abort(str(e))
     if instance_ids:
         unknown = sorted(set(instance_ids) - {i["instance_id"] for i in instances})

@@ -15,6 +15,7 @@ from prorl_cli.cli.application import App
 def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, repos_dir: Path | None,
               map_out: Path | None, dry_run: bool, as_json: bool, images_from: str | None = None) -> None:
     """Plan (and unless ``dry_run`` build) the dataset's images; write the ``repo_images`` map."""
+    from prorl_cli.cli.common import dataset_errors
     from prorl_cli.cli.images.run import run_builds
     from prorl_cli.domains.datasets import load_instances
     from prorl_cli.exceptions import ConfigError, DatasetError, DomainError, ImageBuildError
@@ -29,7 +30,7 @@ def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, re
     try:
         rows = load_instances("swe", dataset)
         check_git()
-    except (DatasetError, OSError, UnicodeDecodeError) as e:
+    except dataset_errors() as e:
         app.abort(str(e))
     needs_base = not images_from and any(not (isinstance(r.get("image"), str) and r["image"]) for r in rows)
     if needs_base and not base:

@@ -9,6 +9,7 @@ and deploy.yaml leaves both to prorl.yaml so the pair cannot disagree.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -162,11 +163,18 @@ def init(app: App, slurm: bool, out_dir: Path, force: bool) -> None:
     The deployment name is -d NAME (default: default). Both files are checked
     by loading them before the command returns.
     """
-    from prorl_cli.config import DEFAULT_CONFIG_NAME, load_config
+    from prorl_cli.config import DEFAULT_CONFIG_NAME, ENV_HOME, config_from_dict, load_config
     from prorl_cli.exceptions import ConfigError
     from prorl_cli.slurm.deploy import load_deploy
 
     name = named_deployment(app) or "default"
+    # A name no deployment can have, or a PRORL_HOME that is a file, is the user's error: refused before a file
+    # is written (the check after writing is for templates that drifted from the schema).
+    home = app.overrides.get("home") or os.environ.get(ENV_HOME)
+    try:
+        config_from_dict({"deployment": name, **({"home": home} if home else {})}, origin="prorl init")
+    except ConfigError as e:
+        app.abort(str(e))
     files = {out_dir / DEFAULT_CONFIG_NAME: render_prorl_yaml(name, slurm)}
     if slurm:
         files[out_dir / "deploy.yaml"] = render_deploy_yaml(name, DEFAULT_CONFIG_NAME)

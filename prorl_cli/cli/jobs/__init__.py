@@ -140,11 +140,9 @@ def submit(
                 f"  collect:  prorl results -d {name} --prefix {prefix} --follow --out results.jsonl\n"
                 f"  cancel:   prorl cancel -d {name} --prefix {prefix}", soft_wrap=True)
             return
-        try:
-            results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix, sampling, only_done,
-                                     announce=True)
-        except KeyboardInterrupt:
-            raise click.exceptions.Exit(130) from None
+        # Ctrl-C: collect cancels the unfinished jobs and says so; the prorl group ends it with one line, exit 130.
+        results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix, sampling, only_done,
+                                 announce=True)
     if strict and any(r.state != "done" for r in results):
         raise click.exceptions.Exit(1)
 

@@ -61,10 +61,8 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
             app.abort(f"no job matches {what} in deployment {app.config.deployment!r} "
                       "(finished results are kept up to broker.result_retention)")
         wanted = list(held) if follow else [j for j, state in held.items() if state in ended]
-        try:
-            got = collect(app, client, wanted, "results", ResultFile(app, out, only_done), on_interrupt="leave")
-        except KeyboardInterrupt:
-            raise click.exceptions.Exit(130) from None
+        # Ctrl-C: collect says the jobs keep running; the prorl group ends it with one line, exit 130.
+        got = collect(app, client, wanted, "results", ResultFile(app, out, only_done), on_interrupt="leave")
     print_summary(app, got, time.monotonic() - started, out, title="prorl results")
     running = len(held) - len(got)
     if running:

@@ -40,8 +40,10 @@ def trace(app: App, results_file: Path, out: Path) -> None:
     One track per node slot (each job with its queue waits, stages, generate and tool
     calls, sandbox starts) and one per inference backend. Open it at ui.perfetto.dev.
     """
+    from prorl_cli.cli.common import check_out_path
     from prorl_cli.observe.trace import trace_events
 
+    check_out_path(app, out, "--out")
     results = read_results(app, results_file)
     doc = trace_events(results)
     jobs = doc["otherData"]["jobs"]
@@ -150,12 +152,15 @@ def report(app: App, results_file: Path, html_out: Path, title: str | None, max_
     RESULTS is the JSONL (or Parquet) of `prorl submit --out` or the quickstart. The page embeds its plots
     (matplotlib) and needs nothing else: open it in any browser, offline.
     """
-    from prorl_cli.observe.report import render_html
+    from prorl_cli.cli.common import check_out_path
 
+    check_out_path(app, html_out, "--html")
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
         app.abort(f"the report needs matplotlib: pip install 'prorl[observe]' ({e})")
+    from prorl_cli.observe.report import render_html
+
     results = read_results(app, results_file)
     if not results:
         app.abort(f"{results_file}: no results")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
-from prorl_cli.cli.quickstart.domains import DOMAIN_TASKS, plan_domain
+from prorl_cli.cli.quickstart.domains import DOMAIN_TASKS, DomainPlan, plan_domain
 
 if TYPE_CHECKING:
     from prorl_cli.embedded import LocalStack
@@ -47,9 +47,6 @@ NO_LLM_TASKS: list[Any] = [
 def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model: Path | None, n: int, domain: str | None,
                image: str | None, n_instances: int) -> None:
     """Run broker, node (and inference) on this machine, roll out a task set, write trajectories."""
-    from prorl_cli.cli.jobs import run_submission
-    from prorl_cli.embedded import LocalStack
-
     if qs_home is not None:
         app.err_console.print("[yellow]warning:[/] quickstart --home is now --out (prorl --home is PRORL_HOME)")
         qs_out = qs_home
@@ -76,6 +73,20 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
             config[section] = {**config.get(section, {}), **values}
     out = home / "trajectories.jsonl"
     summary_path = home / "summary.json"
+    try:
+        _run(app, home, config, engine, model, model_dir, n, plan, out, summary_path)
+    except TimeoutError as e:  # LocalStack.wait_for: a child died or never registered; the message ends with its log
+        what, _, log_tail = str(e).partition("\n")
+        app.abort(f"quickstart {what}: {_last_line(log_tail)} (every log in {home / 'logs'})")
+    app.console.print(f"summary in {summary_path}; deployment stopped")
+
+
+def _run(app: App, home: Path, config: dict[str, Any], engine: str, model: Path | None, model_dir: Path, n: int,
+         plan: DomainPlan | None, out: Path, summary_path: Path) -> None:
+    """Start the stack, run the task set, write the summary, stop the stack (whatever happens, in the end)."""
+    from prorl_cli.cli.jobs import run_submission
+    from prorl_cli.embedded import LocalStack
+
     con = app.console
     with LocalStack(home, "quickstart", config) as stack:
         con.print(f"[bold]prorl quickstart[/] in {home} (logs in {stack.logs})")
@@ -127,7 +138,12 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
             summary["parquet"] = str(parquet)
         summary_path.write_text(json.dumps(summary, indent=2))
         stack.stop()
-    con.print(f"summary in {summary_path}; deployment stopped")
+
+
+def _last_line(log: str) -> str:
+    """The last line a child logged (its error, when it died of one), for the one error line; its log has the rest."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return f"its log ends {lines[-1]!r}" if lines else "its log is empty"
 
 
 def _mean(values: list[float]) -> float | None:
@@ -189,7 +205,8 @@ def _start_inference(app: App, stack: LocalStack, engine: str, model_dir: Path, 
         con.print(f"  making a tiny random Qwen2 model in {model_dir} (offline, seconds)")
         proc = stack.spawn("tiny-model", "dev", "tiny-model", str(model_dir))
         if proc.wait() != 0:
-            app.abort(f"prorl dev tiny-model failed:\n{stack.log('tiny-model')}")
+            app.abort(f"prorl dev tiny-model failed: {_last_line(stack.log('tiny-model'))} "
+                      f"(log: {stack.logs / 'tiny-model.log'})")
     stack.spawn("inference-0", "serve", "inference", "--engine", engine, "--model", str(model_dir), "--backend-id", "inference-0")
     stack.wait_for(
         lambda st: any(b.backend_id == "inference-0" and b.alive for b in st.backends),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,8 @@ from prorl_cli.cli.common import (
 from prorl_cli.cli.naming import deployment_option
 
 if TYPE_CHECKING:
+    from rich.live import Live
+
     from prorl_cli.training.sampler import StepBatch, StepStats
 
 
@@ -63,7 +67,6 @@ def sample(
     --target-groups informative groups are in, per step. TASKS is read as by
     `prorl submit` (JSONL or Parquet; domain rows through --format).
     """
-    from rich.live import Live
     from rich.text import Text
 
     from prorl_cli.exceptions import ProrlError
@@ -82,7 +85,7 @@ def sample(
     with connect(app, address) as client:
         sampler = BlockingDapoSampler(client, task, instances, cfg)
         try:
-            with Live(Text("starting"), console=app.err_console, transient=False, refresh_per_second=8) as live:
+            with live_line(app) as live:
                 sampler.sampler.on_progress = lambda st: live.update(Text(progress_text(st, target_groups)))
                 for _step in range(steps):
                     batch = sampler.step(policy_version=0)
@@ -99,6 +102,21 @@ def sample(
     cancelled = sum(b.stats.cancelled_jobs for b in batches)
     app.console.print(f"{total} informative group(s) of {group_size}; {filtered} filtered, {cancelled} job(s) cancelled"
                       + (f"; results in {out}" if out else ""))
+
+
+@contextmanager
+def live_line(app: App) -> Iterator[Live]:
+    """The live line on stderr; it ends with its newline off a terminal too (a log file, a pipe), where rich
+    leaves the last frame without one and the next line (an ``error:``) would run on after it."""
+    from rich.live import Live
+    from rich.text import Text
+
+    try:
+        with Live(Text("starting"), console=app.err_console, transient=False, refresh_per_second=8) as live:
+            yield live
+    finally:
+        if not app.err_console.is_terminal:
+            app.err_console.line()
 
 
 def progress_text(stats: StepStats, target: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.common import Seconds
 from prorl_cli.cli.naming import deployment_option
 from prorl_cli.cli.serve.inference import serve_inference
 
@@ -79,7 +80,7 @@ def serve_broker(app: App, bind_host: str | None, port: int | None) -> None:
 @click.option("--credit", type=int, help="Jobs held at once (default: the sum of the pools).")
 @click.option("--handlers", "handler_paths", multiple=True, metavar="PATH", help="Extra handler file or folder (repeatable).")
 @click.option("--task", "tasks", multiple=True, metavar="NAME", help="Serve only this task (repeatable).")
-@click.option("--wait-s", type=float, metavar="S",
+@click.option("--wait-s", type=Seconds(), metavar="S",
               help="Wait this long for the broker's rendezvous file (default: 600 in a Slurm job, else none).")
 @pass_app
 def serve_node(

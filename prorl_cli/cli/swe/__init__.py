@@ -71,6 +71,7 @@ def validate(app: App, dataset: Path, out: Path, runs: int, flaky_policy: str, f
     """
     from rich.markup import escape
 
+    from prorl_cli.cli.common import dataset_errors
     from prorl_cli.cli.naming import named_deployment
     from prorl_cli.domains.datasets import load_instances
     from prorl_cli.exceptions import DatasetError
@@ -95,7 +96,7 @@ def validate(app: App, dataset: Path, out: Path, runs: int, flaky_policy: str, f
             raise DatasetError(f"{dataset}: instance ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
         run_id = run_id_for(out, dataset)
         images: dict[str, str] = read_repo_images(repo_images) if repo_images else {}
-    except (DatasetError, OSError, UnicodeDecodeError) as e:
+    except dataset_errors() as e:
         app.abort(str(e))
     if base or images_from:
         images = {**_build_images(app, dataset, out, base, images_from, wheels, repos_dir), **images}
@@ -196,11 +197,10 @@ def _run(app: App, dataset: Path, out: Path, instances: list[dict[str, Any]], im
             try:
                 submit_and_collect(client, todo, submitted, timeout_s, on_result)
             except KeyboardInterrupt:
-                app.err_console.print(f"interrupted: {len(ledger.results)} result(s) kept in {ledger.path}; "
-                                      "run the same command again to resume", soft_wrap=True, markup=False)
                 classify_all()
                 _write(app, out, dataset, instances, verdicts, runs, policy)
-                raise click.exceptions.Exit(130) from None
+                app.abort(f"interrupted (Ctrl-C): {len(ledger.results)} result(s) kept in {ledger.path}; "
+                          "run the same command again to resume", code=130)
     classify_all()
     summary = _write(app, out, dataset, instances, verdicts, runs, policy)
     if summary.pending:
