@@ -39,8 +39,9 @@ class RolloutClient:
         return AsyncRolloutClient(deployment, **kwargs)
 
     def _run(self, coro: Any) -> Any:
-        self._refuse_inside_a_loop(coro)
-        return self._loop.run_until_complete(coro)
+        # A task kept in hand: a Ctrl-C cancels it and lets it unwind here, instead of leaving it pending
+        # (to run at the next call, or to be reported as never awaited once the loop is closed).
+        return self._run_to_end(self._task(coro), cancel=True)
 
     @staticmethod
     def _refuse_inside_a_loop(coro: Coroutine[Any, Any, Any]) -> None:
@@ -60,8 +61,16 @@ class RolloutClient:
 
     def close(self) -> None:
         if not self._loop.is_closed():
-            self._run(self._aio.close())
-            self._loop.close()
+            try:
+                self._run(self._aio.close())
+            finally:
+                # Whatever is still pending on the loop (an interrupted stream's read, say) ends before it closes.
+                left = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
+                for task in left:
+                    task.cancel()
+                if left:
+                    self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+                self._loop.close()
 
     @property
     def address(self) -> str | None:
@@ -183,8 +192,9 @@ class RolloutClient:
             except asyncio.CancelledError:
                 pass  # the cancel asked for above, once its cleanup ran
             except (ProrlError, zmq.ZMQError) as cleanup_error:
-                log.error("after the interrupt, generation_paused could not finish its cleanup (generation may stay "
-                          "paused; resume it with resume_generation): %s", cleanup_error)
+                log.error("after the interrupt, %s could not finish its cleanup (after generation_paused or "
+                          "sync_weights, generation may stay paused: resume it with resume_generation): %s",
+                          task.get_coro(), cleanup_error)
             raise
 
     def sync_weights(self, checkpoint: str | os.PathLike[str], policy_version: int, *,
