@@ -9,6 +9,7 @@ subsystems live in their packages' ``settings`` modules.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import types
 import typing
@@ -267,16 +268,14 @@ def config_from_dict(data: Any, origin: str = "<config>") -> ProrlConfig:
 
 def find_config_file(explicit: str | os.PathLike[str] | None = None) -> Path | None:
     """The config file to read: the explicit path, ``$PRORL_CONFIG``, or ``./prorl.yaml``."""
-    if explicit:
-        path = Path(explicit)
+    for given, origin in ((explicit, ""), (os.environ.get(ENV_CONFIG), f" (from ${ENV_CONFIG})")):
+        if not given:
+            continue
+        path = Path(given)
+        if path.is_dir():
+            raise ConfigError(f"{path}: a folder, not a config file{origin}")
         if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
-        return path
-    env = os.environ.get(ENV_CONFIG)
-    if env:
-        path = Path(env)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found (from ${ENV_CONFIG})")
+            raise ConfigError(f"{path}: config file not found{origin}")
         return path
     local = Path(DEFAULT_CONFIG_NAME)
     return local if local.is_file() else None
@@ -295,9 +294,20 @@ def load_config(
     origin = str(file) if file else "<defaults>"
     if file is not None:
         try:
-            loaded = yaml.safe_load(file.read_text())
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{file}: not a UTF-8 text file ({e.reason} at byte {e.start})") from e
+        except OSError as e:
+            raise ConfigError(f"{file}: cannot read: {e.strerror or e}") from e
+        try:
+            # A named stream, so the parser's position names the file rather than "<unicode string>".
+            stream = io.StringIO(text)
+            stream.name = str(file)
+            loaded = yaml.safe_load(stream)
         except yaml.YAMLError as e:
-            raise ConfigError(f"{file}: not valid YAML: {e}") from e
+            # One line: the parser's lines joined, without the caret line under its source excerpt.
+            lines = [line.strip() for line in str(e).splitlines()]
+            raise ConfigError(f"{file}: not valid YAML: {'; '.join(x for x in lines if x and x != '^')}") from e
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{file}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded or {}

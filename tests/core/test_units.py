@@ -64,10 +64,17 @@ def test_config_errors_name_file_and_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="broker.receive_window_messages: must be at least 1, got 0"):
         load_config(f)
     f.write_text("node: {n_run: [1,\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML") as caught:
         load_config(f)
+    # One line, and the parser's position names the file.
+    assert "\n" not in str(caught.value) and f'in "{f}", line' in str(caught.value), caught.value
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r"a folder, not a config file"):
+        load_config(tmp_path)
+    f.write_bytes(b"node: {n_run: 2}\n# caf\xe9\n")  # Latin-1, as an editor may save it
+    with pytest.raises(ConfigError, match=r"prorl.yaml: not a UTF-8 text file \(invalid .* at byte 22\)"):
+        load_config(f)
     cfg = config_from_dict({"jobs": {"timeout_s": 5}, "node": {"handler_paths": ["a"]}})
     assert cfg.jobs.timeout_s == 5.0 and cfg.node.handler_paths == ["a"]
 
