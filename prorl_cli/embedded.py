@@ -22,7 +22,7 @@ import yaml
 
 from prorl_cli.client import RolloutClient
 from prorl_cli.config import ENV_CONFIG, ENV_DEPLOYMENT, ENV_HOME, ProrlConfig, load_config
-from prorl_cli.exceptions import BrokerUnavailable
+from prorl_cli.exceptions import BrokerUnavailable, StartTimeout
 from prorl_cli.processes import DIE_WITH_PARENT_ENV, stop_groups
 from prorl_cli.protocol import StatusReport
 from prorl_cli.rendezvous import read_rendezvous, wait_rendezvous
@@ -112,7 +112,8 @@ class LocalStack:
     def wait_for(
         self, predicate: Callable[[StatusReport], bool], timeout_s: float, what: str, log_name: str | None = None
     ) -> StatusReport:
-        """Poll the broker's status until ``predicate(status)`` holds (or a watched child died)."""
+        """Poll the broker's status until ``predicate(status)`` holds; :class:`StartTimeout` (with ``log_name``'s log tail)
+        past ``timeout_s`` or once that watched child died."""
         deadline = time.monotonic() + timeout_s
         while True:
             status = self.client.status()
@@ -121,7 +122,7 @@ class LocalStack:
             proc = self.procs.get(log_name) if log_name else None
             if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
                 tail = self.log(log_name) if log_name else ""
-                raise TimeoutError(f"gave up waiting for {what}\n{tail}")
+                raise StartTimeout(f"gave up waiting for {what}\n{tail}")
             time.sleep(0.05)
 
     @property

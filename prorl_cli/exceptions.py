@@ -95,6 +95,10 @@ class ReloadFailed(RemoteError):
         self.failed: dict[str, str] = {}
 
 
+class StartTimeout(ProrlError, TimeoutError):
+    """A process of an embedded deployment did not come up in time, or died starting (the message ends with its log)."""
+
+
 class DeploymentBusy(ProrlError, RuntimeError):
     """Another broker already serves this deployment (it holds the deployment's lock)."""
 

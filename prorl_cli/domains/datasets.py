@@ -58,7 +58,13 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
             import pyarrow.parquet as pq
         except ImportError as e:
             raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install 'prorl[parquet]')") from e
-        for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        import pyarrow as pa
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise DatasetError(f"{path}: not a readable Parquet file: {e}") from e
+        for i, row in enumerate(rows, 1):
             yield f"{path} row {i}", row
         return
     if path.suffix == ".json":

@@ -55,6 +55,10 @@ def test_parquet_rows_and_search_answers(tmp_path: Path) -> None:
         load_instances("search", path)
     pq.write_table(pa.Table.from_pylist([{"question": "q1", "golden_answers": ["a", "b"]}]), path)
     assert load_instances("search", path) == [{"question": "q1", "answers": ["a", "b"]}]
+    # A file named .parquet that is not one (a download cut short, JSONL renamed): named, not pyarrow's traceback.
+    path.write_text('{"question": "q1"}\n')
+    with pytest.raises(DatasetError, match=r"s\.parquet: not a readable Parquet file"):
+        load_instances("search", path)
 
 
 def test_swe_rows_with_json_string_test_lists(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import click
 
 from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.quickstart.domains import DOMAIN_TASKS, DomainPlan, plan_domain
+from prorl_cli.exceptions import StartTimeout
 
 if TYPE_CHECKING:
     from prorl_cli.embedded import LocalStack
@@ -75,7 +76,7 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
     summary_path = home / "summary.json"
     try:
         _run(app, home, config, engine, model, model_dir, n, plan, out, summary_path)
-    except TimeoutError as e:  # LocalStack.wait_for: a child died or never registered; the message ends with its log
+    except StartTimeout as e:  # LocalStack.wait_for: a child died or never registered; the message ends with its log
         what, _, log_tail = str(e).partition("\n")
         app.abort(f"quickstart {what}: {_last_line(log_tail)} (every log in {home / 'logs'})")
     app.console.print(f"summary in {summary_path}; deployment stopped")
