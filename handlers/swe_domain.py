@@ -28,6 +28,7 @@ status and output tail, and its reward is None (left out of training), never 0.
 
 from __future__ import annotations
 
+import base64
 import re
 import shlex
 from dataclasses import asdict
@@ -110,13 +111,27 @@ class SweHandler(AgentHandler):
         if diff.exit_code != 0:
             # The sandbox's repository, not the instance: prorl swe validate counts it env-broken, not gold-fails.
             raise SandboxError(f"swe: git diff against base_commit failed: {diff.output[-1000:]}")
-        ctx.output["model_patch"] = (await sandbox.read_file("/tmp/model.patch")).decode("utf-8", "replace")
+        raw = await sandbox.read_file("/tmp/model.patch")
+        try:
+            ctx.output["model_patch"] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            # A text file that is not UTF-8 (a Latin-1 source, a fixture): git diffs its bytes as they are. The
+            # text is for people and predictions files; EVAL applies the exact bytes, which a decoded copy would
+            # have lost (the patch would no longer apply and a correct fix would score 0).
+            ctx.output["model_patch"] = raw.decode("utf-8", "replace")
+            ctx.output["model_patch_base64"] = base64.b64encode(raw).decode("ascii")
 
     async def eval(self, ctx: JobContext) -> None:
         settings = ctx.settings
-        patch = ctx.output.get("model_patch")
+        patch: str | bytes | None = ctx.output.get("model_patch")
         if patch is not None and not isinstance(patch, str):
             raise DomainError("swe: RUN saved a model_patch that is not text")
+        exact = ctx.output.get("model_patch_base64")
+        if exact is not None:
+            try:
+                patch = base64.b64decode(exact, validate=True)
+            except (TypeError, ValueError) as e:
+                raise DomainError(f"swe: RUN saved a model_patch_base64 that is not base64: {e}") from e
         f2p = test_list(ctx.instance["FAIL_TO_PASS"], "FAIL_TO_PASS")
         p2p = test_list(ctx.instance["PASS_TO_PASS"], "PASS_TO_PASS")
         sandbox = await self._sandbox(ctx, settings, scrub=False)  # fresh: RUN's sandbox is gone, and so is the agent

@@ -135,10 +135,12 @@ async def _run(sandbox: Any, plan: TestPlan, timeout_s: float) -> tuple[str, str
     return log, records, read_steps(plan_steps(plan), step_records, log, bool(ran.timed_out)), bool(ran.timed_out)
 
 
-async def run_tests(sandbox: Any, instance: dict[str, Any], settings: dict[str, Any], patch: str | None,
+async def run_tests(sandbox: Any, instance: dict[str, Any], settings: dict[str, Any], patch: str | bytes | None,
                     fail_to_pass: list[str], pass_to_pass: list[str], repo_dir: str,
                     timeout_s: float) -> tuple[SweReport, dict[str, Any]]:
     """Apply ``patch`` (and the test patch unless the plan's eval script does), run the steps, grade them.
+
+    ``patch`` is text, or bytes as ``git diff`` wrote them (a diff of a file that is not UTF-8 text).
 
     Returns the report and what a person debugging the run wants (command, log tail, timeout, and
     ``eval_timings``: seconds to apply the patches and to run the steps).
@@ -153,7 +155,7 @@ async def run_tests(sandbox: Any, instance: dict[str, Any], settings: dict[str, 
     for path, data in support_files().items():
         await sandbox.write_file(path, data)
     if patch.strip():
-        await sandbox.write_file(f"{WORK}/model.patch", patch.encode())
+        await sandbox.write_file(f"{WORK}/model.patch", patch if isinstance(patch, bytes) else patch.encode())
         ok, output = await _apply(sandbox, repo_dir, f"{WORK}/model.patch")
         if not ok:
             extra["log_tail"] = output[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from prorl_cli.domains.tinyrepo import make_tinyrepo
+from prorl_cli.domains.tinyrepo import make_tinyrepo, run_git
 from tests.domains.conftest import IMAGES, ScriptedStack, turn
 from tests.harness import image_build_config, need_module
 
@@ -103,5 +104,27 @@ def test_swe_handler_grades_fail_to_pass_and_pass_to_pass(stack: ScriptedStack, 
     assert nothing.reward == 0.0 and nothing.output["model_patch"] == ""
     assert sorted(nothing.output["report"]["tests_status"]["FAIL_TO_PASS"]["failure"]) == sorted(instance["FAIL_TO_PASS"])
     assert cloned.reward == 1.0, json.dumps(cloned.output, indent=1)[-3000:]
+
+
+def test_a_fix_next_to_a_latin1_line_is_applied_from_gits_exact_bytes(
+        stack: ScriptedStack, domain_image: str, tmp_path: Path) -> None:
+    """A file that is not UTF-8 (a Latin-1 comment beside the bug): git diffs its bytes as they are. EVAL applies
+    those bytes (a decoded copy's context line would no longer match, and the fix would score 0); the patch's
+    text is kept for people, with the byte replaced."""
+    need_module("swebench", "swe")
+    repo = make_tinyrepo(tmp_path / "tinycalc")
+    stats = repo.path / "tinycalc" / "stats.py"
+    buggy = b"    return sum(xs) / (len(xs) - 1)"
+    stats.write_bytes(stats.read_bytes().replace(buggy, b"    # moyenne arithm\xe9tique\n" + buggy))
+    run_git(repo.path, "commit", "-qam", "a Latin-1 comment")
+    base = run_git(repo.path, "rev-parse", "HEAD").strip()
+    stack.add("[S-latin1]", turn("", FIX), "Done.")
+    stack.start_model()
+    (result,) = stack.run("swe", [_instance(repo.instance, "S-latin1", base_commit=base, repo_path=str(repo.path),
+                                            settings={"image": domain_image})], timeout_s=300)
+    assert result.reward == 1.0, json.dumps(result.output, indent=1)[-3000:]
+    assert " # moyenne arithm\ufffdtique" in result.output["model_patch"], result.output["model_patch"]
+    exact = base64.b64decode(result.output["model_patch_base64"])
+    assert b" # moyenne arithm\xe9tique" in exact and b"+    return sum(xs) / len(xs)" in exact
     records = stack.d.deployment_dir / "nodes" / "n1" / "sandboxes"
     assert list(records.glob("*.json")) == []
