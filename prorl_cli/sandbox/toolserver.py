@@ -313,9 +313,9 @@ _EXITED = object()  # _collect's answer when the shell ended
 _LIMITED = object()  # _collect's answer when the command printed more than its output limit
 
 
-def _session_members(sid):
-    """Pids in session ``sid`` (Linux /proc), the leader included."""
-    members = []
+def _proc_stats():
+    """``(pid, fields)`` for every process in /proc: ``fields`` from its ``stat`` after the command name
+    (``fields[0]`` the state, ``[1]`` the parent pid, ``[4]`` the session id)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -324,9 +324,12 @@ def _session_members(sid):
                 raw = f.read()
         except OSError:
             continue  # it ended while we looked
-        if int(raw[raw.rindex(")") + 2 :].split()[4]) == sid:
-            members.append(int(entry))
-    return members
+        yield int(entry), raw[raw.rindex(")") + 2 :].split()
+
+
+def _session_members(sid):
+    """Pids in session ``sid`` (Linux /proc), the leader included."""
+    return [pid for pid, fields in _proc_stats() if int(fields[4]) == sid]
 
 
 class _Output:
@@ -1025,18 +1028,10 @@ def _become_subreaper():
 def _reap_adopted(own):
     """Collect exited adopted orphans (zombies whose parent we are), leaving the children in ``own`` alone."""
     me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in own:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                raw = f.read()
-        except OSError:
-            continue  # it ended while we looked
-        fields = raw[raw.rindex(")") + 2 :].split()
-        if fields[0] == "Z" and int(fields[1]) == me:
+    for pid, fields in _proc_stats():
+        if pid not in own and fields[0] == "Z" and int(fields[1]) == me:
             with contextlib.suppress(ChildProcessError):
-                os.waitpid(int(entry), os.WNOHANG)
+                os.waitpid(pid, os.WNOHANG)
 
 
 def _remount_sys():

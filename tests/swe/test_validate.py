@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +37,6 @@ from prorl_cli.swe.validation import (
     classify,
     clean_row,
 )
-from prorl_cli.testing.scripted import TEST_IMAGES
-from tests.harness import need_module
 from tests.swe.validate_fixtures import EXPECTED, FLAKY_ID, SHARED_INSIDE, make_rows
 
 
@@ -124,16 +121,6 @@ def test_the_ledger_skips_a_line_cut_short_and_reruns_cancelled_and_on_request_u
     assert to_run(jobs, third, retry_not_evaluated=False) == []
     assert to_run(jobs, third, retry_not_evaluated=True) == [(no_fix, f"{no_fix.job_id}-a3")]
 
-
-@pytest.fixture(scope="module")
-def domain_image() -> str:
-    need_module("swebench", "swe")
-    if shutil.which("apptainer") is None:
-        pytest.skip("apptainer is not installed (scripts/provision/30-apptainer.sh)")
-    path = TEST_IMAGES / "domains.sif"
-    if not path.is_file():
-        pytest.skip(f"{path} missing (run scripts/provision/46-domain-images.sh as root)")
-    return str(path)
 
 
 def _validate(root: Path, *args: str) -> subprocess.CompletedProcess[str]:

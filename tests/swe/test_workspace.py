@@ -27,7 +27,6 @@ from prorl_cli.exceptions import DomainError
 from prorl_cli.sandbox import SandboxConfig, SandboxManager
 from prorl_cli.swe.grading import SweReport
 from prorl_cli.swe.workspace import prepare, run_tests
-from tests.harness import need_module
 
 IMAGES = Path("/var/cache/prorl-test")
 REPO_DIR = "/testbed"
@@ -36,16 +35,6 @@ TEST_ADD_ZERO = "\n\ndef test_add_zero():\n    assert add(0, 0) == 0\n"
 #: Imported while pytest collects tests/test_calc.py, before tests/test_stats.py imports mean.
 MONKEYPATCH_MEAN = "import tinycalc.stats\ntinycalc.stats.mean = lambda xs: sum(xs) / len(xs)\n"
 
-
-@pytest.fixture(scope="module")
-def domain_image() -> str:
-    need_module("swebench", "swe")
-    if shutil.which("apptainer") is None:
-        pytest.skip("apptainer is not installed (scripts/provision/30-apptainer.sh)")
-    path = IMAGES / "domains.sif"
-    if not path.is_file():
-        pytest.skip(f"{path} missing (run scripts/provision/46-domain-images.sh as root)")
-    return str(path)
 
 
 def _branch_diff(repo: Path, base: str, name: str, files: dict[str, str], *paths: str) -> str:
