@@ -143,15 +143,22 @@ class TrainingSample:
 
 @dataclass
 class MergeReport:
-    """How well calls merged: ``merge_ratio`` is merged call boundaries / all call boundaries (1.0 if none)."""
+    """How well calls merged: ``merge_ratio`` is merged call boundaries / all call boundaries (1.0 if none).
+
+    A call boundary is a call after its agent's first in the rollout: a sample never spans two agents, so a
+    main agent and a sub-agent each merged whole into one sample merge at 1.0.
+    """
 
     rollouts: int = 0
     calls: int = 0
     samples: int = 0
+    #: Each rollout's distinct agents, summed (0: counted as one per rollout, as a report built by hand is).
+    agents: int = 0
 
     @property
     def merge_ratio(self) -> float:
-        boundaries = self.calls - self.rollouts
+        starts = self.agents or self.rollouts
+        boundaries = self.calls - starts
         return 1.0 if boundaries <= 0 else (self.calls - self.samples) / boundaries
 
     @property
@@ -162,6 +169,7 @@ class MergeReport:
         self.rollouts += other.rollouts
         self.calls += other.calls
         self.samples += other.samples
+        self.agents += other.agents or other.rollouts
 
 
 def _call_version(call: Any) -> int:
@@ -219,7 +227,8 @@ def build_samples(
         cur.old_log_probs += [0.0] * len(new) + [float(x) for x in call.logprobs]
         cur.policy_versions += [NO_VERSION] * len(new) + [version] * len(out)
         cur.calls.append(i)
-    return samples, MergeReport(rollouts=1, calls=len(traj.calls), samples=len(samples))
+    return samples, MergeReport(rollouts=1, calls=len(traj.calls), samples=len(samples),
+                                agents=len({call.agent for call in traj.calls}) or 1)
 
 
 def _baselines(rewards: Sequence[float], estimator: AdvantageEstimator, std_normalize: bool, eps: float) -> list[float]:

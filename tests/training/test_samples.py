@@ -298,7 +298,13 @@ def test_sub_agent_calls_never_merge_into_another_agents_sample() -> None:
     assert samples[0].input_ids == [1, 2, 3, 6, 7] and samples[0].response_mask == [0, 0, 1, 0, 1]
     assert samples[1].input_ids == [1, 2, 3, 4, 5, 8, 9] and samples[1].response_mask == [0, 0, 0, 0, 1, 0, 1]
     assert samples[1].old_log_probs == [0.0] * 4 + [-0.2, 0.0, -0.4]
-    assert report.samples == 2 and report.merge_ratio == pytest.approx(2 / 3)
+    # Two agents, each merged whole: every boundary after an agent's first call merged.
+    assert report.samples == 2 and report.agents == 2 and report.merge_ratio == 1.0
+    total = MergeReport()
+    total.add(report)
+    total.add(build_samples(Trajectory(calls=[ModelCall([1], [2], [-0.1], "stop"), ModelCall([9], [3], [-0.1], "stop")]),
+                            rollout_id="r2", group_id="g", reward=0.0)[1])
+    assert (total.agents, total.calls, total.samples) == (3, 6, 4) and total.merge_ratio == pytest.approx(2 / 3)
 
 
 def test_merged_samples_stay_aligned_with_the_calls_they_hold() -> None:
