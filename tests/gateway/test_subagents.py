@@ -58,8 +58,8 @@ def test_interleaved_main_and_sub_agent_conversations_stay_token_exact_and_label
     assert buffer.continuity == 1.0 and buffer.continuity_by_conversation() == {0: 1.0, 1: 1.0}
     # Each conversation merges into one sample; a trainer can pick one agent.
     samples, report = build_samples(traj.to_dict(), rollout_id="r", group_id="g", reward=1.0)
-    # Every call after a conversation's first merges: 4 of the 5 boundaries (the fifth opens the second conversation).
-    assert [s.agent for s in samples] == ["lead", "researcher"] and report.samples == 2 and report.merge_ratio == 0.8
+    # Every call after its agent's first merges: the merge ratio counts no boundary at a conversation's first call.
+    assert [s.agent for s in samples] == ["lead", "researcher"] and report.samples == 2 and report.merge_ratio == 1.0
     assert [s.calls for s in samples] == [[0, 2, 5], [1, 3, 4]]
     results = [JobResult(job_id=j, task="harness", state="done", reward=r, group_id="g",
                          output={"trajectory": traj.to_dict()}) for j, r in (("a", 1.0), ("b", 0.0))]
