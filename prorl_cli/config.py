@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from prorl_cli.exceptions import ConfigError
+from prorl_cli.exceptions import ConfigError, one_line
 from prorl_cli.images.settings import ImagesConfig
 from prorl_cli.inference.settings import InferenceConfig
 from prorl_cli.sandbox.settings import SandboxConfig
@@ -305,9 +305,7 @@ def load_config(
             stream.name = str(file)
             loaded = yaml.safe_load(stream)
         except yaml.YAMLError as e:
-            # One line: the parser's lines joined, without the caret line under its source excerpt.
-            lines = [line.strip() for line in str(e).splitlines()]
-            raise ConfigError(f"{file}: not valid YAML: {'; '.join(x for x in lines if x and x != '^')}") from e
+            raise ConfigError(f"{file}: not valid YAML: {one_line(str(e))}") from e
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{file}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded or {}

@@ -14,6 +14,15 @@ class ProrlError(Exception):
     """Root of every prorl error."""
 
 
+def one_line(message: str) -> str:
+    """An error ``message`` on one line: a multi-line one (a YAML parser's, with its source excerpt) joined with ``; ``.
+
+    A caret line (``^`` under the column) means nothing once its line is joined, so it is left out.
+    """
+    lines = [line.strip() for line in message.splitlines()]
+    return "; ".join(line for line in lines if line and line != "^")
+
+
 class ConfigError(ProrlError, ValueError):
     """A configuration file, key or flag is invalid; the message names it."""
 

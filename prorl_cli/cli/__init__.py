@@ -29,8 +29,7 @@ class ProrlGroup(click.Group):
     line on stderr, never a traceback (exit 1, or 130 for the Ctrl-C)."""
 
     def invoke(self, ctx: click.Context) -> object:
-        from prorl_cli.cli.application import one_line
-        from prorl_cli.exceptions import ProrlError
+        from prorl_cli.exceptions import ProrlError, one_line
 
         try:
             return super().invoke(ctx)

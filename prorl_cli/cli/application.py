@@ -31,8 +31,6 @@ class App:
                 self._config = load_config(self.config_path, self.overrides)
             except ConfigError as e:
                 self.abort(f"config error: {e}")
-            except (OSError, UnicodeDecodeError) as e:  # a config file that cannot be read, or is not text
-                self.abort(f"config error: {config_read_error(self.config_path, e)}")
         return self._config
 
     def override(self, **dotted: Any) -> None:
@@ -49,24 +47,10 @@ class App:
         """Print ``error: message`` as one line on stderr (never wrapped, no markup) and exit ``code``."""
         from rich.markup import escape
 
+        from prorl_cli.exceptions import one_line
+
         self.err_console.print(f"[bold red]error:[/] {escape(one_line(message))}", soft_wrap=True)
         raise click.exceptions.Exit(code)
-
-
-def one_line(message: str) -> str:
-    """``message`` on one line: a multi-line one (a YAML parser's, with its source excerpt) joined with ``; ``.
-
-    A caret line (``^`` under the column) means nothing once its line is joined, so it is left out.
-    """
-    lines = [line.strip() for line in message.splitlines()]
-    return "; ".join(line for line in lines if line and line != "^")
-
-
-def config_read_error(path: object, error: OSError | UnicodeDecodeError) -> str:
-    """Why the config file ``path`` could not be read, in one line naming it."""
-    if isinstance(error, UnicodeDecodeError):
-        return f"{path}: not a UTF-8 text file ({error.reason} at byte {error.start})"
-    return f"{getattr(error, 'filename', None) or path}: cannot read: {error.strerror or error}"
 
 
 pass_app = click.make_pass_decorator(App)

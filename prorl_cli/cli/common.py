@@ -89,29 +89,18 @@ def load_task_file(app: App, task: str, path: Path, fmt: str | None) -> list[Any
         return load_instances(task, path, fmt)
     except DatasetError as e:
         app.abort(str(e))
-    except _parquet_errors() as e:  # a .parquet that is not one (pyarrow raises its own types)
-        app.abort(f"{path}: not a readable Parquet file: {e}")
     except UnicodeDecodeError as e:
         app.abort(f"{path}: not a UTF-8 text file: {e.reason} at byte {e.start}")
     except OSError as e:
         app.abort(f"{path}: cannot read: {e.strerror or e}")
 
 
-def _parquet_errors() -> tuple[type[Exception], ...]:
-    """pyarrow's errors for a file that is not Parquet (none when pyarrow is not installed: nothing raises them)."""
-    try:
-        from pyarrow import ArrowException
-    except ImportError:
-        return ()
-    return (ArrowException,)
-
-
 def dataset_errors() -> tuple[type[Exception], ...]:
-    """What reading a dataset file (JSONL, JSON or Parquet) raises when the file is bad: the loaders' DatasetError,
-    the OS's, a non-UTF-8 file's and pyarrow's (a .parquet that is not one; its message names the file)."""
+    """What reading a dataset file (JSONL, JSON or Parquet) raises when the file is bad: the loaders' DatasetError
+    (a .parquet that is not one included), the OS's and a non-UTF-8 file's."""
     from prorl_cli.exceptions import DatasetError
 
-    return (DatasetError, OSError, UnicodeDecodeError, *_parquet_errors())
+    return (DatasetError, OSError, UnicodeDecodeError)
 
 
 def check_out_path(app: App, out: Path, option: str = "--out") -> None:

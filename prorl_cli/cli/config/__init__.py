@@ -69,16 +69,12 @@ def _default_deploy_file(deployment_dir: Path) -> str | None:
 @click.argument("file", type=click.Path(dir_okay=False))
 def config_check(file: str) -> None:
     """Validate FILE; exit non-zero with the offending key named."""
-    from prorl_cli.cli.application import config_read_error, one_line
     from prorl_cli.config import load_config
-    from prorl_cli.exceptions import ConfigError
+    from prorl_cli.exceptions import ConfigError, one_line
 
     try:
         load_config(file)
     except ConfigError as e:
         click.echo(f"error: {one_line(str(e))}", err=True)
-        raise click.exceptions.Exit(1) from e
-    except (OSError, UnicodeDecodeError) as e:
-        click.echo(f"error: {config_read_error(file, e)}", err=True)
         raise click.exceptions.Exit(1) from e
     click.echo(f"{file}: ok")
