@@ -7,10 +7,12 @@ green CI must mean every tier (Apptainer, bubblewrap, vLLM, ...) really ran.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
+from prorl_cli.testing.scripted import TEST_IMAGES
 from tests.harness import need_module
 
 REQUIRE_ALL = os.environ.get("PRORL_REQUIRE_ALL") == "1"
@@ -33,3 +35,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from prorl_cli.inference.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def domain_image() -> str:
+    """The domain test image: python3, sympy, pytest and git (46-domain-images.sh)."""
+    if shutil.which("apptainer") is None:
+        pytest.skip("apptainer is not installed (scripts/provision/30-apptainer.sh)")
+    path = TEST_IMAGES / "domains.sif"
+    if not path.is_file():
+        pytest.skip(f"{path} missing (run scripts/provision/46-domain-images.sh as root)")
+    return str(path)

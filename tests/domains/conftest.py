@@ -8,7 +8,6 @@ the domain test image (``scripts/provision/46-domain-images.sh``).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,17 +18,6 @@ from tests.harness import Deployment, need_module
 
 IMAGES = TEST_IMAGES
 __all__ = ["IMAGES", "ScriptedStack", "turn"]
-
-
-@pytest.fixture(scope="session")
-def domain_image() -> str:
-    """The domain test image: python3, sympy, pytest and git (46-domain-images.sh)."""
-    if shutil.which("apptainer") is None:
-        pytest.skip("apptainer is not installed (scripts/provision/30-apptainer.sh)")
-    path = IMAGES / "domains.sif"
-    if not path.is_file():
-        pytest.skip(f"{path} missing (run scripts/provision/46-domain-images.sh as root)")
-    return str(path)
 
 
 @pytest.fixture(scope="session")
