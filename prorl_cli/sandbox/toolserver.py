@@ -574,15 +574,25 @@ class Editor:
         if os.path.isdir(path):
             raise ToolError(f"{path} is a directory")
         try:
-            with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            # newline="": the file's own line endings, read and written back as they are
+            with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
                 return f.read()
         except FileNotFoundError as e:
             raise ToolError(f"no such file: {path}") from e
 
-    def _write(self, path, text, before):
+    @staticmethod
+    def _lf(raw):
+        """(text with LF line ends, whether the file ends every line in CRLF).
+
+        A CRLF file is edited as LF text (the model's old_str spans lines with LF) and written back in CRLF,
+        so an edit changes only its own lines; a file of mixed endings is edited as it is.
+        """
+        crlf = "\r\n" in raw and raw.count("\r\n") == raw.count("\n")
+        return (raw.replace("\r\n", "\n"), True) if crlf else (raw, False)
+
+    def _write(self, path, text, before, crlf=False):
         self.history.setdefault(path, []).append(before)
-        with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
-            f.write(text)
+        _write_text(path, text.replace("\n", "\r\n") if crlf else text)
 
     def call(self, req):
         command, path = req.get("command"), req.get("path", "")
@@ -606,8 +616,11 @@ class Editor:
         return f"created {path}"
 
     def _str_replace(self, path, req):
-        text = self._read(path)
+        raw = self._read(path)
+        text, crlf = self._lf(raw)
         old, new = req.get("old_str", ""), req.get("new_str", "")
+        if crlf:
+            old, new = old.replace("\r\n", "\n"), new.replace("\r\n", "\n")
         if not old:
             raise ToolError("str_replace needs a non-empty old_str")
         count = text.count(old)
@@ -617,17 +630,19 @@ class Editor:
             lines = [str(text[: i].count("\n") + 1) for i in _find_all(text, old)]
             raise ToolError(f"no replacement: old_str occurs {count} times in {path} "
                             f"(lines {', '.join(lines)}); make it unique")
-        self._write(path, text.replace(old, new, 1), text)
+        self._write(path, text.replace(old, new, 1), raw, crlf)
         return f"edited {path}"
 
     def _insert(self, path, req):
-        text = self._read(path)
+        raw = self._read(path)
+        text, crlf = self._lf(raw)
         lines = text.split("\n")
         line = req.get("insert_line")
         if not isinstance(line, int) or not 0 <= line <= len(lines):
             raise ToolError(f"insert_line must be an int in [0, {len(lines)}], got {line!r}")
-        new_lines = req.get("new_str", "").split("\n")
-        self._write(path, "\n".join(lines[:line] + new_lines + lines[line:]), text)
+        new_str = req.get("new_str", "")
+        new_lines = (new_str.replace("\r\n", "\n") if crlf else new_str).split("\n")
+        self._write(path, "\n".join(lines[:line] + new_lines + lines[line:]), raw, crlf)
         return f"inserted {len(new_lines)} line(s) after line {line} of {path}"
 
     def _undo(self, path, req):
@@ -638,8 +653,7 @@ class Editor:
         if before is None:
             os.unlink(path)
             return f"undid the creation of {path} (removed)"
-        with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
-            f.write(before)
+        _write_text(path, before)
         return f"undid the last edit of {path}"
 
     COMMANDS = {"view": _view, "create": _create, "str_replace": _str_replace, "insert": _insert, "undo": _undo}
@@ -648,7 +662,7 @@ class Editor:
         if os.path.isdir(path):
             names = sorted(os.listdir(path))
             return "\n".join(n + ("/" if os.path.isdir(os.path.join(path, n)) else "") for n in names)
-        lines = self._read(path).split("\n")
+        lines = self._lf(self._read(path))[0].split("\n")
         start, end = 1, len(lines)
         if view_range is not None:
             if not (isinstance(view_range, list) and len(view_range) == 2):
@@ -658,6 +672,11 @@ class Editor:
             if not 1 <= start <= end <= len(lines):
                 raise ToolError(f"view_range {view_range!r} is outside the file's {len(lines)} lines")
         return "\n".join(f"{n:6d}\t{lines[n - 1]}" for n in range(start, end + 1))
+
+
+def _write_text(path, text):
+    with open(path, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
+        f.write(text)
 
 
 def _find_all(text, sub):

@@ -111,6 +111,17 @@ async def _tools(sb: Sandbox) -> dict[str, Any]:
     out["view"] = (await sb.edit("view", "/tmp/e.txt", view_range=[1, 3])).output
     await sb.edit("undo", "/tmp/e.txt")
     out["after_undo"] = (await sb.read_file("/tmp/e.txt")).decode()
+    # A Windows file: edits keep its CRLF line ends and change only their own lines; undo gives its bytes back.
+    original = b"one\r\ntwo\r\nthree\r\n"
+    await sb.write_file("/tmp/crlf.txt", original)
+    await sb.edit("str_replace", "/tmp/crlf.txt", old_str="one\ntwo", new_str="one\nTWO")
+    await sb.edit("insert", "/tmp/crlf.txt", insert_line=1, new_str="ins")
+    crlf = {"edited": await sb.read_file("/tmp/crlf.txt"),
+            "view": (await sb.edit("view", "/tmp/crlf.txt", view_range=[1, 2])).output}
+    await sb.edit("undo", "/tmp/crlf.txt")
+    await sb.edit("undo", "/tmp/crlf.txt")
+    crlf["undone"] = await sb.read_file("/tmp/crlf.txt") == original
+    out["crlf"] = {k: v.decode() if isinstance(v, bytes) else v for k, v in crlf.items()}
     await sb.python("x = 20")
     p = await sb.python("print('side'); x * 2 + 2")
     out["python"] = {"stdout": p.stdout, "result": p.result, "error": p.error}

@@ -51,6 +51,7 @@ def test_tools(
     assert "occurs 2 times" in r["edit_errors"]["two"] and "lines 1, 3" in r["edit_errors"]["two"]
     assert r["view"] == "     1\talpha\n     2\tinserted\n     3\tBETA"
     assert r["after_undo"] == "alpha\nBETA\nalpha\n"  # undo removed the insert only
+    assert r["crlf"] == {"edited": "one\r\nins\r\nTWO\r\nthree\r\n", "view": "     1\tone\n     2\tins", "undone": True}
     # python: a persistent namespace, captured output, errors, interruptible
     assert r["python"] == {"stdout": "side\n", "result": "42", "error": None}
     assert r["python_error"].startswith("ZeroDivisionError")
