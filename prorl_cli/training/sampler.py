@@ -55,7 +55,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prorl_cli.client import AsyncRolloutClient
@@ -153,7 +153,8 @@ class SamplerConfig:
 
 @dataclass
 class Group:
-    """A finished, informative group: ``group_size`` results of one prompt."""
+    """A finished, informative group of one prompt: its ``group_size`` results, less the failed ones under
+    ``failed="exclude"``; under ``failed="zero_reward"`` a failed one has reward 0."""
 
     group_id: str
     prompt_id: str
@@ -417,10 +418,14 @@ class DapoSampler:
         del self._pending[pending.group_id]
         self._retired += pending.job_ids
         ordered = [pending.results[j] for j in pending.job_ids]
+        # The group a trainer gets is the one the filter judged: under ``exclude`` a failed member is left out,
+        # under ``zero_reward`` it carries reward 0 (a failed job may hold a partial trajectory and whatever reward
+        # its handler set before failing; training on those would judge one group and train on another).
         if self.config.failed == "exclude":
-            rewards = [float(r.reward or 0.0) for r in ordered if r.ok]
+            ordered = [r for r in ordered if r.ok]
         else:  # zero_reward (drop_group never gets here with a failure)
-            rewards = [float(r.reward or 0.0) if r.ok else 0.0 for r in ordered]
+            ordered = [r if r.ok else replace(r, reward=0.0) for r in ordered]
+        rewards = [float(r.reward or 0.0) for r in ordered]
         self._record(pending.job_ids, "informative" if self.config.informative(rewards) else "filtered")
         self._finished_groups += 1
         self._informative_groups += bool(self.config.informative(rewards))

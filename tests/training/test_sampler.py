@@ -103,6 +103,35 @@ def test_sync_mode_and_failed_groups(stack: Deployment) -> None:
     assert batch.stats.failed_groups > 0  # a failed member drops its group (and cancels its siblings)
 
 
+@pytest.mark.parametrize("policy", ["exclude", "zero_reward"])
+def test_the_batch_holds_the_group_the_filter_judged(stack: Deployment, policy: str) -> None:
+    # Failed members stay out of the batch under exclude, and carry reward 0 under zero_reward: a trainer then
+    # trains on the rewards the informative filter saw, never on a failed job's own.
+    ps = [{**p, "fail_p": 0.4, "scale_s": 0.01} for p in prompts()]
+    cfg = SamplerConfig(group_size=4, target_groups=3, mode="sync", run_id=f"t-{policy}", failed=policy,
+                        step_timeout_s=60)
+
+    async def go() -> StepBatch:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", ps, cfg)
+            batch = await sampler.step()
+            await sampler.close()
+            return batch
+
+    batch = asyncio.run(go())
+    assert len(batch.groups) == cfg.target_groups
+    failed = [r for r in batch.results if not r.ok]
+    for g in batch.groups:
+        assert len(set(g.rewards)) > 1, g.rewards
+    if policy == "exclude":
+        assert not failed, [r.job_id for r in failed]
+        assert any(len(g.results) < cfg.group_size for g in batch.groups)  # a failed member was left out
+        assert all(len(g.results) >= 2 for g in batch.groups)
+    else:
+        assert failed and all(r.reward == 0.0 for r in failed), [(r.job_id, r.reward) for r in failed]
+        assert all(len(g.results) == cfg.group_size for g in batch.groups)
+
+
 def test_cancel_dropped_off_leaves_abandoned_jobs_running(stack: Deployment) -> None:
     """The no-stale-job-cleanup ablation: early termination abandons groups without cancelling them."""
     cfg = SamplerConfig(group_size=3, target_groups=1, max_in_flight=12, carry_over=False, cancel_dropped=False,
