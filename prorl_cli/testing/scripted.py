@@ -54,7 +54,7 @@ class ScriptedStack:
                 env=self.d.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         self.d.procs["model"] = proc  # stopped by Deployment.close with the rest
-        self.d.wait_for(lambda st: any(b.backend_id == "scripted" and b.alive for b in st.backends), 60,
+        self.d.wait_for(lambda st: any(b.backend_id == "scripted" and b.alive for b in st.backends), 180,
                         "the scripted model to register", "model")
 
     def run(self, task: str, instances: list[Any], timeout_s: float = 180) -> list[Any]:

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +123,8 @@ CASES = [
     Case("backends-list-no-broker", lambda h: ["-d", "nodeploy", "backends", "list"], ("nodeploy", "rendezvous")),
     Case("backends-add-no-broker", lambda h: ["-d", "nodeploy", "backends", "add", "http://h:1/v1"], ("nodeploy",)),
     Case("backends-pause-no-broker", lambda h: ["-d", "nodeploy", "backends", "pause"], ("nodeploy",)),
-    Case("unreachable-broker", _silent_broker, ("the broker at tcp://127.0.0.1:", "does not answer")),
+    # The short ping's answer, not the 30 s request timeout's: a dead broker is reported in seconds.
+    Case("unreachable-broker", _silent_broker, ("the broker at tcp://127.0.0.1:", "does not answer", "no reply within 3 s")),
     Case("binary-tasks-file", _binary_tasks, ("tasks.bin", "not a UTF-8 text file")),
     Case("out-into-missing-folder", _out_in_missing_folder, ("--out", "does not exist")),
     Case("sampling-not-json", _submit_with("--sampling", "{max_tokens: 5"), ("--sampling", "not valid JSON")),
@@ -203,18 +203,13 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_input_gets_one_line_error(case: Case, home: Path) -> None:
     args = case.prepare(home)
-    started = time.monotonic()
     r = run_prorl(home, *args)
-    took_s = time.monotonic() - started
     assert r.returncode != 0, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr + r.stdout, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, r.stderr
     for fragment in case.expect:
         assert fragment in errors[0], (fragment, r.stderr)
-    # Not a timing assertion on prorl's speed: the unreachable broker must be reported by the short ping, not after
-    # the 30 s request timeout (a generous bound that only the wrong path exceeds).
-    assert took_s < 25, f"{case.name} took {took_s:.1f} s"
 
 
 def test_a_second_broker_for_a_live_deployment_refuses_and_leaves_the_first_alone(tmp_path: Path) -> None:
