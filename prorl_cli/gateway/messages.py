@@ -419,6 +419,211 @@ def openai_completion_request(body: dict[str, Any]) -> tuple[str, ChatRequest]:
     return prompt, req
 
 
+# ------------------------------------------------------- OpenAI Responses
+#: ``include`` values a request may give: logprobs are returned; there is no reasoning item to encrypt.
+_RESPONSES_INCLUDE = ("message.output_text.logprobs", "reasoning.encrypted_content")
+_RESPONSES_UNAPPLIED: _Unapplied = {
+    "truncation": (lambda v: v == "disabled", "the gateway never drops input items (only 'disabled')"),
+    "background": (lambda v: v is False, "the gateway answers in the request (only false)"),
+    "conversation": (lambda v: False, "the gateway keeps no conversations: send the items (or previous_response_id)"),
+    "prompt": (lambda v: False, "reusable prompts are kept by OpenAI, not here: send instructions and input"),
+    **{key: _OPENAI_UNAPPLIED[key] for key in ("min_p", "repetition_penalty", "chat_template_kwargs", "guided_json",
+                                                "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+}
+
+
+@dataclass
+class ResponsesConversation:
+    """A stored response's conversation (canonical messages, without its ``instructions``) and the tool name of
+    each ``call_id`` in it: what a later request naming it in ``previous_response_id`` continues."""
+
+    messages: list[dict[str, Any]]
+    names: dict[str, str]
+
+
+@dataclass
+class ResponsesRequest:
+    """An OpenAI ``/v1/responses`` body: the chat request it asks for, and what its response echoes or stores."""
+
+    chat: ChatRequest
+    #: The conversation without the instructions (stored when ``store``), and each call_id's tool name.
+    conversation: list[dict[str, Any]]
+    names: dict[str, str]
+    instructions: str | None
+    previous_response_id: str | None
+    store: bool
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"{where} must be a string, got {type(value).__name__}", param=where.split("[")[0])
+    return value
+
+
+def responses_input(raw: Any, names: dict[str, str]) -> list[dict[str, Any]]:
+    """Responses ``input`` (a string, or message / ``function_call`` / ``function_call_output`` / ``reasoning``
+    items) in canonical form: a turn's message and its function calls become one assistant message, as the
+    model wrote them; each call's name is added to ``names`` under its ``call_id``."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("input must be a string or a non-empty list of items", param="input")
+    out: list[dict[str, Any]] = []
+    turn: dict[str, Any] | None = None  # the assistant message this request's function_call items extend
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an object", param="input")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            content = _text(item.get("content"), f"{where}.content")
+            if role in ("system", "developer"):
+                out.append({"role": "system", "content": content})
+            elif role in ("user", "assistant"):
+                out.append({"role": role, "content": content})
+            else:
+                raise RequestError(f"{where}.role {role!r} is not supported (system, developer, user, assistant)",
+                                   param="input")
+            turn = out[-1] if role == "assistant" else None
+        elif kind == "function_call":
+            name, call_id = _string(item.get("name"), f"{where}.name"), _string(item.get("call_id"), f"{where}.call_id")
+            names[call_id] = name
+            call = tool_call_message(name, _arguments(_string(item.get("arguments", "{}"), f"{where}.arguments")))
+            if turn is None:
+                turn = {"role": "assistant", "content": ""}
+                out.append(turn)
+            turn.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            call_id = _string(item.get("call_id"), f"{where}.call_id")
+            text = _text(item.get("output"), f"{where}.output")
+            out.append({"role": "tool", "name": names.get(call_id, ""), "content": text})
+            turn = None
+        elif kind == "reasoning":
+            continue  # the model's reasoning came back as it wrote it, in the message's text
+        else:
+            raise RequestError(f"{where}: items of type {kind!r} are not supported (message, function_call, "
+                               "function_call_output, reasoning)", param="input")
+    return out
+
+
+def _responses_tools(raw: Any) -> list[dict[str, Any]] | None:
+    """Responses function tools (``{"type": "function", "name", "parameters", ...}``) in chat's function format."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise RequestError("tools must be a list", param="tools")
+    out = []
+    for i, t in enumerate(raw):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind != "function":
+            raise RequestError(f"tools[{i}].type {kind!r} is not supported (function tools only: the gateway runs no "
+                               "hosted tools)", param="tools")
+        if not isinstance(t.get("name"), str):
+            raise RequestError(f"tools[{i}] needs a string name", param="tools")
+        if t.get("parameters") is not None and not isinstance(t["parameters"], dict):
+            raise RequestError(f"tools[{i}].parameters must be a JSON Schema object", param="tools")
+        fn: dict[str, Any] = {"name": t["name"]}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        fn["parameters"] = t.get("parameters") or {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _responses_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The :class:`ChatRequest` fields Responses' ``tool_choice`` sets (``none``, ``auto``, ``required``, named)."""
+    if choice is None or choice == "auto":
+        return {}
+    if choice == "none":
+        return {"parse_tools": False}
+    if choice == "required":
+        _needs_tools(tools, "'required'")
+        return {"require_tool": True}
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"require_tool": True, "tool_name": _chosen_tool(choice["name"], tools, "tool_choice.name")}
+    raise RequestError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+                       param="tool_choice")
+
+
+def _responses_text(text: Any) -> None:
+    """``text``: plain text output only (no JSON schema to constrain to); ``verbosity`` is checked, not applied
+    (how long the model writes is its own, as for Anthropic's ``thinking``)."""
+    if text is None:
+        return
+    if not isinstance(text, dict):
+        raise RequestError("text must be an object", param="text")
+    fmt = text.get("format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise RequestError(f"text.format {json.dumps(fmt)[:80]} is not supported: the gateway cannot constrain the "
+                           "output (only {'type': 'text'})", param="text")
+    if text.get("verbosity") not in (None, "low", "medium", "high"):
+        raise RequestError("text.verbosity must be 'low', 'medium' or 'high'", param="text")
+
+
+def _responses_reasoning(reasoning: Any) -> None:
+    """``reasoning`` is checked as the API does, not applied: whether the model reasons, and how long, is its chat
+    template's and its own."""
+    if reasoning is None:
+        return
+    if not isinstance(reasoning, dict):
+        raise RequestError("reasoning must be an object", param="reasoning")
+    for key in ("effort", "summary", "generate_summary"):
+        if reasoning.get(key) is not None and not isinstance(reasoning[key], str):
+            raise RequestError(f"reasoning.{key} must be a string", param="reasoning")
+
+
+def openai_responses_request(body: dict[str, Any], stored: dict[str, ResponsesConversation]) -> ResponsesRequest:
+    """Validate an OpenAI ``/v1/responses`` body; :class:`RequestError` names the field.
+
+    ``stored``: the job's remembered responses, which ``previous_response_id`` may name.
+    """
+    _refuse_unapplied(body, _RESPONSES_UNAPPLIED)
+    _responses_text(body.get("text"))
+    _responses_reasoning(body.get("reasoning"))
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(v not in _RESPONSES_INCLUDE for v in include):
+        raise RequestError(f"include {json.dumps(include)[:80]} is not supported (only {list(_RESPONSES_INCLUDE)})",
+                           param="include")
+    previous = body.get("previous_response_id")
+    names: dict[str, str] = {}
+    conversation: list[dict[str, Any]] = []
+    if previous is not None:
+        earlier = stored.get(previous) if isinstance(previous, str) else None
+        if earlier is None:
+            raise RequestError(f"previous_response_id {json.dumps(previous)[:80]} is not one of this job's last "
+                               f"stored responses", status=404, param="previous_response_id")
+        names.update(earlier.names)
+        conversation = list(earlier.messages)
+    conversation += responses_input(body.get("input"), names)
+    instructions = body.get("instructions")
+    if instructions is not None:
+        instructions = _text(instructions, "instructions")
+    tools = _responses_tools(body.get("tools"))
+    logprobs = "message.output_text.logprobs" in include
+    top_logprobs = _sampling(body, "top_logprobs")
+    max_tokens = _sampling(body, "max_output_tokens", "max_tokens")
+    chat = ChatRequest(
+        messages=([{"role": "system", "content": instructions}] if instructions else []) + conversation,
+        tools=tools,
+        model=_model(body),
+        stream=_flag(body, "stream"),
+        max_tokens=max_tokens,
+        temperature=_float(_sampling(body, "temperature")),
+        top_p=_float(_sampling(body, "top_p")),
+        top_k=_sampling(body, "top_k"),
+        seed=_sampling(body, "seed"),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs if logprobs and top_logprobs else None,
+        parallel_tool_calls=_allow_parallel(body.get("parallel_tool_calls"), "parallel_tool_calls"),
+        **_responses_tool_choice(body.get("tool_choice"), tools),
+    )
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise RequestError(f"store must be a boolean, got {type(store).__name__}", param="store")
+    return ResponsesRequest(chat, conversation, names, instructions, previous, store is not False)
+
+
 # ---------------------------------------------------------------- Anthropic
 def anthropic_tools(raw: Any) -> list[dict[str, Any]] | None:
     """Anthropic tool definitions in the OpenAI function format the chat template knows."""

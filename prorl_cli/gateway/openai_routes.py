@@ -38,7 +38,7 @@ def _token(chat: Any, token_id: int, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def _logprobs(job: JobGateway, reply: Reply) -> dict[str, Any]:
+def chat_logprobs(job: JobGateway, reply: Reply) -> dict[str, Any]:
     """``choices[0].logprobs``: each output token's log-prob, and its alternatives when asked for
     (``top_logprobs``) and the engine returned them (else ``[]``)."""
     chat = job.buffer.segments[reply.segment].chat
@@ -70,7 +70,7 @@ def _text_logprobs(job: JobGateway, reply: Reply, req: ChatRequest) -> dict[str,
             "text_offset": offsets}
 
 
-def _prorl_fields(reply: Reply) -> dict[str, Any]:
+def prorl_fields(reply: Reply) -> dict[str, Any]:
     """What the gateway adds to every response (OpenAI clients ignore unknown fields).
 
     A stream carries it on its finish-reason chunk, the last one with a choice: the usage chunk
@@ -113,10 +113,10 @@ async def chat_completions(request: web.Request, job: JobGateway, body: dict[str
     if calls:
         message["tool_calls"] = calls
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reply.finish_reason,
-                              "logprobs": _logprobs(job, reply) if req.logprobs else None}
+                              "logprobs": chat_logprobs(job, reply) if req.logprobs else None}
     return web.json_response({
         "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-        "model": req.model, "choices": [choice], "usage": _usage(reply), "prorl": _prorl_fields(reply),
+        "model": req.model, "choices": [choice], "usage": _usage(reply), "prorl": prorl_fields(reply),
     })
 
 
@@ -129,14 +129,14 @@ async def _stream_chat(resp: web.StreamResponse, job: JobGateway, req: ChatReque
     events = SseEvents()
     events.add(chunk({"role": "assistant", "content": ""}))
     # Every output token's log-prob (the tool calls' too, as without streaming) on the first chunk after the role.
-    logprobs: dict[str, Any] = {"logprobs": _logprobs(job, reply)} if req.logprobs else {}
+    logprobs: dict[str, Any] = {"logprobs": chat_logprobs(job, reply)} if req.logprobs else {}
     if reply.content:
         events.add(chunk({"content": reply.content}, **logprobs))
         logprobs = {}
     for i, call in enumerate(_tool_calls(reply)):
         events.add(chunk({"tool_calls": [{"index": i, **call}]}, **logprobs))
         logprobs = {}
-    events.add({**chunk({}, reply.finish_reason, **logprobs), "prorl": _prorl_fields(reply)})
+    events.add({**chunk({}, reply.finish_reason, **logprobs), "prorl": prorl_fields(reply)})
     await _end_stream(resp, events, req, base, reply)
 
 
@@ -152,7 +152,7 @@ async def completions(request: web.Request, job: JobGateway, body: dict[str, Any
         events.add({**base, "choices": [{"index": 0, "text": reply.content, "finish_reason": None,
                                          "logprobs": _text_logprobs(job, reply, chat_like)}]})
         events.add({**base, "choices": [{"index": 0, "text": "", "finish_reason": reply.finish_reason,
-                                         "logprobs": None}], "prorl": _prorl_fields(reply)})
+                                         "logprobs": None}], "prorl": prorl_fields(reply)})
         await _end_stream(resp, events, chat_like, base, reply)
         return resp
     reply = await job.buffer.complete_text(prompt, chat_like)
@@ -161,7 +161,7 @@ async def completions(request: web.Request, job: JobGateway, body: dict[str, Any
         "model": chat_like.model,
         "choices": [{"index": 0, "text": reply.content, "finish_reason": reply.finish_reason,
                      "logprobs": _text_logprobs(job, reply, chat_like)}],
-        "usage": _usage(reply), "prorl": _prorl_fields(reply),
+        "usage": _usage(reply), "prorl": prorl_fields(reply),
     })
 
 

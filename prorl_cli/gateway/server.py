@@ -4,6 +4,7 @@ Routes (``<token>`` is the job's unguessable token; nothing else names a job)::
 
     POST /jobs/<token>/v1/chat/completions     OpenAI chat (streaming or not)
     POST /jobs/<token>/v1/completions          OpenAI text completion
+    POST /jobs/<token>/v1/responses            OpenAI Responses (streaming or not; previous_response_id)
     GET  /jobs/<token>/v1/models               the model names the job accepts
     POST /jobs/<token>/v1/messages             Anthropic messages (streaming or not)
     POST /jobs/<token>/v1/messages/count_tokens  Anthropic token count (nothing sampled)
@@ -36,7 +37,7 @@ from prorl_cli.agent.loop import GenerateFn
 from prorl_cli.agent.tools import ToolParser
 from prorl_cli.agent.trajectory import Trajectory
 from prorl_cli.exceptions import InferenceError
-from prorl_cli.gateway import anthropic_routes, openai_routes
+from prorl_cli.gateway import anthropic_routes, openai_routes, responses_routes
 from prorl_cli.gateway.buffer import (
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_TOOL_CHOICE_RETRIES,
@@ -69,6 +70,8 @@ class JobGateway:
         self.closed = False
         #: The last chat request's messages in canonical form (reused for the unchanged prefix of the next).
         self.memo = MessageMemo()
+        #: The job's last stored Responses conversations (``previous_response_id``).
+        self.responses = responses_routes.StoredResponses()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._unix_sites: list[web.UnixSite] = []
 
@@ -168,6 +171,7 @@ class Gateway:
         for method, route, fn in (
             ("POST", "chat/completions", openai_routes.chat_completions),
             ("POST", "completions", openai_routes.completions),
+            ("POST", "responses", responses_routes.responses),
             ("POST", "messages", anthropic_routes.messages),
             ("POST", "messages/count_tokens", anthropic_routes.count_tokens),
         ):
@@ -282,8 +286,8 @@ class Gateway:
             if e.status < 400:
                 raise
             return await _error(request, e.status, f"{e.reason}: {request.method} {request.path} "
-                                "(routes: /jobs/<token>/v1/chat/completions, completions, models, messages, "
-                                "messages/count_tokens)")
+                                "(routes: /jobs/<token>/v1/chat/completions, completions, responses, models, "
+                                "messages, messages/count_tokens)")
         except (ValueError, ChatTemplateError) as e:  # sampling values no engine accepts, template failures
             return await _error(request, 400, str(e))
         except InferenceError as e:

@@ -93,6 +93,19 @@ _bodies = st.one_of(
         "user": _json, "metadata": _json, "response_format": _json, "parallel_tool_calls": _json,
         "logit_bias": _json, "functions": _json, "function_call": _json, "tool_choice": _json, "thinking": _json,
         "echo": _json, "suffix": _json, "best_of": _numbers, "modalities": _json}),
+    # The Responses API's own fields.
+    st.fixed_dictionaries({"model": st.just("prorl"), "input": _json}, optional={
+        "instructions": _json, "tools": _json, "tool_choice": _json, "stream": st.booleans(), "store": _json,
+        "max_output_tokens": _numbers, "temperature": _numbers, "top_p": _numbers, "top_logprobs": _numbers,
+        "previous_response_id": _json, "include": _json, "text": _json, "reasoning": _json, "truncation": _json,
+        "background": _json, "conversation": _json, "prompt": _json, "parallel_tool_calls": _json,
+        "metadata": _json, "user": _json}),
+    st.fixed_dictionaries({"model": st.just("prorl"), "max_output_tokens": st.integers(1, 8), "input": st.lists(
+        st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call", "function_call_output",
+                                                         "reasoning"])},
+                              optional={"role": st.sampled_from(["user", "assistant", "developer"]), "content": _json,
+                                        "call_id": _json, "name": _json, "arguments": _json, "output": _json}),
+        min_size=1, max_size=3)}),
     st.fixed_dictionaries({"model": st.just("prorl"), "max_tokens": st.integers(1, 8), "messages": st.lists(
         st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system"]), "content": _json}),
         min_size=1, max_size=3)}),
@@ -110,7 +123,8 @@ def test_fuzzed_requests_never_break_the_gateway(tokenizer: Any) -> None:
     statuses: set[int] = set()
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(route=st.sampled_from(["chat/completions", "completions", "messages", "messages/count_tokens"]),
+    @given(route=st.sampled_from(["chat/completions", "completions", "responses", "messages",
+                                  "messages/count_tokens"]),
            body=_bodies)
     def one(route: str, body: Any) -> None:
         async def go() -> None:
@@ -188,11 +202,14 @@ _SAMPLING_KEYS = {
     "completions": {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
                     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"},
     "messages": {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"},
+    "responses": {"max_output_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                  "seed": "seed"},
 }
 _BASE: dict[str, dict[str, Any]] = {
     "chat/completions": OK_BODY,
     "completions": {"model": "prorl", "prompt": "hi"},
     "messages": {**OK_BODY, "max_tokens": 8},
+    "responses": {"model": "prorl", "input": "hi"},
 }
 #: Past msgpack's 64 bits, and past a float's range (a valid JSON integer still).
 _HUGE = [10**12, 2**63, 2**64, -(2**64), 10**30, 2**70, -(2**70), 10**400, -(10**400)]

@@ -1,0 +1,151 @@
+"""OpenAI Responses route: ``POST /v1/responses``, streaming or not.
+
+The API the OpenAI Agents SDK (its default model) and Codex speak. Agents
+send the whole conversation as ``input`` items at every call (``store:
+false`` or not); a request may instead name an earlier response in
+``previous_response_id`` and send only the new items: the job keeps its last
+:data:`RESPONSES_KEPT` stored responses for that. One response is one model
+turn: an ``output_text`` message when the model wrote text, then one
+``function_call`` item per tool call, which the caller answers with
+``function_call_output`` items naming their ``call_id``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from prorl_cli.gateway.buffer import Reply
+from prorl_cli.gateway.messages import (
+    AGENT_HEADER,
+    ResponsesConversation,
+    ResponsesRequest,
+    openai_responses_request,
+    request_agent,
+    tool_call_message,
+)
+from prorl_cli.gateway.openai_routes import chat_logprobs, prorl_fields
+from prorl_cli.gateway.streaming import SseEvents, open_sse
+
+if TYPE_CHECKING:
+    from prorl_cli.gateway.server import JobGateway
+
+#: Stored responses a job keeps for ``previous_response_id`` (the oldest go first).
+RESPONSES_KEPT = 64
+
+
+class StoredResponses(collections.OrderedDict[str, ResponsesConversation]):
+    """A job's last :data:`RESPONSES_KEPT` stored responses, by id."""
+
+    def keep(self, response_id: str, conversation: ResponsesConversation) -> None:
+        self[response_id] = conversation
+        while len(self) > RESPONSES_KEPT:
+            self.popitem(last=False)
+
+
+def _items(job: JobGateway, reply: Reply, parsed: ResponsesRequest, status: str) -> list[dict[str, Any]]:
+    """The response's output items: the text message (when there is text, or nothing else), then the calls."""
+    items: list[dict[str, Any]] = []
+    if reply.content or not reply.tool_calls:
+        part: dict[str, Any] = {"type": "output_text", "text": reply.content, "annotations": []}
+        if parsed.chat.logprobs:
+            part["logprobs"] = chat_logprobs(job, reply)["content"]
+        items.append({"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": status,
+                      "role": "assistant", "content": [part]})
+    items += [{"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": f"call_{secrets.token_hex(12)}",
+               "name": c.name, "arguments": json.dumps(c.arguments), "status": "completed"} for c in reply.tool_calls]
+    return items
+
+
+def _remember(job: JobGateway, response_id: str, parsed: ResponsesRequest, reply: Reply,
+              items: list[dict[str, Any]]) -> None:
+    """Keep the conversation this response ends (its turn in canonical form) for ``previous_response_id``."""
+    names = dict(parsed.names)
+    names.update({item["call_id"]: item["name"] for item in items if item["type"] == "function_call"})
+    turn: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        turn["tool_calls"] = [tool_call_message(c.name, c.arguments) for c in reply.tool_calls]
+    job.responses.keep(response_id, ResponsesConversation(parsed.conversation + [turn], names))
+
+
+def _response(response_id: str, created_at: int, body: dict[str, Any], parsed: ResponsesRequest, status: str,
+              output: list[dict[str, Any]], reply: Reply | None) -> dict[str, Any]:
+    """The response object (``reply`` None: the in-progress one a stream starts with)."""
+    req = parsed.chat
+    out: dict[str, Any] = {
+        "id": response_id, "object": "response", "created_at": created_at, "status": status, "model": req.model,
+        "output": output, "error": None, "incomplete_details": None, "instructions": parsed.instructions,
+        "metadata": body.get("metadata") or {}, "parallel_tool_calls": req.parallel_tool_calls,
+        "temperature": req.temperature, "top_p": req.top_p, "tool_choice": body.get("tool_choice") or "auto",
+        "tools": body.get("tools") or [], "max_output_tokens": req.max_tokens,
+        "previous_response_id": parsed.previous_response_id, "reasoning": body.get("reasoning"),
+        "store": parsed.store, "text": {"format": {"type": "text"}}, "truncation": "disabled", "usage": None,
+        "user": body.get("user"),
+    }
+    if reply is not None:
+        if status == "incomplete":
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        out["usage"] = {
+            "input_tokens": reply.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": reply.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+        out["prorl"] = prorl_fields(reply)
+    return out
+
+
+async def responses(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.StreamResponse:
+    parsed = openai_responses_request(body, job.responses)
+    req = parsed.chat
+    req.agent = request_agent(request.match_info.get("agent"), request.headers.get(AGENT_HEADER), body)
+    job.check_model(req.model)
+    response_id, created_at = f"resp_{secrets.token_hex(24)}", int(time.time())
+    resp = await open_sse(request) if req.stream else None
+    reply = await job.buffer.complete(req)
+    status = "incomplete" if reply.finish_reason == "length" else "completed"
+    items = _items(job, reply, parsed, status)
+    if parsed.store:
+        _remember(job, response_id, parsed, reply, items)
+    final = _response(response_id, created_at, body, parsed, status, items, reply)
+    if resp is None:
+        return web.json_response(final)
+    await _stream(resp, _response(response_id, created_at, body, parsed, "in_progress", [], None), final)
+    return resp
+
+
+async def _stream(resp: web.StreamResponse, started: dict[str, Any], final: dict[str, Any]) -> None:
+    """The Responses API's events for a whole reply: created, each item added / its deltas / done, completed."""
+    events = SseEvents()
+    sequence = 0
+
+    def add(kind: str, **fields: Any) -> None:
+        nonlocal sequence
+        events.add({"type": kind, "sequence_number": sequence, **fields}, kind)
+        sequence += 1
+
+    add("response.created", response=started)
+    add("response.in_progress", response=started)
+    for index, item in enumerate(final["output"]):
+        at = {"output_index": index, "item_id": item["id"]}
+        if item["type"] == "message":
+            part = item["content"][0]
+            add("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []})
+            add("response.content_part.added", **at, content_index=0,
+                part={"type": "output_text", "text": "", "annotations": []})
+            add("response.output_text.delta", **at, content_index=0, delta=part["text"],
+                logprobs=part.get("logprobs", []))
+            add("response.output_text.done", **at, content_index=0, text=part["text"],
+                logprobs=part.get("logprobs", []))
+            add("response.content_part.done", **at, content_index=0, part=part)
+        else:
+            add("response.output_item.added", output_index=index,
+                item={**item, "status": "in_progress", "arguments": ""})
+            add("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            add("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])
+        add("response.output_item.done", output_index=index, item=item)
+    add("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
+    await events.end(resp)

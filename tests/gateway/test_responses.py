@@ -1,0 +1,194 @@
+"""The OpenAI Responses API (``/v1/responses``) through the official ``openai`` SDK and the OpenAI Agents SDK's
+default model: function calls out, their outputs in, and a recorded token buffer identical to the one
+``run_tool_agent`` builds for the same conversation, however the conversation is sent (all items each time,
+``previous_response_id``, streamed)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from prorl_cli.agent import Trajectory
+from prorl_cli.gateway.responses_routes import RESPONSES_KEPT
+from prorl_cli.gateway.server import Gateway
+from tests.gateway.conftest import CALC_TOOLS, ScriptedModel, open_job, turn
+from tests.gateway.test_sdks import SYSTEM, TURNS, USER, _assert_same_tokens, _reference
+from tests.harness import need_module
+
+#: The calculator in the Responses API's tool format.
+TOOLS = [{"type": "function", **CALC_TOOLS[0]["function"]}]
+
+
+async def _job(tokenizer: Any, turns: list[str] = TURNS) -> tuple[Gateway, Any, Any]:
+    import openai
+
+    gw = Gateway()
+    await gw.start()
+    job = open_job(gw, tokenizer, ScriptedModel(tokenizer, turns))
+    return gw, job, openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
+
+
+async def _created(client: Any, stream: bool, **kwargs: Any) -> tuple[Any, list[str]]:
+    """A response, and the stream's event types when ``stream`` (the SDK's stream helper checks their order)."""
+    if not stream:
+        return await client.responses.create(model="prorl", **kwargs), []
+    async with client.responses.stream(model="prorl", **kwargs) as events:
+        kinds = [event.type async for event in events]
+        return await events.get_final_response(), kinds
+
+
+@pytest.mark.parametrize("how", ["all-items", "previous-id", "stream"])
+def test_a_function_call_round_trip_is_token_exact(tokenizer: Any, how: str) -> None:
+    need_module("openai", "test")
+    stream = how == "stream"
+
+    async def main() -> Trajectory:
+        gw, job, client = await _job(tokenizer)
+        try:
+            items: list[Any] = [{"role": "user", "content": USER}]
+            first, kinds = await _created(client, stream, instructions=SYSTEM, input=items, tools=TOOLS)
+            assert first.status == "completed" and first.usage.output_tokens > 0
+            message, call = first.output
+            assert message.type == "message" and message.content[0].text == "Let me compute."
+            assert call.type == "function_call" and call.name == "calculator"
+            assert call.arguments == '{"expression": "2+3"}'
+            if stream:
+                assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+                assert "response.function_call_arguments.done" in kinds and "response.output_text.done" in kinds
+            answer = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
+            if how == "previous-id":
+                second, _ = await _created(client, stream, instructions=SYSTEM, input=[answer],
+                                           previous_response_id=first.id, tools=TOOLS)
+            else:  # the SDKs' own way: the whole conversation, the response's items as they came back
+                items += [item.model_dump(exclude_none=True) for item in first.output] + [answer]
+                second, _ = await _created(client, stream, instructions=SYSTEM, input=items, tools=TOOLS)
+            assert second.output_text == "The answer is 5." and second.previous_response_id == (
+                first.id if how == "previous-id" else None)
+            return job.trajectory
+        finally:
+            await client.close()
+            await gw.close()
+
+    _assert_same_tokens(asyncio.run(main()), _reference(tokenizer, CALC_TOOLS))
+
+
+def test_a_cut_turn_is_incomplete_and_logprobs_come_when_included(tokenizer: Any) -> None:
+    need_module("openai", "test")
+
+    async def main() -> None:
+        gw, job, client = await _job(tokenizer, ["The answer is five, as the calculator said."])
+        try:
+            cut = await client.responses.create(model="prorl", input=USER, max_output_tokens=3,
+                                                include=["message.output_text.logprobs"], store=False)
+            assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+            assert cut.usage.output_tokens == 3
+            logprobs = cut.output[0].content[0].logprobs
+            assert [p.logprob for p in logprobs] == job.trajectory.calls[0].logprobs
+            # Not stored: a later request cannot continue it.
+            with pytest.raises(Exception) as refused:
+                await client.responses.create(model="prorl", input="go on", previous_response_id=cut.id)
+            assert getattr(refused.value, "status_code", None) == 404 and "previous_response_id" in str(refused.value)
+        finally:
+            await client.close()
+            await gw.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type 'web_search' is not supported"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input[0].content[0]: content parts of type 'input_image'"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "items of type 'item_reference'"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"previous_response_id": "resp_nowhere"}, "previous_response_id"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name names the tool 'nope'"),
+])
+def test_what_the_gateway_cannot_do_is_a_clear_error(tokenizer: Any, fields: dict[str, Any], named: str) -> None:
+    need_module("openai", "test")
+
+    async def main() -> None:
+        gw, job, client = await _job(tokenizer)
+        try:
+            with pytest.raises(Exception) as refused:
+                await client.responses.create(model="prorl", **{"input": USER, **fields})
+            assert getattr(refused.value, "status_code", None) in (400, 404), refused.value
+            assert named in str(refused.value), refused.value
+            assert job.trajectory.calls == []  # nothing was sampled
+        finally:
+            await client.close()
+            await gw.close()
+
+    asyncio.run(main())
+
+
+def test_a_job_keeps_its_last_stored_responses(tokenizer: Any) -> None:
+    need_module("openai", "test")
+
+    async def main() -> None:
+        gw, job, client = await _job(tokenizer, ["ok"] * (RESPONSES_KEPT + 2))
+        try:
+            ids = [(await client.responses.create(model="prorl", input=f"q{i}")).id for i in range(RESPONSES_KEPT + 1)]
+            assert len(job.responses) == RESPONSES_KEPT and ids[0] not in job.responses and ids[-1] in job.responses
+        finally:
+            await client.close()
+            await gw.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_the_agents_sdks_default_model_hands_off_and_calls_a_tool(tokenizer: Any, streamed: bool) -> None:
+    """The Agents SDK as it comes (``OpenAIResponsesModel``, its default): a triage agent hands off to a refunds
+    agent that calls a tool; each agent's calls are recorded under its name and both conversations are exact."""
+    need_module("agents", "test")
+    import openai
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+    looked_up: list[str] = []
+
+    @function_tool
+    def lookup_order(order_id: str) -> str:
+        """Find an order by its id."""
+        looked_up.append(order_id)
+        return f"order {order_id}: paid, 12 EUR"
+
+    turns = [turn("", ("transfer_to_refunds", {})), turn("", ("lookup_order", {"order_id": "7"})),
+             "Order 7 is refunded."]
+
+    async def main() -> tuple[Trajectory, Any, str]:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, turns))
+
+        def model_for(name: str) -> Any:
+            client = openai.AsyncOpenAI(base_url=job.base_url().replace("/v1", f"/agents/{name}/v1"),
+                                        api_key=job.api_key, max_retries=0)
+            return OpenAIResponsesModel(model="prorl", openai_client=client)
+
+        refunds = Agent(name="refunds", instructions="You handle refunds.", tools=[lookup_order],
+                        model=model_for("refunds"))
+        triage = Agent(name="triage", instructions="You route customers.", handoffs=[refunds],
+                       model=model_for("triage"))
+        try:
+            if streamed:
+                run = Runner.run_streamed(triage, "I need a refund for order 7.")
+                async for _ in run.stream_events():
+                    pass
+                final = str(run.final_output)
+            else:
+                final = str((await Runner.run(triage, "I need a refund for order 7.")).final_output)
+            return job.trajectory, job.buffer, final
+        finally:
+            await gw.close()
+
+    traj, buffer, final = asyncio.run(main())
+    assert final == "Order 7 is refunded." and looked_up == ["7"]
+    assert [c.agent for c in traj.calls] == ["triage", "refunds", "refunds"]
+    assert traj.violations == [] and traj.token_exact
+    assert buffer.continuity_by_conversation() == {0: 1.0, 1: 1.0}
