@@ -19,10 +19,13 @@ from typing import Any
 def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "") -> Iterator[tuple[int, Any]]:
     """``(line_number, value)`` for each non-blank line of ``path``, line numbers from 1.
 
-    A line that is not JSON raises ``error_cls("FILE:LINE: not valid JSON: ...")``;
-    a file that is not UTF-8 text raises ``error_cls("FILE: not a UTF-8 text file...")``,
-    with ``hint`` (what the file should be) in parentheses when given.
+    A line that is not JSON raises ``error_cls("FILE:LINE: not valid JSON: ...")``; a last line that is not
+    JSON and has no newline at its end is named as cut off (a writer killed mid-line, a full disk), with how
+    to read the whole lines before it; a file that is not UTF-8 text raises
+    ``error_cls("FILE: not a UTF-8 text file...")``, with ``hint`` (what the file should be) in parentheses
+    when given.
     """
+    whole = 0
     try:
         with path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -31,7 +34,13 @@ def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "") -> I
                 try:
                     value = json.loads(line)
                 except json.JSONDecodeError as e:
+                    if not line.endswith("\n"):  # only the last line comes without its newline
+                        raise error_cls(
+                            f"{path}:{lineno}: the last line is cut off (no newline at its end: the file's writer "
+                            f"was stopped mid-line, e.g. killed); the {whole} line(s) before it are whole: drop the "
+                            f"last line to read them (sed -i '$ d' {path})") from e
                     raise error_cls(f"{path}:{lineno}: not valid JSON: {e.msg}") from e
+                whole += 1
                 yield lineno, value
     except UnicodeDecodeError as e:
         extra = f" ({hint})" if hint else ""

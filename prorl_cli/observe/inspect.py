@@ -101,13 +101,17 @@ def call_views(traj: dict[str, Any]) -> list[CallView]:
         output = list(c.get("output_ids") or [])
         ok = bool(c.get("prefix_ok", True))
         new = prompt[len(prev_end):] if prev_end is not None and ok and prompt[: len(prev_end)] == prev_end else prompt
-        lps = [x for x in c.get("logprobs") or [] if isinstance(x, int | float) and math.isfinite(x)]
-        min_at = min(range(len(lps)), key=lps.__getitem__) if lps else None
+        # Indices stay those of the output tokens; -inf (a token the engine gave no chance) is kept, as the
+        # least likely token is what a reader looks for; NaN and missing entries are left out.
+        lp_at = [(k, float(x)) for k, x in enumerate(c.get("logprobs") or [])
+                 if isinstance(x, int | float) and not isinstance(x, bool) and not math.isnan(x)]
+        lps = [x for _, x in lp_at]
+        min_at = min(lp_at, key=lambda kx: kx[1])[0] if lp_at else None
         text = str(c.get("text") or "")
         views.append(CallView(
             index=i, backend=c.get("backend_id"), finish_reason=c.get("finish_reason"), prompt_len=len(prompt),
             new_prompt_ids=new, output_ids=output, text=text, prefix_ok=ok,
-            logprob_mean=sum(lps) / len(lps) if lps else None, logprob_min=lps[min_at] if min_at is not None else None,
+            logprob_mean=sum(lps) / len(lps) if lps else None, logprob_min=min(lps) if lps else None,
             min_at=min_at,
             tool_calls=[f"{tc.name}({tc.arguments})" if not tc.error else f"unparsable: {tc.error}" for tc in parser.parse(text)],
             observations=observations[i] if i < len(observations) else [],

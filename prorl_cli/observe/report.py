@@ -73,21 +73,8 @@ def _plots(results: list[JobResult]) -> list[tuple[str, str]]:
     plt.close(fig)
 
     # Stage-time split per handler: mean queue, waits and in-stage time.
-    parts = ["queue", *(f"wait {s}" for s in STAGE_NAMES), *STAGE_NAMES]
-    means: dict[str, dict[str, float]] = {}
-    for task in tasks:
-        rs = [r for r in results if r.task == task]
-        sums: dict[str, float] = defaultdict(float)
-        for r in rs:
-            for s, v in r.stage_s.items():
-                sums[s] += v
-            for ev in r.events or []:
-                attrs = ev[3] if len(ev) > 3 and isinstance(ev[3], dict) else {}
-                if ev[0] == "wait":
-                    sums[f"wait {attrs.get('stage')}"] += ev[2]
-                elif ev[0] == "assigned":
-                    sums["queue"] += ev[1]
-        means[task] = {p: sums[p] / len(rs) for p in parts}
+    parts = list(STAGE_SPLIT_PARTS)
+    means = stage_split(results)
     fig, ax = plt.subplots(figsize=(7, 0.6 + 0.6 * max(1, len(tasks))))
     left = [0.0] * len(tasks)
     for p in parts:
@@ -123,6 +110,37 @@ def _plots(results: list[JobResult]) -> list[tuple[str, str]]:
     out.append(("Turns per rollout", _png(fig)))
     plt.close(fig)
     return out
+
+
+#: The parts of the stage-split plot, in stacking order.
+STAGE_SPLIT_PARTS = ("queue", *(f"wait {s}" for s in STAGE_NAMES), *STAGE_NAMES)
+
+
+def stage_split(results: list[JobResult]) -> dict[str, dict[str, float]]:
+    """Per task, the mean seconds per job of each part of :data:`STAGE_SPLIT_PARTS`.
+
+    ``queue`` is the broker's queue time: from acceptance (or from each re-queue, when a job's node
+    was lost) to its next assignment; the time a job spent on a lost node is not queue time.
+    """
+    means: dict[str, dict[str, float]] = {}
+    for task in sorted({r.task for r in results}):
+        rs = [r for r in results if r.task == task]
+        sums: dict[str, float] = defaultdict(float)
+        for r in rs:
+            for s, v in r.stage_s.items():
+                sums[s] += v
+            queued_from: float | None = 0.0
+            for ev in r.events or []:
+                attrs = ev[3] if len(ev) > 3 and isinstance(ev[3], dict) else {}
+                if ev[0] == "wait":
+                    sums[f"wait {attrs.get('stage')}"] += ev[2]
+                elif ev[0] == "requeued":
+                    queued_from = ev[1]
+                elif ev[0] == "assigned" and queued_from is not None:
+                    sums["queue"] += max(0.0, ev[1] - queued_from)
+                    queued_from = None
+        means[task] = {p: sums[p] / len(rs) for p in STAGE_SPLIT_PARTS}
+    return means
 
 
 def _turns(r: JobResult) -> int:
@@ -200,8 +218,9 @@ def render_html(results: list[JobResult], title: str, max_trajectories: int = 50
     parts.append("<h2>Jobs</h2><table><tr><th>job</th><th>task</th><th>state</th><th>reward</th><th>calls</th>"
                  "<th>in-stage s</th><th>violations</th></tr>")
     shown = results[:max_trajectories]
-    for r in results:
-        link = f"<a href='#job-{e(r.job_id)}'>{e(r.job_id)}</a>" if r in shown else e(r.job_id)
+    for i, r in enumerate(results):
+        # By position: ``r in shown`` compared every result with every shown one (minutes for a large run).
+        link = f"<a href='#job-{e(r.job_id)}'>{e(r.job_id)}</a>" if i < len(shown) else e(r.job_id)
         n_calls = _turns(r)
         parts.append(f"<tr><td>{link}</td><td>{e(r.task)}</td><td class='{'ok' if r.state == 'done' else 'bad'}'>"
                      f"{e(r.state)}</td><td>{r.reward if r.reward is not None else '-'}</td><td>{n_calls}</td>"

@@ -8,14 +8,13 @@ and NeMo-RL's ``BatchedDataDict`` and shows how to load an export into each.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from prorl_cli.jsonl import write_jsonl_atomic
-from prorl_cli.training.samples import TrainingSample
+from prorl_cli.jsonl import jsonl_objects, write_jsonl_atomic
+from prorl_cli.training.samples import SampleError, TrainingSample
 
 EXPORT_FORMAT = "prorl.samples/1"
 
@@ -45,7 +44,13 @@ COLUMNS: dict[str, tuple[str, str]] = {
 
 
 def sample_row(s: TrainingSample) -> dict[str, Any]:
-    """The export row of one sample (plain Python values)."""
+    """The export row of one sample (plain Python values).
+
+    Raises :class:`~prorl_cli.training.samples.SampleError` naming the rollout when a per-token list is not
+    as long as ``input_ids``: such a row would be written with columns that do not line up, and a trainer
+    would read every token after the gap against the wrong log-prob, mask or version.
+    """
+    s.check_aligned()
     mask = list(s.response_mask)
     last = max((i for i, m in enumerate(mask) if m), default=-1)
     scores = [0.0] * len(mask)
@@ -82,8 +87,9 @@ def write_samples_jsonl(path: str | os.PathLike[str], samples: Iterable[Training
 
 
 def read_samples_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The rows of :func:`write_samples_jsonl`."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of :func:`write_samples_jsonl`; a line that is not a JSON object raises :class:`SampleError`
+    naming the file and the line (and a last line cut off mid-write as such)."""
+    return [row for _, row in jsonl_objects(Path(path), SampleError, expected="a sample's export columns")]
 
 
 def arrow_schema() -> Any:
@@ -101,7 +107,7 @@ def arrow_schema() -> Any:
 
 
 def write_samples_parquet(path: str | os.PathLike[str], samples: Iterable[TrainingSample]) -> Path:
-    """The same rows as Parquet (needs pyarrow: ``pip install 'prorl[parquet]'``)."""
+    """The same rows as Parquet (needs pyarrow: ``pip install 'prorl[parquet]'``); written atomically, as the JSONL."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -111,5 +117,13 @@ def write_samples_parquet(path: str | os.PathLike[str], samples: Iterable[Traini
     schema = arrow_schema()
     table = pa.Table.from_pylist(rows, schema=schema) if rows else schema.empty_table()
     out = Path(path)
-    pq.write_table(table, str(out))
+    # Into a temp file beside it first: a write cut short (a full disk, Ctrl-C) must not leave a truncated
+    # Parquet file where the last good export was.
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        pq.write_table(table, str(tmp))
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return out

@@ -215,6 +215,11 @@ def test_bad_results_files_name_the_file_and_line(tmp_path: Path) -> None:
     bad.write_text(_result_line("a", "g", 1.0, state="failed", calls=((0.6, 1.0, 10, 2),)) + "\n")
     with pytest.raises(PlanError, match="no finished rollout"):
         Workload.from_results(bad)
+    # A collector killed mid-write: whole lines, then half of one.
+    whole = _result_line("a", "g", 1.0, calls=((0.6, 1.0, 10, 2),)) + "\n"
+    bad.write_text(whole + whole[:40])
+    with pytest.raises(PlanError, match=r"bad.jsonl:2: the last line is cut off .*the 1 line\(s\) before it are whole"):
+        Workload.from_results(bad)
 
 
 def test_bad_cluster_shapes(profile: SimProfile) -> None:

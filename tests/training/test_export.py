@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,12 @@ from prorl_cli.training.export import (
     write_samples_jsonl,
     write_samples_parquet,
 )
-from prorl_cli.training.samples import assign_advantages, assign_loss_weights, build_samples
+from prorl_cli.training.samples import (
+    SampleError,
+    assign_advantages,
+    assign_loss_weights,
+    build_samples,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 
@@ -81,3 +88,49 @@ def test_a_failed_jsonl_export_keeps_the_old_file_and_leaves_no_temp_file(tmp_pa
 def test_docs_list_every_export_column() -> None:
     documented = set(re.findall(r"^\| `(\w+)` \|", DOC.read_text(), re.M))
     assert set(COLUMNS) <= documented, sorted(set(COLUMNS) - documented)
+
+
+@pytest.mark.parametrize("writer", ["jsonl", "parquet"])
+def test_a_sample_whose_lists_do_not_line_up_is_refused_naming_its_rollout(tmp_path: Path, writer: str) -> None:
+    if writer == "parquet":
+        pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install 'prorl[parquet]')")
+    ss = samples()
+    ss[1].policy_versions = ss[1].policy_versions[:-1]  # one version short: every column after it would shift
+    write = write_samples_jsonl if writer == "jsonl" else write_samples_parquet
+    with pytest.raises(SampleError, match=r"rollout 'r1' has 6 policy_versions for 7 input_ids"):
+        write(tmp_path / f"s.{writer}", ss)
+    assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+def test_reading_back_a_bad_jsonl_export_names_the_file_and_line(tmp_path: Path) -> None:
+    path = write_samples_jsonl(tmp_path / "s.jsonl", samples())
+    whole = path.read_text().splitlines(keepends=True)
+    path.write_text(whole[0] + "{not json\n" + whole[2])
+    with pytest.raises(SampleError, match=r"s\.jsonl:2: not valid JSON"):
+        read_samples_jsonl(path)
+    path.write_text(whole[0] + whole[1][:30])  # a copy stopped part way
+    with pytest.raises(SampleError, match=r"s\.jsonl:2: the last line is cut off .*the 1 line\(s\) before it are whole"):
+        read_samples_jsonl(path)
+
+
+_WRITE_ON_A_FULL_DISK = """
+import resource, signal, sys
+from prorl_cli.training.export import write_samples_parquet
+from tests.training.test_export import samples
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+write_samples_parquet(sys.argv[1], samples() * 50)
+"""
+
+
+def test_a_failed_parquet_export_keeps_the_old_file_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install 'prorl[parquet]')")
+    path = write_samples_parquet(tmp_path / "s.parquet", samples())
+    before = path.read_bytes()
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _WRITE_ON_A_FULL_DISK, str(path)], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "File too large" in out.stderr, out.stderr[-2000:]
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.parquet"]

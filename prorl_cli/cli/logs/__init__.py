@@ -12,6 +12,8 @@ its attempts, numbered from 1 in the order they ran.
 
 from __future__ import annotations
 
+import codecs
+import os
 import re
 import time
 from pathlib import Path
@@ -143,12 +145,9 @@ def logs(app: App, member: str, follow: bool, lines: int, attempt: int | None, e
             continue
         if len(files) > 1 or every:
             app.err_console.print(f"==> {label}: {path}")
-        data = path.read_bytes()
-        text = data.decode(errors="replace")
-        shown = text.splitlines(keepends=True)[-lines:] if lines else [text]
-        click.echo("".join(shown), nl=False)
+        size = _print_log(path, lines)
         if follow:
-            _follow(path, len(data))
+            _follow(path, size)
 
 
 def _no_task(app: App, record: LaunchRecord, name: str, member: str) -> NoReturn:
@@ -156,16 +155,55 @@ def _no_task(app: App, record: LaunchRecord, name: str, member: str) -> NoReturn
     app.abort(f"deployment {name!r} has no task {member}; its tasks in this launch: {', '.join(have)}")
 
 
+#: Bytes read at a time: a log of a long run can be far larger than memory, so it is never read whole.
+_BLOCK_BYTES = 1 << 20
+
+
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    """A decoder that keeps a character split between two blocks whole (bad bytes become U+FFFD)."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+
+def _print_log(path: Path, lines: int) -> int:
+    """Print ``path`` (only its last ``lines`` lines when ``lines`` > 0); return the size it had, where ``-f`` goes on.
+
+    Reads block by block (the whole log) or backwards from its end until ``lines`` lines are in hand.
+    """
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if not lines:
+            f.seek(0)
+            decoder = _utf8_decoder()
+            left = size
+            while left > 0 and (block := f.read(min(_BLOCK_BYTES, left))):
+                left -= len(block)
+                click.echo(decoder.decode(block), nl=False)
+            click.echo(decoder.decode(b"", final=True), nl=False)
+            return size
+        # From the end back until more than ``lines`` newlines are in hand: the last ``lines`` lines then all
+        # lie after the first of them, never in the partial line the tail starts with.
+        tail, pos = b"", size
+        while pos > 0 and tail.count(b"\n") <= lines:
+            step = min(_BLOCK_BYTES, pos)
+            pos -= step
+            f.seek(pos)
+            tail = f.read(step) + tail
+    click.echo("".join(tail.decode(errors="replace").splitlines(keepends=True)[-lines:]), nl=False)
+    return size
+
+
 def _follow(path: Path, offset: int) -> None:
     """Print what is appended to ``path`` from ``offset`` on, until Ctrl-C (a requeued task appends to the same log)."""
+    decoder = _utf8_decoder()
     try:
         while True:
             with path.open("rb") as f:
                 f.seek(offset)
-                chunk = f.read()
+                chunk = f.read(_BLOCK_BYTES)
             if chunk:
                 offset += len(chunk)
-                click.echo(chunk.decode(errors="replace"), nl=False)
+                click.echo(decoder.decode(chunk), nl=False)
+                continue  # more may be there already: read on before waiting
             time.sleep(FOLLOW_POLL_S)
     except KeyboardInterrupt:
         return
