@@ -84,6 +84,8 @@ class JobTable:
         self.partial_grace_s = partial_grace_s
         #: Cancelled jobs whose results wait for their nodes' (``Job.partial_until``).
         self._partials: dict[str, Job] = {}
+        #: Jobs finished since this broker started: forgetting or retention never lowers it (rates come from it).
+        self.finished_total = 0
 
     # ------------------------------------------------------------ queries
 
@@ -429,6 +431,7 @@ class JobTable:
         job.state = state
         job.result = result
         job.instance = b""  # never run again: only its result is kept
+        self.finished_total += 1
         self.awaiting_claim.pop(job.job_id, None)
         self._record(end_record(job.job_id, state, result))
         self._on_detach(job.job_id)

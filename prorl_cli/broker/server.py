@@ -421,6 +421,7 @@ class Broker:
             placing=self.placing,
             uptime_s=time.monotonic() - self.started_at,
             retained_results=self.table.retained_count,
+            finished_total=self.table.finished_total,
             retained_bytes=self.table.retained_bytes,
             metrics_url=self.metrics_server.url if self.metrics_server is not None else None,
             by_task=jobs_by_task(self.jobs.values()),

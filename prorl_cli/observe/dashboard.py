@@ -81,6 +81,11 @@ def status_flags(status: StatusReport) -> list[str]:
     return flags
 
 
+def _finished(status: StatusReport) -> int:
+    """Jobs finished since the broker started; the held ones' count from a broker that does not report it."""
+    return status.finished_total or sum(n for s, n in status.jobs.items() if s in _FINISHED)
+
+
 class Dashboard:
     """Rates between successive status reports (the first report's rates are 0)."""
 
@@ -96,8 +101,8 @@ class Dashboard:
         def rate(new: float, old: float) -> float:
             return max(0.0, new - old) / dt if dt > 0 else 0.0
 
-        finished = sum(n for s, n in status.jobs.items() if s in _FINISHED)
-        old_finished = sum(n for s, n in prev[1].jobs.items() if s in _FINISHED) if prev else finished
+        finished = _finished(status)
+        old_finished = _finished(prev[1]) if prev else finished
         old_tokens = prev[1].tokens if prev else status.tokens
         old_served = {b.backend_id: b.served for b in (prev[1].backends if prev else status.backends)}
         backends = []

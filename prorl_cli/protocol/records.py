@@ -303,6 +303,9 @@ class StatusReport(_Record):
     tokens: dict[str, dict[str, float]] = field(default_factory=dict)
     #: Bridges that went away and have not registered again (the latest few), each with its ``gone_reason``.
     gone_backends: list[BackendStatus] = field(default_factory=list)
+    #: Jobs finished since the broker started. ``jobs`` counts only the jobs the broker still holds, which a
+    #: trainer that forgets its results (and retention) keeps small: rates of finished jobs come from this.
+    finished_total: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a msgpack-ready map, its nodes and backends as maps."""

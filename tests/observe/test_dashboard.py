@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 
 from prorl_cli.observe.dashboard import Dashboard, render, status_flags
 from prorl_cli.protocol import StatusReport
+from tests.harness import Deployment
 from tests.observe.conftest import INSTANCES, ObservedRun, scrape, total
 
 N_SLOW = 8  # the test deployment's RUN pool holds 8
@@ -73,6 +75,26 @@ def test_dashboard_shows_a_loaded_deployment_as_status_reports_it(observed_run: 
     assert {(f["task"], f["stage"], f["type"], f["count"]) for f in snap_json["failures"]} == {
         ("obs", "run", "RuntimeError", 1), ("obs", "eval", "ValueError", 1)}
     assert snap_json["backends"][0]["backend_id"] == "sim-a"
+
+
+def test_jobs_per_s_counts_the_jobs_a_trainer_forgot(tmp_path: Path) -> None:
+    # A trainer forgets each result it consumed, so the broker holds no finished job: the rate and the
+    # finished count still show the jobs that finished, not 0.
+    d = Deployment(tmp_path / "home", "forgets")
+    try:
+        d.start_broker()
+        d.start_node("n1")
+        board = Dashboard()
+        board.update(d.client.status(), now=0.0)
+        ids = d.client.submit("test", [{"echo": i} for i in range(3)])
+        assert {r.state for r in d.client.wait(ids, timeout_s=60)} == {"done"}
+        d.client.forget(ids)
+        status = d.client.status()
+        assert sum(status.jobs.values()) == 0 and status.finished_total == 3
+        snap = board.update(status, now=1.0)
+        assert (snap.finished, snap.jobs_per_s) == (3, 3.0)
+    finally:
+        d.close()
 
 
 def test_status_and_dashboard_flag_what_is_held() -> None:
