@@ -31,7 +31,16 @@ SYSTEM = (
     "output. Write it to /work/solution.py (editor tool), test it with the bash tool, and finish with a turn "
     "that calls no tool."
 )
-FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+# Fenced blocks, each from an opening fence line to the next closing one, so that the closing fence of a
+# ```bash block is never read as the opening of a bare one.
+FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+.-]*)[^\n]*\n(.*?)```", re.DOTALL | re.MULTILINE)
+PYTHON_FENCES = ("", "python", "python3", "py", "py3")
+
+
+def last_python_block(text: str) -> str | None:
+    """The code of the last fenced block marked Python (``python``, ``py``, ``python3``, any case) or unmarked."""
+    blocks = [code for lang, code in FENCE.findall(text) if lang.lower() in PYTHON_FENCES]
+    return blocks[-1] if blocks else None
 
 
 class CodeHandler(AgentHandler):
@@ -60,9 +69,9 @@ class CodeHandler(AgentHandler):
             ctx.output["solution"] = (await ctx.sandbox.read_file(path)).decode("utf-8", "replace")
             ctx.output["solution_source"] = path
         except SandboxError:
-            blocks = FENCE.findall(final_text(traj))
-            ctx.output["solution"] = blocks[-1] if blocks else None
-            ctx.output["solution_source"] = "final message" if blocks else None
+            block = last_python_block(final_text(traj))
+            ctx.output["solution"] = block
+            ctx.output["solution_source"] = "final message" if block is not None else None
 
     async def eval(self, ctx: JobContext) -> None:
         settings = ctx.settings

@@ -8,7 +8,10 @@ Instance::
 
 The model may call ``calculator`` (Hermes ``<tool_call>`` format) any number
 of times; the turn without a tool call is its answer. Reward: 1.0 when the
-last number in that answer equals ``answer`` exactly, else 0.0. No sandbox:
+last number in that answer equals ``answer`` as a number, else 0.0: a GSM8K
+``answer`` (a worked solution ending ``#### 72``) counts by its number after
+``####``, thousands separators are ignored (``1,000`` is 1000) and ``72.0``
+equals ``72``. No sandbox:
 the calculator evaluates arithmetic with Python's ``ast``, nothing else.
 The output holds the whole token-level trajectory (``prorl_cli.agent``).
 """
@@ -18,8 +21,10 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from prorl_cli.domains.answers import gsm8k_final
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, Tool, final_text
 
 CALCULATOR_SCHEMA = {
@@ -69,10 +74,29 @@ def calculator(expression: str) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
+# A number with thousands separators ("1,000") first, so that it is not read as its last group ("000").
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
+
+
 def final_number(text: str) -> str | None:
-    """The last number in ``text`` (as written), or ``None``."""
-    numbers = re.findall(r"-?\d+(?:\.\d+)?", text)
-    return numbers[-1] if numbers else None
+    """The last number in ``text``, thousands separators dropped (``"1,000"`` -> ``"1000"``), or ``None``."""
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def gold_number(answer: object) -> str:
+    """The gold answer as text: for a GSM8K solution the part after its last ``####``; separators dropped."""
+    return gsm8k_final(str(answer)).strip().replace(",", "")
+
+
+def same_number(got: str | None, gold: str) -> bool:
+    """Do ``got`` and ``gold`` name the same number (``72.0`` is ``72``)? Text that is no number must match exactly."""
+    if got is None:
+        return False
+    try:
+        return Decimal(got) == Decimal(gold)
+    except InvalidOperation:
+        return got == gold
 
 
 class MathAgentHandler(AgentHandler):
@@ -96,4 +120,4 @@ class MathAgentHandler(AgentHandler):
         answer = final_text(traj) if traj.stop_reason == "stop" else ""
         got = final_number(answer)
         ctx.output["predicted"] = got
-        ctx.reward = 1.0 if got is not None and got == str(ctx.instance.get("answer")) else 0.0
+        ctx.reward = 1.0 if same_number(got, gold_number(ctx.instance.get("answer"))) else 0.0

@@ -9,7 +9,9 @@ The model may call ``python`` (sympy is in the image) any number of times;
 the last ``\\boxed{...}`` of its final turn is its answer. EVAL: reward 1.0
 when that answer is mathematically equivalent to ``answer`` (math-verify,
 sympy fallback), else 0.0; ``output["predicted"]`` and ``output["verdict"]``
-record what was parsed and how it was judged.
+record what was parsed and how it was judged. An answer that may be
+astronomically large (``9^{9^{9}}``, factorials) is judged in a child process
+killed after ``min(20 s, eval_timeout_s)``: past that it scores 0.0.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-from prorl_cli.domains.answers import last_boxed, math_equal
+from prorl_cli.domains.answers import gsm8k_final, last_boxed, math_equal_bounded
 from prorl_cli.domains.sandbox_tools import PYTHON
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, final_text
 
@@ -55,8 +57,11 @@ class MathHandler(AgentHandler):
     async def eval(self, ctx: JobContext) -> None:
         traj = ctx.trajectory
         answer = last_boxed(final_text(traj)) if traj.stop_reason == "stop" else None
-        # sympy can take a while on adversarial answers: off the event loop (bounded by the EVAL limit).
-        verdict = await asyncio.to_thread(math_equal, str(ctx.instance["answer"]), answer)
+        # Off the event loop; an answer such as 9^{9^{9}} is judged in a child process killed at the limit
+        # (in a thread it would go on computing after the EVAL limit, holding CPU and memory).
+        limit_s = min(20.0, float(ctx.settings.eval_timeout_s or 20.0))
+        gold = gsm8k_final(str(ctx.instance["answer"]))  # a GSM8K row given as it is published
+        verdict = await asyncio.to_thread(math_equal_bounded, gold, answer, timeout_s=limit_s)
         ctx.output["predicted"] = answer
         ctx.output["verdict"] = asdict(verdict)
         ctx.reward = 1.0 if verdict.correct else 0.0

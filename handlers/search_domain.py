@@ -9,7 +9,8 @@ The corpus (JSONL ``{id, title, text}``; default: the shipped
 ``handlers/data/search_corpus.jsonl``) is indexed with BM25 (``bm25s``) once
 per node process and shared by every job on the node
 (:mod:`prorl_cli.domains.search_index`); no internet is used. The answer is
-the last ``\\boxed{}`` of the final turn, else the whole final turn. Reward:
+the last ``\\boxed{}`` of the final turn (``\\text{...}`` and the like unwrapped),
+else the whole final turn. Reward:
 SQuAD exact match against any gold answer; ``output["f1"]`` records token F1.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from prorl_cli.domains.answers import exact_match, f1_score, last_boxed
+from prorl_cli.domains.answers import exact_match, f1_score, last_boxed, latex_words
 from prorl_cli.domains.search_index import BUILDS, SearchIndex, get_index, hits_text
 from prorl_cli.exceptions import DomainError
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, Tool, final_text
@@ -104,7 +105,8 @@ class SearchHandler(AgentHandler):
         traj = ctx.trajectory
         text = final_text(traj) if traj.stop_reason == "stop" else ""
         answer = last_boxed(text)
-        predicted = answer if answer is not None else text.strip()
+        # A boxed answer often wraps its words in \text{...}: scored as "textparis", it would never match "Paris".
+        predicted = latex_words(answer) if answer is not None else text.strip()
         golds = gold_answers(ctx.instance)
         ctx.output["predicted"] = predicted
         ctx.output["f1"] = f1_score(predicted, golds)

@@ -2,25 +2,36 @@
 
 Mathematical equivalence uses ``math-verify`` (LaTeX, fractions, intervals,
 sets, equations such as ``x=3`` against ``3``); without it, or when it cannot
-parse an answer, a sympy comparison of the two expressions; failing that,
-normalised string equality. Install with ``pip install 'prorl[domains]'``.
+parse an answer, a sympy comparison of the two expressions (plain arithmetic
+only: sympify evaluates its text, and an answer is model output); failing
+that, normalised string equality. Install with ``pip install 'prorl[domains]'``.
 """
 
 from __future__ import annotations
 
+import ast
 import collections
 import importlib.util
+import json
 import logging
+import os
 import re
 import string
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced."""
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced; a last
+    ``\\boxed 5`` without braces (TeX takes the one token) gives ``5``."""
     starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    bare = list(re.finditer(r"\\boxed\s+([^\s{}$\\]+)", text))
+    if bare and (not starts or bare[-1].start() > starts[-1]):
+        return bare[-1].group(1).rstrip(".,;") or None
     if not starts:
         return None
     start = starts[-1]
@@ -33,6 +44,14 @@ def last_boxed(text: str) -> str | None:
             if depth == 0:
                 return text[start:i].strip()
     return None  # unbalanced: no answer
+
+
+def gsm8k_final(answer: str) -> str:
+    """A GSM8K worked solution's final answer, the number after its last ``####`` (separators dropped);
+    any other answer unchanged."""
+    if "####" not in answer:
+        return answer
+    return answer.rsplit("####", 1)[1].strip().replace(",", "")
 
 
 @dataclass
@@ -56,13 +75,45 @@ def _strip_latex(s: str) -> str:
     return s.strip()
 
 
+# What sympify may see: sympify runs its text through eval, and a prediction is model output, so an answer
+# such as __import__('os').system(...) would run on the node. Arithmetic, these names and calls of these
+# functions only; no attributes, subscripts, strings or keywords.
+_SYMPY_FUNCTIONS = frozenset({"sqrt", "exp", "log", "ln", "sin", "cos", "tan", "Abs"})
+_SYMPY_CONSTANTS = frozenset({"pi", "oo", "E", "I"})
+_SYMPY_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Tuple, ast.Load, ast.operator, ast.unaryop)
+
+
+def _sympy_safe(expr: str) -> bool:
+    """Is ``expr`` plain arithmetic that sympify may evaluate (see ``_SYMPY_FUNCTIONS``)?"""
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except (SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant):
+            if not isinstance(node.value, int | float) or isinstance(node.value, bool):
+                return False
+        elif isinstance(node, ast.Name):
+            if not (len(node.id) == 1 or node.id in _SYMPY_CONSTANTS or node.id in _SYMPY_FUNCTIONS):
+                return False
+        elif isinstance(node, ast.Call):
+            if not isinstance(node.func, ast.Name) or node.func.id not in _SYMPY_FUNCTIONS or node.keywords:
+                return False
+        elif not isinstance(node, _SYMPY_NODES):
+            return False
+    return True
+
+
 def _sympy_equal(gold: str, pred: str) -> tuple[bool, str] | None:
-    """``(equal, parsed)`` by sympy, or ``None`` when either side does not parse."""
+    """``(equal, parsed)`` by sympy, or ``None`` when either side does not parse or is no plain arithmetic."""
     import sympy
 
+    gold_expr, pred_expr = _strip_latex(gold), _strip_latex(pred)
+    if not (_sympy_safe(gold_expr) and _sympy_safe(pred_expr)):
+        return None
     try:
-        g = sympy.sympify(_strip_latex(gold))
-        p = sympy.sympify(_strip_latex(pred))
+        g = sympy.sympify(gold_expr)
+        p = sympy.sympify(pred_expr)
         return bool(sympy.simplify(g - p) == 0), str(p)
     except (sympy.SympifyError, TypeError, SyntaxError, AttributeError, ValueError):
         return None
@@ -94,6 +145,91 @@ def math_equal(gold: str, pred: str | None) -> MathVerdict:
         if result is not None:
             return MathVerdict(result[0], "sympy", result[1])
     return MathVerdict(_normalise(gold) == _normalise(pred), "string", _normalise(pred))
+
+
+# A prediction whose value may be astronomically large: sympy evaluates 9^{9^{9}} (hundreds of millions of
+# digits) eagerly, for minutes and gigabytes, in a thread that no stage limit stops. Such answers (and
+# factorials, binomials, products, very long answers) are judged in a child process that is killed at its limit.
+_HEAVY_WORDS = ("!", "**", "\\binom", "\\choose", "\\prod", "\\uparrow")
+_HEAVY_CHARS = 500
+_CHILD = """
+import json, resource, sys
+from dataclasses import asdict
+limit = int(sys.argv[1]) << 20
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+from prorl_cli.domains.answers import math_equal
+gold, pred = json.load(sys.stdin)
+print(json.dumps(asdict(math_equal(gold, pred))))
+"""
+
+
+def _exponent(text: str, start: int) -> tuple[str, int]:
+    """The superscript of ``text`` that starts at ``start`` (after the ``^``) and where it ends."""
+    while start < len(text) and text[start].isspace():
+        start += 1
+    if start < len(text) and text[start] == "{":
+        depth = 0
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start + 1: i], i + 1
+        return text[start + 1:], len(text)
+    match = re.match(r"\\[a-zA-Z]+|\d+|.", text[start:], re.DOTALL)
+    return (match.group(0), start + match.end()) if match else ("", start)
+
+
+def heavy_answer(pred: str) -> bool:
+    """May evaluating ``pred`` take unbounded time or memory (towers of powers, huge exponents, factorials)?"""
+    if len(pred) > _HEAVY_CHARS or any(word in pred for word in _HEAVY_WORDS):
+        return True
+    carets = list(re.finditer(r"\^", pred))
+    if len(carets) > 2:  # ((9^9)^9)^9... grows as a tower too
+        return True
+    for caret in carets:
+        exponent, end = _exponent(pred, caret.end())
+        if "^" in exponent or re.search(r"\d{5,}", exponent) or pred[end:].lstrip().startswith("^"):
+            return True
+        if len(carets) == 2 and re.search(r"\d{3,}", exponent):  # (10^{999})^{999}
+            return True
+    return False
+
+
+def math_equal_bounded(gold: str, pred: str | None, *, timeout_s: float = 20.0, mem_mb: int = 2048) -> MathVerdict:
+    """:func:`math_equal`, with a :func:`heavy_answer` judged in a child process under ``timeout_s`` and
+    ``mem_mb``; one that runs past them is wrong (method ``"timeout"`` or ``"error"``)."""
+    if pred is None or not heavy_answer(pred):
+        return math_equal(gold, pred)
+    # The child imports prorl_cli from where this process did, installed or not.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(mem_mb)], input=json.dumps([gold, pred]),
+                              capture_output=True, text=True, timeout=timeout_s, check=False, env=env,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired:
+        log.info("judging %r took over %.1f s: scored wrong", pred[:200], timeout_s)
+        return MathVerdict(False, "timeout", None)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        # Out of memory is the answer's fault; anything else (an import error, say) would score every such
+        # answer 0, so it is a warning.
+        (log.info if "MemoryError" in done.stderr else log.warning)(
+            "judging %r in a child process failed (exit %s): %s", pred[:200], done.returncode, done.stderr[-500:])
+        return MathVerdict(False, "error", None)
+    return MathVerdict(**json.loads(lines[-1]))
+
+
+# LaTeX commands that only style the words inside them: a model boxes "\\text{Paris}" for the answer "Paris".
+_TEXT_COMMAND = re.compile(r"\\(?:text|textbf|textit|textrm|textsf|texttt|textnormal|mathrm|mathbf|mathit|mathsf|mbox|emph)\s*\{([^{}]*)\}")
+
+
+def latex_words(text: str) -> str:
+    """``text`` with styling commands (``\\text{...}``, ``\\textbf{...}``, ``\\mathrm{...}``) replaced by their
+    content and LaTeX spaces (``\\ ``, ``~``, ``\\,``) by plain ones, for word-level answer matching."""
+    previous = None
+    while previous != text:  # nested: \textbf{\text{Paris}}
+        previous, text = text, _TEXT_COMMAND.sub(r"\1", text)
+    return re.sub(r"\\[ ,;:!]|~", " ", text).strip()
 
 
 def squad_normalise(text: str) -> str:

@@ -3,7 +3,9 @@
 Every test starts its own sandbox (network off), writes the program and the
 input, runs :mod:`prorl_cli.domains.judge_runner` there under the per-test
 time and memory limits, and stops the sandbox, so nothing a test leaves
-running survives it. Output is compared with whitespace-normalised matching.
+running survives it. Output is compared with whitespace-normalised matching,
+token by token; where the expected token is a real number (``0.333333``)
+any value within 1e-6 (absolute or relative) is accepted.
 Verdicts: ``AC`` accepted, ``WA`` wrong answer, ``TLE`` time limit, ``MLE``
 memory limit, ``RE`` runtime error.
 """
@@ -11,6 +13,8 @@ memory limit, ``RE`` runtime error.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,29 @@ def normalise_output(text: str) -> list[list[str]]:
     return [line for line in lines if line] if lines else []
 
 
+# A real number in the expected output ("0.333333", "1.5e-3"): the problem's checker accepts any value within
+# FLOAT_TOLERANCE (absolute or relative), as Codeforces-style checkers of real outputs do; integers and words
+# must match exactly.
+_DECIMAL = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?\d+[eE][-+]?\d+")
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+FLOAT_TOLERANCE = 1e-6
+
+
+def same_token(got: str, want: str) -> bool:
+    """Does the output token ``got`` match the expected ``want`` (real numbers within ``FLOAT_TOLERANCE``)?"""
+    if got == want:
+        return True
+    if not (_DECIMAL.fullmatch(want) and _NUMBER.fullmatch(got)):
+        return False
+    g, w = float(got), float(want)
+    return math.isfinite(g) and abs(g - w) <= FLOAT_TOLERANCE * max(1.0, abs(w))
+
+
+def same_line(got: list[str], want: list[str]) -> bool:
+    """Token by token (:func:`same_token`)."""
+    return len(got) == len(want) and all(same_token(g, w) for g, w in zip(got, want, strict=True))
+
+
 def classify(report: dict[str, Any], expected: str) -> tuple[str, str]:
     """``(verdict, detail)`` from the runner's report."""
     stderr = str(report.get("stderr", ""))
@@ -61,10 +88,10 @@ def classify(report: dict[str, Any], expected: str) -> tuple[str, str]:
     if report["exit_code"] != 0:
         return "RE", f"exit {report['exit_code']}: {stderr[-500:]}"
     got, want = normalise_output(str(report["stdout"])), normalise_output(expected)
-    if got == want:
+    if len(got) == len(want) and all(same_line(g, w) for g, w in zip(got, want, strict=True)):
         return "AC", ""
     for i, (g, w) in enumerate(zip(got, want, strict=False)):
-        if g != w:
+        if not same_line(g, w):
             return "WA", f"line {i + 1}: expected {' '.join(w)!r}, got {' '.join(g)!r}"
     return "WA", f"expected {len(want)} line(s), got {len(got)}"
 
@@ -82,6 +109,18 @@ def parse_tests(instance: dict[str, Any]) -> list[TestCase]:
     return out
 
 
+def runner_spec(test: TestCase, *, time_limit_s: float, mem_mb: int, workdir: str = "/work",
+                command: list[str] | None = None) -> dict[str, Any]:
+    """The :mod:`judge_runner` spec of one test, its files in ``workdir``.
+
+    The runner keeps the first ``max_output_bytes`` of the program's output: room for twice the expected
+    output (at least 1 MiB), so a right answer longer than 1 MiB is read whole, not cut to a wrong one.
+    """
+    return {"command": command or ["python3", f"{workdir}/solution.py"], "stdin_path": f"{workdir}/input.txt",
+            "time_limit_s": time_limit_s, "mem_mb": mem_mb, "cwd": workdir, "report_path": f"{workdir}/report.json",
+            "max_output_bytes": max(1 << 20, 2 * len(test.output.encode()) + 4096)}
+
+
 async def run_test(
     ctx: JobContext, index: int, program: str, test: TestCase, *, image: str | None, time_limit_s: float, mem_mb: int
 ) -> TestVerdict:
@@ -94,8 +133,7 @@ async def run_test(
         await sandbox.write_file("/work/solution.py", program.encode())
         await sandbox.write_file("/work/input.txt", test.input.encode())
         await sandbox.write_file("/work/judge_runner.py", RUNNER.read_bytes())
-        spec = {"command": ["python3", "/work/solution.py"], "stdin_path": "/work/input.txt",
-                "time_limit_s": time_limit_s, "mem_mb": mem_mb, "cwd": "/work", "report_path": "/work/report.json"}
+        spec = runner_spec(test, time_limit_s=time_limit_s, mem_mb=mem_mb)
         await sandbox.write_file("/work/judge.json", json.dumps(spec).encode())
         ran = await sandbox.bash("python3 /work/judge_runner.py /work/judge.json", timeout_s=time_limit_s + 30)
         if ran.timed_out or ran.exit_code != 0:

@@ -4,19 +4,32 @@
 Shapes understood (``--format auto`` picks by the fields present, and asks
 for ``--format`` when a row fits more than one):
 
-- ``math``: DeepScaleR / MATH / AMC rows: ``problem`` (or ``question``) and
-  ``answer``, or a ``solution`` whose last ``\\boxed{}`` is the answer.
-- ``code``: ``question`` (or ``problem``/``prompt``/``question_content``) with
-  hidden tests as ``inputs``/``outputs`` lists (``--format io``), ``test_cases``
-  as a list of ``{input, output}`` or ``{inputs, outputs}`` (``test_cases``),
-  APPS/TACO ``input_output`` JSON (``apps``), or LiveCodeBench
-  ``public_test_cases``/``private_test_cases`` JSON (``livecodebench``).
+- ``math``: DeepScaleR / MATH / AMC / AIME / GSM8K rows: ``problem`` (or
+  ``question``, or capitalised) and ``answer`` (GSM8K's worked solution: the number after
+  ``####``), or a ``solution`` whose last ``\\boxed{}`` is the answer;
+  verl-style rows (DAPO-Math-17k, verl's GSM8K): the last user message of
+  ``prompt`` (their "Answer:" / "####" instructions removed: the math task
+  reads a ``\\boxed{}`` answer) and ``reward_model.ground_truth``.
+- ``code``: ``question`` (or ``problem``/``prompt``/``question_content``/
+  ``description``) with hidden tests as ``inputs``/``outputs`` lists
+  (``--format io``), ``test_cases`` as a list of ``{input, output}`` or
+  ``{inputs, outputs}`` (``test_cases``), APPS/TACO ``input_output`` JSON
+  (``apps``; a test given as a list of lines is those lines joined; rows of
+  function-call tests, ``fn_name``, are refused), LiveCodeBench
+  ``public_test_cases``/``private_test_cases`` as JSON or as
+  ``code_generation_lite`` compresses them (``livecodebench``; stdin tests),
+  CodeContests ``public_tests``/``private_tests``/``generated_tests``
+  (``codecontests``), or verl-style rows (Eurus-2-RL-Data): a chat ``prompt``
+  and ``reward_model.ground_truth`` holding ``{inputs, outputs}`` (``verl``).
+  ``tests`` may be a list or JSON text of one (DeepCoder).
 - ``swe``: SWE-bench (full, Lite, Verified), SWE-Gym, SWE-smith, SWE-rebench,
   nebius SWE-bench-extra and swebench task rows, each with its own field
   names, mapped to the swe instance by :mod:`prorl_cli.swe.sources`
   (``--format`` names the source where ``auto`` should not guess). Fields
   prorl cannot use are kept and reported once per dataset (``warn``).
-- ``search``: ``question`` with ``answers``, ``answer`` or ``golden_answers``.
+- ``search``: ``question`` with ``answers``, ``answer`` or ``golden_answers``
+  (a string, a list, SQuAD's ``{text: [...]}`` or TriviaQA's
+  ``{value, aliases}``), plus MuSiQue's ``answer_aliases``.
 
 Any other task: each row is passed through unchanged. Errors name the file,
 the line (JSONL) or row (Parquet) and the missing field.
@@ -24,22 +37,29 @@ the line (JSONL) or row (Parquet) and the missing field.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
+import pickle
+import zlib
 from collections.abc import Callable, Iterator
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
-from prorl_cli.domains.answers import last_boxed
+from prorl_cli.domains.answers import gsm8k_final, last_boxed
 from prorl_cli.exceptions import DatasetError
 from prorl_cli.jsonl import jsonl_values
 from prorl_cli.swe.sources import SOURCES, SweRows
 
 log = logging.getLogger(__name__)
 Row = dict[str, Any]
+# CodeContests' test groups, in the order they are judged (max_tests keeps the first ones).
+_CODECONTESTS_TESTS = ("public_tests", "private_tests", "generated_tests")
 FORMATS: dict[str, tuple[str, ...]] = {
     "math": ("auto",),
-    "code": ("auto", "io", "test_cases", "apps", "livecodebench"),
+    "code": ("auto", "io", "test_cases", "apps", "livecodebench", "codecontests", "verl"),
     "swe": ("auto", *SOURCES),
     "search": ("auto",),
 }
@@ -130,12 +150,58 @@ def _keep(row: Row, out: Row) -> Row:
     return out
 
 
+# DAPO-Math-17k wraps each problem in an instruction to end with "Answer: ...", which the math task (it
+# reads the last \\boxed{}) does not score: the loader keeps the problem only.
+_DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
+                "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+_DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+# verl's GSM8K preprocessing asks for the answer after "####" the same way.
+_VERL_GSM8K_SUFFIX = 'Let\'s think step by step and output the final answer after "####".'
+
+
+def _chat_problem(row: Row) -> str | None:
+    """The last user message of a chat-style ``prompt`` (verl/DAPO rows), DAPO's answer-format wrapper removed."""
+    messages = row.get("prompt")
+    if not isinstance(messages, list):
+        return None
+    users = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if not users or not isinstance(users[-1], str):
+        return None
+    text = users[-1]
+    if text.startswith(_DAPO_PREFIX) and text.endswith(_DAPO_SUFFIX):
+        text = text[len(_DAPO_PREFIX): -len(_DAPO_SUFFIX)]
+    elif text.endswith(_VERL_GSM8K_SUFFIX):
+        text = text[: -len(_VERL_GSM8K_SUFFIX)]
+    return text.strip()
+
+
+def _ground_truth(row: Row) -> str | None:
+    """verl's ``reward_model.ground_truth`` (a string, or a list holding one)."""
+    reward_model = row.get("reward_model")
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    if isinstance(truth, list) and len(truth) == 1:
+        truth = truth[0]
+    return None if truth in (None, "") or isinstance(truth, list | dict) else str(truth)
+
+
+def _present(row: Row, names: tuple[str, ...]) -> Any:
+    """The first of ``names`` the row has a value for, else ``None``."""
+    return next((row[name] for name in names if row.get(name) not in (None, "")), None)
+
+
 def _math(row: Row, where: str, fmt: str) -> Row:
-    problem = _first(row, where, ("problem", "question"), "the problem text")
-    if row.get("answer") not in (None, ""):
-        answer = str(row["answer"])
-    elif isinstance(row.get("solution"), str):
-        boxed = last_boxed(row["solution"])
+    # AIME sets (AIME_2024 and the like) capitalise their fields.
+    problem = _present(row, ("problem", "question", "Problem", "Question")) or _chat_problem(row)
+    if problem is None:
+        raise DatasetError(f"{where}: missing field 'problem' (the problem text; also accepted: 'question', "
+                           "'Problem', 'Question', a chat 'prompt')")
+    given, solution, truth = _present(row, ("answer", "Answer")), _present(row, ("solution", "Solution")), _ground_truth(row)
+    if given is not None:
+        answer = gsm8k_final(str(given))  # GSM8K: a worked solution whose final line is "#### 72"
+    elif truth is not None:
+        answer = truth
+    elif isinstance(solution, str):
+        boxed = last_boxed(solution)
         if boxed is None:
             raise DatasetError(f"{where}: missing field 'answer', and 'solution' has no \\boxed{{}} answer")
         answer = boxed
@@ -144,10 +210,17 @@ def _math(row: Row, where: str, fmt: str) -> Row:
     return _keep(row, {"problem": str(problem), "answer": answer})
 
 
+def _stdio_text(value: Any) -> str:
+    """One test's stdin or stdout: APPS/TACO give some as a list of lines, which their own judge joins."""
+    if isinstance(value, list) and all(isinstance(line, str) for line in value):
+        return "\n".join(value)
+    return str(value)
+
+
 def _pairs(inputs: Any, outputs: Any, where: str, names: str) -> list[Row]:
     if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
         raise DatasetError(f"{where}: {names} must be two lists of the same length")
-    return [{"input": str(i), "output": str(o)} for i, o in zip(inputs, outputs, strict=True)]
+    return [{"input": _stdio_text(i), "output": _stdio_text(o)} for i, o in zip(inputs, outputs, strict=True)]
 
 
 def _tests_from(row: Row, where: str, fmt: str) -> list[Row]:
@@ -156,12 +229,15 @@ def _tests_from(row: Row, where: str, fmt: str) -> list[Row]:
         "test_cases": "test_cases" in row,
         "apps": "input_output" in row,
         "livecodebench": "public_test_cases" in row or "private_test_cases" in row,
+        "codecontests": any(name in row for name in _CODECONTESTS_TESTS),
+        "verl": isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"],
     }
     if fmt == "auto":
         found = [k for k, ok in shapes.items() if ok]
         if not found:
             raise DatasetError(f"{where}: missing field 'tests' (hidden tests as inputs/outputs, test_cases, "
-                               "input_output or public_test_cases/private_test_cases)")
+                               "input_output, public_test_cases/private_test_cases, public_tests/private_tests "
+                               "or reward_model.ground_truth)")
         if len(found) > 1:
             raise DatasetError(f"{where}: the row has tests in several shapes {found}; pick one with --format")
         fmt = found[0]
@@ -170,20 +246,24 @@ def _tests_from(row: Row, where: str, fmt: str) -> list[Row]:
     if fmt == "io":
         return _pairs(row["inputs"], row["outputs"], where, "inputs/outputs")
     if fmt == "apps":
-        io = _json_field(row["input_output"], where, "input_output")
-        if not isinstance(io, dict):
-            raise DatasetError(f"{where}: input_output must hold {{inputs, outputs}}")
-        return _pairs(io.get("inputs"), io.get("outputs"), where, "input_output.inputs/outputs")
+        if row["input_output"] in (None, ""):  # APPS ships some rows without tests
+            raise DatasetError(f"{where}: input_output is empty: the row has no tests")
+        return _io_pairs(_json_field(row["input_output"], where, "input_output"), where, "input_output")
+    if fmt == "verl":
+        truth = _json_field(row["reward_model"]["ground_truth"], where, "reward_model.ground_truth")
+        return _io_pairs(truth, where, "reward_model.ground_truth")
     if fmt == "test_cases":
         cases = _json_field(row["test_cases"], where, "test_cases")
         if isinstance(cases, dict):
             return _pairs(cases.get("inputs"), cases.get("outputs"), where, "test_cases.inputs/outputs")
         if isinstance(cases, list) and all(isinstance(c, dict) and "input" in c and "output" in c for c in cases):
-            return [{"input": str(c["input"]), "output": str(c["output"])} for c in cases]
+            return [{"input": _stdio_text(c["input"]), "output": _stdio_text(c["output"])} for c in cases]
         raise DatasetError(f"{where}: test_cases must be a list of {{input, output}} or {{inputs, outputs}}")
+    if fmt == "codecontests":
+        return _codecontests_tests(row, where)
     tests: list[Row] = []
     for name in ("public_test_cases", "private_test_cases"):
-        cases = _json_field(row.get(name) or "[]", where, name)
+        cases = _livecodebench_cases(row.get(name) or "[]", where, name)
         if not isinstance(cases, list):
             raise DatasetError(f"{where}: {name} must be a JSON list of {{input, output}}")
         for i, c in enumerate(cases):
@@ -194,9 +274,79 @@ def _tests_from(row: Row, where: str, fmt: str) -> list[Row]:
     return tests
 
 
+def _io_pairs(io: Any, where: str, name: str) -> list[Row]:
+    """APPS/TACO-style ``{inputs, outputs}`` (also verl's code ``ground_truth``) as stdin/stdout tests."""
+    if not isinstance(io, dict):
+        raise DatasetError(f"{where}: {name} must hold {{inputs, outputs}}")
+    if io.get("fn_name"):
+        # Its inputs are argument lists and its outputs return values: fed to stdin, no program passes.
+        raise DatasetError(f"{where}: {name} has function-call tests (fn_name {io['fn_name']!r}); the code "
+                           "task judges stdin/stdout programs only: leave such rows out")
+    return _pairs(io.get("inputs"), io.get("outputs"), where, f"{name}.inputs/outputs")
+
+
+def _json_tests(value: Any, where: str) -> list[Row]:
+    """``tests`` given as JSON text (DeepCoder): ``[{input, output, testtype?}]`` or ``{inputs, outputs}``."""
+    if isinstance(value, dict):
+        return _io_pairs(value, where, "tests")
+    if not isinstance(value, list):
+        raise DatasetError(f"{where}: tests must be a list of {{input, output}} or {{inputs, outputs}}")
+    tests = []
+    for i, c in enumerate(value):
+        if not isinstance(c, dict) or "input" not in c or "output" not in c:
+            raise DatasetError(f"{where}: tests[{i}]: missing field 'input' or 'output'")
+        if c.get("testtype", "stdin") == "stdin":  # LiveCodeBench's "functional" tests are calls, not stdin
+            tests.append({"input": _stdio_text(c["input"]), "output": _stdio_text(c["output"])})
+    return tests
+
+
+def _codecontests_tests(row: Row, where: str) -> list[Row]:
+    """CodeContests: ``public_tests``, ``private_tests`` and ``generated_tests``, each ``{input: [...], output: [...]}``."""
+    tests: list[Row] = []
+    for name in _CODECONTESTS_TESTS:
+        group = _json_field(row.get(name) or {"input": [], "output": []}, where, name)
+        if not isinstance(group, dict):
+            raise DatasetError(f"{where}: {name} must hold {{input, output}} lists")
+        tests += _pairs(group.get("input"), group.get("output"), where, f"{name}.input/output")
+    return tests
+
+
+class _TextOnlyUnpickler(pickle.Unpickler):
+    """Unpickles plain data only: a pickle naming any class or function (code to run) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refused {module}.{name}: only plain data is read")
+
+
+def _livecodebench_cases(value: Any, where: str, name: str) -> Any:
+    """A LiveCodeBench test list: JSON, or as ``code_generation_lite`` ships its private tests, the JSON text
+    pickled, zlib-compressed and base64-encoded."""
+    if isinstance(value, str) and not value.lstrip().startswith("["):
+        try:
+            text = _TextOnlyUnpickler(BytesIO(zlib.decompress(base64.b64decode(value, validate=True)))).load()
+        except (binascii.Error, zlib.error, pickle.UnpicklingError, EOFError, ValueError) as e:
+            raise DatasetError(f"{where}: field {name!r} is neither a JSON list nor LiveCodeBench's compressed "
+                               f"test list: {e}") from e
+        if not isinstance(text, str):
+            raise DatasetError(f"{where}: field {name!r}: the compressed test list holds {type(text).__name__}, "
+                               "not JSON text")
+        value = text
+    return _json_field(value, where, name)
+
+
 def _code(row: Row, where: str, fmt: str) -> Row:
-    question = _first(row, where, ("question", "problem", "prompt", "question_content"), "the problem statement")
-    tests = row["tests"] if fmt == "auto" and isinstance(row.get("tests"), list) else _tests_from(row, where, fmt)
+    question = _first(row, where, ("question", "problem", "prompt", "question_content", "description"),
+                      "the problem statement")
+    if isinstance(question, list):  # verl rows: a chat prompt, not a statement
+        question = _chat_problem(row)
+        if question is None:
+            raise DatasetError(f"{where}: field 'prompt' is a list but holds no user message")
+    if fmt == "auto" and isinstance(row.get("tests"), str) and row["tests"].lstrip()[:1] in ("[", "{"):
+        tests = _json_tests(_json_field(row["tests"], where, "tests"), where)
+    elif fmt == "auto" and isinstance(row.get("tests"), list):
+        tests = row["tests"]
+    else:
+        tests = _tests_from(row, where, fmt)
     if not tests:
         raise DatasetError(f"{where}: the row has no stdin/stdout tests")
     return _keep(row, {"question": str(question), "tests": tests})
@@ -215,8 +365,13 @@ def _search(row: Row, where: str, fmt: str) -> Row:
         answers = [answers]
     if isinstance(answers, dict) and isinstance(answers.get("text"), list):  # SQuAD-style {text: [...]}
         answers = answers["text"]
+    elif isinstance(answers, dict) and isinstance(answers.get("aliases"), list):  # TriviaQA {value, aliases}
+        answers = list(dict.fromkeys(a for a in (answers.get("value"), *answers["aliases"]) if a not in (None, "")))
     if not isinstance(answers, list) or not answers:
         raise DatasetError(f"{where}: answers must be a string or a non-empty list of strings")
+    aliases = row.get("answer_aliases")  # MuSiQue: other names of the answer, each as right as it
+    if isinstance(aliases, list):
+        answers = list(dict.fromkeys([*answers, *(a for a in aliases if a not in (None, ""))]))
     return _keep(row, {"question": str(question), "answers": [str(a) for a in answers]})
 
 

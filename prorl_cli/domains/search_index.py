@@ -1,4 +1,5 @@
-"""A BM25 index over a JSONL corpus (``{id, title, text}`` per line), built once per node process.
+"""A BM25 index over a JSONL corpus (``{id, title, text}`` per line, or FlashRAG's ``{id, contents}`` whose
+first line is the quoted title), built once per node process.
 
 Every job of a node that names the same corpus file gets the same
 :class:`SearchIndex`: the first builds it (in a worker thread), the others
@@ -39,9 +40,14 @@ def read_corpus(path: Path) -> list[Document]:
     docs: list[Document] = []
     seen: set[str] = set()
     for lineno, row in jsonl_objects(path, DatasetError, expected="id, title, text"):
+        if "text" not in row and isinstance(row.get("contents"), str):
+            # FlashRAG / Search-R1 corpora: {id, contents}, the first line of contents the quoted title.
+            title, _, text = row["contents"].partition("\n")
+            row = {**row, "title": row.get("title", title.strip().strip('"')), "text": text}
         for key in ("id", "text"):
             if key not in row:
-                raise DatasetError(f"{path}:{lineno}: missing field {key!r} (corpus lines are {{id, title, text}})")
+                raise DatasetError(f"{path}:{lineno}: missing field {key!r} (corpus lines are {{id, title, text}}"
+                                   " or {id, contents})")
         doc_id = str(row["id"])
         if doc_id in seen:
             raise DatasetError(f"{path}:{lineno}: duplicate document id {doc_id!r}")

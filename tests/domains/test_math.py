@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from prorl_cli.domains.answers import _sympy_equal, last_boxed, math_equal
@@ -72,3 +74,23 @@ def test_math_handler_end_to_end(stack: ScriptedStack) -> None:
     assert "limit of 0.001 s" in slow_run.output["failure"]["message"]
     records = stack.d.deployment_dir / "nodes" / "n1" / "sandboxes"
     assert list(records.glob("*.json")) == []  # every sandbox was stopped
+
+
+def test_sympy_fallback_never_evaluates_code_in_an_answer(tmp_path: Path) -> None:
+    """sympify runs its text through eval: a model's boxed answer reached the node's Python (sympy comes with
+    torch, math-verify may be missing, and math-verify hands over any answer it cannot parse)."""
+    marker = tmp_path / "ran"
+    for pred in (f"__import__('os').system('touch {marker}')", f"open('{marker}', 'w').write('x')",
+                 "().__class__.__base__", "S.true", "x(1)", "lambda: 1"):
+        assert _sympy_equal("5", pred) is None, pred
+        assert not math_equal("5", pred).correct
+    assert not marker.exists()
+    assert _sympy_equal("\\sqrt{2}", "2^{1/2}") == (True, "sqrt(2)")  # arithmetic and its functions still compare
+
+
+def test_a_boxed_answer_without_braces() -> None:
+    """TeX's \\boxed 5 boxes the one token: it is the answer, not "no answer" (a right answer scored 0)."""
+    assert last_boxed("so the answer is $\\boxed 5$.") == "5"
+    assert last_boxed("The answer is \\boxed 12.") == "12"
+    assert last_boxed("\\boxed{1} at first, then \\boxed 7") == "7"
+    assert last_boxed("\\boxed 7 at first, then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
