@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
-from prorl_cli.exceptions import ProrlError
+from prorl_cli.exceptions import ConfigError, ProrlError
 
 # Stands in for assistant content when rendering turn boundaries; never sent to a model.
 _LOAD_LOCK = threading.Lock()
@@ -40,29 +41,58 @@ class ChatTokens:
             raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template")
         self.tokenizer = tokenizer
         self.tools = tools
-        closed = self._render([{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}], False)
+        closed = self._render(self._base(), False)
         if _SENTINEL not in closed:
             raise ChatTemplateError("the chat template drops assistant content; cannot find the turn boundary")
-        self._closed_turn = closed
         #: Text the template puts after assistant content (``<|im_end|>\n`` for ChatML).
         self.turn_suffix = closed[closed.index(_SENTINEL) + len(_SENTINEL) :]
         stop = set()
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is not None:
             stop.add(int(eos))
-        #: Token ids that end an assistant turn (use as ``stop_token_ids``).
+        # A base model's tokenizer (Qwen2.5/Qwen3 base) names <|endoftext|> as EOS while its template ends a
+        # turn with <|im_end|>: without that token as a stop, the model runs on into turns it invents.
+        end = self.encode(self.turn_suffix)[:1]
+        if end and self._is_special(end[0]) and self.turn_suffix.startswith(self.decode(end)):
+            stop.add(end[0])
+        #: Token ids that end an assistant turn (use as ``stop_token_ids``): EOS and the special token
+        #: the template closes an assistant turn with.
         self.stop_token_ids = sorted(stop)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], **kwargs: Any) -> ChatTokens:
-        """Load the tokenizer of a local model directory (never downloads). Thread-safe."""
+        """Load the tokenizer of a local model directory (never downloads). Thread-safe.
+
+        A path that holds no tokenizer raises :class:`ConfigError` naming it.
+        """
         # transformers' lazy module import is not thread-safe: handlers load tokenizers
         # with asyncio.to_thread, several at once, and could see half-imported modules.
         with _LOAD_LOCK:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            except (OSError, ValueError) as e:
+                # transformers words a missing directory as a bad hub repo id or a failed download.
+                what = ("the directory holds no tokenizer files" if Path(path).is_dir() else
+                        "no such directory, and no model of that name in the Hugging Face cache "
+                        "(nothing is downloaded)")
+                cause = (str(e).strip().splitlines() or [""])[0]
+                raise ConfigError(f"cannot load a tokenizer from {str(path)!r}: {what} "
+                                  f"({type(e).__name__}: {cause})") from e
         return cls(tokenizer, **kwargs)
+
+    def _is_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a special token (a control token, not text the model could spell out)."""
+        if token_id in (getattr(self.tokenizer, "all_special_ids", None) or []):
+            return True
+        added = (getattr(self.tokenizer, "added_tokens_decoder", None) or {}).get(token_id)
+        return bool(getattr(added, "special", False))
+
+    @staticmethod
+    def _base() -> list[dict[str, Any]]:
+        """A closed assistant turn whose content is the sentinel: what observations are rendered after."""
+        return [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
@@ -79,6 +109,18 @@ class ChatTokens:
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def turn_text(self, output_ids: list[int]) -> str:
+        """An assistant turn's text, for tool parsing and people: the end-of-turn stop id dropped,
+        other special tokens kept.
+
+        Some models' tokenizers mark ``<tool_call>`` as a special token (vLLM's Hermes parser keeps special
+        tokens for that reason): a decode that skips them would hide every tool call from the parser.
+        """
+        ids = list(output_ids)
+        if ids and ids[-1] in self.stop_token_ids:
+            ids.pop()
+        return self.decode(ids)
 
     def initial_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """The first prompt: the whole template over ``messages`` plus the assistant header."""
@@ -99,14 +141,21 @@ class ChatTokens:
 
     def observation_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The template's text for ``messages`` following a closed assistant turn."""
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
-        full = self._render(base + list(messages), add_generation_prompt)
-        if not full.startswith(self._closed_turn):
+        full = self._render(self._base() + list(messages), add_generation_prompt)
+        # The turns before the assistant's, rendered alone, must start the longer conversation unchanged.
+        # The assistant turn's own start is not compared: the model continued the generation prompt, and
+        # some templates render a closed turn's start otherwise (Qwen3 gives only the last assistant turn
+        # an empty <think> block; DeepSeek-R1 drops the reasoning the prompt opened). Rendered now, not
+        # once: a template may print today's date (Llama 3.2), and a node runs past midnight.
+        earlier = self._render(self._base()[:1], False)
+        at = full.find(_SENTINEL)
+        rest = full[at + len(_SENTINEL) :]
+        if at < len(earlier) or not full.startswith(earlier) or not rest.startswith(self.turn_suffix):
             raise ChatTemplateError(
                 "the chat template re-renders earlier turns when messages are added; "
                 "it cannot be extended token-exactly"
             )
-        return full[len(self._closed_turn) :]
+        return rest[len(self.turn_suffix) :]
 
     def continuation(self, output_ids: list[int], messages: list[dict[str, Any]]) -> list[int]:
         """Ids to append after ``output_ids``: the turn's close, ``messages``, the next assistant header."""

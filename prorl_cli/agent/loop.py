@@ -24,7 +24,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from prorl_cli.agent.chat import ChatTokens
-from prorl_cli.agent.tools import Tool, ToolCall, ToolFn, ToolParser, get_tool_parser
+from prorl_cli.agent.tools import (
+    HermesToolParser,
+    Tool,
+    ToolCall,
+    ToolFn,
+    ToolParser,
+    get_tool_parser,
+)
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.exceptions import InferenceError, JobEnded
 from prorl_cli.inference.contract import Generation
@@ -32,6 +39,8 @@ from prorl_cli.observe.timeline import TOOL, record_span
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
+#: Tokenizers (``id(ChatTokens)``) already warned about a parser that cannot read their model's calls.
+_WARNED: set[int] = set()
 
 #: ``await generate(prompt_ids, sampling) -> Generation`` (``JobContext.generate`` fits).
 GenerateFn = Callable[[list[int], SamplingParams], Awaitable[Generation]]
@@ -102,7 +111,7 @@ class TokenSession:
             finish_reason=gen.finish_reason,
             backend_id=gen.backend_id,
             prefix_ok=prefix_ok,
-            text=self.chat.decode(gen.output_ids, skip_special_tokens=True),
+            text=self.chat.turn_text(gen.output_ids),
             policy_version=getattr(gen, "policy_version", None),
         )
         traj = self.trajectory
@@ -192,6 +201,7 @@ async def run_tool_agent(
         record_into = JOB_RECORDER.get()
     tools = tool_functions(tools)
     parser = parser or get_tool_parser("hermes")
+    _warn_if_template_lacks_calls(chat, parser, tools)
     if not sampling.stop_token_ids and chat.stop_token_ids:
         sampling = SamplingParams(**{**sampling.to_wire(), "stop_token_ids": chat.stop_token_ids})
     session = TokenSession(chat, generate, messages, model=model)
@@ -214,6 +224,21 @@ async def run_tool_agent(
     finally:
         if snapshot_into is not None:
             _record(snapshot_into, traj)
+
+
+def _warn_if_template_lacks_calls(chat: ChatTokens, parser: ToolParser, tools: Mapping[str, ToolFn]) -> None:
+    """Say so, once per tokenizer, when the Hermes parser reads a model whose template never writes its calls.
+
+    A Llama 3.x, Mistral or DeepSeek model calls tools in another format: the parser finds no call, and every
+    rollout would end silently after its first turn, as if the model had answered.
+    """
+    template = str(getattr(chat.tokenizer, "chat_template", "") or "")
+    if not tools or not isinstance(parser, HermesToolParser) or "<tool_call>" in template or id(chat) in _WARNED:
+        return
+    _WARNED.add(id(chat))
+    log.warning("the chat template of %s never writes <tool_call>: the hermes tool parser will likely find no "
+                "tool calls in this model's turns; register a parser for its format (register_tool_parser) "
+                "and pass it as parser=", getattr(chat.tokenizer, "name_or_path", "the tokenizer"))
 
 
 def tool_functions(tools: Mapping[str, ToolFn] | Sequence[Tool]) -> dict[str, ToolFn]:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+#: Open and close a reasoning block; the answer (and its tool calls) follows it.
+_THINK_START, _THINK_END = "<think>", "</think>"
 #: A tool's implementation: ``fn(**arguments) -> str`` (sync or async; other results are JSON-encoded).
 ToolFn = Callable[..., Any]
 
@@ -85,18 +87,30 @@ class ToolParser(Protocol):
 
 
 class HermesToolParser:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number per turn."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number per turn.
 
-    pattern = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    Reasoning before ``</think>`` (Qwen3, DeepSeek-R1), or after a ``<think>``
+    never closed, is skipped: a call drafted while thinking is not a call (see
+    :func:`_after_reasoning`). The turn's last call may lack its
+    ``</tool_call>`` (the model ended the turn right after the JSON); it counts
+    when its JSON is a whole call, and is ignored otherwise (a turn cut short).
+    """
+
+    pattern = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
 
     def parse(self, text: str) -> list[ToolCall]:
+        text = _after_reasoning(text)
         calls = []
         for match in self.pattern.finditer(text):
             raw = match.group(1).strip()
+            closed = bool(match.group(2))
             try:
                 obj = json.loads(raw)
             except ValueError as e:
-                calls.append(ToolCall("", raw=raw, error=f"tool call is not valid JSON: {e}"))
+                if closed:
+                    calls.append(ToolCall("", raw=raw, error=f"tool call is not valid JSON: {e}"))
+                continue
+            if not closed and not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
                 continue
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 calls.append(ToolCall("", raw=raw, error="tool call must be a JSON object with a string 'name'"))
@@ -113,6 +127,25 @@ class HermesToolParser:
                 continue
             calls.append(ToolCall(obj["name"], args, raw))
         return calls
+
+
+def _after_reasoning(text: str) -> str:
+    """The part of a turn after its reasoning block (where calls are made); all of it when there is none.
+
+    A turn that opens with ``<think>`` reasons up to the first ``</think>``; one cut before it made no
+    call. A template may open the block in the prompt (only ``</think>`` in the output): then a
+    ``</think>`` inside a call's arguments (a file being written) is text, not the end of a thought.
+    """
+    if text.lstrip().startswith(_THINK_START):
+        end = text.find(_THINK_END)
+        return "" if end < 0 else text[end + len(_THINK_END) :]
+    end = text.find(_THINK_END)
+    while end >= 0:
+        before = text[:end]
+        if before.count("<tool_call>") <= before.count("</tool_call>"):
+            return text[end + len(_THINK_END) :]
+        end = text.find(_THINK_END, end + 1)
+    return text
 
 
 _PARSERS: dict[str, Callable[[], ToolParser]] = {"hermes": HermesToolParser}
