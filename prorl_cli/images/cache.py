@@ -48,17 +48,30 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def sha256_path(path: Path) -> str:
-    """Hex SHA-256 of a file, or of a folder's tree (relative names, modes, link targets, contents)."""
+def sha256_path(path: Path, _outer: tuple[Path, ...] = ()) -> str:
+    """Hex SHA-256 of a file, or of a folder's tree (relative names, modes, contents).
+
+    A symbolic link counts by what it points to: Apptainer copies ``%files``
+    with ``cp -L``, so the image holds the target's bytes, and a changed target
+    must change the key. A link that dangles, or leads back into a folder being
+    hashed, counts by its text.
+    """
     if not path.is_dir():
         return sha256_file(path)
+    outer = (*_outer, path.resolve())
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):
         rel = p.relative_to(path).as_posix()
         st = p.lstat()
         h.update(f"{rel}\0{stat.S_IMODE(st.st_mode):o}\0".encode())
         if stat.S_ISLNK(st.st_mode):
-            h.update(b"L" + os.readlink(p).encode())
+            target = p.resolve()
+            if p.is_file():
+                h.update(b"F" + sha256_file(p).encode())
+            elif p.is_dir() and not any(target == o or target in o.parents for o in outer):
+                h.update(b"D" + sha256_path(p, outer).encode())
+            else:
+                h.update(b"L" + os.readlink(p).encode())
         elif stat.S_ISREG(st.st_mode):
             h.update(b"F" + sha256_file(p).encode())
         else:

@@ -44,6 +44,24 @@ def versioned_inputs(spec: ImageSpec, base_ref: str) -> dict[str, Any]:
     return {"name": spec.name, "base": base_ref, "prorl_version": __version__}
 
 
+def _files_inputs(spec: ImageSpec) -> dict[str, str]:
+    """The hash of each copied file or folder, by destination.
+
+    Several copies into one folder (a Dockerfile's ``COPY src/ /app/`` and
+    ``COPY tests/ /app/``) share a destination: each after the first gets its
+    own ``DST#N`` entry, so a change to any of them moves the key (the first
+    keeps the plain name, so keys without such copies are unchanged).
+    """
+    out: dict[str, str] = {}
+    for f in spec.files:
+        name, n = f.dst, 1
+        while name in out:
+            n += 1
+            name = f"{f.dst}#{n}"
+        out[name] = sha256_path(f.src)
+    return out
+
+
 def lock_inputs(spec: ImageSpec, definition: str, build_args: list[str], base_ref: str) -> dict[str, Any]:
     """What a lock key covers: the rendered definition, the lockfile and every copied file's bytes."""
     import hashlib
@@ -52,7 +70,7 @@ def lock_inputs(spec: ImageSpec, definition: str, build_args: list[str], base_re
         "name": spec.name,
         "base": base_ref,
         "definition": hashlib.sha256(definition.encode()).hexdigest(),
-        "files": {f"{f.dst}": sha256_path(f.src) for f in spec.files},
+        "files": _files_inputs(spec),
         "lockfile": sha256_file(spec.lockfile) if spec.lockfile else None,
         "build_args": build_args,
     }

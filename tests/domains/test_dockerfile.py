@@ -25,7 +25,7 @@ def test_conversion_keeps_what_apptainer_can_express(tmp_path: Path) -> None:
                               "WORKDIR /opt/app\nUSER nobody\nEXPOSE 80\nVOLUME /data\nCMD [\"python3\", \"main.py\"]\n")
     d = conv.definition  # type: ignore[attr-defined]
     assert d.startswith("Bootstrap: localimage\nFrom: /x/base.sif\n")
-    assert f"{tmp_path}/app /opt/app" in d and "tool_server" not in d  # the runtimes bind the tool server
+    assert f"{tmp_path}/app/. /opt/app" in d and "tool_server" not in d  # the runtimes bind the tool server
     assert "echo built > /opt/stamp" in d and "export A=1" in d and "org.prorl.image img" in d
     assert "su -" not in d and "Bootstrap: docker" not in d
     notes = conv.not_converted  # type: ignore[attr-defined]

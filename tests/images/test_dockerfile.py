@@ -1,0 +1,249 @@
+"""Dockerfile recipes: what the converted definition does must be what ``docker build`` would have done.
+
+The conversion tests read the definition prorl writes (no Apptainer needed);
+the last test builds one real image from a Dockerfile and reads its files.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from prorl_cli.images.dockerfile import Conversion, convert_dockerfile
+from prorl_cli.images.spec import parse_image
+
+from .conftest import Workspace, needs_apptainer
+
+
+def convert(context: Path, dockerfile: str) -> Conversion:
+    """Convert ``dockerfile`` written into ``context`` for an image on a scratch base."""
+    (context / "Dockerfile").write_text(dockerfile)
+    spec = parse_image("img", {"template": "Dockerfile", "base": "scratch"}, "images.yaml: images.img", context, None)
+    return convert_dockerfile(context / "Dockerfile", spec, header="Bootstrap: scratch", prorl_version="0")
+
+
+def section(definition: str, name: str) -> list[str]:
+    """The lines of one %section of a definition."""
+    lines = definition.split(f"\n%{name}\n", 1)[1].split("\n%", 1)[0]
+    return lines.splitlines()
+
+
+def test_env_and_arg_reach_the_programs_later_steps_run(tmp_path: Path) -> None:
+    """In Docker ENV and ARG are environment variables of every later RUN; a bare shell assignment is not."""
+    conv = convert(tmp_path, "FROM debian\nARG PIP_INDEX_URL=https://mirror.site/simple\n"
+                             "ENV DEBIAN_FRONTEND=noninteractive \\\n    PIP_NO_CACHE_DIR=1\nENV MSG hello world\n"
+                             "RUN apt-get install -y git && pip install numpy\n")
+    post = section(conv.definition, "post")
+    assert post[:4] == ["export PIP_INDEX_URL=https://mirror.site/simple", "export DEBIAN_FRONTEND=noninteractive",
+                        "export PIP_NO_CACHE_DIR=1", 'export MSG="hello world"'], post
+    assert 'export MSG="hello world"' in section(conv.definition, "environment")
+
+
+def test_relative_copy_destinations_follow_workdir_and_folders_copy_their_contents(tmp_path: Path) -> None:
+    (tmp_path / "requirements.txt").write_text("numpy\n")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "app.py").write_text("print(1)\n")
+    (tmp_path / ".dockerignore").write_text("*.pyc\n")
+    conv = convert(tmp_path, "FROM python\nWORKDIR /testbed\nCOPY requirements.txt .\nCOPY src/ ./src/\n"
+                             "WORKDIR lib\nCOPY src sub\nRUN pip install -r ../requirements.txt\n")
+    assert conv.not_converted[:1] == [".dockerignore: not applied; the folders COPY names are copied whole"]
+    assert section(conv.definition, "files") == [
+        f"{tmp_path}/requirements.txt /testbed/requirements.txt",
+        f"{tmp_path}/src/. /testbed/src/",  # Docker copies the folder's contents, not the folder
+        f"{tmp_path}/src/. /testbed/lib/sub",
+    ]
+    post = section(conv.definition, "post")
+    assert post[-3:] == ["mkdir -p /testbed/lib", "cd /testbed/lib", "/bin/sh -c 'pip install -r ../requirements.txt'"], post
+
+
+def test_env_and_arg_values_are_expanded_where_docker_expands_them(tmp_path: Path) -> None:
+    """A %files destination is not expanded by a shell: `COPY . $APP_HOME` made a folder named `$APP_HOME`."""
+    (tmp_path / "app.py").write_text("print(1)\n")
+    conv = convert(tmp_path, "FROM python\nARG PY=3.11\nENV APP_HOME=/srv/app PATH=/opt/py$PY/bin:$PATH\n"
+                             'ENV GREETING="hello world"\nENV MESSAGE=$GREETING\n'  # one variable: spython failed on it
+                             "WORKDIR $APP_HOME\nCOPY app.py ${APP_HOME}/bin/\nCOPY app.py ${CONF_DIR:-/etc/app}/\n")
+    assert section(conv.definition, "files") == [f"{tmp_path}/app.py /srv/app/bin/app.py",
+                                                 f"{tmp_path}/app.py /etc/app/app.py"]
+    # At run time there is no ARG: the value was fixed at build time; the base image's $PATH is the shell's.
+    assert section(conv.definition, "environment")[:4] == ["export APP_HOME=/srv/app", "export PATH=/opt/py3.11/bin:$PATH",
+                                                         'export GREETING="hello world"', 'export MESSAGE="hello world"']
+    assert section(conv.definition, "post")[-2:] == ["mkdir -p /srv/app", "cd /srv/app"]
+
+
+def test_labels_are_name_value_pairs(tmp_path: Path) -> None:
+    conv = convert(tmp_path, 'FROM debian\nARG V=1.2\nLABEL org.opencontainers.image.version=$V description="a b"\n'
+                             "LABEL legacy some value\nMAINTAINER Ada <ada@example.org>\n")
+    assert section(conv.definition, "labels")[:4] == ["org.opencontainers.image.version 1.2", "description a b",
+                                                      "legacy some value", "maintainer Ada <ada@example.org>"]
+
+
+def test_comment_lines_inside_a_continued_run_are_dropped(tmp_path: Path) -> None:
+    """Kept, a comment line would comment out the rest of the joined command (and run the next line alone)."""
+    conv = convert(tmp_path, "FROM debian\nRUN apt-get install -y \\\n    # version control\n\n    git \\\n"
+                             "    curl\n")
+    assert section(conv.definition, "post") == ["/bin/sh -c 'apt-get install -y     git     curl'"]
+
+
+def test_here_documents_run_their_bodies(tmp_path: Path) -> None:
+    conv = convert(tmp_path, "FROM python\nWORKDIR /app\nRUN <<EOF\nset -e\necho built > /built\nEOF\n"
+                             "RUN python3 - <<'PY'\nfrom os import environ\n\nenv = 1\nPY\n"
+                             "COPY <<EOF conf/app.ini\n[app]\n\nname = x\nEOF\n")
+    post = "\n".join(section(conv.definition, "post"))
+    assert "/bin/sh -c 'set -e\necho built > /built'" in post  # a lone here-document is the script
+    # A here-document for a command stays one (its empty lines too: "from x import y" is no FROM).
+    assert "/bin/sh -c 'python3 - <<'\"'\"'PY'\"'\"'\nfrom os import environ\n\nenv = 1\nPY'" in post
+    assert "mkdir -p /app/conf\ncat > /app/conf/app.ini <<EOF\n[app]\n\nname = x\nEOF" in post
+
+
+def test_copy_flags_are_reported_not_taken_for_sources(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a\n")
+    conv = convert(tmp_path, "FROM debian\nCOPY --chown=1000:1000 --chmod=644 a.txt /opt/a.txt\n"
+                             'COPY --from=builder /out /out\nCOPY --link ["a.txt", "/opt/json/"]\n')
+    assert section(conv.definition, "files") == [f"{tmp_path}/a.txt /opt/a.txt", f"{tmp_path}/a.txt /opt/json/a.txt"]
+    assert any("flags --chown=1000:1000 --chmod=644 are ignored" in n for n in conv.not_converted), conv.not_converted
+    assert any("COPY --from=builder /out /out - copies from another image or stage" in n for n in conv.not_converted)
+
+
+def test_add_unpacks_a_local_archive(tmp_path: Path) -> None:
+    data = b"one\n"
+    with tarfile.open(tmp_path / "data.tgz", "w:gz") as tar:
+        info = tarfile.TarInfo("d/f.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "notes.gz").write_bytes(b"not a tar")
+    conv = convert(tmp_path, "FROM debian\nADD data.tgz /opt/data\nADD notes.gz /opt/\n")
+    assert section(conv.definition, "files") == [f"{tmp_path}/data.tgz /.prorl-add/1-data.tgz",
+                                                 f"{tmp_path}/notes.gz /.prorl-copy/2-0/notes.gz"]
+    post = section(conv.definition, "post")
+    assert post == ["mkdir -p /opt/data/", "tar -xf /.prorl-add/1-data.tgz -C /opt/data/", "rm -f /.prorl-add/1-data.tgz",
+                    "mkdir -p /opt", "cp -f /.prorl-copy/2-0/notes.gz /opt/notes.gz",  # not a tar: copied as it is
+                    "rm -rf /.prorl-add", "rm -rf /.prorl-copy"], post
+
+
+def test_each_run_is_its_own_shell_command_under_shell(tmp_path: Path) -> None:
+    """A failure inside `a && b` fails the step (in %post's `sh -e` it did not); SHELL picks the shell."""
+    conv = convert(tmp_path, "FROM debian\nRUN apt-get update && apt-get install -y git\n"
+                             'SHELL ["/bin/bash", "-o", "pipefail", "-c"]\nRUN source /etc/profile && echo "$HOME"\n'
+                             'RUN ["python3", "-c", "print(1)"]\n')
+    assert section(conv.definition, "post") == ["/bin/sh -c 'apt-get update && apt-get install -y git'",
+                                                "/bin/bash -o pipefail -c 'source /etc/profile && echo \"$HOME\"'",
+                                                "python3 -c 'print(1)'"]
+    assert conv.not_converted == ["FROM debian: replaced by the image list's base scratch"]
+
+
+@pytest.mark.parametrize(
+    ("instructions", "runscript"),
+    [
+        ('CMD ["python", "app.py"]', ['if [ "$#" -eq 0 ]; then set -- python app.py; fi', 'exec "$@"']),
+        ('ENTRYPOINT ["python", "-m", "app"]\nCMD ["--port", "8 000"]',
+         ['if [ "$#" -eq 0 ]; then set -- --port \'8 000\'; fi', 'exec python -m app "$@"']),
+        ("CMD python app.py --name \"$USER\"",
+         ['if [ "$#" -eq 0 ]; then set -- /bin/sh -c \'python app.py --name "$USER"\'; fi', 'exec "$@"']),
+        ("ENTRYPOINT exec serve\nCMD [\"--ignored\"]", ["exec /bin/sh -c 'exec serve'"]),
+        ("", None),  # none: Apptainer keeps the base image's runscript
+    ],
+)
+def test_runscript_runs_what_docker_run_would(tmp_path: Path, instructions: str, runscript: list[str] | None) -> None:
+    conv = convert(tmp_path, f"FROM debian\nWORKDIR /srv\n{instructions}\n")
+    if runscript is None:
+        assert "%runscript" not in conv.definition and "%startscript" not in conv.definition
+        return
+    assert section(conv.definition, "runscript") == ["cd /srv", *runscript]
+    assert section(conv.definition, "startscript") == ["cd /srv", *runscript]
+
+
+def test_variables_of_a_dockerfile_entry_are_its_build_args(ws: Workspace) -> None:
+    """They were ignored: `ARG PY` stayed unset and `ARG TAG=old` kept its default, with no word."""
+    (ws.root / "Dockerfile").write_text('FROM debian\nARG PY\nARG TAG=old MSG="a b"\nENV PYTHON=python$PY\n'
+                                        "RUN echo $PY $TAG\n")
+    ws.write({"app": {"template": "Dockerfile", "base": "scratch",
+                      "variables": {"PY": "3.10", "TAG": "new $HOME", "UNUSED": 1}}})
+    out = ws.prorl("build-images", "--dry-run", "--json", "app")
+    (plan,) = json.loads(out.stdout)
+    post = section(plan["definition"], "post")
+    assert post[:4] == ['export PY="3.10"', 'export TAG="new \\$HOME"', 'export MSG="a b"', "export PYTHON=python3.10"]
+    assert "variables.UNUSED: the Dockerfile has no ARG UNUSED" in out.stderr
+    assert "ARG is not supported" not in out.stderr  # PY has its value now
+
+
+def test_a_copy_after_a_run_lands_after_it(tmp_path: Path) -> None:
+    """%files are all copied before %post: `RUN rm -rf /etc/app` would have deleted what a later COPY put there."""
+    (tmp_path / "app.conf").write_text("x = 1\n")
+    (tmp_path / "conf.d").mkdir()
+    conv = convert(tmp_path, "FROM debian\nCOPY app.conf /opt/early.conf\nRUN rm -rf /etc/app\n"
+                             "COPY app.conf /etc/app/\nCOPY conf.d /etc/app/conf.d\n")
+    assert section(conv.definition, "files") == [f"{tmp_path}/app.conf /opt/early.conf",  # before any RUN: direct
+                                                 f"{tmp_path}/app.conf /.prorl-copy/3-0/app.conf",
+                                                 f"{tmp_path}/conf.d/. /.prorl-copy/4-0/"]
+    assert section(conv.definition, "post") == ["/bin/sh -c 'rm -rf /etc/app'",
+                                                "mkdir -p /etc/app", "cp -f /.prorl-copy/3-0/app.conf /etc/app/app.conf",
+                                                "mkdir -p /etc/app/conf.d/", "cp -fR /.prorl-copy/4-0/. /etc/app/conf.d/",
+                                                "rm -rf /.prorl-copy"]
+
+
+def test_every_copy_into_one_folder_counts_toward_the_lock_key(ws: Workspace) -> None:
+    for sub in ("src", "tests"):
+        (ws.root / sub).mkdir()
+        (ws.root / sub / f"{sub}.py").write_text("1\n")
+    (ws.root / "Dockerfile").write_text("FROM debian\nCOPY src/ /app/\nCOPY tests/ /app/\n")
+    ws.write({"app": {"template": "Dockerfile", "base": "scratch"}})
+    before = ws.dry_run("--mode", "lock")["app"]["key"]
+    (ws.root / "src" / "src.py").write_text("2\n")  # the first of the two copies into /app/
+    assert ws.dry_run("--mode", "lock")["app"]["key"] != before
+
+
+@needs_apptainer
+@pytest.mark.apptainer
+def test_a_converted_dockerfile_builds_what_docker_would(ws: Workspace) -> None:
+    (ws.root / "requirements.txt").write_text("numpy\n")
+    (ws.root / "src").mkdir()
+    (ws.root / "src" / "app.py").write_text("print(1)\n")
+    (ws.root / "Dockerfile").write_text(
+        "FROM busybox\n"
+        "RUN /bin/busybox --install -s /bin\n"
+        "ENV GREETING=hello\n"
+        "WORKDIR /testbed\n"
+        "COPY requirements.txt .\n"
+        "COPY src/ /testbed/src/\n"
+        "RUN sh -c 'echo \"$GREETING\"' > /greeting && ls /testbed/src > /listing \\\n"
+        "    # a comment Docker drops\n"
+        "    && echo done > /done\n"
+        "RUN <<EOF\necho heredoc > /heredoc\nEOF\n"
+        "RUN mkdir -p /etc/app && echo old > /etc/app/app.conf\n"
+        "COPY requirements.txt /etc/app/app.conf\n"
+    )
+    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
+              "app": {"template": "Dockerfile", "base": "image:root"}})
+    image = ws.build("--mode", "lock", "app")["app"]
+    assert image["action"] == "built", image
+
+    def cat(path: str) -> str:
+        args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", path]
+        return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout
+
+    assert cat("/testbed/requirements.txt") == "numpy\n"
+    assert cat("/greeting") == "hello\n"  # ENV reached a child process of a RUN step
+    assert cat("/listing") == "app.py\n"  # the folder's contents, not /testbed/src/src
+    assert cat("/done") == "done\n"
+    assert cat("/heredoc") == "heredoc\n"
+    assert cat("/etc/app/app.conf") == "numpy\n"  # the COPY after the RUN won
+
+
+@needs_apptainer
+@pytest.mark.apptainer
+def test_a_failure_inside_an_and_list_fails_the_build(ws: Workspace) -> None:
+    """`docker build` stops at `RUN false && echo`; as a %post line it went on and published the image."""
+    (ws.root / "Dockerfile").write_text("FROM busybox\nRUN false && echo never\nRUN echo after > /after\n")
+    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
+              "app": {"template": "Dockerfile", "base": "image:root"}})
+    out = ws.prorl("build-images", "--json", "--mode", "lock", "app", check=False)
+    assert out.returncode == 1, out.stdout
+    (app,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
+    assert app["action"] == "failed" and "Running post scriptlet" in app["error"], app
+    assert not Path(app["path"]).exists()
