@@ -6,7 +6,9 @@ Instance: a SWE-bench row (``instance_id``, ``repo``, ``base_commit``,
 repository on the node, cloned into the sandbox when the image does not
 carry the project) and ``settings``.
 
-The image is ``settings.repo_images["<repo>@<version>"]`` (or ``["<repo>"]``),
+The image is ``settings.repo_images`` by instance id, ``"<repo>@<version>"``
+(``"<repo>@latest"`` for a row without a version, as ``build-images --swe``
+keys it) or ``"<repo>"``,
 else ``settings.image``; SWE-bench images keep the project in ``/testbed``.
 INIT checks the repository out at ``base_commit`` and removes every commit,
 ref and object later than it (``prorl_cli.swe.history``). RUN: the agent
@@ -38,6 +40,7 @@ from prorl_cli.domains.sandbox_tools import BASH, EDITOR
 from prorl_cli.domains.swe_grading import test_list
 from prorl_cli.exceptions import DomainError, SandboxError
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext
+from prorl_cli.swe.images import repo_key
 from prorl_cli.swe.workspace import prepare, run_tests
 
 SYSTEM = (
@@ -76,7 +79,7 @@ class SweHandler(AgentHandler):
     def image_for(self, ctx: JobContext, settings: HandlerSettings) -> str | None:
         images: dict[str, Any] = settings.get("repo_images")
         inst = ctx.instance
-        found = (images.get(str(inst["instance_id"])) or images.get(f"{inst['repo']}@{inst.get('version')}")
+        found = (images.get(str(inst["instance_id"])) or images.get(repo_key(inst))
                  or images.get(str(inst["repo"])))
         return str(found) if found else settings.image
 

@@ -22,9 +22,15 @@ def test_files(test_patch: str) -> list[str]:
     return files
 
 
+#: Files a test patch touches that no test runner takes as an argument (fixtures, data, docs), as SWE-bench's
+#: harness leaves them off its command line: pytest stops at such a path ("ERROR: not found"), running no test.
+DATA_SUFFIXES = (".json", ".png", ".csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml", ".yaml", ".toml")
+
+
 def test_targets(test_patch: str, *test_names: list[str]) -> list[str]:
-    """Test files to run: those the test patch touches, plus the files of pytest node ids in ``test_names``."""
-    files = test_files(test_patch)
+    """Test files to run: those the test patch touches (data files left out, :data:`DATA_SUFFIXES`), plus the
+    files of pytest node ids in ``test_names``."""
+    files = [name for name in test_files(test_patch) if not name.lower().endswith(DATA_SUFFIXES)]
     for names in test_names:
         for name in names:
             path = name.split("::", 1)[0]

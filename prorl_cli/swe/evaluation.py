@@ -83,6 +83,18 @@ class Sample:
         }
 
 
+def job_ids(run_id: str, instances: list[dict[str, Any]], n: int) -> list[str]:
+    """The job ids of ``n`` samples of each instance under ``--run-id``: ``RUN-DIGEST-K``, instance-major.
+
+    The digest is the row's (:func:`prorl_cli.swe.validate_run.row_digest`), not its position: a run resumed
+    with ``--instance-id`` or over a dataset with rows added or removed names each instance's own jobs (a
+    position would hand one instance another's result), and an edited row gets new jobs.
+    """
+    from prorl_cli.swe.validate_run import row_digest
+
+    return [f"{run_id}-{row_digest(inst)}-{k}" for inst in instances for k in range(n)]
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The chance that at least one of ``k`` samples out of ``n`` (``c`` correct) is correct."""
     if k > n:
@@ -113,9 +125,11 @@ def swebench_report(sample: Sample) -> dict[str, Any]:
 def summarize(instance_ids: list[str], samples: list[Sample], model_name: str, n: int) -> dict[str, Any]:
     """swebench's run report over the first sample of each instance, plus resolved rate and pass@k over all."""
     first = {s.instance_id: s for s in samples if s.sample == 0}
-    empty = sorted(i for i, s in first.items() if not s.model_patch)
-    errors = sorted(i for i, s in first.items() if s.model_patch and s.report is None)
-    completed = sorted(i for i, s in first.items() if s.model_patch and s.report is not None)
+    # A job that failed (a stage raised, it timed out) saved no patch: an error, not an empty model patch.
+    failed = {i for i, s in first.items() if s.state != "done" or s.failure}
+    empty = sorted(i for i, s in first.items() if i not in failed and not s.model_patch)
+    errors = sorted(i for i, s in first.items() if i in failed or (s.model_patch and s.report is None))
+    completed = sorted(i for i, s in first.items() if i not in failed and s.model_patch and s.report is not None)
     resolved = sorted(i for i in completed if first[i].resolved)
     infra = sorted(i for i in completed if (first[i].report or {}).get("infra_failure"))
     by_instance: dict[str, list[Sample]] = {}

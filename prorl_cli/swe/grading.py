@@ -22,8 +22,9 @@ exit status and the tail of its output in ``infra_step``:
 - an instance that lists no test at all, or no FAIL_TO_PASS test (swebench
   would resolve it for any patch that keeps PASS_TO_PASS passing, the empty one too);
 - a finished test step that produced none of the listed tests and no
-  collection error (under ``fail_only``: no result at all and no sign in the
-  log that the suite ran), unless the same run without the model patch
+  collection error, pytest's or unittest's ``_FailedTest`` for a test module
+  that did not import, as Django's runner prints it (under ``fail_only``: no
+  result at all and no sign in the log that the suite ran), unless the same run without the model patch
   produces them: then the patch stopped them (a broken conftest or import),
   and each listed test is a failure (``prorl_cli/swe/workspace.py`` makes that
   run). A test step cut at the time limit is graded as it stands: a patch that
@@ -57,6 +58,8 @@ STEP_SYNTAX_ERROR, SETUP_FAILED, SETUP_TIMEOUT, SETUP_INTERRUPTED = (
     "step_syntax_error", "setup_failed", "setup_timeout", "setup_interrupted")
 NO_LISTED_TESTS, NO_TESTS_COLLECTED, UNREADABLE_TEST_IDS = "no_listed_tests", "no_tests_collected", "unreadable_test_ids"
 NO_FAIL_TO_PASS = "no_fail_to_pass"
+#: How unittest names the test it puts in place of a test module it could not import.
+FAILED_IMPORT = "unittest.loader._FailedTest"
 
 
 @functools.lru_cache(maxsize=1)
@@ -182,6 +185,10 @@ def grade_run(plan: TestPlan, instance: dict[str, Any], fail_to_pass: list[str],
     else:
         primary, secondary = parse_log(plan.log_parser, log, instance, fail_to_pass, pass_to_pass), by_id
         label = f"log:{plan.log_parser}"
+        # unittest's stand-in for a test module that did not import (Django's runner prints it as a test): the
+        # collection error of such a run, so a patch that leaves the listed tests unimportable is graded, a 0.
+        collect_errors += [name for name, outcome in primary.items()
+                           if FAILED_IMPORT in name and outcome in (FAILED, ERROR) and name not in collect_errors]
     merged = {**secondary, **primary}
     gold = {grading.FAIL_TO_PASS: fail_to_pass, grading.PASS_TO_PASS: pass_to_pass}
     # swebench's own lists: under pass_and_fail a listed test the run never produced is a failure.

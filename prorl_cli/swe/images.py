@@ -142,7 +142,7 @@ def group_rows(rows: list[dict[str, Any]], repos_dir: Path | None) -> tuple[dict
             continue
         reqs = requirement_lines(row.get("requirements"), f"instance {iid} requirements")
         digest = hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:8] if reqs else ""
-        key = f"{row['repo']}@{row.get('version') or 'latest'}"
+        key = repo_key(row)
         by_key.setdefault(key, {}).setdefault(digest, []).append(row)
     groups: dict[str, RepoGroup] = {}
     for variants in by_key.values():
@@ -239,6 +239,15 @@ def dockerfile(group: RepoGroup, wheels: bool, repo_dir: str) -> str:
     lines += [f"RUN cd {testbed} && {command}" for command in group.install]
     lines.append(f"WORKDIR {repo_dir}")
     return "\n".join(lines) + "\n"
+
+
+def repo_key(row: dict[str, Any]) -> str:
+    """The ``repo_images`` key of ``row``'s repository/version: ``repo@version``, ``repo@latest`` without one.
+
+    The handlers and ``prorl swe validate`` look images up by this same key, so a row without a version finds
+    the image built for it (not the settings' default image).
+    """
+    return f"{row['repo']}@{row.get('version') or 'latest'}"
 
 
 def plan_dataset(rows: list[dict[str, Any]], recipes_dir: Path, base: str, wheels_dir: Path | None,

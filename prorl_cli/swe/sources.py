@@ -49,8 +49,8 @@ SOURCES: dict[str, str] = {
     SWE_SMITH: "SWE-smith",
     SWE_REBENCH: "SWE-rebench",
     NEBIUS: "nebius SWE-bench-extra",
-    SWEBENCH_TASK: "swebench task rows",
-    PRORL: "prorl rows",
+    SWEBENCH_TASK: "swebench task",
+    PRORL: "prorl's own",
 }
 #: What an instance must hold (``test_patch`` defaults to "" for SWE-smith, whose rows have none).
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -119,6 +119,12 @@ class SweRows:
             out.setdefault("test_patch", "")
             if isinstance(out.get("patch"), str) and "patch_reverse" not in row:
                 out["patch_reverse"] = True  # SWE-smith's `patch` introduces the bug: the fix is its reverse
+        if is_r2e_gym(row):
+            raise DatasetError(
+                f"{where}: an R2E-Gym row (fields {sorted(k for k in R2E_GYM_FIELDS if k in row)}): R2E-Gym grades "
+                "a run by its image's own test script against `expected_output_json`, with no base_commit, "
+                "test_patch or FAIL_TO_PASS/PASS_TO_PASS lists, so prorl cannot grade it; give rows in SWE-bench's "
+                f"format (they need {list(REQUIRED)})")
         for name in REQUIRED:
             if name not in out:
                 raise DatasetError(f"{where}: missing field {name!r} ({SOURCES[source]} rows need {list(REQUIRED)})")
@@ -240,6 +246,17 @@ class SweRows:
         """One line per source and field prorl could not use (or refused to run), naming both."""
         return [f"{SOURCES[n.source]} rows: field {n.field!r} ({n.rows} of {self.rows} row(s), e.g. {n.example}): "
                 f"{n.reason}" for n in self._notes.values()]
+
+
+#: Fields only R2E-Gym's own rows carry (its SWE-bench-format splits carry SWE-bench's fields instead).
+R2E_GYM_FIELDS = frozenset({"repo_name", "commit_hash", "expected_output_json", "execution_result_content",
+                            "parsed_commit_content", "modified_entity_summaries"})
+
+
+def is_r2e_gym(row: Row) -> bool:
+    """Whether ``row`` is one of R2E-Gym's own rows: its fields, and none of SWE-bench's instance fields."""
+    return (len(R2E_GYM_FIELDS.intersection(row)) >= 2
+            and not any(k in row for k in ("base_commit", "FAIL_TO_PASS", "PASS_TO_PASS")))
 
 
 def detect_source(row: Row) -> str:

@@ -14,11 +14,16 @@ Precedence, first found wins (each key separately):
    log parser (``MAP_REPO_TO_PARSER_PY``) where the repository's tests are
    not plain pytest, and fail-only grading for ``FAIL_ONLY_REPOS``;
 4. the default: ``python3 -m pytest -rA -p no:cacheprovider`` on the test
-   files, graded by exact pytest node id.
+   files, graded by exact pytest node id; but where the log parser is one
+   of a runner that is not pytest (:data:`RUNNERS`: Django's
+   ``tests/runtests.py`` on module labels, sympy's ``bin/test``), that
+   runner, as SWE-bench's harness runs it: its parser cannot read pytest's
+   output, and a gold patch would score 0.
 
 A test command gets the test files it does not already name appended, or
 ``{test_files}`` in it replaced by them all; each file is named once, so no
-test file runs twice and none is left out.
+test file runs twice and none is left out. A pytest command gets the
+``.py`` files only, and the files a listed node id names (:func:`files_for`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,63 @@ class TestPlan:
     log_parser: str | None = None  # a swebench PARSER_REGISTRY name; None: exact node ids (pytest log as fallback)
     log_parser_source: str = "default"
     eval_type: str = PASS_AND_FAIL
+
+
+#: Test runners of swebench's parsers that read no pytest output: parser -> command (SWE-bench's harness runs these).
+RUNNERS: dict[str, str] = {
+    "parse_log_django": "PYTHONIOENCODING=utf8 LANG=C.UTF-8 LC_ALL=C.UTF-8 python3 tests/runtests.py --verbosity 2 "
+                        "--settings=test_sqlite --parallel 1",
+    "parse_log_sympy": "PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' python3 bin/test -C --verbose",
+}
+#: Django releases whose runner SWE-bench starts without ``--settings``/``--parallel`` (before 1.10).
+DJANGO_SERIAL_BEFORE = (1, 10)
+
+
+def django_labels(files: list[str]) -> list[str]:
+    """Django runner labels of the ``.py`` test files: ``tests/`` and ``.py`` dropped, ``/`` -> ``.``.
+
+    A template or fixture the test patch touches is no module: as a label it would only fail to import.
+    """
+    labels = []
+    for name in files:
+        if not name.endswith(".py"):
+            continue
+        name = name[:-len(".py")]
+        name = name[len("tests/"):] if name.startswith("tests/") else name
+        labels.append(name.replace("/", "."))
+    return labels
+
+
+#: A command that runs pytest: it takes test files as paths and stops at one it cannot collect.
+_PYTEST = re.compile(r"\bpy\.?test\b")
+
+
+def files_for(command: str, files: list[str], test_names: list[str]) -> list[str]:
+    """The test files to give ``command``: for pytest, the ``.py`` files and those a listed node id names.
+
+    pytest stops at a path it cannot collect ("ERROR: not found": mypy's ``test-data/unit/*.test``, a
+    ``.rc`` fixture) and runs no test at all; the tests of a file no listed id names do not count anyway.
+    """
+    if not _PYTEST.search(command):
+        return files
+    named = {name.split("::", 1)[0] for name in test_names if "::" in name}
+    return [f for f in files if f.endswith(".py") or f in named]
+
+
+def _runner(parser: str | None, version: str, files: list[str]) -> str | None:
+    """``parser``'s own test runner on ``files``, or None where pytest's output suits the parser."""
+    command = RUNNERS.get(parser or "")
+    if command is None:
+        return None
+    if parser == "parse_log_django":
+        try:
+            release = tuple(int(part) for part in version.split(".")[:2])
+        except ValueError:
+            release = ()
+        if release and release < DJANGO_SERIAL_BEFORE:
+            command = command.replace(" --settings=test_sqlite --parallel 1", "")
+        return command_with_files(command, django_labels(files))
+    return command_with_files(command, files)
 
 
 def _text(value: Any, where: str) -> str | None:
@@ -141,7 +203,11 @@ def plan_tests(instance: dict[str, Any], settings: dict[str, Any], fail_to_pass:
     if eval_type not in (PASS_AND_FAIL, FAIL_ONLY):
         raise DomainError(f"swe: eval_type must be {PASS_AND_FAIL!r} or {FAIL_ONLY!r}, got {eval_type!r}")
 
-    plan = TestPlan(script=command_with_files(DEFAULT_TEST_COMMAND, files), source="default",
+    listed = [*fail_to_pass, *pass_to_pass]
+    runner = _runner(parser, str(instance.get("version", "")), files)
+    plan = TestPlan(script=runner or command_with_files(DEFAULT_TEST_COMMAND,
+                                                        files_for(DEFAULT_TEST_COMMAND, files, listed)),
+                    source=f"default for {parser}" if runner else "default",
                     applies_test_patch=False, test_files=files, install=install, install_source=install_source,
                     eval_commands=eval_commands, env=env, log_parser=parser, log_parser_source=parser_source,
                     eval_type=eval_type)
@@ -158,7 +224,8 @@ def plan_tests(instance: dict[str, Any], settings: dict[str, Any], fail_to_pass:
             continue
         if kind == "script":
             return dataclasses.replace(plan, script=text, source=where, applies_test_patch=True)
-        return dataclasses.replace(plan, script=command_with_files(text, files), source=where)
+        return dataclasses.replace(plan, script=command_with_files(text, files_for(text, files, listed)),
+                                   source=where)
     return plan
 
 

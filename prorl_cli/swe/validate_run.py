@@ -29,6 +29,7 @@ from typing import Any
 
 from prorl_cli.exceptions import DatasetError
 from prorl_cli.protocol import JobResult
+from prorl_cli.swe.images import repo_key
 from prorl_cli.swe.validation import GOLD, NO_FIX, TASKS
 
 STATE_FILE = "validate.json"
@@ -153,8 +154,8 @@ def submit_and_collect(client: Any, todo: list[tuple[PlannedJob, str]], instance
 
 
 def image_for(instance: dict[str, Any], repo_images: dict[str, str]) -> str | None:
-    """The image ``repo_images`` gives ``instance``: by instance id, ``repo@version``, then ``repo``."""
-    found = (repo_images.get(str(instance["instance_id"])) or repo_images.get(f"{instance['repo']}@{instance.get('version')}")
+    """The image ``repo_images`` gives ``instance``: by instance id, ``repo@version`` (:func:`repo_key`), then ``repo``."""
+    found = (repo_images.get(str(instance["instance_id"])) or repo_images.get(repo_key(instance))
              or repo_images.get(str(instance["repo"])))
     return str(found) if found else None
 

@@ -45,6 +45,16 @@ async def prepare(sandbox: Any, instance: dict[str, Any], repo_dir: str, scrub: 
             f"rm -rf {repo} && git clone -q -b main {WORK}/repo.bundle {repo} 2>&1 && rm -f {WORK}/repo.bundle")
         if cloned.exit_code != 0:
             raise DomainError(f"swe: cloning repo_path into the sandbox failed: {cloned.output[-1000:]}")
+    else:
+        present = await sandbox.bash(f"git -C {repo} rev-parse --git-dir 2>&1")
+        if present.exit_code != 0:
+            # The image is not the instance's (none in repo_images for it, so the settings' default image ran).
+            raise DomainError(
+                f"swe: the sandbox image holds no git repository in {repo_dir} and instance "
+                f"{instance.get('instance_id')} has no repo_path: give its image in handlers.swe.repo_images "
+                f"(by instance id, '{instance.get('repo')}@{instance.get('version') or 'latest'}' or "
+                f"'{instance.get('repo')}'; prorl build-images --swe writes such a map), or a repo_path "
+                f"({present.output.strip()[-300:]})")
     ready = await sandbox.bash(
         f"cd {repo} && git -c advice.detachedHead=false checkout -q -f {shlex.quote(base)} 2>&1 && git clean -fdq 2>&1")
     if ready.exit_code != 0:
@@ -113,6 +123,44 @@ async def _reset_test_files(sandbox: Any, repo_dir: str, base: str, test_patch: 
     return paths
 
 
+def listed_test_files(names: list[str]) -> list[str]:
+    """The ``.py`` files the pytest node ids in ``names`` name (``tests/test_x.py::test_a``), each once.
+
+    A doctest's id (``src/pkg/mod.py::pkg.mod.func``: a dotted name after the file) names a source module,
+    which the fix may change: it is left out.
+    """
+    paths = []
+    for name in names:
+        parts = name.split("::")
+        if len(parts) < 2 or not parts[0].endswith(".py") or "." in parts[1].split("[", 1)[0]:
+            continue
+        paths.append(parts[0])
+    return list(dict.fromkeys(paths))
+
+
+async def _reset_listed_files(sandbox: Any, repo_dir: str, base: str, paths: list[str]) -> list[str]:
+    """Put the test files the listed ids name back as they are at ``base`` (those ``base`` holds); return them.
+
+    A row without a test patch (SWE-smith's) runs its listed tests from the repository as the model patch
+    left it: an edit to a listed test (``assert True``) would pass it, and a wrong patch would score 1.
+    """
+    if not paths:
+        return []
+    repo, rev = shlex.quote(repo_dir), shlex.quote(base)
+    lines = [f"cd {repo} || exit 1"]
+    for path in paths:
+        name = shlex.quote(path)
+        lines.append(f"if git cat-file -e {shlex.quote(f'{base}:{path}')} 2>/dev/null; "
+                     f"then git checkout -q {rev} -- {name} || exit 1; printf '%s\\0' {name}; fi")
+    await sandbox.write_file(f"{WORK}/reset-listed.sh", ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
+    done = await sandbox.bash(f"bash {WORK}/reset-listed.sh > {WORK}/reset-listed.out 2> {WORK}/reset-listed.err")
+    if done.exit_code != 0:
+        error = (await sandbox.read_file(f"{WORK}/reset-listed.err")).decode("utf-8", "replace")
+        raise DomainError(f"swe: cannot reset the listed tests' files {paths} to base_commit {base}: {error[-1000:]}")
+    reset = (await sandbox.read_file(f"{WORK}/reset-listed.out")).decode("utf-8", "surrogateescape")
+    return [path for path in reset.split("\0") if path]
+
+
 async def _apply_test_patch(sandbox: Any, instance: dict[str, Any], repo_dir: str) -> list[str]:
     """Write the instance's test patch and apply it over its files as they are at base_commit; return those files."""
     test_patch = str(instance.get("test_patch", ""))
@@ -160,6 +208,10 @@ async def run_tests(sandbox: Any, instance: dict[str, Any], settings: dict[str, 
         if not ok:
             extra["log_tail"] = output[-3000:]
             return SweReport(patch_exists=True, test_source=plan.source, status="PATCH_APPLY_FAILED"), extra
+    listed = await _reset_listed_files(sandbox, repo_dir, str(instance["base_commit"]),
+                                       listed_test_files([*fail_to_pass, *pass_to_pass]))
+    if listed:
+        extra["reset_listed_test_files"] = listed
     if not plan.applies_test_patch:
         extra["reset_test_files"] = await _apply_test_patch(sandbox, instance, repo_dir)
     timings["apply_s"] = round(time.monotonic() - started, 3)

@@ -133,8 +133,9 @@ PATH_RE = re.compile(
     r"(?<![\w/.$<~-])((?:examples|scripts|benchmarks|docs|tests|prorl_cli|sif_recipes|slurm_templates|handlers)"
     r"/[\w/.*-]*[\w*])(?:::(\w+))?"
 )
-# Illustrations, not references: a placeholder script name and pytest ids made up to show a format.
-NOT_PATHS = {"benchmarks/NAME.py", "tests/test_x.py", "tests/t.py"}
+# Illustrations, not references: a placeholder script name, pytest ids made up to show a format, and paths in
+# a dataset's repository (Django's test runner and one of its test modules).
+NOT_PATHS = {"benchmarks/NAME.py", "tests/test_x.py", "tests/t.py", "tests/runtests.py", "tests/admin_views/tests.py"}
 
 
 def _paths() -> list[tuple[str, str, str | None]]:

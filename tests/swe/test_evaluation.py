@@ -118,3 +118,28 @@ def test_details_hold_stage_timings_missing_ids_log_tail_and_the_infra_step(tmp_
     report = json.loads((out / "reports" / "org__a-1.json").read_text())["org__a-1"]
     assert report["infra_failure"] and report["infra_failure_reason"] == "step_syntax_error"  # swebench's key
     assert [s["sample"] for s in json.loads((out / "details" / "org__b-2.json").read_text())["samples"]] == [0, 1]
+
+
+def test_a_job_that_failed_is_an_error_not_an_empty_patch(tmp_path: Path) -> None:
+    """An INIT that could not start the image saved no patch: the summary called it an empty model patch."""
+    failure = {"stage": "init", "type": "SandboxError", "message": "image swe-o-r-1 not found"}
+    samples = [Sample("o__r-1", 0, "j0", "failed", None, None, None, failure),
+               Sample("o__r-2", 0, "j1", "done", 0.0, "", _report(False)),
+               Sample("o__r-3", 0, "j2", "done", 1.0, "diff", _report(True))]
+    summary = write_outputs(tmp_path / "out", ["o__r-1", "o__r-2", "o__r-3"], samples, "m", 1)
+    assert summary["error_ids"] == ["o__r-1"] and summary["error_instances"] == 1, summary
+    assert summary["empty_patch_ids"] == ["o__r-2"] and summary["resolved_ids"] == ["o__r-3"], summary
+
+
+def test_run_id_job_ids_follow_the_row_not_its_position() -> None:
+    """`--run-id` resumes by job id: ids by position gave a run resumed with --instance-id (or over a dataset with
+    a row removed) the jobs, and so the results, of other instances."""
+    from prorl_cli.swe.evaluation import job_ids
+
+    rows = [{"instance_id": f"o__r-{i}", "FAIL_TO_PASS": ["t.py::a"]} for i in range(3)]
+    everything = job_ids("ev1", rows, 2)
+    assert len(everything) == len(set(everything)) == 6
+    assert job_ids("ev1", rows[2:], 2) == everything[4:]  # the third instance alone: its own jobs again
+    assert job_ids("ev1", [rows[0], rows[2]], 2) == everything[:2] + everything[4:]
+    edited = {**rows[1], "FAIL_TO_PASS": ["t.py::b"]}
+    assert not set(job_ids("ev1", [edited], 2)) & set(everything)  # an edited row is run again

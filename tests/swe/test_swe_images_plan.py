@@ -124,3 +124,23 @@ def test_cli_reports_the_fields_it_cannot_use_once(tmp_path: Path) -> None:
     lines = [line for line in done.stderr.splitlines() if "SWE-rebench rows: field" in line]
     assert sorted(line.split("field ")[1].split(" ")[0] for line in lines) == ["'environment'", "'install_config.python'"]
     assert all("(2 of 2 row(s)" in line for line in lines)
+
+
+def test_a_row_without_version_finds_the_image_built_for_it(tmp_path: Path) -> None:
+    """build-images keys such a row `repo@latest`; EVAL and validate looked up `repo@None` and fell back to
+    the settings' default image, where the repository's tests cannot run."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from prorl_cli.handlers.swe_domain import SweHandler
+    from prorl_cli.swe.validate_run import image_for
+
+    repos = tmp_path / "repos"
+    flat = make_spacey(repos / "prorl__spacey")
+    row = {k: v for k, v in flat.instance.items() if k != "version"}
+    plan = plan_dataset([row], tmp_path / "recipes", "localimage:/base.sif", None, repos)
+    assert plan.repo_images == {"prorl/spacey@latest": "swe-prorl-spacey-latest"}
+    assert image_for(row, plan.repo_images) == "swe-prorl-spacey-latest"
+    settings = dataclasses.replace(SweHandler.defaults, extra={**SweHandler.defaults.extra,
+                                                               "repo_images": plan.repo_images})
+    assert SweHandler().image_for(SimpleNamespace(instance=row), settings) == "swe-prorl-spacey-latest"  # type: ignore[arg-type]

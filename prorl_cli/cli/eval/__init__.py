@@ -18,7 +18,8 @@ from prorl_cli.cli.naming import deployment_option
 @click.option("-n", "--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Samples per instance (pass@k up to n).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("prorl-eval"), show_default=True,
               help="Folder for predictions.jsonl, samples.jsonl, reports/, details/ and summary.json.")
-@click.option("--run-id", metavar="ID", help="Job ids ID-ROW-K: running the same ID again resumes instead of rerunning.")
+@click.option("--run-id", metavar="ID",
+              help="Job ids ID-DIGEST-K (DIGEST: the row's): running the same ID again resumes instead of rerunning.")
 @click.option("--model-name", metavar="NAME", help="model_name_or_path in the predictions (default: the task name).")
 @click.option("--instance-id", "instance_ids", multiple=True, metavar="ID", help="Only these instances (repeatable).")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
@@ -45,6 +46,7 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     from prorl_cli.domains.datasets import load_instances
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.swe.evaluation import Sample, write_outputs
+    from prorl_cli.swe.evaluation import job_ids as eval_job_ids
 
     try:
         instances: list[dict[str, Any]] = load_instances(
@@ -63,7 +65,7 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
         app.abort(f"{dataset}: instance ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
     if out.exists() and not out.is_dir():
         app.abort(f"--out {out}: is not a folder")
-    job_ids = [f"{run_id}-{row}-{k}" for row in range(len(ids)) for k in range(n)] if run_id else None
+    job_ids = eval_job_ids(run_id, instances, n) if run_id else None
     samples: list[Sample] = []
     with connect(app, address) as client:
         try:
