@@ -275,7 +275,8 @@ class TokenBuffer:
                     out, lps, stop_string = _cut_at_stop(seg.chat, out, lps, req.stop)
                     if stop_string is not None:
                         finish = "stop"
-                text = seg.chat.decode(out, skip_special_tokens=True)
+                # Special tokens kept: some tokenizers mark <tool_call> special, and the parser must see it.
+                text = seg.chat.turn_text(out)
                 if stop_string is not None:
                     text = text[: text.index(stop_string)]
                 content, calls = self._parse(text, req.parse_tools)
@@ -346,7 +347,7 @@ class TokenBuffer:
         call = ModelCall(
             prompt_ids=prompt, output_ids=out, logprobs=lps, finish_reason=finish,
             backend_id=gen.backend_id, prefix_ok=prefix_ok,
-            text=seg.chat.decode(out, skip_special_tokens=True),
+            text=seg.chat.turn_text(out),
             policy_version=gen.policy_version, segment=seg.index, agent=seg.agent,
         )
         if not continued:

@@ -260,3 +260,35 @@ def test_openai_streams_end_with_a_usage_chunk_only_when_asked(tokenizer: Any) -
             await gw.close()
 
     asyncio.run(main())
+
+
+def test_tool_call_markers_that_are_special_tokens_reach_the_client(tiny_model: Any) -> None:
+    """A tokenizer that marks <tool_call> special (as vLLM's Hermes parser expects some to): the call is parsed
+    from the turn's text with special tokens kept, and recorded with them."""
+    need_module("openai", "test")
+    import openai
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model), local_files_only=True)
+    tok.add_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)],
+                   special_tokens=True)
+
+    async def main() -> tuple[Any, Trajectory]:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tok, ScriptedModel(tok, TURNS))
+        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
+        try:
+            resp = await client.chat.completions.create(model="prorl", messages=[{"role": "user", "content": USER}],
+                                                        tools=CALC_TOOLS)
+            return resp.choices[0], job.trajectory
+        finally:
+            await client.close()
+            await gw.close()
+
+    choice, traj = asyncio.run(main())
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me compute."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("calculator", {"expression": "2+3"})]
+    assert traj.calls[0].text == TURNS[0]
