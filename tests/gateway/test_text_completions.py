@@ -27,6 +27,9 @@ class CharChat:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return "".join(map(chr, ids))
 
+    def turn_text(self, ids: list[int]) -> str:
+        return self.decode(ids)
+
 
 async def _answer(prompt_ids: list[int], sampling: SamplingParams) -> Generation:
     out = [ord(c) for c in " ok"]
