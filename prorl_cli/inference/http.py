@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from prorl_cli.exceptions import InferenceError
 
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
-#: Connections kept open per client (a bridge serves up to its capacity at once).
+#: Connections a client keeps at least (a bridge's engine gets one per call of its capacity, if that is more).
 POOL_SIZE = 256
 _JSON_HEADERS = {"Accept": "application/json", "Content-Type": "application/json"}
 _ACCEPT_HEADERS = {"Accept": "application/json"}

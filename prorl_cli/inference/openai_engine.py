@@ -11,12 +11,15 @@ keyed ``token_id:N``; a server that keys them by text gives none.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import InferenceError
 from prorl_cli.inference import http
+from prorl_cli.inference.checkpoint import reload_problems, tensor_shapes
 from prorl_cli.inference.contract import Engine, Generation
 from prorl_cli.protocol import SamplingParams
 
@@ -30,6 +33,12 @@ def normalize_base_url(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
+#: Sampling controls outside the generate contract, at the values that leave the distribution unchanged.
+NEUTRAL_SAMPLING: dict[str, float] = {
+    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
+}
+
+
 def completions_body(model: str, prompt_ids: list[int], sampling: SamplingParams) -> dict[str, Any]:
     """The ``/v1/completions`` request for one generate call."""
     body: dict[str, Any] = {
@@ -39,6 +48,10 @@ def completions_body(model: str, prompt_ids: list[int], sampling: SamplingParams
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
+        # Neutral, and sent: vLLM takes any of these a request leaves out from the model's generation_config.json
+        # (Qwen2.5-Instruct's has repetition_penalty 1.05), and would sample from a distribution other than the
+        # one the contract names, while the log-probs it returns stay those of the unmodified model.
+        **NEUTRAL_SAMPLING,
         "logprobs": sampling.top_logprobs or 0,
         "return_token_ids": True,
         # Without this vLLM would hide special tokens only in the text; ids are unaffected,
@@ -139,7 +152,7 @@ class OpenAIEngine(Engine):
 
     def __init__(
         self, url: str, *, model: str | None = None, timeout_s: float = 600.0, backend_id: str | None = None,
-        reload_in_place: bool = False,
+        reload_in_place: bool = False, concurrency: int = http.POOL_SIZE,
     ) -> None:
         self.base_url = normalize_base_url(url)
         self.root_url = self.base_url[: -len("/v1")]
@@ -149,8 +162,15 @@ class OpenAIEngine(Engine):
         self.backend_id = backend_id
         #: Whether :meth:`reload` may use vLLM's ``/collective_rpc`` (``inference.vllm_reload_in_place``).
         self.reload_in_place = reload_in_place
-        # Keep-alive: generate calls reuse warm connections (no connect, or TLS handshake, per call).
-        self.http = http.HttpClient()
+        #: The checkpoint directory served (vLLM's ``/models`` ``root``, then each one reloaded); a reload's
+        #: checkpoint is checked against its tensors before vLLM reads any weight.
+        self.served_checkpoint: str | None = None
+        #: Those tensors' shapes, read when first needed and kept (a trainer may delete old checkpoints).
+        self._served_shapes: dict[str, tuple[int, ...]] | None = None
+        # Keep-alive: generate calls reuse warm connections (no connect, or TLS handshake, per call). One
+        # connection per call served at once (``concurrency``: a bridge's capacity): with fewer, the calls
+        # beyond them would wait in the pool, never reaching the server, while their timeout ran.
+        self.http = http.HttpClient(pool_size=max(concurrency, http.POOL_SIZE))
 
     async def describe(self) -> None:
         """Read the served model's name and max length from ``/v1/models``."""
@@ -163,21 +183,27 @@ class OpenAIEngine(Engine):
             entry = next((e for e in entries if e.get("id") == self.model), entries[0]) if self.model else entries[0]
             model = self.model or str(entry["id"])
             max_model_len = int(entry.get("max_model_len") or 0)
+            root = entry.get("root")
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
             raise InferenceError(f"backend {self.base_url}: malformed /models answer: {str(data)[:300]}") from e
         self.model, self.max_model_len = model, max_model_len
+        if self.served_checkpoint is None and isinstance(root, str) and root:
+            self.served_checkpoint = root
 
     async def start(self) -> None:
         await self.describe()
 
     async def healthy(self) -> bool:
+        # On a connection of its own: with generate calls on every pooled connection (a bridge whose capacity
+        # reaches the pool's size), a check queued behind them would time out and the bridge take a busy
+        # engine for a dead one.
         try:
-            resp = await self.http.request("GET", f"{self.root_url}/health", timeout_s=10.0)
+            resp = await http.request("GET", f"{self.root_url}/health", timeout_s=10.0)
         except InferenceError:
             return False
         if resp.status == 404:  # not vLLM: any answer from /models will do
             try:
-                resp = await self.http.request("GET", f"{self.base_url}/models", timeout_s=10.0)
+                resp = await http.request("GET", f"{self.base_url}/models", timeout_s=10.0)
             except InferenceError:
                 return False
         return resp.status == 200
@@ -190,7 +216,13 @@ class OpenAIEngine(Engine):
         body = completions_body(self.model, prompt_ids, sampling)
         resp = await self.http.request("POST", f"{self.base_url}/completions", body, timeout_s=self.timeout_s)
         if resp.status != 200:
-            raise InferenceError(f"backend {self.base_url}: HTTP {resp.status}: {server_message(resp)}")
+            message = server_message(resp)
+            if self.max_model_len and len(prompt_ids) >= self.max_model_len:
+                # vLLM takes a prompt of exactly max_model_len tokens and then refuses the call with
+                # "max_tokens must be at least 1, got 0", whatever max_tokens it was sent: say what is wrong.
+                message = (f"prompt of {len(prompt_ids)} tokens leaves no room to generate: the model's maximum "
+                           f"context length is {self.max_model_len} tokens (the server said: {message})")
+            raise InferenceError(f"backend {self.base_url}: HTTP {resp.status}: {message}")
         return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id, sampling.top_logprobs)
 
     async def reload(self, checkpoint: str, policy_version: int) -> None:
@@ -211,6 +243,21 @@ class OpenAIEngine(Engine):
         if not self.reload_in_place:
             raise InferenceError(f"backend {self.base_url}: in-place reload of vLLM is off (inference.vllm_reload_in_place); "
                                  f"restart it on {checkpoint}")
+        served = self.served_checkpoint
+        if self._served_shapes is None and served:
+            try:
+                self._served_shapes = await asyncio.to_thread(tensor_shapes, Path(served))
+            except InferenceError as e:
+                log.warning("backend %s: the served checkpoint cannot be read, so %s is not checked against it: %s",
+                            self.base_url, checkpoint, e)
+        # vLLM's reload answers 200 for a checkpoint that lacks weights, and serves what it left in them.
+        incoming = await asyncio.to_thread(tensor_shapes, Path(checkpoint))  # None: out of reach, or not safetensors
+        problems = reload_problems(self._served_shapes, incoming)
+        if problems:
+            more = f" ({len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise InferenceError(f"backend {self.base_url}: {checkpoint} does not hold every weight of the served "
+                                 f"{served} in its shape, so it was not loaded (the served weights are unchanged): "
+                                 f"{'; '.join(problems[:5])}{more}")
         needs = f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}"
         body = {"method": RELOAD_METHOD, "kwargs": {"weights_path": str(checkpoint)}}
         resp = await self.http.request("POST", f"{self.root_url}/collective_rpc", body, timeout_s=self.timeout_s)
@@ -223,6 +270,9 @@ class OpenAIEngine(Engine):
             raise InferenceError(f"backend {self.base_url}: {RELOAD_METHOD} from {checkpoint}: HTTP {resp.status}: "
                                  f"{message}{hint}")
         log.info("backend %s loaded %s in place: %s", self.base_url, checkpoint, resp.body[:300].decode(errors="replace"))
+        self.served_checkpoint = str(checkpoint)
+        if incoming is not None:
+            self._served_shapes = incoming
         # Cached prefixes were computed by the old weights.
         resp = await self.http.request("POST", f"{self.root_url}/reset_prefix_cache", {}, timeout_s=60.0)
         if resp.status != 200:

@@ -64,7 +64,7 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
         from prorl_cli.inference.openai_engine import OpenAIEngine
 
         return OpenAIEngine(opts.attach, timeout_s=ic.generate_timeout_s, backend_id=backend_id,
-                            reload_in_place=ic.vllm_reload_in_place)
+                            reload_in_place=ic.vllm_reload_in_place, concurrency=opts.capacity)
     if opts.engine == "sim":
         from prorl_cli.inference.sim_engine import SimEngine, SimProfile
 
@@ -95,7 +95,7 @@ def build_engine(opts: BridgeOptions, config: ProrlConfig, backend_id: str) -> E
     )
     return VLLMChildEngine(
         server, timeout_s=ic.generate_timeout_s, startup_timeout_s=ic.startup_timeout_s, backend_id=backend_id,
-        reload_in_place=ic.vllm_reload_in_place,
+        reload_in_place=ic.vllm_reload_in_place, concurrency=opts.capacity,
     )
 
 

@@ -394,10 +394,17 @@ class SimEngine(Engine):
             drawn = max(1, int(round(p.output_tokens_median * math.exp(p.output_tokens_sigma * rng.gauss(0.0, 1.0)))))
             length, finish = (budget, "length") if drawn >= budget else (drawn, "stop")
         avoid = {p.eos_token_id, *sampling.stop_token_ids}
+        if sum(0 <= t < p.vocab_size for t in avoid) >= p.vocab_size:
+            raise InferenceError(f"sampling.stop_token_ids with the EOS id leave no token of the sim profile's "
+                                 f"vocabulary ({p.vocab_size}) to generate")
         ids = []
         for _ in range(length - (finish == "stop")):
             t = rng.randrange(p.vocab_size)
-            ids.append(t if t not in avoid else (t + 1) % p.vocab_size)
+            # Step past every stop id, not just one: stop ids often sit side by side (Llama 3's 128008 and
+            # 128009), and a stop id inside an output that went on would break the contract.
+            while t in avoid:
+                t = (t + 1) % p.vocab_size
+            ids.append(t)
         if finish == "stop":
             ids.append(stop_id)
         lps = [-rng.expovariate(2.0) for _ in ids]

@@ -55,9 +55,9 @@ class TransformersEngine(Engine):
             await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
 
     def _load(self) -> None:
-        try:
-            import torch
-            from transformers import AutoModelForCausalLM
+        try:  # imported here so that a missing extra is named before anything loads
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
         except ImportError as e:
             raise InferenceError(f"the transformers engine needs torch: install prorl[cpu] ({e})") from e
         if not (self.model_dir / "config.json").is_file():
@@ -65,9 +65,10 @@ class TransformersEngine(Engine):
         from prorl_cli.inference.device import resolve_device
 
         self.device = resolve_device(self.device)
-        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=getattr(torch, self.dtype))
-        model = model.to(self.device)  # type: ignore[arg-type]  # transformers' stub types .to's argument oddly
+        model = self._pretrained(self.model_dir)
+        model = model.to(self.device)
         model.eval()
+        log.info("loaded %s on %s", self.model_dir, self.device)
         cfg = model.config
         limit = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self.max_model_len = min(self.max_model_len, limit) if self.max_model_len and limit else (self.max_model_len or limit)
@@ -80,18 +81,43 @@ class TransformersEngine(Engine):
         await self.start()
         await asyncio.get_running_loop().run_in_executor(self._pool, self._load_state, Path(checkpoint))
 
-    def _load_state(self, checkpoint: Path) -> None:
+    def _pretrained(self, directory: Path) -> Any:
+        """The model in ``directory``; :class:`InferenceError` when the checkpoint lacks weights the model has.
+
+        ``from_pretrained`` fills weights missing from a checkpoint (a torn or partial save) with random
+        values and only logs a table: served, they would be a random model's tokens and log-probs.
+        """
         import torch
         from transformers import AutoModelForCausalLM
 
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=getattr(torch, self.dtype), output_loading_info=True)
+        model, info = loaded
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            raise InferenceError(f"{directory}: the checkpoint lacks {len(missing)} of the model's weights "
+                                 f"(a torn or partial save?): {', '.join(missing[:5])}")
+        return model
+
+    def _load_state(self, checkpoint: Path) -> None:
+        import torch
+
         if not (checkpoint / "config.json").is_file():
             raise InferenceError(f"{checkpoint}: not a model directory (no config.json)")
-        new = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, self.dtype))
-        try:
-            with torch.no_grad():
-                self._model.load_state_dict(new.state_dict(), strict=True)
-        except RuntimeError as e:
-            raise InferenceError(f"{checkpoint}: its weights do not fit the served model {self.model}: {e}") from e
+        incoming = self._pretrained(checkpoint).state_dict()
+        # Checked before copying anything: load_state_dict copies every weight that fits before it raises
+        # on those that do not, which would leave the old and new weights mixed, served as the old version.
+        current = self._model.state_dict()
+        problems = [f"missing {k}" for k in sorted(current.keys() - incoming.keys())]
+        problems += [f"unexpected {k}" for k in sorted(incoming.keys() - current.keys())]
+        problems += [f"{k}: shape {tuple(incoming[k].shape)}, served {tuple(current[k].shape)}"
+                     for k in sorted(current.keys() & incoming.keys()) if incoming[k].shape != current[k].shape]
+        if problems:
+            raise InferenceError(f"{checkpoint}: its weights do not fit the served model {self.model} "
+                                 f"(the served weights are unchanged): {'; '.join(problems[:5])}"
+                                 + (f" ({len(problems) - 5} more)" if len(problems) > 5 else ""))
+        with torch.no_grad():
+            self._model.load_state_dict(incoming, strict=True)
         self.model_dir = checkpoint
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:

