@@ -509,26 +509,7 @@ def responses_input(raw: Any, names: dict[str, str]) -> list[dict[str, Any]]:
 
 def _responses_tools(raw: Any) -> list[dict[str, Any]] | None:
     """Responses function tools (``{"type": "function", "name", "parameters", ...}``) in chat's function format."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise RequestError("tools must be a list", param="tools")
-    out = []
-    for i, t in enumerate(raw):
-        kind = t.get("type") if isinstance(t, dict) else None
-        if kind != "function":
-            raise RequestError(f"tools[{i}].type {kind!r} is not supported (function tools only: the gateway runs no "
-                               "hosted tools)", param="tools")
-        if not isinstance(t.get("name"), str):
-            raise RequestError(f"tools[{i}] needs a string name", param="tools")
-        if t.get("parameters") is not None and not isinstance(t["parameters"], dict):
-            raise RequestError(f"tools[{i}].parameters must be a JSON Schema object", param="tools")
-        fn: dict[str, Any] = {"name": t["name"]}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        fn["parameters"] = t.get("parameters") or {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": fn})
-    return out or None
+    return _flat_tools(raw, ("function",), "parameters", "function tools only: the gateway runs no hosted tools")
 
 
 def _responses_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -627,25 +608,31 @@ def openai_responses_request(body: dict[str, Any], stored: dict[str, ResponsesCo
 # ---------------------------------------------------------------- Anthropic
 def anthropic_tools(raw: Any) -> list[dict[str, Any]] | None:
     """Anthropic tool definitions in the OpenAI function format the chat template knows."""
+    # Server and client tools of Anthropic's own (web_search_..., bash_..., text_editor_...) are refused: their
+    # schema and behaviour are Anthropic's, and nothing here runs them.
+    return _flat_tools(raw, ("custom", None), "input_schema", "custom tools with an input_schema only")
+
+
+def _flat_tools(raw: Any, kinds: tuple[str | None, ...], schema_key: str, why: str) -> list[dict[str, Any]] | None:
+    """Tool definitions that name their function at the top level (Anthropic's, the Responses API's) in the
+    OpenAI function format the chat template knows; a ``type`` not in ``kinds`` is refused, saying ``why``."""
     if raw is None:
         return None
     if not isinstance(raw, list):
         raise RequestError("tools must be a list", param="tools")
     out = []
     for i, t in enumerate(raw):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind not in kinds:
+            raise RequestError(f"tools[{i}].type {kind!r} is not supported ({why})", param="tools")
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise RequestError(f"tools[{i}] needs a string name", param="tools")
-        if t.get("type", "custom") not in ("custom", None):
-            # Server and client tools of Anthropic's own (web_search_..., bash_..., text_editor_...): their
-            # schema and behaviour are Anthropic's, and nothing here runs them.
-            raise RequestError(f"tools[{i}].type {t['type']!r} is not supported (custom tools with an input_schema "
-                               "only)", param="tools")
-        if t.get("input_schema") is not None and not isinstance(t["input_schema"], dict):
-            raise RequestError(f"tools[{i}].input_schema must be a JSON Schema object", param="tools")
+        if t.get(schema_key) is not None and not isinstance(t[schema_key], dict):
+            raise RequestError(f"tools[{i}].{schema_key} must be a JSON Schema object", param="tools")
         fn: dict[str, Any] = {"name": t["name"]}
         if t.get("description"):
             fn["description"] = t["description"]
-        fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
+        fn["parameters"] = t.get(schema_key) or {"type": "object", "properties": {}}
         out.append({"type": "function", "function": fn})
     return out or None
 

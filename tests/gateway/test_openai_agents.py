@@ -1,11 +1,14 @@
 """The published OpenAI Agents SDK (``openai-agents``), unmodified, through the gateway: a triage agent hands
 off to a refunds agent that calls a tool. Each agent's calls are recorded under its name, both conversations
-are token-exact, and a trainer can take the refunds agent's samples alone."""
+are token-exact, and a trainer can take the refunds agent's samples alone; with the SDK's default model (the
+Responses API) and its Chat Completions one, run or streamed."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+import pytest
 
 from prorl_cli.agent import Trajectory
 from prorl_cli.gateway.server import Gateway
@@ -22,12 +25,16 @@ TURNS = [
 ]
 
 
-def test_a_handoff_between_two_sdk_agents_is_recorded_per_agent_and_token_exact(tokenizer: Any) -> None:
+@pytest.mark.parametrize(("api", "streamed"), [("responses", False), ("responses", True), ("chat", False)],
+                         ids=["responses-run", "responses-run_streamed", "chat-run"])
+def test_a_handoff_between_two_sdk_agents_is_recorded_per_agent_and_token_exact(
+        tokenizer: Any, api: str, streamed: bool) -> None:
     need_module("agents", "test")
     import openai
     from agents import (
         Agent,
         OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
         Runner,
         function_tool,
         set_tracing_disabled,
@@ -51,13 +58,19 @@ def test_a_handoff_between_two_sdk_agents_is_recorded_per_agent_and_token_exact(
             # Configuration only: each agent's model is the job's endpoint under the agent's name.
             client = openai.AsyncOpenAI(base_url=job.base_url().replace("/v1", f"/agents/{name}/v1"),
                                         api_key=job.api_key, max_retries=0)
-            return OpenAIChatCompletionsModel(model="prorl", openai_client=client)
+            model = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+            return model(model="prorl", openai_client=client)
 
         refunds = Agent(name="refunds", instructions="You handle refunds.", tools=[lookup_order],
                         model=model_for("refunds"))
         triage = Agent(name="triage", instructions="You route customers.", handoffs=[refunds],
                        model=model_for("triage"))
         try:
+            if streamed:
+                run = Runner.run_streamed(triage, "I need a refund for order 7.")
+                async for _ in run.stream_events():
+                    pass
+                return job.trajectory, job.buffer, str(run.final_output)
             result = await Runner.run(triage, "I need a refund for order 7.")
             return job.trajectory, job.buffer, str(result.final_output)
         finally:

@@ -1,7 +1,7 @@
 """The OpenAI Responses API (``/v1/responses``) through the official ``openai`` SDK and the OpenAI Agents SDK's
-default model: function calls out, their outputs in, and a recorded token buffer identical to the one
-``run_tool_agent`` builds for the same conversation, however the conversation is sent (all items each time,
-``previous_response_id``, streamed)."""
+default model (tests/gateway/test_openai_agents.py): function calls out, their outputs in, and a recorded
+token buffer identical to the one ``run_tool_agent`` builds for the same conversation, however the conversation
+is sent (all items each time, ``previous_response_id``, streamed)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from prorl_cli.agent import Trajectory
 from prorl_cli.gateway.responses_routes import RESPONSES_KEPT
 from prorl_cli.gateway.server import Gateway
-from tests.gateway.conftest import CALC_TOOLS, ScriptedModel, open_job, turn
+from tests.gateway.conftest import CALC_TOOLS, ScriptedModel, open_job
 from tests.gateway.test_sdks import SYSTEM, TURNS, USER, _assert_same_tokens, _reference
 from tests.harness import need_module
 
@@ -139,56 +139,3 @@ def test_a_job_keeps_its_last_stored_responses(tokenizer: Any) -> None:
             await gw.close()
 
     asyncio.run(main())
-
-
-@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
-def test_the_agents_sdks_default_model_hands_off_and_calls_a_tool(tokenizer: Any, streamed: bool) -> None:
-    """The Agents SDK as it comes (``OpenAIResponsesModel``, its default): a triage agent hands off to a refunds
-    agent that calls a tool; each agent's calls are recorded under its name and both conversations are exact."""
-    need_module("agents", "test")
-    import openai
-    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-
-    set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
-    looked_up: list[str] = []
-
-    @function_tool
-    def lookup_order(order_id: str) -> str:
-        """Find an order by its id."""
-        looked_up.append(order_id)
-        return f"order {order_id}: paid, 12 EUR"
-
-    turns = [turn("", ("transfer_to_refunds", {})), turn("", ("lookup_order", {"order_id": "7"})),
-             "Order 7 is refunded."]
-
-    async def main() -> tuple[Trajectory, Any, str]:
-        gw = Gateway()
-        await gw.start()
-        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, turns))
-
-        def model_for(name: str) -> Any:
-            client = openai.AsyncOpenAI(base_url=job.base_url().replace("/v1", f"/agents/{name}/v1"),
-                                        api_key=job.api_key, max_retries=0)
-            return OpenAIResponsesModel(model="prorl", openai_client=client)
-
-        refunds = Agent(name="refunds", instructions="You handle refunds.", tools=[lookup_order],
-                        model=model_for("refunds"))
-        triage = Agent(name="triage", instructions="You route customers.", handoffs=[refunds],
-                       model=model_for("triage"))
-        try:
-            if streamed:
-                run = Runner.run_streamed(triage, "I need a refund for order 7.")
-                async for _ in run.stream_events():
-                    pass
-                final = str(run.final_output)
-            else:
-                final = str((await Runner.run(triage, "I need a refund for order 7.")).final_output)
-            return job.trajectory, job.buffer, final
-        finally:
-            await gw.close()
-
-    traj, buffer, final = asyncio.run(main())
-    assert final == "Order 7 is refunded." and looked_up == ["7"]
-    assert [c.agent for c in traj.calls] == ["triage", "refunds", "refunds"]
-    assert traj.violations == [] and traj.token_exact
-    assert buffer.continuity_by_conversation() == {0: 1.0, 1: 1.0}
