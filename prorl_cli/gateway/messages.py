@@ -359,9 +359,10 @@ def _needs_tools(tools: list[dict[str, Any]] | None, what: str) -> None:
         raise RequestError(f"tool_choice {what} needs tools, and the request has none", param="tool_choice")
 
 
-def _openai_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """The :class:`ChatRequest` fields OpenAI's ``tool_choice`` sets (``none``, ``auto``, ``required``, named)."""
-    choice = body.get("tool_choice")
+def _openai_tool_choice(choice: Any, tools: list[dict[str, Any]] | None, *, flat: bool = False) -> dict[str, Any]:
+    """The :class:`ChatRequest` fields OpenAI's ``tool_choice`` sets: ``none``, ``auto``, ``required``, or a named
+    tool (chat's ``{"type": "function", "function": {"name": N}}``, the Responses API's ``{"type": "function",
+    "name": N}`` when ``flat``)."""
     if choice is None or choice == "auto":
         return {}
     if choice == "none":
@@ -369,11 +370,13 @@ def _openai_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None
     if choice == "required":
         _needs_tools(tools, "'required'")
         return {"require_tool": True}
-    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-        return {"require_tool": True, "tool_name": _chosen_tool(fn["name"], tools, "tool_choice.function.name")}
-    raise RequestError("tool_choice must be 'none', 'auto', 'required' or "
-                       "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        named = choice if flat else choice.get("function")
+        if isinstance(named, dict) and isinstance(named.get("name"), str):
+            where = "tool_choice.name" if flat else "tool_choice.function.name"
+            return {"require_tool": True, "tool_name": _chosen_tool(named["name"], tools, where)}
+    shape = "{'type': 'function', 'name': ...}" if flat else "{'type': 'function', 'function': {'name': ...}}"
+    raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or {shape}", param="tool_choice")
 
 
 def openai_chat_request(body: dict[str, Any], memo: MessageMemo | None = None) -> ChatRequest:
@@ -397,7 +400,7 @@ def openai_chat_request(body: dict[str, Any], memo: MessageMemo | None = None) -
         top_logprobs=top_logprobs if logprobs and top_logprobs else None,
         include_usage=_include_usage(body),
         parallel_tool_calls=_allow_parallel(body.get("parallel_tool_calls"), "parallel_tool_calls"),
-        **_openai_tool_choice(body, tools),
+        **_openai_tool_choice(body.get("tool_choice"), tools),
         **sampling,
     )
 
@@ -512,21 +515,6 @@ def _responses_tools(raw: Any) -> list[dict[str, Any]] | None:
     return _flat_tools(raw, ("function",), "parameters", "function tools only: the gateway runs no hosted tools")
 
 
-def _responses_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """The :class:`ChatRequest` fields Responses' ``tool_choice`` sets (``none``, ``auto``, ``required``, named)."""
-    if choice is None or choice == "auto":
-        return {}
-    if choice == "none":
-        return {"parse_tools": False}
-    if choice == "required":
-        _needs_tools(tools, "'required'")
-        return {"require_tool": True}
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"require_tool": True, "tool_name": _chosen_tool(choice["name"], tools, "tool_choice.name")}
-    raise RequestError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
-                       param="tool_choice")
-
-
 def _responses_text(text: Any) -> None:
     """``text``: plain text output only (no JSON schema to constrain to); ``verbosity`` is checked, not applied
     (how long the model writes is its own, as for Anthropic's ``thinking``)."""
@@ -597,7 +585,7 @@ def openai_responses_request(body: dict[str, Any], stored: dict[str, ResponsesCo
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs and top_logprobs else None,
         parallel_tool_calls=_allow_parallel(body.get("parallel_tool_calls"), "parallel_tool_calls"),
-        **_responses_tool_choice(body.get("tool_choice"), tools),
+        **_openai_tool_choice(body.get("tool_choice"), tools, flat=True),
     )
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
