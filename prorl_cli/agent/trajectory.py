@@ -126,7 +126,10 @@ def write_parquet(path: str | os.PathLike[str], records: Iterable[dict[str, Any]
     Top-level columns: ``job_id``, ``state`` (the job's end state, when the
     rows carry one), ``reward`` (when present), ``sequence_ids`` (int32 list), ``loss_mask`` (int8 list), ``logprobs`` (float32 list),
     ``token_exact``, ``stop_reason``, ``n_calls`` and ``trajectory`` (the
-    whole record as JSON text, calls included).
+    whole record as JSON text, calls included). Rows that carry a job's
+    result fields get their columns too: ``task``, ``node_id``, ``events``,
+    ``stage_s``, ``active_s``, ``attempt``, ``group_id``, ``critical_error``,
+    ``error``, ``meta`` and ``log_path`` (docs/protocol.md lists their types).
     """
     try:
         import pyarrow as pa
@@ -135,6 +138,8 @@ def write_parquet(path: str | os.PathLike[str], records: Iterable[dict[str, Any]
         raise ImportError("Parquet export needs pyarrow: pip install 'prorl[parquet]'") from e
     rows = trajectory_rows(records)
     trajs = [Trajectory.from_dict(r["trajectory"]) for r in rows]
+    result_columns = {"active_s": pa.float64(), "attempt": pa.int32(), "group_id": pa.string(),
+                      "critical_error": pa.string(), "log_path": pa.string()}
     columns = {"job_id": pa.array([r.get("job_id") for r in rows], pa.string())}
     if any("state" in r for r in rows):
         columns["state"] = pa.array([r.get("state") for r in rows], pa.string())
@@ -156,6 +161,12 @@ def write_parquet(path: str | os.PathLike[str], records: Iterable[dict[str, Any]
             },
             **({"events": pa.array([json.dumps(r["events"]) if r.get("events") is not None else None for r in rows], pa.string())}
                if any(r.get("events") for r in rows) else {}),
+            # The rest of a job's result, where the rows carry it (prorl submit/results --out do): a column per
+            # field any row has, null in rows without it, so a file's schema does not depend on which jobs failed.
+            **{name: pa.array([r.get(name) for r in rows], kind) for name, kind in result_columns.items()
+               if any(name in r for r in rows)},
+            **{name: pa.array([json.dumps(r[name]) if r.get(name) is not None else None for r in rows], pa.string())
+               for name in ("stage_s", "error", "meta") if any(name in r for r in rows)},
         }
     )
     out = Path(path)

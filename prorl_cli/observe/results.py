@@ -11,6 +11,8 @@ from prorl_cli.jsonl import jsonl_objects
 from prorl_cli.protocol import JobResult
 
 _RESULT_FIELDS = frozenset(JobResult.__dataclass_fields__)
+#: Fields that take their default when a file holds null for them (JobResult never holds None there).
+_NOT_NULL_FIELDS = frozenset({"task", "state", "attempt", "stage_s", "active_s"})
 
 
 class ResultsFileError(ProrlError, ValueError):
@@ -20,14 +22,16 @@ class ResultsFileError(ProrlError, ValueError):
 def _from_row(row: dict[str, Any], where: str) -> JobResult:
     if not isinstance(row.get("job_id"), str):
         raise ResultsFileError(f"{where}: no 'job_id' string; is this a results file (prorl submit --out)?")
-    fields = {k: v for k, v in row.items() if k in _RESULT_FIELDS}
+    # A Parquet column holds null in the rows written without its field (write_parquet of mixed rows):
+    # such a field takes its default, as when a file has no such column at all.
+    fields = {k: v for k, v in row.items() if k in _RESULT_FIELDS and not (v is None and k in _NOT_NULL_FIELDS)}
     if "trajectory" in row and "output" not in row:
         # A trajectories file (Parquet, or rows of write_jsonl): the trajectory is the output.
         traj = row["trajectory"]
         fields["output"] = {"trajectory": _json_field(traj, "trajectory", where) if isinstance(traj, str) else traj}
     fields.setdefault("task", "")
     fields.setdefault("state", "done")
-    for name in ("events", "error", "meta"):
+    for name in ("events", "error", "meta", "stage_s"):
         if isinstance(fields.get(name), str):
             fields[name] = _json_field(fields[name], name, where)
     return JobResult(**fields)

@@ -104,6 +104,15 @@ def test_parquet_keeps_every_trajectory_with_its_state(deployment: Deployment, t
     rows = pq.read_table(out).to_pylist()
     assert sorted(row["state"] for row in rows) == ["done", "failed", "timed_out"]
     assert all(row["sequence_ids"] == [1, 2, 3] and row["loss_mask"] == [0, 0, 1] for row in rows)
+    # Read back as report/trace/inspect read it: the broker's own figures for each job, not zeros and no group.
+    from prorl_cli.observe.results import load_results
+
+    for got in load_results(out):
+        want = deployment.client.result(got.job_id, timeout_s=30)
+        assert got.stage_s and got.stage_s == want.stage_s and got.active_s == want.active_s, (got, want)
+        assert (got.attempt, got.group_id, got.node_id) == (want.attempt, want.group_id, want.node_id)
+        assert got.group_id is not None and got.job_id.startswith(got.group_id)
+        assert (got.state, got.critical_error, got.error) == (want.state, want.critical_error, want.error)
     done = tmp_path / "done.parquet"
     r = prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "partial", "--timeout-s", "1",
               "--out", str(done), "--only-done")

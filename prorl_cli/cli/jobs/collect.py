@@ -128,10 +128,16 @@ def _counts_text(counts: dict[str, int]) -> str:
 
 
 def parquet_rows(results: list[JobResult], only_done: bool = False) -> list[dict[str, Any]]:
-    """The Parquet rows of ``results``: every job whose output holds a ``trajectory``, with its state."""
+    """The Parquet rows of ``results``: every job whose output holds a ``trajectory``, with its state.
+
+    Each row carries the whole JobResult but ``output`` (the trajectory stands for it), so ``prorl report``,
+    ``trace`` and ``inspect`` read the same figures (in-stage times, attempt, group, error) from it as from JSONL.
+    """
     return [
         {"job_id": r.job_id, "state": r.state, "reward": r.reward, "trajectory": r.output["trajectory"],
-         "task": r.task, "node_id": r.node_id, "events": r.events}
+         "task": r.task, "node_id": r.node_id, "events": r.events, "stage_s": r.stage_s, "active_s": r.active_s,
+         "attempt": r.attempt, "group_id": r.group_id, "critical_error": r.critical_error, "error": r.error,
+         "meta": r.meta, "log_path": r.log_path}
         for r in results
         if (r.state == "done" or not only_done)
         and isinstance(r.output, dict) and isinstance(r.output.get("trajectory"), dict)
