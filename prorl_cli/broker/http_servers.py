@@ -52,6 +52,8 @@ class HttpServers:
             host = urllib.parse.urlsplit(url).hostname or url  # the schema checked it has one
             backend = Backend(backend_id=url, kind="http", url=url, host=host, model=h.model)
             self._backends[url] = backend
+        elif h.model is not None:
+            backend.model = h.model  # added again naming another model (an adapter): calls name it from now on
         backend.cleared = False
         self._send(identity, P.reply(h.rid, backend=backend.status(self._inflight(backend)).to_wire()), ())
         self._release_held()

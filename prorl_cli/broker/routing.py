@@ -362,8 +362,11 @@ class Router:
         call_id = next(self._call_ids)
         if backend.kind == "http":
             self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, True, self.weights.policy_version))
+            # The model goes too: a server with several (vLLM serving LoRA adapters) serves the first it lists
+            # to a call that names none, not the one ``backends add --model`` named (H.GenerateAnswer).
+            model = {"model": backend.model} if backend.model else {}
             self._send(identity, P.reply(h.rid, redirect=backend.url, backend_id=backend.backend_id,
-                                         policy_version=self.weights.policy_version), ())
+                                         policy_version=self.weights.policy_version, **model), ())
             return
         # Forwarded with the sampling the caller gave (none: an empty map, the engine's defaults).
         sampling = h.sampling if h.sampling is not None else SamplingParams.from_given()

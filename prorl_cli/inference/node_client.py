@@ -4,7 +4,8 @@ Every call goes to the broker first, so pause/resume, stickiness and
 ``backends clear`` apply to HTTP backends too. The broker answers with
 the output (a bridge served it) or with ``redirect: url`` (an HTTP backend
 added with ``backends add``), in which case this node calls
-``url/completions`` itself with the prompt as token ids.
+``url/completions`` itself with the prompt as token ids, naming the
+``model`` the reply carries (absent: the first the server lists).
 
 Time a call spends held at the broker (generation paused, or no backend
 up: the broker says so with ``generate_held``) does not count: the call's
@@ -30,7 +31,7 @@ from prorl_cli.exceptions import (
 from prorl_cli.inference.contract import Generation
 from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.inference.settings import InferenceConfig
-from prorl_cli.protocol import ErrorCode, SamplingParams, pack_tokens
+from prorl_cli.protocol import ErrorCode, Op, SamplingParams, pack_tokens
 from prorl_cli.protocol import headers as H
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class NodeInference:
         self.on_hold = on_hold
         self.config = config
         self.host = host
-        self._http: dict[str, OpenAIEngine] = {}
+        self._http: dict[tuple[str, str | None], OpenAIEngine] = {}
         #: Calls in flight, by job; and how many of each job's calls the broker holds now.
         self._calls: dict[str, list[_Call]] = {}
         self._held: dict[str, int] = {}
@@ -156,11 +157,12 @@ class NodeInference:
         for engine in engines:
             await engine.close()
 
-    def _http_engine(self, url: str, backend_id: str | None) -> OpenAIEngine:
-        engine = self._http.get(url)
+    def _http_engine(self, url: str, backend_id: str | None, model: str | None = None) -> OpenAIEngine:
+        # One engine per URL and model: calls name the model the broker sent (None: the server's first).
+        engine = self._http.get((url, model))
         if engine is None:
-            engine = OpenAIEngine(url, timeout_s=self.config.generate_timeout_s, backend_id=backend_id or url)
-            self._http[url] = engine
+            engine = OpenAIEngine(url, model=model, timeout_s=self.config.generate_timeout_s, backend_id=backend_id or url)
+            self._http[(url, model)] = engine
         return engine
 
     async def generate(self, job_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
@@ -182,13 +184,13 @@ class NodeInference:
             if isinstance(error, InferenceError):
                 raise error
             raise InferenceError(str(error)) from error
-        backend_id = reply.get("backend_id")
-        redirect = reply.get("redirect")
-        raw_version = reply.get("policy_version")
-        # The weights version that served the call: the bridge's, else the broker's when it routed it.
-        version = raw_version if isinstance(raw_version, int) and not isinstance(raw_version, bool) else None
-        if redirect:
-            engine = self._http_engine(str(redirect), backend_id)
+        try:
+            answer: H.GenerateAnswer = H.parse_reply(Op.GENERATE, reply)
+        except ProtocolError as e:
+            raise InferenceError(f"job {job_id}: malformed generate reply from the broker: {e.message}") from e
+        backend_id, version = answer.backend_id, answer.policy_version
+        if answer.redirect:
+            engine = self._http_engine(answer.redirect, backend_id, answer.model)
             started = time.monotonic()
             try:
                 gen = await engine.generate(prompt_ids, sampling)
@@ -201,12 +203,11 @@ class NodeInference:
             gen.policy_version = version
             return gen
         try:
-            gen = Generation.from_payload(payload, str(reply.get("finish_reason") or "stop"), backend_id)
+            gen = Generation.from_payload(payload, answer.finish_reason or "stop", backend_id)
         except ProtocolError as e:
             raise InferenceError(f"backend {backend_id}: malformed generate reply: {e.message}") from e
         gen.policy_version = version
-        engine_s = reply.get("engine_s")  # checked by the broker's schema when the bridge sent it
-        gen.engine_s = float(engine_s) if isinstance(engine_s, int | float) and not isinstance(engine_s, bool) else None
+        gen.engine_s = float(answer.engine_s) if answer.engine_s is not None else None
         return gen
 
     async def _ask(

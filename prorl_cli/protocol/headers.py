@@ -563,6 +563,23 @@ class BackendList:
     backends: Annotated[list[BackendStatus], List(_BACKEND_STATUS, 4096)]
 
 
+@reply(Op.GENERATE)
+@dataclass(slots=True)
+class GenerateAnswer:
+    """``generate`` (to the node): a bridge's output (the payload frames), or a redirect to an HTTP backend."""
+
+    backend_id: Annotated[str | None, URL] = None
+    finish_reason: Annotated[str | None, Str(64)] = None
+    #: The weights version that served the call (the bridge's, else the broker's when it routed the call).
+    policy_version: Annotated[int | None, Int(0, BIG)] = None
+    engine_s: Annotated[float | None, Num(0.0, 1e7)] = None
+    #: An HTTP backend's ``/v1`` URL: the node calls ``redirect/completions`` itself.
+    redirect: Annotated[str | None, HTTP_URL] = None
+    #: The model the node names in those calls (``backends add --model``). Absent (none was given, or an older
+    #: broker): the first the server's ``/models`` lists.
+    model: Annotated[str | None, Str(1024)] = None
+
+
 # ``forget``'s reply is the :class:`ForgetOutcome` record (its fields declared in ``records.py``).
 reply(Op.FORGET)(ForgetOutcome)
 
