@@ -41,7 +41,7 @@ from prorl_cli.domains.swe_grading import test_list
 from prorl_cli.exceptions import DomainError, SandboxError
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext
 from prorl_cli.swe.images import repo_key
-from prorl_cli.swe.workspace import prepare, run_tests
+from prorl_cli.swe.workspace import apply_patch, prepare, run_tests
 
 SYSTEM = (
     "You are a software engineer fixing an issue in the repository at {repo_dir}. Explore it with the bash "
@@ -167,9 +167,10 @@ class SweOracleHandler(SweHandler):
         sandbox = ctx.sandbox
         await sandbox.write_file("/tmp/gold.patch", gold.encode())
         # SWE-smith ships the patch that introduced the bug (patch_reverse): the fix is that patch reversed.
-        reverse = " --reverse" if ctx.instance.get("patch_reverse") is True else ""
-        applied = await sandbox.bash(f"cd {shlex.quote(str(settings.get('repo_dir')))} && "
-                                     f"git apply{reverse} --whitespace=nowarn /tmp/gold.patch 2>&1 && rm -f /tmp/gold.patch")
-        if applied.exit_code != 0:
-            raise DomainError(f"{self.name}: the gold patch does not apply: {applied.output[-1000:]}")
+        # Applied as EVAL applies a patch (fuzz included): a gold patch EVAL would take is not "gold fails".
+        applied, output = await apply_patch(sandbox, str(settings.get("repo_dir")), "/tmp/gold.patch",
+                                            reverse=ctx.instance.get("patch_reverse") is True)
+        if not applied:
+            raise DomainError(f"{self.name}: the gold patch does not apply: {output[-1000:]}")
+        await sandbox.bash("rm -f /tmp/gold.patch")
         await self.save_patch(ctx, settings)

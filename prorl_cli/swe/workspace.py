@@ -27,8 +27,12 @@ from prorl_cli.swe.history import bundle_base, scrub_script
 from prorl_cli.swe.testplan import TestPlan, plan_tests
 
 SCRUB_TIMEOUT_S = 900.0
-#: Tried in order, as swebench's harness does: a strict apply, then GNU patch with fuzz.
-APPLY_COMMANDS = ("git apply --whitespace=nowarn {patch}", "patch --batch --fuzz=5 -p1 -i {patch}")
+#: Tried in order, as swebench's harness does: a strict apply, then GNU patch with fuzz. ``{reverse}`` is each
+#: tool's own reverse flag or nothing. No ``.orig`` backups: a fuzzed apply would otherwise leave one in the work
+#: tree, and the gold run's ``git add -A`` diff would carry it into the patch EVAL grades.
+APPLY_COMMANDS = ("git apply{reverse} --whitespace=nowarn {patch}",
+                  "patch --batch --fuzz=5 -p1 --no-backup-if-mismatch{reverse} -i {patch}")
+REVERSE_FLAGS = (" --reverse", " -R")
 
 
 async def prepare(sandbox: Any, instance: dict[str, Any], repo_dir: str, scrub: bool) -> None:
@@ -67,10 +71,16 @@ async def prepare(sandbox: Any, instance: dict[str, Any], repo_dir: str, scrub: 
             raise DomainError(f"swe: removing history after base_commit failed: {done.output[-1000:]}")
 
 
-async def _apply(sandbox: Any, repo_dir: str, path: str) -> tuple[bool, str]:
+async def apply_patch(sandbox: Any, repo_dir: str, path: str, reverse: bool = False) -> tuple[bool, str]:
+    """Apply the patch file at ``path`` (in the sandbox) to ``repo_dir`` the way EVAL applies every patch.
+
+    Each of :data:`APPLY_COMMANDS` is tried in turn; ``reverse`` undoes the patch instead. Returns whether
+    one applied, and its output (else every command's output tail).
+    """
     outputs = []
-    for command in APPLY_COMMANDS:
-        done = await sandbox.bash(f"cd {shlex.quote(repo_dir)} && {command.format(patch=path)} 2>&1")
+    for command, flag in zip(APPLY_COMMANDS, REVERSE_FLAGS, strict=True):
+        line = command.format(patch=shlex.quote(path), reverse=flag if reverse else "")
+        done = await sandbox.bash(f"cd {shlex.quote(repo_dir)} && {line} 2>&1")
         if done.exit_code == 0:
             return True, done.output
         outputs.append(done.output[-1000:])
@@ -168,7 +178,7 @@ async def _apply_test_patch(sandbox: Any, instance: dict[str, Any], repo_dir: st
     if not test_patch.strip():
         return []
     reset = await _reset_test_files(sandbox, repo_dir, str(instance["base_commit"]), test_patch)
-    ok, output = await _apply(sandbox, repo_dir, TEST_PATCH)
+    ok, output = await apply_patch(sandbox, repo_dir, TEST_PATCH)
     if not ok:
         raise DomainError(f"swe: the instance's test_patch does not apply: {output[-1000:]}")
     return reset
@@ -204,7 +214,7 @@ async def run_tests(sandbox: Any, instance: dict[str, Any], settings: dict[str, 
         await sandbox.write_file(path, data)
     if patch.strip():
         await sandbox.write_file(f"{WORK}/model.patch", patch if isinstance(patch, bytes) else patch.encode())
-        ok, output = await _apply(sandbox, repo_dir, f"{WORK}/model.patch")
+        ok, output = await apply_patch(sandbox, repo_dir, f"{WORK}/model.patch")
         if not ok:
             extra["log_tail"] = output[-3000:]
             return SweReport(patch_exists=True, test_source=plan.source, status="PATCH_APPLY_FAILED"), extra

@@ -2,7 +2,8 @@
 # bubblewrap (rootless, millisecond sandbox start) and the tools the sandbox
 # tests and benchmarks use beside it: tmux (the benchmark baseline),
 # busybox-static (the scratch test image), python3 for the unprivileged test
-# user (/root/.pyenv is not readable by others). Debian 12 and 13.
+# user (/root/.pyenv is not readable by others), GNU patch (the SWE tests bind
+# it into the BusyBox-only domain image: EVAL's fuzzy apply). Debian 12 and 13.
 set -euo pipefail
 . /etc/os-release
 case "${ID}:${VERSION_ID:-}" in
@@ -11,7 +12,7 @@ case "${ID}:${VERSION_ID:-}" in
 esac
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for pkg in bubblewrap tmux busybox-static python3 procps util-linux; do
+for pkg in bubblewrap tmux busybox-static python3 procps util-linux patch; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ]; then

@@ -35,21 +35,24 @@ MODES = ("scratch", "versioned", "lock")
 @click.option("--repos-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="With --swe: git repositories as DIR/owner__name or DIR/owner/name (rows without repo_path).")
 @click.option("--map-out", type=click.Path(dir_okay=False, path_type=Path), help="With --swe: where to write the repo_images JSON map.")
 @click.option("--images-from", metavar="docker://HOST/NS/TEMPLATE|DIR", help="With --swe: published per-instance images instead of building: pulled from a registry, named by TEMPLATE ({swebench}, {swesmith}, {swegym}, {swerebench}, or fields such as {id_1776}; docker://NS alone: SWE-bench's names), or DIR/<instance_id>.sif as is and DIR/<instance_id>.tar or OCI layout DIR/<instance_id>/ converted. See docs/images.md.")
+@click.option("--format", "fmt", metavar="SOURCE",
+              help="With --swe: the project DATASET's rows come from (as for prorl eval: swe-bench, swe-gym, swe-smith, "
+                   "swe-rebench, nebius, swebench-task, prorl). [default: auto]")
 @pass_app
 def build_images(app: App, names: tuple[str, ...], mode: str | None, cache_dir: str | None, jobs: int | None,
                  images_file: str | None, mirror: str | None, dry_run: bool, as_json: bool, swe_dataset: Path | None,
                  base: str | None, wheels: Path | None, repos_dir: Path | None, map_out: Path | None,
-                 images_from: str | None) -> None:
+                 images_from: str | None, fmt: str | None) -> None:
     """Render sif_recipes templates and build the .sif images NAMES (default: all), or a SWE dataset's (--swe)."""
     app.override(images__mode=mode, images__cache_dir=cache_dir, images__jobs=jobs,
                  images__config_file=images_file, images__mirror=mirror)
-    if swe_dataset is not None or base or wheels or repos_dir or map_out or images_from:
+    if swe_dataset is not None or base or wheels or repos_dir or map_out or images_from or fmt:
         from prorl_cli.cli.images.swe import build_swe
 
         if swe_dataset is None or names:
-            app.abort("--base, --wheels, --repos-dir, --map-out and --images-from go with --swe DATASET, "
+            app.abort("--base, --wheels, --repos-dir, --map-out, --images-from and --format go with --swe DATASET, "
                       "and --swe takes no NAMES")
-        build_swe(app, swe_dataset, base, wheels, repos_dir, map_out, dry_run, as_json, images_from)
+        build_swe(app, swe_dataset, base, wheels, repos_dir, map_out, dry_run, as_json, images_from, fmt or "auto")
         return
     settings = app.config.images
     from prorl_cli.exceptions import ConfigError, ImageBuildError

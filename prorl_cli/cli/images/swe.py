@@ -13,8 +13,12 @@ from prorl_cli.cli.application import App
 
 
 def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, repos_dir: Path | None,
-              map_out: Path | None, dry_run: bool, as_json: bool, images_from: str | None = None) -> None:
-    """Plan (and unless ``dry_run`` build) the dataset's images; write the ``repo_images`` map."""
+              map_out: Path | None, dry_run: bool, as_json: bool, images_from: str | None = None,
+              fmt: str = "auto") -> None:
+    """Plan (and unless ``dry_run`` build) the dataset's images; write the ``repo_images`` map.
+
+    ``fmt`` is the dataset's source format, as ``load_instances`` takes it (``auto``: told from the rows).
+    """
     from prorl_cli.cli.common import dataset_errors
     from prorl_cli.cli.images.run import run_builds
     from prorl_cli.domains.datasets import load_instances
@@ -28,7 +32,7 @@ def build_swe(app: App, dataset: Path, base: str | None, wheels: Path | None, re
     settings = app.config.images
     console = app.err_console if as_json else app.console
     try:
-        rows = load_instances("swe", dataset)
+        rows = load_instances("swe", dataset, fmt)
         check_git()
     except dataset_errors() as e:
         app.abort(str(e))

@@ -99,21 +99,24 @@ def validate(app: App, dataset: Path, out: Path, runs: int, flaky_policy: str, f
     except dataset_errors() as e:
         app.abort(str(e))
     if base or images_from:
-        images = {**_build_images(app, dataset, out, base, images_from, wheels, repos_dir), **images}
+        images = {**_build_images(app, dataset, out, base, images_from, wheels, repos_dir, fmt), **images}
     deployment = named_deployment(app) if address is None else app.config.deployment
     _run(app, dataset, out, instances, images, run_id, runs, flaky_policy, timeout_s, retry_not_evaluated, parallel,
          deployment, address)
 
 
 def _build_images(app: App, dataset: Path, out: Path, base: str | None, images_from: str | None, wheels: Path | None,
-                  repos_dir: Path | None) -> dict[str, str]:
-    """``prorl build-images --swe`` in a child (its own log in OUT), then the repo_images map it wrote."""
+                  repos_dir: Path | None, fmt: str) -> dict[str, str]:
+    """``prorl build-images --swe`` in a child (its own log in OUT), then the repo_images map it wrote.
+
+    The child reads DATASET with validate's ``--format``: under ``auto`` it could read other rows (or none).
+    """
     from prorl_cli.swe.validate_run import read_repo_images
 
     map_out = out / "repo_images.json"
     log = out / "build-images.log"
     cmd = [sys.executable, "-m", "prorl_cli", *(["--config", app.config_path] if app.config_path else []),
-           "build-images", "--swe", str(dataset), "--map-out", str(map_out)]
+           "build-images", "--swe", str(dataset), "--format", fmt, "--map-out", str(map_out)]
     cmd += ["--base", base] if base else ["--images-from", str(images_from)]
     cmd += ["--wheels", str(wheels)] if wheels else []
     cmd += ["--repos-dir", str(repos_dir)] if repos_dir else []
