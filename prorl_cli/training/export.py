@@ -8,6 +8,7 @@ and NeMo-RL's ``BatchedDataDict`` and shows how to load an export into each.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -43,20 +44,44 @@ COLUMNS: dict[str, tuple[str, str]] = {
 }
 
 
+def _check_finite(s: TrainingSample) -> None:
+    """Raise :class:`SampleError` naming the rollout, column and token at the first NaN or infinity.
+
+    JSON cannot hold one and Parquet would store it silently; either way a trainer would get NaN or an
+    infinite importance ratio in its loss. The engines report log-probs of the unmodified distribution
+    (:class:`~prorl_cli.inference.contract.Generation`), so a sampled token never has -inf legitimately,
+    and NaN is a log-prob the server did not return.
+    """
+    for name, value in (("reward", s.reward), ("advantage", s.advantage)):
+        if not math.isfinite(value):
+            raise SampleError(f"sample of rollout {s.rollout_id!r}: {name} is {value!r}, not a finite number")
+    for name, values in (("old_log_probs", s.old_log_probs), ("loss_weights", s.loss_weights)):
+        for i, v in enumerate(values):
+            if not math.isfinite(v):
+                raise SampleError(f"sample of rollout {s.rollout_id!r}: {name}[{i}] is {v!r}, not a finite number "
+                                  "(JSON cannot hold it and a trainer's loss would be NaN or infinite)")
+
+
 def sample_row(s: TrainingSample) -> dict[str, Any]:
     """The export row of one sample (plain Python values).
 
     Raises :class:`~prorl_cli.training.samples.SampleError` naming the rollout when a per-token list is not
     as long as ``input_ids``: such a row would be written with columns that do not line up, and a trainer
-    would read every token after the gap against the wrong log-prob, mask or version.
+    would read every token after the gap against the wrong log-prob, mask or version. Also when the sample's
+    ``loss_weights`` were never assigned (:func:`~prorl_cli.training.samples.assign_loss_weights`), and when
+    a reward, advantage, log-prob or loss weight is not finite (see :func:`_check_finite`).
     """
     s.check_aligned()
+    if s.input_ids and not s.loss_weights:
+        # Written as zeros, the column would train on nothing without a word: build_samples leaves it empty.
+        raise SampleError(f"sample of rollout {s.rollout_id!r} has no loss_weights: call assign_loss_weights "
+                          "(or build the samples with samples_from_results) before exporting")
+    _check_finite(s)
     mask = list(s.response_mask)
     last = max((i for i, m in enumerate(mask) if m), default=-1)
     scores = [0.0] * len(mask)
     if last >= 0:
         scores[last] = s.reward
-    weights = s.loss_weights or [0.0] * len(mask)
     return {
         "rollout_id": s.rollout_id,
         "group_id": s.group_id,
@@ -74,7 +99,7 @@ def sample_row(s: TrainingSample) -> dict[str, Any]:
         "generation_logprobs": list(s.old_log_probs),
         "advantages": [s.advantage * m for m in mask],
         "token_level_scores": scores,
-        "loss_weights": list(weights),
+        "loss_weights": list(s.loss_weights),
         "policy_versions": list(s.policy_versions),
         "input_lengths": len(s.input_ids),
         "sample_mask": 1.0,

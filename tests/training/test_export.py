@@ -134,3 +134,43 @@ def test_a_failed_parquet_export_keeps_the_old_file_and_leaves_no_temp_file(tmp_
     assert out.returncode != 0 and "File too large" in out.stderr, out.stderr[-2000:]
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.parquet"]
+
+
+@pytest.mark.parametrize("writer", ["jsonl", "parquet"])
+def test_a_sample_without_loss_weights_is_refused_not_exported_as_zeros(tmp_path: Path, writer: str) -> None:
+    """build_samples alone leaves loss_weights empty; an all-zero column would train on nothing without a word."""
+    if writer == "parquet":
+        pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install 'prorl[parquet]')")
+    ss = samples()
+    traj = Trajectory(calls=[ModelCall([1, 2], [3], [-0.5], "stop")])
+    unweighted, _ = build_samples(traj, rollout_id="r9", group_id="g", reward=1.0)
+    write = write_samples_jsonl if writer == "jsonl" else write_samples_parquet
+    with pytest.raises(SampleError, match=r"rollout 'r9' has no loss_weights: call assign_loss_weights"):
+        write(tmp_path / f"s.{writer}", ss + unweighted)
+    assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+@pytest.mark.parametrize("writer", ["jsonl", "parquet"])
+@pytest.mark.parametrize("bad", [-math.inf, math.nan])
+def test_a_non_finite_log_prob_is_refused_naming_its_rollout_in_both_formats(
+    tmp_path: Path, writer: str, bad: float,
+) -> None:
+    """JSONL used to fail with a bare 'Out of range float values' and Parquet to store the value silently."""
+    if writer == "parquet":
+        pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install 'prorl[parquet]')")
+    ss = samples()
+    ss[2].old_log_probs[4] = bad  # a sampled token's log-prob
+    write = write_samples_jsonl if writer == "jsonl" else write_samples_parquet
+    with pytest.raises(SampleError, match=rf"rollout 'r2': old_log_probs\[4\] is {bad!r}, not a finite number"):
+        write(tmp_path / f"s.{writer}", ss)
+    assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+def test_a_non_finite_loss_weight_or_advantage_is_refused_naming_its_rollout(tmp_path: Path) -> None:
+    ss = samples()
+    ss[0].loss_weights[3] = math.inf
+    with pytest.raises(SampleError, match=r"rollout 'r0': loss_weights\[3\] is inf"):
+        sample_row(ss[0])
+    ss[1].advantage = math.nan
+    with pytest.raises(SampleError, match=r"rollout 'r1': advantage is nan"):
+        sample_row(ss[1])
