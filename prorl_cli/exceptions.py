@@ -135,6 +135,17 @@ class UnknownTask(ProrlError, KeyError):
         return str(self.args[0]) if self.args else "unknown task"
 
 
+class AgentLoopError(ProrlError, RuntimeError):
+    """The agent loop's token buffer was used out of order (``add_messages()`` without a ``generate()`` before it)."""
+
+
+class UnknownToolParser(ProrlError, KeyError):
+    """No tool parser is registered under the requested name (the message names the registered ones)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message plain.
+        return str(self.args[0]) if self.args else "unknown tool parser"
+
+
 class HandlerError(ProrlError, RuntimeError):
     """A handler could not be loaded or is malformed."""
 

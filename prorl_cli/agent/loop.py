@@ -33,7 +33,7 @@ from prorl_cli.agent.tools import (
     get_tool_parser,
 )
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
-from prorl_cli.exceptions import InferenceError, JobEnded
+from prorl_cli.exceptions import AgentLoopError, InferenceError, JobEnded
 from prorl_cli.inference.contract import Generation
 from prorl_cli.observe.timeline import TOOL, record_span
 from prorl_cli.protocol import SamplingParams
@@ -135,7 +135,9 @@ class TokenSession:
         Pass all messages of one turn at once. Returns the ids appended.
         """
         if not self._awaiting_observation:
-            raise RuntimeError("add_messages() follows a generate() call; pass one turn's messages at once")
+            what = "before the first generate()" if not self.calls else "twice after the same generate()"
+            raise AgentLoopError(f"add_messages() called {what}: it follows a generate() call; "
+                                 "pass one turn's messages at once")
         delta = self.chat.continuation(self.calls[-1].output_ids, messages)
         self.prompt_ids = self.prompt_ids + delta
         self.trajectory.messages += [dict(m) for m in messages]
@@ -166,7 +168,12 @@ async def _call_tool(tools: Mapping[str, ToolFn], call: ToolCall) -> str:
             result = await result
     except Exception as e:  # a tool's failure is the model's observation, not the job's
         return f"error: {type(e).__name__}: {e}"
-    return result if isinstance(result, str) else json.dumps(result)
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result)
+    except (TypeError, ValueError) as e:  # a result JSON cannot encode is the tool's failure, like any other
+        return f"error: tool {call.name!r} returned a {type(result).__name__} that is not JSON-serializable: {e}"
 
 
 async def run_tool_agent(
@@ -278,6 +285,51 @@ async def _tool_turns(
         if turn == max_turns - 1:
             break
         results = [await call_tool(tools, tc) for tc in tool_calls]
-        session.add_messages([{"role": "tool", "name": tc.name, "content": r} for tc, r in zip(tool_calls, results, strict=True)])
+        observations: list[dict[str, Any]] = [
+            {"role": "tool", "name": tc.name, "content": r} for tc, r in zip(tool_calls, results, strict=True)
+        ]
+        if _template_reads_call_ids(session.chat):
+            _link_calls(traj.messages[-1], tool_calls, observations, turn)
+        session.add_messages(observations)
     traj.stop_reason = "max_turns"
     return traj
+
+
+def _template_reads_call_ids(chat: ChatTokens) -> bool:
+    """Whether the chat template reads ``tool_call_id`` (Mistral's raise without one); ChatML's never do.
+
+    A template that never names the key renders the same text with or without it, so only these get ids,
+    and the messages of every other model stay as they were.
+    """
+    return "tool_call_id" in str(getattr(chat.tokenizer, "chat_template", "") or "")
+
+
+def _tool_call_id(turn: int, index: int) -> str:
+    """The id of call ``index`` of model call ``turn``: 9 alphanumerics, as Mistral's templates demand.
+
+    Derived from the position alone, so rendering the trajectory's messages again gives the same text as the
+    observation the loop appended. Base 36: 5 digits of turn, 4 of index, distinct for any real rollout.
+    """
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+    def base36(n: int, width: int) -> str:
+        out = ""
+        for _ in range(width):
+            n, r = divmod(n, 36)
+            out = digits[r] + out
+        return out
+
+    return base36(turn, 5) + base36(index, 4)
+
+
+def _link_calls(
+    assistant: dict[str, Any], tool_calls: list[ToolCall], observations: list[dict[str, Any]], turn: int
+) -> None:
+    """Give each call of this turn an id, on the assistant message's ``tool_calls`` and on its result."""
+    ids = [_tool_call_id(turn, i) for i in range(len(tool_calls))]
+    assistant["tool_calls"] = [
+        {"id": call_id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
+        for call_id, tc in zip(ids, tool_calls, strict=True)
+    ]
+    for call_id, obs in zip(ids, observations, strict=True):
+        obs["tool_call_id"] = call_id

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from prorl_cli.exceptions import UnknownToolParser
+
 #: Open and close a reasoning block; the answer (and its tool calls) follows it.
 _THINK_START, _THINK_END = "<think>", "</think>"
 #: A tool's implementation: ``fn(**arguments) -> str`` (sync or async; other results are JSON-encoded).
@@ -157,8 +159,9 @@ def register_tool_parser(name: str, factory: Callable[[], ToolParser]) -> None:
 
 
 def get_tool_parser(name: str = "hermes") -> ToolParser:
-    """A parser by name; :class:`KeyError` names the known ones."""
-    try:
-        return _PARSERS[name]()
-    except KeyError:
-        raise KeyError(f"unknown tool parser {name!r}; known: {sorted(_PARSERS)}") from None
+    """A parser by name; an unknown name raises :class:`UnknownToolParser` (a ``KeyError``) naming the registered ones."""
+    factory = _PARSERS.get(name)
+    if factory is None:
+        raise UnknownToolParser(f"unknown tool parser {name!r}; registered: {sorted(_PARSERS)} "
+                                "(add one with register_tool_parser)")
+    return factory()
