@@ -5,6 +5,8 @@ Every JSONL reader of prorl (results files, dataset files, search corpora,
 reads the same everywhere: ``FILE:LINE: not valid JSON: ...``. Each caller
 passes the exception class of its own domain (``DatasetError``,
 ``ResultsFileError``, ...); the JSON or decoding error is its ``__cause__``.
+Writers replace a file all or nothing (:func:`atomic_text_file`, also for
+the other text outputs of prorl: a trace, an HTML report).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 
 def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "") -> Iterator[tuple[int, Any]]:
@@ -59,18 +62,29 @@ def jsonl_objects(path: Path, error_cls: type[Exception], *, expected: str = "")
         yield lineno, value
 
 
-def write_jsonl_atomic(path: str | os.PathLike[str], rows: Iterable[Any], *, allow_nan: bool = False) -> Path:
-    """Write one JSON value per line to ``path``, all or nothing: the lines go to a temp file beside it that
-    replaces ``path`` when every row is written. Whatever stops the write (a row that is not JSON, a full disk,
-    Ctrl-C) leaves ``path`` as it was and no temp file behind. Returns ``path``."""
+@contextmanager
+def atomic_text_file(path: str | os.PathLike[str]) -> Iterator[TextIO]:
+    """A UTF-8 text file to write that replaces ``path`` only once the ``with`` block ends without an error.
+
+    The text goes to a temp file beside ``path`` (same filesystem, so the rename is atomic); whatever stops the
+    write (an error, a full disk, Ctrl-C) leaves ``path`` as it was and no temp file behind.
+    """
     out = Path(path)
     tmp = out.with_name(out.name + ".tmp")
     try:
         with tmp.open("w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, allow_nan=allow_nan) + "\n")
+            yield f
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return out
+
+
+def write_jsonl_atomic(path: str | os.PathLike[str], rows: Iterable[Any], *, allow_nan: bool = False) -> Path:
+    """Write one JSON value per line to ``path``, all or nothing (:func:`atomic_text_file`): whatever stops the
+    write (a row that is not JSON, a full disk, Ctrl-C) leaves ``path`` as it was and no temp file behind.
+    Returns ``path``."""
+    with atomic_text_file(path) as f:
+        for row in rows:
+            f.write(json.dumps(row, allow_nan=allow_nan) + "\n")
+    return Path(path)

@@ -43,7 +43,8 @@ class ResultStream:
         timeout_s: float | None = None,
     ) -> None:
         self._client = client
-        self._queue: asyncio.Queue[JobResult] = asyncio.Queue()
+        #: ``None`` in it wakes a consumer waiting on it to watch ids :meth:`add` queued in ``_to_watch``.
+        self._queue: asyncio.Queue[JobResult | None] = asyncio.Queue()
         #: ``None``: open-ended (every result); else the ids still to yield.
         self._wanted: set[str] | None = None if job_ids is None else set()
         self._seen: set[str] = set()
@@ -59,6 +60,7 @@ class ResultStream:
         """Also yield these jobs' results (ones already yielded by this stream are not yielded again)."""
         if self._closed:
             raise RuntimeError("this result stream is closed")
+        to_watch = len(self._to_watch)
         for job_id in job_ids:
             if job_id in self._seen:
                 continue
@@ -69,6 +71,9 @@ class ResultStream:
                 self._queue.put_nowait(cached)
             else:
                 self._to_watch.append(job_id)
+        if len(self._to_watch) > to_watch:
+            # A consumer already waiting on the queue would not watch these ids until some other result came.
+            self._queue.put_nowait(None)
 
     @property
     def pending(self) -> set[str]:
@@ -126,9 +131,9 @@ class ResultStream:
             if result is not None:
                 return result
 
-    def _take(self, result: JobResult) -> JobResult | None:
-        """``result`` if this stream still owes it, else ``None`` (a duplicate, or not asked for)."""
-        if result.job_id in self._seen:
+    def _take(self, result: JobResult | None) -> JobResult | None:
+        """``result`` if this stream still owes it, else ``None`` (a duplicate, not asked for, or a wake-up)."""
+        if result is None or result.job_id in self._seen:
             return None
         if self._wanted is not None:
             if result.job_id not in self._wanted:

@@ -7,9 +7,10 @@ its first call and after its last one (sandbox start, grading), and its
 reward. Two sources:
 
 * a results JSONL as ``prorl submit --out``, ``prorl sample --out`` and
-  ``prorl results --out`` write it (one ``JobResult`` per line): the shapes
-  come from each finished job's timeline (``events``: ``generate`` spans
-  with their ``prompt``/``output`` token counts);
+  ``prorl results --out`` write it (one ``JobResult`` per line), or their
+  Parquet (which holds only the jobs with a token-level trajectory): the
+  shapes come from each finished job's timeline (``events``: ``generate``
+  spans with their ``prompt``/``output`` token counts);
 * a description with the fields (and meaning) of a ``sim_agent`` instance
   (``prorl_cli/testing/handlers/sim_agent.py``): ``turns``, ``prompt_tokens``,
   ``output_tokens``/``observation_tokens``/``tool_s`` as ``{median, sigma,
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,7 @@ class Workload:
 
     @classmethod
     def from_results(cls, path: str | Path, time_scale: float = 1.0) -> Workload:
-        """The shapes of the finished rollouts in a results JSONL (``state: done``, one generate call or more).
+        """The shapes of the finished rollouts in a results JSONL or Parquet (``state: done``, one generate call or more).
 
         ``time_scale``: the results were recorded on a clock that ran this many times faster than the
         workload's (a sim replay's ``speedup``); the tool gaps and lead/tail times are multiplied by it.
@@ -112,14 +113,12 @@ class Workload:
         p = Path(path)
         if not p.is_file():
             raise PlanError(f"{p}: no such results file")
-        if p.suffix == ".parquet":
-            raise PlanError(f"{p}: the planner reads JSONL results (prorl submit/sample/results --out FILE.jsonl)")
         if not time_scale > 0:
             raise PlanError(f"time scale must be positive, got {time_scale}")
         shapes: list[RolloutShape] = []
         skipped = 0
-        for lineno, row in jsonl_objects(p, PlanError, expected="a job's result (prorl results --out)"):
-            shape = _shape_of_result(row, f"{p}:{lineno}", time_scale)
+        for where, row in _result_rows(p):
+            shape = _shape_of_result(row, where, time_scale)
             if shape is None:
                 skipped += 1
             else:
@@ -152,6 +151,23 @@ class Workload:
         rng = random.Random(seed)
         shapes = [spec.draw(rng) for _ in range(count)]
         return cls(f"{where} (seed {seed})", shapes, p_solve=spec.p_solve)
+
+
+def _result_rows(p: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """``(where, result fields)`` of each job in a results file, ``where`` naming its line (JSONL) or row (Parquet)."""
+    if p.suffix != ".parquet":
+        for lineno, row in jsonl_objects(p, PlanError, expected="a job's result (prorl results --out)"):
+            yield f"{p}:{lineno}", row
+        return
+    # The Parquet columns (events as JSON text, state, reward, group_id) decoded as prorl report reads them.
+    from prorl_cli.observe.results import ResultsFileError, load_results
+
+    try:
+        results = load_results(p)
+    except ResultsFileError as e:
+        raise PlanError(str(e)) from e
+    for i, result in enumerate(results):
+        yield f"{p} row {i}", result.to_wire()
 
 
 def _shape_of_result(row: Mapping[str, Any], where: str, time_scale: float) -> RolloutShape | None:

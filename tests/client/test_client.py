@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import signal
 import time
@@ -65,6 +66,36 @@ def test_a_result_stream_takes_ids_added_after_it_started(deployment: Deployment
     got += list(stream)
     assert sorted(r.job_id for r in got) == sorted([*first, *more])
     assert stream.pending == set()
+
+
+def test_ids_added_while_a_consumer_waits_are_watched_at_once(deployment: Deployment) -> None:
+    """A trainer resuming a group another client submitted adds its ids while ``async for`` waits on the stream."""
+    client = deployment.client
+    done = client.submit("test", [{"echo": "other client's"}])
+    client.wait(done, timeout_s=60)
+    (hung,) = client.submit("test", [{"hang_in": "run"}], timeout_s=120)
+
+    async def main() -> JobResult:
+        other = AsyncRolloutClient(deployment.name, address=deployment.address, config=deployment.load_config())
+        async with other:
+            stream = other.results([hung], timeout_s=60)
+            waiting = asyncio.create_task(stream.__anext__())
+            # Once the hung job is watched, the consumer goes on to wait on the stream without yielding again.
+            while hung not in other._watched and not waiting.done():
+                await asyncio.sleep(0.01)
+            stream.add(done)
+            try:
+                return await waiting
+            finally:
+                await stream.aclose()
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        client.cancel([hung])
+        # Taken here, so that no later test's open-ended stream of this client gets it.
+        assert client.result(hung, timeout_s=60).state == "cancelled"
+    assert got.job_id == done[0] and got.output["echo"] == "other client's"
 
 
 def test_an_open_ended_stream_follows_every_submit(deployment: Deployment) -> None:

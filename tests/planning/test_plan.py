@@ -174,6 +174,35 @@ def test_workload_from_a_results_file(tmp_path: Path) -> None:
     assert Workload.from_results(path, time_scale=20).shapes[0].gaps_s == pytest.approx((10.0,))
 
 
+def test_workload_from_parquet_results_is_the_one_from_their_jsonl(tmp_path: Path) -> None:
+    # What `prorl submit/results --out X.parquet` writes for the same jobs (each with a trajectory, which is
+    # what such a file holds): the planner reads the same calls, gaps, lead/tail times, rewards and groups.
+    pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) is not installed")
+    from prorl_cli.agent.trajectory import write_parquet
+    from prorl_cli.cli.jobs.collect import parquet_rows
+
+    traj = {"sequence_ids": [1, 2, 3], "loss_mask": [0, 0, 1], "logprobs": [0.0, 0.0, -0.5], "stop_reason": "stop"}
+    lines = [
+        _result_line("run-0-0", "run-0", 1.0, calls=((0.6, 2.0, 2000, 150), (3.1, 1.0, 2700, 80))),
+        _result_line("run-0-1", "run-0", 0.0, calls=((0.7, 1.0, 2000, 10),)),
+        _result_line("run-1-0", "run-1", 1.0, calls=((0.6, 1.0, 500, 20), (2.0, 1.0, 900, 30), (5.5, 0.5, 1500, 5))),
+        _result_line("run-2-0", "run-2", 0.0, state="cancelled", calls=((0.6, 1.0, 500, 20),)),
+    ]
+    jsonl = tmp_path / "results.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    results = []
+    for line in lines:
+        result = JobResult.from_wire(json.loads(line))
+        result.output = {"trajectory": traj}
+        results.append(result)
+    parquet = tmp_path / "results.parquet"
+    write_parquet(parquet, parquet_rows(results))
+
+    want, got = Workload.from_results(jsonl, time_scale=2), Workload.from_results(parquet, time_scale=2)
+    assert got.shapes == want.shapes and got.skipped == want.skipped == 1
+    assert got.p_informative(2) == want.p_informative(2)
+
+
 def test_workload_description_draws_like_sim_agent() -> None:
     w = Workload.from_description({**SMALL, "turns": 4, "seed": 9, "time_scale": 20}, 30, seed=0)
     for s in w.shapes:

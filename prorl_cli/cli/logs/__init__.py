@@ -60,7 +60,8 @@ def job_notes(record: LaunchRecord) -> dict[str, str]:
 @click.command()
 @click.argument("member", metavar="ROLE[INDEX]")
 @deployment_option
-@click.option("-f", "--follow", is_flag=True, help="Keep printing lines as they are written (one task), until Ctrl-C.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing lines as they are written (one task), until Ctrl-C; a log truncated or "
+              "replaced is followed from its start again.")
 @click.option("--lines", type=click.IntRange(min=0), default=0, help="Only the last N lines of each log (0: all).")
 @click.option("--attempt", type=click.IntRange(min=1), metavar="N",
               help="The task's Nth Slurm job in this launch (1: the first; a task the supervisor replaced has "
@@ -145,9 +146,9 @@ def logs(app: App, member: str, follow: bool, lines: int, attempt: int | None, e
             continue
         if len(files) > 1 or every:
             app.err_console.print(f"==> {label}: {path}")
-        size = _print_log(path, lines)
+        size, inode = _print_log(path, lines)
         if follow:
-            _follow(path, size)
+            _follow(path, size, inode)
 
 
 def _no_task(app: App, record: LaunchRecord, name: str, member: str) -> NoReturn:
@@ -164,12 +165,14 @@ def _utf8_decoder() -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
-def _print_log(path: Path, lines: int) -> int:
-    """Print ``path`` (only its last ``lines`` lines when ``lines`` > 0); return the size it had, where ``-f`` goes on.
+def _print_log(path: Path, lines: int) -> tuple[int, int]:
+    """Print ``path`` (only its last ``lines`` lines when ``lines`` > 0); return the size it had, where ``-f`` goes
+    on, and the inode of the file read (``-f`` follows another file at ``path`` from its start).
 
     Reads block by block (the whole log) or backwards from its end until ``lines`` lines are in hand.
     """
     with path.open("rb") as f:
+        inode = os.fstat(f.fileno()).st_ino
         size = f.seek(0, os.SEEK_END)
         if not lines:
             f.seek(0)
@@ -179,7 +182,7 @@ def _print_log(path: Path, lines: int) -> int:
                 left -= len(block)
                 click.echo(decoder.decode(block), nl=False)
             click.echo(decoder.decode(b"", final=True), nl=False)
-            return size
+            return size, inode
         # From the end back until more than ``lines`` newlines are in hand: the last ``lines`` lines then all
         # lie after the first of them, never in the partial line the tail starts with.
         tail, pos = b"", size
@@ -189,15 +192,30 @@ def _print_log(path: Path, lines: int) -> int:
             f.seek(pos)
             tail = f.read(step) + tail
     click.echo("".join(tail.decode(errors="replace").splitlines(keepends=True)[-lines:]), nl=False)
-    return size
+    return size, inode
 
 
-def _follow(path: Path, offset: int) -> None:
-    """Print what is appended to ``path`` from ``offset`` on, until Ctrl-C (a requeued task appends to the same log)."""
+def _follow(path: Path, offset: int, inode: int) -> None:
+    """Print what is appended to ``path`` from ``offset`` on, until Ctrl-C (a requeued task appends to the same log).
+
+    A log cut shorter than what was read (truncated), or another file than ``inode`` now at ``path`` (rotated,
+    rewritten), is followed from its start again, as ``tail -F`` does, and stderr says so: from the old offset
+    on, nothing new would ever show.
+    """
     decoder = _utf8_decoder()
     try:
         while True:
-            with path.open("rb") as f:
+            try:
+                f = path.open("rb")
+            except FileNotFoundError:  # between a rotation's rename and the new file: wait for it
+                time.sleep(FOLLOW_POLL_S)
+                continue
+            with f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != inode or st.st_size < offset:
+                    what = "was replaced" if st.st_ino != inode else "was truncated"
+                    click.echo(f"==> {path} {what}: following it from its start", err=True)
+                    inode, offset, decoder = st.st_ino, 0, _utf8_decoder()
                 f.seek(offset)
                 chunk = f.read(_BLOCK_BYTES)
             if chunk:
@@ -207,3 +225,4 @@ def _follow(path: Path, offset: int) -> None:
             time.sleep(FOLLOW_POLL_S)
     except KeyboardInterrupt:
         return
+

@@ -49,7 +49,10 @@ def trace(app: App, results_file: Path, out: Path) -> None:
     jobs = doc["otherData"]["jobs"]
     if not jobs:
         app.abort(f"{results_file}: no result has a timeline ('events'); results of older prorl versions have none")
-    out.write_text(json.dumps(doc))
+    from prorl_cli.jsonl import atomic_text_file
+
+    with atomic_text_file(out) as f:  # a failed write (a full disk) keeps the last good trace
+        f.write(json.dumps(doc))
     app.console.print(f"{jobs} job(s), {len(doc['traceEvents'])} trace events -> {out} (open it at ui.perfetto.dev)")
 
 
@@ -165,7 +168,10 @@ def report(app: App, results_file: Path, html_out: Path, title: str | None, max_
     if not results:
         app.abort(f"{results_file}: no results")
     page = render_html(results, title or f"prorl run: {results_file.name}", max_trajectories)
-    html_out.write_text(page, encoding="utf-8")
+    from prorl_cli.jsonl import atomic_text_file
+
+    with atomic_text_file(html_out) as f:  # a failed write (a full disk) keeps the last good report
+        f.write(page)
     app.console.print(f"{len(results)} job(s) -> {html_out} ({len(page) // 1024} KiB)")
 
 

@@ -32,7 +32,7 @@ def _in_flight_list(ctx: click.Context, param: click.Parameter, value: str) -> l
 
 @click.command()
 @click.option("--results", "results_file", metavar="FILE", type=click.Path(dir_okay=False, path_type=Path),
-              help="Results JSONL of an earlier run (prorl submit/sample/results --out): its rollouts' calls, tool gaps, rewards.")
+              help="Results (JSONL or Parquet) of an earlier run (prorl submit/sample/results --out): its rollouts' calls, tool gaps, rewards.")
 @click.option("--workload", "workload_file", metavar="FILE.yaml", type=click.Path(dir_okay=False, path_type=Path),
               help="A workload description with sim_agent's fields (turns, prompt_tokens, output_tokens, ...).")
 @click.option("--bridges", required=True, type=int, help="Inference bridges (backends) to plan for.")
@@ -62,7 +62,7 @@ def plan(
     """Predict rollouts/s and informative groups per GPU-hour of a cluster shape, per jobs in flight.
 
     \b
-    Give the workload as --results FILE (an earlier run's results JSONL) or
+    Give the workload as --results FILE (an earlier run's results, JSONL or Parquet) or
     --workload FILE.yaml (sim_agent's fields). Each --in-flight candidate is
     simulated on --bridges simulated GPU servers (--profile) with --nodes x
     --slots rollout slots; the recommendation is the smallest in flight within
