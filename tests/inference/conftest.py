@@ -100,24 +100,19 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         return
 
 
-class RecordingProxy:
-    """An HTTP proxy in front of vLLM that records every completion it relays, verbatim.
+class LocalHttpServer:
+    """A tiny HTTP/1.1 server on 127.0.0.1 (an ephemeral port), served from an event loop of its own thread: a
+    stand-in at the HTTP boundary. Subclasses answer each request in :meth:`respond`."""
 
-    Lets a test compare a trajectory with exactly what vLLM answered at the
-    time (re-asking vLLM later could differ: batching and prefix caching).
-    """
-
-    def __init__(self, target_root: str) -> None:
+    def __init__(self) -> None:
         import threading
 
-        self.target_root = target_root.rstrip("/")
-        self.records: list[tuple[dict[str, Any], dict[str, Any]]] = []
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self.port = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
-        self._ready.wait(10)
+        assert self._ready.wait(10), f"{type(self).__name__} did not start"
 
     @property
     def url(self) -> str:
@@ -134,10 +129,12 @@ class RecordingProxy:
         self.loop.run_until_complete(start())
         self.loop.run_forever()
 
+    async def respond(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
+        """The status and JSON body answering one request (``body``: its JSON, or None)."""
+        raise NotImplementedError
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         import json
-
-        from prorl_cli.inference import http
 
         try:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -147,24 +144,44 @@ class RecordingProxy:
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":")[1])
             body = json.loads(await reader.readexactly(length)) if length else None
-            resp = await http.request(method.decode(), self.target_root + path.decode(), body)
-            if body is not None and resp.status == 200:
-                self.records.append((body, resp.json()))
-            writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (resp.status, len(resp.body)) + resp.body)
+            status, data = await self.respond(method.decode(), path.decode(), body)
+            writer.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n" % (status, len(data)) + data)
             await writer.drain()
         finally:
             writer.close()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class RecordingProxy(LocalHttpServer):
+    """An HTTP proxy in front of vLLM that records every completion it relays, verbatim.
+
+    Lets a test compare a trajectory with exactly what vLLM answered at the
+    time (re-asking vLLM later could differ: batching and prefix caching).
+    """
+
+    def __init__(self, target_root: str) -> None:
+        self.target_root = target_root.rstrip("/")
+        self.records: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        super().__init__()
+
+    async def respond(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
+        from prorl_cli.inference import http
+
+        resp = await http.request(method, self.target_root + path, body)
+        if body is not None and resp.status == 200:
+            self.records.append((body, resp.json()))
+        return resp.status, resp.body
 
     def answer_for(self, prompt_ids: list[int]) -> dict[str, Any]:
         """vLLM's answer to the (unique) completion request with these prompt ids."""
         found = [resp for req, resp in list(self.records) if req.get("prompt") == prompt_ids]
         assert len(found) == 1, f"{len(found)} recorded completions for this prompt"
         return found[0]
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import pytest
 from prorl_cli.agent import TokenSession, get_tool_parser, run_tool_agent
 from prorl_cli.agent.chat import ChatTokens
 from prorl_cli.exceptions import AgentLoopError, ProrlError, UnknownToolParser
-from prorl_cli.inference import Generation
 from prorl_cli.inference.tiny_model import CHAT_TEMPLATE
 from prorl_cli.protocol import SamplingParams
+from tests.inference.test_agent_templates import Scripted
 
 _RAISE = "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
 # As Mistral's templates do: a tool result, and each call of an assistant turn, must carry a 9-character id.
@@ -33,19 +33,6 @@ CALL_ID_TEMPLATE = CHAT_TEMPLATE.replace(
 
 def _call(expression: str) -> str:
     return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + expression + '"}}\n</tool_call>'
-
-
-class Scripted:
-    """Returns the ids of scripted turns, one per call, and keeps the prompts."""
-
-    def __init__(self, chat: ChatTokens, texts: list[str]) -> None:
-        self.outputs = [chat.encode(t) for t in texts]
-        self.prompts: list[list[int]] = []
-
-    async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        self.prompts.append(list(prompt_ids))
-        ids = self.outputs[len(self.prompts) - 1]
-        return Generation(ids, [-0.5] * len(ids), "stop", "scripted")
 
 
 def _agent(chat: ChatTokens, texts: list[str], tools: dict[str, Any]) -> Any:
