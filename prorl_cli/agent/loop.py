@@ -308,18 +308,9 @@ def _tool_call_id(turn: int, index: int) -> str:
     """The id of call ``index`` of model call ``turn``: 9 alphanumerics, as Mistral's templates demand.
 
     Derived from the position alone, so rendering the trajectory's messages again gives the same text as the
-    observation the loop appended. Base 36: 5 digits of turn, 4 of index, distinct for any real rollout.
+    observation the loop appended: 5 digits of turn, 4 of index, distinct for any real rollout.
     """
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-
-    def base36(n: int, width: int) -> str:
-        out = ""
-        for _ in range(width):
-            n, r = divmod(n, 36)
-            out = digits[r] + out
-        return out
-
-    return base36(turn, 5) + base36(index, 4)
+    return f"{turn:05d}{index:04d}"
 
 
 def _link_calls(
