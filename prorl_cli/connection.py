@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.exceptions import (
     BrokerRefused,
     BrokerRestarted,
@@ -90,8 +90,8 @@ class BrokerConnection:
         self.on_new_boot = on_new_boot
         #: The broker's boot id as of the last reply that carried one.
         self.boot_id: str | None = None
-        #: ``time.monotonic()`` of the last message from the broker.
-        self.last_heard = time.monotonic()
+        #: ``timebase.now()`` of the last message from the broker.
+        self.last_heard = timebase.now()
         self.sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._rids = itertools.count(1)
@@ -326,7 +326,7 @@ class BrokerConnection:
     async def _read(self, sock: zmq.asyncio.Socket, epoch: int) -> None:
         while True:
             frames = await sock.recv_multipart()
-            self.last_heard = time.monotonic()
+            self.last_heard = timebase.now()
             try:
                 header = P.decode_header(frames[0])
             except ProtocolError as e:
@@ -401,7 +401,7 @@ class BrokerConnection:
     @property
     def silent_s(self) -> float:
         """Seconds since the broker was last heard from."""
-        return time.monotonic() - self.last_heard
+        return timebase.now() - self.last_heard
 
     def follow_moved(self) -> bool:
         """If the rendezvous file now names another address, reconnect there; return whether it moved.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import zmq
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.connection import BrokerConnection, Reply
 from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, ProtocolError, RemoteError
 from prorl_cli.protocol import ErrorCode, Op
@@ -55,7 +55,7 @@ class BrokerPeer(ABC):
         #: Set while the broker knows this peer.
         self.registered = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
-        self._heard_at = time.monotonic()  # before connecting; then the connection's
+        self._heard_at = timebase.now()  # before connecting; then the connection's
         self._interval_s = heartbeat_interval_s
         self._liveness = heartbeat_liveness
         #: Set once the peer is leaving: no more re-registering.
@@ -204,7 +204,7 @@ class BrokerPeer(ABC):
             raise BrokerUnavailable(f"broker at {self.address} did not answer register within {deadline_s:.0f} s") from e
         self._interval_s = float(reply.get("heartbeat_interval_s") or self._interval_s)
         self._liveness = int(reply.get("heartbeat_liveness") or self._liveness)
-        self._last_heard = time.monotonic()
+        self._last_heard = timebase.now()
         self.registered.set()
         self.registrations += 1
         if self.registrations > 1:
@@ -254,11 +254,11 @@ class BrokerPeer(ABC):
             await asyncio.sleep(self._interval_s)
             if self.registered.is_set():
                 await self.send(self.heartbeat_header())
-            silent_s = time.monotonic() - self._last_heard
+            silent_s = timebase.now() - self._last_heard
             if silent_s > self._interval_s * self._liveness and not self._leaving:
                 # The broker went silent (or never answered): register again; a restarted broker learns of us.
                 log.warning("broker silent for %.1f s; %s registering again", silent_s, self.kind)
-                self._last_heard = time.monotonic()
+                self._last_heard = timebase.now()
                 self._follow_moved_broker()
                 self.spawn(self.register_again())
 

@@ -19,10 +19,10 @@ import contextvars
 import inspect
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from prorl_cli import timebase
 from prorl_cli.agent.chat import ChatTokens
 from prorl_cli.agent.tools import (
     HermesToolParser,
@@ -150,7 +150,7 @@ async def call_tool(tools: Mapping[str, ToolFn], call: ToolCall) -> str:
 
     Each call is an event on the running job's timeline (its tool, duration and whether it worked).
     """
-    started = time.monotonic()
+    started = timebase.now()
     text = await _call_tool(tools, call)
     record_span(TOOL, started, {"tool": call.name or "?", "ok": not text.startswith("error: ")})
     return text

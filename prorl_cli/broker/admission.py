@@ -25,10 +25,10 @@ by their next call, as new jobs are.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prorl_cli import timebase
 from prorl_cli.protocol.headers import Generate
 
 #: The heartbeat stat a backend reports its KV-cache size in (tokens).
@@ -59,7 +59,7 @@ def call_tokens(header: Generate, payload: list[bytes] | tuple[bytes, ...]) -> i
 class KvAdmission:
     """Live jobs' contexts per backend, and the first calls waiting for room (see the module docstring)."""
 
-    def __init__(self, fraction: float, max_wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, fraction: float, max_wait_s: float, clock: Callable[[], float] = timebase.monotonic) -> None:
         self.clock = clock
         #: Share of a backend's reported KV capacity live jobs may fill; 0 turns admission off.
         self.fraction = fraction

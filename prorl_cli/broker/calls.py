@@ -12,10 +12,10 @@ their arrival order (they are routed again in it) and are indexed by job.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prorl_cli import timebase
 from prorl_cli.protocol import headers as H
 
 
@@ -36,7 +36,7 @@ class PendingGenerate:
     #: The policy version current when the call went to its backend (the weights that serve it).
     policy_version: int = 0
     #: When it went to its backend (monotonic s): a drain that times out says how long each call ran.
-    since: float = field(default_factory=time.monotonic)
+    since: float = field(default_factory=timebase.monotonic)
 
 
 class PendingGenerates:

@@ -16,13 +16,13 @@ the node the journal recorded it placed on, and then only for that attempt.
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.broker.journal import attempt_record, end_record, job_record, placed_record
 from prorl_cli.broker.state import Job, Node, TaskQueues
 from prorl_cli.exceptions import ProtocolError
@@ -160,14 +160,14 @@ class JobTable:
                 self.queue.push(job.spec.task, job.job_id)
         self._enforce_retention()
         if self.awaiting_claim:
-            self.claims_until = (time.monotonic() if now is None else now) + claim_window_s
+            self.claims_until = (timebase.now() if now is None else now) + claim_window_s
         return len(self.awaiting_claim)
 
     # ------------------------------------------------------------ placement
 
     def place(self, now: float | None = None) -> list[tuple[Node, Job]]:
         """Place queued jobs on live nodes with free credit: the node with most free credit takes the oldest job it runs."""
-        now = time.monotonic() if now is None else now
+        now = timebase.now() if now is None else now
         if self.awaiting_claim and now >= self.claims_until:
             self._release_unclaimed()
         out: list[tuple[Node, Job]] = []
@@ -293,7 +293,7 @@ class JobTable:
         else:
             log.warning("node %s lost (%s); re-queueing %d job(s)", node.node_id, why, len(node.inflight))
         node.alive = False
-        node.died_at = died_at = time.monotonic() if now is None else now
+        node.died_at = died_at = timebase.now() if now is None else now
         node.lost_reason = why
         node.stages = {}  # what it last reported running is gone with it
         for job_id in sorted(node.inflight, key=lambda j: self.jobs[j].seq if j in self.jobs else 0):
@@ -356,7 +356,7 @@ class JobTable:
                 if job.node_id is not None:
                     out.by_node.setdefault(job.node_id, []).append(job_id)
                     if self.partial_grace_s > 0:
-                        job.partial_until = time.monotonic() + self.partial_grace_s
+                        job.partial_until = timebase.now() + self.partial_grace_s
                         self._partials[job_id] = job
                 else:
                     self.queue.remove(job.spec.task, job_id)
@@ -451,7 +451,7 @@ class JobTable:
             error=error.to_wire() if error else None,
             group_id=job.spec.group_id,
             meta=job.spec.meta,
-            events=[*job.events, ["finished", round(time.monotonic() - job.submitted_at, 6), 0.0, {"state": state.value}]],
+            events=[*job.events, ["finished", round(timebase.now() - job.submitted_at, 6), 0.0, {"state": state.value}]],
         )
         self.finish(job, state, P.pack_obj(result.to_wire()))
 

@@ -25,11 +25,11 @@ Rules:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.broker.backends import Backend
 from prorl_cli.broker.jobs import JobTable
 from prorl_cli.broker.state import Node, SendFn
@@ -147,7 +147,7 @@ class Members:
             # A node's liveness sidecar (its own connection): refresh that node, never answer.
             node = sidecar
             if node is not None and node.alive and node.liveness_token is not None and node.liveness_token == token:
-                node.last_seen = time.monotonic()
+                node.last_seen = timebase.now()
                 if h.stages is not None:
                     node.stages = h.stages
             else:

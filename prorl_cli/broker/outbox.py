@@ -16,11 +16,11 @@ never hears of a job the journal would lose). Rules:
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Callable
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.broker.state import Job, Node, SendFn
 from prorl_cli.observe.metrics import DeploymentCollector
 from prorl_cli.protocol import JobState, Op
@@ -56,7 +56,7 @@ class Outbox:
 
     def placed(self, placed: list[tuple[Node, Job]]) -> None:
         """Jobs the table placed: each goes to its node, with its timeline's ``assigned`` event."""
-        now = time.monotonic()
+        now = timebase.now()
         for node, job in placed:
             self.assigns[node.node_id].append(job)
             job.events.append(["assigned", round(now - job.submitted_at, 6), 0.0, {"node": node.node_id, "attempt": job.spec.attempt}])
@@ -78,7 +78,7 @@ class Outbox:
             node = nodes.get(node_id)
             if node is None or not node.alive:
                 continue
-            now = time.monotonic()
+            now = timebase.now()
             # ``timing``: where each job's timeline starts (seconds since it was accepted) and the broker's events.
             timing = [{"since_submit_s": now - j.submitted_at, "events": j.events} for j in jobs]
             if not self._send(

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.broker.admission import KvAdmission, WaitingCall, call_tokens
 from prorl_cli.broker.backends import POLICY_CLASSES, Backend, GoneBridges
 from prorl_cli.broker.calls import HeldGenerate, HeldGenerates, PendingGenerate, PendingGenerates
@@ -230,7 +230,7 @@ class Router:
         if old is not None and old.alive and old.identity not in (None, identity):
             self._backend_lost(old, "re-registered from a new connection")
         backend = Backend(backend_id=bid, kind="bridge", identity=identity, host=h.host, model=h.model,
-                          max_model_len=h.max_model_len, capacity=h.capacity or 0, last_seen=time.monotonic())
+                          max_model_len=h.max_model_len, capacity=h.capacity or 0, last_seen=timebase.now())
         if old is not None and old.alive and old.identity == identity:
             # The same bridge registering again (it thought us dead): its calls and jobs stay.
             backend.jobs, backend.assigned, backend.served = old.jobs, old.assigned, old.served

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prorl_cli import timebase
 from prorl_cli.protocol import JobSpec, JobState, NodeStatus
 
 _seq = itertools.count()
@@ -36,8 +37,8 @@ class Job:
     claim_node: str | None = None
     claim_attempt: int | None = None
     #: When the broker accepted the job, and when it last entered the queue (monotonic; a replay restarts them).
-    submitted_at: float = field(default_factory=time.monotonic)
-    queued_at: float = field(default_factory=time.monotonic)
+    submitted_at: float = field(default_factory=timebase.monotonic)
+    queued_at: float = field(default_factory=timebase.monotonic)
     #: The broker's timeline events of the job (``prorl_cli/observe/timeline.py``); sent with each assignment.
     #: The first one carries the wall-clock time of submission (``at``, epoch seconds): traces line jobs up by it.
     events: list[list[Any]] = field(default_factory=lambda: [["submitted", 0.0, 0.0, {"at": round(time.time(), 6)}]])
@@ -65,7 +66,7 @@ class Node:
     pid: int
     credit: int
     tasks: set[str]
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=timebase.monotonic)
     inflight: set[str] = field(default_factory=set)
     stages: dict[str, dict[str, int]] = field(default_factory=dict)
     alive: bool = True
@@ -84,7 +85,7 @@ class Node:
         return self.credit - len(self.inflight) if self.alive and not self.draining else 0
 
     def status(self, now: float | None = None) -> NodeStatus:
-        now = time.monotonic() if now is None else now
+        now = timebase.now() if now is None else now
         return NodeStatus(
             node_id=self.node_id,
             host=self.host,

@@ -35,12 +35,12 @@ Rules:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.broker.backends import Backend
 from prorl_cli.broker.calls import HeldGenerates, PendingGenerates
 from prorl_cli.broker.journal import weights_record
@@ -159,7 +159,7 @@ class WeightSync:
         wait_s = h.drain_timeout_s
         if wait_s is not None and len(self._pending):
             # A pause that drains: answered once no call is in flight on any backend, or at the deadline.
-            self.drains.append(Waiter(identity, h.rid, time.monotonic() + float(wait_s)))
+            self.drains.append(Waiter(identity, h.rid, timebase.now() + float(wait_s)))
             return
         self._send(identity, P.reply(h.rid, paused=True, inflight=len(self._pending), policy_version=self.policy_version,
                                      drained=not len(self._pending)), ())
@@ -176,7 +176,7 @@ class WeightSync:
         self._release_held()
 
     def _running_calls(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
+        now = timebase.now()
         return [{"job_id": p.job_id, "backend_id": p.backend_id, "running_s": round(now - p.since, 3)}
                 for _, p in self._pending.items()]
 
@@ -187,7 +187,7 @@ class WeightSync:
 
     def check_waiters(self, now: float | None = None) -> None:
         """Answer drains that are over (nothing in flight) or out of time, and weight updates out of time."""
-        now = time.monotonic() if now is None else now
+        now = timebase.now() if now is None else now
         if self.drains:
             keep = []
             for w in self.drains:
@@ -222,7 +222,7 @@ class WeightSync:
         """Forward the new weights to every live bridge; answer once each one has loaded them (or failed)."""
         version = h.policy_version
         timeout_s = float(h.load_timeout_s or 600.0)
-        update = WeightUpdate(Waiter(identity, h.rid, time.monotonic() + timeout_s), version, h.checkpoint, timeout_s)
+        update = WeightUpdate(Waiter(identity, h.rid, timebase.now() + timeout_s), version, h.checkpoint, timeout_s)
         for b in self._backends.values():
             if not b.alive:
                 continue
@@ -348,7 +348,7 @@ class WeightSync:
         if not self._send(backend.identity, header, ()):
             self._cannot_load(backend, target, "unreachable")
             return
-        self._catch_ups[fid] = CatchUp(backend.backend_id, target, time.monotonic() + target.load_timeout_s)
+        self._catch_ups[fid] = CatchUp(backend.backend_id, target, timebase.now() + target.load_timeout_s)
 
     def _caught_up(self, backend: Backend, catch_up: CatchUp, error: dict[str, Any] | None) -> None:
         if error:

@@ -32,12 +32,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.exceptions import InferenceError, ProtocolError
 from prorl_cli.inference.contract import CALL_JOB_ID, Engine
 from prorl_cli.observe.metrics import MetricSet
@@ -289,7 +289,7 @@ class InferenceBridge(BrokerPeer):
                 await self._answer_error(rid, job_id, e)
                 return
             sampling = h.sampling if h.sampling is not None else SamplingParams()
-            started = time.monotonic()  # waiting for the engine's turn counts as engine time, as its own queue does
+            started = timebase.now()  # waiting for the engine's turn counts as engine time, as its own queue does
             version = await self._enter_engine()
             try:
                 CALL_JOB_ID.set(job_id)  # this call's own task: the engine's per-job accounting
@@ -310,7 +310,7 @@ class InferenceBridge(BrokerPeer):
         except asyncio.CancelledError:
             m.inc("prorl_bridge_generate_calls", ("cancelled",))
             raise
-        engine_s = time.monotonic() - started  # queued at the engine and generating
+        engine_s = timebase.now() - started  # queued at the engine and generating
         m.observe("prorl_bridge_generate_seconds", (), engine_s)
         m.inc("prorl_bridge_generate_calls", ("ok",))
         m.inc("prorl_bridge_prompt_tokens", (), len(prompt_ids))

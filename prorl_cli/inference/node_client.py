@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from prorl_cli import timebase
 from prorl_cli.exceptions import (
     BrokerRestarted,
     InferenceError,
@@ -191,10 +191,10 @@ class NodeInference:
         backend_id, version = answer.backend_id, answer.policy_version
         if answer.redirect:
             engine = self._http_engine(answer.redirect, backend_id, answer.model)
-            started = time.monotonic()
+            started = timebase.now()
             try:
                 gen = await engine.generate(prompt_ids, sampling)
-                gen.engine_s = time.monotonic() - started
+                gen.engine_s = timebase.now() - started
             finally:
                 if self.notify is not None and backend_id:
                     # The broker counts this backend's in-flight calls and served calls.

@@ -21,9 +21,10 @@ timeout is told apart from a cancel from outside.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
+
+from prorl_cli import timebase
 
 
 class JobClock:
@@ -52,7 +53,7 @@ class JobClock:
         self._elapsed_s = 0.0
         #: ``_elapsed_s`` when the current stage began.
         self._stage_base_s = 0.0
-        #: When counting began (``time.monotonic()``), ``None`` while not counting.
+        #: When counting began (``timebase.now()``), ``None`` while not counting.
         self._started: float | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._handle_at = 0.0
@@ -66,7 +67,7 @@ class JobClock:
     def elapsed_s(self) -> float:
         """In-stage seconds so far (held time not counted)."""
         started = self._started
-        return self._elapsed_s if started is None else self._elapsed_s + time.monotonic() - started
+        return self._elapsed_s if started is None else self._elapsed_s + timebase.now() - started
 
     @property
     def remaining_s(self) -> float | None:
@@ -74,13 +75,13 @@ class JobClock:
         if self.budget_s is None:
             return None
         started = self._started
-        elapsed_s = self._elapsed_s if started is None else self._elapsed_s + time.monotonic() - started
+        elapsed_s = self._elapsed_s if started is None else self._elapsed_s + timebase.now() - started
         return max(0.0, self.budget_s - elapsed_s)
 
     # --------------------------------------------------------------- stages
 
     def enter_stage(self, limit_s: float | None, now: float) -> None:
-        """A stage begins at ``now`` (``time.monotonic()``), with ``limit_s`` of in-stage time (``None``: no limit)."""
+        """A stage begins at ``now`` (``timebase.now()``), with ``limit_s`` of in-stage time (``None``: no limit)."""
         self.in_stage = True
         self.expired = False
         self._held_left_s = None
@@ -122,7 +123,7 @@ class JobClock:
         self.held = held
         if not self.in_stage:
             return
-        now = time.monotonic()
+        now = timebase.now()
         if held:
             if self._started is not None:
                 self._elapsed_s += now - self._started

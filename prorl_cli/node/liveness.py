@@ -19,13 +19,13 @@ import asyncio
 import logging
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.protocol import headers as H
 from prorl_cli.security import secure_peer
 
@@ -47,15 +47,15 @@ class LoopStamp:
         self.period_s = period_s
         #: Called from the loop, with the lag, on the first turn after the loop was blocked a while.
         self.on_stall = on_stall
-        self.at = time.monotonic()
+        self.at = timebase.now()
         self._handle: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
-        self.at = time.monotonic()
+        self.at = timebase.now()
         self._handle = asyncio.get_running_loop().call_later(self.period_s, self._tick)
 
     def _tick(self) -> None:
-        now = time.monotonic()
+        now = timebase.now()
         lag_s = now - self.at - self.period_s
         self.at = now
         if lag_s > 4 * self.period_s and self.on_stall is not None:
@@ -69,7 +69,7 @@ class LoopStamp:
 
     def lag_s(self) -> float:
         """How long the loop has gone without running its stamp (beyond the period)."""
-        return max(0.0, time.monotonic() - self.at - self.period_s)
+        return max(0.0, timebase.now() - self.at - self.period_s)
 
 
 class LivenessSidecar(threading.Thread):

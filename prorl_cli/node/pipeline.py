@@ -18,12 +18,12 @@ import inspect
 import logging
 import math
 import numbers
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prorl_cli import timebase
 from prorl_cli.agent.loop import JOB_RECORDER
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import HandlerError, StageTimeout
@@ -319,7 +319,7 @@ class Pipeline:
         job.slot = None
         pool.leave()
         del self.jobs[job_id]
-        now = time.monotonic()
+        now = timebase.now()
         stage_s = dict(stage_s)
         stage_s[stage] = stage_s.get(stage, 0.0) + clock.leave_stage(now)
         clock.close()
@@ -495,9 +495,9 @@ class Pipeline:
             return self._stage_failed(handler, ctx, stage, _as_error(ctx.task, stage, e), JobState.FAILED)
         pool = self.pools[stage]
         if not pool.try_enter():
-            waited_from = time.monotonic()
+            waited_from = timebase.now()
             await pool.enter()
-            timeline.span(TL.WAIT, waited_from, time.monotonic(), {"stage": stage})
+            timeline.span(TL.WAIT, waited_from, timebase.now(), {"stage": stage})
         if running is not None:
             running.stage = stage
             running.started = True
@@ -519,7 +519,7 @@ class Pipeline:
             which = "stage cap"
         limit_s = budget if cap is None else (cap if budget is None else min(budget, cap))
         task = clock.task
-        entered = time.monotonic()
+        entered = timebase.now()
         clock.enter_stage(limit_s, entered)
         error: Exception | None = None
         try:
@@ -549,7 +549,7 @@ class Pipeline:
         finally:
             if stage != "eval":
                 ctx.publish_trajectory()  # what the loop recorded reaches the output, also when the stage failed
-            left = time.monotonic()
+            left = timebase.now()
             stage_s[stage] = stage_s.get(stage, 0.0) + clock.leave_stage(left)
             if running is None:
                 pool.leave()
@@ -645,7 +645,7 @@ def _bad_reward(ctx: JobContext, stage: str) -> HandlerError | None:
 
 def _timeline(timing: Any) -> TL.Timeline:
     """A job's timeline, started where the broker says it was submitted (now when it says nothing usable)."""
-    now = time.monotonic()
+    now = timebase.now()
     since_s: Any = 0.0
     events: list[TL.Event] = []
     if isinstance(timing, dict):

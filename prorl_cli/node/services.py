@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prorl_cli import timebase
 from prorl_cli.exceptions import ImageBuildError, SandboxError
 from prorl_cli.node.handler import JobContext, Services
 from prorl_cli.observe.timeline import GENERATE, SANDBOX_START, SANDBOX_STOP, record_span
@@ -97,7 +97,7 @@ class NodeServices(Services):
     async def generate(self, ctx: JobContext, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         if self._inference is None:
             self._inference = self.make_inference()
-        started = time.monotonic()
+        started = timebase.now()
         try:
             gen = await self._inference.generate(ctx.job_id, prompt_ids, sampling)
         except Exception as e:
@@ -135,7 +135,7 @@ class NodeServices(Services):
         if isinstance(image, str) and self._is_image_name(image):
             options["image"] = str(self._resolve_image_name(image))
         manager = self._sandbox_manager()
-        started = time.monotonic()
+        started = timebase.now()
         try:
             sandbox = await manager.start(ctx.job_id, **options)
         except Exception as e:
@@ -144,7 +144,7 @@ class NodeServices(Services):
         record_span(SANDBOX_START, started, {"runtime": manager.runtime.name, "sandbox": sandbox.sandbox_id})
 
         async def stop() -> None:
-            stopping = time.monotonic()
+            stopping = timebase.now()
             try:
                 await sandbox.stop()
             finally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from prorl_cli import timebase
 
 
 class PausableTimer:
@@ -19,20 +19,20 @@ class PausableTimer:
 
     def resume(self) -> None:
         if self._started is None:
-            self._started = time.monotonic()
+            self._started = timebase.now()
 
     def pause(self) -> float:
         """Stop counting; return the seconds counted in the run just ended."""
         if self._started is None:
             return 0.0
-        ran = time.monotonic() - self._started
+        ran = timebase.now() - self._started
         self._elapsed_s += ran
         self._started = None
         return ran
 
     @property
     def elapsed_s(self) -> float:
-        extra = time.monotonic() - self._started if self._started is not None else 0.0
+        extra = timebase.now() - self._started if self._started is not None else 0.0
         return self._elapsed_s + extra
 
     @property

@@ -53,11 +53,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from prorl_cli import timebase
 from prorl_cli.client import AsyncRolloutClient
 from prorl_cli.exceptions import ConfigError, ProrlError
 from prorl_cli.protocol import JobResult, JobSpec
@@ -366,7 +366,7 @@ class DapoSampler:
             sampling=self.config.sampling, max_attempts=self.config.max_attempts,
         )
         _tag(specs, gid, step, version)
-        pending = _Pending(gid, position, pid, instance, step, version, ids, time.monotonic())
+        pending = _Pending(gid, position, pid, instance, step, version, ids, timebase.now())
         self._pending[gid] = pending
         for j in ids:
             self._job_group[j] = gid
@@ -381,7 +381,7 @@ class DapoSampler:
 
     async def _cancel(self, groups: list[_Pending], stats: StepStats, why: str) -> None:
         """Drop ``groups`` (``why``: an outcome for :attr:`job_outcomes`) and cancel their unfinished jobs."""
-        now = time.monotonic()
+        now = timebase.now()
         ids = []
         for p in groups:
             self._record(p.job_ids, why if self.config.cancel_dropped or why == "in_flight" else "abandoned")
@@ -436,7 +436,7 @@ class DapoSampler:
             stats.filtered += 1
 
     async def _next_result(self, stats: StepStats, deadline: float | None) -> None:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        timeout = None if deadline is None else max(0.0, deadline - timebase.now())
         try:
             async with asyncio.timeout(timeout):
                 result = await anext(self._stream)
@@ -469,7 +469,7 @@ class DapoSampler:
         """Collect ``target_groups`` informative groups; ``policy_version`` is the trainer's current weights."""
         await self._start()
         cfg = self.config
-        started = time.monotonic()
+        started = timebase.now()
         deadline = None if cfg.step_timeout_s is None else started + cfg.step_timeout_s
         stats = StepStats(step=self.step_index, policy_version=policy_version)
         self._stats = stats
@@ -506,7 +506,7 @@ class DapoSampler:
         stats.off_policy_token_fraction = off_policy_fraction([r for g in groups for r in g.results], policy_version)
         stats.carried_out = len(self._pending) + len(self._ready)
         stats.in_flight = self.in_flight_jobs
-        stats.wall_s = time.monotonic() - started
+        stats.wall_s = timebase.now() - started
         self.step_index += 1
         return StepBatch(stats.step, policy_version, groups, stats)
 
