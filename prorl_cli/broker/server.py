@@ -17,18 +17,19 @@ compaction runs in a thread, and liveness is judged only once the inbox is drain
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import signal
 import threading
-import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.broker.allocator import fix_mmap_threshold
 from prorl_cli.broker.endpoint import Endpoint, serve_metrics
 from prorl_cli.broker.jobs import JobTable
@@ -66,7 +67,8 @@ _ZERO_COPY_BYTES = 65536
 class Broker:
     """The deployment's broker. ``serve_forever()`` runs until ``stop`` (clean) or SIGTERM/SIGUSR2 (leave, journal kept)."""
 
-    def __init__(self, config: ProrlConfig) -> None:
+    def __init__(self, config: ProrlConfig, ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        """``ctx``: the ZeroMQ context to open the socket in (default: the process's shared one)."""
         # Before anything big is allocated (a journal replay holds results): big buffers then stay out of
         # the heap, so memory freed by retention goes back to the system (broker/allocator.py).
         fix_mmap_threshold()
@@ -74,10 +76,10 @@ class Broker:
         bc = config.broker
         self.heartbeat_interval_s = bc.heartbeat_interval_s
         self.dead_after_s = bc.heartbeat_interval_s * bc.heartbeat_liveness
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = ctx if ctx is not None else zmq.Context.instance()
         self.endpoint = Endpoint(self.ctx, config)
         self.sock, self.address, self.curve_public_key = self.endpoint.sock, self.endpoint.address, self.endpoint.curve_public_key
-        self.started_at = time.monotonic()
+        self.started_at = timebase.now()
 
         #: Changes each time a broker starts: clients that see it change watch their jobs again.
         self.boot_id = uuid.uuid4().hex
@@ -126,8 +128,8 @@ class Broker:
         self.stopping = False
         self._leaving = False  # set by SIGTERM/SIGUSR2: exit without a clean stop
         self._stop_deadline: float | None = None
-        self._next_tick = time.monotonic()
-        self._last_tick = time.monotonic()
+        self._next_tick = timebase.now()
+        self._last_tick = timebase.now()
         # False while messages may be waiting unread: liveness is judged only on a drained inbox.
         self._drained = True
         self._next_gauges_at = 0.0
@@ -222,22 +224,10 @@ class Broker:
         poller.register(self.sock, zmq.POLLIN)
         try:
             while not self._stopped():
-                timeout_ms = max(0, int((self._next_tick - time.monotonic()) * 1000))
+                timeout_ms = max(0, int((self._next_tick - timebase.now()) * 1000))
                 if poller.poll(timeout_ms):
-                    self._drained = False
-                    recv, more = self.sock.recv, self.sock.get
-                    for _ in range(_MAX_BATCH):
-                        try:
-                            frames = [recv(_NOBLOCK)]
-                        except zmq.Again:
-                            self._drained = True
-                            break
-                        while more(_RCVMORE):
-                            frames.append(recv(_NOBLOCK))
-                        self.handle(frames)
-                    self._place()
-                    self._flush()
-                if time.monotonic() >= self._next_tick:
+                    self._turn()
+                if timebase.now() >= self._next_tick:
                     self._tick()
             self.table.expire_partials(math.inf)  # cancelled jobs whose nodes left without a word: the broker's results
             self._flush()
@@ -255,6 +245,65 @@ class Broker:
             # Linger briefly so the last results and replies reach their peers.
             self.close(linger_ms=1000)
             log.info("broker stopped")
+
+    def _turn(self) -> None:
+        """One loop turn: handle up to ``_MAX_BATCH`` waiting messages, then place queued jobs and flush."""
+        self._drained = False
+        recv, more = self.sock.recv, self.sock.get
+        for _ in range(_MAX_BATCH):
+            try:
+                frames = [recv(_NOBLOCK)]
+            except zmq.Again:
+                self._drained = True
+                break
+            while more(_RCVMORE):
+                frames.append(recv(_NOBLOCK))
+            self.handle(frames)
+        self._place()
+        self._flush()
+
+    async def serve_on_loop(self) -> None:
+        """The loop of :meth:`serve_forever` as callbacks on the running asyncio loop, until stopped or cancelled.
+
+        For a replay on simulated time (:mod:`prorl_cli.timebase`), where the
+        broker, nodes and bridges share one event loop: the socket's readiness
+        runs turns, a timer at the next tick runs ticks, all on the loop's
+        clock. No signal handlers, rendezvous file or journal of its own: the
+        replay owns the process.
+        """
+        loop = asyncio.get_running_loop()
+        stopped = loop.create_future()
+        tick_at: list[asyncio.TimerHandle | None] = [None]
+
+        def waiting() -> bool:
+            return bool(cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+        def run() -> None:
+            # The socket's descriptor is edge-triggered: read until it says nothing is waiting.
+            while waiting():
+                self._turn()
+            if timebase.now() >= self._next_tick:
+                self._tick()
+                while waiting():
+                    self._turn()
+            if self._stopped():
+                if not stopped.done():
+                    stopped.set_result(None)
+                return
+            if tick_at[0] is None or tick_at[0].when() != self._next_tick:
+                if tick_at[0] is not None:
+                    tick_at[0].cancel()
+                tick_at[0] = loop.call_at(self._next_tick, run)
+
+        fd = cast(int, self.sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, run)
+        run()
+        try:
+            await stopped
+        finally:
+            loop.remove_reader(fd)
+            if tick_at[0] is not None:
+                tick_at[0].cancel()
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket and stop the CURVE authenticator's thread (``serve_forever`` does it on its way out)."""
@@ -275,7 +324,7 @@ class Broker:
             return False
         if not any(n.alive for n in self.nodes.values()) and not self.router.bridges_alive():
             return True
-        return self._stop_deadline is not None and time.monotonic() >= self._stop_deadline
+        return self._stop_deadline is not None and timebase.now() >= self._stop_deadline
 
     def _place(self) -> None:
         """Place queued jobs on nodes with free credit (unless held); their assignments go out with the flush."""
@@ -314,7 +363,7 @@ class Broker:
             self._error(identity, rid, ErrorCode(e.code), e.message)
             return
         # A message is a sign of life, whoever sent it (a node, or a bridge: the router's).
-        now = time.monotonic()
+        now = timebase.now()
         node = self.node_by_identity.get(identity)
         if node is not None:
             node.last_seen = now
@@ -419,7 +468,7 @@ class Broker:
             queued=len(self.queue) + len(self.table.awaiting_claim),
             nodes=[n.status() for n in self.nodes.values()],
             placing=self.placing,
-            uptime_s=time.monotonic() - self.started_at,
+            uptime_s=timebase.now() - self.started_at,
             retained_results=self.table.retained_count,
             finished_total=self.table.finished_total,
             retained_bytes=self.table.retained_bytes,
@@ -452,7 +501,7 @@ class Broker:
         log.info("stopping: cancelling %d unfinished job(s)", sum(not j.state.terminal for j in self.jobs.values()))
         self.stopping = True
         self.placing = False
-        self._stop_deadline = time.monotonic() + self.config.node.stop_grace_s + 2 * self.dead_after_s
+        self._stop_deadline = timebase.now() + self.config.node.stop_grace_s + 2 * self.dead_after_s
         self.table.cancel_all()
         self.members.stop()
         self.router.stop()
@@ -472,7 +521,7 @@ class Broker:
     # ------------------------------------------------------------ liveness and gauges
 
     def _tick(self) -> None:
-        now = time.monotonic()
+        now = timebase.now()
         self._next_tick = now + self.heartbeat_interval_s / 2
         # A turn that overran (a long batch, a slow disk) must not count against peers: their heartbeats
         # were waiting in our inbox. Credit the overrun, and judge only once the inbox is drained.

@@ -42,7 +42,6 @@ import json
 import logging
 import math
 import random
-import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ from typing import Any
 
 import yaml
 
+from prorl_cli import timebase
 from prorl_cli.exceptions import InferenceError
 from prorl_cli.inference.contract import CALL_JOB_ID, Engine, Generation
 from prorl_cli.protocol import SamplingParams, pack_tokens
@@ -145,6 +145,10 @@ class SimProfile:
             raise InferenceError(f"sim profile {where}: eos_token_id {self.eos_token_id} is outside vocab_size {self.vocab_size}")
 
 
+#: Jobs whose last ids and block hashes an engine keeps for their next call (a bridge serves at most a few hundred live).
+_CHAINS_KEPT = 4096
+
+
 class PrefixCache:
     """Which prompt prefixes this backend holds in KV: full blocks keyed by chained hashes, LRU-bounded."""
 
@@ -156,13 +160,26 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def block_hashes(self, ids: list[int]) -> list[int]:
-        """One hash per full block; each covers every token before it, so equal hashes mean equal prefixes."""
+    def block_hashes(self, ids: list[int], known: tuple[list[int], list[int]] | None = None) -> list[int]:
+        """One hash per full block; each covers every token before it, so equal hashes mean equal prefixes.
+
+        ``known``: earlier ids and their hashes (a job's last prompt and output): the leading blocks
+        whose tokens are the same keep their hashes, and only the rest are hashed (an agent's next
+        prompt extends its last one by a few blocks, and hashing all of it each turn is quadratic in the turns).
+        """
         n = self.block_tokens
+        full = len(ids) // n
         out: list[int] = []
-        h = 0
-        raw = pack_tokens(ids)
-        for i in range(len(ids) // n):
+        if known is not None:
+            known_ids, known_hashes = known
+            reuse = min(len(known_hashes), full)
+            if reuse and ids[: reuse * n] != known_ids[: reuse * n]:
+                reuse = 0  # the ids went another way: hash them all (a rare case not worth a search)
+            out = known_hashes[:reuse]
+        h = out[-1] if out else 0
+        done = len(out)
+        raw = pack_tokens(ids[done * n: full * n])
+        for i in range(full - done):
             h = hash((h, raw[4 * n * i: 4 * n * (i + 1)]))
             out.append(h)
         return out
@@ -188,7 +205,7 @@ class PrefixCache:
 
 @dataclass
 class CallRecord:
-    """One generate call as the engine served it (the ledger's row); times are wall-clock ``time.monotonic()``
+    """One generate call as the engine served it (the ledger's row); times are wall-clock ``timebase.now()``
     seconds on the engine's virtual timeline (CLOCK_MONOTONIC is one clock for every process of a machine)."""
 
     job_id: str | None
@@ -215,6 +232,8 @@ class _Request:
     finish_reason: str
     future: asyncio.Future[None]
     hashes: list[int] = dataclasses.field(default_factory=list)
+    #: The job the call is for (``None``: not told), whose last ids and hashes the next call can reuse.
+    job_id: str | None = None
     to_prefill: int = 0
     generated: int = 0
     record: CallRecord | None = None
@@ -271,18 +290,20 @@ class SimEngine(Engine):
         self.cache = PrefixCache(self.profile.block_tokens, self.profile.kv_budget_tokens)
         self.counters = SimCounters()
         self._rng = random.Random(self.profile.seed)
+        #: Per job, its last call's prompt and output ids and their block hashes (the most recent jobs only).
+        self._chains: collections.OrderedDict[str, tuple[list[int], list[int]]] = collections.OrderedDict()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._started_wall = time.monotonic()
+        self._started_wall = timebase.now()
         self._t = self._started_wall  # wall time at which the next step starts (the virtual timeline)
 
     # ------------------------------------------------------------- contract
 
     async def start(self) -> None:
         if self._loop_task is None:
-            self._started_wall = self._t = time.monotonic()
+            self._started_wall = self._t = timebase.now()
             self._loop_task = asyncio.ensure_future(self._schedule())
 
     async def healthy(self) -> bool:
@@ -299,7 +320,7 @@ class SimEngine(Engine):
         """The ledger as one JSON document: the engine's totals, its idle spans and every call."""
         doc = {
             "backend_id": self.backend_id, "speedup": self.profile.speedup, "started_at": self._started_wall,
-            "closed_at": time.monotonic(), **self.stats(),
+            "closed_at": timebase.now(), **self.stats(),
             "busy_s": self.counters.busy_s, "prefill_tokens": self.counters.prefill_tokens, "idle_spans": self.idle_spans,
             "lag_mean_s": self.counters.lag_sum_s / max(1, self.counters.lag_samples), "lag_max_s": self.counters.lag_max_s,
             "calls": [dataclasses.asdict(r) for r in self.ledger or ()],
@@ -318,8 +339,8 @@ class SimEngine(Engine):
         if self.profile.reload_s > 0:
             self.counters.reload_s += self.profile.reload_s
             # On the virtual timeline: the engine's next step starts after the load.
-            self._t = max(self._t, time.monotonic()) + self.profile.reload_s / self.profile.speedup
-            await asyncio.sleep(max(0.0, self._t - time.monotonic()))
+            self._t = max(self._t, timebase.now()) + self.profile.reload_s / self.profile.speedup
+            await asyncio.sleep(max(0.0, self._t - timebase.now()))
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         if not prompt_ids:
@@ -332,9 +353,10 @@ class SimEngine(Engine):
             )
         await self.start()
         ids, lps, finish = self._plan_output(prompt_ids, sampling, min(sampling.max_tokens, room))
-        req = _Request(list(prompt_ids), ids, lps, finish, asyncio.get_running_loop().create_future())
+        req = _Request(list(prompt_ids), ids, lps, finish, asyncio.get_running_loop().create_future(),
+                       job_id=CALL_JOB_ID.get())
         if self.ledger is not None:
-            req.record = CallRecord(CALL_JOB_ID.get(), max(self._t, time.monotonic()), len(prompt_ids), len(ids))
+            req.record = CallRecord(req.job_id, max(self._t, timebase.now()), len(prompt_ids), len(ids))
             self.ledger.append(req.record)
         self.counters.requests += 1
         self._waiting.append(req)
@@ -346,7 +368,7 @@ class SimEngine(Engine):
             self.counters.aborted += 1
             if req.record is not None:
                 req.record.outcome = "aborted"
-                req.record.ended_at = max(self._t, time.monotonic())
+                req.record.ended_at = max(self._t, timebase.now())
             if req in self._running:
                 self._running.remove(req)
             elif req in self._waiting:
@@ -358,7 +380,7 @@ class SimEngine(Engine):
     def stats(self) -> dict[str, float]:
         """Busy fraction, tokens/s and prefix hit rate since start, plus the counters behind them (GPU time)."""
         c = self.counters
-        elapsed_s = max(1e-9, (time.monotonic() - self._started_wall) * self.profile.speedup)
+        elapsed_s = max(1e-9, (timebase.now() - self._started_wall) * self.profile.speedup)
         return {
             "busy_fraction": round(min(1.0, c.busy_s / elapsed_s), 4),
             "tokens_per_s": round(c.output_tokens / elapsed_s, 1),
@@ -416,7 +438,7 @@ class SimEngine(Engine):
         p = self.profile
         while self._waiting and len(self._running) < p.max_num_seqs:
             req = self._waiting.popleft()
-            req.hashes = self.cache.block_hashes(req.prompt_ids)
+            req.hashes = self.cache.block_hashes(req.prompt_ids, self._chains.get(req.job_id) if req.job_id else None)
             cached = self.cache.cached_blocks(req.hashes) * p.block_tokens
             # The last prompt token is always computed (it yields the first output token).
             cached = min(cached, len(req.prompt_ids) - 1)
@@ -437,7 +459,7 @@ class SimEngine(Engine):
             if not self._running and not self._waiting:
                 self._wake.clear()
                 await self._wake.wait()
-                idle_from, self._t = self._t, max(self._t, time.monotonic())
+                idle_from, self._t = self._t, max(self._t, timebase.now())
                 if self.ledger is not None and self._t > idle_from:
                     self.idle_spans.append((idle_from, self._t))
             self._admit()
@@ -485,7 +507,7 @@ class SimEngine(Engine):
             ends.append(total)
         start = self._t
         self._wake.clear()
-        wait_s = start + total / speedup - time.monotonic()
+        wait_s = start + total / speedup - timebase.now()
         if wait_s > 0:
             # Not wait_for: before 3.12 it can swallow a cancel that races the wake-up.
             waiter = asyncio.ensure_future(self._wake.wait())
@@ -493,11 +515,11 @@ class SimEngine(Engine):
                 await asyncio.wait([waiter], timeout=wait_s)
             finally:
                 waiter.cancel()
-        done_gpu_s = (time.monotonic() - start) * speedup
+        done_gpu_s = (timebase.now() - start) * speedup
         # Steps already over, at least the one in progress; all of them if nothing arrived.
         n = k if not self._wake.is_set() else max(1, min(k, bisect.bisect_right(ends, done_gpu_s)))
         self._t = start + ends[n - 1] / speedup
-        self.counters.note_lag(time.monotonic() - self._t)
+        self.counters.note_lag(timebase.now() - self._t)
         if self.ledger is not None:
             self._charge_decode(running, n, ends[n - 1])
         self.counters.busy_s += ends[n - 1]
@@ -534,7 +556,7 @@ class SimEngine(Engine):
         self._t += step_s / speedup
         self.counters.busy_s += step_s
         self.counters.steps += 1
-        wait_s = self._t - time.monotonic()
+        wait_s = self._t - timebase.now()
         self.counters.note_lag(-wait_s)
         if wait_s > 0:
             await asyncio.sleep(wait_s)
@@ -554,7 +576,14 @@ class SimEngine(Engine):
                 if r.record is not None:
                     r.record.outcome, r.record.ended_at = "done", self._t
                 # What it wrote is in KV too: the next turn's prompt extends it.
-                self.cache.insert(self.cache.block_hashes(r.prompt_ids + r.output_ids))
+                ids = r.prompt_ids + r.output_ids
+                hashes = self.cache.block_hashes(ids, (r.prompt_ids, r.hashes))
+                self.cache.insert(hashes)
+                if r.job_id is not None:
+                    self._chains[r.job_id] = (ids, hashes)
+                    self._chains.move_to_end(r.job_id)
+                    if len(self._chains) > _CHAINS_KEPT:
+                        self._chains.popitem(last=False)
                 r.future.set_result(None)
         if finished:
             self._running = [r for r in self._running if not r.future.done()]

@@ -21,13 +21,13 @@ import os
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import BrokerUnavailable, HandlerError, ProtocolError
 from prorl_cli.node.liveness import LivenessSidecar, LoopStamp, new_liveness_token
@@ -168,6 +168,9 @@ class NodeServer(BrokerPeer):
         self.liveness_token = new_liveness_token()
         self._stamp = LoopStamp(min(0.25, config.broker.heartbeat_interval_s / 2), on_stall=self._after_stall)
         self._sidecar: LivenessSidecar | None = None
+        #: Heartbeat from a thread too, so a blocked loop does not look dead (off on a simulated-time loop,
+        #: where only the loop's own timers may send: a thread's real-time heartbeats would land at random instants).
+        self.liveness_sidecar = True
         self._loop: asyncio.AbstractEventLoop | None = None  # set in serve(); the sidecar reads its current task
         self._heartbeats = 0
         self._failures_sent = 0
@@ -291,7 +294,7 @@ class NodeServer(BrokerPeer):
         if stages:
             await self.send(H.JobStage(stages).to_wire())
         if done:
-            now = time.monotonic()
+            now = timebase.now()
             self._unconfirmed.extend((now, r) for r in done)
             await self._send_results(done)
 
@@ -327,6 +330,16 @@ class NodeServer(BrokerPeer):
         await self.services.start()
         self._loop = loop
         self._stamp.start()
+        if self.liveness_sidecar:
+            self._start_sidecar()
+        self.start_loops()
+        try:
+            await self.register()
+            await self._stop.wait()
+        finally:
+            await self._shutdown()
+
+    def _start_sidecar(self) -> None:
         self._sidecar = LivenessSidecar(
             node_id=self.node_id,
             token=self.liveness_token,
@@ -338,12 +351,6 @@ class NodeServer(BrokerPeer):
             blocker=self._blocker,
         )
         self._sidecar.start()
-        self.start_loops()
-        try:
-            await self.register()
-            await self._stop.wait()
-        finally:
-            await self._shutdown()
 
     async def _shutdown(self) -> None:
         """Cancel every job, clean up, unregister."""
@@ -370,6 +377,10 @@ class NodeServer(BrokerPeer):
         if self.on_preempt is not None:
             self.on_preempt()
         self.drain(grace_s)
+
+    def stop(self) -> None:
+        """Leave at once, as on SIGTERM (the quick drain)."""
+        self._stop.set()
 
     def drain(self, grace_s: float) -> None:
         """Take no new jobs, hand back the queued ones now, let running ones finish for up to ``grace_s``, then leave.
@@ -403,8 +414,8 @@ class NodeServer(BrokerPeer):
 
     async def _drain(self, grace_s: float) -> None:
         self._hand_back(self.pipeline.not_started())
-        deadline = time.monotonic() + grace_s
-        while self.pipeline.jobs and (left_s := deadline - time.monotonic()) > 0:
+        deadline = timebase.now() + grace_s
+        while self.pipeline.jobs and (left_s := deadline - timebase.now()) > 0:
             log.info("draining: %d running job(s) have %.0f s left to finish", len(self.pipeline.jobs), left_s)
             await asyncio.wait([j.task for j in self.pipeline.jobs.values()], timeout=left_s)
         if self.pipeline.jobs:
@@ -442,7 +453,7 @@ class NodeServer(BrokerPeer):
 
     def _after_stall(self, stalled_s: float) -> None:
         # The broker's messages wait unread while our loop is blocked: that silence is ours, not the broker's.
-        self._last_heard = max(self._last_heard, time.monotonic())
+        self._last_heard = max(self._last_heard, timebase.now())
 
 
 def run_node(

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from prorl_cli.exceptions import InferenceError
-from prorl_cli.inference.sim_engine import SimEngine, SimProfile
+from prorl_cli.inference.sim_engine import PrefixCache, SimEngine, SimProfile
 from prorl_cli.protocol import SamplingParams
 from tests.harness import Deployment
 from tests.inference.conftest import HANDLERS, start_bridge
@@ -90,6 +90,23 @@ def test_prefix_cache_hits_on_a_growing_multi_turn_prompt_and_misses_after_evict
     # The evicted job's next turn starts cold: no cached token at all.
     assert after["prompt_tokens"] == before["prompt_tokens"] + last_prompt
     assert after["cached_tokens"] == before["cached_tokens"]
+
+
+def test_block_hashes_reuse_a_known_prefix_only_where_the_tokens_are_the_same() -> None:
+    """A job's next prompt reuses its last call's hashes; any other history is hashed afresh, with the same result."""
+    cache = PrefixCache(block_tokens=16, capacity_tokens=100_000)
+    rng = random.Random(5)
+    last = [rng.randrange(50_000) for _ in range(1000)]  # 62 full blocks and a partial one
+    last_hashes = cache.block_hashes(last)
+    assert len(last_hashes) == 62
+    grown = last + [rng.randrange(50_000) for _ in range(300)]
+    assert cache.block_hashes(grown, (last, last_hashes)) == cache.block_hashes(grown)
+    # The known ids go another way at token 500: nothing of them may be reused.
+    forked = [*last[:500], last[500] + 1, *last[501:], 7, 8]
+    assert cache.block_hashes(forked, (last, last_hashes)) == cache.block_hashes(forked)
+    assert cache.block_hashes(forked)[:31] == last_hashes[:31] and cache.block_hashes(forked)[31] != last_hashes[31]
+    # A shorter prompt than the known one (a job that started over) keeps only its own full blocks.
+    assert cache.block_hashes(last[:100], (last, last_hashes)) == last_hashes[:6]
 
 
 def test_busy_fraction_and_tokens_per_s_add_up_on_a_scripted_load() -> None:

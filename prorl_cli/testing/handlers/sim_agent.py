@@ -45,9 +45,9 @@ import asyncio
 import math
 import random
 import re
-import time
 from typing import Any
 
+from prorl_cli import timebase
 from prorl_cli.node.handler import AgentHandler, JobContext
 from prorl_cli.protocol import SamplingParams
 
@@ -59,6 +59,12 @@ def _lognormal(rng: random.Random, spec: dict[str, Any], default_median: float) 
     median = float(spec.get("median", default_median))
     value = median * math.exp(float(spec.get("sigma", 1.0)) * rng.gauss(0.0, 1.0))
     return min(value, float(spec.get("max", math.inf)))
+
+
+def _token_ids(rng: random.Random, n: int) -> list[int]:
+    """``n`` made-up token ids below ``VOCAB`` from one draw of ``rng`` (a ``randrange`` per token was a replay's hot spot)."""
+    raw = rng.getrandbits(32 * n).to_bytes(4 * n, "little") if n > 0 else b""
+    return [v % VOCAB for v in memoryview(raw).cast("I")]
 
 
 class SimAgentHandler(AgentHandler):
@@ -81,16 +87,16 @@ class SimAgentHandler(AgentHandler):
         scale = float(inst.get("time_scale", 1.0))
         delay_s = float(inst.get("action_delay_s", 0.0))
         absorb = bool(inst.get("absorb_hops", False))
-        prompt = [rng.randrange(VOCAB) for _ in range(int(inst.get("prompt_tokens", 2000)))]
+        prompt = _token_ids(rng, int(inst.get("prompt_tokens", 2000)))
         backends: dict[str, int] = {}
         # Output tokens per policy version that served them: a rollout carried across a weight sync has two.
         tokens_by_version: dict[str, int] = {}
         generate_s = engine_s = tool_s = hops_s = overrun_s = 0.0
         for turn in range(n_turns):
             max_tokens = max(1, int(_lognormal(rng, inst.get("output_tokens", {}), 150)))
-            started = time.monotonic()
+            started = timebase.now()
             gen = await ctx.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-            round_trip_s = time.monotonic() - started
+            round_trip_s = timebase.now() - started
             generate_s += round_trip_s
             engine_s += gen.engine_s or 0.0
             backends[str(gen.backend_id)] = backends.get(str(gen.backend_id), 0) + 1
@@ -108,7 +114,7 @@ class SimAgentHandler(AgentHandler):
                 wait_s = max(0.0, wait_s - hop_s)
             await asyncio.sleep(wait_s)
             n_obs = max(1, int(_lognormal(rng, inst.get("observation_tokens", {}), 500)))
-            prompt = prompt + gen.output_ids + [rng.randrange(VOCAB) for _ in range(n_obs)]
+            prompt = prompt + gen.output_ids + _token_ids(rng, n_obs)
         ctx.output.update(turns=n_turns, prompt_tokens=len(prompt), backends=backends, tokens_by_version=tokens_by_version,
                           generate_s=round(generate_s, 3), engine_s=round(engine_s, 3), tool_s=round(tool_s, 3))
         if absorb:

@@ -1,0 +1,115 @@
+"""Replays on simulated time (:mod:`prorl_cli.timebase`): the loop's clock, and a whole deployment on it.
+
+The replay runs the real broker, node server, bridges, simulated engines
+and DAPO sampler on one :class:`~prorl_cli.timebase.SimulatedEventLoop`.
+Its figures must follow from the seed alone: two runs in two processes
+give byte-identical engine ledgers, and so does a run while every core of
+this machine is kept busy by another process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prorl_cli import timebase
+from prorl_cli.exceptions import ProrlError
+from prorl_cli.testing.simulated import SimulatedDeployment
+
+REPLAY = Path(__file__).with_name("simulated_replay.py")
+
+
+def test_simulated_loop_jumps_to_the_next_timer_and_restores_the_clock() -> None:
+    async def main() -> tuple[float, float, float, str]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await asyncio.sleep(3600.0)
+        after_sleep = loop.time() - start
+        # A timeout is a timer too: the wait_for below ends at +5 s, not at its 10 s limit.
+        value = await asyncio.wait_for(asyncio.sleep(5.0, "done"), 10.0)
+        return after_sleep, loop.time() - start, timebase.now() - start, value
+
+    assert timebase.now is not None
+    after_sleep, total, read, value = timebase.run_simulated(main())
+    assert (after_sleep, total, read, value) == (3600.0, 3605.0, 3605.0, "done")
+    # Outside the replay the roles read the host's clock again.
+    assert timebase.now.__name__ == "monotonic" and timebase.now.__module__ == "time"
+
+
+def test_simulated_loop_handles_ready_io_before_moving_time() -> None:
+    """A message sent at an instant is read at that instant, even with a timer pending far ahead."""
+    async def main() -> tuple[float, bytes]:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        later = loop.call_later(100.0, lambda: None)
+        got: asyncio.Future[bytes] = loop.create_future()
+        loop.add_reader(b.fileno(), lambda: got.done() or got.set_result(b.recv(16)))
+        start = loop.time()
+        a.send(b"ping")
+        data = await got
+        elapsed = loop.time() - start
+        loop.remove_reader(b.fileno())
+        later.cancel()
+        a.close()
+        b.close()
+        return elapsed, data
+
+    assert timebase.run_simulated(main()) == (0.0, b"ping")
+
+
+def test_simulated_deployment_refuses_a_real_time_loop(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with SimulatedDeployment(tmp_path, "x", bridges=1):
+            pass
+
+    with pytest.raises(ProrlError, match="simulated time"):
+        asyncio.run(main())
+
+
+def _replay(home: Path, seed: int) -> tuple[dict[str, bytes], dict[str, object]]:
+    home.mkdir(parents=True)
+    proc = subprocess.run([sys.executable, str(REPLAY), str(home), str(seed)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ledgers = {p.name: p.read_bytes() for p in sorted((home / "ledgers").glob("*.json"))}
+    return ledgers, json.loads((home / "figures.json").read_text())
+
+
+def test_same_seed_same_ledgers_in_another_process_and_under_a_cpu_hog(tmp_path: Path) -> None:
+    first_ledgers, first = _replay(tmp_path / "first", seed=3)
+    assert sorted(first_ledgers) == ["sim-0.json", "sim-1.json"]
+    calls = [c for raw in first_ledgers.values() for c in json.loads(raw)["calls"]]
+    assert len(calls) > 50 and all(c["outcome"] in ("done", "aborted") for c in calls)
+    steps = first["steps"]
+    assert isinstance(steps, list) and len(steps) == 3
+    assert all(len(s["rewards"]) == 2 for s in steps)  # each step returned its 2 informative groups
+
+    second_ledgers, second = _replay(tmp_path / "second", seed=3)
+    assert second_ledgers == first_ledgers
+    assert second == first
+
+    # Every core busy with another process while the replay runs: it takes longer, it measures the same.
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(os.cpu_count() or 2)]
+    try:
+        hogged_ledgers, hogged = _replay(tmp_path / "hogged", seed=3)
+    finally:
+        for h in hogs:
+            os.killpg(h.pid, signal.SIGKILL)
+            h.wait()
+    assert hogged_ledgers == first_ledgers
+    assert hogged == first
+
+    # Another seed is another workload: the comparison above could fail.
+    other_ledgers, other = _replay(tmp_path / "other", seed=4)
+    assert other_ledgers != first_ledgers and other != first
