@@ -305,12 +305,18 @@ class NodeServer(BrokerPeer):
 
     # ------------------------------------------------------------- lifecycle
 
-    async def serve(self) -> None:
-        """Connect, register and serve until told to stop."""
+    async def serve(self, *, take_signals: bool = True) -> None:
+        """Connect, register and serve until told to stop.
+
+        ``take_signals``: SIGTERM/SIGINT stop the node and SIGUSR2 drains it (off where the process is not
+        the node's: a replay with every role on one loop keeps its own handlers, and stops the node itself).
+        """
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
-        loop.add_signal_handler(signal.SIGUSR2, self._on_usr2)
+        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) if take_signals else ()
+        if take_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(signal.SIGUSR2, self._on_usr2)
         try:
             if self.leave_requested is not None and self.leave_requested.is_set():
                 # The signal came before this loop could take it: leave before connecting.
@@ -318,7 +324,7 @@ class NodeServer(BrokerPeer):
                 return
             await self._serve(loop)
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+            for sig in signals:
                 loop.remove_signal_handler(sig)
 
     async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:

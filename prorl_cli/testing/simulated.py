@@ -93,7 +93,7 @@ class SimulatedDeployment:
             node = NodeServer(self.config, node_id=f"node-{i}", address=self.address)
             node.liveness_sidecar = False  # its thread would heartbeat on real time
             self.node_servers.append(node)
-            self._tasks.append(asyncio.ensure_future(node.serve()))
+            self._tasks.append(asyncio.ensure_future(node.serve(take_signals=False)))
         host = socket.gethostname()
         for i in range(self.n_bridges):
             backend_id = f"sim-{i}"

@@ -113,3 +113,21 @@ def test_same_seed_same_ledgers_in_another_process_and_under_a_cpu_hog(tmp_path:
     # Another seed is another workload: the comparison above could fail.
     other_ledgers, other = _replay(tmp_path / "other", seed=4)
     assert other_ledgers != first_ledgers and other != first
+
+
+def test_sigterm_stops_a_replay_whose_node_runs_on_its_loop(tmp_path: Path) -> None:
+    """The node server on a replay's loop leaves the process's signals alone: SIGTERM ends the replay.
+
+    (Taking them over, it would stop only the node on SIGTERM, and the replay would run on without one.)
+    """
+    proc = subprocess.Popen([sys.executable, str(REPLAY), str(tmp_path), "3", "100000"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "up"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
