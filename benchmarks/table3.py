@@ -39,15 +39,22 @@ Configurations, one fresh deployment each, the same prompts and job ids each:
   ``max_staleness: 1``);
 * ``tmux``: every tool action takes ``--tmux-delay-s`` longer (tmux-style polling).
 
-Time runs ``--speedup`` times faster than on the simulated GPU (tool waits too),
-so a run takes minutes on 2 cores; rates are reported in GPU time (wall rate /
-speedup). The rollouts' tool waits absorb this machine's hops (``sim_agent``'s
-``absorb_hops``: the time a call spent outside its engine, node, broker and
-bridge waiting for a core, comes out of the next tool wait), so a job's
-calls are the modelled tool time apart on the engines' clocks whatever the
-machine's load; ``--real-hops`` turns that off (the hops, times the
-speed-up, then count as tool time: the replay measures this machine's CPU
-latency as well). Printed per configuration (mean and spread over ``--seeds``):
+Time, by default (``--clock simulated``), is simulated: the broker, the
+node server, the 4 bridges and their engines and the sampler run as tasks
+of one event loop whose clock jumps to the next timer once nothing is left
+to do at the current instant (:mod:`prorl_cli.timebase`,
+:class:`prorl_cli.testing.simulated.SimulatedDeployment`), the same classes
+the child processes run, over ZeroMQ ``inproc`` sockets. A hop between them
+takes no time, tool waits are the modelled ones, and the same seed gives
+the same figures to the last digit however loaded this machine is.
+``--clock wall`` runs them as child processes on real time, ``--speedup``
+times faster than the simulated GPU (tool waits too); rates are then
+reported in GPU time (wall rate / speedup), and the rollouts' tool waits
+absorb this machine's hops (``sim_agent``'s ``absorb_hops``: the time a
+call spent outside its engine, node, broker and bridge waiting for a core
+comes out of the next tool wait); ``--real-hops`` turns that off (the
+hops, times the speed-up, then count as tool time: the replay measures
+this machine's CPU latency as well). Printed per configuration (mean and spread over ``--seeds``):
 instances/s (rollouts of completed groups, informative or filtered, per
 second), busy fraction and prefix-cache hit rate of the backends, and the
 ratio to ``full``, beside the paper's figures; ``--plot`` saves a PNG.
@@ -75,7 +82,7 @@ also counted per token (the version that served it, the rollout's
 not. ``--plot-pareto`` draws informative groups per GPU-second against
 that share, the two axes of the throughput/staleness trade-off.
 
-    python benchmarks/table3.py [--steps 12] [--n 4] [--target 8] [--in-flight 128] [--speedup 20]
+    python benchmarks/table3.py [--steps 12] [--n 4] [--target 8] [--in-flight 128] [--clock wall [--speedup 20]]
         [--seeds 0,1,2] [--only full,sync,carry_over] [--plot docs/img/table3.png]
         [--plot-breakdown docs/img/table3_breakdown.png] [--weight-sync [--reload-gpu-s 2]]
         [--plot-pareto docs/img/table3_pareto.png] [--json out.json] [--from-json out.json]
@@ -84,8 +91,10 @@ that share, the two axes of the throughput/staleness trade-off.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
+import os
 import random
 import signal
 import statistics
@@ -95,9 +104,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prorl_cli import timebase
+from prorl_cli.client import AsyncRolloutClient
 from prorl_cli.embedded import LocalStack
 from prorl_cli.exceptions import ConfigError
+from prorl_cli.testing.simulated import SimulatedDeployment
 from prorl_cli.training.gpu_ledger import OUTCOMES, breakdown, idle_gpu_s, load_ledgers
+from prorl_cli.training.sampler import DapoSampler, SamplerConfig
 
 BACKENDS = 4
 #: Per configuration: prorl config overrides ("broker"), sampler settings ("sampler"), tmux-style tools ("tmux").
@@ -239,21 +252,92 @@ def config_supported(extra: dict[str, Any]) -> str | None:
     return None
 
 
-def backend_totals(stack: LocalStack) -> dict[str, float]:
+async def backend_totals(client: AsyncRolloutClient) -> dict[str, float]:
     totals: dict[str, float] = {}
-    for b in stack.client.status().backends:
+    for b in (await client.status()).backends:
         for k, v in b.stats.items():
             totals[k] = totals.get(k, 0.0) + float(v)
     return totals
 
 
-def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Outcome:
-    from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
+@dataclass
+class Drive:
+    """What one configuration's steps measured, before the ledgers are read."""
 
+    sampler: DapoSampler
+    wall_s: float  # seconds on the replay's clock (simulated: GPU seconds)
+    before: dict[str, float]
+    after: dict[str, float]
+    rollouts: int = 0
+    cancelled: int = 0
+    bounds: list[float] = field(default_factory=list)
+    in_flight_means: list[float] = field(default_factory=list)
+    returned: list[tuple[list[str], bool]] = field(default_factory=list)  # job ids per returned group, a version late
+    stale_tokens: int = 0
+    returned_tokens: int = 0
+    lag_tokens: int = 0
+    sync_s: float = 0.0
+    hop_s: float = 0.0  # returned rollouts' hops, and the part their tool waits could not take
+    unabsorbed_s: float = 0.0
+    hop_calls: int = 0
+
+
+async def drive(client: AsyncRolloutClient, name: str, seed: int, args: argparse.Namespace,
+                tasks: list[dict[str, Any]], sampler_cfg: SamplerConfig, checkpoint: Path) -> Drive:
+    """Run ``args.steps`` DAPO steps of one configuration against a deployment that is up; times on timebase.now()."""
+    await asyncio.sleep(0.6)  # a first heartbeat with stats from every bridge
+    before = await backend_totals(client)
+    sampler = DapoSampler(client, "sim_agent", tasks, sampler_cfg)
+    sampler.job_outcomes = {}
+    in_flight: list[int] = []
+    sampler.on_progress = lambda st: in_flight.append(st.in_flight)
+    started = timebase.now()
+    d = Drive(sampler, 0.0, before, {}, bounds=[started])
+    try:
+        for k in range(args.steps):
+            in_flight.clear()
+            batch = await sampler.step(policy_version=k)
+            d.bounds.append(timebase.now())
+            d.in_flight_means.append(round(statistics.fmean(in_flight), 1) if in_flight else 0.0)
+            st = batch.stats
+            d.rollouts += (len(batch.groups) + st.filtered) * args.n
+            d.cancelled += st.cancelled_jobs
+            d.returned += [([r.job_id for r in g.results], g.policy_version < k) for g in batch.groups]
+            outputs = [r.output for g in batch.groups for r in g.results if isinstance(r.output, dict)]
+            for out in outputs:
+                for version, n in (out.get("tokens_by_version") or {}).items():
+                    behind = k - int(version) if version.isdigit() else 0
+                    d.returned_tokens += n
+                    d.stale_tokens += n if behind > 0 else 0
+                    d.lag_tokens += n * max(0, behind)
+                d.hop_s += float(out.get("hops_s", 0.0))
+                d.unabsorbed_s += float(out.get("overrun_s", 0.0))
+                d.hop_calls += max(0, int(out.get("turns", 1)) - 2)  # the calls whose hops were absorbed
+            if args.weight_sync and k + 1 < args.steps:
+                # The trainer's step boundary: every bridge lets its calls in flight finish on the old
+                # weights, loads the new ones (the cache goes with them) and serves them as version k + 1.
+                t0 = timebase.now()
+                await client.update_weights(checkpoint, policy_version=k + 1)
+                d.sync_s += timebase.now() - t0
+            if args.verbose:
+                print(f"  {name} seed {seed} step {k}: {st.wall_s:.1f} s, {st.submitted_groups} groups submitted, "
+                      f"{st.filtered} filtered, {st.failed_groups} failed, {st.cancelled_jobs} jobs cancelled",
+                      flush=True)
+        d.wall_s = timebase.now() - started
+        await asyncio.sleep(0.6)  # the bridges' next heartbeat covers the end of the run
+        d.after = await backend_totals(client)
+    finally:
+        await sampler.close(cancel_in_flight=True)
+    return d
+
+
+def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Outcome:
     spec = CONFIGS[name]
     why = config_supported({"broker": spec.get("broker", {})})
     if why:
         return Outcome(name, seed, 0, 0, 0, 0, 0, 0, 0, 0, skipped=why)
+    simulated = args.clock == "simulated"
+    speedup = 1.0 if simulated else args.speedup  # simulated time is GPU time
     delay = args.tmux_delay_s if spec.get("tmux") else 0.0
     sampler_cfg = SamplerConfig(**{
         "group_size": args.n, "target_groups": args.target, "max_in_flight": args.in_flight, "carry_over": False,
@@ -266,11 +350,12 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         # Room for the sampler's jobs and the abandoned ones still running (no_cleanup); more wait in the broker's queue.
         "node": {"n_init": 32, "n_run": args.in_flight * 2, "n_eval": 32, "stop_grace_s": 3.0, "handler_paths": ["prorl_cli.testing.handlers"]},
         "jobs": {"timeout_s": 3600.0},
-        "inference": {"generate_timeout_s": 3600.0, "sim_speedup": args.speedup, "capacity": 256,
+        "inference": {"generate_timeout_s": 3600.0, "sim_speedup": speedup, "capacity": 256,
                       "sim_ledger_dir": str(home / f"ledgers-{name}-{seed}")},
         "log_level": "WARNING",
     }
-    tasks = prompts(seed, 4096, args.tool_median_s, args.speedup, delay, absorb_hops=not args.real_hops)
+    # On simulated time a call's hops take no time: nothing to absorb.
+    tasks = prompts(seed, 4096, args.tool_median_s, speedup, delay, absorb_hops=not (args.real_hops or simulated))
     if args.weight_sync:
         # The default profile, with a weight load that holds each engine for --reload-gpu-s.
         import yaml
@@ -282,69 +367,40 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         path = home / f"profile-{name}-{seed}.yaml"
         path.write_text(yaml.safe_dump(profile))
         config["inference"]["sim_profile"] = str(path)
-    sync_wall_s = 0.0
-    stale_tokens = returned_tokens = 0
-    lag_tokens = 0
-    with LocalStack(home / f"{name}-{seed}", "t3", config) as stack:
-        stack.start_broker()
-        stack.start_node("node-0")
-        for i in range(BACKENDS):
-            bid = f"sim-{i}"
-            stack.spawn(bid, "serve", "inference", "--engine", "sim", "--backend-id", bid)
-        stack.wait_for(lambda st: sum(b.alive for b in st.backends) == BACKENDS, 60.0,
-                       "the sim bridges to register", "sim-0")
-        time.sleep(0.6)  # a first heartbeat with stats from every bridge
-        before = backend_totals(stack)
-        sampler = BlockingDapoSampler(stack.client, "sim_agent", tasks, sampler_cfg)
-        sampler.sampler.job_outcomes = {}
-        in_flight: list[int] = []
-        sampler.sampler.on_progress = lambda st: in_flight.append(st.in_flight)
-        started = time.monotonic()
-        rollouts = cancelled = 0
-        bounds = [started]
-        in_flight_means = []
-        returned: list[tuple[list[str], bool]] = []  # job ids of each returned group, consumed a version late
-        hop_s = unabsorbed_s = 0.0  # returned rollouts' hops, and the part of them their tool waits could not take
-        hop_calls = 0
-        try:
-            for k in range(args.steps):
-                in_flight.clear()
-                batch = sampler.step(policy_version=k)
-                bounds.append(time.monotonic())
-                in_flight_means.append(round(statistics.fmean(in_flight), 1) if in_flight else 0.0)
-                st = batch.stats
-                rollouts += (len(batch.groups) + st.filtered) * args.n
-                cancelled += st.cancelled_jobs
-                returned += [([r.job_id for r in g.results], g.policy_version < k) for g in batch.groups]
-                for r in (r for g in batch.groups for r in g.results if isinstance(r.output, dict)):
-                    for version, n in (r.output.get("tokens_by_version") or {}).items():
-                        behind = k - int(version) if version.isdigit() else 0
-                        returned_tokens += n
-                        stale_tokens += n if behind > 0 else 0
-                        lag_tokens += n * max(0, behind)
-                if args.weight_sync and k + 1 < args.steps:
-                    # The trainer's step boundary: every bridge lets its calls in flight finish on the old
-                    # weights, loads the new ones (the cache goes with them) and serves them as version k + 1.
-                    t0 = time.monotonic()
-                    stack.client.update_weights(home / "checkpoint", policy_version=k + 1)
-                    sync_wall_s += time.monotonic() - t0
-                for r in (r for g in batch.groups for r in g.results if isinstance(r.output, dict)):
-                    hop_s += float(r.output.get("hops_s", 0.0))
-                    unabsorbed_s += float(r.output.get("overrun_s", 0.0))
-                    hop_calls += max(0, int(r.output.get("turns", 1)) - 2)  # the calls whose hops were absorbed
-                if args.verbose:
-                    print(f"  {name} seed {seed} step {k}: {st.wall_s:.1f} s, {st.submitted_groups} groups submitted, "
-                          f"{st.filtered} filtered, {st.failed_groups} failed, {st.cancelled_jobs} jobs cancelled",
-                          flush=True)
-            wall_s = time.monotonic() - started
-            time.sleep(0.6)  # the bridges' next heartbeat covers the end of the run
-            after = backend_totals(stack)
-        finally:
-            sampler.close(cancel_in_flight=True)
-        stack.stop()
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    checkpoint = home / "checkpoint"
+    started = time.monotonic()
+    if simulated:
+        async def on_simulated_time() -> Drive:
+            async with SimulatedDeployment(home / f"{name}-{seed}", "t3", config, bridges=BACKENDS) as dep:
+                return await drive(dep.client, name, seed, args, tasks, sampler_cfg, checkpoint)
+
+        d = timebase.run_simulated(on_simulated_time())
+    else:
+        with LocalStack(home / f"{name}-{seed}", "t3", config) as stack:
+            stack.start_broker()
+            stack.start_node("node-0")
+            for i in range(BACKENDS):
+                bid = f"sim-{i}"
+                stack.spawn(bid, "serve", "inference", "--engine", "sim", "--backend-id", bid)
+            stack.wait_for(lambda st: sum(b.alive for b in st.backends) == BACKENDS, 60.0,
+                           "the sim bridges to register", "sim-0")
+
+            async def on_wall_time() -> Drive:
+                client = AsyncRolloutClient(address=stack.address(), config=stack.load_config())
+                try:
+                    return await drive(client, name, seed, args, tasks, sampler_cfg, checkpoint)
+                finally:
+                    await client.close()
+
+            d = asyncio.run(on_wall_time())
+            stack.stop()
+    run_s = time.monotonic() - started
+    if args.verbose:
+        print(f"  {name} seed {seed}: {run_s:.0f} s on this machine", flush=True)
+    sampler, wall_s, before, after, returned = d.sampler, d.wall_s, d.before, d.after, d.returned
+    diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     ledgers = load_ledgers(home / f"ledgers-{name}-{seed}")
-    bd = breakdown(ledgers, sampler.sampler.job_outcomes)
+    bd = breakdown(ledgers, sampler.job_outcomes or {})
     tokens: dict[str, int] = {}
     for led in ledgers:
         for c in led["calls"]:
@@ -352,34 +408,34 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
     gaps = call_gaps_s(ledgers)
     late = sum(tokens.get(j, 0) for ids, stale in returned if stale for j in ids)
     all_returned = sum(tokens.get(j, 0) for ids, _ in returned for j in ids)
-    held_gpu_s = wall_s * args.speedup * BACKENDS
+    held_gpu_s = wall_s * speedup * BACKENDS
     busy_in_window = bd.busy_s  # cancelled work after the last step is tiny next to the run (the cancel is at once)
     informative = len(returned)
     return Outcome(
-        config=name, seed=seed, wall_s=round(wall_s, 1), rollouts=rollouts, cancelled=cancelled, steps=args.steps,
-        instances_per_s=round(rollouts / wall_s / args.speedup, 4),
-        busy_fraction=round(d.get("busy_s", 0) / d["elapsed_s"], 3) if d.get("elapsed_s") else 0.0,
-        prefix_hit_rate=round(d.get("cached_tokens", 0) / d["prompt_tokens"], 3) if d.get("prompt_tokens") else 0.0,
-        aborted_calls=int(d.get("aborted", 0)),
+        config=name, seed=seed, wall_s=round(wall_s, 1), rollouts=d.rollouts, cancelled=d.cancelled, steps=args.steps,
+        instances_per_s=round(d.rollouts / wall_s / speedup, 4),
+        busy_fraction=round(diff.get("busy_s", 0) / diff["elapsed_s"], 3) if diff.get("elapsed_s") else 0.0,
+        prefix_hit_rate=round(diff.get("cached_tokens", 0) / diff["prompt_tokens"], 3) if diff.get("prompt_tokens") else 0.0,
+        aborted_calls=int(diff.get("aborted", 0)),
         informative_groups=informative, held_gpu_s=round(held_gpu_s, 1),
         informative_per_gpu_s=round(informative / held_gpu_s, 5),
         informative_per_busy_gpu_s=round(informative / busy_in_window, 5) if busy_in_window else 0.0,
         busy_gpu_s=round(bd.busy_s, 2), gpu_s={k: round(v, 2) for k, v in bd.gpu_s.items()},
         jobs=bd.jobs, calls=bd.calls, recomputed_tokens=bd.recomputed_tokens, moved_calls=bd.moved_calls,
-        step_gpu_s=[round((b - a) * args.speedup, 1) for a, b in zip(bounds, bounds[1:], strict=False)],
-        step_in_flight=in_flight_means,
-        step_idle_gpu_s=[round(idle_gpu_s(ledgers, a, b), 1) for a, b in zip(bounds, bounds[1:], strict=False)],
+        step_gpu_s=[round((b - a) * speedup, 1) for a, b in zip(d.bounds, d.bounds[1:], strict=False)],
+        step_in_flight=d.in_flight_means,
+        step_idle_gpu_s=[round(idle_gpu_s(ledgers, a, b), 1) for a, b in zip(d.bounds, d.bounds[1:], strict=False)],
         off_policy_token_fraction=round(late / all_returned, 3) if all_returned else 0.0,
-        stale_token_fraction=round(stale_tokens / returned_tokens, 3) if returned_tokens else 0.0,
-        token_lag_versions=round(lag_tokens / returned_tokens, 3) if returned_tokens else 0.0,
-        weight_sync_gpu_s=round(sync_wall_s * args.speedup, 1), reload_gpu_s=round(d.get("reload_s", 0.0), 1),
-        call_gap_gpu_s=round(statistics.fmean(gaps) * args.speedup, 2) if gaps else 0.0,
+        stale_token_fraction=round(d.stale_tokens / d.returned_tokens, 3) if d.returned_tokens else 0.0,
+        token_lag_versions=round(d.lag_tokens / d.returned_tokens, 3) if d.returned_tokens else 0.0,
+        weight_sync_gpu_s=round(d.sync_s * speedup, 1), reload_gpu_s=round(diff.get("reload_s", 0.0), 1),
+        call_gap_gpu_s=round(statistics.fmean(gaps) * speedup, 2) if gaps else 0.0,
         # The sim_agent's tool time is log-normal: mean = median * exp(sigma^2 / 2), sigma 1.
         tool_mean_gpu_s=round(args.tool_median_s * math.exp(0.5) + delay, 2),
-        engine_lag_gpu_s=round(statistics.fmean(float(led.get("lag_mean_s", 0.0)) for led in ledgers) * args.speedup, 2)
+        engine_lag_gpu_s=round(statistics.fmean(float(led.get("lag_mean_s", 0.0)) for led in ledgers) * speedup, 2)
         if ledgers else 0.0,
-        hop_gpu_s=round(hop_s / hop_calls * args.speedup, 3) if hop_calls else 0.0,
-        overrun_fraction=round(unabsorbed_s / hop_s, 4) if hop_s else 0.0,
+        hop_gpu_s=round(d.hop_s / d.hop_calls * speedup, 3) if d.hop_calls else 0.0,
+        overrun_fraction=round(d.unabsorbed_s / d.hop_s, 4) if d.hop_s else 0.0,
     )
 
 
@@ -603,6 +659,25 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")  # unwinds through LocalStack, which stops its children
 
 
+def report(o: Outcome, args: argparse.Namespace) -> None:
+    """With ``--verbose``: one configuration's figures as soon as it has run."""
+    if not args.verbose or o.skipped:
+        return
+    print(f"  -> {o.instances_per_s:.3f} inst/s, {o.informative_per_gpu_s * 1000:.2f} informative "
+          f"groups per 1000 GPU-s ({o.informative_per_busy_gpu_s * 1000:.2f} per 1000 busy), "
+          f"busy {o.busy_fraction:.0%}, hits {o.prefix_hit_rate:.0%}, {o.wall_s} s", flush=True)
+    print(f"     busy GPU-s by outcome: {o.gpu_s}; jobs {o.jobs}", flush=True)
+    print(f"     recomputed prefill tokens {o.recomputed_tokens}, moved calls {o.moved_calls}; "
+          f"steps GPU-s {o.step_gpu_s}, idle {o.step_idle_gpu_s}, in flight {o.step_in_flight}; "
+          f"off-policy tokens {o.off_policy_token_fraction:.0%} by group, {o.stale_token_fraction:.0%} "
+          f"by the version that served them ({o.token_lag_versions:.2f} versions behind per token); "
+          f"weight syncs {o.weight_sync_gpu_s} GPU-s, loads {o.reload_gpu_s} GPU-s", flush=True)
+    print(f"     gap between a job's calls {o.call_gap_gpu_s} GPU-s (modelled tool time "
+          f"{o.tool_mean_gpu_s}; more is this machine's hops x {args.speedup:g} not absorbed); engines behind their "
+          f"timelines by {o.engine_lag_gpu_s} GPU-s on average; hops {o.hop_gpu_s} GPU-s per call, "
+          f"{o.overrun_fraction:.1%} of them longer than the tool wait", flush=True)
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -610,7 +685,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="rollouts per group")
     ap.add_argument("--target", type=int, default=8, help="informative groups that end a step")
     ap.add_argument("--in-flight", type=int, default=128, help="the sampler's max_in_flight (jobs running at once)")
-    ap.add_argument("--speedup", type=float, default=20.0, help="simulated time runs this many times faster")
+    ap.add_argument("--clock", choices=("simulated", "wall"), default="simulated",
+                    help="simulated: every role on one loop on a discrete-event clock, figures independent of this "
+                         "machine's load (the default); wall: real processes on real time, --speedup times faster")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="with --clock simulated: replays run at once, one process each (default: one per core)")
+    ap.add_argument("--speedup", type=float, default=20.0, help="with --clock wall: time runs this many times faster")
     ap.add_argument("--tool-median-s", type=float, default=1.0, help="median tool time per action (GPU time)")
     ap.add_argument("--tmux-delay-s", type=float, default=0.36,
                     help="extra per action in the tmux configuration (the paper: 0.78 s vs 0.42 s)")
@@ -647,28 +727,30 @@ def main() -> None:
     if args.from_json:
         outcomes = [Outcome(**o) for o in json.loads(args.from_json.read_text())]
         outcomes = [o for o in outcomes if o.config in names and o.seed in seeds]
+    runs = [(name, seed) for seed in seeds for name in names] if not args.from_json else []
+    jobs = 1 if args.clock == "wall" else max(1, args.jobs)
     with tempfile.TemporaryDirectory(prefix="prorl-table3-") as tmp:
-        for seed in seeds if not args.from_json else ():  # seed-major: a slow patch of the machine spreads over configurations
-            for name in names:
+        if jobs == 1:
+            # Seed-major: on real time a slow patch of the machine spreads over the configurations.
+            for name, seed in runs:
                 print(f"running {name} seed {seed} ...", flush=True)
-                o = run_config(name, seed, args, Path(tmp))
-                if args.verbose and not o.skipped:
-                    print(f"  -> {o.instances_per_s:.3f} inst/s, {o.informative_per_gpu_s * 1000:.2f} informative "
-                          f"groups per 1000 GPU-s ({o.informative_per_busy_gpu_s * 1000:.2f} per 1000 busy), "
-                          f"busy {o.busy_fraction:.0%}, hits {o.prefix_hit_rate:.0%}, {o.wall_s} s", flush=True)
-                    print(f"     busy GPU-s by outcome: {o.gpu_s}; jobs {o.jobs}", flush=True)
-                    print(f"     recomputed prefill tokens {o.recomputed_tokens}, moved calls {o.moved_calls}; "
-                          f"steps GPU-s {o.step_gpu_s}, idle {o.step_idle_gpu_s}, in flight {o.step_in_flight}; "
-                          f"off-policy tokens {o.off_policy_token_fraction:.0%} by group, {o.stale_token_fraction:.0%} "
-                          f"by the version that served them ({o.token_lag_versions:.2f} versions behind per token); "
-                          f"weight syncs {o.weight_sync_gpu_s} GPU-s, loads {o.reload_gpu_s} GPU-s", flush=True)
-                    print(f"     gap between a job's calls {o.call_gap_gpu_s} GPU-s (modelled tool time "
-                          f"{o.tool_mean_gpu_s}; more is this machine's hops x {args.speedup:g} not absorbed); engines behind their "
-                          f"timelines by {o.engine_lag_gpu_s} GPU-s on average; hops {o.hop_gpu_s} GPU-s per call, "
-                          f"{o.overrun_fraction:.1%} of them longer than the tool wait", flush=True)
-                outcomes.append(o)
+                outcomes.append(run_config(name, seed, args, Path(tmp)))
+                report(outcomes[-1], args)
+        else:
+            # On simulated time runs in parallel cannot change each other's figures: one per core.
+            import concurrent.futures
+            import multiprocessing
+
+            print(f"running {len(runs)} replays, {jobs} at a time ...", flush=True)
+            with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+                futures = [pool.submit(run_config, name, seed, args, Path(tmp)) for name, seed in runs]
+                for f in futures:
+                    outcomes.append(f.result())
+                    print(f"done {outcomes[-1].config} seed {outcomes[-1].seed}", flush=True)
+                    report(outcomes[-1], args)
     title = (f"Table 3 replay: {BACKENDS} simulated H100/8B backends, {args.steps} DAPO steps, groups of {args.n}, "
-             f"target {args.target}, {args.in_flight} in flight, time x{args.speedup:g}, seeds {seeds}"
+             f"target {args.target}, {args.in_flight} in flight, "
+             + ("simulated time" if args.clock == "simulated" else f"time x{args.speedup:g}") + f", seeds {seeds}"
              + (f", weight sync between steps ({args.reload_gpu_s:g} GPU-s loads)" if args.weight_sync else ""))
     print("\n" + title)
     print(f"{'config':<14}{'inst/s':>8}{'spread':>14}{'ratio':>7}{'spread':>12}{'busy':>6}{'spread':>10}"
