@@ -728,7 +728,7 @@ def main() -> None:
         outcomes = [Outcome(**o) for o in json.loads(args.from_json.read_text())]
         outcomes = [o for o in outcomes if o.config in names and o.seed in seeds]
     runs = [(name, seed) for seed in seeds for name in names] if not args.from_json else []
-    jobs = 1 if args.clock == "wall" else max(1, args.jobs)
+    jobs = 1 if args.clock == "wall" else max(1, min(args.jobs, len(runs)))
     with tempfile.TemporaryDirectory(prefix="prorl-table3-") as tmp:
         if jobs == 1:
             # Seed-major: on real time a slow patch of the machine spreads over the configurations.
