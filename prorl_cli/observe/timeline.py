@@ -15,9 +15,10 @@ tools) records into it without being handed it.
 
 from __future__ import annotations
 
-import time
 from contextvars import ContextVar
 from typing import Any
+
+from prorl_cli import timebase
 
 #: Event names (the ``name`` of ``[name, t_s, dur_s, attrs]``).
 SUBMITTED = "submitted"
@@ -50,7 +51,7 @@ class Timeline:
         return at - self.t0
 
     def instant(self, name: str, attrs: dict[str, Any] | None = None, at: float | None = None) -> None:
-        t = (time.monotonic() if at is None else at) - self.t0
+        t = (timebase.now() if at is None else at) - self.t0
         self.events.append([name, t, 0.0, attrs] if attrs else [name, t, 0.0])
 
     def span(self, name: str, start: float, end: float, attrs: dict[str, Any] | None = None) -> None:
@@ -72,4 +73,4 @@ def record_span(name: str, start: float, attrs: dict[str, Any] | None = None) ->
     """Record ``name`` from ``start`` until now into the running job's timeline (nothing outside a job)."""
     timeline = CURRENT.get()
     if timeline is not None:
-        timeline.span(name, start, time.monotonic(), attrs)
+        timeline.span(name, start, timebase.now(), attrs)

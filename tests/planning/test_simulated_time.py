@@ -131,3 +131,62 @@ def test_sigterm_stops_a_replay_whose_node_runs_on_its_loop(tmp_path: Path) -> N
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_plan_predicts_a_simulated_deployment_within_ten_percent(tmp_path: Path) -> None:
+    """``prorl plan`` reads a deployment's own results and predicts its rollouts per GPU-second within 10 %.
+
+    The deployment (broker, node, two sim bridges) runs on simulated time, so the measured figure is the
+    workload's and not this machine's: the comparison is exact and repeatable, not a timing assertion.
+    """
+    from prorl_cli.inference.sim_engine import SimProfile
+    from prorl_cli.planning import ClusterShape, Workload, make_plan
+
+    bridges, in_flight, rollouts, warmup = 2, 16, 160, 40
+    results_path = tmp_path / "results.jsonl"
+
+    def instance(k: int) -> dict[str, object]:
+        return {"seed": 1, "turns": [5, 12], "prompt_tokens": 2000,
+                "output_tokens": {"median": 150, "sigma": 0.6, "max": 1024},
+                "observation_tokens": {"median": 500, "sigma": 1.0, "max": 6000},
+                "tool_s": {"median": 1.0, "sigma": 1.0, "max": 60.0}, "p_solve": (0.0, 0.5, 1.0)[k % 3]}
+
+    async def closed_loop() -> float:
+        config = {"broker": {"heartbeat_interval_s": 0.5, "journal": False},
+                  "node": {"n_init": 8, "n_run": 2 * in_flight, "n_eval": 8,
+                           "handler_paths": ["prorl_cli.testing.handlers"]},
+                  "inference": {"capacity": 256}, "log_level": "WARNING"}
+        async with SimulatedDeployment(tmp_path / "dep", "pa", config, bridges=bridges) as dep:
+            stream = dep.client.results()
+            submitted = done = 0
+            t_a = t_b = 0.0
+
+            async def submit_one() -> None:
+                nonlocal submitted
+                await dep.client.submit("sim_agent", [instance(submitted // 4)], job_ids=[f"pa-{submitted}"],
+                                        group_id=f"g{submitted // 4}")
+                submitted += 1
+
+            for _ in range(in_flight):
+                await submit_one()
+            with results_path.open("w") as out:
+                async for result in stream:
+                    out.write(json.dumps(result.to_wire()) + "\n")
+                    done += 1
+                    if done == warmup:
+                        t_a = timebase.now()
+                    if done < rollouts:
+                        await submit_one()
+                    elif done == rollouts:
+                        t_b = timebase.now()
+                    if done == submitted:  # the tail finishes too: the file holds every rollout submitted
+                        break
+            return (rollouts - warmup) / ((t_b - t_a) * bridges)
+
+    measured = timebase.run_simulated(closed_loop())
+    work = Workload.from_results(results_path, time_scale=1.0)
+    plan = make_plan(work, SimProfile.load("h100-8b"), ClusterShape(bridges=bridges, nodes=1, slots=2 * in_flight),
+                     group_size=4, in_flight=[in_flight], rollouts=2 * rollouts)
+    predicted = plan.sweep[0].rollouts_per_s / bridges
+    assert measured > 0
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
