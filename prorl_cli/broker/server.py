@@ -268,8 +268,8 @@ class Broker:
         For a replay on simulated time (:mod:`prorl_cli.timebase`), where the
         broker, nodes and bridges share one event loop: the socket's readiness
         runs turns, a timer at the next tick runs ticks, all on the loop's
-        clock. No signal handlers, rendezvous file or journal of its own: the
-        replay owns the process.
+        clock. It takes no signals and writes no rendezvous file: the replay
+        owns the process, and its peers are given the address.
         """
         loop = asyncio.get_running_loop()
         stopped = loop.create_future()

@@ -18,15 +18,15 @@ Usage (the client is an :class:`~prorl_cli.client.AsyncRolloutClient`)::
 
     async def main(home):
         async with SimulatedDeployment(home, "replay", config, bridges=4) as dep:
-            sampler = await DapoSampler.create(dep.client, ...)
+            sampler = DapoSampler(dep.client, "sim_agent", prompts, SamplerConfig(...))
+            batch = await sampler.step()
 
-    run_simulated(main(home))
+    timebase.run_simulated(main(home))
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 from pathlib import Path
 from types import TracebackType
@@ -44,8 +44,6 @@ from prorl_cli.exceptions import ConfigError, ProrlError
 from prorl_cli.inference.bridge import InferenceBridge
 from prorl_cli.inference.serve import BridgeOptions, build_engine
 from prorl_cli.node.server import NodeServer
-
-log = logging.getLogger(__name__)
 
 __all__ = ["SimulatedDeployment"]
 
@@ -78,12 +76,20 @@ class SimulatedDeployment:
         self.node_servers: list[NodeServer] = []
         self.bridges: list[InferenceBridge] = []
         self.client = AsyncRolloutClient(address=self.address, config=self.config)
-        self._tasks: list[Any] = []
+        self._tasks: list[asyncio.Future[Any]] = []
 
     async def __aenter__(self) -> SimulatedDeployment:
         if not isinstance(asyncio.get_running_loop(), timebase.SimulatedEventLoop):
             raise ProrlError("a SimulatedDeployment runs on timebase.run_simulated's loop (simulated time), "
                              "not on a real-time loop")
+        try:
+            await self._start()
+        except BaseException:
+            await self.__aexit__(None, None, None)  # what did start stops, and the broker's socket closes
+            raise
+        return self
+
+    async def _start(self) -> None:
         # One ZeroMQ context for every role: ``inproc`` only connects sockets of the same context.
         ctx = zmq.asyncio.Context.instance()
         self.broker = Broker(self.config, ctx=zmq.Context.shadow(ctx.underlying))
@@ -104,7 +110,6 @@ class SimulatedDeployment:
             self.bridges.append(bridge)
             self._tasks.append(asyncio.ensure_future(bridge.serve()))
         await self._registered()
-        return self
 
     async def _registered(self) -> None:
         for _ in range(600):  # simulated seconds: registration takes a few heartbeats at most
@@ -128,7 +133,8 @@ class SimulatedDeployment:
         for bridge in self.bridges:
             bridge.stop()
         # The node and bridges unregister, then the broker's loop is cancelled (it has nothing left to serve).
-        await asyncio.wait(self._tasks[1:], timeout=30.0)
+        if self._tasks[1:]:
+            await asyncio.wait(self._tasks[1:], timeout=30.0)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -136,3 +142,4 @@ class SimulatedDeployment:
             await bridge.engine.close()
         if self.broker is not None:
             self.broker.close()
+            self.broker = None

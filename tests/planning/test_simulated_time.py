@@ -190,3 +190,19 @@ def test_plan_predicts_a_simulated_deployment_within_ten_percent(tmp_path: Path)
     predicted = plan.sweep[0].rollouts_per_s / bridges
     assert measured > 0
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
+def test_a_deployment_that_fails_to_start_stops_what_it_started(tmp_path: Path) -> None:
+    """A node that cannot serve fails the start with its reason; the broker it left behind is closed,
+    so a deployment of the same name starts next in the same process (its ``inproc`` address is free)."""
+    async def main() -> int:
+        broken = SimulatedDeployment(tmp_path / "a", "same", {"node": {"tasks": ["no_such_task"]}}, bridges=1)
+        with pytest.raises(ProrlError) as e:
+            async with broken:
+                pass
+        assert "no_such_task" in str(e.value)
+        config = {"node": {"handler_paths": ["prorl_cli.testing.handlers"]}}
+        async with SimulatedDeployment(tmp_path / "b", "same", config, bridges=1) as dep:
+            return len((await dep.client.status()).backends)
+
+    assert timebase.run_simulated(main()) == 1
