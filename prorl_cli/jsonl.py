@@ -26,11 +26,11 @@ def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "") -> I
     JSON and has no newline at its end is named as cut off (a writer killed mid-line, a full disk), with how
     to read the whole lines before it; a file that is not UTF-8 text raises
     ``error_cls("FILE: not a UTF-8 text file...")``, with ``hint`` (what the file should be) in parentheses
-    when given.
+    when given. A byte order mark at the start (Windows tools write one) is skipped.
     """
     whole = 0
     try:
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue

@@ -69,11 +69,15 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """``(where, row)`` for each row of a JSONL, Parquet or JSON file.
 
     ``where`` is ``FILE:LINE`` for JSONL, ``FILE row N`` for Parquet and
-    ``FILE item N`` for JSON (1-based). A ``.json`` file holds one array of
-    rows or one row; a file of another name that is not JSONL but one JSON
-    document (a pretty-printed instance) is read the same way.
+    ``FILE item N`` for JSON (1-based). Files are read as their publishers
+    write them: Parquet by its magic bytes whatever the file's name; a
+    ``.json`` file holds one array of rows, one row, a table as pandas'
+    ``to_json`` writes it (any orient), or JSON Lines (as many Hub datasets
+    name them); a file of another name that is not JSONL but one JSON
+    document (a pretty-printed instance) is read the same way; a UTF-8 byte
+    order mark is skipped.
     """
-    if path.suffix == ".parquet":
+    if _is_parquet(path):
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
@@ -87,7 +91,7 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(rows, 1):
             yield f"{path} row {i}", row
         return
-    if path.suffix == ".json":
+    if path.suffix.lower() == ".json":
         yield from _json_rows(path)
         return
     read_one = False
@@ -103,28 +107,88 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
         yield from _items(path, document)
 
 
+_PARQUET_MAGIC = b"PAR1"
+
+
+def _is_parquet(path: Path) -> bool:
+    """A Parquet file: by its name (any case), or by the magic bytes it starts with (``.pq``, no suffix)."""
+    if path.suffix.lower() in (".parquet", ".pq"):
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == _PARQUET_MAGIC
+    except OSError:
+        return False  # the text reader names the problem
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: not a UTF-8 text file: {e.reason} at byte {e.start}") from e
+
+
 def _whole_document(path: Path) -> Any:
     """The file as one JSON document, or None when it is not one."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(_read_text(path))
     except json.JSONDecodeError:
         return None
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
+        document = json.loads(_read_text(path))
     except json.JSONDecodeError as e:
-        raise DatasetError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (a .json dataset is one array of rows or one row)") from e
+        if e.msg == "Extra data":  # one JSON value per line: JSON Lines under a .json name
+            for lineno, row in jsonl_values(path, DatasetError):
+                yield f"{path}:{lineno}", row
+            return
+        raise DatasetError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (a .json dataset is one array of rows, "
+                           "one row, a pandas to_json table, or one row per line)") from e
     yield from _items(path, document)
 
 
 def _items(path: Path, document: Any) -> Iterator[tuple[str, Any]]:
-    if isinstance(document, list):
-        for i, row in enumerate(document, 1):
-            yield f"{path} item {i}", row
-    else:
-        yield f"{path} item 1", document
+    rows = _pandas_rows(document)
+    if rows is None:
+        rows = document if isinstance(document, list) else [document]
+    for i, row in enumerate(rows, 1):
+        yield f"{path} item {i}", row
+
+
+def _index_labels(keys: Any) -> bool:
+    return bool(keys) and all(isinstance(k, str) and k.lstrip("-").isdigit() for k in keys)
+
+
+def _pandas_rows(document: Any) -> list[Any] | None:
+    """The rows of a table as pandas' ``DataFrame.to_json`` writes it, or None for any other document.
+
+    Orients: ``columns`` (pandas' default: ``{column: {index: value}}``), ``index`` (``{index: {column:
+    value}}``), ``split`` (``{"columns": [...], "data": [[...]]}``), ``table`` (``{"schema": ..., "data":
+    [{...}]}``); ``records`` is already a list of rows. A row is never mistaken for a table: ``columns`` and
+    ``index`` need every value a mapping keyed by row numbers, or every key a row number.
+    """
+    if not isinstance(document, dict) or not document:
+        return None
+    keys = set(document)
+    if keys in ({"columns", "data"}, {"columns", "index", "data"}) and isinstance(document["columns"], list) \
+            and isinstance(document["data"], list) and all(isinstance(r, list) for r in document["data"]):
+        names = document["columns"]
+        return [dict(zip(names, values, strict=False)) for values in document["data"]]
+    if keys == {"schema", "data"} and isinstance(document["schema"], dict) and isinstance(document["data"], list):
+        index = document["schema"].get("primaryKey")  # pandas' index, not a column of the data
+        drop = set(index) if isinstance(index, list) and all(isinstance(k, str) for k in index) else set()
+        return [{k: v for k, v in r.items() if k not in drop} if isinstance(r, dict) else r for r in document["data"]]
+    values = list(document.values())
+    if not all(isinstance(v, dict) for v in values):
+        return None
+    if _index_labels(keys):  # orient "index": one row per key
+        return values
+    labels = list(values[0])
+    if _index_labels(labels) and all(list(v) == labels for v in values):  # orient "columns"
+        return [{column: document[column][label] for column in document} for label in labels]
+    return None
 
 
 def _first(row: Row, where: str, names: tuple[str, ...], what: str) -> Any:
@@ -189,15 +253,31 @@ def _present(row: Row, names: tuple[str, ...]) -> Any:
     return next((row[name] for name in names if row.get(name) not in (None, "")), None)
 
 
+def _type_name(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"a {type(value).__name__}"
+
+
 def _math(row: Row, where: str, fmt: str) -> Row:
     # AIME sets (AIME_2024 and the like) capitalise their fields.
     problem = _present(row, ("problem", "question", "Problem", "Question")) or _chat_problem(row)
     if problem is None:
         raise DatasetError(f"{where}: missing field 'problem' (the problem text; also accepted: 'question', "
                            "'Problem', 'Question', a chat 'prompt')")
+    # A value that is not text would reach the model as its Python repr and be scored against one: refused.
+    if not isinstance(problem, str):
+        raise DatasetError(f"{where}: field 'problem' is {_type_name(problem)}, expected the problem text")
+    if not problem.strip():
+        raise DatasetError(f"{where}: field 'problem' is blank")
     given, solution, truth = _present(row, ("answer", "Answer")), _present(row, ("solution", "Solution")), _ground_truth(row)
     if given is not None:
+        if isinstance(given, bool) or not isinstance(given, str | int | float):
+            raise DatasetError(f"{where}: field 'answer' is {_type_name(given)}, expected the answer as text or a number")
         answer = gsm8k_final(str(given))  # GSM8K: a worked solution whose final line is "#### 72"
+        if not answer.strip():
+            what = "has nothing after its '####'" if "####" in str(given) else "is blank"
+            raise DatasetError(f"{where}: field 'answer' {what}: no answer to score against")
     elif truth is not None:
         answer = truth
     elif isinstance(solution, str):

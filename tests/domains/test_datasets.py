@@ -87,3 +87,66 @@ def test_submit_names_the_bad_row(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "prorl_cli", "--home", str(tmp_path), "submit", "--task", "math",
                            "--format", "apps", str(bad)], capture_output=True, text=True, timeout=60)
     assert "--format 'apps' does not apply to task 'math'" in proc.stderr, proc.stderr
+
+
+# What pandas 3.1 writes for a two-row frame with DataFrame.to_json(path, orient=...); "columns" is its default.
+PANDAS_JSON = {
+    "columns": '{"problem":{"0":"What is 1+1?","1":"What is 2+2?"},"answer":{"0":"2","1":"4"}}',
+    "index": '{"0":{"problem":"What is 1+1?","answer":"2"},"1":{"problem":"What is 2+2?","answer":"4"}}',
+    "split": '{"columns":["problem","answer"],"index":[0,1],"data":[["What is 1+1?","2"],["What is 2+2?","4"]]}',
+    "table": '{"schema":{"fields":[{"name":"index","type":"integer"},{"name":"problem","type":"string","extDtype":"str"},'
+             '{"name":"answer","type":"string","extDtype":"str"}],"primaryKey":["index"],"pandas_version":"1.4.0"},'
+             '"data":[{"index":0,"problem":"What is 1+1?","answer":"2"},{"index":1,"problem":"What is 2+2?","answer":"4"}]}',
+    "records": '[{"problem":"What is 1+1?","answer":"2"},{"problem":"What is 2+2?","answer":"4"}]',
+    # to_json(orient="records", lines=True): JSON Lines, often saved under a .json name.
+    "lines": '{"problem":"What is 1+1?","answer":"2"}\n{"problem":"What is 2+2?","answer":"4"}\n',
+}
+
+
+@pytest.mark.parametrize("orient", sorted(PANDAS_JSON))
+def test_pandas_to_json_files_load_as_their_rows(tmp_path: Path, orient: str) -> None:
+    f = tmp_path / "rows.json"
+    f.write_text(PANDAS_JSON[orient])
+    assert load_instances("math", f) == [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": "4"}]
+
+
+def test_one_row_with_mapping_fields_is_not_read_as_a_table(tmp_path: Path) -> None:
+    # A verl row: its mappings are keyed by names, not row numbers.
+    f = tmp_path / "one.json"
+    f.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"},
+                             "extra_info": {"index": 0}}))
+    assert load_instances("math", f) == [{"problem": "1+1?", "answer": "2"}]
+
+
+def test_files_as_tools_write_them_bom_and_parquet_by_content(tmp_path: Path) -> None:
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes("\ufeff".encode() + b'{"problem": "1+1?", "answer": "2"}\r\n')
+    assert load_instances("math", bom) == [{"problem": "1+1?", "answer": "2"}]
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([{"problem": "1+1?", "answer": "2"}])
+    for name in ("upper.PARQUET", "short.pq", "no_suffix"):
+        pq.write_table(table, tmp_path / name)
+        assert load_instances("math", tmp_path / name) == [{"problem": "1+1?", "answer": "2"}], name
+
+
+@pytest.mark.parametrize(("row", "problem"), [
+    ({"problem": "1+1?", "answer": ["3", "4"]}, r"field 'answer' is a list"),
+    ({"problem": ["line 1", "line 2"], "answer": "3"}, r"field 'problem' is a list"),
+    ({"problem": {"text": "1+1?"}, "answer": "3"}, r"field 'problem' is a mapping"),
+    ({"problem": "1+1?", "answer": True}, r"field 'answer' is a bool"),
+    ({"question": "Eggs?", "answer": "She sells 3 eggs.\n#### "}, r"field 'answer' has nothing after its '####'"),
+    ({"problem": "1+1?", "answer": "   "}, r"field 'answer' is blank"),
+    ({"problem": "   ", "answer": "2"}, r"field 'problem' is blank"),
+])
+def test_math_rows_that_cannot_be_scored_are_refused_by_row_and_field(tmp_path: Path, row: dict[str, object],
+                                                                        problem: str) -> None:
+    f = _jsonl(tmp_path / "rows.jsonl", [{"problem": "ok", "answer": "1"}, row])
+    with pytest.raises(DatasetError, match=r"rows\.jsonl:2: " + problem):
+        load_instances("math", f)
+
+
+def test_math_numbers_as_answers_still_load(tmp_path: Path) -> None:
+    f = _jsonl(tmp_path / "aime.jsonl", [{"Problem": "p", "Answer": 204}, {"problem": "q", "answer": 0.5}])
+    assert load_instances("math", f) == [{"problem": "p", "answer": "204"}, {"problem": "q", "answer": "0.5"}]
