@@ -6,11 +6,11 @@ simulated backends (the sim engine's GPU model), :mod:`~prorl_cli.planning.plan`
 sweeps the jobs in flight and recommends one. docs/training.md, "Planning capacity".
 """
 
-from prorl_cli.planning.plan import RULE, Plan, Prediction, make_plan, recommend
+from prorl_cli.planning.plan import RULE, RULE_NO_SIGNAL, Plan, Prediction, make_plan, recommend
 from prorl_cli.planning.simulator import ClusterShape, SimResult, simulate
 from prorl_cli.planning.workload import Call, PlanError, RolloutShape, Workload
 
 __all__ = [
-    "RULE", "Call", "ClusterShape", "Plan", "PlanError", "Prediction", "RolloutShape", "SimResult", "Workload",
+    "RULE", "RULE_NO_SIGNAL", "Call", "ClusterShape", "Plan", "PlanError", "Prediction", "RolloutShape", "SimResult", "Workload",
     "make_plan", "recommend", "simulate",
 ]

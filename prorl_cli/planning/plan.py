@@ -21,6 +21,10 @@ from prorl_cli.planning.workload import PlanError, Workload
 TOLERANCE = 0.05
 RULE = ("the smallest in_flight within 5% of the best informative groups per GPU-hour "
         "(fewer jobs in flight: less off-policy lag, less KV pressure)")
+#: The rule when no group of the workload is ever informative (every rollout got the same reward).
+RULE_NO_SIGNAL = ("the smallest in_flight within 5% of the best rollouts/s: no group of this workload is informative "
+                  "(every reward the same), so a DAPO sampler's filter would keep none; mix in easier or harder "
+                  "tasks, or a stronger model, before planning for groups")
 
 
 @dataclass(frozen=True)
@@ -60,11 +64,17 @@ class Plan:
         return dataclasses.asdict(self)
 
 
+def informative(sweep: Sequence[Prediction]) -> bool:
+    """Whether any candidate of ``sweep`` yields informative groups (else :data:`RULE_NO_SIGNAL` applies)."""
+    return any(p.informative_groups_per_gpu_hour > 0 for p in sweep)
+
+
 def recommend(sweep: Sequence[Prediction]) -> Prediction:
-    """:data:`RULE` applied to ``sweep`` (by rollouts/s when no group is ever informative)."""
+    """:data:`RULE` applied to ``sweep``; :data:`RULE_NO_SIGNAL` (the same by rollouts/s) when no group is
+    ever informative."""
     if not sweep:
         raise PlanError("no in_flight candidate to recommend from")
-    by_groups = any(p.informative_groups_per_gpu_hour > 0 for p in sweep)
+    by_groups = informative(sweep)
 
     def value(p: Prediction) -> float:
         return p.informative_groups_per_gpu_hour if by_groups else p.rollouts_per_s
@@ -90,7 +100,7 @@ def make_plan(
     return Plan(
         workload=workload.source, workload_rollouts=len(workload.shapes), mean_calls_per_rollout=workload.mean_calls,
         profile=profile.name, cluster=cluster, group_size=group_size, p_informative=p_inf, rollouts=rollouts,
-        seed=seed, sweep=sweep, recommended=recommend(sweep),
+        seed=seed, sweep=sweep, recommended=recommend(sweep), rule=RULE if informative(sweep) else RULE_NO_SIGNAL,
     )
 
 

@@ -16,6 +16,8 @@ from click.testing import CliRunner
 from prorl_cli.cli import cli
 from prorl_cli.inference.sim_engine import PROFILES_DIR, SimEngine, SimProfile
 from prorl_cli.planning import (
+    RULE,
+    RULE_NO_SIGNAL,
     Call,
     ClusterShape,
     PlanError,
@@ -116,6 +118,21 @@ def test_recommendation_rule() -> None:
     # 32 is within 5% of the best (64): fewer in flight wins; 16 is not.
     assert recommend([pred(16, 90.0), pred(32, 96.0), pred(64, 100.0), pred(128, 99.0)]).in_flight == 32
     assert recommend([pred(8, 10.0)]).in_flight == 8
+
+
+def test_a_workload_with_no_informative_group_says_so_and_recommends_by_rollouts(profile: SimProfile) -> None:
+    """A first run where every reward is 0 (a weak model): no DAPO step would ever end; the plan says so and
+    applies its rule to rollouts/s, not to groups it cannot have."""
+    work = Workload.from_description({**SMALL, "p_solve": 0.0}, 120, seed=2)
+    plan = make_plan(work, profile, ClusterShape(bridges=2), group_size=4, in_flight=[4, 8, 16, 32], rollouts=120)
+    assert plan.p_informative == 0.0
+    assert plan.rule == RULE_NO_SIGNAL and "no group of this workload is informative" in plan.rule
+    best = max(p.rollouts_per_s for p in plan.sweep)
+    within = [p.in_flight for p in plan.sweep if p.rollouts_per_s >= best * 0.95]
+    assert plan.recommended.in_flight == min(within)
+    informative = make_plan(Workload.from_description(SMALL, 120, seed=2), profile, ClusterShape(bridges=2),
+                            group_size=4, in_flight=[4, 8], rollouts=120)
+    assert informative.rule == RULE
 
 
 def _result_line(job_id: str, group: str, reward: float, state: str = "done",
