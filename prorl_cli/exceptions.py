@@ -7,6 +7,7 @@ catch either (``except TimeoutError`` catches :class:`StageTimeout`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -162,6 +163,30 @@ class InferenceError(ProrlError, RuntimeError):
     """A generate call failed (backend gone, server error, context too long)."""
 
 
+class ContextLengthExceeded(InferenceError):
+    """A prompt leaves no room to generate: it is as long as the model's context, or longer.
+
+    Retrying cannot help; an agent must shorten its conversation. The message names both lengths
+    (:func:`context_length_message`), which :meth:`lengths` reads back, also from a remote backend's error.
+    """
+
+    def lengths(self) -> tuple[int, int] | None:
+        """``(prompt tokens, the model's maximum context length)``, when the message names them."""
+        found = _CONTEXT_LENGTHS.search(str(self))
+        return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def context_length_message(prompt_tokens: int, max_model_len: int, detail: str = "") -> str:
+    """What every engine says of a prompt that leaves no room to generate (:class:`ContextLengthExceeded`)."""
+    extra = f" ({detail})" if detail else ""
+    return (f"prompt of {prompt_tokens} tokens leaves no room to generate: the model's maximum context length is "
+            f"{max_model_len} tokens{extra}")
+
+
+_CONTEXT_LENGTHS = re.compile(r"prompt of (\d+) tokens leaves no room to generate: the model's maximum context "
+                              r"length is (\d+) tokens")
+
+
 class JobEnded(InferenceError):
     """The broker ended the job a generate call was for (cancelled, timed out, moved off this node) and stopped
     the call. The node's cancel for the job is on its way: an agent loop ends as cancelled, not as an error."""
@@ -169,6 +194,10 @@ class JobEnded(InferenceError):
 
 class BackendFailed(RemoteError, InferenceError):
     """The broker answered a generate call with an error (backend gone or failing)."""
+
+
+class BackendContextLengthExceeded(RemoteError, ContextLengthExceeded):
+    """The backend refused a generate call's prompt as too long for the model (:class:`ContextLengthExceeded`)."""
 
 
 class SandboxError(ProrlError, RuntimeError):
@@ -227,6 +256,7 @@ _ERROR_CLASSES: dict[str, type[RemoteError]] = {
     "unknown_task": UnknownJob,
     "unknown_peer": UnknownJob,
     "backend_error": BackendFailed,
+    "context_length_exceeded": BackendContextLengthExceeded,
     "shutting_down": BrokerStopping,
     "drain_timeout": DrainTimeout,
     "reload_failed": ReloadFailed,

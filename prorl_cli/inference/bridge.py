@@ -38,7 +38,7 @@ from typing import Any
 
 from prorl_cli import protocol as P
 from prorl_cli import timebase
-from prorl_cli.exceptions import InferenceError, ProtocolError
+from prorl_cli.exceptions import ContextLengthExceeded, InferenceError, ProtocolError
 from prorl_cli.inference.contract import CALL_JOB_ID, Engine
 from prorl_cli.observe.metrics import MetricSet
 from prorl_cli.peer import BrokerPeer
@@ -321,7 +321,12 @@ class InferenceBridge(BrokerPeer):
 
     async def _answer_error(self, rid: Any, job_id: str, e: Exception) -> None:
         """Answer a call the engine (or its own input) refused, with the error's code and message."""
-        code = e.code if isinstance(e, ProtocolError) else ErrorCode.BACKEND_ERROR.value
+        if isinstance(e, ProtocolError):
+            code = e.code
+        elif isinstance(e, ContextLengthExceeded):  # the node's agent must shorten its prompt, not retry
+            code = ErrorCode.CONTEXT_LENGTH_EXCEEDED.value
+        else:
+            code = ErrorCode.BACKEND_ERROR.value
         message = f"backend {self.backend_id}: {e.message if isinstance(e, ProtocolError) else e}"
         log.warning("generate (job %s) failed: %s", job_id, message)
         self.metrics.inc("prorl_bridge_generate_calls", ("error",))

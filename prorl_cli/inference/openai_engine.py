@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from prorl_cli.exceptions import InferenceError
+from prorl_cli.exceptions import ContextLengthExceeded, InferenceError, context_length_message
 from prorl_cli.inference import http
 from prorl_cli.inference.checkpoint import reload_problems, tensor_shapes
 from prorl_cli.inference.contract import Engine, Generation
@@ -214,14 +214,17 @@ class OpenAIEngine(Engine):
         if not self.model:
             await self.describe()
         body = completions_body(self.model, prompt_ids, sampling)
+        if self.max_model_len and len(prompt_ids) < self.max_model_len:
+            # As every engine: the output stops at the context's end ("length"); vLLM would refuse the call.
+            body["max_tokens"] = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         resp = await self.http.request("POST", f"{self.base_url}/completions", body, timeout_s=self.timeout_s)
         if resp.status != 200:
             message = server_message(resp)
             if self.max_model_len and len(prompt_ids) >= self.max_model_len:
                 # vLLM takes a prompt of exactly max_model_len tokens and then refuses the call with
                 # "max_tokens must be at least 1, got 0", whatever max_tokens it was sent: say what is wrong.
-                message = (f"prompt of {len(prompt_ids)} tokens leaves no room to generate: the model's maximum "
-                           f"context length is {self.max_model_len} tokens (the server said: {message})")
+                raise ContextLengthExceeded(f"backend {self.base_url}: HTTP {resp.status}: " + context_length_message(
+                    len(prompt_ids), self.max_model_len, f"the server said: {message}"))
             raise InferenceError(f"backend {self.base_url}: HTTP {resp.status}: {message}")
         return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id, sampling.top_logprobs)
 

@@ -50,7 +50,7 @@ from typing import Any
 import yaml
 
 from prorl_cli import timebase
-from prorl_cli.exceptions import InferenceError
+from prorl_cli.exceptions import ContextLengthExceeded, InferenceError, context_length_message
 from prorl_cli.inference.contract import CALL_JOB_ID, Engine, Generation
 from prorl_cli.protocol import SamplingParams, pack_tokens
 
@@ -347,10 +347,7 @@ class SimEngine(Engine):
             raise InferenceError("generate needs at least one prompt token")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
-            raise InferenceError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room to generate: "
-                f"the model's maximum context length is {self.max_model_len} tokens"
-            )
+            raise ContextLengthExceeded(context_length_message(len(prompt_ids), self.max_model_len))
         await self.start()
         ids, lps, finish = self._plan_output(prompt_ids, sampling, min(sampling.max_tokens, room))
         req = _Request(list(prompt_ids), ids, lps, finish, asyncio.get_running_loop().create_future(),

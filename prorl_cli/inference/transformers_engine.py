@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from prorl_cli.exceptions import InferenceError
+from prorl_cli.exceptions import ContextLengthExceeded, InferenceError, context_length_message
 from prorl_cli.inference.contract import Engine, Generation
 from prorl_cli.protocol import SamplingParams
 
@@ -125,10 +125,7 @@ class TransformersEngine(Engine):
             raise InferenceError("generate needs at least one prompt token")
         await self.start()
         if len(prompt_ids) >= self.max_model_len:
-            raise InferenceError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room to generate: "
-                f"the model's maximum context length is {self.max_model_len} tokens"
-            )
+            raise ContextLengthExceeded(context_length_message(len(prompt_ids), self.max_model_len))
         vocab = int(self._model.config.vocab_size)
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:

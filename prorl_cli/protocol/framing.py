@@ -114,6 +114,7 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_PEER = "unknown_peer"  # a node/bridge op from a peer that has not registered
     UNKNOWN_TASK = "unknown_task"
     BACKEND_ERROR = "backend_error"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # a generate call's prompt leaves the model no room
     SHUTTING_DOWN = "shutting_down"
     DRAIN_TIMEOUT = "drain_timeout"  # pause_generation's wait ran out with calls in flight (``running`` names them)
     RELOAD_FAILED = "reload_failed"  # a backend could not load new weights (``failed`` names it and why)

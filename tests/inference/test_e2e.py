@@ -113,6 +113,8 @@ def test_generate_errors_reach_the_trajectory(deployment: Deployment, tiny_model
     traj = Trajectory.from_dict(res.output["trajectory"])
     assert traj.stop_reason == "error" and traj.error is not None
     assert "backend b-tf" in traj.error["message"] and "maximum context length is 64" in traj.error["message"]
+    # Typed across bridge, broker and node: an agent (or the gateway) can tell "shorten the prompt" from a failure.
+    assert traj.error["type"] == "BackendContextLengthExceeded"
 
 
 def test_bridge_joins_an_encrypted_broker(tmp_path: Path, tiny_model: Path, chat: ChatTokens) -> None:
