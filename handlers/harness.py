@@ -222,7 +222,7 @@ class HarnessHandler(AgentHandler):
             ctx.output.update({
                 "trajectory": traj.to_dict(), "turns": len(traj.calls), "stop_reason": stop_reason,
                 "harness_exit_code": exit_code, "harness_log": tail.decode("utf-8", "replace"),
-                "continuity": job.buffer.continuity, "segments": len(job.buffer.segments),
+                "continuity": job.buffer.continuity, "segments": job.buffer.conversations,
             })
             await job.close()
         await self._save_artifacts(ctx, settings, sandbox)

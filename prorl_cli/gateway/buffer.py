@@ -12,10 +12,12 @@ sub-agents, handoffs or parallel branches each extend their own, whatever
 order their calls come in. A request extends the segment of the same agent
 and tools whose messages are the longest prefix of its own. One that extends
 none starts a new segment from the template's rendering of the whole
-request: a new conversation when no segment of that agent begins with the
-same first message, else an edit of a conversation's history (truncated or
-rewritten), whose reason (which message differed) is recorded in
-``trajectory.violations``. Nothing is ever re-tokenized silently.
+request: a new conversation when no segment of that agent opens the same way
+(the same system messages and first task message: :func:`opening`), else an
+edit of a conversation's history (truncated, rewritten or asked again),
+whose reason (which message differed) is recorded in
+``trajectory.violations``, whether the conversation it edits has a call in
+flight or not. Nothing is ever re-tokenized silently.
 
 The record is a :class:`~prorl_cli.agent.Trajectory` in ``run_tool_agent``'s
 format, each call tagged with its segment, so ``prorl_cli.training.samples``
@@ -62,6 +64,8 @@ class Segment:
     agent: str | None = None
     #: Canonical messages so far, ending with the reply as returned (what the next request must start with).
     messages: list[dict[str, Any]] = field(default_factory=list)
+    #: The messages of the request in flight, until its reply is recorded (``messages`` then).
+    asked: list[dict[str, Any]] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     sequence_ids: list[int] = field(default_factory=list)
@@ -101,6 +105,22 @@ def tools_key(tools: list[dict[str, Any]] | None) -> str:
     return json.dumps(tools or [], sort_keys=True)
 
 
+#: Roles that set a conversation up before its first task message.
+_SETUP_ROLES = frozenset({"system", "developer"})
+
+
+def opening(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """How a conversation opens: its leading system (or developer) messages and the message after them, the task.
+
+    Two requests that open alike belong to one conversation; sub-agents that share a system prompt but get
+    their own tasks open differently, so each is a conversation of its own.
+    """
+    k = 0
+    while k < len(messages) and messages[k].get("role") in _SETUP_ROLES:
+        k += 1
+    return messages[: k + 1]
+
+
 def _first_difference(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> str:
     for i, (a, b) in enumerate(zip(new, old, strict=False)):
         if a != b:
@@ -109,7 +129,9 @@ def _first_difference(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> s
                     f"(field(s) {', '.join(fields)})")
     if len(new) < len(old):
         return f"the request has {len(new)} message(s), fewer than the {len(old)} of the conversation so far"
-    return "no difference"  # not reached: such a request extends the segment
+    # Only for a conversation whose call is in flight (its reply not yet returned): the request asks again.
+    return (f"the request repeats the conversation's request still being answered ({len(old)} message(s)): "
+            "a retry, or another sample of the same turn")
 
 
 class TokenBuffer:
@@ -168,18 +190,21 @@ class TokenBuffer:
     def _reason(self, messages: list[dict[str, Any]], key: str, agent: str | None) -> str | None:
         """Why a request that extends no segment is an edit of a conversation; None for a new conversation.
 
-        An edit keeps a conversation's first message (its system prompt or task) and changes what follows,
-        or changes its tools; a request whose first message no segment of its agent begins with is another
-        conversation (a sub-agent, a handoff, a parallel branch), not a violation.
+        An edit keeps a conversation's :func:`opening` (its system messages and task) and changes what
+        follows, or changes its tools; a request that opens as no segment of its agent does is another
+        conversation (a sub-agent, a handoff, a parallel branch), not a violation. A segment whose first
+        call is still in flight counts by the request it is answering, so the verdict does not depend on
+        whether the harness sent its requests one after another or at once.
         """
-        mine = [seg for seg in self.segments if seg.agent == agent and seg.messages]
-        same_start = [seg for seg in mine if messages[:1] == seg.messages[:1]]
+        start = opening(messages)
+        same_start = [seg for seg in self.segments
+                      if seg.agent == agent and (seg.messages or seg.asked) and opening(seg.messages or seg.asked) == start]
         if not same_start:
             return None
         last = same_start[-1]
         if last.tools_key != key:
             return "the request's tools differ from the conversation so far"
-        return _first_difference(messages, last.messages)
+        return _first_difference(messages, last.messages or last.asked)
 
     async def _claim(self, req: ChatRequest) -> tuple[list[int], Segment, bool, str | None]:
         """(prompt ids, segment, whether it continues that segment, why a new segment began); the segment is
@@ -199,6 +224,7 @@ class TokenBuffer:
             reason = self._reason(req.messages, key, req.agent)
             seg = self._new_segment(chat, key, req.agent)
             prompt, continued = chat.initial_prompt(req.messages), False
+            seg.asked = req.messages
         seg.in_flight = asyncio.Event()
         return prompt, seg, continued, reason
 
@@ -289,12 +315,15 @@ class TokenBuffer:
             call = self._record(prompt, out, lps, finish, gen, seg, continued, reason)
             call.tool_choice_retries, call.tool_choice_unmet = attempt, unmet
             seg.messages = [*req.messages, self._assistant_message(content, calls)]
+            seg.asked = []
             self.trajectory.messages = [dict(m) for m in seg.messages]
             if self._on_record is not None:
                 self._on_record(self.trajectory)
         except BaseException:
-            if not continued and not seg.messages and self.segments[-1] is seg:
-                self.segments.pop()  # its first call failed: no conversation began (later ones keep their index)
+            if not continued and not seg.messages:
+                seg.asked = []  # its first call failed: no conversation began (later ones keep their index)
+                if self.segments[-1] is seg:
+                    self.segments.pop()
             raise
         finally:
             self._release(seg)
@@ -325,7 +354,7 @@ class TokenBuffer:
             seg.messages = []  # a text segment is never extended by a chat request
             if self._on_record is not None:
                 self._on_record(self.trajectory)
-            text = chat.decode(out)
+            text = chat.turn_text(out)  # the end-of-sequence token is not text, as vLLM and OpenAI answer
             if stop_string is not None:
                 text = text[: text.index(stop_string)]
             top = gen.top_logprobs
@@ -402,6 +431,12 @@ class TokenBuffer:
         if len(calls) <= 1:
             return 1.0
         return sum(1 for c in calls[1:] if c.prefix_ok) / (len(calls) - 1)
+
+    @property
+    def conversations(self) -> int:
+        """Segments with a recorded call: a conversation whose first call never came back (cancelled, failed,
+        the job ended) left no tokens and is not counted (``segments`` may keep its index as a gap)."""
+        return len({c.segment for c in self.trajectory.calls})
 
     def continuity_by_conversation(self) -> dict[int, float]:
         """Per segment: the fraction of its calls after its first that extended it token-exactly."""

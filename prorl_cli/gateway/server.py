@@ -24,6 +24,7 @@ import collections
 import contextlib
 import json
 import logging
+import re
 import secrets
 import weakref
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from prorl_cli.agent.chat import ChatTemplateError
 from prorl_cli.agent.loop import GenerateFn
 from prorl_cli.agent.tools import ToolParser
 from prorl_cli.agent.trajectory import Trajectory
-from prorl_cli.exceptions import InferenceError
+from prorl_cli.exceptions import ContextLengthExceeded, InferenceError
 from prorl_cli.gateway import anthropic_routes, openai_routes, responses_routes
 from prorl_cli.gateway.buffer import (
     DEFAULT_MAX_CONCURRENT,
@@ -156,6 +157,60 @@ async def _error(request: web.Request, status: int, message: str, *, param: str 
     return web.json_response(body, status=status)
 
 
+#: A JSON escape of a UTF-16 surrogate, the only way one reaches a UTF-8 body (its bytes are not valid UTF-8).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(raw: bytes, body: Any) -> None:
+    """A 400 naming the field whose text holds an unpaired surrogate (a JavaScript string cut inside an
+    emoji's pair, a file name read with ``surrogateescape``): no tokenizer can encode it. Paired escapes
+    decode to one character and pass. A UTF-8 body without such an escape is not walked."""
+    if raw[:1] != b"\0" and raw[1:2] != b"\0" and not _SURROGATE_ESCAPE.search(raw):
+        return
+    try:
+        where = _surrogate_at(body, "")
+    except RecursionError as e:
+        raise RequestError("the request body is nested deeper than the gateway reads") from e
+    if where is not None:
+        raise RequestError(f"{where or 'the body'} holds an unpaired UTF-16 surrogate (an escape from \\ud800 to "
+                           "\\udfff without its partner): not text a tokenizer can encode; send whole characters",
+                           param=where or None)
+
+
+def _surrogate_at(value: Any, path: str) -> str | None:
+    """The path (``messages[2].content``) of the first string in ``value`` with an unpaired surrogate, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _surrogate_at(k, path) if isinstance(k, str) else None
+            if found is None:
+                found = _surrogate_at(v, f"{path}.{k}" if path else str(k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _surrogate_at(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _context_length_text(e: ContextLengthExceeded) -> str:
+    """OpenAI's and Anthropic's wording for a prompt too long (clients match on it), then the engine's own."""
+    lengths = e.lengths()
+    if lengths is None:
+        return f"prompt is too long for the model's context: {e}"
+    prompt, limit = lengths
+    return (f"This model's maximum context length is {limit} tokens. However, your messages resulted in {prompt} "
+            f"tokens (prompt is too long: {prompt} tokens > {limit - 1} maximum, leaving room for one token to "
+            "generate). Please reduce the length of the messages.")
+
+
 class Gateway:
     """The node's HTTP gateway (see the module docstring). Get the running loop's with :meth:`get`."""
 
@@ -262,8 +317,12 @@ class Gateway:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as e:
                 raise RequestError(f"the request body is not valid JSON: {e}") from e
+            except RecursionError as e:
+                raise RequestError("the request body is not valid JSON here: nested deeper than the parser "
+                                   "goes") from e
             if not isinstance(body, dict):
                 raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+            _refuse_lone_surrogates(raw, body)
             result: web.StreamResponse = await fn(request, job, body)
             return result
 
@@ -288,6 +347,10 @@ class Gateway:
             return await _error(request, e.status, f"{e.reason}: {request.method} {request.path} "
                                 "(routes: /jobs/<token>/v1/chat/completions, completions, responses, models, "
                                 "messages, messages/count_tokens)")
+        except ContextLengthExceeded as e:
+            # What the APIs answer, so harnesses stop or compact (litellm's ContextWindowExceededError, Claude
+            # Code's compaction) instead of retrying a call that cannot succeed.
+            return await _error(request, 400, _context_length_text(e), param="messages", code="context_length_exceeded")
         except (ValueError, ChatTemplateError) as e:  # sampling values no engine accepts, template failures
             return await _error(request, 400, str(e))
         except InferenceError as e:

@@ -341,3 +341,84 @@ def test_a_stream_whose_model_call_fails_ends_with_an_error_event_the_sdks_raise
             await gw.close()
 
     asyncio.run(main())
+
+
+def test_a_prompt_too_long_for_the_model_is_a_400_the_sdks_do_not_retry(tokenizer: Any) -> None:
+    """The APIs' answer (OpenAI's context_length_exceeded, Anthropic's "prompt is too long"), which harnesses
+    use to stop or compact; a 5xx would be retried by the SDKs, each retry one more model call."""
+    need_module("openai", "test")
+    need_module("anthropic", "test")
+    import anthropic
+    import openai
+
+    from prorl_cli.exceptions import ContextLengthExceeded, RemoteError, context_length_message
+
+    calls = 0
+
+    async def generate(prompt_ids: list[int], sampling: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        # As a remote backend's refusal reaches the node: the broker's error reply, typed by its code.
+        raise RemoteError.from_reply({"error": {"code": "context_length_exceeded", "message": "backend b0: "
+                                                + context_length_message(len(prompt_ids), 64)}})
+
+    async def main() -> None:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, generate)
+        try:
+            async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key) as oa:  # SDK retries on
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await oa.chat.completions.create(model="prorl", messages=OK_BODY["messages"])
+                assert refused.value.code == "context_length_exceeded"
+                assert "maximum context length is 64 tokens" in refused.value.message
+                # A stream has its 200 before the model is called: the refusal is its error event, raised as one.
+                with pytest.raises(openai.APIError, match="maximum context length is 64 tokens"):
+                    async for _ in await oa.chat.completions.create(model="prorl", messages=OK_BODY["messages"],
+                                                                     stream=True):
+                        pass
+            async with anthropic.AsyncAnthropic(base_url=job.anthropic_base_url(), api_key=job.api_key) as an:
+                with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: \d+ tokens > 63 maximum"):
+                    await an.messages.create(model="prorl", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+            assert calls == 3  # one model call per request: nothing retried
+            assert job.trajectory.calls == []
+        finally:
+            await gw.close()
+
+    error = RemoteError.from_reply({"error": {"code": "context_length_exceeded",
+                                              "message": context_length_message(70, 64)}})
+    assert isinstance(error, ContextLengthExceeded) and isinstance(error, InferenceError) and error.lengths() == (70, 64)
+    asyncio.run(main())
+
+
+def test_unpaired_surrogates_and_deep_nesting_are_400s_naming_the_field(tokenizer: Any) -> None:
+    """A JavaScript harness that cuts a string inside an emoji sends "\\ud83d" alone: a 400 naming where, never a
+    500 the SDKs would retry; a paired escape is one character and is served."""
+    import aiohttp
+
+    async def main() -> None:
+        gw = Gateway()
+        await gw.start()
+        model = ScriptedModel(tokenizer, ["ok", "ok", "ok"])
+        job = open_job(gw, tokenizer, model)
+        base = job.base_url()
+        lone = b'{"model": "prorl", "messages": [{"role": "user", "content": "cut \\ud83d"}]}'
+        anthropic_lone = (b'{"model": "prorl", "max_tokens": 4, "system": "s", '
+                          b'"messages": [{"role": "user", "content": [{"type": "text", "text": "x\\udc00"}]}]}')
+        deep = b'{"model": "prorl", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        paired = b'{"model": "prorl", "messages": [{"role": "user", "content": "whole \\ud83d\\ude00"}]}'
+        async with aiohttp.ClientSession() as s:
+            for url, data, words in [
+                (f"{base}/chat/completions", lone, "messages[0].content holds an unpaired UTF-16 surrogate"),
+                (f"{base}/completions", b'{"model": "prorl", "prompt": "\\ud800"}', "prompt holds an unpaired"),
+                (f"{base}/messages", anthropic_lone, "messages[0].content[0].text holds an unpaired"),
+                (f"{base}/chat/completions", deep, "nested deeper"),
+            ]:
+                got, body = await _post(s, url, data)
+                assert got == 400 and words in body["error"]["message"], (url, body)
+            assert model.calls == 0 and job.trajectory.calls == []
+            got, body = await _post(s, f"{base}/chat/completions", paired)
+            assert got == 200 and body["choices"][0]["message"]["content"] == "ok"
+        await gw.close()
+
+    asyncio.run(main())

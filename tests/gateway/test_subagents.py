@@ -85,7 +85,9 @@ def test_an_edit_of_one_conversation_is_a_violation_and_a_new_conversation_is_no
             first = await client.chat.completions.create(model="prorl", messages=a)
             a += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "two"}]
             await client.chat.completions.create(model="prorl", messages=b)  # another conversation
-            await client.chat.completions.create(model="prorl", messages=[a[0], {"role": "user", "content": "edited"}])
+            # The same system prompt and task, the reply rewritten: an edit of conversation A.
+            await client.chat.completions.create(model="prorl", messages=[a[0], a[1], {"role": "assistant", "content": "edited"},
+                                                                         a[3]])
             return job.trajectory
         finally:
             await client.close()
@@ -210,3 +212,118 @@ def test_a_jobs_bound_on_requests_at_once_holds_and_every_request_is_answered(to
     traj, buffer = _parallel_conversations(tokenizer, 8, model, max_concurrent=2)
     assert model.peak <= 2
     _each_conversation_is_token_exact(traj, buffer, 8)
+
+
+def _ask(tokenizer: Any, requests: list[list[Any]], *, together: bool) -> tuple[Trajectory, Any]:
+    """Each request once, through the openai SDK: one after another, or all at once (the model then holds
+    every call until all are in, so the gateway sees each conversation's first call still in flight)."""
+    need_module("openai", "test")
+    import openai
+
+    from prorl_cli.inference.contract import Generation
+
+    class AllIn(ScriptedModel):
+        def __init__(self, tok: Any) -> None:
+            super().__init__(tok, TURNS)
+            self.waiting = 0
+            self.all_in = asyncio.Event()
+
+        async def __call__(self, prompt_ids: list[int], sampling: Any) -> Generation:
+            self.waiting += 1
+            if self.waiting >= len(requests):
+                self.all_in.set()
+            await asyncio.wait_for(self.all_in.wait(), 60)
+            return await super().__call__(prompt_ids, sampling)
+
+    async def main() -> tuple[Trajectory, Any]:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, AllIn(tokenizer) if together else ScriptedModel(tokenizer, TURNS),
+                       max_concurrent=8)
+        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
+        try:
+            if together:
+                await asyncio.gather(*(client.chat.completions.create(model="prorl", messages=m) for m in requests))
+            else:
+                for m in requests:
+                    await client.chat.completions.create(model="prorl", messages=m)
+            return job.trajectory, job.buffer
+        finally:
+            await client.close()
+            await gw.close()
+
+    return asyncio.run(main())
+
+
+SHARED = {"role": "system", "content": "You are a focused sub-agent."}
+
+
+def test_sub_agents_sharing_a_system_prompt_are_conversations_whether_asked_in_turn_or_at_once(tokenizer: Any) -> None:
+    """The agent-as-tool pattern: one system prompt, a task each. Neither order makes them edits."""
+    tasks = [[SHARED, {"role": "user", "content": f"task {i}"}] for i in range(3)]
+    for together in (False, True):
+        traj, buffer = _ask(tokenizer, tasks, together=together)
+        assert traj.violations == [], together
+        assert sorted(c.segment for c in traj.calls) == [0, 1, 2] and buffer.conversations == 3
+        assert buffer.continuity == 1.0
+
+
+def test_the_same_request_asked_again_is_recorded_alike_in_turn_or_at_once(tokenizer: Any) -> None:
+    """A retry or a second sample of one turn (n > 1 is refused): a violation either way, never by timing."""
+    same = [[SHARED, {"role": "user", "content": "the task"}]] * 3
+    verdicts = []
+    for together in (False, True):
+        traj, buffer = _ask(tokenizer, same, together=together)
+        assert len(traj.violations) == 2 and buffer.conversations == 3, together
+        verdicts.append(sorted(c.prefix_ok for c in traj.calls))
+    assert verdicts[0] == verdicts[1] == [False, False, True]
+
+
+def test_a_conversation_whose_first_call_never_came_back_is_not_counted(tokenizer: Any) -> None:
+    need_module("openai", "test")
+    import openai
+
+    from prorl_cli.inference.contract import Generation
+
+    class Held(ScriptedModel):
+        """Each call waits for the gate; ``gave_up`` is set when a held call is cancelled."""
+
+        def __init__(self, tok: Any) -> None:
+            super().__init__(tok, TURNS)
+            self.gate = asyncio.Event()
+            self.gave_up = asyncio.Event()
+
+        async def __call__(self, prompt_ids: list[int], sampling: Any) -> Generation:
+            try:
+                return await super().__call__(prompt_ids, sampling)
+            except asyncio.CancelledError:
+                self.gave_up.set()
+                raise
+
+    async def main() -> tuple[Trajectory, Any]:
+        gw = Gateway()
+        await gw.start()
+        model = Held(tokenizer)
+        job = open_job(gw, tokenizer, model, max_concurrent=8)
+        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
+        try:
+            # A's first call is held at the model; the client gives up on it, as on a timeout.
+            a = asyncio.ensure_future(client.chat.completions.create(
+                model="prorl", messages=[{"role": "system", "content": "A."}, {"role": "user", "content": "a"}]))
+            await asyncio.wait_for(model.entered.wait(), 60)
+            model.entered.clear()
+            b = asyncio.ensure_future(client.chat.completions.create(
+                model="prorl", messages=[{"role": "system", "content": "B."}, {"role": "user", "content": "b"}]))
+            await asyncio.wait_for(model.entered.wait(), 60)  # B's first call is in flight behind A's
+            a.cancel()
+            await asyncio.wait_for(model.gave_up.wait(), 60)
+            model.gate.set()
+            await b
+            return job.trajectory, job.buffer
+        finally:
+            await client.close()
+            await gw.close()
+
+    traj, buffer = asyncio.run(main())
+    assert [c.segment for c in traj.calls] == [1] and traj.violations == []
+    assert buffer.conversations == 1  # segment 0 left no call: not a conversation

@@ -65,3 +65,40 @@ def test_the_first_text_completion_is_no_violation_and_an_unrelated_second_one_i
     (violation,) = buffer.trajectory.violations
     assert violation["call"] == 2 and violation["reason"] == "a text prompt that does not extend the last call"
     assert len(buffer.segments) == 2
+
+
+def test_a_completion_ending_on_the_end_of_sequence_token_has_no_such_text(tokenizer: Any) -> None:
+    """vLLM returns the end-of-sequence id as the last output id of a finished turn; its text ("<|im_end|>")
+    is not part of the completion, streamed or not (as chat answers), while the recorded ids keep it."""
+    from tests.gateway.conftest import open_job
+    from tests.harness import need_module
+
+    need_module("openai", "test")
+    import openai
+
+    from prorl_cli.agent.chat import ChatTokens
+    from prorl_cli.gateway.server import Gateway
+
+    eos = ChatTokens(tokenizer).stop_token_ids[0]
+
+    async def generate(prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        ids = [*tokenizer.encode(" lived a cat.", add_special_tokens=False), eos]
+        return Generation(ids, [-0.1] * len(ids), "stop", "scripted")
+
+    async def main() -> tuple[str, str, list[int]]:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, generate)
+        try:
+            async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as c:
+                whole = await c.completions.create(model="prorl", prompt="Once upon a time there", max_tokens=20)
+                stream = await c.completions.create(model="prorl", prompt="Once upon a time here", max_tokens=20,
+                                                    stream=True)
+                streamed = "".join([ch.choices[0].text async for ch in stream if ch.choices])
+            return whole.choices[0].text, streamed, job.trajectory.calls[0].output_ids
+        finally:
+            await gw.close()
+
+    whole, streamed, recorded = asyncio.run(main())
+    assert whole == streamed == " lived a cat."
+    assert recorded[-1] == eos  # the trajectory is what the model sampled
