@@ -11,7 +11,7 @@ from aiohttp import web
 
 from prorl_cli.gateway.buffer import Reply
 from prorl_cli.gateway.messages import AGENT_HEADER, anthropic_request, request_agent
-from prorl_cli.gateway.streaming import SseEvents, open_sse
+from prorl_cli.gateway.streaming import SseEvents, awaiting, open_sse
 
 if TYPE_CHECKING:
     from prorl_cli.gateway.server import JobGateway
@@ -44,7 +44,7 @@ async def messages(request: web.Request, job: JobGateway, body: dict[str, Any]) 
             "prorl": {"segment": reply.segment, "continued": reply.continued},
         })
     resp = await open_sse(request)
-    reply = await job.buffer.complete(req)
+    reply = await awaiting(resp, job.buffer.complete(req), job.gateway.keepalive_s)
     events = SseEvents()
     events.add({"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": req.model, "content": [],

@@ -17,7 +17,7 @@ from prorl_cli.gateway.messages import (
     openai_completion_request,
     request_agent,
 )
-from prorl_cli.gateway.streaming import SseEvents, open_sse
+from prorl_cli.gateway.streaming import SseEvents, awaiting, open_sse
 
 if TYPE_CHECKING:
     from prorl_cli.gateway.server import JobGateway
@@ -104,7 +104,7 @@ async def chat_completions(request: web.Request, job: JobGateway, body: dict[str
     job.check_model(req.model)
     if req.stream:
         resp = await open_sse(request)
-        reply = await job.buffer.complete(req)
+        reply = await awaiting(resp, job.buffer.complete(req), job.gateway.keepalive_s)
         await _stream_chat(resp, job, req, reply)
         return resp
     reply = await job.buffer.complete(req)
@@ -146,7 +146,7 @@ async def completions(request: web.Request, job: JobGateway, body: dict[str, Any
     job.check_model(chat_like.model)
     if chat_like.stream:
         resp = await open_sse(request)
-        reply = await job.buffer.complete_text(prompt, chat_like)
+        reply = await awaiting(resp, job.buffer.complete_text(prompt, chat_like), job.gateway.keepalive_s)
         base = _stream_base(chat_like, "cmpl", "text_completion")
         events = SseEvents()
         events.add({**base, "choices": [{"index": 0, "text": reply.content, "finish_reason": None,

@@ -30,7 +30,7 @@ from prorl_cli.gateway.messages import (
     tool_call_message,
 )
 from prorl_cli.gateway.openai_routes import chat_logprobs, prorl_fields
-from prorl_cli.gateway.streaming import SseEvents, open_sse
+from prorl_cli.gateway.streaming import SseEvents, awaiting, open_sse
 
 if TYPE_CHECKING:
     from prorl_cli.gateway.server import JobGateway
@@ -105,7 +105,7 @@ async def responses(request: web.Request, job: JobGateway, body: dict[str, Any])
     job.check_model(req.model)
     response_id, created_at = f"resp_{secrets.token_hex(24)}", int(time.time())
     resp = await open_sse(request) if req.stream else None
-    reply = await job.buffer.complete(req)
+    reply = await awaiting(resp, job.buffer.complete(req), job.gateway.keepalive_s)
     status = "incomplete" if reply.finish_reason == "length" else "completed"
     items = _items(job, reply, parsed, status)
     if parsed.store:

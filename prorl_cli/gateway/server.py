@@ -46,7 +46,13 @@ from prorl_cli.gateway.buffer import (
     TokenBuffer,
 )
 from prorl_cli.gateway.messages import MessageMemo, RequestError
-from prorl_cli.gateway.streaming import SSE_RESPONSE, anthropic_error, end_with_error, openai_error
+from prorl_cli.gateway.streaming import (
+    KEEPALIVE_S,
+    SSE_RESPONSE,
+    anthropic_error,
+    end_with_error,
+    openai_error,
+)
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -216,10 +222,15 @@ class Gateway:
 
     _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Gateway] = weakref.WeakKeyDictionary()
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_body_bytes: int = MAX_BODY_BYTES,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
+        if not keepalive_s > 0:
+            raise ValueError(f"keepalive_s must be positive, got {keepalive_s!r}")
         self.host = host
         self.port = port
         self.max_body_bytes = max_body_bytes
+        #: Seconds between keep-alive comments on a stream waiting for its model call.
+        self.keepalive_s = keepalive_s
         self._jobs: dict[str, JobGateway] = {}
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])

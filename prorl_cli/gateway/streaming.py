@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from aiohttp import web
+
+T = TypeVar("T")
+
+#: Seconds between keep-alive comments while a stream waits for its model call (:func:`awaiting`).
+KEEPALIVE_S = 10.0
+#: An SSE comment: every SSE parser skips it (the SDKs' included), and it resets a client's read timeout.
+KEEPALIVE = b": keep-alive\n\n"
 
 #: Where :func:`open_sse` keeps a request's stream (an error after its headers went out ends it:
 #: :func:`end_with_error`); a typed key where aiohttp has them (3.12+: a string key warns there).
@@ -27,6 +36,28 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return resp
+
+
+async def awaiting(resp: web.StreamResponse | None, call: Awaitable[T], interval_s: float = KEEPALIVE_S) -> T:
+    """``call``'s result; on a stream (``resp``), a keep-alive comment every ``interval_s`` until it comes.
+
+    A turn is whole before its first event, and it may take minutes (a long turn, a busy cluster, generation
+    paused for a weight update): without bytes meanwhile, a client with an idle or read timeout (the SDKs',
+    a proxy's) would take the open stream for a dead one. Cancelling the request cancels ``call``.
+    """
+    if resp is None:
+        return await call
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=interval_s)
+            if done:
+                return task.result()
+            await resp.write(KEEPALIVE)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # its cleanup (the conversation released, the model call cancelled) runs now
 
 
 class SseEvents:

@@ -422,3 +422,43 @@ def test_unpaired_surrogates_and_deep_nesting_are_400s_naming_the_field(tokenize
         await gw.close()
 
     asyncio.run(main())
+
+
+def test_a_stream_waiting_for_its_turn_sends_keep_alive_comments_the_sdks_skip(tokenizer: Any) -> None:
+    """A turn is whole before its first event and may take minutes: meanwhile the stream carries SSE comments,
+    so a client's idle or read timeout sees a live connection; SSE parsers (the SDKs') skip them."""
+    need_module("openai", "test")
+    import aiohttp
+    import openai
+
+    async def main() -> None:
+        gw = Gateway(keepalive_s=0.05)
+        await gw.start()
+        model = ScriptedModel(tokenizer, ["after a long turn", "again"])
+        model.gate = asyncio.Event()
+        job = open_job(gw, tokenizer, model)
+        try:
+            async with aiohttp.ClientSession() as s, s.post(f"{job.base_url()}/chat/completions",
+                                                            json={**OK_BODY, "stream": True}) as r:
+                assert r.status == 200
+                first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 60)  # before the model answered
+                assert first == b": keep-alive\n\n" and not model.gate.is_set()
+                model.gate.set()
+                rest = (await r.content.read()).decode()
+            data = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
+            assert "".join(c["choices"][0]["delta"].get("content") or "" for c in data if c["choices"]) == \
+                "after a long turn"
+            # The SDK reads a stream with comments in it as the same chunks.
+            async def slow(prompt_ids: list[int], sampling: Any) -> Any:
+                await asyncio.sleep(0.3)  # several keep-alive intervals: the stream carries comments first
+                return await model(prompt_ids, sampling)
+
+            job2 = open_job(gw, tokenizer, slow)
+            async with openai.AsyncOpenAI(base_url=job2.base_url(), api_key=job2.api_key, max_retries=0) as oa:
+                chunks = [c async for c in await oa.chat.completions.create(model="prorl", messages=OK_BODY["messages"],
+                                                                            stream=True)]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "after a long turn"
+        finally:
+            await gw.close()
+
+    asyncio.run(main())
