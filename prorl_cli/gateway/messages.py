@@ -389,6 +389,8 @@ def openai_chat_request(body: dict[str, Any], memo: MessageMemo | None = None) -
     logprobs = _flag(body, "logprobs")
     # Checked as the broker checks the sampling field; only sent on when log-probs are asked for.
     top_logprobs = _sampling(body, "top_logprobs")
+    if top_logprobs and not logprobs:  # as OpenAI answers: nothing would come back, and the user not know why
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     tools = _openai_tools(body.get("tools"))
     return ChatRequest(
         messages=openai_messages(body.get("messages"), memo),
@@ -558,7 +560,10 @@ def openai_responses_request(body: dict[str, Any], stored: dict[str, ResponsesCo
     names: dict[str, str] = {}
     conversation: list[dict[str, Any]] = []
     if previous is not None:
-        earlier = stored.get(previous) if isinstance(previous, str) else None
+        if not isinstance(previous, str) or not previous:
+            raise RequestError(f"previous_response_id must be a response id (a non-empty string), got "
+                               f"{json.dumps(previous)[:80]}", param="previous_response_id")
+        earlier = stored.get(previous)
         if earlier is None:
             raise RequestError(f"previous_response_id {json.dumps(previous)[:80]} is not one of this job's last "
                                f"stored responses", status=404, param="previous_response_id")
@@ -644,6 +649,9 @@ def anthropic_messages(system: Any, raw: Any, *, prefill_ok: bool = False) -> li
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise RequestError(f"{where}.content must be a string or a list of blocks", param="messages")
+        if not blocks:  # as the API answers: the template would otherwise fail naming no message
+            raise RequestError(f"{where}.content is empty: a message needs at least one content block",
+                               param="messages")
         texts: list[str] = []
         if m["role"] == "assistant":
             calls = []
@@ -689,6 +697,17 @@ def anthropic_messages(system: Any, raw: Any, *, prefill_ok: bool = False) -> li
     return out
 
 
+#: Anthropic fields whose work happens on Anthropic's servers (their tools, their context editing, their
+#: sandbox): the answer or the prompt would not be what the harness asked for. An empty value asks nothing.
+_ANTHROPIC_UNAPPLIED: _Unapplied = {
+    "mcp_servers": (lambda v: v == [], "MCP servers are connected by Anthropic's API; run the MCP client in the "
+                                       "harness and send its tools as tools"),
+    "context_management": (lambda v: v == {} or v == {"edits": []}, "Anthropic's server-side context editing "
+                                                                    "would change the prompt the trajectory records"),
+    "container": (lambda v: False, "code-execution containers run on Anthropic's servers"),
+}
+
+
 def anthropic_request(body: dict[str, Any], *, count_only: bool = False) -> ChatRequest:
     """Validate an Anthropic ``/v1/messages`` body; :class:`RequestError` names the field.
 
@@ -697,6 +716,7 @@ def anthropic_request(body: dict[str, Any], *, count_only: bool = False) -> Chat
     max_tokens = _sampling(body, "max_tokens")
     if max_tokens is None and not count_only:
         raise RequestError("max_tokens is required", param="max_tokens")
+    _refuse_unapplied(body, _ANTHROPIC_UNAPPLIED)
     tools = anthropic_tools(body.get("tools"))
     _anthropic_thinking(body.get("thinking"))
     return ChatRequest(

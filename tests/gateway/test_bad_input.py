@@ -56,6 +56,17 @@ def test_bad_requests_get_clear_errors_and_leave_the_job_unharmed(tokenizer: Any
                 (f"{root}/v1/chat/completions", OK_BODY, 404, "Not Found"),
                 (f"{base}/messages", {"model": "prorl", "messages": [{"role": "user", "content": "x"}]}, 400,
                  "max_tokens is required"),
+                (f"{base}/chat/completions", {**OK_BODY, "top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
+                (f"{base}/responses", {"model": "prorl", "input": "x", "previous_response_id": 5}, 400,
+                 "previous_response_id must be a response id"),
+                (f"{base}/messages", {"model": "prorl", "max_tokens": 4, "messages": [{"role": "user", "content": []}]},
+                 400, "messages[0].content is empty"),
+                (f"{base}/messages", {"model": "prorl", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                                      "mcp_servers": [{"type": "url", "url": "https://example.invalid/mcp"}]},
+                 400, "MCP servers are connected by Anthropic's API"),
+                (f"{base}/messages", {"model": "prorl", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                                      "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+                 400, "server-side context editing"),
             ]
             for url, data, status, words in cases:
                 got, body = await _post(s, url, data)

@@ -84,8 +84,13 @@ def test_top_logprobs_are_the_engines_alternatives_as_token_strings(tokenizer: A
 def test_without_top_logprobs_none_are_asked_for(tokenizer: Any) -> None:
     content, model = _ask(tokenizer, logprobs=True)
     assert model.asked == [None] and content and all(e.top_logprobs == [] for e in content)
-    content, model = _ask(tokenizer, top_logprobs=3)  # logprobs not asked for: nothing to fill
-    assert model.asked == [None] and content is None
+    need_module("openai", "test")
+    import openai
+
+    # Alternatives without log-probs: a 400, as OpenAI and vLLM answer, not a reply silently without them.
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true") as e:
+        _ask(tokenizer, top_logprobs=3)
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "top_logprobs"
 
 
 def test_top_logprobs_out_of_range_is_a_400_naming_it(tokenizer: Any) -> None:
