@@ -15,8 +15,10 @@ class App:
     """Carries the rich console and the effective configuration (loaded on first use)."""
 
     def __init__(self, config_path: str | None, overrides: dict[str, Any]) -> None:
-        self.console = Console(highlight=False)
-        self.err_console = Console(stderr=True, highlight=False)
+        # soft_wrap: a message is never broken at the console's width (80 columns when output is a file or a
+        # pipe, as in a Slurm job's log), so paths and commands in it can be copied whole; tables still fit.
+        self.console = Console(highlight=False, soft_wrap=True)
+        self.err_console = Console(stderr=True, highlight=False, soft_wrap=True)
         self.config_path = config_path
         self.overrides = overrides
         self._config: ProrlConfig | None = None

@@ -216,3 +216,14 @@ def test_quickstart_with_the_tiny_model_runs_a_real_agent(tmp_path: Path) -> Non
     for row in table:
         assert len(row["sequence_ids"]) == len(row["loss_mask"]) == len(row["logprobs"]) > 0
         assert 0 < sum(row["loss_mask"]) < len(row["loss_mask"])  # model tokens and prompt tokens both present
+
+
+def test_messages_are_not_broken_at_80_columns_when_output_is_a_pipe() -> None:
+    """A Slurm job's log is a file: rich would wrap every line at 80 columns, breaking paths mid-name."""
+    long_path = "/tmp/" + "x" * 120 + "/trajectories.jsonl"
+    code = ("from prorl_cli.cli.application import App\n"
+            f"app = App(None, {{}})\napp.console.print('results in {long_path}')\napp.err_console.print('see {long_path}')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": ""})
+    assert out.returncode == 0, out.stderr
+    assert f"results in {long_path}\n" == out.stdout and f"see {long_path}\n" == out.stderr

@@ -35,7 +35,7 @@ def _in_flight_list(ctx: click.Context, param: click.Parameter, value: str) -> l
               help="Results (JSONL or Parquet) of an earlier run (prorl submit/sample/results --out): its rollouts' calls, tool gaps, rewards.")
 @click.option("--workload", "workload_file", metavar="FILE.yaml", type=click.Path(dir_okay=False, path_type=Path),
               help="A workload description with sim_agent's fields (turns, prompt_tokens, output_tokens, ...).")
-@click.option("--bridges", required=True, type=int, help="Inference bridges (backends) to plan for.")
+@click.option("--bridges", required=True, type=click.IntRange(min=1), help="Inference bridges (backends) to plan for.")
 @click.option("--gpus-per-bridge", type=click.IntRange(min=1), default=1, show_default=True,
               help="GPUs each bridge holds (GPU-hours count them; the profile models the whole bridge's server).")
 @click.option("--profile", default="h100-8b", show_default=True, metavar="NAME|PATH",
