@@ -227,3 +227,16 @@ def test_messages_are_not_broken_at_80_columns_when_output_is_a_pipe() -> None:
                          env={**os.environ, "COLUMNS": ""})
     assert out.returncode == 0, out.stderr
     assert f"results in {long_path}\n" == out.stdout and f"see {long_path}\n" == out.stderr
+
+
+def test_a_quickstart_rerun_in_the_same_folder_replaces_the_earlier_results_and_says_so(tmp_path: Path) -> None:
+    out = tmp_path / "qs"
+    out.mkdir()
+    (out / "trajectories.parquet").write_bytes(b"an earlier model run's rows")  # --engine none writes no Parquet
+    (out / "summary.json").write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "quickstart", "--engine", "none", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"replacing an earlier run's results in {out}: trajectories.parquet, summary.json" in r.stdout
+    assert not (out / "trajectories.parquet").exists()
+    assert json.loads((out / "summary.json").read_text())["jobs"] > 0

@@ -237,6 +237,25 @@ def test_a_second_broker_for_a_live_deployment_refuses_and_leaves_the_first_alon
         d.close()
 
 
+def test_a_second_quickstart_in_a_busy_folder_is_refused_naming_it(tmp_path: Path) -> None:
+    """The first quickstart holds its folder's lock for its whole life (here: this process, as it would)."""
+    import fcntl
+
+    from prorl_cli.cli.quickstart import QUICKSTART_LOCK
+
+    out = tmp_path / "qs"
+    out.mkdir()
+    with open(out / QUICKSTART_LOCK, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write(f"{os.getpid()}\n")
+        held.flush()
+        r = subprocess.run([sys.executable, "-m", "prorl_cli", "quickstart", "--engine", "none", "--out", str(out)],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"another quickstart is running in {out} (pid {os.getpid()})" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == [QUICKSTART_LOCK]  # nothing started, nothing written
+
+
 @pytest.mark.parametrize("case", USAGE_CASES, ids=[c.name for c in USAGE_CASES])
 def test_bad_option_values_get_clicks_usage_error(case: Case, home: Path) -> None:
     r = run_prorl(home, *case.prepare(home))

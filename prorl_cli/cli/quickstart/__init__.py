@@ -18,6 +18,9 @@ from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.quickstart.domains import DOMAIN_TASKS, DomainPlan, plan_domain
 from prorl_cli.exceptions import StartTimeout
 
+#: The output folder's lock file: one quickstart at a time per folder.
+QUICKSTART_LOCK = "quickstart.lock"
+
 if TYPE_CHECKING:
     from prorl_cli.embedded import LocalStack
 
@@ -56,6 +59,7 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
         engine = "transformers" if _has_torch() else "none"
     if domain is not None and engine in ("none", "sim"):
         app.abort(f"--task {domain} needs a model: install the cpu extra (torch) or pass --engine transformers|vllm")
+    _hold_folder(app, home)  # held until this process ends
     plan = plan_domain(app, domain, home, image, n_instances) if domain else None
     model_dir = (model or home / "tiny-model").resolve()
     config: dict[str, Any] = {
@@ -74,12 +78,41 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
             config[section] = {**config.get(section, {}), **values}
     out = home / "trajectories.jsonl"
     summary_path = home / "summary.json"
+    # An earlier run's results go first, so the folder never mixes two runs (a model run's Parquet beside a
+    # later scripted run's JSONL).
+    earlier = [p for p in (out, home / "trajectories.parquet", summary_path) if p.exists()]
+    if earlier:
+        app.console.print(f"replacing an earlier run's results in {home}: {', '.join(p.name for p in earlier)}")
+        for p in earlier:
+            p.unlink()
     try:
         _run(app, home, config, engine, model, model_dir, n, plan, out, summary_path)
     except StartTimeout as e:  # LocalStack.wait_for: a child died or never registered; the message ends with its log
         what, _, log_tail = str(e).partition("\n")
         app.abort(f"quickstart {what}: {_last_line(log_tail)} (every log in {home / 'logs'})")
     app.console.print(f"summary in {summary_path}; deployment stopped")
+
+
+def _hold_folder(app: App, home: Path) -> int:
+    """An exclusive lock on the output folder for this quickstart's life (the kernel drops it when the process
+    ends, even by SIGKILL). A second quickstart in the same folder is refused at once, naming the folder; it
+    would otherwise start a broker the first one's refuses and write over the same results."""
+    import fcntl
+    import os
+
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / QUICKSTART_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        app.abort(f"another quickstart is running in {home} (pid {holder}): wait for it to end, or give this one "
+                  "another --out")
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def _run(app: App, home: Path, config: dict[str, Any], engine: str, model: Path | None, model_dir: Path, n: int,
