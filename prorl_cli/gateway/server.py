@@ -129,7 +129,8 @@ class JobGateway:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
-        """End the job's endpoint: later requests get 410; requests in flight are cancelled (streams end)."""
+        """End the job's endpoint: later requests get 410; requests in flight have their model calls cancelled
+        and get the same 410 (a stream already answered 200: the API's error event)."""
         if self.closed:
             return
         self.closed = True
@@ -366,7 +367,17 @@ class Gateway:
             return await _error(request, 400, str(e))
         except InferenceError as e:
             return await _error(request, 502, f"the model call failed: {type(e).__name__}: {e}", code="inference_error")
-        except (ConnectionResetError, asyncio.CancelledError):
+        except asyncio.CancelledError:
+            # Cancelled because its job ended (not because the client left): answer as a later request is
+            # answered, so the harness reads "job ended" instead of a dropped connection it would retry.
+            token = request.match_info.get("token", "")
+            task = asyncio.current_task()
+            if token not in self._ended or task is None or task.cancelling() != 1:
+                raise
+            task.uncancel()
+            return await _error(request, 410, f"job {self._ended[token]} has ended; its gateway no longer answers",
+                                code="job_ended")
+        except ConnectionResetError:
             raise
         except Exception as e:  # one bad request must never take the node's gateway down
             log.exception("gateway: %s %s failed", request.method, request.path)

@@ -175,17 +175,21 @@ def test_job_end_and_client_disconnect_cancel_the_model_call(tokenizer: Any) -> 
         model.gate = asyncio.Event()  # the model call hangs until cancelled
         job = open_job(gw, tokenizer, model)
         async with aiohttp.ClientSession() as s:
-            # 1. The job ends while a stream is open: the stream ends, the model call is cancelled.
+            # 1. The job ends while a stream is open and a plain request waits: the model calls are cancelled,
+            # the stream ends with the API's error event and the request gets the 410 a later one would.
             async with s.post(f"{job.base_url()}/chat/completions", json={**OK_BODY, "stream": True}) as r:
                 assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
                 await model.entered.wait()
+                model.entered.clear()
+                plain = asyncio.ensure_future(_post(s, f"{job.base_url()}/chat/completions",
+                                                    {**OK_BODY, "messages": [{"role": "user", "content": "other"}]}))
+                await model.entered.wait()
                 await job.close()
-                try:
-                    rest = await r.read()
-                except aiohttp.ClientPayloadError:
-                    rest = b""
-                assert b"[DONE]" not in rest
-            assert model.cancelled == 1 and job.trajectory.calls == []
+                rest = await r.read()
+                assert b"[DONE]" not in rest and b"job job-1 has ended" in rest
+            status, body = await plain
+            assert status == 410 and body["error"]["code"] == "job_ended"
+            assert model.cancelled == 2 and job.trajectory.calls == []
             # 2. The client goes away mid-call: the server cancels the model call it was waiting on.
             job2 = open_job(gw, tokenizer, model)
             model.entered.clear()
@@ -193,7 +197,7 @@ def test_job_end_and_client_disconnect_cancel_the_model_call(tokenizer: Any) -> 
             await model.entered.wait()
             request.cancel()
             async with asyncio.timeout(30):
-                while model.cancelled < 2:
+                while model.cancelled < 3:
                     await asyncio.sleep(0.01)
             assert job2.trajectory.calls == []
             # 3. The gateway still serves.
