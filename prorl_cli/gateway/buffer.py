@@ -175,6 +175,7 @@ class TokenBuffer:
         self._text_lock = asyncio.Lock()
         #: Requests of this job answered at once; more wait their turn (a runaway harness cannot flood the engines).
         self._slots = asyncio.Semaphore(max_concurrent)
+        self._split_warned = False
 
     # ------------------------------------------------------------ prompts
     def _match(self, messages: list[dict[str, Any]], key: str, agent: str | None) -> Segment | None:
@@ -222,11 +223,27 @@ class TokenBuffer:
         else:
             chat = self._chat_for(req.tools)
             reason = self._reason(req.messages, key, req.agent)
+            self._warn_split(req.messages, key, req.agent)
             seg = self._new_segment(chat, key, req.agent)
             prompt, continued = chat.initial_prompt(req.messages), False
             seg.asked = req.messages
         seg.in_flight = asyncio.Event()
         return prompt, seg, continued, reason
+
+    def _warn_split(self, messages: list[dict[str, Any]], key: str, agent: str | None) -> None:
+        """Log once per job when a request would have extended another agent's conversation exactly: an agent
+        name that changes per request (a tracing wrapper's ``user``) splits one conversation into many."""
+        if self._split_warned:
+            return
+        for seg in self.segments:
+            n = len(seg.messages)
+            if seg.agent != agent and seg.tools_key == key and n and messages[:n] == seg.messages:
+                self._split_warned = True
+                log.warning("gateway: a request of agent %r extends agent %r's conversation exactly, and starts a "
+                            "conversation of its own: agents are named by the URL, X-Prorl-Agent, OpenAI 'user' or "
+                            "Anthropic 'metadata.user_id'; a name that changes per request splits one conversation",
+                            agent, seg.agent)
+                return
 
     def _new_segment(self, chat: ChatTokens, key: str, agent: str | None) -> Segment:
         seg = Segment(index=len(self.segments), chat=chat, tools_key=key, agent=agent)

@@ -327,3 +327,34 @@ def test_a_conversation_whose_first_call_never_came_back_is_not_counted(tokenize
     traj, buffer = asyncio.run(main())
     assert [c.segment for c in traj.calls] == [1] and traj.violations == []
     assert buffer.conversations == 1  # segment 0 left no call: not a conversation
+
+
+def test_an_agent_name_that_changes_per_request_is_warned_of_once(tokenizer: Any, caplog: Any) -> None:
+    """A tracing wrapper that sets OpenAI's ``user`` to a fresh id per call splits one conversation per call:
+    the record stays right (each is a conversation of its own), and the log says why, once."""
+    need_module("openai", "test")
+    import logging
+
+    import openai
+
+    async def main() -> Trajectory:
+        gw = Gateway()
+        await gw.start()
+        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, TURNS))
+        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
+        conv: list[Any] = [{"role": "system", "content": "S."}, {"role": "user", "content": "go"}]
+        try:
+            for i in range(3):
+                resp = await client.chat.completions.create(model="prorl", messages=conv, user=f"req-{i}")
+                conv += [{"role": "assistant", "content": resp.choices[0].message.content},
+                         {"role": "user", "content": "more"}]
+            return job.trajectory
+        finally:
+            await client.close()
+            await gw.close()
+
+    with caplog.at_level(logging.WARNING, logger="prorl_cli.gateway.buffer"):
+        traj = asyncio.run(main())
+    assert [c.segment for c in traj.calls] == [0, 1, 2] and traj.violations == []
+    warned = [r.getMessage() for r in caplog.records if "splits one conversation" in r.getMessage()]
+    assert len(warned) == 1 and "agent 'req-1' extends agent 'req-0'" in warned[0]
