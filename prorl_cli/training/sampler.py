@@ -141,6 +141,10 @@ class SamplerConfig:
             raise bad("failed", f"one of {FAILED_POLICIES}")
         if not callable(self.informative):
             raise bad("informative", "a function of a group's rewards")
+        if self.group_size == 1 and self.informative is has_reward_variance:
+            # One reward never varies: no step could ever end, and it would submit rollouts until stopped.
+            raise ConfigError("sampler group_size 1 can never pass the default filter (rewards that vary within a "
+                              "group): use groups of 2 or more, or pass informative= a predicate of one reward")
         if not isinstance(self.run_id, str) or not self.run_id:
             raise bad("run_id", "a non-empty string")
         if self.sampling is not None and not isinstance(self.sampling, dict):
@@ -274,6 +278,8 @@ class DapoSampler:
         self._restore = list(state.carried)
         self._pending: dict[str, _Pending] = {}
         self._ready: list[Group] = []
+        #: The prompt position of each ready group (what ``state()`` needs to resubmit it).
+        self._positions: dict[str, int] = {}
         self._job_group: dict[str, str] = {}
         #: Job ids of groups done with (returned, filtered, dropped), forgotten at the start of the next step.
         self._retired: list[str] = []
@@ -315,11 +321,14 @@ class DapoSampler:
             self._stream = None
 
     def state(self) -> SamplerState:
-        """Where to resume from: the next step, the prompt cursor and the groups in flight."""
+        """Where to resume from: the next step, the prompt cursor, and the groups not yet returned: those in
+        flight and the informative ones finished beyond a step's target (a restarted sampler resubmits their
+        ids and the broker answers with the results it holds)."""
+        ready = [CarriedGroup(self._positions[g.group_id], g.step, g.policy_version) for g in self._ready]
         return SamplerState(
             step=self.step_index,
             cursor=self.cursor,
-            carried=[CarriedGroup(p.position, p.step, p.policy_version) for p in self._pending.values()],
+            carried=ready + [CarriedGroup(p.position, p.step, p.policy_version) for p in self._pending.values()],
         )
 
     def group_cap(self) -> int | None:
@@ -416,7 +425,6 @@ class DapoSampler:
         if len(pending.results) < self.config.group_size:
             return
         del self._pending[pending.group_id]
-        self._retired += pending.job_ids
         ordered = [pending.results[j] for j in pending.job_ids]
         # The group a trainer gets is the one the filter judged: under ``exclude`` a failed member is left out,
         # under ``zero_reward`` it carries reward 0 (a failed job may hold a partial trajectory and whatever reward
@@ -430,9 +438,12 @@ class DapoSampler:
         self._finished_groups += 1
         self._informative_groups += bool(self.config.informative(rewards))
         if self.config.informative(rewards):
+            # Kept at the broker until a step returns it: a trainer restarted before then gets it back by id.
             self._ready.append(Group(pending.group_id, pending.prompt_id, pending.instance,
                                      pending.step, pending.policy_version, ordered))
+            self._positions[pending.group_id] = pending.position
         else:
+            self._retired += pending.job_ids
             stats.filtered += 1
 
     async def _next_result(self, stats: StepStats, deadline: float | None) -> None:
@@ -450,6 +461,11 @@ class DapoSampler:
             stats.informative = len(self._ready)
             stats.in_flight = self.in_flight_jobs
             self.on_progress(stats)
+
+    def _retire_group(self, group: Group) -> None:
+        """A ready group is done with (returned, or too stale): forgotten with the next step's retired jobs."""
+        self._positions.pop(group.group_id, None)
+        self._retired += self.job_ids(group.step, group.prompt_id)
 
     async def _forget_retired(self) -> None:
         """Drop the results of groups from earlier steps, here and at the broker, so a long run's memory stays flat.
@@ -484,6 +500,7 @@ class DapoSampler:
         for g in self._ready:
             if g not in fresh:
                 self._record([r.job_id for r in g.results], "stale")
+                self._retire_group(g)
         stats.stale_groups += len(self._ready) - len(fresh)
         self._ready = fresh
         stats.carried_in = len(self._pending) + len(self._ready)
@@ -496,12 +513,16 @@ class DapoSampler:
                 await self._cancel(list(self._pending.values()), stats, "cancelled")
         else:
             batch = cfg.sync_batch_groups or cfg.target_groups
+            while self._pending:  # a restarted trainer's groups first: they may already make the step
+                await self._next_result(stats, deadline)
             while len(self._ready) < cfg.target_groups:
                 for _ in range(batch):
                     await self._submit_next(stats)
                 while self._pending:
                     await self._next_result(stats, deadline)
         groups, self._ready = self._ready[: cfg.target_groups], self._ready[cfg.target_groups :]
+        for g in groups:
+            self._retire_group(g)
         stats.informative = len(groups)
         stats.off_policy_token_fraction = off_policy_fraction([r for g in groups for r in g.results], policy_version)
         stats.carried_out = len(self._pending) + len(self._ready)

@@ -20,14 +20,17 @@ Follows the Agent Lightning v1.0 analysis of harnessed agentic RL:
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.agent.trajectory import Trajectory
 from prorl_cli.exceptions import ProrlError
+
+log = logging.getLogger(__name__)
 
 #: Policy version of a token the model did not sample (prompt, tool output).
 NO_VERSION = -1
@@ -256,13 +259,17 @@ def assign_advantages(
     level: AdvantageLevel | str = AdvantageLevel.ROLLOUT,
     std_normalize: bool = False,
     eps: float = 1e-6,
+    sampleless: Mapping[str, Sequence[float]] | None = None,
 ) -> None:
     """Set ``advantage`` on every sample from its group's baseline (in place).
 
     At the rollout level each rollout of a group counts once, whatever its
     number of samples, and all its samples get its advantage. At the sample
     level every sample counts once. ``std_normalize`` divides by the group's
-    (sample) standard deviation + ``eps``.
+    (sample) standard deviation + ``eps``. ``sampleless``: per group, the
+    rewards of its rollouts that left no sample (a job that failed before its
+    first model call, scored 0): they count in the group's baseline as the
+    group was judged, though nothing of theirs is trained.
     """
     estimator = AdvantageEstimator(estimator)
     level = AdvantageLevel(level)
@@ -270,16 +277,22 @@ def assign_advantages(
     for s in samples:
         _finite_reward(s.reward, s.rollout_id)
         groups[s.group_id].append(s)
-    for members in groups.values():
+    extra = sampleless or {}
+    for group_id, members in groups.items():
+        others = [float(r) for r in extra.get(group_id, ())]
+        for r in others:
+            _finite_reward(r, group_id)
         if level == AdvantageLevel.SAMPLE:
-            for s, a in zip(members, _baselines([s.reward for s in members], estimator, std_normalize, eps), strict=True):
+            advantages = _baselines([s.reward for s in members] + others, estimator, std_normalize, eps)
+            for s, a in zip(members, advantages[: len(members)], strict=True):
                 s.advantage = a
             continue
         rewards: dict[str, float] = {}
         for s in members:
             if rewards.setdefault(s.rollout_id, s.reward) != s.reward:
                 raise SampleError(f"rollout {s.rollout_id!r} has samples with different rewards")
-        by_rollout = dict(zip(rewards, _baselines(list(rewards.values()), estimator, std_normalize, eps), strict=True))
+        advantages = _baselines(list(rewards.values()) + others, estimator, std_normalize, eps)
+        by_rollout = dict(zip(rewards, advantages[: len(rewards)], strict=True))
         for s in members:
             s.advantage = by_rollout[s.rollout_id]
 
@@ -402,6 +415,9 @@ class SampleBatch:
     report: MergeReport
     #: Sampled tokens served under an older policy version than their sample's newest (whatever ``off_policy`` did).
     off_policy_tokens: int = 0
+    #: Results that gave no sample: no token-level trajectory (a task that records none, a job failed before its
+    #: first model call) or no reward. With a reward, they still count in their group's baseline.
+    skipped: int = 0
 
     @property
     def off_policy_fraction(self) -> float:
@@ -426,7 +442,9 @@ def samples_from_results(
     """Job results (``JobResult`` with a ``trajectory`` in its output) into weighted samples.
 
     The group of a result is ``group_of[job_id]``, else its ``group_id``
-    field, else its job id. Results without a trajectory or reward are skipped.
+    field, else its job id. Results without a trajectory or reward are skipped (counted in
+    ``SampleBatch.skipped``); one with a reward still counts in its group's baseline, so a group is trained
+    as the sampler judged it (a job that failed before its first model call, scored 0 under ``zero_reward``).
     ``off_policy`` (with ``current_log_probs``, ``is_cap``): see :func:`apply_off_policy`.
     ``agents``: train only these agents' samples (``ModelCall.agent``; ``None`` in it keeps unnamed
     ones), as in selective optimisation of one agent of a multi-agent harness; advantages are
@@ -434,19 +452,28 @@ def samples_from_results(
     """
     report = MergeReport()
     out: list[TrainingSample] = []
+    sampleless: dict[str, list[float]] = defaultdict(list)
+    skipped = 0
     for r in results:
         output = r.output if isinstance(r.output, dict) else {}
         traj = output.get("trajectory")
-        if traj is None or r.reward is None:
-            continue
         group = (group_of or {}).get(r.job_id) or getattr(r, "group_id", None) or r.job_id
+        if traj is None or r.reward is None:
+            skipped += 1
+            if r.reward is not None:  # judged with its group (a failed job scored 0): part of the baseline
+                sampleless[group].append(float(r.reward))
+            continue
         samples, rep = build_samples(traj, rollout_id=r.job_id, group_id=group, reward=float(r.reward), job_id=r.job_id)
         out += samples
         report.add(rep)
-    assign_advantages(out, estimator=estimator, level=level, std_normalize=std_normalize)
+    if skipped and not out:
+        log.warning("no training sample from %d result(s): none holds a token-level trajectory with a reward "
+                    "(a task that records no trajectory, such as sim_agent, or jobs that failed before any model call)",
+                    skipped)
+    assign_advantages(out, estimator=estimator, level=level, std_normalize=std_normalize, sampleless=sampleless)
     if agents is not None:
         chosen = set(agents)
         out = [sample for sample in out if sample.agent in chosen]
     assign_loss_weights(out, loss_norm)
     stale = apply_off_policy(out, off_policy, current_log_probs=current_log_probs, is_cap=is_cap)
-    return SampleBatch(out, report, stale)
+    return SampleBatch(out, report, stale, skipped)

@@ -212,6 +212,8 @@ def test_a_carry_window_under_one_step_never_leaves_a_step_waiting_on_nothing(st
     ({"mode": "batch"}, r"mode must be one of \('async', 'sync'\), got 'batch'"),
     ({"run_id": ""}, r"run_id must be a non-empty string"),
     ({"max_in_flight": 2}, r"max_in_flight \(2\) is smaller than one group \(4\)"),
+    # One reward never varies: the default filter would never end a step.
+    ({"group_size": 1, "max_in_flight": 4}, r"group_size 1 can never pass the default filter"),
 ])
 def test_sampler_settings_are_checked_before_a_step_and_named(settings: dict[str, Any], message: str) -> None:
     from prorl_cli.exceptions import ConfigError
@@ -312,3 +314,39 @@ def test_prorl_sample_collects_informative_groups(stack: Deployment, tmp_path: P
                             "--group-size", "3", "--target-groups", "1", "--format", "io"],
                            env={**stack.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
     assert wrong.returncode != 0 and "--format applies to the domain tasks" in wrong.stderr, wrong.stderr
+
+
+def test_groups_finished_beyond_a_steps_target_survive_a_restart(stack: Deployment) -> None:
+    """Sync batches of 8 groups for a target of 2 leave informative groups ready for later steps. A trainer
+    restarted from ``state()`` gets them back (same ids, the broker's results): none lost, none run twice."""
+    ps = [{**p, "scale_s": 0.01} for p in prompts()]
+    cfg = SamplerConfig(group_size=4, target_groups=2, mode="sync", sync_batch_groups=8, run_id="t-ready",
+                        step_timeout_s=60)
+
+    async def first_trainer() -> tuple[StepBatch, SamplerState, list[str]]:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", ps, cfg)
+            batch = await sampler.step()
+            ready = [g.group_id for g in sampler._ready]
+            state = sampler.state()
+            await sampler.close(cancel_in_flight=False)  # the trainer's process ends here
+            return batch, state, ready
+
+    async def restarted(state: SamplerState) -> tuple[StepBatch, int]:
+        async with aclient(stack) as client:
+            before = sum((await client.status()).jobs.values())
+            sampler = DapoSampler(client, "dapo_sim", ps, cfg, state=state)
+            batch = await sampler.step()
+            ran = sum((await client.status()).jobs.values()) - before
+            await sampler.close()
+            return batch, ran
+
+    batch0, state, ready = asyncio.run(first_trainer())
+    assert len(ready) >= cfg.target_groups, ready  # enough left over for the next step without a new batch
+    assert {c.position for c in state.carried} and state.step == 1
+    batch1, ran = asyncio.run(restarted(state))
+    check_batch(batch1, cfg)
+    assert [g.group_id for g in batch1.groups] == ready[: cfg.target_groups]
+    assert ran == 0  # answered from the broker's results: no job ran again
+    assert not {g.group_id for g in batch1.groups} & {g.group_id for g in batch0.groups}
+

@@ -353,3 +353,23 @@ def test_micro_batches_of_nothing_and_of_an_oversized_rollout() -> None:
     batches = pack_micro_batches(big + small, 30)
     assert batches[0] == big  # alone, whole, in order
     assert [len(b) for b in batches[1:]] == [2] and sum(len(s) for s in batches[1]) == 20
+
+
+@pytest.mark.parametrize("level", ["rollout", "sample"])
+def test_a_failed_job_without_a_trajectory_still_counts_in_its_groups_baseline(level: str) -> None:
+    """Under the sampler's ``zero_reward`` a job that failed before its first model call has reward 0 and no
+    trajectory: the group [1, 1, 1, 0] the filter judged informative must train as that group (advantage 1/4
+    each), not as [1, 1, 1] (all advantages 0)."""
+    from prorl_cli.protocol import JobResult
+    from prorl_cli.training.samples import samples_from_results
+
+    traj = Trajectory(calls=[call([1, 2], [3])]).to_dict()
+    results = [JobResult(job_id=f"j{k}", task="t", state="done", reward=1.0, group_id="g", output={"trajectory": traj})
+               for k in range(3)]
+    results.append(JobResult(job_id="j3", task="t", state="failed", reward=0.0, group_id="g"))
+    batch = samples_from_results(results, level=level)
+    assert [s.advantage for s in batch.samples] == [pytest.approx(0.25)] * 3
+    assert batch.skipped == 1
+    # Without a reward it says nothing of the group: skipped, and out of the baseline.
+    unscored = [*results[:3], JobResult(job_id="j3", task="t", state="failed", reward=None, group_id="g")]
+    assert [s.advantage for s in samples_from_results(unscored, level=level).samples] == [0.0] * 3
