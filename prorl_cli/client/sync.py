@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -27,12 +28,37 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+def _end_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Whatever is still pending on the loop (an interrupted stream's read, say) ends, then the loop closes."""
+    left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in left:
+        task.cancel()
+    if left:
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    loop.close()
+
+
+def _close(loop: asyncio.AbstractEventLoop, aio: AsyncRolloutClient) -> None:
+    """A client's close without the client (its finalizer holds no reference to it)."""
+    if loop.is_closed() or loop.is_running():
+        return
+    try:
+        loop.run_until_complete(aio.close())
+    except (ProrlError, OSError, zmq.ZMQError) as e:  # the broker or the network already gone at exit
+        log.debug("closing a client left open: %s", e)
+    finally:
+        _end_loop(loop)
+
+
 class RolloutClient:
     """Blocking client. Same methods as :class:`AsyncRolloutClient`; use that one inside asyncio code."""
 
     def __init__(self, deployment: str | None = None, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._aio = self._run(self._make(deployment, kwargs))
+        # A client never closed (a one-line script) is closed when it is collected or the interpreter exits,
+        # instead of its loop's tasks being reported destroyed while pending.
+        self._finalizer = weakref.finalize(self, _close, self._loop, self._aio)
 
     @staticmethod
     async def _make(deployment: str | None, kwargs: dict[str, Any]) -> AsyncRolloutClient:
@@ -60,17 +86,12 @@ class RolloutClient:
         self.close()
 
     def close(self) -> None:
+        self._finalizer.detach()
         if not self._loop.is_closed():
             try:
                 self._run(self._aio.close())
             finally:
-                # Whatever is still pending on the loop (an interrupted stream's read, say) ends before it closes.
-                left = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
-                for task in left:
-                    task.cancel()
-                if left:
-                    self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-                self._loop.close()
+                _end_loop(self._loop)
 
     @property
     def address(self) -> str | None:

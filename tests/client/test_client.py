@@ -223,3 +223,24 @@ def test_one_retry_with_the_same_ids_succeeds_after_the_broker_moved(tmp_path: P
         assert "could not register" not in d.log("n1") and " ERROR " not in d.log("n1"), d.log("n1")
     finally:
         d.close()
+
+
+def test_a_blocking_client_never_closed_exits_without_pending_task_warnings(deployment: Deployment) -> None:
+    """A one-line script (``RolloutClient(...).wait(ids)``) that never closes its client ends quietly."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from prorl_cli.client import RolloutClient\n"
+        "c = RolloutClient(sys.argv[1], address=sys.argv[2])\n"
+        "specs = c.make_specs('noop', 1)\n"
+        "c.submit_specs(specs, [{}])\n"
+        "(r,) = c.wait([s.job_id for s in specs], timeout_s=60)\n"
+        "print(r.state)\n"  # and no close()
+    )
+    out = subprocess.run([sys.executable, "-c", script, deployment.name, deployment.address], env=deployment.env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"
+    assert "Task was destroyed" not in out.stderr and "never awaited" not in out.stderr, out.stderr
