@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.client.results import ResultStream, Submitted
 from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.connection import BrokerConnection, Reply
@@ -86,6 +87,8 @@ class AsyncRolloutClient:
         #: The jobs a broker confirmed (accepted, already had, or watched) whose results we want: id -> task ("" if unknown).
         self._watched: dict[str, str] = {}
         self._watchdog: asyncio.Task[None] | None = None
+        #: When the watchdog's pings began to go unanswered (None: the broker answers, or nobody waits).
+        self._silent_since: float | None = None
         self._rewatch_task: asyncio.Task[None] | None = None
         self._rewatch_again = False
 
@@ -185,6 +188,10 @@ class AsyncRolloutClient:
         assert self._conn is not None
         self._rewatch_task = self._conn.spawn(self._rewatch())
 
+    def broker_silent_s(self) -> float | None:
+        """Seconds the broker has left the watchdog's pings unanswered while results were awaited, else None."""
+        return None if self._silent_since is None else timebase.now() - self._silent_since
+
     async def _watch_broker(self) -> None:
         """While results are awaited, ping the broker now and then to notice a restart or a move."""
         interval_s = self.config.broker.heartbeat_interval_s
@@ -194,7 +201,10 @@ class AsyncRolloutClient:
                 continue  # nobody is waiting for a result or a reply
             try:
                 await self._call(_PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
+                self._silent_since = None
             except (BrokerUnavailable, RemoteError):
+                if self._silent_since is None:
+                    self._silent_since = timebase.now()
                 # Down: it may come back here (the next ping sees its boot id) or at a new address.
                 if self._conn is not None and self._conn.follow_moved():
                     with contextlib.suppress(BrokerUnavailable, RemoteError):

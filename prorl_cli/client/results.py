@@ -124,8 +124,12 @@ class ResultStream:
                 async with asyncio.timeout_at(self._deadline):
                     got = await self._queue.get()
             except TimeoutError:
+                silent_s = self._client.broker_silent_s()
+                why = "" if silent_s is None else (
+                    f"; the broker at {self._client.address} has not answered for {silent_s:.0f} s (down, or "
+                    "moved without a rendezvous file to follow: prorl status tells)")
                 raise TimeoutError(
-                    f"{len(self._wanted or ())} result(s) still missing after {self._timeout_s:g} s"
+                    f"{len(self._wanted or ())} result(s) still missing after {self._timeout_s:g} s{why}"
                 ) from None
             result = self._take(got)
             if result is not None:

@@ -244,3 +244,26 @@ def test_a_blocking_client_never_closed_exits_without_pending_task_warnings(depl
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "done"
     assert "Task was destroyed" not in out.stderr and "never awaited" not in out.stderr, out.stderr
+
+
+def test_a_wait_that_times_out_while_the_broker_is_silent_says_so(tmp_path: Path) -> None:
+    """A stopped (or dead) broker under a waiting client: the timeout names the broker, not only the count."""
+    import os
+
+    d = Deployment(tmp_path / "home", "silent", {"broker": {"heartbeat_interval_s": 0.2}})
+    try:
+        broker = d.start_broker()
+        d.start_node("n1")
+        with RolloutClient(d.name, address=d.address, config=d.load_config()) as c:
+            specs = c.make_specs("test", 1)
+            c.submit_specs(specs, [{"sleep_s": 30}])
+            os.kill(broker.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TimeoutError, match=r"1 result\(s\) still missing after 10 s; the broker at .* "
+                                                       r"has not answered for \d+ s"):
+                    c.wait([s.job_id for s in specs], timeout_s=10)
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+            c.cancel([s.job_id for s in specs])
+    finally:
+        d.close()
