@@ -234,23 +234,27 @@ def test_a_prefix_selects_its_submission_only(deployment: Deployment, tmp_path: 
     assert [json.loads(line)["job_id"] for line in out.read_text().splitlines()] == ["pre1-0-0"]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_on_submit_cancels_and_writes_the_cancelled_jobs_partial_trajectories(
-    deployment: Deployment, tmp_path: Path
+    deployment: Deployment, tmp_path: Path, signum: int
 ) -> None:
+    """Ctrl-C, and SIGTERM as Slurm sends it to a trainer's job (scancel, preemption, time limit): the unfinished
+    jobs are cancelled, not left running, and their partial trajectories written."""
     tasks = write_tasks(tmp_path / "t.jsonl", [{"end": "done"}, {"end": "hang"}, {"end": "hang"}])
     out = tmp_path / "out.jsonl"
+    prefix = "sigint" if signum == signal.SIGINT else "sigterm"
     proc = subprocess.Popen(
         [sys.executable, "-m", "prorl_cli", "submit", "-d", deployment.name, str(tasks), "--task", "partial",
-         "--id-prefix", "sigint", "--out", str(out)],
+         "--id-prefix", prefix, "--out", str(out)],
         env=deployment.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
         client = deployment.client
         deployment.wait_for(
             lambda st: out.exists() and len(out.read_text().splitlines()) == 1
-            and sorted(client.list_jobs(prefix="sigint").values()) == ["done", "run", "run"],
+            and sorted(client.list_jobs(prefix=prefix).values()) == ["done", "run", "run"],
             60, "the finished job written and the hanging ones running")
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signum)
         _, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
@@ -261,8 +265,11 @@ def test_ctrl_c_on_submit_cancels_and_writes_the_cancelled_jobs_partial_trajecto
     # The interrupted read of the result stream unwound before the client's loop closed.
     assert "Exception ignored" not in err and "Event loop is closed" not in err, err
     rows = {(r := json.loads(line))["job_id"]: r for line in out.read_text().splitlines()}
-    assert {k: v["state"] for k, v in rows.items()} == {"sigint-0-0": "done", "sigint-1-0": "cancelled",
-                                                         "sigint-2-0": "cancelled"}, err
-    for job_id in ("sigint-1-0", "sigint-2-0"):
+    assert {k: v["state"] for k, v in rows.items()} == {f"{prefix}-0-0": "done", f"{prefix}-1-0": "cancelled",
+                                                         f"{prefix}-2-0": "cancelled"}, err
+    assert sorted(client.list_jobs(prefix=prefix).values()) == ["cancelled", "cancelled", "done"]
+    if signum == signal.SIGTERM:
+        assert "terminated (SIGTERM): cancelling 2 unfinished job(s)" in err
+    for job_id in (f"{prefix}-1-0", f"{prefix}-2-0"):
         assert rows[job_id]["output"]["trajectory"]["sequence_ids"] == [1, 2, 3], rows[job_id]  # what it did so far
     assert "cancelled job(s)' results" in err

@@ -78,8 +78,9 @@ def collect(
         TextColumn("{task.fields[rate]:.1f} jobs/s"),
         TimeElapsedColumn(),
     )
+    terminated = _Terminated()
     try:
-        with Progress(*columns, console=app.err_console, transient=False) as progress:
+        with terminated, Progress(*columns, console=app.err_console, transient=False) as progress:
             bar = progress.add_task(title, total=len(ids), counts="", rate=0.0)
             for result in client.as_completed(ids):
                 results.append(result)
@@ -91,10 +92,13 @@ def collect(
         done = {r.job_id for r in results}
         left = [j for j in ids if j not in done]
         if on_interrupt == "cancel":
-            app.err_console.print(f"interrupted: cancelling {len(left)} unfinished job(s) "
+            how = "terminated (SIGTERM)" if terminated.fired else "interrupted"
+            app.err_console.print(f"{how}: cancelling {len(left)} unfinished job(s) "
                                   "(submit --detach leaves them running; prorl results collects them)")
             client.cancel(left)
-            _collect_cancelled(app, client, left, results, sink)
+            # After SIGTERM, Slurm sends SIGKILL once its KillWait (30 s by default) is up: wait less than that.
+            wait_s = TERMINATED_RESULTS_WAIT_S if terminated.fired else CANCELLED_RESULTS_WAIT_S
+            _collect_cancelled(app, client, left, results, sink, wait_s)
         else:
             app.err_console.print(f"interrupted: {len(left)} job(s) still running; `prorl results` collects them later")
         raise
@@ -106,15 +110,45 @@ def collect(
 #: How long an interrupted submit waits for its cancelled jobs' results (the broker holds each for its
 #: node's partial result at most ``broker.cancel_result_grace_s``); a second Ctrl-C stops waiting.
 CANCELLED_RESULTS_WAIT_S = 30.0
+#: The same after SIGTERM (a Slurm job cancelled, preempted or at its time limit): well inside KillWait.
+TERMINATED_RESULTS_WAIT_S = 10.0
+
+
+class _Terminated:
+    """While entered, SIGTERM takes the Ctrl-C path (``KeyboardInterrupt``): a trainer's Slurm job gets SIGTERM
+    when it is cancelled, preempted or out of time, and its jobs must be cancelled, not left running."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self._before: Any = None
+
+    def _on_term(self, signum: int, frame: object) -> None:
+        self.fired = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _Terminated:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._before = signal.signal(signal.SIGTERM, self._on_term)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        if self._before is not None:
+            signal.signal(signal.SIGTERM, self._before)
+            self._before = None
 
 
 def _collect_cancelled(app: App, client: RolloutClient, ids: list[str], results: list[JobResult],
-                       sink: ResultFile) -> None:
+                       sink: ResultFile, wait_s: float = CANCELLED_RESULTS_WAIT_S) -> None:
     """Write the cancelled jobs' results too: they carry what each job did until the cancel."""
     from prorl_cli.exceptions import BrokerUnavailable
 
     try:
-        for result in client.as_completed(ids, timeout_s=CANCELLED_RESULTS_WAIT_S):
+        for result in client.as_completed(ids, timeout_s=wait_s):
             results.append(result)
             sink.add(result)
     except (TimeoutError, BrokerUnavailable, KeyboardInterrupt) as e:
