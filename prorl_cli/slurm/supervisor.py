@@ -265,8 +265,10 @@ def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S, parent_p
                 said_stopping = True
             if passed.next_due_at is not None:
                 wait_s = min(interval_s, max(0.0, passed.next_due_at - time.time()))
-        except ProrlError as e:
-            log.warning("supervision pass failed: %s", e)
+        except (ProrlError, OSError, ValueError) as e:
+            # A pass that fails (squeue unreachable, a full or flaky shared filesystem, a torn state file) is
+            # retried at the next one: the supervisor outlives it, or no dead task would be replaced again.
+            log.warning("supervision pass failed: %s: %s", type(e).__name__, e)
         deadline = time.monotonic() + wait_s
         while not stop and time.monotonic() < deadline and (parent_pid is None or os.getppid() == parent_pid):
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

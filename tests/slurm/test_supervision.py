@@ -208,3 +208,25 @@ def test_a_failed_task_is_replaced_only_after_restart_backoff_s(base: Path) -> N
         assert "replacement due in" in status.stdout and "(restart 1 of 1)" in status.stdout, status.stdout
     finally:
         _down(home, name)
+
+
+def test_the_supervisor_outlives_a_pass_that_fails_with_an_os_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full or flaky shared filesystem fails a pass with OSError: the next pass still runs (no Slurm needed)."""
+    from prorl_cli.slurm import supervisor
+
+    passes: list[str] = []
+
+    def flaky(deployment_dir: Path) -> supervisor.PassResult:
+        passes.append("pass")
+        if len(passes) == 1:
+            raise OSError(28, "No space left on device")
+        os.kill(os.getpid(), signal.SIGTERM)  # what stops a supervisor: the second pass ran
+        return supervisor.PassResult()
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(supervisor, "supervise_once", flaky)
+    try:
+        supervisor.run(tmp_path, interval_s=0.01)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert passes == ["pass", "pass"]
