@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -34,7 +35,11 @@ from prorl_cli.protocol import (
 )
 from prorl_cli.protocol import headers as H
 
+log = logging.getLogger(__name__)
+
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
+#: While the broker stays silent under a waiting client, its warning is repeated this often.
+SILENCE_REPEAT_S = 60.0
 #: The short ping that tells "the broker does not answer" before a real request waits its full timeout.
 DEFAULT_PING_TIMEOUT_S = 3.0
 #: What :meth:`AsyncRolloutClient.cancel` says for an id the broker does not know.
@@ -89,6 +94,7 @@ class AsyncRolloutClient:
         self._watchdog: asyncio.Task[None] | None = None
         #: When the watchdog's pings began to go unanswered (None: the broker answers, or nobody waits).
         self._silent_since: float | None = None
+        self._silence_said_at: float | None = None
         self._rewatch_task: asyncio.Task[None] | None = None
         self._rewatch_again = False
 
@@ -201,10 +207,19 @@ class AsyncRolloutClient:
                 continue  # nobody is waiting for a result or a reply
             try:
                 await self._call(_PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
-                self._silent_since = None
+                if self._silent_since is not None:
+                    log.warning("the broker at %s answers again, after %.0f s", self.address,
+                                timebase.now() - self._silent_since)
+                self._silent_since = self._silence_said_at = None
             except (BrokerUnavailable, RemoteError):
+                now = timebase.now()
                 if self._silent_since is None:
-                    self._silent_since = timebase.now()
+                    self._silent_since = now
+                if self._silence_said_at is None or now - self._silence_said_at >= SILENCE_REPEAT_S:
+                    # Whoever waits (a trainer, prorl submit) learns why nothing comes, not only at a timeout.
+                    self._silence_said_at = now
+                    log.warning("the broker at %s has not answered for %.0f s: results wait for it to come back "
+                                "(prorl status tells what runs)", self.address, now - self._silent_since)
                 # Down: it may come back here (the next ping sees its boot id) or at a new address.
                 if self._conn is not None and self._conn.follow_moved():
                     with contextlib.suppress(BrokerUnavailable, RemoteError):

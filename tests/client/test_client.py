@@ -246,8 +246,10 @@ def test_a_blocking_client_never_closed_exits_without_pending_task_warnings(depl
     assert "Task was destroyed" not in out.stderr and "never awaited" not in out.stderr, out.stderr
 
 
-def test_a_wait_that_times_out_while_the_broker_is_silent_says_so(tmp_path: Path) -> None:
-    """A stopped (or dead) broker under a waiting client: the timeout names the broker, not only the count."""
+def test_a_wait_that_times_out_while_the_broker_is_silent_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A stopped (or dead) broker under a waiting client: a warning says so while it waits (prorl submit prints
+    it), the timeout names the broker, not only the count, and its return is said too."""
+    import logging
     import os
 
     d = Deployment(tmp_path / "home", "silent", {"broker": {"heartbeat_interval_s": 0.2}})
@@ -259,11 +261,13 @@ def test_a_wait_that_times_out_while_the_broker_is_silent_says_so(tmp_path: Path
             c.submit_specs(specs, [{"sleep_s": 30}])
             os.kill(broker.pid, signal.SIGSTOP)
             try:
-                with pytest.raises(TimeoutError, match=r"1 result\(s\) still missing after 10 s; the broker at .* "
-                                                       r"has not answered for \d+ s"):
+                with caplog.at_level(logging.WARNING, logger="prorl_cli.client.aio"), pytest.raises(
+                        TimeoutError, match=r"1 result\(s\) still missing after 10 s; the broker at .* "
+                                            r"has not answered for \d+ s"):
                     c.wait([s.job_id for s in specs], timeout_s=10)
             finally:
                 os.kill(broker.pid, signal.SIGCONT)
+            assert any("has not answered for" in r.getMessage() for r in caplog.records)
             c.cancel([s.job_id for s in specs])
     finally:
         d.close()
