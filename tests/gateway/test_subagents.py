@@ -21,6 +21,23 @@ from tests.harness import need_module
 TURNS = ["first", "second", "third"]
 
 
+class Barrier(ScriptedModel):
+    """Holds the first calls until ``n`` are in flight: it answers only if they run concurrently."""
+
+    def __init__(self, tok: Any, n: int) -> None:
+        super().__init__(tok, TURNS)
+        self.n = n
+        self.waiting = 0
+        self.all_in = asyncio.Event()
+
+    async def __call__(self, prompt_ids: list[int], sampling: Any) -> Any:
+        self.waiting += 1
+        if self.waiting >= self.n:
+            self.all_in.set()
+        await asyncio.wait_for(self.all_in.wait(), 60)  # a gateway that serialises a job never gets here
+        return await super().__call__(prompt_ids, sampling)
+
+
 def test_interleaved_main_and_sub_agent_conversations_stay_token_exact_and_labelled(tokenizer: Any) -> None:
     need_module("openai", "test")
     import openai
@@ -168,24 +185,7 @@ def _each_conversation_is_token_exact(traj: Trajectory, buffer: Any, n: int) -> 
 def test_eight_parallel_sub_agents_are_answered_at_once_and_each_stays_token_exact(tokenizer: Any) -> None:
     """Eight conversations with a call in flight together: the model sees all eight before it answers any."""
     need_module("openai", "test")
-    from prorl_cli.inference.contract import Generation
-
-    class Barrier(ScriptedModel):
-        """Holds the first calls until eight are in flight: it answers only if they run concurrently."""
-
-        def __init__(self, tok: Any) -> None:
-            super().__init__(tok, TURNS)
-            self.waiting = 0
-            self.all_in = asyncio.Event()
-
-        async def __call__(self, prompt_ids: list[int], sampling: Any) -> Generation:
-            self.waiting += 1
-            if self.waiting >= 8:
-                self.all_in.set()
-            await asyncio.wait_for(self.all_in.wait(), 60)  # a gateway that serialises a job never gets here
-            return await super().__call__(prompt_ids, sampling)
-
-    traj, buffer = _parallel_conversations(tokenizer, 8, Barrier(tokenizer), max_concurrent=8)
+    traj, buffer = _parallel_conversations(tokenizer, 8, Barrier(tokenizer, 8), max_concurrent=8)
     _each_conversation_is_token_exact(traj, buffer, 8)
 
 
@@ -220,25 +220,10 @@ def _ask(tokenizer: Any, requests: list[list[Any]], *, together: bool) -> tuple[
     need_module("openai", "test")
     import openai
 
-    from prorl_cli.inference.contract import Generation
-
-    class AllIn(ScriptedModel):
-        def __init__(self, tok: Any) -> None:
-            super().__init__(tok, TURNS)
-            self.waiting = 0
-            self.all_in = asyncio.Event()
-
-        async def __call__(self, prompt_ids: list[int], sampling: Any) -> Generation:
-            self.waiting += 1
-            if self.waiting >= len(requests):
-                self.all_in.set()
-            await asyncio.wait_for(self.all_in.wait(), 60)
-            return await super().__call__(prompt_ids, sampling)
-
     async def main() -> tuple[Trajectory, Any]:
         gw = Gateway()
         await gw.start()
-        job = open_job(gw, tokenizer, AllIn(tokenizer) if together else ScriptedModel(tokenizer, TURNS),
+        job = open_job(gw, tokenizer, Barrier(tokenizer, len(requests)) if together else ScriptedModel(tokenizer, TURNS),
                        max_concurrent=8)
         client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
         try:
