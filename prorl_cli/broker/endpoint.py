@@ -58,8 +58,8 @@ class Endpoint:
         else:
             self.sock.bind(f"tcp://{bc.bind_host}:*")
         bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        # Peers on other hosts cannot dial a wildcard: publish this host's name instead.
-        self.address = bound.replace("0.0.0.0", socket.getfqdn(), 1) if "://0.0.0.0:" in bound else bound
+        # Peers on other hosts cannot dial a wildcard: publish a name (or address) of this host they can reach.
+        self.address = bound.replace("0.0.0.0", advertised_host(), 1) if "://0.0.0.0:" in bound else bound
 
     def publish(self) -> None:
         """Write the rendezvous file (every peer finds the broker and its key there) and say where it listens."""
@@ -107,3 +107,38 @@ def serve_metrics(collector: DeploymentCollector, bc: BrokerConfig) -> MetricsSe
         return None
     log.info("Prometheus metrics at %s", server.url)
     return server
+
+
+def _loopback(name: str) -> bool:
+    """Whether ``name`` resolves only to loopback addresses (or not at all)."""
+    try:
+        infos = socket.getaddrinfo(name, None, socket.AF_INET)
+    except OSError:
+        return True
+    return all(str(info[4][0]).startswith("127.") for info in infos)
+
+
+def advertised_host() -> str:
+    """This host as peers on other hosts dial it, for a broker bound to every interface.
+
+    The fully qualified name, else the host name, when it resolves to a non-loopback address. Many clusters'
+    ``/etc/hosts`` map the host name to 127.0.x.1: published, it would send every node on another host to its
+    own loopback, where no broker listens. Then the address of the interface that routes off this host.
+    """
+    for name in (socket.getfqdn(), socket.gethostname()):
+        if name and not _loopback(name):
+            return name
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 9))  # a UDP connect sends nothing: it only picks the outgoing interface
+        address = str(probe.getsockname()[0])
+    except OSError:
+        address = ""
+    finally:
+        probe.close()
+    if address and not address.startswith("127.") and address != "0.0.0.0":
+        return address
+    name = socket.getfqdn()
+    log.warning("this host's names resolve to loopback only and no routed interface was found: publishing %r, "
+                "which peers on other hosts may not reach (set broker.bind_host to an address they can dial)", name)
+    return name

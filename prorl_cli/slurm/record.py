@@ -173,9 +173,17 @@ def log_tail(cfg: DeployConfig, member: Member, lines: int = 12) -> str:
     return "\n".join(text[-lines:])
 
 
-def load_launched(deployment_dir: Path) -> tuple[LaunchRecord, DeployConfig]:
-    """The launch record and the deploy file it came from (for scale)."""
+def load_launched(deployment_dir: Path, *, or_last: bool = False) -> tuple[LaunchRecord, DeployConfig]:
+    """The launch record and the deploy file it came from (for scale).
+
+    ``or_last``: when the deployment was taken down, its last launch from ``history/`` (its logs stay where
+    they were written: what ``prorl logs`` reads after a crash and a ``down``).
+    """
     record = LaunchRecord.load(deployment_dir)
+    if record is None and or_last:
+        history = deployment_dir / HISTORY_NAME
+        ended = sorted(p for p in history.iterdir() if (p / LAUNCH_NAME).is_file()) if history.is_dir() else []
+        record = LaunchRecord.load(ended[-1]) if ended else None
     if record is None:
         raise SlurmError(f"deployment {deployment_dir.name!r} was not launched (no {deployment_dir / LAUNCH_NAME})")
     cfg = load_deploy(record.deploy_file, deployment=record.deployment)

@@ -77,3 +77,7 @@ def test_logs_of_a_launched_deployment(tmp_path: Path) -> None:
         assert down.returncode == 0, down.stdout + down.stderr
         if record is not None:
             squeue.cancel(t.job_id for t in squeue.active(record.job_ids))
+    # Taken down (the way out after a crash): the last launch's logs are still read, and it says whose.
+    after = prorl(home, "logs", "-d", name, "nodes[0]")
+    assert after.returncode == 0 and "node node-0 registered" in after.stdout, after.stderr
+    assert record is not None and f"was taken down: the logs of its last launch ({record.launch_id})" in after.stderr

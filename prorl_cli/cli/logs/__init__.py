@@ -82,7 +82,7 @@ def logs(app: App, member: str, follow: bool, lines: int, attempt: int | None, e
     deployment is -d NAME (or prorl -d NAME, or $PRORL_DEPLOYMENT).
     """
     from prorl_cli.exceptions import ProrlError
-    from prorl_cli.slurm.record import load_launched, log_files
+    from prorl_cli.slurm.record import LAUNCH_NAME, load_launched, log_files
 
     role, index = parse_member(member)
     if attempt is not None and (index is None and role != "broker"):
@@ -91,9 +91,11 @@ def logs(app: App, member: str, follow: bool, lines: int, attempt: int | None, e
         app.abort("give --attempt N or --all, not both")
     name = require_deployment(app, "logs")
     try:
-        record, cfg = load_launched(app.config.home_path / name)
+        record, cfg = load_launched(app.config.home_path / name, or_last=True)
     except ProrlError as e:
         app.abort(str(e))
+    if not (app.config.home_path / name / LAUNCH_NAME).exists():
+        app.err_console.print(f"deployment {name!r} was taken down: the logs of its last launch ({record.launch_id})")
     cfg.home = record.home
     notes = job_notes(record)
     files: list[tuple[str, Path | None]] = []
