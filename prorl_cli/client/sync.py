@@ -97,6 +97,10 @@ class RolloutClient:
     def address(self) -> str | None:
         return self._aio.address
 
+    def broker_silent_s(self) -> float | None:
+        """Seconds the broker has left the client's pings unanswered while results were awaited, else None."""
+        return self._aio.broker_silent_s()
+
     def connect(self) -> None:
         """Open the connection (done on first use anyway)."""
         self._run(self._aio.connect())
