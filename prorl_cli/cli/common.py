@@ -188,3 +188,32 @@ def sampling_of(app: App, max_tokens: int | None, temperature: float | None, top
     """The checked sampling of :func:`sampling_options`' values (None when nothing was given)."""
     return sampling_from_options(app, sampling_json, sampling_file,
                                  {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed})
+
+
+class SigtermAsInterrupt:
+    """While entered, SIGTERM unwinds like Ctrl-C (``KeyboardInterrupt``), so a command cleans up as it does
+    on Ctrl-C: a trainer's Slurm job gets SIGTERM when cancelled, preempted or out of time (its jobs must be
+    cancelled, not left running), a build stopped so (its temp files removed). ``fired``: SIGTERM came."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self._before: Any = None
+
+    def _on_term(self, signum: int, frame: object) -> None:
+        self.fired = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> SigtermAsInterrupt:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._before = signal.signal(signal.SIGTERM, self._on_term)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        if self._before is not None:
+            signal.signal(signal.SIGTERM, self._before)
+            self._before = None

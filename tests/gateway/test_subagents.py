@@ -9,6 +9,8 @@ its URL or by the ``X-Prorl-Agent`` header), and a trainer that picks one agent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from prorl_cli.agent import Trajectory
@@ -36,6 +38,22 @@ class Barrier(ScriptedModel):
             self.all_in.set()
         await asyncio.wait_for(self.all_in.wait(), 60)  # a gateway that serialises a job never gets here
         return await super().__call__(prompt_ids, sampling)
+
+
+@contextlib.asynccontextmanager
+async def _served(tokenizer: Any, model: Any, **job_options: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """A started gateway with one job answering from ``model``, and an openai client of it; both closed after."""
+    import openai
+
+    gw = Gateway()
+    await gw.start()
+    job = open_job(gw, tokenizer, model, **job_options)
+    client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
+    try:
+        yield job, client
+    finally:
+        await client.close()
+        await gw.close()
 
 
 def test_interleaved_main_and_sub_agent_conversations_stay_token_exact_and_labelled(tokenizer: Any) -> None:
@@ -89,16 +107,11 @@ def test_interleaved_main_and_sub_agent_conversations_stay_token_exact_and_label
 
 def test_an_edit_of_one_conversation_is_a_violation_and_a_new_conversation_is_not(tokenizer: Any) -> None:
     need_module("openai", "test")
-    import openai
 
     async def main() -> Trajectory:
-        gw = Gateway()
-        await gw.start()
-        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, TURNS))
-        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
         a: list[Any] = [{"role": "system", "content": "A."}, {"role": "user", "content": "one"}]
         b: list[Any] = [{"role": "system", "content": "B."}, {"role": "user", "content": "other"}]
-        try:
+        async with _served(tokenizer, ScriptedModel(tokenizer, TURNS)) as (job, client):
             first = await client.chat.completions.create(model="prorl", messages=a)
             a += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "two"}]
             await client.chat.completions.create(model="prorl", messages=b)  # another conversation
@@ -106,9 +119,6 @@ def test_an_edit_of_one_conversation_is_a_violation_and_a_new_conversation_is_no
             await client.chat.completions.create(model="prorl", messages=[a[0], a[1], {"role": "assistant", "content": "edited"},
                                                                          a[3]])
             return job.trajectory
-        finally:
-            await client.close()
-            await gw.close()
 
     traj = asyncio.run(main())
     assert [c.segment for c in traj.calls] == [0, 1, 2]
@@ -218,24 +228,16 @@ def _ask(tokenizer: Any, requests: list[list[Any]], *, together: bool) -> tuple[
     """Each request once, through the openai SDK: one after another, or all at once (the model then holds
     every call until all are in, so the gateway sees each conversation's first call still in flight)."""
     need_module("openai", "test")
-    import openai
 
     async def main() -> tuple[Trajectory, Any]:
-        gw = Gateway()
-        await gw.start()
-        job = open_job(gw, tokenizer, Barrier(tokenizer, len(requests)) if together else ScriptedModel(tokenizer, TURNS),
-                       max_concurrent=8)
-        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
-        try:
+        model = Barrier(tokenizer, len(requests)) if together else ScriptedModel(tokenizer, TURNS)
+        async with _served(tokenizer, model, max_concurrent=8) as (job, client):
             if together:
                 await asyncio.gather(*(client.chat.completions.create(model="prorl", messages=m) for m in requests))
             else:
                 for m in requests:
                     await client.chat.completions.create(model="prorl", messages=m)
             return job.trajectory, job.buffer
-        finally:
-            await client.close()
-            await gw.close()
 
     return asyncio.run(main())
 
@@ -266,7 +268,6 @@ def test_the_same_request_asked_again_is_recorded_alike_in_turn_or_at_once(token
 
 def test_a_conversation_whose_first_call_never_came_back_is_not_counted(tokenizer: Any) -> None:
     need_module("openai", "test")
-    import openai
 
     from prorl_cli.inference.contract import Generation
 
@@ -286,12 +287,8 @@ def test_a_conversation_whose_first_call_never_came_back_is_not_counted(tokenize
                 raise
 
     async def main() -> tuple[Trajectory, Any]:
-        gw = Gateway()
-        await gw.start()
         model = Held(tokenizer)
-        job = open_job(gw, tokenizer, model, max_concurrent=8)
-        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
-        try:
+        async with _served(tokenizer, model, max_concurrent=8) as (job, client):
             # A's first call is held at the model; the client gives up on it, as on a timeout.
             a = asyncio.ensure_future(client.chat.completions.create(
                 model="prorl", messages=[{"role": "system", "content": "A."}, {"role": "user", "content": "a"}]))
@@ -305,9 +302,6 @@ def test_a_conversation_whose_first_call_never_came_back_is_not_counted(tokenize
             model.gate.set()
             await b
             return job.trajectory, job.buffer
-        finally:
-            await client.close()
-            await gw.close()
 
     traj, buffer = asyncio.run(main())
     assert [c.segment for c in traj.calls] == [1] and traj.violations == []
@@ -320,23 +314,15 @@ def test_an_agent_name_that_changes_per_request_is_warned_of_once(tokenizer: Any
     need_module("openai", "test")
     import logging
 
-    import openai
 
     async def main() -> Trajectory:
-        gw = Gateway()
-        await gw.start()
-        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, TURNS))
-        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
         conv: list[Any] = [{"role": "system", "content": "S."}, {"role": "user", "content": "go"}]
-        try:
+        async with _served(tokenizer, ScriptedModel(tokenizer, TURNS)) as (job, client):
             for i in range(3):
                 resp = await client.chat.completions.create(model="prorl", messages=conv, user=f"req-{i}")
                 conv += [{"role": "assistant", "content": resp.choices[0].message.content},
                          {"role": "user", "content": "more"}]
             return job.trajectory
-        finally:
-            await client.close()
-            await gw.close()
 
     with caplog.at_level(logging.WARNING, logger="prorl_cli.gateway.buffer"):
         traj = asyncio.run(main())

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import signal
 from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
 from prorl_cli.cli.application import App
+from prorl_cli.cli.common import SigtermAsInterrupt
 
 if TYPE_CHECKING:
     from prorl_cli.images.build import Result
@@ -16,11 +16,6 @@ if TYPE_CHECKING:
 def size_text(n: int) -> str:
     """A size in bytes as megabytes."""
     return f"{n / 1e6:.1f} MB"
-
-
-def _sigterm_to_interrupt(signum: int, frame: Any) -> None:
-    # SIGTERM unwinds like Ctrl-C, so running builds are stopped and their temp files removed.
-    raise KeyboardInterrupt
 
 
 def run_builds(app: App, plans: list[Any], cache: Any, settings: Any, console: Any) -> list[Result]:
@@ -39,16 +34,13 @@ def run_builds(app: App, plans: list[Any], cache: Any, settings: Any, console: A
             progress.update(tasks[name], description=f"{name}: {message[:80]}")
 
     builder = Builder(cache, apptainer=settings.apptainer, timeout_s=settings.build_timeout_s, on_event=on_event)
-    previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     try:
-        with progress:
+        with SigtermAsInterrupt(), progress:
             for p in plans:
                 tasks[p.spec.name] = progress.add_task(f"{p.spec.name}: waiting", total=None)
             results = builder.run(plans, settings.jobs)
     except KeyboardInterrupt:
         app.abort("interrupted: running builds stopped, no image published", code=130)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     for r in results:
         if r.action == "built":
             console.print(f"[bold]{r.name}[/]: [green]built[/] in {r.build_s:.1f} s, {size_text(r.size_bytes)} → {r.path}", soft_wrap=True)

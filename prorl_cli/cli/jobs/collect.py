@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from prorl_cli.cli.application import App
+from prorl_cli.cli.common import SigtermAsInterrupt
 
 if TYPE_CHECKING:
     from prorl_cli.client import RolloutClient
@@ -78,7 +79,7 @@ def collect(
         TextColumn("{task.fields[rate]:.1f} jobs/s"),
         TimeElapsedColumn(),
     )
-    terminated = _Terminated()
+    terminated = SigtermAsInterrupt()
     try:
         with terminated, Progress(*columns, console=app.err_console, transient=False) as progress:
             bar = progress.add_task(title, total=len(ids), counts="", rate=0.0)
@@ -112,34 +113,6 @@ def collect(
 CANCELLED_RESULTS_WAIT_S = 30.0
 #: The same after SIGTERM (a Slurm job cancelled, preempted or at its time limit): well inside KillWait.
 TERMINATED_RESULTS_WAIT_S = 10.0
-
-
-class _Terminated:
-    """While entered, SIGTERM takes the Ctrl-C path (``KeyboardInterrupt``): a trainer's Slurm job gets SIGTERM
-    when it is cancelled, preempted or out of time, and its jobs must be cancelled, not left running."""
-
-    def __init__(self) -> None:
-        self.fired = False
-        self._before: Any = None
-
-    def _on_term(self, signum: int, frame: object) -> None:
-        self.fired = True
-        raise KeyboardInterrupt
-
-    def __enter__(self) -> _Terminated:
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            self._before = signal.signal(signal.SIGTERM, self._on_term)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import signal
-
-        if self._before is not None:
-            signal.signal(signal.SIGTERM, self._before)
-            self._before = None
 
 
 def _collect_cancelled(app: App, client: RolloutClient, ids: list[str], results: list[JobResult],
