@@ -314,9 +314,12 @@ def test_ctrl_c_in_quickstart_ends_in_one_line_and_leaves_no_process(tmp_path: P
     assert "Traceback" not in err and "Aborted!" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors == ["error: interrupted (Ctrl-C)"], err
-    # quickstart's own cleanup waited for what it started: nothing is left running.
+    # quickstart's own cleanup waited for what it started: nothing is left running. A grandchild its child
+    # stopped may still be in its last instant of exit on a loaded machine (no command line, not yet a
+    # zombie): its exit is awaited, not guessed; one that does not exit fails the test.
     left = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert not left, [" ".join(c.cmdline()) for c in left]
+    _, alive = psutil.wait_procs(left, timeout=30)
+    assert not alive, [(c.pid, c.status()) for c in alive]
 
 
 def test_the_live_line_of_sample_ends_its_line_off_a_terminal() -> None:
