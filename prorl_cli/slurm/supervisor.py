@@ -8,7 +8,12 @@ that ended FAILED, NODE_FAIL, OUT_OF_MEMORY, TIMEOUT (not requeued),
 BOOT_FAIL or DEADLINE is replaced by a new Slurm job under the same role name
 (``node-<index>``) ``restart_backoff_s`` after the supervisor first saw it
 ended, that wait doubling with each restart of that name, at most
-``max_restarts`` times per name (deploy.yaml, per role). Why the old task
+``max_restarts`` times per name (deploy.yaml, per role). A task that left
+squeue before any pass saw how it ended (it ended while the supervisor was
+away for longer than Slurm's MinJobAge: the broker requeued or preempted) is
+judged from its log: slurmstepd's cancel line without a cause, or submitit's
+clean exit, after the task's last start means it was asked to end; anything
+else is an end it was not asked for. Why the old task
 ended (Slurm's state, reason and exit code) is logged and kept in
 ``supervision.json``; a name whose budget is spent is marked given up there
 with its log tail, which ``prorl status`` shows. Tasks that were asked to end
@@ -35,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -43,7 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prorl_cli.exceptions import ProrlError
-from prorl_cli.slurm.record import SUPERVISION_NAME, launch_lock, load_launched, log_tail
+from prorl_cli.slurm.record import SUPERVISION_NAME, launch_lock, load_launched, log_files, log_tail
 
 log = logging.getLogger("prorl_cli.slurm.supervisor")  # also when run as __main__
 
@@ -70,6 +76,8 @@ class NameState:
     history: list[dict[str, str]] = field(default_factory=list)
     #: Set once the budget is spent: {"job_id", "ended", "log_tail"}.
     gave_up: dict[str, str] | None = None
+    #: The name's task that left squeue unseen and whose log says it was asked to end: not read again.
+    left_alone: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NameState:
@@ -141,6 +149,51 @@ def decide(state: NameState, job_id: str, now: float, max_restarts: int, restart
     return Decision("replace" if now >= due_at else "wait", due_at)
 
 
+#: What slurmstepd writes into a task's log when it is cancelled, "*** JOB 282 ON n2 CANCELLED AT
+#: 2026-12-05T21:10:41 ***", with " DUE TO TIME LIMIT" (NODE FAILURE, PREEMPTION, JOB REQUEUE) when Slurm did it.
+_CANCELLED = re.compile(r"\*\*\* JOB \S+ ON \S+ CANCELLED AT \S+(?: DUE TO ([^*]+?))? \*\*\*")
+#: What submitit writes at each start of a task; the log is appended to across requeues.
+_STARTED = "- Starting with JobEnvironment("
+#: What submitit writes when the task's function returned.
+_CLEAN_EXIT = "- Exiting after successful completion"
+#: How much of the end of a log is read (a task's own lines after its last start are what count).
+_LOG_READ_BYTES = 1 << 20
+
+
+def ended_unseen(log_text: str) -> str | None:
+    """How a task that left squeue before a pass saw it ended, from its log: None when it was asked to end.
+
+    Asked to end: a cancel without a cause (``scancel``), a requeue (the task left squeue later, cancelled while
+    it waited), or a clean exit, after its last start; and an empty log: a task that never started cannot have
+    crashed, and what ends one waiting in the queue is a scancel (or Slurm refusing it, which a replacement would
+    meet again). Anything else (killed, a cancel by Slurm for a time limit, a node failure or a preemption that
+    did not requeue it, a setup line that failed) is an end it was not asked for; the words returned say so for
+    the supervisor's log and ``supervision.json``.
+    """
+    if not log_text.strip():
+        return None
+    start = log_text.rfind(_STARTED)
+    last_run = log_text[start:] if start >= 0 else log_text
+    cancels = _CANCELLED.findall(last_run)
+    if cancels:
+        cause = cancels[-1]
+        if not cause or cause == "JOB REQUEUE":
+            return None
+        return f"CANCELLED DUE TO {cause} (from its log: it left squeue before it was seen ended)"
+    if _CLEAN_EXIT in last_run:
+        return None
+    return "unseen (it left squeue before it was seen ended, and its log shows neither a scancel nor a clean exit)"
+
+
+def _read_log_end(files: list[Path]) -> str:
+    """The last ``_LOG_READ_BYTES`` of a task's newest log ("" when it has none)."""
+    if not files:
+        return ""
+    with files[-1].open("rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_READ_BYTES))
+        return f.read().decode(errors="replace")
+
+
 @dataclass
 class PassResult:
     """What one supervision pass did."""
@@ -181,8 +234,19 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult
                     state.failure = None
                     changed = True
                 continue
+            unseen_end: str | None = None
             if t is None and not seen:
-                continue  # not in squeue (aged out, or not there yet) and not seen ended
+                # Not in squeue: it ended and aged out (MinJobAge) before a pass saw it (a member is in squeue from
+                # the moment sbatch returned). Its log tells an end it was asked for from one it was not.
+                if state is not None and state.left_alone == m.job_id:
+                    continue
+                unseen_end = ended_unseen(_read_log_end(log_files(cfg, m)))
+                if unseen_end is None:
+                    log.info("%s (Slurm job %s) left squeue before it was seen ended; its log says it was asked to "
+                             "end: not replaced", m.peer_id, m.job_id)
+                    sup.names.setdefault(m.peer_id, NameState()).left_alone = m.job_id
+                    changed = True
+                    continue
             state = sup.names.setdefault(m.peer_id, NameState())
             opts = cfg.role(m.role)
             budget = opts.max_restarts  # type: ignore[attr-defined]
@@ -191,9 +255,10 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult
                 continue
             if state.failure is not None and state.failure.job_id == m.job_id:
                 ended = state.failure.ended
-            else:
-                assert t is not None
+            elif t is not None:
                 ended = squeue.ended(t).describe()
+            else:
+                ended = unseen_end or "unseen"
             if decision.action == "give_up":
                 tail = log_tail(cfg, m, lines=12)
                 state.gave_up = {"job_id": m.job_id, "ended": ended, "log_tail": tail}
@@ -269,6 +334,8 @@ def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S, parent_p
             # A pass that fails (squeue unreachable, a full or flaky shared filesystem, a torn state file) is
             # retried at the next one: the supervisor outlives it, or no dead task would be replaced again.
             log.warning("supervision pass failed: %s: %s", type(e).__name__, e)
+        except Exception:  # noqa: BLE001 - the rule above holds for a bug too; its traceback goes to the log
+            log.exception("supervision pass failed")
         deadline = time.monotonic() + wait_s
         while not stop and time.monotonic() < deadline and (parent_pid is None or os.getppid() == parent_pid):
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

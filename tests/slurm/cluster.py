@@ -51,15 +51,20 @@ def write_yaml(path: Path, data: dict[str, Any]) -> Path:
     return path
 
 
-def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.5) -> T:
-    """Poll Slurm or the broker (neither pushes events to us) until ``predicate`` is truthy."""
+def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.5,
+               explain: Callable[[], str] | None = None) -> T:
+    """Poll Slurm or the broker (neither pushes events to us) until ``predicate`` is truthy.
+
+    ``explain`` says what the cluster looked like when the wait timed out (it goes into the failure's message).
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            seen = f"\n{explain()}" if explain is not None else ""
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{seen}")
         time.sleep(interval_s)
 
 

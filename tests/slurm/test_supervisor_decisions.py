@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prorl_cli.slurm import launcher, options, squeue
+from prorl_cli.slurm import launcher, options, squeue, supervisor
 from prorl_cli.slurm.deploy import ArrayRole
 from prorl_cli.slurm.record import (
     HISTORY_NAME,
@@ -29,6 +29,7 @@ from prorl_cli.slurm.supervisor import (
     SeenFailure,
     Supervision,
     decide,
+    ended_unseen,
     supervise_once,
 )
 
@@ -252,3 +253,66 @@ def test_a_task_in_a_final_state_is_gone(state: str) -> None:
 def test_a_running_task_being_signalled_holds_its_allocation() -> None:
     assert {"SIGNALING", "STAGE_OUT", "STOPPED"} <= squeue.RUNNING_STATES
     assert not squeue.RUNNING_STATES & squeue.ENDED_STATES
+
+
+# Log texts as a task's Slurm log holds them (submitit's start line, slurmstepd's cancel lines, the batch script's
+# report of a killed srun), each the end of a log that earlier runs of the task (requeues) appended to.
+_STARTED = "submitit INFO (2026-12-05 21:10:16,311) - Starting with JobEnvironment(job_id=279_1, hostname=vm)\n"
+_ROLE = "2026-12-05 21:10:16,604 node[25277] INFO prorl_cli.slurm.roles: node of deployment 'x': job 279_1\n"
+_SCANCEL = ("slurmstepd-n2: error: *** STEP 282.0 ON n2 CANCELLED AT 2026-12-05T21:10:41 ***\n"
+            "slurmstepd-n2: error: *** JOB 282 ON n2 CANCELLED AT 2026-12-05T21:10:41 ***\n")
+_REQUEUED = "slurmstepd-n1: error: *** JOB 281 ON n1 CANCELLED AT 2026-12-05T21:11:41 DUE TO JOB REQUEUE ***\n"
+_TIME_LIMIT = "slurmstepd-n1: error: *** JOB 281 ON n1 CANCELLED AT 2026-12-05T21:41:41 DUE TO TIME LIMIT ***\n"
+_CLEAN = "submitit INFO (2026-12-05 21:10:41,720) - Exiting after successful completion\n"
+_KILLED = ("/var/spool/slurm/d-n3/job00280/slurm_script: line 21: 25183 Killed  srun --unbuffered python -u -m "
+           "submitit.core._submit /x\nslurmstepd-n3: error: *** STEP 280.0 ON n3 CANCELLED AT 2026-12-05T21:10:51 ***\n")
+
+
+@pytest.mark.parametrize(("log_text", "asked"), [
+    (_STARTED + _ROLE + _SCANCEL + _CLEAN, True),  # scancel by hand: the role drained and returned
+    (_STARTED + _ROLE + _SCANCEL, True),
+    (_STARTED + _ROLE + _CLEAN, True),  # the role returned on its own
+    (_STARTED + _ROLE + _REQUEUED, True),  # requeued, then cancelled while it waited (no new start)
+    ("", True),  # never started
+    (_STARTED + _ROLE + _KILLED, False),  # killed: only the step's cancel line, as the job ended
+    (_STARTED + _ROLE + _TIME_LIMIT, False),
+    (_STARTED + _ROLE + _SCANCEL + _CLEAN + _STARTED + _ROLE, False),  # requeued and died: the cancel was earlier
+    (_STARTED + _ROLE + _REQUEUED + _STARTED + _ROLE + _KILLED, False),
+    ("bash: line 3: module: command not found\n", False),  # its setup line failed before submitit started
+])
+def test_a_task_that_left_squeue_unseen_is_judged_by_its_log_since_its_last_start(log_text: str, asked: bool) -> None:
+    verdict = ended_unseen(log_text)
+    assert (verdict is None) == asked, verdict
+    if "TIME LIMIT" in log_text:
+        assert verdict is not None and "TIME LIMIT" in verdict
+
+
+def _write_log(deployment_dir: Path, role: str, job_id: str, text: str) -> None:
+    folder = deployment_dir / "slurm" / role / job_id
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{job_id}_0_log.out").write_text(text)
+
+
+def test_a_task_that_failed_while_no_supervisor_watched_is_replaced_and_one_cancelled_is_left_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slurm = FakeSlurm(monkeypatch)
+    deployment_dir = _launched(tmp_path, "L5")
+    # node-0 was killed while the broker (and its supervisor) was away for longer than MinJobAge: squeue has
+    # forgotten it, its log has no scancel and no clean exit.
+    _write_log(deployment_dir, "nodes", "10_0", _STARTED + _ROLE + _KILLED)
+    first = supervise_once(deployment_dir, now=1000.0)
+    assert first.replaced == [] and first.next_due_at == 1030.0, "seen now: replaced restart_backoff_s later"
+    failure = Supervision.load(deployment_dir, "L5").names["node-0"].failure
+    assert failure is not None and "left squeue before it was seen ended" in failure.ended
+    assert supervise_once(deployment_dir, now=1030.0).replaced == ["node-0"] and _node0(deployment_dir) == "20_0"
+    # Its replacement is cancelled by hand and ages out unseen too: asked to end, left alone, its log read once.
+    _write_log(deployment_dir, "nodes", "20_0", _STARTED + _ROLE + _SCANCEL + _CLEAN)
+    del slurm.states["20_0"]
+    reads: list[str] = []
+    real_read = supervisor._read_log_end
+    monkeypatch.setattr(supervisor, "_read_log_end", lambda files: reads.append(str(files)) or real_read(files))
+    for now in (2000.0, 2005.0, 9000.0):
+        assert supervise_once(deployment_dir, now=now).replaced == [] and slurm.submitted == ["20_0"]
+    state = Supervision.load(deployment_dir, "L5").names["node-0"]
+    assert state.left_alone == "20_0" and state.restarts == 1 and state.failure is None
+    assert len(reads) == 1

@@ -213,13 +213,16 @@ def _print_ended(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
     cfg: DeployConfig | None = None
     for m in record.members:
         t = by_id.get(m.job_id)
-        if t is None or t.state not in squeue.UNASKED_END_STATES:
+        state = sup.names.get(m.peer_id)
+        if t is not None and t.state in squeue.UNASKED_END_STATES:
+            ended = squeue.ended(t).describe()
+        elif t is None and state is not None and state.failure is not None and state.failure.job_id == m.job_id:
+            ended = state.failure.ended  # aged out of squeue: the supervisor's words for how it ended
+        else:
             continue
-        ended = squeue.ended(t)
         if cfg is None:
             with contextlib.suppress(ProrlError):
                 _, cfg = load_launched(Path(record.home) / record.deployment)
-        state = sup.names.get(m.peer_id)
         verdict = ""
         if state is not None and state.gave_up is not None and state.gave_up.get("job_id") == m.job_id:
             verdict = f"; [bold red]failed[/]: not replaced any more ({state.restarts} restart(s), max_restarts spent)"
@@ -228,7 +231,7 @@ def _print_ended(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
             budget, backoff_s = opts.max_restarts, opts.restart_backoff_s  # type: ignore[attr-defined]
             due_in_s = max(0.0, replacement_due_at(state.restarts, state.failure.seen_at, backoff_s) - time.time())
             verdict = f"; replacement due in {due_in_s:.0f} s (restart {state.restarts + 1} of {budget})"
-        app.console.print(f"[red]{m.peer_id}[/] (Slurm job {m.job_id}) ended {ended.describe()}{verdict}")
+        app.console.print(f"[red]{m.peer_id}[/] (Slurm job {m.job_id}) ended {ended}{verdict}")
         if cfg is None:
             continue
         tail = log_tail(cfg, m, lines=8)
