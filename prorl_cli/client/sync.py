@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
+import threading
 import weakref
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -26,6 +28,28 @@ from prorl_cli.protocol import BackendStatus, ForgetOutcome, JobResult, JobSpec,
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop, built whole: Ctrl-C and SIGTERM are held off while its parts are made.
+
+    A KeyboardInterrupt between them leaves a half-built loop whose finalizer prints an error at exit; held
+    off, it comes as soon as the loop is whole (from the main thread; elsewhere signals never arrive anyway).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return asyncio.new_event_loop()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    loop: asyncio.AbstractEventLoop | None = None
+    try:
+        loop = asyncio.new_event_loop()
+    finally:
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal held off is handled here
+        except BaseException:
+            if loop is not None:
+                loop.close()
+            raise
+    return loop
 
 
 def _end_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -54,8 +78,12 @@ class RolloutClient:
     """Blocking client. Same methods as :class:`AsyncRolloutClient`; use that one inside asyncio code."""
 
     def __init__(self, deployment: str | None = None, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._aio = self._run(self._make(deployment, kwargs))
+        self._loop = _new_loop()
+        try:
+            self._aio = self._run(self._make(deployment, kwargs))
+        except BaseException:  # a bad config, no deployment, a Ctrl-C: the loop and its self-pipe go too
+            _end_loop(self._loop)
+            raise
         # A client never closed (a one-line script) is closed when it is collected or the interpreter exits,
         # instead of its loop's tasks being reported destroyed while pending.
         self._finalizer = weakref.finalize(self, _close, self._loop, self._aio)

@@ -271,3 +271,40 @@ def test_a_wait_that_times_out_while_the_broker_is_silent_says_so(tmp_path: Path
             c.cancel([s.job_id for s in specs])
     finally:
         d.close()
+
+
+def test_a_ctrl_c_while_a_blocking_client_builds_its_loop_comes_once_the_loop_is_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in the middle of ``asyncio.new_event_loop()`` left a half-built loop that printed "Exception
+    ignored ... _ssock" at exit; it is held off until the loop is whole, and the loop is closed on the way out."""
+    import os
+
+    from prorl_cli.client import sync
+
+    built: list[asyncio.AbstractEventLoop] = []
+    real = asyncio.new_event_loop
+
+    def interrupted_midway() -> asyncio.AbstractEventLoop:
+        os.kill(os.getpid(), signal.SIGINT)  # unheld, the KeyboardInterrupt is raised at the next line
+        loop = real()
+        built.append(loop)
+        return loop
+
+    monkeypatch.setattr(sync.asyncio, "new_event_loop", interrupted_midway)
+    with pytest.raises(KeyboardInterrupt):
+        RolloutClient("nowhere", address="tcp://127.0.0.1:9")
+    assert len(built) == 1, "the loop was built whole before the Ctrl-C came"
+    assert built[0].is_closed(), "and closed on the way out"
+
+
+def test_a_blocking_client_that_cannot_be_made_closes_its_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prorl_cli.client import sync
+
+    built: list[asyncio.AbstractEventLoop] = []
+    real = asyncio.new_event_loop
+    monkeypatch.setattr(sync.asyncio, "new_event_loop", lambda: built.append(real()) or built[-1])
+    monkeypatch.setenv("PRORL_HOME", str(tmp_path))
+    with pytest.raises(Exception) as refused:
+        RolloutClient("no-such-deployment", config=None, no_such_option=1)
+    assert not isinstance(refused.value, KeyboardInterrupt)
+    assert len(built) == 1 and built[0].is_closed(), "its loop (and the loop's self-pipe) went with it"
