@@ -86,8 +86,14 @@ class ChatRequest:
     agent: str | None = None
 
 
+#: Between a message's text parts (and an Anthropic message's text blocks): what vLLM's chat rendering puts
+#: there for templates that take a string, so a prompt reads as ``vllm serve`` renders it; and parts that are
+#: separate blocks (a harness's reminder block, then the user's words) do not run into each other.
+PART_SEPARATOR = "\n"
+
+
 def _text(content: Any, where: str) -> str:
-    """A message's content as one string: a string, null, or a list of text parts."""
+    """A message's content as one string: a string, null, or a list of text parts (joined by ``PART_SEPARATOR``)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -105,7 +111,7 @@ def _text(content: Any, where: str) -> str:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise RequestError(f"{where}[{i}]: content parts of type {kind!r} are not supported (text only)",
                                    param=where)
-        return "".join(parts)
+        return PART_SEPARATOR.join(parts)
     raise RequestError(f"{where} must be a string, null or a list of text parts", param=where)
 
 
@@ -669,7 +675,7 @@ def anthropic_messages(system: Any, raw: Any, *, prefill_ok: bool = False) -> li
                     continue
                 else:
                     raise RequestError(f"{where}.content[{j}]: block type {kind!r} is not supported", param="messages")
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+            msg: dict[str, Any] = {"role": "assistant", "content": PART_SEPARATOR.join(texts)}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -688,7 +694,7 @@ def anthropic_messages(system: Any, raw: Any, *, prefill_ok: bool = False) -> li
             else:
                 raise RequestError(f"{where}.content[{j}]: block type {kind!r} is not supported", param="messages")
         if texts:
-            out.append({"role": "user", "content": "".join(texts)})
+            out.append({"role": "user", "content": PART_SEPARATOR.join(texts)})
     if raw[-1]["role"] == "assistant" and not prefill_ok:
         # Anthropic continues a final assistant message (a prefill) in the same turn; the gateway's chat
         # template would close it and start a new turn: a different answer than the API's, so refused.

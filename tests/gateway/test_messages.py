@@ -49,3 +49,21 @@ def test_a_bad_message_after_a_reused_prefix_is_named_and_the_memo_keeps_the_las
     with pytest.raises(RequestError, match=r"messages\[4\]\.role 'robot'"):
         openai_messages(bad, memo)
     assert memo.raw is good and len(memo.out) == len(good)
+
+
+def test_text_parts_are_joined_as_vllm_joins_them() -> None:
+    """A harness's separate blocks (a reminder, then the user's words) do not run into each other, and a prompt
+    reads as ``vllm serve`` renders it for a template that takes a string: parts joined by a newline."""
+    from prorl_cli.gateway.messages import anthropic_messages
+
+    parts = [{"type": "text", "text": "<system-reminder>be brief</system-reminder>"},
+             {"type": "text", "text": "Fix the bug."}]
+    expected = "<system-reminder>be brief</system-reminder>\nFix the bug."
+    assert openai_messages([{"role": "user", "content": parts}]) == [{"role": "user", "content": expected}]
+    [user] = anthropic_messages(None, [{"role": "user", "content": parts}])
+    assert user == {"role": "user", "content": expected}
+    [_, tool] = anthropic_messages(None, [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "bash", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": parts}]},
+    ], prefill_ok=True)
+    assert tool["content"] == expected
