@@ -110,11 +110,24 @@ class BrokerRole(SlurmJobOptions):
     bind_host: str | None = None
     port: int = 0
     cpus_per_task: int = 1
+    # A broker job that ended on its own (killed, FAILED, OUT_OF_MEMORY, NODE_FAIL) is replaced by its nodes and
+    # bridges (its own supervisor died with it) at most this often, restart_backoff_s after it was seen ended
+    # (doubling with each restart); the new broker replays the journal. Shorter than a task's: everything waits.
+    max_restarts: int = 3
+    restart_backoff_s: float = 10.0
 
     def validate(self, where: str) -> None:
         super().validate(where)
         if not 0 <= self.port < 65536:
             raise ConfigError(f"{where}.port: must be 0..65535, got {self.port}")
+        _check_restarts(self.max_restarts, self.restart_backoff_s, where)
+
+
+def _check_restarts(max_restarts: int, restart_backoff_s: float, where: str) -> None:
+    if max_restarts < 0:
+        raise ConfigError(f"{where}.max_restarts: must be 0 (never replace) or more, got {max_restarts}")
+    if restart_backoff_s < 0:
+        raise ConfigError(f"{where}.restart_backoff_s: must be 0 or more, got {restart_backoff_s}")
 
 
 @dataclass
@@ -136,10 +149,7 @@ class ArrayRole(SlurmJobOptions):
             raise ConfigError(f"{where}.count: must be 0 or more, got {self.count}")
         if self.array_parallelism < 0:
             raise ConfigError(f"{where}.array_parallelism: must be 0 (all) or more, got {self.array_parallelism}")
-        if self.max_restarts < 0:
-            raise ConfigError(f"{where}.max_restarts: must be 0 (never replace) or more, got {self.max_restarts}")
-        if self.restart_backoff_s < 0:
-            raise ConfigError(f"{where}.restart_backoff_s: must be 0 or more, got {self.restart_backoff_s}")
+        _check_restarts(self.max_restarts, self.restart_backoff_s, where)
 
 
 @dataclass

@@ -113,6 +113,8 @@ def watch(name: str, check: Callable[[], object]) -> Iterator[None]:
                 check()
             except (ProrlError, OSError) as e:
                 log.debug("%s: %s", name, e)
+            except Exception:  # noqa: BLE001 - a bug must not end the watch for good; its traceback goes to the log
+                log.exception("%s failed", name)
 
     thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()

@@ -185,11 +185,21 @@ def release_requeued_broker(deployment_dir: Path) -> bool:
 
 @contextlib.contextmanager
 def broker_requeue_watch(deployment_dir: Path, identity: SlurmIdentity) -> Iterator[None]:
-    """Around a node or bridge in Slurm: a thread that releases the broker's requeued job (:func:`release_requeued_broker`)."""
+    """Around a node or bridge in Slurm: a thread that releases the broker's requeued job
+    (:func:`release_requeued_broker`) and, in turn with the other peers, replaces a broker job that ended on its
+    own (:class:`prorl_cli.slurm.supervisor.BrokerWatch`)."""
     if not identity.in_slurm:
         yield
         return
-    with watch("broker-requeue-watch", lambda: release_requeued_broker(deployment_dir)):
+    from prorl_cli.slurm.supervisor import BrokerWatch
+
+    replace_ended_broker = BrokerWatch(deployment_dir)
+
+    def check() -> None:
+        release_requeued_broker(deployment_dir)
+        replace_ended_broker()
+
+    with watch("broker-watch", check):
         yield
 
 

@@ -1,4 +1,4 @@
-"""Self-healing: replace node and inference tasks that ended without being asked to.
+"""Self-healing: replace node and inference tasks, and the broker, that ended without being asked to.
 
 Runs inside the broker's Slurm job (a child process the broker role starts
 and stops; no daemon on the login node). Every ``SUPERVISE_INTERVAL_S`` (and
@@ -23,6 +23,10 @@ takes away is moved to launch.json's ``retired`` before it is signalled (the
 supervisor looks only at ``members``), and ``prorl down`` marks launch.json
 ``stopping`` before it stops anything (the supervisor then replaces nothing).
 
+The broker's own job is looked after the same way by its nodes and bridges
+(:class:`BrokerWatch`, in turn, with the broker's ``max_restarts`` and
+``restart_backoff_s``): this supervisor ends with the broker's job.
+
 A requeued task (a node's or bridge's drain on SIGUSR2, preemption, a
 requeue by hand) waits in PENDING (BeginTime) for Slurm's requeue delay,
 about two minutes; the supervisor makes it eligible at once
@@ -40,8 +44,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -49,7 +55,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prorl_cli.exceptions import ProrlError
-from prorl_cli.slurm.record import SUPERVISION_NAME, launch_lock, load_launched, log_files, log_tail
+from prorl_cli.slurm.record import (
+    LAUNCH_NAME,
+    SUPERVISION_NAME,
+    LaunchRecord,
+    Member,
+    launch_lock,
+    load_launched,
+    log_files,
+    log_tail,
+)
 
 log = logging.getLogger("prorl_cli.slurm.supervisor")  # also when run as __main__
 
@@ -204,8 +219,42 @@ class PassResult:
     stopping: bool = False  # the deployment is being taken down: nothing was looked at
 
 
-def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult:
-    """One pass: replace what ended on its own and may be replaced (by now)."""
+#: What the broker's supervisor looks after; the broker's own job is looked after by its nodes and bridges.
+TASK_ROLES = ("nodes", "inference")
+BROKER_ROLES = ("broker",)
+
+
+def submit_outside_this_job(deployment_dir: Path, role: str, indices: list[int]) -> list[Member]:
+    """Submit ``role`` tasks from a child process without this Slurm job's variables.
+
+    sbatch takes SLURM_*/SBATCH_* variables for options of the new job, and submitit, in the new job, takes an
+    inherited SLURM_ARRAY_JOB_ID for its own and looks for a pickle that is not there. The broker's supervisor
+    starts with them removed; a node or bridge replacing the broker runs its sbatch through this child.
+    """
+    from prorl_cli.exceptions import SlurmError
+    from prorl_cli.slurm.identity import child_env
+
+    cmd = [sys.executable, "-m", "prorl_cli.slurm.supervisor", "--submit", str(deployment_dir), role,
+           *map(str, indices)]
+    try:
+        proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise SlurmError(f"submitting the {role}: no answer in {e.timeout:.0f} s") from e
+    if proc.returncode != 0:
+        raise SlurmError(f"submitting the {role}: {proc.stderr.strip()[-2000:]}")
+    try:
+        return [Member(**m) for m in json.loads(proc.stdout.strip().splitlines()[-1])]
+    except (ValueError, TypeError, IndexError) as e:
+        raise SlurmError(f"submitting the {role}: unreadable answer {proc.stdout[-500:]!r}") from e
+
+
+def supervise_once(deployment_dir: Path, now: float | None = None,
+                   roles: tuple[str, ...] = TASK_ROLES, from_this_job: bool = True) -> PassResult:
+    """One pass over the members of ``roles``: replace what ended on its own and may be replaced (by now).
+
+    ``from_this_job``: submit from this process, whose environment holds no Slurm job's variables (the
+    supervisor's); else through :func:`submit_outside_this_job` (a node or bridge, inside its own Slurm job).
+    """
     from prorl_cli.slurm import squeue
     from prorl_cli.slurm.options import submit_role
 
@@ -217,7 +266,7 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult
             result.stopping = True
             return result
         # Only members: tasks scaled away went to `retired` before they were asked to leave.
-        members = [m for m in record.members if m.role in ("nodes", "inference")]
+        members = [m for m in record.members if m.role in roles]
         rows = {t.job_id: t for t in squeue.query([m.job_id for m in members], all_states=True)}
         sup = Supervision.load(deployment_dir, record.launch_id)
         changed = False
@@ -281,7 +330,10 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult
             log.warning("%s (Slurm job %s) ended %s without being asked to: replacing it (restart %d of %d)",
                         m.peer_id, m.job_id, ended, state.restarts + 1, budget)
             try:
-                [new] = submit_role(cfg, m.role, [m.index])
+                if from_this_job:
+                    [new] = submit_role(cfg, m.role, [m.index])
+                else:
+                    [new] = submit_outside_this_job(deployment_dir, m.role, [m.index])
             except ProrlError as e:
                 log.error("could not replace %s: %s", m.peer_id, e)
                 continue
@@ -297,6 +349,41 @@ def supervise_once(deployment_dir: Path, now: float | None = None) -> PassResult
             sup.save(deployment_dir)
             record.save(deployment_dir)
     return result
+
+
+#: Between them, the nodes and bridges of a deployment look at its broker's Slurm job about this often (each one
+#: every BROKER_LOOK_S times their number, at random): one squeue every few seconds, whatever the deployment's size.
+BROKER_LOOK_S = 5.0
+
+
+class BrokerWatch:
+    """Run by each node and bridge of a ``prorl launch`` deployment on Slurm, every few seconds: replace the broker's
+    job when it ended on its own (killed, FAILED, OUT_OF_MEMORY, NODE_FAIL), as the broker's supervisor replaces
+    theirs; that supervisor is the broker job's child and ended with it.
+
+    Several peers may look at once: the launch lock orders them, and the first one's replacement is what the
+    others then find in launch.json. The new broker replays the journal and the peers follow its rendezvous file.
+    """
+
+    def __init__(self, deployment_dir: Path) -> None:
+        self.deployment_dir = deployment_dir
+        self._next_at = time.monotonic() + self._interval_s()
+
+    def _interval_s(self) -> float:
+        try:
+            record = LaunchRecord.load(self.deployment_dir)
+        except ProrlError:
+            record = None
+        peers = sum(m.role in TASK_ROLES for m in record.members) if record is not None else 1
+        return random.uniform(0.5, 1.5) * BROKER_LOOK_S * max(2, peers)
+
+    def __call__(self) -> None:
+        """Look now if this peer's turn has come (plain sbatch scripts, without launch.json, have no broker to replace)."""
+        if time.monotonic() < self._next_at:
+            return
+        self._next_at = time.monotonic() + self._interval_s()
+        if (self.deployment_dir / LAUNCH_NAME).exists():
+            supervise_once(self.deployment_dir, roles=BROKER_ROLES, from_this_job=False)
 
 
 def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S, parent_pid: int | None = None) -> None:
@@ -341,7 +428,27 @@ def run(deployment_dir: Path, interval_s: float = SUPERVISE_INTERVAL_S, parent_p
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
+def _submit_main(args: list[str]) -> int:
+    """``--submit DEPLOYMENT_DIR ROLE INDEX...``: submit, print the new members as one line of JSON.
+
+    Run by :func:`submit_outside_this_job` while its caller holds the launch lock: read launch.json, never lock.
+    """
+    from prorl_cli.slurm.options import submit_role
+
+    deployment_dir, role, indices = Path(args[0]), args[1], [int(i) for i in args[2:]]
+    _, cfg = load_launched(deployment_dir)
+    try:
+        members = submit_role(cfg, role, indices)
+    except ProrlError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(json.dumps([asdict(m) for m in members]))
+    return 0
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s supervisor[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    if sys.argv[1:2] == ["--submit"]:
+        sys.exit(_submit_main(sys.argv[2:]))
     run(Path(sys.argv[1]), parent_pid=int(sys.argv[2]) if len(sys.argv) > 2 else None)

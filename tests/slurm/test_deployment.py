@@ -7,8 +7,9 @@ the broker (journal replay), made eligible again by its nodes and bridges
 without waiting out Slurm's requeue delay; status while the broker restarts;
 a node requeued on SIGUSR2, released by the supervisor and not counted as a
 failure; scale up, and down: a pending task first, then the least loaded one,
-drained with its running jobs delivered once; down leaves nothing, and the
-supervisor replaced only the task that was killed.
+drained with its running jobs delivered once; the broker killed mid-run,
+replaced by its peers, its journal replayed; down leaves nothing, and only
+the tasks that were killed were replaced.
 The tests share the deployment and run in file order.
 """
 
@@ -366,19 +367,45 @@ def test_scale_down_takes_a_pending_task_first_then_drains_the_least_loaded_with
     assert "not requeueing" in logs_of(launched.dir / "slurm" / "nodes" / job)
 
 
+def test_a_killed_broker_is_replaced_by_its_peers_and_its_new_job_replays_the_journal(launched: Launched) -> None:
+    victim = launched.member("broker")
+
+    def kill_broker() -> None:
+        wait_until(lambda: launched.client.status().jobs.get("run", 0) > 0, 60, "jobs running")
+        # SIGKILL: no drain, no requeue; the supervisor, its child, ends with its job. Its nodes and bridges see
+        # the job ended FAILED and submit a new one.
+        _role_process(victim).kill()
+
+        def seen() -> str:
+            rows = squeue.query([m.job_id for m in launched.record.members], all_states=True)
+            lines = [line for line in _peer_logs(launched).splitlines() if "broker" in line]
+            return f"squeue: {rows}\nthe peers' log on the broker:\n" + "\n".join(lines[-40:])
+
+        wait_until(lambda: launched.member("broker").job_id != victim.job_id, 240,
+                   "a new Slurm job for the broker", explain=seen)
+
+    launched.run_load(30, 1.5, kill_broker)  # every job done once: the new broker replayed the journal
+    new = launched.member("broker")
+    assert victim.job_id in {m.job_id for m in launched.record.retired}
+    assert "journal replayed" in logs_of(launched.dir / "slurm" / "broker" / new.job_id)
+    assert re.search(rf"broker \(Slurm job {victim.job_id}\) ended FAILED .*without being asked to",
+                     _peer_logs(launched))
+
+
 def _counted_failures(launched: Launched) -> list[str]:
-    """The names the supervisor logged as ended without being asked to."""
-    text = logs_of(launched.dir / "slurm" / "broker")
+    """The names the supervisor (and, for the broker, its peers) logged as ended without being asked to."""
+    text = logs_of(launched.dir / "slurm" / "broker") + _peer_logs(launched)
     return sorted(set(re.findall(r"(\S+) \(Slurm job \S+\) ended .*without being asked to", text)))
 
 
 def test_down_leaves_nothing(launched: Launched) -> None:
     record = launched.record
-    # Only the inference task killed with SIGKILL was a failure: the requeues, the scancel of node-1 and the
-    # tasks scaled away were asked for.
-    assert _counted_failures(launched) == ["inference-1"]
+    # Only the inference task and the broker killed with SIGKILL were failures: the requeues, the scancel of
+    # node-1 and the tasks scaled away were asked for.
+    assert _counted_failures(launched) == ["broker", "inference-1"]
     supervised = launched.supervised()
-    assert {name: state["restarts"] for name, state in supervised.items() if state["restarts"]} == {"inference-1": 1}
+    assert {name: state["restarts"] for name, state in supervised.items() if state["restarts"]} == {
+        "inference-1": 1, "broker": 1}
     # node-1, cancelled by hand, may have aged out of squeue by now: its log then told the supervisor so.
     assert all(state["left_alone"] for state in supervised.values() if not state["restarts"]), supervised
     launched.client.close()
@@ -395,6 +422,7 @@ def test_down_leaves_nothing(launched: Launched) -> None:
     gone = prorl(launched.home, "-d", NAME, "status")
     assert gone.returncode != 0
     # Nor did anything taken down count as a failure: the supervisor's state, archived with the launch, is unchanged.
-    assert _counted_failures(launched) == ["inference-1"]
+    assert _counted_failures(launched) == ["broker", "inference-1"]
     archived = json.loads((launched.dir / HISTORY_NAME / record.launch_id / SUPERVISION_NAME).read_text())
-    assert {name: state["restarts"] for name, state in archived["names"].items()} == {"inference-1": 1}
+    assert {name: state["restarts"] for name, state in archived["names"].items() if state["restarts"]} == {
+        "inference-1": 1, "broker": 1}

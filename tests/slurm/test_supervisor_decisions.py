@@ -316,3 +316,46 @@ def test_a_task_that_failed_while_no_supervisor_watched_is_replaced_and_one_canc
     state = Supervision.load(deployment_dir, "L5").names["node-0"]
     assert state.left_alone == "20_0" and state.restarts == 1 and state.failure is None
     assert len(reads) == 1
+
+
+def test_the_broker_job_is_looked_after_by_its_peers_not_by_its_own_supervisor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slurm = FakeSlurm(monkeypatch)
+    deployment_dir = _launched(tmp_path, "L6")
+    slurm.states.update({"9": "FAILED", "10_0": "RUNNING"})
+    # The broker job's supervisor (the default roles) never replaces its own job; it died with it anyway.
+    assert supervise_once(deployment_dir, now=1000.0).replaced == []
+    # Its peers do: restart_backoff_s (the broker's: 10 s by default) after they saw it ended.
+    first = supervise_once(deployment_dir, now=1000.0, roles=supervisor.BROKER_ROLES)
+    assert first.replaced == [] and first.next_due_at == 1010.0
+    assert supervise_once(deployment_dir, now=1010.0, roles=supervisor.BROKER_ROLES).replaced == ["broker"]
+    record = LaunchRecord.load(deployment_dir)
+    assert record is not None
+    assert record.of("broker")[0].job_id == "20_0" and [m.job_id for m in record.retired] == ["9"]
+    assert record.of("nodes")[0].job_id == "10_0", "the nodes were not touched"
+    # A broker cancelled by hand (or by `down`) was asked to end: left alone.
+    slurm.states["20_0"] = "CANCELLED"
+    for now in (2000.0, 9000.0):
+        assert supervise_once(deployment_dir, now=now, roles=supervisor.BROKER_ROLES).replaced == []
+    assert slurm.submitted == ["20_0"]
+
+
+def test_each_peer_looks_at_the_broker_job_in_turn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    deployment_dir = _launched(tmp_path, "L7")
+    passes: list[tuple[str, ...]] = []
+    monkeypatch.setattr(supervisor, "supervise_once", lambda d, roles, from_this_job: passes.append(roles))
+    clock = [100.0]
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: clock[0])
+    watch = supervisor.BrokerWatch(deployment_dir)
+    watch()
+    assert passes == [], "not at once: the broker is starting too"
+    # One node: at most every 2 * BROKER_LOOK_S * 1.5 s; a thousand peers between them keep Slurm's load the same.
+    clock[0] += 2 * supervisor.BROKER_LOOK_S * 1.5
+    watch()
+    assert passes == [supervisor.BROKER_ROLES]
+    watch()
+    assert len(passes) == 1, "not again before its next turn"
+    (deployment_dir / LAUNCH_NAME).unlink()  # plain sbatch scripts: no launch record, no broker to replace
+    clock[0] += 1000.0
+    watch()
+    assert len(passes) == 1
