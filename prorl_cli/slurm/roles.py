@@ -289,14 +289,40 @@ def _serve_broker(spec: RoleSpec, config: ProrlConfig, signals: RoleSignals) -> 
     with BrokerLock.acquire(config.deployment_dir):
         broker = Broker(config)
         log.info("broker of %r on %s", config.deployment, broker.address)
-        supervisor = _start_supervisor(config.deployment_dir)
+        supervisor = _Supervisor(config.deployment_dir)
         try:
-            with _peer_requeue_watch(config.deployment_dir, supervisor is None):
+            with _peer_requeue_watch(config.deployment_dir, not supervisor.wanted), \
+                    watch("supervisor-watch", supervisor.keep_running):
                 broker.serve_forever(leave_requested=signals.leave)
         finally:
-            if supervisor is not None:
-                stop_process_group(supervisor)
+            supervisor.stop()
     return 0
+
+
+class _Supervisor:
+    """The broker job's supervisor child, started again when it ends while the broker serves (killed, a crash):
+    self-healing must not stop without a sign."""
+
+    def __init__(self, deployment_dir: Path) -> None:
+        self.deployment_dir = deployment_dir
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.proc = _start_supervisor(deployment_dir)
+        self.wanted = self.proc is not None
+
+    def keep_running(self) -> None:
+        with self._lock:
+            if self._stopped or self.proc is None or self.proc.poll() is None:
+                return
+            log.warning("the supervisor (pid %d) ended with exit code %s while the broker serves: starting it again",
+                        self.proc.pid, self.proc.returncode)
+            self.proc = _start_supervisor(self.deployment_dir)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            if self.proc is not None:
+                stop_process_group(self.proc)
 
 
 @contextlib.contextmanager

@@ -156,7 +156,11 @@ class SweReport:
 
 
 def _closest(name: str, ids: list[str]) -> str | None:
-    found = difflib.get_close_matches(name, ids, n=1, cutoff=0.0)
+    """The id a listed test most likely meant: a parametrization of it, else one much like it (none: no guess)."""
+    params = sorted(i for i in ids if i.startswith(name + "["))
+    if params:
+        return params[0]
+    found = difflib.get_close_matches(name, ids, n=1, cutoff=0.6)
     return found[0] if found else None
 
 

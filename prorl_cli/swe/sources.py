@@ -55,6 +55,18 @@ SOURCES: dict[str, str] = {
 #: What an instance must hold (``test_patch`` defaults to "" for SWE-smith, whose rows have none).
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
 
+#: Fields that hold text, checked for type before anything runs them; and those that may not be blank.
+_TEXT_FIELDS = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch")
+_NON_EMPTY = ("instance_id", "repo", "base_commit")
+#: Test-name lists (JSON strings in SWE-bench's rows, lists elsewhere).
+_TEST_LISTS = ("FAIL_TO_PASS", "PASS_TO_PASS", "FAIL_TO_FAIL", "PASS_TO_FAIL")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 #: Fields the swe domain reads (docs/domains.md, "Instance keys"), under prorl's names.
 USED = frozenset({
     "instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS",
@@ -114,7 +126,10 @@ class SweRows:
             raise DatasetError(f"--format {self.fmt!r} is not a SWE source; choose from {['auto', *SOURCES]}")
         self.rows += 1
         iid = str(row.get("instance_id", "?"))
-        out: Row = {key: _jsonable(value) for key, value in row.items()}
+        # A null text field is an absent one: a column that other rows of a concatenated dataset or a Parquet file
+        # have (SWE-smith rows beside SWE-Gym's get test_patch: null). Other nulls are kept (null test lists are
+        # no tests).
+        out: Row = {key: _jsonable(value) for key, value in row.items() if value is not None or key not in _TEXT_FIELDS}
         if source == SWE_SMITH:
             out.setdefault("test_patch", "")
             if isinstance(out.get("patch"), str) and "patch_reverse" not in row:
@@ -127,8 +142,19 @@ class SweRows:
                 f"format (they need {list(REQUIRED)})")
         for name in REQUIRED:
             if name not in out:
-                raise DatasetError(f"{where}: missing field {name!r} ({SOURCES[source]} rows need {list(REQUIRED)})")
-        for name in ("FAIL_TO_PASS", "PASS_TO_PASS", "FAIL_TO_FAIL", "PASS_TO_FAIL"):
+                null = " (null)" if name in row else ""
+                raise DatasetError(f"{where}: missing field {name!r}{null} ({SOURCES[source]} rows need "
+                                   f"{list(REQUIRED)})")
+        for name in _TEXT_FIELDS:
+            if name not in out:
+                continue
+            value = out[name]
+            if not isinstance(value, str):
+                raise DatasetError(f"{where}: field {name!r} must be a string, got {type(value).__name__} "
+                                   f"{_short(value)}")
+            if name in _NON_EMPTY and not value.strip():
+                raise DatasetError(f"{where}: field {name!r} is empty")
+        for name in _TEST_LISTS:
             if name in out:
                 out[name] = _test_list(out[name], where, name)
         if out.get("version") is not None and not isinstance(out["version"], str):

@@ -172,7 +172,7 @@ def plan_tests(instance: dict[str, Any], settings: dict[str, Any], fail_to_pass:
     repo = str(instance.get("repo", ""))
     raw_config = instance.get("install_config")
     install_config: dict[str, Any] = raw_config if isinstance(raw_config, dict) else {}
-    files = test_targets(str(instance.get("test_patch", "")), fail_to_pass, pass_to_pass)
+    files = test_targets(str(instance.get("test_patch") or ""), fail_to_pass, pass_to_pass)
 
     install: list[str] = []
     install_source = ""

@@ -54,6 +54,8 @@ class RunOutcome:
     failed_stage: str = ""  # the stage that raised, for a job that failed
     failure_type: str = ""  # the exception's type name (DomainError: the handler refused the instance)
     tests: dict[str, str] = field(default_factory=dict)  # listed test -> PASS / FAIL (missing counts as FAIL)
+    #: Listed tests the run never produced (not collected), each with the closest id it did produce.
+    missing: dict[str, str | None] = field(default_factory=dict)
     stage_s: dict[str, float] = field(default_factory=dict)
     eval_timings: dict[str, float] = field(default_factory=dict)  # EVAL's apply_s, run_s
 
@@ -98,7 +100,10 @@ class RunOutcome:
                 tests[test] = PASS
             for test in lists.get("failure") or []:  # swebench files a missing test as a failure
                 tests[test] = FAIL
-        return cls(**common, evaluated=True, tests=tests)
+        raw_missing = report.get("missing")
+        missing = ({str(k): (str(v) if v is not None else None) for k, v in raw_missing.items()}
+                   if isinstance(raw_missing, dict) else {})
+        return cls(**common, evaluated=True, tests=tests, missing=missing)
 
     def summary(self) -> dict[str, Any]:
         """What the report keeps of this run (the per-test statuses are summed up in the instance's lists)."""
@@ -120,6 +125,8 @@ class Verdict:
     passes_without_fix: list[str] = field(default_factory=list)  # FAIL_TO_PASS tests passing with the test patch alone
     runs: list[dict[str, Any]] = field(default_factory=list)
     clean: str = ""  # "kept", "kept without N flaky id(s)", or why the row is not in clean.jsonl
+    #: Of gold_failures, the ones no gold run produced at all: a wrong or stale id in the row, not a broken fix.
+    never_ran: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,10 +157,20 @@ def classify(instance: dict[str, Any], gold: list[RunOutcome], no_fix: RunOutcom
         elif seen == {FAIL}:
             failing.append(test)
     passing = [t for t in f2p if t not in flaky and no_fix.tests.get(t, FAIL) == PASS]
-    verdict = Verdict(iid, VALID, "", True, flaky, failing, passing, runs)
-    if failing:
+    never_ran = [t for t in failing if all(t in r.missing for r in gold)]
+    verdict = Verdict(iid, VALID, "", True, flaky, failing, passing, runs, never_ran=never_ran)
+    ran_and_failed = [t for t in failing if t not in never_ran]
+    if ran_and_failed:
         verdict.status = GOLD_FAILS
-        verdict.reason = f"{len(failing)} listed test(s) fail in every gold run, e.g. {failing[0]!r}"
+        verdict.reason = f"{len(ran_and_failed)} listed test(s) fail in every gold run, e.g. {ran_and_failed[0]!r}"
+        if never_ran:
+            verdict.reason += f"; {len(never_ran)} more never ran, e.g. {never_ran[0]!r}"
+    elif never_ran:
+        verdict.status = GOLD_FAILS
+        closest = gold[0].missing.get(never_ran[0])
+        verdict.reason = (f"{len(never_ran)} listed test(s) never ran in any gold run (no test of that id was "
+                          f"collected: a wrong or stale id in the row), e.g. {never_ran[0]!r}"
+                          + (f"; the closest id the run produced: {closest!r}" if closest else ""))
     elif passing:
         verdict.status = F2P_PASSES
         verdict.reason = f"{len(passing)} FAIL_TO_PASS test(s) pass with the test patch alone, e.g. {passing[0]!r}"

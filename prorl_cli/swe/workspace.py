@@ -173,7 +173,7 @@ async def _reset_listed_files(sandbox: Any, repo_dir: str, base: str, paths: lis
 
 async def _apply_test_patch(sandbox: Any, instance: dict[str, Any], repo_dir: str) -> list[str]:
     """Write the instance's test patch and apply it over its files as they are at base_commit; return those files."""
-    test_patch = str(instance.get("test_patch", ""))
+    test_patch = str(instance.get("test_patch") or "")
     await sandbox.write_file(TEST_PATCH, test_patch.encode())
     if not test_patch.strip():
         return []

@@ -2,7 +2,8 @@
 
 1 broker job, a 3-task node array (one per Slurm node), a 2-task inference
 array with one fake GPU each (transformers engine, tiny model); 100 math
-rollouts; status with both views; scancel of a node task mid-run; requeue of
+rollouts; status with both views; scancel of a node task mid-run; the
+supervisor killed and started again by its broker; requeue of
 the broker (journal replay), made eligible again by its nodes and bridges
 without waiting out Slurm's requeue delay; status while the broker restarts;
 a node requeued on SIGUSR2, released by the supervisor and not counted as a
@@ -234,6 +235,22 @@ def _role_process(member: Any) -> psutil.Process:
         ):
             return proc
     raise AssertionError(f"no process of {member.peer_id} ({member.job_id})")
+
+
+def _supervisors(launched: Launched) -> list[psutil.Process]:
+    folder = str(launched.dir)
+    return [p for p in psutil.process_iter(["cmdline"])
+            if "prorl_cli.slurm.supervisor" in (p.info["cmdline"] or []) and folder in (p.info["cmdline"] or [])]
+
+
+def test_a_killed_supervisor_is_started_again_by_its_broker(launched: Launched) -> None:
+    [supervisor] = _supervisors(launched)
+    supervisor.kill()
+    supervisor.wait(30)
+    wait_until(lambda: "while the broker serves: starting it again" in logs_of(launched.dir / "slurm" / "broker"),
+               60, "the broker to start its supervisor again")
+    [again] = wait_until(lambda: _supervisors(launched), 30, "a new supervisor")
+    assert again.pid != supervisor.pid  # the next test's killed inference task is replaced by this one
 
 
 def test_a_killed_inference_task_is_replaced_under_its_name(launched: Launched) -> None:

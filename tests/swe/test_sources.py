@@ -188,3 +188,28 @@ def test_format_names_a_source_and_auto_tells_them_apart(tmp_path: Path) -> None
     # Without the SWE-smith rule a row lacking test_patch is an error naming the file, line and field.
     with pytest.raises(DatasetError, match=r"swe_smith\.jsonl:1: missing field 'test_patch'"):
         load_instances("swe", FIXTURES / "swe_smith.jsonl", "swe-gym")
+
+
+def test_null_and_mistyped_fields_as_concatenated_datasets_and_parquet_give_them(tmp_path: Path) -> None:
+    """A SWE-smith row beside SWE-Gym rows (HF concatenate_datasets, a Parquet file) has test_patch: null: it
+    is the SWE-smith row's absent test patch, not the patch text "None"; a null or mistyped field that an
+    instance needs is refused naming the row and the field."""
+    smith = _raw("swe_smith.jsonl")[0]
+    gym = _raw("swe_gym.jsonl")[0]
+    columns = sorted(set(smith) | set(gym))
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps({k: r.get(k) for k in columns}) + "\n" for r in (gym, smith)))
+    rows = load_instances("swe", mixed, None)
+    assert [r["dataset_source"] for r in rows] == ["swe-gym", "swe-smith"]
+    assert rows[1]["test_patch"] == "" and rows[1]["patch_reverse"] is True
+    assert rows[0]["image_name"] is None, "other nulls are kept as they are"
+    for field, value, says in [("base_commit", None, "missing field 'base_commit' (null)"),
+                               ("test_patch", None, "missing field 'test_patch' (null)"),
+                               ("base_commit", 7, "field 'base_commit' must be a string, got int 7"),
+                               ("problem_statement", ["a"], "field 'problem_statement' must be a string, got list"),
+                               ("instance_id", " ", "field 'instance_id' is empty")]:
+        bad = tmp_path / f"bad_{field}.jsonl"
+        bad.write_text(json.dumps({**gym, field: value}) + "\n")
+        with pytest.raises(DatasetError) as refused:
+            load_instances("swe", bad, None)
+        assert says in str(refused.value) and f"{bad.name}:1" in str(refused.value), str(refused.value)

@@ -86,6 +86,23 @@ def test_classes_follow_their_precedence_and_flaky_rows_lose_only_their_flaky_id
     assert classify(inst, [slow, *ok[1:]], base).status == ENV_BROKEN
 
 
+def test_a_listed_test_no_gold_run_produced_is_named_a_wrong_id_not_a_failing_fix() -> None:
+    """A typo or a stale id in FAIL_TO_PASS: the gold fix is not what fails, the row's id is."""
+    inst = {"instance_id": "a-3", "FAIL_TO_PASS": ["t::f1", "t::f_param"], "PASS_TO_PASS": []}
+    missing = _graded(["t::f1"], ["t::f_param"])
+    missing["missing"] = {"t::f_param": "t::f_param[a]"}
+    gold = [RunOutcome.from_result(GOLD, k, _result(f"g{k}", report=missing)) for k in range(2)]
+    base = RunOutcome.from_result(NO_FIX, 0, _result("n", report=_graded([], ["t::f1", "t::f_param"])))
+    verdict = classify(inst, gold, base)
+    assert verdict.status == GOLD_FAILS and verdict.never_ran == ["t::f_param"]
+    assert "never ran in any gold run" in verdict.reason and "'t::f_param[a]'" in verdict.reason, verdict.reason
+    # One that ran and failed is named first; the one that never ran is counted besides.
+    really = _graded([], ["t::f1", "t::f_param"])
+    really["missing"] = {"t::f_param": None}
+    verdict = classify(inst, [RunOutcome.from_result(GOLD, k, _result(f"g{k}", report=really)) for k in range(2)], base)
+    assert verdict.reason == "1 listed test(s) fail in every gold run, e.g. 't::f1'; 1 more never ran, e.g. 't::f_param'"
+
+
 def test_an_instance_without_fail_to_pass_tests_is_f2p_passes_though_its_runs_are_not_graded() -> None:
     """EVAL grades no run of an instance without FAIL_TO_PASS tests (``no_fail_to_pass``): its class says why."""
     inst = {"instance_id": "a-2", "FAIL_TO_PASS": [], "PASS_TO_PASS": ["t::p"]}

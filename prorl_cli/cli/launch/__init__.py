@@ -250,7 +250,7 @@ def _slurm_table(record: LaunchRecord, rows: list[SlurmTask]) -> Table:
         t = by_id.get(m.job_id)
         reason = (t.pending_reason or (t.reason if not t.active and t.reason not in ("", "None") else t.nodes)) if t else ""
         table.add_row(m.role, m.peer_id, m.job_id, t.state if t else "gone (aged out of squeue)",
-                      reason, t.elapsed if t else "", t.time_left if t else "")
+                      reason, t.elapsed if t else "", t.time_left if t and t.active else "")
     return table
 
 
