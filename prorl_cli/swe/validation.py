@@ -88,6 +88,11 @@ class RunOutcome:
             where = f" (step {step.get('name')}, exit {step.get('exit')})" if isinstance(step, dict) and step else ""
             note = str(report.get("grading_note") or "")
             problem = f"infra_failure: {report.get('infra_failure_reason') or '?'}{where}" + (f": {note}" if note else "")
+            tail = step.get("log_tail") if isinstance(step, dict) else None
+            last = [line for line in tail.splitlines() if line.strip()][-1:] if isinstance(tail, str) else []
+            if last:  # what the step said last ("pytest: command not found") is often the whole story
+                problem = f"infra_failure: {report.get('infra_failure_reason') or '?'}{where}, its log ends: " \
+                          f"{last[0].strip()[:300]!r}" + (f"; {note}" if note else "")
             return cls(**common, evaluated=False, problem=problem[:2000])
         if not report.get("patch_successfully_applied"):
             return cls(**common, evaluated=False,

@@ -103,6 +103,17 @@ def test_a_listed_test_no_gold_run_produced_is_named_a_wrong_id_not_a_failing_fi
     assert verdict.reason == "1 listed test(s) fail in every gold run, e.g. 't::f1'; 1 more never ran, e.g. 't::f_param'"
 
 
+def test_a_run_not_graded_says_what_its_failing_step_printed_last() -> None:
+    report = {"patch_successfully_applied": True, "infra_failure": True,
+              "infra_failure_reason": "no_tests_collected", "grading_note": "the node-id plugin recorded no test",
+              "infra_step": {"name": "tests", "exit": 127, "log_tail": "+ cd /repo\nenvironment: line 2: pytest: "
+                                                                        "command not found\n\n"}}
+    run = RunOutcome.from_result(GOLD, 0, _result("g0", report=report))
+    assert not run.evaluated
+    assert run.problem == ("infra_failure: no_tests_collected (step tests, exit 127), its log ends: "
+                           "'environment: line 2: pytest: command not found'; the node-id plugin recorded no test")
+
+
 def test_an_instance_without_fail_to_pass_tests_is_f2p_passes_though_its_runs_are_not_graded() -> None:
     """EVAL grades no run of an instance without FAIL_TO_PASS tests (``no_fail_to_pass``): its class says why."""
     inst = {"instance_id": "a-2", "FAIL_TO_PASS": [], "PASS_TO_PASS": ["t::p"]}
