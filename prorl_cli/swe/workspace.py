@@ -83,6 +83,11 @@ async def apply_patch(sandbox: Any, repo_dir: str, path: str, reverse: bool = Fa
         done = await sandbox.bash(f"cd {shlex.quote(repo_dir)} && {line} 2>&1")
         if done.exit_code == 0:
             return True, done.output
+        if command.startswith("patch ") and "BusyBox" in done.output:
+            # BusyBox's patch takes none of GNU patch's options: its usage text would hide git apply's reason.
+            outputs.append("patch: the image's `patch` is BusyBox's, which has no --batch or --fuzz; install GNU "
+                           "patch in the image for the fuzzy fallback")
+            continue
         outputs.append(done.output[-1000:])
     return False, "\n".join(outputs)
 

@@ -125,3 +125,35 @@ def test_a_patch_that_stops_the_suite_scores_0_and_a_broken_test_command_is_not_
     assert stopped.status == "RESOLVED_NO" and "the patch stopped them" in stopped.grading_note, stopped
     assert sorted(stopped.tests_status["FAIL_TO_PASS"]["failure"]) == sorted(repo.instance["FAIL_TO_PASS"])
     assert environment.infra_failure and environment.infra_failure_reason == "no_tests_collected", environment
+
+
+@pytest.mark.apptainer
+def test_a_patch_neither_git_apply_nor_the_images_busybox_patch_applies_says_so(tmp_path: Path) -> None:
+    """The domain image's `patch` is BusyBox's (no --batch, no --fuzz): the refusal gives git apply's reason and
+    says what the fuzzy fallback needs, not BusyBox's usage text."""
+    from prorl_cli.swe.workspace import apply_patch
+
+    image = IMAGES / "domains.sif"
+    if not image.is_file():
+        pytest.skip(f"{image} missing (scripts/provision/46-domain-images.sh)")
+    calc = make_tinyrepo(tmp_path / "tinycalc")
+    instance = {**calc.instance, "repo_path": str(calc.path)}
+
+    async def apply_stale() -> tuple[bool, str]:
+        local_dir = tempfile.mkdtemp(prefix="prorl-ws-")
+        manager = SandboxManager(SandboxConfig(runtime="apptainer", image=str(image), local_dir=local_dir),
+                                 tmp_path / "state", logging.getLogger("test"))
+        try:
+            sandbox = await manager.start("eval")
+            await prepare(sandbox, instance, REPO_DIR, scrub=False)
+            stale = "--- a/nowhere.py\n+++ b/nowhere.py\n@@ -1,1 +1,1 @@\n-old\n+new\n"
+            await sandbox.write_file("/tmp/stale.patch", stale.encode())
+            return await apply_patch(sandbox, REPO_DIR, "/tmp/stale.patch")
+        finally:
+            await manager.stop_all()
+            shutil.rmtree(local_dir, ignore_errors=True)
+
+    ok, output = asyncio.run(apply_stale())
+    assert not ok
+    assert "nowhere.py" in output, output  # git apply's reason
+    assert "BusyBox's, which has no --batch or --fuzz" in output and "Usage:" not in output, output
