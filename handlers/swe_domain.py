@@ -168,9 +168,13 @@ class SweOracleHandler(SweHandler):
         await sandbox.write_file("/tmp/gold.patch", gold.encode())
         # SWE-smith ships the patch that introduced the bug (patch_reverse): the fix is that patch reversed.
         # Applied as EVAL applies a patch (fuzz included): a gold patch EVAL would take is not "gold fails".
+        reverse = ctx.instance.get("patch_reverse") is True
         applied, output = await apply_patch(sandbox, str(settings.get("repo_dir")), "/tmp/gold.patch",
-                                            reverse=ctx.instance.get("patch_reverse") is True)
+                                            reverse=reverse)
         if not applied:
-            raise DomainError(f"{self.name}: the gold patch does not apply: {output[-1000:]}")
+            how = (" reversed (patch_reverse: the row's patch is taken for the one that brought the bug in, as "
+                   "SWE-smith's are; a row of another source read with --format swe-smith gets it too)"
+                   if reverse else "")
+            raise DomainError(f"{self.name}: the gold patch does not apply{how}: {output[-1000:]}")
         await sandbox.bash("rm -f /tmp/gold.patch")
         await self.save_patch(ctx, settings)

@@ -30,8 +30,11 @@ SCRUB_TIMEOUT_S = 900.0
 #: Tried in order, as swebench's harness does: a strict apply, then GNU patch with fuzz. ``{reverse}`` is each
 #: tool's own reverse flag or nothing. No ``.orig`` backups: a fuzzed apply would otherwise leave one in the work
 #: tree, and the gold run's ``git add -A`` diff would carry it into the patch EVAL grades.
+#: How a patch is applied (as swebench's harness does: git apply, else GNU patch with fuzz). ``--forward``: a
+#: patch that looks reversed or already applied is refused; under ``--batch`` alone GNU patch would apply it the
+#: other way without a word (a fix taken for a bug's patch would be applied as a fix, and graded as one).
 APPLY_COMMANDS = ("git apply{reverse} --whitespace=nowarn {patch}",
-                  "patch --batch --fuzz=5 -p1 --no-backup-if-mismatch{reverse} -i {patch}")
+                  "patch --batch --forward --fuzz=5 -p1 --no-backup-if-mismatch{reverse} -i {patch}")
 REVERSE_FLAGS = (" --reverse", " -R")
 
 

@@ -41,7 +41,9 @@ def test_a_gold_patch_that_applies_only_with_fuzz_is_valid_not_gold_fails(tmp_pa
     bug = fuzzy.replace(fix, "-    return sum(xs) / len(xs)\n+    return sum(xs) / (len(xs) - 1)\n")
     row = {**calc.instance, "repo_path": str(calc.path), "instance_id": "prorl__tinycalc-fuzzy", "patch": fuzzy}
     reverse = {**row, "instance_id": "prorl__tinycalc-fuzzy-reverse", "patch": bug, "patch_reverse": True}
-    (tmp_path / "dataset.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(reverse) + "\n")
+    # A fix taken for a bug-introducing patch (a SWE-bench row read with --format swe-smith): refused, saying so.
+    wrongly = {**row, "instance_id": "prorl__tinycalc-wrongly-reversed", "patch": gold, "patch_reverse": True}
+    (tmp_path / "dataset.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (row, reverse, wrongly)))
     # SWE-bench's images carry GNU patch; the domain test image has BusyBox's only (no --batch, no --fuzz), so the
     # host's GNU patch (dynamically linked to libc alone) is bound in ahead of it on PATH.
     gnu_patch = shutil.which("patch")
@@ -57,12 +59,13 @@ def test_a_gold_patch_that_applies_only_with_fuzz_is_valid_not_gold_fails(tmp_pa
                   "--out", str(out), "--runs", "1")
     assert done.returncode == 0, done.stdout + done.stderr[-5000:]
     results = json.loads((out / "report.json").read_text())["results"]
-    assert [r["status"] for r in results] == ["valid", "valid"], json.dumps(results, indent=1)[-6000:]
+    assert [r["status"] for r in results] == ["valid", "valid", "gold-fails"], json.dumps(results, indent=1)[-6000:]
+    assert "the gold patch does not apply reversed (patch_reverse" in results[2]["reason"], results[2]["reason"]
     clean = [json.loads(line) for line in (out / "clean.jsonl").read_text().splitlines()]
     assert [c["instance_id"] for c in clean] == ["prorl__tinycalc-fuzzy", "prorl__tinycalc-fuzzy-reverse"]
     # The fuzzed apply left no backup file for the gold run's diff to carry into the patch EVAL graded.
     saved = [json.loads(line)["output"]["model_patch"] for line in (out / "results.jsonl").read_text().splitlines()
-             if json.loads(line)["task"] == "swe_oracle"]
+             if json.loads(line)["task"] == "swe_oracle" and json.loads(line)["state"] == "done"]
     assert len(saved) == 2 and all(p.count("diff --git") == 1 and fix in p and ".orig" not in p for p in saved), saved
 
 
