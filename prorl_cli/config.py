@@ -122,6 +122,10 @@ class ProrlConfig:
     # The old name of ``handlers``, still read (with a deprecation warning naming the new key).
     domains: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.images.cache_dir is None:
+            self.images.cache_dir = os.path.join(self.home, "images")
+
     @property
     def home_path(self) -> Path:
         return Path(os.path.expandvars(os.path.expanduser(self.home)))

@@ -18,11 +18,17 @@ BuildMode = Literal["scratch", "versioned", "lock"]
 BUILD_MODES: tuple[str, ...] = ("scratch", "versioned", "lock")
 
 
+#: Where images live when nothing says: the default home's images folder.
+DEFAULT_CACHE_DIR = "~/.prorl/images"
+
+
 @dataclass
 class ImagesConfig:
     """Where built images live and how ``prorl build-images`` builds them."""
 
-    cache_dir: str = "~/.prorl/images"
+    # None: <home>/images (home is PRORL_HOME, else ~/.prorl), filled in by the configuration it belongs to, so
+    # that images (gigabytes) go where a cluster user pointed PRORL_HOME, not into a home folder under quota.
+    cache_dir: str | None = None
     # The image list; None: ./images.yaml if present, else the shipped sif_recipes/images.yaml.
     config_file: str | None = None
     mode: BuildMode = "lock"
@@ -46,7 +52,7 @@ class ImagesConfig:
 
     @property
     def cache_path(self) -> Path:
-        return Path(os.path.expandvars(os.path.expanduser(self.cache_dir)))
+        return Path(os.path.expandvars(os.path.expanduser(self.cache_dir or DEFAULT_CACHE_DIR)))
 
     def validate(self, where: str) -> None:
         """Range checks the generic type validation cannot express."""

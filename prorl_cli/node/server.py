@@ -149,7 +149,7 @@ class NodeServer(BrokerPeer):
         self.services = NodeServices(
             node_id=self.node_id,
             sandbox=config.sandbox,
-            image_cache_dir=config.images.cache_dir,
+            image_cache_dir=str(config.images.cache_path),
             image_search_dirs=config.images.search_dirs,
             run_dir=self.run_dir,
             image_of=lambda task: self.registry.get(task).image,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.harness import Deployment
 
@@ -164,6 +165,21 @@ def test_config_show_and_errors(tmp_path: Path) -> None:
     cfg.write_text("node:\n  n_run: three\n")
     r = subprocess.run([sys.executable, "-m", "prorl_cli", "--config", str(cfg), "config", "show"], capture_output=True, text=True)
     assert r.returncode != 0 and "node.n_run" in r.stderr and str(cfg) in r.stderr
+
+
+def test_images_live_under_prorl_home_unless_the_config_says_where(tmp_path: Path) -> None:
+    """A cluster user points PRORL_HOME at scratch space: the image cache (gigabytes) goes there too, not into a
+    home folder under quota; an explicit images.cache_dir is kept."""
+    home = tmp_path / "scratch home"
+    env = {**os.environ, "PRORL_HOME": str(home)}
+    env.pop("PRORL_CONFIG", None)
+    show = [sys.executable, "-m", "prorl_cli", "config", "show"]
+    r = subprocess.run(show, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["images"]["cache_dir"] == str(home / "images")
+    (tmp_path / "prorl.yaml").write_text("images:\n  cache_dir: /shared/images\n")
+    r = subprocess.run(show, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert yaml.safe_load(r.stdout)["images"]["cache_dir"] == "/shared/images"
 
 
 def test_stop_command_stops_the_deployment(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ def plan_domain(app: App, task: str, home: Path, image: str | None, n_instances:
     config: dict[str, Any] = {"sandbox": {"runtime": runtime}, "broker": {"heartbeat_liveness": 20}}
     if runtime == "apptainer" and task != "search":
         if image is None:
-            cache_dir = str(Path(app.config.images.cache_dir).expanduser())
+            cache_dir = str(app.config.images.cache_path)
             build_image(app, DOMAIN_IMAGES[task], cache_dir)
             config["images"] = {"cache_dir": cache_dir}
             image = DOMAIN_IMAGES[task]
