@@ -37,7 +37,7 @@ from prorl_cli.broker.journal import JOURNAL_NAME, Journal
 from prorl_cli.broker.members import Members
 from prorl_cli.broker.outbox import Outbox
 from prorl_cli.broker.routing import Router
-from prorl_cli.broker.state import Job, Node
+from prorl_cli.broker.state import Job, Node, instance_digest
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import ProtocolError
 from prorl_cli.observe.logs import OncePerPeer
@@ -392,6 +392,16 @@ class Broker:
                 self._error(identity, rid, ErrorCode.BAD_FIELD, f"jobs[{i}]: job id {spec.job_id!r} appears twice in one submit")
                 return
             seen.add(spec.job_id)
+            known = self.jobs.get(spec.job_id)
+            if known is not None and (known.spec.task != spec.task or (
+                    known.instance_digest and known.instance_digest != instance_digest(bytes(instance)))):
+                # The same id returns the job it names (a retry, a resumed run); other work under it would get
+                # that job's result without a word: an earlier run's, for another instance.
+                what = f"task {known.spec.task!r}" if known.spec.task != spec.task else "another instance"
+                self._error(identity, rid, ErrorCode.BAD_FIELD,
+                            f"jobs[{i}]: job id {spec.job_id!r} already names a job of {what}, whose result that id "
+                            "returns (an earlier run's, under the same ids?): give new work new ids")
+                return
         live_tasks = self.table.live_tasks()
         if live_tasks:
             unknown = sorted({s.task for s in specs if s.job_id not in self.jobs} - live_tasks)

@@ -5,6 +5,7 @@ Plain data; the job table and the node membership mutate them (backends: ``broke
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from collections import OrderedDict
@@ -19,6 +20,11 @@ _seq = itertools.count()
 
 #: ``send(identity, header, payload) -> bool``: False when the peer is gone (the broker's ``_send``).
 SendFn = Callable[[bytes, dict[str, Any], "list[bytes] | tuple[bytes, ...]"], bool]
+
+
+def instance_digest(instance: bytes) -> bytes:
+    """A job instance's digest (its packed bytes, as the client sent them)."""
+    return hashlib.blake2b(instance, digest_size=16).digest()
 
 
 @dataclass
@@ -45,6 +51,13 @@ class Job:
     #: A job cancelled while it ran: until then (monotonic) its result waits for the node's own, which
     #: carries what the job did so far (its partial trajectory); after it, the broker's result goes out.
     partial_until: float | None = None
+    #: The instance's digest, kept once the instance is dropped (a finished job): a resubmission under the same
+    #: id is the same work only with the same bytes.
+    instance_digest: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not self.instance_digest and self.instance:
+            self.instance_digest = instance_digest(self.instance)
 
     @property
     def job_id(self) -> str:

@@ -55,6 +55,26 @@ def test_submit_says_which_ids_were_new_and_which_existed(deployment: Deployment
     assert [r.output["echo"] for r in results] == [1, 2, 3], "sub-b kept its first instance"
 
 
+def test_an_id_reused_for_other_work_is_refused_and_nothing_of_that_submit_is_accepted(deployment: Deployment) -> None:
+    """The same id returns the job it names (a retry, a resumed run); another instance or task under it would get
+    that job's result, an earlier run's, without a word."""
+    from prorl_cli.exceptions import BadRequest
+
+    client = deployment.client
+    first = client.submit("test", [{"echo": "run A"}], job_ids=["reused-0"])
+    assert first.accepted == ["reused-0"]
+    for task, instance in (("test", {"echo": "run B"}), ("noop", {"echo": "run A"})):
+        with pytest.raises(BadRequest) as refused:
+            client.submit(task, [{"echo": "new"}, instance], job_ids=["reused-new", "reused-0"])
+        assert "jobs[1]: job id 'reused-0' already names a job of" in str(refused.value), str(refused.value)
+    assert "task 'test'" in str(refused.value)
+    again = client.submit("test", [{"echo": "run A"}], job_ids=["reused-0"])  # a retry: its own job back
+    assert (again.accepted, again.existing) == ([], ["reused-0"])
+    assert client.submit("test", [{"echo": "new"}], job_ids=["reused-new"]).accepted == ["reused-new"], \
+        "the refused submit accepted nothing"
+    assert [r.output["echo"] for r in client.wait(["reused-0", "reused-new"], timeout_s=60)] == ["run A", "new"]
+
+
 def test_a_result_stream_takes_ids_added_after_it_started(deployment: Deployment) -> None:
     client = deployment.client
     first = client.submit("test", [{"echo": "first"}])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -254,6 +255,31 @@ def test_restarted_sampler_resubmits_the_same_ids(stack: Deployment, tmp_path: P
     after = stack.client.status().jobs
     # No job ran twice: the broker knows one job per id.
     assert sum(after.values()) - sum(before.values()) == len(second_ids - first_ids)
+
+
+def test_a_new_sampler_under_an_earlier_runs_run_id_says_it_got_that_runs_results(
+        stack: Deployment, caplog: pytest.LogCaptureFixture) -> None:
+    """Job ids are deterministic: a second experiment under the same run_id gets the first one's rollouts (made by
+    another policy) back. A resumed sampler (state=) expects that; a fresh one says so, once."""
+    ps = [{**p, "scale_s": 0.01} for p in prompts(6)]
+    cfg = SamplerConfig(group_size=2, target_groups=1, max_in_flight=4, run_id="t-reused", step_timeout_s=60)
+
+    async def one_step(state: SamplerState | None = None) -> StepBatch:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", ps, cfg, state=state)
+            batch = await sampler.step()
+            await sampler.close(cancel_in_flight=False)
+            return batch
+
+    warning = "job ids of this run already exist at the broker"
+    with caplog.at_level(logging.WARNING, logger="prorl_cli.training.sampler"):
+        assert asyncio.run(one_step()).stats.existing_jobs == 0
+        assert warning not in caplog.text
+        assert asyncio.run(one_step()).stats.existing_jobs > 0
+        assert caplog.text.count(warning) == 1 and "'t-reused'" in caplog.text
+        caplog.clear()
+        asyncio.run(one_step(SamplerState(step=0, cursor=0)))  # resumed: its own jobs, no warning
+        assert warning not in caplog.text
 
 
 def test_prorl_sample_without_id_prefix_runs_new_jobs_each_time(stack: Deployment, tmp_path: Path) -> None:
