@@ -33,7 +33,9 @@ STOP_GRACE_S = 10.0
 class LocalStack:
     """Servers of one deployment under ``home`` (its own PRORL_HOME), with logs in ``home/logs``."""
 
-    def __init__(self, home: Path, name: str, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, home: Path | str, name: str, config: dict[str, Any] | None = None) -> None:
+        # Absolute: the servers start in ``home`` and read its paths from there (a relative one named home/home).
+        home = Path(home).expanduser().absolute()
         self.home = home
         self.name = name
         self.config = {**(config or {}), "deployment": name, "home": str(home)}

@@ -39,6 +39,17 @@ def test_an_embedded_stack_works_with_prorl_home_pointing_elsewhere(
     assert not (tmp_path / "users-home").exists()  # nothing written in the shell's home
 
 
+def test_an_embedded_stack_under_a_relative_home_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train_tiny_grpo.py --out runs/grpo``: the servers start in the home folder, so a relative one is made
+    absolute first (else each server looked for runs/grpo/runs/grpo/NAME.yaml)."""
+    monkeypatch.chdir(tmp_path)
+    with LocalStack(Path("runs") / "grpo", "relative", {"broker": {"journal": False}}) as stack:
+        stack.start_broker()
+        stack.start_node("n1")
+        assert [n.node_id for n in stack.client.status().nodes] == ["n1"]
+        assert stack.home == tmp_path / "runs" / "grpo"
+
+
 def test_a_client_without_the_deployments_keys_is_refused_naming_its_folder(tmp_path: Path) -> None:
     with LocalStack(tmp_path / "stack", "keys", {"broker": {"journal": False}}) as stack:
         stack.start_broker()
