@@ -125,6 +125,10 @@ class BrokerRestarted(BrokerUnavailable):
     """The broker a request went to died; a new one (started on the same address) never saw it."""
 
 
+class ClientClosed(ProrlError, RuntimeError):
+    """A client was used after ``close()`` (or after its ``with`` block)."""
+
+
 class RendezvousError(ProrlError, FileNotFoundError):
     """The deployment's rendezvous file is missing or unreadable."""
 

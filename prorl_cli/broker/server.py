@@ -382,6 +382,7 @@ class Broker:
             return
         specs: list[JobSpec] = h.jobs  # checked by the submit schema
         seen: set[str] = set()
+        reused: list[tuple[str, str]] = []
         for i, (spec, instance) in enumerate(zip(specs, payload, strict=True)):
             try:
                 P.unpack_obj(instance)  # a node must be able to decode it: refuse garbage here
@@ -395,13 +396,12 @@ class Broker:
             known = self.jobs.get(spec.job_id)
             if known is not None and (known.spec.task != spec.task or (
                     known.instance_digest and known.instance_digest != instance_digest(bytes(instance)))):
-                # The same id returns the job it names (a retry, a resumed run); other work under it would get
-                # that job's result without a word: an earlier run's, for another instance.
-                what = f"task {known.spec.task!r}" if known.spec.task != spec.task else "another instance"
-                self._error(identity, rid, ErrorCode.BAD_FIELD,
-                            f"jobs[{i}]: job id {spec.job_id!r} already names a job of {what}, whose result that id "
-                            "returns (an earlier run's, under the same ids?): give new work new ids")
-                return
+                # An id names one job: resubmitting it returns that job (a retry, a resumed run, a client that
+                # submits ids to watch them). Other work under it gets that job's result, an earlier run's
+                # perhaps: said here, where it can be seen.
+                what = f"task {spec.task!r} (it ran {known.spec.task!r})" if known.spec.task != spec.task \
+                    else "another instance"
+                reused.append((spec.job_id, what))
         live_tasks = self.table.live_tasks()
         if live_tasks:
             unknown = sorted({s.task for s in specs if s.job_id not in self.jobs} - live_tasks)
@@ -411,6 +411,10 @@ class Broker:
                     f"no node serves task(s) {unknown}; served tasks: {sorted(live_tasks)}",
                 )
                 return
+        if reused:
+            log.warning("%d job id(s) of a submit already name jobs of other work (e.g. %r, now for %s): those jobs "
+                        "and their results are returned, not new ones; new work needs new ids", len(reused),
+                        *reused[0])
         accepted, existing = [], []
         for spec, instance in zip(specs, payload, strict=True):
             job = self.jobs.get(spec.job_id)

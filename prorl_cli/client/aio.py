@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,6 +205,7 @@ class AsyncRolloutClient:
             await asyncio.sleep(interval_s)
             if not (self._waiters or self._streams or (self._conn is not None and self._conn.waiting)):
                 continue  # nobody is waiting for a result or a reply
+            asked_at = timebase.now()
             try:
                 await self._call(_PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
                 if self._silent_since is not None:
@@ -214,7 +215,7 @@ class AsyncRolloutClient:
             except (BrokerUnavailable, RemoteError):
                 now = timebase.now()
                 if self._silent_since is None:
-                    self._silent_since = now
+                    self._silent_since = asked_at  # silent since the unanswered ping went out
                 if self._silence_said_at is None or now - self._silence_said_at >= SILENCE_REPEAT_S:
                     # Whoever waits (a trainer, prorl submit) learns why nothing comes, not only at a timeout.
                     self._silence_said_at = now
@@ -303,6 +304,12 @@ class AsyncRolloutClient:
         fails (``BrokerRestarted``, a timeout) leaves nothing behind: submit
         the same ids again.
         """
+        if isinstance(instances, (str, bytes, bytearray, Mapping)):
+            # Iterating one would submit its characters or keys, one job each.
+            raise TypeError(f"instances: a sequence of instances, one per job, got one {type(instances).__name__}; "
+                            "put a single instance in a list")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n: the number of jobs per instance must be an int of at least 1, got {n!r}")
         insts = [inst for inst in instances for _ in range(n)]
         specs = self.make_specs(
             task, len(insts), job_ids=job_ids, timeout_s=timeout_s, stage_timeouts_s=stage_timeouts_s,
@@ -316,9 +323,18 @@ class AsyncRolloutClient:
             raise ValueError(f"{len(specs)} specs for {len(instances)} instances")
         # A result kept for a resubmitted id may be stale (a synthetic failure after a lost broker): drop it before
         # sending, so the answer to this submit (the broker pushes an existing job's result again) is taken in.
+        frames = [P.pack_obj(i) for i in instances]
+        limit = self.config.broker.max_message_bytes
+        over = next(((k, len(f)) for k, f in enumerate(frames) if len(f) > limit), None)
+        if over is not None:
+            # The broker's socket would drop the connection (libzmq refuses the frame): no answer, only a timeout.
+            raise ProtocolError(P.ErrorCode.BAD_FRAME.value,
+                                f"instance {over[0]} ({specs[over[0]].job_id!r}) packs to {over[1] / 2**20:.1f} MiB, "
+                                f"over broker.max_message_bytes ({limit / 2**20:.1f} MiB): send a path or an id "
+                                "the handler reads, not the data itself")
         kept = {s.job_id: r for s in specs if (r := self._results.pop(s.job_id, None)) is not None}
         try:
-            header, _ = await self._call(H.Submit(H.NEW_RID, list(specs)).to_wire(), [P.pack_obj(i) for i in instances])
+            header, _ = await self._call(H.Submit(H.NEW_RID, list(specs)).to_wire(), frames)
         except BaseException:
             for job_id, result in kept.items():
                 self._results.setdefault(job_id, result)

@@ -22,7 +22,7 @@ import zmq
 from prorl_cli.client.aio import AsyncRolloutClient, WeightsUpdated
 from prorl_cli.client.results import ResultStream, Submitted
 from prorl_cli.connection import Reply
-from prorl_cli.exceptions import ProrlError
+from prorl_cli.exceptions import ClientClosed, ProrlError
 from prorl_cli.protocol import BackendStatus, ForgetOutcome, JobResult, JobSpec, Op, StatusReport
 
 T = TypeVar("T")
@@ -227,6 +227,9 @@ class RolloutClient:
     def _task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """``coro`` as a task of this client's loop, not started yet: an interrupt leaves it in hand."""
         self._refuse_inside_a_loop(coro)
+        if self._loop.is_closed():
+            coro.close()  # never to run: no "never awaited" warning
+            raise ClientClosed("this RolloutClient is closed; make a new one")
         return self._loop.create_task(coro)
 
     def _run_to_end(self, task: asyncio.Task[T], *, cancel: bool) -> T:

@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import signal
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -55,24 +56,53 @@ def test_submit_says_which_ids_were_new_and_which_existed(deployment: Deployment
     assert [r.output["echo"] for r in results] == [1, 2, 3], "sub-b kept its first instance"
 
 
-def test_an_id_reused_for_other_work_is_refused_and_nothing_of_that_submit_is_accepted(deployment: Deployment) -> None:
-    """The same id returns the job it names (a retry, a resumed run); another instance or task under it would get
-    that job's result, an earlier run's, without a word."""
-    from prorl_cli.exceptions import BadRequest
+def test_an_id_resubmitted_for_other_work_returns_its_job_and_the_broker_says_so(deployment: Deployment) -> None:
+    """An id names one job: resubmitting it returns that job (a retry, a resumed run, ids submitted to watch
+    them). Another instance or task under it gets that job's result, an earlier run's perhaps: the broker's log
+    says so, once per submit."""
+    client = deployment.client
+    assert client.submit("test", [{"echo": "run A"}], job_ids=["reused-0"]).accepted == ["reused-0"]
+    said = "job id(s) of a submit already name jobs of other work"
+    assert client.submit("test", [{"echo": "run A"}], job_ids=["reused-0"]).existing == ["reused-0"]
+    assert said not in deployment.log("broker"), "a retry is no other work"
+    again = client.submit("test", [{"echo": "new"}, {"echo": "run B"}], job_ids=["reused-new", "reused-0"])
+    assert (again.accepted, again.existing) == (["reused-new"], ["reused-0"])
+    assert [r.output["echo"] for r in client.wait(["reused-0", "reused-new"], timeout_s=60)] == ["run A", "new"]
+    assert "1 " + said + " (e.g. 'reused-0', now for another instance)" in deployment.log("broker")
+    client.submit("noop", [{"echo": "run A"}], job_ids=["reused-0"])
+    assert "now for task 'noop' (it ran 'test')" in deployment.log("broker")
+
+
+def test_submits_the_broker_could_not_take_are_refused_in_the_client_at_once(deployment: Deployment) -> None:
+    """One instance not in a list would be submitted key by key (or character by character); n < 1 submits
+    nothing; an instance over broker.max_message_bytes gets no answer at all (libzmq drops the connection)."""
+    from prorl_cli.exceptions import ProtocolError
 
     client = deployment.client
-    first = client.submit("test", [{"echo": "run A"}], job_ids=["reused-0"])
-    assert first.accepted == ["reused-0"]
-    for task, instance in (("test", {"echo": "run B"}), ("noop", {"echo": "run A"})):
-        with pytest.raises(BadRequest) as refused:
-            client.submit(task, [{"echo": "new"}, instance], job_ids=["reused-new", "reused-0"])
-        assert "jobs[1]: job id 'reused-0' already names a job of" in str(refused.value), str(refused.value)
-    assert "task 'test'" in str(refused.value)
-    again = client.submit("test", [{"echo": "run A"}], job_ids=["reused-0"])  # a retry: its own job back
-    assert (again.accepted, again.existing) == ([], ["reused-0"])
-    assert client.submit("test", [{"echo": "new"}], job_ids=["reused-new"]).accepted == ["reused-new"], \
-        "the refused submit accepted nothing"
-    assert [r.output["echo"] for r in client.wait(["reused-0", "reused-new"], timeout_s=60)] == ["run A", "new"]
+    with pytest.raises(TypeError, match="got one dict; put a single instance in a list"):
+        client.submit("test", {"echo": 1})
+    with pytest.raises(TypeError, match="got one str"):
+        client.submit("test", "abc")
+    for n in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="n: the number of jobs per instance"):
+            client.submit("test", [{"echo": 1}], n=n)  # type: ignore[arg-type]
+    limit = deployment.load_config().broker.max_message_bytes
+    with pytest.raises(ProtocolError, match=r"instance 1 \('big'\) packs to .* over broker.max_message_bytes"):
+        client.submit("test", [{"echo": "small"}, {"echo": "x" * (limit + 1)}], job_ids=["small", "big"])
+    assert client.submit("test", [{"echo": "small"}], job_ids=["small"]).accepted == ["small"], "nothing was sent"
+
+
+def test_a_closed_client_says_so(deployment: Deployment) -> None:
+    from prorl_cli.exceptions import ClientClosed
+
+    client = RolloutClient(deployment.name, address=deployment.address, config=deployment.load_config())
+    client.status()
+    client.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine ... was never awaited"
+        with pytest.raises(ClientClosed, match="this RolloutClient is closed"):
+            client.status()
+    client.close()  # twice is fine
 
 
 def test_a_result_stream_takes_ids_added_after_it_started(deployment: Deployment) -> None:
@@ -287,7 +317,8 @@ def test_a_wait_that_times_out_while_the_broker_is_silent_says_so(tmp_path: Path
                     c.wait([s.job_id for s in specs], timeout_s=10)
             finally:
                 os.kill(broker.pid, signal.SIGCONT)
-            assert any("has not answered for" in r.getMessage() for r in caplog.records)
+            said = [r.getMessage() for r in caplog.records if "has not answered for" in r.getMessage()]
+            assert said and not any("for 0 s" in m for m in said), said  # silent since the unanswered ping went out
             c.cancel([s.job_id for s in specs])
     finally:
         d.close()
