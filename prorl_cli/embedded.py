@@ -9,6 +9,7 @@ it did not start.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from prorl_cli.client import RolloutClient
+from prorl_cli.client import AsyncRolloutClient, RolloutClient
 from prorl_cli.config import ENV_CONFIG, ENV_DEPLOYMENT, ENV_HOME, ProrlConfig, load_config
 from prorl_cli.exceptions import BrokerUnavailable, StartTimeout
 from prorl_cli.processes import DIE_WITH_PARENT_ENV, stop_groups
@@ -71,6 +72,11 @@ class LocalStack:
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Start ``prorl ARGS`` as a child in its own process group, logging to logs/NAME.log."""
+        running = self.procs.get(name)
+        if running is not None and running.poll() is None:
+            # Two servers under one name would take each other's place at the broker, and close() would lose one.
+            raise RuntimeError(f"{name!r} of this stack still runs (pid {running.pid}): stop it first, or pick "
+                               "another name")
         with open(self.logs / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "prorl_cli", "-d", self.name, *args],
@@ -83,7 +89,24 @@ class LocalStack:
         self.procs[name] = proc
         return proc
 
+    @staticmethod
+    def _refuse_inside_a_loop(what: str) -> None:
+        """The stack waits for its servers with a blocking client, which would block a running event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        raise RuntimeError(f"LocalStack.{what} blocks, and an event loop runs here (asyncio code, a notebook): call "
+                           f"it outside the loop, or from it with `await asyncio.to_thread(stack.{what}, ...)`; "
+                           "stack.async_client() is the client for asyncio code")
+
+    def async_client(self, request_timeout_s: float = 15.0) -> AsyncRolloutClient:
+        """A new client of this stack for asyncio code (use it in ``async with``)."""
+        return AsyncRolloutClient(self.name, address=self.address, config=self.load_config(),
+                                  request_timeout_s=request_timeout_s)
+
     def start_broker(self, timeout_s: float = 30.0) -> subprocess.Popen[bytes]:
+        self._refuse_inside_a_loop("start_broker")
         proc = self.spawn("broker", "serve", "broker")
         deadline = time.monotonic() + timeout_s
         while True:
@@ -103,6 +126,8 @@ class LocalStack:
         return read_rendezvous(self.deployment_dir).address
 
     def start_node(self, node_id: str, *args: str, wait: bool = True, timeout_s: float = 60.0) -> subprocess.Popen[bytes]:
+        if wait:
+            self._refuse_inside_a_loop("start_node")
         proc = self.spawn(node_id, "serve", "node", "--node-id", node_id, *args)
         if wait:
             self.wait_for(

@@ -83,3 +83,26 @@ def test_a_client_with_another_deployments_key_is_refused_naming_its_folder(tmp_
         assert "refused this client's key" in message and str(other) in message, message
         # The right keys still get in.
         assert stack.new_client().status().nodes == []
+
+
+def test_an_embedded_stack_from_asyncio_code_says_how_and_gives_an_async_client(tmp_path: Path) -> None:
+    """A notebook cell, or a trainer's asyncio main: starting a server (which waits with a blocking client) is
+    refused before anything is spawned, to_thread works, and async_client() serves the asyncio code."""
+    import asyncio
+
+    with LocalStack(tmp_path / "stack", "aio", {"broker": {"journal": False}}) as stack:
+
+        async def main() -> list[str]:
+            with pytest.raises(RuntimeError, match=r"LocalStack.start_broker blocks.*asyncio.to_thread"):
+                stack.start_broker()
+            assert stack.procs == {}, "nothing was spawned"
+            await asyncio.to_thread(stack.start_broker)
+            await asyncio.to_thread(stack.start_node, "n1", "--handlers", "prorl_cli.testing.handlers")
+            with pytest.raises(RuntimeError, match="'n1' of this stack still runs"):
+                stack.start_node("n1", wait=False)
+            async with stack.async_client() as client:
+                ids = await client.submit("test", [{"echo": 1}])
+                return [r.state async for r in client.as_completed(ids, timeout_s=60)]
+
+        assert asyncio.run(main()) == ["done"]
+        assert list(stack.procs) == ["broker", "n1"]
