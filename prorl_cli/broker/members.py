@@ -76,6 +76,8 @@ class Members:
         self.heartbeat_liveness = heartbeat_liveness
         self.dead_after_s = heartbeat_interval_s * heartbeat_liveness
         self.boot_id = boot_id
+        #: The unserved tasks of queued jobs last warned about (:meth:`_warn_unserved`).
+        self._warned_unserved: frozenset[str] = frozenset()
         self._bridge_heartbeat = bridge_heartbeat
         self._bridges = bridges
         self._bridge_unregister = bridge_unregister
@@ -124,12 +126,23 @@ class Members:
         drop = self.table.claim(node, h.running or [])
         log.info("node %s registered from %s (credit %d, tasks %s, running %d)", node_id, node.host, node.credit,
                  sorted(node.tasks), len(node.inflight))
+        self._warn_unserved()
         self._send(
             identity,
             P.reply(h.rid, heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_liveness=self.heartbeat_liveness,
                     drop=drop, boot_id=self.boot_id),
             (),
         )
+
+    def _warn_unserved(self) -> None:
+        """Jobs accepted before any node served (a submit checks task names only against live nodes) may be for a
+        task no node serves, a misspelt one: said when a node registers, once per set of such tasks."""
+        live = self.table.live_tasks()
+        unserved = {task: n for task, n in self.table.queue.waiting().items() if task not in live}
+        if unserved and frozenset(unserved) != self._warned_unserved:
+            log.warning("%d queued job(s) are for task(s) %s that no live node serves (served: %s): they wait for "
+                        "a node that serves them", sum(unserved.values()), sorted(unserved), sorted(live))
+        self._warned_unserved = frozenset(unserved)
 
     def _node_of(self, identity: bytes, h: Any) -> Node | None:
         """The live node on ``identity``; else the peer (``h``: its header) is told to register, and None."""

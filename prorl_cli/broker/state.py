@@ -143,6 +143,10 @@ class TaskQueues:
         self._count -= 1
         return True
 
+    def waiting(self) -> dict[str, int]:
+        """Queued jobs per task, for the tasks that have any."""
+        return {task: len(q) for task, q in self._queues.items() if q}
+
     def pop_oldest(self, tasks: set[str], jobs: dict[str, Job]) -> str | None:
         """The oldest queued job among ``tasks`` (None if none)."""
         best: str | None = None

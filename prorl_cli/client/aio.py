@@ -366,8 +366,15 @@ class AsyncRolloutClient:
         self._waiters.setdefault(job_id, []).append(fut)
         try:
             await self._watch([job_id])
-            async with asyncio.timeout(timeout_s):
-                return await fut
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await fut
+            except TimeoutError:
+                silent_s = self.broker_silent_s()
+                why = "" if silent_s is None else (
+                    f"; the broker at {self.address} has not answered for {silent_s:.0f} s")
+                raise TimeoutError(f"no result for job {job_id!r} after {timeout_s:g} s{why} (prorl status tells "
+                                   "where it is: a job of a task no node serves waits in the queue)") from None
         finally:
             waiters = self._waiters.get(job_id)
             if waiters is not None and fut in waiters:

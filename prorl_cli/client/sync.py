@@ -31,24 +31,33 @@ log = logging.getLogger(__name__)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop, built whole: Ctrl-C and SIGTERM are held off while its parts are made.
+    """A new event loop, built whole: Ctrl-C and SIGTERM that come while its parts are made are handled after.
 
-    A KeyboardInterrupt between them leaves a half-built loop whose finalizer prints an error at exit; held
-    off, it comes as soon as the loop is whole (from the main thread; elsewhere signals never arrive anyway).
+    A KeyboardInterrupt between them leaves a half-built loop whose finalizer prints an error at exit. Held in
+    Python's handlers (which run in the main thread, whichever thread the signal reached), each comes, through
+    the handler that was in place, as soon as the loop is whole; the loop is closed if one raises.
     """
     if threading.current_thread() is not threading.main_thread():
-        return asyncio.new_event_loop()
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    loop: asyncio.AbstractEventLoop | None = None
+        return asyncio.new_event_loop()  # signal handlers run in the main thread only: none can interrupt here
+    held: list[int] = []
+    # A handler set outside Python (getsignal gives None) cannot be put back: that signal is left alone.
+    before = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+              for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is not None}
     try:
         loop = asyncio.new_event_loop()
     finally:
-        try:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal held off is handled here
-        except BaseException:
-            if loop is not None:
-                loop.close()
-            raise
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    try:
+        for signum in held:
+            handler = before[signal.Signals(signum)]
+            if callable(handler):
+                handler(signum, None)  # Python's default for SIGINT raises KeyboardInterrupt
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)  # its default action, now that the default is back
+    except BaseException:
+        loop.close()
+        raise
     return loop
 
 

@@ -92,6 +92,25 @@ def test_submits_the_broker_could_not_take_are_refused_in_the_client_at_once(dep
     assert client.submit("test", [{"echo": "small"}], job_ids=["small"]).accepted == ["small"], "nothing was sent"
 
 
+def test_a_misspelt_task_submitted_before_any_node_is_named_when_nodes_come(tmp_path: Path) -> None:
+    """With no node up a submit cannot tell a misspelt task from one a node will serve: the job waits. The broker
+    says so when nodes register, and a wait that times out names the job."""
+    d = Deployment(tmp_path / "home", "early")
+    try:
+        d.start_broker()
+        (job,) = d.client.submit("tset", [{"echo": 1}])
+        d.start_node("n1")
+        d.wait_for(lambda st: any(n.alive for n in st.nodes), 30, "the node")
+        assert "1 queued job(s) are for task(s) ['tset'] that no live node serves" in d.log("broker")
+        with pytest.raises(TimeoutError, match=f"no result for job '{job}' after 0.5 s"):
+            d.client.result(job, timeout_s=0.5)
+        d.start_node("n2")
+        d.wait_for(lambda st: len([n for n in st.nodes if n.alive]) == 2, 30, "the second node")
+        assert d.log("broker").count("that no live node serves") == 1, "said once for the same tasks"
+    finally:
+        d.close()
+
+
 def test_a_closed_client_says_so(deployment: Deployment) -> None:
     from prorl_cli.exceptions import ClientClosed
 
