@@ -10,6 +10,7 @@ import asyncio
 import fcntl
 import json
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +30,19 @@ class Rendezvous:
     pid: int
     started_at: float
     curve_public_key: str | None = None
+
+    def process_gone(self) -> bool:
+        """The broker that wrote this file ran on this host and its process is gone (killed outright: a clean
+        exit removes the file). False when it ran elsewhere: nothing here can tell."""
+        if self.host != socket.gethostname() or self.pid <= 0:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # another user's live process
+            return False
+        return False
 
 
 def rendezvous_path(deployment_dir: Path) -> Path:

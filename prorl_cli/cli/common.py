@@ -60,9 +60,26 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
         client.close()
         app.abort(
             f"the broker at {where} does not answer (deployment {app.config.deployment!r}, "
-            f"no reply within {PING_TIMEOUT_S:g} s); is it running?"
+            f"no reply within {PING_TIMEOUT_S:g} s); {_why_silent(app) if address is None else 'is it running?'}"
         )
     return client
+
+
+def _why_silent(app: App) -> str:
+    """What the rendezvous file tells of a broker that does not answer."""
+    from prorl_cli.exceptions import RendezvousError
+    from prorl_cli.rendezvous import read_rendezvous
+
+    try:
+        info = read_rendezvous(app.config.deployment_dir)
+    except RendezvousError:
+        return "is it running?"
+    if not info.process_gone():
+        return "is it running?"
+    name = app.config.deployment
+    return (f"its process (pid {info.pid} on this host) is gone, killed without cleaning up: `prorl serve broker "
+            f"-d {name}` starts it again (its journal keeps the jobs it had), and then `prorl stop {name}` stops "
+            "the deployment, nodes included")
 
 
 def read_instances(app: App, path: Path) -> list[Any]:

@@ -156,6 +156,20 @@ def test_commands_without_a_broker_say_so(tmp_path: Path) -> None:
     assert r.returncode != 0 and "rendezvous" in r.stderr and "nobroker" in r.stderr
 
 
+def test_a_broker_killed_outright_is_named_gone_with_the_way_back(tmp_path: Path) -> None:
+    """kill -9 (the OOM killer) leaves broker.json behind: a command says the process is gone and how to go on."""
+    d = Deployment(tmp_path / "home", "killed")
+    try:
+        broker = d.start_broker()
+        d.kill("broker")
+        r = prorl(d, "stop")
+        assert r.returncode != 0
+        assert f"its process (pid {broker.pid} on this host) is gone" in r.stderr, r.stderr
+        assert "prorl serve broker -d killed" in r.stderr
+    finally:
+        d.close()
+
+
 def test_config_show_and_errors(tmp_path: Path) -> None:
     cfg = tmp_path / "prorl.yaml"
     cfg.write_text("node:\n  n_run: 3\n")
