@@ -25,6 +25,7 @@ docs/domains.md ("SWE datasets: sources"); the rules, field by field:
 
 from __future__ import annotations
 
+import ast
 import base64
 import datetime as dt
 import decimal
@@ -308,12 +309,28 @@ def _test_list(value: Any, where: str, name: str) -> list[str]:
         try:
             value = json.loads(value) if value.strip() else []
         except json.JSONDecodeError as e:
-            raise DatasetError(f"{where}: field {name!r} is a string but not JSON: {e.msg}") from e
+            python_list = _python_list(value)
+            if python_list is None:
+                raise DatasetError(f"{where}: field {name!r} is a string but not JSON: {e.msg}") from e
+            value = python_list  # str(list) or a CSV round trip: ['a', 'b'], quoted Python's way
     if value is None:
         value = []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise DatasetError(f"{where}: {name} must be a list of test names")
+        found = type(value).__name__ if not isinstance(value, list) else \
+            f"a list holding {sorted({type(v).__name__ for v in value if not isinstance(v, str)})}"
+        raise DatasetError(f"{where}: {name} must be a list of test names (JSON, or a JSON string), got {found}")
     return value
+
+
+def _python_list(text: str) -> list[str] | None:
+    """A list of strings written as Python writes one (``str(list)``), else None. Literals only: nothing runs."""
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
 
 
 def _commands(value: Any, where: str, name: str) -> list[Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,19 @@ def test_null_and_mistyped_fields_as_concatenated_datasets_and_parquet_give_them
         with pytest.raises(DatasetError) as refused:
             load_instances("swe", bad, None)
         assert says in str(refused.value) and f"{bad.name}:1" in str(refused.value), str(refused.value)
+
+
+def test_test_lists_written_as_python_writes_them_are_read_and_bad_ones_say_what_they_hold(tmp_path: Path) -> None:
+    """str(list) or a CSV round trip gives "['a', 'b']": read as the list it is (literals only); a list of
+    something else says what it found."""
+    gym = _raw("swe_gym.jsonl")[0]
+    python_way = tmp_path / "python_way.jsonl"
+    python_way.write_text(json.dumps({**gym, "FAIL_TO_PASS": str([NEW, "tests/t.py::test_x[it's]"])}) + "\n")
+    (row,) = load_instances("swe", python_way, None)
+    assert row["FAIL_TO_PASS"] == [NEW, "tests/t.py::test_x[it's]"]
+    for value, says in [(json.dumps(json.dumps([NEW])), "got str"), ([NEW, None], "got a list holding ['NoneType']"),
+                        ("[__import__('os').getpid()]", "is a string but not JSON")]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({**gym, "FAIL_TO_PASS": value}) + "\n")
+        with pytest.raises(DatasetError, match=re.escape(says)):
+            load_instances("swe", bad, None)
