@@ -28,6 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 from prorl_cli import protocol as P
 from prorl_cli import timebase
 from prorl_cli.exceptions import (
+    BadAddress,
     BrokerRefused,
     BrokerRestarted,
     BrokerUnavailable,
@@ -151,7 +152,11 @@ class BrokerConnection:
                 sock.setsockopt(zmq.RCVHWM, 0)
             curve = self.deployment_dir is not None and secure_peer(sock, self.deployment_dir)  # the broker's key
             monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
-            sock.connect(self.address)  # a malformed address raises here, naming it
+            try:
+                sock.connect(self.address)
+            except zmq.ZMQError as e:  # malformed: ZeroMQ names the address, not what a good one looks like
+                raise BadAddress(f"broker address {self.address!r}: not an endpoint to connect to ({e.strerror}); "
+                                 "give tcp://HOST:PORT") from e
         except BaseException:
             if monitor is not None:
                 monitor.close(0)
@@ -424,7 +429,7 @@ class BrokerConnection:
         self.address = info.address
         try:
             self._connect()  # before the old socket goes: an address it cannot connect to leaves that one in place
-        except (zmq.ZMQError, RendezvousError) as e:
+        except (BadAddress, zmq.ZMQError, RendezvousError) as e:
             self.address = old_address
             self._cannot_follow(f"{rendezvous_path(self.deployment_dir)} names the broker address {info.address!r}, "
                                 f"which this {self.name} cannot connect to: {e}")

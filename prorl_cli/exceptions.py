@@ -125,6 +125,10 @@ class BrokerRestarted(BrokerUnavailable):
     """The broker a request went to died; a new one (started on the same address) never saw it."""
 
 
+class BadAddress(ProrlError, ValueError):
+    """A broker address ZeroMQ cannot connect to (no ``tcp://``, no port)."""
+
+
 class ClientClosed(ProrlError, RuntimeError):
     """A client was used after ``close()`` (or after its ``with`` block)."""
 

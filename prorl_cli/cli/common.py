@@ -40,10 +40,8 @@ class Seconds(click.ParamType):
 
 def connect(app: App, address: str | None = None) -> RolloutClient:
     """A client for the deployment whose broker answered a short ping; a one-line error if it is not there."""
-    import zmq
-
     from prorl_cli.client import RolloutClient
-    from prorl_cli.exceptions import BrokerUnavailable, RendezvousError
+    from prorl_cli.exceptions import BadAddress, BrokerUnavailable, RendezvousError
 
     client = RolloutClient(app.config.deployment, address=address, config=app.config)
     try:
@@ -51,10 +49,9 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
     except RendezvousError as e:
         client.close()
         app.abort(str(e))
-    except zmq.ZMQError as e:  # an endpoint ZeroMQ cannot connect to (no tcp://, no port)
-        where = f"--address {address}" if address is not None else f"broker address {client.address}"
+    except BadAddress as e:  # an endpoint ZeroMQ cannot connect to (no tcp://, no port)
         client.close()
-        app.abort(f"{where}: not an endpoint to connect to ({e.strerror}); give tcp://HOST:PORT")
+        app.abort(f"--address {address}: {e}" if address is not None else str(e))
     except BrokerUnavailable:
         where = client.address or address or "?"
         client.close()
