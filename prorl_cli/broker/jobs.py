@@ -302,7 +302,11 @@ class JobTable:
                 continue
             job.node_id = None
             self._on_detach(job_id)
-            if job.spec.attempt >= job.spec.max_attempts:
+            # A job a leaving node never started (still assigned) spends no attempt: attempts bound what a job
+            # may cost the fleet, and several nodes leaving at once (scancel of an array) would otherwise pass
+            # one job from node to node until it failed without ever running.
+            spends = not (planned and job.state == JobState.ASSIGNED)
+            if spends and job.spec.attempt >= job.spec.max_attempts:
                 self.finish_by_broker(
                     job, JobState.FAILED,
                     P.ErrorInfo(stage="node", type="NodeLost",
@@ -310,8 +314,9 @@ class JobTable:
                 )
                 continue
             job.claim_node, job.claim_attempt = node.node_id, job.spec.attempt
-            job.spec.attempt += 1
-            self._record(attempt_record(job_id, job.spec.attempt))
+            if spends:
+                job.spec.attempt += 1
+                self._record(attempt_record(job_id, job.spec.attempt))
             job.state = JobState.QUEUED
             job.queued_at = died_at
             job.events.append(["requeued", round(died_at - job.submitted_at, 6), 0.0, {"node": node.node_id, "why": why}])

@@ -158,6 +158,28 @@ def test_lost_too_often_fails_with_node_error() -> None:
     assert result.state == "failed" and result.critical_error == "node"
 
 
+def test_a_job_a_leaving_node_never_started_spends_no_attempt() -> None:
+    """scancel of a node array: each node leaves (planned) a few ms apart, and a job placed on one that is itself
+    leaving moves on without running. That costs no attempt; a job that started there does spend one."""
+    table = Recorder().table()
+    started, unstarted = _add(table, "started", max_attempts=1), _add(table, "unstarted", max_attempts=1)
+    n1 = _node(table, "n1", credit=2)
+    table.place()
+    table.stage(n1, [StageUpdate("started", 1, "run")])
+    table.node_lost(n1, "left", planned=True)
+    assert started.state == JobState.FAILED, "it ran there: its one attempt is spent"
+    for i in range(3):  # placed on node after node, each leaving before it starts the job
+        node = _node(table, f"m{i}", credit=1)
+        table.place()
+        assert unstarted.node_id == f"m{i}" and unstarted.state == JobState.ASSIGNED
+        table.node_lost(node, "left", planned=True)
+        assert unstarted.state == JobState.QUEUED and unstarted.spec.attempt == 1
+    lost = _node(table, "crashed", credit=1)
+    table.place()
+    table.node_lost(lost, "silent")  # a loss it was not told of: the attempt counts, as a crash's would
+    assert unstarted.state == JobState.FAILED
+
+
 def test_broker_results_echo_group_and_meta() -> None:
     table = Recorder().table()
     _add(table, "a", group_id="g7", meta={"prompt": 3, "split": "train"})
