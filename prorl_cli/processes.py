@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
@@ -121,3 +122,20 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float) -> int | None:
     """:func:`stop_groups` for one child; return its exit code."""
     stop_groups([proc], grace_s)
     return proc.returncode
+
+
+def is_local_broker(pid: int | None) -> bool:
+    """Whether ``pid`` is a prorl broker on this host (a pid recorded long ago may be another process's now)."""
+    if not pid or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process: cannot tell more
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True  # no /proc to ask: take it for the broker
+    return b"prorl_cli" in argv and b"serve" in argv and b"broker" in argv

@@ -34,15 +34,9 @@ class Rendezvous:
     def process_gone(self) -> bool:
         """The broker that wrote this file ran on this host and its process is gone (killed outright: a clean
         exit removes the file). False when it ran elsewhere: nothing here can tell."""
-        if self.host != socket.gethostname() or self.pid <= 0:
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # another user's live process
-            return False
-        return False
+        from prorl_cli.processes import is_local_broker
+
+        return self.host == socket.gethostname() and self.pid > 0 and not is_local_broker(self.pid)
 
 
 def rendezvous_path(deployment_dir: Path) -> Path:

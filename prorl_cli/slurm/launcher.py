@@ -28,6 +28,7 @@ from prorl_cli.exceptions import (
     RendezvousError,
     SlurmError,
 )
+from prorl_cli.processes import is_local_broker
 from prorl_cli.rendezvous import rendezvous_path
 from prorl_cli.slurm import squeue
 from prorl_cli.slurm.deploy import DeployConfig
@@ -113,23 +114,6 @@ def _start_local_broker(cfg: DeployConfig) -> int:
     return proc.pid
 
 
-def _pid_alive(pid: int | None) -> bool:
-    """Whether ``pid`` is the local broker ``launch`` started (a pid recorded long ago may be another process's now)."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return True  # no /proc to ask: take it for the broker
-    return b"prorl_cli" in argv and b"serve" in argv and b"broker" in argv
-
-
 #: ``broker.where: here``: how long ``down`` lets the local broker's process group stop on SIGTERM before SIGKILL.
 LOCAL_BROKER_STOP_S = 30.0
 
@@ -137,14 +121,14 @@ LOCAL_BROKER_STOP_S = 30.0
 def _stop_local_broker(pid: int, grace_s: float | None = None) -> None:
     """SIGTERM the local broker's process group (its own session), SIGKILL what is left after ``grace_s``."""
     grace_s = LOCAL_BROKER_STOP_S if grace_s is None else grace_s
-    if not _pid_alive(pid):
+    if not is_local_broker(pid):
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while _pid_alive(pid) and time.monotonic() < deadline:
+    while is_local_broker(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if _pid_alive(pid):
+    if is_local_broker(pid):
         log.warning("the local broker (pid %d) did not stop %.0f s after SIGTERM: killing its process group", pid, grace_s)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
@@ -186,7 +170,7 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
     """Submit every role; raises :class:`SlurmError` (with nothing left queued) when Slurm refuses one."""
     check_partitions(cfg)
     record, left = existing_launch(cfg)
-    if record is not None and (left or (record.broker_where == "here" and _pid_alive(record.broker_pid))):
+    if record is not None and (left or (record.broker_where == "here" and is_local_broker(record.broker_pid))):
         raise SlurmError(
             f"deployment {cfg.deployment!r} is already launched ({len(left)} Slurm job(s) in squeue: "
             f"{', '.join(t.job_id for t in left[:6])}); use `prorl status {cfg.deployment}`, "

@@ -164,13 +164,23 @@ def log_files(cfg: DeployConfig, member: Member) -> list[Path]:
     return sorted(folder.glob("*_log.out")) if folder.is_dir() else []
 
 
-def log_tail(cfg: DeployConfig, member: Member, lines: int = 12) -> str:
-    """The end of a task's Slurm log."""
+#: How much of the end of a task's log is read: a log appended to across requeues may be large.
+LOG_END_BYTES = 1 << 20
+
+
+def log_end(cfg: DeployConfig, member: Member, max_bytes: int = LOG_END_BYTES) -> str:
+    """The last ``max_bytes`` of a task's newest Slurm log ("" when it has none)."""
     candidates = log_files(cfg, member)
     if not candidates:
         return ""
-    text = candidates[-1].read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
+    with candidates[-1].open("rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+        return f.read().decode(errors="replace")
+
+
+def log_tail(cfg: DeployConfig, member: Member, lines: int = 12) -> str:
+    """The last ``lines`` lines of a task's Slurm log."""
+    return "\n".join(log_end(cfg, member).splitlines()[-lines:])
 
 
 def load_launched(deployment_dir: Path, *, or_last: bool = False) -> tuple[LaunchRecord, DeployConfig]:

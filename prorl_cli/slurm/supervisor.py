@@ -62,7 +62,7 @@ from prorl_cli.slurm.record import (
     Member,
     launch_lock,
     load_launched,
-    log_files,
+    log_end,
     log_tail,
 )
 
@@ -171,8 +171,6 @@ _CANCELLED = re.compile(r"\*\*\* JOB \S+ ON \S+ CANCELLED AT \S+(?: DUE TO ([^*]
 _STARTED = "- Starting with JobEnvironment("
 #: What submitit writes when the task's function returned.
 _CLEAN_EXIT = "- Exiting after successful completion"
-#: How much of the end of a log is read (a task's own lines after its last start are what count).
-_LOG_READ_BYTES = 1 << 20
 
 
 def ended_unseen(log_text: str) -> str | None:
@@ -198,15 +196,6 @@ def ended_unseen(log_text: str) -> str | None:
     if _CLEAN_EXIT in last_run:
         return None
     return "unseen (it left squeue before it was seen ended, and its log shows neither a scancel nor a clean exit)"
-
-
-def _read_log_end(files: list[Path]) -> str:
-    """The last ``_LOG_READ_BYTES`` of a task's newest log ("" when it has none)."""
-    if not files:
-        return ""
-    with files[-1].open("rb") as f:
-        f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_READ_BYTES))
-        return f.read().decode(errors="replace")
 
 
 @dataclass
@@ -289,7 +278,7 @@ def supervise_once(deployment_dir: Path, now: float | None = None,
                 # the moment sbatch returned). Its log tells an end it was asked for from one it was not.
                 if state is not None and state.left_alone == m.job_id:
                     continue
-                unseen_end = ended_unseen(_read_log_end(log_files(cfg, m)))
+                unseen_end = ended_unseen(log_end(cfg, m))
                 if unseen_end is None:
                     log.info("%s (Slurm job %s) left squeue before it was seen ended; its log says it was asked to "
                              "end: not replaced", m.peer_id, m.job_id)

@@ -309,8 +309,8 @@ def test_a_task_that_failed_while_no_supervisor_watched_is_replaced_and_one_canc
     _write_log(deployment_dir, "nodes", "20_0", _STARTED + _ROLE + _SCANCEL + _CLEAN)
     del slurm.states["20_0"]
     reads: list[str] = []
-    real_read = supervisor._read_log_end
-    monkeypatch.setattr(supervisor, "_read_log_end", lambda files: reads.append(str(files)) or real_read(files))
+    real_read = supervisor.log_end
+    monkeypatch.setattr(supervisor, "log_end", lambda cfg, m: reads.append(m.job_id) or real_read(cfg, m))
     for now in (2000.0, 2005.0, 9000.0):
         assert supervise_once(deployment_dir, now=now).replaced == [] and slurm.submitted == ["20_0"]
     state = Supervision.load(deployment_dir, "L5").names["node-0"]
