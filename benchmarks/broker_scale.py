@@ -185,7 +185,7 @@ class Generator:
             instances.append(stamp)
         self.submitted += n
         self._rid += 1
-        self.send(self.client, [_header("submit", rid=self._rid, jobs=specs), *instances])
+        self.send(self.client, P.encode({"op": "submit", "rid": self._rid, "jobs": specs}, instances))
 
     # ------------------------------------------------------------ loop
 
@@ -267,7 +267,7 @@ class Generator:
             return
         # a node
         if op == "assign":
-            for spec, instance in zip(h["jobs"], frames[1:], strict=True):
+            for spec, instance in zip(h["jobs"], P.job_items(P.Op.ASSIGN, frames[1:]), strict=True):
                 inst = msgpack.unpackb(instance)
                 fill = inst["fill"]
                 (self.stats.fill_dispatch_ms if fill else self.stats.dispatch_ms).append((now_ns - inst["t"]) / 1e6)
@@ -310,7 +310,7 @@ class Generator:
         self.stage_out.clear()
         for node, job_ids in self.done_out.items():
             infos = [{"job_id": j, "attempt": 1, "state": "done"} for j in job_ids]
-            self.send(self.node_sock[node], [_header("job_done", jobs=infos), *([self.result_blob] * len(job_ids))])
+            self.send(self.node_sock[node], P.encode({"op": "job_done", "jobs": infos}, [self.result_blob] * len(job_ids)))
         self.done_out.clear()
 
 

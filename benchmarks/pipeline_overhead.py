@@ -276,6 +276,8 @@ def node_path_cpu_per_job(jobs: int, inflight: int, warmup: int) -> float:
         return P.encode({"op": "assign", "jobs": specs, "timing": timing}, [P.pack_obj({}) for _ in range(n)])
 
     batches = [assign(b, min(NODE_PATH_BATCH, total - b)) for b in range(0, total, NODE_PATH_BATCH)]
+    # Older trees send a frame per job, which their nodes take as they come.
+    job_items = getattr(P, "job_items", lambda op, payload: payload)
 
     async def run() -> float:
         tmp = tempfile.mkdtemp(prefix="prorl-bench-node-")
@@ -295,7 +297,7 @@ def node_path_cpu_per_job(jobs: int, inflight: int, warmup: int) -> float:
                 fed += 1
                 header = P.decode_header(frames[0])
                 inflight_now += len(header["jobs"])
-                server.on_message(header["op"], header, frames[1:])
+                server.on_message(header["op"], header, job_items(header["op"], frames[1:]))
 
         async def send(header: dict[str, Any], payload: Any = ()) -> None:
             nonlocal inflight_now, done, mark

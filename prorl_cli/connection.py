@@ -33,10 +33,11 @@ from prorl_cli.exceptions import (
     BrokerRestarted,
     BrokerUnavailable,
     ProtocolError,
+    ProtocolMismatch,
     RemoteError,
     RendezvousError,
 )
-from prorl_cli.protocol import Op
+from prorl_cli.protocol import ErrorCode, Op
 from prorl_cli.rendezvous import read_rendezvous, rendezvous_path
 from prorl_cli.security import secure_peer
 
@@ -105,8 +106,9 @@ class BrokerConnection:
         self._socket_boot: str | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
-        #: Set when the current socket's CURVE handshake was refused; requests then fail at once.
-        self.refused: BrokerRefused | None = None
+        #: Set when the current socket's CURVE handshake was refused, or its broker speaks another protocol
+        #: version; requests then fail at once.
+        self.refused: BrokerRefused | ProtocolMismatch | None = None
         self._monitor: asyncio.Task[None] | None = None
         #: Why :meth:`follow_moved` last could not follow the rendezvous file (logged once), None once it could.
         self._follow_problem: str | None = None
@@ -335,17 +337,33 @@ class BrokerConnection:
             try:
                 header = P.decode_header(frames[0])
             except ProtocolError as e:
-                log.error("%s: bad frame from the broker: %s", self.name, e)
+                if e.code == ErrorCode.BAD_VERSION:
+                    self._version_mismatch(frames[0], epoch)
+                else:
+                    log.error("%s: bad frame from the broker: %s", self.name, e)
                 continue
             op = header["op"]
             if op == Op.REPLY:
                 self._on_reply(header, frames[1:], epoch)
             elif op != Op.HEARTBEAT and self.on_message is not None:
                 try:
-                    self.on_message(op, header, frames[1:])
+                    self.on_message(op, header, P.job_items(op, frames[1:]))
                 except (ProtocolError, KeyError, TypeError, ValueError) as e:
                     # A message its handler could not take must not stop the reader (and with it every reply).
                     log.error("%s: could not handle %s from the broker: %r", self.name, op.value, e)
+
+    def _version_mismatch(self, frame: bytes, epoch: int) -> None:
+        """A broker of another protocol version answered: say so to every request, instead of letting each time out."""
+        if epoch != self._epoch:
+            return
+        if not isinstance(self.refused, ProtocolMismatch):
+            theirs = P.decode_map(frame).get("v")
+            self.refused = ProtocolMismatch(
+                f"the broker at {self.address} speaks protocol version {theirs!r} and this {self.name} speaks "
+                f"{P.PROTOCOL_VERSION}: the broker runs another prorl version. Stop it with the prorl that started it "
+                "(or end its process), then start it with this one, or use the prorl it runs")
+            log.error("%s: %s", self.name, self.refused)
+        self._fail_pending(self.refused, epoch=epoch)
 
     def _on_reply(self, header: dict[str, Any], payload: list[bytes], epoch: int | None = None) -> None:
         rid = header.get("rid")

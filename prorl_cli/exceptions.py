@@ -121,6 +121,10 @@ class BrokerRefused(BrokerUnavailable, ConnectionRefusedError):
     """The broker's socket refused this peer's CURVE handshake: missing keys, or another deployment's."""
 
 
+class ProtocolMismatch(BrokerUnavailable):
+    """The broker speaks another protocol version: it runs another prorl than this peer."""
+
+
 class BrokerRestarted(BrokerUnavailable):
     """The broker a request went to died; a new one (started on the same address) never saw it."""
 

@@ -358,7 +358,9 @@ class Broker:
             if handler is None:
                 self._error(identity, rid, ErrorCode.UNKNOWN_OP, f"op {op.value!r} is not accepted by the broker")
                 return
-            typed = P.parse(header, len(frames) - 2)
+            typed = P.parse(header)  # the fields first: they name what is wrong better than a frame count
+            payload = P.job_items(op, frames[2:])
+            P.check_payload(header, len(payload))
         except ProtocolError as e:
             self._error(identity, rid, ErrorCode(e.code), e.message)
             return
@@ -369,7 +371,7 @@ class Broker:
             node.last_seen = now
         self.router.touch(identity, now)
         try:
-            handler(identity, typed, frames[2:])
+            handler(identity, typed, payload)
         except ProtocolError as e:
             self._error(identity, rid, ErrorCode(e.code), e.message)
 

@@ -41,7 +41,13 @@ class Seconds(click.ParamType):
 def connect(app: App, address: str | None = None) -> RolloutClient:
     """A client for the deployment whose broker answered a short ping; a one-line error if it is not there."""
     from prorl_cli.client import RolloutClient
-    from prorl_cli.exceptions import BadAddress, BrokerUnavailable, RendezvousError
+    from prorl_cli.exceptions import (
+        BadAddress,
+        BrokerRefused,
+        BrokerUnavailable,
+        ProtocolMismatch,
+        RendezvousError,
+    )
 
     client = RolloutClient(app.config.deployment, address=address, config=app.config)
     try:
@@ -52,6 +58,9 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
     except BadAddress as e:  # an endpoint ZeroMQ cannot connect to (no tcp://, no port)
         client.close()
         app.abort(f"--address {address}: {e}" if address is not None else str(e))
+    except (BrokerRefused, ProtocolMismatch) as e:  # it answered, and the error says what is wrong and what to do
+        client.close()
+        app.abort(str(e))
     except BrokerUnavailable:
         where = client.address or address or "?"
         client.close()

@@ -16,6 +16,7 @@ from prorl_cli.protocol import headers
 from prorl_cli.protocol.framing import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
+    JOB_ITEM_OPS,
     MAX_HEADER_BYTES,
     MAX_ID_CHARS,
     PROTOCOL_VERSION,
@@ -32,6 +33,7 @@ from prorl_cli.protocol.framing import (
     encode,
     error_reply,
     header_rid,
+    job_items,
     pack_floats,
     pack_obj,
     pack_tokens,
@@ -44,6 +46,7 @@ from prorl_cli.protocol.headers import (
     OP_SCHEMAS,
     REPLY_SCHEMAS,
     OpSchema,
+    check_payload,
     parse,
     parse_reply,
     validate,
@@ -74,12 +77,12 @@ from prorl_cli.protocol.schema import (
 )
 
 __all__ = [
-    "ANNOTATIONS", "FAILURE_GROUP", "HEARTBEAT_INTERVAL_S", "HEARTBEAT_LIVENESS", "JOB_SPEC", "JOB_SPEC_META",
+    "ANNOTATIONS", "FAILURE_GROUP", "HEARTBEAT_INTERVAL_S", "HEARTBEAT_LIVENESS", "JOB_ITEM_OPS", "JOB_SPEC", "JOB_SPEC_META",
     "MAX_HEADER_BYTES", "MAX_ID_CHARS", "MAX_JOBS_PER_MESSAGE", "MAX_LISTED_JOBS", "MAX_META_BYTES",
     "METRIC_SAMPLES", "OP_SCHEMAS", "PROTOCOL_VERSION", "REPLY_SCHEMAS", "RID_MAX", "RID_MIN", "SAMPLING", "STAGES", "STAGE_NAMES",
     "TERMINAL_STATES", "BackendStatus", "ErrorCode", "ErrorInfo", "ForgetOutcome", "JobResult", "JobSpec",
     "JobState", "NodeStatus", "Op", "OpSchema", "Opt", "SamplingParams", "StageStats", "StatusReport",
-    "check_envelope", "decode_header", "decode_map", "encode", "error_reply", "header_rid", "headers",
+    "check_envelope", "check_payload", "decode_header", "decode_map", "encode", "error_reply", "header_rid", "headers", "job_items",
     "pack_floats", "pack_obj", "pack_tokens", "parse", "parse_reply", "reply", "unpack_floats", "unpack_obj", "unpack_tokens",
     "validate",
 ]

@@ -42,7 +42,7 @@ from prorl_cli.protocol.checks import (
     read_by,
     record_of,
 )
-from prorl_cli.protocol.framing import ErrorCode, Op
+from prorl_cli.protocol.framing import JOB_ITEM_OPS, ErrorCode, Op
 from prorl_cli.protocol.records import (
     BackendStatus,
     ForgetOutcome,
@@ -122,7 +122,8 @@ class Header(Wire):
 class OpSchema:
     """The header fields of one op (derived from its class) and how many payload frames it carries.
 
-    ``payload``: an exact count, ``"jobs"`` (one frame per item of the header's ``jobs``) or ``None`` (any).
+    ``payload``: an exact count of frames, ``"jobs"`` (one item per entry of the header's ``jobs``, packed in one
+    frame: :func:`~prorl_cli.protocol.framing.job_items`) or ``None`` (any).
     """
 
     fields: dict[str, FieldSpec]
@@ -165,6 +166,10 @@ def header(*ops: Op, payload: int | str | None = 0) -> Callable[[type[W]], type[
         fields = _declare(cls)
         if payload == "jobs" and "jobs" not in fields:
             raise ProtocolDeclarationError(f"{cls.__name__}: payload='jobs' needs a 'jobs' field")
+        if any((payload == "jobs") != (op in JOB_ITEM_OPS) for op in ops):
+            # The framing packs exactly these ops' items into one frame (and unpacks them on arrival).
+            raise ProtocolDeclarationError(f"{cls.__name__}: payload='jobs' is declared for exactly the ops of "
+                                           "framing.JOB_ITEM_OPS")
         check = Record(fields, strict=False, cls=cls)
         for op in ops:
             if op in HEADERS or op in UNDECLARED_OPS:
@@ -601,7 +606,7 @@ def parse(header: dict[str, Any], n_payload: int | None = None) -> Any:
 
     ``header`` is decoded and its envelope checked (:func:`~prorl_cli.protocol.framing.decode_header`);
     every field its op's class declares is checked for type and range, and the payload count when
-    ``n_payload`` is given. Raises :class:`ProtocolError` (``missing_field`` / ``bad_field``) naming
+    ``n_payload`` is given (for an op carrying per-job items, the number of items unpacked from its frame). Raises :class:`ProtocolError` (``missing_field`` / ``bad_field``) naming
     the op and the field.
     """
     op: Op = header["op"]
@@ -613,16 +618,26 @@ def parse(header: dict[str, Any], n_payload: int | None = None) -> Any:
         typed = check(header, "")
     except ProtocolError as e:
         raise ProtocolError(e.code, f"op {op.value!r}: field {e.message}") from None
-    if n_payload is not None and payload is not None:
-        want = len(header["jobs"]) if payload == "jobs" else payload
-        if n_payload != want:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD.value,
-                f"op {op.value!r} carries {n_payload} payload frame(s) but needs {want}"
-                + (" (one instance/result frame per item of 'jobs': the job records and frames must pair up)"
-                   if payload == "jobs" else ""),
-            )
+    if n_payload is not None:
+        check_payload(header, n_payload)
     return typed
+
+
+def check_payload(header: dict[str, Any], n_payload: int) -> None:
+    """Check the payload count of a header :func:`parse` accepted: its op's frames, or for an op carrying
+    per-job items, the items unpacked from its frame (one per entry of ``jobs``)."""
+    op: Op = header["op"]
+    payload = _OP_CHECKS[op][1]
+    if payload is None:
+        return
+    want = len(header["jobs"]) if payload == "jobs" else payload
+    if n_payload != want:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD.value,
+            f"op {op.value!r} carries {n_payload} payload item(s) but needs {want}"
+            + (" (one instance/result per entry of 'jobs': the job records and items must pair up)"
+               if payload == "jobs" else " (frames)"),
+        )
 
 
 def validate(header: dict[str, Any], n_payload: int | None = None) -> None:
@@ -631,5 +646,5 @@ def validate(header: dict[str, Any], n_payload: int | None = None) -> None:
 
 
 __all__ = [name for name, value in dict(globals()).items() if isinstance(value, type) and value.__module__ == __name__]
-__all__ += ["HEADERS", "NEW_RID", "OP_SCHEMAS", "REPLIES", "REPLY_SCHEMAS", "UNDECLARED_OPS", "check_declared", "header",
+__all__ += ["HEADERS", "NEW_RID", "OP_SCHEMAS", "REPLIES", "REPLY_SCHEMAS", "UNDECLARED_OPS", "check_declared", "check_payload", "header",
             "parse", "parse_reply", "reply", "validate"]

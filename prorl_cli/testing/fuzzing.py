@@ -137,7 +137,7 @@ class HonestClient:
             if h.get("op") == "reply" and not h.get("ok"):
                 raise AssertionError(f"honest request refused: {h}")
             if h.get("op") == "result":
-                for info, _ in zip(h["jobs"], frames[1:], strict=True):
+                for info, _ in zip(h["jobs"], P.job_items(P.Op.RESULT, frames[1:]), strict=True):
                     self.results.setdefault(info["job_id"], []).append(info["state"])
             timeout_ms = 0
 

@@ -33,7 +33,7 @@ class Peer:
         self.sock = bare_dealer(d.address, d.deployment_dir)
 
     def send(self, header: dict[str, Any], payload: list[bytes] | None = None) -> None:
-        self.sock.send_multipart([msgpack.packb({"v": P.PROTOCOL_VERSION, **header}, use_bin_type=True), *(payload or [])])
+        self.sock.send_multipart(P.encode(header, payload or []))
 
     def next(self, op: str, rid: Any = None) -> dict[str, Any]:
         """The next message of ``op`` (and ``rid``) sent to this peer; heartbeats and other ops are skipped."""

@@ -26,7 +26,9 @@ class Raw:
         self.sock = bare_dealer(address, deployment_dir)
 
     def send(self, header: dict[str, Any], payload: list[bytes] | None = None, version: int = P.PROTOCOL_VERSION) -> None:
-        self.sock.send_multipart([msgpack.packb({"v": version, **header}, use_bin_type=True), *(payload or [])])
+        frames = P.encode(header, payload or [])  # per-job items packed as the protocol packs them
+        frames[0] = msgpack.packb({"v": version, **header}, use_bin_type=True)
+        self.sock.send_multipart(frames)
 
     def reply(self, rid: Any = None) -> dict[str, Any]:
         """The next reply (skipping pushed heartbeats and assignments)."""

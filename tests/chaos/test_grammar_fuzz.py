@@ -44,7 +44,8 @@ def _valid(op: P.Op, header: dict[str, Any], payload: list[bytes]) -> bool:
     if frames is None:
         return False
     try:
-        P.parse(P.decode_header(frames[0]), len(payload))
+        header = P.decode_header(frames[0])
+        P.parse(header, len(P.job_items(header["op"], frames[1:])))
     except ProtocolError:
         return False
     return True
@@ -56,7 +57,12 @@ def _usable_rid(header: dict[str, Any]) -> bool:
 
 
 def _pack(header: dict[str, Any], payload: list[bytes]) -> list[bytes] | None:
+    """The frames of ``header`` (as given: no version added) and ``payload``, packed as the protocol packs
+    per-job items when the header names such an op."""
     try:
+        op = header.get("op")
+        if isinstance(op, str) and op in P.JOB_ITEM_OPS:
+            payload = [msgpack.packb(payload, use_bin_type=True)]
         return [msgpack.packb(header, use_bin_type=True), *payload]
     except (OverflowError, ValueError, TypeError):
         return None  # not a message msgpack can carry: nothing any peer could send

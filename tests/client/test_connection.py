@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -18,6 +19,7 @@ from prorl_cli.exceptions import (
     BrokerStopping,
     BrokerUnavailable,
     InferenceError,
+    ProtocolMismatch,
     RemoteError,
     UnknownJob,
 )
@@ -222,3 +224,28 @@ def test_an_address_zeromq_refuses_leaves_no_socket_open(monkeypatch: pytest.Mon
 
     asyncio.run(main())
     assert len(opened) == 4 and all(s.closed for s in opened)  # the DEALER and its monitor, twice
+
+
+def test_a_broker_of_another_protocol_version_is_named_not_waited_out() -> None:
+    with_router(_a_broker_of_another_protocol_version_is_named_not_waited_out)
+
+
+async def _a_broker_of_another_protocol_version_is_named_not_waited_out(router: zmq.asyncio.Socket) -> None:
+    """A broker started by an older prorl answers in its own version: each request fails saying so, at once."""
+    conn = await _conn(router)
+    old = P.PROTOCOL_VERSION - 1
+    try:
+        for i in range(2):
+            task = asyncio.ensure_future(conn.request({"op": "status"}, timeout_s=60))
+            if i == 0:  # the first answer tells; later requests fail without one
+                identity, header = await receive_request(router)
+                error = {"code": "bad_version", "message": f"protocol version {P.PROTOCOL_VERSION} is not supported"}
+                await router.send_multipart([identity, msgpack.packb(
+                    {"v": old, "op": "reply", "rid": header["rid"], "ok": False, "error": error})])
+            with pytest.raises(ProtocolMismatch) as e:
+                await task
+            assert f"speaks protocol version {old} and this" in str(e.value), str(e.value)
+            assert f"speaks {P.PROTOCOL_VERSION}" in str(e.value)
+            assert isinstance(e.value, BrokerUnavailable)
+    finally:
+        await conn.close()

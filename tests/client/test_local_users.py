@@ -32,6 +32,7 @@ USER_PYTHON = Path(os.environ.get("PRORL_USER_VENV", "/opt/prorl-venv")) / "bin"
 #: Run as the other user: every way in it has, each must come back empty-handed. Prints a JSON verdict.
 INTRUDER = r"""
 import json, sys, zmq, msgpack
+from prorl_cli import protocol as P
 address, server_key, job_id = sys.argv[1], sys.argv[2], sys.argv[3]
 out = {}
 for name in ("broker.json", "client.key", "server.key"):
@@ -53,7 +54,7 @@ def attempt(curve):
                                       ({"op": "cancel", "job_ids": [job_id]}, []),
                                       ({"op": "watch", "job_ids": [job_id]}, []),
                                       ({"op": "status"}, [])]):
-        sock.send_multipart([msgpack.packb({"v": 1, "rid": i, **h}), *payload])
+        sock.send_multipart(P.encode({"rid": i, **h}, payload))
     got = sock.poll(3000)
     sock.close(0)
     return "answered" if got else "nothing"

@@ -31,10 +31,10 @@ def test_header_round_trip_and_errors() -> None:
     h = P.decode_header(frames[0])
     assert h["op"] is P.Op.STATUS and h["rid"] == 7 and h["v"] == P.PROTOCOL_VERSION
     with pytest.raises(ProtocolError) as e:
-        P.decode_header(msgpack.packb({"v": 1, "op": 5}))
+        P.decode_header(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": 5}))
     assert e.value.code == P.ErrorCode.MISSING_FIELD
     with pytest.raises(ProtocolError) as e:
-        P.validate(P.decode_header(msgpack.packb({"v": 1, "op": "cancel", "rid": True, "job_ids": []})))
+        P.validate(P.decode_header(msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "cancel", "rid": True, "job_ids": []})))
     assert e.value.code == P.ErrorCode.BAD_FIELD and "rid" in e.value.message
 
 

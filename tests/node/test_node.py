@@ -46,7 +46,8 @@ class RawClient:
         if not self.sock.poll(int(timeout_s * 1000)):
             raise TimeoutError("nothing from the broker")
         frames = self.sock.recv_multipart()
-        return P.decode_header(frames[0]), frames[1:]
+        header = P.decode_header(frames[0])
+        return header, P.job_items(header["op"], frames[1:])
 
     def results(self, n: int, timeout_s: float = 60.0) -> dict[str, JobResult]:
         out: dict[str, JobResult] = {}

@@ -93,18 +93,39 @@ def test_missing_and_mistyped_fields(deployment: Deployment, raw: zmq.Socket) ->
     code, msg = _error(raw)
     assert code == "bad_field" and "job_ids" in msg
     # A job record missing its task, and one with a bad timeout.
-    raw.send_multipart([msgpack.packb({"v": 1, "op": "submit", "rid": 2, "jobs": [{"job_id": "x"}]}), P.pack_obj({})])
+    raw.send_multipart(P.encode({"op": "submit", "rid": 2, "jobs": [{"job_id": "x"}]}, [P.pack_obj({})]))
     code, msg = _error(raw)
     assert code == "missing_field" and "task" in msg
-    raw.send_multipart(
-        [msgpack.packb({"v": 1, "op": "submit", "rid": 3, "jobs": [{"job_id": "y", "task": "test", "timeout_s": -1}]}), P.pack_obj({})]
-    )
+    raw.send_multipart(P.encode({"op": "submit", "rid": 3, "jobs": [{"job_id": "y", "task": "test", "timeout_s": -1}]},
+                                [P.pack_obj({})]))
     code, msg = _error(raw)
     assert code == "bad_field" and "timeout_s" in msg
     # Instances and job records that do not pair up.
-    raw.send(msgpack.packb({"v": 1, "op": "submit", "rid": 4, "jobs": [{"job_id": "z", "task": "test"}]}))
+    raw.send_multipart(P.encode({"op": "submit", "rid": 4, "jobs": [{"job_id": "z", "task": "test"}]}, []))
     code, msg = _error(raw)
-    assert code == "bad_field" and "frame" in msg
+    assert code == "bad_field" and "carries 0 payload item(s) but needs 1" in msg
+    _healthy(deployment)
+
+
+def test_job_items_not_packed_as_the_protocol_says(deployment: Deployment, raw: zmq.Socket) -> None:
+    header = msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "submit", "rid": 5, "jobs": [{"job_id": "p", "task": "test"}]})
+    # A frame per job (protocol version 1's way), no frame, garbage, and an array holding something else than bin.
+    for payload, words in [([P.pack_obj({}), P.pack_obj({})], "got 2 frames"), ([], "got 0 frames"),
+                           ([b"\xc1"], "not msgpack"), ([msgpack.packb(["text"])], "holding ['str']"),
+                           ([msgpack.packb({"a": b"x"})], "got dict")]:
+        raw.send_multipart([header, *payload])
+        code, msg = _error(raw)
+        assert code == "bad_frame" and "'submit'" in msg and words in msg, (payload, msg)
+    # A peer of the last protocol version is told which one this broker speaks.
+    raw.send_multipart([msgpack.packb({"v": 1, "op": "submit", "rid": 6, "jobs": [{"job_id": "q", "task": "test"}]}),
+                        P.pack_obj({})])
+    code, msg = _error(raw)
+    assert code == "bad_version" and f"speaks {P.PROTOCOL_VERSION}" in msg
+    client = deployment.new_client()
+    try:
+        assert client.cancel(["p", "q"]) == {"p": "unknown", "q": "unknown"}  # nothing of them was taken
+    finally:
+        client.close()
     _healthy(deployment)
 
 
@@ -155,14 +176,14 @@ def test_oversized_frame_is_refused(deployment: Deployment, raw: zmq.Socket) -> 
 
 
 def test_node_ops_from_an_unregistered_peer(deployment: Deployment, raw: zmq.Socket) -> None:
-    raw.send_multipart([msgpack.packb({"v": 1, "op": "job_done", "jobs": [{"job_id": "x", "attempt": 1, "state": "done"}]}), b"x"])
+    raw.send_multipart(P.encode({"op": "job_done", "jobs": [{"job_id": "x", "attempt": 1, "state": "done"}]}, [b"x"]))
     code, _ = _error(raw)
     assert code == "unknown_peer"
     # A stranger cannot cancel anyone's generate calls.
-    raw.send_multipart([msgpack.packb({"v": 1, "op": "generate_cancel", "rid": 1, "job_id": "x"})])
+    raw.send_multipart([msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "generate_cancel", "rid": 1, "job_id": "x"})])
     code, _ = _error(raw)
     assert code == "unknown_peer"
-    raw.send_multipart([msgpack.packb({"v": 1, "op": "generate_cancel", "rid": 1})])
+    raw.send_multipart([msgpack.packb({"v": P.PROTOCOL_VERSION, "op": "generate_cancel", "rid": 1})])
     code, message = _error(raw)
     assert code == "missing_field" and "job_id" in message
     _healthy(deployment)
