@@ -138,4 +138,6 @@ def is_local_broker(pid: int | None) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return True  # no /proc to ask: take it for the broker
-    return b"prorl_cli" in argv and b"serve" in argv and b"broker" in argv
+    # `python -m prorl_cli ... serve broker`, or the `prorl` console script: `python .../bin/prorl serve broker`.
+    prorl = any(arg == b"prorl_cli" or os.path.basename(arg) == b"prorl" for arg in argv)
+    return prorl and b"serve" in argv and b"broker" in argv
