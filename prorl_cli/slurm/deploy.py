@@ -262,7 +262,8 @@ def deploy_from_dict(data: Any, origin: str = "<deploy>", deployment: str | None
 
 
 def load_deploy(path: str | os.PathLike[str], deployment: str | None = None) -> DeployConfig:
-    """Read ``deploy.yaml``; relative paths in it (``config``, ``handler_paths``, ``model``) resolve against its folder."""
+    """Read ``deploy.yaml``; relative paths in it (``config``, ``handler_paths``, ``model``, ``log_dir``) resolve
+    against its folder, so every command of a deployment finds the same files from whatever folder it runs in."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{file}: deployment file not found")
@@ -289,13 +290,20 @@ def load_deploy(path: str | os.PathLike[str], deployment: str | None = None) -> 
     ]
     if cfg.inference.model:
         cfg.inference.model = resolve(cfg.inference.model)
+    if cfg.log_dir:
+        cfg.log_dir = resolve(os.path.expandvars(cfg.log_dir))
     return cfg
 
 
-def dump_deploy(cfg: DeployConfig) -> str:
-    """The effective deployment as YAML."""
+def deploy_snapshot(cfg: DeployConfig) -> dict[str, Any]:
+    """``cfg`` as a plain mapping :func:`deploy_from_dict` rebuilds it from (paths already resolved)."""
     import dataclasses
 
     data = dataclasses.asdict(cfg)
     data.pop("source", None)
-    return yaml.safe_dump(data, sort_keys=False)
+    return data
+
+
+def dump_deploy(cfg: DeployConfig) -> str:
+    """The effective deployment as YAML."""
+    return yaml.safe_dump(deploy_snapshot(cfg), sort_keys=False)

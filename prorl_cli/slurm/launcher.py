@@ -31,7 +31,7 @@ from prorl_cli.exceptions import (
 from prorl_cli.processes import is_local_broker
 from prorl_cli.rendezvous import rendezvous_path
 from prorl_cli.slurm import squeue
-from prorl_cli.slurm.deploy import DeployConfig
+from prorl_cli.slurm.deploy import DeployConfig, deploy_snapshot
 from prorl_cli.slurm.options import (
     broker_bind_host,
     executor,
@@ -188,9 +188,11 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
     archive_launch(cfg.deployment_dir)
     cfg.log_path.mkdir(parents=True, exist_ok=True)
     now = time.time()
+    source = Path(cfg.source)
     record = LaunchRecord(
-        deployment=cfg.deployment, deploy_file=cfg.source, home=str(cfg.home_path), created_at=now,
-        broker_where=cfg.broker.where, launch_id=new_launch_id(now),
+        deployment=cfg.deployment, deploy_file=str(source.absolute()) if source.is_file() else cfg.source,
+        home=str(cfg.home_path), created_at=now, broker_where=cfg.broker.where, launch_id=new_launch_id(now),
+        deploy=deploy_snapshot(cfg),
     )
     try:
         if cfg.broker.where == "here":

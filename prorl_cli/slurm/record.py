@@ -18,9 +18,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prorl_cli.exceptions import SlurmError
-from prorl_cli.slurm.deploy import DeployConfig, load_deploy
+from prorl_cli.slurm.deploy import DeployConfig, deploy_from_dict, load_deploy
 
 LAUNCH_NAME = "launch.json"
 #: Under the deployment's folder: one folder per earlier launch, named by its launch id.
@@ -49,6 +50,8 @@ class LaunchRecord:
     """``launch.json``: what ``prorl launch`` submitted (and ``scale`` added)."""
 
     deployment: str
+    #: The deployment file, absolute (``down``, ``scale`` and ``logs`` run from any folder); records written
+    #: before it was made absolute hold the path as typed.
     deploy_file: str
     home: str
     created_at: float
@@ -63,6 +66,9 @@ class LaunchRecord:
     #: Set by ``prorl down`` (and a failed launch's clean-up) before anything is stopped: the supervisor replaces
     #: nothing of a deployment being taken down.
     stopping: bool = False
+    #: The deployment as launched (:func:`~prorl_cli.slurm.deploy.deploy_snapshot`): what ``down``, ``scale`` and
+    #: ``logs`` use when the deployment file is gone, so a moved or deleted file cannot strand running jobs.
+    deploy: dict[str, Any] | None = None
 
     @property
     def job_ids(self) -> list[str]:
@@ -196,6 +202,19 @@ def load_launched(deployment_dir: Path, *, or_last: bool = False) -> tuple[Launc
         record = LaunchRecord.load(ended[-1]) if ended else None
     if record is None:
         raise SlurmError(f"deployment {deployment_dir.name!r} was not launched (no {deployment_dir / LAUNCH_NAME})")
-    cfg = load_deploy(record.deploy_file, deployment=record.deployment)
+    file = Path(record.deploy_file)
+    if file.is_file():
+        cfg = load_deploy(file, deployment=record.deployment)
+    elif record.deploy is not None:
+        # The file moved or was deleted since the launch: its settings as launched still name every job and log.
+        cfg = deploy_from_dict(record.deploy, f"{file} (as launched; the file is gone)", record.deployment)
+        cfg.source = str(file)
+    elif not file.is_absolute():
+        raise SlurmError(f"deployment {record.deployment!r} was launched from {record.deploy_file}, a path relative to the "
+                         f"folder of that launch, and {Path.cwd()} has no such file: run this from the folder you "
+                         "launched from")
+    else:
+        raise SlurmError(f"deployment {record.deployment!r}: its deployment file {file} is gone; put it back to manage "
+                         f"the deployment, or cancel its Slurm jobs yourself: scancel {' '.join(record.all_job_ids)}")
     cfg.home = record.home
     return record, cfg

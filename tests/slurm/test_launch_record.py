@@ -8,11 +8,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
 from prorl_cli.cli import cli
 from prorl_cli.cli.launch import SlurmView
+from prorl_cli.exceptions import SlurmError
 from prorl_cli.protocol import NodeStatus, StatusReport
 from prorl_cli.slurm.deploy import load_deploy
 from prorl_cli.slurm.launcher import choose_removals, count_role
@@ -182,3 +184,40 @@ def test_a_launch_record_that_is_not_a_json_object_is_refused_naming_the_file(tm
         (tmp_path / LAUNCH_NAME).write_text(text)
         with pytest.raises(SlurmError, match=f"{LAUNCH_NAME}: malformed launch record"):
             LaunchRecord.load(tmp_path)
+
+
+def test_a_deployment_is_managed_from_any_folder_and_after_its_file_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prorl_cli.slurm.deploy import deploy_snapshot, load_deploy
+    from prorl_cli.slurm.record import load_launched
+
+    home, name = tmp_path / "home", "mv"
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "deploy.yaml").write_text(yaml.safe_dump({"deployment": name, "home": str(home), "log_dir": "logs"}))
+    monkeypatch.chdir(project)
+    cfg = load_deploy("deploy.yaml")  # as typed on the command line: relative to the launch's folder
+    record = LaunchRecord(deployment=name, deploy_file=str(Path(cfg.source).absolute()), home=str(home), created_at=0.0,
+                          launch_id="L1", members=[Member("nodes", 0, "61_0")], deploy=deploy_snapshot(cfg))
+    record.save(home / name)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # Another folder holding another deployment's deploy.yaml must not be read instead.
+    (elsewhere / "deploy.yaml").write_text(yaml.safe_dump({"deployment": "other", "log_dir": "other-logs"}))
+    monkeypatch.chdir(elsewhere)
+    _, loaded = load_launched(home / name)
+    assert loaded.log_path == project / "logs" and loaded.source == str(project / "deploy.yaml")
+    # The file deleted after the launch: its settings as launched still name the logs (and the jobs).
+    (project / "deploy.yaml").unlink()
+    _, loaded = load_launched(home / name)
+    assert loaded.log_path == project / "logs" and loaded.deployment == name
+    # A record of an older prorl (a relative path, no snapshot) says where to run from.
+    LaunchRecord(deployment=name, deploy_file="deploy.yaml", home=str(home), created_at=0.0).save(home / name)
+    (elsewhere / "deploy.yaml").unlink()
+    with pytest.raises(SlurmError, match="relative to the folder of that launch"):
+        load_launched(home / name)
+    LaunchRecord(deployment=name, deploy_file=str(project / "deploy.yaml"), home=str(home), created_at=0.0,
+                 members=[Member("nodes", 0, "61_0")]).save(home / name)
+    with pytest.raises(SlurmError, match="scancel 61_0"):
+        load_launched(home / name)
