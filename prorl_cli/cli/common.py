@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -135,6 +136,10 @@ def check_out_path(app: App, out: Path, option: str = "--out") -> None:
         app.abort(f"{option} {out}: folder {parent} is not writable")
     if out.is_dir():
         app.abort(f"{option} {out}: is a folder")
+    if out.suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+        # Said now: at the end, every rollout would have run for a file that cannot be written.
+        app.abort(f"{option} {out}: Parquet export needs pyarrow, which is not installed here: "
+                  "pip install 'prorl[parquet]', or write .jsonl")
 
 
 def sampling_from_options(

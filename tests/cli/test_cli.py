@@ -80,6 +80,31 @@ def test_submit_reports_bad_input_clearly(deployment: Deployment, tmp_path: Path
     assert r.returncode != 0 and "no job has a 'trajectory'" in r.stderr
 
 
+def test_a_parquet_out_without_pyarrow_is_refused_before_anything_runs(deployment: Deployment, tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"echo": 1}\n')
+    # This Python without pyarrow: an import system entry of None hides an installed module.
+    without = ("import runpy, sys; sys.modules['pyarrow'] = None; sys.argv = ['prorl', *sys.argv[1:]]; "
+               "runpy.run_module('prorl_cli', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", without, "-d", deployment.name, "submit", str(good), "--task", "test",
+                        "--id-prefix", "noarrow", "--out", str(tmp_path / "t.parquet")],
+                       env={**deployment.env(), "COLUMNS": "200"}, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Parquet export needs pyarrow" in r.stderr and "write .jsonl" in r.stderr, r.stderr
+    assert deployment.client.list_jobs(prefix="noarrow") == {}, "nothing was submitted"
+
+
+def test_submit_says_why_jobs_failed(deployment: Deployment, tmp_path: Path) -> None:
+    tasks = tmp_path / "failing.jsonl"
+    tasks.write_text("\n".join([json.dumps({"raise_in": "run"})] * 3 + [json.dumps({"raise_in": "init"}), "{}"]) + "\n")
+    r = prorl(deployment, "submit", str(tasks), "--task", "test", "--id-prefix", "why")
+    assert r.returncode == 0, r.stderr  # a failed job is a result
+    lines = [line.strip() for line in r.stderr.splitlines()]
+    assert "why jobs did not finish" in r.stderr, r.stderr
+    run_group = next(line for line in lines if line.startswith("3 job(s) in run: RuntimeError"))
+    assert "(e.g. why-" in run_group
+    assert any(line.startswith("1 job(s) in init: RuntimeError") for line in lines), lines
+
+
 def test_status_cancel_and_backends(deployment: Deployment) -> None:
     (job,) = deployment.client.submit("test", [{"hang_in": "run"}], timeout_s=60)
     deployment.wait_for(lambda st: st.jobs["run"] >= 1, 10, "job to run")

@@ -166,6 +166,34 @@ def write_trajectories_parquet(app: App, results: list[JobResult], out: Path, on
     return len(rows)
 
 
+#: Failure groups the summary shows (the largest first); the rest are counted in one line.
+FAILURE_GROUPS_SHOWN = 5
+
+
+def print_failures(app: App, results: list[JobResult]) -> None:
+    """Why jobs did not finish: failed and timed-out jobs grouped by stage, error type and first message line,
+    the largest groups first, each with a job id to look up (``prorl inspect``, the job's log)."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for r in results:
+        if r.state not in ("failed", "timed_out"):
+            continue
+        error = r.error if isinstance(r.error, dict) else {}
+        stage = str(error.get("stage") or r.critical_error or "?")
+        kind = str(error.get("type") or r.state)
+        lines = str(error.get("message") or "").strip().splitlines()
+        groups.setdefault((stage, kind, lines[0][:300] if lines else ""), []).append(r.job_id)
+    if not groups:
+        return
+    ranked = sorted(groups.items(), key=lambda item: -len(item[1]))
+    app.err_console.print("[bold]why jobs did not finish[/bold] (the error field of each result has it whole):")
+    for (stage, kind, message), ids in ranked[:FAILURE_GROUPS_SHOWN]:
+        app.err_console.print(f"  {len(ids)} job(s) in {stage}: {kind}" + (f": {message}" if message else "")
+                              + f" (e.g. {ids[0]})", markup=False, soft_wrap=True)
+    if len(ranked) > FAILURE_GROUPS_SHOWN:
+        rest = ranked[FAILURE_GROUPS_SHOWN:]
+        app.err_console.print(f"  and {sum(len(ids) for _, ids in rest)} job(s) in {len(rest)} other group(s)")
+
+
 def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Path | None, title: str = "prorl submit") -> None:
     """A table of states (jobs, mean reward, mean in-stage time) and one line with the rate and where the results went."""
     from rich.table import Table
@@ -187,5 +215,6 @@ def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Pat
             f"{sum(r.active_s for r in rs) / len(rs):.3f}",
         )
     app.console.print(table)
+    print_failures(app, results)
     rate = len(results) / elapsed_s if elapsed_s > 0 else 0.0
     app.console.print(f"{len(results)} job(s) in {elapsed_s:.2f} s ({rate:.1f} jobs/s)" + (f"; results in {out}" if out else ""))
