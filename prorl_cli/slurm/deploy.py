@@ -252,10 +252,35 @@ class DeployConfig:
         return {"broker": self.broker, "nodes": self.nodes, "inference": self.inference}[name]
 
 
+class _DeployLoader(yaml.SafeLoader):
+    """YAML without base-60 integers: YAML 1.1 reads an unquoted ``time: 24:00:00`` as the integer 86400, and
+    Slurm times are written just that way. Every other implicit type resolves as in ``yaml.safe_load``."""
+
+
+_INT = "tag:yaml.org,2002:int"
+_DeployLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _INT]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_DeployLoader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+
+
 def deploy_from_dict(data: Any, origin: str = "<deploy>", deployment: str | None = None) -> DeployConfig:
-    """Build and validate a :class:`DeployConfig`; ``deployment`` (``-d``) overrides the file's name."""
+    """Build and validate a :class:`DeployConfig`; ``deployment`` (``-d``) overrides the file's name.
+
+    A role's ``time`` given as a number is minutes, as sbatch reads a bare number.
+    """
     if deployment is not None:
         data = {**(data or {}), "deployment": deployment}
+    if isinstance(data, dict):
+        data = dict(data)
+        for role in ("broker", "nodes", "inference"):
+            section = data.get(role)
+            if isinstance(section, dict) and type(section.get("time")) is int:
+                data[role] = {**section, "time": str(section["time"])}
     cfg: DeployConfig = section_from_dict(DeployConfig, data, origin)
     cfg.source = origin
     return cfg
@@ -268,7 +293,7 @@ def load_deploy(path: str | os.PathLike[str], deployment: str | None = None) -> 
     if not file.is_file():
         raise ConfigError(f"{file}: deployment file not found")
     try:
-        data = yaml.safe_load(file.read_text())
+        data = yaml.load(file.read_text(), Loader=_DeployLoader)  # a SafeLoader without base-60 integers
     except yaml.YAMLError as e:
         raise ConfigError(f"{file}: not valid YAML: {e}") from e
     if data is not None and not isinstance(data, dict):

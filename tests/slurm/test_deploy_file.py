@@ -83,6 +83,18 @@ def test_slurm_times() -> None:
     assert time_minutes("0:90") == 2  # MM:SS rounds up
 
 
+def test_times_written_as_people_write_them_in_yaml(tmp_path: Path) -> None:
+    """Unquoted, ``24:00:00`` is a base-60 integer to YAML 1.1 (86400) and ``30`` an integer: neither was what
+    the user meant to refuse, nor 86400 minutes."""
+    path = tmp_path / "deploy.yaml"
+    path.write_text("deployment: t\nbroker:\n  time: 24:00:00\nnodes:\n  time: 30\ninference:\n  time: 1-12:00\n"
+                    "setup: [\"echo 1:30\"]\nrendezvous_wait_s: 0x10\n")
+    cfg = load_deploy(path)
+    assert (cfg.broker.time, cfg.nodes.time, cfg.inference.time) == ("24:00:00", "30", "1-12:00")
+    assert [time_minutes(t) for t in (cfg.broker.time, cfg.nodes.time)] == [1440, 30]
+    assert cfg.rendezvous_wait_s == 16, "other integers read as YAML reads them"
+
+
 def test_render_sbatch_scripts_carry_the_roles_options(tmp_path: Path) -> None:
     path = tmp_path / "deploy.yaml"
     path.write_text(

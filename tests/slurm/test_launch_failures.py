@@ -127,7 +127,41 @@ def test_a_task_that_dies_before_registering_fails_the_launch_with_its_log(base:
     assert out.returncode != 0
     assert "node-0" in out.stderr and "FAILED" in out.stderr, out.stderr
     assert "site setup broke: no such module" in out.stderr, "the tail of the task's log"
+    # The tail on lines of its own (as the log has it), the error line after it, readable.
+    assert any("site setup broke" in line and not line.startswith("error:") for line in out.stderr.splitlines())
+    (error,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert "ended FAILED. Cancelled what was submitted; nothing left queued." in error, error
     assert not _queued("dies")
+
+
+def test_ctrl_c_while_launch_waits_cancels_what_it_submitted(base: Path) -> None:
+    import os
+    import signal
+    import sys
+
+    deploy = write_yaml(base / "deploy.yaml", {
+        "deployment": "intr", "home": str(base / "home"),
+        "broker": {"where": "here", "bind_host": "127.0.0.1"},
+        "nodes": {"count": 1, "time": "5", "cpus_per_task": 1, "mem_gb": 0.5, "sbatch_options": {"begin": "now+1hour"}},
+    })
+    proc = subprocess.Popen([sys.executable, "-m", "prorl_cli", "--home", str(base / "home"), "launch", str(deploy)],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    assert proc.stderr is not None
+    try:
+        for line in proc.stderr:  # the jobs are in once it says what it submitted
+            if line.startswith("submitted intr"):
+                break
+        assert _queued("intr"), "the node array waits in squeue"
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's process group
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "interrupted: Cancelled what was submitted; nothing left queued." in rest, rest
+    assert not _queued("intr")
 
 
 def test_status_of_a_deployment_whose_slurm_jobs_are_gone_says_so(base: Path) -> None:

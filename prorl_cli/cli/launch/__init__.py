@@ -8,6 +8,7 @@ registered. ``prorl status`` adds the same Slurm view (:func:`print_slurm_view`)
 from __future__ import annotations
 
 import contextlib
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,9 @@ HOPELESS_REASONS = (
     "BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "InvalidAccount",
     "InvalidQOS", "QOSMaxGRESPerJob", "QOSMaxCpuPerJobLimit", "QOSMaxWallDurationPerJobLimit", "JobHeldAdmin",
 )
+
+#: Between a launch failure's headline and the log tail of the task that ended (printed on their own lines).
+LOG_TAIL_MARK = "\nlog tail:\n"
 
 
 def _load_deploy(app: App, path: str, deployment: str | None) -> DeployConfig:
@@ -260,7 +264,7 @@ def _slurm_table(record: LaunchRecord, rows: list[SlurmTask]) -> Table:
 @click.option("--wait-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Give up (and cancel what was submitted, unless --keep) when not all registered by then; "
                    "0 waits as long as it takes: tasks pending on a busy cluster are never cancelled on a timer.")
-@click.option("--keep", is_flag=True, help="On failure or timeout, leave what was submitted queued.")
+@click.option("--keep", is_flag=True, help="On failure, timeout or Ctrl-C, leave what was submitted queued.")
 @click.option("--no-wait", is_flag=True, help="Submit and return at once.")
 @click.option("--dry-run", is_flag=True, help="Print the sbatch scripts and Slurm requests of every role; submit nothing.")
 @pass_app
@@ -274,7 +278,7 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
     shows Slurm's state beside the broker's until every task registered.
     Exits 0 then. A task that ends, or a pending reason waiting cannot cure,
     fails the launch at once; --wait-s N also gives up after N s. A failed
-    launch cancels what it submitted unless --keep.
+    launch, or Ctrl-C while it waits, cancels what it submitted unless --keep.
     """
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import launcher
@@ -305,30 +309,42 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
     try:
         failure = _watch(app, cfg, record, wait_s)
     except KeyboardInterrupt:
-        app.abort(f"interrupted: what was submitted stays; `prorl down {cfg.deployment}` removes it", code=130)
+        # Ctrl-C gives up on the launch as a failure does: what it submitted goes, unless --keep.
+        app.err_console.line()
+        app.abort("interrupted: " + _give_up(cfg, record, keep), code=130)
     if not app.err_console.is_terminal:
         app.err_console.line()  # the live view's last frame ends without a newline when not on a terminal
     if failure is None:
+        # Quoted: a home with a space (or any shell character) must paste as one argument.
+        home, name = shlex.quote(str(cfg.home_path)), shlex.quote(cfg.deployment)
         app.console.print(
             f"[bold green]{cfg.deployment} is up[/]: every node and backend registered.\n"
-            f"  submit:  prorl --home {cfg.home_path} submit -d {cfg.deployment} --task TASK instances.jsonl --out results.jsonl\n"
-            f"  status:  prorl --home {cfg.home_path} status -d {cfg.deployment}\n"
-            f"  logs:    prorl --home {cfg.home_path} logs -d {cfg.deployment} nodes[0]\n"
-            f"  down:    prorl --home {cfg.home_path} down -d {cfg.deployment}"
+            f"  submit:  prorl --home {home} submit -d {name} --task TASK instances.jsonl --out results.jsonl\n"
+            f"  status:  prorl --home {home} status -d {name}\n"
+            f"  logs:    prorl --home {home} logs -d {name} 'nodes[0]'\n"
+            f"  down:    prorl --home {home} down -d {name}",
+            markup=True, highlight=False, soft_wrap=True,
         )
         return
-    if not keep:
-        left = launcher.abandon(cfg, record)
-        failure += " Cancelled what was submitted" + (f"; still in squeue: {[t.job_id for t in left]}" if left else "; nothing left queued.")
-    else:
-        failure += f" Left queued (--keep); `prorl down {cfg.deployment}` removes it."
-    app.abort(failure)
+    headline, _, tail = failure.partition(LOG_TAIL_MARK)
+    if tail:  # the task's own words, on their own lines: the last of them usually names the cause
+        app.err_console.print(f"log tail of the task that ended:\n{tail}", markup=False, highlight=False, soft_wrap=True)
+    app.abort(f"{headline.rstrip()} {_give_up(cfg, record, keep)}")
+
+
+def _give_up(cfg: DeployConfig, record: LaunchRecord, keep: bool) -> str:
+    """Cancel what a launch that will not come up submitted (unless ``keep``); say what is left."""
+    from prorl_cli.slurm import launcher
+
+    if keep:
+        return f"Left queued (--keep); `prorl down {cfg.deployment}` removes it."
+    left = launcher.abandon(cfg, record)
+    return "Cancelled what was submitted" + (f"; still in squeue: {[t.job_id for t in left]}" if left else
+                                             "; nothing left queued.")
 
 
 def _print_plan(app: App, cfg: DeployConfig) -> None:
     """``launch --dry-run``: each role's Slurm request and batch script, as launch would submit them."""
-    import shlex
-
     from prorl_cli.slurm import launcher
 
     try:
@@ -377,7 +393,7 @@ def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> 
                     if not t.active and (m.role == "broker" or m.peer_id not in seen):
                         tail = log_tail(cfg, m)
                         failure = f"{m.role} task {m.peer_id} (Slurm job {m.job_id}) ended {t.state}." + (
-                            f"\nlog tail:\n{tail}" if tail else "")
+                            f"{LOG_TAIL_MARK}{tail}" if tail else "")
                         return failure
                     if t.pending_reason and t.pending_reason.startswith(HOPELESS_REASONS):
                         return f"{m.role} task {m.peer_id} (Slurm job {m.job_id}) cannot start: squeue says {t.pending_reason}."
