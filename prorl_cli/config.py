@@ -128,7 +128,9 @@ class ProrlConfig:
 
     @property
     def home_path(self) -> Path:
-        return Path(os.path.expandvars(os.path.expanduser(self.home)))
+        # Absolute (a relative home is relative to the folder this process started in): every path derived from
+        # it, and every message naming one, then says where it really is.
+        return Path(os.path.expandvars(os.path.expanduser(self.home))).absolute()
 
     @property
     def deployment_dir(self) -> Path:

@@ -106,3 +106,18 @@ def test_an_embedded_stack_from_asyncio_code_says_how_and_gives_an_async_client(
 
         assert asyncio.run(main()) == ["done"]
         assert list(stack.procs) == ["broker", "n1"]
+
+
+def test_a_relative_home_names_where_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PRORL_HOME=relhome: every path the deployment names (and every error naming one) is absolute, so a
+    command run from another folder says where it looked."""
+    from click.testing import CliRunner
+
+    from prorl_cli.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PRORL_HOME", "relhome")
+    cfg = load_config(None, {"deployment": "rel1"})
+    assert cfg.deployment_dir == tmp_path / "relhome" / "rel1"
+    out = CliRunner().invoke(cli, ["status", "-d", "rel1"])
+    assert out.exit_code != 0 and str(tmp_path / "relhome" / "rel1" / "broker.json") in out.stderr, out.stderr
