@@ -191,7 +191,7 @@ def sampling_options(fn: F) -> F:
     options = [
         click.option("--format", "fmt", metavar="FORMAT",
                      help="Row shape of TASKS for the domain tasks (math, code, swe, search) where it is ambiguous, "
-                          "e.g. code: io, test_cases, apps, livecodebench, codecontests, verl; swe: a source's name "
+                          "e.g. code: io, test_cases, apps, livecodebench, codecontests, codeforces, verl; swe: a source's name "
                           "(docs/domains.md)."),
         click.option("--max-tokens", type=click.IntRange(min=1), help="Sampling: most tokens per generate call."),
         click.option("--temperature", type=click.FloatRange(min=0), help="Sampling: temperature (0 is greedy)."),

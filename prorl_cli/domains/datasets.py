@@ -6,7 +6,7 @@ for ``--format`` when a row fits more than one):
 
 - ``math``: DeepScaleR / MATH / AMC / AIME / GSM8K rows: ``problem`` (or
   ``question``, or capitalised) and ``answer`` (GSM8K's worked solution: the number after
-  ``####``), or a ``solution`` whose last ``\\boxed{}`` is the answer;
+  ``####``; an integral float as an integer), or a ``solution`` whose last ``\\boxed{}`` is the answer;
   verl-style rows (DAPO-Math-17k, verl's GSM8K): the last user message of
   ``prompt`` (their "Answer:" / "####" instructions removed: the math task
   reads a ``\\boxed{}`` answer) and ``reward_model.ground_truth``.
@@ -19,16 +19,22 @@ for ``--format`` when a row fits more than one):
   ``public_test_cases``/``private_test_cases`` as JSON or as
   ``code_generation_lite`` compresses them (``livecodebench``; stdin tests),
   CodeContests ``public_tests``/``private_tests``/``generated_tests``
-  (``codecontests``), or verl-style rows (Eurus-2-RL-Data): a chat ``prompt``
-  and ``reward_model.ground_truth`` holding ``{inputs, outputs}`` (``verl``).
-  ``tests`` may be a list or JSON text of one (DeepCoder).
+  (``codecontests``), open-r1/codeforces ``official_tests`` (else
+  ``examples``; the question is ``description``, ``input_format``,
+  ``output_format`` and ``note``; ``codeforces``), or verl-style rows
+  (Eurus-2-RL-Data): a chat ``prompt`` and ``reward_model.ground_truth``
+  holding ``{inputs, outputs}`` (``verl``). ``tests`` may be a list or JSON
+  text of one (DeepCoder). Function-call tests (LiveCodeBench
+  ``testtype: "functional"``, DeepCoder ``type: "function_call"``) are left
+  out; a row of nothing else is refused.
 - ``swe``: SWE-bench (full, Lite, Verified), SWE-Gym, SWE-smith, SWE-rebench,
   nebius SWE-bench-extra and swebench task rows, each with its own field
   names, mapped to the swe instance by :mod:`prorl_cli.swe.sources`
   (``--format`` names the source where ``auto`` should not guess). Fields
   prorl cannot use are kept and reported once per dataset (``warn``).
 - ``search``: ``question`` with ``answers``, ``answer`` or ``golden_answers``
-  (a string, a list, SQuAD's ``{text: [...]}`` or TriviaQA's
+  (a string, a number, a boolean as ``yes``/``no``, a list of them or of
+  such lists (NQ), SQuAD's ``{text: [...]}`` or TriviaQA's
   ``{value, aliases}``), plus MuSiQue's ``answer_aliases``.
 
 Any other task: each row is passed through unchanged. Errors name the file,
@@ -41,6 +47,7 @@ import base64
 import binascii
 import json
 import logging
+import math
 import pickle
 import zlib
 from collections.abc import Callable, Iterator
@@ -59,7 +66,7 @@ Row = dict[str, Any]
 _CODECONTESTS_TESTS = ("public_tests", "private_tests", "generated_tests")
 FORMATS: dict[str, tuple[str, ...]] = {
     "math": ("auto",),
-    "code": ("auto", "io", "test_cases", "apps", "livecodebench", "codecontests", "verl"),
+    "code": ("auto", "io", "test_cases", "apps", "livecodebench", "codecontests", "codeforces", "verl"),
     "swe": ("auto", *SOURCES),
     "search": ("auto",),
 }
@@ -191,11 +198,21 @@ def _pandas_rows(document: Any) -> list[Any] | None:
     return None
 
 
-def _first(row: Row, where: str, names: tuple[str, ...], what: str) -> Any:
+def _first_named(row: Row, where: str, names: tuple[str, ...], what: str) -> tuple[str, Any]:
+    """``(name, value)`` of the first of ``names`` the row has a value for.
+
+    Null, ``""`` and ``[]`` count as absent, so a row carrying several sources' columns (one of them an
+    empty list, as HF datasets write a missing list) falls through to the next name.
+    """
     for name in names:
-        if row.get(name) not in (None, ""):
-            return row[name]
+        value = row.get(name)
+        if value is not None and value != "" and value != []:
+            return name, value
     raise DatasetError(f"{where}: missing field {names[0]!r} ({what}; also accepted: {list(names[1:]) or 'none'})")
+
+
+def _first(row: Row, where: str, names: tuple[str, ...], what: str) -> Any:
+    return _first_named(row, where, names, what)[1]
 
 
 def _json_field(value: Any, where: str, name: str) -> Any:
@@ -254,9 +271,40 @@ def _present(row: Row, names: tuple[str, ...]) -> Any:
 
 
 def _type_name(value: Any) -> str:
+    """``value``'s type for an error message, with its article ("a list", "an int")."""
     if isinstance(value, dict):
         return "a mapping"
-    return f"a {type(value).__name__}"
+    if value is None:
+        return "null"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+# NuminaMath-1.5 writes these in 'answer' for rows that have no answer to check (proofs, answers its
+# extraction did not find): as gold they would score every rollout 0.
+_PLACEHOLDER_ANSWERS = ("proof", "notfound")
+# Above 2**53 a float64 no longer holds every integer: an integer column read back as floats (pandas turns
+# an int column with nulls into float64) may have lost its last digits there.
+_EXACT_FLOAT_INTS = 2**53
+
+
+def _number_answer(given: int | float, where: str, field: str) -> str:
+    """A numeric answer as the text a model would write: integral floats as integers (``142.0`` -> ``142``,
+    ``1e15`` -> ``1000000000000000``), never in scientific notation, which the verifier does not equate."""
+    if isinstance(given, int):
+        return str(given)
+    if not math.isfinite(given):
+        raise DatasetError(f"{where}: field {field!r} is {given} (NaN or infinity, as JSON writers spell a missing "
+                           "float): the row has no checkable answer; leave it out")
+    if not given.is_integer():
+        return str(given)
+    if abs(given) > _EXACT_FLOAT_INTS:
+        # Refused, not rounded: int(1.2345678901234568e16) is 12345678901234568 while the source column may
+        # have held 12345678901234567, and a gold answer off by one scores every right rollout 0.
+        raise DatasetError(f"{where}: field {field!r} is the float {given!r}, too large for a float to hold every "
+                           "integer exactly (an integer column with nulls read as floats loses digits there): "
+                           "write the answer as text or as an integer column")
+    return str(int(given))
 
 
 def _math(row: Row, where: str, fmt: str) -> Row:
@@ -272,86 +320,109 @@ def _math(row: Row, where: str, fmt: str) -> Row:
         raise DatasetError(f"{where}: field 'problem' is blank")
     given, solution, truth = _present(row, ("answer", "Answer")), _present(row, ("solution", "Solution")), _ground_truth(row)
     if given is not None:
+        field = "answer"
         if isinstance(given, bool) or not isinstance(given, str | int | float):
             raise DatasetError(f"{where}: field 'answer' is {_type_name(given)}, expected the answer as text or a number")
-        answer = gsm8k_final(str(given))  # GSM8K: a worked solution whose final line is "#### 72"
+        text = given if isinstance(given, str) else _number_answer(given, where, field)
+        answer = gsm8k_final(text)  # GSM8K: a worked solution whose final line is "#### 72"
         if not answer.strip():
-            what = "has nothing after its '####'" if "####" in str(given) else "is blank"
+            what = "has nothing after its '####'" if "####" in text else "is blank"
             raise DatasetError(f"{where}: field 'answer' {what}: no answer to score against")
     elif truth is not None:
-        answer = truth
+        field, answer = "reward_model.ground_truth", truth
     elif isinstance(solution, str):
         boxed = last_boxed(solution)
         if boxed is None:
             raise DatasetError(f"{where}: missing field 'answer', and 'solution' has no \\boxed{{}} answer")
-        answer = boxed
+        field, answer = "solution", boxed
     else:
         raise DatasetError(f"{where}: missing field 'answer' (or a 'solution' with a \\boxed{{}} answer)")
+    if answer.strip().lower() in _PLACEHOLDER_ANSWERS:
+        raise DatasetError(f"{where}: field {field!r} is {answer.strip()!r}, NuminaMath's placeholder for a row with "
+                           "no checkable answer (a proof, or no answer found): every rollout would score 0; leave "
+                           "such rows out (NuminaMath-1.5: keep rows whose answer is neither 'proof' nor 'notfound')")
     return _keep(row, {"problem": str(problem), "answer": answer})
 
 
-def _stdio_text(value: Any) -> str:
-    """One test's stdin or stdout: APPS/TACO give some as a list of lines, which their own judge joins."""
+def _stdio_text(value: Any, where: str, field: str) -> str:
+    """One test's stdin or stdout as text.
+
+    APPS/TACO give some as a list of lines, which their own judge joins; a number (JSON ``3`` for ``"3"``)
+    is its decimal text. Anything else (null, a mapping, a list of values) would reach the program as a
+    Python repr no solution prints: refused, naming ``field``.
+    """
+    if isinstance(value, str):
+        return value
     if isinstance(value, list) and all(isinstance(line, str) for line in value):
         return "\n".join(value)
-    return str(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    raise DatasetError(f"{where}: {field} is {_type_name(value)}, expected the test's stdin/stdout as text "
+                       "(or a list of its lines)")
 
 
-def _pairs(inputs: Any, outputs: Any, where: str, names: str) -> list[Row]:
+def _pairs(inputs: Any, outputs: Any, where: str, in_name: str, out_name: str) -> list[Row]:
     if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
-        raise DatasetError(f"{where}: {names} must be two lists of the same length")
-    return [{"input": _stdio_text(i), "output": _stdio_text(o)} for i, o in zip(inputs, outputs, strict=True)]
+        raise DatasetError(f"{where}: {in_name}/{out_name.rpartition('.')[2]} must be two lists of the same length")
+    return [{"input": _stdio_text(i, where, f"{in_name}[{k}]"), "output": _stdio_text(o, where, f"{out_name}[{k}]")}
+            for k, (i, o) in enumerate(zip(inputs, outputs, strict=True))]
 
 
-def _tests_from(row: Row, where: str, fmt: str) -> list[Row]:
+def _tests_from(row: Row, where: str, fmt: str) -> tuple[str, list[Row]]:
+    """``(shape, tests)``: the row's test shape (``fmt``, or the one ``auto`` found) and its stdin/stdout tests."""
     shapes = {
         "io": "inputs" in row and "outputs" in row,
         "test_cases": "test_cases" in row,
         "apps": "input_output" in row,
         "livecodebench": "public_test_cases" in row or "private_test_cases" in row,
-        "codecontests": any(name in row for name in _CODECONTESTS_TESTS),
+        # open-r1/codeforces has an int 'generated_tests' (how many it ships elsewhere): not CodeContests' group.
+        "codecontests": any(name in row and not isinstance(row[name], int) for name in _CODECONTESTS_TESTS),
+        "codeforces": "official_tests" in row,
         "verl": isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"],
     }
     if fmt == "auto":
         found = [k for k, ok in shapes.items() if ok]
         if not found:
+            count = (" ('generated_tests' here is a count, as open-r1/codeforces has it: that dataset's tests are "
+                     "'official_tests')" if isinstance(row.get("generated_tests"), int) else "")
             raise DatasetError(f"{where}: missing field 'tests' (hidden tests as inputs/outputs, test_cases, "
-                               "input_output, public_test_cases/private_test_cases, public_tests/private_tests "
-                               "or reward_model.ground_truth)")
+                               "input_output, public_test_cases/private_test_cases, public_tests/private_tests, "
+                               f"official_tests or reward_model.ground_truth){count}")
         if len(found) > 1:
             raise DatasetError(f"{where}: the row has tests in several shapes {found}; pick one with --format")
         fmt = found[0]
     elif not shapes[fmt]:
         raise DatasetError(f"{where}: --format {fmt}: missing its test field(s)")
     if fmt == "io":
-        return _pairs(row["inputs"], row["outputs"], where, "inputs/outputs")
+        return fmt, _pairs(row["inputs"], row["outputs"], where, "inputs", "outputs")
     if fmt == "apps":
         if row["input_output"] in (None, ""):  # APPS ships some rows without tests
             raise DatasetError(f"{where}: input_output is empty: the row has no tests")
-        return _io_pairs(_json_field(row["input_output"], where, "input_output"), where, "input_output")
+        return fmt, _io_pairs(_json_field(row["input_output"], where, "input_output"), where, "input_output")
     if fmt == "verl":
         truth = _json_field(row["reward_model"]["ground_truth"], where, "reward_model.ground_truth")
-        return _io_pairs(truth, where, "reward_model.ground_truth")
+        return fmt, _io_pairs(truth, where, "reward_model.ground_truth")
     if fmt == "test_cases":
         cases = _json_field(row["test_cases"], where, "test_cases")
         if isinstance(cases, dict):
-            return _pairs(cases.get("inputs"), cases.get("outputs"), where, "test_cases.inputs/outputs")
-        if isinstance(cases, list) and all(isinstance(c, dict) and "input" in c and "output" in c for c in cases):
-            return [{"input": _stdio_text(c["input"]), "output": _stdio_text(c["output"])} for c in cases]
+            return fmt, _pairs(cases.get("inputs"), cases.get("outputs"), where, "test_cases.inputs", "test_cases.outputs")
+        if isinstance(cases, list):
+            return fmt, _case_tests(cases, where, "test_cases")
         raise DatasetError(f"{where}: test_cases must be a list of {{input, output}} or {{inputs, outputs}}")
     if fmt == "codecontests":
-        return _codecontests_tests(row, where)
+        return fmt, _codecontests_tests(row, where)
+    if fmt == "codeforces":
+        return fmt, _codeforces_tests(row, where)
     tests: list[Row] = []
+    calls: list[str] = []
     for name in ("public_test_cases", "private_test_cases"):
         cases = _livecodebench_cases(row.get(name) or "[]", where, name)
         if not isinstance(cases, list):
             raise DatasetError(f"{where}: {name} must be a JSON list of {{input, output}}")
-        for i, c in enumerate(cases):
-            if not isinstance(c, dict) or "input" not in c or "output" not in c:
-                raise DatasetError(f"{where}: {name}[{i}]: missing field 'input' or 'output'")
-            if c.get("testtype", "stdin") == "stdin":
-                tests.append({"input": str(c["input"]), "output": str(c["output"])})
-    return tests
+        tests += _case_tests(cases, where, name, calls)
+    if not tests and calls:
+        _refuse_call_tests(where, "public_test_cases/private_test_cases", calls)
+    return fmt, tests
 
 
 def _io_pairs(io: Any, where: str, name: str) -> list[Row]:
@@ -362,33 +433,114 @@ def _io_pairs(io: Any, where: str, name: str) -> list[Row]:
         # Its inputs are argument lists and its outputs return values: fed to stdin, no program passes.
         raise DatasetError(f"{where}: {name} has function-call tests (fn_name {io['fn_name']!r}); the code "
                            "task judges stdin/stdout programs only: leave such rows out")
-    return _pairs(io.get("inputs"), io.get("outputs"), where, f"{name}.inputs/outputs")
+    return _pairs(io.get("inputs"), io.get("outputs"), where, f"{name}.inputs", f"{name}.outputs")
+
+
+def _call_test(case: Row) -> str | None:
+    """How a test item says it is not a stdin/stdout test, or ``None`` for a stdin one.
+
+    LiveCodeBench marks tests ``testtype: "functional"`` (calls of a LeetCode method), DeepCoder's
+    ``type: "function_call"`` with an ``fn_name``; its stdin tests are ``type: "stdin_stdout"``.
+    """
+    if case.get("fn_name"):
+        return f"fn_name {case['fn_name']!r}"
+    if case.get("testtype", "stdin") != "stdin":
+        return f"testtype {case['testtype']!r}"
+    if case.get("type", "stdin_stdout") not in ("stdin_stdout", "stdin"):
+        return f"type {case['type']!r}"
+    return None
+
+
+def _refuse_call_tests(where: str, name: str, calls: list[str]) -> None:
+    kinds = ", ".join(dict.fromkeys(calls))
+    raise DatasetError(f"{where}: {name} has function-call tests only ({kinds}; LiveCodeBench's LeetCode rows and "
+                       "DeepCoder's function_call rows are such); the code task judges stdin/stdout programs only: "
+                       "leave such rows out")
+
+
+def _case_tests(cases: list[Any], where: str, name: str, calls: list[str] | None = None) -> list[Row]:
+    """A list of test items ``{input, output}`` (LiveCodeBench, DeepCoder: with ``testtype``/``type``) as stdin tests.
+
+    Function-call items are left out, their kinds appended to ``calls``; a row of such items only is refused
+    (by the caller when it gathers several lists in ``calls``, here otherwise): judged on stdin they would
+    fail every solution. Each stdin item must be a mapping with ``input`` and ``output``.
+    """
+    own = calls is None
+    found: list[str] = [] if calls is None else calls
+    tests = []
+    for i, c in enumerate(cases):
+        field = f"{name}[{i}]"
+        if not isinstance(c, dict):
+            raise DatasetError(f"{where}: {field} is {_type_name(c)}, expected a test {{input, output}}")
+        call = _call_test(c)
+        if call is not None:
+            found.append(call)
+            continue
+        for key in ("input", "output"):
+            if key not in c:
+                raise DatasetError(f"{where}: {field}: missing field {key!r} (a test is {{input, output}})")
+        tests.append({"input": _stdio_text(c["input"], where, f"{field}.input"),
+                      "output": _stdio_text(c["output"], where, f"{field}.output")})
+    if own and not tests and found:
+        _refuse_call_tests(where, name, found)
+    return tests
 
 
 def _json_tests(value: Any, where: str) -> list[Row]:
-    """``tests`` given as JSON text (DeepCoder): ``[{input, output, testtype?}]`` or ``{inputs, outputs}``."""
+    """``tests`` as a list or its JSON text (DeepCoder): ``[{input, output, testtype?/type?}]`` or ``{inputs, outputs}``."""
     if isinstance(value, dict):
         return _io_pairs(value, where, "tests")
     if not isinstance(value, list):
         raise DatasetError(f"{where}: tests must be a list of {{input, output}} or {{inputs, outputs}}")
-    tests = []
-    for i, c in enumerate(value):
-        if not isinstance(c, dict) or "input" not in c or "output" not in c:
-            raise DatasetError(f"{where}: tests[{i}]: missing field 'input' or 'output'")
-        if c.get("testtype", "stdin") == "stdin":  # LiveCodeBench's "functional" tests are calls, not stdin
-            tests.append({"input": _stdio_text(c["input"]), "output": _stdio_text(c["output"])})
-    return tests
+    return _case_tests(value, where, "tests")
 
 
 def _codecontests_tests(row: Row, where: str) -> list[Row]:
     """CodeContests: ``public_tests``, ``private_tests`` and ``generated_tests``, each ``{input: [...], output: [...]}``."""
     tests: list[Row] = []
     for name in _CODECONTESTS_TESTS:
-        group = _json_field(row.get(name) or {"input": [], "output": []}, where, name)
+        value = row.get(name)
+        group = _json_field({"input": [], "output": []} if value in (None, "") else value, where, name)
         if not isinstance(group, dict):
-            raise DatasetError(f"{where}: {name} must hold {{input, output}} lists")
-        tests += _pairs(group.get("input"), group.get("output"), where, f"{name}.input/output")
+            hint = (" (open-r1/codeforces counts its generated tests there: read such rows with --format codeforces)"
+                    if isinstance(group, int) else "")
+            raise DatasetError(f"{where}: {name} is {_type_name(group)}, expected CodeContests' {{input, output}} "
+                               f"lists{hint}")
+        tests += _pairs(group.get("input"), group.get("output"), where, f"{name}.input", f"{name}.output")
     return tests
+
+
+def _codeforces_tests(row: Row, where: str) -> list[Row]:
+    """open-r1/codeforces: ``official_tests`` (a list of ``{input, output}``), else the statement's ``examples``."""
+    if row.get("interaction_format") not in (None, ""):
+        raise DatasetError(f"{where}: the row is an interactive problem (interaction_format): its tests need "
+                           "Codeforces' interactor, and the code task judges stdin/stdout programs only: leave "
+                           "such rows out")
+    for name in ("official_tests", "examples"):
+        cases = _json_field(row.get(name), where, name)
+        if cases in (None, []):
+            continue
+        if not isinstance(cases, list):
+            raise DatasetError(f"{where}: {name} is {_type_name(cases)}, expected a list of {{input, output}}")
+        return _case_tests(cases, where, name)
+    raise DatasetError(f"{where}: official_tests and examples are both empty: the row has no stdin/stdout tests")
+
+
+def _codeforces_statement(row: Row, where: str) -> str:
+    """open-r1/codeforces keeps the statement in parts; the input and output specifications are part of the
+    problem (limits, formats), so the question is all of them, as Codeforces shows them."""
+    parts = []
+    for name, heading in (("description", None), ("input_format", "Input"), ("output_format", "Output"),
+                          ("note", "Note")):
+        text = row.get(name)
+        if text in (None, ""):
+            if name == "description":
+                raise DatasetError(f"{where}: missing field 'description' (the problem statement)")
+            continue
+        if not isinstance(text, str):
+            raise DatasetError(f"{where}: field {name!r} is {_type_name(text)}, expected text")
+        parts.append(text if heading is None else f"## {heading}\n\n{text}")
+    return "\n\n".join(parts)
 
 
 class _TextOnlyUnpickler(pickle.Unpickler):
@@ -415,21 +567,31 @@ def _livecodebench_cases(value: Any, where: str, name: str) -> Any:
 
 
 def _code(row: Row, where: str, fmt: str) -> Row:
-    question = _first(row, where, ("question", "problem", "prompt", "question_content", "description"),
-                      "the problem statement")
-    if isinstance(question, list):  # verl rows: a chat prompt, not a statement
+    if fmt == "auto" and isinstance(row.get("tests"), str) and row["tests"].lstrip()[:1] in ("[", "{"):
+        shape, tests = "tests", _json_tests(_json_field(row["tests"], where, "tests"), where)
+    elif fmt == "auto" and isinstance(row.get("tests"), list):
+        shape, tests = "tests", _json_tests(row["tests"], where)
+    else:
+        shape, tests = _tests_from(row, where, fmt)
+    if not tests:
+        raise DatasetError(f"{where}: the row has no stdin/stdout tests")
+    question = _codeforces_statement(row, where) if shape == "codeforces" else _code_question(row, where)
+    return _keep(row, {"question": question, "tests": tests})
+
+
+def _code_question(row: Row, where: str) -> str:
+    field, question = _first_named(row, where, ("question", "problem", "prompt", "question_content", "description"),
+                                   "the problem statement")
+    if field == "prompt" and isinstance(question, list):  # verl rows: a chat prompt, not a statement
         question = _chat_problem(row)
         if question is None:
             raise DatasetError(f"{where}: field 'prompt' is a list but holds no user message")
-    if fmt == "auto" and isinstance(row.get("tests"), str) and row["tests"].lstrip()[:1] in ("[", "{"):
-        tests = _json_tests(_json_field(row["tests"], where, "tests"), where)
-    elif fmt == "auto" and isinstance(row.get("tests"), list):
-        tests = row["tests"]
-    else:
-        tests = _tests_from(row, where, fmt)
-    if not tests:
-        raise DatasetError(f"{where}: the row has no stdin/stdout tests")
-    return _keep(row, {"question": str(question), "tests": tests})
+    # A value that is not text would reach the model as its Python repr: refused, as math refuses it.
+    if not isinstance(question, str):
+        raise DatasetError(f"{where}: field {field!r} is {_type_name(question)}, expected the problem statement text")
+    if not question.strip():
+        raise DatasetError(f"{where}: field {field!r} is blank")
+    return question
 
 
 def _swe(row: Row, where: str, fmt: str) -> Row:
@@ -437,22 +599,69 @@ def _swe(row: Row, where: str, fmt: str) -> Row:
     return SweRows(fmt).map(row, where)
 
 
+def _gold_text(value: Any, where: str, field: str) -> str:
+    """One gold answer as text: a string as it is, a number as its decimal text (``1997``), a boolean as
+    ``yes``/``no`` (StrategyQA's ``answer: true``: its evaluations compare the yes/no the model writes)."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return _number_answer(value, where, field)
+    if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(f"{where}: field {field!r} is blank, expected a gold answer")
+        return value
+    raise DatasetError(f"{where}: field {field!r} is {_type_name(value)}, expected a gold answer as text")
+
+
+def _gold_list(answers: list[Any], where: str, field: str) -> list[str]:
+    """Gold answers from a list: strings, numbers and booleans (:func:`_gold_text`); a nested list of them (NQ's
+    per-annotator lists) is flattened one level. Duplicates are dropped, the first kept in order; a null item
+    is refused (as text, ``None`` would be a gold answer)."""
+    out: list[str] = []
+    for i, item in enumerate(answers):
+        if isinstance(item, list):
+            out += [_gold_text(a, where, f"{field}[{i}][{j}]") for j, a in enumerate(item)]
+        else:
+            out.append(_gold_text(item, where, f"{field}[{i}]"))
+    return list(dict.fromkeys(out))
+
+
 def _search(row: Row, where: str, fmt: str) -> Row:
     question = _first(row, where, ("question", "query"), "the question")
-    answers = _first(row, where, ("answers", "golden_answers", "answer"), "the gold answer(s)")
-    answers = _json_field(answers, where, "answers") if isinstance(answers, str) and answers.startswith("[") else answers
-    if isinstance(answers, str):
-        answers = [answers]
+    field, answers = _first_named(row, where, ("answers", "golden_answers", "answer"), "the gold answer(s)")
+    if isinstance(answers, str) and answers.lstrip().startswith("["):
+        if field == "answer":
+            # One answer may itself start with "[" ("[citation needed]", "[1, 2]"): it is a list of answers only
+            # when it parses as a JSON list of strings.
+            try:
+                parsed = json.loads(answers)
+            except json.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, list) and parsed and all(isinstance(a, str) for a in parsed):
+                answers = parsed
+        else:  # 'answers' and 'golden_answers' hold lists: JSON text of one (a CSV round trip)
+            answers = _json_field(answers, where, field)
     if isinstance(answers, dict) and isinstance(answers.get("text"), list):  # SQuAD-style {text: [...]}
-        answers = answers["text"]
+        if not answers["text"]:
+            raise DatasetError(f"{where}: field {field!r} has no answer text (an unanswerable row, as SQuAD v2 "
+                               "marks them): there is nothing to score against; leave such rows out")
+        field, answers = f"{field}.text", answers["text"]
     elif isinstance(answers, dict) and isinstance(answers.get("aliases"), list):  # TriviaQA {value, aliases}
-        answers = list(dict.fromkeys(a for a in (answers.get("value"), *answers["aliases"]) if a not in (None, "")))
-    if not isinstance(answers, list) or not answers:
-        raise DatasetError(f"{where}: answers must be a string or a non-empty list of strings")
+        answers = [a for a in (answers.get("value"), *answers["aliases"]) if a not in (None, "")]
+    if isinstance(answers, list):
+        if not answers:
+            raise DatasetError(f"{where}: field {field!r} is an empty list: no gold answer to score against")
+        gold = _gold_list(answers, where, field)
+    elif isinstance(answers, str | int | float):
+        gold = [_gold_text(answers, where, field)]
+    else:
+        raise DatasetError(f"{where}: field {field!r} is {_type_name(answers)}, expected a gold answer: text, a "
+                           "number, a list of them, SQuAD's {text: [...]} or TriviaQA's {value, aliases}")
     aliases = row.get("answer_aliases")  # MuSiQue: other names of the answer, each as right as it
     if isinstance(aliases, list):
-        answers = list(dict.fromkeys([*answers, *(a for a in aliases if a not in (None, ""))]))
-    return _keep(row, {"question": str(question), "answers": [str(a) for a in answers]})
+        gold = list(dict.fromkeys([*gold, *(_gold_text(a, where, f"answer_aliases[{i}]")
+                                            for i, a in enumerate(aliases) if a not in (None, ""))]))
+    return _keep(row, {"question": str(question), "answers": gold})
 
 
 LOADERS: dict[str, Callable[[Row, str, str], Row]] = {"math": _math, "code": _code, "swe": _swe, "search": _search}
