@@ -196,11 +196,14 @@ def load_launched(deployment_dir: Path, *, or_last: bool = False) -> tuple[Launc
     they were written: what ``prorl logs`` reads after a crash and a ``down``).
     """
     record = LaunchRecord.load(deployment_dir)
+    history = deployment_dir / HISTORY_NAME
+    ended = sorted(p for p in history.iterdir() if (p / LAUNCH_NAME).is_file()) if history.is_dir() else []
     if record is None and or_last:
-        history = deployment_dir / HISTORY_NAME
-        ended = sorted(p for p in history.iterdir() if (p / LAUNCH_NAME).is_file()) if history.is_dir() else []
         record = LaunchRecord.load(ended[-1]) if ended else None
     if record is None:
+        if ended:  # taken down (or its launch failed): not "never launched"
+            raise SlurmError(f"deployment {deployment_dir.name!r} is not launched now: its last launch ({ended[-1].name}) "
+                             f"was taken down or failed; `prorl logs -d {deployment_dir.name}` still reads its logs")
         raise SlurmError(f"deployment {deployment_dir.name!r} was not launched (no {deployment_dir / LAUNCH_NAME})")
     file = Path(record.deploy_file)
     if file.is_file():

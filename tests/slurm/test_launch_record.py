@@ -221,3 +221,15 @@ def test_a_deployment_is_managed_from_any_folder_and_after_its_file_is_gone(
                  members=[Member("nodes", 0, "61_0")]).save(home / name)
     with pytest.raises(SlurmError, match="scancel 61_0"):
         load_launched(home / name)
+
+
+def test_a_deployment_taken_down_is_not_called_never_launched(tmp_path: Path) -> None:
+    from prorl_cli.slurm.record import archive_launch, load_launched
+
+    home, name = tmp_path / "home", "twice"
+    LaunchRecord(deployment=name, deploy_file="d.yaml", home=str(home), created_at=0.0, launch_id="L7").save(home / name)
+    archive_launch(home / name)  # what `down` does once squeue is empty
+    with pytest.raises(SlurmError, match=r"'twice' is not launched now: its last launch \(L7\) was taken down"):
+        load_launched(home / name)
+    with pytest.raises(SlurmError, match="'never' was not launched"):
+        load_launched(home / "never")
