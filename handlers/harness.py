@@ -16,6 +16,7 @@ instance's ``settings``; docs/harness.md)::
     scorer: swe                    # swe | code | math | none | "module:function"
     scorer_settings: {}            # the scorer domain's own settings (repo_dir, test_command, ...)
     workspace_max_mb: 256          # module:function scorers: the largest workdir copied out for them
+    node_log_lines: 200            # output lines also copied to the node's log (all go to the job log)
 
 INIT starts the sandbox (for ``scorer: swe`` the repository is checked out at
 ``base_commit`` as the ``swe`` domain does) and writes the task text (the
@@ -26,9 +27,13 @@ streams its output to the job log, keeps the last ``log_tail_bytes`` in
 the scorer needs (``git diff`` for ``swe``, the solution file for ``code``,
 the whole ``workdir`` for a ``module:function`` scorer, copied to the job's
 run directory on the node, since the sandbox is stopped before EVAL).
-A harness that exits non-zero, hangs past ``timeout_s`` or is cancelled is
-killed with its process group and keeps its partial trajectory, with
-``stop_reason`` ``error``, ``timeout`` or ``cancelled``. EVAL runs the scorer:
+The command runs as a script of its own, so its exit status is recorded
+however it ends (``exit N``, ``exec prog``, ``set -e``). A harness that exits
+non-zero keeps its partial trajectory with ``stop_reason`` ``error``; one that
+hangs past ``timeout_s``, is cancelled, or whose recording shell is killed is
+killed with its process group, with ``stop_reason`` ``timeout``, ``cancelled``
+or ``error``. Only the first ``node_log_lines`` lines of its output are also
+copied to the node's log. EVAL runs the scorer:
 a ``module:function`` one is called as ``function(ctx, workspace)`` (the copied
 ``workdir``, a :class:`~pathlib.Path`, or ``None`` when RUN ended before it was
 saved; a one-parameter function gets ``ctx`` alone) and returns the reward.
@@ -41,6 +46,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import logging
 import re
 import shlex
 import shutil
@@ -53,9 +59,11 @@ from prorl_cli import gateway
 from prorl_cli.exceptions import DomainError, SandboxError, ToolError
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext
 from prorl_cli.node.settings import deployment_settings, resolve_settings
+from prorl_cli.observe.logs import JobLogger
 
 HARNESS_DIR = "/tmp/prorl-harness"
 SCRIPT = f"{HARNESS_DIR}/run.sh"
+COMMAND = f"{HARNESS_DIR}/command.sh"
 LOG = f"{HARNESS_DIR}/output.log"
 RC = f"{HARNESS_DIR}/exit_code"
 WORKSPACE_TAR = f"{HARNESS_DIR}/workspace.tar"
@@ -122,6 +130,50 @@ def _scorer_args(fn: Any, ctx: JobContext, workspace: Path | None) -> tuple[Any,
     return (ctx, workspace)
 
 
+class _OutputLog:
+    """The harness's output, line by line, into the job log; only its first lines into the node's log too.
+
+    The job log keeps every line (docs/harness.md). The node's log serves every job of the node, so a chatty
+    agent must not flood it: past ``node_lines`` lines a job's output goes to its job log only, and one line
+    in the node's log says how many lines it holds there.
+    """
+
+    def __init__(self, ctx: JobContext, node_lines: int) -> None:
+        self._ctx = ctx
+        self._node_lines = max(0, node_lines)
+        self._lines = 0
+        self._partial = b""
+
+    def write(self, chunk: bytes) -> None:
+        """Log the whole lines of ``chunk`` (a line cut at its end waits for the rest)."""
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._line(line)
+
+    def close(self) -> None:
+        """Log a last line with no newline, and how many lines the node's log left out."""
+        if self._partial:
+            self._line(self._partial)
+            self._partial = b""
+        hidden = self._lines - self._node_lines
+        if hidden > 0:
+            log = self._ctx.log
+            where = f"the job log ({log.path})" if isinstance(log, JobLogger) else "the job's logger at DEBUG"
+            log.info("job %s harness: %d more line(s) of output after the first %d went to %s only",
+                     self._ctx.job_id, hidden, self._node_lines, where)
+
+    def _line(self, line: bytes) -> None:
+        self._lines += 1
+        log, text = self._ctx.log, line.decode("utf-8", "replace")
+        if self._lines <= self._node_lines:
+            log.info("job %s harness| %s", self._ctx.job_id, text)
+        elif isinstance(log, JobLogger):
+            log.note(logging.INFO, "job %s harness| %s", self._ctx.job_id, text)
+        else:  # a logger with no job file of its own (a handler run outside a node): below the usual level
+            log.debug("job %s harness| %s", self._ctx.job_id, text)
+
+
 class HarnessHandler(AgentHandler):
     """Runs an agent harness command in the sandbox against the job's gateway; scores with a domain's scorer."""
 
@@ -132,7 +184,7 @@ class HarnessHandler(AgentHandler):
         extra={"command": "", "env": {}, "workdir": "/work", "timeout_s": 1800.0, "scorer": "none",
                "scorer_settings": {}, "task_file": "/tmp/prorl-task.md", "task_field": "", "parser": "hermes",
                "model": "prorl", "log_tail_bytes": 8192, "poll_s": 0.5, "max_concurrent_requests": 8,
-               "workspace_max_mb": 256.0,
+               "workspace_max_mb": 256.0, "node_log_lines": 200,
                "tool_choice_retries": 2},
     )
 
@@ -198,9 +250,13 @@ class HarnessHandler(AgentHandler):
         env = {**{k: str(v) for k, v in settings.get("env").items()}, **job.env(host, port)}
         command = expand_command(str(settings.get("command")), task_file=str(settings.get("task_file")),
                                  workdir=str(settings.get("workdir")), model=str(settings.get("model")))
+        # The command runs as a script of its own, in a child shell: its `exit N`, `exec prog` or `set -e`
+        # ends that shell only, so the line after it always records the exit status. It inherits the
+        # exports, the working directory, stdin and the process group of run.sh.
+        await sandbox.write_file(COMMAND, (command + "\n").encode())
         script = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-        script += [f"cd {shlex.quote(str(settings.get('workdir')))} || exit 97", command,
-                   f"echo $? > {RC}.tmp && mv {RC}.tmp {RC}"]
+        script += [f"if cd {shlex.quote(str(settings.get('workdir')))}; then sh {COMMAND}; rc=$?; else rc=97; fi",
+                   f"echo $rc > {RC}.tmp && mv {RC}.tmp {RC}"]
         await sandbox.write_file(SCRIPT, ("\n".join(script) + "\n").encode())
         # A background job of the tool server's interactive shell gets a process group of its own: $! is its id.
         started = await sandbox.bash(f"rm -f {RC}; : > {LOG}; sh {SCRIPT} >> {LOG} 2>&1 < /dev/null & echo $!")
@@ -210,57 +266,80 @@ class HarnessHandler(AgentHandler):
             raise DomainError(f"harness: could not start the command: {started.output[-500:]}") from e
         ctx.state["harness_pgid"] = pgid
         tail = bytearray()
-        stop_reason, exit_code = "cancelled", None
+        stop_reason, exit_code, error = "cancelled", None, None
         try:
-            exit_code, stop_reason = await self._follow(ctx, sandbox, settings, tail)
+            exit_code, stop_reason, error = await self._follow(ctx, sandbox, settings, pgid, tail)
         finally:
-            if stop_reason != "stop" and stop_reason != "error":
+            if exit_code is None:  # timed out, cancelled, or its shell vanished: what it started may still run
                 with contextlib.suppress(SandboxError, OSError):
                     await asyncio.shield(self._kill(sandbox, pgid))
             traj = ctx.trajectory = job.trajectory
             traj.stop_reason = stop_reason
             ctx.output.update({
                 "trajectory": traj.to_dict(), "turns": len(traj.calls), "stop_reason": stop_reason,
-                "harness_exit_code": exit_code, "harness_log": tail.decode("utf-8", "replace"),
+                "harness_exit_code": exit_code, "harness_error": error,
+                "harness_log": tail.decode("utf-8", "replace"),
                 "continuity": job.buffer.continuity, "segments": job.buffer.conversations,
             })
             await job.close()
         await self._save_artifacts(ctx, settings, sandbox)
 
     async def _follow(
-        self, ctx: JobContext, sandbox: Any, settings: HandlerSettings, tail: bytearray
-    ) -> tuple[int | None, str]:
-        """Stream the harness's output to the job log until it exits or runs past ``timeout_s``."""
+        self, ctx: JobContext, sandbox: Any, settings: HandlerSettings, pid: int, tail: bytearray
+    ) -> tuple[int | None, str, str | None]:
+        """Stream the harness's output to the job log until it exits, vanishes or runs past ``timeout_s``.
+
+        Returns ``(exit code, stop reason, error)``: the exit code is ``None`` when none was recorded, and
+        ``error`` says why when the harness's shell (``pid``, run.sh) ended without recording one.
+        """
         keep = int(settings.get("log_tail_bytes"))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + float(settings.get("timeout_s"))
-        offset, partial = 0, b""
-        while True:
-            try:
-                rc_text = (await sandbox.read_file(RC)).decode().strip()
-            except ToolError:
-                rc_text = ""  # still running
-            while True:  # everything written so far, including after the exit code appeared
-                chunk = await sandbox.read_file(LOG, offset=offset, max_bytes=_READ_CHUNK_BYTES)
-                if not chunk:
-                    break
-                offset += len(chunk)
-                tail += chunk
-                del tail[: max(0, len(tail) - keep)]
-                lines = (partial + chunk).split(b"\n")
-                partial = lines.pop()
-                for line in lines:
-                    ctx.log.info("job %s harness| %s", ctx.job_id, line.decode("utf-8", "replace"))
-            if rc_text:
-                if partial:
-                    ctx.log.info("job %s harness| %s", ctx.job_id, partial.decode("utf-8", "replace"))
-                code = int(rc_text)
-                return code, "stop" if code == 0 else "error"
-            if loop.time() >= deadline:
-                ctx.log.warning("harness: still running after timeout_s=%g s; killing its process group",
-                                float(settings.get("timeout_s")))
-                return None, "timeout"
-            await asyncio.sleep(float(settings.get("poll_s")))
+        out = _OutputLog(ctx, int(settings.get("node_log_lines")))
+        offset = 0
+        try:
+            while True:
+                # Whether run.sh lives is read before its exit-code file: a shell found gone had written the
+                # file already if it ever would, so "gone and no file" is final, not a race with its last line.
+                alive = await self._alive(sandbox, pid)
+                try:
+                    rc_text = (await sandbox.read_file(RC)).decode().strip()
+                except ToolError:
+                    rc_text = ""  # still running
+                while True:  # everything written so far, including after the exit code appeared
+                    chunk = await sandbox.read_file(LOG, offset=offset, max_bytes=_READ_CHUNK_BYTES)
+                    if not chunk:
+                        break
+                    offset += len(chunk)
+                    tail += chunk
+                    del tail[: max(0, len(tail) - keep)]
+                    out.write(chunk)
+                if rc_text:
+                    code = int(rc_text)
+                    return code, "stop" if code == 0 else "error", None
+                if not alive:
+                    error = (f"the harness's shell (pid {pid}) ended without recording an exit code "
+                             "(killed by a signal, e.g. the out-of-memory killer or a `kill` of its process group)")
+                    ctx.log.warning("harness: %s", error)
+                    return None, "error", error
+                if loop.time() >= deadline:
+                    ctx.log.warning("harness: still running after timeout_s=%g s; killing its process group",
+                                    float(settings.get("timeout_s")))
+                    return None, "timeout", None
+                await asyncio.sleep(float(settings.get("poll_s")))
+        finally:
+            out.close()
+
+    @staticmethod
+    async def _alive(sandbox: Any, pid: int) -> bool:
+        """Whether process ``pid`` of the sandbox still runs (a zombie, not yet reaped, has ended)."""
+        try:
+            stat = await sandbox.read_file(f"/proc/{pid}/stat")
+        except ToolError:
+            return False
+        # The state is the field after the command name, which is in parentheses and may hold any character.
+        fields = stat.rpartition(b")")[2].split()
+        return bool(fields) and fields[0] not in (b"Z", b"X")
 
     @staticmethod
     async def _kill(sandbox: Any, pgid: int) -> None:

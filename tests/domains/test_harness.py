@@ -84,3 +84,57 @@ def test_a_cancelled_harness_is_killed(stack: ScriptedStack, domain_image: str) 
     while sleepers():
         assert time.monotonic() < deadline, f"the harness's processes {sleepers()} outlived the cancelled job"
         time.sleep(0.1)
+
+
+def _command(tag: str, image: str, command: str, **settings: Any) -> dict[str, Any]:
+    """An instance whose harness is ``command`` itself (it never calls the model)."""
+    return {"task": f"[{tag}] no model call", "settings": {"image": image, "command": command, "scorer": "none",
+                                                           "poll_s": 0.2, **settings}}
+
+
+def test_a_command_that_ends_its_own_shell_reports_its_exit_code(stack: ScriptedStack, domain_image: str) -> None:
+    # `exit`, `exec` and `set -e` end the shell running the command; the exit code is recorded all the same.
+    # A regression would wait out timeout_s and report "timeout", so it is short enough to fail, not hang.
+    exited, execd, errexit, cd_failed = stack.run("harness", [
+        _command("H-exit", domain_image, "echo about to fail; exit 3", timeout_s=60.0),
+        _command("H-exec", domain_image, "exec python3 -c 'print(\"exec ok\")'", timeout_s=60.0),
+        _command("H-set-e", domain_image, "set -e; echo before; false; echo never", timeout_s=60.0),
+        _command("H-cd", domain_image, "cd /no/such/dir || exit 97; echo never", timeout_s=60.0),
+    ], timeout_s=300)
+
+    assert exited.output["stop_reason"] == "error" and exited.output["harness_exit_code"] == 3, exited
+    assert "about to fail" in exited.output["harness_log"]
+    assert execd.output["stop_reason"] == "stop" and execd.output["harness_exit_code"] == 0, execd
+    assert "exec ok" in execd.output["harness_log"]
+    assert errexit.output["stop_reason"] == "error" and errexit.output["harness_exit_code"] == 1, errexit
+    assert "before" in errexit.output["harness_log"] and "never" not in errexit.output["harness_log"]
+    assert cd_failed.output["stop_reason"] == "error" and cd_failed.output["harness_exit_code"] == 97, cd_failed
+    for result in (exited, execd, errexit, cd_failed):
+        assert result.state == "done" and result.output["harness_error"] is None, result
+
+
+def test_a_harness_whose_shell_is_killed_is_an_error(stack: ScriptedStack, domain_image: str) -> None:
+    # The shell that would record the exit code is killed; what it started keeps running. The job ends as an
+    # error naming that, rather than waiting for timeout_s (60 s: a regression reports "timeout").
+    (result,) = stack.run("harness", [
+        _command("H-vanish", domain_image, "echo killing my shell; kill -KILL $PPID; sleep 600", timeout_s=60.0),
+    ], timeout_s=300)
+    assert result.output["stop_reason"] == "error" and result.output["harness_exit_code"] is None, result
+    assert "ended without recording an exit code" in result.output["harness_error"]
+    assert "killing my shell" in result.output["harness_log"]
+
+
+def test_harness_output_past_node_log_lines_goes_to_the_job_log_only(
+    stack: ScriptedStack, domain_image: str
+) -> None:
+    (result,) = stack.run("harness", [
+        _command("H-chatty", domain_image, 'for i in $(seq 1 50); do echo "spam-$i-end"; done', node_log_lines=5),
+    ], timeout_s=300)
+    assert result.output["stop_reason"] == "stop", result
+    job = f"job {result.job_id} harness"
+    node_log = (stack.d.logs / "n1.log").read_text(errors="replace")
+    assert f"{job}| spam-5-end" in node_log and f"{job}| spam-6-end" not in node_log
+    assert f"{job}: 45 more line(s) of output after the first 5 went to the job log" in node_log
+    assert result.log_path is not None
+    job_log = Path(result.log_path).read_text()
+    assert all(f"{job}| spam-{i}-end" in job_log for i in range(1, 51))
