@@ -166,6 +166,19 @@ def check_partitions(cfg: DeployConfig) -> None:
                              f"(this cluster has: {', '.join(sorted(known)) or 'none'}); nothing submitted")
 
 
+def path_warnings(cfg: DeployConfig) -> list[str]:
+    """Paths of the deployment file that this machine cannot see: the jobs would fail on them once Slurm starts
+    them. Warnings, not refusals: a path may exist on the compute nodes alone (node-local storage)."""
+    warnings = []
+    if cfg.inference.count and cfg.inference.model and not (Path(cfg.inference.model) / "config.json").is_file():
+        warnings.append(f"{cfg.source}: inference.model: {cfg.inference.model} is not a model directory here (no "
+                        "config.json): the inference tasks will fail on it unless it exists on their nodes")
+    if cfg.python and os.path.isabs(cfg.python) and not os.access(cfg.python, os.X_OK):
+        warnings.append(f"{cfg.source}: python: {cfg.python} is not an executable here: every task will fail to "
+                        "start unless it exists on the compute nodes")
+    return warnings
+
+
 def launch(cfg: DeployConfig) -> LaunchRecord:
     """Submit every role; raises :class:`SlurmError` (with nothing left queued) when Slurm refuses one."""
     check_partitions(cfg)

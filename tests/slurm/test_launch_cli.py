@@ -44,10 +44,19 @@ def test_dry_run_prints_every_role_and_submits_nothing(tmp_path: Path) -> None:
     # Other users' jobs may come and go meanwhile: the dry run's own names are what must not appear.
     assert not [n for n in set(_queued_names()) - set(before) if n.startswith("prorl-dry-")], "squeue unchanged"
     assert not home.exists(), "nothing written"
+    # A model folder this machine cannot read a model from is said before Slurm starts anything on it.
+    assert f"inference.model: {tmp_path} is not a model directory here (no config.json)" in r.stderr, r.stderr
     # The environment names the deployment when -d does not; -d wins over it.
     r = subprocess.run([sys.executable, "-m", "prorl_cli", "launch", str(deploy), "--dry-run"], capture_output=True,
                        text=True, timeout=120, env={**env, "PRORL_DEPLOYMENT": "fromenv"})
     assert r.returncode == 0 and "prorl-fromenv-nodes" in r.stdout, r.stderr
+    # A partition the cluster lacks: the plan is printed, and the dry run says the launch would be refused.
+    wrong = write_yaml(tmp_path / "wrong.yaml", {"deployment": "dry", "home": str(home),
+                                                 "nodes": {"count": 1, "partition": "nosuchpartition"}})
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "launch", str(wrong), "--dry-run"], capture_output=True,
+                       text=True, timeout=120, env={**env, "COLUMNS": "200"})
+    assert r.returncode == 1 and "#SBATCH --partition=nosuchpartition" in r.stdout, r.stderr
+    assert "the launch would be refused" in r.stderr and "no Slurm partition 'nosuchpartition'" in r.stderr, r.stderr
 
 
 def test_logs_of_a_launched_deployment(tmp_path: Path) -> None:

@@ -285,6 +285,8 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
     from prorl_cli.slurm.options import sandbox_runtime
 
     cfg = _load_deploy(app, deploy_file, named_deployment(app))
+    for warning in launcher.path_warnings(cfg):
+        app.err_console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True, highlight=False)
     if dry_run:
         _print_plan(app, cfg)
         return
@@ -347,10 +349,17 @@ def _print_plan(app: App, cfg: DeployConfig) -> None:
     """``launch --dry-run``: each role's Slurm request and batch script, as launch would submit them."""
     from prorl_cli.slurm import launcher
 
+    from prorl_cli.exceptions import SlurmError
+
     try:
         planned = launcher.plan(cfg)
     except RuntimeError as e:  # submitit refuses to render without Slurm's commands
         app.abort(f"--dry-run needs Slurm's commands on this machine: {e}")
+    refused = None
+    try:
+        launcher.check_partitions(cfg)  # what launch refuses, the dry run says it would
+    except SlurmError as e:
+        refused = str(e).replace("; nothing submitted", "")
     out = app.console
     out.print(f"# deployment {cfg.deployment}: PRORL_HOME {cfg.home_path}, Slurm logs in {cfg.log_path}", soft_wrap=True)
     if cfg.broker.where == "here":
@@ -361,6 +370,8 @@ def _print_plan(app: App, cfg: DeployConfig) -> None:
         out.print(f"\n# {p.role}: {what}; Slurm request: sbatch {request}", soft_wrap=True, markup=False)
         click.echo(p.script.rstrip("\n"))
     out.print("\n# dry run: nothing submitted")
+    if refused is not None:
+        app.abort(f"the launch would be refused: {refused}")
 
 
 def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> str | None:
