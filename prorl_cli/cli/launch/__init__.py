@@ -347,9 +347,8 @@ def _give_up(cfg: DeployConfig, record: LaunchRecord, keep: bool) -> str:
 
 def _print_plan(app: App, cfg: DeployConfig) -> None:
     """``launch --dry-run``: each role's Slurm request and batch script, as launch would submit them."""
-    from prorl_cli.slurm import launcher
-
     from prorl_cli.exceptions import SlurmError
+    from prorl_cli.slurm import launcher
 
     try:
         planned = launcher.plan(cfg)
