@@ -162,6 +162,9 @@ CASES = [
     Case("quickstart-bridge-dies", _file("model/config.json", b"{}", "quickstart", "--engine", "transformers", "--model",
                                          "{d}", "--out", "qs"),
          ("gave up waiting for the transformers inference bridge", "its log ends")),
+    # A model folder without a model is refused before a broker and a node are started for it.
+    Case("quickstart-model-not-a-model", _file("nomodel/README", b"x", "quickstart", "--engine", "transformers", "--model",
+                                               "{d}", "--out", "qs-nomodel"), ("--model", "no config.json")),
     Case("address-not-an-endpoint", lambda h: ["-d", "x", "status", "--address", "garbage"],
          ("--address garbage", "tcp://HOST:PORT")),
     Case("submit-address-without-port", _file("tasks.jsonl", b'{"echo": 1}\n', "submit", "{f}", "--task", "test",

@@ -59,7 +59,13 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
         engine = "transformers" if _has_torch() else "none"
     if domain is not None and engine in ("none", "sim"):
         app.abort(f"--task {domain} needs a model: install the cpu extra (torch) or pass --engine transformers|vllm")
-    _hold_folder(app, home)  # held until this process ends
+    if model is not None and engine not in ("none", "sim") and not (model / "config.json").is_file():
+        # Said before anything starts: a broker and a node would otherwise come up first.
+        app.abort(f"--model {model}: no config.json; give a local Hugging Face model directory")
+    try:
+        _hold_folder(app, home)  # held until this process ends
+    except PermissionError as e:
+        app.abort(f"{home}: {e.strerror or e}: run quickstart from a folder you can write, or give --out DIR")
     plan = plan_domain(app, domain, home, image, n_instances) if domain else None
     model_dir = (model or home / "tiny-model").resolve()
     config: dict[str, Any] = {
@@ -129,10 +135,10 @@ def _run(app: App, home: Path, config: dict[str, Any], engine: str, model: Path 
         stack.start_node("node-0")
         con.print("  node-0 registered")
         if engine == "none":
-            con.print(
-                "  [yellow]no LLM:[/] running the scripted 'test' handler (sleeps, one failure, one timeout); "
-                "install the cpu extra (torch) for a real agent on a tiny model"
-            )
+            advice = ("--engine transformers runs a real agent on a tiny model" if _has_torch() else
+                      "install the cpu extra (torch) for a real agent on a tiny model")
+            con.print(f"  [yellow]no LLM:[/] running the scripted 'test' handler (sleeps, one failure, one timeout); "
+                      f"{advice}")
             task, instances = "test", list(NO_LLM_TASKS)
         elif engine == "sim":
             task, instances = _start_sim_inference(app, stack)
