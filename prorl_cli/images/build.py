@@ -179,6 +179,12 @@ class Builder:
             waited.append(holder)
             self.on_event(name, f"waiting for {plan.key}: being built by {holder}")
 
+        if plan.reuse and not self.cache.can_lock(plan.key):
+            # A cache this user may only read (one an admin builds for everyone): a finished image is used as it
+            # is, unlocked (nothing writes a published image) and without touching the manifest.
+            size = plan.path.stat().st_size
+            return Result(name, plan.key, plan.mode, "reused", [*plan.reasons, "read-only cache: used as it is"],
+                          str(plan.path), 0.0, 0.0, size)
         try:
             with self.cache.key_lock(plan.key, on_wait) as waited_s:
                 # Another process may have finished this key while we planned or waited.
@@ -196,6 +202,9 @@ class Builder:
             return Result(name, plan.key, plan.mode, "failed", plan.reasons, str(plan.path), error=str(e), log=e.log, log_tail=e.tail)
         except ImageBuildError as e:
             return Result(name, plan.key, plan.mode, "failed", plan.reasons, str(plan.path), error=str(e))
+        except PermissionError as e:  # the cache's lock, manifest or image folder: name the cache and the fix
+            return Result(name, plan.key, plan.mode, "failed", plan.reasons, str(plan.path),
+                          error=self.cache.not_writable(e.filename or self.cache.root))
 
     def _entry(self, plan: Plan, build_s: float, built_at: str) -> dict[str, Any]:
         spec = plan.spec

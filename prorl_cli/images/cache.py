@@ -229,7 +229,24 @@ class Cache:
         return self.root / "logs" / name / f"{key}.{suffix}"
 
     def key_lock(self, key: str, on_wait: Callable[[str], None] | None = None) -> contextlib.AbstractContextManager[float]:
-        return file_lock(self.root / "locks" / f"{key}.lock", on_wait)
+        return file_lock(self.key_lock_path(key), on_wait)
+
+    def key_lock_path(self, key: str) -> Path:
+        return self.root / "locks" / f"{key}.lock"
+
+    def can_lock(self, key: str) -> bool:
+        """Whether this user can take ``key``'s lock (open its file read-write, or create it)."""
+        path = self.key_lock_path(key)
+        if path.exists():
+            return os.access(path, os.R_OK | os.W_OK)
+        folder = path.parent if path.parent.exists() else self.root
+        return os.access(folder if folder.exists() else folder.parent, os.W_OK | os.X_OK)
+
+    def not_writable(self, path: Path | str) -> str:
+        """What to do when this user cannot write ``path`` of this cache."""
+        return (f"{path}: permission denied: the image cache {self.root} is not writable by this user. Use a cache "
+                "of your own (images.cache_dir in prorl.yaml, or build-images --cache-dir), or have its owner make "
+                "it group-writable (chgrp GROUP DIR && chmod 2775 DIR; docs/images.md)")
 
     # -- manifest ---------------------------------------------------------------------------
 
