@@ -26,7 +26,9 @@ MODES = ("scratch", "versioned", "lock")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), help="Builds at once. [default: images.jobs]")
 @click.option("--images-file", "-f", metavar="FILE", help="Image list YAML. [default: images.config_file, ./images.yaml, shipped list]")
 @click.option("--mirror", metavar="URL", help="Debian mirror for debootstrap bases. [default: the host's apt sources]")
-@click.option("--dry-run", is_flag=True, help="Render and print the definitions, keys and decisions; build nothing.")
+@click.option("--dry-run", is_flag=True, help="Render and print the definitions, keys and decisions; build nothing "
+                                              "(with --swe the dataset's recipes are still written to the cache: "
+                                              "the keys are taken from them).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @click.option("--swe", "swe_dataset", metavar="DATASET", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Build the images of a SWE dataset (JSONL/Parquet/JSON): per repository/version an environment and a repository layer; writes the repo_images map.")
