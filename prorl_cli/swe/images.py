@@ -294,6 +294,14 @@ def plan_dataset(rows: list[dict[str, Any]], recipes_dir: Path, base: str, wheel
             repo_images[key] = name
     first_of: dict[str, str] = {}  # reference -> the first instance pulling it: one image per reference
     for iid, ref in sorted(pulled.items()):
+        local = _local_image(ref)
+        if local is not None and not local.exists():
+            # Said here, naming the row: Apptainer would only say that its conveyor failed to get the file.
+            problems[iid] = f"its image {ref}: {local} does not exist"
+            continue
+        if local is not None and local.suffix == ".sif" and local.is_file():
+            ready[iid] = str(local.resolve())  # an Apptainer image already: used as it is, as --images-from DIR does
+            continue
         first = first_of.setdefault(ref, iid)
         slug = re.sub(r"[^a-z0-9._-]+", "-", first.lower()).strip("-.")
         if first == iid:
@@ -313,6 +321,17 @@ def plan_dataset(rows: list[dict[str, Any]], recipes_dir: Path, base: str, wheel
         if not images_file.is_file() or images_file.read_text() != text:
             images_file.write_text(text)
     return SwePlan(images_file, names, repo_images, problems, ready)
+
+
+def _local_image(ref: str) -> Path | None:
+    """The file or folder a row's ``image`` names on this machine (``x.sif``, ``localimage:``, ``oci:``,
+    ``oci-archive:``, ``docker-archive:``), or None for a registry reference."""
+    kind, sep, rest = ref.partition(":")
+    if sep and kind in ("localimage", "oci", "oci-archive", "docker-archive"):
+        return Path(rest).expanduser()
+    if "://" not in ref and ref.endswith(".sif"):
+        return Path(ref).expanduser()
+    return None
 
 
 def _write_if_changed(path: Path, text: str) -> None:

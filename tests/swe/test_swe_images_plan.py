@@ -144,3 +144,21 @@ def test_a_row_without_version_finds_the_image_built_for_it(tmp_path: Path) -> N
     settings = dataclasses.replace(SweHandler.defaults, extra={**SweHandler.defaults.extra,
                                                                "repo_images": plan.repo_images})
     assert SweHandler().image_for(SimpleNamespace(instance=row), settings) == "swe-prorl-spacey-latest"  # type: ignore[arg-type]
+
+
+def test_a_rows_own_local_image_is_used_as_it_is_or_named_when_missing(tmp_path: Path) -> None:
+    repos = tmp_path / "repos"
+    flat = make_spacey(repos / "prorl__spacey")
+    sif = tmp_path / "mine.sif"
+    sif.write_bytes(b"an image")  # what the plan reads of it: that it is there
+    rows = [
+        {**flat.instance, "instance_id": "o__own-1", "image": str(sif)},
+        {**flat.instance, "instance_id": "o__own-2", "image": f"localimage:{sif}"},
+        {**flat.instance, "instance_id": "o__gone-1", "image": str(tmp_path / "gone.sif")},
+        {**flat.instance, "instance_id": "o__gone-2", "image": f"oci:{tmp_path / 'no-layout'}"},
+    ]
+    plan = plan_dataset(rows, tmp_path / "recipes", "localimage:/base.sif", None, repos)
+    assert plan.ready == {"o__own-1": str(sif), "o__own-2": str(sif)} and plan.names == []
+    assert sorted(plan.problems) == ["o__gone-1", "o__gone-2"]
+    assert f"{tmp_path / 'gone.sif'} does not exist" in plan.problems["o__gone-1"]
+    assert f"{tmp_path / 'no-layout'} does not exist" in plan.problems["o__gone-2"]
