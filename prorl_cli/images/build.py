@@ -15,6 +15,7 @@ import datetime
 import os
 import queue
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -256,7 +257,7 @@ class Builder:
         tmp = self.cache.tmp_image_path(name, key)
         make_dirs(tmp.parent)
         cmd = [self.apptainer, "build", "--fakeroot", *plan.build_args, str(tmp), str(def_path)]
-        self.on_event(name, f"building {key}: {' '.join(cmd)}")
+        self.on_event(name, f"building {key}: {shlex.join(cmd)}")
         t0 = time.monotonic()
         try:
             for attempt in range(1, _CACHE_RACE_TRIES + 1):
