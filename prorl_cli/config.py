@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from prorl_cli import yamlfiles
 from prorl_cli.exceptions import ConfigError, one_line
 from prorl_cli.images.settings import ImagesConfig
 from prorl_cli.inference.settings import InferenceConfig
@@ -309,7 +310,7 @@ def load_config(
             # A named stream, so the parser's position names the file rather than "<unicode string>".
             stream = io.StringIO(text)
             stream.name = str(file)
-            loaded = yaml.safe_load(stream)
+            loaded = yamlfiles.load(stream)
         except yaml.YAMLError as e:
             raise ConfigError(f"{file}: not valid YAML: {one_line(str(e))}") from e
         if loaded is not None and not isinstance(loaded, dict):

@@ -166,9 +166,11 @@ def sampling_from_options(
     elif sampling_file is not None:
         import yaml
 
+        from prorl_cli import yamlfiles
+
         source = f"--sampling-file {sampling_file}"
         try:
-            base = yaml.safe_load(sampling_file.read_text(encoding="utf-8"))  # YAML is a superset of JSON
+            base = yamlfiles.load(sampling_file.read_text(encoding="utf-8"))  # YAML is a superset of JSON
         except (OSError, UnicodeDecodeError) as e:
             app.abort(f"{source}: cannot read: {getattr(e, 'strerror', None) or e}")
         except yaml.YAMLError as e:

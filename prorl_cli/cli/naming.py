@@ -69,8 +69,10 @@ def require_deployment(app: App, command: str) -> str:
     if path is not None:
         import yaml
 
+        from prorl_cli import yamlfiles
+
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yamlfiles.load(path.read_text())
         except (OSError, yaml.YAMLError) as e:
             app.abort(f"{path}: cannot read: {e}")
         if isinstance(data, dict) and isinstance(data.get("deployment"), str):

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from prorl_cli import yamlfiles
 from prorl_cli.exceptions import ConfigError
 
 BASE_KINDS = ("debootstrap", "docker", "localimage", "image", "scratch", "oci", "oci-archive", "docker-archive")
@@ -191,7 +192,7 @@ def load_image_specs(path: str | os.PathLike[str]) -> dict[str, ImageSpec]:
     if not file.is_file():
         raise ConfigError(f"{file}: image config not found")
     try:
-        data = yaml.safe_load(file.read_text())
+        data = yamlfiles.load(file.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{file}: not valid YAML: {e}") from e
     return specs_from_dict(data, file)

@@ -49,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from prorl_cli import timebase
+from prorl_cli import timebase, yamlfiles
 from prorl_cli.exceptions import ContextLengthExceeded, InferenceError, context_length_message
 from prorl_cli.inference.contract import CALL_JOB_ID, Engine, Generation
 from prorl_cli.protocol import SamplingParams, pack_tokens
@@ -92,7 +92,7 @@ class SimProfile:
         if not path.suffix:
             path = PROFILES_DIR / f"{source}.yaml"
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yamlfiles.load(path.read_text()) or {}
         except FileNotFoundError as e:
             known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
             raise InferenceError(f"sim profile {str(source)!r}: no such file or profile (known: {known})") from e

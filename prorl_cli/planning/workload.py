@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from prorl_cli import yamlfiles
 from prorl_cli.exceptions import PlanError
 from prorl_cli.jsonl import jsonl_objects
 
@@ -135,7 +136,7 @@ class Workload:
         """A description in YAML (or JSON), ``count`` shapes drawn from it with ``seed``."""
         p = Path(path)
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+            data = yamlfiles.load(p.read_text(encoding="utf-8"))
         except FileNotFoundError as e:
             raise PlanError(f"{p}: no such workload file") from e
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from prorl_cli import yamlfiles
 from prorl_cli.config import section_from_dict
 from prorl_cli.exceptions import ConfigError
 
@@ -252,22 +253,6 @@ class DeployConfig:
         return {"broker": self.broker, "nodes": self.nodes, "inference": self.inference}[name]
 
 
-class _DeployLoader(yaml.SafeLoader):
-    """YAML without base-60 integers: YAML 1.1 reads an unquoted ``time: 24:00:00`` as the integer 86400, and
-    Slurm times are written just that way. Every other implicit type resolves as in ``yaml.safe_load``."""
-
-
-_INT = "tag:yaml.org,2002:int"
-_DeployLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _INT]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_DeployLoader.add_implicit_resolver(
-    _INT, re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
-    list("-+0123456789"),
-)
-
-
 def deploy_from_dict(data: Any, origin: str = "<deploy>", deployment: str | None = None) -> DeployConfig:
     """Build and validate a :class:`DeployConfig`; ``deployment`` (``-d``) overrides the file's name.
 
@@ -293,7 +278,7 @@ def load_deploy(path: str | os.PathLike[str], deployment: str | None = None) -> 
     if not file.is_file():
         raise ConfigError(f"{file}: deployment file not found")
     try:
-        data = yaml.load(file.read_text(), Loader=_DeployLoader)  # a SafeLoader without base-60 integers
+        data = yamlfiles.load(file.read_text())  # an unquoted 24:00:00 stays a time, not base-60 86400
     except yaml.YAMLError as e:
         raise ConfigError(f"{file}: not valid YAML: {e}") from e
     if data is not None and not isinstance(data, dict):

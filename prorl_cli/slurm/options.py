@@ -41,8 +41,10 @@ def broker_bind_host(cfg: DeployConfig) -> str:
     if cfg.config:
         import yaml
 
+        from prorl_cli import yamlfiles
+
         try:
-            data = yaml.safe_load(Path(cfg.config).read_text()) or {}
+            data = yamlfiles.load(Path(cfg.config).read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"{cfg.config}: cannot read: {e}") from e
         broker = data.get("broker") if isinstance(data, dict) else None
