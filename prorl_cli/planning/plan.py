@@ -19,6 +19,14 @@ from prorl_cli.planning.workload import PlanError, Workload
 
 #: Within this share of the best informative groups per GPU-hour, fewer jobs in flight win.
 TOLERANCE = 0.05
+#: A candidate is simulated for at least this many rollouts per rollout it keeps running: the first quarter
+#: is warm-up (all of them start at once), and the measured rest must see each slot turn over a few times.
+#: With fewer, the window ends with the first burst and counts its quickest rollouts only (a rate many times
+#: what a saturated GPU can do).
+STEADY_ROLLOUTS_PER_SLOT = 8
+#: Candidates above this many rollouts running at once are refused: far past any cluster's slots, and
+#: simulated at a cost that grows with the number.
+MAX_RUNNING = 20_000
 RULE = ("the smallest in_flight within 5% of the best informative groups per GPU-hour "
         "(fewer jobs in flight: less off-policy lag, less KV pressure)")
 #: The rule when no group of the workload is ever informative (every rollout got the same reward).
@@ -40,6 +48,8 @@ class Prediction:
     #: Rollouts measured (after warm-up) and the simulated seconds they took.
     measured_rollouts: int
     window_s: float
+    #: Rollouts simulated, warm-up included (``rollouts``, or more for a steady state: :func:`steady_rollouts`).
+    simulated_rollouts: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,8 +104,15 @@ def make_plan(
     candidates = sorted(set(in_flight))
     if not candidates or candidates[0] < 1:
         raise PlanError(f"in_flight candidates must be positive integers, got {list(in_flight)!r}")
+    slots = cluster.nodes * cluster.slots if cluster.slots is not None else None
+    running = {n: min(n, slots) if slots is not None else n for n in candidates}
+    too_many = [n for n in candidates if running[n] > MAX_RUNNING]
+    if too_many:
+        raise PlanError(f"in_flight {too_many}: more than {MAX_RUNNING} rollouts running at once is beyond what the "
+                        "planner simulates (give --slots, or smaller candidates)")
     p_inf = workload.p_informative(group_size)
-    sweep = tuple(_prediction(simulate(workload, profile, cluster, n, rollouts), p_inf, group_size, cluster)
+    sweep = tuple(_prediction(simulate(workload, profile, cluster, n, steady_rollouts(rollouts, running[n])), p_inf,
+                              group_size, cluster, steady_rollouts(rollouts, running[n]))
                   for n in candidates)
     return Plan(
         workload=workload.source, workload_rollouts=len(workload.shapes), mean_calls_per_rollout=workload.mean_calls,
@@ -104,10 +121,16 @@ def make_plan(
     )
 
 
-def _prediction(r: SimResult, p_informative: float, group_size: int, cluster: ClusterShape) -> Prediction:
+def steady_rollouts(rollouts: int, running: int) -> int:
+    """Rollouts to simulate for a candidate keeping ``running`` rollouts going: ``rollouts``, raised to reach a
+    steady state (:data:`STEADY_ROLLOUTS_PER_SLOT`)."""
+    return max(rollouts, STEADY_ROLLOUTS_PER_SLOT * running)
+
+
+def _prediction(r: SimResult, p_informative: float, group_size: int, cluster: ClusterShape, simulated: int) -> Prediction:
     return Prediction(
         in_flight=r.in_flight, rollouts_per_s=r.rollouts_per_s,
         informative_groups_per_gpu_hour=r.rollouts_per_s * p_informative / group_size * 3600.0 / cluster.gpus,
         gpu_busy_share=r.gpu_busy_share, mean_rollout_s=r.mean_rollout_s, prefix_hit_rate=r.prefix_hit_rate,
-        measured_rollouts=r.rollouts, window_s=r.window_s,
+        measured_rollouts=r.rollouts, window_s=r.window_s, simulated_rollouts=simulated,
     )

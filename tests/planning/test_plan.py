@@ -318,3 +318,23 @@ def test_cli_bad_input(tmp_path: Path, args: list[str], fragment: str) -> None:
     assert res.exit_code == (2 if usage else 1)
     assert ("Error:" if usage else "error:") in res.stderr and fragment in res.stderr
     assert "Traceback" not in res.output
+
+
+def test_a_candidate_with_more_in_flight_than_rollouts_is_simulated_to_a_steady_state(profile: SimProfile) -> None:
+    """Asked for 40 rollouts at 1,000 in flight, the first burst's quickest rollouts made a rate hundreds of
+    times what the saturated GPUs deliver at 200; each candidate now runs long enough for its slots to turn
+    over (STEADY_ROLLOUTS_PER_SLOT), and an absurd one is refused."""
+    from prorl_cli.planning.plan import MAX_RUNNING, STEADY_ROLLOUTS_PER_SLOT
+
+    work = Workload.from_description(SMALL, 40, seed=5)
+    plan = make_plan(work, profile, ClusterShape(bridges=1), group_size=4, in_flight=[200, 1000], rollouts=40)
+    saturated, beyond = plan.sweep
+    assert saturated.gpu_busy_share > 0.95, "200 in flight already keep the GPU busy"
+    assert beyond.simulated_rollouts == STEADY_ROLLOUTS_PER_SLOT * 1000 and plan.rollouts == 40
+    assert beyond.rollouts_per_s <= 1.5 * saturated.rollouts_per_s, (saturated, beyond)
+    # Slots bound what runs at once: 1,000 in flight on 2 x 16 slots is simulated as 32 running.
+    slotted = make_plan(work, profile, ClusterShape(bridges=1, nodes=2, slots=16), group_size=4, in_flight=[1000],
+                        rollouts=40)
+    assert slotted.sweep[0].simulated_rollouts == STEADY_ROLLOUTS_PER_SLOT * 32
+    with pytest.raises(PlanError, match=f"more than {MAX_RUNNING} rollouts running at once"):
+        make_plan(work, profile, ClusterShape(bridges=1), group_size=4, in_flight=[8, MAX_RUNNING + 1], rollouts=40)

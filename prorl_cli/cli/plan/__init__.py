@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from prorl_cli.planning import Plan
 
 
+def _raised(result: Plan) -> str:
+    """Which candidates were simulated longer than --rollouts to reach a steady state."""
+    raised = [f"{p.in_flight}: {p.simulated_rollouts}" for p in result.sweep if p.simulated_rollouts > result.rollouts]
+    return f" (more for a steady state at {', '.join(raised)})" if raised else ""
+
+
 def _in_flight_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     try:
         out = [int(x) for x in value.split(",") if x.strip()]
@@ -112,7 +118,8 @@ def _print_plan(app: App, result: Plan) -> None:
                       f"{p.gpu_busy_share:.1%}", f"{p.mean_rollout_s:.1f}", f"{p.prefix_hit_rate:.1%}")
     app.console.print(f"workload: {result.workload}: {result.workload_rollouts} rollout(s), "
                       f"{result.mean_calls_per_rollout:.1f} calls each on average; P(group informative) "
-                      f"{result.p_informative:.3f}; {result.rollouts} rollouts simulated per candidate")
+                      f"{result.p_informative:.3f}; {result.rollouts} rollouts simulated per candidate"
+                      + _raised(result))
     app.console.print(table)
     r = result.recommended
     app.console.print(f"recommended: --max-in-flight {r.in_flight} ({r.rollouts_per_s:.4g} rollouts/s, "
