@@ -66,6 +66,9 @@ class Segment:
     messages: list[dict[str, Any]] = field(default_factory=list)
     #: The messages of the request in flight, until its reply is recorded (``messages`` then).
     asked: list[dict[str, Any]] = field(default_factory=list)
+    #: Per recorded call, ``(its index in the trajectory, how many messages its request had)``: a segment only
+    #: grows, so that request was ``messages[:n]`` (how a repeated request is told from an edit, for its reason).
+    asks: list[tuple[int, int]] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     sequence_ids: list[int] = field(default_factory=list)
@@ -128,7 +131,8 @@ def _first_difference(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> s
             return (f"message {i} ({a.get('role')}) differs from the conversation so far "
                     f"(field(s) {', '.join(fields)})")
     if len(new) < len(old):
-        return f"the request has {len(new)} message(s), fewer than the {len(old)} of the conversation so far"
+        return (f"the request's {len(new)} message(s) are the first of the {len(old)} of the conversation so far: "
+                "the later ones were dropped")
     # Only for a conversation whose call is in flight (its reply not yet returned): the request asks again.
     return (f"the request repeats the conversation's request still being answered ({len(old)} message(s)): "
             "a retry, or another sample of the same turn")
@@ -202,10 +206,28 @@ class TokenBuffer:
                       if seg.agent == agent and (seg.messages or seg.asked) and opening(seg.messages or seg.asked) == start]
         if not same_start:
             return None
+        # A request that asks exactly what an earlier call asked is said to be one (a harness retrying, or
+        # sampling a turn again for best-of-k), not a truncation of the conversation that call's reply began.
+        repeated = self._asked_before(messages, key, agent)
+        if repeated is not None:
+            return f"the same messages as call {repeated} ({len(messages)} message(s)): a retry, or another sample of it"
         last = same_start[-1]
         if last.tools_key != key:
             return "the request's tools differ from the conversation so far"
         return _first_difference(messages, last.messages or last.asked)
+
+    def _asked_before(self, messages: list[dict[str, Any]], key: str, agent: str | None) -> int | None:
+        """The first recorded call of this agent and tools whose request had exactly ``messages``, if any."""
+        n = len(messages)
+        first: int | None = None
+        for seg in self.segments:
+            if seg.agent != agent or seg.tools_key != key:
+                continue
+            for call, asked in seg.asks:  # one call at most per length: each call of a segment asks more
+                if asked == n and (first is None or call < first) and seg.messages[:n] == messages:
+                    first = call
+                    break
+        return first
 
     async def _claim(self, req: ChatRequest) -> tuple[list[int], Segment, bool, str | None]:
         """(prompt ids, segment, whether it continues that segment, why a new segment began); the segment is
@@ -331,6 +353,7 @@ class TokenBuffer:
                             attempt + 1, self._wanted(req))
             call = self._record(prompt, out, lps, finish, gen, seg, continued, reason)
             call.tool_choice_retries, call.tool_choice_unmet = attempt, unmet
+            seg.asks.append((len(self.trajectory.calls) - 1, len(req.messages)))
             seg.messages = [*req.messages, self._assistant_message(content, calls)]
             seg.asked = []
             self.trajectory.messages = [dict(m) for m in seg.messages]

@@ -217,14 +217,25 @@ def _allow_parallel(value: Any, where: str) -> bool:
     return value
 
 
-def _stop(value: Any) -> list[str]:
+#: Stop strings an OpenAI request may give (chat and legacy completions); more are a 400, as OpenAI answers.
+#: Anthropic documents no such cap for ``stop_sequences``, so none is applied there.
+OPENAI_MAX_STOP = 4
+
+
+def _stop(value: Any, where: str = "stop", most: int | None = None) -> list[str]:
+    """The stop strings of ``value`` (a string or a list of them; empty ones dropped); a list of more than
+    ``most`` is refused with OpenAI's error (counted as sent, as the API counts it)."""
     if value is None:
         return []
     if isinstance(value, str):
         return [value] if value else []
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if most is not None and len(value) > most:
+            raise RequestError(f"Invalid '{where}': array too long. Expected an array with maximum length {most}, "
+                               f"but got an array with length {len(value)} instead.", param=where,
+                               code="array_above_max_length")
         return [s for s in value if s]
-    raise RequestError("stop must be a string or a list of strings", param="stop")
+    raise RequestError(f"{where} must be a string or a list of strings", param=where)
 
 
 def _model(body: dict[str, Any]) -> str:
@@ -278,18 +289,34 @@ def openai_messages(raw: Any, memo: MessageMemo | None = None) -> list[dict[str,
     return out
 
 
+def _content(m: dict[str, Any], where: str, *, required: bool = True) -> str:
+    """An OpenAI chat message's ``content`` as text. Null or missing where the API requires it is OpenAI's 400
+    naming ``messages[i].content``: rendered as empty text it would put a turn the harness never wrote into the
+    prompt, and the same request to OpenAI fails."""
+    content = m.get("content")
+    if content is None and required:
+        if "content" not in m:
+            raise RequestError(f"Missing required parameter: '{where}.content'.", param=f"{where}.content",
+                               code="missing_required_parameter")
+        raise RequestError(f"Invalid value for '{where}.content': expected a string, got null.",
+                           param=f"{where}.content")
+    return _text(content, f"{where}.content")
+
+
 def _openai_message(m: Any, where: str, names: dict[str, str]) -> dict[str, Any]:
     """One message in canonical form; an assistant's tool-call ids are added to ``names``."""
     if not isinstance(m, dict):
         raise RequestError(f"{where} must be an object", param="messages")
     role = m.get("role")
     if role in ("system", "developer"):
-        return {"role": "system", "content": _text(m.get("content"), f"{where}.content")}
+        return {"role": "system", "content": _content(m, where)}
     if role == "user":
-        return {"role": "user", "content": _text(m.get("content"), f"{where}.content")}
+        return {"role": "user", "content": _content(m, where)}
     if role == "assistant":
-        msg: dict[str, Any] = {"role": "assistant", "content": _text(m.get("content"), f"{where}.content")}
         calls = m.get("tool_calls") or []
+        # An assistant turn may come back with null text whatever it did (vLLM's server and many harnesses send
+        # what the model gave: an empty turn is null): it is rendered as the empty text it was, not refused.
+        msg: dict[str, Any] = {"role": "assistant", "content": _content(m, where, required=False)}
         if not isinstance(calls, list):
             raise RequestError(f"{where}.tool_calls must be a list", param="messages")
         canon = []
@@ -306,7 +333,7 @@ def _openai_message(m: Any, where: str, names: dict[str, str]) -> dict[str, Any]
     if role == "tool":
         call_id = m.get("tool_call_id")
         return {"role": "tool", "name": names.get(call_id, "") if isinstance(call_id, str) else "",
-                "content": _text(m.get("content"), f"{where}.content")}
+                "content": _content(m, where)}
     raise RequestError(f"{where}.role {role!r} is not supported (system, developer, user, assistant, tool)",
                        param="messages")
 
@@ -403,7 +430,7 @@ def openai_chat_request(body: dict[str, Any], memo: MessageMemo | None = None) -
         tools=tools,
         model=_model(body),
         stream=_flag(body, "stream"),
-        stop=_stop(body.get("stop")),
+        stop=_stop(body.get("stop"), most=OPENAI_MAX_STOP),
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs and top_logprobs else None,
         include_usage=_include_usage(body),
@@ -425,7 +452,7 @@ def openai_completion_request(body: dict[str, Any]) -> tuple[str, ChatRequest]:
     # tokens' log-probs only.
     alternatives = _checked(body, "logprobs", _COMPLETION_LOGPROBS)
     req = ChatRequest(messages=[], tools=None, model=_model(body), stream=_flag(body, "stream"),
-                      stop=_stop(body.get("stop")), include_usage=_include_usage(body),
+                      stop=_stop(body.get("stop"), most=OPENAI_MAX_STOP), include_usage=_include_usage(body),
                       logprobs=alternatives is not None, top_logprobs=alternatives or None, **_openai_sampling(body))
     return prompt, req
 
@@ -571,8 +598,12 @@ def openai_responses_request(body: dict[str, Any], stored: dict[str, ResponsesCo
                                f"{json.dumps(previous)[:80]}", param="previous_response_id")
         earlier = stored.get(previous)
         if earlier is None:
-            raise RequestError(f"previous_response_id {json.dumps(previous)[:80]} is not one of this job's last "
-                               f"stored responses", status=404, param="previous_response_id")
+            # OpenAI's answer (a 400, not a 404: the request is at fault), which harnesses match by its code to
+            # resend the whole conversation instead.
+            raise RequestError(f"Previous response with id '{previous[:80]}' not found: previous_response_id "
+                               "names none of this job's last stored responses (those created with store: false "
+                               "are not kept)",
+                               param="previous_response_id", code="previous_response_not_found")
         names.update(earlier.names)
         conversation = list(earlier.messages)
     conversation += responses_input(body.get("input"), names)
@@ -734,7 +765,7 @@ def anthropic_request(body: dict[str, Any], *, count_only: bool = False) -> Chat
         temperature=_float(_sampling(body, "temperature")),
         top_p=_float(_sampling(body, "top_p")),
         top_k=_sampling(body, "top_k"),
-        stop=_stop(body.get("stop_sequences")),
+        stop=_stop(body.get("stop_sequences"), "stop_sequences"),
         **_anthropic_tool_choice(body.get("tool_choice"), tools),
     )
 

@@ -1,4 +1,5 @@
-"""OpenAI routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``."""
+"""OpenAI routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` and
+``GET /v1/models/{model}``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prorl_cli.gateway.buffer import Reply
 from prorl_cli.gateway.messages import (
     AGENT_HEADER,
     ChatRequest,
+    RequestError,
     openai_chat_request,
     openai_completion_request,
     request_agent,
@@ -165,6 +167,20 @@ async def completions(request: web.Request, job: JobGateway, body: dict[str, Any
     })
 
 
+def _model_object(name: str) -> dict[str, Any]:
+    """One served model as ``GET /v1/models`` lists it and ``GET /v1/models/{model}`` returns it."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "prorl"}
+
+
 async def models(request: web.Request, job: JobGateway) -> web.Response:
-    return web.json_response({"object": "list", "data": [
-        {"id": m, "object": "model", "created": 0, "owned_by": "prorl"} for m in job.models]})
+    return web.json_response({"object": "list", "data": [_model_object(m) for m in job.models]})
+
+
+async def model(request: web.Request, job: JobGateway) -> web.Response:
+    """``GET /v1/models/{model}`` (``client.models.retrieve``, litellm's and aider's model checks): a name the
+    list shows, exactly; anything else is OpenAI's 404 ``model_not_found``."""
+    name = request.match_info["model"]
+    if name not in job.models:
+        raise RequestError(f"The model {name!r} does not exist; this job serves {list(job.models)}", status=404,
+                           param="model", code="model_not_found")
+    return web.json_response(_model_object(name))

@@ -4,7 +4,8 @@ The API the OpenAI Agents SDK (its default model) and Codex speak. Agents
 send the whole conversation as ``input`` items at every call (``store:
 false`` or not); a request may instead name an earlier response in
 ``previous_response_id`` and send only the new items: the job keeps its last
-:data:`RESPONSES_KEPT` stored responses for that. One response is one model
+:data:`RESPONSES_KEPT` stored responses for that, which ``GET /v1/responses/{id}``
+also returns. One response is one model
 turn: an ``output_text`` message when the model wrote text, then one
 ``function_call`` item per tool call, which the caller answers with
 ``function_call_output`` items naming their ``call_id``.
@@ -23,6 +24,7 @@ from aiohttp import web
 from prorl_cli.gateway.buffer import Reply
 from prorl_cli.gateway.messages import (
     AGENT_HEADER,
+    RequestError,
     ResponsesConversation,
     ResponsesRequest,
     openai_responses_request,
@@ -40,12 +42,20 @@ RESPONSES_KEPT = 64
 
 
 class StoredResponses(collections.OrderedDict[str, ResponsesConversation]):
-    """A job's last :data:`RESPONSES_KEPT` stored responses, by id."""
+    """A job's last :data:`RESPONSES_KEPT` stored responses, by id: the conversation each ends (what
+    ``previous_response_id`` continues), and in :attr:`objects` the response object as it was returned (what
+    ``GET /v1/responses/{id}`` answers). Both go together, so an id is retrievable exactly while it is continuable."""
 
-    def keep(self, response_id: str, conversation: ResponsesConversation) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.objects: dict[str, dict[str, Any]] = {}
+
+    def keep(self, response_id: str, conversation: ResponsesConversation, response: dict[str, Any]) -> None:
         self[response_id] = conversation
+        self.objects[response_id] = response
         while len(self) > RESPONSES_KEPT:
-            self.popitem(last=False)
+            oldest, _ = self.popitem(last=False)
+            self.objects.pop(oldest, None)
 
 
 def _items(job: JobGateway, reply: Reply, parsed: ResponsesRequest, status: str) -> list[dict[str, Any]]:
@@ -63,14 +73,15 @@ def _items(job: JobGateway, reply: Reply, parsed: ResponsesRequest, status: str)
 
 
 def _remember(job: JobGateway, response_id: str, parsed: ResponsesRequest, reply: Reply,
-              items: list[dict[str, Any]]) -> None:
-    """Keep the conversation this response ends (its turn in canonical form) for ``previous_response_id``."""
+              items: list[dict[str, Any]], final: dict[str, Any]) -> None:
+    """Keep the conversation this response ends (its turn in canonical form) for ``previous_response_id``, and
+    the response object ``final`` for ``GET /v1/responses/{id}``."""
     names = dict(parsed.names)
     names.update({item["call_id"]: item["name"] for item in items if item["type"] == "function_call"})
     turn: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if reply.tool_calls:
         turn["tool_calls"] = [tool_call_message(c.name, c.arguments) for c in reply.tool_calls]
-    job.responses.keep(response_id, ResponsesConversation(parsed.conversation + [turn], names))
+    job.responses.keep(response_id, ResponsesConversation(parsed.conversation + [turn], names), final)
 
 
 def _response(response_id: str, created_at: int, body: dict[str, Any], parsed: ResponsesRequest, status: str,
@@ -108,13 +119,30 @@ async def responses(request: web.Request, job: JobGateway, body: dict[str, Any])
     reply = await awaiting(resp, job.buffer.complete(req), job.gateway.keepalive_s)
     status = "incomplete" if reply.finish_reason == "length" else "completed"
     items = _items(job, reply, parsed, status)
-    if parsed.store:
-        _remember(job, response_id, parsed, reply, items)
     final = _response(response_id, created_at, body, parsed, status, items, reply)
+    if parsed.store:
+        _remember(job, response_id, parsed, reply, items, final)
     if resp is None:
         return web.json_response(final)
     await _stream(resp, _response(response_id, created_at, body, parsed, "in_progress", [], None), final)
     return resp
+
+
+async def retrieve(request: web.Request, job: JobGateway) -> web.Response:
+    """``GET /v1/responses/{id}`` (``client.responses.retrieve``): a response the job still keeps, as it was
+    returned (a streamed one: as its ``response.completed`` event carried it); an unknown id, one evicted past the
+    last :data:`RESPONSES_KEPT` or one created with ``store: false`` is OpenAI's 404."""
+    # The API can replay a stored response's events (``?stream=true``); the gateway keeps the object only, and
+    # an answer that is not a stream would leave the SDK's event reader waiting for events that never come.
+    if request.query.get("stream", "false").lower() != "false":
+        raise RequestError("stream is not supported when retrieving a response: the gateway keeps the response "
+                           "object, not its events (retrieve it without stream)", param="stream")
+    response_id = request.match_info["response_id"]
+    found = job.responses.objects.get(response_id)
+    if found is None:
+        raise RequestError(f"Response with id {response_id!r} not found: this job keeps its last {RESPONSES_KEPT} "
+                           "responses, not those created with store: false", status=404)
+    return web.json_response(found)
 
 
 async def _stream(resp: web.StreamResponse, started: dict[str, Any], final: dict[str, Any]) -> None:

@@ -5,7 +5,9 @@ Routes (``<token>`` is the job's unguessable token; nothing else names a job)::
     POST /jobs/<token>/v1/chat/completions     OpenAI chat (streaming or not)
     POST /jobs/<token>/v1/completions          OpenAI text completion
     POST /jobs/<token>/v1/responses            OpenAI Responses (streaming or not; previous_response_id)
+    GET  /jobs/<token>/v1/responses/<id>       a response the job keeps for previous_response_id
     GET  /jobs/<token>/v1/models               the model names the job accepts
+    GET  /jobs/<token>/v1/models/<model>       one of them
     POST /jobs/<token>/v1/messages             Anthropic messages (streaming or not)
     POST /jobs/<token>/v1/messages/count_tokens  Anthropic token count (nothing sampled)
 
@@ -246,8 +248,11 @@ class Gateway:
             # The same endpoint per agent: a harness gives each agent its own base URL to label its calls.
             app.router.add_route(method, f"/jobs/{{token:[^/]*}}/agents/{{agent:[^/]+}}/v1/{route}",
                                  self._with_body(fn))
-        app.router.add_get("/jobs/{token:[^/]*}/v1/models", self._models)
-        app.router.add_get("/jobs/{token:[^/]*}/agents/{agent:[^/]+}/v1/models", self._models)
+        for prefix in ("/jobs/{token:[^/]*}/v1", "/jobs/{token:[^/]*}/agents/{agent:[^/]+}/v1"):
+            app.router.add_get(f"{prefix}/models", self._models)
+            # ``.+``: a served name may hold a slash (``org/model``), sent as is or percent-encoded (the SDK's).
+            app.router.add_get(f"{prefix}/models/{{model:.+}}", self._model)
+            app.router.add_get(f"{prefix}/responses/{{response_id:[^/]+}}", self._response)
         self.app = app
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         self._started = False
@@ -343,6 +348,12 @@ class Gateway:
     async def _models(self, request: web.Request) -> web.Response:
         return await openai_routes.models(request, self._job(request))
 
+    async def _model(self, request: web.Request) -> web.Response:
+        return await openai_routes.model(request, self._job(request))
+
+    async def _response(self, request: web.Request) -> web.Response:
+        return await responses_routes.retrieve(request, self._job(request))
+
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
         try:
@@ -357,8 +368,8 @@ class Gateway:
             if e.status < 400:
                 raise
             return await _error(request, e.status, f"{e.reason}: {request.method} {request.path} "
-                                "(routes: /jobs/<token>/v1/chat/completions, completions, responses, models, "
-                                "messages, messages/count_tokens)")
+                                "(routes: /jobs/<token>/v1/chat/completions, completions, responses, responses/<id>, "
+                                "models, models/<model>, messages, messages/count_tokens)")
         except ContextLengthExceeded as e:
             # What the APIs answer, so harnesses stop or compact (litellm's ContextWindowExceededError, Claude
             # Code's compaction) instead of retrying a call that cannot succeed.

@@ -111,10 +111,10 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
 
 
 def _kind(status: int) -> str:
+    # OpenAI types its 404s (an unknown model, response or URL) invalid_request_error, as every other 4xx but 401;
+    # ``not_found_error`` is Anthropic's type, not OpenAI's.
     if status == 401:
         return "authentication_error"
-    if status == 404:
-        return "not_found_error"
     if status < 500:
         return "invalid_request_error"
     return "server_error"

@@ -76,6 +76,7 @@ def test_a_function_call_round_trip_is_token_exact(tokenizer: Any, how: str) -> 
 
 def test_a_cut_turn_is_incomplete_and_logprobs_come_when_included(tokenizer: Any) -> None:
     need_module("openai", "test")
+    import openai
 
     async def main() -> None:
         gw, job, client = await _job(tokenizer, ["The answer is five, as the calculator said."])
@@ -86,10 +87,14 @@ def test_a_cut_turn_is_incomplete_and_logprobs_come_when_included(tokenizer: Any
             assert cut.usage.output_tokens == 3
             logprobs = cut.output[0].content[0].logprobs
             assert [p.logprob for p in logprobs] == job.trajectory.calls[0].logprobs
-            # Not stored: a later request cannot continue it.
-            with pytest.raises(Exception) as refused:
+            # Not stored: a later request cannot continue it, and OpenAI's 400 says so (harnesses match its code).
+            with pytest.raises(openai.BadRequestError) as refused:
                 await client.responses.create(model="prorl", input="go on", previous_response_id=cut.id)
-            assert getattr(refused.value, "status_code", None) == 404 and "previous_response_id" in str(refused.value)
+            assert (refused.value.code, refused.value.param, refused.value.type) == (
+                "previous_response_not_found", "previous_response_id", "invalid_request_error")
+            assert f"Previous response with id '{cut.id}' not found" in refused.value.message
+            with pytest.raises(openai.NotFoundError):  # nor retrieve it
+                await client.responses.retrieve(cut.id)
         finally:
             await client.close()
             await gw.close()
@@ -128,12 +133,18 @@ def test_what_the_gateway_cannot_do_is_a_clear_error(tokenizer: Any, fields: dic
 
 def test_a_job_keeps_its_last_stored_responses(tokenizer: Any) -> None:
     need_module("openai", "test")
+    import openai
 
     async def main() -> None:
         gw, job, client = await _job(tokenizer, ["ok"] * (RESPONSES_KEPT + 2))
         try:
             ids = [(await client.responses.create(model="prorl", input=f"q{i}")).id for i in range(RESPONSES_KEPT + 1)]
             assert len(job.responses) == RESPONSES_KEPT and ids[0] not in job.responses and ids[-1] in job.responses
+            # What GET /v1/responses/{id} answers goes with them: the oldest is OpenAI's 404, the others are kept.
+            assert len(job.responses.objects) == RESPONSES_KEPT
+            assert (await client.responses.retrieve(ids[1])).id == ids[1]
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(ids[0])
         finally:
             await client.close()
             await gw.close()

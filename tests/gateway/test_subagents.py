@@ -266,6 +266,33 @@ def test_the_same_request_asked_again_is_recorded_alike_in_turn_or_at_once(token
     assert verdicts[0] == verdicts[1] == [False, False, True]
 
 
+def test_a_repeated_request_is_named_as_one_in_its_violation(tokenizer: Any) -> None:
+    """A retry, or best-of-k by asking the same turn again: the reason names the call first asked it, not a
+    count of messages; which calls count as violations, and the continuity, are as before."""
+    need_module("openai", "test")
+    task: list[Any] = [SHARED, {"role": "user", "content": "the task"}]
+
+    async def main() -> tuple[Trajectory, Any]:
+        async with _served(tokenizer, ScriptedModel(tokenizer, TURNS)) as (job, client):
+            first = await client.chat.completions.create(model="prorl", messages=task)
+            follow = [*task, {"role": "assistant", "content": first.choices[0].message.content},
+                      {"role": "user", "content": "go on"}]
+            for messages in (follow, follow, follow, follow[:3], task):
+                await client.chat.completions.create(model="prorl", messages=messages)
+            return job.trajectory, job.buffer
+
+    traj, buffer = asyncio.run(main())
+    assert [c.prefix_ok for c in traj.calls] == [True, True, False, False, False, False]
+    assert buffer.continuity == 0.2
+    assert [v["call"] for v in traj.violations] == [2, 3, 4, 5]
+    retry, again, cut, task_again = (v["reason"] for v in traj.violations)
+    assert retry == again == "the same messages as call 1 (4 message(s)): a retry, or another sample of it"
+    assert task_again == "the same messages as call 0 (2 message(s)): a retry, or another sample of it"
+    # A prefix no call asked (the task and the first reply): the later messages were dropped.
+    assert cut == "the request's 3 message(s) are the first of the 5 of the conversation so far: the later ones " \
+                  "were dropped"
+
+
 def test_a_conversation_whose_first_call_never_came_back_is_not_counted(tokenizer: Any) -> None:
     need_module("openai", "test")
 
