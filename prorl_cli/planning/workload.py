@@ -68,6 +68,8 @@ class Workload:
     p_solve: tuple[float, ...] = ()
     #: Rollouts of the results file skipped (not done, no generate call), for the report.
     skipped: int = 0
+    #: A description's fields that steer a live replay only (``time_scale``, ``seed``, ...): read, not used.
+    ignored: tuple[str, ...] = ()
 
     def p_informative(self, group_size: int) -> float:
         """The probability that a group of ``group_size`` rollouts is informative.
@@ -151,7 +153,8 @@ class Workload:
             raise PlanError(f"{where}: need at least one rollout, got {count}")
         rng = random.Random(seed)
         shapes = [spec.draw(rng) for _ in range(count)]
-        return cls(f"{where} (seed {seed})", shapes, p_solve=spec.p_solve)
+        ignored = tuple(sorted(set(map(str, desc)) & _REPLAY_ONLY))
+        return cls(f"{where} (seed {seed})", shapes, p_solve=spec.p_solve, ignored=ignored)
 
 
 def _result_rows(p: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
@@ -246,7 +249,8 @@ class _Description:
             raise PlanError(f"{where}: a workload description is a map of sim_agent fields, got {type(desc).__name__}")
         unknown = sorted(set(map(str, desc)) - _KNOWN)
         if unknown:
-            raise PlanError(f"{where}: unknown field(s) {unknown} (known: {sorted(_KNOWN - _REPLAY_ONLY)})")
+            raise PlanError(f"{where}: unknown field(s) {unknown} (known: {sorted(_KNOWN - _REPLAY_ONLY)}; a replay's "
+                            f"{sorted(_REPLAY_ONLY)} are read and not used)")
         raw_turns = desc.get("turns", [10, 40])
         turns = (raw_turns, raw_turns) if isinstance(raw_turns, int) else raw_turns
         if (not isinstance(turns, (list, tuple)) or len(turns) != 2

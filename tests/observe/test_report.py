@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,16 @@ def test_inspect_shows_the_continuity_violation(observed_run: ObservedRun, resul
     assert out.returncode == 0 and "2 of 8 result(s)" in out.stdout and "failed on purpose" in out.stdout
     out = observed_run.prorl("inspect", str(results_file), "--task", "obs", "--max-reward", "-1")
     assert out.returncode == 1 and "no result matches" in out.stderr
+    out = observed_run.prorl("inspect", str(results_file), "--state", "nosuch")
+    assert out.returncode == 2 and "'nosuch' is not one of" in out.stderr, out.stderr
+    # On a narrow terminal (or piped: 80 columns) the header wraps inside its panel, its stage times included.
+    narrow = subprocess.run([sys.executable, "-m", "prorl_cli", "inspect", str(results_file), "--task", "obs",
+                             "--state", "failed", "--limit", "1"],
+                            env={**observed_run.deployment.env(), "COLUMNS": "60"}, capture_output=True, text=True,
+                            timeout=120)
+    assert narrow.returncode == 0, narrow.stderr
+    flat = " ".join(narrow.stdout.replace("│", " ").split())
+    assert re.search(r"\b(init|run|eval) \d+\.\d{3}s", flat), narrow.stdout
 
 
 def _chromium() -> str:

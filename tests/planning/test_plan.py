@@ -299,6 +299,11 @@ def test_cli_plan(tmp_path: Path, profile: SimProfile) -> None:
     table = _invoke("--workload", str(wfile), "--bridges", "2", "--in-flight", "4,8", "--rollouts", "60")
     assert table.exit_code == 0, table.output
     assert "recommended: --max-in-flight" in table.stdout and "informative" in table.stdout
+    # A sim_agent instance copied whole: its replay-only fields are said to be unused, not silently dropped.
+    wfile.write_text(yaml.safe_dump({**SMALL, "time_scale": 10, "seed": 3}))
+    noted = _invoke("--workload", str(wfile), "--bridges", "2", "--in-flight", "4", "--rollouts", "60")
+    assert noted.exit_code == 0, noted.output
+    assert "seed, time_scale steer a live replay and are not used here" in noted.stderr, noted.stderr
 
 
 @pytest.mark.parametrize(("args", "fragment"), [

@@ -30,7 +30,7 @@ home: {home}               # PRORL_HOME{home_note}
 
 broker:
   bind_host: {bind_host}       # 127.0.0.1: this machine only; 0.0.0.0: every interface (peers on other hosts)
-  curve: {curve}                # auto: encrypt and authenticate unless bound to loopback
+  curve: {curve}                # auto/on: encrypt and authenticate, on loopback too; off: plain TCP
   port: {port}                    # 0: a free port, published in the rendezvous file
 
 node:

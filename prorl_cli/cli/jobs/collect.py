@@ -194,8 +194,10 @@ def print_failures(app: App, results: list[JobResult]) -> None:
         app.err_console.print(f"  and {sum(len(ids) for _, ids in rest)} job(s) in {len(rest)} other group(s)")
 
 
-def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Path | None, title: str = "prorl submit") -> None:
-    """A table of states (jobs, mean reward, mean in-stage time) and one line with the rate and where the results went."""
+def print_summary(app: App, results: list[JobResult], elapsed_s: float | None, out: Path | None,
+                  title: str = "prorl submit") -> None:
+    """A table of states (jobs, mean reward, mean in-stage time) and one line with the rate and where the results
+    went. ``elapsed_s`` None: the jobs ran before this command (``prorl results``), so no rate is shown."""
     from rich.table import Table
 
     table = Table(title=f"{title}: summary")
@@ -216,5 +218,9 @@ def print_summary(app: App, results: list[JobResult], elapsed_s: float, out: Pat
         )
     app.console.print(table)
     print_failures(app, results)
+    where = f"; results in {out}" if out else ""
+    if elapsed_s is None:
+        app.console.print(f"{len(results)} job(s){where}")
+        return
     rate = len(results) / elapsed_s if elapsed_s > 0 else 0.0
-    app.console.print(f"{len(results)} job(s) in {elapsed_s:.2f} s ({rate:.1f} jobs/s)" + (f"; results in {out}" if out else ""))
+    app.console.print(f"{len(results)} job(s) in {elapsed_s:.2f} s ({rate:.1f} jobs/s){where}")

@@ -8,7 +8,6 @@ submission's id prefix or by group, and writes them like ``submit --out``.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import click
@@ -47,7 +46,6 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
     if out is not None:
         check_out_path(app, out)
     ended = {s.value for s in TERMINAL_STATES}
-    started = time.monotonic()
     with connect(app, address) as client:
         held = client.list_jobs(prefix=id_prefix(prefix), group_id=group_id) if not job_ids else client.list_jobs()
         if job_ids:
@@ -63,7 +61,7 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
         wanted = list(held) if follow else [j for j, state in held.items() if state in ended]
         # Ctrl-C: collect says the jobs keep running; the prorl group ends it with one line, exit 130.
         got = collect(app, client, wanted, "results", ResultFile(app, out, only_done), on_interrupt="leave")
-    print_summary(app, got, time.monotonic() - started, out, title="prorl results")
+    print_summary(app, got, None, out, title="prorl results")  # a rate here would time the collection, not the jobs
     running = len(held) - len(got)
     if running:
         app.console.print(f"{running} job(s) not finished yet: `--follow` waits for them")

@@ -111,7 +111,8 @@ def load_tokenizer(app: App, path: str | None) -> object | None:
 @click.argument("results_file", metavar="RESULTS", type=_RESULTS)
 @click.option("--job", "job_ids", multiple=True, metavar="ID", help="Only this job id (a glob; repeatable).")
 @click.option("--task", "tasks", multiple=True, metavar="NAME", help="Only jobs of this handler (repeatable).")
-@click.option("--state", "states", multiple=True, metavar="STATE", help="Only jobs that ended so (done, failed, ...; repeatable).")
+@click.option("--state", "states", multiple=True, type=click.Choice(["done", "failed", "cancelled", "timed_out"]),
+              help="Only jobs that ended so (repeatable).")
 @click.option("--min-reward", type=float, help="Only jobs with at least this reward.")
 @click.option("--max-reward", type=float, help="Only jobs with at most this reward.")
 @click.option("--violations", "violations_only", is_flag=True, help="Only trajectories with continuity violations.")
@@ -136,7 +137,9 @@ def inspect(
         app.abort(f"{results_file}: no result matches ({len(results)} in the file)")
     decoder = Decoder(load_tokenizer(app, tokenizer))
     for r in chosen:
-        app.console.print(render_result(r, decoder, show_tokens=show_tokens))
+        # Wrapped at the console's width (the app's consoles never wrap one-line messages): a panel's lines
+        # would otherwise be cut there, the stage times at the end of its header first.
+        app.console.print(render_result(r, decoder, show_tokens=show_tokens), soft_wrap=False)
     app.console.print(f"{len(chosen)} of {len(results)} result(s)")
 
 

@@ -97,6 +97,10 @@ def plan(
                            rollouts=rollouts, seed=seed)
     except ProrlError as e:
         app.abort(str(e))
+    if workload.ignored:
+        app.err_console.print(f"note: {workload_file}: {', '.join(workload.ignored)} steer a live replay and are not "
+                              "used here (a description's tool times are in simulated seconds; --time-scale scales "
+                              "--results)", soft_wrap=True, markup=False)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
