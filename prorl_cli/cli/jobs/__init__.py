@@ -41,20 +41,22 @@ def run_submission(
     sampling: dict[str, Any] | None = None,
     only_done: bool = False,
     announce: bool = False,
+    cancel_hint: str | None = None,
 ) -> list[JobResult]:
     """Submit, stream results to ``out`` as they finish, show progress and a summary.
 
     Job ids are ``PREFIX-LINE-K`` and the ``n`` rollouts of one line share the group ``PREFIX-LINE``
     (their GRPO group), so ``prorl results --prefix`` / ``--group`` find them again.
     """
-    from prorl_cli.cli.jobs.collect import ResultFile, collect, print_summary
+    from prorl_cli.cli.jobs.collect import SUBMIT_CANCEL_HINT, ResultFile, collect, print_summary
 
     started = time.monotonic()
     prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling)
     if announce:  # a terminal that dies leaves the jobs running: this is how to find them again
         app.err_console.print(f"submitted {len(ids)} job(s), ids {prefix}-LINE-K; from another terminal: "
                               f"prorl results -d {app.config.deployment} --prefix {prefix} --follow", soft_wrap=True)
-    results = collect(app, client, list(ids), task, ResultFile(app, out, only_done))
+    results = collect(app, client, list(ids), task, ResultFile(app, out, only_done),
+                      cancel_hint=SUBMIT_CANCEL_HINT if cancel_hint is None else cancel_hint)
     print_summary(app, results, time.monotonic() - started, out)
     return results
 

@@ -57,14 +57,18 @@ class ResultFile:
             self.out = None  # written once
 
 
+#: What a cancelled submission is told it could have done instead.
+SUBMIT_CANCEL_HINT = "submit --detach leaves them running; prorl results collects them"
+
+
 def collect(
     app: App, client: RolloutClient, ids: list[str], title: str, sink: ResultFile,
-    on_interrupt: str = "cancel",
+    on_interrupt: str = "cancel", cancel_hint: str = SUBMIT_CANCEL_HINT,
 ) -> list[JobResult]:
     """Stream the results of ``ids`` into ``sink`` with a progress bar; return them all.
 
-    Ctrl-C (``on_interrupt``): ``cancel`` the unfinished jobs, or ``leave`` them running (they can be collected
-    again with ``prorl results``); either way the results taken so far stay in ``sink``.
+    Ctrl-C (``on_interrupt``): ``cancel`` the unfinished jobs (saying ``cancel_hint``), or ``leave`` them running
+    (they can be collected again with ``prorl results``); either way the results taken so far stay in ``sink``.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -94,8 +98,7 @@ def collect(
         left = [j for j in ids if j not in done]
         if on_interrupt == "cancel":
             how = "terminated (SIGTERM)" if terminated.fired else "interrupted"
-            app.err_console.print(f"{how}: cancelling {len(left)} unfinished job(s) "
-                                  "(submit --detach leaves them running; prorl results collects them)")
+            app.err_console.print(f"{how}: cancelling {len(left)} unfinished job(s)" + (f" ({cancel_hint})" if cancel_hint else ""))
             client.cancel(left)
             # After SIGTERM, Slurm sends SIGKILL once its KillWait (30 s by default) is up: wait less than that.
             wait_s = TERMINATED_RESULTS_WAIT_S if terminated.fired else CANCELLED_RESULTS_WAIT_S

@@ -151,7 +151,8 @@ def _run(app: App, home: Path, config: dict[str, Any], engine: str, model: Path 
             for note in plan.notes:
                 con.print(f"  [yellow]note:[/] {note}")
         started = time.monotonic()
-        results = run_submission(app, stack.client, task, instances, n, out, None, None)
+        # Ctrl-C ends the quickstart's own deployment too: nothing is left to collect later.
+        results = run_submission(app, stack.client, task, instances, n, out, None, None, cancel_hint="")
         elapsed_s = time.monotonic() - started
         summary: dict[str, Any] = {
             "engine": engine,
