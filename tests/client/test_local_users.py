@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import zmq
@@ -24,10 +21,8 @@ import zmq
 from prorl_cli import protocol as P
 from prorl_cli.rendezvous import wait_rendezvous
 from tests.harness import Deployment
-
-REPO = Path(__file__).resolve().parents[2]
-TEST_USER = "prorl-test"
-USER_PYTHON = Path(os.environ.get("PRORL_USER_VENV", "/opt/prorl-venv")) / "bin" / "python"
+from tests.other_user import OtherUser
+from tests.other_user import other_user as make_other_user
 
 #: Run as the other user: every way in it has, each must come back empty-handed. Prints a JSON verdict.
 INTRUDER = r"""
@@ -64,46 +59,9 @@ print(json.dumps(out))
 """
 
 
-class OtherUser:
-    """Runs Python as the test user, with a copy of this tree it can read, in a folder it owns."""
-
-    def __init__(self, root: Path, user: str) -> None:
-        self.root = root
-        self.user = user
-        self.home = root / "home"
-
-    def run(self, *args: str, timeout_s: float = 120, background: bool = False) -> Any:
-        pw = pwd.getpwnam(self.user)
-        env = [f"HOME={pw.pw_dir}", f"USER={self.user}", "PATH=/usr/local/bin:/usr/bin:/bin",
-               f"PYTHONPATH={self.root / 'tree'}", f"PRORL_HOME={self.home}", "LANG=C.UTF-8"]
-        cmd = ["runuser", "-u", self.user, "--", "env", "-i", *env, str(USER_PYTHON), *args]
-        if background:
-            log = (self.root / "broker.log").open("wb")
-            return subprocess.Popen(cmd, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        return subprocess.run(cmd, cwd=self.root, capture_output=True, text=True, timeout=timeout_s, check=False)
-
-
 @pytest.fixture
 def other_user() -> Iterator[OtherUser]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root, to act as a second local user")
-    try:
-        pw = pwd.getpwnam(TEST_USER)
-    except KeyError:
-        pytest.skip(f"test user {TEST_USER} missing (run scripts/provision/40-testuser.sh as root)")
-    if not USER_PYTHON.exists():
-        pytest.skip(f"{USER_PYTHON} missing: a Python the user can run (run scripts/provision/55-user-python.sh)")
-    root = Path(tempfile.mkdtemp(prefix="prorl-users-"))
-    root.chmod(0o755)
-    shutil.copytree(REPO / "prorl_cli", root / "tree" / "prorl_cli", ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(["chmod", "-R", "a+rX", str(root / "tree")], check=True)
-    user = OtherUser(root, TEST_USER)
-    user.home.mkdir()
-    os.chown(user.home, pw.pw_uid, pw.pw_gid)
-    try:
-        yield user
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    yield from make_other_user()
 
 
 def test_another_local_user_cannot_submit_cancel_or_read_on_a_loopback_broker(other_user: OtherUser) -> None:
