@@ -36,6 +36,14 @@ are not all equal), the way ProRL Agent's trainer does:
   being cancelled. Narrower (1.0 with staleness 1) is fresher data and
   smaller batches; wider makes the lag's tail run into the staleness limit
   (docs/benchmarks.md, Table 3);
+- **skipping prompts that stopped teaching** (``skip_filtered_prompts``, off by
+  default): over several epochs, a prompt whose last group was filtered
+  (the policy solved it every time, or never) is skipped with that
+  probability when the walk comes back to it, instead of paying a whole
+  group of rollouts to learn that again; below 1, so it is still tried now
+  and then (the policy moves), as GRESO's pre-rollout filtering does. The
+  draw is fixed by the run id and the prompt's position, so a resumed run
+  skips the same ones;
 - **resumable**: job ids are ``{run_id}-s{step}-p{prompt_id}-k{k}``; a trainer
   restarted from :meth:`DapoSampler.state` resubmits the same ids and gets
   the broker's existing jobs (and finished results) back.
@@ -53,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -104,6 +113,9 @@ class SamplerConfig:
     #: Off: groups the sampler drops (early termination, staleness, failed siblings) are abandoned but
     #: left running at the broker, their results ignored: the paper's "no stale-job cleanup" ablation.
     cancel_dropped: bool = True
+    #: The chance of skipping, in a later epoch, a prompt whose last group was filtered (module docstring);
+    #: 0: off. Below 1: such a prompt is still tried now and then.
+    skip_filtered_prompts: float = 0.0
 
     def __post_init__(self) -> None:
         """Check every setting here, before a step runs: a bad one raises :class:`ConfigError` naming it."""
@@ -128,6 +140,9 @@ class SamplerConfig:
             raise bad("max_staleness", "an integer >= 0 (policy versions)")
         if not is_number(self.carry_window_steps) or self.carry_window_steps < 0:
             raise bad("carry_window_steps", "a number >= 0 (0: no cap)")
+        if not is_number(self.skip_filtered_prompts) or not 0 <= self.skip_filtered_prompts < 1:
+            raise bad("skip_filtered_prompts", "a probability in [0, 1) (below 1: a skipped prompt is tried again "
+                                               "now and then, as the policy moves)")
         for name in ("timeout_s", "step_timeout_s"):
             v = getattr(self, name)
             if v is not None and (not is_number(v) or v <= 0):
@@ -186,6 +201,8 @@ class StepStats:
     cancelled_jobs: int = 0
     cancelled_inflight_s: float = 0.0
     stale_groups: int = 0
+    #: Prompts passed over because their last group was filtered (``skip_filtered_prompts``).
+    skipped_prompts: int = 0
     #: Jobs a submit found already at the broker (a restarted trainer's resubmission: the submit reply's ``existing``).
     existing_jobs: int = 0
     carried_in: int = 0
@@ -232,6 +249,9 @@ class SamplerState:
     step: int = 0
     cursor: int = 0
     carried: list[CarriedGroup] = field(default_factory=list)
+    #: Prompts (index in the prompt list) whose last finished group was filtered: what ``skip_filtered_prompts``
+    #: reads.
+    filtered_prompts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -279,6 +299,8 @@ class DapoSampler:
         self.step_index = state.step
         self.cursor = state.cursor
         self._restore = list(state.carried)
+        #: Prompts (index in ``prompts``) whose last finished group was filtered.
+        self._filtered: set[int] = set(state.filtered_prompts)
         self._pending: dict[str, _Pending] = {}
         self._ready: list[Group] = []
         #: The prompt position of each ready group (what ``state()`` needs to resubmit it).
@@ -332,6 +354,7 @@ class DapoSampler:
             step=self.step_index,
             cursor=self.cursor,
             carried=ready + [CarriedGroup(p.position, p.step, p.policy_version) for p in self._pending.values()],
+            filtered_prompts=sorted(self._filtered),
         )
 
     def group_cap(self) -> int | None:
@@ -394,7 +417,21 @@ class DapoSampler:
                         "used, not new rollouts; give each experiment its own SamplerConfig.run_id (now %r), or "
                         "pass state= to resume a run", existing[0], self.config.run_id)
 
+    def _skips(self, position: int) -> bool:
+        """Whether ``skip_filtered_prompts`` passes over the prompt at ``position`` (a draw fixed by the run and
+        the position: a resumed run decides the same)."""
+        chance = self.config.skip_filtered_prompts
+        if chance <= 0 or position % len(self.prompts) not in self._filtered:
+            return False
+        return random.Random(f"{self.config.run_id}:skip:{position}").random() < chance
+
     async def _submit_next(self, stats: StepStats) -> None:
+        # At most one pass over the prompts: when every one is skippable, the next is tried anyway.
+        for _ in range(len(self.prompts)):
+            if not self._skips(self.cursor):
+                break
+            self.cursor += 1
+            stats.skipped_prompts += 1
         await self._submit_group(self.cursor, self.step_index, stats.policy_version)
         self.cursor += 1
         stats.submitted_groups += 1
@@ -448,6 +485,11 @@ class DapoSampler:
         self._record(pending.job_ids, "informative" if self.config.informative(rewards) else "filtered")
         self._finished_groups += 1
         self._informative_groups += bool(self.config.informative(rewards))
+        index = pending.position % len(self.prompts)
+        if self.config.informative(rewards):
+            self._filtered.discard(index)
+        else:
+            self._filtered.add(index)
         if self.config.informative(rewards):
             # Kept at the broker until a step returns it: a trainer restarted before then gets it back by id.
             self._ready.append(Group(pending.group_id, pending.prompt_id, pending.instance,

@@ -376,3 +376,45 @@ def test_groups_finished_beyond_a_steps_target_survive_a_restart(stack: Deployme
     assert ran == 0  # answered from the broker's results: no job ran again
     assert not {g.group_id for g in batch1.groups} & {g.group_id for g in batch0.groups}
 
+
+
+def test_prompts_whose_groups_stopped_teaching_are_skipped_in_later_epochs(stack: Deployment) -> None:
+    """Six prompts, four of them always solved or never: once their groups were filtered, the sampler passes
+    over most of those four (skip_filtered_prompts), so later epochs spend their rollouts on the two that teach."""
+    ps = [{"p": (0.0, 1.0, 0.5)[i % 3], "scale_s": 0.01, "max_s": 0.2, "seed": 11} for i in range(6)]
+    cfg = SamplerConfig(group_size=4, target_groups=2, mode="sync", sync_batch_groups=6, run_id="skip1",
+                        skip_filtered_prompts=0.9, step_timeout_s=60)
+    zero_variance = {0, 1, 3, 4}
+
+    async def go() -> tuple[list[StepBatch], DapoSampler]:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", ps, cfg)
+            sampler.job_outcomes = {}
+            batches = [await sampler.step() for _ in range(3)]
+            await sampler.close()
+            return batches, sampler
+
+    batches, sampler = asyncio.run(go())
+    for b in batches:
+        check_batch(b, cfg)
+    assert zero_variance <= set(sampler.state().filtered_prompts)
+    assert sum(b.stats.skipped_prompts for b in batches) > 0
+    assert sampler.job_outcomes is not None
+    positions = sorted({int(j.split("-p")[1].split("-k")[0]) for j in sampler.job_outcomes})
+    first_epoch = [pos for pos in positions if pos < len(ps)]
+    later = [pos for pos in positions if pos >= len(ps)]
+    assert first_epoch == list(range(6)), "nothing is skipped before a prompt's first group"
+    # Without skipping, four in six of the later groups would be the zero-variance prompts again.
+    stale_share = sum(pos % len(ps) in zero_variance for pos in later) / len(later)
+    assert later and stale_share < 0.5, (later, stale_share)
+    # A sampler resumed from a checkpoint makes the same choices (a draw fixed by the run and the position).
+    resumed = DapoSampler(None, "dapo_sim", ps, cfg, state=sampler.state())  # type: ignore[arg-type]
+    assert [resumed._skips(pos) for pos in range(6, 60)] == [sampler._skips(pos) for pos in range(6, 60)]
+    assert any(resumed._skips(pos) for pos in range(6, 60))
+
+
+def test_skipping_every_prompt_is_refused() -> None:
+    from prorl_cli.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match="skip_filtered_prompts must be a probability in \\[0, 1\\)"):
+        SamplerConfig(group_size=4, target_groups=2, skip_filtered_prompts=1.0)
