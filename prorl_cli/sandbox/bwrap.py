@@ -50,6 +50,15 @@ class BwrapRuntime(Runtime):
         if self.binary is None:
             raise SandboxError("bwrap runtime: bwrap (bubblewrap) is not on PATH")
 
+    def resolve_image(self, image: str | None) -> str:
+        """The image, which bubblewrap needs as a folder (a root filesystem), not an Apptainer ``.sif`` file."""
+        chosen = super().resolve_image(image)
+        if chosen != "host" and not Path(chosen).is_dir():
+            raise SandboxError(f"bwrap runtime: image {chosen!r} is a file; bubblewrap runs a folder image (a root "
+                               "filesystem): use sandbox.runtime: apptainer for .sif images, or unpack one with "
+                               f"`apptainer build --sandbox DIR {chosen}`")
+        return chosen
+
     def probe(self) -> None:
         """Unprivileged user namespaces may be off (sysctl, AppArmor): try a no-op sandbox."""
         assert self.binary is not None

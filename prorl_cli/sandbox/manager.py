@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import SandboxError
-from prorl_cli.sandbox.apptainer import ApptainerRuntime
+from prorl_cli.sandbox.apptainer import ApptainerRuntime, cfg_image_missing
 from prorl_cli.sandbox.bwrap import BwrapRuntime
 from prorl_cli.sandbox.cgroups import PREFIX as CGROUP_PREFIX
 from prorl_cli.sandbox.cgroups import CgroupParents, SandboxCgroup, find_parents
@@ -68,6 +68,10 @@ def make_runtime(config: SandboxConfig, log: logging.Logger) -> Runtime:
         ) from e
     runtime = cls(config, log)
     runtime.check()
+    if runtime.isolated and cfg_image_missing(config.image):
+        # Said at the node's start: each job that names no image of its own would fail its INIT on it.
+        log.warning("sandbox.image %r does not exist: every job that names no image of its own will fail in INIT",
+                    config.image)
     return runtime
 
 
@@ -81,7 +85,10 @@ def _auto_runtime(config: SandboxConfig, log: logging.Logger) -> Runtime:
         except SandboxError as e:
             reasons.append(str(e))
             continue
-        log.info("sandbox.runtime auto: using %s", name)
+        if reasons:  # a runtime earlier in the order did not work: why (a typo in sandbox.image, say) is worth a look
+            log.warning("sandbox.runtime auto: using %s (%s)", name, "; ".join(reasons))
+        else:
+            log.info("sandbox.runtime auto: using %s", name)
         return runtime
     if os.environ.get("SLURM_JOB_ID"):
         # A cluster's jobs share nodes with other users' work: running agent code unisolated there is

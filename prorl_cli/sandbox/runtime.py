@@ -315,7 +315,10 @@ class Runtime(abc.ABC):
         argv = [
             "--socket", socket_path,
             "--mem-gb", str(limits.mem_gb),
-            "--max-procs", str(limits.max_procs),
+            # RLIMIT_NPROC counts a user's processes in its user namespace: a sandbox's own ones under Apptainer
+            # and bubblewrap, every process of the node's user on the host without isolation, where it would
+            # make the sandboxes' forks fail for processes that are not theirs. Not applied there.
+            "--max-procs", str(limits.max_procs if self.isolated else 0),
             "--max-file-mb", str(limits.disk_mb),
         ]
         if remount_sys:

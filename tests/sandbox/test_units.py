@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -84,8 +85,22 @@ def test_runtime_without_image_is_refused(tmp_path: Path) -> None:
         m = SandboxManager(SandboxConfig(runtime="bwrap"), tmp_path, log)
         with pytest.raises(SandboxError, match="no image given and sandbox.image is empty"):
             await m.start("j")
+        # An Apptainer image handed to bubblewrap: named as such, with the way out.
+        sif = tmp_path / "python.sif"
+        sif.write_bytes(b"SIF")
+        with pytest.raises(SandboxError, match=r"is a file; bubblewrap runs a folder image .* sandbox.runtime: apptainer"):
+            await m.start("j", image=str(sif))
 
     asyncio.run(main())
+
+
+def test_a_missing_default_image_is_said_when_the_node_starts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    if subprocess.run(["which", "bwrap"], capture_output=True).returncode != 0:
+        pytest.skip("bubblewrap is not installed (scripts/provision/20-bwrap.sh)")
+    with caplog.at_level(logging.WARNING, logger="test"):
+        make_runtime(SandboxConfig(runtime="bwrap", image=str(tmp_path / "no-such-image")), log)
+    assert any("no-such-image' does not exist: every job that names no image of its own will fail in INIT"
+               in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_local_runtime_says_it_is_not_isolated(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -235,16 +250,29 @@ def test_auto_runtime_prefers_apptainer_then_bubblewrap(
 
 
 def test_per_sandbox_limits_replace_the_nodes_and_mounts_need_an_isolating_runtime(tmp_path: Path) -> None:
-    from prorl_cli.sandbox import Mount, SandboxLimits
+    import resource
+
+    from prorl_cli.sandbox import LaunchSpec, Mount, SandboxLimits
+    from prorl_cli.sandbox.bwrap import BwrapRuntime
+
+    host_procs = resource.getrlimit(resource.RLIMIT_NPROC)[0]
 
     async def main() -> None:
         m = SandboxManager(SandboxConfig(runtime="local", mem_gb=4.0, max_procs=512), tmp_path, log)
         sb = await m.start("limited", limits=SandboxLimits(mem_gb=1.5, max_procs=100))
         try:
             r = await sb.bash("ulimit -v; ulimit -u")
-            assert r.output.split() == [str(int(1.5 * 1024 * 1024)), "100"], r.output
+            # The process limit is not applied without isolation (it would count the user's host processes).
+            procs = "unlimited" if host_procs == resource.RLIM_INFINITY else str(host_procs)
+            assert r.output.split() == [str(int(1.5 * 1024 * 1024)), procs], r.output
         finally:
             await sb.stop()
+        # An isolating runtime's tool server gets the sandbox's own process limit.
+        limited = dataclasses.replace(m.config, max_procs=100)
+        spec = LaunchSpec(sandbox_id="s", image="host", network=False, session_dir=tmp_path / "s",
+                          loopback_ip="127.0.0.2", config=limited)
+        argv = BwrapRuntime(SandboxConfig(runtime="bwrap"), log).toolserver_argv("/s.sock", spec=spec)
+        assert argv[argv.index("--max-procs") + 1] == "100"
         with pytest.raises(SandboxError, match="local runtime .* cannot bind mounts"):
             await m.start("mounted", mounts=[Mount(str(tmp_path), "/data")])
         with pytest.raises(SandboxError, match="mount source .* does not exist"):
@@ -488,3 +516,22 @@ def test_a_start_that_prints_something_else_and_runs_on_fails_naming_it(tmp_path
         assert process.proc.returncode is not None  # stopped, not left running
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_the_local_runtime_leaves_the_users_process_limit_alone(tmp_path: Path) -> None:
+    """Without a user namespace RLIMIT_NPROC counts every process of the node's user on the host: set to
+    max_procs, it made a local sandbox's forks fail for processes that were not its own."""
+    import resource
+
+    host_soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    host = "unlimited" if host_soft == resource.RLIM_INFINITY else str(host_soft)
+
+    async def main() -> str:
+        m = SandboxManager(SandboxConfig(runtime="local", max_procs=64), tmp_path, log)
+        sb = await m.start("j")
+        try:
+            return (await sb.bash("ulimit -u")).output.strip()
+        finally:
+            await sb.stop()
+
+    assert asyncio.run(main()) == host
