@@ -58,7 +58,8 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
     if engine == "auto":
         engine = "transformers" if _has_torch() else "none"
     if domain is not None and engine in ("none", "sim"):
-        app.abort(f"--task {domain} needs a model: install the cpu extra (torch) or pass --engine transformers|vllm")
+        app.abort(f"--task {domain} needs a model: install the cpu extra (torch) for --engine transformers, or the "
+                  "vllm extra for --engine vllm")
     if model is not None and engine not in ("none", "sim") and not (model / "config.json").is_file():
         # Said before anything starts: a broker and a node would otherwise come up first.
         app.abort(f"--model {model}: no config.json; give a local Hugging Face model directory")
