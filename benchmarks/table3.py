@@ -140,6 +140,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "carry_over_before": {"sampler": {"carry_over": True, "carry_window_steps": 0.0, "max_staleness": 1},
                           "broker": {"kv_admission": 0.0}},
     "tmux": {"tmux": True},
+    # Over a dataset walked several times (--prompts): prompts whose last group was filtered are mostly skipped.
+    "carry_over_skip": {"sampler": {"carry_over": True, "skip_filtered_prompts": 0.9}},
+    "sync_skip": {"sampler": {"mode": "sync", "skip_filtered_prompts": 0.9}},
 }
 DEFAULT_CONFIGS = ("full", "round_robin", "ever_assigned", "no_cleanup", "sync", "tmux")
 # The paper's Table 3 (instances/s, GPU utilisation; tmux: seconds per action); configurations it did not run are absent.
@@ -355,7 +358,7 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         "log_level": "WARNING",
     }
     # On simulated time a call's hops take no time: nothing to absorb.
-    tasks = prompts(seed, 4096, args.tool_median_s, speedup, delay, absorb_hops=not (args.real_hops or simulated))
+    tasks = prompts(seed, args.prompts, args.tool_median_s, speedup, delay, absorb_hops=not (args.real_hops or simulated))
     if args.weight_sync:
         # The default profile, with a weight load that holds each engine for --reload-gpu-s.
         import yaml
@@ -367,7 +370,8 @@ def run_config(name: str, seed: int, args: argparse.Namespace, home: Path) -> Ou
         path = home / f"profile-{name}-{seed}.yaml"
         path.write_text(yaml.safe_dump(profile))
         config["inference"]["sim_profile"] = str(path)
-    checkpoint = home / "checkpoint"
+    checkpoint = home / "checkpoint"  # the weight syncs name it (a sim engine loads nothing from it)
+    checkpoint.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     if simulated:
         async def on_simulated_time() -> Drive:
@@ -683,6 +687,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12, help="DAPO steps (more: less of the replay is its cold start and its end)")
     ap.add_argument("--n", type=int, default=4, help="rollouts per group")
+    ap.add_argument("--prompts", type=int, default=4096,
+                    help="the dataset's prompts, walked in order and again (fewer than the steps use: several epochs)")
     ap.add_argument("--target", type=int, default=8, help="informative groups that end a step")
     ap.add_argument("--in-flight", type=int, default=128, help="the sampler's max_in_flight (jobs running at once)")
     ap.add_argument("--clock", choices=("simulated", "wall"), default="simulated",

@@ -113,6 +113,10 @@ class DeploymentBusy(ProrlError, RuntimeError):
     """Another broker already serves this deployment (it holds the deployment's lock)."""
 
 
+class CheckpointNotFound(ProrlError, FileNotFoundError):
+    """``update_weights`` named a checkpoint that is not there: the bridges would be sent a path none can load."""
+
+
 class BrokerUnavailable(ProrlError, ConnectionError):
     """No broker answered at the rendezvous address in time."""
 

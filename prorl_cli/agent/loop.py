@@ -33,7 +33,7 @@ from prorl_cli.agent.tools import (
     get_tool_parser,
 )
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
-from prorl_cli.exceptions import AgentLoopError, InferenceError, JobEnded
+from prorl_cli.exceptions import AgentLoopError, ContextLengthExceeded, InferenceError, JobEnded
 from prorl_cli.inference.contract import Generation
 from prorl_cli.observe.timeline import TOOL, record_span
 from prorl_cli.protocol import SamplingParams
@@ -274,7 +274,10 @@ async def _tool_turns(
     for turn in range(max_turns):
         try:
             call = await session.generate(sampling)
-        except InferenceError:
+        except ContextLengthExceeded:
+            # The conversation filled the model's context: the rollout ends here, as one cut off does, and is
+            # scored as it stands. Any other failed call (a backend gone or failing) is not the policy's doing:
+            # it ends the RUN as a failure, so a trainer never takes it for a rollout that earned its reward.
             return traj
         if record_into is not None:
             _record(record_into, traj)

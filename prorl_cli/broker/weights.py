@@ -237,6 +237,10 @@ class WeightSync:
             else:
                 update.failed[b.backend_id] = "unreachable"
         self.updates.append(update)
+        if not update.waiting and not update.failed:
+            # Nothing to try the checkpoint: the next bridge to join must load it, and is told to go if it cannot.
+            log.warning("policy version %d (%s) taken with no bridge up to load it: each bridge that joins loads "
+                        "it first", version, h.checkpoint)
         if not update.waiting:
             self._finish_update(update)
 

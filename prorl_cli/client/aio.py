@@ -18,6 +18,7 @@ from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.connection import BrokerConnection, Reply
 from prorl_cli.exceptions import (
     BrokerUnavailable,
+    CheckpointNotFound,
     DrainTimeout,
     ProtocolError,
     ReloadFailed,
@@ -510,13 +511,16 @@ class AsyncRolloutClient:
         generation first (``wait=True``) and resume after. HTTP backends
         (``backends add``) cannot be reloaded: they are listed as skipped.
         Raises :class:`ReloadFailed` naming the bridges that could not load
-        it (restart those on the checkpoint; the engine's restart path).
+        it (restart those on the checkpoint; the engine's restart path), and
+        :class:`CheckpointNotFound` before sending anything when ``checkpoint``
+        is not there on this machine (the trainer wrote it; the bridges read it
+        from a filesystem they share with it).
         """
         version = _checked_version(policy_version)
         if version is None:
             raise ValueError("update_weights needs a policy_version")
         _check_load_s(timeout_s)
-        path = os.path.abspath(os.fspath(checkpoint))
+        path = _checkpoint_path(checkpoint, "update_weights")
         header = await self._call_keeping_fields(H.UpdateWeights(H.NEW_RID, path, version, float(timeout_s)), timeout_s)
         reply: H.WeightsUpdateReply = P.parse_reply(Op.UPDATE_WEIGHTS, header)
         return WeightsUpdated(updated=reply.updated, skipped=reply.skipped,
@@ -559,7 +563,7 @@ class AsyncRolloutClient:
         :meth:`update_weights` inside :meth:`generation_paused`: calls in flight finish on the old weights,
         none starts during the load, and generation resumes however the load ends.
         """
-        os.fspath(checkpoint)  # bad arguments raise before the drain, not after it
+        _checkpoint_path(checkpoint, "sync_weights")  # bad arguments raise before the drain, not after it
         _check_load_s(timeout_s)
         async with self.generation_paused(policy_version, drain_timeout_s=drain_timeout_s):
             return await self.update_weights(checkpoint, policy_version, timeout_s=timeout_s)
@@ -606,6 +610,17 @@ def _checked_version(policy_version: int | None) -> int | None:
 def _check_drain_s(timeout_s: float, name: str = "timeout_s") -> None:
     if not (isinstance(timeout_s, int | float) and 0 <= timeout_s <= 1e6):
         raise ValueError(f"{name} must be a number of seconds in [0, 1e6], got {timeout_s!r}")
+
+
+def _checkpoint_path(checkpoint: str | os.PathLike[str], what: str) -> str:
+    """``checkpoint`` as an absolute path, which must be there: the trainer wrote it, and the bridges read it
+    from a filesystem they share with it. With no bridge up to try a mistyped one, the broker would take it
+    for the weights every bridge joining later must load."""
+    path = os.path.abspath(os.fspath(checkpoint))
+    if not os.path.exists(path):
+        raise CheckpointNotFound(f"{what}: checkpoint {path} does not exist here; the bridges read it from a "
+                                 "filesystem they share with this trainer")
+    return path
 
 
 def _check_load_s(timeout_s: float) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import signal
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,6 +13,13 @@ import pytest
 import yaml
 
 from tests.harness import Deployment, fixed_port
+
+#: Checkpoint folders the trainer's update_weights names (the client refuses one that is not there); the fake
+#: engines here load nothing from them.
+CKPT = Path(tempfile.mkdtemp(prefix="prorl-ckpt-"))
+for _v in (1, 2, 3):
+    (CKPT / f"v{_v}").mkdir()
+atexit.register(shutil.rmtree, CKPT, True)
 
 
 @pytest.fixture
@@ -149,19 +159,19 @@ def test_a_restarted_broker_still_knows_the_current_weights(make: Callable[..., 
     on its start weights is sent them, and so after a second crash (the record survives compaction)."""
     d = make()
     _bridge(d, "b1")
-    done = d.client.update_weights("/ckpt/v3", policy_version=3, timeout_s=60)
+    done = d.client.update_weights(f"{CKPT}/v3", policy_version=3, timeout_s=60)
     assert list(done.updated) == ["b1"]
     d.kill("broker", signal.SIGKILL)  # at once: the reply came, so the record is on disk
     d.start_broker()
-    assert "current weights from the journal: /ckpt/v3 (policy version 3)" in d.log("broker")
+    assert f"current weights from the journal: {CKPT}/v3 (policy version 3)" in d.log("broker")
     # A replacement bridge (a requeued Slurm task) starts on its start weights: it is sent v3 first.
     _bridge(d, "b2")
     d.wait_for(lambda st: any(b.backend_id == "b2" and b.policy_version == 3 and not b.loading
                               for b in st.backends), 60, "b2 to load the current weights")
-    assert "backend b2 joined on its start weights: it loads /ckpt/v3 (policy version 3)" in d.log("broker")
+    assert f"backend b2 joined on its start weights: it loads {CKPT}/v3 (policy version 3)" in d.log("broker")
     # b1 rejoins the new broker on v3 itself: nothing to load again.
     d.wait_for(lambda st: any(b.backend_id == "b1" and b.alive for b in st.backends), 60, "b1 to rejoin")
     assert _version(d, "b1") == 3 and "backend b1 joined on its start weights" not in d.log("broker")
     d.kill("broker", signal.SIGKILL)
     d.start_broker()
-    assert d.log("broker").count("current weights from the journal: /ckpt/v3 (policy version 3)") == 2
+    assert d.log("broker").count(f"current weights from the journal: {CKPT}/v3 (policy version 3)") == 2

@@ -29,17 +29,19 @@ from prorl_cli.protocol import SamplingParams
 class ScriptedModel:
     """Returns the token ids of scripted assistant texts, one per call, and records prompts."""
 
-    def __init__(self, chat: ChatTokens, texts: list[str], fail_at: int | None = None) -> None:
+    def __init__(self, chat: ChatTokens, texts: list[str], fail_at: int | None = None,
+                 fail_with: InferenceError | None = None) -> None:
         self.chat = chat
         self.outputs = [chat.encode(t) for t in texts]
         self.prompts: list[list[int]] = []
         self.fail_at = fail_at
+        self.fail_with = fail_with or InferenceError("backend_error: backend b1 unregistered")
 
     async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         self.prompts.append(list(prompt_ids))
         i = len(self.prompts) - 1
         if i == self.fail_at:
-            raise InferenceError("backend_error: backend b1 unregistered")
+            raise self.fail_with
         ids = self.outputs[i]
         return Generation(ids, [-0.5 - 0.01 * k for k in range(len(ids))], "stop", "scripted")
 
@@ -116,12 +118,28 @@ def test_violation_is_recorded_not_fixed(chat: ChatTokens) -> None:
     assert traj.sequence_ids == retokenized + traj.calls[1].output_ids
 
 
-def test_failed_call_is_recorded_and_rollout_kept(chat: ChatTokens) -> None:
+def test_a_failed_call_fails_the_loop_and_keeps_what_it_made(chat: ChatTokens) -> None:
+    """A backend gone mid-rollout is no policy's doing: the loop raises (the job fails, a sampler drops the
+    group) instead of returning a rollout a handler would score as if the model had stopped."""
     model = ScriptedModel(chat, [TOOL_TURN, TOOL_TURN], fail_at=1)
+    kept: dict[str, Any] = {}
+    with pytest.raises(InferenceError, match="backend b1 unregistered"):
+        run(run_tool_agent(model, chat, [{"role": "user", "content": "q"}], {"calculator": calculator},
+                           sampling=SamplingParams(), record_into=kept))
+    traj = kept["trajectory"]
+    assert traj["stop_reason"] == "error" and kept["turns"] == 1
+    assert traj["error"] == {"call": 1, "type": "InferenceError", "message": "backend_error: backend b1 unregistered"}
+
+
+def test_a_conversation_that_fills_the_context_ends_the_rollout(chat: ChatTokens) -> None:
+    from prorl_cli.exceptions import ContextLengthExceeded
+
+    model = ScriptedModel(chat, [TOOL_TURN, TOOL_TURN], fail_at=1,
+                          fail_with=ContextLengthExceeded("prompt of 70 tokens leaves no room to generate: the "
+                                                          "model's maximum context length is 64 tokens"))
     traj = run(run_tool_agent(model, chat, [{"role": "user", "content": "q"}], {"calculator": calculator},
                               sampling=SamplingParams()))
-    assert traj.stop_reason == "error"
-    assert traj.error == {"call": 1, "type": "InferenceError", "message": "backend_error: backend b1 unregistered"}
+    assert traj.stop_reason == "error" and traj.error is not None and traj.error["type"] == "ContextLengthExceeded"
     assert len(traj.calls) == 1
 
 

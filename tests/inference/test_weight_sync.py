@@ -8,6 +8,9 @@ are real processes speaking the real protocol.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +25,13 @@ from tests.fakes.bridges import ThreadBridge
 from tests.fakes.engines import CountingEngine
 from tests.harness import Deployment
 from tests.inference.conftest import HANDLERS
+
+#: Checkpoint folders the trainer's update_weights names (the client refuses one that is not there); the fake
+#: engines here load nothing from them.
+CKPT = Path(tempfile.mkdtemp(prefix="prorl-ckpt-"))
+for _v in (1, 2, 3):
+    (CKPT / f"v{_v}").mkdir()
+atexit.register(shutil.rmtree, CKPT, True)
 
 
 class VersionedEngine(CountingEngine):
@@ -160,7 +170,7 @@ def test_update_weights_waits_for_calls_in_flight_which_keep_the_old_version(sta
 
     def update() -> None:
         with d.new_client() as c:
-            updated.append(c.update_weights("/ckpt/v1", policy_version=1, timeout_s=60))
+            updated.append(c.update_weights(f"{CKPT}/v1", policy_version=1, timeout_s=60))
 
     t = threading.Thread(target=update)
     t.start()
@@ -168,7 +178,7 @@ def test_update_weights_waits_for_calls_in_flight_which_keep_the_old_version(sta
     assert not updated and engine.reloads == [], "the weights changed under a call in flight"
     engine.release.set()
     t.join(60)
-    assert updated and updated[0].updated == ["b1"] and engine.reloads == ["/ckpt/v1"]
+    assert updated and updated[0].updated == ["b1"] and engine.reloads == [f"{CKPT}/v1"]
     (res,) = d.client.wait([before], timeout_s=60)
     assert res.output["outputs"] == [[100]] and res.output["versions"] == [0]  # old weights, old version
     (after,) = d.client.wait(d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2}), timeout_s=60)
@@ -182,18 +192,33 @@ def test_update_weights_names_a_backend_that_cannot_reload(stack: Any) -> None:
     d = stack()
     stack.bridge(d, "b1", CountingEngine())  # the Engine default: no in-place reload
     with pytest.raises(ReloadFailed, match="b1.*cannot load weights in place") as err:
-        d.client.update_weights("/ckpt/v2", policy_version=2, timeout_s=30)
+        d.client.update_weights(f"{CKPT}/v2", policy_version=2, timeout_s=30)
     assert list(err.value.failed) == ["b1"]
     assert d.client.status().policy_version == 0
 
+
+
+def test_a_checkpoint_that_is_not_there_is_refused_before_anything_is_sent(stack: Any) -> None:
+    """With no bridge up to try it, the broker would have taken a mistyped path as the weights every bridge
+    joining later must load (and shut down on failing to): the trainer's client refuses it first."""
+    from prorl_cli.exceptions import CheckpointNotFound
+
+    d = stack()
+    with pytest.raises(CheckpointNotFound, match=f"update_weights: checkpoint {CKPT}/v9 does not exist here") as err:
+        d.client.update_weights(f"{CKPT}/v9", policy_version=9, timeout_s=30)
+    assert isinstance(err.value, FileNotFoundError)
+    with pytest.raises(CheckpointNotFound):
+        d.client.sync_weights(f"{CKPT}/v9", policy_version=9, drain_timeout_s=30, timeout_s=30)
+    report = d.client.status()
+    assert report.policy_version == 0 and not report.generation_paused
 
 
 def test_sync_weights_is_a_whole_step_boundary_and_a_failing_load_leaves_generation_running(stack: Any) -> None:
     d = stack()
     engine = VersionedEngine()
     stack.bridge(d, "b1", engine)
-    synced = d.client.sync_weights("/ckpt/v3", policy_version=3, drain_timeout_s=30, timeout_s=60)
-    assert synced.updated == ["b1"] and engine.reloads == ["/ckpt/v3"]
+    synced = d.client.sync_weights(f"{CKPT}/v3", policy_version=3, drain_timeout_s=30, timeout_s=60)
+    assert synced.updated == ["b1"] and engine.reloads == [f"{CKPT}/v3"]
     report = d.client.status()
     assert report.policy_version == 3 and not report.generation_paused
     (after,) = d.client.wait(d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2}), timeout_s=60)
@@ -214,7 +239,7 @@ def test_sync_weights_to_a_bridge_that_cannot_reload_raises_and_resumes(stack: A
     d = stack()
     stack.bridge(d, "b1", CountingEngine())
     with pytest.raises(ReloadFailed, match="b1"):
-        d.client.sync_weights("/ckpt/v2", policy_version=2, drain_timeout_s=30, timeout_s=30)
+        d.client.sync_weights(f"{CKPT}/v2", policy_version=2, drain_timeout_s=30, timeout_s=30)
     assert not d.client.status().generation_paused
     (res,) = d.client.wait(d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2}), timeout_s=60)
     assert res.state == "done"

@@ -97,6 +97,7 @@ def test_carried_rollouts_keep_their_backend_across_a_weight_sync(tmp_path: Path
                 for v in range(3):
                     batch = await sampler.step(policy_version=v)
                     # A weight sync between steps: each bridge finishes its calls, loads, serves version v + 1.
+                    (tmp_path / f"v{v + 1}").mkdir()
                     await client.update_weights(tmp_path / f"v{v + 1}", policy_version=v + 1)
                     for g in batch.groups:
                         if g.policy_version < v:
