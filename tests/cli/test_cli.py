@@ -118,7 +118,8 @@ def test_status_cancel_and_backends(deployment: Deployment) -> None:
     assert deployment.client.result(job, timeout_s=5).state == "cancelled"
     assert prorl(deployment, "cancel", "no-such-job").returncode != 0
 
-    assert prorl(deployment, "backends", "add", "http://127.0.0.1:9/v1").returncode == 0
+    added = prorl(deployment, "backends", "add", "http://127.0.0.1:9/v1")
+    assert added.returncode == 0 and "warning: http://127.0.0.1:9/v1 does not answer from here" in added.stderr
     listed = prorl(deployment, "backends", "list").stdout
     assert "http://127.0.0.1:9/v1" in listed and "active" in listed
     assert prorl(deployment, "backends", "add", "ftp://nope").returncode != 0

@@ -34,6 +34,30 @@ def backends_add(app: App, url: str, model: str | None, address: str | None) -> 
         except RemoteError as e:
             app.abort(str(e))
     app.console.print(f"added {b.backend_id}")
+    silent = _unanswered(url)
+    if silent is not None:
+        # Added all the same: the nodes call it, and they may reach what this machine cannot.
+        app.err_console.print(f"warning: {url} does not answer from here ({silent}); calls routed to it fail "
+                              f"their jobs unless the nodes reach it: `prorl backends clear {url}` takes it out",
+                              markup=False, soft_wrap=True)
+
+
+#: How long `backends add` waits for the server's model list.
+PROBE_TIMEOUT_S = 5.0
+
+
+def _unanswered(url: str) -> str | None:
+    """Why the OpenAI-compatible server at ``url`` does not list its models (``GET /models``), or None."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/models", timeout=PROBE_TIMEOUT_S):
+            return None
+    except urllib.error.HTTPError as e:
+        return None if e.code in (401, 403) else f"HTTP {e.code}"  # a key it wants is the nodes' business
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return str(getattr(e, "reason", e))
 
 
 @backends.command("clear")
