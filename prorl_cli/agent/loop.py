@@ -113,6 +113,7 @@ class TokenSession:
             prefix_ok=prefix_ok,
             text=self.chat.turn_text(gen.output_ids),
             policy_version=getattr(gen, "policy_version", None),
+            top_logprobs=getattr(gen, "top_logprobs", None),
         )
         traj = self.trajectory
         if self.calls and prefix_ok:

@@ -48,6 +48,9 @@ class ModelCall:
     tool_choice_retries: int = 0
     #: True when no generation honoured ``tool_choice`` within the gateway's bound: this is the last one.
     tool_choice_unmet: bool = False
+    #: With ``sampling.top_logprobs = k``: per output id, the ``k`` most likely ``(token id, log-prob)`` pairs
+    #: the engine reported (a distillation or KL term needs them); None when not asked or not reported.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

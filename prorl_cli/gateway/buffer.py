@@ -418,6 +418,8 @@ class TokenBuffer:
             backend_id=gen.backend_id, prefix_ok=prefix_ok,
             text=seg.chat.turn_text(out),
             policy_version=gen.policy_version, segment=seg.index, agent=seg.agent,
+            # Cut as the output was (at a stop string): one row per output id kept.
+            top_logprobs=gen.top_logprobs[: len(out)] if gen.top_logprobs is not None else None,
         )
         if not continued:
             if reason is not None:

@@ -242,3 +242,20 @@ def test_math_agent_handler_uses_the_calculator_and_scores(chat: ChatTokens, tin
     for stage in (handler.init, handler.run, handler.eval):
         run(stage(wrong))
     assert wrong.reward == 0.0
+
+
+def test_top_logprobs_asked_for_reach_the_trajectory(chat: ChatTokens) -> None:
+    class WithAlternatives(ScriptedModel):
+        async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+            gen = await super().__call__(prompt_ids, sampling)
+            gen.top_logprobs = [[(t, -0.1), (t + 1, -2.5)] for t in gen.output_ids]
+            return gen
+
+    model = WithAlternatives(chat, [ANSWER_TURN])
+    traj = run(run_tool_agent(model, chat, [{"role": "user", "content": "q"}], {"calculator": calculator},
+                              sampling=SamplingParams(top_logprobs=2)))
+    (call,) = traj.calls
+    assert call.top_logprobs == [[(t, -0.1), (t + 1, -2.5)] for t in call.output_ids]
+    # Through the record a trainer reads (JSON): the pairs as lists.
+    back = Trajectory.from_dict(json.loads(json.dumps(traj.to_dict())))
+    assert back.calls[0].top_logprobs == [[[t, -0.1], [t + 1, -2.5]] for t in call.output_ids]
