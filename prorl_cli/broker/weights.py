@@ -298,6 +298,7 @@ class WeightSync:
                   "policy_version": update.policy_version}
         if update.failed:
             why = "; ".join(f"{bid}: {msg}" for bid, msg in sorted(update.failed.items()))
+            log.error("weights of policy version %d (%s) not loaded: %s", update.policy_version, update.checkpoint, why)
             self._send(w.identity, P.error_reply(w.rid, ErrorCode.RELOAD_FAILED,
                                                  f"{len(update.failed)} backend(s) did not load the new weights: {why}",
                                                  **fields), ())
@@ -309,6 +310,8 @@ class WeightSync:
         self.current = CurrentWeights(update.checkpoint, update.policy_version, update.load_timeout_s)
         if self._record is not None:
             self._record(self.journal_records()[0])
+        log.info("weights of policy version %d (%s) loaded by %s", update.policy_version, update.checkpoint,
+                 ", ".join(update.updated) or "no bridge")
         self._send(w.identity, P.reply(w.rid, **fields), ())
 
     def journal_records(self) -> list[dict[str, Any]]:
