@@ -142,6 +142,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tmux": {"tmux": True},
     # Over a dataset walked several times (--prompts): prompts whose last group was filtered are mostly skipped.
     "carry_over_skip": {"sampler": {"carry_over": True, "skip_filtered_prompts": 0.9}},
+    "carry_over_w15_skip": {"sampler": {"carry_over": True, "carry_window_steps": 1.5, "skip_filtered_prompts": 0.9}},
+    "carry_over_w125_skip": {"sampler": {"carry_over": True, "carry_window_steps": 1.25, "skip_filtered_prompts": 0.9}},
     "sync_skip": {"sampler": {"mode": "sync", "skip_filtered_prompts": 0.9}},
 }
 DEFAULT_CONFIGS = ("full", "round_robin", "ever_assigned", "no_cleanup", "sync", "tmux")
