@@ -106,9 +106,8 @@ class BrokerConnection:
         self._socket_boot: str | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
-        #: Set when the current socket's CURVE handshake was refused, or its broker speaks another protocol
-        #: version; requests then fail at once.
-        self.refused: BrokerRefused | ProtocolMismatch | None = None
+        #: Set when the current socket's CURVE handshake was refused; requests then fail at once.
+        self.refused: BrokerRefused | None = None
         self._monitor: asyncio.Task[None] | None = None
         #: Why :meth:`follow_moved` last could not follow the rendezvous file (logged once), None once it could.
         self._follow_problem: str | None = None
@@ -353,17 +352,24 @@ class BrokerConnection:
                     log.error("%s: could not handle %s from the broker: %r", self.name, op.value, e)
 
     def _version_mismatch(self, frame: bytes, epoch: int) -> None:
-        """A broker of another protocol version answered: say so to every request, instead of letting each time out."""
-        if epoch != self._epoch:
+        """A reply in another protocol version: the broker runs another prorl. The request it answers fails
+        saying so at once, instead of waiting out its timeout as if the broker were silent. Anything else in
+        another version (no reply to a request of ours) is only logged: one bad frame must not end the link."""
+        header = P.decode_map(frame)
+        rid = P.header_rid(header)
+        fut = self._pending.get(rid) if isinstance(rid, int) else None
+        theirs = header.get("v")
+        if (header.get("op") != Op.REPLY.value or not isinstance(theirs, int) or isinstance(theirs, bool)
+                or fut is None or fut.done() or self._sent_on.get(rid) != epoch):
+            log.error("%s: bad frame from the broker: protocol version %r (this %s speaks %d)", self.name,
+                      theirs, self.name, P.PROTOCOL_VERSION)
             return
-        if not isinstance(self.refused, ProtocolMismatch):
-            theirs = P.decode_map(frame).get("v")
-            self.refused = ProtocolMismatch(
-                f"the broker at {self.address} speaks protocol version {theirs!r} and this {self.name} speaks "
-                f"{P.PROTOCOL_VERSION}: the broker runs another prorl version. Stop it with the prorl that started it "
-                "(or end its process), then start it with this one, or use the prorl it runs")
-            log.error("%s: %s", self.name, self.refused)
-        self._fail_pending(self.refused, epoch=epoch)
+        error = ProtocolMismatch(
+            f"the broker at {self.address} speaks protocol version {theirs!r} and this {self.name} speaks "
+            f"{P.PROTOCOL_VERSION}: the broker runs another prorl version. Stop it with the prorl that started it "
+            "(or end its process), then start it with this one, or use the prorl it runs")
+        log.error("%s: %s", self.name, error)
+        fut.set_exception(error)
 
     def _on_reply(self, header: dict[str, Any], payload: list[bytes], epoch: int | None = None) -> None:
         rid = header.get("rid")

@@ -83,7 +83,7 @@ class Client:
             frames = self.sock.recv_multipart()
             h = msgpack.unpackb(frames[0], raw=False)
             if h.get("op") == "result":
-                for info, frame in zip(h["jobs"], frames[1:], strict=True):
+                for info, frame in zip(h["jobs"], P.job_items(P.Op.RESULT, frames[1:]), strict=True):
                     r = P.unpack_obj(frame)
                     echo = (r.get("output") or {}).get("echo") if isinstance(r.get("output"), dict) else None
                     self.results.setdefault(info["job_id"], []).append((info["state"], r.get("attempt", 0), echo))

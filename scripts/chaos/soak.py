@@ -178,7 +178,7 @@ class Soak:
             frames = self.sock.recv_multipart()
             h = msgpack.unpackb(frames[0], raw=False)
             if h.get("op") == "result":
-                for info, frame in zip(h["jobs"], frames[1:], strict=True):
+                for info, frame in zip(h["jobs"], P.job_items(P.Op.RESULT, frames[1:]), strict=True):
                     job_id = info["job_id"]
                     job = self.jobs.get(job_id)
                     if job is None:
