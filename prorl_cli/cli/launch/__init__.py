@@ -39,8 +39,13 @@ HOPELESS_REASONS = (
     "InvalidQOS", "QOSMaxGRESPerJob", "QOSMaxCpuPerJobLimit", "QOSMaxWallDurationPerJobLimit", "JobHeldAdmin",
 )
 
-#: Between a launch failure's headline and the log tail of the task that ended (printed on their own lines).
-LOG_TAIL_MARK = "\nlog tail:\n"
+
+@dataclass(frozen=True)
+class LaunchFailure:
+    """Why a launch will not come up, and the log tail of the task that ended (printed on lines of their own)."""
+
+    reason: str
+    log_tail: str = ""
 
 
 def _load_deploy(app: App, path: str, deployment: str | None) -> DeployConfig:
@@ -328,10 +333,10 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
             markup=True, highlight=False, soft_wrap=True,
         )
         return
-    headline, _, tail = failure.partition(LOG_TAIL_MARK)
-    if tail:  # the task's own words, on their own lines: the last of them usually names the cause
-        app.err_console.print(f"log tail of the task that ended:\n{tail}", markup=False, highlight=False, soft_wrap=True)
-    app.abort(f"{headline.rstrip()} {_give_up(cfg, record, keep)}")
+    if failure.log_tail:  # the task's own words, on their own lines: the last of them usually names the cause
+        app.err_console.print(f"log tail of the task that ended:\n{failure.log_tail}", markup=False, highlight=False,
+                              soft_wrap=True)
+    app.abort(f"{failure.reason} {_give_up(cfg, record, keep)}")
 
 
 def _give_up(cfg: DeployConfig, record: LaunchRecord, keep: bool) -> str:
@@ -373,7 +378,7 @@ def _print_plan(app: App, cfg: DeployConfig) -> None:
         app.abort(f"the launch would be refused: {refused}")
 
 
-def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> str | None:
+def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> LaunchFailure | None:
     """Live view until all registered; the failure reason otherwise (``wait_s`` 0: no time limit)."""
     from rich.live import Live
 
@@ -383,7 +388,6 @@ def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> 
     deadline = time.monotonic() + wait_s if wait_s > 0 else None  # 0: no timer
     wanted = {m.peer_id for m in record.members if m.role != "broker"}
     client = None
-    failure: str | None = None
     with Live(console=app.err_console, refresh_per_second=2, transient=False) as live:
         try:
             while True:
@@ -401,17 +405,16 @@ def _watch(app: App, cfg: DeployConfig, record: LaunchRecord, wait_s: float) -> 
                     if t is None:
                         continue
                     if not t.active and (m.role == "broker" or m.peer_id not in seen):
-                        tail = log_tail(cfg, m)
-                        failure = f"{m.role} task {m.peer_id} (Slurm job {m.job_id}) ended {t.state}." + (
-                            f"{LOG_TAIL_MARK}{tail}" if tail else "")
-                        return failure
+                        return LaunchFailure(f"{m.role} task {m.peer_id} (Slurm job {m.job_id}) ended {t.state}.",
+                                             log_tail(cfg, m))
                     if t.pending_reason and t.pending_reason.startswith(HOPELESS_REASONS):
-                        return f"{m.role} task {m.peer_id} (Slurm job {m.job_id}) cannot start: squeue says {t.pending_reason}."
+                        return LaunchFailure(f"{m.role} task {m.peer_id} (Slurm job {m.job_id}) cannot start: "
+                                             f"squeue says {t.pending_reason}.")
                 if deadline is not None and time.monotonic() >= deadline:
                     waiting = sorted(wanted - seen)
                     reasons = {m.peer_id: (by_id[m.job_id].pending_reason or by_id[m.job_id].state)
                                for m in record.members if m.job_id in by_id and m.peer_id in waiting}
-                    return f"not all registered after {wait_s:.0f} s; waiting for {waiting} ({reasons})."
+                    return LaunchFailure(f"not all registered after {wait_s:.0f} s; waiting for {waiting} ({reasons}).")
                 time.sleep(1.0)
         finally:
             if client is not None:
