@@ -78,6 +78,8 @@ class Members:
         self.boot_id = boot_id
         #: The unserved tasks of queued jobs last warned about (:meth:`_warn_unserved`).
         self._warned_unserved: frozenset[str] = frozenset()
+        #: Per node id, the (host, pid) its last replacement displaced (:meth:`_note_replaced`).
+        self._displaced: dict[str, tuple[str, int]] = {}
         self._bridge_heartbeat = bridge_heartbeat
         self._bridges = bridges
         self._bridge_unregister = bridge_unregister
@@ -101,6 +103,7 @@ class Members:
         old = self.nodes.get(node_id)
         if old is not None and old.alive and old.identity != identity:
             # Same node id from a new connection: the old process is gone.
+            self._note_replaced(old, h)
             self.node_lost(old, "re-registered from a new connection")
         if old is not None and old.alive and old.identity == identity:
             # Registered again on the same connection (it missed our reply): keep what it holds.
@@ -133,6 +136,25 @@ class Members:
                     drop=drop, boot_id=self.boot_id),
             (),
         )
+
+    def _note_replaced(self, old: Node, h: H.Register) -> None:
+        """A live node's id registered from another connection: a restart, or two processes given one id.
+
+        A restarted node is the common case (said at info). Two live processes sharing an id (one
+        ``--node-id`` for several tasks) take the id from each other at every heartbeat, and each take
+        requeues the other's jobs: when the process displaced before takes the id back, that is said
+        as an error naming both, since nothing else would tell the user why jobs keep restarting.
+        """
+        new = (h.host, h.pid or 0)
+        before = (old.host, old.pid)
+        if new == self._displaced.get(old.node_id):
+            log.error("node id %r is used by two live processes (pid %d on %s and pid %d on %s): each takes it "
+                      "from the other and their jobs are requeued every time; give each node its own --node-id",
+                      old.node_id, before[1], before[0], new[1], new[0])
+        elif new != before:
+            log.info("node %s registered again from pid %d on %s (was pid %d on %s): the old process is taken "
+                     "for gone", old.node_id, new[1], new[0], before[1], before[0])
+        self._displaced[old.node_id] = before
 
     def _warn_unserved(self) -> None:
         """Jobs accepted before any node served (a submit checks task names only against live nodes) may be for a
@@ -234,6 +256,7 @@ class Members:
         """Forget the oldest dead nodes beyond ``kept`` (and their figures)."""
         for node_id in self.table.prune_dead_nodes(kept):
             self.collector.forget_peer("node", node_id)
+            self._displaced.pop(node_id, None)
 
     def stop(self) -> None:
         """The broker is stopping: tell every live node to shut down; a node that registers now is told the same."""

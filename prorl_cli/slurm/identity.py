@@ -29,6 +29,9 @@ class SlurmIdentity:
     cpus: int | None = None
     gpus: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES, as Slurm set it
     restart_count: int = 0  # how often this job was requeued
+    #: This task's rank in its ``srun`` step and the step's task count (both None outside a step).
+    step_rank: int | None = None
+    step_tasks: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SlurmIdentity:
@@ -42,6 +45,9 @@ class SlurmIdentity:
             cpus=_int(env.get("SLURM_CPUS_PER_TASK")),
             gpus=gpus,
             restart_count=_int(env.get("SLURM_RESTART_COUNT")) or 0,
+            # SLURM_STEP_NUM_TASKS is set in an srun step only (the batch script sees SLURM_NTASKS alone).
+            step_rank=_int(env.get("SLURM_PROCID")) if env.get("SLURM_STEP_NUM_TASKS") else None,
+            step_tasks=_int(env.get("SLURM_STEP_NUM_TASKS")),
         )
 
     @property
@@ -56,12 +62,21 @@ class SlurmIdentity:
         return self.job_id
 
     def member_id(self, role: str, index: int | None = None) -> str:
-        """A stable name for a node or backend: the same after a requeue, so it rejoins as itself."""
+        """A stable name for a node or backend: the same after a requeue, so it rejoins as itself.
+
+        ``<role>-<array task id>``, else ``<role>-<job id>``; in an ``srun`` step of several tasks
+        (``srun -n 4 prorl serve node``) each task adds its rank (``node-123.2``): tasks sharing one
+        name would take it from each other at every registration.
+        """
         if index is None:
             index = self.array_task_id
         if index is not None:
-            return f"{role}-{index}"
-        return f"{role}-{self.job_id}" if self.job_id else f"{role}-{os.getpid()}"
+            name = f"{role}-{index}"
+        else:
+            name = f"{role}-{self.job_id}" if self.job_id else f"{role}-{os.getpid()}"
+        if self.step_tasks is not None and self.step_tasks > 1 and self.step_rank is not None:
+            name += f".{self.step_rank}"
+        return name
 
     def describe(self) -> str:
         parts = [f"job {self.task_ref}"]

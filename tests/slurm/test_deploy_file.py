@@ -146,6 +146,22 @@ def test_slurm_identity_from_the_environment() -> None:
     assert not SlurmIdentity.from_env({}).in_slurm
 
 
+def test_each_task_of_an_srun_step_gets_its_own_member_id() -> None:
+    """``srun -n 4 prorl serve node`` in a plain job: one name for all four would have them take it from each other."""
+    from prorl_cli.slurm.identity import SlurmIdentity
+
+    step = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2"}
+    names = {SlurmIdentity.from_env({**step, "SLURM_PROCID": str(rank)}).member_id("node") for rank in (0, 1)}
+    assert names == {"node-77.0", "node-77.1"}
+    array_step = {**step, "SLURM_ARRAY_TASK_ID": "3", "SLURM_PROCID": "1"}
+    assert SlurmIdentity.from_env(array_step).member_id("node") == "node-3.1"
+    # The batch script itself (no step: SLURM_STEP_NUM_TASKS unset), and a step of one task, keep the plain name.
+    batch = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+    assert SlurmIdentity.from_env(batch).member_id("node") == "node-77"
+    one = {"SLURM_JOB_ID": "77", "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}
+    assert SlurmIdentity.from_env(one).member_id("inference") == "inference-77"
+
+
 def test_sbatch_options_set_false_or_null_are_left_out_of_the_submitted_script(tmp_path: Path) -> None:
     from prorl_cli.slurm.launcher import plan
 

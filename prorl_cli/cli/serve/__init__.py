@@ -72,7 +72,8 @@ def serve_broker(app: App, bind_host: str | None, port: int | None) -> None:
 
 @serve.command("node")
 @deployment_option
-@click.option("--node-id", metavar="ID", help="Name of this node (default: HOST-PID; Slurm arrays pass the task id).")
+@click.option("--node-id", metavar="ID", help="Name of this node, unique in the deployment (default: HOST-PID; in Slurm node-<array task or job id>, "
+              "plus .<rank> in an srun step of several tasks).")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: read the rendezvous file).")
 @click.option("--n-init", type=int, help="INIT pool size.")
 @click.option("--n-run", type=int, help="RUN pool size.")
@@ -97,7 +98,8 @@ def serve_node(
 ) -> None:
     """Run a node server: INIT/RUN/EVAL pools and sandboxes for one machine.
 
-    In a Slurm job it is named node-<array task id>, waits for the broker,
+    In a Slurm job it is named node-<array task id> (node-<job id> outside an
+    array, with .<rank> added per task of an srun step), waits for the broker,
     drains on SIGTERM and on SIGUSR2 (time limit) drains and requeues itself.
     """
     app.override(
