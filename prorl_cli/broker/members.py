@@ -13,7 +13,9 @@ Rules:
   ``job_done``, ``release``); any other peer is told to register again.
 - A node id registering from a new connection means the old process is
   gone: that node is lost first. Registering again on the same connection
-  (a missed reply) keeps what the node holds.
+  (a missed reply) keeps what the node holds. A register from the very
+  connection an id was taken from proves two live processes share the id:
+  that one is refused and told to shut down.
 - A heartbeat carrying a node's liveness token from another connection (its
   sidecar) refreshes that node and is never answered. A bridge's heartbeats
   and goodbyes are the router's (``bridge_heartbeat``, ``bridge_unregister``).
@@ -78,8 +80,8 @@ class Members:
         self.boot_id = boot_id
         #: The unserved tasks of queued jobs last warned about (:meth:`_warn_unserved`).
         self._warned_unserved: frozenset[str] = frozenset()
-        #: Per node id, the (host, pid) its last replacement displaced (:meth:`_note_replaced`).
-        self._displaced: dict[str, tuple[str, int]] = {}
+        #: Per node id, the connection its last replacement displaced (:meth:`_note_replaced`).
+        self._displaced: dict[str, bytes] = {}
         self._bridge_heartbeat = bridge_heartbeat
         self._bridges = bridges
         self._bridge_unregister = bridge_unregister
@@ -102,8 +104,11 @@ class Members:
             return
         old = self.nodes.get(node_id)
         if old is not None and old.alive and old.identity != identity:
+            if identity == self._displaced.get(node_id):
+                self._refuse_twin(identity, old, h)
+                return
             # Same node id from a new connection: the old process is gone.
-            self._note_replaced(old, h)
+            self._note_replaced(old, identity, h)
             self.node_lost(old, "re-registered from a new connection")
         if old is not None and old.alive and old.identity == identity:
             # Registered again on the same connection (it missed our reply): keep what it holds.
@@ -137,24 +142,29 @@ class Members:
             (),
         )
 
-    def _note_replaced(self, old: Node, h: H.Register) -> None:
-        """A live node's id registered from another connection: a restart, or two processes given one id.
+    def _note_replaced(self, old: Node, identity: bytes, h: H.Register) -> None:
+        """A live node's id registered from another connection: the old process is taken for gone.
 
-        A restarted node is the common case (said at info). Two live processes sharing an id (one
-        ``--node-id`` for several tasks) take the id from each other at every heartbeat, and each take
-        requeues the other's jobs: when the process displaced before takes the id back, that is said
-        as an error naming both, since nothing else would tell the user why jobs keep restarting.
+        A restarted node is the common case. The old connection is remembered: a register from it
+        later proves that process alive (a dead one sends nothing), so two processes share the id
+        (:meth:`_refuse_twin`).
         """
-        new = (h.host, h.pid or 0)
-        before = (old.host, old.pid)
-        if new == self._displaced.get(old.node_id):
-            log.error("node id %r is used by two live processes (pid %d on %s and pid %d on %s): each takes it "
-                      "from the other and their jobs are requeued every time; give each node its own --node-id",
-                      old.node_id, before[1], before[0], new[1], new[0])
-        elif new != before:
-            log.info("node %s registered again from pid %d on %s (was pid %d on %s): the old process is taken "
-                     "for gone", old.node_id, new[1], new[0], before[1], before[0])
-        self._displaced[old.node_id] = before
+        log.info("node %s registered again from pid %d on %s (was pid %d on %s): the old process is taken for gone",
+                 old.node_id, h.pid or 0, h.host, old.pid, old.host)
+        self._displaced[old.node_id] = old.identity
+
+    def _refuse_twin(self, identity: bytes, holder: Node, h: H.Register) -> None:
+        """The process a node id was taken from registers again while the taker lives: two processes share the id.
+
+        Left alone, each would take the id from the other at every heartbeat, and every take requeues
+        the other's jobs (their attempts run out). The one that holds the id keeps it; the other is
+        refused, naming both, and told to shut down.
+        """
+        why = (f"node id {holder.node_id!r} is used by two live processes: pid {holder.pid} on {holder.host} holds it, "
+               f"so pid {h.pid or 0} on {h.host} is told to shut down; give each node its own --node-id")
+        log.error("%s", why)
+        self._send(identity, P.error_reply(h.rid, ErrorCode.BAD_FIELD, why), ())
+        self._send(identity, H.Shutdown().to_wire(), ())
 
     def _warn_unserved(self) -> None:
         """Jobs accepted before any node served (a submit checks task names only against live nodes) may be for a

@@ -1,25 +1,30 @@
-"""Two live node processes given one node id (real broker and nodes): the broker names the clash."""
+"""Two live node processes given one node id (real broker and nodes): one keeps the id, the other is told to go."""
 
 from __future__ import annotations
 
-import time
+import subprocess
 from pathlib import Path
 
 from prorl_cli.testing.harness import Deployment
 
 
-def test_two_live_nodes_sharing_an_id_are_named_in_the_brokers_log(tmp_path: Path) -> None:
-    """Each takes the id from the other at its next heartbeat, and each take requeues the other's jobs: the broker
-    says so, naming both processes, instead of leaving the user with jobs that restart for no visible reason."""
+def test_of_two_live_nodes_sharing_an_id_the_holder_keeps_it_and_the_other_is_sent_away(tmp_path: Path) -> None:
+    """Left alone, each would take the id from the other at every heartbeat, each take requeueing the other's
+    jobs until their attempts ran out. The broker names the clash and shuts the displaced process down."""
     with Deployment(tmp_path / "home", "dup") as stack:
         stack.start_broker()
         first = stack.start_node("dup")
         twin = stack.spawn("dup-twin", "serve", "node", "--node-id", "dup")
-        deadline = time.monotonic() + 90
-        # The broker's log is the only place the clash shows; read it until the line comes (or the bound runs out).
-        while "used by two live processes" not in stack.log("broker"):
-            assert time.monotonic() < deadline, f"the broker never named the clash:\n{stack.log('broker')}"
-            assert first.poll() is None and twin.poll() is None, "a node exited"
-            time.sleep(0.2)
-        line = next(ln for ln in stack.log("broker").splitlines() if "used by two live processes" in ln)
+        try:
+            first.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the displaced node still runs:\n{stack.log('broker')}") from None
+        line = next((ln for ln in stack.log("broker").splitlines() if "used by two live processes" in ln), None)
+        assert line is not None, stack.log("broker")
         assert f"pid {first.pid}" in line and f"pid {twin.pid}" in line and "--node-id" in line
+        assert "used by two live processes" in stack.log("dup"), "the node sent away says why"
+        # The twin holds the id, and jobs run on it to the end (no more takes).
+        assert twin.poll() is None
+        assert stack.client.process("test", {"echo": 1}, timeout_s=60).state == "done"
+        assert len([n for n in stack.client.status().nodes if n.node_id == "dup" and n.alive]) == 1
+        assert twin.poll() is None and "used by two live processes" not in stack.log("dup-twin")
