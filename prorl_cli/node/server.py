@@ -29,7 +29,7 @@ import msgpack
 from prorl_cli import protocol as P
 from prorl_cli import timebase
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import BrokerUnavailable, HandlerError, ProtocolError
+from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, HandlerError, ProtocolError
 from prorl_cli.node.liveness import LivenessSidecar, LoopStamp, new_liveness_token
 from prorl_cli.node.loop import run_checked
 from prorl_cli.node.pipeline import Pipeline
@@ -340,7 +340,14 @@ class NodeServer(BrokerPeer):
             self._start_sidecar()
         self.start_loops()
         try:
-            await self.register()
+            try:
+                await self.register()
+            except BrokerRestarted as e:
+                # The broker moved while this register was out (a restart on a new address, followed through the
+                # rendezvous file): the register sent to its successor, under way already, takes over.
+                log.info("node %s: the first register went to a broker that is gone (%s); registering with the new "
+                         "one", self.node_id, e)
+                await self.registered.wait()
             await self._stop.wait()
         finally:
             await self._shutdown()
