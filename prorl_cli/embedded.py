@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -174,9 +175,19 @@ class LocalStack:
 
     def drop_client(self) -> None:
         """Close the cached :attr:`client`; the next use connects anew (to where the rendezvous file points)."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        client, self._client = self._client, None
+        if client is None:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            client.close()
+            return
+        # The blocking client runs its own loop, which cannot run in a thread where one runs already (a stack
+        # left from asyncio code): it closes in a thread of its own.
+        closer = threading.Thread(target=client.close, name="prorl-stack-client-close")
+        closer.start()
+        closer.join()
 
     def log(self, name: str) -> str:
         path = self.logs / f"{name}.log"
@@ -196,5 +207,7 @@ class LocalStack:
 
     def close(self) -> None:
         """Stop everything this stack started, whatever state it is in."""
-        self.drop_client()
-        stop_groups(self.procs.values(), STOP_GRACE_S)
+        try:
+            self.drop_client()
+        finally:
+            stop_groups(self.procs.values(), STOP_GRACE_S)

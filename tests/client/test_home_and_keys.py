@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,25 @@ def test_an_embedded_stack_from_asyncio_code_says_how_and_gives_an_async_client(
 
         assert asyncio.run(main()) == ["done"]
         assert list(stack.procs) == ["broker", "n1"]
+
+
+def test_an_embedded_stack_opened_and_left_inside_asyncio_code_stops_its_servers(tmp_path: Path) -> None:
+    """The README's notebook recipe with the ``with`` block inside the coroutine: leaving it closes the stack's
+    blocking client (which start_node's wait made, on another thread) without running a loop in this one."""
+    import asyncio
+
+    async def main() -> tuple[list[str], dict[str, subprocess.Popen[bytes]]]:
+        with LocalStack(tmp_path / "stack", "aio2", {"broker": {"journal": False}}) as stack:
+            await asyncio.to_thread(stack.start_broker)
+            await asyncio.to_thread(stack.start_node, "n1", "--handlers", "prorl_cli.testing.handlers")
+            async with stack.async_client() as client:
+                ids = await client.submit("test", [{"echo": 1}])
+                states = [r.state async for r in client.as_completed(ids, timeout_s=60)]
+        return states, stack.procs
+
+    states, procs = asyncio.run(main())
+    assert states == ["done"]
+    assert sorted(procs) == ["broker", "n1"] and all(p.poll() is not None for p in procs.values()), "servers stopped"
 
 
 def test_a_relative_home_names_where_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
