@@ -32,16 +32,20 @@ def name_deployment(app: App, name: str | None, given_as: str = "DEPLOYMENT") ->
     app.override(deployment=name)
 
 
-def _from_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+def _from_option(ctx: click.Context, param: click.Parameter, value: str | tuple[str, ...] | None) -> None:
     app = ctx.find_object(App)
-    if app is not None:
-        name_deployment(app, value, given_as="-d" if isinstance(param, click.Option) else "DEPLOYMENT")
-    return value
+    if app is None:
+        return
+    # -d may be given more than once (click would keep the last one without a word): every one must agree.
+    names = list(dict.fromkeys(value)) if isinstance(value, tuple) else [] if value is None else [value]
+    if len(names) > 1:
+        app.abort(f"-d {names[0]} and -d {names[1]} name different deployments; give one of them")
+    name_deployment(app, names[0] if names else None, given_as="-d" if isinstance(param, click.Option) else "DEPLOYMENT")
 
 
 def deployment_option(f: F) -> F:
     """``-d/--deployment NAME`` on a subcommand: the same as ``prorl -d NAME`` before it."""
-    return click.option("-d", "--deployment", "deployment_flag", metavar="NAME", expose_value=False,
+    return click.option("-d", "--deployment", "deployment_flag", metavar="NAME", expose_value=False, multiple=True,
                         callback=_from_option, help=DEPLOYMENT_HELP)(f)
 
 
