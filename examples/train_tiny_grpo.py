@@ -106,6 +106,11 @@ class RunConfig:
     #: The bridge's transformers engine picks its own device the same way (``inference.device``).
     device: str = "auto"
 
+    def __post_init__(self) -> None:
+        # Checkpoint paths go to the bridge, a process started in the stack's own folder: a relative one would
+        # name a folder under it.
+        self.out = Path(self.out).resolve()
+
 
 @dataclass
 class RunSummary:

@@ -26,9 +26,11 @@ def test_tiny_grpo_short_configuration(tmp_path: Path) -> None:
     from prorl_cli.training.export import arrow_schema
 
     out = tmp_path / "run"
+    # A relative --out, as the README writes it: the bridge (started in the stack's own folder) must still find
+    # the checkpoints under it.
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "train_tiny_grpo.py"), "--out", str(out), "--short"],
-        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900,
+        [sys.executable, str(REPO / "examples" / "train_tiny_grpo.py"), "--out", "run", "--short"],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
