@@ -18,7 +18,10 @@ A restarted broker replays it: finished jobs keep their results for late
 watchers; unfinished ones that were placed wait for the node they were placed
 on to claim them (a node that registers again reports what it still runs)
 and are queued again if it does not; never-placed ones are queued at once.
-A torn last record (a crash mid-write) is reported and ignored. The file is
+A torn last record (a crash mid-write) is reported and ignored; a damaged
+stretch in the middle is skipped to the next record that reads back (a map
+whose first key is ``"t"``), and an ended job whose result does not read back
+ends failed (``JournalDamaged``). The file is
 compacted (rewritten with only what a replay needs) when the broker starts,
 and, off the broker's loop, whenever it has grown past ``compact_bytes`` (and
 past twice its size after the last compaction): the loop hands a snapshot of
@@ -29,10 +32,14 @@ appending to the new file what came in since the snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
+import shutil
 import struct
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +47,9 @@ from typing import Any
 import msgpack
 
 from prorl_cli.broker.state import Job
-from prorl_cli.protocol import JobSpec, JobState
+from prorl_cli.exceptions import ProtocolError
+from prorl_cli.protocol import ErrorInfo, JobResult, JobSpec, JobState
+from prorl_cli.protocol.framing import pack_obj, unpack_obj
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +119,22 @@ class Journal:
         self._copied_until = 0
         #: The last ``weights`` record :meth:`replay` read (None: no update was ever loaded by every bridge).
         self.weights: dict[str, Any] | None = None
+        #: The byte ranges the last :meth:`replay` skipped as damaged, ``(first, next record)``.
+        self.damaged: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ reading
 
     def replay(self) -> dict[str, Job]:
-        """The jobs the file records, in acceptance order (unfinished ones in the state they were accepted in)."""
+        """The jobs the file records, in acceptance order (unfinished ones in the state they were accepted in).
+
+        A damaged stretch (a page of zeros or garbage a crash left without ``journal_fsync``) is skipped to the
+        next record that reads back: :attr:`damaged` lists the byte ranges, said once each.
+        """
         jobs: dict[str, Job] = {}
+        self.damaged = []
         if not self.path.exists():
             return jobs
+        malformed = 0
         for n, record in enumerate(self._records()):
             try:
                 if record["t"] == "weights":
@@ -125,28 +142,45 @@ class Journal:
                     continue
                 self._apply(jobs, record)
             except (KeyError, TypeError, ValueError) as e:
-                log.error("journal %s: record %d is malformed (%s); skipped", self.path, n, e)
+                malformed += 1
+                if malformed <= 10:
+                    log.error("journal %s: record %d is malformed (%s); skipped", self.path, n, e)
+        if malformed > 10:
+            log.error("journal %s: %d malformed records skipped in all", self.path, malformed)
         return jobs
 
-    def _records(self) -> Iterator[Any]:
-        with open(self.path, "rb") as f:
-            unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=1 << 31)
-            good_until = 0
-            while True:
-                try:
-                    record = unpacker.unpack()
-                except msgpack.OutOfData:
-                    end = os.fstat(f.fileno()).st_size
-                    if end > good_until:
-                        log.warning("journal %s: ignoring a torn record in its last %d bytes (a crash mid-write)",
-                                    self.path, end - good_until)
-                    return
-                except (msgpack.UnpackException, ValueError) as e:
-                    log.error("journal %s: unreadable from byte %d on (%s); replaying what came before",
-                              self.path, good_until, e)
-                    return
-                good_until = unpacker.tell()
-                yield record
+    def _records(self) -> Iterator[dict[str, Any]]:
+        """The file's records; past a damaged stretch, on from the next record that reads back."""
+        with open(self.path, "rb") as f, contextlib.ExitStack() as stack:
+            end = os.fstat(f.fileno()).st_size
+            if end == 0:
+                return
+            view = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            pos = 0
+            while pos < end:
+                f.seek(pos)
+                unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=1 << 31)
+                good_until = pos
+                while True:
+                    try:
+                        record = unpacker.unpack()
+                    except msgpack.OutOfData:
+                        if end > good_until:
+                            log.warning("journal %s: ignoring a torn record in its last %d bytes (a crash mid-write)",
+                                        self.path, end - good_until)
+                        return
+                    except (msgpack.UnpackException, ValueError):
+                        break
+                    if not (isinstance(record, dict) and record.get("t") in _RECORD_TYPES):
+                        break  # not a record: a damaged stretch begins here
+                    good_until = pos + unpacker.tell()
+                    yield record
+                resume = _next_record_start(view, good_until + 1, end)
+                self.damaged.append((good_until, resume))
+                log.error("journal %s: bytes %d-%d are damaged (%d bytes skipped); what they recorded is lost: jobs "
+                          "accepted there are unknown to this broker, jobs placed or ended there run again", self.path,
+                          good_until, resume, resume - good_until)
+                pos = resume
 
     @staticmethod
     def _apply(jobs: dict[str, Job], record: dict[str, Any]) -> None:
@@ -166,8 +200,22 @@ class Journal:
         elif record["t"] == "end":
             job = jobs.get(record["job_id"])
             if job is not None:
-                job.state = JobState(record["state"])
-                job.result = bytes(record["result"])
+                state, result = JobState(record["state"]), bytes(record["result"])
+                try:
+                    JobResult.from_wire(unpack_obj(result))
+                except ProtocolError as e:
+                    # Its bytes were damaged on disk: say so as the job's failure, never hand out what cannot be read.
+                    log.error("journal: the result of job %s (%s) does not read back (%s); it ends failed",
+                              job.job_id, state.value, e)
+                    state = JobState.FAILED
+                    result = pack_obj(JobResult(
+                        job_id=job.job_id, task=job.spec.task, state=state.value, attempt=job.spec.attempt,
+                        critical_error="broker", group_id=job.spec.group_id, meta=job.spec.meta,
+                        error=ErrorInfo(stage="broker", type="JournalDamaged",
+                                        message="the job ended, but its result was damaged in the broker's journal "
+                                                "(a crash without journal_fsync) and is lost").to_wire(),
+                    ).to_wire())
+                job.state, job.result = state, result
         else:
             raise ValueError(f"unknown record type {record['t']!r}")
 
@@ -218,6 +266,14 @@ class Journal:
         # Twice the compacted size at least: what a replay needs may itself exceed compact_bytes
         # (many retained results), and rewriting it every turn would stall the broker.
         return self._size > max(self.compact_bytes, 2 * self._compacted_size)
+
+    def keep_aside(self, why: str) -> Path:
+        """Copy the file beside itself as ``broker.journal.<why>-<UTC time>`` (0600); return the copy's path."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        copy = self.path.with_name(f"{self.path.name}.{why}-{stamp}")
+        shutil.copyfile(self.path, copy)
+        os.chmod(copy, 0o600)
+        return copy
 
     def rewrite(self, records: Iterable[dict[str, Any]]) -> None:
         """Replace the file with ``records`` (atomically: write beside it, fsync, rename)."""
@@ -304,6 +360,40 @@ class Journal:
         self.close()
         self.path.unlink(missing_ok=True)
         self._tmp.unlink(missing_ok=True)
+
+
+#: The record types a journal holds; each record is a map whose first key is ``"t"``.
+_RECORD_TYPES = frozenset({"job", "placed", "attempt", "end", "weights"})
+
+
+def _next_record_start(view: Any, start: int, end: int) -> int:
+    """Where the first record at or after ``start`` begins (``end`` if none): a msgpack map (fixmap, 1 to 15
+    keys) whose first key is ``"t"`` naming a record type, that reads back whole."""
+    pos = start
+    while True:
+        hit = view.find(b"\xa1t", pos + 1, end)
+        if hit < 0:
+            return end
+        first = hit - 1
+        if first >= start and 0x81 <= view[first] <= 0x8F and _reads_back(view, first, end):
+            return first
+        pos = hit
+
+
+def _reads_back(view: Any, first: int, end: int) -> bool:
+    """Whether a whole journal record starts at ``first`` (read through a window that grows as a big record needs)."""
+    window = 1 << 16
+    while True:
+        try:
+            candidate = msgpack.unpackb(view[first:min(end, first + window)], raw=False)
+        except msgpack.ExtraData as e:
+            candidate = e.unpacked
+        except (msgpack.UnpackException, ValueError):
+            if first + window >= end:
+                return False
+            window *= 4  # cut short by the window (or not msgpack at all: then the file's end says so)
+            continue
+        return isinstance(candidate, dict) and candidate.get("t") in _RECORD_TYPES
 
 
 def _checked_weights(record: dict[str, Any]) -> dict[str, Any]:

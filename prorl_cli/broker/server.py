@@ -147,6 +147,11 @@ class Broker:
         jobs = self.journal.replay().values()
         self.router.weights.restore(self.journal.weights)
         waiting = self.table.load_replayed(jobs, claim_window_s=2 * self.dead_after_s)
+        if self.journal.damaged:
+            # The compaction below keeps only what was read back: the damaged file stays beside it, for a person.
+            kept = self.journal.keep_aside("damaged")
+            log.error("journal: %d damaged stretch(es) skipped; the file as it was is kept as %s", len(self.journal.damaged),
+                      kept)
         self.journal.rewrite(self.table.journal_snapshot(self.router.weights.journal_records()))
         if self.jobs:
             log.info("journal replayed: %d job(s), %d unfinished", len(self.jobs), sum(not j.state.terminal for j in self.jobs.values()))
