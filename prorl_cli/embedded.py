@@ -10,6 +10,7 @@ it did not start.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ import yaml
 
 from prorl_cli.client import AsyncRolloutClient, RolloutClient
 from prorl_cli.config import ENV_CONFIG, ENV_DEPLOYMENT, ENV_HOME, ProrlConfig, load_config
-from prorl_cli.exceptions import BrokerUnavailable, StartTimeout
+from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, StartTimeout
 from prorl_cli.processes import DIE_WITH_PARENT_ENV, stop_groups
 from prorl_cli.protocol import StatusReport
 from prorl_cli.rendezvous import read_rendezvous, wait_rendezvous
@@ -48,6 +49,7 @@ class LocalStack:
         self.logs.mkdir(exist_ok=True)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._client: RolloutClient | None = None
+        self._spawner: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __enter__(self) -> LocalStack:
         return self
@@ -78,15 +80,23 @@ class LocalStack:
             # Two servers under one name would take each other's place at the broker, and close() would lose one.
             raise RuntimeError(f"{name!r} of this stack still runs (pid {running.pid}): stop it first, or pick "
                                "another name")
-        with open(self.logs / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "prorl_cli", "-d", self.name, *args],
-                env=self._server_env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=self.home,
-            )
+        def start() -> subprocess.Popen[bytes]:
+            with open(self.logs / f"{name}.log", "ab") as log:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "prorl_cli", "-d", self.name, *args],
+                    env=self._server_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    cwd=self.home,
+                )
+
+        # The kernel ties a server's end to the *thread* that forked it (PR_SET_PDEATHSIG): servers started from a
+        # short-lived thread (asyncio.to_thread's worker, gone when asyncio.run returns) would die with it. Every
+        # server forks from the stack's own thread, which lives until close() (or the interpreter's exit).
+        if self._spawner is None:
+            self._spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prorl-stack-spawner")
+        proc = self._spawner.submit(start).result()
         self.procs[name] = proc
         return proc
 
@@ -103,8 +113,8 @@ class LocalStack:
 
     def async_client(self, request_timeout_s: float = 15.0) -> AsyncRolloutClient:
         """A new client of this stack for asyncio code (use it in ``async with``)."""
-        return AsyncRolloutClient(self.name, address=self.address, config=self.load_config(),
-                                  request_timeout_s=request_timeout_s)
+        # Found through the stack's rendezvous file (no fixed address): it follows a broker restarted elsewhere.
+        return AsyncRolloutClient(self.name, config=self.load_config(), request_timeout_s=request_timeout_s)
 
     def start_broker(self, timeout_s: float = 30.0) -> subprocess.Popen[bytes]:
         self._refuse_inside_a_loop("start_broker")
@@ -144,8 +154,11 @@ class LocalStack:
         past ``timeout_s`` or once that watched child died."""
         deadline = time.monotonic() + timeout_s
         while True:
-            status = self.client.status()
-            if predicate(status):
+            try:
+                status = self.client.status()
+            except BrokerRestarted:
+                status = None  # asked at the old address of a broker restarted elsewhere: the next ask goes to the new one
+            if status is not None and predicate(status):
                 return status
             proc = self.procs.get(log_name) if log_name else None
             if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
@@ -169,9 +182,8 @@ class LocalStack:
         return load_config(self.config_path, {"home": str(self.home), "deployment": self.name})
 
     def new_client(self, request_timeout_s: float = 15.0) -> RolloutClient:
-        return RolloutClient(
-            self.name, address=self.address, config=self.load_config(), request_timeout_s=request_timeout_s
-        )
+        # Found through the stack's rendezvous file (no fixed address): it follows a broker restarted elsewhere.
+        return RolloutClient(self.name, config=self.load_config(), request_timeout_s=request_timeout_s)
 
     def drop_client(self) -> None:
         """Close the cached :attr:`client`; the next use connects anew (to where the rendezvous file points)."""
@@ -211,3 +223,6 @@ class LocalStack:
             self.drop_client()
         finally:
             stop_groups(self.procs.values(), STOP_GRACE_S)
+            if self._spawner is not None:
+                self._spawner.shutdown(wait=True)
+                self._spawner = None

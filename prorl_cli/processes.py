@@ -67,8 +67,8 @@ def die_with_parent() -> None:
     SIGTERM. The variable is removed, so what this process starts in turn
     (sandboxes, engines) is stopped by this process, not by the kernel. The
     kernel follows the parent's *thread* that forked, not its process: start
-    such servers from the thread that lives as long as they should (a
-    ``LocalStack`` spawns from its owner's thread).
+    such servers from a thread that lives as long as they should (a
+    ``LocalStack`` spawns from a thread of its own that lives until it closes).
     """
     raw = os.environ.pop(DIE_WITH_PARENT_ENV, None)
     if not raw or not raw.isdigit():
