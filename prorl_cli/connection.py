@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,10 @@ class BrokerConnection:
         monitor: zmq.asyncio.Socket | None = None
         try:
             sock.setsockopt(zmq.LINGER, self.linger_ms)
+            # Our own routing id, kept when libzmq reconnects this socket (a dropped TCP link, a frame the broker
+            # refused as too big): with the one libzmq would draw anew, the broker went on sending this peer's
+            # results to a connection that is gone. A leading zero byte is libzmq's own; ours never has one.
+            sock.setsockopt(zmq.ROUTING_ID, b"p" + uuid.uuid4().bytes)
             if self.unbounded:
                 sock.setsockopt(zmq.SNDHWM, 0)
                 sock.setsockopt(zmq.RCVHWM, 0)

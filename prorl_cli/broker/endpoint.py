@@ -43,6 +43,9 @@ class Endpoint:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A peer reconnecting under its routing id (peers keep theirs) takes it over from a link the broker has not
+        # seen die yet (a half-open TCP connection); without this its new connection would be refused.
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         # Bounded per peer (libzmq then stops reading that connection): unread input cannot outgrow memory
         # when nodes send results faster than the loop reads them; the backlog waits in the senders.

@@ -1,0 +1,40 @@
+"""A client whose link to the broker drops and comes back (libzmq reconnects it): real broker, node and client."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from prorl_cli.client import AsyncRolloutClient
+from prorl_cli.testing.harness import Deployment
+
+
+def test_results_of_running_jobs_reach_a_client_whose_link_was_dropped_and_remade(tmp_path: Path) -> None:
+    """The broker drops a peer that sends a frame over ``max_message_bytes`` (libzmq does, and says nothing); the
+    client's socket reconnects. It used to come back under a new routing id, and the results of the jobs it was
+    waiting for went to the old one, so they never arrived."""
+    with Deployment(tmp_path / "home", "rc", config={"broker": {"max_message_bytes": 1 << 20}}) as stack:
+        stack.start_broker()
+        stack.start_node("n1")
+
+        async def run() -> list[str]:
+            async with stack.async_client() as client:
+                ids = await client.submit("test", [{"sleep_s": {"run": 2.0}, "echo": i} for i in range(2)])
+                await stack_wait_running(client, ids)
+                conn = client._conn
+                assert conn is not None and conn.sock is not None
+                await conn.sock.send(b"x" * (2 << 20))  # over the limit: the broker's libzmq drops this link
+                return [r.state async for r in client.as_completed(ids, timeout_s=60)]
+
+        assert asyncio.run(run()) == ["done", "done"]
+
+
+async def stack_wait_running(client: AsyncRolloutClient, ids: list[str]) -> None:
+    """Until both jobs run on the node (the link drops while they run); the broker pushes no such event to poll for."""
+    states: dict[str, str] = {}
+    for _ in range(600):
+        states = await client.list_jobs()
+        if all(states.get(j) in ("init", "run", "eval", "done") for j in ids):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"jobs never ran: {states}")
