@@ -193,12 +193,23 @@ class JobTable:
         return out
 
     def _release_unclaimed(self) -> None:
+        """Replayed jobs whose nodes did not claim them in time run again, each with a new attempt (as after a node
+        loss: they may have run there, and a job that keeps taking its node down must still run out of attempts)."""
         jobs = sorted(self.awaiting_claim.values(), key=lambda j: j.seq, reverse=True)
-        log.info("%d replayed job(s) were not claimed by their nodes; queueing them", len(jobs))
-        for job in jobs:
-            job.claim_node = job.claim_attempt = None
-            self.queue.push(job.spec.task, job.job_id, front=True)
         self.awaiting_claim.clear()
+        log.info("%d replayed job(s) were not claimed by their nodes; queueing them again", len(jobs))
+        for job in jobs:
+            node_id = job.claim_node
+            job.claim_node = job.claim_attempt = None
+            if job.spec.attempt >= job.spec.max_attempts:
+                self.finish_by_broker(job, JobState.FAILED, P.ErrorInfo(
+                    stage="node", type="NodeLost",
+                    message=f"node {node_id} did not claim the job after the broker restarted; attempt "
+                            f"{job.spec.attempt} of {job.spec.max_attempts}"))
+                continue
+            job.spec.attempt += 1
+            self._record(attempt_record(job.job_id, job.spec.attempt))
+            self.queue.push(job.spec.task, job.job_id, front=True)
 
     def _take_back(self, job: Job, node: Node, attempt: int) -> None:
         """Give a waiting job back to the node that may claim it (see the module docstring)."""

@@ -264,7 +264,26 @@ def test_replay_waits_only_for_placed_jobs(tmp_path) -> None:
     late.load_replayed(Journal(tmp_path / "broker.journal").replay().values(), claim_window_s=60.0, now=0.0)
     _node(late, "n2", credit=4)
     assert sorted(j.job_id for _, j in late.place(now=1.0)) == ["never-placed"]
-    assert [j.job_id for _, j in late.place(now=61.0)] == ["placed"]
+    [(_, released)] = late.place(now=61.0)
+    # It may have run on n1 before the broker went: it runs again as a new attempt.
+    assert released.job_id == "placed" and released.spec.attempt == 2
+
+
+def test_an_unclaimed_replayed_job_on_its_last_attempt_fails_naming_why(tmp_path) -> None:
+    journal = Journal(tmp_path / "broker.journal")
+    first = JobTable(record=journal.append)
+    _node(first, "n1", credit=1)
+    _add(first, "last", max_attempts=1)
+    first.place()
+    journal.flush()
+    table = JobTable()
+    table.load_replayed(journal.replay().values(), claim_window_s=60.0, now=0.0)
+    _node(table, "n2", credit=4)
+    assert table.place(now=61.0) == []
+    job = table.jobs["last"]
+    assert job.state == JobState.FAILED
+    error = P.unpack_obj(job.result)["error"]
+    assert error["type"] == "NodeLost" and "did not claim" in error["message"] and "attempt 1 of 1" in error["message"]
 
 
 def test_dead_nodes_are_pruned() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from prorl_cli import protocol as P
 from prorl_cli.broker.journal import Journal, end_record, job_record, packed_pieces
 from prorl_cli.broker.server import Broker
 from prorl_cli.broker.state import Node
@@ -43,7 +44,8 @@ def test_compaction_runs_in_a_thread_and_keeps_what_came_meanwhile(tmp_path: Pat
     journal.compact_in_background(GatedRecords(snapshot, gate))  # returns while the writer waits
     assert journal.compacting and not journal.wants_compaction
     journal.append(job_record(JobSpec(job_id="new", task="t"), b"\x80"))
-    journal.append(end_record("old0", JobState.DONE, b"result"))
+    done = P.pack_obj(P.JobResult(job_id="old0", task="t", state="done").to_wire())
+    journal.append(end_record("old0", JobState.DONE, done))
     journal.flush()
     journal.poll()
     assert journal.compacting  # still gated: the old file is still the one written
@@ -52,14 +54,14 @@ def test_compaction_runs_in_a_thread_and_keeps_what_came_meanwhile(tmp_path: Pat
         time.sleep(0.01)
         journal.poll()
     jobs = journal.replay()
-    assert sorted(jobs) == ["new", "old0", "old1", "old2"] and jobs["old0"].result == b"result"
+    assert sorted(jobs) == ["new", "old0", "old1", "old2"] and jobs["old0"].result == done
     journal.close()
 
 
 def test_big_results_are_journaled_by_reference_and_replay_the_same(tmp_path: Path) -> None:
     """No copy of a result on the loop (a turn of 256 KB results would double the broker's memory for a
     moment): the record's pieces hold the result object itself, and the bytes are what msgpack writes."""
-    result = os.urandom(300_000)
+    result = P.pack_obj(P.JobResult(job_id="big", task="t", state="failed", output={"blob": os.urandom(300_000)}).to_wire())
     small = end_record("small", JobState.DONE, b"tiny")
     big = end_record("big", JobState.FAILED, result)
     packer = msgpack.Packer(use_bin_type=True)
