@@ -105,6 +105,17 @@ class ReloadFailed(RemoteError):
         self.failed: dict[str, str] = {}
 
 
+class JournalUnwritable(RemoteError, OSError):
+    """The broker cannot write its journal (a full disk, a lost mount): it takes no new jobs until it can.
+
+    Raised to a client whose submit it refused; nothing of that submit was accepted: submit it again later.
+    """
+
+
+class JournalWriteError(ProrlError, OSError):
+    """The broker's journal could not be written (the broker's side of :class:`JournalUnwritable`)."""
+
+
 class StartTimeout(ProrlError, TimeoutError):
     """A process of an embedded deployment did not come up in time, or died starting (the message ends with its log)."""
 
@@ -274,6 +285,7 @@ _ERROR_CLASSES: dict[str, type[RemoteError]] = {
     "backend_error": BackendFailed,
     "context_length_exceeded": BackendContextLengthExceeded,
     "shutting_down": BrokerStopping,
+    "journal_unwritable": JournalUnwritable,
     "drain_timeout": DrainTimeout,
     "reload_failed": ReloadFailed,
 }

@@ -145,6 +145,13 @@ class JobTable:
         self._record(job_record(spec, instance))
         return job
 
+    def withdraw(self, job_ids: Iterable[str]) -> None:
+        """Undo :meth:`add` for jobs accepted this turn and never placed (their submit was refused after all)."""
+        for job_id in job_ids:
+            job = self.jobs.pop(job_id, None)
+            if job is not None:
+                self.queue.remove(job.spec.task, job_id)
+
     def load_replayed(self, jobs: Iterable[Job], claim_window_s: float, now: float | None = None) -> int:
         """Take the jobs a journal replay rebuilt; return how many wait for their node's claim."""
         for job in jobs:

@@ -47,7 +47,7 @@ from typing import Any
 import msgpack
 
 from prorl_cli.broker.state import Job
-from prorl_cli.exceptions import ProtocolError
+from prorl_cli.exceptions import JournalWriteError, ProtocolError
 from prorl_cli.protocol import ErrorInfo, JobResult, JobSpec, JobState
 from prorl_cli.protocol.framing import pack_obj, unpack_obj
 
@@ -229,15 +229,38 @@ class Journal:
         """Write what was appended since the last flush (and fsync when configured)."""
         if not self._buffer:
             return
-        if self._file is None:
-            self._open()
         size = sum(map(len, self._buffer))
-        self._file.writelines(self._buffer)  # no joined copy: results of hundreds of KB are written in place
+        try:
+            if self._file is None:
+                self._open()
+            self._file.writelines(self._buffer)  # no joined copy: results of hundreds of KB are written in place
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+        except OSError as e:
+            # Nothing of this write stays on disk, and the records stay buffered for the next flush: the file
+            # holds whole records only, whatever part of them reached it.
+            self._rewind()
+            raise JournalWriteError(f"journal {self.path}: cannot write ({e.strerror or e})") from e
         self._buffer.clear()
-        self._file.flush()
-        if self.fsync:
-            os.fsync(self._file.fileno())
         self._size += size
+
+    def _rewind(self) -> None:
+        """After a failed write: drop what the file object holds and cut the file back to its last whole record."""
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()  # its own flush fails again; the descriptor is closed all the same
+        with contextlib.suppress(OSError):
+            os.truncate(self.path, self._size)
+
+    def mark(self) -> int:
+        """Where the records appended from now on start (for :meth:`discard_since`)."""
+        return len(self._buffer)
+
+    def discard_since(self, mark: int) -> None:
+        """Forget the records appended since ``mark`` that no flush wrote (a submit refused after all)."""
+        del self._buffer[mark:]
 
     def poll(self) -> None:
         """Swap in the compacted file once the background compaction is done (call from the loop)."""
@@ -335,12 +358,18 @@ class Journal:
             self._tmp.unlink(missing_ok=True)
             self._compacted_size = self._size  # do not retry at once
             return
-        with open(self._tmp, "ab") as f:
-            # What was appended after the thread's copy: one loop turn's worth or so.
-            _copy_from(self.path, self._copied_until, f, until=self._size)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(self._tmp, 0o600)
+        try:
+            with open(self._tmp, "ab") as f:
+                # What was appended after the thread's copy: one loop turn's worth or so.
+                _copy_from(self.path, self._copied_until, f, until=self._size)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(self._tmp, 0o600)
+        except OSError as e:  # a full disk: the old file is whole and stays
+            log.error("journal %s: compaction failed (%s); keeping the old file", self.path, e)
+            self._tmp.unlink(missing_ok=True)
+            self._compacted_size = self._size
+            return
         os.replace(self._tmp, self.path)
         if self._file is not None:
             self._file.close()

@@ -59,7 +59,7 @@ class Members:
         table: JobTable,
         send: SendFn,
         collector: DeploymentCollector,
-        journal_flush: Callable[[], None],
+        journal_flush: Callable[[], object],
         *,
         heartbeat_interval_s: float,
         heartbeat_liveness: int,

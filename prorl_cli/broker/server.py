@@ -39,7 +39,7 @@ from prorl_cli.broker.outbox import Outbox
 from prorl_cli.broker.routing import Router
 from prorl_cli.broker.state import Job, Node, instance_digest
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import ProtocolError
+from prorl_cli.exceptions import JournalWriteError, ProtocolError
 from prorl_cli.observe.logs import OncePerPeer
 from prorl_cli.observe.metrics import (
     DeploymentCollector,
@@ -134,6 +134,8 @@ class Broker:
         self._drained = True
         self._next_gauges_at = 0.0
         self._rejects = OncePerPeer(log)
+        #: Why the journal cannot be written now (None: it can); new jobs are refused meanwhile.
+        self._journal_error: str | None = None
         if bc.journal:
             self.journal = Journal(
                 config.deployment_dir / JOURNAL_NAME, fsync=bc.journal_fsync, compact_bytes=bc.journal_compact_mb * 1024 * 1024
@@ -165,14 +167,29 @@ class Broker:
             if durable:  # on disk now: its reply goes out before this turn's end (the weights record)
                 self._journal_flush()
 
-    def _journal_flush(self) -> None:
-        """Make what was journaled durable before anyone hears of it; compaction runs off the loop."""
+    def _journal_flush(self) -> bool:
+        """Make what was journaled durable before anyone hears of it; compaction runs off the loop.
+
+        False when the journal cannot be written (a full disk): said once, and the broker goes on (status,
+        results, jobs already accepted) with the records kept in memory for the next flush; new jobs are
+        refused until a flush succeeds again.
+        """
         if self.journal is None:
-            return
-        self.journal.flush()
+            return True
+        try:
+            self.journal.flush()
+        except JournalWriteError as e:
+            if self._journal_error is None:
+                log.error("%s: new jobs are refused until it can be written; what it must record waits in memory", e)
+            self._journal_error = str(e)
+            return False
+        if self._journal_error is not None:
+            log.warning("journal %s is written again; new jobs are accepted", self.journal.path)
+            self._journal_error = None
         self.journal.poll()
         if self.journal.wants_compaction:
             self.journal.compact_in_background(self.table.journal_snapshot(self.router.weights.journal_records()))
+        return True
 
     # ------------------------------------------------------------------ I/O
 
@@ -243,7 +260,10 @@ class Broker:
             if self.metrics_server is not None:
                 self.metrics_server.close()
             if self.journal is not None:
-                self.journal.close()
+                try:
+                    self.journal.close()
+                except JournalWriteError as e:
+                    log.error("%s at stop: what it had not recorded is lost", e)
                 if self.stopping:
                     # A clean stop finished every job and delivered every result: the next broker starts afresh.
                     self.journal.remove()
@@ -387,6 +407,10 @@ class Broker:
         if self.stopping:
             self._error(identity, rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping; no new jobs")
             return
+        if not self._journal_flush():  # accepted means journaled: not while the journal cannot be written
+            self._error(identity, rid, ErrorCode.JOURNAL_UNWRITABLE, f"{self._journal_error}; no job of this submit "
+                        "was accepted: submit it again once the broker's disk has room")
+            return
         specs: list[JobSpec] = h.jobs  # checked by the submit schema
         seen: set[str] = set()
         reused: list[tuple[str, str]] = []
@@ -423,6 +447,7 @@ class Broker:
                         "and their results are returned, not new ones; new work needs new ids", len(reused),
                         *reused[0])
         accepted, existing = [], []
+        mark = self.journal.mark() if self.journal is not None else 0
         for spec, instance in zip(specs, payload, strict=True):
             job = self.jobs.get(spec.job_id)
             if job is not None:
@@ -433,9 +458,18 @@ class Broker:
                     self.outbox.results[identity].append(job)
                 continue
             self.table.add(spec, bytes(instance), identity)
-            self.metrics.inc("prorl_jobs_submitted", (spec.task,))
             accepted.append(spec.job_id)
-        self._journal_flush()  # accepted means journaled
+        if not self._journal_flush():  # accepted means journaled: a submit the disk could not take is undone whole
+            assert self.journal is not None
+            self.journal.discard_since(mark)
+            self.table.withdraw(accepted)
+            self._error(identity, rid, ErrorCode.JOURNAL_UNWRITABLE, f"{self._journal_error}; no job of this submit "
+                        "was accepted: submit it again once the broker's disk has room")
+            return
+        new_ids = set(accepted)
+        for spec in specs:
+            if spec.job_id in new_ids:
+                self.metrics.inc("prorl_jobs_submitted", (spec.task,))
         self._send(identity, P.reply(rid, accepted=accepted, existing=existing, boot_id=self.boot_id))
 
     def _watch_named(self, identity: bytes, job_ids: list[str]) -> tuple[list[Job], list[str]]:

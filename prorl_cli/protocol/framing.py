@@ -121,6 +121,7 @@ class ErrorCode(str, enum.Enum):
     SHUTTING_DOWN = "shutting_down"
     DRAIN_TIMEOUT = "drain_timeout"  # pause_generation's wait ran out with calls in flight (``running`` names them)
     RELOAD_FAILED = "reload_failed"  # a backend could not load new weights (``failed`` names it and why)
+    JOURNAL_UNWRITABLE = "journal_unwritable"  # the broker cannot write its journal: a submit is refused whole
 
 
 class JobState(str, enum.Enum):

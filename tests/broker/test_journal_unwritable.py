@@ -1,0 +1,46 @@
+"""A broker whose journal cannot be written (a full disk): real broker, node and client processes.
+
+The broker process is given a file-size limit just above its journal's size (``RLIMIT_FSIZE``: writes past it fail
+with EFBIG, as a full disk fails them with ENOSPC), then the limit is lifted, as freeing space would.
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+from pathlib import Path
+
+import pytest
+
+from prorl_cli.exceptions import JournalUnwritable
+from prorl_cli.testing.harness import Deployment, fixed_port
+
+
+def test_a_submit_the_journal_cannot_take_is_refused_whole_and_the_broker_goes_on(tmp_path: Path) -> None:
+    config = {"broker": {"port": fixed_port(), "journal": True}}
+    with Deployment(tmp_path / "home", "full", config=config) as d:
+        broker = d.start_broker()
+        d.start_node("n1")
+        client = d.client
+        first = client.submit("test", [{"echo": "before"}])
+        assert client.wait(first, timeout_s=60)[0].ok
+        journal = d.deployment_dir / "broker.journal"
+        limits = resource.prlimit(broker.pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(broker.pid, resource.RLIMIT_FSIZE, (journal.stat().st_size + 512, limits[1]))
+        ids = [f"full-{i}" for i in range(50)]
+        with pytest.raises(JournalUnwritable, match="cannot write.*submit it again"):
+            client.submit("test", [{"echo": i, "pad": "x" * 200} for i in range(50)], job_ids=ids)
+        # Still serving: status, the results it holds, and nothing of the refused submit.
+        assert broker.poll() is None
+        assert client.result(first[0], timeout_s=30).output["echo"] == "before"
+        assert not client.list_jobs(prefix="full-")
+        assert d.log("broker").count("new jobs are refused") == 1
+        # Room again: the same submit is accepted, runs, and is journaled (it survives a crash of the broker).
+        resource.prlimit(broker.pid, resource.RLIMIT_FSIZE, limits)
+        assert client.submit("test", [{"echo": i} for i in range(50)], job_ids=ids).accepted == ids
+        assert [r.output["echo"] for r in client.wait(ids, timeout_s=120)] == list(range(50))
+        d.kill("broker", signal.SIGKILL)
+        d.start_broker()
+        fresh = d.new_client()
+        assert fresh.result(ids[-1], timeout_s=30).output["echo"] == 49
+        fresh.close()
