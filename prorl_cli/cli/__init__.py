@@ -44,13 +44,16 @@ class ProrlGroup(click.Group):
             where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
             click.echo(f"error: {where}: {e.strerror or e}", err=True)
             raise click.exceptions.Exit(1) from e
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             # A command that does not handle Ctrl-C itself (what it started is stopped by its own cleanup, which
-            # ran as the interrupt unwound): one line and the shell's 128 + SIGINT, not click's bare "Aborted!".
+            # ran as the interrupt unwound): one line and the shell's 128 + the signal, not click's bare "Aborted!".
             # The newline first (as click's own "Aborted!"): the terminal's ^C, or a live progress line, has none.
+            from prorl_cli.cli.common import interruption
+
+            how, code = interruption(e)
             click.echo(err=True)
-            click.echo("error: interrupted (Ctrl-C)", err=True)
-            raise click.exceptions.Exit(130) from None
+            click.echo(f"error: {how}", err=True)
+            raise click.exceptions.Exit(code) from None
 
 
 @click.group(cls=ProrlGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

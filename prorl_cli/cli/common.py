@@ -220,6 +220,15 @@ def sampling_of(app: App, max_tokens: int | None, temperature: float | None, top
                                  {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed})
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwinding as Ctrl-C does (:class:`SigtermAsInterrupt`); the CLI says which of the two it was."""
+
+
+def interruption(e: KeyboardInterrupt) -> tuple[str, int]:
+    """How to name an interruption and the exit code to end with: SIGTERM's (143) or Ctrl-C's (130)."""
+    return ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted (Ctrl-C)", 130)
+
+
 class SigtermAsInterrupt:
     """While entered, SIGTERM unwinds like Ctrl-C (``KeyboardInterrupt``), so a command cleans up as it does
     on Ctrl-C: a trainer's Slurm job gets SIGTERM when cancelled, preempted or out of time (its jobs must be
@@ -231,7 +240,7 @@ class SigtermAsInterrupt:
 
     def _on_term(self, signum: int, frame: object) -> None:
         self.fired = True
-        raise KeyboardInterrupt
+        raise Terminated
 
     def __enter__(self) -> SigtermAsInterrupt:
         import signal

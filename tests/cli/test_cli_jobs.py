@@ -260,8 +260,9 @@ def test_ctrl_c_on_submit_cancels_and_writes_the_cancelled_jobs_partial_trajecto
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-    assert proc.returncode == 130, err
-    assert [line for line in err.splitlines() if line.startswith("error:")] == ["error: interrupted (Ctrl-C)"], err
+    said = "error: terminated (SIGTERM)" if signum == signal.SIGTERM else "error: interrupted (Ctrl-C)"
+    assert proc.returncode == 128 + signum, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [said], err
     # The interrupted read of the result stream unwound before the client's loop closed.
     assert "Exception ignored" not in err and "Event loop is closed" not in err, err
     rows = {(r := json.loads(line))["job_id"]: r for line in out.read_text().splitlines()}

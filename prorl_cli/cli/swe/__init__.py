@@ -142,6 +142,7 @@ def _run(app: App, dataset: Path, out: Path, instances: list[dict[str, Any]], im
     """Plan the jobs, run those without a result (on the deployment or an embedded one), classify, write."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from prorl_cli.cli.common import interruption
     from prorl_cli.swe.validate_run import (
         Ledger,
         job_instance,
@@ -199,11 +200,12 @@ def _run(app: App, dataset: Path, out: Path, instances: list[dict[str, Any]], im
 
             try:
                 submit_and_collect(client, todo, submitted, timeout_s, on_result)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:
                 classify_all()
                 _write(app, out, dataset, instances, verdicts, runs, policy)
-                app.abort(f"interrupted (Ctrl-C): {len(ledger.results)} result(s) kept in {ledger.path}; "
-                          "run the same command again to resume", code=130)
+                how, code = interruption(e)
+                app.abort(f"{how}: {len(ledger.results)} result(s) kept in {ledger.path}; "
+                          "run the same command again to resume", code=code)
     classify_all()
     summary = _write(app, out, dataset, instances, verdicts, runs, policy)
     if summary.pending:
