@@ -13,7 +13,7 @@ from typing import Any
 
 from prorl_cli import protocol as P
 from prorl_cli import timebase
-from prorl_cli.client.results import ResultStream, Submitted
+from prorl_cli.client.results import ResultStream, Submitted, job_id_list
 from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.connection import BrokerConnection, Reply
 from prorl_cli.exceptions import (
@@ -270,9 +270,12 @@ class AsyncRolloutClient:
         Each is checked by the ``submit`` schema the broker applies, so a bad field raises
         :class:`ProtocolError` here, naming it, before anything is sent.
         """
-        if job_ids is not None and len(job_ids) != count:
-            raise ValueError(f"{len(job_ids)} job ids for {count} instances")
-        ids = list(job_ids) if job_ids is not None else [uuid.uuid4().hex for _ in range(count)]
+        if job_ids is not None:
+            ids = job_id_list(job_ids, "job_ids")
+            if len(ids) != count:
+                raise ValueError(f"{len(ids)} job ids for {count} instances")
+        else:
+            ids = [uuid.uuid4().hex for _ in range(count)]
         wire: dict[str, Any] = {"task": task, "max_attempts": max_attempts or self.config.jobs.max_attempts}
         # Optional fields travel only when given, so a broker from before they existed still takes the jobs.
         for name, value in (("timeout_s", timeout_s), ("stage_timeouts_s", stage_timeouts_s), ("group_id", group_id),
@@ -398,8 +401,12 @@ class AsyncRolloutClient:
         """
         return ResultStream(self, job_ids, timeout_s)
 
-    async def as_completed(self, job_ids: Iterable[str], timeout_s: float | None = None) -> AsyncIterator[JobResult]:
+    def as_completed(self, job_ids: Iterable[str], timeout_s: float | None = None) -> AsyncIterator[JobResult]:
         """Yield the results of ``job_ids`` as they finish, in completion order."""
+        # Checked here, not in the generator: a bad argument raises at the call, not at the first iteration.
+        return self._as_completed(job_id_list(job_ids, "job_ids"), timeout_s)
+
+    async def _as_completed(self, job_ids: list[str], timeout_s: float | None) -> AsyncIterator[JobResult]:
         stream = ResultStream(self, job_ids, timeout_s)
         try:
             async for result in stream:
@@ -409,14 +416,14 @@ class AsyncRolloutClient:
 
     async def wait(self, job_ids: Iterable[str], timeout_s: float | None = None) -> list[JobResult]:
         """Await all the given jobs; results in the order of ``job_ids``."""
-        ids = list(job_ids)
+        ids = job_id_list(job_ids, "job_ids")
         got = {r.job_id: r async for r in self.as_completed(ids, timeout_s)}
         return [got[j] for j in ids]
 
     async def cancel(self, job_ids: Iterable[str]) -> dict[str, str]:
         """Cancel jobs (queued or running); return each id's state after the cancel (``"unknown"`` for ids the
         broker does not know). The cancelled jobs' results come like any other."""
-        ids = list(job_ids)
+        ids = job_id_list(job_ids, "job_ids")
         reply: H.CancelReply = await self._ask(Op.CANCEL, H.JobIds(H.NEW_RID, ids))
         states = reply.states
         for job_id in states:
@@ -441,14 +448,14 @@ class AsyncRolloutClient:
         Unfinished jobs are not forgotten (``running``); ids the broker does
         not know come back in ``unknown`` (and are dropped here too).
         """
-        ids = list(dict.fromkeys(job_ids))
+        ids = list(dict.fromkeys(job_id_list(job_ids, "job_ids")))
         outcome: ForgetOutcome = await self._ask(Op.FORGET, H.JobIds(H.NEW_RID, ids))
         self.forget_local([*outcome.forgotten, *outcome.unknown])
         return outcome
 
     def forget_local(self, job_ids: Iterable[str]) -> None:
         """Drop only this client's copies of finished results (the broker keeps them for late watchers)."""
-        dropped = list(job_ids)
+        dropped = job_id_list(job_ids, "job_ids")
         for job_id in dropped:
             self._results.pop(job_id, None)
             self._watched.pop(job_id, None)

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import reprlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from prorl_cli.exceptions import UnknownJob
 from prorl_cli.protocol import JobResult
 
 if TYPE_CHECKING:
     from prorl_cli.client.aio import AsyncRolloutClient
+
+
+def job_id_list(job_ids: Iterable[str], name: str) -> list[str]:
+    """``job_ids`` as a list; ``TypeError`` naming the parameter ``name`` when it is one id rather than a collection.
+
+    A ``str`` (or ``bytes``) is itself iterable: taken as ids, it would act on each of its characters (cancel
+    jobs ``"r"``, ``"o"``, ..., forget an unrelated job named ``"o"``) instead of on the one job meant.
+    """
+    if isinstance(job_ids, (str, bytes, bytearray)):
+        raise TypeError(f"{name}: a list of job ids, got one {type(job_ids).__name__} ({reprlib.repr(job_ids)}); "
+                        "put a single id in a list")
+    return list(job_ids)
 
 
 class Submitted(list[str]):
@@ -33,7 +47,13 @@ class ResultStream:
     with more ids (top-up groups) while it runs. Without ids it never ends
     and yields every result the client receives (jobs it submitted or
     watches) from the moment it was made. Close it (``aclose``, or leave an
-    ``async for``) to stop collecting.
+    ``async for``) to stop collecting: a closed stream yields nothing more
+    (``StopAsyncIteration`` at once, a waiting consumer included).
+
+    An id the broker does not know raises :class:`UnknownJob` (a ``KeyError``
+    naming it) once, from the call that asks the broker to watch it; it is
+    dropped from :attr:`pending` and the stream goes on with the other ids,
+    whose results (received before or after) are still yielded.
     """
 
     def __init__(
@@ -52,16 +72,19 @@ class ResultStream:
         self._timeout_s = timeout_s
         self._deadline: float | None = None
         self._closed = False
+        # Checked before the stream registers with the client: a refused argument leaves no stream behind.
+        ids = None if job_ids is None else job_id_list(job_ids, "job_ids")
         client._streams.append(self)
-        if job_ids is not None:
-            self.add(job_ids)
+        if ids is not None:
+            self.add(ids)
 
     def add(self, job_ids: Iterable[str]) -> None:
         """Also yield these jobs' results (ones already yielded by this stream are not yielded again)."""
         if self._closed:
             raise RuntimeError("this result stream is closed")
+        ids = job_id_list(job_ids, "job_ids")
         to_watch = len(self._to_watch)
-        for job_id in job_ids:
+        for job_id in ids:
             if job_id in self._seen:
                 continue
             if self._wanted is not None:
@@ -74,6 +97,11 @@ class ResultStream:
         if len(self._to_watch) > to_watch:
             # A consumer already waiting on the queue would not watch these ids until some other result came.
             self._queue.put_nowait(None)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` ran (or the stream ended): it yields nothing more."""
+        return self._closed
 
     @property
     def pending(self) -> set[str]:
@@ -105,12 +133,23 @@ class ResultStream:
         if self._deadline is None and self._timeout_s is not None:
             self._deadline = loop.time() + self._timeout_s
         while True:
+            if self._closed:
+                # Like a closed generator: nobody feeds a closed stream's queue, so waiting on it would never end.
+                raise StopAsyncIteration
             if self._to_watch:
                 todo, self._to_watch = self._to_watch, []
                 try:
                     await self._client._watch(todo)
+                except UnknownJob:
+                    # The broker watched the ids it knows; one it does not know never gets a result. Reported
+                    # once (this error names it) and dropped, rather than asked for again on every call: the
+                    # other ids' results, received already or still to come, are yielded as before.
+                    unknown = {j for j in todo if j not in self._client._watched and j not in self._client._results}
+                    if self._wanted is not None:
+                        self._wanted.difference_update(unknown)
+                    raise
                 except BaseException:
-                    # Not watched (a broker down, an unknown id): the next call asks again, rather than wait for ever.
+                    # Not watched (a broker down, an interrupt): the next call asks again, rather than wait for ever.
                     self._to_watch[:0] = todo
                     raise
             while not self._queue.empty():
@@ -147,7 +186,8 @@ class ResultStream:
         return result
 
     async def aclose(self) -> None:
-        """Stop collecting results."""
+        """Stop collecting results; a consumer waiting for the next one gets ``StopAsyncIteration``."""
         self._closed = True
+        self._queue.put_nowait(None)  # wakes a consumer waiting on the queue, which then sees the stream closed
         if self in self._client._streams:
             self._client._streams.remove(self)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import zmq
 
 from prorl_cli.client.aio import AsyncRolloutClient, WeightsUpdated
-from prorl_cli.client.results import ResultStream, Submitted
+from prorl_cli.client.results import ResultStream, Submitted, job_id_list
 from prorl_cli.connection import Reply
 from prorl_cli.exceptions import ClientClosed, ProrlError
 from prorl_cli.protocol import BackendStatus, ForgetOutcome, JobResult, JobSpec, Op, StatusReport
@@ -166,6 +166,10 @@ class RolloutClient:
         return SyncResultStream(self, self._aio.results(job_ids, timeout_s))
 
     def as_completed(self, job_ids: Iterable[str], timeout_s: float | None = None) -> Iterator[JobResult]:
+        # Checked here, not in the generator: a bad argument raises at the call, not at the first next().
+        return self._as_completed(job_id_list(job_ids, "job_ids"), timeout_s)
+
+    def _as_completed(self, job_ids: list[str], timeout_s: float | None) -> Iterator[JobResult]:
         with self.results(job_ids, timeout_s) as stream:
             yield from stream
 
@@ -298,6 +302,8 @@ class SyncResultStream:
         return self
 
     def __next__(self) -> JobResult:
+        if self._stream.closed:
+            raise StopIteration  # closed: nothing more comes (even once the client, and its loop, closed too)
         try:
             return self._client._run(self._stream.__anext__())
         except StopAsyncIteration:
