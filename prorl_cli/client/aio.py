@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import uuid
@@ -56,6 +57,36 @@ class WeightsUpdated:
     policy_version: int = 0
 
 
+#: What packing adds around an instance in a submit's payload frame (msgpack's bin and array headers), at most.
+_FRAMING_BYTES = 64
+#: Jobs per submit below which no message size is estimated: even with the largest ``meta`` on each, such a
+#: header stays far below MAX_HEADER_BYTES.
+_SUBMIT_FAST_JOBS = 256
+
+
+def _submit_chunks(specs: Sequence[JobSpec], frames: list[bytes], limit_bytes: int) -> list[tuple[int, int]]:
+    """``(first, end)`` index ranges of ``specs`` to send as one submit message each.
+
+    The instances of one message travel in one payload frame, which the broker's socket refuses (dropping the
+    connection without a word) past ``limit_bytes``; the specs travel in the header, refused past
+    MAX_HEADER_BYTES. Each message keeps to half of either.
+    """
+    payload_budget, header_budget = limit_bytes // 2, P.MAX_HEADER_BYTES // 2
+    if len(specs) <= _SUBMIT_FAST_JOBS and sum(map(len, frames)) + _FRAMING_BYTES * len(frames) <= payload_budget:
+        return [(0, len(specs))]
+    chunks: list[tuple[int, int]] = []
+    start = payload = header = 0
+    for k, (spec, frame) in enumerate(zip(specs, frames, strict=True)):
+        pay, head = len(frame) + _FRAMING_BYTES, len(P.pack_obj(spec.to_wire())) + _FRAMING_BYTES
+        if k > start and (payload + pay > payload_budget or header + head > header_budget):
+            chunks.append((start, k))
+            start, payload, header = k, 0, 0
+        payload += pay
+        header += head
+    chunks.append((start, len(specs)))
+    return chunks
+
+
 class AsyncRolloutClient:
     """Submit jobs, await or stream their results, cancel, forget, inspect, manage backends.
 
@@ -81,6 +112,8 @@ class AsyncRolloutClient:
     ) -> None:
         self.config = config or load_config(overrides={"deployment": deployment} if deployment else None)
         if deployment and self.config.deployment != deployment:
+            # A copy: the caller's config may serve other clients, of the deployment it names.
+            self.config = copy.copy(self.config)
             self.config.deployment = deployment
         self._address = address
         #: Without an explicit address the client reads the rendezvous file, and reads it again if the broker goes away.
@@ -325,17 +358,29 @@ class AsyncRolloutClient:
         """Submit fully specified jobs (one instance each); see :meth:`submit`."""
         if len(specs) != len(instances):
             raise ValueError(f"{len(specs)} specs for {len(instances)} instances")
-        # A result kept for a resubmitted id may be stale (a synthetic failure after a lost broker): drop it before
-        # sending, so the answer to this submit (the broker pushes an existing job's result again) is taken in.
         frames = [P.pack_obj(i) for i in instances]
         limit = self.config.broker.max_message_bytes
-        over = next(((k, len(f)) for k, f in enumerate(frames) if len(f) > limit), None)
+        over = next(((k, len(f)) for k, f in enumerate(frames) if len(f) > limit - _FRAMING_BYTES), None)
         if over is not None:
             # The broker's socket would drop the connection (libzmq refuses the frame): no answer, only a timeout.
             raise ProtocolError(P.ErrorCode.BAD_FRAME.value,
                                 f"instance {over[0]} ({specs[over[0]].job_id!r}) packs to {over[1] / 2**20:.1f} MiB, "
                                 f"over broker.max_message_bytes ({limit / 2**20:.1f} MiB): send a path or an id "
                                 "the handler reads, not the data itself")
+        accepted: list[str] = []
+        existing: list[str] = []
+        # A submit goes as messages the broker takes (its payload frame under max_message_bytes, its header under
+        # MAX_HEADER_BYTES); each is idempotent, so one that fails can be sent again whole, ids unchanged.
+        for first, end in _submit_chunks(specs, frames, limit):
+            reply = await self._submit_chunk(specs[first:end], frames[first:end])
+            accepted += reply.accepted
+            existing += reply.existing
+        return Submitted([s.job_id for s in specs], accepted, existing)
+
+    async def _submit_chunk(self, specs: Sequence[JobSpec], frames: list[bytes]) -> H.SubmitReply:
+        """One submit message; its jobs are watched once the broker took them."""
+        # A result kept for a resubmitted id may be stale (a synthetic failure after a lost broker): drop it before
+        # sending, so the answer to this submit (the broker pushes an existing job's result again) is taken in.
         kept = {s.job_id: r for s in specs if (r := self._results.pop(s.job_id, None)) is not None}
         try:
             header, _ = await self._call(H.Submit(H.NEW_RID, list(specs)).to_wire(), frames)
@@ -349,7 +394,7 @@ class AsyncRolloutClient:
             self._watched[spec.job_id] = spec.task
         # Read once the jobs are watched: a malformed reply (ProtocolError) still came from a broker that took them.
         reply: H.SubmitReply = P.parse_reply(Op.SUBMIT, header)
-        return Submitted([s.job_id for s in specs], reply.accepted, reply.existing)
+        return reply
 
     async def _watch(self, job_ids: Iterable[str]) -> None:
         todo = [j for j in dict.fromkeys(job_ids) if j not in self._watched and j not in self._results]

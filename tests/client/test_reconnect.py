@@ -38,3 +38,28 @@ async def stack_wait_running(client: AsyncRolloutClient, ids: list[str]) -> None
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"jobs never ran: {states}")
+
+
+def test_a_submit_bigger_than_one_message_goes_as_several(tmp_path: Path) -> None:
+    """3,000 small instances, 3 MiB in all, against a broker taking 1 MiB messages: the instances of one message
+    travel in one frame, which the broker's socket refused whole (dropping the link without a word)."""
+    with Deployment(tmp_path / "home", "big", config={"broker": {"max_message_bytes": 1 << 20}}) as stack:
+        stack.start_broker()
+        stack.start_node("n1")
+        client = stack.new_client(request_timeout_s=30)
+        ids = client.submit("noop", [{"prompt": "x" * 1024, "i": i} for i in range(3000)])
+        assert len(ids.accepted) == 3000 and not ids.existing
+        assert {r.state for r in client.wait(ids, timeout_s=300)} == {"done"}
+        # Sent again (a trainer resuming), the same ids come back as the broker's jobs, not new ones.
+        again = client.submit("noop", [{"prompt": "x" * 1024, "i": i} for i in range(3000)], job_ids=list(ids))
+        assert again.existing == list(ids) and not again.accepted
+        client.close()
+
+
+def test_a_config_shared_by_clients_of_two_deployments_is_not_changed(tmp_path: Path) -> None:
+    from prorl_cli.config import load_config
+
+    config = load_config(None, {"home": str(tmp_path), "deployment": "one"})
+    first = AsyncRolloutClient("a", config=config)
+    second = AsyncRolloutClient("b", config=config)
+    assert (first.config.deployment, second.config.deployment, config.deployment) == ("a", "b", "one")
