@@ -338,8 +338,9 @@ class AsyncRolloutClient:
         Submitting a job id the broker already knows returns that job
         (idempotent): the returned list's ``.accepted`` and ``.existing`` say
         which ids were new and which the broker already had. A submit that
-        fails (``BrokerRestarted``, a timeout) leaves nothing behind: submit
-        the same ids again.
+        fails (``BrokerRestarted``, a timeout) is sent again with the same ids:
+        a submit bigger than one broker message goes as several, and those
+        the broker took come back as ``existing``, never run twice.
         """
         if isinstance(instances, (str, bytes, bytearray, Mapping)):
             # Iterating one would submit its characters or keys, one job each.
