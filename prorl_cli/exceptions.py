@@ -148,6 +148,17 @@ class BadAddress(ProrlError, ValueError):
     """A broker address ZeroMQ cannot connect to (no ``tcp://``, no port)."""
 
 
+class ResultTimeout(ProrlError, TimeoutError):
+    """No result came for a job (or a stream's jobs) within the ``timeout_s`` asked for; the jobs go on."""
+
+
+class ClientMisuse(ProrlError, RuntimeError):
+    """A client used where it cannot work: from another thread while in use, in another event loop, after a fork.
+
+    The message names the rule; a new client in that thread, loop or process works.
+    """
+
+
 class ClientClosed(ProrlError, RuntimeError):
     """A client was used after ``close()`` (or after its ``with`` block)."""
 

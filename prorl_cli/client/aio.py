@@ -20,10 +20,12 @@ from prorl_cli.connection import BrokerConnection, Reply
 from prorl_cli.exceptions import (
     BrokerUnavailable,
     CheckpointNotFound,
+    ClientMisuse,
     DrainTimeout,
     ProtocolError,
     ReloadFailed,
     RemoteError,
+    ResultTimeout,
     UnknownJob,
 )
 from prorl_cli.protocol import (
@@ -62,6 +64,32 @@ _FRAMING_BYTES = 64
 #: Jobs per submit below which no message size is estimated: even with the largest ``meta`` on each, such a
 #: header stays far below MAX_HEADER_BYTES.
 _SUBMIT_FAST_JOBS = 256
+
+
+def checked_timeout(value: Any) -> float:
+    """``request_timeout_s`` as given, checked: a number of seconds above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"request_timeout_s: a number of seconds, got {type(value).__name__} {value!r}")
+    if not value > 0:
+        raise ValueError(f"request_timeout_s: must be above 0 s, got {value!r}")
+    return float(value)
+
+
+def _packed_instances(specs: Sequence[JobSpec], instances: Sequence[Any]) -> list[bytes]:
+    """Each instance packed; :class:`ProtocolError` naming the first that msgpack cannot carry (a set, an object,
+    an int beyond 64 bits), its index and job id."""
+    try:
+        return [P.pack_obj(i) for i in instances]
+    except (TypeError, ValueError, OverflowError):
+        pass
+    for k, instance in enumerate(instances):
+        try:
+            P.pack_obj(instance)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ProtocolError(P.ErrorCode.BAD_FIELD.value,
+                                f"instance {k} ({specs[k].job_id!r}) cannot be sent: {e} (instances are msgpack: "
+                                "dicts, lists, str, bytes, numbers up to 64 bits, bools, None)") from e
+    raise AssertionError("unreachable: packing failed once and then for no instance")
 
 
 def _submit_chunks(specs: Sequence[JobSpec], frames: list[bytes], limit_bytes: int) -> list[tuple[int, int]]:
@@ -116,9 +144,11 @@ class AsyncRolloutClient:
             self.config = copy.copy(self.config)
             self.config.deployment = deployment
         self._address = address
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the connection lives in (_check_loop)
+        self._pid = os.getpid()
         #: Without an explicit address the client reads the rendezvous file, and reads it again if the broker goes away.
         self.follow_rendezvous = address is None
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s = checked_timeout(request_timeout_s)
         self._conn: BrokerConnection | None = None
         self._results: dict[str, JobResult] = {}
         self._waiters: dict[str, list[asyncio.Future[JobResult]]] = {}
@@ -149,7 +179,9 @@ class AsyncRolloutClient:
     async def connect(self) -> None:
         """Open the connection (done on first use anyway); :class:`RendezvousError` if the deployment has no broker."""
         if self._conn is not None:
+            self._check_loop()
             return
+        self._loop = asyncio.get_running_loop()
         conn = BrokerConnection(
             address=self._address,
             deployment_dir=self.config.deployment_dir,
@@ -198,6 +230,18 @@ class AsyncRolloutClient:
         """Send one request; return the reply. Raise :class:`RemoteError` on an error reply and
         :class:`BrokerUnavailable` when no reply comes within ``timeout_s`` (default ``request_timeout_s``)."""
         return await self._call({"op": op.value, **fields}, payload, timeout_s)
+
+    def _check_loop(self) -> None:
+        """:class:`ClientMisuse` if this client's connection lives in another event loop than the running one (its
+        reader and watchdog died with that loop: results would never arrive here), or in the process a fork copied."""
+        if self._conn is None:
+            return
+        if os.getpid() != self._pid:
+            raise ClientMisuse(f"this client was made in process {self._pid}, before a fork: make a new one in this "
+                               f"process ({os.getpid()})")
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise ClientMisuse("this AsyncRolloutClient belongs to the event loop it connected in (each asyncio.run "
+                               "is a new loop): make a client in this loop, or use RolloutClient across calls")
 
     async def _call(self, header: dict[str, Any], payload: Sequence[bytes] = (), timeout_s: float | None = None) -> Reply:
         """:meth:`request` with its header built (its ``rid`` is the connection's own)."""
@@ -309,7 +353,8 @@ class AsyncRolloutClient:
                 raise ValueError(f"{len(ids)} job ids for {count} instances")
         else:
             ids = [uuid.uuid4().hex for _ in range(count)]
-        wire: dict[str, Any] = {"task": task, "max_attempts": max_attempts or self.config.jobs.max_attempts}
+        wire: dict[str, Any] = {"task": task, "max_attempts": self.config.jobs.max_attempts if max_attempts is None
+                                else max_attempts}
         # Optional fields travel only when given, so a broker from before they existed still takes the jobs.
         for name, value in (("timeout_s", timeout_s), ("stage_timeouts_s", stage_timeouts_s), ("group_id", group_id),
                             ("meta", meta)):
@@ -359,7 +404,7 @@ class AsyncRolloutClient:
         """Submit fully specified jobs (one instance each); see :meth:`submit`."""
         if len(specs) != len(instances):
             raise ValueError(f"{len(specs)} specs for {len(instances)} instances")
-        frames = [P.pack_obj(i) for i in instances]
+        frames = _packed_instances(specs, instances)
         limit = self.config.broker.max_message_bytes
         over = next(((k, len(f)) for k, f in enumerate(frames) if len(f) > limit - _FRAMING_BYTES), None)
         if over is not None:
@@ -412,6 +457,7 @@ class AsyncRolloutClient:
         """Await one job's result."""
         if job_id in self._results:
             return self._results[job_id]
+        self._check_loop()
         fut: asyncio.Future[JobResult] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(job_id, []).append(fut)
         try:
@@ -423,8 +469,8 @@ class AsyncRolloutClient:
                 silent_s = self.broker_silent_s()
                 why = "" if silent_s is None else (
                     f"; the broker at {self.address} has not answered for {silent_s:.0f} s")
-                raise TimeoutError(f"no result for job {job_id!r} after {timeout_s:g} s{why} (prorl status tells "
-                                   "where it is: a job of a task no node serves waits in the queue)") from None
+                raise ResultTimeout(f"no result for job {job_id!r} after {timeout_s:g} s{why} (prorl status tells "
+                                    "where it is: a job of a task no node serves waits in the queue)") from None
         finally:
             waiters = self._waiters.get(job_id)
             if waiters is not None and fut in waiters:
@@ -433,7 +479,11 @@ class AsyncRolloutClient:
                     del self._waiters[job_id]
 
     async def process(self, task: str, instance: Any, timeout_s: float | None = None, **kwargs: Any) -> JobResult:
-        """Submit one instance and await its result (the paper's blocking ``/process``)."""
+        """Submit one instance and await its result (the paper's blocking ``/process``).
+
+        ``timeout_s`` is the job's own budget in its stages (as :meth:`submit`'s), not a bound on this wait: a
+        job queued behind others waits its turn. To bound the wait, ``submit`` then ``result(id, timeout_s=)``.
+        """
         (job_id,) = await self.submit(task, [instance], timeout_s=timeout_s, **kwargs)
         return await self.result(job_id)
 

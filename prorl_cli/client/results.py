@@ -7,7 +7,7 @@ import reprlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from prorl_cli.exceptions import UnknownJob
+from prorl_cli.exceptions import ClientClosed, ResultTimeout, UnknownJob
 from prorl_cli.protocol import JobResult
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class ResultStream:
     def add(self, job_ids: Iterable[str]) -> None:
         """Also yield these jobs' results (ones already yielded by this stream are not yielded again)."""
         if self._closed:
-            raise RuntimeError("this result stream is closed")
+            raise ClientClosed("this result stream is closed: make a new one (client.results(ids))")
         ids = job_id_list(job_ids, "job_ids")
         to_watch = len(self._to_watch)
         for job_id in ids:
@@ -130,6 +130,7 @@ class ResultStream:
 
     async def __anext__(self) -> JobResult:
         loop = asyncio.get_running_loop()
+        self._client._check_loop()
         if self._deadline is None and self._timeout_s is not None:
             self._deadline = loop.time() + self._timeout_s
         while True:
@@ -167,7 +168,7 @@ class ResultStream:
                 why = "" if silent_s is None else (
                     f"; the broker at {self._client.address} has not answered for {silent_s:.0f} s (down, or "
                     "moved without a rendezvous file to follow: prorl status tells)")
-                raise TimeoutError(
+                raise ResultTimeout(
                     f"{len(self._wanted or ())} result(s) still missing after {self._timeout_s:g} s{why}"
                 ) from None
             result = self._take(got)

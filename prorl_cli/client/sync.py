@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 import zmq
 
-from prorl_cli.client.aio import AsyncRolloutClient, WeightsUpdated
+from prorl_cli.client.aio import AsyncRolloutClient, WeightsUpdated, checked_timeout
 from prorl_cli.client.results import ResultStream, Submitted, job_id_list
 from prorl_cli.connection import Reply
-from prorl_cli.exceptions import ClientClosed, ProrlError
+from prorl_cli.exceptions import ClientClosed, ClientMisuse, ProrlError
 from prorl_cli.protocol import BackendStatus, ForgetOutcome, JobResult, JobSpec, Op, StatusReport
 
 T = TypeVar("T")
@@ -71,10 +71,16 @@ def _end_loop(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
-def _close(loop: asyncio.AbstractEventLoop, aio: AsyncRolloutClient) -> None:
+def _close(loop: asyncio.AbstractEventLoop, aio: AsyncRolloutClient, pid: int) -> None:
     """A client's close without the client (its finalizer holds no reference to it)."""
-    if loop.is_closed() or loop.is_running():
-        return
+    if loop.is_closed() or loop.is_running() or os.getpid() != pid:
+        return  # in use, or a fork's copy (its sockets are the parent's)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return  # collected while another loop runs in this thread: this loop cannot run here; the process's exit closes it
     try:
         loop.run_until_complete(aio.close())
     except (ProrlError, OSError, zmq.ZMQError) as e:  # the broker or the network already gone at exit
@@ -87,6 +93,7 @@ class RolloutClient:
     """Blocking client. Same methods as :class:`AsyncRolloutClient`; use that one inside asyncio code."""
 
     def __init__(self, deployment: str | None = None, **kwargs: Any) -> None:
+        self._pid = os.getpid()  # a fork's copy refuses (its ZeroMQ sockets are the parent's)
         self._loop = _new_loop()
         try:
             self._aio = self._run(self._make(deployment, kwargs))
@@ -95,7 +102,7 @@ class RolloutClient:
             raise
         # A client never closed (a one-line script) is closed when it is collected or the interpreter exits,
         # instead of its loop's tasks being reported destroyed while pending.
-        self._finalizer = weakref.finalize(self, _close, self._loop, self._aio)
+        self._finalizer = weakref.finalize(self, _close, self._loop, self._aio, self._pid)
 
     @staticmethod
     async def _make(deployment: str | None, kwargs: dict[str, Any]) -> AsyncRolloutClient:
@@ -123,6 +130,9 @@ class RolloutClient:
         self.close()
 
     def close(self) -> None:
+        if self._loop.is_running():  # another thread's call is under way on the loop: closing it there would break it
+            raise ClientMisuse("this RolloutClient is in use by another thread: close it from that thread, once its "
+                               "call returned")
         self._finalizer.detach()
         if not self._loop.is_closed():
             try:
@@ -133,6 +143,15 @@ class RolloutClient:
     @property
     def address(self) -> str | None:
         return self._aio.address
+
+    @property
+    def request_timeout_s(self) -> float:
+        """How long a request waits for the broker's reply (the same setting as the async client's)."""
+        return self._aio.request_timeout_s
+
+    @request_timeout_s.setter
+    def request_timeout_s(self, value: float) -> None:
+        self._aio.request_timeout_s = checked_timeout(value)
 
     def broker_silent_s(self) -> float | None:
         """Seconds the broker has left the client's pings unanswered while results were awaited, else None."""
@@ -243,6 +262,15 @@ class RolloutClient:
         if self._loop.is_closed():
             coro.close()  # never to run: no "never awaited" warning
             raise ClientClosed("this RolloutClient is closed; make a new one")
+        if os.getpid() != self._pid:
+            coro.close()
+            # The ZeroMQ context and sockets a fork copied are unusable in the child: a call would hang for ever.
+            raise ClientMisuse(f"this RolloutClient was made in process {self._pid}, before a fork: make a new one in "
+                               f"this process ({os.getpid()})")
+        if self._loop.is_running():
+            coro.close()
+            raise ClientMisuse("this RolloutClient is in use by another thread: a client serves one thread at a time "
+                               "(make one per thread, or use AsyncRolloutClient for concurrent calls)")
         return self._loop.create_task(coro)
 
     def _run_to_end(self, task: asyncio.Task[T], *, cancel: bool) -> T:
@@ -297,6 +325,10 @@ class SyncResultStream:
     @property
     def pending(self) -> set[str]:
         return self._stream.pending
+
+    def ready(self) -> list[JobResult]:
+        """The results already received and not yet yielded, without waiting (batching consumers)."""
+        return self._stream.ready()
 
     def __iter__(self) -> SyncResultStream:
         return self
