@@ -130,6 +130,7 @@ class WeightSync:
         self.paused = False
         #: The trainer's policy (weights) version, set by pause/resume; 0 until told.
         self.policy_version = 0
+        self._warned_older: int | None = None  # the lower version last warned about (_warn_if_older)
         #: Clients waiting for in-flight calls to drain (``pause_generation`` with ``drain_timeout_s``).
         self.drains: list[Waiter] = []
         #: Weight updates waiting for their bridges, and forward id -> its update.
@@ -151,7 +152,17 @@ class WeightSync:
 
     def _set_policy_version(self, h: H.PauseGeneration | H.ResumeGeneration) -> None:
         if h.policy_version is not None:
+            self._warn_if_older(h.policy_version)
             self.policy_version = h.policy_version
+
+    def _warn_if_older(self, version: int) -> None:
+        """A trainer's versions only grow: a lower one (a resumed run counting from 0 again) makes staleness figures
+        and the versions stamped on tokens meaningless, so it is said (once per version)."""
+        if version < self.policy_version and version != self._warned_older:
+            self._warned_older = version
+            log.warning("policy version %d is lower than the current %d: versions should only grow (a trainer resumed "
+                        "from a checkpoint passes its step on, not 0); staleness is measured against the highest",
+                        version, self.policy_version)
 
     def on_pause_generation(self, identity: bytes, h: H.PauseGeneration, payload: list[bytes]) -> None:
         self._set_policy_version(h)
@@ -221,6 +232,7 @@ class WeightSync:
     def on_update_weights(self, identity: bytes, h: H.UpdateWeights, payload: list[bytes]) -> None:
         """Forward the new weights to every live bridge; answer once each one has loaded them (or failed)."""
         version = h.policy_version
+        self._warn_if_older(version)
         timeout_s = float(h.load_timeout_s or 600.0)
         update = WeightUpdate(Waiter(identity, h.rid, timebase.now() + timeout_s), version, h.checkpoint, timeout_s)
         for b in self._backends.values():

@@ -282,3 +282,15 @@ def test_reload_serves_the_new_checkpoint_like_a_fresh_bridge(stack: Any, tiny_m
     expected = asyncio.run(fresh())
     assert new.output["outputs"] == [expected] and new.output["versions"] == [1]
     assert old.output["outputs"] != [expected] and old.output["versions"] == [0]
+
+
+def test_a_lower_policy_version_is_said_in_the_brokers_log(stack: Any) -> None:
+    """A resumed trainer that counts from 0 again: the versions stamped on tokens stop meaning staleness."""
+    d = stack()
+    d.client.pause_generation(policy_version=5)
+    d.client.resume_generation(policy_version=5)
+    assert "lower than the current" not in d.log("broker")
+    d.client.pause_generation(policy_version=1)
+    d.client.resume_generation(policy_version=1)
+    d.wait_for(lambda st: not st.generation_paused, 30, "generation resumed")
+    assert d.log("broker").count("policy version 1 is lower than the current 5") == 1, d.log("broker")
