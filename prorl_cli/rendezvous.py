@@ -91,33 +91,44 @@ def _malformed(info: Rendezvous) -> str | None:
     return None
 
 
-def _read_by(deployment_dir: Path, deadline: float) -> Rendezvous | None:
-    """The rendezvous file; None while it is not there yet, its error once ``deadline`` (monotonic) is past."""
+def _read_by(deployment_dir: Path, deadline: float, live: bool = False) -> Rendezvous | None:
+    """The rendezvous file; None while it is not there yet, its error once ``deadline`` (monotonic) is past.
+
+    ``live``: a file naming a broker of this host whose process is gone (killed without cleaning up) counts as
+    not there yet: its successor (a restart, a supervisor's replacement) writes its own.
+    """
     try:
-        return read_rendezvous(deployment_dir)
+        info = read_rendezvous(deployment_dir)
     except RendezvousError:
         if time.monotonic() >= deadline:
             raise
         return None
+    if live and info.process_gone():
+        if time.monotonic() >= deadline:
+            raise RendezvousError(f"{rendezvous_path(deployment_dir)} names the broker pid {info.pid} on this host, "
+                                  f"whose process is gone (killed without cleaning up): start it again, `prorl serve "
+                                  f"broker -d {info.deployment}`")
+        return None
+    return info
 
 
-def wait_rendezvous(deployment_dir: Path, timeout_s: float) -> Rendezvous:
-    """Poll for the rendezvous file (it appears once the broker has bound its socket)."""
+def wait_rendezvous(deployment_dir: Path, timeout_s: float, *, live: bool = False) -> Rendezvous:
+    """Poll for the rendezvous file (it appears once the broker has bound its socket); ``live``: see :func:`_read_by`."""
     deadline, delay_s = time.monotonic() + timeout_s, 0.02
-    while (info := _read_by(deployment_dir, deadline)) is None:
+    while (info := _read_by(deployment_dir, deadline, live)) is None:
         time.sleep(delay_s)
         delay_s = min(delay_s * 2, 0.5)
     return info
 
 
-async def await_rendezvous(deployment_dir: Path, timeout_s: float) -> Rendezvous:
+async def await_rendezvous(deployment_dir: Path, timeout_s: float, *, live: bool = False) -> Rendezvous:
     """:func:`wait_rendezvous` on the running event loop.
 
     Not ``wait_rendezvous`` in a thread: a cancel (a SIGTERM meanwhile) ends this at once, where a thread
     would poll on and hold up the process's exit (``asyncio.run`` joins it) until ``timeout_s``.
     """
     deadline, delay_s = time.monotonic() + timeout_s, 0.02
-    while (info := _read_by(deployment_dir, deadline)) is None:
+    while (info := _read_by(deployment_dir, deadline, live)) is None:
         await asyncio.sleep(delay_s)
         delay_s = min(delay_s * 2, 0.5)
     return info

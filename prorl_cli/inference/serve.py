@@ -129,7 +129,7 @@ async def run_bridge(opts: BridgeOptions, config: ProrlConfig, leave_requested: 
         log.info("engine ready: model %s, max_model_len %s", engine.model, engine.max_model_len)
         address = opts.address
         if address is None:
-            info = await await_rendezvous(config.deployment_dir, opts.broker_wait_s)
+            info = await await_rendezvous(config.deployment_dir, opts.broker_wait_s, live=True)
             address = info.address
         bridge = InferenceBridge(
             engine, address=address, backend_id=backend_id, host=host, capacity=opts.capacity,

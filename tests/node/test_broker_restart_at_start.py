@@ -28,3 +28,19 @@ def test_a_node_whose_first_register_went_to_a_dead_broker_serves_the_new_one(tm
         stack.wait_for(lambda st: any(n.node_id == "n1" and n.alive for n in st.nodes), 60, "n1 to register", "n1")
         assert stack.client.process("test", {"echo": 1}, timeout_s=60).state == "done"
         assert node.poll() is None, stack.log("n1")
+
+
+def test_a_node_told_to_wait_waits_past_a_file_left_by_a_killed_broker(tmp_path: Path) -> None:
+    """``--wait-s``: a rendezvous file naming a broker of this host whose process is gone is no broker; the node
+    waits for the one that replaces it, and past its wait says what the file names."""
+    with Deployment(tmp_path / "home", "wait") as stack:
+        stack.start_broker()
+        stack.kill("broker")
+        short = stack.spawn("short", "serve", "node", "--node-id", "short", "--wait-s", "1")
+        assert short.wait(timeout=60) != 0
+        assert "whose process is gone" in stack.log("short") and "prorl serve broker -d wait" in stack.log("short")
+        node = stack.start_node("n1", "--wait-s", "120", wait=False)
+        stack.start_broker()
+        stack.wait_for(lambda st: any(n.node_id == "n1" and n.alive for n in st.nodes), 60, "n1 to register", "n1")
+        assert "registering again" not in stack.log("n1"), "it never spoke to the dead broker's address"
+        assert node.poll() is None

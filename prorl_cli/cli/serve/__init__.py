@@ -129,7 +129,8 @@ def serve_node(
         if wait_s and address is None:
             from prorl_cli.rendezvous import wait_rendezvous
 
-            wait_rendezvous(app.config.deployment_dir, wait_s)
+            # A file left by a broker killed here is no broker: wait for the one that replaces it.
+            wait_rendezvous(app.config.deployment_dir, wait_s, live=True)
         run_node(app.config, node_id=node_id, address=address)
     except ProrlError as e:
         app.abort(str(e))
