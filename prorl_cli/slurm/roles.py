@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,6 +127,8 @@ def requeue_self(identity: SlurmIdentity, deployment_dir: Path | None = None, pe
         # even a cancelled job, and it would come back and start again after the requeue delay.
         log.info("%s was cancelled while it drained (JobState=%s): not requeueing", ref, detail.get("JobState"))
         return
+    if not _last_rank_done(identity, deployment_dir, ref):
+        return
     # Requeueing sends us SIGTERM once more; we are done, so let it pass quietly.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     proc = subprocess.run(["scontrol", "requeue", ref], capture_output=True, text=True, check=False)
@@ -133,12 +136,35 @@ def requeue_self(identity: SlurmIdentity, deployment_dir: Path | None = None, pe
         log.error("scontrol requeue %s failed: %s", ref, proc.stderr.strip())
         return
     log.info("requeued %s", ref)
-    if deployment_dir is not None and peer_id is not None and not (deployment_dir / _LAUNCH_NAME).exists():
+    # Also in a launched deployment: a task of a script of the user's own there is no member its supervisor watches.
+    if deployment_dir is not None and peer_id is not None:
         try:
             note_requeued(deployment_dir, ref, peer_id)
         except OSError as e:
             log.warning("could not leave the requeue note for %s in %s (%s): it waits out Slurm's requeue delay",
                         ref, deployment_dir, e)
+
+
+def _last_rank_done(identity: SlurmIdentity, deployment_dir: Path | None, ref: str) -> bool:
+    """Whether this task may requeue its job now: in an ``srun`` step of several tasks, only the last to end its
+    drain does (a requeue ends the whole job, the ranks still draining included). Each rank leaves a mark in the
+    deployment folder (shared by the step's nodes); the one that completes the set requeues."""
+    tasks, rank = identity.step_tasks, identity.step_rank
+    if tasks is None or tasks <= 1 or rank is None or deployment_dir is None:
+        return True
+    marks = deployment_dir / "slurm-requeued" / f".ranks-{ref}"
+    try:
+        marks.mkdir(parents=True, exist_ok=True)
+        (marks / str(rank)).touch()
+        done = sum(1 for _ in marks.iterdir())
+    except OSError as e:
+        log.warning("could not mark rank %d of %s drained in %s (%s): requeueing now", rank, ref, marks, e)
+        return True
+    if done < tasks:
+        log.info("%s: rank %d drained (%d of %d); the last rank to drain requeues the job", ref, rank, done, tasks)
+        return False
+    shutil.rmtree(marks, ignore_errors=True)
+    return True
 
 
 #: ``launch.json`` (prorl_cli.slurm.record.LAUNCH_NAME), read here without importing the record module.
@@ -291,7 +317,7 @@ def _serve_broker(spec: RoleSpec, config: ProrlConfig, signals: RoleSignals) -> 
         log.info("broker of %r on %s", config.deployment, broker.address)
         supervisor = _Supervisor(config.deployment_dir)
         try:
-            with _peer_requeue_watch(config.deployment_dir, not supervisor.wanted), \
+            with _peer_requeue_watch(config.deployment_dir), \
                     watch("supervisor-watch", supervisor.keep_running):
                 broker.serve_forever(leave_requested=signals.leave)
         finally:
@@ -326,9 +352,11 @@ class _Supervisor:
 
 
 @contextlib.contextmanager
-def _peer_requeue_watch(deployment_dir: Path, unsupervised: bool) -> Iterator[None]:
-    """In the broker's Slurm job of plain sbatch scripts (no supervisor): release requeued nodes and bridges."""
-    if not (unsupervised and SlurmIdentity.from_env().in_slurm):
+def _peer_requeue_watch(deployment_dir: Path) -> Iterator[None]:
+    """In the broker's Slurm job: release requeued nodes and bridges that left a note (plain sbatch scripts, and
+    scripts of the user's own beside a launched deployment, whose supervisor watches only its members; a member
+    released by both is made eligible once, by whichever sees it held first)."""
+    if not SlurmIdentity.from_env().in_slurm:
         yield
         return
     with watch("peer-requeue-watch", lambda: release_requeued_peers(deployment_dir)):

@@ -50,3 +50,19 @@ def test_the_newest_broker_note_names_the_broker_job(tmp_path: Path) -> None:
     assert noted_broker_job(tmp_path) == "900"
     os.utime(folder / "1000", (2_000_000_100, 2_000_000_100))
     assert noted_broker_job(tmp_path) == "1000"
+
+
+def test_in_an_srun_step_only_the_last_rank_to_drain_requeues_the_job(tmp_path: Path) -> None:
+    """``srun -n 2 prorl serve node`` at its time limit: a requeue ends the whole job, so the first rank to end its
+    drain would cut the other's short (its jobs stopped and run again)."""
+    from prorl_cli.slurm.identity import SlurmIdentity
+    from prorl_cli.slurm.roles import _last_rank_done
+
+    def rank(r: int) -> SlurmIdentity:
+        return SlurmIdentity.from_env({"SLURM_JOB_ID": "55", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": str(r)})
+
+    assert _last_rank_done(rank(1), tmp_path, "55") is False
+    assert _last_rank_done(rank(0), tmp_path, "55") is True
+    assert not any((tmp_path / "slurm-requeued").iterdir()), "the marks go with the requeue"
+    # A task alone in its step (or the batch script) requeues at once.
+    assert _last_rank_done(SlurmIdentity.from_env({"SLURM_JOB_ID": "56"}), tmp_path, "56") is True
