@@ -192,6 +192,9 @@ class Pipeline:
         self.run_dir = run_dir
         self.on_stage = on_stage
         self.on_done = on_done
+        #: Asked before a job takes its RUN slot: True takes it from this node instead (a draining node hands it
+        #: back, its INIT done, rather than start a RUN its grace may cut short, spending an attempt).
+        self.hand_back_before_run: Callable[[str], bool] = lambda job_id: False
         nc = config.node
         self.pools = {
             name: _Pool(limit) for name, limit in zip(STAGE_NAMES, (nc.n_init, nc.n_run, nc.n_eval), strict=True)
@@ -264,6 +267,11 @@ class Pipeline:
     def not_started(self) -> list[str]:
         """Jobs still waiting for their first stage's slot (nothing of them ran here)."""
         return [job_id for job_id, job in self.jobs.items() if not job.started]
+
+    def waiting_for_run(self) -> list[str]:
+        """Jobs done with INIT that wait for a RUN slot (nothing of them runs now)."""
+        return [job_id for job_id, job in self.jobs.items()
+                if job.started and job.stage == "init" and job.slot is None and not job.abandoned]
 
     def stage_of(self, task_name: str | None) -> tuple[str, str] | None:
         """(job id, stage) of the job whose asyncio task is named ``task_name``, if any."""
@@ -494,6 +502,8 @@ class Pipeline:
                 raise
             return self._stage_failed(handler, ctx, stage, _as_error(ctx.task, stage, e), JobState.FAILED)
         pool = self.pools[stage]
+        if stage == "run" and not after_failure and self.hand_back_before_run(ctx.spec.job_id):
+            raise asyncio.CancelledError  # handed back: its cancelled result stays here, the broker places it anew
         if not pool.try_enter():
             waited_from = timebase.now()
             await pool.enter()

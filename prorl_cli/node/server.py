@@ -158,6 +158,7 @@ class NodeServer(BrokerPeer):
         self.pipeline = Pipeline(
             config, self.registry, self.services, self.node_id, self.run_dir, self._report_stage, self._report_done
         )
+        self.pipeline.hand_back_before_run = self._hand_back_before_run
         self._stage_out: dict[str, tuple[int, str]] = {}  # job id -> (attempt, its latest stage) this turn
         self._done_out: list[JobResult] = []
         self._flush_scheduled = False
@@ -398,6 +399,8 @@ class NodeServer(BrokerPeer):
     def drain(self, grace_s: float) -> None:
         """Take no new jobs, hand back the queued ones now, let running ones finish for up to ``grace_s``, then leave.
 
+        A job that ends its INIT meanwhile is handed back too, rather than start a RUN the grace may cut short.
+
         Jobs that finish within the grace are delivered as usual; what still
         runs after it is stopped and re-queued by the broker (the quick drain
         of SIGTERM).
@@ -408,12 +411,22 @@ class NodeServer(BrokerPeer):
         self.spawn(self._drain(grace_s))
 
     def _hand_back(self, job_ids: list[str]) -> None:
-        """Stop jobs that never started here, without a result: the broker queues them again for another node."""
+        """Stop jobs that never started here (or only did their INIT), without a result: the broker queues them
+        again, same attempt, for another node."""
         self._handed_back.update(job_ids)
         for job_id in job_ids:
             self.pipeline.cancel(job_id)
         if job_ids or self.registered.is_set():
             self.spawn(self._release(job_ids))
+
+    def _hand_back_before_run(self, job_id: str) -> bool:
+        """While draining, a job done with INIT goes back to the broker (same attempt) instead of starting RUN."""
+        if not self._draining or self._stop.is_set():
+            return False
+        log.info("draining: job %s goes back to the broker after its INIT, rather than start a RUN here", job_id)
+        self._handed_back.add(job_id)
+        self.spawn(self._release([job_id]))
+        return True
 
     async def _release(self, job_ids: list[str]) -> None:
         assert self.conn is not None
@@ -426,7 +439,9 @@ class NodeServer(BrokerPeer):
         log.info("handed back %d queued job(s) to the broker", len(reply.get("released") or []))
 
     async def _drain(self, grace_s: float) -> None:
-        self._hand_back(self.pipeline.not_started())
+        # Jobs not started, and those between INIT and a RUN slot: a RUN begun late in the grace would be cut short
+        # and run again as a new attempt; handed back, they keep theirs.
+        self._hand_back(self.pipeline.not_started() + self.pipeline.waiting_for_run())
         deadline = timebase.now() + grace_s
         while self.pipeline.jobs and (left_s := deadline - timebase.now()) > 0:
             log.info("draining: %d running job(s) have %.0f s left to finish", len(self.pipeline.jobs), left_s)

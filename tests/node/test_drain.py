@@ -49,3 +49,31 @@ def test_usr2_delivers_what_finishes_in_the_grace_and_reruns_the_rest_elsewhere(
         assert "drain grace over: stopping 2 job(s)" in d.log("n1"), d.log("n1")
     finally:
         d.close()
+
+
+def test_a_draining_node_hands_back_jobs_done_with_init_instead_of_starting_their_run(tmp_path: Path) -> None:
+    """A RUN begun late in the grace is cut short and runs again as a new attempt (repeated preemptions would spend
+    max_attempts so): jobs waiting for a RUN slot when the drain begins, or ending INIT during it, go back whole."""
+    d = Deployment(tmp_path / "home", "drain2", config={
+        "node": {"n_init": 2, "n_run": 1, "n_eval": 1, "credit": 4, "drain_grace_s": GRACE_S},
+    })
+    try:
+        d.start_broker()
+        d.start_node("n1")
+        client = d.client
+        [busy] = client.submit("test", [{"sleep_s": {"run": 4}, "echo": "busy"}])
+        d.wait_for(lambda st: st.jobs.get("run") == 1, 30, "the RUN slot taken")
+        [waiting] = client.submit("test", [{"echo": "waits for RUN"}])
+        [in_init] = client.submit("test", [{"sleep_s": {"init": 1}, "echo": "in INIT"}])
+        d.wait_for(lambda st: st.jobs.get("init") == 2, 30, "one job waiting for RUN, one in INIT")
+        os.killpg(d.procs["n1"].pid, signal.SIGUSR2)
+        d.wait_for(lambda st: any(n.node_id == "n1" and n.draining for n in st.nodes), 30, "n1 draining", "n1")
+        d.start_node("n2")
+        results = {r.job_id: r for r in client.wait([busy, waiting, in_init], timeout_s=120)}
+        assert (results[busy].state, results[busy].node_id, results[busy].attempt) == ("done", "n1", 1)
+        for job_id in (waiting, in_init):  # their INIT ran on n1, the rest on n2, as the same attempt
+            assert (results[job_id].state, results[job_id].node_id, results[job_id].attempt) == ("done", "n2", 1), \
+                results[job_id]
+        assert "goes back to the broker after its INIT" in d.log("n1"), d.log("n1")
+    finally:
+        d.close()
