@@ -367,8 +367,11 @@ class JobTable:
 
     # ------------------------------------------------------------ client ops
 
-    def cancel(self, job_ids: list[str]) -> CancelOutcome:
-        """Cancel the named jobs; every job that has a node is listed under it to be cancelled there."""
+    def cancel(self, job_ids: list[str], why: P.ErrorInfo | None = None) -> CancelOutcome:
+        """Cancel the named jobs; every job that has a node is listed under it to be cancelled there.
+
+        ``why``: the broker's own reason (the deployment stopping), kept in each result; a client's cancel has none.
+        """
         out = CancelOutcome()
         for job_id in job_ids:
             job = self.jobs.get(job_id)
@@ -384,7 +387,7 @@ class JobTable:
                 else:
                     self.queue.remove(job.spec.task, job_id)
                     self.awaiting_claim.pop(job_id, None)
-                self.finish_by_broker(job, JobState.CANCELLED, None)
+                self.finish_by_broker(job, JobState.CANCELLED, why)
             out.states[job_id] = job.state.value
         return out
 
@@ -403,6 +406,11 @@ class JobTable:
                         job.job_id, record)
         else:
             record["state"] = JobState.CANCELLED.value
+            if record.get("error") is None and job.result is not None:
+                # The broker's reason for the cancel (its deployment stopping) stays with what the node did.
+                own = P.unpack_obj(job.result)
+                if isinstance(own, dict) and own.get("error") is not None:
+                    record["error"], record["critical_error"] = own["error"], own.get("critical_error")
             job.result = P.pack_obj(record)
             self._record(end_record(job.job_id, JobState.CANCELLED, job.result))
         job.partial_until = None
@@ -430,8 +438,8 @@ class JobTable:
             found[job.job_id] = job.state.value
         return found, None
 
-    def cancel_all(self) -> CancelOutcome:
-        return self.cancel([j.job_id for j in self.jobs.values() if not j.state.terminal])
+    def cancel_all(self, why: P.ErrorInfo | None = None) -> CancelOutcome:
+        return self.cancel([j.job_id for j in self.jobs.values() if not j.state.terminal], why)
 
     def forget(self, job_ids: list[str]) -> ForgetOutcome:
         """Drop the retained results (and records) of finished jobs; unfinished ones stay."""

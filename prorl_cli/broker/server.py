@@ -557,7 +557,8 @@ class Broker:
         self.stopping = True
         self.placing = False
         self._stop_deadline = timebase.now() + self.config.node.stop_grace_s + 2 * self.dead_after_s
-        self.table.cancel_all()
+        self.table.cancel_all(P.ErrorInfo(stage="broker", type="DeploymentStopped",
+                                          message="the deployment was stopped (prorl stop or down) before the job ended"))
         self.members.stop()
         self.router.stop()
         self._flush()

@@ -1,0 +1,26 @@
+"""Stopping a deployment with jobs in it (real broker, node and client): what their results say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prorl_cli.testing.harness import Deployment
+
+
+def test_jobs_a_stopping_deployment_cancels_say_why(tmp_path: Path) -> None:
+    """``prorl stop``/``down`` mid-run: the cancelled results named no reason, so a trainer could not tell them
+    from its own cancels."""
+    with Deployment(tmp_path / "home", "stop", config={"node": {"n_run": 1}}) as d:
+        d.start_broker()
+        d.start_node("n1")
+        client = d.new_client()
+        running, queued = client.submit("test", [{"sleep_s": {"run": 60}}, {"echo": "queued"}])
+        d.wait_for(lambda st: st.jobs.get("run") == 1, 30, "one job running")
+        stream = client.results([running, queued], timeout_s=60)
+        d.client.stop()
+        results = {r.job_id: r for r in stream}
+        for job_id in (running, queued):
+            result = results[job_id]
+            assert result.state == "cancelled" and result.error is not None, result
+            assert result.error["type"] == "DeploymentStopped" and "stopped" in result.error["message"]
+        client.close()
