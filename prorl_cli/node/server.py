@@ -29,7 +29,13 @@ import msgpack
 from prorl_cli import protocol as P
 from prorl_cli import timebase
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, HandlerError, ProtocolError
+from prorl_cli.exceptions import (
+    BrokerRestarted,
+    BrokerUnavailable,
+    HandlerError,
+    ProtocolError,
+    SlurmError,
+)
 from prorl_cli.node.liveness import LivenessSidecar, LoopStamp, new_liveness_token
 from prorl_cli.node.loop import run_checked
 from prorl_cli.node.pipeline import Pipeline
@@ -109,6 +115,28 @@ def _carriable(value: Any) -> Any:
 
 #: ``node.drain_grace_s`` when the config leaves it unset (and no Slurm launch set it from signal_delay_s).
 DEFAULT_DRAIN_GRACE_S = 90.0
+#: Left at the end of a Slurm job's time for stopping what still runs and requeueing (as ``prorl launch`` leaves).
+DRAIN_MARGIN_S = 30.0
+
+
+def _slurm_drain_grace_s() -> float:
+    """The drain grace when none is configured: in a Slurm job (a script of the user's own; ``prorl launch`` sets
+    ``node.drain_grace_s`` itself), what its time limit leaves after ``DRAIN_MARGIN_S``, at most the default; its
+    ``--signal=USR2@N`` may give less than the default, and Slurm's kill would cut the drain short."""
+    from prorl_cli.slurm.identity import SlurmIdentity
+    from prorl_cli.slurm.squeue import job_detail, seconds_left
+
+    ref = SlurmIdentity.from_env().task_ref
+    if ref is None:
+        return DEFAULT_DRAIN_GRACE_S
+    try:
+        left_s = seconds_left(job_detail(ref))
+    except (OSError, SlurmError) as e:
+        log.warning("could not read job %s's time left (%s): draining with the default grace", ref, e)
+        return DEFAULT_DRAIN_GRACE_S
+    if left_s is None:
+        return DEFAULT_DRAIN_GRACE_S
+    return max(0.0, min(DEFAULT_DRAIN_GRACE_S, left_s - DRAIN_MARGIN_S))
 
 
 class NodeServer(BrokerPeer):
@@ -386,7 +414,7 @@ class NodeServer(BrokerPeer):
 
     def _on_usr2(self) -> None:
         grace_s = self.config.node.drain_grace_s
-        grace_s = DEFAULT_DRAIN_GRACE_S if grace_s is None else grace_s
+        grace_s = _slurm_drain_grace_s() if grace_s is None else grace_s
         log.info("SIGUSR2 (time limit or preemption): draining with a grace of %.0f s", grace_s)
         if self.on_preempt is not None:
             self.on_preempt()

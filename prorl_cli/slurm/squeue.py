@@ -202,6 +202,19 @@ def job_detail(ref: str) -> dict[str, str]:
     return out
 
 
+def seconds_left(detail: Mapping[str, str], now: float | None = None) -> float | None:
+    """Seconds until the job's ``EndTime`` (its time limit) from ``scontrol show job``; None when it has none."""
+    import datetime
+
+    end = detail.get("EndTime", "")
+    try:
+        # scontrol prints the controller's local time without a zone; this host shares it (one cluster's clock).
+        end_s = datetime.datetime.strptime(end, "%Y-%m-%dT%H:%M:%S").timestamp()
+    except ValueError:
+        return None  # Unknown, None: no limit
+    return end_s - (time.time() if now is None else now)
+
+
 def requeue_delayed(detail: Mapping[str, str]) -> bool:
     """Whether ``scontrol show job`` describes a requeued job Slurm holds for its requeue delay.
 

@@ -66,3 +66,27 @@ def test_in_an_srun_step_only_the_last_rank_to_drain_requeues_the_job(tmp_path: 
     assert not any((tmp_path / "slurm-requeued").iterdir()), "the marks go with the requeue"
     # A task alone in its step (or the batch script) requeues at once.
     assert _last_rank_done(SlurmIdentity.from_env({"SLURM_JOB_ID": "56"}), tmp_path, "56") is True
+
+
+def test_a_hand_written_nodes_drain_fits_in_the_time_its_job_has_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No node.drain_grace_s (a script of the user's own, not ``prorl launch``): a job warned 60 s before its limit
+    (``--signal=USR2@60``) drained for the default 90 s, and Slurm's kill cut the drain short."""
+    import datetime
+    import time
+
+    import prorl_cli.slurm.squeue as squeue
+    from prorl_cli.node import server
+
+    def end_in(s: float) -> dict[str, str]:
+        return {"EndTime": datetime.datetime.fromtimestamp(time.time() + s).strftime("%Y-%m-%dT%H:%M:%S")}
+
+    assert squeue.seconds_left({"EndTime": "Unknown"}) is None
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setattr(squeue, "job_detail", lambda ref: end_in(60))
+    assert 25 <= server._slurm_drain_grace_s() <= 30  # 60 s left, 30 kept for stopping and the requeue
+    monkeypatch.setattr(squeue, "job_detail", lambda ref: end_in(3600))  # preempted long before its limit
+    assert server._slurm_drain_grace_s() == server.DEFAULT_DRAIN_GRACE_S
+    monkeypatch.setattr(squeue, "job_detail", lambda ref: {"EndTime": "Unknown"})
+    assert server._slurm_drain_grace_s() == server.DEFAULT_DRAIN_GRACE_S
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert server._slurm_drain_grace_s() == server.DEFAULT_DRAIN_GRACE_S
