@@ -172,6 +172,13 @@ def test_logs_finds_every_slurm_job_a_task_had_by_its_name(tmp_path: Path) -> No
     code, _, err = logs("nodes[7]")
     assert code == 1 and "nodes[0], nodes[1]" in err
     assert logs("broker")[1] == "log of 49\n"
+    # Taken down (`down` moves the launch's state into history/): the post-mortem still tells the crash.
+    from prorl_cli.slurm.record import archive_launch
+
+    archive_launch(home / name)
+    code, out, _ = logs("nodes[0]", "--list")
+    assert code == 0 and out.splitlines()[0].startswith("nodes[0] attempt 1: Slurm job 50_0 (replaced;"), out
+    assert "Slurm job 52_0 (last; the launch ended)" in out, out
 
 
 def test_a_launch_record_that_is_not_a_json_object_is_refused_naming_the_file(tmp_path: Path) -> None:

@@ -46,12 +46,19 @@ def parse_member(text: str) -> tuple[str, int | None]:
 
 
 def job_notes(record: LaunchRecord) -> dict[str, str]:
-    """What became of each Slurm job of the launch, by job id: replaced (and how it ended), scaled away, current."""
+    """What became of each Slurm job of the launch, by job id: replaced (and how it ended), scaled away, current
+    (or the last, once the launch was taken down)."""
+    from prorl_cli.slurm.record import HISTORY_NAME, LaunchRecord
     from prorl_cli.slurm.supervisor import Supervision
 
-    sup = Supervision.load(Path(record.home) / record.deployment, record.launch_id)
+    deployment_dir = Path(record.home) / record.deployment
+    sup = Supervision.load(deployment_dir, record.launch_id)
+    if not sup.names:  # taken down: `down` moved the launch's supervision.json into its history folder
+        sup = Supervision.load(deployment_dir / HISTORY_NAME / record.launch_id, record.launch_id)
     replaced = {old["job_id"]: old.get("ended", "") for named in sup.names.values() for old in named.history}
-    notes = {m.job_id: "current" for m in record.members}
+    live = LaunchRecord.load(deployment_dir)
+    last = "current" if live is not None and live.launch_id == record.launch_id else "last; the launch ended"
+    notes = {m.job_id: last for m in record.members}
     for m in record.retired:
         notes[m.job_id] = f"replaced; it ended {replaced[m.job_id]}" if m.job_id in replaced else "scaled away"
     return notes
