@@ -322,7 +322,7 @@ class AsyncRolloutClient:
                         critical_error="broker",
                         error={"stage": "broker", "type": "BrokerRestarted",
                                "message": "the broker restarted and does not know this job "
-                                          "(its journal was off or lost); submit it again"},
+                                          "(its journal was off or lost, or removed by `prorl down`); submit it again"},
                     ))
             if not self._rewatch_again:
                 return
