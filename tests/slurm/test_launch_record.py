@@ -125,6 +125,21 @@ def test_a_broker_job_queued_or_running_is_restarting_and_an_ended_one_is_not() 
     assert SlurmView(record, None).broker_restarting() is None, "squeue did not answer: nothing to say"
 
 
+def test_an_ended_broker_its_nodes_are_due_to_replace_is_restarting(tmp_path: Path) -> None:
+    """Between a killed broker and its replacement, status called the deployment's broker ended (exit 1)."""
+    from prorl_cli.slurm.supervisor import SeenFailure
+
+    record = LaunchRecord(deployment="x", deploy_file="d.yaml", home=str(tmp_path), created_at=0.0, launch_id="L",
+                          members=[Member("broker", 0, "40"), Member("nodes", 0, "41_0")])
+    rows = [_row("40", "FAILED", "NonZeroExitCode"), _row("41_0", "RUNNING")]
+    assert SlurmView(record, rows).broker_restarting() is None, "no failure seen yet"
+    (tmp_path / "x").mkdir()
+    Supervision({"broker": NameState(failure=SeenFailure("40", "FAILED (exit code 137:0)", 0.0))}, "L").save(tmp_path / "x")
+    assert SlurmView(record, rows).broker_restarting() == \
+        "its Slurm job 40 ended FAILED (exit code 137:0); its nodes start a replacement"
+    assert SlurmView(record, [rows[0], _row("41_0", "CANCELLED")]).broker_restarting() is None, "no node left to do it"
+
+
 def test_only_a_requeued_job_held_for_the_requeue_delay_is_released() -> None:
     assert requeue_delayed({"JobState": "PENDING", "Reason": "BeginTime", "Restarts": "1"})
     assert not requeue_delayed({"JobState": "PENDING", "Reason": "BeginTime", "Restarts": "0"}), "a later --begin"

@@ -129,14 +129,27 @@ class SlurmView:
 
     def broker_restarting(self) -> str | None:
         """Slurm's words for a broker job that is queued or running (so a broker not answering is on its way
-        back, e.g. requeued); None when the broker is not a Slurm job or its job is gone or ended."""
+        back, e.g. requeued), or for one that ended and that its nodes and bridges are due to replace; None when
+        the broker is not a Slurm job, or its job is gone or ended for good."""
         if self.record.broker_where == "here":
             return None
         t = self.broker_task()
         if t is None or not t.active:
-            return None
+            return self._broker_replacement_due()
         where = f" ({t.pending_reason})" if t.pending_reason else (f" on {t.nodes}" if t.nodes else "")
         return f"its Slurm job {t.job_id} is {t.state}{where}"
+
+    def _broker_replacement_due(self) -> str | None:
+        """An ended broker job its nodes and bridges will replace (supervision.json names it; some of them run)."""
+        from prorl_cli.slurm.supervisor import Supervision
+
+        ids = {m.job_id for m in self.record.of("broker")}
+        if self.rows is None or not any(t.active for t in self.rows if t.job_id not in ids):
+            return None  # nobody left to replace it
+        state = Supervision.load(Path(self.record.home) / self.record.deployment, self.record.launch_id).names.get("broker")
+        if state is None or state.failure is None or state.failure.job_id not in ids or state.gave_up is not None:
+            return None
+        return f"its Slurm job {state.failure.job_id} ended {state.failure.ended}; its nodes start a replacement"
 
     def broker_ended(self) -> str | None:
         """How the broker job ended, when squeue still shows it ended or no longer shows it."""
