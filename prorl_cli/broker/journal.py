@@ -386,6 +386,8 @@ class Journal:
             self._file = None
 
     def remove(self) -> None:
+        """Close and delete the file (a clean stop: nothing in it is needed any more, nor what was not written)."""
+        self._buffer.clear()
         self.close()
         self.path.unlink(missing_ok=True)
         self._tmp.unlink(missing_ok=True)

@@ -44,3 +44,23 @@ def test_a_submit_the_journal_cannot_take_is_refused_whole_and_the_broker_goes_o
         fresh = d.new_client()
         assert fresh.result(ids[-1], timeout_s=30).output["echo"] == 49
         fresh.close()
+
+
+def test_a_broker_stopped_while_its_journal_cannot_be_written_stops_cleanly(tmp_path: Path) -> None:
+    """A clean stop removes the journal: what could not be written is not needed, and it raised out of the stop."""
+    with Deployment(tmp_path / "home", "fullstop", config={"broker": {"journal": True}}) as d:
+        broker = d.start_broker()
+        d.start_node("n1")
+        client = d.client
+        assert client.wait(client.submit("test", [{"echo": 1}]), timeout_s=60)[0].ok
+        client.submit("test", [{"sleep_s": {"run": 60}}])
+        d.wait_for(lambda st: st.jobs.get("run") == 1, 30, "a job running")
+        journal = d.deployment_dir / "broker.journal"
+        limits = resource.prlimit(broker.pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(broker.pid, resource.RLIMIT_FSIZE, (journal.stat().st_size, limits[1]))
+        with pytest.raises(JournalUnwritable):
+            client.submit("test", [{"echo": 2}])
+        d.client.stop()  # its cancel of the running job cannot be journaled either
+        assert broker.wait(timeout=60) == 0, d.log("broker")
+        assert "Traceback" not in d.log("broker"), d.log("broker")
+        assert not journal.exists()
