@@ -124,6 +124,17 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float) -> int | None:
     return proc.returncode
 
 
+def pid_exists(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
 def is_local_broker(pid: int | None) -> bool:
     """Whether ``pid`` is a prorl broker on this host (a pid recorded long ago may be another process's now)."""
     if not pid or pid <= 0:

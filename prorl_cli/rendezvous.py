@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prorl_cli.exceptions import DeploymentBusy, RendezvousError
+from prorl_cli.processes import pid_exists
 
 RENDEZVOUS_NAME = "broker.json"
 #: Held (``flock``, exclusive) by the deployment's broker for its whole life; never deleted.
@@ -95,7 +96,9 @@ def _read_by(deployment_dir: Path, deadline: float, live: bool = False) -> Rende
     """The rendezvous file; None while it is not there yet, its error once ``deadline`` (monotonic) is past.
 
     ``live``: a file naming a broker of this host whose pid no process has (killed without cleaning up) counts
-    as not there yet: its successor (a restart, a supervisor's replacement) writes its own.
+    as not there yet: its successor (a restart, a supervisor's replacement) writes its own. Only the pid is
+    asked, not :meth:`Rendezvous.process_gone`'s command line: a broker Slurm started through submitit does
+    not look like ``prorl serve broker``, and would be waited past for ever.
     """
     try:
         info = read_rendezvous(deployment_dir)
@@ -103,25 +106,13 @@ def _read_by(deployment_dir: Path, deadline: float, live: bool = False) -> Rende
         if time.monotonic() >= deadline:
             raise
         return None
-    if live and info.host == socket.gethostname() and info.pid > 0 and not _pid_exists(info.pid):
+    if live and info.host == socket.gethostname() and info.pid > 0 and not pid_exists(info.pid):
         if time.monotonic() >= deadline:
             raise RendezvousError(f"{rendezvous_path(deployment_dir)} names the broker pid {info.pid} on this host, "
                                   f"whose process is gone (killed without cleaning up): start it again, `prorl serve "
                                   f"broker -d {info.deployment}`")
         return None
     return info
-
-
-def _pid_exists(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this host. Not :meth:`Rendezvous.process_gone`'s look at its command line:
-    a broker started another way (a Slurm role through submitit) would be taken for gone, and waited past for ever."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
 
 
 def wait_rendezvous(deployment_dir: Path, timeout_s: float, *, live: bool = False) -> Rendezvous:

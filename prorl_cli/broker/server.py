@@ -408,8 +408,7 @@ class Broker:
             self._error(identity, rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping; no new jobs")
             return
         if not self._journal_flush():  # accepted means journaled: not while the journal cannot be written
-            self._error(identity, rid, ErrorCode.JOURNAL_UNWRITABLE, f"{self._journal_error}; no job of this submit "
-                        "was accepted: submit it again once the broker's disk has room")
+            self._refuse_unjournaled(identity, rid)
             return
         specs: list[JobSpec] = h.jobs  # checked by the submit schema
         seen: set[str] = set()
@@ -463,14 +462,17 @@ class Broker:
             assert self.journal is not None
             self.journal.discard_since(mark)
             self.table.withdraw(accepted)
-            self._error(identity, rid, ErrorCode.JOURNAL_UNWRITABLE, f"{self._journal_error}; no job of this submit "
-                        "was accepted: submit it again once the broker's disk has room")
+            self._refuse_unjournaled(identity, rid)
             return
         new_ids = set(accepted)
         for spec in specs:
             if spec.job_id in new_ids:
                 self.metrics.inc("prorl_jobs_submitted", (spec.task,))
         self._send(identity, P.reply(rid, accepted=accepted, existing=existing, boot_id=self.boot_id))
+
+    def _refuse_unjournaled(self, identity: bytes, rid: Any) -> None:
+        self._error(identity, rid, ErrorCode.JOURNAL_UNWRITABLE, f"{self._journal_error}; no job of this submit was "
+                    "accepted: submit it again once the broker's disk has room")
 
     def _watch_named(self, identity: bytes, job_ids: list[str]) -> tuple[list[Job], list[str]]:
         """The named jobs this broker knows, now watched by ``identity``, and the ids it does not know."""
