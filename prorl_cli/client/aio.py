@@ -78,18 +78,15 @@ def checked_timeout(value: Any) -> float:
 def _packed_instances(specs: Sequence[JobSpec], instances: Sequence[Any]) -> list[bytes]:
     """Each instance packed; :class:`ProtocolError` naming the first that msgpack cannot carry (a set, an object,
     an int beyond 64 bits), its index and job id."""
-    try:
-        return [P.pack_obj(i) for i in instances]
-    except (TypeError, ValueError, OverflowError):
-        pass
+    frames = []
     for k, instance in enumerate(instances):
         try:
-            P.pack_obj(instance)
+            frames.append(P.pack_obj(instance))
         except (TypeError, ValueError, OverflowError) as e:
             raise ProtocolError(P.ErrorCode.BAD_FIELD.value,
                                 f"instance {k} ({specs[k].job_id!r}) cannot be sent: {e} (instances are msgpack: "
                                 "dicts, lists, str, bytes, numbers up to 64 bits, bools, None)") from e
-    raise AssertionError("unreachable: packing failed once and then for no instance")
+    return frames
 
 
 def _submit_chunks(specs: Sequence[JobSpec], frames: list[bytes], limit_bytes: int) -> list[tuple[int, int]]:
