@@ -327,7 +327,7 @@ def test_a_wait_that_times_out_while_the_broker_is_silent_says_so(tmp_path: Path
         d.start_node("n1")
         with RolloutClient(d.name, address=d.address, config=d.load_config()) as c:
             specs = c.make_specs("test", 1)
-            c.submit_specs(specs, [{"sleep_s": 30}])
+            c.submit_specs(specs, [{"sleep_s": {"run": 30}}])
             os.kill(broker.pid, signal.SIGSTOP)
             try:
                 with caplog.at_level(logging.WARNING, logger="prorl_cli.client.aio"), pytest.raises(
