@@ -376,7 +376,14 @@ class NodeServer(BrokerPeer):
                 # rendezvous file): the register sent to its successor, under way already, takes over.
                 log.info("node %s: the first register went to a broker that is gone (%s); registering with the new "
                          "one", self.node_id, e)
-                await self.registered.wait()
+                # A stop (a signal, the broker's Shutdown) ends this wait too: the new broker may never answer.
+                registered = asyncio.ensure_future(self.registered.wait())
+                stopped = asyncio.ensure_future(self._stop.wait())
+                try:
+                    await asyncio.wait((registered, stopped), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    registered.cancel()
+                    stopped.cancel()
             await self._stop.wait()
         finally:
             await self._shutdown()
@@ -413,19 +420,20 @@ class NodeServer(BrokerPeer):
     # ------------------------------------------------------------- draining
 
     def _on_usr2(self) -> None:
-        grace_s = self.config.node.drain_grace_s
-        grace_s = _slurm_drain_grace_s() if grace_s is None else grace_s
-        log.info("SIGUSR2 (time limit or preemption): draining with a grace of %.0f s", grace_s)
+        log.info("SIGUSR2 (time limit or preemption): draining")
         if self.on_preempt is not None:
             self.on_preempt()
-        self.drain(grace_s)
+        self.drain(self.config.node.drain_grace_s)
 
     def stop(self) -> None:
         """Leave at once, as on SIGTERM (the quick drain)."""
         self._stop.set()
 
-    def drain(self, grace_s: float) -> None:
+    def drain(self, grace_s: float | None) -> None:
         """Take no new jobs, hand back the queued ones now, let running ones finish for up to ``grace_s``, then leave.
+
+        ``None``: what the Slurm job's time limit leaves, at most the default (read off the event loop: ``scontrol``
+        may take seconds when a whole array is signalled at once).
 
         A job that ends its INIT meanwhile is handed back too, rather than start a RUN the grace may cut short.
 
@@ -466,10 +474,13 @@ class NodeServer(BrokerPeer):
             return
         log.info("handed back %d queued job(s) to the broker", len(reply.get("released") or []))
 
-    async def _drain(self, grace_s: float) -> None:
+    async def _drain(self, grace_s: float | None) -> None:
         # Jobs not started, and those between INIT and a RUN slot: a RUN begun late in the grace would be cut short
         # and run again as a new attempt; handed back, they keep theirs.
         self._hand_back(self.pipeline.not_started() + self.pipeline.waiting_for_run())
+        if grace_s is None:
+            grace_s = await asyncio.to_thread(_slurm_drain_grace_s)
+        log.info("draining with a grace of %.0f s", grace_s)
         deadline = timebase.now() + grace_s
         while self.pipeline.jobs and (left_s := deadline - timebase.now()) > 0:
             log.info("draining: %d running job(s) have %.0f s left to finish", len(self.pipeline.jobs), left_s)

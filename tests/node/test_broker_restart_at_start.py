@@ -44,3 +44,35 @@ def test_a_node_told_to_wait_waits_past_a_file_left_by_a_killed_broker(tmp_path:
         stack.wait_for(lambda st: any(n.node_id == "n1" and n.alive for n in st.nodes), 60, "n1 to register", "n1")
         assert "registering again" not in stack.log("n1"), "it never spoke to the dead broker's address"
         assert node.poll() is None
+
+
+def test_a_node_waiting_for_its_register_to_a_moved_broker_still_stops_on_sigterm(tmp_path: Path) -> None:
+    """The rendezvous file moved to an address nobody answers while the node's first register was out: the node
+    waits for the register there, and a SIGTERM (scancel, Ctrl-C) still stops it, as it does a registered node."""
+    import dataclasses
+    import signal
+    import socket
+
+    from prorl_cli.rendezvous import read_rendezvous, write_rendezvous
+
+    with Deployment(tmp_path / "home", "moved") as stack:
+        stack.start_broker()
+        stack.kill("broker")
+        node = stack.start_node("n1", wait=False)
+        deadline = time.monotonic() + 60
+        while "registering again" not in stack.log("n1"):
+            assert node.poll() is None, stack.log("n1")
+            assert time.monotonic() < deadline, stack.log("n1")
+            time.sleep(0.1)
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            nowhere = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        info = read_rendezvous(stack.deployment_dir)
+        write_rendezvous(stack.deployment_dir, dataclasses.replace(info, address=nowhere))
+        while "registering with the new one" not in stack.log("n1"):
+            assert node.poll() is None, stack.log("n1")
+            assert time.monotonic() < deadline, stack.log("n1")
+            time.sleep(0.1)
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=60) is not None, stack.log("n1")
+        assert "Traceback" not in stack.log("n1"), stack.log("n1")
