@@ -53,6 +53,8 @@ class RunningJob:
     started: bool = False
     #: Its task has begun running (a task cancelled before that never runs: :meth:`Pipeline.cancel` answers for it).
     begun: bool = False
+    #: INIT ended well (until RUN takes a slot it waits, and a drain may hand it back; a failed INIT never does).
+    init_done: bool = False
     #: The pool whose slot it holds now (``None`` between stages, and once the slot was taken back from it).
     slot: _Pool | None = None
     #: How many stages it entered so far (tells one stage from the next).
@@ -269,9 +271,9 @@ class Pipeline:
         return [job_id for job_id, job in self.jobs.items() if not job.started]
 
     def waiting_for_run(self) -> list[str]:
-        """Jobs done with INIT that wait for a RUN slot (nothing of them runs now)."""
+        """Jobs whose INIT ended well and that wait for a RUN slot (nothing of them runs now)."""
         return [job_id for job_id, job in self.jobs.items()
-                if job.started and job.stage == "init" and job.slot is None and not job.abandoned]
+                if job.init_done and job.stage == "init" and job.slot is None and not job.abandoned]
 
     def stage_of(self, task_name: str | None) -> tuple[str, str] | None:
         """(job id, stage) of the job whose asyncio task is named ``task_name``, if any."""
@@ -394,6 +396,8 @@ class Pipeline:
                 if stage == "eval" and ctx._cleanups:
                     await self._cleanup(ctx)  # sandboxes are gone before EVAL
                 outcome = await self._run_stage(handler, ctx, stage, clock, stage_s, timeline, running)
+                if outcome is None and stage == "init" and running is not None:
+                    running.init_done = True
                 if outcome is not None:
                     state, error = outcome
                     if stage == "run" and handler.eval_after_run_failure:

@@ -270,6 +270,55 @@ def test_a_job_cancelled_twice_while_cleaning_up_reports_once_and_runs_every_cle
     assert cleaned == ["quick"]  # the slow one was cut short; the other still ran
 
 
+def test_a_job_cleaning_up_after_a_failed_init_is_not_one_waiting_for_run(tmp_path: Path) -> None:
+    """A drain hands back the jobs between a good INIT and a RUN slot; one whose INIT failed and that is still
+    tearing its sandbox down is not among them (handed back, its failure would be hidden and it would run again)."""
+    import asyncio
+
+    from prorl_cli.config import ProrlConfig
+    from prorl_cli.node.handler import AgentHandler, JobContext, Services
+    from prorl_cli.node.pipeline import Pipeline
+    from prorl_cli.node.registry import HandlerRegistry
+    from prorl_cli.protocol import JobResult, JobSpec
+
+    tearing_down = asyncio.Event()
+    torn_down = asyncio.Event()
+
+    class FailingInit(AgentHandler):
+        name = "failing_init"
+
+        async def init(self, ctx: JobContext) -> None:
+            async def slow_teardown() -> None:
+                tearing_down.set()
+                await torn_down.wait()
+
+            ctx.add_cleanup(slow_teardown)
+            if ctx.instance.get("fail"):
+                raise RuntimeError("the image would not start")
+
+        async def run(self, ctx: JobContext) -> None:
+            await asyncio.Event().wait()
+
+        async def eval(self, ctx: JobContext) -> None:
+            ctx.reward = 1.0
+
+    registry = HandlerRegistry()
+    registry.add(FailingInit, "test")
+    done: list[JobResult] = []
+
+    async def main() -> None:
+        pipeline = Pipeline(ProrlConfig(), registry, Services(), "n1", tmp_path,
+                            on_stage=lambda spec, stage: None, on_done=done.append)
+        assert pipeline.start(JobSpec(job_id="bad", task="failing_init"), {"fail": True})
+        await tearing_down.wait()
+        assert pipeline.jobs["bad"].stage == "init" and pipeline.waiting_for_run() == []
+        torn_down.set()
+        await pipeline.jobs["bad"].task
+
+    asyncio.run(main())
+    assert [(r.job_id, r.state, r.error and r.error["type"]) for r in done] == [("bad", "failed", "RuntimeError")]
+
+
 def test_results_finished_while_the_broker_is_down_reach_the_restarted_broker_once(tmp_path: Path) -> None:
     from tests.harness import fixed_port
 
