@@ -17,7 +17,8 @@ An append-only file of msgpack records in the deployment folder:
 A restarted broker replays it: finished jobs keep their results for late
 watchers; unfinished ones that were placed wait for the node they were placed
 on to claim them (a node that registers again reports what it still runs)
-and are queued again if it does not; never-placed ones are queued at once.
+and are queued again with their next attempt if it does not (failed,
+``NodeLost``, on their last); never-placed ones are queued at once.
 A torn last record (a crash mid-write) is reported and ignored; a damaged
 stretch in the middle is skipped to the next record that reads back (a map
 whose first key is ``"t"``), and an ended job whose result does not read back
@@ -165,6 +166,10 @@ class Journal:
                     try:
                         record = unpacker.unpack()
                     except msgpack.OutOfData:
+                        # A torn last record, or damage that reads as the head of a record longer than the file
+                        # (a length or count past its end): only a whole record after it tells the two apart.
+                        if end > good_until and _next_record_start(view, good_until + 1, end) < end:
+                            break
                         if end > good_until:
                             log.warning("journal %s: ignoring a torn record in its last %d bytes (a crash mid-write)",
                                         self.path, end - good_until)
@@ -225,10 +230,10 @@ class Journal:
         """Buffer a record; :meth:`flush` writes it."""
         self._buffer += packed_pieces(record, self._packer)
 
-    def flush(self) -> None:
-        """Write what was appended since the last flush (and fsync when configured)."""
+    def flush(self) -> bool:
+        """Write what was appended since the last flush (and fsync when configured); whether there was any."""
         if not self._buffer:
-            return
+            return False
         size = sum(map(len, self._buffer))
         try:
             if self._file is None:
@@ -244,6 +249,7 @@ class Journal:
             raise JournalWriteError(f"journal {self.path}: cannot write ({e.strerror or e})") from e
         self._buffer.clear()
         self._size += size
+        return True
 
     def _rewind(self) -> None:
         """After a failed write: drop what the file object holds and cut the file back to its last whole record."""
@@ -291,11 +297,22 @@ class Journal:
         return self._size > max(self.compact_bytes, 2 * self._compacted_size)
 
     def keep_aside(self, why: str) -> Path:
-        """Copy the file beside itself as ``broker.journal.<why>-<UTC time>`` (0600); return the copy's path."""
+        """Keep the file as it is now beside itself, as ``broker.journal.<why>-<UTC time>``; return that path.
+
+        A hard link (no copy of a journal of gigabytes, no disk space: :meth:`rewrite` replaces the file, the
+        link keeps what it was); a copy (0600) where the file system has no links. :class:`OSError` if neither.
+        """
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         copy = self.path.with_name(f"{self.path.name}.{why}-{stamp}")
-        shutil.copyfile(self.path, copy)
-        os.chmod(copy, 0o600)
+        try:
+            os.link(self.path, copy)
+        except OSError:
+            try:
+                shutil.copyfile(self.path, copy)
+                os.chmod(copy, 0o600)
+            except OSError:
+                copy.unlink(missing_ok=True)  # no half copy left to be taken for the whole file
+                raise
         return copy
 
     def rewrite(self, records: Iterable[dict[str, Any]]) -> None:

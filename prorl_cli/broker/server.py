@@ -60,6 +60,8 @@ _MAX_BATCH = 2000
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
+# After the journal's disk refused a write, the next try waits this long (not one per message at full rate).
+JOURNAL_RETRY_S = 1.0
 # Frames at least this big go zero-copy; smaller ones are cheaper to copy (pyzmq's own threshold).
 _ZERO_COPY_BYTES = 65536
 
@@ -136,6 +138,7 @@ class Broker:
         self._rejects = OncePerPeer(log)
         #: Why the journal cannot be written now (None: it can); new jobs are refused meanwhile.
         self._journal_error: str | None = None
+        self._journal_retry_at = 0.0
         if bc.journal:
             self.journal = Journal(
                 config.deployment_dir / JOURNAL_NAME, fsync=bc.journal_fsync, compact_bytes=bc.journal_compact_mb * 1024 * 1024
@@ -151,9 +154,11 @@ class Broker:
         waiting = self.table.load_replayed(jobs, claim_window_s=2 * self.dead_after_s)
         if self.journal.damaged:
             # The compaction below keeps only what was read back: the damaged file stays beside it, for a person.
-            kept = self.journal.keep_aside("damaged")
-            log.error("journal: %d damaged stretch(es) skipped; the file as it was is kept as %s", len(self.journal.damaged),
-                      kept)
+            try:
+                kept = f"kept as {self.journal.keep_aside('damaged')}"
+            except OSError as e:
+                kept = f"could not be kept ({e}): the broker starts all the same, with what was read back"
+            log.error("journal: %d damaged stretch(es) skipped; the file as it was %s", len(self.journal.damaged), kept)
         self.journal.rewrite(self.table.journal_snapshot(self.router.weights.journal_records()))
         if self.jobs:
             log.info("journal replayed: %d job(s), %d unfinished", len(self.jobs), sum(not j.state.terminal for j in self.jobs.values()))
@@ -167,23 +172,27 @@ class Broker:
             if durable:  # on disk now: its reply goes out before this turn's end (the weights record)
                 self._journal_flush()
 
-    def _journal_flush(self) -> bool:
+    def _journal_flush(self, probe: bool = False) -> bool:
         """Make what was journaled durable before anyone hears of it; compaction runs off the loop.
 
         False when the journal cannot be written (a full disk): said once, and the broker goes on (status,
         results, jobs already accepted) with the records kept in memory for the next flush; new jobs are
-        refused until a flush succeeds again.
+        refused until a flush succeeds again. After a refusal the disk is tried again at most every
+        ``JOURNAL_RETRY_S``, except by a ``probe`` (a submit: its sender asks now, and hears the outcome).
         """
         if self.journal is None:
             return True
+        if self._journal_error is not None and not probe and timebase.now() < self._journal_retry_at:
+            return False  # a disk that just refused is tried again in a while, not at every message
         try:
-            self.journal.flush()
+            wrote = self.journal.flush()
         except JournalWriteError as e:
             if self._journal_error is None:
                 log.error("%s: new jobs are refused until it can be written; what it must record waits in memory", e)
             self._journal_error = str(e)
+            self._journal_retry_at = timebase.now() + JOURNAL_RETRY_S
             return False
-        if self._journal_error is not None:
+        if self._journal_error is not None and wrote:  # only a write proves the disk takes records again
             log.warning("journal %s is written again; new jobs are accepted", self.journal.path)
             self._journal_error = None
         self.journal.poll()
@@ -407,7 +416,7 @@ class Broker:
         if self.stopping:
             self._error(identity, rid, ErrorCode.SHUTTING_DOWN, "the broker is stopping; no new jobs")
             return
-        if not self._journal_flush():  # accepted means journaled: not while the journal cannot be written
+        if not self._journal_flush(probe=True):  # accepted means journaled: not while the journal cannot be written
             self._refuse_unjournaled(identity, rid)
             return
         specs: list[JobSpec] = h.jobs  # checked by the submit schema
@@ -458,7 +467,7 @@ class Broker:
                 continue
             self.table.add(spec, bytes(instance), identity)
             accepted.append(spec.job_id)
-        if not self._journal_flush():  # accepted means journaled: a submit the disk could not take is undone whole
+        if not self._journal_flush(probe=True):  # accepted means journaled: a submit the disk could not take is undone whole
             assert self.journal is not None
             self.journal.discard_since(mark)
             self.table.withdraw(accepted)

@@ -56,6 +56,33 @@ def test_a_stretch_of_zeros_is_skipped_to_the_next_record_and_said_once(tmp_path
     assert "damaged" in errors[0] and str(first) in errors[0]
 
 
+@pytest.mark.parametrize("head", [b"\xc6\x7f\xff\xff\xff", b"\xdd\x00\xff\xff\xff", b"\x95"],
+                         ids=["bin32", "array32", "fixarray"])
+def test_damage_that_reads_as_a_record_longer_than_the_file_is_skipped_not_taken_for_a_torn_tail(
+        tmp_path: Path, head: bytes) -> None:
+    """Garbage whose first bytes are a msgpack length or count past the file's end reads like a record cut by a
+    crash; the whole records after it say it was damage, and they are read back."""
+    path = tmp_path / "broker.journal"
+    spans = _write(path, 20)
+    _damage(path, spans[5][0], head + b"\x01" * (spans[6][1] - spans[5][0] - len(head)))
+    journal = Journal(path)
+    jobs = journal.replay()
+    assert set(jobs) == {f"j{i:03d}" for i in range(20)} - {"j005", "j006"}
+    assert len(journal.damaged) == 1 and journal.damaged[0][0] == spans[5][0]
+
+
+def test_a_torn_last_record_is_dropped_quietly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "broker.journal"
+    spans = _write(path, 5)
+    with open(path, "r+b") as f:
+        f.truncate(spans[4][1] - 7)
+    with caplog.at_level(logging.WARNING, logger="prorl_cli.broker.journal"):
+        journal = Journal(path)
+        jobs = journal.replay()
+    assert set(jobs) == {f"j{i:03d}" for i in range(5)} and not journal.damaged
+    assert any("torn record" in r.getMessage() for r in caplog.records)
+
+
 def test_a_result_damaged_on_disk_ends_its_job_failed_saying_so(tmp_path: Path) -> None:
     path = tmp_path / "broker.journal"
     spans = _write(path, 5)

@@ -34,7 +34,10 @@ def test_a_submit_the_journal_cannot_take_is_refused_whole_and_the_broker_goes_o
         assert broker.poll() is None
         assert client.result(first[0], timeout_s=30).output["echo"] == "before"
         assert not client.list_jobs(prefix="full-")
+        with pytest.raises(JournalUnwritable):  # a second try, the disk still full: refused, said once
+            client.submit("test", [{"echo": i, "pad": "x" * 200} for i in range(50)], job_ids=ids)
         assert d.log("broker").count("new jobs are refused") == 1
+        assert "written again" not in d.log("broker"), "a refused submit left nothing to write: no recovery to tell"
         # Room again: the same submit is accepted, runs, and is journaled (it survives a crash of the broker).
         resource.prlimit(broker.pid, resource.RLIMIT_FSIZE, limits)
         assert client.submit("test", [{"echo": i} for i in range(50)], job_ids=ids).accepted == ids
