@@ -22,10 +22,12 @@ from prorl_cli.exceptions import (
     CheckpointNotFound,
     ClientMisuse,
     DrainTimeout,
+    ProrlError,
     ProtocolError,
     ReloadFailed,
     RemoteError,
     ResultTimeout,
+    SubmitIncomplete,
     UnknownJob,
 )
 from prorl_cli.protocol import (
@@ -61,8 +63,7 @@ class WeightsUpdated:
 
 #: What packing adds around an instance in a submit's payload frame (msgpack's bin and array headers), at most.
 _FRAMING_BYTES = 64
-#: Jobs per submit below which no message size is estimated: even with the largest ``meta`` on each, such a
-#: header stays far below MAX_HEADER_BYTES.
+#: Jobs per submit below which the header's size is estimated from the first spec alone (the payload's is summed).
 _SUBMIT_FAST_JOBS = 256
 
 
@@ -89,6 +90,16 @@ def _packed_instances(specs: Sequence[JobSpec], instances: Sequence[Any]) -> lis
     return frames
 
 
+def _refuse_repeated_ids(specs: Sequence[JobSpec]) -> None:
+    """:class:`ProtocolError` naming a job id that appears twice (the broker's check, for a submit it gets in parts)."""
+    seen: set[str] = set()
+    for k, spec in enumerate(specs):
+        if spec.job_id in seen:
+            raise ProtocolError(P.ErrorCode.BAD_FIELD.value, f"jobs[{k}]: job id {spec.job_id!r} appears twice in "
+                                "one submit")
+        seen.add(spec.job_id)
+
+
 def _submit_chunks(specs: Sequence[JobSpec], frames: list[bytes], limit_bytes: int) -> list[tuple[int, int]]:
     """``(first, end)`` index ranges of ``specs`` to send as one submit message each.
 
@@ -97,7 +108,10 @@ def _submit_chunks(specs: Sequence[JobSpec], frames: list[bytes], limit_bytes: i
     MAX_HEADER_BYTES. Each message keeps to half of either.
     """
     payload_budget, header_budget = limit_bytes // 2, P.MAX_HEADER_BYTES // 2
-    if len(specs) <= _SUBMIT_FAST_JOBS and sum(map(len, frames)) + _FRAMING_BYTES * len(frames) <= payload_budget:
+    if (len(specs) <= _SUBMIT_FAST_JOBS and sum(map(len, frames)) + _FRAMING_BYTES * len(frames) <= payload_budget
+            # Specs of one submit mostly share their fields; a long stop_token_ids list on each can still fill
+            # the header, so the first one's size, with room to spare, stands for the rest.
+            and (not specs or 4 * len(specs) * (len(P.pack_obj(specs[0].to_wire())) + _FRAMING_BYTES) <= header_budget)):
         return [(0, len(specs))]
     chunks: list[tuple[int, int]] = []
     start = payload = header = 0
@@ -414,8 +428,21 @@ class AsyncRolloutClient:
         existing: list[str] = []
         # A submit goes as messages the broker takes (its payload frame under max_message_bytes, its header under
         # MAX_HEADER_BYTES); each is idempotent, so one that fails can be sent again whole, ids unchanged.
-        for first, end in _submit_chunks(specs, frames, limit):
-            reply = await self._submit_chunk(specs[first:end], frames[first:end])
+        chunks = _submit_chunks(specs, frames, limit)
+        if len(chunks) > 1:
+            _refuse_repeated_ids(specs)  # the broker sees one message at a time: a repeat across two goes unseen
+        for sent, (first, end) in enumerate(chunks):
+            try:
+                reply = await self._submit_chunk(specs[first:end], frames[first:end])
+            except (ProrlError, OSError) as e:
+                if first == 0:
+                    raise  # nothing of this submit was taken: the error as it came
+                raise SubmitIncomplete(
+                    f"the broker took {first} of this submit's {len(specs)} jobs (in {sent} "
+                    f"of {len(chunks)} messages), then: {e}; send it again with the same ids (e.submitted): the "
+                    "jobs it took come back as existing, never run twice",
+                    Submitted([s.job_id for s in specs], accepted, existing),
+                ) from e
             accepted += reply.accepted
             existing += reply.existing
         return Submitted([s.job_id for s in specs], accepted, existing)

@@ -130,6 +130,10 @@ class RolloutClient:
         self.close()
 
     def close(self) -> None:
+        """Close the connection and the client's event loop (a fork's copy only lets go: the sockets are the parent's)."""
+        if os.getpid() != self._pid:
+            self._finalizer.detach()
+            return
         if self._loop.is_running():  # another thread's call is under way on the loop: closing it there would break it
             raise ClientMisuse("this RolloutClient is in use by another thread: close it from that thread, once its "
                                "call returned")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from prorl_cli.client import AsyncRolloutClient
 from prorl_cli.testing.harness import Deployment
 
@@ -53,6 +55,36 @@ def test_a_submit_bigger_than_one_message_goes_as_several(tmp_path: Path) -> Non
         # Sent again (a trainer resuming), the same ids come back as the broker's jobs, not new ones.
         again = client.submit("noop", [{"prompt": "x" * 1024, "i": i} for i in range(3000)], job_ids=list(ids))
         assert again.existing == list(ids) and not again.accepted
+        client.close()
+
+
+def test_a_submit_in_several_messages_that_fails_partway_says_what_was_taken(tmp_path: Path) -> None:
+    """Its later message refused (here: a task no node serves), the earlier ones' jobs already run: the error
+    names every id to send again, and sending them again runs each job once. An id repeated across two messages,
+    which the broker alone could not see, is refused before anything is sent."""
+    from prorl_cli.exceptions import ProtocolError, SubmitIncomplete
+
+    with Deployment(tmp_path / "home", "part", config={"broker": {"max_message_bytes": 1 << 20}}) as stack:
+        stack.start_broker()
+        stack.start_node("n1")
+        client = stack.new_client(request_timeout_s=30)
+        instances = [{"prompt": "x" * 1024, "i": i} for i in range(2000)]
+        specs = client.make_specs("noop", 1000) + client.make_specs("nosuch", 1000)
+        with pytest.raises(SubmitIncomplete, match=r"took \d+ of this submit's 2000 jobs") as caught:
+            client.submit_specs(specs, instances)
+        submitted = caught.value.submitted
+        assert list(submitted) == [s.job_id for s in specs]
+        taken = submitted.accepted
+        assert 0 < len(taken) < 1000 and taken == list(submitted)[:len(taken)]
+        assert "nosuch" in str(caught.value.__cause__)
+        again = client.submit("noop", instances, job_ids=list(submitted))
+        assert again.existing == taken and again.accepted == list(submitted)[len(taken):]
+        assert {r.state for r in client.wait(submitted, timeout_s=300)} == {"done"}
+        twice = client.make_specs("noop", 2000)
+        twice[-1] = client.make_specs("noop", 1, job_ids=[twice[0].job_id])[0]
+        with pytest.raises(ProtocolError, match="appears twice"):
+            client.submit_specs(twice, instances)
+        assert not any(job_id == twice[1].job_id for job_id in client.list_jobs())
         client.close()
 
 
