@@ -127,7 +127,10 @@ def requeue_self(identity: SlurmIdentity, deployment_dir: Path | None = None, pe
         # even a cancelled job, and it would come back and start again after the requeue delay.
         log.info("%s was cancelled while it drained (JobState=%s): not requeueing", ref, detail.get("JobState"))
         return
-    if not _last_rank_done(identity, deployment_dir, ref):
+    from prorl_cli.slurm.squeue import seconds_left
+
+    left_s = seconds_left(detail)
+    if not _last_rank_done(identity, deployment_dir, ref, None if left_s is None else time.time() + left_s):
         return
     # Requeueing sends us SIGTERM once more; we are done, so let it pass quietly.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -145,26 +148,69 @@ def requeue_self(identity: SlurmIdentity, deployment_dir: Path | None = None, pe
                         ref, deployment_dir, e)
 
 
-def _last_rank_done(identity: SlurmIdentity, deployment_dir: Path | None, ref: str) -> bool:
+def _rank_marks(deployment_dir: Path, ref: str) -> Path:
+    return deployment_dir / "slurm-requeued" / f".ranks-{ref}"
+
+
+def forget_rank_mark(identity: SlurmIdentity, deployment_dir: Path, ref: str) -> None:
+    """This rank runs (again): a mark it left in an earlier round of its job is not a drain of this one."""
+    if identity.step_rank is not None:
+        with contextlib.suppress(FileNotFoundError):
+            (_rank_marks(deployment_dir, ref) / str(identity.step_rank)).unlink()
+
+
+#: How long before its job's end a rank that finished draining stops waiting for the other ranks and requeues
+#: (one that died never marks); how often it looks for their marks meanwhile.
+RANKS_WAIT_MARGIN_S = 10.0
+RANKS_POLL_S = 1.0
+
+
+def _last_rank_done(identity: SlurmIdentity, deployment_dir: Path | None, ref: str,
+                    end_at: float | None = None) -> bool:
     """Whether this task may requeue its job now: in an ``srun`` step of several tasks, only the last to end its
-    drain does (a requeue ends the whole job, the ranks still draining included). Each rank leaves a mark in the
-    deployment folder (shared by the step's nodes); the one that completes the set requeues."""
+    drain does (a requeue ends the whole job, the ranks still draining included).
+
+    Each rank leaves a mark in the deployment folder (shared by the step's nodes). A rank that finds every mark
+    there takes the set (an atomic rename: one of two ranks ending together wins) and requeues. The others wait
+    for that, or, where a rank died and never marks, until ``RANKS_WAIT_MARGIN_S`` before the job's end
+    (``end_at``, epoch seconds; without one they leave it to the last rank), and then one of them requeues.
+    """
     tasks, rank = identity.step_tasks, identity.step_rank
     if tasks is None or tasks <= 1 or rank is None or deployment_dir is None:
         return True
-    marks = deployment_dir / "slurm-requeued" / f".ranks-{ref}"
+    marks = _rank_marks(deployment_dir, ref)
     try:
         marks.mkdir(parents=True, exist_ok=True)
         (marks / str(rank)).touch()
-        done = sum(1 for _ in marks.iterdir())
     except OSError as e:
         log.warning("could not mark rank %d of %s drained in %s (%s): requeueing now", rank, ref, marks, e)
         return True
-    if done < tasks:
-        log.info("%s: rank %d drained (%d of %d); the last rank to drain requeues the job", ref, rank, done, tasks)
-        return False
-    shutil.rmtree(marks, ignore_errors=True)
-    return True
+    said = False
+    while True:
+        try:
+            done = sum(1 for _ in marks.iterdir())
+        except FileNotFoundError:
+            return False  # another rank took the set: it requeues
+        out_of_time = end_at is not None and time.time() >= end_at - RANKS_WAIT_MARGIN_S
+        if done >= tasks or out_of_time:
+            taken = marks.with_name(f"{marks.name}.{rank}")
+            try:
+                os.rename(marks, taken)
+            except FileNotFoundError:
+                return False
+            shutil.rmtree(taken, ignore_errors=True)
+            if done < tasks:
+                log.warning("%s: %d of %d ranks drained and the job ends soon (a rank died?): rank %d requeues it",
+                            ref, done, tasks, rank)
+            return True
+        if end_at is None:
+            log.info("%s: rank %d drained (%d of %d); the last rank to drain requeues the job", ref, rank, done, tasks)
+            return False
+        if not said:
+            log.info("%s: rank %d drained (%d of %d); waiting for the others, the last one requeues the job", ref,
+                     rank, done, tasks)
+            said = True
+        time.sleep(RANKS_POLL_S)
 
 
 #: ``launch.json`` (prorl_cli.slurm.record.LAUNCH_NAME), read here without importing the record module.
@@ -269,6 +315,7 @@ def slurm_lifecycle(requeue: bool = True, deployment_dir: Path | None = None,
         # note's job for the one to release the next time this role is away).
         try:
             forget_requeued(deployment_dir, ref)
+            forget_rank_mark(identity, deployment_dir, ref)
         except OSError as e:
             log.warning("could not remove the requeue note of %s in %s: %s", ref, deployment_dir, e)
     signals = RoleSignals()

@@ -68,6 +68,27 @@ def test_in_an_srun_step_only_the_last_rank_to_drain_requeues_the_job(tmp_path: 
     assert _last_rank_done(SlurmIdentity.from_env({"SLURM_JOB_ID": "56"}), tmp_path, "56") is True
 
 
+def test_a_rank_that_died_does_not_keep_the_others_from_requeueing(tmp_path: Path) -> None:
+    """Rank 2 of 3 died before the time limit and never marks: the drained ranks wait for it only until the job's
+    end is near, then one of them requeues. A mark left by an earlier round goes when its rank starts again."""
+    import time
+
+    from prorl_cli.slurm.identity import SlurmIdentity
+    from prorl_cli.slurm.roles import RANKS_WAIT_MARGIN_S, _last_rank_done, forget_rank_mark
+
+    def rank(r: int) -> SlurmIdentity:
+        return SlurmIdentity.from_env({"SLURM_JOB_ID": "57", "SLURM_STEP_NUM_TASKS": "3", "SLURM_PROCID": str(r)})
+
+    assert _last_rank_done(rank(0), tmp_path, "57") is False  # no end known: left to the last rank
+    ending = time.time() + RANKS_WAIT_MARGIN_S - 1  # the job ends within the margin
+    assert _last_rank_done(rank(1), tmp_path, "57", ending) is True
+    assert not any((tmp_path / "slurm-requeued").iterdir()), "the marks went with the requeue"
+    # The job runs again: rank 0 marked in that round, then died; starting again, its old mark goes.
+    assert _last_rank_done(rank(0), tmp_path, "57") is False
+    forget_rank_mark(rank(0), tmp_path, "57")
+    assert not any((tmp_path / "slurm-requeued" / ".ranks-57").iterdir())
+
+
 def test_a_hand_written_nodes_drain_fits_in_the_time_its_job_has_left(monkeypatch: pytest.MonkeyPatch) -> None:
     """No node.drain_grace_s (a script of the user's own, not ``prorl launch``): a job warned 60 s before its limit
     (``--signal=USR2@60``) drained for the default 90 s, and Slurm's kill cut the drain short."""
