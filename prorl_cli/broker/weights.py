@@ -161,7 +161,7 @@ class WeightSync:
         if version < self.policy_version and version != self._warned_older:
             self._warned_older = version
             log.warning("policy version %d is lower than the current %d: versions should only grow (a trainer resumed "
-                        "from a checkpoint passes its step on, not 0); staleness is measured against the highest",
+                        "from a checkpoint passes its step on, not 0); staleness figures across the drop mean nothing",
                         version, self.policy_version)
 
     def on_pause_generation(self, identity: bytes, h: H.PauseGeneration, payload: list[bytes]) -> None:

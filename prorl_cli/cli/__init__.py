@@ -59,12 +59,13 @@ class ProrlGroup(click.Group):
 @click.group(cls=ProrlGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="prorl")
 @click.option("--config", "config_path", metavar="FILE", envvar="PRORL_CONFIG", help="prorl.yaml to read (default: ./prorl.yaml).")
-@click.option("-d", "--deployment", metavar="NAME",
+@click.option("-d", "--deployment", metavar="NAME", multiple=True,
               help="Deployment name (the rendezvous folder under PRORL_HOME); the same as -d NAME after a command, or $PRORL_DEPLOYMENT.")
 @click.option("--home", metavar="DIR", help="PRORL_HOME: where deployments keep rendezvous files and run dirs.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.pass_context
-def cli(ctx: click.Context, config_path: str | None, deployment: str | None, home: str | None, log_level: str | None) -> None:
+def cli(ctx: click.Context, config_path: str | None, deployment: tuple[str, ...], home: str | None,
+        log_level: str | None) -> None:
     """prorl: multi-turn LLM-agent rollouts as a service for RL training on Slurm.
 
     \b
@@ -75,8 +76,12 @@ def cli(ctx: click.Context, config_path: str | None, deployment: str | None, hom
     One machine:  prorl quickstart
     Start here:   prorl init [--slurm] (commented prorl.yaml, deploy.yaml), prorl config show
     """
-    overrides = {"deployment": deployment, "home": home, "log_level": log_level}
+    # -d may be given more than once (click would keep the last one without a word): every one must agree.
+    names = list(dict.fromkeys(deployment))
+    overrides = {"deployment": names[0] if names else None, "home": home, "log_level": log_level}
     ctx.obj = App(config_path, {k: v for k, v in overrides.items() if v is not None})
+    if len(names) > 1:
+        ctx.obj.abort(f"-d {names[0]} and -d {names[1]} name different deployments; give one of them")
 
 
 for command in (serve, submit, sample, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch, eval_command, swe, plan):

@@ -135,6 +135,7 @@ CASES = [
     Case("sampling-file-bad-value", _sampling_file("max_tokens: many\n"), ("sampling.yaml", "sampling.max_tokens", "must be an integer")),
     Case("status-two-names", lambda h: ["-d", "one", "status", "two"], ("-d one", "DEPLOYMENT two", "different deployments")),
     Case("status-two-d-flags", lambda h: ["status", "-d", "one", "-d", "two"], ("-d one", "-d two", "different deployments")),
+    Case("status-two-global-d-flags", lambda h: ["-d", "one", "-d", "two", "status"], ("-d one", "-d two", "different deployments")),
     Case("home-is-a-file", _home_is_a_file, ("home-file", "is a file")),
     Case("serve-broker-port-in-use", _port_in_use, ("cannot listen", "in use")),
     Case("serve-broker-bad-bind-host", lambda h: ["-d", "badhost", "serve", "broker", "--bind-host", "no-such-host.invalid"],
