@@ -116,20 +116,6 @@ class JournalWriteError(ProrlError, OSError):
     """The broker's journal could not be written (the broker's side of :class:`JournalUnwritable`)."""
 
 
-class SubmitIncomplete(ProrlError, RuntimeError):
-    """A submit sent as several messages (too big for one) failed after the broker took some of them.
-
-    ``submitted`` lists every job id of the submit, in order, with ``accepted`` and ``existing`` for the
-    messages the broker took; the cause (``__cause__``) is the failed message's error. Send the submit again
-    with these ids (``submit(..., job_ids=e.submitted)``, or the same specs): the jobs already taken come back
-    as ``existing`` and never run twice.
-    """
-
-    def __init__(self, message: str, submitted: list[str]) -> None:
-        super().__init__(message)
-        self.submitted = submitted
-
-
 class StartTimeout(ProrlError, TimeoutError):
     """A process of an embedded deployment did not come up in time, or died starting (the message ends with its log)."""
 

@@ -27,7 +27,6 @@ from prorl_cli.exceptions import (
     ReloadFailed,
     RemoteError,
     ResultTimeout,
-    SubmitIncomplete,
     UnknownJob,
 )
 from prorl_cli.protocol import (
@@ -395,8 +394,12 @@ class AsyncRolloutClient:
         (idempotent): the returned list's ``.accepted`` and ``.existing`` say
         which ids were new and which the broker already had. A submit that
         fails (``BrokerRestarted``, a timeout) is sent again with the same ids:
-        a submit bigger than one broker message goes as several, and those
-        the broker took come back as ``existing``, never run twice.
+        the error carries them as ``e.submitted`` (every id, in order, with
+        ``accepted`` and ``existing`` for what the broker confirmed), so
+        ``submit(..., job_ids=e.submitted)`` works where this call made them.
+        A submit bigger than one broker message goes as several (a note on the
+        error says how many the broker took); the jobs it took come back as
+        ``existing``, never run twice.
         """
         if isinstance(instances, (str, bytes, bytearray, Mapping)):
             # Iterating one would submit its characters or keys, one job each.
@@ -435,14 +438,14 @@ class AsyncRolloutClient:
             try:
                 reply = await self._submit_chunk(specs[first:end], frames[first:end])
             except (ProrlError, OSError) as e:
-                if first == 0:
-                    raise  # nothing of this submit was taken: the error as it came
-                raise SubmitIncomplete(
-                    f"the broker took {first} of this submit's {len(specs)} jobs (in {sent} "
-                    f"of {len(chunks)} messages), then: {e}; send it again with the same ids (e.submitted): the "
-                    "jobs it took come back as existing, never run twice",
-                    Submitted([s.job_id for s in specs], accepted, existing),
-                ) from e
+                # The error keeps its type (a retry loop catches what it always caught) and carries the ids: submit()
+                # may have made them, and only the same ids send the submit again without running a job twice.
+                e.submitted = Submitted([s.job_id for s in specs], accepted, existing)  # type: ignore[union-attr]
+                if first:
+                    e.add_note(f"the broker took {first} of this submit's {len(specs)} jobs (in {sent} of {len(chunks)} "
+                               "messages): send it again with the same ids (e.submitted); the jobs it took come back "
+                               "as existing, never run twice")
+                raise
             accepted += reply.accepted
             existing += reply.existing
         return Submitted([s.job_id for s in specs], accepted, existing)

@@ -114,24 +114,16 @@ def requeue_self(identity: SlurmIdentity, deployment_dir: Path | None = None, pe
     ref = identity.task_ref
     if ref is None:
         return
-    from prorl_cli.slurm.squeue import job_detail
+    from prorl_cli.slurm.squeue import job_detail, seconds_left
 
     detail = job_detail(ref)
-    if detail.get("Requeue") == "0":
-        # Submitted with --no-requeue, or set so by `prorl scale` before it drained this task away.
-        log.info("%s may not be requeued (Requeue=0): not requeueing", ref)
+    if _not_to_requeue(ref, detail):
         return
-    if detail.get("JobState") in ("CANCELLED", "COMPLETING") and detail.get("Reason") != "TimeLimit":
-        # scancel (`prorl down`, a user) came while the drain ran: the job is ending (scontrol shows COMPLETING,
-        # reason None; at the time limit the reason is TimeLimit, and that one is requeued). Slurm would requeue
-        # even a cancelled job, and it would come back and start again after the requeue delay.
-        log.info("%s was cancelled while it drained (JobState=%s): not requeueing", ref, detail.get("JobState"))
-        return
-    from prorl_cli.slurm.squeue import seconds_left
-
     left_s = seconds_left(detail)
     if not _last_rank_done(identity, deployment_dir, ref, None if left_s is None else time.time() + left_s):
         return
+    if (identity.step_tasks or 1) > 1 and _not_to_requeue(ref, job_detail(ref)):
+        return  # while it waited for the other ranks, a scancel came (or another rank requeued the job)
     # Requeueing sends us SIGTERM once more; we are done, so let it pass quietly.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     proc = subprocess.run(["scontrol", "requeue", ref], capture_output=True, text=True, check=False)
@@ -146,6 +138,25 @@ def requeue_self(identity: SlurmIdentity, deployment_dir: Path | None = None, pe
         except OSError as e:
             log.warning("could not leave the requeue note for %s in %s (%s): it waits out Slurm's requeue delay",
                         ref, deployment_dir, e)
+
+
+def _not_to_requeue(ref: str, detail: dict[str, str]) -> bool:
+    """Whether ``scontrol show job`` says this job must not be requeued now (said in the log)."""
+    state = detail.get("JobState")
+    if detail.get("Requeue") == "0":
+        # Submitted with --no-requeue, or set so by `prorl scale` before it drained this task away.
+        log.info("%s may not be requeued (Requeue=0): not requeueing", ref)
+        return True
+    if state in ("CANCELLED", "COMPLETING") and detail.get("Reason") != "TimeLimit":
+        # scancel (`prorl down`, a user) came while the drain ran: the job is ending (scontrol shows COMPLETING,
+        # reason None; at the time limit the reason is TimeLimit, and that one is requeued). Slurm would requeue
+        # even a cancelled job, and it would come back and start again after the requeue delay.
+        log.info("%s was cancelled while it drained (JobState=%s): not requeueing", ref, state)
+        return True
+    if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+        log.info("%s is requeued already (JobState=%s)", ref, state)
+        return True
+    return False
 
 
 def _rank_marks(deployment_dir: Path, ref: str) -> Path:
@@ -182,11 +193,26 @@ def _last_rank_done(identity: SlurmIdentity, deployment_dir: Path | None, ref: s
     try:
         marks.mkdir(parents=True, exist_ok=True)
         (marks / str(rank)).touch()
+    except FileNotFoundError:
+        return False  # another rank took the set between the two: it requeues
     except OSError as e:
         log.warning("could not mark rank %d of %s drained in %s (%s): requeueing now", rank, ref, marks, e)
         return True
+    # A SIGTERM while this rank waits is a scancel, or Slurm ending the job another rank requeued: no requeue here.
+    terminated = threading.Event()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        return _take_marks(marks, tasks, rank, ref, end_at, terminated)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
+    try:
+        return _take_marks(marks, tasks, rank, ref, end_at, terminated)
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _take_marks(marks: Path, tasks: int, rank: int, ref: str, end_at: float | None,
+                terminated: threading.Event) -> bool:
     said = False
-    while True:
+    while not terminated.is_set():
         try:
             done = sum(1 for _ in marks.iterdir())
         except FileNotFoundError:
@@ -198,6 +224,10 @@ def _last_rank_done(identity: SlurmIdentity, deployment_dir: Path | None, ref: s
                 os.rename(marks, taken)
             except FileNotFoundError:
                 return False
+            except OSError as e:
+                log.warning("could not take the drain marks of %s in %s (%s): rank %d requeues the job", ref, marks,
+                            e, rank)
+                return True
             shutil.rmtree(taken, ignore_errors=True)
             if done < tasks:
                 log.warning("%s: %d of %d ranks drained and the job ends soon (a rank died?): rank %d requeues it",
@@ -210,7 +240,9 @@ def _last_rank_done(identity: SlurmIdentity, deployment_dir: Path | None, ref: s
             log.info("%s: rank %d drained (%d of %d); waiting for the others, the last one requeues the job", ref,
                      rank, done, tasks)
             said = True
-        time.sleep(RANKS_POLL_S)
+        terminated.wait(RANKS_POLL_S)
+    log.info("%s: SIGTERM while rank %d waited for the other ranks: not requeueing", ref, rank)
+    return False
 
 
 #: ``launch.json`` (prorl_cli.slurm.record.LAUNCH_NAME), read here without importing the record module.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import resource
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,12 @@ def test_a_submit_the_journal_cannot_take_is_refused_whole_and_the_broker_goes_o
             client.submit("test", [{"echo": i, "pad": "x" * 200} for i in range(50)], job_ids=ids)
         assert d.log("broker").count("new jobs are refused") == 1
         assert "written again" not in d.log("broker"), "a refused submit left nothing to write: no recovery to tell"
+        # prorl submit says how to send it again without running twice what a broker may hold of it.
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_text('{"echo": 1}\n')
+        cli = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", "full", "submit", str(tasks), "--task", "test"],
+                             env=d.env(), capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 1 and "cannot write" in cli.stderr and "--id-prefix sub-" in cli.stderr, cli.stderr
         # Room again: the same submit is accepted, runs, and is journaled (it survives a crash of the broker).
         resource.prlimit(broker.pid, resource.RLIMIT_FSIZE, limits)
         assert client.submit("test", [{"echo": i} for i in range(50)], job_ids=ids).accepted == ids

@@ -111,3 +111,19 @@ def test_a_hand_written_nodes_drain_fits_in_the_time_its_job_has_left(monkeypatc
     assert server._slurm_drain_grace_s() == server.DEFAULT_DRAIN_GRACE_S
     monkeypatch.delenv("SLURM_JOB_ID")
     assert server._slurm_drain_grace_s() == server.DEFAULT_DRAIN_GRACE_S
+
+
+def test_a_rank_waiting_for_the_others_that_gets_sigterm_does_not_requeue(tmp_path: Path) -> None:
+    """A scancel (or Slurm ending the job another rank requeued) while a drained rank waits: it leaves quietly."""
+    import threading
+    import time
+
+    from prorl_cli.slurm.roles import _rank_marks, _take_marks
+
+    marks = _rank_marks(tmp_path, "58")
+    marks.mkdir(parents=True)
+    (marks / "0").touch()
+    terminated = threading.Event()
+    terminated.set()
+    assert _take_marks(marks, 3, 0, "58", time.time() + 3600, terminated) is False
+    assert (marks / "0").exists(), "the set stays for the ranks still draining"

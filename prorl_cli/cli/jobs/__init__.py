@@ -78,6 +78,12 @@ def submit_jobs(
     try:
         client.submit_specs(specs, [inst for inst in instances for _ in range(n)])
     except ProrlError as e:
+        taken = getattr(e, "submitted", None)
+        if isinstance(e, OSError) or (taken is not None and taken.accepted):
+            # The broker may hold part of it (a lost link, a full disk, a big submit refused partway): the same ids
+            # resume it, new ones would run the part it took twice.
+            app.abort(f"submit failed: {e}; send it again with --id-prefix {prefix} (what the broker took is not "
+                      "run twice)")
         app.abort(f"submit failed: {e}")
     return prefix, ids
 
