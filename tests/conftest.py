@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,11 @@ from prorl_cli.testing.scripted import TEST_IMAGES
 from tests.harness import need_module
 
 REQUIRE_ALL = os.environ.get("PRORL_REQUIRE_ALL") == "1"
+
+# A suite started in the background by a shell without job control (`cmd &` in a script, nohup) inherits SIGINT
+# ignored, and so would every process it starts: the tests that press Ctrl-C on prorl need it as a terminal has it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(hookwrapper=True)
