@@ -42,7 +42,7 @@ def test_a_submit_the_journal_cannot_take_is_refused_whole_and_the_broker_goes_o
         assert "written again" not in d.log("broker"), "a refused submit left nothing to write: no recovery to tell"
         # prorl submit says how to send it again without running twice what a broker may hold of it.
         tasks = tmp_path / "tasks.jsonl"
-        tasks.write_text('{"echo": 1}\n')
+        tasks.write_text("".join(f'{{"echo": {i}, "pad": "{"x" * 200}"}}\n' for i in range(50)))
         cli = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", "full", "submit", str(tasks), "--task", "test"],
                              env=d.env(), capture_output=True, text=True, timeout=120)
         assert cli.returncode == 1 and "cannot write" in cli.stderr and "--id-prefix sub-" in cli.stderr, cli.stderr
