@@ -3,10 +3,20 @@ real broker and node processes. The self-healing case where both are replaced at
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
 from prorl_cli.testing.harness import Deployment
+
+
+def _wait_for_line(stack: Deployment, node: subprocess.Popen[bytes], text: str) -> None:
+    """Until the node's log says ``text`` (polled, as ``wait_for`` polls status); it must not exit meanwhile."""
+    deadline = time.monotonic() + 60
+    while text not in stack.log("n1"):
+        assert node.poll() is None, stack.log("n1")
+        assert time.monotonic() < deadline, stack.log("n1")
+        time.sleep(0.1)
 
 
 def test_a_node_whose_first_register_went_to_a_dead_broker_serves_the_new_one(tmp_path: Path) -> None:
@@ -17,12 +27,8 @@ def test_a_node_whose_first_register_went_to_a_dead_broker_serves_the_new_one(tm
         old_address = stack.address
         stack.kill("broker")  # its rendezvous file stays, naming an address nobody answers
         node = stack.start_node("n1", wait=False)
-        deadline = time.monotonic() + 60
         # Restart the broker only once the node has given up on the old address once (it is waiting on it).
-        while "registering again" not in stack.log("n1"):
-            assert node.poll() is None, stack.log("n1")
-            assert time.monotonic() < deadline, stack.log("n1")
-            time.sleep(0.1)
+        _wait_for_line(stack, node, "registering again")
         stack.start_broker()
         assert stack.address != old_address
         stack.wait_for(lambda st: any(n.node_id == "n1" and n.alive for n in st.nodes), 60, "n1 to register", "n1")
@@ -59,20 +65,13 @@ def test_a_node_waiting_for_its_register_to_a_moved_broker_still_stops_on_sigter
         stack.start_broker()
         stack.kill("broker")
         node = stack.start_node("n1", wait=False)
-        deadline = time.monotonic() + 60
-        while "registering again" not in stack.log("n1"):
-            assert node.poll() is None, stack.log("n1")
-            assert time.monotonic() < deadline, stack.log("n1")
-            time.sleep(0.1)
+        _wait_for_line(stack, node, "registering again")
         with socket.socket() as s:  # a port nobody listens on
             s.bind(("127.0.0.1", 0))
             nowhere = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         info = read_rendezvous(stack.deployment_dir)
         write_rendezvous(stack.deployment_dir, dataclasses.replace(info, address=nowhere))
-        while "registering with the new one" not in stack.log("n1"):
-            assert node.poll() is None, stack.log("n1")
-            assert time.monotonic() < deadline, stack.log("n1")
-            time.sleep(0.1)
+        _wait_for_line(stack, node, "registering with the new one")
         node.send_signal(signal.SIGTERM)
         assert node.wait(timeout=60) is not None, stack.log("n1")
         assert "Traceback" not in stack.log("n1"), stack.log("n1")
