@@ -166,21 +166,24 @@ class Journal:
                     try:
                         record = unpacker.unpack()
                     except msgpack.OutOfData:
+                        if end == good_until:
+                            return
                         # A torn last record, or damage that reads as the head of a record longer than the file
                         # (a length or count past its end): only a whole record after it tells the two apart.
-                        if end > good_until and _next_record_start(view, good_until + 1, end) < end:
+                        resume = _next_record_start(view, good_until + 1, end)
+                        if resume < end:
                             break
-                        if end > good_until:
-                            log.warning("journal %s: ignoring a torn record in its last %d bytes (a crash mid-write)",
-                                        self.path, end - good_until)
+                        log.warning("journal %s: ignoring a torn record in its last %d bytes (a crash mid-write)",
+                                    self.path, end - good_until)
                         return
                     except (msgpack.UnpackException, ValueError):
+                        resume = _next_record_start(view, good_until + 1, end)
                         break
                     if not (isinstance(record, dict) and record.get("t") in _RECORD_TYPES):
+                        resume = _next_record_start(view, good_until + 1, end)
                         break  # not a record: a damaged stretch begins here
                     good_until = pos + unpacker.tell()
                     yield record
-                resume = _next_record_start(view, good_until + 1, end)
                 self.damaged.append((good_until, resume))
                 log.error("journal %s: bytes %d-%d are damaged (%d bytes skipped); what they recorded is lost: jobs "
                           "accepted there are unknown to this broker, jobs placed or ended there run again", self.path,

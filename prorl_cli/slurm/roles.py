@@ -200,13 +200,13 @@ def _last_rank_done(identity: SlurmIdentity, deployment_dir: Path | None, ref: s
         return True
     # A SIGTERM while this rank waits is a scancel, or Slurm ending the job another rank requeued: no requeue here.
     terminated = threading.Event()
-    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
-        return _take_marks(marks, tasks, rank, ref, end_at, terminated)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
+    in_main = threading.current_thread() is threading.main_thread()  # only the main thread takes signals
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set()) if in_main else None
     try:
         return _take_marks(marks, tasks, rank, ref, end_at, terminated)
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if in_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _take_marks(marks: Path, tasks: int, rank: int, ref: str, end_at: float | None,
