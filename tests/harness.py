@@ -14,6 +14,7 @@ from prorl_cli.testing import (
     Deployment,
     bare_dealer,
     fixed_port,
+    next_message,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_BUILD_ARGS = ["--mksquashfs-args", "-comp lz4"]
 
 __all__ = ["DEFAULT_TEST_CONFIG", "REPO", "TEST_BUILD_ARGS", "TEST_HANDLERS", "Deployment", "bare_dealer", "fixed_port",
-           "image_build_config", "need_module"]
+           "image_build_config", "need_module", "next_message"]
 
 
 def need_module(module: str, extra: str) -> None:

@@ -14,6 +14,7 @@ from prorl_cli.testing.harness import (
     bare_dealer,
     fixed_port,
     merge_config,
+    next_message,
 )
 
-__all__ = ["DEFAULT_TEST_CONFIG", "TEST_HANDLERS", "Deployment", "bare_dealer", "fixed_port", "merge_config"]
+__all__ = ["DEFAULT_TEST_CONFIG", "TEST_HANDLERS", "Deployment", "bare_dealer", "fixed_port", "merge_config", "next_message"]

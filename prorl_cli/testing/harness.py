@@ -70,6 +70,26 @@ def bare_dealer(address: str, deployment_dir: Path | None = None, *, unbounded: 
     return sock
 
 
+def next_message(sock: Any, op: str = "reply", rid: Any = None, *, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The next header of ``op`` (and, given, ``rid``) on a raw socket from :func:`bare_dealer`.
+
+    Whatever else the broker pushes meanwhile is read past: a socket registered as a node gets the broker's
+    liveness heartbeats whenever they fall due, and assignments, so the next frame is not always the answer.
+    """
+    import time
+
+    import msgpack
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if left_ms <= 0 or not sock.poll(left_ms):
+            raise TimeoutError(f"no {op} (rid {rid!r}) from the broker within {timeout_s} s")
+        header: dict[str, Any] = msgpack.unpackb(sock.recv_multipart()[0], raw=False, strict_map_key=False)
+        if header.get("op") == op and (rid is None or header.get("rid") == rid):
+            return header
+
+
 def fixed_port() -> int:
     """A free TCP port below the kernel's ephemeral range, for a broker that must bind the same port again
     after a restart (ports the kernel hands out, to ``bind(0)`` or outgoing connections, come from that range)."""

@@ -7,16 +7,14 @@ answers a weight load.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 
 from prorl_cli import protocol as P
-from tests.harness import Deployment, bare_dealer
+from tests.harness import Deployment, bare_dealer, next_message
 
 #: How long a peer waits for a message the broker must send (a failure bound, not a timing assertion).
 MESSAGE_TIMEOUT_S = 5.0
@@ -37,13 +35,7 @@ class Peer:
 
     def next(self, op: str, rid: Any = None) -> dict[str, Any]:
         """The next message of ``op`` (and ``rid``) sent to this peer; heartbeats and other ops are skipped."""
-        deadline = time.monotonic() + MESSAGE_TIMEOUT_S
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            assert left_ms > 0 and self.sock.poll(left_ms), f"no {op} (rid {rid!r}) from the broker"
-            h: dict[str, Any] = msgpack.unpackb(self.sock.recv_multipart()[0], raw=False)
-            if h.get("op") == op and (rid is None or h.get("rid") == rid):
-                return h
+        return next_message(self.sock, op, rid, timeout_s=MESSAGE_TIMEOUT_S)
 
     def close(self) -> None:
         self.sock.close(0)

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from prorl_cli import protocol as P
-from tests.harness import Deployment, bare_dealer, fixed_port
+from tests.harness import Deployment, bare_dealer, fixed_port, next_message
 
 REPLY_TIMEOUT_MS = 5000
 
@@ -32,12 +32,7 @@ class Raw:
 
     def reply(self, rid: Any = None) -> dict[str, Any]:
         """The next reply (skipping pushed heartbeats and assignments)."""
-        deadline = time.monotonic() + REPLY_TIMEOUT_MS / 1000
-        while True:
-            assert self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), "no reply from the broker"
-            h = msgpack.unpackb(self.sock.recv_multipart()[0], raw=False)
-            if h.get("op") == "reply" and (rid is None or h.get("rid") == rid):
-                return h
+        return next_message(self.sock, "reply", rid, timeout_s=REPLY_TIMEOUT_MS / 1000)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -264,11 +259,7 @@ def test_generate_headers_as_nodes_and_bridges_send_them_pass_validation(deploym
         assert node.reply(1)["ok"]
         # A job placed on this node (generate calls route only for running jobs).
         [job_id] = deployment.client.submit("gen-only", [{}])
-        while True:
-            assert node.sock.poll(REPLY_TIMEOUT_MS), "no assignment"
-            h = msgpack.unpackb(node.sock.recv_multipart()[0], raw=False)
-            if h.get("op") == "assign":
-                break
+        h = next_message(node.sock, "assign", timeout_s=REPLY_TIMEOUT_MS / 1000)
         assert h["jobs"][0]["job_id"] == job_id
         sampling = P.SamplingParams(max_tokens=4, seed=None, stop_token_ids=[2]).to_wire()
         node.send({"op": "generate", "rid": 5, "job_id": job_id, "sampling": sampling}, [P.pack_tokens([1, 2, 3])])
