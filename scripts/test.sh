@@ -9,8 +9,9 @@
 # Python happens to hold can hide a missing install step; PRORL_FRESH_VENV=1
 # removes an existing one first (CI does). pip's wheel cache is reused.
 # The suite runs with PRORL_HOME set to a fresh folder: users set it, and a
-# test that needs another home sets its own. PRORL_SLURM_BESIDE=1 runs the
-# Slurm tier (tests/slurm) in a second pytest beside the rest (CI does).
+# test that needs another home sets its own. PRORL_LANES=1 runs the
+# Slurm tier (tests/slurm) and the model lane (vLLM, training, images) in
+# pytests of their own beside the rest (CI does).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ "$(id -u)" = 0 ]; then
@@ -30,23 +31,42 @@ export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
 PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")"
 export PRORL_HOME
 # pytest exits 5 when it collects no test; set -e makes that a failure too.
-if [ "${PRORL_SLURM_BESIDE:-0}" != 1 ]; then
+if [ "${PRORL_LANES:-0}" != 1 ]; then
   "$venv/bin/python" -m pytest -ra "$@"
   exit 0
 fi
-# PRORL_SLURM_BESIDE=1 (CI): the Slurm tier runs beside the rest, in a pytest of its own with a
-# home of its own. Its tests spend their time waiting on slurmctld's scheduling ticks and signal
-# delays, and what they start are slurmd's children, outside every other test's process checks.
+# PRORL_LANES=1 (CI): the suite runs as three pytests side by side, each with a home of its own:
+#  - the Slurm tier (tests/slurm): its tests spend their time waiting on slurmctld's scheduling ticks
+#    and signal delays, and what they start are slurmd's children;
+#  - the model lane (MODEL_LANE): vLLM and torch on the CPU, the training examples, image builds;
+#  - the rest, which alone keeps one of two cores busy: it waits on process starts, sandboxes and signals.
+# Every test's process checks look only at what it started (its pids, its PRORL_HOME), so the lanes
+# cannot see each other's processes. Each lane's output is printed whole when all three have ended.
+MODEL_LANE=(tests/inference tests/training tests/swe tests/images tests/chaos)
 slurm_out="$(mktemp "${TMPDIR:-/tmp}/prorl-slurm-tier.XXXXXX")"
+model_out="$(mktemp "${TMPDIR:-/tmp}/prorl-model-lane.XXXXXX")"
 PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")" \
   "$venv/bin/python" -m pytest -ra "$@" tests/slurm >"$slurm_out" 2>&1 &
 slurm_pid=$!
+PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")" \
+  "$venv/bin/python" -m pytest -ra "$@" "${MODEL_LANE[@]}" >"$model_out" 2>&1 &
+model_pid=$!
+ignore=(--ignore=tests/slurm)
+for lane in "${MODEL_LANE[@]}"; do
+  ignore+=("--ignore=$lane")
+done
 rest=0
-"$venv/bin/python" -m pytest -ra "$@" --ignore=tests/slurm || rest=$?
+"$venv/bin/python" -m pytest -ra "$@" "${ignore[@]}" || rest=$?
+model=0
+wait "$model_pid" || model=$?
 slurm=0
 wait "$slurm_pid" || slurm=$?
+echo "---------------- the model lane (run beside the rest; exit $model) ----------------"
+cat "$model_out"
 echo "---------------- the Slurm tier (run beside the rest; exit $slurm) ----------------"
 cat "$slurm_out"
-rm -f "$slurm_out"
-if [ "$rest" != 0 ]; then exit "$rest"; fi
-exit "$slurm"
+rm -f "$slurm_out" "$model_out"
+for status in "$rest" "$model" "$slurm"; do
+  if [ "$status" != 0 ]; then exit "$status"; fi
+done
+exit 0
