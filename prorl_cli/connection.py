@@ -33,6 +33,7 @@ from prorl_cli.exceptions import (
     BrokerRefused,
     BrokerRestarted,
     BrokerUnavailable,
+    HeaderTooLarge,
     ProtocolError,
     ProtocolMismatch,
     RemoteError,
@@ -258,10 +259,15 @@ class BrokerConnection:
     # --------------------------------------------------------------- messages
 
     async def send(self, header: dict[str, Any], payload: Sequence[bytes] = ()) -> None:
-        """Send a message that gets no reply."""
+        """Send a message that gets no reply (:class:`HeaderTooLarge` if its header is over the protocol's limit)."""
         if self.sock is None:
             raise BrokerUnavailable(f"{self.name}: not connected to the broker")
-        await self.sock.send_multipart(P.encode(header, payload), copy=False)
+        frames = P.encode(header, payload)
+        if len(frames[0]) > P.MAX_HEADER_BYTES:
+            raise HeaderTooLarge(ErrorCode.BAD_FRAME.value,
+                                 f"the {header.get('op')!r} header packs to {len(frames[0])} bytes, over the protocol's "
+                                 f"limit of {P.MAX_HEADER_BYTES}: the broker could not read it")
+        await self.sock.send_multipart(frames, copy=False)
 
     def send_soon(self, header: dict[str, Any]) -> None:
         """Send a message without awaiting: pyzmq queues it now, before anything the caller sends next."""

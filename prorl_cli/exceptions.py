@@ -37,6 +37,11 @@ class ProtocolError(ProrlError, ValueError):
         self.message = message
 
 
+class HeaderTooLarge(ProtocolError):
+    """A message whose header frame packs past the protocol's ``MAX_HEADER_BYTES``, refused before it is sent:
+    the broker could not read even its request id, so it could only be waited out."""
+
+
 class ProtocolDeclarationError(ProrlError, TypeError):
     """A header or record class declares a wire field without its check (a programming error, raised at import)."""
 

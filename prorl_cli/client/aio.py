@@ -22,6 +22,7 @@ from prorl_cli.exceptions import (
     CheckpointNotFound,
     ClientMisuse,
     DrainTimeout,
+    HeaderTooLarge,
     ProrlError,
     ProtocolError,
     ReloadFailed,
@@ -99,17 +100,20 @@ def _refuse_repeated_ids(specs: Sequence[JobSpec]) -> None:
         seen.add(spec.job_id)
 
 
-def _submit_chunks(specs: Sequence[JobSpec], frames: list[bytes], limit_bytes: int) -> list[tuple[int, int]]:
+def _submit_chunks(specs: Sequence[JobSpec], frames: list[bytes], limit_bytes: int,
+                   *, guess: bool = True) -> list[tuple[int, int]]:
     """``(first, end)`` index ranges of ``specs`` to send as one submit message each.
 
     The instances of one message travel in one payload frame, which the broker's socket refuses (dropping the
     connection without a word) past ``limit_bytes``; the specs travel in the header, refused past
-    MAX_HEADER_BYTES. Each message keeps to half of either.
+    MAX_HEADER_BYTES. Each message keeps to half of either. ``guess``: a small submit may go whole on the
+    first spec's size (see :meth:`AsyncRolloutClient.submit_specs` for when the guess is wrong).
     """
     payload_budget, header_budget = limit_bytes // 2, P.MAX_HEADER_BYTES // 2
-    if (len(specs) <= _SUBMIT_FAST_JOBS and sum(map(len, frames)) + _FRAMING_BYTES * len(frames) <= payload_budget
-            # Specs of one submit mostly share their fields; a long stop_token_ids list on each can still fill
-            # the header, so the first one's size, with room to spare, stands for the rest.
+    if (guess and len(specs) <= _SUBMIT_FAST_JOBS
+            and sum(map(len, frames)) + _FRAMING_BYTES * len(frames) <= payload_budget
+            # Specs of one submit mostly share their fields, so the first one's size, with room to spare, stands
+            # for the rest without packing each of them once more.
             and (not specs or 4 * len(specs) * (len(P.pack_obj(specs[0].to_wire())) + _FRAMING_BYTES) <= header_budget)):
         return [(0, len(specs))]
     chunks: list[tuple[int, int]] = []
@@ -427,11 +431,22 @@ class AsyncRolloutClient:
                                 f"instance {over[0]} ({specs[over[0]].job_id!r}) packs to {over[1] / 2**20:.1f} MiB, "
                                 f"over broker.max_message_bytes ({limit / 2**20:.1f} MiB): send a path or an id "
                                 "the handler reads, not the data itself")
-        accepted: list[str] = []
-        existing: list[str] = []
         # A submit goes as messages the broker takes (its payload frame under max_message_bytes, its header under
         # MAX_HEADER_BYTES); each is idempotent, so one that fails can be sent again whole, ids unchanged.
         chunks = _submit_chunks(specs, frames, limit)
+        if len(chunks) == 1:
+            try:
+                return await self._submit_in(specs, frames, chunks)
+            except HeaderTooLarge:
+                # Sent whole on the first spec's size, but later specs are larger (each with its own long
+                # stop_token_ids): the header was refused before it left, so nothing was taken. Size every spec.
+                chunks = _submit_chunks(specs, frames, limit, guess=False)
+        return await self._submit_in(specs, frames, chunks)
+
+    async def _submit_in(self, specs: Sequence[JobSpec], frames: list[bytes], chunks: list[tuple[int, int]]) -> Submitted:
+        """Send ``specs`` as the messages ``chunks`` cut them into, in order; a failure says what was taken."""
+        accepted: list[str] = []
+        existing: list[str] = []
         if len(chunks) > 1:
             _refuse_repeated_ids(specs)  # the broker sees one message at a time: a repeat across two goes unseen
         for sent, (first, end) in enumerate(chunks):

@@ -88,6 +88,27 @@ def test_a_submit_in_several_messages_that_fails_partway_says_what_was_taken(tmp
         client.close()
 
 
+def test_a_small_submit_whose_later_specs_are_larger_than_its_first_goes_as_several(tmp_path: Path) -> None:
+    """A submit of at most 256 jobs goes whole on its first spec's size. Here the first spec is plain and the 249
+    after it each carry 4,096 stop tokens (about 20 KiB packed): 5 MiB of header, which the broker could not even
+    read a request id from, so the submit used to wait out its timeout. It now goes as several messages."""
+    from dataclasses import replace
+
+    from prorl_cli.protocol import SamplingParams
+
+    with Deployment(tmp_path / "home", "wide") as stack:
+        stack.start_broker()
+        stack.start_node("n1")
+        client = stack.new_client(request_timeout_s=30)
+        specs = client.make_specs("noop", 250)
+        stops = SamplingParams(stop_token_ids=list(range(1 << 30, (1 << 30) + 4096)))
+        specs[1:] = [replace(spec, sampling=stops) for spec in specs[1:]]
+        ids = client.submit_specs(specs, [{"i": i} for i in range(250)])
+        assert ids.accepted == [s.job_id for s in specs] and not ids.existing
+        assert {r.state for r in client.wait(ids, timeout_s=120)} == {"done"}
+        client.close()
+
+
 def test_a_config_shared_by_clients_of_two_deployments_is_not_changed(tmp_path: Path) -> None:
     from prorl_cli.config import load_config
 
