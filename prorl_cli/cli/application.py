@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -10,15 +11,29 @@ from rich.console import Console
 if TYPE_CHECKING:
     from prorl_cli.config import ProrlConfig
 
+#: The width tables get where output is a file or a pipe (a Slurm job's log, ``| tee``) and ``COLUMNS`` is unset:
+#: rich's 80 would squeeze a node table's ids and hosts to "slurm-12…".
+PIPE_WIDTH_COLUMNS = 240
+
+
+def _console(*, stderr: bool) -> Console:
+    """A console whose messages never break at its width (``soft_wrap``), so paths and commands in them copy whole.
+
+    Tables fit the width: in a terminal, the terminal's; in a file or a pipe, :data:`PIPE_WIDTH_COLUMNS` (or
+    ``COLUMNS``). A table wider still folds its id, host and path columns onto more lines, never cuts them.
+    """
+    console = Console(stderr=stderr, highlight=False, soft_wrap=True)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console.width = PIPE_WIDTH_COLUMNS
+    return console
+
 
 class App:
     """Carries the rich console and the effective configuration (loaded on first use)."""
 
     def __init__(self, config_path: str | None, overrides: dict[str, Any]) -> None:
-        # soft_wrap: a message is never broken at the console's width (80 columns when output is a file or a
-        # pipe, as in a Slurm job's log), so paths and commands in it can be copied whole; tables still fit.
-        self.console = Console(highlight=False, soft_wrap=True)
-        self.err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.console = _console(stderr=False)
+        self.err_console = _console(stderr=True)
         self.config_path = config_path
         self.overrides = overrides
         self._config: ProrlConfig | None = None

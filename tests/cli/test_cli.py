@@ -176,6 +176,21 @@ def test_status_and_stop_take_the_deployment_as_an_argument(deployment: Deployme
     assert clash.returncode != 0 and "different deployments" in clash.stderr
 
 
+def test_status_in_a_log_shows_long_node_ids_whole(tmp_path: Path) -> None:
+    """Output to a file or a pipe (a Slurm job's log) without COLUMNS: rich's 80 columns cut a node id to
+    "slurm-12…"; the id a user greps for or copies into `prorl logs` must come out whole."""
+    node_id = "slurm-12345678-gpu-a100-rack12-host-0042-rank3"
+    with Deployment(tmp_path / "home", "wide") as d:
+        d.start_broker()
+        d.start_node(node_id)
+        d.wait_for(lambda st: any(n.node_id == node_id for n in st.nodes), 30, "the node to register")
+        env = {k: v for k, v in d.env().items() if k != "COLUMNS"}
+        r = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", d.name, "status"], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert node_id in r.stdout, r.stdout
+
+
 def test_commands_without_a_broker_say_so(tmp_path: Path) -> None:
     d = Deployment(tmp_path / "home", "nobroker")
     r = prorl(d, "status")

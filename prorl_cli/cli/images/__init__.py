@@ -125,7 +125,9 @@ def images_list(app: App, cache_dir: str | None, as_json: bool) -> None:
         return
     from rich.table import Table
 
-    table = Table("name", "mode", "key", "base", "built", "size", "path", title=str(cache.manifest_path))
+    table = Table(title=str(cache.manifest_path))
+    for col in ("name", "mode", "key", "base", "built", "size", "path"):
+        table.add_column(col, overflow="fold")  # names and paths whole, never cut at 80 columns
     for name, e in current.items():
         exists = (cache.root / e["path"]).is_file()
         table.add_row(name, e["mode"], e["key"], e["base"], e["built_at"], size_text(e["size_bytes"]),

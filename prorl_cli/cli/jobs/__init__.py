@@ -168,7 +168,7 @@ def print_status(app: App, status: StatusReport) -> None:
     )
     nodes = Table(title="nodes")
     for col in ("node", "host", "alive", "sandbox", "inflight/credit", "init a/q", "run a/q", "eval a/q", "tasks"):
-        nodes.add_column(col)
+        nodes.add_column(col, overflow="fold")  # ids and hosts whole, on two lines if need be, never cut
     for n in status.nodes:
         cells = [f"{n.stages.get(s, {}).get('active', 0)}/{n.stages.get(s, {}).get('queued', 0)}" for s in ("init", "run", "eval")]
         # `local` runs agent code without isolation: make it stand out.
@@ -201,10 +201,10 @@ def print_backends(app: App, backends: list[Any], gone: list[Any] | None = None)
     table = Table(title="inference backends")
     engine_stats = any(b.stats for b in backends)
     for col in ("backend", "kind", "model", "host", "in-flight", "jobs", "served", "policy", "state"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     if engine_stats:  # simulated engines report what a GPU server's metrics would show
         for col in ("busy", "tokens/s", "prefix hits"):
-            table.add_column(col)
+            table.add_column(col, overflow="fold")
     for b in [*backends, *(gone or [])]:
         state = "dead" if not b.alive else ("cleared" if b.cleared else "loading weights" if b.loading else "active")
         if b.gone_reason is not None:

@@ -95,7 +95,7 @@ def _member_table(cfg: DeployConfig, record: LaunchRecord, rows: list[SlurmTask]
     seen = registered_ids(report)
     table = Table(title=f"deployment {cfg.deployment}", title_justify="left")
     for col in ("role", "task", "slurm job", "state", "reason / node", "elapsed", "left", "registered"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # job ids and nodes whole, never cut at 80 columns
     if record.broker_where == "here":
         table.add_row("broker", "-", f"pid {record.broker_pid}", "here", "", "", "", "yes" if report else "no")
     for m in record.members:
@@ -267,7 +267,7 @@ def _slurm_table(record: LaunchRecord, rows: list[SlurmTask]) -> Table:
     by_id = {t.job_id: t for t in rows}
     table = Table(title="Slurm", title_justify="left")
     for col in ("role", "task", "slurm job", "state", "reason / node", "elapsed", "left"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for m in record.members:
         t = by_id.get(m.job_id)
         reason = (t.pending_reason or (t.reason if not t.active and t.reason not in ("", "None") else t.nodes)) if t else ""
