@@ -158,8 +158,14 @@ class SweRows:
         for name in _TEST_LISTS:
             if name in out:
                 out[name] = _test_list(out[name], where, name)
-        if out.get("version") is not None and not isinstance(out["version"], str):
-            out["version"] = str(out["version"])
+        version = out.get("version")
+        if isinstance(version, float):
+            # A float has lost the version's text: 0.20 (scikit-learn) reads back as 0.2, another version, and the
+            # install spec looked up by it would be the wrong one or none.
+            raise DatasetError(f"{where}: field 'version' is the number {version!r}; a version is text (\"0.20\" "
+                               "and \"0.2\" are different versions), so write it as a string, as the source does")
+        if version is not None and not isinstance(version, str):
+            out["version"] = str(version)  # an integer column (Parquet int64) keeps every digit
         for original, ours in RENAMED.items():
             if out.get(original) not in (None, "") and out.get(ours) in (None, ""):
                 out[ours] = out[original]

@@ -208,7 +208,8 @@ def test_null_and_mistyped_fields_as_concatenated_datasets_and_parquet_give_them
                                ("test_patch", None, "missing field 'test_patch' (null)"),
                                ("base_commit", 7, "field 'base_commit' must be a string, got int 7"),
                                ("problem_statement", ["a"], "field 'problem_statement' must be a string, got list"),
-                               ("instance_id", " ", "field 'instance_id' is empty")]:
+                               ("instance_id", " ", "field 'instance_id' is empty"),
+                               ("version", 0.20, "field 'version' is the number 0.2; a version is text")]:
         bad = tmp_path / f"bad_{field}.jsonl"
         bad.write_text(json.dumps({**gym, field: value}) + "\n")
         with pytest.raises(DatasetError) as refused:
