@@ -537,6 +537,7 @@ class Broker:
             uptime_s=timebase.now() - self.started_at,
             retained_results=self.table.retained_count,
             finished_total=self.table.finished_total,
+            journal_error=self._journal_error,
             retained_bytes=self.table.retained_bytes,
             metrics_url=self.metrics_server.url if self.metrics_server is not None else None,
             by_task=jobs_by_task(self.jobs.values()),

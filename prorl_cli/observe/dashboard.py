@@ -67,11 +67,14 @@ class Snapshot:
 
 
 def status_flags(status: StatusReport) -> list[str]:
-    """What an operator must notice at once: generation paused, generate calls held, placement held.
+    """What an operator must notice at once: submits refused (the journal cannot be written), generation paused,
+    generate calls held, placement held.
 
     ``prorl status`` and the dashboard show the same words, so both take them from here.
     """
     flags = []
+    if status.journal_error is not None:
+        flags.append(f"SUBMITS REFUSED: the journal cannot be written ({status.journal_error})")
     if status.generation_paused:
         flags.append("generation PAUSED")
     if status.held_generates:

@@ -306,6 +306,8 @@ class StatusReport(_Record):
     #: Jobs finished since the broker started. ``jobs`` counts only the jobs the broker still holds, which a
     #: trainer that forgets its results (and retention) keeps small: rates of finished jobs come from this.
     finished_total: int = 0
+    #: Why the broker's journal cannot be written (a full disk), or ``None``: meanwhile every submit is refused.
+    journal_error: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a msgpack-ready map, its nodes and backends as maps."""

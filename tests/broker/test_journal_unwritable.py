@@ -39,6 +39,11 @@ def test_a_submit_the_journal_cannot_take_is_refused_whole_and_the_broker_goes_o
         with pytest.raises(JournalUnwritable):  # a second try, the disk still full: refused, said once
             client.submit("test", [{"echo": i, "pad": "x" * 200} for i in range(50)], job_ids=ids)
         assert d.log("broker").count("new jobs are refused") == 1
+        # The operator's status says so, with why, until the disk takes records again.
+        assert "File too large" in (client.status().journal_error or "")
+        shown = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", "full", "status"], env=d.env(),
+                               capture_output=True, text=True, timeout=120)
+        assert "SUBMITS REFUSED: the journal cannot be written" in shown.stdout, shown.stdout
         assert "written again" not in d.log("broker"), "a refused submit left nothing to write: no recovery to tell"
         # prorl submit says how to send it again without running twice what a broker may hold of it.
         tasks = tmp_path / "tasks.jsonl"
@@ -49,6 +54,7 @@ def test_a_submit_the_journal_cannot_take_is_refused_whole_and_the_broker_goes_o
         # Room again: the same submit is accepted, runs, and is journaled (it survives a crash of the broker).
         resource.prlimit(broker.pid, resource.RLIMIT_FSIZE, limits)
         assert client.submit("test", [{"echo": i} for i in range(50)], job_ids=ids).accepted == ids
+        assert client.status().journal_error is None
         assert [r.output["echo"] for r in client.wait(ids, timeout_s=120)] == list(range(50))
         d.kill("broker", signal.SIGKILL)
         d.start_broker()
