@@ -206,6 +206,11 @@ class InferenceError(ProrlError, RuntimeError):
     """A generate call failed (backend gone, server error, context too long)."""
 
 
+class BackendFault(InferenceError):
+    """The backend itself failed a call: it could not be reached, did not answer in time, or answered with a
+    server error (HTTP 5xx). The broker rests an HTTP backend that fails calls in a row."""
+
+
 class ContextLengthExceeded(InferenceError):
     """A prompt leaves no room to generate: it is as long as the model's context, or longer.
 

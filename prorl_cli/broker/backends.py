@@ -9,7 +9,15 @@ the live jobs routed to it, ``assigned`` the jobs ever routed to it (never
 decremented).
 
 The policy that picks a backend is a named choice (``broker.routing_policy``),
-and picks only among live, uncleared backends that are not loading weights:
+and picks only among live, uncleared backends that are not loading weights
+nor resting:
+
+- An HTTP backend that fails :data:`FAULTS_TO_REST` calls in a row (the node
+  could not reach it, it did not answer in time, or it answered 5xx) rests:
+  new calls avoid it for :data:`REST_FIRST_S`, doubling with each further
+  fault up to :data:`REST_MAX_S`. After its rest a call may go to it again
+  (a probe); one answered call ends the run of faults. When every backend
+  rests, calls go to them anyway: failing fast beats waiting for ever.
 
 - ``least_loaded_sticky`` (default): a job's first call goes to the live
   backend with the fewest live jobs, then fewest in-flight calls, then on
@@ -29,6 +37,10 @@ from dataclasses import dataclass, field
 from prorl_cli import protocol as P
 
 ROUTING_POLICIES = ("least_loaded_sticky", "round_robin", "ever_assigned")
+#: Calls in a row a backend fails before new calls avoid it, the first rest, and the longest.
+FAULTS_TO_REST = 3
+REST_FIRST_S = 5.0
+REST_MAX_S = 120.0
 
 
 @dataclass
@@ -56,8 +68,29 @@ class Backend:
     policy_version: int | None = None
     #: Loading the deployment's current weights after it (re)joined on others: no call is routed to it meanwhile.
     loading: bool = False
+    #: Calls in a row the backend failed, the last fault, and until when new calls avoid it (``timebase`` s).
+    faults_in_a_row: int = 0
+    last_fault: str | None = None
+    resting_until: float = 0.0
 
-    def status(self, inflight: int) -> P.BackendStatus:
+    def note_fault(self, fault: str, now: float) -> float | None:
+        """A call failed at the backend: the rest (s) it starts now, or None while the faults are still few."""
+        self.faults_in_a_row += 1
+        self.last_fault = fault
+        if self.faults_in_a_row < FAULTS_TO_REST:
+            return None
+        rest_s = min(REST_MAX_S, REST_FIRST_S * 2 ** min(self.faults_in_a_row - FAULTS_TO_REST, 16))
+        self.resting_until = now + rest_s
+        return rest_s
+
+    def note_answer(self) -> bool:
+        """A call was answered: the run of faults ends. True if the backend had been resting."""
+        rested = self.faults_in_a_row >= FAULTS_TO_REST
+        self.faults_in_a_row, self.last_fault, self.resting_until = 0, None, 0.0
+        return rested
+
+    def status(self, inflight: int, now: float) -> P.BackendStatus:
+        """The backend as ``status`` shows it (``now``: ``timebase`` seconds, for the rest left)."""
         return P.BackendStatus(
             backend_id=self.backend_id,
             kind=self.kind,
@@ -73,6 +106,8 @@ class Backend:
             stats=dict(self.stats),
             policy_version=self.policy_version,
             loading=self.loading,
+            resting_s=round(max(0.0, self.resting_until - now), 1),
+            last_fault=self.last_fault,
         )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prorl_cli import protocol as P
+from prorl_cli import timebase
 from prorl_cli.broker.backends import Backend
 from prorl_cli.broker.state import SendFn
 from prorl_cli.protocol import ErrorCode, Op
@@ -55,7 +56,7 @@ class HttpServers:
         elif h.model is not None:
             backend.model = h.model  # added again naming another model (an adapter): calls name it from now on
         backend.cleared = False
-        self._send(identity, P.reply(h.rid, backend=backend.status(self._inflight(backend)).to_wire()), ())
+        self._send(identity, P.reply(h.rid, backend=backend.status(self._inflight(backend), timebase.now()).to_wire()), ())
         self._release_held()
 
     def on_clear_llm_server(self, identity: bytes, h: H.ClearLlmServer, payload: list[bytes]) -> None:

@@ -135,7 +135,8 @@ class Router:
         return self.pending.on_backend(backend.backend_id)
 
     def backend_statuses(self) -> list[P.BackendStatus]:
-        return [b.status(self.inflight(b)) for b in self.backends.values()]
+        now = timebase.now()
+        return [b.status(self.inflight(b), now) for b in self.backends.values()]
 
     def status_fields(self) -> dict[str, Any]:
         """The router's part of the broker's ``StatusReport``."""
@@ -255,7 +256,7 @@ class Router:
         else:
             log.warning("backend %s lost: %s", backend.backend_id, why)
         if backend.kind == "bridge":
-            self.gone.add(backend.status(self.inflight(backend)), why)
+            self.gone.add(backend.status(self.inflight(backend), timebase.now()), why)
         backend.alive = False
         if backend.identity is not None:
             self.backend_by_identity.pop(backend.identity, None)
@@ -322,7 +323,10 @@ class Router:
         return False
 
     def _candidates(self) -> list[Backend]:
-        return [b for b in self.backends.values() if b.alive and not b.cleared and not b.loading]
+        """Live, uncleared backends not loading weights; of those, the ones not resting, unless all of them rest."""
+        up = [b for b in self.backends.values() if b.alive and not b.cleared and not b.loading]
+        now = timebase.now()
+        return [b for b in up if b.resting_until <= now] or up
 
     def _route_call(
         self, identity: bytes, h: H.Generate, payload: list[bytes], running: bool = False,
@@ -382,9 +386,11 @@ class Router:
             bid = self.sticky.get(job_id)
             if bid is not None:
                 backend = self.backends.get(bid)
-                if backend is not None and backend.alive:
+                if backend is not None and backend.alive and backend.resting_until <= timebase.now():
                     return backend
                 self.sticky.pop(job_id, None)
+                if backend is not None:
+                    backend.jobs.discard(job_id)  # moved off a resting backend: its prefix cache is lost, not the job
         candidates = self._candidates()
         if not candidates:
             return None
@@ -460,11 +466,25 @@ class Router:
         self.pending.pop(calls[0])
         backend = self.backends.get(backend_id)
         if backend is not None:
-            backend.served += 1
+            if h.fault is not None:
+                self._note_fault(backend, h.fault)
+            else:
+                backend.served += 1
+                if backend.note_answer():
+                    log.warning("backend %s answers again: calls go to it as to the others", backend_id)
             if backend.cleared:
                 self.http.prune()
         if self.weights.drains:
             self.weights.check_waiters()
+
+    def _note_fault(self, backend: Backend, fault: str) -> None:
+        """A call failed at ``backend``; past a few in a row it rests (``broker/backends.py``), and says so."""
+        rest_s = backend.note_fault(fault, timebase.now())
+        if rest_s is not None:
+            others = sum(1 for b in self._candidates() if b is not backend)
+            log.warning("backend %s failed %d calls in a row (last: %s): new calls avoid it for %.0f s%s",
+                        backend.backend_id, backend.faults_in_a_row, fault, rest_s,
+                        "" if others else "; no other backend is up, so calls still go to it")
 
     def on_generate_cancel(self, identity: bytes, h: H.GenerateCancel, payload: list[bytes]) -> None:
         """A node gave up on one of its calls (its own timeout, or its job's task was cancelled)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from prorl_cli.exceptions import InferenceError
+from prorl_cli.exceptions import BackendFault, InferenceError
 
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 #: Connections a client keeps at least (a bridge's engine gets one per call of its capacity, if that is more).
@@ -92,7 +92,7 @@ class HttpClient:
     async def request(self, method: str, url: str, body: Any = None, *, timeout_s: float = 600.0) -> HttpResponse:
         """Send one request (``body`` is JSON-encoded when given) and read the whole response.
 
-        Raises :class:`InferenceError` naming the URL when the server cannot be
+        Raises :class:`BackendFault` naming the URL when the server cannot be
         reached, closes the connection early, or does not answer in ``timeout_s``.
         """
         import aiohttp
@@ -112,11 +112,11 @@ class HttpClient:
                     raise InferenceError(f"{method} {url}: response larger than {MAX_RESPONSE_BYTES} bytes")
                 return HttpResponse(resp.status, {k.lower(): v for k, v in resp.headers.items()}, payload)
         except TimeoutError as e:
-            raise InferenceError(f"{method} {url}: no answer within {timeout_s:g} s") from e
+            raise BackendFault(f"{method} {url}: no answer within {timeout_s:g} s") from e
         except (aiohttp.ClientError, OSError) as e:
             # Name the socket's own error (ConnectionRefusedError, ...) where aiohttp wraps one.
             cause = getattr(e, "os_error", None) or e
-            raise InferenceError(f"{method} {url}: {type(cause).__name__}: {cause}") from e
+            raise BackendFault(f"{method} {url}: {type(cause).__name__}: {cause}") from e
 
     async def close(self) -> None:
         """Close the pool's connections (only from the loop that opened them)."""

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from prorl_cli import timebase
 from prorl_cli.exceptions import (
+    BackendFault,
     BrokerRestarted,
     InferenceError,
     JobEnded,
@@ -192,13 +193,17 @@ class NodeInference:
         if answer.redirect:
             engine = self._http_engine(answer.redirect, backend_id, answer.model)
             started = timebase.now()
+            fault: str | None = None
             try:
                 gen = await engine.generate(prompt_ids, sampling)
                 gen.engine_s = timebase.now() - started
+            except BackendFault as e:
+                fault = str(e)
+                raise
             finally:
                 if self.notify is not None and backend_id:
-                    # The broker counts this backend's in-flight calls and served calls.
-                    await self.notify(H.GenerateDone(job_id, backend_id).to_wire())
+                    # The broker counts this backend's in-flight and served calls, and rests one that keeps failing.
+                    await self.notify(H.GenerateDone(job_id, backend_id, fault).to_wire())
             gen.backend_id = backend_id or engine.backend_id
             gen.policy_version = version
             return gen

@@ -17,7 +17,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from prorl_cli.exceptions import ContextLengthExceeded, InferenceError, context_length_message
+from prorl_cli.exceptions import (
+    BackendFault,
+    ContextLengthExceeded,
+    InferenceError,
+    context_length_message,
+)
 from prorl_cli.inference import http
 from prorl_cli.inference.checkpoint import reload_problems, tensor_shapes
 from prorl_cli.inference.contract import Engine, Generation
@@ -225,7 +230,8 @@ class OpenAIEngine(Engine):
                 # "max_tokens must be at least 1, got 0", whatever max_tokens it was sent: say what is wrong.
                 raise ContextLengthExceeded(f"backend {self.base_url}: HTTP {resp.status}: " + context_length_message(
                     len(prompt_ids), self.max_model_len, f"the server said: {message}"))
-            raise InferenceError(f"backend {self.base_url}: HTTP {resp.status}: {message}")
+            fault = BackendFault if resp.status >= 500 else InferenceError  # 4xx: this call's fault, not the server's
+            raise fault(f"backend {self.base_url}: HTTP {resp.status}: {message}")
         return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id, sampling.top_logprobs)
 
     async def reload(self, checkpoint: str, policy_version: int) -> None:

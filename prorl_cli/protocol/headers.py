@@ -426,8 +426,12 @@ class WeightsUpdated(Header):
 @header(Op.GENERATE_DONE)
 @dataclass(slots=True)
 class GenerateDone(Header):
+    """A node's call to an HTTP backend the broker redirected it to is over."""
+
     job_id: JobId
     backend_id: Annotated[str, URL]
+    #: The backend failed the call (unreachable, no answer in time, HTTP 5xx): what the node saw. Absent: it answered.
+    fault: Annotated[str | None, Str()] = None
 
 
 @header(Op.GENERATE_CANCEL)

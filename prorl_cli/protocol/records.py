@@ -270,6 +270,10 @@ class BackendStatus(_Record):
     #: Why a bridge is gone (in ``StatusReport.gone_backends``): :data:`NODE_LEFT` for a planned exit (a signal,
     #: a scale-down, ``down``), else why it was lost (``silent for 2.1 s``, its engine died); None while alive.
     gone_reason: str | None = None
+    #: Seconds new calls still avoid this backend after it failed calls in a row (0: they do not), and the last
+    #: fault a call met there (unreachable, no answer in time, HTTP 5xx); None once a call is answered again.
+    resting_s: float = 0.0
+    last_fault: str | None = None
 
 
 @dataclass

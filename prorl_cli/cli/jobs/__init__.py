@@ -194,6 +194,7 @@ def _liveness(app: App, node: Any) -> str:
 
 def print_backends(app: App, backends: list[Any], gone: list[Any] | None = None) -> None:
     """The backends table; bridges that went away (``gone``) last, as ``left`` (a planned exit) or ``lost: why``."""
+    from rich.markup import escape
     from rich.table import Table
 
     from prorl_cli.protocol.records import NODE_LEFT
@@ -209,6 +210,8 @@ def print_backends(app: App, backends: list[Any], gone: list[Any] | None = None)
         state = "dead" if not b.alive else ("cleared" if b.cleared else "loading weights" if b.loading else "active")
         if b.gone_reason is not None:
             state = b.gone_reason if b.gone_reason.startswith(NODE_LEFT) else f"[red]lost[/]: {b.gone_reason}"
+        elif b.alive and b.resting_s > 0:  # it failed calls in a row: new calls avoid it meanwhile
+            state = f"[yellow]resting {b.resting_s:.0f} s[/]: {escape(b.last_fault or '')}"
         policy = "-" if b.policy_version is None else f"v{b.policy_version}"  # the weights it serves (-: its start ones)
         row = [b.backend_id, b.kind, b.model or "-", b.host or "-", str(b.inflight), str(b.jobs), str(b.served), policy, state]
         if engine_stats:
