@@ -14,10 +14,13 @@ nor resting:
 
 - An HTTP backend that fails :data:`FAULTS_TO_REST` calls in a row (the node
   could not reach it, it did not answer in time, or it answered 5xx) rests:
-  new calls avoid it for :data:`REST_FIRST_S`, doubling with each further
-  fault up to :data:`REST_MAX_S`. After its rest a call may go to it again
-  (a probe); one answered call ends the run of faults. When every backend
-  rests, calls go to them anyway: failing fast beats waiting for ever.
+  new calls avoid it for :data:`REST_FIRST_S`. The faults of calls routed
+  to it before its rest began do not count again. After its rest one call
+  at a time goes to it (a probe): an answer ends the run of faults, a fault
+  starts a rest twice as long, up to :data:`REST_MAX_S`. A call given up by
+  its node (cancelled) counts neither way. When every backend rests, calls
+  go to them anyway, and a job keeps its backend: failing fast beats
+  waiting for ever.
 
 - ``least_loaded_sticky`` (default): a job's first call goes to the live
   backend with the fewest live jobs, then fewest in-flight calls, then on
@@ -68,26 +71,37 @@ class Backend:
     policy_version: int | None = None
     #: Loading the deployment's current weights after it (re)joined on others: no call is routed to it meanwhile.
     loading: bool = False
-    #: Calls in a row the backend failed, the last fault, and until when new calls avoid it (``timebase`` s).
+    #: Calls in a row the backend failed (counted as :meth:`note_fault` says), the last fault, when its latest
+    #: rest began and until when it lasts (``timebase`` s).
     faults_in_a_row: int = 0
     last_fault: str | None = None
+    rest_began: float = 0.0
     resting_until: float = 0.0
 
-    def note_fault(self, fault: str, now: float) -> float | None:
-        """A call failed at the backend: the rest (s) it starts now, or None while the faults are still few."""
-        self.faults_in_a_row += 1
+    def note_fault(self, fault: str, now: float, routed_at: float) -> float | None:
+        """A call routed at ``routed_at`` failed at the backend: the rest (s) it starts now, or None.
+
+        A call routed before the latest rest began failed in the outage that rest answers: it is not counted.
+        """
         self.last_fault = fault
+        if self.faults_in_a_row >= FAULTS_TO_REST and routed_at < self.rest_began:
+            return None
+        self.faults_in_a_row += 1
         if self.faults_in_a_row < FAULTS_TO_REST:
             return None
         rest_s = min(REST_MAX_S, REST_FIRST_S * 2 ** min(self.faults_in_a_row - FAULTS_TO_REST, 16))
-        self.resting_until = now + rest_s
+        self.rest_began, self.resting_until = now, now + rest_s
         return rest_s
 
     def note_answer(self) -> bool:
-        """A call was answered: the run of faults ends. True if the backend had been resting."""
+        """A call was answered (or the backend was added again): the run of faults ends. True if it had rested."""
         rested = self.faults_in_a_row >= FAULTS_TO_REST
-        self.faults_in_a_row, self.last_fault, self.resting_until = 0, None, 0.0
+        self.faults_in_a_row, self.last_fault, self.rest_began, self.resting_until = 0, None, 0.0, 0.0
         return rested
+
+    def avoided(self, now: float, inflight: int) -> bool:
+        """New calls go elsewhere: it rests, or its rest is over and a call is trying it (one probe at a time)."""
+        return self.resting_until > now or (self.faults_in_a_row >= FAULTS_TO_REST and inflight > 0)
 
     def status(self, inflight: int, now: float) -> P.BackendStatus:
         """The backend as ``status`` shows it (``now``: ``timebase`` seconds, for the rest left)."""

@@ -56,6 +56,7 @@ class HttpServers:
         elif h.model is not None:
             backend.model = h.model  # added again naming another model (an adapter): calls name it from now on
         backend.cleared = False
+        backend.note_answer()  # added again: the operator says it serves, so a rest it was in ends
         self._send(identity, P.reply(h.rid, backend=backend.status(self._inflight(backend), timebase.now()).to_wire()), ())
         self._release_held()
 

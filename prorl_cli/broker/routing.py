@@ -323,10 +323,11 @@ class Router:
         return False
 
     def _candidates(self) -> list[Backend]:
-        """Live, uncleared backends not loading weights; of those, the ones not resting, unless all of them rest."""
+        """Live, uncleared backends not loading weights; of those, the ones not avoided (resting, or a probe of
+        one that rested in flight), unless every one of them is."""
         up = [b for b in self.backends.values() if b.alive and not b.cleared and not b.loading]
         now = timebase.now()
-        return [b for b in up if b.resting_until <= now] or up
+        return [b for b in up if not b.avoided(now, self.inflight(b))] or up
 
     def _route_call(
         self, identity: bytes, h: H.Generate, payload: list[bytes], running: bool = False,
@@ -386,11 +387,14 @@ class Router:
             bid = self.sticky.get(job_id)
             if bid is not None:
                 backend = self.backends.get(bid)
-                if backend is not None and backend.alive and backend.resting_until <= timebase.now():
-                    return backend
+                if backend is not None and backend.alive and (
+                        not backend.avoided(timebase.now(), self.inflight(backend)) or backend in self._candidates()):
+                    return backend  # not avoided, or every backend is: a job keeps its prefix cache
                 self.sticky.pop(job_id, None)
                 if backend is not None:
                     backend.jobs.discard(job_id)  # moved off a resting backend: its prefix cache is lost, not the job
+                    if backend.cleared:
+                        self.http.prune()
         candidates = self._candidates()
         if not candidates:
             return None
@@ -463,12 +467,12 @@ class Router:
         calls = self.pending.find(job_id, lambda p: p.redirect and p.backend_id == backend_id and p.requester == identity)
         if not calls:
             return  # the job ended (or the backend went) meanwhile
-        self.pending.pop(calls[0])
+        call = self.pending.pop(calls[0])
         backend = self.backends.get(backend_id)
-        if backend is not None:
+        if backend is not None and call is not None:
             if h.fault is not None:
-                self._note_fault(backend, h.fault)
-            else:
+                self._note_fault(backend, h.fault, call.since)
+            elif not h.abandoned:  # a call its node gave up says nothing of the backend
                 backend.served += 1
                 if backend.note_answer():
                     log.warning("backend %s answers again: calls go to it as to the others", backend_id)
@@ -477,9 +481,9 @@ class Router:
         if self.weights.drains:
             self.weights.check_waiters()
 
-    def _note_fault(self, backend: Backend, fault: str) -> None:
+    def _note_fault(self, backend: Backend, fault: str, routed_at: float) -> None:
         """A call failed at ``backend``; past a few in a row it rests (``broker/backends.py``), and says so."""
-        rest_s = backend.note_fault(fault, timebase.now())
+        rest_s = backend.note_fault(fault, timebase.now(), routed_at)
         if rest_s is not None:
             others = sum(1 for b in self._candidates() if b is not backend)
             log.warning("backend %s failed %d calls in a row (last: %s): new calls avoid it for %.0f s%s",

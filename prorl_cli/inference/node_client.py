@@ -194,16 +194,22 @@ class NodeInference:
             engine = self._http_engine(answer.redirect, backend_id, answer.model)
             started = timebase.now()
             fault: str | None = None
+            answered = False  # until the server answers: a call given up (cancelled) says nothing of the backend
             try:
                 gen = await engine.generate(prompt_ids, sampling)
                 gen.engine_s = timebase.now() - started
+                answered = True
             except BackendFault as e:
-                fault = str(e)
+                fault = str(e)[:H.FAULT_CHARS]
+                raise
+            except InferenceError:
+                answered = True  # a 4xx, a malformed answer: this call's trouble, from a server that is up
                 raise
             finally:
                 if self.notify is not None and backend_id:
                     # The broker counts this backend's in-flight and served calls, and rests one that keeps failing.
-                    await self.notify(H.GenerateDone(job_id, backend_id, fault).to_wire())
+                    abandoned = True if not answered and fault is None else None
+                    await self.notify(H.GenerateDone(job_id, backend_id, fault, abandoned).to_wire())
             gen.backend_id = backend_id or engine.backend_id
             gen.policy_version = version
             return gen

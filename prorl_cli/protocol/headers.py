@@ -423,6 +423,10 @@ class WeightsUpdated(Header):
     error: Annotated[dict[str, Any] | None, ERROR] = None
 
 
+#: The most of a backend's fault a node reports in ``generate_done`` (a server's 502 page can be long).
+FAULT_CHARS = 512
+
+
 @header(Op.GENERATE_DONE)
 @dataclass(slots=True)
 class GenerateDone(Header):
@@ -430,8 +434,12 @@ class GenerateDone(Header):
 
     job_id: JobId
     backend_id: Annotated[str, URL]
-    #: The backend failed the call (unreachable, no answer in time, HTTP 5xx): what the node saw. Absent: it answered.
-    fault: Annotated[str | None, Str()] = None
+    #: The backend failed the call (unreachable, no answer in time, HTTP 5xx): what the node saw, cut to
+    #: :data:`FAULT_CHARS`.
+    fault: Annotated[str | None, Str(FAULT_CHARS)] = None
+    #: True: the node gave the call up before an answer (its job was cancelled or timed out, its node stops),
+    #: which says nothing of the backend. Absent, with no fault: the backend answered (a 4xx too: it is up).
+    abandoned: Annotated[bool | None, Bool()] = None
 
 
 @header(Op.GENERATE_CANCEL)

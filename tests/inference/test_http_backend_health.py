@@ -30,7 +30,9 @@ class CompletionServer(LocalHttpServer):
         if method == "POST" and path == "/v1/completions":
             self.completions += 1
             if self.status != 200:
-                return self.status, json.dumps({"error": {"message": "engine dead"}}).encode()
+                # As nginx answers for a dead vLLM behind it: a page longer than any header field (padded).
+                page = "<html><head><title>503 Service Unavailable</title></head><body>" + "<!-- pad -->" * 60
+                return self.status, page.encode()
             choice = {"index": 0, "token_ids": [7, 8], "logprobs": {"token_logprobs": [-0.5, -0.25]},
                       "finish_reason": "length"}
             return 200, json.dumps({"choices": [choice]}).encode()
@@ -75,11 +77,15 @@ def test_a_backend_failing_calls_in_a_row_rests_and_new_calls_go_to_the_other(
     assert "resting" in shown.stdout and "HTTP 503" in shown.stdout, shown.stdout + shown.stderr
 
 
-def test_rest_doubles_with_each_further_fault_and_one_answer_ends_it() -> None:
+def test_a_rest_answers_one_outage_and_each_failed_probe_doubles_it() -> None:
     b = Backend("http://h/v1", "http")
-    assert [b.note_fault("refused", 100.0) for _ in range(FAULTS_TO_REST - 1)] == [None] * (FAULTS_TO_REST - 1)
-    rests = [b.note_fault("refused", 100.0) for _ in range(12)]
-    assert rests[:3] == [REST_FIRST_S, 2 * REST_FIRST_S, 4 * REST_FIRST_S] and rests[-1] == REST_MAX_S
-    assert b.status(0, 100.0).resting_s == REST_MAX_S and b.status(0, 100.0 + REST_MAX_S).resting_s == 0
-    assert b.note_answer() is True and b.status(0, 100.0).resting_s == 0 and b.last_fault is None
-    assert b.note_answer() is False
+    # Eight calls in flight when the server died: the first faults start a rest, the others are the same outage.
+    rests = [b.note_fault("refused", 100.0, routed_at=90.0) for _ in range(8)]
+    assert rests == [None] * (FAULTS_TO_REST - 1) + [REST_FIRST_S] + [None] * (8 - FAULTS_TO_REST), rests
+    assert b.avoided(100.0, inflight=0) and not b.avoided(100.0 + REST_FIRST_S, inflight=0)
+    assert b.avoided(100.0 + REST_FIRST_S, inflight=1), "one probe at a time once the rest is over"
+    probes = [b.note_fault("refused", t, routed_at=t) for t in (200.0, 300.0, 400.0, 500.0, 600.0, 700.0)]
+    assert probes == [2 * REST_FIRST_S, 4 * REST_FIRST_S, 8 * REST_FIRST_S, 16 * REST_FIRST_S, REST_MAX_S, REST_MAX_S]
+    assert b.status(0, 700.0).resting_s == REST_MAX_S and b.status(0, 700.0 + REST_MAX_S).resting_s == 0
+    assert b.note_answer() is True and b.status(0, 700.0).resting_s == 0 and b.last_fault is None
+    assert not b.avoided(700.0, inflight=5) and b.note_answer() is False
