@@ -45,12 +45,30 @@ fi
 MODEL_LANE=(tests/inference tests/training tests/swe tests/images tests/chaos)
 slurm_out="$(mktemp "${TMPDIR:-/tmp}/prorl-slurm-tier.XXXXXX")"
 model_out="$(mktemp "${TMPDIR:-/tmp}/prorl-model-lane.XXXXXX")"
+lane_pids=()
+# Interrupted (Ctrl-C, a CI time limit's SIGTERM): stop the lanes this script started, and show what they printed.
+stop_lanes() {
+  trap - INT TERM
+  for pid in "${lane_pids[@]}"; do
+    # SIGINT: pytest stops as at Ctrl-C, tearing down what its tests started (tests/conftest.py gives a lane
+    # started with `&` its SIGINT back).
+    kill -INT "$pid" 2>/dev/null || true
+  done
+  wait || true
+  echo "---------------- interrupted: what the lanes beside the rest printed ----------------"
+  cat "$model_out" "$slurm_out"
+  rm -f "$model_out" "$slurm_out"
+  exit 130
+}
+trap stop_lanes INT TERM
 PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")" \
   "$venv/bin/python" -m pytest -ra "$@" tests/slurm >"$slurm_out" 2>&1 &
 slurm_pid=$!
+lane_pids+=("$slurm_pid")
 PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")" \
   "$venv/bin/python" -m pytest -ra "$@" "${MODEL_LANE[@]}" >"$model_out" 2>&1 &
 model_pid=$!
+lane_pids+=("$model_pid")
 ignore=(--ignore=tests/slurm)
 for lane in "${MODEL_LANE[@]}"; do
   ignore+=("--ignore=$lane")
@@ -61,6 +79,7 @@ model=0
 wait "$model_pid" || model=$?
 slurm=0
 wait "$slurm_pid" || slurm=$?
+trap - INT TERM
 echo "---------------- the model lane (run beside the rest; exit $model) ----------------"
 cat "$model_out"
 echo "---------------- the Slurm tier (run beside the rest; exit $slurm) ----------------"
