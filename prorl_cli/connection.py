@@ -50,6 +50,17 @@ Reply = tuple[dict[str, Any], list[bytes]]
 #: ``on_message(op, header, payload)``: a broker message that is not a reply.
 MessageHandler = Callable[[Op, dict[str, Any], list[bytes]], None]
 
+
+def _frames(header: dict[str, Any], payload: Sequence[bytes]) -> list[bytes]:
+    """The frames of a message (``protocol.encode``), refused before sending when its header is over the limit."""
+    frames = P.encode(header, payload)
+    if len(frames[0]) > P.MAX_HEADER_BYTES:
+        raise HeaderTooLarge(ErrorCode.BAD_FRAME.value,
+                             f"the {header.get('op')!r} header packs to {len(frames[0])} bytes, over the protocol's "
+                             f"limit of {P.MAX_HEADER_BYTES}: the broker could not read it")
+    return frames
+
+
 _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 #: A handshake that fails without detail (a broker key that does not decrypt) this many times in a
@@ -262,12 +273,22 @@ class BrokerConnection:
         """Send a message that gets no reply (:class:`HeaderTooLarge` if its header is over the protocol's limit)."""
         if self.sock is None:
             raise BrokerUnavailable(f"{self.name}: not connected to the broker")
-        frames = P.encode(header, payload)
-        if len(frames[0]) > P.MAX_HEADER_BYTES:
-            raise HeaderTooLarge(ErrorCode.BAD_FRAME.value,
-                                 f"the {header.get('op')!r} header packs to {len(frames[0])} bytes, over the protocol's "
-                                 f"limit of {P.MAX_HEADER_BYTES}: the broker could not read it")
-        await self.sock.send_multipart(frames, copy=False)
+        await self.sock.send_multipart(_frames(header, payload), copy=False)
+
+    async def _send_request(self, frames: list[bytes], answered: asyncio.Future[Reply]) -> None:
+        """Send a request's frames. A socket that cannot take them at once (no connection to the broker yet, or
+        its queue full) is waited on only until the request ends without them: a refused handshake, or a lost
+        broker, fails ``answered``, and a request stuck in its send would never see that."""
+        assert self.sock is not None
+        sending = asyncio.ensure_future(self.sock.send_multipart(frames, copy=False))  # pyzmq's own future
+        try:
+            if not sending.done():
+                await asyncio.wait((sending, answered), return_when=asyncio.FIRST_COMPLETED)
+            if sending.done():
+                sending.result()  # a send that failed raises here
+        finally:
+            if not sending.done():
+                sending.cancel()  # never sent: the request ended (answered, timed out or cancelled) first
 
     def send_soon(self, header: dict[str, Any]) -> None:
         """Send a message without awaiting: pyzmq queues it now, before anything the caller sends next."""
@@ -308,11 +329,11 @@ class BrokerConnection:
         if self.host is not None:
             fields["host"] = self.host
         try:
-            await self.send({**header, **fields}, payload)
-            if timeout_s is None:
-                return await fut
+            frames = _frames({**header, **fields}, payload)
             # asyncio.timeout, not wait_for: wait_for can swallow a cancel that lands with the reply (gh-86296).
+            # The send is inside the limit: a request that could not even be sent in time was not answered either.
             async with asyncio.timeout(timeout_s):
+                await self._send_request(frames, fut)
                 return await fut
         except TimeoutError as e:
             if cancel is not None:

@@ -64,6 +64,40 @@ def test_a_client_without_the_deployments_keys_is_refused_naming_its_folder(tmp_
         assert isinstance(refused.value, ConnectionRefusedError)
 
 
+def test_a_request_sent_after_libzmq_dropped_the_refused_connection_still_fails_at_once(tmp_path: Path) -> None:
+    """A refused handshake ends libzmq's session: the socket is left with no pipe, and a send waits for ever. On a
+    loaded machine the refusal can land after ``open()`` and before the request's send, and the monitor that turns
+    it into ``BrokerRefused`` runs on the loop only later: the request waited in its send, past its own timeout."""
+    import asyncio
+    import time
+
+    from prorl_cli.connection import BrokerConnection
+
+    async def request_after_the_drop(address: str) -> BaseException:
+        conn = BrokerConnection(address=address, deployment_dir=None, name="client")
+        conn.open()
+        try:
+            assert conn.sock is not None
+            deadline = time.monotonic() + PATIENT_S
+            # Block the loop (the monitor cannot run) until libzmq has dropped the connection: no pipe to send on.
+            while conn.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                assert time.monotonic() < deadline, "the broker never refused the handshake"
+                time.sleep(0.01)
+            try:
+                async with asyncio.timeout(PATIENT_S / 2):  # the test's own bound: the request's is PATIENT_S
+                    await conn.request({"op": "status"}, timeout_s=PATIENT_S)
+            except BaseException as e:  # noqa: BLE001 - what it raised is the finding
+                return e
+            raise AssertionError("a client without keys got a reply")
+        finally:
+            await conn.close()
+
+    with LocalStack(tmp_path / "stack", "keys", {"broker": {"journal": False}}) as stack:
+        stack.start_broker()
+        raised = asyncio.run(request_after_the_drop(stack.address))
+        assert isinstance(raised, BrokerRefused) and "requires CURVE keys" in str(raised), repr(raised)
+
+
 def test_a_client_with_another_deployments_key_is_refused_naming_its_folder(tmp_path: Path) -> None:
     with LocalStack(tmp_path / "stack", "keys", {"broker": {"journal": False}}) as stack:
         stack.start_broker()
