@@ -38,6 +38,10 @@ class BackendRates:
     output_tokens_per_s: float
     prompt_tokens: float
     output_tokens: float
+    #: Seconds left of its rest after failing calls in a row (new calls avoid it meanwhile); 0: not resting.
+    resting_s: float = 0.0
+    #: Its last fault (unreachable, no answer, 5xx), if any.
+    last_fault: str | None = None
 
 
 @dataclass
@@ -118,6 +122,7 @@ class Dashboard:
                 prompt_tokens_per_s=rate(tok.get("prompt", 0.0), otok.get("prompt", 0.0)),
                 output_tokens_per_s=rate(tok.get("output", 0.0), otok.get("output", 0.0)),
                 prompt_tokens=tok.get("prompt", 0.0), output_tokens=tok.get("output", 0.0),
+                resting_s=b.resting_s, last_fault=b.last_fault,
             ))
         flags = status_flags(status)
         nodes = [{"node_id": n.node_id, "alive": n.alive, "inflight": n.inflight, "credit": n.credit,
@@ -175,6 +180,8 @@ def render(snap: Snapshot) -> Any:
         backends.add_column(col, justify="left" if col in ("backend", "kind", "state") else "right")
     for b in snap.backends:
         state = "[red]dead[/]" if not b.alive else ("[yellow]paused[/]" if b.paused else "serving")
+        if b.alive and b.resting_s > 0:  # as `prorl backends list` says it: why new calls avoid it
+            state = f"[yellow]resting {b.resting_s:.0f} s[/]: {escape(b.last_fault or '')}"
         backends.add_row(escape(b.backend_id), b.kind, state, str(b.inflight), str(b.served), f"{b.served_per_s:.1f}",
                          f"{b.prompt_tokens_per_s:.0f}", f"{b.output_tokens_per_s:.0f}")
 

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from prorl_cli.observe.dashboard import Dashboard, render, status_flags
 from prorl_cli.protocol import StatusReport
+from prorl_cli.protocol.records import BackendStatus
 from tests.harness import Deployment
 from tests.observe.conftest import INSTANCES, ObservedRun, scrape, total
 
@@ -104,6 +105,27 @@ def test_status_and_dashboard_flag_what_is_held() -> None:
     held = StatusReport(**{**base.__dict__, "generation_paused": True, "held_generates": 3, "placing": False})
     assert status_flags(held) == ["generation PAUSED", "3 generate call(s) held", "placement HELD"]
     assert Dashboard().update(held, now=0.0).flags == status_flags(held)
+
+
+def test_dashboard_shows_a_resting_backend_and_its_last_fault() -> None:
+    # An HTTP backend that failed calls in a row rests; the board says so, as `prorl backends list` does,
+    # instead of "serving" for a backend new calls avoid.
+    def backend(backend_id: str, resting_s: float, fault: str | None) -> BackendStatus:
+        return BackendStatus(backend_id=backend_id, kind="http", url=f"http://{backend_id}:8000", host=None, model=None,
+                             max_model_len=None, inflight=0, jobs=0, served=5, cleared=False, alive=True,
+                             resting_s=resting_s, last_fault=fault)
+
+    report = StatusReport(deployment="d", jobs={}, queued=0, nodes=[], placing=True, uptime_s=1.0,
+                          generation_paused=False,
+                          backends=[backend("good", 0.0, None), backend("down", 12.4, "unreachable: connection refused")])
+    snap = Dashboard().update(report, now=0.0)
+    assert [(b.backend_id, b.resting_s, b.last_fault) for b in snap.backends] == [
+        ("good", 0.0, None), ("down", 12.4, "unreachable: connection refused")]
+    console = Console(record=True, width=200, force_terminal=False)
+    console.print(render(snap))
+    table = _tables(console.export_text())["inference backends"]
+    assert table["good"]["state"] == "serving"
+    assert table["down"]["state"] == "resting 12 s: unreachable: connection refused"
 
 
 def test_status_watch_leaves_cleanly_on_ctrl_c(observed_run: ObservedRun) -> None:
