@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 
-def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "") -> Iterator[tuple[int, Any]]:
+def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "",
+                 on_bad_line: Callable[[Exception], None] | None = None) -> Iterator[tuple[int, Any]]:
     """``(line_number, value)`` for each non-blank line of ``path``, line numbers from 1.
 
     A line that is not JSON raises ``error_cls("FILE:LINE: not valid JSON: ...")``; a last line that is not
@@ -27,6 +28,10 @@ def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "") -> I
     to read the whole lines before it; a file that is not UTF-8 text raises
     ``error_cls("FILE: not a UTF-8 text file...")``, with ``hint`` (what the file should be) in parentheses
     when given. A byte order mark at the start (Windows tools write one) is skipped.
+
+    ``on_bad_line``: a line that is not JSON is passed to it as that ``error_cls`` (its JSON error the
+    ``__cause__``) and the reading goes on with the next line; it may raise to stop instead. A file that is not
+    UTF-8 text still raises: no line of it can be trusted.
     """
     whole = 0
     try:
@@ -38,11 +43,17 @@ def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "") -> I
                     value = json.loads(line)
                 except json.JSONDecodeError as e:
                     if not line.endswith("\n"):  # only the last line comes without its newline
-                        raise error_cls(
+                        bad = error_cls(
                             f"{path}:{lineno}: the last line is cut off (no newline at its end: the file's writer "
                             f"was stopped mid-line, e.g. killed); the {whole} line(s) before it are whole: drop the "
-                            f"last line to read them (sed -i '$ d' {path})") from e
-                    raise error_cls(f"{path}:{lineno}: not valid JSON: {e.msg}") from e
+                            f"last line to read them (sed -i '$ d' {path})")
+                    else:
+                        bad = error_cls(f"{path}:{lineno}: not valid JSON: {e.msg}")
+                    bad.__cause__ = e
+                    if on_bad_line is None:
+                        raise bad from e
+                    on_bad_line(bad)
+                    continue
                 whole += 1
                 yield lineno, value
     except UnicodeDecodeError as e:

@@ -102,15 +102,23 @@ def read_instances(app: App, path: Path) -> list[Any]:
         app.abort(f"{path}: cannot read: {e.strerror or e}")
 
 
-def load_task_file(app: App, task: str, path: Path, fmt: str | None) -> list[Any]:
-    """TASKS for ``task``: domain rows through their loaders, others as JSON lines (or Parquet rows)."""
+def load_task_file(app: App, task: str, path: Path, fmt: str | None, skip_bad_rows: bool = False) -> list[Any]:
+    """TASKS for ``task``: domain rows through their loaders, others as JSON lines (or Parquet rows).
+
+    ``skip_bad_rows`` (``--skip-bad-rows``): domain rows that cannot be loaded are left out, and stderr says
+    how many and why (the first few, each with its file, line and field).
+    """
+    from rich.markup import escape
+
     from prorl_cli.domains.datasets import LOADERS, load_instances
     from prorl_cli.exceptions import DatasetError
 
-    if task not in LOADERS and fmt is None and path.suffix != ".parquet":
+    if task not in LOADERS and fmt is None and not skip_bad_rows and path.suffix != ".parquet":
         return read_instances(app, path)
     try:
-        return load_instances(task, path, fmt)
+        return load_instances(task, path, fmt, skip_bad_rows=skip_bad_rows,
+                              warn=lambda line: app.err_console.print(f"[yellow]warning:[/] {escape(line)}",
+                                                                      soft_wrap=True))
     except DatasetError as e:
         app.abort(str(e))
     except UnicodeDecodeError as e:
@@ -189,12 +197,17 @@ def sampling_from_options(
 
 
 def sampling_options(fn: F) -> F:
-    """The TASKS ``--format`` and the sampling options every job of a command gets (``submit``, ``sample``)."""
+    """The TASKS ``--format`` and ``--skip-bad-rows`` and the sampling options every job of a command gets
+    (``submit``, ``sample``)."""
     options = [
         click.option("--format", "fmt", metavar="FORMAT",
                      help="Row shape of TASKS for the domain tasks (math, code, swe, search) where it is ambiguous, "
                           "e.g. code: io, test_cases, apps, livecodebench, codecontests, codeforces, verl; swe: a source's name "
                           "(docs/domains.md)."),
+        click.option("--skip-bad-rows", is_flag=True,
+                     help="Domain tasks: leave out the rows of TASKS that cannot be loaded (a field missing or unusable, "
+                          "a line that is not JSON) instead of stopping at the first; stderr says how many, with the "
+                          "first reasons (file, line, field). A file of bad rows only is still an error."),
         click.option("--max-tokens", type=click.IntRange(min=1), help="Sampling: most tokens per generate call."),
         click.option("--temperature", type=click.FloatRange(min=0), help="Sampling: temperature (0 is greedy)."),
         click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True),

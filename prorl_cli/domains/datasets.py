@@ -1,6 +1,6 @@
 """Loading public dataset files (JSONL, Parquet or JSON) into the instances the domain handlers take.
 
-``prorl submit --task NAME FILE [--format F]`` calls :func:`load_instances`.
+``prorl submit --task NAME FILE [--format F] [--skip-bad-rows]`` calls :func:`load_instances`.
 Shapes understood (``--format auto`` picks by the fields present, and asks
 for ``--format`` when a row fits more than one):
 
@@ -38,7 +38,15 @@ for ``--format`` when a row fits more than one):
   ``{value, aliases}``), plus MuSiQue's ``answer_aliases``.
 
 Any other task: each row is passed through unchanged. Errors name the file,
-the line (JSONL) or row (Parquet) and the missing field.
+the line (JSONL) or row (Parquet) and the missing field; the first bad row
+stops the load unless ``skip_bad_rows`` (``--skip-bad-rows``) leaves such
+rows out and reports them.
+
+The domain instances keep the row's ``id``, or where the source names its id
+otherwise, that id as ``id`` (MATH-500 ``unique_id``, LiveCodeBench and
+TriviaQA ``question_id``, ``task_id``, APPS ``problem_id``, HotpotQA
+``_id``, AIME ``ID``, CodeContests ``name``, verl's ``extra_info.index``),
+plus ``settings`` and ``tokenizer``.
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ FORMATS: dict[str, tuple[str, ...]] = {
 }
 
 
-def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def read_rows(path: Path, bad_line: Callable[[DatasetError], None] | None = None) -> Iterator[tuple[str, Any]]:
     """``(where, row)`` for each row of a JSONL, Parquet or JSON file.
 
     ``where`` is ``FILE:LINE`` for JSONL, ``FILE row N`` for Parquet and
@@ -83,6 +91,11 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
     name them); a file of another name that is not JSONL but one JSON
     document (a pretty-printed instance) is read the same way; a UTF-8 byte
     order mark is skipped.
+
+    ``bad_line``: a JSON Lines line that is not JSON is passed to it and the
+    reading goes on, once a line before it was read (a first line that is
+    not JSON may be the start of one pretty-printed document, and a file
+    that is neither stops the reading as without ``bad_line``).
     """
     if _is_parquet(path):
         try:
@@ -99,11 +112,17 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"{path} row {i}", row
         return
     if path.suffix.lower() == ".json":
-        yield from _json_rows(path)
+        yield from _json_rows(path, bad_line)
         return
     read_one = False
+
+    def after_first(e: Exception) -> None:
+        if bad_line is None or not read_one or not isinstance(e, DatasetError):
+            raise e
+        bad_line(e)
+
     try:
-        for lineno, row in jsonl_values(path, DatasetError):
+        for lineno, row in jsonl_values(path, DatasetError, on_bad_line=None if bad_line is None else after_first):
             read_one = True
             yield f"{path}:{lineno}", row
     except DatasetError as e:
@@ -143,12 +162,17 @@ def _whole_document(path: Path) -> Any:
         return None
 
 
-def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def _json_rows(path: Path, bad_line: Callable[[DatasetError], None] | None = None) -> Iterator[tuple[str, Any]]:
     try:
         document = json.loads(_read_text(path))
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # one JSON value per line: JSON Lines under a .json name
-            for lineno, row in jsonl_values(path, DatasetError):
+            def skip(bad: Exception) -> None:
+                if bad_line is None or not isinstance(bad, DatasetError):
+                    raise bad
+                bad_line(bad)
+
+            for lineno, row in jsonl_values(path, DatasetError, on_bad_line=None if bad_line is None else skip):
                 yield f"{path}:{lineno}", row
             return
         raise DatasetError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (a .json dataset is one array of rows, "
@@ -224,8 +248,50 @@ def _json_field(value: Any, where: str, name: str) -> Any:
     return value
 
 
-def _keep(row: Row, out: Row) -> Row:
-    for key in ("id", "settings", "tokenizer"):
+# Where public sets keep a row's own id when they do not call it 'id': MATH-500 'unique_id', LiveCodeBench
+# and TriviaQA 'question_id', HumanEval/MBPP-style sets 'task_id', APPS 'problem_id', HotpotQA's own JSON
+# '_id', the AIME sets 'ID'. The id goes to 'id', the field the shipped datasets and prorl's docs use, so
+# rewards can be joined back to the source rows.
+_SOURCE_ID_FIELDS = ("unique_id", "question_id", "task_id", "problem_id", "_id", "ID")
+
+
+def _id_value(value: Any) -> str | int | None:
+    """An id as its source wrote it: text or an integer (an integral float as the integer it was: pandas reads an
+    integer column with nulls as floats); anything else (null, blank, a mapping) is no id."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) or (isinstance(value, str) and value.strip()):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_FLOAT_INTS:
+        return int(value)
+    return None
+
+
+def _source_id(row: Row, extra: tuple[str, ...] = ()) -> str | int | None:
+    """The id the row's source gives it under another name than ``id``: the first of :data:`_SOURCE_ID_FIELDS`
+    and ``extra`` it has, else verl's ``extra_info.index`` (as verl's preprocessing and DAPO-Math-17k write
+    it); ``None`` when it has none (GSM8K, DeepScaleR): no id is made up."""
+    for name in (*_SOURCE_ID_FIELDS, *extra):
+        found = _id_value(row.get(name))
+        if found is not None:
+            return found
+    extra_info = row.get("extra_info")
+    return _id_value(extra_info.get("index")) if isinstance(extra_info, dict) else None
+
+
+def _keep(row: Row, out: Row, id_fields: tuple[str, ...] = ()) -> Row:
+    """``out`` with the row's ``id``, ``settings`` and ``tokenizer``.
+
+    The ``id`` is the row's own when it has one (null and ``""`` are none), else its source's
+    (:func:`_source_id`; ``id_fields``: names that are an id in this row's shape only).
+    """
+    given = row.get("id")
+    found = given if given not in (None, "") else _source_id(row, id_fields)
+    if found is not None:
+        out["id"] = found
+    elif "id" in row:
+        out["id"] = given  # a null id is kept as given, as it always was
+    for key in ("settings", "tokenizer"):
         if key in row:
             out[key] = row[key]
     return out
@@ -576,7 +642,9 @@ def _code(row: Row, where: str, fmt: str) -> Row:
     if not tests:
         raise DatasetError(f"{where}: the row has no stdin/stdout tests")
     question = _codeforces_statement(row, where) if shape == "codeforces" else _code_question(row, where)
-    return _keep(row, {"question": question, "tests": tests})
+    # CodeContests names each problem by its contest and index ("1548_E. Gregor and the Two Painters") and has no
+    # other id; elsewhere (TACO) 'name' is the problem's title, not an id, so it counts for this shape only.
+    return _keep(row, {"question": question, "tests": tests}, ("name",) if shape == "codecontests" else ())
 
 
 def _code_question(row: Row, where: str) -> str:
@@ -667,12 +735,22 @@ def _search(row: Row, where: str, fmt: str) -> Row:
 LOADERS: dict[str, Callable[[Row, str, str], Row]] = {"math": _math, "code": _code, "swe": _swe, "search": _search}
 
 
+#: How many of the skipped rows' reasons ``--skip-bad-rows`` names.
+SKIPPED_SHOWN = 5
+
+
 def load_instances(task: str, path: str | Path, fmt: str | None = None,
-                   warn: Callable[[str], None] | None = None) -> list[Any]:
+                   warn: Callable[[str], None] | None = None, *, skip_bad_rows: bool = False) -> list[Any]:
     """The instances of ``path`` for ``task``; a :class:`DatasetError` names file, line/row and field.
 
     ``warn`` gets one line per field the rows carry and prorl cannot use (``swe``: once per dataset,
     naming the field and the source); by default it is logged as a warning.
+
+    ``skip_bad_rows`` (the domain tasks only): a row that would raise :class:`DatasetError` (a field missing
+    or unusable, a JSON Lines line that is not JSON) is left out instead, and ``warn`` gets one line saying
+    how many were and the first :data:`SKIPPED_SHOWN` reasons; a file of bad rows only still raises. What is
+    wrong with the whole file (not readable, not UTF-8, not JSON at all, a ``--format`` that does not apply)
+    raises either way.
     """
     file = Path(path)
     fmt = fmt or "auto"
@@ -681,18 +759,40 @@ def load_instances(task: str, path: str | Path, fmt: str | None = None,
         raise DatasetError(f"--format {fmt!r} does not apply to task {task!r}; choose from {list(FORMATS[task])}")
     if loader is None and fmt != "auto":
         raise DatasetError(f"--format applies to the domain tasks {sorted(LOADERS)}, not to {task!r}")
+    if loader is None and skip_bad_rows:
+        # Other tasks' rows go to their handlers unchanged: nothing here can tell a bad one.
+        raise DatasetError(f"--skip-bad-rows applies to the domain tasks {sorted(LOADERS)}, not to {task!r}")
     swe = SweRows(fmt) if task == "swe" else None
     instances: list[Any] = []
-    for where, row in read_rows(file):
+    skipped: list[DatasetError] = []
+    for where, row in read_rows(file, skipped.append if skip_bad_rows else None):
         if loader is None:
             instances.append(row)
             continue
-        if not isinstance(row, dict):
-            raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        instances.append(swe.map(row, where) if swe is not None else loader(row, where, fmt))
+        try:
+            if not isinstance(row, dict):
+                raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            instances.append(swe.map(row, where) if swe is not None else loader(row, where, fmt))
+        except DatasetError as e:
+            if not skip_bad_rows:
+                raise
+            skipped.append(e)
+    if skipped and not instances:
+        raise DatasetError(f"{file}: every row is bad ({len(skipped)} skipped by --skip-bad-rows), e.g. "
+                           f"{_reasons(skipped)}")
     for line in swe.report() if swe is not None else []:
         (warn or log.warning)(f"{file}: {line}")
+    if skipped:
+        (warn or log.warning)(f"{file}: skipped {len(skipped)} bad row(s) of {len(skipped) + len(instances)} "
+                              f"(--skip-bad-rows): {_reasons(skipped)}")
     return instances
+
+
+def _reasons(skipped: list[DatasetError]) -> str:
+    """The first :data:`SKIPPED_SHOWN` skip reasons (each names its file:line or row and field), then how many more."""
+    shown = "; ".join(str(e) for e in skipped[:SKIPPED_SHOWN])
+    more = len(skipped) - SKIPPED_SHOWN
+    return shown + (f"; and {more} more" if more > 0 else "")
 
 
 def shipped_dataset(task: str) -> Path:

@@ -125,7 +125,6 @@ class SweRows:
         source = detect_source(row) if self.fmt == "auto" else self.fmt
         if source not in SOURCES:
             raise DatasetError(f"--format {self.fmt!r} is not a SWE source; choose from {['auto', *SOURCES]}")
-        self.rows += 1
         iid = str(row.get("instance_id", "?"))
         # A null text field is an absent one: a column that other rows of a concatenated dataset or a Parquet file
         # have (SWE-smith rows beside SWE-Gym's get test_patch: null). Other nulls are kept (null test lists are
@@ -177,6 +176,7 @@ class SweRows:
         out.setdefault("dataset_source", source)
         for key in row:
             self._classify(key, source, iid)
+        self.rows += 1  # counted once mapped: a row skipped as bad is not one of the rows the report counts
         return out
 
     def _install_config(self, out: Row, source: str, iid: str, where: str) -> None:

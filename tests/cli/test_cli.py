@@ -67,6 +67,20 @@ def test_submit_writes_results_and_a_summary(deployment: Deployment, tmp_path: P
     assert deployment.client.status().jobs["done"] >= 15
 
 
+def test_submit_results_carry_each_rows_own_id(deployment: Deployment, tmp_path: Path) -> None:
+    # Results join back to the dataset by the row's id, not by LINE (which counts loaded rows only).
+    tasks = tmp_path / "ids.jsonl"
+    rows = [{"id": "row-a", "echo": 0}, {"echo": 1}, {"instance_id": "astropy__astropy-12907", "echo": 2},
+            {"id": 17, "echo": 3}, {"id": "x" * 300, "echo": 4}]
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "ids-out.jsonl"
+    r = prorl(deployment, "submit", str(tasks), "--task", "test", "--n", "2", "--out", str(out), "--id-prefix", "ids")
+    assert r.returncode == 0, r.stderr
+    meta = {line["job_id"]: line.get("meta") for line in map(json.loads, out.read_text().splitlines())}
+    assert meta == {f"ids-{i}-{k}": m for i, m in enumerate([{"id": "row-a"}, None, {"id": "astropy__astropy-12907"},
+                                                             {"id": 17}, None]) for k in range(2)}
+
+
 def test_submit_reports_bad_input_clearly(deployment: Deployment, tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ok": 1}\n{not json\n')

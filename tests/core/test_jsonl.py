@@ -30,6 +30,20 @@ def test_jsonl_reader_numbers_lines_and_names_the_bad_one(tmp_path: Path) -> Non
         list(jsonl_values(binary, DatasetError, hint="one row a line"))
 
 
+def test_bad_lines_go_to_on_bad_line_and_the_reading_goes_on(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n{"a": \n\n{"a": 3}\n{"a"')
+    bad: list[Exception] = []
+    assert list(jsonl_values(path, DatasetError, on_bad_line=bad.append)) == [(1, {"a": 1}), (4, {"a": 3})]
+    assert [type(e) for e in bad] == [DatasetError, DatasetError]
+    assert str(bad[0]).startswith(f"{path}:2: not valid JSON") and isinstance(bad[0].__cause__, json.JSONDecodeError)
+    assert str(bad[1]).startswith(f"{path}:5: the last line is cut off")
+    binary = tmp_path / "b.jsonl"  # not text at all: no line of it is read, whatever on_bad_line does
+    binary.write_bytes(b'{"a": 1}\n\xff\xfe\n')
+    with pytest.raises(DatasetError, match="not a UTF-8 text file"):
+        list(jsonl_values(binary, DatasetError, on_bad_line=bad.append))
+
+
 def test_a_failed_trajectory_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path: Path) -> None:
     from prorl_cli.agent.trajectory import read_jsonl, write_jsonl
 

@@ -115,7 +115,7 @@ def test_one_row_with_mapping_fields_is_not_read_as_a_table(tmp_path: Path) -> N
     f = tmp_path / "one.json"
     f.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"},
                              "extra_info": {"index": 0}}))
-    assert load_instances("math", f) == [{"problem": "1+1?", "answer": "2"}]
+    assert load_instances("math", f) == [{"problem": "1+1?", "answer": "2", "id": 0}]
 
 
 def test_files_as_tools_write_them_bom_and_parquet_by_content(tmp_path: Path) -> None:

@@ -119,7 +119,8 @@ def test_codecontests_rows(tmp_path: Path) -> None:
     row = {"name": "1_A", "description": "add", "public_tests": {"input": ["1 2\n"], "output": ["3\n"]},
            "private_tests": {"input": ["2 2\n"], "output": ["4\n"]}, "generated_tests": {"input": [], "output": []}}
     (inst,) = load_instances("code", _jsonl(tmp_path / "cc.jsonl", [row]))
-    assert inst == {"question": "add", "tests": [{"input": "1 2\n", "output": "3\n"}, {"input": "2 2\n", "output": "4\n"}]}
+    assert inst == {"question": "add", "tests": [{"input": "1 2\n", "output": "3\n"}, {"input": "2 2\n", "output": "4\n"}],
+                    "id": "1_A"}  # CodeContests' problem name is its id
 
 
 def test_triviaqa_and_musique_answer_aliases(tmp_path: Path) -> None:
@@ -145,7 +146,7 @@ def test_verl_style_math_rows_dapo_and_gsm8k(tmp_path: Path) -> None:
                                                         "by step and output the final answer after \"####\"."}],
              "reward_model": {"ground_truth": "72", "style": "rule"}}]
     assert load_instances("math", _jsonl(tmp_path / "dapo.jsonl", rows)) == [
-        {"problem": "What is $6 \\times 7$?", "answer": "42"}, {"problem": "1+1?", "answer": "2"},
+        {"problem": "What is $6 \\times 7$?", "answer": "42", "id": "a"}, {"problem": "1+1?", "answer": "2"},
         {"problem": "How many clips?", "answer": "72"}]
 
 
@@ -181,7 +182,7 @@ def test_aime_rows_with_capitalised_fields(tmp_path: Path) -> None:
     rows = [{"ID": "2024-I-1", "Problem": "Every morning Aya walks...", "Solution": "... so $\\boxed{204}$.",
              "Answer": 204}]
     assert load_instances("math", _jsonl(tmp_path / "aime.jsonl", rows)) == [
-        {"problem": "Every morning Aya walks...", "answer": "204"}]
+        {"problem": "Every morning Aya walks...", "answer": "204", "id": "2024-I-1"}]
 
 
 def test_a_tower_of_powers_is_judged_within_its_limit(tmp_path: Path) -> None:

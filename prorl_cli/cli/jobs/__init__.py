@@ -72,9 +72,12 @@ def submit_jobs(
 
     prefix = id_prefix or f"{AUTO_PREFIX}-{uuid.uuid4().hex[:10]}"
     ids = [f"{prefix}-{i}-{k}" for i in range(len(instances)) for k in range(n)]
-    # One submit op for the whole set (one journal flush); the group of each job is its line.
+    # One submit op for the whole set (one journal flush); the group of each job is its line. A row's own id
+    # goes in the jobs' meta, which every result echoes: results join back to the dataset by it (LINE counts
+    # the rows loaded, not the file's lines, once --skip-bad-rows left some out).
     specs = [spec for i in range(len(instances)) for spec in client.make_specs(
-        task, n, job_ids=ids[i * n:(i + 1) * n], timeout_s=timeout_s, sampling=sampling, group_id=f"{prefix}-{i}")]
+        task, n, job_ids=ids[i * n:(i + 1) * n], timeout_s=timeout_s, sampling=sampling, group_id=f"{prefix}-{i}",
+        meta=row_meta(instances[i]))]
     try:
         client.submit_specs(specs, [inst for inst in instances for _ in range(n)])
     except ProrlError as e:
@@ -88,12 +91,30 @@ def submit_jobs(
     return prefix, ids
 
 
+#: A row id longer than this stays out of the meta (ids are short; meta is capped at 4 KiB packed).
+ROW_ID_MAX_CHARS = 256
+
+
+def row_meta(instance: Any) -> dict[str, Any] | None:
+    """``{"id": ...}`` for a row with a usable id (``id``, which the domain loaders fill from the source's own
+    field, or a SWE row's ``instance_id``), else ``None``."""
+    if not isinstance(instance, dict):
+        return None
+    for key in ("id", "instance_id"):
+        value = instance.get(key)
+        if isinstance(value, str) and 0 < len(value) <= ROW_ID_MAX_CHARS:
+            return {"id": value}
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63:
+            return {"id": value}
+    return None
+
+
 @click.command()
 @click.argument("tasks_file", metavar="TASKS", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--task", required=True, metavar="NAME", help="Handler (task type) to run every instance with.")
 @click.option("-n", "--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Rollouts per instance.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Results file. JSONL (any name but .parquet): every job's whole result, written as it ends. "
+              help="Results file. JSONL (any name but .parquet): every job's whole result (meta.id: its row's id), written as it ends. "
                    ".parquet: one row per job with a token-level trajectory (sequence ids, loss mask, log-probs), partial "
                    "ones of failed and timed-out jobs included, with a state column, written at the end. "
                    "`prorl sample` writes training samples to .parquet instead (docs/training.md).")
@@ -112,7 +133,7 @@ def submit_jobs(
 def submit(
     app: App, tasks_file: Path, task: str, n: int, out: Path | None, only_done: bool, timeout_s: float | None,
     id_prefix: str | None, detach: bool, strict: bool, address: str | None,
-    fmt: str | None, max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
+    fmt: str | None, skip_bad_rows: bool, max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
     sampling_json: str | None, sampling_file: Path | None, dapo: bool,
 ) -> None:
     """Submit every instance of TASKS (JSONL, Parquet or JSON) and collect the results.
@@ -130,7 +151,7 @@ def submit(
         app.abort("dynamic sampling is its own command: prorl sample TASKS --task T --group-size G --target-groups N "
                   "(prorl sample --help)")
     sampling = sampling_of(app, max_tokens, temperature, top_p, seed, sampling_json, sampling_file)
-    instances = load_task_file(app, task, tasks_file, fmt)
+    instances = load_task_file(app, task, tasks_file, fmt, skip_bad_rows)
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     if detach and (out is not None or only_done):

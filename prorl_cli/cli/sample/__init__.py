@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 def sample(
     app: App, tasks_file: Path, task: str, group_size: int, target_groups: int, max_in_flight: int | None,
     steps: int, out: Path | None, timeout_s: float | None, id_prefix: str | None, address: str | None,
-    fmt: str | None, max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
+    fmt: str | None, skip_bad_rows: bool, max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
     sampling_json: str | None, sampling_file: Path | None,
 ) -> None:
     """Collect GRPO groups of the prompts in TASKS with DAPO dynamic sampling.
@@ -74,7 +74,7 @@ def sample(
 
     sampling = sampling_of(app, max_tokens, temperature, top_p, seed, sampling_json, sampling_file)
     # The same loaders as plain submit: JSONL or Parquet, domain rows through their --format.
-    instances = load_task_file(app, task, tasks_file, fmt)
+    instances = load_task_file(app, task, tasks_file, fmt, skip_bad_rows)
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     if out is not None:
