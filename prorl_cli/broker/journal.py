@@ -10,9 +10,11 @@ An append-only file of msgpack records in the deployment folder:
   queued again;
 - ``{"t": "end", "job_id", "state", "result": bytes}`` when it finishes
   (written before its result is pushed);
-- ``{"t": "weights", "checkpoint", "policy_version", "load_timeout_s"}`` when
-  every bridge has loaded a weight update: the deployment's current weights,
-  which a bridge (re)joining after a broker restart must still load first.
+- ``{"t": "weights", "checkpoint", "policy_version", "load_timeout_s", "verified"}``
+  when every bridge has loaded a weight update: the deployment's current weights,
+  which a bridge (re)joining after a broker restart must still load first
+  (``verified``: a bridge has loaded them; written again when the first one
+  does, for an update answered with none up; absent in older journals: false).
 
 A restarted broker replays it: finished jobs keep their results for late
 watchers; unfinished ones that were placed wait for the node they were placed
@@ -96,9 +98,9 @@ def attempt_record(job_id: str, attempt: int) -> dict[str, Any]:
     return {"t": "attempt", "job_id": job_id, "attempt": attempt}
 
 
-def weights_record(checkpoint: str, policy_version: int, load_timeout_s: float) -> dict[str, Any]:
+def weights_record(checkpoint: str, policy_version: int, load_timeout_s: float, verified: bool) -> dict[str, Any]:
     return {"t": "weights", "checkpoint": checkpoint, "policy_version": policy_version,
-            "load_timeout_s": load_timeout_s}
+            "load_timeout_s": load_timeout_s, "verified": verified}
 
 
 class Journal:
@@ -452,7 +454,11 @@ def _checked_weights(record: dict[str, Any]) -> dict[str, Any]:
     checkpoint, version, timeout_s = record["checkpoint"], record["policy_version"], record["load_timeout_s"]
     if not isinstance(checkpoint, str) or not checkpoint or isinstance(version, bool) or not isinstance(version, int):
         raise ValueError(f"weights record {record!r}: needs a checkpoint path and an integer policy version")
-    return weights_record(checkpoint, version, float(timeout_s))
+    # An older journal did not say: nothing then shows that a bridge loaded them (the first to rejoin does).
+    verified = record.get("verified", False)
+    if not isinstance(verified, bool):
+        raise ValueError(f"weights record {record!r}: verified must be true or false")
+    return weights_record(checkpoint, version, float(timeout_s), verified)
 
 
 def _copy_from(path: Path, offset: int, out: Any, until: int | None = None, chunk: int = 1 << 20) -> int:

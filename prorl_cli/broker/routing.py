@@ -142,7 +142,8 @@ class Router:
         """The router's part of the broker's ``StatusReport``."""
         return {"backends": self.backend_statuses(), "gone_backends": self.gone.statuses(),
                 "generation_paused": self.paused, "held_generates": len(self.held),
-                "policy_version": self.policy_version, "routing_policy": self.policy_name}
+                "policy_version": self.policy_version, "routing_policy": self.policy_name,
+                "weights": self.weights.status()}
 
     def bridges_alive(self) -> bool:
         return any(b.alive and b.kind == "bridge" for b in self.backends.values())

@@ -12,12 +12,16 @@ Rules:
   every bridge loaded raises it; the router stamps it on every call it routes.
 - A pause with ``drain_timeout_s`` is answered once no call is in flight,
   or at its deadline with the calls still running (generation stays
-  paused); a resume before then answers it with ``drain_timeout``.
+  paused); a resume before then answers it with ``drain_timeout``. Its
+  ``policy_version`` is taken only once the drain is over: a drain that
+  times out (or that a resume cut short) leaves the version as it was.
 - ``update_weights`` goes to every live bridge (HTTP backends are skipped:
   the broker cannot reload them) and is answered once each one has loaded,
   failed, been lost, or run out of ``load_timeout_s``.
 - An update that every bridge loaded (also one answered while no bridge was
-  up) becomes the deployment's current weights (:class:`CurrentWeights`). A
+  up) becomes the deployment's current weights (:class:`CurrentWeights`);
+  ``verified`` says whether any bridge has loaded them yet (an update no
+  bridge loaded is not, until the first bridge catches up on it). A
   bridge that registers on other weights (a requeued or preempted bridge
   coming back on its start checkpoint, a new one from a scale-up) is sent
   them first (a catch-up) and is ``loading`` until it has them: no call is
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prorl_cli import protocol as P
@@ -58,6 +62,8 @@ class Waiter:
     identity: bytes
     rid: object
     deadline: float
+    #: A drain's ``policy_version``, taken once the drain is over: until then the weights have not changed.
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,9 @@ class CurrentWeights:
     policy_version: int
     #: How long a bridge may take to load them (the update's ``load_timeout_s``).
     load_timeout_s: float
+    #: A bridge has loaded them (or registered serving their version). False for an update answered with no bridge
+    #: to load it: nothing has shown that the checkpoint loads, until the first bridge catches up on it.
+    verified: bool = False
 
 
 @dataclass
@@ -150,10 +159,10 @@ class WeightSync:
 
     # ------------------------------------------------------------------ pause / resume
 
-    def _set_policy_version(self, h: H.PauseGeneration | H.ResumeGeneration) -> None:
-        if h.policy_version is not None:
-            self._warn_if_older(h.policy_version)
-            self.policy_version = h.policy_version
+    def _set_policy_version(self, version: int | None) -> None:
+        if version is not None:
+            self._warn_if_older(version)
+            self.policy_version = version
 
     def _warn_if_older(self, version: int) -> None:
         """A trainer's versions only grow: a lower one (a resumed run counting from 0 again) makes staleness figures
@@ -165,22 +174,25 @@ class WeightSync:
                         version, self.policy_version)
 
     def on_pause_generation(self, identity: bytes, h: H.PauseGeneration, payload: list[bytes]) -> None:
-        self._set_policy_version(h)
         self.paused = True
         wait_s = h.drain_timeout_s
         if wait_s is not None and len(self._pending):
-            # A pause that drains: answered once no call is in flight on any backend, or at the deadline.
-            self.drains.append(Waiter(identity, h.rid, timebase.now() + float(wait_s)))
+            # A pause that drains: answered once no call is in flight on any backend, or at the deadline. Its
+            # version waits for the drain: a trainer told drain_timeout has loaded nothing and may give the step
+            # up (resume without a version), and the calls released then must not carry weights never loaded.
+            self.drains.append(Waiter(identity, h.rid, timebase.now() + float(wait_s), h.policy_version))
             return
+        self._set_policy_version(h.policy_version)
         self._send(identity, P.reply(h.rid, paused=True, inflight=len(self._pending), policy_version=self.policy_version,
                                      drained=not len(self._pending)), ())
 
     def on_resume_generation(self, identity: bytes, h: H.ResumeGeneration, payload: list[bytes]) -> None:
-        self._set_policy_version(h)
+        self._set_policy_version(h.policy_version)
         self.paused = False
         for w in self.drains:
             self._send(w.identity, P.error_reply(w.rid, ErrorCode.DRAIN_TIMEOUT, "generation was resumed before the calls "
-                                                 "in flight drained: " + self._running_calls_text(),
+                                                 f"in flight drained (policy version {self.policy_version}): "
+                                                 + self._running_calls_text(),
                                                  running=self._running_calls()), ())
         self.drains = []
         self._send(identity, P.reply(h.rid, paused=False, released=len(self._held), policy_version=self.policy_version), ())
@@ -203,13 +215,15 @@ class WeightSync:
             keep = []
             for w in self.drains:
                 if not len(self._pending):
+                    self._set_policy_version(w.policy_version)
                     self._send(w.identity, P.reply(w.rid, paused=self.paused, inflight=0, drained=True,
                                                    policy_version=self.policy_version), ())
                 elif now >= w.deadline:
                     n = len(self._pending)
                     self._send(w.identity, P.error_reply(
                         w.rid, ErrorCode.DRAIN_TIMEOUT,
-                        f"{n} generate call(s) still in flight (generation stays paused): {self._running_calls_text()}",
+                        f"{n} generate call(s) still in flight (generation stays paused, policy version stays "
+                        f"{self.policy_version}): {self._running_calls_text()}",
                         running=self._running_calls()), ())
                 else:
                     keep.append(w)
@@ -251,8 +265,8 @@ class WeightSync:
         self.updates.append(update)
         if not update.waiting and not update.failed:
             # Nothing to try the checkpoint: the next bridge to join must load it, and is told to go if it cannot.
-            log.warning("policy version %d (%s) taken with no bridge up to load it: each bridge that joins loads "
-                        "it first", version, h.checkpoint)
+            log.warning("policy version %d (%s) taken unverified, with no bridge up to load it: each bridge that "
+                        "joins loads it first", version, h.checkpoint)
         if not update.waiting:
             self._finish_update(update)
 
@@ -319,26 +333,45 @@ class WeightSync:
         self.policy_version = max(self.policy_version, update.policy_version)
         # Also with no bridge to load them (none up at the moment, or HTTP backends only): calls are stamped
         # with this version from now on, so a bridge that joins later must load these weights before it serves.
-        self.current = CurrentWeights(update.checkpoint, update.policy_version, update.load_timeout_s)
+        # Nothing has then shown that the checkpoint loads at all: the reply and status say so (verified: false).
+        verified = bool(update.updated)
+        self.current = CurrentWeights(update.checkpoint, update.policy_version, update.load_timeout_s, verified)
         if self._record is not None:
             self._record(self.journal_records()[0])
         log.info("weights of policy version %d (%s) loaded by %s", update.policy_version, update.checkpoint,
-                 ", ".join(update.updated) or "no bridge")
-        self._send(w.identity, P.reply(w.rid, **fields), ())
+                 ", ".join(update.updated) or "no bridge (unverified)")
+        self._send(w.identity, P.reply(w.rid, verified=verified, **fields), ())
+
+    def _verified_by(self, backend: Backend, weights: CurrentWeights) -> None:
+        """``backend`` serves ``weights``: current weights no bridge had loaded are verified from now on."""
+        w = self.current
+        if w is None or w.verified or (w.checkpoint, w.policy_version) != (weights.checkpoint, weights.policy_version):
+            return
+        self.current = replace(w, verified=True)
+        if self._record is not None:  # a restarted broker must not call them unverified again
+            self._record(self.journal_records()[0])
+        log.info("weights of policy version %d (%s) verified: backend %s loaded them", w.policy_version, w.checkpoint,
+                 backend.backend_id)
+
+    def status(self) -> P.WeightsStatus | None:
+        """The current weights as ``status`` shows them (None before any update)."""
+        w = self.current
+        return None if w is None else P.WeightsStatus(w.checkpoint, w.policy_version, w.verified)
 
     def journal_records(self) -> list[dict[str, Any]]:
         """The current weights as journal records (none before an update every bridge loaded)."""
         w = self.current
-        return [] if w is None else [weights_record(w.checkpoint, w.policy_version, w.load_timeout_s)]
+        return [] if w is None else [weights_record(w.checkpoint, w.policy_version, w.load_timeout_s, w.verified)]
 
     def restore(self, record: dict[str, Any] | None) -> None:
         """Take back the current weights a journal recorded (a restarted broker): rejoining bridges load them."""
         if record is None:
             return
-        self.current = CurrentWeights(record["checkpoint"], record["policy_version"], record["load_timeout_s"])
+        self.current = CurrentWeights(record["checkpoint"], record["policy_version"], record["load_timeout_s"],
+                                      record["verified"])
         self.policy_version = max(self.policy_version, self.current.policy_version)
-        log.info("current weights from the journal: %s (policy version %d)", self.current.checkpoint,
-                 self.current.policy_version)
+        log.info("current weights from the journal: %s (policy version %d%s)", self.current.checkpoint,
+                 self.current.policy_version, "" if self.current.verified else ", unverified: no bridge loaded them yet")
 
     # ------------------------------------------------------------------ bridges (re)joining
 
@@ -357,6 +390,7 @@ class WeightSync:
             return
         if policy_version == target.policy_version:
             backend.loading = False
+            self._verified_by(backend, target)  # it loaded that version before (a broker restart, a reconnect)
             return
         backend.loading = True
         fid = self._next_id()
@@ -374,6 +408,7 @@ class WeightSync:
             self._cannot_load(backend, catch_up.weights, str(error.get("message")))
             return
         backend.policy_version = catch_up.weights.policy_version
+        self._verified_by(backend, catch_up.weights)
         self._settle(backend)
 
     def _settle(self, backend: Backend) -> None:

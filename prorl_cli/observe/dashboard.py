@@ -72,7 +72,7 @@ class Snapshot:
 
 def status_flags(status: StatusReport) -> list[str]:
     """What an operator must notice at once: submits refused (the journal cannot be written), generation paused,
-    generate calls held, placement held.
+    generate calls held, placement held, current weights no bridge has loaded.
 
     ``prorl status`` and the dashboard show the same words, so both take them from here.
     """
@@ -85,6 +85,9 @@ def status_flags(status: StatusReport) -> list[str]:
         flags.append(f"{status.held_generates} generate call(s) held")
     if not status.placing:
         flags.append("placement HELD")
+    w = status.weights
+    if w is not None and not w.verified:
+        flags.append(f"weights v{w.policy_version} UNVERIFIED: no bridge has loaded {w.checkpoint} yet")
     return flags
 
 

@@ -61,6 +61,7 @@ from prorl_cli.protocol.records import (
     SamplingParams,
     StageStats,
     StatusReport,
+    WeightsStatus,
 )
 from prorl_cli.protocol.schema import (
     ANNOTATIONS,
@@ -81,7 +82,7 @@ __all__ = [
     "MAX_HEADER_BYTES", "MAX_ID_CHARS", "MAX_JOBS_PER_MESSAGE", "MAX_LISTED_JOBS", "MAX_META_BYTES",
     "METRIC_SAMPLES", "OP_SCHEMAS", "PROTOCOL_VERSION", "REPLY_SCHEMAS", "RID_MAX", "RID_MIN", "SAMPLING", "STAGES", "STAGE_NAMES",
     "TERMINAL_STATES", "BackendStatus", "ErrorCode", "ErrorInfo", "ForgetOutcome", "JobResult", "JobSpec",
-    "JobState", "NodeStatus", "Op", "OpSchema", "Opt", "SamplingParams", "StageStats", "StatusReport",
+    "JobState", "NodeStatus", "Op", "OpSchema", "Opt", "SamplingParams", "StageStats", "StatusReport", "WeightsStatus",
     "check_envelope", "check_payload", "decode_header", "decode_map", "encode", "error_reply", "header_rid", "headers", "job_items",
     "pack_floats", "pack_obj", "pack_tokens", "parse", "parse_reply", "reply", "unpack_floats", "unpack_obj", "unpack_tokens",
     "validate",

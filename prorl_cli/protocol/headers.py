@@ -546,6 +546,9 @@ class WeightsUpdateReply:
     updated: Annotated[list[str], _URLS] = field(default_factory=list)
     skipped: Annotated[list[str], _URLS] = field(default_factory=list)
     policy_version: Annotated[int | None, Int(0, BIG)] = None
+    #: A bridge loaded the weights; false when none was up to (they are the current weights all the same, and the
+    #: first bridge to join loads them). Absent (an older broker): read as whether ``updated`` names one.
+    verified: Annotated[bool | None, Bool()] = None
 
 
 @reply(Op.STATUS)

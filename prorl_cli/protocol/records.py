@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Self
 
 from prorl_cli.exceptions import ProtocolError
-from prorl_cli.protocol.checks import List, Str
+from prorl_cli.protocol.checks import Bool, Int, List, Str, record_of
 from prorl_cli.protocol.framing import ErrorCode, JobState
 
 #: Job ids, as the ``forget`` reply lists them (its fields are declared with their checks, as a header's are).
@@ -277,6 +277,21 @@ class BackendStatus(_Record):
 
 
 @dataclass
+class WeightsStatus(_Record):
+    """The deployment's current weights (``StatusReport.weights``): the last ``update_weights`` every bridge loaded."""
+
+    checkpoint: Annotated[str, Str(4096)]
+    policy_version: Annotated[int, Int()]
+    #: A bridge has loaded them (or registered serving their version). False: the update was answered with no bridge
+    #: up to load it (none, or HTTP backends only), so nothing has shown the checkpoint loads; the first bridge to
+    #: join loads it and makes it true, or is told to shut down.
+    verified: Annotated[bool, Bool()]
+
+
+RECORD_CHECKS[WeightsStatus] = record_of(WeightsStatus)
+
+
+@dataclass
 class StatusReport(_Record):
     """The broker's answer to ``status``."""
 
@@ -312,6 +327,8 @@ class StatusReport(_Record):
     finished_total: int = 0
     #: Why the broker's journal cannot be written (a full disk), or ``None``: meanwhile every submit is refused.
     journal_error: str | None = None
+    #: The deployment's current weights and whether a bridge has loaded them; ``None`` before any ``update_weights``.
+    weights: WeightsStatus | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a msgpack-ready map, its nodes and backends as maps."""
@@ -328,4 +345,6 @@ class StatusReport(_Record):
         report.nodes = [NodeStatus.from_wire(n, f"nodes[{i}]") for i, n in enumerate(report.nodes)]
         report.backends = [BackendStatus.from_wire(b, f"backends[{i}]") for i, b in enumerate(report.backends)]
         report.gone_backends = [BackendStatus.from_wire(b, f"gone_backends[{i}]") for i, b in enumerate(report.gone_backends)]
+        if report.weights is not None:
+            report.weights = WeightsStatus.from_wire(report.weights, "weights")
         return report

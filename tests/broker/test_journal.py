@@ -175,3 +175,26 @@ def test_a_restarted_broker_still_knows_the_current_weights(make: Callable[..., 
     d.kill("broker", signal.SIGKILL)
     d.start_broker()
     assert d.log("broker").count(f"current weights from the journal: {CKPT}/v3 (policy version 3)") == 2
+
+
+def test_a_restarted_broker_still_knows_whether_a_bridge_verified_the_current_weights(
+    make: Callable[..., Deployment],
+) -> None:
+    """Weights taken with no bridge up come back unverified after a crash; once a bridge has loaded them the
+    journal says so too, and the next broker reports them verified."""
+    d = make()
+    done = d.client.update_weights(f"{CKPT}/v2", policy_version=2, timeout_s=60)
+    assert (done.updated, done.verified) == ([], False)
+    d.kill("broker", signal.SIGKILL)
+    d.start_broker()
+    assert (f"current weights from the journal: {CKPT}/v2 (policy version 2, unverified: no bridge loaded them yet)"
+            in d.log("broker"))
+    weights = d.client.status().weights
+    assert weights is not None and (weights.policy_version, weights.verified) == (2, False), weights
+    _bridge(d, "b1")  # on its start weights: it loads v2, which verifies them
+    d.wait_for(lambda st: st.weights is not None and st.weights.verified, 60, "b1 to verify the weights", "b1")
+    d.kill("broker", signal.SIGKILL)  # the status said verified: the record saying so is on disk
+    d.start_broker()
+    assert d.log("broker").count(f"current weights from the journal: {CKPT}/v2 (policy version 2)") == 1
+    weights = d.client.status().weights
+    assert weights is not None and (weights.checkpoint, weights.verified) == (f"{CKPT}/v2", True), weights

@@ -294,3 +294,89 @@ def test_a_lower_policy_version_is_said_in_the_brokers_log(stack: Any) -> None:
     d.client.resume_generation(policy_version=1)
     d.wait_for(lambda st: not st.generation_paused, 30, "generation resumed")
     assert d.log("broker").count("policy version 1 is lower than the current 5") == 1, d.log("broker")
+
+
+def test_a_pause_whose_drain_times_out_leaves_the_policy_version_where_it_was(stack: Any) -> None:
+    """``pause_generation(1, wait=True)`` that raises DrainTimeout has loaded nothing: a trainer that gives the step
+    up (resumes without a version) must not get tokens from the old weights stamped with version 1. The bridge here
+    never had an update, so the broker's version is what every reply carries."""
+    d = stack()
+    engine = VersionedEngine()
+    engine.gate = True  # the first call hangs until released
+    stack.bridge(d, "b1", engine)
+    (slow,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2})
+    d.wait_for(lambda st: st.backends[0].inflight == 1, 30, "the call in flight", "n1")
+    with pytest.raises(DrainTimeout, match="policy version stays 0"):
+        d.client.pause_generation(policy_version=1, wait=True, timeout_s=0.5)
+    st = d.client.status()
+    assert st.generation_paused and st.policy_version == 0, st
+    (held,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2})
+    d.wait_for(lambda st: st.held_generates == 1, 30, "the new call to be held", "n1")
+    engine.release.set()
+    d.client.resume_generation()  # the trainer gives the step up: the old weights go on serving
+    slow_res, held_res = d.client.wait([slow, held], timeout_s=60)
+    assert slow_res.output["versions"] == [0] and held_res.output["versions"] == [0], (slow_res, held_res)
+    assert d.client.status().policy_version == 0
+
+    # The same pause that drains moves the version: calls routed after the resume carry it.
+    d.client.pause_generation(policy_version=1, wait=True, timeout_s=60)
+    assert d.client.status().policy_version == 1
+    d.client.resume_generation()
+    (after,) = d.client.wait(d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2}), timeout_s=60)
+    assert after.output["versions"] == [1], after
+
+
+def test_a_pause_answered_by_a_resume_before_its_drain_leaves_the_policy_version(stack: Any) -> None:
+    d = stack()
+    engine = VersionedEngine()
+    engine.gate = True
+    stack.bridge(d, "b1", engine)
+    (job,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2})
+    d.wait_for(lambda st: st.backends[0].inflight == 1, 30, "the call in flight", "n1")
+    raised: list[BaseException] = []
+
+    def pause() -> None:
+        with d.new_client() as c:
+            try:
+                c.pause_generation(policy_version=2, wait=True, timeout_s=60)
+            except DrainTimeout as e:
+                raised.append(e)
+
+    t = threading.Thread(target=pause)
+    t.start()
+    d.wait_for(lambda st: st.generation_paused, 30, "the pause to reach the broker")
+    assert d.client.status().policy_version == 0  # not before its drain is over
+    d.client.resume_generation()
+    t.join(60)
+    assert raised and "resumed before the calls in flight drained" in str(raised[0]), raised
+    assert d.client.status().policy_version == 0
+    engine.release.set()
+    (res,) = d.client.wait([job], timeout_s=60)
+    assert res.ok and res.output["versions"] == [0], res
+
+
+def test_weights_no_bridge_loaded_are_reported_unverified_until_one_does(stack: Any) -> None:
+    """An update answered with no bridge up is taken as the current weights (a bridge joining later must load
+    them), but nothing has loaded the checkpoint: the reply, ``status`` and ``prorl status``'s flags say so."""
+    from prorl_cli.observe.dashboard import status_flags
+
+    d = stack()
+    assert d.client.status().weights is None  # no update yet
+    done = d.client.update_weights(f"{CKPT}/v1", policy_version=1, timeout_s=30)
+    assert (done.updated, done.verified, done.policy_version) == ([], False, 1), done
+    st = d.client.status()
+    assert st.weights is not None and (st.weights.checkpoint, st.weights.policy_version, st.weights.verified) == (
+        f"{CKPT}/v1", 1, False), st.weights
+    assert f"weights v1 UNVERIFIED: no bridge has loaded {CKPT}/v1 yet" in status_flags(st)
+
+    engine = VersionedEngine()
+    stack.bridge(d, "b1", engine)  # joins on its start weights: it loads v1 first, which verifies them
+    st = d.wait_for(lambda st: st.weights is not None and st.weights.verified, 60, "the weights to be verified", "broker")
+    assert engine.reloads == [f"{CKPT}/v1"] and not any("UNVERIFIED" in f for f in status_flags(st))
+    assert "verified: backend b1 loaded them" in d.log("broker")
+
+    # With a bridge up, the reply says at once that one loaded them.
+    done = d.client.update_weights(f"{CKPT}/v2", policy_version=2, timeout_s=30)
+    assert (done.updated, done.verified) == (["b1"], True), done
+    st = d.client.status()
+    assert st.weights is not None and (st.weights.policy_version, st.weights.verified) == (2, True), st.weights

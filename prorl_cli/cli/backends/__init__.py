@@ -150,4 +150,5 @@ def backends_reload(app: App, checkpoint: str, policy_version: int, timeout_s: f
         except ReloadFailed as e:
             app.abort(str(e))
     app.console.print(f"policy version {done.policy_version} loaded by {len(done.updated)} bridge(s): "
-                      f"{', '.join(done.updated) or '-'}" + (f"; skipped (HTTP): {', '.join(done.skipped)}" if done.skipped else ""))
+                      f"{', '.join(done.updated) or '-'}" + (f"; skipped (HTTP): {', '.join(done.skipped)}" if done.skipped else "")
+                      + ("" if done.verified else "; UNVERIFIED: no bridge loaded it, each bridge that joins must"))
