@@ -122,6 +122,10 @@ class BrokerConnection:
         #: Set when the current socket's CURVE handshake was refused; requests then fail at once.
         self.refused: BrokerRefused | None = None
         self._monitor: asyncio.Task[None] | None = None
+        #: The handshake monitor's socket of the current socket (its task closes it; :meth:`abort` cannot wait for that).
+        self._monitor_sock: zmq.asyncio.Socket | None = None
+        #: The loop the socket was opened in (its reader runs there).
+        self._loop: asyncio.AbstractEventLoop | None = None
         #: Why :meth:`follow_moved` last could not follow the rendezvous file (logged once), None once it could.
         self._follow_problem: str | None = None
 
@@ -186,6 +190,8 @@ class BrokerConnection:
         self.refused = None
         if self._monitor is not None:
             self._monitor.cancel()
+        self._monitor_sock = monitor
+        self._loop = asyncio.get_running_loop()
         self._monitor = asyncio.get_running_loop().create_task(
             self._watch_handshake(monitor, self._epoch, curve), name=f"prorl-{self.name}-handshake"
         )
@@ -254,6 +260,26 @@ class BrokerConnection:
         if self.sock is not None:
             self.sock.close(self.linger_ms if linger_ms is None else linger_ms)
             self.sock = None
+
+    def abort(self) -> None:
+        """Close at once, without awaiting anything: what :meth:`close` does, for who cannot await it.
+
+        The reader, the handshake monitor and background tasks are cancelled (they end at the loop's next turns,
+        nobody waits for them), waiting requests fail, and both sockets close with linger 0, so their file
+        descriptors go now. Call it from a callback of the loop the connection was opened in, or once that loop
+        is closed (its tasks are then left alone: cancelling them would schedule work on a closed loop).
+        """
+        self._closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            for task in (self._reader, self._monitor, *self._background):
+                if task is not None:
+                    task.cancel()
+            self._fail_pending(BrokerUnavailable(f"{self.name}: connection closed"))
+        self._reader = self._monitor = None
+        for sock in (self.sock, self._monitor_sock):
+            if sock is not None:
+                sock.close(0)
+        self.sock = self._monitor_sock = None
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` in the background, keeping a reference until it ends (:meth:`close` cancels it)."""

@@ -5,12 +5,17 @@ The rule: a command that acts on a deployment takes ``-d/--deployment NAME``
 a positional DEPLOYMENT is accepted where a command had one, and
 ``$PRORL_DEPLOYMENT`` (:data:`prorl_cli.config.ENV_DEPLOYMENT`) names it when
 none of those does. Two names that differ are refused, never silently merged.
+
+Where deployments live, ``--home DIR`` (``PRORL_HOME``), follows the same
+rule: one declaration (:func:`home_option`) serves ``prorl --home DIR`` and
+every command that reads the home (each one taking ``-d``, and the image
+commands, whose cache is under it), before or after the command alike.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -20,6 +25,10 @@ from prorl_cli.cli.application import App
 F = TypeVar("F", bound=Callable[..., Any])
 
 DEPLOYMENT_HELP = "Deployment name (the rendezvous folder under PRORL_HOME); also $PRORL_DEPLOYMENT or prorl -d NAME."
+HOME_HELP = ("PRORL_HOME: where deployments keep rendezvous files and run dirs, and images their cache (default "
+             "~/.prorl); also $PRORL_HOME. Before the command or after it alike.")
+#: Where the group's own ``prorl --home DIR`` waits (in ``ctx.meta``) for the App its callback makes.
+GLOBAL_HOMES = "prorl.global_homes"
 
 
 def name_deployment(app: App, name: str | None, given_as: str = "DEPLOYMENT") -> None:
@@ -44,9 +53,44 @@ def _from_option(ctx: click.Context, param: click.Parameter, value: str | tuple[
 
 
 def deployment_option(f: F) -> F:
-    """``-d/--deployment NAME`` on a subcommand: the same as ``prorl -d NAME`` before it."""
+    """``-d/--deployment NAME`` on a subcommand: the same as ``prorl -d NAME`` before it.
+
+    With :func:`home_option`: a deployment is a name under a home, and whoever names one may have to say where.
+    """
     return click.option("-d", "--deployment", "deployment_flag", metavar="NAME", expose_value=False, multiple=True,
-                        callback=_from_option, help=DEPLOYMENT_HELP)(f)
+                        callback=_from_option, help=DEPLOYMENT_HELP)(home_option(f))
+
+
+def _home_path(home: str) -> str:
+    """``home`` as the folder it names (``ProrlConfig.home_path``'s reading), to compare two spellings of one."""
+    return os.path.abspath(os.path.expanduser(os.path.expandvars(home)))
+
+
+def name_home(app: App, homes: Sequence[str]) -> None:
+    """Record the home given as ``--home`` (each of ``homes``); two that name different folders are an error, the
+    one given before the command included. Spellings of one folder (``~/x``, ``/home/me/x/``) agree: the first
+    is kept, as the user wrote it."""
+    for home in homes:
+        given = app.overrides.get("home")
+        if given is None:
+            app.override(home=home)
+        elif _home_path(str(given)) != _home_path(home):
+            app.abort(f"--home {given} and --home {home} name different folders; give one of them")
+
+
+def _from_home_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
+    app = ctx.find_object(App)
+    if app is None:  # prorl --home DIR: the group's own, parsed before its App exists; the group records it
+        ctx.meta[GLOBAL_HOMES] = value
+        return
+    name_home(app, value)
+
+
+def home_option(f: F) -> F:
+    """``--home DIR``, the one declaration of it: on the ``prorl`` group and on each command that reads the home,
+    where it means the same as before the command (a different folder there is refused)."""
+    return click.option("--home", "home_flag", metavar="DIR", expose_value=False, multiple=True,
+                        callback=_from_home_option, help=HOME_HELP)(f)
 
 
 def deployment_argument(f: F) -> F:

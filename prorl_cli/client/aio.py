@@ -8,9 +8,11 @@ import copy
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+import warnings
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec
 
 from prorl_cli import protocol as P
 from prorl_cli import timebase
@@ -59,6 +61,29 @@ class WeightsUpdated:
     updated: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     policy_version: int = 0
+    #: A bridge loaded the checkpoint. False: none was up to load it (or only HTTP backends were), yet the broker
+    #: took it as the current weights: nothing has shown that it loads, and the first bridge to join must load it
+    #: (``StatusReport.weights.verified`` turns true then; a bridge that cannot is told to shut down).
+    verified: bool = False
+
+
+_Args = ParamSpec("_Args")
+
+
+def _weakly(method: Callable[_Args, None]) -> Callable[_Args, None]:
+    """``method``, called through a weak reference to its object (a call once the object is gone does nothing).
+
+    The connection outlives a client dropped unclosed (the loop keeps its reader waiting on the socket): with
+    the client's bound methods as its callbacks, it would keep that client alive, and its sockets open, for ever.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: _Args.args, **kwargs: _Args.kwargs) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, **kwargs)
+
+    return call
 
 
 #: What packing adds around an instance in a submit's payload frame (msgpack's bin and array headers), at most.
@@ -129,6 +154,45 @@ def _submit_chunks(specs: Sequence[JobSpec], frames: list[bytes], limit_bytes: i
     return chunks
 
 
+async def _watch_broker(client_ref: weakref.ref[AsyncRolloutClient]) -> None:
+    """A client's watchdog: :meth:`AsyncRolloutClient._check_broker` every heartbeat, for as long as the client lives.
+
+    It holds the client only during a check. Asleep, a strong reference from this task (which the loop keeps
+    while it sleeps) would keep a client its owner dropped without closing alive for ever, its sockets open.
+    """
+    while (client := client_ref()) is not None:
+        interval_s = client.config.broker.heartbeat_interval_s
+        del client
+        await asyncio.sleep(interval_s)
+        if (client := client_ref()) is not None:
+            await client._check_broker()
+
+
+def _release_abandoned(loop: asyncio.AbstractEventLoop | None, conn: BrokerConnection,
+                       tasks: list[asyncio.Task[None]]) -> None:
+    """Close the connection of a client collected unclosed: called from its finalizer, in any thread, at any moment.
+
+    A garbage collection may run the finalizer in another thread than the loop's, or in the loop's own thread in
+    the middle of the loop's work (it starts at any allocation): there it must neither cancel tasks nor touch
+    the loop's selector (closing an asyncio socket of pyzmq unregisters it). The loop does that at its next turn,
+    handed the work by ``call_soon_threadsafe``, which is made to be called from anywhere (asyncio's own signal
+    handling calls it). A closed loop runs nothing any more (``asyncio.run`` cancelled the tasks as it ended):
+    the sockets close here, with linger 0, which is safe from any thread.
+    """
+    if loop is not None and not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # "Event loop is closed": closed meanwhile by its thread
+            loop.call_soon_threadsafe(_abort, conn, tasks)
+            return
+    conn.abort()
+
+
+def _abort(conn: BrokerConnection, tasks: list[asyncio.Task[None]]) -> None:
+    """In the loop: end the background tasks of a client collected unclosed, and close its connection at once."""
+    for task in tasks:
+        task.cancel()
+    conn.abort()
+
+
 class AsyncRolloutClient:
     """Submit jobs, await or stream their results, cancel, forget, inspect, manage backends.
 
@@ -175,6 +239,20 @@ class AsyncRolloutClient:
         self._silence_said_at: float | None = None
         self._rewatch_task: asyncio.Task[None] | None = None
         self._rewatch_again = False
+        #: What the ResourceWarning of a client dropped unclosed tells to do (RolloutClient, which wraps this one, says its own).
+        self._close_hint = "use `async with AsyncRolloutClient(...) as client:` or `await client.close()`"
+
+    def __del__(self, _warn: Callable[..., None] = warnings.warn, _getpid: Callable[[], int] = os.getpid,
+                _release: Callable[..., None] = _release_abandoned) -> None:
+        # Dropped while connected (no close(), no `async with`): like an unclosed asyncio transport, say so, and
+        # release the sockets so that a client made per training step does not run the process out of fds.
+        # What it calls is bound now: at interpreter exit, module globals may be gone before this runs.
+        conn: BrokerConnection | None = getattr(self, "_conn", None)  # absent when __init__ raised
+        if conn is None or getattr(self, "_pid", None) != _getpid():
+            return  # nothing open, or a fork's copy of the parent's sockets, which this process must not close
+        _warn(f"unclosed {type(self).__name__} (broker {conn.address}), collected with its connection open: "
+              f"{self._close_hint}; its sockets are closed now", ResourceWarning, source=self)
+        _release(self._loop, conn, [t for t in (self._watchdog, self._rewatch_task) if t is not None])
 
     @property
     def address(self) -> str | None:
@@ -201,12 +279,13 @@ class AsyncRolloutClient:
             deployment_dir=self.config.deployment_dir,
             name="client",
             follow_rendezvous=self.follow_rendezvous,
-            on_message=self._on_message,
-            on_new_boot=self._on_new_boot,
+            on_message=_weakly(self._on_message),
+            on_new_boot=_weakly(self._on_new_boot),
         )
         conn.open()
         self._conn = conn
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch_broker(), name="prorl-client-watchdog")
+        self._watchdog = asyncio.get_running_loop().create_task(_watch_broker(weakref.ref(self)),
+                                                                name="prorl-client-watchdog")
 
     async def close(self) -> None:
         if self._watchdog is not None:
@@ -290,33 +369,32 @@ class AsyncRolloutClient:
         """Seconds the broker has left the watchdog's pings unanswered while results were awaited, else None."""
         return None if self._silent_since is None else timebase.now() - self._silent_since
 
-    async def _watch_broker(self) -> None:
-        """While results are awaited, ping the broker now and then to notice a restart or a move."""
+    async def _check_broker(self) -> None:
+        """The watchdog's turn (:func:`_watch_broker`): while results are awaited, ping the broker to notice a
+        restart or a move."""
         interval_s = self.config.broker.heartbeat_interval_s
-        while True:
-            await asyncio.sleep(interval_s)
-            if not (self._waiters or self._streams or (self._conn is not None and self._conn.waiting)):
-                continue  # nobody is waiting for a result or a reply
-            asked_at = timebase.now()
-            try:
-                await self._call(_PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
-                if self._silent_since is not None:
-                    log.warning("the broker at %s answers again, after %.0f s", self.address,
-                                timebase.now() - self._silent_since)
-                self._silent_since = self._silence_said_at = None
-            except (BrokerUnavailable, RemoteError):
-                now = timebase.now()
-                if self._silent_since is None:
-                    self._silent_since = asked_at  # silent since the unanswered ping went out
-                if self._silence_said_at is None or now - self._silence_said_at >= SILENCE_REPEAT_S:
-                    # Whoever waits (a trainer, prorl submit) learns why nothing comes, not only at a timeout.
-                    self._silence_said_at = now
-                    log.warning("the broker at %s has not answered for %.0f s: results wait for it to come back "
-                                "(prorl status tells what runs)", self.address, now - self._silent_since)
-                # Down: it may come back here (the next ping sees its boot id) or at a new address.
-                if self._conn is not None and self._conn.follow_moved():
-                    with contextlib.suppress(BrokerUnavailable, RemoteError):
-                        await self._call(_PING)  # its reply brings the new boot id, which watches again
+        if not (self._waiters or self._streams or (self._conn is not None and self._conn.waiting)):
+            return  # nobody is waiting for a result or a reply
+        asked_at = timebase.now()
+        try:
+            await self._call(_PING, timeout_s=max(1.0, interval_s * self.config.broker.heartbeat_liveness))
+            if self._silent_since is not None:
+                log.warning("the broker at %s answers again, after %.0f s", self.address,
+                            timebase.now() - self._silent_since)
+            self._silent_since = self._silence_said_at = None
+        except (BrokerUnavailable, RemoteError):
+            now = timebase.now()
+            if self._silent_since is None:
+                self._silent_since = asked_at  # silent since the unanswered ping went out
+            if self._silence_said_at is None or now - self._silence_said_at >= SILENCE_REPEAT_S:
+                # Whoever waits (a trainer, prorl submit) learns why nothing comes, not only at a timeout.
+                self._silence_said_at = now
+                log.warning("the broker at %s has not answered for %.0f s: results wait for it to come back "
+                            "(prorl status tells what runs)", self.address, now - self._silent_since)
+            # Down: it may come back here (the next ping sees its boot id) or at a new address.
+            if self._conn is not None and self._conn.follow_moved():
+                with contextlib.suppress(BrokerUnavailable, RemoteError):
+                    await self._call(_PING)  # its reply brings the new boot id, which watches again
 
     async def _rewatch(self) -> None:
         while True:
@@ -636,6 +714,13 @@ class AsyncRolloutClient:
         backend; after ``timeout_s`` raise :class:`DrainTimeout` naming the
         calls still running (generation stays paused either way). Calls held
         at the broker meanwhile do not count against their jobs' clocks.
+
+        With ``wait``, the broker takes ``policy_version`` only once the
+        drain is over: after :class:`DrainTimeout` (or a resume that cut the
+        drain short) its version is still the old one, so calls released by
+        a plain :meth:`resume_generation` (the step given up) carry the
+        weights that serve them. To go on with the step anyway, the version
+        moves with :meth:`update_weights` or ``resume_generation(version)``.
         """
         version = _checked_version(policy_version)
         if not wait:
@@ -655,6 +740,8 @@ class AsyncRolloutClient:
         then on; this returns once all have. For a clean switch, pause
         generation first (``wait=True``) and resume after. HTTP backends
         (``backends add``) cannot be reloaded: they are listed as skipped.
+        With no bridge up it still succeeds, ``verified=False``: the broker
+        keeps the checkpoint for the bridges that join later, untested.
         Raises :class:`ReloadFailed` naming the bridges that could not load
         it (restart those on the checkpoint; the engine's restart path), and
         :class:`CheckpointNotFound` before sending anything when ``checkpoint``
@@ -669,7 +756,8 @@ class AsyncRolloutClient:
         header = await self._call_keeping_fields(H.UpdateWeights(H.NEW_RID, path, version, float(timeout_s)), timeout_s)
         reply: H.WeightsUpdateReply = P.parse_reply(Op.UPDATE_WEIGHTS, header)
         return WeightsUpdated(updated=reply.updated, skipped=reply.skipped,
-                              policy_version=policy_version if reply.policy_version is None else reply.policy_version)
+                              policy_version=policy_version if reply.policy_version is None else reply.policy_version,
+                              verified=bool(reply.updated) if reply.verified is None else reply.verified)
 
     @contextlib.asynccontextmanager
     async def generation_paused(

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import warnings
 import weakref
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -71,16 +72,33 @@ def _end_loop(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
+#: What the ResourceWarning of a RolloutClient collected unclosed tells to do.
+_CLOSE_HINT = "use `with RolloutClient(...) as client:` or call client.close()"
+
+
 def _close(loop: asyncio.AbstractEventLoop, aio: AsyncRolloutClient, pid: int) -> None:
     """A client's close without the client (its finalizer holds no reference to it)."""
     if loop.is_closed() or loop.is_running() or os.getpid() != pid:
         return  # in use, or a fork's copy (its sockets are the parent's)
+    # Collected while the program runs (a client made per step and dropped), not closed at its exit (a one-line
+    # script, which may rely on that): said as an unclosed file is, once, though the close below releases all.
+    if not getattr(weakref.finalize, "_shutdown", False):  # weakref sets it as it runs its finalizers at exit
+        warnings.warn(f"unclosed RolloutClient (broker {aio.address}): {_CLOSE_HINT}; it is closed now",
+                      ResourceWarning, stacklevel=2)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         pass
     else:
-        return  # collected while another loop runs in this thread: this loop cannot run here; the process's exit closes it
+        # Collected while another loop runs in this thread (asyncio code dropped it), where this client's loop
+        # cannot run: nobody else can reach that loop any more, so a thread of its own runs the close.
+        threading.Thread(target=_close_now, args=(loop, aio), name="prorl-client-close", daemon=True).start()
+        return
+    _close_now(loop, aio)
+
+
+def _close_now(loop: asyncio.AbstractEventLoop, aio: AsyncRolloutClient) -> None:
+    """Run ``aio.close()`` on the client's own ``loop`` (not running, nor reachable by anyone else), then close it."""
     try:
         loop.run_until_complete(aio.close())
     except (ProrlError, OSError, zmq.ZMQError) as e:  # the broker or the network already gone at exit
@@ -100,6 +118,7 @@ class RolloutClient:
         except BaseException:  # a bad config, no deployment, a Ctrl-C: the loop and its self-pipe go too
             _end_loop(self._loop)
             raise
+        self._aio._close_hint = _CLOSE_HINT  # should the async client ever be the one found unclosed
         # A client never closed (a one-line script) is closed when it is collected or the interpreter exits,
         # instead of its loop's tasks being reported destroyed while pending.
         self._finalizer = weakref.finalize(self, _close, self._loop, self._aio, self._pid)

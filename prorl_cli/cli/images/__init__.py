@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.images.run import run_builds, size_text
+from prorl_cli.cli.naming import home_option
 
 MODES = ("scratch", "versioned", "lock")
 
@@ -40,6 +41,7 @@ MODES = ("scratch", "versioned", "lock")
 @click.option("--format", "fmt", metavar="SOURCE",
               help="With --swe: the project DATASET's rows come from (as for prorl eval: swe-bench, swe-gym, swe-smith, "
                    "swe-rebench, nebius, swebench-task, prorl). [default: auto]")
+@home_option
 @pass_app
 def build_images(app: App, names: tuple[str, ...], mode: str | None, cache_dir: str | None, jobs: int | None,
                  images_file: str | None, mirror: str | None, dry_run: bool, as_json: bool, swe_dataset: Path | None,
@@ -111,6 +113,7 @@ _cache_opt = click.option("--cache-dir", metavar="DIR", help="Image cache. [defa
 @images.command("list")
 @_cache_opt
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's current images as JSON.")
+@home_option
 @pass_app
 def images_list(app: App, cache_dir: str | None, as_json: bool) -> None:
     """List the current image of each name."""
@@ -139,6 +142,7 @@ def images_list(app: App, cache_dir: str | None, as_json: bool) -> None:
 @click.argument("name")
 @_cache_opt
 @click.option("--definition", is_flag=True, help="Also print the rendered definition it was built from.")
+@home_option
 @pass_app
 def images_show(app: App, name: str, cache_dir: str | None, definition: bool) -> None:
     """Show the manifest entry of image NAME."""
@@ -154,6 +158,7 @@ def images_show(app: App, name: str, cache_dir: str | None, definition: bool) ->
 @images.command("prune")
 @_cache_opt
 @click.option("--dry-run", is_flag=True, help="Say what would be removed.")
+@home_option
 @pass_app
 def images_prune(app: App, cache_dir: str | None, dry_run: bool) -> None:
     """Remove builds that are no image's current one, leftovers of killed builds, and entries whose file is gone."""
