@@ -426,11 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg.init_from = args.init_from.resolve() if args.init_from is not None else None
     # Warm-ups of this example's conversation are not train_tiny_grpo's: a cache folder of their own.
     cfg.warmup_cache = args.warmup_cache / "harness" if args.warmup_cache is not None else None
-    from prorl_cli.exceptions import BrokerUnavailable, ConfigError, RendezvousError
+    from prorl_cli.exceptions import BrokerUnavailable, ConfigError, RendezvousError, SamplerError
 
     try:
         summary = run(cfg)
-    except (ConfigError, RendezvousError, BrokerUnavailable) as e:  # bad input or no deployment: one line, no traceback
+    # Bad input, no deployment, or a step the sampler stopped (rewards that never vary, every rollout failing; the
+    # message says which, with the failures' reason): one line, no traceback.
+    except (ConfigError, RendezvousError, BrokerUnavailable, SamplerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0 if all(math.isfinite(x) for x in summary.losses) else 1

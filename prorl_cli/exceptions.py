@@ -8,7 +8,10 @@ catch either (``except TimeoutError`` catches :class:`StageTimeout`).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prorl_cli.observe.failures import FailureGroup
 
 
 class ProrlError(Exception):
@@ -283,6 +286,37 @@ class SettingsError(DomainError):
     exist. It derives from :class:`DomainError` (and so from ``ValueError``)
     because settings errors were raised as that before, and handlers catch it.
     """
+
+
+class SamplerError(ProrlError, RuntimeError):
+    """A DAPO sampler step stopped short of its target, and going on would only spend rollouts for nothing.
+
+    The message says what the step tried and names the ``SamplerConfig`` setting that stopped it
+    (:attr:`setting`, now :attr:`limit`; 0 turns it off). :attr:`failures` groups the failed results that led
+    to it (stage, error type, first message line, an example job id), the largest first; :attr:`other_failures`
+    counts those beyond the groups kept. The step's jobs still in flight keep running until the sampler is
+    closed (``close()`` cancels them).
+    """
+
+    def __init__(self, message: str, *, setting: str, limit: int, step: int,
+                 failures: list[FailureGroup] | None = None, other_failures: int = 0) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.limit = limit
+        self.step = step
+        self.failures: list[FailureGroup] = list(failures or [])
+        self.other_failures = other_failures
+
+
+class StepGroupsExhausted(SamplerError):
+    """A step submitted ``SamplerConfig.max_groups_per_step`` groups and all finished without ``target_groups``
+    informative ones among them (verl's ``filter_groups.max_num_gen_batches``): the task's rewards never vary
+    (a reward that is always the same), or too rarely for the bound."""
+
+
+class RolloutsFailing(SamplerError):
+    """``SamplerConfig.max_consecutive_failures`` job results in a row failed, none finished between them: the
+    task fails every rollout (a misconfigured handler, a backend gone); :attr:`failures` says why."""
 
 
 class DatasetError(ProrlError, ValueError):

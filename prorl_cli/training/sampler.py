@@ -44,6 +44,16 @@ are not all equal), the way ProRL Agent's trainer does:
   and then (the policy moves), as GRESO's pre-rollout filtering does. The
   draw is fixed by the run id and the prompt's position, so a resumed run
   skips the same ones;
+- **bounded steps**: a step that cannot reach its target stops with an error
+  instead of submitting rollouts for ever: after ``max_groups_per_step``
+  groups all finished with too few informative ones among them
+  (:class:`~prorl_cli.exceptions.StepGroupsExhausted`: the task's rewards
+  never vary, or too rarely; verl's ``filter_groups.max_num_gen_batches``),
+  or once ``max_consecutive_failures`` job results in a row failed
+  (:class:`~prorl_cli.exceptions.RolloutsFailing`, with the failures grouped
+  by stage, error type and message: the task fails every rollout). Both
+  defaults are far from what a healthy run meets (see :class:`SamplerConfig`);
+  0 turns either off;
 - **resumable**: job ids are ``{run_id}-s{step}-p{prompt_id}-k{k}``; a trainer
   restarted from :meth:`DapoSampler.state` resubmits the same ids and gets
   the broker's existing jobs (and finished results) back.
@@ -62,19 +72,33 @@ import asyncio
 import logging
 import math
 import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prorl_cli import timebase
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.exceptions import ConfigError, ProrlError
-from prorl_cli.protocol import JobResult, JobSpec
+from prorl_cli.exceptions import ConfigError, ProrlError, RolloutsFailing, StepGroupsExhausted
+from prorl_cli.observe.failures import FailureGroups
+from prorl_cli.protocol import JobResult, JobSpec, JobState
 
 log = logging.getLogger(__name__)
 
 FAILED_POLICIES = ("drop_group", "zero_reward", "exclude")
 MODES = ("async", "sync")
+
+#: ``max_groups_per_step``'s default is ``GROUPS_PER_TARGET * target_groups + GROUPS_SLACK``: a step then gives
+#: up only below an informative rate of about 1/32 (verl's DAPO recipe, 10 generation batches of 3x the train
+#: batch, stops at 1/30). The slack is for small targets, where luck weighs more: at a 5% rate a target of one
+#: group still ends within 288 groups but once in a million steps, a target of 8 within 512 (6 standard
+#: deviations above its mean of 160).
+GROUPS_PER_TARGET = 32
+GROUPS_SLACK = 256
+#: ``max_consecutive_failures``'s default is the larger of this and the jobs a step has in flight at once. At a
+#: 20% failure rate, 32 in a row come once in 10^22 results; a burst of failures (a node lost) stays under a
+#: window of jobs unless every job in flight failed, and then nothing is left working.
+FAILURES_FLOOR = 32
 
 
 class SamplerTimeout(ProrlError, TimeoutError):
@@ -116,6 +140,15 @@ class SamplerConfig:
     #: The chance of skipping, in a later epoch, a prompt whose last group was filtered (module docstring);
     #: 0: off. Below 1: such a prompt is still tried now and then.
     skip_filtered_prompts: float = 0.0
+    #: Groups one step may submit: once that many were submitted and every group in flight finished with fewer than
+    #: ``target_groups`` informative ones, the step raises :class:`~prorl_cli.exceptions.StepGroupsExhausted`
+    #: rather than submitting more. None: ``32 * target_groups + 256`` (:data:`GROUPS_PER_TARGET`); 0: no limit.
+    max_groups_per_step: int | None = None
+    #: Job results in a row that may fail (failed, timed out, or cancelled by another hand), none finishing
+    #: between them, before the step raises :class:`~prorl_cli.exceptions.RolloutsFailing` with the failures
+    #: grouped. It counts across steps; one finished job starts it over. None: the larger of 32 and the jobs a step
+    #: has in flight at once (``max_in_flight``; in sync mode a batch's); 0: no limit.
+    max_consecutive_failures: int | None = None
 
     def __post_init__(self) -> None:
         """Check every setting here, before a step runs: a bad one raises :class:`ConfigError` naming it."""
@@ -136,6 +169,10 @@ class SamplerConfig:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):
                 raise bad(name, "a positive integer or None")
+        for name in ("max_groups_per_step", "max_consecutive_failures"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 0):
+                raise bad(name, "an integer >= 0 (0: no limit) or None (the default)")
         if not is_int(self.max_staleness) or self.max_staleness < 0:
             raise bad("max_staleness", "an integer >= 0 (policy versions)")
         if not is_number(self.carry_window_steps) or self.carry_window_steps < 0:
@@ -168,6 +205,25 @@ class SamplerConfig:
             self.max_in_flight = 2 * self.group_size * self.target_groups
         if self.max_in_flight < self.group_size:
             raise ConfigError(f"sampler max_in_flight ({self.max_in_flight}) is smaller than one group ({self.group_size})")
+
+    # Properties, not values set above: ``dataclasses.replace(cfg, target_groups=...)`` then moves the defaults too.
+    @property
+    def group_limit(self) -> int:
+        """``max_groups_per_step`` in effect (its default resolved); 0: no limit."""
+        if self.max_groups_per_step is not None:
+            return self.max_groups_per_step
+        return GROUPS_PER_TARGET * self.target_groups + GROUPS_SLACK
+
+    @property
+    def failure_limit(self) -> int:
+        """``max_consecutive_failures`` in effect (its default resolved); 0: no limit."""
+        if self.max_consecutive_failures is not None:
+            return self.max_consecutive_failures
+        if self.mode == "sync":
+            window = (self.sync_batch_groups or self.target_groups) * self.group_size
+        else:
+            window = self.max_in_flight or 2 * self.group_size * self.target_groups
+        return max(FAILURES_FLOOR, window)
 
 
 @dataclass
@@ -322,6 +378,13 @@ class DapoSampler:
         #: Groups finished (informative or filtered) and informative, over the sampler's life: the informative rate.
         self._finished_groups = 0
         self._informative_groups = 0
+        #: Job results that failed in a row (``max_consecutive_failures``), and those failures grouped.
+        self._streak = 0
+        self._streak_failures = FailureGroups()
+        #: The running step's failed results, grouped, and the reward of each of its filtered groups whose rewards
+        #: were all equal: what :class:`StepGroupsExhausted` says of the step.
+        self._step_failures = FailureGroups()
+        self._filtered_rewards: Counter[float] = Counter()
 
     def _record(self, job_ids: Sequence[str], outcome: str) -> None:
         if self.job_outcomes is not None:
@@ -464,7 +527,12 @@ class DapoSampler:
         if pending is None or result.job_id in pending.results:
             if gid is not None:
                 self.ignored_results += 1
+                if pending is None and result.state != JobState.CANCELLED.value:
+                    # A member of a group already dropped (a failed sibling's) that ended before the cancel reached
+                    # it still tells whether the task works; one this sampler cancelled tells nothing.
+                    self._note_health(result)
             return
+        self._note_health(result)
         pending.results[result.job_id] = result
         if not result.ok and self.config.failed == "drop_group":
             stats.failed_groups += 1
@@ -498,6 +566,18 @@ class DapoSampler:
         else:
             self._retired += pending.job_ids
             stats.filtered += 1
+            if rewards and len(set(rewards)) == 1:
+                self._filtered_rewards[rewards[0]] += 1
+
+    def _note_health(self, result: JobResult) -> None:
+        """Count ``result`` toward the failures in a row (``max_consecutive_failures``) and the step's failures."""
+        if result.ok:
+            self._streak = 0
+            self._streak_failures.clear()
+            return
+        self._streak += 1
+        self._streak_failures.add(result)
+        self._step_failures.add(result)
 
     async def _next_result(self, stats: StepStats, deadline: float | None) -> None:
         timeout = None if deadline is None else max(0.0, deadline - timebase.now())
@@ -514,6 +594,50 @@ class DapoSampler:
             stats.informative = len(self._ready)
             stats.in_flight = self.in_flight_jobs
             self.on_progress(stats)
+        limit = self.config.failure_limit
+        if limit and self._streak >= limit:
+            raise self._failing(stats, limit)
+
+    def _may_submit(self, stats: StepStats, groups: int = 1) -> int:
+        """How many of ``groups`` more groups the step may submit under ``max_groups_per_step``."""
+        limit = self.config.group_limit
+        return groups if not limit else max(0, min(groups, limit - stats.submitted_groups))
+
+    def _failing(self, stats: StepStats, limit: int) -> RolloutsFailing:
+        ranked = self._streak_failures.ranked()
+        why = ranked[0].describe() if ranked else "no error recorded"
+        others = len(ranked) - 1 + (self._streak_failures.other > 0)
+        if others > 0:
+            rest = self._streak_failures.total - (ranked[0].count if ranked else 0)
+            why += f"; {rest} more of {others} other kind(s)"
+        return RolloutsFailing(
+            f"step {stats.step}: the last {self._streak} job results all failed, none finished between them ({why}); "
+            f"SamplerConfig.max_consecutive_failures ({limit}) stops a run that fails every rollout: raise it if "
+            f"these failures pass (0: no limit)",
+            setting="max_consecutive_failures", limit=limit, step=stats.step, failures=ranked,
+            other_failures=self._streak_failures.other,
+        )
+
+    def _exhausted(self, stats: StepStats) -> StepGroupsExhausted:
+        cfg = self.config
+        stats.informative, stats.in_flight = len(self._ready), self.in_flight_jobs
+        equal = ", ".join(f"{n} all {reward}" for reward, n in self._filtered_rewards.most_common(3))
+        filtered = f"{stats.filtered} filtered" + (f" (rewards {equal})" if equal else "")
+        failed = f"{stats.failed_groups} failed"
+        ranked = self._step_failures.ranked()
+        if ranked:
+            failed += f" (of {self._step_failures.total} failed job(s), most: {ranked[0].describe()})"
+        # One reward value over every group the run finished: the task's reward, not the policy, is the likely cause.
+        hint = ""
+        if not self._informative_groups and len(self._filtered_rewards) == 1 and stats.filtered:
+            hint = f"; no group's rewards ever varied (the task may always reward {next(iter(self._filtered_rewards))})"
+        return StepGroupsExhausted(
+            f"step {stats.step}: {stats.submitted_groups} groups tried, all finished, {stats.informative} of "
+            f"{cfg.target_groups} informative: {filtered}, {failed}{hint}; SamplerConfig.max_groups_per_step "
+            f"({cfg.group_limit}) bounds a step's groups: raise it if informative groups are only rare (0: no limit)",
+            setting="max_groups_per_step", limit=cfg.group_limit, step=stats.step, failures=ranked,
+            other_failures=self._step_failures.other,
+        )
 
     def _retire_group(self, group: Group) -> None:
         """A ready group is done with (returned, or too stale): forgotten with the next step's retired jobs."""
@@ -542,6 +666,8 @@ class DapoSampler:
         deadline = None if cfg.step_timeout_s is None else started + cfg.step_timeout_s
         stats = StepStats(step=self.step_index, policy_version=policy_version)
         self._stats = stats
+        self._step_failures.clear()
+        self._filtered_rewards.clear()
         await self._forget_retired()
         for c in self._restore:  # a restarted trainer: the same ids; the broker returns the existing jobs
             await self._submit_group(c.position, c.step, c.policy_version)
@@ -559,8 +685,10 @@ class DapoSampler:
         stats.carried_in = len(self._pending) + len(self._ready)
         if cfg.mode == "async":
             while len(self._ready) < cfg.target_groups:
-                while self._room_for_group():
+                while self._may_submit(stats) and self._room_for_group():
                     await self._submit_next(stats)
+                if not self._pending:  # the bound is reached and every group it allowed has finished
+                    raise self._exhausted(stats)
                 await self._next_result(stats, deadline)
             if not cfg.carry_over:
                 await self._cancel(list(self._pending.values()), stats, "cancelled")
@@ -569,7 +697,10 @@ class DapoSampler:
             while self._pending:  # a restarted trainer's groups first: they may already make the step
                 await self._next_result(stats, deadline)
             while len(self._ready) < cfg.target_groups:
-                for _ in range(batch):
+                allowed = self._may_submit(stats, batch)  # the last batch under the bound may be a partial one
+                if not allowed:
+                    raise self._exhausted(stats)
+                for _ in range(allowed):
                     await self._submit_next(stats)
                 while self._pending:
                     await self._next_result(stats, deadline)

@@ -5,6 +5,10 @@ The rules ``--out`` follows, whichever command wrote it:
 - ``.jsonl`` (any other name): one whole JobResult per line, every state, written as each job ends;
 - ``.parquet``: one row per job whose output holds a token-level ``trajectory``, partial trajectories of
   ``failed`` and ``timed_out`` jobs included, with the job's ``state`` column; ``only_done`` keeps ``done`` rows only.
+  Where it cannot be written (no job recorded a trajectory: a handler that never ran the agent loop; pyarrow
+  failing), the results it was to hold go whole to a JSONL file beside it instead, and the command ends in an
+  error naming that file and the ``prorl results`` command that collects them again: the jobs ran, their results
+  are never dropped. Jobs without a trajectory are left out of a Parquet file that is written, and counted.
 
 A job that ended (done, failed, timed out, cancelled) is a result, not an error: the commands exit 0
 once every job ended, and count the states in the summary.
@@ -13,48 +17,140 @@ once every job ended, and count the states in the summary.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from prorl_cli.cli.application import App
-from prorl_cli.cli.common import SigtermAsInterrupt
+from prorl_cli.cli.common import SigtermAsInterrupt, command_hint
 
 if TYPE_CHECKING:
     from prorl_cli.client import RolloutClient
+    from prorl_cli.observe.failures import FailureGroup
     from prorl_cli.protocol import JobResult
 
 
 class ResultFile:
-    """``--out``: JSONL lines as results arrive; a ``.parquet`` name is written once, at :meth:`close`."""
+    """``--out``: JSONL lines as results arrive; a ``.parquet`` name is written once, at :meth:`close`.
 
-    def __init__(self, app: App, out: Path | None, only_done: bool = False) -> None:
+    This is the one place the rules of the module docstring live, the stand-in JSONL of a Parquet file that
+    cannot be written included. ``selection`` (``("--prefix", PREFIX)``, job ids) is what ``prorl results`` is
+    given to collect these jobs again (with ``address``), for the messages that say how.
+    """
+
+    def __init__(self, app: App, out: Path | None, only_done: bool = False, selection: Sequence[str] = (),
+                 address: str | None = None) -> None:
         self.app = app
         self.out = out
         self.only_done = only_done
+        self.selection = tuple(selection)
+        self.address = address
         self.parquet = out is not None and out.suffix == ".parquet"
         self.results: list[JobResult] = []
+        #: Where the results are once closed: ``out``; a stand-in JSONL where a Parquet ``out`` could not be
+        #: written; None where nothing was written (no ``out``, or nothing to write).
+        self.written: Path | None = None if self.parquet else out
+        #: Why a Parquet ``out`` was not written, and where its results went instead; :meth:`check` raises it.
+        self.problem: str | None = None
         self._file: IO[str] | None = None
         if out is not None and not self.parquet:
             self._file = out.open("w", encoding="utf-8")
 
+    @property
+    def recollect(self) -> str:
+        """The ``prorl results`` command that collects these jobs again (the broker keeps their results for
+        ``broker.result_retention``), ready to paste."""
+        return command_hint(self.app, "results", *(self.selection or ("--prefix", "PREFIX")), address=self.address)
+
+    def keeps(self, result: JobResult) -> bool:
+        """Whether ``result`` belongs in the file (``only_done``: jobs that ended done)."""
+        return result.state == "done" or not self.only_done
+
     def add(self, result: JobResult) -> None:
         self.results.append(result)
-        if self._file is not None and (not self.only_done or result.state == "done"):
+        if self._file is not None and self.keeps(result):
             self._file.write(json.dumps(result.to_wire()) + "\n")
             self._file.flush()  # a killed collector leaves every line it took
 
     def close(self, partial: bool = False) -> None:
-        """Finish the file; ``partial`` (collection stopped early): a Parquet file only if some row was taken."""
+        """Finish the file; ``partial``: collection stopped early (what was taken is written all the same)."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self.parquet and self.out is not None:
-            if partial and not parquet_rows(self.results, self.only_done):
+        if not self.parquet or self.out is None:
+            return
+        out, self.out = self.out, None  # written once
+        kept = [r for r in self.results if self.keeps(r)]
+        if not kept:
+            if partial:  # a stopped collection that took nothing has nothing to say
                 return
-            write_trajectories_parquet(self.app, self.results, self.out, only_done=self.only_done)
-            self.out = None  # written once
+            if self.results:  # --only-done, and none was: the others are whole in a JSONL
+                self.problem = (f"{out}: not written: no job ended done; `{self.recollect} --out FILE.jsonl` "
+                                "collects every job's whole result")
+            else:
+                self.problem = (f"{out}: not written: no job has ended yet; `{self.recollect} --follow "
+                                f"--out {shlex.quote(str(out))}` waits for them")
+            return
+        rows = parquet_rows(kept)
+        if not rows:
+            self._stand_in(out, kept, f"no {'finished ' if self.only_done else ''}job has a token-level "
+                                      f"'trajectory' in its output ({_no_trajectory_why(kept)})")
+            return
+        from prorl_cli.agent.trajectory import write_parquet
+
+        try:
+            write_parquet(out, rows)
+        except (ImportError, OSError) as e:  # pyarrow gone or failing: the results stay whole, as JSONL
+            self._stand_in(out, kept, str(e))
+            return
+        self.written = out
+        if len(rows) < len(kept):
+            self.app.err_console.print(
+                f"note: {len(kept) - len(rows)} of {len(kept)} job(s) recorded no trajectory and are not in {out} "
+                f"(a Parquet row is a trajectory); `{self.recollect} --out FILE.jsonl` collects their whole results",
+                markup=False, soft_wrap=True)
+
+    def _stand_in(self, out: Path, kept: list[JobResult], why: str) -> None:
+        """Write ``kept`` whole as the JSONL beside ``out`` that stands in for it; :attr:`problem` says so."""
+        from prorl_cli.jsonl import write_jsonl_atomic
+
+        path = stand_in_path(out)
+        again = f"`{self.recollect} --out FILE` collects them again"
+        try:
+            write_jsonl_atomic(path, (r.to_wire() for r in kept), allow_nan=True)
+        except OSError as e:
+            self.problem = (f"{out}: not written: {why}; nor could the stand-in {path} be ({e.strerror or e}): "
+                            f"the {len(kept)} result(s) are still at the broker: {again}")
+            return
+        self.written = path
+        self.problem = (f"{out}: not written: {why}; the {len(kept)} whole result(s) are in {path} instead "
+                        f"(as --out {path.name} writes them); {again}")
+
+    def check(self) -> None:
+        """End the command with :attr:`problem`, if any (after the summary, which says where the results are)."""
+        if self.problem is not None:
+            self.app.abort(self.problem)
+
+
+def stand_in_path(out: Path) -> Path:
+    """The JSONL file beside ``out`` that takes its results (``r.parquet``: ``r.jsonl``), never one that exists
+    (``r-1.jsonl``, ...): the stand-in must not overwrite a file of the user's (a TASKS file named so)."""
+    path = out.with_suffix(".jsonl")
+    k = 0
+    while path.exists():
+        k += 1
+        path = out.with_name(f"{out.stem}-{k}.jsonl")
+    return path
+
+
+def _no_trajectory_why(results: list[JobResult]) -> str:
+    """Which tasks' jobs recorded no trajectory, and what records one, for the error."""
+    tasks = sorted({r.task for r in results if r.task})
+    which = f"{', '.join(repr(t) for t in tasks)} recorded none" if tasks else "none recorded one"
+    return f"{which}: a handler's agent loop, ctx.agent(), records one"
 
 
 #: What a cancelled submission is told it could have done instead.
@@ -104,10 +200,14 @@ def collect(
             wait_s = TERMINATED_RESULTS_WAIT_S if terminated.fired else CANCELLED_RESULTS_WAIT_S
             _collect_cancelled(app, client, left, results, sink, wait_s)
         else:
-            app.err_console.print(f"interrupted: {len(left)} job(s) still running; `prorl results` collects them later")
+            app.err_console.print(f"interrupted: {len(left)} job(s) still running; `{sink.recollect} --follow` "
+                                  "collects them later", markup=False)
         raise
     finally:
-        sink.close(partial=sys.exc_info()[0] is not None)
+        partial = sys.exc_info()[0] is not None
+        sink.close(partial=partial)
+        if partial and sink.problem is not None:  # the command ends with the interruption's own error
+            app.err_console.print(f"warning: {sink.problem}", markup=False, soft_wrap=True)
     return results
 
 
@@ -155,13 +255,17 @@ def parquet_rows(results: list[JobResult], only_done: bool = False) -> list[dict
 
 
 def write_trajectories_parquet(app: App, results: list[JobResult], out: Path, only_done: bool = False) -> int:
-    """One row per job with a token-level ``trajectory`` (partial ones included unless ``only_done``); see docs/protocol.md."""
+    """One row per job with a token-level ``trajectory`` (partial ones included unless ``only_done``); see docs/protocol.md.
+
+    For a Parquet file beside results kept whole elsewhere (the quickstart's); ``--out`` goes through
+    :class:`ResultFile`, which keeps the results where this cannot write them.
+    """
     from prorl_cli.agent.trajectory import write_parquet
 
     rows = parquet_rows(results, only_done)
     if not rows:
-        which = "finished job" if only_done else "job"
-        app.abort(f"{out}: no {which} has a 'trajectory' in its output; write .jsonl to keep whole results")
+        app.abort(f"{out}: no {'finished ' if only_done else ''}job has a token-level 'trajectory' in its output "
+                  f"({_no_trajectory_why(results)})")
     try:
         write_parquet(out, rows)
     except ImportError as e:
@@ -176,25 +280,21 @@ FAILURE_GROUPS_SHOWN = 5
 def print_failures(app: App, results: list[JobResult]) -> None:
     """Why jobs did not finish: failed and timed-out jobs grouped by stage, error type and first message line,
     the largest groups first, each with a job id to look up (``prorl inspect``, the job's log)."""
-    groups: dict[tuple[str, str, str], list[str]] = {}
-    for r in results:
-        if r.state not in ("failed", "timed_out"):
-            continue
-        error = r.error if isinstance(r.error, dict) else {}
-        stage = str(error.get("stage") or r.critical_error or "?")
-        kind = str(error.get("type") or r.state)
-        lines = str(error.get("message") or "").strip().splitlines()
-        groups.setdefault((stage, kind, lines[0][:300] if lines else ""), []).append(r.job_id)
-    if not groups:
+    from prorl_cli.observe.failures import group_failures
+
+    print_failure_groups(app, group_failures(r for r in results if r.state in ("failed", "timed_out")))
+
+
+def print_failure_groups(app: App, ranked: list[FailureGroup]) -> None:
+    """:func:`print_failures`'s lines for groups already made (``prorl sample`` has them from the sampler's error)."""
+    if not ranked:
         return
-    ranked = sorted(groups.items(), key=lambda item: -len(item[1]))
     app.err_console.print("[bold]why jobs did not finish[/bold] (the error field of each result has it whole):")
-    for (stage, kind, message), ids in ranked[:FAILURE_GROUPS_SHOWN]:
-        app.err_console.print(f"  {len(ids)} job(s) in {stage}: {kind}" + (f": {message}" if message else "")
-                              + f" (e.g. {ids[0]})", markup=False, soft_wrap=True)
+    for group in ranked[:FAILURE_GROUPS_SHOWN]:
+        app.err_console.print(f"  {group.describe()}", markup=False, soft_wrap=True)
     if len(ranked) > FAILURE_GROUPS_SHOWN:
         rest = ranked[FAILURE_GROUPS_SHOWN:]
-        app.err_console.print(f"  and {sum(len(ids) for _, ids in rest)} job(s) in {len(rest)} other group(s)")
+        app.err_console.print(f"  and {sum(g.count for g in rest)} job(s) in {len(rest)} other group(s)")
 
 
 def print_summary(app: App, results: list[JobResult], elapsed_s: float | None, out: Path | None,

@@ -4,12 +4,17 @@ The instances of TASKS become prompts of
 :class:`prorl_cli.training.sampler.DapoSampler`; each step collects
 ``--target-groups`` informative groups (rewards that differ) of
 ``--group-size`` rollouts, with a live line of informative / filtered /
-failed / cancelled / in flight. docs/training.md.
+failed / cancelled / in flight (off a terminal, as in a Slurm log: a line per
+step and now and then). A step that cannot reach its target stops the command
+with the sampler's error (``--max-groups-per-step``,
+``--max-consecutive-failures``, ``--step-timeout-s``), failures grouped as
+``prorl submit`` groups them. docs/training.md.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,8 +35,16 @@ from prorl_cli.cli.naming import deployment_option
 
 if TYPE_CHECKING:
     from rich.live import Live
+    from rich.text import Text
 
+    from prorl_cli.exceptions import SamplerError
     from prorl_cli.training.sampler import StepBatch, StepStats
+
+#: Off a terminal (an sbatch log, a pipe), a progress line at most this often while results come in, besides the
+#: first and each step's last: a log then shows a long step going on without a line per result.
+PROGRESS_EVERY_S = 30.0
+#: The option that sets each ``SamplerError.setting``: what the one-line error tells a user of this command to raise.
+LIMIT_OPTIONS = {"max_groups_per_step": "--max-groups-per-step", "max_consecutive_failures": "--max-consecutive-failures"}
 
 
 @click.command()
@@ -46,6 +59,15 @@ if TYPE_CHECKING:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="JSONL: one result per line with its group_id and step. .parquet: training samples (docs/training.md).")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
+@click.option("--max-groups-per-step", type=click.IntRange(min=0), metavar="N",
+              help="Groups a step may submit: once all N finished with fewer than --target-groups informative ones, "
+                   "the command stops with an error instead of submitting more (rewards that never vary, a no-op "
+                   "task) [default: 32 x target groups + 256; 0: no limit].")
+@click.option("--max-consecutive-failures", type=click.IntRange(min=0), metavar="N",
+              help="Stop with the failures grouped (stage, error, an example job) once N job results in a row "
+                   "failed, none finished between them [default: the larger of 32 and --max-in-flight; 0: no limit].")
+@click.option("--step-timeout-s", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              help="Stop with an error when a step has not reached --target-groups within S seconds [default: none].")
 @click.option("--id-prefix", metavar="PREFIX",
               help="Run id: job ids and group ids start with it [default: dapo-<random>, new for each run; the same "
                    "PREFIX again gets the jobs the broker still holds under its ids back, not new ones].")
@@ -55,7 +77,8 @@ if TYPE_CHECKING:
 @pass_app
 def sample(
     app: App, tasks_file: Path, task: str, group_size: int, target_groups: int, max_in_flight: int | None,
-    steps: int, out: Path | None, timeout_s: float | None, id_prefix: str | None, address: str | None,
+    steps: int, out: Path | None, timeout_s: float | None, max_groups_per_step: int | None,
+    max_consecutive_failures: int | None, step_timeout_s: float | None, id_prefix: str | None, address: str | None,
     fmt: str | None, skip_bad_rows: bool, max_tokens: int | None, temperature: float | None, top_p: float | None, seed: int | None,
     sampling_json: str | None, sampling_file: Path | None,
 ) -> None:
@@ -66,10 +89,17 @@ def sample(
     teaches nothing and is filtered, and new prompts are submitted until
     --target-groups informative groups are in, per step. TASKS is read as by
     `prorl submit` (JSONL or Parquet; domain rows through --format).
-    """
-    from rich.text import Text
 
-    from prorl_cli.exceptions import ProrlError
+    \b
+    A step that cannot get there stops the command (exit 1) instead of
+    submitting rollouts for ever: after --max-groups-per-step groups with too
+    few informative ones (a task whose rewards never vary), after
+    --max-consecutive-failures failed jobs in a row (printed grouped by stage
+    and error, as `prorl submit` does), or past --step-timeout-s. Off a
+    terminal (a Slurm log) progress comes as a line per step and one every
+    30 s or so.
+    """
+    from prorl_cli.exceptions import ProrlError, SamplerError
     from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
 
     sampling = sampling_of(app, max_tokens, temperature, top_p, seed, sampling_json, sampling_file)
@@ -80,23 +110,32 @@ def sample(
     if out is not None:
         check_out_path(app, out)
     cfg = SamplerConfig(group_size=group_size, target_groups=target_groups, max_in_flight=max_in_flight,
-                        run_id=id_prefix or f"dapo-{uuid.uuid4().hex[:10]}", timeout_s=timeout_s, sampling=sampling)
+                        run_id=id_prefix or f"dapo-{uuid.uuid4().hex[:10]}", timeout_s=timeout_s, sampling=sampling,
+                        max_groups_per_step=max_groups_per_step, max_consecutive_failures=max_consecutive_failures,
+                        step_timeout_s=step_timeout_s)
     batches: list[StepBatch] = []
+    stopped: str | None = None
     with connect(app, address) as client:
         sampler = BlockingDapoSampler(client, task, instances, cfg)
         try:
             with live_line(app) as live:
-                sampler.sampler.on_progress = lambda st: live.update(Text(progress_text(st, target_groups)))
+                sampler.sampler.on_progress = lambda st: live.update(progress_text(st, target_groups))
                 for _step in range(steps):
                     batch = sampler.step(policy_version=0)
-                    live.update(Text(progress_text(batch.stats, target_groups)))
+                    live.update(progress_text(batch.stats, target_groups), force=True)
                     batches.append(batch)
+        except SamplerError as e:
+            print_stop(app, e)
+            stopped = f"dynamic sampling stopped: {for_this_command(e)}"
         except ProrlError as e:
-            app.abort(f"dynamic sampling failed: {e}")
+            stopped = f"dynamic sampling failed: {e}"
         finally:
-            sampler.close()
-    if out is not None:
+            sampler.close()  # cancels the jobs still in flight: a stopped step leaves nothing running
+    if out is not None and (batches or stopped is None):
+        # The steps done before a stop are kept: a long run that stops late loses only its last step.
         write_groups(app, batches, out)
+    if stopped is not None:
+        app.abort(stopped + (f" ({len(batches)} step(s) before it written to {out})" if out and batches else ""))
     total = sum(len(b.groups) for b in batches)
     filtered = sum(b.stats.filtered for b in batches)
     cancelled = sum(b.stats.cancelled_jobs for b in batches)
@@ -104,19 +143,73 @@ def sample(
                       + (f"; results in {out}" if out else ""))
 
 
+class ProgressLine:
+    """``prorl sample``'s progress on stderr: on a terminal, one live line redrawn in place; off one (an sbatch
+    log, a pipe), where rich's live display shows nothing before it stops, plain lines: the first update, then at
+    most one every :data:`PROGRESS_EVERY_S`, each forced one (a step's end) and, at the end, the last one not yet
+    shown (the state a stopped step was in)."""
+
+    def __init__(self, app: App, live: Live | None, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.app = app
+        self.live = live
+        self.every_s = every_s
+        self._shown_at: float | None = None
+        self._unshown: str | None = None
+
+    def update(self, text: str | Text, *, force: bool = False) -> None:
+        """Show ``text`` (on a terminal, always; off one, when ``force`` or the last line is old enough)."""
+        from rich.text import Text
+
+        if self.live is not None:
+            self.live.update(text if isinstance(text, Text) else Text(text))
+            return
+        plain = text.plain if isinstance(text, Text) else text
+        now = time.monotonic()
+        if force or self._shown_at is None or now - self._shown_at >= self.every_s:
+            self.app.err_console.print(plain, markup=False, highlight=False, soft_wrap=True)
+            self._shown_at, self._unshown = now, None
+        else:
+            self._unshown = plain
+
+    def finish(self) -> None:
+        """Off a terminal: show the last update if it was held back."""
+        if self._unshown is not None:
+            self.app.err_console.print(self._unshown, markup=False, highlight=False, soft_wrap=True)
+            self._unshown = None
+
+
 @contextmanager
-def live_line(app: App) -> Iterator[Live]:
-    """The live line on stderr; it ends with its newline off a terminal too (a log file, a pipe), where rich
-    leaves the last frame without one and the next line (an ``error:``) would run on after it."""
+def live_line(app: App) -> Iterator[ProgressLine]:
+    """The progress line on stderr (:class:`ProgressLine`): live on a terminal; off one, line by line, each ended
+    by its newline so the next line (an ``error:``) starts a line of its own."""
     from rich.live import Live
     from rich.text import Text
 
-    try:
-        with Live(Text("starting"), console=app.err_console, transient=False, refresh_per_second=8) as live:
-            yield live
-    finally:
-        if not app.err_console.is_terminal:
-            app.err_console.line()
+    if not app.err_console.is_terminal:
+        progress = ProgressLine(app, None)
+        try:
+            yield progress
+        finally:
+            progress.finish()
+        return
+    with Live(Text("starting"), console=app.err_console, transient=False, refresh_per_second=8) as live:
+        yield ProgressLine(app, live)
+
+
+def print_stop(app: App, error: SamplerError) -> None:
+    """The failures that stopped a step, grouped as ``prorl submit``'s summary groups them."""
+    from prorl_cli.cli.jobs.collect import print_failure_groups
+
+    print_failure_groups(app, error.failures)
+    if error.other_failures:
+        app.err_console.print(f"  and {error.other_failures} job(s) that failed in still other ways")
+
+
+def for_this_command(error: SamplerError) -> str:
+    """The error's message with the option of this command in place of the ``SamplerConfig`` setting it names."""
+    option = LIMIT_OPTIONS.get(error.setting)
+    message = str(error)
+    return message.replace(f"SamplerConfig.{error.setting}", option) if option else message
 
 
 def progress_text(stats: StepStats, target: int) -> str:

@@ -1,0 +1,89 @@
+"""Why jobs did not finish: failed results grouped by stage, error type and the first line of the message.
+
+One grouping for every place that reports failures, so they all name a failure the same way: ``prorl
+submit``'s summary (:func:`prorl_cli.cli.jobs.collect.print_failures`) and the DAPO sampler's error when its
+rollouts keep failing (:class:`prorl_cli.exceptions.RolloutsFailing`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prorl_cli.protocol import JobResult
+
+#: A message is grouped (and shown) by its first line, cut to this many characters.
+MESSAGE_CHARS = 300
+
+
+def failure_key(result: JobResult) -> tuple[str, str, str]:
+    """``(stage, error type, first message line)`` of a result that did not finish: what groups it with others."""
+    error = result.error if isinstance(result.error, dict) else {}
+    stage = str(error.get("stage") or result.critical_error or "?")
+    kind = str(error.get("type") or result.state)
+    lines = str(error.get("message") or "").strip().splitlines()
+    return stage, kind, lines[0][:MESSAGE_CHARS] if lines else ""
+
+
+@dataclass
+class FailureGroup:
+    """Results that failed the same way: in one stage, with one error type and first message line."""
+
+    stage: str
+    type: str
+    message: str
+    count: int
+    #: One of the group's job ids, to look up (``prorl inspect``, the job's log).
+    example: str
+
+    def describe(self) -> str:
+        """``3 job(s) in init: ConfigError: <message> (e.g. <job id>)``."""
+        return (f"{self.count} job(s) in {self.stage}: {self.type}" + (f": {self.message}" if self.message else "")
+                + f" (e.g. {self.example})")
+
+
+class FailureGroups:
+    """Failed results grouped as they come in, in bounded memory: a count and an example id per group.
+
+    Past ``max_groups`` distinct groups (messages that embed an id or a path can make every failure its own),
+    further new ones are only counted (:attr:`other`), so a long run's memory stays flat.
+    """
+
+    def __init__(self, max_groups: int = 64) -> None:
+        self.max_groups = max_groups
+        self._groups: dict[tuple[str, str, str], FailureGroup] = {}
+        #: Failures of groups beyond ``max_groups``.
+        self.other = 0
+
+    def add(self, result: JobResult) -> None:
+        """Count one result that did not finish under its group."""
+        key = failure_key(result)
+        group = self._groups.get(key)
+        if group is not None:
+            group.count += 1
+        elif len(self._groups) < self.max_groups:
+            self._groups[key] = FailureGroup(*key, count=1, example=result.job_id)
+        else:
+            self.other += 1
+
+    def clear(self) -> None:
+        """Forget every failure counted so far."""
+        self._groups.clear()
+        self.other = 0
+
+    @property
+    def total(self) -> int:
+        """Failures counted, in every group."""
+        return sum(g.count for g in self._groups.values()) + self.other
+
+    def ranked(self) -> list[FailureGroup]:
+        """The groups, the largest first (ties: the first seen first)."""
+        return sorted(self._groups.values(), key=lambda g: -g.count)
+
+
+def group_failures(results: Iterable[JobResult]) -> list[FailureGroup]:
+    """``results`` grouped by :func:`failure_key`, the largest group first; pass only the ones that did not finish."""
+    groups = FailureGroups(max_groups=1 << 30)
+    for r in results:
+        groups.add(r)
+    return groups.ranked()

@@ -1,0 +1,200 @@
+"""A DAPO step that cannot reach its target stops with an error naming why and the setting to raise, against a
+real broker and node: groups that are always filtered (``max_groups_per_step``), jobs that always fail
+(``max_consecutive_failures``), while a healthy run with flaky failures goes on; ``prorl sample`` piped to a log
+exits non-zero with the message and shows its progress."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prorl_cli.exceptions import ConfigError, RolloutsFailing, SamplerError, StepGroupsExhausted
+from prorl_cli.training.sampler import DapoSampler, SamplerConfig, StepBatch
+from tests.harness import Deployment
+from tests.training.test_sampler import aclient, check_batch, prompts
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    dep = Deployment(tmp_path_factory.mktemp("limits"), "limits", {"node": {"n_init": 8, "n_run": 16, "n_eval": 8}})
+    with dep:
+        dep.start_broker()
+        dep.start_node("n1")
+        yield dep
+
+
+def run_step(dep: Deployment, ps: list[dict[str, Any]], cfg: SamplerConfig) -> tuple[SamplerError, DapoSampler]:
+    """One step that must stop with a :class:`SamplerError`; the sampler is closed after it."""
+
+    async def go() -> tuple[SamplerError, DapoSampler]:
+        async with aclient(dep) as client:
+            sampler = DapoSampler(client, "dapo_sim", ps, cfg)
+            try:
+                await sampler.step()
+            except SamplerError as e:
+                return e, sampler
+            finally:
+                await sampler.close()
+        raise AssertionError("the step reached its target")
+
+    return asyncio.run(go())
+
+
+def sample_cli(dep: Deployment, tasks: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``prorl sample`` with stdout and stderr piped (not a terminal, as in an sbatch log)."""
+    return subprocess.run([sys.executable, "-m", "prorl_cli", "-d", dep.name, "sample", str(tasks), *args],
+                          env={**dep.env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_step_whose_groups_are_always_filtered_stops_naming_the_setting(stack: Deployment, mode: str) -> None:
+    """Rewards that never vary: every group is filtered. The step stops once its bound of groups all finished,
+    instead of resubmitting for ever; sync batches are cut to the bound."""
+    ps = [{"p": 0.0, "scale_s": 0.01, "max_s": 0.05, "seed": 3} for _ in range(4)]
+    cfg = SamplerConfig(group_size=2, target_groups=1, mode=mode, sync_batch_groups=2, max_groups_per_step=5,
+                        run_id=f"lim-filtered-{mode}", step_timeout_s=120)
+    error, sampler = run_step(stack, ps, cfg)
+    assert isinstance(error, StepGroupsExhausted) and isinstance(error, RuntimeError)
+    assert error.setting == "max_groups_per_step" and error.limit == 5 and error.step == 0
+    message = str(error)
+    assert "step 0: 5 groups tried, all finished, 0 of 1 informative: 5 filtered (rewards 5 all 0.0)" in message
+    assert "SamplerConfig.max_groups_per_step (5)" in message and "0: no limit" in message
+    assert "\n" not in message
+    assert sampler._stats is not None and sampler._stats.submitted_groups == 5  # not one group past the bound
+    assert sampler.in_flight_jobs == 0
+
+
+@pytest.mark.parametrize("policy", ["drop_group", "zero_reward", "exclude"])
+def test_a_task_whose_jobs_always_fail_stops_naming_the_failure(stack: Deployment, policy: str) -> None:
+    """Every rollout fails: after the default 32 failed results in a row the step stops with them grouped (stage,
+    type, message, an example job), whatever ``failed`` does with them, long before the group bound."""
+    ps = [{"p": 0.5, "fail_p": 1.0, "scale_s": 0.01, "max_s": 0.05, "seed": 4} for _ in range(4)]
+    cfg = SamplerConfig(group_size=2, target_groups=1, failed=policy, run_id=f"lim-fail-{policy}", step_timeout_s=120)
+    assert cfg.failure_limit == 32 and cfg.group_limit == 32 + 256
+    error, _ = run_step(stack, ps, cfg)
+    assert isinstance(error, RolloutsFailing), error
+    assert error.setting == "max_consecutive_failures" and error.limit == 32
+    [group] = error.failures
+    assert (group.stage, group.type, group.message) == ("run", "RuntimeError", "simulated rollout failure")
+    assert group.count == 32 and group.example.startswith(f"lim-fail-{policy}-s0-")
+    message = str(error)
+    assert "the last 32 job results all failed" in message, message
+    assert "32 job(s) in run: RuntimeError: simulated rollout failure (e.g. lim-fail-" in message, message
+    assert "SamplerConfig.max_consecutive_failures (32)" in message and "\n" not in message
+
+
+def test_a_healthy_run_with_flaky_failures_is_not_stopped(stack: Deployment) -> None:
+    """A third of the rollouts fail now and then among good ones: with the defaults every step is served."""
+    ps = [{**p, "fail_p": 0.3, "scale_s": 0.01} for p in prompts()]
+    cfg = SamplerConfig(group_size=4, target_groups=3, run_id="lim-flaky", step_timeout_s=120)
+
+    async def go() -> tuple[list[StepBatch], DapoSampler]:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", ps, cfg)
+            batches = [await sampler.step(policy_version=v) for v in range(4)]
+            await sampler.close()
+            return batches, sampler
+
+    batches, sampler = asyncio.run(go())
+    for b in batches:
+        check_batch(b, cfg)
+    assert sum(b.stats.failed_groups for b in batches) > 0  # failures there were, and they did not stop it
+    assert sampler._streak < cfg.failure_limit
+    assert all(b.stats.submitted_groups < cfg.group_limit for b in batches)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"max_groups_per_step": -1}, r"max_groups_per_step must be an integer >= 0 \(0: no limit\) or None"),
+    ({"max_groups_per_step": 2.5}, r"max_groups_per_step must be an integer >= 0"),
+    ({"max_consecutive_failures": True}, r"max_consecutive_failures must be an integer >= 0"),
+])
+def test_the_limits_are_checked_before_a_step(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SamplerConfig(group_size=4, target_groups=2, **settings)
+
+
+def test_the_limits_defaults_follow_the_steps_size() -> None:
+    cfg = SamplerConfig(group_size=8, target_groups=32)
+    assert cfg.group_limit == 32 * 32 + 256 and cfg.failure_limit == 2 * 8 * 32  # a window of jobs in flight
+    assert SamplerConfig(group_size=4, target_groups=2, mode="sync", sync_batch_groups=16).failure_limit == 64
+    assert SamplerConfig(group_size=2, target_groups=1).failure_limit == 32
+    off = SamplerConfig(group_size=2, target_groups=1, max_groups_per_step=0, max_consecutive_failures=0)
+    assert off.group_limit == 0 and off.failure_limit == 0
+
+
+def test_prorl_sample_of_a_task_whose_rewards_never_vary_stops_and_says_so(stack: Deployment, tmp_path: Path) -> None:
+    """The report's command: the no-op task's reward is always 1, every group is filtered. Piped, it shows its
+    progress as lines and ends with one error line naming the option, with the default bound."""
+    tasks = tmp_path / "problems.jsonl"
+    tasks.write_text("".join(json.dumps({"n": i}) + "\n" for i in range(3)))
+    out = tmp_path / "s.jsonl"
+    proc = sample_cli(stack, tasks, "--task", "noop", "--group-size", "2", "--target-groups", "1", "--out", str(out))
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    lines = proc.stderr.splitlines()
+    progress = [line for line in lines if line.startswith("step 0: informative 0/1")]
+    assert len(progress) >= 2, proc.stderr  # the first update, and the state the step stopped in
+    assert progress[-1].startswith("step 0: informative 0/1, filtered 288,"), proc.stderr
+    errors = [line for line in lines if line.startswith("error:")]
+    assert errors == [lines[-1]], proc.stderr
+    assert ("error: dynamic sampling stopped: step 0: 288 groups tried, all finished, 0 of 1 informative: 288 "
+            "filtered (rewards 288 all 1.0), 0 failed; no group's rewards ever varied (the task may always reward 1.0)") in errors[0], errors
+    assert "--max-groups-per-step (288)" in errors[0] and "SamplerConfig" not in errors[0], errors
+    assert not out.exists()  # no step finished: nothing to write
+
+
+def test_prorl_sample_of_a_failing_task_prints_why_and_stops(stack: Deployment, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"p": 0.5, "fail_p": 1.0, "scale_s": 0.01, "seed": i}) + "\n" for i in range(3)))
+    proc = sample_cli(stack, tasks, "--task", "dapo_sim", "--group-size", "2", "--target-groups", "1",
+                      "--max-consecutive-failures", "6", "--step-timeout-s", "120")
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    lines = proc.stderr.splitlines()
+    assert "why jobs did not finish" in proc.stderr, proc.stderr
+    assert any(line.startswith("  6 job(s) in run: RuntimeError: simulated rollout failure (e.g. dapo-")
+               for line in lines), proc.stderr
+    assert lines[-1].startswith("error: dynamic sampling stopped: step 0: the last 6 job results all failed"), lines
+    assert "--max-consecutive-failures (6)" in lines[-1], lines[-1]
+
+
+def test_prorl_sample_piped_shows_a_line_per_step_and_keeps_the_steps_before_a_stop(
+        stack: Deployment, tmp_path: Path) -> None:
+    """Piped: a line at each step's end. A run that stops in its third step still writes the two before it."""
+    tasks = tmp_path / "tasks.jsonl"
+    # Mixed prompts (p 0.5): a step gets its group; the bound of 64 groups is never near for them.
+    tasks.write_text("".join(json.dumps({"p": 0.5, "scale_s": 0.01, "seed": i}) + "\n" for i in range(6)))
+    out = tmp_path / "groups.jsonl"
+    proc = sample_cli(stack, tasks, "--task", "dapo_sim", "--group-size", "3", "--target-groups", "1",
+                      "--steps", "2", "--max-groups-per-step", "64", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    for step in (0, 1):
+        assert any(line.startswith(f"step {step}: informative 1/1") for line in proc.stderr.splitlines()), proc.stderr
+    assert {json.loads(line)["step"] for line in out.read_text().splitlines()} == {0, 1}
+    # Two prompts whose groups are informative (seeds picked for their job ids: step k runs prompt k, one group at
+    # a time), then prompts that always succeed: the third step stops, and the first two are still written.
+    served = [{"p": 0.5, "scale_s": 0.01, "seed": informative_seed(f"keep-s{k}-p{k}", 3)} for k in range(2)]
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in served + [{"p": 1.0, "scale_s": 0.01}] * 20))
+    proc = sample_cli(stack, tasks, "--task", "dapo_sim", "--group-size", "3", "--target-groups", "1",
+                      "--steps", "3", "--max-groups-per-step", "8", "--max-in-flight", "3", "--id-prefix", "keep",
+                      "--out", str(out))
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("error: dynamic sampling stopped: step 2: 8 groups tried"), last
+    assert "--max-groups-per-step (8)" in last and last.endswith(f"(2 step(s) before it written to {out})"), last
+    assert {json.loads(line)["step"] for line in out.read_text().splitlines()} == {0, 1}
+
+
+def informative_seed(group_id: str, group_size: int) -> int:
+    """A ``dapo_sim`` seed under which the jobs of ``group_id`` (p 0.5) get rewards that differ."""
+    from prorl_cli.testing.handlers.dapo_sim import draw
+
+    return next(seed for seed in range(1000)
+                if len({draw({"p": 0.5, "seed": seed}, f"{group_id}-k{k}")[1] for k in range(group_size)}) > 1)
