@@ -13,6 +13,7 @@ import io
 import os
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +24,7 @@ from prorl_cli import yamlfiles
 from prorl_cli.exceptions import ConfigError, one_line
 from prorl_cli.images.settings import ImagesConfig
 from prorl_cli.inference.settings import InferenceConfig
+from prorl_cli.observe.logs import LOG_LEVELS
 from prorl_cli.sandbox.settings import SandboxConfig
 
 # Environment variables prorl reads, named once.
@@ -110,7 +112,7 @@ class ProrlConfig:
 
     deployment: str = "default"
     home: str = "~/.prorl"
-    log_level: str = "INFO"
+    log_level: str = "INFO"  # one of LOG_LEVELS, any case (stored upper-case)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
@@ -226,31 +228,52 @@ def _build(cls: Any, data: Any, where: str) -> Any:
     return obj
 
 
-def _validate(cfg: ProrlConfig, origin: str) -> None:
+def _source(sources: Mapping[str, str], key: str, origin: str) -> str:
+    """Where the dotted ``key`` (``node.tasks[0]``) came from: the nearest of it and its parents in ``sources``,
+    else ``origin`` (the file)."""
+    key = key.split("[", 1)[0]
+    while key:
+        if key in sources:
+            return sources[key]
+        key = key.rpartition(".")[0]
+    return origin
+
+
+def _validate(cfg: ProrlConfig, origin: str, sources: Mapping[str, str] | None = None) -> None:
+    """Checks across fields. Each error names where its key came from: ``origin`` (the file), or what
+    ``sources`` says for a key given elsewhere, so a bad ``-d`` or ``$PRORL_DEPLOYMENT`` is blamed on the flag
+    or the variable, not on a prorl.yaml that never said it."""
+
+    def at(key: str) -> str:
+        return f"{_source(sources or {}, key, origin)}: {key}"
+
+    if cfg.log_level.upper() not in LOG_LEVELS:
+        raise ConfigError(f"{at('log_level')}: expected one of {list(LOG_LEVELS)} (any case), got {cfg.log_level!r}")
+    cfg.log_level = cfg.log_level.upper()  # one spelling for every source: the file, the variable and the flag
     for name in ("n_init", "n_run", "n_eval"):
         if getattr(cfg.node, name) < 1:
-            raise ConfigError(f"{origin}: node.{name}: must be at least 1, got {getattr(cfg.node, name)}")
+            raise ConfigError(f"{at(f'node.{name}')}: must be at least 1, got {getattr(cfg.node, name)}")
     if cfg.node.credit < 0:
-        raise ConfigError(f"{origin}: node.credit: must be 0 (automatic) or positive")
+        raise ConfigError(f"{at('node.credit')}: must be 0 (automatic) or positive")
     if not cfg.node.loop_stall_limit_s > 0:
-        raise ConfigError(f"{origin}: node.loop_stall_limit_s: must be positive, got {cfg.node.loop_stall_limit_s}")
+        raise ConfigError(f"{at('node.loop_stall_limit_s')}: must be positive, got {cfg.node.loop_stall_limit_s}")
     if cfg.broker.heartbeat_interval_s <= 0:
-        raise ConfigError(f"{origin}: broker.heartbeat_interval_s: must be positive")
+        raise ConfigError(f"{at('broker.heartbeat_interval_s')}: must be positive")
     if cfg.broker.heartbeat_liveness < 1:
-        raise ConfigError(f"{origin}: broker.heartbeat_liveness: must be at least 1")
+        raise ConfigError(f"{at('broker.heartbeat_liveness')}: must be at least 1")
     if not 0 <= cfg.broker.kv_admission <= 4:
-        raise ConfigError(f"{origin}: broker.kv_admission: a share of the KV cache in [0, 4] (0: off), got {cfg.broker.kv_admission}")
+        raise ConfigError(f"{at('broker.kv_admission')}: a share of the KV cache in [0, 4] (0: off), got {cfg.broker.kv_admission}")
     if cfg.broker.kv_admission_max_wait_s < 0:
-        raise ConfigError(f"{origin}: broker.kv_admission_max_wait_s: must be >= 0, got {cfg.broker.kv_admission_max_wait_s}")
+        raise ConfigError(f"{at('broker.kv_admission_max_wait_s')}: must be >= 0, got {cfg.broker.kv_admission_max_wait_s}")
     if cfg.broker.receive_window_messages < 1:
-        raise ConfigError(f"{origin}: broker.receive_window_messages: must be at least 1, got {cfg.broker.receive_window_messages}")
+        raise ConfigError(f"{at('broker.receive_window_messages')}: must be at least 1, got {cfg.broker.receive_window_messages}")
     if not 0 <= cfg.broker.port < 65536:
-        raise ConfigError(f"{origin}: broker.port: must be 0..65535, got {cfg.broker.port}")
+        raise ConfigError(f"{at('broker.port')}: must be 0..65535, got {cfg.broker.port}")
     if cfg.jobs.timeout_s <= 0:
-        raise ConfigError(f"{origin}: jobs.timeout_s: must be positive")
+        raise ConfigError(f"{at('jobs.timeout_s')}: must be positive")
     if not cfg.deployment or "/" in cfg.deployment or cfg.deployment.startswith("."):
-        raise ConfigError(f"{origin}: deployment: {cfg.deployment!r} is not a valid deployment name")
-    _check_home(cfg.home_path, origin)
+        raise ConfigError(f"{at('deployment')}: {cfg.deployment!r} is not a valid deployment name")
+    _check_home(cfg.home_path, _source(sources or {}, "home", origin))
 
 
 def _check_home(home: Path, origin: str) -> None:
@@ -263,13 +286,15 @@ def _check_home(home: Path, origin: str) -> None:
             return
 
 
-def config_from_dict(data: Any, origin: str = "<config>") -> ProrlConfig:
-    """Build and validate a :class:`ProrlConfig`; errors are prefixed with ``origin``."""
+def config_from_dict(data: Any, origin: str = "<config>", sources: Mapping[str, str] | None = None) -> ProrlConfig:
+    """Build and validate a :class:`ProrlConfig`; errors are prefixed with ``origin``, or, for a top-level key
+    given elsewhere (an environment variable, a flag), with where ``sources`` says it came from."""
     try:
         cfg = _build(ProrlConfig, data, "")
     except ConfigError as e:
-        raise ConfigError(f"{origin}: {e}") from None
-    _validate(cfg, origin)
+        # _build's errors start with the dotted key they are about (or "top level").
+        raise ConfigError(f"{_source(sources or {}, str(e).split(':', 1)[0], origin)}: {e}") from None
+    _validate(cfg, origin, sources)
     return cfg
 
 
@@ -289,12 +314,16 @@ def find_config_file(explicit: str | os.PathLike[str] | None = None) -> Path | N
 
 
 def load_config(
-    path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
+    path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    given_as: Mapping[str, str] | None = None,
 ) -> ProrlConfig:
     """Read, merge and validate the effective configuration.
 
     Order: defaults < file < environment (``PRORL_HOME``, ``PRORL_DEPLOYMENT``,
     ``PRORL_LOG_LEVEL``) < ``overrides`` (dotted keys, from CLI flags).
+    ``given_as`` says where an override came from (``{"deployment": "-d"}``), for its errors; an override it
+    does not name is reported as ``<overrides>``, a value from the environment by its variable.
     """
     file = find_config_file(path)
     data: dict[str, Any] = {}
@@ -319,9 +348,12 @@ def load_config(
     env_map = {ENV_HOME: "home", ENV_DEPLOYMENT: "deployment", ENV_LOG_LEVEL: "log_level"}
     merged = {k: v for k, v in env_map.items() if os.environ.get(k)}
     all_overrides = {v: os.environ[k] for k, v in merged.items()}
-    all_overrides.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    sources = {v: f"${k}" for k, v in merged.items()}
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    all_overrides.update(given)
+    sources.update({k: (given_as or {}).get(k, "<overrides>") for k in given})
     data = apply_overrides(data, all_overrides)
-    return config_from_dict(data, origin)
+    return config_from_dict(data, origin, sources)
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,17 @@ from prorl_cli.cli.jobs import cancel, status, stop, submit
 from prorl_cli.cli.jobs.results import results
 from prorl_cli.cli.launch import down, launch, render_sbatch, scale
 from prorl_cli.cli.logs import logs
-from prorl_cli.cli.naming import GLOBAL_HOMES, home_option, name_home
+from prorl_cli.cli.naming import (
+    GLOBAL_CONFIGS,
+    GLOBAL_HOMES,
+    GLOBAL_LOG_LEVELS,
+    config_option,
+    home_option,
+    log_level_option,
+    name_config,
+    name_home,
+    name_log_level,
+)
 from prorl_cli.cli.observe import OBSERVE_COMMANDS
 from prorl_cli.cli.plan import plan
 from prorl_cli.cli.quickstart import quickstart
@@ -59,13 +69,13 @@ class ProrlGroup(click.Group):
 
 @click.group(cls=ProrlGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="prorl")
-@click.option("--config", "config_path", metavar="FILE", envvar="PRORL_CONFIG", help="prorl.yaml to read (default: ./prorl.yaml).")
+@config_option
 @click.option("-d", "--deployment", metavar="NAME", multiple=True,
               help="Deployment name (the rendezvous folder under PRORL_HOME); the same as -d NAME after a command, or $PRORL_DEPLOYMENT.")
 @home_option
-@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@log_level_option
 @click.pass_context
-def cli(ctx: click.Context, config_path: str | None, deployment: tuple[str, ...], log_level: str | None) -> None:
+def cli(ctx: click.Context, deployment: tuple[str, ...]) -> None:
     """prorl: multi-turn LLM-agent rollouts as a service for RL training on Slurm.
 
     \b
@@ -78,12 +88,14 @@ def cli(ctx: click.Context, config_path: str | None, deployment: tuple[str, ...]
     """
     # -d may be given more than once (click would keep the last one without a word): every one must agree.
     names = list(dict.fromkeys(deployment))
-    overrides = {"deployment": names[0] if names else None, "log_level": log_level}
-    ctx.obj = App(config_path, {k: v for k, v in overrides.items() if v is not None})
+    ctx.obj = App(None, {"deployment": names[0]} if names else {}, given_as={"deployment": "-d"})
     if len(names) > 1:
         ctx.obj.abort(f"-d {names[0]} and -d {names[1]} name different deployments; give one of them")
-    # --home before the command (home_option's callback kept it for now); one after it is checked against it.
+    # --home, --config and --log-level before the command (their callbacks kept them for now); the same option
+    # after the command is checked against them.
     name_home(ctx.obj, ctx.meta.get(GLOBAL_HOMES, ()))
+    name_config(ctx.obj, ctx.meta.get(GLOBAL_CONFIGS, ()))
+    name_log_level(ctx.obj, ctx.meta.get(GLOBAL_LOG_LEVELS, ()))
 
 
 for command in (serve, submit, sample, results, status, cancel, stop, backends, init, config, quickstart, build_images, images, dev, launch, down, scale, logs, render_sbatch, eval_command, swe, plan):

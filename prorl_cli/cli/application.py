@@ -31,11 +31,13 @@ def _console(*, stderr: bool) -> Console:
 class App:
     """Carries the rich console and the effective configuration (loaded on first use)."""
 
-    def __init__(self, config_path: str | None, overrides: dict[str, Any]) -> None:
+    def __init__(self, config_path: str | None, overrides: dict[str, Any], given_as: dict[str, str] | None = None) -> None:
         self.console = _console(stderr=False)
         self.err_console = _console(stderr=True)
         self.config_path = config_path
         self.overrides = overrides
+        #: How each override was given (``{"deployment": "-d"}``): a bad value is blamed on that, not on prorl.yaml.
+        self.given_as: dict[str, str] = dict(given_as or {})
         self._config: ProrlConfig | None = None
 
     @property
@@ -45,14 +47,24 @@ class App:
             from prorl_cli.exceptions import ConfigError
 
             try:
-                self._config = load_config(self.config_path, self.overrides)
+                given_as = {k: self.given_as.get(k, "the command line") for k in self.overrides}
+                self._config = load_config(self.config_path, self.overrides, given_as)
             except ConfigError as e:
                 self.abort(f"config error: {e}")
         return self._config
 
-    def override(self, **dotted: Any) -> None:
-        """Apply command-specific flags (dotted keys, ``None`` ignored) before first use."""
-        self.overrides.update({k.replace("__", "."): v for k, v in dotted.items() if v is not None})
+    def use_config(self, path: str) -> None:
+        """Read ``path`` as prorl.yaml (``--config``, given before first use)."""
+        self.config_path = path
+        self._config = None
+
+    def override(self, given_as: str | None = None, **dotted: Any) -> None:
+        """Apply command-specific flags (dotted keys, ``None`` ignored) before first use; ``given_as`` names the
+        flag (``-d``) for the errors of a bad value (without it they say "the command line")."""
+        values = {k.replace("__", "."): v for k, v in dotted.items() if v is not None}
+        self.overrides.update(values)
+        if given_as is not None:
+            self.given_as.update(dict.fromkeys(values, given_as))
         self._config = None
 
     def setup_logging(self, name: str) -> None:

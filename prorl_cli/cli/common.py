@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,6 +38,33 @@ class Seconds(click.ParamType):
         if not math.isfinite(seconds) or seconds < 0:
             self.fail(f"{value!r} is not a finite number of seconds >= 0", param, ctx)
         return seconds
+
+
+def command_hint(app: App, command: str, *args: str | Path, address: str | None = None,
+                 deployment: str | None = None, home: str | Path | None = None, named: bool = True) -> str:
+    """A prorl command line to paste that acts where this one did: ``prorl [--home DIR] COMMAND -d NAME ARGS``
+    (``--address ENDPOINT`` last where given), every word shell-quoted (a path or URL with a space or ``&`` stays
+    one argument). Every printed hint is made here, so none forgets the deployment.
+
+    ``command`` is the subcommand's words (``"backends clear"``); ``args`` its arguments (placeholders such as
+    ``FILE`` stay as they are). The deployment is ``deployment``, else this command's (``app.config``): named
+    always, since the shell it is pasted in may have another ``$PRORL_DEPLOYMENT`` or prorl.yaml; ``named``
+    False leaves it out (a command that takes none). The home is ``home``, else the ``--home`` this command was
+    given (absolute: the hint may be pasted in another folder); one from ``$PRORL_HOME`` is the shell's own.
+    """
+    words = ["prorl"]
+    given = app.overrides.get("home")
+    if home is None and given is not None:
+        home = os.path.abspath(os.path.expanduser(os.path.expandvars(str(given))))  # as ProrlConfig.home_path reads it
+    if home is not None:
+        words += ["--home", str(home)]
+    words += command.split()
+    if named:
+        words += ["-d", deployment if deployment is not None else app.config.deployment]
+    words += [str(a) for a in args]
+    if address is not None:
+        words += ["--address", address]
+    return shlex.join(words)
 
 
 def connect(app: App, address: str | None = None) -> RolloutClient:
@@ -83,10 +111,9 @@ def _why_silent(app: App) -> str:
         return "is it running?"
     if not info.process_gone():
         return "is it running?"
-    name = app.config.deployment
-    return (f"its process (pid {info.pid} on this host) is gone, killed without cleaning up: `prorl serve broker "
-            f"-d {name}` starts it again (its journal keeps the jobs it had), and then `prorl stop {name}` stops "
-            "the deployment, nodes included")
+    return (f"its process (pid {info.pid} on this host) is gone, killed without cleaning up: "
+            f"`{command_hint(app, 'serve broker')}` starts it again (its journal keeps the jobs it had), and then "
+            f"`{command_hint(app, 'stop')}` stops the deployment, nodes included")
 
 
 def read_instances(app: App, path: Path) -> list[Any]:

@@ -10,6 +10,8 @@ Where deployments live, ``--home DIR`` (``PRORL_HOME``), follows the same
 rule: one declaration (:func:`home_option`) serves ``prorl --home DIR`` and
 every command that reads the home (each one taking ``-d``, and the image
 commands, whose cache is under it), before or after the command alike.
+``--config FILE`` and ``--log-level LEVEL`` do too, on every command taking
+``-d`` (:func:`config_option`, :func:`log_level_option`).
 """
 
 from __future__ import annotations
@@ -21,14 +23,20 @@ from typing import Any, TypeVar
 import click
 
 from prorl_cli.cli.application import App
+from prorl_cli.observe.logs import LOG_LEVELS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 DEPLOYMENT_HELP = "Deployment name (the rendezvous folder under PRORL_HOME); also $PRORL_DEPLOYMENT or prorl -d NAME."
 HOME_HELP = ("PRORL_HOME: where deployments keep rendezvous files and run dirs, and images their cache (default "
              "~/.prorl); also $PRORL_HOME. Before the command or after it alike.")
+LOG_LEVEL_HELP = "Log level of the processes this command runs (any case); also $PRORL_LOG_LEVEL. Before the command or after it alike."
+CONFIG_HELP = "prorl.yaml to read (default: $PRORL_CONFIG, else ./prorl.yaml). Before the command or after it alike."
 #: Where the group's own ``prorl --home DIR`` waits (in ``ctx.meta``) for the App its callback makes.
 GLOBAL_HOMES = "prorl.global_homes"
+#: The same for ``prorl --log-level LEVEL`` and ``prorl --config FILE``.
+GLOBAL_LOG_LEVELS = "prorl.global_log_levels"
+GLOBAL_CONFIGS = "prorl.global_configs"
 
 
 def name_deployment(app: App, name: str | None, given_as: str = "DEPLOYMENT") -> None:
@@ -38,7 +46,7 @@ def name_deployment(app: App, name: str | None, given_as: str = "DEPLOYMENT") ->
     given = app.overrides.get("deployment")
     if given is not None and given != name:
         app.abort(f"-d {given} and {given_as} {name} name different deployments; give one of them")
-    app.override(deployment=name)
+    app.override(deployment=name, given_as=given_as if given_as.startswith("-") else f"the {given_as} argument")
 
 
 def _from_option(ctx: click.Context, param: click.Parameter, value: str | tuple[str, ...] | None) -> None:
@@ -55,10 +63,11 @@ def _from_option(ctx: click.Context, param: click.Parameter, value: str | tuple[
 def deployment_option(f: F) -> F:
     """``-d/--deployment NAME`` on a subcommand: the same as ``prorl -d NAME`` before it.
 
-    With :func:`home_option`: a deployment is a name under a home, and whoever names one may have to say where.
+    With :func:`home_option`: a deployment is a name under a home, and whoever names one may have to say where;
+    with :func:`config_option` and :func:`log_level_option`, so every global option works after the command too.
     """
     return click.option("-d", "--deployment", "deployment_flag", metavar="NAME", expose_value=False, multiple=True,
-                        callback=_from_option, help=DEPLOYMENT_HELP)(home_option(f))
+                        callback=_from_option, help=DEPLOYMENT_HELP)(home_option(config_option(log_level_option(f))))
 
 
 def _home_path(home: str) -> str:
@@ -73,7 +82,7 @@ def name_home(app: App, homes: Sequence[str]) -> None:
     for home in homes:
         given = app.overrides.get("home")
         if given is None:
-            app.override(home=home)
+            app.override(home=home, given_as="--home")
         elif _home_path(str(given)) != _home_path(home):
             app.abort(f"--home {given} and --home {home} name different folders; give one of them")
 
@@ -91,6 +100,58 @@ def home_option(f: F) -> F:
     where it means the same as before the command (a different folder there is refused)."""
     return click.option("--home", "home_flag", metavar="DIR", expose_value=False, multiple=True,
                         callback=_from_home_option, help=HOME_HELP)(f)
+
+
+def name_log_level(app: App, levels: Sequence[str]) -> None:
+    """Record ``--log-level`` (each of ``levels``, before the command or after it); two different levels are an
+    error. The config checks the name (:data:`prorl_cli.observe.logs.LOG_LEVELS`) and keeps it upper-case."""
+    for level in levels:
+        given = app.overrides.get("log_level")
+        if given is None:
+            app.override(log_level=level, given_as="--log-level")
+        elif str(given).upper() != level.upper():
+            app.abort(f"--log-level {given} and --log-level {level} differ; give one of them")
+
+
+def _from_log_level_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
+    app = ctx.find_object(App)
+    if app is None:  # prorl --log-level L: the group's own, parsed before its App exists; the group records it
+        ctx.meta[GLOBAL_LOG_LEVELS] = value
+        return
+    name_log_level(app, value)
+
+
+def log_level_option(f: F) -> F:
+    """``--log-level LEVEL``, the one declaration of it: on the ``prorl`` group and on each command that takes
+    ``-d``, where it means the same as before the command."""
+    return click.option("--log-level", "log_level_flag", type=click.Choice(LOG_LEVELS, case_sensitive=False),
+                        expose_value=False, multiple=True, callback=_from_log_level_option, help=LOG_LEVEL_HELP)(f)
+
+
+def name_config(app: App, paths: Sequence[str]) -> None:
+    """Record the prorl.yaml given as ``--config`` (each of ``paths``); two naming different files are an error.
+    Only records it: the App reads its config on first use, after every option of the command line is parsed."""
+    for path in paths:
+        if app.config_path is None:
+            app.use_config(path)
+        elif os.path.abspath(os.path.expanduser(app.config_path)) != os.path.abspath(os.path.expanduser(path)):
+            app.abort(f"--config {app.config_path} and --config {path} name different files; give one of them")
+
+
+def _from_config_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
+    app = ctx.find_object(App)
+    if app is None:  # prorl --config FILE: the group's own, parsed before its App exists; the group records it
+        ctx.meta[GLOBAL_CONFIGS] = value
+        return
+    name_config(app, value)
+
+
+def config_option(f: F) -> F:
+    """``--config FILE``, the one declaration of it: on the ``prorl`` group and on each command that takes ``-d``,
+    where it means the same as before the command. No ``envvar``: :func:`prorl_cli.config.find_config_file`
+    reads ``$PRORL_CONFIG`` itself, so the flag beats the variable and an error says which of them named a file."""
+    return click.option("--config", "config_flag", metavar="FILE", expose_value=False, multiple=True,
+                        callback=_from_config_option, help=CONFIG_HELP)(f)
 
 
 def deployment_argument(f: F) -> F:

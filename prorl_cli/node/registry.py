@@ -264,6 +264,8 @@ def discover(extra_paths: list[str] | None = None, only: list[str] | None = None
     if only:
         missing = sorted(set(only) - set(reg.handlers))
         if missing:
-            raise HandlerError(f"node.tasks names unknown task(s) {missing}; found {reg.tasks}")
+            # A task whose file or package failed to import is "unknown" only because of that failure: the
+            # failure (file, line, error) goes first, or the user hunts for a typo in the task's name.
+            raise HandlerError("; ".join([*reg.errors, f"node.tasks names unknown task(s) {missing}; found {reg.tasks}"]))
         reg.handlers = {k: v for k, v in reg.handlers.items() if k in only}
     return reg

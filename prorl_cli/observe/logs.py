@@ -11,6 +11,9 @@ from typing import Any
 
 #: ``PRORL_LOG_FORMAT=json``: every prorl process logs one JSON object per line.
 ENV_LOG_FORMAT = "PRORL_LOG_FORMAT"
+#: The levels ``log_level`` in prorl.yaml, ``$PRORL_LOG_LEVEL`` and ``--log-level`` accept (any case; the config
+#: keeps them upper-case). Here, not in :mod:`prorl_cli.config`, so the CLI names them without importing the config.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 _STANDARD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -131,4 +134,6 @@ def configure_logging(role: str, level: str) -> None:
     """Log to stderr as ``TIME ROLE[PID] LEVEL LOGGER: MESSAGE``, or as JSON lines under ``PRORL_LOG_FORMAT=json``."""
     handler = logging.StreamHandler()
     handler.setFormatter(formatter_for(role, f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
+    # The name itself: the config checked it against LOG_LEVELS, and any other is logging's ValueError, never a
+    # silent INFO.
+    logging.basicConfig(level=level.upper(), handlers=[handler])

@@ -8,6 +8,7 @@ file and the dotted key. ``examples/deploy.yaml`` lists every key.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -18,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from prorl_cli import yamlfiles
-from prorl_cli.config import section_from_dict
+from prorl_cli.config import ProrlConfig, section_from_dict
 from prorl_cli.exceptions import ConfigError
 
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+)(?::(\d+))?$")
@@ -253,6 +254,30 @@ class DeployConfig:
         return {"broker": self.broker, "nodes": self.nodes, "inference": self.inference}[name]
 
 
+def is_deploy_data(data: Any) -> bool:
+    """Whether a file's top-level mapping is a deploy.yaml, not a prorl.yaml: it has a key only deploy.yaml has
+    (``nodes``, ``setup``, ``python``...) and none only prorl.yaml has (``node``, ``jobs``, ``sandbox``...). Both
+    key sets come from the two schemas, so the rule follows them."""
+    if not isinstance(data, dict):
+        return False
+    deploy_keys = {f.name for f in dataclasses.fields(DeployConfig) if f.init}
+    config_keys = {f.name for f in dataclasses.fields(ProrlConfig) if f.init}
+    return bool(set(data) & (deploy_keys - config_keys)) and not set(data) & (config_keys - deploy_keys)
+
+
+def read_deploy_data(path: str | os.PathLike[str]) -> Any:
+    """The YAML of a deploy file, read as :func:`load_deploy` reads it (errors name the file)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{file}: deployment file not found")
+    try:
+        return yamlfiles.load(file.read_text())  # an unquoted 24:00:00 stays a time, not base-60 86400
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{file}: not a UTF-8 text file ({e.reason} at byte {e.start})") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{file}: not valid YAML: {e}") from e
+
+
 def deploy_from_dict(data: Any, origin: str = "<deploy>", deployment: str | None = None) -> DeployConfig:
     """Build and validate a :class:`DeployConfig`; ``deployment`` (``-d``) overrides the file's name.
 
@@ -275,12 +300,7 @@ def load_deploy(path: str | os.PathLike[str], deployment: str | None = None) -> 
     """Read ``deploy.yaml``; relative paths in it (``config``, ``handler_paths``, ``model``, ``log_dir``) resolve
     against its folder, so every command of a deployment finds the same files from whatever folder it runs in."""
     file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"{file}: deployment file not found")
-    try:
-        data = yamlfiles.load(file.read_text())  # an unquoted 24:00:00 stays a time, not base-60 86400
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{file}: not valid YAML: {e}") from e
+    data = read_deploy_data(file)
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{file}: top level must be a mapping, got {type(data).__name__}")
     cfg = deploy_from_dict(data or {}, str(file), deployment)

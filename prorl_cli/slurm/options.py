@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import shlex
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from prorl_cli.config import ProrlConfig, load_config
+from prorl_cli.config import ENV_HOME, ProrlConfig, load_config
 from prorl_cli.exceptions import ConfigError, SlurmError
 from prorl_cli.slurm.deploy import DeployConfig, time_minutes
 from prorl_cli.slurm.record import Member
@@ -27,7 +28,9 @@ DRAIN_REQUEUE_MARGIN_S = 30
 
 def prorl_config(cfg: DeployConfig) -> ProrlConfig:
     """The prorl.yaml every role of this deployment reads, with its home and name."""
-    return load_config(cfg.config, {"home": str(cfg.home_path), "deployment": cfg.deployment})
+    home_from = cfg.source if cfg.home else f"${ENV_HOME}" if os.environ.get(ENV_HOME) else "<defaults>"
+    return load_config(cfg.config, {"home": str(cfg.home_path), "deployment": cfg.deployment},
+                       given_as={"home": home_from, "deployment": cfg.source})
 
 
 #: Where a broker on Slurm listens when neither deploy.yaml nor prorl.yaml says: every interface (peers run elsewhere).

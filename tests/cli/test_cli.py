@@ -91,7 +91,8 @@ def test_submit_reports_bad_input_clearly(deployment: Deployment, tmp_path: Path
     r = prorl(deployment, "submit", str(good), "--task", "nope")
     assert r.returncode != 0 and "unknown_task" in r.stderr and "nope" in r.stderr
     r = prorl(deployment, "submit", str(good), "--task", "test", "--out", str(tmp_path / "t.parquet"))
-    assert r.returncode != 0 and "no job has a 'trajectory'" in r.stderr
+    assert r.returncode != 0 and "no job has a token-level 'trajectory'" in r.stderr
+    assert (tmp_path / "t.jsonl").is_file(), "the results are kept (tests/cli/test_cli_jobs.py has the rest)"
 
 
 def test_a_parquet_out_without_pyarrow_is_refused_before_anything_runs(deployment: Deployment, tmp_path: Path) -> None:
@@ -134,6 +135,8 @@ def test_status_cancel_and_backends(deployment: Deployment) -> None:
 
     added = prorl(deployment, "backends", "add", "http://127.0.0.1:9/v1")
     assert added.returncode == 0 and "warning: http://127.0.0.1:9/v1 does not answer from here" in added.stderr
+    # The way out names this deployment: pasted where another one is the default, it still acts on this one.
+    assert "`prorl backends clear -d cli http://127.0.0.1:9/v1` takes it out" in added.stderr, added.stderr
     listed = prorl(deployment, "backends", "list").stdout
     assert "http://127.0.0.1:9/v1" in listed and "active" in listed
     assert prorl(deployment, "backends", "add", "ftp://nope").returncode != 0
@@ -144,6 +147,43 @@ def test_status_cancel_and_backends(deployment: Deployment) -> None:
     assert r.returncode == 0 and "cleared 1" in r.stdout
     # A cleared HTTP backend no job uses is dropped.
     assert deployment.client.list_backends() == []
+
+
+def test_a_printed_hint_pastes_into_another_shell_and_acts_on_the_same_deployment(deployment: Deployment) -> None:
+    """`backends add`'s way out, given --home and a URL with shell characters: pasted into a shell whose
+    PRORL_HOME and PRORL_DEPLOYMENT name nothing of this run, it clears that very backend."""
+    import shlex
+
+    url = "http://127.0.0.1:9/v1?a=1&b=2"
+    env = {**deployment.env(), "COLUMNS": "200"}
+    for name in ("PRORL_HOME", "PRORL_DEPLOYMENT"):
+        env.pop(name)
+    added = subprocess.run([sys.executable, "-m", "prorl_cli", "--home", str(deployment.home), "backends", "add", url,
+                            "-d", deployment.name], env=env, capture_output=True, text=True, timeout=120)
+    assert added.returncode == 0, added.stderr
+    hint = added.stderr.split("`")[1]
+    assert hint == f"prorl --home {deployment.home} backends clear -d cli '{url}'", added.stderr
+    other = {**env, "PRORL_HOME": str(deployment.home.parent / "elsewhere"), "PRORL_DEPLOYMENT": "default"}
+    pasted = subprocess.run([sys.executable, "-m", "prorl_cli", *shlex.split(hint)[1:]], env=other,
+                            capture_output=True, text=True, timeout=120)
+    assert pasted.returncode == 0 and f"cleared 1 backend(s): {url}" in pasted.stdout, pasted.stderr
+    assert deployment.client.list_backends() == []
+
+
+def test_hints_name_the_deployment_and_home_quoted() -> None:
+    from prorl_cli.cli.application import App
+    from prorl_cli.cli.common import command_hint
+
+    app = App(None, {"deployment": "run1", "home": "/data/my home"})
+    assert command_hint(app, "results", "--prefix", "sub-1", "--out", "FILE") == \
+        "prorl --home '/data/my home' results -d run1 --prefix sub-1 --out FILE"
+    assert command_hint(app, "backends clear", "http://h:1/v1", address="tcp://h:5555") == \
+        "prorl --home '/data/my home' backends clear -d run1 http://h:1/v1 --address tcp://h:5555"
+    # A home from $PRORL_HOME is the shell's own: not repeated. A command that takes no deployment gets none.
+    bare = App(None, {"deployment": "run1"})
+    assert command_hint(bare, "stop") == "prorl stop -d run1"
+    assert command_hint(bare, "launch", Path("a b/deploy.yaml"), "--dry-run", named=False) == \
+        "prorl launch 'a b/deploy.yaml' --dry-run"
 
 
 def test_submit_sends_the_sampling_options_with_every_job(deployment: Deployment, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ running broker, except the two-broker test at the end (two real brokers).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -156,6 +157,20 @@ CASES = [
          ("tasks.parquet", "Parquet")),
     Case("eval-parquet-that-is-not", _file("swe.parquet", b"not parquet\n", "-d", "x", "eval", "{f}", "--task", "swe"),
          ("swe.parquet", "Parquet")),
+    # eval runs the swe family only: another task is named as such before a row is read (not a missing instance_id).
+    Case("eval-a-task-that-is-not-swe", _file("math.jsonl", b'{"problem": "1+1", "answer": "2"}\n', "-d", "x", "eval",
+                                              "{f}", "--task", "math"),
+         ("--task math: eval runs swe, swe_oracle or a subclass of swe", "'math' is", "not one", "`prorl submit -d x ")),
+    Case("eval-a-task-that-is-not-swe-on-rows-that-are-not", _file("junk.parquet", b"not parquet\n", "-d", "x", "eval",
+                                                                   "{f}", "--task", "code"),
+         ("--task code: eval runs swe",)),
+    # --engine none with a domain: the engine is the problem, whether torch is installed or not.
+    Case("quickstart-engine-none-with-a-domain", lambda h: ["quickstart", "--task", "math", "--engine", "none", "--out",
+                                                            "qs-none-math"],
+         ("--engine none runs the scripted 'test' handler", "cannot run --task math", "drop --task math")),
+    Case("quickstart-engine-sim-with-a-domain", lambda h: ["quickstart", "--task", "swe", "--engine", "sim", "--out",
+                                                           "qs-sim-swe"],
+         ("--engine sim runs", "cannot run --task swe")),
     Case("swe-validate-parquet-that-is-not", _file("swe.parquet", b"not parquet\n", "swe", "validate", "{f}"),
          ("swe.parquet", "Parquet")),
     Case("build-images-swe-parquet-that-is-not", _file("swe.parquet", b"not parquet\n", "build-images", "--swe", "{f}"),
@@ -290,6 +305,37 @@ def test_init_refuses_a_users_mistake_before_writing_anything(tmp_path: Path, ar
     assert not out.exists() or not any(out.iterdir()), "init wrote files it then called broken"
 
 
+@pytest.mark.parametrize("torch", ["installed", "missing"])
+def test_quickstart_says_why_a_domain_has_no_model(tmp_path: Path, torch: str) -> None:
+    """--engine none asked for is named as the problem (not torch, which may be installed); torch missing under
+    --engine auto is named as such. Both before anything starts."""
+    if torch == "installed" and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here (the cpu extra)")
+    # This Python without torch: an import system entry of None hides an installed module from find_spec.
+    hide = "sys.modules['torch'] = None; " if torch == "missing" else ""
+    script = f"import runpy, sys; {hide}sys.argv = ['prorl', *sys.argv[1:]]; runpy.run_module('prorl_cli', run_name='__main__')"
+    env = {**os.environ, "PRORL_HOME": str(tmp_path / "home")}
+    env.pop("PRORL_CONFIG", None)
+
+    def error(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-c", script, "quickstart", "--out", str(tmp_path / "qs"), *args],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        (line,) = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        return line
+
+    none = error("--task", "math", "--engine", "none")
+    assert "--engine none runs the scripted 'test' handler, without a model, and cannot run --task math" in none
+    if torch == "installed":
+        assert "cpu extra" not in none and "drop --engine (auto picks transformers: torch is installed)" in none, none
+    else:
+        assert "with the cpu extra (torch) installed" in none, none
+        auto = error("--task", "math")
+        assert "torch is not installed here" in auto and "pip install 'prorl[cpu]'" in auto, auto
+        assert "--engine none" not in auto, auto
+    assert not (tmp_path / "qs").exists(), "refused before anything started"
+
+
 def test_ctrl_c_in_quickstart_ends_in_one_line_and_leaves_no_process(tmp_path: Path) -> None:
     import psutil
 
@@ -344,3 +390,74 @@ def test_the_live_line_of_sample_ends_its_line_off_a_terminal() -> None:
         live.update(Text("step 0: informative 0/1"))
     app.err_console.print("error: dynamic sampling failed")
     assert buf.getvalue().splitlines()[-2:] == ["step 0: informative 0/1", "error: dynamic sampling failed"], buf.getvalue()
+
+
+def _prorl_in(folder: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``prorl ARGS`` run in ``folder`` (its ./prorl.yaml, if any, is read), none of the suite's PRORL_* set."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
+    return subprocess.run([sys.executable, "-m", "prorl_cli", *args], cwd=folder, capture_output=True, text=True,
+                          timeout=60, env={**clean, "PRORL_HOME": str(folder / "home"), "COLUMNS": "80", **(env or {})})
+
+
+def _one_error(r: subprocess.CompletedProcess[str]) -> str:
+    assert r.returncode == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    return errors[0]
+
+
+def test_log_level_is_checked_wherever_it_is_given_and_kept_upper_case(tmp_path: Path) -> None:
+    (tmp_path / "ll.yaml").write_text("log_level: verbose\n")
+    error = _one_error(_prorl_in(tmp_path, "config", "check", "ll.yaml"))
+    assert "ll.yaml: log_level: expected one of ['DEBUG', 'INFO', 'WARNING', 'ERROR'] (any case), got 'verbose'" in error
+    error = _one_error(_prorl_in(tmp_path, "config", "show", env={"PRORL_LOG_LEVEL": "verbose"}))
+    assert "$PRORL_LOG_LEVEL: log_level: expected one of" in error and "got 'verbose'" in error
+    (tmp_path / "lw.yaml").write_text("log_level: warning\n")
+    for args, env, level in [(["--config", "lw.yaml"], {}, "WARNING"), ([], {"PRORL_LOG_LEVEL": "debug"}, "DEBUG"),
+                             (["--log-level", "error"], {}, "ERROR")]:
+        r = _prorl_in(tmp_path, *args, "config", "show", env=env)
+        assert r.returncode == 0, r.stderr
+        assert yaml_log_level(r.stdout) == level, (args, env, r.stdout)
+
+
+def yaml_log_level(shown: str) -> str:
+    import yaml
+
+    return str(yaml.safe_load(shown.split("\n---\n")[0])["log_level"])
+
+
+@pytest.mark.parametrize(("args", "env", "blamed"), [
+    (["status", "-d", "a/b"], {}, "-d: deployment: 'a/b'"),
+    (["-d", "a/b", "status"], {}, "-d: deployment: 'a/b'"),
+    (["status", "a/b"], {}, "the DEPLOYMENT argument: deployment: 'a/b'"),
+    (["status"], {"PRORL_DEPLOYMENT": "x y/z"}, "$PRORL_DEPLOYMENT: deployment: 'x y/z'"),
+], ids=["d-after", "d-before", "positional", "env"])
+@pytest.mark.parametrize("with_file", [True, False], ids=["prorl.yaml", "no-file"])
+def test_a_bad_deployment_name_is_blamed_on_where_it_was_given(
+        tmp_path: Path, args: list[str], env: dict[str, str], blamed: str, with_file: bool) -> None:
+    if with_file:
+        (tmp_path / "prorl.yaml").write_text("deployment: fine\n")
+    error = _one_error(_prorl_in(tmp_path, *args, env=env))
+    assert f"config error: {blamed} is not a valid deployment name" in error, error
+    (tmp_path / "prorl.yaml").write_text("deployment: a/b\n")
+    error = _one_error(_prorl_in(tmp_path, "status"))
+    assert "config error: prorl.yaml: deployment: 'a/b' is not a valid deployment name" in error, error
+
+
+def test_config_check_validates_a_deploy_file_as_one(tmp_path: Path) -> None:
+    r = _prorl_in(tmp_path, "init", "--slurm", "-d", "myrun")
+    assert r.returncode == 0, r.stderr
+    r = _prorl_in(tmp_path, "config", "check", "deploy.yaml")
+    assert r.returncode == 0, r.stderr
+    assert "deploy.yaml: ok (a deploy file; `prorl launch deploy.yaml --dry-run` shows what it would submit)" in r.stdout
+    assert _prorl_in(tmp_path, "config", "check", "prorl.yaml").stdout == "prorl.yaml: ok\n"
+    # Checked as `prorl launch` checks it: its own keys, and the prorl.yaml it names.
+    text = (tmp_path / "deploy.yaml").read_text()
+    assert "\n  cpus_per_task: 2\n" in text
+    (tmp_path / "bad-role.yaml").write_text(text.replace("\n  cpus_per_task: 2\n", "\n  cpus_per_task: many\n", 1))
+    error = _one_error(_prorl_in(tmp_path, "config", "check", "bad-role.yaml"))
+    assert "bad-role.yaml: nodes.cpus_per_task: expected int" in error, error
+    with (tmp_path / "prorl.yaml").open("a") as f:
+        f.write("log_level: verbose\n")
+    error = _one_error(_prorl_in(tmp_path, "config", "check", "deploy.yaml"))
+    assert f"{tmp_path / 'prorl.yaml'}: log_level: expected one of" in error, error

@@ -40,6 +40,14 @@ def test_init_writes_a_commented_prorl_yaml_at_the_defaults(tmp_path: Path) -> N
     assert prorl("init", "--out", str(tmp_path), "--force").returncode == 0
 
 
+def test_init_slurm_says_the_next_command_as_it_pastes(tmp_path: Path) -> None:
+    """The --home given (not written into the files) goes with it; a path with a space stays one argument."""
+    out, home = tmp_path / "x y", tmp_path / "a b"
+    r = prorl("--home", str(home), "init", "--slurm", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"next: prorl --home '{home}' launch '{out / 'deploy.yaml'}' --dry-run" in r.stdout, r.stdout
+
+
 def test_init_slurm_writes_a_pair_that_agrees(tmp_path: Path) -> None:
     r = prorl("init", "--slurm", "-d", "myrun", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr

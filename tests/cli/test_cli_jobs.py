@@ -120,6 +120,83 @@ def test_parquet_keeps_every_trajectory_with_its_state(deployment: Deployment, t
     assert [row["state"] for row in pq.read_table(done).to_pylist()] == ["done"]
 
 
+def _error_line(stderr: str) -> str:
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    return line
+
+
+def test_a_parquet_out_that_cannot_be_written_keeps_every_result_as_jsonl_beside_it(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """`--out X.parquet` for jobs that record no trajectory: the jobs ran, so their results are written whole to a
+    JSONL beside it (never over a file of the user's), the error says where and how to collect them again, and that
+    command, pasted, does."""
+    import shlex
+
+    tasks = write_tasks(tmp_path / "problems.jsonl", [{"echo": 1}, {"echo": 2}])
+    (tmp_path / "r2.jsonl").write_text("mine\n")
+    out = tmp_path / "r2.parquet"
+    r = prorl(deployment, "submit", "-d", deployment.name, "--task", "test", str(tasks), "-n", "2",
+              "--id-prefix", "noparq", "--out", str(out))
+    assert r.returncode == 1, r.stderr  # the file asked for is not there: a script must not go on as if it were
+    assert not out.exists() and (tmp_path / "r2.jsonl").read_text() == "mine\n"
+    stand_in = tmp_path / "r2-1.jsonl"
+    rows = [json.loads(line) for line in stand_in.read_text().splitlines()]
+    assert sorted(row["job_id"] for row in rows) == [f"noparq-{i}-{k}" for i in range(2) for k in range(2)]
+    assert all(row["state"] == "done" and row["output"]["echo"] in (1, 2) for row in rows), rows
+    error = _error_line(r.stderr)
+    assert f"{out}: not written: no job has a token-level 'trajectory' in its output ('test' recorded none" in error
+    assert f"the 4 whole result(s) are in {stand_in} instead" in error, error
+    assert f"results in {stand_in}" in r.stdout, "the summary says where they are"
+    again = error.split("`")[1]
+    assert again == f"prorl results -d {deployment.name} --prefix noparq --out FILE", error
+    pasted = subprocess.run([sys.executable, "-m", "prorl_cli", *shlex.split(again.replace("FILE", str(tmp_path / "again.jsonl")))[1:]],
+                            env={k: v for k, v in deployment.env().items() if k != "PRORL_DEPLOYMENT"},
+                            capture_output=True, text=True, timeout=120)
+    assert pasted.returncode == 0, pasted.stderr
+    assert len((tmp_path / "again.jsonl").read_text().splitlines()) == 4
+    # `prorl results --out X.parquet` follows the same rule (one ResultFile for both).
+    r = prorl(deployment, "results", "-d", deployment.name, "--prefix", "noparq", "--out", str(tmp_path / "y.parquet"))
+    assert r.returncode == 1 and len((tmp_path / "y.jsonl").read_text().splitlines()) == 4, r.stderr
+    assert "`prorl results -d jobs --prefix noparq --out FILE` collects them again" in _error_line(r.stderr)
+
+
+def test_a_parquet_out_counts_the_jobs_it_has_no_row_for(deployment: Deployment, tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) is not installed")
+    with_traj = write_tasks(tmp_path / "p.jsonl", [{"end": "done"}])
+    without = write_tasks(tmp_path / "t.jsonl", [{"echo": 1}])
+    assert prorl(deployment, "submit", "-d", deployment.name, str(with_traj), "--task", "partial", "--id-prefix",
+                 "mixp").returncode == 0
+    assert prorl(deployment, "submit", "-d", deployment.name, str(without), "--task", "test", "--id-prefix",
+                 "mixt").returncode == 0
+    out = tmp_path / "mix.parquet"
+    r = prorl(deployment, "results", "-d", deployment.name, "mixp-0-0", "mixt-0-0", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert [row["job_id"] for row in pq.read_table(out).to_pylist()] == ["mixp-0-0"]
+    assert (f"note: 1 of 2 job(s) recorded no trajectory and are not in {out} (a Parquet row is a trajectory); "
+            f"`prorl results -d jobs mixp-0-0 mixt-0-0 --out FILE.jsonl` collects their whole results") in r.stderr
+
+
+def test_a_stopped_collection_keeps_what_it_took_when_it_has_no_trajectory(tmp_path: Path) -> None:
+    """Ctrl-C in `submit/results --out X.parquet` before any job with a trajectory ended: the results taken are
+    written whole beside it all the same, and a warning says where (the command ends with the interruption)."""
+    from prorl_cli.cli.application import App
+    from prorl_cli.cli.jobs.collect import ResultFile
+    from prorl_cli.protocol import JobResult
+
+    out = tmp_path / "r.parquet"
+    sink = ResultFile(App(None, {"deployment": "d1"}), out, selection=("--prefix", "p"))
+    sink.add(JobResult(job_id="p-0-0", task="test", state="cancelled", output={"stages": ["init"]}))
+    sink.close(partial=True)
+    assert not out.exists() and sink.written == tmp_path / "r.jsonl"
+    assert [json.loads(line)["job_id"] for line in (tmp_path / "r.jsonl").read_text().splitlines()] == ["p-0-0"]
+    assert sink.problem is not None and "`prorl results -d d1 --prefix p --out FILE` collects them again" in sink.problem
+    # Stopped before any result: nothing to keep, nothing said.
+    empty = ResultFile(App(None, {"deployment": "d1"}), tmp_path / "e.parquet")
+    empty.close(partial=True)
+    assert empty.problem is None and empty.written is None and not (tmp_path / "e.jsonl").exists()
+
+
 def test_results_follow_collects_the_rest_after_the_submitter_was_killed(deployment: Deployment, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     tasks = write_tasks(tmp_path / "t.jsonl", [{"end": "done"}, {"end": "done"}, {"wait_for": str(gate)}, {"wait_for": str(gate)}])

@@ -69,3 +69,43 @@ def test_slurm_commands_take_the_deployment_four_ways(tmp_path: Path, command: l
     r = subprocess.run([sys.executable, "-m", "prorl_cli", "--home", home, *command], capture_output=True, text=True,
                        timeout=60, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k not in ("PRORL_DEPLOYMENT", "PRORL_CONFIG")})
     assert r.returncode == 1 and "'ghost' was not launched" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("path", "cmd"), LEAVES, ids=[p for p, _ in LEAVES])
+def test_every_command_that_takes_a_deployment_takes_config_and_log_level_after_it(path: str, cmd: click.Command) -> None:
+    """One declaration each: the very options of ``prorl --config`` and ``prorl --log-level``."""
+    for flag in ("--config", "--log-level"):
+        (after,) = [p for p in cmd.params if isinstance(p, click.Option) and flag in p.opts]
+        (before,) = [p for p in cli.params if isinstance(p, click.Option) and flag in p.opts]
+        assert after.callback is before.callback, f"prorl {path} {flag} is not the group's"
+
+
+def _show(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    from click.testing import CliRunner
+
+    r = CliRunner().invoke(cli, list(args), catch_exceptions=False, env={
+        "PRORL_HOME": str(tmp_path / "home"), "PRORL_DEPLOYMENT": None, "PRORL_CONFIG": None, "PRORL_LOG_LEVEL": None,
+        **(env or {})})
+    return r.exit_code, r.output
+
+
+def test_config_and_log_level_after_the_command_mean_what_they_mean_before_it(tmp_path: Path) -> None:
+    import yaml
+
+    conf = tmp_path / "w.yaml"
+    conf.write_text("log_level: warning\ndeployment: fromfile\n")
+    other = tmp_path / "other.yaml"
+    other.write_text("deployment: other\n")
+    after = _show(tmp_path, "config", "show", "--config", str(conf))
+    assert after == _show(tmp_path, "--config", str(conf), "config", "show") and after[0] == 0, after
+    assert yaml.safe_load(after[1])["deployment"] == "fromfile"
+    # The flag beats $PRORL_CONFIG, after the command too.
+    code, out = _show(tmp_path, "config", "show", "--config", str(other), env={"PRORL_CONFIG": str(conf)})
+    assert code == 0 and yaml.safe_load(out)["deployment"] == "other", out
+    code, out = _show(tmp_path, "--config", str(conf), "config", "show", "--config", str(other))
+    assert code == 1 and f"--config {conf} and --config {other} name different files" in out, out
+    after = _show(tmp_path, "config", "show", "--log-level", "debug")
+    assert after == _show(tmp_path, "--log-level", "DEBUG", "config", "show") and after[0] == 0, after
+    assert yaml.safe_load(after[1])["log_level"] == "DEBUG"
+    code, out = _show(tmp_path, "--log-level", "info", "status", "t1", "--log-level", "debug")
+    assert code == 1 and "--log-level" in out and "differ; give one of them" in out, out

@@ -93,3 +93,24 @@ def test_a_tool_is_declared_once_for_the_template_and_the_loop() -> None:
         Tool("add", {"type": "string"}, add)
     with pytest.raises(ValueError, match="needs a job context"):
         tool_functions([Tool("add", tool.schema, add, context=True)])
+
+
+def test_a_named_task_whose_source_failed_to_import_is_reported_by_that_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--task count_lines`` with a broken count_lines.py: the import failure (file, line, error) comes first,
+    not only "unknown task", which would send the user hunting for a typo in the name."""
+    from prorl_cli.exceptions import HandlerError
+
+    monkeypatch.delenv("PRORL_HANDLER_PATHS", raising=False)
+    broken = tmp_path / "count_lines.py"
+    broken.write_text(HANDLER.format(cls="CountLines", name="count_lines").replace("async def init(self, ctx):",
+                                                                                  "async def init(self, ctx)"))
+    with pytest.raises(HandlerError) as caught:
+        discover([str(broken)], only=["count_lines"])
+    message = str(caught.value)
+    assert message.startswith(f"{broken}:6: import failed: SyntaxError"), message
+    assert message.index("import failed") < message.index("node.tasks names unknown task(s) ['count_lines']")
+    # A mistyped package name is reported as what it is, too.
+    with pytest.raises(HandlerError, match=r"^prorl_cli\.testing\.handler: handler path does not exist; "
+                                           r"node\.tasks names unknown task\(s\) \['noop'\]"):
+        discover(["prorl_cli.testing.handler"], only=["noop"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from prorl_cli.cli.application import App, pass_app
-from prorl_cli.cli.common import connect
+from prorl_cli.cli.common import command_hint, connect
 from prorl_cli.cli.jobs import print_backends
 from prorl_cli.cli.naming import deployment_option
 
@@ -38,7 +38,8 @@ def backends_add(app: App, url: str, model: str | None, address: str | None) -> 
     if silent is not None:
         # Added all the same: the nodes call it, and they may reach what this machine cannot.
         app.err_console.print(f"warning: {url} does not answer from here ({silent}); calls routed to it fail "
-                              f"their jobs unless the nodes reach it: `prorl backends clear {url}` takes it out",
+                              f"their jobs unless the nodes reach it: "
+                              f"`{command_hint(app, 'backends clear', url, address=address)}` takes it out",
                               markup=False, soft_wrap=True)
 
 

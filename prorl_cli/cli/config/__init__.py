@@ -68,13 +68,44 @@ def _default_deploy_file(deployment_dir: Path) -> str | None:
 @config.command("check")
 @click.argument("file", type=click.Path(dir_okay=False))
 def config_check(file: str) -> None:
-    """Validate FILE; exit non-zero with the offending key named."""
+    """Validate FILE, a prorl.yaml or a deploy.yaml; exit non-zero with the offending key named.
+
+    A deploy.yaml (told by its keys: nodes, setup, python...) gets the checks
+    of `prorl launch --dry-run`, the prorl.yaml it names (config:) included,
+    without Slurm: `prorl launch FILE --dry-run` also shows what it would submit.
+    """
     from prorl_cli.config import load_config
     from prorl_cli.exceptions import ConfigError, one_line
+    from prorl_cli.slurm.deploy import is_deploy_data, read_deploy_data
 
     try:
-        load_config(file)
+        is_deploy = is_deploy_data(read_deploy_data(file))
+    except ConfigError:
+        is_deploy = False  # missing, unreadable or not YAML: load_config below says so, as for any prorl.yaml
+    try:
+        if is_deploy:
+            warnings = _check_deploy(file)
+        else:
+            load_config(file)
+            warnings = []
     except ConfigError as e:
         click.echo(f"error: {one_line(str(e))}", err=True)
         raise click.exceptions.Exit(1) from e
-    click.echo(f"{file}: ok")
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if is_deploy:
+        click.echo(f"{file}: ok (a deploy file; `prorl launch {file} --dry-run` shows what it would submit)")
+    else:
+        click.echo(f"{file}: ok")
+
+
+def _check_deploy(file: str) -> list[str]:
+    """What ``prorl launch`` checks of a deploy file before it needs Slurm: its keys, the prorl.yaml it names
+    (read as the roles read it), and the paths this machine cannot see (warnings)."""
+    from prorl_cli.slurm.deploy import load_deploy
+    from prorl_cli.slurm.launcher import path_warnings
+    from prorl_cli.slurm.options import effective_deploy
+
+    cfg = load_deploy(file)
+    effective_deploy(cfg)
+    return path_warnings(cfg)

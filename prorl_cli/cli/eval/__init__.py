@@ -48,6 +48,7 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     from prorl_cli.swe.evaluation import Sample, write_outputs
     from prorl_cli.swe.evaluation import job_ids as eval_job_ids
 
+    _check_swe_task(app, task, dataset)
     try:
         instances: list[dict[str, Any]] = load_instances(
             "swe", dataset, fmt, warn=lambda line: app.err_console.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True))
@@ -92,3 +93,26 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
                               f"see {out / 'details'}", soft_wrap=True, markup=False)
     if any(s.state != "done" for s in samples):
         raise click.exceptions.Exit(1)
+
+
+def _check_swe_task(app: App, task: str, dataset: Path) -> None:
+    """Refuse a ``--task`` whose handler is known here and is not ``swe`` or a subclass of it, before DATASET is
+    read: its rows would be read as SWE rows and the error would be about a missing ``instance_id``.
+
+    Known here: the handlers this machine finds as a node would (built-in, ``node.handler_paths``,
+    ``$PRORL_HANDLER_PATHS``, entry points). A task found nowhere here may be served by the deployment's nodes
+    (a handler of theirs): it goes through, and the broker refuses it if no node serves it.
+    """
+    from prorl_cli.cli.common import command_hint
+    from prorl_cli.handlers.swe_domain import SweHandler
+    from prorl_cli.node.registry import discover
+
+    handlers = discover(app.config.node.handler_paths).handlers
+    cls = handlers.get(task)
+    if cls is None or issubclass(cls, SweHandler):
+        return
+    swe_tasks = ", ".join(sorted(name for name, c in handlers.items() if issubclass(c, SweHandler)))
+    submit = command_hint(app, "submit", dataset, "--task", task, "--out", "results.jsonl")
+    app.abort(f"--task {task}: eval runs swe, swe_oracle or a subclass of swe (here: {swe_tasks}), which grade "
+              f"SWE-bench rows by their tests; {task!r} is {cls.__module__}.{cls.__qualname__}, not one: "
+              f"`{submit}` runs it")

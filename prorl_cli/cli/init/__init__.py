@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.common import command_hint
 from prorl_cli.cli.naming import deployment_option, named_deployment
 
 PRORL_TEMPLATE = """\
@@ -193,4 +194,6 @@ def init(app: App, slurm: bool, out_dir: Path, force: bool) -> None:
     for path in files:
         app.console.print(f"wrote {path}")
     if slurm:
-        app.console.print(f"next: prorl launch {out_dir / 'deploy.yaml'} --dry-run")
+        # The deployment is the file's own; --home, where given, is not written into it.
+        hint = command_hint(app, "launch", out_dir / "deploy.yaml", "--dry-run", named=False)
+        app.console.print(f"next: {hint}", markup=False)

@@ -13,6 +13,7 @@ from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.common import (
     PING_TIMEOUT_S,
     check_out_path,
+    command_hint,
     connect,
     load_task_file,
     sampling_of,
@@ -42,22 +43,27 @@ def run_submission(
     only_done: bool = False,
     announce: bool = False,
     cancel_hint: str | None = None,
+    address: str | None = None,
 ) -> list[JobResult]:
     """Submit, stream results to ``out`` as they finish, show progress and a summary.
 
     Job ids are ``PREFIX-LINE-K`` and the ``n`` rollouts of one line share the group ``PREFIX-LINE``
-    (their GRPO group), so ``prorl results --prefix`` / ``--group`` find them again.
+    (their GRPO group), so ``prorl results --prefix`` / ``--group`` find them again. A ``.parquet`` ``out`` that
+    cannot be written ends in an error after the summary, the results written as JSONL beside it
+    (:class:`~prorl_cli.cli.jobs.collect.ResultFile`).
     """
     from prorl_cli.cli.jobs.collect import SUBMIT_CANCEL_HINT, ResultFile, collect, print_summary
 
     started = time.monotonic()
     prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling)
+    sink = ResultFile(app, out, only_done, selection=("--prefix", prefix), address=address)
     if announce:  # a terminal that dies leaves the jobs running: this is how to find them again
         app.err_console.print(f"submitted {len(ids)} job(s), ids {prefix}-LINE-K; from another terminal: "
-                              f"prorl results -d {app.config.deployment} --prefix {prefix} --follow", soft_wrap=True)
-    results = collect(app, client, list(ids), task, ResultFile(app, out, only_done),
+                              f"{sink.recollect} --follow", soft_wrap=True, markup=False)
+    results = collect(app, client, list(ids), task, sink,
                       cancel_hint=SUBMIT_CANCEL_HINT if cancel_hint is None else cancel_hint)
-    print_summary(app, results, time.monotonic() - started, out)
+    print_summary(app, results, time.monotonic() - started, sink.written)
+    sink.check()
     return results
 
 
@@ -116,7 +122,8 @@ def row_meta(instance: Any) -> dict[str, Any] | None:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Results file. JSONL (any name but .parquet): every job's whole result (meta.id: its row's id), written as it ends. "
                    ".parquet: one row per job with a token-level trajectory (sequence ids, loss mask, log-probs), partial "
-                   "ones of failed and timed-out jobs included, with a state column, written at the end. "
+                   "ones of failed and timed-out jobs included, with a state column, written at the end; where no job "
+                   "recorded a trajectory, the results go whole to a .jsonl beside it and the command exits 1. "
                    "`prorl sample` writes training samples to .parquet instead (docs/training.md).")
 @click.option("--only-done", is_flag=True, help="--out keeps only jobs that ended done.")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
@@ -155,7 +162,9 @@ def submit(
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     if detach and (out is not None or only_done):
-        app.abort("--detach collects nothing: collect with `prorl results --prefix PREFIX --out FILE` instead of --out")
+        app.abort("--detach collects nothing: collect with "
+                  f"`{command_hint(app, 'results', '--prefix', 'PREFIX', '--out', 'FILE', address=address)}` "
+                  "instead of --out")
     if out is not None:
         check_out_path(app, out)
     with connect(app, address) as client:
@@ -163,15 +172,17 @@ def submit(
             prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling)
             # stdout: the prefix alone (PREFIX=$(prorl submit --detach ...)); stderr: what to do with it.
             click.echo(prefix)
-            name = app.config.deployment
+            collect_hint = command_hint(app, "results", "--prefix", prefix, "--follow", "--out", "results.jsonl",
+                                        address=address)
             app.err_console.print(
                 f"submitted {len(ids)} job(s) of {task!r}: ids {prefix}-LINE-K, one group {prefix}-LINE per line\n"
-                f"  collect:  prorl results -d {name} --prefix {prefix} --follow --out results.jsonl\n"
-                f"  cancel:   prorl cancel -d {name} --prefix {prefix}", soft_wrap=True)
+                f"  collect:  {collect_hint}\n"
+                f"  cancel:   {command_hint(app, 'cancel', '--prefix', prefix, address=address)}",
+                soft_wrap=True, markup=False)
             return
         # Ctrl-C: collect cancels the unfinished jobs and says so; the prorl group ends it with one line, exit 130.
         results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix, sampling, only_done,
-                                 announce=True)
+                                 announce=True, address=address)
     if strict and any(r.state != "done" for r in results):
         raise click.exceptions.Exit(1)
 

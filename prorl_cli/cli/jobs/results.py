@@ -60,8 +60,12 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
                       "(finished results are kept up to broker.result_retention)")
         wanted = list(held) if follow else [j for j, state in held.items() if state in ended]
         # Ctrl-C: collect says the jobs keep running; the prorl group ends it with one line, exit 130.
-        got = collect(app, client, wanted, "results", ResultFile(app, out, only_done), on_interrupt="leave")
-    print_summary(app, got, None, out, title="prorl results")  # a rate here would time the collection, not the jobs
+        selection = job_ids or (("--prefix", prefix) if prefix is not None else ("--group", str(group_id)))
+        sink = ResultFile(app, out, only_done, selection=selection, address=address)
+        got = collect(app, client, wanted, "results", sink, on_interrupt="leave")
+    # A rate here would time the collection, not the jobs.
+    print_summary(app, got, None, sink.written, title="prorl results")
     running = len(held) - len(got)
     if running:
         app.console.print(f"{running} job(s) not finished yet: `--follow` waits for them")
+    sink.check()

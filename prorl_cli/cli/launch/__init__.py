@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from rich.markup import escape
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.common import command_hint
 from prorl_cli.cli.naming import (
     deployment_option,
     name_deployment,
@@ -213,8 +215,10 @@ def print_slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
     if view.gone:
         app.console.print(
             f"[bold yellow]deployment {record.deployment}: all its Slurm jobs are gone[/] "
-            f"(none of {', '.join(record.job_ids)} is in squeue); `prorl down {record.deployment}` cleans up, "
-            f"`prorl launch` starts it again"
+            f"(none of {', '.join(record.job_ids)} is in squeue); "
+            f"`{escape(command_hint(app, 'down', deployment=record.deployment, home=record.home))}` cleans up, "
+            f"`{escape(command_hint(app, 'launch', record.deploy_file, deployment=record.deployment, home=record.home))}` "
+            "starts it again"
         )
     return view
 
@@ -331,33 +335,35 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
     except KeyboardInterrupt:
         # Ctrl-C gives up on the launch as a failure does: what it submitted goes, unless --keep.
         app.err_console.line()
-        app.abort("interrupted: " + _give_up(cfg, record, keep), code=130)
+        app.abort("interrupted: " + _give_up(app, cfg, record, keep), code=130)
     if not app.err_console.is_terminal:
         app.err_console.line()  # the live view's last frame ends without a newline when not on a terminal
     if failure is None:
-        # Quoted: a home with a space (or any shell character) must paste as one argument.
-        home, name = shlex.quote(str(cfg.home_path)), shlex.quote(cfg.deployment)
+        # With --home always: the commands are for any shell (the trainer's), whatever its PRORL_HOME.
+        def hint(command: str, *args: str) -> str:
+            return escape(command_hint(app, command, *args, deployment=cfg.deployment, home=cfg.home_path))
+
         app.console.print(
-            f"[bold green]{cfg.deployment} is up[/]: every node and backend registered.\n"
-            f"  submit:  prorl --home {home} submit -d {name} --task TASK instances.jsonl --out results.jsonl\n"
-            f"  status:  prorl --home {home} status -d {name}\n"
-            f"  logs:    prorl --home {home} logs -d {name} 'nodes[0]'\n"
-            f"  down:    prorl --home {home} down -d {name}",
+            f"[bold green]{escape(cfg.deployment)} is up[/]: every node and backend registered.\n"
+            f"  submit:  {hint('submit', '--task', 'TASK', 'instances.jsonl', '--out', 'results.jsonl')}\n"
+            f"  status:  {hint('status')}\n"
+            f"  logs:    {hint('logs', 'nodes[0]')}\n"
+            f"  down:    {hint('down')}",
             markup=True, highlight=False, soft_wrap=True,
         )
         return
     if failure.log_tail:  # the task's own words, on their own lines: the last of them usually names the cause
         app.err_console.print(f"log tail of the task that ended:\n{failure.log_tail}", markup=False, highlight=False,
                               soft_wrap=True)
-    app.abort(f"{failure.reason} {_give_up(cfg, record, keep)}")
+    app.abort(f"{failure.reason} {_give_up(app, cfg, record, keep)}")
 
 
-def _give_up(cfg: DeployConfig, record: LaunchRecord, keep: bool) -> str:
+def _give_up(app: App, cfg: DeployConfig, record: LaunchRecord, keep: bool) -> str:
     """Cancel what a launch that will not come up submitted (unless ``keep``); say what is left."""
     from prorl_cli.slurm import launcher
 
     if keep:
-        return f"Left queued (--keep); `prorl down {cfg.deployment}` removes it."
+        return f"Left queued (--keep); `{command_hint(app, 'down', deployment=cfg.deployment, home=cfg.home_path)}` removes it."
     left = launcher.abandon(cfg, record)
     return "Cancelled what was submitted" + (f"; still in squeue: {[t.job_id for t in left]}" if left else
                                              "; nothing left queued.")

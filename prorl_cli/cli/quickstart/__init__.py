@@ -42,7 +42,8 @@ NO_LLM_TASKS: list[Any] = [
 @click.option("-n", "--n", "n", type=click.IntRange(min=1), default=2, show_default=True, help="Rollouts per instance.")
 @click.option("--task", "domain", type=click.Choice(DOMAIN_TASKS),
               help="Run a task domain (docs/domains.md) instead of the default calculator agent: "
-                   "its shipped dataset, its sandbox image (built on first use) and its scorer.")
+                   "its shipped dataset, its sandbox image (built on first use) and its scorer. Needs a model "
+                   "engine: transformers (torch) or vllm, not none or sim.")
 @click.option("--image", metavar="IMAGE",
               help="With --task: the sandbox image (a .sif path or image name) instead of building the domain's.")
 @click.option("--instances", "n_instances", type=click.IntRange(min=1), default=1, show_default=True,
@@ -55,11 +56,10 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
         app.err_console.print("[yellow]warning:[/] quickstart --home is now --out (prorl --home is PRORL_HOME)")
         qs_out = qs_home
     home = qs_out.resolve()
+    if domain is not None and engine in ("auto", "none", "sim"):
+        _check_domain_engine(app, domain, engine)
     if engine == "auto":
         engine = "transformers" if _has_torch() else "none"
-    if domain is not None and engine in ("none", "sim"):
-        app.abort(f"--task {domain} needs a model: install the cpu extra (torch) for --engine transformers, or the "
-                  "vllm extra for --engine vllm")
     if model is not None and engine not in ("none", "sim") and not (model / "config.json").is_file():
         # Said before anything starts: a broker and a node would otherwise come up first.
         app.abort(f"--model {model}: no config.json; give a local Hugging Face model directory")
@@ -98,6 +98,23 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
         what, _, log_tail = str(e).partition("\n")
         app.abort(f"quickstart {what}: {_last_line(log_tail)} (every log in {home / 'logs'})")
     app.console.print(f"summary in {summary_path}; deployment stopped")
+
+
+def _check_domain_engine(app: App, domain: str, engine: str) -> None:
+    """Refuse ``--task DOMAIN`` with an engine that has no model, saying why: ``--engine none|sim`` chosen (its
+    scripted handler cannot run a domain: drop the flag), or torch missing (``auto`` finds no engine to run)."""
+    if engine == "auto":
+        if _has_torch():
+            return
+        app.abort(f"--task {domain} needs a model, and torch is not installed here (--engine auto picks "
+                  "transformers only with it): install the cpu extra (pip install 'prorl[cpu]'), or the vllm extra "
+                  "and give --engine vllm")
+    runs = "the scripted 'test' handler" if engine == "none" else "the SWE-like 'sim_agent' on a simulated server"
+    instead = ("drop --engine (auto picks transformers: torch is installed) or give --engine transformers or vllm"
+               if _has_torch() else "give --engine transformers with the cpu extra (torch) installed, or --engine "
+               "vllm with the vllm extra")
+    app.abort(f"--engine {engine} runs {runs}, without a model, and cannot run --task {domain}, whose agent needs "
+              f"one: {instead}; or drop --task {domain} for the {'scripted' if engine == 'none' else 'simulated'} run")
 
 
 def _hold_folder(app: App, home: Path) -> int:

@@ -5,6 +5,7 @@ Heavy imports happen inside the commands so ``prorl --help`` stays instant.
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -120,7 +121,7 @@ def _build_images(app: App, dataset: Path, out: Path, base: str | None, images_f
     cmd += ["--base", base] if base else ["--images-from", str(images_from)]
     cmd += ["--wheels", str(wheels)] if wheels else []
     cmd += ["--repos-dir", str(repos_dir)] if repos_dir else []
-    app.err_console.print(f"images: prorl {' '.join(cmd[3:])} (log: {log})", soft_wrap=True, markup=False)
+    app.err_console.print(f"images: {shlex.join(['prorl', *cmd[3:]])} (log: {log})", soft_wrap=True, markup=False)
     with log.open("wb") as f:
         done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, check=False)
     if not map_out.is_file():
