@@ -24,7 +24,7 @@ from prorl_cli import yamlfiles
 from prorl_cli.exceptions import ConfigError, one_line
 from prorl_cli.images.settings import ImagesConfig
 from prorl_cli.inference.settings import InferenceConfig
-from prorl_cli.observe.logs import LOG_LEVELS
+from prorl_cli.observe.logs import LOG_LEVELS, log_level_name
 from prorl_cli.sandbox.settings import SandboxConfig
 
 # Environment variables prorl reads, named once.
@@ -247,9 +247,11 @@ def _validate(cfg: ProrlConfig, origin: str, sources: Mapping[str, str] | None =
     def at(key: str) -> str:
         return f"{_source(sources or {}, key, origin)}: {key}"
 
-    if cfg.log_level.upper() not in LOG_LEVELS:
-        raise ConfigError(f"{at('log_level')}: expected one of {list(LOG_LEVELS)} (any case), got {cfg.log_level!r}")
-    cfg.log_level = cfg.log_level.upper()  # one spelling for every source: the file, the variable and the flag
+    level = log_level_name(cfg.log_level) if isinstance(cfg.log_level, str) else None
+    if level is None:
+        raise ConfigError(f"{at('log_level')}: expected one of {list(LOG_LEVELS)} (any case; WARN and FATAL too), "
+                          f"got {cfg.log_level!r}")
+    cfg.log_level = level  # one spelling for every source: the file, the variable and the flag
     for name in ("n_init", "n_run", "n_eval"):
         if getattr(cfg.node, name) < 1:
             raise ConfigError(f"{at(f'node.{name}')}: must be at least 1, got {getattr(cfg.node, name)}")

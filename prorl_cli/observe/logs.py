@@ -13,7 +13,17 @@ from typing import Any
 ENV_LOG_FORMAT = "PRORL_LOG_FORMAT"
 #: The levels ``log_level`` in prorl.yaml, ``$PRORL_LOG_LEVEL`` and ``--log-level`` accept (any case; the config
 #: keeps them upper-case). Here, not in :mod:`prorl_cli.config`, so the CLI names them without importing the config.
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Other names :mod:`logging` has for those levels, taken as the level they name (``PRORL_LOG_LEVEL=WARN`` worked
+#: before the name was checked, and exported in a shell or a Slurm script it must go on working).
+LOG_LEVEL_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}
+
+
+def log_level_name(given: str) -> str | None:
+    """The :data:`LOG_LEVELS` name ``given`` (any case, or an alias) stands for, else ``None``."""
+    name = given.strip().upper()
+    name = LOG_LEVEL_ALIASES.get(name, name)
+    return name if name in LOG_LEVELS else None
 
 _STANDARD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -136,4 +146,4 @@ def configure_logging(role: str, level: str) -> None:
     handler.setFormatter(formatter_for(role, f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(name)s: %(message)s"))
     # The name itself: the config checked it against LOG_LEVELS, and any other is logging's ValueError, never a
     # silent INFO.
-    logging.basicConfig(level=level.upper(), handlers=[handler])
+    logging.basicConfig(level=log_level_name(level) or level.upper(), handlers=[handler])

@@ -409,12 +409,16 @@ def _one_error(r: subprocess.CompletedProcess[str]) -> str:
 def test_log_level_is_checked_wherever_it_is_given_and_kept_upper_case(tmp_path: Path) -> None:
     (tmp_path / "ll.yaml").write_text("log_level: verbose\n")
     error = _one_error(_prorl_in(tmp_path, "config", "check", "ll.yaml"))
-    assert "ll.yaml: log_level: expected one of ['DEBUG', 'INFO', 'WARNING', 'ERROR'] (any case), got 'verbose'" in error
+    assert ("ll.yaml: log_level: expected one of ['DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL'] (any case; WARN and "
+            "FATAL too), got 'verbose'") in error
     error = _one_error(_prorl_in(tmp_path, "config", "show", env={"PRORL_LOG_LEVEL": "verbose"}))
     assert "$PRORL_LOG_LEVEL: log_level: expected one of" in error and "got 'verbose'" in error
     (tmp_path / "lw.yaml").write_text("log_level: warning\n")
     for args, env, level in [(["--config", "lw.yaml"], {}, "WARNING"), ([], {"PRORL_LOG_LEVEL": "debug"}, "DEBUG"),
-                             (["--log-level", "error"], {}, "ERROR")]:
+                             (["--log-level", "error"], {}, "ERROR"),
+                             # logging's other names, which worked before the level was checked, go on working
+                             ([], {"PRORL_LOG_LEVEL": "WARN"}, "WARNING"), ([], {"PRORL_LOG_LEVEL": "critical"}, "CRITICAL"),
+                             ([], {"PRORL_LOG_LEVEL": "fatal"}, "CRITICAL")]:
         r = _prorl_in(tmp_path, *args, "config", "show", env=env)
         assert r.returncode == 0, r.stderr
         assert yaml_log_level(r.stdout) == level, (args, env, r.stdout)
