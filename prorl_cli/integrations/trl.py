@@ -132,6 +132,12 @@ class ProrlRollout:
     ``checkpoint_dir``: where weights are saved for the bridges to load
     (a directory every bridge can read); ``sync_weights=False`` leaves the
     bridges' weights alone (evaluation, or a trainer that syncs itself).
+    ``max_consecutive_failures``: a call whose rollouts fail this many in a
+    row, none finishing between them, raises
+    :class:`~prorl_cli.exceptions.RolloutsFailing` with the failures grouped
+    instead of handing TRL zero-reward rows from a deployment that works no
+    more (``None``: the sampler's default; ``0``: never, every failure is a
+    zero-reward row).
     """
 
     def __init__(
@@ -147,6 +153,7 @@ class ProrlRollout:
         step_timeout_s: float | None = None,
         drain_timeout_s: float = 300.0,
         run_id: str = "trl",
+        max_consecutive_failures: int | None = None,
     ) -> None:
         if sync_weights and checkpoint_dir is None:
             raise ValueError("ProrlRollout: sync_weights needs a checkpoint_dir the bridges can read")
@@ -160,6 +167,7 @@ class ProrlRollout:
         self.step_timeout_s = step_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.run_id = run_id
+        self.max_consecutive_failures = max_consecutive_failures
         #: The policy version the bridges serve (the trainer step of the weights last synced); None before the first sync.
         self.policy_version: int | None = None
         #: One entry per call.
@@ -227,6 +235,7 @@ class ProrlRollout:
             group_size=group_size, target_groups=len(groups), mode="sync", carry_over=False,
             failed="zero_reward", informative=lambda rewards: True, run_id=self.run_id,
             timeout_s=self.timeout_s, sampling=self.sampling, step_timeout_s=self.step_timeout_s,
+            max_consecutive_failures=self.max_consecutive_failures,
         )
         sampler = BlockingDapoSampler(self.client, self.task, instances, config, state=SamplerState(step=self._calls))
         self._calls += 1

@@ -96,8 +96,9 @@ MODES = ("async", "sync")
 GROUPS_PER_TARGET = 32
 GROUPS_SLACK = 256
 #: ``max_consecutive_failures``'s default is the larger of this and the jobs a step has in flight at once. At a
-#: 20% failure rate, 32 in a row come once in 10^22 results; a burst of failures (a node lost) stays under a
-#: window of jobs unless every job in flight failed, and then nothing is left working.
+#: 20% failure rate, 32 in a row come once in 10^22 results. However many fail in a row, the step stops only once
+#: every job that was in flight when they began has ended as well (failed: a finished one starts the count over),
+#: so jobs failing fast beside healthy long rollouts (a broken node) never stop a run that still works.
 FAILURES_FLOOR = 32
 
 
@@ -146,7 +147,8 @@ class SamplerConfig:
     max_groups_per_step: int | None = None
     #: Job results in a row that may fail (failed, timed out, or cancelled by another hand), none finishing
     #: between them, before the step raises :class:`~prorl_cli.exceptions.RolloutsFailing` with the failures
-    #: grouped. It counts across steps; one finished job starts it over. None: the larger of 32 and the jobs a step
+    #: grouped, once every job in flight when they began has ended too. It counts across steps; one finished job
+    #: starts it over. None: the larger of 32 and the jobs a step
     #: has in flight at once (``max_in_flight``; in sync mode a batch's); 0: no limit.
     max_consecutive_failures: int | None = None
 
@@ -321,6 +323,8 @@ class _Pending:
     job_ids: list[str]
     submitted_at: float
     results: dict[str, JobResult] = field(default_factory=dict)
+    #: Submission order (groups submitted before a run of failures began have a lower one).
+    seq: int = 0
 
 
 class DapoSampler:
@@ -381,6 +385,11 @@ class DapoSampler:
         #: Job results that failed in a row (``max_consecutive_failures``), and those failures grouped.
         self._streak = 0
         self._streak_failures = FailureGroups()
+        #: Groups submitted from now on (:attr:`_Pending.seq`), and the first one submitted once the failures in a
+        #: row began: the run stops only once every group in flight then has ended too (all failed, or the run
+        #: would have started over).
+        self._next_seq = 0
+        self._streak_from = 0
         #: The running step's failed results, grouped, and the reward of each of its filtered groups whose rewards
         #: were all equal: what :class:`StepGroupsExhausted` says of the step.
         self._step_failures = FailureGroups()
@@ -464,7 +473,8 @@ class DapoSampler:
             sampling=self.config.sampling, max_attempts=self.config.max_attempts,
         )
         _tag(specs, gid, step, version)
-        pending = _Pending(gid, position, pid, instance, step, version, ids, timebase.now())
+        pending = _Pending(gid, position, pid, instance, step, version, ids, timebase.now(), seq=self._next_seq)
+        self._next_seq += 1
         self._pending[gid] = pending
         for j in ids:
             self._job_group[j] = gid
@@ -575,6 +585,8 @@ class DapoSampler:
             self._streak = 0
             self._streak_failures.clear()
             return
+        if self._streak == 0:
+            self._streak_from = self._next_seq
         self._streak += 1
         self._streak_failures.add(result)
         self._step_failures.add(result)
@@ -595,7 +607,9 @@ class DapoSampler:
             stats.in_flight = self.in_flight_jobs
             self.on_progress(stats)
         limit = self.config.failure_limit
-        if limit and self._streak >= limit:
+        # Not while a job that was in flight when the failures began still runs: refilled at once, a fast-failing
+        # job (a broken node, a prompt that fails at INIT) can fail many times while healthy long rollouts run on.
+        if limit and self._streak >= limit and not any(p.seq < self._streak_from for p in self._pending.values()):
             raise self._failing(stats, limit)
 
     def _may_submit(self, stats: StepStats, groups: int = 1) -> int:

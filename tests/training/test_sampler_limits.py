@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from prorl_cli.exceptions import ConfigError, RolloutsFailing, SamplerError, StepGroupsExhausted
+from prorl_cli.testing.handlers.dapo_sim import draw
 from prorl_cli.training.sampler import DapoSampler, SamplerConfig, StepBatch
 from tests.harness import Deployment
 from tests.training.test_sampler import aclient, check_batch, prompts
@@ -90,6 +91,30 @@ def test_a_task_whose_jobs_always_fail_stops_naming_the_failure(stack: Deploymen
     assert "the last 32 job results all failed" in message, message
     assert "32 job(s) in run: RuntimeError: simulated rollout failure (e.g. lim-fail-" in message, message
     assert "SamplerConfig.max_consecutive_failures (32)" in message and "\n" not in message
+
+
+def test_jobs_failing_fast_beside_a_healthy_long_one_do_not_stop_the_step(stack: Deployment) -> None:
+    """A broken prompt (or node) fails its jobs at once while a healthy rollout runs long. Refilled at once, the fast
+    failures pile up far past the limit, but the step goes on until the job that was in flight when they began has
+    ended; here it ends informative and serves the step."""
+    run_id = "lim-beside"
+    healthy = next({"p": 0.5, "fail_p": 0.0, "scale_s": 4.0, "max_s": 4.0, "seed": seed} for seed in range(100)
+                   if len({draw({"p": 0.5, "seed": seed}, f"{run_id}-s0-p0-k{k}")[1] for k in range(2)}) == 2)
+    failing = {"p": 0.5, "fail_p": 1.0, "scale_s": 0.01, "max_s": 0.02, "seed": 5}
+    cfg = SamplerConfig(group_size=2, target_groups=1, max_in_flight=4, max_consecutive_failures=4, run_id=run_id,
+                        step_timeout_s=120)
+
+    async def go() -> StepBatch:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", [healthy] + [failing] * 400, cfg)
+            try:
+                return await sampler.step()
+            finally:
+                await sampler.close()
+
+    batch = asyncio.run(go())
+    assert [g.prompt_id for g in batch.groups] == ["0"]
+    assert batch.stats.failed_groups > cfg.failure_limit  # the old count alone would have stopped the run
 
 
 def test_a_healthy_run_with_flaky_failures_is_not_stopped(stack: Deployment) -> None:
