@@ -250,9 +250,13 @@ class AsyncRolloutClient:
         conn: BrokerConnection | None = getattr(self, "_conn", None)  # absent when __init__ raised
         if conn is None or getattr(self, "_pid", None) != _getpid():
             return  # nothing open, or a fork's copy of the parent's sockets, which this process must not close
-        _warn(f"unclosed {type(self).__name__} (broker {conn.address}), collected with its connection open: "
-              f"{self._close_hint}; its sockets are closed now", ResourceWarning, source=self)
-        _release(self._loop, conn, [t for t in (self._watchdog, self._rewatch_task) if t is not None])
+        # Released first: under -W error the warning raises, and the sockets must go all the same.
+        address = conn.address
+        try:
+            _release(self._loop, conn, [t for t in (self._watchdog, self._rewatch_task) if t is not None])
+        finally:
+            _warn(f"unclosed {type(self).__name__} (broker {address}), collected with its connection open: "
+                  f"{self._close_hint}; its sockets are closed now", ResourceWarning, source=self)
 
     @property
     def address(self) -> str | None:

@@ -82,19 +82,30 @@ def _close(loop: asyncio.AbstractEventLoop, aio: AsyncRolloutClient, pid: int) -
         return  # in use, or a fork's copy (its sockets are the parent's)
     # Collected while the program runs (a client made per step and dropped), not closed at its exit (a one-line
     # script, which may rely on that): said as an unclosed file is, once, though the close below releases all.
-    if not getattr(weakref.finalize, "_shutdown", False):  # weakref sets it as it runs its finalizers at exit
-        warnings.warn(f"unclosed RolloutClient (broker {aio.address}): {_CLOSE_HINT}; it is closed now",
-                      ResourceWarning, stacklevel=2)
+    address = aio.address  # gone once closed
     try:
-        asyncio.get_running_loop()
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:
-        pass
-    else:
-        # Collected while another loop runs in this thread (asyncio code dropped it), where this client's loop
-        # cannot run: nobody else can reach that loop any more, so a thread of its own runs the close.
-        threading.Thread(target=_close_now, args=(loop, aio), name="prorl-client-close", daemon=True).start()
-        return
-    _close_now(loop, aio)
+        running = None
+    try:
+        if running is not None:
+            # Collected while another loop runs in this thread (asyncio code dropped it), where this client's loop
+            # cannot run: nobody else can reach that loop any more, so a thread of its own runs the close. It is
+            # started from that running loop's next turn, not from here: a collection can run this in the middle
+            # of threading's own bookkeeping, whose locks a thread start takes.
+            running.call_soon_threadsafe(_close_in_thread, loop, aio)
+        else:
+            _close_now(loop, aio)
+    finally:
+        # Said after the close (under -W error the warning raises), and only while the program runs (a client
+        # made per step and dropped), not at its exit (a one-line script, which may rely on the close there).
+        if not getattr(weakref.finalize, "_shutdown", False):  # weakref sets it as it runs its finalizers at exit
+            warnings.warn(f"unclosed RolloutClient (broker {address}): {_CLOSE_HINT}; it is closed now",
+                          ResourceWarning, stacklevel=2)
+
+
+def _close_in_thread(loop: asyncio.AbstractEventLoop, aio: AsyncRolloutClient) -> None:
+    threading.Thread(target=_close_now, args=(loop, aio), name="prorl-client-close", daemon=True).start()
 
 
 def _close_now(loop: asyncio.AbstractEventLoop, aio: AsyncRolloutClient) -> None:

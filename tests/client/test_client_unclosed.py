@@ -160,3 +160,28 @@ def test_a_blocking_client_dropped_inside_asyncio_code_is_closed_too(deployment:
             clients.append(deployment.new_client())
             clients[-1].ping()
         runner.run(drop())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_clients_dropped_unclosed_under_warnings_as_errors_still_release_their_sockets(deployment: Deployment) -> None:
+    """``-W error`` (or ``filterwarnings = error``) makes the warning raise in the finalizer: the sockets go first."""
+
+    async def step() -> AsyncRolloutClient:
+        client = deployment.async_client()
+        await client.ping()
+        return client
+
+    warm = deployment.new_client()
+    warm.ping()
+    warm.close()
+    before = open_fds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        for _ in range(DROPPED):
+            client = deployment.new_client()
+            client.ping()
+            del client
+            dropped = asyncio.run(step())
+            del dropped
+        gc.collect()
+    wait_until(lambda: open_fds() <= before, f"the fds to come back to {before} (now {open_fds()})")
