@@ -12,7 +12,7 @@ import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, ClassVar, Self
 
 from prorl_cli.exceptions import ProtocolError
 from prorl_cli.protocol.checks import Bool, Int, List, Str, record_of
@@ -38,6 +38,11 @@ def _field_names(cls: type) -> tuple[str, ...]:
 class _Record:
     """Mixin: to/from a msgpack-ready dict, rejecting wrong shapes with a named field."""
 
+    #: Fields it does not know are dropped instead of refused: records only the broker sends its clients (the
+    #: status report and what it holds), which a newer broker may extend as any reply's header may be (a client
+    #: one release behind the cluster's broker still reads ``status``). What peers send the broker stays strict.
+    ignores_newer_fields: ClassVar[bool] = False
+
     def to_wire(self) -> dict[str, Any]:
         """This record as a msgpack-ready map (nested records and enums by value)."""
         out = {}
@@ -58,7 +63,9 @@ class _Record:
         if not isinstance(data, dict):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{what or cls.__name__} must be a map, got {type(data).__name__}")
         unknown = data.keys() - _field_names(cls)
-        if unknown:
+        if unknown and cls.ignores_newer_fields:
+            data = {k: v for k, v in data.items() if k not in unknown}
+        elif unknown:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{what or cls.__name__} has unknown field(s) {sorted(unknown)}")
         try:
             return cls(**data)
@@ -227,6 +234,10 @@ NODE_LEFT = "left"
 
 @dataclass
 class NodeStatus(_Record):
+    """A node as the status report shows it."""
+
+    ignores_newer_fields = True
+
     node_id: str
     host: str
     pid: int
@@ -249,6 +260,8 @@ class NodeStatus(_Record):
 @dataclass
 class BackendStatus(_Record):
     """An inference backend: a bridge (ZMQ peer) or a plain HTTP address."""
+
+    ignores_newer_fields = True
 
     backend_id: str
     kind: str  # "bridge" | "http"
@@ -294,6 +307,8 @@ RECORD_CHECKS[WeightsStatus] = record_of(WeightsStatus)
 @dataclass
 class StatusReport(_Record):
     """The broker's answer to ``status``."""
+
+    ignores_newer_fields = True
 
     deployment: str
     jobs: dict[str, int]

@@ -34,6 +34,23 @@ def test_a_reply_is_typed_and_fields_it_does_not_name_are_ignored() -> None:
     assert P.parse_reply(P.Op.FORGET, P.reply(7)) == P.ForgetOutcome()
 
 
+def test_a_newer_brokers_status_report_reads_with_the_fields_this_client_does_not_know_dropped() -> None:
+    # A client one release behind the cluster's broker: the report and its nodes and backends may carry more.
+    backend = {"backend_id": "b", "kind": "http", "url": "http://h:8000/v1", "host": None, "model": None,
+               "max_model_len": None, "inflight": 0, "jobs": 0, "served": 3, "cleared": False, "alive": True}
+    node = {"node_id": "n1", "host": "h", "pid": 7, "alive": True, "inflight": 0, "credit": 4, "tasks": ["t"]}
+    report = {"deployment": "d", "jobs": {"done": 3}, "queued": 0, "nodes": [{**node, "newer_node_field": 1}],
+              "backends": [{**backend, "newer_backend_field": "x"}], "gone_backends": [], "generation_paused": False,
+              "placing": True, "uptime_s": 1.0, "newer_report_field": {"a": 1}}
+    status = P.parse_reply(P.Op.STATUS, P.reply(7, status=report)).status
+    assert (status.deployment, status.jobs, status.nodes[0].node_id, status.backends[0].served) == ("d", {"done": 3}, "n1", 3)
+    backend_reply = P.parse_reply(P.Op.ADD_LLM_SERVER, P.reply(7, backend={**backend, "newer_backend_field": 2}))
+    assert backend_reply.backend.backend_id == "b"
+    # Records peers send the broker stay strict: an unknown field there is refused, naming it.
+    with pytest.raises(ProtocolError, match=r"unknown field\(s\) \['newer'\]"):
+        P.JobResult.from_wire({"job_id": "j", "task": "t", "state": "done", "attempt": 1, "newer": 1})
+
+
 #: Per client call: the canned (malformed) reply fields and what the error must say.
 MALFORMED: list[tuple[str, dict[str, Any], str]] = [
     ("submit", {"accepted": ["j1", 5], "existing": []},
