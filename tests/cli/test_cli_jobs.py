@@ -197,6 +197,22 @@ def test_a_stopped_collection_keeps_what_it_took_when_it_has_no_trajectory(tmp_p
     assert empty.problem is None and empty.written is None and not (tmp_path / "e.jsonl").exists()
 
 
+def test_a_trajectory_that_does_not_read_back_leaves_the_results_as_jsonl(tmp_path: Path) -> None:
+    """A handler's trajectory the Parquet writer cannot take (here a field Trajectory does not have): the results
+    are kept whole beside the file, and the problem names the error, instead of a traceback and nothing."""
+    from prorl_cli.cli.application import App
+    from prorl_cli.cli.jobs.collect import ResultFile
+    from prorl_cli.protocol import JobResult
+
+    out = tmp_path / "r.parquet"
+    sink = ResultFile(App(None, {"deployment": "d1"}), out, selection=("--prefix", "p"))
+    sink.add(JobResult(job_id="p-0-0", task="test", state="done", output={"trajectory": {"not_a_field": 1}}))
+    sink.close()
+    assert not out.exists() and sink.written == tmp_path / "r.jsonl"
+    assert [json.loads(line)["job_id"] for line in (tmp_path / "r.jsonl").read_text().splitlines()] == ["p-0-0"]
+    assert sink.problem is not None and "TypeError" in sink.problem and "not_a_field" in sink.problem, sink.problem
+
+
 def test_results_follow_collects_the_rest_after_the_submitter_was_killed(deployment: Deployment, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     tasks = write_tasks(tmp_path / "t.jsonl", [{"end": "done"}, {"end": "done"}, {"wait_for": str(gate)}, {"wait_for": str(gate)}])

@@ -94,17 +94,20 @@ class ResultFile:
                 self.problem = (f"{out}: not written: no job has ended yet; `{self.recollect} --follow "
                                 f"--out {shlex.quote(str(out))}` waits for them")
             return
-        rows = parquet_rows(kept)
-        if not rows:
-            self._stand_in(out, kept, f"no {'finished ' if self.only_done else ''}job has a token-level "
-                                      f"'trajectory' in its output ({_no_trajectory_why(kept)})")
-            return
         from prorl_cli.agent.trajectory import write_parquet
+        from prorl_cli.exceptions import ProrlError
 
         try:
+            rows = parquet_rows(kept)
+            if not rows:
+                self._stand_in(out, kept, f"no {'finished ' if self.only_done else ''}job has a token-level "
+                                          f"'trajectory' in its output ({_no_trajectory_why(kept)})")
+                return
             write_parquet(out, rows)
-        except (ImportError, OSError) as e:  # pyarrow gone or failing: the results stay whole, as JSONL
-            self._stand_in(out, kept, str(e))
+        # pyarrow gone or failing (its ArrowInvalid and ArrowTypeError are a ValueError and a TypeError), or a
+        # trajectory that does not read back: the results stay whole, as JSONL, and the error says why.
+        except (ImportError, OSError, ValueError, TypeError, KeyError, ProrlError) as e:
+            self._stand_in(out, kept, f"{type(e).__name__}: {e}")
             return
         self.written = out
         if len(rows) < len(kept):
