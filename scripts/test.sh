@@ -33,9 +33,17 @@ PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")"
 export PRORL_HOME
 # pytest exits 5 when it collects no test; set -e makes that a failure too.
 lanes="${PRORL_LANES:-0}"
+filtered=0
+previous=""
 for arg in "$@"; do
   # A test path or node id picks its tests itself: in lanes each pytest would run it again beside its own.
-  if [ -e "${arg%%::*}" ]; then lanes=0; fi
+  # (A path that is an option's value, --deselect tests/x.py::t or --ignore tests/y, picks nothing.)
+  case "$previous" in
+    --deselect|--ignore|--ignore-glob) ;;
+    *) case "$arg" in tests|tests/*) if [ -e "${arg%%::*}" ]; then lanes=0; fi ;; esac ;;
+  esac
+  case "$arg" in -k|-k*|-m|-m*) filtered=1 ;; esac
+  previous="$arg"
 done
 if [ "$lanes" != 1 ]; then
   "$venv/bin/python" -m pytest -ra "$@"
@@ -91,8 +99,8 @@ cat "$model_out"
 echo "---------------- the Slurm tier (run beside the rest; exit $slurm) ----------------"
 cat "$slurm_out"
 rm -f "$slurm_out" "$model_out"
-if [ "$#" -gt 0 ] && { [ "$rest" = 0 ] || [ "$model" = 0 ] || [ "$slurm" = 0 ]; }; then
-  # A filter (-k, -m) may leave a lane nothing to run (exit 5); the whole suite (no arguments) never does.
+if [ "$filtered" = 1 ] && { [ "$rest" = 0 ] || [ "$model" = 0 ] || [ "$slurm" = 0 ]; }; then
+  # A filter (-k, -m) may leave a lane nothing to run (exit 5); the whole suite never does.
   for lane in rest model slurm; do
     if [ "${!lane}" = 5 ]; then printf -v "$lane" 0; fi
   done
