@@ -75,6 +75,21 @@ def _home_path(home: str) -> str:
     return os.path.abspath(os.path.expanduser(os.path.expandvars(home)))
 
 
+def _recorded_by(meta_key: str, record: Callable[[App, Sequence[str]], None]) -> Callable[..., None]:
+    """The callback of an option given before the command or after it: ``record(app, values)`` where the App
+    exists (after a command); on the ``prorl`` group itself, parsed before its App exists, the values wait in
+    ``ctx.meta[meta_key]`` for the group to record them."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
+        app = ctx.find_object(App)
+        if app is None:
+            ctx.meta[meta_key] = value
+            return
+        record(app, value)
+
+    return callback
+
+
 def name_home(app: App, homes: Sequence[str]) -> None:
     """Record the home given as ``--home`` (each of ``homes``); two that name different folders are an error, the
     one given before the command included. Spellings of one folder (``~/x``, ``/home/me/x/``) agree: the first
@@ -87,12 +102,7 @@ def name_home(app: App, homes: Sequence[str]) -> None:
             app.abort(f"--home {given} and --home {home} name different folders; give one of them")
 
 
-def _from_home_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
-    app = ctx.find_object(App)
-    if app is None:  # prorl --home DIR: the group's own, parsed before its App exists; the group records it
-        ctx.meta[GLOBAL_HOMES] = value
-        return
-    name_home(app, value)
+_from_home_option = _recorded_by(GLOBAL_HOMES, name_home)
 
 
 def home_option(f: F) -> F:
@@ -113,12 +123,7 @@ def name_log_level(app: App, levels: Sequence[str]) -> None:
             app.abort(f"--log-level {given} and --log-level {level} differ; give one of them")
 
 
-def _from_log_level_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
-    app = ctx.find_object(App)
-    if app is None:  # prorl --log-level L: the group's own, parsed before its App exists; the group records it
-        ctx.meta[GLOBAL_LOG_LEVELS] = value
-        return
-    name_log_level(app, value)
+_from_log_level_option = _recorded_by(GLOBAL_LOG_LEVELS, name_log_level)
 
 
 def log_level_option(f: F) -> F:
@@ -138,12 +143,7 @@ def name_config(app: App, paths: Sequence[str]) -> None:
             app.abort(f"--config {app.config_path} and --config {path} name different files; give one of them")
 
 
-def _from_config_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
-    app = ctx.find_object(App)
-    if app is None:  # prorl --config FILE: the group's own, parsed before its App exists; the group records it
-        ctx.meta[GLOBAL_CONFIGS] = value
-        return
-    name_config(app, value)
+_from_config_option = _recorded_by(GLOBAL_CONFIGS, name_config)
 
 
 def config_option(f: F) -> F:
