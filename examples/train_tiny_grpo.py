@@ -552,7 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     cfg.init_from, cfg.warmup_cache = args.init_from, args.warmup_cache
-    summary = run(cfg)
+    from prorl_cli.exceptions import SamplerError
+
+    try:
+        summary = run(cfg)
+    except SamplerError as e:  # a step the sampler stopped: the message says why and which setting; no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0 if all(math.isfinite(x) for x in summary.losses) else 1
 
 
