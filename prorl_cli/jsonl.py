@@ -16,11 +16,14 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
+
+#: The error class a caller of :func:`jsonl_values` names, and so what its ``on_bad_line`` is handed.
+E = TypeVar("E", bound=Exception)
 
 
-def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "",
-                 on_bad_line: Callable[[Exception], None] | None = None) -> Iterator[tuple[int, Any]]:
+def jsonl_values(path: Path, error_cls: type[E], *, hint: str = "",
+                 on_bad_line: Callable[[E], None] | None = None) -> Iterator[tuple[int, Any]]:
     """``(line_number, value)`` for each non-blank line of ``path``, line numbers from 1.
 
     A line that is not JSON raises ``error_cls("FILE:LINE: not valid JSON: ...")``; a last line that is not
@@ -49,9 +52,9 @@ def jsonl_values(path: Path, error_cls: type[Exception], *, hint: str = "",
                             f"last line to read them (sed -i '$ d' {path})")
                     else:
                         bad = error_cls(f"{path}:{lineno}: not valid JSON: {e.msg}")
-                    bad.__cause__ = e
                     if on_bad_line is None:
                         raise bad from e
+                    bad.__cause__ = e
                     on_bad_line(bad)
                     continue
                 whole += 1

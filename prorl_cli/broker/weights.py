@@ -336,8 +336,7 @@ class WeightSync:
         # Nothing has then shown that the checkpoint loads at all: the reply and status say so (verified: false).
         verified = bool(update.updated)
         self.current = CurrentWeights(update.checkpoint, update.policy_version, update.load_timeout_s, verified)
-        if self._record is not None:
-            self._record(self.journal_records()[0])
+        self._journal_current()
         log.info("weights of policy version %d (%s) loaded by %s", update.policy_version, update.checkpoint,
                  ", ".join(update.updated) or "no bridge (unverified)")
         self._send(w.identity, P.reply(w.rid, verified=verified, **fields), ())
@@ -348,8 +347,7 @@ class WeightSync:
         if w is None or w.verified or (w.checkpoint, w.policy_version) != (weights.checkpoint, weights.policy_version):
             return
         self.current = replace(w, verified=True)
-        if self._record is not None:  # a restarted broker must not call them unverified again
-            self._record(self.journal_records()[0])
+        self._journal_current()  # a restarted broker must not call them unverified again
         log.info("weights of policy version %d (%s) verified: backend %s loaded them", w.policy_version, w.checkpoint,
                  backend.backend_id)
 
@@ -357,6 +355,12 @@ class WeightSync:
         """The current weights as ``status`` shows them (None before any update)."""
         w = self.current
         return None if w is None else P.WeightsStatus(w.checkpoint, w.policy_version, w.verified)
+
+    def _journal_current(self) -> None:
+        """Append the current weights to the journal (when there is one)."""
+        w = self.current
+        if self._record is not None and w is not None:
+            self._record(weights_record(w.checkpoint, w.policy_version, w.load_timeout_s, w.verified))
 
     def journal_records(self) -> list[dict[str, Any]]:
         """The current weights as journal records (none before an update every bridge loaded)."""

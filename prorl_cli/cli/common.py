@@ -129,13 +129,19 @@ def read_instances(app: App, path: Path) -> list[Any]:
         app.abort(f"{path}: cannot read: {e.strerror or e}")
 
 
+def warning_printer(app: App) -> Callable[[str], None]:
+    """What a dataset loader's ``warn`` lines go to: stderr, each as ``warning: LINE``."""
+    from rich.markup import escape
+
+    return lambda line: app.err_console.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True)
+
+
 def load_task_file(app: App, task: str, path: Path, fmt: str | None, skip_bad_rows: bool = False) -> list[Any]:
     """TASKS for ``task``: domain rows through their loaders, others as JSON lines (or Parquet rows).
 
     ``skip_bad_rows`` (``--skip-bad-rows``): domain rows that cannot be loaded are left out, and stderr says
     how many and why (the first few, each with its file, line and field).
     """
-    from rich.markup import escape
 
     from prorl_cli.domains.datasets import LOADERS, load_instances
     from prorl_cli.exceptions import DatasetError
@@ -144,8 +150,7 @@ def load_task_file(app: App, task: str, path: Path, fmt: str | None, skip_bad_ro
         return read_instances(app, path)
     try:
         return load_instances(task, path, fmt, skip_bad_rows=skip_bad_rows,
-                              warn=lambda line: app.err_console.print(f"[yellow]warning:[/] {escape(line)}",
-                                                                      soft_wrap=True))
+                              warn=warning_printer(app))
     except DatasetError as e:
         app.abort(str(e))
     except UnicodeDecodeError as e:

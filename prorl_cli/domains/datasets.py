@@ -116,13 +116,18 @@ def read_rows(path: Path, bad_line: Callable[[DatasetError], None] | None = None
         return
     read_one = False
 
-    def after_first(e: Exception) -> None:
-        if bad_line is None or not read_one or not isinstance(e, DatasetError):
-            raise e
-        bad_line(e)
+    on_bad_line: Callable[[DatasetError], None] | None = None
+    if bad_line is not None:
+        report = bad_line
 
+        def after_first(e: DatasetError) -> None:
+            if not read_one:
+                raise e
+            report(e)
+
+        on_bad_line = after_first
     try:
-        for lineno, row in jsonl_values(path, DatasetError, on_bad_line=None if bad_line is None else after_first):
+        for lineno, row in jsonl_values(path, DatasetError, on_bad_line=on_bad_line):
             read_one = True
             yield f"{path}:{lineno}", row
     except DatasetError as e:
@@ -167,12 +172,7 @@ def _json_rows(path: Path, bad_line: Callable[[DatasetError], None] | None = Non
         document = json.loads(_read_text(path))
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # one JSON value per line: JSON Lines under a .json name
-            def skip(bad: Exception) -> None:
-                if bad_line is None or not isinstance(bad, DatasetError):
-                    raise bad
-                bad_line(bad)
-
-            for lineno, row in jsonl_values(path, DatasetError, on_bad_line=None if bad_line is None else skip):
+            for lineno, row in jsonl_values(path, DatasetError, on_bad_line=bad_line):
                 yield f"{path}:{lineno}", row
             return
         raise DatasetError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (a .json dataset is one array of rows, "

@@ -609,7 +609,9 @@ class DapoSampler:
         limit = self.config.failure_limit
         # Not while a job that was in flight when the failures began still runs: refilled at once, a fast-failing
         # job (a broken node, a prompt that fails at INIT) can fail many times while healthy long rollouts run on.
-        if limit and self._streak >= limit and not any(p.seq < self._streak_from for p in self._pending.values()):
+        # _pending keeps submission order (groups are added as submitted), so its first group is the oldest.
+        oldest = next(iter(self._pending.values()), None)
+        if limit and self._streak >= limit and (oldest is None or oldest.seq >= self._streak_from):
             raise self._failing(stats, limit)
 
     def _may_submit(self, stats: StepStats, groups: int = 1) -> int:

@@ -116,6 +116,17 @@ def test_the_clock_still_runs_for_a_call_that_is_not_held(stack: Any) -> None:
     assert res.state == "timed_out" and res.critical_error == "run", res
 
 
+def one_call_held(stack: Any) -> tuple[Any, VersionedEngine, str]:
+    """A deployment whose one bridge holds a job's first call in its engine (``engine.release`` lets it go)."""
+    d = stack()
+    engine = VersionedEngine()
+    engine.gate = True
+    stack.bridge(d, "b1", engine)
+    (job,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2})
+    d.wait_for(lambda st: st.backends[0].inflight == 1, 30, "the call in flight", "n1")
+    return d, engine, job
+
+
 def test_pause_with_wait_returns_once_slow_calls_in_flight_finish(stack: Any) -> None:
     d = stack()
     engine = VersionedEngine()
@@ -143,12 +154,7 @@ def test_pause_with_wait_returns_once_slow_calls_in_flight_finish(stack: Any) ->
 
 
 def test_pause_with_wait_raises_at_its_timeout_naming_the_hung_call(stack: Any) -> None:
-    d = stack()
-    engine = VersionedEngine()
-    engine.gate = True  # never released: the call hangs
-    stack.bridge(d, "b1", engine)
-    (job,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2})
-    d.wait_for(lambda st: st.backends[0].inflight == 1, 30, "the call in flight", "n1")
+    d, engine, job = one_call_held(stack)  # never released: the call hangs
     with pytest.raises(DrainTimeout, match=job) as err:
         d.client.pause_generation(wait=True, timeout_s=1.0)
     assert [c["job_id"] for c in err.value.running] == [job] and err.value.running[0]["backend_id"] == "b1"
@@ -160,12 +166,7 @@ def test_pause_with_wait_raises_at_its_timeout_naming_the_hung_call(stack: Any) 
 
 
 def test_update_weights_waits_for_calls_in_flight_which_keep_the_old_version(stack: Any) -> None:
-    d = stack()
-    engine = VersionedEngine()
-    engine.gate = True
-    stack.bridge(d, "b1", engine)
-    (before,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2})
-    d.wait_for(lambda st: st.backends[0].inflight == 1, 30, "the call in flight", "n1")
+    d, engine, before = one_call_held(stack)
     updated: list[Any] = []
 
     def update() -> None:
@@ -300,12 +301,7 @@ def test_a_pause_whose_drain_times_out_leaves_the_policy_version_where_it_was(st
     """``pause_generation(1, wait=True)`` that raises DrainTimeout has loaded nothing: a trainer that gives the step
     up (resumes without a version) must not get tokens from the old weights stamped with version 1. The bridge here
     never had an update, so the broker's version is what every reply carries."""
-    d = stack()
-    engine = VersionedEngine()
-    engine.gate = True  # the first call hangs until released
-    stack.bridge(d, "b1", engine)
-    (slow,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2})
-    d.wait_for(lambda st: st.backends[0].inflight == 1, 30, "the call in flight", "n1")
+    d, engine, slow = one_call_held(stack)  # the first call hangs until released
     with pytest.raises(DrainTimeout, match="policy version stays 0"):
         d.client.pause_generation(policy_version=1, wait=True, timeout_s=0.5)
     st = d.client.status()
@@ -327,12 +323,7 @@ def test_a_pause_whose_drain_times_out_leaves_the_policy_version_where_it_was(st
 
 
 def test_a_pause_answered_by_a_resume_before_its_drain_leaves_the_policy_version(stack: Any) -> None:
-    d = stack()
-    engine = VersionedEngine()
-    engine.gate = True
-    stack.bridge(d, "b1", engine)
-    (job,) = d.client.submit("calls", [{"calls": 1}], sampling={"max_tokens": 2})
-    d.wait_for(lambda st: st.backends[0].inflight == 1, 30, "the call in flight", "n1")
+    d, engine, job = one_call_held(stack)
     raised: list[BaseException] = []
 
     def pause() -> None:

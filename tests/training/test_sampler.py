@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +28,6 @@ def prompts(n: int = 12) -> list[dict[str, Any]]:
         p = (0.0, 1.0, 0.5)[i % 3]
         out.append({"p": p, "scale_s": 0.02 if i % 4 else 0.5, "alpha": 1.2, "max_s": 1.5, "seed": 7})
     return out
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    dep = Deployment(tmp_path_factory.mktemp("dapo"), "dapo", {"node": {"n_init": 8, "n_run": 16, "n_eval": 8}})
-    with dep:
-        dep.start_broker()
-        dep.start_node("n1")
-        yield dep
 
 
 def aclient(dep: Deployment) -> AsyncRolloutClient:

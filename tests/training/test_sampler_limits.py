@@ -9,7 +9,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +21,6 @@ from tests.harness import Deployment
 from tests.training.test_sampler import aclient, check_batch, prompts
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    dep = Deployment(tmp_path_factory.mktemp("limits"), "limits", {"node": {"n_init": 8, "n_run": 16, "n_eval": 8}})
-    with dep:
-        dep.start_broker()
-        dep.start_node("n1")
-        yield dep
 
 
 def run_step(dep: Deployment, ps: list[dict[str, Any]], cfg: SamplerConfig) -> tuple[SamplerError, DapoSampler]:

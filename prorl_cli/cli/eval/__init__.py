@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.common import warning_printer
 from prorl_cli.cli.naming import deployment_option
 
 
@@ -39,7 +40,6 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     swebench's run-report keys, the resolved rate and pass@k. Fields of DATASET prorl cannot use
     are named on stderr, once each. Exits 1 when a job did not finish (state other than done).
     """
-    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from prorl_cli.cli.common import connect, dataset_errors
@@ -51,7 +51,7 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     _check_swe_task(app, task, dataset)
     try:
         instances: list[dict[str, Any]] = load_instances(
-            "swe", dataset, fmt, warn=lambda line: app.err_console.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True))
+            "swe", dataset, fmt, warn=warning_printer(app))
     except dataset_errors() as e:
         app.abort(str(e))
     if instance_ids:

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
+from prorl_cli.cli.common import warning_printer
 from prorl_cli.cli.naming import deployment_option
 
 FLAKY_CHOICES = ("remove-ids", "drop-row")
@@ -70,7 +71,6 @@ def validate(app: App, dataset: Path, out: Path, runs: int, flaky_policy: str, f
     (-d NAME, prorl -d NAME, $PRORL_DEPLOYMENT). Running it again on the same OUT resumes.
     Exits 1 while instances are pending (jobs cancelled or cut short).
     """
-    from rich.markup import escape
 
     from prorl_cli.cli.common import dataset_errors
     from prorl_cli.cli.naming import named_deployment
@@ -84,7 +84,7 @@ def validate(app: App, dataset: Path, out: Path, runs: int, flaky_policy: str, f
         app.abort(f"--out {out}: is not a folder")
     try:
         instances: list[dict[str, Any]] = load_instances(
-            "swe", dataset, fmt, warn=lambda line: app.err_console.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True))
+            "swe", dataset, fmt, warn=warning_printer(app))
         if instance_ids:
             unknown = sorted(set(instance_ids) - {str(i["instance_id"]) for i in instances})
             if unknown:
