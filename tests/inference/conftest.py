@@ -65,6 +65,9 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         max_model_len=MAX_MODEL_LEN,
         # Its log then records each request and each abort: the witness that a cancelled job's call stopped.
         extra_args=["--enable-log-requests"],
+        # At INFO whoever imported what first: importing trl (the TRL tests do, in this process) sets
+        # VLLM_LOGGING_LEVEL=ERROR in os.environ, which would silence those lines.
+        env={"VLLM_LOGGING_LEVEL": "INFO"},
         log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
     )
     with serving_vllm(server):
