@@ -92,6 +92,8 @@ class HarnessRunSummary(tiny.RunSummary):
     bridge_versions: dict[str, int | None] = field(default_factory=dict)
     #: Whether the gateway's first prompt of every rollout was token for token the warm-up's prompt.
     warmup_prompt_match: bool = True
+    #: Per step, the samples that merged two or more model calls (a tool call, then the answer after its result).
+    merged_samples: list[int] = field(default_factory=list)
     deployment: str | None = None
 
 
@@ -308,7 +310,8 @@ def _train(cfg: HarnessRunConfig, summary: HarnessRunSummary, client: Any, bridg
     sampler = BlockingDapoSampler(client, TASK, train, SamplerConfig(
         group_size=cfg.group_size, target_groups=cfg.target_groups, run_id=f"hgrpo{cfg.seed}",
         max_in_flight=cfg.max_in_flight or 2 * cfg.group_size, carry_over=False,
-        sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
+        # The run's seed numbers its rollouts (each gets its own): a rerun samples the same ones.
+        sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed},
         max_staleness=1, timeout_s=600, step_timeout_s=3600,
     ))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -319,6 +322,7 @@ def _train(cfg: HarnessRunConfig, summary: HarnessRunSummary, client: Any, bridg
             check_token_exact(batch.results, summary, prompts)
             built = samples_from_results(batch.results, group_of=batch.group_of)
             samples = built.samples
+            summary.merged_samples.append(sum(len(s.calls) > 1 for s in samples))
             calls = [c for r in batch.results for c in r.output["trajectory"]["calls"]]
             summary.policy_versions_seen.append(
                 sorted({c["policy_version"] for c in calls if c.get("policy_version") is not None}))

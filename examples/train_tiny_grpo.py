@@ -449,7 +449,7 @@ def run(cfg: RunConfig) -> RunSummary:
         sampler = BlockingDapoSampler(client, TASK, train, SamplerConfig(
             group_size=cfg.group_size, target_groups=cfg.target_groups, run_id=f"grpo{cfg.seed}",
             max_in_flight=2 * cfg.group_size,  # one engine serves one call at a time: a short queue wastes less at cancel
-            carry_over=False, sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
+            carry_over=False, sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed},
             max_staleness=1,  # surplus groups at most one update old: the setting the recorded curves ran with
             timeout_s=300, step_timeout_s=1800,
         ))

@@ -40,6 +40,7 @@ from prorl_cli.protocol import (
     Op,
     SamplingParams,
     StatusReport,
+    offset_seed,
 )
 from prorl_cli.protocol import headers as H
 
@@ -437,9 +438,13 @@ class AsyncRolloutClient:
         max_attempts: int | None = None,
         group_id: str | None = None,
         meta: dict[str, Any] | None = None,
+        seed_from: int | None = None,
     ) -> list[JobSpec]:
         """``count`` job specs for ``task`` (fresh uuids unless ``job_ids``); ``group_id``/``meta`` go on each.
 
+        A seed in ``sampling`` goes to every job as given, unless ``seed_from`` is set: then job ``j`` is
+        sampled with ``offset_seed(seed, seed_from + j)``, the seed of the run's ``seed_from + j``-th rollout
+        (rollouts of one prompt with one seed would all be the same on an engine that honours it).
         Each is checked by the ``submit`` schema the broker applies, so a bad field raises
         :class:`ProtocolError` here, naming it, before anything is sent.
         """
@@ -458,7 +463,13 @@ class AsyncRolloutClient:
                 wire[name] = value
         if sampling is not None:
             wire["sampling"] = sampling.to_wire() if isinstance(sampling, SamplingParams) else sampling
-        return [JobSpec.from_wire({**wire, "job_id": jid}, f"job {jid}") for jid in ids]
+        given = wire.get("sampling")
+        seed = given.get("seed") if isinstance(given, Mapping) else None
+        if seed_from is None or type(seed) is not int or not isinstance(given, Mapping):
+            # No seed to derive from (a bad one: the schema names it).
+            return [JobSpec.from_wire({**wire, "job_id": jid}, f"job {jid}") for jid in ids]
+        return [JobSpec.from_wire({**wire, "job_id": jid, "sampling": {**given, "seed": offset_seed(seed, seed_from + j)}},
+                                  f"job {jid}") for j, jid in enumerate(ids)]
 
     async def submit(
         self,
@@ -475,6 +486,10 @@ class AsyncRolloutClient:
         meta: dict[str, Any] | None = None,
     ) -> Submitted:
         """Submit each instance ``n`` times; return the job ids at once (results come later).
+
+        A seed in ``sampling`` seeds the whole submission: the ``j``-th job (instance ``j // n``, its
+        rollout ``j % n``) is sampled with ``seed + j`` (``offset_seed``), so an instance's rollouts
+        differ and a rerun repeats them. Give each job its own sampling with :meth:`submit_specs`.
 
         Submitting a job id the broker already knows returns that job
         (idempotent): the returned list's ``.accepted`` and ``.existing`` say
@@ -496,7 +511,7 @@ class AsyncRolloutClient:
         insts = [inst for inst in instances for _ in range(n)]
         specs = self.make_specs(
             task, len(insts), job_ids=job_ids, timeout_s=timeout_s, stage_timeouts_s=stage_timeouts_s,
-            sampling=sampling, max_attempts=max_attempts, group_id=group_id, meta=meta,
+            sampling=sampling, max_attempts=max_attempts, group_id=group_id, meta=meta, seed_from=0,
         )
         return await self.submit_specs(specs, insts)
 

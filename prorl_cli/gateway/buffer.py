@@ -39,7 +39,7 @@ from prorl_cli.agent.tools import ToolCall, ToolParser
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.gateway.messages import ChatRequest, tool_call_message
 from prorl_cli.inference.contract import Generation
-from prorl_cli.protocol import SamplingParams
+from prorl_cli.protocol import SamplingParams, offset_seed
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_CONCURRENT = 8
 #: Generations discarded at most per request for not honouring its ``tool_choice`` (harness ``tool_choice_retries``).
 DEFAULT_TOOL_CHOICE_RETRIES = 2
-#: The largest seed the broker's schema accepts (``SAMPLING``: within +-2^62); a retried seed stays inside.
-_SEED_MAX = 1 << 62
 #: ``chat_for(tools) -> ChatTokens``: the tokenizer's template with these tool schemas.
 ChatFactory = Callable[[list[dict[str, Any]] | None], ChatTokens]
 
@@ -296,8 +294,7 @@ class TokenBuffer:
         if sampling.seed is None or attempt == 0:
             return sampling
         wire = sampling.to_wire()
-        seed = sampling.seed + attempt
-        wire["seed"] = seed if seed <= _SEED_MAX else sampling.seed - attempt
+        wire["seed"] = offset_seed(sampling.seed, attempt)
         return SamplingParams(**wire)
 
     @staticmethod

@@ -175,6 +175,8 @@ class ProrlRollout:
         #: The rows of the last call (for inspection and tests).
         self.last_rows: list[TrlRow] = []
         self._calls = 0
+        #: Prompt positions the calls so far took (the next call's sampler starts there).
+        self._positions = 0
         # TRL checks the function's name in logs; give instances one.
         self.__name__ = "prorl_rollout"
 
@@ -237,8 +239,13 @@ class ProrlRollout:
             timeout_s=self.timeout_s, sampling=self.sampling, step_timeout_s=self.step_timeout_s,
             max_consecutive_failures=self.max_consecutive_failures,
         )
-        sampler = BlockingDapoSampler(self.client, self.task, instances, config, state=SamplerState(step=self._calls))
+        # Positions go on from the last call's, so a seed in ``sampling`` numbers every rollout of the run
+        # (each call's would otherwise start again at the same seeds); a group's prompt id is its index here.
+        sampler = BlockingDapoSampler(self.client, self.task, instances, config,
+                                      state=SamplerState(step=self._calls, cursor=self._positions),
+                                      prompt_id=lambda position, _instance: str(position % len(instances)))
         self._calls += 1
+        self._positions += len(instances)
         try:
             batch = sampler.step(policy_version=version)
         finally:

@@ -62,6 +62,7 @@ from prorl_cli.protocol.records import (
     StageStats,
     StatusReport,
     WeightsStatus,
+    offset_seed,
 )
 from prorl_cli.protocol.schema import (
     ANNOTATIONS,
@@ -84,6 +85,6 @@ __all__ = [
     "TERMINAL_STATES", "BackendStatus", "ErrorCode", "ErrorInfo", "ForgetOutcome", "JobResult", "JobSpec",
     "JobState", "NodeStatus", "Op", "OpSchema", "Opt", "SamplingParams", "StageStats", "StatusReport", "WeightsStatus",
     "check_envelope", "check_payload", "decode_header", "decode_map", "encode", "error_reply", "header_rid", "headers", "job_items",
-    "pack_floats", "pack_obj", "pack_tokens", "parse", "parse_reply", "reply", "unpack_floats", "unpack_obj", "unpack_tokens",
+    "offset_seed", "pack_floats", "pack_obj", "pack_tokens", "parse", "parse_reply", "reply", "unpack_floats", "unpack_obj", "unpack_tokens",
     "validate",
 ]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Self
 
 from prorl_cli.exceptions import ProtocolError
-from prorl_cli.protocol.checks import Bool, Int, List, Str, record_of
+from prorl_cli.protocol.checks import BIG, Bool, Int, List, Str, record_of
 from prorl_cli.protocol.framing import ErrorCode, JobState
 
 #: Job ids, as the ``forget`` reply lists them (its fields are declared with their checks, as a header's are).
@@ -88,6 +88,16 @@ class ForgetOutcome(_Record):
 
 #: Most alternatives per output token a generate call may ask for (OpenAI's ``top_logprobs`` limit).
 MAX_TOP_LOGPROBS = 20
+
+
+def offset_seed(seed: int, n: int) -> int:
+    """``seed`` moved on by ``n`` (``seed + n``; ``seed - n`` where that would leave the wire's range, +-2^62).
+
+    The one rule for seeds derived from a given one: the ``n``-th rollout of a seeded submission or sampler
+    run, a retried turn. Distinct ``n`` give distinct seeds, and the same ``n`` the same seed on every rerun.
+    """
+    moved = seed + n
+    return moved if moved <= BIG else seed - n
 
 
 @dataclass

@@ -127,6 +127,9 @@ class SamplerConfig:
     informative: Callable[[Sequence[float]], bool] = has_reward_variance
     run_id: str = "dapo"
     timeout_s: float | None = None
+    #: Every job's sampling. A ``seed`` here seeds the run: the group at prompt position ``p`` samples its
+    #: rollout ``k`` with ``seed + p * group_size + k``, so a group's rollouts differ (one seed would make
+    #: them the same on an engine that honours it: no variance, every group filtered) and a rerun repeats them.
     sampling: dict[str, Any] | None = None
     max_attempts: int | None = None
     #: Groups per batch in sync mode (default ``target_groups``).
@@ -471,6 +474,7 @@ class DapoSampler:
         specs = self.client.make_specs(
             self.task, len(ids), job_ids=ids, timeout_s=self.config.timeout_s,
             sampling=self.config.sampling, max_attempts=self.config.max_attempts,
+            seed_from=position * self.config.group_size,
         )
         _tag(specs, gid, step, version)
         pending = _Pending(gid, position, pid, instance, step, version, ids, timebase.now(), seq=self._next_seq)

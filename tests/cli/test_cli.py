@@ -190,14 +190,17 @@ def test_submit_sends_the_sampling_options_with_every_job(deployment: Deployment
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"echo": 1, "echo_sampling": true}\n{"echo": 2, "echo_sampling": true}\n')
     out = tmp_path / "out.jsonl"
-    r = prorl(deployment, "submit", str(tasks), "--task", "test", "--out", str(out), "--id-prefix", "samp",
+    r = prorl(deployment, "submit", str(tasks), "--task", "test", "--n", "2", "--out", str(out), "--id-prefix", "samp",
               "--sampling", '{"max_tokens": 5, "top_k": 7}', "--max-tokens", "9", "--temperature", "0", "--seed", "3")
     assert r.returncode == 0, r.stderr
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["job_id"] for r in results) == ["samp-0-0", "samp-1-0"]
-    # What reached the handler of every job: the single options override the JSON's keys.
-    for r in results:
-        assert r["output"]["sampling"] == {"max_tokens": 9, "top_k": 7, "temperature": 0.0, "seed": 3}
+    results = {r["job_id"]: r for r in (json.loads(line) for line in out.read_text().splitlines())}
+    assert sorted(results) == ["samp-0-0", "samp-0-1", "samp-1-0", "samp-1-1"]
+    # What reached the handler of every job: the single options override the JSON's keys, and the seed
+    # seeds the submission (rollout K of row LINE: seed + LINE x N + K), so a row's two rollouts differ.
+    for line in (0, 1):
+        for k in (0, 1):
+            assert results[f"samp-{line}-{k}"]["output"]["sampling"] == \
+                {"max_tokens": 9, "top_k": 7, "temperature": 0.0, "seed": 3 + 2 * line + k}
 
 
 def test_status_shows_the_sandbox_runtime_each_node_picked(deployment: Deployment) -> None:

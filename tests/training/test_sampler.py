@@ -94,6 +94,36 @@ def test_sync_mode_and_failed_groups(stack: Deployment) -> None:
     assert batch.stats.failed_groups > 0  # a failed member drops its group (and cancels its siblings)
 
 
+def test_a_seeded_run_gives_each_rollout_its_own_seed_and_a_rerun_the_same(stack: Deployment) -> None:
+    """One seed for a whole group would give it identical rollouts on an engine that honours seeds: no
+    variance, every group filtered. The seed numbers the run's rollouts instead (group position p, rollout k:
+    seed + p x group_size + k)."""
+    instances = [{"echo": i, "echo_sampling": True} for i in range(4)]
+
+    def seeds(run_id: str) -> dict[str, list[int]]:
+        cfg = SamplerConfig(group_size=3, target_groups=2, mode="sync", run_id=run_id, step_timeout_s=60,
+                            sampling={"seed": 100, "max_tokens": 8}, informative=lambda rewards: True)
+
+        async def go() -> StepBatch:
+            async with aclient(stack) as client:
+                sampler = DapoSampler(client, "test", instances, cfg)
+                try:
+                    return await sampler.step()
+                finally:
+                    await sampler.close()
+
+        batch = asyncio.run(go())
+        return {g.prompt_id: [r.output["sampling"]["seed"] for r in g.results] for g in batch.groups}
+
+    first = seeds("seeded-a")
+    assert len(first) == 2, first
+    for group in first.values():
+        base = group[0]
+        assert (base - 100) % 3 == 0 and group == [base, base + 1, base + 2], first
+    assert len({s for group in first.values() for s in group}) == 6
+    assert seeds("seeded-b") == first  # another run with the same seed samples the same rollouts
+
+
 @pytest.mark.parametrize("policy", ["exclude", "zero_reward"])
 def test_the_batch_holds_the_group_the_filter_judged(stack: Deployment, policy: str) -> None:
     # Failed members stay out of the batch under exclude, and carry reward 0 under zero_reward: a trainer then

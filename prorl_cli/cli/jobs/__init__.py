@@ -83,7 +83,7 @@ def submit_jobs(
     # the rows loaded, not the file's lines, once --skip-bad-rows left some out).
     specs = [spec for i in range(len(instances)) for spec in client.make_specs(
         task, n, job_ids=ids[i * n:(i + 1) * n], timeout_s=timeout_s, sampling=sampling, group_id=f"{prefix}-{i}",
-        meta=row_meta(instances[i]))]
+        meta=row_meta(instances[i]), seed_from=i * n)]
     try:
         client.submit_specs(specs, [inst for inst in instances for _ in range(n)])
     except ProrlError as e:
@@ -149,6 +149,8 @@ def submit(
     For the domain tasks (math, code, swe, search) public dataset rows are converted to instances.
     Every job gets the same sampling (--max-tokens, --temperature, --top-p, --seed, --sampling):
     handlers pass it to each generate call; unset fields keep their defaults (SamplingParams, docs/protocol.md).
+    A seed seeds the submission: rollout K of row LINE is sampled with seed + LINE x N + K, so a row's N
+    rollouts differ and a rerun repeats them.
     Exit status: 0 once every job ended (done, failed, timed out: counted in the summary), 1 when
     the submission or the connection failed (or, with --strict, when a job did not end done),
     130 on Ctrl-C (which cancels the unfinished jobs; --detach leaves them running).
