@@ -298,7 +298,7 @@ class SamplerError(ProrlError, RuntimeError):
     closed (``close()`` cancels them).
     """
 
-    def __init__(self, message: str, *, setting: str, limit: int, step: int,
+    def __init__(self, message: str, *, setting: str, limit: float, step: int,
                  failures: list[FailureGroup] | None = None, other_failures: int = 0) -> None:
         super().__init__(message)
         self.setting = setting

@@ -79,7 +79,12 @@ from typing import Any
 
 from prorl_cli import timebase
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.exceptions import ConfigError, ProrlError, RolloutsFailing, StepGroupsExhausted
+from prorl_cli.exceptions import (
+    ConfigError,
+    RolloutsFailing,
+    SamplerError,
+    StepGroupsExhausted,
+)
 from prorl_cli.observe.failures import FailureGroups
 from prorl_cli.protocol import JobResult, JobSpec, JobState
 
@@ -102,8 +107,9 @@ GROUPS_SLACK = 256
 FAILURES_FLOOR = 32
 
 
-class SamplerTimeout(ProrlError, TimeoutError):
-    """A step did not reach its target within ``step_timeout_s``."""
+class SamplerTimeout(SamplerError, TimeoutError):
+    """A step did not reach its target within ``SamplerConfig.step_timeout_s`` (:attr:`setting`); its message
+    says how far it got, and :attr:`failures` groups the step's failed results."""
 
 
 def has_reward_variance(rewards: Sequence[float]) -> bool:
@@ -601,10 +607,7 @@ class DapoSampler:
             async with asyncio.timeout(timeout):
                 result = await anext(self._stream)
         except TimeoutError as e:
-            raise SamplerTimeout(
-                f"step {stats.step}: {len(self._ready)} of {self.config.target_groups} informative groups "
-                f"within {self.config.step_timeout_s} s"
-            ) from e
+            raise self._timed_out(stats) from e
         await self._take(result, stats)
         if self.on_progress is not None:
             stats.informative = len(self._ready)
@@ -636,6 +639,20 @@ class DapoSampler:
             f"these failures pass (0: no limit)",
             setting="max_consecutive_failures", limit=limit, step=stats.step, failures=ranked,
             other_failures=self._streak_failures.other,
+        )
+
+    def _timed_out(self, stats: StepStats) -> SamplerTimeout:
+        cfg = self.config
+        limit = cfg.step_timeout_s or 0.0
+        ranked = self._step_failures.ranked()
+        failed = f", {self._step_failures.total} failed job(s), most: {ranked[0].describe()}" if ranked else ""
+        return SamplerTimeout(
+            f"step {stats.step}: {len(self._ready)} of {cfg.target_groups} informative groups within {limit:g} s "
+            f"({stats.submitted_groups} groups submitted, {stats.filtered} filtered, {self.in_flight_jobs} job(s) "
+            f"still in flight{failed}); SamplerConfig.step_timeout_s bounds a step's wall time: raise it for longer "
+            "rollouts, or leave it unset",
+            setting="step_timeout_s", limit=limit, step=stats.step, failures=ranked,
+            other_failures=self._step_failures.other,
         )
 
     def _exhausted(self, stats: StepStats) -> StepGroupsExhausted:

@@ -16,7 +16,7 @@ import pytest
 
 from prorl_cli.exceptions import ConfigError, RolloutsFailing, SamplerError, StepGroupsExhausted
 from prorl_cli.testing.handlers.dapo_sim import draw
-from prorl_cli.training.sampler import DapoSampler, SamplerConfig, StepBatch
+from prorl_cli.training.sampler import DapoSampler, SamplerConfig, SamplerTimeout, StepBatch
 from tests.harness import Deployment
 from tests.training.test_sampler import aclient, check_batch, prompts
 
@@ -178,6 +178,27 @@ def test_prorl_sample_of_a_failing_task_prints_why_and_stops(stack: Deployment, 
                for line in lines), proc.stderr
     assert lines[-1].startswith("error: dynamic sampling stopped: step 0: the last 6 job results all failed"), lines
     assert "--max-consecutive-failures (6)" in lines[-1], lines[-1]
+
+
+def test_a_step_past_its_timeout_is_a_sampler_error_naming_the_setting(stack: Deployment, tmp_path: Path) -> None:
+    """Rollouts far longer than ``step_timeout_s``: the step stops as every other sampler stop does (one
+    ``SamplerError`` for a trainer to catch, a ``TimeoutError`` too), saying how far it got; the CLI names its
+    option."""
+    slow = [{"p": 0.5, "scale_s": 60.0, "alpha": 50.0, "max_s": 60.0, "seed": i} for i in range(4)]
+    cfg = SamplerConfig(group_size=2, target_groups=1, run_id="lim-timeout", step_timeout_s=1.5)
+    error, _ = run_step(stack, slow, cfg)
+    assert isinstance(error, SamplerTimeout) and isinstance(error, TimeoutError), repr(error)
+    assert (error.setting, error.limit, error.step) == ("step_timeout_s", 1.5, 0)
+    assert str(error).startswith("step 0: 0 of 1 informative groups within 1.5 s ("), error
+    assert "SamplerConfig.step_timeout_s" in str(error), error
+    tasks = tmp_path / "slow.jsonl"
+    tasks.write_text("".join(json.dumps(inst) + "\n" for inst in slow))
+    proc = sample_cli(stack, tasks, "--task", "dapo_sim", "--group-size", "2", "--target-groups", "1",
+                      "--step-timeout-s", "1")
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("error: dynamic sampling stopped: step 0: 0 of 1 informative groups within 1 s ("), last
+    assert "--step-timeout-s bounds" in last and "SamplerConfig" not in last, last
 
 
 def test_prorl_sample_piped_shows_a_line_per_step_and_keeps_the_steps_before_a_stop(

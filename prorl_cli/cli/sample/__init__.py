@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 #: first and each step's last: a log then shows a long step going on without a line per result.
 PROGRESS_EVERY_S = 30.0
 #: The option that sets each ``SamplerError.setting``: what the one-line error tells a user of this command to raise.
-LIMIT_OPTIONS = {"max_groups_per_step": "--max-groups-per-step", "max_consecutive_failures": "--max-consecutive-failures"}
+LIMIT_OPTIONS = {"max_groups_per_step": "--max-groups-per-step", "max_consecutive_failures": "--max-consecutive-failures",
+                 "step_timeout_s": "--step-timeout-s"}
 
 
 @click.command()
