@@ -245,8 +245,8 @@ def sampling_options(fn: F) -> F:
         click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True),
                      help="Sampling: nucleus mass, in (0, 1]."),
         click.option("--seed", type=int,
-                     help="Sampling: the run's seed; each rollout gets its own (seed + its index, so rollouts of one "
-                          "row differ) and a rerun repeats them where the engine honours seeds."),
+                     help="Sampling: the run's seed; each rollout gets its own, derived from it and the rollout's "
+                          "index (a row's rollouts differ), and a rerun repeats them where the engine honours seeds."),
         click.option("--sampling", "sampling_json", metavar="JSON",
                      help='Sampling of every job as a JSON object of SamplingParams fields, e.g. '
                           '\'{"max_tokens": 64, "top_k": 20}\' (docs/protocol.md); the single options above override '

@@ -40,9 +40,10 @@ from prorl_cli.protocol import (
     Op,
     SamplingParams,
     StatusReport,
-    offset_seed,
+    derive_seed,
 )
 from prorl_cli.protocol import headers as H
+from prorl_cli.protocol.checks import BIG
 
 log = logging.getLogger(__name__)
 
@@ -443,7 +444,7 @@ class AsyncRolloutClient:
         """``count`` job specs for ``task`` (fresh uuids unless ``job_ids``); ``group_id``/``meta`` go on each.
 
         A seed in ``sampling`` goes to every job as given, unless ``seed_from`` is set: then job ``j`` is
-        sampled with ``offset_seed(seed, seed_from + j)``, the seed of the run's ``seed_from + j``-th rollout
+        sampled with ``derive_seed(seed, seed_from + j)``, the seed of the run's ``seed_from + j``-th rollout
         (rollouts of one prompt with one seed would all be the same on an engine that honours it).
         Each is checked by the ``submit`` schema the broker applies, so a bad field raises
         :class:`ProtocolError` here, naming it, before anything is sent.
@@ -465,10 +466,10 @@ class AsyncRolloutClient:
             wire["sampling"] = sampling.to_wire() if isinstance(sampling, SamplingParams) else sampling
         given = wire.get("sampling")
         seed = given.get("seed") if isinstance(given, Mapping) else None
-        if seed_from is None or type(seed) is not int or not isinstance(given, Mapping):
-            # No seed to derive from (a bad one: the schema names it).
+        if seed_from is None or type(seed) is not int or not -BIG <= seed <= BIG or not isinstance(given, Mapping):
+            # No seed to derive from (a bad one: the schema names it, as given).
             return [JobSpec.from_wire({**wire, "job_id": jid}, f"job {jid}") for jid in ids]
-        return [JobSpec.from_wire({**wire, "job_id": jid, "sampling": {**given, "seed": offset_seed(seed, seed_from + j)}},
+        return [JobSpec.from_wire({**wire, "job_id": jid, "sampling": {**given, "seed": derive_seed(seed, seed_from + j)}},
                                   f"job {jid}") for j, jid in enumerate(ids)]
 
     async def submit(
@@ -488,8 +489,8 @@ class AsyncRolloutClient:
         """Submit each instance ``n`` times; return the job ids at once (results come later).
 
         A seed in ``sampling`` seeds the whole submission: the ``j``-th job (instance ``j // n``, its
-        rollout ``j % n``) is sampled with ``seed + j`` (``offset_seed``), so an instance's rollouts
-        differ and a rerun repeats them. Give each job its own sampling with :meth:`submit_specs`.
+        rollout ``j % n``) is sampled with ``derive_seed(seed, j)``, so an instance's rollouts differ and
+        a rerun repeats them. Give each job its own sampling with :meth:`submit_specs`.
 
         Submitting a job id the broker already knows returns that job
         (idempotent): the returned list's ``.accepted`` and ``.existing`` say

@@ -39,7 +39,7 @@ from prorl_cli.agent.tools import ToolCall, ToolParser
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.gateway.messages import ChatRequest, tool_call_message
 from prorl_cli.inference.contract import Generation
-from prorl_cli.protocol import SamplingParams, offset_seed
+from prorl_cli.protocol import SamplingParams, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ class TokenBuffer:
         if sampling.seed is None or attempt == 0:
             return sampling
         wire = sampling.to_wire()
-        wire["seed"] = offset_seed(sampling.seed, attempt)
+        wire["seed"] = derive_seed(sampling.seed, attempt)
         return SamplingParams(**wire)
 
     @staticmethod

@@ -62,7 +62,7 @@ from prorl_cli.protocol.records import (
     StageStats,
     StatusReport,
     WeightsStatus,
-    offset_seed,
+    derive_seed,
 )
 from prorl_cli.protocol.schema import (
     ANNOTATIONS,
@@ -84,7 +84,7 @@ __all__ = [
     "METRIC_SAMPLES", "OP_SCHEMAS", "PROTOCOL_VERSION", "REPLY_SCHEMAS", "RID_MAX", "RID_MIN", "SAMPLING", "STAGES", "STAGE_NAMES",
     "TERMINAL_STATES", "BackendStatus", "ErrorCode", "ErrorInfo", "ForgetOutcome", "JobResult", "JobSpec",
     "JobState", "NodeStatus", "Op", "OpSchema", "Opt", "SamplingParams", "StageStats", "StatusReport", "WeightsStatus",
-    "check_envelope", "check_payload", "decode_header", "decode_map", "encode", "error_reply", "header_rid", "headers", "job_items",
-    "offset_seed", "pack_floats", "pack_obj", "pack_tokens", "parse", "parse_reply", "reply", "unpack_floats", "unpack_obj", "unpack_tokens",
+    "check_envelope", "check_payload", "decode_header", "decode_map", "derive_seed", "encode", "error_reply", "header_rid", "headers", "job_items",
+    "pack_floats", "pack_obj", "pack_tokens", "parse", "parse_reply", "reply", "unpack_floats", "unpack_obj", "unpack_tokens",
     "validate",
 ]

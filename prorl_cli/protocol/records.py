@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Self
@@ -90,14 +91,16 @@ class ForgetOutcome(_Record):
 MAX_TOP_LOGPROBS = 20
 
 
-def offset_seed(seed: int, n: int) -> int:
-    """``seed`` moved on by ``n`` (``seed + n``; ``seed - n`` where that would leave the wire's range, +-2^62).
+def derive_seed(seed: int, n: int) -> int:
+    """The ``n``-th seed derived from ``seed``: a hash of the two, in ``[0, 2^62]`` (the wire's range).
 
-    The one rule for seeds derived from a given one: the ``n``-th rollout of a seeded submission or sampler
-    run, a retried turn. Distinct ``n`` give distinct seeds, and the same ``n`` the same seed on every rerun.
+    The one rule for seeds made from a given one: rollout ``n`` of a seeded submission or sampler run, retry
+    ``n`` of a turn. The same pair gives the same seed on every rerun; different pairs give unrelated ones,
+    so a run seeded ``s + 1`` shares no rollouts with one seeded ``s``, and a rollout's retried turn does not
+    sample what a sibling rollout sampled.
     """
-    moved = seed + n
-    return moved if moved <= BIG else seed - n
+    digest = hashlib.blake2b(f"{seed}:{n}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (BIG + 1)
 
 
 @dataclass

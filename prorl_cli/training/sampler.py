@@ -134,8 +134,8 @@ class SamplerConfig:
     run_id: str = "dapo"
     timeout_s: float | None = None
     #: Every job's sampling. A ``seed`` here seeds the run: the group at prompt position ``p`` samples its
-    #: rollout ``k`` with ``seed + p * group_size + k``, so a group's rollouts differ (one seed would make
-    #: them the same on an engine that honours it: no variance, every group filtered) and a rerun repeats them.
+    #: rollout ``k`` with ``derive_seed(seed, p * group_size + k)``, so a group's rollouts differ (one seed would
+    #: make them the same on an engine that honours it: no variance, every group filtered) and a rerun repeats them.
     sampling: dict[str, Any] | None = None
     max_attempts: int | None = None
     #: Groups per batch in sync mode (default ``target_groups``).

@@ -187,6 +187,8 @@ def test_hints_name_the_deployment_and_home_quoted() -> None:
 
 
 def test_submit_sends_the_sampling_options_with_every_job(deployment: Deployment, tmp_path: Path) -> None:
+    from prorl_cli.protocol import derive_seed
+
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"echo": 1, "echo_sampling": true}\n{"echo": 2, "echo_sampling": true}\n')
     out = tmp_path / "out.jsonl"
@@ -196,11 +198,11 @@ def test_submit_sends_the_sampling_options_with_every_job(deployment: Deployment
     results = {r["job_id"]: r for r in (json.loads(line) for line in out.read_text().splitlines())}
     assert sorted(results) == ["samp-0-0", "samp-0-1", "samp-1-0", "samp-1-1"]
     # What reached the handler of every job: the single options override the JSON's keys, and the seed
-    # seeds the submission (rollout K of row LINE: seed + LINE x N + K), so a row's two rollouts differ.
+    # seeds the submission (rollout K of row LINE: derive_seed(seed, LINE x N + K)), so a row's rollouts differ.
     for line in (0, 1):
         for k in (0, 1):
             assert results[f"samp-{line}-{k}"]["output"]["sampling"] == \
-                {"max_tokens": 9, "top_k": 7, "temperature": 0.0, "seed": 3 + 2 * line + k}
+                {"max_tokens": 9, "top_k": 7, "temperature": 0.0, "seed": derive_seed(3, 2 * line + k)}
 
 
 def test_status_shows_the_sandbox_runtime_each_node_picked(deployment: Deployment) -> None:

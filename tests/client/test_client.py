@@ -208,26 +208,34 @@ def test_group_id_and_meta_travel_from_spec_to_result(deployment: Deployment) ->
 
 def test_a_seeded_submission_gives_each_rollout_its_own_seed_and_a_rerun_the_same(deployment: Deployment) -> None:
     """One seed for n rollouts of a prompt would make them the same on an engine that honours it."""
+    from prorl_cli.protocol import derive_seed
+
     client = deployment.client
     instances = [{"echo": 1, "echo_sampling": True}, {"echo": 2, "echo_sampling": True}]
     ids = client.submit("test", instances, n=3, sampling={"seed": 40, "max_tokens": 4})
     seeds = [r.output["sampling"]["seed"] for r in client.wait(ids, timeout_s=60)]
-    assert seeds == [40, 41, 42, 43, 44, 45]
+    assert seeds == [derive_seed(40, j) for j in range(6)] and len(set(seeds)) == 6
     again = client.submit("test", instances, n=3, sampling={"seed": 40, "max_tokens": 4})
     assert [r.output["sampling"]["seed"] for r in client.wait(again, timeout_s=60)] == seeds
+    other = client.submit("test", instances, n=3, sampling={"seed": 41, "max_tokens": 4})
+    assert not {r.output["sampling"]["seed"] for r in client.wait(other, timeout_s=60)} & set(seeds)
     # Specs made by hand keep the seed as given, unless told where the run's numbering starts.
     assert {s.sampling.seed for s in client.make_specs("test", 3, sampling={"seed": 40})} == {40}
-    assert [s.sampling.seed for s in client.make_specs("test", 2, sampling={"seed": 40}, seed_from=6)] == [46, 47]
+    numbered = client.make_specs("test", 2, sampling={"seed": 40}, seed_from=6)
+    assert [s.sampling.seed for s in numbered] == [derive_seed(40, 6), derive_seed(40, 7)]
 
 
-def test_a_derived_seed_stays_in_the_wire_range_and_distinct() -> None:
-    from prorl_cli.protocol import offset_seed
+def test_a_derived_seed_stays_in_the_wire_range_and_a_bad_one_is_refused_as_given() -> None:
+    from prorl_cli.exceptions import ProtocolError
+    from prorl_cli.protocol import derive_seed
     from prorl_cli.protocol.checks import BIG
 
-    assert offset_seed(7, 0) == 7 and offset_seed(7, 5) == 12
-    near = BIG - 2
-    derived = [offset_seed(near, n) for n in range(6)]
-    assert all(-BIG <= d <= BIG for d in derived) and len(set(derived)) == 6, derived
+    derived = [derive_seed(seed, n) for seed in (-BIG, -1, 0, 7, BIG) for n in range(50)]
+    assert all(0 <= d <= BIG for d in derived) and len(set(derived)) == len(derived)
+    assert derive_seed(7, 3) == derive_seed(7, 3) != derive_seed(8, 2)
+    client = AsyncRolloutClient("schema-test")  # make_specs checks with the submit schema; nothing connects
+    with pytest.raises(ProtocolError, match="seed"):
+        client.make_specs("t", 2, sampling={"seed": -BIG - 1}, seed_from=5)  # refused though derived seeds fit
 
 
 def test_forget_drops_consumed_results_at_the_broker_and_here(deployment: Deployment) -> None:

@@ -18,7 +18,7 @@ import pytest
 from prorl_cli.agent import Trajectory
 from prorl_cli.gateway.server import Gateway
 from prorl_cli.inference.contract import Generation
-from prorl_cli.protocol import SamplingParams
+from prorl_cli.protocol import SamplingParams, derive_seed
 from tests.gateway.conftest import CALC_TOOLS, broker_check, open_job, turn
 from tests.harness import need_module
 
@@ -109,14 +109,16 @@ def test_openai_required_is_met_by_the_retry_and_only_it_is_recorded(tokenizer: 
     calls, finish, content = got
     assert calls == ["calculator"] and finish == "tool_calls" and content == "Let me compute."
     _assert_recorded(traj, model, answer=1, retries=1, unmet=False)
-    assert model.seeds == [41, 42]  # a fixed seed moves on, or the retry would sample the same turn
+    # A fixed seed moves on, or the retry would sample the same turn again.
+    assert model.seeds == [41, derive_seed(41, 1)] and model.seeds[1] != 41
 
 
 def test_retried_seeds_stay_within_the_brokers_range(tokenizer: Any) -> None:
     top = 1 << 62  # the largest seed SAMPLING accepts (every call here passes the broker's check)
     got, traj, model = _run(tokenizer, [TEXT, TEXT, CALC], _openai(
         messages=MESSAGES, tools=TOOLS, tool_choice="required", seed=top))
-    assert got[0] == ["calculator"] and model.seeds == [top, top - 1, top - 2]
+    assert got[0] == ["calculator"] and model.seeds == [top, derive_seed(top, 1), derive_seed(top, 2)]
+    assert all(0 <= seed <= top for seed in model.seeds) and len(set(model.seeds)) == 3
     _assert_recorded(traj, model, answer=2, retries=2, unmet=False)
 
 

@@ -45,12 +45,12 @@ def test_harness_grpo_short_configuration(tmp_path: Path) -> None:
     assert [s for s, _ in summary["curve"]] == [0, 2] and all(0 <= r <= 1 for _, r in summary["curve"])
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert rows and all(sum(r["response_mask"]) > 0 and len(r["input_ids"]) == len(r["old_log_probs"]) for r in rows)
-    # Some rollout called the tool: its two calls (tool call, then the answer) merged into one sample, with the
-    # tool's result between them off the mask. The last step's samples are exported: a sample there has one
-    # sampled span per call it merged.
+    # Some rollout called the tool: its calls (tool call, then the answer; the agent takes at most 3 turns)
+    # merged into one sample, the tool's results between them off the mask. The last step's samples are
+    # exported: a sample there has one sampled span per call it merged.
+    spans = [_spans(r["response_mask"]) for r in rows]
     assert sum(summary["merged_samples"]) > 0, summary["merged_samples"]
-    assert all(_spans(r["response_mask"]) in (1, 2) for r in rows), [_spans(r["response_mask"]) for r in rows]
-    assert sum(_spans(r["response_mask"]) == 2 for r in rows) == summary["merged_samples"][-1]
+    assert all(1 <= n <= 3 for n in spans) and sum(n > 1 for n in spans) == summary["merged_samples"][-1], spans
     assert (out / "checkpoints" / "v2" / "config.json").is_file()
 
 

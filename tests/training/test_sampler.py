@@ -97,7 +97,9 @@ def test_sync_mode_and_failed_groups(stack: Deployment) -> None:
 def test_a_seeded_run_gives_each_rollout_its_own_seed_and_a_rerun_the_same(stack: Deployment) -> None:
     """One seed for a whole group would give it identical rollouts on an engine that honours seeds: no
     variance, every group filtered. The seed numbers the run's rollouts instead (group position p, rollout k:
-    seed + p x group_size + k)."""
+    derive_seed(seed, p x group_size + k))."""
+    from prorl_cli.protocol import derive_seed
+
     instances = [{"echo": i, "echo_sampling": True} for i in range(4)]
 
     def seeds(run_id: str) -> dict[str, list[int]]:
@@ -116,10 +118,7 @@ def test_a_seeded_run_gives_each_rollout_its_own_seed_and_a_rerun_the_same(stack
         return {g.prompt_id: [r.output["sampling"]["seed"] for r in g.results] for g in batch.groups}
 
     first = seeds("seeded-a")
-    assert len(first) == 2, first
-    for group in first.values():
-        base = group[0]
-        assert (base - 100) % 3 == 0 and group == [base, base + 1, base + 2], first
+    assert first == {p: [derive_seed(100, int(p) * 3 + k) for k in range(3)] for p in first} and len(first) == 2, first
     assert len({s for group in first.values() for s in group}) == 6
     assert seeds("seeded-b") == first  # another run with the same seed samples the same rollouts
 

@@ -149,8 +149,8 @@ def submit(
     For the domain tasks (math, code, swe, search) public dataset rows are converted to instances.
     Every job gets the same sampling (--max-tokens, --temperature, --top-p, --seed, --sampling):
     handlers pass it to each generate call; unset fields keep their defaults (SamplingParams, docs/protocol.md).
-    A seed seeds the submission: rollout K of row LINE is sampled with seed + LINE x N + K, so a row's N
-    rollouts differ and a rerun repeats them.
+    A seed seeds the submission: rollout K of row LINE gets a seed derived from it and LINE x N + K, so a
+    row's N rollouts differ and a rerun repeats them.
     Exit status: 0 once every job ended (done, failed, timed out: counted in the summary), 1 when
     the submission or the connection failed (or, with --strict, when a job did not end done),
     130 on Ctrl-C (which cancels the unfinished jobs; --detach leaves them running).
