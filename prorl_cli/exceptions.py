@@ -289,16 +289,18 @@ class SettingsError(DomainError):
 
 
 class SamplerError(ProrlError, RuntimeError):
-    """A DAPO sampler step stopped short of its target, and going on would only spend rollouts for nothing.
+    """A DAPO sampler step stopped short of its target: going on would only spend rollouts for nothing, or
+    the step ran out of its time.
 
     The message says what the step tried and names the ``SamplerConfig`` setting that stopped it
-    (:attr:`setting`, now :attr:`limit`; 0 turns it off). :attr:`failures` groups the failed results that led
-    to it (stage, error type, first message line, an example job id), the largest first; :attr:`other_failures`
-    counts those beyond the groups kept. The step's jobs still in flight keep running until the sampler is
-    closed (``close()`` cancels them).
+    (:attr:`setting`, now :attr:`limit`; the two bounds are off at 0, ``step_timeout_s`` at None).
+    :attr:`failures` groups the failed results that led to it (stage, error type, first message line, an
+    example job id), the largest first; :attr:`other_failures` counts those beyond the groups kept. The
+    step's jobs still in flight keep running until the sampler is closed (``close()`` cancels them).
+    Copied and pickled whole (a trainer's worker process may raise it).
     """
 
-    def __init__(self, message: str, *, setting: str, limit: float, step: int,
+    def __init__(self, message: str, *, setting: str = "", limit: float = 0, step: int = 0,
                  failures: list[FailureGroup] | None = None, other_failures: int = 0) -> None:
         super().__init__(message)
         self.setting = setting

@@ -201,6 +201,23 @@ def test_a_step_past_its_timeout_is_a_sampler_error_naming_the_setting(stack: De
     assert "--step-timeout-s bounds" in last and "SamplerConfig" not in last, last
 
 
+def test_sampler_errors_copy_and_pickle_whole() -> None:
+    """A trainer's worker process raising one hands it over pickled (multiprocessing, Ray)."""
+    import copy
+    import pickle
+
+    from prorl_cli.observe.failures import FailureGroup
+
+    group = FailureGroup("run", "RuntimeError", "boom", 6, "job-1")
+    for error in (RolloutsFailing("step 3: failing", setting="max_consecutive_failures", limit=6, step=3,
+                                  failures=[group], other_failures=2),
+                  SamplerTimeout("step 1: late", setting="step_timeout_s", limit=1.5, step=1)):
+        for back in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+            assert type(back) is type(error) and str(back) == str(error)
+            assert (back.setting, back.limit, back.step, back.failures, back.other_failures) == \
+                (error.setting, error.limit, error.step, error.failures, error.other_failures)
+
+
 def test_prorl_sample_piped_shows_a_line_per_step_and_keeps_the_steps_before_a_stop(
         stack: Deployment, tmp_path: Path) -> None:
     """Piped: a line at each step's end. A run that stops in its third step still writes the two before it."""
