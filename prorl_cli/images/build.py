@@ -36,8 +36,10 @@ LOG_TAIL_LINES = 25
 _STEP_RE = re.compile(r"^(INFO|VERBOSE):\s+(.*)")
 _TERM_GRACE_S = 10.0
 #: Apptainer's layer cache is not safe for concurrent builds (sylabs/singularity#3634): a build that reads a blob
-#: or index another build is writing fails fetching its base with one of these. Such a build is tried again.
-_CACHE_RACE_ERRORS = ("unexpected end of JSON input", "unexpected EOF")
+#: or index another build is writing fails fetching its base with one of these (a bare ``get: EOF`` from a
+#: blob read while it was cut short; apptainer/apptainer#1901's missing descriptor). Such a build is tried again.
+_CACHE_RACE_ERRORS = ("unexpected end of JSON input", "unexpected EOF", "conveyor failed to get: EOF",
+                      "no descriptor found for reference")
 #: Tries of one build that failed that way (the other build has finished writing by then).
 _CACHE_RACE_TRIES = 3
 

@@ -155,7 +155,9 @@ echo built > "$out"
 """
 
 
-@pytest.mark.parametrize("error, tries", [("unexpected end of JSON input", 2), ("manifest unknown", 1)])
+@pytest.mark.parametrize("error, tries", [("unexpected end of JSON input", 2), ("EOF", 2),
+                                          ('while getting config: no descriptor found for reference "e4bc"', 2),
+                                          ("manifest unknown", 1)])
 def test_a_build_that_read_the_layer_cache_while_another_wrote_it_is_tried_again(
         tmp_path: Path, error: str, tries: int) -> None:
     root = tmp_path / "cache"
