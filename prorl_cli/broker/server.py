@@ -433,13 +433,13 @@ class Broker:
                 return
             seen.add(spec.job_id)
             known = self.jobs.get(spec.job_id)
-            if known is not None and (known.spec.task != spec.task or (
+            if known is not None and (known.spec.task != spec.task or known.spec.sampling != spec.sampling or (
                     known.instance_digest and known.instance_digest != instance_digest(bytes(instance)))):
                 # An id names one job: resubmitting it returns that job (a retry, a resumed run, a client that
-                # submits ids to watch them). Other work under it gets that job's result, an earlier run's
-                # perhaps: said here, where it can be seen.
-                what = f"task {spec.task!r} (it ran {known.spec.task!r})" if known.spec.task != spec.task \
-                    else "another instance"
+                # submits ids to watch them). Other work under it (another task, instance or sampling: a new
+                # seed) gets that job's result, an earlier run's perhaps: said here, where it can be seen.
+                what = (f"task {spec.task!r} (it ran {known.spec.task!r})" if known.spec.task != spec.task
+                        else "other sampling" if known.spec.sampling != spec.sampling else "another instance")
                 reused.append((spec.job_id, what))
         live_tasks = self.table.live_tasks()
         if live_tasks:

@@ -61,10 +61,14 @@ def test_submit_writes_results_and_a_summary(deployment: Deployment, tmp_path: P
     assert sorted(line["job_id"] for line in lines) == sorted(f"cli-{i}-{k}" for i in range(5) for k in range(3))
     assert sorted(line["output"]["echo"] for line in lines) == sorted(list(range(5)) * 3)
     assert "summary" in r.stdout and "15 job(s)" in r.stdout
-    # Resubmitting with the same prefix returns the same jobs instead of running them again.
-    r2 = prorl(deployment, "submit", str(tasks), "--task", "test", "--n", "3", "--id-prefix", "cli")
+    assert "already exist" not in r.stderr
+    # Resubmitting with the same prefix returns the same jobs instead of running them again, and says so: a
+    # user who changed the seed under an old prefix would otherwise take the earlier rollouts for new ones.
+    r2 = prorl(deployment, "submit", str(tasks), "--task", "test", "--n", "3", "--id-prefix", "cli", "--seed", "8")
     assert r2.returncode == 0
     assert deployment.client.status().jobs["done"] >= 15
+    assert "note: 15 of 15 job id(s) under --id-prefix cli already exist at the broker" in r2.stderr, r2.stderr
+    assert "give a new --id-prefix" in r2.stderr
 
 
 def test_submit_results_carry_each_rows_own_id(deployment: Deployment, tmp_path: Path) -> None:

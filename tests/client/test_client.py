@@ -71,6 +71,8 @@ def test_an_id_resubmitted_for_other_work_returns_its_job_and_the_broker_says_so
     assert "1 " + said + " (e.g. 'reused-0', now for another instance)" in deployment.log("broker")
     client.submit("noop", [{"echo": "run A"}], job_ids=["reused-0"])
     assert "now for task 'noop' (it ran 'test')" in deployment.log("broker")
+    client.submit("test", [{"echo": "run A"}], job_ids=["reused-0"], sampling={"seed": 9})  # a new seed: other work
+    assert "(e.g. 'reused-0', now for other sampling)" in deployment.log("broker")
 
 
 def test_submits_the_broker_could_not_take_are_refused_in_the_client_at_once(deployment: Deployment) -> None:

@@ -85,7 +85,7 @@ def submit_jobs(
         task, n, job_ids=ids[i * n:(i + 1) * n], timeout_s=timeout_s, sampling=sampling, group_id=f"{prefix}-{i}",
         meta=row_meta(instances[i]), seed_from=i * n)]
     try:
-        client.submit_specs(specs, [inst for inst in instances for _ in range(n)])
+        submitted = client.submit_specs(specs, [inst for inst in instances for _ in range(n)])
     except ProrlError as e:
         taken = getattr(e, "submitted", None)
         if isinstance(e, OSError) or (taken is not None and taken.accepted):
@@ -94,6 +94,13 @@ def submit_jobs(
             app.abort(f"submit failed: {e}; send it again with --id-prefix {prefix} (what the broker took is not "
                       "run twice)")
         app.abort(f"submit failed: {e}")
+    if submitted.existing:
+        # The same ids resume a submission; a user who changed the seed, the sampling or the rows under an old
+        # prefix would otherwise get the earlier rollouts back as if they were new.
+        app.err_console.print(
+            f"note: {len(submitted.existing)} of {len(ids)} job id(s) under --id-prefix {prefix} already exist at the "
+            "broker: their earlier jobs and results are returned, not new rollouts (a resumed submission); for new "
+            "rollouts (another --seed, other sampling or rows) give a new --id-prefix", soft_wrap=True, markup=False)
     return prefix, ids
 
 
