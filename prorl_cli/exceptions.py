@@ -321,6 +321,11 @@ class RolloutsFailing(SamplerError):
     task fails every rollout (a misconfigured handler, a backend gone); :attr:`failures` says why."""
 
 
+class SamplerTimeout(SamplerError, TimeoutError):
+    """A step did not reach its target within ``SamplerConfig.step_timeout_s`` (:attr:`setting`); its message
+    says how far it got, and :attr:`failures` groups the step's failed results."""
+
+
 class DatasetError(ProrlError, ValueError):
     """A dataset file that cannot be loaded (names the file, the line or row, and the field)."""
 

@@ -71,6 +71,8 @@ def sample_row(s: TrainingSample) -> dict[str, Any]:
     ``loss_weights`` were never assigned (:func:`~prorl_cli.training.samples.assign_loss_weights`), and when
     a reward, advantage, log-prob or loss weight is not finite (see :func:`_check_finite`).
     """
+    if not isinstance(s, TrainingSample):
+        raise TypeError(f"a TrainingSample to export, got {type(s).__name__} {s!r:.60}: {_ORDER}")
     s.check_aligned()
     if s.input_ids and not s.loss_weights:
         # Written as zeros, the column would train on nothing without a word: build_samples leaves it empty.
@@ -106,9 +108,19 @@ def sample_row(s: TrainingSample) -> dict[str, Any]:
     }
 
 
+#: How the writers are called: said when they are called otherwise.
+_ORDER = "the writers take (path, samples), e.g. write_samples_parquet('samples.parquet', built.samples)"
+
+
+def _out_path(path: object) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: a file name, got {type(path).__name__}: {_ORDER}")
+    return Path(path)
+
+
 def write_samples_jsonl(path: str | os.PathLike[str], samples: Iterable[TrainingSample]) -> Path:
     """One JSON object per sample (the columns of :data:`COLUMNS`); written atomically."""
-    return write_jsonl_atomic(path, (sample_row(s) for s in samples))
+    return write_jsonl_atomic(_out_path(path), (sample_row(s) for s in samples))
 
 
 def read_samples_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -138,10 +150,10 @@ def write_samples_parquet(path: str | os.PathLike[str], samples: Iterable[Traini
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ImportError("Parquet export needs pyarrow: pip install 'prorl[parquet]'") from e
+    out = _out_path(path)
     rows = [sample_row(s) for s in samples]
     schema = arrow_schema()
     table = pa.Table.from_pylist(rows, schema=schema) if rows else schema.empty_table()
-    out = Path(path)
     # Into a temp file beside it first: a write cut short (a full disk, Ctrl-C) must not leave a truncated
     # Parquet file where the last good export was.
     tmp = out.with_name(out.name + ".tmp")

@@ -73,16 +73,16 @@ import logging
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from prorl_cli import timebase
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.exceptions import (
+from prorl_cli.exceptions import (  # SamplerTimeout: importable from here too, where it was defined
     ConfigError,
     RolloutsFailing,
-    SamplerError,
+    SamplerTimeout,
     StepGroupsExhausted,
 )
 from prorl_cli.observe.failures import FailureGroups
@@ -105,11 +105,6 @@ GROUPS_SLACK = 256
 #: every job that was in flight when they began has ended as well (failed: a finished one starts the count over),
 #: so jobs failing fast beside healthy long rollouts (a broken node) never stop a run that still works.
 FAILURES_FLOOR = 32
-
-
-class SamplerTimeout(SamplerError, TimeoutError):
-    """A step did not reach its target within ``SamplerConfig.step_timeout_s`` (:attr:`setting`); its message
-    says how far it got, and :attr:`failures` groups the step's failed results."""
 
 
 def has_reward_variance(rewards: Sequence[float]) -> bool:
@@ -311,7 +306,8 @@ class CarriedGroup:
 
 @dataclass
 class SamplerState:
-    """Checkpoint of a sampler between steps (plain data: save it with the trainer's checkpoint)."""
+    """Checkpoint of a sampler between steps: save :meth:`to_dict` (JSON, YAML, a torch checkpoint) with the
+    trainer's checkpoint; :meth:`from_dict` (or ``DapoSampler(..., state=that_dict)``) reads it back."""
 
     step: int = 0
     cursor: int = 0
@@ -319,6 +315,47 @@ class SamplerState:
     #: Prompts (index in the prompt list) whose last finished group was filtered: what ``skip_filtered_prompts``
     #: reads.
     filtered_prompts: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: ints and lists of them, keyed by field."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplerState:
+        """The state :meth:`to_dict` wrote; a field missing, unknown or of the wrong type raises
+        :class:`ConfigError` naming it (a damaged checkpoint must not resubmit other jobs' ids)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"sampler state: a mapping of {sorted(f.name for f in fields(cls))}, "
+                              f"got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"sampler state: unknown field(s) {unknown}")
+
+        def count(value: Any, where: str) -> int:
+            if type(value) is not int or value < 0:
+                raise ConfigError(f"sampler state: {where} must be a non-negative integer, got {value!r}")
+            return value
+
+        def items(name: str) -> list[Any]:
+            value = data.get(name, [])
+            if not isinstance(value, list):
+                raise ConfigError(f"sampler state: {name} must be a list, got {type(value).__name__}")
+            return value
+
+        carried = []
+        for i, group in enumerate(items("carried")):
+            where = f"carried[{i}]"
+            if isinstance(group, CarriedGroup):
+                group = asdict(group)
+            if not isinstance(group, Mapping) or set(group) != {"position", "step", "policy_version"}:
+                raise ConfigError(f"sampler state: {where} must be a mapping of position, step and policy_version, "
+                                  f"got {group!r}")
+            carried.append(CarriedGroup(count(group["position"], f"{where}.position"),
+                                        count(group["step"], f"{where}.step"),
+                                        count(group["policy_version"], f"{where}.policy_version")))
+        return cls(step=count(data.get("step", 0), "step"), cursor=count(data.get("cursor", 0), "cursor"),
+                   carried=carried,
+                   filtered_prompts=[count(v, f"filtered_prompts[{i}]") for i, v in enumerate(items("filtered_prompts"))])
 
 
 @dataclass
@@ -351,11 +388,13 @@ class DapoSampler:
         prompts: Sequence[Any],
         config: SamplerConfig,
         *,
-        state: SamplerState | None = None,
+        state: SamplerState | Mapping[str, Any] | None = None,
         prompt_id: Callable[[int, Any], str] | None = None,
     ) -> None:
         if not prompts:
             raise ValueError("the sampler needs at least one prompt")
+        if state is not None and not isinstance(state, SamplerState):
+            state = SamplerState.from_dict(state)  # saved as plain data (to_dict, JSON)
         self.client = client
         self.task = task
         self.prompts = prompts
@@ -497,8 +536,8 @@ class DapoSampler:
             # would train on another run's rollouts (generated by another policy) without a word.
             self._warned_existing = True
             log.warning("job ids of this run already exist at the broker (e.g. %r): their earlier results are "
-                        "used, not new rollouts; give each experiment its own SamplerConfig.run_id (now %r), or "
-                        "pass state= to resume a run", existing[0], self.config.run_id)
+                        "used, not new rollouts; give each experiment its own SamplerConfig.run_id (now %r; "
+                        "prorl sample: --id-prefix), or pass state= to resume a run", existing[0], self.config.run_id)
 
     def _skips(self, position: int) -> bool:
         """Whether ``skip_filtered_prompts`` passes over the prompt at ``position`` (a draw fixed by the run and

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,6 +70,14 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
     rows = read_samples_jsonl(write_samples_jsonl(tmp_path / "s.jsonl", ss))
     assert rows == [sample_row(s) for s in ss]
     assert set(rows[0]) == set(COLUMNS)
+
+
+@pytest.mark.parametrize("writer", [write_samples_jsonl, write_samples_parquet])
+def test_arguments_given_in_the_wrong_order_are_refused_saying_the_order(tmp_path: Path, writer: Any) -> None:
+    out = tmp_path / "s.out"
+    with pytest.raises(TypeError, match=re.escape("the writers take (path, samples)")):
+        writer(samples(), str(out))
+    assert not out.exists() and not list(tmp_path.iterdir())
 
 
 def test_a_failed_jsonl_export_keeps_the_old_file_and_leaves_no_temp_file(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -377,7 +378,7 @@ def test_groups_finished_beyond_a_steps_target_survive_a_restart(stack: Deployme
             await sampler.close(cancel_in_flight=False)  # the trainer's process ends here
             return batch, state, ready
 
-    async def restarted(state: SamplerState) -> tuple[StepBatch, int]:
+    async def restarted(state: dict[str, Any]) -> tuple[StepBatch, int]:
         async with aclient(stack) as client:
             before = sum((await client.status()).jobs.values())
             sampler = DapoSampler(client, "dapo_sim", ps, cfg, state=state)
@@ -389,12 +390,27 @@ def test_groups_finished_beyond_a_steps_target_survive_a_restart(stack: Deployme
     batch0, state, ready = asyncio.run(first_trainer())
     assert len(ready) >= cfg.target_groups, ready  # enough left over for the next step without a new batch
     assert {c.position for c in state.carried} and state.step == 1
-    batch1, ran = asyncio.run(restarted(state))
+    saved = json.loads(json.dumps(state.to_dict()))  # as a trainer's checkpoint keeps it: plain JSON
+    assert SamplerState.from_dict(saved) == state
+    batch1, ran = asyncio.run(restarted(saved))
     check_batch(batch1, cfg)
     assert [g.group_id for g in batch1.groups] == ready[: cfg.target_groups]
     assert ran == 0  # answered from the broker's results: no job ran again
     assert not {g.group_id for g in batch1.groups} & {g.group_id for g in batch0.groups}
 
+
+
+def test_a_damaged_sampler_state_is_refused_naming_the_field() -> None:
+    """A checkpoint that would resubmit other ids (a wrong cursor type, a group without its step) is refused."""
+    from prorl_cli.exceptions import ConfigError
+
+    good = {"step": 2, "cursor": 5, "carried": [{"position": 4, "step": 1, "policy_version": 1}], "filtered_prompts": [0]}
+    assert SamplerState.from_dict(good).carried[0].position == 4
+    for bad, named in (({**good, "cursor": "5"}, "cursor"), ({**good, "carried": [{"position": 4}]}, "carried[0]"),
+                       ({**good, "filtered_prompts": [-1]}, "filtered_prompts[0]"), ({**good, "epoch": 1}, "epoch"),
+                       ([1, 2], "mapping")):
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            DapoSampler(None, "t", [{}], SamplerConfig(2, 1), state=bad)  # type: ignore[arg-type]
 
 
 def test_prompts_whose_groups_stopped_teaching_are_skipped_in_later_epochs(stack: Deployment) -> None:

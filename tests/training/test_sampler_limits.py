@@ -14,9 +14,15 @@ from typing import Any
 
 import pytest
 
-from prorl_cli.exceptions import ConfigError, RolloutsFailing, SamplerError, StepGroupsExhausted
+from prorl_cli.exceptions import (
+    ConfigError,
+    RolloutsFailing,
+    SamplerError,
+    SamplerTimeout,
+    StepGroupsExhausted,
+)
 from prorl_cli.testing.handlers.dapo_sim import draw
-from prorl_cli.training.sampler import DapoSampler, SamplerConfig, SamplerTimeout, StepBatch
+from prorl_cli.training.sampler import DapoSampler, SamplerConfig, StepBatch
 from tests.harness import Deployment
 from tests.training.test_sampler import aclient, check_batch, prompts
 
