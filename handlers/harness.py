@@ -44,9 +44,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -62,11 +64,6 @@ from prorl_cli.node.settings import deployment_settings, resolve_settings
 from prorl_cli.observe.logs import JobLogger
 
 HARNESS_DIR = "/tmp/prorl-harness"
-SCRIPT = f"{HARNESS_DIR}/run.sh"
-COMMAND = f"{HARNESS_DIR}/command.sh"
-LOG = f"{HARNESS_DIR}/output.log"
-RC = f"{HARNESS_DIR}/exit_code"
-WORKSPACE_TAR = f"{HARNESS_DIR}/workspace.tar"
 TASK_FIELDS = ("problem_statement", "question", "problem", "prompt", "task")
 DOMAIN_SCORERS = ("swe", "code", "math")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -174,6 +171,50 @@ class _OutputLog:
             log.debug("job %s harness| %s", self._ctx.job_id, text)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Paths:
+    """Where one job's harness files are in its sandbox.
+
+    A sandbox has a /tmp of its own, so every job uses the same names there. The local runtime has none:
+    jobs running side by side on one node would share (and overwrite) the task file, the script, the log
+    and the exit-code file, and the first job to exit would end every other. There each job gets a folder
+    of its own, and the ``task_file`` and ``workdir`` defaults move into it (values a user set are kept).
+    """
+
+    root: str
+    task_file: str
+    workdir: str
+
+    @property
+    def script(self) -> str:
+        return f"{self.root}/run.sh"
+
+    @property
+    def command(self) -> str:
+        return f"{self.root}/command.sh"
+
+    @property
+    def log(self) -> str:
+        return f"{self.root}/output.log"
+
+    @property
+    def rc(self) -> str:
+        return f"{self.root}/exit_code"
+
+    @property
+    def workspace_tar(self) -> str:
+        return f"{self.root}/workspace.tar"
+
+    @classmethod
+    def of(cls, job_id: str, runtime: str, settings: HandlerSettings, defaults: HandlerSettings) -> _Paths:
+        task_file, workdir = str(settings.get("task_file")), str(settings.get("workdir"))
+        if runtime != "local":
+            return cls(HARNESS_DIR, task_file, workdir)
+        root = f"{HARNESS_DIR}-{hashlib.blake2b(job_id.encode(), digest_size=8).hexdigest()}"
+        return cls(root, f"{root}/task.md" if task_file == defaults.get("task_file") else task_file,
+                   f"{root}/work" if workdir == defaults.get("workdir") else workdir)
+
+
 class HarnessHandler(AgentHandler):
     """Runs an agent harness command in the sandbox against the job's gateway; scores with a domain's scorer."""
 
@@ -229,11 +270,12 @@ class HarnessHandler(AgentHandler):
                 options["image"] = settings.image
             sandbox = await ctx.start_sandbox(**options)
         ctx.sandbox = sandbox  # the swe set-up started it on the domain's view of the job
-        workdir = shlex.quote(str(settings.get("workdir")))
-        made = await sandbox.bash(f"mkdir -p {workdir} {HARNESS_DIR} 2>&1")
+        paths = _Paths.of(ctx.job_id, getattr(sandbox, "runtime", ""), settings, self.defaults)
+        ctx.state["harness_paths"] = paths
+        made = await sandbox.bash(f"mkdir -p {shlex.quote(paths.workdir)} {shlex.quote(paths.root)} 2>&1")
         if made.exit_code != 0:
-            raise DomainError(f"harness: cannot make the workdir {settings.get('workdir')}: {made.output[-500:]}")
-        await sandbox.write_file(str(settings.get("task_file")), task.encode())
+            raise DomainError(f"harness: cannot make the workdir {paths.workdir}: {made.output[-500:]}")
+        await sandbox.write_file(paths.task_file, task.encode())
         ctx.output["sandboxes"] = {"run": sandbox.sandbox_id}
 
     # ------------------------------------------------------------------- RUN
@@ -248,18 +290,20 @@ class HarnessHandler(AgentHandler):
         await job.serve_unix(host_sock)
         host, port = await sandbox.relay(inside_sock)
         env = {**{k: str(v) for k, v in settings.get("env").items()}, **job.env(host, port)}
-        command = expand_command(str(settings.get("command")), task_file=str(settings.get("task_file")),
-                                 workdir=str(settings.get("workdir")), model=str(settings.get("model")))
+        paths: _Paths = ctx.state["harness_paths"]
+        command = expand_command(str(settings.get("command")), task_file=paths.task_file,
+                                 workdir=paths.workdir, model=str(settings.get("model")))
         # The command runs as a script of its own, in a child shell: its `exit N`, `exec prog` or `set -e`
         # ends that shell only, so the line after it always records the exit status. It inherits the
         # exports, the working directory, stdin and the process group of run.sh.
-        await sandbox.write_file(COMMAND, (command + "\n").encode())
+        await sandbox.write_file(paths.command, (command + "\n").encode())
         script = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-        script += [f"if cd {shlex.quote(str(settings.get('workdir')))}; then sh {COMMAND}; rc=$?; else rc=97; fi",
-                   f"echo $rc > {RC}.tmp && mv {RC}.tmp {RC}"]
-        await sandbox.write_file(SCRIPT, ("\n".join(script) + "\n").encode())
+        script += [f"if cd {shlex.quote(paths.workdir)}; then sh {paths.command}; rc=$?; else rc=97; fi",
+                   f"echo $rc > {paths.rc}.tmp && mv {paths.rc}.tmp {paths.rc}"]
+        await sandbox.write_file(paths.script, ("\n".join(script) + "\n").encode())
         # A background job of the tool server's interactive shell gets a process group of its own: $! is its id.
-        started = await sandbox.bash(f"rm -f {RC}; : > {LOG}; sh {SCRIPT} >> {LOG} 2>&1 < /dev/null & echo $!")
+        started = await sandbox.bash(f"rm -f {paths.rc}; : > {paths.log}; sh {paths.script} >> {paths.log} 2>&1 "
+                                     "< /dev/null & echo $!")
         try:
             pgid = int(started.output.strip().splitlines()[-1])
         except (ValueError, IndexError) as e:
@@ -268,24 +312,29 @@ class HarnessHandler(AgentHandler):
         tail = bytearray()
         stop_reason, exit_code, error = "cancelled", None, None
         try:
-            exit_code, stop_reason, error = await self._follow(ctx, sandbox, settings, pgid, tail)
+            try:
+                exit_code, stop_reason, error = await self._follow(ctx, sandbox, settings, paths, pgid, tail)
+            finally:
+                if exit_code is None:  # timed out, cancelled, or its shell vanished: what it started may still run
+                    with contextlib.suppress(SandboxError, OSError):
+                        await asyncio.shield(self._kill(sandbox, pgid))
+                traj = ctx.trajectory = job.trajectory
+                traj.stop_reason = stop_reason
+                ctx.output.update({
+                    "trajectory": traj.to_dict(), "turns": len(traj.calls), "stop_reason": stop_reason,
+                    "harness_exit_code": exit_code, "harness_error": error,
+                    "harness_log": tail.decode("utf-8", "replace"),
+                    "continuity": job.buffer.continuity, "segments": job.buffer.conversations,
+                })
+                await job.close()
+            await self._save_artifacts(ctx, settings, sandbox)
         finally:
-            if exit_code is None:  # timed out, cancelled, or its shell vanished: what it started may still run
+            if paths.root != HARNESS_DIR:  # the local runtime's folder of this job is on the host: gone with it
                 with contextlib.suppress(SandboxError, OSError):
-                    await asyncio.shield(self._kill(sandbox, pgid))
-            traj = ctx.trajectory = job.trajectory
-            traj.stop_reason = stop_reason
-            ctx.output.update({
-                "trajectory": traj.to_dict(), "turns": len(traj.calls), "stop_reason": stop_reason,
-                "harness_exit_code": exit_code, "harness_error": error,
-                "harness_log": tail.decode("utf-8", "replace"),
-                "continuity": job.buffer.continuity, "segments": job.buffer.conversations,
-            })
-            await job.close()
-        await self._save_artifacts(ctx, settings, sandbox)
+                    await asyncio.shield(sandbox.bash(f"rm -rf {shlex.quote(paths.root)}", timeout_s=60))
 
     async def _follow(
-        self, ctx: JobContext, sandbox: Any, settings: HandlerSettings, pid: int, tail: bytearray
+        self, ctx: JobContext, sandbox: Any, settings: HandlerSettings, paths: _Paths, pid: int, tail: bytearray
     ) -> tuple[int | None, str, str | None]:
         """Stream the harness's output to the job log until it exits, vanishes or runs past ``timeout_s``.
 
@@ -303,11 +352,11 @@ class HarnessHandler(AgentHandler):
                 # file already if it ever would, so "gone and no file" is final, not a race with its last line.
                 alive = await self._alive(sandbox, pid)
                 try:
-                    rc_text = (await sandbox.read_file(RC)).decode().strip()
+                    rc_text = (await sandbox.read_file(paths.rc)).decode().strip()
                 except ToolError:
                     rc_text = ""  # still running
                 while True:  # everything written so far, including after the exit code appeared
-                    chunk = await sandbox.read_file(LOG, offset=offset, max_bytes=_READ_CHUNK_BYTES)
+                    chunk = await sandbox.read_file(paths.log, offset=offset, max_bytes=_READ_CHUNK_BYTES)
                     if not chunk:
                         break
                     offset += len(chunk)
@@ -377,23 +426,23 @@ class HarnessHandler(AgentHandler):
         agent wrote is only readable from a copy. Links that point outside the copy, device files and
         the like are left out (with a warning), as :func:`tarfile.data_filter` refuses them.
         """
-        workdir = str(settings.get("workdir"))
+        paths: _Paths = ctx.state["harness_paths"]
+        workdir, tar = paths.workdir, paths.workspace_tar
         max_mb = float(settings.get("workspace_max_mb"))
-        packed = await sandbox.bash(f"tar -C {shlex.quote(workdir)} -cf {WORKSPACE_TAR} . 2>&1 && wc -c < {WORKSPACE_TAR}",
-                                    timeout_s=600)
+        packed = await sandbox.bash(f"tar -C {shlex.quote(workdir)} -cf {tar} . 2>&1 && wc -c < {tar}", timeout_s=600)
         if packed.exit_code != 0:
             raise DomainError(f"harness: cannot pack the workdir {workdir} for the scorer: {packed.output[-500:]}")
         size_bytes = int(packed.output.split()[-1])
         if size_bytes > max_mb * 2**20:
-            await sandbox.bash(f"rm -f {WORKSPACE_TAR}")
+            await sandbox.bash(f"rm -f {tar}")
             raise DomainError(f"harness: the workdir {workdir} is {size_bytes / 2**20:.1f} MiB (as a tar), over "
                               f"workspace_max_mb={max_mb:g}; raise the setting or have the command clean up")
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         dest, tar_path = ctx.run_dir / "workspace", ctx.run_dir / "workspace.tar"
         with tar_path.open("wb") as out:
-            while chunk := await sandbox.read_file(WORKSPACE_TAR, offset=out.tell(), max_bytes=_READ_CHUNK_BYTES):
+            while chunk := await sandbox.read_file(tar, offset=out.tell(), max_bytes=_READ_CHUNK_BYTES):
                 out.write(chunk)
-        await sandbox.bash(f"rm -f {WORKSPACE_TAR}")
+        await sandbox.bash(f"rm -f {tar}")
         skipped = await asyncio.to_thread(_unpack, tar_path, dest)
         if skipped:
             ctx.log.warning("harness: %d entries of %s not copied for the scorer (outside the workdir or not "
@@ -417,6 +466,10 @@ class HarnessHandler(AgentHandler):
             workspace = Path(ctx.state["workspace"]) if ctx.state.get("workspace") else None
             try:
                 importlib.invalidate_caches()  # a scorer module written after the node started is found too
+                if os.getcwd() not in sys.path and "" not in sys.path:
+                    # "In the node's working directory" holds for `prorl serve node` too, whose console script
+                    # (unlike `python -m`) does not put it on the path; last, so it shadows no installed module.
+                    sys.path.append(os.getcwd())
                 try:
                     fn = getattr(importlib.import_module(module), attr)
                 except (ImportError, AttributeError) as e:

@@ -138,3 +138,32 @@ def test_harness_output_past_node_log_lines_goes_to_the_job_log_only(
     assert result.log_path is not None
     job_log = Path(result.log_path).read_text()
     assert all(f"{job}| spam-{i}-end" in job_log for i in range(1, 51))
+
+
+def test_harness_jobs_side_by_side_on_the_local_runtime_keep_their_own_files(tmp_path: Path, tiny_model: Path) -> None:
+    """The local runtime has no private /tmp: each job gets a folder of its own there (task file, workdir,
+    script, log, exit code), so jobs running at once neither read each other's task nor end each other, and
+    the folder goes with the job."""
+    from tests.harness import Deployment
+
+    config = {"sandbox": {"runtime": "local", "local_dir": str(tmp_path / "sb")},
+              "inference": {"tokenizer": str(tiny_model)}, "node": {"n_init": 4, "n_run": 4, "n_eval": 4}}
+    # The first to start sleeps longest: with shared files the quickest job's exit code would end the others.
+    command = "sleep $(cut -c2 {task_file}); cat {task_file}; echo; pwd"
+    tags = [f"L{i}" for i in (3, 2, 1)]
+    with Deployment(tmp_path / "home", "local", config=config) as d:
+        d.start_broker()
+        d.start_node("n1")
+        ids = d.client.submit("harness", [
+            {"task": f"{tag} job", "settings": {"image": "", "command": command, "scorer": "none", "poll_s": 0.1,
+                                                "timeout_s": 60.0}} for tag in tags], timeout_s=120)
+        results = d.client.wait(ids, timeout_s=180)
+    roots = set()
+    for tag, r in zip(tags, results, strict=True):
+        assert r.state == "done" and r.output["harness_exit_code"] == 0, r.output.get("harness_log")
+        log = r.output["harness_log"]
+        assert f"{tag} job" in log and not any(f"{t} job" in log for t in tags if t != tag), log
+        workdir = next((line for line in log.splitlines() if line.startswith("/tmp/prorl-harness-")), log)
+        assert workdir.endswith("/work"), log
+        roots.add(workdir.rpartition("/")[0])
+    assert len(roots) == 3 and not any(Path(root).exists() for root in roots), roots

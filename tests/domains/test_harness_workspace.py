@@ -85,3 +85,31 @@ def test_the_workspace_copy_goes_also_when_the_scorer_cannot_be_imported(tmp_pat
             asyncio.run(HarnessHandler().eval(ctx))  # type: ignore[arg-type]
         assert not workspace.exists(), scorer
         workspace.mkdir(parents=True)
+
+
+def test_a_scorer_in_the_nodes_working_directory_is_found_without_python_dash_m(tmp_path: Path) -> None:
+    """`prorl serve node` is a console script: unlike `python -m prorl_cli`, it does not put the working
+    directory on sys.path, where docs/harness.md says a scorer module may be."""
+    import os
+    import subprocess
+    import sys
+
+    cwd = tmp_path / "node-home"
+    cwd.mkdir()
+    (cwd / "prorl_cwd_scorer.py").write_text("def score(ctx):\n    return 0.75\n")
+    script = tmp_path / "elsewhere" / "eval_once.py"  # sys.path[0] is the script's folder, not the cwd
+    script.parent.mkdir()
+    script.write_text(
+        "import asyncio, os, sys\n"
+        "from types import SimpleNamespace\n"
+        "from prorl_cli.handlers.harness import HarnessHandler\n"
+        "from prorl_cli.node.settings import resolve_settings\n"
+        "assert os.getcwd() not in sys.path and '' not in sys.path, sys.path\n"
+        "settings = resolve_settings(HarnessHandler.defaults, ('test', {'scorer': 'prorl_cwd_scorer:score'}))\n"
+        "ctx = SimpleNamespace(settings=settings, output={}, state={}, reward=None)\n"
+        "asyncio.run(HarnessHandler().eval(ctx))\n"
+        "print(ctx.reward)\n")
+    repo = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": repo})
+    assert proc.returncode == 0 and proc.stdout.strip() == "0.75", proc.stdout + proc.stderr

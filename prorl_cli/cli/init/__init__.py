@@ -51,7 +51,8 @@ sandbox:
 
 inference:
   capacity: {capacity}              # generate calls a bridge serves at once
-  tokenizer: {tokenizer}           # the model directory handlers tokenize for (default: the served model's)
+  tokenizer: {tokenizer}           # the model directory handlers and the gateway tokenize for (none: `prorl launch`
+  # uses the deploy file's model; a node started by hand needs it here, or a `tokenizer` field in each instance)
 """
 
 DEPLOY_TEMPLATE = """\
