@@ -171,6 +171,10 @@ class ClientClosed(ProrlError, RuntimeError):
     """A client was used after ``close()`` (or after its ``with`` block)."""
 
 
+class SamplerClosed(ClientClosed):
+    """A DAPO sampler's ``step()`` after its ``close()``."""
+
+
 class RendezvousError(ProrlError, FileNotFoundError):
     """The deployment's rendezvous file is missing or unreadable."""
 

@@ -82,6 +82,7 @@ from prorl_cli.client import AsyncRolloutClient
 from prorl_cli.exceptions import (  # SamplerTimeout: importable from here too, where it was defined
     ConfigError,
     RolloutsFailing,
+    SamplerClosed,
     SamplerTimeout,
     StepGroupsExhausted,
 )
@@ -403,6 +404,7 @@ class DapoSampler:
         #: Restarted from a state: existing jobs at the broker are this run's own (resubmitted to be collected).
         self._resumed = state is not None
         self._warned_existing = False
+        self._closed = False
         state = state or SamplerState()
         self.step_index = state.step
         self.cursor = state.cursor
@@ -456,7 +458,9 @@ class DapoSampler:
             self._stream = self.client.results()
 
     async def close(self, *, cancel_in_flight: bool = True) -> None:
-        """Stop reading results; cancel what is still in flight unless told not to."""
+        """Stop reading results; cancel what is still in flight unless told not to. A closed sampler takes no
+        more steps (its new groups would run unwatched, and nothing would cancel them)."""
+        self._closed = True
         for p in self._pending.values():
             self._record(p.job_ids, "in_flight")
         if cancel_in_flight and self._pending:
@@ -736,6 +740,8 @@ class DapoSampler:
 
     async def step(self, policy_version: int = 0) -> StepBatch:
         """Collect ``target_groups`` informative groups; ``policy_version`` is the trainer's current weights."""
+        if self._closed:
+            raise SamplerClosed("this sampler was closed: make a new one (state=sampler.state() resumes it)")
         await self._start()
         cfg = self.config
         started = timebase.now()
@@ -819,6 +825,9 @@ class BlockingDapoSampler:
     """:class:`DapoSampler` for blocking code, on a :class:`prorl_cli.client.RolloutClient`'s event loop."""
 
     def __init__(self, client: Any, task: str, prompts: Sequence[Any], config: SamplerConfig, **kwargs: Any) -> None:
+        if isinstance(client, AsyncRolloutClient):
+            raise TypeError("BlockingDapoSampler takes a blocking RolloutClient; on an AsyncRolloutClient use "
+                            "DapoSampler (await sampler.step())")
         self._client = client
         self._sampler: DapoSampler = client._run(_make(client._aio, task, prompts, config, kwargs))
 

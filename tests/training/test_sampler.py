@@ -413,6 +413,28 @@ def test_a_damaged_sampler_state_is_refused_naming_the_field() -> None:
             DapoSampler(None, "t", [{}], SamplerConfig(2, 1), state=bad)  # type: ignore[arg-type]
 
 
+def test_a_closed_sampler_takes_no_step_and_the_blocking_one_refuses_an_async_client(stack: Deployment) -> None:
+    """A step after close() would submit groups nothing watches or cancels; an async client handed to the blocking
+    sampler would fail deep inside it."""
+    from prorl_cli.exceptions import SamplerClosed
+    from prorl_cli.training.sampler import BlockingDapoSampler
+
+    cfg = SamplerConfig(group_size=2, target_groups=1, run_id="t-closed", step_timeout_s=60)
+
+    async def go() -> int:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", prompts(3), cfg)
+            await sampler.close()
+            before = sum((await client.status()).jobs.values())
+            with pytest.raises(SamplerClosed, match="state=sampler.state"):
+                await sampler.step()
+            with pytest.raises(TypeError, match="use DapoSampler"):
+                BlockingDapoSampler(client, "dapo_sim", prompts(3), cfg)
+            return sum((await client.status()).jobs.values()) - before
+
+    assert asyncio.run(go()) == 0  # nothing was submitted
+
+
 def test_prompts_whose_groups_stopped_teaching_are_skipped_in_later_epochs(stack: Deployment) -> None:
     """Six prompts, four of them always solved or never: once their groups were filtered, the sampler passes
     over most of those four (skip_filtered_prompts), so later epochs spend their rollouts on the two that teach."""
