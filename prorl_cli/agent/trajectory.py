@@ -74,6 +74,12 @@ class Trajectory:
     format: str = TRAJECTORY_FORMAT
 
     @property
+    def conversations(self) -> int:
+        """Token buffers the calls extend (``ModelCall.segment``): above 1 for sub-agents or a history edit,
+        where ``sequence_ids``/``loss_mask``/``logprobs`` hold the last one only (the calls hold them all)."""
+        return len({c.segment for c in self.calls})
+
+    @property
     def token_exact(self) -> bool:
         """Every call's prompt extends its conversation's previous prompt + output exactly, with no history edit."""
         return not self.violations and all(c.prefix_ok for c in self.calls)
@@ -128,8 +134,10 @@ def write_parquet(path: str | os.PathLike[str], records: Iterable[dict[str, Any]
 
     Top-level columns: ``job_id``, ``state`` (the job's end state, when the
     rows carry one), ``reward`` (when present), ``sequence_ids`` (int32 list), ``loss_mask`` (int8 list), ``logprobs`` (float32 list),
-    ``token_exact``, ``stop_reason``, ``n_calls`` and ``trajectory`` (the
-    whole record as JSON text, calls included). Rows that carry a job's
+    ``token_exact``, ``stop_reason``, ``n_calls``, ``conversations`` (token
+    buffers: above 1, sub-agents or a history edit, the three lists hold the
+    last conversation only; ``samples_from_results`` makes a sample of each)
+    and ``trajectory`` (the whole record as JSON text, calls included). Rows that carry a job's
     result fields get their columns too: ``task``, ``node_id``, ``events``,
     ``stage_s``, ``active_s``, ``attempt``, ``group_id``, ``critical_error``,
     ``error``, ``meta`` and ``log_path`` (docs/protocol.md lists their types).
@@ -156,6 +164,7 @@ def write_parquet(path: str | os.PathLike[str], records: Iterable[dict[str, Any]
             "token_exact": pa.array([t.token_exact for t in trajs], pa.bool_()),
             "stop_reason": pa.array([t.stop_reason for t in trajs], pa.string()),
             "n_calls": pa.array([len(t.calls) for t in trajs], pa.int32()),
+            "conversations": pa.array([t.conversations for t in trajs], pa.int32()),
             "trajectory": pa.array([json.dumps(r["trajectory"]) for r in rows], pa.string()),
             # The job's record beside its trajectory, where given (prorl trace/inspect/report read them).
             **{

@@ -37,8 +37,11 @@ class PartialHandler(AgentHandler):
         return None
 
     async def run(self, ctx):
-        call = ModelCall(prompt_ids=[1, 2], output_ids=[3], logprobs=[-0.5], finish_reason="stop")
-        ctx.output["trajectory"] = Trajectory(calls=[call], sequence_ids=[1, 2, 3], loss_mask=[0, 0, 1],
+        calls = [ModelCall(prompt_ids=[1, 2], output_ids=[3], logprobs=[-0.5], finish_reason="stop")]
+        if ctx.instance.get("sub_agent"):  # a second conversation: a sub-agent's call
+            calls.append(ModelCall(prompt_ids=[7], output_ids=[8], logprobs=[-0.1], finish_reason="stop", segment=1,
+                                   agent="helper"))
+        ctx.output["trajectory"] = Trajectory(calls=calls, sequence_ids=[1, 2, 3], loss_mask=[0, 0, 1],
                                               logprobs=[0.0, 0.0, -0.5], stop_reason="stop").to_dict()
         end = ctx.instance.get("end")
         if end == "raise":
@@ -175,6 +178,20 @@ def test_a_parquet_out_counts_the_jobs_it_has_no_row_for(deployment: Deployment,
     assert [row["job_id"] for row in pq.read_table(out).to_pylist()] == ["mixp-0-0"]
     assert (f"note: 1 of 2 job(s) recorded no trajectory and are not in {out} (a Parquet row is a trajectory); "
             f"`prorl results -d jobs mixp-0-0 mixt-0-0 --out FILE.jsonl` collects their whole results") in r.stderr
+
+
+def test_a_parquet_out_says_which_jobs_held_several_conversations(deployment: Deployment, tmp_path: Path) -> None:
+    """A job with sub-agents has a token buffer per conversation; a Parquet row's token columns hold one of them."""
+    pq = pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) is not installed")
+    tasks = write_tasks(tmp_path / "c.jsonl", [{"end": "done"}, {"end": "done", "sub_agent": True}])
+    out = tmp_path / "conv.parquet"
+    r = prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "partial", "--id-prefix", "conv",
+              "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = {row["job_id"]: row for row in pq.read_table(out).to_pylist()}
+    assert (rows["conv-0-0"]["conversations"], rows["conv-1-0"]["conversations"]) == (1, 2)
+    assert rows["conv-1-0"]["n_calls"] == 2
+    assert f"note: 1 job(s) in {out} held several conversations" in r.stderr, r.stderr
 
 
 def test_a_stopped_collection_keeps_what_it_took_when_it_has_no_trajectory(tmp_path: Path) -> None:

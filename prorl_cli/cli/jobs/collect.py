@@ -94,7 +94,7 @@ class ResultFile:
                 self.problem = (f"{out}: not written: no job has ended yet; `{self.recollect} --follow "
                                 f"--out {shlex.quote(str(out))}` waits for them")
             return
-        from prorl_cli.agent.trajectory import write_parquet
+        from prorl_cli.agent.trajectory import Trajectory, write_parquet
         from prorl_cli.exceptions import ProrlError
 
         try:
@@ -110,6 +110,13 @@ class ResultFile:
             self._stand_in(out, kept, f"{type(e).__name__}: {e}")
             return
         self.written = out
+        several = sum(1 for r in rows if Trajectory.from_dict(r["trajectory"]).conversations > 1)
+        if several:
+            self.app.err_console.print(
+                f"note: {several} job(s) in {out} held several conversations (sub-agents, or a history edit): their "
+                "sequence_ids/loss_mask/logprobs columns hold the last one only (column 'conversations'); every call "
+                "is in the 'trajectory' column, and `prorl sample` or samples_from_results makes a sample of each",
+                markup=False, soft_wrap=True)
         if len(rows) < len(kept):
             self.app.err_console.print(
                 f"note: {len(kept) - len(rows)} of {len(kept)} job(s) recorded no trajectory and are not in {out} "
