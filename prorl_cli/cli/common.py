@@ -142,15 +142,18 @@ def load_task_file(app: App, task: str, path: Path, fmt: str | None, skip_bad_ro
     ``skip_bad_rows`` (``--skip-bad-rows``): domain rows that cannot be loaded are left out, and stderr says
     how many and why (the first few, each with its file, line and field).
     """
+    return [instance for _, instance in load_task_rows(app, task, path, fmt, skip_bad_rows)]
 
-    from prorl_cli.domains.datasets import LOADERS, load_instances
+
+def load_task_rows(app: App, task: str, path: Path, fmt: str | None, skip_bad_rows: bool = False) -> list[tuple[int, Any]]:
+    """:func:`load_task_file`'s instances with their row in the file (from 0, rows left out counted)."""
+    from prorl_cli.domains.datasets import LOADERS, load_rows
     from prorl_cli.exceptions import DatasetError
 
     if task not in LOADERS and fmt is None and not skip_bad_rows and path.suffix != ".parquet":
-        return read_instances(app, path)
+        return list(enumerate(read_instances(app, path)))
     try:
-        return load_instances(task, path, fmt, skip_bad_rows=skip_bad_rows,
-                              warn=warning_printer(app))
+        return load_rows(task, path, fmt, skip_bad_rows=skip_bad_rows, warn=warning_printer(app))
     except DatasetError as e:
         app.abort(str(e))
     except UnicodeDecodeError as e:

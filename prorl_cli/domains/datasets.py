@@ -741,7 +741,15 @@ SKIPPED_SHOWN = 5
 
 def load_instances(task: str, path: str | Path, fmt: str | None = None,
                    warn: Callable[[str], None] | None = None, *, skip_bad_rows: bool = False) -> list[Any]:
-    """The instances of ``path`` for ``task``; a :class:`DatasetError` names file, line/row and field.
+    """The instances of ``path`` for ``task`` (:func:`load_rows` without the row numbers)."""
+    return [instance for _, instance in load_rows(task, path, fmt, warn, skip_bad_rows=skip_bad_rows)]
+
+
+def load_rows(task: str, path: str | Path, fmt: str | None = None,
+              warn: Callable[[str], None] | None = None, *, skip_bad_rows: bool = False) -> list[tuple[int, Any]]:
+    """``(row, instance)`` for each instance of ``path`` for ``task``; a :class:`DatasetError` names file,
+    line/row and field. ``row`` counts the file's rows from 0, the ones ``skip_bad_rows`` left out included,
+    so an id made from it names the same row once a bad row before it is mended.
 
     ``warn`` gets one line per field the rows carry and prorl cannot use (``swe``: once per dataset,
     naming the field and the source); by default it is logged as a warning.
@@ -763,16 +771,24 @@ def load_instances(task: str, path: str | Path, fmt: str | None = None,
         # Other tasks' rows go to their handlers unchanged: nothing here can tell a bad one.
         raise DatasetError(f"--skip-bad-rows applies to the domain tasks {sorted(LOADERS)}, not to {task!r}")
     swe = SweRows(fmt) if task == "swe" else None
-    instances: list[Any] = []
+    instances: list[tuple[int, Any]] = []
     skipped: list[DatasetError] = []
-    for where, row in read_rows(file, skipped.append if skip_bad_rows else None):
+    unreadable = 0  # lines that were not JSON: rows too, though none was yielded for them
+
+    def bad_line(e: DatasetError) -> None:
+        nonlocal unreadable
+        unreadable += 1
+        skipped.append(e)
+
+    for read, (where, row) in enumerate(read_rows(file, bad_line if skip_bad_rows else None)):
+        index = read + unreadable
         if loader is None:
-            instances.append(row)
+            instances.append((index, row))
             continue
         try:
             if not isinstance(row, dict):
                 raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            instances.append(swe.map(row, where) if swe is not None else loader(row, where, fmt))
+            instances.append((index, swe.map(row, where) if swe is not None else loader(row, where, fmt)))
         except DatasetError as e:
             if not skip_bad_rows:
                 raise

@@ -71,8 +71,20 @@ def test_submit_writes_results_and_a_summary(deployment: Deployment, tmp_path: P
     assert "give a new --id-prefix" in r2.stderr
 
 
+def test_submit_names_jobs_by_their_row_in_the_file_with_bad_rows_left_out(deployment: Deployment, tmp_path: Path) -> None:
+    # LINE counts the file's rows, the ones --skip-bad-rows left out included: once the bad row is mended, a
+    # resubmission under the same prefix gives the other rows their own earlier jobs, not a neighbour's.
+    tasks = tmp_path / "math.jsonl"
+    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "no answer"}, "not json", {"problem": "2+2?", "answer": "4"}]
+    tasks.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    r = prorl(deployment, "submit", str(tasks), "--task", "math", "--skip-bad-rows", "--detach", "--id-prefix", "rows")
+    assert r.returncode == 0, r.stderr
+    known = deployment.client.cancel([f"rows-{line}-0" for line in range(4)])
+    assert [state != "unknown" for state in known.values()] == [True, False, False, True], known
+
+
 def test_submit_results_carry_each_rows_own_id(deployment: Deployment, tmp_path: Path) -> None:
-    # Results join back to the dataset by the row's id, not by LINE (which counts loaded rows only).
+    # Results join back to the dataset by the row's id.
     tasks = tmp_path / "ids.jsonl"
     rows = [{"id": "row-a", "echo": 0}, {"echo": 1}, {"instance_id": "astropy__astropy-12907", "echo": 2},
             {"id": 17, "echo": 3}, {"id": "x" * 300, "echo": 4}]

@@ -186,6 +186,14 @@ def test_bad_rows_stop_the_load_unless_asked(tmp_path: Path) -> None:
     assert "more" not in line
 
 
+def test_rows_keep_their_place_in_the_file_when_bad_rows_are_left_out(tmp_path: Path) -> None:
+    from prorl_cli.domains.datasets import load_rows
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n{not json\n" + json.dumps({"answer": "3"}) + "\n\n" + json.dumps(GOOD) + "\n")
+    assert [row for row, _ in load_rows("math", path, skip_bad_rows=True, warn=lambda line: None)] == [0, 3]
+
+
 def test_only_the_first_reasons_are_named(tmp_path: Path) -> None:
     bad = [{"problem": f"p{i}"} for i in range(SKIPPED_SHOWN + 3)]
     warnings: list[str] = []

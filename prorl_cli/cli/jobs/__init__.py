@@ -15,7 +15,7 @@ from prorl_cli.cli.common import (
     check_out_path,
     command_hint,
     connect,
-    load_task_file,
+    load_task_rows,
     sampling_of,
     sampling_options,
 )
@@ -44,18 +44,20 @@ def run_submission(
     announce: bool = False,
     cancel_hint: str | None = None,
     address: str | None = None,
+    lines: list[int] | None = None,
 ) -> list[JobResult]:
     """Submit, stream results to ``out`` as they finish, show progress and a summary.
 
     Job ids are ``PREFIX-LINE-K`` and the ``n`` rollouts of one line share the group ``PREFIX-LINE``
-    (their GRPO group), so ``prorl results --prefix`` / ``--group`` find them again. A ``.parquet`` ``out`` that
+    (their GRPO group), so ``prorl results --prefix`` / ``--group`` find them again; ``lines``: each instance's
+    row in its file (default: its index). A ``.parquet`` ``out`` that
     cannot be written ends in an error after the summary, the results written as JSONL beside it
     (:class:`~prorl_cli.cli.jobs.collect.ResultFile`).
     """
     from prorl_cli.cli.jobs.collect import SUBMIT_CANCEL_HINT, ResultFile, collect, print_summary
 
     started = time.monotonic()
-    prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling)
+    prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling, lines)
     sink = ResultFile(app, out, only_done, selection=("--prefix", prefix), address=address)
     if announce:  # a terminal that dies leaves the jobs running: this is how to find them again
         app.err_console.print(f"submitted {len(ids)} job(s), ids {prefix}-LINE-K; from another terminal: "
@@ -69,21 +71,25 @@ def run_submission(
 
 def submit_jobs(
     app: App, client: RolloutClient, task: str, instances: list[Any], n: int, timeout_s: float | None,
-    id_prefix: str | None, sampling: dict[str, Any] | None,
+    id_prefix: str | None, sampling: dict[str, Any] | None, lines: list[int] | None = None,
 ) -> tuple[str, list[str]]:
-    """Submit every instance ``n`` times with ids ``PREFIX-LINE-K``, one group per line; a one-line error if refused."""
+    """Submit every instance ``n`` times with ids ``PREFIX-LINE-K``, one group per line; a one-line error if refused.
+
+    LINE is the instance's row in its file (``lines``; default its index), rows left out by --skip-bad-rows
+    counted: the same row keeps its ids (and its seeds) once a bad row before it is mended.
+    """
     import uuid
 
     from prorl_cli.exceptions import ProrlError
 
     prefix = id_prefix or f"{AUTO_PREFIX}-{uuid.uuid4().hex[:10]}"
-    ids = [f"{prefix}-{i}-{k}" for i in range(len(instances)) for k in range(n)]
+    rows = list(range(len(instances))) if lines is None else lines
+    ids = [f"{prefix}-{row}-{k}" for row in rows for k in range(n)]
     # One submit op for the whole set (one journal flush); the group of each job is its line. A row's own id
-    # goes in the jobs' meta, which every result echoes: results join back to the dataset by it (LINE counts
-    # the rows loaded, not the file's lines, once --skip-bad-rows left some out).
-    specs = [spec for i in range(len(instances)) for spec in client.make_specs(
-        task, n, job_ids=ids[i * n:(i + 1) * n], timeout_s=timeout_s, sampling=sampling, group_id=f"{prefix}-{i}",
-        meta=row_meta(instances[i]), seed_from=i * n)]
+    # goes in the jobs' meta, which every result echoes: results join back to the dataset by it.
+    specs = [spec for i, row in enumerate(rows) for spec in client.make_specs(
+        task, n, job_ids=ids[i * n:(i + 1) * n], timeout_s=timeout_s, sampling=sampling, group_id=f"{prefix}-{row}",
+        meta=row_meta(instances[i]), seed_from=row * n)]
     try:
         submitted = client.submit_specs(specs, [inst for inst in instances for _ in range(n)])
     except ProrlError as e:
@@ -167,7 +173,8 @@ def submit(
         app.abort("dynamic sampling is its own command: prorl sample TASKS --task T --group-size G --target-groups N "
                   "(prorl sample --help)")
     sampling = sampling_of(app, max_tokens, temperature, top_p, seed, sampling_json, sampling_file)
-    instances = load_task_file(app, task, tasks_file, fmt, skip_bad_rows)
+    rows = load_task_rows(app, task, tasks_file, fmt, skip_bad_rows)
+    instances, lines = [instance for _, instance in rows], [row for row, _ in rows]
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     if detach and (out is not None or only_done):
@@ -178,7 +185,7 @@ def submit(
         check_out_path(app, out)
     with connect(app, address) as client:
         if detach:
-            prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling)
+            prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling, lines)
             # stdout: the prefix alone (PREFIX=$(prorl submit --detach ...)); stderr: what to do with it.
             click.echo(prefix)
             collect_hint = command_hint(app, "results", "--prefix", prefix, "--follow", "--out", "results.jsonl",
@@ -191,7 +198,7 @@ def submit(
             return
         # Ctrl-C: collect cancels the unfinished jobs and says so; the prorl group ends it with one line, exit 130.
         results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix, sampling, only_done,
-                                 announce=True, address=address)
+                                 announce=True, address=address, lines=lines)
     if strict and any(r.state != "done" for r in results):
         raise click.exceptions.Exit(1)
 
