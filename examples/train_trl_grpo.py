@@ -130,7 +130,7 @@ def run(cfg: tiny.RunConfig) -> TrlSummary:
         client = stack.client
         rollout = ProrlRollout(
             client, tiny.TASK, instance_of=by_question.__getitem__,
-            sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
+            sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed},
             checkpoint_dir=cfg.out / "checkpoints", timeout_s=300, run_id=f"trl{cfg.seed}",
         )
         reward, tools = tiny.evaluate(client, held_out, cfg, "v0")
