@@ -93,9 +93,10 @@ def read_rows(path: Path, bad_line: Callable[[DatasetError], None] | None = None
     order mark is skipped.
 
     ``bad_line``: a JSON Lines line that is not JSON is passed to it and the
-    reading goes on, once a line before it was read (a first line that is
-    not JSON may be the start of one pretty-printed document, and a file
-    that is neither stops the reading as without ``bad_line``).
+    reading goes on. A first line that is not JSON may be the start of one
+    pretty-printed document, which is read as one; failing that, it is a bad
+    line of a JSON Lines file when a later line is JSON, and a file with no
+    JSON line at all (a CSV) stops the reading as without ``bad_line``.
     """
     if _is_parquet(path):
         try:
@@ -133,9 +134,18 @@ def read_rows(path: Path, bad_line: Callable[[DatasetError], None] | None = None
     except DatasetError as e:
         # The first line is not JSON: the file may be one (pretty-printed) JSON document instead.
         document = None if read_one or not isinstance(e.__cause__, json.JSONDecodeError) else _whole_document(path)
-        if document is None:
+        if document is not None:
+            yield from _items(path, document)
+            return
+        if read_one or bad_line is None or not isinstance(e.__cause__, json.JSONDecodeError):
             raise
-        yield from _items(path, document)
+        # Neither one document nor JSON Lines from its first line. A later line that is JSON makes it a JSON Lines
+        # file whose first line is bad (a row cut or mangled by hand), so the bad lines are reported as any other;
+        # no JSON line at all is a file of another kind, refused by its first line.
+        if not any(True for _ in jsonl_values(path, DatasetError, on_bad_line=lambda _bad: None)):
+            raise
+        for lineno, row in jsonl_values(path, DatasetError, on_bad_line=bad_line):
+            yield f"{path}:{lineno}", row
 
 
 _PARQUET_MAGIC = b"PAR1"

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from prorl_cli.domains.datasets import SKIPPED_SHOWN, load_instances
+from prorl_cli.domains.datasets import SKIPPED_SHOWN, load_instances, load_rows
 from prorl_cli.exceptions import DatasetError
 
 SWE_FIXTURES = Path(__file__).parents[1] / "swe" / "fixtures"
@@ -227,6 +227,21 @@ def test_lines_that_are_not_json_and_rows_that_are_not_objects_are_skipped(tmp_p
     hub.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\nnot json\n")
     assert len(load_instances("math", hub, warn=warnings.append, skip_bad_rows=True)) == 2
     assert f"{hub}:3: not valid JSON" in warnings[-1]
+
+
+def test_a_bad_first_line_is_skipped_like_any_other(tmp_path: Path) -> None:
+    """A JSON Lines file whose first line is mangled is not one document either: the line is left out, and the
+    rows after it keep their places in the file."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps(GOOD)[:-1] + "\n" + json.dumps(GOOD) + "\nnot json\n" + json.dumps(GOOD) + "\n")
+    warnings: list[str] = []
+    rows = load_rows("math", path, warn=warnings.append, skip_bad_rows=True)
+    assert [row for row, _ in rows] == [1, 3]
+    (line,) = warnings
+    assert "skipped 2 bad row(s) of 4" in line
+    assert f"{path}:1: not valid JSON" in line and f"{path}:3: not valid JSON" in line
+    with pytest.raises(DatasetError, match=r"m\.jsonl:1: not valid JSON"):  # unasked, the first bad line stops it
+        load_rows("math", path)
 
 
 def test_a_file_that_is_not_json_at_all_is_not_skipped_row_by_row(tmp_path: Path) -> None:
