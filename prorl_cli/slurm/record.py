@@ -220,4 +220,8 @@ def load_launched(deployment_dir: Path, *, or_last: bool = False) -> tuple[Launc
         raise SlurmError(f"deployment {record.deployment!r}: its deployment file {file} is gone; put it back to manage "
                          f"the deployment, or cancel its Slurm jobs yourself: scancel {' '.join(record.all_job_ids)}")
     cfg.home = record.home
+    if cfg.config is None and record.deploy is not None and record.deploy.get("config"):
+        # The prorl.yaml launch settled on (--config, $PRORL_CONFIG or ./prorl.yaml where it ran): a scale-up
+        # from another folder or shell starts its roles with the same one.
+        cfg.config = str(record.deploy["config"])
     return record, cfg

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from prorl_cli.slurm import squeue
 from prorl_cli.slurm.record import LaunchRecord
@@ -50,6 +51,19 @@ def test_dry_run_prints_every_role_and_submits_nothing(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "prorl_cli", "launch", str(deploy), "--dry-run"], capture_output=True,
                        text=True, timeout=120, env={**env, "PRORL_DEPLOYMENT": "fromenv"})
     assert r.returncode == 0 and "prorl-fromenv-nodes" in r.stdout, r.stderr
+    # deploy.yaml names no prorl.yaml: --config names the one every role reads, and --log-level reaches them; a
+    # --config naming another file than deploy.yaml's is refused rather than dropped.
+    mine = write_yaml(tmp_path / "mine.yaml", {"node": {"n_run": 3}})
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "launch", str(deploy), "-d", "dry", "--dry-run",
+                        "--config", str(mine), "--log-level", "debug"], capture_output=True, text=True, timeout=120,
+                       env={**env, "COLUMNS": "200"}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"# the roles read prorl.yaml {mine}, log level DEBUG ($PRORL_LOG_LEVEL)" in r.stdout, r.stdout
+    named = write_yaml(tmp_path / "named.yaml", {**yaml.safe_load(deploy.read_text()), "config": "other.yaml"})
+    write_yaml(tmp_path / "other.yaml", {})
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "launch", str(named), "--dry-run", "--config", str(mine)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1 and "name different files" in r.stderr and "config: " in r.stderr, r.stderr
     # A partition the cluster lacks: the plan is printed, and the dry run says the launch would be refused.
     wrong = write_yaml(tmp_path / "wrong.yaml", {"deployment": "dry", "home": str(home),
                                                  "nodes": {"count": 1, "partition": "nosuchpartition"}})

@@ -8,6 +8,7 @@ registered. ``prorl status`` adds the same Slurm view (:func:`print_slurm_view`)
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import time
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class LaunchFailure:
 
 
 def _load_deploy(app: App, path: str, deployment: str | None) -> DeployConfig:
+    from prorl_cli.config import ENV_LOG_LEVEL, find_config_file
     from prorl_cli.exceptions import ConfigError
     from prorl_cli.slurm.deploy import load_deploy
 
@@ -60,6 +62,23 @@ def _load_deploy(app: App, path: str, deployment: str | None) -> DeployConfig:
         app.abort(f"config error: {e}")
     if cfg.home is None and app.overrides.get("home"):
         cfg.home = str(app.overrides["home"])
+    # The roles read the prorl.yaml named here, on whatever node and in whatever folder Slurm starts them, so it
+    # is settled now, as every other command finds one: deploy.yaml's `config`, else --config, $PRORL_CONFIG or
+    # ./prorl.yaml. A --config that names another file than deploy.yaml does is refused, not silently dropped.
+    if cfg.config is None:
+        try:
+            found = find_config_file(app.config_path)
+        except ConfigError as e:
+            app.abort(f"config error: {e}")
+        cfg.config = str(found.resolve()) if found is not None else None
+    elif app.config_path is not None and Path(app.config_path).resolve() != Path(cfg.config).resolve():
+        app.abort(f"--config {app.config_path} and {cfg.source}'s config: {cfg.config} name different files; "
+                  "the deployment file decides what its roles read: give one of them")
+    level = app.overrides.get("log_level")
+    if level is not None:
+        # Slurm's batch scripts export this environment to every role, where $PRORL_LOG_LEVEL beats prorl.yaml
+        # as it does for every command.
+        os.environ[ENV_LOG_LEVEL] = str(level).upper()
     return cfg
 
 
@@ -371,6 +390,7 @@ def _give_up(app: App, cfg: DeployConfig, record: LaunchRecord, keep: bool) -> s
 
 def _print_plan(app: App, cfg: DeployConfig) -> None:
     """``launch --dry-run``: each role's Slurm request and batch script, as launch would submit them."""
+    from prorl_cli.config import ENV_LOG_LEVEL
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import launcher
 
@@ -385,6 +405,9 @@ def _print_plan(app: App, cfg: DeployConfig) -> None:
         refused = str(e).replace("; nothing submitted", "")
     out = app.console
     out.print(f"# deployment {cfg.deployment}: PRORL_HOME {cfg.home_path}, Slurm logs in {cfg.log_path}", soft_wrap=True)
+    level = os.environ.get(ENV_LOG_LEVEL)
+    out.print(f"# the roles read prorl.yaml {cfg.config or '(none: the defaults)'}"
+              f"{f', log level {level} (${ENV_LOG_LEVEL})' if level else ''}", soft_wrap=True, markup=False)
     if cfg.broker.where == "here":
         out.print(f"# broker: a process on this machine: {shlex.join(launcher.local_broker_command(cfg))}", soft_wrap=True)
     for p in planned:
