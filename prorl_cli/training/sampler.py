@@ -53,7 +53,9 @@ are not all equal), the way ProRL Agent's trainer does:
   (:class:`~prorl_cli.exceptions.RolloutsFailing`, with the failures grouped
   by stage, error type and message: the task fails every rollout). Both
   defaults are far from what a healthy run meets (see :class:`SamplerConfig`);
-  0 turns either off;
+  0 turns either off. A ``step()`` that raised leaves its step open: the next
+  call goes on with it, and the step's :class:`StepStats` (and its group
+  bound) count every attempt;
 - **resumable**: job ids are ``{run_id}-s{step}-p{prompt_id}-k{k}``; a trainer
   restarted from :meth:`DapoSampler.state` resubmits the same ids and gets
   the broker's existing jobs (and finished results) back.
@@ -72,10 +74,11 @@ import asyncio
 import logging
 import math
 import random
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Annotated, Any
 
 from prorl_cli import timebase
 from prorl_cli.client import AsyncRolloutClient
@@ -88,6 +91,7 @@ from prorl_cli.exceptions import (  # SamplerTimeout: importable from here too, 
 )
 from prorl_cli.observe.failures import FailureGroups
 from prorl_cli.protocol import JobResult, JobSpec, JobState
+from prorl_cli.protocol.checks import FieldError, Int, List, record_of
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +150,10 @@ class SamplerConfig:
     #: The chance of skipping, in a later epoch, a prompt whose last group was filtered (module docstring);
     #: 0: off. Below 1: such a prompt is still tried now and then.
     skip_filtered_prompts: float = 0.0
-    #: Groups one step may submit: once that many were submitted and every group in flight finished with fewer than
-    #: ``target_groups`` informative ones, the step raises :class:`~prorl_cli.exceptions.StepGroupsExhausted`
-    #: rather than submitting more. None: ``32 * target_groups + 256`` (:data:`GROUPS_PER_TARGET`); 0: no limit.
+    #: Groups one step may submit, in all its attempts: once that many were submitted and every group in flight
+    #: finished with fewer than ``target_groups`` informative ones, the step raises
+    #: :class:`~prorl_cli.exceptions.StepGroupsExhausted` rather than submitting more. None: ``32 * target_groups +
+    #: 256`` (:data:`GROUPS_PER_TARGET`); 0: no limit.
     max_groups_per_step: int | None = None
     #: Job results in a row that may fail (failed, timed out, or cancelled by another hand), none finishing
     #: between them, before the step raises :class:`~prorl_cli.exceptions.RolloutsFailing` with the failures
@@ -253,13 +258,23 @@ class Group:
 
 @dataclass
 class StepStats:
-    """What one step cost. ``cancelled_inflight_s`` is submit-to-cancel time of the cancelled jobs."""
+    """What one step cost. ``cancelled_inflight_s`` is submit-to-cancel time of the cancelled jobs.
+
+    A step is counted whole however many calls it took: a ``step()`` that raised (a :class:`SamplerTimeout`, an
+    error of the broker's) leaves its step open, and the next call goes on with it and these stats. Every group
+    the step saw is in one bucket: ``carried_in + submitted_groups == informative + filtered + failed_groups +
+    stale_groups + carried_out`` (with carry-over; without it, the groups still running at the target are
+    cancelled instead of carried out).
+    """
 
     step: int
     policy_version: int
+    #: Groups this step submitted, in all its attempts (a timed-out attempt's groups are the step's own).
     submitted_groups: int = 0
     informative: int = 0
     filtered: int = 0
+    #: Groups dropped for failed jobs: under ``failed="drop_group"`` a group with one, under ``"exclude"`` a group
+    #: whose jobs all failed (nothing left to judge).
     failed_groups: int = 0
     cancelled_jobs: int = 0
     cancelled_inflight_s: float = 0.0
@@ -268,13 +283,19 @@ class StepStats:
     skipped_prompts: int = 0
     #: Jobs a submit found already at the broker (a restarted trainer's resubmission: the submit reply's ``existing``).
     existing_jobs: int = 0
+    #: Groups the step began with, submitted before it (in flight, or informative and waiting): the previous step's
+    #: ``carried_out``, or a restarted trainer's saved groups. Those too stale are among them, and in ``stale_groups``.
     carried_in: int = 0
     carried_out: int = 0
     in_flight: int = 0
+    #: Seconds from the start of the step's first attempt to its return (the time between attempts included: the
+    #: step's rollouts ran on through it).
     wall_s: float = 0.0
     #: Of the sampled tokens of the returned groups, the share served under an older policy version than
     #: the step's (carried-over groups); 0.0 when no call reported its version.
     off_policy_token_fraction: float = 0.0
+    #: ``step()`` calls the step took: 1, or more when one raised and the step was called again.
+    attempts: int = 1
 
 
 @dataclass
@@ -296,26 +317,37 @@ class StepBatch:
         return {r.job_id: g.group_id for g in self.groups for r in g.results}
 
 
+#: A count in a saved state (a step, a prompt position, a policy version): an integer >= 0, never a boolean.
+_COUNT = Int()
+#: A saved state's lists have no length of their own to keep to (``filtered_prompts`` can hold every prompt).
+_ANY_LENGTH = sys.maxsize
+
+
 @dataclass
 class CarriedGroup:
     """A group in flight at a checkpoint: enough to resubmit its exact ids."""
 
-    position: int
-    step: int
-    policy_version: int
+    position: Annotated[int, _COUNT]
+    step: Annotated[int, _COUNT]
+    policy_version: Annotated[int, _COUNT]
 
 
 @dataclass
 class SamplerState:
     """Checkpoint of a sampler between steps: save :meth:`to_dict` (JSON, YAML, a torch checkpoint) with the
-    trainer's checkpoint; :meth:`from_dict` (or ``DapoSampler(..., state=that_dict)``) reads it back."""
+    trainer's checkpoint; :meth:`from_dict` (or ``DapoSampler(..., state=that_dict)``) reads it back.
 
-    step: int = 0
-    cursor: int = 0
-    carried: list[CarriedGroup] = field(default_factory=list)
+    Its fields declare their checks (``Annotated[type, check]``, :mod:`prorl_cli.protocol.checks`), as the wire
+    records do: :meth:`from_dict` reads it with the same checkers.
+    """
+
+    step: Annotated[int, _COUNT] = 0
+    cursor: Annotated[int, _COUNT] = 0
+    carried: Annotated[list[CarriedGroup], List(record_of(CarriedGroup, strict=True), _ANY_LENGTH)] = \
+        field(default_factory=list)
     #: Prompts (index in the prompt list) whose last finished group was filtered: what ``skip_filtered_prompts``
     #: reads.
-    filtered_prompts: list[int] = field(default_factory=list)
+    filtered_prompts: Annotated[list[int], List(_COUNT, _ANY_LENGTH)] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data: ints and lists of them, keyed by field."""
@@ -323,40 +355,41 @@ class SamplerState:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplerState:
-        """The state :meth:`to_dict` wrote; a field missing, unknown or of the wrong type raises
-        :class:`ConfigError` naming it (a damaged checkpoint must not resubmit other jobs' ids)."""
+        """The state :meth:`to_dict` wrote. A field unknown, null or of the wrong type raises :class:`ConfigError`
+        naming it (``carried[0].step``): a damaged checkpoint must not resubmit other jobs' ids. A field left out
+        takes its default (``to_dict`` writes them all)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"sampler state: a mapping of {sorted(f.name for f in fields(cls))}, "
                               f"got {type(data).__name__}")
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(f"sampler state: unknown field(s) {unknown}")
+        # The checkers read plain dicts (as JSON gives them); a state may come as any mapping, with CarriedGroups.
+        data = dict(data)
+        if isinstance(data.get("carried"), list):
+            data["carried"] = [asdict(g) if isinstance(g, CarriedGroup) else dict(g) if isinstance(g, Mapping) else g
+                               for g in data["carried"]]
+        # A record reads null as left out; a null here is damage (a cursor of null is not the first prompt).
+        nulls = sorted(str(k) for k, v in data.items() if v is None)
+        if nulls:
+            raise ConfigError(f"sampler state: {', '.join(nulls)} must not be null")
+        try:
+            state: SamplerState = _STATE_RECORD(data, "")
+        except FieldError as e:
+            raise ConfigError(f"sampler state: {e.path + ' ' if e.path else ''}{e.detail}") from None
+        return state
 
-        def count(value: Any, where: str) -> int:
-            if type(value) is not int or value < 0:
-                raise ConfigError(f"sampler state: {where} must be a non-negative integer, got {value!r}")
-            return value
 
-        def items(name: str) -> list[Any]:
-            value = data.get(name, [])
-            if not isinstance(value, list):
-                raise ConfigError(f"sampler state: {name} must be a list, got {type(value).__name__}")
-            return value
+_STATE_RECORD = record_of(SamplerState, strict=True)
 
-        carried = []
-        for i, group in enumerate(items("carried")):
-            where = f"carried[{i}]"
-            if isinstance(group, CarriedGroup):
-                group = asdict(group)
-            if not isinstance(group, Mapping) or set(group) != {"position", "step", "policy_version"}:
-                raise ConfigError(f"sampler state: {where} must be a mapping of position, step and policy_version, "
-                                  f"got {group!r}")
-            carried.append(CarriedGroup(count(group["position"], f"{where}.position"),
-                                        count(group["step"], f"{where}.step"),
-                                        count(group["policy_version"], f"{where}.policy_version")))
-        return cls(step=count(data.get("step", 0), "step"), cursor=count(data.get("cursor", 0), "cursor"),
-                   carried=carried,
-                   filtered_prompts=[count(v, f"filtered_prompts[{i}]") for i, v in enumerate(items("filtered_prompts"))])
+
+@dataclass
+class _OpenStep:
+    """A step begun and not yet returned: a ``step()`` that raised leaves it open, and the next call goes on with it
+    (its stats, its group bound, its start time), so the step that returns reports all of it."""
+
+    stats: StepStats
+    started: float
+    #: Its start is done (earlier steps' results forgotten, a restarted trainer's groups resubmitted, what it carried
+    #: in counted): a step called again does not do it twice.
+    begun: bool = False
 
 
 @dataclass
@@ -420,6 +453,7 @@ class DapoSampler:
         self._retired: list[str] = []
         self._stream: Any = None  # the client's open-ended ResultStream, from the first step on
         self._stats: StepStats | None = None
+        self._open: _OpenStep | None = None
         #: Jobs this sampler cancelled at the broker (early termination, staleness, failed siblings).
         self.cancelled_ids: set[str] = set()
         #: Results that arrived for jobs of groups the sampler had already dropped (never counted).
@@ -605,6 +639,13 @@ class DapoSampler:
             return
         del self._pending[pending.group_id]
         ordered = [pending.results[j] for j in pending.job_ids]
+        if self.config.failed == "exclude" and not any(r.ok for r in ordered):
+            # Nothing left to judge: a failed group, as under drop_group (not a filtered one, which says the prompt
+            # stopped teaching, and not handed to ``informative`` with no rewards).
+            self._record(pending.job_ids, "failed")
+            self._retired += pending.job_ids
+            stats.failed_groups += 1
+            return
         # The group a trainer gets is the one the filter judged: under ``exclude`` a failed member is left out,
         # under ``zero_reward`` it carries reward 0 (a failed job may hold a partial trajectory and whatever reward
         # its handler set before failing; training on those would judge one group and train on another).
@@ -689,11 +730,16 @@ class DapoSampler:
         limit = cfg.step_timeout_s or 0.0
         ranked = self._step_failures.ranked()
         failed = f", {self._step_failures.total} failed job(s), most: {ranked[0].describe()}" if ranked else ""
+        carried = f", {stats.carried_in} carried in" if stats.carried_in else ""
+        # Each attempt has the limit; a step called again after a timeout says how long it has run in all.
+        attempt = ""
+        if stats.attempts > 1 and self._open is not None:
+            attempt = f" of attempt {stats.attempts} ({timebase.now() - self._open.started:.1f} s into the step)"
         return SamplerTimeout(
-            f"step {stats.step}: {len(self._ready)} of {cfg.target_groups} informative groups within {limit:g} s "
-            f"({stats.submitted_groups} groups submitted, {stats.filtered} filtered, {self.in_flight_jobs} job(s) "
-            f"still in flight{failed}); SamplerConfig.step_timeout_s bounds a step's wall time: raise it for longer "
-            "rollouts, or leave it unset",
+            f"step {stats.step}: {len(self._ready)} of {cfg.target_groups} informative groups within {limit:g} s"
+            f"{attempt} ({stats.submitted_groups} groups submitted{carried}, {stats.filtered} filtered, "
+            f"{self.in_flight_jobs} job(s) still in flight{failed}); SamplerConfig.step_timeout_s bounds a step's "
+            "wall time: raise it for longer rollouts, or leave it unset",
             setting="step_timeout_s", limit=limit, step=stats.step, failures=ranked,
             other_failures=self._step_failures.other,
         )
@@ -701,8 +747,15 @@ class DapoSampler:
     def _exhausted(self, stats: StepStats) -> StepGroupsExhausted:
         cfg = self.config
         stats.informative, stats.in_flight = len(self._ready), self.in_flight_jobs
-        equal = ", ".join(f"{n} all {reward}" for reward, n in self._filtered_rewards.most_common(3))
+        # Every group the step saw, in one bucket each (nothing is in flight here): the numbers add up to ``tried``.
+        tried = stats.carried_in + stats.submitted_groups
+        origin = f" ({stats.submitted_groups} submitted, {stats.carried_in} carried in)" if stats.carried_in else ""
+        common = self._filtered_rewards.most_common(3)
+        # Filtered groups whose rewards were not all one value (a predicate of one's own), or past the three shown.
+        other = stats.filtered - sum(n for _, n in common)
+        equal = ", ".join([f"{n} all {reward}" for reward, n in common] + ([f"{other} other"] if other and common else []))
         filtered = f"{stats.filtered} filtered" + (f" (rewards {equal})" if equal else "")
+        stale = f", {stats.stale_groups} stale (cancelled)" if stats.stale_groups else ""
         failed = f"{stats.failed_groups} failed"
         ranked = self._step_failures.ranked()
         if ranked:
@@ -712,8 +765,8 @@ class DapoSampler:
         if not self._informative_groups and len(self._filtered_rewards) == 1 and stats.filtered:
             hint = f"; no group's rewards ever varied (the task may always reward {next(iter(self._filtered_rewards))})"
         return StepGroupsExhausted(
-            f"step {stats.step}: {stats.submitted_groups} groups tried, all finished, {stats.informative} of "
-            f"{cfg.target_groups} informative: {filtered}, {failed}{hint}; SamplerConfig.max_groups_per_step "
+            f"step {stats.step}: {tried} groups tried{origin}, all finished: {stats.informative} of "
+            f"{cfg.target_groups} informative, {filtered}, {failed}{stale}{hint}; SamplerConfig.max_groups_per_step "
             f"({cfg.group_limit}) bounds a step's groups: raise it if informative groups are only rare (0: no limit)",
             setting="max_groups_per_step", limit=cfg.group_limit, step=stats.step, failures=ranked,
             other_failures=self._step_failures.other,
@@ -744,16 +797,28 @@ class DapoSampler:
             raise SamplerClosed("this sampler was closed: make a new one (state=sampler.state() resumes it)")
         await self._start()
         cfg = self.config
-        started = timebase.now()
-        deadline = None if cfg.step_timeout_s is None else started + cfg.step_timeout_s
-        stats = StepStats(step=self.step_index, policy_version=policy_version)
-        self._stats = stats
-        self._step_failures.clear()
-        self._filtered_rewards.clear()
-        await self._forget_retired()
-        for c in self._restore:  # a restarted trainer: the same ids; the broker returns the existing jobs
-            await self._submit_group(c.position, c.step, c.policy_version)
-        self._restore = []
+        run = self._open
+        if run is None:
+            run = self._open = _OpenStep(StepStats(step=self.step_index, policy_version=policy_version), timebase.now())
+        else:
+            # The step an earlier call left when it raised: go on with it. Its stats (and so the group bound) count
+            # every attempt; each attempt has its own step_timeout_s.
+            run.stats.attempts += 1
+            run.stats.policy_version = policy_version
+        stats = self._stats = run.stats
+        deadline = None if cfg.step_timeout_s is None else timebase.now() + cfg.step_timeout_s
+        if not run.begun:
+            self._step_failures.clear()
+            self._filtered_rewards.clear()
+            # Once a step, at its start: a retried step's own dropped groups are kept until the next step (a trainer
+            # restarted within it resubmits their ids).
+            await self._forget_retired()
+            for c in self._restore:  # a restarted trainer: the same ids; the broker returns the existing jobs
+                await self._submit_group(c.position, c.step, c.policy_version)
+            self._restore = []
+            # What the step began with, the stale ones among them (dropped below, its stale_groups).
+            stats.carried_in = len(self._pending) + len(self._ready)
+            run.begun = True
         stale = [p for p in self._pending.values() if policy_version - p.policy_version > cfg.max_staleness]
         stats.stale_groups += len(stale)
         await self._cancel(stale, stats, "stale")
@@ -764,7 +829,6 @@ class DapoSampler:
                 self._retire_group(g)
         stats.stale_groups += len(self._ready) - len(fresh)
         self._ready = fresh
-        stats.carried_in = len(self._pending) + len(self._ready)
         if cfg.mode == "async":
             while len(self._ready) < cfg.target_groups:
                 while self._may_submit(stats) and self._room_for_group():
@@ -793,7 +857,8 @@ class DapoSampler:
         stats.off_policy_token_fraction = off_policy_fraction([r for g in groups for r in g.results], policy_version)
         stats.carried_out = len(self._pending) + len(self._ready)
         stats.in_flight = self.in_flight_jobs
-        stats.wall_s = timebase.now() - started
+        stats.wall_s = timebase.now() - run.started
+        self._open = None
         self.step_index += 1
         return StepBatch(stats.step, policy_version, groups, stats)
 

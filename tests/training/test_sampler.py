@@ -413,6 +413,31 @@ def test_a_damaged_sampler_state_is_refused_naming_the_field() -> None:
             DapoSampler(None, "t", [{}], SamplerConfig(2, 1), state=bad)  # type: ignore[arg-type]
 
 
+def test_a_sampler_state_is_read_by_its_declared_checks_naming_the_exact_field() -> None:
+    """``from_dict`` reads the state with the wire records' checkers: an error names the field down to the item
+    (``carried[1].step``) and says what is wrong with it; a null is damage, not a default; nothing caps a list's
+    length (a large dataset's filtered prompts), and a state holding CarriedGroups reads as its dict does."""
+    from prorl_cli.exceptions import ConfigError
+    from prorl_cli.training.sampler import CarriedGroup
+
+    group = {"position": 4, "step": 1, "policy_version": 1}
+    good = {"step": 2, "cursor": 5, "carried": [group, group], "filtered_prompts": [0]}
+    for bad, message in (
+            ({**good, "carried": [group, {"position": 4, "policy_version": 1}]}, "carried[1].step is missing"),
+            ({**good, "carried": [{**group, "step": "1"}]}, "carried[0].step must be an integer, got str"),
+            ({**good, "carried": [{**group, "k": 0}]}, "carried[0] has unknown field(s) ['k']"),
+            ({**good, "carried": [7]}, "carried[0] must be a map, got int"),
+            ({**good, "filtered_prompts": (0,)}, "filtered_prompts must be a list, got tuple"),
+            ({**good, "step": True}, "step must be an integer, got bool"),
+            ({**good, "cursor": None}, "cursor must not be null")):
+        with pytest.raises(ConfigError, match=re.escape(f"sampler state: {message}")):
+            SamplerState.from_dict(bad)
+    many = SamplerState.from_dict({**good, "filtered_prompts": list(range(200_000))})
+    assert len(many.filtered_prompts) == 200_000
+    assert SamplerState.from_dict({**good, "carried": [CarriedGroup(4, 1, 1)]}).carried == [CarriedGroup(4, 1, 1)]
+    assert SamplerState.from_dict({"cursor": 3}) == SamplerState(cursor=3)  # left out: the default
+
+
 def test_a_closed_sampler_takes_no_step_and_the_blocking_one_refuses_an_async_client(stack: Deployment) -> None:
     """A step after close() would submit groups nothing watches or cancels; an async client handed to the blocking
     sampler would fail deep inside it."""

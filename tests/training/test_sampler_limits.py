@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from prorl_cli import timebase
 from prorl_cli.exceptions import (
     ConfigError,
     RolloutsFailing,
@@ -22,7 +23,7 @@ from prorl_cli.exceptions import (
     StepGroupsExhausted,
 )
 from prorl_cli.testing.handlers.dapo_sim import draw
-from prorl_cli.training.sampler import DapoSampler, SamplerConfig, StepBatch
+from prorl_cli.training.sampler import DapoSampler, SamplerConfig, StepBatch, StepStats
 from tests.harness import Deployment
 from tests.training.test_sampler import aclient, check_batch, prompts
 
@@ -63,7 +64,7 @@ def test_a_step_whose_groups_are_always_filtered_stops_naming_the_setting(stack:
     assert isinstance(error, StepGroupsExhausted) and isinstance(error, RuntimeError)
     assert error.setting == "max_groups_per_step" and error.limit == 5 and error.step == 0
     message = str(error)
-    assert "step 0: 5 groups tried, all finished, 0 of 1 informative: 5 filtered (rewards 5 all 0.0)" in message
+    assert "step 0: 5 groups tried, all finished: 0 of 1 informative, 5 filtered (rewards 5 all 0.0), 0 failed;" in message
     assert "SamplerConfig.max_groups_per_step (5)" in message and "0: no limit" in message
     assert "\n" not in message
     assert sampler._stats is not None and sampler._stats.submitted_groups == 5  # not one group past the bound
@@ -166,7 +167,7 @@ def test_prorl_sample_of_a_task_whose_rewards_never_vary_stops_and_says_so(stack
     assert progress[-1].startswith("step 0: informative 0/1, filtered 288,"), proc.stderr
     errors = [line for line in lines if line.startswith("error:")]
     assert errors == [lines[-1]], proc.stderr
-    assert ("error: dynamic sampling stopped: step 0: 288 groups tried, all finished, 0 of 1 informative: 288 "
+    assert ("error: dynamic sampling stopped: step 0: 288 groups tried, all finished: 0 of 1 informative, 288 "
             "filtered (rewards 288 all 1.0), 0 failed; no group's rewards ever varied (the task may always reward 1.0)") in errors[0], errors
     assert "--max-groups-per-step (288)" in errors[0] and "SamplerConfig" not in errors[0], errors
     assert not out.exists()  # no step finished: nothing to write
@@ -205,6 +206,91 @@ def test_a_step_past_its_timeout_is_a_sampler_error_naming_the_setting(stack: De
     last = proc.stderr.splitlines()[-1]
     assert last.startswith("error: dynamic sampling stopped: step 0: 0 of 1 informative groups within 1 s ("), last
     assert "--step-timeout-s bounds" in last and "SamplerConfig" not in last, last
+
+
+
+def test_a_step_retried_after_its_timeout_counts_the_whole_step(stack: Deployment) -> None:
+    """``step()`` again after a :class:`SamplerTimeout` goes on with the same step, and the stats it returns count
+    all of it: the groups the timed-out attempts submitted (and filtered) are the step's own, not carried in, and
+    its wall time runs from the first attempt's start."""
+    run_id = "lim-retry"
+    # One group at a time: a quick one that is filtered, then one of 4 s that is informative.
+    quick = {"p": 0.0, "scale_s": 0.01, "max_s": 0.05, "seed": 1}
+    slow = {"p": 0.5, "scale_s": 4.0, "alpha": 50.0, "max_s": 4.0, "seed": informative_seed(f"{run_id}-s0-p1", 2)}
+    cfg = SamplerConfig(group_size=2, target_groups=1, max_in_flight=2, run_id=run_id, step_timeout_s=1.5)
+
+    async def go() -> tuple[StepBatch, int, float, float, float]:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", [quick, slow], cfg)
+            try:
+                timeouts = 0
+                began = last = timebase.now()
+                while True:
+                    try:
+                        batch = await sampler.step()
+                    except SamplerTimeout:
+                        timeouts += 1
+                        last = timebase.now()
+                        continue
+                    return batch, timeouts, began, last, timebase.now()
+            finally:
+                await sampler.close()
+
+    batch, timeouts, began, last, ended = asyncio.run(go())
+    check_batch(batch, cfg)
+    stats = batch.stats
+    assert timeouts >= 1 and stats.attempts == timeouts + 1, (timeouts, stats)
+    assert (stats.submitted_groups, stats.carried_in, stats.filtered, stats.informative) == (2, 0, 1, 1), stats
+    assert stats_add_up(stats), stats
+    # Every timed-out attempt lasted its limit; the step's wall time holds them and the attempt that returned.
+    assert stats.wall_s >= timeouts * cfg.step_timeout_s, stats
+    assert ended - last < stats.wall_s <= ended - began, (stats, ended - last, ended - began)
+
+
+def test_a_step_out_of_groups_accounts_for_every_group_it_saw(stack: Deployment) -> None:
+    """:class:`StepGroupsExhausted`'s breakdown adds up: every group the step saw (submitted, or carried in from the
+    step before) is informative, filtered or failed, a group whose jobs all failed under ``failed="exclude"``
+    among the failed ones."""
+    run_id = "lim-breakdown"
+    informative = {"p": 0.5, "scale_s": 0.01, "max_s": 0.05, "seed": informative_seed(f"{run_id}-s0-p0", 2)}
+    running = {"p": 0.0, "scale_s": 1.5, "alpha": 50.0, "max_s": 1.5}  # still running when step 0 ends
+    solved = {"p": 1.0, "scale_s": 0.01, "max_s": 0.05}
+    failing = {"p": 0.5, "fail_p": 1.0, "scale_s": 0.01, "max_s": 0.05}
+    unsolved = {"p": 0.0, "scale_s": 0.01, "max_s": 0.05}
+    cfg = SamplerConfig(group_size=2, target_groups=1, max_in_flight=4, failed="exclude", max_groups_per_step=4,
+                        run_id=run_id, step_timeout_s=120)
+
+    async def go() -> tuple[StepBatch, StepGroupsExhausted, StepGroupsExhausted, DapoSampler]:
+        async with aclient(stack) as client:
+            sampler = DapoSampler(client, "dapo_sim", [informative, running, solved, failing, failing, unsolved], cfg)
+            try:
+                first = await sampler.step(policy_version=0)
+                with pytest.raises(StepGroupsExhausted) as stopped:
+                    await sampler.step(policy_version=1)
+                # The bound is the step's: called again, the step stops at once, submitting nothing more.
+                with pytest.raises(StepGroupsExhausted) as again:
+                    await sampler.step(policy_version=1)
+                return first, stopped.value, again.value, sampler
+            finally:
+                await sampler.close()
+
+    first, error, again, sampler = asyncio.run(go())
+    assert [g.prompt_id for g in first.groups] == ["0"] and first.stats.carried_out == 1, first.stats
+    message = str(error)
+    assert message.startswith("step 1: 5 groups tried (4 submitted, 1 carried in), all finished: 0 of 1 informative, "
+                              "3 filtered (rewards 2 all 0.0, 1 all 1.0), 2 failed (of 4 failed job(s), most: "), message
+    stats = sampler._stats
+    assert stats is not None and (stats.carried_in, stats.submitted_groups) == (1, 4), stats
+    assert (stats.informative, stats.filtered, stats.failed_groups, stats.stale_groups) == (0, 3, 2, 0), stats
+    assert stats_add_up(stats), stats
+    assert str(again) == message and stats.attempts == 2, (str(again), stats)
+
+
+def stats_add_up(stats: StepStats) -> bool:
+    """Every group a step saw is in one bucket: carried in or submitted = informative, filtered, failed, stale, or
+    carried out (with carry-over)."""
+    return stats.carried_in + stats.submitted_groups == (stats.informative + stats.filtered + stats.failed_groups
+                                                         + stats.stale_groups + stats.carried_out)
 
 
 def test_sampler_errors_copy_and_pickle_whole() -> None:
