@@ -29,14 +29,20 @@ the whole ``workdir`` for a ``module:function`` scorer, copied to the job's
 run directory on the node, since the sandbox is stopped before EVAL).
 The command runs as a script of its own, so its exit status is recorded
 however it ends (``exit N``, ``exec prog``, ``set -e``). A harness that exits
-non-zero keeps its partial trajectory with ``stop_reason`` ``error``; one that
-hangs past ``timeout_s``, is cancelled, or whose recording shell is killed is
-killed with its process group, with ``stop_reason`` ``timeout``, ``cancelled``
-or ``error``. Only the first ``node_log_lines`` lines of its output are also
-copied to the node's log. EVAL runs the scorer:
-a ``module:function`` one is called as ``function(ctx, workspace)`` (the copied
-``workdir``, a :class:`~pathlib.Path`, or ``None`` when RUN ended before it was
-saved; a one-parameter function gets ``ctx`` alone) and returns the reward.
+non-zero keeps its partial trajectory with ``stop_reason`` ``error``, and
+``trajectory.error`` (type ``HarnessExited``) and ``output["harness_error"]``
+name the exit code; one that hangs past ``timeout_s``, is cancelled, or whose
+recording shell is killed is killed with its process group, with
+``stop_reason`` ``timeout``, ``cancelled`` or ``error``. Only the first
+``node_log_lines`` lines of its output are also copied to the node's log.
+EVAL runs the scorer, after every RUN that ended (a non-zero exit and
+``timeout_s`` included; not after a cancel, or a RUN that raised, which the
+node does not score): a ``module:function`` one is called as
+``function(ctx, workspace)`` (the copied ``workdir``, a
+:class:`~pathlib.Path`; ``None`` only when EVAL runs without RUN's copy, e.g.
+called outside a node; a one-parameter function gets ``ctx`` alone) and
+returns the reward. ``prorl serve node`` puts its working directory on
+``sys.path``, so the module may be there.
 """
 
 from __future__ import annotations
@@ -48,7 +54,6 @@ import hashlib
 import importlib
 import inspect
 import logging
-import os
 import re
 import shlex
 import shutil
@@ -58,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli import gateway
-from prorl_cli.exceptions import DomainError, SandboxError, ToolError
+from prorl_cli.exceptions import DomainError, HarnessExited, SandboxError, ToolError
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext
 from prorl_cli.node.settings import deployment_settings, resolve_settings
 from prorl_cli.observe.logs import JobLogger
@@ -116,6 +121,17 @@ def _unpack(tar_path: Path, dest: Path) -> list[str]:
     return skipped
 
 
+def _last_line(output: bytes | bytearray) -> str:
+    """``; its last line of output: '...'`` (the last non-blank line, cut to 200 characters), or ``""``."""
+    lines = [line for line in bytes(output).decode("utf-8", "replace").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[-1].strip()
+    if len(line) > 200:
+        line = line[:200] + "..."
+    return f"; its last line of output: {line!r}"
+
+
 def _scorer_args(fn: Any, ctx: JobContext, workspace: Path | None) -> tuple[Any, ...]:
     """``(ctx, workspace)``, or ``(ctx,)`` for a scorer that takes one argument."""
     try:
@@ -171,6 +187,17 @@ class _OutputLog:
             log.debug("job %s harness| %s", self._ctx.job_id, text)
 
 
+class _InRoot:
+    """A file of the job's harness folder: on a :class:`_Paths`, ``script = _InRoot("run.sh")`` reads as
+    ``f"{paths.root}/run.sh"``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, paths: _Paths, owner: object = None) -> str:
+        return f"{paths.root}/{self.name}"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Paths:
     """Where one job's harness files are in its sandbox.
@@ -185,25 +212,11 @@ class _Paths:
     task_file: str
     workdir: str
 
-    @property
-    def script(self) -> str:
-        return f"{self.root}/run.sh"
-
-    @property
-    def command(self) -> str:
-        return f"{self.root}/command.sh"
-
-    @property
-    def log(self) -> str:
-        return f"{self.root}/output.log"
-
-    @property
-    def rc(self) -> str:
-        return f"{self.root}/exit_code"
-
-    @property
-    def workspace_tar(self) -> str:
-        return f"{self.root}/workspace.tar"
+    script = _InRoot("run.sh")  # what the node starts: exports, then the command, then its exit code to rc
+    command = _InRoot("command.sh")  # the user's command, a script of its own
+    log = _InRoot("output.log")
+    rc = _InRoot("exit_code")
+    workspace_tar = _InRoot("workspace.tar")
 
     @classmethod
     def of(cls, job_id: str, runtime: str, settings: HandlerSettings, defaults: HandlerSettings) -> _Paths:
@@ -320,6 +333,10 @@ class HarnessHandler(AgentHandler):
                         await asyncio.shield(self._kill(sandbox, pgid))
                 traj = ctx.trajectory = job.trajectory
                 traj.stop_reason = stop_reason
+                if error is not None:
+                    # As ctx.agent() records the error that ended its loop: the job is still scored (EVAL), and
+                    # this is how the result (and `prorl submit`'s summary) tells a crashed agent from a clean run.
+                    traj.error = {"call": len(traj.calls), "type": HarnessExited.__name__, "message": error}
                 ctx.output.update({
                     "trajectory": traj.to_dict(), "turns": len(traj.calls), "stop_reason": stop_reason,
                     "harness_exit_code": exit_code, "harness_error": error,
@@ -338,8 +355,9 @@ class HarnessHandler(AgentHandler):
     ) -> tuple[int | None, str, str | None]:
         """Stream the harness's output to the job log until it exits, vanishes or runs past ``timeout_s``.
 
-        Returns ``(exit code, stop reason, error)``: the exit code is ``None`` when none was recorded, and
-        ``error`` says why when the harness's shell (``pid``, run.sh) ended without recording one.
+        Returns ``(exit code, stop reason, error)``: the exit code is ``None`` when none was recorded;
+        ``error`` (else ``None``) says why the harness ended in error: the non-zero exit code and its last
+        line of output, or that its shell (``pid``, run.sh) ended without recording an exit code.
         """
         keep = int(settings.get("log_tail_bytes"))
         loop = asyncio.get_running_loop()
@@ -365,7 +383,11 @@ class HarnessHandler(AgentHandler):
                     out.write(chunk)
                 if rc_text:
                     code = int(rc_text)
-                    return code, "stop" if code == 0 else "error", None
+                    if code == 0:
+                        return code, "stop", None
+                    error = f"the harness exited with code {code}{_last_line(tail)}"
+                    ctx.log.warning("harness: %s", error)
+                    return code, "error", error
                 if not alive:
                     error = (f"the harness's shell (pid {pid}) ended without recording an exit code "
                              "(killed by a signal, e.g. the out-of-memory killer or a `kill` of its process group)")
@@ -466,10 +488,6 @@ class HarnessHandler(AgentHandler):
             workspace = Path(ctx.state["workspace"]) if ctx.state.get("workspace") else None
             try:
                 importlib.invalidate_caches()  # a scorer module written after the node started is found too
-                if os.getcwd() not in sys.path and "" not in sys.path:
-                    # "In the node's working directory" holds for `prorl serve node` too, whose console script
-                    # (unlike `python -m`) does not put it on the path; last, so it shadows no installed module.
-                    sys.path.append(os.getcwd())
                 try:
                     fn = getattr(importlib.import_module(module), attr)
                 except (ImportError, AttributeError) as e:

@@ -292,6 +292,16 @@ class SettingsError(DomainError):
     """
 
 
+class HarnessExited(ProrlError, RuntimeError):
+    """An agent harness (the ``harness`` task) ended in error: it exited non-zero, or the shell recording its exit
+    code was killed.
+
+    Recorded, not raised: as a ``ContextLengthExceeded`` that ends ``ctx.agent()``, it goes into
+    ``trajectory.error`` (``{call, type, message}``) with ``stop_reason`` ``error``, and the job is still
+    scored (a crashed agent may have left work worth scoring); ``prorl submit`` lists such jobs apart.
+    """
+
+
 class SamplerError(ProrlError, RuntimeError):
     """A DAPO sampler step stopped short of its target: going on would only spend rollouts for nothing, or
     the step ran out of its time.

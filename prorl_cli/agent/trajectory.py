@@ -68,7 +68,8 @@ class Trajectory:
     #: Why the loop stopped: ``stop`` (answer), ``max_turns``, ``length``; or, for a RUN that did not
     #: finish, ``timeout``, ``error`` or ``cancelled`` (the trajectory then holds the calls made so far).
     stop_reason: str | None = None
-    #: A failed generate call: ``{"call": i, "type": ..., "message": ...}``.
+    #: The error that ended the rollout, ``{"call": i, "type": ..., "message": ...}``: a failed generate call, or
+    #: (the ``harness`` task) an agent harness that exited non-zero (``HarnessExited``); ``call`` is the calls before it.
     error: dict[str, Any] | None = None
     model: str | None = None
     format: str = TRAJECTORY_FORMAT

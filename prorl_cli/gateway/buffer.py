@@ -19,6 +19,13 @@ whose reason (which message differed) is recorded in
 ``trajectory.violations``, whether the conversation it edits has a call in
 flight or not. Nothing is ever re-tokenized silently.
 
+A plain completion (``/v1/completions``: a text prompt, no messages) follows
+the same rule in ids: it extends the segment of the same agent whose last
+prompt + output ids are the longest prefix of its own (a text conversation,
+or a chat turn the harness rendered itself); one that extends none is a new
+conversation, unless it opens as a segment of its agent did (starts with
+that segment's first prompt) and then differs: an edit, recorded as above.
+
 The record is a :class:`~prorl_cli.agent.Trajectory` in ``run_tool_agent``'s
 format, each call tagged with its segment, so ``prorl_cli.training.samples``
 builds samples from it as from any other.
@@ -67,6 +74,10 @@ class Segment:
     #: Per recorded call, ``(its index in the trajectory, how many messages its request had)``: a segment only
     #: grows, so that request was ``messages[:n]`` (how a repeated request is told from an edit, for its reason).
     asks: list[tuple[int, int]] = field(default_factory=list)
+    #: The prompt ids of its first call (set when it begins): how a conversation opens, in ids, for text prompts
+    #: (a text prompt that starts with it but extends no segment edits this conversation; one that does not is
+    #: a conversation of its own).
+    first_prompt: list[int] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     sequence_ids: list[int] = field(default_factory=list)
@@ -104,6 +115,10 @@ class Reply:
 
 def tools_key(tools: list[dict[str, Any]] | None) -> str:
     return json.dumps(tools or [], sort_keys=True)
+
+
+#: The ``tools_key`` of a segment a text prompt began: no chat request's (a JSON list), so chat never matches it.
+TEXT_TOOLS_KEY = "text"
 
 
 #: Roles that set a conversation up before its first task message.
@@ -173,7 +188,8 @@ class TokenBuffer:
         self.trajectory = Trajectory(model=model)
         self.segments: list[Segment] = []
         self._on_record = on_record
-        #: Plain completions (``complete_text``) extend "the last call", so they run one at a time.
+        #: Plain completions (``complete_text``) are answered one at a time, in the order they came; chat requests
+        #: do not wait for them (a text call that extends a chat conversation waits for its call in flight).
         self._text_lock = asyncio.Lock()
         #: Requests of this job answered at once; more wait their turn (a runaway harness cannot flood the engines).
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -246,9 +262,50 @@ class TokenBuffer:
             self._warn_split(req.messages, key, req.agent)
             seg = self._new_segment(chat, key, req.agent)
             prompt, continued = chat.initial_prompt(req.messages), False
-            seg.asked = req.messages
+            seg.asked, seg.first_prompt = req.messages, prompt
         seg.in_flight = asyncio.Event()
         return prompt, seg, continued, reason
+
+    def _match_ids(self, prompt: list[int], agent: str | None) -> Segment | None:
+        """The segment of this agent whose last prompt + output ids are the longest prefix of ``prompt``, if any
+        (a segment with no recorded call has none)."""
+        best: Segment | None = None
+        best_n = 0
+        for seg in self.segments:
+            held = seg.prompt_ids + seg.output_ids
+            if seg.agent == agent and len(held) > best_n and prompt[: len(held)] == held:
+                best, best_n = seg, len(held)
+        return best
+
+    def _text_reason(self, prompt: list[int], agent: str | None) -> str | None:
+        """Why a text prompt that extends no segment is an edit of a conversation; None for a new conversation.
+
+        As :meth:`_reason` for chat, with a conversation's first prompt for its opening: a prompt that starts
+        with it keeps how that conversation opened and changes what followed (truncated, rewritten, asked again);
+        one that starts with no segment's first prompt is another conversation, not a violation. A segment whose
+        first call is in flight counts (its first prompt is set when it begins).
+        """
+        opened = [seg for seg in self.segments
+                  if seg.agent == agent and seg.first_prompt and prompt[: len(seg.first_prompt)] == seg.first_prompt]
+        if not opened:
+            return None
+        return (f"a text prompt that opens as conversation {opened[-1].index} does (its first prompt) and does not "
+                "extend its last call")
+
+    async def _claim_text(self, prompt: list[int], chat: ChatTokens, agent: str | None) -> tuple[Segment, bool, str | None]:
+        """:meth:`_claim` for a text prompt: (segment, whether it continues it, why a new segment began)."""
+        while True:
+            seg = self._match_ids(prompt, agent)
+            if seg is None or seg.in_flight is None:
+                break
+            await seg.in_flight.wait()  # a chat call of that conversation: extend what it records, not its start
+        continued, reason = seg is not None, None
+        if seg is None:
+            reason = self._text_reason(prompt, agent)  # judged before it is added: it does not edit itself
+            seg = self._new_segment(chat, TEXT_TOOLS_KEY, agent)
+            seg.first_prompt = prompt
+        seg.in_flight = asyncio.Event()
+        return seg, continued, reason
 
     def _warn_split(self, messages: list[dict[str, Any]], key: str, agent: str | None) -> None:
         """Log once per job when a request would have extended another agent's conversation exactly: an agent
@@ -370,27 +427,32 @@ class TokenBuffer:
                      top_logprobs=top[: len(out)] if top is not None and req.top_logprobs else None)
 
     async def complete_text(self, prompt_text: str, req: ChatRequest) -> Reply:
-        """Answer a plain completion (``/v1/completions``): the prompt text encoded as is."""
+        """Answer a plain completion (``/v1/completions``): the prompt text encoded as is (see the module docstring
+        for the conversation it extends or opens)."""
         async with self._slots, self._text_lock:
             chat = self._chat_for(None)
             prompt = chat.encode(prompt_text)
-            last = self.trajectory.calls[-1] if self.trajectory.calls else None
-            continued = last is not None and prompt[: len(last.prompt_ids) + len(last.output_ids)] == \
-                last.prompt_ids + last.output_ids
-            # Judged before a new segment is added: the job's first call opens a conversation, it edits none.
-            reason = None if continued or not self.segments else "a text prompt that does not extend the last call"
-            seg = self.segments[last.segment] if continued and last is not None else \
-                self._new_segment(chat, "text", req.agent)
-            sampling = self._sampling(req, chat)
-            gen = await self._generate(prompt, sampling)
-            out, lps, stop_string = list(gen.output_ids), list(gen.logprobs), None
-            if req.stop:
-                out, lps, stop_string = _cut_at_stop(chat, out, lps, req.stop)
-            call = self._record(prompt, out, lps, "stop" if stop_string else gen.finish_reason, gen, seg,
-                                continued, reason)
-            seg.messages = []  # a text segment is never extended by a chat request
-            if self._on_record is not None:
-                self._on_record(self.trajectory)
+            seg, continued, reason = await self._claim_text(prompt, chat, req.agent)
+            recorded = False
+            try:
+                sampling = self._sampling(req, chat)
+                gen = await self._generate(prompt, sampling)
+                out, lps, stop_string = list(gen.output_ids), list(gen.logprobs), None
+                if req.stop:
+                    out, lps, stop_string = _cut_at_stop(chat, out, lps, req.stop)
+                call = self._record(prompt, out, lps, "stop" if stop_string else gen.finish_reason, gen, seg,
+                                    continued, reason)
+                recorded = True
+                # Extended by text, a chat conversation holds ids its messages do not: no chat request extends it.
+                seg.messages, seg.asked = [], []
+                if self._on_record is not None:
+                    self._on_record(self.trajectory)
+            except BaseException:
+                if not continued and not recorded and self.segments[-1] is seg:
+                    self.segments.pop()  # its first call failed: no conversation began
+                raise
+            finally:
+                self._release(seg)
             text = chat.turn_text(out)  # the end-of-sequence token is not text, as vLLM and OpenAI answer
             if stop_string is not None:
                 text = text[: text.index(stop_string)]

@@ -73,6 +73,11 @@ class HandlerRegistry:
     def tasks(self) -> list[str]:
         return sorted(self.handlers)
 
+    def start_errors(self, config: ProrlConfig) -> list[str]:
+        """Why a node serving these handlers with ``config`` refuses to start: handler files or packages that
+        failed to load, and bad ``handlers.<task>`` settings. ``prorl config check`` reports the same."""
+        return self.errors + self.settings_errors(config)
+
     def settings_errors(self, config: ProrlConfig) -> list[str]:
         """Problems of ``handlers.<task>`` (or the old ``domains.<task>``) in prorl.yaml for the served handlers.
 

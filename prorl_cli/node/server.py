@@ -166,7 +166,7 @@ class NodeServer(BrokerPeer):
         self.registry = registry or discover(config.node.handler_paths, config.node.tasks or None)
         # A broken handler file must not leave a node serving without it (its jobs would queue forever),
         # nor bad handler settings fail every one of its jobs.
-        errors = self.registry.errors + self.registry.settings_errors(config)
+        errors = self.registry.start_errors(config)
         if errors:
             raise HandlerError("cannot serve: " + "; ".join(errors))
         if not self.registry.handlers:

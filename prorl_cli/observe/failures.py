@@ -2,13 +2,16 @@
 
 One grouping for every place that reports failures, so they all name a failure the same way: ``prorl
 submit``'s summary (:func:`prorl_cli.cli.jobs.collect.print_failures`) and the DAPO sampler's error when its
-rollouts keep failing (:class:`prorl_cli.exceptions.RolloutsFailing`).
+rollouts keep failing (:class:`prorl_cli.exceptions.RolloutsFailing`). Jobs that ended done although their agent
+ended in an error (:func:`agent_error_key`: an agent harness that exited non-zero, a conversation past the
+model's context) are grouped the same way, by their trajectory's error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from prorl_cli.protocol import JobResult
 
@@ -23,6 +26,22 @@ def failure_key(result: JobResult) -> tuple[str, str, str]:
     kind = str(error.get("type") or result.state)
     lines = str(error.get("message") or "").strip().splitlines()
     return stage, kind, lines[0][:MESSAGE_CHARS] if lines else ""
+
+
+def agent_error_key(result: JobResult) -> tuple[str, str, str] | None:
+    """``("run", error type, first message line)`` of a job that ended done although its agent ended in an error
+    (its trajectory's ``stop_reason`` is ``error``; ``trajectory.error`` says why); None for any other result.
+
+    Such a job was scored as its agent left it, so it is a result, not a failure: but a summary that counted it
+    as done and said nothing more would not tell a crashed agent from a clean run.
+    """
+    output = result.output
+    traj: Any = output.get("trajectory") if isinstance(output, dict) else None
+    if result.state != "done" or not isinstance(traj, dict) or traj.get("stop_reason") != "error":
+        return None
+    error: dict[str, Any] = traj["error"] if isinstance(traj.get("error"), dict) else {}
+    lines = str(error.get("message") or "").strip().splitlines()
+    return "run", str(error.get("type") or "error"), lines[0][:MESSAGE_CHARS] if lines else ""
 
 
 @dataclass
@@ -49,15 +68,20 @@ class FailureGroups:
     further new ones are only counted (:attr:`other`), so a long run's memory stays flat.
     """
 
-    def __init__(self, max_groups: int = 64) -> None:
+    def __init__(self, max_groups: int = 64,
+                 key: Callable[[JobResult], tuple[str, str, str] | None] = failure_key) -> None:
         self.max_groups = max_groups
+        #: What groups a result (:func:`failure_key`); a result it gives None for is not counted.
+        self.key = key
         self._groups: dict[tuple[str, str, str], FailureGroup] = {}
         #: Failures of groups beyond ``max_groups``.
         self.other = 0
 
     def add(self, result: JobResult) -> None:
         """Count one result that did not finish under its group."""
-        key = failure_key(result)
+        key = self.key(result)
+        if key is None:
+            return
         group = self._groups.get(key)
         if group is not None:
             group.count += 1
@@ -81,9 +105,12 @@ class FailureGroups:
         return sorted(self._groups.values(), key=lambda g: -g.count)
 
 
-def group_failures(results: Iterable[JobResult]) -> list[FailureGroup]:
-    """``results`` grouped by :func:`failure_key`, the largest group first; pass only the ones that did not finish."""
-    groups = FailureGroups(max_groups=1 << 30)
+def group_failures(
+    results: Iterable[JobResult], key: Callable[[JobResult], tuple[str, str, str] | None] = failure_key,
+) -> list[FailureGroup]:
+    """``results`` grouped by ``key``, the largest group first: by :func:`failure_key` (pass only the ones that
+    did not finish), or by :func:`agent_error_key` (the done jobs whose agent ended in an error, of any results)."""
+    groups = FailureGroups(max_groups=1 << 30, key=key)
     for r in results:
         groups.add(r)
     return groups.ranked()

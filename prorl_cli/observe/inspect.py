@@ -1,11 +1,19 @@
 """``prorl inspect``: read trajectories in the terminal, call by call.
 
 For each selected result: its state, reward, failure and stage times; then
-each model call: the prompt tokens new in that call (the whole prompt for the
-first call, or when continuity broke), the output, decoded (with a tokenizer)
-or as ids, token boundaries on request, a log-prob summary, the tool calls the
-output made and the observations that followed; and the trajectory's
-continuity violations, which are never hidden.
+each model call: its agent and conversation where the trajectory names them,
+the prompt tokens new in that call (the whole prompt for the first call of a
+conversation, or when continuity broke), the output, decoded (with a
+tokenizer) or as ids, token boundaries on request, a log-prob summary, the
+tool calls the output made and the observations that followed; and the
+trajectory's continuity violations, which are never hidden.
+
+A job of several conversations (a main agent and its sub-agents through the
+gateway, or a history edit) records each call's conversation in its
+``segment``; a call extends the previous call *of its conversation*, not the
+job's previous call, so that is what its new tokens are counted against. The
+trajectory's ``messages`` are those of its last call's conversation, so the
+observations go to that conversation's calls.
 """
 
 from __future__ import annotations
@@ -55,6 +63,24 @@ def trajectory_of(r: JobResult) -> dict[str, Any] | None:
     return traj if isinstance(traj, dict) else None
 
 
+def segment_of(call: dict[str, Any]) -> int:
+    """The conversation (token buffer) a recorded call belongs to: its ``segment``, 0 where it has none (a
+    trajectory of one conversation, or one written before calls carried it)."""
+    seg = call.get("segment")
+    return seg if isinstance(seg, int) and not isinstance(seg, bool) else 0
+
+
+def previous_in_conversation(calls: list[Any]) -> list[int | None]:
+    """Per call, the index of the previous call of its conversation (None for a conversation's first call)."""
+    last: dict[int, int] = {}
+    out: list[int | None] = []
+    for i, call in enumerate(calls):
+        seg = segment_of(call) if isinstance(call, dict) else 0
+        out.append(last.get(seg))
+        last[seg] = i
+    return out
+
+
 def violations(r: JobResult) -> list[dict[str, Any]]:
     """The trajectory's continuity violations, plus a line for each call marked not prefix-exact without one."""
     traj = trajectory_of(r)
@@ -62,9 +88,12 @@ def violations(r: JobResult) -> list[dict[str, Any]]:
         return []
     found = [v for v in traj.get("violations") or [] if isinstance(v, dict)]
     listed = {v.get("call") for v in found}
-    for i, call in enumerate(traj.get("calls") or []):
+    calls = list(traj.get("calls") or [])
+    for i, (call, prev) in enumerate(zip(calls, previous_in_conversation(calls), strict=True)):
         if isinstance(call, dict) and call.get("prefix_ok") is False and i not in listed:
-            found.append({"call": i, "message": f"call {i}: prompt is not a token-exact extension of call {i - 1}"})
+            what = (f"is not a token-exact extension of call {prev} (its conversation's previous call)"
+                    if prev is not None else f"marked not token-exact, the first call of conversation {segment_of(call)}")
+            found.append({"call": i, "message": f"call {i}: prompt {what}"})
     return found
 
 
@@ -73,6 +102,9 @@ class CallView:
     """One model call as shown: new prompt ids, output ids, log-prob summary, tool calls, observations."""
 
     index: int
+    #: The conversation (token buffer) the call extends, and the agent that made it (None: unnamed).
+    segment: int
+    agent: str | None
     backend: str | None
     finish_reason: str | None
     prompt_len: int
@@ -93,14 +125,21 @@ def call_views(traj: dict[str, Any]) -> list[CallView]:
 
     parser = get_tool_parser("hermes")
     calls = [c for c in traj.get("calls") or [] if isinstance(c, dict)]
-    observations = _observations(traj.get("messages") or [], len(calls))
+    # The messages are the last call's conversation's: its k-th assistant turn is that conversation's k-th call.
+    last_seg = segment_of(calls[-1]) if calls else 0
+    own = [i for i, c in enumerate(calls) if segment_of(c) == last_seg]
+    observed = dict(zip(own, _observations(traj.get("messages") or [], len(own)), strict=False))
     views = []
-    prev_end: list[int] | None = None
+    # Per conversation, its last call's prompt + output: what its next call extends (calls of other
+    # conversations, a sub-agent's, come in between).
+    prev_end: dict[int, list[int]] = {}
     for i, c in enumerate(calls):
         prompt = list(c.get("prompt_ids") or [])
         output = list(c.get("output_ids") or [])
         ok = bool(c.get("prefix_ok", True))
-        new = prompt[len(prev_end):] if prev_end is not None and ok and prompt[: len(prev_end)] == prev_end else prompt
+        seg = segment_of(c)
+        held = prev_end.get(seg)
+        new = prompt[len(held):] if held is not None and ok and prompt[: len(held)] == held else prompt
         # Indices stay those of the output tokens; -inf (a token the engine gave no chance) is kept, as the
         # least likely token is what a reader looks for; NaN and missing entries are left out.
         lp_at = [(k, float(x)) for k, x in enumerate(c.get("logprobs") or [])
@@ -108,16 +147,24 @@ def call_views(traj: dict[str, Any]) -> list[CallView]:
         lps = [x for _, x in lp_at]
         min_at = min(lp_at, key=lambda kx: kx[1])[0] if lp_at else None
         text = str(c.get("text") or "")
+        agent = c.get("agent")
         views.append(CallView(
-            index=i, backend=c.get("backend_id"), finish_reason=c.get("finish_reason"), prompt_len=len(prompt),
+            index=i, segment=seg, agent=agent if isinstance(agent, str) else None, backend=c.get("backend_id"), finish_reason=c.get("finish_reason"), prompt_len=len(prompt),
             new_prompt_ids=new, output_ids=output, text=text, prefix_ok=ok,
             logprob_mean=sum(lps) / len(lps) if lps else None, logprob_min=min(lps) if lps else None,
             min_at=min_at,
             tool_calls=[f"{tc.name}({tc.arguments})" if not tc.error else f"unparsable: {tc.error}" for tc in parser.parse(text)],
-            observations=observations[i] if i < len(observations) else [],
+            observations=observed.get(i, []),
         ))
-        prev_end = prompt + output
+        prev_end[seg] = prompt + output
     return views
+
+
+def conversation_label(view: CallView, several: bool) -> str:
+    """``agent NAME, conversation N``: what a call is labelled with where the trajectory names an agent or holds
+    several conversations ("" otherwise: a one-conversation trajectory reads as before)."""
+    parts = ([f"agent {view.agent}"] if view.agent is not None else []) + ([f"conversation {view.segment}"] if several else [])
+    return ", ".join(parts)
 
 
 def _observations(messages: list[Any], n_calls: int) -> list[list[dict[str, Any]]]:
@@ -188,14 +235,19 @@ def render_result(r: JobResult, decoder: Decoder, *, show_tokens: bool = False, 
     if traj is None:
         parts.append(Text("(no token-level trajectory in this result's output)", style="dim"))
         return Panel(Group(*parts), expand=True)
+    views = call_views(traj)
+    several = len({v.segment for v in views}) > 1
     parts.append(Text(f"stop reason {traj.get('stop_reason')}  calls {len(traj.get('calls') or [])}  "
-                      f"model {traj.get('model') or '-'}", style="dim"))
-    for v in call_views(traj):
+                      + (f"conversations {len({v.segment for v in views})}  " if several else "")
+                      + f"model {traj.get('model') or '-'}", style="dim"))
+    for v in views:
         lp = (f"logprobs mean {v.logprob_mean:.3f}, min {v.logprob_min:.3f} at output token {v.min_at}"
               if v.logprob_mean is not None else "no logprobs")
         mark = "" if v.prefix_ok else "  [bold red]CONTINUITY BROKEN: the whole prompt is shown[/]"
+        label = conversation_label(v, several)
         parts.append(Text.from_markup(
-            f"\n[bold cyan]call {v.index}[/]  backend {escape(str(v.backend))}  finish {v.finish_reason}  prompt {v.prompt_len} ids "
+            f"\n[bold cyan]call {v.index}[/]  " + (f"[bold]{escape(label)}[/]  " if label else "")
+            + f"backend {escape(str(v.backend))}  finish {v.finish_reason}  prompt {v.prompt_len} ids "
             f"(+{len(v.new_prompt_ids)} new)  output {len(v.output_ids)} ids  {lp}{mark}"))
         parts.append(Text("new prompt tokens:", style="bold"))
         parts.append(tokens(v.new_prompt_ids, "yellow"))

@@ -16,7 +16,7 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from prorl_cli.observe.inspect import call_views, trajectory_of, violations
+from prorl_cli.observe.inspect import call_views, conversation_label, trajectory_of, violations
 from prorl_cli.observe.trace import _submitted_at
 from prorl_cli.protocol import STAGE_NAMES, JobResult
 
@@ -179,9 +179,13 @@ def _job_section(r: JobResult) -> str:
     if traj is None:
         out.append("<p>(no token-level trajectory)</p></section>")
         return "".join(out)
-    for c in call_views(traj):
+    views = call_views(traj)
+    several = len({c.segment for c in views}) > 1
+    for c in views:
         lp = f"logprob mean {c.logprob_mean:.3f}, min {c.logprob_min:.3f}" if c.logprob_mean is not None else "no logprobs"
-        out.append(f"<h4>call {c.index}{'' if c.prefix_ok else ' <span class=bad>(continuity broken)</span>'}</h4>"
+        label = conversation_label(c, several)
+        out.append(f"<h4>call {c.index}{f' · {e(label)}' if label else ''}"
+                   f"{'' if c.prefix_ok else ' <span class=bad>(continuity broken)</span>'}</h4>"
                    f"<p>backend {e(str(c.backend))} · finish {e(str(c.finish_reason))} · prompt {c.prompt_len} ids "
                    f"(+{len(c.new_prompt_ids)} new) · output {len(c.output_ids)} ids · {lp}</p>"
                    f"<pre>{e(c.text)}</pre>")

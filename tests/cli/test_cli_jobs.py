@@ -164,6 +164,65 @@ def test_a_parquet_out_that_cannot_be_written_keeps_every_result_as_jsonl_beside
     assert "`prorl results -d jobs --prefix noparq --out FILE` collects them again" in _error_line(r.stderr)
 
 
+def test_sample_parquet_out_without_trajectories_keeps_the_results_as_jsonl_beside_it(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """`prorl sample --out X.parquet` for jobs that record no trajectory follows `submit --out X.parquet`: the groups'
+    results are written whole (with their group_id and step, as `--out X.jsonl` writes them) to a JSONL beside it,
+    and the command says where and exits 1, instead of dropping the rollouts it ran."""
+    pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) is not installed")
+    tasks = write_tasks(tmp_path / "prompts.jsonl",
+                        [{"p": 0.5, "scale_s": 0.01, "max_s": 0.05, "seed": i} for i in range(8)])
+    (tmp_path / "s.jsonl").write_text("mine\n")
+    out = tmp_path / "s.parquet"
+    r = prorl(deployment, "sample", "-d", deployment.name, str(tasks), "--task", "dapo_sim", "--group-size", "2",
+              "--target-groups", "1", "--id-prefix", "sampq", "--out", str(out))
+    assert r.returncode == 1, r.stderr
+    assert not out.exists() and (tmp_path / "s.jsonl").read_text() == "mine\n"
+    stand_in = tmp_path / "s-1.jsonl"
+    rows = [json.loads(line) for line in stand_in.read_text().splitlines()]
+    assert len(rows) == 2 and len({row["group_id"] for row in rows}) == 1 and {row["step"] for row in rows} == {0}
+    assert all(row["job_id"].startswith("sampq-") and row["state"] == "done" for row in rows), rows
+    error = _error_line(r.stderr)
+    assert f"{out}: not written: no job has a token-level 'trajectory' in its output ('dapo_sim' recorded none" in error
+    assert f"the 2 whole result(s) are in {stand_in} instead" in error, error
+    assert f"results in {stand_in}" in r.stdout, "the summary says where they are"
+
+
+def test_sample_groups_to_parquet_count_the_jobs_without_a_sample_and_keep_unusable_ones_as_jsonl(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`prorl sample`'s Parquet: a job without a trajectory has no sample and is counted (as `submit` counts its
+    rows); a trajectory no sample can be made of (a reward that is not finite) leaves the results whole beside it."""
+    pq = pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) is not installed")
+    from prorl_cli.cli.application import App
+    from prorl_cli.cli.sample import write_groups
+    from prorl_cli.protocol import JobResult
+    from prorl_cli.training.sampler import Group, StepBatch, StepStats
+
+    traj = {"calls": [{"prompt_ids": [1, 2], "output_ids": [3], "logprobs": [-0.5], "finish_reason": "stop"}],
+            "sequence_ids": [1, 2, 3], "loss_mask": [0, 0, 1], "logprobs": [0.0, 0.0, -0.5]}
+
+    def batch(*rewards: float, with_trajectory: tuple[bool, ...]) -> StepBatch:
+        results = [JobResult(job_id=f"r-s0-p0-k{k}", task="partial", state="done", reward=reward,
+                             output={"trajectory": traj} if has else {})
+                   for k, (reward, has) in enumerate(zip(rewards, with_trajectory, strict=True))]
+        return StepBatch(0, 0, [Group("r-s0-p0", "0", {}, 0, 0, results)], StepStats(step=0, policy_version=0))
+
+    app = App(None, {"deployment": "d1"})
+    out = tmp_path / "s.parquet"
+    assert write_groups(app, [batch(1.0, 0.0, with_trajectory=(True, False))], out) == (out, None)
+    assert [row["rollout_id"] for row in pq.read_table(out).to_pylist()] == ["r-s0-p0-k0"]
+    assert f"note: 1 of 2 job(s) recorded no trajectory (or no reward) and have no sample in {out}" in capsys.readouterr().err
+    bad = tmp_path / "bad.parquet"
+    written, problem = write_groups(app, [batch(float("inf"), 0.0, with_trajectory=(True, True))], bad)
+    assert written == tmp_path / "bad.jsonl" and not bad.exists()
+    assert problem is not None and "SampleError" in problem and "not finite" in problem, problem
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [(row["job_id"], row["group_id"], row["step"]) for row in rows] == [
+        ("r-s0-p0-k0", "r-s0-p0", 0), ("r-s0-p0-k1", "r-s0-p0", 0)]
+
+
 def test_a_parquet_out_counts_the_jobs_it_has_no_row_for(deployment: Deployment, tmp_path: Path) -> None:
     pq = pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) is not installed")
     with_traj = write_tasks(tmp_path / "p.jsonl", [{"end": "done"}])
@@ -264,6 +323,31 @@ def test_results_follow_collects_the_rest_after_the_submitter_was_killed(deploym
     assert r.returncode == 1 and "nope-0-0" in r.stderr
     r = prorl(deployment, "results", "-d", deployment.name, "--prefix", "never-submitted")
     assert r.returncode == 1 and "no job matches" in r.stderr
+
+
+def test_results_of_known_and_unknown_ids_writes_the_known_and_names_the_unknown(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """`prorl results KNOWN UNKNOWN --out F`: a partial match is not "nothing matches". The known job's result is
+    written and summed up, the unknown id is named in the one error line, and the exit status is the one --help
+    gives for an unknown id."""
+    tasks = write_tasks(tmp_path / "t.jsonl", [{"echo": 1}])
+    assert prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "test", "--id-prefix",
+                 "partly").returncode == 0
+    out = tmp_path / "f.jsonl"
+    r = prorl(deployment, "results", "-d", deployment.name, "partly-0-0", "nope-0-0", "--out", str(out))
+    assert r.returncode == 1, r.stderr
+    assert [json.loads(line)["job_id"] for line in out.read_text().splitlines()] == ["partly-0-0"]
+    assert f"1 job(s); results in {out}" in r.stdout, r.stdout
+    error = _error_line(r.stderr)
+    assert "1 job id(s) the broker does not hold: nope-0-0" in error and "partly-0-0" not in error, error
+    assert f"the other results are in {out}" in error, error
+    helped = " ".join(prorl(deployment, "results", "--help").stdout.split())
+    assert "when an id given is unknown (the others' results are written all the same)" in helped, helped
+    # Nothing known at all: nothing matches, and nothing is written.
+    none = tmp_path / "none.jsonl"
+    r = prorl(deployment, "results", "-d", deployment.name, "nope-0-0", "nope-1-0", "--out", str(none))
+    assert r.returncode == 1 and "no job matches ids nope-0-0 nope-1-0" in _error_line(r.stderr), r.stderr
 
 
 def test_detach_then_cancel_by_group_prefix_and_all(deployment: Deployment, tmp_path: Path) -> None:

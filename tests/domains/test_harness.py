@@ -43,6 +43,7 @@ def test_harness_runs_an_unmodified_agent_in_the_sandbox(stack: ScriptedStack, d
 
     assert fail.reward == 0.0 and fail.output["stop_reason"] == "error" and fail.output["harness_exit_code"] == 3
     assert len(fail.output["trajectory"]["calls"]) == 2  # the partial trajectory is kept
+    assert fail.state == "done" and fail.output["trajectory"]["error"]["type"] == "HarnessExited", fail
 
     assert hang.reward == 0.0 and hang.output["stop_reason"] == "timeout"
     assert hang.output["harness_exit_code"] is None
@@ -79,6 +80,7 @@ def test_a_cancelled_harness_is_killed(stack: ScriptedStack, domain_image: str) 
     client.cancel([job_id])
     (result,) = client.wait([job_id], timeout_s=120)
     assert result.state == "cancelled", result
+    assert result.reward is None, result  # no EVAL after a cancel: nothing is scored (docs/harness.md)
     # The broker answers the cancel at once; the node then kills the harness's process group and the sandbox.
     deadline = time.monotonic() + 60
     while sleepers():
@@ -110,7 +112,45 @@ def test_a_command_that_ends_its_own_shell_reports_its_exit_code(stack: Scripted
     assert "before" in errexit.output["harness_log"] and "never" not in errexit.output["harness_log"]
     assert cd_failed.output["stop_reason"] == "error" and cd_failed.output["harness_exit_code"] == 97, cd_failed
     for result in (exited, execd, errexit, cd_failed):
-        assert result.state == "done" and result.output["harness_error"] is None, result
+        assert result.state == "done" and result.reward == 0.0, result  # scored all the same (scorer: none)
+    assert execd.output["harness_error"] is None and execd.output["trajectory"]["error"] is None, execd
+    # A non-zero exit is the agent's error, named in the result as ctx.agent() names the error that ended it.
+    for result, said in ((exited, "the harness exited with code 3; its last line of output: 'about to fail'"),
+                         (errexit, "the harness exited with code 1; its last line of output: 'before'"),
+                         (cd_failed, "the harness exited with code 97; its last line of output: ")):  # sh's words
+        assert result.output["harness_error"].startswith(said), result.output["harness_error"]
+        error = result.output["trajectory"]["error"]
+        assert error == {"call": 0, "type": "HarnessExited", "message": result.output["harness_error"]}, error
+
+
+def test_prorl_submit_tells_a_harness_that_exited_non_zero_from_a_clean_run(
+    stack: ScriptedStack, domain_image: str, tmp_path: Path
+) -> None:
+    """Both jobs end done and are scored; the summary lists the one whose agent exited non-zero, and why."""
+    import json
+    import subprocess
+    import sys
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(i) + "\n" for i in (
+        _command("H-sum-ok", domain_image, "echo fine", timeout_s=60.0),
+        _command("H-sum-crash", domain_image, "echo Traceback: boom; exit 3", timeout_s=60.0),
+    )))
+    out = tmp_path / "results.jsonl"
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.d.name, "submit", str(tasks), "--task",
+                        "harness", "--id-prefix", "sum", "--out", str(out)],
+                       env={**stack.d.env(), "COLUMNS": "200"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    by_tag = {row["output"]["harness_log"].split()[0]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert {row["state"] for row in by_tag.values()} == {"done"}, by_tag
+    assert by_tag["Traceback:"]["output"]["harness_exit_code"] == 3
+    lines = [line.strip() for line in r.stderr.splitlines()]
+    heading = next((i for i, line in enumerate(lines) if line.startswith("done, but the agent ended in an error")), None)
+    assert heading is not None, r.stderr
+    crashed = by_tag["Traceback:"]["job_id"]
+    assert lines[heading + 1] == (f"1 job(s) in run: HarnessExited: the harness exited with code 3; its last line "
+                                  f"of output: 'Traceback: boom' (e.g. {crashed})"), r.stderr
+    assert by_tag["fine"]["job_id"] not in r.stderr, r.stderr
 
 
 def test_a_harness_whose_shell_is_killed_is_an_error(stack: ScriptedStack, domain_image: str) -> None:
@@ -121,6 +161,7 @@ def test_a_harness_whose_shell_is_killed_is_an_error(stack: ScriptedStack, domai
     ], timeout_s=300)
     assert result.output["stop_reason"] == "error" and result.output["harness_exit_code"] is None, result
     assert "ended without recording an exit code" in result.output["harness_error"]
+    assert result.output["trajectory"]["error"]["message"] == result.output["harness_error"]
     assert "killing my shell" in result.output["harness_log"]
 
 

@@ -87,29 +87,35 @@ def test_the_workspace_copy_goes_also_when_the_scorer_cannot_be_imported(tmp_pat
         workspace.mkdir(parents=True)
 
 
-def test_a_scorer_in_the_nodes_working_directory_is_found_without_python_dash_m(tmp_path: Path) -> None:
-    """`prorl serve node` is a console script: unlike `python -m prorl_cli`, it does not put the working
-    directory on sys.path, where docs/harness.md says a scorer module may be."""
-    import os
+def test_a_scorer_in_the_nodes_working_directory_is_found_without_python_dash_m(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """`prorl serve node` started by the `prorl` console script (unlike `python -m prorl_cli`, which the test
+    deployments use) finds a scorer module in the folder it started in, where docs/harness.md says it may be:
+    the command puts that folder on sys.path at start-up."""
     import subprocess
     import sys
 
-    cwd = tmp_path / "node-home"
+    from tests.harness import Deployment
+
+    cwd = tmp_path / "node-cwd"
     cwd.mkdir()
-    (cwd / "prorl_cwd_scorer.py").write_text("def score(ctx):\n    return 0.75\n")
-    script = tmp_path / "elsewhere" / "eval_once.py"  # sys.path[0] is the script's folder, not the cwd
-    script.parent.mkdir()
-    script.write_text(
-        "import asyncio, os, sys\n"
-        "from types import SimpleNamespace\n"
-        "from prorl_cli.handlers.harness import HarnessHandler\n"
-        "from prorl_cli.node.settings import resolve_settings\n"
-        "assert os.getcwd() not in sys.path and '' not in sys.path, sys.path\n"
-        "settings = resolve_settings(HarnessHandler.defaults, ('test', {'scorer': 'prorl_cwd_scorer:score'}))\n"
-        "ctx = SimpleNamespace(settings=settings, output={}, state={}, reward=None)\n"
-        "asyncio.run(HarnessHandler().eval(ctx))\n"
-        "print(ctx.reward)\n")
-    repo = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": repo})
-    assert proc.returncode == 0 and proc.stdout.strip() == "0.75", proc.stdout + proc.stderr
+    (cwd / "prorl_cwd_scorer.py").write_text("def score(ctx, workspace):\n    return 0.75\n")
+    # What pip's console script does: sys.path[0] is the script's folder, not the working directory.
+    console_script = tmp_path / "bin" / "prorl"
+    console_script.parent.mkdir()
+    console_script.write_text("import sys\nfrom prorl_cli.cli import main\nsys.exit(main())\n")
+    config = {"sandbox": {"runtime": "local", "local_dir": str(tmp_path / "sb")},
+              "inference": {"tokenizer": str(tiny_model)}}
+    with Deployment(tmp_path / "home", "cwdscorer", config=config) as d:
+        d.start_broker()
+        with (d.logs / "n1.log").open("ab") as log:
+            d.procs["n1"] = subprocess.Popen(
+                [sys.executable, str(console_script), "-d", d.name, "serve", "node", "--node-id", "n1"],
+                cwd=cwd, env=d.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        d.wait_for(lambda st: any(n.node_id == "n1" and n.alive for n in st.nodes), 60, "node n1 to register", "n1")
+        ids = d.client.submit("harness", [
+            {"task": "no model call", "settings": {"image": "", "command": "true", "scorer": "prorl_cwd_scorer:score",
+                                                   "poll_s": 0.1, "timeout_s": 60.0}}], timeout_s=120)
+        (result,) = d.client.wait(ids, timeout_s=180)
+    assert result.state == "done" and result.reward == 0.75, result

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.naming import deployment_option
+
+if TYPE_CHECKING:
+    from prorl_cli.config import ProrlConfig
 
 
 @click.group()
@@ -70,9 +74,12 @@ def _default_deploy_file(deployment_dir: Path) -> str | None:
 def config_check(file: str) -> None:
     """Validate FILE, a prorl.yaml or a deploy.yaml; exit non-zero with the offending key named.
 
-    A deploy.yaml (told by its keys: nodes, setup, python...) gets the checks
-    of `prorl launch --dry-run`, the prorl.yaml it names (config:) included,
-    without Slurm: `prorl launch FILE --dry-run` also shows what it would submit.
+    A prorl.yaml gets the checks `prorl serve node` makes at start too: its
+    handlers load, and their settings under handlers.<task> are known keys
+    of valid types. A deploy.yaml (told by its keys: nodes, setup, python...)
+    gets the checks of `prorl launch --dry-run`, the prorl.yaml it names
+    (config:) included, without Slurm: `prorl launch FILE --dry-run` also
+    shows what it would submit.
     """
     from prorl_cli.config import load_config
     from prorl_cli.exceptions import ConfigError, one_line
@@ -86,7 +93,11 @@ def config_check(file: str) -> None:
         if is_deploy:
             warnings = _check_deploy(file)
         else:
-            load_config(file)
+            errors = _node_start_errors(load_config(file))
+            if errors:
+                for error in errors:
+                    click.echo(f"error: {one_line(error)}", err=True)
+                raise click.exceptions.Exit(1)
             warnings = []
     except ConfigError as e:
         click.echo(f"error: {one_line(str(e))}", err=True)
@@ -97,6 +108,14 @@ def config_check(file: str) -> None:
         click.echo(f"{file}: ok (a deploy file; `prorl launch {file} --dry-run` shows what it would submit)")
     else:
         click.echo(f"{file}: ok")
+
+
+def _node_start_errors(cfg: ProrlConfig) -> list[str]:
+    """Why ``prorl serve node`` would refuse to start with ``cfg`` here: the node's own check
+    (:meth:`~prorl_cli.node.registry.HandlerRegistry.start_errors`) of the handlers it would serve."""
+    from prorl_cli.node.registry import discover
+
+    return discover(cfg.node.handler_paths, cfg.node.tasks or None).start_errors(cfg)
 
 
 def _check_deploy(file: str) -> list[str]:

@@ -1,5 +1,8 @@
 """Collecting results for ``prorl submit`` and ``prorl results``: progress, ``--out`` files, the summary.
 
+(``prorl sample`` writes training samples to its ``.parquet``, not these rows, but keeps its results the same way
+where that file cannot be written: :func:`write_stand_in`.)
+
 The rules ``--out`` follows, whichever command wrote it:
 
 - ``.jsonl`` (any other name): one whole JobResult per line, every state, written as each job ends;
@@ -26,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from prorl_cli.cli.application import App
 from prorl_cli.cli.common import SigtermAsInterrupt, command_hint
+from prorl_cli.exceptions import ProrlError
 
 if TYPE_CHECKING:
     from prorl_cli.client import RolloutClient
@@ -95,18 +99,14 @@ class ResultFile:
                                 f"--out {shlex.quote(str(out))}` waits for them")
             return
         from prorl_cli.agent.trajectory import Trajectory, write_parquet
-        from prorl_cli.exceptions import ProrlError
 
         try:
             rows = parquet_rows(kept)
             if not rows:
-                self._stand_in(out, kept, f"no {'finished ' if self.only_done else ''}job has a token-level "
-                                          f"'trajectory' in its output ({_no_trajectory_why(kept)})")
+                self._stand_in(out, kept, no_trajectory(kept, self.only_done))
                 return
             write_parquet(out, rows)
-        # pyarrow gone or failing (its ArrowInvalid and ArrowTypeError are a ValueError and a TypeError), or a
-        # trajectory that does not read back: the results stay whole, as JSONL, and the error says why.
-        except (ImportError, OSError, ValueError, TypeError, KeyError, ProrlError) as e:
+        except PARQUET_ERRORS as e:
             self._stand_in(out, kept, f"{type(e).__name__}: {e}")
             return
         self.written = out
@@ -125,24 +125,38 @@ class ResultFile:
 
     def _stand_in(self, out: Path, kept: list[JobResult], why: str) -> None:
         """Write ``kept`` whole as the JSONL beside ``out`` that stands in for it; :attr:`problem` says so."""
-        from prorl_cli.jsonl import write_jsonl_atomic
-
-        path = stand_in_path(out)
-        again = f"`{self.recollect} --out FILE` collects them again"
-        try:
-            write_jsonl_atomic(path, (r.to_wire() for r in kept), allow_nan=True)
-        except OSError as e:
-            self.problem = (f"{out}: not written: {why}; nor could the stand-in {path} be ({e.strerror or e}): "
-                            f"the {len(kept)} result(s) are still at the broker: {again}")
-            return
-        self.written = path
-        self.problem = (f"{out}: not written: {why}; the {len(kept)} whole result(s) are in {path} instead "
-                        f"(as --out {path.name} writes them); {again}")
+        self.written, self.problem = write_stand_in(
+            out, [r.to_wire() for r in kept], why, again=f"`{self.recollect} --out FILE` collects them again")
 
     def check(self) -> None:
         """End the command with :attr:`problem`, if any (after the summary, which says where the results are)."""
         if self.problem is not None:
             self.app.abort(self.problem)
+
+
+#: What writing a Parquet ``--out`` raises when it cannot be written: pyarrow gone or failing (its ArrowInvalid and
+#: ArrowTypeError are a ValueError and a TypeError), or a trajectory that does not read back. The results then
+#: stay whole, as JSONL beside it (:func:`write_stand_in`), and the error says why.
+PARQUET_ERRORS: tuple[type[Exception], ...] = (ImportError, OSError, ValueError, TypeError, KeyError, ProrlError)
+
+
+def write_stand_in(out: Path, rows: list[dict[str, Any]], why: str, again: str | None = None) -> tuple[Path | None, str]:
+    """Write ``rows`` (whole results, as ``--out X.jsonl`` writes them) to the JSONL beside a Parquet ``out`` that
+    could not be written (``why``): the jobs ran, their results are never dropped.
+
+    Returns where they went (None when the stand-in could not be written either) and the error that ends the
+    command, naming that file; ``again``: how to collect the results again, added to it.
+    """
+    from prorl_cli.jsonl import write_jsonl_atomic
+
+    path = stand_in_path(out)
+    try:
+        write_jsonl_atomic(path, rows, allow_nan=True)
+    except OSError as e:
+        still = f": the {len(rows)} result(s) are still at the broker: {again}" if again else ""
+        return None, f"{out}: not written: {why}; nor could the stand-in {path} be ({e.strerror or e}){still}"
+    return path, (f"{out}: not written: {why}; the {len(rows)} whole result(s) are in {path} instead "
+                  f"(as --out {path.name} writes them)" + (f"; {again}" if again else ""))
 
 
 def stand_in_path(out: Path) -> Path:
@@ -161,6 +175,12 @@ def _no_trajectory_why(results: list[JobResult]) -> str:
     tasks = sorted({r.task for r in results if r.task})
     which = f"{', '.join(repr(t) for t in tasks)} recorded none" if tasks else "none recorded one"
     return f"{which}: a handler's agent loop, ctx.agent(), records one"
+
+
+def no_trajectory(results: list[JobResult], only_done: bool = False) -> str:
+    """Why a Parquet file of ``results`` has no row: none recorded a trajectory (the error's words)."""
+    return (f"no {'finished ' if only_done else ''}job has a token-level 'trajectory' in its output "
+            f"({_no_trajectory_why(results)})")
 
 
 #: What a cancelled submission is told it could have done instead.
@@ -274,8 +294,7 @@ def write_trajectories_parquet(app: App, results: list[JobResult], out: Path, on
 
     rows = parquet_rows(results, only_done)
     if not rows:
-        app.abort(f"{out}: no {'finished ' if only_done else ''}job has a token-level 'trajectory' in its output "
-                  f"({_no_trajectory_why(results)})")
+        app.abort(f"{out}: {no_trajectory(results, only_done)}")
     try:
         write_parquet(out, rows)
     except ImportError as e:
@@ -289,17 +308,26 @@ FAILURE_GROUPS_SHOWN = 5
 
 def print_failures(app: App, results: list[JobResult]) -> None:
     """Why jobs did not finish: failed and timed-out jobs grouped by stage, error type and first message line,
-    the largest groups first, each with a job id to look up (``prorl inspect``, the job's log)."""
-    from prorl_cli.observe.failures import group_failures
+    the largest groups first, each with a job id to look up (``prorl inspect``, the job's log); then, grouped the
+    same way, the jobs done although their agent ended in an error (a harness that exited non-zero)."""
+    from prorl_cli.observe.failures import agent_error_key, group_failures
 
     print_failure_groups(app, group_failures(r for r in results if r.state in ("failed", "timed_out")))
+    print_failure_groups(app, group_failures(results, key=agent_error_key), title=AGENT_ERRORS_TITLE)
 
 
-def print_failure_groups(app: App, ranked: list[FailureGroup]) -> None:
+#: The heading of the done jobs whose agent ended in an error (:func:`prorl_cli.observe.failures.agent_error_key`).
+AGENT_ERRORS_TITLE = ("[bold]done, but the agent ended in an error[/bold] (scored as it left things; the trajectory's "
+                      "error field of each result has it whole):")
+
+
+def print_failure_groups(app: App, ranked: list[FailureGroup],
+                         title: str = "[bold]why jobs did not finish[/bold] (the error field of each result has it whole):",
+                         ) -> None:
     """:func:`print_failures`'s lines for groups already made (``prorl sample`` has them from the sampler's error)."""
     if not ranked:
         return
-    app.err_console.print("[bold]why jobs did not finish[/bold] (the error field of each result has it whole):")
+    app.err_console.print(title)
     for group in ranked[:FAILURE_GROUPS_SHOWN]:
         app.err_console.print(f"  {group.describe()}", markup=False, soft_wrap=True)
     if len(ranked) > FAILURE_GROUPS_SHOWN:

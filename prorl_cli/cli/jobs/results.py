@@ -34,8 +34,10 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
     \b
     Without --follow, the jobs that have ended are collected and the rest counted;
     with --follow the command waits until every selected job ended. Ctrl-C
-    leaves the jobs running. Exit status 0 once the selected results are written,
-    1 when nothing matches or the broker cannot be reached.
+    leaves the jobs running. Exit status 0 once the selected results are written;
+    1 when nothing matches, when an id given is unknown (the others' results are
+    written all the same), when a .parquet --out could not be written (its results
+    go to a .jsonl beside it), or when the broker cannot be reached.
     """
     from prorl_cli.cli.common import check_out_path, connect
     from prorl_cli.cli.jobs.collect import ResultFile, collect, print_summary
@@ -48,19 +50,20 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
     ended = {s.value for s in TERMINAL_STATES}
     with connect(app, address) as client:
         held = client.list_jobs(prefix=id_prefix(prefix), group_id=group_id) if not job_ids else client.list_jobs()
+        # Ids the broker does not hold (mistyped, or past broker.result_retention) do not stop the others from
+        # being collected: a partial match writes what matched and ends in an error naming the rest.
+        unknown = [j for j in dict.fromkeys(job_ids) if j not in held]
         if job_ids:
-            unknown = [j for j in job_ids if j not in held]
-            if unknown:
-                app.abort(f"{len(unknown)} job id(s) the broker does not hold: {', '.join(unknown[:10])}"
-                          + (" ..." if len(unknown) > 10 else ""))
-            held = {j: held[j] for j in job_ids}
+            held = {j: held[j] for j in job_ids if j in held}
         if not held:
-            what = f"--prefix {prefix}" if prefix is not None else f"--group {group_id}"
+            what = (f"--prefix {prefix}" if prefix is not None else f"--group {group_id}" if group_id is not None
+                    else f"ids {' '.join(_some(unknown))}")
             app.abort(f"no job matches {what} in deployment {app.config.deployment!r} "
                       "(finished results are kept up to broker.result_retention)")
         wanted = list(held) if follow else [j for j, state in held.items() if state in ended]
         # Ctrl-C: collect says the jobs keep running; the prorl group ends it with one line, exit 130.
-        selection = job_ids or (("--prefix", prefix) if prefix is not None else ("--group", str(group_id)))
+        # The ids held only: the command to collect them again must not fail on the unknown ones again.
+        selection = tuple(held) if job_ids else ("--prefix", prefix) if prefix is not None else ("--group", str(group_id))
         sink = ResultFile(app, out, only_done, selection=selection, address=address)
         got = collect(app, client, wanted, "results", sink, on_interrupt="leave")
     # A rate here would time the collection, not the jobs.
@@ -68,4 +71,18 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
     running = len(held) - len(got)
     if running:
         app.console.print(f"{running} job(s) not finished yet: `--follow` waits for them")
+    if unknown:
+        # One error line (after the summary, which says where the rest went), with the --out problem if any.
+        where = f"; the other results are in {sink.written}" if sink.written is not None else ""
+        app.abort(f"{len(unknown)} job id(s) the broker does not hold: {', '.join(_some(unknown))} (finished results "
+                  f"are kept up to broker.result_retention){where}" + (f"; {sink.problem}" if sink.problem else ""))
     sink.check()
+
+
+#: Unknown ids named at most in an error line; the rest are counted.
+NAMED_IDS = 10
+
+
+def _some(ids: list[str]) -> list[str]:
+    """The first :data:`NAMED_IDS` of ``ids``, then ``...`` when there are more."""
+    return ids[:NAMED_IDS] + (["..."] if len(ids) > NAMED_IDS else [])

@@ -128,6 +128,8 @@ def inspect(
     """Show trajectories of a run call by call: new prompt tokens, output, log-probs, tools, violations.
 
     RESULTS is the JSONL (or Parquet) of `prorl submit --out` or the quickstart. Exits 1 when no result matches.
+    A job of several conversations (sub-agents) labels each call with its agent and conversation, and counts
+    its new prompt tokens against the previous call of that conversation.
     """
     from prorl_cli.observe.inspect import Decoder, Filters, render_result
 

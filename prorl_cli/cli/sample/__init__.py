@@ -58,7 +58,9 @@ LIMIT_OPTIONS = {"max_groups_per_step": "--max-groups-per-step", "max_consecutiv
               help="Jobs running at once [default: 2 x group size x target groups].")
 @click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True, help="Steps to collect.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="JSONL: one result per line with its group_id and step. .parquet: training samples (docs/training.md).")
+              help="JSONL: one result per line with its group_id and step. .parquet: training samples (docs/training.md); "
+                   "where no job recorded a trajectory, the results go whole to a .jsonl beside it and the command "
+                   "exits 1, as `prorl submit --out` does.")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
 @click.option("--max-groups-per-step", type=click.IntRange(min=0), metavar="N",
               help="Groups a step may submit: once all N finished with fewer than --target-groups informative ones, "
@@ -132,16 +134,21 @@ def sample(
             stopped = f"dynamic sampling failed: {e}"
         finally:
             sampler.close()  # cancels the jobs still in flight: a stopped step leaves nothing running
+    written: Path | None = None
+    problem: str | None = None
     if out is not None and (batches or stopped is None):
         # The steps done before a stop are kept: a long run that stops late loses only its last step.
-        write_groups(app, batches, out)
+        written, problem = write_groups(app, batches, out)
     if stopped is not None:
-        app.abort(stopped + (f" ({len(batches)} step(s) before it written to {out})" if out and batches else ""))
+        app.abort(stopped + (f" ({len(batches)} step(s) before it written to {written})" if written and batches else "")
+                  + (f"; {problem}" if problem else ""))
     total = sum(len(b.groups) for b in batches)
     filtered = sum(b.stats.filtered for b in batches)
     cancelled = sum(b.stats.cancelled_jobs for b in batches)
     app.console.print(f"{total} informative group(s) of {group_size}; {filtered} filtered, {cancelled} job(s) cancelled"
-                      + (f"; results in {out}" if out else ""))
+                      + (f"; results in {written}" if written else ""))
+    if problem is not None:  # after the summary, which says where the results are, as `prorl submit` ends
+        app.abort(problem)
 
 
 class ProgressLine:
@@ -221,19 +228,36 @@ def progress_text(stats: StepStats, target: int) -> str:
     )
 
 
-def write_groups(app: App, batches: list[StepBatch], out: Path) -> None:
-    """JSONL: one result per line with its ``group_id`` and ``step``; ``.parquet``: training samples (docs/training.md)."""
-    if out.suffix == ".parquet":
-        from prorl_cli.training.export import write_samples_parquet
-        from prorl_cli.training.samples import samples_from_results
+def write_groups(app: App, batches: list[StepBatch], out: Path) -> tuple[Path | None, str | None]:
+    """JSONL: one result per line with its ``group_id`` and ``step``; ``.parquet``: training samples (docs/training.md).
 
-        samples = [s for b in batches for s in samples_from_results(b.results, group_of=b.group_of).samples]
+    Returns where the results went and, when that is not ``out``, why (the error the command ends with): a
+    Parquet file that cannot be written (no result recorded a trajectory, pyarrow failing) leaves them whole in
+    a JSONL beside it, as ``prorl submit --out`` does (:func:`~prorl_cli.cli.jobs.collect.write_stand_in`).
+    """
+    rows = [{**r.to_wire(), "group_id": g.group_id, "step": b.step} for b in batches for g in b.groups
+            for r in g.results]
+    if out.suffix != ".parquet":
+        with out.open("w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        return out, None
+    from prorl_cli.cli.jobs.collect import PARQUET_ERRORS, no_trajectory, write_stand_in
+    from prorl_cli.training.export import write_samples_parquet
+    from prorl_cli.training.samples import samples_from_results
+
+    results = [r for b in batches for r in b.results]
+    try:
+        batch_samples = [samples_from_results(b.results, group_of=b.group_of) for b in batches]
+        samples = [s for got in batch_samples for s in got.samples]
         if not samples:
-            app.abort(f"{out}: no result has a 'trajectory' in its output; write .jsonl to keep whole results")
+            return write_stand_in(out, rows, no_trajectory(results))
         write_samples_parquet(out, samples)
-        return
-    with out.open("w") as f:
-        for b in batches:
-            for g in b.groups:
-                for r in g.results:
-                    f.write(json.dumps({**r.to_wire(), "group_id": g.group_id, "step": b.step}) + "\n")
+    except PARQUET_ERRORS as e:  # a trajectory or reward a sample cannot be made of, pyarrow failing
+        return write_stand_in(out, rows, f"{type(e).__name__}: {e}")
+    skipped = sum(got.skipped for got in batch_samples)
+    if skipped:
+        app.err_console.print(
+            f"note: {skipped} of {len(results)} job(s) recorded no trajectory (or no reward) and have no sample in "
+            f"{out}; --out FILE.jsonl keeps every job's whole result", markup=False, soft_wrap=True)
+    return out, None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 from prorl_cli.cli.application import App, pass_app
@@ -111,6 +114,7 @@ def serve_node(
         node__tasks=list(tasks) or None,
     )
     app.setup_logging("node")
+    import_from_working_directory()
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.node.server import run_node
     from prorl_cli.slurm.identity import SlurmIdentity
@@ -134,6 +138,18 @@ def serve_node(
         run_node(app.config, node_id=node_id, address=address)
     except ProrlError as e:
         app.abort(str(e))
+
+
+def import_from_working_directory() -> None:
+    """Put the working directory on ``sys.path``, as ``python -m prorl_cli`` does and the ``prorl`` console script
+    does not, so that a ``module:function`` setting (a harness scorer, docs/harness.md) may name a module there.
+
+    Last, unlike ``python -m``: a file that happens to be in the folder a node starts in (a ``yaml.py``) must not
+    shadow an installed module the node needs. Its absolute path, so a later ``chdir`` changes nothing.
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:  # "": the working directory already (python -c, a REPL)
+        sys.path.append(cwd)
 
 
 serve.add_command(serve_inference)
