@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from prorl_cli.config import ENV_HOME, ProrlConfig, load_config
+from prorl_cli.config import ENV_HOME, ProrlConfig, apply_overrides, config_from_dict, load_config
 from prorl_cli.exceptions import ConfigError, SlurmError
 from prorl_cli.slurm.deploy import DeployConfig, time_minutes
 from prorl_cli.slurm.record import Member
@@ -31,6 +31,30 @@ def prorl_config(cfg: DeployConfig) -> ProrlConfig:
     home_from = cfg.source if cfg.home else f"${ENV_HOME}" if os.environ.get(ENV_HOME) else "<defaults>"
     return load_config(cfg.config, {"home": str(cfg.home_path), "deployment": cfg.deployment},
                        given_as={"home": home_from, "deployment": cfg.source})
+
+
+def node_config(cfg: DeployConfig) -> ProrlConfig:
+    """What a node task of this deployment runs with: the roles' prorl.yaml plus the deploy file's node settings."""
+    base = prorl_config(cfg).to_dict()
+    return config_from_dict(apply_overrides(base, role_spec(cfg, "nodes").overrides), cfg.source)
+
+
+def node_start_check(cfg: DeployConfig) -> tuple[list[str], list[str]]:
+    """``(errors, warnings)``: the check ``prorl serve node`` makes at start, made here before anything is queued,
+    so a misspelt ``handlers.<task>`` key does not wait in Slurm's queue to stop every node task.
+
+    Bad settings of a handler that loads here are errors. A handler that does not load here is a warning: the
+    nodes have their own Python and paths (``python``, ``handler_paths`` on node-local storage), where it may.
+    """
+    from prorl_cli.node.registry import discover
+
+    if not cfg.nodes.count:
+        return [], []
+    config = node_config(cfg)
+    registry = discover(config.node.handler_paths, config.node.tasks or None)
+    warnings = [f"{error} (the node tasks will refuse to start unless it loads on their machines)"
+                for error in registry.errors]
+    return registry.settings_errors(config), warnings
 
 
 #: Where a broker on Slurm listens when neither deploy.yaml nor prorl.yaml says: every interface (peers run elsewhere).

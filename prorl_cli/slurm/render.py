@@ -15,10 +15,10 @@ from typing import Any
 
 import jinja2
 
-from prorl_cli.config import apply_overrides, config_from_dict, dump_config
+from prorl_cli.config import dump_config
 from prorl_cli.resources import data_dir
 from prorl_cli.slurm.deploy import DeployConfig
-from prorl_cli.slurm.options import broker_bind_host, prorl_config, role_spec, sbatch_options
+from prorl_cli.slurm.options import broker_bind_host, node_config, sbatch_options
 
 TEMPLATES = {
     "broker": "broker.sbatch.j2",
@@ -80,8 +80,7 @@ def render_all(cfg: DeployConfig, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg.log_path.mkdir(parents=True, exist_ok=True)
     # The roles' configuration: prorl.yaml plus the deploy file's node settings.
-    base = prorl_config(cfg).to_dict()
-    merged = config_from_dict(apply_overrides(base, role_spec(cfg, "nodes").overrides), cfg.source)
+    merged = node_config(cfg)
     config_file = out_dir / "prorl.yaml"
     config_file.write_text(dump_config(merged))
     env = _environment()

@@ -38,3 +38,21 @@ def test_config_check_passes_good_handler_settings(tmp_path: Path) -> None:
     (tmp_path / "prorl.yaml").write_text("handlers:\n  harness:\n    command: echo hi\n    timeout_s: 60\n")
     check = _prorl_in(tmp_path, "config", "check", "prorl.yaml")
     assert check.returncode == 0 and check.stdout == "prorl.yaml: ok\n", check.stderr
+
+
+def test_a_deploy_file_is_refused_for_what_its_node_tasks_would_refuse(tmp_path: Path) -> None:
+    """The prorl.yaml a deploy.yaml names gets the node's check before anything is queued: ``config check`` and
+    ``launch --dry-run`` refuse a misspelt ``handlers.<task>`` key that would stop every node task at start."""
+    (tmp_path / "prorl.yaml").write_text("handlers:\n  harness:\n    comand: echo hi\n")
+    (tmp_path / "deploy.yaml").write_text("deployment: typo\nconfig: prorl.yaml\nnodes:\n  count: 2\n")
+    check = _prorl_in(tmp_path, "config", "check", "deploy.yaml")
+    assert check.returncode == 1 and "Traceback" not in check.stderr, check.stderr
+    assert "error: the node tasks would refuse to start: " in check.stderr, check.stderr
+    assert "handlers.harness: unknown setting 'comand'" in check.stderr, check.stderr
+    if subprocess.run(["sh", "-c", "command -v sbatch"], capture_output=True).returncode == 0:
+        plan = _prorl_in(tmp_path, "launch", "deploy.yaml", "--dry-run")
+        assert plan.returncode == 1 and "the launch would be refused: the node tasks would refuse to start" in \
+            plan.stderr, plan.stderr
+    (tmp_path / "prorl.yaml").write_text("handlers:\n  harness:\n    command: echo hi\n")
+    check = _prorl_in(tmp_path, "config", "check", "deploy.yaml")
+    assert check.returncode == 0 and check.stdout.startswith("deploy.yaml: ok"), check.stderr

@@ -120,11 +120,16 @@ def _node_start_errors(cfg: ProrlConfig) -> list[str]:
 
 def _check_deploy(file: str) -> list[str]:
     """What ``prorl launch`` checks of a deploy file before it needs Slurm: its keys, the prorl.yaml it names
-    (read as the roles read it), and the paths this machine cannot see (warnings)."""
+    (read as the roles read it), the node tasks' start check (:func:`~prorl_cli.slurm.options.node_start_check`),
+    and the paths this machine cannot see (warnings)."""
+    from prorl_cli.exceptions import ConfigError
     from prorl_cli.slurm.deploy import load_deploy
     from prorl_cli.slurm.launcher import path_warnings
-    from prorl_cli.slurm.options import effective_deploy
+    from prorl_cli.slurm.options import effective_deploy, node_start_check
 
     cfg = load_deploy(file)
     effective_deploy(cfg)
-    return path_warnings(cfg)
+    errors, warnings = node_start_check(cfg)
+    if errors:
+        raise ConfigError(f"the node tasks would refuse to start: {'; '.join(errors)}")
+    return [*path_warnings(cfg), *warnings]

@@ -321,16 +321,23 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
     fails the launch at once; --wait-s N also gives up after N s. A failed
     launch, or Ctrl-C while it waits, cancels what it submitted unless --keep.
     """
-    from prorl_cli.exceptions import SlurmError
+    from prorl_cli.exceptions import ConfigError, SlurmError
     from prorl_cli.slurm import launcher
-    from prorl_cli.slurm.options import sandbox_runtime
+    from prorl_cli.slurm.options import node_start_check, sandbox_runtime
 
     cfg = _load_deploy(app, deploy_file, named_deployment(app))
-    for warning in launcher.path_warnings(cfg):
+    try:
+        refused, node_warnings = node_start_check(cfg)
+    except ConfigError as e:
+        app.abort(f"config error: {e}")
+    for warning in [*launcher.path_warnings(cfg), *node_warnings]:
         app.err_console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True, highlight=False)
+    why = f"the node tasks would refuse to start: {'; '.join(refused)}" if refused else None
     if dry_run:
-        _print_plan(app, cfg)
+        _print_plan(app, cfg, why)
         return
+    if why is not None:
+        app.abort(f"{why}; nothing submitted")
     _require_slurm(app)
     runtime = sandbox_runtime(cfg)
     if runtime == "local":
@@ -388,8 +395,9 @@ def _give_up(app: App, cfg: DeployConfig, record: LaunchRecord, keep: bool) -> s
                                              "; nothing left queued.")
 
 
-def _print_plan(app: App, cfg: DeployConfig) -> None:
-    """``launch --dry-run``: each role's Slurm request and batch script, as launch would submit them."""
+def _print_plan(app: App, cfg: DeployConfig, refused: str | None = None) -> None:
+    """``launch --dry-run``: each role's Slurm request and batch script, as launch would submit them; ``refused``:
+    why launch would refuse, known before Slurm is asked."""
     from prorl_cli.config import ENV_LOG_LEVEL
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import launcher
@@ -398,11 +406,10 @@ def _print_plan(app: App, cfg: DeployConfig) -> None:
         planned = launcher.plan(cfg)
     except RuntimeError as e:  # submitit refuses to render without Slurm's commands
         app.abort(f"--dry-run needs Slurm's commands on this machine: {e}")
-    refused = None
     try:
         launcher.check_partitions(cfg)  # what launch refuses, the dry run says it would
     except SlurmError as e:
-        refused = str(e).replace("; nothing submitted", "")
+        refused = "; ".join(filter(None, (refused, str(e).replace("; nothing submitted", ""))))
     out = app.console
     out.print(f"# deployment {cfg.deployment}: PRORL_HOME {cfg.home_path}, Slurm logs in {cfg.log_path}", soft_wrap=True)
     level = os.environ.get(ENV_LOG_LEVEL)
