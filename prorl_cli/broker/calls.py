@@ -37,6 +37,10 @@ class PendingGenerate:
     policy_version: int = 0
     #: When it went to its backend (monotonic s): a drain that times out says how long each call ran.
     since: float = field(default_factory=timebase.monotonic)
+    #: A bridge call's request as the node sent it (its frames are the same bytes, not copies): what is routed
+    #: again when its bridge leaves before answering. None for redirected calls, which the node makes itself.
+    request: H.Generate | None = None
+    payload: list[bytes] = field(default_factory=list)
 
 
 class PendingGenerates:

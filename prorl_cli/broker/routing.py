@@ -250,25 +250,42 @@ class Router:
         self._admit_waiting()
 
     def _backend_lost(self, backend: Backend, why: str, *, planned: bool = False) -> None:
-        """A backend is gone: answer its calls, forget its jobs (``planned``: it left, which is no loss)."""
-        if planned:
-            log.info("backend %s %s; answering its %d call(s) in flight", backend.backend_id, why,
-                     self.pending.on_backend(backend.backend_id))
+        """A backend is gone: forget its jobs, and route its calls again or answer them.
+
+        ``planned``: it left (a signal, a scale-down, a time limit's warning), which is no loss and never the
+        calls' fault, so each call it had not answered goes to another backend (or is held until one registers),
+        its work so far lost but not its job. A backend lost (silent, unreachable, its engine dead) has its calls
+        answered ``backend_error``: a prompt that kills an engine must not go on to kill the others.
+        """
+        moved = planned and not self.stopping
+        calls = self.pending.on_backend(backend.backend_id)
+        if moved:
+            log.info("backend %s %s; its %d call(s) in flight go to other backends", backend.backend_id, why, calls)
+        elif planned:
+            log.info("backend %s %s; answering its %d call(s) in flight", backend.backend_id, why, calls)
         else:
             log.warning("backend %s lost: %s", backend.backend_id, why)
-        if backend.kind == "bridge":
-            self.gone.add(backend.status(self.inflight(backend), timebase.now()), why)
         backend.alive = False
         if backend.identity is not None:
             self.backend_by_identity.pop(backend.identity, None)
+        again: list[tuple[bytes, H.Generate, list[bytes]]] = []
         for _, pend in self.pending.pop_backend(backend.backend_id):
-            if not pend.redirect:
+            if pend.redirect:
+                continue
+            if moved and pend.request is not None:
+                again.append((pend.requester, pend.request, pend.payload))
+            else:
                 self._answer_dropped(pend.requester, pend.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} {why}",
                                      backend_id=backend.backend_id)
         self._release_jobs(backend)
+        if backend.kind == "bridge":
+            # Shown as it is now, serving no call and no job (its calls were answered or run elsewhere).
+            self.gone.add(backend.status(self.inflight(backend), timebase.now()), why)
         if self.stopping or backend.kind == "bridge":
             self.backends.pop(backend.backend_id, None)
         self.weights.backend_lost(backend.backend_id)
+        for requester, request, payload in again:  # after it is unbound from its jobs: none is routed back to it
+            self._route_call(requester, request, payload)
 
     def _release_jobs(self, backend: Backend) -> None:
         """``backend`` serves its jobs no more (it went, or it loads other weights): unbind them, free their KV.
@@ -381,7 +398,8 @@ class Router:
             self._backend_lost(backend, "unreachable")
             self._reply_error(identity, h.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
             return
-        self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, False, self.weights.policy_version))
+        self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, False,
+                                                  self.weights.policy_version, request=h, payload=list(payload)))
 
     def _route(self, job_id: str, requester: bytes, host: str | None, running: bool, tokens: int = 0) -> Backend | None:
         if self.policy.sticky:

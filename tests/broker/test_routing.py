@@ -208,12 +208,42 @@ def test_a_lost_backend_fails_its_calls_and_its_jobs_move() -> None:
     run(c, "j1")
     r1 = c.generate("j1")
     c.take(b1)
-    c.router.unregister(b1)
+    c.router.unregister(b1, "engine of backend b1 is down: exit 1")  # a fault: the call may be what killed it
     (answer,) = c.take(N1)
     assert answer["rid"] == r1 and answer["error"]["code"] == ErrorCode.BACKEND_ERROR.value and "b1" in answer["error"]["message"]
     assert c.router.backend_statuses() == [] and not c.router.bridges_alive()
     c.bridge("b2")
     assert c.routed("j1") == "b2"
+
+
+def test_a_bridge_that_leaves_has_its_calls_routed_again_not_failed() -> None:
+    """A scale-down, a time limit's warning or ``down``: no call's fault. Each call the bridge had not answered
+    goes to another backend, or waits for one, and its node gets the answer of its own request."""
+    c = Cluster()
+    b1, b2 = c.bridge("b1"), c.bridge("b2")
+    run(c, "j1", "j2")
+    r1, r2 = c.generate("j1"), c.generate("j2")
+    assert {who for who, h, _ in c.sent if h["op"] == Op.GENERATE.value} == {b1, b2}
+    c.sent.clear()
+    c.router.unregister(b1)  # left: j1's call runs again on b2
+    assert c.take(N1) == []
+    (again,) = c.take(b2)
+    assert again["op"] == Op.GENERATE.value and again["job_id"] == "j1"
+    c.reply(b2, again["rid"])
+    (answer,) = c.take(N1)
+    assert answer["rid"] == r1 and "error" not in answer and answer["backend_id"] == "b2"
+    gone = {s.backend_id: (s.gone_reason, s.inflight, s.jobs) for s in c.router.gone.statuses()}
+    assert gone == {"b1": ("left", 0, 0)}  # it serves nothing now: shown so
+    c.router.unregister(b2)  # the last bridge leaves: j2's call waits for the next one, its node told so
+    (held,) = c.take(N1)
+    assert held["op"] == Op.GENERATE_HELD.value and held["job_id"] == "j2" and held["held"]
+    b3 = c.bridge("b3")
+    (again,) = [h for h in c.take(b3) if h["op"] == Op.GENERATE.value]
+    assert again["job_id"] == "j2"
+    c.reply(b3, again["rid"])
+    answers = c.take(N1)
+    assert [a["rid"] for a in answers if a["op"] == Op.REPLY.value] == [r2], answers
+    assert c.inflight() == {"b3": 0}
 
 
 def test_a_bridge_that_names_a_fault_is_lost_one_that_does_not_has_left() -> None:

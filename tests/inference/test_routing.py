@@ -232,6 +232,22 @@ def test_cancel_propagation_stops_a_cancelled_jobs_call_and_its_ablation_leaves_
     assert st.backends[0].served == (0 if propagate else 1)
 
 
+def test_a_bridge_that_leaves_mid_call_hands_the_call_on_and_the_job_finishes(scripted: Any) -> None:
+    """A bridge stopped as SIGTERM, a scale-down or a time limit's warning stop it: the call it was serving is
+    cancelled in its engine and runs again on the other bridge; the job never sees it."""
+    slow, fast = CountingEngine(delay_s=120.0), CountingEngine()
+    d, bridges = scripted({}, slow, fast)
+    (job,) = one(d, calls=2)
+    assert slow.first_started.wait(30), "the call never reached b1"
+    bridges[0].close()  # the bridge stops: it cancels its call and unregisters
+    (res,) = d.client.wait([job], timeout_s=60)
+    assert res.ok, (res.state, res.error)
+    assert res.output["backends"] == ["b2", "b2"]
+    assert (slow.cancelled, slow.finished, fast.finished) == (1, 0, 2)
+    st = d.wait_for(drained, 30, "routing state to drain")
+    assert [(b.backend_id, b.gone_reason, b.inflight) for b in st.gone_backends] == [("b1", "left", 0)]
+
+
 def test_routing_state_drains_to_nothing_when_jobs_are_cancelled_while_their_calls_race(scripted: Any) -> None:
     """Calls that arrive after their job was cancelled are refused, never routed, and bind nothing."""
     d, bridges = scripted({}, CountingEngine(delay_s=0.002), CountingEngine(delay_s=0.002))
