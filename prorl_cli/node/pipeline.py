@@ -157,7 +157,7 @@ class _Pool:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self.leave()  # the slot was ours already: pass it on
-            else:
+            elif waiter in self._waiters:  # a leave() on its way past drops a cancelled waiter itself
                 self._waiters.remove(waiter)
             raise
 

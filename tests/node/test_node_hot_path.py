@@ -43,6 +43,28 @@ def test_a_full_stage_queues_in_order_and_a_cancelled_waiter_gives_up_its_place(
     ]
 
 
+def test_a_waiter_cancelled_as_the_slot_is_handed_on_past_it_ends_cancelled(tmp_path: Path) -> None:
+    """j0 (holding the slot) and j1 (waiting) cancelled at once: j0 leaves first and hands the slot past j1's
+    cancelled place to j2, before j1's task gives its place up. j1 is cancelled, not failed."""
+    done: list[JobResult] = []
+
+    async def main() -> None:
+        pipeline = _pipeline(tmp_path, done, n_run=1)
+        for i in range(3):
+            assert pipeline.start(JobSpec(job_id=f"j{i}", task="test"), {"sleep_s": {"run": 30.0 if i == 0 else 0.0}})
+        run = pipeline.pools["run"]
+        while (run.active, run.queued) != (1, 2):
+            await asyncio.sleep(0.01)
+        assert pipeline.cancel("j0") and pipeline.cancel("j1")  # one step of the loop: j0's task runs first
+        while len(done) < 3:
+            await asyncio.sleep(0.01)
+        assert (run.active, run.queued) == (0, 0)
+
+    asyncio.run(main())
+    assert sorted((r.job_id, r.state, r.error and r.error.get("type")) for r in done) == [
+        ("j0", "cancelled", None), ("j1", "cancelled", None), ("j2", "done", None)]
+
+
 def test_a_later_stage_with_an_earlier_deadline_times_out_at_its_own_cap(tmp_path: Path) -> None:
     """INIT arms the job's deadline far away; RUN's 0.2 s cap is earlier, so RUN must re-arm it."""
     done: list[JobResult] = []
