@@ -168,9 +168,12 @@ def named_deployment(app: App) -> str | None:
     return str(given) if given is not None else (os.environ.get(ENV_DEPLOYMENT) or None)
 
 
-def require_deployment(app: App, command: str) -> str:
+def require_deployment(app: App, command: str, *, positional: bool = True, args: str = "") -> str:
     """The deployment a command that must not guess (``down``, ``scale``, ``logs``) acts on: named on the
-    command line, by ``$PRORL_DEPLOYMENT``, or by the prorl.yaml in use (``deployment:``), never the default."""
+    command line, by ``$PRORL_DEPLOYMENT``, or by the prorl.yaml in use (``deployment:``), never the default.
+
+    The error names the forms ``command`` accepts: ``positional`` False for a command whose positional argument is
+    something else (``logs ROLE``), ``args`` what follows the name in each form (`` nodes[0]``)."""
     from prorl_cli.config import find_config_file
 
     name = named_deployment(app)
@@ -187,8 +190,9 @@ def require_deployment(app: App, command: str) -> str:
         if isinstance(data, dict) and isinstance(data.get("deployment"), str):
             name = data["deployment"]
     if name is None:
-        app.abort(f"name the deployment: prorl {command} NAME, prorl {command} -d NAME, PRORL_DEPLOYMENT, "
-                  "or deployment: in prorl.yaml")
+        forms = [f"prorl {command} NAME{args}"] if positional else []
+        forms += [f"prorl {command} -d NAME{args}", f"prorl -d NAME {command}{args}"]
+        app.abort(f"name the deployment: {', '.join(forms)}, PRORL_DEPLOYMENT, or deployment: in prorl.yaml")
     return name
 
 

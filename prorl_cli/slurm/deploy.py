@@ -254,15 +254,90 @@ class DeployConfig:
         return {"broker": self.broker, "nodes": self.nodes, "inference": self.inference}[name]
 
 
-def is_deploy_data(data: Any) -> bool:
-    """Whether a file's top-level mapping is a deploy.yaml, not a prorl.yaml: it has a key only deploy.yaml has
-    (``nodes``, ``setup``, ``python``...) and none only prorl.yaml has (``node``, ``jobs``, ``sandbox``...). Both
-    key sets come from the two schemas, so the rule follows them."""
+@dataclass(frozen=True)
+class FileKind:
+    """What a YAML file is taken for, a deploy.yaml or a prorl.yaml, and the keys that told.
+
+    The two schemas share top-level sections (``broker``, ``inference``, ``deployment``, ``home``) whose keys
+    mostly differ (``broker.where``, ``inference.count`` are deploy.yaml's; ``broker.heartbeat_interval_s``
+    prorl.yaml's), so a file is judged by all its keys, nested ones included: a misspelt section name (``node:``
+    for ``nodes:``) then no longer turns a deploy.yaml into a prorl.yaml with the valid keys blamed.
+    """
+
+    deploy: bool
+    #: Dotted keys only deploy.yaml knows, and those only prorl.yaml knows (under a section both know, or at the
+    #: top level: a section one schema lacks counts once, not once per key in it).
+    deploy_keys: tuple[str, ...] = ()
+    config_keys: tuple[str, ...] = ()
+    #: Keys the kind it was taken for does not know, each with the closest key it does know there ("" when none).
+    unknown: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return "deploy.yaml" if self.deploy else "prorl.yaml"
+
+    def describe(self) -> str:
+        """Which kind it was taken for and why, for one line: ``a deploy.yaml (deploy.yaml-only keys: config, python,
+        setup, broker.where (4); prorl.yaml-only: node (1); node: did you mean nodes?)``."""
+
+        def some(keys: tuple[str, ...]) -> str:
+            return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "") + f" ({len(keys)})"
+
+        why = [f"{kind}-only keys: {some(keys)}" for kind, keys in (("deploy.yaml", self.deploy_keys),
+                                                                       ("prorl.yaml", self.config_keys)) if keys]
+        why = why or ["no key in it is deploy.yaml-only"]
+        why += [f"{key}: did you mean {close}?" for key, close in self.unknown if close]
+        return f"a {self.name} ({'; '.join(why)})"
+
+
+def _field_names(obj: object) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj) if f.init]  # type: ignore[arg-type]
+
+
+def _compare_keys(deploy: object, config: object, data: dict[Any, Any], prefix: str,
+                  found: dict[str, list[tuple[str, str, str]]]) -> None:
+    """Sort ``data``'s keys into ``found``: ``deploy`` / ``config`` (only that schema knows the key) or ``neither``,
+    each as (dotted key, closest deploy.yaml key, closest prorl.yaml key); recursing into sections both know."""
+    import difflib
+
+    in_deploy, in_config = _field_names(deploy), _field_names(config)
+    for key, value in data.items():
+        name = str(key)
+        dotted = f"{prefix}{name}"
+        close_deploy, close_config = (next(iter(difflib.get_close_matches(name, known, n=1)), "")
+                                      for known in (in_deploy, in_config))
+        entry = (dotted, close_deploy, close_config)
+        if name in in_deploy and name not in in_config:
+            found["deploy"].append(entry)
+        elif name in in_config and name not in in_deploy:
+            found["config"].append(entry)
+        elif name not in in_deploy:
+            found["neither"].append(entry)
+        elif isinstance(value, dict):
+            sub_deploy, sub_config = getattr(deploy, name), getattr(config, name)
+            if dataclasses.is_dataclass(sub_deploy) and dataclasses.is_dataclass(sub_config):
+                _compare_keys(sub_deploy, sub_config, value, f"{dotted}.", found)
+
+
+def file_kind(data: Any) -> FileKind:
+    """Whether a file's YAML is a deploy.yaml or a prorl.yaml: the kind more of its keys (nested ones included)
+    belong to alone; a tie (only shared keys, or none) is a prorl.yaml, the file every command reads. Both key
+    sets come from the two schemas, so the rule follows them."""
     if not isinstance(data, dict):
-        return False
-    deploy_keys = {f.name for f in dataclasses.fields(DeployConfig) if f.init}
-    config_keys = {f.name for f in dataclasses.fields(ProrlConfig) if f.init}
-    return bool(set(data) & (deploy_keys - config_keys)) and not set(data) & (config_keys - deploy_keys)
+        return FileKind(False)
+    found: dict[str, list[tuple[str, str, str]]] = {"deploy": [], "config": [], "neither": []}
+    _compare_keys(DeployConfig(), ProrlConfig(), data, "", found)
+    deploy = len(found["deploy"]) > len(found["config"])
+    # The keys the chosen schema will refuse, with what it would have taken (node -> nodes).
+    refused = found["config"] if deploy else found["deploy"]
+    unknown = tuple((key, close_deploy if deploy else close_config)
+                    for key, close_deploy, close_config in [*refused, *found["neither"]])
+    return FileKind(deploy, tuple(k for k, _, _ in found["deploy"]), tuple(k for k, _, _ in found["config"]), unknown)
+
+
+def is_deploy_data(data: Any) -> bool:
+    """Whether a file's top-level mapping is a deploy.yaml, not a prorl.yaml (:func:`file_kind`)."""
+    return file_kind(data).deploy
 
 
 def read_deploy_data(path: str | os.PathLike[str]) -> Any:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -210,6 +211,7 @@ def launch(cfg: DeployConfig) -> LaunchRecord:
     try:
         if cfg.broker.where == "here":
             record.broker_pid = _start_local_broker(cfg)
+            record.broker_host = socket.gethostname()
         else:
             record.members += submit_role(cfg, "broker", [0])
         record.save(cfg.deployment_dir)

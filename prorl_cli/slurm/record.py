@@ -57,6 +57,9 @@ class LaunchRecord:
     created_at: float
     broker_where: str = "slurm"
     broker_pid: int | None = None  # broker ``here``: the local process
+    #: Broker ``here``: the host it runs on ("" in records written before it was kept): only there can its pid
+    #: be looked at, so ``status`` run on another login node says nothing of a pid that is not its own.
+    broker_host: str = ""
     #: This launch's id: supervision state is keyed by it (empty in records written before launches had ids).
     launch_id: str = ""
     members: list[Member] = field(default_factory=list)
@@ -189,6 +192,30 @@ def log_tail(cfg: DeployConfig, member: Member, lines: int = 12) -> str:
     return "\n".join(log_end(cfg, member).splitlines()[-lines:])
 
 
+def ended_launches(deployment_dir: Path) -> list[Path]:
+    """The history folders of a deployment's ended launches (taken down, failed), oldest first."""
+    history = deployment_dir / HISTORY_NAME
+    return sorted(p for p in history.iterdir() if (p / LAUNCH_NAME).is_file()) if history.is_dir() else []
+
+
+def not_launched_now(deployment_dir: Path) -> str | None:
+    """Why a deployment that has no launch.json but had launches is not launched now: its last launch, when it
+    ended (its state went to ``history/`` then: ``down``, a failed launch's clean-up) and how to go on; None when
+    it never had a launch. ``scale``, ``down``, ``logs`` and ``status`` all say it in these words."""
+    ended = ended_launches(deployment_dir)
+    if not ended:
+        return None
+    name, last = deployment_dir.name, ended[-1]
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(last.stat().st_mtime))
+    try:
+        record = LaunchRecord.load(last)
+    except SlurmError:
+        record = None
+    again = f", `prorl launch {record.deploy_file}` starts it again" if record is not None and record.deploy_file else ""
+    return (f"deployment {name!r} is not launched now: its last launch ({last.name}) was taken down or failed "
+            f"(ended {when}); `prorl logs -d {name} ROLE[INDEX]` still reads its logs{again}")
+
+
 def load_launched(deployment_dir: Path, *, or_last: bool = False) -> tuple[LaunchRecord, DeployConfig]:
     """The launch record and the deploy file it came from (for scale).
 
@@ -196,14 +223,13 @@ def load_launched(deployment_dir: Path, *, or_last: bool = False) -> tuple[Launc
     they were written: what ``prorl logs`` reads after a crash and a ``down``).
     """
     record = LaunchRecord.load(deployment_dir)
-    history = deployment_dir / HISTORY_NAME
-    ended = sorted(p for p in history.iterdir() if (p / LAUNCH_NAME).is_file()) if history.is_dir() else []
+    ended = ended_launches(deployment_dir)
     if record is None and or_last:
         record = LaunchRecord.load(ended[-1]) if ended else None
     if record is None:
-        if ended:  # taken down (or its launch failed): not "never launched"
-            raise SlurmError(f"deployment {deployment_dir.name!r} is not launched now: its last launch ({ended[-1].name}) "
-                             f"was taken down or failed; `prorl logs -d {deployment_dir.name}` still reads its logs")
+        why = not_launched_now(deployment_dir)
+        if why is not None:  # taken down (or its launch failed): not "never launched"
+            raise SlurmError(why)
         raise SlurmError(f"deployment {deployment_dir.name!r} was not launched (no {deployment_dir / LAUNCH_NAME})")
     file = Path(record.deploy_file)
     if file.is_file():

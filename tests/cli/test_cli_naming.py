@@ -109,3 +109,27 @@ def test_config_and_log_level_after_the_command_mean_what_they_mean_before_it(tm
     assert yaml.safe_load(after[1])["log_level"] == "DEBUG"
     code, out = _show(tmp_path, "--log-level", "info", "status", "t1", "--log-level", "debug")
     assert code == 1 and "--log-level" in out and "differ; give one of them" in out, out
+
+
+@pytest.mark.parametrize(("command", "forms", "never"), [
+    # logs' one positional argument is ROLE: the deployment is -d only.
+    (["logs", "nodes[0]"], ["prorl logs -d NAME nodes[0]", "prorl -d NAME logs nodes[0]"], "prorl logs NAME"),
+    (["down"], ["prorl down NAME", "prorl down -d NAME", "prorl -d NAME down"], None),
+    (["scale", "--nodes", "1"], ["prorl scale NAME", "prorl scale -d NAME"], None),
+], ids=["logs", "down", "scale"])
+def test_with_no_deployment_named_the_hint_names_forms_the_command_takes(
+        tmp_path: Path, command: list[str], forms: list[str], never: str | None) -> None:
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "--home", str(tmp_path), *command], capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path,
+                       env={k: v for k, v in os.environ.items() if k not in ("PRORL_DEPLOYMENT", "PRORL_CONFIG")})
+    (error,) = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and error.startswith("error: name the deployment: "), r.stderr
+    for form in forms:
+        assert form in error, error
+    if never is not None:
+        assert never not in error, error
+    # Each form it names works: logs with -d finds the deployment (here: never launched, and says so).
+    if command[0] == "logs":
+        r = subprocess.run([sys.executable, "-m", "prorl_cli", "--home", str(tmp_path), "logs", "-d", "ghost",
+                            "nodes[0]"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert r.returncode == 1 and "'ghost' was not launched" in r.stderr, r.stderr

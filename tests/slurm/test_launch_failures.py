@@ -134,39 +134,52 @@ def test_a_task_that_dies_before_registering_fails_the_launch_with_its_log(base:
     assert not _queued("dies")
 
 
-def test_ctrl_c_while_launch_waits_cancels_what_it_submitted(base: Path) -> None:
+@pytest.mark.parametrize(("signame", "said", "code"), [
+    ("SIGINT", "interrupted", 130),
+    # A kill, a batch system's stop: the same clean-up as Ctrl-C, the signal named.
+    ("SIGTERM", "terminated (SIGTERM)", 143),
+    # A closed terminal, a dropped ssh session.
+    ("SIGHUP", "hung up (SIGHUP)", 129),
+], ids=["ctrl-c", "sigterm", "sighup"])
+def test_a_signal_while_launch_waits_cancels_what_it_submitted(base: Path, signame: str, said: str, code: int) -> None:
     import os
     import signal
     import sys
 
+    sig = getattr(signal, signame)
+    name = f"intr{signame.lower()}"
     deploy = write_yaml(base / "deploy.yaml", {
-        "deployment": "intr", "home": str(base / "home"),
+        "deployment": name, "home": str(base / "home"),
         "broker": {"where": "here", "bind_host": "127.0.0.1"},
         "nodes": {"count": 1, "time": "5", "cpus_per_task": 1, "mem_gb": 0.5, "sbatch_options": {"begin": "now+1hour"}},
     })
-    # SIGINT as a terminal's launch has it: a test run in the background (CI's Slurm tier runs beside the rest)
-    # inherits it ignored, and Python then leaves it ignored.
+    # The signal as a terminal's launch has it: a test run in the background (CI's Slurm tier runs beside the
+    # rest) inherits SIGINT ignored, and one under nohup SIGHUP; Python then leaves them ignored.
     proc = subprocess.Popen([sys.executable, "-m", "prorl_cli", "--home", str(base / "home"), "launch", str(deploy)],
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL),
                             env={**os.environ, "COLUMNS": "200"})
     assert proc.stderr is not None
     try:
         for line in proc.stderr:  # the jobs are in once it says what it submitted
-            if line.startswith("submitted intr"):
+            if line.startswith(f"submitted {name}"):
                 break
-        assert _queued("intr"), "the node array waits in squeue"
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's process group
+        assert _queued(name), "the node array waits in squeue"
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # Ctrl-C reaches the terminal's process group
+        else:
+            os.kill(proc.pid, sig)  # `kill -TERM PID`, or the hangup of the session it leads
         _, rest = proc.communicate(timeout=180)
-        assert proc.returncode == 130, rest
-        assert "interrupted: Cancelled what was submitted; nothing left queued." in rest, rest
-        assert not _queued("intr")
+        assert proc.returncode == code, rest
+        assert f"{said}: Cancelled what was submitted; nothing left queued." in rest, rest
+        assert not _queued(name)
+        assert (base / "home" / name / "history").is_dir(), "the launch went to history, as a failed one does"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        for line in _queued("intr"):  # what a failed run of this test left: its own jobs only
-            subprocess.run(["scancel", line.split()[0]], check=False)
+        if (base / "home" / name / "launch.json").exists():  # what a failed run left: its jobs and its broker
+            prorl(base / "home", "down", "-d", name)
 
 
 def test_status_of_a_deployment_whose_slurm_jobs_are_gone_says_so(base: Path) -> None:

@@ -76,30 +76,43 @@ def config_check(file: str) -> None:
 
     A prorl.yaml gets the checks `prorl serve node` makes at start too: its
     handlers load, and their settings under handlers.<task> are known keys
-    of valid types. A deploy.yaml (told by its keys: nodes, setup, python...)
-    gets the checks of `prorl launch --dry-run`, the prorl.yaml it names
-    (config:) included, without Slurm: `prorl launch FILE --dry-run` also
-    shows what it would submit.
+    of valid types. A deploy.yaml (told by its keys, nested ones included:
+    nodes, setup, python, broker.where, inference.count...; on a tie, a
+    prorl.yaml; an error says which it was taken for) gets the checks of
+    `prorl launch --dry-run`, the prorl.yaml it names (config:) included,
+    without Slurm: `prorl launch FILE --dry-run` also shows what it would
+    submit.
     """
     from prorl_cli.config import load_config
     from prorl_cli.exceptions import ConfigError, one_line
-    from prorl_cli.slurm.deploy import is_deploy_data, read_deploy_data
+    from prorl_cli.slurm.deploy import FileKind, file_kind, read_deploy_data
 
+    kind: FileKind | None
     try:
-        is_deploy = is_deploy_data(read_deploy_data(file))
+        kind = file_kind(read_deploy_data(file))
     except ConfigError:
-        is_deploy = False  # missing, unreadable or not YAML: load_config below says so, as for any prorl.yaml
+        kind = None  # missing, unreadable or not YAML: load_config below says so, as for any prorl.yaml
+    is_deploy = kind is not None and kind.deploy
+
+    def taken_for() -> None:
+        # The two files share sections (broker, inference): an error about a key is only understood knowing
+        # which of the two schemas the file was held against.
+        if kind is not None:
+            click.echo(f"note: {file} was checked as {kind.describe()}", err=True)
+
     try:
         if is_deploy:
             warnings = _check_deploy(file)
         else:
             errors = _node_start_errors(load_config(file))
             if errors:
+                taken_for()
                 for error in errors:
                     click.echo(f"error: {one_line(error)}", err=True)
                 raise click.exceptions.Exit(1)
             warnings = []
     except ConfigError as e:
+        taken_for()
         click.echo(f"error: {one_line(str(e))}", err=True)
         raise click.exceptions.Exit(1) from e
     for warning in warnings:

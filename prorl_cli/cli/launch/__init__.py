@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import signal
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 from rich.markup import escape
@@ -137,11 +140,28 @@ class SlurmView:
 
     record: LaunchRecord
     rows: list[SlurmTask] | None  # None: squeue did not answer
+    #: Taken down (or its launch failed): :func:`~prorl_cli.slurm.record.not_launched_now`'s words; ``record`` is
+    #: then the last launch's, from ``history/``, and ``rows`` empty (none of its jobs is asked about).
+    taken_down: str | None = None
 
     @property
     def gone(self) -> bool:
-        """Every Slurm job of the deployment is gone (a broker ``here`` aside)."""
+        """Every Slurm job of the deployment is gone (a broker ``here`` aside), or it was taken down."""
+        if self.taken_down is not None:
+            return True
         return self.rows is not None and not any(t.active for t in self.rows) and self.record.broker_where != "here"
+
+    def local_broker_down(self) -> bool:
+        """``broker.where: here``, started on this host, and its process is no longer running (killed, crashed,
+        the machine rebooted). False where this host cannot tell (another login node started it)."""
+        from prorl_cli.processes import is_local_broker
+
+        record = self.record
+        if record.broker_where != "here" or not record.broker_pid:
+            return False
+        if record.broker_host and record.broker_host != socket.gethostname():
+            return False
+        return not is_local_broker(record.broker_pid)
 
     def broker_task(self) -> SlurmTask | None:
         """The broker job's squeue row (None: not on Slurm, not in squeue, or squeue did not answer)."""
@@ -173,7 +193,17 @@ class SlurmView:
         return f"its Slurm job {state.failure.job_id} ended {state.failure.ended}; its nodes start a replacement"
 
     def broker_ended(self) -> str | None:
-        """How the broker job ended, when squeue still shows it ended or no longer shows it."""
+        """How the broker job ended, when squeue still shows it ended or no longer shows it; for a broker ``here``,
+        that its process is gone, and the way back."""
+        if self.local_broker_down():
+            record = self.record
+            # Nothing replaces a broker `here` (no supervisor runs without a broker job), and its nodes and
+            # bridges wait only rendezvous_wait_s for a new rendezvous file before they give up.
+            home = ["prorl", "--home", record.home]  # as command_hint writes them: for any shell
+            down = shlex.join([*home, "down", "-d", record.deployment])
+            again = shlex.join([*home, "launch", record.deploy_file or "DEPLOY_FILE", "-d", record.deployment])
+            return (f"the local broker (pid {record.broker_pid}, broker.where: here) is not running and nothing "
+                    f"replaces it: `{down}`, then `{again}` starts the deployment again")
         if self.record.broker_where == "here" or self.rows is None:
             return None
         t = self.broker_task()
@@ -208,7 +238,7 @@ def slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
 
     record = LaunchRecord.load(deployment_dir)
     if record is None:
-        return None
+        return _taken_down(app, deployment_dir)
     try:
         # -t all: a task that ended keeps its final state in squeue for MinJobAge (300 s by default).
         rows = squeue.query(record.job_ids, all_states=True)
@@ -218,6 +248,30 @@ def slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
     return SlurmView(record, rows)
 
 
+def _taken_down(app: App, deployment_dir: Path) -> SlurmView | None:
+    """A deployment with no launch.json whose last launch was taken down (or failed): a view that is ``gone``, its
+    reason said on stderr in the words ``scale``, ``down`` and ``logs`` use. None when it never had a launch, or a
+    broker of that name was started since by hand (its rendezvous file is back): ``status`` then asks that one."""
+    from prorl_cli.exceptions import SlurmError
+    from prorl_cli.rendezvous import rendezvous_path
+    from prorl_cli.slurm.record import LaunchRecord, ended_launches, not_launched_now
+
+    if rendezvous_path(deployment_dir).exists():
+        return None
+    why = not_launched_now(deployment_dir)
+    if why is None:
+        return None
+    try:
+        last = LaunchRecord.load(ended_launches(deployment_dir)[-1])
+    except SlurmError:
+        last = None
+    if last is None:  # an unreadable record in history/: the reason still stands
+        last = LaunchRecord(deployment=deployment_dir.name, deploy_file="", home=str(deployment_dir.parent),
+                            created_at=0.0)
+    app.err_console.print(f"[bold red]error:[/] {escape(why)}", soft_wrap=True, highlight=False)
+    return SlurmView(last, [], taken_down=why)
+
+
 def print_slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
     """Slurm's view of a launched deployment (for ``prorl status``).
 
@@ -225,12 +279,15 @@ def print_slurm_view(app: App, deployment_dir: Path) -> SlurmView | None:
     else what was seen (``gone`` when none of its Slurm jobs is left, printed as such).
     """
     found = slurm_view(app, deployment_dir)
-    if found is None or found.rows is None:
+    if found is None or found.rows is None or found.taken_down is not None:
         return found
     record, rows = found.record, found.rows
-    app.console.print(_slurm_table(record, rows))
-    _print_ended(app, record, rows)
     view = SlurmView(record, rows)
+    app.console.print(_slurm_table(record, rows, view.local_broker_down()))
+    _print_ended(app, record, rows)
+    if not view.gone and not record.stopping and view.broker_ended() is None:
+        # Being taken down, or its broker gone: scaling is not the way back then (the lines below say what is).
+        _print_not_replaced(app, record, rows)
     if view.gone:
         app.console.print(
             f"[bold yellow]deployment {record.deployment}: all its Slurm jobs are gone[/] "
@@ -284,13 +341,56 @@ def _print_ended(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
             app.console.print("  last lines of its log:\n" + "\n".join(f"    {line}" for line in tail.splitlines()))
 
 
-def _slurm_table(record: LaunchRecord, rows: list[SlurmTask]) -> Table:
+def _print_not_replaced(app: App, record: LaunchRecord, rows: list[SlurmTask]) -> None:
+    """Under the table, per role: its tasks that ended and that nothing will replace, and how to get the count back.
+
+    The supervisor leaves alone a task that was asked to end (a ``scancel``: CANCELLED; a clean exit: COMPLETED;
+    one that aged out of squeue and whose log says so, kept as ``left_alone``), and nothing replaces any task of a
+    broker ``here`` (no supervisor runs then). Ends the supervisor will act on, or gave up on, are said by
+    :func:`_print_ended` instead.
+    """
+    from prorl_cli.slurm import squeue
+    from prorl_cli.slurm.supervisor import Supervision
+
+    by_id = {t.job_id: t for t in rows}
+    sup = Supervision.load(Path(record.home) / record.deployment, record.launch_id)
+    unsupervised = record.broker_where == "here"
+    for role, flag in (("nodes", "--nodes"), ("inference", "--inference")):
+        left: list[str] = []
+        for m in record.of(role):
+            t = by_id.get(m.job_id)
+            state = sup.names.get(m.peer_id)
+            if t is not None and t.active:
+                continue
+            if state is not None and ((state.failure is not None and state.failure.job_id == m.job_id)
+                                      or (state.gave_up is not None and state.gave_up.get("job_id") == m.job_id)):
+                continue  # a replacement is due, or the restarts are spent: _print_ended says which
+            if t is None:
+                # Aged out of squeue: left alone once the supervisor read its log (until then it may still be judged
+                # an end it was not asked for, and replaced).
+                if unsupervised or (state is not None and state.left_alone == m.job_id):
+                    left.append(f"{m.peer_id} (Slurm job {m.job_id}, gone from squeue)")
+            elif unsupervised or t.state not in squeue.UNASKED_END_STATES:
+                left.append(f"{m.peer_id} (Slurm job {m.job_id}, {t.state})")
+        if not left:
+            continue
+        why = ("with broker.where: here no supervisor replaces a task" if unsupervised else
+               "a task asked to end (a scancel, a clean exit) is left alone by the supervisor")
+        hint = command_hint(app, "scale", flag, str(len(record.of(role))), deployment=record.deployment, home=record.home)
+        app.console.print(f"[yellow]{role}: {', '.join(left)} ended and will not be replaced[/] ({why}); "
+                          f"`{escape(hint)}` restores the count", soft_wrap=True, highlight=False)
+
+
+def _slurm_table(record: LaunchRecord, rows: list[SlurmTask], local_broker_down: bool = False) -> Table:
     from rich.table import Table
 
     by_id = {t.job_id: t for t in rows}
     table = Table(title="Slurm", title_justify="left")
     for col in ("role", "task", "slurm job", "state", "reason / node", "elapsed", "left"):
         table.add_column(col, overflow="fold")
+    if record.broker_where == "here":  # no Slurm job: its process on the launching machine
+        state = "not running" if local_broker_down else "here"
+        table.add_row("broker", "broker", f"pid {record.broker_pid}", state, record.broker_host, "", "")
     for m in record.members:
         t = by_id.get(m.job_id)
         reason = (t.pending_reason or (t.reason if not t.active and t.reason not in ("", "None") else t.nodes)) if t else ""
@@ -305,7 +405,7 @@ def _slurm_table(record: LaunchRecord, rows: list[SlurmTask]) -> Table:
 @click.option("--wait-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Give up (and cancel what was submitted, unless --keep) when not all registered by then; "
                    "0 waits as long as it takes: tasks pending on a busy cluster are never cancelled on a timer.")
-@click.option("--keep", is_flag=True, help="On failure, timeout or Ctrl-C, leave what was submitted queued.")
+@click.option("--keep", is_flag=True, help="On failure, timeout, Ctrl-C, SIGTERM or SIGHUP, leave what was submitted queued.")
 @click.option("--no-wait", is_flag=True, help="Submit and return at once.")
 @click.option("--dry-run", is_flag=True, help="Print the sbatch scripts and Slurm requests of every role; submit nothing.")
 @pass_app
@@ -319,7 +419,9 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
     shows Slurm's state beside the broker's until every task registered.
     Exits 0 then. A task that ends, or a pending reason waiting cannot cure,
     fails the launch at once; --wait-s N also gives up after N s. A failed
-    launch, or Ctrl-C while it waits, cancels what it submitted unless --keep.
+    launch, or Ctrl-C while it waits, cancels what it submitted unless --keep;
+    so do SIGTERM and SIGHUP (a kill, a closed terminal, a dropped ssh
+    session), unless ignored (nohup): exit 143 and 129 instead of 130.
     """
     from prorl_cli.exceptions import ConfigError, SlurmError
     from prorl_cli.slurm import launcher
@@ -356,12 +458,16 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
     )
     if no_wait:
         return
+    stop = StopSignals()
     try:
-        failure = _watch(app, cfg, record, wait_s)
-    except KeyboardInterrupt:
-        # Ctrl-C gives up on the launch as a failure does: what it submitted goes, unless --keep.
-        app.err_console.line()
-        app.abort("interrupted: " + _give_up(app, cfg, record, keep), code=130)
+        with stop:
+            failure = _watch(app, cfg, record, wait_s)
+    except BaseException as e:
+        # A closed terminal can make the live view's last frame fail (EIO, a broken pipe) as the signal unwinds
+        # it: after SIGTERM or SIGHUP that is the same interruption, and what was submitted must still go.
+        if not isinstance(e, KeyboardInterrupt) and stop.fired is None:
+            raise
+        _interrupted(app, cfg, record, keep, stop)
     if not app.err_console.is_terminal:
         app.err_console.line()  # the live view's last frame ends without a newline when not on a terminal
     if failure is None:
@@ -382,6 +488,76 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
         app.err_console.print(f"log tail of the task that ended:\n{failure.log_tail}", markup=False, highlight=False,
                               soft_wrap=True)
     app.abort(f"{failure.reason} {_give_up(app, cfg, record, keep)}")
+
+
+class LaunchSignal(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while ``launch`` waits, unwinding as Ctrl-C does (:class:`StopSignals`)."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        super().__init__(signum.name)
+        self.signum = signum
+
+
+class StopSignals:
+    """While entered, SIGTERM and SIGHUP unwind ``launch``'s wait as Ctrl-C does (:class:`LaunchSignal`): an ssh
+    session that drops, a terminal closed, a ``kill`` or a batch system's stop must not leave every submitted job
+    queued with nobody watching. ``fired``: the signal that came. A signal whose handler is not the default one
+    (``nohup`` ignores SIGHUP, a caller's own handler) is left as it is: whoever set it wants it so.
+
+    Once one fired, further ones are ignored until :meth:`restore` (after the clean-up): a terminal's hangup
+    comes to the whole process group and often twice (the kernel's, the shell's), and a second signal would cut
+    the cancel short and leave the jobs queued after all.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.fired: signal.Signals | None = None
+        self._before: dict[signal.Signals, Any] = {}
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.fired is not None:
+            return  # the first one is being handled: its clean-up must not be cut short
+        self.fired = signal.Signals(signum)
+        raise LaunchSignal(self.fired)
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) is signal.SIG_DFL:
+                    self._before[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fired is not None:
+            return  # kept (ignoring further signals) until the clean-up calls restore()
+        self.restore()
+
+    def restore(self) -> None:
+        for sig, before in self._before.items():
+            signal.signal(sig, before)
+        self._before.clear()
+
+
+def _interrupted(app: App, cfg: DeployConfig, record: LaunchRecord, keep: bool, stop: StopSignals) -> NoReturn:
+    """Ctrl-C, SIGTERM or SIGHUP while ``launch`` waits: give up on the launch as a failure does (what it submitted
+    goes, unless --keep), then say so and exit 128 + the signal."""
+    signum = stop.fired
+    if signum is None:
+        how, code = "interrupted", 130
+    else:
+        how, code = f"{'terminated' if signum == signal.SIGTERM else 'hung up'} ({signum.name})", 128 + signum.value
+    try:
+        outcome = _give_up(app, cfg, record, keep)  # first: after a hangup nobody may read what is printed
+    finally:
+        stop.restore()
+    # The terminal may be gone (SIGHUP): writing to it fails, and the exit code is all that is left to tell.
+    with contextlib.suppress(OSError):
+        app.err_console.line()
+    try:
+        app.abort(f"{how}: {outcome}", code=code)
+    except OSError:
+        raise click.exceptions.Exit(code) from None
 
 
 def _give_up(app: App, cfg: DeployConfig, record: LaunchRecord, keep: bool) -> str:

@@ -96,7 +96,8 @@ def logs(app: App, member: str, follow: bool, lines: int, attempt: int | None, e
         app.abort("--attempt N needs one task: ROLE[INDEX]")
     if attempt is not None and every:
         app.abort("give --attempt N or --all, not both")
-    name = require_deployment(app, "logs")
+    # ROLE is logs' one positional argument: the deployment is named with -d only (never `prorl logs NAME`).
+    name = require_deployment(app, "logs", positional=False, args=f" {member}")
     try:
         record, cfg = load_launched(app.config.home_path / name, or_last=True)
     except ProrlError as e:
