@@ -13,6 +13,7 @@ process; veRL's Ray workers are other processes, so a trainer names it in its
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import weakref
 from typing import Any
@@ -25,8 +26,20 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 
 from prorl_cli.client import AsyncRolloutClient
-from prorl_cli.exceptions import ConfigError
-from prorl_cli.integrations.verl import AGENT_NAME, fit_lengths, plain, run_job
+from prorl_cli.exceptions import ConfigError, DatasetError
+from prorl_cli.integrations.verl import (
+    AGENT_NAME,
+    MAX_TOKENS_KEY,
+    call_max_tokens,
+    failed_output,
+    fit_lengths,
+    instance_of,
+    run_job,
+)
+
+log = logging.getLogger(__name__)
+#: Whether the cut of a multi-turn response was explained already (once per process: it recurs every step).
+_TOLD_CUT = False
 
 #: One client per event loop: veRL's worker keeps one loop for its lifetime, and a client's sockets belong to one loop.
 _CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncRolloutClient] = weakref.WeakKeyDictionary()
@@ -61,16 +74,48 @@ class ProrlAgentLoop(AgentLoopBase):
         task = kwargs.get("prorl_task") or os.environ.get("PRORL_TASK")
         if not task:
             raise ConfigError("prorl agent loop: no task (a 'prorl_task' dataset field or $PRORL_TASK)")
-        instance = plain(kwargs.get("prorl_instance", kwargs))
+        prompt_length, response_length = int(self.rollout_config.prompt_length), int(self.rollout_config.response_length)
+        custom = self.rollout_config.get("custom") or {}
         sampling = dict(sampling_params)
-        # veRL's worker passes no per-call token limit; its response_length bounds the whole response.
-        sampling.setdefault("max_tokens", int(self.rollout_config.response_length))
-        out, result = await run_job(client_for_loop(), str(task), instance, sampling)
-        out.extra_fields["prorl_truncated"] = fit_lengths(
-            out, int(self.rollout_config.prompt_length), int(self.rollout_config.response_length))
+        sampling["max_tokens"] = call_max_tokens(response_length, kwargs.get(MAX_TOKENS_KEY), custom.get(MAX_TOKENS_KEY),
+                                                 sampling)
+        filler_id = _filler_id(self.tokenizer)
+        try:
+            instance = instance_of(str(task), kwargs)
+        except DatasetError as e:
+            # A row the dataset loader cannot map would fail as its job would: masked, not the whole batch ended.
+            out, result = failed_output(f"row not loadable: {e}", filler_id), None
+        else:
+            out, result = await run_job(client_for_loop(), str(task), instance, sampling, filler_id=filler_id)
+        # No call is longer than response_length: a longer response is several turns, the later ones cut away.
+        turns_cut = len(out.response_ids) > response_length
+        out.extra_fields["prorl_truncated"] = fit_lengths(out, prompt_length, response_length)
+        if turns_cut and kwargs.get(MAX_TOKENS_KEY) is None and custom.get(MAX_TOKENS_KEY) is None:
+            _tell_cut(response_length, sampling["max_tokens"])
         return AgentLoopOutput(
             prompt_ids=out.prompt_ids, response_ids=out.response_ids, response_mask=out.response_mask,
             response_logprobs=out.response_logprobs, reward_score=out.reward_score, num_turns=out.num_turns,
-            metrics=AgentLoopMetrics(generate_sequences=float(result.stage_s.get("run", 0.0))),
+            metrics=AgentLoopMetrics(generate_sequences=float(result.stage_s.get("run", 0.0)) if result else 0.0),
             extra_fields=out.extra_fields,
         )
+
+
+def _filler_id(tokenizer: Any) -> int:
+    """The token of a failed sample's row: end-of-sequence (as TRL's failed row), else padding, else 0."""
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _tell_cut(response_length: int, max_tokens: int) -> None:
+    """Say once how to keep a multi-turn rollout's later turns in its row (each call's limit left at its default)."""
+    global _TOLD_CUT
+    if _TOLD_CUT:
+        return
+    _TOLD_CUT = True
+    log.warning("a multi-turn prorl rollout was cut to rollout.response_length=%d (each model call may use %d tokens): "
+                "its later turns are not in the row; bound each call with the dataset field %s or "
+                "+actor_rollout_ref.rollout.custom.%s=N (docs/training.md)",
+                response_length, max_tokens, MAX_TOKENS_KEY, MAX_TOKENS_KEY)

@@ -10,24 +10,34 @@ and layout its loss reads.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import prorl_cli.integrations.verl as verl
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
+from prorl_cli.exceptions import ConfigError, DatasetError
+from prorl_cli.inference.contract import Generation
 from prorl_cli.integrations.verl import (
     AGENT_LOOP_CONFIG,
     NoTrajectory,
+    call_max_tokens,
     fit_lengths,
+    instance_of,
+    job_output,
     loop_output,
     nemo_rl_batch,
     plain,
+    prorl_sampling,
     run_job,
     verl_batch,
 )
-from prorl_cli.protocol import JobResult
+from prorl_cli.protocol import JobResult, SamplingParams
 from prorl_cli.training.samples import samples_from_results
+from tests.fakes.engines import CountingEngine
 from tests.harness import need_module
 
 
@@ -87,6 +97,89 @@ def test_a_verl_row_becomes_a_plain_instance() -> None:
     msgpack.packb(plain(row))
 
 
+FAILED = JobResult(job_id="j9", task="multiturn", state="failed", critical_error="run",
+                   error={"stage": "run", "type": "ValueError", "message": "invalid literal for int(): 'many'"})
+
+
+def test_a_failed_job_is_a_masked_row_with_its_error(caplog: pytest.LogCaptureFixture) -> None:
+    """One failed job must not end veRL's batch (its gather raises the first exception): the job gets a row
+    that cannot train (mask 0, reward 0), as TRL's failed row, and its error is logged once and kept."""
+    with caplog.at_level(logging.WARNING, logger="prorl_cli.integrations.verl"):
+        out = job_output(FAILED, filler_id=2)
+    assert out.prompt_ids == [2] and out.response_ids == [2] and out.response_mask == [0]
+    assert out.response_logprobs == [0.0] and out.reward_score == 0.0 and out.num_turns == 0
+    error = "run: ValueError: invalid literal for int(): 'many'"
+    assert out.extra_fields == {"prorl_job_id": "j9", "prorl_state": "failed", "policy_versions": [-1],
+                                "prorl_samples": 0, "prorl_error": f"job failed: {error}"}
+    (record,) = caplog.records
+    assert "j9" in record.getMessage() and error in record.getMessage()
+    # Failed with calls kept: still no verdict on them (a lost backend, a timeout), so not trained either.
+    kept = JobResult(**{**_result("j8", TWO_TURNS).__dict__, "state": "timed_out", "reward": None})
+    assert job_output(kept, filler_id=2).response_mask == [0]
+    # A done job keeps its trajectory, with the same extra fields as a failed row's.
+    done = job_output(_result("j1", TWO_TURNS), filler_id=2)
+    assert done.response_mask == [1, 1, 0, 0, 1] and done.extra_fields.keys() == out.extra_fields.keys()
+    # The conversion alone still refuses, now naming the job's error.
+    with pytest.raises(NoTrajectory, match=r"j9 \(failed\).*run: ValueError: invalid literal"):
+        loop_output(FAILED)
+
+
+def test_verl_sampling_in_prorls_terms(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """veRL's ``top_k: 0`` is off (prorl's -1; prorl refuses 0); a param prorl lacks is named once if it matters."""
+    monkeypatch.setattr(verl, "_WARNED_DROPPED", set())
+    # What veRL 0.9's worker sends (repetition_penalty pinned to 1.0): nothing to warn about.
+    sent = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "logprobs": True}
+    with caplog.at_level(logging.WARNING, logger="prorl_cli.integrations.verl"):
+        assert prorl_sampling(sent) == {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+        SamplingParams(**prorl_sampling(sent))
+        assert not caplog.records
+        for _ in range(3):
+            assert prorl_sampling({**sent, "repetition_penalty": 1.1, "top_k": 20})["top_k"] == 20
+    (record,) = caplog.records
+    assert "repetition_penalty=1.1" in record.getMessage()
+    assert prorl_sampling({"max_new_tokens": 7}) == {"max_tokens": 7}
+
+
+def test_each_calls_max_tokens() -> None:
+    """response_length bounds the whole multi-turn response: each call's limit comes from the row, else the
+    trainer config, else veRL's sampling, else response_length, and is never above response_length."""
+    assert call_max_tokens(64) == 64
+    assert call_max_tokens(64, sampling={"max_new_tokens": 40}) == 40
+    assert call_max_tokens(64, None, 16, {"max_tokens": 40}) == 16
+    np = pytest.importorskip("numpy")
+    assert call_max_tokens(64, np.int64(5), 16) == 5
+    assert call_max_tokens(64, 500) == 64
+    with pytest.raises(ConfigError, match="prorl_max_tokens must be a positive integer, got 0"):
+        call_max_tokens(64, 0)
+    with pytest.raises(ConfigError, match="custom.prorl_max_tokens"):
+        call_max_tokens(64, None, "many")
+
+
+GSM8K_PROMPT = [{"role": "user", "content": 'What is 2+3? Let\'s think step by step and output the final answer after "####".'}]
+#: A row of verl's GSM8K preprocessing as veRL's dataset hands it to the agent loop.
+GSM8K_ROW = {"data_source": "openai/gsm8k", "prompt": GSM8K_PROMPT, "raw_prompt": GSM8K_PROMPT, "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": "5"}, "extra_info": {"index": 7, "split": "train"}, "index": 7}
+
+
+def test_verl_rows_of_the_domain_tasks_become_their_instances() -> None:
+    """A verl-style row (chat ``prompt``, ``reward_model.ground_truth``) goes through prorl's dataset loader, as
+    ``prorl submit`` loads it, instead of reaching the handler as veRL's fields."""
+    import json
+
+    np = pytest.importorskip("numpy")
+    assert instance_of("math_agent", GSM8K_ROW) == {"question": "What is 2+3?", "answer": "5", "id": 7}
+    assert instance_of("math", {**GSM8K_ROW, "prorl_instance": None}) == {"problem": "What is 2+3?", "answer": "5", "id": 7}
+    eurus = {"prompt": np.array([{"role": "user", "content": "Print n+1."}], dtype=object), "extra_info": {"index": 3},
+             "reward_model": {"style": "rule", "ground_truth": json.dumps({"inputs": ["1\n"], "outputs": ["2\n"]})}}
+    assert instance_of("code", eurus) == {"question": "Print n+1.", "tests": [{"input": "1\n", "output": "2\n"}], "id": 3}
+    # A row's own instance wins; other tasks' rows and rows of other shapes are sent as they are.
+    assert instance_of("math_agent", {**GSM8K_ROW, "prorl_instance": {"question": "q"}}) == {"question": "q"}
+    assert instance_of("multiturn", GSM8K_ROW) == GSM8K_ROW
+    assert instance_of("math", {"problem": "p", "answer": np.int64(3)}) == {"problem": "p", "answer": 3}
+    with pytest.raises(DatasetError, match="veRL row 7: .*'answer'"):
+        instance_of("math", {**GSM8K_ROW, "reward_model": {"ground_truth": None}})
+
+
 def test_verl_and_nemo_rl_batches_from_an_export(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     pq = pytest.importorskip("pyarrow.parquet")
@@ -125,7 +218,7 @@ def test_register_agent_loop() -> None:
     assert get_class(_agent_loop_registry["prorl"]["_target_"]) is cls
 
 
-def _verl_config(model: Path, agent_loops: Path) -> Any:
+def _verl_config(model: Path, agent_loops: Path, *overrides: str) -> Any:
     """veRL's full trainer config (its flattened reference file; hydra's composition is not needed) for the tiny model."""
     from importlib.resources import files
 
@@ -140,6 +233,7 @@ def _verl_config(model: Path, agent_loops: Path) -> Any:
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "actor_rollout_ref.rollout.agent.default_agent_loop=prorl",
         f"actor_rollout_ref.rollout.agent.agent_loop_config_path={agent_loops}",
+        *overrides,
     ]))
 
 
@@ -233,6 +327,109 @@ def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
     exported = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
     assert len(exported) == 1 and exported.batch["prompts"][0].tolist() == first.prompt_ids
     assert exported.batch["responses"][0].tolist() == response and exported.batch["response_mask"][0].tolist() == mask
+
+
+class SamplingEngine(CountingEngine):
+    """CountingEngine's answers, counting each call's (max_tokens, top_k): the sampling that reached the engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Counter[tuple[int, int]] = Counter()
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        self.seen[(sampling.max_tokens, sampling.top_k)] += 1
+        return await super().generate(prompt_ids, sampling)
+
+
+@pytest.mark.filterwarnings("ignore:hydra.utils.instantiate:UserWarning")
+def test_verls_worker_keeps_a_batch_with_a_failed_job_and_a_verl_row(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """veRL's ``AgentLoopWorker`` on a real deployment, one batch of four rows and veRL's ``top_k: 0``:
+
+    a two-turn job whose row bounds each call (``prorl_max_tokens``), a job that fails in RUN (a masked
+    row with reward 0 and the job's error, not an exception ending the batch), a verl GSM8K row for
+    ``math_agent`` (mapped by the math loader: the job runs, where the raw row lacked ``question``) whose
+    calls get the trainer config's ``custom.prorl_max_tokens``, and a verl row without an answer (the
+    loader refuses it: masked too, never submitted).
+    """
+    need_module("verl", "verl")
+    import asyncio
+
+    import numpy as np
+    from verl import DataProto
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    import prorl_cli.integrations.verl_loop as verl_loop
+    from tests.fakes.bridges import ThreadBridge
+    from tests.harness import Deployment
+    from tests.inference.conftest import HANDLERS
+
+    sent: list[tuple[Any, JobResult]] = []
+
+    async def spy_run_job(client: Any, task: str, instance: Any, *args: Any, **kwargs: Any) -> Any:
+        out, result = await run_job(client, task, instance, *args, **kwargs)
+        sent.append((instance, result))
+        return out, result
+
+    monkeypatch.setattr(verl_loop, "run_job", spy_run_job)
+    worker = AgentLoopWorker(_verl_config(tiny_model, AGENT_LOOP_CONFIG, "actor_rollout_ref.rollout.top_k=0",
+                                          "actor_rollout_ref.rollout.custom.prorl_max_tokens=9"),
+                             llm_client=None)  # type: ignore[arg-type]
+
+    def column(*values: Any) -> Any:
+        out = np.empty(len(values), dtype=object)
+        out[:] = values
+        return out
+
+    hi = [{"role": "user", "content": "hi"}]
+    batch = DataProto.from_dict(non_tensors={
+        "raw_prompt": column(hi, hi, GSM8K_PROMPT, GSM8K_PROMPT),
+        "prompt": column(None, None, GSM8K_PROMPT, GSM8K_PROMPT),
+        "reward_model": column(None, None, GSM8K_ROW["reward_model"], {"style": "rule", "ground_truth": ""}),
+        "extra_info": column({}, {}, GSM8K_ROW["extra_info"], {"index": 8}),
+        "prorl_task": column("multiturn", "multiturn", "math_agent", "math_agent"),
+        "prorl_max_tokens": column(5, None, None, None),
+        "prorl_instance": column({"tokenizer": str(tiny_model), "turns": 2},
+                                 {"tokenizer": str(tiny_model), "turns": "many"}, None, None),
+    })
+
+    async def generate() -> Any:
+        try:
+            return await worker.generate_sequences(batch)
+        finally:
+            await verl_loop.close_client()
+
+    d = Deployment(tmp_path / "home", config={"inference": {"generate_timeout_s": 60.0, "tokenizer": str(tiny_model)}})
+    bridge: Any = None
+    try:
+        d.start_broker()
+        d.start_node("n1", "--handlers", str(HANDLERS))
+        bridge = ThreadBridge(d, "b1", SamplingEngine())
+        for key, value in d.env().items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("PRORL_DEPLOYMENT", d.name)
+        with caplog.at_level(logging.WARNING, logger="prorl_cli.integrations.verl"):
+            out = asyncio.run(generate())
+    finally:
+        d.close()
+        if bridge is not None:
+            bridge.close()
+
+    (_, ok), (_, failed), (gsm8k, mapped) = sorted(sent, key=lambda s: list(out.non_tensor_batch["prorl_job_id"]).index(s[1].job_id))
+    assert ok.ok and not failed.ok and failed.error is not None and failed.error["type"] == "ValueError"
+    assert gsm8k == {"question": "What is 2+3?", "answer": "5", "id": 7} and mapped.ok, mapped.error
+    # Row 1: masked, reward 0, the job's error beside it and logged once.
+    assert len(out) == 4 and out.batch["response_mask"][1].sum().item() == 0
+    assert out.batch["rm_scores"][1].sum().item() == 0.0 and out.batch["rm_scores"][0].sum().item() == 1.0
+    errors = out.non_tensor_batch["prorl_error"]
+    assert "run: ValueError: invalid literal" in errors[1] and errors[0] is None and errors[2] is None
+    assert sum(failed.job_id in r.getMessage() and "ValueError" in r.getMessage() for r in caplog.records) == 1
+    assert out.batch["response_mask"][0].sum().item() == 4 and out.batch["response_mask"][2].sum().item() == 2
+    # Row 3: refused by the loader, never a job.
+    assert out.non_tensor_batch["prorl_job_id"][3] is None and out.batch["response_mask"][3].sum().item() == 0
+    assert "row not loadable: veRL row 8: missing field 'answer'" in errors[3]
+    # Each call's max_tokens: the row's 5 (two calls), else the config's 9; veRL's top_k 0 reached the engine as -1.
+    assert bridge.engine.seen == Counter({(5, -1): 2, (9, -1): 1})
 
 
 def test_export_rows_that_do_not_line_up_are_refused_not_shifted(tmp_path: Path) -> None:
