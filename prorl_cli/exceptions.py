@@ -40,11 +40,6 @@ class ProtocolError(ProrlError, ValueError):
         self.message = message
 
 
-class HeaderTooLarge(ProtocolError):
-    """A message whose header frame packs past the protocol's ``MAX_HEADER_BYTES``, refused before it is sent:
-    the broker could not read even its request id, so it could only be waited out."""
-
-
 class ProtocolDeclarationError(ProrlError, TypeError):
     """A header or record class declares a wire field without its check (a programming error, raised at import)."""
 
@@ -77,7 +72,30 @@ class RemoteError(ProrlError, RuntimeError):
 
 
 class BadRequest(RemoteError, ValueError):
-    """The broker refused a request as malformed (bad frame, unknown op, missing or bad field)."""
+    """The broker refused a request as malformed (bad frame, unknown op, missing or bad field), or the client
+    refused it before sending it, for what the broker would refuse (:class:`RequestRefused`)."""
+
+
+class RequestRefused(ProtocolError, BadRequest):
+    """A request the client refused before sending it, for what the broker would refuse: a bad field (a sampling
+    parameter out of range), an instance msgpack cannot carry, a message too big for the broker.
+
+    Both the :class:`ProtocolError` it always was (``except ProtocolError`` goes on catching it) and the
+    :class:`BadRequest` the broker's refusal of the same request is, so one ``except BadRequest`` catches a bad
+    request wherever it was found.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        # Both bases take (code, message) but pass one string up: cooperative calls would hand RemoteError one
+        # argument. The message and attributes are theirs.
+        Exception.__init__(self, f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class HeaderTooLarge(RequestRefused):
+    """A message whose header frame packs past the protocol's ``MAX_HEADER_BYTES``, refused before it is sent:
+    the broker could not read even its request id, so it could only be waited out."""
 
 
 class UnknownJob(RemoteError, KeyError):
@@ -136,6 +154,11 @@ class CheckpointNotFound(ProrlError, FileNotFoundError):
     """``update_weights`` named a checkpoint that is not there: the bridges would be sent a path none can load."""
 
 
+class CheckpointNotADirectory(CheckpointNotFound, NotADirectoryError):
+    """``update_weights`` named a file (a ``config.json``, one weights file) where a checkpoint, a model directory,
+    goes: no model directory is there, so ``except CheckpointNotFound`` catches it too."""
+
+
 class BrokerUnavailable(ProrlError, ConnectionError):
     """No broker answered at the rendezvous address in time."""
 
@@ -184,6 +207,15 @@ class UnknownTask(ProrlError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message plain.
         return str(self.args[0]) if self.args else "unknown task"
+
+
+class TaskNotServed(UnknownJob, UnknownTask):
+    """The broker refused a submit for a task no live node serves (error code ``unknown_task``; the message names
+    the tasks served).
+
+    An :class:`UnknownTask`, as the same mistake is on a node, and still the :class:`UnknownJob` the broker's
+    ``unknown_task`` reply was raised as before, so ``except UnknownJob`` clauses go on catching it.
+    """
 
 
 class AgentLoopError(ProrlError, RuntimeError):
@@ -356,7 +388,7 @@ _ERROR_CLASSES: dict[str, type[RemoteError]] = {
     "missing_field": BadRequest,
     "bad_field": BadRequest,
     "unknown_job": UnknownJob,
-    "unknown_task": UnknownJob,
+    "unknown_task": TaskNotServed,
     "unknown_peer": UnknownJob,
     "backend_error": BackendFailed,
     "context_length_exceeded": BackendContextLengthExceeded,

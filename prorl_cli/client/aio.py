@@ -21,7 +21,9 @@ from prorl_cli.config import ProrlConfig, load_config
 from prorl_cli.connection import BrokerConnection, Reply
 from prorl_cli.exceptions import (
     BrokerUnavailable,
+    CheckpointNotADirectory,
     CheckpointNotFound,
+    ClientClosed,
     ClientMisuse,
     DrainTimeout,
     HeaderTooLarge,
@@ -29,6 +31,7 @@ from prorl_cli.exceptions import (
     ProtocolError,
     ReloadFailed,
     RemoteError,
+    RequestRefused,
     ResultTimeout,
     UnknownJob,
 )
@@ -104,26 +107,26 @@ def checked_timeout(value: Any) -> float:
 
 
 def _packed_instances(specs: Sequence[JobSpec], instances: Sequence[Any]) -> list[bytes]:
-    """Each instance packed; :class:`ProtocolError` naming the first that msgpack cannot carry (a set, an object,
+    """Each instance packed; :class:`RequestRefused` naming the first that msgpack cannot carry (a set, an object,
     an int beyond 64 bits), its index and job id."""
     frames = []
     for k, instance in enumerate(instances):
         try:
             frames.append(P.pack_obj(instance))
         except (TypeError, ValueError, OverflowError) as e:
-            raise ProtocolError(P.ErrorCode.BAD_FIELD.value,
-                                f"instance {k} ({specs[k].job_id!r}) cannot be sent: {e} (instances are msgpack: "
-                                "dicts, lists, str, bytes, numbers up to 64 bits, bools, None)") from e
+            raise RequestRefused(P.ErrorCode.BAD_FIELD.value,
+                                 f"instance {k} ({specs[k].job_id!r}) cannot be sent: {e} (instances are msgpack: "
+                                 "dicts, lists, str, bytes, numbers up to 64 bits, bools, None)") from e
     return frames
 
 
 def _refuse_repeated_ids(specs: Sequence[JobSpec]) -> None:
-    """:class:`ProtocolError` naming a job id that appears twice (the broker's check, for a submit it gets in parts)."""
+    """:class:`RequestRefused` naming a job id that appears twice (the broker's check, for a submit it gets in parts)."""
     seen: set[str] = set()
     for k, spec in enumerate(specs):
         if spec.job_id in seen:
-            raise ProtocolError(P.ErrorCode.BAD_FIELD.value, f"jobs[{k}]: job id {spec.job_id!r} appears twice in "
-                                "one submit")
+            raise RequestRefused(P.ErrorCode.BAD_FIELD.value, f"jobs[{k}]: job id {spec.job_id!r} appears twice in "
+                                 "one submit")
         seen.add(spec.job_id)
 
 
@@ -243,6 +246,9 @@ class AsyncRolloutClient:
         self._rewatch_again = False
         #: What the ResourceWarning of a client dropped unclosed tells to do (RolloutClient, which wraps this one, says its own).
         self._close_hint = "use `async with AsyncRolloutClient(...) as client:` or `await client.close()`"
+        #: Set by :meth:`close`, for good: a closed client refuses every call (:class:`ClientClosed`), as the
+        #: blocking one does, instead of quietly connecting again.
+        self._closed = False
 
     def __del__(self, _warn: Callable[..., None] = warnings.warn, _getpid: Callable[[], int] = os.getpid,
                 _release: Callable[..., None] = _release_abandoned) -> None:
@@ -265,6 +271,16 @@ class AsyncRolloutClient:
         """The broker's address (once connected, where the connection is now)."""
         return self._conn.address if self._conn is not None else self._address
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: every request, wait and stream raises :class:`ClientClosed` from then on."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        """:class:`ClientClosed` once :meth:`close` ran."""
+        if self._closed:
+            raise ClientClosed(f"this {type(self).__name__} is closed; make a new one")
+
     # -------------------------------------------------------------- plumbing
 
     async def __aenter__(self) -> AsyncRolloutClient:
@@ -276,6 +292,7 @@ class AsyncRolloutClient:
 
     async def connect(self) -> None:
         """Open the connection (done on first use anyway); :class:`RendezvousError` if the deployment has no broker."""
+        self._check_open()  # every request comes through here: a closed client must not open a new connection
         if self._conn is not None:
             self._check_loop()
             return
@@ -294,6 +311,23 @@ class AsyncRolloutClient:
                                                                 name="prorl-client-watchdog")
 
     async def close(self) -> None:
+        """Close the connection; calls waiting on it end with :class:`ClientClosed`, as every later request does.
+
+        Nothing can reach a closed client any more (no result, no reply): a ``result()``, ``wait()``, or
+        result stream (a DAPO sampler's step) awaited in another task would otherwise wait for ever.
+        Closing twice is fine.
+        """
+        if not self._closed:
+            self._closed = True
+            waiters, self._waiters = self._waiters, {}
+            for job_id, futures in waiters.items():
+                for fut in futures:
+                    if not fut.done():
+                        fut.set_exception(ClientClosed(f"the client was closed while job {job_id!r}'s result was "
+                                                       "awaited (the job goes on at the broker)"))
+            streams, self._streams = self._streams, []
+            for stream in streams:
+                stream._client_closed()
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -350,10 +384,18 @@ class AsyncRolloutClient:
         conn = self._conn
         try:
             return await conn.call(header, payload, timeout_s=timeout_s)
-        except BrokerUnavailable:
+        except BrokerUnavailable as e:
+            # The connection failed the request because close() closed it: say that, not "broker unavailable".
+            self._refuse_if_closed(e)
             # Unanswered: if the broker moved meanwhile, the caller's retry goes to the new one.
             conn.follow_moved()
             raise
+
+    def _refuse_if_closed(self, error: BaseException) -> None:
+        """:class:`ClientClosed` (from ``error``) if :meth:`close` ran while a request waited for its reply."""
+        if self._closed:
+            raise ClientClosed(f"the client was closed while a request to the broker waited for its reply: {error}") \
+                from error
 
     async def _ask(self, op: Op, header: H.Header, payload: Sequence[bytes] = ()) -> Any:
         """Send the typed ``header`` of ``op``; its reply checked and typed (``protocol.parse_reply``): ``ProtocolError``
@@ -409,8 +451,8 @@ class AsyncRolloutClient:
             if ids:
                 try:
                     watched: H.WatchReply = await self._ask(Op.WATCH, H.JobIds(H.NEW_RID, ids))
-                except (BrokerUnavailable, RemoteError, ProtocolError):
-                    return  # the next new boot id tries again
+                except (BrokerUnavailable, RemoteError, ProtocolError, ClientClosed):
+                    return  # the next new boot id tries again (closed: nobody waits any more)
                 for job_id in watched.unknown:
                     if job_id not in self._watched:
                         continue  # forgotten meanwhile
@@ -447,7 +489,7 @@ class AsyncRolloutClient:
         sampled with ``derive_seed(seed, seed_from + j)``, the seed of the run's ``seed_from + j``-th rollout
         (rollouts of one prompt with one seed would all be the same on an engine that honours it).
         Each is checked by the ``submit`` schema the broker applies, so a bad field raises
-        :class:`ProtocolError` here, naming it, before anything is sent.
+        :class:`RequestRefused` here (a ``ProtocolError`` and a ``BadRequest``), naming it, before anything is sent.
         """
         if job_ids is not None:
             ids = job_id_list(job_ids, "job_ids")
@@ -466,11 +508,15 @@ class AsyncRolloutClient:
             wire["sampling"] = sampling.to_wire() if isinstance(sampling, SamplingParams) else sampling
         given = wire.get("sampling")
         seed = given.get("seed") if isinstance(given, Mapping) else None
-        if seed_from is None or type(seed) is not int or not -BIG <= seed <= BIG or not isinstance(given, Mapping):
-            # No seed to derive from (a bad one: the schema names it, as given).
-            return [JobSpec.from_wire({**wire, "job_id": jid}, f"job {jid}") for jid in ids]
-        return [JobSpec.from_wire({**wire, "job_id": jid, "sampling": {**given, "seed": derive_seed(seed, seed_from + j)}},
-                                  f"job {jid}") for j, jid in enumerate(ids)]
+        try:
+            if seed_from is None or type(seed) is not int or not -BIG <= seed <= BIG or not isinstance(given, Mapping):
+                # No seed to derive from (a bad one: the schema names it, as given).
+                return [JobSpec.from_wire({**wire, "job_id": jid}, f"job {jid}") for jid in ids]
+            return [JobSpec.from_wire({**wire, "job_id": jid, "sampling": {**given, "seed": derive_seed(seed, seed_from + j)}},
+                                      f"job {jid}") for j, jid in enumerate(ids)]
+        except ProtocolError as e:
+            # What the broker would refuse as a BadRequest is refused as one here too: one except clause for both.
+            raise RequestRefused(e.code, e.message) from None
 
     async def submit(
         self,
@@ -487,6 +533,10 @@ class AsyncRolloutClient:
         meta: dict[str, Any] | None = None,
     ) -> Submitted:
         """Submit each instance ``n`` times; return the job ids at once (results come later).
+
+        The ``n`` jobs of one instance are one group (a GRPO group: ``samples_from_results`` computes their
+        advantages against each other): without ``group_id``, each instance's jobs get the id of the first of
+        them as their ``group_id``. A ``group_id`` given goes on every job of the submit, as given.
 
         A seed in ``sampling`` seeds the whole submission: the ``j``-th job (instance ``j // n``, its
         rollout ``j % n``) is sampled with ``derive_seed(seed, j)``, so an instance's rollouts differ and
@@ -514,6 +564,12 @@ class AsyncRolloutClient:
             task, len(insts), job_ids=job_ids, timeout_s=timeout_s, stage_timeouts_s=stage_timeouts_s,
             sampling=sampling, max_attempts=max_attempts, group_id=group_id, meta=meta, seed_from=0,
         )
+        if group_id is None and n > 1:
+            # Left ungrouped, every rollout was its own group and every group-relative advantage 0. The group is
+            # named after its first job's id, not a fresh uuid: the same ids sent again (a retry) make the same
+            # groups, as `prorl submit`'s PREFIX-LINE groups do for its PREFIX-LINE-K ids.
+            for j, spec in enumerate(specs):
+                spec.group_id = specs[j - j % n].job_id
         return await self.submit_specs(specs, insts)
 
     async def submit_specs(self, specs: Sequence[JobSpec], instances: Sequence[Any]) -> Submitted:
@@ -525,10 +581,10 @@ class AsyncRolloutClient:
         over = next(((k, len(f)) for k, f in enumerate(frames) if len(f) > limit - _FRAMING_BYTES), None)
         if over is not None:
             # The broker's socket would drop the connection (libzmq refuses the frame): no answer, only a timeout.
-            raise ProtocolError(P.ErrorCode.BAD_FRAME.value,
-                                f"instance {over[0]} ({specs[over[0]].job_id!r}) packs to {over[1] / 2**20:.1f} MiB, "
-                                f"over broker.max_message_bytes ({limit / 2**20:.1f} MiB): send a path or an id "
-                                "the handler reads, not the data itself")
+            raise RequestRefused(P.ErrorCode.BAD_FRAME.value,
+                                 f"instance {over[0]} ({specs[over[0]].job_id!r}) packs to {over[1] / 2**20:.1f} MiB, "
+                                 f"over broker.max_message_bytes ({limit / 2**20:.1f} MiB): send a path or an id "
+                                 "the handler reads, not the data itself")
         # A submit goes as messages the broker takes (its payload frame under max_message_bytes, its header under
         # MAX_HEADER_BYTES); each is idempotent, so one that fails can be sent again whole, ids unchanged.
         chunks = _submit_chunks(specs, frames, limit)
@@ -595,6 +651,7 @@ class AsyncRolloutClient:
 
     async def result(self, job_id: str, timeout_s: float | None = None) -> JobResult:
         """Await one job's result."""
+        self._check_open()
         if job_id in self._results:
             return self._results[job_id]
         self._check_loop()
@@ -612,6 +669,8 @@ class AsyncRolloutClient:
                 raise ResultTimeout(f"no result for job {job_id!r} after {timeout_s:g} s{why} (prorl status tells "
                                     "where it is: a job of a task no node serves waits in the queue)") from None
         finally:
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # seen: one close() failed while _watch() was still under way is not logged as lost
             waiters = self._waiters.get(job_id)
             if waiters is not None and fut in waiters:
                 waiters.remove(fut)
@@ -634,12 +693,15 @@ class AsyncRolloutClient:
         adds more while it runs. Without, it yields every result this client
         receives from now on (every job it submits or watches), for streaming
         consumers that keep a window full with concurrent :meth:`submit` calls.
+        Closing the client ends the stream: a consumer waiting on it gets :class:`ClientClosed`.
         """
+        self._check_open()
         return ResultStream(self, job_ids, timeout_s)
 
     def as_completed(self, job_ids: Iterable[str], timeout_s: float | None = None) -> AsyncIterator[JobResult]:
         """Yield the results of ``job_ids`` as they finish, in completion order."""
         # Checked here, not in the generator: a bad argument raises at the call, not at the first iteration.
+        self._check_open()
         return self._as_completed(job_id_list(job_ids, "job_ids"), timeout_s)
 
     async def _as_completed(self, job_ids: list[str], timeout_s: float | None) -> AsyncIterator[JobResult]:
@@ -766,7 +828,8 @@ class AsyncRolloutClient:
         it (restart those on the checkpoint; the engine's restart path), and
         :class:`CheckpointNotFound` before sending anything when ``checkpoint``
         is not there on this machine (the trainer wrote it; the bridges read it
-        from a filesystem they share with it).
+        from a filesystem they share with it), and its
+        :class:`CheckpointNotADirectory` when it is a file, not a model directory.
         """
         version = _checked_version(policy_version)
         if version is None:
@@ -825,7 +888,11 @@ class AsyncRolloutClient:
         """A request the broker answers late (after ``wait_s``); an error's extra fields stay on the exception."""
         await self.connect()
         assert self._conn is not None
-        reply, _ = await self._conn.request(header.to_wire(), timeout_s=wait_s + self.request_timeout_s)
+        try:
+            reply, _ = await self._conn.request(header.to_wire(), timeout_s=wait_s + self.request_timeout_s)
+        except BrokerUnavailable as e:
+            self._refuse_if_closed(e)
+            raise
         if reply.get("ok"):
             return reply
         error = RemoteError.from_reply(reply)
@@ -866,13 +933,18 @@ def _check_drain_s(timeout_s: float, name: str = "timeout_s") -> None:
 
 
 def _checkpoint_path(checkpoint: str | os.PathLike[str], what: str) -> str:
-    """``checkpoint`` as an absolute path, which must be there: the trainer wrote it, and the bridges read it
-    from a filesystem they share with it. With no bridge up to try a mistyped one, the broker would take it
+    """``checkpoint`` as an absolute path, which must be a directory there: the trainer wrote it, and the bridges
+    read it from a filesystem they share with it. With no bridge up to try a mistyped one, the broker would take it
     for the weights every bridge joining later must load."""
     path = os.path.abspath(os.fspath(checkpoint))
     if not os.path.exists(path):
         raise CheckpointNotFound(f"{what}: checkpoint {path} does not exist here; the bridges read it from a "
                                  "filesystem they share with this trainer")
+    if not os.path.isdir(path):
+        # Every engine loads a model directory (its config.json and weights): a file sent on would be refused by
+        # each bridge, after the drain, as "not a model directory (no config.json)" even where it is config.json.
+        raise CheckpointNotADirectory(f"{what}: checkpoint {path} is a file, not a model directory: give the "
+                                      f"directory that holds config.json and the weights ({os.path.dirname(path)}?)")
     return path
 
 

@@ -54,6 +54,9 @@ class ResultStream:
     naming it) once, from the call that asks the broker to watch it; it is
     dropped from :attr:`pending` and the stream goes on with the other ids,
     whose results (received before or after) are still yielded.
+
+    Closing the client ends a stream not closed before: nothing feeds it any more, so a consumer waiting on it,
+    and every later call, gets :class:`ClientClosed` (not ``StopAsyncIteration``: its results did not all come).
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class ResultStream:
         """Also yield these jobs' results (ones already yielded by this stream are not yielded again)."""
         if self._closed:
             raise ClientClosed("this result stream is closed: make a new one (client.results(ids))")
+        self._check_client_open()
         ids = job_id_list(job_ids, "job_ids")
         to_watch = len(self._to_watch)
         for job_id in ids:
@@ -107,6 +111,16 @@ class ResultStream:
     def pending(self) -> set[str]:
         """Ids added and not yet yielded (empty for an open-ended stream)."""
         return set(self._wanted or ())
+
+    def _client_closed(self) -> None:
+        """The client closed: wake a consumer waiting on the queue, which then sees it (:meth:`_check_client_open`)."""
+        self._queue.put_nowait(None)
+
+    def _check_client_open(self) -> None:
+        if self._client.closed:
+            missing = "" if self._wanted is None else f" ({len(self._wanted)} result(s) still missing)"
+            raise ClientClosed(f"the client of this result stream was closed{missing}: nothing more can come; the "
+                               "jobs go on at the broker (a new client's results(ids) collects them)")
 
     def _offer(self, result: JobResult) -> None:
         """The client received ``result``."""
@@ -137,6 +151,8 @@ class ResultStream:
             if self._closed:
                 # Like a closed generator: nobody feeds a closed stream's queue, so waiting on it would never end.
                 raise StopAsyncIteration
+            # Nor a stream whose client closed; its consumer must not take that for "every result came".
+            self._check_client_open()
             if self._to_watch:
                 todo, self._to_watch = self._to_watch, []
                 try:

@@ -165,8 +165,10 @@ class RolloutClient:
             self._finalizer.detach()
             return
         if self._loop.is_running():  # another thread's call is under way on the loop: closing it there would break it
+            # The waiting call cannot be woken from here (its loop is that thread's); say how it ends instead.
             raise ClientMisuse("this RolloutClient is in use by another thread: close it from that thread, once its "
-                               "call returned")
+                               "call returned (a wait there returns when its jobs end or its timeout_s passes; a "
+                               "client of this thread can cancel those jobs)")
         self._finalizer.detach()
         if not self._loop.is_closed():
             try:
@@ -177,6 +179,16 @@ class RolloutClient:
     @property
     def address(self) -> str | None:
         return self._aio.address
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: every request, wait and stream raises :class:`ClientClosed` from then on."""
+        return self._loop.is_closed()
+
+    def _check_open(self) -> None:
+        """:class:`ClientClosed` once :meth:`close` ran (its loop is closed with it)."""
+        if self._loop.is_closed():
+            raise ClientClosed("this RolloutClient is closed; make a new one")
 
     @property
     def request_timeout_s(self) -> float:
@@ -216,10 +228,13 @@ class RolloutClient:
 
     def results(self, job_ids: Iterable[str] | None = None, timeout_s: float | None = None) -> SyncResultStream:
         """See :meth:`AsyncRolloutClient.results`: a stream of results that ``add(ids)`` extends."""
+        self._check_open()  # said as every other call says it, not as the async client inside would
         return SyncResultStream(self, self._aio.results(job_ids, timeout_s))
 
     def as_completed(self, job_ids: Iterable[str], timeout_s: float | None = None) -> Iterator[JobResult]:
-        # Checked here, not in the generator: a bad argument raises at the call, not at the first next().
+        # Checked here, not in the generator: a bad argument (or a closed client) raises at the call, not at the
+        # first next().
+        self._check_open()
         return self._as_completed(job_id_list(job_ids, "job_ids"), timeout_s)
 
     def _as_completed(self, job_ids: list[str], timeout_s: float | None) -> Iterator[JobResult]:

@@ -426,6 +426,19 @@ class SampleBatch:
         return self.off_policy_tokens / total if total else 0.0
 
 
+def _warn_if_ungrouped(samples: Sequence[TrainingSample], sampleless: Mapping[str, Sequence[float]]) -> None:
+    """Warn when several rollouts each make a group of one: both estimators compare a rollout with the rest of its
+    group, so every advantage is 0 and the step trains nothing, without any error to show it."""
+    members: dict[str, set[str]] = defaultdict(set)
+    for sample in samples:
+        members[sample.group_id].add(sample.rollout_id)
+    sizes = [len(rollouts) + len(sampleless.get(group, ())) for group, rollouts in members.items()]
+    if len(sizes) > 1 and max(sizes) == 1:
+        log.warning("each of the %d rollouts is in a group of its own, so every advantage is 0 (GRPO and RLOO compare "
+                    "a rollout with its group): give results a group_id (client.submit(..., n=8) groups each "
+                    "instance's jobs; DapoSampler's batches do too) or pass group_of={job_id: group}", len(sizes))
+
+
 def samples_from_results(
     results: Iterable[Any],
     *,
@@ -442,7 +455,8 @@ def samples_from_results(
     """Job results (``JobResult`` with a ``trajectory`` in its output) into weighted samples.
 
     The group of a result is ``group_of[job_id]``, else its ``group_id``
-    field, else its job id. Results without a trajectory or reward are skipped (counted in
+    field, else its job id (``client.submit(..., n=8)`` groups each instance's 8 jobs; with every rollout in
+    a group of its own, every advantage is 0, and a warning says so). Results without a trajectory or reward are skipped (counted in
     ``SampleBatch.skipped``); one with a reward still counts in its group's baseline, so a group is trained
     as the sampler judged it (a job that failed before its first model call, scored 0 under ``zero_reward``).
     ``off_policy`` (with ``current_log_probs``, ``is_cap``): see :func:`apply_off_policy`.
@@ -470,6 +484,7 @@ def samples_from_results(
         log.warning("no training sample from %d result(s): none holds a token-level trajectory with a reward "
                     "(a task that records no trajectory, such as sim_agent, or jobs that failed before any model call)",
                     skipped)
+    _warn_if_ungrouped(out, sampleless)
     assign_advantages(out, estimator=estimator, level=level, std_normalize=std_normalize, sampleless=sampleless)
     if agents is not None:
         chosen = set(agents)

@@ -94,6 +94,29 @@ def test_submits_the_broker_could_not_take_are_refused_in_the_client_at_once(dep
     assert client.submit("test", [{"echo": "small"}], job_ids=["small"]).accepted == ["small"], "nothing was sent"
 
 
+def test_refusals_are_the_exceptions_the_readme_names(deployment: Deployment) -> None:
+    """README: ``BadRequest`` (a ``ValueError``) for a malformed request. A bad sampling field, refused by the
+    client before sending, was a ``ProtocolError`` only, and a task no node serves an ``UnknownJob`` though
+    ``UnknownTask`` exists: ``except BadRequest`` / ``except UnknownTask`` missed them. The old types still hold."""
+    from prorl_cli import protocol as P
+    from prorl_cli.exceptions import BadRequest, ProtocolError, TaskNotServed, UnknownTask
+
+    client = deployment.client
+    with pytest.raises(BadRequest, match=r"sampling\.temperature' must be in \[0, 1e\+06\], got -1") as refused:
+        client.submit("test", [{"echo": 1}], sampling={"temperature": -1}, job_ids=["refused-0"])
+    assert isinstance(refused.value, ProtocolError) and isinstance(refused.value, ValueError)
+    assert refused.value.code == "bad_field"
+    # The broker refuses the same field (sent raw, past the client's check) with the same type.
+    with pytest.raises(BadRequest, match="temperature") as broker_refused:
+        client.request(P.Op.SUBMIT, [P.pack_obj({"echo": 1})],
+                       jobs=[{"job_id": "refused-0", "task": "test", "sampling": {"temperature": -1}}])
+    assert broker_refused.value.code == "bad_field"
+    with pytest.raises(UnknownTask, match=r"^unknown_task: no node serves task\(s\) \['no-such-task'\]") as unknown:
+        client.submit("no-such-task", [{}])
+    assert isinstance(unknown.value, UnknownJob) and isinstance(unknown.value, TaskNotServed)
+    assert client.list_jobs(prefix="refused-") == {}, "nothing was taken"
+
+
 def test_a_misspelt_task_submitted_before_any_node_is_named_when_nodes_come(tmp_path: Path) -> None:
     """With no node up a submit cannot tell a misspelt task from one a node will serve: the job waits. The broker
     says so when nodes register, and a wait that times out names the job."""
@@ -206,6 +229,37 @@ def test_group_id_and_meta_travel_from_spec_to_result(deployment: Deployment) ->
     ids = client.submit("test", [{"echo": 1}] * 2, group_id="step3-prompt7", meta={"step": 3, "policy_version": 2})
     for r in client.wait(ids, timeout_s=60):
         assert (r.group_id, r.meta) == ("step3-prompt7", {"step": 3, "policy_version": 2})  # type: ignore[attr-defined]
+
+
+def test_the_n_jobs_of_one_instance_are_one_group(deployment: Deployment, caplog: pytest.LogCaptureFixture) -> None:
+    """README's ``submit(task, instances, n=8)`` then ``samples_from_results(results)``: each rollout was its own
+    group (``group_id`` None), so every GRPO advantage was 0, silently."""
+    import dataclasses
+
+    from prorl_cli.agent.trajectory import ModelCall, Trajectory
+    from prorl_cli.training.samples import samples_from_results
+
+    client = deployment.client
+    ids = client.submit("test", [{"echo": "a"}, {"echo": "b"}], n=3, job_ids=[f"grp-{k}" for k in range(6)])
+    results = client.wait(ids, timeout_s=60)
+    assert [r.group_id for r in results] == ["grp-0"] * 3 + ["grp-3"] * 3, "named after each instance's first job"
+    assert list(client.list_jobs(group_id="grp-3")) == ["grp-3", "grp-4", "grp-5"]
+    again = client.submit("test", [{"echo": "a"}, {"echo": "b"}], n=3, job_ids=list(ids))
+    assert again.existing == list(ids), "a retry with the same ids makes the same groups (nothing new to run)"
+    # A group given is kept as given; one job per instance has nobody to be grouped with.
+    given = client.submit("test", [{"echo": "a"}, {"echo": "b"}], n=2, group_id="mine")
+    assert {r.group_id for r in client.wait(given, timeout_s=60)} == {"mine"}
+    (alone,) = client.submit("test", [{"echo": "c"}])
+    assert client.result(alone, timeout_s=60).group_id is None
+
+    # What a trainer does with them: rewards 1, 0, 0 in each group give advantages 2/3, -1/3, -1/3.
+    traj = Trajectory(calls=[ModelCall(prompt_ids=[1, 2], output_ids=[3], logprobs=[-0.5], finish_reason="stop")])
+    scored = [dataclasses.replace(r, reward=1.0 if k % 3 == 0 else 0.0, output={"trajectory": traj.to_dict()})
+              for k, r in enumerate(results)]
+    with caplog.at_level("WARNING", logger="prorl_cli.training.samples"):
+        batch = samples_from_results(scored)
+    assert [s.advantage for s in batch.samples] == [pytest.approx(a) for a in [2 / 3, -1 / 3, -1 / 3] * 2]
+    assert "group of its own" not in caplog.text
 
 
 def test_a_seeded_submission_gives_each_rollout_its_own_seed_and_a_rerun_the_same(deployment: Deployment) -> None:

@@ -6,6 +6,7 @@ A raw ROUTER over real ZeroMQ plays the broker and answers each request with a c
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import zmq.asyncio
 from prorl_cli import protocol as P
 from prorl_cli.client import AsyncRolloutClient
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import ProtocolError
+from prorl_cli.exceptions import CheckpointNotADirectory, CheckpointNotFound, ProtocolError
 from prorl_cli.protocol import headers as H
 from prorl_cli.protocol.checks import declared_fields
 from tests.fakes.connections import receive_request, with_router
@@ -118,6 +119,17 @@ def test_bad_arguments_to_a_step_boundary_are_refused_before_anything_is_sent(tm
                 await client.sync_weights(tmp_path, 2, timeout_s=0)
             with pytest.raises(TypeError):
                 await client.sync_weights(None, 2)  # type: ignore[arg-type]
+            # A file where the model directory goes: each bridge said, after the drain, "<dir>/config.json: not a
+            # model directory (no config.json)", a contradiction. Named here, before the drain.
+            config = tmp_path / "config.json"
+            config.write_text("{}")
+            file_given = re.escape(f"checkpoint {config} is a file, not a model directory: give the directory that "
+                                   f"holds config.json and the weights ({tmp_path}?)") + "$"
+            with pytest.raises(CheckpointNotADirectory, match=r"^sync_weights: " + file_given) as refused:
+                await client.sync_weights(config, 6)
+            assert isinstance(refused.value, CheckpointNotFound) and isinstance(refused.value, NotADirectoryError)
+            with pytest.raises(CheckpointNotADirectory, match=r"^update_weights: " + file_given):
+                await client.update_weights(str(config), 6)
             ping = asyncio.ensure_future(client.ping())
             identity, header = await first
             assert header["op"] == P.Op.PING.value

@@ -21,7 +21,9 @@ from prorl_cli.exceptions import (
     InferenceError,
     ProtocolMismatch,
     RemoteError,
+    TaskNotServed,
     UnknownJob,
+    UnknownTask,
 )
 from tests.fakes.connections import receive_request, with_router
 
@@ -153,6 +155,8 @@ async def _a_request_sent_after_the_one_that_met_the_new_broker_is_not_lost(rout
         ("bad_field", BadRequest, ValueError),
         ("unknown_op", BadRequest, ValueError),
         ("unknown_job", UnknownJob, KeyError),
+        ("unknown_task", TaskNotServed, UnknownTask),
+        ("unknown_task", UnknownJob, KeyError),
         ("backend_error", BackendFailed, InferenceError),
         ("shutting_down", BrokerStopping, RuntimeError),
         ("something_new", RemoteError, RuntimeError),

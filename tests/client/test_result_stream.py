@@ -22,6 +22,7 @@ class _Client:
         self._results: dict[str, JobResult] = {}
         self.failures = failures
         self.asked: list[list[str]] = []
+        self.closed = False
 
     def _check_loop(self) -> None:
         """One loop here: nothing to refuse."""

@@ -373,3 +373,30 @@ def test_a_failed_job_without_a_trajectory_still_counts_in_its_groups_baseline(l
     # Without a reward it says nothing of the group: skipped, and out of the baseline.
     unscored = [*results[:3], JobResult(job_id="j3", task="t", state="failed", reward=None, group_id="g")]
     assert [s.advantage for s in samples_from_results(unscored, level=level).samples] == [0.0] * 3
+
+
+def test_rollouts_each_in_a_group_of_their_own_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """Results without a group (``group_id`` None: submitted one by one, or before ``submit(n=)`` grouped them)
+    each made a group of one, so every advantage was 0 and the step trained nothing, without a word."""
+    from prorl_cli.protocol import JobResult
+    from prorl_cli.training.samples import samples_from_results
+
+    traj = Trajectory(calls=[call([1, 2], [3])]).to_dict()
+    ungrouped = [JobResult(job_id=f"j{k}", task="t", state="done", reward=float(k % 2), output={"trajectory": traj})
+                 for k in range(4)]
+    said = "each of the 4 rollouts is in a group of its own, so every advantage is 0"
+    for estimator in ("grpo", "rloo"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="prorl_cli.training.samples"):
+            batch = samples_from_results(ungrouped, estimator=estimator)
+        assert [s.advantage for s in batch.samples] == [0.0] * 4
+        assert said in caplog.text and "group_of=" in caplog.text, caplog.text
+    # Grouped (by group_of, or by a sampleless member's reward in the same group), or one rollout alone: nothing said.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="prorl_cli.training.samples"):
+        grouped = samples_from_results(ungrouped, group_of={"j0": "a", "j1": "a", "j2": "b", "j3": "b"})
+        samples_from_results(ungrouped[:1])
+        samples_from_results([*ungrouped[:2], *(JobResult(job_id=f"x{k}", task="t", state="failed", reward=0.0,
+                                                           group_id=f"j{k}") for k in range(2))])
+    assert [s.advantage for s in grouped.samples] == [-0.5, 0.5, -0.5, 0.5]
+    assert "group of its own" not in caplog.text, caplog.text
