@@ -28,12 +28,28 @@ other key is handed to the reward functions as a keyword argument.
 A rollout whose calls do not all merge into one sample (a prompt that is not
 a token-exact extension) gives TRL its first sample only; :attr:`history`
 counts those (``split_rollouts``) with the merge ratio, per call.
+
+TRL's ``max_completion_length`` bounds what TRL gets, as it bounds TRL's own
+generation: each model call's ``max_tokens`` is at most that (that, when
+``sampling`` sets none), and a multi-turn completion longer than it (several
+calls, tool tokens between them) is cut to it, its ids, log-probs and mask
+alike (``truncated_rollouts``); TRL's ``dr_grpo`` loss divides by it.
+
+Job ids are ``{run_id}-s{call}-p{i}-k{k}``. The default ``run_id`` is
+``trl-`` and a random suffix, one per :class:`ProrlRollout`: two trainers on
+one deployment, or a trainer restarted after a crash, never share ids (the
+broker returns the job it holds for a known id, so a shared id would hand
+one run the other's rollouts). An explicit ``run_id`` is used as given: a
+call whose ids the broker holds with other work (another prompt or
+sampling) raises :class:`~prorl_cli.exceptions.ConfigError` naming it; with
+the same work, the jobs held are used (a warning says how many).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +102,10 @@ class RolloutStats:
     masked_tokens: int = 0
     #: Policy versions of the sampled tokens (sorted, distinct).
     policy_versions: list[int] = field(default_factory=list)
+    #: Completions longer than the trainer's ``max_completion_length``, cut to it.
+    truncated_rollouts: int = 0
+    #: Jobs the broker already held under this call's ids (an explicit ``run_id`` used before): their results used.
+    existing_jobs: int = 0
     sync_s: float = 0.0
     wall_s: float = 0.0
 
@@ -115,6 +135,14 @@ def row_from_sample(sample: TrainingSample) -> TrlRow:
     )
 
 
+def truncate_row(row: TrlRow, length: int) -> TrlRow:
+    """``row`` with its completion cut to ``length`` tokens: ids, log-probs, mask and the versions of the sampled
+    tokens kept alike (TRL bounds a completion by ``max_completion_length``, as its own generation does)."""
+    mask = row.env_mask[:length]
+    return TrlRow(prompt_ids=row.prompt_ids, completion_ids=row.completion_ids[:length], logprobs=row.logprobs[:length],
+                  env_mask=mask, reward=row.reward, policy_versions=row.policy_versions[:sum(mask)])
+
+
 def failed_row(result: JobResult, eos_id: int) -> TrlRow:
     """A rollout that produced no trajectory: one masked end-of-sequence token, reward 0."""
     log.warning("job %s %s (%s): TRL gets a masked empty completion with reward 0", result.job_id, result.state,
@@ -138,6 +166,8 @@ class ProrlRollout:
     instead of handing TRL zero-reward rows from a deployment that works no
     more (``None``: the sampler's default; ``0``: never, every failure is a
     zero-reward row).
+    ``run_id``: the job ids' prefix; ``None`` (the default) makes one of its own,
+    ``trl-`` and a random suffix (see the module docstring).
     """
 
     def __init__(
@@ -152,11 +182,13 @@ class ProrlRollout:
         timeout_s: float | None = None,
         step_timeout_s: float | None = None,
         drain_timeout_s: float = 300.0,
-        run_id: str = "trl",
+        run_id: str | None = None,
         max_consecutive_failures: int | None = None,
     ) -> None:
         if sync_weights and checkpoint_dir is None:
             raise ValueError("ProrlRollout: sync_weights needs a checkpoint_dir the bridges can read")
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise ValueError(f"ProrlRollout: run_id must be a non-empty string or None (one of its own), got {run_id!r}")
         self.client = client
         self.task = task
         self.instance_of = instance_of or (lambda prompt: prompt)
@@ -166,7 +198,9 @@ class ProrlRollout:
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
         self.drain_timeout_s = drain_timeout_s
-        self.run_id = run_id
+        # Calls are numbered from 0 in every ProrlRollout: under one fixed id, two trainers on one deployment (or one
+        # restarted) would submit the same job ids and be handed each other's rollouts.
+        self.run_id = run_id if run_id is not None else f"trl-{secrets.token_hex(4)}"
         self.max_consecutive_failures = max_consecutive_failures
         #: The policy version the bridges serve (the trainer step of the weights last synced); None before the first sync.
         self.policy_version: int | None = None
@@ -175,6 +209,7 @@ class ProrlRollout:
         #: The rows of the last call (for inspection and tests).
         self.last_rows: list[TrlRow] = []
         self._calls = 0
+        self._warned_capped = False
         #: Prompt positions the calls so far took (the next call's sampler starts there).
         self._positions = 0
         # TRL checks the function's name in logs; give instances one.
@@ -208,9 +243,10 @@ class ProrlRollout:
         sync_s = self.sync(trainer)
         version = self.policy_version if self.policy_version is not None else int(trainer.state.global_step)
         stats = RolloutStats(global_step=int(trainer.state.global_step), policy_version=version, sync_s=sync_s)
-        results = self._run(groups, group_size, version)
+        limit = _completion_limit(trainer)
+        results = self._run(groups, group_size, version, self.sampling_for(limit), stats)
         eos_id = _eos_id(trainer)
-        rows = self._rows(results, stats, eos_id)
+        rows = self._rows(results, stats, eos_id, limit)
         stats.groups, stats.rollouts = len(groups), len(rows)
         stats.informative_groups = sum(
             len({r.reward for r in rows[i: i + group_size]}) > 1 for i in range(0, len(rows), group_size))
@@ -228,7 +264,26 @@ class ProrlRollout:
             REWARD_FIELD: [r.reward for r in rows],
         }
 
-    def _run(self, groups: list[Any], group_size: int, version: int) -> list[JobResult]:
+    def sampling_for(self, max_completion_length: int | None) -> dict[str, Any] | None:
+        """``sampling`` with ``max_tokens`` at most ``max_completion_length`` (that, where none is given).
+
+        One call's tokens are part of the completion: more than TRL's bound could never be trained on whole.
+        """
+        if max_completion_length is None:
+            return self.sampling
+        sampling = dict(self.sampling or {})
+        given = sampling.get("max_tokens")
+        if given is not None and not (type(given) is int and given > max_completion_length):
+            return sampling  # within the bound, or not a count at all (the sampler's check names it)
+        if given is not None and not self._warned_capped:
+            self._warned_capped = True
+            log.warning("sampling max_tokens %r is over the trainer's max_completion_length (%d): each call's "
+                        "max_tokens is capped at it", given, max_completion_length)
+        sampling["max_tokens"] = max_completion_length
+        return sampling
+
+    def _run(self, groups: list[Any], group_size: int, version: int, sampling: dict[str, Any] | None = None,
+             stats: RolloutStats | None = None) -> list[JobResult]:
         """Every group's results, in prompt order, through a sync-mode DAPO sampler that keeps every group."""
         from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig, SamplerState
 
@@ -236,7 +291,7 @@ class ProrlRollout:
         config = SamplerConfig(
             group_size=group_size, target_groups=len(groups), mode="sync", carry_over=False,
             failed="zero_reward", informative=lambda rewards: True, run_id=self.run_id,
-            timeout_s=self.timeout_s, sampling=self.sampling, step_timeout_s=self.step_timeout_s,
+            timeout_s=self.timeout_s, sampling=sampling, step_timeout_s=self.step_timeout_s,
             max_consecutive_failures=self.max_consecutive_failures,
         )
         # Positions go on from the last call's, so a seed in ``sampling`` numbers every rollout of the run
@@ -250,13 +305,24 @@ class ProrlRollout:
             batch = sampler.step(policy_version=version)
         finally:
             sampler.close()  # cancels whatever still runs (a step that timed out)
+        if batch.stats.existing_jobs:
+            # The sampler stays quiet here (a state= was passed, to number the call): held jobs under an explicit
+            # run_id with the same work are a restarted run's or a twin's, used as they are; other work would
+            # have raised ConfigError.
+            log.warning("rollout call %d: %d job id(s) of run_id %r were already at the broker with the same work: "
+                        "their results are used, not new rollouts (another run under this run_id, or this one "
+                        "restarted; leave run_id unset for ids of this ProrlRollout's own)",
+                        self._calls - 1, batch.stats.existing_jobs, self.run_id)
+        if stats is not None:
+            stats.existing_jobs = batch.stats.existing_jobs
         by_position = sorted(batch.groups, key=lambda g: int(g.prompt_id))
         results = [r for g in by_position for r in g.results]
         ids = [r.job_id for r in results]
         self.client.forget(ids)  # the rows below are all TRL keeps
         return results
 
-    def _rows(self, results: list[JobResult], stats: RolloutStats, eos_id: int) -> list[TrlRow]:
+    def _rows(self, results: list[JobResult], stats: RolloutStats, eos_id: int,
+              max_completion_length: int | None = None) -> list[TrlRow]:
         built = samples_from_results([r for r in results if r.ok])
         stats.merge_ratio = built.report.merge_ratio
         by_rollout: dict[str, list[TrainingSample]] = {}
@@ -273,11 +339,19 @@ class ProrlRollout:
             if len(samples) > 1:
                 stats.split_rollouts += 1
             row = row_from_sample(samples[0])
+            if max_completion_length is not None and len(row.completion_ids) > max_completion_length:
+                row = truncate_row(row, max_completion_length)
+                stats.truncated_rollouts += 1
             stats.sampled_tokens += sum(row.env_mask)
             stats.masked_tokens += len(row.env_mask) - sum(row.env_mask)
             versions.update(v for v in row.policy_versions if v != NO_VERSION)
             rows.append(row)
         stats.policy_versions = sorted(versions)
+        if stats.truncated_rollouts:
+            log.warning("%d of %d completions were longer than the trainer's max_completion_length (%d) and were cut "
+                        "to it (their reward is the whole episode's): raise max_completion_length, or bound the "
+                        "episodes (fewer turns, a lower max_tokens)", stats.truncated_rollouts, len(results),
+                        max_completion_length)
         return rows
 
 
@@ -292,6 +366,14 @@ def _groups(prompts: Sequence[Any], group_size: int) -> list[Any]:
             raise RolloutMismatch(f"prompts {i}..{i + group_size - 1} are not one prompt repeated num_generations times")
         groups.append(chunk[0])
     return groups
+
+
+def _completion_limit(trainer: Any) -> int | None:
+    """The trainer's ``max_completion_length`` (``GRPOTrainer`` keeps it, from ``GRPOConfig``); None: no bound."""
+    limit = getattr(trainer, "max_completion_length", None)
+    if limit is None:
+        limit = getattr(getattr(trainer, "args", None), "max_completion_length", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
 def _eos_id(trainer: Any) -> int:

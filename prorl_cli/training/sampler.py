@@ -58,7 +58,17 @@ are not all equal), the way ProRL Agent's trainer does:
   bound) count every attempt;
 - **resumable**: job ids are ``{run_id}-s{step}-p{prompt_id}-k{k}``; a trainer
   restarted from :meth:`DapoSampler.state` resubmits the same ids and gets
-  the broker's existing jobs (and finished results) back.
+  the broker's existing jobs (and finished results) back. A trainer that
+  stops on purpose closes with ``close(cancel_in_flight=False)`` after saving
+  the state, so its carried groups run on; jobs of theirs that a plain
+  ``close()`` cancelled are run again under the same ids
+  (``StepStats.rerun_jobs``), not counted as failed;
+- **one run per run id**: each job's meta carries a digest of its work (task,
+  sampling, instance); a result of a job under one of the run's ids that holds
+  other work (another run under the same ``run_id``, whose job the broker
+  returned for the id) raises :class:`~prorl_cli.exceptions.ConfigError`
+  naming the run id instead of being trained on, and that run's jobs are
+  neither cancelled nor forgotten.
 
 ``mode="sync"`` is the batch-by-batch baseline: submit a batch of groups,
 wait for all of it, filter, repeat until the target is met.
@@ -71,6 +81,7 @@ after merging (``TrainingSample.policy_versions``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import random
@@ -80,9 +91,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Annotated, Any
 
+from prorl_cli import protocol as P
 from prorl_cli import timebase
 from prorl_cli.client import AsyncRolloutClient
 from prorl_cli.exceptions import (  # SamplerTimeout: importable from here too, where it was defined
+    ClientMisuse,
     ConfigError,
     RolloutsFailing,
     SamplerClosed,
@@ -90,7 +103,7 @@ from prorl_cli.exceptions import (  # SamplerTimeout: importable from here too, 
     StepGroupsExhausted,
 )
 from prorl_cli.observe.failures import FailureGroups
-from prorl_cli.protocol import JobResult, JobSpec, JobState
+from prorl_cli.protocol import JobResult, JobSpec, JobState, SamplingParams
 from prorl_cli.protocol.checks import FieldError, Int, List, record_of
 
 log = logging.getLogger(__name__)
@@ -213,6 +226,13 @@ class SamplerConfig:
             raise bad("run_id", "a non-empty string")
         if self.sampling is not None and not isinstance(self.sampling, dict):
             raise bad("sampling", "a map of sampling parameters or None")
+        if self.sampling is not None:
+            # The submit schema's own check (unknown keys, types, ranges), here rather than at the first submit: a
+            # typo (max_token) would otherwise pass until a step runs, or for ever where no step submits.
+            try:
+                SamplingParams.from_wire(self.sampling, "sampling")
+            except FieldError as e:
+                raise ConfigError(f"sampler {e.path} {e.detail}") from None
         if self.max_in_flight is None:
             self.max_in_flight = 2 * self.group_size * self.target_groups
         if self.max_in_flight < self.group_size:
@@ -283,6 +303,9 @@ class StepStats:
     skipped_prompts: int = 0
     #: Jobs a submit found already at the broker (a restarted trainer's resubmission: the submit reply's ``existing``).
     existing_jobs: int = 0
+    #: Jobs of a restarted trainer's saved groups that the broker held cancelled (the earlier process's ``close()``
+    #: cancels what is in flight by default), run again under the same ids instead of counting as failed.
+    rerun_jobs: int = 0
     #: Groups the step began with, submitted before it (in flight, or informative and waiting): the previous step's
     #: ``carried_out``, or a restarted trainer's saved groups. Those too stale are among them, and in ``stale_groups``.
     carried_in: int = 0
@@ -405,6 +428,31 @@ class _Pending:
     results: dict[str, JobResult] = field(default_factory=dict)
     #: Submission order (groups submitted before a run of failures began have a lower one).
     seq: int = 0
+    #: Job id -> the digest of the work submitted under it (task, sampling, instance), also in the job's meta: a
+    #: result whose meta holds another digest is another run's job under the same id.
+    work: dict[str, str] = field(default_factory=dict)
+    #: Ids the submit found already at the broker (a resumed run's own jobs, or another run's).
+    existing: set[str] = field(default_factory=set)
+
+
+def _check_prompts(prompts: Any) -> None:
+    """Refuse, once and up front, prompts the sampler cannot walk by position: it would otherwise submit a string's
+    characters (32 failed jobs later, ``RolloutsFailing``), or fail deep inside a step (a dict's ``KeyError: 0``)."""
+    if isinstance(prompts, (str, bytes, bytearray, Mapping)):
+        raise TypeError(f"prompts: a sequence of task instances (a list, a datasets.Dataset), got one "
+                        f"{type(prompts).__name__}; put a single instance in a list")
+    if not hasattr(prompts, "__len__") or not hasattr(prompts, "__getitem__"):
+        # An iterator or generator: the sampler comes back to positions (epochs, a resumed cursor), so it needs them all.
+        raise TypeError(f"prompts: a sequence of task instances indexed by position (a list, a datasets.Dataset), got "
+                        f"{type(prompts).__name__}; make it a list first (list(prompts))")
+    if len(prompts) == 0:
+        raise ValueError("the sampler needs at least one prompt")
+    try:
+        prompts[0]
+    except (KeyError, TypeError, IndexError) as e:
+        # A table indexed by column (a pandas DataFrame): its rows are what the sampler submits.
+        raise TypeError(f"prompts: a sequence indexed by position 0, 1, ..., but {type(prompts).__name__}[0] raised "
+                        f"{type(e).__name__}: {e}; pass a list of its rows") from None
 
 
 class DapoSampler:
@@ -412,7 +460,12 @@ class DapoSampler:
 
     ``prompts`` is a sequence, walked in order and wrapped around; the
     prompt id of position ``i`` is ``prompt_id(i, prompts[i % len])`` (default
-    ``str(i)``), so ids differ across epochs.
+    ``str(i)``), so ids differ across epochs. Anything with a length and
+    integer indexing will do (a list, a ``datasets.Dataset``); one prompt (a
+    ``str``, a ``dict``) or an iterator is refused with a ``TypeError``.
+
+    One step at a time: a ``step()`` while another is under way raises
+    :class:`~prorl_cli.exceptions.ClientMisuse`.
     """
 
     def __init__(
@@ -425,8 +478,7 @@ class DapoSampler:
         state: SamplerState | Mapping[str, Any] | None = None,
         prompt_id: Callable[[int, Any], str] | None = None,
     ) -> None:
-        if not prompts:
-            raise ValueError("the sampler needs at least one prompt")
+        _check_prompts(prompts)
         if state is not None and not isinstance(state, SamplerState):
             state = SamplerState.from_dict(state)  # saved as plain data (to_dict, JSON)
         self.client = client
@@ -438,6 +490,12 @@ class DapoSampler:
         self._resumed = state is not None
         self._warned_existing = False
         self._closed = False
+        #: A step() under way: a second one at once would take the same step and its stats (two batches of one step).
+        self._stepping = False
+        #: The highest policy version a step was called with; a resumed sampler starts from its saved groups'.
+        self._last_version: int | None = max((c.policy_version for c in state.carried), default=None) if state else None
+        #: Set once a result showed that this run's ids name another run's jobs: what every later step() raises.
+        self._conflict: str | None = None
         state = state or SamplerState()
         self.step_index = state.step
         self.cursor = state.cursor
@@ -493,7 +551,16 @@ class DapoSampler:
 
     async def close(self, *, cancel_in_flight: bool = True) -> None:
         """Stop reading results; cancel what is still in flight unless told not to. A closed sampler takes no
-        more steps (its new groups would run unwatched, and nothing would cancel them)."""
+        more steps (its new groups would run unwatched, and nothing would cancel them).
+
+        Before saving :meth:`state` to resume from, close with ``cancel_in_flight=False``: the groups it carries
+        then run on at the broker, and the restarted sampler collects them (cancelled ones are run again).
+
+        After its client was closed it can cancel nothing: it closes, and logs a warning naming the jobs it left
+        running (close the sampler first, inside the client's ``with`` block)."""
+        if getattr(self.client, "closed", False):
+            self._close_without_client(cancel_in_flight)
+            return
         self._closed = True
         for p in self._pending.values():
             self._record(p.job_ids, "in_flight")
@@ -502,6 +569,21 @@ class DapoSampler:
         if self._stream is not None:
             await self._stream.aclose()
             self._stream = None
+
+    def _close_without_client(self, cancel_in_flight: bool) -> None:
+        """Close when the client is gone: nothing to await (a blocking client's event loop is closed too).
+
+        Not an error: raised at the end of a run (a ``with RolloutClient`` block that ended first) it would hide the
+        run's own outcome, while the jobs are what matters, and a warning says how to cancel them."""
+        self._closed = True
+        for p in self._pending.values():
+            self._record(p.job_ids, "in_flight")
+        self._stream = None  # the client's close ended it, and took it off the client
+        if cancel_in_flight and self._pending:
+            log.warning("the client was closed before this sampler: its %d job(s) in flight (%d group(s)) were left "
+                        "running at the broker, nothing can cancel them through a closed client; close the sampler "
+                        "first (inside the client's with block), or cancel them: prorl cancel --prefix %s-",
+                        self.in_flight_jobs, len(self._pending), self.config.run_id)
 
     def state(self) -> SamplerState:
         """Where to resume from: the next step, the prompt cursor, and the groups not yet returned: those in
@@ -559,14 +641,17 @@ class DapoSampler:
             sampling=self.config.sampling, max_attempts=self.config.max_attempts,
             seed_from=position * self.config.group_size,
         )
-        _tag(specs, gid, step, version)
-        pending = _Pending(gid, position, pid, instance, step, version, ids, timebase.now(), seq=self._next_seq)
+        work = _work_digests(self.task, specs, instance)
+        _tag(specs, gid, step, version, work)
+        pending = _Pending(gid, position, pid, instance, step, version, ids, timebase.now(), seq=self._next_seq,
+                           work={j: w for j, w in zip(ids, work, strict=True) if w is not None})
         self._next_seq += 1
         self._pending[gid] = pending
         for j in ids:
             self._job_group[j] = gid
         submitted = await self.client.submit_specs(specs, [instance] * len(ids))
         existing = getattr(submitted, "existing", ())
+        pending.existing.update(existing)
         if self._stats is not None:
             self._stats.existing_jobs += len(existing)
         if existing and not self._resumed and not self._warned_existing:
@@ -603,8 +688,8 @@ class DapoSampler:
         for p in groups:
             self._record(p.job_ids, why if self.config.cancel_dropped or why == "in_flight" else "abandoned")
             self._pending.pop(p.group_id, None)
-            self._retired += p.job_ids
-            left = [j for j in p.job_ids if j not in p.results]
+            self._retired += self._own(p, p.job_ids)
+            left = self._own(p, [j for j in p.job_ids if j not in p.results])
             ids += left
             stats.cancelled_inflight_s += len(left) * (now - p.submitted_at)
         if ids and not self.config.cancel_dropped:
@@ -629,6 +714,10 @@ class DapoSampler:
                     # it still tells whether the task works; one this sampler cancelled tells nothing.
                     self._note_health(result)
             return
+        got = result.meta.get("work") if isinstance(result.meta, dict) else None
+        expected = pending.work.get(result.job_id)
+        if got is not None and expected is not None and got != expected:
+            raise self._other_work(pending, result)
         self._note_health(result)
         pending.results[result.job_id] = result
         if not result.ok and self.config.failed == "drop_group":
@@ -672,6 +761,30 @@ class DapoSampler:
             stats.filtered += 1
             if rewards and len(set(rewards)) == 1:
                 self._filtered_rewards[rewards[0]] += 1
+
+    def _other_work(self, pending: _Pending, result: JobResult) -> ConfigError:
+        """The error for a result of another run's job under one of this run's ids; its group is let go of.
+
+        Its jobs are not this run's to cancel or forget (the other run still needs them), and no later step may go on:
+        every id of this run may name that run's jobs.
+        """
+        self._pending.pop(pending.group_id, None)
+        for j in pending.job_ids:
+            self._job_group.pop(j, None)
+        self._conflict = (
+            f"job {result.job_id!r} at the broker holds other work (another task, instance or sampling) than this "
+            f"sampler submitted under that id: SamplerConfig.run_id {self.config.run_id!r} names another run's jobs "
+            "(one running beside this one, or an earlier one over other prompts), whose results would be trained on "
+            "as this run's; give each run its own run_id (a resumed run: the same prompts and sampling as when its "
+            "state was saved)")
+        return ConfigError(self._conflict)
+
+    def _own(self, p: _Pending, ids: Sequence[str]) -> list[str]:
+        """Of ``ids`` (of ``p``), those this run may cancel or forget: all, unless the run's ids were found to name
+        another run's jobs: then not those the broker already held when ``p`` was submitted."""
+        if self._conflict is None:
+            return list(ids)
+        return [j for j in ids if j not in p.existing]
 
     def _note_health(self, result: JobResult) -> None:
         """Count ``result`` toward the failures in a row (``max_consecutive_failures``) and the step's failures."""
@@ -792,10 +905,78 @@ class DapoSampler:
     # ------------------------------------------------------------ steps
 
     async def step(self, policy_version: int = 0) -> StepBatch:
-        """Collect ``target_groups`` informative groups; ``policy_version`` is the trainer's current weights."""
+        """Collect ``target_groups`` informative groups; ``policy_version`` is the trainer's current weights.
+
+        Versions are integers >= 0 that only grow (the trainer's step, or a count of weight syncs): a lower one than
+        an earlier step's raises ``ValueError``, since carried groups would look fresher than they are and staleness
+        would never cancel them. One step at a time: a call while another is under way raises
+        :class:`~prorl_cli.exceptions.ClientMisuse`.
+        """
         if self._closed:
             raise SamplerClosed("this sampler was closed: make a new one (state=sampler.state() resumes it)")
-        await self._start()
+        self._check_version(policy_version)
+        if self._stepping:
+            # It would take the same step: two batches of one step sharing its stats, the step counter moved twice.
+            raise ClientMisuse(f"this sampler is already taking step {self.step_index}: a sampler takes one step at a "
+                               "time (await that step() before the next)")
+        if self._conflict is not None:
+            raise ConfigError(self._conflict)
+        self._last_version = policy_version
+        self._stepping = True
+        try:
+            return await self._step(policy_version)
+        finally:
+            self._stepping = False
+
+    def _check_version(self, policy_version: Any) -> None:
+        """``ValueError`` for a version ``step()`` cannot take."""
+        if not isinstance(policy_version, int) or isinstance(policy_version, bool) or policy_version < 0:
+            # As the client's sync_weights says it: -1 is the "not reported" mark on tokens (NO_VERSION).
+            raise ValueError(f"policy_version must be a non-negative integer, got {policy_version!r}")
+        if self._last_version is not None and policy_version < self._last_version:
+            raise ValueError(
+                f"policy_version {policy_version} is lower than {self._last_version}, an earlier step's (or a "
+                "restarted trainer's saved groups'): versions "
+                "only grow (a trainer resumed from a checkpoint passes its version on, not 0; weights rolled back "
+                "take a new, higher version); below it, carried groups would look fresher than they are and "
+                "max_staleness would never cancel them")
+
+    async def _rerun_cancelled(self, stats: StepStats, policy_version: int, deadline: float | None) -> None:
+        """Before a restarted trainer's saved groups are resubmitted: forget at the broker the jobs of theirs it holds
+        cancelled, so that they run again under the same ids.
+
+        The earlier sampler's ``close()`` cancels what is in flight unless told not to; resubmitted as they are,
+        those jobs would come back cancelled and their groups count as failed (and toward the failures in a row),
+        though nothing failed. Cancelled by whichever hand, before this sampler started: the run still wants them.
+        Done before this sampler's result stream opens, and only once the old results are in: an earlier sampler
+        on the same client may still have their pushes on the way, which the stream would take for the new jobs'.
+        """
+        wanted: set[str] = set()
+        for c in self._restore:
+            if policy_version - c.policy_version > self.config.max_staleness:
+                continue  # cancelled as stale at once: not worth running again
+            instance = self.prompts[c.position % len(self.prompts)]
+            wanted.update(self.job_ids(c.step, self.prompt_id(c.position, instance)))
+        if not wanted:
+            return
+        cancelled: list[str] = []
+        for step in sorted({c.step for c in self._restore}):
+            held = await self.client.list_jobs(prefix=f"{self.config.run_id}-s{step}-p")
+            cancelled += [j for j, state in held.items() if state == JobState.CANCELLED.value and j in wanted]
+        if cancelled:
+            timeout = None if deadline is None else max(0.0, deadline - timebase.now())
+            try:
+                async with asyncio.timeout(timeout):
+                    async for _ in self.client.results(cancelled):
+                        pass
+            except TimeoutError as e:
+                raise self._timed_out(stats) from e
+            await self.client.forget(cancelled)
+            stats.rerun_jobs += len(cancelled)
+            log.info("%d job(s) of the saved groups were cancelled at the broker (an earlier close()): run again",
+                     len(cancelled))
+
+    async def _step(self, policy_version: int) -> StepBatch:
         cfg = self.config
         run = self._open
         if run is None:
@@ -807,6 +988,9 @@ class DapoSampler:
             run.stats.policy_version = policy_version
         stats = self._stats = run.stats
         deadline = None if cfg.step_timeout_s is None else timebase.now() + cfg.step_timeout_s
+        if not run.begun and self._restore and self._stream is None:
+            await self._rerun_cancelled(stats, policy_version, deadline)
+        await self._start()
         if not run.begun:
             self._step_failures.clear()
             self._filtered_rewards.clear()
@@ -879,11 +1063,32 @@ def off_policy_fraction(results: Sequence[JobResult], policy_version: int) -> fl
     return stale / total if total else 0.0
 
 
-def _tag(specs: list[JobSpec], group_id: str, step: int, version: int) -> None:
-    """Put the group and the sampler's step/version on each spec (they come back on each result)."""
+def _work_digests(task: str, specs: list[JobSpec], instance: Any) -> list[str | None]:
+    """Each spec's work (task, sampling, instance: what the broker compares when an id comes again) as a short digest.
+
+    An id the broker already holds returns its job whatever was submitted; the job's meta carries the digest it was
+    submitted with, so a result tells this run's job from another run's under the same id. ``None`` where the
+    instance cannot be packed (the submit then refuses it, naming it).
+    """
+    try:
+        packed = P.pack_obj(instance)
+    except (TypeError, ValueError, OverflowError):
+        return [None] * len(specs)
+    out: list[str | None] = []
     for s in specs:
+        h = hashlib.blake2b(P.pack_obj([task, s.sampling.to_wire() if s.sampling is not None else None]), digest_size=8)
+        h.update(packed)
+        out.append(h.hexdigest())
+    return out
+
+
+def _tag(specs: list[JobSpec], group_id: str, step: int, version: int, work: Sequence[str | None]) -> None:
+    """Put the group, the sampler's step/version and the work's digest on each spec (they come back on each result)."""
+    for s, w in zip(specs, work, strict=True):
         s.group_id = group_id
         s.meta = {"step": step, "policy_version": version}
+        if w is not None:
+            s.meta["work"] = w
 
 
 class BlockingDapoSampler:
@@ -907,6 +1112,11 @@ class BlockingDapoSampler:
         return self._sampler.state()
 
     def close(self, *, cancel_in_flight: bool = True) -> None:
+        """:meth:`DapoSampler.close`; after the client's own close (its ``with`` block ended first) it cancels
+        nothing and warns, naming the jobs left running, instead of raising ``ClientClosed``."""
+        if self._client._aio.closed or self._client._loop.is_closed():
+            self._sampler._close_without_client(cancel_in_flight)  # the client's event loop is gone: nothing to await
+            return
         self._client._run(self._sampler.close(cancel_in_flight=cancel_in_flight))
 
 

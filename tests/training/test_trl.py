@@ -167,3 +167,80 @@ def test_a_rollout_that_split_hands_trl_its_first_sample_whole() -> None:
     assert report.samples == 2
     assert (row.prompt_ids, row.completion_ids, row.env_mask) == ([1, 2, 3], [10, 11], [1, 1])
     assert row.logprobs == pytest.approx([-0.1, -0.2]) and row.policy_versions == [4, 4] and row.reward == 0.5
+
+
+def test_each_prorl_rollout_has_job_ids_of_its_own_and_a_shared_explicit_run_id_is_refused(
+        stack: Deployment, caplog: pytest.LogCaptureFixture) -> None:
+    """Calls are numbered from 0 in every ProrlRollout, so under one run id two trainers on a deployment (or one
+    restarted after a crash) submit the same job ids, and the broker hands each the jobs it holds for them: the
+    other run's rollouts of other prompts. The default run id is one of the ProrlRollout's own; an explicit one
+    whose ids hold other work is refused by name, and one whose ids hold the same work is used, with a warning."""
+    import asyncio
+    import logging
+
+    from prorl_cli.client import AsyncRolloutClient
+    from prorl_cli.exceptions import ConfigError
+    from prorl_cli.training.sampler import DapoSampler, SamplerConfig
+
+    mine = [{"echo": "mine-0"}, {"echo": "mine-1"}]
+    theirs = [{"echo": "theirs-0"}, {"echo": "theirs-1"}]
+
+    async def other_run() -> None:
+        """Another trainer's call in flight under ``trl`` (the default run id before): its jobs held at the broker."""
+        async with AsyncRolloutClient(stack.name, address=stack.address, config=stack.load_config()) as client:
+            sampler = DapoSampler(client, "test", theirs, SamplerConfig(
+                group_size=2, target_groups=2, mode="sync", run_id="trl", informative=lambda rewards: True,
+                step_timeout_s=60))
+            await sampler.step()
+            await sampler.close(cancel_in_flight=False)
+
+    def echoes(rollout: ProrlRollout, instances: list[dict[str, Any]]) -> list[Any]:
+        return [r.output["echo"] for r in rollout._run(instances, 2, 0)]
+
+    asyncio.run(other_run())
+    a, b = ProrlRollout(stack.client, "test", sync_weights=False), ProrlRollout(stack.client, "test", sync_weights=False)
+    assert a.run_id != b.run_id and a.run_id.startswith("trl-") and b.run_id.startswith("trl-")
+    assert echoes(a, mine) == ["mine-0", "mine-0", "mine-1", "mine-1"]  # its own rollouts, not the other run's
+    with pytest.raises(ConfigError, match=r"job 'trl-s0-p\d-k\d' at the broker holds other work .*SamplerConfig.run_id 'trl'"):
+        echoes(ProrlRollout(stack.client, "test", sync_weights=False, run_id="trl"), mine)
+    with caplog.at_level(logging.WARNING, logger="prorl_cli.integrations.trl"):
+        assert echoes(ProrlRollout(stack.client, "test", sync_weights=False, run_id="trl"), theirs) == [
+            "theirs-0", "theirs-0", "theirs-1", "theirs-1"]
+    assert "4 job id(s) of run_id 'trl' were already at the broker with the same work" in caplog.text
+    with pytest.raises(ValueError, match="run_id must be a non-empty string or None"):
+        ProrlRollout(stack.client, "test", sync_weights=False, run_id="")
+
+
+def test_max_completion_length_bounds_each_call_and_the_completion(stack: Deployment,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """TRL bounds a completion by ``max_completion_length`` (its own generation stops there; ``dr_grpo`` divides by
+    it): each call's max_tokens is capped at it (set to it when sampling gives none), and a multi-turn completion
+    longer than it is cut to it, ids, log-probs, mask and versions alike."""
+    import logging
+    import types
+
+    from prorl_cli.integrations.trl import RolloutStats, _completion_limit
+    from prorl_cli.protocol import JobResult
+
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(max_completion_length=3))
+    assert _completion_limit(trainer) == 3 and _completion_limit(types.SimpleNamespace()) is None
+    rollout = ProrlRollout(stack.client, "test", sync_weights=False, sampling={"max_tokens": 100, "temperature": 0.5})
+    with caplog.at_level(logging.WARNING, logger="prorl_cli.integrations.trl"):
+        assert rollout.sampling_for(3) == {"max_tokens": 3, "temperature": 0.5}
+    assert "sampling max_tokens 100 is over the trainer's max_completion_length (3)" in caplog.text
+    assert rollout.sampling == {"max_tokens": 100, "temperature": 0.5}  # the caller's map is left alone
+    assert rollout.sampling_for(None) is rollout.sampling
+    assert rollout.sampling_for(200) == {"max_tokens": 100, "temperature": 0.5}  # within the bound: as given
+    assert ProrlRollout(stack.client, "test", sync_weights=False).sampling_for(64) == {"max_tokens": 64}
+    # What the jobs were sampled with: the capped map.
+    sampled = rollout._run([{"echo": 0, "echo_sampling": True}], 2, 0, rollout.sampling_for(3))
+    assert [r.output["sampling"]["max_tokens"] for r in sampled] == [3, 3]
+
+    done = JobResult(job_id="j", task="t", state="done", reward=1.0, output={"trajectory": _two_turn().to_dict()})
+    stats = RolloutStats(global_step=0, policy_version=0)
+    (row,) = rollout._rows([done], stats, eos_id=0, max_completion_length=3)
+    assert (row.completion_ids, row.env_mask, row.policy_versions) == ([10, 11, 20], [1, 1, 0], [4, 4])
+    assert row.logprobs == pytest.approx([-0.1, -0.2, 0.0]) and row.prompt_ids == [1, 2, 3] and row.reward == 1.0
+    assert stats.truncated_rollouts == 1 and stats.sampled_tokens == 2 and stats.masked_tokens == 1
+    (whole,) = rollout._rows([done], RolloutStats(0, 0), eos_id=0, max_completion_length=5)
+    assert whole.completion_ids == [10, 11, 20, 21, 12]
