@@ -60,8 +60,7 @@ class TransformersEngine(Engine):
             import transformers  # noqa: F401
         except ImportError as e:
             raise InferenceError(f"the transformers engine needs torch: install prorl[cpu] ({e})") from e
-        if not (self.model_dir / "config.json").is_file():
-            raise InferenceError(f"{self.model_dir}: not a model directory (no config.json)")
+        _require_model_dir(self.model_dir)
         from prorl_cli.inference.device import resolve_device
 
         self.device = resolve_device(self.device)
@@ -102,8 +101,7 @@ class TransformersEngine(Engine):
     def _load_state(self, checkpoint: Path) -> None:
         import torch
 
-        if not (checkpoint / "config.json").is_file():
-            raise InferenceError(f"{checkpoint}: not a model directory (no config.json)")
+        _require_model_dir(checkpoint)
         incoming = self._pretrained(checkpoint).state_dict()
         # Checked before copying anything: load_state_dict copies every weight that fits before it raises
         # on those that do not, which would leave the old and new weights mixed, served as the old version.
@@ -200,3 +198,12 @@ class TransformersEngine(Engine):
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _require_model_dir(path: Path) -> None:
+    """Refuse a path that holds no model, saying what it is instead (a file given for its folder reads as such)."""
+    if path.is_file():
+        raise InferenceError(f"{path}: a file, not a model directory: give the folder that holds config.json and "
+                             "the weights")
+    if not (path / "config.json").is_file():
+        raise InferenceError(f"{path}: not a model directory (no config.json)")

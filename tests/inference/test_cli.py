@@ -41,5 +41,8 @@ def test_serve_inference_bad_arguments_are_named(tmp_path: Path) -> None:
     assert "no such directory" in out.stderr or "vllm is not installed" in out.stderr
     out = prorl("serve", "inference", "--engine", "transformers", "--model", str(tmp_path / "nope"), home=tmp_path)
     assert out.returncode != 0 and "not a model directory" in out.stderr
+    (tmp_path / "config.json").write_text("{}")  # the model's file given for its folder
+    out = prorl("serve", "inference", "--engine", "transformers", "--model", str(tmp_path / "config.json"), home=tmp_path)
+    assert out.returncode != 0 and "config.json: a file, not a model directory" in out.stderr, out.stderr
     out = prorl("serve", "inference", "--attach", "http://127.0.0.1:1/v1", "--", "--dtype", "x", home=tmp_path)
     assert out.returncode != 0 and "vLLM flags" in out.stderr
