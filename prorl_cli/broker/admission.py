@@ -43,6 +43,8 @@ class WaitingCall:
     requester: bytes
     header: Generate
     payload: list[bytes]
+    #: Backends lost under it so far (a call routed again waits here like a first call).
+    moves: int = 0
 
     @property
     def job_id(self) -> str:

@@ -41,6 +41,8 @@ class PendingGenerate:
     #: again when its bridge leaves before answering. None for redirected calls, which the node makes itself.
     request: H.Generate | None = None
     payload: list[bytes] = field(default_factory=list)
+    #: Backends lost under it so far (:data:`~prorl_cli.broker.routing.LOST_MOVES_MAX` bounds them).
+    moves: int = 0
 
 
 class PendingGenerates:
@@ -110,6 +112,8 @@ class HeldGenerate:
     requester: bytes
     header: H.Generate
     payload: list[bytes]
+    #: As :attr:`PendingGenerate.moves`: a call held after its backend was lost keeps the count.
+    moves: int = 0
 
     @property
     def job_id(self) -> str:

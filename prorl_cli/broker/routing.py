@@ -50,6 +50,11 @@ class NodeLike(Protocol):
     host: str
 
 
+#: Backends lost under one call before it is answered ``backend_error`` instead of routed again: a crash or a
+#: lost machine is rarely the call's doing, and a prompt that does kill engines takes at most this many more.
+LOST_MOVES_MAX = 1
+
+
 class Router:
     """Routes generate calls of running jobs to backends; one per broker, driven by its loop.
 
@@ -252,28 +257,30 @@ class Router:
     def _backend_lost(self, backend: Backend, why: str, *, planned: bool = False) -> None:
         """A backend is gone: forget its jobs, and route its calls again or answer them.
 
-        ``planned``: it left (a signal, a scale-down, a time limit's warning), which is no loss and never the
-        calls' fault, so each call it had not answered goes to another backend (or is held until one registers),
-        its work so far lost but not its job. A backend lost (silent, unreachable, its engine dead) has its calls
-        answered ``backend_error``: a prompt that kills an engine must not go on to kill the others.
+        Each call it had not answered goes to another backend (or is held until one registers), its work so far
+        lost but not its job. ``planned``: it left (a signal, a scale-down, a time limit's warning), which is
+        never the calls' fault. A backend lost (silent: a crash, its machine gone; unreachable; its engine dead)
+        may have been killed by a call: a call goes on after :data:`LOST_MOVES_MAX` such losses, and is then
+        answered ``backend_error``, so a prompt that kills engines cannot go on to kill them all.
         """
-        moved = planned and not self.stopping
         calls = self.pending.on_backend(backend.backend_id)
-        if moved:
-            log.info("backend %s %s; its %d call(s) in flight go to other backends", backend.backend_id, why, calls)
-        elif planned:
+        if self.stopping:
             log.info("backend %s %s; answering its %d call(s) in flight", backend.backend_id, why, calls)
+        elif planned:
+            log.info("backend %s %s; its %d call(s) in flight go to other backends", backend.backend_id, why, calls)
         else:
-            log.warning("backend %s lost: %s", backend.backend_id, why)
+            log.warning("backend %s lost: %s; its %d call(s) in flight go to other backends (each once)",
+                        backend.backend_id, why, calls)
         backend.alive = False
         if backend.identity is not None:
             self.backend_by_identity.pop(backend.identity, None)
-        again: list[tuple[bytes, H.Generate, list[bytes]]] = []
+        again: list[tuple[bytes, H.Generate, list[bytes], int]] = []
         for _, pend in self.pending.pop_backend(backend.backend_id):
             if pend.redirect:
                 continue
-            if moved and pend.request is not None:
-                again.append((pend.requester, pend.request, pend.payload))
+            moves = pend.moves if planned else pend.moves + 1
+            if not self.stopping and pend.request is not None and moves <= LOST_MOVES_MAX:
+                again.append((pend.requester, pend.request, pend.payload, moves))
             else:
                 self._answer_dropped(pend.requester, pend.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} {why}",
                                      backend_id=backend.backend_id)
@@ -284,8 +291,8 @@ class Router:
         if self.stopping or backend.kind == "bridge":
             self.backends.pop(backend.backend_id, None)
         self.weights.backend_lost(backend.backend_id)
-        for requester, request, payload in again:  # after it is unbound from its jobs: none is routed back to it
-            self._route_call(requester, request, payload)
+        for requester, request, payload, moves in again:  # after it is unbound from its jobs: none goes back to it
+            self._route_call(requester, request, payload, moves=moves)
 
     def _release_jobs(self, backend: Backend) -> None:
         """``backend`` serves its jobs no more (it went, or it loads other weights): unbind them, free their KV.
@@ -303,11 +310,11 @@ class Router:
             return
         for item in self.held.pop_all():
             self._tell_held(item, held=False)
-            self._route_call(item.requester, item.header, item.payload)
+            self._route_call(item.requester, item.header, item.payload, moves=item.moves)
 
-    def _hold(self, identity: bytes, h: H.Generate, payload: list[bytes]) -> None:
+    def _hold(self, identity: bytes, h: H.Generate, payload: list[bytes], moves: int = 0) -> None:
         """Hold a call, and tell its node (whose clocks of that job stand still while it is held)."""
-        item = HeldGenerate(identity, h, list(payload))
+        item = HeldGenerate(identity, h, list(payload), moves)
         self.held.add(item)
         self._tell_held(item, held=True)
 
@@ -349,16 +356,17 @@ class Router:
 
     def _route_call(
         self, identity: bytes, h: H.Generate, payload: list[bytes], running: bool = False,
-        waiting_since: float | None = None,
+        waiting_since: float | None = None, moves: int = 0,
     ) -> None:
         """Send one validated call to its backend, or hold it (paused, no backend up, or no KV room for a new job).
 
         ``running``: the caller has just checked that the job runs (else it is checked here).
         ``waiting_since``: a first call coming back from the admission queue (when it started waiting).
+        ``moves``: backends lost under this call so far (it is one of their calls, routed again).
         """
         job_id = h.job_id
         if self.weights.paused:
-            self._hold(identity, h, payload)
+            self._hold(identity, h, payload, moves)
             return
         running = running or self._running_node(job_id) is not None
         if not running and self.cancel_propagation:
@@ -373,12 +381,12 @@ class Router:
             if candidates and not overdue and not any(
                 self.admission.has_room(b.backend_id, b.stats, tokens) for b in candidates
             ):
-                self.admission.wait(WaitingCall(waiting_since or now, identity, h, list(payload)))
+                self.admission.wait(WaitingCall(waiting_since or now, identity, h, list(payload), moves))
                 return
         backend = self._route(job_id, identity, h.host, running, tokens)
         if backend is None:
             # Nothing registered yet: hold until a backend appears.
-            self._hold(identity, h, payload)
+            self._hold(identity, h, payload, moves)
             return
         if self.admission.enabled and running:
             self.admission.note(job_id, backend.backend_id, tokens)
@@ -399,7 +407,8 @@ class Router:
             self._reply_error(identity, h.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
             return
         self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, False,
-                                                  self.weights.policy_version, request=h, payload=list(payload)))
+                                                  self.weights.policy_version, request=h, payload=list(payload),
+                                                  moves=moves))
 
     def _route(self, job_id: str, requester: bytes, host: str | None, running: bool, tokens: int = 0) -> Backend | None:
         if self.policy.sticky:
@@ -441,7 +450,7 @@ class Router:
                 self.admission.wait(call)
                 continue
             before = len(self.admission)
-            self._route_call(call.requester, call.header, call.payload, waiting_since=call.since)
+            self._route_call(call.requester, call.header, call.payload, waiting_since=call.since, moves=call.moves)
             blocked = len(self.admission) > before
 
     def _release_sticky(self, job_id: str) -> None:

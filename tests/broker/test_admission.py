@@ -146,6 +146,9 @@ def test_a_bridge_declared_dead_frees_its_jobs_kv_and_has_room_when_it_registers
     assert forwarded(c) == [("placed", "b1")] and c.router.admission.load("b1") == 90
     c.router.tick(time.monotonic() + 10 * c.router.dead_after_s)  # silent too long: lost
     assert "b1" not in c.router.backends and c.router.admission.load("b1") == 0
+    assert len(c.router.held) == 1  # its call waits for a backend; its job then ends
+    end(c, "placed")
+    assert len(c.router.held) == 0
     # It comes back on its connection (it thought the broker gone): it serves no job, so a new one fits.
     assert c.bridge("b1") == ids["b1"]
     assert c.router.bridge_heartbeat(ids["b1"], hdr(Op.HEARTBEAT, {"stats": {"kv_capacity_tokens": 100}}))

@@ -202,18 +202,27 @@ def test_a_bridge_cannot_answer_another_bridges_call() -> None:
 # ---------------------------------------------------------------------- backend loss, HTTP backends, stop
 
 
-def test_a_lost_backend_fails_its_calls_and_its_jobs_move() -> None:
+def test_a_call_goes_on_after_one_lost_backend_and_fails_after_two() -> None:
+    """A backend lost (its engine died, it fell silent) may have been killed by the call: the call runs once more
+    elsewhere, and a second loss under it answers ``backend_error`` naming that backend."""
     c = Cluster()
     b1 = c.bridge("b1")
     run(c, "j1")
     r1 = c.generate("j1")
     c.take(b1)
-    c.router.unregister(b1, "engine of backend b1 is down: exit 1")  # a fault: the call may be what killed it
-    (answer,) = c.take(N1)
-    assert answer["rid"] == r1 and answer["error"]["code"] == ErrorCode.BACKEND_ERROR.value and "b1" in answer["error"]["message"]
+    c.router.unregister(b1, "engine of backend b1 is down: exit 1")
+    (held,) = c.take(N1)  # no other backend: it waits for one
+    assert held["op"] == Op.GENERATE_HELD.value and held["held"]
     assert c.router.backend_statuses() == [] and not c.router.bridges_alive()
-    c.bridge("b2")
-    assert c.routed("j1") == "b2"
+    b2 = c.bridge("b2")
+    (again,) = [h for h in c.take(b2) if h["op"] == Op.GENERATE.value]
+    assert again["job_id"] == "j1"
+    c.router.unregister(b2, "engine of backend b2 is down: exit 1")
+    answer = [a for a in c.take(N1) if a["op"] == Op.REPLY.value][-1]
+    assert answer["rid"] == r1 and answer["error"]["code"] == ErrorCode.BACKEND_ERROR.value and "b2" in answer["error"]["message"]
+    assert len(c.router.held) == 0
+    c.bridge("b3")
+    assert c.routed("j1") == "b3"  # the job's later calls go on
 
 
 def test_a_bridge_that_leaves_has_its_calls_routed_again_not_failed() -> None:
@@ -266,8 +275,13 @@ def test_silent_bridge_is_lost_on_tick() -> None:
     c.router.tick(c.router.backends["b1"].last_seen + 1.0)
     assert c.take(b1) == [{"op": Op.HEARTBEAT.value}]
     c.router.tick(c.router.backends["b1"].last_seen + 10.0)
-    assert c.take(N1)[0]["error"]["code"] == ErrorCode.BACKEND_ERROR.value
     assert "b1" not in c.router.backends
+    (held,) = c.take(N1)  # its call goes on, once, when another backend registers
+    assert held["op"] == Op.GENERATE_HELD.value
+    b2 = c.bridge("b2")
+    (again,) = [h for h in c.take(b2) if h["op"] == Op.GENERATE.value]
+    c.router.tick(c.router.backends["b2"].last_seen + 10.0)  # silent too: the second loss under the call
+    assert [a["error"]["code"] for a in c.take(N1) if a["op"] == Op.REPLY.value] == [ErrorCode.BACKEND_ERROR.value]
 
 
 def test_http_backend_redirects_counts_until_done_and_is_pruned_once_cleared_and_idle() -> None:
