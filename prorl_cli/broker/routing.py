@@ -263,7 +263,7 @@ class Router:
         may have been killed by a call: a call goes on after :data:`LOST_MOVES_MAX` such losses, and is then
         answered ``backend_error``, so a prompt that kills engines cannot go on to kill them all.
         """
-        calls = self.pending.on_backend(backend.backend_id)
+        calls = self.inflight(backend)
         if self.stopping:
             log.info("backend %s %s; answering its %d call(s) in flight", backend.backend_id, why, calls)
         elif planned:
@@ -274,25 +274,25 @@ class Router:
         backend.alive = False
         if backend.identity is not None:
             self.backend_by_identity.pop(backend.identity, None)
-        again: list[tuple[bytes, H.Generate, list[bytes], int]] = []
+        again: list[tuple[PendingGenerate, H.Generate, int]] = []
         for _, pend in self.pending.pop_backend(backend.backend_id):
             if pend.redirect:
                 continue
             moves = pend.moves if planned else pend.moves + 1
             if not self.stopping and pend.request is not None and moves <= LOST_MOVES_MAX:
-                again.append((pend.requester, pend.request, pend.payload, moves))
+                again.append((pend, pend.request, moves))
             else:
                 self._answer_dropped(pend.requester, pend.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} {why}",
                                      backend_id=backend.backend_id)
         self._release_jobs(backend)
         if backend.kind == "bridge":
             # Shown as it is now, serving no call and no job (its calls were answered or run elsewhere).
-            self.gone.add(backend.status(self.inflight(backend), timebase.now()), why)
+            self.gone.add(backend.status(0, timebase.now()), why)
         if self.stopping or backend.kind == "bridge":
             self.backends.pop(backend.backend_id, None)
         self.weights.backend_lost(backend.backend_id)
-        for requester, request, payload, moves in again:  # after it is unbound from its jobs: none goes back to it
-            self._route_call(requester, request, payload, moves=moves)
+        for pend, request, moves in again:  # after it is unbound from its jobs: none goes back to it
+            self._route_call(pend.requester, request, pend.payload, moves=moves)
 
     def _release_jobs(self, backend: Backend) -> None:
         """``backend`` serves its jobs no more (it went, or it loads other weights): unbind them, free their KV.

@@ -132,12 +132,14 @@ def read_rows(path: Path, bad_line: Callable[[DatasetError], None] | None = None
             read_one = True
             yield f"{path}:{lineno}", row
     except DatasetError as e:
+        if read_one or not isinstance(e.__cause__, json.JSONDecodeError):
+            raise
         # The first line is not JSON: the file may be one (pretty-printed) JSON document instead.
-        document = None if read_one or not isinstance(e.__cause__, json.JSONDecodeError) else _whole_document(path)
+        document = _whole_document(path)
         if document is not None:
             yield from _items(path, document)
             return
-        if read_one or bad_line is None or not isinstance(e.__cause__, json.JSONDecodeError):
+        if bad_line is None:
             raise
         # Neither one document nor JSON Lines from its first line. A later line that is JSON makes it a JSON Lines
         # file whose first line is bad (a row cut or mangled by hand), so the bad lines are reported as any other;

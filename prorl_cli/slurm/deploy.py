@@ -335,10 +335,6 @@ def file_kind(data: Any) -> FileKind:
     return FileKind(deploy, tuple(k for k, _, _ in found["deploy"]), tuple(k for k, _, _ in found["config"]), unknown)
 
 
-def is_deploy_data(data: Any) -> bool:
-    """Whether a file's top-level mapping is a deploy.yaml, not a prorl.yaml (:func:`file_kind`)."""
-    return file_kind(data).deploy
-
 
 def read_deploy_data(path: str | os.PathLike[str]) -> Any:
     """The YAML of a deploy file, read as :func:`load_deploy` reads it (errors name the file)."""

@@ -111,10 +111,11 @@ def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpe
         for name in ("n_init", "n_run", "n_eval"):
             if getattr(n, name) is not None:
                 overrides[f"node.{name}"] = getattr(n, name)
-        if prorl_config(cfg).node.drain_grace_s is None:
+        roles_config = prorl_config(cfg)  # read once: the file is read from disk each time
+        if roles_config.node.drain_grace_s is None:
             # On the USR2 warning running jobs may finish until shortly before the end; 30 s are left for the requeue.
             overrides["node.drain_grace_s"] = node_drain_grace_s(cfg)
-        if inf.model and prorl_config(cfg).inference.tokenizer is None:
+        if inf.model and roles_config.inference.tokenizer is None:
             # Handlers tokenize for the model the bridges serve.
             overrides["inference.tokenizer"] = inf.model
     return RoleSpec(
