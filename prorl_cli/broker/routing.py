@@ -314,7 +314,7 @@ class Router:
 
     def _hold(self, identity: bytes, h: H.Generate, payload: list[bytes], moves: int = 0) -> None:
         """Hold a call, and tell its node (whose clocks of that job stand still while it is held)."""
-        item = HeldGenerate(identity, h, list(payload), moves)
+        item = HeldGenerate(identity, h, payload, moves)
         self.held.add(item)
         self._tell_held(item, held=True)
 
@@ -335,6 +335,8 @@ class Router:
             return
         if not self._job_runs_on(identity, h, node):
             return
+        # ``payload`` is the list its message arrived in and belongs to this call alone: the records that
+        # keep the call (pending, held, waiting for KV room) keep that list, never a copy.
         self._route_call(identity, h, payload, running=True)
 
     def _job_runs_on(self, identity: bytes, h: H.Generate, node: NodeLike) -> bool:
@@ -381,7 +383,7 @@ class Router:
             if candidates and not overdue and not any(
                 self.admission.has_room(b.backend_id, b.stats, tokens) for b in candidates
             ):
-                self.admission.wait(WaitingCall(waiting_since or now, identity, h, list(payload), moves))
+                self.admission.wait(WaitingCall(waiting_since or now, identity, h, payload, moves))
                 return
         backend = self._route(job_id, identity, h.host, running, tokens)
         if backend is None:
@@ -407,7 +409,7 @@ class Router:
             self._reply_error(identity, h.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
             return
         self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, False,
-                                                  self.weights.policy_version, request=h, payload=list(payload),
+                                                  self.weights.policy_version, request=h, payload=payload,
                                                   moves=moves))
 
     def _route(self, job_id: str, requester: bytes, host: str | None, running: bool, tokens: int = 0) -> Backend | None:

@@ -66,6 +66,17 @@ JOURNAL_RETRY_S = 1.0
 _ZERO_COPY_BYTES = 65536
 
 
+def _other_work(known: Job, spec: JobSpec, instance: bytes | memoryview) -> str | None:
+    """How a submitted job differs from the job its id already names (``None``: the same work)."""
+    if known.spec.task != spec.task:
+        return f"task {spec.task!r} (it ran {known.spec.task!r})"
+    if known.spec.sampling != spec.sampling:
+        return "other sampling"
+    if known.instance_digest and known.instance_digest != instance_digest(bytes(instance)):
+        return "another instance"
+    return None
+
+
 class Broker:
     """The deployment's broker. ``serve_forever()`` runs until ``stop`` (clean) or SIGTERM/SIGUSR2 (leave, journal kept)."""
 
@@ -433,14 +444,12 @@ class Broker:
                 return
             seen.add(spec.job_id)
             known = self.jobs.get(spec.job_id)
-            if known is not None and (known.spec.task != spec.task or known.spec.sampling != spec.sampling or (
-                    known.instance_digest and known.instance_digest != instance_digest(bytes(instance)))):
-                # An id names one job: resubmitting it returns that job (a retry, a resumed run, a client that
-                # submits ids to watch them). Other work under it (another task, instance or sampling: a new
-                # seed) gets that job's result, an earlier run's perhaps: said here, where it can be seen.
-                what = (f"task {spec.task!r} (it ran {known.spec.task!r})" if known.spec.task != spec.task
-                        else "other sampling" if known.spec.sampling != spec.sampling else "another instance")
-                reused.append((spec.job_id, what))
+            # An id names one job: resubmitting it returns that job (a retry, a resumed run, a client that
+            # submits ids to watch them). Other work under it (another task, instance or sampling: a new
+            # seed) gets that job's result, an earlier run's perhaps: said here, where it can be seen.
+            other = _other_work(known, spec, instance) if known is not None else None
+            if other is not None:
+                reused.append((spec.job_id, other))
         live_tasks = self.table.live_tasks()
         if live_tasks:
             unknown = sorted({s.task for s in specs if s.job_id not in self.jobs} - live_tasks)

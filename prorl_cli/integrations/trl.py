@@ -58,7 +58,12 @@ from typing import Any
 
 from prorl_cli.exceptions import ProrlError
 from prorl_cli.protocol import JobResult
-from prorl_cli.training.samples import NO_VERSION, TrainingSample, samples_from_results
+from prorl_cli.training.samples import (
+    NO_VERSION,
+    TrainingSample,
+    filler_token_id,
+    samples_from_results,
+)
 
 log = logging.getLogger(__name__)
 
@@ -378,9 +383,4 @@ def _completion_limit(trainer: Any) -> int | None:
 
 def _eos_id(trainer: Any) -> int:
     tok = getattr(trainer, "processing_class", None)
-    tok = getattr(tok, "tokenizer", tok)
-    for name in ("eos_token_id", "pad_token_id"):
-        v = getattr(tok, name, None)
-        if isinstance(v, int):
-            return v
-    return 0
+    return filler_token_id(getattr(tok, "tokenizer", tok))

@@ -36,6 +36,7 @@ from prorl_cli.integrations.verl import (
     instance_of,
     run_job,
 )
+from prorl_cli.training.samples import filler_token_id
 
 log = logging.getLogger(__name__)
 #: Whether the cut of a multi-turn response was explained already (once per process: it recurs every step).
@@ -79,7 +80,7 @@ class ProrlAgentLoop(AgentLoopBase):
         sampling = dict(sampling_params)
         sampling["max_tokens"] = call_max_tokens(response_length, kwargs.get(MAX_TOKENS_KEY), custom.get(MAX_TOKENS_KEY),
                                                  sampling)
-        filler_id = _filler_id(self.tokenizer)
+        filler_id = filler_token_id(self.tokenizer)
         try:
             instance = instance_of(str(task), kwargs)
         except DatasetError as e:
@@ -98,15 +99,6 @@ class ProrlAgentLoop(AgentLoopBase):
             metrics=AgentLoopMetrics(generate_sequences=float(result.stage_s.get("run", 0.0)) if result else 0.0),
             extra_fields=out.extra_fields,
         )
-
-
-def _filler_id(tokenizer: Any) -> int:
-    """The token of a failed sample's row: end-of-sequence (as TRL's failed row), else padding, else 0."""
-    for name in ("eos_token_id", "pad_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
 
 
 def _tell_cut(response_length: int, max_tokens: int) -> None:

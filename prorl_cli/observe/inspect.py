@@ -160,6 +160,11 @@ def call_views(traj: dict[str, Any]) -> list[CallView]:
     return views
 
 
+def conversation_count(views: list[CallView]) -> int:
+    """How many conversations (token buffers) the calls belong to: more than one for a job with sub-agents."""
+    return len({v.segment for v in views})
+
+
 def conversation_label(view: CallView, several: bool) -> str:
     """``agent NAME, conversation N``: what a call is labelled with where the trajectory names an agent or holds
     several conversations ("" otherwise: a one-conversation trajectory reads as before)."""
@@ -236,9 +241,10 @@ def render_result(r: JobResult, decoder: Decoder, *, show_tokens: bool = False, 
         parts.append(Text("(no token-level trajectory in this result's output)", style="dim"))
         return Panel(Group(*parts), expand=True)
     views = call_views(traj)
-    several = len({v.segment for v in views}) > 1
+    conversations = conversation_count(views)
+    several = conversations > 1
     parts.append(Text(f"stop reason {traj.get('stop_reason')}  calls {len(traj.get('calls') or [])}  "
-                      + (f"conversations {len({v.segment for v in views})}  " if several else "")
+                      + (f"conversations {conversations}  " if several else "")
                       + f"model {traj.get('model') or '-'}", style="dim"))
     for v in views:
         lp = (f"logprobs mean {v.logprob_mean:.3f}, min {v.logprob_min:.3f} at output token {v.min_at}"

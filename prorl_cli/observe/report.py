@@ -16,7 +16,13 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from prorl_cli.observe.inspect import call_views, conversation_label, trajectory_of, violations
+from prorl_cli.observe.inspect import (
+    call_views,
+    conversation_count,
+    conversation_label,
+    trajectory_of,
+    violations,
+)
 from prorl_cli.observe.trace import _submitted_at
 from prorl_cli.protocol import STAGE_NAMES, JobResult
 
@@ -180,7 +186,7 @@ def _job_section(r: JobResult) -> str:
         out.append("<p>(no token-level trajectory)</p></section>")
         return "".join(out)
     views = call_views(traj)
-    several = len({c.segment for c in views}) > 1
+    several = conversation_count(views) > 1
     for c in views:
         lp = f"logprob mean {c.logprob_mean:.3f}, min {c.logprob_min:.3f}" if c.logprob_mean is not None else "no logprobs"
         label = conversation_label(c, several)

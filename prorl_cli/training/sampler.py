@@ -561,23 +561,25 @@ class DapoSampler:
         if getattr(self.client, "closed", False):
             self._close_without_client(cancel_in_flight)
             return
-        self._closed = True
-        for p in self._pending.values():
-            self._record(p.job_ids, "in_flight")
+        self._mark_closed()
         if cancel_in_flight and self._pending:
             await self._cancel(list(self._pending.values()), StepStats(self.step_index, 0), "in_flight")
         if self._stream is not None:
             await self._stream.aclose()
             self._stream = None
 
+    def _mark_closed(self) -> None:
+        """No more steps; the groups still pending are recorded as left in flight (cancelled or not)."""
+        self._closed = True
+        for p in self._pending.values():
+            self._record(p.job_ids, "in_flight")
+
     def _close_without_client(self, cancel_in_flight: bool) -> None:
         """Close when the client is gone: nothing to await (a blocking client's event loop is closed too).
 
         Not an error: raised at the end of a run (a ``with RolloutClient`` block that ended first) it would hide the
         run's own outcome, while the jobs are what matters, and a warning says how to cancel them."""
-        self._closed = True
-        for p in self._pending.values():
-            self._record(p.job_ids, "in_flight")
+        self._mark_closed()
         self._stream = None  # the client's close ended it, and took it off the client
         if cancel_in_flight and self._pending:
             log.warning("the client was closed before this sampler: its %d job(s) in flight (%d group(s)) were left "

@@ -40,6 +40,19 @@ class SampleError(ProrlError, ValueError):
     """A trajectory, reward or sample a trainer cannot use as it is (the message names the rollout and the problem)."""
 
 
+def filler_token_id(tokenizer: Any) -> int:
+    """The token that fills a failed rollout's masked row: end-of-sequence, else padding, else 0.
+
+    Trainers need a row for every prompt they asked for, failed or not, and
+    one token the model would end on keeps that row harmless.
+    """
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
 def _finite_reward(reward: Any, rollout_id: str) -> float:
     """``reward`` as a float; a missing, NaN or infinite reward would put NaN into every loss of its group."""
     try:

@@ -237,6 +237,38 @@ def _verl_config(model: Path, agent_loops: Path, *overrides: str) -> Any:
     ]))
 
 
+def _generate_on_a_deployment(worker: Any, batch: Any, engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                              inference: dict[str, Any]) -> Any:
+    """``worker.generate_sequences(batch)`` against a real broker and node, with ``engine`` behind a bridge."""
+    import asyncio
+
+    import prorl_cli.integrations.verl_loop as verl_loop
+    from tests.fakes.bridges import ThreadBridge
+    from tests.harness import Deployment
+    from tests.inference.conftest import HANDLERS
+
+    async def generate() -> Any:
+        try:
+            return await worker.generate_sequences(batch)
+        finally:
+            await verl_loop.close_client()
+
+    d = Deployment(tmp_path / "home", config={"inference": inference})
+    bridge: Any = None
+    try:
+        d.start_broker()
+        d.start_node("n1", "--handlers", str(HANDLERS))
+        bridge = ThreadBridge(d, "b1", engine)
+        for key, value in d.env().items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("PRORL_DEPLOYMENT", d.name)
+        return asyncio.run(generate())
+    finally:
+        d.close()
+        if bridge is not None:
+            bridge.close()
+
+
 # hydra 1.4 warns on every instantiate without an execution whitelist; veRL's worker passes none.
 @pytest.mark.filterwarnings("ignore:hydra.utils.instantiate:UserWarning")
 def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
@@ -249,7 +281,6 @@ def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
     ``verl_batch`` of the same job's export with the same ids.
     """
     need_module("verl", "verl")
-    import asyncio
 
     import numpy as np
     import pyarrow.parquet as pq
@@ -258,10 +289,7 @@ def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
 
     import prorl_cli.integrations.verl_loop as verl_loop
     from prorl_cli.training.export import write_samples_parquet
-    from tests.fakes.bridges import ThreadBridge
     from tests.fakes.engines import CountingEngine
-    from tests.harness import Deployment
-    from tests.inference.conftest import HANDLERS
 
     results: list[JobResult] = []
 
@@ -282,26 +310,7 @@ def test_verls_worker_runs_the_prorl_loop_on_a_deployment(
         "prorl_instance": np.array([{"tokenizer": str(tiny_model), "turns": 2}], dtype=object),
     })
 
-    async def generate() -> Any:
-        try:
-            return await worker.generate_sequences(batch)
-        finally:
-            await verl_loop.close_client()
-
-    d = Deployment(tmp_path / "home", config={"inference": {"generate_timeout_s": 60.0}})
-    bridge: Any = None
-    try:
-        d.start_broker()
-        d.start_node("n1", "--handlers", str(HANDLERS))
-        bridge = ThreadBridge(d, "b1", CountingEngine())
-        for key, value in d.env().items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.setenv("PRORL_DEPLOYMENT", d.name)
-        out = asyncio.run(generate())
-    finally:
-        d.close()
-        if bridge is not None:
-            bridge.close()
+    out = _generate_on_a_deployment(worker, batch, CountingEngine(), tmp_path, monkeypatch, {"generate_timeout_s": 60.0})
 
     (result,) = results
     assert result.ok and out.non_tensor_batch["prorl_job_id"][0] == result.job_id
@@ -353,16 +362,12 @@ def test_verls_worker_keeps_a_batch_with_a_failed_job_and_a_verl_row(
     loader refuses it: masked too, never submitted).
     """
     need_module("verl", "verl")
-    import asyncio
 
     import numpy as np
     from verl import DataProto
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
     import prorl_cli.integrations.verl_loop as verl_loop
-    from tests.fakes.bridges import ThreadBridge
-    from tests.harness import Deployment
-    from tests.inference.conftest import HANDLERS
 
     sent: list[tuple[Any, JobResult]] = []
 
@@ -393,27 +398,10 @@ def test_verls_worker_keeps_a_batch_with_a_failed_job_and_a_verl_row(
                                  {"tokenizer": str(tiny_model), "turns": "many"}, None, None),
     })
 
-    async def generate() -> Any:
-        try:
-            return await worker.generate_sequences(batch)
-        finally:
-            await verl_loop.close_client()
-
-    d = Deployment(tmp_path / "home", config={"inference": {"generate_timeout_s": 60.0, "tokenizer": str(tiny_model)}})
-    bridge: Any = None
-    try:
-        d.start_broker()
-        d.start_node("n1", "--handlers", str(HANDLERS))
-        bridge = ThreadBridge(d, "b1", SamplingEngine())
-        for key, value in d.env().items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.setenv("PRORL_DEPLOYMENT", d.name)
-        with caplog.at_level(logging.WARNING, logger="prorl_cli.integrations.verl"):
-            out = asyncio.run(generate())
-    finally:
-        d.close()
-        if bridge is not None:
-            bridge.close()
+    engine = SamplingEngine()
+    with caplog.at_level(logging.WARNING, logger="prorl_cli.integrations.verl"):
+        out = _generate_on_a_deployment(worker, batch, engine, tmp_path, monkeypatch,
+                                        {"generate_timeout_s": 60.0, "tokenizer": str(tiny_model)})
 
     (_, ok), (_, failed), (gsm8k, mapped) = sorted(sent, key=lambda s: list(out.non_tensor_batch["prorl_job_id"]).index(s[1].job_id))
     assert ok.ok and not failed.ok and failed.error is not None and failed.error["type"] == "ValueError"
@@ -429,7 +417,7 @@ def test_verls_worker_keeps_a_batch_with_a_failed_job_and_a_verl_row(
     assert out.non_tensor_batch["prorl_job_id"][3] is None and out.batch["response_mask"][3].sum().item() == 0
     assert "row not loadable: veRL row 8: missing field 'answer'" in errors[3]
     # Each call's max_tokens: the row's 5 (two calls), else the config's 9; veRL's top_k 0 reached the engine as -1.
-    assert bridge.engine.seen == Counter({(5, -1): 2, (9, -1): 1})
+    assert engine.seen == Counter({(5, -1): 2, (9, -1): 1})
 
 
 def test_export_rows_that_do_not_line_up_are_refused_not_shifted(tmp_path: Path) -> None:
