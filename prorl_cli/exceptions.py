@@ -31,6 +31,10 @@ class ConfigError(ProrlError, ValueError):
     """A configuration file, key or flag is invalid; the message names it."""
 
 
+class RunIdTaken(ConfigError):
+    """A sampler's ``run_id`` names job ids the broker holds with other work (another run's, or an earlier one's)."""
+
+
 class ProtocolError(ProrlError, ValueError):
     """A frame or message does not follow prorl's wire protocol."""
 

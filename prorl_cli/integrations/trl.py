@@ -39,14 +39,19 @@ Job ids are ``{run_id}-s{call}-p{i}-k{k}``. The default ``run_id`` is
 ``trl-`` and a random suffix, one per :class:`ProrlRollout`: two trainers on
 one deployment, or a trainer restarted after a crash, never share ids (the
 broker returns the job it holds for a known id, so a shared id would hand
-one run the other's rollouts). An explicit ``run_id`` is used as given: a
-call whose ids the broker holds with other work (another prompt or
-sampling) raises :class:`~prorl_cli.exceptions.ConfigError` naming it; with
-the same work, the jobs held are used (a warning says how many).
+one run the other's rollouts). An explicit ``run_id`` is used as given,
+so a run's jobs are found by it (``prorl results --prefix RUN_ID-``). A
+call whose ids the broker holds with other work (a trainer restarted from a
+checkpoint or requeued, whose calls are numbered from 0 again, or another
+trainer under the same ``run_id``) is not handed that work: it and every
+later call go on under ``{run_id}-r1`` (``-r2``, ...), and a warning says
+so. With the same work (prompts and sampling), the jobs held are used (a
+warning says how many).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import secrets
@@ -56,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prorl_cli.exceptions import ProrlError
+from prorl_cli.exceptions import ProrlError, RunIdTaken
 from prorl_cli.protocol import JobResult
 from prorl_cli.training.samples import (
     NO_VERSION,
@@ -66,6 +71,10 @@ from prorl_cli.training.samples import (
 )
 
 log = logging.getLogger(__name__)
+
+# How many prefixes one call tries before a RunIdTaken is the caller's: each try that found other work moved on
+# to a new one, so more means trainers racing under one run_id.
+_ID_TRIES = 4
 
 #: The extra field that carries prorl's reward to TRL's reward functions.
 REWARD_FIELD = "prorl_reward"
@@ -214,6 +223,8 @@ class ProrlRollout:
         #: The rows of the last call (for inspection and tests).
         self.last_rows: list[TrlRow] = []
         self._calls = 0
+        #: How many times this ProrlRollout's job ids were found to hold another run's work (see :attr:`job_prefix`).
+        self._restarts = 0
         self._warned_capped = False
         #: Prompt positions the calls so far took (the next call's sampler starts there).
         self._positions = 0
@@ -290,34 +301,30 @@ class ProrlRollout:
     def _run(self, groups: list[Any], group_size: int, version: int, sampling: dict[str, Any] | None = None,
              stats: RolloutStats | None = None) -> list[JobResult]:
         """Every group's results, in prompt order, through a sync-mode DAPO sampler that keeps every group."""
-        from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig, SamplerState
-
         instances = [self.instance_of(prompt) for prompt in groups]
-        config = SamplerConfig(
-            group_size=group_size, target_groups=len(groups), mode="sync", carry_over=False,
-            failed="zero_reward", informative=lambda rewards: True, run_id=self.run_id,
-            timeout_s=self.timeout_s, sampling=sampling, step_timeout_s=self.step_timeout_s,
-            max_consecutive_failures=self.max_consecutive_failures,
-        )
-        # Positions go on from the last call's, so a seed in ``sampling`` numbers every rollout of the run
-        # (each call's would otherwise start again at the same seeds); a group's prompt id is its index here.
-        sampler = BlockingDapoSampler(self.client, self.task, instances, config,
-                                      state=SamplerState(step=self._calls, cursor=self._positions),
-                                      prompt_id=lambda position, _instance: str(position % len(instances)))
+        call, positions = self._calls, self._positions
         self._calls += 1
         self._positions += len(instances)
-        try:
-            batch = sampler.step(policy_version=version)
-        finally:
-            sampler.close()  # cancels whatever still runs (a step that timed out)
+        for tries in itertools.count(1):
+            try:
+                batch = self._step(instances, group_size, version, sampling, call, positions)
+                break
+            except RunIdTaken as e:
+                # Another run's jobs under these ids: this run restarted (from a checkpoint, by a requeue) or a
+                # trainer beside it under the same run_id. Their results are not this call's rollouts; ids of their
+                # own under the run_id are (``-r1``, ``-r2``, ...), for this call and every later one.
+                if tries >= _ID_TRIES:
+                    raise
+                self._restarts += 1
+                log.warning("rollout call %d: %s; this ProrlRollout goes on under job ids %s-r%d-*", call, e,
+                            self.run_id, self._restarts)
         if batch.stats.existing_jobs:
-            # The sampler stays quiet here (a state= was passed, to number the call): held jobs under an explicit
-            # run_id with the same work are a restarted run's or a twin's, used as they are; other work would
-            # have raised ConfigError.
+            # The sampler stays quiet here (a state= was passed, to number the call): held jobs with the same work
+            # under these ids are a restarted run's or a twin's, used as they are.
             log.warning("rollout call %d: %d job id(s) of run_id %r were already at the broker with the same work: "
                         "their results are used, not new rollouts (another run under this run_id, or this one "
                         "restarted; leave run_id unset for ids of this ProrlRollout's own)",
-                        self._calls - 1, batch.stats.existing_jobs, self.run_id)
+                        call, batch.stats.existing_jobs, self.run_id)
         if stats is not None:
             stats.existing_jobs = batch.stats.existing_jobs
         by_position = sorted(batch.groups, key=lambda g: int(g.prompt_id))
@@ -325,6 +332,33 @@ class ProrlRollout:
         ids = [r.job_id for r in results]
         self.client.forget(ids)  # the rows below are all TRL keeps
         return results
+
+
+    def _step(self, instances: list[Any], group_size: int, version: int, sampling: dict[str, Any] | None,
+              call: int, positions: int) -> Any:
+        """One sync-mode sampler step over ``instances`` as call number ``call`` (its prompts from ``positions`` on)."""
+        from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig, SamplerState
+
+        config = SamplerConfig(
+            group_size=group_size, target_groups=len(instances), mode="sync", carry_over=False,
+            failed="zero_reward", informative=lambda rewards: True, run_id=self.job_prefix,
+            timeout_s=self.timeout_s, sampling=sampling, step_timeout_s=self.step_timeout_s,
+            max_consecutive_failures=self.max_consecutive_failures,
+        )
+        # Positions go on from the last call's, so a seed in ``sampling`` numbers every rollout of the run
+        # (each call's would otherwise start again at the same seeds); a group's prompt id is its index here.
+        sampler = BlockingDapoSampler(self.client, self.task, instances, config,
+                                      state=SamplerState(step=call, cursor=positions),
+                                      prompt_id=lambda position, _instance: str(position % len(instances)))
+        try:
+            return sampler.step(policy_version=version)
+        finally:
+            sampler.close()  # cancels whatever still runs (a step that timed out, or one given up for other work)
+
+    @property
+    def job_prefix(self) -> str:
+        """What the job ids start with: ``run_id``, then ``-rN`` once its ids were found to hold other work N times."""
+        return self.run_id if self._restarts == 0 else f"{self.run_id}-r{self._restarts}"
 
     def _rows(self, results: list[JobResult], stats: RolloutStats, eos_id: int,
               max_completion_length: int | None = None) -> list[TrlRow]:

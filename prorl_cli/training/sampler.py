@@ -98,6 +98,7 @@ from prorl_cli.exceptions import (  # SamplerTimeout: importable from here too, 
     ClientMisuse,
     ConfigError,
     RolloutsFailing,
+    RunIdTaken,
     SamplerClosed,
     SamplerTimeout,
     StepGroupsExhausted,
@@ -764,7 +765,7 @@ class DapoSampler:
             if rewards and len(set(rewards)) == 1:
                 self._filtered_rewards[rewards[0]] += 1
 
-    def _other_work(self, pending: _Pending, result: JobResult) -> ConfigError:
+    def _other_work(self, pending: _Pending, result: JobResult) -> RunIdTaken:
         """The error for a result of another run's job under one of this run's ids; its group is let go of.
 
         Its jobs are not this run's to cancel or forget (the other run still needs them), and no later step may go on:
@@ -779,7 +780,7 @@ class DapoSampler:
             "(one running beside this one, or an earlier one over other prompts), whose results would be trained on "
             "as this run's; give each run its own run_id (a resumed run: the same prompts and sampling as when its "
             "state was saved)")
-        return ConfigError(self._conflict)
+        return RunIdTaken(self._conflict)
 
     def _own(self, p: _Pending, ids: Sequence[str]) -> list[str]:
         """Of ``ids`` (of ``p``), those this run may cancel or forget: all, unless the run's ids were found to name
@@ -922,7 +923,7 @@ class DapoSampler:
             raise ClientMisuse(f"this sampler is already taking step {self.step_index}: a sampler takes one step at a "
                                "time (await that step() before the next)")
         if self._conflict is not None:
-            raise ConfigError(self._conflict)
+            raise RunIdTaken(self._conflict)
         self._last_version = policy_version
         self._stepping = True
         try:

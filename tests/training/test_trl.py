@@ -24,6 +24,7 @@ from prorl_cli.integrations.trl import (
     prorl_reward,
     row_from_sample,
 )
+from prorl_cli.protocol import JobResult
 from prorl_cli.training.samples import build_samples
 from tests.harness import Deployment, need_module
 from tests.inference.conftest import HANDLERS, start_bridge
@@ -169,17 +170,17 @@ def test_a_rollout_that_split_hands_trl_its_first_sample_whole() -> None:
     assert row.logprobs == pytest.approx([-0.1, -0.2]) and row.policy_versions == [4, 4] and row.reward == 0.5
 
 
-def test_each_prorl_rollout_has_job_ids_of_its_own_and_a_shared_explicit_run_id_is_refused(
+def test_each_prorl_rollout_has_job_ids_of_its_own_and_an_explicit_run_id_moves_past_other_work(
         stack: Deployment, caplog: pytest.LogCaptureFixture) -> None:
     """Calls are numbered from 0 in every ProrlRollout, so under one run id two trainers on a deployment (or one
-    restarted after a crash) submit the same job ids, and the broker hands each the jobs it holds for them: the
+    restarted from a checkpoint) submit the same job ids, and the broker hands each the jobs it holds for them: the
     other run's rollouts of other prompts. The default run id is one of the ProrlRollout's own; an explicit one
-    whose ids hold other work is refused by name, and one whose ids hold the same work is used, with a warning."""
+    whose ids hold other work goes on under ``{run_id}-r1`` (that call and the later ones, with a warning), and one
+    whose ids hold the same work uses those jobs, with a warning."""
     import asyncio
     import logging
 
     from prorl_cli.client import AsyncRolloutClient
-    from prorl_cli.exceptions import ConfigError
     from prorl_cli.training.sampler import DapoSampler, SamplerConfig
 
     mine = [{"echo": "mine-0"}, {"echo": "mine-1"}]
@@ -194,17 +195,28 @@ def test_each_prorl_rollout_has_job_ids_of_its_own_and_a_shared_explicit_run_id_
             await sampler.step()
             await sampler.close(cancel_in_flight=False)
 
-    def echoes(rollout: ProrlRollout, instances: list[dict[str, Any]]) -> list[Any]:
-        return [r.output["echo"] for r in rollout._run(instances, 2, 0)]
+    def run(rollout: ProrlRollout, instances: list[dict[str, Any]]) -> list[JobResult]:
+        return rollout._run(instances, 2, 0)
+
+    def echoes(results: list[JobResult]) -> list[Any]:
+        return [r.output["echo"] for r in results]
 
     asyncio.run(other_run())
     a, b = ProrlRollout(stack.client, "test", sync_weights=False), ProrlRollout(stack.client, "test", sync_weights=False)
     assert a.run_id != b.run_id and a.run_id.startswith("trl-") and b.run_id.startswith("trl-")
-    assert echoes(a, mine) == ["mine-0", "mine-0", "mine-1", "mine-1"]  # its own rollouts, not the other run's
-    with pytest.raises(ConfigError, match=r"job 'trl-s0-p\d-k\d' at the broker holds other work .*SamplerConfig.run_id 'trl'"):
-        echoes(ProrlRollout(stack.client, "test", sync_weights=False, run_id="trl"), mine)
+    assert echoes(run(a, mine)) == ["mine-0", "mine-0", "mine-1", "mine-1"]  # its own rollouts, not the other run's
+    restarted = ProrlRollout(stack.client, "test", sync_weights=False, run_id="trl")
     with caplog.at_level(logging.WARNING, logger="prorl_cli.integrations.trl"):
-        assert echoes(ProrlRollout(stack.client, "test", sync_weights=False, run_id="trl"), theirs) == [
+        first = run(restarted, mine)
+    assert echoes(first) == ["mine-0", "mine-0", "mine-1", "mine-1"] and restarted.job_prefix == "trl-r1"
+    assert {r.job_id.rsplit("-p", 1)[0] for r in first} == {"trl-r1-s0"}
+    assert "holds other work" in caplog.text and "goes on under job ids trl-r1-*" in caplog.text
+    second = run(restarted, theirs)  # the later calls stay under the new prefix
+    assert echoes(second) == ["theirs-0", "theirs-0", "theirs-1", "theirs-1"] and restarted.job_prefix == "trl-r1"
+    assert {r.job_id.rsplit("-p", 1)[0] for r in second} == {"trl-r1-s1"}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="prorl_cli.integrations.trl"):
+        assert echoes(run(ProrlRollout(stack.client, "test", sync_weights=False, run_id="trl"), theirs)) == [
             "theirs-0", "theirs-0", "theirs-1", "theirs-1"]
     assert "4 job id(s) of run_id 'trl' were already at the broker with the same work" in caplog.text
     with pytest.raises(ValueError, match="run_id must be a non-empty string or None"):
@@ -220,7 +232,6 @@ def test_max_completion_length_bounds_each_call_and_the_completion(stack: Deploy
     import types
 
     from prorl_cli.integrations.trl import RolloutStats, _completion_limit
-    from prorl_cli.protocol import JobResult
 
     trainer = types.SimpleNamespace(args=types.SimpleNamespace(max_completion_length=3))
     assert _completion_limit(trainer) == 3 and _completion_limit(types.SimpleNamespace()) is None
