@@ -50,7 +50,7 @@ from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import ConfigError, DomainError, HandlerError, SettingsError
 from prorl_cli.inference.contract import Generation
 from prorl_cli.node.settings import HandlerSettings, deployment_settings, resolve_settings
-from prorl_cli.protocol import JobSpec, SamplingParams
+from prorl_cli.protocol import JobSpec, SamplingParams, derive_seed
 
 if TYPE_CHECKING:
     from prorl_cli.agent import ChatTokens, Trajectory
@@ -110,6 +110,8 @@ class JobContext:
     _settings: HandlerSettings | None = field(default=None, repr=False)
     _sandbox: Sandbox | None = field(default=None, repr=False)
     _trajectory: Trajectory | None = field(default=None, repr=False)
+    #: Model calls made so far (the ``n`` of the next call's seed, :meth:`generate`).
+    _calls_made: int = field(default=0, repr=False)
     #: What :meth:`publish_trajectory` last wrote (trajectory id, calls, messages, stop reason): not copied twice.
     _published: tuple[int, int, int, str | None] | None = field(default=None, repr=False)
 
@@ -223,8 +225,18 @@ class JobContext:
         self._cleanups.append(fn)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None) -> Generation:
-        """Token-in/token-out generation through the deployment's backends."""
-        return await self.services.generate(self, prompt_ids, sampling or self.sampling)
+        """Token-in/token-out generation through the deployment's backends.
+
+        A seeded call is sampled with the job's ``n``-th seed, ``derive_seed(seed, n)`` for its ``n``-th call
+        (the first keeps the seed): with one seed for every call, each turn would draw from the same random
+        stream as the first. A rerun of the job makes the same calls with the same seeds."""
+        sampling = sampling or self.sampling
+        n, self._calls_made = self._calls_made, self._calls_made + 1
+        if sampling.seed is not None and n:
+            given = sampling.given  # the fields left unset stay unset for the engine (its own defaults)
+            sampling = dataclasses.replace(sampling, seed=derive_seed(sampling.seed, n))
+            sampling.given = given
+        return await self.services.generate(self, prompt_ids, sampling)
 
     async def start_sandbox(
         self,

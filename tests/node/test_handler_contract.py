@@ -125,3 +125,47 @@ def test_sandbox_and_trajectory_before_any_name_the_problem(tmp_path: Path, tiny
     marker: Any = object()
     ctx.state["sandbox"] = marker
     assert ctx.has_sandbox and ctx.sandbox is marker
+
+
+class SeedRecorder(ScriptedServices):
+    """The scripted engine's answers, keeping each call's sampling as the node's ``Services`` seam got it."""
+
+    def __init__(self, engine: ScriptedEngine) -> None:
+        super().__init__(engine)
+        self.sampled: list[SamplingParams] = []
+
+    async def generate(self, ctx: JobContext, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        self.sampled.append(sampling)
+        return await super().generate(ctx, prompt_ids, sampling)
+
+
+@pytest.mark.parametrize("seed", [5, None])
+def test_each_call_of_a_seeded_job_gets_a_seed_of_its_own_and_a_rerun_the_same(
+        engine: ScriptedEngine, tmp_path: Path, tiny_model: Path, seed: int | None) -> None:
+    """One seed for every call of a rollout would draw each turn from the same random stream: call ``n`` is
+    sampled with ``derive_seed(seed, n)`` (the first with the seed), the fields the submitter left unset stay
+    unset, and a rerun of the job makes the same calls with the same seeds. Unseeded calls stay unseeded."""
+    from prorl_cli.protocol import derive_seed
+
+    wire = {"job_id": "j1", "task": "echo_contract", "sampling": {"max_tokens": 32, **({"seed": seed} if seed else {})}}
+    spec = JobSpec.from_wire(JobSpec.from_wire(wire).to_wire())  # as the node gets it, forwarded by the broker
+
+    async def one_run() -> list[SamplingParams]:
+        services = SeedRecorder(engine)
+        ctx = JobContext(spec=spec, instance={"tokenizer": str(tiny_model)}, node_id="n", run_dir=tmp_path,
+                         config=ProrlConfig(), services=services, log=logging.getLogger("test"), handler=Echo())
+        await ctx.agent("say hi")
+        for _ in range(2):  # a handler's own calls count on from the agent's
+            await ctx.generate([1, 2, 3])
+        return services.sampled
+
+    first, again = asyncio.run(one_run()), asyncio.run(one_run())
+    seeds = [s.seed for s in first]
+    assert len(seeds) == 4 and seeds == [s.seed for s in again]
+    if seed is None:
+        assert seeds == [None] * 4
+    else:
+        assert seeds == [seed] + [derive_seed(seed, n) for n in (1, 2, 3)] and len(set(seeds)) == 4
+    # The handler's own calls pass on only the fields the submitter gave, the new seed among them: the
+    # engine's own defaults fill the rest (temperature here).
+    assert [s.to_wire() for s in first[2:]] == [{"max_tokens": 32, **({"seed": x} if x else {})} for x in seeds[2:]]
