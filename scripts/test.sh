@@ -10,9 +10,10 @@
 # removes an existing one first (CI does). pip's wheel cache is reused.
 # The suite runs with PRORL_HOME set to a fresh folder: users set it, and a
 # test that needs another home sets its own. PRORL_LANES=1 runs the
-# Slurm tier (tests/slurm) and the model lane (vLLM, training, images) in
-# pytests of their own beside the rest (CI does); given a test path, it runs
-# one pytest, and a -k/-m filter may leave a lane with nothing to run.
+# Slurm lane (tests/slurm, then tests/domains) and the model lane (vLLM,
+# training, images) in pytests of their own beside the rest (CI does); given
+# a test path, it runs one pytest, and a -k/-m filter may leave a lane with
+# nothing to run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ "$(id -u)" = 0 ]; then
@@ -26,7 +27,8 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 venv="$(cd "$venv" && pwd)"
-PRORL_PYTHON="$venv/bin/python" bash scripts/install.sh
+# The tests import a small part of what is installed: it is compiled on first import, not all at install.
+PRORL_PYTHON="$venv/bin/python" PRORL_PIP_NO_COMPILE=1 bash scripts/install.sh
 # The tests start `python3`, `prorl` and the venv's console scripts by name.
 export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
 PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")"
@@ -50,12 +52,14 @@ if [ "$lanes" != 1 ]; then
   exit 0
 fi
 # PRORL_LANES=1 (CI): the suite runs as three pytests side by side, each with a home of its own:
-#  - the Slurm tier (tests/slurm): its tests spend their time waiting on slurmctld's scheduling ticks
-#    and signal delays, and what they start are slurmd's children;
+#  - the Slurm lane (SLURM_LANE): the Slurm tier, whose tests spend their time waiting on slurmctld's
+#    scheduling ticks and signal delays (what they start are slurmd's children), then the task domains,
+#    which fill the rest of its time: the three lanes end within minutes of each other;
 #  - the model lane (MODEL_LANE): vLLM and torch on the CPU, the training examples, image builds;
 #  - the rest, which alone keeps one of two cores busy: it waits on process starts, sandboxes and signals.
 # Every test's process checks look only at what it started (its pids, its PRORL_HOME), so the lanes
 # cannot see each other's processes. Each lane's output is printed whole when all three have ended.
+SLURM_LANE=(tests/slurm tests/domains)
 MODEL_LANE=(tests/inference tests/training tests/swe tests/images tests/chaos)
 slurm_out="$(mktemp "${TMPDIR:-/tmp}/prorl-slurm-tier.XXXXXX")"
 model_out="$(mktemp "${TMPDIR:-/tmp}/prorl-model-lane.XXXXXX")"
@@ -76,15 +80,15 @@ stop_lanes() {
 }
 trap stop_lanes INT TERM
 PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")" \
-  "$venv/bin/python" -m pytest -ra "$@" tests/slurm >"$slurm_out" 2>&1 &
+  "$venv/bin/python" -m pytest -ra "$@" "${SLURM_LANE[@]}" >"$slurm_out" 2>&1 &
 slurm_pid=$!
 lane_pids+=("$slurm_pid")
 PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")" \
   "$venv/bin/python" -m pytest -ra "$@" "${MODEL_LANE[@]}" >"$model_out" 2>&1 &
 model_pid=$!
 lane_pids+=("$model_pid")
-ignore=(--ignore=tests/slurm)
-for lane in "${MODEL_LANE[@]}"; do
+ignore=()
+for lane in "${SLURM_LANE[@]}" "${MODEL_LANE[@]}"; do
   ignore+=("--ignore=$lane")
 done
 rest=0
@@ -96,7 +100,7 @@ wait "$slurm_pid" || slurm=$?
 trap - INT TERM
 echo "---------------- the model lane (run beside the rest; exit $model) ----------------"
 cat "$model_out"
-echo "---------------- the Slurm tier (run beside the rest; exit $slurm) ----------------"
+echo "---------------- the Slurm lane (run beside the rest; exit $slurm) ----------------"
 cat "$slurm_out"
 rm -f "$slurm_out" "$model_out"
 if [ "$filtered" = 1 ] && { [ "$rest" = 0 ] || [ "$model" = 0 ] || [ "$slurm" = 0 ]; }; then
