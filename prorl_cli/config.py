@@ -124,6 +124,10 @@ class ProrlConfig:
     handlers: dict[str, dict[str, Any]] = field(default_factory=dict)
     # The old name of ``handlers``, still read (with a deprecation warning naming the new key).
     domains: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The file this configuration was read from, as given (``--config``, ``$PRORL_CONFIG``, ``./prorl.yaml``), for
+    #: errors about keys checked after loading (``handlers.<task>``, node settings): they must name the file the
+    #: user edits. Not a field (no key of the file, not in ``to_dict``); set by :func:`load_config`.
+    source = DEFAULT_CONFIG_NAME
 
     def __post_init__(self) -> None:
         if self.images.cache_dir is None:
@@ -355,7 +359,10 @@ def load_config(
     all_overrides.update(given)
     sources.update({k: (given_as or {}).get(k, "<overrides>") for k in given})
     data = apply_overrides(data, all_overrides)
-    return config_from_dict(data, origin, sources)
+    cfg = config_from_dict(data, origin, sources)
+    if file is not None:
+        cfg.source = str(file)
+    return cfg
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -143,10 +143,25 @@ class ResultStream:
         return self
 
     async def __anext__(self) -> JobResult:
+        result = await self.next_within(None)
+        assert result is not None  # only a bounded wait ends without one
+        return result
+
+    async def next_within(self, wait_s: float | None) -> JobResult | None:
+        """The next result, as ``async for`` yields it, waiting at most ``wait_s`` seconds for it (``None``: as
+        long as the stream's own ``timeout_s`` allows); ``None`` when none came in that time, the stream going on.
+
+        For a consumer with something to do meanwhile (a progress line to keep current while jobs run for
+        minutes). ``StopAsyncIteration`` once every result was yielded, :class:`ResultTimeout` past ``timeout_s``.
+        """
         loop = asyncio.get_running_loop()
         self._client._check_loop()
         if self._deadline is None and self._timeout_s is not None:
             self._deadline = loop.time() + self._timeout_s
+        # The stream's deadline stays the one that raises; this wait's own end only returns None.
+        wait_until = None if wait_s is None else loop.time() + max(wait_s, 0.0)
+        until = self._deadline if wait_until is None else wait_until if self._deadline is None else min(
+            wait_until, self._deadline)
         while True:
             if self._closed:
                 # Like a closed generator: nobody feeds a closed stream's queue, so waiting on it would never end.
@@ -177,9 +192,11 @@ class ResultStream:
                 await self.aclose()
                 raise StopAsyncIteration
             try:
-                async with asyncio.timeout_at(self._deadline):
+                async with asyncio.timeout_at(until):
                     got = await self._queue.get()
             except TimeoutError:
+                if wait_until is not None and (self._deadline is None or wait_until < self._deadline):
+                    return None
                 silent_s = self._client.broker_silent_s()
                 why = "" if silent_s is None else (
                     f"; the broker at {self._client.address} has not answered for {silent_s:.0f} s (down, or "

@@ -390,6 +390,17 @@ class SyncResultStream:
         except StopAsyncIteration:
             raise StopIteration from None
 
+    def next_within(self, wait_s: float | None) -> JobResult | None:
+        """The next result, waiting at most ``wait_s`` seconds (``None``: as ``next(stream)`` waits); ``None`` when
+        none came in that time (the stream goes on). ``StopIteration`` once every result was yielded."""
+        if self._stream.closed:
+            raise StopIteration
+        try:
+            result: JobResult | None = self._client._run(self._stream.next_within(wait_s))
+        except StopAsyncIteration:
+            raise StopIteration from None
+        return result
+
     def close(self) -> None:
         if not self._client._loop.is_closed():
             self._client._run(self._stream.aclose())

@@ -5,8 +5,9 @@ Every :class:`~prorl_cli.node.handler.AgentHandler` declares ``defaults`` (a
 defaults, overridden by ``handlers.<task>`` in prorl.yaml, overridden by the
 instance's own ``settings`` mapping. Unknown keys and wrong types are
 :class:`~prorl_cli.exceptions.SettingsError` naming where they came from and
-the keys that exist. ``domains.<task>``, the old name of the prorl.yaml
-section, is still read, with a warning naming the new key.
+the keys that exist (the deployment's layer by the config file it was read
+from: ``my.yaml: handlers.math``). ``domains.<task>``, the old name of the
+prorl.yaml section, is still read, with a warning naming the new key.
 """
 
 from __future__ import annotations
@@ -167,15 +168,17 @@ def deployment_settings(config: ProrlConfig, section: str) -> tuple[str, Any]:
     a one-time warning naming the new key. Both set is a
     :class:`~prorl_cli.exceptions.SettingsError` (which one wins would be a guess).
     """
+    # The file the settings were read from (``--config my.yaml``, ``$PRORL_CONFIG``), whatever it is called.
+    source = config.source
     new, old = config.handlers.get(section), config.domains.get(section)
     if old is None:
-        return f"prorl.yaml: handlers.{section}", new
+        return f"{source}: handlers.{section}", new
     if new is not None:
         raise SettingsError(
-            f"prorl.yaml: both handlers.{section} and domains.{section} are set; "
+            f"{source}: both handlers.{section} and domains.{section} are set; "
             f"domains is the old name of handlers: move its keys to handlers.{section}"
         )
     if section not in _WARNED_OLD_SECTION:
         _WARNED_OLD_SECTION.add(section)
-        log.warning("prorl.yaml: domains.%s is deprecated; rename it handlers.%s (same keys)", section, section)
-    return f"prorl.yaml: domains.{section}", old
+        log.warning("%s: domains.%s is deprecated; rename it handlers.%s (same keys)", source, section, section)
+    return f"{source}: domains.{section}", old

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,6 +91,11 @@ def test_submit_exits_0_when_jobs_fail_or_time_out_and_1_with_strict(deployment:
     assert states == ["done", "done", "failed", "failed", "timed_out", "timed_out"]
     assert "timed_out" in r.stdout and "6 job(s)" in r.stdout  # counted in the summary
     assert f"prorl results -d {deployment.name} --prefix sub-" in r.stderr, "says how to find the jobs again"
+    # Off a terminal (stderr is a pipe here): plain progress lines with the summary's states, no bar, no escapes.
+    progress = [line for line in r.stderr.splitlines() if line.startswith("test: ")]
+    assert progress[0].startswith("test: 0/6 ended; running "), r.stderr
+    assert progress[-1].startswith("test: 6/6 ended (done 2, failed 2, timed_out 2)"), r.stderr
+    assert "\x1b[" not in r.stderr and "━" not in r.stderr, r.stderr
     strict = prorl(deployment, "submit", "-d", deployment.name, str(tasks), "--task", "test", "--timeout-s", "1", "--strict")
     assert strict.returncode == 1, strict.stderr
     # Submission errors still fail: an unknown task, and a deployment without a broker.
@@ -310,12 +316,15 @@ def test_results_follow_collects_the_rest_after_the_submitter_was_killed(deploym
     assert r.returncode == 0, r.stderr
     assert sorted(json.loads(line)["job_id"] for line in now.read_text().splitlines()) == ["killed-0-0", "killed-1-0"]
     assert "2 job(s) not finished yet" in r.stdout
+    # Its progress counts the jobs it leaves too (the two gated ones run), not the finished ones only.
+    assert "not collected (--follow waits): running 2" in r.stderr, r.stderr
     gate.touch()
     out = tmp_path / "rest.jsonl"
     r = prorl(deployment, "results", "-d", deployment.name, "--prefix", "killed", "--follow", "--out", str(out))
     assert r.returncode == 0, r.stderr
     got = {json.loads(line)["job_id"]: json.loads(line)["state"] for line in out.read_text().splitlines()}
     assert got == {f"killed-{i}-0": "done" for i in range(4)}
+    assert any(line.startswith("results: 4/4 ended (done 4)") for line in r.stderr.splitlines()), r.stderr
     # By group (one line's rollouts) and by id; unknown ids and empty selections are errors.
     r = prorl(deployment, "results", "-d", deployment.name, "--group", "killed-2")
     assert r.returncode == 0 and "1 job(s)" in r.stdout, r.stderr
@@ -428,15 +437,16 @@ def test_a_prefix_selects_its_submission_only(deployment: Deployment, tmp_path: 
     assert [json.loads(line)["job_id"] for line in out.read_text().splitlines()] == ["pre1-0-0"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "sigterm", "sighup"])
 def test_ctrl_c_on_submit_cancels_and_writes_the_cancelled_jobs_partial_trajectories(
     deployment: Deployment, tmp_path: Path, signum: int
 ) -> None:
-    """Ctrl-C, and SIGTERM as Slurm sends it to a trainer's job (scancel, preemption, time limit): the unfinished
-    jobs are cancelled, not left running, and their partial trajectories written."""
+    """Ctrl-C, SIGTERM as Slurm sends it to a trainer's job (scancel, preemption, time limit), and SIGHUP (a
+    dropped ssh session): the unfinished jobs are cancelled, not left running, and their partial trajectories
+    written."""
     tasks = write_tasks(tmp_path / "t.jsonl", [{"end": "done"}, {"end": "hang"}, {"end": "hang"}])
     out = tmp_path / "out.jsonl"
-    prefix = "sigint" if signum == signal.SIGINT else "sigterm"
+    prefix = signal.Signals(signum).name.lower()
     proc = subprocess.Popen(
         [sys.executable, "-m", "prorl_cli", "submit", "-d", deployment.name, str(tasks), "--task", "partial",
          "--id-prefix", prefix, "--out", str(out)],
@@ -454,7 +464,8 @@ def test_ctrl_c_on_submit_cancels_and_writes_the_cancelled_jobs_partial_trajecto
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-    said = "error: terminated (SIGTERM)" if signum == signal.SIGTERM else "error: interrupted (Ctrl-C)"
+    said = {signal.SIGTERM: "error: terminated (SIGTERM)", signal.SIGHUP: "error: hung up (SIGHUP)"}.get(
+        signal.Signals(signum), "error: interrupted (Ctrl-C)")
     assert proc.returncode == 128 + signum, err
     assert [line for line in err.splitlines() if line.startswith("error:")] == [said], err
     # The interrupted read of the result stream unwound before the client's loop closed.
@@ -463,8 +474,38 @@ def test_ctrl_c_on_submit_cancels_and_writes_the_cancelled_jobs_partial_trajecto
     assert {k: v["state"] for k, v in rows.items()} == {f"{prefix}-0-0": "done", f"{prefix}-1-0": "cancelled",
                                                          f"{prefix}-2-0": "cancelled"}, err
     assert sorted(client.list_jobs(prefix=prefix).values()) == ["cancelled", "cancelled", "done"]
-    if signum == signal.SIGTERM:
-        assert "terminated (SIGTERM): cancelling 2 unfinished job(s)" in err
+    if signum != signal.SIGINT:
+        assert f"{said.removeprefix('error: ')}: cancelled 2 unfinished job(s)" in err
     for job_id in (f"{prefix}-1-0", f"{prefix}-2-0"):
         assert rows[job_id]["output"]["trajectory"]["sequence_ids"] == [1, 2, 3], rows[job_id]  # what it did so far
     assert "cancelled job(s)' results" in err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+def test_a_signal_on_sample_cancels_the_jobs_in_flight(deployment: Deployment, tmp_path: Path, signum: int) -> None:
+    """A batch job's time limit (SIGTERM) or a dropped ssh session (SIGHUP) ends `prorl sample` as Ctrl-C does:
+    its jobs in flight are cancelled, not left running for nobody."""
+    tasks = write_tasks(tmp_path / "t.jsonl", [{"end": "hang"}])
+    prefix = f"sample-{signal.Signals(signum).name.lower()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prorl_cli", "sample", "-d", deployment.name, str(tasks), "--task", "partial",
+         "--group-size", "2", "--target-groups", "1", "--id-prefix", prefix],
+        env=deployment.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    client = deployment.client
+    try:
+        deployment.wait_for(lambda st: (states := list(client.list_jobs(prefix=f"{prefix}-").values()))
+                            and all(s == "run" for s in states), 60, "the sampled jobs running")
+        running = len(client.list_jobs(prefix=f"{prefix}-"))
+        os.kill(proc.pid, signum)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 128 + signum, err
+    how = "terminated (SIGTERM)" if signum == signal.SIGTERM else "hung up (SIGHUP)"
+    said = re.search(rf"{re.escape(how)}: cancelled (\d+) job\(s\) in flight", err)
+    assert said is not None and int(said.group(1)) >= running >= 2, err  # it may have sent more since
+    assert err.rstrip().splitlines()[-1] == f"error: {how}", err
+    assert set(client.list_jobs(prefix=f"{prefix}-").values()) == {"cancelled"}

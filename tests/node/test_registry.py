@@ -70,7 +70,7 @@ def test_bad_handler_settings_in_the_config_stop_the_node_at_start(tmp_path: Pat
     finally:
         d.close()
     assert proc.returncode != 0
-    assert "prorl.yaml: domains.code.test_mem_mb: expected a positive number, got 'lots'" in proc.stderr, proc.stderr
+    assert "badset.yaml: domains.code.test_mem_mb: expected a positive number, got 'lots'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.common import warning_printer
 from prorl_cli.cli.naming import deployment_option
+
+if TYPE_CHECKING:
+    from prorl_cli.protocol import JobResult
 
 
 @click.command("eval")
@@ -39,10 +43,12 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     missing tests with the closest id run, log tail, infra failure step), and summary.json with
     swebench's run-report keys, the resolved rate and pass@k. Fields of DATASET prorl cannot use
     are named on stderr, once each. Exits 1 when a job did not finish (state other than done).
+    Progress (jobs ended by state, running, queued, resolved) goes to stderr: a bar on a
+    terminal, plain lines off one (every 30 s and every 10 % of the jobs). Ctrl-C, SIGTERM or
+    SIGHUP cancels the unfinished jobs, says how many, and exits 130, 143 or 129.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from prorl_cli.cli.common import connect, dataset_errors
+    from prorl_cli.cli.jobs.collect import ResultFile, cancel_jobs, collect, interrupt_signals, tell
     from prorl_cli.domains.datasets import load_instances
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.swe.evaluation import Sample, write_outputs
@@ -66,22 +72,33 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
         app.abort(f"{dataset}: instance ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
     if out.exists() and not out.is_dir():
         app.abort(f"--out {out}: is not a folder")
-    job_ids = eval_job_ids(run_id, instances, n) if run_id else None
+    # Ids made here, a fresh run id without --run-id: an interrupt while they are sent cancels them by id.
+    job_ids = eval_job_ids(run_id or f"eval-{uuid.uuid4().hex[:10]}", instances, n)
     samples: list[Sample] = []
-    with connect(app, address) as client:
+    # Ctrl-C, SIGTERM (a batch job's time limit), SIGHUP (a dropped ssh session): the unfinished jobs are cancelled
+    # and counted, nothing is graded or written, and the command exits 130, 143 or 129.
+    with interrupt_signals() as signals, connect(app, address) as client:
         try:
             submitted = client.submit(task, instances, n=n, job_ids=job_ids, timeout_s=timeout_s)
+        except KeyboardInterrupt:
+            tell(app, f"{signals.how} while submitting: cancelled {cancel_jobs(app, client, job_ids)} job(s)")
+            raise
         except ProrlError as e:
             app.abort(f"submit failed: {e}")
         which = {job_id: (ids[pos // n], pos % n) for pos, job_id in enumerate(submitted)}
-        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("resolved {task.fields[resolved]}"), TimeElapsedColumn())
-        with Progress(*columns, console=app.err_console) as progress:
-            bar = progress.add_task(f"eval {task}", total=len(submitted), resolved=0)
-            for result in client.as_completed(list(submitted)):
-                instance_id, k = which[result.job_id]
-                samples.append(Sample.from_result(instance_id, k, result))
-                progress.update(bar, advance=1, resolved=sum(s.resolved for s in samples))
+        chosen = set(submitted)
+        resolved = 0
+
+        def graded(result: JobResult) -> str:
+            """Take ``result`` as its instance's sample; the progress's note."""
+            nonlocal resolved
+            instance_id, k = which[result.job_id]
+            samples.append(Sample.from_result(instance_id, k, result))
+            resolved += bool(samples[-1].resolved)
+            return f"resolved {resolved}"
+
+        collect(app, client, list(submitted), f"eval {task}", ResultFile(app, None), cancel_hint="", signals=signals,
+                poll=lambda: {j: s for j, s in client.list_jobs().items() if j in chosen}, on_result=graded)
     summary = write_outputs(out, ids, samples, model_name or task, n)
     at_k = "  ".join(f"pass@{k} {v:.3f}" for k, v in summary["pass_at_k"].items())
     app.console.print(f"{task}: resolved {summary['resolved_instances']}/{summary['total_instances']} "

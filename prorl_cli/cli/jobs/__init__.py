@@ -20,8 +20,10 @@ from prorl_cli.cli.common import (
     sampling_options,
 )
 from prorl_cli.cli.naming import deployment_argument, deployment_option, id_prefix
+from prorl_cli.cli.naming import id_prefix as id_prefix_of
 
 if TYPE_CHECKING:
+    from prorl_cli.cli.jobs.collect import InterruptSignals
     from prorl_cli.client import RolloutClient
     from prorl_cli.protocol import JobResult, StatusReport
 
@@ -54,16 +56,33 @@ def run_submission(
     cannot be written ends in an error after the summary, the results written as JSONL beside it
     (:class:`~prorl_cli.cli.jobs.collect.ResultFile`).
     """
-    from prorl_cli.cli.jobs.collect import SUBMIT_CANCEL_HINT, ResultFile, collect, print_summary
+    from prorl_cli.cli.jobs.collect import (
+        SUBMIT_CANCEL_HINT,
+        ResultFile,
+        cancel_jobs,
+        collect,
+        interrupt_signals,
+        print_summary,
+        tell,
+    )
 
     started = time.monotonic()
-    prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling, lines)
-    sink = ResultFile(app, out, only_done, selection=("--prefix", prefix), address=address)
-    if announce:  # a terminal that dies leaves the jobs running: this is how to find them again
-        app.err_console.print(f"submitted {len(ids)} job(s), ids {prefix}-LINE-K; from another terminal: "
-                              f"{sink.recollect} --follow", soft_wrap=True, markup=False)
-    results = collect(app, client, list(ids), task, sink,
-                      cancel_hint=SUBMIT_CANCEL_HINT if cancel_hint is None else cancel_hint)
+    # From the first job sent: a signal while the jobs go out cancels what the broker took, as one later does.
+    with interrupt_signals() as signals:
+        prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling, lines,
+                                  signals=signals)
+        try:
+            sink = ResultFile(app, out, only_done, selection=("--prefix", prefix), address=address)
+            if announce:  # a terminal killed (SIGKILL) leaves the jobs running: this is how to find them again
+                app.err_console.print(f"submitted {len(ids)} job(s), ids {prefix}-LINE-K; from another terminal: "
+                                      f"{sink.recollect} --follow", soft_wrap=True, markup=False)
+        except KeyboardInterrupt:  # between the submission and the collection, which cancels from here on
+            tell(app, f"{signals.how}: cancelled {cancel_jobs(app, client, ids)} job(s)")
+            raise
+        selected = id_prefix_of(prefix)
+        results = collect(app, client, list(ids), task, sink,
+                          cancel_hint=SUBMIT_CANCEL_HINT if cancel_hint is None else cancel_hint, signals=signals,
+                          poll=lambda: client.list_jobs(prefix=selected))
     print_summary(app, results, time.monotonic() - started, sink.written)
     sink.check()
     return results
@@ -72,11 +91,16 @@ def run_submission(
 def submit_jobs(
     app: App, client: RolloutClient, task: str, instances: list[Any], n: int, timeout_s: float | None,
     id_prefix: str | None, sampling: dict[str, Any] | None, lines: list[int] | None = None,
+    signals: InterruptSignals | None = None, detach: bool = False, address: str | None = None,
 ) -> tuple[str, list[str]]:
     """Submit every instance ``n`` times with ids ``PREFIX-LINE-K``, one group per line; a one-line error if refused.
 
     LINE is the instance's row in its file (``lines``; default its index), rows left out by --skip-bad-rows
     counted: the same row keeps its ids (and its seeds) once a bad row before it is mended.
+
+    Ctrl-C, or a signal ``signals`` turns into one, while the jobs are sent: the jobs under these ids the broker
+    took are cancelled and counted (``detach``: left, with how to send the rest or cancel them), then the
+    interrupt goes on.
     """
     import uuid
 
@@ -92,6 +116,9 @@ def submit_jobs(
         meta=row_meta(instances[i]), seed_from=row * n)]
     try:
         submitted = client.submit_specs(specs, [inst for inst in instances for _ in range(n)])
+    except KeyboardInterrupt:
+        _interrupted_submission(app, client, task, prefix, ids, signals, detach, address)
+        raise
     except ProrlError as e:
         taken = getattr(e, "submitted", None)
         if isinstance(e, OSError) or (taken is not None and taken.accepted):
@@ -108,6 +135,36 @@ def submit_jobs(
             "broker: their earlier jobs and results are returned, not new rollouts (a resumed submission); for new "
             "rollouts (another --seed, other sampling or rows) give a new --id-prefix", soft_wrap=True, markup=False)
     return prefix, ids
+
+
+def _interrupted_submission(app: App, client: RolloutClient, task: str, prefix: str, ids: list[str],
+                            signals: InterruptSignals | None, detach: bool, address: str | None) -> None:
+    """Cancel (or, ``detach``, leave) the jobs under ``ids`` the broker took before the interrupt, and say so.
+
+    The client sends its messages in order, on one connection: a part of the submit already sent is taken
+    before this cancel is read, and ids never sent come back ``unknown``.
+    """
+    from prorl_cli.cli.jobs.collect import tell
+    from prorl_cli.exceptions import ProrlError
+
+    how = signals.how if signals is not None else "interrupted"
+    cancel_hint = command_hint(app, "cancel", "--prefix", prefix, address=address)
+    if detach:
+        tell(app, f"{how} while submitting: the broker may hold part of the {len(ids)} job(s) (ids {prefix}-LINE-K), "
+                  f"left running; the same command with --id-prefix {prefix} sends the rest (what it took is not "
+                  f"run twice); `{cancel_hint}` cancels them")
+        return
+    try:
+        states = client.cancel(ids)
+    except (ProrlError, OSError) as e:
+        tell(app, f"{how} while submitting; could not cancel what the broker took ({e}): `{cancel_hint}` does")
+        return
+    cancelled = sum(1 for state in states.values() if state == "cancelled")
+    taken = sum(1 for state in states.values() if state != "unknown")
+    tell(app, f"{how} while submitting: cancelled {cancelled} job(s) of {task!r} (ids {prefix}-LINE-K); the broker "
+              f"had taken {taken} of {len(ids)}" + (f", {taken - cancelled} of them ended already"
+                                                    if taken > cancelled else "")
+              + " (--detach leaves a submission running)")
 
 
 #: A row id longer than this stays out of the meta (ids are short; meta is capped at 4 KiB packed).
@@ -164,9 +221,17 @@ def submit(
     handlers pass it to each generate call; unset fields keep their defaults (SamplingParams, docs/protocol.md).
     A seed seeds the submission: rollout K of row LINE gets a seed derived from it and LINE x N + K, so a
     row's N rollouts differ and a rerun repeats them.
+    Progress goes to stderr: on a terminal a bar with the jobs ended (by state), running and
+    queued; off one (a batch log, 2>&1 | tee) the same as plain lines, one every 30 s and one each
+    time another 10 % of the jobs ended.
     Exit status: 0 once every job ended (done, failed, timed out: counted in the summary), 1 when
-    the submission or the connection failed (or, with --strict, when a job did not end done),
-    130 on Ctrl-C (which cancels the unfinished jobs; --detach leaves them running).
+    the submission or the connection failed (or, with --strict, when a job did not end done).
+
+    
+    Ctrl-C, SIGTERM (scancel, a batch job's time limit) or SIGHUP (a dropped ssh session), while
+    the jobs are sent or after, cancels what this command submitted and has not ended, says how
+    many, and exits 130, 143 or 129. With --detach a signal while sending leaves what the broker
+    took (the same command with its --id-prefix sends the rest); under nohup SIGHUP stays ignored.
     For GRPO groups with DAPO dynamic sampling, see `prorl sample`.
     """
     if dapo:
@@ -185,7 +250,11 @@ def submit(
         check_out_path(app, out)
     with connect(app, address) as client:
         if detach:
-            prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling, lines)
+            from prorl_cli.cli.jobs.collect import interrupt_signals
+
+            with interrupt_signals() as signals:
+                prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling, lines,
+                                          signals=signals, detach=True, address=address)
             # stdout: the prefix alone (PREFIX=$(prorl submit --detach ...)); stderr: what to do with it.
             click.echo(prefix)
             collect_hint = command_hint(app, "results", "--prefix", prefix, "--follow", "--out", "results.jsonl",
@@ -196,7 +265,8 @@ def submit(
                 f"  cancel:   {command_hint(app, 'cancel', '--prefix', prefix, address=address)}",
                 soft_wrap=True, markup=False)
             return
-        # Ctrl-C: collect cancels the unfinished jobs and says so; the prorl group ends it with one line, exit 130.
+        # Ctrl-C, SIGTERM, SIGHUP: the jobs sent so far, or the unfinished ones, are cancelled and counted; the
+        # command ends with one line, exit 130, 143 or 129 (run_submission).
         results = run_submission(app, client, task, instances, n, out, timeout_s, id_prefix, sampling, only_done,
                                  announce=True, address=address, lines=lines)
     if strict and any(r.state != "done" for r in results):

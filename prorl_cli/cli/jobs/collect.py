@@ -20,21 +20,28 @@ once every job ended, and count the states in the summary.
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import click
+
 from prorl_cli.cli.application import App
-from prorl_cli.cli.common import SigtermAsInterrupt, command_hint
+from prorl_cli.cli.common import command_hint
 from prorl_cli.exceptions import ProrlError
 
 if TYPE_CHECKING:
     from prorl_cli.client import RolloutClient
     from prorl_cli.observe.failures import FailureGroup
     from prorl_cli.protocol import JobResult
+
+log = logging.getLogger(__name__)
 
 
 class ResultFile:
@@ -186,65 +193,304 @@ def no_trajectory(results: list[JobResult], only_done: bool = False) -> str:
 #: What a cancelled submission is told it could have done instead.
 SUBMIT_CANCEL_HINT = "submit --detach leaves them running; prorl results collects them"
 
+#: Off a terminal (a batch log, ``2>&1 | tee``), a progress line at least this often while jobs run, whether or not one
+#: ended meanwhile (``prorl sample`` keeps the same pace)...
+PROGRESS_EVERY_S = 30.0
+#: ...and one each time another such share of the jobs ended, besides the first line and the last.
+PROGRESS_STEP_FRACTION = 0.1
+#: On a terminal, how often the bar asks the broker how many of the unfinished jobs are queued and how many run.
+PROGRESS_POLL_S = 10.0
+#: Job states of a job placed on a node and not ended: what a progress line counts as running.
+RUNNING_STATES = frozenset({"assigned", "init", "run", "eval"})
+#: The exit status of a command a signal ended: the shell's 128 + the signal.
+SIGNAL_EXIT_BASE = 128
+
+
+class InterruptSignals:
+    """While entered, SIGTERM and SIGHUP unwind like Ctrl-C (a :class:`~prorl_cli.cli.common.Terminated`, a
+    ``KeyboardInterrupt``), so a job command cleans up as on Ctrl-C: a batch job cancelled, preempted or out of
+    time gets SIGTERM, a dropped ssh session SIGHUP, and jobs nobody will collect must not stay queued.
+
+    A signal ignored when entered stays ignored (``nohup prorl submit ...`` outlives its terminal, as asked).
+    ``signum``: the signal that came (``None``: none, or Ctrl-C).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._before: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        from prorl_cli.cli.common import Terminated
+
+        self.signum = signum
+        raise Terminated
+
+    def __enter__(self) -> InterruptSignals:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers are the main thread's
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            before = signal.getsignal(sig)
+            # SIG_IGN: the user asked for it to be ignored; None: a handler set outside Python, not put back.
+            if before is None or before == signal.SIG_IGN:
+                continue
+            self._before[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+        self._before = {}
+
+    @property
+    def how(self) -> str:
+        """The words for what stopped the command: ``interrupted``, ``terminated (SIGTERM)``, ``hung up (SIGHUP)``."""
+        import signal
+
+        if self.signum == signal.SIGTERM:
+            return "terminated (SIGTERM)"
+        if self.signum == signal.SIGHUP:
+            return "hung up (SIGHUP)"
+        return "interrupted"
+
+
+@contextmanager
+def interrupt_signals() -> Iterator[InterruptSignals]:
+    """:class:`InterruptSignals` for a whole job command: SIGHUP ends it with ``error: hung up (SIGHUP)``, exit
+    129, once its cleanup ran; Ctrl-C (130) and SIGTERM (143) go on to the ``prorl`` group, which says so."""
+    import signal
+
+    signals = InterruptSignals()
+    try:
+        with signals:
+            yield signals
+    except KeyboardInterrupt:
+        if signals.signum != signal.SIGHUP:
+            raise
+        # The newline first, as the prorl group does: a live progress line has none.
+        tell(None, f"\nerror: {signals.how}")
+        raise click.exceptions.Exit(SIGNAL_EXIT_BASE + signal.SIGHUP) from None
+
+
+def tell(app: App | None, message: str) -> None:
+    """``message`` on stderr, as is (no markup); a terminal already gone (SIGHUP) does not stop the cleanup it
+    reports on."""
+    try:
+        if app is None:
+            click.echo(message, err=True)
+        else:
+            app.err_console.print(message, markup=False, highlight=False, soft_wrap=True)
+    except OSError as e:
+        log.debug("stderr is gone (%s): %s", e, message)
+
+
+@dataclass
+class Tally:
+    """What a progress line says of ``total`` jobs: those ended, by state (the results taken), and of the others
+    how many the broker last said were queued; the rest of them run (placed on a node)."""
+
+    total: int
+    started_s: float = field(default_factory=time.monotonic)
+    ended: dict[str, int] = field(default_factory=dict)
+    queued: int = 0
+    #: Jobs of the selection left out of the collection (``prorl results`` without --follow): their states.
+    left_out: dict[str, int] = field(default_factory=dict)
+    #: A command's own count, last on the line (``prorl eval``: ``resolved 3``).
+    note: str = ""
+
+    @property
+    def taken(self) -> int:
+        return sum(self.ended.values())
+
+    @property
+    def running(self) -> int:
+        return max(self.total - self.taken - self.queued, 0)
+
+    def add(self, result: JobResult) -> None:
+        self.ended[result.state] = self.ended.get(result.state, 0) + 1
+        self.queued = min(self.queued, self.total - self.taken)
+
+    def polled(self, states: Mapping[str, str], left: Iterable[str]) -> None:
+        """The broker's ``states`` (``list_jobs``) of the jobs still ``left``."""
+        self.queued = sum(1 for j in left if states.get(j) == "queued")
+
+    def text(self) -> str:
+        """``12/40 ended (done 10, failed 2); running 5, queued 23; 0.4 jobs/s``: the states the summary counts."""
+        ended = ", ".join(f"{k} {v}" for k, v in sorted(self.ended.items()))
+        line = f"{self.taken}/{self.total} ended" + (f" ({ended})" if ended else "")
+        if self.taken < self.total:
+            line += f"; running {self.running}, queued {self.queued}"
+        elapsed_s = max(time.monotonic() - self.started_s, 1e-9)
+        line += f"; {self.taken / elapsed_s:.1f} jobs/s"
+        if self.left_out:
+            line += "; not collected (--follow waits): " + ", ".join(f"{k} {v}" for k, v in sorted(self.left_out.items()))
+        return line + (f"; {self.note}" if self.note else "")
+
+
+class ProgressReport:
+    """Progress on stderr: on a terminal, rich's bar with :meth:`Tally.text` beside it, redrawn in place; off one
+    (a batch log, a pipe), where the bar shows nothing before it stops, plain lines: the first, then one every
+    :data:`PROGRESS_EVERY_S` and each time another :data:`PROGRESS_STEP_FRACTION` of the jobs ended, and the last.
+
+    ``poll``: the broker's states of the selection (``list_jobs``), asked before a line that jobs still run.
+    """
+
+    def __init__(self, app: App, title: str, tally: Tally, poll: Callable[[], Mapping[str, str]] | None) -> None:
+        self.app = app
+        self.title = title
+        self.tally = tally
+        self.poll = poll
+        self.left: set[str] = set()
+        self.terminal = app.err_console.is_terminal
+        self._bar: Any = None
+        self._bar_id: Any = None
+        self._polled_at: float | None = None
+        self._shown_at: float | None = None
+        self._shown_taken = -1
+
+    def __enter__(self) -> ProgressReport:
+        if self.terminal:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            # The counts text carries M/N ended: no second count beside the bar.
+            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[counts]}"),
+                                 TimeElapsedColumn(), console=self.app.err_console, transient=False)
+            self._bar.start()
+            self._bar_id = self._bar.add_task(self.title, total=self.tally.total, counts="")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            try:
+                self._bar.stop()
+            except OSError as e:  # the terminal went away (SIGHUP): the cleanup that follows matters more
+                log.debug("progress bar not closed: %s", e)
+            self._bar = None
+        elif self._shown_taken != self.tally.taken:
+            self._line()  # the last state, not yet shown
+
+    def wait_s(self) -> float:
+        """How long to wait for the next result before the progress is brought up to date without one."""
+        if self.terminal:
+            return PROGRESS_POLL_S
+        if self._shown_at is None:
+            return 0.0
+        return max(PROGRESS_EVERY_S - (time.monotonic() - self._shown_at), 0.0)
+
+    def update(self) -> None:
+        """After a result, or a wait without one: redraw the bar, or print a line when one is due."""
+        now = time.monotonic()
+        if self.terminal:
+            if self._polled_at is None or now - self._polled_at >= PROGRESS_POLL_S:
+                self._poll(now)
+            self._bar.update(self._bar_id, completed=self.tally.taken, counts=self.tally.text())
+            return
+        step = max(int(self.tally.total * PROGRESS_STEP_FRACTION), 1)
+        taken = self.tally.taken
+        # A line when the last one is old (jobs that run for minutes still show), or another step of jobs ended.
+        if (self._shown_at is None or now - self._shown_at >= PROGRESS_EVERY_S or taken >= self._shown_taken + step
+                or (taken == self.tally.total and taken != self._shown_taken)):
+            self._poll(now)
+            self._line()
+
+    def _poll(self, now: float) -> None:
+        self._polled_at = now
+        if self.poll is None or self.tally.taken >= self.tally.total:
+            return
+        try:
+            states = self.poll()
+        except ProrlError as e:  # the counts stay as last known; the collection itself reports a broker gone
+            log.debug("progress: job states not read: %s", e)
+            return
+        self.tally.polled(states, self.left)
+
+    def _line(self) -> None:
+        self._shown_at, self._shown_taken = time.monotonic(), self.tally.taken
+        tell(self.app, f"{self.title}: {self.tally.text()}")
+
 
 def collect(
     app: App, client: RolloutClient, ids: list[str], title: str, sink: ResultFile,
     on_interrupt: str = "cancel", cancel_hint: str = SUBMIT_CANCEL_HINT,
+    signals: InterruptSignals | None = None, poll: Callable[[], Mapping[str, str]] | None = None,
+    left_out: Mapping[str, str] | None = None, on_result: Callable[[JobResult], str] | None = None,
 ) -> list[JobResult]:
-    """Stream the results of ``ids`` into ``sink`` with a progress bar; return them all.
+    """Stream the results of ``ids`` into ``sink`` with progress (:class:`ProgressReport`); return them all.
 
-    Ctrl-C (``on_interrupt``): ``cancel`` the unfinished jobs (saying ``cancel_hint``), or ``leave`` them running
-    (they can be collected again with ``prorl results``); either way the results taken so far stay in ``sink``.
+    Ctrl-C, SIGTERM or SIGHUP (``on_interrupt``): ``cancel`` the unfinished jobs (saying ``cancel_hint``), or
+    ``leave`` them running (they can be collected again with ``prorl results``); either way the results taken so
+    far stay in ``sink``. ``signals``: the command's :class:`InterruptSignals` (default: one for this collection).
+    ``poll``: the broker's states of the selection, for the queued and running counts; ``left_out``: the states
+    of the selected jobs not collected (``prorl results`` without --follow), counted in the progress;
+    ``on_result``: called with each result, returns the command's own note for the progress (:attr:`Tally.note`).
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    started = time.monotonic()
-    counts: dict[str, int] = {}
     results: list[JobResult] = []
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[counts]}"),
-        TextColumn("{task.fields[rate]:.1f} jobs/s"),
-        TimeElapsedColumn(),
-    )
-    terminated = SigtermAsInterrupt()
+    tally = Tally(len(ids))
+    for state in (left_out or {}).values():
+        tally.left_out[state] = tally.left_out.get(state, 0) + 1
+    own = None
+    if signals is None:
+        own = signals = InterruptSignals()
     try:
-        with terminated, Progress(*columns, console=app.err_console, transient=False) as progress:
-            bar = progress.add_task(title, total=len(ids), counts="", rate=0.0)
-            for result in client.as_completed(ids):
-                results.append(result)
-                sink.add(result)
-                counts[result.state] = counts.get(result.state, 0) + 1
-                elapsed = max(time.monotonic() - started, 1e-9)
-                progress.update(bar, advance=1, counts=_counts_text(counts), rate=len(results) / elapsed)
+        with own or nullcontext(), ProgressReport(app, title, tally, poll) as progress, \
+                client.results(ids) as stream:
+            progress.left = set(ids)
+            progress.update()
+            while progress.left:
+                try:
+                    result = stream.next_within(progress.wait_s())
+                except StopIteration:
+                    break
+                if result is not None:
+                    results.append(result)
+                    sink.add(result)
+                    tally.add(result)
+                    progress.left.discard(result.job_id)
+                    if on_result is not None:
+                        tally.note = on_result(result)
+                progress.update()
     except KeyboardInterrupt:
         done = {r.job_id for r in results}
         left = [j for j in ids if j not in done]
         if on_interrupt == "cancel":
-            how = "terminated (SIGTERM)" if terminated.fired else "interrupted"
-            app.err_console.print(f"{how}: cancelling {len(left)} unfinished job(s)" + (f" ({cancel_hint})" if cancel_hint else ""))
-            client.cancel(left)
+            # The cancel first: after SIGHUP the terminal these words go to may be gone.
+            cancelled = cancel_jobs(app, client, left)
+            tell(app, f"{signals.how}: cancelled {cancelled} unfinished job(s)" + (f" ({cancel_hint})" if cancel_hint else ""))
             # After SIGTERM, Slurm sends SIGKILL once its KillWait (30 s by default) is up: wait less than that.
-            wait_s = TERMINATED_RESULTS_WAIT_S if terminated.fired else CANCELLED_RESULTS_WAIT_S
+            wait_s = CANCELLED_RESULTS_WAIT_S if signals.signum is None else TERMINATED_RESULTS_WAIT_S
             _collect_cancelled(app, client, left, results, sink, wait_s)
         else:
-            app.err_console.print(f"interrupted: {len(left)} job(s) still running; `{sink.recollect} --follow` "
-                                  "collects them later", markup=False)
+            tell(app, f"{signals.how}: {len(left)} job(s) still running; `{sink.recollect} --follow` "
+                      "collects them later")
         raise
     finally:
         partial = sys.exc_info()[0] is not None
         sink.close(partial=partial)
         if partial and sink.problem is not None:  # the command ends with the interruption's own error
-            app.err_console.print(f"warning: {sink.problem}", markup=False, soft_wrap=True)
+            tell(app, f"warning: {sink.problem}")
     return results
+
+
+def cancel_jobs(app: App, client: RolloutClient, ids: list[str]) -> int:
+    """Cancel ``ids``; how many the broker cancelled (0, said so, when it could not be asked)."""
+    if not ids:
+        return 0
+    try:
+        states = client.cancel(ids)
+    except (ProrlError, OSError) as e:
+        tell(app, f"could not cancel {len(ids)} job(s): {e}")
+        return 0
+    return sum(1 for state in states.values() if state == "cancelled")
 
 
 #: How long an interrupted submit waits for its cancelled jobs' results (the broker holds each for its
 #: node's partial result at most ``broker.cancel_result_grace_s``); a second Ctrl-C stops waiting.
 CANCELLED_RESULTS_WAIT_S = 30.0
-#: The same after SIGTERM (a Slurm job cancelled, preempted or at its time limit): well inside KillWait.
+#: The same after SIGTERM or SIGHUP (a Slurm job cancelled, preempted or at its time limit): well inside KillWait.
 TERMINATED_RESULTS_WAIT_S = 10.0
 
 
@@ -258,13 +504,9 @@ def _collect_cancelled(app: App, client: RolloutClient, ids: list[str], results:
             results.append(result)
             sink.add(result)
     except (TimeoutError, BrokerUnavailable, KeyboardInterrupt) as e:
-        app.err_console.print(f"interrupted: {len(ids)} cancelled job(s)' results not all written ({type(e).__name__})")
+        tell(app, f"interrupted: {len(ids)} cancelled job(s)' results not all written ({type(e).__name__})")
     else:
-        app.err_console.print(f"interrupted: wrote the {len(ids)} cancelled job(s)' results (partial trajectories)")
-
-
-def _counts_text(counts: dict[str, int]) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+        tell(app, f"interrupted: wrote the {len(ids)} cancelled job(s)' results (partial trajectories)")
 
 
 def parquet_rows(results: list[JobResult], only_done: bool = False) -> list[dict[str, Any]]:

@@ -33,14 +33,16 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
 
     \b
     Without --follow, the jobs that have ended are collected and the rest counted;
-    with --follow the command waits until every selected job ended. Ctrl-C
-    leaves the jobs running. Exit status 0 once the selected results are written;
+    with --follow the command waits until every selected job ended. Progress
+    (jobs ended by state, running, queued) goes to stderr: a bar on a terminal,
+    plain lines off one (every 30 s and every 10 % of the jobs). Ctrl-C, SIGTERM
+    or SIGHUP leaves the jobs running (exit 130, 143, 129). Exit status 0 once the selected results are written;
     1 when nothing matches, when an id given is unknown (the others' results are
     written all the same), when a .parquet --out could not be written (its results
     go to a .jsonl beside it), or when the broker cannot be reached.
     """
     from prorl_cli.cli.common import check_out_path, connect
-    from prorl_cli.cli.jobs.collect import ResultFile, collect, print_summary
+    from prorl_cli.cli.jobs.collect import ResultFile, collect, interrupt_signals, print_summary
     from prorl_cli.protocol import TERMINAL_STATES
 
     if sum([bool(job_ids), prefix is not None, group_id is not None]) != 1:
@@ -65,7 +67,17 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
         # The ids held only: the command to collect them again must not fail on the unknown ones again.
         selection = tuple(held) if job_ids else ("--prefix", prefix) if prefix is not None else ("--group", str(group_id))
         sink = ResultFile(app, out, only_done, selection=selection, address=address)
-        got = collect(app, client, wanted, "results", sink, on_interrupt="leave")
+        chosen, collected = set(held), set(wanted)
+
+        def poll() -> dict[str, str]:
+            """The selection's states now, for the progress's queued and running counts."""
+            if job_ids:
+                return {j: state for j, state in client.list_jobs().items() if j in chosen}
+            return client.list_jobs(prefix=id_prefix(prefix), group_id=group_id)
+
+        with interrupt_signals() as signals:
+            got = collect(app, client, wanted, "results", sink, on_interrupt="leave", signals=signals, poll=poll,
+                          left_out={j: _progress_state(s) for j, s in held.items() if j not in collected})
     # A rate here would time the collection, not the jobs.
     print_summary(app, got, None, sink.written, title="prorl results")
     running = len(held) - len(got)
@@ -77,6 +89,13 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
         app.abort(f"{len(unknown)} job id(s) the broker does not hold: {', '.join(_some(unknown))} (finished results "
                   f"are kept up to broker.result_retention){where}" + (f"; {sink.problem}" if sink.problem else ""))
     sink.check()
+
+
+def _progress_state(state: str) -> str:
+    """A job state as progress counts it: ``queued``, or ``running`` for one placed on a node (any stage)."""
+    from prorl_cli.cli.jobs.collect import RUNNING_STATES
+
+    return "running" if state in RUNNING_STATES else state
 
 
 #: Unknown ids named at most in an error line; the rest are counted.

@@ -101,7 +101,13 @@ def sample(
     and error, as `prorl submit` does), or past --step-timeout-s. Off a
     terminal (a Slurm log) progress comes as a line per step and one every
     30 s or so.
+
+    \b
+    Ctrl-C, SIGTERM (a batch job's time limit) or SIGHUP (a dropped ssh
+    session) cancels the jobs in flight, says how many, and exits 130, 143
+    or 129; under nohup SIGHUP stays ignored.
     """
+    from prorl_cli.cli.jobs.collect import interrupt_signals, tell
     from prorl_cli.exceptions import ProrlError, SamplerError
     from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
 
@@ -118,7 +124,10 @@ def sample(
                         step_timeout_s=step_timeout_s)
     batches: list[StepBatch] = []
     stopped: str | None = None
-    with connect(app, address) as client:
+    interrupted: int | None = None  # the jobs in flight when an interrupt came
+    # SIGTERM (a batch job's time limit) and SIGHUP (a dropped ssh session) end it as Ctrl-C does: the jobs in
+    # flight are cancelled (nobody would take their results), said, and it exits 143 or 129 (Ctrl-C: 130).
+    with interrupt_signals() as signals, connect(app, address) as client:
         sampler = BlockingDapoSampler(client, task, instances, cfg)
         try:
             with live_line(app) as live:
@@ -132,8 +141,14 @@ def sample(
             stopped = f"dynamic sampling stopped: {for_this_command(e)}"
         except ProrlError as e:
             stopped = f"dynamic sampling failed: {e}"
+        except KeyboardInterrupt:
+            interrupted = sampler.sampler.in_flight_jobs
+            raise
         finally:
             sampler.close()  # cancels the jobs still in flight: a stopped step leaves nothing running
+            if interrupted is not None:
+                tell(app, f"{signals.how}: cancelled {interrupted} job(s) in flight")
+                _keep_steps(app, batches, out)
     written: Path | None = None
     problem: str | None = None
     if out is not None and (batches or stopped is None):
@@ -149,6 +164,20 @@ def sample(
                       + (f"; results in {written}" if written else ""))
     if problem is not None:  # after the summary, which says where the results are, as `prorl submit` ends
         app.abort(problem)
+
+
+def _keep_steps(app: App, batches: list[StepBatch], out: Path | None) -> None:
+    """After an interrupt: the steps done before it go to ``out`` all the same, as after a sampler's stop."""
+    from prorl_cli.cli.jobs.collect import tell
+
+    if out is None or not batches:
+        return
+    try:
+        written, problem = write_groups(app, batches, out)
+    except OSError as e:
+        tell(app, f"{out}: the {len(batches)} step(s) done not written: {e.strerror or e}")
+        return
+    tell(app, f"the {len(batches)} step(s) done are in {written}" + (f"; {problem}" if problem else ""))
 
 
 class ProgressLine:
