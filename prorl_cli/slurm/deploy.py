@@ -189,8 +189,10 @@ class InferenceRole(ArrayRole):
     count: int = 0
     gpus_per_task: int = 1
     gres: str | None = None  # full --gres value instead of gpu:<gpus_per_task> (e.g. gpu:a100:1)
-    model: str | None = None  # a local model directory on a shared filesystem
-    engine: Literal["vllm", "transformers"] = "vllm"
+    model: str | None = None  # a local model directory on a shared filesystem (sim: optional, the name it serves)
+    # sim: a simulated GPU server (no model, no GPU used; prorl.yaml's inference.sim_profile and sim_speedup), for
+    # dry runs and planning a deployment on the cluster itself before its GPUs are spent on it.
+    engine: Literal["vllm", "transformers", "sim"] = "vllm"
     vllm_args: list[str] = field(default_factory=list)
     capacity: int | None = None
     max_model_len: int | None = None
@@ -199,8 +201,9 @@ class InferenceRole(ArrayRole):
         super().validate(where)
         if self.gpus_per_task < 0:
             raise ConfigError(f"{where}.gpus_per_task: must be 0 or more, got {self.gpus_per_task}")
-        if self.count and not self.model:
-            raise ConfigError(f"{where}.model: required when count > 0 (a local model directory)")
+        if self.count and not self.model and self.engine != "sim":
+            raise ConfigError(f"{where}.model: required when count > 0 (a local model directory; "
+                              f"engine sim needs none)")
         if self.vllm_args and self.engine != "vllm":
             raise ConfigError(f"{where}.vllm_args: only for engine vllm, engine is {self.engine!r}")
 

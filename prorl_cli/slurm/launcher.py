@@ -30,6 +30,7 @@ from prorl_cli.exceptions import (
     SlurmError,
 )
 from prorl_cli.processes import is_local_broker
+from prorl_cli.protocol.framing import TERMINAL_STATES
 from prorl_cli.rendezvous import rendezvous_path
 from prorl_cli.slurm import squeue
 from prorl_cli.slurm.deploy import DeployConfig, deploy_snapshot
@@ -171,7 +172,7 @@ def path_warnings(cfg: DeployConfig) -> list[str]:
     """Paths of the deployment file that this machine cannot see: the jobs would fail on them once Slurm starts
     them. Warnings, not refusals: a path may exist on the compute nodes alone (node-local storage)."""
     warnings = []
-    if cfg.inference.count and cfg.inference.model and not (Path(cfg.inference.model) / "config.json").is_file():
+    if cfg.inference.count and cfg.inference.model and cfg.inference.engine != "sim" and not (Path(cfg.inference.model) / "config.json").is_file():
         warnings.append(f"{cfg.source}: inference.model: {cfg.inference.model} is not a model directory here (no "
                         "config.json): the inference tasks will fail on it unless it exists on their nodes")
     if cfg.python and os.path.isabs(cfg.python) and not os.access(cfg.python, os.X_OK):
@@ -473,20 +474,26 @@ class RoleCounts:
     starting: int = 0  # running, not registered (yet)
     pending_restart: int = 0  # requeued, held for Slurm's requeue delay
     pending: int = 0  # waiting for resources
+    #: Running while the broker did not answer (restarting, say): serving or starting, nobody can tell.
+    running: int = 0
 
     @property
     def total(self) -> int:
-        return self.serving + self.starting + self.pending_restart + self.pending
+        return self.serving + self.starting + self.running + self.pending_restart + self.pending
 
     def describe(self) -> str:
         parts = [f"{n} {what}" for n, what in ((self.serving, "serving"), (self.starting, "starting"),
+                                                (self.running, "running (registered or not: the broker did not "
+                                                               "answer)"),
                                                 (self.pending_restart, "pending restart (requeued)"),
                                                 (self.pending, "pending")) if n]
         return ", ".join(parts) or "none"
 
 
-def count_role(role: str, members: list[Member], rows: list[squeue.SlurmTask], registered: set[str]) -> RoleCounts:
-    """Classify a role's members by their squeue rows and the peers the broker sees alive."""
+def count_role(role: str, members: list[Member], rows: list[squeue.SlurmTask],
+               registered: set[str] | None) -> RoleCounts:
+    """Classify a role's members by their squeue rows and the peers the broker sees alive (None: the broker did not
+    answer, so a running task is neither serving nor starting as far as anyone knows)."""
     by_id = {t.job_id: t for t in rows}
     counts = RoleCounts(role)
     for m in members:
@@ -494,7 +501,9 @@ def count_role(role: str, members: list[Member], rows: list[squeue.SlurmTask], r
         if t is None or not t.active:
             continue
         if t.state in squeue.RUNNING_STATES:
-            if m.peer_id in registered:
+            if registered is None:
+                counts.running += 1
+            elif m.peer_id in registered:
                 counts.serving += 1
             else:
                 counts.starting += 1
@@ -512,11 +521,16 @@ def role_counts(cfg: DeployConfig, role: str) -> RoleCounts:
         return RoleCounts(role)
     client = broker_client(cfg)
     try:
-        registered = registered_ids(broker_status(client))
+        report = broker_status(client)
     finally:
         if client is not None:
             client.close()
+    registered = registered_ids(report) if report is not None else None
     return count_role(role, record.of(role), squeue.query(record.job_ids), registered)
+
+
+#: The states of a finished job, as the broker's status counts them.
+FINISHED_STATES = frozenset(state.value for state in TERMINAL_STATES)
 
 
 @dataclass
@@ -527,6 +541,17 @@ class DownReport:
     cancelled: list[str]
     left: list[squeue.SlurmTask]
     rendezvous_removed: bool
+    #: Where the journal of a broker that did not take the stop was moved (its unfinished jobs); None: none left.
+    journal_kept: Path | None = None
+    #: The jobs the kept journal holds, by state (empty when none was kept, or it did not read back).
+    journal_jobs: dict[str, int] = field(default_factory=dict)
+    #: The jobs the broker held when it took the stop, by state (empty when it did not take the stop).
+    held_jobs: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def cancelled_jobs(self) -> dict[str, int]:
+        """Jobs the stop cancelled, by the state they were in."""
+        return {state: n for state, n in self.held_jobs.items() if state not in FINISHED_STATES and n}
 
 
 def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
@@ -538,7 +563,14 @@ def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
     record = mark_stopping(cfg.deployment_dir, record)
     stopped = False
     client = broker_client(cfg)
+    held: dict[str, int] = {}
     if client is not None:
+        try:
+            # What the stop is about to cancel (accepted jobs not finished), said afterwards; not knowing it is no
+            # reason to leave the broker running.
+            held = dict(client.status().jobs)
+        except (BrokerUnavailable, TimeoutError, ProrlError) as e:
+            log.info("broker did not say what it holds: %s", e)
         try:
             client.stop()
             stopped = True
@@ -562,9 +594,38 @@ def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
     if path.exists():
         path.unlink()
         removed = True
+    journal_kept: Path | None = None
     if not remaining:
         # The launch's record and supervision state go to history/<launch id>/: the next launch starts afresh.
-        archive_launch(cfg.deployment_dir)
-        # A broker that could not take the stop left its journal: down means nothing is replayed later.
-        (cfg.deployment_dir / JOURNAL_NAME).unlink(missing_ok=True)
-    return DownReport(stopped, cancelled, remaining, removed)
+        archived = archive_launch(cfg.deployment_dir)
+        # A broker that could not take the stop (cancelled, killed past its restarts) left its journal: the jobs it
+        # had accepted and not finished. Down means nothing is replayed by the next launch, but they are the user's
+        # work: kept beside the launch's record, for a launch to replay once copied back.
+        journal = cfg.deployment_dir / JOURNAL_NAME
+        if journal.exists():
+            if archived is not None:
+                journal_kept = archived / JOURNAL_NAME
+                os.replace(journal, journal_kept)
+            else:
+                journal.unlink()
+    report = DownReport(stopped, cancelled, remaining, removed, journal_kept=journal_kept,
+                        held_jobs=held if stopped else {})
+    if journal_kept is not None:
+        report.journal_jobs = journal_counts(journal_kept)
+    return report
+
+
+def journal_counts(path: Path) -> dict[str, int]:
+    """The jobs a broker's journal holds, by state (``run`` for one accepted and not finished, as it replays), or an
+    empty map when it does not read back (what ``down`` says of a journal it kept, not a reason to fail)."""
+    from prorl_cli.broker.journal import Journal
+
+    try:
+        jobs = Journal(path).replay()
+    except OSError as e:
+        log.warning("cannot read the journal %s: %s", path, e)
+        return {}
+    counts: dict[str, int] = {}
+    for job in jobs.values():
+        counts[job.state.value] = counts.get(job.state.value, 0) + 1
+    return counts

@@ -115,7 +115,7 @@ def role_spec(cfg: DeployConfig, role: str, index: int | None = None) -> RoleSpe
         if roles_config.node.drain_grace_s is None:
             # On the USR2 warning running jobs may finish until shortly before the end; 30 s are left for the requeue.
             overrides["node.drain_grace_s"] = node_drain_grace_s(cfg)
-        if inf.model and roles_config.inference.tokenizer is None:
+        if inf.model and inf.engine != "sim" and roles_config.inference.tokenizer is None:
             # Handlers tokenize for the model the bridges serve.
             overrides["inference.tokenizer"] = inf.model
     return RoleSpec(
@@ -168,6 +168,27 @@ def sbatch_options(cfg: DeployConfig, role: str) -> dict[str, Any]:
     return out
 
 
+#: Said in a task's log when one of its setup lines fails; the task then exits with that line's status.
+SETUP_FAILED = "prorl: a setup line failed"
+
+
+def guarded_setup(lines: list[str]) -> list[str]:
+    """The role's setup lines as submitit writes them into the batch script, stopped at the first that fails.
+
+    A failing line (``module load`` of a module the site lacks, a ``source`` of a missing file) would otherwise be
+    passed over and the role started without what it sets up, to fail later on something unrelated. The rendered
+    scripts run their setup under ``set -eo pipefail`` for the same reason; here an ``ERR`` trap (reset after the
+    setup) stops the script instead, naming the line, so submitit's own lines that follow are left as they are.
+    """
+    if not lines:
+        return []
+    # Only the lines themselves: a command that fails inside a file they source (a site's module or conda init, which
+    # may test things that fail harmlessly) is that file's business; the source line's own status still counts.
+    trap = ("trap 'rc=$?; if [ \"${#BASH_SOURCE[@]}\" -le 1 ]; then "
+            f"echo \"{SETUP_FAILED} (exit $rc): $BASH_COMMAND; the role does not start\" >&2; exit $rc; fi' ERR")
+    return [trap, *lines, "trap - ERR"]
+
+
 def executor(cfg: DeployConfig, role: str, count: int) -> Any:
     import submitit
 
@@ -180,7 +201,7 @@ def executor(cfg: DeployConfig, role: str, count: int) -> Any:
         time=sb.pop("time"),
         cpus_per_task=sb.pop("cpus-per-task"),
         signal_delay_s=opts.signal_delay_s,
-        setup=[*cfg.setup, *opts.setup],
+        setup=guarded_setup([*cfg.setup, *opts.setup]),
         stderr_to_stdout=True,
         array_parallelism=getattr(opts, "array_parallelism", 0) or max(count, 1),
         additional_parameters={k: v for k, v in sb.items() if k != "signal"},

@@ -49,6 +49,10 @@ def test_scale_counts_serving_starting_pending_restart_and_pending_apart() -> No
     assert (counts.serving, counts.starting, counts.pending_restart, counts.pending) == (1, 1, 1, 1)
     assert counts.total == 4, "the task that ended is not counted"
     assert counts.describe() == "1 serving, 1 starting, 1 pending restart (requeued), 1 pending"
+    # The broker did not answer (restarting): a running task is not called starting, nobody knows.
+    unknown = count_role("nodes", members, rows, registered=None)
+    assert (unknown.serving, unknown.starting, unknown.running, unknown.total) == (0, 0, 2, 4)
+    assert unknown.describe().startswith("2 running (registered or not: the broker did not answer), "), unknown
 
 
 def test_an_ended_task_says_its_state_exit_code_and_reason() -> None:
@@ -120,6 +124,9 @@ def test_a_broker_job_queued_or_running_is_restarting_and_an_ended_one_is_not() 
         assert view.broker_restarting() == says and view.broker_ended() is None and not view.gone
     failed = SlurmView(record, [_row("40", "FAILED", "NonZeroExitCode"), node])
     assert failed.broker_restarting() is None and failed.broker_ended() == "its Slurm job 40 ended FAILED"
+    cancelled = SlurmView(record, [_row("40", "CANCELLED"), node]).broker_ended() or ""
+    assert cancelled.startswith("its Slurm job 40 ended CANCELLED, and nothing replaces it (a broker asked to end"), \
+        "a scancel is left alone: the way back is named"
     assert SlurmView(record, [node]).broker_ended() == "its Slurm job 40 is not in squeue"
     assert SlurmView(record, [_row("40", "COMPLETED"), _row("41_0", "CANCELLED")]).gone
     assert SlurmView(record, None).broker_restarting() is None, "squeue did not answer: nothing to say"
@@ -132,7 +139,9 @@ def test_an_ended_broker_its_nodes_are_due_to_replace_is_restarting(tmp_path: Pa
     record = LaunchRecord(deployment="x", deploy_file="d.yaml", home=str(tmp_path), created_at=0.0, launch_id="L",
                           members=[Member("broker", 0, "40"), Member("nodes", 0, "41_0")])
     rows = [_row("40", "FAILED", "NonZeroExitCode"), _row("41_0", "RUNNING")]
-    assert SlurmView(record, rows).broker_restarting() is None, "no failure seen yet"
+    # Before a node has looked, its deploy file (d.yaml, not there) would tell the restarts left:
+    # tests/slurm/test_drill_findings.py has that case.
+    assert SlurmView(record, rows).broker_restarting() is None, "no failure seen yet, and no deploy file"
     (tmp_path / "x").mkdir()
     Supervision({"broker": NameState(failure=SeenFailure("40", "FAILED (exit code 137:0)", 0.0))}, "L").save(tmp_path / "x")
     assert SlurmView(record, rows).broker_restarting() == \

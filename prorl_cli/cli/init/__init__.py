@@ -66,7 +66,8 @@ deployment: {deployment}
 config: {config}  # the prorl.yaml every role reads: the broker's bind_host and the sandbox
 # runtime come from there (broker.bind_host and nodes.sandbox_runtime set here would override them)
 python: {python}                 # Python in the jobs (must see prorl installed); null: the one running prorl launch
-setup: []                    # shell lines before every role, e.g. ["module load cuda/12.4"]
+setup: []                    # shell lines before every role, e.g. ["module load cuda/12.4"]; one that fails
+# stops the role, naming the line (append `|| true` to a line that may fail)
 
 broker:
   where: {where}              # slurm: its own small job; here: a process on this (login) machine
@@ -80,10 +81,11 @@ nodes:
   partition: {partition}
 
 inference:
-  count: {inference_count}                   # inference bridges (vLLM), one GPU task each; needs model
+  count: {inference_count}                   # inference bridges (vLLM), one GPU task each; needs model (sim: none)
   gpus_per_task: {gpus_per_task}
   model: {model}                # a local model directory on a shared filesystem
-  engine: {engine}
+  engine: {engine}  # vllm | transformers (CPU) | sim: a simulated GPU server, no model or GPU
+# (dry runs and planning; gpus_per_task: 0 runs it on CPU nodes)
   time: "{inference_time}"
   partition: {partition}
 """

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from prorl_cli.slurm.deploy import DeployConfig
     from prorl_cli.slurm.record import LaunchRecord
     from prorl_cli.slurm.squeue import SlurmTask
+    from prorl_cli.slurm.supervisor import NameState
 
 # Pending reasons that waiting will not cure: launch gives up on them at once.
 # (Transient ones such as ReqNodeNotAvail during a maintenance reservation are waited out.)
@@ -125,12 +126,16 @@ def _member_table(cfg: DeployConfig, record: LaunchRecord, rows: list[SlurmTask]
     for m in record.members:
         t = by_id.get(m.job_id)
         state = t.state if t else "gone"
-        where = (t.pending_reason or t.nodes) if t else ""
+        # An ended task has no time left, and Slurm's reason says more of it than the node it ran on (as status).
+        ended = t is not None and not t.active
+        where = ((t.reason if ended and t.reason not in ("", "None") else t.pending_reason or t.nodes)
+                 if t else "")
         if m.role == "broker":
             reg = "yes" if report is not None else "no"
         else:
             reg = "yes" if m.peer_id in seen else "no"
-        table.add_row(m.role, m.peer_id, m.job_id, state, where, t.elapsed if t else "", t.time_left if t else "", reg)
+        table.add_row(m.role, m.peer_id, m.job_id, state, where, t.elapsed if t else "",
+                      t.time_left if t and not ended else "", reg)
     return table
 
 
@@ -188,9 +193,32 @@ class SlurmView:
         if self.rows is None or not any(t.active for t in self.rows if t.job_id not in ids):
             return None  # nobody left to replace it
         state = Supervision.load(Path(self.record.home) / self.record.deployment, self.record.launch_id).names.get("broker")
-        if state is None or state.failure is None or state.failure.job_id not in ids or state.gave_up is not None:
+        if state is not None and state.failure is not None and state.failure.job_id in ids and state.gave_up is None:
+            return f"its Slurm job {state.failure.job_id} ended {state.failure.ended}; its nodes start a replacement"
+        return self._broker_end_not_seen_yet(state)
+
+    def _broker_end_not_seen_yet(self, state: NameState | None) -> str | None:
+        """A broker job that ended on its own (killed, FAILED, OUT_OF_MEMORY) which no node or bridge has looked at
+        yet (they look in turn, about every 5 s between them): it is replaced all the same while its restarts last,
+        so it is restarting, not gone."""
+        from prorl_cli.exceptions import ProrlError
+        from prorl_cli.slurm import squeue
+        from prorl_cli.slurm.record import load_launched
+
+        t = self.broker_task()
+        if t is None or t.state not in squeue.UNASKED_END_STATES:
+            return None  # asked to end (a scancel), or aged out: the supervisor's judgement is awaited
+        if state is not None and state.gave_up is not None and state.gave_up.get("job_id") == t.job_id:
             return None
-        return f"its Slurm job {state.failure.job_id} ended {state.failure.ended}; its nodes start a replacement"
+        try:
+            _, cfg = load_launched(Path(self.record.home) / self.record.deployment)
+        except ProrlError:
+            return None
+        restarts = state.restarts if state is not None else 0
+        if restarts >= cfg.broker.max_restarts:
+            return None
+        return (f"its Slurm job {t.job_id} ended {t.state}; its nodes and bridges replace it once one of them sees "
+                f"that (restart {restarts + 1} of {cfg.broker.max_restarts})")
 
     def broker_ended(self) -> str | None:
         """How the broker job ended, when squeue still shows it ended or no longer shows it; for a broker ``here``,
@@ -210,7 +238,32 @@ class SlurmView:
         if t is not None and t.active:
             return None
         ids = ", ".join(m.job_id for m in self.record.of("broker")) or "-"
-        return f"its Slurm job {ids} ended {t.state}" if t is not None else f"its Slurm job {ids} is not in squeue"
+        if t is None:
+            return f"its Slurm job {ids} is not in squeue"  # aged out: its peers judge it from its log
+        ended = f"its Slurm job {ids} ended {t.state}"
+        why = self._broker_not_replaced(t)
+        if why is not None and self.rows and any(r.active for r in self.rows):
+            # Its nodes and bridges still run and wait for it (rendezvous_wait_s), and nothing brings it back: the
+            # way out, and where its accepted jobs go.
+            record = self.record
+            home = ["prorl", "--home", record.home]
+            down = shlex.join([*home, "down", "-d", record.deployment])
+            again = shlex.join([*home, "launch", record.deploy_file or "DEPLOY_FILE", "-d", record.deployment])
+            ended += (f", and nothing replaces it ({why}): `{down}` (its unfinished jobs are kept in history/), "
+                      f"then `{again}` starts the deployment again")
+        return ended
+
+    def _broker_not_replaced(self, t: SlurmTask) -> str | None:
+        """Why nothing will replace the ended broker job ``t``, or None when it may still be (or cannot be told)."""
+        from prorl_cli.slurm import squeue
+        from prorl_cli.slurm.supervisor import Supervision
+
+        if t.state not in squeue.UNASKED_END_STATES:
+            return "a broker asked to end (a scancel) is left alone"
+        state = Supervision.load(Path(self.record.home) / self.record.deployment, self.record.launch_id).names.get("broker")
+        if state is not None and state.gave_up is not None and state.gave_up.get("job_id") == t.job_id:
+            return f"its max_restarts are spent ({state.restarts} restart(s))"
+        return None
 
     def to_json(self) -> list[dict[str, str]]:
         """One entry per member of the launch: role, task, Slurm job id and squeue's row (``gone``: aged out)."""
@@ -716,11 +769,33 @@ def down(app: App, name: str | None, wait_s: float) -> None:
     except SlurmError as e:
         app.abort(str(e))
     app.console.print(f"broker stop: {'done' if report.broker_stopped else 'broker not reachable'}")
+    lost = report.cancelled_jobs
+    if lost:
+        # Work the stop ended: said, so whoever submitted with --detach knows `results` will not bring it back.
+        states = ", ".join(f"{state} {n}" for state, n in sorted(lost.items()))
+        app.console.print(f"[yellow]the broker cancelled {sum(lost.values())} unfinished job(s)[/] ({states}): "
+                          "their results will not come; finished ones are no longer served either",
+                          soft_wrap=True, highlight=False)
     if report.cancelled:
         app.console.print(f"scancel: {', '.join(report.cancelled)}")
     if report.left:
         app.abort(f"still in squeue after {wait_s:.0f} s: {', '.join(f'{t.job_id} {t.state}' for t in report.left)}")
     app.console.print(f"[bold]{cfg.deployment} is down[/]: nothing of it in squeue; rendezvous file removed")
+    if report.journal_kept is not None:
+        # The broker was not there to cancel its jobs: say what it held, where it went, and how to run it again.
+        from prorl_cli.slurm.launcher import FINISHED_STATES
+
+        counts = report.journal_jobs
+        unfinished = sum(n for state, n in counts.items() if state not in FINISHED_STATES)
+        finished = sum(n for state, n in counts.items() if state in FINISHED_STATES)
+        live = cfg.deployment_dir / report.journal_kept.name
+        again = command_hint(app, "launch", str(cfg.source), deployment=cfg.deployment, home=str(cfg.home_path))
+        app.console.print(
+            f"[yellow]the broker did not take the stop: its journal ({unfinished} job(s) accepted and not finished, "
+            f"{finished} finished) is kept in {escape(str(report.journal_kept))}[/]; the next launch starts without "
+            f"it. To run them again (and serve the finished ones' results): `cp "
+            f"{escape(shlex.quote(str(report.journal_kept)))} {escape(shlex.quote(str(live)))}` before "
+            f"`{escape(again)}`", soft_wrap=True, highlight=False)
 
 
 @click.command("render-sbatch")

@@ -91,7 +91,15 @@ def logs(app: App, member: str, follow: bool, lines: int, attempt: int | None, e
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.slurm.record import LAUNCH_NAME, load_launched, log_files
 
-    role, index = parse_member(member)
+    try:
+        role, index = parse_member(member)
+    except click.BadParameter as e:
+        # `prorl logs NAME` is the one form the other commands take and logs does not: say how, not only "bad role".
+        if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", member) and (app.config.home_path / member).is_dir():
+            raise click.BadParameter(f"{member!r} is a deployment, and logs' argument is the task: "
+                                     f"`prorl logs -d {member} ROLE[INDEX]` (broker, nodes[INDEX] or "
+                                     "inference[INDEX])") from e
+        raise
     if attempt is not None and (index is None and role != "broker"):
         app.abort("--attempt N needs one task: ROLE[INDEX]")
     if attempt is not None and every:
