@@ -406,7 +406,12 @@ class Router:
         header = H.Generate(call_id, job_id, sampling).to_wire()
         if backend.identity is None or not self._send(backend.identity, header, payload):
             self._backend_lost(backend, "unreachable")
-            self._reply_error(identity, h.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
+            if self.stopping:
+                self._reply_error(identity, h.rid, ErrorCode.BACKEND_ERROR, f"backend {backend.backend_id} is unreachable")
+            else:
+                # Never delivered, so it cannot have harmed the backend: it goes on as it came, to another backend
+                # or held for the next one (the lost backend is no candidate any more).
+                self._route_call(identity, h, payload, running=running, moves=moves)
             return
         self.pending.add(call_id, PendingGenerate(identity, h.rid, job_id, backend.backend_id, False,
                                                   self.weights.policy_version, request=h, payload=payload,

@@ -391,3 +391,26 @@ def test_a_generate_reply_carries_the_bridges_own_version_when_it_has_one() -> N
     c.reply(b1, fwd["rid"])  # a bridge that does not say: the broker's version when it routed the call
     (answer,) = c.take(N1)
     assert answer["policy_version"] == 5
+
+
+def test_a_call_that_cannot_be_sent_to_a_killed_bridge_goes_on_elsewhere_or_waits() -> None:
+    """A bridge killed (SIGKILL) disconnects before its heartbeats are missed: the next call sent to it fails to
+    send. That call never reached it, so it cannot have killed it: it goes to another backend, or waits for the
+    next one, instead of failing its job; the bridge is lost."""
+    c = Cluster()
+    b1, b2 = c.bridge("b1"), c.bridge("b2")
+    run(c, "j1", "j2")
+    c.unreachable.add(b1)  # killed: j1 is bound to no bridge yet, the least loaded is tried first
+    r1 = c.generate("j1")
+    (sent,) = [h for h in c.take(b2) if h["op"] == Op.GENERATE.value]
+    assert sent["job_id"] == "j1" and c.take(N1) == []  # no error for the node: the call runs on b2
+    c.reply(b2, sent["rid"])
+    (answer,) = [a for a in c.take(N1) if a["op"] == Op.REPLY.value]
+    assert answer["rid"] == r1 and "error" not in answer and answer["backend_id"] == "b2"
+    assert [s.backend_id for s in c.router.backend_statuses()] == ["b2"]
+    c.unreachable.add(b2)  # the last bridge killed too: the next call waits for one, its node told so
+    c.generate("j2")
+    (held,) = c.take(N1)
+    assert held["op"] == Op.GENERATE_HELD.value and held["held"] and len(c.router.held) == 1
+    b3 = c.bridge("b3")
+    assert [h["job_id"] for h in c.take(b3) if h["op"] == Op.GENERATE.value] == ["j2"]

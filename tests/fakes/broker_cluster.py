@@ -40,8 +40,12 @@ class Cluster:
             heartbeat_interval_s=1.0, heartbeat_liveness=3,
         )
         self._rid = 0
+        #: Peers a send to fails, as ZeroMQ's router fails one to a peer that disconnected (killed): nothing recorded.
+        self.unreachable: set[bytes] = set()
 
     def send(self, identity: bytes, header: dict[str, Any], payload: Any = ()) -> bool:
+        if identity in self.unreachable:
+            return False
         self.sent.append((identity, header, list(payload)))
         return True
 
