@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import click
 
 from prorl_cli import __version__
@@ -62,8 +64,10 @@ class ProrlGroup(click.Group):
             from prorl_cli.cli.common import interruption
 
             how, code = interruption(e)
-            click.echo(err=True)
-            click.echo(f"error: {how}", err=True)
+            # The terminal may be gone (SIGHUP): writing to it fails, and the exit code is all that is left to tell.
+            with contextlib.suppress(OSError):
+                click.echo(err=True)
+                click.echo(f"error: {how}", err=True)
             raise click.exceptions.Exit(code) from None
 
 

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shlex
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -270,38 +271,72 @@ def sampling_of(app: App, max_tokens: int | None, temperature: float | None, top
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, unwinding as Ctrl-C does (:class:`SigtermAsInterrupt`); the CLI says which of the two it was."""
+    """SIGTERM or SIGHUP, unwinding as Ctrl-C does (:class:`InterruptSignals`); the CLI says which it was."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        self.signum = signal.Signals(signum)
+        super().__init__(self.signum.name)
+
+
+def signal_words(signum: int) -> str:
+    """What a signal that stops a command is called where the command says so: ``terminated (SIGTERM)``."""
+    sig = signal.Signals(signum)
+    return f"{'hung up' if sig == signal.SIGHUP else 'terminated'} ({sig.name})"
 
 
 def interruption(e: KeyboardInterrupt) -> tuple[str, int]:
-    """How to name an interruption and the exit code to end with: SIGTERM's (143) or Ctrl-C's (130)."""
-    return ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted (Ctrl-C)", 130)
+    """How to name an interruption and the exit code to end with: the shell's 128 + the signal (SIGTERM 143,
+    SIGHUP 129), Ctrl-C's 130."""
+    if isinstance(e, Terminated):
+        return signal_words(e.signum), 128 + e.signum.value
+    return "interrupted (Ctrl-C)", 130
 
 
-class SigtermAsInterrupt:
-    """While entered, SIGTERM unwinds like Ctrl-C (``KeyboardInterrupt``), so a command cleans up as it does
-    on Ctrl-C: a trainer's Slurm job gets SIGTERM when cancelled, preempted or out of time (its jobs must be
-    cancelled, not left running), a build stopped so (its temp files removed). ``fired``: SIGTERM came."""
+class InterruptSignals:
+    """While entered, SIGTERM and SIGHUP unwind like Ctrl-C (a :class:`Terminated`, a ``KeyboardInterrupt``), so a
+    command cleans up as it does on Ctrl-C: a Slurm job cancelled, preempted or out of time gets SIGTERM, a
+    dropped ssh session or closed terminal SIGHUP, and jobs nobody will collect must not stay queued (nor a
+    build's temp files stay behind). ``signum``: the signal that came (``None``: none, or Ctrl-C).
+
+    A signal ignored when entered stays ignored (``nohup prorl ...`` outlives its terminal, as asked), and one
+    whose handler was set outside Python is left alone. Once one came, further ones are ignored until :meth:`restore` (after
+    the clean-up; leaving the block restores only when none came): a terminal's hangup comes to the whole
+    process group, often twice, and a second signal would cut the clean-up short.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
-        self.fired = False
-        self._before: Any = None
+        self.signum: signal.Signals | None = None
+        self._before: dict[signal.Signals, Any] = {}
 
-    def _on_term(self, signum: int, frame: object) -> None:
-        self.fired = True
-        raise Terminated
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            return  # the first one is being handled: its clean-up must not be cut short
+        self.signum = signal.Signals(signum)
+        raise Terminated(self.signum)
 
-    def __enter__(self) -> SigtermAsInterrupt:
-        import signal
+    def __enter__(self) -> InterruptSignals:
         import threading
 
-        if threading.current_thread() is threading.main_thread():
-            self._before = signal.signal(signal.SIGTERM, self._on_term)
+        if threading.current_thread() is threading.main_thread():  # signal handlers are the main thread's
+            for sig in self.SIGNALS:
+                before = signal.getsignal(sig)
+                if before is not None and before != signal.SIG_IGN:
+                    self._before[sig] = signal.signal(sig, self._on_signal)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        import signal
+        if self.signum is None:
+            self.restore()
 
-        if self._before is not None:
-            signal.signal(signal.SIGTERM, self._before)
-            self._before = None
+    def restore(self) -> None:
+        """Put the handlers back (a signal from now on does what it did before)."""
+        for sig, before in self._before.items():
+            signal.signal(sig, before)
+        self._before.clear()
+
+    @property
+    def how(self) -> str:
+        """The words for what stopped the command: ``interrupted``, ``terminated (SIGTERM)``, ``hung up (SIGHUP)``."""
+        return "interrupted" if self.signum is None else signal_words(self.signum)

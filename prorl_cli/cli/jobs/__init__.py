@@ -23,7 +23,7 @@ from prorl_cli.cli.naming import deployment_argument, deployment_option, id_pref
 from prorl_cli.cli.naming import id_prefix as id_prefix_of
 
 if TYPE_CHECKING:
-    from prorl_cli.cli.jobs.collect import InterruptSignals
+    from prorl_cli.cli.common import InterruptSignals
     from prorl_cli.client import RolloutClient
     from prorl_cli.protocol import JobResult, StatusReport
 

@@ -33,7 +33,7 @@ from typing import IO, TYPE_CHECKING, Any
 import click
 
 from prorl_cli.cli.application import App
-from prorl_cli.cli.common import command_hint
+from prorl_cli.cli.common import InterruptSignals, command_hint
 from prorl_cli.exceptions import ProrlError
 
 if TYPE_CHECKING:
@@ -202,78 +202,19 @@ PROGRESS_STEP_FRACTION = 0.1
 PROGRESS_POLL_S = 10.0
 #: Job states of a job placed on a node and not ended: what a progress line counts as running.
 RUNNING_STATES = frozenset({"assigned", "init", "run", "eval"})
-#: The exit status of a command a signal ended: the shell's 128 + the signal.
-SIGNAL_EXIT_BASE = 128
-
-
-class InterruptSignals:
-    """While entered, SIGTERM and SIGHUP unwind like Ctrl-C (a :class:`~prorl_cli.cli.common.Terminated`, a
-    ``KeyboardInterrupt``), so a job command cleans up as on Ctrl-C: a batch job cancelled, preempted or out of
-    time gets SIGTERM, a dropped ssh session SIGHUP, and jobs nobody will collect must not stay queued.
-
-    A signal ignored when entered stays ignored (``nohup prorl submit ...`` outlives its terminal, as asked).
-    ``signum``: the signal that came (``None``: none, or Ctrl-C).
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._before: dict[int, Any] = {}
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        from prorl_cli.cli.common import Terminated
-
-        self.signum = signum
-        raise Terminated
-
-    def __enter__(self) -> InterruptSignals:
-        import signal
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return self  # signal handlers are the main thread's
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            before = signal.getsignal(sig)
-            # SIG_IGN: the user asked for it to be ignored; None: a handler set outside Python, not put back.
-            if before is None or before == signal.SIG_IGN:
-                continue
-            self._before[sig] = signal.signal(sig, self._on_signal)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import signal
-
-        for sig, handler in self._before.items():
-            signal.signal(sig, handler)
-        self._before = {}
-
-    @property
-    def how(self) -> str:
-        """The words for what stopped the command: ``interrupted``, ``terminated (SIGTERM)``, ``hung up (SIGHUP)``."""
-        import signal
-
-        if self.signum == signal.SIGTERM:
-            return "terminated (SIGTERM)"
-        if self.signum == signal.SIGHUP:
-            return "hung up (SIGHUP)"
-        return "interrupted"
 
 
 @contextmanager
 def interrupt_signals() -> Iterator[InterruptSignals]:
-    """:class:`InterruptSignals` for a whole job command: SIGHUP ends it with ``error: hung up (SIGHUP)``, exit
-    129, once its cleanup ran; Ctrl-C (130) and SIGTERM (143) go on to the ``prorl`` group, which says so."""
-    import signal
-
+    """:class:`~prorl_cli.cli.common.InterruptSignals` for a whole job command: Ctrl-C, SIGTERM and SIGHUP end it
+    once its cleanup ran (the ``prorl`` group then says which, exit 130, 143 or 129); signals that come during that
+    cleanup are ignored."""
     signals = InterruptSignals()
     try:
         with signals:
             yield signals
-    except KeyboardInterrupt:
-        if signals.signum != signal.SIGHUP:
-            raise
-        # The newline first, as the prorl group does: a live progress line has none.
-        tell(None, f"\nerror: {signals.how}")
-        raise click.exceptions.Exit(SIGNAL_EXIT_BASE + signal.SIGHUP) from None
+    finally:
+        signals.restore()
 
 
 def tell(app: App | None, message: str) -> None:

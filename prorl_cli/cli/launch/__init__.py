@@ -10,19 +10,17 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 from rich.markup import escape
 
 from prorl_cli.cli.application import App, pass_app
-from prorl_cli.cli.common import command_hint
+from prorl_cli.cli.common import InterruptSignals, Terminated, command_hint, interruption
 from prorl_cli.cli.naming import (
     deployment_option,
     name_deployment,
@@ -511,14 +509,16 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
     )
     if no_wait:
         return
-    stop = StopSignals()
+    # SIGTERM or SIGHUP (an ssh session that drops, a terminal closed, a kill, a batch system's stop) as Ctrl-C:
+    # every submitted job must not be left queued with nobody watching.
+    stop = InterruptSignals()
     try:
         with stop:
             failure = _watch(app, cfg, record, wait_s)
     except BaseException as e:
         # A closed terminal can make the live view's last frame fail (EIO, a broken pipe) as the signal unwinds
         # it: after SIGTERM or SIGHUP that is the same interruption, and what was submitted must still go.
-        if not isinstance(e, KeyboardInterrupt) and stop.fired is None:
+        if not isinstance(e, KeyboardInterrupt) and stop.signum is None:
             raise
         _interrupted(app, cfg, record, keep, stop)
     if not app.err_console.is_terminal:
@@ -543,63 +543,10 @@ def launch(app: App, deploy_file: str, wait_s: float, keep: bool, no_wait: bool,
     app.abort(f"{failure.reason} {_give_up(app, cfg, record, keep)}")
 
 
-class LaunchSignal(KeyboardInterrupt):
-    """SIGTERM or SIGHUP while ``launch`` waits, unwinding as Ctrl-C does (:class:`StopSignals`)."""
-
-    def __init__(self, signum: signal.Signals) -> None:
-        super().__init__(signum.name)
-        self.signum = signum
-
-
-class StopSignals:
-    """While entered, SIGTERM and SIGHUP unwind ``launch``'s wait as Ctrl-C does (:class:`LaunchSignal`): an ssh
-    session that drops, a terminal closed, a ``kill`` or a batch system's stop must not leave every submitted job
-    queued with nobody watching. ``fired``: the signal that came. A signal whose handler is not the default one
-    (``nohup`` ignores SIGHUP, a caller's own handler) is left as it is: whoever set it wants it so.
-
-    Once one fired, further ones are ignored until :meth:`restore` (after the clean-up): a terminal's hangup
-    comes to the whole process group and often twice (the kernel's, the shell's), and a second signal would cut
-    the cancel short and leave the jobs queued after all.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.fired: signal.Signals | None = None
-        self._before: dict[signal.Signals, Any] = {}
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        if self.fired is not None:
-            return  # the first one is being handled: its clean-up must not be cut short
-        self.fired = signal.Signals(signum)
-        raise LaunchSignal(self.fired)
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                if signal.getsignal(sig) is signal.SIG_DFL:
-                    self._before[sig] = signal.signal(sig, self._on_signal)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.fired is not None:
-            return  # kept (ignoring further signals) until the clean-up calls restore()
-        self.restore()
-
-    def restore(self) -> None:
-        for sig, before in self._before.items():
-            signal.signal(sig, before)
-        self._before.clear()
-
-
-def _interrupted(app: App, cfg: DeployConfig, record: LaunchRecord, keep: bool, stop: StopSignals) -> NoReturn:
+def _interrupted(app: App, cfg: DeployConfig, record: LaunchRecord, keep: bool, stop: InterruptSignals) -> NoReturn:
     """Ctrl-C, SIGTERM or SIGHUP while ``launch`` waits: give up on the launch as a failure does (what it submitted
     goes, unless --keep), then say so and exit 128 + the signal."""
-    signum = stop.fired
-    if signum is None:
-        how, code = "interrupted", 130
-    else:
-        how, code = f"{'terminated' if signum == signal.SIGTERM else 'hung up'} ({signum.name})", 128 + signum.value
+    how, code = ("interrupted", 130) if stop.signum is None else interruption(Terminated(stop.signum))
     try:
         outcome = _give_up(app, cfg, record, keep)  # first: after a hangup nobody may read what is printed
     finally:
