@@ -238,7 +238,7 @@ def sampling_options(fn: F) -> F:
     options = [
         click.option("--format", "fmt", metavar="FORMAT",
                      help="Row shape of TASKS for the domain tasks (math, code, swe, search) where it is ambiguous, "
-                          "e.g. code: io, test_cases, apps, livecodebench, codecontests, codeforces, verl; swe: a source's name "
+                          "e.g. code: io, test_cases, apps, livecodebench, codecontests, codeforces, verl, verification_info; swe: a source's name "
                           "(docs/domains.md)."),
         click.option("--skip-bad-rows", is_flag=True,
                      help="Domain tasks: leave out the rows of TASKS that cannot be loaded (a field missing or unusable, "

@@ -4,7 +4,9 @@ Mathematical equivalence uses ``math-verify`` (LaTeX, fractions, intervals,
 sets, equations such as ``x=3`` against ``3``); without it, or when it cannot
 parse an answer, a sympy comparison of the two expressions (plain arithmetic
 only: sympify evaluates its text, and an answer is model output); failing
-that, normalised string equality. Install with ``pip install 'prorl[domains]'``.
+that, normalised string equality. Digit groups set off by a LaTeX space (``10\\,000``) are joined first, and
+two lists of option letters (``\\text{A, C}``, ``A, C``) compare as sets of letters. Install with
+``pip install 'prorl[domains]'``.
 """
 
 from __future__ import annotations
@@ -123,6 +125,23 @@ def _normalise(s: str) -> str:
     return re.sub(r"\s+", "", s.strip().strip("$").rstrip("."))
 
 
+# Digit groups set off by a LaTeX space (10\\,000, 1\\ 234\\ 567, as LaTeX typesets thousands): math-verify reads
+# 10\\,000 as the product 10*000, so a right answer written so would score 0. The space goes before parsing.
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\,|\\ |\\;|~)(?=\d{3}(?!\d))")
+# A list of option letters, as MATH's "enter the letters of the correct options, separated by commas" answers
+# (\\text{A, C}): math-verify reads the \\text{} one as the text "a,c" and the bare one as the set {a, c}, which
+# never match; compared here as sets of letters, as math-verify compares two bare lists.
+# Each item a letter or a parenthesised one: "(A, B)" is an ordered pair, not a list of options.
+_CHOICE_ITEM = r"(?:\([A-Z]\)|[A-Z])"
+_CHOICE_LIST = re.compile(rf"{_CHOICE_ITEM}(?:\s*,\s*{_CHOICE_ITEM})+")
+
+
+def _choice_letters(answer: str) -> frozenset[str] | None:
+    """The letters of an answer that is a list of option letters (``A, C``, ``\\text{(A), (C)}``), else ``None``."""
+    words = latex_words(answer.strip().strip("$"))
+    return frozenset(re.findall(r"[A-Z]", words)) if _CHOICE_LIST.fullmatch(words.strip()) else None
+
+
 def math_equal(gold: str, pred: str | None) -> MathVerdict:
     """Is ``pred`` mathematically equal to ``gold``? ``None`` (no answer) is wrong.
 
@@ -131,6 +150,10 @@ def math_equal(gold: str, pred: str | None) -> MathVerdict:
     """
     if pred is None or not pred.strip():
         return MathVerdict(False, "none", None)
+    gold, pred = _DIGIT_GROUP_SPACE.sub("", gold), _DIGIT_GROUP_SPACE.sub("", pred)
+    gold_letters, pred_letters = _choice_letters(gold), _choice_letters(pred)
+    if gold_letters is not None and pred_letters is not None:
+        return MathVerdict(gold_letters == pred_letters, "choices", ", ".join(sorted(pred_letters)))
     if importlib.util.find_spec("math_verify") is not None:
         from math_verify import parse, verify
 

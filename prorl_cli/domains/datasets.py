@@ -23,16 +23,20 @@ for ``--format`` when a row fits more than one):
   ``examples``; the question is ``description``, ``input_format``,
   ``output_format`` and ``note``; ``codeforces``), or verl-style rows
   (Eurus-2-RL-Data): a chat ``prompt`` and ``reward_model.ground_truth``
-  holding ``{inputs, outputs}`` (``verl``). ``tests`` may be a list or JSON
+  holding ``{inputs, outputs}`` (``verl``), or PrimeIntellect's
+  verifiable-coding-problems: ``verification_info.test_cases``
+  (``verification_info``; the statement is ``prompt``, or
+  ``problem_statement`` in open-r1's copy). ``tests`` may be a list or JSON
   text of one (DeepCoder). Function-call tests (LiveCodeBench
   ``testtype: "functional"``, DeepCoder ``type: "function_call"``) are left
-  out; a row of nothing else is refused.
+  out; a row of nothing else is refused, and so is a row whose tests are
+  assertions on a function (HumanEval, MBPP), naming the field.
 - ``swe``: SWE-bench (full, Lite, Verified), SWE-Gym, SWE-smith, SWE-rebench,
   nebius SWE-bench-extra and swebench task rows, each with its own field
   names, mapped to the swe instance by :mod:`prorl_cli.swe.sources`
   (``--format`` names the source where ``auto`` should not guess). Fields
   prorl cannot use are kept and reported once per dataset (``warn``).
-- ``search``: ``question`` with ``answers``, ``answer`` or ``golden_answers``
+- ``search``: ``question`` (text) with ``answers``, ``answer``, ``golden_answers`` or PopQA's ``possible_answers``
   (a string, a number, a boolean as ``yes``/``no``, a list of them or of
   such lists (NQ), SQuAD's ``{text: [...]}`` or TriviaQA's
   ``{value, aliases}``), plus MuSiQue's ``answer_aliases``.
@@ -74,7 +78,8 @@ Row = dict[str, Any]
 _CODECONTESTS_TESTS = ("public_tests", "private_tests", "generated_tests")
 FORMATS: dict[str, tuple[str, ...]] = {
     "math": ("auto",),
-    "code": ("auto", "io", "test_cases", "apps", "livecodebench", "codecontests", "codeforces", "verl"),
+    "code": ("auto", "io", "test_cases", "apps", "livecodebench", "codecontests", "codeforces", "verl",
+             "verification_info"),
     "swe": ("auto", *SOURCES),
     "search": ("auto",),
 }
@@ -457,15 +462,18 @@ def _tests_from(row: Row, where: str, fmt: str) -> tuple[str, list[Row]]:
         "codecontests": any(name in row and not isinstance(row[name], int) for name in _CODECONTESTS_TESTS),
         "codeforces": "official_tests" in row,
         "verl": isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"],
+        # PrimeIntellect's verifiable-coding-problems (JSON text) and open-r1's copy of it (a struct).
+        "verification_info": row.get("verification_info") not in (None, ""),
     }
     if fmt == "auto":
         found = [k for k, ok in shapes.items() if ok]
         if not found:
+            _refuse_assert_tests(row, where)
             count = (" ('generated_tests' here is a count, as open-r1/codeforces has it: that dataset's tests are "
                      "'official_tests')" if isinstance(row.get("generated_tests"), int) else "")
             raise DatasetError(f"{where}: missing field 'tests' (hidden tests as inputs/outputs, test_cases, "
                                "input_output, public_test_cases/private_test_cases, public_tests/private_tests, "
-                               f"official_tests or reward_model.ground_truth){count}")
+                               f"official_tests, verification_info.test_cases or reward_model.ground_truth){count}")
         if len(found) > 1:
             raise DatasetError(f"{where}: the row has tests in several shapes {found}; pick one with --format")
         fmt = found[0]
@@ -491,6 +499,8 @@ def _tests_from(row: Row, where: str, fmt: str) -> tuple[str, list[Row]]:
         return fmt, _codecontests_tests(row, where)
     if fmt == "codeforces":
         return fmt, _codeforces_tests(row, where)
+    if fmt == "verification_info":
+        return fmt, _verification_info_tests(row, where)
     tests: list[Row] = []
     calls: list[str] = []
     for name in ("public_test_cases", "private_test_cases"):
@@ -501,6 +511,40 @@ def _tests_from(row: Row, where: str, fmt: str) -> tuple[str, list[Row]]:
     if not tests and calls:
         _refuse_call_tests(where, "public_test_cases/private_test_cases", calls)
     return fmt, tests
+
+
+def _verification_info_tests(row: Row, where: str) -> list[Row]:
+    """PrimeIntellect's verifiable-coding-problems: ``verification_info`` (JSON text, or a mapping as open-r1's copy
+    has it) holding ``test_cases``, a list of ``{fn_name, input, output, type}``; the ``function_call`` items are
+    left out as elsewhere."""
+    info = _json_field(row["verification_info"], where, "verification_info")
+    if not isinstance(info, dict) or not isinstance(info.get("test_cases"), list):
+        raise DatasetError(f"{where}: verification_info is {_type_name(info)} without a 'test_cases' list, expected "
+                           "{language, test_cases: [{input, output, type}]}")
+    return _case_tests(info["test_cases"], where, "verification_info.test_cases")
+
+
+# Rows whose tests are Python code run against a function, not a program's stdin/stdout: HumanEval ('test' with a
+# check(candidate) and 'entry_point'), MBPP ('test_list' of asserts), KodCode and the like ('test', pytest code).
+_ASSERT_TEST_FIELDS = (("test_list", "a list of asserts, as MBPP ships them"),
+                       ("entry_point", "a check() of 'entry_point', as HumanEval ships them"),
+                       ("test", "Python test code"))
+
+
+def _refuse_assert_tests(row: Row, where: str) -> None:
+    """Refuses a row whose tests are assertions on a function, naming the field: judged as stdin/stdout programs,
+    no solution would pass (the row would score 0 for every rollout)."""
+    def code(value: Any) -> bool:  # Python text, or a list of it (MBPP's asserts)
+        if isinstance(value, list):
+            return bool(value) and all(isinstance(v, str) for v in value)
+        return isinstance(value, str) and bool(value.strip())
+
+    for name, what in _ASSERT_TEST_FIELDS:
+        field = "test" if name == "entry_point" else name  # HumanEval's tests are in 'test', run on 'entry_point'
+        if code(row.get(name)) and code(row.get(field)):
+            raise DatasetError(f"{where}: field {field!r} holds assertion tests on a function ({what}), not "
+                               "stdin/stdout tests; the code task judges stdin/stdout programs only: leave such rows "
+                               "out, or give their tests as {input, output}")
 
 
 def _io_pairs(io: Any, where: str, name: str) -> list[Row]:
@@ -660,8 +704,8 @@ def _code(row: Row, where: str, fmt: str) -> Row:
 
 
 def _code_question(row: Row, where: str) -> str:
-    field, question = _first_named(row, where, ("question", "problem", "prompt", "question_content", "description"),
-                                   "the problem statement")
+    field, question = _first_named(row, where, ("question", "problem", "prompt", "question_content", "description",
+                                                "problem_statement"), "the problem statement")
     if field == "prompt" and isinstance(question, list):  # verl rows: a chat prompt, not a statement
         question = _chat_problem(row)
         if question is None:
@@ -707,8 +751,15 @@ def _gold_list(answers: list[Any], where: str, field: str) -> list[str]:
 
 
 def _search(row: Row, where: str, fmt: str) -> Row:
-    question = _first(row, where, ("question", "query"), "the question")
-    field, answers = _first_named(row, where, ("answers", "golden_answers", "answer"), "the gold answer(s)")
+    question_field, question = _first_named(row, where, ("question", "query"), "the question")
+    # A question that is not text (NQ's full release has {text, tokens}) would reach the model as its Python repr.
+    if not isinstance(question, str):
+        raise DatasetError(f"{where}: field {question_field!r} is {_type_name(question)}, expected the question text")
+    if not question.strip():
+        raise DatasetError(f"{where}: field {question_field!r} is blank")
+    # PopQA keeps its gold answers in 'possible_answers', a JSON list as text.
+    field, answers = _first_named(row, where, ("answers", "golden_answers", "answer", "possible_answers"),
+                                  "the gold answer(s)")
     if isinstance(answers, str) and answers.lstrip().startswith("["):
         if field == "answer":
             # One answer may itself start with "[" ("[citation needed]", "[1, 2]"): it is a list of answers only
@@ -719,7 +770,7 @@ def _search(row: Row, where: str, fmt: str) -> Row:
                 parsed = None
             if isinstance(parsed, list) and parsed and all(isinstance(a, str) for a in parsed):
                 answers = parsed
-        else:  # 'answers' and 'golden_answers' hold lists: JSON text of one (a CSV round trip)
+        else:  # 'answers', 'golden_answers' and 'possible_answers' hold lists: JSON text of one (a CSV round trip)
             answers = _json_field(answers, where, field)
     if isinstance(answers, dict) and isinstance(answers.get("text"), list):  # SQuAD-style {text: [...]}
         if not answers["text"]:
@@ -741,7 +792,7 @@ def _search(row: Row, where: str, fmt: str) -> Row:
     if isinstance(aliases, list):
         gold = list(dict.fromkeys([*gold, *(_gold_text(a, where, f"answer_aliases[{i}]")
                                             for i, a in enumerate(aliases) if a not in (None, ""))]))
-    return _keep(row, {"question": str(question), "answers": gold})
+    return _keep(row, {"question": question, "answers": gold})
 
 
 LOADERS: dict[str, Callable[[Row, str, str], Row]] = {"math": _math, "code": _code, "swe": _swe, "search": _search}

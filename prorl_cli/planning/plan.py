@@ -9,6 +9,7 @@ per GPU the plan holds. The recommendation rule is :data:`RULE`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,9 @@ class Plan:
     sweep: tuple[Prediction, ...]
     recommended: Prediction
     rule: str = RULE
+    #: What the figures cannot show by themselves (:func:`plan_notes`): candidates the slots cap, a
+    #: recommendation at the sweep's edge, results recorded faster than the profile runs.
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (``prorl plan --json``)."""
@@ -114,11 +118,54 @@ def make_plan(
     sweep = tuple(_prediction(simulate(workload, profile, cluster, n, steady_rollouts(rollouts, running[n])), p_inf,
                               group_size, cluster, steady_rollouts(rollouts, running[n]))
                   for n in candidates)
+    best = recommend(sweep)
     return Plan(
         workload=workload.source, workload_rollouts=len(workload.shapes), mean_calls_per_rollout=workload.mean_calls,
         profile=profile.name, cluster=cluster, group_size=group_size, p_informative=p_inf, rollouts=rollouts,
-        seed=seed, sweep=sweep, recommended=recommend(sweep), rule=RULE if informative(sweep) else RULE_NO_SIGNAL,
+        seed=seed, sweep=sweep, recommended=best, rule=RULE if informative(sweep) else RULE_NO_SIGNAL,
+        notes=plan_notes(workload, profile, slots, sweep, best),
     )
+
+
+#: Results whose calls took less than this share of the least time the profile needs for them were recorded on a
+#: faster clock (a sim engine's speedup) or a faster server than the profile; a busy engine only adds time.
+FAST_RECORDING_SHARE = 0.5
+
+
+def plan_notes(workload: Workload, profile: SimProfile, slots: int | None, sweep: Sequence[Prediction],
+               best: Prediction) -> tuple[str, ...]:
+    """What a reader of the sweep needs to know that its figures do not say:
+
+    - candidates above ``--nodes`` x ``--slots`` run that many at once, so their rows repeat the capped one;
+    - a recommendation at the largest candidate (not capped by slots) may be short of the best: the sweep did
+      not reach the point where more in flight stops paying;
+    - results whose calls took less than :data:`FAST_RECORDING_SHARE` of the least time the profile needs for
+      them (decoding alone, one sequence) were recorded on a faster clock: their tool gaps are short by the
+      same factor unless ``--time-scale`` says so.
+    """
+    notes: list[str] = []
+    capped = [p.in_flight for p in sweep if slots is not None and p.in_flight > slots]
+    if capped:
+        notes.append(f"in flight {capped} exceed the {slots} rollout slots (--nodes x --slots): they run {slots} at "
+                     f"once, so they deliver what {slots} in flight would")
+    largest = sweep[-1]
+    if len(sweep) > 1 and best.in_flight == largest.in_flight and largest.in_flight not in capped:
+        notes.append(f"the recommendation is the largest candidate tried ({largest.in_flight}): more in flight may "
+                     "deliver more; add larger --in-flight candidates to find where it stops paying")
+    recorded = [(c, s) for shape in workload.shapes if len(shape.call_s) == len(shape.calls)
+                for c, s in zip(shape.calls, shape.call_s, strict=True)]
+    if recorded:
+        measured_s = sum(s for _, s in recorded) * workload.time_scale
+        least_s = sum(profile.decode_steps_s(1, c.prompt_tokens, max(0, c.output_tokens - 1)) for c, _ in recorded)
+        if least_s > 0 and measured_s < FAST_RECORDING_SHARE * least_s:
+            factor = least_s / measured_s if measured_s > 0 else math.inf
+            scaled = f" (times --time-scale {workload.time_scale:g})" if workload.time_scale != 1 else ""
+            notes.append(f"{workload.source}: its generate calls took {measured_s:.3g} s in all{scaled}, "
+                         f"{factor:.3g} times less than the {least_s:.3g} s the {profile.name} profile needs for them "
+                         "even one at a time: they were recorded on a faster clock (a sim engine's speedup: pass it as "
+                         "--time-scale, so their tool gaps count in GPU seconds) or on a faster server than the "
+                         "profile (calibrate one: docs/inference.md)")
+    return tuple(notes)
 
 
 def steady_rollouts(rollouts: int, running: int) -> int:

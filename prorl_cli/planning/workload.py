@@ -56,6 +56,9 @@ class RolloutShape:
     tail_s: float = 0.0
     reward: float | None = None
     group_id: str | None = None
+    #: Seconds each call took as recorded (results only; on the recording's clock, not scaled): what
+    #: :func:`prorl_cli.planning.plan.make_plan` compares with the profile to tell a faster recording.
+    call_s: tuple[float, ...] = ()
 
 
 @dataclass
@@ -70,6 +73,8 @@ class Workload:
     skipped: int = 0
     #: A description's fields that steer a live replay only (``time_scale``, ``seed``, ...): read, not used.
     ignored: tuple[str, ...] = ()
+    #: The ``time_scale`` results were read with (their clock ran this many times faster than the workload's).
+    time_scale: float = 1.0
 
     def p_informative(self, group_size: int) -> float:
         """The probability that a group of ``group_size`` rollouts is informative.
@@ -129,7 +134,7 @@ class Workload:
         if not shapes:
             raise PlanError(f"{p}: no finished rollout with generate events (state 'done' and a timeline) "
                             f"among {skipped} result(s)")
-        return cls(str(p), shapes, skipped=skipped)
+        return cls(str(p), shapes, skipped=skipped, time_scale=time_scale)
 
     # ------------------------------------------------------------------ descriptions
 
@@ -213,7 +218,7 @@ def _shape_of_result(row: Mapping[str, Any], where: str, time_scale: float) -> R
         raise PlanError(f"{where}: reward must be a number or null, got {reward!r}")
     group = row.get("group_id")
     return RolloutShape(calls, gaps, lead, tail, None if reward is None else float(reward),
-                        group if isinstance(group, str) else None)
+                        group if isinstance(group, str) else None, tuple(max(0.0, e - s) for s, e, _, _ in spans))
 
 
 @dataclass(frozen=True)

@@ -343,3 +343,52 @@ def test_a_candidate_with_more_in_flight_than_rollouts_is_simulated_to_a_steady_
     assert slotted.sweep[0].simulated_rollouts == STEADY_ROLLOUTS_PER_SLOT * 32
     with pytest.raises(PlanError, match=f"more than {MAX_RUNNING} rollouts running at once"):
         make_plan(work, profile, ClusterShape(bridges=1), group_size=4, in_flight=[8, MAX_RUNNING + 1], rollouts=40)
+
+
+def test_notes_say_what_the_figures_do_not(profile: SimProfile) -> None:
+    """Candidates above the slots repeat the capped row, and a recommendation at the largest candidate may be
+    short of the best: both are said, not left to be read off the table."""
+    from prorl_cli.planning.plan import plan_notes
+
+    def pred(n: int, groups: float) -> Prediction:
+        return Prediction(n, groups / 10, groups, 0.5, 10.0, 0.9, 100, 100.0)
+
+    work = Workload.from_description(SMALL, 10, seed=0)
+    rising = [pred(8, 50.0), pred(16, 80.0), pred(32, 100.0)]
+    edge = plan_notes(work, profile, None, rising, recommend(rising))
+    assert len(edge) == 1 and "largest candidate tried (32)" in edge[0], edge
+    peaked = [pred(8, 50.0), pred(16, 100.0), pred(32, 99.0)]
+    assert plan_notes(work, profile, None, peaked, recommend(peaked)) == ()
+    # On 2 x 8 slots, 32 in flight run 16 at once: said; and 32 is no edge to push past.
+    capped = [pred(8, 50.0), pred(16, 100.0), pred(32, 100.0)]
+    notes = plan_notes(work, profile, 16, capped, recommend(capped))
+    assert notes == ("in flight [32] exceed the 16 rollout slots (--nodes x --slots): they run 16 at once, so they "
+                     "deliver what 16 in flight would",)
+    # Through make_plan and the command line.
+    plan = make_plan(work, profile, ClusterShape(bridges=1, nodes=1, slots=2), group_size=4, in_flight=[2, 4],
+                     rollouts=10)
+    assert any("in flight [4] exceed the 2 rollout slots" in n for n in plan.notes), plan.notes
+    assert json.loads(json.dumps(plan.to_dict()))["notes"] == list(plan.notes)  # --json carries them
+
+
+def test_results_recorded_faster_than_the_profile_are_noted(tmp_path: Path, profile: SimProfile) -> None:
+    """A sim engine at 20x records calls 20 times shorter than its GPU time, and tool gaps as short: read
+    without --time-scale they plan a workload with next to no tool time. Calls faster than the profile can
+    serve them even one at a time say so; calls as long as the profile's are not flagged."""
+    # 300 output tokens over a 2,000-token prompt: at least 299 decode steps of 8 ms on h100-8b (about 2.4 s).
+    least_s = profile.decode_steps_s(1, 2000, 299)
+    fast, slow = tmp_path / "fast.jsonl", tmp_path / "slow.jsonl"
+    fast.write_text(_result_line("r-0-0", "r-0", 1.0, calls=((0.6, least_s / 20, 2000, 300),)) + "\n")
+    slow.write_text(_result_line("r-0-0", "r-0", 1.0, calls=((0.6, least_s * 1.5, 2000, 300),)) + "\n")
+
+    def notes(path: Path, time_scale: float = 1.0) -> tuple[str, ...]:
+        work = Workload.from_results(path, time_scale=time_scale)
+        return make_plan(work, profile, ClusterShape(bridges=1), group_size=2, in_flight=[1], rollouts=8).notes
+
+    [note] = notes(fast)
+    assert note.startswith(f"{fast}: its generate calls took") and "20 times less" in note and "--time-scale" in note
+    assert notes(slow) == ()
+    assert notes(fast, time_scale=20) == ()  # said: the recording's clock is accounted for
+    res = _invoke("--results", str(fast), "--bridges", "1", "--in-flight", "1", "--rollouts", "8")
+    assert res.exit_code == 0, res.output
+    assert "note: " + str(fast) + ": its generate calls took" in res.stdout

@@ -73,7 +73,20 @@ def plan(
     simulated on --bridges simulated GPU servers (--profile) with --nodes x
     --slots rollout slots; the recommendation is the smallest in flight within
     5% of the best informative groups per GPU-hour. Figures are simulated
-    seconds of compute: the same input gives the same figures.
+    seconds of compute: the same input gives the same figures. Notes after
+    the table say what the figures do not: candidates above --nodes x --slots
+    (they run that many at once), a recommendation at the largest candidate
+    (try larger ones), results recorded faster than --profile serves their
+    calls (a sim engine's speedup: pass it as --time-scale).
+
+    \b
+    A workload description, e.g. swe.yaml:
+      turns: [10, 40]            # calls per rollout, drawn uniformly
+      prompt_tokens: 2000        # the first call's prompt
+      output_tokens: {median: 150, sigma: 1.0, max: 4000}
+      observation_tokens: {median: 500, sigma: 1.0}
+      tool_s: {median: 1.0, sigma: 1.0, max: 60}
+      p_solve: [0.1, 0.5, 0.9]   # per prompt; or one probability
     """
     import json
 
@@ -129,3 +142,5 @@ def _print_plan(app: App, result: Plan) -> None:
     app.console.print(f"recommended: --max-in-flight {r.in_flight} ({r.rollouts_per_s:.4g} rollouts/s, "
                       f"{r.informative_groups_per_gpu_hour:.4g} informative groups per GPU-hour, "
                       f"GPU busy {r.gpu_busy_share:.0%}): {result.rule}")
+    for note in result.notes:
+        app.console.print(f"note: {note}", soft_wrap=True, markup=False)
