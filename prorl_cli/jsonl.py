@@ -102,3 +102,19 @@ def write_jsonl_atomic(path: str | os.PathLike[str], rows: Iterable[Any], *, all
         for row in rows:
             f.write(json.dumps(row, allow_nan=allow_nan) + "\n")
     return Path(path)
+
+
+_PARQUET_MAGIC = b"PAR1"
+
+
+def is_parquet(path: Path) -> bool:
+    """A Parquet file rather than JSON lines: by its name (any case: ``.parquet``, ``.pq``), or by the magic bytes
+    it starts with (a file named otherwise, or nothing); ``False`` for one that cannot be read (the JSONL reader
+    names the problem)."""
+    if path.suffix.lower() in (".parquet", ".pq"):
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == _PARQUET_MAGIC
+    except OSError:
+        return False

@@ -69,7 +69,7 @@ from typing import Any
 
 from prorl_cli.domains.answers import gsm8k_final, last_boxed
 from prorl_cli.exceptions import DatasetError
-from prorl_cli.jsonl import jsonl_values
+from prorl_cli.jsonl import is_parquet, jsonl_values
 from prorl_cli.swe.sources import SOURCES, SweRows
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def read_rows(path: Path, bad_line: Callable[[DatasetError], None] | None = None
     line of a JSON Lines file when a later line is JSON, and a file with no
     JSON line at all (a CSV) stops the reading as without ``bad_line``.
     """
-    if _is_parquet(path):
+    if is_parquet(path):
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
@@ -153,20 +153,6 @@ def read_rows(path: Path, bad_line: Callable[[DatasetError], None] | None = None
             raise
         for lineno, row in jsonl_values(path, DatasetError, on_bad_line=bad_line):
             yield f"{path}:{lineno}", row
-
-
-_PARQUET_MAGIC = b"PAR1"
-
-
-def _is_parquet(path: Path) -> bool:
-    """A Parquet file: by its name (any case), or by the magic bytes it starts with (``.pq``, no suffix)."""
-    if path.suffix.lower() in (".parquet", ".pq"):
-        return True
-    try:
-        with path.open("rb") as f:
-            return f.read(4) == _PARQUET_MAGIC
-    except OSError:
-        return False  # the text reader names the problem
 
 
 def _read_text(path: Path) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import ProrlError
-from prorl_cli.jsonl import jsonl_objects
+from prorl_cli.jsonl import is_parquet, jsonl_objects
 from prorl_cli.protocol import JobResult
 
 _RESULT_FIELDS = frozenset(JobResult.__dataclass_fields__)
@@ -46,11 +46,11 @@ def _json_field(text: str, name: str, where: str) -> Any:
 
 
 def load_results(path: str | Path) -> list[JobResult]:
-    """The results in ``path`` (``.jsonl``/``.json`` lines, or ``.parquet``), in file order."""
+    """The results in ``path`` (JSON lines, or Parquet: by its name in any case, or its magic bytes), in file order."""
     p = Path(path)
     if not p.is_file():
         raise ResultsFileError(f"{p}: no such file")
-    if p.suffix == ".parquet":
+    if is_parquet(p):
         return _load_parquet(p)
     return [_from_row(row, f"{p}:{lineno}") for lineno, row in jsonl_objects(p, ResultsFileError)]
 

@@ -77,6 +77,11 @@ def test_parquet_results_keep_stage_times_attempt_group_and_error(tmp_path: Path
         got_wire.pop("output"), want_wire.pop("output")
         assert got_wire == want_wire
     assert stage_split(loaded) == stage_split(results)
+    # Named otherwise (a shell's upper case, no suffix at all): still Parquet, by its magic bytes.
+    for name in ("RESULTS.PARQUET", "results"):
+        renamed = path.rename(tmp_path / name)
+        assert [r.job_id for r in load_results(renamed)] == [r.job_id for r in results]
+        path = renamed
 
 
 def test_parquet_without_the_result_columns_still_loads(tmp_path: Path) -> None:
