@@ -10,7 +10,7 @@ import shlex
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
@@ -82,23 +82,95 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
     client = RolloutClient(app.config.deployment, address=address, config=app.config)
     try:
         client.ping(timeout_s=PING_TIMEOUT_S)
-    except RendezvousError as e:
-        client.close()
-        app.abort(str(e))
     except BadAddress as e:  # an endpoint ZeroMQ cannot connect to (no tcp://, no port)
         client.close()
         app.abort(f"--address {address}: {e}" if address is not None else str(e))
     except (BrokerRefused, ProtocolMismatch) as e:  # it answered, and the error says what is wrong and what to do
         client.close()
         app.abort(str(e))
-    except BrokerUnavailable:
-        where = client.address or address or "?"
+    except (RendezvousError, BrokerUnavailable) as e:  # not there, or silent: a Slurm launch's may be on its way back
         client.close()
-        app.abort(
-            f"the broker at {where} does not answer (deployment {app.config.deployment!r}, "
-            f"no reply within {PING_TIMEOUT_S:g} s); {_why_silent(app) if address is None else 'is it running?'}"
-        )
+        restarting = _broker_restarting(app) if address is None else None
+        if restarting is None:
+            _abort_unreachable(app, e, address)
+        return _wait_for_broker(app, restarting)
     return client
+
+
+#: How long a command waits for the broker of a Slurm launch that is restarting (requeued on its time limit,
+#: replaced after a crash): Slurm's requeue and the journal's replay take a minute or two.
+BROKER_RESTART_WAIT_S = 300.0
+#: How often it asks again meanwhile.
+BROKER_RESTART_POLL_S = 2.0
+
+
+def _abort_unreachable(app: App, e: Exception, address: str | None) -> NoReturn:
+    """The one-line error of a broker that has no rendezvous file or does not answer."""
+    from prorl_cli.exceptions import RendezvousError
+
+    if isinstance(e, RendezvousError):
+        app.abort(str(e))
+    where = address or _rendezvous_address(app) or "?"
+    app.abort(
+        f"the broker at {where} does not answer (deployment {app.config.deployment!r}, "
+        f"no reply within {PING_TIMEOUT_S:g} s); {_why_silent(app) if address is None else 'is it running?'}"
+    )
+
+
+def _rendezvous_address(app: App) -> str | None:
+    from prorl_cli.exceptions import RendezvousError
+    from prorl_cli.rendezvous import read_rendezvous
+
+    try:
+        return read_rendezvous(app.config.deployment_dir).address
+    except RendezvousError:
+        return None
+
+
+def _broker_restarting(app: App) -> str | None:
+    """Slurm's words for a launched deployment's broker that is on its way back (its job requeued or replaced),
+    else None (not a Slurm launch, taken down, or its broker gone for good)."""
+    from prorl_cli.slurm.record import LaunchRecord
+
+    if LaunchRecord.load(app.config.deployment_dir) is None:
+        return None  # not launched on Slurm: nothing brings a broker back by itself
+    from prorl_cli.cli.launch import slurm_view
+
+    view = slurm_view(app, app.config.deployment_dir)
+    if view is None or view.rows is None or view.taken_down is not None or view.record.stopping:
+        return None
+    return view.broker_restarting()
+
+
+def _wait_for_broker(app: App, restarting: str) -> RolloutClient:
+    """A client of the broker of a Slurm launch that is restarting, once it answers: a submission made while it
+    moves (a time limit's requeue, a replacement after a crash) waits for it instead of failing; Ctrl-C stops
+    waiting. Gives up, naming ``prorl status``, once nothing brings it back or after :data:`BROKER_RESTART_WAIT_S`."""
+    import time
+
+    from prorl_cli.client import RolloutClient
+    from prorl_cli.exceptions import BrokerUnavailable, RendezvousError
+
+    app.err_console.print(f"the broker of {app.config.deployment!r} is restarting ({restarting}); waiting up to "
+                          f"{BROKER_RESTART_WAIT_S:g} s for it", markup=False, soft_wrap=True, highlight=False)
+    deadline = time.monotonic() + BROKER_RESTART_WAIT_S
+    status = command_hint(app, "status")
+    while True:
+        client = RolloutClient(app.config.deployment, config=app.config)
+        try:
+            client.ping(timeout_s=PING_TIMEOUT_S)
+        except (RendezvousError, BrokerUnavailable):
+            client.close()
+        else:
+            app.err_console.print(f"the broker of {app.config.deployment!r} is back", markup=False, highlight=False)
+            return client
+        if time.monotonic() >= deadline:
+            app.abort(f"the broker of {app.config.deployment!r} did not come back within {BROKER_RESTART_WAIT_S:g} s; "
+                      f"`{status}` says where it is")
+        if _broker_restarting(app) is None:
+            app.abort(f"the broker of {app.config.deployment!r} is not coming back (its Slurm job ended for good); "
+                      f"`{status}` says what happened")
+        time.sleep(BROKER_RESTART_POLL_S)
 
 
 def _why_silent(app: App) -> str:

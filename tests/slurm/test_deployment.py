@@ -19,7 +19,10 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -296,8 +299,29 @@ def test_a_usr2_requeued_broker_comes_back_by_itself_status_says_restarting_and_
         assert doc["broker"] == "restarting" and f"Slurm job {broker.job_id} is RUNNING" in doc["broker_detail"], doc
         assert {e["task"]: e["state"] for e in doc["slurm"]}["broker"] == "RUNNING", doc["slurm"]
         assert _peer_logs(launched).count(BROKER_RELEASED) > released_before, "released by its peers, not by Slurm's clock"
+        # A CLI submission made while the broker is away waits for it (a training script's submit across a time
+        # limit's requeue), instead of failing on the missing rendezvous file.
+        tasks = launched.home / "usr2-cli.jsonl"
+        tasks.write_text("".join(json.dumps({"echo": i}) + "\n" for i in range(3)))
+        said = launched.home / "usr2-cli.err"
+        with said.open("w") as err_file:
+            waiting = subprocess.Popen(
+                [sys.executable, "-m", "prorl_cli", "--home", str(launched.home), "-d", NAME, "submit", str(tasks),
+                 "--task", "test", "--id-prefix", "usr2-cli"],
+                stdout=subprocess.PIPE, stderr=err_file, text=True, env={**os.environ, "COLUMNS": "200"})
+        try:
+            wait_until(lambda: "is restarting" in said.read_text() or waiting.poll() is not None, 60,
+                       "the submission to say it waits for the broker")
+        except BaseException:
+            waiting.kill()
+            raise
     finally:
         launched.gate.unlink(missing_ok=True)
+    out, _ = waiting.communicate(timeout=400)
+    err = said.read_text()
+    assert waiting.returncode == 0, out + err
+    assert f"the broker of '{NAME}' is restarting (its Slurm job {broker.job_id} is RUNNING" in err, err
+    assert f"the broker of '{NAME}' is back" in err and "3/3 ended (done 3)" in err, out + err
     ids = [f"usr2-{i}" for i in range(10)]
     instances = [{"echo": i, "sleep_s": {"run": 0.2}} for i in range(10)]
     try:
