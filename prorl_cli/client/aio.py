@@ -437,8 +437,11 @@ class AsyncRolloutClient:
             if self._silence_said_at is None or now - self._silence_said_at >= SILENCE_REPEAT_S:
                 # Whoever waits (a trainer, prorl submit) learns why nothing comes, not only at a timeout.
                 self._silence_said_at = now
-                log.warning("the broker at %s has not answered for %.0f s: results wait for it to come back "
-                            "(prorl status tells what runs)", self.address, now - self._silent_since)
+                # Results awaited wait on; a single request (a status, a scale) fails at its own timeout instead.
+                waits = ("results wait for it to come back (prorl status tells what runs)"
+                         if self._waiters or self._streams else "a request waits for its reply")
+                log.warning("the broker at %s has not answered for %.0f s: %s", self.address,
+                            now - self._silent_since, waits)
             # Down: it may come back here (the next ping sees its boot id) or at a new address.
             if self._conn is not None and self._conn.follow_moved():
                 with contextlib.suppress(BrokerUnavailable, RemoteError):

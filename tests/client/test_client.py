@@ -426,6 +426,7 @@ def test_a_wait_that_times_out_while_the_broker_is_silent_says_so(tmp_path: Path
                 os.kill(broker.pid, signal.SIGCONT)
             said = [r.getMessage() for r in caplog.records if "has not answered for" in r.getMessage()]
             assert said and not any("for 0 s" in m for m in said), said  # silent since the unanswered ping went out
+            assert all("results wait for it to come back" in m for m in said), said  # a wait for results, not a request
             c.cancel([s.job_id for s in specs])
     finally:
         d.close()
