@@ -50,6 +50,10 @@ def test_status_of_a_deployment_taken_down_says_so_and_when(tmp_path: Path) -> N
     assert f"`prorl launch {deploy}` starts it again" in out.stderr, out.stderr
     scale = prorl(home, "scale", name, "--nodes", "2", timeout_s=60)
     assert scale.returncode == 1 and said in scale.stderr, "status and scale say the same"
+    # down again (a cleanup script's second run): nothing to do, said so, exit 0, by name or by its deploy.yaml.
+    for target in (name, str(deploy)):
+        again = prorl(home, "down", target, timeout_s=60)
+        assert again.returncode == 0 and f"nothing to take down: {said}" in again.stdout, again.stdout + again.stderr
     # --json: gone (exit 1), the reason on stderr.
     out = prorl(home, "status", name, "--json", timeout_s=60)
     assert out.returncode == 1 and '"broker": "gone"' in out.stdout and said in out.stderr, out.stdout + out.stderr

@@ -102,6 +102,22 @@ def _deploy_for(app: App, name_or_file: str | None, command: str) -> DeployConfi
     return cfg
 
 
+def _say_if_already_down(app: App, deployment_dir: Path) -> None:
+    """``down`` of a deployment taken down before (no launch now, an ended one in ``history/``): say so, exit 0."""
+    from prorl_cli.exceptions import SlurmError
+    from prorl_cli.slurm.record import LaunchRecord, not_launched_now
+
+    try:
+        if LaunchRecord.load(deployment_dir) is not None:
+            return
+    except SlurmError:
+        return  # an unreadable launch record: the command names it as it goes on
+    why = not_launched_now(deployment_dir)
+    if why is not None:
+        app.console.print(f"nothing to take down: {why}", markup=False, soft_wrap=True, highlight=False)
+        raise click.exceptions.Exit(0)
+
+
 def _require_slurm(app: App) -> None:
     from prorl_cli.slurm.squeue import slurm_available
 
@@ -704,12 +720,17 @@ def down(app: App, name: str | None, wait_s: float) -> None:
     """Take a launched deployment down: broker stop, nodes drain, scancel the rest, rendezvous removed.
 
     NAME is the deployment name (the same as -d NAME) or its deploy.yaml. Exits
-    non-zero if any of its jobs is still in squeue after --wait-s.
+    non-zero if any of its jobs is still in squeue after --wait-s; a deployment
+    already taken down is said so, exit 0 (cleanup scripts may run it twice).
     """
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import launcher
 
+    if name is None or not Path(name).is_file():
+        name_deployment(app, name, given_as="NAME")
+        _say_if_already_down(app, app.config.home_path / require_deployment(app, "down"))
     cfg = _deploy_for(app, name, "down")
+    _say_if_already_down(app, cfg.deployment_dir)
     _require_slurm(app)
     try:
         report = launcher.down(cfg, wait_s=wait_s)
