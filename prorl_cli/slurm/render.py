@@ -18,7 +18,7 @@ import jinja2
 from prorl_cli.config import dump_config
 from prorl_cli.resources import data_dir
 from prorl_cli.slurm.deploy import DeployConfig
-from prorl_cli.slurm.options import broker_bind_host, node_config, sbatch_options
+from prorl_cli.slurm.options import broker_bind_host, guarded_setup, node_config, sbatch_options
 
 TEMPLATES = {
     "broker": "broker.sbatch.j2",
@@ -56,7 +56,7 @@ def _role_context(cfg: DeployConfig, role: str, config_file: Path) -> dict[str, 
         "home": str(cfg.home_path),
         "config": str(config_file),
         "python": cfg.python_path,
-        "setup": [*cfg.setup, *opts.setup],
+        "setup": guarded_setup([*cfg.setup, *opts.setup]),
         "sb": sb,
         "signal_delay_s": opts.signal_delay_s,
         "log_dir": str(cfg.log_path),

@@ -173,3 +173,37 @@ def test_sbatch_options_set_false_or_null_are_left_out_of_the_submitted_script(t
     assert "exclusive" not in nodes.script and "comment" not in nodes.script, nodes.script
     assert "#SBATCH --mail-type=FAIL" in nodes.script
 
+
+
+@pytest.mark.parametrize(("setup", "after", "code", "said"), [
+    # A site init that tests something failing harmlessly inside it: the role goes on.
+    (["source {site}"], "", 0, "reached"),
+    (["module_that_is_not_here load cuda"], "", 127, "prorl: a setup line failed (exit 127): module_that_is_not_here"),
+    (["true | false"], "", 1, "prorl: a setup line failed (exit 1): false"),  # pipefail: the pipeline's failure
+    # After the setup lines, any failure stops the script.
+    (["true"], "false", 1, None),
+], ids=["sourced-file-fails-inside", "missing-command", "pipeline", "after-setup"])
+def test_rendered_scripts_stop_at_a_failing_setup_line_naming_it(
+        tmp_path: Path, setup: list[str], after: str, code: int, said: str | None) -> None:
+    """The rendered scripts' setup lines follow launch's rule: the first line that fails stops the role, named
+    in its log; a command that fails inside a file a line sources does not count."""
+    import subprocess
+
+    site = tmp_path / "site.sh"
+    site.write_text("false\nexport SITE_READ=1\n")
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump({"deployment": "s", "home": str(tmp_path / "home"),
+                                    "setup": [line.format(site=site) for line in setup]}))
+    script = {p.name: p for p in render_all(load_deploy(path), tmp_path / "out")}["node.sbatch"].read_text()
+    # The shared part: from the top to the line that defines PRORL (what follows starts the role).
+    head = script[: script.index("PRORL=(")]
+    part = tmp_path / "setup-part.sh"  # run as a file, as sbatch runs the script (a sourced file is then nested)
+    part.write_text(f"{head}\n{after}\necho reached SITE_READ=${{SITE_READ:-0}}\n")
+    run = subprocess.run(["bash", str(part)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == code, run.stdout + run.stderr
+    if said == "reached":
+        assert "reached SITE_READ=1" in run.stdout, run.stdout + run.stderr
+    elif said is not None:
+        assert said in run.stderr and "the role does not start" in run.stderr and "reached" not in run.stdout, run.stderr
+    else:
+        assert "reached" not in run.stdout, run.stdout
