@@ -105,7 +105,7 @@ class ResultFile:
                 self.problem = (f"{out}: not written: no job has ended yet; `{self.recollect} --follow "
                                 f"--out {shlex.quote(str(out))}` waits for them")
             return
-        from prorl_cli.agent.trajectory import Trajectory, write_parquet
+        from prorl_cli.agent.trajectory import write_parquet
 
         try:
             rows = parquet_rows(kept)
@@ -117,7 +117,8 @@ class ResultFile:
             self._stand_in(out, kept, f"{type(e).__name__}: {e}")
             return
         self.written = out
-        several = sum(1 for r in rows if Trajectory.from_dict(r["trajectory"]).conversations > 1)
+        # Counted on the records as written (Trajectory.conversations' rule), without parsing each one again.
+        several = sum(1 for r in rows if len({c.get("segment", 0) for c in r["trajectory"].get("calls") or ()}) > 1)
         if several:
             self.app.err_console.print(
                 f"note: {several} job(s) in {out} held several conversations (sub-agents, or a history edit): their "
