@@ -17,11 +17,18 @@ instance's ``settings``; docs/harness.md)::
     scorer_settings: {}            # the scorer domain's own settings (repo_dir, test_command, ...)
     workspace_max_mb: 256          # module:function scorers: the largest workdir copied out for them
     node_log_lines: 200            # output lines also copied to the node's log (all go to the job log)
+    files: {/opt/agent: /shared/me/agent}   # the user's own program, copied in from the node at INIT
+    model_aliases: [gpt-4o]        # more model names the endpoint accepts (a program that names its own)
+
+The command finds the endpoint in ``OPENAI_BASE_URL`` / ``ANTHROPIC_BASE_URL`` (key: ``OPENAI_API_KEY``),
+the model name in ``PRORL_GATEWAY_MODEL``, and the task file, workdir and job id in ``PRORL_TASK_FILE``,
+``PRORL_WORKDIR`` and ``PRORL_JOB_ID``.
 
 INIT starts the sandbox (for ``scorer: swe`` the repository is checked out at
 ``base_commit`` as the ``swe`` domain does) and writes the task text (the
 instance's ``problem_statement``, ``question``, ``problem``, ``prompt`` or
-``task``) to ``task_file``. RUN starts the command in its own process group,
+``task``; of a verl-style row's chat ``prompt``, its last user message) to ``task_file``, and copies ``files``
+in. RUN starts the command in its own process group,
 streams its output to the job log, keeps the last ``log_tail_bytes`` in
 ``output["harness_log"]``, and saves the trajectory, the exit code and what
 the scorer needs (``git diff`` for ``swe``, the solution file for ``code``,
@@ -54,9 +61,11 @@ import hashlib
 import importlib
 import inspect
 import logging
+import os
 import re
 import shlex
 import shutil
+import socket
 import sys
 import tarfile
 from pathlib import Path
@@ -132,6 +141,119 @@ def _last_line(output: bytes | bytearray) -> str:
     return f"; its last line of output: {line!r}"
 
 
+def _files_to_copy(files: dict[str, Any], max_mb: float) -> list[tuple[Path, str, int | None]]:
+    """The setting ``files`` (``{path in the sandbox: path on the node}``, a file or a folder each) as
+    ``(node file, sandbox path, mode)`` to copy (a folder's empty folders with no mode); refused, naming the
+    entry, when a path is not absolute, a source is missing, or all of it is over ``files_max_mb``."""
+    copies: list[tuple[Path, str, int | None]] = []
+    for target, raw in files.items():
+        if not isinstance(raw, str) or not raw:
+            raise DomainError(f"harness: files[{target!r}]: expected the path of a file or folder on the node, "
+                              f"got {raw!r}")
+        source = Path(raw).expanduser()
+        if not target.startswith("/") or not source.is_absolute():
+            raise DomainError(f"harness: files: {target!r}: {raw!r}: both paths must be absolute (the key is where "
+                              "the copy goes in the sandbox, the value what to copy from the node)")
+        if source.is_file():
+            copies.append((source, target, source.stat().st_mode & 0o777))
+        elif source.is_dir():
+            base = target.rstrip("/")
+            for folder, dirs, names in os.walk(source):  # links to folders are not followed (no loops)
+                here = Path(folder)
+                rel = here.relative_to(source).as_posix()
+                dest = base if rel == "." else f"{base}/{rel}"
+                if not dirs and not names:
+                    copies.append((here, dest or "/", None))
+                for name in sorted(names):
+                    path = here / name
+                    if path.is_file():  # a link to a file is copied as the file; other kinds are left out
+                        copies.append((path, f"{dest}/{name}", path.stat().st_mode & 0o777))
+        else:
+            raise DomainError(f"harness: files: {raw!r} (for {target!r}) is not a file or folder on node "
+                              f"{socket.gethostname()}")
+    total = sum(source.stat().st_size for source, _, mode in copies if mode is not None)
+    if total > max_mb * 2**20:
+        raise DomainError(f"harness: files: {total / 2**20:.1f} MiB to copy into the sandbox, over "
+                          f"files_max_mb={max_mb:g}; copy less (a folder's .venv or data), or raise the setting")
+    return copies
+
+
+def _chat_task(value: Any) -> str | None:
+    """The text of the last user message of a chat-message list (a verl row's ``prompt``), else None."""
+    if not isinstance(value, list):
+        return None
+    users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        return None
+    content = users[-1]
+    if isinstance(content, list):  # text parts
+        texts = [p.get("text") if isinstance(p, dict) else p for p in content]
+        if not all(isinstance(t, str) for t in texts):
+            return None
+        content = "\n".join(str(t) for t in texts)
+    return content if isinstance(content, str) else None
+
+
+def _model_names(settings: HandlerSettings) -> tuple[str, ...]:
+    """``model`` then ``model_aliases``: the names the job's endpoint accepts (the first is ``{model}``)."""
+    names = [settings.get("model"), *settings.get("model_aliases")]
+    bad = [n for n in names if not isinstance(n, str) or not n.strip()]
+    if bad:
+        raise DomainError(f"harness: model and model_aliases must be non-empty strings, got {bad}")
+    return tuple(dict.fromkeys(names))
+
+
+#: Per scorer module name: its source file's (path, mtime_ns, size) when last imported; a change reloads it.
+_SCORER_SOURCES: dict[str, tuple[str, int, int]] = {}
+
+
+def _source_stamp(module: Any) -> tuple[str, int, int] | None:
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return str(path), st.st_mtime_ns, st.st_size
+
+
+def scorer_function(scorer: str) -> Any:
+    """The function a ``module:function`` scorer names, its module imported (again, when its source file changed
+    since the node last imported it: an edited scorer scores the next jobs, not the copy the node first read)."""
+    module_name, _, attr = scorer.partition(":")
+    importlib.invalidate_caches()  # a scorer module written after the node started is found too
+    try:
+        module = importlib.import_module(module_name)
+        stamp = _source_stamp(module)
+        known = _SCORER_SOURCES.get(module_name)
+        if stamp is not None and known is not None and known != stamp:
+            module = importlib.reload(module)
+            stamp = _source_stamp(module)
+        if stamp is not None:
+            _SCORER_SOURCES[module_name] = stamp
+        return getattr(module, attr)
+    except (ImportError, AttributeError) as e:
+        raise DomainError(f"harness: scorer {scorer!r} cannot be imported: {e}") from e
+    except Exception as e:  # the module itself raised while it was imported (a syntax error, a failing import line)
+        raise DomainError(f"harness: scorer {scorer!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
+
+
+def _reward(scorer: str, result: Any) -> float | None:
+    """A scorer's return value as the reward: a number, or None (the reward left unset)."""
+    if result is None:
+        return None
+    if not isinstance(result, str | bytes | bytearray | dict | list | tuple):
+        try:
+            return float(result)
+        except (TypeError, ValueError):
+            pass
+    shown = repr(result)
+    shown = shown if len(shown) <= 120 else shown[:120] + "..."
+    raise DomainError(f"harness: scorer {scorer!r} returned {type(result).__name__} {shown}; it must return the "
+                      "reward, a number (or None to leave it unset); put anything else in ctx.output")
+
+
 def _scorer_args(fn: Any, ctx: JobContext, workspace: Path | None) -> tuple[Any, ...]:
     """``(ctx, workspace)``, or ``(ctx,)`` for a scorer that takes one argument."""
     try:
@@ -187,6 +309,30 @@ class _OutputLog:
             log.debug("job %s harness| %s", self._ctx.job_id, text)
 
 
+class _Output:
+    """The harness's output file, read from where the last read stopped: into the job log, and its last
+    ``keep`` bytes into :attr:`tail` (``output["harness_log"]``)."""
+
+    def __init__(self, ctx: JobContext, sandbox: Any, path: str, keep: int, node_lines: int) -> None:
+        self._sandbox = sandbox
+        self._path = path
+        self._keep = keep
+        self._log = _OutputLog(ctx, node_lines)
+        self._offset = 0
+        self.tail = bytearray()
+
+    async def read(self) -> None:
+        """Everything written since the last read."""
+        while chunk := await self._sandbox.read_file(self._path, offset=self._offset, max_bytes=_READ_CHUNK_BYTES):
+            self._offset += len(chunk)
+            self.tail += chunk
+            del self.tail[: max(0, len(self.tail) - self._keep)]
+            self._log.write(chunk)
+
+    def close(self) -> None:
+        self._log.close()
+
+
 class _InRoot:
     """A file of the job's harness folder: on a :class:`_Paths`, ``script = _InRoot("run.sh")`` reads as
     ``f"{paths.root}/run.sh"``."""
@@ -237,9 +383,9 @@ class HarnessHandler(AgentHandler):
         init_timeout_s=300.0, run_timeout_s=3600.0, eval_timeout_s=1800.0, max_tokens=2048,
         extra={"command": "", "env": {}, "workdir": "/work", "timeout_s": 1800.0, "scorer": "none",
                "scorer_settings": {}, "task_file": "/tmp/prorl-task.md", "task_field": "", "parser": "hermes",
-               "model": "prorl", "log_tail_bytes": 8192, "poll_s": 0.5, "max_concurrent_requests": 8,
-               "workspace_max_mb": 256.0, "node_log_lines": 200,
-               "tool_choice_retries": 2},
+               "model": "prorl", "model_aliases": [], "log_tail_bytes": 8192, "poll_s": 0.5,
+               "max_concurrent_requests": 8, "workspace_max_mb": 256.0, "node_log_lines": 200,
+               "tool_choice_retries": 2, "files": {}, "files_max_mb": 64.0},
     )
 
     # ------------------------------------------------------------------ INIT
@@ -257,9 +403,17 @@ class HarnessHandler(AgentHandler):
         field = settings.get("task_field")
         names = (field,) if field else TASK_FIELDS
         for name in names:
-            if isinstance(ctx.instance.get(name), str):
-                return str(ctx.instance[name])
-        raise DomainError(f"harness: the instance has no task text (a string field among {list(names)})")
+            value = ctx.instance.get(name)
+            if isinstance(value, str):
+                return value
+            text = _chat_task(value)
+            if text is not None:  # a verl-style row: ``prompt`` holds the chat messages
+                return text
+        present = {name: type(ctx.instance[name]).__name__ for name in names if name in ctx.instance}
+        found = f"; the instance has {present}" if present else f"; the instance's fields: {sorted(ctx.instance)[:20]}"
+        raise DomainError(f"harness: the instance has no task text (a string field among {list(names)}, or a "
+                          f"list of chat messages with a user message as verl rows' `prompt`){found}; the setting "
+                          "task_field names another field")
 
     async def init(self, ctx: JobContext) -> None:
         settings = ctx.settings
@@ -271,6 +425,8 @@ class HarnessHandler(AgentHandler):
             raise DomainError(f"harness: env names {bad} are not valid variable names")
         scorer = str(settings.get("scorer"))
         task = self._task_text(ctx, settings)
+        _model_names(settings)  # checked before a sandbox starts
+        copies = await asyncio.to_thread(_files_to_copy, settings.get("files"), float(settings.get("files_max_mb")))
         if scorer == "swe":
             swe = _domain_handler("swe")
             # The swe domain's own set-up: the repository at base_commit, a clean work tree.
@@ -289,21 +445,34 @@ class HarnessHandler(AgentHandler):
         if made.exit_code != 0:
             raise DomainError(f"harness: cannot make the workdir {paths.workdir}: {made.output[-500:]}")
         await sandbox.write_file(paths.task_file, task.encode())
+        for source, target, mode in copies:
+            try:
+                if mode is None:  # an empty folder of a copied folder
+                    made = await sandbox.bash(f"mkdir -p {shlex.quote(target)} 2>&1")
+                    if made.exit_code != 0:
+                        raise DomainError(f"harness: files: cannot make {target} in the sandbox: {made.output[-300:]}")
+                else:
+                    await sandbox.write_file(target, await asyncio.to_thread(source.read_bytes), mode=mode)
+            except (OSError, ToolError) as e:
+                raise DomainError(f"harness: files: cannot copy {source} to {target} in the sandbox: {e}") from e
         ctx.output["sandboxes"] = {"run": sandbox.sandbox_id}
 
     # ------------------------------------------------------------------- RUN
     async def run(self, ctx: JobContext) -> None:
         settings = ctx.settings
         sandbox = ctx.sandbox
-        job = await gateway.session(ctx, parser=str(settings.get("parser")), models=(str(settings.get("model")),),
+        job = await gateway.session(ctx, parser=str(settings.get("parser")), models=_model_names(settings),
                                     sampling=ctx.agent_sampling(),
                                     max_concurrent=int(settings.get("max_concurrent_requests")),
                                     tool_choice_retries=int(settings.get("tool_choice_retries")))
         host_sock, inside_sock = sandbox.gateway_socket()
         await job.serve_unix(host_sock)
         host, port = await sandbox.relay(inside_sock)
-        env = {**{k: str(v) for k, v in settings.get("env").items()}, **job.env(host, port)}
         paths: _Paths = ctx.state["harness_paths"]
+        # Where the task and the workdir are: the runtime decides (the local runtime moves the defaults into a
+        # folder of the job's own), so a program reads them here rather than from a path written into it.
+        where = {"PRORL_TASK_FILE": paths.task_file, "PRORL_WORKDIR": paths.workdir, "PRORL_JOB_ID": ctx.job_id}
+        env = {**{k: str(v) for k, v in settings.get("env").items()}, **where, **job.env(host, port)}
         command = expand_command(str(settings.get("command")), task_file=paths.task_file,
                                  workdir=paths.workdir, model=str(settings.get("model")))
         # The command runs as a script of its own, in a child shell: its `exit N`, `exec prog` or `set -e`
@@ -322,15 +491,20 @@ class HarnessHandler(AgentHandler):
         except (ValueError, IndexError) as e:
             raise DomainError(f"harness: could not start the command: {started.output[-500:]}") from e
         ctx.state["harness_pgid"] = pgid
-        tail = bytearray()
+        output = _Output(ctx, sandbox, paths.log, int(settings.get("log_tail_bytes")), int(settings.get("node_log_lines")))
+        tail = output.tail
         stop_reason, exit_code, error = "cancelled", None, None
         try:
             try:
-                exit_code, stop_reason, error = await self._follow(ctx, sandbox, settings, paths, pgid, tail)
+                exit_code, stop_reason, error = await self._follow(ctx, sandbox, settings, paths, pgid, output)
             finally:
                 if exit_code is None:  # timed out, cancelled, or its shell vanished: what it started may still run
                     with contextlib.suppress(SandboxError, OSError):
                         await asyncio.shield(self._kill(sandbox, pgid))
+                # What it printed since the last poll: on a kill, what a SIGTERM handler printed (where it hung).
+                with contextlib.suppress(SandboxError, ToolError, OSError):
+                    await asyncio.shield(output.read())
+                output.close()
                 traj = ctx.trajectory = job.trajectory
                 traj.stop_reason = stop_reason
                 if error is not None:
@@ -351,7 +525,7 @@ class HarnessHandler(AgentHandler):
                     await asyncio.shield(sandbox.bash(f"rm -rf {shlex.quote(paths.root)}", timeout_s=60))
 
     async def _follow(
-        self, ctx: JobContext, sandbox: Any, settings: HandlerSettings, paths: _Paths, pid: int, tail: bytearray
+        self, ctx: JobContext, sandbox: Any, settings: HandlerSettings, paths: _Paths, pid: int, output: _Output
     ) -> tuple[int | None, str, str | None]:
         """Stream the harness's output to the job log until it exits, vanishes or runs past ``timeout_s``.
 
@@ -359,47 +533,34 @@ class HarnessHandler(AgentHandler):
         ``error`` (else ``None``) says why the harness ended in error: the non-zero exit code and its last
         line of output, or that its shell (``pid``, run.sh) ended without recording an exit code.
         """
-        keep = int(settings.get("log_tail_bytes"))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + float(settings.get("timeout_s"))
-        out = _OutputLog(ctx, int(settings.get("node_log_lines")))
-        offset = 0
-        try:
-            while True:
-                # Whether run.sh lives is read before its exit-code file: a shell found gone had written the
-                # file already if it ever would, so "gone and no file" is final, not a race with its last line.
-                alive = await self._alive(sandbox, pid)
-                try:
-                    rc_text = (await sandbox.read_file(paths.rc)).decode().strip()
-                except ToolError:
-                    rc_text = ""  # still running
-                while True:  # everything written so far, including after the exit code appeared
-                    chunk = await sandbox.read_file(paths.log, offset=offset, max_bytes=_READ_CHUNK_BYTES)
-                    if not chunk:
-                        break
-                    offset += len(chunk)
-                    tail += chunk
-                    del tail[: max(0, len(tail) - keep)]
-                    out.write(chunk)
-                if rc_text:
-                    code = int(rc_text)
-                    if code == 0:
-                        return code, "stop", None
-                    error = f"the harness exited with code {code}{_last_line(tail)}"
-                    ctx.log.warning("harness: %s", error)
-                    return code, "error", error
-                if not alive:
-                    error = (f"the harness's shell (pid {pid}) ended without recording an exit code "
-                             "(killed by a signal, e.g. the out-of-memory killer or a `kill` of its process group)")
-                    ctx.log.warning("harness: %s", error)
-                    return None, "error", error
-                if loop.time() >= deadline:
-                    ctx.log.warning("harness: still running after timeout_s=%g s; killing its process group",
-                                    float(settings.get("timeout_s")))
-                    return None, "timeout", None
-                await asyncio.sleep(float(settings.get("poll_s")))
-        finally:
-            out.close()
+        while True:
+            # Whether run.sh lives is read before its exit-code file: a shell found gone had written the
+            # file already if it ever would, so "gone and no file" is final, not a race with its last line.
+            alive = await self._alive(sandbox, pid)
+            try:
+                rc_text = (await sandbox.read_file(paths.rc)).decode().strip()
+            except ToolError:
+                rc_text = ""  # still running
+            await output.read()  # everything written so far, including after the exit code appeared
+            if rc_text:
+                code = int(rc_text)
+                if code == 0:
+                    return code, "stop", None
+                error = f"the harness exited with code {code}{_last_line(output.tail)}"
+                ctx.log.warning("harness: %s", error)
+                return code, "error", error
+            if not alive:
+                error = (f"the harness's shell (pid {pid}) ended without recording an exit code "
+                         "(killed by a signal, e.g. the out-of-memory killer or a `kill` of its process group)")
+                ctx.log.warning("harness: %s", error)
+                return None, "error", error
+            if loop.time() >= deadline:
+                ctx.log.warning("harness: still running after timeout_s=%g s; killing its process group (SIGTERM, "
+                                "SIGKILL 2 s later)", float(settings.get("timeout_s")))
+                return None, "timeout", None
+            await asyncio.sleep(float(settings.get("poll_s")))
 
     @staticmethod
     async def _alive(sandbox: Any, pid: int) -> bool:
@@ -484,21 +645,22 @@ class HarnessHandler(AgentHandler):
             await domain.eval(view)
             ctx.reward = view.reward
         elif ":" in scorer:
-            module, _, attr = scorer.partition(":")
             workspace = Path(ctx.state["workspace"]) if ctx.state.get("workspace") else None
             try:
-                importlib.invalidate_caches()  # a scorer module written after the node started is found too
+                fn = scorer_function(scorer)
                 try:
-                    fn = getattr(importlib.import_module(module), attr)
-                except (ImportError, AttributeError) as e:
-                    raise DomainError(f"harness: scorer {scorer!r} cannot be imported: {e}") from e
-                result = fn(*_scorer_args(fn, ctx, workspace))
-                if inspect.isawaitable(result):
-                    result = await result
+                    result = fn(*_scorer_args(fn, ctx, workspace))
+                    if inspect.isawaitable(result):
+                        result = await result
+                except Exception as e:
+                    # The user's code: its traceback to the job log, its error named after the scorer in the result.
+                    ctx.log.error("harness: scorer %r raised", scorer, exc_info=True)
+                    raise DomainError(f"harness: scorer {scorer!r} raised {type(e).__name__}: {e}") from e
             finally:
                 if workspace is not None:  # the copy lives on the node's disk: only for the scorer
                     await asyncio.to_thread(shutil.rmtree, workspace, True)
-            if result is not None:
-                ctx.reward = float(result)
+            reward = _reward(scorer, result)
+            if reward is not None:
+                ctx.reward = reward
         else:
             raise DomainError(f"harness: unknown scorer {scorer!r}; use swe, code, math, none or 'module:function'")

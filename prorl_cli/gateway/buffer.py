@@ -341,6 +341,8 @@ class TokenBuffer:
                 wire[name] = value
         if not wire.get("stop_token_ids") and chat.stop_token_ids:
             wire["stop_token_ids"] = list(chat.stop_token_ids)
+        if req.stop_token_ids:  # vLLM's extension: more ids that end the turn, beside the template's
+            wire["stop_token_ids"] = list(dict.fromkeys([*wire.get("stop_token_ids", ()), *req.stop_token_ids]))
         if req.top_logprobs:
             wire["top_logprobs"] = req.top_logprobs
         return SamplingParams(**wire)
@@ -395,9 +397,9 @@ class TokenBuffer:
                     if stop_string is not None:
                         finish = "stop"
                 # Special tokens kept: some tokenizers mark <tool_call> special, and the parser must see it.
-                text = seg.chat.turn_text(out)
+                text = seg.chat.turn_text(_text_ids(out, req))
                 if stop_string is not None:
-                    text = text[: text.index(stop_string)]
+                    text = _before_stop(text, stop_string, req.include_stop)
                 content, calls = self._parse(text, req.parse_tools)
                 if self._honours(req, calls):
                     break
@@ -453,9 +455,9 @@ class TokenBuffer:
                 raise
             finally:
                 self._release(seg)
-            text = chat.turn_text(out)  # the end-of-sequence token is not text, as vLLM and OpenAI answer
+            text = chat.turn_text(_text_ids(out, req))  # the end-of-sequence token is not text, as vLLM answers
             if stop_string is not None:
-                text = text[: text.index(stop_string)]
+                text = _before_stop(text, stop_string, req.include_stop)
             top = gen.top_logprobs
             return Reply(call, text, [], "length" if call.finish_reason == "length" else "stop", stop_string,
                          seg.index, continued,
@@ -545,6 +547,21 @@ class TokenBuffer:
         for c in self.trajectory.calls:
             by.setdefault(c.segment, []).append(c.prefix_ok)
         return {seg: (sum(oks[1:]) / (len(oks) - 1) if len(oks) > 1 else 1.0) for seg, oks in by.items()}
+
+
+def _text_ids(out: list[int], req: ChatRequest) -> list[int]:
+    """The output ids whose text is returned: a last id of the request's ``stop_token_ids`` is not text (as vLLM
+    answers, unless ``include_stop_str_in_output``); it stays in the recorded output ids."""
+    if out and not req.include_stop and out[-1] in req.stop_token_ids:
+        return out[:-1]
+    return out
+
+
+def _before_stop(text: str, stop: str, include: bool) -> str:
+    """A turn's text up to the stop string that ended it: without it, or with it (vLLM's
+    ``include_stop_str_in_output``)."""
+    at = text.index(stop)
+    return text[: at + len(stop)] if include else text[:at]
 
 
 def _cut_at_stop(chat: ChatTokens, out: list[int], lps: list[float], stops: list[str]) -> tuple[list[int], list[float], str | None]:

@@ -84,6 +84,10 @@ class ChatRequest:
     include_usage: bool = False
     #: The agent making the call (:func:`request_agent`); None when the harness names none.
     agent: str | None = None
+    #: vLLM's ``stop_token_ids``: more token ids that end the turn, besides the template's end of turn.
+    stop_token_ids: list[int] = field(default_factory=list)
+    #: vLLM's ``include_stop_str_in_output``: the returned text keeps the stop string that ended the turn.
+    include_stop: bool = False
 
 
 #: Between a message's text parts (and an Anthropic message's text blocks): what vLLM's chat rendering puts
@@ -167,6 +171,27 @@ def _flag(body: dict[str, Any], key: str, where: str | None = None) -> bool:
     return value
 
 
+#: vLLM's extensions that would change what is sampled, the prompt, or what comes back: ``field -> (accepted,
+#: why)`` as below; each API's table takes those it has.
+_VLLM_UNAPPLIED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "ignore_eos": (lambda v: v is False, "a turn ends at the template's end of turn (only false)"),
+    "min_tokens": (lambda v: v == 0 and not isinstance(v, bool), "the generate contract has no min_tokens (only 0)"),
+    "bad_words": (lambda v: v == [], "the generate contract cannot ban words (only [])"),
+    "allowed_token_ids": (lambda v: False, "the generate contract cannot restrict the vocabulary"),
+    "use_beam_search": (lambda v: v is False, "the gateway samples; it does not search beams (only false)"),
+    "length_penalty": (lambda v: v == 1 and not isinstance(v, bool), "there is no beam search to apply it to (only 1)"),
+    "truncate_prompt_tokens": (lambda v: False, "the gateway never cuts a prompt: a prompt too long is a 400 "
+                                                "(context_length_exceeded)"),
+    "prompt_logprobs": (lambda v: False, "the gateway returns the log-probs of the sampled tokens only; the "
+                                         "prompt's ids are in the job's trajectory"),
+    "return_tokens_as_token_ids": (lambda v: v is False, "tokens come back as text; their ids are in the job's "
+                                                         "trajectory (only false)"),
+    "continue_final_message": (lambda v: v is False, "the gateway renders every message as a whole turn and "
+                                                     "samples a new one: no prefill (only false)"),
+    "add_generation_prompt": (lambda v: v is True, "the gateway always opens a new assistant turn (only true)"),
+    "echo": (lambda v: v is False, "the gateway does not echo the prompt (only false)"),
+}
+
 #: Fields that would change the result but that the gateway cannot apply, per API: ``field -> (whether a value
 #: may be accepted because it asks for nothing beyond what the gateway does, why other values are refused)``.
 #: Such a value is a 400 naming the field, never silently ignored (a client would get a result it did not ask for).
@@ -189,6 +214,12 @@ _OPENAI_UNAPPLIED: _Unapplied = {
     "guided_choice": (lambda v: False, "the gateway cannot constrain the output"),
     "guided_grammar": (lambda v: False, "the gateway cannot constrain the output"),
     "structured_outputs": (lambda v: False, "the gateway cannot constrain the output"),
+    # vLLM's sampling and prompt extensions the generate contract does not carry (its ``stop_token_ids`` and
+    # ``include_stop_str_in_output`` are applied). Their defaults pass, as clients set up for vLLM send them.
+    **{key: _VLLM_UNAPPLIED[key] for key in (
+        "ignore_eos", "min_tokens", "bad_words", "allowed_token_ids", "use_beam_search", "length_penalty",
+        "truncate_prompt_tokens", "prompt_logprobs", "return_tokens_as_token_ids", "continue_final_message",
+        "add_generation_prompt", "echo")},
 }
 _COMPLETION_UNAPPLIED: _Unapplied = {
     "echo": (lambda v: v is False, "the gateway does not echo the prompt (only false)"),
@@ -197,6 +228,9 @@ _COMPLETION_UNAPPLIED: _Unapplied = {
                 "the gateway samples one completion per request (only 1)"),
     **{key: _OPENAI_UNAPPLIED[key] for key in ("logit_bias", "min_p", "repetition_penalty", "guided_json",
                                                 "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+    **{key: _VLLM_UNAPPLIED[key] for key in (
+        "ignore_eos", "min_tokens", "bad_words", "allowed_token_ids", "use_beam_search", "length_penalty",
+        "truncate_prompt_tokens", "prompt_logprobs", "return_tokens_as_token_ids")},
 }
 
 
@@ -365,10 +399,12 @@ def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
     max_tokens = _sampling(body, "max_completion_tokens", "max_tokens")
     if max_tokens is None:
         max_tokens = _sampling(body, "max_tokens")
-    # top_k is vLLM's extension (clients set up for vLLM send it); the generate contract carries it.
+    # top_k, stop_token_ids and include_stop_str_in_output are vLLM's extensions (clients set up for vLLM send
+    # them); the generate contract carries the first two, the gateway cuts the text for the third.
     return {"max_tokens": max_tokens, "temperature": _float(_sampling(body, "temperature")),
             "top_p": _float(_sampling(body, "top_p")), "top_k": _sampling(body, "top_k"),
-            "seed": _sampling(body, "seed")}
+            "seed": _sampling(body, "seed"), "stop_token_ids": list(_sampling(body, "stop_token_ids") or []),
+            "include_stop": _flag(body, "include_stop_str_in_output")}
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

@@ -115,8 +115,10 @@ class JobGateway:
     def check_model(self, model: str) -> None:
         name = model.split("/", 1)[1] if "/" in model and model.split("/", 1)[0] in ("openai", "anthropic") else model
         if name not in self.models:
-            raise RequestError(f"model {model!r} does not exist here; this job serves {list(self.models)}",
-                               status=404, param="model", code="model_not_found")
+            raise RequestError(f"model {model!r} does not exist here; this job serves {list(self.models)} (send one "
+                               "of them, e.g. from $PRORL_GATEWAY_MODEL; the harness task accepts more names with "
+                               "its settings model and model_aliases)", status=404, param="model",
+                               code="model_not_found")
 
     async def serve_unix(self, path: str | Path) -> None:
         """Also listen on the Unix socket ``path`` (a sandbox's run directory; the relay connects to it)."""

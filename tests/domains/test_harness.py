@@ -208,3 +208,121 @@ def test_harness_jobs_side_by_side_on_the_local_runtime_keep_their_own_files(tmp
         assert workdir.endswith("/work"), log
         roots.add(workdir.rpartition("/")[0])
     assert len(roots) == 3 and not any(Path(root).exists() for root in roots), roots
+
+
+#: A user's own agent program (standard library only), copied in with the setting ``files``: it reads its task
+#: from $PRORL_TASK_FILE, asks a planner and a summariser under the model names it was written with, imports a
+#: helper module of its folder, and leaves its own verdict in its workdir for the scorer. With $HANG it hangs
+#: instead, printing its stack on SIGTERM (where it hung, read by the node after the kill).
+MAIN = r'''
+import faulthandler, json, os, signal, sys, time, urllib.request
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "lib"))
+import helper
+
+faulthandler.register(signal.SIGTERM, chain=True)
+if os.environ.get("HANG"):
+    def stuck_in_my_tool():
+        print("waiting on my tool", flush=True)
+        time.sleep(600)
+    stuck_in_my_tool()
+task = open(os.environ["PRORL_TASK_FILE"]).read()
+
+def ask(model, system):
+    body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": task}]}
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+    return json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["message"]["content"]
+
+answer = ask("gpt-4o", "You plan. [H-own-plan]")
+summary = ask("gpt-4o-mini", "You summarise. [H-own-sum]")
+print("task:", task, "| answer:", answer, "| summary:", summary, "| helper:", helper.GREETING, flush=True)
+print("env:", os.environ["PRORL_WORKDIR"], os.getcwd(), os.environ["PRORL_JOB_ID"], flush=True)
+json.dump({"reward": helper.verdict(answer)}, open("verdict.json", "w"))
+'''
+
+VERDICT_SCORER = '''
+import json
+
+
+def verdict(ctx, workspace):
+    return json.loads((workspace / "verdict.json").read_text())["reward"]
+'''
+
+
+def _agent_folder(root: Path) -> Path:
+    folder = root / "my-agent"
+    (folder / "lib").mkdir(parents=True)
+    (folder / "empty").mkdir()
+    (folder / "main.py").write_text(MAIN)
+    (folder / "lib" / "helper.py").write_text(
+        "GREETING = 'hello from lib'\n\ndef verdict(answer):\n    return 1.0 if '5' in answer else 0.0\n")
+    run = folder / "run.sh"
+    run.write_text("#!/bin/sh\nls -d /opt/agent/empty && exec python3 /opt/agent/main.py\n")
+    run.chmod(0o755)
+    return folder
+
+
+def test_a_users_own_program_copied_in_with_files(stack: ScriptedStack, domain_image: str, tmp_path: Path) -> None:
+    """No image of its own: ``files`` copies the program's folder in (modes kept), ``$PRORL_TASK_FILE`` names the
+    task (a verl-style row's last user message), ``model_aliases`` serves the names it was written with, its
+    verdict becomes the reward; a hung one is killed past ``timeout_s`` with what it printed on SIGTERM kept."""
+    (stack.d.home / "prorl_verdict_scorer.py").write_text(VERDICT_SCORER)
+    folder = _agent_folder(tmp_path)
+    stack.add("[H-own-plan]", "It is 5.")
+    stack.add("[H-own-sum]", "Five.")
+    stack.start_model()
+    settings = {"image": domain_image, "command": "/opt/agent/run.sh", "files": {"/opt/agent": str(folder)},
+                "model_aliases": ["gpt-4o", "gpt-4o-mini"], "scorer": "prorl_verdict_scorer:verdict",
+                "poll_s": 0.2, "timeout_s": 60.0}
+    verl_row = {"prompt": [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "[H-own] What is 2+3?"}], "settings": settings}
+    hang_row = {"task": "[H-own-hang] wait",
+                "settings": {**settings, "env": {"HANG": "1"}, "timeout_s": 6.0, "scorer": "none"}}
+    ok, hung = stack.run("harness", [verl_row, hang_row], timeout_s=300)
+
+    assert ok.state == "done" and ok.reward == 1.0, ok.error or ok.output.get("harness_log")
+    log = ok.output["harness_log"]
+    assert "/opt/agent/empty" in log, log  # a folder's empty folder is copied too
+    assert ("task: [H-own] What is 2+3? | answer: It is 5. | summary: Five. | helper: hello from lib") in log, log
+    assert f"env: /work /work {ok.job_id}" in log, log
+    assert len(ok.output["trajectory"]["calls"]) == 2 and ok.output["segments"] == 2
+
+    assert hung.state == "done" and hung.output["stop_reason"] == "timeout", hung
+    assert "waiting on my tool" in hung.output["harness_log"], hung.output["harness_log"]
+    assert "in stuck_in_my_tool" in hung.output["harness_log"], hung.output["harness_log"]  # printed on SIGTERM
+
+
+def test_files_are_refused_naming_the_entry_before_a_sandbox_starts(tmp_path: Path) -> None:
+    import pytest
+
+    from prorl_cli.exceptions import DomainError
+    from prorl_cli.handlers.harness import _files_to_copy
+
+    folder = _agent_folder(tmp_path)
+    (folder / "link-to-main.py").symlink_to(folder / "main.py")
+    copies = {target: (source.name, mode) for source, target, mode in _files_to_copy({"/opt/agent": str(folder)}, 1)}
+    assert copies == {"/opt/agent/empty": ("empty", None), "/opt/agent/main.py": ("main.py", 0o644),
+                      "/opt/agent/link-to-main.py": ("link-to-main.py", 0o644),
+                      "/opt/agent/run.sh": ("run.sh", 0o755), "/opt/agent/lib/helper.py": ("helper.py", 0o644)}
+    one = _files_to_copy({"/bin/agent.py": str(folder / "main.py")}, 1)
+    assert [(target, mode) for _, target, mode in one] == [("/bin/agent.py", 0o644)]
+    with pytest.raises(DomainError, match="both paths must be absolute"):
+        _files_to_copy({"agent": str(folder)}, 1)
+    with pytest.raises(DomainError, match="both paths must be absolute"):
+        _files_to_copy({"/opt/agent": "my-agent"}, 1)
+    with pytest.raises(DomainError, match=r"'/no/such/agent' \(for '/opt/agent'\) is not a file or folder on node"):
+        _files_to_copy({"/opt/agent": "/no/such/agent"}, 1)
+    with pytest.raises(DomainError, match=r"MiB to copy into the sandbox, over files_max_mb=1e-06"):
+        _files_to_copy({"/opt/agent": str(folder)}, 1e-6)
+
+
+def test_the_task_of_a_verl_style_row_is_its_last_user_message() -> None:
+    from prorl_cli.handlers.harness import _chat_task
+
+    assert _chat_task([{"role": "system", "content": "s"}, {"role": "user", "content": "first"},
+                       {"role": "assistant", "content": "a"}, {"role": "user", "content": "last"}]) == "last"
+    assert _chat_task([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]) \
+        == "a\nb"
+    assert _chat_task([{"role": "system", "content": "s"}]) is None
+    assert _chat_task("text") is None

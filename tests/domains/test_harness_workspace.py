@@ -119,3 +119,69 @@ def test_a_scorer_in_the_nodes_working_directory_is_found_without_python_dash_m(
                                                    "poll_s": 0.1, "timeout_s": 60.0}}], timeout_s=120)
         (result,) = d.client.wait(ids, timeout_s=180)
     assert result.state == "done" and result.reward == 0.75, result
+
+
+def _eval(scorer: str, workspace: Path | None = None) -> Any:
+    """The harness's EVAL of a ``module:function`` scorer, outside a node: the context it reads, after it."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from prorl_cli.handlers.harness import HarnessHandler
+    from prorl_cli.node.settings import resolve_settings
+
+    settings = resolve_settings(HarnessHandler.defaults, ("test", {"scorer": scorer}))
+    ctx = SimpleNamespace(settings=settings, output={}, state={"workspace": str(workspace) if workspace else None},
+                          reward=None, log=logging.getLogger("test-harness-scorer"))
+    asyncio.run(HarnessHandler().eval(ctx))  # type: ignore[arg-type]
+    return ctx
+
+
+def test_an_edited_scorer_scores_the_next_jobs_without_a_node_restart(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The node imports a scorer module once; a user who edits it between submits gets the edit, not the copy
+    the node first read (which would score the next jobs with the old code, silently)."""
+    import os
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "prorl_edited_scorer.py"
+    module.write_text("def score(ctx, workspace):\n    return 0.25\n")
+    assert _eval("prorl_edited_scorer:score").reward == 0.25
+    module.write_text("def score(ctx, workspace):\n    return 0.5\n\n\ndef other(ctx, workspace):\n    return 1\n")
+    os.utime(module, ns=(1, 1))  # a new mtime even on a file system with coarse timestamps
+    assert _eval("prorl_edited_scorer:score").reward == 0.5
+    assert _eval("prorl_edited_scorer:other").reward == 1.0  # a function added by the edit is found too
+    assert _eval("prorl_edited_scorer:score").reward == 0.5  # unchanged since: not imported again
+
+
+def test_a_scorer_that_raises_or_returns_no_number_fails_naming_the_scorer(tmp_path: Path, monkeypatch: Any) -> None:
+    import pytest
+
+    from prorl_cli.exceptions import DomainError
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "prorl_bad_scorers.py").write_text(
+        "import json\n"
+        "def raises(ctx, workspace):\n    return json.loads((workspace / 'missing.json').read_text())\n"
+        "def a_dict(ctx, workspace):\n    return {'reward': 1.0}\n"
+        "def a_string(ctx, workspace):\n    return '0.5'\n"
+        "def numpy_like(ctx, workspace):\n    class R:\n        def __float__(self):\n            return 0.75\n"
+        "    return R()\n"
+        "def a_bool(ctx, workspace):\n    return True\n")
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    with pytest.raises(DomainError, match=r"scorer 'prorl_bad_scorers:raises' raised FileNotFoundError: .*missing"):
+        _eval("prorl_bad_scorers:raises", workspace)
+    assert not workspace.exists()  # the copy goes all the same
+    with pytest.raises(DomainError, match=r"scorer 'prorl_bad_scorers:a_dict' returned dict \{'reward': 1.0\}; it "
+                                          r"must return the reward, a number"):
+        _eval("prorl_bad_scorers:a_dict")
+    with pytest.raises(DomainError, match=r"returned str '0.5'"):
+        _eval("prorl_bad_scorers:a_string")
+    assert _eval("prorl_bad_scorers:numpy_like").reward == 0.75  # a numpy scalar: anything float() takes
+    assert _eval("prorl_bad_scorers:a_bool").reward == 1.0
+    (tmp_path / "prorl_broken_scorer.py").write_text("def score(ctx, workspace)\n    return 1\n")
+    with pytest.raises(DomainError, match=r"scorer 'prorl_broken_scorer:score': importing 'prorl_broken_scorer' "
+                                          r"raised SyntaxError"):
+        _eval("prorl_broken_scorer:score")
