@@ -4,7 +4,7 @@ One grouping for every place that reports failures, so they all name a failure t
 submit``'s summary (:func:`prorl_cli.cli.jobs.collect.print_failures`) and the DAPO sampler's error when its
 rollouts keep failing (:class:`prorl_cli.exceptions.RolloutsFailing`). Jobs that ended done although their agent
 ended in an error (:func:`agent_error_key`: an agent harness that exited non-zero, a conversation past the
-model's context) are grouped the same way, by their trajectory's error.
+model's context, an agent stopped at its time limit) are grouped the same way, by their trajectory's error.
 """
 
 from __future__ import annotations
@@ -28,19 +28,27 @@ def failure_key(result: JobResult) -> tuple[str, str, str]:
     return stage, kind, lines[0][:MESSAGE_CHARS] if lines else ""
 
 
+#: What a trajectory stopped at its time limit says where it names no error of its own (an agent harness killed at
+#: its ``timeout_s``).
+AGENT_TIMEOUT_MESSAGE = "the agent ran past its time limit and was stopped (its timeout_s)"
+
+
 def agent_error_key(result: JobResult) -> tuple[str, str, str] | None:
     """``("run", error type, first message line)`` of a job that ended done although its agent ended in an error
-    (its trajectory's ``stop_reason`` is ``error``; ``trajectory.error`` says why); None for any other result.
+    or was stopped at its time limit (its trajectory's ``stop_reason`` is ``error`` or ``timeout``;
+    ``trajectory.error`` says why); None for any other result.
 
     Such a job was scored as its agent left it, so it is a result, not a failure: but a summary that counted it
-    as done and said nothing more would not tell a crashed agent from a clean run.
+    as done and said nothing more would not tell a crashed or cut-off agent from a clean run.
     """
     output = result.output
     traj: Any = output.get("trajectory") if isinstance(output, dict) else None
-    if result.state != "done" or not isinstance(traj, dict) or traj.get("stop_reason") != "error":
+    if result.state != "done" or not isinstance(traj, dict) or traj.get("stop_reason") not in ("error", "timeout"):
         return None
     error: dict[str, Any] = traj["error"] if isinstance(traj.get("error"), dict) else {}
     lines = str(error.get("message") or "").strip().splitlines()
+    if traj["stop_reason"] == "timeout" and not error:
+        return "run", "timeout", AGENT_TIMEOUT_MESSAGE
     return "run", str(error.get("type") or "error"), lines[0][:MESSAGE_CHARS] if lines else ""
 
 

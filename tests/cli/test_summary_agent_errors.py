@@ -30,6 +30,8 @@ def test_done_jobs_whose_agent_ended_in_an_error_are_grouped_apart() -> None:
         _result("crash-1", "done", "error", _exited(3)),
         _result("crash-2", "done", "error", _exited(3)),
         _result("crash-3", "done", "error", _exited(1)),
+        _result("slow", "done", "timeout"),  # a harness killed at its timeout_s: scored, but cut off
+        _result("long", "done", "length"),  # a rollout cut at the model's length: a normal end
         _result("killed", "cancelled", "cancelled"),
         _result("failed", "failed", "error", _exited(3)),  # a failure: told under "why jobs did not finish"
         JobResult(job_id="no-trajectory", task="math_agent", state="done", output={"answer": 1}),
@@ -38,6 +40,7 @@ def test_done_jobs_whose_agent_ended_in_an_error_are_grouped_apart() -> None:
     assert [g.describe() for g in groups] == [
         "2 job(s) in run: HarnessExited: the harness exited with code 3 (e.g. crash-1)",
         "1 job(s) in run: HarnessExited: the harness exited with code 1 (e.g. crash-3)",
+        "1 job(s) in run: timeout: the agent ran past its time limit and was stopped (its timeout_s) (e.g. slow)",
     ]
 
 

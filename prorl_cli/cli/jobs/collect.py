@@ -501,8 +501,8 @@ def print_failures(app: App, results: list[JobResult]) -> None:
 
 
 #: The heading of the done jobs whose agent ended in an error (:func:`prorl_cli.observe.failures.agent_error_key`).
-AGENT_ERRORS_TITLE = ("[bold]done, but the agent ended in an error[/bold] (scored as it left things; the trajectory's "
-                      "error field of each result has it whole):")
+AGENT_ERRORS_TITLE = ("[bold]done, but the agent ended in an error[/bold] or at its time limit (scored as it left "
+                      "things; the trajectory's error field of each result has it whole):")
 
 
 def print_failure_groups(app: App, ranked: list[FailureGroup],
