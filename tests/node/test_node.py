@@ -88,11 +88,14 @@ def test_a_handler_blocking_the_loop_10s_does_not_get_its_node_declared_dead(dep
 
 def test_a_loop_blocked_past_the_stall_limit_gets_its_node_declared_dead(tmp_path: Path) -> None:
     """A dead-locked node must still be declared dead: the sidecar stops vouching past node.loop_stall_limit_s."""
-    d = Deployment(tmp_path / "home", "stall", {"node": {"loop_stall_limit_s": 0.5}})
+    # Declared dead about 0.5 + 3 x 0.25 s into the block: the block lasts several times that, so a loaded
+    # machine's late heartbeat check still falls inside it.
+    d = Deployment(tmp_path / "home", "stall", {"node": {"loop_stall_limit_s": 0.5},
+                                                "broker": {"heartbeat_interval_s": 0.25}})
     try:
         d.start_broker()
         d.start_node("stuck")
-        (job_id,) = d.client.submit("test", [{"block_s": {"run": 4}}], timeout_s=60, max_attempts=2)
+        (job_id,) = d.client.submit("test", [{"block_s": {"run": 6}}], timeout_s=60, max_attempts=2)
         (result,) = d.client.wait([job_id], timeout_s=90)
         assert result.attempt >= 2  # the first attempt's node was declared dead while blocked
         assert "no longer vouching for this node" in d.log("stuck")
