@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+from prorl_cli.config import config_from_dict
 from prorl_cli.node.registry import discover
 
 AGENT = '''
@@ -26,7 +27,7 @@ def test_subclasses_get_their_own_names_and_share_the_swe_settings(tmp_path: Pat
     registry = discover([str(tmp_path)])
     assert registry.errors == []  # no "task 'swe' is defined twice"
     assert {"swe", "swe_oracle", "my_agent", "swe_own"} <= set(registry.tasks)
-    config = SimpleNamespace(handlers={"swe": {"test_timeout_s": 42.0}, "swe_own": {"test_timeout_s": 7.0}}, domains={})
+    config = config_from_dict({"handlers": {"swe": {"test_timeout_s": 42.0}, "swe_own": {"test_timeout_s": 7.0}}})
 
     def timeout_of(task: str) -> float:
         ctx = SimpleNamespace(state={}, instance={}, config=config, job_id="j1")
