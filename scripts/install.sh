@@ -15,11 +15,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 py="${PRORL_PYTHON:-python3}"
 pip=("$py" -m pip install -q)
-# PRORL_PIP_NO_COMPILE=1 (scripts/test.sh sets it): pip writes no bytecode for the ~30,000 modules it installs,
-# a minute or two of CPU; Python compiles the few thousand a run imports on first import, and keeps them.
-if [ "${PRORL_PIP_NO_COMPILE:-0}" = 1 ]; then
-    pip+=(--no-compile)
-fi
+# pip writes the bytecode of what it installs (a minute of CPU): with PYTHONDONTWRITEBYTECODE set, as on
+# machines that keep source trees clean, nothing imported later is ever cached, and every process that imports
+# torch would compile it again (CI without it here: the model lane 26 % slower).
 wheels="${PRORL_WHEELS_DIR:-/opt/wheels}"
 if [ -d "$wheels" ]; then
     pip+=(--find-links "$wheels")

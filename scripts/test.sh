@@ -26,8 +26,7 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 venv="$(cd "$venv" && pwd)"
-# The tests import a small part of what is installed: it is compiled on first import, not all at install.
-PRORL_PYTHON="$venv/bin/python" PRORL_PIP_NO_COMPILE=1 bash scripts/install.sh
+PRORL_PYTHON="$venv/bin/python" bash scripts/install.sh
 # The tests start `python3`, `prorl` and the venv's console scripts by name.
 export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
 PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")"
