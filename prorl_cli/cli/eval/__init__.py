@@ -73,7 +73,8 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     if out.exists() and not out.is_dir():
         app.abort(f"--out {out}: is not a folder")
     # Ids made here, a fresh run id without --run-id: an interrupt while they are sent cancels them by id.
-    job_ids = eval_job_ids(run_id or f"eval-{uuid.uuid4().hex[:10]}", instances, n)
+    run = run_id or f"eval-{uuid.uuid4().hex[:10]}"
+    job_ids = eval_job_ids(run, instances, n)
     samples: list[Sample] = []
     # Ctrl-C, SIGTERM (a batch job's time limit), SIGHUP (a dropped ssh session): the unfinished jobs are cancelled
     # and counted, nothing is graded or written, and the command exits 130, 143 or 129.
@@ -98,7 +99,7 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
             return f"resolved {resolved}"
 
         collect(app, client, list(submitted), f"eval {task}", ResultFile(app, None), cancel_hint="", signals=signals,
-                poll=lambda: {j: s for j, s in client.list_jobs().items() if j in chosen}, on_result=graded)
+                poll=lambda: {j: s for j, s in client.list_jobs(prefix=f"{run}-").items() if j in chosen}, on_result=graded)
     summary = write_outputs(out, ids, samples, model_name or task, n)
     at_k = "  ".join(f"pass@{k} {v:.3f}" for k, v in summary["pass_at_k"].items())
     app.console.print(f"{task}: resolved {summary['resolved_instances']}/{summary['total_instances']} "
