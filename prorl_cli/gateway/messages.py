@@ -216,10 +216,7 @@ _OPENAI_UNAPPLIED: _Unapplied = {
     "structured_outputs": (lambda v: False, "the gateway cannot constrain the output"),
     # vLLM's sampling and prompt extensions the generate contract does not carry (its ``stop_token_ids`` and
     # ``include_stop_str_in_output`` are applied). Their defaults pass, as clients set up for vLLM send them.
-    **{key: _VLLM_UNAPPLIED[key] for key in (
-        "ignore_eos", "min_tokens", "bad_words", "allowed_token_ids", "use_beam_search", "length_penalty",
-        "truncate_prompt_tokens", "prompt_logprobs", "return_tokens_as_token_ids", "continue_final_message",
-        "add_generation_prompt", "echo")},
+    **_VLLM_UNAPPLIED,
 }
 _COMPLETION_UNAPPLIED: _Unapplied = {
     "echo": (lambda v: v is False, "the gateway does not echo the prompt (only false)"),
