@@ -8,7 +8,8 @@ import math
 import os
 import shlex
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -412,3 +413,16 @@ class InterruptSignals:
     def how(self) -> str:
         """The words for what stopped the command: ``interrupted``, ``terminated (SIGTERM)``, ``hung up (SIGHUP)``."""
         return "interrupted" if self.signum is None else signal_words(self.signum)
+
+
+@contextmanager
+def interrupt_signals() -> Iterator[InterruptSignals]:
+    """:class:`InterruptSignals` for a command whose clean-up runs inside the block: Ctrl-C, SIGTERM and SIGHUP end
+    it once its clean-up ran (the ``prorl`` group then says which, exit 130, 143 or 129); signals that come during
+    that clean-up are ignored, and the handlers are put back when the block is left."""
+    signals = InterruptSignals()
+    try:
+        with signals:
+            yield signals
+    finally:
+        signals.restore()

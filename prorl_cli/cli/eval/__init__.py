@@ -47,8 +47,8 @@ def eval_command(app: App, dataset: Path, task: str, n: int, out: Path, run_id: 
     terminal, plain lines off one (every 30 s and every 10 % of the jobs). Ctrl-C, SIGTERM or
     SIGHUP cancels the unfinished jobs, says how many, and exits 130, 143 or 129.
     """
-    from prorl_cli.cli.common import connect, dataset_errors
-    from prorl_cli.cli.jobs.collect import ResultFile, cancel_jobs, collect, interrupt_signals, tell
+    from prorl_cli.cli.common import connect, dataset_errors, interrupt_signals
+    from prorl_cli.cli.jobs.collect import ResultFile, cancel_jobs, collect, tell
     from prorl_cli.domains.datasets import load_instances
     from prorl_cli.exceptions import ProrlError
     from prorl_cli.swe.evaluation import Sample, write_outputs

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 
 from prorl_cli.cli.application import App
-from prorl_cli.cli.common import InterruptSignals, interruption
+from prorl_cli.cli.common import interrupt_signals, interruption
 
 if TYPE_CHECKING:
     from prorl_cli.images.build import Result
@@ -34,17 +34,15 @@ def run_builds(app: App, plans: list[Any], cache: Any, settings: Any, console: A
             progress.update(tasks[name], description=f"{name}: {message[:80]}")
 
     builder = Builder(cache, apptainer=settings.apptainer, timeout_s=settings.build_timeout_s, on_event=on_event)
-    signals = InterruptSignals()
-    try:
-        with signals, progress:
-            for p in plans:
-                tasks[p.spec.name] = progress.add_task(f"{p.spec.name}: waiting", total=None)
-            results = builder.run(plans, settings.jobs)
-    except KeyboardInterrupt as e:
-        how, code = interruption(e)
-        app.abort(f"{how}: running builds stopped, no image published", code=code)
-    finally:
-        signals.restore()
+    with interrupt_signals():
+        try:
+            with progress:
+                for p in plans:
+                    tasks[p.spec.name] = progress.add_task(f"{p.spec.name}: waiting", total=None)
+                results = builder.run(plans, settings.jobs)
+        except KeyboardInterrupt as e:
+            how, code = interruption(e)
+            app.abort(f"{how}: running builds stopped, no image published", code=code)
     for r in results:
         if r.action == "built":
             console.print(f"[bold]{r.name}[/]: [green]built[/] in {r.build_s:.1f} s, {size_text(r.size_bytes)} → {r.path}", soft_wrap=True)

@@ -15,6 +15,7 @@ from prorl_cli.cli.common import (
     check_out_path,
     command_hint,
     connect,
+    interrupt_signals,
     load_task_rows,
     sampling_of,
     sampling_options,
@@ -61,7 +62,6 @@ def run_submission(
         ResultFile,
         cancel_jobs,
         collect,
-        interrupt_signals,
         print_summary,
         tell,
     )
@@ -250,8 +250,6 @@ def submit(
         check_out_path(app, out)
     with connect(app, address) as client:
         if detach:
-            from prorl_cli.cli.jobs.collect import interrupt_signals
-
             with interrupt_signals() as signals:
                 prefix, ids = submit_jobs(app, client, task, instances, n, timeout_s, id_prefix, sampling, lines,
                                           signals=signals, detach=True, address=address)

@@ -24,8 +24,8 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -203,19 +203,6 @@ PROGRESS_STEP_FRACTION = 0.1
 PROGRESS_POLL_S = 10.0
 #: Job states of a job placed on a node and not ended: what a progress line counts as running.
 RUNNING_STATES = frozenset({"assigned", "init", "run", "eval"})
-
-
-@contextmanager
-def interrupt_signals() -> Iterator[InterruptSignals]:
-    """:class:`~prorl_cli.cli.common.InterruptSignals` for a whole job command: Ctrl-C, SIGTERM and SIGHUP end it
-    once its cleanup ran (the ``prorl`` group then says which, exit 130, 143 or 129); signals that come during that
-    cleanup are ignored."""
-    signals = InterruptSignals()
-    try:
-        with signals:
-            yield signals
-    finally:
-        signals.restore()
 
 
 def tell(app: App | None, message: str) -> None:

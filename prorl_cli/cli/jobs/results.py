@@ -41,8 +41,8 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
     written all the same), when a .parquet --out could not be written (its results
     go to a .jsonl beside it), or when the broker cannot be reached.
     """
-    from prorl_cli.cli.common import check_out_path, connect
-    from prorl_cli.cli.jobs.collect import ResultFile, collect, interrupt_signals, print_summary
+    from prorl_cli.cli.common import check_out_path, connect, interrupt_signals
+    from prorl_cli.cli.jobs.collect import ResultFile, collect, print_summary
     from prorl_cli.protocol import TERMINAL_STATES
 
     if sum([bool(job_ids), prefix is not None, group_id is not None]) != 1:

@@ -107,7 +107,8 @@ def sample(
     session) cancels the jobs in flight, says how many, and exits 130, 143
     or 129; under nohup SIGHUP stays ignored.
     """
-    from prorl_cli.cli.jobs.collect import interrupt_signals, tell
+    from prorl_cli.cli.common import interrupt_signals
+    from prorl_cli.cli.jobs.collect import tell
     from prorl_cli.exceptions import ProrlError, SamplerError
     from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
 

@@ -5,7 +5,6 @@ Heavy imports happen inside the commands so ``prorl --help`` stays instant.
 
 from __future__ import annotations
 
-import contextlib
 import shlex
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from typing import Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
-from prorl_cli.cli.common import InterruptSignals, warning_printer
+from prorl_cli.cli.common import interrupt_signals, warning_printer
 from prorl_cli.cli.naming import deployment_option
 
 FLAKY_CHOICES = ("remove-ids", "drop-row")
@@ -193,12 +192,8 @@ def _run(app: App, dataset: Path, out: Path, instances: list[dict[str, Any]], im
                    TextColumn("{task.fields[note]}"), TimeElapsedColumn())
         # SIGTERM (a batch job's time limit) and SIGHUP as Ctrl-C: the results so far are written and the embedded
         # deployment is stopped, not left running without its parent.
-        signals = InterruptSignals()
-        with contextlib.ExitStack() as stack:
-            stack.callback(signals.restore)
-            stack.enter_context(signals)
-            client = stack.enter_context(_Deployment(app, out, deployment, address, parallel))
-            progress = stack.enter_context(Progress(*columns, console=app.err_console))
+        with interrupt_signals(), _Deployment(app, out, deployment, address, parallel) as client, \
+                Progress(*columns, console=app.err_console) as progress:
             bar = progress.add_task("validate", total=len(jobs), completed=done_before, note="")
 
             def on_result(result: Any) -> None:
