@@ -109,4 +109,19 @@ for command in OBSERVE_COMMANDS:  # trace, inspect, report, top
 
 
 def main() -> None:
-    cli(prog_name="prorl")
+    try:
+        cli(prog_name="prorl")
+    finally:
+        _forget_handled_interrupt()
+
+
+def _forget_handled_interrupt() -> None:
+    """Exit with the code the command chose after a Ctrl-C it handled, not by SIGINT.
+
+    CPython (3.11, 3.12) marks an interpreter to die of SIGINT at exit when a KeyboardInterrupt ends a string
+    ``exec`` (``dataclasses`` and ``namedtuple`` build their methods so, so a Ctrl-C that lands while one is being
+    made, say in a lazy import, sets the mark), even when a caller catches it; under ``python -m prorl_cli`` the
+    mark wins over ``sys.exit(130)``. Every string ``exec`` clears it first, so one that raises nothing forgets
+    a handled interrupt. An interrupt nobody handled is marked again as it leaves, and still ends the process
+    by SIGINT as the shell expects."""
+    exec("None", {})  # noqa: S102 - a constant string, run for its side effect on the interpreter's mark

@@ -373,6 +373,30 @@ def test_ctrl_c_in_quickstart_ends_in_one_line_and_leaves_no_process(tmp_path: P
     assert not alive, [(c.pid, c.status()) for c in alive]
 
 
+def test_a_ctrl_c_handled_inside_a_string_exec_still_ends_with_the_commands_code(tmp_path: Path) -> None:
+    """A Ctrl-C can land while ``dataclasses`` builds a class's methods by a string ``exec`` (a lazy import in a
+    command: launch's live view imports ``rich.table`` so). CPython then marks the process to die of SIGINT at
+    exit under ``python -m``, though the command handled the interrupt: the exit must be the command's 130."""
+    (tmp_path / "ctrl_c_in_exec.py").write_text(
+        "import click\n"
+        "from prorl_cli.cli import cli, main\n"
+        "@cli.command('ctrl-c-in-exec')\n"
+        "def ctrl_c_in_exec():\n"
+        "    try:\n"
+        "        exec('raise KeyboardInterrupt', {})  # where the interrupt lands, as in dataclasses' _create_fn\n"
+        "    except KeyboardInterrupt:\n"
+        "        click.echo('error: interrupted', err=True)\n"
+        "        raise click.exceptions.Exit(130) from None\n"
+        "main()\n"
+    )
+    env = {**os.environ, "PRORL_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run([sys.executable, "-m", "ctrl_c_in_exec", "ctrl-c-in-exec"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 130, (out.returncode, out.stderr)
+    assert out.stderr.strip() == "error: interrupted", out.stderr
+
+
 def test_the_live_line_of_sample_ends_its_line_off_a_terminal() -> None:
     """Piped to a file, the error that follows ``prorl sample``'s live line starts a line of its own."""
     import io
