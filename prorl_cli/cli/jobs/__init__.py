@@ -144,7 +144,7 @@ def _interrupted_submission(app: App, client: RolloutClient, task: str, prefix: 
     The client sends its messages in order, on one connection: a part of the submit already sent is taken
     before this cancel is read, and ids never sent come back ``unknown``.
     """
-    from prorl_cli.cli.jobs.collect import tell
+    from prorl_cli.cli.jobs.collect import cancel_counts, tell
     from prorl_cli.exceptions import ProrlError
 
     how = signals.how if signals is not None else "interrupted"
@@ -155,15 +155,13 @@ def _interrupted_submission(app: App, client: RolloutClient, task: str, prefix: 
                   f"run twice); `{cancel_hint}` cancels them")
         return
     try:
-        states = client.cancel(ids)
+        counts = cancel_counts(client, ids)
     except (ProrlError, OSError) as e:
         tell(app, f"{how} while submitting; could not cancel what the broker took ({e}): `{cancel_hint}` does")
         return
-    cancelled = sum(1 for state in states.values() if state == "cancelled")
-    taken = sum(1 for state in states.values() if state != "unknown")
-    tell(app, f"{how} while submitting: cancelled {cancelled} job(s) of {task!r} (ids {prefix}-LINE-K); the broker "
-              f"had taken {taken} of {len(ids)}" + (f", {taken - cancelled} of them ended already"
-                                                    if taken > cancelled else "")
+    tell(app, f"{how} while submitting: cancelled {counts.cancelled} job(s) of {task!r} (ids {prefix}-LINE-K); the "
+              f"broker had taken {counts.taken} of {len(ids)}"
+              + (f", {counts.taken - counts.cancelled} of them ended already" if counts.taken > counts.cancelled else "")
               + " (--detach leaves a submission running)")
 
 

@@ -404,16 +404,29 @@ def collect(
     return results
 
 
+@dataclass(frozen=True)
+class CancelCounts:
+    """What a cancel did: ``cancelled`` by it, of ``taken`` the broker held (the rest of those had ended already;
+    ids it never took answer ``unknown`` and count in neither)."""
+
+    cancelled: int
+    taken: int
+
+
+def cancel_counts(client: RolloutClient, ids: list[str]) -> CancelCounts:
+    """Cancel ``ids`` and count the broker's answers (its errors propagate)."""
+    states = client.cancel(ids) if ids else {}
+    return CancelCounts(cancelled=sum(1 for state in states.values() if state == "cancelled"),
+                        taken=sum(1 for state in states.values() if state != "unknown"))
+
+
 def cancel_jobs(app: App, client: RolloutClient, ids: list[str]) -> int:
     """Cancel ``ids``; how many the broker cancelled (0, said so, when it could not be asked)."""
-    if not ids:
-        return 0
     try:
-        states = client.cancel(ids)
+        return cancel_counts(client, ids).cancelled
     except (ProrlError, OSError) as e:
         tell(app, f"could not cancel {len(ids)} job(s): {e}")
         return 0
-    return sum(1 for state in states.values() if state == "cancelled")
 
 
 #: How long an interrupted submit waits for its cancelled jobs' results (the broker holds each for its

@@ -8,6 +8,7 @@ submission's id prefix or by group, and writes them like ``submit --out``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -50,8 +51,11 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
     if out is not None:
         check_out_path(app, out)
     ended = {s.value for s in TERMINAL_STATES}
+    # Ids given: the broker lists only what starts as they all do (one submission's ids share its prefix), not
+    # every job it holds, on each progress poll too.
+    listed = id_prefix(prefix) if not job_ids else os.path.commonprefix(list(job_ids)) or None
     with connect(app, address) as client:
-        held = client.list_jobs(prefix=id_prefix(prefix), group_id=group_id) if not job_ids else client.list_jobs()
+        held = client.list_jobs(prefix=listed, group_id=group_id)
         # Ids the broker does not hold (mistyped, or past broker.result_retention) do not stop the others from
         # being collected: a partial match writes what matched and ends in an error naming the rest.
         unknown = [j for j in dict.fromkeys(job_ids) if j not in held]
@@ -71,9 +75,8 @@ def results(app: App, job_ids: tuple[str, ...], prefix: str | None, group_id: st
 
         def poll() -> dict[str, str]:
             """The selection's states now, for the progress's queued and running counts."""
-            if job_ids:
-                return {j: state for j, state in client.list_jobs().items() if j in chosen}
-            return client.list_jobs(prefix=id_prefix(prefix), group_id=group_id)
+            states = client.list_jobs(prefix=listed, group_id=group_id)
+            return {j: state for j, state in states.items() if j in chosen} if job_ids else states
 
         with interrupt_signals() as signals:
             got = collect(app, client, wanted, "results", sink, on_interrupt="leave", signals=signals, poll=poll,
