@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -19,6 +20,7 @@ from prorl_cli.cli.application import App
 
 if TYPE_CHECKING:
     from prorl_cli.client import RolloutClient
+    from prorl_cli.rendezvous import Rendezvous
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -108,24 +110,18 @@ BROKER_RESTART_POLL_S = 2.0
 def _abort_unreachable(app: App, e: Exception, address: str | None) -> NoReturn:
     """The one-line error of a broker that has no rendezvous file or does not answer."""
     from prorl_cli.exceptions import RendezvousError
+    from prorl_cli.rendezvous import read_rendezvous
 
     if isinstance(e, RendezvousError):
         app.abort(str(e))
-    where = address or _rendezvous_address(app) or "?"
+    info = None
+    if address is None:
+        with contextlib.suppress(RendezvousError):
+            info = read_rendezvous(app.config.deployment_dir)
     app.abort(
-        f"the broker at {where} does not answer (deployment {app.config.deployment!r}, "
-        f"no reply within {PING_TIMEOUT_S:g} s); {_why_silent(app) if address is None else 'is it running?'}"
+        f"the broker at {address or (info.address if info is not None else '?')} does not answer (deployment "
+        f"{app.config.deployment!r}, no reply within {PING_TIMEOUT_S:g} s); {_why_silent(app, info)}"
     )
-
-
-def _rendezvous_address(app: App) -> str | None:
-    from prorl_cli.exceptions import RendezvousError
-    from prorl_cli.rendezvous import read_rendezvous
-
-    try:
-        return read_rendezvous(app.config.deployment_dir).address
-    except RendezvousError:
-        return None
 
 
 def _broker_restarting(app: App) -> str | None:
@@ -174,16 +170,10 @@ def _wait_for_broker(app: App, restarting: str) -> RolloutClient:
         time.sleep(BROKER_RESTART_POLL_S)
 
 
-def _why_silent(app: App) -> str:
-    """What the rendezvous file tells of a broker that does not answer."""
-    from prorl_cli.exceptions import RendezvousError
-    from prorl_cli.rendezvous import read_rendezvous
-
-    try:
-        info = read_rendezvous(app.config.deployment_dir)
-    except RendezvousError:
-        return "is it running?"
-    if not info.process_gone():
+def _why_silent(app: App, info: Rendezvous | None) -> str:
+    """What the rendezvous file (``info``; None: none read, or ``--address`` given) tells of a broker that does
+    not answer."""
+    if info is None or not info.process_gone():
         return "is it running?"
     return (f"its process (pid {info.pid} on this host) is gone, killed without cleaning up: "
             f"`{command_hint(app, 'serve broker')}` starts it again (its journal keeps the jobs it had), and then "
