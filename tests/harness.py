@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -23,7 +25,20 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_BUILD_ARGS = ["--mksquashfs-args", "-comp lz4"]
 
 __all__ = ["DEFAULT_TEST_CONFIG", "REPO", "TEST_BUILD_ARGS", "TEST_HANDLERS", "Deployment", "bare_dealer", "fixed_port",
-           "image_build_config", "need_module", "next_message"]
+           "image_build_config", "need_module", "next_message", "one_node_deployment"]
+
+
+def one_node_deployment(tmp_path_factory: pytest.TempPathFactory, name: str, config: dict[str, Any] | None = None,
+                        node_args: tuple[str, ...] = ()) -> Iterator[Deployment]:
+    """A module fixture's body: a broker and one node ``n1`` (started with ``node_args``) of a deployment ``name``
+    under a fresh folder, closed after the module: ``yield from one_node_deployment(tmp_path_factory, "x")``."""
+    d = Deployment(tmp_path_factory.mktemp(name) / "home", name, config)
+    try:
+        d.start_broker()
+        d.start_node("n1", *node_args)
+        yield d
+    finally:
+        d.close()
 
 
 def need_module(module: str, extra: str) -> None:

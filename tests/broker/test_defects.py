@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from prorl_cli import protocol as P
-from tests.harness import Deployment, bare_dealer, fixed_port, next_message
+from tests.harness import Deployment, bare_dealer, fixed_port, next_message, one_node_deployment
 
 REPLY_TIMEOUT_MS = 5000
 
@@ -40,11 +40,7 @@ class Raw:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    d = Deployment(tmp_path_factory.mktemp("defects") / "home", "defects")
-    d.start_broker()
-    d.start_node("n1")
-    yield d
-    d.close()
+    yield from one_node_deployment(tmp_path_factory, "defects")
 
 
 @pytest.fixture

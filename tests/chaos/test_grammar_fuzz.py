@@ -27,7 +27,7 @@ from prorl_cli.exceptions import ProtocolError
 from prorl_cli.protocol.headers import OP_SCHEMAS
 from prorl_cli.testing import grammar
 from prorl_cli.testing.samples import TO_BRIDGE, TO_NODE
-from tests.harness import Deployment, bare_dealer
+from tests.harness import Deployment, bare_dealer, one_node_deployment
 
 REPLY_TIMEOUT_MS = 10_000
 #: Ops that never reach the broker as requests it acts on here: a valid one would end or pause the run.
@@ -98,11 +98,7 @@ def _ping(sock: zmq.Socket, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
-    d = Deployment(tmp_path_factory.mktemp("grammar") / "home", "grammar", config={"broker": {"journal": True}})
-    d.start_broker()
-    d.start_node("n1")
-    yield d
-    d.close()
+    yield from one_node_deployment(tmp_path_factory, "grammar", {"broker": {"journal": True}})
 
 
 def test_every_field_of_every_op_at_its_edges_is_answered_and_the_broker_serves_on(deployment: Deployment) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.harness import Deployment
+from tests.harness import Deployment, one_node_deployment
 
 
 def prorl(d: Deployment | None, *args: str, cwd: Path | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
@@ -25,11 +25,7 @@ def prorl(d: Deployment | None, *args: str, cwd: Path | None = None, timeout_s: 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
-    d = Deployment(tmp_path_factory.mktemp("cli") / "home", "cli")
-    d.start_broker()
-    d.start_node("n1")
-    yield d
-    d.close()
+    yield from one_node_deployment(tmp_path_factory, "cli")
 
 
 def test_help_is_instant_and_lists_the_commands() -> None:

@@ -19,7 +19,7 @@ import pytest
 from prorl_cli.broker.jobs import JobTable
 from prorl_cli.exceptions import RemoteError
 from prorl_cli.protocol import JobSpec, Op
-from tests.harness import Deployment
+from tests.harness import Deployment, one_node_deployment
 
 HANDLER = '''
 import asyncio
@@ -65,15 +65,9 @@ def prorl(d: Deployment, *args: str, env: dict[str, str] | None = None, timeout_
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("cli-jobs")
-    handlers = root / "handlers"
-    handlers.mkdir()
+    handlers = tmp_path_factory.mktemp("handlers")
     (handlers / "partial.py").write_text(HANDLER)
-    d = Deployment(root / "home", "jobs")
-    d.start_broker()
-    d.start_node("n1", "--handlers", str(handlers))
-    yield d
-    d.close()
+    yield from one_node_deployment(tmp_path_factory, "jobs", node_args=("--handlers", str(handlers)))
 
 
 def write_tasks(path: Path, rows: list[dict[str, object]]) -> Path:

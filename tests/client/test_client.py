@@ -16,7 +16,7 @@ import yaml
 from prorl_cli.client import AsyncRolloutClient, RolloutClient, Submitted
 from prorl_cli.exceptions import BrokerUnavailable, UnknownJob
 from prorl_cli.protocol import JobResult
-from tests.harness import Deployment, fixed_port
+from tests.harness import Deployment, fixed_port, one_node_deployment
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -30,11 +30,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    d = Deployment(tmp_path_factory.mktemp("client") / "home", "api")
-    d.start_broker()
-    d.start_node("n1")
-    yield d
-    d.close()
+    yield from one_node_deployment(tmp_path_factory, "api")
 
 
 def test_the_blocking_client_has_every_method_of_the_async_one() -> None:

@@ -20,7 +20,7 @@ from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import ClientClosed, ClientMisuse
 from prorl_cli.protocol import JobSpec
 from prorl_cli.training.sampler import DapoSampler, SamplerConfig
-from tests.harness import Deployment, fixed_port
+from tests.harness import Deployment, fixed_port, one_node_deployment
 
 #: Far longer than any wake-up here takes: a consumer still waiting after it was left hanging (the bug).
 PATIENT_S = 60.0
@@ -30,11 +30,7 @@ HANGS = {"hang_in": "run"}
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    d = Deployment(tmp_path_factory.mktemp("close") / "home", "close", {"broker": {"journal": False}})
-    d.start_broker()
-    d.start_node("n1")
-    yield d
-    d.close()
+    yield from one_node_deployment(tmp_path_factory, "close", {"broker": {"journal": False}})
 
 
 def _cancel_all(deployment: Deployment, prefix: str) -> None:

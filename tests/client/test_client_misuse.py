@@ -13,7 +13,7 @@ import pytest
 from prorl_cli.client import AsyncRolloutClient
 from prorl_cli.exceptions import UnknownJob
 from prorl_cli.protocol import JobResult
-from tests.harness import Deployment
+from tests.harness import Deployment, one_node_deployment
 
 #: Far longer than any of these jobs take: a test that hits it failed (the stream waited instead of ending).
 PATIENT_S = 60.0
@@ -21,11 +21,7 @@ PATIENT_S = 60.0
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    d = Deployment(tmp_path_factory.mktemp("misuse") / "home", "misuse", {"broker": {"journal": False}})
-    d.start_broker()
-    d.start_node("n1")
-    yield d
-    d.close()
+    yield from one_node_deployment(tmp_path_factory, "misuse", {"broker": {"journal": False}})
 
 
 def _refused_as_one_id() -> pytest.RaisesExc[TypeError]:

@@ -8,16 +8,12 @@ from collections.abc import Iterator
 import pytest
 
 from prorl_cli.exceptions import ResultTimeout
-from tests.harness import Deployment
+from tests.harness import Deployment, one_node_deployment
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    d = Deployment(tmp_path_factory.mktemp("client-wait") / "home", "wait")
-    d.start_broker()
-    d.start_node("n1")
-    yield d
-    d.close()
+    yield from one_node_deployment(tmp_path_factory, "wait")
 
 
 def test_a_bounded_wait_without_a_result_returns_none_and_the_stream_goes_on(deployment: Deployment) -> None:

@@ -8,18 +8,14 @@ import zmq
 
 from prorl_cli import protocol as P
 from prorl_cli.exceptions import RemoteError
-from tests.harness import Deployment, bare_dealer
+from tests.harness import Deployment, bare_dealer, one_node_deployment
 
 REPLY_TIMEOUT_MS = 5000
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
-    d = Deployment(tmp_path_factory.mktemp("bad") / "home", "bad")
-    d.start_broker()
-    d.start_node("n1")
-    yield d
-    d.close()
+    yield from one_node_deployment(tmp_path_factory, "bad")
 
 
 @pytest.fixture
