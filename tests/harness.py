@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,15 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_BUILD_ARGS = ["--mksquashfs-args", "-comp lz4"]
 
 __all__ = ["DEFAULT_TEST_CONFIG", "REPO", "TEST_BUILD_ARGS", "TEST_HANDLERS", "Deployment", "bare_dealer", "fixed_port",
-           "image_build_config", "need_module", "next_message", "one_node_deployment"]
+           "image_build_config", "need_module", "next_message", "one_node_deployment", "kill_if_running"]
+
+
+def kill_if_running(proc: subprocess.Popen[Any]) -> None:
+    """A test's ``finally`` for a child it started in a session of its own (``start_new_session=True``): whatever
+    the test's path, nothing of it is left running (its process group killed, the child reaped)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 def one_node_deployment(tmp_path_factory: pytest.TempPathFactory, name: str, config: dict[str, Any] | None = None,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from prorl_cli.rendezvous import read_rendezvous
-from tests.harness import REPO, Deployment, fixed_port
+from tests.harness import REPO, Deployment, fixed_port, kill_if_running
 
 
 def run_prorl(home: Path, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
@@ -358,9 +358,7 @@ def test_ctrl_c_in_quickstart_ends_in_one_line_and_leaves_no_process(tmp_path: P
         os.kill(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends (the children run in their own sessions)
         _, err = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        kill_if_running(proc)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "Aborted!" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("error:")]

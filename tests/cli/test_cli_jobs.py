@@ -19,7 +19,7 @@ import pytest
 from prorl_cli.broker.jobs import JobTable
 from prorl_cli.exceptions import RemoteError
 from prorl_cli.protocol import JobSpec, Op
-from tests.harness import Deployment, one_node_deployment
+from tests.harness import Deployment, kill_if_running, one_node_deployment
 
 HANDLER = '''
 import asyncio
@@ -455,9 +455,7 @@ def test_ctrl_c_on_submit_cancels_and_writes_the_cancelled_jobs_partial_trajecto
         os.kill(proc.pid, signum)
         _, err = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        kill_if_running(proc)
     said = {signal.SIGTERM: "error: terminated (SIGTERM)", signal.SIGHUP: "error: hung up (SIGHUP)"}.get(
         signal.Signals(signum), "error: interrupted (Ctrl-C)")
     assert proc.returncode == 128 + signum, err
@@ -494,9 +492,7 @@ def test_a_signal_on_sample_cancels_the_jobs_in_flight(deployment: Deployment, t
         os.kill(proc.pid, signum)
         _, err = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        kill_if_running(proc)
     assert proc.returncode == 128 + signum, err
     how = "terminated (SIGTERM)" if signum == signal.SIGTERM else "hung up (SIGHUP)"
     said = re.search(rf"{re.escape(how)}: cancelled (\d+) job\(s\) in flight", err)

@@ -16,7 +16,7 @@ from rich.console import Console
 from prorl_cli.observe.dashboard import Dashboard, render, status_flags
 from prorl_cli.protocol import StatusReport
 from prorl_cli.protocol.records import BackendStatus
-from tests.harness import Deployment
+from tests.harness import Deployment, kill_if_running
 from tests.observe.conftest import INSTANCES, ObservedRun, scrape, total
 
 N_SLOW = 8  # the test deployment's RUN pool holds 8
@@ -143,9 +143,7 @@ def test_status_watch_leaves_cleanly_on_ctrl_c(observed_run: ObservedRun) -> Non
         os.killpg(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_if_running(proc)
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr
     assert "stopped" in stdout

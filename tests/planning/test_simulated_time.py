@@ -23,6 +23,7 @@ import pytest
 from prorl_cli import timebase
 from prorl_cli.exceptions import ProrlError
 from prorl_cli.testing.simulated import SimulatedDeployment
+from tests.harness import kill_if_running
 
 REPLAY = Path(__file__).with_name("simulated_replay.py")
 
@@ -128,9 +129,7 @@ def test_sigterm_stops_a_replay_whose_node_runs_on_its_loop(tmp_path: Path) -> N
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == -signal.SIGTERM
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_if_running(proc)
 
 
 def test_plan_predicts_a_simulated_deployment_within_ten_percent(tmp_path: Path) -> None:
