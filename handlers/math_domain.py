@@ -6,7 +6,10 @@ Instance (the loader turns DeepScaleR / MATH / AMC rows into this)::
      "settings": {"max_turns": 4}}          # optional overrides (docs/domains.md)
 
 The model may call ``python`` (sympy is in the image) any number of times;
-the last ``\\boxed{...}`` of its final turn is its answer. EVAL: reward 1.0
+the last ``\\boxed{...}`` of its final turn is its answer (or a later
+``<answer>...</answer>``; without either, a last line ``Answer: ...`` as
+DAPO-Math-17k's prompt asks, or the number after a last ``####`` as GSM8K's
+does: a model trained on those rows answers so). EVAL: reward 1.0
 when that answer is mathematically equivalent to ``answer`` (math-verify,
 sympy fallback), else 0.0; ``output["predicted"]`` and ``output["verdict"]``
 record what was parsed and how it was judged. An answer that may be
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-from prorl_cli.domains.answers import gsm8k_final, last_boxed, math_equal_bounded
+from prorl_cli.domains.answers import gsm8k_final, math_answer, math_equal_bounded
 from prorl_cli.domains.sandbox_tools import PYTHON
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, final_text
 
@@ -56,7 +59,7 @@ class MathHandler(AgentHandler):
 
     async def eval(self, ctx: JobContext) -> None:
         traj = ctx.trajectory
-        answer = last_boxed(final_text(traj)) if traj.stop_reason == "stop" else None
+        answer = math_answer(final_text(traj)) if traj.stop_reason == "stop" else None
         # Off the event loop; an answer such as 9^{9^{9}} is judged in a child process killed at the limit
         # (in a thread it would go on computing after the EVAL limit, holding CPU and memory).
         limit_s = min(20.0, float(ctx.settings.eval_timeout_s or 20.0))

@@ -9,9 +9,12 @@ The corpus (JSONL ``{id, title, text}``; default: the shipped
 ``handlers/data/search_corpus.jsonl``) is indexed with BM25 (``bm25s``) once
 per node process and shared by every job on the node
 (:mod:`prorl_cli.domains.search_index`); no internet is used. The answer is
-the last ``\\boxed{}`` of the final turn (``\\text{...}`` and the like unwrapped),
-else the whole final turn. Reward:
-SQuAD exact match against any gold answer; ``output["f1"]`` records token F1.
+the last ``<answer>...</answer>`` (the format Search-R1's prompt asks for, and
+a model trained on its rows writes) or the last ``\\boxed{}`` (the shipped
+system prompt's) of the final turn, whichever comes later (``\\text{...}`` and
+the like unwrapped), else the whole final turn: a row is scored the same
+whichever format its source asked for. Reward: SQuAD exact match against any
+gold answer; ``output["f1"]`` records token F1.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from prorl_cli.domains.answers import exact_match, f1_score, last_boxed, latex_words
+from prorl_cli.domains.answers import exact_match, f1_score, final_answer, latex_words
 from prorl_cli.domains.search_index import BUILDS, SearchIndex, get_index, hits_text
 from prorl_cli.exceptions import DomainError
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, Tool, final_text
@@ -104,7 +107,7 @@ class SearchHandler(AgentHandler):
     async def eval(self, ctx: JobContext) -> None:
         traj = ctx.trajectory
         text = final_text(traj) if traj.stop_reason == "stop" else ""
-        answer = last_boxed(text)
+        answer = final_answer(text)  # <answer> tags (Search-R1) or \boxed{}, the later one
         # A boxed answer often wraps its words in \text{...}: scored as "textparis", it would never match "Paris".
         predicted = latex_words(answer) if answer is not None else text.strip()
         golds = gold_answers(ctx.instance)

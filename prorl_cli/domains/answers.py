@@ -1,11 +1,13 @@
-"""Answer extraction and scoring: ``\\boxed{}``, mathematical equivalence, SQuAD EM and F1.
+"""Answer extraction and scoring: ``\\boxed{}``, ``<answer>`` tags, ``Answer:`` lines, mathematical equivalence,
+SQuAD EM and F1.
 
 Mathematical equivalence uses ``math-verify`` (LaTeX, fractions, intervals,
 sets, equations such as ``x=3`` against ``3``); without it, or when it cannot
 parse an answer, a sympy comparison of the two expressions (plain arithmetic
 only: sympify evaluates its text, and an answer is model output); failing
 that, normalised string equality. Digit groups set off by a LaTeX space (``10\\,000``) are joined first, and
-two lists of option letters (``\\text{A, C}``, ``A, C``) compare as sets of letters. Install with
+two lists of option letters (``\\text{A, C}``, ``A, C``) compare as sets of letters, and an answer in words
+(``\\text{June 20}``) equals the same words without the ``\\text{}`` (case aside). Install with
 ``pip install 'prorl[domains]'``.
 """
 
@@ -30,13 +32,20 @@ log = logging.getLogger(__name__)
 def last_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced; a last
     ``\\boxed 5`` without braces (TeX takes the one token) gives ``5``."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    found = _last_boxed_at(text)
+    return found[1] if found is not None else None
+
+
+def _last_boxed_at(text: str) -> tuple[int, str | None] | None:
+    """``(where, content)`` of the last ``\\boxed`` of ``text`` (content ``None`` when its braces do not close),
+    or ``None`` when there is none."""
+    starts = list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text))
     bare = list(re.finditer(r"\\boxed\s+([^\s{}$\\]+)", text))
-    if bare and (not starts or bare[-1].start() > starts[-1]):
-        return bare[-1].group(1).rstrip(".,;") or None
+    if bare and (not starts or bare[-1].start() > starts[-1].start()):
+        return bare[-1].start(), bare[-1].group(1).rstrip(".,;") or None
     if not starts:
         return None
-    start = starts[-1]
+    start = starts[-1].end()
     depth = 1
     for i in range(start, len(text)):
         if text[i] == "{":
@@ -44,8 +53,45 @@ def last_boxed(text: str) -> str | None:
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[start:i].strip()
-    return None  # unbalanced: no answer
+                return starts[-1].start(), text[start:i].strip()
+    return starts[-1].start(), None  # unbalanced: no answer
+
+
+# Search-R1 (and the verl recipes built on it) ask for the answer between <answer> and </answer>; its own reward
+# reads the last such pair.
+_ANSWER_TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+
+
+def final_answer(text: str) -> str | None:
+    """The answer a model gave last in ``text``: the last ``<answer>...</answer>`` (Search-R1's format) or the last
+    ``\\boxed{}``, whichever comes later; a ``\\boxed{}`` inside the tags gives its content. ``None`` when there
+    is neither (or the last ``\\boxed{`` never closes)."""
+    tags = list(_ANSWER_TAGS.finditer(text))
+    boxed = _last_boxed_at(text)
+    if tags and (boxed is None or boxed[0] < tags[-1].end()):  # a \boxed{} after them answers later
+        inside = tags[-1].group(1).strip()
+        return last_boxed(inside) or inside
+    return boxed[1] if boxed is not None else None
+
+
+# DAPO-Math-17k's prompt asks for a last line "Answer: $Answer", and verl's GSM8K one for the number after
+# "####": a model trained on those rows answers so even when asked for \boxed{}.
+_ANSWER_LINE = re.compile(r"^[ \t*#]*(?:final[ \t]+)?answer[ \t*]*:[ \t*]*(.+?)[ \t*]*$", re.IGNORECASE | re.MULTILINE)
+_HASHES = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+
+
+def math_answer(text: str) -> str | None:
+    """A math answer from a model's final turn: its :func:`final_answer` (the last ``\\boxed{}`` or
+    ``<answer>...</answer>``); without either, its last line ``Answer: ...`` or ``Final answer: ...``
+    (DAPO-Math-17k's format); failing that, the number after its last ``####`` (GSM8K's); else ``None``."""
+    given = final_answer(text)
+    if given is not None:
+        return given
+    lines = _ANSWER_LINE.findall(text)
+    if lines:
+        return str(lines[-1]).strip().strip("$").strip() or None
+    hashes = _HASHES.findall(text)
+    return str(hashes[-1]).replace(",", "") if hashes else None
 
 
 def gsm8k_final(answer: str) -> str:
@@ -142,6 +188,16 @@ def _choice_letters(answer: str) -> frozenset[str] | None:
     return frozenset(re.findall(r"[A-Z]", words)) if _CHOICE_LIST.fullmatch(words.strip()) else None
 
 
+def _same_words(gold: str, pred: str) -> bool:
+    """Is ``gold`` an answer in words (``\\text{June 20}``, as MATH writes such answers) that ``pred`` gives in the
+    same words, case and LaTeX styling aside? math-verify reads the bare words ``June 20`` as a product of
+    letters, which never equals the text."""
+    if "\\text" not in gold:
+        return False
+    words = [" ".join(latex_words(side.strip().strip("$")).rstrip(".").casefold().split()) for side in (gold, pred)]
+    return bool(words[0]) and words[0] == words[1]
+
+
 def math_equal(gold: str, pred: str | None) -> MathVerdict:
     """Is ``pred`` mathematically equal to ``gold``? ``None`` (no answer) is wrong.
 
@@ -161,6 +217,8 @@ def math_equal(gold: str, pred: str | None) -> MathVerdict:
         p = parse(f"${pred}$", parsing_timeout=None)
         if g and p:
             ok = bool(verify(g, p, timeout_seconds=None))
+            if not ok and _same_words(gold, pred):
+                return MathVerdict(True, "words", latex_words(pred.strip().strip("$")))
             return MathVerdict(ok, "math_verify", str(p[0]))
         log.debug("math-verify could not parse gold %r or prediction %r; trying sympy", gold, pred)
     if importlib.util.find_spec("sympy") is not None:

@@ -9,7 +9,7 @@ for ``--format`` when a row fits more than one):
   ``####``; an integral float as an integer), or a ``solution`` whose last ``\\boxed{}`` is the answer;
   verl-style rows (DAPO-Math-17k, verl's GSM8K): the last user message of
   ``prompt`` (their "Answer:" / "####" instructions removed: the math task
-  reads a ``\\boxed{}`` answer) and ``reward_model.ground_truth``.
+  asks for a ``\\boxed{}`` answer) and ``reward_model.ground_truth``.
 - ``code``: ``question`` (or ``problem``/``prompt``/``question_content``/
   ``description``) with hidden tests as ``inputs``/``outputs`` lists
   (``--format io``), ``test_cases`` as a list of ``{input, output}`` or
@@ -36,10 +36,12 @@ for ``--format`` when a row fits more than one):
   names, mapped to the swe instance by :mod:`prorl_cli.swe.sources`
   (``--format`` names the source where ``auto`` should not guess). Fields
   prorl cannot use are kept and reported once per dataset (``warn``).
-- ``search``: ``question`` (text) with ``answers``, ``answer``, ``golden_answers`` or PopQA's ``possible_answers``
-  (a string, a number, a boolean as ``yes``/``no``, a list of them or of
-  such lists (NQ), SQuAD's ``{text: [...]}`` or TriviaQA's
-  ``{value, aliases}``), plus MuSiQue's ``answer_aliases``.
+- ``search``: ``question`` (text; Bamboogle's ``Question``) with ``answers``, ``answer``, ``golden_answers``,
+  PopQA's ``possible_answers`` or Bamboogle's ``Answer`` (a string, a number, a boolean as ``yes``/``no``, a
+  list of them or of such lists (NQ), SQuAD's ``{text: [...]}`` or TriviaQA's
+  ``{value, aliases}``), plus MuSiQue's ``answer_aliases``; verl/Search-R1 rows
+  without those columns: the question from the chat ``prompt`` (what follows
+  Search-R1's ``Question: ``) and ``reward_model.ground_truth.target``.
 
 Any other task: each row is passed through unchanged. Errors name the file,
 the line (JSONL) or row (Parquet) and the missing field; the first bad row
@@ -49,7 +51,7 @@ rows out and reports them.
 The domain instances keep the row's ``id``, or where the source names its id
 otherwise, that id as ``id`` (MATH-500 ``unique_id``, LiveCodeBench and
 TriviaQA ``question_id``, ``task_id``, APPS ``problem_id``, HotpotQA
-``_id``, AIME ``ID``, CodeContests ``name``, verl's ``extra_info.index``),
+``_id``, AIME ``ID``, OpenR1-Math ``uuid``, MathArena ``problem_idx``, CodeContests ``name``, verl's ``extra_info.index``),
 plus ``settings`` and ``tokenizer``.
 """
 
@@ -253,9 +255,9 @@ def _json_field(value: Any, where: str, name: str) -> Any:
 
 # Where public sets keep a row's own id when they do not call it 'id': MATH-500 'unique_id', LiveCodeBench
 # and TriviaQA 'question_id', HumanEval/MBPP-style sets 'task_id', APPS 'problem_id', HotpotQA's own JSON
-# '_id', the AIME sets 'ID'. The id goes to 'id', the field the shipped datasets and prorl's docs use, so
-# rewards can be joined back to the source rows.
-_SOURCE_ID_FIELDS = ("unique_id", "question_id", "task_id", "problem_id", "_id", "ID")
+# '_id', the AIME sets 'ID', OpenR1-Math 'uuid', MathArena's competitions 'problem_idx'. The id goes to 'id',
+# the field the shipped datasets and prorl's docs use, so rewards can be joined back to the source rows.
+_SOURCE_ID_FIELDS = ("unique_id", "question_id", "task_id", "problem_id", "_id", "ID", "uuid", "problem_idx")
 
 
 def _id_value(value: Any) -> str | int | None:
@@ -300,8 +302,9 @@ def _keep(row: Row, out: Row, id_fields: tuple[str, ...] = ()) -> Row:
     return out
 
 
-# DAPO-Math-17k wraps each problem in an instruction to end with "Answer: ...", which the math task (it
-# reads the last \\boxed{}) does not score: the loader keeps the problem only.
+# DAPO-Math-17k wraps each problem in an instruction to end with "Answer: ...", which contradicts the math
+# task's system prompt (a \\boxed{} answer): the loader keeps the problem only (the task still reads an
+# "Answer:" line a model trained on those rows writes, answers.math_answer).
 _DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
                 "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
 _DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
@@ -325,13 +328,33 @@ def _chat_problem(row: Row) -> str | None:
     return text.strip()
 
 
-def _ground_truth(row: Row) -> str | None:
-    """verl's ``reward_model.ground_truth`` (a string, or a list holding one)."""
+def _verl_ground_truth(row: Row) -> Any:
+    """A verl-preprocessed row's ``reward_model.ground_truth`` as it is (``None`` when it has none)."""
     reward_model = row.get("reward_model")
-    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    return reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+
+
+def _ground_truth(row: Row, where: str) -> str | None:
+    """verl's ``reward_model.ground_truth``: a string, a number, or a list holding one (as a list or as JSON text
+    of one, as some verl recipes write it); ``None`` when the row has none. A list of several answers is
+    refused: the math task scores against one answer, and any one of them would score the others 0."""
+    truth = _verl_ground_truth(row)
+    if isinstance(truth, str) and truth.lstrip().startswith('["'):
+        try:
+            parsed = json.loads(truth)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, list) and parsed and all(isinstance(a, str) for a in parsed):
+            truth = parsed
     if isinstance(truth, list) and len(truth) == 1:
         truth = truth[0]
-    return None if truth in (None, "") or isinstance(truth, list | dict) else str(truth)
+    if isinstance(truth, list) and len(truth) > 1:
+        shown = ", ".join(map(repr, truth[:3])) + (", ..." if len(truth) > 3 else "")
+        raise DatasetError(f"{where}: field 'reward_model.ground_truth' holds {len(truth)} answers ({shown}): the "
+                           "math task scores against one; give the row an 'answer'")
+    if truth in (None, "", []) or isinstance(truth, dict | bool):
+        return None
+    return _number_answer(truth, where, "reward_model.ground_truth") if isinstance(truth, int | float) else str(truth)
 
 
 def _present(row: Row, names: tuple[str, ...]) -> Any:
@@ -387,7 +410,8 @@ def _math(row: Row, where: str, fmt: str) -> Row:
         raise DatasetError(f"{where}: field 'problem' is {_type_name(problem)}, expected the problem text")
     if not problem.strip():
         raise DatasetError(f"{where}: field 'problem' is blank")
-    given, solution, truth = _present(row, ("answer", "Answer")), _present(row, ("solution", "Solution")), _ground_truth(row)
+    given, solution = _present(row, ("answer", "Answer")), _present(row, ("solution", "Solution"))
+    truth = _ground_truth(row, where) if given is None else None
     if given is not None:
         field = "answer"
         if isinstance(given, bool) or not isinstance(given, str | int | float):
@@ -736,16 +760,49 @@ def _gold_list(answers: list[Any], where: str, field: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+# Search-R1's data scripts wrap each question in their instructions (search in <search> tags, answer in <answer>
+# tags) ending "Question: {question}"; prorl's search task gives its own tools, so the question is what follows.
+_SEARCH_R1_MARKS = ("<search>", "<answer>")
+_SEARCH_R1_QUESTION = "Question: "
+
+
+def _search_question(row: Row, where: str) -> tuple[str, Any]:
+    """``(field, question)``: ``question``, ``query`` or Bamboogle's ``Question``; else, in verl/Search-R1 rows that
+    kept no question column, the question part of the chat ``prompt``."""
+    names = ("question", "query", "Question")
+    if _present(row, names) is None and isinstance(row.get("prompt"), list):
+        text = _chat_problem(row)
+        if text is not None and all(mark in text for mark in _SEARCH_R1_MARKS) and _SEARCH_R1_QUESTION in text:
+            text = text.rpartition(_SEARCH_R1_QUESTION)[2].strip()
+        if text:
+            return "prompt", text
+    return _first_named(row, where, names, "the question; or a chat 'prompt'")
+
+
+def _search_truth(row: Row) -> tuple[str, Any] | None:
+    """verl's ``reward_model.ground_truth`` for QA: Search-R1's ``{target: [...]}``, or the answer(s) themselves."""
+    truth = _verl_ground_truth(row)
+    if isinstance(truth, dict) and "target" in truth:
+        return "reward_model.ground_truth.target", truth["target"]
+    if truth in (None, "", []) or isinstance(truth, dict):
+        return None
+    return "reward_model.ground_truth", truth
+
+
 def _search(row: Row, where: str, fmt: str) -> Row:
-    question_field, question = _first_named(row, where, ("question", "query"), "the question")
+    question_field, question = _search_question(row, where)
     # A question that is not text (NQ's full release has {text, tokens}) would reach the model as its Python repr.
     if not isinstance(question, str):
         raise DatasetError(f"{where}: field {question_field!r} is {_type_name(question)}, expected the question text")
     if not question.strip():
         raise DatasetError(f"{where}: field {question_field!r} is blank")
     # PopQA keeps its gold answers in 'possible_answers', a JSON list as text.
-    field, answers = _first_named(row, where, ("answers", "golden_answers", "answer", "possible_answers"),
-                                  "the gold answer(s)")
+    # Bamboogle capitalises its 'Answer'; verl/Search-R1 Parquet keeps the golden answers in reward_model too.
+    names = ("answers", "golden_answers", "answer", "possible_answers", "Answer")
+    given = any(row.get(name) not in (None, "", []) for name in names)
+    truth = None if given else _search_truth(row)
+    field, answers = truth if truth is not None else _first_named(
+        row, where, names, "the gold answer(s); or verl's reward_model.ground_truth.target")
     if isinstance(answers, str) and answers.lstrip().startswith("["):
         if field == "answer":
             # One answer may itself start with "[" ("[citation needed]", "[1, 2]"): it is a list of answers only

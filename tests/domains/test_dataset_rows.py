@@ -229,3 +229,27 @@ def test_type_names_take_their_article_and_code_questions_must_be_text(tmp_path:
     _refused(tmp_path, "code", {"question": {"en": "Add two numbers."}, "inputs": ["1 2\n"], "outputs": ["3\n"]},
              r"field 'question' is a mapping, expected the problem statement text")
     _refused(tmp_path, "code", {"question": 7, "inputs": ["1 2\n"], "outputs": ["3\n"]}, r"field 'question' is an int")
+
+
+# --- verl ground truths --------------------------------------------------------------------------------------
+
+VERL_PROMPT = [{"role": "user", "content": "What is $1+1$? Let's think step by step and output the final answer "
+                                           "within \\boxed{}."}]
+
+
+def test_a_verl_ground_truth_as_json_text_of_a_list_is_its_answer(tmp_path: Path) -> None:
+    # Some verl recipes write ground_truth as JSON text of a list of answers: as gold, '["2"]' would score 2 wrong.
+    row = {"prompt": VERL_PROMPT, "reward_model": {"ground_truth": '["2"]', "style": "rule"}}
+    assert _one(tmp_path, "math", row)["answer"] == "2"
+    assert _one(tmp_path, "math", {**row, "reward_model": {"ground_truth": 2.0}})["answer"] == "2"
+    # Interval answers are not JSON lists of strings: kept as written.
+    assert _one(tmp_path, "math", {**row, "reward_model": {"ground_truth": "[1, 2]"}})["answer"] == "[1, 2]"
+
+
+def test_a_verl_ground_truth_of_several_answers_is_refused_naming_it(tmp_path: Path) -> None:
+    row = {"prompt": VERL_PROMPT, "reward_model": {"ground_truth": ["2", "two"], "style": "rule"}}
+    _refused(tmp_path, "math", row, r"field 'reward_model.ground_truth' holds 2 answers \('2', 'two'\): the math "
+                                    r"task scores against one")
+    _refused(tmp_path, "math", {**row, "reward_model": {"ground_truth": '["2", "two"]'}},
+             r"field 'reward_model.ground_truth' holds 2 answers")
+    assert _one(tmp_path, "math", {**row, "answer": "2"})["answer"] == "2"  # an 'answer' beside it is the gold

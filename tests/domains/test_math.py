@@ -94,3 +94,13 @@ def test_a_boxed_answer_without_braces() -> None:
     assert last_boxed("The answer is \\boxed 12.") == "12"
     assert last_boxed("\\boxed{1} at first, then \\boxed 7") == "7"
     assert last_boxed("\\boxed 7 at first, then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+
+
+@pytest.mark.parametrize(("pred", "correct"), [
+    ("June 20", True), ("june 20.", True), ("\\text{June 20}", True), ("\\textbf{June 20}", True),
+    ("June 21", False), ("June", False), ("20", False),
+])
+def test_an_answer_in_words_equals_the_same_words_without_text(pred: str, correct: bool) -> None:
+    # MATH writes answers in words as \text{...}: math-verify reads the bare words June 20 as a product of letters.
+    need_module("math_verify", "domains")
+    assert math_equal("\\text{June 20}", pred).correct is correct

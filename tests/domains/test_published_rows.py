@@ -1,7 +1,9 @@
 """Rows as their sources publish them that the loaders used to refuse unclearly or read wrongly: PrimeIntellect's
 verifiable-coding-problems (``verification_info``) and open-r1's copy of it, HumanEval / MBPP / KodCode rows
 (assertion tests, refused naming the field), PopQA (``possible_answers`` as JSON text) and search questions that
-are not text; and right answers the math grader scored 0 (option-letter lists, digit groups set off by ``\\,``)."""
+are not text; and right answers the math grader scored 0 (option-letter lists, digit groups set off by ``\\,``).
+Search-R1 / FlashRAG / Bamboogle rows and the answer formats their prompts ask for (``<answer>`` tags; DAPO's
+``Answer:`` line, GSM8K's ``####``) are scored through the real loader and the real handlers' EVAL."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from prorl_cli.domains.code_judge import TestCase as JudgeCase  # not collected 
 from prorl_cli.domains.datasets import load_instances
 from prorl_cli.exceptions import DatasetError
 from prorl_cli.handlers.math_domain import MathHandler
-from prorl_cli.node.handler import JobContext, Services
+from prorl_cli.handlers.search_domain import SearchHandler
+from prorl_cli.node.handler import AgentHandler, JobContext, Services
 from prorl_cli.protocol import JobSpec
 
 SUM_PROGRAM = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -173,15 +176,19 @@ def test_a_search_question_that_is_not_text_is_refused(tmp_path: Path) -> None:
         load_instances("search", _jsonl(tmp_path / "nq.jsonl", [row]))
 
 
-def _math_reward(instance: dict[str, Any], final_turn: str, tmp_path: Path) -> float | None:
-    """The math handler's EVAL on a trajectory whose last turn (no tool call) is ``final_turn``."""
-    handler = MathHandler()
-    ctx = JobContext(spec=JobSpec(job_id="j", task="math"), instance=instance, node_id="n", run_dir=tmp_path,
+def _reward(handler: AgentHandler, instance: dict[str, Any], final_turn: str, tmp_path: Path) -> float | None:
+    """``handler``'s EVAL on a trajectory whose last turn (no tool call) is ``final_turn``."""
+    ctx = JobContext(spec=JobSpec(job_id="j", task=handler.name), instance=instance, node_id="n", run_dir=tmp_path,
                      config=ProrlConfig(), services=Services(), log=logging.getLogger("test"), handler=handler)
     ctx.trajectory = Trajectory(calls=[ModelCall(prompt_ids=[1], output_ids=[2], logprobs=[0.0], finish_reason="stop",
                                                  text=final_turn)], stop_reason="stop")
     asyncio.run(handler.eval(ctx))
     return ctx.reward
+
+
+def _math_reward(instance: dict[str, Any], final_turn: str, tmp_path: Path) -> float | None:
+    """The math handler's EVAL on a trajectory whose last turn (no tool call) is ``final_turn``."""
+    return _reward(MathHandler(), instance, final_turn, tmp_path)
 
 
 @pytest.mark.parametrize(("final_turn", "reward"), [
@@ -226,4 +233,138 @@ def test_digit_groups_set_off_by_a_latex_space(tmp_path: Path, final_turn: str, 
     row = {"problem": "How many positive integers are at most 10000?", "answer": "10000",
            "solution": "Each of $1, 2, \\ldots, 10000$ counts once: $\\boxed{10000}$."}  # DeepScaleR's fields
     [instance] = load_instances("math", _jsonl(tmp_path / "deepscaler.jsonl", [row]))
+    assert _math_reward(instance, final_turn, tmp_path) == reward
+
+
+# --- search: Search-R1, FlashRAG, Bamboogle ------------------------------------------------------------------
+
+# Search-R1's scripts/data_process/nq_search.py: FlashRAG's nq row (id, question, golden_answers) mapped by
+# datasets' map, which keeps the source columns and adds verl's; its prompt asks for <answer> tags.
+SEARCH_R1_PROMPT = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get new "
+    "information. After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
+    "</search> and it will return the top searched results between <information> and </information>. You can search "
+    "as many times as your want. If you find no further external knowledge needed, you can directly provide the "
+    "answer inside <answer> and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+    "Question: who got the first nobel prize in physics?\n")
+SEARCH_R1_ROW: dict[str, Any] = {
+    "id": "test_0", "question": "who got the first nobel prize in physics?",
+    "golden_answers": ["Wilhelm Conrad Röntgen"], "data_source": "nq",
+    "prompt": [{"content": SEARCH_R1_PROMPT, "role": "user"}], "ability": "fact-reasoning",
+    "reward_model": {"ground_truth": {"target": ["Wilhelm Conrad Röntgen"]}, "style": "rule"},
+    "extra_info": {"index": 0, "split": "test"},
+}
+
+
+@pytest.mark.parametrize(("final_turn", "reward"), [
+    ("<think>The first Nobel prize in physics went to Röntgen.</think>\n<answer> Wilhelm Conrad Röntgen </answer>", 1.0),
+    ("<answer>Wilhelm Conrad Röntgen</answer>", 1.0),
+    ("<answer>Lorentz</answer> no, <answer>Wilhelm Conrad Röntgen</answer>", 1.0),    # the last pair
+    ("<answer>Wilhelm Conrad Röntgen</answer> no, <answer>Lorentz</answer>", 0.0),
+    ("<answer>\\boxed{\\text{Wilhelm Conrad Röntgen}}</answer>", 1.0),
+    ("\\boxed{Lorentz} on reflection: <answer>Wilhelm Conrad Röntgen</answer>", 1.0),  # the later answer counts
+    ("<answer>Lorentz</answer> on reflection: \\boxed{Wilhelm Conrad Röntgen}", 1.0),
+    ("\\boxed{Wilhelm Conrad Röntgen}", 1.0),                                            # \\boxed{} still read
+    ("<answer>Hendrik Lorentz</answer>", 0.0),
+    ("<answer></answer>", 0.0),
+])
+def test_search_r1_rows_score_their_answer_tags(tmp_path: Path, final_turn: str, reward: float) -> None:
+    [instance] = load_instances("search", _parquet(tmp_path / "test.parquet", [SEARCH_R1_ROW]))
+    assert instance == {"question": "who got the first nobel prize in physics?", "id": "test_0",
+                        "answers": ["Wilhelm Conrad Röntgen"]}
+    assert _reward(SearchHandler(), instance, final_turn, tmp_path) == reward
+
+
+def test_search_r1_rows_with_only_verl_columns(tmp_path: Path) -> None:
+    # Scripts that map with remove_columns keep verl's columns only: the question is the end of Search-R1's prompt,
+    # the golden answers reward_model.ground_truth.target, the id extra_info.index.
+    row = {k: SEARCH_R1_ROW[k] for k in ("data_source", "prompt", "ability", "reward_model", "extra_info")}
+    [instance] = load_instances("search", _parquet(tmp_path / "train.parquet", [row]))
+    assert instance == {"question": "who got the first nobel prize in physics?", "answers": ["Wilhelm Conrad Röntgen"],
+                        "id": 0}
+    assert _reward(SearchHandler(), instance, "<answer>Wilhelm Conrad Röntgen</answer>", tmp_path) == 1.0
+    # A verl QA row of another recipe: its own prompt is the question, ground_truth the answers.
+    other = {"prompt": [{"role": "user", "content": "Who wrote Hamlet?"}],
+             "reward_model": {"ground_truth": ["William Shakespeare", "Shakespeare"], "style": "rule"}}
+    [instance] = load_instances("search", _jsonl(tmp_path / "other.jsonl", [other]))
+    assert instance == {"question": "Who wrote Hamlet?", "answers": ["William Shakespeare", "Shakespeare"]}
+    no_answers = {**row, "reward_model": {"style": "rule"}}
+    with pytest.raises(DatasetError, match=r"none.jsonl:1: missing field 'answers' .*reward_model.ground_truth.target"):
+        load_instances("search", _jsonl(tmp_path / "none.jsonl", [no_answers]))
+
+
+def test_bamboogle_and_flashrag_rows_load_and_grade(tmp_path: Path) -> None:
+    # chiayewken/bamboogle (the Hub copy of the paper's spreadsheet): capitalised 'Question' and 'Answer'.
+    bamboogle = {"Question": "Who was president of the United States in the year that Citibank was founded?",
+                 "Answer": "james madison"}
+    [instance] = load_instances("search", _parquet(tmp_path / "test-00000-of-00001.parquet", [bamboogle]))
+    assert instance == {"question": bamboogle["Question"], "answers": ["james madison"]}
+    assert _reward(SearchHandler(), instance, "\\boxed{James Madison}", tmp_path) == 1.0
+    assert _reward(SearchHandler(), instance, "<answer>Thomas Jefferson</answer>", tmp_path) == 0.0
+    # FlashRAG_datasets JSONL: id, question, golden_answers, metadata.
+    flashrag = {"id": "test_7", "question": "who sang i ran all the way home", "golden_answers": ["The Impalas"],
+                "metadata": {}}
+    [instance] = load_instances("search", _jsonl(tmp_path / "test.jsonl", [flashrag]))
+    assert instance == {"question": "who sang i ran all the way home", "answers": ["The Impalas"], "id": "test_7"}
+    assert _reward(SearchHandler(), instance, "<answer>the Impalas</answer>", tmp_path) == 1.0
+
+
+# --- math: ids and the answer formats verl recipes ask for -----------------------------------------------------
+
+def test_openr1_math_and_matharena_ids_are_the_row_ids(tmp_path: Path) -> None:
+    row = {"problem": "Compute $2+3$.", "solution": "It is $\\boxed{5}$.", "answer": "5", "problem_type": "Algebra",
+           "question_type": "math-word-problem", "source": "olympiads", "uuid": "0c7b8e3f-4a5d-5e6f-8a9b-0c1d2e3f4a5b",
+           "is_reasoning_complete": [True], "generations": ["... \\boxed{5}"], "correctness_math_verify": [True],
+           "correctness_llama": None, "finish_reasons": None, "correctness_count": 1,
+           "messages": [{"content": "Compute $2+3$.", "role": "user"}]}
+    [instance] = load_instances("math", _parquet(tmp_path / "default.parquet", [row]))
+    assert instance == {"problem": "Compute $2+3$.", "answer": "5", "id": "0c7b8e3f-4a5d-5e6f-8a9b-0c1d2e3f4a5b"}
+    # MathArena's competitions (aime_2025, hmmt_feb_2025, ...): problem_idx, the problem's number in its competition.
+    matharena = {"problem_idx": 1, "problem": "Find the sum of all integer bases $b>9$ for which $17_b$ is a divisor "
+                                              "of $97_b$.", "answer": "70", "problem_type": ["Number Theory"]}
+    [instance] = load_instances("math", _parquet(tmp_path / "train-00000-of-00001.parquet", [matharena]))
+    assert instance == {"problem": matharena["problem"], "answer": "70", "id": 1}
+
+
+DAPO_ROW: dict[str, Any] = {
+    "data_source": "math_dapo",
+    "prompt": [{"content": "Solve the following math problem step by step. The last line of your response should be "
+                           "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+                           "What is $6 \\times 7$?\n\nRemember to put your answer on its own line after \"Answer:\".",
+                "role": "user"}],
+    "ability": "MATH", "reward_model": {"ground_truth": "42", "style": "rule-lighteval/MATH_v2"},
+    "extra_info": {"index": "a8f7ae5c-1b8e-4c1c-9a35-0c1e2d3f4a5b"},
+}
+
+
+@pytest.mark.parametrize(("final_turn", "reward"), [
+    ("6 times 7 is 42.\n\nAnswer: 42", 1.0),          # the form DAPO's prompt asks for
+    ("6 times 7 is 42.\n\n**Answer:** $42$", 1.0),
+    ("Answer: 41\nWait, recheck.\nAnswer: 42", 1.0),  # the last such line
+    ("6 times 7 is 42.\n\nAnswer: 43", 0.0),
+    ("\\boxed{42}", 1.0),
+    ("Answer: 43, which is \\boxed{42}", 1.0),         # a \\boxed{} answer comes first
+    ("<answer>42</answer>", 1.0),                      # answer tags, as the search task reads them
+    ("6 times 7 is 42.", 0.0),                         # no answer given in any form
+])
+def test_dapo_rows_score_an_answer_line(tmp_path: Path, final_turn: str, reward: float) -> None:
+    pytest.importorskip("math_verify")
+    [instance] = load_instances("math", _parquet(tmp_path / "dapo-math-17k.parquet", [DAPO_ROW]))
+    assert instance == {"problem": "What is $6 \\times 7$?", "answer": "42", "id": "a8f7ae5c-1b8e-4c1c-9a35-0c1e2d3f4a5b"}
+    assert _math_reward(instance, final_turn, tmp_path) == reward
+
+
+@pytest.mark.parametrize(("final_turn", "reward"), [
+    ("48 + 24 = 72\n#### 72", 1.0),        # GSM8K's own answer format
+    ("48 + 24 = 72, less 48 is\n#### 24", 0.0),
+    ("\\boxed{72}", 1.0),
+])
+def test_gsm8k_rows_score_the_number_after_the_marks(tmp_path: Path, final_turn: str, reward: float) -> None:
+    pytest.importorskip("math_verify")
+    row = {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                       "How many clips did Natalia sell altogether in April and May?",
+           "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+                     "altogether in April and May.\n#### 72"}
+    [instance] = load_instances("math", _jsonl(tmp_path / "gsm8k.jsonl", [row]))
+    assert instance["answer"] == "72"
     assert _math_reward(instance, final_turn, tmp_path) == reward
