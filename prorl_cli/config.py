@@ -135,9 +135,7 @@ class ProrlConfig:
 
     @property
     def home_path(self) -> Path:
-        # Absolute (a relative home is relative to the folder this process started in): every path derived from
-        # it, and every message naming one, then says where it really is.
-        return Path(os.path.expandvars(os.path.expanduser(self.home))).absolute()
+        return home_folder(self.home)
 
     @property
     def deployment_dir(self) -> Path:
@@ -280,6 +278,13 @@ def _validate(cfg: ProrlConfig, origin: str, sources: Mapping[str, str] | None =
     if not cfg.deployment or "/" in cfg.deployment or cfg.deployment.startswith("."):
         raise ConfigError(f"{at('deployment')}: {cfg.deployment!r} is not a valid deployment name")
     _check_home(cfg.home_path, _source(sources or {}, "home", origin))
+
+
+def home_folder(home: str | os.PathLike[str]) -> Path:
+    """The folder a prorl home setting names: ``~`` and ``$VARS`` expanded, absolute (a relative home is relative
+    to the folder this process started in), so every path derived from it, and every message naming one, says
+    where it really is. Every reading of a home (settings, deploy.yaml, ``--home``) goes through here."""
+    return Path(os.path.expandvars(os.path.expanduser(os.fspath(home)))).absolute()
 
 
 def _check_home(home: Path, origin: str) -> None:

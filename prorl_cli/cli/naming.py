@@ -72,7 +72,9 @@ def deployment_option(f: F) -> F:
 
 def _home_path(home: str) -> str:
     """``home`` as the folder it names (``ProrlConfig.home_path``'s reading), to compare two spellings of one."""
-    return os.path.abspath(os.path.expanduser(os.path.expandvars(home)))
+    from prorl_cli.config import home_folder
+
+    return os.path.normpath(home_folder(home))  # normalised: `a/../b` and `b` name one folder
 
 
 def _recorded_by(meta_key: str, record: Callable[[App, Sequence[str]], None]) -> Callable[..., None]:
