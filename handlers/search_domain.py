@@ -15,16 +15,38 @@ system prompt's) of the final turn, whichever comes later (``\\text{...}`` and
 the like unwrapped), else the whole final turn: a row is scored the same
 whichever format its source asked for. Reward: SQuAD exact match against any
 gold answer; ``output["f1"]`` records token F1.
+
+``tool_format`` (a setting) picks the protocol. ``hermes`` (the default): the
+``search``/``open`` tools in the chat template, calls as ``<tool_call>`` JSON,
+results as tool turns. ``search_r1``: Search-R1's tags, for a model trained
+with its recipe: the prompt is the instance's chat ``prompt`` when it carries
+one, else ``search_r1_prompt`` with the question in place of ``{question}``
+(Search-R1's instruction; its data scripts build every row's prompt so), with
+no system prompt and no tool schemas; ``<search> q </search>`` ends the
+model's output there, the top ``top_k`` passages follow in the same turn as
+``\n\n<information>Doc 1(Title: ...) ...</information>\n\n`` and the
+model goes on, for up to ``max_turns`` searches; ``<answer>`` ends the rollout
+(:class:`~prorl_cli.agent.tools.SearchR1ToolParser`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
+from typing import Any
 
+from prorl_cli.agent.chat import ChatTokens
+from prorl_cli.agent.tools import get_tool_parser
 from prorl_cli.domains.answers import exact_match, f1_score, final_answer, latex_words
-from prorl_cli.domains.search_index import BUILDS, SearchIndex, get_index, hits_text
-from prorl_cli.exceptions import DomainError
+from prorl_cli.domains.search_index import (
+    BUILDS,
+    SearchIndex,
+    get_index,
+    hits_text,
+    search_r1_passages,
+)
+from prorl_cli.exceptions import DomainError, SettingsError
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, Tool, final_text
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "search_corpus.jsonl"
@@ -52,6 +74,16 @@ SYSTEM = (
     "Answer the question using the search tool (and open to read a document). Give a short answer, "
     "the exact words from the documents, in \\boxed{...}."
 )
+#: The protocols ``tool_format`` may name.
+TOOL_FORMATS = ("hermes", "search_r1")
+#: Search-R1's instruction (its data scripts' ``base`` template), the question in place of ``{question}``.
+SEARCH_R1_PROMPT = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get new "
+    "information. After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
+    "</search> and it will return the top searched results between <information> and </information>. You can search "
+    "as many times as your want. If you find no further external knowledge needed, you can directly provide the "
+    "answer inside <answer> and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+    "Question: {question}\n")
 
 
 def gold_answers(instance: dict[str, object]) -> list[str]:
@@ -71,6 +103,30 @@ async def search(ctx: JobContext, query: str, k: int | None = None) -> str:
     return hits_text(await asyncio.to_thread(index.search, str(query), min(k, 20)))
 
 
+async def search_r1_search(ctx: JobContext, query: str) -> str:
+    """The best ``top_k`` passages in the job's index as Search-R1 shows them (whole passages, ``Doc i(Title: ...)``)."""
+    index: SearchIndex = ctx.state["index"]
+    ctx.state.setdefault("searches", []).append(str(query))
+    hits = await asyncio.to_thread(index.search, str(query), min(int(ctx.settings.get("top_k")), 20))
+    return search_r1_passages([index.open(h.doc_id) for h in hits])
+
+
+@functools.lru_cache(maxsize=8)
+def _chat_without_tools(chat: ChatTokens) -> ChatTokens:
+    """The job's tokenizer with no tool schemas: a Search-R1 model was trained on prompts that list none."""
+    return ChatTokens(chat.tokenizer)
+
+
+def search_r1_messages(instance: dict[str, Any], template: str) -> list[dict[str, Any]]:
+    """What a Search-R1 model is prompted with: the instance's chat ``prompt`` (the row's own, when a loader
+    or trainer kept it), else ``template`` around the question."""
+    prompt = instance.get("prompt")
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return [{"role": "user", "content": template.replace("{question}", str(instance["question"]))}]
+
+
 def open_doc(ctx: JobContext, doc_id: str) -> str:
     """A whole document (cut at ``open_max_chars``)."""
     doc = ctx.state["index"].open(str(doc_id))
@@ -84,10 +140,20 @@ class SearchHandler(AgentHandler):
     defaults = HandlerSettings(
         max_turns=6, system_prompt=SYSTEM, tools=("search", "open"), image=None,
         init_timeout_s=600.0, run_timeout_s=600.0, eval_timeout_s=30.0, max_tokens=512,
-        extra={"corpus": str(DEFAULT_CORPUS), "top_k": 5, "open_max_chars": 4000},
+        extra={"corpus": str(DEFAULT_CORPUS), "top_k": 5, "open_max_chars": 4000, "tool_format": "hermes",
+               "search_r1_prompt": SEARCH_R1_PROMPT},
     )
     tools = (Tool("search", SEARCH_SCHEMA, search, context=True), Tool("open", OPEN_SCHEMA, open_doc, context=True))
     required_fields = ("question",)
+
+    def check_instance(self, ctx: JobContext) -> None:
+        """The base checks, then this task's own settings: a known ``tool_format``, a usable ``search_r1_prompt``."""
+        super().check_instance(ctx)
+        tool_format = ctx.settings.get("tool_format")
+        if tool_format not in TOOL_FORMATS:
+            raise SettingsError(f"search: setting tool_format is {tool_format!r}; choose from {list(TOOL_FORMATS)}")
+        if tool_format == "search_r1" and "{question}" not in ctx.settings.get("search_r1_prompt"):
+            raise SettingsError("search: setting search_r1_prompt must hold {question}, where the question goes")
 
     async def init(self, ctx: JobContext) -> None:
         ctx.output["domain"] = self.name
@@ -102,7 +168,18 @@ class SearchHandler(AgentHandler):
 
     async def run(self, ctx: JobContext) -> None:
         ctx.output["searches"] = ctx.state.setdefault("searches", [])  # kept current, so a cut-short RUN has them
-        await ctx.agent(ctx.instance["question"])
+        if ctx.settings.get("tool_format") == "search_r1":
+            await self._run_search_r1(ctx)
+        else:
+            await ctx.agent(ctx.instance["question"])
+
+    async def _run_search_r1(self, ctx: JobContext) -> None:
+        """The tool loop in Search-R1's protocol, on the tokenizer without tool schemas."""
+        settings = ctx.settings
+        # max_turns counts searches, as Search-R1's does: the call after the last search may still answer.
+        await ctx.agent(messages=search_r1_messages(ctx.instance, settings.get("search_r1_prompt")),
+                        tools={"search": functools.partial(search_r1_search, ctx)}, max_turns=settings.max_turns + 1,
+                        parser=get_tool_parser("search_r1"), chat=_chat_without_tools(await ctx.chat()))
 
     async def eval(self, ctx: JobContext) -> None:
         traj = ctx.trajectory

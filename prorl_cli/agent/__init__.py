@@ -14,6 +14,8 @@ from prorl_cli.agent.loop import (
 )
 from prorl_cli.agent.tools import (
     HermesToolParser,
+    InlineToolParser,
+    SearchR1ToolParser,
     Tool,
     ToolCall,
     ToolParser,
@@ -37,8 +39,10 @@ __all__ = [
     "ChatTokens",
     "GenerateFn",
     "HermesToolParser",
+    "InlineToolParser",
     "ModelCall",
     "Recorder",
+    "SearchR1ToolParser",
     "TokenSession",
     "Tool",
     "ToolCall",

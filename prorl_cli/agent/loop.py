@@ -9,7 +9,10 @@ records any violation on the trajectory (a handler may pass its own
 ``prompt_ids``, e.g. to truncate; that is allowed but never hidden).
 
 :func:`run_tool_agent` is the usual loop on top: generate, parse tool calls
-from the decoded output, run the tools, append their results, repeat.
+from the decoded output, run the tools, append their results, repeat. With an
+:class:`~prorl_cli.agent.tools.InlineToolParser` (Search-R1's tags) the
+results continue the model's own turn instead (:meth:`TokenSession.cut_output`,
+:meth:`TokenSession.continue_turn`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from prorl_cli import timebase
 from prorl_cli.agent.chat import ChatTokens
 from prorl_cli.agent.tools import (
     HermesToolParser,
+    InlineToolParser,
     Tool,
     ToolCall,
     ToolFn,
@@ -69,6 +73,8 @@ class TokenSession:
         #: The prompt the next call will be sampled under.
         self.prompt_ids: list[int] = chat.initial_prompt(messages)
         self._awaiting_observation = False
+        #: The next call continues the last assistant turn (:meth:`continue_turn`), not a new one.
+        self._same_turn = False
 
     @property
     def calls(self) -> list[ModelCall]:
@@ -125,10 +131,61 @@ class TokenSession:
         traj.loss_mask += [0] * len(new) + [1] * len(call.output_ids)
         traj.logprobs += [0.0] * len(new) + call.logprobs
         self.calls.append(call)
-        traj.messages.append({"role": "assistant", "content": call.text})
+        if self._same_turn and traj.messages and traj.messages[-1].get("role") == "assistant":
+            traj.messages[-1]["content"] += call.text
+        else:
+            traj.messages.append({"role": "assistant", "content": call.text})
+        self._same_turn = False
         self.prompt_ids = prompt + call.output_ids
         self._awaiting_observation = True
         return call
+
+    def cut_output(self, keep: int) -> None:
+        """Keep only the first ``keep`` output ids of the last call, as if sampling had stopped there.
+
+        For a stop string the generate contract cannot carry (Search-R1's ``</search>``): the kept ids are
+        what the model sampled, with their log-probs, and what the next prompt extends; the rest is dropped
+        from the call, the sequence and the prompt, never re-tokenized. A cut call's ``finish_reason`` is
+        ``stop``, as an engine reports a stop string.
+        """
+        if not self._awaiting_observation:
+            raise AgentLoopError("cut_output() follows a generate() call, before its observation")
+        call = self.calls[-1]
+        if not 0 <= keep <= len(call.output_ids):
+            raise AgentLoopError(f"cut_output({keep}): the last call has {len(call.output_ids)} output ids")
+        drop = len(call.output_ids) - keep
+        if drop == 0:
+            return
+        traj = self.trajectory
+        old_text = call.text
+        call.output_ids, call.logprobs = call.output_ids[:keep], call.logprobs[:keep]
+        if call.top_logprobs is not None:
+            call.top_logprobs = call.top_logprobs[:keep]
+        call.finish_reason = "stop"
+        call.text = self.chat.turn_text(call.output_ids)
+        del traj.sequence_ids[-drop:], traj.loss_mask[-drop:], traj.logprobs[-drop:]
+        del self.prompt_ids[-drop:]
+        last = traj.messages[-1]
+        if last.get("role") == "assistant" and last["content"].endswith(old_text):
+            last["content"] = last["content"][: len(last["content"]) - len(old_text)] + call.text
+
+    def continue_turn(self, text: str) -> list[int]:
+        """Append ``text`` (an observation) right after the model's output, inside the same assistant turn.
+
+        No chat-template boundary is rendered: the ids are those of ``text`` encoded alone, so the next
+        prompt is the last prompt + output + these ids exactly. They are masked out of the loss as every
+        observation is. Returns the ids appended.
+        """
+        if not self._awaiting_observation:
+            what = "before the first generate()" if not self.calls else "twice after the same generate()"
+            raise AgentLoopError(f"continue_turn() called {what}: it follows a generate() call")
+        delta = self.chat.encode(text)
+        self.prompt_ids = self.prompt_ids + delta
+        if self.trajectory.messages and self.trajectory.messages[-1].get("role") == "assistant":
+            self.trajectory.messages[-1]["content"] += text
+        self._awaiting_observation = False
+        self._same_turn = True
+        return delta
 
     def add_messages(self, messages: list[dict[str, Any]]) -> list[int]:
         """Append observations (tool results, user turns) and the next assistant header.
@@ -280,6 +337,8 @@ async def _tool_turns(
             # scored as it stands. Any other failed call (a backend gone or failing) is not the policy's doing:
             # it ends the RUN as a failure, so a trainer never takes it for a rollout that earned its reward.
             return traj
+        if isinstance(parser, InlineToolParser):
+            session.cut_output(_action_ids(session.chat, call.output_ids, parser))
         if record_into is not None:
             _record(record_into, traj)
         tool_calls = parser.parse(call.text)
@@ -289,6 +348,9 @@ async def _tool_turns(
         if turn == max_turns - 1:
             break
         results = [await call_tool(tools, tc) for tc in tool_calls]
+        if isinstance(parser, InlineToolParser):
+            session.continue_turn(parser.observation(tool_calls, results))
+            continue
         observations: list[dict[str, Any]] = [
             {"role": "tool", "name": tc.name, "content": r} for tc, r in zip(tool_calls, results, strict=True)
         ]
@@ -297,6 +359,25 @@ async def _tool_turns(
         session.add_messages(observations)
     traj.stop_reason = "max_turns"
     return traj
+
+
+def _action_ids(chat: ChatTokens, output_ids: list[int], parser: InlineToolParser) -> int:
+    """How many output ids an inline format keeps: up to the id that completes the turn's first action.
+
+    That id may carry text past the closing tag (``>\\n``); it is kept whole, as a stop string keeps it. A
+    turn with no action keeps all but its end-of-turn id: the format's note follows inside the same turn.
+    Decoding prefixes, not mapping characters: byte-level tokens need not decode one by one.
+    """
+    if parser.action_end(chat.decode(output_ids)) is None:
+        return len(output_ids) - 1 if output_ids and output_ids[-1] in chat.stop_token_ids else len(output_ids)
+    low, high = 1, len(output_ids)  # the shortest prefix holding a whole action: a prefix that holds one, its
+    while low < high:               # extensions hold it too
+        mid = (low + high) // 2
+        if parser.action_end(chat.decode(output_ids[:mid])) is None:
+            low = mid + 1
+        else:
+            high = mid
+    return low
 
 
 def _template_reads_call_ids(chat: ChatTokens) -> bool:

@@ -10,11 +10,15 @@ model's token ids untouched. The default is the Hermes/Qwen format::
     {"name": "calculator", "arguments": {"expression": "2+3"}}
     </tool_call>
 
-Register another format with :func:`register_tool_parser`.
+Register another format with :func:`register_tool_parser`. A format whose
+results continue the model's own turn rather than a tool message of the chat
+template (Search-R1's ``<search>`` ... ``<information>``) is an
+:class:`InlineToolParser`; ``search_r1`` is registered (:class:`SearchR1ToolParser`).
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -150,11 +154,72 @@ def _after_reasoning(text: str) -> str:
     return text
 
 
-_PARSERS: dict[str, Callable[[], ToolParser]] = {"hermes": HermesToolParser}
+class InlineToolParser(abc.ABC):
+    """A tool format whose results are appended to the model's own turn, not as chat-template tool turns.
+
+    The agent loop (:func:`~prorl_cli.agent.run_tool_agent`) keeps each model output only up to the end of
+    its action (:meth:`action_end`: the first complete call, or the answer), parses that, appends
+    :meth:`observation` as plain text right after it (masked out of the loss, token-exact: the ids of that
+    text alone) and samples the continuation of the same assistant turn.
+    """
+
+    @abc.abstractmethod
+    def action_end(self, text: str) -> int | None:
+        """Where the first complete action of ``text`` ends (just past its closing tag); ``None``: none is."""
+
+    @abc.abstractmethod
+    def parse(self, text: str) -> list[ToolCall]:
+        """The calls of a turn cut at its action: ``[]`` when the turn ends the rollout (an answer)."""
+
+    @abc.abstractmethod
+    def observation(self, calls: list[ToolCall], results: list[str]) -> str:
+        """The text appended to the turn after ``calls`` ran with ``results``."""
+
+
+#: Search-R1's action: the first tag pair, search or answer, as its environment reads a turn.
+_SEARCH_R1_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+_SEARCH_R1_CLOSE = re.compile(r"</(search|answer)>")
+#: The note Search-R1's environment appends to a turn with neither action: the model was trained to read it.
+SEARCH_R1_INVALID = ("\nMy previous action is invalid. If I want to search, I should put the query between <search> "
+                     "and </search>. If I want to give the final answer, I should put the answer between <answer> "
+                     "and </answer>. Let me try again.\n")
+
+
+class SearchR1ToolParser(InlineToolParser):
+    """Search-R1's tag protocol: ``<search> query </search>``, results in ``<information>``, ``<answer>`` ends.
+
+    A turn is cut where its first ``</search>`` or ``</answer>`` closes an opened tag (Search-R1 cuts its
+    generations there too). A search is the call ``search(query=...)``; its result comes back as
+    ``\\n\\n<information>RESULT</information>\\n\\n``. A turn with neither action gets
+    :data:`SEARCH_R1_INVALID` and the model goes on, as in Search-R1's environment. Reasoning is not
+    skipped: Search-R1 reads the first action wherever it stands.
+    """
+
+    def action_end(self, text: str) -> int | None:
+        for close in _SEARCH_R1_CLOSE.finditer(text):
+            if text.rfind(f"<{close.group(1)}>", 0, close.start()) >= 0:
+                return close.end()
+        return None
+
+    def parse(self, text: str) -> list[ToolCall]:
+        match = _SEARCH_R1_ACTION.search(text)
+        if match is None:
+            return [ToolCall("", raw=text, error="neither <search> nor <answer>")]
+        if match.group(1) == "answer":
+            return []
+        return [ToolCall("search", {"query": match.group(2).strip()}, match.group(0))]
+
+    def observation(self, calls: list[ToolCall], results: list[str]) -> str:
+        return "".join(SEARCH_R1_INVALID if call.error else f"\n\n<information>{result.strip()}</information>\n\n"
+                       for call, result in zip(calls, results, strict=True))
+
+
+_PARSERS: dict[str, Callable[[], ToolParser]] = {
+    "hermes": HermesToolParser, "search_r1": SearchR1ToolParser}
 
 
 def register_tool_parser(name: str, factory: Callable[[], ToolParser]) -> None:
-    """Make a parser available by name (``get_tool_parser(name)``)."""
+    """Make a parser available by name (``get_tool_parser(name)``); an :class:`InlineToolParser` too."""
     _PARSERS[name] = factory
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prorl_cli.exceptions import DatasetError, DomainError
@@ -22,9 +22,13 @@ from prorl_cli.jsonl import jsonl_objects
 
 @dataclass(frozen=True)
 class Document:
+    """One passage of the corpus. ``heading``: a FlashRAG ``contents`` line's first line as written (the title
+    in quotes), which Search-R1 shows its model; ``None`` for ``{id, title, text}`` lines."""
+
     doc_id: str
     title: str
     text: str
+    heading: str | None = field(default=None, compare=False)  # how the corpus wrote the title, not another doc
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,11 @@ def read_corpus(path: Path) -> list[Document]:
     docs: list[Document] = []
     seen: set[str] = set()
     for lineno, row in jsonl_objects(path, DatasetError, expected="id, title, text"):
+        heading = None
         if "text" not in row and isinstance(row.get("contents"), str):
             # FlashRAG / Search-R1 corpora: {id, contents}, the first line of contents the quoted title.
-            title, _, text = row["contents"].partition("\n")
-            row = {**row, "title": row.get("title", title.strip().strip('"')), "text": text}
+            heading, _, text = row["contents"].partition("\n")
+            row = {**row, "title": row.get("title", heading.strip().strip('"')), "text": text}
         for key in ("id", "text"):
             if key not in row:
                 raise DatasetError(f"{path}:{lineno}: missing field {key!r} (corpus lines are {{id, title, text}}"
@@ -52,7 +57,7 @@ def read_corpus(path: Path) -> list[Document]:
         if doc_id in seen:
             raise DatasetError(f"{path}:{lineno}: duplicate document id {doc_id!r}")
         seen.add(doc_id)
-        docs.append(Document(doc_id, str(row.get("title", "")), str(row["text"])))
+        docs.append(Document(doc_id, str(row.get("title", "")), str(row["text"]), heading))
     if not docs:
         raise DatasetError(f"{path}: the corpus has no documents")
     return docs
@@ -148,3 +153,13 @@ def hits_text(hits: list[Hit]) -> str:
         return "no results"
     return "\n".join(json.dumps({"id": h.doc_id, "title": h.title, "score": h.score, "snippet": h.snippet}) for h in hits)
 
+
+
+def search_r1_passages(docs: list[Document]) -> str:
+    """Passages as Search-R1's retriever shows them inside ``<information>``: ``Doc i(Title: T) text`` a line.
+
+    ``T`` is a FlashRAG document's first ``contents`` line as written (:attr:`Document.heading`), else its title:
+    the model reads the passages as it was trained to.
+    """
+    return "".join(f"Doc {i}(Title: {d.heading if d.heading is not None else d.title}) {d.text}\n"
+                   for i, d in enumerate(docs, 1))

@@ -37,9 +37,9 @@ from aiohttp import web
 
 from prorl_cli.agent.chat import ChatTemplateError
 from prorl_cli.agent.loop import GenerateFn
-from prorl_cli.agent.tools import ToolParser
+from prorl_cli.agent.tools import InlineToolParser, ToolParser
 from prorl_cli.agent.trajectory import Trajectory
-from prorl_cli.exceptions import ContextLengthExceeded, InferenceError
+from prorl_cli.exceptions import ConfigError, ContextLengthExceeded, InferenceError
 from prorl_cli.gateway import anthropic_routes, openai_routes, responses_routes
 from prorl_cli.gateway.buffer import (
     DEFAULT_MAX_CONCURRENT,
@@ -300,7 +300,14 @@ class Gateway:
 
         ``max_concurrent``: requests of this job answered at once (more wait);
         ``tool_choice_retries``: turns sampled again at most when one does not honour ``tool_choice``.
+        An :class:`~prorl_cli.agent.tools.InlineToolParser` is refused (:class:`ConfigError`).
         """
+        if isinstance(parser, InlineToolParser):
+            # Its results continue the model's own turn; a chat API's client sends them back as tool messages
+            # of a new turn, so the model would never see them where it was trained to.
+            raise ConfigError(f"tool parser {type(parser).__name__} continues the model's own turn (an inline "
+                              "format, such as search_r1): the gateway answers whole chat turns; use it with "
+                              "ctx.agent(parser=...) in a handler")
         buffer = TokenBuffer(chat_for, generate, parser, sampling=sampling, model=models[0], on_record=on_record,
                              max_concurrent=max_concurrent, tool_choice_retries=tool_choice_retries)
         job = JobGateway(self, job_id, buffer, models)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from prorl_cli.agent.tools import Tool, ToolFn
+from prorl_cli.agent.tools import Tool, ToolFn, ToolParser
 from prorl_cli.config import ProrlConfig
 from prorl_cli.exceptions import ConfigError, DomainError, HandlerError, SettingsError
 from prorl_cli.inference.contract import Generation
@@ -318,13 +318,18 @@ class JobContext:
         max_turns: int | None = None,
         sampling: SamplingParams | None = None,
         record: bool = True,
+        parser: ToolParser | None = None,
+        chat: ChatTokens | None = None,
     ) -> Trajectory:
         """Run the token-exact tool loop (:func:`~prorl_cli.agent.run_tool_agent`) on the handler's tools.
 
         The conversation is ``messages``, or the settings' system prompt (or
         ``system``) and ``user``. ``tools`` supplies or replaces the
         implementation of declared tools by name (a per-job closure); the
-        schemas always come from the declarations. With ``record`` (the
+        schemas always come from the declarations. ``parser``: the tool-call
+        format (default Hermes; an inline one, Search-R1's, continues the
+        model's turn); ``chat``: the tokenizer's template to prompt with
+        (default :meth:`chat`, whose prompt lists the tools). With ``record`` (the
         default) the loop's trajectory is :attr:`trajectory` from its first
         call on, so a RUN that fails or times out still returns its tokens,
         and it is written into the output when the loop ends. Recording does
@@ -350,13 +355,12 @@ class JobContext:
                 raise HandlerError("ctx.agent() needs a user message or messages")
             prompt = settings.system_prompt if system is None else system
             messages = ([{"role": "system", "content": prompt}] if prompt else []) + [{"role": "user", "content": user}]
-        chat = await self.chat()
         try:
             return await run_tool_agent(
-                self.generate, chat, messages, functions,
+                self.generate, chat or await self.chat(), messages, functions,
                 sampling=sampling or self.agent_sampling(),
                 max_turns=max_turns if max_turns is not None else settings.max_turns,
-                record_into=self.record_trajectory if record else None,
+                parser=parser, record_into=self.record_trajectory if record else None,
             )
         finally:
             if record:

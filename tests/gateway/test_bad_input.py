@@ -477,3 +477,18 @@ def test_a_stream_waiting_for_its_turn_sends_keep_alive_comments_the_sdks_skip(t
             await gw.close()
 
     asyncio.run(main())
+
+
+def test_a_tool_format_that_continues_the_models_turn_is_refused_by_name(tokenizer: Any) -> None:
+    """Search-R1's tags put a result inside the model's own turn; a chat client sends results back as a new
+    turn's tool messages, so a job opened with such a parser would train on prompts the model never saw."""
+    from prorl_cli.agent.chat import ChatTokens
+    from prorl_cli.agent.tools import get_tool_parser
+    from prorl_cli.exceptions import ConfigError
+
+    gw = Gateway()
+    with pytest.raises(ConfigError, match=r"SearchR1ToolParser continues the model's own turn .*ctx.agent\(parser=") as e:
+        gw.open_job("job-1", generate=ScriptedModel(tokenizer, ["x"]), chat_for=lambda tools: ChatTokens(tokenizer),
+                    parser=get_tool_parser("search_r1"), sampling=P.SamplingParams(max_tokens=8))
+    assert isinstance(e.value, ValueError) and not gw._jobs, "nothing opened"
+
