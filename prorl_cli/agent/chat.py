@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,25 @@ class ChatTokens:
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def shortest_prefix(self, ids: list[int], holds: Callable[[str], bool]) -> int | None:
+        """The fewest leading ``ids`` whose text ``holds`` accepts (a stop string, a closing tag): where sampling
+        would have stopped had the engine known to; ``None`` when the text of all of them fails it.
+
+        ``holds`` must stay true for longer prefixes (a longer prefix decodes to a longer text): the shortest
+        one is then found by bisection, a few decodes rather than one per token (byte-level tokens need not
+        decode one by one).
+        """
+        if not ids or not holds(self.decode(ids)):
+            return None
+        low, high = 1, len(ids)  # the prefix of `high` ids holds
+        while low < high:
+            mid = (low + high) // 2
+            if holds(self.decode(ids[:mid])):
+                high = mid
+            else:
+                low = mid + 1
+        return low
 
     def turn_text(self, output_ids: list[int]) -> str:
         """An assistant turn's text, for tool parsing and people: the end-of-turn stop id dropped,

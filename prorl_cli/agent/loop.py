@@ -366,18 +366,11 @@ def _action_ids(chat: ChatTokens, output_ids: list[int], parser: InlineToolParse
 
     That id may carry text past the closing tag (``>\\n``); it is kept whole, as a stop string keeps it. A
     turn with no action keeps all but its end-of-turn id: the format's note follows inside the same turn.
-    Decoding prefixes, not mapping characters: byte-level tokens need not decode one by one.
     """
-    if parser.action_end(chat.decode(output_ids)) is None:
+    keep = chat.shortest_prefix(output_ids, lambda text: parser.action_end(text) is not None)
+    if keep is None:
         return len(output_ids) - 1 if output_ids and output_ids[-1] in chat.stop_token_ids else len(output_ids)
-    low, high = 1, len(output_ids)  # the shortest prefix holding a whole action: a prefix that holds one, its
-    while low < high:               # extensions hold it too
-        mid = (low + high) // 2
-        if parser.action_end(chat.decode(output_ids[:mid])) is None:
-            low = mid + 1
-        else:
-            high = mid
-    return low
+    return keep
 
 
 def _template_reads_call_ids(chat: ChatTokens) -> bool:

@@ -565,24 +565,9 @@ def _before_stop(text: str, stop: str, include: bool) -> str:
 
 
 def _cut_at_stop(chat: ChatTokens, out: list[int], lps: list[float], stops: list[str]) -> tuple[list[int], list[float], str | None]:
-    """Cut a turn after the token that completes the first stop string (the tokens the model did sample).
-
-    That token ends the shortest prefix whose text holds a stop string. A longer prefix decodes to a longer
-    prefix of the text, so the shortest one is found by bisection: a few decodes, not one per token.
-    """
-
-    def hit(k: int) -> bool:
-        text = chat.decode(out[:k])
-        return any(s in text for s in stops)
-
-    if not out or not hit(len(out)):
+    """Cut a turn after the token that completes the first stop string (the tokens the model did sample)."""
+    keep = chat.shortest_prefix(out, lambda text: any(s in text for s in stops))
+    if keep is None:
         return out, lps, None
-    lo, hi = 1, len(out)  # the prefix of hi tokens holds a stop string
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if hit(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    text = chat.decode(out[:lo])
-    return out[:lo], lps[:lo], min((text.index(s), s) for s in stops if s in text)[1]
+    text = chat.decode(out[:keep])
+    return out[:keep], lps[:keep], min((text.index(s), s) for s in stops if s in text)[1]

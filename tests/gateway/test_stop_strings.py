@@ -22,6 +22,8 @@ class CountingChat:
         self.decodes += 1
         return self.chat.decode(ids)
 
+    shortest_prefix = ChatTokens.shortest_prefix  # its decodes counted
+
 
 def _by_definition(chat: ChatTokens, out: list[int], stops: list[str]) -> tuple[int, str | None]:
     for k in range(1, len(out) + 1):
