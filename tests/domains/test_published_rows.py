@@ -25,6 +25,7 @@ from prorl_cli.domains.code_judge import TestCase as JudgeCase  # not collected 
 from prorl_cli.domains.datasets import load_instances
 from prorl_cli.exceptions import DatasetError
 from prorl_cli.handlers.math_domain import MathHandler
+from prorl_cli.handlers.search_domain import SEARCH_R1_PROMPT as SEARCH_R1_TEMPLATE
 from prorl_cli.handlers.search_domain import SearchHandler
 from prorl_cli.node.handler import AgentHandler, JobContext, Services
 from prorl_cli.protocol import JobSpec
@@ -240,13 +241,7 @@ def test_digit_groups_set_off_by_a_latex_space(tmp_path: Path, final_turn: str, 
 
 # Search-R1's scripts/data_process/nq_search.py: FlashRAG's nq row (id, question, golden_answers) mapped by
 # datasets' map, which keeps the source columns and adds verl's; its prompt asks for <answer> tags.
-SEARCH_R1_PROMPT = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get new "
-    "information. After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
-    "</search> and it will return the top searched results between <information> and </information>. You can search "
-    "as many times as your want. If you find no further external knowledge needed, you can directly provide the "
-    "answer inside <answer> and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
-    "Question: who got the first nobel prize in physics?\n")
+SEARCH_R1_PROMPT = SEARCH_R1_TEMPLATE.replace("{question}", "who got the first nobel prize in physics?")
 SEARCH_R1_ROW: dict[str, Any] = {
     "id": "test_0", "question": "who got the first nobel prize in physics?",
     "golden_answers": ["Wilhelm Conrad Röntgen"], "data_source": "nq",

@@ -10,22 +10,15 @@ from typing import Any
 import pytest
 
 from prorl_cli.domains.datasets import load_instances
+from prorl_cli.handlers.search_domain import SEARCH_R1_PROMPT as SEARCH_R1_TEMPLATE
 from tests.domains.conftest import ScriptedStack, turn
 from tests.harness import need_module
-
-SEARCH_R1_TEMPLATE = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get new "
-    "information. After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
-    "</search> and it will return the top searched results between <information> and </information>. You can search "
-    "as many times as your want. If you find no further external knowledge needed, you can directly provide the "
-    "answer inside <answer> and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
-    "Question: {question}\n")
 
 
 def _search_r1_row(index: int, question: str, golden: list[str], *, keep_source_columns: bool) -> dict[str, Any]:
     """A row as Search-R1's scripts/data_process/nq_search.py writes it (FlashRAG's columns kept, or verl's only)."""
     row: dict[str, Any] = {
-        "data_source": "nq", "prompt": [{"content": SEARCH_R1_TEMPLATE.format(question=question), "role": "user"}],
+        "data_source": "nq", "prompt": [{"content": SEARCH_R1_TEMPLATE.replace("{question}", question), "role": "user"}],
         "ability": "fact-reasoning", "reward_model": {"ground_truth": {"target": golden}, "style": "rule"},
         "extra_info": {"index": index, "split": "test"},
     }
