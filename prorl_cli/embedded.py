@@ -25,7 +25,7 @@ import yaml
 
 from prorl_cli.client import AsyncRolloutClient, RolloutClient
 from prorl_cli.config import ENV_CONFIG, ENV_DEPLOYMENT, ENV_HOME, ProrlConfig, load_config
-from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, StartTimeout
+from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, ClientMisuse, StartTimeout
 from prorl_cli.processes import DIE_WITH_PARENT_ENV, stop_groups
 from prorl_cli.protocol import StatusReport
 from prorl_cli.rendezvous import read_rendezvous, wait_rendezvous
@@ -102,12 +102,15 @@ class LocalStack:
 
     @staticmethod
     def _refuse_inside_a_loop(what: str) -> None:
-        """The stack waits for its servers with a blocking client, which would block a running event loop."""
+        """The stack waits for its servers with a blocking client, which would block a running event loop.
+
+        Refused with :class:`ClientMisuse` (a ``RuntimeError``), the error a client used where it cannot work
+        raises, so one ``except`` catches both."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             return
-        raise RuntimeError(f"LocalStack.{what} blocks, and an event loop runs here (asyncio code, a notebook): call "
+        raise ClientMisuse(f"LocalStack.{what} blocks, and an event loop runs here (asyncio code, a notebook): call "
                            f"it outside the loop, or from it with `await asyncio.to_thread(stack.{what}, ...)`; "
                            "stack.async_client() is the client for asyncio code")
 

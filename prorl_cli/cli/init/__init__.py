@@ -184,7 +184,9 @@ def init(app: App, slurm: bool, out_dir: Path, force: bool) -> None:
         files[out_dir / "deploy.yaml"] = render_deploy_yaml(name, DEFAULT_CONFIG_NAME)
     existing = [str(p) for p in files if p.exists()]
     if existing and not force:
-        app.abort(f"{', '.join(existing)} exist(s); --force overwrites")
+        one = len(existing) == 1
+        app.abort(f"{' and '.join(existing)} {'exists' if one else 'exist'}: edit {'it' if one else 'them'}, or run "
+                  "this command again with --force to overwrite")
     out_dir.mkdir(parents=True, exist_ok=True)
     for path, text in files.items():
         path.write_text(text)

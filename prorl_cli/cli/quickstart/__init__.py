@@ -45,7 +45,8 @@ NO_LLM_TASKS: list[Any] = [
                    "its shipped dataset, its sandbox image (built on first use) and its scorer. Needs a model "
                    "engine: transformers (torch) or vllm, not none or sim.")
 @click.option("--image", metavar="IMAGE",
-              help="With --task: the sandbox image (a .sif path or image name) instead of building the domain's.")
+              help="With --task: the sandbox image instead of building the domain's: a .sif or sandbox folder, or an "
+                   "image name (a `prorl build-images` build, or one in images.search_dirs).")
 @click.option("--instances", "n_instances", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --task: how many instances of the shipped dataset to run.")
 @pass_app
@@ -56,6 +57,7 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
         app.err_console.print("[yellow]warning:[/] quickstart --home is now --out (prorl --home is PRORL_HOME)")
         qs_out = qs_home
     home = qs_out.resolve()
+    _check_ignored_options(app, click.get_current_context(), domain, engine, model, image)
     if domain is not None and engine in ("auto", "none", "sim"):
         _check_domain_engine(app, domain, engine)
     if engine == "auto":
@@ -98,6 +100,29 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
         what, _, log_tail = str(e).partition("\n")
         app.abort(f"quickstart {what}: {_last_line(log_tail)} (every log in {home / 'logs'})")
     app.console.print(f"summary in {summary_path}; deployment stopped")
+
+
+def _check_ignored_options(app: App, ctx: click.Context, domain: str | None, engine: str, model: Path | None,
+                           image: str | None) -> None:
+    """Refuse an option this run would not use, before anything starts, saying what to change.
+
+    The rule: every option a user gives changes the run or is refused. ``--image`` and ``--instances`` belong to
+    ``--task`` runs (the default calculator agent has no sandbox and a fixed task set), and ``--model`` to the
+    engines that serve one (``none`` and ``sim`` run no model); taken silently, they would leave the user
+    believing the run used them.
+    """
+    if domain is None:
+        given = [flag for flag, name, value in (("--image", "image", image), ("--instances", "n_instances", None))
+                 if value is not None or ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+        if given:
+            flags = " and ".join(given)
+            others = ", ".join(DOMAIN_TASKS[1:])
+            app.abort(f"{flags} {'applies' if len(given) == 1 else 'apply'} to a task domain run only: add "
+                      f"--task {DOMAIN_TASKS[0]} (or {others}; docs/domains.md), or drop {flags} for the calculator "
+                      "agent")
+    if model is not None and engine in ("none", "sim"):
+        app.abort(f"--engine {engine} runs no model, so --model {model} would not be used: drop --model, or give "
+                  "--engine transformers or vllm to serve it")
 
 
 def _check_domain_engine(app: App, domain: str, engine: str) -> None:

@@ -9,9 +9,11 @@ shipped with the handler (for ``swe``: the tinycalc repository, made here).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,23 +59,54 @@ def build_image(app: App, name: str, cache_dir: str) -> None:
         app.abort(f"building image {name!r} failed (exit {proc.returncode}); pass --image PATH to use a built one")
 
 
+def check_image(app: App, image: str, cache_dir: str, search_dirs: Sequence[str]) -> str:
+    """``--image`` as the node will take it, checked before anything starts: a path (made absolute, since the
+    node runs in another folder) that exists, ``host``, or a name that a build or a search folder provides.
+
+    A wrong one is refused here, naming what to change, rather than failing every job of the run in INIT.
+    """
+    if image == "host":
+        return image
+    if os.sep in image or image.endswith(".sif"):  # the node's rule for a path rather than a name
+        path = Path(image).expanduser().resolve()
+        if not path.exists():
+            app.abort(f"--image {image}: no such file or folder; give a built .sif or sandbox folder, or an image "
+                      "name (prorl images list)")
+        return str(path)
+    from prorl_cli.exceptions import ImageBuildError
+    from prorl_cli.images import resolve_image
+
+    try:
+        resolve_image(image, cache_dir, search_dirs)
+    except ImageBuildError as e:
+        app.abort(f"--image {image}: {e}")
+    return image
+
+
 def plan_domain(app: App, task: str, home: Path, image: str | None, n_instances: int) -> DomainPlan:
     """The runtime, image, configuration and instances of a domain quickstart."""
     from prorl_cli.domains.datasets import load_instances, shipped_dataset
 
     runtime, notes = _runtime(task)
+    if image is not None and task == "search":
+        app.abort(f"--image {image}: --task search starts no sandbox (its tools run on the node), so it takes no "
+                  "image: drop --image")
     settings: dict[str, Any] = dict(QUICK_SETTINGS)
     # Sandbox starts and test runs share this machine's CPUs with the model: a node whose heartbeats
     # are late by a few seconds is busy, not dead.
     config: dict[str, Any] = {"sandbox": {"runtime": runtime}, "broker": {"heartbeat_liveness": 20}}
-    if runtime == "apptainer" and task != "search":
-        if image is None:
-            cache_dir = str(app.config.images.cache_path)
+    if runtime in ("apptainer", "bwrap") and task != "search":
+        # The embedded deployment has a home of its own: its node finds image names where the user's do
+        # (`prorl build-images NAME` builds into the user's cache), not in an empty cache in the output folder.
+        cache_dir = str(app.config.images.cache_path)
+        config["images"] = {"cache_dir": cache_dir, "search_dirs": list(app.config.images.search_dirs)}
+        if image is not None:
+            image = check_image(app, image, cache_dir, app.config.images.search_dirs)
+        elif runtime == "apptainer":
             build_image(app, DOMAIN_IMAGES[task], cache_dir)
-            config["images"] = {"cache_dir": cache_dir}
             image = DOMAIN_IMAGES[task]
-    elif runtime == "bwrap":
-        image = image or "host"
+        else:
+            image = "host"
     elif task != "search":
         image = None
     settings["image"] = image  # None: the runtime's default (the local runtime has no images)
