@@ -124,6 +124,9 @@ CASES = [
     Case("backends-list-no-broker", lambda h: ["-d", "nodeploy", "backends", "list"], ("nodeploy", "rendezvous")),
     Case("backends-add-no-broker", lambda h: ["-d", "nodeploy", "backends", "add", "http://h:1/v1"], ("nodeploy",)),
     Case("backends-pause-no-broker", lambda h: ["-d", "nodeploy", "backends", "pause"], ("nodeploy",)),
+    # `prorl serve broker & prorl serve node`: the broker may not have written its file yet; say how to wait.
+    Case("node-before-its-broker", lambda h: ["-d", "nodeploy", "serve", "node"],
+         ("no rendezvous file", "--wait-s 60 waits up to 60 s for it")),
     # The short ping's answer, not the 30 s request timeout's: a dead broker is reported in seconds.
     Case("unreachable-broker", _silent_broker, ("the broker at tcp://127.0.0.1:", "does not answer", "no reply within 3 s")),
     Case("binary-tasks-file", _binary_tasks, ("tasks.bin", "not a UTF-8 text file")),

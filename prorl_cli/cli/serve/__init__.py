@@ -115,7 +115,7 @@ def serve_node(
     )
     app.setup_logging("node")
     import_from_working_directory()
-    from prorl_cli.exceptions import ProrlError
+    from prorl_cli.exceptions import ProrlError, RendezvousError
     from prorl_cli.node.server import run_node
     from prorl_cli.slurm.identity import SlurmIdentity
 
@@ -136,6 +136,11 @@ def serve_node(
             # A file left by a broker killed here is no broker: wait for the one that replaces it.
             wait_rendezvous(app.config.deployment_dir, wait_s, live=True)
         run_node(app.config, node_id=node_id, address=address)
+    except RendezvousError as e:
+        # Outside Slurm a node does not wait for its broker unless told to: a broker started a moment before
+        # (`prorl serve broker &`) may not have written its file yet.
+        app.abort(str(e) if wait_s or address is not None else
+                  f"{e} (a broker just started may not have written it yet: --wait-s 60 waits up to 60 s for it)")
     except ProrlError as e:
         app.abort(str(e))
 
