@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,7 +50,7 @@ def jsonl_values(path: Path, error_cls: type[E], *, hint: str = "",
                         bad = error_cls(
                             f"{path}:{lineno}: the last line is cut off (no newline at its end: the file's writer "
                             f"was stopped mid-line, e.g. killed); the {whole} line(s) before it are whole: drop the "
-                            f"last line to read them (sed -i '$ d' {path})")
+                            f"last line to read them (sed -i '$ d' {shlex.quote(str(path))})")
                     else:
                         bad = error_cls(f"{path}:{lineno}: not valid JSON: {e.msg}")
                     if on_bad_line is None:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import click
 
 from prorl_cli.cli.application import App
-from prorl_cli.observe.logs import LOG_LEVELS
+from prorl_cli.observe.logs import LOG_LEVEL_ALIASES, LOG_LEVELS, log_level_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -121,7 +121,7 @@ def name_log_level(app: App, levels: Sequence[str]) -> None:
         given = app.overrides.get("log_level")
         if given is None:
             app.override(log_level=level, given_as="--log-level")
-        elif str(given).upper() != level.upper():
+        elif log_level_name(str(given)) != log_level_name(level):  # WARN and WARNING are one level
             app.abort(f"--log-level {given} and --log-level {level} differ; give one of them")
 
 
@@ -131,7 +131,7 @@ _from_log_level_option = _recorded_by(GLOBAL_LOG_LEVELS, name_log_level)
 def log_level_option(f: F) -> F:
     """``--log-level LEVEL``, the one declaration of it: on the ``prorl`` group and on each command that takes
     ``-d``, where it means the same as before the command."""
-    return click.option("--log-level", "log_level_flag", type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    return click.option("--log-level", "log_level_flag", type=click.Choice((*LOG_LEVELS, *LOG_LEVEL_ALIASES), case_sensitive=False),
                         expose_value=False, multiple=True, callback=_from_log_level_option, help=LOG_LEVEL_HELP)(f)
 
 

@@ -348,7 +348,8 @@ def resolve_image(name: str, cache_dir: str | os.PathLike[str], search_dirs: Seq
         raise ImageBuildError(
             f"image {name!r} is not in {cache.manifest_path} "
             f"(built: {sorted(cache.read_manifest()['images']) or 'none'}) and no image file or sandbox directory "
-            f"of that name is in images.search_dirs (looked at: {where}). Run `prorl build-images {name}` "
-            f"(needs the network), or add the folder holding {name}.sif or {name}/ to images.search_dirs, "
-            f"or give the image as a path"
+            f"of that name is in images.search_dirs (looked at: {where}). `prorl build-images {name}` builds it "
+            f"where the image list defines {name!r} (images.config_file, ./images.yaml or the shipped list; needs "
+            f"the network); else add the folder holding {name}.sif or {name}/ to images.search_dirs, or give the "
+            f"image as a path"
         ) from e

@@ -109,6 +109,11 @@ def test_config_and_log_level_after_the_command_mean_what_they_mean_before_it(tm
     assert yaml.safe_load(after[1])["log_level"] == "DEBUG"
     code, out = _show(tmp_path, "--log-level", "info", "status", "t1", "--log-level", "debug")
     assert code == 1 and "--log-level" in out and "differ; give one of them" in out, out
+    # The aliases log_level: and $PRORL_LOG_LEVEL take, the flag takes too; WARN and WARNING are one level.
+    code, out = _show(tmp_path, "--log-level", "warn", "config", "show", "--log-level", "WARNING")
+    assert code == 0 and yaml.safe_load(out)["log_level"] == "WARNING", out
+    code, out = _show(tmp_path, "config", "show", "--log-level", "Fatal")
+    assert code == 0 and yaml.safe_load(out)["log_level"] == "CRITICAL", out
 
 
 @pytest.mark.parametrize(("command", "forms", "never"), [

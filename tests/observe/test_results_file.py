@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,15 @@ def test_a_results_file_cut_off_mid_line_says_so_and_how_to_read_the_rest(tmp_pa
     path.write_text(json.dumps({"job_id": "j", "task": "t", "state": "done", "events": "[["}))
     with pytest.raises(ResultsFileError, match=r"results\.jsonl:1: field 'events' is not JSON"):
         load_results(path)
+    # The command it gives works when pasted into a shell, for a file whose name has a space too.
+    spaced = tmp_path / "my run.jsonl"
+    spaced.write_text("".join(lines) + lines[0][:25])
+    with pytest.raises(ResultsFileError) as cut:
+        load_results(spaced)
+    command = str(cut.value).rpartition("(")[2].removesuffix(")")
+    assert command.startswith("sed -i"), cut.value
+    subprocess.run(command, shell=True, check=True)
+    assert [r.job_id for r in load_results(spaced)] == ["j0", "j1", "j2"]
     # Once the cut line is dropped, as the message says, the rest reads.
     path.write_text("".join(lines))
     assert [r.job_id for r in load_results(path)] == ["j0", "j1", "j2"]
