@@ -554,9 +554,13 @@ class DownReport:
         return {state: n for state, n in self.held_jobs.items() if state not in FINISHED_STATES and n}
 
 
-def down(cfg: DeployConfig, wait_s: float = 120.0) -> DownReport:
-    """Broker stop (cancels jobs, nodes drain), scancel what is left, confirm squeue is empty, remove the rendezvous."""
-    record = LaunchRecord.load(cfg.deployment_dir)
+def down(cfg: DeployConfig, wait_s: float = 120.0, record: LaunchRecord | None = None) -> DownReport:
+    """Broker stop (cancels jobs, nodes drain), scancel what is left, confirm squeue is empty, remove the rendezvous.
+
+    ``record``: the launch record the caller has already read (read here otherwise); marking it ``stopping`` reads
+    it once more under the launch lock, as the supervisor may have replaced a task since.
+    """
+    record = record if record is not None else LaunchRecord.load(cfg.deployment_dir)
     if record is None:
         raise SlurmError(f"deployment {cfg.deployment!r} was not launched (no {cfg.deployment_dir / LAUNCH_NAME})")
     # First of all: tasks that end from here on were asked to, and the supervisor must not replace them.

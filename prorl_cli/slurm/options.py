@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import shlex
 from dataclasses import asdict
@@ -21,6 +22,9 @@ from prorl_cli.exceptions import ConfigError, SlurmError
 from prorl_cli.slurm.deploy import DeployConfig, time_minutes
 from prorl_cli.slurm.record import Member
 from prorl_cli.slurm.roles import RoleSpec, submitted_role
+from prorl_cli.slurm.squeue import partition_preemption
+
+log = logging.getLogger(__name__)
 
 #: What a node's drain on USR2 leaves of ``signal_delay_s`` for stopping the rest, unregistering and the requeue.
 DRAIN_REQUEUE_MARGIN_S = 30
@@ -45,6 +49,7 @@ def node_start_check(cfg: DeployConfig) -> tuple[list[str], list[str]]:
 
     Bad settings of a handler that loads here are errors. A handler that does not load here is a warning: the
     nodes have their own Python and paths (``python``, ``handler_paths`` on node-local storage), where it may.
+    So is a drain that outlasts the nodes' partition's preemption GraceTime (:func:`preemption_warnings`).
     """
     from prorl_cli.node.registry import discover
 
@@ -54,7 +59,50 @@ def node_start_check(cfg: DeployConfig) -> tuple[list[str], list[str]]:
     registry = discover(config.node.handler_paths, config.node.tasks or None)
     warnings = [f"{error} (the node tasks will refuse to start unless it loads on their machines)"
                 for error in registry.errors]
-    return registry.settings_errors(config), warnings
+    return registry.settings_errors(config), [*warnings, *preemption_warnings(cfg)]
+
+
+def preemption_warnings(cfg: DeployConfig) -> list[str]:
+    """Where the nodes' drain grace outlasts the preemption ``GraceTime`` of a partition they may run in.
+
+    One USR2 serves both the time-limit warning and a preemption (``preempt_send_user_signal``), and the node
+    drains for ``node.drain_grace_s`` on either. A preemption gives only the partition's GraceTime: Slurm then
+    stops the task mid-drain, its running jobs start again elsewhere (a new attempt), and Slurm requeues it
+    (PreemptMode=REQUEUE) or cancels it (CANCEL: the supervisor replaces it). The
+    grace is not lowered here, as that would cut every time-limit drain and ``scale`` drain short as well: the
+    user picks. Only a partition with a GraceTime above 0 is looked at (one with none kills at once, and a
+    cluster-wide PreemptMode shows on every partition, preempted or not). Slurm that cannot be asked says nothing.
+    """
+    partition = sbatch_options(cfg, "nodes").get("partition")
+    if not cfg.nodes.count or not partition:
+        return []
+    try:
+        preemption = partition_preemption()
+    except (SlurmError, OSError) as e:
+        log.debug("cannot read the partitions' preemption settings: %s", e)
+        return []
+    configured = prorl_config(cfg).node.drain_grace_s
+    grace_s = node_drain_grace_s(cfg)
+    key = "sbatch_options.partition" if "partition" in cfg.nodes.sbatch_options else "partition"
+    warnings = []
+    for name in str(partition).split(","):  # sbatch takes a list: the job runs in whichever takes it first
+        p = preemption.get(name)
+        if p is None or not p.stops_jobs or not p.grace_time_s or grace_s <= p.grace_time_s:
+            continue
+        if configured is not None:
+            source = "prorl.yaml's node.drain_grace_s"
+            fix = f"set node.drain_grace_s in {cfg.config or 'prorl.yaml'} to {p.grace_time_s} or less"
+        else:
+            source = f"nodes.signal_delay_s {cfg.nodes.signal_delay_s} s - {DRAIN_REQUEUE_MARGIN_S} s"
+            fix = (f"set nodes.signal_delay_s to {p.grace_time_s + DRAIN_REQUEUE_MARGIN_S} or less (the time-limit "
+                   f"warning, and its drain, then come only that long before the limit), or node.drain_grace_s in "
+                   f"the prorl.yaml to {p.grace_time_s} or less")
+        warnings.append(
+            f"{cfg.source}: nodes.{key}: partition {name!r} preempts with a GraceTime of {p.grace_time_s} s "
+            f"(PreemptMode={p.mode}), but a node drains for {grace_s:g} s ({source}): a preempted node is stopped "
+            f"mid-drain, and its jobs still running then start again on another node as a new attempt; {fix}"
+        )
+    return warnings
 
 
 #: Where a broker on Slurm listens when neither deploy.yaml nor prorl.yaml says: every interface (peers run elsewhere).
@@ -189,6 +237,15 @@ def guarded_setup(lines: list[str]) -> list[str]:
     return [trap, *lines, "trap - ERR"]
 
 
+#: The first line of every role's batch script under ``prorl launch``. submitit's batch shell runs the role in an
+#: ``srun`` step and waits for it; a SIGUSR2 sent to the whole job (``scancel --signal=USR2 --full``, a site's
+#: preemption script) reaches that shell too, which bash's default disposition kills: the job then ends FAILED
+#: (exit code 0:12) mid-drain and is replaced as a crash, instead of draining and requeueing as the role does on
+#: SIGUSR2. A handler (not an ignore, which srun would inherit across exec) keeps the shell; the role in the step
+#: gets its own signal.
+BATCH_SHELL_USR2_TRAP = "trap ':' USR2  # prorl: the role in the srun step drains on SIGUSR2; this shell must outlive it"
+
+
 def executor(cfg: DeployConfig, role: str, count: int) -> Any:
     import submitit
 
@@ -201,7 +258,7 @@ def executor(cfg: DeployConfig, role: str, count: int) -> Any:
         time=sb.pop("time"),
         cpus_per_task=sb.pop("cpus-per-task"),
         signal_delay_s=opts.signal_delay_s,
-        setup=guarded_setup([*cfg.setup, *opts.setup]),
+        setup=[BATCH_SHELL_USR2_TRAP, *guarded_setup([*cfg.setup, *opts.setup])],
         stderr_to_stdout=True,
         array_parallelism=getattr(opts, "array_parallelism", 0) or max(count, 1),
         additional_parameters={k: v for k, v in sb.items() if k != "signal"},

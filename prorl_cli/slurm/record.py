@@ -231,6 +231,11 @@ def load_launched(deployment_dir: Path, *, or_last: bool = False) -> tuple[Launc
         if why is not None:  # taken down (or its launch failed): not "never launched"
             raise SlurmError(why)
         raise SlurmError(f"deployment {deployment_dir.name!r} was not launched (no {deployment_dir / LAUNCH_NAME})")
+    return record, deploy_of(record)
+
+
+def deploy_of(record: LaunchRecord) -> DeployConfig:
+    """The deploy file a launch came from, as launched when the file moved or was deleted since."""
     file = Path(record.deploy_file)
     if file.is_file():
         cfg = load_deploy(file, deployment=record.deployment)
@@ -250,4 +255,4 @@ def load_launched(deployment_dir: Path, *, or_last: bool = False) -> tuple[Launc
         # The prorl.yaml launch settled on (--config, $PRORL_CONFIG or ./prorl.yaml where it ran): a scale-up
         # from another folder or shell starts its roles with the same one.
         cfg.config = str(record.deploy["config"])
-    return record, cfg
+    return cfg

@@ -117,12 +117,12 @@ def requeue_self(identity: SlurmIdentity, deployment_dir: Path | None = None, pe
     from prorl_cli.slurm.squeue import job_detail, seconds_left
 
     detail = job_detail(ref)
-    if _not_to_requeue(ref, detail):
+    if _not_to_requeue(ref, detail, identity.restart_count):
         return
     left_s = seconds_left(detail)
     if not _last_rank_done(identity, deployment_dir, ref, None if left_s is None else time.time() + left_s):
         return
-    if (identity.step_tasks or 1) > 1 and _not_to_requeue(ref, job_detail(ref)):
+    if (identity.step_tasks or 1) > 1 and _not_to_requeue(ref, job_detail(ref), identity.restart_count):
         return  # while it waited for the other ranks, a scancel came (or another rank requeued the job)
     # Requeueing sends us SIGTERM once more; we are done, so let it pass quietly.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -140,12 +140,29 @@ def requeue_self(identity: SlurmIdentity, deployment_dir: Path | None = None, pe
                         ref, deployment_dir, e)
 
 
-def _not_to_requeue(ref: str, detail: dict[str, str]) -> bool:
-    """Whether ``scontrol show job`` says this job must not be requeued now (said in the log)."""
+def _restarts(detail: dict[str, str]) -> int:
+    try:
+        return int(detail.get("Restarts", "0"))
+    except ValueError:
+        return 0
+
+
+def _not_to_requeue(ref: str, detail: dict[str, str], restart_count: int = 0) -> bool:
+    """Whether ``scontrol show job`` says this job must not be requeued now (said in the log); ``restart_count``:
+    this run's ``SLURM_RESTART_COUNT``."""
     state = detail.get("JobState")
     if detail.get("Requeue") == "0":
         # Submitted with --no-requeue, or set so by `prorl scale` before it drained this task away.
         log.info("%s may not be requeued (Requeue=0): not requeueing", ref)
+        return True
+    if state in ("CANCELLED", "COMPLETING") and _restarts(detail) > restart_count:
+        # Slurm is requeueing the job itself, ending this run: a preemption whose GraceTime ran out while the drain
+        # ran (PreemptMode=REQUEUE), a requeue by hand or another rank's. Restarts counts it already; a scancel does
+        # not. A requeue of ours now would be refused or end the next run.
+        log.warning("%s is being requeued by Slurm (JobState=%s, Restarts=%s): preempted, and the partition's "
+                    "GraceTime ran out before the drain did (or a requeue by hand, or by another rank); the jobs "
+                    "still running went back to the broker, and the task comes back on its own", ref, state,
+                    detail.get("Restarts"))
         return True
     if state in ("CANCELLED", "COMPLETING") and detail.get("Reason") != "TimeLimit":
         # scancel (`prorl down`, a user) came while the drain ran: the job is ending (scontrol shows COMPLETING,

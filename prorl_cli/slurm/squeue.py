@@ -27,8 +27,10 @@ _FORMAT = "%i|%T|%r|%N|%M|%L|%j"
 #: state a later Slurm adds counts as still there.
 ENDED_STATES = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
                           "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT", "REVOKED"})
-#: Final states of a task that ended without being asked to (not cancelled, not a clean exit).
-UNASKED_END_STATES = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE"})
+#: Final states of a task that ended without being asked to (not cancelled, not a clean exit). PREEMPTED is
+#: a preemption that did not requeue it (PreemptMode=CANCEL): Slurm's doing, not the user's.
+UNASKED_END_STATES = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE",
+                                "PREEMPTED"})
 #: squeue states of a task that holds its allocation (the flags a running task can show included).
 RUNNING_STATES = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "RESIZING", "SIGNALING", "STAGE_OUT",
                             "STOPPED"})
@@ -75,10 +77,21 @@ class EndedTask:
     exit_code: str
 
     def describe(self) -> str:
-        parts = [f"exit code {self.exit_code}"] if self.exit_code else []
+        parts = [f"exit code {self.exit_code}{_signal_named(self.exit_code)}"] if self.exit_code else []
         if self.reason and self.reason != "None":
             parts.append(f"reason {self.reason}")
         return f"{self.state}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def _signal_named(exit_code: str) -> str:
+    """``", killed by SIGUSR2"`` for Slurm's ``0:12`` (``code:signal``), else ``""``: the number alone says little."""
+    import signal
+
+    _, _, number = exit_code.partition(":")
+    try:
+        return f", killed by {signal.Signals(int(number)).name}" if int(number) else ""
+    except ValueError:
+        return ""
 
 
 def ended(task: SlurmTask) -> EndedTask:
@@ -249,3 +262,72 @@ def set_requeue(ref: str, requeue: bool) -> None:
     proc = _run(["scontrol", "update", f"JobId={ref}", f"Requeue={int(requeue)}"])
     if proc.returncode != 0:
         raise SlurmError(f"scontrol update JobId={ref} Requeue={int(requeue)} failed: {proc.stderr.strip()}")
+
+
+@dataclass(frozen=True)
+class PartitionPreemption:
+    """How a partition's jobs are preempted, from ``scontrol show partition``.
+
+    On preemption with ``SlurmctldParameters=preempt_send_user_signal`` a job gets its ``--signal`` (USR2) at
+    once and its end time is set to now + ``GraceTime``; it is then stopped (SIGTERM, and SIGKILL after
+    ``KillWait``) at the first time-limit check after that, so a drain longer than the GraceTime is cut short.
+    """
+
+    partition: str
+    #: As scontrol prints it: ``OFF``, ``REQUEUE``, ``CANCEL``, ``SUSPEND``, ``GANG,SUSPEND``, ...
+    mode: str
+    #: None where scontrol printed none, or nothing this parser reads.
+    grace_time_s: int | None
+
+    @property
+    def stops_jobs(self) -> bool:
+        """Whether a preempted job is stopped (requeued or cancelled), not suspended: its GraceTime then counts."""
+        return bool({"REQUEUE", "CANCEL"} & {m.strip().upper() for m in self.mode.split(",")})
+
+
+def _slurm_seconds(text: str) -> int | None:
+    """``20``, ``00:00:20``, ``1-00:00:00`` (``[D-][HH:]MM:SS``) as seconds; None for anything else."""
+    days, dash, clock = text.rpartition("-")
+    parts = clock.split(":")
+    if not all(p.isdigit() for p in parts) or len(parts) > 3 or (dash and not days.isdigit()):
+        return None
+    if len(parts) == 1:
+        return int(parts[0]) + int(days or 0) * 86400
+    seconds = 0
+    for p in parts:
+        seconds = seconds * 60 + int(p)
+    return seconds + int(days or 0) * 86400
+
+
+def parse_partitions(text: str) -> dict[str, PartitionPreemption]:
+    """``scontrol show partition -o`` (one partition a line, ``Key=Value`` fields) as partition -> preemption.
+
+    A field without ``=`` continues the previous one's value (a value with a space); a line without
+    ``PartitionName`` is skipped, as are fields this does not know. A missing ``PreemptMode`` is ``OFF``.
+    """
+    out: dict[str, PartitionPreemption] = {}
+    for line in text.splitlines():
+        fields: dict[str, str] = {}
+        last: str | None = None
+        for token in line.split():
+            key, sep, value = token.partition("=")
+            if sep and key:
+                fields[key] = value
+                last = key
+            elif last is not None:
+                fields[last] += f" {token}"
+        name = fields.get("PartitionName")
+        if not name:
+            continue
+        grace = fields.get("GraceTime")
+        out[name] = PartitionPreemption(name, fields.get("PreemptMode", "OFF"),
+                                        None if grace is None else _slurm_seconds(grace))
+    return out
+
+
+def partition_preemption() -> dict[str, PartitionPreemption]:
+    """Every partition's preemption settings (``scontrol show partition -o``); raises :class:`SlurmError`."""
+    proc = _run(["scontrol", "show", "partition", "-o"], timeout_s=10.0)  # a check before launch: not worth a long wait
+    if proc.returncode != 0:
+        raise SlurmError(f"scontrol show partition failed: {proc.stderr.strip() or f'exit {proc.returncode}'}")
+    return parse_partitions(proc.stdout)

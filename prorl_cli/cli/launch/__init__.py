@@ -102,20 +102,31 @@ def _deploy_for(app: App, name_or_file: str | None, command: str) -> DeployConfi
     return cfg
 
 
-def _say_if_already_down(app: App, deployment_dir: Path) -> None:
-    """``down`` of a deployment taken down before (no launch now, an ended one in ``history/``): say so, exit 0."""
+def _launched_for_down(app: App, name_or_file: str | None) -> tuple[LaunchRecord, DeployConfig]:
+    """``down``'s deployment, its launch record read once: from its deploy.yaml or its name (``NAME``, ``-d NAME``,
+    ``$PRORL_DEPLOYMENT``). One taken down before (no launch now, an ended one in ``history/``) is said so, exit 0
+    (cleanup scripts may run ``down`` twice); one never launched, or an unreadable record, is an error."""
     from prorl_cli.exceptions import SlurmError
-    from prorl_cli.slurm.record import LaunchRecord, not_launched_now
+    from prorl_cli.slurm.record import LAUNCH_NAME, LaunchRecord, deploy_of, not_launched_now
 
+    cfg: DeployConfig | None = None
+    if name_or_file is not None and Path(name_or_file).is_file():
+        cfg = _load_deploy(app, name_or_file, named_deployment(app))
+        deployment_dir = cfg.deployment_dir
+    else:
+        name_deployment(app, name_or_file, given_as="NAME")
+        deployment_dir = app.config.home_path / require_deployment(app, "down")
     try:
-        if LaunchRecord.load(deployment_dir) is not None:
-            return
-    except SlurmError:
-        return  # an unreadable launch record: the command names it as it goes on
+        record = LaunchRecord.load(deployment_dir)
+        if record is not None:
+            return record, cfg if cfg is not None else deploy_of(record)
+    except SlurmError as e:
+        app.abort(str(e))
     why = not_launched_now(deployment_dir)
-    if why is not None:
-        app.console.print(f"nothing to take down: {why}", markup=False, soft_wrap=True, highlight=False)
-        raise click.exceptions.Exit(0)
+    if why is None:
+        app.abort(f"deployment {deployment_dir.name!r} was not launched (no {deployment_dir / LAUNCH_NAME})")
+    app.console.print(f"nothing to take down: {why}", markup=False, soft_wrap=True, highlight=False)
+    raise click.exceptions.Exit(0)
 
 
 def _require_slurm(app: App) -> None:
@@ -726,14 +737,10 @@ def down(app: App, name: str | None, wait_s: float) -> None:
     from prorl_cli.exceptions import SlurmError
     from prorl_cli.slurm import launcher
 
-    if name is None or not Path(name).is_file():
-        name_deployment(app, name, given_as="NAME")
-        _say_if_already_down(app, app.config.home_path / require_deployment(app, "down"))
-    cfg = _deploy_for(app, name, "down")
-    _say_if_already_down(app, cfg.deployment_dir)
+    record, cfg = _launched_for_down(app, name)
     _require_slurm(app)
     try:
-        report = launcher.down(cfg, wait_s=wait_s)
+        report = launcher.down(cfg, wait_s=wait_s, record=record)
     except SlurmError as e:
         app.abort(str(e))
     app.console.print(f"broker stop: {'done' if report.broker_stopped else 'broker not reachable'}")
