@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from prorl_cli import yamlfiles
-from prorl_cli.config import ProrlConfig, section_from_dict
+from prorl_cli.config import ENV_HOME, ProrlConfig, home_folder, section_from_dict
 from prorl_cli.exceptions import ConfigError
 
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+)(?::(\d+))?$")
@@ -236,8 +236,7 @@ class DeployConfig:
 
     @property
     def home_path(self) -> Path:
-        raw = self.home or os.environ.get("PRORL_HOME") or "~/.prorl"
-        return Path(os.path.expandvars(os.path.expanduser(raw))).absolute()
+        return home_folder(self.home or os.environ.get(ENV_HOME) or ProrlConfig.home)
 
     @property
     def deployment_dir(self) -> Path:
