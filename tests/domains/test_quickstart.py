@@ -22,9 +22,10 @@ def test_quickstart_domain_runs_end_to_end(task: str, tmp_path: Path, tiny_model
         need_module("swebench", "swe")
     home = tmp_path / "qs"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
+    image = [] if task == "search" else ["--image", domain_image]  # search starts no sandbox: --image is refused
     proc = subprocess.run(
         [sys.executable, "-m", "prorl_cli", "quickstart", "--out", str(home), "--task", task, "-n", "4",
-         "--model", str(tiny_model), "--image", domain_image],
+         "--model", str(tiny_model), *image],
         capture_output=True, text=True, timeout=600, env=env, start_new_session=True, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
