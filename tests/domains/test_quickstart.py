@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +44,25 @@ def test_quickstart_domain_runs_end_to_end(task: str, tmp_path: Path, tiny_model
         assert len(traj["sequence_ids"]) == len(traj["loss_mask"]) == len(traj["logprobs"])
         assert traj["violations"] == []  # token-exact: every prompt extends the previous prompt + output
         assert sum(traj["loss_mask"]) == sum(len(c["output_ids"]) for c in traj["calls"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(shutil.which("apptainer") is None and shutil.which("bwrap") is None,
+                    reason="neither Apptainer nor bubblewrap: the local runtime takes no image")
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="a task domain run needs a model engine (torch)")
+def test_an_image_name_is_found_where_the_users_own_configuration_finds_it(tmp_path: Path) -> None:
+    """An image name given to --image is looked up in the user's images.search_dirs (and cache), not in the
+    embedded deployment's own empty cache: the job's sandbox start gets that folder's image."""
+    images = tmp_path / "images"
+    (images / "myimage" / "usr").mkdir(parents=True)  # a sandbox folder as images.search_dirs finds it (not a real root)
+    config = tmp_path / "prorl.yaml"
+    config.write_text(f"images: {{search_dirs: [{images}]}}\n")
+    env = {**os.environ, "PRORL_HOME": str(tmp_path / "home")}
+    r = subprocess.run([sys.executable, "-m", "prorl_cli", "--config", str(config), "quickstart", "--task", "math",
+                        "--image", "myimage", "-n", "1", "--out", str(tmp_path / "qs")],
+                       capture_output=True, text=True, timeout=540, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = (tmp_path / "qs" / "trajectories.jsonl").read_text().splitlines()
+    error = json.loads(line).get("error") or {}
+    # The folder was found (the start then fails on its empty root, or runs): never "not in the manifest".
+    assert "is not in" not in str(error.get("message", "")), error
