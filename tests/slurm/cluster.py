@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -75,3 +75,17 @@ def scontrol(*args: str) -> str:
 def logs_of(folder: Path) -> str:
     """Every Slurm log under a folder, concatenated."""
     return "\n".join(p.read_text(errors="replace") for p in sorted(folder.rglob("*.out")))
+
+
+def temporary_partition(name: str, *settings: str) -> Iterator[str]:
+    """A fixture's body: the partition ``name`` (``scontrol create`` with ``settings``) for the test, deleted after;
+    the test is skipped where this Slurm does not let the tests create one."""
+    subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True, check=False)
+    made = subprocess.run(["scontrol", "create", f"PartitionName={name}", *settings],
+                          capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"cannot create a partition here (scontrol create: {made.stderr.strip()}); it needs Slurm's admin")
+    try:
+        yield name
+    finally:
+        subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True, check=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,15 +22,6 @@ from prorl_cli.slurm.record import HISTORY_NAME, LaunchRecord, Member
 from tests.slurm.cluster import ROLE_CONFIG, prorl, require_slurm, wait_until, write_yaml
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    """Slurm jobs this test submits, each cancelled at the end."""
-    require_slurm()
-    submitted: list[str] = []
-    yield submitted
-    squeue.cancel_until_gone(submitted, 60)
 
 
 def _sbatch(jobs: list[str], *args: str) -> str:

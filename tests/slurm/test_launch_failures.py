@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.cluster import prorl, require_slurm, write_yaml
+from tests.slurm.cluster import prorl, require_slurm, temporary_partition, write_yaml
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,16 +73,7 @@ def test_more_gpus_than_any_node_fails_with_slurms_reason(base: Path) -> None:
 def tiny_partition() -> Iterator[str]:
     """A partition whose MaxTime (1 min) is below what the test asks (5): Slurm accepts the job (EnforcePartLimits=NO,
     the default) and leaves it pending with a partition reason. Created at run time, deleted after."""
-    name = "prorltiny"
-    subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True, check=False)
-    made = subprocess.run(["scontrol", "create", f"PartitionName={name}", "Nodes=n1", "MaxTime=1", "State=UP"],
-                          capture_output=True, text=True, check=False)
-    if made.returncode != 0:
-        pytest.skip(f"cannot create a partition here (scontrol create: {made.stderr.strip()}); it needs Slurm's admin")
-    try:
-        yield name
-    finally:
-        subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True, check=False)
+    yield from temporary_partition("prorltiny", "Nodes=n1", "MaxTime=1", "State=UP")
 
 
 def test_a_request_slurm_accepts_but_can_never_start_fails_with_squeues_reason(base: Path, tiny_partition: str) -> None:

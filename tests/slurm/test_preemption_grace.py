@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,14 +31,6 @@ def _grace_time_s(partition: str) -> int:
     match = re.search(r"GraceTime=(\d+)", scontrol("show", "partition", partition))
     assert match, f"scontrol shows no GraceTime for {partition}"
     return int(match.group(1))
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    require_slurm()
-    submitted: list[str] = []
-    yield submitted
-    squeue.cancel_until_gone(submitted, 60)
 
 
 def test_partitions_preemption_as_scontrol_prints_it() -> None:

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,14 +39,6 @@ def _env() -> dict[str, str]:
 def _sbatch(*args: str) -> str:
     out = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, check=True, env=_env())
     return out.stdout.strip().split(";")[0]
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    require_slurm()
-    submitted: list[str] = []
-    yield submitted
-    squeue.cancel_until_gone(submitted, 60)
 
 
 def test_down_cancels_again_a_task_that_requeued_itself_after_the_scancel(tmp_path: Path, jobs: list[str]) -> None:

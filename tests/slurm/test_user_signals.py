@@ -16,7 +16,15 @@ from prorl_cli.config import load_config
 from prorl_cli.slurm import squeue
 from prorl_cli.slurm.record import LaunchRecord
 from prorl_cli.slurm.squeue import EndedTask
-from tests.slurm.cluster import ROLE_CONFIG, logs_of, prorl, require_slurm, wait_until, write_yaml
+from tests.slurm.cluster import (
+    ROLE_CONFIG,
+    logs_of,
+    prorl,
+    require_slurm,
+    temporary_partition,
+    wait_until,
+    write_yaml,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,17 +70,7 @@ def test_usr2_to_the_whole_job_drains_and_requeues_a_node(tmp_path: Path) -> Non
 def cancel_partition() -> Iterator[str]:
     """A partition on n1 whose jobs `high` preempts by cancelling them (PreemptMode=CANCEL). Created at run time,
     deleted after."""
-    name = "prorlcancel"
-    subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True, check=False)
-    made = subprocess.run(["scontrol", "create", f"PartitionName={name}", "Nodes=n1", "PriorityTier=1",
-                           "PreemptMode=CANCEL", "GraceTime=5", "OverSubscribe=NO", "State=UP"],
-                          capture_output=True, text=True, check=False)
-    if made.returncode != 0:
-        pytest.skip(f"cannot create a partition here (scontrol create: {made.stderr.strip()}); it needs Slurm's admin")
-    try:
-        yield name
-    finally:
-        subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True, check=False)
+    yield from temporary_partition("prorlcancel", "Nodes=n1", "PriorityTier=1", "PreemptMode=CANCEL", "GraceTime=5", "OverSubscribe=NO", "State=UP")
 
 
 def test_a_node_preempted_without_a_requeue_is_replaced(tmp_path: Path, cancel_partition: str) -> None:
