@@ -167,6 +167,15 @@ class BrokerUnavailable(ProrlError, ConnectionError):
     """No broker answered at the rendezvous address in time."""
 
 
+class BrokerBusy(BrokerUnavailable):
+    """A broker whose process is alive on this host left a ping unanswered for ``waited_s``: stuck or starved."""
+
+    def __init__(self, message: str, pid: int, waited_s: float) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.waited_s = waited_s
+
+
 class BrokerRefused(BrokerUnavailable, ConnectionRefusedError):
     """The broker's socket refused this peer's CURVE handshake: missing keys, or another deployment's."""
 

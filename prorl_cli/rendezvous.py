@@ -39,6 +39,13 @@ class Rendezvous:
 
         return self.host == socket.gethostname() and self.pid > 0 and not is_local_broker(self.pid)
 
+    def process_alive(self) -> bool:
+        """The broker that wrote this file runs on this host and its process is alive. False when it ran
+        elsewhere: nothing here can tell."""
+        from prorl_cli.processes import is_local_broker
+
+        return self.host == socket.gethostname() and is_local_broker(self.pid)
+
 
 def rendezvous_path(deployment_dir: Path) -> Path:
     return deployment_dir / RENDEZVOUS_NAME

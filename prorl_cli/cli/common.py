@@ -27,6 +27,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: How long a command waits for the broker's ping before saying it does not answer.
 PING_TIMEOUT_S = 3.0
+#: How much longer it waits for a broker whose process is alive on this host: a machine whose cores something
+#: else holds (vLLM on the CPU, a build) can keep a healthy broker from answering for several seconds.
+BUSY_BROKER_WAIT_S = 30.0
 
 
 class Seconds(click.ParamType):
@@ -84,7 +87,7 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
 
     client = RolloutClient(app.config.deployment, address=address, config=app.config)
     try:
-        client.ping(timeout_s=PING_TIMEOUT_S)
+        ping_broker(app, client, address)
     except BadAddress as e:  # an endpoint ZeroMQ cannot connect to (no tcp://, no port)
         client.close()
         app.abort(f"--address {address}: {e}" if address is not None else str(e))
@@ -100,6 +103,44 @@ def connect(app: App, address: str | None = None) -> RolloutClient:
     return client
 
 
+def ping_broker(app: App, client: RolloutClient, address: str | None = None) -> None:
+    """Ping the deployment's broker; the client's errors propagate. One silent for :data:`PING_TIMEOUT_S` whose
+    process is alive on this host is busy, not gone: stderr says so and it gets :data:`BUSY_BROKER_WAIT_S` more,
+    after which :class:`BrokerBusy` says it is stuck or starved."""
+    from prorl_cli.exceptions import BrokerBusy, BrokerUnavailable
+
+    try:
+        client.ping(timeout_s=PING_TIMEOUT_S)
+        return
+    except BrokerUnavailable:
+        pid = _live_local_broker(app) if address is None else None
+        if pid is None:
+            raise
+    app.err_console.print(f"the broker (pid {pid} on this host) is running but has not answered within "
+                          f"{PING_TIMEOUT_S:g} s; waiting up to {BUSY_BROKER_WAIT_S:g} s more", markup=False,
+                          soft_wrap=True, highlight=False)
+    try:
+        client.ping(timeout_s=BUSY_BROKER_WAIT_S)
+    except BrokerUnavailable as e:
+        waited_s = PING_TIMEOUT_S + BUSY_BROKER_WAIT_S
+        raise BrokerBusy(f"the broker at {client.address} does not answer (deployment {app.config.deployment!r}, "
+                         f"no reply within {waited_s:g} s); its process (pid {pid} on this host) is running: stuck, "
+                         f"or starved of CPU (`top -p {pid}` shows which); its log says what it last did",
+                         pid, waited_s) from e
+
+
+def _live_local_broker(app: App) -> int | None:
+    """The pid of the deployment's broker when its rendezvous file names a live broker process on this host."""
+    from prorl_cli.exceptions import RendezvousError
+    from prorl_cli.rendezvous import read_rendezvous
+
+    try:
+        info = read_rendezvous(app.config.deployment_dir)
+    except RendezvousError:
+        return None
+    return info.pid if info.process_alive() else None
+
+
 #: How long a command waits for the broker of a Slurm launch that is restarting (requeued on its time limit,
 #: replaced after a crash): Slurm's requeue and the journal's replay take a minute or two.
 BROKER_RESTART_WAIT_S = 300.0
@@ -109,10 +150,10 @@ BROKER_RESTART_POLL_S = 2.0
 
 def _abort_unreachable(app: App, e: Exception, address: str | None) -> NoReturn:
     """The one-line error of a broker that has no rendezvous file or does not answer."""
-    from prorl_cli.exceptions import RendezvousError
+    from prorl_cli.exceptions import BrokerBusy, RendezvousError
     from prorl_cli.rendezvous import read_rendezvous
 
-    if isinstance(e, RendezvousError):
+    if isinstance(e, RendezvousError | BrokerBusy):
         app.abort(str(e))
     info = None
     if address is None:
@@ -155,7 +196,7 @@ def _wait_for_broker(app: App, restarting: str) -> RolloutClient:
     while True:
         client = RolloutClient(app.config.deployment, config=app.config)
         try:
-            client.ping(timeout_s=PING_TIMEOUT_S)
+            ping_broker(app, client)
         except (RendezvousError, BrokerUnavailable):
             client.close()
         else:

@@ -17,6 +17,7 @@ from prorl_cli.cli.common import (
     connect,
     interrupt_signals,
     load_task_rows,
+    ping_broker,
     sampling_of,
     sampling_options,
 )
@@ -411,13 +412,13 @@ def _broker_report(app: App, address: str | None) -> StatusReport | str:
     """The broker's status, or why there is none (no rendezvous file, no answer): ``status`` of a Slurm launch
     then looks at the broker's Slurm job before it calls that an error."""
     from prorl_cli.client import RolloutClient
-    from prorl_cli.exceptions import BrokerUnavailable, RendezvousError
+    from prorl_cli.exceptions import BrokerBusy, BrokerUnavailable, RendezvousError
 
     client = RolloutClient(app.config.deployment, address=address, config=app.config)
     try:
-        client.ping(timeout_s=PING_TIMEOUT_S)
+        ping_broker(app, client, address)
         return client.status()
-    except RendezvousError as e:
+    except (RendezvousError, BrokerBusy) as e:
         return str(e)
     except (BrokerUnavailable, TimeoutError):
         return (f"the broker at {client.address or address or '?'} does not answer (deployment "
