@@ -143,10 +143,11 @@ class TokenSession:
     def cut_output(self, keep: int) -> None:
         """Keep only the first ``keep`` output ids of the last call, as if sampling had stopped there.
 
-        For a stop string the generate contract cannot carry (Search-R1's ``</search>``): the kept ids are
-        what the model sampled, with their log-probs, and what the next prompt extends; the rest is dropped
-        from the call, the sequence and the prompt, never re-tokenized. A cut call's ``finish_reason`` is
-        ``stop``, as an engine reports a stop string.
+        Where an engine generated past an inline action's end (Search-R1's ``</search>``, sent as a stop
+        string: an engine that cannot match them, or a close the parser does not count): the kept ids are what
+        the model sampled, with their log-probs, and what the next prompt extends; the rest is dropped from
+        the call, the sequence and the prompt, never re-tokenized. A cut call's ``finish_reason`` is ``stop``,
+        as an engine reports a stop string.
         """
         if not self._awaiting_observation:
             raise AgentLoopError("cut_output() follows a generate() call, before its observation")
@@ -268,7 +269,10 @@ async def run_tool_agent(
     parser = parser or get_tool_parser("hermes")
     _warn_if_template_lacks_calls(chat, parser, tools)
     if not sampling.stop_token_ids and chat.stop_token_ids:
-        sampling = SamplingParams(**{**sampling.to_wire(), "stop_token_ids": chat.stop_token_ids})
+        sampling = sampling.with_set(stop_token_ids=list(chat.stop_token_ids))
+    if isinstance(parser, InlineToolParser) and not set(parser.stop) <= set(sampling.stop):
+        # The engine stops at the action's closing tag; the cut after each call stays, for one that overshoots.
+        sampling = sampling.with_set(stop=list(dict.fromkeys([*sampling.stop, *parser.stop])))
     session = TokenSession(chat, generate, messages, model=model)
     traj = session.trajectory
     snapshot_into: dict[str, Any] | None = None

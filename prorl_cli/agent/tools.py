@@ -161,7 +161,14 @@ class InlineToolParser(abc.ABC):
     its action (:meth:`action_end`: the first complete call, or the answer), parses that, appends
     :meth:`observation` as plain text right after it (masked out of the loss, token-exact: the ids of that
     text alone) and samples the continuation of the same assistant turn.
+
+    :attr:`stop`: strings the loop adds to every call's ``sampling.stop``, so the engine stops at the
+    action's closing tag instead of generating past it; the cut at :meth:`action_end` stays, for an engine
+    that does not stop there (one that cannot match stop strings, or a tag with nothing opened before it).
     """
+
+    #: Closing tags of the format's actions, sent as stop strings (empty: the engine is not told).
+    stop: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def action_end(self, text: str) -> int | None:
@@ -192,8 +199,12 @@ class SearchR1ToolParser(InlineToolParser):
     generations there too). A search is the call ``search(query=...)``; its result comes back as
     ``\\n\\n<information>RESULT</information>\\n\\n``. A turn with neither action gets
     :data:`SEARCH_R1_INVALID` and the model goes on, as in Search-R1's environment. Reasoning is not
-    skipped: Search-R1 reads the first action wherever it stands.
+    skipped: Search-R1 reads the first action wherever it stands. Calls stop at the first ``</search>`` or
+    ``</answer>`` (:attr:`stop`), where Search-R1 cuts its generations; one closing a tag never opened
+    leaves a turn with no action, which gets the note.
     """
+
+    stop = ("</search>", "</answer>")
 
     def action_end(self, text: str) -> int | None:
         for close in _SEARCH_R1_CLOSE.finditer(text):

@@ -486,7 +486,8 @@ class Router:
             pend.requester,
             P.reply(pend.rid, backend_id=pend.backend_id, finish_reason=h.finish_reason,
                     policy_version=version if version is not None else pend.policy_version,
-                    **({"engine_s": h.engine_s} if h.engine_s is not None else {})),
+                    **({"engine_s": h.engine_s} if h.engine_s is not None else {}),
+                    **({"stop_string": h.stop_string} if h.stop_string is not None else {})),
             payload,
         )
         if backend.cleared:

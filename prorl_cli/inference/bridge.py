@@ -316,7 +316,8 @@ class InferenceBridge(BrokerPeer):
         m.inc("prorl_bridge_prompt_tokens", (), len(prompt_ids))
         m.inc("prorl_bridge_output_tokens", (), len(gen.output_ids))
         # policy_version: the weights that served this call, whatever came since.
-        done = H.GenerateReply(rid, gen.finish_reason, policy_version=version, engine_s=round(engine_s, 6))
+        done = H.GenerateReply(rid, gen.finish_reason, policy_version=version, engine_s=round(engine_s, 6),
+                               stop_string=gen.stop_string)
         await self.send(done.to_wire(), gen.payload())
 
     async def _answer_error(self, rid: Any, job_id: str, e: Exception) -> None:

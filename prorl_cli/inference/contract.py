@@ -5,7 +5,10 @@ path through the broker returns a :class:`Generation`. Tokens are ids, never
 text: on the wire they travel as int32 bytes (``protocol.pack_tokens``),
 log-probs as float32 bytes. When a call asks for ``sampling.top_logprobs = k``
 and the engine can say, each output position also carries its k most likely
-tokens (``Generation.top_logprobs``), as two more frames.
+tokens (``Generation.top_logprobs``), as two more frames. A call with stop
+strings (``sampling.stop``) ends at the token that completes one, that token
+included, and names the string (``Generation.stop_string``; :func:`first_stop`
+says which, when one token completes several).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class Generation:
     engine_s: float | None = None
     #: Per output position, the ``k`` most likely ``(token id, logprob)`` (see the class docstring).
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: The ``sampling.stop`` string that ended the generation (``finish_reason`` ``stop``; the last output id
+    #: completes it); ``None`` when none did, or the engine did not say (docs/inference.md, "Stop strings").
+    stop_string: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
@@ -108,6 +114,17 @@ class Generation:
             pairs = list(zip(top_ids, top_lps, strict=True))
             top = [pairs[i * k:(i + 1) * k] for i in range(len(ids))]
         return cls(ids, lps, finish_reason, backend_id, top_logprobs=top)
+
+
+def first_stop(text: str, stops: list[str]) -> str | None:
+    """The stop string ``text`` completes first: of those it holds, the one whose first occurrence ends earliest
+    (on a tie, the first listed); ``None`` when it holds none. vLLM picks the same one."""
+    best: tuple[int, int] | None = None
+    for i, stop in enumerate(stops):
+        at = text.find(stop)
+        if at >= 0 and (best is None or at + len(stop) < best[0]):
+            best = (at + len(stop), i)
+    return None if best is None else stops[best[1]]
 
 
 class Engine(abc.ABC):

@@ -219,6 +219,7 @@ class NodeInference:
             raise InferenceError(f"backend {backend_id}: malformed generate reply: {e.message}") from e
         gen.policy_version = version
         gen.engine_s = float(answer.engine_s) if answer.engine_s is not None else None
+        gen.stop_string = answer.stop_string
         return gen
 
     async def _ask(

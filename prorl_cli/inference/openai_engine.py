@@ -7,6 +7,8 @@ checked against what was sent: a server that re-tokenized would be caught.
 A call with ``sampling.top_logprobs = k`` asks for ``logprobs: k`` with
 vLLM's ``return_tokens_as_token_ids``, so each position's alternatives come
 keyed ``token_id:N``; a server that keys them by text gives none.
+Stop strings (``sampling.stop``) go as ``stop``: vLLM returns the ids up to
+the one that completes the string, and names it in ``stop_reason``.
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ def completions_body(model: str, prompt_ids: list[int], sampling: SamplingParams
         body["ignore_eos"] = True  # a vLLM extension of the completions API
     if sampling.top_logprobs:
         body["return_tokens_as_token_ids"] = True  # alternatives keyed "token_id:N", not by text (vLLM)
+    if sampling.stop:
+        # vLLM matches them in the output's text and keeps the ids up to the one completing the string (its
+        # token_ids and log-probs end there whatever this flag says); the flag keeps the string in the text too,
+        # so the text it logs and returns is that of the ids.
+        body["stop"] = list(sampling.stop)
+        body["include_stop_str_in_output"] = True
     return body
 
 
@@ -118,10 +126,12 @@ def server_message(resp: http.HttpResponse) -> str:
 
 def parse_completion(
     data: Any, prompt_ids: list[int], url: str, backend_id: str | None, top_logprobs: int | None = None,
+    stop: list[str] | None = None,
 ) -> Generation:
     """Turn a ``/v1/completions`` JSON answer into a :class:`Generation`, checking its shape.
 
-    ``top_logprobs``: the alternatives per position asked for (``Generation.top_logprobs``).
+    ``top_logprobs``: the alternatives per position asked for (``Generation.top_logprobs``). ``stop``: the
+    stop strings sent; vLLM's ``stop_reason`` naming one of them is the call's ``stop_string``.
     """
     where = f"backend {url}"
     try:
@@ -149,7 +159,9 @@ def parse_completion(
         raise InferenceError(f"{where}: the server's prompt_token_ids differ from the prompt ids sent")
     finish = choice.get("finish_reason") or "stop"
     top = parse_top_logprobs(lp_block.get("top_logprobs"), len(ids), top_logprobs, where) if top_logprobs else None
-    return Generation(ids, logprobs, str(finish), backend_id, top_logprobs=top)
+    reason = choice.get("stop_reason")  # vLLM: the stop string or stop id that ended it, else null
+    stop_string = reason if stop and finish == "stop" and isinstance(reason, str) and reason in stop else None
+    return Generation(ids, logprobs, str(finish), backend_id, top_logprobs=top, stop_string=stop_string)
 
 
 class OpenAIEngine(Engine):
@@ -232,7 +244,8 @@ class OpenAIEngine(Engine):
                     len(prompt_ids), self.max_model_len, f"the server said: {message}"))
             fault = BackendFault if resp.status >= 500 else InferenceError  # 4xx: this call's fault, not the server's
             raise fault(f"backend {self.base_url}: HTTP {resp.status}: {message}")
-        return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id, sampling.top_logprobs)
+        return parse_completion(resp.json(), prompt_ids, self.base_url, self.backend_id, sampling.top_logprobs,
+                                sampling.stop)
 
     async def reload(self, checkpoint: str, policy_version: int) -> None:
         """Load ``checkpoint`` in place through vLLM's ``POST /collective_rpc``, then drop cached prefixes.

@@ -14,7 +14,8 @@ the GPU is a latency model:
   as vLLM's automatic prefix caching), LRU-bounded by ``kv_budget_tokens``: the
   cached part of a prompt skips prefill;
 * output ids and lengths come from a seeded generator (``ignore_eos`` gives
-  exactly ``max_tokens``, which is how benchmarks script lengths).
+  exactly ``max_tokens``, which is how benchmarks script lengths); stop
+  strings are not matched (the ids have no text; said once in the log).
 
 Time is simulated on a virtual timeline anchored to the wall clock (run
 ``speedup`` times faster than the GPU), so asyncio's timer jitter does not
@@ -298,6 +299,7 @@ class SimEngine(Engine):
         self._loop_task: asyncio.Task[None] | None = None
         self._started_wall = timebase.now()
         self._t = self._started_wall  # wall time at which the next step starts (the virtual timeline)
+        self._told_stop = False  # said once that stop strings are not matched here
 
     # ------------------------------------------------------------- contract
 
@@ -349,6 +351,13 @@ class SimEngine(Engine):
         if room < 1:
             raise ContextLengthExceeded(context_length_message(len(prompt_ids), self.max_model_len))
         await self.start()
+        if sampling.stop and not self._told_stop:
+            # Its ids are drawn with no text behind them, and its lengths from the profile, which no content
+            # shapes: a stop string has nothing to match, so a call goes on as without one. Said once, not
+            # refused: handlers that send stop strings (Search-R1's) run on it unchanged.
+            self._told_stop = True
+            log.info("sim engine: sampling.stop is not matched (the simulated ids have no text); calls end at "
+                     "their simulated length")
         ids, lps, finish = self._plan_output(prompt_ids, sampling, min(sampling.max_tokens, room))
         req = _Request(list(prompt_ids), ids, lps, finish, asyncio.get_running_loop().create_future(),
                        job_id=CALL_JOB_ID.get())

@@ -4,7 +4,9 @@ For laptops and tests (``prorl serve inference --engine transformers``);
 production uses vLLM. It implements the same contract with real log-probs:
 each sampled token's log-probability under the unmodified model
 distribution (what vLLM returns by default), while sampling itself applies
-temperature, top-k and top-p. Calls run one at a time on a worker thread so
+temperature, top-k and top-p; stop strings end a call at the token that
+completes one (the output decoded after every token with the model
+directory's tokenizer). Calls run one at a time on a worker thread so
 the event loop (heartbeats, other requests) stays responsive; a cancelled
 call stops before its next token.
 """
@@ -20,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import ContextLengthExceeded, InferenceError, context_length_message
-from prorl_cli.inference.contract import Engine, Generation
+from prorl_cli.inference.contract import Engine, Generation, first_stop
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
+#: Files that hold a tokenizer's vocabulary (fast, SentencePiece, BPE, WordPiece, Mistral's tekken).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json")
 
 
 class TransformersEngine(Engine):
@@ -47,6 +51,10 @@ class TransformersEngine(Engine):
         self.device = device
         self._model: Any = None
         self._eos_ids: set[int] = set()
+        #: The model's tokenizer, loaded by the first call with stop strings (only they need the output's text),
+        #: from the directory the engine started on: checkpoints loaded later need not hold one.
+        self._tokenizer: Any = None
+        self._tokenizer_dir = self.model_dir
         # One thread: torch already uses every core for one forward pass.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prorl-transformers")
 
@@ -147,6 +155,8 @@ class TransformersEngine(Engine):
         gen = torch.Generator()
         gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         stop_ids = set(sampling.stop_token_ids) if sampling.ignore_eos else self._eos_ids | set(sampling.stop_token_ids)
+        decode = self._decoder() if sampling.stop else None
+        stop_string: str | None = None
         budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         out_ids: list[int] = []
         logprobs: list[float] = []
@@ -168,6 +178,13 @@ class TransformersEngine(Engine):
                 if top is not None:
                     values, indices = torch.topk(raw, min(k, raw.numel()))
                     top.append(list(zip(indices.tolist(), values.tolist(), strict=True)))
+                if decode is not None:
+                    # The whole output decoded again: a byte-level token need not decode alone, and this engine
+                    # is the CPU reference, where a forward pass costs far more than a decode.
+                    stop_string = first_stop(decode(out_ids), sampling.stop)
+                    if stop_string is not None:
+                        finish = "stop"
+                        break
                 if token in stop_ids:
                     finish = "stop"
                     break
@@ -175,7 +192,26 @@ class TransformersEngine(Engine):
                     input_ids=torch.tensor([[token]], device=self.device), past_key_values=result.past_key_values,
                     use_cache=True,
                 )
-        return Generation(out_ids, logprobs, finish, self.backend_id, top_logprobs=top)
+        return Generation(out_ids, logprobs, finish, self.backend_id, top_logprobs=top, stop_string=stop_string)
+
+    def _decoder(self) -> Any:
+        """``decode(ids) -> text`` with special tokens kept (as vLLM matches stop strings when asked to keep them):
+        the model directory's tokenizer, loaded once; :class:`InferenceError` when it has none."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            where = self._tokenizer_dir
+            need = f"sampling.stop needs the model's tokenizer to read the output's text, and {where} holds none"
+            # Checked first: from a directory without them, transformers builds a tokenizer with no vocabulary,
+            # which decodes every id to nothing, so no string would ever stop a call.
+            if not any((where / name).is_file() for name in _TOKENIZER_FILES):
+                raise InferenceError(f"{need} (no {', '.join(_TOKENIZER_FILES)})")
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise InferenceError(f"{need} that loads ({type(e).__name__}: {e})") from e
+        tokenizer = self._tokenizer
+        return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False))
 
     @staticmethod
     def _sample(logits: Any, sampling: SamplingParams, gen: Any) -> int:

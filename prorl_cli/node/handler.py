@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import dataclasses
 import functools
 import json
 import logging
@@ -129,8 +128,8 @@ class JobContext:
 
     @property
     def sampling(self) -> SamplingParams:
-        """The job's sampling parameters (defaults where the submitter gave none)."""
-        return self.spec.sampling or SamplingParams()
+        """The job's sampling parameters (defaults where the submitter gave none, each field left unset)."""
+        return self.spec.sampling or SamplingParams.from_given()
 
     @property
     def sandbox(self) -> Sandbox:
@@ -233,9 +232,7 @@ class JobContext:
         sampling = sampling or self.sampling
         n, self._calls_made = self._calls_made, self._calls_made + 1
         if sampling.seed is not None and n:
-            given = sampling.given  # the fields left unset stay unset for the engine (its own defaults)
-            sampling = dataclasses.replace(sampling, seed=derive_seed(sampling.seed, n))
-            sampling.given = given
+            sampling = sampling.with_set(seed=derive_seed(sampling.seed, n))  # the fields left unset stay unset
         return await self.services.generate(self, prompt_ids, sampling)
 
     async def start_sandbox(
@@ -302,10 +299,14 @@ class JobContext:
         return chat
 
     def agent_sampling(self) -> SamplingParams:
-        """The job's sampling, with the settings' ``max_tokens`` where the submitter set none."""
+        """The job's sampling, with the settings' ``max_tokens`` where the submitter set none.
+
+        The fields neither the submitter nor the settings set stay unset (:meth:`SamplingParams.is_set`), so
+        the broker's KV admission and the engine see them as the engine's defaults, not as chosen values.
+        """
         sampling = self.sampling
-        if self.settings.max_tokens is not None and not (self.spec.sampling and self.spec.sampling.is_set("max_tokens")):
-            sampling = dataclasses.replace(sampling, max_tokens=self.settings.max_tokens)
+        if self.settings.max_tokens is not None and not sampling.is_set("max_tokens"):
+            sampling = sampling.with_set(max_tokens=self.settings.max_tokens)
         return sampling
 
     async def agent(

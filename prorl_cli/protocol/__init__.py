@@ -52,6 +52,8 @@ from prorl_cli.protocol.headers import (
     validate,
 )
 from prorl_cli.protocol.records import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     BackendStatus,
     ErrorInfo,
     ForgetOutcome,
@@ -80,7 +82,8 @@ from prorl_cli.protocol.schema import (
 
 __all__ = [
     "ANNOTATIONS", "FAILURE_GROUP", "HEARTBEAT_INTERVAL_S", "HEARTBEAT_LIVENESS", "JOB_ITEM_OPS", "JOB_SPEC", "JOB_SPEC_META",
-    "MAX_HEADER_BYTES", "MAX_ID_CHARS", "MAX_JOBS_PER_MESSAGE", "MAX_LISTED_JOBS", "MAX_META_BYTES",
+    "MAX_HEADER_BYTES", "MAX_ID_CHARS", "MAX_JOBS_PER_MESSAGE", "MAX_LISTED_JOBS", "MAX_META_BYTES", "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
     "METRIC_SAMPLES", "OP_SCHEMAS", "PROTOCOL_VERSION", "REPLY_SCHEMAS", "RID_MAX", "RID_MIN", "SAMPLING", "STAGES", "STAGE_NAMES",
     "TERMINAL_STATES", "BackendStatus", "ErrorCode", "ErrorInfo", "ForgetOutcome", "JobResult", "JobSpec",
     "JobState", "NodeStatus", "Op", "OpSchema", "Opt", "SamplingParams", "StageStats", "StatusReport", "WeightsStatus",

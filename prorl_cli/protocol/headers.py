@@ -44,6 +44,7 @@ from prorl_cli.protocol.checks import (
 )
 from prorl_cli.protocol.framing import JOB_ITEM_OPS, ErrorCode, Op
 from prorl_cli.protocol.records import (
+    MAX_STOP_CHARS,
     BackendStatus,
     ForgetOutcome,
     JobSpec,
@@ -412,6 +413,8 @@ class GenerateReply(Header):
     policy_version: Annotated[int | None, Int(0, BIG)] = None
     #: Seconds the call spent in the engine (queued there and generating), as the bridge timed it.
     engine_s: Annotated[float | None, Num(0.0, 1e7)] = None
+    #: The ``sampling.stop`` string that ended the generation (``finish_reason`` ``stop``); absent otherwise.
+    stop_string: Annotated[str | None, Str(MAX_STOP_CHARS)] = None
     #: ``{code, message}`` when the call failed.
     error: Annotated[dict[str, Any] | None, ERROR] = None
 
@@ -593,6 +596,8 @@ class GenerateAnswer:
     #: The weights version that served the call (the bridge's, else the broker's when it routed the call).
     policy_version: Annotated[int | None, Int(0, BIG)] = None
     engine_s: Annotated[float | None, Num(0.0, 1e7)] = None
+    #: The ``sampling.stop`` string that ended the generation, as the bridge said (absent: none did).
+    stop_string: Annotated[str | None, Str(MAX_STOP_CHARS)] = None
     #: An HTTP backend's ``/v1`` URL: the node calls ``redirect/completions`` itself.
     redirect: Annotated[str | None, HTTP_URL] = None
     #: The model the node names in those calls (``backends add --model``). Absent (none was given, or an older

@@ -89,6 +89,10 @@ class ForgetOutcome(_Record):
 
 #: Most alternatives per output token a generate call may ask for (OpenAI's ``top_logprobs`` limit).
 MAX_TOP_LOGPROBS = 20
+#: Most stop strings one generate call may carry (``SamplingParams.stop``), and the most characters in each:
+#: every one is searched for in the output's text after every sampled token.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
 
 
 def derive_seed(seed: int, n: int) -> int:
@@ -101,6 +105,20 @@ def derive_seed(seed: int, n: int) -> int:
     """
     digest = hashlib.blake2b(f"{seed}:{n}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % (BIG + 1)
+
+
+def _check_stop(stop: Any) -> None:
+    """Refuse stop strings no engine could match: not a list of strings, too many, empty or too long ones."""
+    if not isinstance(stop, list):
+        raise ValueError(f"sampling.stop must be a list of strings, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"sampling.stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise ValueError(f"sampling.stop[{i}] must be a string, got {type(s).__name__}")
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            # An empty string would be completed by the first token (vLLM refuses one too).
+            raise ValueError(f"sampling.stop[{i}] must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
 
 
 @dataclass
@@ -118,6 +136,13 @@ class SamplingParams(_Record):
     #: Alternatives per output token to return with the sampled one (``Generation.top_logprobs``), 0 to 20;
     #: ``None`` or 0: none. Engines that cannot return them ignore it.
     top_logprobs: int | None = None
+    #: Stop strings: generation ends at the first sampled token whose text completes one of them (the text of
+    #: the output ids alone, decoded with special tokens kept), and that token is the last of ``output_ids``:
+    #: ids are never cut inside a token nor re-tokenized, so the last one may carry text past the string.
+    #: ``finish_reason`` is then ``stop`` and ``Generation.stop_string`` the string (of those completed by that
+    #: token, the one ending first in the text; on a tie, the first listed). At most 32 strings, each 1 to 1024
+    #: characters. Engines and their handling: docs/inference.md ("Stop strings").
+    stop: list[str] = field(default_factory=list)
     #: The fields the sender gave, when read off the wire (``None``: built here, every field given).
     given: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -140,6 +165,8 @@ class SamplingParams(_Record):
                 type(self.top_logprobs) is int and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"sampling.top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {self.top_logprobs!r}")
+        if self.stop:
+            _check_stop(self.stop)
 
     @classmethod
     def from_given(cls, **fields: Any) -> SamplingParams:
@@ -158,6 +185,18 @@ class SamplingParams(_Record):
     def is_set(self, name: str) -> bool:
         """Whether ``name`` was chosen by the sender (not left at its default)."""
         return self.given is None or name in self.given
+
+    def with_set(self, **fields: Any) -> SamplingParams:
+        """A copy with ``fields`` changed and counted as chosen: given are this one's given fields and ``fields``.
+
+        The one way to change sampling on its way to an engine: ``dataclasses.replace`` (or building a new
+        record) would mark every field given, so a field the sender left out would reach the broker's KV
+        admission and the engine as chosen instead of as the receiver's default. Ranges are checked as when built.
+        """
+        sampling = dataclasses.replace(self, **fields)
+        if self.given is not None:
+            sampling.given = self.given | frozenset(fields)
+        return sampling
 
     def to_wire(self) -> dict[str, Any]:
         """The fields the sender gave (a field left at its default stays so downstream), else every field."""

@@ -41,7 +41,14 @@ from prorl_cli.protocol.checks import (
     read_by,
 )
 from prorl_cli.protocol.framing import STAGES, JobState
-from prorl_cli.protocol.records import RECORD_CHECKS, JobSpec, SamplingParams
+from prorl_cli.protocol.records import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    RECORD_CHECKS,
+    JobSpec,
+    SamplingParams,
+)
 
 _BIG = BIG
 
@@ -72,7 +79,8 @@ SAMPLING = Record({
     "seed": Opt(Int(-_BIG, _BIG)),
     "stop_token_ids": Opt(List(Int(0, (1 << 31) - 1), 4096)),
     "ignore_eos": Opt(Bool()),
-    "top_logprobs": Opt(Int(0, 20)),
+    "top_logprobs": Opt(Int(0, MAX_TOP_LOGPROBS)),
+    "stop": Opt(List(Str(MAX_STOP_CHARS), MAX_STOP_STRINGS)),
 }, cls=SamplingParams, build=SamplingParams.from_given)
 
 JOB_SPEC = Record({

@@ -9,7 +9,7 @@ prompt. A turn ``<<sleep:S>>TEXT`` answers ``TEXT`` after ``S`` seconds (a
 model call still in flight when a job's limit strikes). A call that asks for
 ``top_logprobs = k`` gets, at every position, the sampled token (log-prob
 -0.1) then the first tokens of the entry's ``"alternatives"`` texts (log-probs
--1, -2, ...), then the ids after the sampled one, k in all. Every call is recorded (``calls_path_for``). The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
+-1, -2, ...), then the ids after the sampled one, k in all. Every call is recorded (``calls_path_for``: its prompt and output ids, and the sampling fields it was sent). The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
 so every call goes node -> broker -> bridge -> engine and back (the real
 generate contract). Run: ``python -m prorl_cli.testing.scripted_engine SCRIPT
 TOKENIZER_DIR BACKEND_ID DEPLOYMENT_DIR``.
@@ -87,7 +87,8 @@ class ScriptedEngine(Engine):
         if len(ids) > sampling.max_tokens:
             ids, finish = ids[: sampling.max_tokens], "length"
         with self.calls_path.open("a") as record:  # what the model saw, for tests that check the wire
-            record.write(json.dumps({"prompt_ids": list(prompt_ids), "output_ids": ids}) + "\n")
+            record.write(json.dumps({"prompt_ids": list(prompt_ids), "output_ids": ids,
+                                     "sampling": sampling.to_wire()}) + "\n")  # as sent: the fields given only
         return Generation(ids, [-0.1] * len(ids), finish, None,
                           top_logprobs=top_logprobs(ids, sampling.top_logprobs, alternatives) if sampling.top_logprobs else None)
 

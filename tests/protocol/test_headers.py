@@ -164,6 +164,11 @@ def test_a_record_given_a_class_builds_it_and_names_a_bad_field() -> None:
     ({"top_p": 1.5}, r"sampling.top_p must be in \(0, 1\], got 1.5"),
     ({"top_k": 0}, r"sampling.top_k must be -1 \(off\) or positive, got 0"),
     ({"ignore_eos": 1}, "sampling.ignore_eos must be true or false, got 1"),
+    ({"stop": ["</search>", ""]}, r"sampling.stop\[1\] must have 1 to 1024 characters, got 0"),
+    ({"stop": ["x" * 1025]}, r"sampling.stop\[0\] must have 1 to 1024 characters, got 1025"),
+    ({"stop": ["s"] * 33}, "sampling.stop holds 33 strings; at most 32"),
+    ({"stop": "</search>"}, "sampling.stop must be a list of strings, got str"),
+    ({"stop": [7]}, r"sampling.stop\[0\] must be a string, got int"),
 ])
 def test_sampling_built_in_python_refuses_a_value_no_engine_honours(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -177,8 +182,10 @@ def test_sampling_built_in_python_refuses_a_value_no_engine_honours(fields: dict
 
 def test_every_sampling_the_wire_accepts_builds() -> None:
     # The schema's bounds lie within the record's own: a checked frame never fails when the record is built.
-    for fields in ({"max_tokens": 1, "temperature": 0, "top_p": 1e-9, "top_k": -1},
-                   {"max_tokens": 1 << 24, "temperature": 1e6, "top_p": 1, "top_k": 1 << 24, "ignore_eos": True}):
+    for fields in ({"max_tokens": 1, "temperature": 0, "top_p": 1e-9, "top_k": -1, "stop": []},
+                   {"max_tokens": 1 << 24, "temperature": 1e6, "top_p": 1, "top_k": 1 << 24, "ignore_eos": True,
+                    "stop": ["\u00e9" * P.MAX_STOP_CHARS] * P.MAX_STOP_STRINGS},
+                   {"stop": ["x"]}):
         sampling = P.SamplingParams.from_wire(fields, "sampling")
         assert sampling.to_wire() == fields and sampling.given == frozenset(fields)
 

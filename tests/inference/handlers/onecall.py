@@ -3,7 +3,8 @@
 Instance: ``{"prompt_ids": [1, 2, 3], "eval_call": false}``. RUN makes the
 call; with ``eval_call`` EVAL makes one more, so a test can tell (by the
 job's stage) that RUN's call is over. The output holds each call's ids,
-finish reason, backend and alternatives (``top_logprobs``), or the error it raised.
+finish reason, backend, alternatives (``top_logprobs``) and the stop string that ended it, or the error
+it raised.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ async def _call(ctx: JobContext) -> dict[str, Any]:
     except InferenceError as e:
         return {"error": str(e)}
     return {"output_ids": gen.output_ids, "finish_reason": gen.finish_reason, "backend_id": gen.backend_id,
-            "top_logprobs": gen.top_logprobs}
+            "top_logprobs": gen.top_logprobs, "stop_string": gen.stop_string}
 
 
 class OneCallHandler(AgentHandler):
