@@ -3,7 +3,8 @@
 Instance (the loader turns NQ / HotpotQA / TriviaQA-style rows into this)::
 
     {"question": "Who designed the Eiffel Tower's structure?", "answers": ["Maurice Koechlin"],
-     "settings": {"corpus": "/data/wiki.jsonl", "top_k": 5}}     # optional
+     "settings": {"corpus": "/data/wiki.jsonl", "top_k": 5},     # optional
+     "prompt": [{"role": "user", "content": "..."}]}             # optional: the row's own (tool_format search_r1)
 
 The corpus (JSONL ``{id, title, text}``; default: the shipped
 ``handlers/data/search_corpus.jsonl``) is indexed with BM25 (``bm25s``) once
@@ -18,11 +19,14 @@ gold answer; ``output["f1"]`` records token F1.
 
 ``tool_format`` (a setting) picks the protocol. ``hermes`` (the default): the
 ``search``/``open`` tools in the chat template, calls as ``<tool_call>`` JSON,
-results as tool turns. ``search_r1``: Search-R1's tags, for a model trained
-with its recipe: the prompt is the instance's chat ``prompt`` when it carries
-one, else ``search_r1_prompt`` with the question in place of ``{question}``
-(Search-R1's instruction; its data scripts build every row's prompt so), with
-no system prompt and no tool schemas; ``<search> q </search>`` ends the
+results as tool turns; an instance's own ``prompt`` is not used (a warning
+once per node when it asks for Search-R1's tags: a model trained on such rows
+wants ``search_r1``). ``search_r1``: Search-R1's tags, for a model trained
+with its recipe: the prompt is the instance's chat ``prompt`` as it is, when
+it carries one (the loader keeps a row's; a malformed one fails the job before
+INIT, naming the message), else ``search_r1_prompt`` with the question in
+place of ``{question}`` (Search-R1's instruction; its data scripts build every
+row's prompt so), with no system prompt and no tool schemas; ``<search> q </search>`` ends the
 model's output there, the top ``top_k`` passages follow in the same turn as
 ``\n\n<information>Doc 1(Title: ...) ...</information>\n\n`` and the
 model goes on, for up to ``max_turns`` searches; ``<answer>`` ends the rollout
@@ -33,12 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from pathlib import Path
 from typing import Any
 
 from prorl_cli.agent.chat import ChatTokens
 from prorl_cli.agent.tools import get_tool_parser
 from prorl_cli.domains.answers import exact_match, f1_score, final_answer, latex_words
+from prorl_cli.domains.prompts import asks_for_search_r1_tags, chat_prompt
 from prorl_cli.domains.search_index import (
     BUILDS,
     SearchIndex,
@@ -49,6 +55,7 @@ from prorl_cli.domains.search_index import (
 from prorl_cli.exceptions import DomainError, SettingsError
 from prorl_cli.node.handler import AgentHandler, HandlerSettings, JobContext, Tool, final_text
 
+log = logging.getLogger(__name__)
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "search_corpus.jsonl"
 SEARCH_SCHEMA = {
     "type": "function",
@@ -118,13 +125,37 @@ def _chat_without_tools(chat: ChatTokens) -> ChatTokens:
 
 
 def search_r1_messages(instance: dict[str, Any], template: str) -> list[dict[str, Any]]:
-    """What a Search-R1 model is prompted with: the instance's chat ``prompt`` (the row's own, when a loader
-    or trainer kept it), else ``template`` around the question."""
+    """What a Search-R1 model is prompted with: the instance's chat ``prompt`` as it is (the row's own, which
+    the loader keeps), else ``template`` around the question. A malformed ``prompt`` raises
+    :class:`DomainError` naming the message: the job fails rather than asking in words the row never held."""
     prompt = instance.get("prompt")
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
-        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    if prompt is not None:
+        try:
+            return chat_prompt(prompt)
+        except DomainError as e:
+            raise DomainError(f"search: instance {e}") from e
     return [{"role": "user", "content": template.replace("{question}", str(instance["question"]))}]
+
+
+#: Whether this process has said that the hermes format leaves rows' Search-R1 prompts unused.
+_WARNED_UNUSED_PROMPT = False
+
+
+def _warn_unused_search_r1_prompt(ctx: JobContext) -> None:
+    """Say once per node process that a row's own Search-R1 prompt goes unused under the hermes format.
+
+    The hermes format asks the question with the task's system prompt and tool schemas; a row's prompt
+    asking for ``<search>``/``<answer>`` tags would contradict them (those tags are not read as calls
+    there), so it is left out, and a model trained on such rows is likely meant for ``tool_format: search_r1``.
+    """
+    global _WARNED_UNUSED_PROMPT
+    if _WARNED_UNUSED_PROMPT or not asks_for_search_r1_tags(ctx.instance.get("prompt")):
+        return
+    _WARNED_UNUSED_PROMPT = True
+    log.warning("search: job %s's instance carries its own prompt asking for Search-R1's <search>/<answer> "
+                "tags; tool_format hermes asks the question with the task's system prompt and tools instead, and "
+                "reads no <search> tags (said once per node). Set tool_format: search_r1 (handlers.search in "
+                "prorl.yaml, or the instance's settings) to prompt with the row's own.", ctx.job_id)
 
 
 def open_doc(ctx: JobContext, doc_id: str) -> str:
@@ -154,6 +185,8 @@ class SearchHandler(AgentHandler):
             raise SettingsError(f"search: setting tool_format is {tool_format!r}; choose from {list(TOOL_FORMATS)}")
         if tool_format == "search_r1" and "{question}" not in ctx.settings.get("search_r1_prompt"):
             raise SettingsError("search: setting search_r1_prompt must hold {question}, where the question goes")
+        if tool_format == "search_r1":
+            search_r1_messages(ctx.instance, ctx.settings.get("search_r1_prompt"))  # a malformed prompt fails here
 
     async def init(self, ctx: JobContext) -> None:
         ctx.output["domain"] = self.name
@@ -171,6 +204,7 @@ class SearchHandler(AgentHandler):
         if ctx.settings.get("tool_format") == "search_r1":
             await self._run_search_r1(ctx)
         else:
+            _warn_unused_search_r1_prompt(ctx)
             await ctx.agent(ctx.instance["question"])
 
     async def _run_search_r1(self, ctx: JobContext) -> None:

@@ -7,7 +7,8 @@ parse an answer, a sympy comparison of the two expressions (plain arithmetic
 only: sympify evaluates its text, and an answer is model output); failing
 that, normalised string equality. Digit groups set off by a LaTeX space (``10\\,000``) are joined first, and
 two lists of option letters (``\\text{A, C}``, ``A, C``) compare as sets of letters, and an answer in words
-(``\\text{June 20}``) equals the same words without the ``\\text{}`` (case aside). Install with
+(``\\text{June 20}``) equals the same words without the ``\\text{}`` (case aside); against a gold that is a plain
+number, a number followed by the words it counts (``72 clips``) is compared by that number. Install with
 ``pip install 'prorl[domains]'``.
 """
 
@@ -24,6 +25,7 @@ import string
 import subprocess
 import sys
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ class MathVerdict:
     """Whether a predicted answer equals the gold one, and how that was decided."""
 
     correct: bool
-    method: str  # "math_verify", "sympy" or "string"
+    method: str  # "math_verify", "sympy", "string", "choices", "words", "number_with_words", "none"
     parsed: str | None  # the prediction as the verifier read it
 
 
@@ -198,6 +200,45 @@ def _same_words(gold: str, pred: str) -> bool:
     return bool(words[0]) and words[0] == words[1]
 
 
+# A number as GSM8K-style answers write it: digits, thousands set off by commas, a decimal part.
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
+_PLAIN_NUMBER = re.compile(rf"(?:{_NUMBER})")
+# A number followed by words naming what it counts (72 clips, \$18 dollars, 5 km/h): words of letters only,
+# so no second number ("7 or 72") and no LaTeX command gets through.
+_NUMBER_THEN_WORDS = re.compile(rf"(?:\\?\$)?\s*({_NUMBER})\s+([A-Za-z][A-Za-z'/ -]*?)[ .]*")
+# Words that make "72 ..." something other than 72 ("72 or more", "72 and a half", "72 less than ...").
+_QUALIFIERS = frozenset({"or", "and", "to", "plus", "minus", "times", "more", "less", "fewer", "than", "least", "most",
+                         "over", "under", "not", "no", "about", "approximately", "around", "nearly", "almost", "roughly",
+                         "between", "half", "quarter", "third", "thirds", "hundred", "thousand", "million",
+                         "billion", "dozen", "dozens", "squared", "cubed"})
+
+
+def _number_before_words(gold: str, pred: str) -> str | None:
+    """The number of ``pred`` when ``gold`` is a plain number and ``pred`` that number followed by words (``72 clips``
+    against GSM8K's ``72``), else ``None``.
+
+    math-verify reads bare words as a product of letters (``72*c*i*l*p*s``), so a right count with its unit in
+    the box would score 0. The rule is kept narrow, so that it never makes a wrong answer right: the gold is a
+    plain number; the words follow the number after a space, hold no digit, no LaTeX and no single letter (a
+    variable: ``72 x``), at least one of them three letters or more, and none of them a qualifier that changes the
+    value (``72 or more``, ``72 thousand``); the number equals the gold's. As lm-eval's and verl's GSM8K scoring
+    do, the number is what is compared, but only this one number: never the last of several (``7 or 72``).
+    """
+    gold_text = gold.strip().strip("$").strip()
+    if not _PLAIN_NUMBER.fullmatch(gold_text):
+        return None
+    match = _NUMBER_THEN_WORDS.fullmatch(latex_words(pred.strip().strip("$")))
+    if match is None:
+        return None
+    number, words = match.group(1), match.group(2).casefold().split()
+    letters = [re.sub(r"[^a-z]", "", w) for w in words]
+    if (not words or any(len(w) < 2 for w in letters) or max(map(len, letters)) < 3
+            or any(part in _QUALIFIERS for w in words for part in re.split(r"[/-]", w))):
+        return None
+    same = Decimal(number.replace(",", "")) == Decimal(gold_text.replace(",", ""))
+    return number if same else None
+
+
 def math_equal(gold: str, pred: str | None) -> MathVerdict:
     """Is ``pred`` mathematically equal to ``gold``? ``None`` (no answer) is wrong.
 
@@ -207,6 +248,9 @@ def math_equal(gold: str, pred: str | None) -> MathVerdict:
     if pred is None or not pred.strip():
         return MathVerdict(False, "none", None)
     gold, pred = _DIGIT_GROUP_SPACE.sub("", gold), _DIGIT_GROUP_SPACE.sub("", pred)
+    counted = _number_before_words(gold, pred)
+    if counted is not None:
+        return MathVerdict(True, "number_with_words", counted)
     gold_letters, pred_letters = _choice_letters(gold), _choice_letters(pred)
     if gold_letters is not None and pred_letters is not None:
         return MathVerdict(gold_letters == pred_letters, "choices", ", ".join(sorted(pred_letters)))

@@ -41,7 +41,10 @@ for ``--format`` when a row fits more than one):
   list of them or of such lists (NQ), SQuAD's ``{text: [...]}`` or TriviaQA's
   ``{value, aliases}``), plus MuSiQue's ``answer_aliases``; verl/Search-R1 rows
   without those columns: the question from the chat ``prompt`` (what follows
-  Search-R1's ``Question: ``) and ``reward_model.ground_truth.target``.
+  Search-R1's ``Question: ``) and ``reward_model.ground_truth.target``. A
+  row's chat ``prompt`` (a list of ``{role, content}`` texts) is kept as the
+  instance's ``prompt``, which the task prompts with under
+  ``tool_format: search_r1``; a malformed one is refused, naming the message.
 
 Any other task: each row is passed through unchanged. Errors name the file,
 the line (JSONL) or row (Parquet) and the missing field; the first bad row
@@ -70,7 +73,8 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.domains.answers import gsm8k_final, last_boxed
-from prorl_cli.exceptions import DatasetError
+from prorl_cli.domains.prompts import SEARCH_R1_MARKS, chat_prompt
+from prorl_cli.exceptions import DatasetError, DomainError
 from prorl_cli.jsonl import is_parquet, jsonl_values
 from prorl_cli.swe.sources import SOURCES, SweRows
 
@@ -328,6 +332,11 @@ def _chat_problem(row: Row) -> str | None:
     return text.strip()
 
 
+def _blank(value: Any) -> bool:
+    """Whether a field holds nothing: null, empty text or an empty list (how files spell a missing answer)."""
+    return value is None or value == "" or value == []
+
+
 def _verl_ground_truth(row: Row) -> Any:
     """A verl-preprocessed row's ``reward_model.ground_truth`` as it is (``None`` when it has none)."""
     reward_model = row.get("reward_model")
@@ -352,7 +361,7 @@ def _ground_truth(row: Row, where: str) -> str | None:
         shown = ", ".join(map(repr, truth[:3])) + (", ..." if len(truth) > 3 else "")
         raise DatasetError(f"{where}: field 'reward_model.ground_truth' holds {len(truth)} answers ({shown}): the "
                            "math task scores against one; give the row an 'answer'")
-    if truth in (None, "", []) or isinstance(truth, dict | bool):
+    if _blank(truth) or isinstance(truth, dict | bool):
         return None
     return _number_answer(truth, where, "reward_model.ground_truth") if isinstance(truth, int | float) else str(truth)
 
@@ -762,7 +771,6 @@ def _gold_list(answers: list[Any], where: str, field: str) -> list[str]:
 
 # Search-R1's data scripts wrap each question in their instructions (search in <search> tags, answer in <answer>
 # tags) ending "Question: {question}"; prorl's search task gives its own tools, so the question is what follows.
-_SEARCH_R1_MARKS = ("<search>", "<answer>")
 _SEARCH_R1_QUESTION = "Question: "
 
 
@@ -772,7 +780,7 @@ def _search_question(row: Row, where: str) -> tuple[str, Any]:
     names = ("question", "query", "Question")
     if _present(row, names) is None and isinstance(row.get("prompt"), list):
         text = _chat_problem(row)
-        if text is not None and all(mark in text for mark in _SEARCH_R1_MARKS) and _SEARCH_R1_QUESTION in text:
+        if text is not None and all(mark in text for mark in SEARCH_R1_MARKS) and _SEARCH_R1_QUESTION in text:
             text = text.rpartition(_SEARCH_R1_QUESTION)[2].strip()
         if text:
             return "prompt", text
@@ -784,12 +792,27 @@ def _search_truth(row: Row) -> tuple[str, Any] | None:
     truth = _verl_ground_truth(row)
     if isinstance(truth, dict) and "target" in truth:
         return "reward_model.ground_truth.target", truth["target"]
-    if truth in (None, "", []) or isinstance(truth, dict):
+    if _blank(truth) or isinstance(truth, dict):
         return None
     return "reward_model.ground_truth", truth
 
 
+def _row_prompt(row: Row, where: str) -> list[dict[str, str]] | None:
+    """The row's chat ``prompt`` (verl's column), checked (:func:`~prorl_cli.domains.prompts.chat_prompt`);
+    ``None`` when it has none, or a text one (a statement, not a conversation)."""
+    prompt = row.get("prompt")
+    if prompt is None or isinstance(prompt, str):
+        return None
+    try:
+        return chat_prompt(prompt)
+    except DomainError as e:
+        raise DatasetError(f"{where}: {e}") from e
+
+
 def _search(row: Row, where: str, fmt: str) -> Row:
+    # Kept as the row wrote it: the search task prompts with it under Search-R1's protocol (tool_format
+    # search_r1), so a row of another template (another paper's, a translation) is asked as it was written.
+    prompt = _row_prompt(row, where)
     question_field, question = _search_question(row, where)
     # A question that is not text (NQ's full release has {text, tokens}) would reach the model as its Python repr.
     if not isinstance(question, str):
@@ -799,7 +822,7 @@ def _search(row: Row, where: str, fmt: str) -> Row:
     # PopQA keeps its gold answers in 'possible_answers', a JSON list as text.
     # Bamboogle capitalises its 'Answer'; verl/Search-R1 Parquet keeps the golden answers in reward_model too.
     names = ("answers", "golden_answers", "answer", "possible_answers", "Answer")
-    given = any(row.get(name) not in (None, "", []) for name in names)
+    given = any(not _blank(row.get(name)) for name in names)
     truth = None if given else _search_truth(row)
     field, answers = truth if truth is not None else _first_named(
         row, where, names, "the gold answer(s); or verl's reward_model.ground_truth.target")
@@ -835,7 +858,10 @@ def _search(row: Row, where: str, fmt: str) -> Row:
     if isinstance(aliases, list):
         gold = list(dict.fromkeys([*gold, *(_gold_text(a, where, f"answer_aliases[{i}]")
                                             for i, a in enumerate(aliases) if a not in (None, ""))]))
-    return _keep(row, {"question": question, "answers": gold})
+    out: Row = {"question": question, "answers": gold}
+    if prompt is not None:
+        out["prompt"] = prompt
+    return _keep(row, out)
 
 
 LOADERS: dict[str, Callable[[Row, str, str], Row]] = {"math": _math, "code": _code, "swe": _swe, "search": _search}

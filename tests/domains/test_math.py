@@ -104,3 +104,24 @@ def test_an_answer_in_words_equals_the_same_words_without_text(pred: str, correc
     # MATH writes answers in words as \text{...}: math-verify reads the bare words June 20 as a product of letters.
     need_module("math_verify", "domains")
     assert math_equal("\\text{June 20}", pred).correct is correct
+
+
+@pytest.mark.parametrize(("gold", "pred", "correct"), [
+    ("72", "72 clips", True), ("72", "\\text{72 clips}", True), ("72", "72 cups of flour.", True),
+    ("18", "\\$18 dollars", True), ("1000", "1,000 people", True), ("72", "72.0 clips", True),
+    ("-5", "-5 degrees", True), ("55", "55 km/h", True), ("72", "72 children's books", True),
+    ("72", "7 or 72", False), ("72", "72 or 7", False),        # two numbers: neither is the answer
+    ("72", "73 clips", False), ("72", "72 clips and 5 boxes", False),
+    ("72", "72 thousand clips", False), ("72", "72 dozen", False), ("72", "72 and a half", False),
+    ("72", "72 x", False), ("72", "72 xy", False),             # a variable, not a word
+    ("72", "72clips", False), ("72", "72 \\times clips", False),
+    ("\\frac{1}{2}", "0.5 cups", False),                      # the gold is no plain number
+])
+def test_a_number_followed_by_words_equals_a_plain_number_gold(gold: str, pred: str, correct: bool) -> None:
+    """GSM8K's gold is a number (``#### 72``); a model boxes ``72 clips``. math-verify reads the words as a product of
+    letters, so the count is compared alone, and only a single number followed by plain words."""
+    need_module("math_verify", "domains")
+    verdict = math_equal(gold, pred)
+    assert verdict.correct is correct, verdict
+    if correct:
+        assert verdict.method in ("number_with_words", "math_verify"), verdict

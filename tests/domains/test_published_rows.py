@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -23,10 +24,10 @@ from prorl_cli.config import ProrlConfig
 from prorl_cli.domains.code_judge import RUNNER, classify, runner_spec
 from prorl_cli.domains.code_judge import TestCase as JudgeCase  # not collected as a test class
 from prorl_cli.domains.datasets import load_instances
-from prorl_cli.exceptions import DatasetError
+from prorl_cli.exceptions import DatasetError, DomainError
 from prorl_cli.handlers.math_domain import MathHandler
 from prorl_cli.handlers.search_domain import SEARCH_R1_PROMPT as SEARCH_R1_TEMPLATE
-from prorl_cli.handlers.search_domain import SearchHandler
+from prorl_cli.handlers.search_domain import SearchHandler, search_r1_messages
 from prorl_cli.node.handler import AgentHandler, JobContext, Services
 from prorl_cli.protocol import JobSpec
 
@@ -266,7 +267,7 @@ SEARCH_R1_ROW: dict[str, Any] = {
 def test_search_r1_rows_score_their_answer_tags(tmp_path: Path, final_turn: str, reward: float) -> None:
     [instance] = load_instances("search", _parquet(tmp_path / "test.parquet", [SEARCH_R1_ROW]))
     assert instance == {"question": "who got the first nobel prize in physics?", "id": "test_0",
-                        "answers": ["Wilhelm Conrad Röntgen"]}
+                        "answers": ["Wilhelm Conrad Röntgen"], "prompt": SEARCH_R1_ROW["prompt"]}
     assert _reward(SearchHandler(), instance, final_turn, tmp_path) == reward
 
 
@@ -276,13 +277,14 @@ def test_search_r1_rows_with_only_verl_columns(tmp_path: Path) -> None:
     row = {k: SEARCH_R1_ROW[k] for k in ("data_source", "prompt", "ability", "reward_model", "extra_info")}
     [instance] = load_instances("search", _parquet(tmp_path / "train.parquet", [row]))
     assert instance == {"question": "who got the first nobel prize in physics?", "answers": ["Wilhelm Conrad Röntgen"],
-                        "id": 0}
+                        "id": 0, "prompt": SEARCH_R1_ROW["prompt"]}
     assert _reward(SearchHandler(), instance, "<answer>Wilhelm Conrad Röntgen</answer>", tmp_path) == 1.0
     # A verl QA row of another recipe: its own prompt is the question, ground_truth the answers.
     other = {"prompt": [{"role": "user", "content": "Who wrote Hamlet?"}],
              "reward_model": {"ground_truth": ["William Shakespeare", "Shakespeare"], "style": "rule"}}
     [instance] = load_instances("search", _jsonl(tmp_path / "other.jsonl", [other]))
-    assert instance == {"question": "Who wrote Hamlet?", "answers": ["William Shakespeare", "Shakespeare"]}
+    assert instance == {"question": "Who wrote Hamlet?", "answers": ["William Shakespeare", "Shakespeare"],
+                        "prompt": other["prompt"]}
     no_answers = {**row, "reward_model": {"style": "rule"}}
     with pytest.raises(DatasetError, match=r"none.jsonl:1: missing field 'answers' .*reward_model.ground_truth.target"):
         load_instances("search", _jsonl(tmp_path / "none.jsonl", [no_answers]))
@@ -302,6 +304,56 @@ def test_bamboogle_and_flashrag_rows_load_and_grade(tmp_path: Path) -> None:
     [instance] = load_instances("search", _jsonl(tmp_path / "test.jsonl", [flashrag]))
     assert instance == {"question": "who sang i ran all the way home", "answers": ["The Impalas"], "id": "test_7"}
     assert _reward(SearchHandler(), instance, "<answer>the Impalas</answer>", tmp_path) == 1.0
+
+
+def test_a_search_rows_chat_prompt_is_kept_as_written(tmp_path: Path) -> None:
+    # Another template than Search-R1's, a system message beside it, and a key only one message has: a Parquet
+    # struct column gives every message that key (null where it has none); the instance keeps role and content.
+    prompt = [{"role": "system", "content": "Réponds en français.", "name": None},
+              {"role": "user", "content": "Cherche avec <search> q </search>, réponds avec <answer> a </answer>.\n"
+                                          "Question : qui a découvert la pénicilline ?", "name": "asker"}]
+    row = {"prompt": prompt, "reward_model": {"ground_truth": {"target": ["Alexander Fleming"]}}, "extra_info": {"index": 3}}
+    [instance] = load_instances("search", _parquet(tmp_path / "fr.parquet", [row]))
+    assert instance["prompt"] == [{"role": m["role"], "content": m["content"]} for m in prompt]
+    assert instance["answers"] == ["Alexander Fleming"] and instance["id"] == 3
+    # A prompt given as text is a statement, not a conversation: not kept (the question column is the question).
+    [plain] = load_instances("search", _jsonl(tmp_path / "text.jsonl", [
+        {"question": "Who wrote Hamlet?", "answer": "Shakespeare", "prompt": "Who wrote Hamlet?"}]))
+    assert plain == {"question": "Who wrote Hamlet?", "answers": ["Shakespeare"]}
+
+
+@pytest.mark.parametrize(("prompt", "field", "problem"), [
+    ([{"role": "user", "content": None}], "prompt[0].content", "is null, expected text"),
+    ([{"role": "user", "content": "q"}, {"content": "hi"}], "prompt[1].role", "is null, expected text"),
+    ([{"role": "user", "content": ["q"]}], "prompt[0].content", "is list, expected text"),
+    (["Who wrote Hamlet?"], "prompt[0]", "is str, expected a message {role, content}"),
+    ([], "prompt", "is an empty list, expected chat messages"),
+    ({"role": "user", "content": "q"}, "prompt", "is mapping, expected chat messages"),
+])
+def test_a_malformed_search_prompt_is_refused_naming_the_row_and_field(
+        tmp_path: Path, prompt: Any, field: str, problem: str) -> None:
+    good = {"question": "Who wrote Hamlet?", "answer": "Shakespeare"}
+    path = _jsonl(tmp_path / "bad.jsonl", [good, {**good, "prompt": prompt}])
+    with pytest.raises(DatasetError, match=rf"bad.jsonl:2: field '{re.escape(field)}' {re.escape(problem)}"):
+        load_instances("search", path)
+
+
+def test_search_r1_format_prompts_with_an_instances_own_prompt_and_refuses_a_malformed_one(tmp_path: Path) -> None:
+    own = [{"role": "user", "content": "Translate, then answer in <answer> tags: {question} stays as written"}]
+    assert search_r1_messages({"question": "q", "prompt": own}, SEARCH_R1_TEMPLATE) == own
+    assert search_r1_messages({"question": "q"}, SEARCH_R1_TEMPLATE) == [
+        {"role": "user", "content": SEARCH_R1_TEMPLATE.replace("{question}", "q")}]
+    # An instance submitted without the loader: its job fails before INIT, naming the message.
+    bad = {"question": "q", "answers": ["a"], "prompt": [{"role": "user"}], "settings": {"tool_format": "search_r1"}}
+    ctx = JobContext(spec=JobSpec(job_id="j", task="search"), instance=bad, node_id="n", run_dir=tmp_path,
+                     config=ProrlConfig(), services=Services(), log=logging.getLogger("test"), handler=SearchHandler())
+    with pytest.raises(DomainError, match=r"search: instance field 'prompt\[0\].content' is null, expected text"):
+        SearchHandler().check_instance(ctx)
+    # The default format does not prompt with it, so it is not checked there.
+    ctx = JobContext(spec=JobSpec(job_id="j", task="search"), instance={**bad, "settings": {}}, node_id="n",
+                     run_dir=tmp_path, config=ProrlConfig(), services=Services(), log=logging.getLogger("test"),
+                     handler=SearchHandler())
+    SearchHandler().check_instance(ctx)
 
 
 # --- math: ids and the answer formats verl recipes ask for -----------------------------------------------------
@@ -353,6 +405,10 @@ def test_dapo_rows_score_an_answer_line(tmp_path: Path, final_turn: str, reward:
     ("48 + 24 = 72\n#### 72", 1.0),        # GSM8K's own answer format
     ("48 + 24 = 72, less 48 is\n#### 24", 0.0),
     ("\\boxed{72}", 1.0),
+    ("She sold \\boxed{72 clips} in all.", 1.0),        # the count with what it counts, in the box
+    ("\\boxed{\\text{72 clips}}", 1.0),
+    ("\\boxed{7 or 72}", 0.0),                          # two numbers: not an answer of 72
+    ("\\boxed{24 clips}", 0.0),
 ])
 def test_gsm8k_rows_score_the_number_after_the_marks(tmp_path: Path, final_turn: str, reward: float) -> None:
     pytest.importorskip("math_verify")
