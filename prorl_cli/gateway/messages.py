@@ -498,6 +498,8 @@ _RESPONSES_UNAPPLIED: _Unapplied = {
     "background": (lambda v: v is False, "the gateway answers in the request (only false)"),
     "conversation": (lambda v: False, "the gateway keeps no conversations: send the items (or previous_response_id)"),
     "prompt": (lambda v: False, "reusable prompts are kept by OpenAI, not here: send instructions and input"),
+    "context_management": (lambda v: v == [], "OpenAI's server-side compaction would change the prompt the "
+                                              "trajectory records (a prompt too long is a 400: compact in the harness)"),
     **{key: _OPENAI_UNAPPLIED[key] for key in ("min_p", "repetition_penalty", "chat_template_kwargs", "guided_json",
                                                 "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
 }
@@ -775,7 +777,38 @@ _ANTHROPIC_UNAPPLIED: _Unapplied = {
     "context_management": (lambda v: v == {} or v == {"edits": []}, "Anthropic's server-side context editing "
                                                                     "would change the prompt the trajectory records"),
     "container": (lambda v: False, "code-execution containers run on Anthropic's servers"),
+    # The beta's older name for ``output_config.format`` (structured outputs).
+    "output_format": (lambda v: False, "the gateway cannot constrain the output to a JSON schema"),
 }
+
+
+#: A compaction request: Anthropic answers it with a summary block, not a turn. ``count_tokens`` takes and ignores
+#: it, as Anthropic's does (the count is the conversation's as sent).
+_ANTHROPIC_COMPACTION: _Unapplied = {
+    "compaction": (lambda v: False, "a compaction request is summarised by Anthropic's servers into a compaction "
+                                    "block; summarise in the harness and send the summary as a message"),
+}
+
+
+def _anthropic_output_config(config: Any) -> None:
+    """Check Anthropic's ``output_config``: ``format`` (structured outputs) and ``task_budget`` would change the
+    answer and are refused; ``effort`` is checked, not applied (how long the model works is its own, as with
+    ``thinking``)."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise RequestError("output_config must be an object", param="output_config")
+    if config.get("format") is not None:
+        raise RequestError(f"output_config.format {json.dumps(config['format'])[:80]} is not supported: the gateway "
+                           "cannot constrain the output to a JSON schema (ask for JSON in the prompt and parse it)",
+                           param="output_config.format")
+    if config.get("task_budget") is not None:
+        raise RequestError("output_config.task_budget is not supported: the gateway tracks no token budget for the "
+                           "model to see", param="output_config.task_budget")
+    effort = config.get("effort")
+    if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
+        raise RequestError(f"output_config.effort must be 'low', 'medium', 'high', 'xhigh' or 'max', got "
+                           f"{json.dumps(effort)[:40]}", param="output_config.effort")
 
 
 def anthropic_request(body: dict[str, Any], *, count_only: bool = False) -> ChatRequest:
@@ -787,8 +820,11 @@ def anthropic_request(body: dict[str, Any], *, count_only: bool = False) -> Chat
     if max_tokens is None and not count_only:
         raise RequestError("max_tokens is required", param="max_tokens")
     _refuse_unapplied(body, _ANTHROPIC_UNAPPLIED)
+    if not count_only:
+        _refuse_unapplied(body, _ANTHROPIC_COMPACTION)
     tools = anthropic_tools(body.get("tools"))
     _anthropic_thinking(body.get("thinking"))
+    _anthropic_output_config(body.get("output_config"))
     return ChatRequest(
         messages=anthropic_messages(body.get("system"), body.get("messages"), prefill_ok=count_only),
         tools=tools,

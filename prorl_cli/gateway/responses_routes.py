@@ -13,13 +13,14 @@ turn: an ``output_text`` message when the model wrote text, then one
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 
 from prorl_cli.gateway.buffer import Reply
 from prorl_cli.gateway.messages import (
@@ -143,6 +144,39 @@ async def retrieve(request: web.Request, job: JobGateway) -> web.Response:
         raise RequestError(f"Response with id {response_id!r} not found: this job keeps its last {RESPONSES_KEPT} "
                            "responses, not those created with store: false", status=404)
     return web.json_response(found)
+
+
+#: What a client of the Responses API's WebSocket mode is told (its transport shows no HTTP error body).
+WEBSOCKET_REFUSAL = ("the gateway serves the Responses API over HTTP only (POST /v1/responses, streamed as "
+                     "server-sent events with stream: true), not over a WebSocket: use the HTTP transport (the "
+                     "OpenAI Agents SDK's default; its use_responses_websocket=False), not client.responses.connect()")
+
+
+async def websocket(request: web.Request, job: JobGateway) -> web.StreamResponse:
+    """``GET /v1/responses`` (the Responses API's WebSocket mode), refused readably: a WebSocket client shows a
+    refused upgrade as its bare status, so the upgrade is accepted and the client's first ``response.create`` is
+    answered with an ``error`` event saying what to use instead; then the socket is closed. A plain ``GET`` is a
+    405 saying the same."""
+    ws = web.WebSocketResponse()
+    if not ws.can_prepare(request).ok:
+        raise RequestError(WEBSOCKET_REFUSAL, status=405, code="websocket_not_supported")
+    await ws.prepare(request)
+    try:
+        await ws.receive()  # the client's first event (or its close): the error answers it
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if not job.closed or task is None:
+            raise  # the client left
+        # The job ended: close the socket as a socket (an HTTP error body cannot follow an upgrade).
+        task.uncancel()
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the job has ended")
+        return ws
+    if not ws.closed:
+        await ws.send_json({"type": "error", "status": 400, "error": {
+            "type": "invalid_request_error", "code": "websocket_not_supported", "message": WEBSOCKET_REFUSAL,
+            "param": None}})
+        await ws.close()
+    return ws
 
 
 async def _stream(resp: web.StreamResponse, started: dict[str, Any], final: dict[str, Any]) -> None:

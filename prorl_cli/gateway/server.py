@@ -6,6 +6,7 @@ Routes (``<token>`` is the job's unguessable token; nothing else names a job)::
     POST /jobs/<token>/v1/completions          OpenAI text completion
     POST /jobs/<token>/v1/responses            OpenAI Responses (streaming or not; previous_response_id)
     GET  /jobs/<token>/v1/responses/<id>       a response the job keeps for previous_response_id
+    GET  /jobs/<token>/v1/responses            the Responses WebSocket mode: refused, with an error event
     GET  /jobs/<token>/v1/models               the model names the job accepts
     GET  /jobs/<token>/v1/models/<model>       one of them
     POST /jobs/<token>/v1/messages             Anthropic messages (streaming or not)
@@ -81,6 +82,8 @@ class JobGateway:
         self.memo = MessageMemo()
         #: The job's last stored Responses conversations (``previous_response_id``).
         self.responses = responses_routes.StoredResponses()
+        #: The job's last Anthropic message-thread replies (``thread: {"type": "continue"}``).
+        self.threads = anthropic_routes.StoredThreads()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._unix_sites: list[web.UnixSite] = []
 
@@ -161,7 +164,7 @@ async def _error(request: web.Request, status: int, message: str, *, param: str 
                  code: str | None = None) -> web.StreamResponse:
     """The API's error body with ``status``; on a stream already answered 200, its last event instead."""
     anthropic = _is_anthropic(request)
-    body = anthropic_error(status, message) if anthropic else openai_error(status, message, param=param, code=code)
+    body = anthropic_error(status, message, code) if anthropic else openai_error(status, message, param=param, code=code)
     stream = request.get(SSE_RESPONSE)
     if isinstance(stream, web.StreamResponse) and stream.prepared:
         return await end_with_error(stream, body, anthropic=anthropic)
@@ -255,6 +258,7 @@ class Gateway:
             # ``.+``: a served name may hold a slash (``org/model``), sent as is or percent-encoded (the SDK's).
             app.router.add_get(f"{prefix}/models/{{model:.+}}", self._model)
             app.router.add_get(f"{prefix}/responses/{{response_id:[^/]+}}", self._response)
+            app.router.add_get(f"{prefix}/responses", self._responses_websocket)
         self.app = app
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         self._started = False
@@ -362,6 +366,13 @@ class Gateway:
 
     async def _response(self, request: web.Request) -> web.Response:
         return await responses_routes.retrieve(request, self._job(request))
+
+    async def _responses_websocket(self, request: web.Request) -> web.StreamResponse:
+        job = self._job(request)
+        task = asyncio.current_task()
+        assert task is not None
+        job._track(task)  # the job's end closes it
+        return await responses_routes.websocket(request, job)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:

@@ -103,11 +103,21 @@ def openai_error(status: int, message: str, *, kind: str | None = None, param: s
     return {"error": {"message": message, "type": kind or _kind(status), "param": param, "code": code}}
 
 
-def anthropic_error(status: int, message: str) -> dict[str, Any]:
-    """An Anthropic error body."""
+#: The ``error.details.error_code`` values of Anthropic's API that the gateway answers with; the SDK branches on
+#: them (a ``thread_*`` code makes a message thread replay its whole history). The gateway's own codes
+#: (``model_not_found``, ``job_ended``, ...) are not Anthropic's, so an Anthropic error body does not carry them.
+ANTHROPIC_ERROR_CODES = frozenset({"thread_not_found", "thread_already_continued", "thread_continue_in_flight",
+                                   "thread_fingerprint_mismatch"})
+
+
+def anthropic_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """An Anthropic error body; ``code``, when it is one of :data:`ANTHROPIC_ERROR_CODES`, as ``error.details``."""
     kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
              410: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error"}
-    return {"type": "error", "error": {"type": kinds.get(status, "api_error"), "message": message}}
+    error: dict[str, Any] = {"type": kinds.get(status, "api_error"), "message": message}
+    if code in ANTHROPIC_ERROR_CODES:
+        error["details"] = {"error_code": code}
+    return {"type": "error", "error": error}
 
 
 def _kind(status: int) -> str:

@@ -66,6 +66,15 @@ _REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("messages", {"thinking": True}, "thinking"),
     ("messages", {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
      "tool_choice"),
+    # Structured outputs (``client.messages.parse(output_format=...)`` sends the first), and the beta's older name.
+    ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "output_config.format"),
+    ("messages", {"output_config": {"task_budget": {"type": "tokens", "total": 1000}}}, "output_config.task_budget"),
+    ("messages", {"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    # A compaction request (the tool runner's compact_before_next_turn()): Anthropic answers a summary block.
+    ("messages", {"extra_body": {"compaction": {"type": "compaction"}}}, "compaction"),
+    ("messages", {"extra_body": {"output_format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "output_format"),
     # A prefill: Anthropic continues the final assistant message; the template would start a new turn.
     ("messages", {"messages": [*MESSAGES[1:], {"role": "assistant", "content": "The answer is"}]}, "messages[1]"),
 ]
@@ -79,6 +88,7 @@ _ACCEPTED: list[tuple[str, dict[str, Any]]] = [
     ("messages", {"thinking": {"type": "enabled", "budget_tokens": 2048}, "metadata": {"user_id": "u-1"},
                   "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]}),
     ("messages", {"thinking": {"type": "disabled"}}),
+    ("messages", {"output_config": {"effort": "high", "format": None}}),
 ]
 
 

@@ -109,6 +109,8 @@ def test_a_cut_turn_is_incomplete_and_logprobs_come_when_included(tokenizer: Any
      "input[0].content[0]: content parts of type 'input_image'"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "items of type 'item_reference'"),
     ({"truncation": "auto"}, "truncation"),
+    # OpenAI's server-side compaction, which the OpenAI Agents SDK sends from ModelSettings(context_management=...).
+    ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "context_management"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"previous_response_id": "resp_nowhere"}, "previous_response_id"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name names the tool 'nope'"),
@@ -145,6 +147,45 @@ def test_a_job_keeps_its_last_stored_responses(tokenizer: Any) -> None:
             assert (await client.responses.retrieve(ids[1])).id == ids[1]
             with pytest.raises(openai.NotFoundError):
                 await client.responses.retrieve(ids[0])
+        finally:
+            await client.close()
+            await gw.close()
+
+    asyncio.run(main())
+
+
+def test_the_websocket_mode_is_refused_with_an_error_the_sdks_show(tokenizer: Any) -> None:
+    """The Responses API's WebSocket mode (``client.responses.connect()``, the OpenAI Agents SDK's
+    ``use_responses_websocket=True``) is not served: both SDKs show why and what to use instead, not a bare
+    refused upgrade; a job that ends closes a socket as a socket."""
+    need_module("agents", "test")
+    import aiohttp
+    from agents import Agent, RunConfig, Runner, set_tracing_disabled
+    from agents.models.openai_provider import OpenAIProvider
+
+    set_tracing_disabled(True)
+
+    async def main() -> None:
+        gw, job, client = await _job(tokenizer)
+        try:
+            async with client.responses.connect() as connection:
+                await connection.response.create(model="prorl", input=USER)
+                event = await connection.recv()
+            assert event.type == "error" and event.error.code == "websocket_not_supported"
+            assert "HTTP only" in event.error.message
+            provider = OpenAIProvider(openai_client=client, use_responses_websocket=True)
+            with pytest.raises(Exception) as refused:
+                await Runner.run(Agent(name="a", instructions=SYSTEM, model="prorl"), USER,
+                                 run_config=RunConfig(model_provider=provider))
+            assert "websocket_not_supported" in str(refused.value) and "HTTP only" in str(refused.value)
+            assert job.trajectory.calls == []  # nothing was sampled
+            async with aiohttp.ClientSession() as session:
+                plain = await session.get(f"{job.base_url()}/responses")
+                assert plain.status == 405 and "HTTP only" in (await plain.json())["error"]["message"]
+                socket = await session.ws_connect(f"{job.base_url()}/responses")
+                await job.close()
+                closed = await socket.receive()
+                assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == aiohttp.WSCloseCode.GOING_AWAY
         finally:
             await client.close()
             await gw.close()
