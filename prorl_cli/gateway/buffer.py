@@ -46,7 +46,7 @@ from prorl_cli.agent.tools import ToolCall, ToolParser
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.gateway.messages import ChatRequest, tool_call_message
 from prorl_cli.inference.contract import Generation
-from prorl_cli.protocol import SamplingParams, derive_seed
+from prorl_cli.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -334,27 +334,30 @@ class TokenBuffer:
             seg.in_flight = None
 
     def _sampling(self, req: ChatRequest, chat: ChatTokens) -> SamplingParams:
-        wire = self.sampling.to_wire()
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
-            value = getattr(req, name)
-            if value is not None:
-                wire[name] = value
-        if not wire.get("stop_token_ids") and chat.stop_token_ids:
-            wire["stop_token_ids"] = list(chat.stop_token_ids)
+        """The job's sampling with what the request set: the fields neither set stay unset (the engine's defaults,
+        and the broker's KV admission counts no ``max_tokens`` nobody asked for)."""
+        chosen: dict[str, Any] = {name: getattr(req, name) for name in ("max_tokens", "temperature", "top_p",
+                                                                         "top_k", "seed") if getattr(req, name) is not None}
+        stop_ids = list(self.sampling.stop_token_ids) or list(chat.stop_token_ids)
         if req.stop_token_ids:  # vLLM's extension: more ids that end the turn, beside the template's
-            wire["stop_token_ids"] = list(dict.fromkeys([*wire.get("stop_token_ids", ()), *req.stop_token_ids]))
+            stop_ids = list(dict.fromkeys([*stop_ids, *req.stop_token_ids]))
+        if stop_ids != self.sampling.stop_token_ids:
+            chosen["stop_token_ids"] = stop_ids
         if req.top_logprobs:
-            wire["top_logprobs"] = req.top_logprobs
-        return SamplingParams(**wire)
+            chosen["top_logprobs"] = req.top_logprobs
+        stop = list(dict.fromkeys([*self.sampling.stop, *req.stop]))
+        if stop != self.sampling.stop and len(stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in stop):
+            # The engine stops there, instead of generating past it; the turn is still cut at the first stop string
+            # (_cut_at_stop), which also serves stop strings beyond the contract's limits (Anthropic sets none).
+            chosen["stop"] = stop
+        return self.sampling.with_set(**chosen)
 
     @staticmethod
     def _retry_sampling(sampling: SamplingParams, attempt: int) -> SamplingParams:
         """The sampling of a retry: a fixed seed moves on (the same seed would sample the same turn again)."""
         if sampling.seed is None or attempt == 0:
             return sampling
-        wire = sampling.to_wire()
-        wire["seed"] = derive_seed(sampling.seed, attempt)
-        return SamplingParams(**wire)
+        return sampling.with_set(seed=derive_seed(sampling.seed, attempt))
 
     @staticmethod
     def _honours(req: ChatRequest, calls: list[ToolCall]) -> bool:

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 from prorl_cli.agent import Trajectory
+from prorl_cli.agent.chat import ChatTokens
+from prorl_cli.agent.tools import get_tool_parser
 from prorl_cli.gateway.server import Gateway
 from prorl_cli.protocol import SamplingParams
 from tests.gateway.conftest import CALC_TOOLS, ScriptedModel, open_job, turn
@@ -323,3 +325,41 @@ def test_vllm_top_k_reaches_the_model(tokenizer: Any) -> None:
 
     asyncio.run(main())
     assert seen == [20, 7, SamplingParams().top_k]  # the job's own when the request gives none
+
+
+def test_stop_strings_reach_the_engine_and_unset_fields_stay_unset(tokenizer: Any) -> None:
+    """A request's stop strings go to the engine (it stops there instead of generating past them), beside the
+    job's; and what neither the job nor the request set is sent as unset, so the engine's defaults apply and the
+    broker's KV admission counts no ``max_tokens`` nobody asked for."""
+    need_module("openai", "test")
+    import openai
+
+    seen: list[SamplingParams] = []
+
+    async def main() -> None:
+        gw = Gateway()
+        await gw.start()
+        model = ScriptedModel(tokenizer, ["5"] * 4)
+
+        async def generate(prompt_ids: list[int], sampling: Any) -> Any:
+            seen.append(sampling)
+            return await model(prompt_ids, sampling)
+
+        def chat_for(tools: list[dict[str, Any]] | None) -> ChatTokens:
+            return ChatTokens(tokenizer, tools=tools)
+
+        job = gw.open_job("job-1", generate=generate, chat_for=chat_for, parser=get_tool_parser("hermes"),
+                          sampling=SamplingParams.from_given(temperature=0.5, stop=["JOB"]))
+        try:
+            async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model="prorl", messages=MESSAGES, stop=["END", "\n\n"])
+                await client.completions.create(model="prorl", prompt="2+3=", stop="END", max_tokens=9)
+                await client.chat.completions.create(model="prorl", messages=MESSAGES)
+        finally:
+            await gw.close()
+
+    asyncio.run(main())
+    assert [s.stop for s in seen] == [["JOB", "END", "\n\n"], ["JOB", "END"], ["JOB"]]
+    wires = [s.to_wire() for s in seen]
+    assert [w.get("max_tokens") for w in wires] == [None, 9, None]
+    assert all(w["temperature"] == 0.5 and "top_p" not in w for w in wires), wires
