@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prorl_cli.observe.failures import FailureGroup
+    from prorl_cli.rendezvous import StopRecord
 
 
 class ProrlError(Exception):
@@ -152,6 +153,14 @@ class StartTimeout(ProrlError, TimeoutError):
 
 class DeploymentBusy(ProrlError, RuntimeError):
     """Another broker already serves this deployment (it holds the deployment's lock)."""
+
+
+class DeploymentStopped(ProrlError, RuntimeError):
+    """The deployment was stopped on purpose while this peer waited for its broker: none is coming."""
+
+    def __init__(self, record: StopRecord) -> None:
+        super().__init__(f"the deployment was stopped ({record.describe()})")
+        self.record = record
 
 
 class CheckpointNotFound(ProrlError, FileNotFoundError):

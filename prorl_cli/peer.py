@@ -7,7 +7,9 @@ the reply), heartbeats while registered, and registers again when the
 broker goes silent for ``liveness`` intervals or answers ``unknown_peer``
 (it declared the peer dead, or restarted). Subclasses say what they
 register as, what their heartbeat carries, and what they do with the
-broker's other ops.
+broker's other ops. A peer whose broker went silent after the deployment
+was stopped on purpose (the stop record, :mod:`prorl_cli.rendezvous`)
+leaves as if told to shut down.
 """
 
 from __future__ import annotations
@@ -24,8 +26,15 @@ import zmq
 from prorl_cli import protocol as P
 from prorl_cli import timebase
 from prorl_cli.connection import BrokerConnection, Reply
-from prorl_cli.exceptions import BrokerRestarted, BrokerUnavailable, ProtocolError, RemoteError
+from prorl_cli.exceptions import (
+    BrokerRestarted,
+    BrokerUnavailable,
+    ProtocolError,
+    RemoteError,
+    RendezvousError,
+)
 from prorl_cli.protocol import ErrorCode, Op
+from prorl_cli.rendezvous import Rendezvous, process_started_at, read_rendezvous, stopped_since
 
 log = logging.getLogger(__name__)
 
@@ -256,11 +265,33 @@ class BrokerPeer(ABC):
                 await self.send(self.heartbeat_header())
             silent_s = timebase.now() - self._last_heard
             if silent_s > self._interval_s * self._liveness and not self._leaving:
+                if self._deployment_stopped(silent_s):
+                    return
                 # The broker went silent (or never answered): register again; a restarted broker learns of us.
                 log.warning("broker silent for %.1f s; %s registering again", silent_s, self.kind)
                 self._last_heard = timebase.now()
                 self._follow_moved_broker()
                 self.spawn(self.register_again())
+
+    def _deployment_stopped(self, silent_s: float) -> bool:
+        """The broker went silent and the deployment was stopped on purpose since this process started (a stop
+        whose ``shutdown`` this peer missed, a register the stopping broker took): leave, as on ``shutdown``,
+        instead of registering again for ever with a broker that is not coming back."""
+        if self.deployment_dir is None:
+            return False
+        current: Rendezvous | None
+        try:
+            current = read_rendezvous(self.deployment_dir)
+        except RendezvousError:
+            current = None
+        record = stopped_since(self.deployment_dir, process_started_at(), current)
+        if record is None:
+            return False
+        log.info("broker silent for %.1f s and the deployment was stopped (%s): this %s leaves", silent_s,
+                 record.describe(), self.kind)
+        self._leaving = True
+        self.on_shutdown()
+        return True
 
     def _follow_moved_broker(self) -> None:
         """If the rendezvous file now names another address (a broker restarted elsewhere), reconnect there."""

@@ -2,6 +2,15 @@
 
 ``$PRORL_HOME/<deployment>/broker.json`` (mode 0600) holds the broker's
 address and its CURVE public key (none only with ``broker.curve: off``).
+
+Beside it, ``stopped.json`` (:class:`StopRecord`) says the deployment was
+stopped on purpose (``prorl stop``, ``prorl down``): the broker writes it when
+it takes the ``stop`` op, never when a signal makes it leave (a Slurm
+requeue, a time limit, a preemption: its successor is expected), and the
+next broker removes it before it publishes its rendezvous file. A peer
+waiting for a broker (``live``) that finds a record newer than its own start
+and no broker started since stops waiting (:class:`DeploymentStopped`); a
+peer started after the stop waits for the next broker as before.
 """
 
 from __future__ import annotations
@@ -9,16 +18,21 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prorl_cli.exceptions import DeploymentBusy, RendezvousError
+from prorl_cli.exceptions import DeploymentBusy, DeploymentStopped, RendezvousError
 from prorl_cli.processes import pid_exists
 
+log = logging.getLogger(__name__)
+
 RENDEZVOUS_NAME = "broker.json"
+#: Written by a broker told to stop (:class:`StopRecord`); removed by the next broker before it publishes.
+STOPPED_NAME = "stopped.json"
 #: Held (``flock``, exclusive) by the deployment's broker for its whole life; never deleted.
 LOCK_NAME = "broker.lock"
 
@@ -51,16 +65,101 @@ def rendezvous_path(deployment_dir: Path) -> Path:
     return deployment_dir / RENDEZVOUS_NAME
 
 
-def write_rendezvous(deployment_dir: Path, info: Rendezvous) -> Path:
-    """Write the file atomically with mode 0600."""
-    deployment_dir.mkdir(parents=True, exist_ok=True)
-    path = rendezvous_path(deployment_dir)
+def _write_json(path: Path, data: dict[str, object]) -> Path:
+    """Write ``data`` to ``path`` atomically with mode 0600 (readers never see half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(asdict(info), f)
+        json.dump(data, f)
     os.replace(tmp, path)
     return path
+
+
+def write_rendezvous(deployment_dir: Path, info: Rendezvous) -> Path:
+    """Write the file atomically with mode 0600."""
+    return _write_json(rendezvous_path(deployment_dir), asdict(info))
+
+
+@dataclass
+class StopRecord:
+    """The deployment was stopped on purpose: by the broker at ``address`` (``pid`` on ``host``), at ``stopped_at``
+    (seconds since the epoch, the broker host's clock)."""
+
+    stopped_at: float
+    host: str
+    pid: int
+    address: str
+
+    def describe(self) -> str:
+        """``prorl stop at 2026-12-07 06:11:56 UTC``, for log lines."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.stopped_at))
+        return f"prorl stop at {when}"
+
+
+def stopped_path(deployment_dir: Path) -> Path:
+    return deployment_dir / STOPPED_NAME
+
+
+def record_stop(deployment_dir: Path, address: str) -> StopRecord:
+    """Say that the deployment was stopped on purpose, now (the broker, as it takes the ``stop`` op)."""
+    record = StopRecord(stopped_at=time.time(), host=socket.gethostname(), pid=os.getpid(), address=address)
+    _write_json(stopped_path(deployment_dir), asdict(record))
+    return record
+
+
+def clear_stop(deployment_dir: Path) -> None:
+    """Remove the stop record (a broker starting: the deployment runs again)."""
+    stopped_path(deployment_dir).unlink(missing_ok=True)
+
+
+def read_stop(deployment_dir: Path) -> StopRecord | None:
+    """The deployment's stop record; None when there is none, or it does not read back (waiting is the safe side)."""
+    try:
+        data = json.loads(stopped_path(deployment_dir).read_text())
+        record = StopRecord(**data)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("%s: unreadable stop record (%s): taken for none", stopped_path(deployment_dir), e)
+        return None
+    if not isinstance(record.stopped_at, int | float) or isinstance(record.stopped_at, bool):
+        log.warning("%s: stopped_at %r is not a number: taken for no stop record", stopped_path(deployment_dir),
+                    record.stopped_at)
+        return None
+    return record
+
+
+def stopped_since(deployment_dir: Path, started_at: float, current: Rendezvous | None = None) -> StopRecord | None:
+    """The stop record when the deployment was stopped after ``started_at`` (seconds since the epoch: a peer's
+    start) and no broker started since (``current``: the rendezvous file, if one was read); else None.
+
+    A stop before ``started_at`` is none of this peer's business: it was started for the next broker.
+    """
+    record = read_stop(deployment_dir)
+    if record is None or record.stopped_at <= started_at:
+        return None
+    if current is not None and current.started_at > record.stopped_at:
+        return None  # a broker started after the stop (it removes the record; this one read it first)
+    return record
+
+
+def process_started_at() -> float:
+    """When this process started (seconds since the epoch): the kernel's start time of it, else this module's import.
+
+    A peer's own start, not the moment it began to wait: a stop while it imported and loaded its engine counts.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            # Field 22 (starttime, clock ticks since boot), counted after the ")" that ends the command name.
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED_AT
+    return time.time() - max(0.0, age_s)
+
+
+_IMPORTED_AT = time.time()
 
 
 def read_rendezvous(deployment_dir: Path) -> Rendezvous:
@@ -103,16 +202,22 @@ def _read_by(deployment_dir: Path, deadline: float, live: bool = False) -> Rende
     """The rendezvous file; None while it is not there yet, its error once ``deadline`` (monotonic) is past.
 
     ``live``: a file naming a broker of this host whose pid no process has (killed without cleaning up) counts
-    as not there yet: its successor (a restart, a supervisor's replacement) writes its own. Only the pid is
+    as not there yet: its successor (a restart, a supervisor's replacement) writes its own. And a stop record
+    newer than this process and than the broker the file names (:func:`stopped_since`) raises
+    :class:`DeploymentStopped`: no successor is coming, and a broker that is stopping is not one to join. Only the pid is
     asked, not :meth:`Rendezvous.process_gone`'s command line: a broker Slurm started through submitit does
     not look like ``prorl serve broker``, and would be waited past for ever.
     """
     try:
         info = read_rendezvous(deployment_dir)
     except RendezvousError:
+        if live:
+            raise_if_stopped(deployment_dir, None)
         if time.monotonic() >= deadline:
             raise
         return None
+    if live:
+        raise_if_stopped(deployment_dir, info)
     if live and info.host == socket.gethostname() and info.pid > 0 and not pid_exists(info.pid):
         if time.monotonic() >= deadline:
             raise RendezvousError(f"{rendezvous_path(deployment_dir)} names the broker pid {info.pid} on this host, "
@@ -120,6 +225,15 @@ def _read_by(deployment_dir: Path, deadline: float, live: bool = False) -> Rende
                                   f"broker -d {info.deployment}`")
         return None
     return info
+
+
+def raise_if_stopped(deployment_dir: Path, current: Rendezvous | None = None) -> None:
+    """:class:`DeploymentStopped` when the deployment was stopped on purpose since this process started and no
+    broker started since (``current``: the rendezvous file, if one was read). For every loop that waits for a
+    broker: one that finds the record stops waiting (a peer's exit code 0: it was asked to go)."""
+    record = stopped_since(deployment_dir, process_started_at(), current)
+    if record is not None:
+        raise DeploymentStopped(record)
 
 
 def wait_rendezvous(deployment_dir: Path, timeout_s: float, *, live: bool = False) -> Rendezvous:

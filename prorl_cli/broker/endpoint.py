@@ -11,7 +11,10 @@ file only opens, publishes and closes. Rules:
 - CURVE encrypts and authenticates whenever the broker listens beyond
   loopback (``broker.curve``); peers learn the public key from the
   rendezvous file, which is written once the loop is about to run and
-  removed on the way out only if it is still this process's.
+  removed on the way out only if it is still this process's. Publishing
+  removes the deployment's stop record (the deployment runs again); a
+  ``stop`` writes one (:meth:`Endpoint.record_stop`), so that peers still
+  waiting for a broker do not wait for ever.
 - A wildcard bind publishes this host's name (peers elsewhere cannot dial
   ``0.0.0.0``).
 - A metrics port that cannot be served is logged, and the broker runs without it.
@@ -28,7 +31,13 @@ import zmq
 
 from prorl_cli.config import BrokerConfig, ProrlConfig
 from prorl_cli.observe.metrics import DeploymentCollector, MetricsServer
-from prorl_cli.rendezvous import Rendezvous, remove_rendezvous, write_rendezvous
+from prorl_cli.rendezvous import (
+    Rendezvous,
+    clear_stop,
+    record_stop,
+    remove_rendezvous,
+    write_rendezvous,
+)
 from prorl_cli.security import curve_wanted, secure_server
 
 log = logging.getLogger(__name__)
@@ -63,9 +72,16 @@ class Endpoint:
         bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # Peers on other hosts cannot dial a wildcard: publish a name (or address) of this host they can reach.
         self.address = bound.replace("0.0.0.0", advertised_host(), 1) if "://0.0.0.0:" in bound else bound
+        #: Whether :meth:`publish` wrote the rendezvous file (a replay on simulated time publishes nothing).
+        self.published = False
 
     def publish(self) -> None:
-        """Write the rendezvous file (every peer finds the broker and its key there) and say where it listens."""
+        """Write the rendezvous file (every peer finds the broker and its key there) and say where it listens.
+
+        The stop record of an earlier ``prorl stop`` goes first: peers that wait from now on wait for this broker.
+        """
+        clear_stop(self.config.deployment_dir)
+        self.published = True
         write_rendezvous(
             self.config.deployment_dir,
             Rendezvous(
@@ -82,6 +98,18 @@ class Endpoint:
             "CURVE encrypted and authenticated" if self.curve_public_key
             else "plain TCP (broker.curve: off): whoever reaches the port can use it",
         )
+
+    def record_stop(self) -> None:
+        """The deployment is being stopped on purpose (the ``stop`` op): write its stop record, so that a peer still
+        starting or waiting for a broker exits instead of waiting for one. Only a broker that published writes it;
+        one that cannot is logged (its peers then wait as they would for a broker killed)."""
+        if not self.published:
+            return
+        try:
+            record_stop(self.config.deployment_dir, self.address)
+        except OSError as e:
+            log.error("cannot write the stop record in %s: %s; peers still waiting for a broker will wait their "
+                      "full time", self.config.deployment_dir, e)
 
     def unpublish(self) -> None:
         """Remove the rendezvous file if it is still ours (a newer broker may have replaced it)."""

@@ -577,6 +577,9 @@ class Broker:
         log.info("stopping: cancelling %d unfinished job(s)", sum(not j.state.terminal for j in self.jobs.values()))
         self.stopping = True
         self.placing = False
+        # Before anyone is told: a peer still starting (a bridge loading its model) reads it and does not wait
+        # for a broker that is not coming. Signals (a requeue, a time limit) leave without it: a successor comes.
+        self.endpoint.record_stop()
         self._stop_deadline = timebase.now() + self.config.node.stop_grace_s + 2 * self.dead_after_s
         self.table.cancel_all(P.ErrorInfo(stage="broker", type="DeploymentStopped",
                                           message="the deployment was stopped (prorl stop or down) before the job ended"))

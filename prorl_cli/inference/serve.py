@@ -3,7 +3,9 @@
 Order: start the engine (vLLM takes a minute or more on a CPU), then find
 the broker and register. SIGTERM/SIGINT at any point stop a vLLM child
 (SIGTERM, then SIGKILL) and unregister; an engine that dies ends the bridge
-with a non-zero exit code.
+with a non-zero exit code. A deployment stopped on purpose (``prorl stop``)
+while the bridge started ends it with exit code 0 instead of a wait for a
+broker that is not coming (the stop record, :mod:`prorl_cli.rendezvous`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prorl_cli.config import ProrlConfig
-from prorl_cli.exceptions import InferenceError
+from prorl_cli.exceptions import DeploymentStopped, InferenceError
 from prorl_cli.inference.bridge import InferenceBridge
 from prorl_cli.inference.contract import Engine
 from prorl_cli.rendezvous import await_rendezvous
@@ -129,7 +131,11 @@ async def run_bridge(opts: BridgeOptions, config: ProrlConfig, leave_requested: 
         log.info("engine ready: model %s, max_model_len %s", engine.model, engine.max_model_len)
         address = opts.address
         if address is None:
-            info = await await_rendezvous(config.deployment_dir, opts.broker_wait_s, live=True)
+            try:
+                info = await await_rendezvous(config.deployment_dir, opts.broker_wait_s, live=True)
+            except DeploymentStopped as e:
+                log.info("%s while this bridge started: not waiting for a broker", e)
+                return 0
             address = info.address
         bridge = InferenceBridge(
             engine, address=address, backend_id=backend_id, host=host, capacity=opts.capacity,

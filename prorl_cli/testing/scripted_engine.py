@@ -9,7 +9,10 @@ prompt. A turn ``<<sleep:S>>TEXT`` answers ``TEXT`` after ``S`` seconds (a
 model call still in flight when a job's limit strikes). A call that asks for
 ``top_logprobs = k`` gets, at every position, the sampled token (log-prob
 -0.1) then the first tokens of the entry's ``"alternatives"`` texts (log-probs
--1, -2, ...), then the ids after the sampled one, k in all. Every call is recorded (``calls_path_for``: its prompt and output ids, and the sampling fields it was sent). The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
+-1, -2, ...), then the ids after the sampled one, k in all. A call with
+``sampling.stop`` ends at the token whose text completes one of the strings
+(``finish_reason`` ``stop``, ``stop_string`` naming it), as the transformers
+engine ends it. Every call is recorded (``calls_path_for``: its prompt and output ids, and the sampling fields it was sent). The engine serves through :class:`prorl_cli.inference.InferenceBridge`,
 so every call goes node -> broker -> bridge -> engine and back (the real
 generate contract). Run: ``python -m prorl_cli.testing.scripted_engine SCRIPT
 TOKENIZER_DIR BACKEND_ID DEPLOYMENT_DIR``.
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.inference.bridge import InferenceBridge
-from prorl_cli.inference.contract import Engine, Generation
+from prorl_cli.inference.contract import Engine, Generation, first_stop
 from prorl_cli.protocol import SamplingParams
 from prorl_cli.rendezvous import await_rendezvous
 
@@ -83,14 +86,28 @@ class ScriptedEngine(Engine):
             await asyncio.sleep(float(slow.group(1)))
             text = text[slow.end():]
         ids = list(self.tokenizer.encode(text + "<|im_end|>", add_special_tokens=False))
+        ids, stop_string = self.cut_at_stop(ids, sampling)
         finish = "stop"
-        if len(ids) > sampling.max_tokens:
+        if stop_string is None and len(ids) > sampling.max_tokens:
             ids, finish = ids[: sampling.max_tokens], "length"
         with self.calls_path.open("a") as record:  # what the model saw, for tests that check the wire
             record.write(json.dumps({"prompt_ids": list(prompt_ids), "output_ids": ids,
                                      "sampling": sampling.to_wire()}) + "\n")  # as sent: the fields given only
         return Generation(ids, [-0.1] * len(ids), finish, None,
-                          top_logprobs=top_logprobs(ids, sampling.top_logprobs, alternatives) if sampling.top_logprobs else None)
+                          top_logprobs=top_logprobs(ids, sampling.top_logprobs, alternatives) if sampling.top_logprobs else None,
+                          stop_string=stop_string)
+
+    def cut_at_stop(self, ids: list[int], sampling: SamplingParams) -> tuple[list[int], str | None]:
+        """``ids`` up to the token whose text completes one of ``sampling.stop`` (within ``max_tokens``), and that
+        string; ``(ids, None)`` when none does. As the transformers engine: the output so far decoded with special
+        tokens kept after every token, never cut inside a token (the last id may carry text past the string)."""
+        if not sampling.stop:
+            return ids, None
+        for end in range(1, min(len(ids), sampling.max_tokens) + 1):
+            stop = first_stop(str(self.tokenizer.decode(ids[:end], skip_special_tokens=False)), sampling.stop)
+            if stop is not None:
+                return ids[:end], stop
+        return ids, None
 
 
 def top_logprobs(ids: list[int], k: int, alternatives: list[int]) -> list[list[tuple[int, float]]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -104,6 +105,8 @@ def serve_node(
     In a Slurm job it is named node-<array task id> (node-<job id> outside an
     array, with .<rank> added per task of an srun step), waits for the broker,
     drains on SIGTERM and on SIGUSR2 (time limit) drains and requeues itself.
+    A node waiting for its broker (--wait-s) ends with exit code 0 when the
+    deployment is stopped (prorl stop) meanwhile.
     """
     app.override(
         node__n_init=n_init,
@@ -131,10 +134,16 @@ def serve_node(
             app.abort(str(e))
     try:
         if wait_s and address is None:
+            from prorl_cli.exceptions import DeploymentStopped
             from prorl_cli.rendezvous import wait_rendezvous
 
-            # A file left by a broker killed here is no broker: wait for the one that replaces it.
-            wait_rendezvous(app.config.deployment_dir, wait_s, live=True)
+            try:
+                # A file left by a broker killed here is no broker: wait for the one that replaces it. A deployment
+                # stopped on purpose since this node started has none coming: the node ends (exit code 0).
+                wait_rendezvous(app.config.deployment_dir, wait_s, live=True)
+            except DeploymentStopped as e:
+                logging.getLogger(__name__).info("%s while this node started: not waiting for a broker", e)
+                return
         run_node(app.config, node_id=node_id, address=address)
     except RendezvousError as e:
         # Outside Slurm a node does not wait for its broker unless told to: a broker started a moment before
