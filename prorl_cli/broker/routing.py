@@ -232,6 +232,11 @@ class Router:
     # ------------------------------------------------------------------ backends
 
     def on_register_backend(self, identity: bytes, h: H.RegisterBackend, payload: list[bytes]) -> None:
+        if self.stopping:
+            # As a node registering now is: told to shut down, not taken on by a broker about to exit (it would
+            # register again for ever, and the stop would wait for it until its deadline).
+            self._send(identity, H.Shutdown().to_wire(), ())
+            return
         bid = h.backend_id
         old = self.backends.get(bid)
         if old is not None and old.alive and old.identity not in (None, identity):

@@ -45,8 +45,8 @@ from types import FrameType
 from typing import Any, Literal
 
 from prorl_cli.config import ProrlConfig, load_config
-from prorl_cli.exceptions import RendezvousError
-from prorl_cli.rendezvous import BrokerLock, read_rendezvous, rendezvous_path
+from prorl_cli.exceptions import DeploymentStopped, RendezvousError
+from prorl_cli.rendezvous import BrokerLock, raise_if_stopped, read_rendezvous, rendezvous_path
 from prorl_cli.slurm.identity import SlurmIdentity
 from prorl_cli.slurm.requeue import forget as forget_requeued
 from prorl_cli.slurm.requeue import note_requeued, noted_broker_job, release_requeued_peers, watch
@@ -86,7 +86,8 @@ class RoleSignals:
 
 
 def wait_for_broker(deployment_dir: Path, timeout_s: float, leave: threading.Event) -> bool:
-    """Wait for the rendezvous file; False when asked to leave first. Raises after ``timeout_s``."""
+    """Wait for the rendezvous file; False when asked to leave first, or when the deployment was stopped on
+    purpose (``prorl stop``) since this task started: no broker is coming. Raises after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     logged = False
     while True:
@@ -94,6 +95,11 @@ def wait_for_broker(deployment_dir: Path, timeout_s: float, leave: threading.Eve
             read_rendezvous(deployment_dir)
             return True
         except RendezvousError as e:
+            try:
+                raise_if_stopped(deployment_dir)
+            except DeploymentStopped as stopped:
+                log.info("%s while this task started: not waiting for a broker", stopped)
+                return False
             if time.monotonic() >= deadline:
                 raise RendezvousError(f"no broker after {timeout_s:.0f} s: {e}") from e
             if not logged:
@@ -396,7 +402,7 @@ def serve_role(spec: RoleSpec, config: ProrlConfig | None = None) -> int:
                 # The engine starts while the broker may still be coming up; the bridge waits for it.
                 return _serve_inference(spec, config, identity, signals)
             if not wait_for_broker(config.deployment_dir, spec.rendezvous_wait_s, signals.leave):
-                log.info("asked to leave before the broker appeared")
+                log.info("leaving before the broker appeared")
                 return 0
             _serve_node(spec, config, identity, signals)
             return 0

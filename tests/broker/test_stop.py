@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prorl_cli.protocol import Op
 from prorl_cli.testing.harness import Deployment
+from tests.fakes.broker_cluster import Cluster, hdr
 
 
 def test_jobs_a_stopping_deployment_cancels_say_why(tmp_path: Path) -> None:
@@ -24,3 +26,17 @@ def test_jobs_a_stopping_deployment_cancels_say_why(tmp_path: Path) -> None:
             assert result.state == "cancelled" and result.error is not None, result
             assert result.error["type"] == "DeploymentStopped" and "stopped" in result.error["message"]
         client.close()
+
+
+def test_a_bridge_that_registers_while_the_broker_stops_is_told_to_shut_down() -> None:
+    """As a node is: taken on by a broker about to exit, it would register again for ever once the broker is
+    gone, and the stop would wait for it until its deadline."""
+    c = Cluster()
+    c.bridge("b1")
+    c.take()
+    c.router.stop()
+    late = b"bridge-late"
+    c.router.on_register_backend(late, hdr(Op.REGISTER_BACKEND, {"rid": 1, "backend_id": "late", "host": "h",
+                                                                   "model": "m"}), [])
+    assert [h["op"] for h in c.take(late)] == [Op.SHUTDOWN.value]
+    assert "late" not in {s.backend_id for s in c.router.backend_statuses()}
