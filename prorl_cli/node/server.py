@@ -115,28 +115,84 @@ def _carriable(value: Any) -> Any:
 
 #: ``node.drain_grace_s`` when the config leaves it unset (and no Slurm launch set it from signal_delay_s).
 DEFAULT_DRAIN_GRACE_S = 90.0
-#: Left at the end of a Slurm job's time for stopping what still runs and requeueing (as ``prorl launch`` leaves).
+#: Left at the end of a Slurm job's time for stopping what still runs and requeueing (as ``prorl launch`` leaves),
+#: where the job has at least twice that left (see :func:`drain_margin_s`).
 DRAIN_MARGIN_S = 30.0
 
 
-def _slurm_drain_grace_s() -> float:
-    """The drain grace when none is configured: in a Slurm job (a script of the user's own; ``prorl launch`` sets
-    ``node.drain_grace_s`` itself), what its time limit leaves after ``DRAIN_MARGIN_S``, at most the default; its
-    ``--signal=USR2@N`` may give less than the default, and Slurm's kill would cut the drain short."""
-    from prorl_cli.slurm.identity import SlurmIdentity
-    from prorl_cli.slurm.squeue import job_detail, seconds_left
+def drain_margin_s(left_s: float) -> float:
+    """What a drain keeps of the ``left_s`` its Slurm job has left for stopping the jobs still running,
+    unregistering and the requeue: ``DRAIN_MARGIN_S``, or half of ``left_s`` when that is less.
 
+    The margin scales down for short ends rather than eat them whole: a preemption's GraceTime of 20 s would
+    leave no drain at all after 30 s. Half of it still lets a job a few seconds from done deliver, and the
+    other half (10 s there, twice the default ``node.stop_grace_s``) is enough to stop the rest and leave:
+    stopping takes ``stop_grace_s`` at most, unregistering one broker round trip, the requeue two ``scontrol``
+    calls. Slurm's SIGTERM at the end only repeats the stop already under way (the quick drain); its SIGKILL
+    comes ``KillWait`` later still.
+    """
+    return max(0.0, min(DRAIN_MARGIN_S, left_s / 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainGrace:
+    """How long a drain lets running jobs finish, and what decided it (said in the node's log)."""
+
+    grace_s: float
+    #: ``node.drain_grace_s`` (``DEFAULT_DRAIN_GRACE_S`` where unset).
+    configured_s: float
+    #: The Slurm job's time left when the drain began; None outside Slurm, with no end, or unread.
+    left_s: float | None = None
+    margin_s: float = 0.0
+    #: Whether ``configured_s`` came from ``node.drain_grace_s`` (else the default).
+    configured: bool = True
+
+    @property
+    def by_job_end(self) -> bool:
+        """Whether the Slurm job's end, not the configured grace, bounds the drain."""
+        return self.grace_s < self.configured_s
+
+    def describe(self) -> str:
+        source = "node.drain_grace_s" if self.configured else "the default, node.drain_grace_s being unset"
+        if not self.by_job_end:
+            left = "" if self.left_s is None else f"; the Slurm job ends in {self.left_s:.0f} s"
+            return f"draining with a grace of {self.grace_s:.0f} s ({source}{left})"
+        return (f"draining with a grace of {self.grace_s:.0f} s, not the {self.configured_s:.0f} s of {source}: "
+                f"the Slurm job ends in {self.left_s:.0f} s (its time limit, or a preemption's GraceTime), "
+                f"{self.margin_s:.0f} s of which are kept for stopping what still runs and the requeue")
+
+
+def drain_grace_within(configured_s: float, left_s: float | None, configured: bool = True) -> DrainGrace:
+    """The drain's grace: ``configured_s``, at most what the Slurm job's ``left_s`` leaves after its margin.
+
+    A preemption (``preempt_send_user_signal``) sets the job's end to now + the partition's GraceTime; at the
+    time-limit warning it is the time limit, which ``prorl launch``'s grace (``signal_delay_s`` - 30 s) fits
+    already. A drain past that end is stopped by Slurm, so it is cut here, to 0 s where little or nothing is
+    left (the drain then hands back at once what has not started and stops the rest). ``left_s`` None: no end.
+    """
+    if left_s is None:
+        return DrainGrace(configured_s, configured_s, None, 0.0, configured)
+    margin_s = drain_margin_s(left_s)
+    return DrainGrace(max(0.0, min(configured_s, left_s - margin_s)), configured_s, left_s, margin_s, configured)
+
+
+def _slurm_drain_grace(configured_s: float | None) -> DrainGrace:
+    """The drain's grace in this process's Slurm job, read from its end time now (a blocking ``scontrol``);
+    outside Slurm, or where ``scontrol`` fails (with a warning), the configured grace as it is."""
+    from prorl_cli.slurm.identity import SlurmIdentity
+    from prorl_cli.slurm.squeue import time_left_s
+
+    grace_s = DEFAULT_DRAIN_GRACE_S if configured_s is None else configured_s
     ref = SlurmIdentity.from_env().task_ref
     if ref is None:
-        return DEFAULT_DRAIN_GRACE_S
+        return drain_grace_within(grace_s, None, configured_s is not None)
     try:
-        left_s = seconds_left(job_detail(ref))
+        left_s = time_left_s(ref)
     except (OSError, SlurmError) as e:
-        log.warning("could not read job %s's time left (%s): draining with the default grace", ref, e)
-        return DEFAULT_DRAIN_GRACE_S
-    if left_s is None:
-        return DEFAULT_DRAIN_GRACE_S
-    return max(0.0, min(DEFAULT_DRAIN_GRACE_S, left_s - DRAIN_MARGIN_S))
+        log.warning("could not read Slurm job %s's time left (%s): draining for the configured %.0f s, "
+                    "which Slurm cuts short if the job ends first (a preemption's GraceTime)", ref, e, grace_s)
+        left_s = None
+    return drain_grace_within(grace_s, left_s, configured_s is not None)
 
 
 class NodeServer(BrokerPeer):
@@ -432,8 +488,9 @@ class NodeServer(BrokerPeer):
     def drain(self, grace_s: float | None) -> None:
         """Take no new jobs, hand back the queued ones now, let running ones finish for up to ``grace_s``, then leave.
 
-        ``None``: what the Slurm job's time limit leaves, at most the default (read off the event loop: ``scontrol``
-        may take seconds when a whole array is signalled at once).
+        ``None``: the default. In a Slurm job either is cut to what the job has left when the drain begins, less a
+        margin (:func:`drain_grace_within`): a preemption leaves only the partition's GraceTime. That is read off
+        the event loop (``scontrol`` may take seconds when a whole array is signalled at once).
 
         A job that ends its INIT meanwhile is handed back too, rather than start a RUN the grace may cut short.
 
@@ -478,15 +535,15 @@ class NodeServer(BrokerPeer):
         # Jobs not started, and those between INIT and a RUN slot: a RUN begun late in the grace would be cut short
         # and run again as a new attempt; handed back, they keep theirs.
         self._hand_back(self.pipeline.not_started() + self.pipeline.waiting_for_run())
-        if grace_s is None:
-            grace_s = await asyncio.to_thread(_slurm_drain_grace_s)
-        log.info("draining with a grace of %.0f s", grace_s)
-        deadline = timebase.now() + grace_s
+        bound = await asyncio.to_thread(_slurm_drain_grace, grace_s)
+        log.info("%s", bound.describe())
+        deadline = timebase.now() + bound.grace_s
         while self.pipeline.jobs and (left_s := deadline - timebase.now()) > 0:
             log.info("draining: %d running job(s) have %.0f s left to finish", len(self.pipeline.jobs), left_s)
             await asyncio.wait([j.task for j in self.pipeline.jobs.values()], timeout=left_s)
         if self.pipeline.jobs:
-            log.info("drain grace over: stopping %d job(s); the broker re-queues them", len(self.pipeline.jobs))
+            log.info("drain grace over%s: stopping %d job(s); the broker re-queues them",
+                     " (the Slurm job's end is near)" if bound.by_job_end else "", len(self.pipeline.jobs))
         self._stop.set()
 
     def _on_assign(self, h: H.Assign, payload: list[bytes]) -> None:

@@ -49,7 +49,7 @@ def node_start_check(cfg: DeployConfig) -> tuple[list[str], list[str]]:
 
     Bad settings of a handler that loads here are errors. A handler that does not load here is a warning: the
     nodes have their own Python and paths (``python``, ``handler_paths`` on node-local storage), where it may.
-    So is a drain that outlasts the nodes' partition's preemption GraceTime (:func:`preemption_warnings`).
+    So is a partition whose preemption GraceTime shortens the nodes' drain (:func:`preemption_warnings`).
     """
     from prorl_cli.node.registry import discover
 
@@ -63,16 +63,20 @@ def node_start_check(cfg: DeployConfig) -> tuple[list[str], list[str]]:
 
 
 def preemption_warnings(cfg: DeployConfig) -> list[str]:
-    """Where the nodes' drain grace outlasts the preemption ``GraceTime`` of a partition they may run in.
+    """Where a partition the nodes may run in preempts with a GraceTime that shortens their drain.
 
-    One USR2 serves both the time-limit warning and a preemption (``preempt_send_user_signal``), and the node
-    drains for ``node.drain_grace_s`` on either. A preemption gives only the partition's GraceTime: Slurm then
-    stops the task mid-drain, its running jobs start again elsewhere (a new attempt), and Slurm requeues it
-    (PreemptMode=REQUEUE) or cancels it (CANCEL: the supervisor replaces it). The
-    grace is not lowered here, as that would cut every time-limit drain and ``scale`` drain short as well: the
-    user picks. Only a partition with a GraceTime above 0 is looked at (one with none kills at once, and a
-    cluster-wide PreemptMode shows on every partition, preempted or not). Slurm that cannot be asked says nothing.
+    One USR2 serves both the time-limit warning and a preemption (``preempt_send_user_signal``). A preemption
+    sets the job's end to now + the partition's GraceTime, and a node bounds any drain by its job's end less a
+    margin (:func:`prorl_cli.node.server.drain_grace_within`): a preempted node drains for that long at most,
+    not ``node.drain_grace_s``, then stops the jobs still running (they run again elsewhere, a new attempt) and
+    leaves before Slurm stops it; queued jobs go back at once, keeping their attempt. The time-limit and
+    ``scale`` drains keep their grace. Said so the user knows what a preemption costs running jobs; nothing to
+    fix in prorl's settings (a longer grace would be cut all the same). Only a partition with a GraceTime above
+    0 is looked at (one with none kills at once, and a cluster-wide PreemptMode shows on every partition,
+    preempted or not). Slurm that cannot be asked says nothing.
     """
+    from prorl_cli.node.server import drain_grace_within
+
     partition = sbatch_options(cfg, "nodes").get("partition")
     if not cfg.nodes.count or not partition:
         return []
@@ -84,23 +88,22 @@ def preemption_warnings(cfg: DeployConfig) -> list[str]:
     configured = prorl_config(cfg).node.drain_grace_s
     grace_s = node_drain_grace_s(cfg)
     key = "sbatch_options.partition" if "partition" in cfg.nodes.sbatch_options else "partition"
+    source = ("prorl.yaml's node.drain_grace_s" if configured is not None
+              else f"nodes.signal_delay_s {cfg.nodes.signal_delay_s} s - {DRAIN_REQUEUE_MARGIN_S} s")
     warnings = []
     for name in str(partition).split(","):  # sbatch takes a list: the job runs in whichever takes it first
         p = preemption.get(name)
-        if p is None or not p.stops_jobs or not p.grace_time_s or grace_s <= p.grace_time_s:
+        if p is None or not p.stops_jobs or not p.grace_time_s:
             continue
-        if configured is not None:
-            source = "prorl.yaml's node.drain_grace_s"
-            fix = f"set node.drain_grace_s in {cfg.config or 'prorl.yaml'} to {p.grace_time_s} or less"
-        else:
-            source = f"nodes.signal_delay_s {cfg.nodes.signal_delay_s} s - {DRAIN_REQUEUE_MARGIN_S} s"
-            fix = (f"set nodes.signal_delay_s to {p.grace_time_s + DRAIN_REQUEUE_MARGIN_S} or less (the time-limit "
-                   f"warning, and its drain, then come only that long before the limit), or node.drain_grace_s in "
-                   f"the prorl.yaml to {p.grace_time_s} or less")
+        bound = drain_grace_within(grace_s, float(p.grace_time_s))
+        if not bound.by_job_end:
+            continue
         warnings.append(
             f"{cfg.source}: nodes.{key}: partition {name!r} preempts with a GraceTime of {p.grace_time_s} s "
-            f"(PreemptMode={p.mode}), but a node drains for {grace_s:g} s ({source}): a preempted node is stopped "
-            f"mid-drain, and its jobs still running then start again on another node as a new attempt; {fix}"
+            f"(PreemptMode={p.mode}): a preempted node drains for at most {bound.grace_s:g} s, not the "
+            f"{grace_s:g} s of its time-limit drain ({source}), keeping {bound.margin_s:g} s of the GraceTime for "
+            f"stopping and the requeue; jobs still running then are stopped and start again on another node as a "
+            f"new attempt (queued ones go back at once and keep theirs)"
         )
     return warnings
 

@@ -205,10 +205,13 @@ def partitions() -> set[str]:
 def job_detail(ref: str) -> dict[str, str]:
     """``scontrol show job`` as a key/value map (empty once the job has aged out)."""
     proc = _run(["scontrol", "-o", "show", "job", ref])
-    if proc.returncode != 0:
-        return {}
+    return _key_values(proc.stdout) if proc.returncode == 0 else {}
+
+
+def _key_values(text: str) -> dict[str, str]:
+    """``scontrol -o``'s ``Key=Value`` words as a map (a key's first value: later ones are of nested records)."""
     out: dict[str, str] = {}
-    for token in proc.stdout.split():
+    for token in text.split():
         key, sep, value = token.partition("=")
         if sep:
             out.setdefault(key, value)
@@ -226,6 +229,22 @@ def seconds_left(detail: Mapping[str, str], now: float | None = None) -> float |
     except ValueError:
         return None  # Unknown, None: no limit
     return end_s - (time.time() if now is None else now)
+
+
+def time_left_s(ref: str) -> float | None:
+    """Seconds until job ``ref``'s ``EndTime`` as Slurm says now; None when it has no end (``Unknown``).
+
+    Unlike :func:`job_detail`, a failure is no empty answer: raises :class:`SlurmError` when ``scontrol`` fails
+    or shows no ``EndTime`` (a job this controller does not know), as a caller that bounds work by the job's
+    end must tell "no limit" from "could not ask".
+    """
+    proc = _run(["scontrol", "-o", "show", "job", ref])
+    if proc.returncode != 0:
+        raise SlurmError(f"scontrol show job {ref} failed: {proc.stderr.strip() or f'exit {proc.returncode}'}")
+    detail = _key_values(proc.stdout)
+    if "EndTime" not in detail:
+        raise SlurmError(f"scontrol show job {ref} shows no EndTime: {proc.stdout.strip()[:200]!r}")
+    return seconds_left(detail)
 
 
 def requeue_delayed(detail: Mapping[str, str]) -> bool:
@@ -270,7 +289,8 @@ class PartitionPreemption:
 
     On preemption with ``SlurmctldParameters=preempt_send_user_signal`` a job gets its ``--signal`` (USR2) at
     once and its end time is set to now + ``GraceTime``; it is then stopped (SIGTERM, and SIGKILL after
-    ``KillWait``) at the first time-limit check after that, so a drain longer than the GraceTime is cut short.
+    ``KillWait``) at the first time-limit check after that. A node reads that end time when it drains and
+    bounds its drain by it (:func:`prorl_cli.node.server.drain_grace_within`).
     """
 
     partition: str

@@ -103,14 +103,14 @@ def test_a_hand_written_nodes_drain_fits_in_the_time_its_job_has_left(monkeypatc
 
     assert squeue.seconds_left({"EndTime": "Unknown"}) is None
     monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setattr(squeue, "job_detail", lambda ref: end_in(60))
-    assert 25 <= server._slurm_drain_grace_s() <= 30  # 60 s left, 30 kept for stopping and the requeue
-    monkeypatch.setattr(squeue, "job_detail", lambda ref: end_in(3600))  # preempted long before its limit
-    assert server._slurm_drain_grace_s() == server.DEFAULT_DRAIN_GRACE_S
-    monkeypatch.setattr(squeue, "job_detail", lambda ref: {"EndTime": "Unknown"})
-    assert server._slurm_drain_grace_s() == server.DEFAULT_DRAIN_GRACE_S
+    monkeypatch.setattr(squeue, "time_left_s", lambda ref: squeue.seconds_left(end_in(60)))
+    assert 25 <= server._slurm_drain_grace(None).grace_s <= 30  # 60 s left, 30 kept for stopping and the requeue
+    monkeypatch.setattr(squeue, "time_left_s", lambda ref: squeue.seconds_left(end_in(3600)))  # long before its end
+    assert server._slurm_drain_grace(None).grace_s == server.DEFAULT_DRAIN_GRACE_S
+    monkeypatch.setattr(squeue, "time_left_s", lambda ref: None)  # no time limit
+    assert server._slurm_drain_grace(None).grace_s == server.DEFAULT_DRAIN_GRACE_S
     monkeypatch.delenv("SLURM_JOB_ID")
-    assert server._slurm_drain_grace_s() == server.DEFAULT_DRAIN_GRACE_S
+    assert server._slurm_drain_grace(None).grace_s == server.DEFAULT_DRAIN_GRACE_S
 
 
 def test_a_rank_waiting_for_the_others_that_gets_sigterm_does_not_requeue(tmp_path: Path) -> None:

@@ -68,9 +68,10 @@ def test_usr2_to_the_whole_job_drains_and_requeues_a_node(tmp_path: Path) -> Non
 
 @pytest.fixture
 def cancel_partition() -> Iterator[str]:
-    """A partition on n1 whose jobs `high` preempts by cancelling them (PreemptMode=CANCEL). Created at run time,
-    deleted after."""
-    yield from temporary_partition("prorlcancel", "Nodes=n1", "PriorityTier=1", "PreemptMode=CANCEL", "GraceTime=5", "OverSubscribe=NO", "State=UP")
+    """A partition on n1 whose jobs `high` preempts by cancelling them at once (PreemptMode=CANCEL, no GraceTime: with
+    one, the node's drain, bounded by it, ends in time for the role to requeue its task itself). Created at run
+    time, deleted after."""
+    yield from temporary_partition("prorlcancel", "Nodes=n1", "PriorityTier=1", "PreemptMode=CANCEL", "GraceTime=0", "OverSubscribe=NO", "State=UP")
 
 
 def test_a_node_preempted_without_a_requeue_is_replaced(tmp_path: Path, cancel_partition: str) -> None:
@@ -85,8 +86,7 @@ def test_a_node_preempted_without_a_requeue_is_replaced(tmp_path: Path, cancel_p
         # Off n1, where `high` preempts whatever runs in a lower tier.
         "broker": {"time": "10", "cpus_per_task": 1, "mem_gb": 0.5, "signal_delay_s": 30,
                    "sbatch_options": {"exclude": "n1"}},
-        # signal_delay_s 120: a drain of 90 s, which the 5 s GraceTime cuts short (`launch` warns), so the role
-        # cannot requeue itself before Slurm cancels it.
+        # No GraceTime: Slurm cancels the task at once, so the role cannot requeue itself.
         "nodes": {"count": 1, "partition": cancel_partition, "time": "10", "cpus_per_task": 1, "mem_gb": 0.5,
                   "signal_delay_s": 120, "restart_backoff_s": 1},
     })
