@@ -522,7 +522,8 @@ class ResponsesRequest:
     #: The conversation without the instructions (stored when ``store``), and each call_id's tool name.
     conversation: list[dict[str, Any]]
     names: dict[str, str]
-    instructions: str | None
+    #: ``instructions`` as the request gave them (the response echoes them).
+    instructions: str | list[Any] | None
     previous_response_id: str | None
     store: bool
 
@@ -533,20 +534,21 @@ def _string(value: Any, where: str) -> str:
     return value
 
 
-def responses_input(raw: Any, names: dict[str, str]) -> list[dict[str, Any]]:
+def responses_input(raw: Any, names: dict[str, str], field: str = "input") -> list[dict[str, Any]]:
     """Responses ``input`` (a string, or message / ``function_call`` / ``function_call_output`` / ``reasoning``
     items) in canonical form: a turn's message and its function calls become one assistant message, as the
-    model wrote them; each call's name is added to ``names`` under its ``call_id``."""
+    model wrote them; each call's name is added to ``names`` under its ``call_id``. ``field`` names the
+    request's field in errors."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
-        raise RequestError("input must be a string or a non-empty list of items", param="input")
+        raise RequestError(f"{field} must be a string or a non-empty list of items", param=field)
     out: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant message this request's function_call items extend
     for i, item in enumerate(raw):
-        where = f"input[{i}]"
+        where = f"{field}[{i}]"
         if not isinstance(item, dict):
-            raise RequestError(f"{where} must be an object", param="input")
+            raise RequestError(f"{where} must be an object", param=field)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
@@ -557,7 +559,7 @@ def responses_input(raw: Any, names: dict[str, str]) -> list[dict[str, Any]]:
                 out.append({"role": role, "content": content})
             else:
                 raise RequestError(f"{where}.role {role!r} is not supported (system, developer, user, assistant)",
-                                   param="input")
+                                   param=field)
             turn = out[-1] if role == "assistant" else None
         elif kind == "function_call":
             name, call_id = _string(item.get("name"), f"{where}.name"), _string(item.get("call_id"), f"{where}.call_id")
@@ -576,8 +578,31 @@ def responses_input(raw: Any, names: dict[str, str]) -> list[dict[str, Any]]:
             continue  # the model's reasoning came back as it wrote it, in the message's text
         else:
             raise RequestError(f"{where}: items of type {kind!r} are not supported (message, function_call, "
-                               "function_call_output, reasoning)", param="input")
+                               "function_call_output, reasoning)", param=field)
     return out
+
+
+def _responses_instructions(raw: Any) -> list[dict[str, Any]]:
+    """Responses ``instructions`` as the messages that open the prompt: a string is one system (developer)
+    message, as the API defines it; a list holds message items, as in ``input`` (a ``developer`` or ``system``
+    item is a system message, a ``user`` or ``assistant`` one keeps its role). Other items are refused: they
+    belong in ``input``."""
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        return [{"role": "system", "content": raw}] if raw else []
+    if not isinstance(raw, list):
+        raise RequestError(f"instructions must be a string or a list of message items, got {type(raw).__name__}",
+                           param="instructions")
+    for i, item in enumerate(raw):
+        kind = item.get("type", "message" if "role" in item else None) if isinstance(item, dict) else None
+        if kind != "message":
+            raise RequestError(f"instructions[{i}] must be a message item ({{'role': 'developer', 'content': ...}}), "
+                               f"got {json.dumps(item)[:80]}: instructions are a string or a list of message "
+                               "items; send function calls and their outputs in input", param="instructions")
+    if not raw:
+        return []
+    return responses_input(raw, {}, field="instructions")
 
 
 def _responses_tools(raw: Any) -> list[dict[str, Any]] | None:
@@ -642,15 +667,13 @@ def openai_responses_request(body: dict[str, Any], stored: dict[str, ResponsesCo
         names.update(earlier.names)
         conversation = list(earlier.messages)
     conversation += responses_input(body.get("input"), names)
-    instructions = body.get("instructions")
-    if instructions is not None:
-        instructions = _text(instructions, "instructions")
+    instructions = _responses_instructions(body.get("instructions"))
     tools = _responses_tools(body.get("tools"))
     logprobs = "message.output_text.logprobs" in include
     top_logprobs = _sampling(body, "top_logprobs")
     max_tokens = _sampling(body, "max_output_tokens", "max_tokens")
     chat = ChatRequest(
-        messages=([{"role": "system", "content": instructions}] if instructions else []) + conversation,
+        messages=instructions + conversation,
         tools=tools,
         model=_model(body),
         stream=_flag(body, "stream"),
@@ -667,7 +690,7 @@ def openai_responses_request(body: dict[str, Any], stored: dict[str, ResponsesCo
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise RequestError(f"store must be a boolean, got {type(store).__name__}", param="store")
-    return ResponsesRequest(chat, conversation, names, instructions, previous, store is not False)
+    return ResponsesRequest(chat, conversation, names, body.get("instructions"), previous, store is not False)
 
 
 # ---------------------------------------------------------------- Anthropic
@@ -694,10 +717,18 @@ def _flat_tools(raw: Any, kinds: tuple[str | None, ...], schema_key: str, why: s
             raise RequestError(f"tools[{i}] needs a string name", param="tools")
         if t.get(schema_key) is not None and not isinstance(t[schema_key], dict):
             raise RequestError(f"tools[{i}].{schema_key} must be a JSON Schema object", param="tools")
+        # The function as a chat request states it, key for key in this order (the OpenAI Agents SDK's for its
+        # chat model): the template renders the dict as JSON, so the same tool gives the same prompt through
+        # every API. ``strict`` is rendered, not applied (as on the chat route): the arguments are the model's.
         fn: dict[str, Any] = {"name": t["name"]}
-        if t.get("description"):
-            fn["description"] = t["description"]
+        if t.get("description") is not None:
+            fn["description"] = _string(t["description"], f"tools[{i}].description")
         fn["parameters"] = t.get(schema_key) or {"type": "object", "properties": {}}
+        if t.get("strict") is not None:
+            if not isinstance(t["strict"], bool):
+                raise RequestError(f"tools[{i}].strict must be a boolean, got {type(t['strict']).__name__}",
+                                   param="tools")
+            fn["strict"] = t["strict"]
         out.append({"type": "function", "function": fn})
     return out or None
 

@@ -5,7 +5,7 @@ send the whole conversation as ``input`` items at every call (``store:
 false`` or not); a request may instead name an earlier response in
 ``previous_response_id`` and send only the new items: the job keeps its last
 :data:`RESPONSES_KEPT` stored responses for that, which ``GET /v1/responses/{id}``
-also returns. One response is one model
+also returns and ``DELETE /v1/responses/{id}`` forgets. One response is one model
 turn: an ``output_text`` message when the model wrote text, then one
 ``function_call`` item per tool call, which the caller answers with
 ``function_call_output`` items naming their ``call_id``.
@@ -18,6 +18,7 @@ import collections
 import json
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import WSCloseCode, web
@@ -58,14 +59,20 @@ class StoredResponses(collections.OrderedDict[str, ResponsesConversation]):
             oldest, _ = self.popitem(last=False)
             self.objects.pop(oldest, None)
 
+    def forget(self, response_id: str) -> ResponsesConversation | None:
+        """Drop a kept response (``DELETE /v1/responses/{id}``); None when it was not kept."""
+        self.objects.pop(response_id, None)
+        return self.pop(response_id, None)
+
 
 def _items(job: JobGateway, reply: Reply, parsed: ResponsesRequest, status: str) -> list[dict[str, Any]]:
     """The response's output items: the text message (when there is text, or nothing else), then the calls."""
     items: list[dict[str, Any]] = []
     if reply.content or not reply.tool_calls:
-        part: dict[str, Any] = {"type": "output_text", "text": reply.content, "annotations": []}
-        if parsed.chat.logprobs:
-            part["logprobs"] = chat_logprobs(job, reply)["content"]
+        # Log-probs come only with ``include: ["message.output_text.logprobs"]`` (``top_logprobs`` alone asks for
+        # none); without it OpenAI's text part carries an empty list, and so does this one.
+        part: dict[str, Any] = {"type": "output_text", "text": reply.content, "annotations": [],
+                                "logprobs": chat_logprobs(job, reply)["content"] if parsed.chat.logprobs else []}
         items.append({"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": status,
                       "role": "assistant", "content": [part]})
     items += [{"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": f"call_{secrets.token_hex(12)}",
@@ -144,6 +151,41 @@ async def retrieve(request: web.Request, job: JobGateway) -> web.Response:
         raise RequestError(f"Response with id {response_id!r} not found: this job keeps its last {RESPONSES_KEPT} "
                            "responses, not those created with store: false", status=404)
     return web.json_response(found)
+
+
+async def delete(request: web.Request, job: JobGateway) -> web.Response:
+    """``DELETE /v1/responses/{id}`` (``client.responses.delete``): the job forgets a response it keeps, so neither
+    ``GET`` nor ``previous_response_id`` finds it again; answered as OpenAI answers. An id it does not keep is the
+    404 ``GET`` gives."""
+    response_id = request.match_info["response_id"]
+    if job.responses.forget(response_id) is None:
+        raise RequestError(f"Response with id {response_id!r} not found: this job keeps its last {RESPONSES_KEPT} "
+                           "responses, not those created with store: false or deleted", status=404)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+#: The Responses API's endpoints besides create, retrieve and delete, and why the gateway does not serve each:
+#: ``(method, path under /v1/responses/, why)``; each is answered with a 404 saying so, not a bare 405.
+NOT_SERVED: tuple[tuple[str, str, str], ...] = (
+    ("POST", "input_tokens", "counting a Responses request's input tokens is not served; the prompt's token ids "
+                             "and count are in the response's usage and the job's trajectory (Anthropic's "
+                             "POST /v1/messages/count_tokens is served)"),
+    ("POST", "compact", "compaction summarises the conversation on OpenAI's servers, which would change the prompt "
+                        "the trajectory records: summarise in the harness and send the summary as input"),
+    ("POST", "{response_id}/cancel", "only background responses can be cancelled, and the gateway answers every "
+                                     "response in its request (background: true is refused)"),
+    ("GET", "{response_id}/input_items", "the gateway keeps a response's conversation as the chat template renders "
+                                         "it, not its input items: keep the items in the harness"),
+)
+
+
+def not_served(why: str) -> Callable[[web.Request, JobGateway], Awaitable[web.Response]]:
+    """A handler answering one of :data:`NOT_SERVED` with OpenAI's 404 body saying ``why``."""
+    async def handler(request: web.Request, job: JobGateway) -> web.Response:
+        raise RequestError(f"{request.method} {request.path.split('/v1/', 1)[-1]} is not served by the gateway: "
+                           f"{why}", status=404, code="unsupported_endpoint")
+
+    return handler
 
 
 #: What a client of the Responses API's WebSocket mode is told (its transport shows no HTTP error body).

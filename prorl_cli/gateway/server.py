@@ -6,7 +6,10 @@ Routes (``<token>`` is the job's unguessable token; nothing else names a job)::
     POST /jobs/<token>/v1/completions          OpenAI text completion
     POST /jobs/<token>/v1/responses            OpenAI Responses (streaming or not; previous_response_id)
     GET  /jobs/<token>/v1/responses/<id>       a response the job keeps for previous_response_id
+    DELETE /jobs/<token>/v1/responses/<id>     forget a kept response
     GET  /jobs/<token>/v1/responses            the Responses WebSocket mode: refused, with an error event
+    POST /jobs/<token>/v1/responses/input_tokens, responses/compact, responses/<id>/cancel,
+    GET  /jobs/<token>/v1/responses/<id>/input_items   not served: a 404 saying why
     GET  /jobs/<token>/v1/models               the model names the job accepts
     GET  /jobs/<token>/v1/models/<model>       one of them
     POST /jobs/<token>/v1/messages             Anthropic messages (streaming or not)
@@ -259,6 +262,10 @@ class Gateway:
             app.router.add_get(f"{prefix}/models/{{model:.+}}", self._model)
             app.router.add_get(f"{prefix}/responses/{{response_id:[^/]+}}", self._response)
             app.router.add_get(f"{prefix}/responses", self._responses_websocket)
+            app.router.add_delete(f"{prefix}/responses/{{response_id:[^/]+}}", self._delete_response)
+            for method, path, why in responses_routes.NOT_SERVED:
+                path = path.replace("{response_id}", "{response_id:[^/]+}")
+                app.router.add_route(method, f"{prefix}/responses/{path}", self._job_route(responses_routes.not_served(why)))
         self.app = app
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         self._started = False
@@ -366,6 +373,17 @@ class Gateway:
 
     async def _response(self, request: web.Request) -> web.Response:
         return await responses_routes.retrieve(request, self._job(request))
+
+    async def _delete_response(self, request: web.Request) -> web.Response:
+        return await responses_routes.delete(request, self._job(request))
+
+    def _job_route(self, fn: Callable[[web.Request, JobGateway], Any]) -> Callable[[web.Request], Any]:
+        """A handler of ``fn(request, job)`` for the job the URL names (401 / 410 as for every route)."""
+        async def handler(request: web.Request) -> web.StreamResponse:
+            result: web.StreamResponse = await fn(request, self._job(request))
+            return result
+
+        return handler
 
     async def _responses_websocket(self, request: web.Request) -> web.StreamResponse:
         job = self._job(request)
