@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,29 @@ def job_ids(run_id: str, instances: list[dict[str, Any]], n: int) -> list[str]:
     from prorl_cli.swe.validate_run import row_digest
 
     return [f"{run_id}-{row_digest(inst)}-{k}" for inst in instances for k in range(n)]
+
+
+def attempt_ids(base_ids: list[str], held: Mapping[str, str]) -> tuple[list[str], int]:
+    """The id to submit for each of ``base_ids`` (:func:`job_ids`) given the ids and states the broker holds.
+
+    Submitting an id the broker holds returns that job as it ended, so a job cancelled by an interrupted run
+    would come back cancelled for ever. Each sample's attempts are ``BASE``, ``BASE-a2``, ``BASE-a3``, ...: its
+    latest attempt the broker holds is taken again (its result, or the job still running), unless it was
+    cancelled; then the next attempt is submitted. Failed and timed-out jobs are outcomes, kept as they ended.
+    Returns the ids and how many are new attempts of cancelled jobs.
+    """
+    ids: list[str] = []
+    again = 0
+    for base in base_ids:
+        attempt, job_id = 1, base
+        while f"{base}-a{attempt + 1}" in held:
+            attempt += 1
+            job_id = f"{base}-a{attempt}"
+        if held.get(job_id) == "cancelled":
+            job_id = f"{base}-a{attempt + 1}"
+            again += 1
+        ids.append(job_id)
+    return ids, again
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -170,9 +194,30 @@ def summarize(instance_ids: list[str], samples: list[Sample], model_name: str, n
     }
 
 
+def report_name(instance_id: str) -> str:
+    """The file name of an instance's report and details (a ``/`` in an id would name a folder)."""
+    return f"{instance_id.replace('/', '__')}.json"
+
+
+def remove_stale(out_dir: Path, instance_ids: list[str]) -> list[Path]:
+    """Remove the ``reports/`` and ``details/`` files of instances not in this run (an earlier run into the same
+    folder, over other instances): the folder then describes one run, as its ``summary.json`` and
+    ``predictions.jsonl`` do, and a tool reading every report in it counts no instance of another run."""
+    ours = {report_name(i) for i in instance_ids}
+    removed = []
+    for folder in (out_dir / "reports", out_dir / "details"):
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.json")):
+                if path.name not in ours and path.is_file():
+                    path.unlink()
+                    removed.append(path)
+    return removed
+
+
 def write_outputs(out_dir: Path, instance_ids: list[str], samples: list[Sample], model_name: str,
                   n: int) -> dict[str, Any]:
-    """Write predictions, samples, per-instance reports and the summary under ``out_dir``; return the summary."""
+    """Write predictions, samples, per-instance reports and the summary under ``out_dir``; return the summary.
+    (An earlier run's reports of other instances stay: :func:`remove_stale` removes them.)"""
     out_dir.mkdir(parents=True, exist_ok=True)
     reports = out_dir / "reports"
     reports.mkdir(exist_ok=True)
@@ -189,14 +234,14 @@ def write_outputs(out_dir: Path, instance_ids: list[str], samples: list[Sample],
             f.write(json.dumps({**row, "resolved": s.resolved}) + "\n")
     for s in ordered:
         if s.sample == 0:
-            path = reports / f"{s.instance_id.replace('/', '__')}.json"
+            path = reports / report_name(s.instance_id)
             path.write_text(json.dumps({s.instance_id: swebench_report(s)}, indent=2) + "\n")
     details = out_dir / "details"
     details.mkdir(exist_ok=True)
     for iid in instance_ids:
         mine = [s.details() for s in ordered if s.instance_id == iid]
         if mine:
-            path = details / f"{iid.replace('/', '__')}.json"
+            path = details / report_name(iid)
             path.write_text(json.dumps({"instance_id": iid, "samples": mine}, indent=2, default=str) + "\n")
     summary = summarize(instance_ids, samples, model_name, n)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
