@@ -470,7 +470,7 @@ def test_ctrl_c_on_submit_cancels_and_writes_the_cancelled_jobs_partial_trajecto
         assert f"{said.removeprefix('error: ')}: cancelled 2 unfinished job(s)" in err
     for job_id in (f"{prefix}-1-0", f"{prefix}-2-0"):
         assert rows[job_id]["output"]["trajectory"]["sequence_ids"] == [1, 2, 3], rows[job_id]  # what it did so far
-    assert "cancelled job(s)' results" in err
+    assert f"took the 2 unfinished job(s)' results (the cancelled ones' partial trajectories), written to {out}" in err
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])

@@ -441,14 +441,19 @@ def _collect_cancelled(app: App, client: RolloutClient, ids: list[str], results:
     """Write the cancelled jobs' results too: they carry what each job did until the cancel."""
     from prorl_cli.exceptions import BrokerUnavailable
 
+    # ``ids`` are the jobs unfinished when the interrupt came: most were cancelled, a few may have ended first.
+    taken = 0
     try:
         for result in client.as_completed(ids, timeout_s=wait_s):
             results.append(result)
             sink.add(result)
+            taken += 1
     except (TimeoutError, BrokerUnavailable, KeyboardInterrupt) as e:
-        tell(app, f"interrupted: {len(ids)} cancelled job(s)' results not all written ({type(e).__name__})")
+        tell(app, f"interrupted: took {taken} of the {len(ids)} unfinished job(s)' results "
+                  f"({type(e).__name__} before the rest)" + ("" if sink.out is None else f"; those are in {sink.out}"))
     else:
-        tell(app, f"interrupted: wrote the {len(ids)} cancelled job(s)' results (partial trajectories)")
+        tell(app, f"interrupted: took the {len(ids)} unfinished job(s)' results (the cancelled ones' partial "
+                  "trajectories)" + ("" if sink.out is None else f", written to {sink.out}"))
 
 
 def parquet_rows(results: list[JobResult], only_done: bool = False) -> list[dict[str, Any]]:
