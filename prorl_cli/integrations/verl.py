@@ -267,7 +267,8 @@ _WARNED_DROPPED: set[str] = set()
 def prorl_sampling(sampling: Mapping[str, Any]) -> dict[str, Any]:
     """veRL's sampling params (vLLM names) as prorl's SamplingParams fields.
 
-    veRL's ``top_k: 0`` means off, as prorl's ``-1`` does (prorl refuses 0). A param prorl has no field
+    veRL's ``top_k: 0`` means off, as prorl's ``-1`` does (prorl refuses 0); a ``stop`` string is a list of
+    one, and ``stop: None`` none. A param prorl has no field
     for (``repetition_penalty``, ...) is dropped, with one warning per param when its value would have
     changed sampling; ``max_new_tokens`` (SGLang's name) is ``max_tokens`` when that is not given.
     """
@@ -275,6 +276,11 @@ def prorl_sampling(sampling: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in sampling.items() if k in names}
     if out.get("top_k") == 0:
         out["top_k"] = -1
+    # vLLM takes one stop string as a string, and None for none; prorl's ``stop`` is a list.
+    if isinstance(out.get("stop"), str):
+        out["stop"] = [out["stop"]]
+    elif "stop" in out and out["stop"] is None:
+        del out["stop"]
     if "max_tokens" not in out and isinstance(sampling.get("max_new_tokens"), int):
         out["max_tokens"] = sampling["max_new_tokens"]
     for k, v in sampling.items():

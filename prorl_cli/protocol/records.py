@@ -165,7 +165,9 @@ class SamplingParams(_Record):
                 type(self.top_logprobs) is int and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"sampling.top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {self.top_logprobs!r}")
-        if self.stop:
+        if self.stop is None:
+            self.stop = []  # none, as vLLM's None and a null off the wire (a field at its default) say
+        elif self.stop:
             _check_stop(self.stop)
 
     @classmethod

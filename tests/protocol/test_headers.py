@@ -188,6 +188,8 @@ def test_every_sampling_the_wire_accepts_builds() -> None:
                    {"stop": ["x"]}):
         sampling = P.SamplingParams.from_wire(fields, "sampling")
         assert sampling.to_wire() == fields and sampling.given == frozenset(fields)
+    # No stop strings: vLLM's None, as a null off the wire.
+    assert P.SamplingParams(stop=None).stop == P.SamplingParams.from_wire({"stop": None}, "sampling").stop == []  # type: ignore[arg-type]
 
 
 def test_the_nodes_ops_are_checked_and_a_bad_job_record_fails_alone() -> None:

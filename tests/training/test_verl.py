@@ -138,6 +138,9 @@ def test_verl_sampling_in_prorls_terms(monkeypatch: pytest.MonkeyPatch, caplog: 
     (record,) = caplog.records
     assert "repetition_penalty=1.1" in record.getMessage()
     assert prorl_sampling({"max_new_tokens": 7}) == {"max_tokens": 7}
+    # vLLM's stop: one string, or None for none; prorl's is a list, checked where the record is built.
+    assert SamplingParams(**prorl_sampling({"stop": "</answer>"})).stop == ["</answer>"]
+    assert SamplingParams(**prorl_sampling({"stop": None})).stop == []
 
 
 def test_each_calls_max_tokens() -> None:
