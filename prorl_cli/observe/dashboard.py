@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prorl_cli.protocol import STAGE_NAMES, TERMINAL_STATES, JobState, StatusReport
+from prorl_cli.protocol.records import NODE_LEFT
 
 _STATES = tuple(s.value for s in JobState)
 _FINISHED = frozenset(s.value for s in TERMINAL_STATES)
@@ -42,6 +43,9 @@ class BackendRates:
     resting_s: float = 0.0
     #: Its last fault (unreachable, no answer, 5xx), if any.
     last_fault: str | None = None
+    #: Why it is gone (``left``: a planned exit; else why it was lost), for a bridge that went away and has not
+    #: registered again; None while registered.
+    gone_reason: str | None = None
 
 
 @dataclass
@@ -82,7 +86,11 @@ def status_flags(status: StatusReport) -> list[str]:
     if status.generation_paused:
         flags.append("generation PAUSED")
     if status.held_generates:
-        flags.append(f"{status.held_generates} generate call(s) held")
+        # Held because no backend is up (every bridge gone or dead) reads differently from held by a pause: the
+        # first needs a bridge started (`prorl serve inference`, `prorl scale`), the second a resume.
+        no_backend = not any(b.alive for b in status.backends)
+        flags.append(f"{status.held_generates} generate call(s) held"
+                     + (": no inference backend is up" if no_backend and not status.generation_paused else ""))
     if not status.placing:
         flags.append("placement HELD")
     w = status.weights
@@ -116,7 +124,11 @@ class Dashboard:
         old_tokens = prev[1].tokens if prev else status.tokens
         old_served = {b.backend_id: b.served for b in (prev[1].backends if prev else status.backends)}
         backends = []
-        for b in status.backends:
+        registered = {b.backend_id for b in status.backends}
+        # Bridges that went away stay on the board (as `prorl status` lists them) until they register again: a
+        # board whose only bridge left would otherwise show an empty table and no reason for held calls.
+        gone = [b for b in status.gone_backends if b.backend_id not in registered]
+        for b in [*status.backends, *gone]:
             tok = status.tokens.get(b.backend_id, {})
             otok = old_tokens.get(b.backend_id, tok)
             backends.append(BackendRates(
@@ -125,11 +137,12 @@ class Dashboard:
                 prompt_tokens_per_s=rate(tok.get("prompt", 0.0), otok.get("prompt", 0.0)),
                 output_tokens_per_s=rate(tok.get("output", 0.0), otok.get("output", 0.0)),
                 prompt_tokens=tok.get("prompt", 0.0), output_tokens=tok.get("output", 0.0),
-                resting_s=b.resting_s, last_fault=b.last_fault,
+                resting_s=b.resting_s, last_fault=b.last_fault, gone_reason=b.gone_reason,
             ))
         flags = status_flags(status)
         nodes = [{"node_id": n.node_id, "alive": n.alive, "inflight": n.inflight, "credit": n.credit,
-                  "stages": {s: dict(n.stages.get(s, {})) for s in STAGE_NAMES}} for n in status.nodes]
+                  "stages": {s: dict(n.stages.get(s, {})) for s in STAGE_NAMES},
+                  "lost_reason": n.lost_reason, "draining": n.draining} for n in status.nodes]
         return Snapshot(
             deployment=status.deployment, uptime_s=status.uptime_s, interval_s=dt, jobs=dict(status.jobs),
             by_task={t: dict(c) for t, c in status.by_task.items()}, finished=finished,
@@ -166,9 +179,16 @@ def render(snap: Snapshot) -> Any:
     jobs.add_row("[bold]all[/]", *(str(snap.jobs.get(s, 0)) for s in states), str(sum(snap.jobs.values())))
 
     nodes = Table(title="nodes: stage pools active/queued/limit", title_justify="left")
-    for col in ("node", "alive", "inflight/credit", *STAGE_NAMES):
+    for col in ("node", "state", "inflight/credit", *STAGE_NAMES):
         nodes.add_column(col, justify="right" if col in STAGE_NAMES else "left")
     for n in snap.nodes:
+        if not n["alive"]:
+            # A gone node has no pools: its last figures (or zeros against a limit of 0) would read as an idle
+            # node. Its row says why it is gone; its jobs were queued again or failed (the jobs table has them).
+            why = n.get("lost_reason") or "lost"
+            state = escape(why) if why.startswith(NODE_LEFT) else f"[red]lost[/]: {escape(why)}"
+            nodes.add_row(escape(n["node_id"]), state, "-", *("-" for _ in STAGE_NAMES))
+            continue
         cells = []
         for s in STAGE_NAMES:
             st = n["stages"].get(s) or {}
@@ -176,13 +196,17 @@ def render(snap: Snapshot) -> Any:
             style = "red" if limit and active >= limit else ""
             cell = f"{active}/{st.get('queued', 0)}/{limit}"
             cells.append(f"[{style}]{cell}[/]" if style else cell)
-        nodes.add_row(escape(n["node_id"]), "yes" if n["alive"] else "[red]no[/]", f"{n['inflight']}/{n['credit']}", *cells)
+        nodes.add_row(escape(n["node_id"]), "[yellow]draining[/]" if n.get("draining") else "yes",
+                      f"{n['inflight']}/{n['credit']}", *cells)
 
     backends = Table(title="inference backends", title_justify="left")
     for col in ("backend", "kind", "state", "in-flight", "served", "served/s", "tokens/s in", "tokens/s out"):
         backends.add_column(col, justify="left" if col in ("backend", "kind", "state") else "right")
     for b in snap.backends:
         state = "[red]dead[/]" if not b.alive else ("[yellow]paused[/]" if b.paused else "serving")
+        if b.gone_reason is not None:  # as `prorl status` says it: a planned exit, or why it was lost
+            why = b.gone_reason
+            state = escape(why) if why.startswith(NODE_LEFT) else f"[red]lost[/]: {escape(why)}"
         if b.alive and b.resting_s > 0:  # as `prorl backends list` says it: why new calls avoid it
             state = f"[yellow]resting {b.resting_s:.0f} s[/]: {escape(b.last_fault or '')}"
         backends.add_row(escape(b.backend_id), b.kind, state, str(b.inflight), str(b.served), f"{b.served_per_s:.1f}",

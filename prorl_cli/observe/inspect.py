@@ -185,6 +185,24 @@ def _observations(messages: list[Any], n_calls: int) -> list[list[dict[str, Any]
     return out[:n_calls]
 
 
+def requeues(r: JobResult) -> list[str]:
+    """What its timeline says of each node a job lost (its ``requeued`` events), oldest first:
+    ``node n2 lost at 12.3 s (silent for 2.1 s): queued again``.
+
+    A job whose node died ran again (``attempt`` > 1) or failed NodeLost; without these lines its result names only
+    the node it ended on, and a slow or repeated run would not say why.
+    """
+    out = []
+    for ev in r.events or []:
+        if not (isinstance(ev, list | tuple) and len(ev) > 3 and ev[0] == "requeued" and isinstance(ev[3], dict)):
+            continue
+        attrs = ev[3]
+        when = f" at {ev[1]:.1f} s" if isinstance(ev[1], int | float) else ""
+        why = f" ({attrs['why']})" if attrs.get("why") else ""
+        out.append(f"node {attrs.get('node') or '?'} lost{when}{why}: queued again")
+    return out
+
+
 class Decoder:
     """Decodes ids with a tokenizer when one is given, else shows them as ids."""
 
@@ -234,6 +252,8 @@ def render_result(r: JobResult, decoder: Decoder, *, show_tokens: bool = False, 
     if r.error:
         parts.append(Text.from_markup(f"[red]failed in {escape(str(r.error.get('stage')))}: "
                                       f"{escape(str(r.error.get('type')))}: {escape(str(r.error.get('message')))}[/]"))
+    for line in requeues(r):
+        parts.append(Text(line, style="yellow"))
     if r.log_path:
         parts.append(Text(f"job log: {r.log_path}", style="dim"))
     traj = trajectory_of(r)

@@ -20,6 +20,7 @@ from prorl_cli.observe.inspect import (
     call_views,
     conversation_count,
     conversation_label,
+    requeues,
     trajectory_of,
     violations,
 )
@@ -67,7 +68,7 @@ def _plots(results: list[JobResult]) -> list[tuple[str, str]]:
                 ends.append(at - base + max(ev[1] + ev[2] for ev in r.events))
         if ends:
             ends.sort()
-            ax.step(ends, range(1, len(ends) + 1), where="post", label=task)
+            ax.step(ends, range(1, len(ends) + 1), where="post", label=_task_label(task))
             plotted = True
     ax.set_xlabel("seconds since the first submission")
     ax.set_ylabel("jobs finished")
@@ -86,10 +87,13 @@ def _plots(results: list[JobResult]) -> list[tuple[str, str]]:
     for p in parts:
         widths = [means[t][p] for t in tasks]
         if any(widths):
-            ax.barh(tasks, widths, left=left, label=p)
+            ax.barh([_task_label(t) for t in tasks], widths, left=left, label=p)
             left = [a + b for a, b in zip(left, widths, strict=True)]
     ax.set_xlabel("mean seconds per job")
-    ax.legend(fontsize="small", ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    if any(left):
+        ax.legend(fontsize="small", ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    else:  # an empty plot would not say why: results without stage times or timelines (jobs that never ran)
+        ax.text(0.5, 0.5, "no stage times or timelines in these results", ha="center", transform=ax.transAxes)
     out.append(("Where the time goes: stage split per handler", _png(fig)))
     plt.close(fig)
 
@@ -98,7 +102,7 @@ def _plots(results: list[JobResult]) -> list[tuple[str, str]]:
     for ax, task in zip(axes[0], tasks or ["-"], strict=False):
         rewards = [r.reward for r in results if r.task == task and r.reward is not None]
         ax.hist(rewards, bins=min(20, max(1, len(set(rewards)))) if rewards else 1, color="#4477aa")
-        ax.set_title(f"{task}: reward ({len(rewards)} jobs)", fontsize="small")
+        ax.set_title(f"{_task_label(task)}: reward ({len(rewards)} jobs)", fontsize="small")
     out.append(("Reward histogram per handler", _png(fig)))
     plt.close(fig)
 
@@ -108,7 +112,7 @@ def _plots(results: list[JobResult]) -> list[tuple[str, str]]:
         turns = [_turns(r) for r in results if r.task == task]
         counts = Counter(turns)
         xs = sorted(counts)
-        ax.plot(xs, [counts[x] for x in xs], marker="o", label=task)
+        ax.plot(xs, [counts[x] for x in xs], marker="o", label=_task_label(task))
     ax.set_xlabel("model calls in the rollout")
     ax.set_ylabel("rollouts")
     if tasks:
@@ -116,6 +120,12 @@ def _plots(results: list[JobResult]) -> list[tuple[str, str]]:
     out.append(("Turns per rollout", _png(fig)))
     plt.close(fig)
     return out
+
+
+def _task_label(task: str) -> str:
+    """A handler's name as a plot shows it: a result that names none (a trajectories file without ``task``) would
+    get an empty label, which matplotlib leaves out of a legend (with a warning on stderr)."""
+    return task or "(no task)"
 
 
 #: The parts of the stage-split plot, in stacking order.
@@ -179,6 +189,8 @@ def _job_section(r: JobResult) -> str:
     if r.error:
         out.append(f"<p class='bad'>failed in {e(str(r.error.get('stage')))}: {e(str(r.error.get('type')))}: "
                    f"{e(str(r.error.get('message')))}</p>")
+    for line in requeues(r):
+        out.append(f"<p class='bad'>{e(line)}</p>")
     for v in violations(r):
         out.append(f"<p class='viol'>continuity violation at call {v.get('call')}: {e(str(v.get('message')))}</p>")
     traj = trajectory_of(r)

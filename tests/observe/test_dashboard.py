@@ -17,7 +17,7 @@ from prorl_cli.observe.dashboard import Dashboard, render, status_flags
 from prorl_cli.protocol import StatusReport
 from prorl_cli.protocol.records import BackendStatus
 from tests.harness import Deployment, kill_if_running
-from tests.observe.conftest import INSTANCES, ObservedRun, scrape, total
+from tests.observe.conftest import HANDLERS, INSTANCES, ObservedRun, scrape, total
 
 N_SLOW = 8  # the test deployment's RUN pool holds 8
 
@@ -147,6 +147,45 @@ def test_status_watch_leaves_cleanly_on_ctrl_c(observed_run: ObservedRun) -> Non
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr
     assert "stopped" in stdout
+
+
+def test_dashboard_after_a_node_died_and_the_bridge_left(tmp_path: Path) -> None:
+    # A node killed mid-run and the only bridge stopped: the board names both as `prorl status` does (the node
+    # lost and why, with no pools; the bridge left), and says why generate calls are held, instead of an idle
+    # row of zeros for a dead node, an empty backends table and a bare "held".
+    d = Deployment(tmp_path / "home", "gone", config={"inference": {"sim_speedup": 100.0}})
+    try:
+        d.start_broker()
+        d.start_node("n1", "--handlers", str(HANDLERS))
+        d.start_node("n2", "--handlers", str(HANDLERS))
+        d.spawn("sim-a", "serve", "inference", "--backend-id", "sim-a", "--engine", "sim")
+        d.wait_for(lambda st: any(b.backend_id == "sim-a" and b.alive for b in st.backends), 120.0, "sim-a", "sim-a")
+        d.kill("n2", signal.SIGKILL)
+        d.kill("sim-a", signal.SIGTERM)  # a planned exit: it leaves
+        d.wait_for(lambda st: not any(n.alive for n in st.nodes if n.node_id == "n2") and not st.backends
+                   and any(b.backend_id == "sim-a" for b in st.gone_backends), 60.0, "n2 lost and sim-a gone")
+        d.client.submit("obs", [{"turns": 1, "tools": 0}])
+        status = d.wait_for(lambda st: st.held_generates == 1, 60.0, "the generate call to be held", "n1")
+
+        out = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", d.name, "top", "--json", "--interval-s", "0.1"],
+                             env=d.env(), capture_output=True, text=True, timeout=120, cwd=d.home)
+        assert out.returncode == 0, out.stderr
+        snap = json.loads(out.stdout)
+        assert [(b["backend_id"], b["alive"], b["gone_reason"]) for b in snap["backends"]] == [("sim-a", False, "left")]
+        assert snap["flags"] == ["1 generate call(s) held: no inference backend is up"]
+        lost = {n["node_id"]: n for n in snap["nodes"]}["n2"]
+        assert not lost["alive"] and lost["lost_reason"].startswith("silent for")
+
+        console = Console(record=True, width=200, force_terminal=False)
+        console.print(render(Dashboard().update(status, now=0.0)))
+        tables = _tables(console.export_text())
+        nodes = tables["nodes: stage pools active/queued/limit"]
+        assert nodes["n1"]["state"] == "yes"
+        assert nodes["n2"]["state"].startswith("lost: silent for")
+        assert [nodes["n2"][c] for c in ("inflight/credit", "init", "run", "eval")] == ["-"] * 4
+        assert tables["inference backends"]["sim-a"]["state"] == "left"
+    finally:
+        d.close()
 
 
 class _Table(dict[str, dict[str, str]]):

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from prorl_cli.slurm.record import LaunchRecord, Member
+from tests.observe.conftest import ObservedRun
 
 #: The address space `prorl logs` runs in, and a log twice that size.
 _LIMIT_BYTES = 1 << 30
@@ -92,3 +93,17 @@ def test_follow_starts_again_when_the_log_is_truncated_or_replaced(tmp_path: Pat
         _, err = proc.communicate(timeout=60)
     assert f"==> {log} was truncated: following it from its start".encode() in err
     assert f"==> {log} was replaced: following it from its start".encode() in err
+
+
+def test_logs_of_a_deployment_not_started_on_slurm_says_where_its_logs_are(observed_run: ObservedRun) -> None:
+    # A deployment of servers started without `prorl launch` (here an embedded stack) has no Slurm logs:
+    # `prorl logs` says so and where its logs are (the stack's server logs, each job's own log on its node).
+    d = observed_run.deployment
+    out = observed_run.prorl("logs", "broker")
+    assert out.returncode == 1
+    message = " ".join(out.stderr.split())
+    assert f"deployment '{d.name}' was not launched" in message
+    assert f"log in {d.home / 'logs'}: " in message and "broker.log" in message and "n1.log" in message
+    assert f"{d.deployment_dir / 'nodes'}/NODE/jobs/JOB/job.log (nodes here: n1;" in message
+    # The job log it points to is there: the obs run's failed job logged through ctx.log.
+    assert any("about to fail on purpose" in p.read_text() for p in (d.deployment_dir / "nodes" / "n1" / "jobs").glob("*/job.log"))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +79,19 @@ def test_the_job_table_links_the_shown_trajectories_without_comparing_results(
     page = render_html(results, "run", max_trajectories=2)
     assert [f"href='#job-j{i}'" in page for i in range(5)] == [True, True, False, False, False]
     assert "the first 2 of 5 (--max-trajectories)" in page
+
+
+def test_report_of_results_without_task_or_timelines_says_so_without_warnings(tmp_path: Path) -> None:
+    # A trajectories file names no task and a job that never ran has no timeline: each plot says what it lacks
+    # (not an empty frame) and matplotlib prints nothing on stderr (it warned of legends with no labelled line).
+    results = _write(tmp_path / "results.jsonl", [
+        {"job_id": "x1", "state": "done", "reward": 1.0},
+        {"job_id": "x2", "state": "failed", "error": {"stage": "init", "type": "E", "message": "m\nmore"}},
+    ])
+    page = tmp_path / "report.html"
+    out = subprocess.run([sys.executable, "-m", "prorl_cli", "report", str(results), "--html", str(page)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert out.returncode == 0, out.stderr
+    assert "Warning" not in out.stderr, out.stderr
+    assert "2 job(s) -> " in out.stdout

@@ -109,7 +109,7 @@ def logs(app: App, member: str, follow: bool, lines: int, attempt: int | None, e
     try:
         record, cfg = load_launched(app.config.home_path / name, or_last=True)
     except ProrlError as e:
-        app.abort(str(e))
+        app.abort(str(e) + _not_on_slurm_hint(app.config.home_path, name))
     if not (app.config.home_path / name / LAUNCH_NAME).exists():
         app.err_console.print(f"deployment {name!r} was taken down: the logs of its last launch ({record.launch_id})")
     cfg.home = record.home
@@ -167,6 +167,37 @@ def logs(app: App, member: str, follow: bool, lines: int, attempt: int | None, e
         size, inode = _print_log(path, lines)
         if follow:
             _follow(path, size, inode)
+
+
+def _not_on_slurm_hint(home: Path, name: str) -> str:
+    """Where the logs of a deployment that ``prorl launch`` never started are, for the error that says so; "" for a
+    deployment that was launched (taken down, or its launch failed: the error says that already).
+
+    Servers started otherwise log to their own stderr: ``prorl serve`` by hand wherever it was started, the servers
+    of an embedded stack (``prorl quickstart``, ``LocalStack``) to ``$PRORL_HOME/logs/NAME.log``; and every job
+    that logged has its own log on its node, whatever started the node.
+    """
+    from prorl_cli.slurm.record import ended_launches
+
+    deployment_dir = home / name
+    if not deployment_dir.is_dir():
+        return f". No deployment {name!r} has run under {home} at all (its name, or PRORL_HOME / --home?)"
+    if ended_launches(deployment_dir):
+        return ""
+    lines = ["`prorl logs` prints the Slurm logs of `prorl launch`; servers started otherwise log to their own "
+             "stderr (`prorl serve ...`: where it was started)."]
+    stack_logs = sorted((home / "logs").glob("*.log"))
+    if stack_logs:
+        lines.append(f"The servers of an embedded stack (quickstart, LocalStack) log in {home / 'logs'}: "
+                     + ", ".join(p.name for p in stack_logs) + ".")
+    job_logs = deployment_dir / "nodes"
+    nodes = sorted(p.name for p in job_logs.iterdir() if (p / "jobs").is_dir()) if job_logs.is_dir() else []
+    if nodes:
+        lines.append(f"Each job's own log: {job_logs}/NODE/jobs/JOB/job.log (nodes here: {', '.join(nodes)}; "
+                     "`prorl inspect RESULTS --job ID` names a job's).")
+    else:
+        lines.append(f"Each job that logged has its own log: {job_logs}/NODE/jobs/JOB/job.log.")
+    return ". " + " ".join(lines)
 
 
 def _no_task(app: App, record: LaunchRecord, name: str, member: str) -> NoReturn:

@@ -87,8 +87,9 @@ def top(app: App, as_json: bool, interval_s: float, address: str | None) -> None
 
     \b
     Jobs by task and state, throughput (jobs/s, tokens/s in and out), each node's
-    INIT/RUN/EVAL pools (active/queued/limit), each backend's in-flight and served
-    calls and tokens/s (paused or not), and failures grouped by task, stage and error type.
+    INIT/RUN/EVAL pools (active/queued/limit; a gone node says why), each backend's
+    in-flight and served calls and tokens/s (paused or not; bridges that went away,
+    left or lost), held generate calls, and failures grouped by task, stage and error type.
     """
     run_top(app, address, as_json, interval_s)
 
