@@ -52,7 +52,8 @@ class JobTable:
     reaches a terminal state (push its result, unless it waits for its node's
     partial result: ``Job.partial_until``), ``on_release(job)`` when such a
     held result is final, ``on_detach(job_id)`` when a job ends or loses its
-    node (its generate calls are released). ``partial_grace_s``: how long a
+    node (its generate calls are released), ``on_requeue(job)`` when a lost
+    node's job goes back to the queue. ``partial_grace_s``: how long a
     running job's cancel waits for its node's result (0: not at all).
     """
 
@@ -65,6 +66,7 @@ class JobTable:
         on_end: Callable[[Job], None] | None = None,
         on_detach: Callable[[str], None] | None = None,
         on_release: Callable[[Job], None] | None = None,
+        on_requeue: Callable[[Job], None] | None = None,
         partial_grace_s: float = 0.0,
     ) -> None:
         self.jobs: dict[str, Job] = {}
@@ -81,6 +83,7 @@ class JobTable:
         self._on_end = on_end or _noop
         self._on_detach = on_detach or _noop
         self._on_release = on_release or _noop
+        self._on_requeue = on_requeue or _noop
         self.partial_grace_s = partial_grace_s
         #: Cancelled jobs whose results wait for their nodes' (``Job.partial_until``).
         self._partials: dict[str, Job] = {}
@@ -339,6 +342,7 @@ class JobTable:
             job.queued_at = died_at
             job.events.append(["requeued", round(died_at - job.submitted_at, 6), 0.0, {"node": node.node_id, "why": why}])
             self.queue.push(job.spec.task, job_id, front=True)
+            self._on_requeue(job)
         node.inflight.clear()
 
     def release(self, node: Node, job_ids: list[str]) -> list[str]:

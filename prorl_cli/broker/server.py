@@ -117,6 +117,7 @@ class Broker:
             on_end=self.outbox.job_finished,
             on_detach=self.router.job_ended,  # its generate calls are released (the routing seam)
             on_release=self.outbox.deliver,
+            on_requeue=lambda job: self.metrics.inc("prorl_jobs_requeued", (job.spec.task,)),
             partial_grace_s=bc.cancel_result_grace_s,
         )
         # The job table's dicts, under the names the ops and the router's seams read.

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from pathlib import Path
 
+from prorl_cli.testing.harness import Deployment
+from tests.harness import fixed_port, need_module
 from tests.observe.conftest import INSTANCES, ObservedRun, scrape, total
 
 
@@ -73,3 +78,21 @@ def test_heartbeat_metrics_are_checked_field_by_field() -> None:
                        (["x", [], 1.0, [-1]], r"metrics\[0\]\[3\]"), (["x", []], r"metrics\[0\]'"), ("x", r"metrics\[0\]'")):
         with pytest.raises(ProtocolError, match=field):
             check([bad])
+
+
+def test_a_job_requeued_from_a_lost_node_is_counted(tmp_path: Path) -> None:
+    """``prorl_jobs_requeued_total`` counts the jobs a lost node's death put back in the queue (a killed node,
+    its job running): documented, and the only series that shows requeues to an alert."""
+    need_module("prometheus_client", "observe")
+    port = fixed_port()
+    with Deployment(tmp_path / "home", "requeue", config={"broker": {"metrics_port": port}}) as d:
+        d.start_broker()
+        node = d.start_node("n1")
+        (job,) = d.client.submit("test", [{"sleep_s": {"run": 600}}])
+        d.wait_for(lambda st: st.jobs.get("run") == 1, 60, "the job to run")
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+        d.wait_for(lambda st: st.jobs.get("queued") == 1, 60, "the job to be queued again")
+        s = scrape(f"http://127.0.0.1:{port}/metrics")
+        assert total(s, "prorl_jobs_requeued_total", task="test") == 1, dict(s)
+        d.client.cancel([job])
