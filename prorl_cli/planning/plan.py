@@ -115,7 +115,7 @@ def make_plan(
         raise PlanError(f"in_flight {too_many}: more than {MAX_RUNNING} rollouts running at once is beyond what the "
                         "planner simulates (give --slots, or smaller candidates)")
     p_inf = workload.p_informative(group_size)
-    sweep = tuple(_prediction(simulate(workload, profile, cluster, n, steady_rollouts(rollouts, running[n])), p_inf,
+    sweep = tuple(_prediction(simulate(workload, profile, cluster, n, steady_rollouts(rollouts, running[n]), seed), p_inf,
                               group_size, cluster, steady_rollouts(rollouts, running[n]))
                   for n in candidates)
     best = recommend(sweep)
@@ -139,6 +139,8 @@ def plan_notes(workload: Workload, profile: SimProfile, slots: int | None, sweep
     - candidates above ``--nodes`` x ``--slots`` run that many at once, so their rows repeat the capped one;
     - a recommendation at the largest candidate (not capped by slots) may be short of the best: the sweep did
       not reach the point where more in flight stops paying;
+    - results left out (not ``done``, or no generate call) by reason: the figures do not count their cost;
+    - rollouts whose calls overlapped (sub-agents): replayed one call after another, slower than they ran;
     - results whose calls took less than :data:`FAST_RECORDING_SHARE` of the least time the profile needs for
       them (decoding alone, one sequence) were recorded on a faster clock: their tool gaps are short by the
       same factor unless ``--time-scale`` says so.
@@ -152,6 +154,18 @@ def plan_notes(workload: Workload, profile: SimProfile, slots: int | None, sweep
     if len(sweep) > 1 and best.in_flight == largest.in_flight and largest.in_flight not in capped:
         notes.append(f"the recommendation is the largest candidate tried ({largest.in_flight}): more in flight may "
                      "deliver more; add larger --in-flight candidates to find where it stops paying")
+    if workload.skipped_by:
+        counts = ", ".join(f"{reason} {n}" for reason, n in workload.skipped_by)
+        notes.append(f"{workload.source}: {workload.skipped} of {workload.skipped + len(workload.shapes)} results "
+                     f"left out ({counts}): the figures replay the {len(workload.shapes)} finished rollouts only, so "
+                     "they leave out the GPU and slot time that rollouts which fail, time out or are cancelled take "
+                     "in a run like this one")
+    overlapping = [s for s in workload.shapes if s.overlapping_calls]
+    if overlapping:
+        notes.append(f"{workload.source}: {len(overlapping)} of {len(workload.shapes)} rollouts made generate calls "
+                     "while another of theirs ran (sub-agents, parallel requests): the simulation replays each "
+                     "rollout's calls one after another, so its rollout seconds are long and its rollouts/s short "
+                     "for such rollouts")
     recorded = [(c, s) for shape in workload.shapes if len(shape.call_s) == len(shape.calls)
                 for c, s in zip(shape.calls, shape.call_s, strict=True)]
     if recorded:

@@ -34,6 +34,7 @@ prompts shared between a group's rollouts, network hops, failures.
 from __future__ import annotations
 
 import heapq
+import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -268,8 +269,13 @@ class _Engine:
 class _Simulation:
     """The event loop: engines, the broker's routing and admission, slots and the sampler."""
 
-    def __init__(self, workload: Workload, profile: SimProfile, cluster: ClusterShape, in_flight: int) -> None:
-        self.shapes = workload.shapes
+    def __init__(self, workload: Workload, profile: SimProfile, cluster: ClusterShape, in_flight: int,
+                 seed: int = 0) -> None:
+        # A results file lists rollouts in the order they ended, the quickest of each burst first: replayed in
+        # that order, a simulation shorter than the file would see only its quick ones. A seeded shuffle makes
+        # any stretch of the replay a fair sample of the file (a description's draws are independent anyway).
+        self.shapes = list(workload.shapes)
+        random.Random(seed).shuffle(self.shapes)
         self.cluster = cluster
         self.engines = [_Engine(self, profile) for _ in range(cluster.bridges)]
         self.kv_capacity = profile.kv_budget_tokens
@@ -422,11 +428,13 @@ class _Simulation:
         )
 
 
-def simulate(workload: Workload, profile: SimProfile, cluster: ClusterShape, in_flight: int, rollouts: int) -> SimResult:
+def simulate(workload: Workload, profile: SimProfile, cluster: ClusterShape, in_flight: int, rollouts: int,
+             seed: int = 0) -> SimResult:
     """Run ``workload`` on ``cluster`` with ``in_flight`` rollouts kept submitted until ``rollouts`` have ended.
 
     The first quarter of the completions is warm-up (every rollout starts at once at time 0); the figures
-    are over the rest. Shapes are used in order, cycling.
+    are over the rest. Shapes are used in an order shuffled with ``seed`` (not the file's order, which is
+    the order rollouts ended in), cycling.
     """
     cluster.validate()
     if not isinstance(in_flight, int) or in_flight < 1:
@@ -440,4 +448,4 @@ def simulate(workload: Workload, profile: SimProfile, cluster: ClusterShape, in_
             if call.prompt_tokens < 1 or call.prompt_tokens >= profile.max_model_len:
                 raise PlanError(f"{workload.source}: rollout {i} call {j}: prompt of {call.prompt_tokens} tokens "
                                 f"does not fit profile {profile.name}'s max_model_len {profile.max_model_len}")
-    return _Simulation(workload, profile, cluster, in_flight).run(rollouts, max(1, rollouts // 4))
+    return _Simulation(workload, profile, cluster, in_flight, seed).run(rollouts, max(1, rollouts // 4))

@@ -59,6 +59,9 @@ class RolloutShape:
     #: Seconds each call took as recorded (results only; on the recording's clock, not scaled): what
     #: :func:`prorl_cli.planning.plan.make_plan` compares with the profile to tell a faster recording.
     call_s: tuple[float, ...] = ()
+    #: Calls that started before the one before them ended (sub-agents, parallel requests through a
+    #: gateway): the simulation replays a rollout's calls one after another (results only).
+    overlapping_calls: int = 0
 
 
 @dataclass
@@ -71,6 +74,9 @@ class Workload:
     p_solve: tuple[float, ...] = ()
     #: Rollouts of the results file skipped (not done, no generate call), for the report.
     skipped: int = 0
+    #: Why they were skipped: the count per reason (a state other than ``done``, or ``done without generate
+    #: events``), in the order first met; what :func:`prorl_cli.planning.plan.plan_notes` reports.
+    skipped_by: tuple[tuple[str, int], ...] = ()
     #: A description's fields that steer a live replay only (``time_scale``, ``seed``, ...): read, not used.
     ignored: tuple[str, ...] = ()
     #: The ``time_scale`` results were read with (their clock ran this many times faster than the workload's).
@@ -81,14 +87,23 @@ class Workload:
 
         From a description: the mean over its prompts of ``1 - p**n - (1-p)**n``. From results with
         groups (``group_id``) of exactly ``group_size`` rollouts: the measured share of informative ones
-        among those groups. Otherwise each group's (or, without groups, the whole file's) success rate ``p`` (the mean reward,
-        rewards in [0, 1]) in that formula, averaged over groups.
+        among those groups. Otherwise, per group (or, without groups, for the whole file), the chance
+        that ``n`` rewards drawn from its rewards are not all equal, ``1 - sum(share_v**n)`` over its
+        distinct reward values ``v`` (for 0/1 rewards, ``1 - p**n - (1-p)**n`` with ``p`` the success
+        rate), averaged over groups. Any reward scale counts: -1/1 as 0/1, and a group whose rewards
+        are all 0.5 is not informative.
         """
         n = group_size
 
         def formula(p: float) -> float:
             p = min(1.0, max(0.0, p))
             return 1.0 - p ** n - (1.0 - p) ** n
+
+        def mixed(rewards: list[float]) -> float:
+            shares: dict[float, int] = {}
+            for r in rewards:
+                shares[r] = shares.get(r, 0) + 1
+            return 1.0 - sum((k / len(rewards)) ** n for k in shares.values())
 
         if self.p_solve:
             return sum(formula(p) for p in self.p_solve) / len(self.p_solve)
@@ -101,9 +116,9 @@ class Workload:
         if exact:
             return sum(len(set(g)) > 1 for g in exact) / len(exact)
         if full:
-            return sum(formula(sum(g) / len(g)) for g in full) / len(full)
+            return sum(mixed(g) for g in full) / len(full)
         rewards = [s.reward for s in self.shapes if s.reward is not None]
-        return formula(sum(rewards) / len(rewards)) if rewards else 0.0
+        return mixed(rewards) if rewards else 0.0
 
     @property
     def mean_calls(self) -> float:
@@ -124,17 +139,22 @@ class Workload:
         if not time_scale > 0:
             raise PlanError(f"time scale must be positive, got {time_scale}")
         shapes: list[RolloutShape] = []
-        skipped = 0
+        skipped: dict[str, int] = {}
         for where, row in _result_rows(p):
             shape = _shape_of_result(row, where, time_scale)
             if shape is None:
-                skipped += 1
+                state = row.get("state", "done")
+                reason = "done without generate events" if state == "done" else str(state)
+                skipped[reason] = skipped.get(reason, 0) + 1
             else:
                 shapes.append(shape)
         if not shapes:
+            if not skipped:
+                raise PlanError(f"{p}: no results in the file (it is empty)")
             raise PlanError(f"{p}: no finished rollout with generate events (state 'done' and a timeline) "
-                            f"among {skipped} result(s)")
-        return cls(str(p), shapes, skipped=skipped, time_scale=time_scale)
+                            f"among {sum(skipped.values())} result(s): {_counts(skipped)}")
+        return cls(str(p), shapes, skipped=sum(skipped.values()), skipped_by=tuple(skipped.items()),
+                   time_scale=time_scale)
 
     # ------------------------------------------------------------------ descriptions
 
@@ -160,6 +180,11 @@ class Workload:
         shapes = [spec.draw(rng) for _ in range(count)]
         ignored = tuple(sorted(set(map(str, desc)) & _REPLAY_ONLY))
         return cls(f"{where} (seed {seed})", shapes, p_solve=spec.p_solve, ignored=ignored)
+
+
+def _counts(counts: Mapping[str, int]) -> str:
+    """``failed 3, timed_out 1``."""
+    return ", ".join(f"{reason} {n}" for reason, n in counts.items())
 
 
 def _result_rows(p: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
@@ -217,8 +242,10 @@ def _shape_of_result(row: Mapping[str, Any], where: str, time_scale: float) -> R
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
         raise PlanError(f"{where}: reward must be a number or null, got {reward!r}")
     group = row.get("group_id")
+    overlapping = sum(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))
     return RolloutShape(calls, gaps, lead, tail, None if reward is None else float(reward),
-                        group if isinstance(group, str) else None, tuple(max(0.0, e - s) for s, e, _, _ in spans))
+                        group if isinstance(group, str) else None, tuple(max(0.0, e - s) for s, e, _, _ in spans),
+                        overlapping)
 
 
 @dataclass(frozen=True)

@@ -392,3 +392,88 @@ def test_results_recorded_faster_than_the_profile_are_noted(tmp_path: Path, prof
     res = _invoke("--results", str(fast), "--bridges", "1", "--in-flight", "1", "--rollouts", "8")
     assert res.exit_code == 0, res.output
     assert "note: " + str(fast) + ": its generate calls took" in res.stdout
+
+
+def test_results_in_the_order_they_ended_are_replayed_as_a_fair_sample(profile: SimProfile) -> None:
+    """A results file lists rollouts as they ended: the quick ones first. Replayed in that order, a simulation
+    shorter than the file saw only the quick ones and predicted several times the rollouts/s; the planner now
+    replays a seeded shuffle, so the file's order does not change the figures much."""
+    quick = RolloutShape((Call(1000, 20),), ())
+    slow = RolloutShape(tuple(Call(1000 + 400 * k, 100) for k in range(12)), (2.0,) * 11)
+    quick_first = Workload("ended-order.jsonl", [quick] * 400 + [slow] * 400)
+    slow_first = Workload("reversed.jsonl", [slow] * 400 + [quick] * 400)
+
+    def rate(work: Workload) -> float:
+        plan = make_plan(work, profile, ClusterShape(bridges=1), group_size=2, in_flight=[4], rollouts=100)
+        return plan.sweep[0].rollouts_per_s
+
+    a, b = rate(quick_first), rate(slow_first)
+    assert 0.67 < a / b < 1.5, (a, b)
+
+
+def test_rewards_on_any_scale_make_informative_groups(tmp_path: Path, profile: SimProfile) -> None:
+    """Rewards of -1/1 (or partial credit) in groups of another size than --group-size: the success-rate
+    formula clamped the mean (0 for a -1/1 group) and said no group was ever informative; the chance now
+    comes from the share of each reward value, as for 0/1 rewards."""
+    path = tmp_path / "signed.jsonl"
+    rewards = {"a": [-1.0, 1.0], "b": [1.0, 1.0], "c": [0.5, 0.5], "d": [0.0, 0.5]}
+    path.write_text("".join(_result_line(f"{g}-{k}", g, r, calls=((0.6, 1.0, 500, 20),)) + "\n"
+                            for g, rs in rewards.items() for k, r in enumerate(rs)))
+    w = Workload.from_results(path)
+    # a and d: two values, half each; b and c: one value.
+    assert w.p_informative(4) == pytest.approx(2 * (1 - 2 * 0.5 ** 4) / 4)
+    assert w.p_informative(2) == 0.5  # groups of 2 measured: a and d differ
+    plan = make_plan(w, profile, ClusterShape(bridges=1), group_size=4, in_flight=[2], rollouts=8)
+    assert plan.rule == RULE and plan.p_informative > 0
+    # Without groups: the whole file's reward values.
+    flat = Workload("flat", [RolloutShape((Call(500, 20),), (), reward=r) for r in (-1.0, 1.0, 1.0, -1.0)])
+    assert flat.p_informative(8) == pytest.approx(1 - 2 * 0.5 ** 8)
+
+
+def test_results_left_out_are_counted_by_reason_and_noted(tmp_path: Path, profile: SimProfile) -> None:
+    """Failed, timed-out and cancelled jobs (and finished ones with no generate call) were dropped without a
+    word, so a run where half the rollouts timed out planned as if they had not run; the plan now says how
+    many were left out and why, and that their cost is not in the figures."""
+    path = tmp_path / "mixed.jsonl"
+    no_calls = json.loads(_result_line("e-0", "e", 1.0, calls=()))
+    path.write_text("\n".join([
+        _result_line("a-0", "a", 1.0, calls=((0.6, 1.0, 500, 20),)),
+        _result_line("a-1", "a", 0.0, calls=((0.6, 1.0, 500, 20),)),
+        _result_line("b-0", "b", 0.0, state="failed", calls=((0.6, 1.0, 500, 20),)),
+        _result_line("b-1", "b", 0.0, state="timed_out", calls=((0.6, 1.0, 500, 20),)),
+        _result_line("c-0", "c", 0.0, state="timed_out", calls=((0.6, 1.0, 500, 20),)),
+        json.dumps(no_calls),
+    ]) + "\n")
+    w = Workload.from_results(path)
+    assert w.skipped == 4 and w.skipped_by == (("failed", 1), ("timed_out", 2), ("done without generate events", 1))
+    plan = make_plan(w, profile, ClusterShape(bridges=1), group_size=2, in_flight=[1], rollouts=8)
+    [note] = [n for n in plan.notes if "left out" in n]
+    assert note.startswith(f"{path}: 4 of 6 results left out (failed 1, timed_out 2, done without generate events 1)")
+    res = _invoke("--results", str(path), "--bridges", "1", "--in-flight", "1", "--rollouts", "8")
+    assert res.exit_code == 0, res.output
+    assert "4 of 6 results left out" in res.stdout
+    # An empty file says so, rather than "no finished rollout among 0 result(s)".
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(PlanError, match="empty.jsonl: no results in the file"):
+        Workload.from_results(empty)
+    only_failed = tmp_path / "failed.jsonl"
+    only_failed.write_text(_result_line("b-0", "b", 0.0, state="failed", calls=((0.6, 1.0, 500, 20),)) + "\n")
+    with pytest.raises(PlanError, match=r"among 1 result\(s\): failed 1"):
+        Workload.from_results(only_failed)
+
+
+def test_rollouts_with_overlapping_calls_are_noted(tmp_path: Path, profile: SimProfile) -> None:
+    """A harness job whose sub-agents call the model at once records overlapping generate spans; the replay
+    runs them one after another (slower than they ran), which the plan now says instead of leaving unsaid."""
+    path = tmp_path / "subagents.jsonl"
+    path.write_text("\n".join([
+        # Two sub-agents' calls at once (0.6-1.6 and 0.8-1.8), then the parent's.
+        _result_line("h-0", "h", 1.0, calls=((0.6, 1.0, 500, 20), (0.8, 1.0, 700, 30), (2.0, 1.0, 900, 10))),
+        _result_line("h-1", "h", 0.0, calls=((0.6, 1.0, 500, 20), (2.0, 1.0, 900, 10))),
+    ]) + "\n")
+    w = Workload.from_results(path)
+    assert [s.overlapping_calls for s in w.shapes] == [1, 0]
+    plan = make_plan(w, profile, ClusterShape(bridges=1), group_size=2, in_flight=[1], rollouts=8)
+    assert any(n.startswith(f"{path}: 1 of 2 rollouts made generate calls while another of theirs ran")
+               for n in plan.notes), plan.notes

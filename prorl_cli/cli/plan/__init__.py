@@ -53,7 +53,7 @@ def _in_flight_list(ctx: click.Context, param: click.Parameter, value: str) -> l
               metavar="N,N,...", help="Candidates for the sampler's jobs in flight.")
 @click.option("--rollouts", type=click.IntRange(min=4), default=1000, show_default=True,
               help="Rollouts each simulation completes (the first quarter is warm-up); a description draws this many.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of a description's draws.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of a description's draws, and of the order a results file's rollouts are replayed in.")
 @click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="--results were recorded on a clock this many times faster (a sim replay's speedup): tool gaps x it.")
 @click.option("--kv-admission", type=click.FloatRange(min=0, max=4), default=1.0, show_default=True,
@@ -76,8 +76,10 @@ def plan(
     seconds of compute: the same input gives the same figures. Notes after
     the table say what the figures do not: candidates above --nodes x --slots
     (they run that many at once), a recommendation at the largest candidate
-    (try larger ones), results recorded faster than --profile serves their
-    calls (a sim engine's speedup: pass it as --time-scale).
+    (try larger ones), results left out (failed, timed out, cancelled, no
+    generate call: their cost is not in the figures), results recorded
+    faster than --profile serves their calls (a sim engine's speedup: pass
+    it as --time-scale).
 
     \b
     A workload description, e.g. swe.yaml:
@@ -141,6 +143,6 @@ def _print_plan(app: App, result: Plan) -> None:
     r = result.recommended
     app.console.print(f"recommended: --max-in-flight {r.in_flight} ({r.rollouts_per_s:.4g} rollouts/s, "
                       f"{r.informative_groups_per_gpu_hour:.4g} informative groups per GPU-hour, "
-                      f"GPU busy {r.gpu_busy_share:.0%}): {result.rule}")
+                      f"GPU busy {r.gpu_busy_share:.1%}): {result.rule}")
     for note in result.notes:
         app.console.print(f"note: {note}", soft_wrap=True, markup=False)
