@@ -81,8 +81,9 @@ def run_submission(
             tell(app, f"{signals.how}: cancelled {cancel_jobs(app, client, ids)} job(s)")
             raise
         selected = id_prefix_of(prefix)
-        results = collect(app, client, list(ids), task, sink,
-                          cancel_hint=SUBMIT_CANCEL_HINT if cancel_hint is None else cancel_hint, signals=signals,
+        if cancel_hint is None:
+            cancel_hint = f"{SUBMIT_CANCEL_HINT}; {resume_hint(prefix)}"
+        results = collect(app, client, list(ids), task, sink, cancel_hint=cancel_hint, signals=signals,
                           poll=lambda: client.list_jobs(prefix=selected))
     print_summary(app, results, time.monotonic() - started, sink.written)
     sink.check()
@@ -105,11 +106,20 @@ def submit_jobs(
     """
     import uuid
 
+    from prorl_cli.cli.jobs.collect import Resumed, rerun_cancelled
     from prorl_cli.exceptions import ProrlError
 
     prefix = id_prefix or f"{AUTO_PREFIX}-{uuid.uuid4().hex[:10]}"
     rows = list(range(len(instances))) if lines is None else lines
     ids = [f"{prefix}-{row}-{k}" for row in rows for k in range(n)]
+    resumed = Resumed(0, 0)
+    if id_prefix is not None:  # a fresh prefix names no earlier run
+        try:
+            wanted = set(ids)
+            resumed = rerun_cancelled(client, {j: state for j, state in client.list_jobs(prefix=id_prefix_of(prefix))
+                                               .items() if j in wanted})
+        except ProrlError as e:
+            app.abort(f"--id-prefix {prefix}: could not ask the broker for the jobs of an earlier run under it: {e}")
     # One submit op for the whole set (one journal flush); the group of each job is its line. A row's own id
     # goes in the jobs' meta, which every result echoes: results join back to the dataset by it.
     specs = [spec for i, row in enumerate(rows) for spec in client.make_specs(
@@ -128,14 +138,24 @@ def submit_jobs(
             app.abort(f"submit failed: {e}; send it again with --id-prefix {prefix} (what the broker took is not "
                       "run twice)")
         app.abort(f"submit failed: {e}")
-    if submitted.existing:
+    if submitted.existing or resumed.again:
         # The same ids resume a submission; a user who changed the seed, the sampling or the rows under an old
         # prefix would otherwise get the earlier rollouts back as if they were new.
         app.err_console.print(
             f"note: {len(submitted.existing)} of {len(ids)} job id(s) under --id-prefix {prefix} already exist at the "
-            "broker: their earlier jobs and results are returned, not new rollouts (a resumed submission); for new "
-            "rollouts (another --seed, other sampling or rows) give a new --id-prefix", soft_wrap=True, markup=False)
+            "broker: their earlier jobs and results are returned, not new rollouts (a resumed submission)"
+            + (f"; {resumed.again} it held cancelled (an interrupted run) run again under the same ids"
+               if resumed.again else "")
+            + "; for new rollouts (another --seed, other sampling or rows) give a new --id-prefix",
+            soft_wrap=True, markup=False)
     return prefix, ids
+
+
+def resume_hint(prefix: str) -> str:
+    """How an interrupted submission under ``prefix`` is resumed (:func:`submit_jobs`: what ended is taken as it
+    is, what was cancelled runs again)."""
+    return (f"the same command with --id-prefix {prefix} resumes (the jobs that ended are taken as they are, the "
+            "cancelled ones run again)")
 
 
 def _interrupted_submission(app: App, client: RolloutClient, task: str, prefix: str, ids: list[str],
@@ -163,7 +183,7 @@ def _interrupted_submission(app: App, client: RolloutClient, task: str, prefix: 
     tell(app, f"{how} while submitting: cancelled {counts.cancelled} job(s) of {task!r} (ids {prefix}-LINE-K); the "
               f"broker had taken {counts.taken} of {len(ids)}"
               + (f", {counts.taken - counts.cancelled} of them ended already" if counts.taken > counts.cancelled else "")
-              + " (--detach leaves a submission running)")
+              + f" (--detach leaves a submission running); {resume_hint(prefix)}")
 
 
 #: A row id longer than this stays out of the meta (ids are short; meta is capped at 4 KiB packed).
@@ -197,7 +217,8 @@ def row_meta(instance: Any) -> dict[str, Any] | None:
 @click.option("--only-done", is_flag=True, help="--out keeps only jobs that ended done.")
 @click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), help="In-stage time budget per job.")
 @click.option("--id-prefix", metavar="PREFIX",
-              help="Job ids PREFIX-LINE-K (default: a fresh sub-XXXXXXXXXX): resubmitting resumes instead of rerunning, "
+              help="Job ids PREFIX-LINE-K (default: a fresh sub-XXXXXXXXXX): resubmitting resumes instead of rerunning "
+                   "(jobs that ended are taken as they are; ones an interrupt cancelled run again under their ids), "
                    "and `prorl results --prefix PREFIX` collects them.")
 @click.option("--detach", is_flag=True, help="Submit, print the id prefix and exit; collect later with `prorl results --prefix`.")
 @click.option("--strict", is_flag=True, help="Exit 1 when any job did not end done (by default failed and timed-out jobs are counted, not errors).")
@@ -229,10 +250,13 @@ def submit(
     
     Ctrl-C, SIGTERM (scancel, a batch job's time limit) or SIGHUP (a dropped ssh session), while
     the jobs are sent or after, cancels what this command submitted and has not ended, says how
-    many, and exits 130, 143 or 129. With --detach a signal while sending leaves what the broker
+    many and how to resume (the same command with its --id-prefix), and exits 130, 143 or 129.
+    --out may not be TASKS itself. With --detach a signal while sending leaves what the broker
     took (the same command with its --id-prefix sends the rest); under nohup SIGHUP stays ignored.
     For GRPO groups with DAPO dynamic sampling, see `prorl sample`.
     """
+    from prorl_cli.cli.jobs.collect import refuse_tasks_as_out
+
     if dapo:
         app.abort("dynamic sampling is its own command: prorl sample TASKS --task T --group-size G --target-groups N "
                   "(prorl sample --help)")
@@ -247,6 +271,7 @@ def submit(
                   "instead of --out")
     if out is not None:
         check_out_path(app, out)
+        refuse_tasks_as_out(app, out, tasks_file)
     with connect(app, address) as client:
         if detach:
             with interrupt_signals() as signals:

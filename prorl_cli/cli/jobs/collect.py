@@ -142,6 +142,12 @@ class ResultFile:
             self.app.abort(self.problem)
 
 
+def refuse_tasks_as_out(app: App, out: Path, tasks_file: Path) -> None:
+    """Refuse an ``--out`` that is the TASKS file itself: the results would overwrite the rows they are made of."""
+    if out.exists() and out.samefile(tasks_file):
+        app.abort(f"--out {out}: that is the TASKS file: the results would overwrite its rows; name another file")
+
+
 #: What writing a Parquet ``--out`` raises when it cannot be written: pyarrow gone or failing (its ArrowInvalid and
 #: ArrowTypeError are a ValueError and a TypeError), or a trajectory that does not read back. The results then
 #: stay whole, as JSONL beside it (:func:`write_stand_in`), and the error says why.
@@ -418,6 +424,43 @@ def cancel_counts(client: RolloutClient, ids: list[str]) -> CancelCounts:
     states = client.cancel(ids) if ids else {}
     return CancelCounts(cancelled=sum(1 for state in states.values() if state == "cancelled"),
                         taken=sum(1 for state in states.values() if state != "unknown"))
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a run under an earlier run's ids found at the broker: ``taken`` jobs it holds that are taken as they
+    are (ended, or still running), and ``again``, those it held cancelled, forgotten so that they run again."""
+
+    taken: int
+    again: int
+
+    def describe(self, what: str) -> str:
+        """``what`` (``--id-prefix P``) resumes an earlier run: the counts, for stderr."""
+        return (f"{what} resumes an earlier run: {self.taken} job(s) of it taken as they are (ended or still "
+                "running; their results, not new rollouts)" + (f"; {self.again} it cancelled run again" if self.again
+                                                                 else ""))
+
+
+#: How long a resumed run waits for the results of the jobs an earlier run cancelled before it runs them again:
+#: the broker sends a cancelled job's result once its node reported what the job did (at most
+#: ``broker.cancel_result_grace_s`` after the cancel).
+RERUN_WAIT_S = 60.0
+
+
+def rerun_cancelled(client: RolloutClient, held: Mapping[str, str], wait_s: float = RERUN_WAIT_S) -> Resumed:
+    """Before a run submits ids an earlier run may have used (the same ``--id-prefix``), given the states the broker
+    ``held`` of them (``list_jobs``): forget at the broker those it holds cancelled, so that submitting their ids
+    again runs them again; every other job it holds is taken as it is.
+
+    The broker answers an id it holds with that job as it ended: a job cancelled by an interrupted run would come
+    back cancelled for ever. The cancelled jobs' results are waited for first: until its node reported, the broker
+    keeps a cancelled job to adopt the node's partial result, and a job forgotten before that could take the old
+    node's late report for the new job's. The ids stay the same (a group keeps its members, a job its seed)."""
+    cancelled = [j for j, state in held.items() if state == "cancelled"]
+    if cancelled:
+        client.wait(cancelled, timeout_s=wait_s)
+        client.forget(cancelled)
+    return Resumed(taken=len(held) - len(cancelled), again=len(cancelled))
 
 
 def cancel_jobs(app: App, client: RolloutClient, ids: list[str]) -> int:

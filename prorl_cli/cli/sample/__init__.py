@@ -14,6 +14,7 @@ with the sampler's error (``--max-groups-per-step``,
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from rich.live import Live
     from rich.text import Text
 
+    from prorl_cli.client import RolloutClient
     from prorl_cli.exceptions import SamplerError
     from prorl_cli.training.sampler import StepBatch, StepStats
 
@@ -73,7 +75,8 @@ LIMIT_OPTIONS = {"max_groups_per_step": "--max-groups-per-step", "max_consecutiv
               help="Stop with an error when a step has not reached --target-groups within S seconds [default: none].")
 @click.option("--id-prefix", metavar="PREFIX",
               help="Run id: job ids and group ids start with it [default: dapo-<random>, new for each run; the same "
-                   "PREFIX again gets the jobs the broker still holds under its ids back, not new ones].")
+                   "PREFIX again resumes: the jobs the broker still holds under its ids come back as they ended, not "
+                   "new ones, and those it holds cancelled (an interrupted run's) run again].")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
 @deployment_option
 @sampling_options
@@ -104,11 +107,12 @@ def sample(
 
     \b
     Ctrl-C, SIGTERM (a batch job's time limit) or SIGHUP (a dropped ssh
-    session) cancels the jobs in flight, says how many, and exits 130, 143
-    or 129; under nohup SIGHUP stays ignored.
+    session) cancels the jobs in flight, says how many and the run id that
+    resumes (--id-prefix), and exits 130, 143 or 129; under nohup SIGHUP
+    stays ignored. --out may not be TASKS itself.
     """
     from prorl_cli.cli.common import interrupt_signals
-    from prorl_cli.cli.jobs.collect import tell
+    from prorl_cli.cli.jobs.collect import refuse_tasks_as_out, tell
     from prorl_cli.exceptions import ProrlError, SamplerError
     from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
 
@@ -119,6 +123,7 @@ def sample(
         app.abort(f"{tasks_file}: no instances")
     if out is not None:
         check_out_path(app, out)
+        refuse_tasks_as_out(app, out, tasks_file)
     cfg = SamplerConfig(group_size=group_size, target_groups=target_groups, max_in_flight=max_in_flight,
                         run_id=id_prefix or f"dapo-{uuid.uuid4().hex[:10]}", timeout_s=timeout_s, sampling=sampling,
                         max_groups_per_step=max_groups_per_step, max_consecutive_failures=max_consecutive_failures,
@@ -129,6 +134,8 @@ def sample(
     # SIGTERM (a batch job's time limit) and SIGHUP (a dropped ssh session) end it as Ctrl-C does: the jobs in
     # flight are cancelled (nobody would take their results), said, and it exits 143 or 129 (Ctrl-C: 130).
     with interrupt_signals() as signals, connect(app, address) as client:
+        if id_prefix is not None:  # a fresh run id names no earlier run
+            _resume(app, client, cfg.run_id)
         sampler = BlockingDapoSampler(client, task, instances, cfg)
         try:
             with live_line(app) as live:
@@ -148,7 +155,7 @@ def sample(
         finally:
             sampler.close()  # cancels the jobs still in flight: a stopped step leaves nothing running
             if interrupted is not None:
-                tell(app, f"{signals.how}: cancelled {interrupted} job(s) in flight")
+                tell(app, f"{signals.how}: cancelled {interrupted} job(s) in flight; {_resume_hint(cfg.run_id, batches)}")
                 _keep_steps(app, batches, out)
     written: Path | None = None
     problem: str | None = None
@@ -165,6 +172,35 @@ def sample(
                       + (f"; results in {written}" if written else ""))
     if problem is not None:  # after the summary, which says where the results are, as `prorl submit` ends
         app.abort(problem)
+
+
+def _run_jobs(run_id: str, held: dict[str, str]) -> dict[str, str]:
+    """Of the jobs the broker ``held`` under ``RUN-s``, those of run ``run_id`` (``RUN-sSTEP-pPROMPT-kK``)."""
+    shape = re.compile(rf"{re.escape(run_id)}-s\d+-p.+-k\d+")
+    return {j: state for j, state in held.items() if shape.fullmatch(j)}
+
+
+def _resume(app: App, client: RolloutClient, run_id: str) -> None:
+    """``--id-prefix`` of an earlier run: the jobs of it that the broker holds cancelled (an interrupted run's)
+    are forgotten there, so that the sampler's same ids run them again; the others are taken as they are."""
+    from prorl_cli.cli.jobs.collect import rerun_cancelled, tell
+    from prorl_cli.exceptions import ProrlError
+
+    try:
+        ours = _run_jobs(run_id, client.list_jobs(prefix=f"{run_id}-s"))
+        resumed = rerun_cancelled(client, ours) if ours else None
+    except ProrlError as e:
+        app.abort(f"--id-prefix {run_id}: could not ask the broker for the jobs of an earlier run under it: {e}")
+    if resumed is not None:
+        tell(app, resumed.describe(f"--id-prefix {run_id}"))
+
+
+def _resume_hint(run_id: str, batches: list[StepBatch]) -> str:
+    """How an interrupted run is resumed, and what that costs."""
+    again = (" (the steps done are sampled again: a step's jobs are dropped at the broker once the next one "
+             "starts)" if batches else "")
+    return (f"the same command with --id-prefix {run_id} resumes: the jobs that ended are taken as they are, the "
+            f"cancelled ones run again{again}")
 
 
 def _keep_steps(app: App, batches: list[StepBatch], out: Path | None) -> None:
