@@ -196,3 +196,20 @@ def test_a_signal_on_results_leaves_the_jobs_running_and_ends_with_its_code(
     assert client.cancelled == []
     assert "hung up (SIGHUP): 2 job(s) still running" in r.stderr and "--prefix p --follow" in r.stderr
     assert r.stderr.rstrip().splitlines()[-1] == "error: hung up (SIGHUP)"
+
+
+def test_the_rate_counts_the_jobs_that_end_while_the_command_watches() -> None:
+    """Results collected after their jobs ended arrive at once: counted in the rate, ``prorl results`` showed
+    thousands of jobs/s. Jobs the first poll finds ended are left out of it; a selection all ended has no rate."""
+    ids = [f"j{i}" for i in range(4)]
+    tally = collect_module.Tally(len(ids))
+    tally.polled({"j0": "done", "j1": "failed", "j2": "running", "j3": "queued"}, ids)
+    tally.started_s -= 10.0  # as if it had watched for 10 s
+    for job_id, state in (("j0", "done"), ("j1", "failed")):
+        tally.add(JobResult(job_id=job_id, task="t", state=state))
+    assert tally.text().endswith("; 0.0 jobs/s"), tally.text()
+    tally.add(JobResult(job_id="j2", task="t", state="done"))
+    assert "; 0.1 jobs/s" in tally.text(), tally.text()
+    ended = collect_module.Tally(2)
+    ended.polled({"j0": "done", "j1": "cancelled"}, ["j0", "j1"])
+    assert "jobs/s" not in ended.text()

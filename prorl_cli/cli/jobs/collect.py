@@ -236,6 +236,10 @@ class Tally:
     left_out: dict[str, int] = field(default_factory=dict)
     #: A command's own count, last on the line (``prorl eval``: ``resolved 3``).
     note: str = ""
+    #: Jobs the first poll found ended already (collected after the fact, as ``prorl results`` does): their
+    #: results arrive at once, and counting them would make the rate the speed of reading, not of the jobs.
+    ended_before: int = 0
+    _first_poll: bool = field(default=True, init=False, repr=False)
 
     @property
     def taken(self) -> int:
@@ -251,7 +255,15 @@ class Tally:
 
     def polled(self, states: Mapping[str, str], left: Iterable[str]) -> None:
         """The broker's ``states`` (``list_jobs``) of the jobs still ``left``."""
+        from prorl_cli.protocol import TERMINAL_STATES
+
+        left = list(left)
         self.queued = sum(1 for j in left if states.get(j) == "queued")
+        if self._first_poll:  # the rate counts from here, without the jobs that had ended
+            self._first_poll = False
+            terminal = {s.value for s in TERMINAL_STATES}
+            self.ended_before = self.taken + sum(1 for j in left if states.get(j) in terminal)
+            self.started_s = time.monotonic()
 
     def text(self) -> str:
         """``12/40 ended (done 10, failed 2); running 5, queued 23; 0.4 jobs/s``: the states the summary counts."""
@@ -260,7 +272,8 @@ class Tally:
         if self.taken < self.total:
             line += f"; running {self.running}, queued {self.queued}"
         elapsed_s = max(time.monotonic() - self.started_s, 1e-9)
-        line += f"; {self.taken / elapsed_s:.1f} jobs/s"
+        if self.ended_before < self.total:  # else every job had ended: no rate to tell
+            line += f"; {max(self.taken - self.ended_before, 0) / elapsed_s:.1f} jobs/s"
         if self.left_out:
             line += "; not collected (--follow waits): " + ", ".join(f"{k} {v}" for k, v in sorted(self.left_out.items()))
         return line + (f"; {self.note}" if self.note else "")
