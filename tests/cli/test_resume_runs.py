@@ -135,6 +135,7 @@ def test_sample_again_under_its_prefix_takes_the_ended_group_and_runs_the_cancel
     assert "2 informative group(s) of 2; 0 filtered, 0 job(s) cancelled" in again.stdout
     assert "--id-prefix smp1 resumes an earlier run: 2 job(s) of it taken as they are" in again.stderr, again.stderr
     assert "2 it cancelled run again" in again.stderr, again.stderr
+    assert "already exist at the broker" not in again.stderr, again.stderr  # said once, as a resume, not a warning
     # The group that had ended ran once; the cancelled one again.
     runs = journal.read_text().split()
     assert sorted(runs) == ["smp1-s0-p0-k0", "smp1-s0-p0-k1", "smp1-s0-p1-k0", "smp1-s0-p1-k0",

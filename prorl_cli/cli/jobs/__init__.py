@@ -78,7 +78,7 @@ def run_submission(
                 app.err_console.print(f"submitted {len(ids)} job(s), ids {prefix}-LINE-K; from another terminal: "
                                       f"{sink.recollect} --follow", soft_wrap=True, markup=False)
         except KeyboardInterrupt:  # between the submission and the collection, which cancels from here on
-            tell(app, f"{signals.how}: cancelled {cancel_jobs(app, client, ids)} job(s)")
+            tell(app, f"{signals.how}: cancelled {cancel_jobs(app, client, ids)} job(s); {resume_hint(prefix)}")
             raise
         selected = id_prefix_of(prefix)
         if cancel_hint is None:

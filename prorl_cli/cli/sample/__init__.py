@@ -134,9 +134,9 @@ def sample(
     # SIGTERM (a batch job's time limit) and SIGHUP (a dropped ssh session) end it as Ctrl-C does: the jobs in
     # flight are cancelled (nobody would take their results), said, and it exits 143 or 129 (Ctrl-C: 130).
     with interrupt_signals() as signals, connect(app, address) as client:
-        if id_prefix is not None:  # a fresh run id names no earlier run
-            _resume(app, client, cfg.run_id)
+        resuming = id_prefix is not None and _resume(app, client, cfg.run_id)  # a fresh run id names no earlier run
         sampler = BlockingDapoSampler(client, task, instances, cfg)
+        sampler.sampler.resuming = resuming  # said above: the sampler's warning of existing ids would be noise
         try:
             with live_line(app) as live:
                 sampler.sampler.on_progress = lambda st: live.update(progress_text(st, target_groups))
@@ -180,9 +180,10 @@ def _run_jobs(run_id: str, held: dict[str, str]) -> dict[str, str]:
     return {j: state for j, state in held.items() if shape.fullmatch(j)}
 
 
-def _resume(app: App, client: RolloutClient, run_id: str) -> None:
+def _resume(app: App, client: RolloutClient, run_id: str) -> bool:
     """``--id-prefix`` of an earlier run: the jobs of it that the broker holds cancelled (an interrupted run's)
-    are forgotten there, so that the sampler's same ids run them again; the others are taken as they are."""
+    are forgotten there, so that the sampler's same ids run them again; the others are taken as they are.
+    Whether the broker held jobs of an earlier run under it."""
     from prorl_cli.cli.jobs.collect import rerun_cancelled, tell
     from prorl_cli.exceptions import ProrlError
 
@@ -191,8 +192,10 @@ def _resume(app: App, client: RolloutClient, run_id: str) -> None:
         resumed = rerun_cancelled(client, ours) if ours else None
     except ProrlError as e:
         app.abort(f"--id-prefix {run_id}: could not ask the broker for the jobs of an earlier run under it: {e}")
-    if resumed is not None:
-        tell(app, resumed.describe(f"--id-prefix {run_id}"))
+    if resumed is None:
+        return False
+    tell(app, resumed.describe(f"--id-prefix {run_id}"))
+    return True
 
 
 def _resume_hint(run_id: str, batches: list[StepBatch]) -> str:
