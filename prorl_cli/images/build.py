@@ -33,8 +33,12 @@ from prorl_cli.images.plan import Plan, decide
 from prorl_cli.processes import stop_group
 
 LOG_TAIL_LINES = 25
-_STEP_RE = re.compile(r"^(INFO|VERBOSE):\s+(.*)")
+#: A step Apptainer announces ("INFO:    Running post scriptlet", "Creating SIF file..."): its message starts with a
+#: verb in -ing. Its other INFO lines are hints ("To see mksquashfs output ... enable verbose logging", "Non-gzip
+#: squashfs compression might not work ..."), which a failure must not be reported "at".
+_STEP_RE = re.compile(r"^(INFO|VERBOSE):\s+([A-Z][a-z]+ing\b.*)")
 _TERM_GRACE_S = 10.0
+_COMMAND_CHARS = 300  # of the failed command shown in the error (the log has it whole)
 #: Apptainer's layer cache is not safe for concurrent builds (sylabs/singularity#3634): a build that reads a blob
 #: or index another build is writing fails fetching its base with one of these (a bare ``get: EOF`` from a
 #: blob read while it was cut short; apptainer/apptainer#1901's missing descriptor). Such a build is tried again.
@@ -295,6 +299,9 @@ class Builder:
         prefix = [sys.executable, "-m", "prorl_cli.images.runner", str(os.getpid()), str(_TERM_GRACE_S)]
         tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         step = "starting apptainer"
+        # Apptainer runs %setup/%post with `sh -x`: the last "+ " line before a failure is the command that failed,
+        # which a step printing more than the tail's lines (a pip install) would otherwise push out of sight.
+        command: str | None = None
         make_dirs(log_path.parent)
         timed_out = threading.Event()
         # The log of an earlier try of this key (a failed build, a scratch rebuild) may be another user's, which
@@ -323,7 +330,9 @@ class Builder:
                     tail.append(line)
                     m = _STEP_RE.match(line)
                     if m:
-                        step = m.group(2).strip()
+                        step, command = m.group(2).strip(), None
+                    elif line.startswith("+ "):
+                        command = line[2:]
                 rc = proc.wait()
             except BaseException:
                 stop_group(proc, _TERM_GRACE_S + 5)
@@ -336,10 +345,17 @@ class Builder:
             why = f"timed out after {self.timeout_s:g} s" if timed_out.is_set() else f"apptainer exited with status {rc}"
             fatal = next((t for t in reversed(tail) if t.startswith("FATAL")), None)
             msg = f"image {name}: build failed ({why}) at step: {step}"
+            if command is not None:
+                shown = command if len(command) <= _COMMAND_CHARS else command[:_COMMAND_CHARS] + " …"
+                msg += f"\n  failed command: {shown}"
             if fatal:
                 msg += f"\n  {fatal}"
             if any("fakeroot" in t or "subuid" in t for t in tail):
                 msg += _rootless_hint()
+            if any("no space left on device" in t for t in tail):
+                msg += ("\n  hint: a file system is full (the path above): `prorl images prune` removes superseded builds"
+                        " of this cache; --cache-dir (images.cache_dir) moves the cache, APPTAINER_TMPDIR Apptainer's"
+                        " temporary folder")
             if step.startswith("Extracting local image") and any("failed to change uid and gids" in t for t in tail):
                 msg += ("\n  hint: under --fakeroot Apptainer cannot extract a local .sif base whose files belong to"
                         " users other than root (apptainer/apptainer#3186); start this image from debootstrap: or docker:// instead")

@@ -136,6 +136,15 @@ def _instructions(text: str) -> list[Instruction]:
     return out
 
 
+def _leading_flags(args: str) -> tuple[list[str], str]:
+    """The ``--name=value`` flags an instruction's arguments start with, and the arguments after them."""
+    flags: list[str] = []
+    while m := re.match(r"(--\S+)\s*", args):
+        flags.append(m.group(1))
+        args = args[m.end():]
+    return flags, args
+
+
 def _in_workdir(dest: str, workdir: str) -> str:
     """``dest`` as an absolute path (Docker resolves a relative one against WORKDIR); a folder keeps its "/"."""
     if dest.startswith("/"):
@@ -169,11 +178,7 @@ def _convert_copy(ins: Instruction, context: Path, workdir: str, index: int, ima
     """
     out = _Copy()
     where = f"image {image}: {path}: line {ins.line}"
-    flags: list[str] = []
-    rest = ins.args
-    while m := re.match(r"(--\S+)\s*", rest):  # COPY [--chown=...] ... SRC... DEST, or the JSON form after the flags
-        flags.append(m.group(1))
-        rest = rest[m.end():]
+    flags, rest = _leading_flags(ins.args)  # COPY [--chown=...] ... SRC... DEST, or the JSON form after the flags
     if rest.startswith("["):
         try:
             words = json.loads(rest)
@@ -285,6 +290,17 @@ def _with_build_args(args: str, build_args: dict[str, str], consumed: set[str]) 
             consumed.add(name)
             value = build_args[name].replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
             word = f'{name}="{value}"'
+        out.append(word)
+    return " ".join(out)
+
+
+def _inherit(args: str, global_args: dict[str, str]) -> str:
+    """An ARG line whose bare names take their global (before FROM) values, as Docker's re-declaration does."""
+    out = []
+    for word in re.findall(r"""(?:[^\s"']+|"[^"]*"|'[^']*')+""", args):
+        if "=" not in word and word in global_args:
+            value = global_args[word].replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+            word = f'{word}="{value}"'
         out.append(word)
     return " ".join(out)
 
@@ -404,17 +420,36 @@ def convert_dockerfile(
     # The entry's variables are the Dockerfile's build arguments (docker build --build-arg NAME=VALUE).
     build_args = {k: str(v) for k, v in spec.variables.items() if k != "include"}
     consumed: set[str] = set()
+    # An ARG before FROM is Docker's global build argument: FROM sees it, the steps after FROM only when the stage
+    # declares it again (`ARG NAME`, which then takes the global value). Exported in %post it leaked into every step,
+    # and a bare `ARG NAME` after FROM was reported as an ARG "without a default" though Docker gives it one.
+    first_from = next(n for n, ins in enumerate(instructions) if ins.word == "FROM")
+    global_args: dict[str, str] = {}
+    for ins in instructions[:first_from]:
+        if ins.word == "ARG":
+            global_args.update(_assignments("ARG", _with_build_args(ins.args, build_args, consumed)))
+    from_image = _expand(from_image, global_args)
     for n, ins in enumerate(instructions):
+        if n < first_from:
+            continue  # only ARG (and comments) may come before FROM; their values are in global_args
         if ins.word in ("WORKDIR", "COPY", "ADD", "LABEL"):
             ins = dataclasses.replace(ins, args=_expand(ins.args, known))
         if ins.word == "ARG":
-            ins = dataclasses.replace(ins, args=_with_build_args(ins.args, build_args, consumed))
+            ins = dataclasses.replace(ins, args=_with_build_args(_inherit(ins.args, global_args), build_args, consumed))
             known.update(_assignments(ins.word, ins.args))
         env: dict[str, str] = {}
         if ins.word == "ENV":
             # Docker splits ENV into words first, then expands each value: `ENV B=$A` with A="x y" is one variable.
             env = {k: _expand(v, known) for k, v in _assignments("ENV", ins.args).items()}
             known.update(env)
+        if ins.word == "RUN":
+            # BuildKit's RUN --mount/--network/--security are options of the step, not words of its command: left
+            # in, `sh -c '--mount=type=cache,... pip install ...'` failed the build with "not found".
+            run_flags, run_args = _leading_flags(ins.args)
+            if run_flags:
+                not_converted.append(f"line {ins.line}: RUN {' '.join(run_flags)} - flags are ignored: the step runs "
+                                     "without them (no cache, bind, secret or ssh mount; the build's own network)")
+                ins = dataclasses.replace(ins, args=run_args)
         if ins.word in UNSUPPORTED:
             not_converted.append(f"line {ins.line}: {ins.word} {ins.args} - {UNSUPPORTED[ins.word]}")
         elif ins.word in ("COPY", "ADD"):

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,42 @@ def test_failed_build_leaves_no_image_and_shows_step_and_tail(ws: Workspace) -> 
     assert not any((ws.cache / "images" / "tiny").glob(".*"))
     assert "tiny" not in ws.manifest()["images"] if (ws.cache / "manifest.json").exists() else True
     assert "deliberate failure 4711" in (ws.cache / "logs" / "tiny" / f"{key}.log").read_text()
+
+
+def test_a_failure_is_reported_at_apptainers_step_not_at_its_hint(ws: Workspace) -> None:
+    """A failure while squashing was reported "at step: To see mksquashfs output ... enable verbose logging"."""
+    ws.write(build_args=["--mksquashfs-args", "-comp no-such-compressor"])
+    out = ws.prorl("build-images", "--mode", "lock", check=False)
+    assert out.returncode == 1
+    assert "at step: Creating SIF file" in out.stdout, out.stdout
+    assert "failed command" not in out.stdout  # the last %post command ran fine: it is not named
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 512 KiB file system (a tmpfs) to hold an image cache: smaller than any image."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to mount a small tmpfs as a full disk")
+    where = tmp_path / "full"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_disk_fails_the_build_with_a_way_out_and_leaves_no_image(ws: Workspace, full_disk: Path) -> None:
+    cache = full_disk / "cache"
+    out = ws.prorl("build-images", "--mode", "lock", "--cache-dir", str(cache), check=False)
+    assert out.returncode == 1
+    assert "at step: Creating SIF file" in out.stdout and "no space left on device" in out.stdout, out.stdout
+    assert "hint: a file system is full" in out.stdout and "prorl images prune" in out.stdout, out.stdout
+    assert not any((cache / "images").rglob("*.sif")), "no half-written image"
+    listed = ws.prorl("images", "list", "--cache-dir", str(cache)).stdout
+    assert "no images in" in listed
 
 
 def test_missing_base_skips_dependent(ws: Workspace) -> None:
@@ -214,6 +251,9 @@ def test_list_show_prune_and_resolve(ws: Workspace) -> None:
     assert resolve_image("tiny", ws.cache) == Path(second["path"])
     listed = json.loads(ws.prorl("images", "list", "--json", "--cache-dir", str(ws.cache)).stdout)
     assert list(listed) == ["tiny"] and listed["tiny"]["key"] == second["key"]
+    assert listed["tiny"]["path"] == second["path"]  # absolute, as build-images and show print it
+    table = ws.prorl("images", "list", "--cache-dir", str(ws.cache)).stdout
+    assert second["path"] in table and "(missing)" not in table
     shown = json.loads(ws.prorl("images", "show", "tiny").stdout.split("\n}\n")[0] + "\n}")
     assert shown["path"] == second["path"]
     assert "Bootstrap: scratch" in ws.prorl("images", "show", "tiny", "--definition").stdout

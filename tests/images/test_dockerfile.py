@@ -110,6 +110,29 @@ def test_copy_flags_are_reported_not_taken_for_sources(tmp_path: Path) -> None:
     assert any("COPY --from=builder /out /out - copies from another image or stage" in n for n in conv.not_converted)
 
 
+def test_run_flags_are_options_of_the_step_not_words_of_its_command(tmp_path: Path) -> None:
+    """`RUN --mount=type=cache,... pip install` ran `sh -c '--mount=... pip install'`, which failed with "not found"."""
+    conv = convert(tmp_path, "FROM python\nRUN --mount=type=cache,target=/root/.cache/pip --network=default pip install x\n"
+                             'RUN --mount=type=secret,id=tok ["cat", "/run/secrets/tok"]\n'
+                             "RUN --mount=type=cache,target=/c <<EOF\necho a\nEOF\n")
+    post = section(conv.definition, "post")
+    assert post[-3:] == ["/bin/sh -c 'pip install x'", "cat /run/secrets/tok", "/bin/sh -c 'echo a'"], post
+    assert not any("--mount" in line for line in post), post
+    flags = [n for n in conv.not_converted if "flags are ignored" in n]
+    assert flags[0].startswith("line 2: RUN --mount=type=cache,target=/root/.cache/pip --network=default"), flags
+    assert flags[1].startswith("line 3: RUN --mount=type=secret,id=tok"), flags
+    assert len(flags) == 3, conv.not_converted
+
+
+def test_an_arg_before_from_is_global_as_in_docker(tmp_path: Path) -> None:
+    """FROM sees it; a step sees it only where the stage declares it again, and then with the global value."""
+    conv = convert(tmp_path, "ARG TAG=3.11-slim\nARG ONLY_FROM=x\nFROM python:${TAG}\nARG TAG\nRUN echo $TAG $ONLY_FROM\n")
+    post = section(conv.definition, "post")
+    assert post == ['export TAG="3.11-slim"', "/bin/sh -c 'echo $TAG $ONLY_FROM'"], post
+    assert conv.from_image == "python:3.11-slim"
+    assert not any("ARG" in n for n in conv.not_converted), conv.not_converted  # `ARG TAG` has Docker's default
+
+
 def test_add_unpacks_a_local_archive(tmp_path: Path) -> None:
     data = b"one\n"
     with tarfile.open(tmp_path / "data.tgz", "w:gz") as tar:
@@ -247,3 +270,33 @@ def test_a_failure_inside_an_and_list_fails_the_build(ws: Workspace) -> None:
     (app,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
     assert app["action"] == "failed" and "Running post scriptlet" in app["error"], app
     assert not Path(app["path"]).exists()
+
+
+@needs_apptainer
+@pytest.mark.apptainer
+def test_a_run_with_buildkit_flags_builds(ws: Workspace) -> None:
+    (ws.root / "Dockerfile").write_text("FROM busybox\nRUN --mount=type=cache,target=/root/.cache echo cached > /cached\n")
+    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
+              "app": {"template": "Dockerfile", "base": "image:root"}})
+    image = ws.build("--mode", "lock", "app")["app"]
+    assert image["action"] == "built", image
+    args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", "/cached"]
+    assert subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout == "cached\n"
+
+
+@needs_apptainer
+@pytest.mark.apptainer
+def test_a_failed_build_names_the_command_that_failed(ws: Workspace) -> None:
+    """A step whose output is longer than the log tail (a pip install) pushed the failing command out of sight."""
+    (ws.root / "Dockerfile").write_text("FROM busybox\nRUN /bin/busybox --install -s /bin\n"
+                                        "RUN for i in $(seq 1 60); do echo noise $i; done && ls /no-such-dir\n"
+                                        "RUN echo never\n")
+    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
+              "app": {"template": "Dockerfile", "base": "image:root"}})
+    out = ws.prorl("build-images", "--json", "--mode", "lock", "app", check=False)
+    assert out.returncode == 1, out.stdout
+    (app,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
+    assert app["action"] == "failed", app
+    assert "ls /no-such-dir" not in "\n".join(app["log_tail"])  # the noise filled the tail
+    assert "failed command: /bin/sh -c 'for i in $(seq 1 60); do echo noise $i; done && ls /no-such-dir'" in app["error"], app["error"]
+    assert "failed command" in out.stderr  # what a user reads on the terminal too

@@ -119,7 +119,10 @@ def images_list(app: App, cache_dir: str | None, as_json: bool) -> None:
     """List the current image of each name."""
     cache = _cache(app, cache_dir)
     data = _manifest(app, cache)
-    current = {n: data["builds"][k] for n, k in sorted(data["images"].items()) if k in data["builds"]}
+    # Paths as `show` and `build-images` print them: one relative to the cache would be read against the cwd.
+    current = {n: {**data["builds"][k], "path": str(cache.root / data["builds"][k]["path"]),
+                   "definition": str(cache.root / data["builds"][k]["definition"])}
+               for n, k in sorted(data["images"].items()) if k in data["builds"]}
     if as_json:
         click.echo(json.dumps(current, indent=2))
         return
@@ -132,7 +135,7 @@ def images_list(app: App, cache_dir: str | None, as_json: bool) -> None:
     for col in ("name", "mode", "key", "base", "built", "size", "path"):
         table.add_column(col, overflow="fold")  # names and paths whole, never cut at 80 columns
     for name, e in current.items():
-        exists = (cache.root / e["path"]).is_file()
+        exists = Path(e["path"]).is_file()
         table.add_row(name, e["mode"], e["key"], e["base"], e["built_at"], size_text(e["size_bytes"]),
                       e["path"] if exists else f"[red]{e['path']} (missing)[/]")
     app.console.print(table, soft_wrap=True)
