@@ -17,7 +17,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +28,7 @@ from prorl_cli.cli.application import App, pass_app
 from prorl_cli.cli.common import (
     check_out_path,
     connect,
-    load_task_file,
+    load_task_rows,
     sampling_of,
     sampling_options,
 )
@@ -74,7 +74,9 @@ LIMIT_OPTIONS = {"max_groups_per_step": "--max-groups-per-step", "max_consecutiv
 @click.option("--step-timeout-s", type=click.FloatRange(min=0, min_open=True), metavar="S",
               help="Stop with an error when a step has not reached --target-groups within S seconds [default: none].")
 @click.option("--id-prefix", metavar="PREFIX",
-              help="Run id: job ids and group ids start with it [default: dapo-<random>, new for each run; the same "
+              help="Run id: job ids (RUN-sSTEP-pROW-kK, ROW the prompt's row in TASKS as `prorl submit` counts it, "
+                   "rows --skip-bad-rows left out included) and group ids start with it [default: dapo-<random>, new "
+                   "for each run; the same "
                    "PREFIX again resumes: the jobs the broker still holds under its ids come back as they ended, not "
                    "new ones, and those it holds cancelled (an interrupted run's) run again].")
 @click.option("--address", metavar="ENDPOINT", help="Broker endpoint (default: the deployment's rendezvous file).")
@@ -118,7 +120,8 @@ def sample(
 
     sampling = sampling_of(app, max_tokens, temperature, top_p, seed, sampling_json, sampling_file)
     # The same loaders as plain submit: JSONL or Parquet, domain rows through their --format.
-    instances = load_task_file(app, task, tasks_file, fmt, skip_bad_rows)
+    rows = load_task_rows(app, task, tasks_file, fmt, skip_bad_rows)
+    instances = [instance for _, instance in rows]
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     if out is not None:
@@ -135,7 +138,7 @@ def sample(
     # flight are cancelled (nobody would take their results), said, and it exits 143 or 129 (Ctrl-C: 130).
     with interrupt_signals() as signals, connect(app, address) as client:
         resuming = id_prefix is not None and _resume(app, client, cfg.run_id)  # a fresh run id names no earlier run
-        sampler = BlockingDapoSampler(client, task, instances, cfg)
+        sampler = BlockingDapoSampler(client, task, instances, cfg, prompt_id=row_prompt_ids([r for r, _ in rows]))
         sampler.sampler.resuming = resuming  # said above: the sampler's warning of existing ids would be noise
         try:
             with live_line(app) as live:
@@ -174,9 +177,27 @@ def sample(
         app.abort(problem)
 
 
+def row_prompt_ids(file_rows: list[int]) -> Callable[[int, object], str]:
+    """The sampler's ``prompt_id`` for the prompts of ``file_rows`` (each instance's row in TASKS, rows that
+    ``--skip-bad-rows`` left out counted, as ``prorl submit`` numbers them): the prompt at sampler position ``pos``
+    is ``ROW`` on the first walk over the file and ``ROWeE`` on walk ``E`` (from 1) after it.
+
+    An id names a row, not a place in the filtered list: a run resumed under its ``--id-prefix`` once a bad row is
+    mended gives every other row its own earlier jobs (a place would shift them onto a neighbour's, which holds
+    other work). The walk is in the id because a step that wraps around the file submits a row again.
+    """
+
+    def prompt_id(pos: int, _instance: object) -> str:
+        walk, index = divmod(pos, len(file_rows))
+        return f"{file_rows[index]}" + (f"e{walk}" if walk else "")
+
+    return prompt_id
+
+
 def _run_jobs(run_id: str, held: dict[str, str]) -> dict[str, str]:
-    """Of the jobs the broker ``held`` under ``RUN-s``, those of run ``run_id`` (``RUN-sSTEP-pPROMPT-kK``)."""
-    shape = re.compile(rf"{re.escape(run_id)}-s\d+-p.+-k\d+")
+    """Of the jobs the broker ``held`` under ``RUN-s``, those of run ``run_id`` (``RUN-sSTEP-pPROMPT-kK``, PROMPT
+    the row in TASKS, :func:`row_prompt_ids`)."""
+    shape = re.compile(rf"{re.escape(run_id)}-s\d+-p\d+(?:e\d+)?-k\d+")
     return {j: state for j, state in held.items() if shape.fullmatch(j)}
 
 
