@@ -461,7 +461,12 @@ class DapoSampler:
 
     ``prompts`` is a sequence, walked in order and wrapped around; the
     prompt id of position ``i`` is ``prompt_id(i, prompts[i % len])`` (default
-    ``str(i)``), so ids differ across epochs. Anything with a length and
+    ``str(i)``), so ids differ across epochs. With a ``seed`` in the sampling,
+    rollout ``k`` of position ``i`` is seeded as rollout ``seed_index(i,
+    prompt) * group_size + k`` of the run (default ``seed_index``: ``i``); a
+    caller whose ids name something steadier than a place in ``prompts`` (a row
+    of a file) gives its seeds the same footing, so a resumed run's jobs hold
+    the same work. Anything with a length and
     integer indexing will do (a list, a ``datasets.Dataset``); one prompt (a
     ``str``, a ``dict``) or an iterator is refused with a ``TypeError``.
 
@@ -478,6 +483,7 @@ class DapoSampler:
         *,
         state: SamplerState | Mapping[str, Any] | None = None,
         prompt_id: Callable[[int, Any], str] | None = None,
+        seed_index: Callable[[int, Any], int] | None = None,
     ) -> None:
         _check_prompts(prompts)
         if state is not None and not isinstance(state, SamplerState):
@@ -487,6 +493,7 @@ class DapoSampler:
         self.prompts = prompts
         self.config = config
         self.prompt_id = prompt_id or (lambda pos, _inst: str(pos))
+        self.seed_index = seed_index or (lambda pos, _inst: pos)
         #: Existing jobs at the broker under this run's ids are its own, resubmitted to be collected, and no
         #: warning says otherwise: set when restarted from a ``state``, or by a caller that knows the run id
         #: names an earlier run of its own (``prorl sample --id-prefix`` after an interrupt).
@@ -644,7 +651,7 @@ class DapoSampler:
         specs = self.client.make_specs(
             self.task, len(ids), job_ids=ids, timeout_s=self.config.timeout_s,
             sampling=self.config.sampling, max_attempts=self.config.max_attempts,
-            seed_from=position * self.config.group_size,
+            seed_from=self.seed_index(position, instance) * self.config.group_size,
         )
         work = _work_digests(self.task, specs, instance)
         _tag(specs, gid, step, version, work)

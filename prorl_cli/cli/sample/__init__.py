@@ -138,7 +138,9 @@ def sample(
     # flight are cancelled (nobody would take their results), said, and it exits 143 or 129 (Ctrl-C: 130).
     with interrupt_signals() as signals, connect(app, address) as client:
         resuming = id_prefix is not None and _resume(app, client, cfg.run_id)  # a fresh run id names no earlier run
-        sampler = BlockingDapoSampler(client, task, instances, cfg, prompt_id=row_prompt_ids([r for r, _ in rows]))
+        file_rows = [r for r, _ in rows]
+        sampler = BlockingDapoSampler(client, task, instances, cfg, prompt_id=row_prompt_ids(file_rows),
+                                      seed_index=row_seed_index(file_rows))
         sampler.sampler.resuming = resuming  # said above: the sampler's warning of existing ids would be noise
         try:
             with live_line(app) as live:
@@ -192,6 +194,22 @@ def row_prompt_ids(file_rows: list[int]) -> Callable[[int, object], str]:
         return f"{file_rows[index]}" + (f"e{walk}" if walk else "")
 
     return prompt_id
+
+
+#: Rows of one walk over a TASKS file a seed index leaves room for: walk ``E``'s rows are numbered from
+#: ``E * ROWS_PER_WALK``, so a row's seeds do not depend on how many rows the file holds.
+ROWS_PER_WALK = 1 << 32
+
+
+def row_seed_index(file_rows: list[int]) -> Callable[[int, object], int]:
+    """The sampler's ``seed_index`` for the prompts of ``file_rows``: the row on the first walk over the file, as
+    :func:`row_prompt_ids` names it; a mended row shifts no other row's seeds (nor so the work its jobs hold)."""
+
+    def seed_index(pos: int, _instance: object) -> int:
+        walk, index = divmod(pos, len(file_rows))
+        return walk * ROWS_PER_WALK + file_rows[index]
+
+    return seed_index
 
 
 def _run_jobs(run_id: str, held: dict[str, str]) -> dict[str, str]:
