@@ -7,7 +7,8 @@ the real gateway; the model is scripted behind the generate contract."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -20,6 +21,22 @@ from tests.harness import need_module
 #: The calculator with ``strict: true`` (the OpenAI Agents SDK sets it on every tool), in each API's format.
 STRICT_CHAT_TOOLS = [{"type": "function", "function": {**CALC_TOOLS[0]["function"], "strict": True}}]
 STRICT_RESPONSES_TOOLS = [{"type": "function", **CALC_TOOLS[0]["function"], "strict": True}]
+
+
+@contextlib.asynccontextmanager
+async def _sdk_job(tokenizer: Any, turns: list[str]) -> AsyncIterator[tuple[Any, Any]]:
+    """A started gateway with one job answering ``turns``, and an ``openai.AsyncOpenAI`` client of it."""
+    import openai
+
+    gw = Gateway()
+    await gw.start()
+    job = open_job(gw, tokenizer, ScriptedModel(tokenizer, turns))
+    client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
+    try:
+        yield job, client
+    finally:
+        await client.close()
+        await gw.close()
 
 
 def _prompts(tokenizer: Any, turns: list[str], *calls: Callable[[Any], Awaitable[Any]]) -> list[list[list[int]]]:
@@ -125,19 +142,12 @@ def test_instructions_that_are_not_messages_are_refused_naming_instructions(toke
     import openai
 
     async def main() -> None:
-        gw = Gateway()
-        await gw.start()
-        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, ["ok"]))
-        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
-        try:
+        async with _sdk_job(tokenizer, ["ok"]) as (job, client):
             with pytest.raises(openai.BadRequestError) as refused:
                 await client.responses.create(model="prorl", instructions=instructions, input=USER)
             assert refused.value.param == "instructions"
             assert "a string or a list of message items" in refused.value.message
             assert job.trajectory.calls == []
-        finally:
-            await client.close()
-            await gw.close()
 
     asyncio.run(main())
 
@@ -146,23 +156,15 @@ def test_top_logprobs_without_include_gives_the_empty_logprobs_openai_gives(toke
     """As OpenAI's Responses API: log-probs come with ``include: ["message.output_text.logprobs"]`` only;
     ``top_logprobs`` alone is accepted and the text part carries ``logprobs: []`` (not a missing field)."""
     need_module("openai", "test")
-    import openai
 
     async def main() -> None:
-        gw = Gateway()
-        await gw.start()
-        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, ["ok", "ok"]))
-        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
-        try:
+        async with _sdk_job(tokenizer, ["ok", "ok"]) as (job, client):
             bare = await client.responses.create(model="prorl", input=USER, top_logprobs=2, store=False)
             assert bare.output[0].content[0].logprobs == []
             included = await client.responses.create(model="prorl", input="again", top_logprobs=2, store=False,
                                                      include=["message.output_text.logprobs"])
             logprobs = included.output[0].content[0].logprobs
             assert [p.logprob for p in logprobs] == job.trajectory.calls[1].logprobs
-        finally:
-            await client.close()
-            await gw.close()
 
     asyncio.run(main())
 
@@ -174,11 +176,7 @@ def test_a_deleted_response_is_forgotten(tokenizer: Any) -> None:
     import openai
 
     async def main() -> None:
-        gw = Gateway()
-        await gw.start()
-        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, ["ok", "ok"]))
-        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
-        try:
+        async with _sdk_job(tokenizer, ["ok", "ok"]) as (job, client):
             first = await client.responses.create(model="prorl", input=USER)
             second = await client.responses.create(model="prorl", input="again")
             assert await client.responses.delete(first.id) is None
@@ -195,9 +193,6 @@ def test_a_deleted_response_is_forgotten(tokenizer: Any) -> None:
                 assert answer.status == 200
                 assert await answer.json() == {"id": second.id, "object": "response", "deleted": True}
             assert second.id not in job.responses and second.id not in job.responses.objects
-        finally:
-            await client.close()
-            await gw.close()
 
     asyncio.run(main())
 
@@ -209,11 +204,7 @@ def test_responses_endpoints_not_served_say_so_in_openais_error_shape(tokenizer:
     import openai
 
     async def main() -> None:
-        gw = Gateway()
-        await gw.start()
-        job = open_job(gw, tokenizer, ScriptedModel(tokenizer, ["ok"]))
-        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
-        try:
+        async with _sdk_job(tokenizer, ["ok"]) as (job, client):
             kept = await client.responses.create(model="prorl", input=USER)
             refusals: dict[str, Callable[[], Awaitable[Any]]] = {
                 "POST responses/input_tokens": lambda: client.responses.input_tokens.count(model="prorl", input=USER),
@@ -229,9 +220,6 @@ def test_responses_endpoints_not_served_say_so_in_openais_error_shape(tokenizer:
                 assert refused.value.body["message"].startswith(f"{named} is not served by the gateway: "), (
                     named, refused.value.body)
             assert len(job.trajectory.calls) == 1
-        finally:
-            await client.close()
-            await gw.close()
 
     asyncio.run(main())
 
