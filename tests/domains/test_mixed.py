@@ -52,8 +52,9 @@ def test_four_domains_interleaved_on_one_node(stack: ScriptedStack, tmp_path: Pa
     assert bad_tools[1].startswith("error: tool call must be a JSON object")
     assert bad.reward == 1.0
 
-    # One index for the node, however many search jobs ran on it.
+    # One index for the node, however many search jobs ran on it (an earlier test on the shared node may have
+    # built it: then none of these did).
     searches = [found, found2, partial, bad]
     assert {r.output["index"]["builds_on_node"] for r in searches} == {1}
-    assert sum(r.output["index"]["built_by_this_job"] for r in searches) == 1
+    assert sum(r.output["index"]["built_by_this_job"] for r in searches) <= 1
     assert {r.output["index"]["docs"] for r in searches} == {40}
