@@ -51,8 +51,10 @@ class EditResult:
     output: str
 
 
-#: How long a call that lost its tool server waits for the sandbox to exit, to tell a death from a hiccup.
-DEATH_WAIT_S = 2.0
+#: How long a call that lost its tool server waits for the sandbox to exit, to tell a death from a hiccup. Only a
+#: call whose tool server is already gone waits, and Apptainer's teardown takes seconds on a loaded machine: a
+#: shorter wait reported a sandbox killed from inside (``kill -9 -1``) as a bare lost connection.
+DEATH_WAIT_S = 10.0
 
 EditCommand = Literal["view", "create", "str_replace", "insert", "undo"]
 
