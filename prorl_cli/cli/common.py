@@ -275,8 +275,9 @@ def dataset_errors() -> tuple[type[Exception], ...]:
     return (DatasetError, OSError, UnicodeDecodeError)
 
 
-def check_out_path(app: App, out: Path, option: str = "--out") -> None:
-    """Refuse an output file (``option``) that cannot be written, before anything is submitted or computed."""
+def check_out_path(app: App, out: Path, option: str = "--out", tasks_file: Path | None = None) -> None:
+    """Refuse an output file (``option``) that cannot be written, before anything is submitted or computed; and
+    one that is ``tasks_file`` itself (the results would overwrite the rows they are made of)."""
     parent = out.parent
     if not parent.is_dir():
         app.abort(f"{option} {out}: folder {parent} does not exist")
@@ -284,6 +285,8 @@ def check_out_path(app: App, out: Path, option: str = "--out") -> None:
         app.abort(f"{option} {out}: folder {parent} is not writable")
     if out.is_dir():
         app.abort(f"{option} {out}: is a folder")
+    if tasks_file is not None and out.exists() and out.samefile(tasks_file):
+        app.abort(f"{option} {out}: that is the TASKS file: the results would overwrite its rows; name another file")
     if out.suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
         # Said now: at the end, every rollout would have run for a file that cannot be written.
         app.abort(f"{option} {out}: Parquet export needs pyarrow, which is not installed here: "

@@ -255,8 +255,6 @@ def submit(
     took (the same command with its --id-prefix sends the rest); under nohup SIGHUP stays ignored.
     For GRPO groups with DAPO dynamic sampling, see `prorl sample`.
     """
-    from prorl_cli.cli.jobs.collect import refuse_tasks_as_out
-
     if dapo:
         app.abort("dynamic sampling is its own command: prorl sample TASKS --task T --group-size G --target-groups N "
                   "(prorl sample --help)")
@@ -270,8 +268,7 @@ def submit(
                   f"`{command_hint(app, 'results', '--prefix', 'PREFIX', '--out', 'FILE', address=address)}` "
                   "instead of --out")
     if out is not None:
-        check_out_path(app, out)
-        refuse_tasks_as_out(app, out, tasks_file)
+        check_out_path(app, out, tasks_file=tasks_file)
     with connect(app, address) as client:
         if detach:
             with interrupt_signals() as signals:

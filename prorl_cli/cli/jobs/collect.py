@@ -142,12 +142,6 @@ class ResultFile:
             self.app.abort(self.problem)
 
 
-def refuse_tasks_as_out(app: App, out: Path, tasks_file: Path) -> None:
-    """Refuse an ``--out`` that is the TASKS file itself: the results would overwrite the rows they are made of."""
-    if out.exists() and out.samefile(tasks_file):
-        app.abort(f"--out {out}: that is the TASKS file: the results would overwrite its rows; name another file")
-
-
 #: What writing a Parquet ``--out`` raises when it cannot be written: pyarrow gone or failing (its ArrowInvalid and
 #: ArrowTypeError are a ValueError and a TypeError), or a trajectory that does not read back. The results then
 #: stay whole, as JSONL beside it (:func:`write_stand_in`), and the error says why.

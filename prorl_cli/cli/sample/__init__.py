@@ -114,7 +114,7 @@ def sample(
     stays ignored. --out may not be TASKS itself.
     """
     from prorl_cli.cli.common import interrupt_signals
-    from prorl_cli.cli.jobs.collect import refuse_tasks_as_out, tell
+    from prorl_cli.cli.jobs.collect import tell
     from prorl_cli.exceptions import ProrlError, SamplerError
     from prorl_cli.training.sampler import BlockingDapoSampler, SamplerConfig
 
@@ -125,8 +125,7 @@ def sample(
     if not instances:
         app.abort(f"{tasks_file}: no instances")
     if out is not None:
-        check_out_path(app, out)
-        refuse_tasks_as_out(app, out, tasks_file)
+        check_out_path(app, out, tasks_file=tasks_file)
     cfg = SamplerConfig(group_size=group_size, target_groups=target_groups, max_in_flight=max_in_flight,
                         run_id=id_prefix or f"dapo-{uuid.uuid4().hex[:10]}", timeout_s=timeout_s, sampling=sampling,
                         max_groups_per_step=max_groups_per_step, max_consecutive_failures=max_consecutive_failures,
