@@ -154,6 +154,13 @@ class Dashboard:
         )
 
 
+def _gone_cell(why: str) -> str:
+    """A gone peer's state cell, as ``prorl status`` says it: a planned exit as it is, else ``lost: why`` in red."""
+    from rich.markup import escape
+
+    return escape(why) if why.startswith(NODE_LEFT) else f"[red]lost[/]: {escape(why)}"
+
+
 def render(snap: Snapshot) -> Any:
     """The dashboard of ``snap`` as a rich renderable."""
     from rich.console import Group
@@ -185,8 +192,7 @@ def render(snap: Snapshot) -> Any:
         if not n["alive"]:
             # A gone node has no pools: its last figures (or zeros against a limit of 0) would read as an idle
             # node. Its row says why it is gone; its jobs were queued again or failed (the jobs table has them).
-            why = n.get("lost_reason") or "lost"
-            state = escape(why) if why.startswith(NODE_LEFT) else f"[red]lost[/]: {escape(why)}"
+            state = _gone_cell(n.get("lost_reason") or "lost")
             nodes.add_row(escape(n["node_id"]), state, "-", *("-" for _ in STAGE_NAMES))
             continue
         cells = []
@@ -205,8 +211,7 @@ def render(snap: Snapshot) -> Any:
     for b in snap.backends:
         state = "[red]dead[/]" if not b.alive else ("[yellow]paused[/]" if b.paused else "serving")
         if b.gone_reason is not None:  # as `prorl status` says it: a planned exit, or why it was lost
-            why = b.gone_reason
-            state = escape(why) if why.startswith(NODE_LEFT) else f"[red]lost[/]: {escape(why)}"
+            state = _gone_cell(b.gone_reason)
         if b.alive and b.resting_s > 0:  # as `prorl backends list` says it: why new calls avoid it
             state = f"[yellow]resting {b.resting_s:.0f} s[/]: {escape(b.last_fault or '')}"
         backends.add_row(escape(b.backend_id), b.kind, state, str(b.inflight), str(b.served), f"{b.served_per_s:.1f}",
