@@ -351,6 +351,8 @@ def test_quickstart_with_the_tiny_model_runs_a_real_agent(tmp_path: Path) -> Non
     for line in (tmp_path / "qs" / "trajectories.jsonl").read_text().splitlines():
         traj = json.loads(line)["output"]["trajectory"]
         assert traj["calls"] and all(c["output_ids"] and len(c["logprobs"]) == len(c["output_ids"]) for c in traj["calls"])
+        # Random weights: short loops (QUICK_SETTINGS), not the handler's 4 turns of 256 tokens.
+        assert len(traj["calls"]) <= 2 and all(len(c["output_ids"]) <= 32 for c in traj["calls"])
     # The same trajectories as Parquet, in the flat shape trainers read.
     pq = pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) is not installed")
     table = pq.read_table(summary["parquet"]).to_pylist()

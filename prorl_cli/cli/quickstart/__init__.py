@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from prorl_cli.cli.application import App, pass_app
-from prorl_cli.cli.quickstart.domains import DOMAIN_TASKS, DomainPlan, plan_domain
+from prorl_cli.cli.quickstart.domains import DOMAIN_TASKS, QUICK_SETTINGS, DomainPlan, plan_domain
 from prorl_cli.exceptions import StartTimeout
 
 #: The output folder's lock file: one quickstart at a time per folder.
@@ -79,6 +79,10 @@ def quickstart(app: App, qs_out: Path, qs_home: Path | None, engine: str, model:
     }
     if engine not in ("none", "sim"):
         config["inference"] = {"tokenizer": str(model_dir)}
+        if model is None and plan is None:
+            # The tiny model's weights are random: its turns never call the calculator nor end early, so the
+            # handler's own 4 turns of 256 tokens would only make the first run minutes slower on a CPU.
+            config["handlers"] = {"math_agent": dict(QUICK_SETTINGS)}
     else:
         # The no-model modes run the test handlers, which production nodes do not serve.
         config["node"]["handler_paths"] = ["prorl_cli.testing.handlers"]
@@ -298,5 +302,7 @@ def _start_inference(app: App, stack: LocalStack, engine: str, model_dir: Path, 
     )
     con.print(f"  inference-0 registered ({engine} engine, model {model_dir})")
     if made_here:
-        con.print("  [yellow]the tiny model has random weights:[/] expect rewards near 0; pass --model DIR for a real model")
+        con.print("  [yellow]the tiny model has random weights:[/] expect rewards near 0; short loops "
+                  f"({QUICK_SETTINGS['max_turns']} turns of {QUICK_SETTINGS['max_tokens']} tokens); "
+                  "pass --model DIR for a real model")
     return "math_agent", list(MATH_TASKS)
