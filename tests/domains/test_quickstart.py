@@ -1,4 +1,4 @@
-"""``prorl quickstart --task X -n 4`` for each domain on the real inference path (transformers engine, tiny model)."""
+"""``prorl quickstart --task X -n 2`` for each domain on the real inference path (transformers engine, tiny model)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_quickstart_domain_runs_end_to_end(task: str, tmp_path: Path, tiny_model
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     image = [] if task == "search" else ["--image", domain_image]  # search starts no sandbox: --image is refused
     proc = subprocess.run(
-        [sys.executable, "-m", "prorl_cli", "quickstart", "--out", str(home), "--task", task, "-n", "4",
+        [sys.executable, "-m", "prorl_cli", "quickstart", "--out", str(home), "--task", task, "-n", "2",
          "--model", str(tiny_model), *image],
         capture_output=True, text=True, timeout=600, env=env, start_new_session=True, cwd=tmp_path,
     )
@@ -34,9 +34,9 @@ def test_quickstart_domain_runs_end_to_end(task: str, tmp_path: Path, tiny_model
     runtime = "local" if task == "search" else "apptainer"
     assert f"sandbox runtime {runtime}" in proc.stdout.replace("\n", " ")
     summary = json.loads((home / "summary.json").read_text())
-    assert summary["task"] == task and summary["jobs"] == 4 and summary["runtime"] == runtime
+    assert summary["task"] == task and summary["jobs"] == 2 and summary["runtime"] == runtime
     results = [json.loads(line) for line in (home / "trajectories.jsonl").read_text().splitlines()]
-    assert len(results) == 4
+    assert len(results) == 2
     for r in results:
         assert r["state"] == "done" and r["reward"] in (0.0, 1.0), r.get("error") or r["output"].get("failure")
         traj = r["output"]["trajectory"]
@@ -50,7 +50,7 @@ def test_quickstart_domain_runs_end_to_end(task: str, tmp_path: Path, tiny_model
 @pytest.mark.skipif(shutil.which("apptainer") is None and shutil.which("bwrap") is None,
                     reason="neither Apptainer nor bubblewrap: the local runtime takes no image")
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="a task domain run needs a model engine (torch)")
-def test_an_image_name_is_found_where_the_users_own_configuration_finds_it(tmp_path: Path) -> None:
+def test_an_image_name_is_found_where_the_users_own_configuration_finds_it(tmp_path: Path, tiny_model: Path) -> None:
     """An image name given to --image is looked up in the user's images.search_dirs (and cache), not in the
     embedded deployment's own empty cache: the job's sandbox start gets that folder's image."""
     images = tmp_path / "images"
@@ -59,7 +59,7 @@ def test_an_image_name_is_found_where_the_users_own_configuration_finds_it(tmp_p
     config.write_text(f"images: {{search_dirs: [{images}]}}\n")
     env = {**os.environ, "PRORL_HOME": str(tmp_path / "home")}
     r = subprocess.run([sys.executable, "-m", "prorl_cli", "--config", str(config), "quickstart", "--task", "math",
-                        "--image", "myimage", "-n", "1", "--out", str(tmp_path / "qs")],
+                        "--image", "myimage", "-n", "1", "--model", str(tiny_model), "--out", str(tmp_path / "qs")],
                        capture_output=True, text=True, timeout=540, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     (line,) = (tmp_path / "qs" / "trajectories.jsonl").read_text().splitlines()
