@@ -26,7 +26,9 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 venv="$(cd "$venv" && pwd)"
+install_start=$SECONDS
 PRORL_PYTHON="$venv/bin/python" bash scripts/install.sh
+echo "test.sh: the install took $((SECONDS - install_start)) s"
 # The tests start `python3`, `prorl` and the venv's console scripts by name.
 export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
 PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")"
