@@ -7,8 +7,10 @@ green CI must mean every tier (Apptainer, bubblewrap, vLLM, ...) really ran.
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,36 @@ REQUIRE_ALL = os.environ.get("PRORL_REQUIRE_ALL") == "1"
 # ignored, and so would every process it starts: the tests that press Ctrl-C on prorl need it as a terminal has it.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+#: The CPU seconds each test used, its own and its reaped children's (``PRORL_CPU_REPORT=N``: the top N, at the end).
+#: CI's lanes share the machine's cores, so CPU, not wall time, is what a test costs the others.
+CPU_REPORT = int(os.environ.get("PRORL_CPU_REPORT", "0") or 0)
+_cpu_s: dict[str, float] = {}
+
+
+def _cpu_now() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not CPU_REPORT:
+        yield
+        return
+    before = _cpu_now()
+    yield
+    _cpu_s[item.nodeid] = _cpu_now() - before
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _cpu_s:
+        return
+    terminalreporter.section(f"most CPU: the top {CPU_REPORT} of {sum(_cpu_s.values()):.0f} CPU s "
+                             "(each test's own and its reaped children's, setup and teardown included)")
+    for nodeid, cpu_s in sorted(_cpu_s.items(), key=lambda kv: -kv[1])[:CPU_REPORT]:
+        terminalreporter.write_line(f"{cpu_s:8.1f} CPU s  {nodeid}")
 
 
 @pytest.hookimpl(hookwrapper=True)
