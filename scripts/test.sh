@@ -10,7 +10,7 @@
 # removes an existing one first (CI does). pip's wheel cache is reused.
 # The suite runs with PRORL_HOME set to a fresh folder: users set it, and a
 # test that needs another home sets its own. PRORL_LANES=1 runs the
-# Slurm tier (tests/slurm) and the model lane (vLLM, training, images) in
+# waiting lane (tests/slurm, tests/node, tests/sandbox) and the model lane (vLLM, training, images) in
 # pytests of their own beside the rest (CI does); given a test path, it runs
 # one pytest, and a -k/-m filter may leave a lane with nothing to run.
 set -euo pipefail
@@ -52,17 +52,19 @@ if [ "$lanes" != 1 ]; then
   exit 0
 fi
 # PRORL_LANES=1 (CI): the suite runs as three pytests side by side, each with a home of its own:
-#  - the Slurm tier (SLURM_LANE): its tests spend their time waiting on slurmctld's scheduling ticks and
-#    signal delays, and what they start are slurmd's children, so it leaves the CPU to the other two lanes
-#    (with tests/domains moved into it, CI on the 2-core VM took 2,466 s, not 2,056: the model lane, slowed
-#    by the domains' sandboxes, ran alone for its last nine minutes);
+#  - the waiting lane (SLURM_LANE): the Slurm tier, whose tests spend their time waiting on slurmctld's
+#    scheduling ticks and signal delays, and the node and sandbox tests, which spend more than half theirs
+#    waiting on heartbeats, stalls, limits and timeouts (PRORL_CPU_REPORT's CPU against --durations' wall
+#    time), so it leaves most of the CPU to the other two lanes (with the CPU-bound tests/domains moved into
+#    it instead, CI on the 2-core VM took 2,466 s, not 2,056: the model lane ran alone for its last nine
+#    minutes);
 #  - the model lane (MODEL_LANE): vLLM and torch on the CPU, the training examples, image builds;
 #  - the rest, which alone keeps one of two cores busy: it waits on process starts, sandboxes and signals.
 # Every test's process checks look only at what it started (its pids, its PRORL_HOME), so the lanes
 # cannot see each other's processes. Each lane's output is printed whole when all three have ended.
-SLURM_LANE=(tests/slurm)
+SLURM_LANE=(tests/slurm tests/node tests/sandbox)
 MODEL_LANE=(tests/inference tests/training tests/swe tests/images tests/chaos)
-slurm_out="$(mktemp "${TMPDIR:-/tmp}/prorl-slurm-tier.XXXXXX")"
+slurm_out="$(mktemp "${TMPDIR:-/tmp}/prorl-waiting-lane.XXXXXX")"
 model_out="$(mktemp "${TMPDIR:-/tmp}/prorl-model-lane.XXXXXX")"
 lane_pids=()
 # Interrupted (Ctrl-C, a CI time limit's SIGTERM): stop the lanes this script started, and show what they printed.
@@ -101,7 +103,7 @@ wait "$slurm_pid" || slurm=$?
 trap - INT TERM
 echo "---------------- the model lane (run beside the rest; exit $model) ----------------"
 cat "$model_out"
-echo "---------------- the Slurm tier (run beside the rest; exit $slurm) ----------------"
+echo "---------------- the waiting lane: the Slurm tier, node and sandbox tests (run beside the rest; exit $slurm) ----------------"
 cat "$slurm_out"
 rm -f "$slurm_out" "$model_out"
 if [ "$filtered" = 1 ] && { [ "$rest" = 0 ] || [ "$model" = 0 ] || [ "$slurm" = 0 ]; }; then
