@@ -217,7 +217,7 @@ def _why_silent(app: App, info: Rendezvous | None) -> str:
     if info is None or not info.process_gone():
         return "is it running?"
     return (f"its process (pid {info.pid} on this host) is gone, killed without cleaning up: "
-            f"`{command_hint(app, 'serve broker')}` starts it again (its journal keeps the jobs it had), and then "
+            f"`{command_hint(app, 'serve broker')}` starts it again (its journal keeps the jobs it had), or "
             f"`{command_hint(app, 'stop')}` stops the deployment, nodes included")
 
 

@@ -155,3 +155,35 @@ def test_a_broker_restarted_after_a_stop_or_a_kill_is_waited_for(tmp_path: Path)
                        "b1 to register with the restarted broker", "bridge")
         assert bridge.poll() is None, stack.log("bridge")
         assert "the deployment was stopped" not in stack.log("bridge")
+
+
+def test_prorl_stop_after_the_broker_was_killed_writes_the_stop_record_and_its_peers_leave(tmp_path: Path) -> None:
+    """A broker killed outright (OOM, ``kill -9``) cannot take the stop: ``prorl stop`` finds its process gone,
+    writes the stop record itself, and the bridge and node still registering with it leave with code 0 instead
+    of waiting for a broker for ever."""
+    with Deployment(tmp_path / "home", "stopkilled") as stack:
+        stack.start_broker()
+        node = stack.start_node("n1")
+        bridge = stack.spawn("bridge", "serve", "inference", "--engine", "sim", "--backend-id", "b1")
+        stack.wait_for(lambda st: any(b.backend_id == "b1" and b.alive for b in st.backends), 60, "b1 to register",
+                       "bridge")
+        stack.drop_client()
+        pid = stack.procs["broker"].pid
+        stack.kill("broker")
+        out = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.name, "stop"], env=stack.env(),
+                             cwd=stack.home, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        said = " ".join(out.stdout.split())
+        assert f"its broker (pid {pid} on this host) was killed before; its stop record is written" in said, said
+        assert read_stop(stack.deployment_dir) is not None
+        assert bridge.wait(timeout=120) == 0, stack.log("bridge")
+        assert node.wait(timeout=120) == 0, stack.log("n1")
+        assert "this bridge leaves" in stack.log("bridge") and "this node leaves" in stack.log("n1")
+
+
+def test_prorl_stop_of_a_deployment_that_never_ran_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    with Deployment(tmp_path / "home", "neverran") as stack:
+        out = subprocess.run([sys.executable, "-m", "prorl_cli", "-d", stack.name, "stop"], env=stack.env(),
+                             cwd=stack.home, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "neverran" in out.stderr, out.stdout + out.stderr
+        assert not stopped_path(stack.deployment_dir).exists()

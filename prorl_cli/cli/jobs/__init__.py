@@ -498,8 +498,34 @@ def stop(app: App, address: str | None) -> None:
     """Stop the deployment: cancel every job, shut nodes and bridges down, stop the broker.
 
     DEPLOYMENT is the same as -d NAME. On Slurm, `prorl down NAME` does this and also
-    empties squeue and removes the launch record.
+    empties squeue and removes the launch record. A broker of this host that was killed
+    (its process gone) cannot take the stop: its stop record is written here instead, and
+    the nodes and bridges still waiting for it leave.
     """
+    if address is None and _record_stop_of_a_killed_broker(app):
+        return
     with connect(app, address) as client:
         client.stop()
     app.console.print(f"deployment {app.config.deployment} is stopping")
+
+
+def _record_stop_of_a_killed_broker(app: App) -> bool:
+    """Write the stop record a broker writes as it takes ``stop``, when the deployment's broker ran on this host
+    and its process is gone (killed outright: nothing else removes its rendezvous file). Its peers, silent
+    broker and stop record both, then leave instead of registering again for ever. A broker elsewhere that does
+    not answer may be starved or on its way back (Slurm): that one is :func:`connect`'s to report."""
+    from prorl_cli.exceptions import RendezvousError
+    from prorl_cli.rendezvous import read_rendezvous, record_stop
+
+    try:
+        info = read_rendezvous(app.config.deployment_dir)
+    except RendezvousError:
+        return False
+    if not info.process_gone():
+        return False
+    record_stop(app.config.deployment_dir, info.address)
+    app.console.print(f"deployment {app.config.deployment} is stopped: its broker (pid {info.pid} on this host) was "
+                      "killed before; its stop record is written, so the nodes and bridges waiting for it leave. Its "
+                      "journal still holds the jobs it had: a broker started again under this name "
+                      f"(`{command_hint(app, 'serve broker')}`) takes them up")
+    return True
