@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,19 @@ def first_stop(text: str, stops: list[str]) -> str | None:
         if at >= 0 and (best is None or at + len(stop) < best[0]):
             best = (at + len(stop), i)
     return None if best is None else stops[best[1]]
+
+
+def stop_matcher(decode: Callable[[list[int]], str], stops: list[str]) -> Callable[[list[int]], str | None]:
+    """``match(ids)``: :func:`first_stop` of the output ``ids`` decoded, for an engine that checks after every
+    token, decoding only the last few ids instead of the whole output (quadratic in a long turn).
+
+    Checked after every token, a string can only be completed by the newest one, so it lies in the text of the
+    newest token and the string's length of text before it. A token holds at least one byte of text and a
+    character at most four, so ``4 * longest + 16`` ids hold that and more; what a window cut at its start
+    decodes differently (half a character, a dropped leading space) lies before any string it must find.
+    """
+    window = 4 * max((len(s) for s in stops), default=0) + 16
+    return lambda ids: first_stop(decode(ids[-window:]), stops)
 
 
 class Engine(abc.ABC):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import ContextLengthExceeded, InferenceError, context_length_message
-from prorl_cli.inference.contract import Engine, Generation, first_stop
+from prorl_cli.inference.contract import Engine, Generation, stop_matcher
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class TransformersEngine(Engine):
         gen = torch.Generator()
         gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         stop_ids = set(sampling.stop_token_ids) if sampling.ignore_eos else self._eos_ids | set(sampling.stop_token_ids)
-        decode = self._decoder() if sampling.stop else None
+        match = stop_matcher(self._decoder(), sampling.stop) if sampling.stop else None
         stop_string: str | None = None
         budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         out_ids: list[int] = []
@@ -178,10 +178,9 @@ class TransformersEngine(Engine):
                 if top is not None:
                     values, indices = torch.topk(raw, min(k, raw.numel()))
                     top.append(list(zip(indices.tolist(), values.tolist(), strict=True)))
-                if decode is not None:
-                    # The whole output decoded again: a byte-level token need not decode alone, and this engine
-                    # is the CPU reference, where a forward pass costs far more than a decode.
-                    stop_string = first_stop(decode(out_ids), sampling.stop)
+                if match is not None:
+                    # The output's last ids decoded together: a byte-level token need not decode alone.
+                    stop_string = match(out_ids)
                     if stop_string is not None:
                         finish = "stop"
                         break

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.inference.bridge import InferenceBridge
-from prorl_cli.inference.contract import Engine, Generation, first_stop
+from prorl_cli.inference.contract import Engine, Generation, stop_matcher
 from prorl_cli.protocol import SamplingParams
 from prorl_cli.rendezvous import await_rendezvous
 
@@ -103,8 +103,9 @@ class ScriptedEngine(Engine):
         tokens kept after every token, never cut inside a token (the last id may carry text past the string)."""
         if not sampling.stop:
             return ids, None
+        match = stop_matcher(lambda part: str(self.tokenizer.decode(part, skip_special_tokens=False)), sampling.stop)
         for end in range(1, min(len(ids), sampling.max_tokens) + 1):
-            stop = first_stop(str(self.tokenizer.decode(ids[:end], skip_special_tokens=False)), sampling.stop)
+            stop = match(ids[:end])
             if stop is not None:
                 return ids[:end], stop
         return ids, None

@@ -20,7 +20,7 @@ import pytest
 from prorl_cli.agent import ChatTokens, run_tool_agent
 from prorl_cli.agent.tools import get_tool_parser
 from prorl_cli.exceptions import InferenceError
-from prorl_cli.inference.contract import Generation, first_stop
+from prorl_cli.inference.contract import Generation, first_stop, stop_matcher
 from prorl_cli.inference.openai_engine import OpenAIEngine, completions_body
 from prorl_cli.inference.sim_engine import SimEngine, SimProfile
 from prorl_cli.protocol import SamplingParams
@@ -64,6 +64,39 @@ def test_the_first_stop_is_the_one_that_ends_first_then_the_first_listed() -> No
     assert first_stop("xyz", ["yz", "xyz"]) == "yz"  # both end at the same character: the first listed
     assert first_stop("xyzw", ["yzw", "xyz"]) == "xyz"  # ends first, though it starts first too
     assert first_stop("abc", ["d"]) is None and first_stop("", ["a"]) is None
+
+
+def test_matching_the_last_ids_finds_what_matching_the_whole_output_finds(chat: ChatTokens) -> None:
+    """The engines check after every token by decoding only the output's last ids: at every token, that finds
+    the string decoding the whole output finds (none, or the same one), on the real byte-level tokenizer, with
+    text whose characters span several tokens (accents, CJK, emoji) and strings cut anywhere in it."""
+    import random
+
+    rng = random.Random(7)
+    tok = chat.tokenizer
+
+    def decode(ids: list[int]) -> str:
+        return str(tok.decode(ids, skip_special_tokens=False))
+
+    words = ["the", " answer", " is", "</search>", " café", " 東京", " 🙂🙂", "\n\n", " <tool_call>", " x" * 3, "ß"]
+    checked = 0
+    for _ in range(150):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(20, 60)))
+        ids = tok.encode(text, add_special_tokens=False)
+        full = decode(ids)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            at, size = rng.randrange(len(full)), rng.randint(1, 12)
+            stops.append(full[at:at + size])
+        stops.append("never in this text")
+        match = stop_matcher(decode, stops)
+        for end in range(1, len(ids) + 1):
+            expected = first_stop(decode(ids[:end]), stops)
+            assert match(ids[:end]) == expected, (text, stops, end)
+            checked += 1
+            if expected is not None:
+                break
+    assert checked > 1000
 
 
 def test_the_transformers_engine_stops_at_the_token_that_completes_the_string(tiny_model: Path) -> None:
