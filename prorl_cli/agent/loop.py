@@ -120,6 +120,7 @@ class TokenSession:
             text=self.chat.turn_text(gen.output_ids),
             policy_version=getattr(gen, "policy_version", None),
             top_logprobs=getattr(gen, "top_logprobs", None),
+            stop_string=getattr(gen, "stop_string", None),
         )
         traj = self.trajectory
         if self.calls and prefix_ok:

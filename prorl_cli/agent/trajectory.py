@@ -51,6 +51,9 @@ class ModelCall:
     #: With ``sampling.top_logprobs = k``: per output id, the ``k`` most likely ``(token id, log-prob)`` pairs
     #: the engine reported (a distillation or KL term needs them); None when not asked or not reported.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: The stop string (``sampling.stop``, or a gateway request's ``stop``) that ended the call: its text ends in
+    #: the last output id; None when the call ended otherwise.
+    stop_string: str | None = None
 
 
 @dataclass

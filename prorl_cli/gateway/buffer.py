@@ -45,7 +45,7 @@ from prorl_cli.agent.loop import GenerateFn
 from prorl_cli.agent.tools import ToolCall, ToolParser
 from prorl_cli.agent.trajectory import ModelCall, Trajectory
 from prorl_cli.gateway.messages import ChatRequest, tool_call_message
-from prorl_cli.inference.contract import Generation
+from prorl_cli.inference.contract import Generation, first_stop
 from prorl_cli.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams, derive_seed
 
 log = logging.getLogger(__name__)
@@ -410,7 +410,7 @@ class TokenBuffer:
             if unmet:
                 log.warning("gateway: no turn of %d honoured tool_choice (%s); answering the last one",
                             attempt + 1, self._wanted(req))
-            call = self._record(prompt, out, lps, finish, gen, seg, continued, reason)
+            call = self._record(prompt, out, lps, finish, gen, seg, continued, reason, stop_string)
             call.tool_choice_retries, call.tool_choice_unmet = attempt, unmet
             seg.asks.append((len(self.trajectory.calls) - 1, len(req.messages)))
             seg.messages = [*req.messages, self._assistant_message(content, calls)]
@@ -446,7 +446,7 @@ class TokenBuffer:
                 if req.stop:
                     out, lps, stop_string = _cut_at_stop(chat, out, lps, req.stop)
                 call = self._record(prompt, out, lps, "stop" if stop_string else gen.finish_reason, gen, seg,
-                                    continued, reason)
+                                    continued, reason, stop_string)
                 recorded = True
                 # Extended by text, a chat conversation holds ids its messages do not: no chat request extends it.
                 seg.messages, seg.asked = [], []
@@ -468,7 +468,7 @@ class TokenBuffer:
 
     def _record(
         self, prompt: list[int], out: list[int], lps: list[float], finish: str, gen: Generation, seg: Segment,
-        continued: bool, reason: str | None,
+        continued: bool, reason: str | None, stop_string: str | None,
     ) -> ModelCall:
         traj = self.trajectory
         # Continuity is per conversation: a call extends its segment's last call, or opens a conversation.
@@ -484,6 +484,7 @@ class TokenBuffer:
             policy_version=gen.policy_version, segment=seg.index, agent=seg.agent,
             # Cut as the output was (at a stop string): one row per output id kept.
             top_logprobs=gen.top_logprobs[: len(out)] if gen.top_logprobs is not None else None,
+            stop_string=stop_string,
         )
         if not continued:
             if reason is not None:
@@ -572,5 +573,5 @@ def _cut_at_stop(chat: ChatTokens, out: list[int], lps: list[float], stops: list
     keep = chat.shortest_prefix(out, lambda text: any(s in text for s in stops))
     if keep is None:
         return out, lps, None
-    text = chat.decode(out[:keep])
-    return out[:keep], lps[:keep], min((text.index(s), s) for s in stops if s in text)[1]
+    # Of the strings that token completes, the one the engines name (first_stop: ending first, then first listed).
+    return out[:keep], lps[:keep], first_stop(chat.decode(out[:keep]), stops)

@@ -7,6 +7,7 @@ from typing import Any
 
 from prorl_cli.agent.chat import ChatTokens
 from prorl_cli.gateway.buffer import _cut_at_stop
+from prorl_cli.inference.contract import first_stop
 
 WORDS = ["the", " answer", " is", " 42", ".", "\n", " END", "END", " stop", "é", "日本", " <", "/", "tool", ">", " x"]
 
@@ -27,10 +28,9 @@ class CountingChat:
 
 def _by_definition(chat: ChatTokens, out: list[int], stops: list[str]) -> tuple[int, str | None]:
     for k in range(1, len(out) + 1):
-        text = chat.decode(out[:k])
-        hits = [(text.index(s), s) for s in stops if s in text]
-        if hits:
-            return k, min(hits)[1]
+        stop = first_stop(chat.decode(out[:k]), stops)
+        if stop is not None:
+            return k, stop
     return len(out), None
 
 

@@ -141,3 +141,6 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer: Any, route:
     (kept, cut), traj, _ = _run(tokenizer, ["<answer>5</answer> and more"] * 2, ask)
     assert kept == "<answer>5</answer>" and cut == "<answer>5"
     assert traj.calls[0].output_ids == traj.calls[1].output_ids  # the same tokens recorded either way
+    # The trajectory says which string ended each call (the first call's "stop" too, not only the reply's).
+    assert [c.stop_string for c in traj.calls] == ["</answer>"] * 2
+    assert [c.finish_reason for c in traj.calls] == ["stop"] * 2

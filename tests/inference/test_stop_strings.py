@@ -225,6 +225,7 @@ def test_search_r1_sends_its_closing_tags_as_stop_strings_and_generates_no_furth
     first, second = traj.calls
     assert first.text.endswith("</search>") and second.text.rstrip().endswith("</answer>")
     assert (first.finish_reason, second.finish_reason) == ("stop", "stop")
+    assert (first.stop_string, second.stop_string) == ("</search>", "</answer>")  # recorded with each call
     # What the model wrote past each tag was never generated: the trajectory holds every id the engine made.
     assert sum(len(c.output_ids) for c in traj.calls) == model.generated
     assert model.generated < sum(len(ids) for ids in model.outputs)
