@@ -164,12 +164,21 @@ async def delete(request: web.Request, job: JobGateway) -> web.Response:
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
 
-#: The Responses API's endpoints besides create, retrieve and delete, and why the gateway does not serve each:
+async def input_tokens(request: web.Request, job: JobGateway, body: dict[str, Any]) -> web.Response:
+    """``POST /v1/responses/input_tokens`` (``client.responses.input_tokens.count``): how many tokens the body
+    ``responses.create`` would get renders to in the job's tokenizer and template (its ``previous_response_id``,
+    ``instructions`` and tools included): the next call's ``usage.input_tokens``. Nothing is sampled or recorded.
+    ``model`` may be left out, as OpenAI allows; a model the job does not serve is the 404 a create gets."""
+    if body.get("model") is None:
+        body = {**body, "model": job.models[0]}
+    parsed = openai_responses_request(body, job.responses)
+    job.check_model(parsed.chat.model)
+    return web.json_response({"object": "response.input_tokens", "input_tokens": job.buffer.prompt_tokens(parsed.chat)})
+
+
+#: The Responses API's endpoints besides create, retrieve, delete and input_tokens, and why the gateway does not serve each:
 #: ``(method, path under /v1/responses/, why)``; each is answered with a 404 saying so, not a bare 405.
 NOT_SERVED: tuple[tuple[str, str, str], ...] = (
-    ("POST", "input_tokens", "counting a Responses request's input tokens is not served; the prompt's token ids "
-                             "and count are in the response's usage and the job's trajectory (Anthropic's "
-                             "POST /v1/messages/count_tokens is served)"),
     ("POST", "compact", "compaction summarises the conversation on OpenAI's servers, which would change the prompt "
                         "the trajectory records: summarise in the harness and send the summary as input"),
     ("POST", "{response_id}/cancel", "only background responses can be cancelled, and the gateway answers every "

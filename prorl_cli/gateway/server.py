@@ -8,7 +8,8 @@ Routes (``<token>`` is the job's unguessable token; nothing else names a job)::
     GET  /jobs/<token>/v1/responses/<id>       a response the job keeps for previous_response_id
     DELETE /jobs/<token>/v1/responses/<id>     forget a kept response
     GET  /jobs/<token>/v1/responses            the Responses WebSocket mode: refused, with an error event
-    POST /jobs/<token>/v1/responses/input_tokens, responses/compact, responses/<id>/cancel,
+    POST /jobs/<token>/v1/responses/input_tokens  Responses token count (nothing sampled)
+    POST /jobs/<token>/v1/responses/compact, responses/<id>/cancel,
     GET  /jobs/<token>/v1/responses/<id>/input_items   not served: a 404 saying why
     GET  /jobs/<token>/v1/models               the model names the job accepts
     GET  /jobs/<token>/v1/models/<model>       one of them
@@ -251,6 +252,7 @@ class Gateway:
             ("POST", "responses", responses_routes.responses),
             ("POST", "messages", anthropic_routes.messages),
             ("POST", "messages/count_tokens", anthropic_routes.count_tokens),
+            ("POST", "responses/input_tokens", responses_routes.input_tokens),
         ):
             app.router.add_route(method, f"/jobs/{{token:[^/]*}}/v1/{route}", self._with_body(fn))
             # The same endpoint per agent: a harness gives each agent its own base URL to label its calls.
@@ -407,7 +409,7 @@ class Gateway:
                 raise
             return await _error(request, e.status, f"{e.reason}: {request.method} {request.path} "
                                 "(routes: /jobs/<token>/v1/chat/completions, completions, responses, responses/<id>, "
-                                "models, models/<model>, messages, messages/count_tokens)")
+                                "responses/input_tokens, models, models/<model>, messages, messages/count_tokens)")
         except ContextLengthExceeded as e:
             # What the APIs answer, so harnesses stop or compact (litellm's ContextWindowExceededError, Claude
             # Code's compaction) instead of retrying a call that cannot succeed.

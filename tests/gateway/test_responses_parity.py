@@ -197,9 +197,39 @@ def test_a_deleted_response_is_forgotten(tokenizer: Any) -> None:
     asyncio.run(main())
 
 
+def test_responses_input_tokens_counts_the_prompt_a_create_would_send_and_samples_nothing(tokenizer: Any) -> None:
+    """``client.responses.input_tokens.count`` with the body ``create`` gets (tools, instructions, a
+    ``previous_response_id``) is that create's ``usage.input_tokens``; ``model`` may be left out; nothing is
+    sampled or recorded; a model the job does not serve is refused as a create is."""
+    need_module("openai", "test")
+    import openai
+
+    tools = [{"type": "function", "name": "calculator", "description": "Evaluate arithmetic.",
+              "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}]
+
+    async def main() -> None:
+        async with _sdk_job(tokenizer, ["first", "second"]) as (job, client):
+            ask: dict[str, Any] = {"input": USER, "instructions": SYSTEM, "tools": tools}
+            counted = await client.responses.input_tokens.count(model="prorl", **ask)
+            unnamed = await client.responses.input_tokens.count(**ask)
+            assert counted.object == "response.input_tokens" and counted.input_tokens == unnamed.input_tokens
+            assert job.trajectory.calls == []
+            first = await client.responses.create(model="prorl", **ask)
+            assert first.usage is not None and first.usage.input_tokens == counted.input_tokens > 0
+            more: dict[str, Any] = {"previous_response_id": first.id, "input": "And then?", "tools": tools}
+            then = await client.responses.input_tokens.count(model="prorl", **more)
+            second = await client.responses.create(model="prorl", **more)
+            assert second.usage is not None and second.usage.input_tokens == then.input_tokens > counted.input_tokens
+            assert len(job.trajectory.calls) == 2
+            with pytest.raises(openai.NotFoundError, match="model 'gpt-x' does not exist"):
+                await client.responses.input_tokens.count(model="gpt-x", input=USER)
+
+    asyncio.run(main())
+
+
 def test_responses_endpoints_not_served_say_so_in_openais_error_shape(tokenizer: Any) -> None:
-    """Counting input tokens, compaction, cancelling and listing input items are each a 404 naming the endpoint
-    and why it is not served, in OpenAI's error body (not a bare 405); nothing is sampled."""
+    """Compaction, cancelling and listing input items are each a 404 naming the endpoint and why it is not
+    served, in OpenAI's error body (not a bare 405); nothing is sampled."""
     need_module("openai", "test")
     import openai
 
@@ -207,7 +237,6 @@ def test_responses_endpoints_not_served_say_so_in_openais_error_shape(tokenizer:
         async with _sdk_job(tokenizer, ["ok"]) as (job, client):
             kept = await client.responses.create(model="prorl", input=USER)
             refusals: dict[str, Callable[[], Awaitable[Any]]] = {
-                "POST responses/input_tokens": lambda: client.responses.input_tokens.count(model="prorl", input=USER),
                 "POST responses/compact": lambda: client.responses.compact(model="prorl", input=USER),
                 f"POST responses/{kept.id}/cancel": lambda: client.responses.cancel(kept.id),
                 f"GET responses/{kept.id}/input_items": lambda: client.responses.input_items.list(kept.id),
