@@ -19,6 +19,7 @@ observations go to that conversation's calls.
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +118,15 @@ class CallView:
     min_at: int | None
     tool_calls: list[str] = field(default_factory=list)
     observations: list[dict[str, Any]] = field(default_factory=list)
+    #: The stop string that ended the call (None: it ended otherwise, or the record predates the field).
+    stop_string: str | None = None
+
+    @property
+    def finish(self) -> str:
+        """The finish reason as shown: ``stop at "</answer>"`` when a stop string ended the call."""
+        if self.stop_string is None:
+            return str(self.finish_reason)
+        return f"{self.finish_reason} at {json.dumps(self.stop_string, ensure_ascii=False)}"
 
 
 def call_views(traj: dict[str, Any]) -> list[CallView]:
@@ -155,6 +165,7 @@ def call_views(traj: dict[str, Any]) -> list[CallView]:
             min_at=min_at,
             tool_calls=[f"{tc.name}({tc.arguments})" if not tc.error else f"unparsable: {tc.error}" for tc in parser.parse(text)],
             observations=observed.get(i, []),
+            stop_string=c["stop_string"] if isinstance(c.get("stop_string"), str) else None,
         ))
         prev_end[seg] = prompt + output
     return views
@@ -273,7 +284,7 @@ def render_result(r: JobResult, decoder: Decoder, *, show_tokens: bool = False, 
         label = conversation_label(v, several)
         parts.append(Text.from_markup(
             f"\n[bold cyan]call {v.index}[/]  " + (f"[bold]{escape(label)}[/]  " if label else "")
-            + f"backend {escape(str(v.backend))}  finish {v.finish_reason}  prompt {v.prompt_len} ids "
+            + f"backend {escape(str(v.backend))}  finish {escape(v.finish)}  prompt {v.prompt_len} ids "
             f"(+{len(v.new_prompt_ids)} new)  output {len(v.output_ids)} ids  {lp}{mark}"))
         parts.append(Text("new prompt tokens:", style="bold"))
         parts.append(tokens(v.new_prompt_ids, "yellow"))

@@ -204,7 +204,7 @@ def _job_section(r: JobResult) -> str:
         label = conversation_label(c, several)
         out.append(f"<h4>call {c.index}{f' · {e(label)}' if label else ''}"
                    f"{'' if c.prefix_ok else ' <span class=bad>(continuity broken)</span>'}</h4>"
-                   f"<p>backend {e(str(c.backend))} · finish {e(str(c.finish_reason))} · prompt {c.prompt_len} ids "
+                   f"<p>backend {e(str(c.backend))} · finish {e(c.finish)} · prompt {c.prompt_len} ids "
                    f"(+{len(c.new_prompt_ids)} new) · output {len(c.output_ids)} ids · {lp}</p>"
                    f"<pre>{e(c.text)}</pre>")
         for obs in c.observations:

@@ -23,7 +23,7 @@ def _call(prompt: list[int], output: list[int], segment: int, agent: str | None,
 #: Calls as the gateway records them: lead (conversation 0) and helper (conversation 1) interleaved, each extending
 #: its own conversation token-exactly, but for an edit of helper's history (call 2), which opened conversation 2.
 CALLS = [
-    _call([1, 2], [3], 0, "lead", "plan"),
+    {**_call([1, 2], [3], 0, "lead", "plan</plan>"), "stop_string": "</plan>"},
     _call([7], [8], 1, "helper", "look"),
     _call([7, 6], [11], 2, "helper", "again", prefix_ok=False),
     _call([1, 2, 3, 4], [5], 0, "lead", "act"),
@@ -58,6 +58,9 @@ def test_new_prompt_tokens_are_counted_against_the_previous_call_of_the_same_con
     from prorl_cli.observe.report import _job_section
 
     assert "<h4>call 3 · agent lead, conversation 0</h4>" in _job_section(result)
+    # The stop string that ended a call is named with its finish reason (a record without one shows the reason).
+    assert [v.finish for v in views] == ['stop at "</plan>"'] + ["stop"] * 4
+    assert "finish stop at &quot;&lt;/plan&gt;&quot;" in _job_section(result)
 
 
 def test_an_unlisted_broken_call_is_named_against_its_own_conversation(tmp_path: Path) -> None:
@@ -82,6 +85,7 @@ def test_inspect_names_each_calls_agent_and_conversation(tmp_path: Path) -> None
     heads = [line for line in out.stdout.splitlines() if " call " in line and " ids " in line]
     assert len(heads) == 5, out.stdout
     assert "call 0  agent lead, conversation 0 " in heads[0] and "(+2 new)" in heads[0], heads[0]
+    assert 'finish stop at "</plan>"  prompt 2 ids' in heads[0], heads[0]
     assert "call 2  agent helper, conversation 2 " in heads[2] and "CONTINUITY BROKEN" in heads[2], heads[2]
     assert "call 3  agent lead, conversation 0 " in heads[3] and "(+1 new)" in heads[3], heads[3]
     assert "call 4  agent helper, conversation 1 " in heads[4] and "(+2 new)" in heads[4], heads[4]
