@@ -33,8 +33,19 @@ def _try_key_lock(cache: Cache, key: str) -> Iterator[bool]:
         os.close(fd)
 
 
+def _orphan_logs(cache: Cache, builds: dict[str, Any]) -> dict[tuple[str, str], list[Any]]:
+    """``logs/NAME/KEY.{def,log}`` of keys with no build entry (failed or killed builds), by (name, key)."""
+    found: dict[tuple[str, str], list[Any]] = {}
+    for path in sorted((cache.root / "logs").glob("*/*")):
+        key, _, suffix = path.name.rpartition(".")
+        if suffix in ("def", "log") and key and key not in builds and path.is_file():
+            found.setdefault((path.parent.name, key), []).append(path)
+    return found
+
+
 def prune(cache: Cache, dry_run: bool = False) -> list[str]:
-    """Remove non-current builds, killed builds' temp files and entries whose image is gone; returns what went."""
+    """Remove non-current builds, killed builds' temp files, entries whose image is gone and the logs of builds
+    that failed (or were killed); returns what went."""
     removed: list[str] = []
 
     def change(data: dict[str, Any]) -> None:
@@ -64,6 +75,15 @@ def prune(cache: Cache, dry_run: bool = False) -> list[str]:
                     removed.append(f"leftover {tmp}")
                     if not dry_run:
                         tmp.unlink(missing_ok=True)
+        # A failed build leaves its definition and log for the user to read, and no entry: once pruned, the next
+        # build of that key writes them anew. A key being built now holds its lock and keeps them.
+        for (name, key), paths in _orphan_logs(cache, data["builds"]).items():
+            with _try_key_lock(cache, key) as free:
+                if free:
+                    removed.append(f"{name} {key}: a failed build's {' and '.join(p.suffix[1:] for p in paths)}")
+                    if not dry_run:
+                        for path in paths:
+                            path.unlink(missing_ok=True)
         # Apptainer's own temp folders are private to each build; nothing else lives in images/<name>/.
         for d in sorted((cache.root / "images").glob("*")):
             if d.is_dir() and not any(d.iterdir()) and not dry_run:

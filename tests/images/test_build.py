@@ -108,6 +108,12 @@ def test_failed_build_leaves_no_image_and_shows_step_and_tail(ws: Workspace) -> 
     assert not any((ws.cache / "images" / "tiny").glob(".*"))
     assert "tiny" not in ws.manifest()["images"] if (ws.cache / "manifest.json").exists() else True
     assert "deliberate failure 4711" in (ws.cache / "logs" / "tiny" / f"{key}.log").read_text()
+    # The failed build's definition and log are the user's to read until a prune, which removes them.
+    pruned = ws.prorl("images", "prune", "--dry-run").stdout
+    assert f"tiny {key}: a failed build's def and log" in pruned and (ws.cache / "logs" / "tiny" / f"{key}.log").exists()
+    pruned = ws.prorl("images", "prune").stdout
+    assert f"tiny {key}: a failed build's def and log" in pruned, pruned
+    assert not any((ws.cache / "logs" / "tiny").glob(f"{key}.*"))
 
 
 def test_a_failure_is_reported_at_apptainers_step_not_at_its_hint(ws: Workspace) -> None:

@@ -164,7 +164,8 @@ def images_show(app: App, name: str, cache_dir: str | None, definition: bool) ->
 @home_option
 @pass_app
 def images_prune(app: App, cache_dir: str | None, dry_run: bool) -> None:
-    """Remove builds that are no image's current one, leftovers of killed builds, and entries whose file is gone."""
+    """Remove builds that are no image's current one, leftovers of killed builds, failed builds' logs, and entries
+    whose file is gone."""
     from prorl_cli.images.prune import prune
 
     cache = _cache(app, cache_dir)
