@@ -48,6 +48,9 @@ from prorl_cli.protocol import headers as H
 log = logging.getLogger(__name__)
 
 
+#: Calls a bridge remembers after they ended, for a cancel that crosses their reply (far more than are ever in flight).
+_ENDED_KEPT = 1024
+
 #: Where a call is, as a cancel's log line says it.
 _WHERE = {
     "queued": "before it reached the engine (never submitted to it)",
@@ -106,6 +109,9 @@ class InferenceBridge(BrokerPeer):
         self.engine_check_interval_s = engine_check_interval_s
         self._stop = asyncio.Event()
         self._generating: dict[Any, _Call] = {}  # forward id -> its call
+        #: The forward ids of the last calls that ended here: a cancel that crossed a call's reply is named as such
+        #: in the log, not dropped without a word (the log is where a cancel is followed).
+        self._ended: collections.OrderedDict[Any, None] = collections.OrderedDict()
         #: Why the bridge stopped on its own (engine died); ``None`` after a normal stop.
         self.failure: str | None = None
         #: The weights version the engine serves (from the last ``update_weights``); ``None`` until one came.
@@ -166,6 +172,9 @@ class InferenceBridge(BrokerPeer):
             if ending is not None and ending.task is not None:
                 log.info("generate for job %s cancelled %s: the job ended", h.job_id, _WHERE[ending.stage])
                 ending.task.cancel()
+            elif h.rid in self._ended:
+                log.info("generate for job %s cancelled after it ended here (its reply crossed the cancel): "
+                         "nothing to stop", h.job_id)
 
     def _refuse(self, op: Op, header: dict[str, Any], e: ProtocolError) -> None:
         """Answer a malformed request with an error naming the field (the rid is echoed as given)."""
@@ -209,7 +218,10 @@ class InferenceBridge(BrokerPeer):
             await self.close()
 
     def _call_done(self, rid: Any, _: asyncio.Future[None]) -> None:
-        self._generating.pop(rid, None)
+        if self._generating.pop(rid, None) is not None:
+            self._ended[rid] = None
+            while len(self._ended) > _ENDED_KEPT:
+                self._ended.popitem(last=False)
 
     async def _update_weights(self, h: H.UpdateWeights) -> None:
         """Load new weights between calls: in-flight calls finish on the old ones, new ones wait."""

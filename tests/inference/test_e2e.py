@@ -217,15 +217,17 @@ def test_a_restarted_broker_gets_its_node_and_bridge_back(
         d.close()
 
 
-def _wait_text(path: Path, text: str, timeout_s: float = 60.0, start: int = 0) -> str:
-    """Wait until the log at ``path`` holds ``text`` after byte ``start`` (a child's log is the only witness of
-    what happened in it)."""
+def _wait_text(path: Path, text: str | tuple[str, ...], timeout_s: float = 60.0, start: int = 0) -> str:
+    """Wait until the log at ``path`` holds ``text`` (one of them, given several) after byte ``start`` (a child's
+    log is the only witness of what happened in it)."""
     import time
 
+    texts = (text,) if isinstance(text, str) else text
     deadline = time.monotonic() + timeout_s
-    while text not in (log := path.read_bytes()[start:].decode(errors="replace") if path.exists() else ""):
+    while not any(t in (log := path.read_bytes()[start:].decode(errors="replace") if path.exists() else "")
+                  for t in texts):
         if time.monotonic() > deadline:
-            raise AssertionError(f"{path} never said {text!r}:\n{log[-3000:]}")
+            raise AssertionError(f"{path} never said {' or '.join(map(repr, texts))}:\n{log[-3000:]}")
         time.sleep(0.05)
     return log
 
@@ -283,9 +285,10 @@ def test_cancelling_a_job_aborts_its_request_in_vllm(tmp_path: Path, vllm_server
 def _abort_in_vllm(d: Deployment, vllm_server: Any) -> None:
     # vLLM on the CPU writes the tiny model's longest call (1,000 tokens) in about a second: on a loaded
     # machine the call can end before the cancel reaches the bridge, which proves nothing either way.
-    # Such a lost race is told by the job's own end (done, not cancelled); then try again. So is a bridge that took
-    # the broker for silent meanwhile (heartbeats late on a loaded machine) and registered again: the broker may
-    # have taken it for lost too and moved its call, and the cancel then no longer names this request.
+    # Such a lost race is told by the job's own end (done, not cancelled), or, when the cancel crossed the call's
+    # reply on its way, by the bridge's log (the call ended there before the cancel came); then try again. So is a
+    # bridge that took the broker for silent meanwhile (heartbeats late on a loaded machine) and registered again:
+    # the broker may have taken it for lost too and moved its call, and the cancel then no longer names this request.
     bridge_log = d.logs / "b-vllm.log"
     for _ in range(10):
         start = vllm_server.log_path.stat().st_size
@@ -299,7 +302,10 @@ def _abort_in_vllm(d: Deployment, vllm_server: Any) -> None:
         if res.state == "done" or b"registering again" in bridge_log.read_bytes()[bridge_start:]:
             continue
         assert res.state == "cancelled", (res.state, res.error)
-        _wait_text(d.logs / "b-vllm.log", f"generate for job {job} cancelled in the engine: the job ended")
+        aborted = f"generate for job {job} cancelled in the engine: the job ended"
+        crossed = f"generate for job {job} cancelled after it ended here"
+        if aborted not in _wait_text(bridge_log, (aborted, crossed), start=bridge_start):
+            continue
         _wait_text(vllm_server.log_path, "Aborted request", start=start)
         return
     pytest.fail("every 1,000-token call ended before its cancel arrived: ten lost races")
