@@ -269,15 +269,19 @@ def test_commands_without_a_broker_say_so(tmp_path: Path) -> None:
 
 
 def test_a_broker_killed_outright_is_named_gone_with_the_way_back(tmp_path: Path) -> None:
-    """kill -9 (the OOM killer) leaves broker.json behind: a command says the process is gone and how to go on."""
+    """kill -9 (the OOM killer) leaves broker.json behind: a command says the process is gone and how to go on;
+    ``prorl stop``, one of the ways on, stops the deployment without its broker."""
     d = Deployment(tmp_path / "home", "killed")
     try:
         broker = d.start_broker()
         d.kill("broker")
-        r = prorl(d, "stop")
+        r = prorl(d, "status")
         assert r.returncode != 0
         assert f"its process (pid {broker.pid} on this host) is gone" in r.stderr, r.stderr
-        assert "prorl serve broker -d killed" in r.stderr
+        assert "`prorl serve broker -d killed` starts it again" in r.stderr and "`prorl stop -d killed`" in r.stderr
+        r = prorl(d, "stop")
+        assert r.returncode == 0, r.stderr
+        assert "its stop record is written" in " ".join(r.stdout.split()), r.stdout
     finally:
         d.close()
 
