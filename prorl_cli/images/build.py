@@ -137,12 +137,14 @@ class Builder:
                 for plan in list(pending):
                     if len(threads) >= jobs:
                         break
-                    dep = plan.spec.depends_on if plan.spec.depends_on in by_name else None
-                    if dep is not None and dep not in results:
-                        continue  # its base is not ready yet
+                    deps = [d for d in plan.spec.dependencies if d in by_name]
+                    if any(d not in results for d in deps):
+                        continue  # a base is not ready yet
                     pending.remove(plan)
-                    if dep is not None and results[dep].action in ("failed", "skipped"):
-                        results[plan.spec.name] = Result(plan.spec.name, plan.key, plan.mode, "skipped", [f"base image {dep} failed"], str(plan.path))
+                    failed = [d for d in deps if results[d].action in ("failed", "skipped")]
+                    if failed:
+                        results[plan.spec.name] = Result(plan.spec.name, plan.key, plan.mode, "skipped",
+                                                         [f"base image {failed[0]} failed"], str(plan.path))
                         continue
                     t = threading.Thread(target=worker, args=(plan,), name=f"prorl-build-{plan.spec.name}", daemon=True)
                     threads[plan.spec.name] = t

@@ -11,26 +11,48 @@ folder's contents, local archives unpacked) and here-documents itself; spython's
 (the entry's ``base`` replaces ``FROM``, so an offline site can point it at a
 local image) and adds its labels. Instructions that have no Apptainer
 equivalent are listed in :attr:`Conversion.not_converted` and logged; the
-build goes on without them. Multi-stage Dockerfiles are refused.
+build goes on without them. A multi-stage Dockerfile becomes a definition of
+several stages (:mod:`prorl_cli.images.dockerfile_stages`); ``ADD`` of a URL
+is fetched in %post.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import posixpath
 import re
 import shlex
-import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import ConfigError
+from prorl_cli.images.dockerfile_copy import ADD_STAGING, COPY_STAGING, convert_copy
+from prorl_cli.images.dockerfile_stages import (
+    Stage,
+    chain,
+    find_stage,
+    from_words,
+    needed_stages,
+    stage_name,
+)
+from prorl_cli.images.dockerfile_text import (
+    HEREDOC,
+    KNOWN,
+    Instruction,
+    assignments,
+    expand,
+    inherit,
+    leading_flags,
+    read_instructions,
+    with_build_args,
+)
 from prorl_cli.images.spec import FileCopy, ImageSpec
 
 log = logging.getLogger("prorl.images")
@@ -46,12 +68,6 @@ UNSUPPORTED = {
 }
 
 
-def is_dockerfile(template: str) -> bool:
-    """Whether an image entry's ``template`` names a Dockerfile rather than a Jinja definition."""
-    name = Path(template).name
-    return name == "Dockerfile" or name.startswith("Dockerfile.") or name.lower().endswith(".dockerfile")
-
-
 @dataclass
 class Conversion:
     """A Dockerfile converted: the definition, the files it copies, and what it left out."""
@@ -60,249 +76,14 @@ class Conversion:
     files: list[FileCopy] = field(default_factory=list)
     from_image: str = ""
     not_converted: list[str] = field(default_factory=list)
-
-
-#: Every instruction Docker knows; another word is an error, as in ``docker build``.
-KNOWN = {"ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL",
-         "MAINTAINER", "ONBUILD", "RUN", "SHELL", "STOPSIGNAL", "USER", "VOLUME", "WORKDIR"}
-# A here-document of RUN/COPY/ADD (BuildKit's syntax): <<EOF, <<-EOF, <<"EOF", <<'EOF'.
-_HEREDOC = re.compile(r"<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_]*)\2")
-# Where ADD puts a local archive until %post unpacks it, and where a COPY that follows a RUN waits for its
-# turn: %files are all copied before %post starts, so `RUN rm -rf /etc/app/*` then `COPY app.conf /etc/app/`
-# would delete the copied file.
-_ADD_STAGING = "/.prorl-add"
-_COPY_STAGING = "/.prorl-copy"
-
-
-@dataclass
-class Heredoc:
-    """One here-document of an instruction: its delimiter, whether it was quoted, and its lines."""
-
-    delimiter: str
-    quoted: bool
-    body: str
-
-
-@dataclass
-class Instruction:
-    """One Dockerfile instruction: continuation lines joined, its here-documents read."""
-
-    line: int
-    word: str
-    args: str
-    heredocs: list[Heredoc] = field(default_factory=list)
-
-
-def _instructions(text: str) -> list[Instruction]:
-    """The instructions of a Dockerfile, read as Docker does.
-
-    A backslash at the end of a line joins the next one; comment and empty
-    lines inside a continued instruction are dropped (a comment line kept
-    there would comment out the rest of the joined shell command); the lines
-    after a here-document marker, up to its delimiter, are its body, not
-    instructions.
-    """
-    lines = text.splitlines()
-    out: list[Instruction] = []
-    i = 0
-    while i < len(lines):
-        raw = lines[i].rstrip()
-        i += 1
-        if not raw.strip() or raw.lstrip().startswith("#"):
-            continue
-        start, buf = i, raw
-        while buf.endswith("\\"):
-            buf = buf[:-1]
-            while i < len(lines) and (not lines[i].strip() or lines[i].lstrip().startswith("#")):
-                i += 1
-            if i == len(lines):
-                break
-            buf += lines[i].rstrip()
-            i += 1
-        word, _, args = buf.strip().partition(" ")
-        ins = Instruction(start, word.upper(), args.strip())
-        if ins.word in ("RUN", "COPY", "ADD"):
-            for m in _HEREDOC.finditer(ins.args):
-                strip_tabs, delimiter = m.group(1) == "-", m.group(3)
-                body: list[str] = []
-                while i < len(lines) and (lines[i].lstrip("\t") if strip_tabs else lines[i]) != delimiter:
-                    body.append(lines[i].lstrip("\t") if strip_tabs else lines[i])
-                    i += 1
-                if i == len(lines):
-                    raise ConfigError(f"line {start}: here-document <<{delimiter} is never closed (no line {delimiter!r})")
-                i += 1
-                ins.heredocs.append(Heredoc(delimiter, bool(m.group(2)), "\n".join(body)))
-        out.append(ins)
-    return out
-
-
-def _leading_flags(args: str) -> tuple[list[str], str]:
-    """The ``--name=value`` flags an instruction's arguments start with, and the arguments after them."""
-    flags: list[str] = []
-    while m := re.match(r"(--\S+)\s*", args):
-        flags.append(m.group(1))
-        args = args[m.end():]
-    return flags, args
-
-
-def _in_workdir(dest: str, workdir: str) -> str:
-    """``dest`` as an absolute path (Docker resolves a relative one against WORKDIR); a folder keeps its "/"."""
-    if dest.startswith("/"):
-        return dest
-    path = posixpath.normpath(posixpath.join(workdir, dest))
-    is_dir = dest.endswith("/") or posixpath.basename(dest) in (".", "..")
-    return path.rstrip("/") + "/" if is_dir else path
+    stage_images: list[str] = field(default_factory=list)  # what the other stages bootstrap, as the file names them
 
 
 def _run_script(ins: Instruction) -> str:
     """The shell script of a RUN: its command line, with any here-document bodies as they were written."""
-    if len(ins.heredocs) == 1 and _HEREDOC.sub("", ins.args).strip() == "":
+    if len(ins.heredocs) == 1 and HEREDOC.sub("", ins.args).strip() == "":
         return ins.heredocs[0].body  # RUN <<EOF alone: the body is the script
     return ins.args + "".join(f"\n{d.body}\n{d.delimiter}" for d in ins.heredocs)
-
-
-@dataclass
-class _Copy:
-    """What one COPY/ADD became: files for %files, and %post lines to run at its place."""
-
-    files: list[tuple[Path, str, str]] = field(default_factory=list)  # (source, %files source, %files dest)
-    post: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
-def _convert_copy(ins: Instruction, context: Path, workdir: str, index: int, image: str, path: Path,
-                  deferred: bool = False) -> _Copy:
-    """COPY/ADD with Docker's meaning: dest relative to WORKDIR, a folder's contents, ADD unpacking local tars.
-
-    ``deferred``: a RUN came before, so the copy goes to a staging folder and a %post step moves it in place.
-    """
-    out = _Copy()
-    where = f"image {image}: {path}: line {ins.line}"
-    flags, rest = _leading_flags(ins.args)  # COPY [--chown=...] ... SRC... DEST, or the JSON form after the flags
-    if rest.startswith("["):
-        try:
-            words = json.loads(rest)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: {ins.word} {ins.args}: not a JSON list ({e})") from e
-        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-            raise ConfigError(f"{where}: {ins.word} {ins.args}: expected a JSON list of strings")
-    else:
-        words = rest.split()
-    if any(f.startswith("--from") for f in flags):
-        out.notes.append(f"line {ins.line}: {ins.word} {ins.args} - copies from another image or stage are not supported")
-        return out
-    ignored = [f for f in flags if not f.startswith("--link")]
-    if ignored:
-        out.notes.append(f"line {ins.line}: {ins.word} {ins.args} - flags {' '.join(ignored)} are ignored")
-    if len(words) < 2:
-        raise ConfigError(f"{where}: {ins.word} {ins.args}: needs a source and a destination")
-    *sources, dest = words
-    dest = _in_workdir(dest, workdir)
-    docs = {d.delimiter: d for d in ins.heredocs}
-    many = len(sources) > 1 or any(re.search(r"[*?\[]", s) for s in sources)
-    if many and not dest.endswith("/"):
-        dest += "/"  # Docker requires it for several sources; it means a folder
-    for src in sources:
-        m = _HEREDOC.fullmatch(src)
-        if m and m.group(3) in docs:
-            doc = docs[m.group(3)]
-            target = dest + doc.delimiter if dest.endswith("/") else dest
-            quote = "'" if doc.quoted else ""
-            # One simple command a line: %post runs with `sh -e`, which does not stop at a failure inside `a && b`.
-            out.post.append(f"mkdir -p {shlex.quote(posixpath.dirname(target) or '/')}")
-            out.post.append(f"cat > {shlex.quote(target)} <<{quote}{doc.delimiter}{quote}\n{doc.body}\n{doc.delimiter}")
-            continue
-        if ins.word == "ADD" and re.match(r"https?://", src):
-            out.notes.append(f"line {ins.line}: ADD {ins.args} - URLs are not fetched; download in a RUN step")
-            continue
-        matches = sorted(context.glob(src)) if re.search(r"[*?\[]", src) else [context / src]
-        matches = [p.resolve() for p in matches if p.exists()]
-        if not matches:
-            raise ConfigError(f"{where}: {ins.word} source {src!r} does not exist in {context}")
-        for src_path in matches:
-            if ins.word == "ADD" and src_path.is_file() and tarfile.is_tarfile(src_path):
-                # Docker unpacks a local tar archive (plain or compressed) that ADD names into the destination.
-                staged = f"{_ADD_STAGING}/{index}-{src_path.name}"
-                out.files.append((src_path, str(src_path), staged))
-                into = dest if dest.endswith("/") else dest + "/"
-                out.post += [f"mkdir -p {shlex.quote(into)}", f"tar -xf {shlex.quote(staged)} -C {shlex.quote(into)}",
-                             f"rm -f {shlex.quote(staged)}"]
-            elif src_path.is_dir():
-                # Docker copies a folder's contents; Apptainer's `cp -r SRC DEST` would nest SRC inside an existing DEST.
-                into = dest if dest.endswith("/") else dest + "/"
-                if deferred:
-                    stage = f"{_COPY_STAGING}/{index}-{len(out.files)}/"
-                    out.files.append((src_path, f"{src_path}/.", stage))
-                    out.post += [f"mkdir -p {shlex.quote(into)}", f"cp -fR {shlex.quote(stage)}. {shlex.quote(into)}"]
-                else:  # `cp -r SRC/. DEST` fills DEST, whether or not the image has it yet
-                    out.files.append((src_path, f"{src_path}/.", dest))
-            else:
-                target = dest + src_path.name if dest.endswith("/") else dest
-                if deferred:
-                    # The staged file keeps its name: `cp` into a DEST that is a folder of the image names it so.
-                    stage = f"{_COPY_STAGING}/{index}-{len(out.files)}/{src_path.name}"
-                    out.files.append((src_path, str(src_path), stage))
-                    out.post += [f"mkdir -p {shlex.quote(posixpath.dirname(target) or '/')}",
-                                 f"cp -f {shlex.quote(stage)} {shlex.quote(target)}"]
-                else:
-                    out.files.append((src_path, str(src_path), target))
-    return out
-
-
-_VARIABLE = re.compile(r"(?<!\\)\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?::([-+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
-
-
-def _expand(text: str, known: dict[str, str]) -> str:
-    """``$NAME``, ``${NAME}``, ``${NAME:-word}``, ``${NAME:+word}`` of ENV and ARG values, as Docker expands them in
-    WORKDIR, COPY, ADD and ENV; a name the Dockerfile does not set (``$PATH`` of the base) is left to the shell,
-    but for ``${NAME:-word}``, which is ``word``."""
-    def sub(m: re.Match[str]) -> str:
-        name = m.group(1) or m.group(4)
-        if name not in known:
-            return m.group(3) if m.group(2) == "-" else m.group(0)
-        value = known[name]
-        if m.group(2) == "-":
-            return value or m.group(3)
-        if m.group(2) == "+":
-            return m.group(3) if value else ""
-        return value
-
-    return _VARIABLE.sub(sub, text)
-
-
-def _assignments(word: str, args: str) -> dict[str, str]:
-    """The variables an ENV or ARG sets (an ARG without a default sets none), or the labels a LABEL sets."""
-    try:
-        words = shlex.split(args)
-    except ValueError:
-        return {}
-    if word in ("ENV", "LABEL") and words and "=" not in words[0]:
-        return {words[0]: " ".join(words[1:])}  # ENV NAME VALUE WITH SPACES
-    return dict(w.split("=", 1) for w in words if "=" in w)
-
-
-def _with_build_args(args: str, build_args: dict[str, str], consumed: set[str]) -> str:
-    """An ARG line with the values the image list gives (they win over the defaults, as --build-arg does)."""
-    out = []
-    for word in re.findall(r"""(?:[^\s"']+|"[^"]*"|'[^']*')+""", args):  # quoted defaults stay one word
-        name = word.split("=", 1)[0]
-        if name in build_args:
-            consumed.add(name)
-            value = build_args[name].replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
-            word = f'{name}="{value}"'
-        out.append(word)
-    return " ".join(out)
-
-
-def _inherit(args: str, global_args: dict[str, str]) -> str:
-    """An ARG line whose bare names take their global (before FROM) values, as Docker's re-declaration does."""
-    out = []
-    for word in re.findall(r"""(?:[^\s"']+|"[^"]*"|'[^']*')+""", args):
-        if "=" not in word and word in global_args:
-            value = global_args[word].replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
-            word = f'{word}="{value}"'
-        out.append(word)
-    return " ".join(out)
 
 
 def _runscript(entrypoint: list[str] | None, cmd: list[str] | None, shell_entrypoint: bool) -> list[str]:
@@ -374,159 +155,254 @@ def find_dockerfile(template: str, dirs: list[Path]) -> Path:
 
 
 def convert_dockerfile(
-    path: Path, spec: ImageSpec, *, header: str, prorl_version: str
+    path: Path, spec: ImageSpec, *, header: str, prorl_version: str,
+    stage_header: Callable[[str], str] | None = None,
 ) -> Conversion:
-    """Convert ``path`` for the image ``spec`` (``header``: prorl's bootstrap lines for ``spec.base``)."""
-    from spython.main.parse.writers import SingularityWriter
+    """Convert ``path`` for the image ``spec`` (``header``: prorl's bootstrap lines for ``spec.base``).
 
+    ``stage_header``: the bootstrap lines for an image another stage starts from or a ``COPY --from`` reads
+    (its ``FROM`` reference as written); ``Bootstrap: docker`` with it when not given.
+    """
     text = path.read_text()
     # The definition (and so the lock key) names the Dockerfile by its bytes, not its path: the same recipe
     # in another folder (another user's copy of a dataset) is the same image in a shared cache.
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    where = f"image {spec.name}: {path}"
     try:
-        instructions = _instructions(text)
+        instructions = read_instructions(text)
     except ConfigError as e:
-        raise ConfigError(f"image {spec.name}: {path}: {e}") from e
+        raise ConfigError(f"{where}: {e}") from e
     unknown = [ins for ins in instructions if ins.word not in KNOWN]
     if unknown:
-        raise ConfigError(f"image {spec.name}: {path}: line {unknown[0].line}: unknown instruction {unknown[0].word}")
-    froms = [ins.args for ins in instructions if ins.word == "FROM"]
-    if len(froms) != 1:
-        raise ConfigError(f"image {spec.name}: {path}: multi-stage Dockerfiles ({len(froms)} FROM lines) are not "
-                          "supported; build the final stage's base as its own image")
-    # FROM [--platform=...] IMAGE [AS NAME]: the image is the first word that is not a flag.
-    from_image = next((word for word in froms[0].split() if not word.startswith("--")), None)
-    if from_image is None:
-        raise ConfigError(f"image {spec.name}: {path}: FROM names no image")
-    not_converted: list[str] = []
-    context = path.parent
-    files: list[FileCopy] = []
-    pairs: list[list[str]] = []
-    # What spython parses: one line per instruction; COPY/ADD and here-documents are prorl's (placeholders
-    # keep their place among the RUN steps), instructions Apptainer cannot express are left out.
-    feed: list[str] = []
-    steps: list[str] = []
-
-    def step(text: str) -> None:
-        feed.append(f"RUN prorl-step-{len(steps)}")
-        steps.append(text)
-
-    workdir, workdir_set = "/", False
-    shell = ["/bin/sh", "-c"]
-    run_argv: dict[str, list[str]] = {}  # CMD, ENTRYPOINT: the command each stands for
-    shell_entrypoint = False
-    known: dict[str, str] = {}  # ENV and ARG values so far
-    labels: list[list[str]] = []
+        raise ConfigError(f"{where}: line {unknown[0].line}: unknown instruction {unknown[0].word}")
+    first_from = next((n for n, ins in enumerate(instructions) if ins.word == "FROM"), None)
+    if first_from is None:
+        raise ConfigError(f"{where}: no FROM line")
     # The entry's variables are the Dockerfile's build arguments (docker build --build-arg NAME=VALUE).
     build_args = {k: str(v) for k, v in spec.variables.items() if k != "include"}
     consumed: set[str] = set()
     # An ARG before FROM is Docker's global build argument: FROM sees it, the steps after FROM only when the stage
     # declares it again (`ARG NAME`, which then takes the global value). Exported in %post it leaked into every step,
     # and a bare `ARG NAME` after FROM was reported as an ARG "without a default" though Docker gives it one.
-    first_from = next(n for n, ins in enumerate(instructions) if ins.word == "FROM")
     global_args: dict[str, str] = {}
     for ins in instructions[:first_from]:
         if ins.word == "ARG":
-            global_args.update(_assignments("ARG", _with_build_args(ins.args, build_args, consumed)))
-    from_image = _expand(from_image, global_args)
-    for n, ins in enumerate(instructions):
-        if n < first_from:
-            continue  # only ARG (and comments) may come before FROM; their values are in global_args
-        if ins.word in ("WORKDIR", "COPY", "ADD", "LABEL"):
-            ins = dataclasses.replace(ins, args=_expand(ins.args, known))
-        if ins.word == "ARG":
-            ins = dataclasses.replace(ins, args=_with_build_args(_inherit(ins.args, global_args), build_args, consumed))
-            known.update(_assignments(ins.word, ins.args))
-        env: dict[str, str] = {}
-        if ins.word == "ENV":
-            # Docker splits ENV into words first, then expands each value: `ENV B=$A` with A="x y" is one variable.
-            env = {k: _expand(v, known) for k, v in _assignments("ENV", ins.args).items()}
-            known.update(env)
-        if ins.word == "RUN":
-            # BuildKit's RUN --mount/--network/--security are options of the step, not words of its command: left
-            # in, `sh -c '--mount=type=cache,... pip install ...'` failed the build with "not found".
-            run_flags, run_args = _leading_flags(ins.args)
-            if run_flags:
-                not_converted.append(f"line {ins.line}: RUN {' '.join(run_flags)} - flags are ignored: the step runs "
-                                     "without them (no cache, bind, secret or ssh mount; the build's own network)")
-                ins = dataclasses.replace(ins, args=run_args)
-        if ins.word in UNSUPPORTED:
-            not_converted.append(f"line {ins.line}: {ins.word} {ins.args} - {UNSUPPORTED[ins.word]}")
-        elif ins.word in ("COPY", "ADD"):
-            copy = _convert_copy(ins, context, workdir, n, spec.name, path, deferred=bool(steps))
-            not_converted += copy.notes
-            for src_path, src, dst in copy.files:
-                files.append(FileCopy(src_path, dst))
-                pairs.append([src, dst])
-            for post in copy.post:
-                step(post)
-        elif ins.word in ("CMD", "ENTRYPOINT"):
-            exec_form = ins.args.startswith("[")
-            run_argv[ins.word] = _json_argv(ins, spec.name, path) if exec_form else [*shell, ins.args]
-            if ins.word == "ENTRYPOINT":
-                shell_entrypoint = not exec_form
-        elif ins.word in ("LABEL", "MAINTAINER"):
-            # spython wrote `LABEL a=b c=d` as one label named "a=b" with the value "c=d"
-            pairs_set = {"maintainer": ins.args} if ins.word == "MAINTAINER" else _assignments("LABEL", ins.args)
-            labels += [[k, v] for k, v in pairs_set.items()]
-        elif ins.word == "SHELL":
-            shell = _json_argv(ins, spec.name, path)
-        elif ins.word == "RUN" and ins.args.startswith("[") and not ins.heredocs:
-            step(shlex.join(_json_argv(ins, spec.name, path)))  # the exec form runs no shell
-        elif ins.word == "RUN":
-            # As Docker does, each RUN is its own `sh -c SCRIPT` whose exit status decides: written as lines of
-            # %post (run with `sh -e`), a failure inside `a && b` or before `;` would not stop the build.
-            step(f"{shlex.join(shell)} {shlex.quote(_run_script(ins))}")
-        elif ins.word == "ENV" and env and not any('"' in v for v in env.values()):
-            # One NAME="VALUE" word each, the form spython reads (it failed on `ENV NAME VALUE WITH SPACES`).
-            feed.append("ENV " + " ".join(f"{k}={v}" if re.fullmatch(r"[\w./:@%+,=${}~-]+", v) else f'{k}="{v}"'
-                                          for k, v in env.items()))
-        elif ins.word == "WORKDIR":
-            workdir, workdir_set = posixpath.normpath(posixpath.join(workdir, ins.args)), True
-            feed.append(f"WORKDIR {workdir}")
+            global_args.update(assignments("ARG", with_build_args(ins.args, build_args, consumed)))
+    stages: list[Stage] = []
+    copies_from: dict[int, list[tuple[str, int]]] = {}
+    for ins in instructions[first_from:]:
+        if ins.word == "FROM":
+            image, alias = from_words(expand(ins.args, global_args))
+            if image is None:
+                raise ConfigError(f"{where}: line {ins.line}: FROM names no image")
+            stages.append(Stage(len(stages), ins.line, image, alias, ins.args))
+            continue
+        stages[-1].body.append(ins)
+        if ins.word in ("COPY", "ADD"):
+            flags, _ = leading_flags(ins.args)
+            copies_from.setdefault(stages[-1].index, []).extend(
+                (f.split("=", 1)[1], ins.line) for f in flags if f.startswith("--from="))
+    needed = needed_stages(stages, copies_from, where)
+    names: dict[int, str] = {}
+    for i in needed:
+        names[i] = stage_name(stages[i], set(names.values()))
+    images: dict[str, str] = {}  # an image a COPY --from reads: the stage that bootstraps it
+
+    def resolve_from(name: str, at: int) -> str:
+        source = find_stage(stages, name, at)
+        if source is not None:
+            return names[source.index]
+        if name not in images:
+            images[name] = f"image{len(images)}"
+            while images[name] in names.values():
+                images[name] += "_"
+        return images[name]
+
+    converter = _StageConverter(spec, path, build_args, consumed, global_args)
+    parts: list[tuple[int, str, str]] = []  # (stage index, its bootstrap lines, its sections)
+    files: list[FileCopy] = []
+    not_converted: list[str] = []
+    from_image = ""
+    last = len(stages) - 1
+    for i in needed:
+        root, body = chain(stages, i)
+        image = root.image
+        sections, stage_files, notes = converter.convert(
+            root.from_args, body, final=i == last, resolve_from=functools.partial(resolve_from, at=i),
+            labels=[["org.prorl.image", spec.name], ["org.prorl.version", prorl_version],
+                    ["org.prorl.base", str(spec.base)], ["org.prorl.dockerfile", f"{path.name} sha256:{digest}"]])
+        files += stage_files
+        not_converted += notes
+        if i == last:
+            from_image = image
         else:
-            feed.append(f"{ins.word} {ins.args}")
-    for staging in (_ADD_STAGING, _COPY_STAGING):
-        if any(dst.startswith(staging + "/") for _, dst in pairs):
-            step(f"rm -rf {staging}")
+            parts.append((i, _stage_header(image, stage_header), sections))
+        if i == last:
+            parts.append((i, header, sections))
     not_converted += [f"variables.{name}: the Dockerfile has no ARG {name}" for name in sorted(set(build_args) - consumed)]
+    read = {chain(stages, i)[0].image for i in needed if i != last} | set(images)
+    not_converted += [f"stage_bases.{ref}: no stage of the Dockerfile starts from it or copies from it"
+                      for ref in sorted(set(spec.stage_bases) - read)]
+    context = path.parent
     if (context / ".dockerignore").exists() and any(f.src.is_dir() for f in files):
         not_converted.append(".dockerignore: not applied; the folders COPY names are copied whole")
     if str(spec.base) != f"docker://{from_image}":
         not_converted.append(f"FROM {from_image}: replaced by the image list's base {spec.base}")
-
-    with spython_messages() as spython_notes:
-        recipe = _ExportingParser.parse(feed, str(path))
-    not_converted += spython_notes
-    (stage, parsed), *_ = recipe.items()
-    pairs += [[str(f.src), f.dst] for f in spec.files]
-    parsed.files = pairs
-    parsed.test = None
-    parsed.environ += [f"PRORL_IMAGE={spec.name}"]  # no tool server inside: the sandbox runtimes bind it
-    # spython writes each label as its list of words joined by spaces.
-    parsed.labels = [*labels, ["org.prorl.image", spec.name], ["org.prorl.version", prorl_version],
-                     ["org.prorl.base", str(spec.base)],
-                     ["org.prorl.dockerfile", f"{path.name} sha256:{digest}"]]
-    body = SingularityWriter(recipe).convert()
-    body = body.split(f"Stage: {stage}", 1)[1].strip("\n")
-    # The steps go in after spython's writer, which drops empty lines (a here-document's among them).
-    body = re.sub(r"^prorl-step-(\d+)$", lambda m: steps[int(m.group(1))], body, flags=re.MULTILINE)
-    # spython's runscript ran CMD through /bin/bash (`exec /bin/bash python app.py`) and joined words unquoted;
-    # it is prorl's: Docker's ENTRYPOINT and CMD, or none (Apptainer keeps the base image's).
-    body = body.split("\n%runscript\n", 1)[0]
-    runscript = _runscript(run_argv.get("ENTRYPOINT") or None, run_argv.get("CMD") or None, shell_entrypoint)
-    if runscript:
-        lines = [f"cd {shlex.quote(workdir)}"] * workdir_set + runscript
-        body += "".join(f"\n%{section}\n" + "\n".join(lines) for section in ("runscript", "startscript"))
-    notes = "".join(f"# prorl: not converted: {note}\n" for note in not_converted)
-    definition = f"{header}\n\n# prorl: converted from {path.name} (sha256:{digest}) by spython\n{notes}\n{body}\n"
+    notes_text = "".join(f"# prorl: not converted: {note}\n" for note in not_converted)
+    converted = f"# prorl: converted from {path.name} (sha256:{digest}) by spython\n{notes_text}"
+    if len(parts) == 1 and not images:
+        definition = f"{header}\n\n{converted}\n{parts[0][2]}\n"
+    else:
+        # Apptainer builds the stages in order and keeps the last: each stage before the one that reads it.
+        blocks = [f"{_stage_header(image, stage_header)}\nStage: {name}\n" for image, name in images.items()]
+        for i, stage_lines, sections in parts:
+            top = f"{converted}\n" if i == last else ""
+            blocks.append(f"{stage_lines}\nStage: {names[i]}\n\n{top}{sections}\n")
+        definition = "\n".join(blocks)
     for note in not_converted:
         if note.startswith(f"FROM {from_image}: replaced"):
             # The image list's base is what its author asked for (generated --swe recipes always do it): no warning.
             log.debug("image %s: %s: %s", spec.name, path.name, note)
         else:
             log.warning("image %s: %s: not converted: %s", spec.name, path.name, note)
-    return Conversion(definition, files, from_image, not_converted)
+    return Conversion(definition, files, from_image, not_converted, sorted(read))
+
+
+def _stage_header(image: str, stage_header: Callable[[str], str] | None) -> str:
+    """The bootstrap lines of a stage that starts from ``image`` (a Dockerfile's reference)."""
+    if stage_header is not None:
+        return stage_header(image)
+    return "Bootstrap: scratch" if image == "scratch" else f"Bootstrap: docker\nFrom: {image}"
+
+
+class _StageConverter:
+    """One stage's instructions as definition sections: spython converts what prorl does not itself."""
+
+    def __init__(self, spec: ImageSpec, path: Path, build_args: dict[str, str], consumed: set[str],
+                 global_args: dict[str, str]) -> None:
+        self.spec, self.path = spec, path
+        self.build_args, self.consumed, self.global_args = build_args, consumed, global_args
+
+    def convert(self, from_args: str, instructions: list[Instruction], *, final: bool, resolve_from: Callable[[str], str],
+                labels: list[list[str]]) -> tuple[str, list[FileCopy], list[str]]:
+        """The stage's sections, the host files it copies and what it did not convert.
+
+        ``final``: the image's own stage, which gets prorl's labels, the image list's ``files`` and the runscript.
+        """
+        from spython.main.parse.writers import SingularityWriter
+
+        spec, path = self.spec, self.path
+        context = path.parent
+        not_converted: list[str] = []
+        files: list[FileCopy] = []
+        pairs: list[list[str]] = []
+        from_pairs: dict[str, list[tuple[str, str]]] = {}
+        # What spython parses: one line per instruction; COPY/ADD and here-documents are prorl's (placeholders
+        # keep their place among the RUN steps), instructions Apptainer cannot express are left out.
+        feed: list[str] = [f"FROM {from_args}"]
+        steps: list[str] = []
+
+        def step(text: str) -> None:
+            feed.append(f"RUN prorl-step-{len(steps)}")
+            steps.append(text)
+
+        workdir, workdir_set = "/", False
+        shell = ["/bin/sh", "-c"]
+        run_argv: dict[str, list[str]] = {}  # CMD, ENTRYPOINT: the command each stands for
+        shell_entrypoint = False
+        known: dict[str, str] = {}  # ENV and ARG values so far
+        docker_labels: list[list[str]] = []
+        for ins in instructions:
+            if ins.word in ("WORKDIR", "COPY", "ADD", "LABEL"):
+                ins = dataclasses.replace(ins, args=expand(ins.args, known))
+            if ins.word == "ARG":
+                args = with_build_args(inherit(ins.args, self.global_args), self.build_args, self.consumed)
+                ins = dataclasses.replace(ins, args=args)
+                known.update(assignments(ins.word, ins.args))
+            env: dict[str, str] = {}
+            if ins.word == "ENV":
+                # Docker splits ENV into words first, then expands each value: `ENV B=$A` with A="x y" is one variable.
+                env = {k: expand(v, known) for k, v in assignments("ENV", ins.args).items()}
+                known.update(env)
+            if ins.word == "RUN":
+                # BuildKit's RUN --mount/--network/--security are options of the step, not words of its command: left
+                # in, `sh -c '--mount=type=cache,... pip install ...'` failed the build with "not found".
+                run_flags, run_args = leading_flags(ins.args)
+                if run_flags:
+                    not_converted.append(f"line {ins.line}: RUN {' '.join(run_flags)} - flags are ignored: the step "
+                                         "runs without them (no cache, bind, secret or ssh mount; the build's own network)")
+                    ins = dataclasses.replace(ins, args=run_args)
+            if ins.word in UNSUPPORTED:
+                not_converted.append(f"line {ins.line}: {ins.word} {ins.args} - {UNSUPPORTED[ins.word]}")
+            elif ins.word in ("COPY", "ADD"):
+                copy = convert_copy(ins, context, workdir, ins.index, spec.name, path, deferred=bool(steps),
+                                     resolve_from=resolve_from)
+                not_converted += copy.notes
+                for src_path, src, dst in copy.files:
+                    files.append(FileCopy(src_path, dst))
+                    pairs.append([src, dst])
+                for stage, src, dst in copy.from_files:
+                    from_pairs.setdefault(stage, []).append((src, dst))
+                for post in copy.post:
+                    step(post)
+            elif ins.word in ("CMD", "ENTRYPOINT"):
+                exec_form = ins.args.startswith("[")
+                run_argv[ins.word] = _json_argv(ins, spec.name, path) if exec_form else [*shell, ins.args]
+                if ins.word == "ENTRYPOINT":
+                    shell_entrypoint = not exec_form
+            elif ins.word in ("LABEL", "MAINTAINER"):
+                # spython wrote `LABEL a=b c=d` as one label named "a=b" with the value "c=d"
+                pairs_set = {"maintainer": ins.args} if ins.word == "MAINTAINER" else assignments("LABEL", ins.args)
+                docker_labels += [[k, v] for k, v in pairs_set.items()]
+            elif ins.word == "SHELL":
+                shell = _json_argv(ins, spec.name, path)
+            elif ins.word == "RUN" and ins.args.startswith("[") and not ins.heredocs:
+                step(shlex.join(_json_argv(ins, spec.name, path)))  # the exec form runs no shell
+            elif ins.word == "RUN":
+                # As Docker does, each RUN is its own `sh -c SCRIPT` whose exit status decides: written as lines of
+                # %post (run with `sh -e`), a failure inside `a && b` or before `;` would not stop the build.
+                step(f"{shlex.join(shell)} {shlex.quote(_run_script(ins))}")
+            elif ins.word == "ENV" and env and not any('"' in v for v in env.values()):
+                # One NAME="VALUE" word each, the form spython reads (it failed on `ENV NAME VALUE WITH SPACES`).
+                feed.append("ENV " + " ".join(f"{k}={v}" if re.fullmatch(r"[\w./:@%+,=${}~-]+", v) else f'{k}="{v}"'
+                                              for k, v in env.items()))
+            elif ins.word == "WORKDIR":
+                workdir, workdir_set = posixpath.normpath(posixpath.join(workdir, ins.args)), True
+                feed.append(f"WORKDIR {workdir}")
+            else:
+                feed.append(f"{ins.word} {ins.args}")
+        staged = [dst for _, dst in pairs] + [dst for copies in from_pairs.values() for _, dst in copies]
+        for staging in (ADD_STAGING, COPY_STAGING):
+            if any(dst.startswith(staging + "/") for dst in staged):
+                step(f"rm -rf {staging}")
+
+        with spython_messages() as spython_notes:
+            recipe = _ExportingParser.parse(feed, str(path))
+        not_converted += spython_notes
+        (stage, parsed), *_ = recipe.items()
+        if final:
+            pairs += [[str(f.src), f.dst] for f in spec.files]
+        parsed.files = pairs
+        parsed.test = None
+        if final:
+            parsed.environ += [f"PRORL_IMAGE={spec.name}"]  # no tool server inside: the sandbox runtimes bind it
+        # spython writes each label as its list of words joined by spaces.
+        parsed.labels = [*docker_labels, *labels] if final else []
+        body = SingularityWriter(recipe).convert()
+        body = body.split(f"Stage: {stage}", 1)[1].strip("\n")
+        # The steps go in after spython's writer, which drops empty lines (a here-document's among them).
+        body = re.sub(r"^prorl-step-(\d+)$", lambda m: steps[int(m.group(1))], body, flags=re.MULTILINE)
+        # spython's runscript ran CMD through /bin/bash (`exec /bin/bash python app.py`) and joined words unquoted;
+        # it is prorl's: Docker's ENTRYPOINT and CMD, or none (Apptainer keeps the base image's).
+        body = body.split("\n%runscript\n", 1)[0]
+        runscript = _runscript(run_argv.get("ENTRYPOINT") or None, run_argv.get("CMD") or None, shell_entrypoint)
+        if runscript and final:
+            lines = [f"cd {shlex.quote(workdir)}"] * workdir_set + runscript
+            body += "".join(f"\n%{section}\n" + "\n".join(lines) for section in ("runscript", "startscript"))
+        # Apptainer copies what other stages hold with the host's files, before %post: staged, then moved by steps.
+        body = "".join(f"%files from {source}\n" + "".join(f"    {src} {dst}\n" for src, dst in copies) + "\n"
+                       for source, copies in from_pairs.items()) + body
+        return body, files, not_converted
 
 
 # spython's warnings that prorl checks better itself: COPY sources are looked up relative to the

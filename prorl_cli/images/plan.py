@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from prorl_cli import __version__
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.cache import Cache, cache_key, changed_inputs, sha256_file, sha256_path
-from prorl_cli.images.dockerfile import convert_dockerfile, find_dockerfile, is_dockerfile
+from prorl_cli.images.dockerfile import convert_dockerfile, find_dockerfile
 from prorl_cli.images.published import plain_http, saved_image_digest
 from prorl_cli.images.render import (
     bootstrap_header,
@@ -20,7 +21,7 @@ from prorl_cli.images.render import (
     template_dirs,
 )
 from prorl_cli.images.settings import BUILD_MODES, ImagesConfig
-from prorl_cli.images.spec import SAVED_KINDS, ImageSpec, build_order
+from prorl_cli.images.spec import SAVED_KINDS, Base, ImageSpec, build_order, is_dockerfile
 
 
 @dataclass
@@ -114,25 +115,50 @@ def plan_images(
             conversion = convert_dockerfile(
                 find_dockerfile(spec.template, [*sources, *(Path(d) for d in settings.recipe_dirs)]),
                 spec, header=header, prorl_version=__version__,
+                stage_header=functools.partial(_stage_header, spec, plans, mirror, settings.docker_registry),
             )
-            definition = conversion.definition
+            definition, stage_images = conversion.definition, conversion.stage_images
             spec = dataclasses.replace(spec, files=[*spec.files, *conversion.files])
         else:
+            stage_images = []
             ctx = template_context(spec, header=header, base_path=base_path, mirror=mirror)
             definition = render_template(env, spec.template, ctx, image=name)
         build_args = [*settings.build_args, *spec.build_args]
-        if spec.base.kind == "docker" and plain_http(spec.base.ref, settings.insecure_registries) \
-                and "--no-https" not in build_args:
+        pulled = [spec.base.ref] if spec.base.kind == "docker" else []
+        pulled += [ref for ref in stage_images if ref not in spec.stage_bases and ref != "scratch"]
+        if any(plain_http(ref, settings.insecure_registries) for ref in pulled) and "--no-https" not in build_args:
             build_args.append("--no-https")
         if mode == "versioned":
             inputs = versioned_inputs(spec, base_ref)
         else:  # scratch keys are the lock key's inputs: they name what was built, though never reused
             inputs = lock_inputs(spec, definition, build_args, base_ref)
+        if spec.stage_bases:  # only then: the keys of every other image stay as they were
+            inputs["stage_bases"] = {ref: _base_input(b, plans) for ref, b in sorted(spec.stage_bases.items())}
         key = cache_key(mode, inputs)
         plan = Plan(spec, mode, key, inputs, definition, cache.image_path(name, key), base_path, build_args)
         decide(plan, cache, manifest, rebuilt_deps={p.spec.name for p in plans.values() if not p.reuse})
         plans[name] = plan
     return list(plans.values())
+
+
+def _stage_header(spec: ImageSpec, plans: dict[str, Plan], mirror: str | None, docker_registry: str | None,
+                  ref: str) -> str:
+    """The bootstrap lines of a Dockerfile stage that starts from ``ref``: the entry's ``stage_bases`` for it, or
+    ``docker://ref`` (``scratch`` is Docker's empty image)."""
+    base = spec.stage_bases.get(ref) or (Base("scratch", "") if ref == "scratch" else Base("docker", ref))
+    path = plans[base.ref].path if base.kind == "image" else None
+    return bootstrap_header(base, base_path=path, mirror=mirror, docker_registry=docker_registry)
+
+
+def _base_input(base: Base, plans: dict[str, Plan]) -> str:
+    """What a lock key records of a stage's base: an image of the list by its key, an image on disk by its bytes."""
+    if base.kind == "image":
+        return f"image:{base.ref}@{plans[base.ref].key}"
+    if base.kind == "localimage":
+        return f"{base}@{sha256_file(Path(base.ref)) if Path(base.ref).is_file() else 'missing'}"
+    if base.kind in SAVED_KINDS:
+        return f"{base}@{saved_image_digest(base.kind, Path(base.ref))}"
+    return str(base)
 
 
 def decide(plan: Plan, cache: Cache, manifest: dict[str, Any], rebuilt_deps: set[str] | None = None) -> None:
@@ -161,5 +187,6 @@ def decide(plan: Plan, cache: Cache, manifest: dict[str, Any], rebuilt_deps: set
         return
     changed = changed_inputs(previous.get("inputs", {}), plan.inputs)
     plan.reasons = [f"changed since {previous['key']}: {', '.join(changed) or 'cache key format'}"]
-    if plan.spec.depends_on and rebuilt_deps and plan.spec.depends_on in rebuilt_deps:
-        plan.reasons.append(f"base image {plan.spec.depends_on} is rebuilt")
+    for dep in plan.spec.dependencies:
+        if rebuilt_deps and dep in rebuilt_deps:
+            plan.reasons.append(f"base image {dep} is rebuilt")

@@ -75,13 +75,28 @@ class ImageSpec:
     build_args: list[str] = field(default_factory=list)
     description: str = ""
     source: Path | None = None  # the YAML file it came from
+    # A Dockerfile's other stages: the base for an image reference that a FROM or COPY --from names.
+    stage_bases: dict[str, Base] = field(default_factory=dict)
 
     @property
     def depends_on(self) -> str | None:
+        """The image of this list that the entry's ``base`` names, if any."""
         return self.base.ref if self.base.kind == "image" else None
 
+    @property
+    def dependencies(self) -> list[str]:
+        """Every image of this list built before this one: its base's, then its stages' bases'."""
+        deps = [self.depends_on] if self.depends_on else []
+        return list(dict.fromkeys(deps + [b.ref for b in self.stage_bases.values() if b.kind == "image"]))
 
-_KEYS = {"template", "base", "variables", "files", "lockfile", "build_args", "description"}
+
+_KEYS = {"template", "base", "variables", "files", "lockfile", "build_args", "description", "stage_bases"}
+
+
+def is_dockerfile(template: str) -> bool:
+    """Whether an image entry's ``template`` names a Dockerfile rather than a Jinja definition."""
+    name = Path(template).name
+    return name == "Dockerfile" or name.startswith("Dockerfile.") or name.lower().endswith(".dockerfile")
 
 
 def parse_base(value: Any, where: str, root: Path) -> Base:
@@ -173,6 +188,12 @@ def parse_image(name: str, data: Any, where: str, root: Path, source: Path | Non
     description = data.get("description", "")
     if not isinstance(description, str):
         raise ConfigError(f"{where}.description: expected a string")
+    stage_bases = data.get("stage_bases") or {}
+    if not isinstance(stage_bases, dict) or not all(isinstance(k, str) and k for k in stage_bases):
+        raise ConfigError(f"{where}.stage_bases: expected a mapping of image references (as a Dockerfile's FROM or "
+                          f"COPY --from names them) to bases, got {stage_bases!r}")
+    if stage_bases and not is_dockerfile(template):
+        raise ConfigError(f"{where}.stage_bases: only a Dockerfile template has other stages; {template} is not one")
     return ImageSpec(
         name=name,
         template=template,
@@ -183,6 +204,7 @@ def parse_image(name: str, data: Any, where: str, root: Path, source: Path | Non
         build_args=list(build_args),
         description=description,
         source=source,
+        stage_bases={ref: parse_base(b, f"{where}.stage_bases.{ref}", root) for ref, b in stage_bases.items()},
     )
 
 
@@ -212,9 +234,11 @@ def specs_from_dict(data: Any, file: Path) -> dict[str, ImageSpec]:
             raise ConfigError(f"{file}: images: {name!r} is not a valid image name")
         specs[name] = parse_image(name, entry, f"{file}: images.{name}", root, file)
     for spec in specs.values():
-        dep = spec.depends_on
-        if dep is not None and dep not in specs:
-            raise ConfigError(f"{file}: images.{spec.name}.base: image:{dep} is not in this image list (known: {sorted(specs)})")
+        for dep in spec.dependencies:
+            if dep not in specs:
+                key = "base" if dep == spec.depends_on else "stage_bases"
+                raise ConfigError(f"{file}: images.{spec.name}.{key}: image:{dep} is not in this image list "
+                                  f"(known: {sorted(specs)})")
     build_order(specs, list(specs))  # raises on a cycle
     return specs
 
@@ -232,8 +256,7 @@ def build_order(specs: dict[str, ImageSpec], names: list[str]) -> list[str]:
         if name not in specs:
             raise ConfigError(f"unknown image {name!r}; known: {sorted(specs)}")
         state[name] = "visiting"
-        dep = specs[name].depends_on
-        if dep is not None:
+        for dep in specs[name].dependencies:
             visit(dep, [*chain, name])
         state[name] = "done"
         order.append(name)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from prorl_cli.exceptions import ConfigError
-from prorl_cli.images.dockerfile import convert_dockerfile, is_dockerfile
-from prorl_cli.images.spec import parse_image
+from prorl_cli.images.dockerfile import convert_dockerfile
+from prorl_cli.images.spec import is_dockerfile, parse_image
 
 
 def _convert(tmp_path: Path, text: str, base: str = "localimage:/x/base.sif") -> object:
@@ -36,8 +36,10 @@ def test_conversion_keeps_what_apptainer_can_express(tmp_path: Path) -> None:
 
 
 def test_refused_shapes_name_the_problem(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="multi-stage Dockerfiles"):
-        _convert(tmp_path, "FROM a AS b\nRUN x\nFROM c\nCOPY --from=b /x /x\n")
+    with pytest.raises(ConfigError, match="no FROM line"):
+        _convert(tmp_path, "ARG A=1\nRUN x\n")
+    with pytest.raises(ConfigError, match="line 3: COPY --from=c names a stage that is not defined before it"):
+        _convert(tmp_path, "FROM a AS b\nRUN x\nCOPY --from=c /x /x\nFROM b AS c\n")
     with pytest.raises(ConfigError, match="COPY source 'missing' does not exist"):
         _convert(tmp_path, "FROM a\nCOPY missing /x\n")
 

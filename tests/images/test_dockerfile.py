@@ -6,15 +6,19 @@ the last test builds one real image from a Dockerfile and reads its files.
 
 from __future__ import annotations
 
+import functools
+import http.server
 import io
 import json
 import os
 import subprocess
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
 
+from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.dockerfile import Conversion, convert_dockerfile
 from prorl_cli.images.spec import parse_image
 
@@ -105,9 +109,14 @@ def test_copy_flags_are_reported_not_taken_for_sources(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("a\n")
     conv = convert(tmp_path, "FROM debian\nCOPY --chown=1000:1000 --chmod=644 a.txt /opt/a.txt\n"
                              'COPY --from=builder /out /out\nCOPY --link ["a.txt", "/opt/json/"]\n')
-    assert section(conv.definition, "files") == [f"{tmp_path}/a.txt /opt/a.txt", f"{tmp_path}/a.txt /opt/json/a.txt"]
-    assert any("flags --chown=1000:1000 --chmod=644 are ignored" in n for n in conv.not_converted), conv.not_converted
-    assert any("COPY --from=builder /out /out - copies from another image or stage" in n for n in conv.not_converted)
+    # The copy after the one from another stage (moved in place by a %post step) waits for its turn too.
+    assert section(conv.definition, "files") == [f"{tmp_path}/a.txt /opt/a.txt", f"{tmp_path}/a.txt /.prorl-copy/3-0/a.txt"]
+    assert "cp -f /.prorl-copy/3-0/a.txt /opt/json/a.txt" in section(conv.definition, "post")
+    assert any("flags --chown=1000:1000 are ignored" in n for n in conv.not_converted), conv.not_converted
+    assert section(conv.definition, "post")[0] == "chmod 644 /opt/a.txt"  # --chmod, once the copy is in place
+    # No stage is called builder: Docker reads it as an image, which a stage of its own bootstraps.
+    assert conv.definition.startswith("Bootstrap: docker\nFrom: builder\nStage: image0\n")
+    assert section(conv.definition, "files from image0") == ["    /out /.prorl-copy/2-0/out"]
 
 
 def test_run_flags_are_options_of_the_step_not_words_of_its_command(tmp_path: Path) -> None:
@@ -300,3 +309,127 @@ def test_a_failed_build_names_the_command_that_failed(ws: Workspace) -> None:
     assert "ls /no-such-dir" not in "\n".join(app["log_tail"])  # the noise filled the tail
     assert "failed command: /bin/sh -c 'for i in $(seq 1 60); do echo noise $i; done && ls /no-such-dir'" in app["error"], app["error"]
     assert "failed command" in out.stderr  # what a user reads on the terminal too
+
+
+def test_each_stage_the_last_one_needs_is_a_stage_of_the_definition(tmp_path: Path) -> None:
+    conv = convert(tmp_path, "FROM golang:1.22 AS build\nRUN go build -o /out/app .\n"
+                             "FROM build AS test\nRUN go test ./...\n"
+                             "FROM debian AS docs\nRUN make docs\n"
+                             "FROM debian\nRUN apt-get update\nCOPY --from=test /out/app /usr/local/bin/\n"
+                             "COPY --from=ghcr.io/astral-sh/uv:0.4 /uv /uvx /bin/\n")
+    d = conv.definition
+    # The image a COPY --from reads first, then the stages in order; `docs` is not needed, as BuildKit skips it.
+    heads = [block.split("\n%", 1)[0].strip() for block in d.split("Bootstrap: ")[1:]]
+    assert [h.split("\n")[0] + " " + h.split("Stage: ")[1].split("\n")[0] for h in heads] == [
+        "docker image0", "docker test", "scratch stage3"]
+    assert "From: ghcr.io/astral-sh/uv:0.4\n" in d and "From: golang:1.22\n" in d and "make docs" not in d
+    # A stage FROM another one starts from that one's image, with its steps first.
+    test_stage = d.split("Stage: test\n", 1)[1].split("Bootstrap:", 1)[0]
+    assert test_stage.index("go build") < test_stage.index("go test")
+    assert section(d, "files from test") == ["    /out/app /.prorl-copy/8-0/app"]
+    assert section(d, "files from image0") == ["    /uv /.prorl-copy/9-0/uv", "    /uvx /.prorl-copy/9-1/uvx"]
+    post = "\n".join(section(d.split("Stage: stage3\n", 1)[1], "post"))
+    # Whether /out/app is a folder is known only in its stage: the step decides, as Docker copies either.
+    assert ("if [ -d /.prorl-copy/8-0/app ]; then mkdir -p /usr/local/bin/; cp -fR /.prorl-copy/8-0/app/. "
+            "/usr/local/bin/; else mkdir -p /usr/local/bin; cp -f /.prorl-copy/8-0/app /usr/local/bin/app; fi") in post
+    assert post.index("apt-get update") < post.index("/.prorl-copy/8-0/app") and post.endswith("\nrm -rf /.prorl-copy")
+    assert conv.not_converted == ["FROM debian: replaced by the image list's base scratch"]
+
+
+def test_add_of_a_url_fetches_it_at_build_time(tmp_path: Path) -> None:
+    digest = "ab" * 32
+    conv = convert(tmp_path, f"FROM debian\nADD https://example.org/v1/data.json /data/\n"
+                             f"ADD --checksum=sha256:{digest} https://example.org/y.bin /opt/y\n"
+                             "ADD https://github.com/org/repo.git#v1.2 /src/repo\n")
+    post = section(conv.definition, "post")
+    assert post[0] == "mkdir -p /data" and "curl -fsSL -o /data/data.json https://example.org/v1/data.json" in post[1]
+    assert "wget -q -O /data/data.json" in post[1] and post[2] == "chmod 600 /data/data.json"  # Docker's mode
+    assert post[6] == f"echo '{digest}  /opt/y' | sha256sum -c -"
+    assert post[7:9] == ["git clone --quiet --depth 1 --branch v1.2 https://github.com/org/repo.git /src/repo",
+                         "rm -rf /src/repo/.git"]
+    assert conv.not_converted == ["FROM debian: replaced by the image list's base scratch"]
+    with pytest.raises(ConfigError, match="ADD --checksum=md5:x: expected sha256"):
+        convert(tmp_path, "FROM debian\nADD --checksum=md5:x https://example.org/y /y\n")
+    with pytest.raises(ConfigError, match="line 2: ADD https://example.org/ /d/: the URL names no file"):
+        convert(tmp_path, "FROM debian\nADD https://example.org/ /d/\n")
+
+
+@needs_apptainer
+@pytest.mark.apptainer
+def test_a_multi_stage_dockerfile_builds_its_last_stage_from_the_others(ws: Workspace) -> None:
+    """Stages, COPY --from a stage, an index and an image, a stage FROM a stage, and ADD of a URL, built for real."""
+    served = ws.root / "served"
+    served.mkdir()
+    (served / "remote.txt").write_text("fetched\n")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        (ws.root / "Dockerfile").write_text(
+            "FROM busybox AS builder\n"
+            "RUN /bin/busybox --install -s /bin\n"
+            "RUN mkdir -p /out/sub && echo built > /out/sub/a.txt && echo tool > /tool\n"
+            "FROM builder AS tester\n"
+            "RUN echo tested > /out/tested\n"
+            "FROM busybox AS unused\n"
+            "RUN exit 1\n"  # never built: the last stage does not need it
+            "FROM busybox\n"
+            "RUN /bin/busybox --install -s /bin\n"
+            "COPY --from=builder /out /app/\n"
+            "COPY --from=tester /out/tested /app/tested\n"
+            "COPY --from=0 /tool /usr/local/bin/\n"
+            "COPY --from=toolbox /message /opt/message\n"
+            f"ADD http://127.0.0.1:{server.server_address[1]}/remote.txt /data/\n"
+        )
+        ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
+                  "app": {"template": "Dockerfile", "base": "image:root",
+                          "stage_bases": {"busybox": "image:root", "toolbox": "image:root"}}})
+        image = ws.build("--mode", "lock", "app")["app"]
+        server.shutdown()
+    assert image["action"] == "built", image
+
+    def cat(path: str) -> str:
+        args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", path]
+        return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout
+
+    assert cat("/app/sub/a.txt") == "built\n"  # the folder's contents, not /app/out
+    assert cat("/app/tested") == "tested\n"
+    assert cat("/usr/local/bin/tool") == "tool\n"
+    assert cat("/opt/message") == "hello\n"  # from the image the entry's stage_bases named
+    assert cat("/data/remote.txt") == "fetched\n"
+
+
+def test_stage_bases_are_checked_and_their_images_built_first(tmp_path: Path) -> None:
+    from prorl_cli.images.spec import build_order, specs_from_dict
+
+    file = tmp_path / "images.yaml"
+    entry = {"template": "Dockerfile", "base": "image:root", "stage_bases": {"golang:1.22": "image:go", "uv": "x.sif"}}
+    specs = specs_from_dict({"images": {"app": entry, "go": {"template": "t.def.j2", "base": "scratch"},
+                                        "root": {"template": "t.def.j2", "base": "scratch"}}}, file)
+    assert specs["app"].dependencies == ["root", "go"]
+    assert str(specs["app"].stage_bases["uv"]) == f"localimage:{tmp_path}/x.sif"
+    assert build_order(specs, ["app"]) == ["root", "go", "app"]
+    with pytest.raises(ConfigError, match=r"images.app.stage_bases: image:gone is not in this image list"):
+        specs_from_dict({"images": {"app": {**entry, "base": "scratch", "stage_bases": {"a": "image:gone"}}}}, file)
+    with pytest.raises(ConfigError, match=r"images.app.stage_bases: only a Dockerfile template has other stages"):
+        specs_from_dict({"images": {"app": {**entry, "template": "t.def.j2", "base": "scratch"}}}, file)
+    with pytest.raises(ConfigError, match=r"images.app.stage_bases.a: unknown base 'nope'"):
+        specs_from_dict({"images": {"app": {**entry, "base": "scratch", "stage_bases": {"a": "nope"}}}}, file)
+    with pytest.raises(ConfigError, match=r"image base cycle: app -> app"):
+        specs_from_dict({"images": {"app": {**entry, "base": "scratch", "stage_bases": {"a": "image:app"}}}}, file)
+
+
+def test_chmod_applies_to_what_each_kind_of_copy_put_in_place(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "run.sh").write_text("echo\n")
+    (tmp_path / "entry.sh").write_text("echo\n")
+    conv = convert(tmp_path, "FROM debian AS b\nRUN true\nFROM debian\nRUN true\n"
+                             "COPY --chmod=755 entry.sh /usr/local/bin/\nCOPY --chmod=u+x bin/ /opt/bin/\n"
+                             "COPY --from=b --chmod=0700 /secret /etc/secret\n"
+                             "COPY --chmod=755 <<EOF /start.sh\necho hi\nEOF\n")
+    post = section(conv.definition.split("Stage: stage1\n", 1)[1], "post")
+    assert "chmod 755 /usr/local/bin/entry.sh" in post and "chmod -R u+x /opt/bin/run.sh" in post
+    assert "chmod -R 0700 /.prorl-copy/6-0/secret" in post and "chmod 755 /start.sh" in post
+    assert post.index("chmod -R 0700 /.prorl-copy/6-0/secret") < post.index("chmod 755 /start.sh")
+    assert not any("--chmod" in n for n in conv.not_converted), conv.not_converted
+    with pytest.raises(ConfigError, match="COPY --chmod=rwx: not a file mode"):
+        convert(tmp_path, "FROM debian\nCOPY --chmod=rwx entry.sh /x\n")
