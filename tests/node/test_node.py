@@ -95,11 +95,13 @@ def test_a_loop_blocked_past_the_stall_limit_gets_its_node_declared_dead(tmp_pat
     try:
         d.start_broker()
         d.start_node("stuck")
-        (job_id,) = d.client.submit("test", [{"block_s": {"run": 6}}], timeout_s=60, max_attempts=2)
+        (job_id,) = d.client.submit("test", [{"block_s": {"run": 6}, "block_attempt": 1}], timeout_s=60,
+                                    max_attempts=2)
         (result,) = d.client.wait([job_id], timeout_s=90)
-        # Declared dead while blocked: the broker re-queued the job. Which attempt's result ends it is a race the
-        # test does not decide: the node, back after the block, sends the first attempt's result again as it
-        # registers, and the broker takes it if it comes before the second attempt ends.
+        # Declared dead while blocked: the broker re-queued the job, whose second attempt (on the node come back:
+        # there is no other) does not block. Which attempt's result ends it is a race the test does not decide:
+        # the node, back after the block, sends the first attempt's result again as it registers, and the broker
+        # takes it if it comes before the second attempt ends.
         assert "node stuck lost (silent for" in d.log("broker"), d.log("broker")
         assert result.state == "done", result.error
         assert "no longer vouching for this node" in d.log("stuck")

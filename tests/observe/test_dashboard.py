@@ -24,8 +24,9 @@ N_SLOW = 8  # the test deployment's RUN pool holds 8
 
 def test_dashboard_shows_a_loaded_deployment_as_status_reports_it(observed_run: ObservedRun) -> None:
     d = observed_run.deployment
-    ids = d.client.submit("obs_slow", [{"turns": 0, "tools": 0, "hold_s": 4.0}], n=N_SLOW)
-    # Loaded: every slow job holds a RUN slot (nothing else runs now, so the numbers stay put for a while).
+    release = d.home / "release-the-slow-jobs"
+    ids = d.client.submit("obs_slow", [{"turns": 0, "tools": 0, "hold_s": 120.0, "release": str(release)}], n=N_SLOW)
+    # Loaded: every slow job holds a RUN slot until the test releases them (the numbers stay put meanwhile).
     d.wait_for(lambda st: st.by_task.get("obs_slow", {}).get("run") == N_SLOW, 30.0, "the slow jobs to run", "n1")
     out = observed_run.prorl("status", "--json")
     assert out.returncode == 0, out.stderr
@@ -66,6 +67,7 @@ def test_dashboard_shows_a_loaded_deployment_as_status_reports_it(observed_run: 
         assert time.monotonic() < deadline, "the scrape never showed the loaded RUN pool"
         time.sleep(0.2)
 
+    release.touch()
     results = list(d.client.as_completed(ids, timeout_s=60))
     assert {r.state for r in results} == {"done"}
     out = observed_run.prorl("top", "--json", "--interval-s", "0.2")

@@ -5,6 +5,7 @@
     {"echo": <anything>,                      # copied to the output
      "sleep_s": {"init": 0.1, "run": 0.5},    # await in a stage
      "block_s": {"run": 10},                  # block the event loop in a stage (time.sleep)
+     "block_attempt": 1,                      # ...only in this attempt
      "raise_in": "run",                       # raise RuntimeError in a stage
      "hang_in": "eval",                       # await forever in a stage
      "hang_attempt": 1,                       # ...only in this attempt (a retry elsewhere finishes)
@@ -55,7 +56,7 @@ class ScriptedTestHandler(AgentHandler):
                 f.write(f"{ctx.job_id} {ctx.attempt} {stage} {os.getpid()}\n")
         ctx.output.setdefault("stages", []).append(stage)
         block_s = (inst.get("block_s") or {}).get(stage)
-        if block_s:
+        if block_s and inst.get("block_attempt", ctx.attempt) == ctx.attempt:
             time.sleep(float(block_s))  # deliberately blocks the node's event loop
         delay_s = (inst.get("sleep_s") or {}).get(stage)
         if delay_s:
