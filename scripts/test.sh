@@ -10,9 +10,9 @@
 # removes an existing one first (CI does). pip's wheel cache is reused.
 # The suite runs with PRORL_HOME set to a fresh folder: users set it, and a
 # test that needs another home sets its own. PRORL_LANES=1 runs the
-# waiting lane (tests/slurm, tests/node, tests/sandbox) and the model lane (vLLM, training, chaos) in
-# pytests of their own beside the rest (CI does); given a test path, it runs
-# one pytest, and a -k/-m filter may leave a lane with nothing to run.
+# Slurm lane (tests/slurm), the waiting lane (tests/node, tests/sandbox, tests/swe, tests/client) and the
+# model lane (vLLM, training, chaos) in pytests of their own beside the rest (CI does); given a test path, it
+# runs one pytest, and a -k/-m filter may leave a lane with nothing to run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ "$(id -u)" = 0 ]; then
@@ -51,23 +51,32 @@ if [ "$lanes" != 1 ]; then
   "$venv/bin/python" -m pytest -ra "$@"
   exit 0
 fi
-# PRORL_LANES=1 (CI): the suite runs as three pytests side by side, each with a home of its own:
-#  - the waiting lane (SLURM_LANE): the Slurm tier, whose tests spend their time waiting on slurmctld's
-#    scheduling ticks and signal delays, and the node and sandbox tests, which spend more than half theirs
+# PRORL_LANES=1 (CI): the suite runs as four pytests side by side, each with a home of its own:
+#  - the Slurm lane (SLURM_LANE): the Slurm tier, whose tests spend their time waiting on slurmctld's
+#    scheduling ticks and signal delays (about 300 CPU-seconds in 900 s of wall time);
+#  - the waiting lane (WAITING_LANE): the node and sandbox tests, which spend more than half their time
 #    waiting on heartbeats, stalls, limits and timeouts (PRORL_CPU_REPORT's CPU against --durations' wall
-#    time), so it leaves most of the CPU to the other two lanes (with the CPU-bound tests/domains moved into
-#    it instead, CI on the 2-core VM took 2,466 s, not 2,056: the model lane ran alone for its last nine
-#    minutes);
+#    time), and the SWE and client tests, which wait on sandboxes and brokers. With the Slurm tier in the same
+#    pytest, that lane was the last to end (1,502 s) while the machine's two cores were 30 % idle;
 #  - the model lane (MODEL_LANE): vLLM and torch on the CPU, the training examples, the chaos runs (the SWE
 #    and image tests, which it held too, made it the last lane to end: 1,738 s against the rest's 1,330 s);
 #  - the rest, which alone keeps one of two cores busy: it waits on process starts, sandboxes and signals.
-# Every test's process checks look only at what it started (its pids, its PRORL_HOME), so the lanes
-# cannot see each other's processes. Each lane's output is printed whole when all three have ended.
-SLURM_LANE=(tests/slurm tests/node tests/sandbox)
+# (With the CPU-bound tests/domains in a waiting lane instead, CI on the 2-core VM took 2,466 s, not 2,056: the
+# model lane ran alone for its last nine minutes.) Every test's process checks look only at what it started
+# (its pids, its PRORL_HOME), so the lanes cannot see each other's processes. Each lane's output is printed
+# whole when all have ended.
+SLURM_LANE=(tests/slurm)
+WAITING_LANE=(tests/node tests/sandbox tests/swe tests/client)
 MODEL_LANE=(tests/inference tests/training tests/chaos)
-slurm_out="$(mktemp "${TMPDIR:-/tmp}/prorl-waiting-lane.XXXXXX")"
-model_out="$(mktemp "${TMPDIR:-/tmp}/prorl-model-lane.XXXXXX")"
+LANES=(slurm waiting model)
+declare -A lane_out lane_pid lane_title
+lane_title[slurm]="the Slurm lane: the Slurm tier"
+lane_title[waiting]="the waiting lane: node, sandbox, SWE and client tests"
+lane_title[model]="the model lane: vLLM, training and chaos"
 lane_pids=()
+for lane in "${LANES[@]}"; do
+  lane_out[$lane]="$(mktemp "${TMPDIR:-/tmp}/prorl-$lane-lane.XXXXXX")"
+done
 # Interrupted (Ctrl-C, a CI time limit's SIGTERM): stop the lanes this script started, and show what they printed.
 stop_lanes() {
   trap - INT TERM
@@ -78,42 +87,55 @@ stop_lanes() {
   done
   wait || true
   echo "---------------- interrupted: what the lanes beside the rest printed ----------------"
-  cat "$model_out" "$slurm_out"
-  rm -f "$model_out" "$slurm_out"
+  for lane in "${LANES[@]}"; do
+    cat "${lane_out[$lane]}"
+    rm -f "${lane_out[$lane]}"
+  done
   exit 130
 }
 trap stop_lanes INT TERM
-PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")" \
-  "$venv/bin/python" -m pytest -ra "$@" "${SLURM_LANE[@]}" >"$slurm_out" 2>&1 &
-slurm_pid=$!
-lane_pids+=("$slurm_pid")
-PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")" \
-  "$venv/bin/python" -m pytest -ra "$@" "${MODEL_LANE[@]}" >"$model_out" 2>&1 &
-model_pid=$!
-lane_pids+=("$model_pid")
 ignore=()
-for lane in "${SLURM_LANE[@]}" "${MODEL_LANE[@]}"; do
-  ignore+=("--ignore=$lane")
+for lane in "${LANES[@]}"; do
+  declare -n dirs="${lane^^}_LANE"
+  PRORL_HOME="$(mktemp -d "${TMPDIR:-/tmp}/prorl-home.XXXXXX")" \
+    "$venv/bin/python" -m pytest -ra "$@" "${dirs[@]}" >"${lane_out[$lane]}" 2>&1 &
+  lane_pid[$lane]=$!
+  lane_pids+=("$!")
+  for dir in "${dirs[@]}"; do
+    ignore+=("--ignore=$dir")
+  done
+  unset -n dirs
 done
 rest=0
 "$venv/bin/python" -m pytest -ra "$@" "${ignore[@]}" || rest=$?
-model=0
-wait "$model_pid" || model=$?
-slurm=0
-wait "$slurm_pid" || slurm=$?
+declare -A lane_status
+for lane in "${LANES[@]}"; do
+  lane_status[$lane]=0
+  wait "${lane_pid[$lane]}" || lane_status[$lane]=$?
+done
 trap - INT TERM
-echo "---------------- the model lane (run beside the rest; exit $model) ----------------"
-cat "$model_out"
-echo "---------------- the waiting lane: the Slurm tier, node and sandbox tests (run beside the rest; exit $slurm) ----------------"
-cat "$slurm_out"
-rm -f "$slurm_out" "$model_out"
-if [ "$filtered" = 1 ] && { [ "$rest" = 0 ] || [ "$model" = 0 ] || [ "$slurm" = 0 ]; }; then
+for lane in "${LANES[@]}"; do
+  echo "---------------- ${lane_title[$lane]} (run beside the rest; exit ${lane_status[$lane]}) ----------------"
+  cat "${lane_out[$lane]}"
+  rm -f "${lane_out[$lane]}"
+done
+statuses=("$rest")
+for lane in "${LANES[@]}"; do
+  statuses+=("${lane_status[$lane]}")
+done
+if [ "$filtered" = 1 ]; then
   # A filter (-k, -m) may leave a lane nothing to run (exit 5); the whole suite never does.
-  for lane in rest model slurm; do
-    if [ "${!lane}" = 5 ]; then printf -v "$lane" 0; fi
+  all_empty=1
+  for status in "${statuses[@]}"; do
+    if [ "$status" != 5 ]; then all_empty=0; fi
   done
+  if [ "$all_empty" = 0 ]; then
+    for i in "${!statuses[@]}"; do
+      if [ "${statuses[$i]}" = 5 ]; then statuses[$i]=0; fi
+    done
+  fi
 fi
-for status in "$rest" "$model" "$slurm"; do
+for status in "${statuses[@]}"; do
   if [ "$status" != 0 ]; then exit "$status"; fi
 done
 exit 0
