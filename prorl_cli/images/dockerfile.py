@@ -50,6 +50,7 @@ from prorl_cli.images.dockerfile_text import (
     expand,
     inherit,
     leading_flags,
+    platform_args,
     read_instructions,
     with_build_args,
 )
@@ -184,7 +185,7 @@ def convert_dockerfile(
     # An ARG before FROM is Docker's global build argument: FROM sees it, the steps after FROM only when the stage
     # declares it again (`ARG NAME`, which then takes the global value). Exported in %post it leaked into every step,
     # and a bare `ARG NAME` after FROM was reported as an ARG "without a default" though Docker gives it one.
-    global_args: dict[str, str] = {}
+    global_args: dict[str, str] = platform_args()
     for ins in instructions[:first_from]:
         if ins.word == "ARG":
             global_args.update(assignments("ARG", with_build_args(ins.args, build_args, consumed)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -142,3 +143,21 @@ def inherit(args: str, global_args: dict[str, str]) -> str:
             word = f'{word}="{value}"'
         out.append(word)
     return " ".join(out)
+
+
+#: ``uname -m`` as Docker names the architecture (its variant, for 32-bit ARM).
+_ARCHES = {"x86_64": ("amd64", ""), "amd64": ("amd64", ""), "aarch64": ("arm64", ""), "arm64": ("arm64", ""),
+           "armv7l": ("arm", "v7"), "armv6l": ("arm", "v6"), "i686": ("386", ""), "i386": ("386", ""),
+           "ppc64le": ("ppc64le", ""), "s390x": ("s390x", ""), "riscv64": ("riscv64", "")}
+
+
+def platform_args(machine: str | None = None) -> dict[str, str]:
+    """BuildKit's automatic platform arguments (``TARGETARCH`` ...), for this host: Apptainer builds for the
+    machine it runs on, so the build and the target platform are the same. Global, as in BuildKit: a stage sees
+    one after its own ``ARG TARGETARCH``."""
+    arch, variant = _ARCHES.get(machine or platform.machine(), (machine or platform.machine(), ""))
+    plat = f"linux/{arch}" + (f"/{variant}" if variant else "")
+    out: dict[str, str] = {}
+    for side in ("TARGET", "BUILD"):
+        out |= {f"{side}PLATFORM": plat, f"{side}OS": "linux", f"{side}ARCH": arch, f"{side}VARIANT": variant}
+    return out

@@ -433,3 +433,17 @@ def test_chmod_applies_to_what_each_kind_of_copy_put_in_place(tmp_path: Path) ->
     assert not any("--chmod" in n for n in conv.not_converted), conv.not_converted
     with pytest.raises(ConfigError, match="COPY --chmod=rwx: not a file mode"):
         convert(tmp_path, "FROM debian\nCOPY --chmod=rwx entry.sh /x\n")
+
+
+def test_buildkits_platform_arguments_have_this_hosts_values(tmp_path: Path) -> None:
+    from prorl_cli.images.dockerfile_text import platform_args
+
+    arch = platform_args()["TARGETARCH"]
+    conv = convert(tmp_path, "FROM --platform=$BUILDPLATFORM debian AS build\nARG TARGETARCH TARGETOS\n"
+                             "RUN curl -o /x https://example.org/$TARGETOS/$TARGETARCH/x\nFROM build\n")
+    post = "\n".join(section(conv.definition, "post"))
+    # Declared in the stage (as BuildKit requires), they hold the machine's platform: Apptainer builds for it.
+    assert f'export TARGETARCH="{arch}"' in post and 'export TARGETOS="linux"' in post, post
+    assert not any("ARG" in n for n in conv.not_converted), conv.not_converted
+    assert platform_args("aarch64")["TARGETPLATFORM"] == "linux/arm64"
+    assert platform_args("armv7l")["BUILDVARIANT"] == "v7" and platform_args("x86_64")["BUILDARCH"] == "amd64"
