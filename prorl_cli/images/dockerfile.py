@@ -54,6 +54,7 @@ from prorl_cli.images.dockerfile_text import (
     read_instructions,
     with_build_args,
 )
+from prorl_cli.images.dockerignore import DockerIgnore
 from prorl_cli.images.spec import FileCopy, ImageSpec
 
 log = logging.getLogger("prorl.images")
@@ -244,9 +245,6 @@ def convert_dockerfile(
     read = {chain(stages, i)[0].image for i in needed if i != last} | set(images)
     not_converted += [f"stage_bases.{ref}: no stage of the Dockerfile starts from it or copies from it"
                       for ref in sorted(set(spec.stage_bases) - read)]
-    context = path.parent
-    if (context / ".dockerignore").exists() and any(f.src.is_dir() for f in files):
-        not_converted.append(".dockerignore: not applied; the folders COPY names are copied whole")
     if str(spec.base) != f"docker://{from_image}":
         not_converted.append(f"FROM {from_image}: replaced by the image list's base {spec.base}")
     notes_text = "".join(f"# prorl: not converted: {note}\n" for note in not_converted)
@@ -269,6 +267,13 @@ def convert_dockerfile(
     return Conversion(definition, files, from_image, not_converted, sorted(read))
 
 
+def dockerignore_of(dockerfile: Path) -> DockerIgnore:
+    """The ignore file of a Dockerfile's context: ``NAME.dockerignore`` beside ``NAME`` first, as BuildKit reads it,
+    else the context's ``.dockerignore``."""
+    own = dockerfile.parent / f"{dockerfile.name}.dockerignore"
+    return DockerIgnore(own.read_text(errors="replace")) if own.is_file() else DockerIgnore.of_context(dockerfile.parent)
+
+
 def _stage_header(image: str, stage_header: Callable[[str], str] | None) -> str:
     """The bootstrap lines of a stage that starts from ``image`` (a Dockerfile's reference)."""
     if stage_header is not None:
@@ -283,6 +288,7 @@ class _StageConverter:
                  global_args: dict[str, str]) -> None:
         self.spec, self.path = spec, path
         self.build_args, self.consumed, self.global_args = build_args, consumed, global_args
+        self.ignore = dockerignore_of(path)
 
     def convert(self, from_args: str, instructions: list[Instruction], *, final: bool, resolve_from: Callable[[str], str],
                 labels: list[list[str]]) -> tuple[str, list[FileCopy], list[str]]:
@@ -337,6 +343,7 @@ class _StageConverter:
                 not_converted.append(f"line {ins.line}: {ins.word} {ins.args} - {UNSUPPORTED[ins.word]}")
             elif ins.word in ("COPY", "ADD"):
                 copy = convert_copy(ins, context, workdir, ins.index, spec.name, path, deferred=bool(steps),
+                                    ignore=self.ignore,
                                      resolve_from=resolve_from)
                 not_converted += copy.notes
                 for src_path, src, dst in copy.files:

@@ -20,6 +20,7 @@ from pathlib import Path
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.dockerfile_stages import from_copy_steps
 from prorl_cli.images.dockerfile_text import HEREDOC, Instruction, leading_flags
+from prorl_cli.images.dockerignore import DockerIgnore
 
 # Where ADD puts a local archive until %post unpacks it, and where a COPY that follows a RUN waits for its
 # turn: %files are all copied before %post starts, so `RUN rm -rf /etc/app/*` then `COPY app.conf /etc/app/`
@@ -81,12 +82,21 @@ class CopyConversion:
 
 
 def convert_copy(ins: Instruction, context: Path, workdir: str, index: int, image: str, path: Path,
-                  deferred: bool = False, resolve_from: Callable[[str], str] | None = None) -> CopyConversion:
+                 deferred: bool = False, resolve_from: Callable[[str], str] | None = None,
+                 ignore: DockerIgnore | None = None) -> CopyConversion:
     """COPY/ADD with Docker's meaning: dest relative to WORKDIR, a folder's contents, ADD unpacking local tars.
 
     ``deferred``: a RUN came before, so the copy goes to a staging folder and a %post step moves it in place.
     ``resolve_from``: the definition's stage a ``--from`` value reads (None: such a copy is left out).
+    ``ignore``: the context's ``.dockerignore``: what it leaves out, COPY does not see (a folder's share of it is
+    removed once the folder is in place).
     """
+    ignore = ignore or DockerIgnore()
+    context = context.resolve()
+
+    def left_out(p: Path) -> bool:
+        return p.is_relative_to(context) and p != context and ignore.excludes(p.relative_to(context).as_posix())
+
     out = CopyConversion()
     where = f"image {image}: {path}: line {ins.line}"
     flags, rest = leading_flags(ins.args)  # COPY [--chown=...] ... SRC... DEST, or the JSON form after the flags
@@ -152,8 +162,12 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int, imag
             out.post += fetched
             modes.append((target, True))
             continue
-        matches = sorted(context.glob(src)) if re.search(r"[*?\[]", src) else [context / src]
+        pattern = bool(re.search(r"[*?\[]", src))
+        matches = sorted(context.glob(src)) if pattern else [context / src]
         matches = [p.resolve() for p in matches if p.exists()]
+        if not pattern and matches and left_out(matches[0]):
+            raise ConfigError(f"{where}: {ins.word} source {src!r} is left out of the context by .dockerignore")
+        matches = [p for p in matches if not left_out(p)]
         if not matches:
             raise ConfigError(f"{where}: {ins.word} source {src!r} does not exist in {context}")
         for src_path in matches:
@@ -173,6 +187,9 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int, imag
                     out.post += [f"mkdir -p {shlex.quote(into)}", f"cp -fR {shlex.quote(stage)}. {shlex.quote(into)}"]
                 else:  # `cp -r SRC/. DEST` fills DEST, whether or not the image has it yet
                     out.files.append((src_path, f"{src_path}/.", dest))
+                if src_path.is_relative_to(context):
+                    dropped = [shlex.quote(into + rel) for rel in ignore.excluded_under(context, src_path)]
+                    out.post += [f"rm -rf {' '.join(dropped[i:i + 64])}" for i in range(0, len(dropped), 64)]
                 modes += [(into + entry.name, True) for entry in sorted(src_path.iterdir())]
             else:
                 target = dest + src_path.name if dest.endswith("/") else dest

@@ -56,7 +56,7 @@ def test_relative_copy_destinations_follow_workdir_and_folders_copy_their_conten
     (tmp_path / ".dockerignore").write_text("*.pyc\n")
     conv = convert(tmp_path, "FROM python\nWORKDIR /testbed\nCOPY requirements.txt .\nCOPY src/ ./src/\n"
                              "WORKDIR lib\nCOPY src sub\nRUN pip install -r ../requirements.txt\n")
-    assert conv.not_converted[:1] == [".dockerignore: not applied; the folders COPY names are copied whole"]
+    assert not any("dockerignore" in n for n in conv.not_converted), conv.not_converted
     assert section(conv.definition, "files") == [
         f"{tmp_path}/requirements.txt /testbed/requirements.txt",
         f"{tmp_path}/src/. /testbed/src/",  # Docker copies the folder's contents, not the folder
@@ -357,14 +357,20 @@ def test_add_of_a_url_fetches_it_at_build_time(tmp_path: Path) -> None:
 @needs_apptainer
 @pytest.mark.apptainer
 def test_a_multi_stage_dockerfile_builds_its_last_stage_from_the_others(ws: Workspace) -> None:
-    """Stages, COPY --from a stage, an index and an image, a stage FROM a stage, and ADD of a URL, built for real."""
+    """Stages, COPY --from a stage, an index and an image, a stage FROM a stage, ADD of a URL and .dockerignore,
+    built for real."""
     served = ws.root / "served"
     served.mkdir()
     (served / "remote.txt").write_text("fetched\n")
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        (ws.root / "Dockerfile").write_text(
+        context = ws.root / "ctx"
+        (context / "conf").mkdir(parents=True)
+        (context / "conf" / "app.ini").write_text("[app]\n")
+        (context / "conf" / "secret.key").write_text("no\n")
+        (context / ".dockerignore").write_text("**/*.key\n")
+        (context / "Dockerfile").write_text(
             "FROM busybox AS builder\n"
             "RUN /bin/busybox --install -s /bin\n"
             "RUN mkdir -p /out/sub && echo built > /out/sub/a.txt && echo tool > /tool\n"
@@ -379,9 +385,10 @@ def test_a_multi_stage_dockerfile_builds_its_last_stage_from_the_others(ws: Work
             "COPY --from=0 /tool /usr/local/bin/\n"
             "COPY --from=toolbox /message /opt/message\n"
             f"ADD http://127.0.0.1:{server.server_address[1]}/remote.txt /data/\n"
+            "COPY . /ctx/\n"
         )
         ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-                  "app": {"template": "Dockerfile", "base": "image:root",
+                  "app": {"template": "ctx/Dockerfile", "base": "image:root",
                           "stage_bases": {"busybox": "image:root", "toolbox": "image:root"}}})
         image = ws.build("--mode", "lock", "app")["app"]
         server.shutdown()
@@ -396,6 +403,9 @@ def test_a_multi_stage_dockerfile_builds_its_last_stage_from_the_others(ws: Work
     assert cat("/usr/local/bin/tool") == "tool\n"
     assert cat("/opt/message") == "hello\n"  # from the image the entry's stage_bases named
     assert cat("/data/remote.txt") == "fetched\n"
+    assert cat("/ctx/conf/app.ini") == "[app]\n"
+    args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "ls", "/ctx/conf"]
+    assert subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout.split() == ["app.ini"]
 
 
 def test_stage_bases_are_checked_and_their_images_built_first(tmp_path: Path) -> None:
@@ -447,3 +457,30 @@ def test_buildkits_platform_arguments_have_this_hosts_values(tmp_path: Path) -> 
     assert not any("ARG" in n for n in conv.not_converted), conv.not_converted
     assert platform_args("aarch64")["TARGETPLATFORM"] == "linux/arm64"
     assert platform_args("armv7l")["BUILDVARIANT"] == "v7" and platform_args("x86_64")["BUILDARCH"] == "amd64"
+
+
+def test_dockerignore_leaves_out_what_docker_leaves_out(tmp_path: Path) -> None:
+    from prorl_cli.images.dockerignore import DockerIgnore
+
+    rules = DockerIgnore("# build outputs\n/build/\n**/*.pyc\n*/tmp*\n.git\ndocs\n!docs/keep.md\n.\n")
+    assert rules.excludes("build") and rules.excludes("build/x/y.o")  # a folder's contents with it
+    assert rules.excludes("a.pyc") and rules.excludes("pkg/sub/a.pyc") and not rules.excludes("pkg/a.py")
+    assert rules.excludes("pkg/tmpdir") and not rules.excludes("tmpdir") and not rules.excludes("pkg/sub/tmpdir")
+    assert rules.excludes(".git/HEAD") and rules.excludes("docs/a.md") and not rules.excludes("docs/keep.md")
+    assert not rules.excludes("src/build")  # anchored at the context's root
+
+    for rel in ("src/app.py", "src/app.pyc", "src/build/out.o", ".git/HEAD", "build/a.o", "notes.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x\n")
+    (tmp_path / ".dockerignore").write_text(".git\nbuild\n**/*.pyc\n")
+    (tmp_path / "src" / "z.pyc").write_text("x\n")
+    conv = convert(tmp_path, "FROM python\nCOPY . /app/\nCOPY src/*.py* /opt/\n")
+    # The folder is copied whole, then what .dockerignore leaves out is removed from it, before any step.
+    assert section(conv.definition, "post")[0] == "rm -rf /app/.git /app/build /app/src/app.pyc /app/src/z.pyc"
+    # The next copy waits for the removal: it could put back a path the removal names.
+    assert [line.split()[-1] for line in section(conv.definition, "files")] == ["/app/", "/.prorl-copy/2-0/app.py"]
+    with pytest.raises(ConfigError, match="COPY source 'build' is left out of the context by .dockerignore"):
+        convert(tmp_path, "FROM python\nCOPY build /opt/build\n")
+    (tmp_path / "Dockerfile.dockerignore").write_text("notes.txt\n")  # BuildKit's: the Dockerfile's own wins
+    conv = convert(tmp_path, "FROM python\nCOPY . /app/\n")
+    assert section(conv.definition, "post")[0] == "rm -rf /app/notes.txt"
