@@ -63,7 +63,8 @@ log = logging.getLogger("prorl.images")
 UNSUPPORTED = {
     "EXPOSE": "ports are not part of an Apptainer image (services listen on the sandbox's loopback IP)",
     "VOLUME": "volumes are bound at run time, not declared in the image",
-    "USER": "sandboxes run as the calling user (root inside with fakeroot)",
+    "USER": "sandboxes run as the calling user (root inside with fakeroot); the steps after it run as root with "
+            "that user's HOME",
     "HEALTHCHECK": "Apptainer images have no health checks",
     "ONBUILD": "Apptainer has no build triggers",
     "STOPSIGNAL": "the sandbox runtime decides how its processes stop",
@@ -267,6 +268,16 @@ def convert_dockerfile(
     return Conversion(definition, files, from_image, not_converted, sorted(read))
 
 
+def _home_of(user: str) -> str:
+    """The %post step after ``USER NAME``: the steps after it still run as root, but with NAME's home as ``HOME``,
+    where ``pip install --user`` and ``~/.cache`` put what a later ``ENV PATH=/home/NAME/.local/bin:$PATH``
+    expects. A user /etc/passwd does not name leaves HOME as it was."""
+    u = shlex.quote(user)
+    return ("_home=; if [ -r /etc/passwd ]; then while IFS=: read -r _n _x _uid _gid _gecos _dir _sh; do "
+            f"if [ \"$_n\" = {u} ] || [ \"$_uid\" = {u} ]; then _home=$_dir; break; fi; done < /etc/passwd; fi; "
+            "if [ -n \"$_home\" ]; then export HOME=\"$_home\"; fi")
+
+
 def dockerignore_of(dockerfile: Path) -> DockerIgnore:
     """The ignore file of a Dockerfile's context: ``NAME.dockerignore`` beside ``NAME`` first, as BuildKit reads it,
     else the context's ``.dockerignore``."""
@@ -341,6 +352,8 @@ class _StageConverter:
                     ins = dataclasses.replace(ins, args=run_args)
             if ins.word in UNSUPPORTED:
                 not_converted.append(f"line {ins.line}: {ins.word} {ins.args} - {UNSUPPORTED[ins.word]}")
+                if ins.word == "USER":
+                    step(_home_of(ins.args.split(":", 1)[0].strip()))
             elif ins.word in ("COPY", "ADD"):
                 copy = convert_copy(ins, context, workdir, ins.index, spec.name, path, deferred=bool(steps),
                                     ignore=self.ignore,

@@ -386,6 +386,9 @@ def test_a_multi_stage_dockerfile_builds_its_last_stage_from_the_others(ws: Work
             "COPY --from=toolbox /message /opt/message\n"
             f"ADD http://127.0.0.1:{server.server_address[1]}/remote.txt /data/\n"
             "COPY . /ctx/\n"
+            "RUN echo 'app:x:1000:1000::/home/app:/bin/sh' >> /etc/passwd\n"
+            "USER app\n"
+            "RUN echo \"$HOME\" > /home-of-the-user\n"
         )
         ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
                   "app": {"template": "ctx/Dockerfile", "base": "image:root",
@@ -404,6 +407,7 @@ def test_a_multi_stage_dockerfile_builds_its_last_stage_from_the_others(ws: Work
     assert cat("/opt/message") == "hello\n"  # from the image the entry's stage_bases named
     assert cat("/data/remote.txt") == "fetched\n"
     assert cat("/ctx/conf/app.ini") == "[app]\n"
+    assert cat("/home-of-the-user") == "/home/app\n"  # a step after USER sees that user's HOME
     args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "ls", "/ctx/conf"]
     assert subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout.split() == ["app.ini"]
 
