@@ -202,7 +202,7 @@ def convert_dockerfile(
             continue
         stages[-1].body.append(ins)
         if ins.word in ("COPY", "ADD"):
-            flags, _ = leading_flags(ins.args)
+            flags, _ = leading_flags(expand(ins.args, global_args))
             copies_from.setdefault(stages[-1].index, []).extend(
                 (f.split("=", 1)[1], ins.line) for f in flags if f.startswith("--from="))
     needed = needed_stages(stages, copies_from, where)
@@ -213,6 +213,10 @@ def convert_dockerfile(
 
     def resolve_from(name: str, at: int) -> str:
         source = find_stage(stages, name, at)
+        if source is not None and source.index not in names:
+            # Only a --from whose value comes from the stage's own ARG: the stages to build were chosen without it.
+            raise ConfigError(f"{where}: COPY --from={name}: the stage's own build argument names stage {name}; "
+                              "name it in the Dockerfile or with a global ARG (before the first FROM)")
         if source is not None:
             return names[source.index]
         if name not in images:
@@ -331,6 +335,11 @@ class _StageConverter:
         known: dict[str, str] = {}  # ENV and ARG values so far
         docker_labels: list[list[str]] = []
         for ins in instructions:
+            if ins.word in ("COPY", "ADD") and "--from=$" in ins.args:
+                # BuildKit names the stage a --from reads before any stage runs: by the global build arguments.
+                flags, rest = leading_flags(ins.args)
+                flags = [expand(f, self.global_args) if f.startswith("--from=") else f for f in flags]
+                ins = dataclasses.replace(ins, args=" ".join([*flags, rest]))
             if ins.word in ("WORKDIR", "COPY", "ADD", "LABEL"):
                 ins = dataclasses.replace(ins, args=expand(ins.args, known))
             if ins.word == "ARG":

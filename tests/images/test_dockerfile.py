@@ -488,3 +488,11 @@ def test_dockerignore_leaves_out_what_docker_leaves_out(tmp_path: Path) -> None:
     (tmp_path / "Dockerfile.dockerignore").write_text("notes.txt\n")  # BuildKit's: the Dockerfile's own wins
     conv = convert(tmp_path, "FROM python\nCOPY . /app/\n")
     assert section(conv.definition, "post")[0] == "rm -rf /app/notes.txt"
+
+
+def test_a_from_value_of_a_global_build_argument_names_its_stage(tmp_path: Path) -> None:
+    conv = convert(tmp_path, "ARG BUILDER=build\nFROM debian AS build\nRUN make\nFROM debian\n"
+                             "COPY --from=$BUILDER /out /out\n")
+    assert "Stage: build\n" in conv.definition and section(conv.definition, "files from build")
+    with pytest.raises(ConfigError, match=r"COPY --from=build: the stage's own build argument names stage build"):
+        convert(tmp_path, "FROM debian AS build\nRUN make\nFROM debian\nARG B=build\nCOPY --from=$B /out /out\n")
