@@ -168,8 +168,10 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int, imag
         if not pattern and matches and left_out(matches[0]):
             raise ConfigError(f"{where}: {ins.word} source {src!r} is left out of the context by .dockerignore")
         matches = [p for p in matches if not left_out(p)]
-        if not matches:
+        if not matches and not pattern:
             raise ConfigError(f"{where}: {ins.word} source {src!r} does not exist in {context}")
+        # A pattern that matches nothing copies nothing, as BuildKit allows (`COPY requirements.txt* ./` is the
+        # idiom for an optional file).
         for src_path in matches:
             if ins.word == "ADD" and src_path.is_file() and tarfile.is_tarfile(src_path):
                 # Docker unpacks a local tar archive (plain or compressed) that ADD names into the destination.

@@ -496,3 +496,11 @@ def test_a_from_value_of_a_global_build_argument_names_its_stage(tmp_path: Path)
     assert "Stage: build\n" in conv.definition and section(conv.definition, "files from build")
     with pytest.raises(ConfigError, match=r"COPY --from=build: the stage's own build argument names stage build"):
         convert(tmp_path, "FROM debian AS build\nRUN make\nFROM debian\nARG B=build\nCOPY --from=$B /out /out\n")
+
+
+def test_a_pattern_that_matches_nothing_copies_nothing_as_buildkit_allows(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text("[project]\n")
+    conv = convert(tmp_path, "FROM python\nWORKDIR /app\nCOPY pyproject.toml* uv.lock* ./\n")
+    assert section(conv.definition, "files") == [f"{tmp_path}/pyproject.toml /app/pyproject.toml"]
+    with pytest.raises(ConfigError, match="COPY source 'uv.lock' does not exist"):
+        convert(tmp_path, "FROM python\nCOPY uv.lock /app/\n")
