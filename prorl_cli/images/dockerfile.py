@@ -55,7 +55,8 @@ from prorl_cli.images.dockerfile_text import (
     with_build_args,
 )
 from prorl_cli.images.dockerignore import DockerIgnore
-from prorl_cli.images.spec import FileCopy, ImageSpec
+from prorl_cli.images.render import bootstrap_header
+from prorl_cli.images.spec import FileCopy, ImageSpec, stage_base
 
 log = logging.getLogger("prorl.images")
 
@@ -200,11 +201,15 @@ def convert_dockerfile(
                 raise ConfigError(f"{where}: line {ins.line}: FROM names no image")
             stages.append(Stage(len(stages), ins.line, image, alias, ins.args))
             continue
-        stages[-1].body.append(ins)
         if ins.word in ("COPY", "ADD"):
-            flags, _ = leading_flags(expand(ins.args, global_args))
+            # BuildKit names the stage a --from reads before any stage runs: by the global build arguments.
+            flags, rest = leading_flags(ins.args)
+            if any(f.startswith("--from=$") for f in flags):
+                flags = [expand(f, global_args) if f.startswith("--from=") else f for f in flags]
+                ins = dataclasses.replace(ins, args=" ".join([*flags, rest]))
             copies_from.setdefault(stages[-1].index, []).extend(
                 (f.split("=", 1)[1], ins.line) for f in flags if f.startswith("--from="))
+        stages[-1].body.append(ins)
     needed = needed_stages(stages, copies_from, where)
     names: dict[int, str] = {}
     for i in needed:
@@ -229,25 +234,22 @@ def convert_dockerfile(
     parts: list[tuple[int, str, str]] = []  # (stage index, its bootstrap lines, its sections)
     files: list[FileCopy] = []
     not_converted: list[str] = []
-    from_image = ""
     last = len(stages) - 1
+    read: set[str] = set()  # the images the other stages bootstrap, and those a COPY --from reads
     for i in needed:
         root, body = chain(stages, i)
-        image = root.image
         sections, stage_files, notes = converter.convert(
             root.from_args, body, final=i == last, resolve_from=functools.partial(resolve_from, at=i),
             labels=[["org.prorl.image", spec.name], ["org.prorl.version", prorl_version],
                     ["org.prorl.base", str(spec.base)], ["org.prorl.dockerfile", f"{path.name} sha256:{digest}"]])
         files += stage_files
         not_converted += notes
-        if i == last:
-            from_image = image
-        else:
-            parts.append((i, _stage_header(image, stage_header), sections))
-        if i == last:
-            parts.append((i, header, sections))
+        if i != last:
+            read.add(root.image)
+        parts.append((i, header if i == last else _stage_header(root.image, stage_header), sections))
+    read |= set(images)
+    from_image = chain(stages, last)[0].image
     not_converted += [f"variables.{name}: the Dockerfile has no ARG {name}" for name in sorted(set(build_args) - consumed)]
-    read = {chain(stages, i)[0].image for i in needed if i != last} | set(images)
     not_converted += [f"stage_bases.{ref}: no stage of the Dockerfile starts from it or copies from it"
                       for ref in sorted(set(spec.stage_bases) - read)]
     if str(spec.base) != f"docker://{from_image}":
@@ -293,7 +295,7 @@ def _stage_header(image: str, stage_header: Callable[[str], str] | None) -> str:
     """The bootstrap lines of a stage that starts from ``image`` (a Dockerfile's reference)."""
     if stage_header is not None:
         return stage_header(image)
-    return "Bootstrap: scratch" if image == "scratch" else f"Bootstrap: docker\nFrom: {image}"
+    return bootstrap_header(stage_base(image, {}), base_path=None, mirror=None, docker_registry=None)
 
 
 class _StageConverter:
@@ -335,11 +337,6 @@ class _StageConverter:
         known: dict[str, str] = {}  # ENV and ARG values so far
         docker_labels: list[list[str]] = []
         for ins in instructions:
-            if ins.word in ("COPY", "ADD") and "--from=$" in ins.args:
-                # BuildKit names the stage a --from reads before any stage runs: by the global build arguments.
-                flags, rest = leading_flags(ins.args)
-                flags = [expand(f, self.global_args) if f.startswith("--from=") else f for f in flags]
-                ins = dataclasses.replace(ins, args=" ".join([*flags, rest]))
             if ins.word in ("WORKDIR", "COPY", "ADD", "LABEL"):
                 ins = dataclasses.replace(ins, args=expand(ins.args, known))
             if ins.word == "ARG":
@@ -364,9 +361,8 @@ class _StageConverter:
                 if ins.word == "USER":
                     step(_home_of(ins.args.split(":", 1)[0].strip()))
             elif ins.word in ("COPY", "ADD"):
-                copy = convert_copy(ins, context, workdir, ins.index, spec.name, path, deferred=bool(steps),
-                                    ignore=self.ignore,
-                                     resolve_from=resolve_from)
+                copy = convert_copy(ins, context, workdir, ins.index, spec.name, path, resolve_from, self.ignore,
+                                    deferred=bool(steps))
                 not_converted += copy.notes
                 for src_path, src, dst in copy.files:
                     files.append(FileCopy(src_path, dst))

@@ -27,6 +27,8 @@ from prorl_cli.images.dockerignore import DockerIgnore
 # would delete the copied file.
 ADD_STAGING = "/.prorl-add"
 COPY_STAGING = "/.prorl-copy"
+#: A source with a pattern character: it names what matches it, and several sources make DEST a folder.
+_PATTERN = re.compile(r"[*?\[]")
 
 
 def _in_workdir(dest: str, workdir: str) -> str:
@@ -82,16 +84,14 @@ class CopyConversion:
 
 
 def convert_copy(ins: Instruction, context: Path, workdir: str, index: int, image: str, path: Path,
-                 deferred: bool = False, resolve_from: Callable[[str], str] | None = None,
-                 ignore: DockerIgnore | None = None) -> CopyConversion:
+                 resolve_from: Callable[[str], str], ignore: DockerIgnore, *, deferred: bool = False) -> CopyConversion:
     """COPY/ADD with Docker's meaning: dest relative to WORKDIR, a folder's contents, ADD unpacking local tars.
 
-    ``deferred``: a RUN came before, so the copy goes to a staging folder and a %post step moves it in place.
-    ``resolve_from``: the definition's stage a ``--from`` value reads (None: such a copy is left out).
+    ``resolve_from``: the definition's stage a ``--from`` value reads.
     ``ignore``: the context's ``.dockerignore``: what it leaves out, COPY does not see (a folder's share of it is
     removed once the folder is in place).
+    ``deferred``: a RUN came before, so the copy goes to a staging folder and a %post step moves it in place.
     """
-    ignore = ignore or DockerIgnore()
     context = context.resolve()
 
     def left_out(p: Path) -> bool:
@@ -110,9 +110,6 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int, imag
     else:
         words = rest.split()
     source_stage = next((f.split("=", 1)[1] for f in flags if f.startswith("--from=")), None)
-    if source_stage is not None and resolve_from is None:
-        out.notes.append(f"line {ins.line}: {ins.word} {ins.args} - copies from another image or stage are not supported")
-        return out
     checksum = next((f.split("=", 1)[1] for f in flags if f.startswith("--checksum=") and ins.word == "ADD"), None)
     mode = next((f.split("=", 1)[1] for f in flags if f.startswith("--chmod=")), None)
     if mode is not None and not re.fullmatch(r"[0-7]{3,4}|[ugoa]*[-+=][rwxXst]*(,[ugoa]*[-+=][rwxXst]*)*", mode):
@@ -126,15 +123,15 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int, imag
     *sources, dest = words
     dest = _in_workdir(dest, workdir)
     docs = {d.delimiter: d for d in ins.heredocs}
-    many = len(sources) > 1 or any(re.search(r"[*?\[]", s) for s in sources)
+    many = len(sources) > 1 or any(_PATTERN.search(s) for s in sources)
     if many and not dest.endswith("/"):
         dest += "/"  # Docker requires it for several sources; it means a folder
-    if source_stage is not None and resolve_from is not None:
+    if source_stage is not None:
         stage = resolve_from(source_stage)
         for n, src in enumerate(sources):
             # A source in another stage is a path in its image: relative ones are from its root, as in Docker.
             src = posixpath.normpath(posixpath.join("/", src))
-            pattern = bool(re.search(r"[*?\[]", src))
+            pattern = bool(_PATTERN.search(src))
             staged = f"{COPY_STAGING}/{index}-{n}" + ("" if pattern else "/" + (posixpath.basename(src) or "root"))
             out.from_files.append((stage, src, staged + "/" if pattern else staged))
             if mode is not None:  # what is copied takes the mode of what was staged
@@ -162,7 +159,7 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int, imag
             out.post += fetched
             modes.append((target, True))
             continue
-        pattern = bool(re.search(r"[*?\[]", src))
+        pattern = bool(_PATTERN.search(src))
         matches = sorted(context.glob(src)) if pattern else [context / src]
         matches = [p.resolve() for p in matches if p.exists()]
         if not pattern and matches and left_out(matches[0]):

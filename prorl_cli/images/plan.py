@@ -21,7 +21,14 @@ from prorl_cli.images.render import (
     template_dirs,
 )
 from prorl_cli.images.settings import BUILD_MODES, ImagesConfig
-from prorl_cli.images.spec import SAVED_KINDS, Base, ImageSpec, build_order, is_dockerfile
+from prorl_cli.images.spec import (
+    SAVED_KINDS,
+    Base,
+    ImageSpec,
+    build_order,
+    is_dockerfile,
+    stage_base,
+)
 
 
 @dataclass
@@ -75,12 +82,19 @@ def lock_inputs(spec: ImageSpec, definition: str, build_args: list[str], base_re
         "lockfile": sha256_file(spec.lockfile) if spec.lockfile else None,
         "build_args": build_args,
     }
-    if spec.base.kind == "localimage":
-        # Same path, new bytes: a lock build must notice.
-        inputs["base_image"] = sha256_file(Path(spec.base.ref)) if Path(spec.base.ref).is_file() else "missing"
-    elif spec.base.kind in SAVED_KINDS:
-        inputs["base_image"] = saved_image_digest(spec.base.kind, Path(spec.base.ref))
+    digest = _image_digest(spec.base)
+    if digest is not None:  # same path, new bytes: a lock build must notice
+        inputs["base_image"] = digest
     return inputs
+
+
+def _image_digest(base: Base) -> str | None:
+    """The bytes of a base that is an image on disk, as a digest ("missing" for a .sif not there); None for others."""
+    if base.kind == "localimage":
+        return sha256_file(Path(base.ref)) if Path(base.ref).is_file() else "missing"
+    if base.kind in SAVED_KINDS:
+        return saved_image_digest(base.kind, Path(base.ref))
+    return None
 
 
 def plan_images(
@@ -124,8 +138,8 @@ def plan_images(
             ctx = template_context(spec, header=header, base_path=base_path, mirror=mirror)
             definition = render_template(env, spec.template, ctx, image=name)
         build_args = [*settings.build_args, *spec.build_args]
-        pulled = [spec.base.ref] if spec.base.kind == "docker" else []
-        pulled += [ref for ref in stage_images if ref not in spec.stage_bases and ref != "scratch"]
+        pulled = [b.ref for b in (spec.base, *(stage_base(ref, spec.stage_bases) for ref in stage_images))
+                  if b.kind == "docker"]
         if any(plain_http(ref, settings.insecure_registries) for ref in pulled) and "--no-https" not in build_args:
             build_args.append("--no-https")
         if mode == "versioned":
@@ -143,9 +157,8 @@ def plan_images(
 
 def _stage_header(spec: ImageSpec, plans: dict[str, Plan], mirror: str | None, docker_registry: str | None,
                   ref: str) -> str:
-    """The bootstrap lines of a Dockerfile stage that starts from ``ref``: the entry's ``stage_bases`` for it, or
-    ``docker://ref`` (``scratch`` is Docker's empty image)."""
-    base = spec.stage_bases.get(ref) or (Base("scratch", "") if ref == "scratch" else Base("docker", ref))
+    """The bootstrap lines of a Dockerfile stage that starts from ``ref`` (see :func:`stage_base`)."""
+    base = stage_base(ref, spec.stage_bases)
     path = plans[base.ref].path if base.kind == "image" else None
     return bootstrap_header(base, base_path=path, mirror=mirror, docker_registry=docker_registry)
 
@@ -154,11 +167,8 @@ def _base_input(base: Base, plans: dict[str, Plan]) -> str:
     """What a lock key records of a stage's base: an image of the list by its key, an image on disk by its bytes."""
     if base.kind == "image":
         return f"image:{base.ref}@{plans[base.ref].key}"
-    if base.kind == "localimage":
-        return f"{base}@{sha256_file(Path(base.ref)) if Path(base.ref).is_file() else 'missing'}"
-    if base.kind in SAVED_KINDS:
-        return f"{base}@{saved_image_digest(base.kind, Path(base.ref))}"
-    return str(base)
+    digest = _image_digest(base)
+    return str(base) if digest is None else f"{base}@{digest}"
 
 
 def decide(plan: Plan, cache: Cache, manifest: dict[str, Any], rebuilt_deps: set[str] | None = None) -> None:

@@ -99,6 +99,12 @@ def is_dockerfile(template: str) -> bool:
     return name == "Dockerfile" or name.startswith("Dockerfile.") or name.lower().endswith(".dockerfile")
 
 
+def stage_base(ref: str, stage_bases: dict[str, Base]) -> Base:
+    """The base a Dockerfile's other stage bootstraps for the image reference ``ref`` (a ``FROM``'s or a
+    ``COPY --from``'s): the entry's ``stage_bases`` for it, else Docker's empty ``scratch`` or ``docker://ref``."""
+    return stage_bases.get(ref) or (Base("scratch", "") if ref == "scratch" else Base("docker", ref))
+
+
 def parse_base(value: Any, where: str, root: Path) -> Base:
     """Parse a base reference string (see the module docstring)."""
     if not isinstance(value, str) or not value.strip():
