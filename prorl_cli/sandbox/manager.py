@@ -457,3 +457,9 @@ class SandboxManager:
             assert watchdog.stdin is not None
             watchdog.stdin.close()  # end of file: it exits, with nothing left to kill
             await asyncio.to_thread(watchdog.wait)
+        # A sibling killed outright whose replacement never got to start (the
+        # deployment was taken down first) would leave its sandboxes' files for
+        # good: the last node to leave the host cleans them too.
+        reaped = await asyncio.to_thread(self.records.reap_orphans, self.records.directory.parent.parent)
+        if reaped:
+            self.log.warning("reaped %d sandbox(es) left by dead node processes", reaped)

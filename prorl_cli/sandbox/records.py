@@ -8,7 +8,8 @@ that starts in the same run directory kills what the files name, after
 checking each process's identity (boot id, pid and start time): it never
 kills a process it did not start. A node server under any other id reaps the
 records in its siblings' run directories whose owner (the node process,
-identified by pid and start time) is dead on this machine.
+identified by pid and start time) is dead on this machine, when it starts and
+again when it stops.
 """
 
 from __future__ import annotations
@@ -99,9 +100,11 @@ class RecordStore:
         for path in sorted(self.directory.glob("*.json")):
             try:
                 records.append(SandboxRecord(**json.loads(path.read_text())))
+            except FileNotFoundError:
+                continue  # another node reaped it meanwhile (nodes leaving together reap the same dead sibling)
             except (ValueError, TypeError) as e:
                 self.log.warning("ignoring unreadable sandbox record %s: %s", path, e)
-                path.unlink()
+                path.unlink(missing_ok=True)
         return records
 
     def reap(self) -> int:

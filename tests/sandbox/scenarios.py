@@ -342,6 +342,21 @@ async def scenario_reap(args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+async def scenario_stop_after_sibling_died(args: dict[str, Any]) -> dict[str, Any]:
+    """A node started before its sibling was killed: it stops (no start of its own reaps), and cleans up."""
+    m = manager(args)
+    sb = await m.start("own")
+    own_session = str(sb.process.spec.session_dir)
+    await m.stop_all()
+    procs = {int(p): t for p, t in args["procs"].items()}
+    return {
+        "alive_after": still_alive(procs),
+        "sessions_left": [s for s in [*args["sessions"], own_session] if Path(s).exists()],
+        "dead_records_left": sorted(p.name for p in (Path(args["dead_state_dir"]) / "sandboxes").glob("*.json")),
+        "own_records_left": sorted(p.name for p in (Path(args["state_dir"]) / "sandboxes").glob("*.json")),
+    }
+
+
 async def scenario_many(args: dict[str, Any]) -> dict[str, Any]:
     m = manager(args)
     n = args["n"]

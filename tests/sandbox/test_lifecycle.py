@@ -95,6 +95,28 @@ def test_a_node_killed_mid_start_leaves_no_session_folder(scenarios: ScenarioRun
     _reap_with_another_node(scenarios, config, state_dir, held)
 
 
+@pytest.mark.parametrize(("runtime", "image"), [pytest.param("bwrap", "rootfs", id="bwrap", marks=pytest.mark.bwrap),
+                                               pytest.param("local", None, id="local")])
+def test_a_node_that_stops_cleans_up_after_a_sibling_killed_while_it_ran(
+    runtime: str, image: str | None, scenarios: ScenarioRunner, images: dict[str, str], request: pytest.FixtureRequest
+) -> None:
+    """The deployment is taken down before a killed node's replacement starts: the node that leaves reaps."""
+    dead_state_dir = scenarios.state_dir()
+    # A folder of its own: what this test leaves when it fails must not show up in other tests' local_dir.
+    local = {"local_dir": str(dead_state_dir / "local")}
+    config = {"runtime": "local", **local} if runtime == "local" else _config(runtime, image or "", images, request,
+                                                                             **local)
+    held = _hold_then_kill9(scenarios, "hold", {"config": config, "state_dir": str(dead_state_dir), "n": 1})
+    assert (dead_state_dir / "sandboxes").is_dir() and any((dead_state_dir / "sandboxes").glob("*.json"))
+    args = {"config": config, "state_dir": str(scenarios.state_dir()), "dead_state_dir": str(dead_state_dir), **held}
+    proc = scenarios.popen("stop_after_sibling_died", args)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["alive_after"] == [] and r["sessions_left"] == [], (r, err[-3000:])
+    assert r["dead_records_left"] == [] and r["own_records_left"] == [], r
+
+
 def _hold_then_kill9(scenarios: ScenarioRunner, scenario: str, args: dict[str, Any]) -> dict[str, Any]:
     """Run a stand-in node until it reports what it holds, then ``kill -9`` it; return that report."""
     holder = scenarios.popen(scenario, args)
