@@ -38,6 +38,8 @@ LOG_TAIL_LINES = 25
 #: squashfs compression might not work ..."), which a failure must not be reported "at".
 _STEP_RE = re.compile(r"^(INFO|VERBOSE):\s+([A-Z][a-z]+ing\b.*)")
 _TERM_GRACE_S = 10.0
+#: The trace of a RUN with mounts whose command failed (dockerfile_mounts.MountedStep.wrap).
+_FAILED_MOUNTED_STEP = re.compile(r"^\+ prorl_rc=[1-9]")
 _COMMAND_CHARS = 300  # of the failed command shown in the error (the log has it whole)
 #: Apptainer's layer cache is not safe for concurrent builds (sylabs/singularity#3634): a build that reads a blob
 #: or index another build is writing fails fetching its base with one of these (a bare ``get: EOF`` from a
@@ -304,6 +306,7 @@ class Builder:
         # Apptainer runs %setup/%post with `sh -x`: the last "+ " line before a failure is the command that failed,
         # which a step printing more than the tail's lines (a pip install) would otherwise push out of sight.
         command: str | None = None
+        settled = False
         make_dirs(log_path.parent)
         timed_out = threading.Event()
         # The log of an earlier try of this key (a failed build, a scratch rebuild) may be another user's, which
@@ -332,8 +335,10 @@ class Builder:
                     tail.append(line)
                     m = _STEP_RE.match(line)
                     if m:
-                        step, command = m.group(2).strip(), None
-                    elif line.startswith("+ "):
+                        step, command, settled = m.group(2).strip(), None, False
+                    elif _FAILED_MOUNTED_STEP.match(line):
+                        settled = True  # what follows takes a RUN's mounts away: the command before it failed
+                    elif line.startswith("+ ") and not settled:
                         command = line[2:]
                 rc = proc.wait()
             except BaseException:

@@ -34,6 +34,7 @@ from typing import Any
 
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.dockerfile_copy import ADD_STAGING, COPY_STAGING, convert_copy
+from prorl_cli.images.dockerfile_mounts import MountedStep, convert_mounts, mount_stages
 from prorl_cli.images.dockerfile_stages import (
     Stage,
     chain,
@@ -209,6 +210,9 @@ def convert_dockerfile(
                 ins = dataclasses.replace(ins, args=" ".join([*flags, rest]))
             copies_from.setdefault(stages[-1].index, []).extend(
                 (f.split("=", 1)[1], ins.line) for f in flags if f.startswith("--from="))
+        if ins.word == "RUN":
+            copies_from.setdefault(stages[-1].index, []).extend(
+                (name, ins.line) for name in mount_stages(leading_flags(ins.args)[0]))
         stages[-1].body.append(ins)
     needed = needed_stages(stages, copies_from, where)
     names: dict[int, str] = {}
@@ -348,13 +352,20 @@ class _StageConverter:
                 # Docker splits ENV into words first, then expands each value: `ENV B=$A` with A="x y" is one variable.
                 env = {k: expand(v, known) for k, v in assignments("ENV", ins.args).items()}
                 known.update(env)
+            mounted = MountedStep()
             if ins.word == "RUN":
                 # BuildKit's RUN --mount/--network/--security are options of the step, not words of its command: left
                 # in, `sh -c '--mount=type=cache,... pip install ...'` failed the build with "not found".
                 run_flags, run_args = leading_flags(ins.args)
                 if run_flags:
-                    not_converted.append(f"line {ins.line}: RUN {' '.join(run_flags)} - flags are ignored: the step "
-                                         "runs without them (no cache, bind, secret or ssh mount; the build's own network)")
+                    mounted = convert_mounts(ins, run_flags, known=known, context=context, workdir=workdir,
+                                             image=spec.name, path=path, resolve_from=resolve_from, ignore=self.ignore)
+                    not_converted += mounted.notes
+                    for src_path, src, dst in mounted.files:
+                        files.append(FileCopy(src_path, dst))
+                        pairs.append([src, dst])
+                    for stage, src, dst in mounted.from_files:
+                        from_pairs.setdefault(stage, []).append((src, dst))
                     ins = dataclasses.replace(ins, args=run_args)
             if ins.word in UNSUPPORTED:
                 not_converted.append(f"line {ins.line}: {ins.word} {ins.args} - {UNSUPPORTED[ins.word]}")
@@ -383,11 +394,11 @@ class _StageConverter:
             elif ins.word == "SHELL":
                 shell = _json_argv(ins, spec.name, path)
             elif ins.word == "RUN" and ins.args.startswith("[") and not ins.heredocs:
-                step(shlex.join(_json_argv(ins, spec.name, path)))  # the exec form runs no shell
+                step(mounted.wrap(shlex.join(_json_argv(ins, spec.name, path)), workdir))  # the exec form runs no shell
             elif ins.word == "RUN":
                 # As Docker does, each RUN is its own `sh -c SCRIPT` whose exit status decides: written as lines of
                 # %post (run with `sh -e`), a failure inside `a && b` or before `;` would not stop the build.
-                step(f"{shlex.join(shell)} {shlex.quote(_run_script(ins))}")
+                step(mounted.wrap(f"{shlex.join(shell)} {shlex.quote(_run_script(ins))}", workdir))
             elif ins.word == "ENV" and env and not any('"' in v for v in env.values()):
                 # One NAME="VALUE" word each, the form spython reads (it failed on `ENV NAME VALUE WITH SPACES`).
                 feed.append("ENV " + " ".join(f"{k}={v}" if re.fullmatch(r"[\w./:@%+,=${}~-]+", v) else f'{k}="{v}"'

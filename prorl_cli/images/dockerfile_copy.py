@@ -83,10 +83,11 @@ class CopyConversion:
     notes: list[str] = field(default_factory=list)
 
 
-def convert_copy(ins: Instruction, context: Path, workdir: str, index: int, image: str, path: Path,
+def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str, image: str, path: Path,
                  resolve_from: Callable[[str], str], ignore: DockerIgnore, *, deferred: bool = False) -> CopyConversion:
     """COPY/ADD with Docker's meaning: dest relative to WORKDIR, a folder's contents, ADD unpacking local tars.
 
+    ``index``: what names its staging folders (the instruction's place; a RUN's mount adds its own).
     ``resolve_from``: the definition's stage a ``--from`` value reads.
     ``ignore``: the context's ``.dockerignore``: what it leaves out, COPY does not see (a folder's share of it is
     removed once the folder is in place).

@@ -1,0 +1,166 @@
+"""BuildKit's ``RUN --mount`` in a definition: what the step sees while it runs, gone after it.
+
+A ``%post`` step cannot mount anything, so each mount is put in place
+before the step and taken away after it, whatever the step's exit status:
+
+- ``type=bind`` (the default): the source (from the build context, another
+  stage or an image) is staged like a ``COPY`` and moved to the target; the
+  target's own content, if the image has any, waits aside and comes back.
+  What the step writes there is discarded, as with Docker's ``rw`` bind.
+- ``type=cache`` and ``type=tmpfs``: an empty folder at the target for the
+  step; nothing written there stays in the image. (Docker keeps a cache
+  between builds; here each step starts with it empty, which changes only
+  how long the step takes.)
+- ``type=secret`` and ``type=ssh``: prorl has no secrets to give a build; a
+  step that needs one (``required=true``) is an error naming it, else the
+  step runs without it, as ``docker build`` does without ``--secret``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import posixpath
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prorl_cli.exceptions import ConfigError
+from prorl_cli.images.dockerfile_copy import COPY_STAGING, convert_copy
+from prorl_cli.images.dockerfile_text import Instruction, expand
+from prorl_cli.images.dockerignore import DockerIgnore
+
+#: Each key BuildKit reads, under the name used here.
+_KEYS = {
+    "type": "type", "target": "target", "dst": "target", "destination": "target", "source": "source",
+    "src": "source", "from": "from", "rw": "rw", "readwrite": "rw", "ro": "ro", "readonly": "ro", "id": "id",
+    "sharing": "sharing", "mode": "mode", "uid": "uid", "gid": "gid", "required": "required", "size": "size",
+    "env": "env", "relabel": "relabel",
+}
+_TYPES = ("bind", "cache", "tmpfs", "secret", "ssh")
+
+
+@dataclass
+class Mount:
+    """One ``--mount=`` of a RUN, its keys read as BuildKit reads them."""
+
+    kind: str
+    target: str | None
+    source: str | None
+    from_: str | None
+    id: str | None
+    required: bool
+
+
+def parse_mount(value: str, known: dict[str, str]) -> Mount:
+    """``type=bind,source=uv.lock,target=uv.lock`` (CSV, as BuildKit reads it) as a :class:`Mount`.
+
+    ``known``: the ENV and ARG values so far, which the value's ``$NAME`` expands to.
+    """
+    fields: dict[str, str] = {}
+    for item in next(csv.reader([expand(value, known)]), []):
+        key, has_value, val = item.partition("=")
+        name = _KEYS.get(key.strip().lower())
+        if name is None:
+            raise ConfigError(f"--mount={value}: unknown key {key.strip()!r} (BuildKit reads "
+                              f"{', '.join(sorted(set(_KEYS)))})")
+        fields[name] = val.strip() if has_value else "true"
+    kind = fields.get("type", "bind").lower()
+    if kind not in _TYPES:
+        raise ConfigError(f"--mount={value}: type {kind!r} is not one of {', '.join(_TYPES)}")
+    if kind in ("bind", "cache", "tmpfs") and not fields.get("target"):
+        raise ConfigError(f"--mount={value}: a {kind} mount needs target=PATH")
+    return Mount(kind, fields.get("target"), fields.get("source"), fields.get("from"), fields.get("id"),
+                 fields.get("required", "false").lower() in ("true", "1", "yes"))
+
+
+def mount_stages(flags: list[str]) -> list[str]:
+    """The ``from=`` values of a RUN's bind mounts: the stages (or images) the step reads, which must be built."""
+    out: list[str] = []
+    for flag in flags:
+        if flag.startswith("--mount="):
+            try:
+                mount = parse_mount(flag.split("=", 1)[1], {})
+            except ConfigError:
+                continue  # reported with its line when the step is converted
+            if mount.kind == "bind" and mount.from_:
+                out.append(mount.from_)
+    return out
+
+
+@dataclass
+class MountedStep:
+    """What a RUN's mounts became: staged files, and the lines around its command."""
+
+    files: list[tuple[Path, str, str]] = field(default_factory=list)  # as CopyConversion.files
+    from_files: list[tuple[str, str, str]] = field(default_factory=list)  # as CopyConversion.from_files
+    before: list[str] = field(default_factory=list)
+    after: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def wrap(self, command: str, workdir: str) -> str:
+        """``command`` as one %post step with the mounts in place, taken away whatever its exit status.
+
+        The trace's ``+ prorl_rc=N`` (N > 0) marks the failure: the build's error names the command before it,
+        not the lines that take the mounts away (``build._FAILED_MOUNTED_STEP``).
+        """
+        if not self.before:
+            return command
+        w = shlex.quote(workdir)
+        # %post runs with `sh -e`: a failing condition of `if` does not stop it, so the mounts still come away.
+        return "\n".join([*self.before, f"cd {w}", f"if {command}; then prorl_rc=0; else prorl_rc=$?; fi", "cd /",
+                          *self.after, f"cd {w}", 'if [ "$prorl_rc" -ne 0 ]; then exit "$prorl_rc"; fi'])
+
+
+def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str], context: Path, workdir: str,
+                   image: str, path: Path, resolve_from: Callable[[str], str], ignore: DockerIgnore) -> MountedStep:
+    """The mounts among a RUN's ``flags``; other flags (``--network``, ``--security``) become notes."""
+    out = MountedStep()
+    where = f"image {image}: {path}: line {ins.line}"
+    undo: list[list[str]] = []
+    for n, flag in enumerate(flags):
+        if not flag.startswith("--mount="):
+            out.notes.append(f"line {ins.line}: RUN {flag} - ignored: the step runs with the build's own network "
+                             "and privileges")
+            continue
+        try:
+            mount = parse_mount(flag.split("=", 1)[1], known)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: RUN {e}") from e
+        if mount.kind in ("secret", "ssh"):
+            what = f"{mount.kind} {mount.id or 'default'}"
+            if mount.required:
+                raise ConfigError(f"{where}: RUN {flag}: the step requires the {what}, and prorl gives a build no "
+                                  "secrets or SSH agent; put what it fetches in the build context instead")
+            out.notes.append(f"line {ins.line}: RUN {flag} - no {what} is given to the build: the step runs without it")
+            continue
+        assert mount.target is not None  # parse_mount requires it of bind, cache and tmpfs
+        target = posixpath.normpath(posixpath.join(workdir, mount.target))
+        if target == "/":
+            raise ConfigError(f"{where}: RUN {flag}: a mount over / cannot be put in place for one step")
+        t = shlex.quote(target)
+        aside = shlex.quote(f"{COPY_STAGING}/aside-{ins.index}-{n}")
+        before = [f"mkdir -p {shlex.quote(COPY_STAGING)}",
+                  f"if [ -e {t} ] || [ -L {t} ]; then mv {t} {aside}; fi",
+                  f"mkdir -p {shlex.quote(posixpath.dirname(target))}"]
+        if mount.kind == "bind":
+            staged = f"{COPY_STAGING}/mount-{ins.index}-{n}"
+            source = mount.source or "."
+            from_flag = f"--from={mount.from_} " if mount.from_ else ""
+            copy = convert_copy(Instruction(ins.line, "RUN --mount", f"{from_flag}{json.dumps([source, staged])}"),
+                                context, "/", f"{ins.index}m{n}", image, path, resolve_from, ignore)
+            out.files += copy.files
+            out.from_files += copy.from_files
+            before += [*copy.post, f"mv {shlex.quote(staged)} {t}"]
+            # What another stage's files were staged as, once copied into the mount's source.
+            if copy.from_files:
+                before.append(f"rm -rf {shlex.quote(COPY_STAGING)}/{ins.index}m{n}-*")
+        else:
+            before.append(f"mkdir -p {t}")
+        out.before += before
+        # Taken away in reverse order: a mount inside another's target goes first.
+        undo.insert(0, [f"rm -rf {t}", f"if [ -e {aside} ] || [ -L {aside} ]; then mv {aside} {t}; fi"])
+    # The staging folder goes too unless a later COPY waits in it (%files fills it before %post starts).
+    out.after = [line for lines in undo for line in lines] + [f"rmdir {shlex.quote(COPY_STAGING)} 2>/dev/null || true"]
+    return out
