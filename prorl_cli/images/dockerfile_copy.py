@@ -181,16 +181,21 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
             elif src_path.is_dir():
                 # Docker copies a folder's contents; Apptainer's `cp -r SRC DEST` would nest SRC inside an existing DEST.
                 into = dest if dest.endswith("/") else dest + "/"
-                if deferred:
-                    stage = f"{COPY_STAGING}/{index}-{len(out.files)}/"
-                    out.files.append((src_path, f"{src_path}/.", stage))
-                    out.post += [f"mkdir -p {shlex.quote(into)}", f"cp -fR {shlex.quote(stage)}. {shlex.quote(into)}"]
-                else:  # `cp -r SRC/. DEST` fills DEST, whether or not the image has it yet
-                    out.files.append((src_path, f"{src_path}/.", dest))
-                if src_path.is_relative_to(context):
-                    dropped = [shlex.quote(into + rel) for rel in ignore.excluded_under(context, src_path)]
-                    out.post += [f"rm -rf {' '.join(dropped[i:i + 64])}" for i in range(0, len(dropped), 64)]
-                modes += [(into + entry.name, True) for entry in sorted(src_path.iterdir())]
+                # What .dockerignore leaves out is never copied (a repository's .git or a 5 GB data/ folder, which
+                # is why it is there), nor hashed into the lock key: the rest is copied in as few parts as cover it.
+                parts, empty = ignore.included(context, src_path) if src_path.is_relative_to(context) else ([""], [])
+                root = f"{COPY_STAGING}/{index}-{len(out.files)}/" if deferred else into
+                for rel in parts:
+                    part = src_path / rel if rel else src_path
+                    # `cp -r SRC/. DEST` fills DEST, whether or not the image has it yet
+                    out.files.append((part, f"{part}/." if part.is_dir() and not part.is_symlink() else str(part),
+                                      (root + rel) if rel else (root if deferred else dest)))
+                out.post += [f"mkdir -p {shlex.quote(into + rel)}" for rel in ["", *empty] if rel or deferred or not parts]
+                if deferred and parts:
+                    out.post.append(f"cp -fR {shlex.quote(root)}. {shlex.quote(into)}")
+                tops = sorted({rel.split("/")[0] for rel in [*parts, *empty]}) if parts != [""] else \
+                    sorted(entry.name for entry in src_path.iterdir())
+                modes += [(into + name, True) for name in tops]
             else:
                 target = dest + src_path.name if dest.endswith("/") else dest
                 if deferred:

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from prorl_cli.exceptions import ConfigError
+
 
 @dataclass(frozen=True)
 class _Pattern:
@@ -90,21 +92,50 @@ class DockerIgnore:
                 excluded = not p.exception
         return excluded
 
-    def excluded_under(self, context: Path, folder: Path) -> list[str]:
-        """What ``.dockerignore`` leaves out of ``folder`` (inside ``context``), relative to ``folder``: a folder
-        that is left out whole is named once, not walked, unless an exception may bring something in it back."""
+    def included(self, context: Path, folder: Path) -> tuple[list[str], list[str]]:
+        """What of ``folder`` (inside ``context``) ``COPY`` sees, as few paths as cover it, relative to ``folder``.
+
+        Returns ``(parts, empty)``: ``parts`` are files and whole folders with nothing left out below them
+        (``[""]``: the folder itself, when nothing in it is left out); ``empty`` are folders that stay though all
+        they hold is left out (Docker still makes them). A folder left out whole is not walked, unless an
+        exception may bring something in it back.
+        """
         if not self.patterns:
-            return []
+            return [""], []
         walk_excluded = any(p.exception for p in self.patterns)
-        out: list[str] = []
         base = folder.relative_to(context).as_posix()
         base = "" if base == "." else base + "/"
-        for root, dirs, files in os.walk(folder):
-            rel_root = Path(root).relative_to(folder).as_posix()
-            rel_root = "" if rel_root == "." else rel_root + "/"
-            for d in sorted(dirs):
-                if self.excludes(base + rel_root + d) and not walk_excluded:
-                    out.append(rel_root + d)
-                    dirs.remove(d)
-            out += [rel_root + f for f in sorted(files) if self.excludes(base + rel_root + f)]
-        return out
+
+        def walk(path: Path, rel: str) -> tuple[list[str], list[str], bool]:
+            """(parts, empty folders, whether nothing under ``path`` is left out)."""
+            parts: list[str] = []
+            empty: list[str] = []
+            whole = True
+            try:
+                entries = sorted(os.scandir(path), key=lambda e: e.name)
+            except OSError as e:
+                raise ConfigError(f"cannot read {path} of the build context: {e.strerror or e}") from e
+            for entry in entries:
+                name = rel + entry.name
+                left_out = self.excludes(base + name)
+                if entry.is_dir(follow_symlinks=False):
+                    if left_out and not walk_excluded:
+                        whole = False
+                        continue
+                    sub_parts, sub_empty, sub_whole = walk(Path(entry.path), name + "/")
+                    if sub_whole and not left_out:
+                        parts.append(name)
+                        continue
+                    whole = False
+                    parts += sub_parts
+                    empty += sub_empty
+                    if not left_out and not sub_parts and not sub_empty:
+                        empty.append(name)
+                elif left_out:
+                    whole = False
+                else:
+                    parts.append(name)
+            return parts, empty, whole
+
+        parts, empty, whole = walk(folder, "")
+        return ([""], []) if whole else (parts, empty)

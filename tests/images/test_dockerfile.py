@@ -556,16 +556,30 @@ def test_dockerignore_leaves_out_what_docker_leaves_out(tmp_path: Path) -> None:
         (tmp_path / rel).write_text("x\n")
     (tmp_path / ".dockerignore").write_text(".git\nbuild\n**/*.pyc\n")
     (tmp_path / "src" / "z.pyc").write_text("x\n")
+    (tmp_path / "src" / "pkg").mkdir()
+    (tmp_path / "src" / "pkg" / "m.py").write_text("x\n")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "c.pyc").write_text("x\n")
     conv = convert(tmp_path, "FROM python\nCOPY . /app/\nCOPY src/*.py* /opt/\n")
-    # The folder is copied whole, then what .dockerignore leaves out is removed from it, before any step.
-    assert section(conv.definition, "post")[0] == "rm -rf /app/.git /app/build /app/src/app.pyc /app/src/z.pyc"
-    # The next copy waits for the removal: it could put back a path the removal names.
-    assert [line.split()[-1] for line in section(conv.definition, "files")] == ["/app/", "/.prorl-copy/2-0/app.py"]
+    # What it leaves out is never copied: the rest in as few parts as cover it (a folder with nothing left out
+    # whole), a folder that held only what is left out made empty, as Docker makes it.
+    assert section(conv.definition, "files") == [
+        f"{tmp_path}/.dockerignore /app/.dockerignore", f"{tmp_path}/Dockerfile /app/Dockerfile",
+        f"{tmp_path}/notes.txt /app/notes.txt", f"{tmp_path}/src/app.py /app/src/app.py",
+        f"{tmp_path}/src/build/. /app/src/build", f"{tmp_path}/src/pkg/. /app/src/pkg", f"{tmp_path}/src/app.py /.prorl-copy/2-0/app.py"]
+    assert section(conv.definition, "post")[0] == "mkdir -p /app/cache"
+    assert {str(f.src.relative_to(tmp_path)) for f in conv.files} == {  # nor hashed into the lock key
+        ".dockerignore", "Dockerfile", "notes.txt", "src/app.py", "src/build", "src/pkg"}
     with pytest.raises(ConfigError, match="COPY source 'build' is left out of the context by .dockerignore"):
         convert(tmp_path, "FROM python\nCOPY build /opt/build\n")
     (tmp_path / "Dockerfile.dockerignore").write_text("notes.txt\n")  # BuildKit's: the Dockerfile's own wins
-    conv = convert(tmp_path, "FROM python\nCOPY . /app/\n")
-    assert section(conv.definition, "post")[0] == "rm -rf /app/notes.txt"
+    conv = convert(tmp_path, "FROM python\nRUN true\nCOPY . /app/\n")
+    assert [line.split()[-1] for line in section(conv.definition, "files")] == [
+        "/.prorl-copy/2-0/.dockerignore", "/.prorl-copy/2-0/.git", "/.prorl-copy/2-0/Dockerfile",
+        "/.prorl-copy/2-0/Dockerfile.dockerignore", "/.prorl-copy/2-0/build", "/.prorl-copy/2-0/cache",
+        "/.prorl-copy/2-0/src"]
+    assert section(conv.definition, "post")[-3:] == ["mkdir -p /app/", "cp -fR /.prorl-copy/2-0/. /app/",
+                                                     "rm -rf /.prorl-copy"]
 
 
 def test_a_from_value_of_a_global_build_argument_names_its_stage(tmp_path: Path) -> None:
