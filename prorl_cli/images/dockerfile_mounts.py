@@ -146,7 +146,8 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
                   f"mkdir -p {shlex.quote(posixpath.dirname(target))}"]
         if mount.kind == "bind":
             staged = f"{COPY_STAGING}/mount-{ins.index}-{n}"
-            source = mount.source or "."
+            # A context path is relative to the context's root even when written /uv.lock, as BuildKit reads it.
+            source = (mount.source or "." if mount.from_ else (mount.source or "").lstrip("/")) or "."
             from_flag = f"--from={mount.from_} " if mount.from_ else ""
             copy = convert_copy(Instruction(ins.line, "RUN --mount", f"{from_flag}{json.dumps([source, staged])}"),
                                 context, "/", f"{ins.index}m{n}", image, path, resolve_from, ignore)

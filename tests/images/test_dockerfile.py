@@ -141,7 +141,7 @@ def test_run_mounts_are_in_place_for_their_step_only(tmp_path: Path) -> None:
     conv = convert(tmp_path, "FROM python\nWORKDIR /app\n"
                              "RUN --mount=type=cache,target=/root/.cache/uv \\\n"
                              "    --mount=type=bind,source=uv.lock,target=uv.lock \\\n"
-                             "    --mount=type=bind,source=pyproject.toml,target=pyproject.toml \\\n"
+                             "    --mount=type=bind,source=/pyproject.toml,target=pyproject.toml \\\n"
                              "    uv sync --locked\n")
     assert section(conv.definition, "files") == [f"{tmp_path}/uv.lock /.prorl-copy/mount-2-1",
                                                   f"{tmp_path}/pyproject.toml /.prorl-copy/mount-2-2"]
