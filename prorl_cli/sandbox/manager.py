@@ -459,7 +459,9 @@ class SandboxManager:
             await asyncio.to_thread(watchdog.wait)
         # A sibling killed outright whose replacement never got to start (the
         # deployment was taken down first) would leave its sandboxes' files for
-        # good: the last node to leave the host cleans them too.
-        reaped = await asyncio.to_thread(self.records.reap_orphans, self.records.directory.parent.parent)
+        # good: the last node to leave the host cleans them too. On the loop, as
+        # at start: the node is leaving, and a thread would let a replay's
+        # simulated clock run on while it works (timebase).
+        reaped = self.records.reap_orphans(self.records.directory.parent.parent)
         if reaped:
             self.log.warning("reaped %d sandbox(es) left by dead node processes", reaped)
