@@ -30,31 +30,12 @@ from pathlib import Path
 
 import yaml
 
+# Run as a script, this folder is on the path: the same base image and baseline trees as its neighbours'.
+from image_cache import SMALL_TEMPLATE
+from pipeline_overhead import baseline_tree
+
 REPO = Path(__file__).resolve().parent.parent
-ROOT_TEMPLATE = """\
-{% import "prorl.j2" as prorl with context %}
-{{ bootstrap }}
-
-%setup
-    mkdir -p "$APPTAINER_ROOTFS/bin"
-    cp /bin/busybox "$APPTAINER_ROOTFS/bin/busybox"
-    ln -sf busybox "$APPTAINER_ROOTFS/bin/sh"
-
-{{ prorl.metadata() }}
-"""
 DOCKERFILE = "FROM busybox\nRUN /bin/busybox --install -s /bin\nWORKDIR /app\nCOPY . /app/\nRUN ls /app > /listing\n"
-
-
-def baseline_tree(spec: str, tmp: Path) -> Path:
-    """``spec``: a directory holding a prorl tree, or a git ref of this repository (extracted under ``tmp``)."""
-    path = Path(spec)
-    if path.is_dir():
-        return path.resolve()
-    dest = tmp / "baseline"
-    dest.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", spec], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest
 
 
 def make_context(root: Path, data_mb: int, git_files: int) -> None:
@@ -73,7 +54,7 @@ def make_context(root: Path, data_mb: int, git_files: int) -> None:
     (ctx / ".dockerignore").write_text(".git\ndata\n")
     (ctx / "Dockerfile").write_text(DOCKERFILE)
     (root / "recipes").mkdir()
-    (root / "recipes" / "root.def.j2").write_text(ROOT_TEMPLATE)
+    (root / "recipes" / "root.def.j2").write_text(SMALL_TEMPLATE)
     (root / "images.yaml").write_text(yaml.safe_dump({"images": {
         "root": {"template": "root.def.j2", "base": "scratch"},
         "app": {"template": "ctx/Dockerfile", "base": "image:root"},

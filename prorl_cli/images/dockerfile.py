@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import ConfigError
-from prorl_cli.images.dockerfile_copy import ADD_STAGING, COPY_STAGING, convert_copy
+from prorl_cli.images.dockerfile_copy import ADD_STAGING, COPY_STAGING, CopyConversion, convert_copy
 from prorl_cli.images.dockerfile_mounts import MountedStep, convert_mounts, mount_stages
 from prorl_cli.images.dockerfile_stages import (
     Stage,
@@ -334,6 +334,15 @@ class _StageConverter:
             feed.append(f"RUN prorl-step-{len(steps)}")
             steps.append(text)
 
+        def take(staged: CopyConversion | MountedStep) -> None:
+            """What a copy or a RUN's mounts stage: host files for %files, other stages' for %files from."""
+            not_converted.extend(staged.notes)
+            for src_path, src, dst in staged.files:
+                files.append(FileCopy(src_path, dst))
+                pairs.append([src, dst])
+            for stage, src, dst in staged.from_files:
+                from_pairs.setdefault(stage, []).append((src, dst))
+
         workdir, workdir_set = "/", False
         shell = ["/bin/sh", "-c"]
         run_argv: dict[str, list[str]] = {}  # CMD, ENTRYPOINT: the command each stands for
@@ -360,12 +369,7 @@ class _StageConverter:
                 if run_flags:
                     mounted = convert_mounts(ins, run_flags, known=known, context=context, workdir=workdir,
                                              image=spec.name, path=path, resolve_from=resolve_from, ignore=self.ignore)
-                    not_converted += mounted.notes
-                    for src_path, src, dst in mounted.files:
-                        files.append(FileCopy(src_path, dst))
-                        pairs.append([src, dst])
-                    for stage, src, dst in mounted.from_files:
-                        from_pairs.setdefault(stage, []).append((src, dst))
+                    take(mounted)
                     ins = dataclasses.replace(ins, args=run_args)
             if ins.word in UNSUPPORTED:
                 not_converted.append(f"line {ins.line}: {ins.word} {ins.args} - {UNSUPPORTED[ins.word]}")
@@ -374,12 +378,7 @@ class _StageConverter:
             elif ins.word in ("COPY", "ADD"):
                 copy = convert_copy(ins, context, workdir, ins.index, spec.name, path, resolve_from, self.ignore,
                                     deferred=bool(steps))
-                not_converted += copy.notes
-                for src_path, src, dst in copy.files:
-                    files.append(FileCopy(src_path, dst))
-                    pairs.append([src, dst])
-                for stage, src, dst in copy.from_files:
-                    from_pairs.setdefault(stage, []).append((src, dst))
+                take(copy)
                 for post in copy.post:
                     step(post)
             elif ins.word in ("CMD", "ENTRYPOINT"):

@@ -15,6 +15,7 @@ import subprocess
 import tarfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +37,16 @@ def section(definition: str, name: str) -> list[str]:
     """The lines of one %section of a definition."""
     lines = definition.split(f"\n%{name}\n", 1)[1].split("\n%", 1)[0]
     return lines.splitlines()
+
+
+def failed_build(ws: Workspace) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """Build the workspace's Dockerfile on a busybox root image, which must fail: its result and the CLI's run."""
+    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
+              "app": {"template": "Dockerfile", "base": "image:root"}})
+    out = ws.prorl("build-images", "--json", "--mode", "lock", "app", check=False)
+    assert out.returncode == 1, out.stdout
+    (app,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
+    return app, out
 
 
 def test_env_and_arg_reach_the_programs_later_steps_run(tmp_path: Path) -> None:
@@ -320,11 +331,7 @@ def test_a_converted_dockerfile_builds_what_docker_would(ws: Workspace) -> None:
 def test_a_failure_inside_an_and_list_fails_the_build(ws: Workspace) -> None:
     """`docker build` stops at `RUN false && echo`; as a %post line it went on and published the image."""
     (ws.root / "Dockerfile").write_text("FROM busybox\nRUN false && echo never\nRUN echo after > /after\n")
-    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-              "app": {"template": "Dockerfile", "base": "image:root"}})
-    out = ws.prorl("build-images", "--json", "--mode", "lock", "app", check=False)
-    assert out.returncode == 1, out.stdout
-    (app,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
+    app, out = failed_build(ws)
     assert app["action"] == "failed" and "Running post scriptlet" in app["error"], app
     assert not Path(app["path"]).exists()
 
@@ -362,11 +369,7 @@ def test_a_run_with_mounts_sees_them_and_the_image_keeps_none_of_them(ws: Worksp
 def test_a_failed_step_with_mounts_is_named_and_fails_the_build(ws: Workspace) -> None:
     (ws.root / "Dockerfile").write_text("FROM busybox\nRUN /bin/busybox --install -s /bin\n"
                                         "RUN --mount=type=cache,target=/c ls /c/missing\nRUN echo never\n")
-    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-              "app": {"template": "Dockerfile", "base": "image:root"}})
-    out = ws.prorl("build-images", "--json", "--mode", "lock", "app", check=False)
-    assert out.returncode == 1, out.stdout
-    (app,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
+    app, out = failed_build(ws)
     assert app["action"] == "failed", app
     assert "failed command: /bin/sh -c 'ls /c/missing'" in app["error"], app["error"]
 
@@ -378,11 +381,7 @@ def test_a_failed_build_names_the_command_that_failed(ws: Workspace) -> None:
     (ws.root / "Dockerfile").write_text("FROM busybox\nRUN /bin/busybox --install -s /bin\n"
                                         "RUN for i in $(seq 1 60); do echo noise $i; done && ls /no-such-dir\n"
                                         "RUN echo never\n")
-    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-              "app": {"template": "Dockerfile", "base": "image:root"}})
-    out = ws.prorl("build-images", "--json", "--mode", "lock", "app", check=False)
-    assert out.returncode == 1, out.stdout
-    (app,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
+    app, out = failed_build(ws)
     assert app["action"] == "failed", app
     assert "ls /no-such-dir" not in "\n".join(app["log_tail"])  # the noise filled the tail
     assert "failed command: /bin/sh -c 'for i in $(seq 1 60); do echo noise $i; done && ls /no-such-dir'" in app["error"], app["error"]
