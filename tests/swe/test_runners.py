@@ -164,6 +164,26 @@ def test_an_r2e_gym_row_is_refused_naming_r2e_gym_not_another_source(tmp_path: P
     assert "R2E-Gym row" in message and "expected_output_json" in message and "SWE-rebench" not in message, message
 
 
+def test_a_multi_swe_bench_row_is_refused_saying_what_grading_it_needs(tmp_path: Path) -> None:
+    """Multi-SWE-bench's rows, as its dataset publishes them: without a word they failed on a missing base_commit."""
+    from prorl_cli.domains.datasets import load_instances
+    from prorl_cli.exceptions import DatasetError
+
+    row = {"org": "alibaba", "repo": "fastjson2", "number": 2775, "state": "closed", "title": "t", "body": "b",
+           "base": {"label": "alibaba:main", "ref": "main", "sha": "12ab"},
+           "resolved_issues": [{"number": 2774, "title": "bug", "body": "it breaks"}],
+           "fix_patch": "diff --git a/x b/x\n", "test_patch": "diff --git a/t b/t\n",
+           "fixed_tests": {"T#a": {"run": "FAIL", "test": "FAIL", "fix": "PASS"}}, "p2p_tests": {}, "f2p_tests": {},
+           "s2p_tests": {}, "n2p_tests": {}, "run_result": {}, "test_patch_result": {}, "fix_patch_result": {},
+           "instance_id": "alibaba__fastjson2-2775"}
+    data = tmp_path / "msb.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DatasetError) as caught:
+        load_instances("swe", data, None, warn=lambda line: None)
+    message = str(caught.value)
+    assert "Multi-SWE-bench row" in message and "test_command" in message and "base.sha" in message, message
+
+
 def test_a_django_test_module_that_does_not_import_without_the_fix_is_graded_not_an_infra_failure(
     tmp_path: Path,
 ) -> None:
