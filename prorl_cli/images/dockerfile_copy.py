@@ -89,8 +89,8 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
 
     ``index``: what names its staging folders (the instruction's place; a RUN's mount adds its own).
     ``resolve_from``: the definition's stage a ``--from`` value reads.
-    ``ignore``: the context's ``.dockerignore``: what it leaves out, COPY does not see (a folder's share of it is
-    removed once the folder is in place).
+    ``ignore``: the context's ``.dockerignore``: what it leaves out, COPY does not see (a folder goes in as the
+    parts that cover the rest: what is left out is never copied).
     ``deferred``: a RUN came before, so the copy goes to a staging folder and a %post step moves it in place.
     """
     context = context.resolve()

@@ -462,6 +462,12 @@ class SandboxManager:
         # good: the last node to leave the host cleans them too. On the loop, as
         # at start: the node is leaving, and a thread would let a replay's
         # simulated clock run on while it works (timebase).
-        reaped = self.records.reap_orphans(self.records.directory.parent.parent)
+        # What a sibling left must not stop this node from leaving cleanly (it unregisters next).
+        try:
+            reaped = self.records.reap_orphans(self.records.directory.parent.parent)
+        except OSError as e:
+            self.log.warning("could not reap what dead node processes left under %s: %s",
+                             self.records.directory.parent.parent, e)
+            return
         if reaped:
             self.log.warning("reaped %d sandbox(es) left by dead node processes", reaped)
