@@ -186,11 +186,13 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
                 parts, empty = ignore.included(context, src_path) if src_path.is_relative_to(context) else ([""], [])
                 root = f"{COPY_STAGING}/{index}-{len(out.files)}/" if deferred else into
                 for rel in parts:
-                    part = src_path / rel if rel else src_path
+                    part = src_path / rel
                     # `cp -r SRC/. DEST` fills DEST, whether or not the image has it yet
                     out.files.append((part, f"{part}/." if part.is_dir() and not part.is_symlink() else str(part),
-                                      (root + rel) if rel else (root if deferred else dest)))
-                out.post += [f"mkdir -p {shlex.quote(into + rel)}" for rel in ["", *empty] if rel or deferred or not parts]
+                                      root + rel if rel or deferred else dest))
+                if deferred or not parts:
+                    out.post.append(f"mkdir -p {shlex.quote(into)}")
+                out.post += [f"mkdir -p {shlex.quote(into + rel)}" for rel in empty]
                 if deferred and parts:
                     out.post.append(f"cp -fR {shlex.quote(root)}. {shlex.quote(into)}")
                 tops = sorted({rel.split("/")[0] for rel in [*parts, *empty]}) if parts != [""] else \

@@ -141,13 +141,15 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
             raise ConfigError(f"{where}: RUN {flag}: a mount over / cannot be put in place for one step")
         t = shlex.quote(target)
         aside = shlex.quote(f"{COPY_STAGING}/aside-{ins.index}-{n}")
-        before = [f"mkdir -p {shlex.quote(COPY_STAGING)}",
+        # The first mount makes the staging folder its target's content waits in.
+        before = [f"mkdir -p {shlex.quote(COPY_STAGING)}"] * (not out.before) + [
                   f"if [ -e {t} ] || [ -L {t} ]; then mv {t} {aside}; fi",
                   f"mkdir -p {shlex.quote(posixpath.dirname(target))}"]
         if mount.kind == "bind":
             staged = f"{COPY_STAGING}/mount-{ins.index}-{n}"
             # A context path is relative to the context's root even when written /uv.lock, as BuildKit reads it.
-            source = (mount.source or "." if mount.from_ else (mount.source or "").lstrip("/")) or "."
+            source = mount.source or ""
+            source = (source if mount.from_ else source.lstrip("/")) or "."
             from_flag = f"--from={mount.from_} " if mount.from_ else ""
             copy = convert_copy(Instruction(ins.line, "RUN --mount", f"{from_flag}{json.dumps([source, staged])}"),
                                 context, "/", f"{ins.index}m{n}", image, path, resolve_from, ignore)

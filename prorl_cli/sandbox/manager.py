@@ -461,8 +461,8 @@ class SandboxManager:
         # deployment was taken down first) would leave its sandboxes' files for
         # good: the last node to leave the host cleans them too. On the loop, as
         # at start: the node is leaving, and a thread would let a replay's
-        # simulated clock run on while it works (timebase).
-        # What a sibling left must not stop this node from leaving cleanly (it unregisters next).
+        # simulated clock run on while it works (timebase). A failure is logged:
+        # it must not stop this node from leaving cleanly (it unregisters next).
         try:
             reaped = self.records.reap_orphans(self.records.directory.parent.parent)
         except OSError as e:

@@ -134,20 +134,10 @@ class SweRows:
             out.setdefault("test_patch", "")
             if isinstance(out.get("patch"), str) and "patch_reverse" not in row:
                 out["patch_reverse"] = True  # SWE-smith's `patch` introduces the bug: the fix is its reverse
-        if is_r2e_gym(row):
-            raise DatasetError(
-                f"{where}: an R2E-Gym row (fields {sorted(k for k in R2E_GYM_FIELDS if k in row)}): R2E-Gym grades "
-                "a run by its image's own test script against `expected_output_json`, with no base_commit, "
-                "test_patch or FAIL_TO_PASS/PASS_TO_PASS lists, so prorl cannot grade it; give rows in SWE-bench's "
-                f"format (they need {list(REQUIRED)})")
-        if is_multi_swe_bench(row):
-            raise DatasetError(
-                f"{where}: a Multi-SWE-bench row (fields {sorted(k for k in MULTI_SWE_BENCH_FIELDS if k in row)}): "
-                "its tests run by the per-repository commands and log parsers of Multi-SWE-bench's own harness "
-                "(Java, TypeScript, Go, Rust, C...), which its rows do not carry, so prorl cannot grade it without "
-                "guessing; give rows in SWE-bench's format (repo 'org/name', base_commit from base.sha, patch from "
-                "fix_patch, FAIL_TO_PASS/PASS_TO_PASS from the f2p_tests/p2p_tests names) with a test_command and a "
-                f"log_parser that names its tests as the lists do (they need {list(REQUIRED)})")
+        for name, fields, why in UNGRADABLE_FORMATS:
+            if _is_format(row, fields):
+                raise DatasetError(f"{where}: a {name} row (fields {sorted(fields.intersection(row))}): {why}; give rows "
+                                   f"in SWE-bench's format (they need {list(REQUIRED)})")
         for name in REQUIRED:
             if name not in out:
                 null = " (null)" if name in row else ""
@@ -289,25 +279,26 @@ class SweRows:
                 f"{n.reason}" for n in self._notes.values()]
 
 
-#: Fields only R2E-Gym's own rows carry (its SWE-bench-format splits carry SWE-bench's fields instead).
-R2E_GYM_FIELDS = frozenset({"repo_name", "commit_hash", "expected_output_json", "execution_result_content",
-                            "parsed_commit_content", "modified_entity_summaries"})
+#: Dataset formats whose rows prorl cannot grade: (name, fields only that format's rows carry, why).
+UNGRADABLE_FORMATS: tuple[tuple[str, frozenset[str], str], ...] = (
+    # R2E-Gym's own rows (its SWE-bench-format splits carry SWE-bench's fields instead).
+    ("R2E-Gym", frozenset({"repo_name", "commit_hash", "expected_output_json", "execution_result_content",
+                           "parsed_commit_content", "modified_entity_summaries"}),
+     "R2E-Gym grades a run by its image's own test script against `expected_output_json`, with no base_commit, "
+     "test_patch or FAIL_TO_PASS/PASS_TO_PASS lists, so prorl cannot grade it"),
+    # Multi-SWE-bench's pull-request records.
+    ("Multi-SWE-bench", frozenset({"fix_patch", "f2p_tests", "p2p_tests", "s2p_tests", "n2p_tests", "fixed_tests",
+                                   "run_result", "test_patch_result", "fix_patch_result"}),
+     "its tests run by the per-repository commands and log parsers of Multi-SWE-bench's own harness (Java, "
+     "TypeScript, Go, Rust, C...), which its rows do not carry, so prorl cannot grade it without guessing; map it "
+     "(repo 'org/name', base_commit from base.sha, patch from fix_patch, FAIL_TO_PASS/PASS_TO_PASS from the "
+     "f2p_tests/p2p_tests names) and add a test_command and a log_parser that names its tests as the lists do"),
+)
 
 
-def is_r2e_gym(row: Row) -> bool:
-    """Whether ``row`` is one of R2E-Gym's own rows: its fields, and none of SWE-bench's instance fields."""
-    return (len(R2E_GYM_FIELDS.intersection(row)) >= 2
-            and not any(k in row for k in ("base_commit", "FAIL_TO_PASS", "PASS_TO_PASS")))
-
-
-#: Fields of Multi-SWE-bench's rows (its pull-request records) that no SWE-bench-format source uses.
-MULTI_SWE_BENCH_FIELDS = frozenset({"fix_patch", "f2p_tests", "p2p_tests", "s2p_tests", "n2p_tests", "fixed_tests",
-                                    "run_result", "test_patch_result", "fix_patch_result"})
-
-
-def is_multi_swe_bench(row: Row) -> bool:
-    """Whether ``row`` is one of Multi-SWE-bench's: its fields, and none of SWE-bench's instance fields."""
-    return (len(MULTI_SWE_BENCH_FIELDS.intersection(row)) >= 2
+def _is_format(row: Row, fields: frozenset[str]) -> bool:
+    """Whether ``row`` carries two or more of a format's own ``fields`` and none of SWE-bench's instance fields."""
+    return (len(fields.intersection(row)) >= 2
             and not any(k in row for k in ("base_commit", "FAIL_TO_PASS", "PASS_TO_PASS")))
 
 
