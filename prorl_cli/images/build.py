@@ -11,7 +11,9 @@ the next build holding the same lock, or by ``prorl images prune``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
+import functools
 import os
 import queue
 import re
@@ -21,14 +23,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prorl_cli import __version__
 from prorl_cli.exceptions import ImageBuildError
-from prorl_cli.images.cache import Cache, _atomic_write, make_dirs, share_file
+from prorl_cli.images.cache import Cache, _atomic_write, file_lock, make_dirs, share_file
+from prorl_cli.images.dockerfile_mounts import CACHE_MOUNTS
 from prorl_cli.images.plan import Plan, decide
 from prorl_cli.processes import stop_group
 
@@ -112,6 +115,8 @@ class Builder:
         self._procs_lock = threading.Lock()
         self._aborted = threading.Event()
         self._building: set[str] = set()  # images past their lock, with a build (and temp file) under way
+        # A file lock does not keep this process's other build threads out: a thread lock per kept cache does.
+        self._cache_locks: dict[str, threading.Lock] = {}
 
     # -- many images ------------------------------------------------------------------------
 
@@ -266,9 +271,45 @@ class Builder:
         _atomic_write(def_path, plan.definition)
         tmp = self.cache.tmp_image_path(name, key)
         make_dirs(tmp.parent)
-        cmd = [self.apptainer, "build", "--fakeroot", *plan.build_args, str(tmp), str(def_path)]
-        self.on_event(name, f"building {key}: {shlex.join(cmd)}")
         t0 = time.monotonic()
+        with self._kept_caches(plan) as binds:
+            cmd = [self.apptainer, "build", "--fakeroot", *binds, *plan.build_args, str(tmp), str(def_path)]
+            self.on_event(name, f"building {key}: {shlex.join(cmd)}")
+            self._build_with(plan, cmd, tmp, log_path)
+        build_s = time.monotonic() - t0
+        built_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+        entry = self._entry(plan, build_s, built_at)
+        self.cache.record(entry)
+        return Result(name, key, plan.mode, "built", plan.reasons, str(plan.path), waited_s, build_s, entry["size_bytes"], log=str(log_path))
+
+    @contextlib.contextmanager
+    def _kept_caches(self, plan: Plan) -> Iterator[list[str]]:
+        """The ``--bind`` arguments of the plan's kept cache mounts, their host folders made; each
+        ``sharing=locked`` one held for the build, in one order for every build so that none waits on another
+        that waits on it."""
+        name = plan.spec.name
+        root = self.cache.build_cache_dir()
+        if plan.caches and any(c in str(root) for c in ":,"):
+            raise ImageBuildError(f"image {name}: the build cache {root} cannot be bound (a ':' or ',' in its path "
+                                  "ends Apptainer's --bind); set images.cache_dir elsewhere or images.build_cache: false")
+        binds: list[str] = []
+        with contextlib.ExitStack() as held:
+            for cache in sorted(plan.caches, key=lambda c: c.key):
+                folder = root / cache.key
+                make_dirs(folder)
+                if cache.locked:
+                    held.enter_context(self._cache_locks.setdefault(cache.key, threading.Lock()))  # atomic
+                    held.enter_context(file_lock(root / f"{cache.key}.lock", functools.partial(
+                        self._on_cache_wait, name, cache.key)))
+                binds += ["--bind", f"{folder}:{CACHE_MOUNTS}/{cache.key}"]
+            yield binds
+
+    def _on_cache_wait(self, name: str, key: str, holder: str) -> None:
+        self.on_event(name, f"waiting for build cache {key}: in use by {holder} (sharing=locked)")
+
+    def _build_with(self, plan: Plan, cmd: list[str], tmp: Path, log_path: Path) -> None:
+        """Run ``cmd`` (tried again on Apptainer's layer cache race) and publish its image at the plan's path."""
+        name = plan.spec.name
         try:
             for attempt in range(1, _CACHE_RACE_TRIES + 1):
                 try:
@@ -290,11 +331,6 @@ class Builder:
             os.replace(tmp, plan.path)
         finally:
             tmp.unlink(missing_ok=True)
-        build_s = time.monotonic() - t0
-        built_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
-        entry = self._entry(plan, build_s, built_at)
-        self.cache.record(entry)
-        return Result(name, key, plan.mode, "built", plan.reasons, str(plan.path), waited_s, build_s, entry["size_bytes"], log=str(log_path))
 
     def _run_apptainer(self, name: str, cmd: list[str], log_path: Path) -> None:
         if shutil.which(cmd[0]) is None:

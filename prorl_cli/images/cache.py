@@ -225,6 +225,11 @@ class Cache:
         dirs = [self.root / "images" / name] if name else sorted((self.root / "images").glob("*"))
         return sorted(p for d in dirs if d.is_dir() for p in d.glob(pattern))
 
+    def build_cache_dir(self) -> Path:
+        """This user's kept ``RUN --mount=type=cache`` folders: a user's own, as a build writes them as that user
+        (the cache's other users could not write into them)."""
+        return self.root / "build-cache" / str(os.getuid())
+
     def log_path(self, name: str, key: str, suffix: str) -> Path:
         return self.root / "logs" / name / f"{key}.{suffix}"
 

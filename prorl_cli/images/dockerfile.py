@@ -34,7 +34,13 @@ from typing import Any
 
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.dockerfile_copy import ADD_STAGING, COPY_STAGING, CopyConversion, convert_copy
-from prorl_cli.images.dockerfile_mounts import MountedStep, convert_mounts, mount_stages
+from prorl_cli.images.dockerfile_mounts import (
+    CACHE_MOUNTS,
+    CacheMount,
+    MountedStep,
+    convert_mounts,
+    mount_stages,
+)
 from prorl_cli.images.dockerfile_stages import (
     Stage,
     chain,
@@ -82,6 +88,7 @@ class Conversion:
     from_image: str = ""
     not_converted: list[str] = field(default_factory=list)
     stage_images: list[str] = field(default_factory=list)  # what the other stages bootstrap, as the file names them
+    caches: list[CacheMount] = field(default_factory=list)  # kept cache mounts the builder binds
 
 
 def _run_script(ins: Instruction) -> str:
@@ -161,12 +168,13 @@ def find_dockerfile(template: str, dirs: list[Path]) -> Path:
 
 def convert_dockerfile(
     path: Path, spec: ImageSpec, *, header: str, prorl_version: str,
-    stage_header: Callable[[str], str] | None = None,
+    stage_header: Callable[[str], str] | None = None, keep_caches: bool = False,
 ) -> Conversion:
     """Convert ``path`` for the image ``spec`` (``header``: prorl's bootstrap lines for ``spec.base``).
 
     ``stage_header``: the bootstrap lines for an image another stage starts from or a ``COPY --from`` reads
     (its ``FROM`` reference as written); ``Bootstrap: docker`` with it when not given.
+    ``keep_caches``: ``RUN --mount=type=cache`` folders are kept between builds (``Conversion.caches``).
     """
     text = path.read_text()
     # The definition (and so the lock key) names the Dockerfile by its bytes, not its path: the same recipe
@@ -212,7 +220,7 @@ def convert_dockerfile(
                 (f.split("=", 1)[1], ins.line) for f in flags if f.startswith("--from="))
         if ins.word == "RUN":
             copies_from.setdefault(stages[-1].index, []).extend(
-                (name, ins.line) for name in mount_stages(leading_flags(ins.args)[0]))
+                (name, ins.line) for name in mount_stages(leading_flags(ins.args)[0], global_args))
         stages[-1].body.append(ins)
     needed = needed_stages(stages, copies_from, where)
     names: dict[int, str] = {}
@@ -234,7 +242,7 @@ def convert_dockerfile(
                 images[name] += "_"
         return images[name]
 
-    converter = _StageConverter(spec, path, build_args, consumed, global_args)
+    converter = _StageConverter(spec, path, build_args, consumed, global_args, keep_caches)
     parts: list[tuple[int, str, str]] = []  # (stage index, its bootstrap lines, its sections)
     files: list[FileCopy] = []
     not_converted: list[str] = []
@@ -260,14 +268,18 @@ def convert_dockerfile(
         not_converted.append(f"FROM {from_image}: replaced by the image list's base {spec.base}")
     notes_text = "".join(f"# prorl: not converted: {note}\n" for note in not_converted)
     converted = f"# prorl: converted from {path.name} (sha256:{digest}) by spython\n{notes_text}"
+    # Apptainer binds only into a folder the image has: every stage makes the kept caches' folders before its %post
+    # (a build's binds are every stage's).
+    setup = "".join(f'mkdir -p "$APPTAINER_ROOTFS"{shlex.quote(f"{CACHE_MOUNTS}/{c.key}")}\n' for c in converter.caches)
+    setup = f"\n%setup\n{setup}" if setup else ""
     if len(parts) == 1 and not images:
-        definition = f"{header}\n\n{converted}\n{parts[0][2]}\n"
+        definition = f"{header}\n\n{converted}\n{parts[0][2]}\n{setup}"
     else:
         # Apptainer builds the stages in order and keeps the last: each stage before the one that reads it.
-        blocks = [f"{_stage_header(image, stage_header)}\nStage: {name}\n" for image, name in images.items()]
+        blocks = [f"{_stage_header(image, stage_header)}\nStage: {name}\n{setup}" for image, name in images.items()]
         for i, stage_lines, sections in parts:
             top = f"{converted}\n" if i == last else ""
-            blocks.append(f"{stage_lines}\nStage: {names[i]}\n\n{top}{sections}\n")
+            blocks.append(f"{stage_lines}\nStage: {names[i]}\n\n{top}{sections}\n{setup}")
         definition = "\n".join(blocks)
     for note in not_converted:
         if note.startswith(f"FROM {from_image}: replaced"):
@@ -275,7 +287,7 @@ def convert_dockerfile(
             log.debug("image %s: %s: %s", spec.name, path.name, note)
         else:
             log.warning("image %s: %s: not converted: %s", spec.name, path.name, note)
-    return Conversion(definition, files, from_image, not_converted, sorted(read))
+    return Conversion(definition, files, from_image, not_converted, sorted(read), list(converter.caches))
 
 
 def _home_of(user: str) -> str:
@@ -306,10 +318,12 @@ class _StageConverter:
     """One stage's instructions as definition sections: spython converts what prorl does not itself."""
 
     def __init__(self, spec: ImageSpec, path: Path, build_args: dict[str, str], consumed: set[str],
-                 global_args: dict[str, str]) -> None:
+                 global_args: dict[str, str], keep_caches: bool) -> None:
         self.spec, self.path = spec, path
         self.build_args, self.consumed, self.global_args = build_args, consumed, global_args
         self.ignore = dockerignore_of(path)
+        self.keep_caches = keep_caches
+        self.caches: list[CacheMount] = []  # every stage's, in the order first met
 
     def convert(self, from_args: str, instructions: list[Instruction], *, final: bool, resolve_from: Callable[[str], str],
                 labels: list[list[str]]) -> tuple[str, list[FileCopy], list[str]]:
@@ -337,6 +351,8 @@ class _StageConverter:
         def take(staged: CopyConversion | MountedStep) -> None:
             """What a copy or a RUN's mounts stage: host files for %files, other stages' for %files from."""
             not_converted.extend(staged.notes)
+            if isinstance(staged, MountedStep):
+                self.caches += [c for c in staged.caches if c not in self.caches]
             for src_path, src, dst in staged.files:
                 files.append(FileCopy(src_path, dst))
                 pairs.append([src, dst])
@@ -367,8 +383,10 @@ class _StageConverter:
                 # in, `sh -c '--mount=type=cache,... pip install ...'` failed the build with "not found".
                 run_flags, run_args = leading_flags(ins.args)
                 if run_flags:
-                    mounted = convert_mounts(ins, run_flags, known=known, context=context, workdir=workdir,
-                                             image=spec.name, path=path, resolve_from=resolve_from, ignore=self.ignore)
+                    # A mount's from= may name a stage by a global build argument, as a COPY's --from does.
+                    mounted = convert_mounts(ins, run_flags, known={**self.global_args, **known}, context=context,
+                                             workdir=workdir, image=spec.name, path=path, resolve_from=resolve_from,
+                                             ignore=self.ignore, keep_caches=self.keep_caches)
                     take(mounted)
                     ins = dataclasses.replace(ins, args=run_args)
             if ins.word in UNSUPPORTED:
@@ -443,7 +461,10 @@ class _StageConverter:
 
 # spython's warnings that prorl checks better itself: COPY sources are looked up relative to the
 # Dockerfile's folder (spython looks in the current directory, so every build warned).
-_SPYTHON_CHECKED = (re.compile(r"doesn't exist, ensure exists for build"),)
+# `FROM scratch` is Apptainer's `Bootstrap: scratch`, not an image to pull, so spython's warning that Docker Hub
+# has none is wrong here.
+_SPYTHON_CHECKED = (re.compile(r"doesn't exist, ensure exists for build"),
+                    re.compile(r"scratch is no longer available on Docker Hub"))
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

@@ -7,10 +7,12 @@ before the step and taken away after it, whatever the step's exit status:
   stage or an image) is staged like a ``COPY`` and moved to the target; the
   target's own content, if the image has any, waits aside and comes back.
   What the step writes there is discarded, as with Docker's ``rw`` bind.
-- ``type=cache`` and ``type=tmpfs``: an empty folder at the target for the
-  step; nothing written there stays in the image. (Docker keeps a cache
-  between builds; here each step starts with it empty, which changes only
-  how long the step takes.)
+- ``type=cache``: as in Docker, a folder kept between builds (and shared by
+  the steps and images that name the same ``id``, by default the target),
+  never part of the image. The builder binds the host's folder at
+  ``/.prorl-cache/KEY`` for the whole build and the step finds a link to it
+  at the target. With ``sharing=private``, or with ``images.build_cache``
+  off, the step gets an empty folder instead, as a ``type=tmpfs`` mount does.
 - ``type=secret`` and ``type=ssh``: prorl has no secrets to give a build; a
   step that needs one (``required=true``) is an error naming it, else the
   step runs without it, as ``docker build`` does without ``--secret``.
@@ -19,8 +21,10 @@ before the step and taken away after it, whatever the step's exit status:
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import posixpath
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +43,25 @@ _KEYS = {
     "env": "env", "relabel": "relabel",
 }
 _TYPES = ("bind", "cache", "tmpfs", "secret", "ssh")
+_SHARING = ("shared", "private", "locked")
+
+#: Where the builder binds each kept cache's host folder while the image builds; an empty folder per cache stays
+#: in the image there, as BuildKit leaves a cache mount's target folder.
+CACHE_MOUNTS = "/.prorl-cache"
+
+
+@dataclass(frozen=True)
+class CacheMount:
+    """A ``type=cache`` mount kept between builds: its folder's name, and whether builds take turns with it."""
+
+    key: str
+    locked: bool  # sharing=locked: one build at a time (apt's lists and archives)
+
+
+def cache_key(cache_id: str) -> str:
+    """A cache's folder name: its id in letters a path can hold, and a hash that keeps ids apart."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", cache_id).strip("_.")[:40] or "cache"
+    return f"{slug}-{hashlib.sha256(cache_id.encode()).hexdigest()[:8]}"
 
 
 @dataclass
@@ -51,6 +74,7 @@ class Mount:
     from_: str | None
     id: str | None
     required: bool
+    sharing: str = "shared"
 
 
 def parse_mount(value: str, known: dict[str, str]) -> Mount:
@@ -71,17 +95,23 @@ def parse_mount(value: str, known: dict[str, str]) -> Mount:
         raise ConfigError(f"--mount={value}: type {kind!r} is not one of {', '.join(_TYPES)}")
     if kind in ("bind", "cache", "tmpfs") and not fields.get("target"):
         raise ConfigError(f"--mount={value}: a {kind} mount needs target=PATH")
+    sharing = fields.get("sharing", "shared").lower()
+    if sharing not in _SHARING:
+        raise ConfigError(f"--mount={value}: sharing {sharing!r} is not one of {', '.join(_SHARING)}")
     return Mount(kind, fields.get("target"), fields.get("source"), fields.get("from"), fields.get("id"),
-                 fields.get("required", "false").lower() in ("true", "1", "yes"))
+                 fields.get("required", "false").lower() in ("true", "1", "yes"), sharing)
 
 
-def mount_stages(flags: list[str]) -> list[str]:
-    """The ``from=`` values of a RUN's bind mounts: the stages (or images) the step reads, which must be built."""
+def mount_stages(flags: list[str], global_args: dict[str, str]) -> list[str]:
+    """The ``from=`` values of a RUN's bind mounts: the stages (or images) the step reads, which must be built.
+
+    ``global_args``: the build arguments before the first FROM, which name the stage as they do a COPY's --from.
+    """
     out: list[str] = []
     for flag in flags:
         if flag.startswith("--mount="):
             try:
-                mount = parse_mount(flag.split("=", 1)[1], {})
+                mount = parse_mount(flag.split("=", 1)[1], global_args)
             except ConfigError:
                 continue  # reported with its line when the step is converted
             if mount.kind == "bind" and mount.from_:
@@ -98,6 +128,7 @@ class MountedStep:
     before: list[str] = field(default_factory=list)
     after: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    caches: list[CacheMount] = field(default_factory=list)
 
     def wrap(self, command: str, workdir: str) -> str:
         """``command`` as one %post step with the mounts in place, taken away whatever its exit status.
@@ -114,8 +145,13 @@ class MountedStep:
 
 
 def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str], context: Path, workdir: str,
-                   image: str, path: Path, resolve_from: Callable[[str], str], ignore: DockerIgnore) -> MountedStep:
-    """The mounts among a RUN's ``flags``; other flags (``--network``, ``--security``) become notes."""
+                   image: str, path: Path, resolve_from: Callable[[str], str], ignore: DockerIgnore,
+                   keep_caches: bool = False) -> MountedStep:
+    """The mounts among a RUN's ``flags``; other flags (``--network``, ``--security``) become notes.
+
+    ``keep_caches``: a ``type=cache`` mount (unless ``sharing=private``) links to its kept folder (see
+    :data:`CACHE_MOUNTS`), which the builder must bind; else it is an empty folder for the step.
+    """
     out = MountedStep()
     where = f"image {image}: {path}: line {ins.line}"
     undo: list[list[str]] = []
@@ -159,6 +195,12 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
             # What another stage's files were staged as, once copied into the mount's source.
             if copy.from_files:
                 before.append(f"rm -rf {shlex.quote(COPY_STAGING)}/{ins.index}m{n}-*")
+        elif mount.kind == "cache" and keep_caches and mount.sharing != "private":
+            cache = CacheMount(cache_key(mount.id or mount.target), mount.sharing == "locked")
+            if cache not in out.caches:
+                out.caches.append(cache)
+            # A link, not the folder: a bound folder cannot be moved, and the undo's `rm -rf` removes only the link.
+            before.append(f"ln -s {shlex.quote(f'{CACHE_MOUNTS}/{cache.key}')} {t}")
         else:
             before.append(f"mkdir -p {t}")
         out.before += before

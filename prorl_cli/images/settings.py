@@ -49,6 +49,9 @@ class ImagesConfig:
     build_args: list[str] = field(default_factory=list)
     jobs: int = 1
     build_timeout_s: float = 3600.0
+    # Keep a Dockerfile's `RUN --mount=type=cache` folders between builds (cache_dir/build-cache/UID/), as Docker
+    # does; false: each such step starts from an empty folder.
+    build_cache: bool = True
 
     @property
     def cache_path(self) -> Path:

@@ -21,16 +21,18 @@ import pytest
 
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.dockerfile import Conversion, convert_dockerfile
+from prorl_cli.images.dockerfile_mounts import CacheMount, cache_key
 from prorl_cli.images.spec import parse_image
 
 from .conftest import Workspace, needs_apptainer
 
 
-def convert(context: Path, dockerfile: str) -> Conversion:
+def convert(context: Path, dockerfile: str, *, keep_caches: bool = False) -> Conversion:
     """Convert ``dockerfile`` written into ``context`` for an image on a scratch base."""
     (context / "Dockerfile").write_text(dockerfile)
     spec = parse_image("img", {"template": "Dockerfile", "base": "scratch"}, "images.yaml: images.img", context, None)
-    return convert_dockerfile(context / "Dockerfile", spec, header="Bootstrap: scratch", prorl_version="0")
+    return convert_dockerfile(context / "Dockerfile", spec, header="Bootstrap: scratch", prorl_version="0",
+                              keep_caches=keep_caches)
 
 
 def section(definition: str, name: str) -> list[str]:
@@ -178,6 +180,42 @@ def test_a_bind_mount_from_a_stage_builds_that_stage(tmp_path: Path) -> None:
     assert "mv /.prorl-copy/mount-4-0 /tmp/wheels" in post and "rm -rf /.prorl-copy/4m0-*" in post, post
 
 
+def test_a_cache_mount_links_to_a_folder_kept_between_builds(tmp_path: Path) -> None:
+    """As in Docker, a cache (by id, else by target) outlives the step and the build, and no image holds it."""
+    conv = convert(tmp_path, "FROM python AS wheels\n"
+                             "RUN --mount=type=cache,id=pip,target=/root/.cache/pip,sharing=locked pip wheel -w /w x\n"
+                             "FROM python\nCOPY --from=wheels /w /w\n"
+                             "RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/tmp/p,sharing=private "
+                             "pip install /w/*\n", keep_caches=True)
+    pip, by_target = cache_key("pip"), cache_key("/root/.cache/pip")
+    assert conv.caches == [CacheMount(pip, locked=True), CacheMount(by_target, locked=False)]
+    wheels, final = conv.definition.split("Stage: ")[1:]
+    assert f"ln -s /.prorl-cache/{pip} /root/.cache/pip" in wheels, wheels
+    assert f"ln -s /.prorl-cache/{by_target} /root/.cache/pip" in final, final
+    assert "mkdir -p /tmp/p" in final  # a private cache is the step's own empty folder
+    # The builder binds every cache into every stage's %post: each stage makes every bind's folder.
+    for stage in (wheels, final):
+        assert section(stage, "setup")[:2] == [f'mkdir -p "$APPTAINER_ROOTFS"/.prorl-cache/{key}' for key in (pip, by_target)]
+    off = convert(tmp_path, "FROM python\nRUN --mount=type=cache,target=/root/.cache/pip pip install x\n")
+    assert off.caches == [] and "%setup" not in off.definition and "mkdir -p /root/.cache/pip" in off.definition
+
+
+def test_a_mount_from_a_global_build_argument_builds_that_stage(tmp_path: Path) -> None:
+    """BuildKit names the stage a mount reads by the global build arguments, as it does a COPY's --from."""
+    conv = convert(tmp_path, "ARG SRC=wheels\nFROM python AS wheels\nRUN pip wheel -w /wheels numpy\n"
+                             "FROM python\nRUN --mount=from=$SRC,source=/wheels,target=/w pip install /w/*\n")
+    assert "Stage: wheels" in conv.definition and "image0" not in conv.definition, conv.definition
+    assert section(conv.definition, "files from wheels") == ["    /wheels /.prorl-copy/4m0-0/wheels"]
+
+
+def test_a_scratch_stage_is_no_warning(tmp_path: Path) -> None:
+    """`FROM scratch` is Apptainer's own scratch bootstrap: spython's "not on Docker Hub" was a false warning."""
+    (tmp_path / "a.txt").write_text("a\n")
+    conv = convert(tmp_path, "FROM scratch AS assets\nCOPY a.txt /a.txt\nFROM python\nCOPY --from=assets /a.txt /\n")
+    assert conv.definition.startswith("Bootstrap: scratch\nStage: assets"), conv.definition
+    assert conv.not_converted == ["FROM python: replaced by the image list's base scratch"], conv.not_converted
+
+
 @pytest.mark.parametrize(("mount", "error"), [
     ("type=secret,id=pypi,required=true", "requires the secret pypi"),
     ("type=bind,source=x", "a bind mount needs target=PATH"),
@@ -185,6 +223,7 @@ def test_a_bind_mount_from_a_stage_builds_that_stage(tmp_path: Path) -> None:
     ("type=cache,target=/x,colour=red", "unknown key 'colour'"),
     ("type=bind,source=missing.txt,target=/x", "RUN --mount source 'missing.txt' does not exist"),
     ("type=cache,target=/", "a mount over / cannot be put in place"),
+    ("type=cache,target=/x,sharing=exclusive", "sharing 'exclusive' is not one of shared, private, locked"),
 ])
 def test_a_mount_that_cannot_be_given_is_an_error_naming_it(tmp_path: Path, mount: str, error: str) -> None:
     with pytest.raises(ConfigError, match="line 2") as e:
@@ -362,6 +401,33 @@ def test_a_run_with_mounts_sees_them_and_the_image_keeps_none_of_them(ws: Worksp
     assert sh("cat /app/seen") == "from the context\nx\nseeded\n"  # each mount was there for the step
     assert sh("cat /app/lock.txt") == "kept\n"  # the image's own file at a bind's target came back
     assert sh("cat /left") == ""  # neither the mounts nor what the step wrote into them
+
+
+@needs_apptainer
+@pytest.mark.apptainer
+def test_a_cache_mount_keeps_what_a_build_wrote_for_the_next_build(ws: Workspace) -> None:
+    """pip's, uv's and apt's cache mounts make a second build faster in Docker; here too, and never in the image."""
+    (ws.root / "Dockerfile").write_text(
+        "FROM busybox\nRUN /bin/busybox --install -s /bin && mkdir -p /root/.cache && echo own > /root/.cache/own\n"
+        "RUN --mount=type=cache,target=/root/.cache --mount=type=cache,id=apt,target=/var/cache/apt,sharing=locked "
+        "echo \"$(cat /root/.cache/n)/$(cat /var/cache/apt/n)\" > /seen; n=$(($(cat /root/.cache/n) + 1)); "
+        "echo $n > /root/.cache/n; echo $n > /var/cache/apt/n\n"
+        "RUN echo $(ls -A /root/.cache /var/cache) > /left\n")
+    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
+              "app": {"template": "Dockerfile", "base": "image:root"}})
+
+    def build() -> list[str]:
+        image = ws.build("--mode", "scratch", "app")["app"]
+        assert image["action"] == "built", image
+        args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", "/seen", "/left"]
+        return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+
+    assert build() == ["/", "/root/.cache: own /var/cache:"]  # the first build found both empty; the image keeps its own
+    assert build()[0] == "1/1"  # the second build's step found what the first one's wrote
+    kept = ws.cache / "build-cache" / str(os.getuid())
+    assert (kept / cache_key("/root/.cache") / "n").read_text() == "2\n" == (kept / cache_key("apt") / "n").read_text()
+    ws.write(build_cache=False)
+    assert build()[0] == "/"  # off: each step starts from an empty folder
 
 
 @needs_apptainer
