@@ -61,6 +61,7 @@ from prorl_cli.images.dockerfile_text import (
     read_instructions,
     with_build_args,
 )
+from prorl_cli.images.dockerfile_user import USER_FUNCTIONS, home_of, is_root, make_dirs_as, run_as
 from prorl_cli.images.dockerignore import DockerIgnore
 from prorl_cli.images.render import bootstrap_header
 from prorl_cli.images.spec import FileCopy, ImageSpec, stage_base
@@ -71,8 +72,8 @@ log = logging.getLogger("prorl.images")
 UNSUPPORTED = {
     "EXPOSE": "ports are not part of an Apptainer image (services listen on the sandbox's loopback IP)",
     "VOLUME": "volumes are bound at run time, not declared in the image",
-    "USER": "sandboxes run as the calling user (root inside with fakeroot); the steps after it run as root with "
-            "that user's HOME",
+    "USER": "an Apptainer image runs as whoever runs it (root inside with fakeroot); the build's steps after it run "
+            "as that user, with its HOME",
     "HEALTHCHECK": "Apptainer images have no health checks",
     "ONBUILD": "Apptainer has no build triggers",
     "STOPSIGNAL": "the sandbox runtime decides how its processes stop",
@@ -290,16 +291,6 @@ def convert_dockerfile(
     return Conversion(definition, files, from_image, not_converted, sorted(read), list(converter.caches))
 
 
-def _home_of(user: str) -> str:
-    """The %post step after ``USER NAME``: the steps after it still run as root, but with NAME's home as ``HOME``,
-    where ``pip install --user`` and ``~/.cache`` put what a later ``ENV PATH=/home/NAME/.local/bin:$PATH``
-    expects. A user /etc/passwd does not name leaves HOME as it was."""
-    u = shlex.quote(user)
-    return ("_home=; if [ -r /etc/passwd ]; then while IFS=: read -r _n _x _uid _gid _gecos _dir _sh; do "
-            f"if [ \"$_n\" = {u} ] || [ \"$_uid\" = {u} ]; then _home=$_dir; break; fi; done < /etc/passwd; fi; "
-            "if [ -n \"$_home\" ]; then export HOME=\"$_home\"; fi")
-
-
 def dockerignore_of(dockerfile: Path) -> DockerIgnore:
     """The ignore file of a Dockerfile's context: ``NAME.dockerignore`` beside ``NAME`` first, as BuildKit reads it,
     else the context's ``.dockerignore``."""
@@ -360,6 +351,17 @@ class _StageConverter:
                 from_pairs.setdefault(stage, []).append((src, dst))
 
         workdir, workdir_set = "/", False
+        user: str | None = None  # USER's value, while it names someone other than root
+        functions = False  # USER_FUNCTIONS are defined in this stage's %post
+
+        def as_user(line: str) -> None:
+            """A step that calls USER_FUNCTIONS: they are defined first, once a stage."""
+            nonlocal functions
+            if not functions:
+                step(USER_FUNCTIONS)
+                functions = True
+            step(line)
+
         shell = ["/bin/sh", "-c"]
         run_argv: dict[str, list[str]] = {}  # CMD, ENTRYPOINT: the command each stands for
         shell_entrypoint = False
@@ -392,13 +394,15 @@ class _StageConverter:
             if ins.word in UNSUPPORTED:
                 not_converted.append(f"line {ins.line}: {ins.word} {ins.args} - {UNSUPPORTED[ins.word]}")
                 if ins.word == "USER":
-                    step(_home_of(ins.args.split(":", 1)[0].strip()))
+                    value = expand(ins.args.strip(), known)
+                    user = None if is_root(value) else value
+                    step(home_of(value))
             elif ins.word in ("COPY", "ADD"):
                 copy = convert_copy(ins, context, workdir, ins.index, spec.name, path, resolve_from, self.ignore,
                                     deferred=bool(steps))
                 take(copy)
                 for post in copy.post:
-                    step(post)
+                    (as_user if copy.chown else step)(post)
             elif ins.word in ("CMD", "ENTRYPOINT"):
                 exec_form = ins.args.startswith("[")
                 run_argv[ins.word] = _json_argv(ins, spec.name, path) if exec_form else [*shell, ins.args]
@@ -410,18 +414,22 @@ class _StageConverter:
                 docker_labels += [[k, v] for k, v in pairs_set.items()]
             elif ins.word == "SHELL":
                 shell = _json_argv(ins, spec.name, path)
-            elif ins.word == "RUN" and ins.args.startswith("[") and not ins.heredocs:
-                step(mounted.wrap(shlex.join(_json_argv(ins, spec.name, path)), workdir))  # the exec form runs no shell
             elif ins.word == "RUN":
-                # As Docker does, each RUN is its own `sh -c SCRIPT` whose exit status decides: written as lines of
-                # %post (run with `sh -e`), a failure inside `a && b` or before `;` would not stop the build.
-                step(mounted.wrap(f"{shlex.join(shell)} {shlex.quote(_run_script(ins))}", workdir))
+                if ins.args.startswith("[") and not ins.heredocs:
+                    command = shlex.join(_json_argv(ins, spec.name, path))  # the exec form runs no shell
+                else:
+                    # As Docker does, each RUN is its own `sh -c SCRIPT` whose exit status decides: written as lines
+                    # of %post (run with `sh -e`), a failure inside `a && b` or before `;` would not stop the build.
+                    command = f"{shlex.join(shell)} {shlex.quote(_run_script(ins))}"
+                (as_user if user else step)(mounted.wrap(run_as(user, command) if user else command, workdir))
             elif ins.word == "ENV" and env and not any('"' in v for v in env.values()):
                 # One NAME="VALUE" word each, the form spython reads (it failed on `ENV NAME VALUE WITH SPACES`).
                 feed.append("ENV " + " ".join(f"{k}={v}" if re.fullmatch(r"[\w./:@%+,=${}~-]+", v) else f'{k}="{v}"'
                                               for k, v in env.items()))
             elif ins.word == "WORKDIR":
                 workdir, workdir_set = posixpath.normpath(posixpath.join(workdir, ins.args)), True
+                if user:  # BuildKit makes the folders a WORKDIR after USER creates that user's
+                    as_user(make_dirs_as(user, workdir))
                 feed.append(f"WORKDIR {workdir}")
             else:
                 feed.append(f"{ins.word} {ins.args}")

@@ -20,6 +20,7 @@ from pathlib import Path
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.dockerfile_stages import from_copy_steps
 from prorl_cli.images.dockerfile_text import HEREDOC, Instruction, leading_flags
+from prorl_cli.images.dockerfile_user import chown_paths, make_dirs_as
 from prorl_cli.images.dockerignore import DockerIgnore
 
 # Where ADD puts a local archive until %post unpacks it, and where a COPY that follows a RUN waits for its
@@ -81,6 +82,7 @@ class CopyConversion:
     from_files: list[tuple[str, str, str]] = field(default_factory=list)  # (stage, its path, %files from dest)
     post: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    chown: str | None = None  # --chown's value: the post lines call dockerfile_user's shell functions
 
 
 def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str, image: str, path: Path,
@@ -115,7 +117,11 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
     mode = next((f.split("=", 1)[1] for f in flags if f.startswith("--chmod=")), None)
     if mode is not None and not re.fullmatch(r"[0-7]{3,4}|[ugoa]*[-+=][rwxXst]*(,[ugoa]*[-+=][rwxXst]*)*", mode):
         raise ConfigError(f"{where}: {ins.word} --chmod={mode}: not a file mode (755, or u+x as chmod reads it)")
-    taken = ("--link", "--from=", "--chmod=", *(("--checksum=",) if checksum else ()))
+    owner = next((f.split("=", 1)[1] for f in flags if f.startswith("--chown=")), None) or None
+    out.chown = owner
+    # The folders the copy makes must be the owner's as they are made, before the files land: the copy waits.
+    deferred = deferred or owner is not None
+    taken = ("--link", "--from=", "--chmod=", "--chown=", *(("--checksum=",) if checksum else ()))
     ignored = [f for f in flags if not f.startswith(taken)]
     if ignored:
         out.notes.append(f"line {ins.line}: {ins.word} {ins.args} - flags {' '.join(ignored)} are ignored")
@@ -137,7 +143,12 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
             out.from_files.append((stage, src, staged + "/" if pattern else staged))
             if mode is not None:  # what is copied takes the mode of what was staged
                 out.post.append(f"chmod -R {shlex.quote(mode)} {shlex.quote(staged)}")
-            out.post += from_copy_steps(src, dest, staged, pattern=pattern)
+            if owner is not None:  # and its owner, which the copy keeps
+                out.post.append(chown_paths(owner, [staged]))
+            out.post += from_copy_steps(src, dest, staged, pattern=pattern, keep_owner=owner is not None)
+        if owner is not None:
+            out.post.insert(0, make_dirs_as(owner, dest if dest.endswith("/") else posixpath.dirname(dest) or "/",
+                                            chown=True))
         return out
     # What --chmod applies to once the copy is in place: each path copied, and what a folder holds.
     modes: list[tuple[str, bool]] = []
@@ -211,4 +222,11 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
                 modes.append((target, False))
     if mode is not None:
         out.post += [f"chmod {'-R ' * recursive}{shlex.quote(mode)} {shlex.quote(target)}" for target, recursive in modes]
+    if owner is not None:
+        # As BuildKit's: the folders the copy makes and what it copies are the owner's; a folder it copies into
+        # that was there keeps its owner.
+        parents = dict.fromkeys(posixpath.dirname(target.rstrip("/")) or "/" for target, _ in modes)
+        out.post = [make_dirs_as(owner, parent, chown=True) for parent in parents] + out.post
+        if modes:
+            out.post.append(chown_paths(owner, [target for target, _ in modes]))
     return out

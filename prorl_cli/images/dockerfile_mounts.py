@@ -11,8 +11,10 @@ before the step and taken away after it, whatever the step's exit status:
   the steps and images that name the same ``id``, by default the target),
   never part of the image. The builder binds the host's folder at
   ``/.prorl-cache/KEY`` for the whole build and the step finds a link to it
-  at the target. With ``sharing=private``, or with ``images.build_cache``
-  off, the step gets an empty folder instead, as a ``type=tmpfs`` mount does.
+  at the target. With ``sharing=private``, with ``uid``/``gid`` (whose
+  folder could not stay the building user's on the host), or with
+  ``images.build_cache`` off, the step gets an empty folder instead, as a
+  ``type=tmpfs`` mount does, owned and moded as the mount says.
 - ``type=secret`` and ``type=ssh``: prorl has no secrets to give a build; a
   step that needs one (``required=true``) is an error naming it, else the
   step runs without it, as ``docker build`` does without ``--secret``.
@@ -75,6 +77,8 @@ class Mount:
     id: str | None
     required: bool
     sharing: str = "shared"
+    owner: str | None = None  # a cache's or tmpfs's uid:gid, when either is given
+    mode: str | None = None  # a cache's folder mode (octal)
 
 
 def parse_mount(value: str, known: dict[str, str]) -> Mount:
@@ -98,8 +102,15 @@ def parse_mount(value: str, known: dict[str, str]) -> Mount:
     sharing = fields.get("sharing", "shared").lower()
     if sharing not in _SHARING:
         raise ConfigError(f"--mount={value}: sharing {sharing!r} is not one of {', '.join(_SHARING)}")
+    ids = [fields.get(k, "0") for k in ("uid", "gid")]
+    if not all(i.isdigit() for i in ids):
+        raise ConfigError(f"--mount={value}: uid and gid are numbers, as BuildKit reads them")
+    mode = fields.get("mode")
+    if mode is not None and not re.fullmatch(r"0?[0-7]{3,4}", mode):
+        raise ConfigError(f"--mount={value}: mode {mode!r} is not an octal file mode (0755)")
     return Mount(kind, fields.get("target"), fields.get("source"), fields.get("from"), fields.get("id"),
-                 fields.get("required", "false").lower() in ("true", "1", "yes"), sharing)
+                 fields.get("required", "false").lower() in ("true", "1", "yes"), sharing,
+                 ":".join(ids) if ids != ["0", "0"] else None, mode)
 
 
 def mount_stages(flags: list[str], global_args: dict[str, str]) -> list[str]:
@@ -195,7 +206,7 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
             # What another stage's files were staged as, once copied into the mount's source.
             if copy.from_files:
                 before.append(f"rm -rf {shlex.quote(COPY_STAGING)}/{ins.index}m{n}-*")
-        elif mount.kind == "cache" and keep_caches and mount.sharing != "private":
+        elif mount.kind == "cache" and keep_caches and mount.sharing != "private" and mount.owner is None:
             cache = CacheMount(cache_key(mount.id or mount.target), mount.sharing == "locked")
             if cache not in out.caches:
                 out.caches.append(cache)
@@ -203,6 +214,14 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
             before.append(f"ln -s {shlex.quote(f'{CACHE_MOUNTS}/{cache.key}')} {t}")
         else:
             before.append(f"mkdir -p {t}")
+            # A step run as another USER writes there only if the mount says whose it is, as in BuildKit. A kept
+            # cache is the building user's on the host, which a subordinate uid there could not be: such a cache
+            # is the step's own folder.
+            if mount.owner is not None:
+                why = shlex.quote(f"prorl: {target} stays root's: this build cannot change owners")
+                before.append(f"chown {mount.owner} {t} 2>/dev/null || echo {why} >&2")
+            if mount.mode is not None:
+                before.append(f"chmod {mount.mode} {t}")
         out.before += before
         # Taken away in reverse order: a mount inside another's target goes first.
         undo.insert(0, [f"rm -rf {t}", f"if [ -e {aside} ] || [ -L {aside} ]; then mv {aside} {t}; fi"])

@@ -67,22 +67,25 @@ def stage_name(stage: Stage, taken: set[str]) -> str:
     return name
 
 
-def from_copy_steps(source: str, dest: str, staged: str, *, pattern: bool) -> list[str]:
+def from_copy_steps(source: str, dest: str, staged: str, *, pattern: bool, keep_owner: bool = False) -> list[str]:
     """The %post steps that move what ``%files from STAGE`` staged at ``staged`` to ``dest``, as Docker copies.
 
     Whether ``source`` is a folder is known only inside the other stage, so the step decides: a folder's
     contents go into ``dest``; a file goes to ``dest``, or into it when ``dest`` ends with "/". Matches of a
-    pattern were staged into the folder ``staged`` and all go into ``dest``.
+    pattern were staged into the folder ``staged`` and all go into ``dest``. ``keep_owner``: the copies keep
+    the staged files' owners (a ``--chown`` gave them), else they are root's, as Docker's are.
     """
+    cp = "cp -fRp" if keep_owner else "cp -fR"
     if pattern:
-        return [f"mkdir -p {shlex.quote(dest)}", f"cp -fR {shlex.quote(staged)}/. {shlex.quote(dest)}"]
+        return [f"mkdir -p {shlex.quote(dest)}", f"{cp} {shlex.quote(staged)}/. {shlex.quote(dest)}"]
     name = posixpath.basename(source.rstrip("/")) or "root"
     target = dest + name if dest.endswith("/") else dest
     into = dest if dest.endswith("/") else dest + "/"
     s = shlex.quote(staged)
     # One step: %post runs with `sh -e`, which stops at a failing command in a branch (not inside `a && b`).
-    return [f"if [ -d {s} ]; then mkdir -p {shlex.quote(into)}; cp -fR {s}/. {shlex.quote(into)}; "
-            f"else mkdir -p {shlex.quote(posixpath.dirname(target) or '/')}; cp -f {s} {shlex.quote(target)}; fi"]
+    return [f"if [ -d {s} ]; then mkdir -p {shlex.quote(into)}; {cp} {s}/. {shlex.quote(into)}; "
+            f"else mkdir -p {shlex.quote(posixpath.dirname(target) or '/')}; {cp.replace('R', '')} {s} "
+            f"{shlex.quote(target)}; fi"]
 
 
 def needed_stages(stages: list[Stage], copies_from: dict[int, list[tuple[str, int]]], where: str) -> list[int]:

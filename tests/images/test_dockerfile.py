@@ -120,12 +120,12 @@ def test_here_documents_run_their_bodies(tmp_path: Path) -> None:
 
 def test_copy_flags_are_reported_not_taken_for_sources(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("a\n")
-    conv = convert(tmp_path, "FROM debian\nCOPY --chown=1000:1000 --chmod=644 a.txt /opt/a.txt\n"
+    conv = convert(tmp_path, "FROM debian\nCOPY --chmod=644 --keep-git-dir a.txt /opt/a.txt\n"
                              'COPY --from=builder /out /out\nCOPY --link ["a.txt", "/opt/json/"]\n')
     # The copy after the one from another stage (moved in place by a %post step) waits for its turn too.
     assert section(conv.definition, "files") == [f"{tmp_path}/a.txt /opt/a.txt", f"{tmp_path}/a.txt /.prorl-copy/3-0/a.txt"]
     assert "cp -f /.prorl-copy/3-0/a.txt /opt/json/a.txt" in section(conv.definition, "post")
-    assert any("flags --chown=1000:1000 are ignored" in n for n in conv.not_converted), conv.not_converted
+    assert any("flags --keep-git-dir are ignored" in n for n in conv.not_converted), conv.not_converted
     assert section(conv.definition, "post")[0] == "chmod 644 /opt/a.txt"  # --chmod, once the copy is in place
     # No stage is called builder: Docker reads it as an image, which a stage of its own bootstraps.
     assert conv.definition.startswith("Bootstrap: docker\nFrom: builder\nStage: image0\n")
@@ -403,6 +403,59 @@ def test_a_run_with_mounts_sees_them_and_the_image_keeps_none_of_them(ws: Worksp
     assert sh("cat /left") == ""  # neither the mounts nor what the step wrote into them
 
 
+def test_the_steps_after_user_run_as_that_user(tmp_path: Path) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "a.ini").write_text("a\n")
+    conv = convert(tmp_path, "FROM debian AS build\nUSER app\nRUN make\nFROM debian\nRUN useradd -m app\n"
+                             "COPY --chown=app:staff conf/ /srv/conf/\nUSER app\nWORKDIR /srv/work\n"
+                             'RUN ["pip", "install", "--user", "x"]\nRUN --mount=type=cache,target=/c,uid=1000 ls /c\n'
+                             "USER 0:0\nRUN id\nCOPY --from=build /out /opt/out\n")
+    build, final = conv.definition.split("Stage: ")[1:]
+    # Each stage's %post defines the functions its steps call, once, before the first.
+    assert build.count("prorl_as() {") == 1 == final.count("prorl_as() {"), final
+    assert "prorl_as app '/bin/sh -c make'" in build
+    post = "\n".join(section(final, "post"))
+    order = [post.index(line) for line in (
+        "prorl_as() {", "prorl_mkdir app:staff chown /srv/conf", "cp -fR /.prorl-copy/5-0/. /srv/conf/",
+        "prorl_chown app:staff /srv/conf/a.ini", "prorl_mkdir app user /srv/work", "mkdir -p /srv/work\ncd /srv/work",
+        "prorl_as app 'pip install --user x'", "chown 1000:0 /c", "if prorl_as app '/bin/sh -c '\"'\"'ls /c'\"'\"''; then",
+        "/bin/sh -c id")]
+    assert order == sorted(order), post
+    assert "prorl_as 0:0" not in post  # USER root again: the steps run as they always do
+    assert section(final, "files") == [f"{tmp_path}/conf/. /.prorl-copy/5-0/"]  # waits for its owner's folder
+    assert not any("--chown" in note for note in conv.not_converted), conv.not_converted
+
+
+@needs_apptainer
+@pytest.mark.apptainer
+def test_user_chown_and_workdir_give_files_to_whom_docker_would(ws: Workspace) -> None:
+    """A step after USER runs as that user (a tool that refuses root works; one that writes where the user may not
+    fails), and what --chown copies and WORKDIR makes is the user's, as BuildKit builds it."""
+    (ws.root / "conf").mkdir()
+    (ws.root / "conf" / "app.ini").write_text("[app]\n")
+    (ws.root / "Dockerfile").write_text(
+        "FROM busybox\nRUN /bin/busybox --install -s /bin && echo 'app:x:1000:1000::/home/app:/bin/sh' >> /etc/passwd "
+        "&& printf 'app:x:1000:\\nstaff:x:50:\\n' >> /etc/group && mkdir -p /home/app && chown 1000:1000 /home/app\n"
+        "COPY --chown=app:staff conf/ /srv/app/conf/\n"
+        "USER app\nWORKDIR /srv/app/work\n"
+        "RUN --mount=type=cache,target=/home/app/.cache,uid=1000 id -u > uid && touch ../conf/edited /home/app/.cache/c "
+        "&& if touch /not-mine 2>/dev/null; then echo wrote; else echo refused; fi > refused\n"
+        "USER root\nRUN id -u > /root-uid && stat -c '%u:%g %n' /srv/app /srv/app/conf/app.ini /srv/app/conf/edited "
+        "/srv/app/work > /owners\n")
+    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
+              "app": {"template": "Dockerfile", "base": "image:root"}})
+    image = ws.build("--mode", "lock", "app")["app"]
+    assert image["action"] == "built", image
+
+    def cat(*paths: str) -> list[str]:
+        args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", *paths]
+        return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+
+    assert cat("/srv/app/work/uid", "/srv/app/work/refused", "/root-uid") == ["1000", "refused", "0"]
+    assert cat("/owners") == ["1000:50 /srv/app", "1000:50 /srv/app/conf/app.ini", "1000:1000 /srv/app/conf/edited",
+                              "1000:1000 /srv/app/work"]
+
+
 @needs_apptainer
 @pytest.mark.apptainer
 def test_a_cache_mount_keeps_what_a_build_wrote_for_the_next_build(ws: Workspace) -> None:
@@ -529,9 +582,9 @@ def test_a_multi_stage_dockerfile_builds_its_last_stage_from_the_others(ws: Work
             "COPY --from=toolbox /message /opt/message\n"
             f"ADD http://127.0.0.1:{server.server_address[1]}/remote.txt /data/\n"
             "COPY . /ctx/\n"
-            "RUN echo 'app:x:1000:1000::/home/app:/bin/sh' >> /etc/passwd\n"
+            "RUN echo 'app:x:1000:1000::/home/app:/bin/sh' >> /etc/passwd && mkdir -p /home/app && chown 1000 /home/app\n"
             "USER app\n"
-            "RUN echo \"$HOME\" > /home-of-the-user\n"
+            "RUN echo \"$HOME\" > /home/app/home-of-the-user\n"
         )
         ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
                   "app": {"template": "ctx/Dockerfile", "base": "image:root",
@@ -550,7 +603,7 @@ def test_a_multi_stage_dockerfile_builds_its_last_stage_from_the_others(ws: Work
     assert cat("/opt/message") == "hello\n"  # from the image the entry's stage_bases named
     assert cat("/data/remote.txt") == "fetched\n"
     assert cat("/ctx/conf/app.ini") == "[app]\n"
-    assert cat("/home-of-the-user") == "/home/app\n"  # a step after USER sees that user's HOME
+    assert cat("/home/app/home-of-the-user") == "/home/app\n"  # a step after USER sees that user's HOME
     args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "ls", "/ctx/conf"]
     assert subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout.split() == ["app.ini"]
 
