@@ -30,7 +30,7 @@ from typing import Any
 
 from prorl_cli import __version__
 from prorl_cli.exceptions import ImageBuildError
-from prorl_cli.images.cache import Cache, _atomic_write, file_lock, make_dirs, share_file
+from prorl_cli.images.cache import Cache, _atomic_write, cache_mount_lock, make_dirs, share_file
 from prorl_cli.images.dockerfile_mounts import CACHE_MOUNTS
 from prorl_cli.images.plan import Plan, decide
 from prorl_cli.processes import stop_group
@@ -115,8 +115,6 @@ class Builder:
         self._procs_lock = threading.Lock()
         self._aborted = threading.Event()
         self._building: set[str] = set()  # images past their lock, with a build (and temp file) under way
-        # A file lock does not keep this process's other build threads out: a thread lock per kept cache does.
-        self._cache_locks: dict[str, threading.Lock] = {}
 
     # -- many images ------------------------------------------------------------------------
 
@@ -284,9 +282,9 @@ class Builder:
 
     @contextlib.contextmanager
     def _kept_caches(self, plan: Plan) -> Iterator[list[str]]:
-        """The ``--bind`` arguments of the plan's kept cache mounts, their host folders made; each
-        ``sharing=locked`` one held for the build, in one order for every build so that none waits on another
-        that waits on it."""
+        """The ``--bind`` arguments of the plan's kept cache mounts, their host folders made and held for the
+        build (see :func:`~prorl_cli.images.cache.cache_mount_lock`), in one order for every build so that none
+        waits on another that waits on it."""
         name = plan.spec.name
         root = self.cache.build_cache_dir()
         if plan.caches and any(c in str(root) for c in ":,"):
@@ -297,15 +295,11 @@ class Builder:
             for cache in sorted(plan.caches, key=lambda c: c.key):
                 folder = root / cache.key
                 make_dirs(folder)
-                if cache.locked:
-                    held.enter_context(self._cache_locks.setdefault(cache.key, threading.Lock()))  # atomic
-                    held.enter_context(file_lock(root / f"{cache.key}.lock", functools.partial(
-                        self._on_cache_wait, name, cache.key)))
+                busy = functools.partial(self.on_event, name, f"waiting for build cache {cache.key}: another build "
+                                                              "holds it (sharing=locked)")
+                held.enter_context(cache_mount_lock(folder, exclusive=cache.locked, on_wait=busy))
                 binds += ["--bind", f"{folder}:{CACHE_MOUNTS}/{cache.key}"]
             yield binds
-
-    def _on_cache_wait(self, name: str, key: str, holder: str) -> None:
-        self.on_event(name, f"waiting for build cache {key}: in use by {holder} (sharing=locked)")
 
     def _build_with(self, plan: Plan, cmd: list[str], tmp: Path, log_path: Path) -> None:
         """Run ``cmd`` (tried again on Apptainer's layer cache race) and publish its image at the plan's path."""

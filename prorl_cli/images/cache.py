@@ -206,6 +206,32 @@ def file_lock(path: Path, on_wait: Callable[[str], None] | None = None) -> Itera
         os.close(fd)  # closing releases the lock
 
 
+@contextlib.contextmanager
+def cache_mount_lock(folder: Path, *, exclusive: bool, on_wait: Callable[[], None] | None = None,
+                     wait: bool = True) -> Iterator[bool]:
+    """Hold a kept cache mount's folder for a build: shared, or ``exclusive`` (``sharing=locked``, and
+    ``prorl images prune --build-cache``); yields whether it is held (always, when ``wait``).
+
+    ``flock``, not ``lockf``: it binds the open file, so two build threads of one process exclude each other
+    too, and one closing its file keeps the other's lock.
+    """
+    fd = os.open(folder.with_name(folder.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                yield False
+                return
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fd, mode)
+        yield True
+    finally:
+        os.close(fd)
+
+
 class Cache:
     """One cache directory: image paths, per-key locks and the manifest."""
 

@@ -10,7 +10,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from prorl_cli.images.cache import Cache, make_dirs, share_file
+from prorl_cli.images.cache import Cache, cache_mount_lock, make_dirs, share_file
 
 _TMP_RE = re.compile(r"^\.(?P<key>[a-z]+-[0-9a-f]+)\.tmp-")
 
@@ -41,6 +41,21 @@ def _orphan_logs(cache: Cache, builds: dict[str, Any]) -> dict[tuple[str, str], 
         if suffix in ("def", "log") and key and key not in builds and path.is_file():
             found.setdefault((path.parent.name, key), []).append(path)
     return found
+
+
+def prune_build_cache(cache: Cache, dry_run: bool = False) -> list[str]:
+    """Remove this user's kept ``RUN --mount=type=cache`` folders that no build holds now; returns what went."""
+    removed: list[str] = []
+    root = cache.build_cache_dir()
+    for folder in sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []:
+        with cache_mount_lock(folder, exclusive=True, wait=False) as free:
+            if not free:
+                continue  # a build is using it
+            removed.append(f"build cache {folder.name} ({folder})")
+            if not dry_run:
+                shutil.rmtree(folder)
+                folder.with_name(folder.name + ".lock").unlink(missing_ok=True)
+    return removed
 
 
 def prune(cache: Cache, dry_run: bool = False) -> list[str]:

@@ -481,6 +481,13 @@ def test_a_cache_mount_keeps_what_a_build_wrote_for_the_next_build(ws: Workspace
     assert (kept / cache_key("/root/.cache") / "n").read_text() == "2\n" == (kept / cache_key("apt") / "n").read_text()
     ws.write(build_cache=False)
     assert build()[0] == "/"  # off: each step starts from an empty folder
+    # `prorl images prune --build-cache` removes the kept folders no build holds.
+    from prorl_cli.images.cache import cache_mount_lock
+
+    with cache_mount_lock(kept / cache_key("apt"), exclusive=False):  # as a build holds it while it runs
+        out = ws.prorl("images", "prune", "--build-cache").stdout
+    assert f"removed build cache {cache_key('/root/.cache')}" in out and cache_key("apt") not in out, out
+    assert [p.name for p in kept.iterdir() if p.is_dir()] == [cache_key("apt")]
 
 
 @needs_apptainer

@@ -161,16 +161,20 @@ def images_show(app: App, name: str, cache_dir: str | None, definition: bool) ->
 @images.command("prune")
 @_cache_opt
 @click.option("--dry-run", is_flag=True, help="Say what would be removed.")
+@click.option("--build-cache", is_flag=True,
+              help="Also remove your kept RUN --mount=type=cache folders (CACHE/build-cache/UID/) no build holds now.")
 @home_option
 @pass_app
-def images_prune(app: App, cache_dir: str | None, dry_run: bool) -> None:
+def images_prune(app: App, cache_dir: str | None, dry_run: bool, build_cache: bool) -> None:
     """Remove builds that are no image's current one, leftovers of killed builds, failed builds' logs, and entries
     whose file is gone."""
-    from prorl_cli.images.prune import prune
+    from prorl_cli.images.prune import prune, prune_build_cache
 
     cache = _cache(app, cache_dir)
     _manifest(app, cache)
     removed = prune(cache, dry_run=dry_run)
+    if build_cache:
+        removed += prune_build_cache(cache, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     for what in removed:
         app.console.print(f"{verb} {what}", soft_wrap=True)
