@@ -21,6 +21,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from typing import Any
 from prorl_cli import __version__
 from prorl_cli.exceptions import ImageBuildError
 from prorl_cli.images.cache import Cache, _atomic_write, cache_mount_lock, make_dirs, share_file
-from prorl_cli.images.dockerfile_mounts import CACHE_MOUNTS
+from prorl_cli.images.dockerfile_mounts import CACHE_MOUNTS, SECRET_MOUNTS
 from prorl_cli.images.plan import Plan, decide
 from prorl_cli.processes import stop_group
 
@@ -270,7 +271,8 @@ class Builder:
         tmp = self.cache.tmp_image_path(name, key)
         make_dirs(tmp.parent)
         t0 = time.monotonic()
-        with self._kept_caches(plan) as binds:
+        with self._kept_caches(plan) as binds, self._secrets(plan) as secret_binds:
+            binds += secret_binds
             cmd = [self.apptainer, "build", "--fakeroot", *binds, *plan.build_args, str(tmp), str(def_path)]
             self.on_event(name, f"building {key}: {shlex.join(cmd)}")
             self._build_with(plan, cmd, tmp, log_path)
@@ -299,6 +301,30 @@ class Builder:
                                                               "holds it (sharing=locked)")
                 held.enter_context(cache_mount_lock(folder, exclusive=cache.locked, on_wait=busy))
                 binds += ["--bind", f"{folder}:{CACHE_MOUNTS}/{cache.key}"]
+            yield binds
+
+    @contextlib.contextmanager
+    def _secrets(self, plan: Plan) -> Iterator[list[str]]:
+        """The ``--bind`` arguments of the secrets the plan's steps read: a host file as it is, a variable of
+        prorl's environment written to a file only this user can read, removed after the build."""
+        binds: list[str] = []
+        with tempfile.TemporaryDirectory(prefix="prorl-secrets-") as private:
+            for secret_id, source in sorted(plan.secrets.items()):
+                where = f"image {plan.spec.name}: images.build_secrets.{secret_id}"
+                if source.startswith("env:"):
+                    if source[4:] not in os.environ:
+                        raise ImageBuildError(f"{where}: the variable {source[4:]} is not set")
+                    path = Path(private) / secret_id
+                    path.touch(0o600)
+                    path.write_text(os.environ[source[4:]])
+                else:
+                    path = Path(source).expanduser()
+                    if not path.is_file():
+                        raise ImageBuildError(f"{where}: {path} is not a file")
+                if any(c in str(path) for c in ":,"):
+                    raise ImageBuildError(f"{where}: {path} cannot be bound (a ':' or ',' in its path ends Apptainer's "
+                                          "--bind); move it")
+                binds += ["--bind", f"{path}:{SECRET_MOUNTS}/{secret_id}:ro"]
             yield binds
 
     def _build_with(self, plan: Plan, cmd: list[str], tmp: Path, log_path: Path) -> None:

@@ -36,6 +36,9 @@ from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.dockerfile_copy import ADD_STAGING, COPY_STAGING, CopyConversion, convert_copy
 from prorl_cli.images.dockerfile_mounts import (
     CACHE_MOUNTS,
+    NO_MOUNTS,
+    SECRET_MOUNTS,
+    BuildMounts,
     CacheMount,
     MountedStep,
     convert_mounts,
@@ -90,6 +93,7 @@ class Conversion:
     not_converted: list[str] = field(default_factory=list)
     stage_images: list[str] = field(default_factory=list)  # what the other stages bootstrap, as the file names them
     caches: list[CacheMount] = field(default_factory=list)  # kept cache mounts the builder binds
+    secrets: list[str] = field(default_factory=list)  # the ids of the secrets the builder binds
 
 
 def _run_script(ins: Instruction) -> str:
@@ -169,13 +173,14 @@ def find_dockerfile(template: str, dirs: list[Path]) -> Path:
 
 def convert_dockerfile(
     path: Path, spec: ImageSpec, *, header: str, prorl_version: str,
-    stage_header: Callable[[str], str] | None = None, keep_caches: bool = False,
+    stage_header: Callable[[str], str] | None = None, mounts: BuildMounts = NO_MOUNTS,
 ) -> Conversion:
     """Convert ``path`` for the image ``spec`` (``header``: prorl's bootstrap lines for ``spec.base``).
 
     ``stage_header``: the bootstrap lines for an image another stage starts from or a ``COPY --from`` reads
     (its ``FROM`` reference as written); ``Bootstrap: docker`` with it when not given.
-    ``keep_caches``: ``RUN --mount=type=cache`` folders are kept between builds (``Conversion.caches``).
+    ``mounts``: what the builder gives ``RUN --mount``s: kept cache folders (``Conversion.caches``) and secrets
+    (``Conversion.secrets``).
     """
     text = path.read_text()
     # The definition (and so the lock key) names the Dockerfile by its bytes, not its path: the same recipe
@@ -243,7 +248,7 @@ def convert_dockerfile(
                 images[name] += "_"
         return images[name]
 
-    converter = _StageConverter(spec, path, build_args, consumed, global_args, keep_caches)
+    converter = _StageConverter(spec, path, build_args, consumed, global_args, mounts)
     parts: list[tuple[int, str, str]] = []  # (stage index, its bootstrap lines, its sections)
     files: list[FileCopy] = []
     not_converted: list[str] = []
@@ -272,6 +277,9 @@ def convert_dockerfile(
     # Apptainer binds only into a folder the image has: every stage makes the kept caches' folders before its %post
     # (a build's binds are every stage's).
     setup = "".join(f'mkdir -p "$APPTAINER_ROOTFS"{shlex.quote(f"{CACHE_MOUNTS}/{c.key}")}\n' for c in converter.caches)
+    if converter.secrets:  # a file bound onto a file
+        setup += f'mkdir -p "$APPTAINER_ROOTFS"{SECRET_MOUNTS}\n' + "".join(
+            f'touch "$APPTAINER_ROOTFS"{shlex.quote(f"{SECRET_MOUNTS}/{s}")}\n' for s in converter.secrets)
     setup = f"\n%setup\n{setup}" if setup else ""
     if len(parts) == 1 and not images:
         definition = f"{header}\n\n{converted}\n{parts[0][2]}\n{setup}"
@@ -288,7 +296,8 @@ def convert_dockerfile(
             log.debug("image %s: %s: %s", spec.name, path.name, note)
         else:
             log.warning("image %s: %s: not converted: %s", spec.name, path.name, note)
-    return Conversion(definition, files, from_image, not_converted, sorted(read), list(converter.caches))
+    return Conversion(definition, files, from_image, not_converted, sorted(read), list(converter.caches),
+                      list(converter.secrets))
 
 
 def dockerignore_of(dockerfile: Path) -> DockerIgnore:
@@ -309,12 +318,13 @@ class _StageConverter:
     """One stage's instructions as definition sections: spython converts what prorl does not itself."""
 
     def __init__(self, spec: ImageSpec, path: Path, build_args: dict[str, str], consumed: set[str],
-                 global_args: dict[str, str], keep_caches: bool) -> None:
+                 global_args: dict[str, str], mounts: BuildMounts) -> None:
         self.spec, self.path = spec, path
         self.build_args, self.consumed, self.global_args = build_args, consumed, global_args
         self.ignore = dockerignore_of(path)
-        self.keep_caches = keep_caches
+        self.mounts = mounts
         self.caches: list[CacheMount] = []  # every stage's, in the order first met
+        self.secrets: list[str] = []  # likewise
 
     def convert(self, from_args: str, instructions: list[Instruction], *, final: bool, resolve_from: Callable[[str], str],
                 labels: list[list[str]]) -> tuple[str, list[FileCopy], list[str]]:
@@ -344,6 +354,7 @@ class _StageConverter:
             not_converted.extend(staged.notes)
             if isinstance(staged, MountedStep):
                 self.caches += [c for c in staged.caches if c not in self.caches]
+                self.secrets += [s for s in staged.secrets if s not in self.secrets]
             for src_path, src, dst in staged.files:
                 files.append(FileCopy(src_path, dst))
                 pairs.append([src, dst])
@@ -388,7 +399,7 @@ class _StageConverter:
                     # A mount's from= may name a stage by a global build argument, as a COPY's --from does.
                     mounted = convert_mounts(ins, run_flags, known={**self.global_args, **known}, context=context,
                                              workdir=workdir, image=spec.name, path=path, resolve_from=resolve_from,
-                                             ignore=self.ignore, keep_caches=self.keep_caches)
+                                             ignore=self.ignore, given=self.mounts)
                     take(mounted)
                     ins = dataclasses.replace(ins, args=run_args)
             if ins.word in UNSUPPORTED:

@@ -15,9 +15,15 @@ before the step and taken away after it, whatever the step's exit status:
   folder could not stay the building user's on the host), or with
   ``images.build_cache`` off, the step gets an empty folder instead, as a
   ``type=tmpfs`` mount does, owned and moded as the mount says.
-- ``type=secret`` and ``type=ssh``: prorl has no secrets to give a build; a
-  step that needs one (``required=true``) is an error naming it, else the
-  step runs without it, as ``docker build`` does without ``--secret``.
+- ``type=secret``: a secret ``images.build_secrets`` gives the build (a host
+  file, or a variable of the builder's environment) is bound at
+  ``/.prorl-secrets/ID`` for the whole build; the step gets a copy at the
+  target (``/run/secrets/ID``, mode 0400) or in the variable ``env=`` names,
+  both gone after it. The secret never reaches the definition, the lock key,
+  the image or the build log (its variable is set with tracing off).
+- ``type=ssh``, and a secret the build is not given: a step that needs one
+  (``required=true``) is an error naming it, else the step runs without it,
+  as ``docker build`` does without ``--secret``.
 """
 
 from __future__ import annotations
@@ -46,10 +52,24 @@ _KEYS = {
 }
 _TYPES = ("bind", "cache", "tmpfs", "secret", "ssh")
 _SHARING = ("shared", "private", "locked")
+_MAKE_STAGING = f"mkdir -p {shlex.quote(COPY_STAGING)}"  # where a mount's target's own content waits
 
 #: Where the builder binds each kept cache's host folder while the image builds; an empty folder per cache stays
 #: in the image there, as BuildKit leaves a cache mount's target folder.
 CACHE_MOUNTS = "/.prorl-cache"
+#: Where the builder binds each secret the build is given (an empty file of that name stays in the image).
+SECRET_MOUNTS = "/.prorl-secrets"
+
+
+@dataclass(frozen=True)
+class BuildMounts:
+    """What the builder gives a RUN's mounts: kept cache folders, and the secrets it has, by id."""
+
+    keep_caches: bool = False
+    secrets: frozenset[str] = frozenset()
+
+
+NO_MOUNTS = BuildMounts()  # a conversion on its own: no kept caches, no secrets
 
 
 @dataclass(frozen=True)
@@ -77,8 +97,9 @@ class Mount:
     id: str | None
     required: bool
     sharing: str = "shared"
-    owner: str | None = None  # a cache's or tmpfs's uid:gid, when either is given
-    mode: str | None = None  # a cache's folder mode (octal)
+    owner: str | None = None  # a cache's, tmpfs's or secret's uid:gid, when either is given
+    mode: str | None = None  # a cache's folder mode, a secret's file mode (octal)
+    env: str | None = None  # a secret's variable
 
 
 def parse_mount(value: str, known: dict[str, str]) -> Mount:
@@ -108,9 +129,14 @@ def parse_mount(value: str, known: dict[str, str]) -> Mount:
     mode = fields.get("mode")
     if mode is not None and not re.fullmatch(r"0?[0-7]{3,4}", mode):
         raise ConfigError(f"--mount={value}: mode {mode!r} is not an octal file mode (0755)")
+    env = fields.get("env")
+    if env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", env):
+        raise ConfigError(f"--mount={value}: env {env!r} is not a variable name")
+    if kind == "secret" and not (fields.get("id") or fields.get("target") or env):
+        raise ConfigError(f"--mount={value}: a secret mount needs id=NAME (or target=PATH)")
     return Mount(kind, fields.get("target"), fields.get("source"), fields.get("from"), fields.get("id"),
                  fields.get("required", "false").lower() in ("true", "1", "yes"), sharing,
-                 ":".join(ids) if ids != ["0", "0"] else None, mode)
+                 ":".join(ids) if ids != ["0", "0"] else None, mode, env)
 
 
 def mount_stages(flags: list[str], global_args: dict[str, str]) -> list[str]:
@@ -140,6 +166,7 @@ class MountedStep:
     after: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     caches: list[CacheMount] = field(default_factory=list)
+    secrets: list[str] = field(default_factory=list)  # the ids of the build's secrets the step reads
 
     def wrap(self, command: str, workdir: str) -> str:
         """``command`` as one %post step with the mounts in place, taken away whatever its exit status.
@@ -157,11 +184,12 @@ class MountedStep:
 
 def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str], context: Path, workdir: str,
                    image: str, path: Path, resolve_from: Callable[[str], str], ignore: DockerIgnore,
-                   keep_caches: bool = False) -> MountedStep:
+                   given: BuildMounts = NO_MOUNTS) -> MountedStep:
     """The mounts among a RUN's ``flags``; other flags (``--network``, ``--security``) become notes.
 
-    ``keep_caches``: a ``type=cache`` mount (unless ``sharing=private``) links to its kept folder (see
+    ``given.keep_caches``: a ``type=cache`` mount (unless ``sharing=private``) links to its kept folder (see
     :data:`CACHE_MOUNTS`), which the builder must bind; else it is an empty folder for the step.
+    ``given.secrets``: the secrets a ``type=secret`` mount may read (see :data:`SECRET_MOUNTS`).
     """
     out = MountedStep()
     where = f"image {image}: {path}: line {ins.line}"
@@ -175,11 +203,18 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
             mount = parse_mount(flag.split("=", 1)[1], known)
         except ConfigError as e:
             raise ConfigError(f"{where}: RUN {e}") from e
+        secret_id = (mount.id or posixpath.basename(mount.target or "") or mount.env) if mount.kind == "secret" else None
+        if mount.kind == "secret" and secret_id in given.secrets:
+            assert secret_id is not None
+            _secret_steps(out, mount, secret_id, workdir, f"{COPY_STAGING}/aside-{ins.index}-{n}", undo)
+            continue
         if mount.kind in ("secret", "ssh"):
-            what = f"{mount.kind} {mount.id or 'default'}"
+            what = f"{mount.kind} {secret_id or mount.id or 'default'}"
             if mount.required:
-                raise ConfigError(f"{where}: RUN {flag}: the step requires the {what}, and prorl gives a build no "
-                                  "secrets or SSH agent; put what it fetches in the build context instead")
+                how = (f"give it in prorl.yaml, images.build_secrets: {{{secret_id}: /path/to/file}} (or env:VAR)"
+                       if mount.kind == "secret" else "prorl gives a build no SSH agent")
+                raise ConfigError(f"{where}: RUN {flag}: the step requires the {what}; {how}, or put what it "
+                                  "fetches in the build context")
             out.notes.append(f"line {ins.line}: RUN {flag} - no {what} is given to the build: the step runs without it")
             continue
         assert mount.target is not None  # parse_mount requires it of bind, cache and tmpfs
@@ -189,7 +224,7 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
         t = shlex.quote(target)
         aside = shlex.quote(f"{COPY_STAGING}/aside-{ins.index}-{n}")
         # The first mount makes the staging folder its target's content waits in.
-        before = [f"mkdir -p {shlex.quote(COPY_STAGING)}"] * (not out.before) + [
+        before = [_MAKE_STAGING] * (_MAKE_STAGING not in out.before) + [
                   f"if [ -e {t} ] || [ -L {t} ]; then mv {t} {aside}; fi",
                   f"mkdir -p {shlex.quote(posixpath.dirname(target))}"]
         if mount.kind == "bind":
@@ -206,7 +241,7 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
             # What another stage's files were staged as, once copied into the mount's source.
             if copy.from_files:
                 before.append(f"rm -rf {shlex.quote(COPY_STAGING)}/{ins.index}m{n}-*")
-        elif mount.kind == "cache" and keep_caches and mount.sharing != "private" and mount.owner is None:
+        elif mount.kind == "cache" and given.keep_caches and mount.sharing != "private" and mount.owner is None:
             cache = CacheMount(cache_key(mount.id or mount.target), mount.sharing == "locked")
             if cache not in out.caches:
                 out.caches.append(cache)
@@ -228,3 +263,26 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
     # The staging folder goes too unless a later COPY waits in it (%files fills it before %post starts).
     out.after = [line for lines in undo for line in lines] + [f"rmdir {shlex.quote(COPY_STAGING)} 2>/dev/null || true"]
     return out
+
+
+def _secret_steps(out: MountedStep, mount: Mount, secret_id: str, workdir: str, aside: str,
+                  undo: list[list[str]]) -> None:
+    """A secret the build has, for one step: a copy of the bound file at the target, its variable, or both."""
+    bound = shlex.quote(f"{SECRET_MOUNTS}/{secret_id}")
+    if secret_id not in out.secrets:
+        out.secrets.append(secret_id)
+    # BuildKit mounts a secret's file unless it is given as a variable only (env= and no target).
+    if mount.target or not mount.env:
+        target = posixpath.normpath(posixpath.join(workdir, mount.target or f"/run/secrets/{secret_id}"))
+        t, a = shlex.quote(target), shlex.quote(aside)
+        out.before += [_MAKE_STAGING] * (_MAKE_STAGING not in out.before) + [
+            f"if [ -e {t} ] || [ -L {t} ]; then mv {t} {a}; fi", f"mkdir -p {shlex.quote(posixpath.dirname(target))}",
+            f"cp {bound} {t}", f"chmod {mount.mode or '0400'} {t}"]
+        if mount.owner is not None:
+            out.before.append(f"chown {mount.owner} {t}")
+        undo.insert(0, [f"rm -f {t}", f"if [ -e {a} ] || [ -L {a} ]; then mv {a} {t}; fi"])
+    if mount.env:
+        # Set with tracing off: %post runs with `sh -x`, whose trace would print the value into the build log.
+        out.before += ["{ prorl_x=$-; set +x; } 2>/dev/null", f'{mount.env}=$(cat {bound}); export {mount.env}',
+                       "{ case $prorl_x in *x*) set -x ;; esac; } 2>/dev/null"]
+        undo.insert(0, [f"unset {mount.env}"])

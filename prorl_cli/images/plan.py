@@ -12,7 +12,7 @@ from prorl_cli import __version__
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.cache import Cache, cache_key, changed_inputs, sha256_file, sha256_path
 from prorl_cli.images.dockerfile import convert_dockerfile, find_dockerfile
-from prorl_cli.images.dockerfile_mounts import CacheMount
+from prorl_cli.images.dockerfile_mounts import BuildMounts, CacheMount
 from prorl_cli.images.published import plain_http, saved_image_digest
 from prorl_cli.images.render import (
     bootstrap_header,
@@ -48,6 +48,8 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     # A Dockerfile's kept cache mounts: the builder binds each one's host folder (not part of the key).
     caches: list[CacheMount] = field(default_factory=list)
+    # The secrets it reads, by id: a host file or env:NAME (images.build_secrets; not part of the key).
+    secrets: dict[str, str] = field(default_factory=dict)
 
 
 def versioned_inputs(spec: ImageSpec, base_ref: str) -> dict[str, Any]:
@@ -133,12 +135,13 @@ def plan_images(
                 find_dockerfile(spec.template, [*sources, *(Path(d) for d in settings.recipe_dirs)]),
                 spec, header=header, prorl_version=__version__,
                 stage_header=functools.partial(_stage_header, spec, plans, mirror, settings.docker_registry),
-                keep_caches=settings.build_cache,
+                mounts=BuildMounts(settings.build_cache, frozenset(settings.build_secrets)),
             )
             definition, stage_images, caches = conversion.definition, conversion.stage_images, conversion.caches
+            secrets = {secret_id: settings.build_secrets[secret_id] for secret_id in conversion.secrets}
             spec = dataclasses.replace(spec, files=[*spec.files, *conversion.files])
         else:
-            stage_images, caches = [], []
+            stage_images, caches, secrets = [], [], {}
             ctx = template_context(spec, header=header, base_path=base_path, mirror=mirror)
             definition = render_template(env, spec.template, ctx, image=name)
         build_args = [*settings.build_args, *spec.build_args]
@@ -154,7 +157,7 @@ def plan_images(
             inputs["stage_bases"] = {ref: _base_input(b, plans) for ref, b in sorted(spec.stage_bases.items())}
         key = cache_key(mode, inputs)
         plan = Plan(spec, mode, key, inputs, definition, cache.image_path(name, key), base_path, build_args,
-                    caches=caches)
+                    caches=caches, secrets=secrets)
         decide(plan, cache, manifest, rebuilt_deps={p.spec.name for p in plans.values() if not p.reuse})
         plans[name] = plan
     return list(plans.values())

@@ -8,6 +8,7 @@ read by :mod:`prorl_cli.images.spec`.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -52,6 +53,9 @@ class ImagesConfig:
     # Keep a Dockerfile's `RUN --mount=type=cache` folders between builds (cache_dir/build-cache/UID/), as Docker
     # does; false: each such step starts from an empty folder.
     build_cache: bool = True
+    # Secrets a Dockerfile's `RUN --mount=type=secret,id=ID` reads, by id: a host file, or env:NAME (a variable of
+    # prorl's environment). Never part of a definition, a lock key or an image.
+    build_secrets: dict[str, str] = field(default_factory=dict)
 
     @property
     def cache_path(self) -> Path:
@@ -63,3 +67,8 @@ class ImagesConfig:
             raise ConfigError(f"{where}.jobs: must be at least 1, got {self.jobs}")
         if self.build_timeout_s <= 0:
             raise ConfigError(f"{where}.build_timeout_s: must be positive")
+        for secret_id, source in self.build_secrets.items():
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", secret_id):
+                raise ConfigError(f"{where}.build_secrets: {secret_id!r} is not a secret id (letters, digits, . _ -)")
+            if source.startswith("env:") and not re.fullmatch(r"env:[A-Za-z_][A-Za-z0-9_]*", source):
+                raise ConfigError(f"{where}.build_secrets.{secret_id}: {source!r}: env: takes a variable name")

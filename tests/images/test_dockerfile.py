@@ -7,6 +7,7 @@ the last test builds one real image from a Dockerfile and reads its files.
 from __future__ import annotations
 
 import functools
+import hashlib
 import http.server
 import io
 import json
@@ -21,18 +22,18 @@ import pytest
 
 from prorl_cli.exceptions import ConfigError
 from prorl_cli.images.dockerfile import Conversion, convert_dockerfile
-from prorl_cli.images.dockerfile_mounts import CacheMount, cache_key
+from prorl_cli.images.dockerfile_mounts import BuildMounts, CacheMount, cache_key
 from prorl_cli.images.spec import parse_image
 
 from .conftest import Workspace, needs_apptainer
 
 
-def convert(context: Path, dockerfile: str, *, keep_caches: bool = False) -> Conversion:
+def convert(context: Path, dockerfile: str, *, keep_caches: bool = False, secrets: set[str] | None = None) -> Conversion:
     """Convert ``dockerfile`` written into ``context`` for an image on a scratch base."""
     (context / "Dockerfile").write_text(dockerfile)
     spec = parse_image("img", {"template": "Dockerfile", "base": "scratch"}, "images.yaml: images.img", context, None)
     return convert_dockerfile(context / "Dockerfile", spec, header="Bootstrap: scratch", prorl_version="0",
-                              keep_caches=keep_caches)
+                              mounts=BuildMounts(keep_caches, frozenset(secrets or ())))
 
 
 def section(definition: str, name: str) -> list[str]:
@@ -198,6 +199,32 @@ def test_a_cache_mount_links_to_a_folder_kept_between_builds(tmp_path: Path) -> 
         assert section(stage, "setup")[:2] == [f'mkdir -p "$APPTAINER_ROOTFS"/.prorl-cache/{key}' for key in (pip, by_target)]
     off = convert(tmp_path, "FROM python\nRUN --mount=type=cache,target=/root/.cache/pip pip install x\n")
     assert off.caches == [] and "%setup" not in off.definition and "mkdir -p /root/.cache/pip" in off.definition
+
+
+def test_a_secret_the_build_is_given_is_the_steps_for_that_step_only(tmp_path: Path) -> None:
+    (tmp_path / "Dockerfile").write_text(
+        "FROM python\nRUN --mount=type=secret,id=pypi,target=/root/.pypirc --mount=type=secret,id=tok,env=TOKEN "
+        "pip install x\nRUN --mount=type=secret,id=other,required=true true\n")
+    spec = parse_image("img", {"template": "Dockerfile", "base": "scratch"}, "images.yaml: images.img", tmp_path, None)
+    with pytest.raises(ConfigError, match=r"line 3: .*requires the secret other; give it in prorl.yaml, "
+                                          r"images.build_secrets: \{other: /path/to/file\}"):
+        convert_dockerfile(tmp_path / "Dockerfile", spec, header="Bootstrap: scratch", prorl_version="0",
+                           mounts=BuildMounts(secrets=frozenset({"pypi", "tok"})))
+    conv = convert(tmp_path, "FROM python\nRUN --mount=type=secret,id=pypi,target=/root/.pypirc "
+                             "--mount=type=secret,id=tok,env=TOKEN --mount=type=secret,target=/run/secrets/gh,uid=7 "
+                             "pip install x\n", secrets={"pypi", "tok", "gh"})
+    assert conv.secrets == ["pypi", "tok", "gh"]
+    assert section(conv.definition, "setup") == ['mkdir -p "$APPTAINER_ROOTFS"/.prorl-secrets',
+                                                 'touch "$APPTAINER_ROOTFS"/.prorl-secrets/pypi',
+                                                 'touch "$APPTAINER_ROOTFS"/.prorl-secrets/tok',
+                                                 'touch "$APPTAINER_ROOTFS"/.prorl-secrets/gh']
+    post = "\n".join(section(conv.definition, "post"))
+    order = [post.index(line) for line in (
+        "cp /.prorl-secrets/pypi /root/.pypirc\nchmod 0400 /root/.pypirc",  # a file only the step's root reads
+        "{ prorl_x=$-; set +x; } 2>/dev/null\nTOKEN=$(cat /.prorl-secrets/tok); export TOKEN",  # never traced
+        "cp /.prorl-secrets/gh /run/secrets/gh\nchmod 0400 /run/secrets/gh\nchown 7:0 /run/secrets/gh",
+        "if /bin/sh -c 'pip install x'; then", "rm -f /run/secrets/gh", "unset TOKEN", "rm -f /root/.pypirc")]
+    assert order == sorted(order), post
 
 
 def test_a_mount_from_a_global_build_argument_builds_that_stage(tmp_path: Path) -> None:
@@ -488,6 +515,37 @@ def test_a_cache_mount_keeps_what_a_build_wrote_for_the_next_build(ws: Workspace
         out = ws.prorl("images", "prune", "--build-cache").stdout
     assert f"removed build cache {cache_key('/root/.cache')}" in out and cache_key("apt") not in out, out
     assert [p.name for p in kept.iterdir() if p.is_dir()] == [cache_key("apt")]
+
+
+@needs_apptainer
+@pytest.mark.apptainer
+def test_a_build_secret_reaches_its_step_and_nothing_else(ws: Workspace) -> None:
+    """From a file and from prorl's environment; not in the image, the definition, the build log or the lock key."""
+    secret = ws.root / "pypirc"
+    secret.write_text("s3cr3t-file\n")
+    (ws.root / "Dockerfile").write_text(
+        "FROM busybox\nRUN /bin/busybox --install -s /bin\n"
+        "RUN --mount=type=secret,id=pypi,target=/root/.pypirc --mount=type=secret,id=tok,env=TOKEN "
+        "sha256sum /root/.pypirc | cut -c1-64 > /file-hash && echo \"$TOKEN\" | sha256sum | cut -c1-64 > /env-hash\n"
+        "RUN if [ -e /root/.pypirc ] || [ -n \"$TOKEN\" ]; then echo left; fi > /left\n")
+    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
+              "app": {"template": "Dockerfile", "base": "image:root"}},
+             build_secrets={"pypi": str(secret), "tok": "env:PRORL_TEST_TOKEN"})
+    token = "s3cr3t-env"
+    env = ws.env()
+    env["PRORL_TEST_TOKEN"] = token
+    out = subprocess.run(ws.argv("build-images", "--json", "--mode", "lock", "app"), cwd=ws.root, env=env,
+                         capture_output=True, text=True, timeout=240, start_new_session=True)
+    (image,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
+    assert image["action"] == "built", (image, out.stderr)
+    args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", "/file-hash",
+            "/env-hash", "/left"]
+    seen = subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+    assert seen == [hashlib.sha256(b"s3cr3t-file\n").hexdigest(), hashlib.sha256(f"{token}\n".encode()).hexdigest()]
+    logs = "".join(p.read_text() for p in (ws.cache / "logs" / "app").iterdir())
+    assert "s3cr3t" not in logs + out.stdout + out.stderr  # the definition and Apptainer's traced output
+    secret.write_text("another\n")  # another secret is the same image, as in Docker
+    assert ws.dry_run("--mode", "lock")["app"]["key"] == image["key"]
 
 
 @needs_apptainer
