@@ -97,8 +97,8 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
     """
     context = context.resolve()
 
-    def left_out(p: Path) -> bool:
-        return p.is_relative_to(context) and p != context and ignore.excludes(p.relative_to(context).as_posix())
+    def left_out(p: Path, rules: DockerIgnore = ignore) -> bool:
+        return p.is_relative_to(context) and p != context and rules.excludes(p.relative_to(context).as_posix())
 
     out = CopyConversion()
     where = f"image {image}: {path}: line {ins.line}"
@@ -121,7 +121,11 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
     out.chown = owner
     # The folders the copy makes must be the owner's as they are made, before the files land: the copy waits.
     deferred = deferred or owner is not None
-    taken = ("--link", "--from=", "--chmod=", "--chown=", *(("--checksum=",) if checksum else ()))
+    # --exclude=PATTERN (repeatable): as BuildKit reads it, relative to what each source copies from.
+    excludes = [f.split("=", 1)[1].strip("/") for f in flags if f.startswith("--exclude=")]
+    # --parents: each source keeps its folders (from the context, or from a `/./` in it) under DEST.
+    keep_parents = "--parents" in flags or "--parents=true" in flags
+    taken = ("--link", "--from=", "--chmod=", "--chown=", "--exclude=", "--parents", *(("--checksum=",) if checksum else ()))
     ignored = [f for f in flags if not f.startswith(taken)]
     if ignored:
         out.notes.append(f"line {ins.line}: {ins.word} {ins.args} - flags {' '.join(ignored)} are ignored")
@@ -134,25 +138,36 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
     if many and not dest.endswith("/"):
         dest += "/"  # Docker requires it for several sources; it means a folder
     if source_stage is not None:
+        if excludes:
+            out.notes.append(f"line {ins.line}: {ins.word} {ins.args} - --exclude is not applied to a copy from "
+                             "another stage or image: all of it is copied")
         stage = resolve_from(source_stage)
         for n, src in enumerate(sources):
+            pattern = bool(_PATTERN.search(src))
+            sdest = dest
+            if keep_parents and pattern:
+                out.notes.append(f"line {ins.line}: {ins.word} {ins.args} - --parents is not applied to a pattern "
+                                 "copied from another stage or image: its matches go into DEST")
+            elif keep_parents:
+                sdest = dest.rstrip("/") + "/" + posixpath.normpath(src.split("/./", 1)[-1]).lstrip("/")
             # A source in another stage is a path in its image: relative ones are from its root, as in Docker.
             src = posixpath.normpath(posixpath.join("/", src))
-            pattern = bool(_PATTERN.search(src))
             staged = f"{COPY_STAGING}/{index}-{n}" + ("" if pattern else "/" + (posixpath.basename(src) or "root"))
             out.from_files.append((stage, src, staged + "/" if pattern else staged))
             if mode is not None:  # what is copied takes the mode of what was staged
                 out.post.append(f"chmod -R {shlex.quote(mode)} {shlex.quote(staged)}")
             if owner is not None:  # and its owner, which the copy keeps
                 out.post.append(chown_paths(owner, [staged]))
-            out.post += from_copy_steps(src, dest, staged, pattern=pattern, keep_owner=owner is not None)
+            out.post += from_copy_steps(src, sdest, staged, pattern=pattern, keep_owner=owner is not None)
         if owner is not None:
             out.post.insert(0, make_dirs_as(owner, dest if dest.endswith("/") else posixpath.dirname(dest) or "/",
                                             chown=True))
         return out
     # What --chmod applies to once the copy is in place: each path copied, and what a folder holds.
     modes: list[tuple[str, bool]] = []
+    dest_of_all = dest  # with --parents, each source's own DEST below it
     for src in sources:
+        dest = dest_of_all
         m = HEREDOC.fullmatch(src)
         if m and m.group(3) in docs:
             doc = docs[m.group(3)]
@@ -176,12 +191,22 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
         matches = [p.resolve() for p in matches if p.exists()]
         if not pattern and matches and left_out(matches[0]):
             raise ConfigError(f"{where}: {ins.word} source {src!r} is left out of the context by .dockerignore")
-        matches = [p for p in matches if not left_out(p)]
         if not matches and not pattern:
             raise ConfigError(f"{where}: {ins.word} source {src!r} does not exist in {context}")
+        rules = ignore
+        if excludes and matches:
+            # A folder's patterns are relative to it; a file's or a pattern's matches, to the folder they are in.
+            root = matches[0] if not pattern and matches[0].is_dir() else context / posixpath.dirname(src)
+            base = root.resolve().relative_to(context).as_posix() if root.resolve().is_relative_to(context) else "."
+            rules = ignore.excluding([x if base == "." else f"{base}/{x}" for x in excludes])
+        matches = [p for p in matches if not left_out(p, rules)]
         # A pattern that matches nothing copies nothing, as BuildKit allows (`COPY requirements.txt* ./` is the
         # idiom for an optional file).
+        pivot = (context / src.split("/./", 1)[0]).resolve() if "/./" in src else context
         for src_path in matches:
+            dest = dest_of_all
+            if keep_parents and src_path.is_relative_to(pivot) and src_path != pivot:
+                dest = dest.rstrip("/") + "/" + src_path.relative_to(pivot).as_posix()
             if ins.word == "ADD" and src_path.is_file() and tarfile.is_tarfile(src_path):
                 # Docker unpacks a local tar archive (plain or compressed) that ADD names into the destination.
                 staged = f"{ADD_STAGING}/{index}-{src_path.name}"
@@ -194,7 +219,7 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
                 into = dest if dest.endswith("/") else dest + "/"
                 # What .dockerignore leaves out is never copied (a repository's .git or a 5 GB data/ folder, which
                 # is why it is there), nor hashed into the lock key: the rest is copied in as few parts as cover it.
-                parts, empty = ignore.included(context, src_path) if src_path.is_relative_to(context) else ([""], [])
+                parts, empty = rules.included(context, src_path) if src_path.is_relative_to(context) else ([""], [])
                 root = f"{COPY_STAGING}/{index}-{len(out.files)}/" if deferred else into
                 for rel in parts:
                     part = src_path / rel

@@ -75,6 +75,12 @@ class DockerIgnore:
                 continue
             self.patterns.append(_Pattern(_compile(line), exception))
 
+    def excluding(self, patterns: list[str]) -> DockerIgnore:
+        """These rules and ``patterns`` after them (a ``COPY --exclude``'s, context-relative), which then win."""
+        out = DockerIgnore("\n".join(patterns))
+        out.patterns = [*self.patterns, *out.patterns]
+        return out
+
     @classmethod
     def of_context(cls, context: Path) -> DockerIgnore:
         """The context folder's ``.dockerignore``, or one that excludes nothing."""

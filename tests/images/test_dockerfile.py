@@ -235,6 +235,36 @@ def test_a_mount_from_a_global_build_argument_builds_that_stage(tmp_path: Path) 
     assert section(conv.definition, "files from wheels") == ["    /wheels /.prorl-copy/4m0-0/wheels"]
 
 
+def test_copy_exclude_leaves_out_what_it_matches_below_each_source(tmp_path: Path) -> None:
+    """BuildKit's COPY --exclude (general since Dockerfile 1.19): patterns relative to what each source copies from."""
+    for rel in ("src/a.py", "src/a.txt", "src/tests/t.py", "src/pkg/p.py", "src/pkg/p.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x\n")
+    conv = convert(tmp_path, "FROM python AS b\nRUN make\nFROM python\n"
+                             "COPY --exclude=tests --exclude=**/*.txt src/ /app/\n"
+                             "COPY --exclude=*.txt src/a.py src/a.txt src/*.* /one/\nCOPY --exclude=x --from=b /out /out\n")
+    assert section(conv.definition.split("Stage: ")[-1], "files") == [f"{tmp_path}/src/a.py /app/a.py", f"{tmp_path}/src/pkg/p.py /app/pkg/p.py",
+                                                 f"{tmp_path}/src/a.py /one/a.py", f"{tmp_path}/src/a.py /one/a.py"]
+    assert [n for n in conv.not_converted if "--exclude" in n] == [
+        "line 6: COPY --exclude=x --from=b /out /out - --exclude is not applied to a copy from another stage or image: "
+        "all of it is copied"]
+
+
+def test_copy_parents_keeps_each_sources_folders(tmp_path: Path) -> None:
+    for rel in ("src/tests/t.py", "src/pkg/p.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x\n")
+    conv = convert(tmp_path, "FROM python AS b\nRUN make\nFROM python\n"
+                             "COPY --parents src/tests/t.py src/pkg /app/\nCOPY --parents ./src/./tests/t.py src/*/*.py /b/\n"
+                             "COPY --parents --from=b /usr/./lib/x /opt/\n")
+    final = conv.definition.split("Stage: ")[-1]
+    assert section(final, "files") == [
+        f"{tmp_path}/src/tests/t.py /app/src/tests/t.py", f"{tmp_path}/src/pkg/. /app/src/pkg",
+        f"{tmp_path}/src/tests/t.py /b/tests/t.py",  # from the `/./`
+        f"{tmp_path}/src/pkg/p.py /b/src/pkg/p.py", f"{tmp_path}/src/tests/t.py /b/src/tests/t.py"]
+    assert "cp -fR /.prorl-copy/5-0/x/. /opt/lib/x/;" in final, final
+
+
 def test_a_scratch_stage_is_no_warning(tmp_path: Path) -> None:
     """`FROM scratch` is Apptainer's own scratch bootstrap: spython's "not on Docker Hub" was a false warning."""
     (tmp_path / "a.txt").write_text("a\n")
