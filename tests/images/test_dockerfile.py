@@ -42,6 +42,12 @@ def section(definition: str, name: str) -> list[str]:
     return lines.splitlines()
 
 
+def in_image(image: dict[str, Any], *argv: str) -> str:
+    """The output of ``argv`` run in a built image (``apptainer exec``; as root, in a user namespace)."""
+    args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], *argv]
+    return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout
+
+
 def failed_build(ws: Workspace) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
     """Build the workspace's Dockerfile on a busybox root image, which must fail: its result and the CLI's run."""
     ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
@@ -411,8 +417,7 @@ def test_a_converted_dockerfile_builds_what_docker_would(ws: Workspace) -> None:
     assert image["action"] == "built", image
 
     def cat(path: str) -> str:
-        args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", path]
-        return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout
+        return in_image(image, "cat", path)
 
     assert cat("/testbed/requirements.txt") == "numpy\n"
     assert cat("/greeting") == "hello\n"  # ENV reached a child process of a RUN step
@@ -452,8 +457,7 @@ def test_a_run_with_mounts_sees_them_and_the_image_keeps_none_of_them(ws: Worksp
     assert image["action"] == "built", image
 
     def sh(script: str) -> str:
-        args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "sh", "-c", script]
-        return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout
+        return in_image(image, "sh", "-c", script)
 
     assert sh("cat /app/seen") == "from the context\nx\nseeded\n"  # each mount was there for the step
     assert sh("cat /app/lock.txt") == "kept\n"  # the image's own file at a bind's target came back
@@ -505,8 +509,7 @@ def test_user_chown_and_workdir_give_files_to_whom_docker_would(ws: Workspace) -
     assert image["action"] == "built", image
 
     def cat(*paths: str) -> list[str]:
-        args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", *paths]
-        return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+        return in_image(image, "cat", *paths).splitlines()
 
     assert cat("/srv/app/work/uid", "/srv/app/work/refused", "/root-uid") == ["1000", "refused", "0"]
     assert cat("/owners") == ["1000:50 /srv/app", "1000:50 /srv/app/conf/app.ini", "1000:1000 /srv/app/conf/edited",
@@ -529,8 +532,7 @@ def test_a_cache_mount_keeps_what_a_build_wrote_for_the_next_build(ws: Workspace
     def build() -> list[str]:
         image = ws.build("--mode", "scratch", "app")["app"]
         assert image["action"] == "built", image
-        args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", "/seen", "/left"]
-        return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+        return in_image(image, "cat", "/seen", "/left").splitlines()
 
     assert build() == ["/", "/root/.cache: own /var/cache:"]  # the first build found both empty; the image keeps its own
     assert build()[0] == "1/1"  # the second build's step found what the first one's wrote
@@ -568,9 +570,7 @@ def test_a_build_secret_reaches_its_step_and_nothing_else(ws: Workspace) -> None
                          capture_output=True, text=True, timeout=240, start_new_session=True)
     (image,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
     assert image["action"] == "built", (image, out.stderr)
-    args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", "/file-hash",
-            "/env-hash", "/left"]
-    seen = subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+    seen = in_image(image, "cat", "/file-hash", "/env-hash", "/left").splitlines()
     assert seen == [hashlib.sha256(b"s3cr3t-file\n").hexdigest(), hashlib.sha256(f"{token}\n".encode()).hexdigest()]
     logs = "".join(p.read_text() for p in (ws.cache / "logs" / "app").iterdir())
     assert "s3cr3t" not in logs + out.stdout + out.stderr  # the definition and Apptainer's traced output
@@ -689,8 +689,7 @@ def test_a_multi_stage_dockerfile_builds_its_last_stage_from_the_others(ws: Work
     assert image["action"] == "built", image
 
     def cat(path: str) -> str:
-        args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "cat", path]
-        return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout
+        return in_image(image, "cat", path)
 
     assert cat("/app/sub/a.txt") == "built\n"  # the folder's contents, not /app/out
     assert cat("/app/tested") == "tested\n"
@@ -699,8 +698,7 @@ def test_a_multi_stage_dockerfile_builds_its_last_stage_from_the_others(ws: Work
     assert cat("/data/remote.txt") == "fetched\n"
     assert cat("/ctx/conf/app.ini") == "[app]\n"
     assert cat("/home/app/home-of-the-user") == "/home/app\n"  # a step after USER sees that user's HOME
-    args = ["apptainer", "exec", *(["--userns"] if os.geteuid() == 0 else []), image["path"], "ls", "/ctx/conf"]
-    assert subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout.split() == ["app.ini"]
+    assert in_image(image, "ls", "/ctx/conf").split() == ["app.ini"]
 
 
 def test_stage_bases_are_checked_and_their_images_built_first(tmp_path: Path) -> None:
