@@ -19,6 +19,7 @@ import queue
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from typing import Any
 from prorl_cli import __version__
 from prorl_cli.exceptions import ImageBuildError
 from prorl_cli.images.cache import Cache, _atomic_write, cache_mount_lock, make_dirs, share_file
-from prorl_cli.images.dockerfile_mounts import CACHE_MOUNTS, SECRET_MOUNTS
+from prorl_cli.images.dockerfile_mounts import CACHE_MOUNTS, SECRET_MOUNTS, SSH_MOUNTS
 from prorl_cli.images.plan import Plan, decide
 from prorl_cli.processes import stop_group
 
@@ -305,8 +306,9 @@ class Builder:
 
     @contextlib.contextmanager
     def _secrets(self, plan: Plan) -> Iterator[list[str]]:
-        """The ``--bind`` arguments of the secrets the plan's steps read: a host file as it is, a variable of
-        prorl's environment written to a file only this user can read, removed after the build."""
+        """The ``--bind`` arguments of the secrets the plan's steps read (a host file as it is, a variable of
+        prorl's environment written to a file only this user can read, removed after the build) and of the SSH
+        agents they use."""
         binds: list[str] = []
         with tempfile.TemporaryDirectory(prefix="prorl-secrets-") as private:
             for secret_id, source in sorted(plan.secrets.items()):
@@ -325,6 +327,16 @@ class Builder:
                     raise ImageBuildError(f"{where}: {path} cannot be bound (a ':' or ',' in its path ends Apptainer's "
                                           "--bind); move it")
                 binds += ["--bind", f"{path}:{SECRET_MOUNTS}/{secret_id}:ro"]
+            for agent_id, socket_path in sorted(plan.ssh.items()):
+                sock = Path(os.path.expanduser(os.path.expandvars(socket_path)))
+                try:
+                    is_socket = stat.S_ISSOCK(sock.stat().st_mode)
+                except OSError:
+                    is_socket = False
+                if not is_socket or any(c in str(sock) for c in ":,"):
+                    raise ImageBuildError(f"image {plan.spec.name}: images.build_ssh.{agent_id}: {sock} is not an SSH "
+                                          "agent's socket (is the agent running, and $SSH_AUTH_SOCK set?)")
+                binds += ["--bind", f"{sock}:{SSH_MOUNTS}/{agent_id}"]
             yield binds
 
     def _build_with(self, plan: Plan, cmd: list[str], tmp: Path, log_path: Path) -> None:

@@ -38,6 +38,7 @@ from prorl_cli.images.dockerfile_mounts import (
     CACHE_MOUNTS,
     NO_MOUNTS,
     SECRET_MOUNTS,
+    SSH_MOUNTS,
     BuildMounts,
     CacheMount,
     MountedStep,
@@ -94,6 +95,7 @@ class Conversion:
     stage_images: list[str] = field(default_factory=list)  # what the other stages bootstrap, as the file names them
     caches: list[CacheMount] = field(default_factory=list)  # kept cache mounts the builder binds
     secrets: list[str] = field(default_factory=list)  # the ids of the secrets the builder binds
+    ssh: list[str] = field(default_factory=list)  # the ids of the SSH agents the builder binds
 
 
 def _run_script(ins: Instruction) -> str:
@@ -179,8 +181,8 @@ def convert_dockerfile(
 
     ``stage_header``: the bootstrap lines for an image another stage starts from or a ``COPY --from`` reads
     (its ``FROM`` reference as written); ``Bootstrap: docker`` with it when not given.
-    ``mounts``: what the builder gives ``RUN --mount``s: kept cache folders (``Conversion.caches``) and secrets
-    (``Conversion.secrets``).
+    ``mounts``: what the builder gives ``RUN --mount``s: kept cache folders (``Conversion.caches``), secrets
+    (``Conversion.secrets``) and SSH agents (``Conversion.ssh``).
     """
     text = path.read_text()
     # The definition (and so the lock key) names the Dockerfile by its bytes, not its path: the same recipe
@@ -277,9 +279,10 @@ def convert_dockerfile(
     # Apptainer binds only into a folder the image has: every stage makes the kept caches' folders before its %post
     # (a build's binds are every stage's).
     setup = "".join(f'mkdir -p "$APPTAINER_ROOTFS"{shlex.quote(f"{CACHE_MOUNTS}/{c.key}")}\n' for c in converter.caches)
-    if converter.secrets:  # a file bound onto a file
-        setup += f'mkdir -p "$APPTAINER_ROOTFS"{SECRET_MOUNTS}\n' + "".join(
-            f'touch "$APPTAINER_ROOTFS"{shlex.quote(f"{SECRET_MOUNTS}/{s}")}\n' for s in converter.secrets)
+    for folder, ids in ((SECRET_MOUNTS, converter.secrets), (SSH_MOUNTS, converter.ssh)):
+        if ids:  # a file (or a socket) bound onto a file
+            setup += f'mkdir -p "$APPTAINER_ROOTFS"{folder}\n' + "".join(
+                f'touch "$APPTAINER_ROOTFS"{shlex.quote(f"{folder}/{i}")}\n' for i in ids)
     setup = f"\n%setup\n{setup}" if setup else ""
     if len(parts) == 1 and not images:
         definition = f"{header}\n\n{converted}\n{parts[0][2]}\n{setup}"
@@ -297,7 +300,7 @@ def convert_dockerfile(
         else:
             log.warning("image %s: %s: not converted: %s", spec.name, path.name, note)
     return Conversion(definition, files, from_image, not_converted, sorted(read), list(converter.caches),
-                      list(converter.secrets))
+                      list(converter.secrets), list(converter.ssh))
 
 
 def dockerignore_of(dockerfile: Path) -> DockerIgnore:
@@ -325,6 +328,7 @@ class _StageConverter:
         self.mounts = mounts
         self.caches: list[CacheMount] = []  # every stage's, in the order first met
         self.secrets: list[str] = []  # likewise
+        self.ssh: list[str] = []  # likewise
 
     def convert(self, from_args: str, instructions: list[Instruction], *, final: bool, resolve_from: Callable[[str], str],
                 labels: list[list[str]]) -> tuple[str, list[FileCopy], list[str]]:
@@ -355,6 +359,7 @@ class _StageConverter:
             if isinstance(staged, MountedStep):
                 self.caches += [c for c in staged.caches if c not in self.caches]
                 self.secrets += [s for s in staged.secrets if s not in self.secrets]
+                self.ssh += [s for s in staged.ssh if s not in self.ssh]
             for src_path, src, dst in staged.files:
                 files.append(FileCopy(src_path, dst))
                 pairs.append([src, dst])

@@ -21,7 +21,10 @@ before the step and taken away after it, whatever the step's exit status:
   target (``/run/secrets/ID``, mode 0400) or in the variable ``env=`` names,
   both gone after it. The secret never reaches the definition, the lock key,
   the image or the build log (its variable is set with tracing off).
-- ``type=ssh``, and a secret the build is not given: a step that needs one
+- ``type=ssh``: an SSH agent ``images.build_ssh`` gives the build (its
+  socket) is bound at ``/.prorl-ssh/ID``, and the step finds it in
+  ``SSH_AUTH_SOCK`` (and at the target, when the mount names one).
+- An SSH agent or a secret the build is not given: a step that needs one
   (``required=true``) is an error naming it, else the step runs without it,
   as ``docker build`` does without ``--secret``.
 """
@@ -59,6 +62,8 @@ _MAKE_STAGING = f"mkdir -p {shlex.quote(COPY_STAGING)}"  # where a mount's targe
 CACHE_MOUNTS = "/.prorl-cache"
 #: Where the builder binds each secret the build is given (an empty file of that name stays in the image).
 SECRET_MOUNTS = "/.prorl-secrets"
+#: Where the builder binds each SSH agent's socket the build is given.
+SSH_MOUNTS = "/.prorl-ssh"
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class BuildMounts:
 
     keep_caches: bool = False
     secrets: frozenset[str] = frozenset()
+    ssh: frozenset[str] = frozenset()
 
 
 NO_MOUNTS = BuildMounts()  # a conversion on its own: no kept caches, no secrets
@@ -167,6 +173,7 @@ class MountedStep:
     notes: list[str] = field(default_factory=list)
     caches: list[CacheMount] = field(default_factory=list)
     secrets: list[str] = field(default_factory=list)  # the ids of the build's secrets the step reads
+    ssh: list[str] = field(default_factory=list)  # the ids of the build's SSH agents the step uses
 
     def wrap(self, command: str, workdir: str) -> str:
         """``command`` as one %post step with the mounts in place, taken away whatever its exit status.
@@ -208,11 +215,15 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
             assert secret_id is not None
             _secret_steps(out, mount, secret_id, workdir, f"{COPY_STAGING}/aside-{ins.index}-{n}", undo)
             continue
+        if mount.kind == "ssh" and (mount.id or "default") in given.ssh:
+            _ssh_steps(out, mount, mount.id or "default", workdir, undo)
+            continue
         if mount.kind in ("secret", "ssh"):
             what = f"{mount.kind} {secret_id or mount.id or 'default'}"
             if mount.required:
                 how = (f"give it in prorl.yaml, images.build_secrets: {{{secret_id}: /path/to/file}} (or env:VAR)"
-                       if mount.kind == "secret" else "prorl gives a build no SSH agent")
+                       if mount.kind == "secret" else
+                       f"give it in prorl.yaml, images.build_ssh: {{{mount.id or 'default'}: $SSH_AUTH_SOCK}}")
                 raise ConfigError(f"{where}: RUN {flag}: the step requires the {what}; {how}, or put what it "
                                   "fetches in the build context")
             out.notes.append(f"line {ins.line}: RUN {flag} - no {what} is given to the build: the step runs without it")
@@ -286,3 +297,18 @@ def _secret_steps(out: MountedStep, mount: Mount, secret_id: str, workdir: str, 
         out.before += ["{ prorl_x=$-; set +x; } 2>/dev/null", f'{mount.env}=$(cat {bound}); export {mount.env}',
                        "{ case $prorl_x in *x*) set -x ;; esac; } 2>/dev/null"]
         undo.insert(0, [f"unset {mount.env}"])
+
+
+def _ssh_steps(out: MountedStep, mount: Mount, agent_id: str, workdir: str, undo: list[list[str]]) -> None:
+    """An SSH agent the build has, for one step: ``SSH_AUTH_SOCK`` names its bound socket (or the target)."""
+    bound = f"{SSH_MOUNTS}/{agent_id}"
+    if agent_id not in out.ssh:
+        out.ssh.append(agent_id)
+    sock = bound
+    if mount.target:
+        sock = posixpath.normpath(posixpath.join(workdir, mount.target))
+        t = shlex.quote(sock)
+        out.before += [f"mkdir -p {shlex.quote(posixpath.dirname(sock))}", f"ln -sf {shlex.quote(bound)} {t}"]
+        undo.insert(0, [f"rm -f {t}"])
+    out.before.append(f"SSH_AUTH_SOCK={shlex.quote(sock)}; export SSH_AUTH_SOCK")
+    undo.insert(0, ["unset SSH_AUTH_SOCK"])

@@ -50,6 +50,7 @@ class Plan:
     caches: list[CacheMount] = field(default_factory=list)
     # The secrets it reads, by id: a host file or env:NAME (images.build_secrets; not part of the key).
     secrets: dict[str, str] = field(default_factory=dict)
+    ssh: dict[str, str] = field(default_factory=dict)  # the SSH agents its steps use, by id (images.build_ssh)
 
 
 def versioned_inputs(spec: ImageSpec, base_ref: str) -> dict[str, Any]:
@@ -135,13 +136,14 @@ def plan_images(
                 find_dockerfile(spec.template, [*sources, *(Path(d) for d in settings.recipe_dirs)]),
                 spec, header=header, prorl_version=__version__,
                 stage_header=functools.partial(_stage_header, spec, plans, mirror, settings.docker_registry),
-                mounts=BuildMounts(settings.build_cache, frozenset(settings.build_secrets)),
+                mounts=BuildMounts(settings.build_cache, frozenset(settings.build_secrets), frozenset(settings.build_ssh)),
             )
             definition, stage_images, caches = conversion.definition, conversion.stage_images, conversion.caches
             secrets = {secret_id: settings.build_secrets[secret_id] for secret_id in conversion.secrets}
+            ssh = {agent_id: settings.build_ssh[agent_id] for agent_id in conversion.ssh}
             spec = dataclasses.replace(spec, files=[*spec.files, *conversion.files])
         else:
-            stage_images, caches, secrets = [], [], {}
+            stage_images, caches, secrets, ssh = [], [], {}, {}
             ctx = template_context(spec, header=header, base_path=base_path, mirror=mirror)
             definition = render_template(env, spec.template, ctx, image=name)
         build_args = [*settings.build_args, *spec.build_args]
@@ -157,7 +159,7 @@ def plan_images(
             inputs["stage_bases"] = {ref: _base_input(b, plans) for ref, b in sorted(spec.stage_bases.items())}
         key = cache_key(mode, inputs)
         plan = Plan(spec, mode, key, inputs, definition, cache.image_path(name, key), base_path, build_args,
-                    caches=caches, secrets=secrets)
+                    caches=caches, secrets=secrets, ssh=ssh)
         decide(plan, cache, manifest, rebuilt_deps={p.spec.name for p in plans.values() if not p.reuse})
         plans[name] = plan
     return list(plans.values())

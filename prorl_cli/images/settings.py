@@ -56,6 +56,9 @@ class ImagesConfig:
     # Secrets a Dockerfile's `RUN --mount=type=secret,id=ID` reads, by id: a host file, or env:NAME (a variable of
     # prorl's environment). Never part of a definition, a lock key or an image.
     build_secrets: dict[str, str] = field(default_factory=dict)
+    # SSH agents a Dockerfile's `RUN --mount=type=ssh` (id default unless it names one) uses, by id: the agent's
+    # socket, $VARS expanded when building ({default: $SSH_AUTH_SOCK} forwards yours, as `docker build --ssh default`).
+    build_ssh: dict[str, str] = field(default_factory=dict)
 
     @property
     def cache_path(self) -> Path:
@@ -67,8 +70,10 @@ class ImagesConfig:
             raise ConfigError(f"{where}.jobs: must be at least 1, got {self.jobs}")
         if self.build_timeout_s <= 0:
             raise ConfigError(f"{where}.build_timeout_s: must be positive")
+        for name, ids in (("build_secrets", self.build_secrets), ("build_ssh", self.build_ssh)):
+            for secret_id in ids:
+                if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", secret_id):
+                    raise ConfigError(f"{where}.{name}: {secret_id!r} is not an id (letters, digits, . _ -)")
         for secret_id, source in self.build_secrets.items():
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", secret_id):
-                raise ConfigError(f"{where}.build_secrets: {secret_id!r} is not a secret id (letters, digits, . _ -)")
             if source.startswith("env:") and not re.fullmatch(r"env:[A-Za-z_][A-Za-z0-9_]*", source):
                 raise ConfigError(f"{where}.build_secrets.{secret_id}: {source!r}: env: takes a variable name")

@@ -287,6 +287,9 @@ def test_a_scratch_stage_is_no_warning(tmp_path: Path) -> None:
     ("type=bind,source=missing.txt,target=/x", "RUN --mount source 'missing.txt' does not exist"),
     ("type=cache,target=/", "a mount over / cannot be put in place"),
     ("type=cache,target=/x,sharing=exclusive", "sharing 'exclusive' is not one of shared, private, locked"),
+    ("type=ssh,required=true", "requires the ssh default; give it in prorl.yaml, images.build_ssh: {default: $SSH_AUTH_SOCK}"),
+    ("type=secret,required=true", "a secret mount needs id=NAME (or target=PATH)"),
+    ("type=cache,target=/x,uid=app", "uid and gid are numbers"),
 ])
 def test_a_mount_that_cannot_be_given_is_an_error_naming_it(tmp_path: Path, mount: str, error: str) -> None:
     with pytest.raises(ConfigError, match="line 2") as e:
@@ -576,6 +579,36 @@ def test_a_build_secret_reaches_its_step_and_nothing_else(ws: Workspace) -> None
     assert "s3cr3t" not in logs + out.stdout + out.stderr  # the definition and Apptainer's traced output
     secret.write_text("another\n")  # another secret is the same image, as in Docker
     assert ws.dry_run("--mode", "lock")["app"]["key"] == image["key"]
+
+
+@needs_apptainer
+@pytest.mark.apptainer
+def test_an_ssh_mount_finds_the_agent_images_build_ssh_gives(ws: Workspace) -> None:
+    """`RUN --mount=type=ssh git clone git@host:org/private.git`: the step finds the agent in SSH_AUTH_SOCK."""
+    import socket
+
+    agent = ws.root / "agent.sock"
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(agent))  # stands for ssh-agent's socket: the step only looks at it
+        (ws.root / "Dockerfile").write_text(
+            "FROM busybox\nRUN /bin/busybox --install -s /bin\n"
+            "RUN --mount=type=ssh if [ -S \"$SSH_AUTH_SOCK\" ]; then echo agent; fi > /default\n"
+            "RUN --mount=type=ssh,id=deploy,target=/run/agent.sock if [ -S /run/agent.sock ] && "
+            "[ \"$SSH_AUTH_SOCK\" = /run/agent.sock ]; then echo deploy; fi > /deploy\n"
+            "RUN echo \"${SSH_AUTH_SOCK:-none}\" > /after\n")
+        ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
+                  "app": {"template": "Dockerfile", "base": "image:root"}},
+                 build_ssh={"default": str(agent), "deploy": "$PRORL_TEST_AGENT"})
+        env = {**ws.env(), "PRORL_TEST_AGENT": str(agent)}
+        out = subprocess.run(ws.argv("build-images", "--json", "--mode", "lock", "app"), cwd=ws.root, env=env,
+                             capture_output=True, text=True, timeout=240, start_new_session=True)
+    (image,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
+    assert image["action"] == "built", (image, out.stderr)
+    assert in_image(image, "cat", "/default", "/deploy", "/after").split() == ["agent", "deploy", "none"]
+    ws.write(build_ssh={"default": str(ws.root / "gone.sock")})
+    gone = ws.prorl("build-images", "--json", "--mode", "scratch", "app", check=False)
+    (failed,) = [r for r in json.loads(gone.stdout) if r["name"] == "app"]
+    assert "images.build_ssh.default" in failed["error"] and "is not an SSH agent's socket" in failed["error"], failed
 
 
 @needs_apptainer

@@ -77,7 +77,9 @@ def test_bad_images_section_of_prorl_yaml() -> None:
         config_from_dict({"images": {"mode": "sometimes"}}, "prorl.yaml")
     with pytest.raises(ConfigError, match="images.jobs: must be at least 1"):
         config_from_dict({"images": {"jobs": 0}}, "prorl.yaml")
-    with pytest.raises(ConfigError, match=r"images.build_secrets: 'a b' is not a secret id"):
+    with pytest.raises(ConfigError, match=r"images.build_ssh: 'a/b' is not an id"):
+        config_from_dict({"images": {"build_ssh": {"a/b": "/x"}}}, "prorl.yaml")
+    with pytest.raises(ConfigError, match=r"images.build_secrets: 'a b' is not an id"):
         config_from_dict({"images": {"build_secrets": {"a b": "/x"}}}, "prorl.yaml")
     with pytest.raises(ConfigError, match=r"images.build_secrets.tok: 'env:1X': env: takes a variable name"):
         config_from_dict({"images": {"build_secrets": {"tok": "env:1X"}}}, "prorl.yaml")
