@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -11,7 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from prorl_cli.images.cache import Cache, cache_mount_lock, make_dirs, share_file
+from prorl_cli.sandbox.runtime import remove_tree
 
+log = logging.getLogger("prorl.images")
 _TMP_RE = re.compile(r"^\.(?P<key>[a-z]+-[0-9a-f]+)\.tmp-")
 
 
@@ -51,10 +54,14 @@ def prune_build_cache(cache: Cache, dry_run: bool = False) -> list[str]:
         with cache_mount_lock(folder, exclusive=True, wait=False) as free:
             if not free:
                 continue  # a build is using it
-            removed.append(f"build cache {folder.name} ({folder})")
             if not dry_run:
-                shutil.rmtree(folder)
+                # What a step wrote there as another user (apt's `_apt`) belongs to a subordinate id on the host:
+                # remove_tree removes it from a user namespace that maps those ids.
+                remove_tree(folder, log)
+                if folder.exists():
+                    continue  # remove_tree said why
                 folder.with_name(folder.name + ".lock").unlink(missing_ok=True)
+            removed.append(f"build cache {folder.name} ({folder})")
     return removed
 
 
