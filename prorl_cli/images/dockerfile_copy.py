@@ -159,9 +159,9 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
             if owner is not None:  # and its owner, which the copy keeps
                 out.post.append(chown_paths(owner, [staged]))
             out.post += from_copy_steps(src, sdest, staged, pattern=pattern, keep_owner=owner is not None)
-        if owner is not None:
-            out.post.insert(0, make_dirs_as(owner, dest if dest.endswith("/") else posixpath.dirname(dest) or "/",
-                                            chown=True))
+        parent = dest if dest.endswith("/") else posixpath.dirname(dest) or "/"
+        if owner is not None and parent != "/":  # a copied folder takes its staged owner itself (cp -p of DIR/.)
+            out.post.insert(0, make_dirs_as(owner, parent, chown=True))
         return out
     # What --chmod applies to once the copy is in place: each path copied, and what a folder holds.
     modes: list[tuple[str, bool]] = []
@@ -251,7 +251,7 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
         # As BuildKit's: the folders the copy makes and what it copies are the owner's; a folder it copies into
         # that was there keeps its owner.
         parents = dict.fromkeys(posixpath.dirname(target.rstrip("/")) or "/" for target, _ in modes)
-        out.post = [make_dirs_as(owner, parent, chown=True) for parent in parents] + out.post
+        out.post = [make_dirs_as(owner, parent, chown=True) for parent in parents if parent != "/"] + out.post
         if modes:
             out.post.append(chown_paths(owner, [target for target, _ in modes]))
     return out

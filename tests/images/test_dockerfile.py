@@ -498,16 +498,17 @@ def test_user_chown_and_workdir_give_files_to_whom_docker_would(ws: Workspace) -
     (ws.root / "conf").mkdir()
     (ws.root / "conf" / "app.ini").write_text("[app]\n")
     (ws.root / "Dockerfile").write_text(
+        "FROM busybox AS builder\nRUN /bin/busybox --install -s /bin && mkdir -p /out/sub && echo b > /out/sub/b\n"
         "FROM busybox\nRUN /bin/busybox --install -s /bin && echo 'app:x:1000:1000::/home/app:/bin/sh' >> /etc/passwd "
         "&& printf 'app:x:1000:\\nstaff:x:50:\\n' >> /etc/group && mkdir -p /home/app && chown 1000:1000 /home/app\n"
-        "COPY --chown=app:staff conf/ /srv/app/conf/\n"
+        "COPY --chown=app:staff conf/ /srv/app/conf/\nCOPY --from=builder --chown=app /out /srv/out\n"
         "USER app\nWORKDIR /srv/app/work\n"
         "RUN --mount=type=cache,target=/home/app/.cache,uid=1000 id -u > uid && touch ../conf/edited /home/app/.cache/c "
         "&& if touch /not-mine 2>/dev/null; then echo wrote; else echo refused; fi > refused\n"
         "USER root\nRUN id -u > /root-uid && stat -c '%u:%g %n' /srv/app /srv/app/conf/app.ini /srv/app/conf/edited "
-        "/srv/app/work > /owners\n")
+        "/srv/app/work /srv/out /srv/out/sub/b > /owners\n")
     ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-              "app": {"template": "Dockerfile", "base": "image:root"}})
+              "app": {"template": "Dockerfile", "base": "image:root", "stage_bases": {"busybox": "image:root"}}})
     image = ws.build("--mode", "lock", "app")["app"]
     assert image["action"] == "built", image
 
@@ -516,7 +517,7 @@ def test_user_chown_and_workdir_give_files_to_whom_docker_would(ws: Workspace) -
 
     assert cat("/srv/app/work/uid", "/srv/app/work/refused", "/root-uid") == ["1000", "refused", "0"]
     assert cat("/owners") == ["1000:50 /srv/app", "1000:50 /srv/app/conf/app.ini", "1000:1000 /srv/app/conf/edited",
-                              "1000:1000 /srv/app/work"]
+                              "1000:1000 /srv/app/work", "1000:1000 /srv/out", "1000:1000 /srv/out/sub/b"]
 
 
 @needs_apptainer
