@@ -258,6 +258,8 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
                 out.caches.append(cache)
             # A link, not the folder: a bound folder cannot be moved, and the undo's `rm -rf` removes only the link.
             before.append(f"ln -s {shlex.quote(f'{CACHE_MOUNTS}/{cache.key}')} {t}")
+            if mount.mode is not None:  # of the kept folder itself (chmod follows the link): the user's own
+                before.append(f"chmod {mount.mode} {t}")
         else:
             before.append(f"mkdir -p {t}")
             # A step run as another USER writes there only if the mount says whose it is, as in BuildKit. A kept

@@ -203,6 +203,8 @@ def test_a_cache_mount_links_to_a_folder_kept_between_builds(tmp_path: Path) -> 
     # The builder binds every cache into every stage's %post: each stage makes every bind's folder.
     for stage in (wheels, final):
         assert section(stage, "setup")[:2] == [f'mkdir -p "$APPTAINER_ROOTFS"/.prorl-cache/{key}' for key in (pip, by_target)]
+    moded = convert(tmp_path, "FROM python\nRUN --mount=type=cache,target=/m,mode=0777 true\n", keep_caches=True)
+    assert f"ln -s /.prorl-cache/{cache_key('/m')} /m\nchmod 0777 /m" in moded.definition  # the kept folder's mode
     off = convert(tmp_path, "FROM python\nRUN --mount=type=cache,target=/root/.cache/pip pip install x\n")
     assert off.caches == [] and "%setup" not in off.definition and "mkdir -p /root/.cache/pip" in off.definition
 
