@@ -105,6 +105,14 @@ def _rootless_hint() -> str:
     return ""
 
 
+def _bind(path: Path, dest: str, where: str, fix: str = "move it") -> list[str]:
+    """``--bind PATH:DEST`` for ``apptainer build``; a path whose ':' or ',' would end the bind spec is an error."""
+    if any(c in str(path) for c in ":,"):
+        raise ImageBuildError(f"{where}: {path} cannot be bound (a ':' or ',' in its path ends Apptainer's --bind); "
+                              f"{fix}")
+    return ["--bind", f"{path}:{dest}"]
+
+
 class Builder:
     """Builds plans with Apptainer; ``on_event`` receives progress lines."""
 
@@ -272,8 +280,7 @@ class Builder:
         tmp = self.cache.tmp_image_path(name, key)
         make_dirs(tmp.parent)
         t0 = time.monotonic()
-        with self._kept_caches(plan) as binds, self._secrets(plan) as secret_binds:
-            binds += secret_binds
+        with self._mount_binds(plan) as binds:
             cmd = [self.apptainer, "build", "--fakeroot", *binds, *plan.build_args, str(tmp), str(def_path)]
             self.on_event(name, f"building {key}: {shlex.join(cmd)}")
             self._build_with(plan, cmd, tmp, log_path)
@@ -284,59 +291,51 @@ class Builder:
         return Result(name, key, plan.mode, "built", plan.reasons, str(plan.path), waited_s, build_s, entry["size_bytes"], log=str(log_path))
 
     @contextlib.contextmanager
-    def _kept_caches(self, plan: Plan) -> Iterator[list[str]]:
-        """The ``--bind`` arguments of the plan's kept cache mounts, their host folders made and held for the
-        build (see :func:`~prorl_cli.images.cache.cache_mount_lock`), in one order for every build so that none
-        waits on another that waits on it."""
+    def _mount_binds(self, plan: Plan) -> Iterator[list[str]]:
+        """The ``--bind`` arguments of what the plan's ``RUN --mount``s use, held for the build:
+        - each kept cache's host folder, made, and locked (see :func:`~prorl_cli.images.cache.cache_mount_lock`) in
+          one order for every build, so that none waits on another that waits on it;
+        - each secret: a host file as it is, or a variable of prorl's environment written to a file only this user
+          can read, removed after the build;
+        - each SSH agent's socket.
+        """
         name = plan.spec.name
-        root = self.cache.build_cache_dir()
-        if plan.caches and any(c in str(root) for c in ":,"):
-            raise ImageBuildError(f"image {name}: the build cache {root} cannot be bound (a ':' or ',' in its path "
-                                  "ends Apptainer's --bind); set images.cache_dir elsewhere or images.build_cache: false")
         binds: list[str] = []
         with contextlib.ExitStack() as held:
+            root = self.cache.build_cache_dir()
             for cache in sorted(plan.caches, key=lambda c: c.key):
                 folder = root / cache.key
+                binds += _bind(folder, f"{CACHE_MOUNTS}/{cache.key}", f"image {name}: the build cache",
+                               "set images.cache_dir elsewhere or images.build_cache: false")
                 make_dirs(folder)
                 busy = functools.partial(self.on_event, name, f"waiting for build cache {cache.key}: another build "
                                                               "holds it (sharing=locked)")
                 held.enter_context(cache_mount_lock(folder, exclusive=cache.locked, on_wait=busy))
-                binds += ["--bind", f"{folder}:{CACHE_MOUNTS}/{cache.key}"]
-            yield binds
-
-    @contextlib.contextmanager
-    def _secrets(self, plan: Plan) -> Iterator[list[str]]:
-        """The ``--bind`` arguments of the secrets the plan's steps read (a host file as it is, a variable of
-        prorl's environment written to a file only this user can read, removed after the build) and of the SSH
-        agents they use."""
-        binds: list[str] = []
-        with tempfile.TemporaryDirectory(prefix="prorl-secrets-") as private:
+            private = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="prorl-secrets-")))
             for secret_id, source in sorted(plan.secrets.items()):
-                where = f"image {plan.spec.name}: images.build_secrets.{secret_id}"
+                where = f"image {name}: images.build_secrets.{secret_id}"
                 if source.startswith("env:"):
                     if source[4:] not in os.environ:
                         raise ImageBuildError(f"{where}: the variable {source[4:]} is not set")
-                    path = Path(private) / secret_id
+                    path = private / secret_id
                     path.touch(0o600)
                     path.write_text(os.environ[source[4:]])
                 else:
                     path = Path(source).expanduser()
                     if not path.is_file():
                         raise ImageBuildError(f"{where}: {path} is not a file")
-                if any(c in str(path) for c in ":,"):
-                    raise ImageBuildError(f"{where}: {path} cannot be bound (a ':' or ',' in its path ends Apptainer's "
-                                          "--bind); move it")
-                binds += ["--bind", f"{path}:{SECRET_MOUNTS}/{secret_id}:ro"]
+                binds += _bind(path, f"{SECRET_MOUNTS}/{secret_id}:ro", where)
             for agent_id, socket_path in sorted(plan.ssh.items()):
+                where = f"image {name}: images.build_ssh.{agent_id}"
                 sock = Path(os.path.expanduser(os.path.expandvars(socket_path)))
                 try:
                     is_socket = stat.S_ISSOCK(sock.stat().st_mode)
                 except OSError:
                     is_socket = False
-                if not is_socket or any(c in str(sock) for c in ":,"):
-                    raise ImageBuildError(f"image {plan.spec.name}: images.build_ssh.{agent_id}: {sock} is not an SSH "
-                                          "agent's socket (is the agent running, and $SSH_AUTH_SOCK set?)")
-                binds += ["--bind", f"{sock}:{SSH_MOUNTS}/{agent_id}"]
+                if not is_socket:
+                    raise ImageBuildError(f"{where}: {sock} is not an SSH agent's socket (is the agent running, and "
+                                          "$SSH_AUTH_SOCK set?)")
+                binds += _bind(sock, f"{SSH_MOUNTS}/{agent_id}", where)
             yield binds
 
     def _build_with(self, plan: Plan, cmd: list[str], tmp: Path, log_path: Path) -> None:

@@ -144,12 +144,12 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
         stage = resolve_from(source_stage)
         for n, src in enumerate(sources):
             pattern = bool(_PATTERN.search(src))
-            sdest = dest
+            at = dest
             if keep_parents and pattern:
                 out.notes.append(f"line {ins.line}: {ins.word} {ins.args} - --parents is not applied to a pattern "
                                  "copied from another stage or image: its matches go into DEST")
             elif keep_parents:
-                sdest = dest.rstrip("/") + "/" + posixpath.normpath(src.split("/./", 1)[-1]).lstrip("/")
+                at = dest.rstrip("/") + "/" + posixpath.normpath(src.split("/./", 1)[-1]).lstrip("/")
             # A source in another stage is a path in its image: relative ones are from its root, as in Docker.
             src = posixpath.normpath(posixpath.join("/", src))
             staged = f"{COPY_STAGING}/{index}-{n}" + ("" if pattern else "/" + (posixpath.basename(src) or "root"))
@@ -158,16 +158,14 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
                 out.post.append(f"chmod -R {shlex.quote(mode)} {shlex.quote(staged)}")
             if owner is not None:  # and its owner, which the copy keeps
                 out.post.append(chown_paths(owner, [staged]))
-            out.post += from_copy_steps(src, sdest, staged, pattern=pattern, keep_owner=owner is not None)
+            out.post += from_copy_steps(src, at, staged, pattern=pattern, keep_owner=owner is not None)
         parent = dest if dest.endswith("/") else posixpath.dirname(dest) or "/"
         if owner is not None and parent != "/":  # a copied folder takes its staged owner itself (cp -p of DIR/.)
             out.post.insert(0, make_dirs_as(owner, parent, chown=True))
         return out
     # What --chmod applies to once the copy is in place: each path copied, and what a folder holds.
     modes: list[tuple[str, bool]] = []
-    dest_of_all = dest  # with --parents, each source's own DEST below it
     for src in sources:
-        dest = dest_of_all
         m = HEREDOC.fullmatch(src)
         if m and m.group(3) in docs:
             doc = docs[m.group(3)]
@@ -204,19 +202,19 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
         # idiom for an optional file).
         pivot = (context / src.split("/./", 1)[0]).resolve() if "/./" in src else context
         for src_path in matches:
-            dest = dest_of_all
+            at = dest  # with --parents, this match's own place below DEST
             if keep_parents and src_path.is_relative_to(pivot) and src_path != pivot:
-                dest = dest.rstrip("/") + "/" + src_path.relative_to(pivot).as_posix()
+                at = dest.rstrip("/") + "/" + src_path.relative_to(pivot).as_posix()
             if ins.word == "ADD" and src_path.is_file() and tarfile.is_tarfile(src_path):
                 # Docker unpacks a local tar archive (plain or compressed) that ADD names into the destination.
                 staged = f"{ADD_STAGING}/{index}-{src_path.name}"
                 out.files.append((src_path, str(src_path), staged))
-                into = dest if dest.endswith("/") else dest + "/"
+                into = at if at.endswith("/") else at + "/"
                 out.post += [f"mkdir -p {shlex.quote(into)}", f"tar -xf {shlex.quote(staged)} -C {shlex.quote(into)}",
                              f"rm -f {shlex.quote(staged)}"]
             elif src_path.is_dir():
                 # Docker copies a folder's contents; Apptainer's `cp -r SRC DEST` would nest SRC inside an existing DEST.
-                into = dest if dest.endswith("/") else dest + "/"
+                into = at if at.endswith("/") else at + "/"
                 # What .dockerignore leaves out is never copied (a repository's .git or a 5 GB data/ folder, which
                 # is why it is there), nor hashed into the lock key: the rest is copied in as few parts as cover it.
                 parts, empty = rules.included(context, src_path) if src_path.is_relative_to(context) else ([""], [])
@@ -225,7 +223,7 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
                     part = src_path / rel
                     # `cp -r SRC/. DEST` fills DEST, whether or not the image has it yet
                     out.files.append((part, f"{part}/." if part.is_dir() and not part.is_symlink() else str(part),
-                                      root + rel if rel or deferred else dest))
+                                      root + rel if rel or deferred else at))
                 if deferred or not parts:
                     out.post.append(f"mkdir -p {shlex.quote(into)}")
                 out.post += [f"mkdir -p {shlex.quote(into + rel)}" for rel in empty]
@@ -235,7 +233,7 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
                     sorted(entry.name for entry in src_path.iterdir())
                 modes += [(into + name, True) for name in tops]
             else:
-                target = dest + src_path.name if dest.endswith("/") else dest
+                target = at + src_path.name if at.endswith("/") else at
                 if deferred:
                     # The staged file keeps its name: `cp` into a DEST that is a folder of the image names it so.
                     stage = f"{COPY_STAGING}/{index}-{len(out.files)}/{src_path.name}"

@@ -210,34 +210,32 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
             mount = parse_mount(flag.split("=", 1)[1], known)
         except ConfigError as e:
             raise ConfigError(f"{where}: RUN {e}") from e
-        secret_id = (mount.id or posixpath.basename(mount.target or "") or mount.env) if mount.kind == "secret" else None
-        if mount.kind == "secret" and secret_id in given.secrets:
-            assert secret_id is not None
-            _secret_steps(out, mount, secret_id, workdir, f"{COPY_STAGING}/aside-{ins.index}-{n}", undo)
-            continue
-        if mount.kind == "ssh" and (mount.id or "default") in given.ssh:
-            _ssh_steps(out, mount, mount.id or "default", workdir, undo)
-            continue
+        aside = f"{COPY_STAGING}/aside-{ins.index}-{n}"
         if mount.kind in ("secret", "ssh"):
-            what = f"{mount.kind} {secret_id or mount.id or 'default'}"
-            if mount.required:
-                how = (f"give it in prorl.yaml, images.build_secrets: {{{secret_id}: /path/to/file}} (or env:VAR)"
-                       if mount.kind == "secret" else
-                       f"give it in prorl.yaml, images.build_ssh: {{{mount.id or 'default'}: $SSH_AUTH_SOCK}}")
-                raise ConfigError(f"{where}: RUN {flag}: the step requires the {what}; {how}, or put what it "
-                                  "fetches in the build context")
-            out.notes.append(f"line {ins.line}: RUN {flag} - no {what} is given to the build: the step runs without it")
+            # A secret is named by its id, else its target's file name (or its variable); an agent by its id.
+            if mount.kind == "secret":
+                name = mount.id or posixpath.basename(mount.target or "") or mount.env or ""
+            else:
+                name = mount.id or "default"
+            if mount.kind == "secret" and name in given.secrets:
+                _secret_steps(out, mount, name, workdir, aside, undo)
+            elif mount.kind == "ssh" and name in given.ssh:
+                _ssh_steps(out, mount, name, workdir, undo)
+            elif mount.required:
+                setting = (f"images.build_secrets: {{{name}: /path/to/file}} (or env:VAR)" if mount.kind == "secret"
+                           else f"images.build_ssh: {{{name}: $SSH_AUTH_SOCK}}")
+                raise ConfigError(f"{where}: RUN {flag}: the step requires the {mount.kind} {name}; give it in "
+                                  f"prorl.yaml, {setting}, or put what it fetches in the build context")
+            else:
+                out.notes.append(f"line {ins.line}: RUN {flag} - no {mount.kind} {name} is given to the build: the "
+                                 "step runs without it")
             continue
         assert mount.target is not None  # parse_mount requires it of bind, cache and tmpfs
         target = posixpath.normpath(posixpath.join(workdir, mount.target))
         if target == "/":
             raise ConfigError(f"{where}: RUN {flag}: a mount over / cannot be put in place for one step")
         t = shlex.quote(target)
-        aside = shlex.quote(f"{COPY_STAGING}/aside-{ins.index}-{n}")
-        # The first mount makes the staging folder its target's content waits in.
-        before = [_MAKE_STAGING] * (_MAKE_STAGING not in out.before) + [
-                  f"if [ -e {t} ] || [ -L {t} ]; then mv {t} {aside}; fi",
-                  f"mkdir -p {shlex.quote(posixpath.dirname(target))}"]
+        before, restore = _set_aside(out, target, aside)
         if mount.kind == "bind":
             staged = f"{COPY_STAGING}/mount-{ins.index}-{n}"
             # A context path is relative to the context's root even when written /uv.lock, as BuildKit reads it.
@@ -272,10 +270,19 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
                 before.append(f"chmod {mount.mode} {t}")
         out.before += before
         # Taken away in reverse order: a mount inside another's target goes first.
-        undo.insert(0, [f"rm -rf {t}", f"if [ -e {aside} ] || [ -L {aside} ]; then mv {aside} {t}; fi"])
+        undo.insert(0, [f"rm -rf {t}", restore])
     # The staging folder goes too unless a later COPY waits in it (%files fills it before %post starts).
     out.after = [line for lines in undo for line in lines] + [f"rmdir {shlex.quote(COPY_STAGING)} 2>/dev/null || true"]
     return out
+
+
+def _set_aside(out: MountedStep, target: str, aside: str) -> tuple[list[str], str]:
+    """The lines that move what the image has at ``target`` to ``aside`` (the staging folder made by the step's
+    first such line) and make ``target``'s folder, and the line that brings it back once the mount is gone."""
+    t, a = shlex.quote(target), shlex.quote(aside)
+    before = [_MAKE_STAGING] * (_MAKE_STAGING not in out.before) + [
+        f"if [ -e {t} ] || [ -L {t} ]; then mv {t} {a}; fi", f"mkdir -p {shlex.quote(posixpath.dirname(target))}"]
+    return before, f"if [ -e {a} ] || [ -L {a} ]; then mv {a} {t}; fi"
 
 
 def _secret_steps(out: MountedStep, mount: Mount, secret_id: str, workdir: str, aside: str,
@@ -287,13 +294,12 @@ def _secret_steps(out: MountedStep, mount: Mount, secret_id: str, workdir: str, 
     # BuildKit mounts a secret's file unless it is given as a variable only (env= and no target).
     if mount.target or not mount.env:
         target = posixpath.normpath(posixpath.join(workdir, mount.target or f"/run/secrets/{secret_id}"))
-        t, a = shlex.quote(target), shlex.quote(aside)
-        out.before += [_MAKE_STAGING] * (_MAKE_STAGING not in out.before) + [
-            f"if [ -e {t} ] || [ -L {t} ]; then mv {t} {a}; fi", f"mkdir -p {shlex.quote(posixpath.dirname(target))}",
-            f"cp {bound} {t}", f"chmod {mount.mode or '0400'} {t}"]
+        t = shlex.quote(target)
+        before, restore = _set_aside(out, target, aside)
+        out.before += [*before, f"cp {bound} {t}", f"chmod {mount.mode or '0400'} {t}"]
         if mount.owner is not None:
             out.before.append(f"chown {mount.owner} {t}")
-        undo.insert(0, [f"rm -f {t}", f"if [ -e {a} ] || [ -L {a} ]; then mv {a} {t}; fi"])
+        undo.insert(0, [f"rm -f {t}", restore])
     if mount.env:
         # Set with tracing off: %post runs with `sh -x`, whose trace would print the value into the build log.
         out.before += ["{ prorl_x=$-; set +x; } 2>/dev/null", f'{mount.env}=$(cat {bound}); export {mount.env}',

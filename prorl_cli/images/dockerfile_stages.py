@@ -75,7 +75,7 @@ def from_copy_steps(source: str, dest: str, staged: str, *, pattern: bool, keep_
     pattern were staged into the folder ``staged`` and all go into ``dest``. ``keep_owner``: the copies keep
     the staged files' owners (a ``--chown`` gave them), else they are root's, as Docker's are.
     """
-    cp = "cp -fRp" if keep_owner else "cp -fR"
+    cp, cp_file = ("cp -fRp", "cp -fp") if keep_owner else ("cp -fR", "cp -f")
     if pattern:
         return [f"mkdir -p {shlex.quote(dest)}", f"{cp} {shlex.quote(staged)}/. {shlex.quote(dest)}"]
     name = posixpath.basename(source.rstrip("/")) or "root"
@@ -84,7 +84,7 @@ def from_copy_steps(source: str, dest: str, staged: str, *, pattern: bool, keep_
     s = shlex.quote(staged)
     # One step: %post runs with `sh -e`, which stops at a failing command in a branch (not inside `a && b`).
     return [f"if [ -d {s} ]; then mkdir -p {shlex.quote(into)}; {cp} {s}/. {shlex.quote(into)}; "
-            f"else mkdir -p {shlex.quote(posixpath.dirname(target) or '/')}; {cp.replace('R', '')} {s} "
+            f"else mkdir -p {shlex.quote(posixpath.dirname(target) or '/')}; {cp_file} {s} "
             f"{shlex.quote(target)}; fi"]
 
 

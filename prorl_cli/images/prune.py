@@ -49,8 +49,7 @@ def _orphan_logs(cache: Cache, builds: dict[str, Any]) -> dict[tuple[str, str], 
 def prune_build_cache(cache: Cache, dry_run: bool = False) -> list[str]:
     """Remove this user's kept ``RUN --mount=type=cache`` folders that no build holds now; returns what went."""
     removed: list[str] = []
-    root = cache.build_cache_dir()
-    for folder in sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []:
+    for folder in sorted(p for p in cache.build_cache_dir().glob("*") if p.is_dir()):
         with cache_mount_lock(folder, exclusive=True, wait=False) as free:
             if not free:
                 continue  # a build is using it

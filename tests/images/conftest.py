@@ -69,9 +69,11 @@ class Workspace:
         env["COLUMNS"] = "250"  # rich wraps at 80 columns without a terminal
         return env
 
-    def prorl(self, *args: str, check: bool = True, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(self.argv(*args), cwd=self.root, env=self.env(), capture_output=True, text=True,
-                              timeout=timeout_s, start_new_session=True)
+    def prorl(self, *args: str, check: bool = True, timeout_s: float = 240,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """``prorl ARGS`` in the workspace (``env``: variables on top of the workspace's)."""
+        proc = subprocess.run(self.argv(*args), cwd=self.root, env={**self.env(), **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout_s, start_new_session=True)
         if check and proc.returncode != 0:
             raise AssertionError(f"prorl {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
         return proc

@@ -48,14 +48,35 @@ def in_image(image: dict[str, Any], *argv: str) -> str:
     return subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout
 
 
+def on_busybox(ws: Workspace, *, stages: bool = False, **settings: Any) -> None:
+    """The image list: the workspace's Dockerfile as ``app`` on a busybox root image (``stages``: its other stages'
+    ``FROM busybox`` too), and ``settings`` in prorl.yaml's images section."""
+    app: dict[str, Any] = {"template": "Dockerfile", "base": "image:root"}
+    if stages:
+        app["stage_bases"] = {"busybox": "image:root"}
+    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"}, "app": app}, **settings)
+
+
+def app_result(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """``app``'s result in the output of ``prorl build-images --json``."""
+    (app,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
+    return app
+
+
+def built(ws: Workspace, *args: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], Any]:
+    """``prorl build-images --json ARGS app``, which must build ``app``: its result and the CLI's run."""
+    out = ws.prorl("build-images", "--json", *args, "app", env=env)
+    app = app_result(out)
+    assert app["action"] == "built", (app, out.stderr)
+    return app, out
+
+
 def failed_build(ws: Workspace) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
     """Build the workspace's Dockerfile on a busybox root image, which must fail: its result and the CLI's run."""
-    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-              "app": {"template": "Dockerfile", "base": "image:root"}})
+    on_busybox(ws)
     out = ws.prorl("build-images", "--json", "--mode", "lock", "app", check=False)
     assert out.returncode == 1, out.stdout
-    (app,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
-    return app, out
+    return app_result(out), out
 
 
 def test_env_and_arg_reach_the_programs_later_steps_run(tmp_path: Path) -> None:
@@ -416,10 +437,8 @@ def test_a_converted_dockerfile_builds_what_docker_would(ws: Workspace) -> None:
         "RUN mkdir -p /etc/app && echo old > /etc/app/app.conf\n"
         "COPY requirements.txt /etc/app/app.conf\n"
     )
-    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-              "app": {"template": "Dockerfile", "base": "image:root"}})
-    image = ws.build("--mode", "lock", "app")["app"]
-    assert image["action"] == "built", image
+    on_busybox(ws)
+    image, _ = built(ws, "--mode", "lock")
 
     def cat(path: str) -> str:
         return in_image(image, "cat", path)
@@ -456,10 +475,8 @@ def test_a_run_with_mounts_sees_them_and_the_image_keeps_none_of_them(ws: Worksp
         "cat lock.txt /mnt/data/x.txt /seed/s.txt > /app/seen && echo c > /root/.cache/c && echo w > /mnt/data/w\n"
         # What the image holds after the step, looked at while building (a run binds the host's /root).
         "RUN for p in /root/.cache/c /mnt/data /seed /.prorl-copy; do if [ -e $p ]; then echo $p; fi; done > /left\n")
-    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-              "app": {"template": "Dockerfile", "base": "image:root", "stage_bases": {"busybox": "image:root"}}})
-    image = ws.build("--mode", "lock", "app")["app"]
-    assert image["action"] == "built", image
+    on_busybox(ws, stages=True)
+    image, _ = built(ws, "--mode", "lock")
 
     def sh(script: str) -> str:
         return in_image(image, "sh", "-c", script)
@@ -509,10 +526,8 @@ def test_user_chown_and_workdir_give_files_to_whom_docker_would(ws: Workspace) -
         "&& if touch /not-mine 2>/dev/null; then echo wrote; else echo refused; fi > refused\n"
         "USER root\nRUN id -u > /root-uid && stat -c '%u:%g %n' /srv/app /srv/app/conf/app.ini /srv/app/conf/edited "
         "/srv/app/work /srv/out /srv/out/sub/b > /owners\n")
-    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-              "app": {"template": "Dockerfile", "base": "image:root", "stage_bases": {"busybox": "image:root"}}})
-    image = ws.build("--mode", "lock", "app")["app"]
-    assert image["action"] == "built", image
+    on_busybox(ws, stages=True)
+    image, _ = built(ws, "--mode", "lock")
 
     def cat(*paths: str) -> list[str]:
         return in_image(image, "cat", *paths).splitlines()
@@ -532,12 +547,10 @@ def test_a_cache_mount_keeps_what_a_build_wrote_for_the_next_build(ws: Workspace
         "echo \"$(cat /root/.cache/n)/$(cat /var/cache/apt/n)\" > /seen; n=$(($(cat /root/.cache/n) + 1)); "
         "echo $n > /root/.cache/n; echo $n > /var/cache/apt/n\n"
         "RUN echo $(ls -A /root/.cache /var/cache) > /left\n")
-    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-              "app": {"template": "Dockerfile", "base": "image:root"}})
+    on_busybox(ws)
 
     def build() -> list[str]:
-        image = ws.build("--mode", "scratch", "app")["app"]
-        assert image["action"] == "built", image
+        image, _ = built(ws, "--mode", "scratch")
         return in_image(image, "cat", "/seen", "/left").splitlines()
 
     assert build() == ["/", "/root/.cache: own /var/cache:"]  # the first build found both empty; the image keeps its own
@@ -566,16 +579,9 @@ def test_a_build_secret_reaches_its_step_and_nothing_else(ws: Workspace) -> None
         "RUN --mount=type=secret,id=pypi,target=/root/.pypirc --mount=type=secret,id=tok,env=TOKEN "
         "sha256sum /root/.pypirc | cut -c1-64 > /file-hash && echo \"$TOKEN\" | sha256sum | cut -c1-64 > /env-hash\n"
         "RUN if [ -e /root/.pypirc ] || [ -n \"$TOKEN\" ]; then echo left; fi > /left\n")
-    ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-              "app": {"template": "Dockerfile", "base": "image:root"}},
-             build_secrets={"pypi": str(secret), "tok": "env:PRORL_TEST_TOKEN"})
+    on_busybox(ws, build_secrets={"pypi": str(secret), "tok": "env:PRORL_TEST_TOKEN"})
     token = "s3cr3t-env"
-    env = ws.env()
-    env["PRORL_TEST_TOKEN"] = token
-    out = subprocess.run(ws.argv("build-images", "--json", "--mode", "lock", "app"), cwd=ws.root, env=env,
-                         capture_output=True, text=True, timeout=240, start_new_session=True)
-    (image,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
-    assert image["action"] == "built", (image, out.stderr)
+    image, out = built(ws, "--mode", "lock", env={"PRORL_TEST_TOKEN": token})
     seen = in_image(image, "cat", "/file-hash", "/env-hash", "/left").splitlines()
     assert seen == [hashlib.sha256(b"s3cr3t-file\n").hexdigest(), hashlib.sha256(f"{token}\n".encode()).hexdigest()]
     logs = "".join(p.read_text() for p in (ws.cache / "logs" / "app").iterdir())
@@ -599,18 +605,11 @@ def test_an_ssh_mount_finds_the_agent_images_build_ssh_gives(ws: Workspace) -> N
             "RUN --mount=type=ssh,id=deploy,target=/run/agent.sock if [ -S /run/agent.sock ] && "
             "[ \"$SSH_AUTH_SOCK\" = /run/agent.sock ]; then echo deploy; fi > /deploy\n"
             "RUN echo \"${SSH_AUTH_SOCK:-none}\" > /after\n")
-        ws.write({"root": {"template": "busybox.def.j2", "base": "scratch"},
-                  "app": {"template": "Dockerfile", "base": "image:root"}},
-                 build_ssh={"default": str(agent), "deploy": "$PRORL_TEST_AGENT"})
-        env = {**ws.env(), "PRORL_TEST_AGENT": str(agent)}
-        out = subprocess.run(ws.argv("build-images", "--json", "--mode", "lock", "app"), cwd=ws.root, env=env,
-                             capture_output=True, text=True, timeout=240, start_new_session=True)
-    (image,) = [r for r in json.loads(out.stdout) if r["name"] == "app"]
-    assert image["action"] == "built", (image, out.stderr)
+        on_busybox(ws, build_ssh={"default": str(agent), "deploy": "$PRORL_TEST_AGENT"})
+        image, _ = built(ws, "--mode", "lock", env={"PRORL_TEST_AGENT": str(agent)})
     assert in_image(image, "cat", "/default", "/deploy", "/after").split() == ["agent", "deploy", "none"]
     ws.write(build_ssh={"default": str(ws.root / "gone.sock")})
-    gone = ws.prorl("build-images", "--json", "--mode", "scratch", "app", check=False)
-    (failed,) = [r for r in json.loads(gone.stdout) if r["name"] == "app"]
+    failed = app_result(ws.prorl("build-images", "--json", "--mode", "scratch", "app", check=False))
     assert "images.build_ssh.default" in failed["error"] and "is not an SSH agent's socket" in failed["error"], failed
 
 
