@@ -68,6 +68,24 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_
 _NO_DETAIL_FAILURES = 3
 
 
+def _handshake_monitor(sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+    """A PAIR socket that receives ``sock``'s handshake events, however many wait unread.
+
+    libzmq's I/O thread sends a monitor's events with a blocking send, and that thread serves every socket of the
+    context (a process's clients, its node). A monitor queue left full (its events unread while the event loop is
+    idle: a blocking client between calls, facing a server that refuses each reconnect ten times a second) or a
+    monitor closed before the socket it watches would stop that thread, and every socket of the process with it.
+    An unbounded receive queue (0 on either end of an inproc pipe lifts its limit) keeps it from the first; the
+    watched socket stopping its monitor before the monitor closes keeps it from the second.
+    """
+    address = f"inproc://prorl-monitor-{uuid.uuid4().hex}"
+    sock.monitor(address, _HANDSHAKE_EVENTS)
+    monitor = sock.context.socket(zmq.PAIR)
+    monitor.setsockopt(zmq.RCVHWM, 0)
+    monitor.connect(address)
+    return monitor
+
+
 class BrokerConnection:
     """A DEALER socket to the broker with request/reply, boot-id tracking and broker following.
 
@@ -173,16 +191,16 @@ class BrokerConnection:
                 sock.setsockopt(zmq.SNDHWM, 0)
                 sock.setsockopt(zmq.RCVHWM, 0)
             curve = self.deployment_dir is not None and secure_peer(sock, self.deployment_dir)  # the broker's key
-            monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+            monitor = _handshake_monitor(sock)
             try:
                 sock.connect(self.address)
             except zmq.ZMQError as e:  # malformed: ZeroMQ names the address, not what a good one looks like
                 raise BadAddress(f"broker address {self.address!r}: not an endpoint to connect to ({e.strerror}); "
                                  "give tcp://HOST:PORT") from e
         except BaseException:
+            sock.close(0)  # before its monitor (see _handshake_monitor)
             if monitor is not None:
                 monitor.close(0)
-            sock.close(0)
             raise
         self.sock = sock
         self._epoch += 1
@@ -193,14 +211,15 @@ class BrokerConnection:
         self._monitor_sock = monitor
         self._loop = asyncio.get_running_loop()
         self._monitor = asyncio.get_running_loop().create_task(
-            self._watch_handshake(monitor, self._epoch, curve), name=f"prorl-{self.name}-handshake"
+            self._watch_handshake(sock, monitor, self._epoch, curve), name=f"prorl-{self.name}-handshake"
         )
         self._reader = asyncio.get_running_loop().create_task(
             self._read(sock, self._epoch), name=f"prorl-{self.name}-reader"
         )
         self._reader.add_done_callback(self._reader_done)
 
-    async def _watch_handshake(self, monitor: zmq.asyncio.Socket, epoch: int, curve: bool) -> None:
+    async def _watch_handshake(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, epoch: int,
+                               curve: bool) -> None:
         """Turn a refused CURVE handshake into :attr:`refused` and fail the requests waiting on it.
 
         Without this a peer with the wrong keys (or none) waits out its whole request timeout:
@@ -227,6 +246,9 @@ class BrokerConnection:
                 log.error("%s: %s", self.name, self.refused)
                 self._fail_pending(self.refused, epoch=epoch)
         finally:
+            # The watched socket stops sending first: an event sent to a closed monitor blocks libzmq's I/O thread.
+            if not sock.closed:
+                sock.disable_monitor()
             monitor.close(0)
 
     def _refusal(self, event: int, curve: bool) -> str:

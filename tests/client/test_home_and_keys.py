@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,15 +100,20 @@ def test_a_request_sent_after_libzmq_dropped_the_refused_connection_still_fails_
         assert isinstance(raised, BrokerRefused) and "requires CURVE keys" in str(raised), repr(raised)
 
 
+def another_deployments_keys(stack: LocalStack, home: Path) -> Path:
+    """Another deployment's folder under ``home``: the stack broker's rendezvous file, but a client key of its own."""
+    other = home / stack.name
+    other.mkdir(parents=True)
+    shutil.copy(stack.deployment_dir / "broker.json", other / "broker.json")
+    public, secret = zmq.curve_keypair()
+    (other / CLIENT_KEY_NAME).write_text(json.dumps({"public": public.decode(), "secret": secret.decode()}))
+    return other
+
+
 def test_a_client_with_another_deployments_key_is_refused_naming_its_folder(tmp_path: Path) -> None:
     with LocalStack(tmp_path / "stack", "keys", {"broker": {"journal": False}}) as stack:
         stack.start_broker()
-        # Another deployment's folder: this broker's rendezvous file, but a client key of its own.
-        other = tmp_path / "other" / "keys"
-        other.mkdir(parents=True)
-        shutil.copy(stack.deployment_dir / "broker.json", other / "broker.json")
-        public, secret = zmq.curve_keypair()
-        (other / CLIENT_KEY_NAME).write_text(json.dumps({"public": public.decode(), "secret": secret.decode()}))
+        other = another_deployments_keys(stack, tmp_path / "other")
         config = load_config(stack.config_path, {"home": str(tmp_path / "other"), "deployment": "keys"})
         with RolloutClient("keys", address=stack.address, config=config, request_timeout_s=PATIENT_S) as client:
             with pytest.raises(BrokerRefused) as refused:
@@ -119,6 +125,64 @@ def test_a_client_with_another_deployments_key_is_refused_naming_its_folder(tmp_
         assert "refused this client's key" in message and str(other) in message, message
         # The right keys still get in.
         assert stack.new_client().status().nodes == []
+
+
+# Run in a process of its own: before the fix, the process's ZeroMQ froze (nothing in it could talk any more).
+IDLE_REFUSED_CLIENT = """
+import sys
+
+import zmq
+import zmq.asyncio
+
+from prorl_cli.client import RolloutClient
+from prorl_cli.config import load_config
+from prorl_cli.embedded import LocalStack
+from prorl_cli.exceptions import BrokerRefused
+
+stack_home, other_home, name = sys.argv[1:4]
+# Reconnect at once: the refusals an idle client meets over minutes (one per 100 ms reconnect) come in seconds.
+zmq.asyncio.Context.instance().setsockopt(zmq.RECONNECT_IVL, 1)
+stack = LocalStack(stack_home, name)
+# A CURVE server with keys of its own (another deployment's broker on a reused port): every handshake fails.
+router = zmq.Context().socket(zmq.ROUTER)
+router.curve_server = True
+router.curve_publickey, router.curve_secretkey = zmq.curve_keypair()
+port = router.bind_to_random_port("tcp://127.0.0.1")
+failures = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+refused = RolloutClient(name, address=f"tcp://127.0.0.1:{port}",
+                        config=load_config(stack.config_path, {"home": other_home, "deployment": name}))
+try:
+    refused.status()
+    sys.exit("the refusing server answered")
+except BrokerRefused:
+    pass
+seen = 0
+while seen < 3000:
+    if not failures.poll(20_000):
+        break
+    failures.recv_multipart()
+    seen += 1
+print("refusals", seen, flush=True)
+with stack.new_client(request_timeout_s=20) as client:
+    print("nodes", len(client.status().nodes), flush=True)
+refused.close()
+"""
+
+
+def test_a_refused_client_left_idle_does_not_stop_the_other_clients_of_its_process(tmp_path: Path) -> None:
+    """A blocking client runs its event loop only during its calls. Between them its handshake monitor goes
+    unread while libzmq keeps reconnecting to a server that refuses it, an event each time; once 2,000 waited,
+    libzmq's I/O thread blocked on the next, and every client of the process got no reply (CI saw a whole test
+    lane fail that way). The monitor's queue has no limit now: the refused client goes on being refused, and a
+    client of the process with the right keys is answered."""
+    with LocalStack(tmp_path / "stack", "keys", {"broker": {"journal": False}}) as stack:
+        stack.start_broker()
+        another_deployments_keys(stack, tmp_path / "other")
+        child = subprocess.run([sys.executable, "-c", IDLE_REFUSED_CLIENT, str(stack.home), str(tmp_path / "other"),
+                                stack.name], capture_output=True, text=True, timeout=180)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.split("\n")[:2] == ["refusals 3000", "nodes 0"], child.stdout + child.stderr[-3000:]
 
 
 def test_an_embedded_stack_from_asyncio_code_says_how_and_gives_an_async_client(tmp_path: Path) -> None:
