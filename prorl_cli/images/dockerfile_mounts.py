@@ -220,7 +220,7 @@ def convert_mounts(ins: Instruction, flags: list[str], *, known: dict[str, str],
             if mount.kind == "secret" and name in given.secrets:
                 _secret_steps(out, mount, name, workdir, aside, undo)
             elif mount.kind == "ssh" and name in given.ssh:
-                _ssh_steps(out, mount, name, workdir, undo)
+                _ssh_steps(out, mount, name, workdir, aside, undo)
             elif mount.required:
                 setting = (f"images.build_secrets: {{{name}: /path/to/file}} (or env:VAR)" if mount.kind == "secret"
                            else f"images.build_ssh: {{{name}: $SSH_AUTH_SOCK}}")
@@ -307,8 +307,10 @@ def _secret_steps(out: MountedStep, mount: Mount, secret_id: str, workdir: str, 
         undo.insert(0, [f"unset {mount.env}"])
 
 
-def _ssh_steps(out: MountedStep, mount: Mount, agent_id: str, workdir: str, undo: list[list[str]]) -> None:
-    """An SSH agent the build has, for one step: ``SSH_AUTH_SOCK`` names its bound socket (or the target)."""
+def _ssh_steps(out: MountedStep, mount: Mount, agent_id: str, workdir: str, aside: str,
+               undo: list[list[str]]) -> None:
+    """An SSH agent the build has, for one step: ``SSH_AUTH_SOCK`` names its bound socket (or the target, a link
+    to it; what the image has there is set aside for the step and comes back after it)."""
     bound = f"{SSH_MOUNTS}/{agent_id}"
     if agent_id not in out.ssh:
         out.ssh.append(agent_id)
@@ -316,7 +318,8 @@ def _ssh_steps(out: MountedStep, mount: Mount, agent_id: str, workdir: str, undo
     if mount.target:
         sock = posixpath.normpath(posixpath.join(workdir, mount.target))
         t = shlex.quote(sock)
-        out.before += [f"mkdir -p {shlex.quote(posixpath.dirname(sock))}", f"ln -sf {shlex.quote(bound)} {t}"]
-        undo.insert(0, [f"rm -f {t}"])
+        before, restore = _set_aside(out, sock, aside)
+        out.before += [*before, f"ln -s {shlex.quote(bound)} {t}"]
+        undo.insert(0, [f"rm -f {t}", restore])
     out.before.append(f"SSH_AUTH_SOCK={shlex.quote(sock)}; export SSH_AUTH_SOCK")
     undo.insert(0, ["unset SSH_AUTH_SOCK"])

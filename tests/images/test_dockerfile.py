@@ -593,7 +593,8 @@ def test_a_build_secret_reaches_its_step_and_nothing_else(ws: Workspace) -> None
 @needs_apptainer
 @pytest.mark.apptainer
 def test_an_ssh_mount_finds_the_agent_images_build_ssh_gives(ws: Workspace) -> None:
-    """`RUN --mount=type=ssh git clone git@host:org/private.git`: the step finds the agent in SSH_AUTH_SOCK."""
+    """`RUN --mount=type=ssh git clone git@host:org/private.git`: the step finds the agent in SSH_AUTH_SOCK; a
+    target's link replaces what the image has there for the step only."""
     import socket
 
     agent = ws.root / "agent.sock"
@@ -602,12 +603,14 @@ def test_an_ssh_mount_finds_the_agent_images_build_ssh_gives(ws: Workspace) -> N
         (ws.root / "Dockerfile").write_text(
             "FROM busybox\nRUN /bin/busybox --install -s /bin\n"
             "RUN --mount=type=ssh if [ -S \"$SSH_AUTH_SOCK\" ]; then echo agent; fi > /default\n"
+            "RUN mkdir -p /run && echo kept > /run/agent.sock\n"
             "RUN --mount=type=ssh,id=deploy,target=/run/agent.sock if [ -S /run/agent.sock ] && "
             "[ \"$SSH_AUTH_SOCK\" = /run/agent.sock ]; then echo deploy; fi > /deploy\n"
             "RUN echo \"${SSH_AUTH_SOCK:-none}\" > /after\n")
         on_busybox(ws, build_ssh={"default": str(agent), "deploy": "$PRORL_TEST_AGENT"})
         image, _ = built(ws, "--mode", "lock", env={"PRORL_TEST_AGENT": str(agent)})
-    assert in_image(image, "cat", "/default", "/deploy", "/after").split() == ["agent", "deploy", "none"]
+    assert in_image(image, "cat", "/default", "/deploy", "/after", "/run/agent.sock").split() == [
+        "agent", "deploy", "none", "kept"]
     ws.write(build_ssh={"default": str(ws.root / "gone.sock")})
     failed = app_result(ws.prorl("build-images", "--json", "--mode", "scratch", "app", check=False))
     assert "images.build_ssh.default" in failed["error"] and "is not an SSH agent's socket" in failed["error"], failed
