@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prorl_cli.exceptions import ConfigError
-from prorl_cli.images.dockerfile_stages import from_copy_steps
+from prorl_cli.images.dockerfile_stages import exclude_steps, from_copy_steps
 from prorl_cli.images.dockerfile_text import HEREDOC, Instruction, leading_flags
 from prorl_cli.images.dockerfile_user import chown_paths, make_dirs_as
 from prorl_cli.images.dockerignore import DockerIgnore
@@ -138,9 +138,6 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
     if many and not dest.endswith("/"):
         dest += "/"  # Docker requires it for several sources; it means a folder
     if source_stage is not None:
-        if excludes:
-            out.notes.append(f"line {ins.line}: {ins.word} {ins.args} - --exclude is not applied to a copy from "
-                             "another stage or image: all of it is copied")
         stage = resolve_from(source_stage)
         for n, src in enumerate(sources):
             pattern = bool(_PATTERN.search(src))
@@ -158,6 +155,8 @@ def convert_copy(ins: Instruction, context: Path, workdir: str, index: int | str
                 out.post.append(f"chmod -R {shlex.quote(mode)} {shlex.quote(staged)}")
             if owner is not None:  # and its owner, which the copy keeps
                 out.post.append(chown_paths(owner, [staged]))
+            if excludes:
+                out.post += exclude_steps(staged, posixpath.basename(src), excludes)
             out.post += from_copy_steps(src, at, staged, pattern=pattern, keep_owner=owner is not None)
         parent = dest if dest.endswith("/") else posixpath.dirname(dest) or "/"
         if owner is not None and parent != "/":  # a copied folder takes its staged owner itself (cp -p of DIR/.)

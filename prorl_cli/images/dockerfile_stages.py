@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prorl_cli.exceptions import ConfigError
+from prorl_cli.images.dockerignore import posix_regex
 
 if TYPE_CHECKING:
     from prorl_cli.images.dockerfile_text import Instruction
@@ -73,7 +74,8 @@ def from_copy_steps(source: str, dest: str, staged: str, *, pattern: bool, keep_
     Whether ``source`` is a folder is known only inside the other stage, so the step decides: a folder's
     contents go into ``dest``; a file goes to ``dest``, or into it when ``dest`` ends with "/". Matches of a
     pattern were staged into the folder ``staged`` and all go into ``dest``. ``keep_owner``: the copies keep
-    the staged files' owners (a ``--chown`` gave them), else they are root's, as Docker's are.
+    the staged files' owners (a ``--chown`` gave them), else they are root's, as Docker's are. A file an
+    ``--exclude`` took away (see :func:`exclude_steps`) is not copied.
     """
     cp, cp_file = ("cp -fRp", "cp -fp") if keep_owner else ("cp -fR", "cp -f")
     if pattern:
@@ -84,8 +86,19 @@ def from_copy_steps(source: str, dest: str, staged: str, *, pattern: bool, keep_
     s = shlex.quote(staged)
     # One step: %post runs with `sh -e`, which stops at a failing command in a branch (not inside `a && b`).
     return [f"if [ -d {s} ]; then mkdir -p {shlex.quote(into)}; {cp} {s}/. {shlex.quote(into)}; "
-            f"else mkdir -p {shlex.quote(posixpath.dirname(target) or '/')}; {cp_file} {s} "
+            f"elif [ -e {s} ] || [ -L {s} ]; then mkdir -p {shlex.quote(posixpath.dirname(target) or '/')}; {cp_file} {s} "
             f"{shlex.quote(target)}; fi"]
+
+
+def exclude_steps(staged: str, name: str, excludes: list[str]) -> list[str]:
+    """The %post step that takes out of what ``%files from STAGE`` staged at ``staged`` what a ``--exclude``'s
+    patterns match, as BuildKit reads them: below a folder source, relative to it; a file source, by its
+    ``name`` (relative to the folder it is in). The other stage's files are known only as the step runs."""
+    s, regex = shlex.quote(staged), shlex.quote(posix_regex(excludes))
+    # Deepest first (-depth): a folder goes after what it holds, so find never walks into a folder gone.
+    return [f"if [ -d {s} ]; then (cd {s} && find . -mindepth 1 -depth | sed 's|^[.]/||' | grep -E {regex} | "
+            f"while IFS= read -r p; do rm -rf \"./$p\"; done); elif printf '%s\\n' {shlex.quote(name)} | "
+            f"grep -qE {regex}; then rm -f {s}; fi"]
 
 
 def needed_stages(stages: list[Stage], copies_from: dict[int, list[tuple[str, int]]], where: str) -> list[int]:

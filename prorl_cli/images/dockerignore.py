@@ -25,15 +25,17 @@ class _Pattern:
     exception: bool
 
 
-def _compile(pattern: str) -> re.Pattern[str]:
-    """A pattern as an anchored regular expression over '/'-separated paths."""
-    out, i = "^", 0
+def _translate(pattern: str, *, posix: bool = False) -> str:
+    """A pattern as a regular expression over '/'-separated paths, unanchored: Python's, or with ``posix`` a
+    POSIX extended one (``grep -E`` in an image)."""
+    escape = _ere_escape if posix else re.escape
+    out, i = "", 0
     while i < len(pattern):
         c = pattern[i]
         if c == "*" and pattern[i + 1:i + 2] == "*":
             i += 2
             if pattern[i:i + 1] == "/":  # `**/`: any number of folders, none included
-                out += "(?:.*/)?"
+                out += "(.*/)?" if posix else "(?:.*/)?"
                 i += 1
             else:
                 out += ".*"
@@ -45,18 +47,36 @@ def _compile(pattern: str) -> re.Pattern[str]:
         elif c == "[":
             end = pattern.find("]", i + 1)
             if end == -1:
-                out += re.escape(c)
+                out += escape(c)
             else:
                 body = pattern[i + 1:end]
-                out += "[" + ("^" + body[1:] if body.startswith("^") else body).replace("\\", "\\\\") + "]"
+                body = "^" + body[1:] if body.startswith("^") else body
+                # A backslash is literal inside a POSIX bracket expression; Python's needs it doubled.
+                out += "[" + (body if posix else body.replace("\\", "\\\\")) + "]"
                 i = end
         elif c == "\\" and i + 1 < len(pattern):
             i += 1
-            out += re.escape(pattern[i])
+            out += escape(pattern[i])
         else:
-            out += re.escape(c)
+            out += escape(c)
         i += 1
-    return re.compile(out + "$")
+    return out
+
+
+def _ere_escape(c: str) -> str:
+    return "\\" + c if c in ".[]()*+?{}|^$\\" else c
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    """A pattern as an anchored regular expression over '/'-separated paths."""
+    return re.compile("^" + _translate(pattern) + "$")
+
+
+def posix_regex(patterns: list[str]) -> str:
+    """A POSIX extended regular expression (for ``grep -E``) matching the '/'-separated paths that any of
+    ``patterns`` (``.dockerignore`` syntax, no exceptions) matches, and everything inside them."""
+    cleaned = [posixpath.normpath(p.strip("/")) for p in patterns if p.strip("/") not in ("", ".")]
+    return "^(" + "|".join(_translate(p, posix=True) for p in cleaned) + ")(/.*)?$" if cleaned else "^$."
 
 
 class DockerIgnore:

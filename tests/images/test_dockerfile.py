@@ -12,6 +12,7 @@ import http.server
 import io
 import json
 import os
+import re
 import subprocess
 import tarfile
 import threading
@@ -274,9 +275,28 @@ def test_copy_exclude_leaves_out_what_it_matches_below_each_source(tmp_path: Pat
                              "COPY --exclude=*.txt src/a.py src/a.txt src/*.* /one/\nCOPY --exclude=x --from=b /out /out\n")
     assert section(conv.definition.split("Stage: ")[-1], "files") == [f"{tmp_path}/src/a.py /app/a.py", f"{tmp_path}/src/pkg/p.py /app/pkg/p.py",
                                                  f"{tmp_path}/src/a.py /one/a.py", f"{tmp_path}/src/a.py /one/a.py"]
-    assert [n for n in conv.not_converted if "--exclude" in n] == [
-        "line 6: COPY --exclude=x --from=b /out /out - --exclude is not applied to a copy from another stage or image: "
-        "all of it is copied"]
+    assert not [n for n in conv.not_converted if "--exclude" in n]
+    # From another stage, the image's files are known only as the build runs: a step takes out what matches.
+    assert "grep -E '^(x)(/.*)?$'" in conv.definition, conv.definition
+
+
+@needs_apptainer
+@pytest.mark.apptainer
+def test_copy_exclude_from_another_stage_leaves_out_what_it_matches(ws: Workspace) -> None:
+    """`COPY --from=builder --exclude=... /out /app`: below a folder source, relative to it; a file source by its
+    name (then nothing is copied); a pattern's matches by theirs."""
+    (ws.root / "Dockerfile").write_text(
+        "FROM busybox AS builder\nRUN /bin/busybox --install -s /bin && mkdir -p /out/tests /out/pkg/tests && "
+        "touch /out/a.py /out/a.txt /out/tests/t.py /out/pkg/p.py /out/pkg/p.txt /out/pkg/tests/k.py /out/one.txt\n"
+        "FROM busybox\nRUN /bin/busybox --install -s /bin\n"
+        "COPY --from=builder --exclude=tests --exclude=**/*.txt /out /app\n"
+        "COPY --from=builder --exclude=*.txt /out/one.txt /f/\nCOPY --from=builder --exclude=a.* /out/*.* /pat/\n"
+        "RUN mkdir -p /f && find /app /f /pat | sort > /found\n")
+    on_busybox(ws, stages=True)
+    image, _ = built(ws, "--mode", "lock")
+    assert in_image(image, "cat", "/found").split() == [
+        "/app", "/app/a.py", "/app/pkg", "/app/pkg/p.py", "/app/pkg/tests", "/app/pkg/tests/k.py", "/f", "/pat",
+        "/pat/one.txt"]
 
 
 def test_copy_parents_keeps_each_sources_folders(tmp_path: Path) -> None:
@@ -660,7 +680,8 @@ def test_each_stage_the_last_one_needs_is_a_stage_of_the_definition(tmp_path: Pa
     post = "\n".join(section(d.split("Stage: stage3\n", 1)[1], "post"))
     # Whether /out/app is a folder is known only in its stage: the step decides, as Docker copies either.
     assert ("if [ -d /.prorl-copy/8-0/app ]; then mkdir -p /usr/local/bin/; cp -fR /.prorl-copy/8-0/app/. "
-            "/usr/local/bin/; else mkdir -p /usr/local/bin; cp -f /.prorl-copy/8-0/app /usr/local/bin/app; fi") in post
+            "/usr/local/bin/; elif [ -e /.prorl-copy/8-0/app ] || [ -L /.prorl-copy/8-0/app ]; then mkdir -p "
+            "/usr/local/bin; cp -f /.prorl-copy/8-0/app /usr/local/bin/app; fi") in post
     assert post.index("apt-get update") < post.index("/.prorl-copy/8-0/app") and post.endswith("\nrm -rf /.prorl-copy")
     assert conv.not_converted == ["FROM debian: replaced by the image list's base scratch"]
 
@@ -791,7 +812,7 @@ def test_buildkits_platform_arguments_have_this_hosts_values(tmp_path: Path) -> 
 
 
 def test_dockerignore_leaves_out_what_docker_leaves_out(tmp_path: Path) -> None:
-    from prorl_cli.images.dockerignore import DockerIgnore
+    from prorl_cli.images.dockerignore import DockerIgnore, posix_regex
 
     rules = DockerIgnore("# build outputs\n/build/\n**/*.pyc\n*/tmp*\n.git\ndocs\n!docs/keep.md\n.\n")
     assert rules.excludes("build") and rules.excludes("build/x/y.o")  # a folder's contents with it
@@ -799,6 +820,12 @@ def test_dockerignore_leaves_out_what_docker_leaves_out(tmp_path: Path) -> None:
     assert rules.excludes("pkg/tmpdir") and not rules.excludes("tmpdir") and not rules.excludes("pkg/sub/tmpdir")
     assert rules.excludes(".git/HEAD") and rules.excludes("docs/a.md") and not rules.excludes("docs/keep.md")
     assert not rules.excludes("src/build")  # anchored at the context's root
+    # The same rules as a POSIX regular expression, for a step that runs in the image (grep -E), as Python reads it.
+    patterns = ["build", "**/*.pyc", "*/tmp*", "a[0-9].b", "x\\*y"]
+    regex = re.compile(posix_regex(patterns))
+    for path in ("build", "build/x/y.o", "a.pyc", "pkg/sub/a.pyc", "pkg/a.py", "pkg/tmpdir", "tmpdir", "a1.b", "a1xb",
+                 "x*y", "xzy", "src/build"):
+        assert bool(regex.match(path)) == DockerIgnore("\n".join(patterns)).excludes(path), path
 
     for rel in ("src/app.py", "src/app.pyc", "src/build/out.o", ".git/HEAD", "build/a.o", "notes.txt"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
