@@ -345,6 +345,8 @@ class TokenBuffer:
             chosen["stop_token_ids"] = stop_ids
         if req.top_logprobs:
             chosen["top_logprobs"] = req.top_logprobs
+        if req.structured is not None:
+            chosen["structured"] = req.structured
         stop = list(dict.fromkeys([*self.sampling.stop, *req.stop]))
         if stop != self.sampling.stop and len(stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in stop):
             # The engine stops there, instead of generating past it; the turn is still cut at the first stop string

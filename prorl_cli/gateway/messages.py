@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl_cli.exceptions import ProrlError
+from prorl_cli.protocol.records import check_structured
 from prorl_cli.protocol.schema import RECORD_FIELDS, SAMPLING, Check, FieldError, Int, Num, Opt
 
 
@@ -88,6 +89,9 @@ class ChatRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     #: vLLM's ``include_stop_str_in_output``: the returned text keeps the stop string that ended the turn.
     include_stop: bool = False
+    #: Constrained decoding (``SamplingParams.structured``): OpenAI's ``response_format`` / ``text.format``,
+    #: vLLM's ``structured_outputs`` and ``guided_*``.
+    structured: dict[str, Any] | None = None
 
 
 #: Between a message's text parts (and an Anthropic message's text blocks): what vLLM's chat rendering puts
@@ -197,8 +201,6 @@ _VLLM_UNAPPLIED: dict[str, tuple[Callable[[Any], bool], str]] = {
 #: Such a value is a 400 naming the field, never silently ignored (a client would get a result it did not ask for).
 _Unapplied = dict[str, tuple[Callable[[Any], bool], str]]
 _OPENAI_UNAPPLIED: _Unapplied = {
-    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
-                        "the gateway cannot constrain the output to JSON (only {'type': 'text'})"),
     "logit_bias": (lambda v: v == {}, "the generate contract has no logit bias (only {})"),
     "functions": (lambda v: v == [], "send tools (the legacy function-calling API is not served)"),
     "function_call": (lambda v: False, "send tool_choice (the legacy function-calling API is not served)"),
@@ -209,11 +211,6 @@ _OPENAI_UNAPPLIED: _Unapplied = {
     "min_p": (lambda v: v == 0, "the generate contract has no min_p (only 0)"),
     "repetition_penalty": (lambda v: v == 1, "the generate contract has no repetition penalty (only 1)"),
     "chat_template_kwargs": (lambda v: v == {}, "the job's chat template is rendered as configured (only {})"),
-    "guided_json": (lambda v: False, "the gateway cannot constrain the output"),
-    "guided_regex": (lambda v: False, "the gateway cannot constrain the output"),
-    "guided_choice": (lambda v: False, "the gateway cannot constrain the output"),
-    "guided_grammar": (lambda v: False, "the gateway cannot constrain the output"),
-    "structured_outputs": (lambda v: False, "the gateway cannot constrain the output"),
     # vLLM's sampling and prompt extensions the generate contract does not carry (its ``stop_token_ids`` and
     # ``include_stop_str_in_output`` are applied). Their defaults pass, as clients set up for vLLM send them.
     **_VLLM_UNAPPLIED,
@@ -223,8 +220,7 @@ _COMPLETION_UNAPPLIED: _Unapplied = {
     "suffix": (lambda v: v == "", "the gateway does not insert text (only '')"),
     "best_of": (lambda v: v == 1 and not isinstance(v, bool),
                 "the gateway samples one completion per request (only 1)"),
-    **{key: _OPENAI_UNAPPLIED[key] for key in ("logit_bias", "min_p", "repetition_penalty", "guided_json",
-                                                "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+    **{key: _OPENAI_UNAPPLIED[key] for key in ("logit_bias", "min_p", "repetition_penalty")},
     **{key: _VLLM_UNAPPLIED[key] for key in (
         "ignore_eos", "min_tokens", "bad_words", "allowed_token_ids", "use_beam_search", "length_penalty",
         "truncate_prompt_tokens", "prompt_logprobs", "return_tokens_as_token_ids")},
@@ -384,6 +380,76 @@ def _openai_tools(raw: Any) -> list[dict[str, Any]] | None:
     return raw or None
 
 
+#: vLLM's older request fields for constrained decoding (before ``structured_outputs``), by the kind each sets.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured(checked: dict[str, Any], param: str) -> dict[str, Any]:
+    """``checked`` (one constraint, as ``SamplingParams.structured`` holds it) checked as the broker checks it;
+    :class:`RequestError` names ``param``."""
+    try:
+        structured = _sampling({"structured": checked}, "structured")  # the wire's bounds
+        check_structured(structured)  # exactly one constraint, of its shape
+    except (RequestError, ValueError) as e:
+        raise RequestError(f"{param}: {e}", param=param) from None
+    return dict(structured)
+
+
+def _json_format(fmt: Any, param: str, *, nested: bool = False) -> dict[str, Any] | None:
+    """The constraint an output format asks for (chat's ``response_format``, the Responses API's ``text.format``,
+    Anthropic's ``output_config.format``): ``text`` none, ``json_object`` any JSON object, ``json_schema`` its
+    schema (``nested``: under ``json_schema``, as chat gives it; the others give it flat)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _structured({"json_object": True}, param)
+    if kind == "json_schema":
+        holder = fmt.get("json_schema") if nested else fmt
+        schema = holder.get("schema") if isinstance(holder, dict) else None
+        if not isinstance(schema, dict):
+            where = f"{param}.json_schema.schema" if nested else f"{param}.schema"
+            raise RequestError(f"{where} must be a JSON Schema object", param=param)
+        return _structured({"json": schema}, param)
+    raise RequestError(f"{param} {json.dumps(fmt)[:80]} is not supported (type 'text', 'json_object' or "
+                       "'json_schema')", param=param)
+
+
+def _vllm_structured(body: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's own constraint fields, sent by clients set up for a vLLM server: ``structured_outputs`` (one of
+    json, json_object, regex, choice, grammar) or an older ``guided_*``."""
+    given = [key for key in ("structured_outputs", *_GUIDED) if body.get(key) is not None]
+    if len(given) > 1:
+        raise RequestError(f"{' and '.join(given)} both constrain the output: give one", param=given[1])
+    if not given:
+        return None
+    key = given[0]
+    if key == "structured_outputs":
+        value = body[key]
+        chosen = {k: v for k, v in value.items() if v is not None and v is not False} if isinstance(value, dict) \
+            else value
+        return _structured(chosen, key)
+    return _structured({_GUIDED[key]: body[key]}, key)
+
+
+def _constraint(body: dict[str, Any], fmt: dict[str, Any] | None, tools: list[dict[str, Any]] | None,
+                tool_choice: Any, param: str = "response_format") -> dict[str, Any] | None:
+    """The one constraint a request asks for (its output format, or vLLM's fields), refused beside tools the model
+    may call: a constraint holds for the whole turn, which could then never be a tool call."""
+    vllm = _vllm_structured(body)
+    if fmt is not None and vllm is not None:
+        raise RequestError(f"{param} and vLLM's constraint fields both constrain the output: give one", param=param)
+    structured = fmt or vllm
+    if structured is not None and tools and tool_choice != "none":
+        raise RequestError(f"{param}: a constrained output (a JSON format, a regex, a choice or a grammar) with tools the "
+                           "model may call is not supported: the constraint holds for the whole turn, which could "
+                           "then never call a tool. Constrain the turn that answers (tool_choice 'none', or no "
+                           "tools), or leave the format out", param=param)
+    return structured
+
+
 def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
     """The sampling fields (and the checked-only numbers) common to chat and legacy completions."""
     n = body.get("n")
@@ -458,7 +524,9 @@ def openai_chat_request(body: dict[str, Any], memo: MessageMemo | None = None) -
     if top_logprobs and not logprobs:  # as OpenAI answers: nothing would come back, and the user not know why
         raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     tools = _openai_tools(body.get("tools"))
+    fmt = _json_format(body.get("response_format"), "response_format", nested=True)
     return ChatRequest(
+        structured=_constraint(body, fmt, tools, body.get("tool_choice")),
         messages=openai_messages(body.get("messages"), memo),
         tools=tools,
         model=_model(body),
@@ -486,7 +554,10 @@ def openai_completion_request(body: dict[str, Any]) -> tuple[str, ChatRequest]:
     alternatives = _checked(body, "logprobs", _COMPLETION_LOGPROBS)
     req = ChatRequest(messages=[], tools=None, model=_model(body), stream=_flag(body, "stream"),
                       stop=_stop(body.get("stop"), most=OPENAI_MAX_STOP), include_usage=_include_usage(body),
-                      logprobs=alternatives is not None, top_logprobs=alternatives or None, **_openai_sampling(body))
+                      logprobs=alternatives is not None, top_logprobs=alternatives or None,
+                      structured=_constraint(body, _json_format(body.get("response_format"), "response_format",
+                                                                nested=True), None, None),
+                      **_openai_sampling(body))
     return prompt, req
 
 
@@ -500,8 +571,7 @@ _RESPONSES_UNAPPLIED: _Unapplied = {
     "prompt": (lambda v: False, "reusable prompts are kept by OpenAI, not here: send instructions and input"),
     "context_management": (lambda v: v == [], "OpenAI's server-side compaction would change the prompt the "
                                               "trajectory records (a prompt too long is a 400: compact in the harness)"),
-    **{key: _OPENAI_UNAPPLIED[key] for key in ("min_p", "repetition_penalty", "chat_template_kwargs", "guided_json",
-                                                "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+    **{key: _OPENAI_UNAPPLIED[key] for key in ("min_p", "repetition_penalty", "chat_template_kwargs")},
 }
 
 
@@ -610,19 +680,16 @@ def _responses_tools(raw: Any) -> list[dict[str, Any]] | None:
     return _flat_tools(raw, ("function",), "parameters", "function tools only: the gateway runs no hosted tools")
 
 
-def _responses_text(text: Any) -> None:
-    """``text``: plain text output only (no JSON schema to constrain to); ``verbosity`` is checked, not applied
-    (how long the model writes is its own, as for Anthropic's ``thinking``)."""
+def _responses_text(text: Any) -> dict[str, Any] | None:
+    """``text``: its ``format`` (text, or a JSON object or schema the output is constrained to); ``verbosity``
+    is checked, not applied (how long the model writes is its own, as for Anthropic's ``thinking``)."""
     if text is None:
-        return
+        return None
     if not isinstance(text, dict):
         raise RequestError("text must be an object", param="text")
-    fmt = text.get("format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise RequestError(f"text.format {json.dumps(fmt)[:80]} is not supported: the gateway cannot constrain the "
-                           "output (only {'type': 'text'})", param="text")
     if text.get("verbosity") not in (None, "low", "medium", "high"):
         raise RequestError("text.verbosity must be 'low', 'medium' or 'high'", param="text")
+    return _json_format(text.get("format"), "text.format")
 
 
 def _responses_reasoning(reasoning: Any) -> None:
@@ -643,7 +710,7 @@ def openai_responses_request(body: dict[str, Any], stored: dict[str, ResponsesCo
     ``stored``: the job's remembered responses, which ``previous_response_id`` may name.
     """
     _refuse_unapplied(body, _RESPONSES_UNAPPLIED)
-    _responses_text(body.get("text"))
+    fmt = _responses_text(body.get("text"))
     _responses_reasoning(body.get("reasoning"))
     include = body.get("include") or []
     if not isinstance(include, list) or any(v not in _RESPONSES_INCLUDE for v in include):
@@ -673,6 +740,7 @@ def openai_responses_request(body: dict[str, Any], stored: dict[str, ResponsesCo
     top_logprobs = _sampling(body, "top_logprobs")
     max_tokens = _sampling(body, "max_output_tokens", "max_tokens")
     chat = ChatRequest(
+        structured=_constraint(body, fmt, tools, body.get("tool_choice"), "text.format"),
         messages=instructions + conversation,
         tools=tools,
         model=_model(body),
@@ -808,8 +876,6 @@ _ANTHROPIC_UNAPPLIED: _Unapplied = {
     "context_management": (lambda v: v == {} or v == {"edits": []}, "Anthropic's server-side context editing "
                                                                     "would change the prompt the trajectory records"),
     "container": (lambda v: False, "code-execution containers run on Anthropic's servers"),
-    # The beta's older name for ``output_config.format`` (structured outputs).
-    "output_format": (lambda v: False, "the gateway cannot constrain the output to a JSON schema"),
 }
 
 
@@ -821,18 +887,21 @@ _ANTHROPIC_COMPACTION: _Unapplied = {
 }
 
 
-def _anthropic_output_config(config: Any) -> None:
-    """Check Anthropic's ``output_config``: ``format`` (structured outputs) and ``task_budget`` would change the
-    answer and are refused; ``effort`` is checked, not applied (how long the model works is its own, as with
-    ``thinking``)."""
+def _anthropic_output_config(config: Any, beta_format: Any) -> dict[str, Any] | None:
+    """Check Anthropic's ``output_config`` and return the constraint its ``format`` asks for (structured outputs:
+    ``{"type": "json_schema", "schema": ...}``; ``beta_format`` is the beta's older ``output_format``, the same);
+    ``task_budget`` would change the answer and is refused; ``effort`` is checked, not applied (how long the
+    model works is its own, as with ``thinking``)."""
+    fmt = _json_format(beta_format, "output_format") if beta_format is not None else None
     if config is None:
-        return
+        return fmt
     if not isinstance(config, dict):
         raise RequestError("output_config must be an object", param="output_config")
     if config.get("format") is not None:
-        raise RequestError(f"output_config.format {json.dumps(config['format'])[:80]} is not supported: the gateway "
-                           "cannot constrain the output to a JSON schema (ask for JSON in the prompt and parse it)",
-                           param="output_config.format")
+        if fmt is not None:
+            raise RequestError("output_config.format and output_format both give the output's format: give one",
+                               param="output_config.format")
+        fmt = _json_format(config["format"], "output_config.format")
     if config.get("task_budget") is not None:
         raise RequestError("output_config.task_budget is not supported: the gateway tracks no token budget for the "
                            "model to see", param="output_config.task_budget")
@@ -840,6 +909,7 @@ def _anthropic_output_config(config: Any) -> None:
     if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
         raise RequestError(f"output_config.effort must be 'low', 'medium', 'high', 'xhigh' or 'max', got "
                            f"{json.dumps(effort)[:40]}", param="output_config.effort")
+    return fmt
 
 
 def anthropic_request(body: dict[str, Any], *, count_only: bool = False) -> ChatRequest:
@@ -855,8 +925,11 @@ def anthropic_request(body: dict[str, Any], *, count_only: bool = False) -> Chat
         _refuse_unapplied(body, _ANTHROPIC_COMPACTION)
     tools = anthropic_tools(body.get("tools"))
     _anthropic_thinking(body.get("thinking"))
-    _anthropic_output_config(body.get("output_config"))
+    fmt = _anthropic_output_config(body.get("output_config"), body.get("output_format"))
+    choice = body.get("tool_choice")
     return ChatRequest(
+        structured=_constraint({}, fmt, tools, "none" if isinstance(choice, dict) and choice.get("type") == "none"
+                               else choice, "output_config.format"),
         messages=anthropic_messages(body.get("system"), body.get("messages"), prefill_ok=count_only),
         tools=tools,
         model=_model(body),

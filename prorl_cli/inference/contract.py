@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prorl_cli.exceptions import InferenceError
+from prorl_cli.exceptions import InferenceError, ProtocolError
 from prorl_cli.protocol import (
+    ErrorCode,
     SamplingParams,
     pack_floats,
     pack_tokens,
@@ -115,6 +116,15 @@ class Generation:
             pairs = list(zip(top_ids, top_lps, strict=True))
             top = [pairs[i * k:(i + 1) * k] for i in range(len(ids))]
         return cls(ids, lps, finish_reason, backend_id, top_logprobs=top)
+
+
+def refuse_structured(engine: str, sampling: SamplingParams) -> None:
+    """For an engine that cannot constrain its output: a call asking for it (``sampling.structured``) is refused
+    as a bad field naming the fix, not served unconstrained (the caller would parse what it did not ask for)."""
+    if sampling.structured is not None:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling.structured ({next(iter(sampling.structured))}): the "
+                            f"{engine} cannot constrain its output; serve the model with vLLM (inference.engine: "
+                            "vllm, or an HTTP backend that is a vLLM server)")
 
 
 def first_stop(text: str, stops: list[str]) -> str | None:

@@ -79,6 +79,9 @@ def completions_body(model: str, prompt_ids: list[int], sampling: SamplingParams
         # so the text it logs and returns is that of the ids.
         body["stop"] = list(sampling.stop)
         body["include_stop_str_in_output"] = True
+    if sampling.structured is not None:
+        # vLLM's own field (StructuredOutputsParams: json, json_object, regex, choice, grammar), the record's shape.
+        body["structured_outputs"] = dict(sampling.structured)
     return body
 
 

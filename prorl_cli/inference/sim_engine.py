@@ -52,7 +52,7 @@ import yaml
 
 from prorl_cli import timebase, yamlfiles
 from prorl_cli.exceptions import ContextLengthExceeded, InferenceError, context_length_message
-from prorl_cli.inference.contract import CALL_JOB_ID, Engine, Generation
+from prorl_cli.inference.contract import CALL_JOB_ID, Engine, Generation, refuse_structured
 from prorl_cli.protocol import SamplingParams, pack_tokens
 
 log = logging.getLogger(__name__)
@@ -347,6 +347,7 @@ class SimEngine(Engine):
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         if not prompt_ids:
             raise InferenceError("generate needs at least one prompt token")
+        refuse_structured("simulated engine", sampling)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise ContextLengthExceeded(context_length_message(len(prompt_ids), self.max_model_len))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from prorl_cli.exceptions import ContextLengthExceeded, InferenceError, context_length_message
-from prorl_cli.inference.contract import Engine, Generation, stop_matcher
+from prorl_cli.inference.contract import Engine, Generation, refuse_structured, stop_matcher
 from prorl_cli.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ class TransformersEngine(Engine):
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         if not prompt_ids:
             raise InferenceError("generate needs at least one prompt token")
+        refuse_structured("transformers engine", sampling)
         await self.start()
         if len(prompt_ids) >= self.max_model_len:
             raise ContextLengthExceeded(context_length_message(len(prompt_ids), self.max_model_len))

@@ -93,6 +93,13 @@ MAX_TOP_LOGPROBS = 20
 #: every one is searched for in the output's text after every sampled token.
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
+#: What ``SamplingParams.structured`` may constrain the output to: a JSON schema, any JSON object, a regular
+#: expression, one of a list of strings, or a grammar (EBNF/Lark, as vLLM reads it); one of them per call.
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+#: The most characters a regex or grammar may have, strings a choice may list, and bytes a JSON schema packs to.
+MAX_STRUCTURED_CHARS = 65536
+MAX_STRUCTURED_CHOICES = 256
+MAX_STRUCTURED_BYTES = 65536
 
 
 def derive_seed(seed: int, n: int) -> int:
@@ -105,6 +112,26 @@ def derive_seed(seed: int, n: int) -> int:
     """
     digest = hashlib.blake2b(f"{seed}:{n}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % (BIG + 1)
+
+
+def check_structured(structured: Any) -> None:
+    """Refuse a constraint no engine could apply: not a map holding exactly one of :data:`STRUCTURED_KINDS`, or
+    that one of the wrong shape."""
+    if not isinstance(structured, dict) or len(structured) != 1 or next(iter(structured)) not in STRUCTURED_KINDS:
+        raise ValueError(f"sampling.structured must be a map with exactly one of {', '.join(STRUCTURED_KINDS)}, "
+                         f"got {structured!r:.200}")
+    ((kind, value),) = structured.items()
+    where = f"sampling.structured.{kind}"
+    if kind == "json" and not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON schema (a map), got {type(value).__name__}")
+    if kind == "json_object" and value is not True:
+        raise ValueError(f"{where} must be true, got {value!r:.80}")
+    if kind in ("regex", "grammar") and not (isinstance(value, str) and 1 <= len(value) <= MAX_STRUCTURED_CHARS):
+        raise ValueError(f"{where} must be a string of 1 to {MAX_STRUCTURED_CHARS} characters")
+    if kind == "choice" and not (isinstance(value, list) and 1 <= len(value) <= MAX_STRUCTURED_CHOICES
+                                 and all(isinstance(c, str) and 1 <= len(c) <= MAX_STOP_CHARS for c in value)):
+        raise ValueError(f"{where} must be a list of 1 to {MAX_STRUCTURED_CHOICES} strings, each 1 to "
+                         f"{MAX_STOP_CHARS} characters")
 
 
 def _check_stop(stop: Any) -> None:
@@ -143,6 +170,11 @@ class SamplingParams(_Record):
     #: token, the one ending first in the text; on a tie, the first listed). At most 32 strings, each 1 to 1024
     #: characters. Engines and their handling: docs/inference.md ("Stop strings").
     stop: list[str] = field(default_factory=list)
+    #: Constrained decoding: the output must match ``{"json": SCHEMA}``, ``{"json_object": true}``,
+    #: ``{"regex": R}``, ``{"choice": [S, ...]}`` or ``{"grammar": G}`` (one of them). The engine masks what the
+    #: constraint rules out before sampling, so the log-probs it returns are the masked distribution's (a token
+    #: the constraint forces has log-prob 0), not the model's own. Engines that cannot constrain refuse the call.
+    structured: dict[str, Any] | None = None
     #: The fields the sender gave, when read off the wire (``None``: built here, every field given).
     given: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -165,6 +197,8 @@ class SamplingParams(_Record):
                 type(self.top_logprobs) is int and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"sampling.top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {self.top_logprobs!r}")
+        if self.structured is not None:
+            check_structured(self.structured)
         if self.stop is None:
             self.stop = []  # none, as vLLM's None and a null off the wire (a field at its default) say
         elif self.stop:
@@ -201,9 +235,14 @@ class SamplingParams(_Record):
         return sampling
 
     def to_wire(self) -> dict[str, Any]:
-        """The fields the sender gave (a field left at its default stays so downstream), else every field."""
+        """The fields the sender gave (a field left at its default stays so downstream), else every field but a
+        ``structured`` of None: a call without a constraint reads as before that field, to the last release too."""
         wire = super().to_wire()
-        return wire if self.given is None else {k: v for k, v in wire.items() if k in self.given}
+        if self.given is not None:
+            return {k: v for k, v in wire.items() if k in self.given}
+        if wire["structured"] is None:
+            del wire["structured"]
+        return wire
 
 
 @dataclass

@@ -44,6 +44,9 @@ from prorl_cli.protocol.framing import STAGES, JobState
 from prorl_cli.protocol.records import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    MAX_STRUCTURED_BYTES,
+    MAX_STRUCTURED_CHARS,
+    MAX_STRUCTURED_CHOICES,
     MAX_TOP_LOGPROBS,
     RECORD_CHECKS,
     JobSpec,
@@ -81,6 +84,14 @@ SAMPLING = Record({
     "ignore_eos": Opt(Bool()),
     "top_logprobs": Opt(Int(0, MAX_TOP_LOGPROBS)),
     "stop": Opt(List(Str(MAX_STOP_CHARS), MAX_STOP_STRINGS)),
+    # Shapes here; "exactly one of them" where the record is built (SamplingParams refuses it, named).
+    "structured": Opt(Record({
+        "json": Opt(Dict(Str(256), ANY, max_packed_bytes=MAX_STRUCTURED_BYTES)),
+        "json_object": Opt(Bool()),
+        "regex": Opt(Str(MAX_STRUCTURED_CHARS)),
+        "choice": Opt(List(Str(MAX_STOP_CHARS), MAX_STRUCTURED_CHOICES)),
+        "grammar": Opt(Str(MAX_STRUCTURED_CHARS)),
+    })),
 }, cls=SamplingParams, build=SamplingParams.from_given)
 
 JOB_SPEC = Record({

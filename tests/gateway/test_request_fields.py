@@ -2,11 +2,12 @@
 
 The official ``openai`` and ``anthropic`` SDKs drive the real gateway; the
 model is scripted behind the generate contract. A field the gateway cannot
-apply (structured output, logit bias, the legacy function-calling API, audio,
+apply (logit bias, the legacy function-calling API, audio,
 Anthropic's own server tools, ...) is refused before anything is sampled: a
 client never gets a result it did not ask for. ``parallel_tool_calls: false``
 (Anthropic ``disable_parallel_tool_use``) is honoured as ``tool_choice`` is: a
-turn with more than one tool call is sampled again.
+turn with more than one tool call is sampled again. A structured output (a JSON
+format, vLLM's regex, choice or grammar) reaches the engine as ``sampling.structured``.
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ BOTH = turn("Both at once.", ("calculator", {"expression": "2+3"}), ("search", {
 
 #: (route, the request's extra fields, the field named in the 400).
 _REFUSED: list[tuple[str, dict[str, Any], str]] = [
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "answer", "strict": True, "schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}}},
+    # A constraint holds for the whole turn, which could then never call a tool; two constraints; bad shapes.
+    ("chat", {"response_format": {"type": "json_object"}, "tools": CALC_TOOLS}, "response_format"),
+    ("chat", {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "[0-9]+"}},
      "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "answer"}}}, "response_format"),
+    ("chat", {"extra_body": {"structured_outputs": {"regex": "[0-9]+", "choice": ["a"]}}}, "structured_outputs"),
+    ("completions", {"extra_body": {"guided_choice": []}}, "guided_choice"),
     ("chat", {"logit_bias": {"42": 100}}, "logit_bias"),
     ("chat", {"functions": [{"name": "calculator", "parameters": {"type": "object"}}]}, "functions"),
     ("chat", {"function_call": "auto"}, "function_call"),
@@ -53,8 +57,6 @@ _REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, "chat_template_kwargs"),
     ("chat", {"extra_body": {"min_p": 0.05}}, "min_p"),
     ("chat", {"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
-    ("chat", {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
-    ("completions", {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "calculator", "parameters": "expression"}}]},
      "tools"),
     ("completions", {"echo": True}, "echo"),
@@ -68,15 +70,12 @@ _REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("messages", {"thinking": True}, "thinking"),
     ("messages", {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
      "tool_choice"),
-    # Structured outputs (``client.messages.parse(output_format=...)`` sends the first), and the beta's older name.
-    ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
-     "output_config.format"),
+    ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+                  "tools": ANTHROPIC_TOOLS}, "output_config.format"),
     ("messages", {"output_config": {"task_budget": {"type": "tokens", "total": 1000}}}, "output_config.task_budget"),
     ("messages", {"output_config": {"effort": "extreme"}}, "output_config.effort"),
     # A compaction request (the tool runner's compact_before_next_turn()): Anthropic answers a summary block.
     ("messages", {"extra_body": {"compaction": {"type": "compaction"}}}, "compaction"),
-    ("messages", {"extra_body": {"output_format": {"type": "json_schema", "schema": {"type": "object"}}}},
-     "output_format"),
     # A prefill: Anthropic continues the final assistant message; the template would start a new turn.
     ("messages", {"messages": [*MESSAGES[1:], {"role": "assistant", "content": "The answer is"}]}, "messages[1]"),
 ]
@@ -363,3 +362,61 @@ def test_stop_strings_reach_the_engine_and_unset_fields_stay_unset(tokenizer: An
     wires = [s.to_wire() for s in seen]
     assert [w.get("max_tokens") for w in wires] == [None, 9, None]
     assert all(w["temperature"] == 0.5 and "top_p" not in w for w in wires), wires
+
+
+#: (route, the request's extra fields, the constraint the engine is asked for), as each SDK sends them.
+_CONSTRAINED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("chat", {"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "strict": True,
+                                                                          "schema": {"type": "object"}}}},
+     {"json": {"type": "object"}}),
+    # A turn that answers after tools: the model may not call one, so the whole turn can be constrained.
+    ("chat", {"response_format": {"type": "json_object"}, "tools": CALC_TOOLS, "tool_choice": "none"},
+     {"json_object": True}),
+    ("chat", {"extra_body": {"guided_json": {"type": "object"}}}, {"json": {"type": "object"}}),
+    ("chat", {"extra_body": {"structured_outputs": {"regex": "[0-9]+", "json_object": False}}}, {"regex": "[0-9]+"}),
+    ("completions", {"extra_body": {"guided_choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    ("completions", {"extra_body": {"guided_grammar": 'root ::= "5"'}}, {"grammar": 'root ::= "5"'}),
+    ("responses", {"text": {"format": {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}}},
+     {"json": {"type": "object"}}),
+    ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     {"json": {"type": "object"}}),
+    ("messages", {"extra_body": {"output_format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     {"json": {"type": "object"}}),
+]
+
+
+def test_a_structured_output_reaches_the_engine_as_the_calls_constraint(tokenizer: Any) -> None:
+    """Each API's way to ask for JSON (or vLLM's regex, choice, grammar) is the generate call's
+    ``sampling.structured``, checked as the broker checks it; a request without one sends none."""
+    need_module("openai", "test")
+    need_module("anthropic", "test")
+    import openai
+
+    class Recording(ScriptedModel):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.asked: list[dict[str, Any] | None] = []
+
+        async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> Any:
+            self.asked.append(sampling.structured)
+            return await super().__call__(prompt_ids, sampling)
+
+    async def main() -> list[dict[str, Any] | None]:
+        gw = Gateway()
+        await gw.start()
+        model = Recording(tokenizer, ["{}"] * 100)
+        job = open_job(gw, tokenizer, model)
+        try:
+            for route, extra, _ in _CONSTRAINED:
+                if route == "responses":
+                    async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as oa:
+                        await oa.responses.create(model="prorl", input="2+3?", **extra)
+                else:
+                    await _send(job, route, extra)
+            await _send(job, "chat", {})
+            return model.asked
+        finally:
+            await gw.close()
+
+    assert asyncio.run(main()) == [want for _, _, want in _CONSTRAINED] + [None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,40 @@ def test_vllm_a_prompt_that_fills_the_context_is_named_like_the_other_engines(vl
         run(eng.generate([5] * 1024, SamplingParams(max_tokens=4)))
     assert "1024 tokens" in str(refused.value)
     assert len(run(eng.generate([5] * 1023, SamplingParams(max_tokens=4, ignore_eos=True))).output_ids) == 1
+
+
+@pytest.mark.vllm
+def test_vllm_constrains_the_output_as_sampling_structured_asks(vllm_server: Any, tiny_model: Path) -> None:
+    """A random model's output obeys the constraint: one of the choices, the regex, an object of the schema. The
+    log-probs are the masked distribution's: a token only the constraint allows has log-prob 0."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    eng = OpenAIEngine(vllm_server.url, backend_id="v")
+
+    def text(structured: dict[str, Any], seed: int, max_tokens: int = 24) -> tuple[str, list[float]]:
+        gen = run(eng.generate(PROMPT, SamplingParams(max_tokens=max_tokens, seed=seed, structured=structured)))
+        assert gen.finish_reason == "stop", gen  # the constraint ends the turn, well inside max_tokens
+        return tok.decode(gen.output_ids, skip_special_tokens=True), gen.logprobs
+
+    for seed in range(4):
+        choice, logprobs = text({"choice": ["yes", "no"]}, seed)
+        assert choice in ("yes", "no")
+        assert logprobs[-1] == 0.0, logprobs  # after the answer, only the end of turn is allowed
+        assert re.fullmatch("[0-9]{3}", text({"regex": "[0-9]{3}"}, seed)[0])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    obj = json.loads(text({"json": schema}, 1, max_tokens=200)[0])
+    assert list(obj) == ["a"] and isinstance(obj["a"], int), obj
+
+
+def test_engines_that_cannot_constrain_refuse_instead_of_answering_unconstrained(engine: Any) -> None:
+    from prorl_cli.exceptions import ProtocolError
+    from prorl_cli.inference.sim_engine import SimEngine
+
+    for eng in (engine, SimEngine()):
+        with pytest.raises(ProtocolError, match=r"sampling.structured \(choice\): the .* cannot constrain"):
+            run(eng.generate(PROMPT, SamplingParams(structured={"choice": ["yes", "no"]})))
 
 
 def test_server_down_is_an_error_not_a_hang() -> None:
