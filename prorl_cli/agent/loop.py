@@ -121,6 +121,7 @@ class TokenSession:
             policy_version=getattr(gen, "policy_version", None),
             top_logprobs=getattr(gen, "top_logprobs", None),
             stop_string=getattr(gen, "stop_string", None),
+            structured=sampling.structured,
         )
         traj = self.trajectory
         if self.calls and prefix_ok:

@@ -54,6 +54,10 @@ class ModelCall:
     #: The stop string (``sampling.stop``, or a gateway request's ``stop``) that ended the call: its text ends in
     #: the last output id; None when the call ended otherwise.
     stop_string: str | None = None
+    #: The constraint the call was sampled under (``sampling.structured``: a JSON schema, a regex, ...), or None.
+    #: Its log-probs are then the masked distribution's (docs/inference.md, "Constrained decoding"): a trainer
+    #: that wants the model's own can leave such calls out of the loss.
+    structured: dict[str, Any] | None = None
 
 
 @dataclass

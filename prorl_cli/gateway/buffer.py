@@ -412,7 +412,7 @@ class TokenBuffer:
             if unmet:
                 log.warning("gateway: no turn of %d honoured tool_choice (%s); answering the last one",
                             attempt + 1, self._wanted(req))
-            call = self._record(prompt, out, lps, finish, gen, seg, continued, reason, stop_string)
+            call = self._record(prompt, out, lps, finish, gen, seg, continued, reason, stop_string, req.structured)
             call.tool_choice_retries, call.tool_choice_unmet = attempt, unmet
             seg.asks.append((len(self.trajectory.calls) - 1, len(req.messages)))
             seg.messages = [*req.messages, self._assistant_message(content, calls)]
@@ -448,7 +448,7 @@ class TokenBuffer:
                 if req.stop:
                     out, lps, stop_string = _cut_at_stop(chat, out, lps, req.stop)
                 call = self._record(prompt, out, lps, "stop" if stop_string else gen.finish_reason, gen, seg,
-                                    continued, reason, stop_string)
+                                    continued, reason, stop_string, req.structured)
                 recorded = True
                 # Extended by text, a chat conversation holds ids its messages do not: no chat request extends it.
                 seg.messages, seg.asked = [], []
@@ -470,7 +470,7 @@ class TokenBuffer:
 
     def _record(
         self, prompt: list[int], out: list[int], lps: list[float], finish: str, gen: Generation, seg: Segment,
-        continued: bool, reason: str | None, stop_string: str | None,
+        continued: bool, reason: str | None, stop_string: str | None, structured: dict[str, Any] | None,
     ) -> ModelCall:
         traj = self.trajectory
         # Continuity is per conversation: a call extends its segment's last call, or opens a conversation.
@@ -486,7 +486,7 @@ class TokenBuffer:
             policy_version=gen.policy_version, segment=seg.index, agent=seg.agent,
             # Cut as the output was (at a stop string): one row per output id kept.
             top_logprobs=gen.top_logprobs[: len(out)] if gen.top_logprobs is not None else None,
-            stop_string=stop_string,
+            stop_string=stop_string, structured=structured,
         )
         if not continued:
             if reason is not None:

@@ -415,6 +415,8 @@ def test_a_structured_output_reaches_the_engine_as_the_calls_constraint(tokenize
                 else:
                     await _send(job, route, extra)
             await _send(job, "chat", {})
+            # The trajectory says which calls were constrained (their log-probs are the masked distribution's).
+            assert [c.structured for c in job.trajectory.calls] == model.asked
             return model.asked
         finally:
             await gw.close()
