@@ -68,18 +68,21 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_
 _NO_DETAIL_FAILURES = 3
 
 
-def _handshake_monitor(sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
-    """A PAIR socket that receives ``sock``'s handshake events, however many wait unread.
+def _handshake_monitor(sock: zmq.asyncio.Socket, events: int = _HANDSHAKE_EVENTS) -> zmq.asyncio.Socket:
+    """A PAIR socket that receives ``sock``'s ``events``, however many wait unread; it replaces a monitor ``sock``
+    had, which then receives nothing more.
 
     libzmq's I/O thread sends a monitor's events with a blocking send, and that thread serves every socket of the
     context (a process's clients, its node). A monitor queue left full (its events unread while the event loop is
     idle: a blocking client between calls, facing a server that refuses each reconnect ten times a second) or a
     monitor closed before the socket it watches would stop that thread, and every socket of the process with it.
     An unbounded receive queue (0 on either end of an inproc pipe lifts its limit) keeps it from the first; the
-    watched socket stopping its monitor before the monitor closes keeps it from the second.
+    watched socket stopping its monitor before the monitor closes keeps it from the second. Once refused, a
+    connection watches for a handshake that succeeds only (see ``_watch_handshake``), so an idle client's queue
+    does not grow by a refusal per reconnect.
     """
     address = f"inproc://prorl-monitor-{uuid.uuid4().hex}"
-    sock.monitor(address, _HANDSHAKE_EVENTS)
+    sock.monitor(address, events)
     monitor = sock.context.socket(zmq.PAIR)
     monitor.setsockopt(zmq.RCVHWM, 0)
     monitor.connect(address)
@@ -226,6 +229,7 @@ class BrokerConnection:
         the broker drops a handshake it refuses without a word.
         """
         failures = 0
+        quiet = False  # watching for a handshake that succeeds only (refused: each reconnect fails again)
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
@@ -234,6 +238,8 @@ class BrokerConnection:
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     failures = 0
                     self.refused = None
+                    if quiet:
+                        monitor, quiet = self._rearm(sock, monitor, _HANDSHAKE_EVENTS), False
                     continue
                 if not event["event"] & _HANDSHAKE_EVENTS:
                     continue
@@ -245,11 +251,24 @@ class BrokerConnection:
                 self.refused = BrokerRefused(self._refusal(event["event"], curve))
                 log.error("%s: %s", self.name, self.refused)
                 self._fail_pending(self.refused, epoch=epoch)
+                # Only a handshake that succeeds can change that now; a refusal per reconnect (ten a second)
+                # would pile up, unread, while a blocking client waits between its calls.
+                monitor, quiet = self._rearm(sock, monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED), True
         finally:
             # The watched socket stops sending first: an event sent to a closed monitor blocks libzmq's I/O thread.
             if not sock.closed:
                 sock.disable_monitor()
             monitor.close(0)
+
+    def _rearm(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, events: int) -> zmq.asyncio.Socket:
+        """Watch ``sock`` for ``events`` from now on, on a new monitor (``monitor``, replaced, is closed)."""
+        if sock.closed:
+            return monitor
+        new = _handshake_monitor(sock, events)  # the old one receives nothing more: it can close
+        monitor.close(0)
+        if self._monitor_sock is monitor:
+            self._monitor_sock = new
+        return new
 
     def _refusal(self, event: int, curve: bool) -> str:
         """What went wrong with the handshake, which keys were used, and what to do."""
