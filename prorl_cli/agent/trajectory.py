@@ -48,6 +48,10 @@ class ModelCall:
     tool_choice_retries: int = 0
     #: True when no generation honoured ``tool_choice`` within the gateway's bound: this is the last one.
     tool_choice_unmet: bool = False
+    #: True when the request constrained its answer beside tools the model may call (a JSON format with tools),
+    #: the gateway's free turn answered outside the constraint, and this turn was sampled again under it (then
+    #: ``structured`` is set); the free turn is not part of the trajectory.
+    format_retried: bool = False
     #: With ``sampling.top_logprobs = k``: per output id, the ``k`` most likely ``(token id, log-prob)`` pairs
     #: the engine reported (a distillation or KL term needs them); None when not asked or not reported.
     top_logprobs: list[list[tuple[int, float]]] | None = None

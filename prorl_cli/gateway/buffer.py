@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +112,49 @@ class Reply:
     @property
     def completion_tokens(self) -> int:
         return len(self.call.output_ids)
+
+
+@dataclass
+class _Turn:
+    """One generation of a chat turn: what the engine returned, cut at the request's stop string, and its text."""
+
+    gen: Generation
+    out: list[int]
+    logprobs: list[float]
+    finish: str
+    stop_string: str | None
+    text: str
+
+
+def meets_constraint(structured: dict[str, Any], text: str) -> bool:
+    """Whether ``text`` is what ``structured`` (``SamplingParams.structured``) allows, so an answer sampled free
+    needs no constrained sample: JSON that the schema validates (``json``), a JSON object (``json_object``), a full
+    match of the regex (Python's dialect), one of the choices. A grammar is never checked here: False."""
+    kind, spec = next(iter(structured.items()))
+    if kind == "choice":
+        return text in spec
+    if kind == "regex":
+        try:
+            return re.fullmatch(spec, text) is not None
+        except re.error:
+            return False
+    if kind not in ("json", "json_object"):
+        return False
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    if kind == "json_object":
+        return isinstance(value, dict)
+    import jsonschema  # the gateway extra's; only requests with a schema and tools get here
+    import referencing.exceptions
+
+    validator = jsonschema.validators.validator_for(spec)
+    try:
+        validator.check_schema(spec)
+        return bool(validator(spec).is_valid(value))
+    except (jsonschema.SchemaError, referencing.exceptions.Unresolvable):
+        return False  # a schema the validator cannot read or resolve: the engine decides, under the constraint
 
 
 def tools_key(tools: list[dict[str, Any]] | None) -> str:
@@ -333,9 +377,10 @@ class TokenBuffer:
             seg.in_flight.set()
             seg.in_flight = None
 
-    def _sampling(self, req: ChatRequest, chat: ChatTokens) -> SamplingParams:
+    def _sampling(self, req: ChatRequest, chat: ChatTokens, *, constrain: bool = True) -> SamplingParams:
         """The job's sampling with what the request set: the fields neither set stay unset (the engine's defaults,
-        and the broker's KV admission counts no ``max_tokens`` nobody asked for)."""
+        and the broker's KV admission counts no ``max_tokens`` nobody asked for); the request's constraint only
+        with ``constrain``."""
         chosen: dict[str, Any] = {name: getattr(req, name) for name in ("max_tokens", "temperature", "top_p",
                                                                          "top_k", "seed") if getattr(req, name) is not None}
         stop_ids = list(self.sampling.stop_token_ids) or list(chat.stop_token_ids)
@@ -345,7 +390,7 @@ class TokenBuffer:
             chosen["stop_token_ids"] = stop_ids
         if req.top_logprobs:
             chosen["top_logprobs"] = req.top_logprobs
-        if req.structured is not None:
+        if req.structured is not None and constrain:
             chosen["structured"] = req.structured
         stop = list(dict.fromkeys([*self.sampling.stop, *req.stop]))
         if stop != self.sampling.stop and len(stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in stop):
@@ -387,33 +432,35 @@ class TokenBuffer:
     async def _complete(self, req: ChatRequest) -> Reply:
         prompt, seg, continued, reason = await self._claim(req)
         try:
-            sampling = self._sampling(req, seg.chat)
+            # Beside tools the model may call, a constraint holds for an answer only (as OpenAI applies a format):
+            # the turn is sampled free, and one that answers outside the constraint is sampled again under it.
+            answer_format = req.structured if req.parse_tools and req.tools else None
+            sampling = self._sampling(req, seg.chat, constrain=answer_format is None)
             # A turn that does not honour tool_choice is sampled again from the same prompt; only the turn
             # returned is recorded (the trajectory stays what the agent saw), with the discarded ones counted.
             constrained = req.require_tool or not req.parallel_tool_calls
             retries = self.tool_choice_retries if constrained and req.parse_tools else 0
             for attempt in range(retries + 1):
-                gen = await self._generate(prompt, self._retry_sampling(sampling, attempt))
-                out, lps = list(gen.output_ids), list(gen.logprobs)
-                finish = gen.finish_reason
-                stop_string = None
-                if req.stop:
-                    out, lps, stop_string = _cut_at_stop(seg.chat, out, lps, req.stop)
-                    if stop_string is not None:
-                        finish = "stop"
-                # Special tokens kept: some tokenizers mark <tool_call> special, and the parser must see it.
-                text = seg.chat.turn_text(_text_ids(out, req))
-                if stop_string is not None:
-                    text = _before_stop(text, stop_string, req.include_stop)
-                content, calls = self._parse(text, req.parse_tools)
+                turn = await self._turn(prompt, self._retry_sampling(sampling, attempt), req, seg.chat)
+                content, calls = self._parse(turn.text, req.parse_tools)
                 if self._honours(req, calls):
                     break
             unmet = not self._honours(req, calls)
             if unmet:
                 log.warning("gateway: no turn of %d honoured tool_choice (%s); answering the last one",
                             attempt + 1, self._wanted(req))
-            call = self._record(prompt, out, lps, finish, gen, seg, continued, reason, stop_string, req.structured)
+            format_retried = answer_format is not None and not calls and not req.require_tool and \
+                not meets_constraint(answer_format, content)
+            if format_retried:
+                # Under the constraint the turn is an answer: its text is not read for tool calls (a JSON answer
+                # can look like one to some parsers).
+                turn = await self._turn(prompt, sampling.with_set(structured=answer_format), req, seg.chat)
+                content = turn.text
+            structured = req.structured if format_retried or answer_format is None else None
+            call = self._record(prompt, turn.out, turn.logprobs, turn.finish, turn.gen, seg, continued, reason,
+                                turn.stop_string, structured)
             call.tool_choice_retries, call.tool_choice_unmet = attempt, unmet
+            call.format_retried = format_retried
             seg.asks.append((len(self.trajectory.calls) - 1, len(req.messages)))
             seg.messages = [*req.messages, self._assistant_message(content, calls)]
             seg.asked = []
@@ -428,10 +475,25 @@ class TokenBuffer:
             raise
         finally:
             self._release(seg)
-        finish_reason = "tool_calls" if calls else ("length" if finish == "length" else "stop")
-        top = gen.top_logprobs
-        return Reply(call, content, calls, finish_reason, stop_string, seg.index, continued,
-                     top_logprobs=top[: len(out)] if top is not None and req.top_logprobs else None)
+        finish_reason = "tool_calls" if calls else ("length" if turn.finish == "length" else "stop")
+        top = turn.gen.top_logprobs
+        return Reply(call, content, calls, finish_reason, turn.stop_string, seg.index, continued,
+                     top_logprobs=top[: len(turn.out)] if top is not None and req.top_logprobs else None)
+
+    async def _turn(self, prompt: list[int], sampling: SamplingParams, req: ChatRequest, chat: ChatTokens) -> _Turn:
+        """One generation of a chat turn, cut at the request's first stop string, and its text."""
+        gen = await self._generate(prompt, sampling)
+        out, lps = list(gen.output_ids), list(gen.logprobs)
+        finish, stop_string = gen.finish_reason, None
+        if req.stop:
+            out, lps, stop_string = _cut_at_stop(chat, out, lps, req.stop)
+            if stop_string is not None:
+                finish = "stop"
+        # Special tokens kept: some tokenizers mark <tool_call> special, and the parser must see it.
+        text = chat.turn_text(_text_ids(out, req))
+        if stop_string is not None:
+            text = _before_stop(text, stop_string, req.include_stop)
+        return _Turn(gen, out, lps, finish, stop_string, text)
 
     async def complete_text(self, prompt_text: str, req: ChatRequest) -> Reply:
         """Answer a plain completion (``/v1/completions``): the prompt text encoded as is (see the module docstring

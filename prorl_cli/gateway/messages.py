@@ -24,8 +24,12 @@ the ranges the OpenAI API documents.
 a named tool that is not among ``tools`` is a 400 naming ``tool_choice``.
 The token buffer honours them (docs/harness.md).
 
+A structured output (a JSON format, vLLM's constraint fields) becomes
+:attr:`ChatRequest.structured`; beside tools the model may call it holds for
+an answer only, as OpenAI applies it (the token buffer, docs/harness.md).
+
 A field that would change the result but that the gateway cannot apply
-(structured output, logit bias, the legacy function-calling API, audio,
+(logit bias, the legacy function-calling API, audio,
 vLLM's ``min_p`` or ``chat_template_kwargs``, ``echo``, Anthropic's own
 server tools, a prefilled assistant turn) is a 400 naming it, never ignored:
 the tables ``_OPENAI_UNAPPLIED`` and ``_COMPLETION_UNAPPLIED`` list them.
@@ -90,7 +94,9 @@ class ChatRequest:
     #: vLLM's ``include_stop_str_in_output``: the returned text keeps the stop string that ended the turn.
     include_stop: bool = False
     #: Constrained decoding (``SamplingParams.structured``): OpenAI's ``response_format`` / ``text.format``,
-    #: vLLM's ``structured_outputs`` and ``guided_*``.
+    #: Anthropic's ``output_config.format``, vLLM's ``structured_outputs`` and ``guided_*``. With tools the model
+    #: may call it constrains only a turn that answers (one with no tool call); a turn that must call a tool is
+    #: not constrained.
     structured: dict[str, Any] | None = None
 
 
@@ -434,20 +440,13 @@ def _vllm_structured(body: dict[str, Any]) -> dict[str, Any] | None:
     return _structured({_GUIDED[key]: body[key]}, key)
 
 
-def _constraint(body: dict[str, Any], fmt: dict[str, Any] | None, tools: list[dict[str, Any]] | None,
-                tool_choice: Any, param: str = "response_format") -> dict[str, Any] | None:
-    """The one constraint a request asks for (its output format, or vLLM's fields), refused beside tools the model
-    may call: a constraint holds for the whole turn, which could then never be a tool call."""
+def _constraint(body: dict[str, Any], fmt: dict[str, Any] | None, param: str = "response_format") -> dict[str, Any] | None:
+    """The one constraint a request asks for: its output format, or vLLM's fields (both: a 400). Beside tools the
+    model may call it constrains an answer only (the token buffer samples such a turn free first)."""
     vllm = _vllm_structured(body)
     if fmt is not None and vllm is not None:
         raise RequestError(f"{param} and vLLM's constraint fields both constrain the output: give one", param=param)
-    structured = fmt or vllm
-    if structured is not None and tools and tool_choice != "none":
-        raise RequestError(f"{param}: a constrained output (a JSON format, a regex, a choice or a grammar) with tools the "
-                           "model may call is not supported: the constraint holds for the whole turn, which could "
-                           "then never call a tool. Constrain the turn that answers (tool_choice 'none', or no "
-                           "tools), or leave the format out", param=param)
-    return structured
+    return fmt or vllm
 
 
 def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -526,7 +525,7 @@ def openai_chat_request(body: dict[str, Any], memo: MessageMemo | None = None) -
     tools = _openai_tools(body.get("tools"))
     fmt = _json_format(body.get("response_format"), "response_format", nested=True)
     return ChatRequest(
-        structured=_constraint(body, fmt, tools, body.get("tool_choice")),
+        structured=_constraint(body, fmt),
         messages=openai_messages(body.get("messages"), memo),
         tools=tools,
         model=_model(body),
@@ -556,7 +555,7 @@ def openai_completion_request(body: dict[str, Any]) -> tuple[str, ChatRequest]:
                       stop=_stop(body.get("stop"), most=OPENAI_MAX_STOP), include_usage=_include_usage(body),
                       logprobs=alternatives is not None, top_logprobs=alternatives or None,
                       structured=_constraint(body, _json_format(body.get("response_format"), "response_format",
-                                                                nested=True), None, None),
+                                                                nested=True)),
                       **_openai_sampling(body))
     return prompt, req
 
@@ -740,7 +739,7 @@ def openai_responses_request(body: dict[str, Any], stored: dict[str, ResponsesCo
     top_logprobs = _sampling(body, "top_logprobs")
     max_tokens = _sampling(body, "max_output_tokens", "max_tokens")
     chat = ChatRequest(
-        structured=_constraint(body, fmt, tools, body.get("tool_choice"), "text.format"),
+        structured=_constraint(body, fmt, "text.format"),
         messages=instructions + conversation,
         tools=tools,
         model=_model(body),
@@ -926,10 +925,8 @@ def anthropic_request(body: dict[str, Any], *, count_only: bool = False) -> Chat
     tools = anthropic_tools(body.get("tools"))
     _anthropic_thinking(body.get("thinking"))
     fmt = _anthropic_output_config(body.get("output_config"), body.get("output_format"))
-    choice = body.get("tool_choice")
     return ChatRequest(
-        structured=_constraint({}, fmt, tools, "none" if isinstance(choice, dict) and choice.get("type") == "none"
-                               else choice, "output_config.format"),
+        structured=_constraint({}, fmt, "output_config.format"),
         messages=anthropic_messages(body.get("system"), body.get("messages"), prefill_ok=count_only),
         tools=tools,
         model=_model(body),

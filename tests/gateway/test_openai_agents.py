@@ -15,6 +15,7 @@ from prorl_cli.gateway.server import Gateway
 from prorl_cli.protocol import JobResult
 from prorl_cli.training.samples import samples_from_results
 from tests.gateway.conftest import ScriptedModel, open_job, turn
+from tests.gateway.test_request_fields import FormatModel
 from tests.harness import need_module
 
 # Turn i of a conversation = assistant turns already in its prompt: the refunds agent sees triage's handoff.
@@ -85,3 +86,55 @@ def test_a_handoff_between_two_sdk_agents_is_recorded_per_agent_and_token_exact(
                          output={"trajectory": traj.to_dict()}) for j, r in (("a", 1.0), ("b", 0.0))]
     batch = samples_from_results(results, agents=["refunds"])
     assert [(s.agent, s.calls) for s in batch.samples] == [("refunds", [1, 2])] * 2
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_an_sdk_agent_with_tools_and_an_output_type_calls_its_tool_then_answers_in_the_type(
+        tokenizer: Any, api: str) -> None:
+    """The SDK sends an agent's ``output_type`` as the format of every call, its tools beside it. The tool call
+    goes through unconstrained; the prose answer after it is sampled again under the schema and becomes the
+    typed ``final_output``."""
+    need_module("agents", "test")
+    import openai
+    import pydantic
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    added: list[tuple[int, int]] = []
+
+    class Sum(pydantic.BaseModel):
+        total: int
+
+    @function_tool
+    def add(x: int, y: int) -> int:
+        """Add two integers."""
+        added.append((x, y))
+        return x + y
+
+    async def main() -> tuple[Any, Trajectory, FormatModel]:
+        gw = Gateway()
+        await gw.start()
+        model = FormatModel(tokenizer, [turn("", ("add", {"x": 2, "y": 3})), "The sum is 5."], '{"total": 5}')
+        job = open_job(gw, tokenizer, model)
+        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
+        kind = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+        agent = Agent(name="adder", instructions="Add with the tool.", tools=[add], output_type=Sum,
+                      model=kind(model="prorl", openai_client=client))
+        try:
+            return (await Runner.run(agent, "What is 2 + 3?")).final_output, job.trajectory, model
+        finally:
+            await gw.close()
+
+    final, traj, model = asyncio.run(main())
+    assert final == Sum(total=5) and added == [(2, 3)]
+    assert model.asked[:2] == [None, None] and len(model.asked) == 3
+    assert model.asked[2] is not None and "total" in model.asked[2]["json"]["properties"]
+    assert [c.format_retried for c in traj.calls] == [False, True]
+    assert traj.calls[1].structured == model.asked[2] and traj.token_exact

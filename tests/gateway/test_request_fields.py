@@ -22,6 +22,7 @@ from prorl_cli.agent import Trajectory
 from prorl_cli.agent.chat import ChatTokens
 from prorl_cli.agent.tools import get_tool_parser
 from prorl_cli.gateway.server import Gateway
+from prorl_cli.inference.contract import Generation
 from prorl_cli.protocol import SamplingParams
 from tests.gateway.conftest import CALC_TOOLS, ScriptedModel, open_job, turn
 from tests.gateway.test_tool_choice import (
@@ -39,8 +40,7 @@ BOTH = turn("Both at once.", ("calculator", {"expression": "2+3"}), ("search", {
 
 #: (route, the request's extra fields, the field named in the 400).
 _REFUSED: list[tuple[str, dict[str, Any], str]] = [
-    # A constraint holds for the whole turn, which could then never call a tool; two constraints; bad shapes.
-    ("chat", {"response_format": {"type": "json_object"}, "tools": CALC_TOOLS}, "response_format"),
+    # Two constraints; bad shapes.
     ("chat", {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "[0-9]+"}},
      "response_format"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "answer"}}}, "response_format"),
@@ -70,8 +70,6 @@ _REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("messages", {"thinking": True}, "thinking"),
     ("messages", {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
      "tool_choice"),
-    ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
-                  "tools": ANTHROPIC_TOOLS}, "output_config.format"),
     ("messages", {"output_config": {"task_budget": {"type": "tokens", "total": 1000}}}, "output_config.task_budget"),
     ("messages", {"output_config": {"effort": "extreme"}}, "output_config.effort"),
     # A compaction request (the tool runner's compact_before_next_turn()): Anthropic answers a summary block.
@@ -143,7 +141,7 @@ def _calls_made(tokenizer: Any, answers: list[str], ask: Any) -> tuple[Any, Traj
     async def main() -> tuple[Any, Trajectory, AttemptsModel]:
         gw = Gateway()
         await gw.start()
-        model = AttemptsModel(tokenizer, answers)
+        model = FormatModel(tokenizer, answers)
         job = open_job(gw, tokenizer, model)  # type: ignore[arg-type]  # any generate function
         try:
             return await ask(job), job.trajectory, model
@@ -422,3 +420,113 @@ def test_a_structured_output_reaches_the_engine_as_the_calls_constraint(tokenize
             await gw.close()
 
     assert asyncio.run(main()) == [want for _, _, want in _CONSTRAINED] + [None]
+
+
+#: The answer format of the tests below: an object with an integer ``answer``.
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+_ANSWER_FORMAT: dict[str, dict[str, Any]] = {
+    "chat": {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}},
+    "responses": {"text": {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA}}},
+    "messages": {"output_config": {"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}}},
+}
+_ANSWER_TOOLS = {"chat": {"tools": TOOLS}, "responses": {"tools": [{"type": "function", **TOOLS[0]["function"]}]},
+                 "messages": {"tools": ANTHROPIC_TOOLS}}
+
+
+class FormatModel(AttemptsModel):
+    """Call ``i`` sampled free gets ``answers[i]``; a call under a constraint gets ``constrained``, as an engine
+    that masks the rest would sample (the constraints each call was asked under are in ``asked``)."""
+
+    def __init__(self, tokenizer: Any, answers: list[str], constrained: str = '{"answer": 5}') -> None:
+        super().__init__(tokenizer, answers)
+        self.constrained = constrained
+        self.asked: list[dict[str, Any] | None] = []
+
+    async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> Any:
+        self.asked.append(sampling.structured)
+        if sampling.structured is None:
+            return await super().__call__(prompt_ids, sampling)
+        ids = list(self.tokenizer.encode(self.constrained + "<|im_end|>", add_special_tokens=False))
+        return Generation(ids, [0.0] * len(ids), "stop", "attempts")
+
+
+async def _answer(job: Any, route: str, extra: dict[str, Any]) -> tuple[str, list[str]]:
+    """One request with tools and the answer format; (the answer's text, the tools called)."""
+    import openai
+
+    extra = {**_ANSWER_FORMAT[route], **_ANSWER_TOOLS[route], **extra}
+    if route == "responses":
+        async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as oa:
+            resp = await oa.responses.create(model="prorl", input="2+3?", **extra)
+            return resp.output_text, [o.name for o in resp.output if o.type == "function_call"]
+    resp = await _send(job, route, extra)
+    if route == "messages":
+        return "".join(b.text for b in resp.content if b.type == "text"), \
+            [b.name for b in resp.content if b.type == "tool_use"]
+    msg = resp.choices[0].message
+    return msg.content or "", [c.function.name for c in msg.tool_calls or []]
+
+
+@pytest.mark.parametrize("route", ["chat", "responses", "messages"])
+@pytest.mark.parametrize(("free", "want"), [
+    (CALC, "tool"),  # a tool call: never constrained
+    ("The answer is 5.", "retried"),  # prose: sampled again under the format
+    ('{"answer": "five"}', "retried"),  # JSON the schema refuses
+    ('{"answer": 5}', "kept"),  # already in the format: kept, with the model's own log-probs
+], ids=["tool-call", "prose", "off-schema", "in-format"])
+def test_a_format_beside_tools_constrains_only_a_turn_that_answers(tokenizer: Any, route: str, free: str,
+                                                                     want: str) -> None:
+    """OpenAI applies a response format to the final answer, not to a turn that calls a tool (the OpenAI Agents
+    SDK sends its ``output_type`` at every call, tools and all): the gateway samples the turn free, and only a
+    turn that answers outside the format is sampled again under it; the trajectory records the turn returned."""
+    need_module("openai", "test")
+    need_module("anthropic", "test")
+
+    (text, tools), traj, model = _calls_made(tokenizer, [free], lambda job: _answer(job, route, {}))
+    assert isinstance(model, FormatModel)
+    (call,) = traj.calls
+    if want == "tool":
+        assert tools == ["calculator"] and model.asked == [None]
+    elif want == "kept":
+        assert json.loads(text) == {"answer": 5} and model.asked == [None]
+    else:
+        assert text == '{"answer": 5}' and tools == []
+        assert model.asked == [None, {"json": ANSWER_SCHEMA}]
+        assert call.output_ids == list(tokenizer.encode(text + "<|im_end|>", add_special_tokens=False))
+    assert call.format_retried is (want == "retried")
+    assert call.structured == ({"json": ANSWER_SCHEMA} if want == "retried" else None)
+    assert traj.token_exact and call.prompt_ids == model.prompts[0]
+
+
+def test_a_turn_that_must_call_a_tool_is_not_held_to_the_answer_format(tokenizer: Any) -> None:
+    """``tool_choice: required`` beside a format: the turn must be a tool call, so no constraint applies to it,
+    even when no attempt honours the choice (the last one is answered, as generated)."""
+    need_module("openai", "test")
+
+    (text, tools), traj, model = _calls_made(tokenizer, ["Prose.", CALC],
+                                             lambda job: _answer(job, "chat", {"tool_choice": "required"}))
+    assert tools == ["calculator"] and model.asked == [None, None]
+    (_, _), traj, model = _calls_made(tokenizer, ["Prose."] * 3,
+                                      lambda job: _answer(job, "chat", {"tool_choice": "required"}))
+    assert model.asked == [None] * 3 and traj.calls[0].tool_choice_unmet and not traj.calls[0].format_retried
+
+
+@pytest.mark.parametrize(("structured", "text", "met"), [
+    ({"choice": ["yes", "no"]}, "no", True),
+    ({"choice": ["yes", "no"]}, "No.", False),
+    ({"regex": "[0-9]{3}"}, "123", True),
+    ({"regex": "[0-9]{3}"}, "1234", False),  # a full match, as the engine's constraint is
+    ({"regex": "([0-9]"}, "1", False),  # a regex Python cannot read: the engine decides
+    ({"json_object": True}, ' {"a": 1}\n', True),
+    ({"json_object": True}, "[1]", False),
+    ({"json": ANSWER_SCHEMA}, '{"answer": 5}', True),
+    ({"json": ANSWER_SCHEMA}, '```json\n{"answer": 5}\n```', False),
+    ({"json": {"type": 5}}, "5", False),  # not a schema
+    ({"json": {"$ref": "https://example.invalid/s.json"}}, "5", False),  # nothing fetched: the engine decides
+    ({"grammar": 'root ::= "5"'}, "5", False),  # a grammar is left to the engine
+])
+def test_which_free_answers_already_meet_the_constraint(structured: dict[str, Any], text: str, met: bool) -> None:
+    need_module("aiohttp", "gateway")
+    from prorl_cli.gateway.buffer import meets_constraint
+
+    assert meets_constraint(structured, text) is met

@@ -104,9 +104,6 @@ def test_a_cut_turn_is_incomplete_and_logprobs_come_when_included(tokenizer: Any
 
 @pytest.mark.parametrize(("fields", "named"), [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type 'web_search' is not supported"),
-    # A constraint holds for the whole turn, which could then never call a tool (docs/harness.md).
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}, "tools": TOOLS},
-     "text.format: a constrained output"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema must be a JSON Schema object"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0]: content parts of type 'input_image'"),

@@ -16,6 +16,7 @@ from prorl_cli.inference.openai_engine import OpenAIEngine
 from prorl_cli.inference.vllm_server import free_port
 from prorl_cli.protocol import SamplingParams
 from tests.fakes.canned_http import CannedHTTPServer
+from tests.harness import need_module
 
 PROMPT = [1, 1624, 201, 57, 74, 277, 316, 2, 201, 1, 2703, 201]
 
@@ -128,6 +129,52 @@ def test_vllm_constrains_the_output_as_sampling_structured_asks(vllm_server: Any
               "additionalProperties": False}
     obj = json.loads(text({"json": schema}, 1, max_tokens=200)[0])
     assert list(obj) == ["a"] and isinstance(obj["a"], int), obj
+
+
+@pytest.mark.vllm
+def test_a_gateway_answer_beside_tools_obeys_the_constraint_on_vllm(vllm_server: Any, tiny_model: Path) -> None:
+    """A constraint beside tools through the gateway on vLLM (the OpenAI Agents SDK's case, an ``output_type``
+    and tools at every call): the random model's free turn is neither a tool call nor what the constraint allows,
+    so the gateway samples it again under the constraint, and the answer obeys it; the trajectory records the
+    constrained turn. (A regex and a choice: a random model pads a JSON object with whitespace past any bound.)"""
+    need_module("openai", "test")
+    need_module("aiohttp", "gateway")
+    import openai
+
+    from prorl_cli.agent.chat import ChatTokens
+    from prorl_cli.agent.tools import get_tool_parser
+    from prorl_cli.gateway.server import Gateway
+
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}]
+    constraints = [{"regex": "[0-9]{1,3}"}, {"choice": ["yes", "no"]}]
+    base = ChatTokens.from_pretrained(tiny_model)
+    eng = OpenAIEngine(vllm_server.url, backend_id="v")
+
+    async def main() -> list[tuple[Any, Any]]:
+        gw = Gateway()
+        await gw.start()
+        job = gw.open_job("job-1", generate=eng.generate, parser=get_tool_parser("hermes"),
+                          chat_for=lambda t: ChatTokens(base.tokenizer, tools=t),
+                          sampling=SamplingParams(max_tokens=48))
+        answers = []
+        try:
+            async with openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0) as client:
+                for seed, structured in enumerate(constraints * 2):
+                    resp = await client.chat.completions.create(
+                        model="prorl", seed=seed, tools=tools,  # type: ignore[arg-type]
+                        messages=[{"role": "user", "content": f"Is {seed} + 2 more than 3?"}],
+                        extra_body={"structured_outputs": structured})
+                    answers.append((resp.choices[0].message, job.trajectory.calls[-1]))
+        finally:
+            await gw.close()
+            await eng.close()
+        return answers
+
+    for (msg, call), structured in zip(run(main()), constraints * 2, strict=True):
+        assert not msg.tool_calls and call.format_retried, (msg, call.text)  # a random model's free turn
+        assert call.structured == structured and call.prefix_ok and call.finish_reason == "stop"
+        assert msg.content in ("yes", "no") if "choice" in structured else re.fullmatch("[0-9]{1,3}", msg.content)
 
 
 def test_engines_that_cannot_constrain_refuse_instead_of_answering_unconstrained(engine: Any) -> None:
