@@ -88,9 +88,10 @@ def test_a_handoff_between_two_sdk_agents_is_recorded_per_agent_and_token_exact(
     assert [(s.agent, s.calls) for s in batch.samples] == [("refunds", [1, 2])] * 2
 
 
-@pytest.mark.parametrize("api", ["responses", "chat"])
+@pytest.mark.parametrize(("api", "streamed"), [("responses", False), ("responses", True), ("chat", False)],
+                         ids=["responses-run", "responses-run_streamed", "chat-run"])
 def test_an_sdk_agent_with_tools_and_an_output_type_calls_its_tool_then_answers_in_the_type(
-        tokenizer: Any, api: str) -> None:
+        tokenizer: Any, api: str, streamed: bool) -> None:
     """The SDK sends an agent's ``output_type`` as the format of every call, its tools beside it. The tool call
     goes through unconstrained; the prose answer after it is sampled again under the schema and becomes the
     typed ``final_output``."""
@@ -128,6 +129,11 @@ def test_an_sdk_agent_with_tools_and_an_output_type_calls_its_tool_then_answers_
         agent = Agent(name="adder", instructions="Add with the tool.", tools=[add], output_type=Sum,
                       model=kind(model="prorl", openai_client=client))
         try:
+            if streamed:
+                run = Runner.run_streamed(agent, "What is 2 + 3?")
+                async for _ in run.stream_events():
+                    pass
+                return run.final_output, job.trajectory, model
             return (await Runner.run(agent, "What is 2 + 3?")).final_output, job.trajectory, model
         finally:
             await gw.close()
