@@ -120,6 +120,9 @@ class TrainingSample:
     loss_weights: list[float] = field(default_factory=list)
     #: The agent whose calls these are (``ModelCall.agent``; None: unnamed).
     agent: str | None = None
+    #: Positions (in ``input_ids``) of sampled tokens drawn under a constraint (``ModelCall.structured``): their
+    #: ``old_log_probs`` are the masked distribution's, not the model's own (docs/inference.md).
+    constrained_positions: list[int] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
@@ -238,6 +241,9 @@ def build_samples(
             samples.append(cur)
             new = prompt
         out = list(call.output_ids)
+        if getattr(call, "structured", None) is not None:
+            start = len(cur.input_ids) + len(new)
+            cur.constrained_positions += range(start, start + len(out))
         cur.input_ids += new + out
         cur.response_mask += [0] * len(new) + [1] * len(out)
         cur.old_log_probs += [0.0] * len(new) + [float(x) for x in call.logprobs]
@@ -464,6 +470,7 @@ def samples_from_results(
     current_log_probs: Callable[[TrainingSample], Sequence[float]] | None = None,
     is_cap: float = 2.0,
     agents: Iterable[str | None] | None = None,
+    mask_constrained: bool = False,
 ) -> SampleBatch:
     """Job results (``JobResult`` with a ``trajectory`` in its output) into weighted samples.
 
@@ -476,6 +483,9 @@ def samples_from_results(
     ``agents``: train only these agents' samples (``ModelCall.agent``; ``None`` in it keeps unnamed
     ones), as in selective optimisation of one agent of a multi-agent harness; advantages are
     computed over every sample first, so a rollout's advantage is the same whichever agents are kept.
+    ``mask_constrained``: a loss weight of 0 on the tokens sampled under a constraint (a JSON format, a regex:
+    ``ModelCall.structured``), whose log-probs are the masked distribution's and whose forced tokens were no
+    choice of the model's; the normalisation still counts them, as for masked off-policy tokens.
     """
     report = MergeReport()
     out: list[TrainingSample] = []
@@ -503,5 +513,9 @@ def samples_from_results(
         chosen = set(agents)
         out = [sample for sample in out if sample.agent in chosen]
     assign_loss_weights(out, loss_norm)
+    if mask_constrained:
+        for sample in out:
+            for i in sample.constrained_positions:
+                sample.loss_weights[i] = 0.0
     stale = apply_off_policy(out, off_policy, current_log_probs=current_log_probs, is_cap=is_cap)
     return SampleBatch(out, report, stale, skipped)

@@ -187,6 +187,25 @@ def test_truncated_importance_ratio_weights_off_policy_tokens() -> None:
         samples_from_results(results, off_policy="truncated_is")
 
 
+def test_tokens_sampled_under_a_constraint_can_be_left_out_of_the_loss() -> None:
+    """A gateway call sampled under a JSON format (``ModelCall.structured``) has the masked distribution's
+    log-probs; ``mask_constrained`` weights its output 0 and leaves the free calls' tokens as they were."""
+    from prorl_cli.training.samples import samples_from_results
+
+    def rollout() -> dict:
+        return Trajectory(calls=[
+            ModelCall([1, 2], [3, 4], [-0.5, -1.0], "stop"),  # a free tool call
+            ModelCall([1, 2, 3, 4, 9], [5, 6, 7], [-0.25, 0.0, 0.0], "stop", structured={"json": {"type": "object"}}),
+        ]).to_dict()
+
+    results = [_Result("a", rollout(), 1.0), _Result("b", rollout(), 0.0)]
+    kept = samples_from_results(results).samples[0]
+    assert kept.constrained_positions == [5, 6, 7] and all(w > 0 for w in kept.loss_weights[5:])
+    masked = samples_from_results(results, mask_constrained=True).samples[0]
+    assert masked.loss_weights[5:] == [0.0] * 3
+    assert masked.loss_weights[:5] == kept.loss_weights[:5] and masked.loss_weights[2] > 0
+
+
 def test_the_sampler_reports_the_off_policy_token_fraction() -> None:
     from prorl_cli.training.sampler import off_policy_fraction
 
