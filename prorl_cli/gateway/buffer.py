@@ -142,19 +142,21 @@ def meets_constraint(structured: dict[str, Any], text: str) -> bool:
         return False
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a turn of ten thousand "[" is not an answer either
         return False
     if kind == "json_object":
         return isinstance(value, dict)
     import jsonschema  # the gateway extra's; only requests with a schema and tools get here
     import referencing.exceptions
 
+    if not isinstance(spec.get("$schema", ""), str):
+        return False  # validator_for reads it as a URI
     validator = jsonschema.validators.validator_for(spec)
     try:
         validator.check_schema(spec)
         return bool(validator(spec).is_valid(value))
-    except (jsonschema.SchemaError, referencing.exceptions.Unresolvable):
-        return False  # a schema the validator cannot read or resolve: the engine decides, under the constraint
+    except (jsonschema.SchemaError, referencing.exceptions.Unresolvable, RecursionError):
+        return False  # a schema the validator cannot read, resolve or descend: the engine decides, constrained
 
 
 def tools_key(tools: list[dict[str, Any]] | None) -> str:

@@ -523,6 +523,10 @@ def test_a_turn_that_must_call_a_tool_is_not_held_to_the_answer_format(tokenizer
     ({"json": ANSWER_SCHEMA}, '```json\n{"answer": 5}\n```', False),
     ({"json": {"type": 5}}, "5", False),  # not a schema
     ({"json": {"$ref": "https://example.invalid/s.json"}}, "5", False),  # nothing fetched: the engine decides
+    ({"json": {"$schema": 5}}, "5", False),
+    ({"json": {"type": "string", "pattern": "("}}, '"("', False),
+    ({"json": {"type": "array"}}, "[" * 100_000 + "]" * 100_000, False),  # too deep for Python's parser
+    ({"json": {"items": {"items": {"type": "integer"}}}}, "[[1, 2], [3]]", True),
     ({"grammar": 'root ::= "5"'}, "5", False),  # a grammar is left to the engine
 ])
 def test_which_free_answers_already_meet_the_constraint(structured: dict[str, Any], text: str, met: bool) -> None:
