@@ -120,6 +120,9 @@ class CallView:
     observations: list[dict[str, Any]] = field(default_factory=list)
     #: The stop string that ended the call (None: it ended otherwise, or the record predates the field).
     stop_string: str | None = None
+    #: How the gateway sampled the call, where that was not plainly: under a constraint (its log-probs are the
+    #: masked distribution's), after discarded turns (``format_retried``, ``tool_choice_retries``), unmet.
+    sampling_notes: list[str] = field(default_factory=list)
 
     @property
     def finish(self) -> str:
@@ -166,9 +169,26 @@ def call_views(traj: dict[str, Any]) -> list[CallView]:
             tool_calls=[f"{tc.name}({tc.arguments})" if not tc.error else f"unparsable: {tc.error}" for tc in parser.parse(text)],
             observations=observed.get(i, []),
             stop_string=c["stop_string"] if isinstance(c.get("stop_string"), str) else None,
+            sampling_notes=_sampling_notes(c),
         ))
         prev_end[seg] = prompt + output
     return views
+
+
+def _sampling_notes(call: dict[str, Any]) -> list[str]:
+    """What a reader of a call's log-probs and turn needs to know of how it was sampled (empty: plainly)."""
+    notes = []
+    structured = call.get("structured")
+    if isinstance(structured, dict) and len(structured) == 1:
+        notes.append(f"constrained ({next(iter(structured))}): log-probs of the masked distribution")
+    if call.get("format_retried") is True:
+        notes.append("a free answer outside the request's format was discarded first")
+    retries = call.get("tool_choice_retries")
+    if isinstance(retries, int) and not isinstance(retries, bool) and retries > 0:
+        notes.append(f"{retries} turn{'s' if retries > 1 else ''} discarded first for tool_choice")
+    if call.get("tool_choice_unmet") is True:
+        notes.append("no turn honoured tool_choice: this is the last, as generated")
+    return notes
 
 
 def conversation_count(views: list[CallView]) -> int:
@@ -286,6 +306,8 @@ def render_result(r: JobResult, decoder: Decoder, *, show_tokens: bool = False, 
             f"\n[bold cyan]call {v.index}[/]  " + (f"[bold]{escape(label)}[/]  " if label else "")
             + f"backend {escape(str(v.backend))}  finish {escape(v.finish)}  prompt {v.prompt_len} ids "
             f"(+{len(v.new_prompt_ids)} new)  output {len(v.output_ids)} ids  {lp}{mark}"))
+        if v.sampling_notes:
+            parts.append(Text("; ".join(v.sampling_notes), style="dim"))
         parts.append(Text("new prompt tokens:", style="bold"))
         parts.append(tokens(v.new_prompt_ids, "yellow"))
         parts.append(Text("output:", style="bold"))

@@ -205,7 +205,8 @@ def _job_section(r: JobResult) -> str:
         out.append(f"<h4>call {c.index}{f' · {e(label)}' if label else ''}"
                    f"{'' if c.prefix_ok else ' <span class=bad>(continuity broken)</span>'}</h4>"
                    f"<p>backend {e(str(c.backend))} · finish {e(c.finish)} · prompt {c.prompt_len} ids "
-                   f"(+{len(c.new_prompt_ids)} new) · output {len(c.output_ids)} ids · {lp}</p>"
+                   f"(+{len(c.new_prompt_ids)} new) · output {len(c.output_ids)} ids · {lp}"
+                   f"{''.join(f' · {e(n)}' for n in c.sampling_notes)}</p>"
                    f"<pre>{e(c.text)}</pre>")
         for obs in c.observations:
             out.append(f"<pre class='obs'>{e(str(obs.get('role')))}: {e(str(obs.get('content')))}</pre>")

@@ -62,6 +62,33 @@ def test_new_prompt_tokens_are_counted_against_the_previous_call_of_the_same_con
     assert [v.finish for v in views] == ['stop at "</plan>"'] + ["stop"] * 4
     assert "finish stop at &quot;&lt;/plan&gt;&quot;" in _job_section(result)
 
+def test_a_call_sampled_under_a_constraint_or_after_discarded_turns_says_so(tmp_path: Path) -> None:
+    """A constrained call's log-probs are the masked distribution's (a forced token's is 0): inspect and report say
+    so, and say which turns the gateway discarded before it; a plain call gets no note."""
+    calls = [{**_call([1], [2], 0, None, "x"), "tool_choice_retries": 2, "tool_choice_unmet": True},
+             {**_call([1, 2, 3], [4], 0, None, '{"a": 1}'), "structured": {"json": {"type": "object"}},
+              "format_retried": True},
+             _call([1, 2, 3, 4, 5], [6], 0, None, "y")]
+    row = {"job_id": "j", "task": "harness", "state": "done", "output": {"trajectory": {"calls": calls}}}
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (result,) = load_results(path)
+    traj = trajectory_of(result)
+    assert traj is not None
+    notes = [v.sampling_notes for v in call_views(traj)]
+    assert notes == [["2 turns discarded first for tool_choice",
+                      "no turn honoured tool_choice: this is the last, as generated"],
+                     ["constrained (json): log-probs of the masked distribution",
+                      "a free answer outside the request's format was discarded first"], []]
+    from prorl_cli.observe.report import _job_section
+
+    assert " · constrained (json): log-probs of the masked distribution" in _job_section(result)
+    shown = subprocess.run([sys.executable, "-m", "prorl_cli", "inspect", str(path)], capture_output=True, text=True,
+                           env={"PATH": "", "COLUMNS": "200", "PRORL_HOME": str(tmp_path / "home")}, timeout=120,
+                           cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "constrained (json): log-probs of the masked distribution" in shown.stdout, shown.stdout
+
 
 def test_an_unlisted_broken_call_is_named_against_its_own_conversation(tmp_path: Path) -> None:
     calls = [CALLS[0], CALLS[1], {**CALLS[3], "prompt_ids": [1, 9], "prefix_ok": False},
