@@ -124,6 +124,8 @@ class _Turn:
     finish: str
     stop_string: str | None
     text: str
+    #: The constraint it was sampled under (``SamplingParams.structured``), or None.
+    structured: dict[str, Any] | None
 
 
 def meets_constraint(structured: dict[str, Any], text: str) -> bool:
@@ -458,9 +460,8 @@ class TokenBuffer:
                 # can look like one to some parsers).
                 turn = await self._turn(prompt, sampling.with_set(structured=answer_format), req, seg.chat)
                 content = turn.text
-            structured = req.structured if format_retried or answer_format is None else None
             call = self._record(prompt, turn.out, turn.logprobs, turn.finish, turn.gen, seg, continued, reason,
-                                turn.stop_string, structured)
+                                turn.stop_string, turn.structured)
             call.tool_choice_retries, call.tool_choice_unmet = attempt, unmet
             call.format_retried = format_retried
             seg.asks.append((len(self.trajectory.calls) - 1, len(req.messages)))
@@ -495,7 +496,7 @@ class TokenBuffer:
         text = chat.turn_text(_text_ids(out, req))
         if stop_string is not None:
             text = _before_stop(text, stop_string, req.include_stop)
-        return _Turn(gen, out, lps, finish, stop_string, text)
+        return _Turn(gen, out, lps, finish, stop_string, text, sampling.structured)
 
     async def complete_text(self, prompt_text: str, req: ChatRequest) -> Reply:
         """Answer a plain completion (``/v1/completions``): the prompt text encoded as is (see the module docstring

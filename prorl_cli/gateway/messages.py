@@ -926,7 +926,7 @@ def anthropic_request(body: dict[str, Any], *, count_only: bool = False) -> Chat
     _anthropic_thinking(body.get("thinking"))
     fmt = _anthropic_output_config(body.get("output_config"), body.get("output_format"))
     return ChatRequest(
-        structured=_constraint({}, fmt, "output_config.format"),
+        structured=fmt,
         messages=anthropic_messages(body.get("system"), body.get("messages"), prefill_ok=count_only),
         tools=tools,
         model=_model(body),

@@ -241,7 +241,7 @@ def build_samples(
             samples.append(cur)
             new = prompt
         out = list(call.output_ids)
-        if getattr(call, "structured", None) is not None:
+        if call.structured is not None:
             start = len(cur.input_ids) + len(new)
             cur.constrained_positions += range(start, start + len(out))
         cur.input_ids += new + out

@@ -145,3 +145,21 @@ def threaded_gateway(tokenizer: Any) -> Iterator[ThreadedGateway]:
         yield served
     finally:
         served.close()
+
+
+def openai_agents() -> Any:
+    """The OpenAI Agents SDK (``agents``) with its tracing off: it would export traces to OpenAI's servers."""
+    need_module("agents", "test")
+    import agents
+
+    agents.set_tracing_disabled(True)
+    return agents
+
+
+def sdk_model(api: str, base_url: str, api_key: str) -> Any:
+    """The Agents SDK's model for ``api`` (``responses``, its default, or ``chat``) on a gateway endpoint."""
+    import openai
+
+    agents = openai_agents()
+    kind = agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
+    return kind(model="prorl", openai_client=openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0))

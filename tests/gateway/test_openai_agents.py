@@ -14,9 +14,8 @@ from prorl_cli.agent import Trajectory
 from prorl_cli.gateway.server import Gateway
 from prorl_cli.protocol import JobResult
 from prorl_cli.training.samples import samples_from_results
-from tests.gateway.conftest import ScriptedModel, open_job, turn
+from tests.gateway.conftest import ScriptedModel, open_job, openai_agents, sdk_model, turn
 from tests.gateway.test_request_fields import FormatModel
-from tests.harness import need_module
 
 # Turn i of a conversation = assistant turns already in its prompt: the refunds agent sees triage's handoff.
 TURNS = [
@@ -30,18 +29,9 @@ TURNS = [
                          ids=["responses-run", "responses-run_streamed", "chat-run"])
 def test_a_handoff_between_two_sdk_agents_is_recorded_per_agent_and_token_exact(
         tokenizer: Any, api: str, streamed: bool) -> None:
-    need_module("agents", "test")
-    import openai
-    from agents import (
-        Agent,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+    openai_agents()
+    from agents import Agent, Runner, function_tool
 
-    set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
     looked_up: list[str] = []
 
     @function_tool
@@ -57,10 +47,7 @@ def test_a_handoff_between_two_sdk_agents_is_recorded_per_agent_and_token_exact(
 
         def model_for(name: str) -> Any:
             # Configuration only: each agent's model is the job's endpoint under the agent's name.
-            client = openai.AsyncOpenAI(base_url=job.base_url().replace("/v1", f"/agents/{name}/v1"),
-                                        api_key=job.api_key, max_retries=0)
-            model = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
-            return model(model="prorl", openai_client=client)
+            return sdk_model(api, job.base_url().replace("/v1", f"/agents/{name}/v1"), job.api_key)
 
         refunds = Agent(name="refunds", instructions="You handle refunds.", tools=[lookup_order],
                         model=model_for("refunds"))
@@ -95,19 +82,10 @@ def test_an_sdk_agent_with_tools_and_an_output_type_calls_its_tool_then_answers_
     """The SDK sends an agent's ``output_type`` as the format of every call, its tools beside it. The tool call
     goes through unconstrained; the prose answer after it is sampled again under the schema and becomes the
     typed ``final_output``."""
-    need_module("agents", "test")
-    import openai
+    openai_agents()
     import pydantic
-    from agents import (
-        Agent,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+    from agents import Agent, Runner, function_tool
 
-    set_tracing_disabled(True)
     added: list[tuple[int, int]] = []
 
     class Sum(pydantic.BaseModel):
@@ -124,10 +102,8 @@ def test_an_sdk_agent_with_tools_and_an_output_type_calls_its_tool_then_answers_
         await gw.start()
         model = FormatModel(tokenizer, [turn("", ("add", {"x": 2, "y": 3})), "The sum is 5."], '{"total": 5}')
         job = open_job(gw, tokenizer, model)
-        client = openai.AsyncOpenAI(base_url=job.base_url(), api_key=job.api_key, max_retries=0)
-        kind = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
         agent = Agent(name="adder", instructions="Add with the tool.", tools=[add], output_type=Sum,
-                      model=kind(model="prorl", openai_client=client))
+                      model=sdk_model(api, job.base_url(), job.api_key))
         try:
             if streamed:
                 run = Runner.run_streamed(agent, "What is 2 + 3?")

@@ -391,19 +391,10 @@ def test_a_structured_output_reaches_the_engine_as_the_calls_constraint(tokenize
     need_module("anthropic", "test")
     import openai
 
-    class Recording(ScriptedModel):
-        def __init__(self, *args: Any) -> None:
-            super().__init__(*args)
-            self.asked: list[dict[str, Any] | None] = []
-
-        async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> Any:
-            self.asked.append(sampling.structured)
-            return await super().__call__(prompt_ids, sampling)
-
     async def main() -> list[dict[str, Any] | None]:
         gw = Gateway()
         await gw.start()
-        model = Recording(tokenizer, ["{}"] * 100)
+        model = FormatModel(tokenizer, ["{}"], constrained="{}")
         job = open_job(gw, tokenizer, model)
         try:
             for route, extra, _ in _CONSTRAINED:

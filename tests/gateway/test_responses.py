@@ -13,7 +13,7 @@ import pytest
 from prorl_cli.agent import Trajectory
 from prorl_cli.gateway.responses_routes import RESPONSES_KEPT
 from prorl_cli.gateway.server import Gateway
-from tests.gateway.conftest import CALC_TOOLS, ScriptedModel, open_job
+from tests.gateway.conftest import CALC_TOOLS, ScriptedModel, open_job, openai_agents
 from tests.gateway.test_sdks import SYSTEM, TURNS, USER, _assert_same_tokens, _reference
 from tests.harness import need_module
 
@@ -158,12 +158,10 @@ def test_the_websocket_mode_is_refused_with_an_error_the_sdks_show(tokenizer: An
     """The Responses API's WebSocket mode (``client.responses.connect()``, the OpenAI Agents SDK's
     ``use_responses_websocket=True``) is not served: both SDKs show why and what to use instead, not a bare
     refused upgrade; a job that ends closes a socket as a socket."""
-    need_module("agents", "test")
+    openai_agents()
     import aiohttp
-    from agents import Agent, RunConfig, Runner, set_tracing_disabled
+    from agents import Agent, RunConfig, Runner
     from agents.models.openai_provider import OpenAIProvider
-
-    set_tracing_disabled(True)
 
     async def main() -> None:
         gw, job, client = await _job(tokenizer)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from prorl_cli.gateway.server import Gateway
-from tests.gateway.conftest import CALC_TOOLS, ScriptedModel, open_job, turn
+from tests.gateway.conftest import CALC_TOOLS, ScriptedModel, open_job, openai_agents, turn
 from tests.gateway.test_sdks import SYSTEM, USER
 from tests.harness import need_module
 
@@ -82,17 +82,15 @@ def test_a_strict_tool_renders_the_same_prompt_through_chat_and_responses(tokeni
 def test_an_agents_sdk_agent_renders_the_same_prompts_through_both_of_its_models(tokenizer: Any) -> None:
     """The same OpenAI Agents SDK agent (its tools are strict) through its Responses model (the default) and its
     Chat Completions model: every call's prompt is the same token ids."""
-    need_module("agents", "test")
+    openai_agents()
     from agents import (
         Agent,
         OpenAIChatCompletionsModel,
         OpenAIResponsesModel,
         Runner,
         function_tool,
-        set_tracing_disabled,
     )
 
-    set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
 
     @function_tool
     def lookup_order(order_id: str) -> str:
